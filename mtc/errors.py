@@ -1,0 +1,86 @@
+"""Typed errors. Every error mtc raises derives from :class:`MtcError`.
+
+Errors are split by intent: :class:`RetryableError` means the same call may
+succeed later (a peer or a bucket was unreachable, the RAM disk was full and
+space may be freed); :class:`FatalError` means retrying the same call cannot
+help (bad input, corrupt data). Each error names the step, host and file when
+they are known, so an operator can act on the message alone.
+"""
+
+from __future__ import annotations
+
+
+class MtcError(Exception):
+    """Base of every error raised by mtc."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        host: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        self.step = step
+        self.host = host
+        self.path = path
+        where = []
+        if step is not None:
+            where.append(f"step {step}")
+        if host is not None:
+            where.append(f"host {host}")
+        if path is not None:
+            where.append(f"file {path}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+
+class RetryableError(MtcError):
+    """The operation may succeed if retried later."""
+
+
+class FatalError(MtcError):
+    """Retrying the same operation cannot succeed."""
+
+
+class RamDiskFullError(RetryableError):
+    """The RAM disk ran out of space while writing a step; the step was discarded."""
+
+
+class StorageError(RetryableError):
+    """An I/O error other than a full disk while reading or writing a step."""
+
+
+class SaveInProgressError(RetryableError):
+    """A save could not be staged because host memory in flight is exhausted."""
+
+
+class CorruptShardError(FatalError):
+    """A file's bytes do not match the checksum or size in its manifest."""
+
+
+class ManifestError(FatalError):
+    """A manifest is missing, unreadable, or of an unsupported version."""
+
+
+class StepNotFoundError(FatalError):
+    """The requested step is not committed on every host that needs it."""
+
+
+class StepExistsError(FatalError):
+    """A step with this number is already committed."""
+
+
+class ShardUnavailableError(FatalError):
+    """No readable copy covers part of an array the restore target needs."""
+
+
+class TargetMismatchError(FatalError):
+    """The restore target disagrees with the saved tree (shape, dtype or structure)."""
+
+
+class UnsupportedLeafError(FatalError):
+    """A leaf of the state has a type mtc cannot save."""
+
+
+class ConfigError(FatalError):
+    """Options or topology are inconsistent."""

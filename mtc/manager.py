@@ -1,0 +1,157 @@
+"""``CheckpointManager``: what a custom JAX training loop talks to.
+
+``save`` stages the state into host memory and returns; hosts write, checksum
+and commit in the background. ``restore`` plans reads from every host's
+manifest and loads the shards into the target shardings, resharding when the
+mesh changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from mtc import layout, multihost
+from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch
+from mtc.errors import StepExistsError, StepNotFoundError
+from mtc.options import Options
+from mtc.restore.load import restore_tree
+from mtc.restore.plan import load_step
+from mtc.save.stage import prepare
+from mtc.topology import Topology
+from sidecar.agent import AgentConfig
+
+log = logging.getLogger(__name__)
+
+
+def _on_pathways() -> bool:
+    try:
+        from pathwaysutils import is_pathways_backend_used
+    except ImportError:
+        return False
+    return bool(is_pathways_backend_used())
+
+
+class CheckpointManager:
+    """Multi-tier checkpoints of a JAX training state, newest on the RAM disk.
+
+    Args:
+      local_dir: the RAM disk (or, for simulated hosts, the folder holding one
+        ``host-<i>`` root per host).
+      mesh: the mesh the state lives on; its devices define the hosts. Defaults
+        to all devices.
+      options: see :class:`mtc.Options`.
+    """
+
+    def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
+                 options: Options | None = None) -> None:
+        self.local_dir = Path(local_dir)
+        self.options = options or Options()
+        self.mesh = mesh
+        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
+        self.topology = Topology.detect(devices, self.options)
+        self._config = AgentConfig(
+            local_dir=str(self.local_dir),
+            host_of_device=self.topology.host_of_device,
+            slice_of_host=self.topology.slice_of_host,
+            subdirs=self.topology.subdirs,
+            max_to_keep=self.options.max_to_keep,
+            max_staged_bytes=self.options.max_staged_bytes,
+            writer_threads=self.options.writer_threads,
+        )
+        for h in self.topology.local_hosts:
+            root = self._config.root(h)
+            root.mkdir(parents=True, exist_ok=True)
+            removed = layout.clean_uncommitted(root)
+            if removed:
+                log.info("host %d: removed uncommitted folders %s", h, removed)
+        mode = self.options.dispatch
+        if mode == "auto":
+            mode = "colocated" if _on_pathways() else "local"
+        self._dispatch: Dispatch = (ColocatedDispatch(self._config, devices)
+                                    if mode == "colocated" else LocalDispatch(self._config))
+        self._closed = False
+
+    # -- save -------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        return step % self.options.save_interval_steps == 0
+
+    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+        """Stage ``state`` for ``step``; returns once it is in host memory.
+
+        Returns False when the step is not on the save interval (and ``force``
+        is off), or when ``Options.if_busy == "skip"`` and earlier saves still
+        hold the staging budget. Errors of earlier background saves are raised
+        here.
+        """
+        self._dispatch.raise_background_error()
+        if not (force or self.should_save(step)):
+            return False
+        for h in self.topology.local_hosts:
+            if layout.step_dir(self._config.root(h), step).is_dir():
+                raise StepExistsError("step is already committed", step=step, host=h)
+        header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip")
+        return self._dispatch.stage(header, arrays)
+
+    def wait_until_finished(self) -> None:
+        """Block until every save is committed; raise the first background error."""
+        self._dispatch.wait()
+
+    # -- inventory --------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Steps committed on every host (collective in multi-controller JAX)."""
+        per_host = [set(layout.committed_steps(self._config.root(h)))
+                    for h in self.topology.local_hosts]
+        local = set.intersection(*per_host) if per_host else set()
+        return multihost.common_steps(sorted(local))
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step on every host this process serves."""
+        self.wait_until_finished()
+        for h in self.topology.local_hosts:
+            layout.remove_step(self._config.root(h), step)
+
+    # -- restore ----------------------------------------------------------------
+
+    def restore(self, step: int | None = None, target: Any = None) -> Any:
+        """Load ``step`` (default: the latest) into ``target``'s shardings.
+
+        ``target`` is the state's pytree with ``jax.Array`` or
+        ``jax.ShapeDtypeStruct`` (with ``.sharding``) leaves; other leaves are
+        placeholders for saved values. Without a target, arrays come back as
+        numpy arrays in nested dicts and lists.
+        """
+        self.wait_until_finished()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise StepNotFoundError(f"no committed step under {self.local_dir}")
+        hosts = [h for h in range(self.topology.num_hosts)
+                 if h in self.topology.local_hosts or self._config.root(h).is_dir()]
+        saved = load_step(step, hosts, self._config.root)
+        return restore_tree(saved, target, self.topology, self._dispatch, self._config.root)
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._dispatch.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: types.TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,70 @@
+"""User-facing options of :class:`mtc.CheckpointManager`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from mtc.errors import ConfigError
+
+BusyPolicy = Literal["wait", "skip"]
+Dispatch = Literal["auto", "local", "colocated"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How and when the manager saves.
+
+    Attributes:
+      save_interval_steps: ``save(step, ...)`` writes only when ``step`` is a
+        multiple of this (or ``force=True``).
+      max_to_keep: committed steps kept on the local tier; older ones are deleted
+        after each commit. ``None`` keeps everything (a replicator owns cleanup).
+      if_busy: what ``save`` does when the staging budget is used by saves still
+        being written: ``"wait"`` blocks until enough memory is free, ``"skip"``
+        returns ``False`` without saving.
+      max_staged_bytes: bound on host memory holding staged shards not yet
+        written. ``None`` means twice the bytes of the first saved state, so one
+        save can be staged while the previous one is written.
+      writer_threads: threads per process writing and checksumming shard files.
+      dispatch: how host-side code is invoked. ``"local"`` calls it in this
+        process (multi-controller JAX, simulated hosts); ``"colocated"`` goes
+        through ``jax.experimental.colocated_python`` (Pathways);
+        ``"auto"`` picks colocated on Pathways, local elsewhere.
+      hosts_per_slice: hosts per slice when devices carry no ``slice_index``.
+      simulated_hosts: group this process's devices into this many simulated
+        hosts (one RAM-disk root each, under ``<local_dir>/host-<i>/``). ``None``
+        means one host per JAX process.
+      host_subdirs: keep each host's steps under ``<local_dir>/host-<i>/``
+        rather than in ``local_dir`` itself. ``None``: on when hosts are
+        simulated or several processes share a machine (CPU devices), off on a
+        real host whose RAM disk is ``local_dir``.
+    """
+
+    save_interval_steps: int = 1
+    max_to_keep: int | None = 2
+    if_busy: BusyPolicy = "wait"
+    max_staged_bytes: int | None = None
+    writer_threads: int = 2
+    dispatch: Dispatch = "auto"
+    hosts_per_slice: int = 1
+    simulated_hosts: int | None = None
+    host_subdirs: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.save_interval_steps < 1:
+            raise ConfigError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise ConfigError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+        if self.if_busy not in ("wait", "skip"):
+            raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+        if self.max_staged_bytes is not None and self.max_staged_bytes <= 0:
+            raise ConfigError(f"max_staged_bytes must be positive, got {self.max_staged_bytes}")
+        if self.writer_threads < 1:
+            raise ConfigError(f"writer_threads must be >= 1, got {self.writer_threads}")
+        if self.dispatch not in ("auto", "local", "colocated"):
+            raise ConfigError(f"dispatch must be auto, local or colocated, got {self.dispatch!r}")
+        if self.hosts_per_slice < 1:
+            raise ConfigError(f"hosts_per_slice must be >= 1, got {self.hosts_per_slice}")
+        if self.simulated_hosts is not None and self.simulated_hosts < 1:
+            raise ConfigError(f"simulated_hosts must be >= 1, got {self.simulated_hosts}")

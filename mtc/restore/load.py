@@ -1,0 +1,115 @@
+"""Controller side of a restore: match the target, plan, fetch, and load.
+
+Array leaves are planned onto the target shardings and read by the host-side
+loader; PRNG keys are rebuilt from their key data; numpy and plain values come
+back as saved. Leaves are matched by key path, so a target may name a subset
+of the saved tree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mtc import treepath
+from mtc.dispatch import Dispatch
+from mtc.errors import TargetMismatchError
+from mtc.manifest import Index, LeafEntry
+from mtc.restore.plan import Planner, SavedStep, check_leaf
+from mtc.topology import Topology
+from sidecar.load import LeafSpec, ReadTask, ShardLoader
+
+
+def _key_data_sharding(target: Any, extra: int) -> jax.sharding.Sharding:
+    if isinstance(target, jax.Array):
+        return jax.random.key_data(target).sharding
+    s = target.sharding
+    if isinstance(s, NamedSharding):
+        return NamedSharding(s.mesh, PartitionSpec(*s.spec, *([None] * extra)))
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return s
+    raise TargetMismatchError(f"PRNG key targets need a NamedSharding, got {type(s).__name__}")
+
+
+def _target_sharding(target: Any) -> jax.sharding.Sharding | None:
+    if isinstance(target, jax.Array):
+        return target.sharding
+    if isinstance(target, jax.ShapeDtypeStruct):
+        return target.sharding
+    return None
+
+
+def _full(shape: tuple[int, ...]) -> Index:
+    return tuple((0, d) for d in shape)
+
+
+def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Dispatch,
+                 root_of: Any) -> Any:
+    step = saved.step
+    leaves = saved.leaves
+    by_path = {leaf.path: i for i, leaf in enumerate(leaves)}
+    planner = Planner(saved, topology)
+    reader = topology.local_hosts[0]
+
+    if target is None:
+        wanted: list[tuple[int, Any]] = [(i, None) for i in range(len(leaves))]
+        flat_target = None
+        treedef = None
+    else:
+        flat_target, treedef = treepath.flatten(target)
+        missing = [treepath.path_str(p) for p, _ in flat_target
+                   if treepath.path_str(p) not in by_path]
+        if missing:
+            raise TargetMismatchError(f"target leaves not in the checkpoint: {missing}",
+                                      step=step)
+        wanted = [(by_path[treepath.path_str(p)], t) for p, t in flat_target]
+
+    results: dict[int, Any] = {}
+    tasks: list[ReadTask] = []
+    specs: dict[int, LeafSpec] = {}
+    host_side: list[tuple[int, LeafEntry]] = []
+    for i, t in wanted:
+        leaf = leaves[i]
+        if leaf.kind == "value":
+            if isinstance(t, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
+                raise TargetMismatchError(f"{leaf.path} was saved as a plain value, "
+                                          f"target is an array", step=step)
+            results[i] = treepath.decode_value(leaf.value)
+            continue
+        sharding = _target_sharding(t) if t is not None else None
+        if sharding is None:
+            if t is not None and hasattr(t, "shape"):
+                check_leaf(step, leaf, t)
+            host_side.append((i, leaf))
+            continue
+        shape, dtype = check_leaf(step, leaf, t)
+        if leaf.kind == "prng_key":
+            sharding = _key_data_sharding(t, len(shape) - len(t.shape))
+        specs[i] = LeafSpec(shape, dtype, sharding)
+        for host, host_tasks in planner.tasks_for(i, leaf, sharding, shape).items():
+            if host in topology.local_hosts or topology.num_hosts == 1:
+                tasks.extend(host_tasks)
+
+    # Leaves without a target sharding are assembled whole in host memory.
+    loader = ShardLoader(step, root_of)
+    for i, leaf in host_side:
+        whole = _full(leaf.shape)
+        pieces = planner.tasks_for_region(i, leaf, whole, reader)
+        arr = np.array(loader.read(ReadTask(i, whole, leaf.dtype, (), pieces)))
+        if leaf.kind == "prng_key":
+            arr = jax.random.wrap_key_data(arr, impl=leaf.key_impl)
+        results[i] = arr
+
+    if specs:
+        loaded = dispatch.load(step, tasks, specs)
+        for i, arr in loaded.items():
+            leaf = leaves[i]
+            results[i] = (jax.random.wrap_key_data(arr, impl=leaf.key_impl)
+                          if leaf.kind == "prng_key" else arr)
+
+    if flat_target is None:
+        return treepath.unflatten_from_keys([(leaves[i].keys, results[i]) for i, _ in wanted])
+    return jax.tree_util.tree_unflatten(treedef, [results[i] for i, _ in wanted])

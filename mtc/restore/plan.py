@@ -1,0 +1,162 @@
+"""Restore planning: which saved files cover what each target device needs.
+
+The planner reads every host's manifest of the step, checks the target against
+the saved tree (structure, shapes, dtypes), and turns each target sharding into
+:class:`~sidecar.load.ReadTask` s: one per distinct region per host, so a
+replicated leaf is read once per host. Among the hosts holding a saved shard it
+prefers the reading host, then a host of the same slice, then spreads reads
+over the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from mtc.errors import (ManifestError, ShardUnavailableError, StepNotFoundError,
+                        TargetMismatchError)
+from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
+from mtc.topology import Topology
+from sidecar.agent import shard_index
+from sidecar.load import Piece, ReadTask
+
+
+@dataclasses.dataclass
+class SavedStep:
+    """Every host's manifest of one step, and who holds each saved region."""
+
+    step: int
+    manifests: dict[int, Manifest]
+    holders: list[dict[Index, list[tuple[int, ShardEntry]]]]
+
+    @property
+    def leaves(self) -> tuple[LeafEntry, ...]:
+        return next(iter(self.manifests.values())).leaves
+
+
+def read_manifest(root: Path, step: int, host: int) -> Manifest:
+    path = root / str(step) / MANIFEST_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as e:
+        raise ManifestError("committed step has no manifest", step=step, host=host,
+                            path=str(path)) from e
+    m = Manifest.from_bytes(data, path=str(path))
+    if m.step != step or m.host != host:
+        raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
+                            host=host, path=str(path))
+    return m
+
+
+def load_step(step: int, hosts: Sequence[int], root_of: Callable[[int], Path]) -> SavedStep:
+    manifests: dict[int, Manifest] = {}
+    for h in hosts:
+        if not (root_of(h) / str(step)).is_dir():
+            raise StepNotFoundError("step is not committed", step=step, host=h,
+                                    path=str(root_of(h) / str(step)))
+        manifests[h] = read_manifest(root_of(h), step, h)
+    first = next(iter(manifests.values()))
+    holders: list[dict[Index, list[tuple[int, ShardEntry]]]] = [
+        defaultdict(list) for _ in first.leaves]
+    for h, m in manifests.items():
+        if [x.path for x in m.leaves] != [x.path for x in first.leaves]:
+            raise ManifestError("hosts disagree on the saved tree", step=step, host=h)
+        for i, leaf in enumerate(m.leaves):
+            for s in leaf.shards:
+                holders[i][s.index].append((h, s))
+    return SavedStep(step, manifests, holders)
+
+
+def _overlap(a: Index, b: Index) -> bool:
+    return all(max(x0, y0) < min(x1, y1) or (x0 == x1 == y0 == y1)
+               for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+
+
+def _volume(index: Index) -> int:
+    v = 1
+    for a, b in index:
+        v *= b - a
+    return v
+
+
+def _intersection(a: Index, b: Index) -> int:
+    v = 1
+    for (x0, x1), (y0, y1) in zip(a, b, strict=True):
+        v *= max(0, min(x1, y1) - max(x0, y0))
+    return v
+
+
+@dataclasses.dataclass
+class Planner:
+    saved: SavedStep
+    topology: Topology
+    _turn: Any = dataclasses.field(default_factory=lambda: itertools.count())
+
+    def _choose(self, reader: int, candidates: list[tuple[int, ShardEntry]]
+                ) -> tuple[int, ShardEntry]:
+        for h, e in candidates:
+            if h == reader:
+                return h, e
+        same = [c for c in candidates
+                if self.topology.slice_of_host.get(c[0]) == self.topology.slice_of_host.get(reader)]
+        pool = same or candidates
+        return pool[next(self._turn) % len(pool)]
+
+    def tasks_for(self, leaf_no: int, leaf: LeafEntry, sharding: jax.sharding.Sharding,
+                  shape: tuple[int, ...]) -> dict[int, list[ReadTask]]:
+        """Read tasks per host for one array leaf onto ``sharding``."""
+        by_host: dict[int, dict[Index, list[int]]] = defaultdict(dict)
+        for dev, idx in sharding.addressable_devices_indices_map(shape).items():
+            host = self.topology.host_of_device.get(dev.id, dev.process_index)
+            index = shard_index(idx if idx is not None else (), shape) if shape else ()
+            by_host[host].setdefault(index, []).append(dev.id)
+        out: dict[int, list[ReadTask]] = defaultdict(list)
+        for host, regions in by_host.items():
+            for index, devs in regions.items():
+                pieces = self.tasks_for_region(leaf_no, leaf, index, host)
+                out[host].append(ReadTask(leaf_no, index, leaf.dtype, tuple(devs), pieces))
+        return out
+
+    def tasks_for_region(self, leaf_no: int, leaf: LeafEntry, index: Index,
+                         host: int) -> tuple[Piece, ...]:
+        """The saved pieces ``host`` reads to cover ``index`` of one leaf."""
+        holders = self.saved.holders[leaf_no]
+        covering = sorted(i for i in holders if _overlap(i, index))
+        covered = sum(_intersection(i, index) for i in covering)
+        if covered != _volume(index):
+            raise ShardUnavailableError(
+                f"no saved copy covers part of {leaf.path} region {list(index)}",
+                step=self.saved.step, host=host)
+        return tuple(Piece(*self._choose(host, holders[i])) for i in covering)
+
+
+def check_leaf(step: int, leaf: LeafEntry, target: Any) -> tuple[tuple[int, ...], str]:
+    """Validate a target leaf against a saved array leaf; returns (shape, dtype)."""
+    shape = tuple(getattr(target, "shape", ()))
+    saved_shape = leaf.shape
+    if leaf.kind == "prng_key":
+        dtype = target.dtype
+        if not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise TargetMismatchError(f"{leaf.path} was saved as a PRNG key; target has {dtype}",
+                                      step=step)
+        saved_shape = leaf.shape[:len(leaf.shape) - len(jax.random.key_data(
+            jax.random.key(0, impl=leaf.key_impl)).shape)]
+        if shape != saved_shape:
+            raise TargetMismatchError(
+                f"{leaf.path}: target shape {shape}, saved {saved_shape}", step=step)
+        return leaf.shape, leaf.dtype
+    if shape != saved_shape:
+        raise TargetMismatchError(f"{leaf.path}: target shape {shape}, saved {saved_shape}",
+                                  step=step)
+    if str(jax.numpy.dtype(target.dtype)) != leaf.dtype:
+        raise TargetMismatchError(
+            f"{leaf.path}: target dtype {jax.numpy.dtype(target.dtype)}, saved {leaf.dtype}",
+            step=step)
+    return shape, leaf.dtype
+

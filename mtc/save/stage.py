@@ -1,0 +1,67 @@
+"""Controller side of a save: describe the tree and pick what the hosts write.
+
+Array leaves are handed to the hosts as arrays; typed PRNG keys go as their key
+data with the implementation's name recorded; numpy arrays are kept by every
+host; everything else must be a plain value that the manifest stores inline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from mtc import treepath
+from mtc.errors import UnsupportedLeafError
+from mtc.manifest import LeafEntry
+from sidecar.agent import SaveHeader
+
+
+def describe_sharding(s: jax.sharding.Sharding) -> dict[str, Any]:
+    """A JSON description of a sharding, for people and tools reading manifests."""
+    if isinstance(s, jax.sharding.NamedSharding):
+        return {"type": "named", "axes": list(s.mesh.axis_names),
+                "mesh_shape": [int(x) for x in s.mesh.devices.shape],
+                "device_ids": [int(d.id) for d in s.mesh.devices.flat],
+                "spec": [list(p) if isinstance(p, tuple) else p for p in s.spec]}
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return {"type": "single", "device_ids": [int(next(iter(s.device_set)).id)]}
+    return {"type": type(s).__name__, "device_ids": sorted(int(d.id) for d in s.device_set)}
+
+
+def is_prng_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def prepare(step: int, state: Any, *, skip_if_busy: bool
+            ) -> tuple[SaveHeader, list[jax.Array | np.ndarray]]:
+    """The save header and the arrays, in header order, that hosts must write."""
+    flat, _ = treepath.flatten(state)
+    leaves: list[LeafEntry] = []
+    arrays: list[jax.Array | np.ndarray] = []
+    array_leaves: list[int] = []
+    for i, (path, x) in enumerate(flat):
+        name = treepath.path_str(path)
+        keys = treepath.encode_keys(path)
+        if is_prng_key(x):
+            data = jax.random.key_data(x)
+            leaves.append(LeafEntry(name, keys, "prng_key", tuple(data.shape), str(data.dtype),
+                                    describe_sharding(data.sharding),
+                                    key_impl=str(jax.random.key_impl(x))))
+            arrays.append(data)
+        elif isinstance(x, jax.Array):
+            leaves.append(LeafEntry(name, keys, "array", tuple(x.shape), str(x.dtype),
+                                    describe_sharding(x.sharding)))
+            arrays.append(x)
+        elif isinstance(x, np.ndarray):
+            if x.dtype.kind not in "biufc" and x.dtype.name != "bfloat16":
+                raise UnsupportedLeafError(f"leaf {name} is a numpy array of dtype {x.dtype}, "
+                                           "which mtc cannot save (numeric dtypes only)")
+            leaves.append(LeafEntry(name, keys, "numpy", tuple(x.shape), str(x.dtype)))
+            arrays.append(x)
+        else:
+            leaves.append(LeafEntry(name, keys, "value", value=treepath.encode_value(x, name)))
+            continue
+        array_leaves.append(i)
+    return SaveHeader(step, tuple(leaves), tuple(array_leaves), skip_if_busy), arrays

@@ -1,0 +1,252 @@
+"""The per-host agent: stages shards into host memory and hands them to the writer.
+
+One agent object serves every host whose devices are addressable where it runs:
+one host in the colocated-Python sidecar of a Pathways worker and in a process
+of multi-controller JAX; every simulated host when one process plays them all.
+The controller invokes it directly (``mtc.dispatch.LocalDispatch``) or through
+``jax.experimental.colocated_python`` (``ColocatedDispatch``); the code is the
+same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from mtc import layout
+from mtc.errors import MtcError
+from mtc.manifest import Index, LeafEntry
+from sidecar.buffers import StagingPool
+from sidecar.write import HostSave, StagedShard, Writer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """What an agent needs to know about the job; JSON so it can cross to a sidecar."""
+
+    local_dir: str
+    host_of_device: dict[int, int]
+    slice_of_host: dict[int, int]
+    subdirs: bool
+    max_to_keep: int | None
+    max_staged_bytes: int | None
+    writer_threads: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> AgentConfig:
+        d = json.loads(text)
+        d["host_of_device"] = {int(k): v for k, v in d["host_of_device"].items()}
+        d["slice_of_host"] = {int(k): v for k, v in d["slice_of_host"].items()}
+        return cls(**d)
+
+    def root(self, host: int) -> Path:
+        return layout.host_root(self.local_dir, host, self.subdirs)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveHeader:
+    """The controller's description of one save: the step and the tree's leaves.
+
+    ``array_leaves[i]`` is the leaf number of the i-th array handed to ``stage``.
+    """
+
+    step: int
+    leaves: tuple[LeafEntry, ...]
+    array_leaves: tuple[int, ...]
+    skip_if_busy: bool
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"step": self.step, "leaves": [x.to_json() for x in self.leaves],
+                           "array_leaves": list(self.array_leaves),
+                           "skip_if_busy": self.skip_if_busy}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SaveHeader:
+        d = json.loads(data)
+        return cls(d["step"], tuple(LeafEntry.from_json(x) for x in d["leaves"]),
+                   tuple(d["array_leaves"]), d["skip_if_busy"])
+
+
+def shard_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
+    """A shard's tuple of slices as explicit (start, stop) pairs."""
+    out = []
+    for sl, dim in zip(index, shape, strict=True):
+        start, stop, _ = sl.indices(dim)
+        out.append((start, stop))
+    return tuple(out)
+
+
+def _as_numpy_leaf(leaf: LeafEntry, a: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
+    """A numpy leaf that crossed to a sidecar as a replicated byte array, as numpy again."""
+    if leaf.kind != "numpy" or isinstance(a, np.ndarray):
+        return a
+    raw = np.asarray(a.addressable_shards[0].data)
+    return raw.view(np.dtype(leaf.dtype)).reshape(leaf.shape)
+
+
+class HostAgent:
+    """Stages and writes the shards of the hosts it serves."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.pool = StagingPool(config.max_staged_bytes)
+        self.writer = Writer(config.writer_threads, self._after_commit)
+        self._pending: list[HostSave] = []
+        self._lock = threading.Lock()
+        self._cleaned: set[int] = set()
+
+    def hosts_of(self, arrays: Sequence[Any]) -> list[int]:
+        """Hosts whose devices hold addressable shards of ``arrays``, here."""
+        hosts: set[int] = set()
+        for a in arrays:
+            if isinstance(a, jax.Array):
+                hosts.update(self.config.host_of_device[s.device.id] for s in a.addressable_shards)
+        return sorted(hosts)
+
+    # -- save -------------------------------------------------------------------
+
+    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
+              hosts: Sequence[int] | None = None) -> bool:
+        """Copy this host's shards to host memory and queue them for writing.
+
+        Returns once every shard is staged (the state may change afterwards),
+        or False, having staged nothing, when ``skip_if_busy`` and the staging
+        budget cannot hold the state now.
+        """
+        self.raise_background_error()
+        hosts = list(hosts) if hosts is not None else self.hosts_of(arrays)
+        if not hosts:  # numpy-only state: every host this agent serves keeps a copy
+            hosts = sorted(h for h in self.config.slice_of_host
+                           if h in set(self.config.host_of_device.values()))
+        arrays = [_as_numpy_leaf(header.leaves[header.array_leaves[i]], a)
+                  for i, a in enumerate(arrays)]
+        plans = {h: self._shards_of_host(h, arrays) for h in hosts}
+        total = sum(int(np.prod(shape)) * dtype.itemsize
+                    for plan in plans.values() for _, _, shape, dtype, _ in plan)
+        self.pool.ensure_capacity(2 * total)
+        if header.skip_if_busy and not self.pool.can_fit_now(total):
+            return False
+        for src in (s for plan in plans.values() for *_, s in plan):
+            if isinstance(src, jax.Array) and src.devices().pop().platform != "cpu":
+                src.copy_to_host_async()  # overlap device-to-host transfers
+        for h in hosts:
+            self._clean_once(h)
+            save = HostSave(self.config.root(h), header.step, h, self.config.slice_of_host[h],
+                            len(self.config.slice_of_host), list(header.leaves))
+            self.writer.submit(save)
+            with self._lock:
+                self._pending.append(save)
+            try:
+                for leaf, index, shape, dtype, src in plans[h]:
+                    save.add(self._snapshot(header.array_leaves[leaf], index, shape, dtype, src))
+            except BaseException as e:
+                save.abort(e)
+                raise
+            save.seal()
+        return True
+
+    def _shards_of_host(self, host: int, arrays: Sequence[jax.Array | np.ndarray]
+                        ) -> list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]]:
+        """(array number, index, shape, dtype, source) of each distinct shard on ``host``."""
+        out: list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]] = []
+        for i, a in enumerate(arrays):
+            if isinstance(a, np.ndarray):
+                out.append((i, tuple((0, d) for d in a.shape), a.shape, a.dtype, a))
+                continue
+            seen: set[Index] = set()
+            for s in a.addressable_shards:
+                if self.config.host_of_device[s.device.id] != host:
+                    continue
+                index = shard_index(s.index, a.shape)
+                if index in seen:  # replicated on several devices of this host: once
+                    continue
+                seen.add(index)
+                shape = tuple(b - a_ for a_, b in index)
+                out.append((i, index, shape, np.dtype(a.dtype), s.data))
+        return out
+
+    def _snapshot(self, leaf: int, index: Index, shape: tuple[int, ...],
+                  dtype: np.dtype[Any], src: Any) -> StagedShard:
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        if isinstance(src, jax.Array) and src.devices().pop().platform != "cpu":
+            # The transfer already made a fresh host copy: keep it, count it.
+            host = np.asarray(src)
+            self.pool.account(nbytes)
+            return StagedShard(leaf, index, host, lambda: self.pool.release(nbytes))
+        # On CPU devices (and for numpy leaves) the source is live memory that a
+        # donating step may overwrite: copy it into a staging buffer.
+        buf = self.pool.acquire(nbytes) if nbytes else np.empty(0, np.uint8)
+        assert buf is not None
+        dst = buf.view(dtype).reshape(shape)
+        np.copyto(dst, np.asarray(src), casting="no")
+        return StagedShard(leaf, index, dst, lambda: self.pool.release(nbytes, buf))
+
+    def _clean_once(self, host: int) -> None:
+        if host not in self._cleaned:
+            removed = layout.clean_uncommitted(self.config.root(host))
+            if removed:
+                log.info("host %d: removed uncommitted folders %s", host, removed)
+            self._cleaned.add(host)
+
+    def _after_commit(self, save: HostSave) -> None:
+        keep = self.config.max_to_keep
+        if keep is None:
+            return
+        steps = layout.committed_steps(save.root)
+        for old in steps[:-keep]:
+            layout.remove_step(save.root, old)
+
+    # -- background state -------------------------------------------------------
+
+    def raise_background_error(self) -> None:
+        """Raise the first error of a finished background save, once."""
+        with self._lock:
+            for save in self._pending:
+                if save.done.done() and save.done.exception() is not None:
+                    self._pending.remove(save)
+                    raise save.done.exception()  # type: ignore[misc]
+            self._pending = [s for s in self._pending if not s.done.done()]
+
+    def wait(self) -> None:
+        """Block until every queued save is committed; raise the first failure."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        first: BaseException | None = None
+        for save in pending:
+            e = save.done.exception()
+            if e is not None and first is None:
+                first = e
+        if first is not None:
+            raise first
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(not s.done.done() for s in self._pending)
+
+    def committed_steps(self, host: int) -> list[int]:
+        return layout.committed_steps(self.config.root(host))
+
+    def delete(self, step: int, hosts: Sequence[int]) -> None:
+        for h in hosts:
+            layout.remove_step(self.config.root(h), step)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        except MtcError as e:
+            log.warning("a background save failed before close: %s", e)
+        finally:
+            self.writer.close()

@@ -1,0 +1,138 @@
+"""Host side of a restore: read the shards a plan names and put them on devices.
+
+A :class:`ReadTask` is one distinct target shard on one host: the region of a
+leaf that one or more of the host's devices need, and the saved pieces that
+cover it. A task whose region equals a saved shard maps that file; one whose
+region is saved shards stacked along the leading axis maps them side by side;
+anything else is assembled by copying the overlapping parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from mtc.manifest import Index, ShardEntry
+from sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A saved shard (on ``host``) that overlaps a task's region."""
+
+    host: int
+    entry: ShardEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadTask:
+    leaf: int
+    index: Index
+    dtype: str
+    device_ids: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.index)
+
+
+def _stacked_on_leading_axis(task: ReadTask) -> bool:
+    """Pieces tile the region one after another along axis 0 (row-major contiguous)."""
+    if len(task.pieces) < 2 or not task.index:
+        return False
+    pos = task.index[0][0]
+    for p in task.pieces:
+        idx = p.entry.index
+        if idx[1:] != task.index[1:] or idx[0][0] != pos:
+            return False
+        pos = idx[0][1]
+    return pos == task.index[0][1]
+
+
+class ShardLoader:
+    """Executes read tasks for one step; each file is verified at most once."""
+
+    def __init__(self, step: int, root_of: Callable[[int], Path]) -> None:
+        self.step = step
+        self.root_of = root_of
+        self._mapped: dict[tuple[int, str], np.ndarray] = {}
+
+    def _path(self, p: Piece) -> Path:
+        return self.root_of(p.host) / str(self.step) / p.entry.file
+
+    def _map(self, p: Piece) -> np.ndarray:
+        key = (p.host, p.entry.file)
+        if key not in self._mapped:
+            self._mapped[key] = map_verified(self._path(p), p.entry, step=self.step, host=p.host)
+        return self._mapped[key]
+
+    def read(self, task: ReadTask) -> np.ndarray:
+        dtype = jax.numpy.dtype(task.dtype)
+        shape = task.shape
+        pieces = task.pieces
+        if len(pieces) == 1 and pieces[0].entry.index == task.index:
+            return self._map(pieces[0]).view(dtype).reshape(shape)
+        if _stacked_on_leading_axis(task) and can_map_side_by_side([p.entry for p in pieces]):
+            region = map_side_by_side([(self._path(p), p.entry) for p in pieces],
+                                      step=self.step, hosts=[p.host for p in pieces])
+            return region.view(dtype).reshape(shape)
+        out = np.empty(shape, dtype=dtype)
+        for p in pieces:
+            src_idx = p.entry.index
+            src = self._map(p).view(dtype).reshape(tuple(b - a for a, b in src_idx))
+            lo = [max(a, c) for (a, _), (c, _) in zip(task.index, src_idx, strict=True)]
+            hi = [min(b, d) for (_, b), (_, d) in zip(task.index, src_idx, strict=True)]
+            dst_sl = tuple(slice(l_ - t, h - t) for l_, h, (t, _) in zip(lo, hi, task.index,
+                                                                          strict=True))
+            src_sl = tuple(slice(l_ - s, h - s) for l_, h, (s, _) in zip(lo, hi, src_idx,
+                                                                         strict=True))
+            out[dst_sl] = src[src_sl]
+        return out
+
+
+def to_device(host: np.ndarray, device: jax.Device, *, alias: bool) -> jax.Array:
+    """Put host bytes on a device; on a CPU device, ``alias`` adopts them without a copy."""
+    if alias and device.platform == "cpu" and host.flags.writeable and host.size:
+        return jax.dlpack.from_dlpack(host, device=device)
+    return jax.device_put(host, device)
+
+
+def load_tasks(loader: ShardLoader, tasks: Sequence[ReadTask],
+               devices: dict[int, jax.Device]) -> dict[tuple[int, int], jax.Array]:
+    """Single-device arrays keyed by (leaf, device id)."""
+    out: dict[tuple[int, int], Any] = {}
+    for task in tasks:
+        host = loader.read(task)
+        for n, dev_id in enumerate(task.device_ids):
+            # Only the first device may adopt the mapped bytes: two devices
+            # sharing one buffer would see each other's in-place updates.
+            out[(task.leaf, dev_id)] = to_device(host, devices[dev_id], alias=n == 0)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """The global array a leaf's tasks assemble into."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: jax.sharding.Sharding
+
+
+def load_leaves(loader: ShardLoader, tasks: Sequence[ReadTask],
+                specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
+    """Global arrays (leaf number -> array) built from this host's devices' shards."""
+    devices = {d.id: d for spec in specs.values() for d in spec.sharding.device_set}
+    singles = load_tasks(loader, tasks, devices)
+    out: dict[int, jax.Array] = {}
+    for leaf, spec in specs.items():
+        local = [singles[(leaf, d.id)] for d in spec.sharding.addressable_devices
+                 if (leaf, d.id) in singles]
+        out[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, local)
+    return out

@@ -1,0 +1,109 @@
+"""Reading shard files back, every byte checked against the manifest.
+
+Files are mapped copy-on-write rather than read: on a RAM disk the pages are
+already in memory, so a mapped shard costs one checksum pass and, on CPU
+devices, can become a JAX buffer without another copy. Shards that lie one
+after another along the leading axis of a target shard are mapped side by side
+into one contiguous region, so resharding onto fewer devices needs no copy
+either.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from mtc.errors import CorruptShardError, StorageError
+from mtc.integrity import crc32c
+from mtc.manifest import ShardEntry
+
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_MAP_FIXED = 0x10
+
+
+def _check_size(fd: int, path: Path, entry: ShardEntry, step: int, host: int) -> None:
+    size = os.fstat(fd).st_size
+    if size != entry.nbytes:
+        raise CorruptShardError(
+            f"shard has {size} bytes, manifest says {entry.nbytes} (truncated or replaced)",
+            step=step, host=host, path=str(path))
+
+
+def _verify(view: np.ndarray, path: Path, entry: ShardEntry, step: int, host: int) -> None:
+    got = crc32c(view) if entry.nbytes else 0
+    if got != entry.crc32c:
+        raise CorruptShardError(
+            f"checksum mismatch: crc32c {got:#010x}, manifest says {entry.crc32c:#010x}",
+            step=step, host=host, path=str(path))
+
+
+def _open(path: Path, step: int, host: int) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError as e:
+        raise CorruptShardError("shard file is missing", step=step, host=host,
+                                path=str(path)) from e
+    except OSError as e:
+        raise StorageError(f"cannot open: {e.strerror}", step=step, host=host,
+                           path=str(path)) from e
+
+
+def map_verified(path: Path, entry: ShardEntry, *, step: int, host: int) -> np.ndarray:
+    """A writable (copy-on-write) uint8 view of a shard file, checksum verified."""
+    fd = _open(path, step, host)
+    try:
+        _check_size(fd, path, entry, step, host)
+        if entry.nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        m = mmap.mmap(fd, entry.nbytes, flags=mmap.MAP_PRIVATE,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    view = np.frombuffer(m, dtype=np.uint8)
+    _verify(view, path, entry, step, host)
+    return view
+
+
+def can_map_side_by_side(entries: Sequence[ShardEntry]) -> bool:
+    """Whether the files can be mapped back to back (all but the last page-sized)."""
+    return len(entries) > 1 and all(e.nbytes % PAGE == 0 and e.nbytes for e in entries[:-1]) \
+        and entries[-1].nbytes > 0
+
+
+def map_side_by_side(pieces: Sequence[tuple[Path, ShardEntry]], *, step: int,
+                     hosts: Sequence[int]) -> np.ndarray:
+    """Map several shard files into one contiguous region, each verified."""
+    total = sum(e.nbytes for _, e in pieces)
+    region = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    anchor = ctypes.c_char.from_buffer(region)
+    base = ctypes.addressof(anchor)
+    del anchor  # the region must not stay exported, or it could never be unmapped
+    offset = 0
+    for (path, entry), host in zip(pieces, hosts, strict=True):
+        fd = _open(path, step, host)
+        try:
+            _check_size(fd, path, entry, step, host)
+            # Replace part of our own anonymous mapping with the file, copy-on-write.
+            addr = _libc.mmap(base + offset, entry.nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                              mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value) or addr != base + offset:
+                raise StorageError(f"mmap failed: {os.strerror(ctypes.get_errno())}",
+                                   step=step, host=host, path=str(path))
+        finally:
+            os.close(fd)
+        offset += entry.nbytes
+    view = np.frombuffer(region, dtype=np.uint8)
+    offset = 0
+    for (path, entry), host in zip(pieces, hosts, strict=True):
+        _verify(view[offset:offset + entry.nbytes], path, entry, step, host)
+        offset += entry.nbytes
+    return view

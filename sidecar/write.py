@@ -1,0 +1,200 @@
+"""Writing one host's step: shard files, checksums, manifest, atomic commit.
+
+A :class:`HostSave` is opened before its shards are staged and fed shard by
+shard, so a state larger than the staging budget streams through it. The
+:class:`Writer` runs saves in order on a background thread, writes files on a
+small thread pool, writes the manifest last and renames the folder into place.
+A failed save removes its temporary folder: a step is visible only if every
+byte of it was written and checksummed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import queue
+import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from mtc import layout
+from mtc.errors import MtcError, RamDiskFullError, StepExistsError, StorageError
+from mtc.integrity import crc32c
+from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StagedShard:
+    """Host bytes of one shard, and how to give their memory back once written."""
+
+    leaf: int
+    index: Index
+    data: np.ndarray
+    release: Callable[[], None]
+
+    @property
+    def file(self) -> str:
+        return f"{self.leaf:05d}." + "_".join(f"{a}-{b}" for a, b in self.index) + ".bin"
+
+
+_SEALED = object()
+
+
+class HostSave:
+    """One host's step in flight: metadata now, shards as they are staged."""
+
+    def __init__(self, root: Path, step: int, host: int, slice_: int, num_hosts: int,
+                 leaves: list[LeafEntry]) -> None:
+        self.root = root
+        self.step = step
+        self.host = host
+        self.slice = slice_
+        self.num_hosts = num_hosts
+        self.leaves = leaves
+        self._shards: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.done: Future[Path] = Future()
+        self.ended = False
+
+    def add(self, shard: StagedShard) -> None:
+        self._shards.put(shard)
+
+    def seal(self) -> None:
+        self._shards.put(_SEALED)
+
+    def abort(self, error: BaseException) -> None:
+        self._shards.put(error)
+
+    def shards(self):  # type: ignore[no-untyped-def]
+        while True:
+            item = self._shards.get()
+            if item is _SEALED or isinstance(item, BaseException):
+                self.ended = True
+                if isinstance(item, BaseException):
+                    raise item
+                return
+            yield item
+
+
+def _io_error(e: OSError, save: HostSave, path: Path) -> MtcError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RamDiskFullError("RAM disk full while writing the step; the step was discarded",
+                                step=save.step, host=save.host, path=str(path))
+    return StorageError(f"cannot write: {e.strerror}", step=save.step, host=save.host,
+                        path=str(path))
+
+
+def _write_file(path: Path, data: np.ndarray) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+    finally:
+        os.close(fd)
+    return crc32c(data) if data.size else 0
+
+
+def _drain(save: HostSave) -> None:
+    """Release shards still being staged into a save that already failed."""
+    if save.ended:
+        return
+    try:
+        for shard in save.shards():
+            shard.release()
+    except BaseException:  # noqa: BLE001 - the save's own error is already being raised
+        pass
+
+
+class Writer:
+    """Background writer: one save at a time, its files in parallel."""
+
+    def __init__(self, threads: int, on_commit: Callable[[HostSave], None]) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtc-write")
+        self._jobs: queue.SimpleQueue[HostSave | None] = queue.SimpleQueue()
+        self._on_commit = on_commit
+        self._thread = threading.Thread(target=self._run, name="mtc-commit", daemon=True)
+        self._thread.start()
+
+    def submit(self, save: HostSave) -> None:
+        self._jobs.put(save)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        self._pool.shutdown()
+
+    def _run(self) -> None:
+        while True:
+            save = self._jobs.get()
+            if save is None:
+                return
+            try:
+                save.done.set_result(self._write(save))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                save.done.set_exception(e)
+
+    def _write(self, save: HostSave) -> Path:
+        final = layout.step_dir(save.root, save.step)
+        tmp = layout.new_tmp_dir(save.root, save.step)
+        futures: list[tuple[StagedShard, Future[int]]] = []
+        committed = drained = False
+        try:
+            try:
+                save.root.mkdir(parents=True, exist_ok=True)
+                os.mkdir(tmp)
+            except OSError as e:
+                raise _io_error(e, save, tmp) from e
+            for shard in save.shards():
+                futures.append((shard, self._pool.submit(self._write_one, tmp, shard)))
+            drained = True
+            entries: dict[int, list[ShardEntry]] = {}
+            first_error: BaseException | None = None
+            for shard, fut in futures:
+                try:
+                    crc = fut.result()
+                except OSError as e:
+                    first_error = first_error or _io_error(e, save, tmp / shard.file)
+                    continue
+                entries.setdefault(shard.leaf, []).append(
+                    ShardEntry(shard.index, shard.file, int(shard.data.nbytes), crc))
+            if first_error is not None:
+                raise first_error
+            leaves = [dataclasses.replace(leaf, shards=tuple(entries.get(i, ())))
+                      for i, leaf in enumerate(save.leaves)]
+            manifest = Manifest(step=save.step, host=save.host, slice=save.slice,
+                                num_hosts=save.num_hosts, leaves=tuple(leaves))
+            try:
+                (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
+            except OSError as e:
+                raise _io_error(e, save, tmp / MANIFEST_NAME) from e
+            try:
+                layout.commit(tmp, final)
+            except FileExistsError as e:
+                raise StepExistsError("step is already committed", step=save.step,
+                                      host=save.host, path=str(final)) from e
+            committed = True
+            self._on_commit(save)
+            return final
+        finally:
+            for _, fut in futures:
+                fut.exception()  # every buffer is released before the save ends
+            if not drained:
+                _drain(save)
+            if not committed:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def _write_one(tmp: Path, shard: StagedShard) -> int:
+        try:
+            return _write_file(tmp / shard.file, shard.data)
+        finally:
+            shard.release()
