@@ -1,9 +1,21 @@
 """mtc: multi-tier checkpointing for JAX (RAM disk, peer host, cloud storage)."""
 
-from mtc.errors import (ConfigError, CorruptShardError, FatalError, ManifestError, MtcError,
-                        RamDiskFullError, RetryableError, SaveInProgressError,
-                        ShardUnavailableError, StepExistsError, StepNotFoundError, StorageError,
-                        TargetMismatchError, UnsupportedLeafError)
+from mtc.errors import (
+                        ConfigError,
+                        CorruptShardError,
+                        FatalError,
+                        ManifestError,
+                        MtcError,
+                        RamDiskFullError,
+                        RetryableError,
+                        SaveInProgressError,
+                        ShardUnavailableError,
+                        StepExistsError,
+                        StepNotFoundError,
+                        StorageError,
+                        TargetMismatchError,
+                        UnsupportedLeafError,
+)
 from mtc.manager import CheckpointManager
 from mtc.options import Options
 

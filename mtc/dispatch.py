@@ -7,7 +7,7 @@ restore loader; they differ only in how arguments travel.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -62,7 +62,7 @@ class ColocatedDispatch:
         self.cpu_devices = list(colocated_python.colocated_cpu_devices(tuple(devices)))
         self._replicated = NamedSharding(
             jax.sharding.Mesh(np.array(self.cpu_devices), ("hosts",)), PartitionSpec())
-        self.remote = RemoteAgent(config.to_json())
+        self.remote: Any = RemoteAgent(config.to_json())  # type: ignore[call-arg]
 
     def _token(self) -> jax.Array:
         return jax.device_put(np.uint8(0), self._replicated)
@@ -78,7 +78,7 @@ class ColocatedDispatch:
                                   self._replicated)
         s = x.sharding
         if isinstance(s, NamedSharding):
-            cpu_mesh = colocated_python.colocated_cpu_devices(s.mesh)
+            cpu_mesh = colocated_python.colocated_cpu_devices(s.mesh)  # type: ignore[arg-type]
             if list(cpu_mesh.devices.flat) == self.cpu_devices:
                 if cpu_mesh is s.mesh or list(s.mesh.devices.flat) == self.cpu_devices:
                     return x

@@ -133,7 +133,8 @@ class Manifest:
             raise ManifestError(f"not an mtc manifest (format={body.get('format')!r})", path=path)
         if body.get("version") != VERSION:
             raise ManifestError(
-                f"manifest version {body.get('version')} is not supported (this mtc reads {VERSION})",
+                f"manifest version {body.get('version')} is not supported "
+                f"(this mtc reads {VERSION})",
                 path=path)
         try:
             return cls(step=int(body["step"]), host=int(body["host"]), slice=int(body["slice"]),

@@ -98,7 +98,8 @@ def encode_value(x: Any, path: str) -> dict[str, Any]:
         return {"t": "np", "dtype": x.dtype.str, "v": base64.b64encode(x.tobytes()).decode()}
     raise UnsupportedLeafError(
         f"leaf {path} has type {type(x).__module__}.{type(x).__qualname__}, which mtc cannot save; "
-        "supported: jax.Array, numpy arrays and scalars, int, float, complex, bool, str, bytes, None")
+        "supported: jax.Array, numpy arrays and scalars, int, float, complex, bool, str, "
+        "bytes, None")
 
 
 def decode_value(d: dict[str, Any]) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,7 +48,8 @@ def _load(config_json: str, step: int, tasks: Sequence[ReadTask], specs: dict[in
           token: jax.Array) -> list[jax.Array]:
     config = AgentConfig.from_json(config_json)
     loader = ShardLoader(step, config.root)
-    here = {d.id for d in token.sharding.addressable_devices}
+    addressable: set[Any] = token.sharding.addressable_devices
+    here = {d.id for d in addressable}
     mine = [t for t in tasks if set(t.device_ids) & here]
     leaves = load_leaves(loader, mine, specs)
     return [leaves[i] for i in sorted(specs)]

@@ -98,7 +98,9 @@ class ShardLoader:
 
 def to_device(host: np.ndarray, device: jax.Device, *, alias: bool) -> jax.Array:
     """Put host bytes on a device; on a CPU device, ``alias`` adopts them without a copy."""
-    if alias and device.platform == "cpu" and host.flags.writeable and host.size:
+    # numpy's DLPack export covers plain numeric dtypes (not bool, not bfloat16).
+    if alias and device.platform == "cpu" and host.flags.writeable and host.size \
+            and host.dtype.kind in "iufc":
         return jax.dlpack.from_dlpack(host, device=device)
     return jax.device_put(host, device)
 
@@ -128,11 +130,12 @@ class LeafSpec:
 def load_leaves(loader: ShardLoader, tasks: Sequence[ReadTask],
                 specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
     """Global arrays (leaf number -> array) built from this host's devices' shards."""
-    devices = {d.id: d for spec in specs.values() for d in spec.sharding.device_set}
+    device_sets: list[set[Any]] = [spec.sharding.device_set for spec in specs.values()]
+    devices: dict[int, Any] = {d.id: d for ds in device_sets for d in ds}
     singles = load_tasks(loader, tasks, devices)
     out: dict[int, jax.Array] = {}
     for leaf, spec in specs.items():
-        local = [singles[(leaf, d.id)] for d in spec.sharding.addressable_devices
-                 if (leaf, d.id) in singles]
+        addressable: set[Any] = spec.sharding.addressable_devices
+        local = [singles[(leaf, d.id)] for d in addressable if (leaf, d.id) in singles]
         out[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, local)
     return out

@@ -94,7 +94,7 @@ def _io_error(e: OSError, save: HostSave, path: Path) -> MtcError:
 def _write_file(path: Path, data: np.ndarray) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
+        view = memoryview(data.reshape(-1).view(np.uint8).data) if data.size else memoryview(b"")
         written = 0
         while written < len(view):
             written += os.write(fd, view[written:])

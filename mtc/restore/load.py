@@ -98,10 +98,9 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
     for i, leaf in host_side:
         whole = _full(leaf.shape)
         pieces = planner.tasks_for_region(i, leaf, whole, reader)
-        arr = np.array(loader.read(ReadTask(i, whole, leaf.dtype, (), pieces)))
-        if leaf.kind == "prng_key":
-            arr = jax.random.wrap_key_data(arr, impl=leaf.key_impl)
-        results[i] = arr
+        whole_arr = np.array(loader.read(ReadTask(i, whole, leaf.dtype, (), pieces)))
+        results[i] = (jax.random.wrap_key_data(jax.numpy.asarray(whole_arr), impl=leaf.key_impl)
+                      if leaf.kind == "prng_key" else whole_arr)
 
     if specs:
         loaded = dispatch.load(step, tasks, specs)

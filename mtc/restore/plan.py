@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from mtc.errors import (ManifestError, ShardUnavailableError, StepNotFoundError,
-                        TargetMismatchError)
+from mtc.errors import ManifestError, ShardUnavailableError, StepNotFoundError, TargetMismatchError
 from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
 from mtc.topology import Topology
 from sidecar.agent import shard_index
@@ -112,7 +111,8 @@ class Planner:
                   shape: tuple[int, ...]) -> dict[int, list[ReadTask]]:
         """Read tasks per host for one array leaf onto ``sharding``."""
         by_host: dict[int, dict[Index, list[int]]] = defaultdict(dict)
-        for dev, idx in sharding.addressable_devices_indices_map(shape).items():
+        indices: Mapping[Any, Any] = sharding.addressable_devices_indices_map(shape)
+        for dev, idx in indices.items():
             host = self.topology.host_of_device.get(dev.id, dev.process_index)
             index = shard_index(idx if idx is not None else (), shape) if shape else ()
             by_host[host].setdefault(index, []).append(dev.id)

@@ -20,14 +20,15 @@ from sidecar.agent import SaveHeader
 
 def describe_sharding(s: jax.sharding.Sharding) -> dict[str, Any]:
     """A JSON description of a sharding, for people and tools reading manifests."""
+    device_set: set[Any] = s.device_set
     if isinstance(s, jax.sharding.NamedSharding):
         return {"type": "named", "axes": list(s.mesh.axis_names),
                 "mesh_shape": [int(x) for x in s.mesh.devices.shape],
                 "device_ids": [int(d.id) for d in s.mesh.devices.flat],
                 "spec": [list(p) if isinstance(p, tuple) else p for p in s.spec]}
     if isinstance(s, jax.sharding.SingleDeviceSharding):
-        return {"type": "single", "device_ids": [int(next(iter(s.device_set)).id)]}
-    return {"type": type(s).__name__, "device_ids": sorted(int(d.id) for d in s.device_set)}
+        return {"type": "single", "device_ids": [int(next(iter(device_set)).id)]}
+    return {"type": type(s).__name__, "device_ids": sorted(int(d.id) for d in device_set)}
 
 
 def is_prng_key(x: Any) -> bool:

@@ -1,0 +1,52 @@
+"""Shared fixtures. Tests run on 8 CPU devices grouped into simulated hosts and slices."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+
+@pytest.fixture
+def ramdisk() -> Iterator[Path]:
+    """A fresh folder on the machine's RAM disk (/dev/shm)."""
+    path = Path("/dev/shm") / f"mtc-test-{uuid.uuid4().hex[:10]}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def mesh() -> Mesh:
+    """2 slices x 4 devices: axis 'replica' across slices, 'model' within a slice."""
+    assert len(jax.devices()) == 8, "tests need XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model"))
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 4 MiB tmpfs, to fill up. Needs root (CI and the dev machines run as root)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
