@@ -60,7 +60,6 @@ class CheckpointManager:
             host_of_device=self.topology.host_of_device,
             slice_of_host=self.topology.slice_of_host,
             subdirs=self.topology.subdirs,
-            max_to_keep=self.options.max_to_keep,
             max_staged_bytes=self.options.max_staged_bytes,
             writer_threads=self.options.writer_threads,
         )
@@ -97,11 +96,33 @@ class CheckpointManager:
             if layout.step_dir(self._config.root(h), step).is_dir():
                 raise StepExistsError("step is already committed", step=step, host=h)
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip")
+        self._apply_retention()
         return self._dispatch.stage(header, arrays)
 
     def wait_until_finished(self) -> None:
         """Block until every save is committed; raise the first background error."""
         self._dispatch.wait()
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """Keep the newest ``max_to_keep`` steps committed on every host.
+
+        A host only deletes steps older than the oldest kept one, so a step
+        committed on some hosts but not all (a failed or running save) never
+        costs the newest complete step.
+        """
+        keep = self.options.max_to_keep
+        if keep is None:
+            return
+        complete = self.all_steps()
+        if len(complete) < keep:
+            return
+        oldest_kept = complete[-keep]
+        for h in self.topology.local_hosts:
+            root = self._config.root(h)
+            for s in layout.committed_steps(root):
+                if s < oldest_kept:
+                    layout.remove_step(root, s)
 
     # -- inventory --------------------------------------------------------------
 

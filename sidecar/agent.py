@@ -38,7 +38,6 @@ class AgentConfig:
     host_of_device: dict[int, int]
     slice_of_host: dict[int, int]
     subdirs: bool
-    max_to_keep: int | None
     max_staged_bytes: int | None
     writer_threads: int
 
@@ -103,7 +102,7 @@ class HostAgent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.pool = StagingPool(config.max_staged_bytes)
-        self.writer = Writer(config.writer_threads, self._after_commit)
+        self.writer = Writer(config.writer_threads)
         self._pending: list[HostSave] = []
         self._lock = threading.Lock()
         self._cleaned: set[int] = set()
@@ -200,14 +199,6 @@ class HostAgent:
             if removed:
                 log.info("host %d: removed uncommitted folders %s", host, removed)
             self._cleaned.add(host)
-
-    def _after_commit(self, save: HostSave) -> None:
-        keep = self.config.max_to_keep
-        if keep is None:
-            return
-        steps = layout.committed_steps(save.root)
-        for old in steps[:-keep]:
-            layout.remove_step(save.root, old)
 
     # -- background state -------------------------------------------------------
 

@@ -117,10 +117,9 @@ def _drain(save: HostSave) -> None:
 class Writer:
     """Background writer: one save at a time, its files in parallel."""
 
-    def __init__(self, threads: int, on_commit: Callable[[HostSave], None]) -> None:
+    def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtc-write")
         self._jobs: queue.SimpleQueue[HostSave | None] = queue.SimpleQueue()
-        self._on_commit = on_commit
         self._thread = threading.Thread(target=self._run, name="mtc-commit", daemon=True)
         self._thread.start()
 
@@ -182,7 +181,6 @@ class Writer:
                 raise StepExistsError("step is already committed", step=save.step,
                                       host=save.host, path=str(final)) from e
             committed = True
-            self._on_commit(save)
             return final
         finally:
             for _, fut in futures:

@@ -7,16 +7,16 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
 
 
 @pytest.fixture

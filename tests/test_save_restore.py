@@ -33,7 +33,7 @@ def make_state(mesh: Mesh, scale: float = 1.0) -> dict[str, Any]:
         "rng": jax.random.key(7),
         "data": {"global_next_index": 1234},
         "lr": 0.1 + 1e-17,
-        "name": "run-α",
+        "name": "run-\u00e9",
         "blob": b"\x00\x01",
         "hist": np.arange(6, dtype=np.int64) * 2**40,
         "npscalar": np.float16(1.5),
@@ -124,7 +124,7 @@ def test_restore_without_target_gives_numpy_in_nested_containers(ramdisk: Path,
     np.testing.assert_array_equal(got["params"]["w"], np.asarray(state["params"]["w"]))
     assert isinstance(got["params"]["w"], np.ndarray)
     assert got["opt"][0] == 3 and got["data"] == {"global_next_index": 1234}
-    assert got["step"] == 11 and got["nothing"] is None and got["name"] == "run-α"
+    assert got["step"] == 11 and got["nothing"] is None and got["name"] == "run-\u00e9"
     assert jax.random.key_data(got["rng"]).tolist() == jax.random.key_data(
         jax.random.key(7)).tolist()
 
