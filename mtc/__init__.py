@@ -1,23 +1,17 @@
 """mtc: multi-tier checkpointing for JAX (RAM disk, peer host, cloud storage)."""
 
-from mtc.errors import (
-                        ConfigError,
-                        CorruptShardError,
-                        FatalError,
-                        ManifestError,
-                        MtcError,
-                        RamDiskFullError,
-                        RetryableError,
-                        SaveInProgressError,
-                        ShardUnavailableError,
-                        StepExistsError,
-                        StepNotFoundError,
-                        StorageError,
-                        TargetMismatchError,
-                        UnsupportedLeafError,
-)
-from mtc.manager import CheckpointManager
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mtc.errors import (ConfigError, CorruptShardError, FatalError, ManifestError, MtcError,
+                        RamDiskFullError, RetryableError, SaveInProgressError,
+                        ShardUnavailableError, StepExistsError, StepNotFoundError, StorageError,
+                        TargetMismatchError, UnsupportedLeafError)
 from mtc.options import Options
+
+if TYPE_CHECKING:
+    from mtc.manager import CheckpointManager
 
 __version__ = "0.1.0"
 
@@ -27,3 +21,12 @@ __all__ = [
     "ShardUnavailableError", "StepExistsError", "StepNotFoundError", "StorageError",
     "TargetMismatchError", "UnsupportedLeafError", "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The manager pulls in JAX; processes that only need the on-disk format and
+    # errors (the replicator) start faster without it.
+    if name == "CheckpointManager":
+        from mtc.manager import CheckpointManager
+        return CheckpointManager
+    raise AttributeError(f"module 'mtc' has no attribute {name!r}")

@@ -1,0 +1,166 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FileInfo(_message.Message):
+    __slots__ = ("path", "size", "crc32c")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    crc32c: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class StepCopy(_message.Message):
+    __slots__ = ("step", "origin_rank", "files")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    origin_rank: int
+    files: _containers.RepeatedCompositeFieldContainer[FileInfo]
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
+
+class InventoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Inventory(_message.Message):
+    __slots__ = ("rank", "copies", "newest_backed_up_step")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_BACKED_UP_STEP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    copies: _containers.RepeatedCompositeFieldContainer[StepCopy]
+    newest_backed_up_step: int
+    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ...) -> None: ...
+
+class OfferRequest(_message.Message):
+    __slots__ = ("copy",)
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    copy: StepCopy
+    def __init__(self, copy: _Optional[_Union[StepCopy, _Mapping]] = ...) -> None: ...
+
+class OfferReply(_message.Message):
+    __slots__ = ("candidates", "already_complete", "transfer_id")
+    class Candidate(_message.Message):
+        __slots__ = ("path", "sha256")
+        PATH_FIELD_NUMBER: _ClassVar[int]
+        SHA256_FIELD_NUMBER: _ClassVar[int]
+        path: str
+        sha256: bytes
+        def __init__(self, path: _Optional[str] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    candidates: _containers.RepeatedCompositeFieldContainer[OfferReply.Candidate]
+    already_complete: bool
+    transfer_id: str
+    def __init__(self, candidates: _Optional[_Iterable[_Union[OfferReply.Candidate, _Mapping]]] = ..., already_complete: _Optional[bool] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+
+class LinkRequest(_message.Message):
+    __slots__ = ("transfer_id", "paths")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transfer_id: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LinkReply(_message.Message):
+    __slots__ = ("linked",)
+    LINKED_FIELD_NUMBER: _ClassVar[int]
+    linked: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, linked: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("step", "origin_rank")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    origin_rank: int
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("epoch", "rank", "step")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    rank: int
+    step: int
+    def __init__(self, epoch: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ProposeReply(_message.Message):
+    __slots__ = ("seen",)
+    SEEN_FIELD_NUMBER: _ClassVar[int]
+    seen: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, seen: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class PrepareRestoreRequest(_message.Message):
+    __slots__ = ("timeout_seconds",)
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class PrepareRestoreReply(_message.Message):
+    __slots__ = ("step", "tier", "seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    tier: str
+    seconds: float
+    def __init__(self, step: _Optional[int] = ..., tier: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class BackupRequest(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class BackupReply(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class PushAck(_message.Message):
+    __slots__ = ("path", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("step", "origin_rank", "path", "offset")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    origin_rank: int
+    path: str
+    offset: int
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,135 @@
+"""Calls to one peer replicator: deadlines on every call, retries on transient errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from mtc.errors import CorruptShardError, RetryableError
+from mtc.integrity import crc32c
+from mtc.proto import replicator_pb2 as pb
+from mtc.proto import replicator_pb2_grpc as pb_grpc
+from sidecar.replicator.security import Credentials
+from sidecar.replicator.store import CHUNK
+
+T = TypeVar("T")
+MAX_MESSAGE = 64 << 20
+PUSH = "/mtc.replicator.v1.Data/Push"
+FETCH = "/mtc.replicator.v1.Data/Fetch"
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.service_config", json.dumps({"methodConfig": [{
+        "name": [{"service": "mtc.replicator.v1.Replicator"}],
+        "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }]})),
+]
+
+
+class PeerError(RetryableError):
+    """A peer could not be reached or refused a call."""
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+class PeerClient:
+    """One peer's replicator, reached at ``address``."""
+
+    def __init__(self, address: str, creds: Credentials, *, rank: int,
+                 deadline_s: float = 10.0) -> None:
+        self.address = address
+        self.rank = rank
+        self.deadline_s = deadline_s
+        self._metadata = creds.call_metadata()
+        cc = creds.channel_credentials()
+        self.channel = (grpc.secure_channel(address, cc, options=CHANNEL_OPTIONS) if cc
+                        else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        self.stub = pb_grpc.ReplicatorStub(self.channel)
+        self._push = self.channel.stream_unary(PUSH, request_serializer=_identity,
+                                               response_deserializer=pb.PushAck.FromString)
+        self._fetch = self.channel.unary_stream(FETCH,
+                                                request_serializer=pb.FetchRequest.SerializeToString,
+                                                response_deserializer=_identity)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def call(self, name: str, request: Any, *, deadline_s: float | None = None,
+             attempts: int = 3) -> Any:
+        """A control call with a deadline, retried with backoff while the peer is unavailable."""
+        method: Callable[..., Any] = getattr(self.stub, name)
+        return self._retry(lambda: method(request, timeout=deadline_s or self.deadline_s,
+                                          metadata=self._metadata), name, attempts)
+
+    def _retry(self, fn: Callable[[], T], what: str, attempts: int) -> T:
+        delay = 0.1
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                if code not in _RETRYABLE or attempt == attempts - 1:
+                    raise PeerError(f"{what} to rank {self.rank} at {self.address} failed: "
+                                    f"{code.name if code else e}: "
+                                    f"{e.details() if hasattr(e, 'details') else ''}",
+                                    host=self.rank) from e
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    def push_file(self, transfer_id: str, rel: str, path: Path, size: int, crc: int,
+                  *, deadline_s: float = 120.0) -> pb.PushAck:
+        """Stream one file's raw bytes; the peer acknowledges only verified bytes."""
+        seen = [0]
+
+        def chunks() -> Iterator[bytes]:
+            with open(path, "rb", buffering=0) as f:
+                while chunk := f.read(CHUNK):
+                    seen[0] = crc32c(chunk, seen[0])
+                    yield chunk
+            if seen[0] != crc:  # our own copy went bad after it was committed
+                raise CorruptShardError("local file does not match its checksum",
+                                        path=str(path))
+
+        md = [*self._metadata, ("x-mtc-transfer", transfer_id), ("x-mtc-path", rel),
+              ("x-mtc-size", str(size)), ("x-mtc-crc32c", str(crc))]
+        return self._retry(lambda: self._push(chunks(), timeout=deadline_s, metadata=md),
+                           f"push of {rel}", 2)
+
+    def fetch_file(self, step: int, origin: int, rel: str, dest: Path, size: int, crc: int,
+                   *, deadline_s: float = 120.0) -> None:
+        """Download one file of a peer's copy into ``dest``, verifying size and CRC32C."""
+        req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        value = got = 0
+        try:
+            with open(dest, "wb", buffering=0) as f:
+                for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
+                    got += len(chunk)
+                    if got > size:
+                        break
+                    value = crc32c(chunk, value)
+                    f.write(chunk)
+        except grpc.RpcError as e:
+            os.unlink(dest)
+            raise PeerError(f"fetch of {rel} from rank {self.rank} failed: {e.code().name}: "
+                            f"{e.details()}", step=step, host=self.rank, path=rel) from e
+        if got != size or value != crc:
+            os.unlink(dest)
+            raise CorruptShardError(
+                f"copy from rank {self.rank} does not match: {got} bytes crc32c {value:#010x}, "
+                f"expected {size} bytes crc32c {crc:#010x}", step=step, host=origin, path=rel)

@@ -1,0 +1,70 @@
+"""Who the replicator is and who its peers are.
+
+Ranks are ordered slice by slice: rank ``r`` is host ``r % nodes_per_slice`` of
+slice ``r // nodes_per_slice``. A host's peer group is the hosts with the same
+in-slice index in every other slice (the hosts holding the same data-parallel
+shards). Each step is copied to the next ``replicas`` members of the peer group,
+going round the slices: with 2 slices and ``replicas=1``, host i of slice 0 and
+host i of slice 1 hold each other's steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mtc.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatorConfig:
+    rank: int
+    nodes: tuple[str, ...]           # every node's replicator address, in rank order
+    nodes_per_slice: int
+    replicas: int = 1                # copies of each step on peers
+    keep: int = 2                    # own steps kept; the newest fully replicated one always
+    poll_s: float = 0.2
+    deadline_s: float = 10.0
+    agreement_timeout_s: float = 60.0
+    framework: str = "mtc"           # "mtc" or "orbax" (from replicator.yaml)
+    job_name: str = "mtc"
+
+    def __post_init__(self) -> None:
+        n = len(self.nodes)
+        if not 0 <= self.rank < n:
+            raise ConfigError(f"rank {self.rank} is not in 0..{n - 1}")
+        if self.nodes_per_slice < 1 or n % self.nodes_per_slice:
+            raise ConfigError(f"{n} nodes cannot form slices of {self.nodes_per_slice}")
+        if not 0 <= self.replicas < max(1, self.num_slices):
+            raise ConfigError(f"replicas must be in 0..{self.num_slices - 1} with "
+                              f"{self.num_slices} slices, got {self.replicas}")
+        if self.keep < 1:
+            raise ConfigError("keep must be >= 1")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.nodes) // self.nodes_per_slice
+
+    def slice_of(self, rank: int) -> int:
+        return rank // self.nodes_per_slice
+
+    def peer_group(self, rank: int) -> list[int]:
+        """Ranks with ``rank``'s in-slice index, ``rank`` first, then slice by slice after it."""
+        i, s = rank % self.nodes_per_slice, self.slice_of(rank)
+        return [((s + k) % self.num_slices) * self.nodes_per_slice + i
+                for k in range(self.num_slices)]
+
+    def targets(self, rank: int) -> list[int]:
+        """Where ``rank``'s steps are copied."""
+        return self.peer_group(rank)[1:1 + self.replicas]
+
+    def equivalent(self, rank: int) -> list[int]:
+        """Ranks whose data can stand in for ``rank``'s on restore.
+
+        mtc's manifests name their host, so only ``rank`` itself; Orbax restores
+        a host from any member of its peer group.
+        """
+        return self.peer_group(rank) if self.framework == "orbax" else [rank]

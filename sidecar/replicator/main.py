@@ -1,0 +1,87 @@
+"""``mtc-replicator``: the per-host replicator process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from mtc.errors import MtcError
+from sidecar.replicator.config import ReplicatorConfig
+from sidecar.replicator.node import Node
+from sidecar.replicator.security import Credentials
+from sidecar.replicator.server import serve
+
+log = logging.getLogger("mtc.replicator")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="mtc-replicator",
+        description="Copies this host's committed checkpoint steps to peer hosts in other "
+                    "slices and restores a replaced host's data from them.")
+    p.add_argument("--local-dir", required=True, help="this host's RAM disk")
+    p.add_argument("--listen", required=True, help="HOST:PORT to serve on (PORT 0: any)")
+    p.add_argument("--nodes", required=True,
+                   help="every node's replicator address, comma-separated, in rank order")
+    p.add_argument("--rank", type=int, help="this node's rank (default: from replicator.yaml)")
+    p.add_argument("--nodes-per-slice", type=int, default=1, help="hosts per slice")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="peer copies of each step, in other slices (default 1)")
+    p.add_argument("--keep", type=int, default=2, help="own steps kept (default 2)")
+    p.add_argument("--backup", help="backup URL (file:///path, gs://bucket/prefix)")
+    p.add_argument("--token-file", help="file holding the shared peer token")
+    p.add_argument("--tls-cert", help="this node's certificate (PEM), for mutual TLS")
+    p.add_argument("--tls-key", help="its private key (PEM)")
+    p.add_argument("--tls-ca", help="CA certificate that signs every peer (PEM)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument("--port-file", help="write the bound gRPC port here once serving")
+    p.add_argument("--framework", choices=("mtc", "orbax"), default="mtc")
+    p.add_argument("--poll-seconds", type=float, default=0.2)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s replicator: %(message)s")
+    try:
+        if args.rank is None:
+            raise MtcError("--rank is required until replicator.yaml support is configured")
+        config = ReplicatorConfig(rank=args.rank, nodes=tuple(args.nodes.split(",")),
+                                  nodes_per_slice=args.nodes_per_slice, replicas=args.replicas,
+                                  keep=args.keep, poll_s=args.poll_seconds,
+                                  framework=args.framework)
+        creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
+                                       args.tls_ca)
+        node = Node(config, Path(args.local_dir), creds)
+        server, port, servicer = serve(node, args.listen, creds)
+    except (MtcError, OSError) as e:
+        print(f"mtc-replicator: {e}", file=sys.stderr)
+        return 2
+    if args.metrics_port:
+        node.metrics.serve(args.metrics_port)
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
+    log.info("rank %d serving on port %d, root %s", config.rank, port, args.local_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    loop = threading.Thread(target=node.run, name="mtc-replicate", daemon=True)
+    loop.start()
+    while not stop.wait(5.0):
+        servicer.expire_transfers()
+    node.stop()
+    server.stop(grace=2).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

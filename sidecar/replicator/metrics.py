@@ -1,0 +1,30 @@
+"""Prometheus metrics of one replicator."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.bytes_sent = Counter("mtc_replicated_bytes_sent", "Bytes pushed to peers",
+                                  registry=r)
+        self.bytes_received = Counter("mtc_replicated_bytes_received",
+                                      "Verified bytes received from peers", registry=r)
+        self.bytes_fetched = Counter("mtc_restore_bytes_fetched",
+                                     "Verified bytes fetched from peers to restore", registry=r)
+        self.deduplicated_files = Counter("mtc_deduplicated_files",
+                                          "Files a peer already held; only metadata moved",
+                                          registry=r)
+        self.newest = Gauge("mtc_newest_step", "Newest step by state", ["state"], registry=r)
+        self.lag = Gauge("mtc_replication_lag_steps",
+                         "Committed steps newer than the newest fully replicated one",
+                         registry=r)
+        self.failures = Counter("mtc_failures", "Failures by kind", ["kind"], registry=r)
+        for state in ("committed", "replicated", "backed_up"):
+            self.newest.labels(state).set(-1)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,310 @@
+"""One host's replicator: replication loop, garbage collection, restore agreement.
+
+Replication: the newest committed step not yet on every target is offered to
+each target; files the target already holds identically are linked there, the
+rest are pushed and verified on receipt; the step counts as replicated only
+when the target commits the copy. Older unreplicated steps are skipped, so lag
+never grows beyond one step in flight.
+
+Restore: every node gathers every reachable node's inventory, computes the
+newest step whose data exists for every rank somewhere, and proposes it to all
+nodes; each decides the smallest proposal of the nodes it reached. No node is
+special, so any one may be down. A host missing its data fetches it file by
+file from the holders, spreading reads over them, verifying every byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from mtc import layout
+from mtc.errors import MtcError, StepNotFoundError
+from mtc.proto import replicator_pb2 as pb
+from sidecar.replicator.client import PeerClient, PeerError
+from sidecar.replicator.config import ReplicatorConfig
+from sidecar.replicator.metrics import Metrics
+from sidecar.replicator.security import Credentials
+from sidecar.replicator.store import CHUNK, FileMeta, LocalStore
+
+log = logging.getLogger(__name__)
+
+
+class Agreement:
+    """Proposals of the current restore round, by rank; stale ones expire."""
+
+    def __init__(self, ttl_s: float = 120.0) -> None:
+        self.ttl_s = ttl_s
+        self._props: dict[int, tuple[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def record(self, rank: int, step: int | None) -> dict[int, int]:
+        now = time.monotonic()
+        with self._lock:
+            if step is not None:
+                self._props[rank] = (step, now)
+            self._props = {r: v for r, v in self._props.items() if now - v[1] < self.ttl_s}
+            return {r: v[0] for r, v in self._props.items()}
+
+
+def _sha256(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.digest()
+
+
+class Node:
+    def __init__(self, config: ReplicatorConfig, root: Path, creds: Credentials) -> None:
+        self.config = config
+        self.rank = config.rank
+        self.store = LocalStore(root, config.rank)
+        self.metrics = Metrics()
+        self.agreement = Agreement()
+        self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s)
+                      for r, a in enumerate(config.nodes) if r != config.rank}
+        self.replicated: dict[int, set[int]] = defaultdict(set)
+        self._pushing: set[int] = set()
+        self._incoming: Any = None  # set by main: callable returning (origin, step) in transfer
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
+
+    # -- inventory ----------------------------------------------------------------
+
+    def inventory(self) -> pb.Inventory:
+        inv = pb.Inventory(rank=self.rank, newest_backed_up_step=-1)
+        for origin, step in self.store.copies():
+            try:
+                files = self.store.describe(origin, step)
+            except (OSError, ValueError):
+                continue
+            c = inv.copies.add(step=step, origin_rank=origin)
+            for f in files:
+                c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
+        return inv
+
+    # -- replication ----------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.replicate_once()
+                self.collect_garbage()
+            except Exception:
+                log.exception("replication pass failed")
+                self.metrics.failures.labels("loop").inc()
+            self._stop.wait(self.config.poll_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for p in self.peers.values():
+            p.close()
+
+    def fully_replicated(self, step: int) -> bool:
+        return set(self.config.targets(self.rank)) <= self.replicated.get(step, set())
+
+    def replicate_once(self) -> None:
+        own = self.store.own_steps()
+        if not own:
+            return
+        newest = own[-1]
+        self.metrics.newest.labels("committed").set(newest)
+        for target in self.config.targets(self.rank):
+            if target in self.replicated[newest]:
+                continue
+            try:
+                self.push_step(newest, target)
+            except (MtcError, OSError) as e:
+                kind = "peer_unreachable" if isinstance(e, PeerError) else type(e).__name__
+                self.metrics.failures.labels(kind).inc()
+                log.warning("rank %d: step %d not replicated to rank %d: %s",
+                            self.rank, newest, target, e)
+        done = [s for s in own if self.fully_replicated(s)]
+        if done:
+            self.metrics.newest.labels("replicated").set(done[-1])
+        self.metrics.lag.set(sum(1 for s in own if not done or s > done[-1]))
+
+    def push_step(self, step: int, target: int) -> None:
+        """Copy one own step to ``target``; returns once the target committed it."""
+        peer = self.peers[target]
+        with self._lock:
+            self._pushing.add(step)
+        try:
+            files = self.store.describe(self.rank, step)
+            offer = pb.OfferRequest(copy=pb.StepCopy(
+                step=step, origin_rank=self.rank,
+                files=[pb.FileInfo(path=f.path, size=f.size, crc32c=f.crc32c) for f in files]))
+            reply = peer.call("Offer", offer)
+            if reply.already_complete:
+                self.replicated[step].add(target)
+                return
+            src = self.store.copy_dir(self.rank, step)
+            same = [c.path for c in reply.candidates if _sha256(src / c.path) == c.sha256]
+            if same:
+                peer.call("Link", pb.LinkRequest(transfer_id=reply.transfer_id, paths=same))
+            todo = [f for f in files if f.path not in set(same)]
+            try:
+                futs = [self._pool.submit(self._push_file, peer, reply.transfer_id, src, f)
+                        for f in todo]
+                for fut in futs:
+                    fut.result()
+                peer.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
+            except BaseException:
+                try:
+                    peer.call("Abort", pb.AbortRequest(transfer_id=reply.transfer_id),
+                              attempts=1)
+                except PeerError:
+                    pass
+                raise
+            self.replicated[step].add(target)
+            log.info("rank %d: step %d replicated to rank %d (%d files linked, %d pushed)",
+                     self.rank, step, target, len(same), len(todo))
+        finally:
+            with self._lock:
+                self._pushing.discard(step)
+
+    def _push_file(self, peer: PeerClient, tid: str, src: Path, f: FileMeta) -> None:
+        peer.push_file(tid, f.path, src / f.path, f.size, f.crc32c)
+        self.metrics.bytes_sent.inc(f.size)
+
+    def on_copy_received(self, origin: int, step: int) -> None:
+        log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, origin, step)
+
+    # -- garbage collection -------------------------------------------------------
+
+    def collect_garbage(self) -> None:
+        keep = self.config.keep
+        own = self.store.own_steps()
+        replicated = [s for s in own if self.fully_replicated(s)]
+        protected = set(own[-keep:]) | set(replicated[-1:])
+        with self._lock:
+            protected |= self._pushing
+        for s in own:
+            if s not in protected:
+                self.store.remove_copy(self.rank, s)
+        for origin, steps in self.store.replica_steps().items():
+            if origin == self.rank:
+                continue
+            for s in steps[:-keep]:
+                self.store.remove_copy(origin, s)
+
+    # -- restore --------------------------------------------------------------------
+
+    def gather(self) -> dict[int, pb.Inventory]:
+        invs = {self.rank: self.inventory()}
+        futs = {r: self._pool.submit(p.call, "GetInventory", pb.InventoryRequest(),
+                                     deadline_s=self.config.deadline_s, attempts=2)
+                for r, p in self.peers.items()}
+        for r, fut in futs.items():
+            try:
+                invs[r] = fut.result()
+            except PeerError as e:
+                log.warning("rank %d: no inventory from rank %d: %s", self.rank, r, e)
+        return invs
+
+    def holders(self, invs: dict[int, pb.Inventory]
+                ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]:
+        """(origin, step) -> [(holder rank, its copy)]."""
+        out: dict[tuple[int, int], list[tuple[int, pb.StepCopy]]] = defaultdict(list)
+        for holder, inv in invs.items():
+            for c in inv.copies:
+                out[(c.origin_rank, c.step)].append((holder, c))
+        return out
+
+    def restorable(self, invs: dict[int, pb.Inventory]) -> int:
+        held = self.holders(invs)
+        steps = {s for _, s in held}
+        for s in sorted(steps, reverse=True):
+            if all(any((o, s) in held for o in self.config.equivalent(r))
+                   for r in range(self.config.num_nodes)):
+                return s
+        return -1
+
+    def agree(self, timeout_s: float | None = None) -> tuple[int, dict[int, pb.Inventory]]:
+        """The step every reachable node decides, and the inventories it was based on."""
+        deadline = time.monotonic() + (timeout_s or self.config.agreement_timeout_s)
+        invs = self.gather()
+        mine = self.restorable(invs)
+        while True:
+            seen = self.agreement.record(self.rank, mine)
+            reached = {self.rank}
+            for r, p in self.peers.items():
+                try:
+                    reply = p.call("Propose", pb.ProposeRequest(rank=self.rank, step=mine),
+                                   deadline_s=self.config.deadline_s, attempts=1)
+                except PeerError:
+                    continue
+                reached.add(r)
+                for prop in reply.seen:
+                    seen.setdefault(prop.rank, prop.step)
+            seen = {**seen, **self.agreement.record(self.rank, None)}
+            if reached <= set(seen) or time.monotonic() > deadline:
+                decided = min(seen[r] for r in reached if r in seen)
+                log.info("rank %d: restore step %d (proposals %s)", self.rank, decided, seen)
+                if decided != mine:
+                    invs = self.gather()
+                return decided, invs
+            time.sleep(0.1)
+
+    def prepare_restore(self, timeout_s: float | None = None) -> tuple[int, str, float]:
+        """Agree on the step and make this host's data for it local."""
+        t0 = time.monotonic()
+        step, invs = self.agree(timeout_s)
+        if step < 0:
+            return -1, "none", time.monotonic() - t0
+        tier = self.materialize(step, invs, into_root=self.config.framework == "mtc")
+        return step, tier, time.monotonic() - t0
+
+    def materialize(self, step: int, invs: dict[int, pb.Inventory], *, into_root: bool) -> str:
+        """Make this host's data of ``step`` local; returns the tier it came from."""
+        if (self.rank, step) in self.store.copies():
+            return "local"
+        held = self.holders(invs)
+        sources: list[tuple[int, pb.StepCopy]] = []
+        for origin in self.config.equivalent(self.rank):
+            sources += [(h, c) for h, c in held.get((origin, step), []) if h != self.rank]
+            if sources:
+                break
+        if not sources:
+            raise StepNotFoundError("no peer holds this host's data", step=step, host=self.rank)
+        copy = sources[0][1]
+        files = [FileMeta(f.path, f.size, f.crc32c) for f in copy.files]
+        tmp = (layout.new_tmp_dir(self.store.root, step) if into_root
+               else self.store.begin_incoming(self.rank, step))
+        try:
+            futs = [self._pool.submit(self._fetch, sources, i, step, f, tmp)
+                    for i, f in enumerate(files)]
+            for fut in futs:
+                fut.result()
+            self.store.commit_restored(tmp, step, files, into_root=into_root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return "peer"
+
+    def _fetch(self, sources: list[tuple[int, pb.StepCopy]], i: int, step: int, f: FileMeta,
+               tmp: Path) -> None:
+        """One file from the holders, starting at a different one per file; next on failure."""
+        errors = []
+        for k in range(len(sources)):
+            holder, copy = sources[(i + k) % len(sources)]
+            try:
+                self.peers[holder].fetch_file(step, copy.origin_rank, f.path, tmp / f.path,
+                                              f.size, f.crc32c)
+                self.metrics.bytes_fetched.inc(f.size)
+                return
+            except (MtcError, OSError) as e:
+                self.metrics.failures.labels("fetch").inc()
+                log.warning("rank %d: %s from rank %d failed: %s", self.rank, f.path, holder, e)
+                errors.append(e)
+        raise errors[-1]

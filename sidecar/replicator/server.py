@@ -1,0 +1,292 @@
+"""The replicator's gRPC server: thin servicers over :class:`~sidecar.replicator.node.Node`.
+
+Domain errors become status codes in one place (:func:`_status`). Shard bytes use
+raw-bytes handlers (no protobuf copy); control messages are protobuf.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from mtc.errors import CorruptShardError, FatalError, MtcError, RetryableError, StepNotFoundError
+from mtc.integrity import crc32c
+from mtc.proto import replicator_pb2 as pb
+from mtc.proto import replicator_pb2_grpc as pb_grpc
+from sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
+from sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
+from sidecar.replicator.store import CHUNK, FileMeta, UnsafePathError, inside, safe_relpath
+
+if TYPE_CHECKING:
+    from sidecar.replicator.node import Node
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+MAX_FILES = 1_000_000
+TRANSFER_IDLE_S = 300.0
+
+
+def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, UnsafePathError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, CorruptShardError):
+        return grpc.StatusCode.DATA_LOSS, str(e)
+    if isinstance(e, StepNotFoundError | FileNotFoundError | KeyError):
+        return grpc.StatusCode.NOT_FOUND, str(e)
+    if isinstance(e, ValueError | FatalError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, RetryableError):
+        return grpc.StatusCode.UNAVAILABLE, str(e)
+    log.exception("internal error in a replicator call", exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+def mapped(fn: F) -> F:
+    """Turn domain errors of a handler into gRPC statuses; never crash the server."""
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except (MtcError, OSError, ValueError, KeyError) as e:
+            code, msg = _status(e)
+            context.abort(code, msg)
+    return wrapper  # type: ignore[return-value]
+
+
+class Transfer:
+    """An incoming copy: its temporary folder, expected files and verified ones."""
+
+    def __init__(self, origin: int, step: int, tmp: Path, files: list[FileMeta]) -> None:
+        self.origin = origin
+        self.step = step
+        self.tmp = tmp
+        self.files = {f.path: f for f in files}
+        self.verified: set[str] = set()
+        self.candidates: dict[str, Path] = {}
+        self.touched = time.monotonic()
+        self.lock = threading.Lock()
+
+
+class ReplicatorServicer(pb_grpc.ReplicatorServicer):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.transfers: dict[str, Transfer] = {}
+        self._lock = threading.Lock()
+
+    def _transfer(self, tid: str) -> Transfer:
+        with self._lock:
+            t = self.transfers.get(tid)
+        if t is None:
+            raise KeyError(f"unknown transfer {tid!r}")
+        t.touched = time.monotonic()
+        return t
+
+    def expire_transfers(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [k for k, t in self.transfers.items() if now - t.touched > TRANSFER_IDLE_S]
+            dropped = [self.transfers.pop(k) for k in stale]
+        for t in dropped:
+            shutil.rmtree(t.tmp, ignore_errors=True)
+
+    def incoming(self) -> set[tuple[int, int]]:
+        with self._lock:
+            return {(t.origin, t.step) for t in self.transfers.values()}
+
+    @mapped
+    def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
+        return self.node.inventory()
+
+    @mapped
+    def Offer(self, request: pb.OfferRequest, context: Any) -> pb.OfferReply:
+        c = request.copy
+        if not 0 <= c.origin_rank < self.node.config.num_nodes or c.origin_rank == self.node.rank:
+            raise ValueError(f"origin rank {c.origin_rank} is not a peer of rank {self.node.rank}")
+        if c.step < 0 or len(c.files) > MAX_FILES:
+            raise ValueError("bad step or too many files")
+        files = [FileMeta(safe_relpath(f.path), f.size, f.crc32c) for f in c.files]
+        if len({f.path for f in files}) != len(files):
+            raise ValueError("duplicate paths in offer")
+        store = self.node.store
+        if (c.origin_rank, c.step) in store.copies():
+            return pb.OfferReply(already_complete=True)
+        tmp = store.begin_incoming(c.origin_rank, c.step)
+        t = Transfer(c.origin_rank, c.step, tmp, files)
+        reply = pb.OfferReply(transfer_id=uuid.uuid4().hex)
+        for f in files:
+            local = store.find_identical(f)
+            if local is not None:
+                t.candidates[f.path] = local
+                reply.candidates.add(path=f.path, sha256=_sha256(local))
+        with self._lock:
+            self.transfers[reply.transfer_id] = t
+        return reply
+
+    @mapped
+    def Link(self, request: pb.LinkRequest, context: Any) -> pb.LinkReply:
+        t = self._transfer(request.transfer_id)
+        linked = []
+        for rel in request.paths:
+            src = t.candidates.get(rel)
+            if src is None:
+                raise ValueError(f"{rel!r} was not offered as a candidate")
+            dst = inside(t.tmp, rel)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)  # same RAM disk: the bytes are shared, not copied
+            except FileExistsError:
+                pass
+            with t.lock:
+                t.verified.add(rel)
+            linked.append(rel)
+        self.node.metrics.deduplicated_files.inc(len(linked))
+        return pb.LinkReply(linked=linked)
+
+    @mapped
+    def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:
+        t = self._transfer(request.transfer_id)
+        missing = set(t.files) - t.verified
+        if missing:
+            raise CorruptShardError(f"{len(missing)} files not received or not verified, e.g. "
+                                    f"{sorted(missing)[0]}", step=t.step, host=t.origin)
+        self.node.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()))
+        with self._lock:
+            self.transfers.pop(request.transfer_id, None)
+        self.node.on_copy_received(t.origin, t.step)
+        return pb.CommitReply(step=t.step, origin_rank=t.origin)
+
+    @mapped
+    def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
+        with self._lock:
+            t = self.transfers.pop(request.transfer_id, None)
+        if t is not None:
+            shutil.rmtree(t.tmp, ignore_errors=True)
+        return pb.AbortReply()
+
+    @mapped
+    def Propose(self, request: pb.ProposeRequest, context: Any) -> pb.ProposeReply:
+        seen = self.node.agreement.record(request.rank, request.step)
+        return pb.ProposeReply(seen=[pb.ProposeRequest(rank=r, step=s) for r, s in seen.items()])
+
+    @mapped
+    def PrepareRestore(self, request: pb.PrepareRestoreRequest,
+                       context: Any) -> pb.PrepareRestoreReply:
+        step, tier, seconds = self.node.prepare_restore(request.timeout_seconds or None)
+        return pb.PrepareRestoreReply(step=step, tier=tier, seconds=seconds)
+
+    @mapped
+    def RequestBackup(self, request: pb.BackupRequest, context: Any) -> pb.BackupReply:
+        raise ValueError("this replicator has no backup tier configured")
+
+    # -- data plane: raw bytes --------------------------------------------------
+
+    def push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushAck:
+        try:
+            md = dict(context.invocation_metadata())
+            t = self._transfer(str(md.get("x-mtc-transfer", "")))
+            rel = safe_relpath(str(md.get("x-mtc-path", "")))
+            meta = t.files.get(rel)
+            if meta is None:
+                raise ValueError(f"{rel!r} is not part of the offered step")
+            if str(md.get("x-mtc-size")) != str(meta.size) or \
+                    str(md.get("x-mtc-crc32c")) != str(meta.crc32c):
+                raise ValueError(f"{rel!r}: size or checksum differ from the offer")
+            dst = inside(t.tmp, rel)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            value = got = 0
+            with open(dst, "wb", buffering=0) as f:
+                for chunk in chunks:
+                    got += len(chunk)
+                    if got > meta.size:
+                        raise CorruptShardError(f"peer sent more than {meta.size} bytes",
+                                                step=t.step, host=t.origin, path=rel)
+                    value = crc32c(chunk, value)
+                    f.write(chunk)
+            if got != meta.size or value != meta.crc32c:
+                dst.unlink(missing_ok=True)
+                raise CorruptShardError(
+                    f"received {got} bytes with crc32c {value:#010x}, offer said {meta.size} "
+                    f"bytes {meta.crc32c:#010x}", step=t.step, host=t.origin, path=rel)
+            with t.lock:
+                t.verified.add(rel)
+            self.node.metrics.bytes_received.inc(got)
+            return pb.PushAck(path=rel, size=got)
+        except (MtcError, OSError, ValueError, KeyError) as e:
+            code, msg = _status(e)
+            context.abort(code, msg)
+            raise AssertionError("unreachable") from e
+
+    def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        try:
+            req = pb.FetchRequest.FromString(request)
+            rel = safe_relpath(req.path)
+            store = self.node.store
+            if (req.origin_rank, req.step) not in store.copies():
+                raise StepNotFoundError("no complete copy here", step=req.step,
+                                        host=req.origin_rank)
+            path = inside(store.copy_dir(req.origin_rank, req.step), rel)
+            with open(path, "rb", buffering=0) as f:
+                f.seek(req.offset)
+                while chunk := f.read(CHUNK):
+                    yield chunk
+        except (MtcError, OSError, ValueError, KeyError) as e:
+            code, msg = _status(e)
+            context.abort(code, msg)
+
+
+def _sha256(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.digest()
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 16
+          ) -> tuple[grpc.Server, int, ReplicatorServicer]:
+    """Start the server; returns it, the bound port and the servicer."""
+    check_listen_address(listen, creds)
+    interceptors = [TokenInterceptor(creds.token)] if creds.token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
+                         interceptors=interceptors,
+                         options=[*CHANNEL_OPTIONS[:2],
+                                  ("grpc.max_receive_message_length", MAX_MESSAGE)],
+                         maximum_concurrent_rpcs=workers * 4)
+    servicer = ReplicatorServicer(node)
+    pb_grpc.add_ReplicatorServicer_to_server(servicer, server)
+    data = grpc.method_handlers_generic_handler("mtc.replicator.v1.Data", {
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.push, request_deserializer=_raw,
+            response_serializer=pb.PushAck.SerializeToString),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            servicer.fetch, request_deserializer=_raw, response_serializer=_raw),
+    })
+    server.add_generic_rpc_handlers((data,))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    sc = creds.server_credentials()
+    port = server.add_secure_port(listen, sc) if sc else server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("mtc.replicator.v1.Replicator", health_pb2.HealthCheckResponse.SERVING)
+    assert PUSH and FETCH  # the names clients use, defined beside them
+    return server, port, servicer

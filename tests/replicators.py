@@ -1,0 +1,128 @@
+"""Real replicator processes for tests: start, wait until serving, SIGKILL, restart."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mtc.proto import replicator_pb2 as pb
+from sidecar.replicator.client import PeerClient
+from sidecar.replicator.security import Credentials
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclasses.dataclass
+class Cluster:
+    """``n`` replicators over ``<base>/host-<rank>``, ``per_slice`` hosts per slice."""
+
+    base: Path
+    n: int
+    per_slice: int
+    extra: tuple[str, ...] = ()
+    creds: Credentials = dataclasses.field(default_factory=Credentials)
+
+    def __post_init__(self) -> None:
+        self.ports = free_ports(self.n)
+        self.addrs = [f"127.0.0.1:{p}" for p in self.ports]
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.logs = self.base / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def root(self, rank: int) -> Path:
+        return self.base / f"host-{rank}"
+
+    def start(self, rank: int, *more: str) -> None:
+        log = open(self.logs / f"replicator-{rank}.log", "ab")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "sidecar.replicator.main", "--local-dir", str(self.root(rank)),
+               "--listen", self.addrs[rank], "--nodes", ",".join(self.addrs),
+               "--rank", str(rank), "--nodes-per-slice", str(self.per_slice),
+               "--poll-seconds", "0.05", *self.extra, *more]
+        self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.wait_serving(rank)
+
+    def start_all(self) -> None:
+        for r in range(self.n):
+            self.start(r)
+
+    def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        cc = self.creds.channel_credentials()
+        while time.monotonic() < deadline:
+            proc = self.procs[rank]
+            if proc.poll() is not None:
+                raise RuntimeError(f"replicator {rank} exited {proc.returncode}: "
+                                   f"{(self.logs / f'replicator-{rank}.log').read_text()[-2000:]}")
+            ch = (grpc.secure_channel(self.addrs[rank], cc) if cc
+                  else grpc.insecure_channel(self.addrs[rank]))
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.1)
+            finally:
+                ch.close()
+        raise TimeoutError(f"replicator {rank} not serving after {timeout}s")
+
+    def kill(self, rank: int) -> None:
+        proc = self.procs.pop(rank, None)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+    def stop_all(self) -> None:
+        for r in list(self.procs):
+            self.kill(r)
+
+    def client(self, rank: int) -> PeerClient:
+        return PeerClient(self.addrs[rank], self.creds, rank=rank)
+
+    def inventory(self, rank: int) -> pb.Inventory:
+        c = self.client(rank)
+        try:
+            return c.call("GetInventory", pb.InventoryRequest())
+        finally:
+            c.close()
+
+    def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
+        """Until every rank's step is held by every rank's targets (replicas=1, 2 slices)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            held = set()
+            for r in range(self.n):
+                if r in self.procs:
+                    held |= {(r, c.origin_rank, c.step) for c in self.inventory(r).copies}
+            want = {((o + self.per_slice) % self.n, o, step) for o in range(self.n)}
+            if want <= held:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"step {step} not replicated in {timeout}s")
+
+
+def env_with_repo() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return env
