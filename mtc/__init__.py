@@ -4,10 +4,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mtc.errors import (ConfigError, CorruptShardError, FatalError, ManifestError, MtcError,
-                        RamDiskFullError, RetryableError, SaveInProgressError,
-                        ShardUnavailableError, StepExistsError, StepNotFoundError, StorageError,
-                        TargetMismatchError, UnsupportedLeafError)
+from mtc.errors import (
+    AgreementError,
+    ConfigError,
+    CorruptShardError,
+    FatalError,
+    ManifestError,
+    MtcError,
+    RamDiskFullError,
+    RetryableError,
+    SaveInProgressError,
+    ShardUnavailableError,
+    StepExistsError,
+    StepNotFoundError,
+    StorageError,
+    TargetMismatchError,
+    UnsupportedLeafError,
+)
 from mtc.options import Options
 
 if TYPE_CHECKING:
@@ -16,10 +29,10 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointManager", "ConfigError", "CorruptShardError", "FatalError", "ManifestError",
-    "MtcError", "Options", "RamDiskFullError", "RetryableError", "SaveInProgressError",
-    "ShardUnavailableError", "StepExistsError", "StepNotFoundError", "StorageError",
-    "TargetMismatchError", "UnsupportedLeafError", "__version__",
+    "AgreementError", "CheckpointManager", "ConfigError", "CorruptShardError", "FatalError",
+    "ManifestError", "MtcError", "Options", "RamDiskFullError", "RetryableError",
+    "SaveInProgressError", "ShardUnavailableError", "StepExistsError", "StepNotFoundError",
+    "StorageError", "TargetMismatchError", "UnsupportedLeafError", "__version__",
 ]
 
 

@@ -50,6 +50,10 @@ class StorageError(RetryableError):
     """An I/O error other than a full disk while reading or writing a step."""
 
 
+class AgreementError(RetryableError):
+    """Hosts could not agree on the step to restore."""
+
+
 class SaveInProgressError(RetryableError):
     """A save could not be staged because host memory in flight is exhausted."""
 

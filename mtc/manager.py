@@ -18,7 +18,7 @@ import jax
 
 from mtc import layout, multihost
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch
-from mtc.errors import StepExistsError, StepNotFoundError
+from mtc.errors import ConfigError, StepExistsError, StepNotFoundError
 from mtc.options import Options
 from mtc.restore.load import restore_tree
 from mtc.restore.plan import load_step
@@ -112,7 +112,7 @@ class CheckpointManager:
         costs the newest complete step.
         """
         keep = self.options.max_to_keep
-        if keep is None:
+        if keep is None or self.options.replicators:
             return
         complete = self.all_steps()
         if len(complete) < keep:
@@ -154,6 +154,8 @@ class CheckpointManager:
         numpy arrays in nested dicts and lists.
         """
         self.wait_until_finished()
+        if step is None and self.options.replicators:
+            step = self._prepare_with_replicators()
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -162,6 +164,18 @@ class CheckpointManager:
                  if h in self.topology.local_hosts or self._config.root(h).is_dir()]
         saved = load_step(step, hosts, self._config.root)
         return restore_tree(saved, target, self.topology, self._dispatch, self._config.root)
+
+    def _prepare_with_replicators(self) -> int | None:
+        """Have each local host's replicator agree on a step and make its data local."""
+        from mtc.replicas import prepare_restore
+
+        addrs = self.options.replicators or ()
+        if len(addrs) != self.topology.num_hosts:
+            raise ConfigError(f"{len(addrs)} replicator addresses for "
+                              f"{self.topology.num_hosts} hosts")
+        return prepare_restore([addrs[h] for h in self.topology.local_hosts],
+                               token=self.options.replicator_token,
+                               timeout_s=self.options.restore_timeout_s)
 
     # -- lifecycle --------------------------------------------------------------
 

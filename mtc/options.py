@@ -39,6 +39,12 @@ class Options:
         rather than in ``local_dir`` itself. ``None``: on when hosts are
         simulated or several processes share a machine (CPU devices), off on a
         real host whose RAM disk is ``local_dir``.
+      replicators: each host's ``mtc-replicator`` address, in host order. With
+        replicators, ``restore()`` without a step asks them to agree on the
+        newest step restorable on every host and to fetch missing data from
+        peers first; retention is then theirs (``max_to_keep`` is not applied).
+      replicator_token: the replicators' shared token, if they require one.
+      restore_timeout_s: how long a restore waits for the replicators.
     """
 
     save_interval_steps: int = 1
@@ -50,6 +56,9 @@ class Options:
     hosts_per_slice: int = 1
     simulated_hosts: int | None = None
     host_subdirs: bool | None = None
+    replicators: tuple[str, ...] | None = None
+    replicator_token: str | None = None
+    restore_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.save_interval_steps < 1:

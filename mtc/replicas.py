@@ -1,0 +1,39 @@
+"""The controller's side of the peer tier: asking replicators to prepare a restore."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from mtc.errors import AgreementError
+
+log = logging.getLogger(__name__)
+
+
+def prepare_restore(addresses: Sequence[str], *, token: str | None,
+                    timeout_s: float) -> int | None:
+    """Ask each replicator (concurrently: they agree with each other) to make
+    its host's data of the agreed step local; returns that step, or None."""
+    from mtc.proto import replicator_pb2 as pb
+    from sidecar.replicator.client import PeerClient
+    from sidecar.replicator.security import Credentials
+
+    creds = Credentials(token=token)
+    clients = [PeerClient(a, creds, rank=i) for i, a in enumerate(addresses)]
+    try:
+        with ThreadPoolExecutor(len(clients)) as pool:
+            replies = list(pool.map(
+                lambda c: c.call("PrepareRestore",
+                                 pb.PrepareRestoreRequest(timeout_seconds=timeout_s),
+                                 deadline_s=timeout_s + 30, attempts=1), clients))
+    finally:
+        for c in clients:
+            c.close()
+    steps = {r.step for r in replies}
+    for a, r in zip(addresses, replies, strict=True):
+        log.info("replicator %s: step %d from the %s tier in %.2fs", a, r.step, r.tier, r.seconds)
+    if len(steps) != 1:
+        raise AgreementError(f"replicators disagree on the step to restore: {sorted(steps)}")
+    step = steps.pop()
+    return None if step < 0 else step
