@@ -7,9 +7,11 @@ import logging
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
-from mtc.errors import MtcError
+from mtc.errors import ConfigError, MtcError
+from sidecar.replicator import orbax
 from sidecar.replicator.config import ReplicatorConfig
 from sidecar.replicator.node import Node
 from sidecar.replicator.security import Credentials
@@ -50,19 +52,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s replicator: %(message)s")
+    root = Path(args.local_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    nodes = tuple(args.nodes.split(","))
+    rank, per_slice, framework = args.rank, args.nodes_per_slice, args.framework
+    request = None
     try:
-        if args.rank is None:
-            raise MtcError("--rank is required until replicator.yaml support is configured")
-        config = ReplicatorConfig(rank=args.rank, nodes=tuple(args.nodes.split(",")),
-                                  nodes_per_slice=args.nodes_per_slice, replicas=args.replicas,
-                                  keep=args.keep, poll_s=args.poll_seconds,
-                                  framework=args.framework)
+        if rank is None:
+            # Orbax's client tells us who we are through replicator.yaml.
+            log.info("waiting for %s in %s", orbax.YAML_NAME, root)
+            while request is None:
+                if stop.wait(args.poll_seconds):
+                    return 0
+                request = _take(root)
+            rank, per_slice, framework = request.rank, request.nodes_per_slice, "orbax"
+            if request.nodes != len(nodes):
+                raise ConfigError(f"{orbax.YAML_NAME} says {request.nodes} nodes, --nodes "
+                                  f"lists {len(nodes)}")
+        config = ReplicatorConfig(rank=rank, nodes=nodes, nodes_per_slice=per_slice,
+                                  replicas=args.replicas, keep=args.keep,
+                                  poll_s=args.poll_seconds, framework=framework)
         creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                        args.tls_ca)
-        node = Node(config, Path(args.local_dir), creds)
+        node = Node(config, root, creds)
         server, port, servicer = serve(node, args.listen, creds)
     except (MtcError, OSError) as e:
         print(f"mtc-replicator: {e}", file=sys.stderr)
+        if framework == "orbax" or request is not None:
+            orbax.report(root, f"mtc-replicator cannot start: {e}", fatal=True)
         return 2
     if args.metrics_port:
         node.metrics.serve(args.metrics_port)
@@ -71,16 +91,44 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(str(port))
         tmp.replace(args.port_file)
     log.info("rank %d serving on port %d, root %s", config.rank, port, args.local_dir)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     loop = threading.Thread(target=node.run, name="mtc-replicate", daemon=True)
     loop.start()
-    while not stop.wait(5.0):
-        servicer.expire_transfers()
+    last_expiry = time.monotonic()
+    while True:
+        if request is not None:
+            _answer(node, root, request)
+        if stop.wait(args.poll_seconds):
+            break
+        request = _take(root) if config.framework == "orbax" else None
+        if time.monotonic() - last_expiry > 5.0:
+            servicer.expire_transfers()
+            last_expiry = time.monotonic()
     node.stop()
     server.stop(grace=2).wait()
     return 0
+
+
+def _take(root: Path) -> orbax.ClientRequest | None:
+    try:
+        return orbax.take_request(root)
+    except ConfigError as e:
+        orbax.report(root, str(e), fatal=True)
+        return None
+
+
+def _answer(node: Node, root: Path, request: orbax.ClientRequest) -> None:
+    """Serve one Orbax client start: agree on a step and write the restore marker."""
+    if request.rank != node.rank or request.nodes != node.config.num_nodes:
+        orbax.report(root, f"{orbax.YAML_NAME} names rank {request.rank} of {request.nodes}; "
+                           f"this replicator is rank {node.rank} of {node.config.num_nodes}",
+                     fatal=True)
+        return
+    try:
+        step = node.restore_for_client(request.job_name)
+        log.info("rank %d: told the client to restore step %d", node.rank, step)
+    except (MtcError, OSError) as e:
+        log.exception("restore for the client failed")
+        orbax.report(root, f"restore failed: {e}", fatal=True)
 
 
 if __name__ == "__main__":

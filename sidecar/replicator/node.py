@@ -194,6 +194,12 @@ class Node:
                 self.store.remove_copy(self.rank, s)
         for origin, steps in self.store.replica_steps().items():
             if origin == self.rank:
+                # Own steps parked for a client (Orbax) or restored: keep the ones
+                # still linked from the root and the newest.
+                linked = {s for s in steps if (self.store.root / str(s)).is_symlink()}
+                for s in steps[:-keep]:
+                    if s not in linked and s not in protected:
+                        self.store.remove_copy(origin, s)
                 continue
             for s in steps[:-keep]:
                 self.store.remove_copy(origin, s)
@@ -232,8 +238,15 @@ class Node:
 
     def agree(self, timeout_s: float | None = None) -> tuple[int, dict[int, pb.Inventory]]:
         """The step every reachable node decides, and the inventories it was based on."""
-        deadline = time.monotonic() + (timeout_s or self.config.agreement_timeout_s)
+        start = time.monotonic()
+        deadline = start + (timeout_s or self.config.agreement_timeout_s)
+        # A node that is not up yet may hold data nobody else has: give it a
+        # moment before deciding without it.
+        straggler_deadline = min(deadline, start + self.config.straggler_wait_s)
         invs = self.gather()
+        while len(invs) < self.config.num_nodes and time.monotonic() < straggler_deadline:
+            time.sleep(0.2)
+            invs = self.gather()
         mine = self.restorable(invs)
         while True:
             seen = self.agreement.record(self.rank, mine)
@@ -255,6 +268,26 @@ class Node:
                     invs = self.gather()
                 return decided, invs
             time.sleep(0.1)
+
+    def restore_for_client(self, job: str) -> int:
+        """Answer an Orbax client: agree, park every step folder out of its sight,
+        bring this host's data of the agreed step, and write the restore marker."""
+        from sidecar.replicator import orbax
+
+        step, invs = self.agree()
+        for s in self.store.own_steps():
+            if (self.store.root / str(s)).is_symlink():
+                (self.store.root / str(s)).unlink()
+            else:
+                self.store.adopt_own(s)
+        if step < 0:
+            orbax.write_marker(self.store.root, job, 0, self.rank, None)
+            return -1
+        if (self.rank, step) not in self.store.copies():
+            self.materialize(step, invs, into_root=False)
+        orbax.write_marker(self.store.root, job, step, self.rank,
+                           self.store.copy_dir(self.rank, step))
+        return step
 
     def prepare_restore(self, timeout_s: float | None = None) -> tuple[int, str, float]:
         """Agree on the step and make this host's data for it local."""

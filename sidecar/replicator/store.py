@@ -222,8 +222,27 @@ class LocalStore:
         else:
             self.commit_incoming(tmp, self.rank, step, files)
 
+    def adopt_own(self, step: int) -> None:
+        """Move an own step folder from the root into the replica area, described."""
+        src = self.root / str(step)
+        files = self.describe(self.rank, step)
+        d = self.replicas / str(self.rank)
+        d.mkdir(parents=True, exist_ok=True)
+        if (d / str(step)).exists():
+            layout.remove_step(self.root, step)
+            return
+        desc = self._descriptor(self.rank, step)
+        desc.with_suffix(".tmp").write_text(json.dumps([f.to_json() for f in files]))
+        os.replace(desc.with_suffix(".tmp"), desc)
+        os.rename(src, d / str(step))
+        with self._lock:
+            self._described[(self.rank, step)] = files
+
     def remove_copy(self, origin: int, step: int) -> None:
-        if origin == self.rank and (self.root / str(step)).is_dir():
+        in_root = self.root / str(step)
+        if origin == self.rank and in_root.is_symlink():
+            in_root.unlink()  # a restored step: the link in the root, data in the replica area
+        if origin == self.rank and in_root.is_dir():
             layout.remove_step(self.root, step)
         else:
             layout.remove_step(self.replicas / str(origin), step)

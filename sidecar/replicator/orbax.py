@@ -1,0 +1,146 @@
+"""The file protocol of GKE's replicator, as Orbax's multi-tier client speaks it.
+
+Orbax's ``initialize_multi_tier_checkpointing`` writes ``replicator.yaml`` into
+the RAM disk at every job start, waits for the replicator to delete it, then
+waits for a restore marker ``<job>-s<step>-n<rank>-w0.restore``: a symlink to
+the folder holding the step to restore, which it renames to ``<local>/<step>``,
+or an empty file with step 0 for "nothing to restore". The client trusts the
+marker blindly, so this module guarantees what it does not check: every node
+restores the same (agreed) step, and no other step folder is left in the RAM
+disk for the client to list as restorable.
+
+``replicator.errors`` (logged by the client) and ``replicator.failed`` (fatal
+for the client) report problems; the client reads them only while it waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mtc import layout
+from mtc.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+YAML_NAME = "replicator.yaml"
+ERRORS_NAME = "replicator.errors"
+FAILED_NAME = "replicator.failed"
+BACKUP_REQUESTED = "_BACKUP_REQUESTED"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientRequest:
+    """What ``replicator.yaml`` says."""
+
+    job_name: str
+    rank: int
+    nodes: int
+    peer_ranks: tuple[int, ...]
+    data_parallelism: int
+    backup_interval_minutes: int | None
+    backup_interval_steps: int | None
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.peer_ranks) + 1
+
+    @property
+    def nodes_per_slice(self) -> int:
+        return self.nodes // self.num_slices
+
+
+def parse_request(text: str) -> ClientRequest:
+    try:
+        d: dict[str, Any] = yaml.safe_load(text) or {}
+        if d.get("framework", "orbax") != "orbax":
+            raise ConfigError(f"framework {d.get('framework')!r} is not supported")
+        req = ClientRequest(
+            job_name=str(d["job-name"]), rank=int(d["node-rank"]), nodes=int(d["nodes"]),
+            peer_ranks=tuple(int(x) for x in d.get("peer-ranks") or ()),
+            data_parallelism=int(d.get("assume-data-parallelism", 1)),
+            backup_interval_minutes=(int(d["backup-interval-minutes"])
+                                     if "backup-interval-minutes" in d else None),
+            backup_interval_steps=(int(d["backup-interval-steps"])
+                                   if "backup-interval-steps" in d else None))
+    except (KeyError, TypeError, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"malformed {YAML_NAME}: {e}") from e
+    if not 0 <= req.rank < req.nodes or req.nodes % req.num_slices:
+        raise ConfigError(f"{YAML_NAME}: rank {req.rank} of {req.nodes} nodes with "
+                          f"{req.num_slices} slices is inconsistent")
+    return req
+
+
+def take_request(root: Path) -> ClientRequest | None:
+    """Consume ``replicator.yaml`` if present (the client waits for its deletion)."""
+    path = root / YAML_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    path.unlink(missing_ok=True)
+    return parse_request(text)
+
+
+def report(root: Path, message: str, *, fatal: bool = False) -> None:
+    """Append to ``replicator.errors``, or write ``replicator.failed`` when fatal."""
+    path = root / (FAILED_NAME if fatal else ERRORS_NAME)
+    with open(path, "a") as f:
+        f.write(message.rstrip("\n") + "\n")
+
+
+def marker_name(job: str, step: int, rank: int) -> str:
+    return f"{job}-s{step}-n{rank}-w0.restore"
+
+
+def clear_markers(root: Path) -> None:
+    for p in root.glob("*.restore"):
+        p.unlink(missing_ok=True)
+
+
+def write_marker(root: Path, job: str, step: int, rank: int, target: Path | None) -> Path:
+    """The restore marker: a symlink to ``target``, or an empty step-0 file for none."""
+    clear_markers(root)
+    final = root / marker_name(job, 0 if target is None else step, rank)
+    tmp = root / f".{final.name}.tmp"
+    tmp.unlink(missing_ok=True)
+    if target is None:
+        tmp.touch()
+    else:
+        # Relative, so it resolves inside the RAM disk wherever it is mounted.
+        os.symlink(os.path.relpath(target, root), tmp)
+    os.replace(tmp, final)  # the client polls: it must never see a half-made marker
+    return final
+
+
+def hide_step_folders(root: Path, keep_in: Path) -> list[int]:
+    """Move every step folder out of the client's sight into ``keep_in``.
+
+    Returns the steps moved; earlier restored steps (symlinks) are unlinked.
+    """
+    moved = []
+    keep_in.mkdir(parents=True, exist_ok=True)
+    for name in os.listdir(root):
+        p = root / name
+        if not name.isdigit():
+            continue
+        if p.is_symlink():
+            p.unlink()
+            continue
+        if p.is_dir():
+            dst = keep_in / name
+            if dst.exists():
+                layout.remove_step(root, int(name))
+            else:
+                os.rename(p, dst)
+                moved.append(int(name))
+    return moved
+
+
+def backup_requested(step_dir: Path) -> bool:
+    return (step_dir / BACKUP_REQUESTED).exists()
