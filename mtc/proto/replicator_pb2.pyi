@@ -31,14 +31,16 @@ class InventoryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("rank", "copies", "newest_backed_up_step")
+    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps")
     RANK_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NEWEST_BACKED_UP_STEP_FIELD_NUMBER: _ClassVar[int]
+    BACKED_UP_STEPS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     copies: _containers.RepeatedCompositeFieldContainer[StepCopy]
     newest_backed_up_step: int
-    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ...) -> None: ...
+    backed_up_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
     __slots__ = ("copy",)
@@ -144,6 +146,35 @@ class BackupReply(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class BackupPartRequest(_message.Message):
+    __slots__ = ("step", "origin_rank", "prefix", "upload", "hash")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    origin_rank: int
+    prefix: str
+    upload: _containers.RepeatedScalarFieldContainer[str]
+    hash: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., prefix: _Optional[str] = ..., upload: _Optional[_Iterable[str]] = ..., hash: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BackupPartReply(_message.Message):
+    __slots__ = ("entries",)
+    class Entry(_message.Message):
+        __slots__ = ("path", "sha256", "uploaded")
+        PATH_FIELD_NUMBER: _ClassVar[int]
+        SHA256_FIELD_NUMBER: _ClassVar[int]
+        UPLOADED_FIELD_NUMBER: _ClassVar[int]
+        path: str
+        sha256: bytes
+        uploaded: bool
+        def __init__(self, path: _Optional[str] = ..., sha256: _Optional[bytes] = ..., uploaded: _Optional[bool] = ...) -> None: ...
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[BackupPartReply.Entry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[BackupPartReply.Entry, _Mapping]]] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("path", "size")

@@ -74,6 +74,11 @@ class ReplicatorStub:
                 request_serializer=replicator__pb2.BackupRequest.SerializeToString,
                 response_deserializer=replicator__pb2.BackupReply.FromString,
                 _registered_method=True)
+        self.BackupPart = channel.unary_unary(
+                '/mtc.replicator.v1.Replicator/BackupPart',
+                request_serializer=replicator__pb2.BackupPartRequest.SerializeToString,
+                response_deserializer=replicator__pb2.BackupPartReply.FromString,
+                _registered_method=True)
 
 
 class ReplicatorServicer:
@@ -127,6 +132,12 @@ class ReplicatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BackupPart(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_ReplicatorServicer_to_server(servicer, server):
                     servicer.RequestBackup,
                     request_deserializer=replicator__pb2.BackupRequest.FromString,
                     response_serializer=replicator__pb2.BackupReply.SerializeToString,
+            ),
+            'BackupPart': grpc.unary_unary_rpc_method_handler(
+                    servicer.BackupPart,
+                    request_deserializer=replicator__pb2.BackupPartRequest.FromString,
+                    response_serializer=replicator__pb2.BackupPartReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class Replicator:
             '/mtc.replicator.v1.Replicator/RequestBackup',
             replicator__pb2.BackupRequest.SerializeToString,
             replicator__pb2.BackupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BackupPart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.replicator.v1.Replicator/BackupPart',
+            replicator__pb2.BackupPartRequest.SerializeToString,
+            replicator__pb2.BackupPartReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,22 +93,38 @@ class PeerClient:
 
     def push_file(self, transfer_id: str, rel: str, path: Path, size: int, crc: int,
                   *, deadline_s: float = 120.0) -> pb.PushAck:
-        """Stream one file's raw bytes; the peer acknowledges only verified bytes."""
-        seen = [0]
+        """Stream one file's raw bytes; the peer acknowledges only verified bytes.
+
+        The last chunk is held back until the file's CRC32C is known: when our own
+        copy went bad after it was committed, the peer gets a short file it refuses,
+        and this raises :class:`CorruptShardError` (a local fault, not a peer's).
+        """
+        bad = [False]
 
         def chunks() -> Iterator[bytes]:
+            value = 0
+            bad[0] = False
             with open(path, "rb", buffering=0) as f:
-                while chunk := f.read(CHUNK):
-                    seen[0] = crc32c(chunk, seen[0])
+                chunk = f.read(CHUNK)
+                while chunk:
+                    value = crc32c(chunk, value)
+                    nxt = f.read(CHUNK)
+                    if not nxt and value != crc:
+                        break
                     yield chunk
-            if seen[0] != crc:  # our own copy went bad after it was committed
-                raise CorruptShardError("local file does not match its checksum",
-                                        path=str(path))
+                    chunk = nxt
+            bad[0] = value != crc
 
         md = [*self._metadata, ("x-mtc-transfer", transfer_id), ("x-mtc-path", rel),
               ("x-mtc-size", str(size)), ("x-mtc-crc32c", str(crc))]
-        return self._retry(lambda: self._push(chunks(), timeout=deadline_s, metadata=md),
-                           f"push of {rel}", 2)
+        try:
+            return self._retry(lambda: self._push(chunks(), timeout=deadline_s, metadata=md),
+                               f"push of {rel}", 2)
+        except PeerError:
+            if bad[0]:
+                raise CorruptShardError("local file does not match its checksum",
+                                        path=str(path)) from None
+            raise
 
     def fetch_file(self, step: int, origin: int, rel: str, dest: Path, size: int, crc: int,
                    *, deadline_s: float = 120.0) -> None:

@@ -34,7 +34,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1,
                    help="peer copies of each step, in other slices (default 1)")
     p.add_argument("--keep", type=int, default=2, help="own steps kept (default 2)")
-    p.add_argument("--backup", help="backup URL (file:///path, gs://bucket/prefix)")
+    p.add_argument("--backup", help="backup URL (file:///path, gs://bucket/prefix, any fsspec)")
+    p.add_argument("--backup-interval-minutes", type=float,
+                   help="back up every N minutes (default 30 unless steps are given)")
+    p.add_argument("--backup-interval-steps", type=int, help="back up every N steps")
+    p.add_argument("--backup-keep", type=int, default=3, help="newest backups kept")
+    p.add_argument("--backup-keep-every", type=int, default=0,
+                   help="also keep every K-th step's backup (0: none)")
     p.add_argument("--token-file", help="file holding the shared peer token")
     p.add_argument("--tls-cert", help="this node's certificate (PEM), for mutual TLS")
     p.add_argument("--tls-key", help="its private key (PEM)")
@@ -77,7 +83,23 @@ def main(argv: list[str] | None = None) -> int:
                                   poll_s=args.poll_seconds, framework=framework)
         creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                        args.tls_ca)
-        node = Node(config, root, creds)
+        backup = None
+        if args.backup:
+            from sidecar.backup.backend import open_backend
+            from sidecar.backup.schedule import BackupPolicy, BackupScheduler
+
+            minutes = args.backup_interval_minutes
+            steps = args.backup_interval_steps
+            if request is not None and (request.backup_interval_minutes or
+                                        request.backup_interval_steps):
+                minutes = request.backup_interval_minutes
+                steps = request.backup_interval_steps
+            if minutes is None and steps is None:
+                minutes = 30.0
+            backup = BackupScheduler(open_backend(args.backup), BackupPolicy(
+                interval_minutes=minutes, interval_steps=steps, keep=args.backup_keep,
+                keep_every=args.backup_keep_every))
+        node = Node(config, root, creds, backup)
         server, port, servicer = serve(node, args.listen, creds)
     except (MtcError, OSError) as e:
         print(f"mtc-replicator: {e}", file=sys.stderr)

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from mtc import layout
-from mtc.errors import MtcError, StepNotFoundError
+from mtc.errors import ConfigError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
+from sidecar.backup.schedule import BackupScheduler
 from sidecar.replicator.client import PeerClient, PeerError
 from sidecar.replicator.config import ReplicatorConfig
 from sidecar.replicator.metrics import Metrics
@@ -63,7 +64,8 @@ def _sha256(path: Path) -> bytes:
 
 
 class Node:
-    def __init__(self, config: ReplicatorConfig, root: Path, creds: Credentials) -> None:
+    def __init__(self, config: ReplicatorConfig, root: Path, creds: Credentials,
+                 backup: BackupScheduler | None = None) -> None:
         self.config = config
         self.rank = config.rank
         self.store = LocalStore(root, config.rank)
@@ -77,11 +79,15 @@ class Node:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
+        self.backup = backup
+        self._backing_up: set[int] = set()
 
     # -- inventory ----------------------------------------------------------------
 
     def inventory(self) -> pb.Inventory:
-        inv = pb.Inventory(rank=self.rank, newest_backed_up_step=-1)
+        backed = self.backup.backed_up_steps() if self.backup else []
+        inv = pb.Inventory(rank=self.rank, newest_backed_up_step=backed[-1] if backed else -1,
+                           backed_up_steps=backed)
         for origin, step in self.store.copies():
             try:
                 files = self.store.describe(origin, step)
@@ -95,6 +101,8 @@ class Node:
     # -- replication ----------------------------------------------------------------
 
     def run(self) -> None:
+        if self.backup is not None:
+            threading.Thread(target=self._backup_loop, name="mtc-backup", daemon=True).start()
         while not self._stop.is_set():
             try:
                 self.replicate_once()
@@ -103,6 +111,87 @@ class Node:
                 log.exception("replication pass failed")
                 self.metrics.failures.labels("loop").inc()
             self._stop.wait(self.config.poll_s)
+
+    def _backup_loop(self) -> None:
+        assert self.backup is not None
+        while not self._stop.wait(max(self.config.poll_s, 0.5)):
+            try:
+                for s in self.store.own_steps()[-1:]:
+                    from sidecar.replicator.orbax import backup_requested
+                    if backup_requested(self.store.copy_dir(self.rank, s)):
+                        self.backup.request()
+                self.backup.run_once(self)
+            except (MtcError, OSError) as e:
+                self.metrics.failures.labels("backup").inc()
+                log.warning("rank %d: backup failed: %s", self.rank, e)
+
+    def leads(self) -> bool:
+        """The backup leader is the lowest-ranked node that answers."""
+        for r in range(self.rank):
+            try:
+                self.peers[r].call("GetInventory", pb.InventoryRequest(), deadline_s=2.0,
+                                   attempts=1)
+                return False
+            except PeerError:
+                continue
+        return True
+
+    def newest_complete(self, invs: dict[int, pb.Inventory]) -> int:
+        """The newest step whose data is held (on hosts, not in backup) for every rank."""
+        held = self.holders(invs)
+        for s in sorted({s for _, s in held}, reverse=True):
+            if all(any((o, s) in held for o in self.config.equivalent(r))
+                   for r in range(self.config.num_nodes)):
+                return s
+        return -1
+
+    def backup_sources(self, step: int, invs: dict[int, pb.Inventory]
+                       ) -> dict[int, list[tuple[int, int, list[FileMeta]]]]:
+        held = self.holders(invs)
+        out: dict[int, list[tuple[int, int, list[FileMeta]]]] = {}
+        for r in range(self.config.num_nodes):
+            copies = [(h, o, [FileMeta(f.path, f.size, f.crc32c) for f in c.files])
+                      for o in self.config.equivalent(r) for h, c in held.get((o, step), [])]
+            if not copies:
+                raise StepNotFoundError("no host holds this rank's data", step=step, host=r)
+            out[r] = copies
+        return out
+
+    def call_backup_part(self, holder: int, req: pb.BackupPartRequest) -> pb.BackupPartReply:
+        if holder == self.rank:
+            return self.backup_part(req)
+        return self.peers[holder].call("BackupPart", req, deadline_s=3600, attempts=1)
+
+    def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply:
+        from sidecar.backup.job import upload_part
+
+        if self.backup is None:
+            raise ConfigError("this replicator has no backup store (--backup)")
+        with self._lock:
+            self._backing_up.add(req.step)
+        try:
+            if (req.origin_rank, req.step) not in self.store.copies():
+                raise StepNotFoundError("copy is gone", step=req.step, host=req.origin_rank)
+            files = {f.path: f for f in self.store.describe(req.origin_rank, req.step)}
+            return upload_part(self.backup.store.backend,
+                               self.store.copy_dir(req.origin_rank, req.step), files, req)
+        finally:
+            with self._lock:
+                self._backing_up.discard(req.step)
+
+    def request_backup(self) -> int:
+        """Back up now if leading; otherwise ask the leader."""
+        if self.backup is None:
+            raise ConfigError("this replicator has no backup store (--backup)")
+        if self.leads():
+            return self.backup.run_once(self, force=True)
+        for r in range(self.rank):
+            try:
+                return int(self.peers[r].call("RequestBackup", pb.BackupRequest(step=-1),
+                                              deadline_s=3600, attempts=1).step)
+            except PeerError:
+                continue
+        return self.backup.run_once(self, force=True)
 
     def stop(self) -> None:
         self._stop.set()
@@ -188,7 +277,7 @@ class Node:
         replicated = [s for s in own if self.fully_replicated(s)]
         protected = set(own[-keep:]) | set(replicated[-1:])
         with self._lock:
-            protected |= self._pushing
+            protected |= self._pushing | self._backing_up
         for s in own:
             if s not in protected:
                 self.store.remove_copy(self.rank, s)
@@ -228,13 +317,9 @@ class Node:
         return out
 
     def restorable(self, invs: dict[int, pb.Inventory]) -> int:
-        held = self.holders(invs)
-        steps = {s for _, s in held}
-        for s in sorted(steps, reverse=True):
-            if all(any((o, s) in held for o in self.config.equivalent(r))
-                   for r in range(self.config.num_nodes)):
-                return s
-        return -1
+        """Newest step every rank can get: from a host, or from the backup."""
+        backed = {s for inv in invs.values() for s in inv.backed_up_steps}
+        return max(self.newest_complete(invs), max(backed, default=-1))
 
     def agree(self, timeout_s: float | None = None) -> tuple[int, dict[int, pb.Inventory]]:
         """The step every reachable node decides, and the inventories it was based on."""
@@ -308,22 +393,30 @@ class Node:
             sources += [(h, c) for h, c in held.get((origin, step), []) if h != self.rank]
             if sources:
                 break
-        if not sources:
-            raise StepNotFoundError("no peer holds this host's data", step=step, host=self.rank)
-        copy = sources[0][1]
-        files = [FileMeta(f.path, f.size, f.crc32c) for f in copy.files]
         tmp = (layout.new_tmp_dir(self.store.root, step) if into_root
                else self.store.begin_incoming(self.rank, step))
         try:
-            futs = [self._pool.submit(self._fetch, sources, i, step, f, tmp)
-                    for i, f in enumerate(files)]
-            for fut in futs:
-                fut.result()
+            if sources:
+                files = [FileMeta(f.path, f.size, f.crc32c) for f in sources[0][1].files]
+                futs = [self._pool.submit(self._fetch, sources, i, step, f, tmp)
+                        for i, f in enumerate(files)]
+                for fut in futs:
+                    fut.result()
+                tier = "peer"
+            elif self.backup is not None and step in self.backup.backed_up_steps(max_age_s=0):
+                from sidecar.backup.job import download_rank
+
+                files = download_rank(self.backup.store, step, self.rank, tmp,
+                                      self.config.equivalent(self.rank))
+                tier = "backup"
+            else:
+                raise StepNotFoundError("no peer or backup holds this host's data", step=step,
+                                        host=self.rank)
             self.store.commit_restored(tmp, step, files, into_root=into_root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return "peer"
+        return tier
 
     def _fetch(self, sources: list[tuple[int, pb.StepCopy]], i: int, step: int, f: FileMeta,
                tmp: Path) -> None:

@@ -189,7 +189,11 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def RequestBackup(self, request: pb.BackupRequest, context: Any) -> pb.BackupReply:
-        raise ValueError("this replicator has no backup tier configured")
+        return pb.BackupReply(step=self.node.request_backup())
+
+    @mapped
+    def BackupPart(self, request: pb.BackupPartRequest, context: Any) -> pb.BackupPartReply:
+        return self.node.backup_part(request)
 
     # -- data plane: raw bytes --------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""A storage backend is a few methods over '/'-separated keys, chosen by URL scheme.
+
+Keys are relative to the URL's prefix. Implementations verify CRC32C end to end
+(``put_file`` and ``get_file`` take the expected value) and raise
+:class:`BackupUnavailableError` for transient failures (unreachable, 5xx,
+throttling) and :class:`CorruptBackupError` when bytes do not match.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+from mtc.errors import CorruptShardError, RetryableError
+
+
+class BackupUnavailableError(RetryableError):
+    """The backup store could not be reached or answered with a transient error."""
+
+
+class CorruptBackupError(CorruptShardError):
+    """An object's bytes do not match their recorded CRC32C or size."""
+
+
+class Backend(abc.ABC):
+    """Where backups live. Thread-safe: several uploads run at once."""
+
+    url: str
+
+    @abc.abstractmethod
+    def put_file(self, local: Path, key: str, *, size: int, crc32c: int) -> None:
+        """Upload a local file (resumable when large); the store checks the CRC32C."""
+
+    @abc.abstractmethod
+    def get_file(self, key: str, local: Path, *, size: int, crc32c: int) -> None:
+        """Download to ``local``, verifying size and CRC32C; resumes a partial file."""
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object (manifests, markers) in one request."""
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes | None:
+        """A small object's bytes, or None if it does not exist."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Keys under ``prefix`` (recursive), relative to the backend's root."""
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix``."""
+
+    def can_publish(self) -> bool:
+        """Whether :meth:`publish` renames atomically here (HNS bucket, local folder)."""
+        return False
+
+    def publish(self, staging: str, final: str) -> bool:
+        """Atomically move the folder ``staging`` to ``final`` if the store can
+        (an HNS bucket's ``rename_folder``); False means "no atomic rename here"."""
+        return False
+
+
+def open_backend(url: str) -> Backend:
+    """The backend for a URL: ``file:///path``, ``gs://bucket/prefix``, or any fsspec URL."""
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    if scheme == "file":
+        from sidecar.backup.local import LocalBackend
+        return LocalBackend(url)
+    if scheme == "gs":
+        from sidecar.backup.gcs import GcsBackend
+        return GcsBackend(url)
+    from sidecar.backup.fsspec_backend import FsspecBackend
+    return FsspecBackend(url)

@@ -1,0 +1,234 @@
+"""Backing up a step: planning across hosts, parallel uploads, commit, retention.
+
+Layout under the backup URL::
+
+    steps/<step>/MANIFEST.json           written last: the step exists once it is there
+    steps/<step>/data/<rank>/<path>      files, each unique content uploaded once
+    staging/<step>-<nonce>/...           the same, before an atomic rename (HNS, local)
+
+The leader (the lowest-ranked reachable node) plans a step: every rank's files,
+grouped by (size, CRC32C); each group is uploaded once, by a holder chosen in
+turn so uploads spread over hosts, and every other member is confirmed
+identical by SHA-256 (a member that differs is uploaded too). The manifest maps
+each rank's paths to objects. On a store with atomic folder renames the step is
+uploaded to a staging folder and published in one rename; elsewhere the
+manifest, written last, is the commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from mtc.errors import ManifestError, MtcError
+from mtc.proto import replicator_pb2 as pb
+from sidecar.backup.backend import Backend, CorruptBackupError
+from sidecar.replicator.store import CHUNK, FileMeta, safe_relpath
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+FORMAT = "mtc-backup"
+VERSION = 1
+
+
+def step_prefix(step: int) -> str:
+    return f"steps/{step}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupEntry:
+    path: str
+    size: int
+    crc32c: int
+    sha256: str
+    object: str  # key relative to the step's folder
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class BackupStore:
+    """Committed backups in a backend."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def committed_steps(self) -> list[int]:
+        steps = []
+        for key in self.backend.list("steps/"):
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2] == MANIFEST and parts[1].isdigit():
+                steps.append(int(parts[1]))
+        return sorted(steps)
+
+    def manifest(self, step: int) -> dict[int, list[BackupEntry]]:
+        raw = self.backend.get_bytes(f"{step_prefix(step)}/{MANIFEST}")
+        if raw is None:
+            raise ManifestError("no backup of this step", step=step)
+        try:
+            d = json.loads(raw)
+            if d.get("format") != FORMAT or d.get("version") != VERSION:
+                raise ManifestError(f"unsupported backup manifest {d.get('format')} "
+                                    f"v{d.get('version')}", step=step)
+            return {int(r): [BackupEntry(**e) for e in entries]
+                    for r, entries in d["ranks"].items()}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"malformed backup manifest: {e}", step=step) from e
+
+    def write_manifest(self, prefix: str, step: int,
+                       ranks: dict[int, list[BackupEntry]]) -> None:
+        body = {"format": FORMAT, "version": VERSION, "step": step, "created": time.time(),
+                "ranks": {str(r): [e.to_json() for e in es] for r, es in sorted(ranks.items())}}
+        self.backend.put_bytes(f"{prefix}/{MANIFEST}", json.dumps(body).encode())
+
+    def apply_retention(self, keep: int, every: int) -> list[int]:
+        """Keep the newest ``keep`` backups and every ``every``-th step; returns deleted."""
+        steps = self.committed_steps()
+        kept = set(steps[-keep:]) | ({s for s in steps if every and s % every == 0})
+        deleted = [s for s in steps[:-1] if s not in kept]  # never the newest
+        for s in deleted:
+            # The manifest first: a half-deleted step must not look committed.
+            self.backend.delete_prefix(f"{step_prefix(s)}/{MANIFEST}")
+            self.backend.delete_prefix(f"{step_prefix(s)}/")
+        return deleted
+
+    def clean_leftovers(self, busy: set[str]) -> list[str]:
+        """Remove staging folders and uncommitted step folders of interrupted uploads."""
+        committed = {step_prefix(s) for s in self.committed_steps()}
+        prefixes: set[str] = set()
+        for key in self.backend.list("staging/"):
+            prefixes.add("/".join(key.split("/")[:2]))
+        for key in self.backend.list("steps/"):
+            prefixes.add("/".join(key.split("/")[:2]))
+        stale = sorted(p for p in prefixes - committed if p not in busy)
+        for p in stale:
+            self.backend.delete_prefix(p + "/")
+        return stale
+
+
+def upload_part(backend: Backend, step_dir: Path, files: dict[str, FileMeta],
+                req: pb.BackupPartRequest) -> pb.BackupPartReply:
+    """Node side: upload and hash the files the leader assigned."""
+    reply = pb.BackupPartReply()
+
+    def one(rel: str, upload: bool) -> tuple[str, bytes, bool]:
+        meta = files.get(safe_relpath(rel))
+        if meta is None:
+            raise ManifestError(f"{rel} is not part of rank {req.origin_rank}'s step",
+                                step=req.step)
+        local = step_dir / rel
+        if upload:
+            backend.put_file(local, f"{req.prefix}/data/{req.origin_rank}/{rel}",
+                             size=meta.size, crc32c=meta.crc32c)
+        return rel, bytes.fromhex(sha256_file(local)), upload
+
+    jobs = [(p, True) for p in req.upload] + [(p, False) for p in req.hash]
+    with ThreadPoolExecutor(4, thread_name_prefix="mtc-backup") as pool:
+        for rel, digest, uploaded in pool.map(lambda j: one(*j), jobs):
+            reply.entries.add(path=rel, sha256=digest, uploaded=uploaded)
+    return reply
+
+
+Caller = Callable[[int, pb.BackupPartRequest], pb.BackupPartReply]
+
+
+def back_up_step(store: BackupStore, step: int,
+                 sources: dict[int, list[tuple[int, int, list[FileMeta]]]],
+                 call: Caller) -> None:
+    """Leader side. ``sources[r]``: (holder, origin, files) copies of rank r's data;
+    ``call(holder, request)`` runs a part on that node."""
+    atomic = store.backend.can_publish()
+    prefix = f"staging/{step}-{uuid.uuid4().hex[:8]}" if atomic else step_prefix(step)
+    # Group every rank's files by content key; the first copy of each group uploads.
+    groups: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
+    chosen: dict[int, tuple[int, int, dict[str, FileMeta]]] = {}
+    for k, (rank, copies) in enumerate(sorted(sources.items())):
+        holder, origin, files = copies[k % len(copies)]  # spread ranks over holders
+        chosen[rank] = (holder, origin, {f.path: f for f in files})
+        for f in files:
+            groups[(f.size, f.crc32c)].append((rank, f.path))
+    upload: dict[tuple[int, int], list[str]] = defaultdict(list)
+    hashing: dict[tuple[int, int], list[str]] = defaultdict(list)
+    for members in groups.values():
+        first_rank, first_path = members[0]
+        holder, origin, _ = chosen[first_rank]
+        upload[(holder, origin)].append(first_path)
+        for rank, path in members[1:]:
+            h, o, _ = chosen[rank]
+            hashing[(h, o)].append(path)
+
+    def run(parts: dict[tuple[int, int], tuple[list[str], list[str]]]
+            ) -> dict[tuple[int, int], pb.BackupPartReply]:
+        with ThreadPoolExecutor(max(1, len(parts))) as pool:
+            futs = {key: pool.submit(call, key[0], pb.BackupPartRequest(
+                step=step, origin_rank=key[1], prefix=prefix, upload=up, hash=hs))
+                for key, (up, hs) in parts.items()}
+            return {key: f.result() for key, f in futs.items()}
+
+    keys = set(upload) | set(hashing)
+    replies = run({k: (upload.get(k, []), hashing.get(k, [])) for k in keys})
+    digests = {(k[1], e.path): (e.sha256.hex(), e.uploaded) for k, r in replies.items()
+               for e in r.entries}
+    entries: dict[int, list[BackupEntry]] = {}
+    redo: dict[tuple[int, int], tuple[list[str], list[str]]] = {}
+    for members in groups.values():
+        first_rank, first_path = members[0]
+        _, first_origin, _ = chosen[first_rank]
+        obj_sha = digests[(first_origin, first_path)][0]
+        for rank, path in members:
+            holder, origin, by_path = chosen[rank]
+            sha = digests[(origin, path)][0]
+            f = by_path[path]
+            if sha == obj_sha:
+                obj = f"data/{first_origin}/{first_path}"
+            else:  # same size and CRC32C, different bytes: upload it as well
+                redo.setdefault((holder, origin), ([], []))[0].append(path)
+                obj = f"data/{origin}/{path}"
+            entries.setdefault(rank, []).append(BackupEntry(path, f.size, f.crc32c, sha, obj))
+    if redo:
+        run(redo)
+    store.write_manifest(prefix, step, entries)
+    if atomic and not store.backend.publish(prefix, step_prefix(step)):
+        raise MtcError("backup store refused the atomic publish", step=step)
+    log.info("backed up step %d: %d objects for %d ranks", step, len(groups), len(entries))
+
+
+def download_rank(store: BackupStore, step: int, rank: int, dest: Path,
+                  ranks: list[int]) -> list[FileMeta]:
+    """Fetch one rank's files of a backed-up step into ``dest`` (first of ``ranks``
+    present in the manifest: Orbax peers can stand in for each other)."""
+    manifest = store.manifest(step)
+    entries = next((manifest[r] for r in ranks if r in manifest), None)
+    if entries is None:
+        raise ManifestError(f"backup has no data for rank {rank}", step=step, host=rank)
+
+    def one(e: BackupEntry) -> None:
+        local = dest / safe_relpath(e.path)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        store.backend.get_file(f"{step_prefix(step)}/{e.object}", local, size=e.size,
+                               crc32c=e.crc32c)
+        if sha256_file(local) != e.sha256:
+            raise CorruptBackupError("object differs from its manifest's SHA-256",
+                                     step=step, host=rank, path=e.object)
+
+    with ThreadPoolExecutor(8, thread_name_prefix="mtc-restore") as pool:
+        list(pool.map(one, entries))
+    return [FileMeta(e.path, e.size, e.crc32c) for e in entries]
