@@ -18,10 +18,16 @@ import jax
 
 from mtc import layout, multihost
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch
-from mtc.errors import ConfigError, StepExistsError, StepNotFoundError
+from mtc.errors import (
+    ConfigError,
+    MtcError,
+    ShardUnavailableError,
+    StepExistsError,
+    StepNotFoundError,
+)
 from mtc.options import Options
 from mtc.restore.load import restore_tree
-from mtc.restore.plan import load_step
+from mtc.restore.plan import load_step, read_manifest
 from mtc.save.stage import prepare
 from mtc.topology import Topology
 from sidecar.agent import AgentConfig
@@ -75,6 +81,7 @@ class CheckpointManager:
         self._dispatch: Dispatch = (ColocatedDispatch(self._config, devices)
                                     if mode == "colocated" else LocalDispatch(self._config))
         self._closed = False
+        self._num_hosts: dict[int, int] = {}
 
     # -- save -------------------------------------------------------------------
 
@@ -100,8 +107,19 @@ class CheckpointManager:
         return self._dispatch.stage(header, arrays)
 
     def wait_until_finished(self) -> None:
-        """Block until every save is committed; raise the first background error."""
-        self._dispatch.wait()
+        """Block until every save is committed; raise the first background error.
+
+        In multi-controller JAX this is collective: it returns once every
+        process's saves are committed, so a restore that follows sees them all.
+        """
+        error: BaseException | None = None
+        try:
+            self._dispatch.wait()
+        except MtcError as e:
+            error = e
+        multihost.barrier("mtc.wait_until_finished")
+        if error is not None:
+            raise error
         self._apply_retention()
 
     def _apply_retention(self) -> None:
@@ -126,12 +144,46 @@ class CheckpointManager:
 
     # -- inventory --------------------------------------------------------------
 
+    def _visible_hosts(self) -> list[int]:
+        """Hosts whose roots this process can read: its own, and with host
+        subfolders every ``host-<i>`` beside them (simulated hosts, a shared
+        file system, a job restarted with fewer or more processes)."""
+        hosts = set(self.topology.local_hosts)
+        if self.topology.subdirs and self.local_dir.is_dir():
+            hosts |= {int(n[5:]) for n in os.listdir(self.local_dir)
+                      if n.startswith("host-") and n[5:].isdigit()}
+        return sorted(hosts)
+
+    def _saved_hosts(self, step: int, holders: list[int]) -> int:
+        """How many hosts took part in saving ``step`` (from a manifest, cached)."""
+        if step not in self._num_hosts:
+            self._num_hosts[step] = read_manifest(self._config.root(holders[0]), step,
+                                                  holders[0]).num_hosts
+        return self._num_hosts[step]
+
+    def _complete_here(self) -> list[int]:
+        visible = self._visible_hosts()
+        held: dict[int, list[int]] = {}
+        for h in visible:
+            for s in layout.committed_steps(self._config.root(h)):
+                held.setdefault(s, []).append(h)
+        complete = []
+        for s, holders in sorted(held.items()):
+            if not self.topology.subdirs:  # other hosts' roots are not visible here
+                if set(self.topology.local_hosts) <= set(holders):
+                    complete.append(s)
+                continue
+            try:
+                n = self._saved_hosts(s, holders)
+            except MtcError:
+                continue  # an unreadable manifest: never offered as a step
+            if set(range(n)) <= set(holders):
+                complete.append(s)
+        return complete
+
     def all_steps(self) -> list[int]:
-        """Steps committed on every host (collective in multi-controller JAX)."""
-        per_host = [set(layout.committed_steps(self._config.root(h)))
-                    for h in self.topology.local_hosts]
-        local = set.intersection(*per_host) if per_host else set()
-        return multihost.common_steps(sorted(local))
+        """Steps committed on every host that saved them (collective in multi-controller JAX)."""
+        return multihost.common_steps(self._complete_here())
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -142,6 +194,7 @@ class CheckpointManager:
         self.wait_until_finished()
         for h in self.topology.local_hosts:
             layout.remove_step(self._config.root(h), step)
+        self._num_hosts.pop(step, None)
 
     # -- restore ----------------------------------------------------------------
 
@@ -160,9 +213,37 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise StepNotFoundError(f"no committed step under {self.local_dir}")
-        hosts = [h for h in range(self.topology.num_hosts)
-                 if h in self.topology.local_hosts or self._config.root(h).is_dir()]
-        saved = load_step(step, hosts, self._config.root)
+        error: MtcError | None = None
+        result: Any = None
+        try:
+            result = self._restore_step(step, target)
+        except MtcError as e:
+            error = e
+        # Every process fails together, or none: a process that restored while
+        # another could not would deadlock the job at its next collective.
+        if multihost.any_process(error is not None) and error is None:
+            error = ShardUnavailableError("another process could not restore this step",
+                                          step=step)
+        if error is not None:
+            raise error
+        return result
+
+    def _restore_step(self, step: int, target: Any) -> Any:
+        visible = self._visible_hosts()
+        holders = [h for h in visible if layout.step_dir(self._config.root(h), step).is_dir()]
+        for h in self.topology.local_hosts:
+            if h not in holders and not self.topology.subdirs:
+                raise StepNotFoundError("step is not committed", step=step, host=h,
+                                        path=str(layout.step_dir(self._config.root(h), step)))
+        if not holders:
+            raise StepNotFoundError(f"step is not committed under {self.local_dir}", step=step)
+        n = self._saved_hosts(step, holders)
+        missing = [h for h in range(n) if h not in holders and h in visible]
+        if missing and self.topology.subdirs:
+            h = missing[0]
+            raise StepNotFoundError("step is not committed", step=step, host=h,
+                                    path=str(layout.step_dir(self._config.root(h), step)))
+        saved = load_step(step, [h for h in holders if h < n], self._config.root)
         return restore_tree(saved, target, self.topology, self._dispatch, self._config.root)
 
     def _prepare_with_replicators(self) -> int | None:

@@ -25,3 +25,21 @@ def common_steps(local: Sequence[int]) -> list[int]:
     for row in everyone.reshape(jax.process_count(), WINDOW):
         common &= {int(s) for s in row if s >= 0}
     return sorted(common)
+
+
+def barrier(name: str) -> None:
+    """Wait for every process (no-op with one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true in any process (collective)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32)))
+    return bool(flags.any())

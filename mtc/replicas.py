@@ -5,21 +5,28 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from mtc.errors import AgreementError
+
+if TYPE_CHECKING:
+    from sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
 
 
 def prepare_restore(addresses: Sequence[str], *, token: str | None,
-                    timeout_s: float) -> int | None:
+                    timeout_s: float, creds: Credentials | None = None) -> int | None:
     """Ask each replicator (concurrently: they agree with each other) to make
-    its host's data of the agreed step local; returns that step, or None."""
+    its host's data of the agreed step local; returns that step, or None.
+
+    ``creds`` (mutual TLS, token) replaces ``token`` when given."""
     from mtc.proto import replicator_pb2 as pb
     from sidecar.replicator.client import PeerClient
     from sidecar.replicator.security import Credentials
 
-    creds = Credentials(token=token)
+    if creds is None:
+        creds = Credentials(token=token)
     clients = [PeerClient(a, creds, rank=i) for i, a in enumerate(addresses)]
     try:
         with ThreadPoolExecutor(len(clients)) as pool:

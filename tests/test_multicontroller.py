@@ -5,8 +5,10 @@ localhost, save two steps of a state with a sharded array, a replicated array,
 a typed PRNG key, a numpy array and plain values, and restore them onto the
 saved sharding and onto other shardings; then a second job on the same
 ``local_dir`` (a restart) restores ``latest_step()`` into
-``jax.ShapeDtypeStruct`` targets. The workers (``tests/workers/mc_worker.py``)
-check every addressable shard against numpy and report in one JSON line.
+``jax.ShapeDtypeStruct`` targets and saves step 3; a third job, after the
+last host lost step 3, must agree everywhere on step 2. The workers
+(``tests/workers/mc_worker.py``) check every addressable shard against numpy
+and report in one JSON line.
 """
 
 from __future__ import annotations
@@ -106,9 +108,10 @@ def check_results(phase: str, results: list[dict[str, Any]], num_processes: int)
         assert r["process_count"] == num_processes
         assert r["num_devices"] == num_processes * DEVICES_PER_PROCESS
         assert len(r["local_devices"]) == DEVICES_PER_PROCESS
-        assert r["checks"] > 50, f"{phase}: process {r['process_index']} ran too few checks"
     errors = [e for r in results for e in r["errors"]]
     assert not errors, f"{phase}: {len(errors)} mismatches:\n" + "\n".join(errors[:40])
+    for r in results:
+        assert r["checks"] >= 20, f"{phase}: process {r['process_index']} ran too few checks"
 
 
 @pytest.fixture
@@ -122,7 +125,7 @@ def shm_dir(tmp_path: Path) -> Any:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.timeout(2 * PHASE_TIMEOUT_S + 60)
+@pytest.mark.timeout(3 * PHASE_TIMEOUT_S + 60)
 @pytest.mark.parametrize("num_processes", [2, 4])
 def test_save_restore_and_restart(num_processes: int, shm_dir: Path, tmp_path: Path) -> None:
     local_dir = shm_dir / "ramdisk"
@@ -146,3 +149,40 @@ def test_save_restore_and_restart(num_processes: int, shm_dir: Path, tmp_path: P
         assert r["latest_step"] == 2
     for h in hosts:
         assert sorted(p.name for p in (local_dir / h).iterdir()) == ["2", "3"], h
+
+    # The last host lost its newest step (its RAM disk was wiped of it, or its
+    # save never committed): a new job must agree everywhere on step 2.
+    shutil.rmtree(local_dir / f"host-{num_processes - 1}" / "3")
+    results = run_job("partial", num_processes, local_dir, logs)
+    check_results("partial", results, num_processes)
+    for r in results:
+        assert r["all_steps"] == [2] and r["latest_step"] == 2
+
+
+@pytest.mark.timeout(2 * PHASE_TIMEOUT_S + 60)
+def test_restart_on_fewer_processes(shm_dir: Path, tmp_path: Path) -> None:
+    """Two hosts save; the job comes back as one process (one host) on the same
+    shared ``local_dir``: every shard is still visible there, so the restore
+    must read host-1's shards as well as its own."""
+    local_dir = shm_dir / "ramdisk"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    check_results("train", run_job("train", 2, local_dir, logs), 2)
+    results = run_job("shrink", 1, local_dir, logs)
+    check_results("shrink", results, 1)
+    assert results[0]["saved_hosts"] == ["host-0", "host-1"]
+    assert results[0]["latest_step"] == 2
+
+
+@pytest.mark.timeout(PHASE_TIMEOUT_S + 60)
+def test_restore_right_after_save_with_a_lagging_process(shm_dir: Path, tmp_path: Path) -> None:
+    """Process 0 starts its save 2 s after process 1; with ``max_to_keep=None``
+    (the replicator owns retention) no retention collective lines them up, so
+    ``wait_until_finished`` and ``restore`` must themselves make a step committed
+    on one host readable by the others."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    results = run_job("skew", 2, shm_dir / "ramdisk", logs)
+    check_results("skew", results, 2)
+    for r in results:
+        assert r["all_steps"] == [1]
