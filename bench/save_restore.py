@@ -196,6 +196,7 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def run(gib: float, samples: int, warmup: int, root: Path) -> dict[str, Any]:
     t_start = time.perf_counter()
+    load_start = os.getloadavg()[0]
     import orbax.checkpoint as ocp
 
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -344,6 +345,11 @@ def run(gib: float, samples: int, warmup: int, root: Path) -> dict[str, Any]:
             "warmup_rounds": warmup, "samples": samples, "jax": jax.__version__,
             "orbax": getattr(ocp, "__version__", "?"), "mtc": mtc.__version__,
             "cpus": os.cpu_count(),
+            "mtc_options": "Options(max_to_keep=2, simulated_hosts=4, hosts_per_slice=2, "
+                           "dispatch='local')",
+            "orbax_options": "CheckpointManagerOptions(max_to_keep=2), async, otherwise default",
+            # Other work on this machine skews every figure: ratios hold up better.
+            "loadavg_1min_start_end": [load_start, os.getloadavg()[0]],
         },
         "seconds": {name: {"median": s.median(name), "min": s.min(name),
                            "samples": s.kept(name)} for name in s.raw},

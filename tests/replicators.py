@@ -9,10 +9,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.proto import replicator_pb2 as pb
 from sidecar.replicator.client import PeerClient
@@ -40,9 +42,15 @@ class Cluster:
     per_slice: int
     extra: tuple[str, ...] = ()
     creds: Credentials = dataclasses.field(default_factory=Credentials)
+    metrics: bool = False  # serve Prometheus metrics on self.metrics_ports
+    # Orbax mode: no --rank; each replicator learns its rank from the replicator.yaml
+    # Orbax's client writes, and serves only after that (use launch, not start).
+    orbax: bool = False
 
     def __post_init__(self) -> None:
-        self.ports = free_ports(self.n)
+        ports = free_ports(self.n * (2 if self.metrics else 1))
+        self.ports = ports[:self.n]
+        self.metrics_ports = ports[self.n:]
         self.addrs = [f"127.0.0.1:{p}" for p in self.ports]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.logs = self.base / "logs"
@@ -51,19 +59,47 @@ class Cluster:
     def root(self, rank: int) -> Path:
         return self.base / f"host-{rank}"
 
-    def start(self, rank: int, *more: str) -> None:
-        log = open(self.logs / f"replicator-{rank}.log", "ab")  # noqa: SIM115
+    def launch(self, rank: int, *more: str) -> None:
+        """Start replicator ``rank`` without waiting for it to serve."""
+        log = open(self.logs / f"replicator-{rank}.log", "ab")
+        metrics = ("--metrics-port", str(self.metrics_ports[rank])) if self.metrics else ()
         cmd = [sys.executable, "-m", "sidecar.replicator.main", "--local-dir", str(self.root(rank)),
                "--listen", self.addrs[rank], "--nodes", ",".join(self.addrs),
-               "--rank", str(rank), "--nodes-per-slice", str(self.per_slice),
-               "--poll-seconds", "0.05", *self.extra, *more]
+               *(() if self.orbax else ("--rank", str(rank),
+                                        "--nodes-per-slice", str(self.per_slice))),
+               "--poll-seconds", "0.05", *metrics, *self.extra, *more]
         self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
+
+    def start(self, rank: int, *more: str) -> None:
+        self.launch(rank, *more)
         self.wait_serving(rank)
 
     def start_all(self) -> None:
         for r in range(self.n):
-            self.start(r)
+            self.launch(r)
+        for r in range(self.n):
+            self.wait_serving(r)
+
+    def alive(self, rank: int) -> bool:
+        proc = self.procs.get(rank)
+        return proc is not None and proc.poll() is None
+
+    def log_text(self, rank: int) -> str:
+        path = self.logs / f"replicator-{rank}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def scrape(self, rank: int) -> dict[str, float]:
+        """Rank's Prometheus samples: ``name`` or ``name{label=value,...}`` -> value."""
+        url = f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -106,6 +142,23 @@ class Cluster:
         finally:
             c.close()
 
+    def held(self) -> set[tuple[int, int, int]]:
+        """(holder, origin, step) for every complete copy on every running replicator."""
+        out = set()
+        for r in range(self.n):
+            if self.alive(r):
+                out |= {(r, c.origin_rank, c.step) for c in self.inventory(r).copies}
+        return out
+
+    def wait_held(self, want: set[tuple[int, int, int]], timeout: float = 60.0) -> None:
+        """Until every (holder, origin, step) in ``want`` is held."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if want <= self.held():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"missing after {timeout}s: {sorted(want - self.held())}")
+
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
         """Until every rank's step is held by every rank's targets (replicas=1, 2 slices)."""
         deadline = time.monotonic() + timeout
@@ -126,3 +179,15 @@ def env_with_repo() -> dict[str, str]:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def commit_raw_step(root: Path, step: int, files: dict[str, bytes]) -> Path:
+    """Commit an opaque step (no manifest) the way a client does: write, then rename."""
+    tmp = root / f"{step}.test-tmp"
+    for rel, data in files.items():
+        p = tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    final = root / str(step)
+    os.rename(tmp, final)
+    return final

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10replicator.proto\x12\x11mtc.replicator.v1\"6\n\x08\x46ileInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"Y\n\x08StepCopy\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0borigin_rank\x18\x02 \x01(\x05\x12*\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x1b.mtc.replicator.v1.FileInfo\"\x12\n\x10InventoryRequest\"~\n\tInventory\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12+\n\x06\x63opies\x18\x02 \x03(\x0b\x32\x1b.mtc.replicator.v1.StepCopy\x12\x1d\n\x15newest_backed_up_step\x18\x03 \x01(\x03\x12\x17\n\x0f\x62\x61\x63ked_up_steps\x18\x04 \x03(\x03\"9\n\x0cOfferRequest\x12)\n\x04\x63opy\x18\x01 \x01(\x0b\x32\x1b.mtc.replicator.v1.StepCopy\"\xa3\x01\n\nOfferReply\x12;\n\ncandidates\x18\x01 \x03(\x0b\x32\'.mtc.replicator.v1.OfferReply.Candidate\x12\x18\n\x10\x61lready_complete\x18\x02 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x1a)\n\tCandidate\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\x0c\"1\n\x0bLinkRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05paths\x18\x02 \x03(\t\"\x1b\n\tLinkReply\x12\x0e\n\x06linked\x18\x01 \x03(\t\"$\n\rCommitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"0\n\x0b\x43ommitReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0borigin_rank\x18\x02 \x01(\x05\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x0c\n\nAbortReply\";\n\x0eProposeRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\"?\n\x0cProposeReply\x12/\n\x04seen\x18\x01 \x03(\x0b\x32!.mtc.replicator.v1.ProposeRequest\"0\n\x15PrepareRestoreRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"B\n\x13PrepareRestoreReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x1d\n\rBackupRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x1b\n\x0b\x42\x61\x63kupReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\"d\n\x11\x42\x61\x63kupPartRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0borigin_rank\x18\x02 \x01(\x05\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x0e\n\x06upload\x18\x04 \x03(\t\x12\x0c\n\x04hash\x18\x05 \x03(\t\"\x85\x01\n\x0f\x42\x61\x63kupPartReply\x12\x39\n\x07\x65ntries\x18\x01 \x03(\x0b\x32(.mtc.replicator.v1.BackupPartReply.Entry\x1a\x37\n\x05\x45ntry\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\x0c\x12\x10\n\x08uploaded\x18\x03 \x01(\x08\"%\n\x07PushAck\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"O\n\x0c\x46\x65tchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0borigin_rank\x18\x02 \x01(\x05\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x32\xe1\x05\n\nReplicator\x12Q\n\x0cGetInventory\x12#.mtc.replicator.v1.InventoryRequest\x1a\x1c.mtc.replicator.v1.Inventory\x12G\n\x05Offer\x12\x1f.mtc.replicator.v1.OfferRequest\x1a\x1d.mtc.replicator.v1.OfferReply\x12\x44\n\x04Link\x12\x1e.mtc.replicator.v1.LinkRequest\x1a\x1c.mtc.replicator.v1.LinkReply\x12J\n\x06\x43ommit\x12 .mtc.replicator.v1.CommitRequest\x1a\x1e.mtc.replicator.v1.CommitReply\x12G\n\x05\x41\x62ort\x12\x1f.mtc.replicator.v1.AbortRequest\x1a\x1d.mtc.replicator.v1.AbortReply\x12M\n\x07Propose\x12!.mtc.replicator.v1.ProposeRequest\x1a\x1f.mtc.replicator.v1.ProposeReply\x12\x62\n\x0ePrepareRestore\x12(.mtc.replicator.v1.PrepareRestoreRequest\x1a&.mtc.replicator.v1.PrepareRestoreReply\x12Q\n\rRequestBackup\x12 .mtc.replicator.v1.BackupRequest\x1a\x1e.mtc.replicator.v1.BackupReply\x12V\n\nBackupPart\x12$.mtc.replicator.v1.BackupPartRequest\x1a\".mtc.replicator.v1.BackupPartReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10replicator.proto\x12\x11mtc.replicator.v1\"6\n\x08\x46ileInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"Y\n\x08StepCopy\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0borigin_rank\x18\x02 \x01(\x05\x12*\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x1b.mtc.replicator.v1.FileInfo\"\x12\n\x10InventoryRequest\"~\n\tInventory\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12+\n\x06\x63opies\x18\x02 \x03(\x0b\x32\x1b.mtc.replicator.v1.StepCopy\x12\x1d\n\x15newest_backed_up_step\x18\x03 \x01(\x03\x12\x17\n\x0f\x62\x61\x63ked_up_steps\x18\x04 \x03(\x03\"9\n\x0cOfferRequest\x12)\n\x04\x63opy\x18\x01 \x01(\x0b\x32\x1b.mtc.replicator.v1.StepCopy\"\xa3\x01\n\nOfferReply\x12;\n\ncandidates\x18\x01 \x03(\x0b\x32\'.mtc.replicator.v1.OfferReply.Candidate\x12\x18\n\x10\x61lready_complete\x18\x02 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x1a)\n\tCandidate\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\x0c\"1\n\x0bLinkRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05paths\x18\x02 \x03(\t\"\x1b\n\tLinkReply\x12\x0e\n\x06linked\x18\x01 \x03(\t\"$\n\rCommitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"0\n\x0b\x43ommitReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0borigin_rank\x18\x02 \x01(\x05\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x0c\n\nAbortReply\";\n\x0eProposeRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\"^\n\x0cProposeReply\x12/\n\x04seen\x18\x01 \x03(\x0b\x32!.mtc.replicator.v1.ProposeRequest\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x08\"0\n\x15PrepareRestoreRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"B\n\x13PrepareRestoreReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x1d\n\rBackupRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\x1b\n\x0b\x42\x61\x63kupReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\"d\n\x11\x42\x61\x63kupPartRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0borigin_rank\x18\x02 \x01(\x05\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x0e\n\x06upload\x18\x04 \x03(\t\x12\x0c\n\x04hash\x18\x05 \x03(\t\"\x85\x01\n\x0f\x42\x61\x63kupPartReply\x12\x39\n\x07\x65ntries\x18\x01 \x03(\x0b\x32(.mtc.replicator.v1.BackupPartReply.Entry\x1a\x37\n\x05\x45ntry\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\x0c\x12\x10\n\x08uploaded\x18\x03 \x01(\x08\"%\n\x07PushAck\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"O\n\x0c\x46\x65tchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0borigin_rank\x18\x02 \x01(\x05\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x32\xe1\x05\n\nReplicator\x12Q\n\x0cGetInventory\x12#.mtc.replicator.v1.InventoryRequest\x1a\x1c.mtc.replicator.v1.Inventory\x12G\n\x05Offer\x12\x1f.mtc.replicator.v1.OfferRequest\x1a\x1d.mtc.replicator.v1.OfferReply\x12\x44\n\x04Link\x12\x1e.mtc.replicator.v1.LinkRequest\x1a\x1c.mtc.replicator.v1.LinkReply\x12J\n\x06\x43ommit\x12 .mtc.replicator.v1.CommitRequest\x1a\x1e.mtc.replicator.v1.CommitReply\x12G\n\x05\x41\x62ort\x12\x1f.mtc.replicator.v1.AbortRequest\x1a\x1d.mtc.replicator.v1.AbortReply\x12M\n\x07Propose\x12!.mtc.replicator.v1.ProposeRequest\x1a\x1f.mtc.replicator.v1.ProposeReply\x12\x62\n\x0ePrepareRestore\x12(.mtc.replicator.v1.PrepareRestoreRequest\x1a&.mtc.replicator.v1.PrepareRestoreReply\x12Q\n\rRequestBackup\x12 .mtc.replicator.v1.BackupRequest\x1a\x1e.mtc.replicator.v1.BackupReply\x12V\n\nBackupPart\x12$.mtc.replicator.v1.BackupPartRequest\x1a\".mtc.replicator.v1.BackupPartReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -60,25 +60,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEREQUEST']._serialized_start=778
   _globals['_PROPOSEREQUEST']._serialized_end=837
   _globals['_PROPOSEREPLY']._serialized_start=839
-  _globals['_PROPOSEREPLY']._serialized_end=902
-  _globals['_PREPARERESTOREREQUEST']._serialized_start=904
-  _globals['_PREPARERESTOREREQUEST']._serialized_end=952
-  _globals['_PREPARERESTOREREPLY']._serialized_start=954
-  _globals['_PREPARERESTOREREPLY']._serialized_end=1020
-  _globals['_BACKUPREQUEST']._serialized_start=1022
-  _globals['_BACKUPREQUEST']._serialized_end=1051
-  _globals['_BACKUPREPLY']._serialized_start=1053
-  _globals['_BACKUPREPLY']._serialized_end=1080
-  _globals['_BACKUPPARTREQUEST']._serialized_start=1082
-  _globals['_BACKUPPARTREQUEST']._serialized_end=1182
-  _globals['_BACKUPPARTREPLY']._serialized_start=1185
-  _globals['_BACKUPPARTREPLY']._serialized_end=1318
-  _globals['_BACKUPPARTREPLY_ENTRY']._serialized_start=1263
-  _globals['_BACKUPPARTREPLY_ENTRY']._serialized_end=1318
-  _globals['_PUSHACK']._serialized_start=1320
-  _globals['_PUSHACK']._serialized_end=1357
-  _globals['_FETCHREQUEST']._serialized_start=1359
-  _globals['_FETCHREQUEST']._serialized_end=1438
-  _globals['_REPLICATOR']._serialized_start=1441
-  _globals['_REPLICATOR']._serialized_end=2178
+  _globals['_PROPOSEREPLY']._serialized_end=933
+  _globals['_PREPARERESTOREREQUEST']._serialized_start=935
+  _globals['_PREPARERESTOREREQUEST']._serialized_end=983
+  _globals['_PREPARERESTOREREPLY']._serialized_start=985
+  _globals['_PREPARERESTOREREPLY']._serialized_end=1051
+  _globals['_BACKUPREQUEST']._serialized_start=1053
+  _globals['_BACKUPREQUEST']._serialized_end=1082
+  _globals['_BACKUPREPLY']._serialized_start=1084
+  _globals['_BACKUPREPLY']._serialized_end=1111
+  _globals['_BACKUPPARTREQUEST']._serialized_start=1113
+  _globals['_BACKUPPARTREQUEST']._serialized_end=1213
+  _globals['_BACKUPPARTREPLY']._serialized_start=1216
+  _globals['_BACKUPPARTREPLY']._serialized_end=1349
+  _globals['_BACKUPPARTREPLY_ENTRY']._serialized_start=1294
+  _globals['_BACKUPPARTREPLY_ENTRY']._serialized_end=1349
+  _globals['_PUSHACK']._serialized_start=1351
+  _globals['_PUSHACK']._serialized_end=1388
+  _globals['_FETCHREQUEST']._serialized_start=1390
+  _globals['_FETCHREQUEST']._serialized_end=1469
+  _globals['_REPLICATOR']._serialized_start=1472
+  _globals['_REPLICATOR']._serialized_end=2209
 # @@protoc_insertion_point(module_scope)

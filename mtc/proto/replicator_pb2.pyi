@@ -114,10 +114,14 @@ class ProposeRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
-    __slots__ = ("seen",)
+    __slots__ = ("seen", "epoch", "active")
     SEEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
     seen: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
-    def __init__(self, seen: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    active: bool
+    def __init__(self, seen: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., epoch: _Optional[int] = ..., active: _Optional[bool] = ...) -> None: ...
 
 class PrepareRestoreRequest(_message.Message):
     __slots__ = ("timeout_seconds",)

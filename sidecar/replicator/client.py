@@ -30,6 +30,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # A peer that was down (a replaced host takes minutes) is reached again within
+    # 2 s of its return; gRPC's default backoff grows to 120 s, and calls fail fast
+    # while it lasts.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
     ("grpc.service_config", json.dumps({"methodConfig": [{
         "name": [{"service": "mtc.replicator.v1.Replicator"}],
         "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",

@@ -36,9 +36,9 @@ def check(address: str, service: str = "", *, creds: Credentials | None = None,
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sidecar.replicator.healthcheck",
                                 description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--address", default="127.0.0.1:8471",
+    p.add_argument("--address", default="127.0.0.1:9471",
                    help="HOST:PORT of the health service (default: the replicator's health "
-                        "mirror, 127.0.0.1:8471)")
+                        "mirror, 127.0.0.1:9471)")
     p.add_argument("--service", default="", help="service name ('' is the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
     p.add_argument("--tls-cert")
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = check(args.address, args.service, creds=creds, tls_name=args.tls_name,
                        timeout_s=args.timeout)
     except grpc.RpcError as e:
-        print(f"unhealthy: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"unhealthy: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     except (MtcError, OSError) as e:
         print(f"unhealthy: {e}", file=sys.stderr)

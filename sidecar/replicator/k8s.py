@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shlex
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -58,7 +59,7 @@ from sidecar.replicator.security import Credentials
 log = logging.getLogger("mtc.replicator.k8s")
 
 JAX_INIT_INFO = "jax-init-info.txt"
-DEFAULT_PORT = 8470
+DEFAULT_PORT = 9470
 DEFAULT_COORDINATOR_PORT = 8476
 SERVICES = ("", "mtc.replicator.v1.Replicator")
 # Computed by this wrapper; giving them as well would contradict the JobSet.
@@ -313,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mtc-replicator-k8s: {e}", file=sys.stderr)
         return 2
     if args.print_args:
-        print(" ".join(["mtc-replicator", *command]))
+        print(shlex.join(["mtc-replicator", *command]))
         return 0
     if args.write_jax_init_info:
         path = write_jax_init_info(Path(args.local_dir), place.rank,
@@ -325,12 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                            args.tls_ca)
+            mirror = HealthMirror(f"127.0.0.1:{args.port}", creds,
+                                  tls_name=place.hostname(place.rank))
+            mirror.start(f"0.0.0.0:{args.health_port}")
         except (MtcError, OSError) as e:
             print(f"mtc-replicator-k8s: {e}", file=sys.stderr)
             return 2
-        mirror = HealthMirror(f"127.0.0.1:{args.port}", creds,
-                              tls_name=place.hostname(place.rank))
-        mirror.start(f"0.0.0.0:{args.health_port}")
         log.info("health mirror on port %d", args.health_port)
     try:
         return replicator.main(command)

@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port-file", help="write the bound gRPC port here once serving")
     p.add_argument("--framework", choices=("mtc", "orbax"), default="mtc")
     p.add_argument("--poll-seconds", type=float, default=0.2)
+    p.add_argument("--straggler-wait-seconds", type=float, default=10.0,
+                   help="how long restore agreement waits for a node that is down")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"lists {len(nodes)}")
         config = ReplicatorConfig(rank=rank, nodes=nodes, nodes_per_slice=per_slice,
                                   replicas=args.replicas, keep=args.keep,
-                                  poll_s=args.poll_seconds, framework=framework)
+                                  poll_s=args.poll_seconds, framework=framework,
+                                  straggler_wait_s=args.straggler_wait_seconds)
         creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                        args.tls_ca)
         backup = None

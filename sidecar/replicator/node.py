@@ -8,8 +8,9 @@ never grows beyond one step in flight.
 
 Restore: every node gathers every reachable node's inventory, computes the
 newest step whose data exists for every rank somewhere, and proposes it to all
-nodes; each decides the smallest proposal of the nodes it reached. No node is
-special, so any one may be down. A host missing its data fetches it file by
+nodes; each decides the smallest proposal of the nodes it reached. Each restore
+is an epoch of its own, so a quick restart never decides on the proposals of the
+previous one. No node is special, so any one may be down. A host missing its data fetches it file by
 file from the holders, spreading reads over them, verifying every byte.
 """
 
@@ -36,23 +37,63 @@ from sidecar.replicator.security import Credentials
 from sidecar.replicator.store import CHUNK, FileMeta, LocalStore
 
 log = logging.getLogger(__name__)
+RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
 
 
 class Agreement:
-    """Proposals of the current restore round, by rank; stale ones expire."""
+    """Restore rounds ("epochs") and the proposals this node has, by rank.
 
-    def __init__(self, ttl_s: float = 120.0) -> None:
-        self.ttl_s = ttl_s
-        self._props: dict[int, tuple[int, float]] = {}
+    Each restore (a job start) is a new epoch. A node keeps answering with the
+    proposals of the epoch it decided, for slower nodes of that round, so a
+    proposal counts only in its own epoch: a quick restart must never decide on
+    the proposals of the previous one. A node starting a round joins the epoch a
+    peer is active in, else starts the one after the newest any node finished; a
+    restarted replicator (it remembers no epoch) learns it from its peers.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.active = False
+        self._props: dict[int, tuple[int, int]] = {}  # rank -> (epoch, step)
         self._lock = threading.Lock()
 
-    def record(self, rank: int, step: int | None) -> dict[int, int]:
-        now = time.monotonic()
+    def begin(self, peers: list[tuple[int, bool]]) -> int:
+        """Enter a round, given the (epoch, active) answers of the peers reached."""
         with self._lock:
-            if step is not None:
-                self._props[rank] = (step, now)
-            self._props = {r: v for r, v in self._props.items() if now - v[1] < self.ttl_s}
-            return {r: v[0] for r, v in self._props.items()}
+            epoch = self.epoch + 1
+            for e, active in peers:
+                epoch = max(epoch, e if active else e + 1)
+            self.epoch, self.active = epoch, True
+            return epoch
+
+    def join(self, epoch: int) -> None:
+        """A peer is active in a newer epoch than ours: ours is stale, move to it."""
+        with self._lock:
+            if epoch > self.epoch:
+                self.epoch = epoch
+
+    def decided(self) -> None:
+        with self._lock:
+            self.active = False
+
+    def state(self) -> tuple[int, bool]:
+        with self._lock:
+            return self.epoch, self.active
+
+    def record(self, rank: int, epoch: int, step: int) -> None:
+        with self._lock:
+            if epoch > 0 and epoch >= self._props.get(rank, (0, 0))[0]:
+                self._props[rank] = (epoch, step)
+
+    def proposals(self) -> dict[int, tuple[int, int]]:
+        """rank -> (epoch, step), the newest proposal of each rank."""
+        with self._lock:
+            return dict(self._props)
+
+    def current(self) -> dict[int, int]:
+        """rank -> step, the proposals of this node's epoch."""
+        with self._lock:
+            return {r: s for r, (e, s) in self._props.items() if e == self.epoch}
 
 
 def _sha256(path: Path) -> bytes:
@@ -74,6 +115,7 @@ class Node:
         self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s)
                       for r, a in enumerate(config.nodes) if r != config.rank}
         self.replicated: dict[int, set[int]] = defaultdict(set)
+        self._synced: dict[int, float] = {}  # target -> when its holdings were last read
         self._pushing: set[int] = set()
         self._incoming: Any = None  # set by main: callable returning (origin, step) in transfer
         self._lock = threading.Lock()
@@ -202,10 +244,31 @@ class Node:
     def fully_replicated(self, step: int) -> bool:
         return set(self.config.targets(self.rank)) <= self.replicated.get(step, set())
 
+    def sync_targets(self, own: list[int]) -> None:
+        """Learn which own steps each target really holds: once after a start (nothing
+        is remembered across restarts) and every few seconds after (a replaced
+        peer has lost its copies, which must be pushed again)."""
+        now = time.monotonic()
+        for t in self.config.targets(self.rank):
+            if now - self._synced.get(t, -RESYNC_S) < RESYNC_S:
+                continue
+            try:
+                inv = self.peers[t].call("GetInventory", pb.InventoryRequest(), attempts=1)
+            except PeerError:
+                continue
+            held = {c.step for c in inv.copies if c.origin_rank == self.rank}
+            for s in own:
+                if s in held:
+                    self.replicated[s].add(t)
+                else:
+                    self.replicated[s].discard(t)
+            self._synced[t] = now
+
     def replicate_once(self) -> None:
         own = self.store.own_steps()
         if not own:
             return
+        self.sync_targets(own)
         newest = own[-1]
         self.metrics.newest.labels("committed").set(newest)
         for target in self.config.targets(self.rank):
@@ -276,6 +339,8 @@ class Node:
         own = self.store.own_steps()
         replicated = [s for s in own if self.fully_replicated(s)]
         protected = set(own[-keep:]) | set(replicated[-1:])
+        if any(t not in self._synced for t in self.config.targets(self.rank)):
+            protected |= set(own)  # the newest replicated step is not known yet
         with self._lock:
             protected |= self._pushing | self._backing_up
         for s in own:
@@ -333,26 +398,47 @@ class Node:
             time.sleep(0.2)
             invs = self.gather()
         mine = self.restorable(invs)
-        while True:
-            seen = self.agreement.record(self.rank, mine)
-            reached = {self.rank}
-            for r, p in self.peers.items():
-                try:
-                    reply = p.call("Propose", pb.ProposeRequest(rank=self.rank, step=mine),
-                                   deadline_s=self.config.deadline_s, attempts=1)
-                except PeerError:
+        # Which epoch: the round a peer is in, else the one after the newest finished.
+        states = []
+        for p in self.peers.values():
+            try:
+                reply = p.call("Propose", pb.ProposeRequest(rank=self.rank, epoch=0),
+                               deadline_s=self.config.deadline_s, attempts=1)
+            except PeerError:
+                continue
+            states.append((reply.epoch, reply.active))
+        epoch = self.agreement.begin(states)
+        try:
+            while True:
+                self.agreement.record(self.rank, epoch, mine)
+                reached = {self.rank}
+                for r, p in self.peers.items():
+                    try:
+                        reply = p.call("Propose",
+                                       pb.ProposeRequest(rank=self.rank, epoch=epoch, step=mine),
+                                       deadline_s=self.config.deadline_s, attempts=1)
+                    except PeerError:
+                        continue
+                    reached.add(r)
+                    if reply.active and reply.epoch > epoch:
+                        self.agreement.join(reply.epoch)  # we were behind
+                    for prop in reply.seen:  # kept: the peer may decide and move on
+                        self.agreement.record(prop.rank, prop.epoch, prop.step)
+                if self.agreement.state()[0] != epoch:
+                    epoch = self.agreement.state()[0]
+                    log.info("rank %d: joining restore epoch %d", self.rank, epoch)
                     continue
-                reached.add(r)
-                for prop in reply.seen:
-                    seen.setdefault(prop.rank, prop.step)
-            seen = {**seen, **self.agreement.record(self.rank, None)}
-            if reached <= set(seen) or time.monotonic() > deadline:
-                decided = min(seen[r] for r in reached if r in seen)
-                log.info("rank %d: restore step %d (proposals %s)", self.rank, decided, seen)
-                if decided != mine:
-                    invs = self.gather()
-                return decided, invs
-            time.sleep(0.1)
+                seen = self.agreement.current()
+                if reached <= set(seen) or time.monotonic() > deadline:
+                    decided = min(seen[r] for r in reached if r in seen)
+                    log.info("rank %d: restore step %d in epoch %d (proposals %s)",
+                             self.rank, decided, epoch, seen)
+                    if decided != mine:
+                        invs = self.gather()
+                    return decided, invs
+                time.sleep(0.1)
+        finally:
+            self.agreement.decided()
 
     def restore_for_client(self, job: str) -> int:
         """Answer an Orbax client: agree, park every step folder out of its sight,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtc.errors import CorruptShardError, FatalError, MtcError, RetryableError, StepNotFoundError
@@ -178,8 +179,13 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def Propose(self, request: pb.ProposeRequest, context: Any) -> pb.ProposeReply:
-        seen = self.node.agreement.record(request.rank, request.step)
-        return pb.ProposeReply(seen=[pb.ProposeRequest(rank=r, step=s) for r, s in seen.items()])
+        agreement = self.node.agreement
+        agreement.record(request.rank, request.epoch, request.step)  # epoch 0: a query
+        epoch, active = agreement.state()
+        return pb.ProposeReply(
+            seen=[pb.ProposeRequest(rank=r, epoch=e, step=s)
+                  for r, (e, s) in agreement.proposals().items()],
+            epoch=epoch, active=active)
 
     @mapped
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
@@ -210,20 +216,30 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 raise ValueError(f"{rel!r}: size or checksum differ from the offer")
             dst = inside(t.tmp, rel)
             dst.parent.mkdir(parents=True, exist_ok=True)
+            # Whatever was there no longer counts, and is unlinked rather than
+            # overwritten: a linked (deduplicated) file shares its bytes with a
+            # committed step of ours.
+            with t.lock:
+                t.verified.discard(rel)
+            dst.unlink(missing_ok=True)
             value = got = 0
-            with open(dst, "wb", buffering=0) as f:
-                for chunk in chunks:
-                    got += len(chunk)
-                    if got > meta.size:
-                        raise CorruptShardError(f"peer sent more than {meta.size} bytes",
-                                                step=t.step, host=t.origin, path=rel)
-                    value = crc32c(chunk, value)
-                    f.write(chunk)
-            if got != meta.size or value != meta.crc32c:
-                dst.unlink(missing_ok=True)
-                raise CorruptShardError(
-                    f"received {got} bytes with crc32c {value:#010x}, offer said {meta.size} "
-                    f"bytes {meta.crc32c:#010x}", step=t.step, host=t.origin, path=rel)
+            with open(dst, "xb", buffering=0) as f:
+                try:
+                    for chunk in chunks:
+                        got += len(chunk)
+                        if got > meta.size:
+                            raise CorruptShardError(f"peer sent more than {meta.size} bytes",
+                                                    step=t.step, host=t.origin, path=rel)
+                        value = crc32c(chunk, value)
+                        f.write(chunk)
+                    if got != meta.size or value != meta.crc32c:
+                        raise CorruptShardError(
+                            f"received {got} bytes with crc32c {value:#010x}, offer said "
+                            f"{meta.size} bytes {meta.crc32c:#010x}",
+                            step=t.step, host=t.origin, path=rel)
+                except BaseException:
+                    dst.unlink(missing_ok=True)
+                    raise
             with t.lock:
                 t.verified.add(rel)
             self.node.metrics.bytes_received.inc(got)
@@ -235,7 +251,10 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
-            req = pb.FetchRequest.FromString(request)
+            try:
+                req = pb.FetchRequest.FromString(request)
+            except DecodeError as e:
+                raise ValueError(f"malformed FetchRequest: {e}") from e
             rel = safe_relpath(req.path)
             store = self.node.store
             if (req.origin_rank, req.step) not in store.copies():

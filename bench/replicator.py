@@ -1,0 +1,410 @@
+"""Peer copy and peer restore throughput of the replicator against raw references, in one run.
+
+Prints one JSON object to stdout (progress goes to stderr)::
+
+    .venv/bin/python bench/replicator.py [--gib 1.0] [--samples 3] [--warmup 1]
+
+Measured in the same run, on this machine's loopback and RAM disk:
+
+- ``raw_tcp``: a preallocated buffer sent over one loopback TCP connection in 4 MiB
+  ``sendall`` calls to a receiver thread doing ``recv_into`` a preallocated 4 MiB
+  buffer; timed to the receiver's one-byte acknowledgement.
+- ``peer_copy``: two real replicator processes (2 slices x 1 host, ``--replicas 1
+  --keep 1``). A step of ``--gib`` GiB (8 MiB files of random bytes, each step made
+  distinct so nothing is deduplicated) is written under a temporary name in host 0's
+  root and renamed into place; timed from the rename until host 1's verified copy is
+  committed (its folder renamed into ``.mtc-replica/0/<step>``). Opaque steps are
+  described by the sender (a CRC32C pass over every file) before the copy starts:
+  ``describe_s`` times that same pass in-process (``store.describe_own``) so the split
+  shows.
+- ``peer_restore``: host 0's root is wiped and its replicator restarted;
+  ``PrepareRestore`` is called on both replicators at once and host 0 fetches its step
+  back from host 1. Timed from the calls to host 0's reply (agreement included; the
+  process restart is reported apart).
+- ``local_read``: the same files read from the RAM disk with ``readinto`` into
+  preallocated, warmed buffers.
+
+Each measurement is interleaved with its reference, round by round (raw TCP then a
+copy; a local read then a restore), so drift in the machine's load hits both alike;
+the first ``--warmup`` rounds are discarded. Throughputs are in GB/s (1e9 bytes);
+ratios are taken between the best samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import importlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+for _p in (str(REPO), str(REPO / "tests")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+# The replicator processes are started with ``python -m``: they need the repository.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+from mtc.integrity import crc32c  # noqa: E402
+from mtc.proto import replicator_pb2 as pb  # noqa: E402
+from sidecar.replicator.store import REPLICA_DIR, describe_own  # noqa: E402
+
+replicators: Any = importlib.import_module("replicators")  # tests/replicators.py
+
+MIB = 1 << 20
+GB = 1e9
+FILE_BYTES = 8 * MIB
+TCP_CHUNK = 4 * MIB
+TARGETS = {"peer_copy_over_raw_tcp": 0.6}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / GB, 3)
+
+
+def summary(nbytes: int, seconds: list[float]) -> dict[str, Any]:
+    return {"seconds": [round(s, 3) for s in seconds],
+            "gbps_best": gbps(nbytes, min(seconds)),
+            "gbps_median": gbps(nbytes, statistics.median(seconds))}
+
+
+# -- raw loopback TCP -------------------------------------------------------------------
+
+
+class RawTcp:
+    """One loopback connection to a receiver thread; :meth:`sample` times one transfer."""
+
+    def __init__(self, payload: memoryview) -> None:
+        self.payload = payload
+        self.errors: list[OSError] = []
+        self._more = threading.Semaphore(0)
+        self._srv = socket.socket()
+        self._srv.bind(("127.0.0.1", 0))
+        self._srv.listen(1)
+        self._thread = threading.Thread(target=self._receive, name="raw-tcp-receiver",
+                                        daemon=True)
+        self._thread.start()
+        self._sock = socket.create_connection(self._srv.getsockname())
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _receive(self) -> None:
+        try:
+            conn, _ = self._srv.accept()
+            buf = bytearray(TCP_CHUNK)  # preallocated, reused
+            view = memoryview(buf)
+            with conn:
+                while True:
+                    left = len(self.payload)
+                    while left:
+                        n = conn.recv_into(view, min(left, TCP_CHUNK))
+                        if not n:
+                            return  # the sender closed
+                        left -= n
+                    conn.sendall(b"k")
+        except OSError as e:  # reported by the sender
+            self.errors.append(e)
+
+    def sample(self) -> float:
+        """Seconds to send the payload in 4 MiB ``sendall`` calls, until acknowledged."""
+        t0 = time.perf_counter()
+        for off in range(0, len(self.payload), TCP_CHUNK):
+            self._sock.sendall(self.payload[off:off + TCP_CHUNK])
+        if self._sock.recv(1) != b"k":
+            raise OSError(f"raw TCP receiver failed: {self.errors}")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._sock.close()
+        self._thread.join(10)
+        self._srv.close()
+
+
+# -- steps on the RAM disk ------------------------------------------------------------------
+
+
+def write_all(path: Path, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    finally:
+        os.close(fd)
+
+
+def write_step(root: Path, step: int, payload: memoryview, nfiles: int) -> Path:
+    """``nfiles`` files of ``payload`` under a temporary name; each starts with (step, i)
+    so no file equals one of another step or of this one. Returns the temporary folder."""
+    tmp = root / f"{step}.tmp"
+    tmp.mkdir()
+    for i in range(nfiles):
+        part = payload[i * FILE_BYTES:(i + 1) * FILE_BYTES]
+        fd = os.open(tmp / f"shard_{i:05d}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, struct.pack("<QQ", step, i))
+            done = 16
+            while done < len(part):
+                done += os.write(fd, part[done:])
+        finally:
+            os.close(fd)
+    return tmp
+
+
+def wait_for(path: Path, timeout: float, what: str) -> float:
+    """Polls until ``path`` exists; returns the time it was first seen."""
+    deadline = time.perf_counter() + timeout
+    while not path.exists():
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{what}: {path} did not appear within {timeout} s")
+        time.sleep(0.002)
+    return time.perf_counter()
+
+
+def step_files(step_dir: Path) -> list[Path]:
+    return sorted(step_dir.glob("shard_*.bin"))
+
+
+def crc_files(paths: list[Path]) -> int:
+    """The same pass the replicator makes to describe an opaque step (4 MiB reads + CRC)."""
+    buf = bytearray(4 * MIB)
+    view = memoryview(buf)
+    total = 0
+    for p in paths:
+        value = 0
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                value = crc32c(view[:n], value)
+        total ^= value
+    return total
+
+
+def read_files(paths: list[Path], bufs: list[np.ndarray]) -> None:
+    for path, buf in zip(paths, bufs, strict=True):
+        view = buf.data.cast("B")
+        with open(path, "rb", buffering=0) as f:
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{path}: short read ({got} of {len(view)} bytes)")
+                got += n
+
+
+def check_restored(step_dir: Path, step: int, payload: memoryview, nfiles: int) -> None:
+    paths = step_files(step_dir)
+    if len(paths) != nfiles:
+        raise AssertionError(f"restored {len(paths)} files, expected {nfiles}")
+    for i, p in enumerate(paths):
+        want = struct.pack("<QQ", step, i) + bytes(payload[i * FILE_BYTES + 16:
+                                                           (i + 1) * FILE_BYTES])
+        if p.read_bytes() != want:
+            raise AssertionError(f"restored {p} differs from what was written")
+
+
+# -- the benchmark --------------------------------------------------------------------------
+
+
+def make_payload(nbytes: int) -> np.ndarray:
+    """Distinct 8-byte words (a multiplicative hash of their index): no two files equal."""
+    words = np.arange(nbytes // 8, dtype=np.uint64)
+    words *= np.uint64(0x9E3779B97F4A7C15)
+    words ^= words >> np.uint64(29)
+    return words.view(np.uint8)
+
+
+def copy_sample(h0: Path, h1: Path, step: int, payload: memoryview, nfiles: int
+                ) -> tuple[float, float]:
+    """(seconds from the commit on host 0 to the committed copy on host 1, describe pass)."""
+    tmp = write_step(h0, step, payload, nfiles)
+    time.sleep(0.3)  # let the writes settle and the replicators idle
+    t0 = time.perf_counter()
+    os.rename(tmp, h0 / str(step))
+    t1 = wait_for(h1 / REPLICA_DIR / "0" / str(step), 120, f"copy of step {step}")
+    time.sleep(0.5)  # garbage collection of the previous step, off the clock
+    t2 = time.perf_counter()
+    describe_own(h0 / str(step))
+    return t1 - t0, time.perf_counter() - t2
+
+
+def restore_sample(cl: Any, h0: Path, step: int) -> tuple[float, Any, Any, float]:
+    """Replace host 0 (SIGKILL, wipe, restart), then PrepareRestore on both hosts at once.
+    Returns (seconds to host 0's reply, host 0's reply, host 1's reply, restart seconds)."""
+    cl.kill(0)
+    shutil.rmtree(h0)
+    t0 = time.perf_counter()
+    cl.start(0)
+    restart = time.perf_counter() - t0
+    clients = [cl.client(0), cl.client(1)]
+    done: dict[int, float] = {}
+
+    def prepare(rank: int) -> Any:
+        reply = clients[rank].call("PrepareRestore", pb.PrepareRestoreRequest(), deadline_s=120)
+        done[rank] = time.perf_counter()
+        return reply
+
+    try:
+        with cf.ThreadPoolExecutor(2) as ex:
+            t0 = time.perf_counter()
+            r0, r1 = ex.map(prepare, (0, 1))
+    finally:
+        for c in clients:
+            c.close()
+    if r0.step != step or r0.tier != "peer":
+        raise AssertionError(f"host 0 restored step {r0.step} from {r0.tier!r}, "
+                             f"expected {step} from 'peer'")
+    return done[0] - t0, r0, r1, restart
+
+
+def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    nfiles = max(1, round(gib * 1024 * MIB / FILE_BYTES))
+    nbytes = nfiles * FILE_BYTES
+    rounds = samples + warmup
+    log(f"{nfiles} files of 8 MiB ({nbytes / GB:.2f} GB), {samples} samples after "
+        f"{warmup} warm-up, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    payload_arr = make_payload(nbytes)
+    payload = payload_arr.data.cast("B")
+    tcp_s: list[float] = []
+    copy_s: list[float] = []
+    describe_s: list[float] = []
+    crc_s: list[float] = []
+    restore_s: list[float] = []
+    server_s: list[float] = []
+    restart_s: list[float] = []
+    read_s: list[float] = []
+    tiers: list[str] = []
+    bufs = [np.empty(FILE_BYTES, np.uint8) for _ in range(nfiles)]
+    for b in bufs:
+        b.fill(1)  # warmed: every page mapped before timing
+
+    raw = RawTcp(payload)
+    cl = replicators.Cluster(base, 2, 1, extra=("--replicas", "1", "--keep", "1"))
+    h0, h1 = cl.root(0), cl.root(1)
+    try:
+        cl.start_all()
+        # Rounds interleave each measurement with its reference, so drift in the load
+        # of the machine hits both alike.
+        step = 0
+        for r in range(rounds):
+            step = 100 + r
+            t_tcp = raw.sample()
+            t_copy, t_describe = copy_sample(h0, h1, step, payload, nfiles)
+            paths = step_files(h0 / str(step))
+            t0 = time.perf_counter()
+            crc_files(paths)
+            t_crc = time.perf_counter() - t0
+            tag = " (warm-up)" if r < warmup else ""
+            log(f"raw TCP {gbps(nbytes, t_tcp)} GB/s; copy of step {step}: {t_copy:.3f} s = "
+                f"{gbps(nbytes, t_copy)} GB/s; describe pass {t_describe:.3f} s{tag}")
+            if r >= warmup:
+                tcp_s.append(t_tcp)
+                copy_s.append(t_copy)
+                describe_s.append(t_describe)
+                crc_s.append(t_crc)
+        mem = payload_arr[:256 * MIB]
+        t0 = time.perf_counter()
+        crc32c(mem)
+        crc_mem_gbps = gbps(len(mem), time.perf_counter() - t0)
+
+        last = step
+        # host 1 needs a step of its own for `last` to be restorable: a tiny one
+        tiny = h1 / f"{last}.tmp"
+        tiny.mkdir()
+        write_all(tiny / "tiny.bin", memoryview(os.urandom(4096)))
+        os.rename(tiny, h1 / str(last))
+        wait_for(h0 / REPLICA_DIR / "1" / str(last), 60, "copy of host 1's step")
+
+        for r in range(rounds):
+            t0 = time.perf_counter()  # host 0's own copy: as written, or as last restored
+            read_files(step_files(h0 / str(last)), bufs)
+            t_read = time.perf_counter() - t0
+            t_restore, r0, r1, restart = restore_sample(cl, h0, last)
+            check_restored(h0 / str(last), last, payload, nfiles)
+            tag = " (warm-up)" if r < warmup else ""
+            log(f"local read {gbps(nbytes, t_read)} GB/s; restore "
+                f"{t_restore:.3f} s = {gbps(nbytes, t_restore)} GB/s (server {r0.seconds:.3f}"
+                f" s, host 1 {r1.tier} {r1.seconds:.3f} s; restart {restart:.2f} s){tag}")
+            if r >= warmup:
+                restore_s.append(t_restore)
+                server_s.append(r0.seconds)
+                restart_s.append(restart)
+                tiers.append(f"{r0.tier}/{r1.tier}")
+                read_s.append(t_read)
+    finally:
+        cl.stop_all()
+        raw.close()
+    best_copy, med_describe = min(copy_s), statistics.median(describe_s)
+    result: dict[str, Any] = {
+        "bytes": nbytes,
+        "files": nfiles,
+        "file_mib": FILE_BYTES // MIB,
+        "cpus": os.cpu_count(),
+        "load_average_1m": round(os.getloadavg()[0], 1),
+        "samples": samples,
+        "warmup": warmup,
+        "raw_tcp": {**summary(nbytes, tcp_s), "chunk_mib": TCP_CHUNK // MIB},
+        "peer_copy": {
+            **summary(nbytes, copy_s),
+            "describe_pass": summary(nbytes, describe_s),
+            "crc_of_files_gbps": summary(nbytes, crc_s)["gbps_best"],
+            "crc_in_memory_gbps": crc_mem_gbps,
+            "after_describe_gbps": gbps(nbytes, max(1e-9, best_copy - med_describe)),
+        },
+        "peer_restore": {**summary(nbytes, restore_s),
+                         "server_seconds": [round(s, 3) for s in server_s],
+                         "restart_seconds": [round(s, 2) for s in restart_s],
+                         "tiers_host0_host1": tiers},
+        "local_read": summary(nbytes, read_s),
+        "peer_copy_over_raw_tcp": round(min(tcp_s) / best_copy, 3),
+        "peer_restore_over_local_read": round(min(read_s) / min(restore_s), 3),
+        "targets": {k: f">= {v}" for k, v in TARGETS.items()},
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    result["meets_targets"] = {k: result[k] >= v for k, v in TARGETS.items()}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--gib", type=float, default=1.0, help="step size in GiB (default 1)")
+    p.add_argument("--samples", type=int, default=3, help="kept samples per figure")
+    p.add_argument("--warmup", type=int, default=1, help="discarded samples per figure")
+    args = p.parse_args(argv)
+    if args.samples < 1 or args.warmup < 0:
+        p.error("--samples must be >= 1 and --warmup >= 0")
+    # SIGTERM (a timeout) unwinds like Ctrl-C, so the replicators and files are cleaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    base = Path(tempfile.mkdtemp(prefix="mtc-bench-replicator-",
+                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        result = run(args.gib, args.samples, args.warmup, base)
+    except BaseException:
+        for f in sorted((base / "logs").glob("*.log")):
+            log(f"{f.name}, last lines:\n{f.read_text()[-3000:]}")
+        raise
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

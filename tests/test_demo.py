@@ -1,0 +1,48 @@
+"""The ``make demo`` job, shortened: a SIGKILLed training process comes back from the RAM disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# About 40 s on an idle 2-core machine; the limits leave room for a busy CI runner.
+@pytest.mark.timeout(240)
+def test_demo_recovers_from_a_crash_with_the_reference_loss_curve(tmp_path: Path,
+                                                                 ramdisk: Path) -> None:
+    out = tmp_path / "demo"
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer.demo", "--out", str(out), "--steps", "40",
+         "--kill-at", "25", "--save-interval", "10", "--ramdisk-root", str(ramdisk)],
+        cwd=REPO, capture_output=True, text=True, timeout=230)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+
+    assert len(report["failures"]) == 1
+    f = report["failures"][0]
+    assert f["kind"] == "process_crash" and f["tier"] == "local"
+    assert f["step_at_failure"] >= 25
+    assert f["resumed_from_step"] <= f["step_at_failure"]
+    assert f["resumed_from_step"] % 10 == 0
+    assert 0 <= f["steps_lost"] <= 10
+    assert f["steps_lost"] == f["step_at_failure"] - f["resumed_from_step"]
+    s = f["seconds"]
+    assert set(s) >= {"detect", "wait", "restore", "recompile", "total"}
+    assert all(v is not None and v >= 0 for k, v in s.items() if k != "recompile")
+    assert s["total"] >= s["detect"] + s["wait"] + s["restore"]
+
+    assert report["steps_completed"] == 40
+    assert report["loss_matches_reference"] is True
+    assert report["loss_max_abs_diff"]["after_recovery"] <= 1e-6
+    assert 0 < report["goodput"] < 1
+    assert report["final_loss"] < 3.0
+    for run in ("crash", "resume", "reference"):
+        lines = (out / f"{run}.jsonl").read_text().splitlines()
+        assert any('"loss"' in line for line in lines)
+    assert list(ramdisk.iterdir()) == [], "the demo leaves its RAM-disk folder behind"

@@ -1,0 +1,328 @@
+"""The replicator with real processes: replication, dedup, restore after host loss,
+an unreachable peer, garbage collection, metrics.
+
+Every replicator is a real ``python -m sidecar.replicator.main`` process; losing a
+host means SIGKILL to its replicator and deleting its RAM-disk root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from replicators import Cluster, commit_raw_step
+
+import mtc
+from mtc.manifest import MANIFEST_NAME, Manifest
+from mtc.proto import replicator_pb2 as pb
+
+OPTS = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
+
+
+@pytest.fixture
+def clusters(ramdisk: Path) -> Iterator[list[Cluster]]:
+    """Clusters a test creates; every replicator is SIGKILLed at the end."""
+    made: list[Cluster] = []
+    yield made
+    for c in made:
+        c.stop_all()
+        for r in range(c.n):
+            print(f"--- replicator {r} log tail ---\n{c.log_text(r)[-3000:]}")
+
+
+def new_cluster(clusters: list[Cluster], base: Path, n: int, per_slice: int,
+                **kw: Any) -> Cluster:
+    c = Cluster(base, n, per_slice, **kw)
+    clusters.append(c)
+    return c
+
+
+def make_state(mesh: Mesh, scale: float) -> dict[str, Any]:
+    """About 2 MiB: ``dp`` is data-parallel (the same shard files in both slices),
+    ``own`` is split over every device (unique to each host)."""
+    dp = jnp.arange(1024 * 256, dtype=jnp.float32).reshape(1024, 256) * scale
+    own = jnp.arange(1024 * 256, dtype=jnp.float32).reshape(1024, 256) * -scale
+    return {"dp": jax.device_put(dp, NamedSharding(mesh, P("model"))),
+            "own": jax.device_put(own, NamedSharding(mesh, P(("replica", "model")))),
+            "n": int(scale)}
+
+
+def assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for k in ("dp", "own"):
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+        assert got[k].sharding == want[k].sharding
+    assert got["n"] == want["n"]
+
+
+def save(base: Path, mesh: Mesh, steps: dict[int, dict[str, Any]]) -> None:
+    with mtc.CheckpointManager(base, mesh=mesh, options=OPTS) as m:
+        for step, state in steps.items():
+            assert m.save(step, state)
+        m.wait_until_finished()
+
+
+def prepare_all(cl: Cluster, ranks: list[int], timeout: float = 30.0
+                ) -> dict[int, pb.PrepareRestoreReply]:
+    """PrepareRestore on ``ranks`` at once, as a restarting job does."""
+    def one(r: int) -> pb.PrepareRestoreReply:
+        c = cl.client(r)
+        try:
+            return c.call("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=timeout),
+                          deadline_s=timeout + 10, attempts=1)
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(len(ranks)) as ex:
+        return dict(zip(ranks, ex.map(one, ranks), strict=True))
+
+
+def files_of(d: Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
+def wipe(cl: Cluster, rank: int) -> None:
+    """Lose a host: SIGKILL its replicator, delete its RAM disk."""
+    cl.kill(rank)
+    shutil.rmtree(cl.root(rank))
+
+
+# -- replication --------------------------------------------------------------------
+
+
+def test_replication_verified_and_deduplicated(ramdisk: Path, mesh: Mesh,
+                                               clusters: list[Cluster]) -> None:
+    state = make_state(mesh, 1.0)
+    # Saved before the replicators start, so every host's own step is there when
+    # its peer's copy is offered: the data-parallel shards can only be linked.
+    save(ramdisk, mesh, {1: state})
+    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
+    cl.start_all()
+    cl.wait_replicated(1, timeout=30)
+
+    for origin in range(4):
+        holder = (origin + 2) % 4
+        src = cl.root(origin) / "1"
+        replica = cl.root(holder) / ".mtc-replica" / str(origin) / "1"
+        # The inventory lists the copy with the origin's manifest sizes and checksums.
+        inv = cl.inventory(holder)
+        (copy,) = [c for c in inv.copies if c.origin_rank == origin and c.step == 1]
+        manifest = Manifest.from_bytes((src / MANIFEST_NAME).read_bytes())
+        listed = {f.path: (f.size, f.crc32c) for f in copy.files}
+        assert {p: v for p, v in listed.items() if p != MANIFEST_NAME} == {
+            e.file: (e.nbytes, e.crc32c) for e in manifest.files.values()}
+        # Byte for byte identical.
+        assert files_of(replica) == files_of(src)
+
+        # Dedup: the data-parallel shards the holder saved itself are hard links to
+        # its own files, the host-unique ones were pushed (a file of their own).
+        own = {p.name: p for p in (cl.root(holder) / "1").iterdir()}
+        linked = pushed = 0
+        for f in replica.iterdir():
+            twin = own.get(f.name)
+            if f.name != MANIFEST_NAME and twin is not None and \
+                    twin.read_bytes() == f.read_bytes():
+                assert f.stat().st_ino == twin.stat().st_ino, f
+                linked += 1
+            else:
+                assert f.stat().st_nlink == 1, f
+                pushed += 1
+        assert linked >= 1 and pushed >= 2, (linked, pushed)
+
+    for rank in range(4):
+        m = cl.scrape(rank)
+        assert m["mtc_deduplicated_files_total"] >= 1
+        # Only the host-unique shards and the manifest crossed the wire: the
+        # data-parallel half of the step did not.
+        step_bytes = sum(p.stat().st_size for p in (cl.root((rank + 2) % 4) / "1").iterdir())
+        assert 0 < m["mtc_replicated_bytes_received_total"] < 0.75 * step_bytes
+        assert m["mtc_replicated_bytes_sent_total"] > 0
+        assert m["mtc_newest_step{state=committed}"] == 1
+        assert m["mtc_newest_step{state=replicated}"] == 1
+        assert m["mtc_replication_lag_steps"] == 0
+
+
+def test_metrics_endpoint_serves_documented_names(ramdisk: Path,
+                                                  clusters: list[Cluster]) -> None:
+    cl = new_cluster(clusters, ramdisk, 2, 1, metrics=True)
+    cl.start_all()
+    commit_raw_step(cl.root(0), 3, {"a.bin": os.urandom(1000), "d/b.bin": os.urandom(10)})
+    cl.wait_held({(1, 0, 3)})
+    m0, m1 = cl.scrape(0), cl.scrape(1)
+    for m in (m0, m1):
+        for name in ("mtc_replicated_bytes_sent_total", "mtc_replicated_bytes_received_total",
+                     "mtc_restore_bytes_fetched_total", "mtc_deduplicated_files_total",
+                     "mtc_replication_lag_steps", "mtc_newest_step{state=committed}",
+                     "mtc_newest_step{state=replicated}", "mtc_newest_step{state=backed_up}"):
+            assert name in m, (name, sorted(m))
+    assert m0["mtc_replicated_bytes_sent_total"] == 1010
+    assert m1["mtc_replicated_bytes_received_total"] == 1010
+    assert m0["mtc_newest_step{state=committed}"] == 3
+    assert m0["mtc_newest_step{state=replicated}"] == 3
+    assert m1["mtc_newest_step{state=committed}"] == -1
+    assert m0["mtc_newest_step{state=backed_up}"] == -1
+    # The failure counter is declared even before anything failed.
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{cl.metrics_ports[0]}/metrics") as r:
+        assert "# TYPE mtc_failures_total counter" in r.read().decode()
+
+
+# -- restore after host loss ------------------------------------------------------
+
+
+def test_restore_after_host_loss(ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
+    cl = new_cluster(clusters, ramdisk, 4, 2)
+    cl.start_all()
+    s1, s2 = make_state(mesh, 1.0), make_state(mesh, 2.0)
+    save(ramdisk, mesh, {1: s1, 2: s2})
+    cl.wait_replicated(2, timeout=30)
+    before = files_of(cl.root(1) / "2")
+
+    wipe(cl, 1)
+    cl.start(1)
+    assert not (cl.root(1) / "2").exists()
+    t0 = time.monotonic()
+    replies = prepare_all(cl, [0, 1, 2, 3])
+    assert time.monotonic() - t0 < 20
+    assert {r: (x.step, x.tier) for r, x in replies.items()} == {
+        0: (2, "local"), 1: (2, "peer"), 2: (2, "local"), 3: (2, "local")}
+    assert files_of(cl.root(1) / "2") == before
+
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=OPTS) as m:
+        assert 2 in m.all_steps()
+        assert_state_equal(m.restore(2, s2), s2)
+    # Redundancy comes back without a new save: host 3's copy on the replaced
+    # host 1 was lost with it, and host 3 pushes it again.
+    cl.wait_held({(1, 3, 2), (3, 1, 2)}, timeout=15)
+
+
+def test_two_hosts_lost_in_different_slices(ramdisk: Path, mesh: Mesh,
+                                            clusters: list[Cluster]) -> None:
+    cl = new_cluster(clusters, ramdisk, 4, 2)
+    cl.start_all()
+    s3 = make_state(mesh, 3.0)
+    save(ramdisk, mesh, {2: make_state(mesh, 2.0), 3: s3})
+    cl.wait_replicated(3, timeout=30)
+
+    # Host 0 (slice 0) and host 3 (slice 1) at once: each one's data survives on
+    # its peer in the other slice (host 2 and host 1).
+    wipe(cl, 0)
+    wipe(cl, 3)
+    cl.launch(0)
+    cl.launch(3)
+    cl.wait_serving(0)
+    cl.wait_serving(3)
+
+    # The controller's own path: restore() without a step asks the replicators.
+    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, replicators=tuple(cl.addrs),
+                       restore_timeout_s=30)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as m:
+        assert_state_equal(m.restore(None, s3), s3)
+    cl.wait_held({(0, 2, 3), (3, 1, 3), (2, 0, 3), (1, 3, 3)}, timeout=15)
+    for r in (0, 3):
+        assert (cl.root(r) / "3" / MANIFEST_NAME).is_file()
+        assert files_of(cl.root(r) / "3") == files_of(
+            cl.root((r + 2) % 4) / ".mtc-replica" / str(r) / "3")
+
+
+# -- an unreachable peer ------------------------------------------------------------
+
+
+def test_peer_unreachable_then_back(ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
+    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
+    cl.start_all()
+    s1 = make_state(mesh, 1.0)
+    save(ramdisk, mesh, {1: s1})
+    cl.wait_replicated(1, timeout=30)
+
+    cl.kill(2)  # host 0's peer, not restarted for now
+    save(ramdisk, mesh, {2: make_state(mesh, 2.0)})
+    # Hosts 1 and 3 are unaffected.
+    cl.wait_held({(3, 1, 2), (1, 3, 2)}, timeout=30)
+    deadline = time.monotonic() + 20
+    while cl.scrape(0).get("mtc_failures_total{kind=peer_unreachable}", 0) < 2:
+        assert time.monotonic() < deadline, cl.scrape(0)
+        time.sleep(0.1)
+    m0 = cl.scrape(0)
+    assert m0["mtc_newest_step{state=committed}"] == 2
+    assert m0["mtc_newest_step{state=replicated}"] == 1
+    assert m0["mtc_replication_lag_steps"] == 1
+    assert all(cl.alive(r) for r in (0, 1, 3))
+    assert (2, 0, 2) not in cl.held() and (0, 2, 2) not in cl.held()
+
+    # A restore with host 2 down still agrees, within deadlines, on the newest step
+    # whose data is reachable for every host: step 1 (host 2's step 2 exists only
+    # on its own RAM disk, behind a dead replicator).
+    t0 = time.monotonic()
+    replies = prepare_all(cl, [0, 1, 3])
+    assert time.monotonic() - t0 < 20
+    assert {r: (x.step, x.tier) for r, x in replies.items()} == {
+        0: (1, "local"), 1: (1, "local"), 3: (1, "local")}
+
+    # Back: replication completes in both directions.
+    t0 = time.monotonic()
+    cl.start(2)
+    cl.wait_held({(2, 0, 2), (0, 2, 2)}, timeout=30)
+    took = time.monotonic() - t0
+    print(f"replication completed {took:.1f}s after the restart")
+    assert took < 10  # reconnect backoff stays short
+    deadline = time.monotonic() + 10
+    while cl.scrape(0)["mtc_newest_step{state=replicated}"] != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert cl.scrape(0)["mtc_replication_lag_steps"] == 0
+
+
+# -- garbage collection ----------------------------------------------------------------
+
+
+def own_steps(root: Path) -> set[int]:
+    return {int(n) for n in os.listdir(root) if n.isdigit()}
+
+
+def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Cluster]) -> None:
+    cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "2"))
+    cl.start_all()
+    commit_raw_step(cl.root(0), 1, {"x.bin": os.urandom(4096)})
+    commit_raw_step(cl.root(1), 1, {"y.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 1), (0, 1, 1)})
+
+    cl.kill(1)  # the only peer: nothing newer gets fully replicated
+    for step in (2, 3, 4, 5):
+        commit_raw_step(cl.root(0), step, {"x.bin": os.urandom(4096)})
+        time.sleep(0.2)
+    # The newest 2 plus step 1, the newest fully replicated one.
+    deadline = time.monotonic() + 10
+    while own_steps(cl.root(0)) != {1, 4, 5}:
+        assert time.monotonic() < deadline, own_steps(cl.root(0))
+        time.sleep(0.05)
+    time.sleep(0.5)  # many GC passes later, still there
+    assert own_steps(cl.root(0)) == {1, 4, 5}
+
+    # The origin's replicator restarting while its peer is still down must not
+    # forget which step is the newest replicated one.
+    cl.kill(0)
+    cl.start(0)
+    time.sleep(0.5)
+    assert 1 in own_steps(cl.root(0))
+
+    # The peer returns: step 5 is replicated, and only then is step 1 released.
+    cl.start(1)
+    cl.wait_held({(1, 0, 5)}, timeout=30)
+    deadline = time.monotonic() + 10
+    while own_steps(cl.root(0)) != {4, 5}:
+        assert time.monotonic() < deadline, own_steps(cl.root(0))
+        time.sleep(0.05)
+    # The peer keeps at most --keep copies per origin.
+    assert {c.step for c in cl.inventory(1).copies if c.origin_rank == 0} <= {1, 5}

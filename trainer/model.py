@@ -1,0 +1,214 @@
+"""A tiny decoder-only transformer LM in plain JAX, with its optimizer and shardings.
+
+Parameters are sharded Megatron-style over the mesh axis ``model`` (attention
+heads and MLP hidden units split across devices); the batch is split over
+``replica`` (data parallel across slices). XLA inserts the collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Params = dict[str, Any]
+State = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab_size: int = 16
+    seq_len: int = 64
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 512
+    dropout: float = 0.1
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    total_steps: int = 150
+    weight_decay: float = 0.01
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def init_params(cfg: Config, seed: int) -> Params:
+    """Initial parameters as host numpy arrays (no XLA program to compile)."""
+    d, h, hd, f = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff
+    rng = np.random.default_rng(seed)
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones((n,), np.float32)
+
+    def zeros(n: int) -> np.ndarray:
+        return np.zeros((n,), np.float32)
+
+    out_std = 1 / math.sqrt(2 * cfg.n_layers)
+    layers = [{
+        "ln1": ones(d),
+        "wqkv": normal((d, 3, h, hd), 1 / math.sqrt(d)),
+        "wo": normal((h, hd, d), out_std / math.sqrt(d)),
+        "ln2": ones(d),
+        "w1": normal((d, f), 1 / math.sqrt(d)),
+        "b1": zeros(f),
+        "w2": normal((f, d), out_std / math.sqrt(f)),
+        "b2": zeros(d),
+    } for _ in range(cfg.n_layers)]
+    return {
+        "embed": normal((cfg.vocab_size, d), 0.02),
+        "pos": normal((cfg.seq_len, d), 0.02),
+        "layers": layers,
+        "ln_f": ones(d),
+        "unembed": normal((d, cfg.vocab_size), 1 / math.sqrt(d)),
+    }
+
+
+def param_specs(cfg: Config) -> Params:
+    """PartitionSpecs of the parameters: heads and MLP units over ``model``."""
+    layer = {
+        "ln1": P(), "wqkv": P(None, None, "model", None), "wo": P("model", None, None),
+        "ln2": P(), "w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P(),
+    }
+    return {
+        "embed": P(None, "model"), "pos": P(None, "model"),
+        "layers": [dict(layer) for _ in range(cfg.n_layers)],
+        "ln_f": P(), "unembed": P("model", None),
+    }
+
+
+def count_params(params: Params) -> int:
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+
+
+def _layer_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0)
+
+
+def forward(params: Params, tokens: jax.Array, cfg: Config, key: jax.Array | None) -> jax.Array:
+    """Logits ``[B, T, vocab]`` of ``tokens [B, T]``; dropout only when ``key`` is given."""
+    t = tokens.shape[1]
+    x = params["embed"][tokens] + params["pos"][:t]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    drop_keys: list[jax.Array | None] = (
+        list(jax.random.split(key, 2 * cfg.n_layers)) if key is not None
+        else [None] * (2 * cfg.n_layers))
+    for i, lp in enumerate(params["layers"]):
+        h = _layer_norm(x, lp["ln1"])
+        q, k, v = jnp.einsum("btd,dchk->cbthk", h, lp["wqkv"])
+        att = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(cfg.head_dim)
+        att = jax.nn.softmax(jnp.where(causal, att, -1e9), axis=-1)
+        o = jnp.einsum("bhts,bshk->bthk", att, v)
+        x = x + _dropout(jnp.einsum("bthk,hkd->btd", o, lp["wo"]), cfg.dropout, drop_keys[2 * i])
+        h = _layer_norm(x, lp["ln2"])
+        h = jax.nn.gelu(h @ lp["w1"] + lp["b1"]) @ lp["w2"] + lp["b2"]
+        x = x + _dropout(h, cfg.dropout, drop_keys[2 * i + 1])
+    return _layer_norm(x, params["ln_f"]) @ params["unembed"]
+
+
+def loss_fn(params: Params, batch: jax.Array, cfg: Config, key: jax.Array | None) -> jax.Array:
+    """Mean next-character cross-entropy (nats) of ``batch [B, T+1]``."""
+    logits = forward(params, batch[:, :-1], cfg, key)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.learning_rate * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, weight_decay=cfg.weight_decay))
+
+
+def state_shardings(cfg: Config, mesh: Mesh, abstract: State) -> State:
+    """NamedShardings of the array leaves of a train state (``None`` for plain values).
+
+    The optimizer's per-parameter moments follow their parameter; its counters
+    are replicated.
+    """
+    specs = param_specs(cfg)
+    replicated = NamedSharding(mesh, P())
+    param_sh = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                      is_leaf=lambda x: isinstance(x, P))
+    opt_sh = optax.tree_map_params(
+        make_optimizer(cfg), lambda _, s: s, abstract["opt_state"], param_sh,
+        transform_non_params=lambda _: replicated)
+    return {"params": param_sh, "opt_state": opt_sh, "rng": replicated,
+            "step": None, "data": None}
+
+
+class Trainer:
+    """The compiled train step for one mesh; the state is a plain pytree.
+
+    ``state = {"params", "opt_state", "rng", "step": int, "data": {...}}``, where
+    ``rng`` is split on every step (so it must be checkpointed for the run to
+    continue exactly) and ``data`` is the input iterator's state.
+    """
+
+    ARRAYS = ("params", "opt_state", "rng")
+
+    def __init__(self, cfg: Config, mesh: Mesh) -> None:
+        self.cfg = cfg
+        self.mesh = mesh
+        self.optimizer = make_optimizer(cfg)
+        self.batch_sharding = NamedSharding(mesh, P("replica"))
+        shapes = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init_params(cfg, 0))
+        self._abstract = {"params": shapes,
+                          "opt_state": jax.eval_shape(self.optimizer.init, shapes),
+                          "rng": jax.eval_shape(jax.random.key, 0)}
+        self.shardings = state_shardings(cfg, mesh, self._abstract)
+        self._array_sh = {k: self.shardings[k] for k in self.ARRAYS}
+        self._step = jax.jit(
+            self._train_step,
+            in_shardings=(self._array_sh, self.batch_sharding),
+            out_shardings=(self._array_sh, NamedSharding(mesh, P())),
+            donate_argnums=0)
+
+    def _train_step(self, arrays: State, batch: jax.Array) -> tuple[State, jax.Array]:
+        rng, dropout_key = jax.random.split(arrays["rng"])
+        loss, grads = jax.value_and_grad(loss_fn)(arrays["params"], batch, self.cfg, dropout_key)
+        updates, opt_state = self.optimizer.update(grads, arrays["opt_state"], arrays["params"])
+        params = optax.apply_updates(arrays["params"], updates)
+        return {"params": params, "opt_state": opt_state, "rng": rng}, loss
+
+    def init(self, seed: int) -> State:
+        """A fresh state, built on the host and placed onto the mesh."""
+        params = init_params(self.cfg, seed)
+        opt_state = jax.tree_util.tree_map(np.asarray, self.optimizer.init(params))
+        arrays = jax.device_put({"params": params, "opt_state": opt_state,
+                                 "rng": jax.random.key(seed)}, self._array_sh)
+        return {**arrays, "step": 0, "data": {"global_next_index": 0}}
+
+    def abstract_state(self) -> State:
+        """The restore target: ShapeDtypeStructs with shardings, placeholders for values."""
+        target = jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self._abstract, self._array_sh)
+        return {**target, "step": 0, "data": {"global_next_index": 0}}
+
+    def step(self, state: State, batch: Any) -> tuple[State, jax.Array]:
+        """One optimizer step on a host batch ``int32[B, T+1]``; donates ``state``'s arrays."""
+        arrays = {k: state[k] for k in self.ARRAYS}
+        new, loss = self._step(arrays, jax.device_put(batch, self.batch_sharding))
+        return {**new, "step": state["step"] + 1, "data": state["data"]}, loss

@@ -1,0 +1,158 @@
+"""One training process of the demo: train the tiny LM, checkpointing with mtc.
+
+Run as ``python -m trainer.train --ramdisk DIR --log FILE [--resume]``. The
+process builds a 2-slice x 4-device mesh over 8 CPU devices, groups them into 4
+simulated hosts (2 per slice), and saves every ``--save-interval`` steps to
+their RAM-disk roots under ``--ramdisk``. With ``--resume`` it first restores
+``latest_step()`` and the data iterator's position from that checkpoint.
+
+It writes one JSON object per line to ``--log`` (line-buffered, so a line that
+was written survives a SIGKILL): events ``start``, ``ready``, ``init`` or
+``restore``, then one line per step ``{"step", "loss", "t", "step_s", "save_s",
+"saved"}``, then ``done``. ``t`` is wall-clock time (``time.time()``) so that
+another process can line events up; durations use ``perf_counter``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+import mtc
+from trainer.data import VOCAB, make_iterator
+from trainer.model import Config, Trainer, count_params
+
+
+class JsonLog:
+    """Appends JSON lines, one ``write`` per line."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: TextIO = path.open("a", buffering=1)
+
+    def write(self, **fields: Any) -> None:
+        fields.setdefault("t", time.time())
+        self._f.write(json.dumps(fields) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ramdisk", type=Path, help="mtc local_dir (one host-<i> root per host)")
+    p.add_argument("--log", type=Path, required=True, help="JSON-lines output")
+    p.add_argument("--steps", type=int, default=150, help="train up to this step")
+    p.add_argument("--save-interval", type=int, default=10)
+    p.add_argument("--max-to-keep", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--resume", action="store_true", help="restore mtc's latest step first")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="train without mtc (the uninterrupted reference run)")
+    args = p.parse_args(argv)
+    if not args.no_checkpoint and args.ramdisk is None:
+        p.error("--ramdisk is required unless --no-checkpoint")
+    if args.resume and args.no_checkpoint:
+        p.error("--resume needs checkpoints")
+    return args
+
+
+def make_mesh() -> Mesh:
+    devices = jax.devices()
+    if len(devices) != 8:
+        raise SystemExit(f"need 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8), "
+                         f"got {len(devices)}")
+    return Mesh(np.array(devices).reshape(2, 4), ("replica", "model"))
+
+
+def save(mgr: mtc.CheckpointManager, step: int, state: Any) -> bool:
+    """``mgr.save``, clearing a step that a crash left committed on only some hosts.
+
+    A process killed while its hosts commit a step can leave that step's folder
+    on some hosts and not on others: it is not a checkpoint (``all_steps()``
+    leaves it out, and the restore goes back further), but ``save`` of the same
+    step after the restore raises ``StepExistsError``. Such a partial step is
+    deleted and saved again; a step committed on every host still raises.
+    """
+    try:
+        return mgr.save(step, state)
+    except mtc.StepExistsError:
+        if step in mgr.all_steps():
+            raise
+        mgr.delete(step)
+        return mgr.save(step, state)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = JsonLog(args.log)
+    log.write(event="start", pid=os.getpid())
+
+    mesh = make_mesh()
+    cfg = Config(vocab_size=len(VOCAB), total_steps=args.steps)
+    trainer = Trainer(cfg, mesh)
+    data = make_iterator(seq_len=cfg.seq_len, global_batch_size=args.batch_size, seed=args.seed)
+    mgr = None
+    if not args.no_checkpoint:
+        mgr = mtc.CheckpointManager(
+            args.ramdisk, mesh=mesh,
+            options=mtc.Options(save_interval_steps=args.save_interval,
+                                max_to_keep=args.max_to_keep,
+                                simulated_hosts=4, hosts_per_slice=2))
+    log.write(event="ready")
+
+    t0 = time.perf_counter()
+    if args.resume:
+        assert mgr is not None
+        step = mgr.latest_step()
+        if step is None:
+            raise SystemExit(f"--resume: no committed step under {args.ramdisk}")
+        state = mgr.restore(step, trainer.abstract_state())
+        jax.block_until_ready(state)
+        if state["step"] != step:
+            raise SystemExit(f"checkpoint {step} holds state of step {state['step']}")
+        data.set_state(state["data"])
+        log.write(event="restore", step=step, seconds=time.perf_counter() - t0, tier="local")
+    else:
+        state = trainer.init(args.seed)
+        jax.block_until_ready(state)
+        log.write(event="init", seconds=time.perf_counter() - t0,
+                  params=count_params(state["params"]))
+        if mgr is not None:
+            save(mgr, 0, state)
+
+    for step in range(state["step"] + 1, args.steps + 1):
+        t0 = time.perf_counter()
+        batch = next(data)
+        state, loss_arr = trainer.step(state, batch)
+        state["data"] = data.get_state()
+        loss = float(loss_arr)  # waits for the step
+        t1 = time.perf_counter()
+        saved = save(mgr, step, state) if mgr is not None else False
+        t2 = time.perf_counter()
+        log.write(step=step, loss=loss, step_s=t1 - t0, save_s=t2 - t1, saved=saved)
+
+    t0 = time.perf_counter()
+    if mgr is not None:
+        mgr.wait_until_finished()
+        mgr.close()
+    log.write(event="done", step=state["step"], final_wait_s=time.perf_counter() - t0)
+    log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
