@@ -183,7 +183,8 @@ class GcsBackend(Backend):
             raise CorruptBackupError(f"local file has {actual} bytes, expected {size}",
                                      path=str(local))
         blob = self._blob(key, chunk_size=self.chunk_size)
-        blob.crc32c = crc_b64(crc32c)  # GCS refuses bytes with another CRC32C
+        # Sent with the object's metadata (both upload kinds): GCS refuses other bytes.
+        blob.crc32c = crc_b64(crc32c)
         with self._errors("upload", key):
             blob.upload_from_filename(
                 str(local),
@@ -191,7 +192,6 @@ class GcsBackend(Backend):
                 # One request (<= 8 MiB): the server checks the stated CRC32C. Resumable:
                 # the library also sends the CRC32C it computed with the last chunk.
                 checksum=None if size <= SINGLE_REQUEST_MAX else "crc32c",
-                crc32c_checksum_value=blob.crc32c,
                 retry=self.retry, timeout=self.timeout)
             if blob.crc32c != crc_b64(crc32c) or blob.size != size:
                 # A store that did not check (an emulator), or a local file that changed:
