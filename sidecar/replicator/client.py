@@ -45,7 +45,13 @@ CHANNEL_OPTIONS = [
 
 
 class PeerError(RetryableError):
-    """A peer could not be reached or refused a call."""
+    """A peer could not be reached or refused a call; ``code`` is the gRPC status."""
+
+    code: grpc.StatusCode | None = None
+
+    @property
+    def unreachable(self) -> bool:
+        return self.code in _RETRYABLE or self.code is None
 
 
 def _identity(b: bytes) -> bytes:
@@ -89,10 +95,12 @@ class PeerClient:
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
                 if code not in _RETRYABLE or attempt == attempts - 1:
-                    raise PeerError(f"{what} to rank {self.rank} at {self.address} failed: "
+                    err = PeerError(f"{what} to rank {self.rank} at {self.address} failed: "
                                     f"{code.name if code else e}: "
                                     f"{e.details() if hasattr(e, 'details') else ''}",
-                                    host=self.rank) from e
+                                    host=self.rank)
+                    err.code = code
+                    raise err from e
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
         raise AssertionError("unreachable")

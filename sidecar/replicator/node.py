@@ -277,7 +277,10 @@ class Node:
             try:
                 self.push_step(newest, target)
             except (MtcError, OSError) as e:
-                kind = "peer_unreachable" if isinstance(e, PeerError) else type(e).__name__
+                if isinstance(e, PeerError):
+                    kind = "peer_unreachable" if e.unreachable else "peer_refused"
+                else:
+                    kind = type(e).__name__
                 self.metrics.failures.labels(kind).inc()
                 log.warning("rank %d: step %d not replicated to rank %d: %s",
                             self.rank, newest, target, e)
@@ -346,6 +349,7 @@ class Node:
         for s in own:
             if s not in protected:
                 self.store.remove_copy(self.rank, s)
+                self.replicated.pop(s, None)
         for origin, steps in self.store.replica_steps().items():
             if origin == self.rank:
                 # Own steps parked for a client (Orbax) or restored: keep the ones
