@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 
 
 def _on_pathways() -> bool:
+    # Pathways programs import pathwaysutils before they touch JAX; importing it
+    # here just to ask would cost every restart half a second.
+    if "pathwaysutils" not in sys.modules:
+        return False
     try:
         from pathwaysutils import is_pathways_backend_used
     except ImportError:
@@ -82,6 +87,9 @@ class CheckpointManager:
                                     if mode == "colocated" else LocalDispatch(self._config))
         self._closed = False
         self._num_hosts: dict[int, int] = {}
+        # Where each local host's data of the last restore came from: "local",
+        # "peer" or "backup" (set by replicators; "local" without them).
+        self.last_restore_tiers: dict[int, str] = {}
 
     # -- save -------------------------------------------------------------------
 
@@ -99,9 +107,17 @@ class CheckpointManager:
         self._dispatch.raise_background_error()
         if not (force or self.should_save(step)):
             return False
-        for h in self.topology.local_hosts:
-            if layout.step_dir(self._config.root(h), step).is_dir():
-                raise StepExistsError("step is already committed", step=step, host=h)
+        partial = [h for h in self.topology.local_hosts
+                   if layout.step_dir(self._config.root(h), step).is_dir()]
+        if partial:
+            if step in self._complete_here():
+                raise StepExistsError("step is already committed", step=step, host=partial[0])
+            # A crash between hosts' commits left the step on some hosts only: it
+            # was never a checkpoint, and saving it again replaces it.
+            log.warning("step %d was committed on hosts %s only; replacing it", step, partial)
+            for h in partial:
+                layout.remove_step(self._config.root(h), step)
+            self._num_hosts.pop(step, None)
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip")
         self._apply_retention()
         return self._dispatch.stage(header, arrays)
@@ -207,6 +223,7 @@ class CheckpointManager:
         numpy arrays in nested dicts and lists.
         """
         self.wait_until_finished()
+        self.last_restore_tiers = {h: "local" for h in self.topology.local_hosts}
         if step is None and self.options.replicators:
             step = self._prepare_with_replicators()
         if step is None:
@@ -254,9 +271,11 @@ class CheckpointManager:
         if len(addrs) != self.topology.num_hosts:
             raise ConfigError(f"{len(addrs)} replicator addresses for "
                               f"{self.topology.num_hosts} hosts")
-        return prepare_restore([addrs[h] for h in self.topology.local_hosts],
-                               token=self.options.replicator_token,
-                               timeout_s=self.options.restore_timeout_s)
+        local = [addrs[h] for h in self.topology.local_hosts]
+        prepared = prepare_restore(local, token=self.options.replicator_token,
+                                   timeout_s=self.options.restore_timeout_s)
+        self.last_restore_tiers = {h: prepared.tiers[addrs[h]] for h in self.topology.local_hosts}
+        return prepared.step
 
     # -- lifecycle --------------------------------------------------------------
 

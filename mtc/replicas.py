@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,10 +16,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The agreed step (None: nothing restorable) and the tier each host's data came from."""
+
+    step: int | None
+    tiers: dict[str, str]
+
+
 def prepare_restore(addresses: Sequence[str], *, token: str | None,
-                    timeout_s: float, creds: Credentials | None = None) -> int | None:
+                    timeout_s: float, creds: Credentials | None = None) -> Prepared:
     """Ask each replicator (concurrently: they agree with each other) to make
-    its host's data of the agreed step local; returns that step, or None.
+    its host's data of the agreed step local.
 
     ``creds`` (mutual TLS, token) replaces ``token`` when given."""
     from mtc.proto import replicator_pb2 as pb
@@ -43,4 +52,5 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
     if len(steps) != 1:
         raise AgreementError(f"replicators disagree on the step to restore: {sorted(steps)}")
     step = steps.pop()
-    return None if step < 0 else step
+    return Prepared(None if step < 0 else step,
+                    {a: r.tier for a, r in zip(addresses, replies, strict=True)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +188,24 @@ def test_skip_policy_when_staging_budget_is_busy(ramdisk: Path, mesh: Mesh) -> N
         mgr.wait_until_finished()
         np.testing.assert_array_equal(np.asarray(mgr.restore(3, state)["w"]),
                                       np.asarray(state["w"]))
+
+
+def test_step_left_on_some_hosts_by_a_crash_is_saved_again(ramdisk: Path, mesh: Mesh) -> None:
+    state = {"w": sharded(mesh)}
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts(max_to_keep=None)) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+        mgr.wait_until_finished()
+    # A crash between the hosts' commits: step 2 exists on hosts 0, 1 and 3 only.
+    shutil.rmtree(ramdisk / "host-2" / "2")
+    doubled = {"w": state["w"] * 2}
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts(max_to_keep=None)) as mgr:
+        assert mgr.all_steps() == [1]
+        assert mgr.save(2, doubled)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2]
+        np.testing.assert_array_equal(np.asarray(mgr.restore(2, state)["w"]),
+                                      np.asarray(doubled["w"]))
+        assert mgr.last_restore_tiers == {0: "local", 1: "local", 2: "local", 3: "local"}
+        with pytest.raises(mtc.StepExistsError):
+            mgr.save(2, state)

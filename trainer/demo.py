@@ -128,7 +128,7 @@ class Progress:
         else:
             last = steps[-1]
             step = last["step"]
-            recent = [s["step_s"] for s in steps[-10:]]
+            recent = [s["step_s"] for s in steps[1:][-10:]] or [last["step_s"]]  # not compiling
             rate = len(recent) / max(sum(recent), 1e-9)
             saved = [s["step"] for s in steps if s.get("saved")]
             text = (f"  [{child.name:9}] step {step:4d}/{self.total}  loss {last['loss']:.4f}"

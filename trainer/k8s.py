@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         step = prepare_restore([addresses[h] for h in mgr.topology.local_hosts], token=None,
                                timeout_s=mgr.options.restore_timeout_s,
-                               creds=replicator_credentials(args))
+                               creds=replicator_credentials(args)).step
     if mode == "multi-controller":
         shard, shards = place.slice_index or 0, num_slices
     else:

@@ -78,24 +78,6 @@ def make_mesh() -> Mesh:
     return Mesh(np.array(devices).reshape(2, 4), ("replica", "model"))
 
 
-def save(mgr: mtc.CheckpointManager, step: int, state: Any) -> bool:
-    """``mgr.save``, clearing a step that a crash left committed on only some hosts.
-
-    A process killed while its hosts commit a step can leave that step's folder
-    on some hosts and not on others: it is not a checkpoint (``all_steps()``
-    leaves it out, and the restore goes back further), but ``save`` of the same
-    step after the restore raises ``StepExistsError``. Such a partial step is
-    deleted and saved again; a step committed on every host still raises.
-    """
-    try:
-        return mgr.save(step, state)
-    except mtc.StepExistsError:
-        if step in mgr.all_steps():
-            raise
-        mgr.delete(step)
-        return mgr.save(step, state)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = JsonLog(args.log)
@@ -132,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         log.write(event="init", seconds=time.perf_counter() - t0,
                   params=count_params(state["params"]))
         if mgr is not None:
-            save(mgr, 0, state)
+            mgr.save(0, state)
 
     for step in range(state["step"] + 1, args.steps + 1):
         t0 = time.perf_counter()
@@ -141,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         state["data"] = data.get_state()
         loss = float(loss_arr)  # waits for the step
         t1 = time.perf_counter()
-        saved = save(mgr, step, state) if mgr is not None else False
+        saved = mgr.save(step, state) if mgr is not None else False
         t2 = time.perf_counter()
         log.write(step=step, loss=loss, step_s=t1 - t0, save_s=t2 - t1, saved=saved)
 
