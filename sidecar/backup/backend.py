@@ -61,14 +61,23 @@ class Backend(abc.ABC):
         return False
 
 
-def open_backend(url: str) -> Backend:
-    """The backend for a URL: ``file:///path``, ``gs://bucket/prefix``, or any fsspec URL."""
+def open_backend(url: str, *, retry_deadline_s: float | None = None) -> Backend:
+    """The backend for a URL: ``file:///path``, ``gs://bucket/prefix``, or any fsspec URL.
+
+    ``retry_deadline_s``: how long one call to a remote store keeps retrying transient
+    failures before it raises :class:`BackupUnavailableError` (GCS; default 120 s)."""
     scheme = url.split("://", 1)[0] if "://" in url else "file"
     if scheme == "file":
         from sidecar.backup.local import LocalBackend
         return LocalBackend(url)
     if scheme == "gs":
         from sidecar.backup.gcs import GcsBackend
-        return GcsBackend(url)
+        if retry_deadline_s is None:
+            return GcsBackend(url)
+        if retry_deadline_s <= 0:
+            raise ValueError(f"retry deadline must be positive, got {retry_deadline_s}")
+        return GcsBackend(url, deadline=retry_deadline_s,
+                          initial_backoff=min(1.0, retry_deadline_s / 8),
+                          max_backoff=min(30.0, retry_deadline_s / 2))
     from sidecar.backup.fsspec_backend import FsspecBackend
     return FsspecBackend(url)

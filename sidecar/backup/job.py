@@ -18,7 +18,6 @@ manifest, written last, is the commit.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import time
@@ -32,7 +31,7 @@ from typing import Any
 from mtc.errors import ManifestError, MtcError
 from mtc.proto import replicator_pb2 as pb
 from sidecar.backup.backend import Backend, CorruptBackupError
-from sidecar.replicator.store import CHUNK, FileMeta, safe_relpath
+from sidecar.replicator.store import FileMeta, file_sha256, safe_relpath
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +54,6 @@ class BackupEntry:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class BackupStore:
@@ -138,7 +129,7 @@ def upload_part(backend: Backend, step_dir: Path, files: dict[str, FileMeta],
         if upload:
             backend.put_file(local, f"{req.prefix}/data/{req.origin_rank}/{rel}",
                              size=meta.size, crc32c=meta.crc32c)
-        return rel, bytes.fromhex(sha256_file(local)), upload
+        return rel, file_sha256(local).digest(), upload
 
     jobs = [(p, True) for p in req.upload] + [(p, False) for p in req.hash]
     with ThreadPoolExecutor(4, thread_name_prefix="mtc-backup") as pool:
@@ -225,7 +216,7 @@ def download_rank(store: BackupStore, step: int, rank: int, dest: Path,
         local.parent.mkdir(parents=True, exist_ok=True)
         store.backend.get_file(f"{step_prefix(step)}/{e.object}", local, size=e.size,
                                crc32c=e.crc32c)
-        if sha256_file(local) != e.sha256:
+        if file_sha256(local).hexdigest() != e.sha256:
             raise CorruptBackupError("object differs from its manifest's SHA-256",
                                      step=step, host=rank, path=e.object)
 

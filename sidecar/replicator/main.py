@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backup-keep", type=int, default=3, help="newest backups kept")
     p.add_argument("--backup-keep-every", type=int, default=0,
                    help="also keep every K-th step's backup (0: none)")
+    p.add_argument("--backup-retry-seconds", type=float,
+                   help="how long one request to the backup store keeps retrying transient "
+                        "failures before the backup counts as failed (gs://; default 120)")
     p.add_argument("--token-file", help="file holding the shared peer token")
     p.add_argument("--tls-cert", help="this node's certificate (PEM), for mutual TLS")
     p.add_argument("--tls-key", help="its private key (PEM)")
@@ -99,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                 steps = request.backup_interval_steps
             if minutes is None and steps is None:
                 minutes = 30.0
-            backup = BackupScheduler(open_backend(args.backup), BackupPolicy(
+            backend = open_backend(args.backup, retry_deadline_s=args.backup_retry_seconds)
+            backup = BackupScheduler(backend, BackupPolicy(
                 interval_minutes=minutes, interval_steps=steps, keep=args.backup_keep,
                 keep_every=args.backup_keep_every))
         node = Node(config, root, creds, backup)
         server, port, servicer = serve(node, args.listen, creds)
-    except (MtcError, OSError) as e:
+    except (MtcError, OSError, ValueError) as e:
         print(f"mtc-replicator: {e}", file=sys.stderr)
         if framework == "orbax" or request is not None:
             orbax.report(root, f"mtc-replicator cannot start: {e}", fatal=True)

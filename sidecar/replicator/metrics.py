@@ -15,6 +15,8 @@ class Metrics:
                                       "Verified bytes received from peers", registry=r)
         self.bytes_fetched = Counter("mtc_restore_bytes_fetched",
                                      "Verified bytes fetched from peers to restore", registry=r)
+        self.backup_bytes = Counter("mtc_backup_bytes_uploaded",
+                                    "Bytes this host uploaded to the backup store", registry=r)
         self.deduplicated_files = Counter("mtc_deduplicated_files",
                                           "Files a peer already held; only metadata moved",
                                           registry=r)

@@ -16,7 +16,6 @@ file from the holders, spreading reads over them, verifying every byte.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import threading
@@ -30,78 +29,15 @@ from mtc import layout
 from mtc.errors import ConfigError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from sidecar.backup.schedule import BackupScheduler
+from sidecar.replicator.agreement import Agreement
 from sidecar.replicator.client import PeerClient, PeerError
 from sidecar.replicator.config import ReplicatorConfig
 from sidecar.replicator.metrics import Metrics
 from sidecar.replicator.security import Credentials
-from sidecar.replicator.store import CHUNK, FileMeta, LocalStore
+from sidecar.replicator.store import FileMeta, LocalStore, file_sha256
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
-
-
-class Agreement:
-    """Restore rounds ("epochs") and the proposals this node has, by rank.
-
-    Each restore (a job start) is a new epoch. A node keeps answering with the
-    proposals of the epoch it decided, for slower nodes of that round, so a
-    proposal counts only in its own epoch: a quick restart must never decide on
-    the proposals of the previous one. A node starting a round joins the epoch a
-    peer is active in, else starts the one after the newest any node finished; a
-    restarted replicator (it remembers no epoch) learns it from its peers.
-    """
-
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.active = False
-        self._props: dict[int, tuple[int, int]] = {}  # rank -> (epoch, step)
-        self._lock = threading.Lock()
-
-    def begin(self, peers: list[tuple[int, bool]]) -> int:
-        """Enter a round, given the (epoch, active) answers of the peers reached."""
-        with self._lock:
-            epoch = self.epoch + 1
-            for e, active in peers:
-                epoch = max(epoch, e if active else e + 1)
-            self.epoch, self.active = epoch, True
-            return epoch
-
-    def join(self, epoch: int) -> None:
-        """A peer is active in a newer epoch than ours: ours is stale, move to it."""
-        with self._lock:
-            if epoch > self.epoch:
-                self.epoch = epoch
-
-    def decided(self) -> None:
-        with self._lock:
-            self.active = False
-
-    def state(self) -> tuple[int, bool]:
-        with self._lock:
-            return self.epoch, self.active
-
-    def record(self, rank: int, epoch: int, step: int) -> None:
-        with self._lock:
-            if epoch > 0 and epoch >= self._props.get(rank, (0, 0))[0]:
-                self._props[rank] = (epoch, step)
-
-    def proposals(self) -> dict[int, tuple[int, int]]:
-        """rank -> (epoch, step), the newest proposal of each rank."""
-        with self._lock:
-            return dict(self._props)
-
-    def current(self) -> dict[int, int]:
-        """rank -> step, the proposals of this node's epoch."""
-        with self._lock:
-            return {r: s for r, (e, s) in self._props.items() if e == self.epoch}
-
-
-def _sha256(path: Path) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.digest()
 
 
 class Node:
@@ -215,8 +151,11 @@ class Node:
             if (req.origin_rank, req.step) not in self.store.copies():
                 raise StepNotFoundError("copy is gone", step=req.step, host=req.origin_rank)
             files = {f.path: f for f in self.store.describe(req.origin_rank, req.step)}
-            return upload_part(self.backup.store.backend,
-                               self.store.copy_dir(req.origin_rank, req.step), files, req)
+            reply = upload_part(self.backup.store.backend,
+                                self.store.copy_dir(req.origin_rank, req.step), files, req)
+            self.metrics.backup_bytes.inc(sum(files[e.path].size for e in reply.entries
+                                              if e.uploaded))
+            return reply
         finally:
             with self._lock:
                 self._backing_up.discard(req.step)
@@ -304,7 +243,8 @@ class Node:
                 self.replicated[step].add(target)
                 return
             src = self.store.copy_dir(self.rank, step)
-            same = [c.path for c in reply.candidates if _sha256(src / c.path) == c.sha256]
+            same = [c.path for c in reply.candidates
+                    if file_sha256(src / c.path).digest() == c.sha256]
             if same:
                 peer.call("Link", pb.LinkRequest(transfer_id=reply.transfer_id, paths=same))
             todo = [f for f in files if f.path not in set(same)]

@@ -7,7 +7,6 @@ raw-bytes handlers (no protobuf copy); control messages are protobuf.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -29,7 +28,14 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
 from sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
-from sidecar.replicator.store import CHUNK, FileMeta, UnsafePathError, inside, safe_relpath
+from sidecar.replicator.store import (
+    CHUNK,
+    FileMeta,
+    UnsafePathError,
+    file_sha256,
+    inside,
+    safe_relpath,
+)
 
 if TYPE_CHECKING:
     from sidecar.replicator.node import Node
@@ -131,7 +137,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             local = store.find_identical(f)
             if local is not None:
                 t.candidates[f.path] = local
-                reply.candidates.add(path=f.path, sha256=_sha256(local))
+                reply.candidates.add(path=f.path, sha256=file_sha256(local).digest())
         with self._lock:
             self.transfers[reply.transfer_id] = t
         return reply
@@ -268,14 +274,6 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         except (MtcError, OSError, ValueError, KeyError) as e:
             code, msg = _status(e)
             context.abort(code, msg)
-
-
-def _sha256(path: Path) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.digest()
 
 
 def _raw(b: bytes) -> bytes:

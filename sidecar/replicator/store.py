@@ -16,6 +16,7 @@ their descriptions are computed once.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -74,6 +75,15 @@ def file_crc(path: Path) -> int:
         while n := f.readinto(buf):
             value = crc32c(view[:n], value)
     return value
+
+
+def file_sha256(path: Path) -> hashlib._Hash:
+    """SHA-256 of a file: the proof that two files with equal CRC32C are the same bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h
 
 
 def _walk(step_dir: Path) -> list[FileMeta]:
