@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 TMP_MARK = ".mtc-tmp-"
@@ -49,15 +50,29 @@ def commit(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
 
 
-def remove_step(root: Path, step: int) -> bool:
-    """Delete a committed step, atomically hiding it first. False if absent."""
+_deleter: ThreadPoolExecutor | None = None
+
+
+def remove_step(root: Path, step: int, *, background: bool = False) -> bool:
+    """Delete a committed step, atomically hiding it first. False if absent.
+
+    With ``background`` the hidden folder is removed on a helper thread: freeing
+    a large step takes a noticeable fraction of a second, which a training loop
+    should not wait for. Leftovers of a crash are removed by clean_uncommitted.
+    """
+    global _deleter
     src = step_dir(root, step)
     dst = root / f"{step}{DEL_MARK}{uuid.uuid4().hex[:12]}"
     try:
         os.rename(src, dst)
     except FileNotFoundError:
         return False
-    shutil.rmtree(dst, ignore_errors=True)
+    if background:
+        if _deleter is None:
+            _deleter = ThreadPoolExecutor(1, thread_name_prefix="mtc-delete")
+        _deleter.submit(shutil.rmtree, dst, ignore_errors=True)
+    else:
+        shutil.rmtree(dst, ignore_errors=True)
     return True
 
 

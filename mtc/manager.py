@@ -156,7 +156,7 @@ class CheckpointManager:
             root = self._config.root(h)
             for s in layout.committed_steps(root):
                 if s < oldest_kept:
-                    layout.remove_step(root, s)
+                    layout.remove_step(root, s, background=True)
 
     # -- inventory --------------------------------------------------------------
 

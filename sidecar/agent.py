@@ -141,20 +141,34 @@ class HostAgent:
         for src in (s for plan in plans.values() for *_, s in plan):
             if isinstance(src, jax.Array) and src.devices().pop().platform != "cpu":
                 src.copy_to_host_async()  # overlap device-to-host transfers
-        for h in hosts:
-            self._clean_once(h)
-            save = HostSave(self.config.root(h), header.step, h, self.config.slice_of_host[h],
-                            len(self.config.slice_of_host), list(header.leaves))
-            self.writer.submit(save)
-            with self._lock:
-                self._pending.append(save)
-            try:
-                for leaf, index, shape, dtype, src in plans[h]:
-                    save.add(self._snapshot(header.array_leaves[leaf], index, shape, dtype, src))
-            except BaseException as e:
-                save.abort(e)
-                raise
-            save.seal()
+        opened: list[HostSave] = []
+        try:
+            for h in hosts:
+                self._clean_once(h)
+                save = HostSave(self.config.root(h), header.step, h,
+                                self.config.slice_of_host[h], len(self.config.slice_of_host),
+                                list(header.leaves))
+                self.writer.submit(save)
+                opened.append(save)
+                with self._lock:
+                    self._pending.append(save)
+                try:
+                    for leaf, index, shape, dtype, src in plans[h]:
+                        nbytes = int(np.prod(shape)) * dtype.itemsize
+                        if not self.pool.can_fit_now(nbytes):
+                            # The budget is held by this save's own shards: let the
+                            # writer free it (a state larger than the budget streams).
+                            for s in opened:
+                                s.go.set()
+                        save.add(self._snapshot(header.array_leaves[leaf], index, shape,
+                                                dtype, src))
+                except BaseException as e:
+                    save.abort(e)
+                    raise
+                save.seal()
+        finally:
+            for s in opened:
+                s.go.set()
         return True
 
     def _shards_of_host(self, host: int, arrays: Sequence[jax.Array | np.ndarray]

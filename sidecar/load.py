@@ -96,12 +96,10 @@ class ShardLoader:
         return out
 
 
-def to_device(host: np.ndarray, device: jax.Device, *, alias: bool) -> jax.Array:
-    """Put host bytes on a device; on a CPU device, ``alias`` adopts them without a copy."""
-    # numpy's DLPack export covers plain numeric dtypes (not bool, not bfloat16).
-    if alias and device.platform == "cpu" and host.flags.writeable and host.size \
-            and host.dtype.kind in "iufc":
-        return jax.dlpack.from_dlpack(host, device=device)
+def to_device(host: np.ndarray, device: jax.Device) -> jax.Array:
+    """Put host bytes on a device. On a CPU device JAX adopts suitably aligned host
+    memory (a mapped shard is page-aligned) without copying; the mapping is
+    copy-on-write, so nothing written to the array reaches the file."""
     return jax.device_put(host, device)
 
 
@@ -111,10 +109,8 @@ def load_tasks(loader: ShardLoader, tasks: Sequence[ReadTask],
     out: dict[tuple[int, int], Any] = {}
     for task in tasks:
         host = loader.read(task)
-        for n, dev_id in enumerate(task.device_ids):
-            # Only the first device may adopt the mapped bytes: two devices
-            # sharing one buffer would see each other's in-place updates.
-            out[(task.leaf, dev_id)] = to_device(host, devices[dev_id], alias=n == 0)
+        for dev_id in task.device_ids:
+            out[(task.leaf, dev_id)] = to_device(host, devices[dev_id])
     return out
 
 

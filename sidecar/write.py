@@ -62,6 +62,10 @@ class HostSave:
         self._shards: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.done: Future[Path] = Future()
         self.ended = False
+        # Writing waits until staging is over (or would block on the budget):
+        # writer threads competing for the cores and memory bandwidth would
+        # stretch the time ``save`` blocks the training loop.
+        self.go = threading.Event()
 
     def add(self, shard: StagedShard) -> None:
         self._shards.put(shard)
@@ -71,6 +75,7 @@ class HostSave:
 
     def abort(self, error: BaseException) -> None:
         self._shards.put(error)
+        self.go.set()
 
     def shards(self):  # type: ignore[no-untyped-def]
         while True:
@@ -114,11 +119,20 @@ def _drain(save: HostSave) -> None:
         pass
 
 
+def _lower_priority() -> None:
+    """Writers yield the CPU to the training loop (Linux: per-thread nice)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (OSError, AttributeError):
+        pass
+
+
 class Writer:
     """Background writer: one save at a time, its files in parallel."""
 
     def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtc-write")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtc-write",
+                                        initializer=_lower_priority)
         self._jobs: queue.SimpleQueue[HostSave | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mtc-commit", daemon=True)
         self._thread.start()
@@ -146,6 +160,7 @@ class Writer:
         tmp = layout.new_tmp_dir(save.root, save.step)
         futures: list[tuple[StagedShard, Future[int]]] = []
         committed = drained = False
+        save.go.wait()
         try:
             try:
                 save.root.mkdir(parents=True, exist_ok=True)
