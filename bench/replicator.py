@@ -9,16 +9,19 @@ Measured in the same run, on this machine's loopback and RAM disk:
 - ``raw_tcp``: a preallocated buffer sent over one loopback TCP connection in 4 MiB
   ``sendall`` calls to a receiver thread doing ``recv_into`` a preallocated 4 MiB
   buffer; timed to the receiver's one-byte acknowledgement.
+- ``raw_file_copy``: the ceiling for any copy between RAM disks on this machine: the
+  step's files ``sendfile``d over loopback TCP to a receiver thread that CRC32Cs each
+  4 MiB and writes it to a new file (``peer_copy_over_raw_file_copy``).
 - ``peer_copy``: two real replicator processes (2 slices x 1 host, ``--replicas 1
-  --keep 1``). A step of ``--gib`` GiB (8 MiB files of random bytes, each step made
-  distinct so nothing is deduplicated) is written under a temporary name in host 0's
-  root and renamed into place; timed from the rename until host 1's verified copy is
-  committed (its folder renamed into ``.mtc-replica/0/<step>``). Opaque steps are
-  described by the sender (a CRC32C pass over every file) before the copy starts:
-  ``describe_pass`` times that same pass in-process (``store.describe_own``), and
-  host 1's replica folder is watched so the copy splits into: until the Offer (the
-  incoming folder appears), until the first pushed file appears, and the transfer
-  (first file to commit; ``peer_transfer_over_raw_tcp``).
+  --keep 1``). A step of ``--gib`` GiB (8 MiB files of distinct pseudo-random words,
+  each step distinct too, so nothing is deduplicated) is written under a temporary
+  name in host 0's root and renamed into place; timed from the rename until host 1's
+  verified copy is committed (its folder renamed into ``.mtc-replica/0/<step>``).
+  Opaque steps are described by the sender (a CRC32C pass over every file) before
+  the copy starts: ``describe_pass`` times that same pass in-process
+  (``store.describe_own``), and host 1's replica folder is watched so the copy splits
+  into: until the Offer (the incoming folder appears), until the first pushed file
+  appears, and the transfer (first file to commit; ``peer_transfer_over_raw_tcp``).
 - ``peer_restore``: host 0's root is wiped and its replicator restarted;
   ``PrepareRestore`` is called on both replicators at once and host 0 fetches its step
   back from host 1. Timed from the calls to host 0's reply (agreement included; the
@@ -26,10 +29,10 @@ Measured in the same run, on this machine's loopback and RAM disk:
 - ``local_read``: the same files read from the RAM disk with ``readinto`` into
   preallocated, warmed buffers.
 
-Each measurement is interleaved with its reference, round by round (raw TCP then a
-copy; a local read then a restore), so drift in the machine's load hits both alike;
-the first ``--warmup`` rounds are discarded. Throughputs are in GB/s (1e9 bytes);
-ratios are taken between the best samples.
+Each measurement is interleaved with its reference, round by round (raw TCP, a peer
+copy, a raw file copy; a local read then a restore), so drift in the machine's load
+hits both alike; the first ``--warmup`` rounds are discarded. Throughputs are in GB/s
+(1e9 bytes); ratios are taken between the best samples.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import dataclasses
 import importlib
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -136,6 +140,80 @@ class RawTcp:
         return time.perf_counter() - t0
 
     def close(self) -> None:
+        self._sock.close()
+        self._thread.join(10)
+        self._srv.close()
+
+
+class RawFileCopy:
+    """The best a copy between RAM disks can do here, without gRPC or Python per-chunk
+    objects: each file ``sendfile``d over one loopback connection; the receiver thread
+    ``recv_into``s a preallocated 4 MiB buffer, CRC32Cs it and writes it to a new file."""
+
+    def __init__(self, dest: Path) -> None:
+        self.dest = dest
+        self.errors: list[OSError] = []
+        self._todo: queue.Queue[list[tuple[str, int]] | None] = queue.Queue()
+        self._srv = socket.socket()
+        self._srv.bind(("127.0.0.1", 0))
+        self._srv.listen(1)
+        self._thread = threading.Thread(target=self._receive, name="raw-copy-receiver",
+                                        daemon=True)
+        self._thread.start()
+        self._sock = socket.create_connection(self._srv.getsockname())
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _receive(self) -> None:
+        try:
+            conn, _ = self._srv.accept()
+            buf = bytearray(TCP_CHUNK)
+            view = memoryview(buf)
+            with conn:
+                while (files := self._todo.get()) is not None:
+                    for name, size in files:
+                        fd = os.open(self.dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                     0o644)
+                        try:
+                            left, value = size, 0
+                            while left:
+                                n = conn.recv_into(view, min(left, TCP_CHUNK))
+                                if not n:
+                                    raise OSError("sender closed early")
+                                value = crc32c(view[:n], value)
+                                done = 0
+                                while done < n:
+                                    done += os.write(fd, view[done:n])
+                                left -= n
+                        finally:
+                            os.close(fd)
+                    conn.sendall(b"k")
+        except OSError as e:  # reported by the sender
+            self.errors.append(e)
+
+    def sample(self, paths: list[Path]) -> float:
+        """Seconds to copy ``paths`` into ``dest``, until the receiver acknowledges."""
+        shutil.rmtree(self.dest, ignore_errors=True)
+        self.dest.mkdir(parents=True)
+        sizes = [p.stat().st_size for p in paths]
+        self._todo.put([(p.name, n) for p, n in zip(paths, sizes, strict=True)])
+        out = self._sock.fileno()
+        t0 = time.perf_counter()
+        for p, size in zip(paths, sizes, strict=True):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                offset = 0
+                while offset < size:
+                    offset += os.sendfile(out, fd, offset, size - offset)
+            finally:
+                os.close(fd)
+        if self._sock.recv(1) != b"k":
+            raise OSError(f"raw copy receiver failed: {self.errors}")
+        dt = time.perf_counter() - t0
+        shutil.rmtree(self.dest, ignore_errors=True)
+        return dt
+
+    def close(self) -> None:
+        self._todo.put(None)
         self._sock.close()
         self._thread.join(10)
         self._srv.close()
@@ -321,6 +399,7 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
     payload_arr = make_payload(nbytes)
     payload = payload_arr.data.cast("B")
     tcp_s: list[float] = []
+    file_s: list[float] = []
     copies: list[CopyTimes] = []
     crc_s: list[float] = []
     restore_s: list[float] = []
@@ -333,6 +412,7 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
         b.fill(1)  # warmed: every page mapped before timing
 
     raw = RawTcp(payload)
+    rawcopy = RawFileCopy(base / "raw-copy")
     cl = replicators.Cluster(base, 2, 1, extra=("--replicas", "1", "--keep", "1"))
     h0, h1 = cl.root(0), cl.root(1)
     try:
@@ -345,15 +425,18 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
             t_tcp = raw.sample()
             c = copy_sample(h0, h1, step, payload, nfiles)
             paths = step_files(h0 / str(step))
+            t_file = rawcopy.sample(paths)
             t0 = time.perf_counter()
             crc_files(paths)
             t_crc = time.perf_counter() - t0
             tag = " (warm-up)" if r < warmup else ""
-            log(f"raw TCP {gbps(nbytes, t_tcp)} GB/s; copy of step {step}: {c.commit:.3f} s = "
+            log(f"raw TCP {gbps(nbytes, t_tcp)} GB/s; raw file copy {gbps(nbytes, t_file)} "
+                f"GB/s; copy of step {step}: {c.commit:.3f} s = "
                 f"{gbps(nbytes, c.commit)} GB/s (offer at {c.offer:.3f} s, first file at "
                 f"{c.first_file:.3f} s; describe pass {c.describe:.3f} s){tag}")
             if r >= warmup:
                 tcp_s.append(t_tcp)
+                file_s.append(t_file)
                 copies.append(c)
                 crc_s.append(t_crc)
         mem = payload_arr[:256 * MIB]
@@ -388,6 +471,7 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
     finally:
         cl.stop_all()
         raw.close()
+        rawcopy.close()
     copy_s = [c.commit for c in copies]
     data_s = [c.commit - c.first_file for c in copies]
     result: dict[str, Any] = {
@@ -399,6 +483,7 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
         "samples": samples,
         "warmup": warmup,
         "raw_tcp": {**summary(nbytes, tcp_s), "chunk_mib": TCP_CHUNK // MIB},
+        "raw_file_copy": summary(nbytes, file_s),
         "peer_copy": {
             **summary(nbytes, copy_s),
             # the split, from host 1's replica folder: until the incoming folder appears
@@ -418,6 +503,7 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
         "local_read": summary(nbytes, read_s),
         "peer_copy_over_raw_tcp": round(min(tcp_s) / min(copy_s), 3),
         "peer_transfer_over_raw_tcp": round(min(tcp_s) / min(data_s), 3),
+        "peer_copy_over_raw_file_copy": round(min(file_s) / min(copy_s), 3),
         "peer_restore_over_local_read": round(min(read_s) / min(restore_s), 3),
         "targets": {k: f">= {v}" for k, v in TARGETS.items()},
         "total_seconds": round(time.perf_counter() - t_start, 1),

@@ -91,23 +91,35 @@ class Node:
             self._stop.wait(self.config.poll_s)
 
     def _backup_loop(self) -> None:
+        from sidecar.replicator.orbax import backup_requested
+
         assert self.backup is not None
+        answered = -1  # the newest step whose _BACKUP_REQUESTED file was acted on
         while not self._stop.wait(max(self.config.poll_s, 0.5)):
             try:
                 for s in self.store.own_steps()[-1:]:
-                    from sidecar.replicator.orbax import backup_requested
-                    if backup_requested(self.store.copy_dir(self.rank, s)):
-                        self.backup.request()
+                    # An Orbax client's request, on any host: once per step (the file
+                    # stays), passed to the leader when this host does not lead.
+                    if s > answered and backup_requested(self.store.copy_dir(self.rank, s)):
+                        if self.leads():
+                            self.backup.request()
+                        else:
+                            self.request_backup()
+                        answered = s
                 self.backup.run_once(self)
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels("backup").inc()
                 log.warning("rank %d: backup failed: %s", self.rank, e)
+            except Exception:  # never let the backup thread die
+                self.metrics.failures.labels("backup").inc()
+                log.exception("rank %d: backup failed", self.rank)
 
     def leads(self) -> bool:
         """The backup leader is the lowest-ranked node that answers."""
         for r in range(self.rank):
             try:
-                self.peers[r].call("GetInventory", pb.InventoryRequest(), deadline_s=2.0,
+                # Generous: a busy leader that answers late must not get a rival.
+                self.peers[r].call("GetInventory", pb.InventoryRequest(), deadline_s=5.0,
                                    attempts=1)
                 return False
             except PeerError:
@@ -433,7 +445,7 @@ class Node:
                 for fut in futs:
                     fut.result()
                 tier = "peer"
-            elif self.backup is not None and step in self.backup.backed_up_steps(max_age_s=0):
+            elif self.backup is not None and step in self.backup.refresh():
                 from sidecar.backup.job import download_rank
 
                 files = download_rank(self.backup.store, step, self.rank, tmp,

@@ -288,7 +288,9 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 16
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          interceptors=interceptors,
                          options=[*CHANNEL_OPTIONS[:2],
-                                  ("grpc.max_receive_message_length", MAX_MESSAGE)],
+                                  ("grpc.max_receive_message_length", MAX_MESSAGE),
+                                  # Never share a port with another server silently.
+                                  ("grpc.so_reuseport", 0)],
                          maximum_concurrent_rpcs=workers * 4)
     servicer = ReplicatorServicer(node)
     pb_grpc.add_ReplicatorServicer_to_server(servicer, server)
