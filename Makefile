@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv demo test lint typecheck bench clean
+.PHONY: all venv demo demo-crash cluster-up cluster-down test lint typecheck bench clean
 
 all: test
 
@@ -17,7 +17,16 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m trainer.demo --out out/demo
+	$(PY) -m trainer.elastic_demo --out out/demo
+
+demo-crash: $(STAMP)
+	$(PY) -m trainer.demo --out out/demo-crash
+
+cluster-up: $(STAMP)
+	$(PY) -m trainer.cluster up
+
+cluster-down: $(STAMP)
+	$(PY) -m trainer.cluster down
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q

@@ -1,0 +1,77 @@
+"""The elastic demo, shortened: lose a host, lose a slice, scale back up, same loss curve."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.cluster import LocalCluster
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_cluster_up_kill_restart_down(ramdisk: Path) -> None:
+    base = ramdisk / "cluster"
+    c = LocalCluster.up(base)
+    try:
+        assert LocalCluster.load(base).addresses == c.addresses
+        assert all(c.alive(r) for r in range(4))
+        (c.root(1) / "marker").write_text("x")
+        c.lose_host(1)
+        assert not c.alive(1) and not c.root(1).is_dir()
+        c.restart_host(1)
+        assert c.alive(1) and not (c.root(1) / "marker").exists()
+        pids = dict(LocalCluster.load(base).pids)
+        assert pids[1] == c.pids[1]
+    finally:
+        LocalCluster.load(base).down()
+    assert not base.exists()
+    assert not any(c.alive(r) for r in range(4))
+
+
+# About 60 s on an idle 2-core machine; the limits leave room for a busy CI runner.
+@pytest.mark.timeout(280)
+def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
+        tmp_path: Path, ramdisk: Path) -> None:
+    out = tmp_path / "demo"
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer.elastic_demo", "--out", str(out), "--steps", "60",
+         "--host-loss-at", "15", "--slice-loss-at", "30", "--slice-down-steps", "8",
+         "--ramdisk-root", str(ramdisk)],
+        cwd=REPO, capture_output=True, text=True, timeout=270)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+
+    host, lost, up = report["failures"]
+    assert host["kind"] == "host_loss" and host["tier"] == "peer"
+    assert host["step_at_failure"] == 15
+    assert host["resumed_from_step"] in (10, 15)  # 15 only if its peer copy was made in time
+    assert host["detail"]["host_tiers"]["1"] == "peer"
+    assert lost["kind"] == "slice_loss" and lost["tier"] == "memory"
+    assert lost["detail"]["slices_after"] == [0]
+    assert lost["steps_lost"] == 0 and lost["resumed_from_step"] == 29
+    assert up["kind"] == "scale_up" and up["steps_lost"] == 0
+    assert up["detail"]["slices_after"] == [0, 1]
+    for f in report["failures"]:
+        s = f["seconds"]
+        assert set(s) == {"detect", "wait", "restore", "recompile", "total"}
+        assert all(v >= 0 for v in s.values())
+        assert s["total"] >= s["detect"] + s["wait"] + s["restore"]
+        assert f["steps_lost"] == f["step_at_failure"] - f["resumed_from_step"]
+    # Pause-and-resume waited for the host to come back (1.5 s after its loss).
+    assert host["seconds"]["detect"] + host["seconds"]["wait"] >= 1.5
+
+    assert report["steps_completed"] == 60
+    assert report["loss_matches_reference"] is True
+    assert report["loss_max_abs_diff"] <= 1e-6
+    assert report["loss_max_abs_diff_replayed_steps_first_run"] <= 1e-6
+    assert 0 < report["goodput"] < 1
+    assert report["final_loss"] < 3.0
+    assert (out / "timeline.png").stat().st_size > 0
+    status = (out / "cluster-status.txt").read_text()
+    assert "DOWN" not in status and status.count("127.0.0.1") == 4
+    assert list(ramdisk.iterdir()) == [], "the demo leaves its cluster behind"

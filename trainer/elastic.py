@@ -1,0 +1,602 @@
+"""The elastic trainer: one training process that survives losing a host or a slice.
+
+Run as ``python -m trainer.elastic --cluster BASE --log FILE`` against a local
+cluster started with ``python -m trainer.cluster up``. The process trains the
+tiny LM of :mod:`trainer.model` on 8 CPU devices arranged as ``--slices`` slices
+(mesh axis ``replica``, data parallel) x devices per slice (axis ``model``),
+checkpointing with mtc to the cluster's simulated hosts (2 per slice), whose
+replicators copy every step to a peer host in the other slice.
+
+Elasticity is pathwaysutils' own: the real ``Manager`` and its
+``elastic_retry`` decorator (minimum slice count 1), its slice health checks,
+its monitor thread and its scale-up detection. On CPU, devices carry no
+``slice_index``: ``pathwaysutils.elastic.elastic.get_slice_to_devices`` is
+replaced by a grouping of consecutive devices before the Manager is built.
+
+Failure injection, real where it can be:
+
+- ``host_loss`` (``--host-loss-at STEP``): right after the save of STEP is
+  handed to mtc (its files are being written), the host's replicator process
+  is SIGKILLed and its RAM-disk root deleted, and the host's devices are marked
+  lost with pathwaysutils' ``DeviceLossSimulator``: reading any array on them
+  raises ``JaxRuntimeError("DATA_LOSS: ...")``, as a real slice failure does,
+  and the health check reports the slice down. ``--host-return-s`` later the
+  host comes back: a new replicator over an empty RAM disk, devices healthy.
+- ``slice_loss`` (``--slice-loss-at STEP``): while STEP runs, every host of the
+  slice is lost the same way. It comes back after ``--slice-down-steps``
+  steps have run on the survivors.
+
+Recovery policy, per elastic attempt: pathwaysutils waits for at least one
+healthy slice; then the trainer *pauses* up to ``--pause-timeout-s`` for the
+missing slices (pause-and-resume: same mesh, state restored through mtc, which
+asks the replicators to agree on a step and fetch what a wiped host lacks from
+its peer), and otherwise *resizes* onto the healthy slices (new mesh, the state
+resharded from the in-memory snapshot of the last completed step, or from
+mtc's RAM disks with ``--no-snapshot``). While running on fewer slices, every
+step checks the Manager's ``available_inactive_slices`` (filled by its monitor
+thread) and raises ``ScaleUpSignalError`` to come back onto every slice, again
+from the snapshot, losing no step.
+
+Progress is one JSON object per line in ``--log``: events ``start``, ``ready``,
+``fault``, ``detected``, ``slices``, ``restored``, ``recovered`` (one per
+failure, with the measured phases), one line per step, ``reference`` and
+``done``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from pathwaysutils.elastic import elastic as pw_elastic
+from pathwaysutils.elastic import manager as pw_manager
+from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
+
+import mtc
+from mtc import layout
+from trainer.cluster import LocalCluster
+from trainer.data import VOCAB, make_iterator
+from trainer.model import Config, State, Trainer, count_params
+
+log = logging.getLogger("mtc.elastic")
+
+
+class JsonLog:
+    """Appends JSON lines, one ``write`` per line (a written line survives a SIGKILL)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: TextIO = path.open("a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, **fields: Any) -> None:
+        fields.setdefault("t", time.time())
+        with self._lock:
+            self._f.write(json.dumps(fields) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class SliceLossSimulator(DeviceLossSimulator):
+    """``DeviceLossSimulator`` that copes with freed and donated arrays.
+
+    The simulator keys arrays by ``id()``; CPython reuses the id of a freed
+    array for a new one, which then inherited the old array's devices and
+    "lost" state: healthy arrays on the surviving slice raised DATA_LOSS. Each
+    id is checked against a weak reference to the array it was recorded for.
+    Its patched ``jax.jit`` also asks the inputs for their devices after the
+    call, which raises for donated (deleted) inputs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refs: dict[int, weakref.ref[Any]] = {}
+
+    def _fresh(self, arr: Any) -> None:
+        if not isinstance(arr, jax.Array) or isinstance(arr, jax.core.Tracer):
+            return
+        i = id(arr)
+        ref = self._refs.get(i)
+        if ref is not None and ref() is arr:
+            return
+        self._array_devices.pop(i, None)
+        self._array_generation.pop(i, None)
+        self._corrupted_array_ids.discard(i)
+        try:
+            self._refs[i] = weakref.ref(arr)
+        except TypeError:
+            self._refs.pop(i, None)
+
+    def track_array(self, arr: Any) -> None:
+        if _deleted(arr):
+            return  # a donated input: its devices can no longer be asked
+        self._fresh(arr)
+        super().track_array(arr)
+
+    def is_array_corrupted(self, arr: Any) -> bool:
+        if _deleted(arr):
+            return id(arr) in self._corrupted_array_ids
+        self._fresh(arr)
+        return bool(super().is_array_corrupted(arr))
+
+    def bind_array_to_devices(self, arr: Any, devices: Sequence[jax.Device]) -> None:
+        self._fresh(arr)
+        super().bind_array_to_devices(arr, devices)
+
+
+def _deleted(arr: Any) -> bool:
+    return (isinstance(arr, jax.Array) and not isinstance(arr, jax.core.Tracer)
+            and arr.is_deleted())
+
+
+@dataclasses.dataclass
+class Recovery:
+    """One failure (or scale-up) from injection to the first completed step after it."""
+
+    kind: str
+    step_at_failure: int
+    t_fail: float
+    detail: dict[str, Any]
+    t_detect: float | None = None
+    t_slices: float | None = None  # the slices to continue on are known
+    t_restore_start: float | None = None
+    t_restore_end: float | None = None
+    resumed_from_step: int | None = None
+    tier: str | None = None
+    slices_after: tuple[int, ...] = ()
+
+
+def host_snapshot(state: State) -> dict[str, Any]:
+    """A host-memory copy of the state (the values now; the next step donates the arrays)."""
+    arrays = jax.device_get({"params": state["params"], "opt_state": state["opt_state"],
+                             "rng": jax.random.key_data(state["rng"])})
+    return {**arrays, "step": state["step"], "data": dict(state["data"])}
+
+
+def from_snapshot(trainer: Trainer, snap: dict[str, Any]) -> State:
+    sh = trainer.shardings
+    arrays = jax.device_put({"params": snap["params"], "opt_state": snap["opt_state"]},
+                            {"params": sh["params"], "opt_state": sh["opt_state"]})
+    rng = jax.device_put(jax.random.wrap_key_data(snap["rng"]), sh["rng"])
+    return {**arrays, "rng": rng, "step": snap["step"], "data": dict(snap["data"])}
+
+
+class ElasticRun:
+    def __init__(self, args: argparse.Namespace, jlog: JsonLog) -> None:
+        self.args = args
+        self.log = jlog
+        self.cluster = LocalCluster.load(args.cluster)
+        self.devices = sorted(jax.devices(), key=lambda d: d.id)
+        n_slices = self.cluster.slices
+        if len(self.devices) % n_slices or len(self.devices) % self.cluster.num_hosts:
+            raise SystemExit(f"{len(self.devices)} devices do not split into {n_slices} slices "
+                             f"of {self.cluster.hosts_per_slice} hosts")
+        self.per_slice = len(self.devices) // n_slices
+        self.per_host = len(self.devices) // self.cluster.num_hosts
+        self.slice_devices = {s: self.devices[s * self.per_slice:(s + 1) * self.per_slice]
+                              for s in range(n_slices)}
+        # CPU devices carry no slice_index: give pathwaysutils the grouping.
+        pw_elastic.get_slice_to_devices = self.group_by_slice
+        self.pw = pw_manager.Manager(self.devices)
+        self.cfg = Config(vocab_size=len(VOCAB), total_steps=args.steps)
+        self.trainers: dict[tuple[int, ...], Trainer] = {}
+        self.data = make_iterator(seq_len=self.cfg.seq_len, global_batch_size=args.batch_size,
+                                  seed=args.seed)
+        self.mgr: mtc.CheckpointManager | None = None
+        self.snapshot: dict[str, Any] | None = None
+        self.sim: SliceLossSimulator | None = None
+        self.lost_slices: set[int] = set()
+        self.pending: Recovery | None = None
+        self.recoveries: list[dict[str, Any]] = []
+        self.step_times: dict[tuple[int, ...], list[float]] = {}
+        self.schedule: dict[int, tuple[int, ...]] = {}
+        self.losses: dict[int, float] = {}
+        self.first_losses: dict[int, float] = {}  # losses of steps later replayed
+        self.resized_steps = 0
+        self.slice_returned_t: float | None = None
+        self.returning: threading.Thread | None = None
+        self.host_fault_done = args.host_loss_at is None
+        self.slice_fault_done = args.slice_loss_at is None
+
+    # -- topology -------------------------------------------------------------------
+
+    def group_by_slice(self, devices: Sequence[jax.Device]) -> Mapping[int, Sequence[jax.Device]]:
+        index = {d.id: i for i, d in enumerate(self.devices)}
+        out: dict[int, list[jax.Device]] = {}
+        for d in devices:
+            out.setdefault(index[d.id] // self.per_slice, []).append(d)
+        return out
+
+    def hosts_of(self, slices: tuple[int, ...]) -> list[int]:
+        return [h for s in slices for h in self.cluster.hosts_of_slice(s)]
+
+    def trainer(self, slices: tuple[int, ...]) -> Trainer:
+        """The compiled step for these slices (kept: coming back to a mesh costs no compile)."""
+        if slices not in self.trainers:
+            devs = [d for s in slices for d in self.slice_devices[s]]
+            mesh = Mesh(np.array(devs).reshape(len(slices), self.per_slice),
+                        ("replica", "model"))
+            self.trainers[slices] = Trainer(self.cfg, mesh)
+        return self.trainers[slices]
+
+    def local_dir(self, slices: tuple[int, ...]) -> Path:
+        """mtc numbers simulated hosts from 0: a folder whose host-<i> are these slices' roots."""
+        hosts = self.hosts_of(slices)
+        if hosts == list(range(len(hosts))):
+            return self.cluster.base
+        view = self.cluster.base / "views" / "-".join(map(str, slices))
+        view.mkdir(parents=True, exist_ok=True)
+        for i, h in enumerate(hosts):
+            link = view / f"host-{i}"
+            if not link.is_symlink():
+                link.symlink_to(self.cluster.root(h), target_is_directory=True)
+        return view
+
+    def new_manager(self, trainer: Trainer, slices: tuple[int, ...]) -> mtc.CheckpointManager:
+        if self.mgr is not None:
+            try:
+                self.mgr.close()
+            except (mtc.MtcError, OSError) as e:
+                log.warning("closing the previous checkpoint manager: %s", e)
+        hosts = self.hosts_of(slices)
+        full = len(slices) == self.cluster.slices
+        self.mgr = mtc.CheckpointManager(
+            self.local_dir(slices), mesh=trainer.mesh,
+            options=mtc.Options(
+                save_interval_steps=self.args.save_interval, max_to_keep=None,
+                simulated_hosts=len(hosts), hosts_per_slice=self.cluster.hosts_per_slice,
+                # On every slice the replicators agree on restores; on fewer, the
+                # missing hosts' replicators are gone and restore reads the RAM disks.
+                replicators=tuple(self.cluster.addresses) if full else None,
+                restore_timeout_s=60.0))
+        return self.mgr
+
+    # -- failure injection -------------------------------------------------------------
+
+    def _simulator(self) -> SliceLossSimulator:
+        if self.sim is None:
+            self.sim = SliceLossSimulator()
+            self.sim.start()
+        return self.sim
+
+    def _lose_hosts(self, hosts: list[int]) -> None:
+        for h in hosts:
+            self.cluster.lose_host(h)  # SIGKILL the replicator, wipe the RAM disk
+        sim = self._simulator()
+        for h in hosts:
+            for d in self.devices[h * self.per_host:(h + 1) * self.per_host]:
+                sim.mark_device_lost(d)
+
+    def _bring_back(self, hosts: list[int], s: int, delay: float) -> None:
+        def run() -> None:
+            time.sleep(delay)
+            for h in hosts:
+                self.cluster.restart_host(h, wait=False)
+            for h in hosts:
+                self.cluster.wait_serving(h)
+            sim = self.sim
+            if sim is not None:
+                for h in hosts:
+                    for d in self.devices[h * self.per_host:(h + 1) * self.per_host]:
+                        sim.mark_device_connected(d)
+            self.lost_slices.discard(s)
+            self.slice_returned_t = time.time()
+            self.log.write(event="returned", hosts=hosts, slice=s)
+
+        self.returning = threading.Thread(target=run, name="host-return", daemon=True)
+        self.returning.start()
+
+    def inject_host_loss(self, step: int) -> None:
+        h = self.args.lost_host
+        s = h // self.cluster.hosts_per_slice
+        in_flight = [p.name for p in self.cluster.root(h).glob(f"{step}.*")]
+        committed = layout.step_dir(self.cluster.root(h), step).is_dir()
+        t = time.time()
+        self._lose_hosts([h])
+        self.lost_slices.add(s)
+        detail = {"host": h, "slice": s, "save_step": step,
+                  "save_committed_on_host_at_loss": committed,
+                  "save_in_flight_on_host_at_loss": bool(in_flight)}
+        self.pending = Recovery("host_loss", step, t, detail)
+        self.log.write(event="fault", kind="host_loss", step=step, t=t, **detail)
+        self._bring_back([h], s, self.args.host_return_s)
+
+    def inject_slice_loss(self, step: int) -> None:
+        s = self.args.lost_slice
+        hosts = self.cluster.hosts_of_slice(s)
+        t = time.time()
+        self._lose_hosts(hosts)
+        self.lost_slices.add(s)
+        detail = {"slice": s, "hosts": hosts, "in_flight_step": step}
+        self.pending = Recovery("slice_loss", step - 1, t, detail)
+        self.log.write(event="fault", kind="slice_loss", step=step - 1, t=t, **detail)
+
+    # -- the elastic loop ------------------------------------------------------------------
+
+    def on_elastic_event(self) -> None:
+        t = time.time()
+        rec = self.pending
+        if rec is not None and rec.t_detect is None:
+            rec.t_detect = t
+        self.log.write(event="detected", kind=rec.kind if rec else "unknown", t=t)
+
+    def run(self) -> None:
+        retry = self.pw.elastic_retry(
+            minimum_slice_count=1, poll_interval=self.args.poll_s,
+            on_elastic_event_callback=self.on_elastic_event,
+            retry_policy=lambda attempt, error: attempt <= 10)
+        retry(self.attempt)()
+
+    def attempt(self) -> None:
+        total = self.cluster.slices
+        active = set(self.pw.active_slice_indices)
+        rec = self.pending
+        if rec is not None and len(active) < total and rec.kind != "scale_up":
+            # Pause: give the missing slices a moment before resizing without them.
+            try:
+                active = set(pw_elastic.wait_for_slices(
+                    slice_count=total, poll_interval=self.args.poll_s,
+                    timeout=self.args.pause_timeout_s, slice_to_devices=self.pw.slice_to_devices))
+            except TimeoutError:
+                pass
+            self.pw.active_slice_indices = active
+        slices = tuple(sorted(active))
+        if rec is not None:
+            rec.t_slices = time.time()
+            rec.t_restore_start = rec.t_slices
+            rec.slices_after = slices
+        self.log.write(event="slices", active=list(slices))
+        # pathwaysutils entered jax.default_device() with the slices active before
+        # the pause; the default device is part of JAX's compile cache key, so the
+        # same mesh must always run under the same one or its step is recompiled.
+        with jax.default_device(self.default_device(slices)):
+            self._resume(rec, slices)
+
+    def default_device(self, slices: tuple[int, ...]) -> jax.Device:
+        return self.slice_devices[slices[0]][0]
+
+    def _resume(self, rec: Recovery | None, slices: tuple[int, ...]) -> None:
+        t0 = time.perf_counter()
+        trainer = self.trainer(slices)
+        mgr = self.new_manager(trainer, slices)
+        state = self.recover(trainer, mgr, rec, slices)
+        jax.block_until_ready({k: state[k] for k in Trainer.ARRAYS})
+        self.data.set_state(state["data"])
+        if rec is not None:
+            rec.t_restore_end = time.time()
+            rec.resumed_from_step = state["step"]
+            self.log.write(event="restored", kind=rec.kind, step=state["step"], tier=rec.tier,
+                           seconds=time.perf_counter() - t0, slices=list(slices))
+            if rec.kind == "scale_up" and not any(
+                    layout.step_dir(mgr.local_dir / f"host-{h}", state["step"]).exists()
+                    for h in range(len(self.hosts_of(slices)))):
+                # A step every host holds again, for the replicators to copy.
+                mgr.save(state["step"], state, force=True)
+        self.train(trainer, mgr, state, slices)
+
+    def recover(self, trainer: Trainer, mgr: mtc.CheckpointManager, rec: Recovery | None,
+                slices: tuple[int, ...]) -> State:
+        if rec is None and self.snapshot is None:
+            state = trainer.init(self.args.seed)
+            self.log.write(event="init", params=count_params(state["params"]))
+            mgr.save(0, state, force=True)
+            return state
+        assert rec is not None
+        full = len(slices) == self.cluster.slices
+        # Pause-and-resume restores through mtc; a resize or scale-up reshards the
+        # survivors' state, kept in host memory after every step.
+        use_snapshot = self.snapshot is not None and (
+            not full or rec.kind == "scale_up" or self.args.snapshot_on_pause)
+        if full and not use_snapshot:
+            # Pause-and-resume: the replicators agree on the step and bring a wiped
+            # host's shards back from its peer (or the backup).
+            state = mgr.restore(None, trainer.abstract_state())
+            tiers = sorted(set(mgr.last_restore_tiers.values()))
+            rec.tier = next((t for t in ("backup", "peer", "local") if t in tiers), "local")
+            rec.detail["host_tiers"] = {str(self.hosts_of(slices)[h]): t
+                                        for h, t in mgr.last_restore_tiers.items()}
+            return dict(state)
+        if use_snapshot:
+            assert self.snapshot is not None
+            rec.tier = "memory"
+            return from_snapshot(trainer, self.snapshot)
+        # Resized, no snapshot: the newest step on every surviving host's RAM disk.
+        roots = [mgr.local_dir / f"host-{i}" for i in range(len(self.hosts_of(slices)))]
+        common = set.intersection(*(set(layout.committed_steps(r)) for r in roots))
+        if not common:
+            raise SystemExit("no step on the surviving hosts' RAM disks")
+        rec.tier = "local"
+        return dict(mgr.restore(max(common), trainer.abstract_state()))
+
+    def train(self, trainer: Trainer, mgr: mtc.CheckpointManager, state: State,
+              slices: tuple[int, ...]) -> None:
+        args = self.args
+        total = self.cluster.slices
+        times = self.step_times.setdefault(slices, [])
+        first = True
+        for step in range(state["step"] + 1, args.steps + 1):
+            if len(slices) < total and self.pw.available_inactive_slices:
+                t = time.time()
+                self.pending = Recovery("scale_up", state["step"], self.slice_returned_t or t,
+                                        {"slices": sorted(self.pw.available_inactive_slices)},
+                                        t_detect=t)
+                self.log.write(event="scale_up", step=state["step"],
+                               available=sorted(self.pw.available_inactive_slices))
+                raise pw_manager.ScaleUpSignalError()
+            t0 = time.perf_counter()
+            batch = next(self.data)
+            state, loss_arr = trainer.step(state, batch)
+            state["data"] = self.data.get_state()
+            if not self.slice_fault_done and step == args.slice_loss_at:
+                self.slice_fault_done = True
+                self.inject_slice_loss(step)
+            loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
+            t1 = time.perf_counter()
+            if args.snapshot:
+                self.snapshot = host_snapshot(state)
+            t2 = time.perf_counter()
+            saved = mgr.save(step, state)
+            t3 = time.perf_counter()
+            if step in self.losses:
+                self.first_losses.setdefault(step, self.losses[step])
+            self.losses[step] = loss
+            self.schedule[step] = slices
+            if not first:
+                times.append(t1 - t0)
+            self.log.write(step=step, loss=loss, step_s=t1 - t0, snapshot_s=t2 - t1,
+                           save_s=t3 - t2, saved=saved, slices=list(slices))
+            rec = self.pending
+            if rec is not None and rec.t_restore_end is not None:
+                self.finish_recovery(rec, t1 - t0)
+                self.pending = None
+                if not self.lost_slices and self.sim is not None:
+                    self.sim.stop()
+                    self.sim = None
+            first = False
+            if len(slices) < total:
+                self.resized_steps += 1
+                if self.resized_steps == args.slice_down_steps and self.lost_slices:
+                    s = min(self.lost_slices)
+                    self._bring_back(self.cluster.hosts_of_slice(s), s, 0.0)
+            if not self.host_fault_done and step >= args.host_loss_at and saved:
+                self.host_fault_done = True
+                self.inject_host_loss(step)
+        mgr.wait_until_finished()
+
+    def finish_recovery(self, rec: Recovery, first_step_s: float) -> None:
+        times = self.step_times.get(rec.slices_after, [])
+        typical = statistics.median(times) if times else None
+        now = time.time()
+        assert rec.t_detect is not None and rec.t_slices is not None
+        assert rec.t_restore_end is not None and rec.resumed_from_step is not None
+        seconds = {
+            "detect": rec.t_detect - rec.t_fail,
+            "wait": rec.t_slices - rec.t_detect,
+            "restore": rec.t_restore_end - rec.t_slices,
+            "recompile": max(first_step_s - typical, 0.0) if typical is not None
+            else first_step_s,
+            "first_step": first_step_s,
+            "total": now - rec.t_fail,
+        }
+        entry = {
+            "kind": rec.kind,
+            "step_at_failure": rec.step_at_failure,
+            "resumed_from_step": rec.resumed_from_step,
+            "tier": rec.tier,
+            "seconds": seconds,
+            "steps_lost": rec.step_at_failure - rec.resumed_from_step,
+            "slices_after": list(rec.slices_after),
+            "recompile_measured_against": "median step on this mesh" if typical is not None
+            else "first step on a new mesh (no typical step yet)",
+            **rec.detail,
+        }
+        self.recoveries.append(entry)
+        self.log.write(event="recovered", **entry)
+
+    # -- the reference ---------------------------------------------------------------------
+
+    def reference(self) -> dict[str, Any]:
+        """An uninterrupted run from step 0 on the same mesh at every step, no failures."""
+        data = make_iterator(seq_len=self.cfg.seq_len, global_batch_size=self.args.batch_size,
+                             seed=self.args.seed)
+        slices = self.schedule.get(1, tuple(range(self.cluster.slices)))
+        trainer = self.trainer(slices)
+        with jax.default_device(self.default_device(slices)):
+            state = trainer.init(self.args.seed)
+        ref: dict[int, float] = {}
+        t0 = time.perf_counter()
+        for step in range(1, self.args.steps + 1):
+            want = self.schedule.get(step, slices)
+            if want != slices:
+                snap = host_snapshot(state)
+                slices, trainer = want, self.trainer(want)
+                state = from_snapshot(trainer, snap)
+            with jax.default_device(self.default_device(slices)):
+                state, loss_arr = trainer.step(state, next(data))
+            state["data"] = data.get_state()
+            ref[step] = float(loss_arr)
+        diffs = {s: abs(self.losses[s] - ref[s]) for s in ref if s in self.losses}
+        replayed = {s: abs(v - ref[s]) for s, v in self.first_losses.items() if s in ref}
+        out = {
+            "max_abs_diff": max(diffs.values()) if len(diffs) == len(ref) else None,
+            "max_abs_diff_replayed_first_run": max(replayed.values(), default=0.0),
+            "steps_compared": len(diffs),
+            "seconds": time.perf_counter() - t0,
+            "losses": [ref[s] for s in sorted(ref)],
+        }
+        return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cluster", type=Path, required=True,
+                   help="the local cluster's folder (holding cluster.json)")
+    p.add_argument("--log", type=Path, required=True, help="JSON-lines output")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (kept on resize)")
+    p.add_argument("--save-interval", type=int, default=5)
+    p.add_argument("--host-loss-at", type=int, help="lose --lost-host after this step's save")
+    p.add_argument("--lost-host", type=int, default=1)
+    p.add_argument("--host-return-s", type=float, default=1.5,
+                   help="seconds until the lost host is back (empty)")
+    p.add_argument("--slice-loss-at", type=int, help="lose --lost-slice while this step runs")
+    p.add_argument("--lost-slice", type=int, default=1)
+    p.add_argument("--slice-down-steps", type=int, default=25,
+                   help="the lost slice comes back after this many steps on the survivors")
+    p.add_argument("--pause-timeout-s", type=float, default=3.0,
+                   help="how long to wait for missing slices before resizing without them")
+    p.add_argument("--poll-s", type=float, default=0.2,
+                   help="pathwaysutils health-check and monitor interval")
+    p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                   help="no per-step in-memory snapshot (resize restores from mtc)")
+    p.add_argument("--snapshot-on-pause", action="store_true",
+                   help="also resume pause-and-resume from the snapshot, not through mtc")
+    p.add_argument("--no-reference", dest="reference", action="store_false")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.raiseExceptions = True  # as pathwaysutils recommends
+    jlog = JsonLog(args.log)
+    jlog.write(event="start", pid=os.getpid())
+    run = ElasticRun(args, jlog)
+    jlog.write(event="ready", slices=run.cluster.slices, devices=len(run.devices))
+    t0 = time.perf_counter()
+    run.run()
+    if run.mgr is not None:
+        run.mgr.close()
+    if run.returning is not None:
+        run.returning.join()
+    jlog.write(event="trained", seconds=time.perf_counter() - t0,
+               final_step=max(run.losses, default=0), recoveries=run.recoveries)
+    if args.reference:
+        jlog.write(event="reference", **run.reference())
+    jlog.write(event="done")
+    jlog.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

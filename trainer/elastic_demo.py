@@ -1,0 +1,375 @@
+"""``make demo``: an elastic training job loses a host, then a slice, and comes back.
+
+Run as ``python -m trainer.elastic_demo --out out/demo``. It:
+
+1. starts a local cluster (``trainer.cluster``): 2 slices x 2 simulated hosts,
+   RAM-disk roots under ``/dev/shm/mtc-cluster-demo-<pid>``, one real
+   ``mtc-replicator`` process per host, backups to a local folder;
+2. runs the elastic trainer (``trainer.elastic``) on 8 CPU devices: it loses
+   a host right after handing a save to mtc (replicator SIGKILLed, RAM disk
+   wiped, the slice's devices raise DATA_LOSS), pauses until the host is back
+   empty and restores through mtc, the wiped host's shards from its peer; then
+   it loses a whole slice, continues on the other (replica resize), and scales
+   back up when the slice returns, losing no step;
+3. backs the newest step up to the cluster's backup folder (``mtc backup``),
+   shows every host's steps on every tier (``mtc status``), takes the cluster
+   down, and prints the report: per failure the step at failure, the step
+   resumed from, the tier, seconds to detect, wait, restore and recompile,
+   and steps lost; for the run steps completed, goodput, final loss, and
+   whether the loss curve equals an uninterrupted run on the same meshes.
+
+It writes ``report.json``, ``elastic.jsonl`` (the trainer's log),
+``elastic.log`` (its output), ``cluster-status.txt`` and ``timeline.png`` into
+``--out``. Exit status: 0 when the losses match, 1 when they do not, 2 when
+the trainer failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from trainer.cluster import LocalCluster
+from trainer.demo import REPO, ChildFailed, child_env
+
+POLL_S = 0.05
+
+PHASE = {
+    "start": "importing JAX",
+    "ready": "building the mesh",
+    "slices": "restoring the state",
+    "init": "compiling the train step",
+    "restored": "compiling / first step",
+    "fault": "failure injected",
+    "detected": "failure detected: waiting for slices",
+    "returned": "lost hosts are back",
+    "scale_up": "scaling up",
+    "trained": "uninterrupted reference run",
+}
+
+
+class Follower:
+    """Reads the trainer's JSON log as it grows; keeps one live status line."""
+
+    def __init__(self, path: Path, total: int) -> None:
+        self.path = path
+        self.total = total
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+        self.tty = sys.stdout.isatty()
+        self._width = 0
+        self._last_plain = -1
+        self._announced = 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self._offset += end
+        new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        self.records.extend(new)
+        return new
+
+    def say(self, text: str) -> None:
+        if self.tty and self._width:
+            sys.stdout.write("\r" + " " * self._width + "\r")
+            self._width = 0
+        print(text, flush=True)
+
+    def show(self, new: list[dict[str, Any]], t_launch: float) -> None:
+        for r in new:
+            ev = r.get("event")
+            if ev == "fault":
+                what = (f"host {r['host']} (slice {r['slice']})" if r["kind"] == "host_loss"
+                        else f"slice {r['slice']} (hosts {r['hosts']})")
+                self.say(f"  !! {r['kind']}: lost {what} after step {r['step']}: replicator "
+                         f"SIGKILLed, RAM disk wiped, devices raise DATA_LOSS")
+            elif ev == "returned":
+                self.say(f"  .. hosts {r['hosts']} back (empty RAM disk, new replicator)")
+            elif ev == "recovered":
+                s = r["seconds"]
+                self.say(f"  ok {r['kind']}: resumed from step {r['resumed_from_step']} "
+                         f"({r['tier']} tier) on slices {r['slices_after']}, "
+                         f"{r['steps_lost']} steps lost, back in {s['total']:.1f}s")
+        steps = [r for r in self.records if "loss" in r]
+        events = [r["event"] for r in self.records if "event" in r]
+        if steps and events and events[-1] in ("fault", "detected", "slices", "scale_up",
+                                                "trained"):
+            text = f"  [{PHASE.get(events[-1], events[-1])}] ({time.time() - t_launch:5.1f}s)"
+        elif steps:
+            last = steps[-1]
+            recent = [s["step_s"] for s in steps[-10:]]
+            rate = len(recent) / max(sum(recent), 1e-9)
+            text = (f"  step {last['step']:4d}/{self.total}  loss {last['loss']:.4f}  "
+                    f"{rate:5.1f} steps/s  slices {last['slices']}  "
+                    f"({time.time() - t_launch:5.1f}s)")
+        else:
+            phase = PHASE.get(events[-1] if events else "start", "starting")
+            text = f"  [{phase}] ({time.time() - t_launch:5.1f}s)"
+        if self.tty:
+            pad = max(self._width - len(text), 0)
+            sys.stdout.write("\r" + text + " " * pad)
+            sys.stdout.flush()
+            self._width = len(text)
+        elif steps and steps[-1]["step"] // 25 != self._last_plain // 25:
+            print(text, flush=True)
+            self._last_plain = steps[-1]["step"]
+
+
+def final_steps(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The last record of each step: the one that counts towards the final model."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if "loss" in r:
+            out[r["step"]] = r
+    return out
+
+
+def goodput(records: list[dict[str, Any]], t_launch: float, t_end: float) -> float:
+    """Time of the optimizer steps in the final model over wall time from launch.
+
+    A step that compiled (the first on a mesh) counts as a typical step on it."""
+    steps = final_steps(records)
+    by_mesh: dict[str, list[float]] = {}
+    for r in steps.values():
+        by_mesh.setdefault(str(r["slices"]), []).append(r["step_s"])
+    typical = {k: statistics.median(v) for k, v in by_mesh.items()}
+    useful = sum(min(r["step_s"], 3 * typical[str(r["slices"])]) for r in steps.values())
+    return useful / (t_end - t_launch)
+
+
+def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
+                 t_launch: float) -> dict[str, Any]:
+    ev = {r["event"]: r for r in records if "event" in r}
+    if "trained" not in ev:
+        raise ChildFailed("the trainer logged no end of training")
+    steps = final_steps(records)
+    failures = []
+    for r in ev["trained"]["recoveries"]:
+        f = {k: r[k] for k in ("kind", "step_at_failure", "resumed_from_step", "tier",
+                               "seconds", "steps_lost")}
+        f["seconds"] = {k: r["seconds"][k] for k in ("detect", "wait", "restore",
+                                                      "recompile", "total")}
+        f["detail"] = {k: v for k, v in r.items() if k not in f and k != "t"}
+        f["detail"]["first_step_seconds"] = r["seconds"]["first_step"]
+        failures.append(f)
+    t_end = ev["trained"]["t"]
+    ref = ev.get("reference")
+    diff = ref["max_abs_diff"] if ref else None
+    last = steps[max(steps)] if steps else None
+    return {
+        "failures": failures,
+        "steps_completed": max(steps) if steps else 0,
+        "goodput": goodput(records, t_launch, t_end),
+        "final_loss": last["loss"] if last else None,
+        "loss_matches_reference": diff is not None and diff <= args.tolerance,
+        "loss_max_abs_diff": diff,
+        "loss_max_abs_diff_replayed_steps_first_run":
+            ref["max_abs_diff_replayed_first_run"] if ref else None,
+        "reference": "uninterrupted run from step 0 in the same process, same seed and data "
+                     "order, no failures, no checkpoints, on the same mesh at every step "
+                     "(8 devices, 4 while resized)",
+        "goodput_definition": "time of the optimizer steps in the final model (a step that "
+                              "compiled counted as a typical step on its mesh) / wall time "
+                              "from the trainer's launch to the end of training",
+        "wall_seconds": {"training": t_end - t_launch,
+                         "reference_run": ref["seconds"] if ref else None},
+        "config": {"steps": args.steps, "save_interval_steps": args.save_interval,
+                   "host_loss_at": args.host_loss_at, "lost_host": args.lost_host,
+                   "host_return_s": args.host_return_s, "slice_loss_at": args.slice_loss_at,
+                   "lost_slice": args.lost_slice, "slice_down_steps": args.slice_down_steps,
+                   "pause_timeout_s": args.pause_timeout_s, "seed": args.seed,
+                   "params": ev.get("init", {}).get("params"),
+                   "slices": 2, "hosts_per_slice": 2, "devices": 8,
+                   "tolerance": args.tolerance},
+    }
+
+
+def plot(out: Path, records: list[dict[str, Any]], report: dict[str, Any],
+         t_launch: float) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [r for r in records if "loss" in r]
+    t = [r["t"] - t_launch for r in steps]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    ax1.plot(t, [r["loss"] for r in steps], ".", ms=3, color="tab:blue", label="loss per step")
+    ax1.set_ylabel("loss (nats/char)")
+    # Throughput: optimizer steps completed per 1-second bin (0 while recovering).
+    end = max(t, default=0.0)
+    edges = list(range(0, int(end) + 2))
+    counts = [0] * (len(edges) - 1)
+    for x in t:
+        counts[min(int(x), len(counts) - 1)] += 1
+    ax2.step(edges[:-1], counts, where="post", color="tab:green", lw=1,
+             label="steps completed per second")
+    resized = [r["t"] - t_launch for r in steps if len(r["slices"]) < 2]
+    if resized:
+        for ax in (ax1, ax2):
+            ax.axvspan(min(resized), max(resized), color="tab:orange", alpha=0.12,
+                       label="on 1 slice (resized)" if ax is ax2 else None)
+    ax2.set_ylabel("steps / s")
+    ax2.set_xlabel("seconds since launch")
+    faults = [r for r in records if r.get("event") == "fault"]
+    recovered = [r for r in records if r.get("event") == "recovered"]
+    scale = [r for r in records if r.get("event") == "scale_up"]
+    for f, rec in zip(faults, recovered, strict=False):
+        for ax in (ax1, ax2):
+            ax.axvspan(f["t"] - t_launch, rec["t"] - t_launch, color="tab:red", alpha=0.15)
+        ax1.annotate(f"{f['kind']}\nstep {rec['step_at_failure']} -> {rec['resumed_from_step']}"
+                     f" ({rec['tier']})", xy=(f["t"] - t_launch, 0.95),
+                     xycoords=("data", "axes fraction"), va="top", fontsize=8, color="tab:red")
+    for s in scale:
+        for ax in (ax1, ax2):
+            ax.axvline(s["t"] - t_launch, color="tab:purple", lw=1, ls="--")
+        ax1.annotate("scale up", xy=(s["t"] - t_launch, 0.6), xycoords=("data", "axes fraction"),
+                     fontsize=8, color="tab:purple")
+    ax1.set_title(f"mtc elastic demo: {report['steps_completed']} steps, goodput "
+                  f"{report['goodput']:.0%}")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path = out / "timeline.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def print_report(report: dict[str, Any], out: Path, png: Path | None) -> None:
+    cfg = report["config"]
+    print(f"\nmtc elastic demo: tiny char LM ({cfg['params']:,} params), 2 slices x 4 CPU "
+          f"devices, 4 simulated hosts with replicators")
+    print(f"  {'failure':<11}{'at':>5}{'from':>6}  {'tier':<7}{'detect':>8}{'wait':>7}"
+          f"{'restore':>9}{'recompile':>10}{'total':>7}{'lost':>6}")
+    for f in report["failures"]:
+        s = f["seconds"]
+        print(f"  {f['kind']:<11}{f['step_at_failure']:>5}{f['resumed_from_step']:>6}  "
+              f"{f['tier']:<7}{s['detect']:>7.2f}s{s['wait']:>6.2f}s{s['restore']:>8.2f}s"
+              f"{s['recompile']:>9.2f}s{s['total']:>6.1f}s{f['steps_lost']:>6}")
+    print(f"  training   {report['steps_completed']} steps, final loss "
+          f"{report['final_loss']:.4f}, goodput {report['goodput']:.0%} "
+          f"({report['wall_seconds']['training']:.1f}s)")
+    d = report["loss_max_abs_diff"]
+    print(f"  loss check {'PASS' if report['loss_matches_reference'] else 'FAIL'}: max |diff| "
+          f"against an uninterrupted run on the same meshes "
+          f"{'n/a' if d is None else f'{d:.3g}'} (tolerance {cfg['tolerance']:.0e})")
+    print(f"  wrote      {out / 'report.json'}" + (f", {png}" if png else ""))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("out/demo"))
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--save-interval", type=int, default=5)
+    p.add_argument("--host-loss-at", type=int, default=40)
+    p.add_argument("--lost-host", type=int, default=1)
+    p.add_argument("--host-return-s", type=float, default=1.5)
+    p.add_argument("--slice-loss-at", type=int, default=80)
+    p.add_argument("--lost-slice", type=int, default=1)
+    p.add_argument("--slice-down-steps", type=int, default=30)
+    p.add_argument("--pause-timeout-s", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tolerance", type=float, default=1e-6)
+    p.add_argument("--ramdisk-root", type=Path, default=Path("/dev/shm"),
+                   help="folder for mtc-cluster-demo-<pid> (a tmpfs)")
+    args = p.parse_args(argv)
+    if not 0 < args.host_loss_at < args.slice_loss_at < args.steps:
+        p.error("need 0 < --host-loss-at < --slice-loss-at < --steps")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = child_env()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("report.json", "elastic.jsonl", "cluster-status.txt"):
+        (out / name).unlink(missing_ok=True)
+    root = args.ramdisk_root if args.ramdisk_root.is_dir() else Path("/tmp")
+    base = root / f"mtc-cluster-demo-{os.getpid()}"
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    cluster: LocalCluster | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    follower = Follower(out / "elastic.jsonl", args.steps)
+    try:
+        cluster = LocalCluster.up(base)
+        follower.say(f"cluster up: 4 hosts in 2 slices under {base}, replicators "
+                     f"{', '.join(cluster.addresses)}")
+        cmd = [sys.executable, "-m", "trainer.elastic", "--cluster", str(base),
+               "--log", str(out / "elastic.jsonl"), "--steps", str(args.steps),
+               "--seed", str(args.seed), "--save-interval", str(args.save_interval),
+               "--host-loss-at", str(args.host_loss_at), "--lost-host", str(args.lost_host),
+               "--host-return-s", str(args.host_return_s),
+               "--slice-loss-at", str(args.slice_loss_at), "--lost-slice", str(args.lost_slice),
+               "--slice-down-steps", str(args.slice_down_steps),
+               "--pause-timeout-s", str(args.pause_timeout_s)]
+        t_launch = time.time()
+        with (out / "elastic.log").open("wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        while True:
+            new = follower.poll()
+            follower.show(new, t_launch)
+            if proc.poll() is not None:
+                follower.show(follower.poll(), t_launch)
+                break
+            time.sleep(POLL_S)
+        if proc.returncode != 0:
+            tail = (out / "elastic.log").read_text(errors="replace").splitlines()[-25:]
+            raise ChildFailed(f"the trainer exited with status {proc.returncode}; its output "
+                              "ends:\n" + "\n".join(tail))
+        backup = subprocess.run([sys.executable, "-m", "mtc.cli", "backup", "--node",
+                                 cluster.addresses[0]], capture_output=True, text=True,
+                                env=env, cwd=REPO, timeout=120)
+        follower.say(f"backup tier: {backup.stdout.strip() or backup.stderr.strip()} "
+                     f"(to {cluster.backup})")
+        status = subprocess.run([sys.executable, "-m", "mtc.cli", "status", "--nodes",
+                                 ",".join(cluster.addresses)], capture_output=True, text=True,
+                                env=env, cwd=REPO, timeout=60)
+        (out / "cluster-status.txt").write_text(status.stdout)
+        follower.say("\nmtc status (every host's steps, own and peer copies):\n"
+                     + status.stdout.rstrip())
+        report = build_report(args, follower.records, t_launch)
+        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        png = plot(out, follower.records, report, t_launch)
+        print_report(report, out, png)
+        return 0 if report["loss_matches_reference"] else 1
+    except ChildFailed as e:
+        follower.say(f"\nFAILED: {e}")
+        return 2
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if cluster is not None:
+            # The trainer restarted replicators: read their pids back from the state file.
+            try:
+                cluster = LocalCluster.load(base)
+            except (OSError, ValueError):
+                pass
+            cluster.down()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
