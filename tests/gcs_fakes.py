@@ -123,10 +123,16 @@ class FaultProxy:
     ``drop_after`` bytes of their body were forwarded to the emulator, without an answer.
     ``cut_downloads``: cut that many media downloads (-1: all) after half their body.
     ``requests`` logs (method, path, Range header) of what reached the proxy.
+    ``release`` (a set Event): clear it to hold every upload request (its body read, not
+    forwarded) until it is set again; ``held`` counts the requests it held.
+    ``port``: listen there (a port that was closed until now), else on any free port.
     """
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, port: int = 0) -> None:
         self.upstream_port = upstream_port
+        self.release = threading.Event()
+        self.release.set()
+        self.held = 0
         self.fail_next = 0
         self.fail_always = False
         self.drop_uploads = 0
@@ -150,7 +156,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_PATCH = handle_any
 
-        self.server = _QuietServer(("127.0.0.1", 0), Handler)
+        self.server = _QuietServer(("127.0.0.1", port), Handler)
         self.port = int(self.server.server_address[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -181,6 +187,11 @@ class FaultProxy:
             h.connection.shutdown(socket.SHUT_RDWR)
             return
         body = h.rfile.read(n) if n else b""
+        if not fail and h.command in ("POST", "PUT") and "upload" in h.path \
+                and not self.release.is_set():
+            with self.lock:
+                self.held += 1
+            self.release.wait()
         if fail:
             msg = b'{"error": {"code": 503, "message": "injected by FaultProxy"}}'
             h.send_response(503)
@@ -220,6 +231,7 @@ class FaultProxy:
         h.wfile.write(data)
 
     def close(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 

@@ -46,6 +46,8 @@ class Cluster:
     # Orbax mode: no --rank; each replicator learns its rank from the replicator.yaml
     # Orbax's client writes, and serves only after that (use launch, not start).
     orbax: bool = False
+    # Environment variables added to every replicator's (STORAGE_EMULATOR_HOST, ...).
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         ports = free_ports(self.n * (2 if self.metrics else 1))
@@ -68,7 +70,8 @@ class Cluster:
                *(() if self.orbax else ("--rank", str(rank),
                                         "--nodes-per-slice", str(self.per_slice))),
                "--poll-seconds", "0.05", *metrics, *self.extra, *more]
-        self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **self.env} if self.env else None)
         log.close()
 
     def start(self, rank: int, *more: str) -> None:

@@ -7,12 +7,12 @@ Layout under the backup URL::
     staging/<step>-<nonce>/...           the same, before an atomic rename (HNS, local)
 
 The leader (the lowest-ranked reachable node) plans a step: every rank's files,
-grouped by (size, CRC32C); each group is uploaded once, by a holder chosen in
-turn so uploads spread over hosts, and every other member is confirmed
-identical by SHA-256 (a member that differs is uploaded too). The manifest maps
-each rank's paths to objects. On a store with atomic folder renames the step is
-uploaded to a staging folder and published in one rename; elsewhere the
-manifest, written last, is the commit.
+grouped by (size, CRC32C); each rank's files are read by the least-loaded host
+holding them, so uploads spread over hosts; each group is uploaded once, and
+every other member is confirmed identical by SHA-256 (a member that differs is
+uploaded too). The manifest maps each rank's paths to objects. On a store with
+atomic folder renames the step is uploaded to a staging folder and published in
+one rename; elsewhere the manifest, written last, is the commit.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ class BackupStore:
     def apply_retention(self, keep: int, every: int) -> list[int]:
         """Keep the newest ``keep`` backups and every ``every``-th step; returns deleted."""
         steps = self.committed_steps()
-        kept = set(steps[-keep:]) | ({s for s in steps if every and s % every == 0})
+        kept = set(steps[-keep:] if keep > 0 else []) | {s for s in steps
+                                                         if every and s % every == 0}
         deleted = [s for s in steps[:-1] if s not in kept]  # never the newest
         for s in deleted:
             # The manifest first: a half-deleted step must not look committed.
@@ -151,8 +152,17 @@ def back_up_step(store: BackupStore, step: int,
     # Group every rank's files by content key; the first copy of each group uploads.
     groups: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
     chosen: dict[int, tuple[int, int, dict[str, FileMeta]]] = {}
-    for k, (rank, copies) in enumerate(sorted(sources.items())):
-        holder, origin, files = copies[k % len(copies)]  # spread ranks over holders
+    load: dict[int, int] = defaultdict(int)  # bytes each holder was given to read
+
+    def least_loaded(rank: int, copies: list[tuple[int, int, list[FileMeta]]]
+                     ) -> tuple[int, int, list[FileMeta]]:
+        """The least-loaded holder reads a rank's files (its own host on a tie), so
+        the uploads spread over the hosts."""
+        return min(copies, key=lambda c: (load[c[0]], c[0] != rank, c[0]))
+
+    for rank, copies in sorted(sources.items()):
+        holder, origin, files = least_loaded(rank, copies)
+        load[holder] += sum(f.size for f in files)
         chosen[rank] = (holder, origin, {f.path: f for f in files})
         for f in files:
             groups[(f.size, f.crc32c)].append((rank, f.path))
@@ -196,6 +206,15 @@ def back_up_step(store: BackupStore, step: int,
             entries.setdefault(rank, []).append(BackupEntry(path, f.size, f.crc32c, sha, obj))
     if redo:
         run(redo)
+    # Every object the manifest names must be there before it is written: a rival
+    # leader's clean-up, or a store that lost a write, must not yield a committed step
+    # with holes.
+    present = set(store.backend.list(f"{prefix}/data/"))
+    missing = sorted({e.object for es in entries.values() for e in es} -
+                     {k[len(prefix) + 1:] for k in present})
+    if missing:
+        raise MtcError(f"{len(missing)} uploaded objects are missing before the commit, "
+                       f"e.g. {missing[0]}", step=step)
     store.write_manifest(prefix, step, entries)
     if atomic and not store.backend.publish(prefix, step_prefix(step)):
         raise MtcError("backup store refused the atomic publish", step=step)

@@ -13,6 +13,8 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 from mtc.errors import MtcError
@@ -43,17 +45,59 @@ class BackupScheduler:
         self._last_step = -1
         self._busy: set[str] = set()
         self._listing: tuple[float, list[int]] = (0.0, [])
+        self._listing_lock = threading.Lock()
+        self._refreshing: Future[list[int]] | None = None
+        self._list_failed = False
 
     def request(self) -> None:
         self._requested.set()
 
-    def backed_up_steps(self, max_age_s: float = 2.0) -> list[int]:
-        """Committed backups (listing cached briefly: inventories ask often)."""
-        t, steps = self._listing
-        if time.monotonic() - t > max_age_s:
-            steps = self.store.committed_steps()
+    def refresh(self) -> list[int]:
+        """List the committed backups now (raises when the store cannot be read)."""
+        steps = self.store.committed_steps()
+        with self._listing_lock:
             self._listing = (time.monotonic(), steps)
+            if self._list_failed:
+                log.info("backup store readable again")
+            self._list_failed = False
         return steps
+
+    def backed_up_steps(self, max_age_s: float = 2.0, wait_s: float = 1.0) -> list[int]:
+        """Committed backups, as last listed (inventories ask often). A listing older
+        than ``max_age_s`` is refreshed on a thread of its own and waited for at most
+        ``wait_s`` seconds: an unreachable or slow store never holds up or fails an
+        inventory (and with it leader choice, replication bookkeeping and restore
+        agreement); the last listing stands meanwhile."""
+        with self._listing_lock:
+            t, steps = self._listing
+            if time.monotonic() - t <= max_age_s:
+                return steps
+            if self._list_failed:
+                wait_s = 0.0  # the store is down: answer at once, keep trying behind
+            fut = self._refreshing
+            if fut is None:
+                fut = self._refreshing = Future()
+                threading.Thread(target=self._refresh_into, args=(fut,), daemon=True,
+                                 name="mtc-backup-list").start()
+        try:
+            return fut.result(timeout=wait_s)
+        except FutureTimeout:
+            return steps
+        except Exception:  # noqa: BLE001 - logged by _refresh_into; the last listing stands
+            return steps
+
+    def _refresh_into(self, fut: Future[list[int]]) -> None:
+        try:
+            fut.set_result(self.refresh())
+        except Exception as e:  # noqa: BLE001 - handed to the waiters through the future
+            with self._listing_lock:
+                if not self._list_failed:
+                    log.warning("cannot list the backups: %s", e)
+                self._list_failed = True
+            fut.set_exception(e)
+        finally:
+            with self._listing_lock:
+                self._refreshing = None
 
     def due(self, newest_complete: int) -> bool:
         if newest_complete < 0 or newest_complete <= self._last_step:
@@ -75,7 +119,7 @@ class BackupScheduler:
             step = node.newest_complete(invs)
             if not (force or self.due(step)) or step < 0:
                 return -1
-            if step in self.backed_up_steps(max_age_s=0):
+            if step in self.refresh():
                 self._last_step = step
                 self._requested.clear()
                 return step
@@ -88,7 +132,8 @@ class BackupScheduler:
                 raise
             self._last_time = time.monotonic()
             self._last_step = step
-            self._listing = (0.0, [])
+            with self._listing_lock:
+                self._listing = (0.0, sorted({*self._listing[1], step}))
             node.metrics.newest.labels("backed_up").set(step)
             deleted = self.store.apply_retention(self.policy.keep, self.policy.keep_every)
             if deleted:
