@@ -317,12 +317,41 @@ def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Clu
     time.sleep(0.5)
     assert 1 in own_steps(cl.root(0))
 
-    # The peer returns: step 5 is replicated, and only then is step 1 released.
+    # The peer returns: step 5 is replicated, but step 1 is still the newest
+    # step that every rank can be restored from (rank 1 has nothing newer).
     cl.start(1)
     cl.wait_held({(1, 0, 5)}, timeout=30)
+    time.sleep(1.5)
+    assert 1 in own_steps(cl.root(0))
+    # Once rank 1 commits step 5 as well, step 5 is complete and step 1 goes.
+    commit_raw_step(cl.root(1), 5, {"y.bin": os.urandom(4096)})
+    cl.wait_held({(0, 1, 5)}, timeout=30)
     deadline = time.monotonic() + 10
     while own_steps(cl.root(0)) != {4, 5}:
         assert time.monotonic() < deadline, own_steps(cl.root(0))
         time.sleep(0.05)
     # The peer keeps at most --keep copies per origin.
     assert {c.step for c in cl.inventory(1).copies if c.origin_rank == 0} <= {1, 5}
+
+
+def test_gc_keeps_the_newest_step_every_rank_can_restore(ramdisk: Path,
+                                                         clusters: list[Cluster]) -> None:
+    """A host whose newer step failed elsewhere must not delete the last complete one."""
+    cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "1"))
+    cl.start_all()
+    for step in (1, 2):
+        commit_raw_step(cl.root(0), step, {"x.bin": os.urandom(4096)})
+        commit_raw_step(cl.root(1), step, {"y.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 2), (0, 1, 2)})
+    # Rank 0 commits and replicates step 3; rank 1 never commits it (it crashed).
+    commit_raw_step(cl.root(0), 3, {"x.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 3)})
+    time.sleep(1.5)  # GC passes with --keep 1
+    assert 2 in own_steps(cl.root(0)), "the newest step complete on every rank was deleted"
+    c = cl.client(0)
+    try:
+        reply = c.call("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=20),
+                       deadline_s=40)
+    finally:
+        c.close()
+    assert reply.step == 2

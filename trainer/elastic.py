@@ -47,17 +47,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import statistics
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -67,84 +65,17 @@ import numpy as np
 from jax.sharding import Mesh
 from pathwaysutils.elastic import elastic as pw_elastic
 from pathwaysutils.elastic import manager as pw_manager
-from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
 import mtc
 from mtc import layout
 from trainer.cluster import LocalCluster
 from trainer.data import VOCAB, make_iterator
+from trainer.faults import SliceLossSimulator
+from trainer.jsonlog import JsonLog
 from trainer.model import Config, State, Trainer, count_params
+from trainer.snapshot import from_snapshot, host_snapshot
 
 log = logging.getLogger("mtc.elastic")
-
-
-class JsonLog:
-    """Appends JSON lines, one ``write`` per line (a written line survives a SIGKILL)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: TextIO = path.open("a", buffering=1)
-        self._lock = threading.Lock()
-
-    def write(self, **fields: Any) -> None:
-        fields.setdefault("t", time.time())
-        with self._lock:
-            self._f.write(json.dumps(fields) + "\n")
-
-    def close(self) -> None:
-        self._f.close()
-
-
-class SliceLossSimulator(DeviceLossSimulator):
-    """``DeviceLossSimulator`` that copes with freed and donated arrays.
-
-    The simulator keys arrays by ``id()``; CPython reuses the id of a freed
-    array for a new one, which then inherited the old array's devices and
-    "lost" state: healthy arrays on the surviving slice raised DATA_LOSS. Each
-    id is checked against a weak reference to the array it was recorded for.
-    Its patched ``jax.jit`` also asks the inputs for their devices after the
-    call, which raises for donated (deleted) inputs.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._refs: dict[int, weakref.ref[Any]] = {}
-
-    def _fresh(self, arr: Any) -> None:
-        if not isinstance(arr, jax.Array) or isinstance(arr, jax.core.Tracer):
-            return
-        i = id(arr)
-        ref = self._refs.get(i)
-        if ref is not None and ref() is arr:
-            return
-        self._array_devices.pop(i, None)
-        self._array_generation.pop(i, None)
-        self._corrupted_array_ids.discard(i)
-        try:
-            self._refs[i] = weakref.ref(arr)
-        except TypeError:
-            self._refs.pop(i, None)
-
-    def track_array(self, arr: Any) -> None:
-        if _deleted(arr):
-            return  # a donated input: its devices can no longer be asked
-        self._fresh(arr)
-        super().track_array(arr)
-
-    def is_array_corrupted(self, arr: Any) -> bool:
-        if _deleted(arr):
-            return id(arr) in self._corrupted_array_ids
-        self._fresh(arr)
-        return bool(super().is_array_corrupted(arr))
-
-    def bind_array_to_devices(self, arr: Any, devices: Sequence[jax.Device]) -> None:
-        self._fresh(arr)
-        super().bind_array_to_devices(arr, devices)
-
-
-def _deleted(arr: Any) -> bool:
-    return (isinstance(arr, jax.Array) and not isinstance(arr, jax.core.Tracer)
-            and arr.is_deleted())
 
 
 @dataclasses.dataclass
@@ -162,21 +93,6 @@ class Recovery:
     resumed_from_step: int | None = None
     tier: str | None = None
     slices_after: tuple[int, ...] = ()
-
-
-def host_snapshot(state: State) -> dict[str, Any]:
-    """A host-memory copy of the state (the values now; the next step donates the arrays)."""
-    arrays = jax.device_get({"params": state["params"], "opt_state": state["opt_state"],
-                             "rng": jax.random.key_data(state["rng"])})
-    return {**arrays, "step": state["step"], "data": dict(state["data"])}
-
-
-def from_snapshot(trainer: Trainer, snap: dict[str, Any]) -> State:
-    sh = trainer.shardings
-    arrays = jax.device_put({"params": snap["params"], "opt_state": snap["opt_state"]},
-                            {"params": sh["params"], "opt_state": sh["opt_state"]})
-    rng = jax.device_put(jax.random.wrap_key_data(snap["rng"]), sh["rng"])
-    return {**arrays, "rng": rng, "step": snap["step"], "data": dict(snap["data"])}
 
 
 class ElasticRun:

@@ -16,12 +16,10 @@ another process can line events up; durations use ``perf_counter``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,22 +30,8 @@ from jax.sharding import Mesh
 
 import mtc
 from trainer.data import VOCAB, make_iterator
+from trainer.jsonlog import JsonLog
 from trainer.model import Config, Trainer, count_params
-
-
-class JsonLog:
-    """Appends JSON lines, one ``write`` per line."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: TextIO = path.open("a", buffering=1)
-
-    def write(self, **fields: Any) -> None:
-        fields.setdefault("t", time.time())
-        self._f.write(json.dumps(fields) + "\n")
-
-    def close(self) -> None:
-        self._f.close()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

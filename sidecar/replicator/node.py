@@ -59,6 +59,7 @@ class Node:
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
         self.backup = backup
         self._backing_up: set[int] = set()
+        self._complete_at: tuple[float, int] = (-1e9, -1)  # (when, newest complete step)
 
     # -- inventory ----------------------------------------------------------------
 
@@ -298,11 +299,27 @@ class Node:
             protected |= set(own)  # the newest replicated step is not known yet
         with self._lock:
             protected |= self._pushing | self._backing_up
+        replicas = self.store.replica_steps()
+        doomed = [s for s in own if s not in protected]
+        doomed += [s for steps in replicas.values() for s in steps[:-keep]]
+        if doomed:
+            # Local rules cannot see that another host failed to commit or
+            # replicate a newer step: never delete the newest step that every
+            # rank can still be restored from, as the cluster sees it now.
+            now = time.monotonic()
+            # An inventory round per second at most; always fresh before a step
+            # newer than the last known complete one could be deleted.
+            if now - self._complete_at[0] > 1.0 or max(doomed) > self._complete_at[1]:
+                self._complete_at = (now, self.newest_complete(self.gather()))
+            complete = self._complete_at[1]
+            protected.add(complete)
+        else:
+            complete = -1
         for s in own:
             if s not in protected:
                 self.store.remove_copy(self.rank, s)
                 self.replicated.pop(s, None)
-        for origin, steps in self.store.replica_steps().items():
+        for origin, steps in replicas.items():
             if origin == self.rank:
                 # Own steps parked for a client (Orbax) or restored: keep the ones
                 # still linked from the root and the newest.
@@ -312,7 +329,8 @@ class Node:
                         self.store.remove_copy(origin, s)
                 continue
             for s in steps[:-keep]:
-                self.store.remove_copy(origin, s)
+                if s != complete:
+                    self.store.remove_copy(origin, s)
 
     # -- restore --------------------------------------------------------------------
 

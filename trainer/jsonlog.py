@@ -1,0 +1,27 @@
+"""JSON-lines logs of training processes: one ``write`` per line, so a written
+line survives a SIGKILL of the process."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class JsonLog:
+    """Appends JSON lines, one ``write`` per line (a written line survives a SIGKILL)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: TextIO = path.open("a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, **fields: Any) -> None:
+        fields.setdefault("t", time.time())
+        with self._lock:
+            self._f.write(json.dumps(fields) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
