@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv demo demo-crash cluster-up cluster-down test lint typecheck bench clean
+.PHONY: all venv demo demo-crash cluster-up cluster-down test lint typecheck proto bench clean
 
 all: test
 
@@ -37,8 +37,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The only way generated protobuf code is made; tests/test_proto_current.py checks it.
+proto: $(STAMP)
+	PYTHON=$(PY) scripts/gen_proto.sh
+
+# Each benchmark prints one JSON object; out/bench/ keeps the last run's figures.
 bench: $(STAMP)
-	$(PY) bench/save_restore.py
+	mkdir -p out/bench
+	$(PY) bench/save_restore.py | tee out/bench/save_restore.json
+	$(PY) bench/replicator.py | tee out/bench/replicator.json
+	$(PY) bench/backup.py | tee out/bench/backup.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
