@@ -274,6 +274,18 @@ def test_requested_backups_then_whole_cluster_restore(ramdisk: Path, mesh: Mesh,
     assert {r: (x.step, x.tier) for r, x in replies.items()} == {
         r: (3, "backup") for r in range(4)}, replies
     print(f"whole-cluster restore from the backup took {took:.2f}s")
+    # Objects shared by several hosts (data-parallel replicas) crossed from the
+    # bucket once: the bytes read from it are the unique objects' bytes, and the
+    # other hosts fetched their copies from the host that read them.
+    manifest3 = json.loads((bucket / "steps/3" / MANIFEST).read_text())
+    unique = {e["object"]: e["size"] for es in manifest3["ranks"].values() for e in es}
+    needed = sum(e["size"] for es in manifest3["ranks"].values() for e in es)
+    samples = [cl.scrape(r) for r in range(4)]
+    read = sum(s.get("mtc_backup_bytes_downloaded_total", 0) for s in samples)
+    fetched = sum(s.get("mtc_restore_bytes_fetched_total", 0) for s in samples)
+    assert unique and needed > sum(unique.values())
+    assert read == sum(unique.values()), (read, unique)
+    assert fetched == needed - read
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=OPTS) as m:
         assert m.all_steps() == [3]
         assert_state_equal(m.restore(3, s3), s3)

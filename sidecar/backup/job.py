@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mtc.errors import ManifestError, MtcError
+from mtc.errors import ManifestError, MtcError, RetryableError
 from mtc.proto import replicator_pb2 as pb
 from sidecar.backup.backend import Backend, CorruptBackupError
 from sidecar.replicator.store import FileMeta, file_sha256, safe_relpath
@@ -221,24 +221,89 @@ def back_up_step(store: BackupStore, step: int,
     log.info("backed up step %d: %d objects for %d ranks", step, len(groups), len(entries))
 
 
+class HolderIdle(RetryableError):
+    """The host meant to read a shared object is not restoring this step (any more)."""
+
+
+@dataclasses.dataclass
+class Shared:
+    """Restoring from the backup on several hosts at once: who reads which object.
+
+    ``downloader[object]`` is the host that reads a shared object from the store;
+    the others get it from that host (``fetch(holder, holder_path, local)``), so
+    each object crosses from the bucket once. ``ready`` lists the files this
+    host has verified, which its replicator serves to the others meanwhile.
+    """
+
+    downloader: dict[str, tuple[int, str]]
+    fetch: Callable[[int, str, Path, BackupEntry], None]
+    ready: set[str] = dataclasses.field(default_factory=set)
+    wait_s: float = 60.0      # for a holder that is restoring
+    idle_wait_s: float = 3.0  # for one that has not started, or gave up
+
+
+def plan_shared(manifest: dict[int, list[BackupEntry]], restoring: list[int]
+                ) -> dict[str, tuple[int, str]]:
+    """object -> (lowest restoring rank that needs it, its path there)."""
+    out: dict[str, tuple[int, str]] = {}
+    for r in sorted(restoring):
+        for e in manifest.get(r, []):
+            out.setdefault(e.object, (r, e.path))
+    return out
+
+
 def download_rank(store: BackupStore, step: int, rank: int, dest: Path,
-                  ranks: list[int]) -> list[FileMeta]:
+                  ranks: list[int], shared: Shared | None = None,
+                  on_bytes: Callable[[int], None] | None = None) -> list[FileMeta]:
     """Fetch one rank's files of a backed-up step into ``dest`` (first of ``ranks``
-    present in the manifest: Orbax peers can stand in for each other)."""
+    present in the manifest: Orbax peers can stand in for each other). Every file
+    is checked against the manifest's size, CRC32C and SHA-256."""
     manifest = store.manifest(step)
     entries = next((manifest[r] for r in ranks if r in manifest), None)
     if entries is None:
         raise ManifestError(f"backup has no data for rank {rank}", step=step, host=rank)
 
-    def one(e: BackupEntry) -> None:
-        local = dest / safe_relpath(e.path)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        store.backend.get_file(f"{step_prefix(step)}/{e.object}", local, size=e.size,
-                               crc32c=e.crc32c)
+    def verify(local: Path, e: BackupEntry) -> None:
         if file_sha256(local).hexdigest() != e.sha256:
+            local.unlink(missing_ok=True)
             raise CorruptBackupError("object differs from its manifest's SHA-256",
                                      step=step, host=rank, path=e.object)
 
+    def from_store(e: BackupEntry, local: Path) -> None:
+        store.backend.get_file(f"{step_prefix(step)}/{e.object}", local, size=e.size,
+                               crc32c=e.crc32c)
+        verify(local, e)
+        if on_bytes:
+            on_bytes(e.size)
+
+    def one(e: BackupEntry) -> None:
+        local = dest / safe_relpath(e.path)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        holder = shared.downloader.get(e.object) if shared else None
+        if shared is not None and holder is not None and holder[0] != rank:
+            start = time.monotonic()
+            while True:  # the holder may not have read it yet
+                try:
+                    shared.fetch(holder[0], holder[1], local, e)
+                    verify(local, e)
+                    break
+                except MtcError as err:
+                    waited = time.monotonic() - start
+                    limit = shared.idle_wait_s if isinstance(err, HolderIdle) else shared.wait_s
+                    if waited > limit:
+                        log.warning("rank %d: %s not had from rank %d (%s); reading the "
+                                    "store", rank, e.path, holder[0], err)
+                        from_store(e, local)
+                        break
+                    time.sleep(0.2)
+        else:
+            from_store(e, local)
+        if shared is not None:
+            shared.ready.add(e.path)
+
+    # Own objects first, so the hosts waiting for them are served early.
+    mine_first = sorted(entries, key=lambda e: shared is not None and
+                        shared.downloader.get(e.object, (rank, ""))[0] != rank)
     with ThreadPoolExecutor(8, thread_name_prefix="mtc-restore") as pool:
-        list(pool.map(one, entries))
+        list(pool.map(one, mine_first))
     return [FileMeta(e.path, e.size, e.crc32c) for e in entries]

@@ -156,8 +156,10 @@ class PeerClient:
                     f.write(chunk)
         except grpc.RpcError as e:
             os.unlink(dest)
-            raise PeerError(f"fetch of {rel} from rank {self.rank} failed: {e.code().name}: "
-                            f"{e.details()}", step=step, host=self.rank, path=rel) from e
+            err = PeerError(f"fetch of {rel} from rank {self.rank} failed: {e.code().name}: "
+                            f"{e.details()}", step=step, host=self.rank, path=rel)
+            err.code = e.code()
+            raise err from e
         if got != size or value != crc:
             os.unlink(dest)
             raise CorruptShardError(

@@ -17,6 +17,9 @@ class Metrics:
                                      "Verified bytes fetched from peers to restore", registry=r)
         self.backup_bytes = Counter("mtc_backup_bytes_uploaded",
                                     "Bytes this host uploaded to the backup store", registry=r)
+        self.backup_bytes_downloaded = Counter(
+            "mtc_backup_bytes_downloaded", "Verified bytes read from the backup store",
+            registry=r)
         self.deduplicated_files = Counter("mtc_deduplicated_files",
                                           "Files a peer already held; only metadata moved",
                                           registry=r)

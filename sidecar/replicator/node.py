@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from mtc import layout
 from mtc.errors import ConfigError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
@@ -59,6 +61,9 @@ class Node:
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
         self.backup = backup
         self._backing_up: set[int] = set()
+        # Steps being restored from the backup: their folder and verified files,
+        # served to other restoring hosts that share objects with this one.
+        self.restoring: dict[int, tuple[Path, set[str]]] = {}
         self._complete_at: tuple[float, int] = (-1e9, -1)  # (when, newest complete step)
 
     # -- inventory ----------------------------------------------------------------
@@ -464,10 +469,7 @@ class Node:
                     fut.result()
                 tier = "peer"
             elif self.backup is not None and step in self.backup.refresh():
-                from sidecar.backup.job import download_rank
-
-                files = download_rank(self.backup.store, step, self.rank, tmp,
-                                      self.config.equivalent(self.rank))
+                files = self._from_backup(step, invs, tmp)
                 tier = "backup"
             else:
                 raise StepNotFoundError("no peer or backup holds this host's data", step=step,
@@ -477,6 +479,38 @@ class Node:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return tier
+
+    def _from_backup(self, step: int, invs: dict[int, pb.Inventory], tmp: Path
+                     ) -> list[FileMeta]:
+        """This host's data from the backup; objects several restoring hosts share
+        are read from the bucket by one of them and fetched from it by the rest."""
+        from sidecar.backup.job import HolderIdle, Shared, download_rank, plan_shared
+
+        assert self.backup is not None
+        held = self.holders(invs)
+        restoring = [r for r in invs  # reachable hosts whose data no host holds
+                     if not any((o, step) in held for o in self.config.equivalent(r))]
+        manifest = self.backup.store.manifest(step)
+
+        def fetch(holder: int, path: str, local: Path, e: Any) -> None:
+            try:
+                self.peers[holder].fetch_file(step, holder, path, local, e.size, e.crc32c)
+            except PeerError as err:
+                if err.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise HolderIdle(str(err), step=step, host=holder) from err
+                raise
+            self.metrics.bytes_fetched.inc(e.size)
+
+        shared = Shared(plan_shared(manifest, restoring), fetch)
+        with self._lock:
+            self.restoring[step] = (tmp, shared.ready)
+        try:
+            return download_rank(self.backup.store, step, self.rank, tmp,
+                                 self.config.equivalent(self.rank), shared,
+                                 on_bytes=self.metrics.backup_bytes_downloaded.inc)
+        finally:
+            with self._lock:
+                self.restoring.pop(step, None)
 
     def _fetch(self, sources: list[tuple[int, pb.StepCopy]], i: int, step: int, f: FileMeta,
                tmp: Path) -> None:

@@ -263,10 +263,20 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 raise ValueError(f"malformed FetchRequest: {e}") from e
             rel = safe_relpath(req.path)
             store = self.node.store
-            if (req.origin_rank, req.step) not in store.copies():
+            staged = self.node.restoring.get(req.step)
+            if (req.origin_rank, req.step) in store.copies():
+                path = inside(store.copy_dir(req.origin_rank, req.step), rel)
+            elif req.origin_rank == self.node.rank and staged and rel in staged[1]:
+                path = inside(staged[0], rel)  # verified, from a restore in progress
+            elif req.origin_rank == self.node.rank and staged:
+                raise StepNotFoundError("not read from the backup yet", step=req.step,
+                                        host=req.origin_rank, path=rel)
+            elif req.origin_rank == self.node.rank:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"rank {self.node.rank} is not restoring step {req.step}")
+            else:
                 raise StepNotFoundError("no complete copy here", step=req.step,
                                         host=req.origin_rank)
-            path = inside(store.copy_dir(req.origin_rank, req.step), rel)
             with open(path, "rb", buffering=0) as f:
                 f.seek(req.offset)
                 while chunk := f.read(CHUNK):
