@@ -12,6 +12,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -50,3 +51,15 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def clusters() -> Iterator[list[Any]]:
+    """Replicator clusters a test creates (tests/replicators.py); every replicator
+    is SIGKILLed at the end and its log tail printed for the failure report."""
+    made: list[Any] = []
+    yield made
+    for c in made:
+        c.stop_all()
+        for r in range(c.n):
+            print(f"--- replicator {r} log tail ---\n{c.log_text(r)[-3000:]}")

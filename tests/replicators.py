@@ -11,13 +11,14 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.proto import replicator_pb2 as pb
 from sidecar.replicator.client import PeerClient
+from sidecar.replicator.healthcheck import check
 from sidecar.replicator.security import Credentials
 
 
@@ -106,23 +107,16 @@ class Cluster:
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
-        cc = self.creds.channel_credentials()
         while time.monotonic() < deadline:
             proc = self.procs[rank]
             if proc.poll() is not None:
                 raise RuntimeError(f"replicator {rank} exited {proc.returncode}: "
                                    f"{(self.logs / f'replicator-{rank}.log').read_text()[-2000:]}")
-            ch = (grpc.secure_channel(self.addrs[rank], cc) if cc
-                  else grpc.insecure_channel(self.addrs[rank]))
             try:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                         timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                if check(self.addrs[rank], creds=self.creds, timeout_s=1.0) == "SERVING":
                     return
             except grpc.RpcError:
                 time.sleep(0.1)
-            finally:
-                ch.close()
         raise TimeoutError(f"replicator {rank} not serving after {timeout}s")
 
     def kill(self, rank: int) -> None:
@@ -194,3 +188,11 @@ def commit_raw_step(root: Path, step: int, files: dict[str, bytes]) -> Path:
     final = root / str(step)
     os.rename(tmp, final)
     return final
+
+
+def new_cluster(clusters: list[Cluster], base: Path, n: int, per_slice: int,
+                **kw: Any) -> Cluster:
+    """A cluster registered with the ``clusters`` fixture, which kills it at the end."""
+    c = Cluster(base, n, per_slice, **kw)
+    clusters.append(c)
+    return c

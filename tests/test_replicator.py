@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from replicators import Cluster, commit_raw_step
+from replicators import Cluster, commit_raw_step, new_cluster
 
 import mtc
 from mtc.manifest import MANIFEST_NAME, Manifest
@@ -30,22 +28,6 @@ from mtc.proto import replicator_pb2 as pb
 OPTS = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
 
 
-@pytest.fixture
-def clusters(ramdisk: Path) -> Iterator[list[Cluster]]:
-    """Clusters a test creates; every replicator is SIGKILLed at the end."""
-    made: list[Cluster] = []
-    yield made
-    for c in made:
-        c.stop_all()
-        for r in range(c.n):
-            print(f"--- replicator {r} log tail ---\n{c.log_text(r)[-3000:]}")
-
-
-def new_cluster(clusters: list[Cluster], base: Path, n: int, per_slice: int,
-                **kw: Any) -> Cluster:
-    c = Cluster(base, n, per_slice, **kw)
-    clusters.append(c)
-    return c
 
 
 def make_state(mesh: Mesh, scale: float) -> dict[str, Any]:

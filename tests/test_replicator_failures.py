@@ -12,18 +12,15 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from replicators import Cluster, commit_raw_step
+from replicators import Cluster, commit_raw_step, new_cluster
 
 import mtc
 from mtc.manifest import MANIFEST_NAME
@@ -35,21 +32,6 @@ from sidecar.replicator.store import REPLICA_DIR
 MiB = 1 << 20
 
 
-@pytest.fixture
-def clusters() -> Iterator[list[Cluster]]:
-    made: list[Cluster] = []
-    yield made
-    for c in made:
-        c.stop_all()
-        for r in range(c.n):
-            print(f"--- replicator {r} log tail ---\n{c.log_text(r)[-3000:]}")
-
-
-def new_cluster(clusters: list[Cluster], base: Path, n: int, per_slice: int,
-                **kw: Any) -> Cluster:
-    c = Cluster(base, n, per_slice, **kw)
-    clusters.append(c)
-    return c
 
 
 def random_files(count: int, size: int, seed: int) -> dict[str, bytes]:

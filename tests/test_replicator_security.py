@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from replicators import Cluster, commit_raw_step, env_with_repo, free_ports
+from replicators import Cluster, commit_raw_step, env_with_repo, free_ports, new_cluster
 
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
@@ -37,21 +36,6 @@ from sidecar.replicator.store import REPLICA_DIR
 SECRET = b"top secret outside the RAM disk\n"
 
 
-@pytest.fixture
-def clusters() -> Iterator[list[Cluster]]:
-    made: list[Cluster] = []
-    yield made
-    for c in made:
-        c.stop_all()
-        for r in range(c.n):
-            print(f"--- replicator {r} log tail ---\n{c.log_text(r)[-3000:]}")
-
-
-def new_cluster(clusters: list[Cluster], base: Path, n: int, per_slice: int,
-                **kw: Any) -> Cluster:
-    c = Cluster(base, n, per_slice, **kw)
-    clusters.append(c)
-    return c
 
 
 def code_of(e: BaseException | None) -> grpc.StatusCode | None:

@@ -121,23 +121,19 @@ class LocalCluster:
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from sidecar.replicator.healthcheck import check
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive(rank):
                 log = (self.base / "logs" / f"replicator-{rank}.log").read_text(errors="replace")
                 raise RuntimeError(f"replicator {rank} exited: {log[-2000:]}")
-            ch = grpc.insecure_channel(self.addresses[rank])
             try:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                         timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                if check(self.addresses[rank], timeout_s=1.0) == "SERVING":
                     return
             except grpc.RpcError:
                 time.sleep(0.05)
-            finally:
-                ch.close()
         raise TimeoutError(f"replicator {rank} not serving after {timeout}s")
 
     def alive(self, rank: int) -> bool:
