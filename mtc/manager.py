@@ -102,7 +102,8 @@ class CheckpointManager:
         Returns False when the step is not on the save interval (and ``force``
         is off), or when ``Options.if_busy == "skip"`` and earlier saves still
         hold the staging budget. Errors of earlier background saves are raised
-        here.
+        here. In multi-controller JAX every process calls it for the same steps
+        (retention agrees on the steps committed everywhere).
         """
         self._dispatch.raise_background_error()
         if not (force or self.should_save(step)):
