@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv demo demo-crash cluster-up cluster-down test lint typecheck proto bench clean
+.PHONY: all venv demo demo-crash cluster-up cluster-down test lint typecheck proto bench bench-goodput clean
 
 all: test
 
@@ -47,6 +47,12 @@ bench: $(STAMP)
 	$(PY) bench/save_restore.py | tee out/bench/save_restore.json
 	$(PY) bench/replicator.py | tee out/bench/replicator.json
 	$(PY) bench/backup.py | tee out/bench/backup.json
+	$(PY) bench/recovery.py | tee out/bench/recovery.json
+
+# About two minutes of elastic training with one host loss (goodput under failure).
+bench-goodput: $(STAMP)
+	mkdir -p out/bench
+	$(PY) bench/goodput.py | tee out/bench/goodput.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
