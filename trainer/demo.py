@@ -36,6 +36,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from trainer.jsonlog import JsonTail
+
 REPO = Path(__file__).resolve().parents[1]
 DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 POLL_S = 0.02
@@ -77,19 +79,13 @@ class Child:
     out_path: Path
     t_launch: float
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    _offset: int = 0
+    _tail: JsonTail | None = None
 
     def poll_log(self) -> list[dict[str, Any]]:
         """New complete lines of the JSON log (a half-written last line waits)."""
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1
-        self._offset += end
-        new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        if self._tail is None:
+            self._tail = JsonTail(self.log_path)
+        new = self._tail.poll()
         self.records.extend(new)
         return new
 

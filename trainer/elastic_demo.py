@@ -40,6 +40,7 @@ from typing import Any
 
 from trainer.cluster import LocalCluster
 from trainer.demo import REPO, ChildFailed, child_env
+from trainer.jsonlog import JsonTail
 
 POLL_S = 0.05
 
@@ -63,25 +64,15 @@ class Follower:
     def __init__(self, path: Path, total: int) -> None:
         self.path = path
         self.total = total
-        self.records: list[dict[str, Any]] = []
-        self._offset = 0
+        self._tail = JsonTail(path)
+        self.records = self._tail.records
         self.tty = sys.stdout.isatty()
         self._width = 0
         self._last_plain = -1
         self._announced = 0
 
     def poll(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1
-        self._offset += end
-        new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
-        self.records.extend(new)
-        return new
+        return self._tail.poll()
 
     def say(self, text: str) -> None:
         if self.tty and self._width:

@@ -25,3 +25,26 @@ class JsonLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+class JsonTail:
+    """Reads a JSON-lines log as it grows; a half-written last line waits."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The new complete lines since the last call."""
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self._offset += end
+        new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        self.records.extend(new)
+        return new
