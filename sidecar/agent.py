@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,6 +89,12 @@ def shard_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
     return tuple(out)
 
 
+def _on_cpu(x: jax.Array) -> bool:
+    """Whether an array lives in host memory already (CPU devices)."""
+    devices: set[Any] = x.sharding.device_set
+    return bool(next(iter(devices)).platform == "cpu")
+
+
 def _as_numpy_leaf(leaf: LeafEntry, a: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
     """A numpy leaf that crossed to a sidecar as a replicated byte array, as numpy again."""
     if leaf.kind != "numpy" or isinstance(a, np.ndarray):
@@ -132,14 +139,14 @@ class HostAgent:
                            if h in set(self.config.host_of_device.values()))
         arrays = [_as_numpy_leaf(header.leaves[header.array_leaves[i]], a)
                   for i, a in enumerate(arrays)]
-        plans = {h: self._shards_of_host(h, arrays) for h in hosts}
-        total = sum(int(np.prod(shape)) * dtype.itemsize
+        plans = self._plan(hosts, arrays)
+        total = sum(math.prod(shape) * dtype.itemsize
                     for plan in plans.values() for _, _, shape, dtype, _ in plan)
         self.pool.ensure_capacity(2 * total)
         if header.skip_if_busy and not self.pool.can_fit_now(total):
             return False
         for src in (s for plan in plans.values() for *_, s in plan):
-            if isinstance(src, jax.Array) and src.devices().pop().platform != "cpu":
+            if isinstance(src, jax.Array) and not _on_cpu(src):
                 src.copy_to_host_async()  # overlap device-to-host transfers
         opened: list[HostSave] = []
         try:
@@ -154,7 +161,7 @@ class HostAgent:
                     self._pending.append(save)
                 try:
                     for leaf, index, shape, dtype, src in plans[h]:
-                        nbytes = int(np.prod(shape)) * dtype.itemsize
+                        nbytes = math.prod(shape) * dtype.itemsize
                         if not self.pool.can_fit_now(nbytes):
                             # The budget is held by this save's own shards: let the
                             # writer free it (a state larger than the budget streams).
@@ -171,30 +178,36 @@ class HostAgent:
                 s.go.set()
         return True
 
-    def _shards_of_host(self, host: int, arrays: Sequence[jax.Array | np.ndarray]
-                        ) -> list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]]:
-        """(array number, index, shape, dtype, source) of each distinct shard on ``host``."""
-        out: list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]] = []
+    def _plan(self, hosts: Sequence[int], arrays: Sequence[jax.Array | np.ndarray]
+              ) -> dict[int, list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]]]:
+        """Per host: (array number, index, shape, dtype, source) of each distinct shard
+        it holds. One pass over each array's shards (building them is not free)."""
+        out: dict[int, list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]]] = {
+            h: [] for h in hosts}
+        host_of = self.config.host_of_device
         for i, a in enumerate(arrays):
             if isinstance(a, np.ndarray):
-                out.append((i, tuple((0, d) for d in a.shape), a.shape, a.dtype, a))
+                for h in hosts:
+                    out[h].append((i, tuple((0, d) for d in a.shape), a.shape, a.dtype, a))
                 continue
-            seen: set[Index] = set()
+            dtype = np.dtype(a.dtype)
+            seen: set[tuple[int, Index]] = set()
             for s in a.addressable_shards:
-                if self.config.host_of_device[s.device.id] != host:
+                h = host_of[s.device.id]
+                if h not in out:
                     continue
                 index = shard_index(s.index, a.shape)
-                if index in seen:  # replicated on several devices of this host: once
+                if (h, index) in seen:  # replicated on several devices of a host: once
                     continue
-                seen.add(index)
+                seen.add((h, index))
                 shape = tuple(b - a_ for a_, b in index)
-                out.append((i, index, shape, np.dtype(a.dtype), s.data))
+                out[h].append((i, index, shape, dtype, s.data))
         return out
 
     def _snapshot(self, leaf: int, index: Index, shape: tuple[int, ...],
                   dtype: np.dtype[Any], src: Any) -> StagedShard:
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        if isinstance(src, jax.Array) and src.devices().pop().platform != "cpu":
+        nbytes = math.prod(shape) * dtype.itemsize
+        if isinstance(src, jax.Array) and not _on_cpu(src):
             # The transfer already made a fresh host copy: keep it, count it.
             host = np.asarray(src)
             self.pool.account(nbytes)
