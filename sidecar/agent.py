@@ -119,7 +119,8 @@ class HostAgent:
         hosts: set[int] = set()
         for a in arrays:
             if isinstance(a, jax.Array):
-                hosts.update(self.config.host_of_device[s.device.id] for s in a.addressable_shards)
+                devices: set[Any] = a.sharding.addressable_devices
+                hosts.update(self.config.host_of_device[d.id] for d in devices)
         return sorted(hosts)
 
     # -- save -------------------------------------------------------------------
