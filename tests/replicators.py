@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,7 @@ from mtc.proto import replicator_pb2 as pb
 from sidecar.replicator.client import PeerClient
 from sidecar.replicator.healthcheck import check
 from sidecar.replicator.security import Credentials
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from trainer.cluster import free_ports
 
 
 @dataclasses.dataclass

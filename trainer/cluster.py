@@ -40,7 +40,8 @@ def default_base(name: str) -> Path:
     return root / f"mtc-cluster-{name}"
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """Loopback ports free right now (a server binding them later may still race)."""
     socks = []
     for _ in range(n):
         s = socket.socket()
@@ -218,7 +219,7 @@ class LocalCluster:
         if backup.startswith("file://"):
             Path(backup.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
         cluster = cls(base, slices, hosts_per_slice,
-                      [f"127.0.0.1:{p}" for p in _free_ports(n)], {}, backup)
+                      [f"127.0.0.1:{p}" for p in free_ports(n)], {}, backup)
         for r in range(n):
             cluster.root(r).mkdir(parents=True, exist_ok=True)
             cluster.launch(r)

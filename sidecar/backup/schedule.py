@@ -22,7 +22,7 @@ from sidecar.backup.backend import Backend
 from sidecar.backup.job import BackupStore, back_up_step
 
 if TYPE_CHECKING:
-    from sidecar.replicator.node import Node
+    from sidecar.backup.duties import BackupDuties
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class BackupScheduler:
         return bool(p.interval_minutes) and \
             time.monotonic() - self._last_time >= 60 * (p.interval_minutes or 0)
 
-    def run_once(self, node: Node, *, force: bool = False) -> int:
+    def run_once(self, node: BackupDuties, *, force: bool = False) -> int:
         """If this node leads and a backup is due, back up; returns the step or -1."""
         with self._lock:
             if not node.leads():

@@ -25,11 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from mtc import layout
-from mtc.errors import ConfigError, MtcError, StepNotFoundError
+from mtc.errors import MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
+from sidecar.backup.duties import BackupDuties
 from sidecar.backup.schedule import BackupScheduler
 from sidecar.replicator.agreement import Agreement
 from sidecar.replicator.client import PeerClient, PeerError
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
 
 
-class Node:
+class Node(BackupDuties):
     def __init__(self, config: ReplicatorConfig, root: Path, creds: Credentials,
                  backup: BackupScheduler | None = None) -> None:
         self.config = config
@@ -96,42 +95,6 @@ class Node:
                 self.metrics.failures.labels("loop").inc()
             self._stop.wait(self.config.poll_s)
 
-    def _backup_loop(self) -> None:
-        from sidecar.replicator.orbax import backup_requested
-
-        assert self.backup is not None
-        answered = -1  # the newest step whose _BACKUP_REQUESTED file was acted on
-        while not self._stop.wait(max(self.config.poll_s, 0.5)):
-            try:
-                for s in self.store.own_steps()[-1:]:
-                    # An Orbax client's request, on any host: once per step (the file
-                    # stays), passed to the leader when this host does not lead.
-                    if s > answered and backup_requested(self.store.copy_dir(self.rank, s)):
-                        if self.leads():
-                            self.backup.request()
-                        else:
-                            self.request_backup()
-                        answered = s
-                self.backup.run_once(self)
-            except (MtcError, OSError) as e:
-                self.metrics.failures.labels("backup").inc()
-                log.warning("rank %d: backup failed: %s", self.rank, e)
-            except Exception:  # never let the backup thread die
-                self.metrics.failures.labels("backup").inc()
-                log.exception("rank %d: backup failed", self.rank)
-
-    def leads(self) -> bool:
-        """The backup leader is the lowest-ranked node that answers."""
-        for r in range(self.rank):
-            try:
-                # Generous: a busy leader that answers late must not get a rival.
-                self.peers[r].call("GetInventory", pb.InventoryRequest(), deadline_s=5.0,
-                                   attempts=1)
-                return False
-            except PeerError:
-                continue
-        return True
-
     def newest_complete(self, invs: dict[int, pb.Inventory]) -> int:
         """The newest step whose data is held (on hosts, not in backup) for every rank."""
         held = self.holders(invs)
@@ -140,57 +103,6 @@ class Node:
                    for r in range(self.config.num_nodes)):
                 return s
         return -1
-
-    def backup_sources(self, step: int, invs: dict[int, pb.Inventory]
-                       ) -> dict[int, list[tuple[int, int, list[FileMeta]]]]:
-        held = self.holders(invs)
-        out: dict[int, list[tuple[int, int, list[FileMeta]]]] = {}
-        for r in range(self.config.num_nodes):
-            copies = [(h, o, [FileMeta(f.path, f.size, f.crc32c) for f in c.files])
-                      for o in self.config.equivalent(r) for h, c in held.get((o, step), [])]
-            if not copies:
-                raise StepNotFoundError("no host holds this rank's data", step=step, host=r)
-            out[r] = copies
-        return out
-
-    def call_backup_part(self, holder: int, req: pb.BackupPartRequest) -> pb.BackupPartReply:
-        if holder == self.rank:
-            return self.backup_part(req)
-        return self.peers[holder].call("BackupPart", req, deadline_s=3600, attempts=1)
-
-    def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply:
-        from sidecar.backup.job import upload_part
-
-        if self.backup is None:
-            raise ConfigError("this replicator has no backup store (--backup)")
-        with self._lock:
-            self._backing_up.add(req.step)
-        try:
-            if (req.origin_rank, req.step) not in self.store.copies():
-                raise StepNotFoundError("copy is gone", step=req.step, host=req.origin_rank)
-            files = {f.path: f for f in self.store.describe(req.origin_rank, req.step)}
-            reply = upload_part(self.backup.store.backend,
-                                self.store.copy_dir(req.origin_rank, req.step), files, req)
-            self.metrics.backup_bytes.inc(sum(files[e.path].size for e in reply.entries
-                                              if e.uploaded))
-            return reply
-        finally:
-            with self._lock:
-                self._backing_up.discard(req.step)
-
-    def request_backup(self) -> int:
-        """Back up now if leading; otherwise ask the leader."""
-        if self.backup is None:
-            raise ConfigError("this replicator has no backup store (--backup)")
-        if self.leads():
-            return self.backup.run_once(self, force=True)
-        for r in range(self.rank):
-            try:
-                return int(self.peers[r].call("RequestBackup", pb.BackupRequest(step=-1),
-                                              deadline_s=3600, attempts=1).step)
-            except PeerError:
-                continue
-        return self.backup.run_once(self, force=True)
 
     def stop(self) -> None:
         self._stop.set()
@@ -479,38 +391,6 @@ class Node:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return tier
-
-    def _from_backup(self, step: int, invs: dict[int, pb.Inventory], tmp: Path
-                     ) -> list[FileMeta]:
-        """This host's data from the backup; objects several restoring hosts share
-        are read from the bucket by one of them and fetched from it by the rest."""
-        from sidecar.backup.job import HolderIdle, Shared, download_rank, plan_shared
-
-        assert self.backup is not None
-        held = self.holders(invs)
-        restoring = [r for r in invs  # reachable hosts whose data no host holds
-                     if not any((o, step) in held for o in self.config.equivalent(r))]
-        manifest = self.backup.store.manifest(step)
-
-        def fetch(holder: int, path: str, local: Path, e: Any) -> None:
-            try:
-                self.peers[holder].fetch_file(step, holder, path, local, e.size, e.crc32c)
-            except PeerError as err:
-                if err.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise HolderIdle(str(err), step=step, host=holder) from err
-                raise
-            self.metrics.bytes_fetched.inc(e.size)
-
-        shared = Shared(plan_shared(manifest, restoring), fetch)
-        with self._lock:
-            self.restoring[step] = (tmp, shared.ready)
-        try:
-            return download_rank(self.backup.store, step, self.rank, tmp,
-                                 self.config.equivalent(self.rank), shared,
-                                 on_bytes=self.metrics.backup_bytes_downloaded.inc)
-        finally:
-            with self._lock:
-                self.restoring.pop(step, None)
 
     def _fetch(self, sources: list[tuple[int, pb.StepCopy]], i: int, step: int, f: FileMeta,
                tmp: Path) -> None:
