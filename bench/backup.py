@@ -57,18 +57,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import _paths  # noqa: F401  (repository and tests/ on the path)
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-for _p in (str(REPO), str(REPO / "tests")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-# The replicator processes are started with ``python -m``: they need the repository.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-
-from mtc.proto import replicator_pb2 as pb  # noqa: E402
-from sidecar.backup.job import MANIFEST  # noqa: E402
+from mtc.proto import replicator_pb2 as pb
+from sidecar.backup.job import MANIFEST
 
 replicators: Any = importlib.import_module("replicators")  # tests/replicators.py
 gcs_fakes: Any = importlib.import_module("gcs_fakes")  # tests/gcs_fakes.py

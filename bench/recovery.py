@@ -54,6 +54,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from save_restore import LEAF_COLS, LEAF_ROWS, make_state
+
 import mtc
 from mtc import layout
 from mtc.proto import replicator_pb2 as pb
@@ -63,8 +65,6 @@ from trainer.cluster import LocalCluster
 
 MIB = 1 << 20
 NUM_DEVICES = 8
-LEAF_ROWS = 2048  # 2048 x 8192 float32 = 64 MiB per leaf
-LEAF_COLS = 8192
 AXES = ("replica", "model")
 SPEC = PartitionSpec("model", None)
 SLICES = 2
@@ -77,20 +77,6 @@ State = dict[str, jax.Array]
 
 def log(msg: str) -> None:
     print(f"[recovery {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def make_state(num_leaves: int, sharding: NamedSharding) -> State:
-    """Distinct, deterministic values per leaf, built on the devices that hold them."""
-
-    def leaf(offset: jax.Array) -> jax.Array:
-        iota = jax.lax.broadcasted_iota(np.uint32, (LEAF_ROWS, LEAF_COLS), 0) * LEAF_COLS \
-            + jax.lax.broadcasted_iota(np.uint32, (LEAF_ROWS, LEAF_COLS), 1)
-        return (iota % np.uint32(1_000_003)).astype(np.float32) * 0.5 + offset
-
-    build = jax.jit(leaf, out_shardings=sharding)
-    state = {f"layer_{i:03d}": build(np.float32(i * 1000.25)) for i in range(num_leaves)}
-    jax.block_until_ready(state)
-    return state
 
 
 def train_fn(state: State) -> State:
