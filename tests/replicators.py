@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +20,9 @@ from sidecar.replicator.client import PeerClient
 from sidecar.replicator.healthcheck import check
 from sidecar.replicator.security import Credentials
 from trainer.cluster import free_ports
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 
 @dataclasses.dataclass
@@ -184,3 +187,27 @@ def new_cluster(clusters: list[Cluster], base: Path, n: int, per_slice: int,
     c = Cluster(base, n, per_slice, **kw)
     clusters.append(c)
     return c
+
+
+def make_state(mesh: Mesh, scale: float) -> dict[str, Any]:
+    """About 2 MiB: ``dp`` is data-parallel (the same shard files in both slices),
+    ``own`` is split over every device (unique to each host)."""
+    import jax  # here: the process harness above does not need JAX
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    dp = jnp.arange(1024 * 256, dtype=jnp.float32).reshape(1024, 256) * scale
+    own = jnp.arange(1024 * 256, dtype=jnp.float32).reshape(1024, 256) * -scale
+    return {"dp": jax.device_put(dp, NamedSharding(mesh, P("model"))),
+            "own": jax.device_put(own, NamedSharding(mesh, P(("replica", "model")))),
+            "n": int(scale)}
+
+
+def assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    import numpy as np
+
+    for k in ("dp", "own"):
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+        assert got[k].sharding == want[k].sharding
+    assert got["n"] == want["n"]

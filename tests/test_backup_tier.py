@@ -22,14 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from gcs_fakes import Emulator, FakeStorageControl, FaultProxy, free_port
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from replicators import Cluster, commit_raw_step, env_with_repo
+from jax.sharding import Mesh
+from replicators import Cluster, assert_state_equal, commit_raw_step, env_with_repo, make_state
 
 import mtc
 from mtc.errors import MtcError
@@ -79,23 +75,6 @@ def new_bucket(emulator: Emulator) -> str:
     name = f"b-{uuid.uuid4().hex[:12]}"
     emulator.client().create_bucket(name)
     return name
-
-
-def make_state(mesh: Mesh, scale: float) -> dict[str, Any]:
-    """About 2 MiB: ``dp`` is data-parallel (the same shards in both slices), ``own``
-    is split over every device (unique to each host)."""
-    dp = jnp.arange(1024 * 256, dtype=jnp.float32).reshape(1024, 256) * scale
-    own = jnp.arange(1024 * 256, dtype=jnp.float32).reshape(1024, 256) * -scale
-    return {"dp": jax.device_put(dp, NamedSharding(mesh, P("model"))),
-            "own": jax.device_put(own, NamedSharding(mesh, P(("replica", "model")))),
-            "n": int(scale)}
-
-
-def assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
-    for k in ("dp", "own"):
-        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
-        assert got[k].sharding == want[k].sharding
-    assert got["n"] == want["n"]
 
 
 def save(base: Path, mesh: Mesh, step: int, state: dict[str, Any]) -> None:

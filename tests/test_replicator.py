@@ -14,12 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from replicators import Cluster, commit_raw_step, new_cluster
+from jax.sharding import Mesh
+from replicators import Cluster, assert_state_equal, commit_raw_step, make_state, new_cluster
 
 import mtc
 from mtc.manifest import MANIFEST_NAME, Manifest
@@ -28,23 +24,6 @@ from mtc.proto import replicator_pb2 as pb
 OPTS = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
 
 
-
-
-def make_state(mesh: Mesh, scale: float) -> dict[str, Any]:
-    """About 2 MiB: ``dp`` is data-parallel (the same shard files in both slices),
-    ``own`` is split over every device (unique to each host)."""
-    dp = jnp.arange(1024 * 256, dtype=jnp.float32).reshape(1024, 256) * scale
-    own = jnp.arange(1024 * 256, dtype=jnp.float32).reshape(1024, 256) * -scale
-    return {"dp": jax.device_put(dp, NamedSharding(mesh, P("model"))),
-            "own": jax.device_put(own, NamedSharding(mesh, P(("replica", "model")))),
-            "n": int(scale)}
-
-
-def assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
-    for k in ("dp", "own"):
-        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
-        assert got[k].sharding == want[k].sharding
-    assert got["n"] == want["n"]
 
 
 def save(base: Path, mesh: Mesh, steps: dict[int, dict[str, Any]]) -> None:
