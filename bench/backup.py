@@ -49,7 +49,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -57,8 +56,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import _paths  # noqa: F401  (repository and tests/ on the path)
 import numpy as np
+from _common import GB, gbps, log, summary  # also puts the repository on the path
 
 from mtc.proto import replicator_pb2 as pb
 from sidecar.backup.job import MANIFEST
@@ -67,24 +66,9 @@ replicators: Any = importlib.import_module("replicators")  # tests/replicators.p
 gcs_fakes: Any = importlib.import_module("gcs_fakes")  # tests/gcs_fakes.py
 
 MIB = 1 << 20
-GB = 1e9
 HOSTS = 2
 MTC_UPLOAD_THREADS = 4  # per host (sidecar.backup.job.upload_part)
 MTC_DOWNLOAD_THREADS = 8  # per host (sidecar.backup.job.download_rank)
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / GB, 3)
-
-
-def summary(nbytes: int, seconds: list[float]) -> dict[str, Any]:
-    return {"seconds": [round(s, 3) for s in seconds],
-            "gbps_best": gbps(nbytes, min(seconds)),
-            "gbps_median": gbps(nbytes, statistics.median(seconds))}
 
 
 def make_payload(nbytes: int) -> np.ndarray:

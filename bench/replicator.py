@@ -47,7 +47,6 @@ import queue
 import shutil
 import signal
 import socket
-import statistics
 import struct
 import sys
 import tempfile
@@ -56,8 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _paths  # noqa: F401  (repository and tests/ on the path)
 import numpy as np
+from _common import GB, gbps, log, summary  # also puts the repository on the path
 
 from mtc.integrity import crc32c
 from mtc.layout import TMP_MARK
@@ -67,24 +66,9 @@ from sidecar.replicator.store import REPLICA_DIR, describe_own
 replicators: Any = importlib.import_module("replicators")  # tests/replicators.py
 
 MIB = 1 << 20
-GB = 1e9
 FILE_BYTES = 8 * MIB
 TCP_CHUNK = 4 * MIB
 TARGETS = {"peer_copy_over_raw_tcp": 0.6}
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / GB, 3)
-
-
-def summary(nbytes: int, seconds: list[float]) -> dict[str, Any]:
-    return {"seconds": [round(s, 3) for s in seconds],
-            "gbps_best": gbps(nbytes, min(seconds)),
-            "gbps_median": gbps(nbytes, statistics.median(seconds))}
 
 
 # -- raw loopback TCP -------------------------------------------------------------------
