@@ -158,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
             proc.wait()
         if cluster is not None:
-            try:
-                cluster = LocalCluster.load(base)
-            except (OSError, ValueError):
-                pass
-            cluster.down()
+            cluster.down_latest()
 
 
 if __name__ == "__main__":

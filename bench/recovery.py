@@ -322,11 +322,7 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
                 mgr.close()
             except Exception as e:  # noqa: BLE001 -- cleanup must go on
                 log(f"closing the manager: {e}")
-        try:
-            cluster = LocalCluster.load(base)
-        except (OSError, ValueError):
-            pass
-        cluster.down()
+        cluster.down_latest()
 
     def med(key: str, part: str = "seconds") -> float:
         return statistics.median(r[part][key] for r in rows)

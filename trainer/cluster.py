@@ -232,6 +232,15 @@ class LocalCluster:
             raise
         return cluster
 
+    def down_latest(self) -> None:
+        """Tear down, with the pids a trainer may have changed (it restarts
+        replicators) read back from the state file."""
+        try:
+            current = LocalCluster.load(self.base)
+        except (OSError, ValueError):
+            current = self
+        current.down()
+
     def down(self) -> None:
         for r in list(self.pids):
             self.kill(r)

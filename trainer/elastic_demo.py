@@ -354,12 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
             proc.wait()
         if cluster is not None:
-            # The trainer restarted replicators: read their pids back from the state file.
-            try:
-                cluster = LocalCluster.load(base)
-            except (OSError, ValueError):
-                pass
-            cluster.down()
+            cluster.down_latest()
 
 
 if __name__ == "__main__":
