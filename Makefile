@@ -49,7 +49,7 @@ bench: $(STAMP)
 	$(PY) bench/backup.py | tee out/bench/backup.json
 	$(PY) bench/recovery.py | tee out/bench/recovery.json
 
-# About two minutes of elastic training with one host loss (goodput under failure).
+# About seven minutes of elastic training, a host lost every two minutes (goodput under failure).
 bench-goodput: $(STAMP)
 	mkdir -p out/bench
 	$(PY) bench/goodput.py | tee out/bench/goodput.json

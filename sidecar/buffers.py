@@ -1,9 +1,11 @@
 """A byte-budgeted pool of host staging buffers.
 
-Staging copies device shards into host memory before ``save`` returns; the pool
-bounds how much host memory those copies may hold until the writer has put them
-on the RAM disk. Freed buffers are kept for reuse: memory this VM has not
-touched recently is several times slower to fill than memory reused.
+Staging takes device shards into host memory before ``save`` returns; the pool
+bounds how much host memory they may hold until the writer has put them on the
+RAM disk: device-to-host copies and, on CPU, views that keep device buffers
+alive are counted; numpy leaves are copied into its buffers. Freed buffers are
+kept for reuse: memory this VM has not touched recently is several times slower
+to fill than memory reused.
 """
 
 from __future__ import annotations
@@ -54,20 +56,32 @@ class StagingPool:
             if not self._free.get(size):
                 self._free.pop(size, None)
 
-    def acquire(self, nbytes: int, *, block: bool = True) -> np.ndarray | None:
-        """A buffer of ``nbytes``; waits for space, or returns None if ``block`` is False."""
+    def acquire(self, nbytes: int, *, block: bool = True,
+                reserved: bool = False) -> np.ndarray | None:
+        """A buffer of ``nbytes``; waits for space, or returns None if ``block`` is False.
+        ``reserved``: its bytes were already counted by :meth:`account`."""
         with self._cv:
-            while not self._fits(nbytes):
+            while not reserved and not self._fits(nbytes):
                 if not block:
                     return None
                 self._cv.wait()
-            self._held += nbytes
+            if not reserved:
+                self._held += nbytes
             bucket = self._free.get(nbytes)
             if bucket:
                 self._cached -= nbytes
                 return bucket.pop()
-            self._evict_for(nbytes)
+            self._evict_for(0 if reserved else nbytes)
         return np.empty(nbytes, dtype=np.uint8)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Count ``nbytes`` at once if they fit beside what is held; never waits."""
+        with self._cv:
+            assert self._capacity is not None
+            if self._held + nbytes > self._capacity:
+                return False
+            self._held += nbytes
+            return True
 
     def can_fit_now(self, nbytes: int) -> bool:
         with self._cv:

@@ -19,7 +19,8 @@ def test_demo_recovers_from_a_crash_with_the_reference_loss_curve(tmp_path: Path
     out = tmp_path / "demo"
     r = subprocess.run(
         [sys.executable, "-m", "trainer.demo", "--out", str(out), "--steps", "40",
-         "--kill-at", "25", "--save-interval", "10", "--ramdisk-root", str(ramdisk)],
+         "--model", "tiny", "--kill-at", "25", "--save-interval", "10",
+         "--ramdisk-root", str(ramdisk)],
         cwd=REPO, capture_output=True, text=True, timeout=230)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

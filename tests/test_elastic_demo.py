@@ -1,4 +1,5 @@
-"""The elastic demo, shortened: lose a host, lose a slice, scale back up, same loss curve."""
+"""The elastic demo, shortened: lose a host, lose a slice, scale back up, same loss curve;
+and a host lost while a save is being written, with and without the per-step snapshot."""
 
 from __future__ import annotations
 
@@ -38,18 +39,15 @@ def test_cluster_up_kill_restart_down(ramdisk: Path) -> None:
 def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
         tmp_path: Path, ramdisk: Path) -> None:
     out = tmp_path / "demo"
-    r = subprocess.run(
-        [sys.executable, "-m", "trainer.elastic_demo", "--out", str(out), "--steps", "60",
-         "--host-loss-at", "15", "--slice-loss-at", "30", "--slice-down-steps", "8",
-         "--ramdisk-root", str(ramdisk)],
-        cwd=REPO, capture_output=True, text=True, timeout=270)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
+    report = run_demo(out, ramdisk, "--steps", "60", "--host-loss-at", "15",
+                      "--slice-loss-at", "30", "--slice-down-steps", "8")
 
     host, lost, up = report["failures"]
     assert host["kind"] == "host_loss" and host["tier"] == "peer"
-    assert host["step_at_failure"] == 15
-    assert host["resumed_from_step"] in (10, 15)  # 15 only if its peer copy was made in time
+    # The host was lost once step 15 was on its peer: nothing is lost, the
+    # wiped host's shards come from the peer.
+    assert host["step_at_failure"] == 15 and host["resumed_from_step"] == 15
+    assert host["detail"]["save_on_peer_at_loss"] is True
     assert host["detail"]["host_tiers"]["1"] == "peer"
     assert lost["kind"] == "slice_loss" and lost["tier"] == "memory"
     assert lost["detail"]["slices_after"] == [0]
@@ -75,3 +73,47 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     status = (out / "cluster-status.txt").read_text()
     assert "DOWN" not in status and status.count("127.0.0.1") == 4
     assert list(ramdisk.iterdir()) == [], "the demo leaves its cluster behind"
+
+
+def run_demo(out: Path, ramdisk: Path, *args: str) -> dict:
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer.elastic_demo", "--out", str(out), "--model", "tiny",
+         "--ramdisk-root", str(ramdisk), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report: dict = json.loads((out / "report.json").read_text())
+    return report
+
+
+@pytest.mark.timeout(210)
+@pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "no-snapshot"])
+def test_host_lost_mid_save_never_resumes_from_the_unfinished_save(
+        tmp_path: Path, ramdisk: Path, snapshot: bool) -> None:
+    """The host dies right after step 15 is handed to mtc, while its files are written.
+
+    mtc may offer step 15 only if the dead host's copy of it reached its peer
+    (the sender died: an unfinished copy never commits); otherwise the newest
+    complete step, 10. The per-step snapshot (step 15, read from the surviving
+    slice) loses nothing either way. Either way the loss curve is unchanged."""
+    out = tmp_path / "demo"
+    report = run_demo(out, ramdisk, "--steps", "30", "--host-loss-at", "15",
+                      "--host-loss-when", "mid-save", "--slice-loss-at", "0",
+                      *([] if snapshot else ["--no-snapshot"]))
+    (host,) = report["failures"]
+    d = host["detail"]
+    assert host["kind"] == "host_loss" and host["step_at_failure"] == 15
+    assert d["when"] == "mid-save" and d["save_step"] == 15
+    # The injector waited for the writer to open step 15's folder on the host.
+    assert d["save_in_flight_on_host_at_loss"] or d["save_committed_on_host_at_loss"]
+    on_peer = d["save_on_peer_before_restore"]
+    if snapshot:
+        assert host["resumed_from_step"] == 15 and host["steps_lost"] == 0
+        assert host["tier"] == ("peer" if on_peer else "memory")
+        if not on_peer:  # mtc was asked first and had only the previous save
+            assert d["mtc_restored_step"] == 10
+    else:
+        assert host["resumed_from_step"] == (15 if on_peer else 10)
+        assert host["steps_lost"] <= 5  # the save interval
+        assert host["tier"] == "peer"  # host 1 is empty: all its shards from its peer
+    assert report["steps_completed"] == 30
+    assert report["loss_matches_reference"] is True

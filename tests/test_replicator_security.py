@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import itertools
 import os
 import subprocess
 import sys
@@ -379,6 +380,30 @@ def test_malformed_requests_get_errors_not_crashes(ramdisk: Path,
         stub.Commit(pb.CommitRequest(transfer_id=tid), timeout=10)
         copy = cl.root(1) / REPLICA_DIR / "0" / "3"
         assert (copy / "f.bin").read_bytes() == data and (copy / "g.bin").read_bytes() == other
+
+        # Several files in one push (x-mtc-files: indices into the offer), split
+        # across chunks at any byte; malformed or out-of-offer lists are refused,
+        # as are a batch cut short and one with a byte too many.
+        parts = [os.urandom(n) for n in (3000, 0, 17, 5000)]
+        offer = stub.Offer(pb.OfferRequest(copy=pb.StepCopy(step=6, origin_rank=0, files=[
+            pb.FileInfo(path=f"p{i}.bin", size=len(b), crc32c=crc32c(b))
+            for i, b in enumerate(parts)])), timeout=10)
+        bmd = [("x-mtc-transfer", offer.transfer_id), ("x-mtc-files", "3,0,1,2")]
+        stream = parts[3] + parts[0] + parts[1] + parts[2]
+        for bad in ("3,x", "4", "-1", "0,0", ""):
+            assert rpc_code(push, iter([stream]), metadata=[
+                ("x-mtc-transfer", offer.transfer_id), ("x-mtc-files", bad)]) == \
+                grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert rpc_code(push, iter([stream[:-1]]), metadata=bmd) == grpc.StatusCode.DATA_LOSS
+        assert rpc_code(push, iter([stream, b"!"]), metadata=bmd) == grpc.StatusCode.DATA_LOSS
+        assert rpc_code(stub.Commit, pb.CommitRequest(transfer_id=offer.transfer_id)) == \
+            grpc.StatusCode.DATA_LOSS
+        cuts = [0, 1, 2999, 5001, 8010, len(stream)]
+        pieces = [stream[a:b] for a, b in itertools.pairwise(cuts)]
+        assert push(iter(pieces), timeout=10, metadata=bmd).size == len(stream)
+        stub.Commit(pb.CommitRequest(transfer_id=offer.transfer_id), timeout=10)
+        copy = cl.root(1) / REPLICA_DIR / "0" / "6"
+        assert [(copy / f"p{i}.bin").read_bytes() for i in range(4)] == parts
 
         # A file the receiver holds itself is linked, not copied; a later push to
         # that path must not write through the link into the receiver's own step.

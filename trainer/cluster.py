@@ -69,7 +69,7 @@ class LocalCluster:
     addresses: list[str]
     pids: dict[int, int]
     backup: str
-    poll_seconds: float = 0.05
+    poll_seconds: float = 0.2
     straggler_wait_seconds: float = 2.0
 
     @property

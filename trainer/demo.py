@@ -359,6 +359,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("out/demo"))
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--model", choices=("small", "tiny"), default="small",
+                   help="model size preset (small: 3.2M parameters; tiny: 0.4M)")
     p.add_argument("--kill-at", type=int, default=75,
                    help="SIGKILL the first run once it has logged this step")
     p.add_argument("--save-interval", type=int, default=10)
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.json").unlink(missing_ok=True)
     root = args.ramdisk_root if args.ramdisk_root.is_dir() else Path("/tmp")
     ramdisk = root / f"mtc-demo-{os.getpid()}"
-    common = ["--steps", str(args.steps), "--seed", str(args.seed)]
+    common = ["--steps", str(args.steps), "--seed", str(args.seed), "--model", args.model]
     ckpt = [*common, "--ramdisk", str(ramdisk), "--save-interval", str(args.save_interval),
             "--max-to-keep", str(args.max_to_keep)]
     progress = Progress(args.steps)

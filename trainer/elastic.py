@@ -15,27 +15,34 @@ replaced by a grouping of consecutive devices before the Manager is built.
 
 Failure injection, real where it can be:
 
-- ``host_loss`` (``--host-loss-at STEP``): right after the save of STEP is
-  handed to mtc (its files are being written), the host's replicator process
-  is SIGKILLed and its RAM-disk root deleted, and the host's devices are marked
-  lost with pathwaysutils' ``DeviceLossSimulator``: reading any array on them
-  raises ``JaxRuntimeError("DATA_LOSS: ...")``, as a real slice failure does,
-  and the health check reports the slice down. ``--host-return-s`` later the
-  host comes back: a new replicator over an empty RAM disk, devices healthy.
+- ``host_loss`` (``--host-loss-at STEP[,STEP...]``): after the save of STEP is
+  handed to mtc, once it is on the host's peer (``--host-loss-when
+  replicated``) or while the host's writer is writing it (``mid-save``), the
+  host's replicator process is SIGKILLed and its RAM-disk root deleted, and the
+  host's devices are marked lost with pathwaysutils' ``DeviceLossSimulator``:
+  reading any array on them raises ``JaxRuntimeError("DATA_LOSS: ...")``, as a
+  real slice failure does, and the health check reports the slice down.
+  ``--host-return-s`` later the host comes back: a new replicator over an empty
+  RAM disk, devices healthy.
 - ``slice_loss`` (``--slice-loss-at STEP``): while STEP runs, every host of the
   slice is lost the same way. It comes back after ``--slice-down-steps``
   steps have run on the survivors.
 
+Every step also emits a snapshot of its new state (``trainer.snapshot``; off
+with ``--no-snapshot``), so a failure replays at most the step it interrupted.
+
 Recovery policy, per elastic attempt: pathwaysutils waits for at least one
 healthy slice; then the trainer *pauses* up to ``--pause-timeout-s`` for the
-missing slices (pause-and-resume: same mesh, state restored through mtc, which
-asks the replicators to agree on a step and fetch what a wiped host lacks from
-its peer), and otherwise *resizes* onto the healthy slices (new mesh, the state
-resharded from the in-memory snapshot of the last completed step, or from
-mtc's RAM disks with ``--no-snapshot``). While running on fewer slices, every
-step checks the Manager's ``available_inactive_slices`` (filled by its monitor
-thread) and raises ``ScaleUpSignalError`` to come back onto every slice, again
-from the snapshot, losing no step.
+missing slices and otherwise *resizes* onto the healthy slices (new mesh). The
+state comes from the newest source: the snapshot of the last completed step,
+read from the surviving devices, unless mtc holds that same step; then, on
+the full mesh, through mtc, which asks the replicators to agree on a step and
+fetch what a wiped host lacks from its peer (a snapshot newer than what mtc
+restored replaces it). Without a snapshot a resize reads the survivors' RAM
+disks. While running on fewer slices, every step checks the Manager's
+``available_inactive_slices`` (filled by its monitor thread) and raises
+``ScaleUpSignalError`` to come back onto every slice, again from the snapshot,
+losing no step.
 
 Progress is one JSON object per line in ``--log``: events ``start``, ``ready``,
 ``fault``, ``detected``, ``slices``, ``restored``, ``recovered`` (one per
@@ -47,11 +54,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -70,10 +77,11 @@ import mtc
 from mtc import layout
 from trainer.cluster import LocalCluster
 from trainer.data import VOCAB, make_iterator
-from trainer.faults import SliceLossSimulator
+from trainer.faults import HostFaults
 from trainer.jsonlog import JsonLog
-from trainer.model import Config, State, Trainer, count_params
-from trainer.snapshot import from_snapshot, host_snapshot
+from trainer.model import PRESETS, Config, State, Trainer, count_params
+from trainer.reference import compare, reference_losses
+from trainer.snapshot import Retirer, Snapshot, take
 
 log = logging.getLogger("mtc.elastic")
 
@@ -106,20 +114,21 @@ class ElasticRun:
             raise SystemExit(f"{len(self.devices)} devices do not split into {n_slices} slices "
                              f"of {self.cluster.hosts_per_slice} hosts")
         self.per_slice = len(self.devices) // n_slices
-        self.per_host = len(self.devices) // self.cluster.num_hosts
         self.slice_devices = {s: self.devices[s * self.per_slice:(s + 1) * self.per_slice]
                               for s in range(n_slices)}
         # CPU devices carry no slice_index: give pathwaysutils the grouping.
         pw_elastic.get_slice_to_devices = self.group_by_slice
         self.pw = pw_manager.Manager(self.devices)
-        self.cfg = Config(vocab_size=len(VOCAB), total_steps=args.steps)
+        self.cfg = Config.preset(args.model, vocab_size=len(VOCAB), total_steps=args.steps)
         self.trainers: dict[tuple[int, ...], Trainer] = {}
         self.data = make_iterator(seq_len=self.cfg.seq_len, global_batch_size=args.batch_size,
                                   seed=args.seed)
         self.mgr: mtc.CheckpointManager | None = None
-        self.snapshot: dict[str, Any] | None = None
-        self.sim: SliceLossSimulator | None = None
-        self.lost_slices: set[int] = set()
+        self.snapshot: Snapshot | None = None
+        self.retirer = Retirer()
+        self.snapshot_lost: set[int] = set()  # devices lost since the snapshot was taken
+        self.last_saved: int | None = None  # the newest step handed to mtc
+        self.faults = HostFaults(self.cluster, self.devices, jlog)
         self.pending: Recovery | None = None
         self.recoveries: list[dict[str, Any]] = []
         self.step_times: dict[tuple[int, ...], list[float]] = {}
@@ -127,9 +136,8 @@ class ElasticRun:
         self.losses: dict[int, float] = {}
         self.first_losses: dict[int, float] = {}  # losses of steps later replayed
         self.resized_steps = 0
-        self.slice_returned_t: float | None = None
-        self.returning: threading.Thread | None = None
-        self.host_fault_done = args.host_loss_at is None
+        self.host_losses = sorted(args.host_loss_at)
+        self.gc_frozen = False
         self.slice_fault_done = args.slice_loss_at is None
 
     # -- topology -------------------------------------------------------------------
@@ -187,60 +195,38 @@ class ElasticRun:
 
     # -- failure injection -------------------------------------------------------------
 
-    def _simulator(self) -> SliceLossSimulator:
-        if self.sim is None:
-            self.sim = SliceLossSimulator()
-            self.sim.start()
-        return self.sim
-
-    def _lose_hosts(self, hosts: list[int]) -> None:
-        for h in hosts:
-            self.cluster.lose_host(h)  # SIGKILL the replicator, wipe the RAM disk
-        sim = self._simulator()
-        for h in hosts:
-            for d in self.devices[h * self.per_host:(h + 1) * self.per_host]:
-                sim.mark_device_lost(d)
-
-    def _bring_back(self, hosts: list[int], s: int, delay: float) -> None:
-        def run() -> None:
-            time.sleep(delay)
-            for h in hosts:
-                self.cluster.restart_host(h, wait=False)
-            for h in hosts:
-                self.cluster.wait_serving(h)
-            sim = self.sim
-            if sim is not None:
-                for h in hosts:
-                    for d in self.devices[h * self.per_host:(h + 1) * self.per_host]:
-                        sim.mark_device_connected(d)
-            self.lost_slices.discard(s)
-            self.slice_returned_t = time.time()
-            self.log.write(event="returned", hosts=hosts, slice=s)
-
-        self.returning = threading.Thread(target=run, name="host-return", daemon=True)
-        self.returning.start()
+    def _lose(self, hosts: list[int], slice_: int) -> None:
+        self.faults.lose(hosts, slice_)
+        self.snapshot_lost.update(d.id for h in hosts for d in self.faults.devices_of(h))
 
     def inject_host_loss(self, step: int) -> None:
         h = self.args.lost_host
         s = h // self.cluster.hosts_per_slice
+        if self.args.host_loss_when == "replicated":
+            # Once this save is on its peer: the restore shows the peer tier.
+            waited = self.faults.wait_on_peer(h, step)
+        else:
+            # While the host's writer is writing it (not yet committed).
+            waited = self.faults.wait_writing(h, step)
         in_flight = [p.name for p in self.cluster.root(h).glob(f"{step}.*")]
         committed = layout.step_dir(self.cluster.root(h), step).is_dir()
         t = time.time()
-        self._lose_hosts([h])
-        self.lost_slices.add(s)
-        detail = {"host": h, "slice": s, "save_step": step,
+        self._lose([h], s)
+        detail = {"host": h, "slice": s, "save_step": step, "when": self.args.host_loss_when,
                   "save_committed_on_host_at_loss": committed,
-                  "save_in_flight_on_host_at_loss": bool(in_flight)}
+                  "save_in_flight_on_host_at_loss": bool(in_flight),
+                  # After the SIGKILL: a copy the dead sender had not committed never is.
+                  "save_on_peer_at_loss": self.faults.peer_copy(h, step),
+                  "seconds_waited_before_loss": waited}
         self.pending = Recovery("host_loss", step, t, detail)
         self.log.write(event="fault", kind="host_loss", step=step, t=t, **detail)
-        self._bring_back([h], s, self.args.host_return_s)
+        self.faults.bring_back([h], s, self.args.host_return_s)
 
     def inject_slice_loss(self, step: int) -> None:
         s = self.args.lost_slice
         hosts = self.cluster.hosts_of_slice(s)
         t = time.time()
-        self._lose_hosts(hosts)
-        self.lost_slices.add(s)
+        self._lose(hosts, s)
         detail = {"slice": s, "hosts": hosts, "in_flight_step": step}
         self.pending = Recovery("slice_loss", step - 1, t, detail)
         self.log.write(event="fault", kind="slice_loss", step=step - 1, t=t, **detail)
@@ -310,30 +296,45 @@ class ElasticRun:
 
     def recover(self, trainer: Trainer, mgr: mtc.CheckpointManager, rec: Recovery | None,
                 slices: tuple[int, ...]) -> State:
+        """The state to continue from, from the fastest source that has the newest step.
+
+        The snapshot (the last completed step, read from the surviving devices)
+        wins unless mtc holds that same step: a tie goes to mtc on the full mesh
+        (pause-and-resume), whose bytes are checksummed and which needs no
+        surviving replica of every shard. A resize or scale-up reshards the
+        snapshot; without one, a resize reads the survivors' RAM disks.
+        """
         if rec is None and self.snapshot is None:
             state = trainer.init(self.args.seed)
             self.log.write(event="init", params=count_params(state["params"]))
             mgr.save(0, state, force=True)
+            self.last_saved = 0
             return state
         assert rec is not None
         full = len(slices) == self.cluster.slices
-        # Pause-and-resume restores through mtc; a resize or scale-up reshards the
-        # survivors' state, kept in host memory after every step.
-        use_snapshot = self.snapshot is not None and (
-            not full or rec.kind == "scale_up" or self.args.snapshot_on_pause)
-        if full and not use_snapshot:
-            # Pause-and-resume: the replicators agree on the step and bring a wiped
-            # host's shards back from its peer (or the backup).
-            state = mgr.restore(None, trainer.abstract_state())
+        if rec.kind == "host_loss":  # the sender is dead: what its peer holds is final
+            rec.detail["save_on_peer_before_restore"] = self.faults.peer_copy(
+                rec.detail["host"], rec.detail["save_step"])
+        healthy = {d.id for s in slices for d in self.slice_devices[s]} - self.snapshot_lost
+        snap = self.snapshot if self.snapshot is not None and self.snapshot.complete_on(
+            healthy) else None
+        if self.snapshot is not None and snap is None:
+            rec.detail["snapshot_incomplete_on_survivors"] = True
+        if full and (snap is None or (rec.kind != "scale_up" and self.last_saved == snap.step)):
+            # The replicators agree on the step and bring a wiped host's shards back
+            # from its peer (or the backup).
+            state = dict(mgr.restore(None, trainer.abstract_state()))
             tiers = sorted(set(mgr.last_restore_tiers.values()))
             rec.tier = next((t for t in ("backup", "peer", "local") if t in tiers), "local")
             rec.detail["host_tiers"] = {str(self.hosts_of(slices)[h]): t
                                         for h, t in mgr.last_restore_tiers.items()}
-            return dict(state)
-        if use_snapshot:
-            assert self.snapshot is not None
+            if snap is None or state["step"] >= snap.step:
+                return state
+            # The save of the snapshot's step did not survive the failure.
+            rec.detail["mtc_restored_step"] = state["step"]
+        if snap is not None:
             rec.tier = "memory"
-            return from_snapshot(trainer, self.snapshot)
+            return snap.restore(trainer, healthy)
         # Resized, no snapshot: the newest step on every surviving host's RAM disk.
         roots = [mgr.local_dir / f"host-{i}" for i in range(len(self.hosts_of(slices)))]
         common = set.intersection(*(set(layout.committed_steps(r)) for r in roots))
@@ -351,7 +352,7 @@ class ElasticRun:
         for step in range(state["step"] + 1, args.steps + 1):
             if len(slices) < total and self.pw.available_inactive_slices:
                 t = time.time()
-                self.pending = Recovery("scale_up", state["step"], self.slice_returned_t or t,
+                self.pending = Recovery("scale_up", state["step"], self.faults.returned_t or t,
                                         {"slices": sorted(self.pw.available_inactive_slices)},
                                         t_detect=t)
                 self.log.write(event="scale_up", step=state["step"],
@@ -359,17 +360,25 @@ class ElasticRun:
                 raise pw_manager.ScaleUpSignalError()
             t0 = time.perf_counter()
             batch = next(self.data)
-            state, loss_arr = trainer.step(state, batch)
+            snap_arrays = None
+            if args.snapshot:
+                state, loss_arr, snap_arrays = trainer.step_with_snapshot(state, batch)
+            else:
+                state, loss_arr = trainer.step(state, batch)
             state["data"] = self.data.get_state()
             if not self.slice_fault_done and step == args.slice_loss_at:
                 self.slice_fault_done = True
                 self.inject_slice_loss(step)
             loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
             t1 = time.perf_counter()
-            if args.snapshot:
-                self.snapshot = host_snapshot(state)
+            if snap_arrays is not None:
+                self.retirer.retire(self.snapshot)
+                self.snapshot = take(state, snap_arrays)
+                self.snapshot_lost = set()
             t2 = time.perf_counter()
             saved = mgr.save(step, state)
+            if saved:
+                self.last_saved = step
             t3 = time.perf_counter()
             if step in self.losses:
                 self.first_losses.setdefault(step, self.losses[step])
@@ -383,17 +392,22 @@ class ElasticRun:
             if rec is not None and rec.t_restore_end is not None:
                 self.finish_recovery(rec, t1 - t0)
                 self.pending = None
-                if not self.lost_slices and self.sim is not None:
-                    self.sim.stop()
-                    self.sim = None
+                self.faults.stop_if_healthy()
+            if first and not self.gc_frozen:
+                # Everything built so far (JAX, the model, the compiled steps) lives
+                # as long as the run: keep it out of the collector's full passes,
+                # which otherwise stall a step by 0.1 s every few saves.
+                gc.freeze()
+                self.gc_frozen = True
             first = False
             if len(slices) < total:
                 self.resized_steps += 1
-                if self.resized_steps == args.slice_down_steps and self.lost_slices:
-                    s = min(self.lost_slices)
-                    self._bring_back(self.cluster.hosts_of_slice(s), s, 0.0)
-            if not self.host_fault_done and step >= args.host_loss_at and saved:
-                self.host_fault_done = True
+                if self.resized_steps == args.slice_down_steps and self.faults.lost_slices:
+                    s = min(self.faults.lost_slices)
+                    self.faults.bring_back(self.cluster.hosts_of_slice(s), s, 0.0)
+            if self.host_losses and step >= self.host_losses[0] and saved \
+                    and self.pending is None and not self.faults.lost_slices:
+                self.host_losses.pop(0)
                 self.inject_host_loss(step)
         mgr.wait_until_finished()
 
@@ -430,35 +444,18 @@ class ElasticRun:
     # -- the reference ---------------------------------------------------------------------
 
     def reference(self) -> dict[str, Any]:
-        """An uninterrupted run from step 0 on the same mesh at every step, no failures."""
-        data = make_iterator(seq_len=self.cfg.seq_len, global_batch_size=self.args.batch_size,
-                             seed=self.args.seed)
-        slices = self.schedule.get(1, tuple(range(self.cluster.slices)))
-        trainer = self.trainer(slices)
-        with jax.default_device(self.default_device(slices)):
-            state = trainer.init(self.args.seed)
-        ref: dict[int, float] = {}
+        """The losses of an uninterrupted run on the same mesh at every step, compared."""
         t0 = time.perf_counter()
-        for step in range(1, self.args.steps + 1):
-            want = self.schedule.get(step, slices)
-            if want != slices:
-                snap = host_snapshot(state)
-                slices, trainer = want, self.trainer(want)
-                state = from_snapshot(trainer, snap)
-            with jax.default_device(self.default_device(slices)):
-                state, loss_arr = trainer.step(state, next(data))
-            state["data"] = data.get_state()
-            ref[step] = float(loss_arr)
-        diffs = {s: abs(self.losses[s] - ref[s]) for s in ref if s in self.losses}
-        replayed = {s: abs(v - ref[s]) for s, v in self.first_losses.items() if s in ref}
-        out = {
-            "max_abs_diff": max(diffs.values()) if len(diffs) == len(ref) else None,
-            "max_abs_diff_replayed_first_run": max(replayed.values(), default=0.0),
-            "steps_compared": len(diffs),
-            "seconds": time.perf_counter() - t0,
-            "losses": [ref[s] for s in sorted(ref)],
-        }
-        return out
+        ref, step_s = reference_losses(
+            trainer_for=self.trainer, default_device=self.default_device,
+            schedule=self.schedule, first=tuple(range(self.cluster.slices)),
+            steps=self.args.steps, seed=self.args.seed, batch_size=self.args.batch_size,
+            snapshot=self.args.snapshot, devices={d.id for d in self.devices})
+        return compare(self.losses, self.first_losses, ref, step_s, time.perf_counter() - t0)
+
+
+def _steps(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -467,10 +464,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the local cluster's folder (holding cluster.json)")
     p.add_argument("--log", type=Path, required=True, help="JSON-lines output")
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--model", choices=sorted(PRESETS), default="small",
+                   help="model size preset (small: 3.2M parameters; tiny: 0.4M, for tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16, help="global batch (kept on resize)")
     p.add_argument("--save-interval", type=int, default=5)
-    p.add_argument("--host-loss-at", type=int, help="lose --lost-host after this step's save")
+    p.add_argument("--host-loss-at", type=_steps, default=[],
+                   help="lose --lost-host after the save of the first step at or after each "
+                        "of these (comma-separated) steps")
+    p.add_argument("--host-loss-when", choices=("replicated", "mid-save"), default="replicated",
+                   help="lose the host once that save is on its peer, or while it is written")
     p.add_argument("--lost-host", type=int, default=1)
     p.add_argument("--host-return-s", type=float, default=1.5,
                    help="seconds until the lost host is back (empty)")
@@ -484,8 +487,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pathwaysutils health-check and monitor interval")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="no per-step in-memory snapshot (resize restores from mtc)")
-    p.add_argument("--snapshot-on-pause", action="store_true",
-                   help="also resume pause-and-resume from the snapshot, not through mtc")
     p.add_argument("--no-reference", dest="reference", action="store_false")
     return p.parse_args(argv)
 
@@ -503,8 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     run.run()
     if run.mgr is not None:
         run.mgr.close()
-    if run.returning is not None:
-        run.returning.join()
+    if run.faults.returning is not None:
+        run.faults.returning.join()
     jlog.write(event="trained", seconds=time.perf_counter() - t0,
                final_step=max(run.losses, default=0), recoveries=run.recoveries)
     if args.reference:

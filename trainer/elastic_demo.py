@@ -5,12 +5,15 @@ Run as ``python -m trainer.elastic_demo --out out/demo``. It:
 1. starts a local cluster (``trainer.cluster``): 2 slices x 2 simulated hosts,
    RAM-disk roots under ``/dev/shm/mtc-cluster-demo-<pid>``, one real
    ``mtc-replicator`` process per host, backups to a local folder;
-2. runs the elastic trainer (``trainer.elastic``) on 8 CPU devices: it loses
-   a host right after handing a save to mtc (replicator SIGKILLed, RAM disk
-   wiped, the slice's devices raise DATA_LOSS), pauses until the host is back
-   empty and restores through mtc, the wiped host's shards from its peer; then
-   it loses a whole slice, continues on the other (replica resize), and scales
-   back up when the slice returns, losing no step;
+2. runs the elastic trainer (``trainer.elastic``, a 3.2M-parameter LM) on 8
+   CPU devices: it loses a host once a save is on its peer (replicator
+   SIGKILLed, RAM disk wiped, the slice's devices raise DATA_LOSS), pauses
+   until the host is back empty and restores through mtc, the wiped host's
+   shards from its peer; then it loses a whole slice, continues on the other
+   from the per-step snapshot (replica resize), and scales back up when the
+   slice returns, losing no step (``--host-loss-at 0`` or ``--slice-loss-at 0``
+   leaves a failure out; ``--host-loss-when mid-save`` loses the host while
+   the save is being written);
 3. backs the newest step up to the cluster's backup folder (``mtc backup``),
    shows every host's steps on every tier (``mtc status``), takes the cluster
    down, and prints the report: per failure the step at failure, the step
@@ -34,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -130,16 +134,27 @@ def final_steps(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def goodput(records: list[dict[str, Any]], t_launch: float, t_end: float) -> float:
-    """Time of the optimizer steps in the final model over wall time from launch.
+    """Ideal time of the optimizer steps in the final model over wall time from launch.
 
-    A step that compiled (the first on a mesh) counts as a typical step on it."""
-    steps = final_steps(records)
+    A step's ideal time is what the uninterrupted reference run (no failures, no
+    checkpoints, same meshes, same process) took for it; without a reference,
+    the median step on its mesh. Compiling, recovering, replaying, saving and
+    checkpointing's background work slowing a step down are all overhead."""
+    return ideal_seconds(final_steps(records).values(), records) / (t_end - t_launch)
+
+
+def ideal_seconds(steps: Iterable[dict[str, Any]], records: list[dict[str, Any]], *,
+                  reference: bool = True) -> float:
+    """The ideal time of ``steps`` (step records): see :func:`goodput`. With
+    ``reference=False``, the median step of the run on each mesh."""
+    steps = list(steps)
+    ref = next((r for r in records if r.get("event") == "reference"), None)
+    if reference and ref is not None and "step_s" in ref:
+        return sum(ref["step_s"][r["step"] - 1] for r in steps)
     by_mesh: dict[str, list[float]] = {}
-    for r in steps.values():
+    for r in steps:
         by_mesh.setdefault(str(r["slices"]), []).append(r["step_s"])
-    typical = {k: statistics.median(v) for k, v in by_mesh.items()}
-    useful = sum(min(r["step_s"], 3 * typical[str(r["slices"])]) for r in steps.values())
-    return useful / (t_end - t_launch)
+    return sum(len(v) * statistics.median(v) for v in by_mesh.values())
 
 
 def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
@@ -173,14 +188,17 @@ def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
         "reference": "uninterrupted run from step 0 in the same process, same seed and data "
                      "order, no failures, no checkpoints, on the same mesh at every step "
                      "(8 devices, 4 while resized)",
-        "goodput_definition": "time of the optimizer steps in the final model (a step that "
-                              "compiled counted as a typical step on its mesh) / wall time "
-                              "from the trainer's launch to the end of training",
+        "goodput_definition": "ideal time of the optimizer steps in the final model (what "
+                              "the uninterrupted reference run, without checkpoints, took "
+                              "for each) / wall time from the trainer's launch to the end "
+                              "of training",
         "wall_seconds": {"training": t_end - t_launch,
                          "reference_run": ref["seconds"] if ref else None},
         "config": {"steps": args.steps, "save_interval_steps": args.save_interval,
-                   "host_loss_at": args.host_loss_at, "lost_host": args.lost_host,
-                   "host_return_s": args.host_return_s, "slice_loss_at": args.slice_loss_at,
+                   "model": args.model, "snapshot": args.snapshot,
+                   "host_loss_at": args.host_loss_at or None,
+                   "host_loss_when": args.host_loss_when, "lost_host": args.lost_host,
+                   "host_return_s": args.host_return_s, "slice_loss_at": args.slice_loss_at or None,
                    "lost_slice": args.lost_slice, "slice_down_steps": args.slice_down_steps,
                    "pause_timeout_s": args.pause_timeout_s, "seed": args.seed,
                    "params": ev.get("init", {}).get("params"),
@@ -246,7 +264,7 @@ def plot(out: Path, records: list[dict[str, Any]], report: dict[str, Any],
 
 def print_report(report: dict[str, Any], out: Path, png: Path | None) -> None:
     cfg = report["config"]
-    print(f"\nmtc elastic demo: tiny char LM ({cfg['params']:,} params), 2 slices x 4 CPU "
+    print(f"\nmtc elastic demo: char LM ({cfg['params']:,} params), 2 slices x 4 CPU "
           f"devices, 4 simulated hosts with replicators")
     print(f"  {'failure':<11}{'at':>5}{'from':>6}  {'tier':<7}{'detect':>8}{'wait':>7}"
           f"{'restore':>9}{'recompile':>10}{'total':>7}{'lost':>6}")
@@ -270,20 +288,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("out/demo"))
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--save-interval", type=int, default=5)
-    p.add_argument("--host-loss-at", type=int, default=40)
+    p.add_argument("--model", choices=("small", "tiny"), default="small",
+                   help="model preset: small (3.2M parameters) or tiny (0.4M)")
+    p.add_argument("--host-loss-at", type=int, default=40, help="0: no host loss")
+    p.add_argument("--host-loss-when", choices=("replicated", "mid-save"), default="replicated",
+                   help="lose the host once that step's save is on its peer, or mid-save")
     p.add_argument("--lost-host", type=int, default=1)
     p.add_argument("--host-return-s", type=float, default=1.5)
-    p.add_argument("--slice-loss-at", type=int, default=80)
+    p.add_argument("--slice-loss-at", type=int, default=80, help="0: no slice loss")
     p.add_argument("--lost-slice", type=int, default=1)
     p.add_argument("--slice-down-steps", type=int, default=30)
     p.add_argument("--pause-timeout-s", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=1e-6)
+    p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                   help="no per-step in-memory snapshot")
     p.add_argument("--ramdisk-root", type=Path, default=Path("/dev/shm"),
                    help="folder for mtc-cluster-demo-<pid> (a tmpfs)")
     args = p.parse_args(argv)
-    if not 0 < args.host_loss_at < args.slice_loss_at < args.steps:
-        p.error("need 0 < --host-loss-at < --slice-loss-at < --steps")
+    for name in ("host_loss_at", "slice_loss_at"):
+        if not 0 <= getattr(args, name) < args.steps:
+            p.error(f"need 0 <= --{name.replace('_', '-')} < --steps")
+    if args.host_loss_at and args.slice_loss_at and args.host_loss_at >= args.slice_loss_at:
+        p.error("need --host-loss-at < --slice-loss-at (one failure at a time)")
     return args
 
 
@@ -311,11 +338,17 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "trainer.elastic", "--cluster", str(base),
                "--log", str(out / "elastic.jsonl"), "--steps", str(args.steps),
                "--seed", str(args.seed), "--save-interval", str(args.save_interval),
-               "--host-loss-at", str(args.host_loss_at), "--lost-host", str(args.lost_host),
-               "--host-return-s", str(args.host_return_s),
-               "--slice-loss-at", str(args.slice_loss_at), "--lost-slice", str(args.lost_slice),
+               "--model", args.model, "--lost-host", str(args.lost_host),
+               "--host-loss-when", args.host_loss_when, "--host-return-s", str(args.host_return_s),
+               "--lost-slice", str(args.lost_slice),
                "--slice-down-steps", str(args.slice_down_steps),
                "--pause-timeout-s", str(args.pause_timeout_s)]
+        if args.host_loss_at:
+            cmd += ["--host-loss-at", str(args.host_loss_at)]
+        if args.slice_loss_at:
+            cmd += ["--slice-loss-at", str(args.slice_loss_at)]
+        if not args.snapshot:
+            cmd.append("--no-snapshot")
         t_launch = time.time()
         with (out / "elastic.log").open("wb") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)

@@ -1,13 +1,21 @@
-"""Device loss on CPU: pathwaysutils' fault simulator, made safe for freed arrays."""
+"""Losing simulated hosts of a local cluster: real SIGKILLs and wiped RAM disks,
+and their devices failed through pathwaysutils' fault simulator."""
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
+
+from mtc import layout
+from sidecar.replicator.store import REPLICA_DIR
+from trainer.cluster import LocalCluster
+from trainer.jsonlog import JsonLog
 
 
 class SliceLossSimulator(DeviceLossSimulator):
@@ -60,3 +68,89 @@ class SliceLossSimulator(DeviceLossSimulator):
 def _deleted(arr: Any) -> bool:
     return (isinstance(arr, jax.Array) and not isinstance(arr, jax.core.Tracer)
             and arr.is_deleted())
+
+
+class HostFaults:
+    """Loses hosts of a :class:`LocalCluster` and brings them back.
+
+    A lost host's replicator is SIGKILLed and its RAM-disk root deleted; its
+    devices are marked lost in a :class:`SliceLossSimulator`, so arrays on them
+    raise ``DATA_LOSS`` and pathwaysutils' health check reports the slice down.
+    """
+
+    def __init__(self, cluster: LocalCluster, devices: Sequence[jax.Device], log: JsonLog) -> None:
+        self.cluster = cluster
+        self.devices = list(devices)
+        self.per_host = len(self.devices) // cluster.num_hosts
+        self.log = log
+        self.sim: SliceLossSimulator | None = None
+        self.lost_slices: set[int] = set()
+        self.returned_t: float | None = None  # when the last lost hosts were back
+        self.returning: threading.Thread | None = None
+
+    def devices_of(self, host: int) -> list[jax.Device]:
+        return self.devices[host * self.per_host:(host + 1) * self.per_host]
+
+    def lose(self, hosts: list[int], slice_: int) -> None:
+        for h in hosts:
+            self.cluster.lose_host(h)  # SIGKILL the replicator, wipe the RAM disk
+        if self.sim is None:
+            self.sim = SliceLossSimulator()
+            self.sim.start()
+        for h in hosts:
+            for d in self.devices_of(h):
+                self.sim.mark_device_lost(d)
+        self.lost_slices.add(slice_)
+
+    def bring_back(self, hosts: list[int], slice_: int, delay: float) -> None:
+        """After ``delay`` seconds, in the background: new replicators over empty
+        RAM disks, then the devices healthy again."""
+        def run() -> None:
+            time.sleep(delay)
+            for h in hosts:
+                self.cluster.restart_host(h, wait=False)
+            for h in hosts:
+                self.cluster.wait_serving(h)
+            sim = self.sim
+            if sim is not None:
+                for h in hosts:
+                    for d in self.devices_of(h):
+                        sim.mark_device_connected(d)
+            self.lost_slices.discard(slice_)
+            self.returned_t = time.time()
+            self.log.write(event="returned", hosts=hosts, slice=slice_)
+
+        self.returning = threading.Thread(target=run, name="host-return", daemon=True)
+        self.returning.start()
+
+    def stop_if_healthy(self) -> None:
+        """Stop simulating once nothing is lost (the simulator patches JAX)."""
+        if not self.lost_slices and self.sim is not None:
+            self.sim.stop()
+            self.sim = None
+
+    def peer_copy(self, host: int, step: int) -> bool:
+        """Whether another host holds a committed copy of ``host``'s files of ``step``."""
+        for p in range(self.cluster.num_hosts):
+            copies = self.cluster.root(p) / REPLICA_DIR / str(host)
+            if p != host and (copies / f"{step}.files.json").is_file() \
+                    and layout.step_dir(copies, step).is_dir():
+                return True
+        return False
+
+    def wait_on_peer(self, host: int, step: int, timeout: float = 30.0) -> float:
+        """Seconds waited until ``host``'s save of ``step`` is on its peer."""
+        t0 = time.perf_counter()
+        while not self.peer_copy(host, step) and time.perf_counter() - t0 < timeout:
+            time.sleep(0.02)
+        return time.perf_counter() - t0
+
+    def wait_writing(self, host: int, step: int, timeout: float = 5.0) -> float:
+        """Seconds waited until ``host``'s writer has opened ``step``'s temporary
+        folder (or committed it already)."""
+        t0 = time.perf_counter()
+        root = self.cluster.root(host)
+        while not any(root.glob(f"{step}.*")) and not layout.step_dir(root, step).is_dir() \
+                and time.perf_counter() - t0 < timeout:
+            time.sleep(0.0005)
+        return time.perf_counter() - t0

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 import mtc
 from trainer.data import VOCAB, make_iterator
 from trainer.jsonlog import JsonLog
-from trainer.model import Config, Trainer, count_params
+from trainer.model import PRESETS, Config, Trainer, count_params
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ramdisk", type=Path, help="mtc local_dir (one host-<i> root per host)")
     p.add_argument("--log", type=Path, required=True, help="JSON-lines output")
     p.add_argument("--steps", type=int, default=150, help="train up to this step")
+    p.add_argument("--model", choices=sorted(PRESETS), default="small",
+                   help="model size preset (small: 3.2M parameters; tiny: 0.4M)")
     p.add_argument("--save-interval", type=int, default=10)
     p.add_argument("--max-to-keep", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     log.write(event="start", pid=os.getpid())
 
     mesh = make_mesh()
-    cfg = Config(vocab_size=len(VOCAB), total_steps=args.steps)
+    cfg = Config.preset(args.model, vocab_size=len(VOCAB), total_steps=args.steps)
     trainer = Trainer(cfg, mesh)
     data = make_iterator(seq_len=cfg.seq_len, global_batch_size=args.batch_size, seed=args.seed)
     mgr = None

@@ -39,6 +39,8 @@ from sidecar.replicator.store import FileMeta, LocalStore, file_sha256
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
+BATCH_BYTES = 4 << 20  # small files travel together, up to this many bytes a call
+BATCH_FILES = 512  # and this many files (their indices ride in the call's metadata)
 
 
 class Node(BackupDuties):
@@ -177,10 +179,11 @@ class Node(BackupDuties):
                     if file_sha256(src / c.path).digest() == c.sha256]
             if same:
                 peer.call("Link", pb.LinkRequest(transfer_id=reply.transfer_id, paths=same))
-            todo = [f for f in files if f.path not in set(same)]
+            linked = set(same)
+            todo = [(i, f) for i, f in enumerate(files) if f.path not in linked]
             try:
-                futs = [self._pool.submit(self._push_file, peer, reply.transfer_id, src, f)
-                        for f in todo]
+                futs = [self._pool.submit(self._push_batch, peer, reply.transfer_id, src, batch)
+                        for batch in _batches(todo)]
                 for fut in futs:
                     fut.result()
                 peer.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
@@ -198,9 +201,14 @@ class Node(BackupDuties):
             with self._lock:
                 self._pushing.discard(step)
 
-    def _push_file(self, peer: PeerClient, tid: str, src: Path, f: FileMeta) -> None:
-        peer.push_file(tid, f.path, src / f.path, f.size, f.crc32c)
-        self.metrics.bytes_sent.inc(f.size)
+    def _push_batch(self, peer: PeerClient, tid: str, src: Path,
+                    batch: list[tuple[int, FileMeta]]) -> None:
+        if len(batch) == 1:
+            f = batch[0][1]
+            peer.push_file(tid, f.path, src / f.path, f.size, f.crc32c)
+        else:
+            peer.push_files(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in batch])
+        self.metrics.bytes_sent.inc(sum(f.size for _, f in batch))
 
     def on_copy_received(self, origin: int, step: int) -> None:
         log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, origin, step)
@@ -408,3 +416,23 @@ class Node(BackupDuties):
                 log.warning("rank %d: %s from rank %d failed: %s", self.rank, f.path, holder, e)
                 errors.append(e)
         raise errors[-1]
+
+
+def _batches(files: list[tuple[int, FileMeta]]) -> list[list[tuple[int, FileMeta]]]:
+    """Large files one per call (streamed, in parallel); small ones together, up to
+    BATCH_BYTES or BATCH_FILES a call (their index in the offer travels as metadata)."""
+    out: list[list[tuple[int, FileMeta]]] = []
+    batch: list[tuple[int, FileMeta]] = []
+    held = 0
+    for i, f in files:
+        if f.size >= BATCH_BYTES // 4:
+            out.append([(i, f)])
+            continue
+        if batch and (held + f.size > BATCH_BYTES or len(batch) == BATCH_FILES):
+            out.append(batch)
+            batch, held = [], 0
+        batch.append((i, f))
+        held += f.size
+    if batch:
+        out.append(batch)
+    return out

@@ -133,11 +133,9 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         tmp = store.begin_incoming(c.origin_rank, c.step)
         t = Transfer(c.origin_rank, c.step, tmp, files)
         reply = pb.OfferReply(transfer_id=uuid.uuid4().hex)
-        for f in files:
-            local = store.find_identical(f)
-            if local is not None:
-                t.candidates[f.path] = local
-                reply.candidates.add(path=f.path, sha256=file_sha256(local).digest())
+        for path, local in store.find_identical(files).items():
+            t.candidates[path] = local
+            reply.candidates.add(path=path, sha256=file_sha256(local).digest())
         with self._lock:
             self.transfers[reply.transfer_id] = t
         return reply
@@ -213,47 +211,86 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         try:
             md = dict(context.invocation_metadata())
             t = self._transfer(str(md.get("x-mtc-transfer", "")))
-            rel = safe_relpath(str(md.get("x-mtc-path", "")))
-            meta = t.files.get(rel)
-            if meta is None:
-                raise ValueError(f"{rel!r} is not part of the offered step")
-            if str(md.get("x-mtc-size")) != str(meta.size) or \
-                    str(md.get("x-mtc-crc32c")) != str(meta.crc32c):
-                raise ValueError(f"{rel!r}: size or checksum differ from the offer")
-            dst = inside(t.tmp, rel)
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            metas = self._pushed_files(t, md)
             # Whatever was there no longer counts, and is unlinked rather than
             # overwritten: a linked (deduplicated) file shares its bytes with a
             # committed step of ours.
             with t.lock:
-                t.verified.discard(rel)
-            dst.unlink(missing_ok=True)
-            value = got = 0
-            with open(dst, "xb", buffering=0) as f:
-                try:
-                    for chunk in chunks:
-                        got += len(chunk)
-                        if got > meta.size:
-                            raise CorruptShardError(f"peer sent more than {meta.size} bytes",
-                                                    step=t.step, host=t.origin, path=rel)
-                        value = crc32c(chunk, value)
-                        f.write(chunk)
-                    if got != meta.size or value != meta.crc32c:
-                        raise CorruptShardError(
-                            f"received {got} bytes with crc32c {value:#010x}, offer said "
-                            f"{meta.size} bytes {meta.crc32c:#010x}",
-                            step=t.step, host=t.origin, path=rel)
-                except BaseException:
-                    dst.unlink(missing_ok=True)
-                    raise
-            with t.lock:
-                t.verified.add(rel)
+                t.verified.difference_update(m.path for m in metas)
+            got = self._receive(t, metas, chunks)
             self.node.metrics.bytes_received.inc(got)
-            return pb.PushAck(path=rel, size=got)
+            return pb.PushAck(path=metas[0].path if len(metas) == 1 else "", size=got)
         except (MtcError, OSError, ValueError, KeyError) as e:
             code, msg = _status(e)
             context.abort(code, msg)
             raise AssertionError("unreachable") from e
+
+    @staticmethod
+    def _pushed_files(t: Transfer, md: dict[str, Any]) -> list[FileMeta]:
+        """The offered files a push carries: one named by x-mtc-path (with its size
+        and CRC32C, which must match the offer), or x-mtc-files, indices into the
+        offer's file list, sent back to back."""
+        if "x-mtc-files" in md:
+            offered = list(t.files.values())
+            try:
+                idx = [int(x) for x in str(md["x-mtc-files"]).split(",")]
+            except ValueError as e:
+                raise ValueError(f"malformed x-mtc-files {md['x-mtc-files']!r}") from e
+            if not idx or any(not 0 <= i < len(offered) for i in idx) or len(set(idx)) != len(idx):
+                raise ValueError(f"x-mtc-files names files outside the offer of "
+                                 f"{len(offered)}, or twice")
+            return [offered[i] for i in idx]
+        rel = safe_relpath(str(md.get("x-mtc-path", "")))
+        meta = t.files.get(rel)
+        if meta is None:
+            raise ValueError(f"{rel!r} is not part of the offered step")
+        if str(md.get("x-mtc-size")) != str(meta.size) or \
+                str(md.get("x-mtc-crc32c")) != str(meta.crc32c):
+            raise ValueError(f"{rel!r}: size or checksum differ from the offer")
+        return [meta]
+
+    def _receive(self, t: Transfer, metas: list[FileMeta], chunks: Iterator[bytes]) -> int:
+        """Write ``metas``' bytes from the stream, each file verified (size, CRC32C)
+        before it counts; a file cut short or with extra bytes is removed."""
+        stream = iter(chunks)
+        pending = memoryview(b"")
+        total = 0
+        for meta in metas:
+            dst = inside(t.tmp, meta.path)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.unlink(missing_ok=True)
+            value = got = 0
+            with open(dst, "xb", buffering=0) as f:
+                try:
+                    while got < meta.size:
+                        if not pending:
+                            nxt = next(stream, None)
+                            if nxt is None:
+                                break
+                            pending = memoryview(nxt)
+                        part = pending[:meta.size - got]
+                        pending = pending[len(part):]
+                        got += len(part)
+                        value = crc32c(part, value)
+                        f.write(part)
+                    if got != meta.size or value != meta.crc32c:
+                        raise CorruptShardError(
+                            f"received {got} bytes with crc32c {value:#010x}, offer said "
+                            f"{meta.size} bytes {meta.crc32c:#010x}",
+                            step=t.step, host=t.origin, path=meta.path)
+                except BaseException:
+                    dst.unlink(missing_ok=True)
+                    raise
+            with t.lock:
+                t.verified.add(meta.path)
+            total += got
+        if pending or next(stream, None) is not None:
+            with t.lock:
+                t.verified.discard(metas[-1].path)
+            inside(t.tmp, metas[-1].path).unlink(missing_ok=True)
+            raise CorruptShardError(f"peer sent more than the {total} bytes offered",
+                                    step=t.step, host=t.origin, path=metas[-1].path)
+        return total
 
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:

@@ -22,6 +22,7 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from mtc import layout
@@ -178,17 +179,21 @@ class LocalStore:
             self._described[key] = files
         return files
 
-    def find_identical(self, meta: FileMeta) -> Path | None:
-        """A file held here with the same size and CRC32C (a dedup candidate)."""
+    def find_identical(self, metas: Sequence[FileMeta]) -> dict[str, Path]:
+        """Per offered file, a file held here with the same size and CRC32C (a dedup
+        candidate): one pass over what is held, whatever the number offered."""
+        wanted = {(m.size, m.crc32c) for m in metas}
+        held: dict[tuple[int, int], Path] = {}
         for origin, step in self.copies():
             try:
                 files = self.describe(origin, step)
             except (OSError, ValueError):
                 continue
             for f in files:
-                if f.size == meta.size and f.crc32c == meta.crc32c:
-                    return self.copy_dir(origin, step) / f.path
-        return None
+                key = (f.size, f.crc32c)
+                if key in wanted and key not in held:
+                    held[key] = self.copy_dir(origin, step) / f.path
+        return {m.path: held[(m.size, m.crc32c)] for m in metas if (m.size, m.crc32c) in held}
 
     # -- incoming copies ----------------------------------------------------
 
