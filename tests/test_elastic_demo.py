@@ -94,7 +94,8 @@ def test_host_lost_mid_save_never_resumes_from_the_unfinished_save(
     mtc may offer step 15 only if the dead host's copy of it reached its peer
     (the sender died: an unfinished copy never commits); otherwise the newest
     complete step, 10. The per-step snapshot (step 15, read from the surviving
-    slice) loses nothing either way. Either way the loss curve is unchanged."""
+    slice) loses nothing either way; when the host's save is known to have
+    failed, mtc is not even asked. Either way the loss curve is unchanged."""
     out = tmp_path / "demo"
     report = run_demo(out, ramdisk, "--steps", "30", "--host-loss-at", "15",
                       "--host-loss-when", "mid-save", "--slice-loss-at", "0",
@@ -109,7 +110,9 @@ def test_host_lost_mid_save_never_resumes_from_the_unfinished_save(
     if snapshot:
         assert host["resumed_from_step"] == 15 and host["steps_lost"] == 0
         assert host["tier"] == ("peer" if on_peer else "memory")
-        if not on_peer:  # mtc was asked first and had only the previous save
+        if d["save_failed"]:  # the wiped host's writer failed: mtc is not asked
+            assert not on_peer and "mtc_restored_step" not in d
+        elif not on_peer:  # mtc was asked first and had only the previous save
             assert d["mtc_restored_step"] == 10
     else:
         assert host["resumed_from_step"] == (15 if on_peer else 10)

@@ -128,6 +128,7 @@ class ElasticRun:
         self.retirer = Retirer()
         self.snapshot_lost: set[int] = set()  # devices lost since the snapshot was taken
         self.last_saved: int | None = None  # the newest step handed to mtc
+        self.failed_saves: set[int] = set()  # steps whose save failed on some host
         self.faults = HostFaults(self.cluster, self.devices, jlog)
         self.pending: Recovery | None = None
         self.recoveries: list[dict[str, Any]] = []
@@ -176,6 +177,14 @@ class ElasticRun:
 
     def new_manager(self, trainer: Trainer, slices: tuple[int, ...]) -> mtc.CheckpointManager:
         if self.mgr is not None:
+            try:
+                self.mgr.wait_until_finished()
+            except (mtc.MtcError, OSError) as e:
+                # A save the failure cut short (a wiped host's writer): mtc will
+                # not offer that step, so a snapshot of it need not wait for mtc.
+                log.warning("a save did not complete before the failure: %s", e)
+                if isinstance(e, mtc.MtcError) and e.step is not None:
+                    self.failed_saves.add(e.step)
             try:
                 self.mgr.close()
             except (mtc.MtcError, OSError) as e:
@@ -299,10 +308,11 @@ class ElasticRun:
         """The state to continue from, from the fastest source that has the newest step.
 
         The snapshot (the last completed step, read from the surviving devices)
-        wins unless mtc holds that same step: a tie goes to mtc on the full mesh
-        (pause-and-resume), whose bytes are checksummed and which needs no
-        surviving replica of every shard. A resize or scale-up reshards the
-        snapshot; without one, a resize reads the survivors' RAM disks.
+        wins unless mtc may hold that same step (its save was handed over and did
+        not fail): a tie goes to mtc on the full mesh (pause-and-resume), whose
+        bytes are checksummed and which needs no surviving replica of every
+        shard. A resize or scale-up reshards the snapshot; without one, a resize
+        reads the survivors' RAM disks.
         """
         if rec is None and self.snapshot is None:
             state = trainer.init(self.args.seed)
@@ -315,12 +325,15 @@ class ElasticRun:
         if rec.kind == "host_loss":  # the sender is dead: what its peer holds is final
             rec.detail["save_on_peer_before_restore"] = self.faults.peer_copy(
                 rec.detail["host"], rec.detail["save_step"])
+            rec.detail["save_failed"] = rec.detail["save_step"] in self.failed_saves
         healthy = {d.id for s in slices for d in self.slice_devices[s]} - self.snapshot_lost
         snap = self.snapshot if self.snapshot is not None and self.snapshot.complete_on(
             healthy) else None
         if self.snapshot is not None and snap is None:
             rec.detail["snapshot_incomplete_on_survivors"] = True
-        if full and (snap is None or (rec.kind != "scale_up" and self.last_saved == snap.step)):
+        tie = snap is not None and self.last_saved == snap.step \
+            and snap.step not in self.failed_saves
+        if full and (snap is None or (rec.kind != "scale_up" and tie)):
             # The replicators agree on the step and bring a wiped host's shards back
             # from its peer (or the backup).
             state = dict(mgr.restore(None, trainer.abstract_state()))
