@@ -334,7 +334,7 @@ def print_report(report: dict[str, Any], out: Path, png: Path | None, ramdisk: P
     cfg = report["config"]
     ok = report["loss_matches_reference"]
     d = report["loss_max_abs_diff"]
-    print(f"\nmtc demo: tiny char LM ({cfg['params']:,} params), mesh 2 slices x 4 CPU devices, "
+    print(f"\nmtc demo: char LM ({cfg['params']:,} params), mesh 2 slices x 4 CPU devices, "
           f"4 simulated hosts, RAM disk {ramdisk}")
     print(f"  failure    {f['kind']} ({f['signal']}) at step {f['step_at_failure']}; "
           f"resumed from step {f['resumed_from_step']} ({f['tier']} tier), "

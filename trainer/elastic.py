@@ -2,7 +2,7 @@
 
 Run as ``python -m trainer.elastic --cluster BASE --log FILE`` against a local
 cluster started with ``python -m trainer.cluster up``. The process trains the
-tiny LM of :mod:`trainer.model` on 8 CPU devices arranged as ``--slices`` slices
+small LM of :mod:`trainer.model` on 8 CPU devices arranged as ``--slices`` slices
 (mesh axis ``replica``, data parallel) x devices per slice (axis ``model``),
 checkpointing with mtc to the cluster's simulated hosts (2 per slice), whose
 replicators copy every step to a peer host in the other slice.

@@ -1,6 +1,6 @@
 """``mtc-train-k8s``: the demo trainer as a cluster job, on Pathways or multi-controller JAX.
 
-The same tiny LM as ``trainer.train``, checkpointed with mtc to each host's RAM
+The same LM as ``trainer.train``, checkpointed with mtc to each host's RAM
 disk (``--ramdisk``, the path mounted on every worker), with the replicators of
 ``deploy/`` copying steps to peers. On start it restores the newest step every
 host can restore (the replicators agree on it and fetch what a replaced host

@@ -1,4 +1,4 @@
-"""A tiny decoder-only transformer LM in plain JAX, with its optimizer and shardings.
+"""A small decoder-only transformer LM in plain JAX, with its optimizer and shardings.
 
 Parameters are sharded Megatron-style over the mesh axis ``model`` (attention
 heads and MLP hidden units split across devices); the batch is split over

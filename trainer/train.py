@@ -1,4 +1,4 @@
-"""One training process of the demo: train the tiny LM, checkpointing with mtc.
+"""One training process of the demo: train the LM, checkpointing with mtc.
 
 Run as ``python -m trainer.train --ramdisk DIR --log FILE [--resume]``. The
 process builds a 2-slice x 4-device mesh over 8 CPU devices, groups them into 4
