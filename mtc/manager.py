@@ -167,8 +167,10 @@ class CheckpointManager:
         file system, a job restarted with fewer or more processes)."""
         hosts = set(self.topology.local_hosts)
         if self.topology.subdirs and self.local_dir.is_dir():
+            # A root that is not a folder is no host's (a lost host's placeholder).
             hosts |= {int(n[5:]) for n in os.listdir(self.local_dir)
-                      if n.startswith("host-") and n[5:].isdigit()}
+                      if n.startswith("host-") and n[5:].isdigit()
+                      and (self.local_dir / n).is_dir()}
         return sorted(hosts)
 
     def _saved_hosts(self, step: int, holders: list[int]) -> int:

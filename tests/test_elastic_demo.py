@@ -75,6 +75,26 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     assert list(ramdisk.iterdir()) == [], "the demo leaves its cluster behind"
 
 
+@pytest.mark.timeout(210)
+def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
+        tmp_path: Path, ramdisk: Path) -> None:
+    """Without the per-step snapshot a resize reads the survivors' RAM disks (at most
+    a save interval lost); scaling up saves the last step first and reads it back
+    as the survivors saved it (their manifests number only their hosts)."""
+    out = tmp_path / "demo"
+    report = run_demo(out, ramdisk, "--steps", "60", "--host-loss-at", "15",
+                      "--slice-loss-at", "30", "--slice-down-steps", "8", "--no-snapshot")
+    host, lost, up = report["failures"]
+    assert host["tier"] == "peer" and host["steps_lost"] == 0
+    assert lost["kind"] == "slice_loss" and lost["tier"] == "local"
+    assert lost["step_at_failure"] == 29 and lost["resumed_from_step"] == 25  # saved every 5
+    # Before scaling up, the trainer saved its last step on the one slice.
+    assert up["kind"] == "scale_up" and up["tier"] == "local" and up["steps_lost"] == 0
+    assert up["resumed_from_step"] > 30
+    assert report["steps_completed"] == 60
+    assert report["loss_matches_reference"] is True
+
+
 def run_demo(out: Path, ramdisk: Path, *args: str) -> dict:
     r = subprocess.run(
         [sys.executable, "-m", "trainer.elastic_demo", "--out", str(out), "--model", "tiny",

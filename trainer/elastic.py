@@ -333,7 +333,7 @@ class ElasticRun:
             rec.detail["snapshot_incomplete_on_survivors"] = True
         tie = snap is not None and self.last_saved == snap.step \
             and snap.step not in self.failed_saves
-        if full and (snap is None or (rec.kind != "scale_up" and tie)):
+        if full and rec.kind != "scale_up" and (snap is None or tie):
             # The replicators agree on the step and bring a wiped host's shards back
             # from its peer (or the backup).
             state = dict(mgr.restore(None, trainer.abstract_state()))
@@ -348,13 +348,30 @@ class ElasticRun:
         if snap is not None:
             rec.tier = "memory"
             return snap.restore(trainer, healthy)
-        # Resized, no snapshot: the newest step on every surviving host's RAM disk.
-        roots = [mgr.local_dir / f"host-{i}" for i in range(len(self.hosts_of(slices)))]
+        # No snapshot, resized: the newest step on every surviving host's RAM disk;
+        # scaled up: the newest the slices that kept training saved, resharded.
+        rec.tier = "local"
+        src = self.schedule[rec.step_at_failure] if rec.kind == "scale_up" else slices
+        return self.restore_from_ramdisks(src, trainer)
+
+    def restore_from_ramdisks(self, slices: tuple[int, ...], onto: Trainer) -> State:
+        """The newest step committed on every host of ``slices``, read as those
+        slices saved it (their own numbering of hosts) and placed onto ``onto``."""
+        hosts = self.hosts_of(slices)
+        view = self.local_dir(slices)
+        roots = [view / f"host-{i}" for i in range(len(hosts))]
         common = set.intersection(*(set(layout.committed_steps(r)) for r in roots))
         if not common:
-            raise SystemExit("no step on the surviving hosts' RAM disks")
-        rec.tier = "local"
-        return dict(mgr.restore(max(common), trainer.abstract_state()))
+            raise SystemExit(f"no step on the RAM disks of hosts {hosts}")
+        src = self.trainer(slices)
+        with mtc.CheckpointManager(view, mesh=src.mesh, options=mtc.Options(
+                max_to_keep=None, simulated_hosts=len(hosts),
+                hosts_per_slice=self.cluster.hosts_per_slice)) as reader:
+            state = dict(reader.restore(max(common), src.abstract_state()))
+        if src is not onto:
+            state.update(jax.device_put({k: state[k] for k in Trainer.ARRAYS},
+                                        {k: onto.shardings[k] for k in Trainer.ARRAYS}))
+        return state
 
     def train(self, trainer: Trainer, mgr: mtc.CheckpointManager, state: State,
               slices: tuple[int, ...]) -> None:
@@ -370,6 +387,12 @@ class ElasticRun:
                                         t_detect=t)
                 self.log.write(event="scale_up", step=state["step"],
                                available=sorted(self.pw.available_inactive_slices))
+                if not args.snapshot and self.last_saved != state["step"]:
+                    # Without a snapshot the state crosses to the new mesh through
+                    # the RAM disks: save the last step first, and lose none.
+                    mgr.save(state["step"], state, force=True)
+                    self.last_saved = state["step"]
+                mgr.wait_until_finished()
                 raise pw_manager.ScaleUpSignalError()
             t0 = time.perf_counter()
             batch = next(self.data)
