@@ -39,7 +39,8 @@ read from the surviving devices, unless mtc holds that same step; then, on
 the full mesh, through mtc, which asks the replicators to agree on a step and
 fetch what a wiped host lacks from its peer (a snapshot newer than what mtc
 restored replaces it). Without a snapshot a resize reads the survivors' RAM
-disks. While running on fewer slices, every step checks the Manager's
+disks, and a scale-up saves the last step there first and reads it back.
+While running on fewer slices, every step checks the Manager's
 ``available_inactive_slices`` (filled by its monitor thread) and raises
 ``ScaleUpSignalError`` to come back onto every slice, again from the snapshot,
 losing no step.
