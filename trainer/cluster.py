@@ -1,15 +1,17 @@
 """``mtc-cluster``: a local cluster of simulated hosts, one command up, one down.
 
     python -m trainer.cluster up   [--name N] [--slices 2] [--hosts-per-slice 2]
+                                   [--backup URL | --backup gcs-emulator]
     python -m trainer.cluster status [--name N]
     python -m trainer.cluster down [--name N]
 
 ``up`` gives every simulated host a RAM-disk root ``/dev/shm/mtc-cluster-<name>/host-<i>``
 and starts one real ``mtc-replicator`` process per host (peer copies in the
-other slice, backups to ``<base>/backup``), waits until each serves, and writes
+other slice, backups to ``<base>/backup``, or with ``--backup gcs-emulator`` to
+a bucket in a fake-gcs-server it starts), waits until each serves, and writes
 the addresses and process ids to ``<base>/cluster.json``. ``down`` reads that
-file, SIGKILLs the replicators (the way a host dies) and removes the folder.
-``status`` is ``mtc status`` against every host's replicator.
+file, SIGKILLs the replicators (the way a host dies), stops the emulator and
+removes the folder. ``status`` is ``mtc status`` against every host's replicator.
 
 The training process finds the cluster through the same file and uses
 :class:`LocalCluster` to inject host failures: SIGKILL a host's replicator,
@@ -31,8 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer import gcs_emulator
+
 REPO = Path(__file__).resolve().parents[1]
 STATE = "cluster.json"
+GCS_EMULATOR = "gcs-emulator"  # --backup value: start fake-gcs-server, back up there
+EMULATOR_BUCKET = "mtc-local"
 
 
 def default_base(name: str) -> Path:
@@ -71,6 +77,7 @@ class LocalCluster:
     backup: str
     poll_seconds: float = 0.2
     straggler_wait_seconds: float = 2.0
+    emulator: dict[str, Any] | None = None  # the GCS emulator backed up to: url, pid
 
     @property
     def num_hosts(self) -> int:
@@ -78,6 +85,13 @@ class LocalCluster:
 
     def root(self, rank: int) -> Path:
         return self.base / f"host-{rank}"
+
+    def env(self) -> dict[str, str]:
+        """The replicators' environment (the emulator's address when backing up to it)."""
+        env = _env()
+        if self.emulator is not None:
+            env["STORAGE_EMULATOR_HOST"] = self.emulator["url"]
+        return env
 
     def hosts_of_slice(self, s: int) -> list[int]:
         return list(range(s * self.hosts_per_slice, (s + 1) * self.hosts_per_slice))
@@ -116,7 +130,7 @@ class LocalCluster:
                "--poll-seconds", str(self.poll_seconds),
                "--straggler-wait-seconds", str(self.straggler_wait_seconds)]
         with (logs / f"replicator-{rank}.log").open("ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                     cwd=REPO, start_new_session=True)
         self.pids[rank] = proc.pid
 
@@ -218,8 +232,13 @@ class LocalCluster:
         backup = backup or (base / "backup").as_uri()
         if backup.startswith("file://"):
             Path(backup.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
+        emulator = None
+        if backup == GCS_EMULATOR:
+            emulator = _start_emulator(base)
+            backup = f"gs://{EMULATOR_BUCKET}/checkpoints"
         cluster = cls(base, slices, hosts_per_slice,
-                      [f"127.0.0.1:{p}" for p in free_ports(n)], {}, backup)
+                      [f"127.0.0.1:{p}" for p in free_ports(n)], {}, backup,
+                      emulator=emulator)
         for r in range(n):
             cluster.root(r).mkdir(parents=True, exist_ok=True)
             cluster.launch(r)
@@ -244,7 +263,24 @@ class LocalCluster:
     def down(self) -> None:
         for r in list(self.pids):
             self.kill(r)
+        if self.emulator is not None:
+            gcs_emulator.stop(self.emulator["pid"])
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _start_emulator(base: Path) -> dict[str, Any]:
+    """The GCS emulator in its own session (it outlives ``up``, as the replicators do)."""
+    (base / "logs").mkdir(parents=True, exist_ok=True)
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    proc = gcs_emulator.start(port, base / "logs" / "gcs-emulator.log", start_new_session=True)
+    try:
+        gcs_emulator.wait_ready(proc, url)
+        gcs_emulator.create_bucket(url, EMULATOR_BUCKET)
+    except BaseException:
+        proc.kill()
+        raise
+    return {"url": url, "pid": proc.pid}
 
 
 def _state_of(pid: int) -> str:
@@ -262,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", type=Path, help="default: /dev/shm/mtc-cluster-<name>")
     p.add_argument("--slices", type=int, default=2)
     p.add_argument("--hosts-per-slice", type=int, default=2)
-    p.add_argument("--backup", help="backup URL (default: file://<base>/backup)")
+    p.add_argument("--backup", help="backup URL (default: file://<base>/backup), or "
+                   f"{GCS_EMULATOR!r}: start fake-gcs-server and back up to a bucket there")
     args = p.parse_args(argv)
     base = args.base or default_base(args.name)
     if args.command == "up":
