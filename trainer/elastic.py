@@ -54,7 +54,6 @@ failure, with the measured phases), one line per step, ``reference`` and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import logging
 import os
@@ -81,27 +80,11 @@ from trainer.data import VOCAB, make_iterator
 from trainer.faults import HostFaults
 from trainer.jsonlog import JsonLog
 from trainer.model import PRESETS, Config, State, Trainer, count_params
+from trainer.recovery import Recovery
 from trainer.reference import compare, reference_losses
 from trainer.snapshot import Retirer, Snapshot, take
 
 log = logging.getLogger("mtc.elastic")
-
-
-@dataclasses.dataclass
-class Recovery:
-    """One failure (or scale-up) from injection to the first completed step after it."""
-
-    kind: str
-    step_at_failure: int
-    t_fail: float
-    detail: dict[str, Any]
-    t_detect: float | None = None
-    t_slices: float | None = None  # the slices to continue on are known
-    t_restore_start: float | None = None
-    t_restore_end: float | None = None
-    resumed_from_step: int | None = None
-    tier: str | None = None
-    slices_after: tuple[int, ...] = ()
 
 
 class ElasticRun:
@@ -450,31 +433,7 @@ class ElasticRun:
 
     def finish_recovery(self, rec: Recovery, first_step_s: float) -> None:
         times = self.step_times.get(rec.slices_after, [])
-        typical = statistics.median(times) if times else None
-        now = time.time()
-        assert rec.t_detect is not None and rec.t_slices is not None
-        assert rec.t_restore_end is not None and rec.resumed_from_step is not None
-        seconds = {
-            "detect": rec.t_detect - rec.t_fail,
-            "wait": rec.t_slices - rec.t_detect,
-            "restore": rec.t_restore_end - rec.t_slices,
-            "recompile": max(first_step_s - typical, 0.0) if typical is not None
-            else first_step_s,
-            "first_step": first_step_s,
-            "total": now - rec.t_fail,
-        }
-        entry = {
-            "kind": rec.kind,
-            "step_at_failure": rec.step_at_failure,
-            "resumed_from_step": rec.resumed_from_step,
-            "tier": rec.tier,
-            "seconds": seconds,
-            "steps_lost": rec.step_at_failure - rec.resumed_from_step,
-            "slices_after": list(rec.slices_after),
-            "recompile_measured_against": "median step on this mesh" if typical is not None
-            else "first step on a new mesh (no typical step yet)",
-            **rec.detail,
-        }
+        entry = rec.entry(first_step_s, statistics.median(times) if times else None)
         self.recoveries.append(entry)
         self.log.write(event="recovered", **entry)
 

@@ -1,0 +1,53 @@
+"""One failure's timeline, from injection to the first completed step after it,
+and the report entry it becomes."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+
+@dataclasses.dataclass
+class Recovery:
+    """One failure (or scale-up) from injection to the first completed step after it."""
+
+    kind: str
+    step_at_failure: int
+    t_fail: float
+    detail: dict[str, Any]
+    t_detect: float | None = None
+    t_slices: float | None = None  # the slices to continue on are known
+    t_restore_start: float | None = None
+    t_restore_end: float | None = None
+    resumed_from_step: int | None = None
+    tier: str | None = None
+    slices_after: tuple[int, ...] = ()
+
+    def entry(self, first_step_s: float, typical_step_s: float | None) -> dict[str, Any]:
+        """The report's record of this recovery, now that its first step completed
+        in ``first_step_s`` (``typical_step_s``: the median step on the mesh, if known;
+        what the first step took beyond it is counted as recompilation)."""
+        assert self.t_detect is not None and self.t_slices is not None
+        assert self.t_restore_end is not None and self.resumed_from_step is not None
+        seconds = {
+            "detect": self.t_detect - self.t_fail,
+            "wait": self.t_slices - self.t_detect,
+            "restore": self.t_restore_end - self.t_slices,
+            "recompile": max(first_step_s - typical_step_s, 0.0)
+            if typical_step_s is not None else first_step_s,
+            "first_step": first_step_s,
+            "total": time.time() - self.t_fail,
+        }
+        return {
+            "kind": self.kind,
+            "step_at_failure": self.step_at_failure,
+            "resumed_from_step": self.resumed_from_step,
+            "tier": self.tier,
+            "seconds": seconds,
+            "steps_lost": self.step_at_failure - self.resumed_from_step,
+            "slices_after": list(self.slices_after),
+            "recompile_measured_against": "median step on this mesh"
+            if typical_step_s is not None else "first step on a new mesh (no typical step yet)",
+            **self.detail,
+        }
