@@ -5,10 +5,15 @@ with ``python -m``."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +41,24 @@ def summary(nbytes: int, seconds: list[float]) -> dict[str, Any]:
     return {"seconds": [round(s, 3) for s in seconds],
             "gbps_best": gbps(nbytes, min(seconds)),
             "gbps_median": gbps(nbytes, statistics.median(seconds))}
+
+
+def run_in_scratch(prefix: str, bench: Callable[[Path], dict[str, Any]]) -> int:
+    """Run ``bench`` in a fresh folder on the RAM disk and print its JSON result.
+
+    SIGTERM (a timeout) unwinds like Ctrl-C, so whatever ``bench`` started is
+    cleaned up; on failure the last lines of the logs under ``<folder>/logs``
+    are shown; the folder is removed either way."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    base = Path(tempfile.mkdtemp(prefix=prefix,
+                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        result = bench(base)
+    except BaseException:
+        for f in sorted((base / "logs").glob("*.log")):
+            log(f"{f.name}, last lines:\n{f.read_text()[-3000:]}")
+        raise
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(result, indent=2))
+    return 0

@@ -45,19 +45,16 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import importlib
-import json
 import os
 import shutil
-import signal
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import GB, gbps, log, summary  # also puts the repository on the path
+from _common import GB, gbps, log, run_in_scratch, summary  # also puts the repository on the path
 
 from mtc.proto import replicator_pb2 as pb
 from sidecar.backup.job import MANIFEST
@@ -283,20 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 0 or args.file_mib < 1 or args.mib < args.file_mib:
         p.error("need --samples >= 1, --warmup >= 0, 1 <= --file-mib <= --mib")
-    # SIGTERM (a timeout) unwinds like Ctrl-C, so the processes and files are cleaned.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    base = Path(tempfile.mkdtemp(prefix="mtc-bench-backup-",
-                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    try:
-        result = run(args.mib, args.file_mib, args.samples, args.warmup, base)
-    except BaseException:
-        for f in sorted((base / "logs").glob("*.log")):
-            log(f"{f.name}, last lines:\n{f.read_text()[-3000:]}")
-        raise
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    print(json.dumps(result, indent=2))
-    return 0
+    return run_in_scratch("mtc-bench-backup-", lambda base: run(
+        args.mib, args.file_mib, args.samples, args.warmup, base))
 
 
 if __name__ == "__main__":

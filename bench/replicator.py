@@ -41,22 +41,19 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import importlib
-import json
 import os
 import queue
 import shutil
-import signal
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import GB, gbps, log, summary  # also puts the repository on the path
+from _common import GB, gbps, log, run_in_scratch, summary  # also puts the repository on the path
 
 from mtc.integrity import crc32c
 from mtc.layout import TMP_MARK
@@ -74,21 +71,40 @@ TARGETS = {"peer_copy_over_raw_tcp": 0.6}
 # -- raw loopback TCP -------------------------------------------------------------------
 
 
-class RawTcp:
-    """One loopback connection to a receiver thread; :meth:`sample` times one transfer."""
+class _Loopback:
+    """One loopback connection from the caller to a receiver thread (``_receive``),
+    which acknowledges each transfer with one byte."""
 
-    def __init__(self, payload: memoryview) -> None:
-        self.payload = payload
+    def __init__(self) -> None:
         self.errors: list[OSError] = []
-        self._more = threading.Semaphore(0)
         self._srv = socket.socket()
         self._srv.bind(("127.0.0.1", 0))
         self._srv.listen(1)
-        self._thread = threading.Thread(target=self._receive, name="raw-tcp-receiver",
+        self._thread = threading.Thread(target=self._receive, name=type(self).__name__,
                                         daemon=True)
         self._thread.start()
         self._sock = socket.create_connection(self._srv.getsockname())
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _receive(self) -> None:
+        raise NotImplementedError
+
+    def _acknowledged(self, what: str) -> None:
+        if self._sock.recv(1) != b"k":
+            raise OSError(f"{what} receiver failed: {self.errors}")
+
+    def close(self) -> None:
+        self._sock.close()
+        self._thread.join(10)
+        self._srv.close()
+
+
+class RawTcp(_Loopback):
+    """Raw loopback TCP; :meth:`sample` times one transfer of the payload."""
+
+    def __init__(self, payload: memoryview) -> None:
+        self.payload = payload
+        super().__init__()
 
     def _receive(self) -> None:
         try:
@@ -112,33 +128,19 @@ class RawTcp:
         t0 = time.perf_counter()
         for off in range(0, len(self.payload), TCP_CHUNK):
             self._sock.sendall(self.payload[off:off + TCP_CHUNK])
-        if self._sock.recv(1) != b"k":
-            raise OSError(f"raw TCP receiver failed: {self.errors}")
+        self._acknowledged("raw TCP")
         return time.perf_counter() - t0
 
-    def close(self) -> None:
-        self._sock.close()
-        self._thread.join(10)
-        self._srv.close()
 
-
-class RawFileCopy:
+class RawFileCopy(_Loopback):
     """The best a copy between RAM disks can do here, without gRPC or Python per-chunk
     objects: each file ``sendfile``d over one loopback connection; the receiver thread
     ``recv_into``s a preallocated 4 MiB buffer, CRC32Cs it and writes it to a new file."""
 
     def __init__(self, dest: Path) -> None:
         self.dest = dest
-        self.errors: list[OSError] = []
         self._todo: queue.Queue[list[tuple[str, int]] | None] = queue.Queue()
-        self._srv = socket.socket()
-        self._srv.bind(("127.0.0.1", 0))
-        self._srv.listen(1)
-        self._thread = threading.Thread(target=self._receive, name="raw-copy-receiver",
-                                        daemon=True)
-        self._thread.start()
-        self._sock = socket.create_connection(self._srv.getsockname())
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().__init__()
 
     def _receive(self) -> None:
         try:
@@ -183,17 +185,14 @@ class RawFileCopy:
                     offset += os.sendfile(out, fd, offset, size - offset)
             finally:
                 os.close(fd)
-        if self._sock.recv(1) != b"k":
-            raise OSError(f"raw copy receiver failed: {self.errors}")
+        self._acknowledged("raw copy")
         dt = time.perf_counter() - t0
         shutil.rmtree(self.dest, ignore_errors=True)
         return dt
 
     def close(self) -> None:
         self._todo.put(None)
-        self._sock.close()
-        self._thread.join(10)
-        self._srv.close()
+        super().close()
 
 
 # -- steps on the RAM disk ------------------------------------------------------------------
@@ -497,20 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 0:
         p.error("--samples must be >= 1 and --warmup >= 0")
-    # SIGTERM (a timeout) unwinds like Ctrl-C, so the replicators and files are cleaned.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    base = Path(tempfile.mkdtemp(prefix="mtc-bench-replicator-",
-                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    try:
-        result = run(args.gib, args.samples, args.warmup, base)
-    except BaseException:
-        for f in sorted((base / "logs").glob("*.log")):
-            log(f"{f.name}, last lines:\n{f.read_text()[-3000:]}")
-        raise
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    print(json.dumps(result, indent=2))
-    return 0
+    return run_in_scratch("mtc-bench-replicator-",
+                          lambda base: run(args.gib, args.samples, args.warmup, base))
 
 
 if __name__ == "__main__":

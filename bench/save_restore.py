@@ -22,12 +22,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import gc
-import json
 import logging
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import run_in_scratch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mtc
@@ -394,13 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 1 or args.gib <= 0:
         p.error("--samples and --warmup must be >= 1 and --gib > 0")
-    root = Path(tempfile.mkdtemp(prefix="mtc-bench-", dir="/dev/shm"))
-    try:
-        result = run(args.gib, args.samples, args.warmup, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(result, indent=2))
-    return 0
+    return run_in_scratch("mtc-bench-",
+                          lambda root: run(args.gib, args.samples, args.warmup, root))
 
 
 if __name__ == "__main__":

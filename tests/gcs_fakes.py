@@ -20,8 +20,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,26 +55,12 @@ class Emulator:
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [str(gcs_emulator.binary()), "-scheme", "http", "-backend", "memory",
-             "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url,
-             "-log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + 20
-        while True:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"fake-gcs-server exited with {self.proc.returncode}: {err}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("fake-gcs-server did not come up within 20 s")
-            time.sleep(0.05)
+        self.proc = gcs_emulator.start(self.port, None, preexec_fn=_die_with_parent)
+        try:
+            gcs_emulator.wait_ready(self.proc, self.url)
+        except BaseException:
+            self.stop()
+            raise
 
     def client(self) -> storage.Client:
         """A client for the emulator that does not depend on the environment."""

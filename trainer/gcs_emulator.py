@@ -35,14 +35,18 @@ def binary() -> Path:
                 / f"fake-gcs-server-{platform.system().lower()}-{arch}")
 
 
-def start(port: int, log: Path, **popen: object) -> subprocess.Popen[bytes]:
-    """Start the emulator on ``127.0.0.1:port``; ``popen`` goes to ``subprocess.Popen``."""
+def start(port: int, log: Path | None, **popen: object) -> subprocess.Popen[bytes]:
+    """Start the emulator on ``127.0.0.1:port``, its errors appended to ``log`` (or
+    dropped); ``popen`` goes to ``subprocess.Popen``."""
     url = f"http://127.0.0.1:{port}"
+    cmd = [str(binary()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+           "-port", str(port), "-external-url", url, "-log-level", "error"]
+    if log is None:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                **popen)  # type: ignore[call-overload]
     with log.open("ab") as out:
-        return subprocess.Popen(
-            [str(binary()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-             "-port", str(port), "-external-url", url, "-log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=out, **popen)  # type: ignore[call-overload]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out,
+                                **popen)  # type: ignore[call-overload]
 
 
 def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float = 20.0) -> None:

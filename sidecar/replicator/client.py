@@ -150,22 +150,17 @@ class PeerClient:
         bad: list[Path] = []
 
         def chunks() -> Iterator[bytes]:
+            # One message per file as read (joining them would copy every byte
+            # again); the receiver splits the stream by the offered sizes anyway.
             bad.clear()
-            buf: list[bytes] = []
-            held = 0
             for _, path, size, crc in files:
                 with open(path, "rb", buffering=0) as f:
                     data = f.read(size + 1)
                 if len(data) != size or crc32c(data) != crc:
                     bad.append(path)
-                    break
-                buf.append(data)
-                held += len(data)
-                if held >= CHUNK:
-                    yield b"".join(buf)
-                    buf, held = [], 0
-            if buf and not bad:
-                yield b"".join(buf)
+                    return
+                if data:
+                    yield data
 
         md = [*self._metadata, ("x-mtc-transfer", transfer_id),
               ("x-mtc-files", ",".join(str(i) for i, *_ in files))]
