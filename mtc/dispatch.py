@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mtc.errors import HostAgentError
 from sidecar.agent import AgentConfig, HostAgent, SaveHeader
 from sidecar.load import LeafSpec, ReadTask, ShardLoader, load_leaves
 
@@ -59,10 +60,37 @@ class ColocatedDispatch:
         from sidecar.colocated import RemoteAgent
 
         self.config = config
-        self.cpu_devices = list(colocated_python.colocated_cpu_devices(tuple(devices)))
-        self._replicated = NamedSharding(
-            jax.sharding.Mesh(np.array(self.cpu_devices), ("hosts",)), PartitionSpec())
-        self.remote: Any = RemoteAgent(config.to_json())  # type: ignore[call-arg]
+        # One colocated CPU device per worker in the order of ``devices``; each
+        # worker learns which host it is from its own element of ``_ranks`` (ids
+        # of the controller's devices mean nothing on a worker).
+        cpu = list(colocated_python.colocated_cpu_devices(tuple(devices)))
+        rank_of: dict[Any, int] = {}
+        for d, c in zip(devices, cpu, strict=True):
+            rank_of.setdefault(c, config.host_of_device[d.id])
+        self.cpu_devices = list(rank_of)
+        mesh = jax.sharding.Mesh(np.array(self.cpu_devices), ("hosts",))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._per_host = NamedSharding(mesh, PartitionSpec("hosts"))
+        self._ranks = jax.make_array_from_single_device_arrays(
+            (len(self.cpu_devices),), self._per_host,
+            [jax.device_put(np.array([rank_of[c]], np.int32), c) for c in self.cpu_devices])
+        self._answer_spec = jax.ShapeDtypeStruct((len(self.cpu_devices),), np.dtype(np.uint8),
+                                                 sharding=self._per_host)
+        remote: Any = RemoteAgent(config.to_json())  # type: ignore[call-arg]
+        # Specialized with their output specs, so that the first call does not
+        # run synchronously to infer them.
+        answer = self._answer_spec
+        self._stage = remote.stage.specialize(out_specs_fn=lambda *_: answer)
+        self._wait = remote.wait.specialize(out_specs_fn=lambda *_: answer)
+        self._poll = remote.poll.specialize(out_specs_fn=lambda *_: answer)
+
+    @staticmethod
+    def _unanimous(answer: jax.Array, op: str) -> bool:
+        """Every worker's answer, read from its own shard; they must agree."""
+        values = {int(np.asarray(s.data).reshape(-1)[0]) for s in answer.addressable_shards}
+        if len(values) != 1:
+            raise HostAgentError(f"{op}: workers answered differently: {sorted(values)}")
+        return bool(values.pop())
 
     def _token(self) -> jax.Array:
         return jax.device_put(np.uint8(0), self._replicated)
@@ -88,14 +116,14 @@ class ColocatedDispatch:
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
         raw = np.frombuffer(header.to_bytes(), dtype=np.uint8)
         header_arr = jax.device_put(raw, self._replicated)
-        ok = self.remote.stage(header_arr, [self._to_cpu(a) for a in arrays])
-        return bool(np.asarray(ok.addressable_shards[0].data))
+        ok = self._stage(header_arr, self._ranks, [self._to_cpu(a) for a in arrays])
+        return self._unanimous(ok, "stage")
 
     def wait(self) -> None:
-        self.remote.wait(self._token()).block_until_ready()
+        self._unanimous(self._wait(self._ranks), "wait")
 
     def raise_background_error(self) -> None:
-        self.remote.poll(self._token()).block_until_ready()
+        self._unanimous(self._poll(self._ranks), "poll")
 
     def load(self, step: int, tasks: Sequence[ReadTask],
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:

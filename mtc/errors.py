@@ -88,3 +88,7 @@ class UnsupportedLeafError(FatalError):
 
 class ConfigError(FatalError):
     """Options or topology are inconsistent."""
+
+
+class HostAgentError(FatalError):
+    """Host-side code answered inconsistently (workers disagreeing on one call)."""

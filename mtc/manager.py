@@ -65,7 +65,11 @@ class CheckpointManager:
         self.options = options or Options()
         self.mesh = mesh
         devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
-        self.topology = Topology.detect(devices, self.options)
+        pathways = _on_pathways()
+        mode = self.options.dispatch
+        if mode == "auto":
+            mode = "colocated" if pathways else "local"
+        self.topology = Topology.detect(devices, self.options, pathways=pathways)
         self._config = AgentConfig(
             local_dir=str(self.local_dir),
             host_of_device=self.topology.host_of_device,
@@ -80,9 +84,6 @@ class CheckpointManager:
             removed = layout.clean_uncommitted(root)
             if removed:
                 log.info("host %d: removed uncommitted folders %s", h, removed)
-        mode = self.options.dispatch
-        if mode == "auto":
-            mode = "colocated" if _on_pathways() else "local"
         self._dispatch: Dispatch = (ColocatedDispatch(self._config, devices)
                                     if mode == "colocated" else LocalDispatch(self._config))
         self._closed = False

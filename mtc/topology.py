@@ -1,15 +1,23 @@
 """Which host and slice each device belongs to.
 
-On TPU and Pathways a device carries ``slice_index`` and the host is its
-process. Multi-controller JAX on CPUs or GPUs has one process per host and no
-slices, so slices are formed from ``hosts_per_slice`` consecutive hosts. On one
-machine, a single process can group its devices into simulated hosts.
+- Pathways (one controller sees every device, each reporting ``process_index``
+  0): a host is a Pathways worker, known by its slice and its task within the
+  slice (device attributes ``slice_index`` and ``virtual_task_index`` or
+  ``task_id``; older runtimes only print the task in the device's repr).
+  Workers are ranked slice-major, as Orbax's colocated checkpointing and the
+  replicators' peer groups rank them.
+- Multi-controller JAX: a host is a process (``process_index``); TPU devices
+  carry ``slice_index``, and on CPUs or GPUs slices are formed from
+  ``hosts_per_slice`` consecutive processes.
+- One machine: a single process can group its devices into simulated hosts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -38,10 +46,13 @@ class Topology:
         return [d for d in devices if self.host_of_device.get(d.id) == host]
 
     @classmethod
-    def detect(cls, devices: Sequence[jax.Device], options: Options) -> Topology:
+    def detect(cls, devices: Sequence[jax.Device], options: Options, *,
+               pathways: bool = False) -> Topology:
         devices = sorted(devices, key=lambda d: d.id)
         if options.simulated_hosts is not None:
             return cls._simulated(devices, options)
+        if pathways:
+            return cls._pathways(devices)
         host_of = {d.id: d.process_index for d in devices}
         slice_of: dict[int, int] = {}
         for d in devices:
@@ -55,6 +66,17 @@ class Topology:
         if subdirs is None:
             subdirs = devices[0].platform == "cpu"
         return cls(host_of, slice_of, local, subdirs)
+
+    @classmethod
+    def _pathways(cls, devices: Sequence[Any]) -> Topology:
+        """Workers by (slice, task), ranked slice-major; the controller serves them all."""
+        keys = {d.id: pathways_worker(d) for d in devices}
+        ranked = sorted(set(keys.values()))
+        rank = {k: r for r, k in enumerate(ranked)}
+        host_of = {i: rank[k] for i, k in keys.items()}
+        slice_of = {rank[k]: k[0] for k in ranked}
+        # Every worker has a RAM disk of its own: no host-<i> subfolders.
+        return cls(host_of, slice_of, tuple(range(len(ranked))), False)
 
     @classmethod
     def _simulated(cls, devices: Sequence[jax.Device], options: Options) -> Topology:
@@ -74,3 +96,32 @@ class Topology:
         if not subdirs and n > 1:
             raise ConfigError("several simulated hosts need host_subdirs")
         return cls(host_of, slice_of, tuple(range(n)), subdirs)
+
+
+_TASK_IN_REPR = (re.compile(r"logical_task=(\d+)"), re.compile(r"vtask=(\d+)"))
+
+
+def pathways_worker(device: Any) -> tuple[int, int]:
+    """(slice, task) of the Pathways worker holding ``device``.
+
+    ``process_index`` is 0 for every device on Pathways and says nothing; a
+    device without a task cannot be placed, and guessing would merge hosts.
+    """
+    task: int | None = None
+    for attr in ("virtual_task_index", "task_id"):
+        value = getattr(device, attr, None)
+        if value is not None:
+            task = int(value)
+            break
+    if task is None:
+        text = repr(device)
+        for pattern in _TASK_IN_REPR:
+            m = pattern.search(text)
+            if m:
+                task = int(m.group(1))
+                break
+    if task is None:
+        raise ConfigError(f"cannot tell which Pathways worker holds {device!r}: "
+                          "it has no task attribute (virtual_task_index, task_id)")
+    s = getattr(device, "slice_index", None)
+    return (int(s) if s is not None else 0, task)

@@ -116,33 +116,36 @@ class HostAgent:
         self._shard_plans: dict[tuple[Any, tuple[int, ...]],
                                 list[tuple[int, int, Index, tuple[int, ...]]]] = {}
 
-    def hosts_of(self, arrays: Sequence[Any]) -> list[int]:
+    def hosts_of(self, arrays: Sequence[Any], host_of_device: dict[int, int]) -> list[int]:
         """Hosts whose devices hold addressable shards of ``arrays``, here."""
         hosts: set[int] = set()
         for a in arrays:
             if isinstance(a, jax.Array):
                 devices: set[Any] = a.sharding.addressable_devices
-                hosts.update(self.config.host_of_device[d.id] for d in devices)
+                hosts.update(host_of_device[d.id] for d in devices)
         return sorted(hosts)
 
     # -- save -------------------------------------------------------------------
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
-              hosts: Sequence[int] | None = None) -> bool:
+              hosts: Sequence[int] | None = None, *,
+              host_of_device: dict[int, int] | None = None) -> bool:
         """Take this host's shards into host memory and queue them for writing.
 
         Returns once every shard is staged (the state may change afterwards),
         or False, having staged nothing, when ``skip_if_busy`` and the staging
-        budget cannot hold the state now.
+        budget cannot hold the state now. ``host_of_device`` maps the ids of the
+        devices the arrays are on here (a colocated worker's own CPU devices);
+        by default the controller's map in the config.
         """
         self.raise_background_error()
-        hosts = list(hosts) if hosts is not None else self.hosts_of(arrays)
+        host_of = self.config.host_of_device if host_of_device is None else host_of_device
+        hosts = list(hosts) if hosts is not None else self.hosts_of(arrays, host_of)
         if not hosts:  # numpy-only state: every host this agent serves keeps a copy
-            hosts = sorted(h for h in self.config.slice_of_host
-                           if h in set(self.config.host_of_device.values()))
+            hosts = sorted(set(host_of.values()))
         arrays = [_as_numpy_leaf(header.leaves[header.array_leaves[i]], a)
                   for i, a in enumerate(arrays)]
-        plans = self._plan(hosts, arrays)
+        plans = self._plan(hosts, arrays, host_of)
         total = sum(math.prod(shape) * dtype.itemsize
                     for plan in plans.values() for _, _, shape, dtype, _ in plan)
         self.pool.ensure_capacity(2 * total)
@@ -188,7 +191,8 @@ class HostAgent:
                 s.go.set()
         return True
 
-    def _plan(self, hosts: Sequence[int], arrays: Sequence[jax.Array | np.ndarray]
+    def _plan(self, hosts: Sequence[int], arrays: Sequence[jax.Array | np.ndarray],
+              host_of: dict[int, int]
               ) -> dict[int, list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]]]:
         """Per host: (array number, index, shape, dtype, source) of each distinct shard
         it holds. Which shards those are depends only on the sharding and the shape,
@@ -202,7 +206,7 @@ class HostAgent:
                 continue
             dtype = np.dtype(a.dtype)
             shards = None
-            for pos, h, index, shape in self._distinct_shards(a):
+            for pos, h, index, shape in self._distinct_shards(a, host_of):
                 if h not in out:
                     continue
                 if a.is_fully_replicated:  # addressable_data gives one shard for all
@@ -213,14 +217,13 @@ class HostAgent:
                 out[h].append((i, index, shape, dtype, data))
         return out
 
-    def _distinct_shards(self, a: jax.Array
+    def _distinct_shards(self, a: jax.Array, host_of: dict[int, int]
                          ) -> list[tuple[int, int, Index, tuple[int, ...]]]:
         """(position among the addressable shards, host, index, shape), one per
         index a host holds (replicas on several devices of one host are written once)."""
         key = (a.sharding, a.shape)
         found = self._shard_plans.get(key)
         if found is None:
-            host_of = self.config.host_of_device
             seen: set[tuple[int, Index]] = set()
             found = []
             for pos, s in enumerate(a.addressable_shards):

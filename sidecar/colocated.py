@@ -21,24 +21,43 @@ from sidecar.agent import AgentConfig, HostAgent, SaveHeader
 from sidecar.load import LeafSpec, ReadTask, ShardLoader, load_leaves
 
 
+def _answer(value: int, ranks: jax.Array) -> jax.Array:
+    """One answer per worker, on that worker's own devices (``ranks``' sharding)."""
+    pieces = [jax.device_put(np.array([value], np.uint8), s.device)
+              for s in ranks.addressable_shards]
+    return jax.make_array_from_single_device_arrays(ranks.shape, ranks.sharding, pieces)
+
+
+def _hosts(ranks: jax.Array) -> dict[int, int]:
+    """Device id -> host, for the devices this worker sees (worker-side ids)."""
+    return {s.device.id: int(np.asarray(s.data).reshape(-1)[0])
+            for s in ranks.addressable_shards}
+
+
 class ColocatedAgent:
-    """Wraps :class:`HostAgent` with array-only methods; one instance per host."""
+    """Wraps :class:`HostAgent` with array-only methods; one instance per worker.
+
+    Every method takes ``ranks``, an int32 array with one element per worker on
+    its colocated CPU device, and answers with a uint8 array sharded the same
+    way: a worker reads which host it is from its own shard and writes its
+    answer into its own shard, so no controller-side device id is ever used here.
+    """
 
     def __init__(self, config_json: str) -> None:
         self.agent = HostAgent(AgentConfig.from_json(config_json))
 
-    def stage(self, header: jax.Array, arrays: list[jax.Array]) -> jax.Array:
+    def stage(self, header: jax.Array, ranks: jax.Array, arrays: list[jax.Array]) -> jax.Array:
         raw = np.asarray(header.addressable_shards[0].data).tobytes()
-        ok = self.agent.stage(SaveHeader.from_bytes(raw), arrays)
-        return jax.device_put(np.uint8(ok), header.sharding)
+        ok = self.agent.stage(SaveHeader.from_bytes(raw), arrays, host_of_device=_hosts(ranks))
+        return _answer(int(ok), ranks)
 
-    def wait(self, token: jax.Array) -> jax.Array:
+    def wait(self, ranks: jax.Array) -> jax.Array:
         self.agent.wait()
-        return token
+        return _answer(1, ranks)
 
-    def poll(self, token: jax.Array) -> jax.Array:
+    def poll(self, ranks: jax.Array) -> jax.Array:
         self.agent.raise_background_error()
-        return token
+        return _answer(1, ranks)
 
 
 RemoteAgent = colocated_python.colocated_python_class(ColocatedAgent)
