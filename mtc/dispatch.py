@@ -1,7 +1,13 @@
-"""How the controller reaches host-side code: in this process, or colocated Python.
+"""How the controller reaches host-side code: the host seam.
 
-Both dispatchers drive the same :class:`sidecar.agent.HostAgent` and the same
-restore loader; they differ only in how arguments travel.
+Every host operation goes through a dispatcher: stage and write a save, wait for
+it, load a restore's shards, and the small operations of :class:`HostCalls`
+(list committed steps, read a manifest, read a region, delete, retain, clean).
+The controller never opens, lists or deletes anything under a RAM disk itself.
+Two dispatchers exist, driving the same host-side code (``sidecar/``): in this
+process (multi-controller JAX, where each process is its own host; simulated
+hosts) or through colocated Python (Pathways); they differ only in how requests
+and bytes travel.
 """
 
 from __future__ import annotations
@@ -13,9 +19,20 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtc.errors import HostAgentError
-from sidecar.agent import AgentConfig, HostAgent, SaveHeader
-from sidecar.load import LeafSpec, ReadTask, ShardLoader, load_leaves
+from mtc.contract import (
+    AgentConfig,
+    LeafSpec,
+    ReadTask,
+    SaveHeader,
+    decode_reply,
+    encode_request,
+    task_to_json,
+)
+from mtc.errors import HostAgentError, ManifestError
+from mtc.manifest import MANIFEST_NAME, Manifest
+from sidecar.agent import HostAgent
+from sidecar.load import ShardLoader, load_leaves
+from sidecar.ops import HostOps
 
 
 class Dispatch(Protocol):
@@ -24,15 +41,78 @@ class Dispatch(Protocol):
     def raise_background_error(self) -> None: ...
     def load(self, step: int, tasks: Sequence[ReadTask],
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]: ...
+    def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...
+    def manifest(self, step: int, host: int) -> Manifest: ...
+    def read(self, step: int, host: int, task: ReadTask) -> np.ndarray: ...
+    def delete(self, step: int, hosts: Sequence[int]) -> None: ...
+    def retain(self, oldest_kept: int, hosts: Sequence[int]) -> None: ...
+    def clean(self, hosts: Sequence[int]) -> dict[int, list[str]]: ...
     def close(self) -> None: ...
 
 
-class LocalDispatch:
+class HostCalls:
+    """The small host operations, as typed calls over one request/reply channel."""
+
+    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
+        """Every answering host process's decoded reply (typed errors raised)."""
+        raise NotImplementedError
+
+    def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]:
+        """Committed steps of every host reachable (``hosts``, and with host
+        subfolders the roots beside them)."""
+        out: dict[int, list[int]] = {}
+        for reply in self._call("steps", hosts):
+            for h, steps in (reply or {}).items():
+                out[int(h)] = [int(s) for s in steps]
+        return out
+
+    def _one(self, op: str, host: int, **args: Any) -> Any:
+        found = [r for r in self._call(op, [host], **args) if r is not None]
+        if len(found) != 1:
+            raise HostAgentError(f"{op}: {len(found)} host processes answered for one host",
+                                 host=host)
+        return found[0]
+
+    def manifest(self, step: int, host: int) -> Manifest:
+        path = f"host {host}: {step}/{MANIFEST_NAME}"
+        m = Manifest.from_bytes(self._one("manifest", host, step=step), path=path)
+        if m.step != step or m.host != host:
+            raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
+                                host=host, path=path)
+        return m
+
+    def read(self, step: int, host: int, task: ReadTask) -> np.ndarray:
+        """A region of one leaf from pieces ``host`` holds, verified there; a copy."""
+        raw = self._one("read", host, step=step, task=task_to_json(task))
+        return np.frombuffer(bytearray(raw), dtype=jax.numpy.dtype(task.dtype)).reshape(
+            task.shape)
+
+    def delete(self, step: int, hosts: Sequence[int]) -> None:
+        self._call("delete", hosts, step=step)
+
+    def retain(self, oldest_kept: int, hosts: Sequence[int]) -> None:
+        """Remove every committed step older than ``oldest_kept`` on ``hosts``."""
+        self._call("retain", hosts, oldest_kept=oldest_kept)
+
+    def clean(self, hosts: Sequence[int]) -> dict[int, list[str]]:
+        """Remove uncommitted and half-deleted folders; their names by host."""
+        out: dict[int, list[str]] = {}
+        for reply in self._call("clean", hosts):
+            for h, names in (reply or {}).items():
+                out[int(h)] = list(names)
+        return out
+
+
+class LocalDispatch(HostCalls):
     """Host-side code runs in this process (multi-controller JAX, simulated hosts)."""
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.agent = HostAgent(config)
+        self.ops = HostOps(config)
+
+    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
+        return [decode_reply(self.ops.handle(encode_request(op, hosts, **args)))]
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
         return self.agent.stage(header, arrays)
@@ -51,7 +131,7 @@ class LocalDispatch:
         self.agent.close()
 
 
-class ColocatedDispatch:
+class ColocatedDispatch(HostCalls):
     """Host-side code runs through ``jax.experimental.colocated_python`` (Pathways)."""
 
     def __init__(self, config: AgentConfig, devices: Sequence[jax.Device]) -> None:
@@ -68,6 +148,7 @@ class ColocatedDispatch:
         for d, c in zip(devices, cpu, strict=True):
             rank_of.setdefault(c, config.host_of_device[d.id])
         self.cpu_devices = list(rank_of)
+        self._rank_of = rank_of
         mesh = jax.sharding.Mesh(np.array(self.cpu_devices), ("hosts",))
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._per_host = NamedSharding(mesh, PartitionSpec("hosts"))
@@ -83,6 +164,36 @@ class ColocatedDispatch:
         self._stage = remote.stage.specialize(out_specs_fn=lambda *_: answer)
         self._wait = remote.wait.specialize(out_specs_fn=lambda *_: answer)
         self._poll = remote.poll.specialize(out_specs_fn=lambda *_: answer)
+        lengths = jax.ShapeDtypeStruct((len(self.cpu_devices),), np.dtype(np.int64),
+                                       sharding=self._per_host)
+        self._ask = remote.ask.specialize(out_specs_fn=lambda *_: lengths)
+        self._remote = remote
+        self._fetchers: dict[int, Any] = {}
+
+    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
+        """The request goes to every worker; each answers for its own host (null
+        when not asked about it). The reply's length comes first, then the reply
+        padded to a size class, so that each size class is one specialization."""
+        raw = np.frombuffer(encode_request(op, hosts, **args), dtype=np.uint8)
+        lengths = self._ask(jax.device_put(raw, self._replicated), self._ranks)
+        sizes = [int(np.asarray(sh.data).reshape(-1)[0]) for sh in lengths.addressable_shards]
+        cap = 1 << max(max(sizes), 1).bit_length()
+        fetch = self._fetchers.get(cap)
+        if fetch is None:
+            spec = jax.ShapeDtypeStruct((len(self.cpu_devices) * cap,), np.dtype(np.uint8),
+                                        sharding=self._per_host)
+            fetch = self._fetchers[cap] = self._remote.reply.specialize(
+                out_specs_fn=lambda *_: spec)
+        padded = fetch(self._ranks, jax.device_put(np.int64(cap), self._replicated))
+        by_device = {sh.device: n for sh, n in zip(lengths.addressable_shards, sizes,
+                                                   strict=True)}
+        replies: dict[int, Any] = {}
+        for sh in padded.addressable_shards:
+            rank = self._rank_of[sh.device]
+            if rank not in replies:  # a worker's devices carry the same reply
+                data = np.asarray(sh.data)[:by_device[sh.device]].tobytes()
+                replies[rank] = decode_reply(data)
+        return [replies[r] for r in sorted(replies)]
 
     @staticmethod
     def _unanimous(answer: jax.Array, op: str) -> bool:

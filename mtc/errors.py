@@ -21,6 +21,7 @@ class MtcError(Exception):
         host: int | None = None,
         path: str | None = None,
     ) -> None:
+        self.message = message
         self.step = step
         self.host = host
         self.path = path
@@ -92,3 +93,7 @@ class ConfigError(FatalError):
 
 class HostAgentError(FatalError):
     """Host-side code answered inconsistently (workers disagreeing on one call)."""
+
+
+class ProtocolError(FatalError):
+    """A malformed request or reply crossed the host seam."""

@@ -17,7 +17,8 @@ from typing import Any
 
 import jax
 
-from mtc import layout, multihost
+from mtc import multihost
+from mtc.contract import AgentConfig
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch
 from mtc.errors import (
     ConfigError,
@@ -28,10 +29,9 @@ from mtc.errors import (
 )
 from mtc.options import Options
 from mtc.restore.load import restore_tree
-from mtc.restore.plan import load_step, read_manifest
+from mtc.restore.plan import load_step
 from mtc.save.stage import prepare
 from mtc.topology import Topology
-from sidecar.agent import AgentConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +78,11 @@ class CheckpointManager:
             max_staged_bytes=self.options.max_staged_bytes,
             writer_threads=self.options.writer_threads,
         )
-        for h in self.topology.local_hosts:
-            root = self._config.root(h)
-            root.mkdir(parents=True, exist_ok=True)
-            removed = layout.clean_uncommitted(root)
-            if removed:
-                log.info("host %d: removed uncommitted folders %s", h, removed)
         self._dispatch: Dispatch = (ColocatedDispatch(self._config, devices)
                                     if mode == "colocated" else LocalDispatch(self._config))
+        # Every RAM-disk operation below goes through the dispatcher: the host side
+        # (sidecar/) alone touches a RAM disk, here as on separate machines.
+        self._dispatch.clean(self.topology.local_hosts)
         self._closed = False
         self._num_hosts: dict[int, int] = {}
         # Where each local host's data of the last restore came from: "local",
@@ -109,16 +106,15 @@ class CheckpointManager:
         self._dispatch.raise_background_error()
         if not (force or self.should_save(step)):
             return False
-        partial = [h for h in self.topology.local_hosts
-                   if layout.step_dir(self._config.root(h), step).is_dir()]
+        held = self._dispatch.steps(self.topology.local_hosts)
+        partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
         if partial:
             if step in self._complete_here():
                 raise StepExistsError("step is already committed", step=step, host=partial[0])
             # A crash between hosts' commits left the step on some hosts only: it
             # was never a checkpoint, and saving it again replaces it.
             log.warning("step %d was committed on hosts %s only; replacing it", step, partial)
-            for h in partial:
-                layout.remove_step(self._config.root(h), step)
+            self._dispatch.delete(step, partial)
             self._num_hosts.pop(step, None)
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip")
         self._apply_retention()
@@ -153,39 +149,26 @@ class CheckpointManager:
         complete = self.all_steps()
         if len(complete) < keep:
             return
-        oldest_kept = complete[-keep]
-        for h in self.topology.local_hosts:
-            root = self._config.root(h)
-            for s in layout.committed_steps(root):
-                if s < oldest_kept:
-                    layout.remove_step(root, s, background=True)
+        self._dispatch.retain(complete[-keep], self.topology.local_hosts)
 
     # -- inventory --------------------------------------------------------------
 
-    def _visible_hosts(self) -> list[int]:
-        """Hosts whose roots this process can read: its own, and with host
-        subfolders every ``host-<i>`` beside them (simulated hosts, a shared
-        file system, a job restarted with fewer or more processes)."""
-        hosts = set(self.topology.local_hosts)
-        if self.topology.subdirs and self.local_dir.is_dir():
-            # A root that is not a folder is no host's (a lost host's placeholder).
-            hosts |= {int(n[5:]) for n in os.listdir(self.local_dir)
-                      if n.startswith("host-") and n[5:].isdigit()
-                      and (self.local_dir / n).is_dir()}
-        return sorted(hosts)
+    def _held(self) -> dict[int, list[int]]:
+        """Committed steps of every host the dispatcher reaches: its own, and with
+        host subfolders every ``host-<i>`` beside them (simulated hosts, a job
+        restarted with fewer or more processes on one machine)."""
+        return self._dispatch.steps(self.topology.local_hosts)
 
     def _saved_hosts(self, step: int, holders: list[int]) -> int:
         """How many hosts took part in saving ``step`` (from a manifest, cached)."""
         if step not in self._num_hosts:
-            self._num_hosts[step] = read_manifest(self._config.root(holders[0]), step,
-                                                  holders[0]).num_hosts
+            self._num_hosts[step] = self._dispatch.manifest(step, holders[0]).num_hosts
         return self._num_hosts[step]
 
     def _complete_here(self) -> list[int]:
-        visible = self._visible_hosts()
         held: dict[int, list[int]] = {}
-        for h in visible:
-            for s in layout.committed_steps(self._config.root(h)):
+        for h, steps in self._held().items():
+            for s in steps:
                 held.setdefault(s, []).append(h)
         complete = []
         for s, holders in sorted(held.items()):
@@ -212,8 +195,7 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Delete a committed step on every host this process serves."""
         self.wait_until_finished()
-        for h in self.topology.local_hosts:
-            layout.remove_step(self._config.root(h), step)
+        self._dispatch.delete(step, self.topology.local_hosts)
         self._num_hosts.pop(step, None)
 
     # -- restore ----------------------------------------------------------------
@@ -250,22 +232,19 @@ class CheckpointManager:
         return result
 
     def _restore_step(self, step: int, target: Any) -> Any:
-        visible = self._visible_hosts()
-        holders = [h for h in visible if layout.step_dir(self._config.root(h), step).is_dir()]
+        held = self._held()
+        holders = sorted(h for h, steps in held.items() if step in steps)
         for h in self.topology.local_hosts:
             if h not in holders and not self.topology.subdirs:
-                raise StepNotFoundError("step is not committed", step=step, host=h,
-                                        path=str(layout.step_dir(self._config.root(h), step)))
+                raise StepNotFoundError("step is not committed", step=step, host=h)
         if not holders:
             raise StepNotFoundError(f"step is not committed under {self.local_dir}", step=step)
         n = self._saved_hosts(step, holders)
-        missing = [h for h in range(n) if h not in holders and h in visible]
+        missing = [h for h in range(n) if h not in holders and h in held]
         if missing and self.topology.subdirs:
-            h = missing[0]
-            raise StepNotFoundError("step is not committed", step=step, host=h,
-                                    path=str(layout.step_dir(self._config.root(h), step)))
-        saved = load_step(step, [h for h in holders if h < n], self._config.root)
-        return restore_tree(saved, target, self.topology, self._dispatch, self._config.root)
+            raise StepNotFoundError("step is not committed", step=step, host=missing[0])
+        saved = load_step(step, [h for h in holders if h < n], self._dispatch.manifest)
+        return restore_tree(saved, target, self.topology, self._dispatch)
 
     def _prepare_with_replicators(self) -> int | None:
         """Have each local host's replicator agree on a step and make its data local."""

@@ -10,83 +10,23 @@ same.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from mtc import layout
+from mtc.contract import AgentConfig, SaveHeader, shard_index
 from mtc.errors import MtcError
 from mtc.manifest import Index, LeafEntry
 from sidecar.buffers import StagingPool
 from sidecar.write import HostSave, StagedShard, Writer
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentConfig:
-    """What an agent needs to know about the job; JSON so it can cross to a sidecar."""
-
-    local_dir: str
-    host_of_device: dict[int, int]
-    slice_of_host: dict[int, int]
-    subdirs: bool
-    max_staged_bytes: int | None
-    writer_threads: int
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> AgentConfig:
-        d = json.loads(text)
-        d["host_of_device"] = {int(k): v for k, v in d["host_of_device"].items()}
-        d["slice_of_host"] = {int(k): v for k, v in d["slice_of_host"].items()}
-        return cls(**d)
-
-    def root(self, host: int) -> Path:
-        return layout.host_root(self.local_dir, host, self.subdirs)
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveHeader:
-    """The controller's description of one save: the step and the tree's leaves.
-
-    ``array_leaves[i]`` is the leaf number of the i-th array handed to ``stage``.
-    """
-
-    step: int
-    leaves: tuple[LeafEntry, ...]
-    array_leaves: tuple[int, ...]
-    skip_if_busy: bool
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({"step": self.step, "leaves": [x.to_json() for x in self.leaves],
-                           "array_leaves": list(self.array_leaves),
-                           "skip_if_busy": self.skip_if_busy}).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> SaveHeader:
-        d = json.loads(data)
-        return cls(d["step"], tuple(LeafEntry.from_json(x) for x in d["leaves"]),
-                   tuple(d["array_leaves"]), d["skip_if_busy"])
-
-
-def shard_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
-    """A shard's tuple of slices as explicit (start, stop) pairs."""
-    out = []
-    for sl, dim in zip(index, shape, strict=True):
-        start, stop, _ = sl.indices(dim)
-        out.append((start, stop))
-    return tuple(out)
 
 
 def _on_cpu(x: jax.Array) -> bool:

@@ -17,8 +17,10 @@ import jax
 import numpy as np
 from jax.experimental import colocated_python
 
-from sidecar.agent import AgentConfig, HostAgent, SaveHeader
-from sidecar.load import LeafSpec, ReadTask, ShardLoader, load_leaves
+from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader
+from sidecar.agent import HostAgent
+from sidecar.load import ShardLoader, load_leaves
+from sidecar.ops import HostOps
 
 
 def _answer(value: int, ranks: jax.Array) -> jax.Array:
@@ -44,7 +46,33 @@ class ColocatedAgent:
     """
 
     def __init__(self, config_json: str) -> None:
-        self.agent = HostAgent(AgentConfig.from_json(config_json))
+        config = AgentConfig.from_json(config_json)
+        self.agent = HostAgent(config)
+        self.ops = HostOps(config)
+        self._replies: dict[int, bytes] = {}  # device id -> the last request's reply
+
+    def ask(self, request: jax.Array, ranks: jax.Array) -> jax.Array:
+        """Answer a host request for this worker's host; returns the reply's length.
+        The reply itself is kept for :meth:`reply`."""
+        req = np.asarray(request.addressable_shards[0].data).tobytes()
+        hosts = _hosts(ranks)
+        by_host = {h: self.ops.handle(req, serves=[h]) for h in set(hosts.values())}
+        self._replies = {d: by_host[h] for d, h in hosts.items()}
+        pieces = [jax.device_put(np.array([len(self._replies[s.device.id])], np.int64), s.device)
+                  for s in ranks.addressable_shards]
+        return jax.make_array_from_single_device_arrays(ranks.shape, ranks.sharding, pieces)
+
+    def reply(self, ranks: jax.Array, cap: jax.Array) -> jax.Array:
+        """The kept reply, zero-padded to ``cap`` bytes, on this worker's devices."""
+        n = int(np.asarray(cap.addressable_shards[0].data))
+        pieces = []
+        for s in ranks.addressable_shards:
+            buf = np.zeros(n, np.uint8)
+            data = self._replies.get(s.device.id, b"")
+            buf[:len(data)] = np.frombuffer(data, np.uint8)
+            pieces.append(jax.device_put(buf, s.device))
+        return jax.make_array_from_single_device_arrays((ranks.shape[0] * n,), ranks.sharding,
+                                                        pieces)
 
     def stage(self, header: jax.Array, ranks: jax.Array, arrays: list[jax.Array]) -> jax.Array:
         raw = np.asarray(header.addressable_shards[0].data).tobytes()

@@ -9,7 +9,6 @@ anything else is assembled by copying the overlapping parts.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,29 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtc.manifest import Index, ShardEntry
+from mtc.contract import LeafSpec, Piece, ReadTask
 from sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """A saved shard (on ``host``) that overlaps a task's region."""
-
-    host: int
-    entry: ShardEntry
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadTask:
-    leaf: int
-    index: Index
-    dtype: str
-    device_ids: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.index)
 
 
 def _stacked_on_leading_axis(task: ReadTask) -> bool:
@@ -112,15 +90,6 @@ def load_tasks(loader: ShardLoader, tasks: Sequence[ReadTask],
         for dev_id in task.device_ids:
             out[(task.leaf, dev_id)] = to_device(host, devices[dev_id])
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-    """The global array a leaf's tasks assemble into."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    sharding: jax.sharding.Sharding
 
 
 def load_leaves(loader: ShardLoader, tasks: Sequence[ReadTask],

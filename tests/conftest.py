@@ -19,16 +19,22 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import seam_audit
+
 
 @pytest.fixture
 def ramdisk() -> Iterator[Path]:
-    """A fresh folder on the machine's RAM disk (/dev/shm)."""
+    """A fresh folder on the machine's RAM disk (/dev/shm), watched by the seam audit:
+    the test fails if controller code (``mtc/``) touched anything under it directly."""
     path = Path("/dev/shm") / f"mtc-test-{uuid.uuid4().hex[:10]}"
     path.mkdir()
+    seam_audit.watch(path)
     try:
         yield path
     finally:
+        leaks = seam_audit.unwatch(path)
         shutil.rmtree(path, ignore_errors=True)
+    assert not leaks, "controller code touched a RAM disk:\n" + "\n".join(leaks[:20])
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mtc
+from mtc.contract import AgentConfig
 from mtc.dispatch import ColocatedDispatch
 from mtc.errors import HostAgentError
 from mtc.save.stage import prepare
-from sidecar.agent import AgentConfig
 from sidecar.colocated import ColocatedAgent
 
 
@@ -63,3 +63,24 @@ def test_workers_that_disagree_fail_the_call() -> None:
     with pytest.raises(HostAgentError, match="stage"):
         ColocatedDispatch._unanimous(_ranks([1, 1, 1, 0, 1, 1, 1, 1]), "stage")
     assert ColocatedDispatch._unanimous(_ranks([1] * 8), "stage") is True
+
+
+def test_seam_audit_catches_controller_code_touching_a_ramdisk(tmp_path: Path) -> None:
+    """The guard behind every ``ramdisk`` fixture fails when it should."""
+    import seam_audit
+
+    from mtc import layout
+
+    root = tmp_path / "host-0"
+    root.mkdir()
+    seam_audit.watch(tmp_path)
+    try:
+        layout.committed_steps(root)  # controller-package code, no host-side frame
+    finally:
+        leaks = seam_audit.unwatch(tmp_path)
+    assert leaks and "os.listdir" in leaks[0] and "mtc/layout.py" in leaks[0]
+    seam_audit.watch(tmp_path)
+    try:
+        (root / "note").write_text("a test writing on purpose is no leak")
+    finally:
+        assert seam_audit.unwatch(tmp_path) == []

@@ -15,12 +15,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mtc import treepath
+from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.dispatch import Dispatch
 from mtc.errors import TargetMismatchError
 from mtc.manifest import Index, LeafEntry
 from mtc.restore.plan import Planner, SavedStep, check_leaf
 from mtc.topology import Topology
-from sidecar.load import LeafSpec, ReadTask, ShardLoader
 
 
 def _key_data_sharding(target: Any, extra: int) -> jax.sharding.Sharding:
@@ -46,8 +46,28 @@ def _full(shape: tuple[int, ...]) -> Index:
     return tuple((0, d) for d in shape)
 
 
-def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Dispatch,
-                 root_of: Any) -> Any:
+def _assemble(dispatch: Dispatch, step: int, leaf_no: int, leaf: LeafEntry, index: Index,
+              pieces: tuple[Piece, ...]) -> np.ndarray:
+    """The ``index`` region of a leaf, from pieces that may sit on several hosts."""
+    by_host: dict[int, list[Piece]] = {}
+    for p in pieces:
+        by_host.setdefault(p.host, []).append(p)
+    if len(by_host) == 1:  # the usual case (numpy leaves are on every host): one read
+        return dispatch.read(step, pieces[0].host, ReadTask(leaf_no, index, leaf.dtype, (),
+                                                           pieces))
+    out = np.empty(tuple(b - a for a, b in index), dtype=jax.numpy.dtype(leaf.dtype))
+    for p in pieces:
+        src_idx = p.entry.index
+        src = dispatch.read(step, p.host, ReadTask(leaf_no, src_idx, leaf.dtype, (), (p,)))
+        lo = [max(a, c) for (a, _), (c, _) in zip(index, src_idx, strict=True)]
+        hi = [min(b, d) for (_, b), (_, d) in zip(index, src_idx, strict=True)]
+        dst = tuple(slice(x - t, y - t) for x, y, (t, _) in zip(lo, hi, index, strict=True))
+        sel = tuple(slice(x - s, y - s) for x, y, (s, _) in zip(lo, hi, src_idx, strict=True))
+        out[dst] = src[sel]
+    return out
+
+
+def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Dispatch) -> Any:
     step = saved.step
     leaves = saved.leaves
     by_path = {leaf.path: i for i, leaf in enumerate(leaves)}
@@ -93,12 +113,12 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
             if host in topology.local_hosts or topology.num_hosts == 1:
                 tasks.extend(host_tasks)
 
-    # Leaves without a target sharding are assembled whole in host memory.
-    loader = ShardLoader(step, root_of)
+    # Leaves without a target sharding are assembled whole in the controller's
+    # memory, each piece read (and verified) by the host holding it.
     for i, leaf in host_side:
         whole = _full(leaf.shape)
         pieces = planner.tasks_for_region(i, leaf, whole, reader)
-        whole_arr = np.array(loader.read(ReadTask(i, whole, leaf.dtype, (), pieces)))
+        whole_arr = _assemble(dispatch, step, i, leaf, whole, pieces)
         results[i] = (jax.random.wrap_key_data(jax.numpy.asarray(whole_arr), impl=leaf.key_impl)
                       if leaf.kind == "prng_key" else whole_arr)
 

@@ -14,16 +14,14 @@ import dataclasses
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 
-from mtc.errors import ManifestError, ShardUnavailableError, StepNotFoundError, TargetMismatchError
-from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
+from mtc.contract import Piece, ReadTask, shard_index
+from mtc.errors import ManifestError, ShardUnavailableError, TargetMismatchError
+from mtc.manifest import Index, LeafEntry, Manifest, ShardEntry
 from mtc.topology import Topology
-from sidecar.agent import shard_index
-from sidecar.load import Piece, ReadTask
 
 
 @dataclasses.dataclass
@@ -39,27 +37,10 @@ class SavedStep:
         return next(iter(self.manifests.values())).leaves
 
 
-def read_manifest(root: Path, step: int, host: int) -> Manifest:
-    path = root / str(step) / MANIFEST_NAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as e:
-        raise ManifestError("committed step has no manifest", step=step, host=host,
-                            path=str(path)) from e
-    m = Manifest.from_bytes(data, path=str(path))
-    if m.step != step or m.host != host:
-        raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
-                            host=host, path=str(path))
-    return m
-
-
-def load_step(step: int, hosts: Sequence[int], root_of: Callable[[int], Path]) -> SavedStep:
-    manifests: dict[int, Manifest] = {}
-    for h in hosts:
-        if not (root_of(h) / str(step)).is_dir():
-            raise StepNotFoundError("step is not committed", step=step, host=h,
-                                    path=str(root_of(h) / str(step)))
-        manifests[h] = read_manifest(root_of(h), step, h)
+def load_step(step: int, hosts: Sequence[int], manifest_of: Callable[[int, int], Manifest]
+              ) -> SavedStep:
+    """Every host's manifest of ``step`` (``manifest_of(step, host)``, through the seam)."""
+    manifests = {h: manifest_of(step, h) for h in hosts}
     first = next(iter(manifests.values()))
     holders: list[dict[Index, list[tuple[int, ShardEntry]]]] = [
         defaultdict(list) for _ in first.leaves]

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 
 from mtc import treepath
+from mtc.contract import SaveHeader
 from mtc.errors import UnsupportedLeafError
 from mtc.manifest import LeafEntry
-from sidecar.agent import SaveHeader
 
 
 def describe_sharding(s: jax.sharding.Sharding) -> dict[str, Any]:

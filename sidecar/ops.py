@@ -1,0 +1,129 @@
+"""The host side of every host operation but stage/wait/load: the only code that
+lists, reads, renames or deletes anything under a RAM disk on the controller's behalf.
+
+The controller never touches a RAM disk; it sends a request (``mtc.contract``)
+through its dispatcher, and whichever process runs on the host (this process for
+multi-controller JAX, a colocated-Python sidecar on Pathways) answers it here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtc import layout
+from mtc.contract import (
+    AgentConfig,
+    decode_request,
+    encode_error,
+    encode_reply,
+    task_from_json,
+)
+from mtc.errors import ManifestError, MtcError, ProtocolError, StorageError
+from mtc.manifest import MANIFEST_NAME, Manifest
+from sidecar.load import ShardLoader
+
+log = logging.getLogger(__name__)
+
+
+class HostOps:
+    """Answers host requests for the hosts a process serves.
+
+    ``hosts`` in a request are the ones it is asked about; with host subfolders
+    (simulated hosts, or processes of one machine sharing a RAM disk) the roots
+    beside them are reachable too and are listed by ``steps``.
+    """
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self._ops: dict[str, Callable[..., Any]] = {
+            "steps": self._steps, "manifest": self._manifest, "delete": self._delete,
+            "retain": self._retain, "clean": self._clean, "read": self._read}
+
+    def handle(self, request: bytes, serves: Sequence[int] | None = None) -> bytes:
+        """One request in, one reply out; never raises for a bad request or a failed op.
+
+        ``serves``: the hosts whose RAM disks this process has (a colocated worker:
+        its own). A request about none of them gets a null reply.
+        """
+        try:
+            op, hosts, args = decode_request(request)
+            if serves is not None:
+                hosts = [h for h in hosts if h in serves]
+                if not hosts:
+                    return encode_reply(None)
+            return encode_reply(self._ops[op](hosts, **args))
+        except MtcError as e:
+            return encode_error(e)
+        except OSError as e:
+            return encode_error(StorageError(f"host operation failed: {e.strerror or e}",
+                                             path=e.filename))
+        except (TypeError, KeyError, ValueError, IndexError) as e:  # wrong arguments
+            return encode_error(ProtocolError(f"malformed host request: {e!r}"))
+
+    def _root(self, host: int) -> Path:
+        return self.config.root(host)
+
+    def _reachable(self, hosts: Sequence[int]) -> list[int]:
+        found = set(hosts)
+        base = Path(self.config.local_dir)
+        if self.config.subdirs and base.is_dir():
+            # A root that is not a folder is no host's (a lost host's placeholder).
+            found |= {int(n[5:]) for n in os.listdir(base)
+                      if n.startswith("host-") and n[5:].isdigit() and (base / n).is_dir()}
+        return sorted(found)
+
+    def _steps(self, hosts: Sequence[int]) -> dict[str, list[int]]:
+        return {str(h): layout.committed_steps(self._root(h)) for h in self._reachable(hosts)}
+
+    def _manifest(self, hosts: Sequence[int], step: int) -> bytes:
+        host = hosts[0]
+        path = layout.step_dir(self._root(host), step) / MANIFEST_NAME
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as e:
+            raise ManifestError("committed step has no manifest", step=step, host=host,
+                                path=str(path)) from e
+        # Checked here, where the file is, so that an error names it.
+        m = Manifest.from_bytes(data, path=str(path))
+        if m.step != step or m.host != host:
+            raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
+                                host=host, path=str(path))
+        return data
+
+    def _delete(self, hosts: Sequence[int], step: int) -> bool:
+        return any([layout.remove_step(self._root(h), step) for h in hosts])
+
+    def _retain(self, hosts: Sequence[int], oldest_kept: int) -> list[int]:
+        """Remove committed steps older than ``oldest_kept`` (in the background)."""
+        removed = set()
+        for h in hosts:
+            for s in layout.committed_steps(self._root(h)):
+                if s < oldest_kept and layout.remove_step(self._root(h), s, background=True):
+                    removed.add(s)
+        return sorted(removed)
+
+    def _clean(self, hosts: Sequence[int]) -> dict[str, list[str]]:
+        out = {}
+        for h in hosts:
+            root = self._root(h)
+            root.mkdir(parents=True, exist_ok=True)
+            out[str(h)] = layout.clean_uncommitted(root)
+            if out[str(h)]:
+                log.info("host %d: removed uncommitted folders %s", h, out[str(h)])
+        return out
+
+    def _read(self, hosts: Sequence[int], step: int, task: dict[str, Any]) -> bytes:
+        """A region's bytes, from pieces this host holds, each verified."""
+        t = task_from_json(task)
+        strangers = {p.host for p in t.pieces} - set(hosts)
+        if strangers:
+            raise ProtocolError(f"asked to read pieces held by hosts {sorted(strangers)}",
+                                step=step, host=hosts[0])
+        region = ShardLoader(step, self._root).read(t)
+        return np.ascontiguousarray(region).view(np.uint8).reshape(-1).tobytes()
