@@ -1,134 +1,18 @@
-"""How the controller reaches host-side code: the host seam.
-
-Every host operation goes through a dispatcher: stage and write a save, wait for
-it, load a restore's shards, and the small operations of :class:`HostCalls`
-(list committed steps, read a manifest, read a region, delete, retain, clean).
-The controller never opens, lists or deletes anything under a RAM disk itself.
-Two dispatchers exist, driving the same host-side code (``sidecar/``): in this
-process (multi-controller JAX, where each process is its own host; simulated
-hosts) or through colocated Python (Pathways); they differ only in how requests
-and bytes travel.
-"""
+"""Host-side code through ``jax.experimental.colocated_python`` (Pathways): the
+colocated-Python sidecar of each worker runs it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtc.contract import (
-    AgentConfig,
-    LeafSpec,
-    ReadTask,
-    SaveHeader,
-    decode_reply,
-    encode_request,
-    task_to_json,
-)
-from mtc.errors import HostAgentError, ManifestError
-from mtc.manifest import MANIFEST_NAME, Manifest
-from sidecar.agent import HostAgent
-from sidecar.load import ShardLoader, load_leaves
-from sidecar.ops import HostOps
-
-
-class Dispatch(Protocol):
-    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool: ...
-    def wait(self) -> None: ...
-    def raise_background_error(self) -> None: ...
-    def load(self, step: int, tasks: Sequence[ReadTask],
-             specs: dict[int, LeafSpec]) -> dict[int, jax.Array]: ...
-    def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...
-    def manifest(self, step: int, host: int) -> Manifest: ...
-    def read(self, step: int, host: int, task: ReadTask) -> np.ndarray: ...
-    def delete(self, step: int, hosts: Sequence[int]) -> None: ...
-    def retain(self, oldest_kept: int, hosts: Sequence[int]) -> None: ...
-    def clean(self, hosts: Sequence[int]) -> dict[int, list[str]]: ...
-    def close(self) -> None: ...
-
-
-class HostCalls:
-    """The small host operations, as typed calls over one request/reply channel."""
-
-    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
-        """Every answering host process's decoded reply (typed errors raised)."""
-        raise NotImplementedError
-
-    def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]:
-        """Committed steps of every host reachable (``hosts``, and with host
-        subfolders the roots beside them)."""
-        out: dict[int, list[int]] = {}
-        for reply in self._call("steps", hosts):
-            for h, steps in (reply or {}).items():
-                out[int(h)] = [int(s) for s in steps]
-        return out
-
-    def _one(self, op: str, host: int, **args: Any) -> Any:
-        found = [r for r in self._call(op, [host], **args) if r is not None]
-        if len(found) != 1:
-            raise HostAgentError(f"{op}: {len(found)} host processes answered for one host",
-                                 host=host)
-        return found[0]
-
-    def manifest(self, step: int, host: int) -> Manifest:
-        path = f"host {host}: {step}/{MANIFEST_NAME}"
-        m = Manifest.from_bytes(self._one("manifest", host, step=step), path=path)
-        if m.step != step or m.host != host:
-            raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
-                                host=host, path=path)
-        return m
-
-    def read(self, step: int, host: int, task: ReadTask) -> np.ndarray:
-        """A region of one leaf from pieces ``host`` holds, verified there; a copy."""
-        raw = self._one("read", host, step=step, task=task_to_json(task))
-        return np.frombuffer(bytearray(raw), dtype=jax.numpy.dtype(task.dtype)).reshape(
-            task.shape)
-
-    def delete(self, step: int, hosts: Sequence[int]) -> None:
-        self._call("delete", hosts, step=step)
-
-    def retain(self, oldest_kept: int, hosts: Sequence[int]) -> None:
-        """Remove every committed step older than ``oldest_kept`` on ``hosts``."""
-        self._call("retain", hosts, oldest_kept=oldest_kept)
-
-    def clean(self, hosts: Sequence[int]) -> dict[int, list[str]]:
-        """Remove uncommitted and half-deleted folders; their names by host."""
-        out: dict[int, list[str]] = {}
-        for reply in self._call("clean", hosts):
-            for h, names in (reply or {}).items():
-                out[int(h)] = list(names)
-        return out
-
-
-class LocalDispatch(HostCalls):
-    """Host-side code runs in this process (multi-controller JAX, simulated hosts)."""
-
-    def __init__(self, config: AgentConfig) -> None:
-        self.config = config
-        self.agent = HostAgent(config)
-        self.ops = HostOps(config)
-
-    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
-        return [decode_reply(self.ops.handle(encode_request(op, hosts, **args)))]
-
-    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
-        return self.agent.stage(header, arrays)
-
-    def wait(self) -> None:
-        self.agent.wait()
-
-    def raise_background_error(self) -> None:
-        self.agent.raise_background_error()
-
-    def load(self, step: int, tasks: Sequence[ReadTask],
-             specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
-        return load_leaves(ShardLoader(step, self.config.root), tasks, specs)
-
-    def close(self) -> None:
-        self.agent.close()
+from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, decode_reply, encode_request
+from mtc.dispatch.calls import HostCalls
+from mtc.errors import HostAgentError
 
 
 class ColocatedDispatch(HostCalls):
