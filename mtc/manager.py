@@ -19,7 +19,7 @@ import jax
 
 from mtc import multihost
 from mtc.contract import AgentConfig
-from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch
+from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, ProcessDispatch
 from mtc.errors import (
     ConfigError,
     MtcError,
@@ -68,7 +68,7 @@ class CheckpointManager:
         pathways = _on_pathways()
         mode = self.options.dispatch
         if mode == "auto":
-            mode = "colocated" if pathways else "local"
+            mode = "process" if self.options.sidecars else "colocated" if pathways else "local"
         self.topology = Topology.detect(devices, self.options, pathways=pathways)
         self._config = AgentConfig(
             local_dir=str(self.local_dir),
@@ -78,8 +78,13 @@ class CheckpointManager:
             max_staged_bytes=self.options.max_staged_bytes,
             writer_threads=self.options.writer_threads,
         )
-        self._dispatch: Dispatch = (ColocatedDispatch(self._config, devices)
-                                    if mode == "colocated" else LocalDispatch(self._config))
+        self._dispatch: Dispatch
+        if mode == "process":
+            self._dispatch = ProcessDispatch.connect(self._config, self.options.sidecars or ())
+        elif mode == "colocated":
+            self._dispatch = ColocatedDispatch(self._config, devices)
+        else:
+            self._dispatch = LocalDispatch(self._config)
         # Every RAM-disk operation below goes through the dispatcher: the host side
         # (sidecar/) alone touches a RAM disk, here as on separate machines.
         self._dispatch.clean(self.topology.local_hosts)

@@ -8,7 +8,7 @@ from typing import Literal
 from mtc.errors import ConfigError
 
 BusyPolicy = Literal["wait", "skip"]
-Dispatch = Literal["auto", "local", "colocated"]
+Dispatch = Literal["auto", "local", "colocated", "process"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,9 @@ class Options:
       dispatch: how host-side code is invoked. ``"local"`` calls it in this
         process (multi-controller JAX, simulated hosts); ``"colocated"`` goes
         through ``jax.experimental.colocated_python`` (Pathways);
-        ``"auto"`` picks colocated on Pathways, local elsewhere.
+        ``"process"`` sends every host operation to a sidecar process per host
+        (``sidecars``; the local cluster); ``"auto"`` picks process when
+        ``sidecars`` are given, colocated on Pathways, local elsewhere.
       hosts_per_slice: hosts per slice when devices carry no ``slice_index``.
       simulated_hosts: group this process's devices into this many simulated
         hosts (one RAM-disk root each, under ``<local_dir>/host-<i>/``). ``None``
@@ -45,6 +47,9 @@ class Options:
         peers first; retention is then theirs (``max_to_keep`` is not applied).
       replicator_token: the replicators' shared token, if they require one.
       restore_timeout_s: how long a restore waits for the replicators.
+      sidecars: each host's sidecar process address (``python -m
+        sidecar.host.main``), in host order; with them the hosts' RAM disks are
+        reached only through those processes, never from this one.
     """
 
     save_interval_steps: int = 1
@@ -59,6 +64,7 @@ class Options:
     replicators: tuple[str, ...] | None = None
     replicator_token: str | None = None
     restore_timeout_s: float = 120.0
+    sidecars: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.save_interval_steps < 1:
@@ -71,8 +77,11 @@ class Options:
             raise ConfigError(f"max_staged_bytes must be positive, got {self.max_staged_bytes}")
         if self.writer_threads < 1:
             raise ConfigError(f"writer_threads must be >= 1, got {self.writer_threads}")
-        if self.dispatch not in ("auto", "local", "colocated"):
-            raise ConfigError(f"dispatch must be auto, local or colocated, got {self.dispatch!r}")
+        if self.dispatch not in ("auto", "local", "colocated", "process"):
+            raise ConfigError("dispatch must be auto, local, colocated or process, "
+                              f"got {self.dispatch!r}")
+        if (self.dispatch == "process") != bool(self.sidecars) and self.dispatch != "auto":
+            raise ConfigError("dispatch='process' goes with sidecars=(one address per host)")
         if self.hosts_per_slice < 1:
             raise ConfigError(f"hosts_per_slice must be >= 1, got {self.hosts_per_slice}")
         if self.simulated_hosts is not None and self.simulated_hosts < 1:

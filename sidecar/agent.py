@@ -13,16 +13,17 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from mtc import layout
-from mtc.contract import AgentConfig, SaveHeader, shard_index
+from mtc.contract import AgentConfig, SaveHeader
 from mtc.errors import MtcError
 from mtc.manifest import Index, LeafEntry
+from mtc.shards import distinct_shards
 from sidecar.buffers import StagingPool
 from sidecar.write import HostSave, StagedShard, Writer
 
@@ -131,6 +132,26 @@ class HostAgent:
                 s.go.set()
         return True
 
+    def stage_views(self, header: SaveHeader, host: int,
+                    shards: Sequence[tuple[int, Index, np.ndarray]],
+                    on_written: Callable[[BaseException | None], None]) -> None:
+        """Queue one host's shards that are in host memory already (a sidecar's view
+        of the shared-memory area): (leaf number, index, bytes). The memory must
+        stay as it is until ``on_written`` is called, with the save's error or None."""
+        self.raise_background_error()
+        self._clean_once(host)
+        save = HostSave(self.config.root(host), header.step, host,
+                        self.config.slice_of_host[host], len(self.config.slice_of_host),
+                        list(header.leaves))
+        save.done.add_done_callback(lambda f: on_written(f.exception()))
+        self.writer.submit(save)
+        with self._lock:
+            self._pending.append(save)
+        for leaf, index, data in shards:
+            save.add(StagedShard(leaf, index, data, lambda: None))
+        save.seal()
+        save.go.set()
+
     def _plan(self, hosts: Sequence[int], arrays: Sequence[jax.Array | np.ndarray],
               host_of: dict[int, int]
               ) -> dict[int, list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]]]:
@@ -164,15 +185,7 @@ class HostAgent:
         key = (a.sharding, a.shape)
         found = self._shard_plans.get(key)
         if found is None:
-            seen: set[tuple[int, Index]] = set()
-            found = []
-            for pos, s in enumerate(a.addressable_shards):
-                h = host_of[s.device.id]
-                index = shard_index(s.index, a.shape)
-                if (h, index) not in seen:
-                    seen.add((h, index))
-                    found.append((pos, h, index, tuple(b - a_ for a_, b in index)))
-            self._shard_plans[key] = found
+            found = self._shard_plans[key] = distinct_shards(a, host_of)
         return found
 
     def _snapshot(self, leaf: int, index: Index, shape: tuple[int, ...],

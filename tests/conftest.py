@@ -17,9 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-
 import seam_audit
+from jax.sharding import Mesh
 
 
 @pytest.fixture

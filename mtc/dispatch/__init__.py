@@ -4,14 +4,16 @@ Every host operation goes through a dispatcher: stage and write a save, wait for
 it, load a restore's shards, and the small operations of :class:`HostCalls`
 (list committed steps, read a manifest, read a region, delete, retain, clean).
 The controller never opens, lists or deletes anything under a RAM disk itself.
-Two dispatchers exist, driving the same host-side code (``sidecar/``): in this
-process (multi-controller JAX, where each process is its own host; simulated
-hosts) or through colocated Python (Pathways); they differ only in how requests
-and bytes travel.
+Three dispatchers drive the same host-side code (``sidecar/``): in this process
+(multi-controller JAX, where each process is its own host), through colocated
+Python (Pathways), or in a sidecar process per host over gRPC (the local
+cluster); they differ only in how requests and bytes travel.
 """
 
 from mtc.dispatch.calls import Dispatch, HostCalls
 from mtc.dispatch.colocated import ColocatedDispatch
 from mtc.dispatch.local import LocalDispatch
+from mtc.dispatch.process import ProcessDispatch, Sidecar
 
-__all__ = ["ColocatedDispatch", "Dispatch", "HostCalls", "LocalDispatch"]
+__all__ = ["ColocatedDispatch", "Dispatch", "HostCalls", "LocalDispatch", "ProcessDispatch",
+           "Sidecar"]

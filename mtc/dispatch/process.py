@@ -1,0 +1,267 @@
+"""Host-side code in a sidecar process per host, reached over gRPC (the local cluster).
+
+Each simulated host is its own processes: a sidecar (``python -m sidecar.host.main``)
+that alone sees the host's RAM disk, and the host's replicator. This dispatcher
+is what the controller holds instead of host-side objects: a request per host
+operation, and the array bytes through each host's shared-memory area.
+
+Save: the distinct shards of each host are copied into a slot of that host's area
+(the copy is the save's stall, as the device-to-host copy is on a TPU) and the
+sidecar writes them from there; a slot is reused once the sidecar reports the
+save written. Restore: the host holding each piece reads it, verified, into a
+fresh reply file of its area, which the controller maps onto its devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+
+from mtc import transfer
+from mtc.contract import (
+    AgentConfig,
+    LeafSpec,
+    Piece,
+    ReadTask,
+    SaveHeader,
+    decode_reply,
+    encode_request,
+    task_to_json,
+)
+from mtc.dispatch.calls import HostCalls
+from mtc.errors import ConfigError, MtcError, SaveInProgressError, ShardUnavailableError
+from mtc.shards import distinct_shards
+
+METHOD = "/mtc.Host/Call"
+MAX_MESSAGE = 256 << 20
+SLOTS_PER_HOST = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Sidecar:
+    """Where one host's sidecar listens, and its shared-memory area (as the trainer sees it)."""
+
+    address: str
+    area: Path
+
+
+class ProcessDispatch(HostCalls):
+    """Talks to one sidecar process per host. Not thread-safe: the manager's thread."""
+
+    def __init__(self, config: AgentConfig, sidecars: dict[int, Sidecar],
+                 *, deadline_s: float = 120.0) -> None:
+        missing = sorted(set(config.slice_of_host) - set(sidecars))
+        if missing:
+            raise ConfigError(f"no sidecar for hosts {missing}")
+        self.config = config
+        self.sidecars = sidecars
+        self.deadline_s = deadline_s
+        opts = [("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.max_receive_message_length", MAX_MESSAGE)]
+        self._channels = {h: grpc.insecure_channel(s.address, options=opts)
+                          for h, s in sidecars.items()}
+        self._stubs = {h: c.unary_unary(METHOD, request_serializer=None,
+                                        response_deserializer=None)
+                       for h, c in self._channels.items()}
+        self._slots = {h: [transfer.SaveSlot(s.area, f"save-{k}") for k in range(SLOTS_PER_HOST)]
+                       for h, s in sidecars.items()}
+
+    @classmethod
+    def connect(cls, config: AgentConfig, addresses: Sequence[str],
+                deadline_s: float = 120.0) -> ProcessDispatch:
+        """Ask each sidecar (host order) which host it is and where its area is."""
+        if len(addresses) != len(config.slice_of_host):
+            raise ConfigError(f"{len(addresses)} sidecars for {len(config.slice_of_host)} hosts")
+        sidecars = {h: Sidecar(a, Path()) for h, a in enumerate(addresses)}
+        probe = cls(config, sidecars, deadline_s=deadline_s)
+        for h in sidecars:
+            hello = probe._rpc(h, "hello")
+            if hello["host"] != h:
+                raise ConfigError(f"sidecar at {addresses[h]} serves host {hello['host']}, "
+                                  f"expected host {h}", host=h)
+            sidecars[h] = Sidecar(addresses[h], Path(hello["area"]))
+        probe._channels_close()
+        return cls(config, sidecars, deadline_s=deadline_s)
+
+    def _channels_close(self) -> None:
+        for c in self._channels.values():
+            c.close()
+
+    # -- requests -------------------------------------------------------------------
+
+    def _rpc(self, host: int, op: str, **args: Any) -> Any:
+        try:
+            reply = self._stubs[host](encode_request(op, [host], **args),
+                                      timeout=self.deadline_s, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise ShardUnavailableError(f"sidecar unreachable: {e.code().name}: {e.details()}",
+                                        host=host) from e
+        return decode_reply(reply)
+
+    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
+        return [self._rpc(h, op, **args) for h in hosts if h in self.sidecars]
+
+    # -- save -----------------------------------------------------------------------
+
+    def _release(self, host: int, written: list[str]) -> None:
+        for slot in self._slots[host]:
+            if slot.name in written:
+                slot.busy = False
+
+    def _free_slot(self, host: int, *, block: bool) -> transfer.SaveSlot | None:
+        for _ in range(2):
+            free = [s for s in self._slots[host] if not s.busy]
+            if free:
+                return free[0]
+            if not block:
+                self._release(host, self._rpc(host, "poll"))
+            else:
+                self._release(host, self._rpc(host, "wait"))
+        return None
+
+    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
+        host_of = self.config.host_of_device
+        per_host: dict[int, list[tuple[int, Any, tuple[int, ...], np.dtype[Any], Any]]] = {
+            h: [] for h in self.sidecars}
+        for i, a in enumerate(arrays):
+            leaf = header.array_leaves[i]
+            if isinstance(a, np.ndarray):  # every host keeps a copy of a numpy leaf
+                for h in per_host:
+                    per_host[h].append((leaf, tuple((0, d) for d in a.shape), a.shape,
+                                        a.dtype, a))
+                continue
+            shards = a.addressable_shards
+            for pos, h, index, shape in distinct_shards(a, host_of):
+                per_host[h].append((leaf, index, shape, np.dtype(a.dtype), shards[pos].data))
+        slots: dict[int, transfer.SaveSlot] = {}
+        for h in per_host:
+            slot = self._free_slot(h, block=not header.skip_if_busy)
+            if slot is None:
+                if header.skip_if_busy:
+                    return False
+                raise SaveInProgressError("no save slot freed up", step=header.step, host=h)
+            slots[h] = slot
+        for h, items in per_host.items():
+            if not items:
+                continue
+            sizes = [int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                     for _, _, shape, dt, _ in items]
+            offsets, total = transfer.layout_regions(sizes)
+            slot = slots[h]
+            view = slot.ensure(total)
+            table = []
+            for (leaf, index, shape, dt, src), off, n in zip(items, offsets, sizes, strict=True):
+                dst = view[off:off + n].view(dt).reshape(shape)
+                np.copyto(dst, np.asarray(src), casting="no")
+                table.append([leaf, [list(p) for p in index], dt.str, list(shape), off])
+            slot.busy = True
+            try:
+                self._rpc(h, "stage", header=header.to_bytes().decode(), slot=slot.name,
+                          size=slot.size, shards=table)
+            except BaseException:
+                slot.busy = False
+                raise
+        return True
+
+    def _each(self, op: str) -> None:
+        first: MtcError | None = None
+        for h in self.sidecars:
+            try:
+                self._release(h, self._rpc(h, op))
+            except MtcError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def wait(self) -> None:
+        self._each("wait")
+
+    def raise_background_error(self) -> None:
+        self._each("poll")
+
+    # -- restore --------------------------------------------------------------------
+
+    def _fetch(self, step: int, host: int, tasks: list[ReadTask]) -> list[np.ndarray]:
+        """Regions read by ``host`` from its own pieces, mapped from its reply file."""
+        reply = self._rpc(host, "load", step=step, tasks=[task_to_json(t) for t in tasks])
+        area = self.sidecars[host].area
+        name = reply["file"]
+        if "/" in name or not name.startswith("reply-"):
+            raise MtcError(f"sidecar named a bad reply file {name!r}", host=host)
+        path = area / name
+        view = transfer.map_file(path, int(reply["size"]), writable=False)
+        os.unlink(path)  # the mapping lives on as long as arrays use it
+        out = []
+        for t, off in zip(tasks, reply["offsets"], strict=True):
+            dt = jax.numpy.dtype(t.dtype)
+            n = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize
+            out.append(view[off:off + n].view(dt).reshape(t.shape))
+        return out
+
+    def read(self, step: int, host: int, task: ReadTask) -> np.ndarray:
+        return np.array(self._fetch(step, host, [task])[0])
+
+    def load(self, step: int, tasks: Sequence[ReadTask],
+             specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
+        # A task's region comes from the one host holding all its pieces, or is
+        # assembled here from each holder's pieces (resharding across hosts).
+        whole: dict[int, list[ReadTask]] = {}
+        split: list[ReadTask] = []
+        for t in tasks:
+            holders = {p.host for p in t.pieces}
+            if len(holders) == 1:
+                whole.setdefault(holders.pop(), []).append(t)
+            else:
+                split.append(t)
+        pieces: dict[int, list[ReadTask]] = {}
+        for t in split:
+            for p in t.pieces:
+                pieces.setdefault(p.host, []).append(
+                    ReadTask(t.leaf, p.entry.index, t.dtype, (), (p,)))
+        regions: dict[int, np.ndarray] = {}  # id(task) -> region
+        for host, ts in whole.items():
+            for t, r in zip(ts, self._fetch(step, host, ts), strict=True):
+                regions[id(t)] = r
+        got: dict[tuple[int, Piece], np.ndarray] = {}
+        for host, ts in pieces.items():
+            for t, r in zip(ts, self._fetch(step, host, ts), strict=True):
+                got[(t.leaf, t.pieces[0])] = r
+        for t in split:
+            regions[id(t)] = _assemble(t, got)
+        devices = {d.id: d for spec in specs.values() for d in spec.sharding.device_set}
+        singles: dict[tuple[int, int], jax.Array] = {}
+        for t in tasks:
+            for dev in t.device_ids:
+                singles[(t.leaf, dev)] = jax.device_put(regions[id(t)], devices[dev])
+        out: dict[int, jax.Array] = {}
+        for leaf, spec in specs.items():
+            local = [singles[(leaf, d.id)] for d in spec.sharding.addressable_devices
+                     if (leaf, d.id) in singles]
+            out[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, local)
+        return out
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._channels_close()
+
+
+def _assemble(task: ReadTask, got: dict[tuple[int, Piece], np.ndarray]) -> np.ndarray:
+    out = np.empty(task.shape, dtype=jax.numpy.dtype(task.dtype))
+    for p in task.pieces:
+        src_idx = p.entry.index
+        src = got[(task.leaf, p)]
+        lo = [max(a, c) for (a, _), (c, _) in zip(task.index, src_idx, strict=True)]
+        hi = [min(b, d) for (_, b), (_, d) in zip(task.index, src_idx, strict=True)]
+        dst = tuple(slice(x - t, y - t) for x, y, (t, _) in zip(lo, hi, task.index, strict=True))
+        sel = tuple(slice(x - s, y - s) for x, y, (s, _) in zip(lo, hi, src_idx, strict=True))
+        out[dst] = src[sel]
+    return out

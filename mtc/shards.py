@@ -1,0 +1,26 @@
+"""Which distinct shards of an array each host holds: the one rule both the controller
+(placing a save's bytes for a sidecar) and the host side (staging in-process) use."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+
+from mtc.contract import shard_index
+from mtc.manifest import Index
+
+
+def distinct_shards(a: jax.Array, host_of: Mapping[int, int]
+                    ) -> list[tuple[int, int, Index, tuple[int, ...]]]:
+    """(position among the addressable shards, host, index, shape), one per index a host
+    holds: replicas on several devices of one host are written once."""
+    seen: set[tuple[int, Index]] = set()
+    found = []
+    for pos, s in enumerate(a.addressable_shards):
+        h = host_of[s.device.id]
+        index = shard_index(s.index, a.shape)
+        if (h, index) not in seen:
+            seen.add((h, index))
+            found.append((pos, h, index, tuple(b - a_ for a_, b in index)))
+    return found

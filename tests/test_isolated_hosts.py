@@ -1,0 +1,99 @@
+"""Save and restore through sidecar processes, each alone with its host's RAM disk.
+
+With root, every host is a network namespace of its own (an address on a bridge
+the test creates) and its RAM disk a private tmpfs in a mount namespace: this
+test process cannot see a single step file, so only the seam can have done the
+work. The controller's arrays are on 8 CPU devices grouped into 4 hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import mtc
+from trainer.isolation import Hosts
+
+SLICES = [0, 0, 1, 1]
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    hs = Hosts(Path("/dev/shm") / f"mtc-iso-{uuid.uuid4().hex[:8]}", 4, ramdisk_bytes=64 << 20)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        for i in range(4):
+            hs.start_sidecar(i, SLICES, env=env)
+        yield hs
+    finally:
+        tails = {i: hs.log_tail(i, "sidecar") for i in range(4)}
+        hs.down()
+        for i, t in tails.items():
+            print(f"--- sidecar {i} ---\n{t}")
+
+
+def _opts(hs: Hosts, **kw: object) -> mtc.Options:
+    return mtc.Options(simulated_hosts=4, hosts_per_slice=2,
+                       sidecars=tuple(h.sidecar_address for h in hs.hosts), **kw)  # type: ignore[arg-type]
+
+
+def _state(mesh: Mesh) -> dict[str, object]:
+    w = jax.device_put(np.arange(8 * 16, dtype=np.float32).reshape(8, 16),
+                       NamedSharding(mesh, PartitionSpec("replica", "model")))
+    b = jax.device_put(np.arange(16, dtype=np.int32), NamedSharding(mesh, PartitionSpec()))
+    return {"w": w, "b": b, "np": np.arange(5, dtype=np.int64), "step": 7}
+
+
+def test_save_restore_through_isolated_sidecars(hosts: Hosts, mesh: Mesh,
+                                                tmp_path: Path) -> None:
+    state = _state(mesh)
+    local = tmp_path / "controller-view"
+    with mtc.CheckpointManager(local, mesh=mesh, options=_opts(hosts)) as mgr:
+        assert mgr.save(1, state)
+        assert mgr.save(2, state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2]
+        back = mgr.restore(2, target=state)
+        # Onto half the devices and another layout: pieces come from several hosts.
+        half = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+        other = {"w": jax.ShapeDtypeStruct((8, 16), np.float32,
+                                           sharding=NamedSharding(half, PartitionSpec("b", "a"))),
+                 "b": None, "np": None, "step": None}
+        moved = mgr.restore(2, target=other)
+        whole = mgr.restore(2)
+    for got in (back, moved, whole):
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
+    np.testing.assert_array_equal(np.asarray(back["b"]), np.arange(16))
+    np.testing.assert_array_equal(whole["np"], np.arange(5))
+    assert whole["step"] == 7
+    if hosts.isolation == "namespaces":
+        for h in hosts.hosts:  # the RAM disks are private to the hosts' processes
+            assert list(h.root.iterdir()) == []
+    assert not local.exists() or not any(local.iterdir())
+
+
+def test_restore_after_host_lost_names_the_host(hosts: Hosts, mesh: Mesh,
+                                                tmp_path: Path) -> None:
+    state = _state(mesh)
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=_opts(hosts)) as mgr:
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+    hosts.kill(2)  # its processes, and with namespaces its RAM disk
+    hosts.start_sidecar(2, SLICES,
+                        env={**os.environ,
+                             "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=_opts(hosts)) as mgr:
+        if hosts.isolation == "namespaces":
+            assert mgr.all_steps() == []  # host 2 came back empty
+            with pytest.raises(mtc.StepNotFoundError) as e:
+                mgr.restore(1, target=state)
+            assert e.value.host == 2
+        else:
+            assert mgr.all_steps() == [1]  # a private folder survives its processes
