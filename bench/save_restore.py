@@ -3,10 +3,15 @@
 Prints one JSON object to stdout (progress goes to stderr)::
 
     .venv/bin/python bench/save_restore.py [--gib 1.0] [--samples 5] [--warmup 1]
+        [--hosts isolated|in-process]
 
 The state is ``--gib`` GiB of float32 leaves of 64 MiB, each sharded along axis 0
 over a (2 slices, 4) mesh of 8 CPU devices: 16 shards of 8 MiB per GiB. mtc
-treats the 8 devices as 4 simulated hosts in 2 slices. Every figure is measured
+treats the 8 devices as 4 simulated hosts in 2 slices: by default isolated hosts
+(``trainer/isolation.py``: a sidecar process each, alone with its RAM disk, in
+namespaces of its own where root allows; bytes cross through each host's
+shared-memory area), or with ``--hosts in-process`` host-side code in this
+process, reading and writing the RAM disks itself. Every figure is measured
 in rounds: each round runs every measurement once, so drift in the machine hits
 all of them alike; the first ``--warmup`` rounds are discarded. Every ratio is
 taken between medians of the same run.
@@ -193,7 +198,7 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 # -- the benchmark --------------------------------------------------------------------
 
 
-def run(gib: float, samples: int, warmup: int, root: Path) -> dict[str, Any]:
+def run(gib: float, samples: int, warmup: int, root: Path, hosts_mode: str) -> dict[str, Any]:
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
     import orbax.checkpoint as ocp
@@ -239,10 +244,21 @@ def run(gib: float, samples: int, warmup: int, root: Path) -> dict[str, Any]:
     full_target = abstract(state, full)
     half_target = abstract(state, half)
 
-    mgr = mtc.CheckpointManager(
-        mtc_dir, mesh=full_mesh,
-        options=mtc.Options(max_to_keep=2, simulated_hosts=4, hosts_per_slice=2,
-                            dispatch="local"))
+    hosts = None
+    if hosts_mode == "isolated":
+        from trainer.isolation import Hosts
+
+        # Room for the steps retention keeps, plus the one being written.
+        hosts = Hosts(root / "hosts", 4, ramdisk_bytes=int(total_bytes / 4 * 3.5))
+        for i in range(4):
+            hosts.start_sidecar(i, [0, 0, 1, 1])
+        mtc_options = mtc.Options(max_to_keep=2, simulated_hosts=4, hosts_per_slice=2,
+                                  sidecars=tuple(h.sidecar_address for h in hosts.hosts))
+        log(f"isolated hosts: {hosts.describe()}")
+    else:
+        mtc_options = mtc.Options(max_to_keep=2, simulated_hosts=4, hosts_per_slice=2,
+                                  dispatch="local")
+    mgr = mtc.CheckpointManager(mtc_dir, mesh=full_mesh, options=mtc_options)
     # Default options except retention, so the tmpfs does not fill (as for mtc).
     omgr = ocp.CheckpointManager(orbax_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
 
@@ -327,6 +343,8 @@ def run(gib: float, samples: int, warmup: int, root: Path) -> dict[str, Any]:
     finally:
         mgr.close()
         omgr.close()
+        if hosts is not None:
+            hosts.down()
 
     gb = total_bytes / 1e9
 
@@ -344,8 +362,8 @@ def run(gib: float, samples: int, warmup: int, root: Path) -> dict[str, Any]:
             "warmup_rounds": warmup, "samples": samples, "jax": jax.__version__,
             "orbax": getattr(ocp, "__version__", "?"), "mtc": mtc.__version__,
             "cpus": os.cpu_count(),
-            "mtc_options": "Options(max_to_keep=2, simulated_hosts=4, hosts_per_slice=2, "
-                           "dispatch='local')",
+            "mtc_options": repr(mtc_options),
+            "hosts": hosts.describe() if hosts is not None else "in-process",
             "orbax_options": "CheckpointManagerOptions(max_to_keep=2), async, otherwise default",
             # Other work on this machine skews every figure: ratios hold up better.
             "loadavg_1min_start_end": [load_start, os.getloadavg()[0]],
@@ -390,11 +408,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1.0)")
     p.add_argument("--samples", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="discarded rounds (default 1)")
+    p.add_argument("--hosts", choices=("isolated", "in-process"), default="isolated",
+                   help="sidecar processes with private RAM disks (default), or this process")
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 1 or args.gib <= 0:
         p.error("--samples and --warmup must be >= 1 and --gib > 0")
     return run_in_scratch("mtc-bench-",
-                          lambda root: run(args.gib, args.samples, args.warmup, root))
+                          lambda root: run(args.gib, args.samples, args.warmup, root,
+                                                     args.hosts))
 
 
 if __name__ == "__main__":

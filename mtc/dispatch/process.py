@@ -97,16 +97,31 @@ class ProcessDispatch(HostCalls):
     # -- requests -------------------------------------------------------------------
 
     def _rpc(self, host: int, op: str, **args: Any) -> Any:
-        try:
-            reply = self._stubs[host](encode_request(op, [host], **args),
-                                      timeout=self.deadline_s, wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise ShardUnavailableError(f"sidecar unreachable: {e.code().name}: {e.details()}",
-                                        host=host) from e
-        return decode_reply(reply)
+        return self._fan_out({host: (op, args)})[host]
+
+    def _fan_out(self, calls: dict[int, tuple[str, dict[str, Any]]]) -> dict[int, Any]:
+        """Requests to several hosts at once; every reply awaited, then the first
+        error (in host order) raised."""
+        futures = {h: self._stubs[h].future(encode_request(op, [h], **args),
+                                            timeout=self.deadline_s, wait_for_ready=True)
+                   for h, (op, args) in calls.items()}
+        out: dict[int, Any] = {}
+        first: MtcError | None = None
+        for h, fut in futures.items():
+            try:
+                out[h] = decode_reply(fut.result())
+            except grpc.RpcError as e:
+                first = first or ShardUnavailableError(
+                    f"sidecar unreachable: {e.code().name}: {e.details()}", host=h)
+            except MtcError as e:
+                first = first or e
+        if first is not None:
+            raise first
+        return out
 
     def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
-        return [self._rpc(h, op, **args) for h in hosts if h in self.sidecars]
+        replies = self._fan_out({h: (op, args) for h in hosts if h in self.sidecars})
+        return [replies[h] for h in sorted(replies)]
 
     # -- save -----------------------------------------------------------------------
 
@@ -148,6 +163,7 @@ class ProcessDispatch(HostCalls):
                     return False
                 raise SaveInProgressError("no save slot freed up", step=header.step, host=h)
             slots[h] = slot
+        calls: dict[int, tuple[str, dict[str, Any]]] = {}
         for h, items in per_host.items():
             if not items:
                 continue
@@ -161,20 +177,30 @@ class ProcessDispatch(HostCalls):
                 dst = view[off:off + n].view(dt).reshape(shape)
                 np.copyto(dst, np.asarray(src), casting="no")
                 table.append([leaf, [list(p) for p in index], dt.str, list(shape), off])
-            slot.busy = True
-            try:
-                self._rpc(h, "stage", header=header.to_bytes().decode(), slot=slot.name,
-                          size=slot.size, shards=table)
-            except BaseException:
-                slot.busy = False
-                raise
+            calls[h] = ("stage", {"header": header.to_bytes().decode(), "slot": slot.name,
+                                  "size": slot.size, "shards": table})
+        for h in calls:
+            slots[h].busy = True
+        try:
+            self._fan_out(calls)
+        except BaseException:
+            for h in calls:  # a host that refused never read its slot
+                slots[h].busy = False
+            raise
         return True
 
     def _each(self, op: str) -> None:
+        """``poll`` or ``wait`` on every host; slots they report written are free again."""
+        futures = {h: self._stubs[h].future(encode_request(op, [h]), timeout=None
+                                            if op == "wait" else self.deadline_s)
+                   for h in self.sidecars}
         first: MtcError | None = None
-        for h in self.sidecars:
+        for h, fut in futures.items():
             try:
-                self._release(h, self._rpc(h, op))
+                self._release(h, decode_reply(fut.result()))
+            except grpc.RpcError as e:
+                first = first or ShardUnavailableError(
+                    f"sidecar unreachable: {e.code().name}: {e.details()}", host=h)
             except MtcError as e:
                 first = first or e
         if first is not None:
@@ -188,25 +214,30 @@ class ProcessDispatch(HostCalls):
 
     # -- restore --------------------------------------------------------------------
 
-    def _fetch(self, step: int, host: int, tasks: list[ReadTask]) -> list[np.ndarray]:
-        """Regions read by ``host`` from its own pieces, mapped from its reply file."""
-        reply = self._rpc(host, "load", step=step, tasks=[task_to_json(t) for t in tasks])
-        area = self.sidecars[host].area
-        name = reply["file"]
-        if "/" in name or not name.startswith("reply-"):
-            raise MtcError(f"sidecar named a bad reply file {name!r}", host=host)
-        path = area / name
-        view = transfer.map_file(path, int(reply["size"]), writable=False)
-        os.unlink(path)  # the mapping lives on as long as arrays use it
-        out = []
-        for t, off in zip(tasks, reply["offsets"], strict=True):
-            dt = jax.numpy.dtype(t.dtype)
-            n = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize
-            out.append(view[off:off + n].view(dt).reshape(t.shape))
+    def _fetch(self, step: int, by_host: dict[int, list[ReadTask]]
+               ) -> dict[int, list[np.ndarray]]:
+        """Regions each host reads from its own pieces, mapped from its reply file."""
+        replies = self._fan_out({h: ("load", {"step": step,
+                                              "tasks": [task_to_json(t) for t in ts]})
+                                 for h, ts in by_host.items()})
+        out: dict[int, list[np.ndarray]] = {}
+        for host, reply in replies.items():
+            name = reply["file"]
+            if "/" in name or not name.startswith("reply-"):
+                raise MtcError(f"sidecar named a bad reply file {name!r}", host=host)
+            path = self.sidecars[host].area / name
+            view = transfer.map_file(path, int(reply["size"]), writable=False)
+            os.unlink(path)  # the mapping lives on as long as arrays use it
+            regions = []
+            for t, off in zip(by_host[host], reply["offsets"], strict=True):
+                dt = jax.numpy.dtype(t.dtype)
+                n = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize
+                regions.append(view[off:off + n].view(dt).reshape(t.shape))
+            out[host] = regions
         return out
 
     def read(self, step: int, host: int, task: ReadTask) -> np.ndarray:
-        return np.array(self._fetch(step, host, [task])[0])
+        return np.array(self._fetch(step, {host: [task]})[host][0])
 
     def load(self, step: int, tasks: Sequence[ReadTask],
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
@@ -225,14 +256,17 @@ class ProcessDispatch(HostCalls):
             for p in t.pieces:
                 pieces.setdefault(p.host, []).append(
                     ReadTask(t.leaf, p.entry.index, t.dtype, (), (p,)))
+        asked = {h: whole.get(h, []) + pieces.get(h, []) for h in {*whole, *pieces}}
+        fetched = self._fetch(step, asked)
         regions: dict[int, np.ndarray] = {}  # id(task) -> region
-        for host, ts in whole.items():
-            for t, r in zip(ts, self._fetch(step, host, ts), strict=True):
-                regions[id(t)] = r
         got: dict[tuple[int, Piece], np.ndarray] = {}
-        for host, ts in pieces.items():
-            for t, r in zip(ts, self._fetch(step, host, ts), strict=True):
-                got[(t.leaf, t.pieces[0])] = r
+        for host, ts in asked.items():
+            n_whole = len(whole.get(host, []))
+            for k, (t, r) in enumerate(zip(ts, fetched[host], strict=True)):
+                if k < n_whole:
+                    regions[id(t)] = r
+                else:
+                    got[(t.leaf, t.pieces[0])] = r
         for t in split:
             regions[id(t)] = _assemble(t, got)
         devices = {d.id: d for spec in specs.values() for d in spec.sharding.device_set}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -133,10 +134,18 @@ class HostService:
         regions = [loader.read(t) for t in tasks]
         offsets, total = transfer.layout_regions([r.nbytes for r in regions])
         path = transfer.new_reply_file(self.area)
-        out = transfer.map_file(path, total, writable=True)
-        for r, off in zip(regions, offsets, strict=True):
-            out[off:off + r.nbytes] = np.ascontiguousarray(r).reshape(-1).view(np.uint8)
-        del out
+        # write(2) into fresh tmpfs pages is about twice as fast here as storing
+        # through a new mapping (the kernel allocates and copies in one pass).
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            for r, off in zip(regions, offsets, strict=True):
+                view = memoryview(np.ascontiguousarray(r).reshape(-1).view(np.uint8))
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], off + done)
+        finally:
+            os.close(fd)
         return {"file": path.name, "size": total, "offsets": offsets}
 
     def close(self) -> None:
