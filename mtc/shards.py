@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 
 from mtc.contract import shard_index
 from mtc.manifest import Index
@@ -24,3 +25,13 @@ def distinct_shards(a: jax.Array, host_of: Mapping[int, int]
             seen.add((h, index))
             found.append((pos, h, index, tuple(b - a_ for a_, b in index)))
     return found
+
+
+def paste(out: np.ndarray, out_index: Index, src: np.ndarray, src_index: Index) -> None:
+    """Copy the overlap of ``src`` (the ``src_index`` region of a leaf) into ``out`` (its
+    ``out_index`` region)."""
+    lo = [max(a, c) for (a, _), (c, _) in zip(out_index, src_index, strict=True)]
+    hi = [min(b, d) for (_, b), (_, d) in zip(out_index, src_index, strict=True)]
+    dst = tuple(slice(x - t, y - t) for x, y, (t, _) in zip(lo, hi, out_index, strict=True))
+    sel = tuple(slice(x - s, y - s) for x, y, (s, _) in zip(lo, hi, src_index, strict=True))
+    out[dst] = src[sel]

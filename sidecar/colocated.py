@@ -2,24 +2,21 @@
 
 On Pathways the controller's calls run in the colocated-Python sidecar of every
 worker, each seeing only its own shards; on CPU devices JAX runs them in the
-calling process. Colocated calls take and return only ``jax.Array`` pytrees, so
-the save header travels as a replicated ``uint8`` array, and a restore's plan
-travels in the (pickled) function itself.
+calling process. Colocated calls take and return only ``jax.Array`` pytrees on
+the workers' colocated CPU devices: the save header and host requests travel as
+replicated ``uint8`` arrays, answers (a restore's region bytes among them) come
+back one per worker in its own shard. No controller device id, sharding or mesh
+is ever inside a call.
 """
 
 from __future__ import annotations
-
-import functools
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import colocated_python
 
-from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader
+from mtc.contract import AgentConfig, SaveHeader
 from sidecar.agent import HostAgent
-from sidecar.load import ShardLoader, load_leaves
 from sidecar.ops import HostOps
 
 
@@ -89,25 +86,3 @@ class ColocatedAgent:
 
 
 RemoteAgent = colocated_python.colocated_python_class(ColocatedAgent)
-
-
-def _load(config_json: str, step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
-          token: jax.Array) -> list[jax.Array]:
-    config = AgentConfig.from_json(config_json)
-    loader = ShardLoader(step, config.root)
-    addressable: set[Any] = token.sharding.addressable_devices
-    here = {d.id for d in addressable}
-    mine = [t for t in tasks if set(t.device_ids) & here]
-    leaves = load_leaves(loader, mine, specs)
-    return [leaves[i] for i in sorted(specs)]
-
-
-def remote_load(config_json: str, step: int, tasks: Sequence[ReadTask],
-                specs: dict[int, LeafSpec], token: jax.Array) -> list[jax.Array]:
-    """Run a restore's reads on every host; arrays come back on the colocated CPU devices."""
-    fn = colocated_python.colocated_python(
-        functools.partial(_load, config_json, step, list(tasks), specs))
-    out_specs = [jax.ShapeDtypeStruct(specs[i].shape, jax.numpy.dtype(specs[i].dtype),
-                                      sharding=specs[i].sharding) for i in sorted(specs)]
-    fn = fn.specialize(out_specs_fn=lambda *_: out_specs)
-    return list(fn(token))

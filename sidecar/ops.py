@@ -118,12 +118,15 @@ class HostOps:
                 log.info("host %d: removed uncommitted folders %s", h, out[str(h)])
         return out
 
-    def _read(self, hosts: Sequence[int], step: int, task: dict[str, Any]) -> bytes:
-        """A region's bytes, from pieces this host holds, each verified."""
-        t = task_from_json(task)
-        strangers = {p.host for p in t.pieces} - set(hosts)
-        if strangers:
-            raise ProtocolError(f"asked to read pieces held by hosts {sorted(strangers)}",
-                                step=step, host=hosts[0])
-        region = ShardLoader(step, self._root).read(t)
-        return np.ascontiguousarray(region).view(np.uint8).reshape(-1).tobytes()
+    def _read(self, hosts: Sequence[int], step: int, tasks: list[dict[str, Any]]) -> bytes:
+        """Regions' bytes end to end, from pieces this host holds, each verified."""
+        loader = ShardLoader(step, self._root)
+        out = []
+        for d in tasks:
+            t = task_from_json(d)
+            strangers = {p.host for p in t.pieces} - set(hosts)
+            if strangers:
+                raise ProtocolError(f"asked to read pieces held by hosts {sorted(strangers)}",
+                                    step=step, host=hosts[0])
+            out.append(np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8).data)
+        return b"".join(out)

@@ -3,15 +3,17 @@ typed calls over one request/reply channel (:class:`HostCalls`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from mtc.contract import LeafSpec, ReadTask, SaveHeader, task_to_json
+from mtc.contract import LeafSpec, Piece, ReadTask, SaveHeader, task_to_json
 from mtc.errors import HostAgentError, ManifestError
 from mtc.manifest import MANIFEST_NAME, Manifest
+from mtc.shards import paste
 
 
 class Dispatch(Protocol):
@@ -22,7 +24,7 @@ class Dispatch(Protocol):
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]: ...
     def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...
     def manifest(self, step: int, host: int) -> Manifest: ...
-    def read(self, step: int, host: int, task: ReadTask) -> np.ndarray: ...
+    def read(self, step: int, host: int, tasks: Sequence[ReadTask]) -> list[np.ndarray]: ...
     def delete(self, step: int, hosts: Sequence[int]) -> None: ...
     def retain(self, oldest_kept: int, hosts: Sequence[int]) -> None: ...
     def clean(self, hosts: Sequence[int]) -> dict[int, list[str]]: ...
@@ -60,11 +62,73 @@ class HostCalls:
                                 host=host, path=path)
         return m
 
-    def read(self, step: int, host: int, task: ReadTask) -> np.ndarray:
-        """A region of one leaf from pieces ``host`` holds, verified there; a copy."""
-        raw = self._one("read", host, step=step, task=task_to_json(task))
-        return np.frombuffer(bytearray(raw), dtype=jax.numpy.dtype(task.dtype)).reshape(
-            task.shape)
+    def read(self, step: int, host: int, tasks: Sequence[ReadTask]) -> list[np.ndarray]:
+        """Regions of leaves from pieces ``host`` holds, verified there."""
+        return self._fetch(step, {host: list(tasks)})[host]
+
+    def _fetch(self, step: int, by_host: dict[int, list[ReadTask]]
+               ) -> dict[int, list[np.ndarray]]:
+        """Each host reads its tasks' regions; the bytes come back in the reply."""
+        out: dict[int, list[np.ndarray]] = {}
+        for host, tasks in by_host.items():
+            raw = memoryview(self._one("read", host, step=step,
+                                       tasks=[task_to_json(t) for t in tasks]))
+            regions, pos = [], 0
+            for t in tasks:
+                dt = jax.numpy.dtype(t.dtype)
+                n = math.prod(t.shape) * dt.itemsize
+                regions.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(t.shape))
+                pos += n
+            out[host] = regions
+        return out
+
+    def load(self, step: int, tasks: Sequence[ReadTask],
+             specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
+        """Restore's reads onto the target devices: each region from the one host
+        holding all its pieces, or assembled here from each holder's pieces
+        (resharding across hosts); no host reads another's RAM disk, and no
+        target sharding or device id reaches a host."""
+        whole: dict[int, list[ReadTask]] = {}
+        split: list[ReadTask] = []
+        for t in tasks:
+            holders = {p.host for p in t.pieces}
+            if len(holders) == 1:
+                whole.setdefault(holders.pop(), []).append(t)
+            else:
+                split.append(t)
+        parts: dict[int, list[ReadTask]] = {}
+        for t in split:
+            for p in t.pieces:
+                parts.setdefault(p.host, []).append(
+                    ReadTask(t.leaf, p.entry.index, t.dtype, (), (p,)))
+        asked = {h: whole.get(h, []) + parts.get(h, []) for h in sorted({*whole, *parts})}
+        fetched = self._fetch(step, asked)
+        regions: dict[int, np.ndarray] = {}  # id(task) -> its region
+        got: dict[tuple[int, Piece], np.ndarray] = {}
+        for host, ts in asked.items():
+            n_whole = len(whole.get(host, []))
+            for k, (t, r) in enumerate(zip(ts, fetched[host], strict=True)):
+                if k < n_whole:
+                    regions[id(t)] = r
+                else:
+                    got[(t.leaf, t.pieces[0])] = r
+        for t in split:
+            out = np.empty(t.shape, dtype=jax.numpy.dtype(t.dtype))
+            for p in t.pieces:
+                paste(out, t.index, got[(t.leaf, p)], p.entry.index)
+            regions[id(t)] = out
+        devices = {d.id: d for spec in specs.values() for d in spec.sharding.device_set}
+        singles: dict[tuple[int, int], jax.Array] = {}
+        for t in tasks:
+            for dev in t.device_ids:
+                singles[(t.leaf, dev)] = jax.device_put(regions[id(t)], devices[dev])
+        arrays: dict[int, jax.Array] = {}
+        for leaf, spec in specs.items():
+            local = [singles[(leaf, d.id)] for d in spec.sharding.addressable_devices
+                     if (leaf, d.id) in singles]
+            arrays[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding,
+                                                                    local)
+        return arrays
 
     def delete(self, step: int, hosts: Sequence[int]) -> None:
         self._call("delete", hosts, step=step)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, decode_reply, encode_request
+from mtc.contract import AgentConfig, SaveHeader, decode_reply, encode_request
 from mtc.dispatch.calls import HostCalls
 from mtc.errors import HostAgentError
 
@@ -119,13 +119,6 @@ class ColocatedDispatch(HostCalls):
 
     def raise_background_error(self) -> None:
         self._unanimous(self._poll(self._ranks), "poll")
-
-    def load(self, step: int, tasks: Sequence[ReadTask],
-             specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
-        from sidecar.colocated import remote_load
-
-        arrays = remote_load(self.config.to_json(), step, tasks, specs, self._token())
-        return dict(zip(sorted(specs), arrays, strict=True))
 
     def close(self) -> None:
         self.wait()

@@ -27,8 +27,6 @@ import numpy as np
 from mtc import transfer
 from mtc.contract import (
     AgentConfig,
-    LeafSpec,
-    Piece,
     ReadTask,
     SaveHeader,
     decode_reply,
@@ -236,66 +234,8 @@ class ProcessDispatch(HostCalls):
             out[host] = regions
         return out
 
-    def read(self, step: int, host: int, task: ReadTask) -> np.ndarray:
-        return np.array(self._fetch(step, {host: [task]})[host][0])
-
-    def load(self, step: int, tasks: Sequence[ReadTask],
-             specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
-        # A task's region comes from the one host holding all its pieces, or is
-        # assembled here from each holder's pieces (resharding across hosts).
-        whole: dict[int, list[ReadTask]] = {}
-        split: list[ReadTask] = []
-        for t in tasks:
-            holders = {p.host for p in t.pieces}
-            if len(holders) == 1:
-                whole.setdefault(holders.pop(), []).append(t)
-            else:
-                split.append(t)
-        pieces: dict[int, list[ReadTask]] = {}
-        for t in split:
-            for p in t.pieces:
-                pieces.setdefault(p.host, []).append(
-                    ReadTask(t.leaf, p.entry.index, t.dtype, (), (p,)))
-        asked = {h: whole.get(h, []) + pieces.get(h, []) for h in {*whole, *pieces}}
-        fetched = self._fetch(step, asked)
-        regions: dict[int, np.ndarray] = {}  # id(task) -> region
-        got: dict[tuple[int, Piece], np.ndarray] = {}
-        for host, ts in asked.items():
-            n_whole = len(whole.get(host, []))
-            for k, (t, r) in enumerate(zip(ts, fetched[host], strict=True)):
-                if k < n_whole:
-                    regions[id(t)] = r
-                else:
-                    got[(t.leaf, t.pieces[0])] = r
-        for t in split:
-            regions[id(t)] = _assemble(t, got)
-        devices = {d.id: d for spec in specs.values() for d in spec.sharding.device_set}
-        singles: dict[tuple[int, int], jax.Array] = {}
-        for t in tasks:
-            for dev in t.device_ids:
-                singles[(t.leaf, dev)] = jax.device_put(regions[id(t)], devices[dev])
-        out: dict[int, jax.Array] = {}
-        for leaf, spec in specs.items():
-            local = [singles[(leaf, d.id)] for d in spec.sharding.addressable_devices
-                     if (leaf, d.id) in singles]
-            out[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, local)
-        return out
-
     def close(self) -> None:
         try:
             self.wait()
         finally:
             self._channels_close()
-
-
-def _assemble(task: ReadTask, got: dict[tuple[int, Piece], np.ndarray]) -> np.ndarray:
-    out = np.empty(task.shape, dtype=jax.numpy.dtype(task.dtype))
-    for p in task.pieces:
-        src_idx = p.entry.index
-        src = got[(task.leaf, p)]
-        lo = [max(a, c) for (a, _), (c, _) in zip(task.index, src_idx, strict=True)]
-        hi = [min(b, d) for (_, b), (_, d) in zip(task.index, src_idx, strict=True)]
-        dst = tuple(slice(x - t, y - t) for x, y, (t, _) in zip(lo, hi, task.index, strict=True))
-        sel = tuple(slice(x - s, y - s) for x, y, (s, _) in zip(lo, hi, src_idx, strict=True))
-        out[dst] = src[sel]
-    return out

@@ -20,6 +20,7 @@ from mtc.dispatch import Dispatch
 from mtc.errors import TargetMismatchError
 from mtc.manifest import Index, LeafEntry
 from mtc.restore.plan import Planner, SavedStep, check_leaf
+from mtc.shards import paste
 from mtc.topology import Topology
 
 
@@ -49,21 +50,17 @@ def _full(shape: tuple[int, ...]) -> Index:
 def _assemble(dispatch: Dispatch, step: int, leaf_no: int, leaf: LeafEntry, index: Index,
               pieces: tuple[Piece, ...]) -> np.ndarray:
     """The ``index`` region of a leaf, from pieces that may sit on several hosts."""
-    by_host: dict[int, list[Piece]] = {}
-    for p in pieces:
-        by_host.setdefault(p.host, []).append(p)
-    if len(by_host) == 1:  # the usual case (numpy leaves are on every host): one read
-        return dispatch.read(step, pieces[0].host, ReadTask(leaf_no, index, leaf.dtype, (),
-                                                           pieces))
+    hosts = {p.host for p in pieces}
+    if len(hosts) == 1:  # the usual case (numpy leaves are on every host): one read
+        task = ReadTask(leaf_no, index, leaf.dtype, (), pieces)
+        return np.array(dispatch.read(step, hosts.pop(), [task])[0])
     out = np.empty(tuple(b - a for a, b in index), dtype=jax.numpy.dtype(leaf.dtype))
-    for p in pieces:
-        src_idx = p.entry.index
-        src = dispatch.read(step, p.host, ReadTask(leaf_no, src_idx, leaf.dtype, (), (p,)))
-        lo = [max(a, c) for (a, _), (c, _) in zip(index, src_idx, strict=True)]
-        hi = [min(b, d) for (_, b), (_, d) in zip(index, src_idx, strict=True)]
-        dst = tuple(slice(x - t, y - t) for x, y, (t, _) in zip(lo, hi, index, strict=True))
-        sel = tuple(slice(x - s, y - s) for x, y, (s, _) in zip(lo, hi, src_idx, strict=True))
-        out[dst] = src[sel]
+    for h in sorted(hosts):
+        mine = [p for p in pieces if p.host == h]
+        got = dispatch.read(step, h, [ReadTask(leaf_no, p.entry.index, leaf.dtype, (), (p,))
+                                      for p in mine])
+        for p, region in zip(mine, got, strict=True):
+            paste(out, index, region, p.entry.index)
     return out
 
 

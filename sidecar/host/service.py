@@ -140,7 +140,7 @@ class HostService:
         try:
             os.ftruncate(fd, total)
             for r, off in zip(regions, offsets, strict=True):
-                view = memoryview(np.ascontiguousarray(r).reshape(-1).view(np.uint8))
+                view = np.ascontiguousarray(r).reshape(-1).view(np.uint8).data
                 done = 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done:], off + done)
