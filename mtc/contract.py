@@ -129,6 +129,10 @@ def task_from_json(d: dict[str, Any]) -> ReadTask:
 # byte and a payload: b"J" JSON, b"B" raw bytes (a region read), b"E" a typed error.
 
 HOST_OPS = ("steps", "manifest", "delete", "retain", "clean", "read")
+# Colocated calls answer with one uint8 per worker; a worker whose call raised
+# answers FAILED and keeps its typed error for the request ERROR_REQUEST.
+FAILED = 255
+ERROR_REQUEST = b'{"op": "error"}'
 
 
 def encode_request(op: str, hosts: Sequence[int], **args: Any) -> bytes:

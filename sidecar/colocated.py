@@ -11,11 +11,21 @@ is ever inside a call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
 from jax.experimental import colocated_python
 
-from mtc.contract import AgentConfig, SaveHeader
+from mtc.contract import (
+    ERROR_REQUEST,
+    FAILED,
+    AgentConfig,
+    SaveHeader,
+    encode_error,
+    encode_reply,
+)
+from mtc.errors import MtcError, StorageError
 from sidecar.agent import HostAgent
 from sidecar.ops import HostOps
 
@@ -47,13 +57,30 @@ class ColocatedAgent:
         self.agent = HostAgent(config)
         self.ops = HostOps(config)
         self._replies: dict[int, bytes] = {}  # device id -> the last request's reply
+        self._error: MtcError | None = None  # of the last call that answered FAILED
+
+    def _guarded(self, fn: Callable[[], int]) -> int:
+        """``fn``'s answer, or FAILED with the typed error kept for an ``error`` request
+        (an exception would reach the controller as an untyped runtime error)."""
+        try:
+            return fn()
+        except MtcError as e:
+            self._error = e
+        except OSError as e:
+            self._error = StorageError(f"worker: {e.strerror or e}", path=e.filename)
+        return FAILED
 
     def ask(self, request: jax.Array, ranks: jax.Array) -> jax.Array:
         """Answer a host request for this worker's host; returns the reply's length.
-        The reply itself is kept for :meth:`reply`."""
+        The reply itself is kept for :meth:`reply`. The request ``{"op": "error"}``
+        is answered with the typed error of the last call that failed here."""
         req = np.asarray(request.addressable_shards[0].data).tobytes()
         hosts = _hosts(ranks)
-        by_host = {h: self.ops.handle(req, serves=[h]) for h in set(hosts.values())}
+        if req == ERROR_REQUEST:
+            err = encode_error(self._error) if self._error else encode_reply(None)
+            by_host = {h: err for h in set(hosts.values())}
+        else:
+            by_host = {h: self.ops.handle(req, serves=[h]) for h in set(hosts.values())}
         self._replies = {d: by_host[h] for d, h in hosts.items()}
         pieces = [jax.device_put(np.array([len(self._replies[s.device.id])], np.int64), s.device)
                   for s in ranks.addressable_shards]
@@ -73,16 +100,24 @@ class ColocatedAgent:
 
     def stage(self, header: jax.Array, ranks: jax.Array, arrays: list[jax.Array]) -> jax.Array:
         raw = np.asarray(header.addressable_shards[0].data).tobytes()
-        ok = self.agent.stage(SaveHeader.from_bytes(raw), arrays, host_of_device=_hosts(ranks))
-        return _answer(int(ok), ranks)
+        header_ = SaveHeader.from_bytes(raw)
+        ok = self._guarded(lambda: int(self.agent.stage(header_, arrays,
+                                                        host_of_device=_hosts(ranks))))
+        return _answer(ok, ranks)
 
     def wait(self, ranks: jax.Array) -> jax.Array:
-        self.agent.wait()
-        return _answer(1, ranks)
+        def wait() -> int:
+            self.agent.wait()
+            return 1
+
+        return _answer(self._guarded(wait), ranks)
 
     def poll(self, ranks: jax.Array) -> jax.Array:
-        self.agent.raise_background_error()
-        return _answer(1, ranks)
+        def poll() -> int:
+            self.agent.raise_background_error()
+            return 1
+
+        return _answer(self._guarded(poll), ranks)
 
 
 RemoteAgent = colocated_python.colocated_python_class(ColocatedAgent)

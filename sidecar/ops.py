@@ -90,7 +90,10 @@ class HostOps:
             raise ManifestError("committed step has no manifest", step=step, host=host,
                                 path=str(path)) from e
         # Checked here, where the file is, so that an error names it.
-        m = Manifest.from_bytes(data, path=str(path))
+        try:
+            m = Manifest.from_bytes(data, path=str(path))
+        except ManifestError as e:
+            raise ManifestError(e.message, step=step, host=host, path=str(path)) from e
         if m.step != step or m.host != host:
             raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
                                 host=host, path=str(path))

@@ -59,10 +59,46 @@ def test_worker_routes_shards_by_its_rank_array_not_controller_ids(ramdisk: Path
     np.testing.assert_array_equal(back["n"], np.arange(3))
 
 
-def test_workers_that_disagree_fail_the_call() -> None:
+def _config(local_dir: Path) -> AgentConfig:
+    return AgentConfig(local_dir=str(local_dir), host_of_device={i: i // 2 for i in range(8)},
+                       slice_of_host={0: 0, 1: 0, 2: 1, 3: 1}, subdirs=True,
+                       max_staged_bytes=None, writer_threads=1)
+
+
+def test_workers_that_disagree_fail_the_call(ramdisk: Path) -> None:
+    disp = ColocatedDispatch(_config(ramdisk), jax.devices())
     with pytest.raises(HostAgentError, match="stage"):
-        ColocatedDispatch._unanimous(_ranks([1, 1, 1, 0, 1, 1, 1, 1]), "stage")
-    assert ColocatedDispatch._unanimous(_ranks([1] * 8), "stage") is True
+        disp._unanimous(_ranks([1, 1, 1, 0, 1, 1, 1, 1]), "stage")
+    assert disp._unanimous(_ranks([1] * 8), "stage") is True
+
+
+def test_a_failing_worker_comes_back_as_its_typed_error(ramdisk: Path, mesh: Mesh) -> None:
+    """A worker's exception would reach a real controller as an untyped runtime
+    error: it answers FAILED, and the typed error (step, host, file) is fetched."""
+    (ramdisk / "host-1").write_text("a file where host 1's RAM disk should be")
+    disp = ColocatedDispatch(_config(ramdisk), jax.devices())
+    x = jax.device_put(np.zeros((8, 8), np.float32),
+                       NamedSharding(mesh, PartitionSpec("replica", "model")))
+    header, arrays = prepare(4, {"x": x}, skip_if_busy=False)
+    with pytest.raises(mtc.StorageError) as e:
+        disp.stage(header, list(arrays))
+        disp.wait()
+    assert e.value.path is not None and e.value.path.endswith("host-1")
+
+
+def test_typed_errors_keep_step_host_and_file_across_the_colocated_call(
+        ramdisk: Path, mesh: Mesh) -> None:
+    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, dispatch="colocated")
+    x = jax.device_put(np.zeros((8, 8), np.float32),
+                       NamedSharding(mesh, PartitionSpec("replica", "model")))
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        mgr.save(6, {"x": x})
+        mgr.wait_until_finished()
+        bad = ramdisk / "host-3" / "6" / "manifest.json"
+        bad.write_bytes(bad.read_bytes()[:-7])
+        with pytest.raises(mtc.ManifestError) as e:
+            mgr.restore(6, target={"x": x})
+    assert (e.value.step, e.value.host, e.value.path) == (6, 3, str(bad))
 
 
 def test_seam_audit_catches_controller_code_touching_a_ramdisk(tmp_path: Path) -> None:

@@ -10,7 +10,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtc.contract import AgentConfig, SaveHeader, decode_reply, encode_request
+from mtc.contract import (
+    ERROR_REQUEST,
+    FAILED,
+    AgentConfig,
+    SaveHeader,
+    decode_reply,
+    encode_request,
+)
 from mtc.dispatch.calls import HostCalls
 from mtc.errors import HostAgentError
 
@@ -59,7 +66,10 @@ class ColocatedDispatch(HostCalls):
         when not asked about it). The reply's length comes first, then the reply
         padded to a size class, so that each size class is one specialization."""
         raw = np.frombuffer(encode_request(op, hosts, **args), dtype=np.uint8)
-        lengths = self._ask(jax.device_put(raw, self._replicated), self._ranks)
+        return self._exchange(jax.device_put(raw, self._replicated))
+
+    def _exchange(self, request: jax.Array) -> list[Any]:
+        lengths = self._ask(request, self._ranks)
         sizes = [int(np.asarray(sh.data).reshape(-1)[0]) for sh in lengths.addressable_shards]
         cap = 1 << max(max(sizes), 1).bit_length()
         fetch = self._fetchers.get(cap)
@@ -79,13 +89,20 @@ class ColocatedDispatch(HostCalls):
                 replies[rank] = decode_reply(data)
         return [replies[r] for r in sorted(replies)]
 
-    @staticmethod
-    def _unanimous(answer: jax.Array, op: str) -> bool:
-        """Every worker's answer, read from its own shard; they must agree."""
+    def _unanimous(self, answer: jax.Array, op: str) -> bool:
+        """Every worker's answer, read from its own shard; they must agree. A worker
+        that failed answers FAILED: its typed error (step, host, file) is fetched."""
         values = {int(np.asarray(s.data).reshape(-1)[0]) for s in answer.addressable_shards}
+        if FAILED in values:
+            self._raise_worker_error(op)
         if len(values) != 1:
             raise HostAgentError(f"{op}: workers answered differently: {sorted(values)}")
         return bool(values.pop())
+
+    def _raise_worker_error(self, op: str) -> None:
+        raw = np.frombuffer(ERROR_REQUEST, dtype=np.uint8)
+        self._exchange(jax.device_put(raw, self._replicated))  # raises the typed error
+        raise HostAgentError(f"{op}: a worker failed and kept no error")
 
     def _token(self) -> jax.Array:
         return jax.device_put(np.uint8(0), self._replicated)
