@@ -11,6 +11,7 @@ is ever inside a call.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import jax
@@ -28,6 +29,25 @@ from mtc.contract import (
 from mtc.errors import MtcError, StorageError
 from sidecar.agent import HostAgent
 from sidecar.ops import HostOps
+
+log = logging.getLogger(__name__)
+
+
+def install_cpu_id_patch() -> None:
+    """Let colocated calls resolve CPU devices across the controller/worker id split.
+
+    On Pathways the controller names colocated CPU devices by backend-global ids
+    that a worker's own CPU backend numbers differently; Orbax ships the fix
+    (JAX's serialization taught to map both), installed on both sides as Orbax's
+    own colocated checkpointing does. It is idempotent, and a no-op for CPU-only
+    meshes. Orbax keeps it in a private module: a version without it is logged.
+    """
+    try:
+        from orbax.checkpoint._src.multihost import colocated_transport
+    except ImportError:
+        log.warning("orbax-checkpoint has no colocated transport: CPU ids are not remapped")
+        return
+    colocated_transport.install_pathways_colocated_serialization_patch()
 
 
 def _answer(value: int, ranks: jax.Array) -> jax.Array:
@@ -53,6 +73,7 @@ class ColocatedAgent:
     """
 
     def __init__(self, config_json: str) -> None:
+        install_cpu_id_patch()
         config = AgentConfig.from_json(config_json)
         self.agent = HostAgent(config)
         self.ops = HostOps(config)

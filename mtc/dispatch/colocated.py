@@ -28,7 +28,9 @@ class ColocatedDispatch(HostCalls):
     def __init__(self, config: AgentConfig, devices: Sequence[jax.Device]) -> None:
         from jax.experimental import colocated_python
 
-        from sidecar.colocated import RemoteAgent
+        from sidecar.colocated import RemoteAgent, install_cpu_id_patch
+
+        install_cpu_id_patch()
 
         self.config = config
         # One colocated CPU device per worker in the order of ``devices``; each
