@@ -286,8 +286,17 @@ class CheckpointManager:
                                          before_write=before_write):
                 layout.remove_step(root, s, background=True)
 
+    def _saves_in_flight(self) -> int:
+        """Steps still being written (colocated: unknown, so assume one)."""
+        agent = getattr(self._dispatch, "agent", None)
+        if agent is None:
+            return 1
+        return -(-int(agent.in_flight()) // max(1, len(self.topology.local_hosts)))
+
     def _short_of_space(self) -> bool:
-        """Whether some host's RAM disk has less room than its newest step takes."""
+        """Whether some host's RAM disk has less room than its newest step takes,
+        for the new step and each one still being written."""
+        steps_coming = 1 + self._saves_in_flight()
         for h in self.topology.local_hosts:
             root = self._config.root(h)
             steps = layout.committed_steps(root)
@@ -296,7 +305,7 @@ class CheckpointManager:
             key = (h, steps[-1])
             if key not in self._step_bytes:
                 self._step_bytes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))
-            if layout.free_bytes(root) < self._step_bytes[key] * 1.05:
+            if layout.free_bytes(root) < self._step_bytes[key] * 1.05 * steps_coming:
                 return True
         return False
 

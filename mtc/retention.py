@@ -24,7 +24,7 @@ def to_delete(complete: Sequence[int], held: Sequence[int], *, max_to_keep: int 
         return []
     n = max(max_to_keep - 1, 1) if before_write else max_to_keep
     ordered = sorted(complete)
-    if len(ordered) <= n:
+    if len(ordered) < n:
         return []
     oldest_kept = ordered[-n]
     return [s for s in sorted(held)
