@@ -278,7 +278,7 @@ def test_target_without_sharding_is_refused_and_dict_keys_keep_their_type(
              "seq": [w, (3, 4)], "pair": Pair(1, 2.5), "h": np.arange(3)}
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts()) as mgr:
         mgr.save(1, state)
-        with pytest.raises(mtc.TargetMismatchError, match="ShapeDtypeStruct without .sharding"):
+        with pytest.raises(mtc.TargetMismatchError, match=r"ShapeDtypeStruct without \.sharding"):
             mgr.restore(1, {"layers": {0: {"kernel": jax.ShapeDtypeStruct(w.shape, w.dtype)}}})
         # With a sharding it is an array; with a numpy target, numpy (asked for).
         got = mgr.restore(1, {"layers": {0: {"kernel": jax.ShapeDtypeStruct(
