@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtc.errors import UnsupportedLeafError
+from mtc.errors import ManifestError, UnsupportedLeafError
 
 KeyPath = tuple[Any, ...]
 # Leaves of ``save(..., metrics=...)`` are kept in the step's manifest under this
@@ -131,4 +131,4 @@ def decode_value(d: dict[str, Any]) -> Any:
         return base64.b64decode(d["v"])
     if t == "np":
         return np.frombuffer(base64.b64decode(d["v"]), dtype=np.dtype(d["dtype"]))[0]
-    raise ValueError(f"unknown value tag {t!r}")
+    raise ManifestError(f"unknown value tag {t!r} in a manifest (written by a newer mtc?)")
