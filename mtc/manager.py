@@ -221,6 +221,8 @@ class CheckpointManager:
             if state is not None:
                 raise ConfigError("save() takes the state or args=, not both")
             state = orbax_args.save_state(args)
+        elif state is None:
+            raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
         step = layout.as_step(step)
         self._dispatch.raise_background_error()
         if not (force or self._on_schedule(step)):

@@ -343,6 +343,8 @@ def test_orbax_args_metrics_and_should_save(ramdisk: Path, mesh: Mesh) -> None:
             mgr.restore(5, ocp.args.StandardRestore(abstract))
         with pytest.raises(mtc.ConfigError, match="restore_args is not supported"):
             mgr.restore(5, args=ocp.args.PyTreeRestore(restore_args={"w": None}))
+        with pytest.raises(mtc.ConfigError, match="needs the state"):
+            mgr.save(15)
         with pytest.raises(mtc.ConfigError, match="cannot save ArraySaveArgs"):
             mgr.save(15, args=ocp.args.ArraySave(w))
         assert mgr.all_steps() == [5, 10]
