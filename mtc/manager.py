@@ -192,12 +192,16 @@ class CheckpointManager:
 
     @_api
     def is_saving_in_progress(self) -> bool:
-        """Whether a save is still being written (raises a finished save's error)."""
+        """Whether a save is still being written (raises a finished save's error).
+
+        Through colocated Python (Pathways) the sidecar does not report progress:
+        there it waits for the saves and answers False."""
         self._dispatch.raise_background_error()
         agent = getattr(self._dispatch, "agent", None)
         if agent is not None:
             return bool(agent.in_flight())
-        return True  # colocated: the sidecar does not say; wait_until_finished() does
+        self._wait_saves()
+        return False
 
     @_api
     def save(self, step: Any, state: Any = None, *, force: bool = False, metrics: Any = None,

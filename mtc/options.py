@@ -67,6 +67,11 @@ class Options:
     restore_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            want_int = f.type in ("int", "int | None")
+            if want_int and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ConfigError(f"{f.name} must be an integer, got {type(v).__name__} {v!r}")
         if self.save_interval_steps < 1:
             raise ConfigError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
         if self.max_to_keep is not None and self.max_to_keep < 1:

@@ -9,6 +9,8 @@ and no peer (``--replicas 0``): the backup is the only tier left after the wipe.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -16,9 +18,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from replicators import Cluster, env_with_repo, new_cluster
+import pytest
+from jax.sharding import Mesh
+from replicators import Cluster, assert_state_equal, env_with_repo, make_state, new_cluster
 
+import mtc
+import mtc.replicas
+from mtc.replicas import prepare_restore
 from sidecar.backup.job import MANIFEST
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -85,3 +93,45 @@ def test_readme_loop_resumes_from_the_backup_after_a_wiped_ram_disk(
     # Without replicators, a restart resumes from its own RAM disk.
     again = run_example(code, ramdisk / "reference", 60, None)
     assert again[0] == "resumed from step 50 (local tier)", again
+
+
+def test_latest_step_reaches_the_peer_tier_and_says_so(
+        ramdisk: Path, mesh: Mesh, clusters: list[Cluster],
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 slices x 2 hosts: host 1 loses its RAM disk; ``latest_step()`` still finds
+    the newest step (its data on host 3, its peer), says so, and the restore of that
+    step needs no second agreement."""
+    cl = new_cluster(clusters, ramdisk, 4, 2, extra=("--replicas", "1"))
+    cl.start_all()
+    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
+    state = make_state(mesh, 2.0)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        assert mgr.save(2, state)
+    cl.wait_replicated(2, timeout=30)
+    cl.kill(1)
+    shutil.rmtree(cl.root(1))
+    cl.start(1)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        assert mgr.latest_step() is None  # the RAM disks alone: step 2 is not on host 1
+    with_replicators = dataclasses.replace(opts, replicators=tuple(cl.addrs),
+                                           restore_timeout_s=30.0)
+    caplog.set_level(logging.INFO, logger="mtc")
+    rounds: list[int] = []  # the real call, counted
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        rounds.append(1)
+        return prepare_restore(*args, **kw)
+
+    monkeypatch.setattr(mtc.replicas, "prepare_restore", counted)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=with_replicators) as mgr:
+        assert mgr.latest_step() == 2
+        assert mgr.last_restore_tiers == {0: "local", 1: "peer", 2: "local", 3: "local"}
+        assert mgr.last_restore_tier == "peer"
+        assert_state_equal(mgr.restore(2, state), state)
+        assert mgr.last_restore_tier == "peer"
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("mtc")]
+    assert any(m.startswith("mtc: latest step 2, ready on every host (tier: peer)")
+               for m in lines), lines
+    assert len(rounds) == 1  # restore(2) used the agreement latest_step() made
+    restored = [m for m in lines if m.startswith("mtc: restored step 2:")]
+    assert len(restored) == 1 and "from the peer tier" in restored[0] and "1=peer" in restored[0]
