@@ -124,6 +124,8 @@ class CheckpointManager:
         locks: list[tuple[int, Path]] = []
         try:
             for h in self.topology.local_hosts:
+                if self.options.read_only:
+                    break  # a reader neither locks nor cleans: a writer may be at work
                 root = self._config.root(h)
                 layout.prepare_root(root)
                 locks.append((layout.lock_root(root), root))
@@ -219,6 +221,7 @@ class CheckpointManager:
         are raised here. In multi-controller JAX every process calls it for the
         same steps (retention agrees on the steps committed everywhere).
         """
+        self._writable("save")
         if orbax_args.is_orbax_args(state):
             raise ConfigError(orbax_args.positional_hint("save"))
         if args is not None:
@@ -276,8 +279,13 @@ class CheckpointManager:
         if error is not None:
             raise error
 
+    def _writable(self, call: str) -> None:
+        if self.options.read_only:
+            raise ConfigError(f"{call}() on a read-only CheckpointManager of {self.local_dir}")
+
     def _retains(self) -> bool:
-        return self.options.max_to_keep is not None and not self.options.replicators
+        return (self.options.max_to_keep is not None and not self.options.replicators
+                and not self.options.read_only)
 
     def _apply_retention(self, *, before_write: bool = False) -> None:
         """Delete what :func:`mtc.retention.to_delete` says, on every host served here."""
@@ -418,6 +426,7 @@ class CheckpointManager:
     @_api
     def delete(self, step: Any) -> None:
         """Delete a committed step on every host this process serves."""
+        self._writable("delete")
         step = layout.as_step(step)
         self.wait_until_finished()
         for h in self.topology.local_hosts:

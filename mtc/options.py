@@ -50,6 +50,9 @@ class Options:
         peers first; retention is then theirs (``max_to_keep`` is not applied).
       replicator_token: the replicators' shared token, if they require one.
       restore_timeout_s: how long a restore waits for the replicators.
+      read_only: the manager only reads (Orbax's ``read_only``): it takes no
+        writer lock, so it may open a directory another manager writes to; it
+        removes nothing and ``save``/``delete`` raise ConfigError.
     """
 
     save_interval_steps: int = 1
@@ -65,6 +68,7 @@ class Options:
     replicators: tuple[str, ...] | None = None
     replicator_token: str | None = None
     restore_timeout_s: float = 120.0
+    read_only: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

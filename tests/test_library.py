@@ -154,6 +154,18 @@ def test_second_manager_on_a_directory_is_refused_and_a_crash_frees_it(ramdisk: 
             mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts())
         assert e.value.path == str(ramdisk / "host-0")
         assert str(os.getpid()) in str(e.value)
+        # A read-only manager takes no lock, removes nothing, and refuses to write.
+        leftover = ramdisk / "host-2" / "9.mtc-tmp-inflight"
+        leftover.mkdir()
+        with mtc.CheckpointManager(ramdisk, mesh=mesh,
+                                   options=opts(read_only=True)) as reader:
+            mgr.wait_until_finished()
+            assert reader.all_steps() == [1]
+            with pytest.raises(mtc.ConfigError, match="read-only"):
+                reader.save(2, {"w": sharded(mesh)})
+            with pytest.raises(mtc.ConfigError, match="read-only"):
+                reader.delete(1)
+        assert leftover.is_dir()
     # Released by close(): the next manager opens it, and sees the step.
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts()) as mgr:
         assert mgr.all_steps() == [1]
@@ -385,7 +397,7 @@ def test_status_reads_a_local_directory_and_fails_when_nodes_are_down(ramdisk: P
     assert cli("status", "--local-dir", str(ramdisk / "nope")).returncode == 1
 
 
-def test_restore_after_a_slow_exit_sees_the_same_values(ramdisk: Path, mesh: Mesh) -> None:
+def test_manager_collected_unclosed_still_commits_its_save(ramdisk: Path, mesh: Mesh) -> None:
     """A garbage-collected manager that was never closed still commits its save."""
     x = sharded(mesh, (512, 256))
     mgr = mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts())
