@@ -6,9 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 from mtc.errors import (
     AgreementError,
+    ClosedError,
     ConfigError,
     CorruptShardError,
+    DirectoryLockedError,
     FatalError,
+    InvalidStepError,
+    LocalDirError,
     ManifestError,
     MtcError,
     RamDiskFullError,
@@ -29,10 +33,11 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "AgreementError", "CheckpointManager", "ConfigError", "CorruptShardError", "FatalError",
-    "ManifestError", "MtcError", "Options", "RamDiskFullError", "RetryableError",
-    "SaveInProgressError", "ShardUnavailableError", "StepExistsError", "StepNotFoundError",
-    "StorageError", "TargetMismatchError", "UnsupportedLeafError", "__version__",
+    "AgreementError", "CheckpointManager", "ClosedError", "ConfigError", "CorruptShardError",
+    "DirectoryLockedError", "FatalError", "InvalidStepError", "LocalDirError", "ManifestError",
+    "MtcError", "Options", "RamDiskFullError", "RetryableError", "SaveInProgressError",
+    "ShardUnavailableError", "StepExistsError", "StepNotFoundError", "StorageError",
+    "TargetMismatchError", "UnsupportedLeafError", "__version__",
 ]
 
 

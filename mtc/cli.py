@@ -1,7 +1,10 @@
-"""``mtc``: operator commands against running replicators.
+"""``mtc``: operator commands.
 
-    mtc status --nodes ADDR0,ADDR1,...   every host's steps on every tier
+    mtc status --local-dir DIR           committed steps, sizes and leftovers on a RAM disk
+    mtc status --nodes ADDR0,ADDR1,...   every host's steps on every tier (via replicators)
     mtc backup --node ADDR               back up the newest complete step now
+
+``status`` exits 1 when a node it was asked about is down.
 """
 
 from __future__ import annotations
@@ -10,14 +13,60 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from mtc.errors import MtcError
-from sidecar.replicator.security import Credentials
+from mtc import layout
+from mtc.errors import LocalDirError, MtcError
+
+if TYPE_CHECKING:
+    from sidecar.replicator.security import Credentials
 
 
 def _creds(token_file: str | None) -> Credentials:
+    from sidecar.replicator.security import Credentials
+
     return Credentials.from_files(token_file, None, None, None)
+
+
+def _roots(local_dir: Path) -> list[Path]:
+    """The host roots under ``local_dir``: its ``host-<i>`` folders, or itself."""
+    if not local_dir.is_dir():
+        raise LocalDirError("not a directory", path=str(local_dir))
+    hosts = sorted((p for p in local_dir.iterdir()
+                    if p.is_dir() and p.name.startswith("host-") and p.name[5:].isdigit()),
+                   key=lambda p: int(p.name[5:]))
+    return hosts or [local_dir]
+
+
+def local_status(local_dir: Path, as_json: bool) -> int:
+    """Read a RAM disk directly: no replicator, no JAX."""
+    reports = [layout.inspect_root(r) for r in _roots(local_dir)]
+    held = [set(r.steps) for r in reports]
+    complete = sorted(set.intersection(*held)) if held else []
+    if as_json:
+        print(json.dumps({"local_dir": str(local_dir), "on_every_host": complete, "hosts": [
+            {"root": str(r.root), "steps": {str(s): b for s, b in r.steps.items()},
+             "leftovers": r.leftovers} for r in reports]}, indent=2))
+        return 0
+    for r in reports:
+        steps = ", ".join(f"{s} ({_size(b)})" for s, b in r.steps.items()) or "-"
+        print(f"{r.root}: committed steps {steps}")
+        for name, b in r.leftovers.items():
+            print(f"{r.root}: uncommitted or foreign folder {name} ({_size(b)})")
+    print(f"on every host: {complete if complete else '-'}")
+    return 0
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    x = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        x /= 1024
+        if x < 1024 or unit == "GiB":
+            break
+    return f"{x:.1f} {unit}"
 
 
 def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
@@ -43,9 +92,10 @@ def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
         backed = sorted(inv.backed_up_steps) or backed
         rows.append({"rank": rank, "address": addr, "up": True, "local": own,
                      "peer_copies": {str(o): sorted(s) for o, s in sorted(peers.items())}})
+    down = 1 if any(not r["up"] for r in rows) else 0
     if as_json:
         print(json.dumps({"hosts": rows, "backup": backed}, indent=2))
-        return 0
+        return down
     print(f"{'rank':>4}  {'address':<22} {'local steps':<20} peer copies held")
     for r in rows:
         if not r["up"]:
@@ -54,7 +104,10 @@ def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
         peers_s = ", ".join(f"rank {o}: {s}" for o, s in r["peer_copies"].items()) or "-"
         print(f"{r['rank']:>4}  {r['address']:<22} {r['local']!s:<20} {peers_s}")
     print(f"backup: {backed if backed else '-'}")
-    return 0
+    if down:
+        print(f"mtc: {sum(not r['up'] for r in rows)} of {len(rows)} nodes are down",
+              file=sys.stderr)
+    return down
 
 
 def backup(node: str, token_file: str | None) -> int:
@@ -76,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("status", help="every host's steps on every tier")
-    s.add_argument("--nodes", required=True, help="replicator addresses, in rank order")
+    where = s.add_mutually_exclusive_group(required=True)
+    where.add_argument("--nodes", help="replicator addresses, in rank order")
+    where.add_argument("--local-dir", help="a RAM disk (or the folder of host-<i> roots), "
+                                            "read directly")
     s.add_argument("--token-file")
     s.add_argument("--json", action="store_true")
     b = sub.add_parser("backup", help="back up the newest complete step now")
@@ -84,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--token-file")
     args = p.parse_args(argv)
     try:
+        if args.cmd == "status" and args.local_dir:
+            return local_status(Path(args.local_dir), args.json)
         if args.cmd == "status":
             return status(args.nodes.split(","), args.token_file, args.json)
         return backup(args.node, args.token_file)

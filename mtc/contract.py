@@ -128,7 +128,8 @@ def task_from_json(d: dict[str, Any]) -> ReadTask:
 # sidecar process). A request is JSON {"op", "hosts", "args"}; a reply is a kind
 # byte and a payload: b"J" JSON, b"B" raw bytes (a region read), b"E" a typed error.
 
-HOST_OPS = ("steps", "manifest", "delete", "retain", "clean", "read")
+HOST_OPS = ("open", "release", "steps", "manifest", "delete", "retain", "space", "settle",
+            "read")
 # Colocated calls answer with one uint8 per worker; a worker whose call raised
 # answers FAILED and keeps its typed error for the request ERROR_REQUEST.
 FAILED = 255

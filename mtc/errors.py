@@ -88,7 +88,23 @@ class UnsupportedLeafError(FatalError):
 
 
 class ConfigError(FatalError):
-    """Options or topology are inconsistent."""
+    """Options or topology are inconsistent, or a call's arguments are not usable."""
+
+
+class InvalidStepError(FatalError):
+    """A step number is not a non-negative integer."""
+
+
+class ClosedError(FatalError):
+    """The manager was closed; no call but ``close()`` may follow."""
+
+
+class DirectoryLockedError(FatalError):
+    """Another checkpoint manager is writing to this host's directory."""
+
+
+class LocalDirError(FatalError):
+    """``local_dir`` (a host root in it) cannot be created, read or written."""
 
 
 class HostAgentError(FatalError):

@@ -10,14 +10,49 @@ leftovers are removed by :func:`clean_uncommitted`.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import os
 import shutil
+import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtc.errors import DirectoryLockedError, InvalidStepError, LocalDirError
 
 TMP_MARK = ".mtc-tmp-"
 DEL_MARK = ".mtc-del-"
+# One writer per host root: a checkpoint manager holds an exclusive flock on this
+# file while it is open. The kernel drops the lock when the process dies, so a
+# crash leaves nothing to clean up. Replicators never take it (they write peer
+# copies and restored steps beside the manager, by design).
+LOCK_NAME = ".mtc-writer.lock"
+
+
+def as_step(step: Any) -> int:
+    """``step`` as a Python int: any integer type (int, numpy integer, a 0-d integer
+    array such as a flax ``TrainState.step``); anything else is refused."""
+    kind = ""
+    if isinstance(step, (bool, np.bool_)):
+        kind = "b"
+    elif isinstance(step, (int, np.integer)):
+        kind = "i"
+    elif getattr(step, "shape", None) == ():
+        try:
+            kind = np.dtype(step.dtype).kind
+        except TypeError:  # e.g. a typed PRNG key
+            kind = ""
+    if kind not in ("i", "u"):
+        raise InvalidStepError(f"a step must be a non-negative integer (int, numpy integer or "
+                               f"0-d integer array), got {type(step).__name__} {step!r}")
+    value = int(np.asarray(step)) if not isinstance(step, int) else int(step)
+    if value < 0:
+        raise InvalidStepError(f"a step must be a non-negative integer, got {value}")
+    return value
 
 
 def host_root(local_dir: str | os.PathLike[str], host: int, subdirs: bool) -> Path:
@@ -51,6 +86,8 @@ def commit(tmp: Path, final: Path) -> None:
 
 
 _deleter: ThreadPoolExecutor | None = None
+_deleting: list[Future[None]] = []
+_deleting_lock = threading.Lock()
 
 
 def remove_step(root: Path, step: int, *, background: bool = False) -> bool:
@@ -68,9 +105,11 @@ def remove_step(root: Path, step: int, *, background: bool = False) -> bool:
     except FileNotFoundError:
         return False
     if background:
-        if _deleter is None:
-            _deleter = ThreadPoolExecutor(1, thread_name_prefix="mtc-delete")
-        _deleter.submit(shutil.rmtree, dst, ignore_errors=True)
+        with _deleting_lock:
+            if _deleter is None:
+                _deleter = ThreadPoolExecutor(1, thread_name_prefix="mtc-delete")
+            _deleting[:] = [f for f in _deleting if not f.done()]
+            _deleting.append(_deleter.submit(shutil.rmtree, dst, ignore_errors=True))
     else:
         shutil.rmtree(dst, ignore_errors=True)
     return True
@@ -86,3 +125,110 @@ def clean_uncommitted(root: Path) -> list[str]:
     for n in removed:
         shutil.rmtree(root / n, ignore_errors=True)
     return removed
+
+
+def finish_deletions() -> None:
+    """Wait until every background deletion has freed its space."""
+    with _deleting_lock:
+        pending = list(_deleting)
+    wait(pending)
+
+
+def free_bytes(root: Path) -> int:
+    """Bytes free on the file system holding ``root``."""
+    st = os.statvfs(root)
+    return st.f_bavail * st.f_frsize
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is gone)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def prepare_root(root: Path) -> None:
+    """Create a host root; raise LocalDirError naming it when that is impossible."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(root))
+    except OSError as e:
+        raise LocalDirError(f"cannot use the directory: {e.strerror or e}",
+                            path=str(e.filename or root)) from e
+
+
+def lock_root(root: Path) -> int:
+    """Take the writer lock of a host root; returns the descriptor holding it.
+
+    The holder unlinks the file when it lets go (:func:`unlock_root`), so a lock
+    taken on a file that was unlinked meanwhile is retried on the new one."""
+    path = root / LOCK_NAME
+    for _ in range(100):  # each retry means another manager just let go
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise LocalDirError(f"cannot create the lock file: {e.strerror}",
+                                path=str(path)) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise DirectoryLockedError(
+                f"another checkpoint manager (process {holder}) is using this directory; "
+                "close it first, or give each job its own local_dir", path=str(root)) from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+    raise DirectoryLockedError("the writer lock keeps changing hands", path=str(path))
+
+
+def unlock_root(fd: int, root: Path) -> None:
+    """Let go of the writer lock: unlink the file (while holding it), then close."""
+    path = root / LOCK_NAME
+    try:
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)  # closing the last descriptor of the open file drops the flock
+
+
+@dataclasses.dataclass(frozen=True)
+class RootReport:
+    """What a host root holds, for ``mtc status --local-dir``."""
+
+    root: Path
+    steps: dict[int, int]        # committed step -> bytes
+    leftovers: dict[str, int]    # uncommitted or foreign folders -> bytes
+
+
+def inspect_root(root: Path) -> RootReport:
+    steps: dict[int, int] = {}
+    leftovers: dict[str, int] = {}
+    for name in sorted(os.listdir(root)):
+        p = root / name
+        if not p.is_dir() or p.is_symlink():
+            continue
+        if name.isdigit():
+            steps[int(name)] = folder_bytes(p)
+        elif TMP_MARK in name or DEL_MARK in name or not (
+                name.startswith("host-") or name.startswith(".")):
+            # (dot folders are the replicator's own: peer copies, staging)
+            leftovers[name] = folder_bytes(p)
+    return RootReport(root, dict(sorted(steps.items())), leftovers)

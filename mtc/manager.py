@@ -3,37 +3,54 @@
 ``save`` stages the state into host memory and returns; hosts write, checksum
 and commit in the background. ``restore`` plans reads from every host's
 manifest and loads the shards into the target shardings, resharding when the
-mesh changed.
+mesh changed. With replicators, ``latest_step`` and ``restore`` consider every
+tier (own RAM disk, peers, backup) and say which one each host's data came from.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+import time
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import jax
 
-from mtc import multihost
+from mtc import layout, multihost, orbax_args, retention
 from mtc.contract import AgentConfig
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, ProcessDispatch
 from mtc.errors import (
+    AgreementError,
+    ClosedError,
     ConfigError,
+    LocalDirError,
     MtcError,
     ShardUnavailableError,
     StepExistsError,
     StepNotFoundError,
+    StorageError,
 )
+from mtc.lifecycle import Held, track
 from mtc.options import Options
-from mtc.restore.load import restore_tree
-from mtc.restore.plan import load_step
+from mtc.restore.load import metrics_of, restore_tree
+from mtc.restore.plan import SavedStep, load_step
 from mtc.save.stage import prepare
 from mtc.topology import Topology
 
+if TYPE_CHECKING:
+    from mtc.replicas import Prepared
+
 log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# Where a host's data came from, nearest first; a restore reports the farthest.
+TIERS = ("local", "peer", "backup")
 
 
 def _on_pathways() -> bool:
@@ -48,21 +65,51 @@ def _on_pathways() -> bool:
     return bool(is_pathways_backend_used())
 
 
+def _api(fn: Callable[Concatenate[CheckpointManager, P], R]
+         ) -> Callable[Concatenate[CheckpointManager, P], R]:
+    """A public call: refused once closed; OS errors come out as MtcError naming the file."""
+    @functools.wraps(fn)
+    def call(self: CheckpointManager, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._held.closed:
+            raise ClosedError(f"{fn.__name__}() on a closed CheckpointManager of "
+                              f"{self.local_dir}; create a new one")
+        try:
+            return fn(self, *args, **kwargs)
+        except OSError as e:
+            raise StorageError(f"{fn.__name__}(): {e.strerror or e}",
+                               path=str(e.filename) if e.filename else None) from e
+    return call
+
+
+def _farthest(tiers: dict[int, str]) -> str:
+    return max(tiers.values(), key=lambda t: TIERS.index(t) if t in TIERS else -1,
+               default="local")
+
+
 class CheckpointManager:
     """Multi-tier checkpoints of a JAX training state, newest on the RAM disk.
 
     Args:
       local_dir: the RAM disk (or, for simulated hosts, the folder holding one
-        ``host-<i>`` root per host).
+        ``host-<i>`` root per host). One manager at a time may use a host's
+        root: a second gets :class:`mtc.DirectoryLockedError`.
       mesh: the mesh the state lives on; its devices define the hosts. Defaults
         to all devices.
       options: see :class:`mtc.Options`.
+
+    Attributes:
+      last_restore_tiers: per host served here, where its data of the last
+        restore (or of the step ``latest_step`` prepared) came from: ``"local"``,
+        ``"peer"`` or ``"backup"``.
+      last_restore_tier: the farthest of those (None before any restore).
     """
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
                  options: Options | None = None) -> None:
         self.local_dir = Path(local_dir)
         self.options = options or Options()
+        if not isinstance(self.options, Options):
+            raise ConfigError(f"options must be mtc.Options, got {type(self.options).__name__}")
         self.mesh = mesh
         devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
         pathways = _on_pathways()
@@ -78,39 +125,110 @@ class CheckpointManager:
             max_staged_bytes=self.options.max_staged_bytes,
             writer_threads=self.options.writer_threads,
         )
-        self._dispatch: Dispatch
+        dispatch: Dispatch
         if mode == "process":
-            self._dispatch = ProcessDispatch.connect(self._config, self.options.sidecars or ())
+            dispatch = ProcessDispatch.connect(self._config, self.options.sidecars or ())
         elif mode == "colocated":
-            self._dispatch = ColocatedDispatch(self._config, devices)
+            dispatch = ColocatedDispatch(self._config, devices)
         else:
-            self._dispatch = LocalDispatch(self._config)
-        # Every RAM-disk operation below goes through the dispatcher: the host side
-        # (sidecar/) alone touches a RAM disk, here as on separate machines.
-        self._dispatch.clean(self.topology.local_hosts)
-        self._closed = False
+            dispatch = LocalDispatch(self._config)
+        # Every RAM-disk operation from here on goes through the dispatcher: the host
+        # side (sidecar/) alone touches a RAM disk, here as on separate machines.
+        # A reader neither locks nor cleans: a writer may be at work.
+        try:
+            dispatch.open(self.topology.local_hosts, read_only=self.options.read_only)
+        except BaseException:
+            dispatch.close()
+            raise
+        self._dispatch = dispatch
+        # What close() releases, apart from the manager, so that a manager never
+        # closed is still finished at exit or when collected (mtc.lifecycle).
+        self._held = Held(dispatch, str(self.local_dir))
+        track(self, self._held)
         self._num_hosts: dict[int, int] = {}
-        # Where each local host's data of the last restore came from: "local",
-        # "peer" or "backup" (set by replicators; "local" without them).
+        self._last_saved: int | None = None
+        # A step the replicators prepared for latest_step(), not yet restored.
+        self._prepared: Prepared | None = None
         self.last_restore_tiers: dict[int, str] = {}
+        self.last_restore_tier: str | None = None
 
     # -- save -------------------------------------------------------------------
 
-    def should_save(self, step: int) -> bool:
-        return step % self.options.save_interval_steps == 0
+    @_api
+    def should_save(self, step: Any) -> bool:
+        """Whether ``save(step, ...)`` would write: on the save interval, or at a
+        preemption sync point, and after the last step saved or restored here (as
+        Orbax's). ``save`` of a step already committed raises StepExistsError."""
+        step = layout.as_step(step)
+        if self._last_saved is not None and step <= self._last_saved:
+            return False
+        return self._on_schedule(step)
 
-    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+    def _on_schedule(self, step: int) -> bool:
+        return step % self.options.save_interval_steps == 0 or self.reached_preemption(step)
+
+    @_api
+    def reached_preemption(self, step: Any) -> bool:
+        """Whether every process reached the preemption sync point at ``step``.
+
+        Orbax's equivalent: JAX's ``multihost_utils.reached_preemption_sync_point``
+        (the coordination service propagates a preemption notice and picks the
+        step); False when JAX runs without the preemption service (a single
+        process not started by ``jax.distributed``) and on Pathways. Every
+        process must call it at every step."""
+        step = layout.as_step(step)
+        if _on_pathways() or jax.process_count() == 1:
+            return False
+        from jax.experimental import multihost_utils
+
+        try:
+            return bool(multihost_utils.reached_preemption_sync_point(step))
+        except RuntimeError:  # the preemption service is off
+            return False
+
+    @_api
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save is still being written (raises a finished save's error).
+
+        Through colocated Python (Pathways) the sidecar does not report progress:
+        there it waits for the saves and answers False."""
+        self._dispatch.raise_background_error()
+        agent = getattr(self._dispatch, "agent", None)
+        if agent is not None:
+            return bool(agent.in_flight())
+        self._wait_saves()
+        return False
+
+    @_api
+    def save(self, step: Any, state: Any = None, *, force: bool = False, metrics: Any = None,
+             args: Any = None) -> bool:
         """Stage ``state`` for ``step``; returns once it is in host memory.
 
-        Returns False when the step is not on the save interval (and ``force``
-        is off), or when ``Options.if_busy == "skip"`` and earlier saves still
-        hold the staging budget. Errors of earlier background saves are raised
-        here. In multi-controller JAX every process calls it for the same steps
-        (retention agrees on the steps committed everywhere).
+        ``step`` is a non-negative integer of any integer type (int, numpy, a 0-d
+        JAX array). ``args=ocp.args.StandardSave(state)`` (or ``PyTreeSave``,
+        ``JsonSave``, a ``Composite`` of them) may replace ``state``;
+        ``metrics`` (scalars or plain values) are kept with the step
+        (:meth:`metrics`). Returns False when the step is off the save interval
+        and at no preemption sync point (and ``force`` is off), or when
+        ``Options.if_busy == "skip"`` and earlier saves still hold the staging
+        budget. Errors of earlier background saves
+        are raised here. In multi-controller JAX every process calls it for the
+        same steps (retention agrees on the steps committed everywhere).
         """
+        self._writable("save")
+        if orbax_args.is_orbax_args(state):
+            raise ConfigError(orbax_args.positional_hint("save"))
+        if args is not None:
+            if state is not None:
+                raise ConfigError("save() takes the state or args=, not both")
+            state = orbax_args.save_state(args)
+        elif state is None:
+            raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
+        step = layout.as_step(step)
         self._dispatch.raise_background_error()
-        if not (force or self.should_save(step)):
+        if not (force or self._on_schedule(step)):
             return False
+        t0 = time.perf_counter()
         held = self._dispatch.steps(self.topology.local_hosts)
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
         if partial:
@@ -121,16 +239,30 @@ class CheckpointManager:
             log.warning("step %d was committed on hosts %s only; replacing it", step, partial)
             self._dispatch.delete(step, partial)
             self._num_hosts.pop(step, None)
-        header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip")
-        self._apply_retention()
-        return self._dispatch.stage(header, arrays)
+        header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
+                                 metrics=metrics)
+        self._make_room()
+        self._prepared = None
+        staged = self._dispatch.stage(header, arrays)
+        if staged:
+            self._last_saved = step
+            nbytes = sum(int(a.nbytes) for a in arrays)
+            log.info("mtc: save step %d: %d bytes staged in %.3fs; writing to the local tier "
+                     "(%s) in the background", step, nbytes, time.perf_counter() - t0,
+                     self.local_dir)
+        return staged
 
+    @_api
     def wait_until_finished(self) -> None:
         """Block until every save is committed; raise the first background error.
 
         In multi-controller JAX this is collective: it returns once every
         process's saves are committed, so a restore that follows sees them all.
         """
+        self._wait_saves()
+        self._apply_retention()
+
+    def _wait_saves(self) -> None:
         error: BaseException | None = None
         try:
             self._dispatch.wait()
@@ -139,26 +271,60 @@ class CheckpointManager:
         multihost.barrier("mtc.wait_until_finished")
         if error is not None:
             raise error
-        self._apply_retention()
 
-    def _apply_retention(self) -> None:
-        """Keep the newest ``max_to_keep`` steps committed on every host.
+    def _writable(self, call: str) -> None:
+        if self.options.read_only:
+            raise ConfigError(f"{call}() on a read-only CheckpointManager of {self.local_dir}")
 
-        A host only deletes steps older than the oldest kept one, so a step
-        committed on some hosts but not all (a failed or running save) never
-        costs the newest complete step.
-        """
-        keep = self.options.max_to_keep
-        if keep is None or self.options.replicators:
+    def _retains(self) -> bool:
+        return (self.options.max_to_keep is not None and not self.options.replicators
+                and not self.options.read_only)
+
+    def _apply_retention(self, *, before_write: bool = False) -> None:
+        """Delete what :func:`mtc.retention.to_delete` says, on every host served here."""
+        if not self._retains():
             return
-        complete = self.all_steps()
-        if len(complete) < keep:
+        self._dispatch.retain(self.topology.local_hosts, self.all_steps(),
+                              max_to_keep=self.options.max_to_keep,
+                              keep_period=self.options.keep_period, before_write=before_write)
+
+    def _saves_in_flight(self) -> int:
+        """Steps still being written (colocated: unknown, so assume one)."""
+        agent = getattr(self._dispatch, "agent", None)
+        if agent is None:
+            return 1
+        return -(-int(agent.in_flight()) // max(1, len(self.topology.local_hosts)))
+
+    def _short_of_space(self) -> bool:
+        """Whether some host's RAM disk has less room than its newest step takes,
+        for the new step and each one still being written."""
+        steps_coming = 1 + self._saves_in_flight()
+        for free, newest in self._dispatch.space(self.topology.local_hosts).values():
+            if newest and free < newest * 1.05 * steps_coming:
+                return True
+        return False
+
+    def _make_room(self) -> None:
+        """Before a step is written: free the oldest step beyond ``max_to_keep - 1``.
+
+        Freeing runs in the background; only when a RAM disk is short of room is
+        it waited for, and then for the saves still in flight, whose commit lets
+        retention free one more step (never the newest complete one)."""
+        if not self._retains():
             return
-        self._dispatch.retain(complete[-keep], self.topology.local_hosts)
+        self._apply_retention(before_write=True)
+        # Collective in multi-controller JAX: every process takes the same path.
+        if not multihost.any_process(self._short_of_space()):
+            return
+        self._dispatch.settle(self.topology.local_hosts)
+        if multihost.any_process(self._short_of_space()):
+            self._wait_saves()
+            self._apply_retention(before_write=True)
+            self._dispatch.settle(self.topology.local_hosts)
 
     # -- inventory --------------------------------------------------------------
 
-    def _held(self) -> dict[int, list[int]]:
+    def _held_steps(self) -> dict[int, list[int]]:
         """Committed steps of every host the dispatcher reaches: its own, and with
         host subfolders every ``host-<i>`` beside them (simulated hosts, a job
         restarted with fewer or more processes on one machine)."""
@@ -172,7 +338,7 @@ class CheckpointManager:
 
     def _complete_here(self) -> list[int]:
         held: dict[int, list[int]] = {}
-        for h, steps in self._held().items():
+        for h, steps in self._held_steps().items():
             for s in steps:
                 held.setdefault(s, []).append(h)
         complete = []
@@ -189,42 +355,102 @@ class CheckpointManager:
                 complete.append(s)
         return complete
 
+    @_api
     def all_steps(self) -> list[int]:
-        """Steps committed on every host that saved them (collective in multi-controller JAX)."""
+        """Steps committed on every host's RAM disk that saved them (collective in
+        multi-controller JAX). Peer copies and backups are not listed here:
+        ``latest_step`` and ``restore`` reach them through the replicators."""
         return multihost.common_steps(self._complete_here())
 
+    @_api
     def latest_step(self) -> int | None:
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        """The newest step a restore can load, from any configured tier.
 
-    def delete(self, step: int) -> None:
+        Without replicators: the newest step committed on every host's RAM
+        disk. With ``Options(replicators=...)``: the replicators agree on the
+        newest step restorable on every host from its RAM disk, a peer or the
+        backup, and bring missing data local; ``last_restore_tier(s)`` say from
+        where. That is a round trip to every replicator: call it when (re)starting,
+        not every step. Until the next ``save`` the answer is kept, and
+        ``restore(step)`` of it needs no second round.
+        """
+        if not self.options.replicators:
+            steps = self.all_steps()
+            return steps[-1] if steps else None
+        if self._prepared is None:
+            self._prepared = self._prepare_with_replicators()
+        step = self._prepared.step
+        if step is None:
+            steps = self.all_steps()
+            return steps[-1] if steps else None
+        if multihost.common_steps([step]) != [step]:
+            raise AgreementError("processes were told different steps by their replicators",
+                                 step=step)
+        log.info("mtc: latest step %d, ready on every host (tier: %s)", step,
+                 self.last_restore_tier)
+        return step
+
+    @_api
+    def metrics(self, step: Any) -> Any:
+        """The ``metrics`` saved with ``step`` (None when none were given)."""
+        step = layout.as_step(step)
+        return metrics_of(self._saved_step(step))
+
+    @_api
+    def delete(self, step: Any) -> None:
         """Delete a committed step on every host this process serves."""
+        self._writable("delete")
+        step = layout.as_step(step)
         self.wait_until_finished()
         self._dispatch.delete(step, self.topology.local_hosts)
         self._num_hosts.pop(step, None)
 
     # -- restore ----------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: Any = None) -> Any:
-        """Load ``step`` (default: the latest) into ``target``'s shardings.
+    @_api
+    def restore(self, step: Any = None, target: Any = None, *, args: Any = None) -> Any:
+        """Load ``step`` (default: the latest, from any configured tier) into
+        ``target``'s shardings.
 
         ``target`` is the state's pytree with ``jax.Array`` or
-        ``jax.ShapeDtypeStruct`` (with ``.sharding``) leaves; other leaves are
-        placeholders for saved values. Without a target, arrays come back as
-        numpy arrays in nested dicts and lists.
+        ``jax.ShapeDtypeStruct`` leaves (a ``ShapeDtypeStruct`` must carry
+        ``.sharding``: mtc never guesses where an array goes); numpy arrays or
+        None ask for numpy; other leaves are placeholders for saved values.
+        Without a target, arrays come back as numpy arrays in nested dicts (of
+        the key types saved) and lists. ``args=ocp.args.StandardRestore(target)``
+        (or ``PyTreeRestore``, ``JsonRestore``, a ``Composite``) may replace
+        ``target``. With replicators and no step, they agree on the step and
+        bring each host's data local first (see ``latest_step``).
         """
+        if orbax_args.is_orbax_args(target) or orbax_args.is_orbax_args(step):
+            raise ConfigError(orbax_args.positional_hint("restore").replace(
+                "ocp.args.StandardSave(state)", "ocp.args.StandardRestore(target)"))
+        if args is not None and target is not None:
+            raise ConfigError("restore() takes target or args=, not both")
+        t0 = time.perf_counter()
         self.wait_until_finished()
-        self.last_restore_tiers = {h: "local" for h in self.topology.local_hosts}
-        if step is None and self.options.replicators:
-            step = self._prepare_with_replicators()
+        tiers = {h: "local" for h in self.topology.local_hosts}
+        if step is not None:
+            step = layout.as_step(step)
+            if self._prepared is not None and self._prepared.step == step:
+                tiers = self._host_tiers(self._prepared)
+        elif self.options.replicators:
+            # A fresh agreement: hosts may have been lost since latest_step() asked.
+            prepared = self._prepared or self._prepare_with_replicators()
+            step, tiers = prepared.step, self._host_tiers(prepared)
+        self._prepared = None
         if step is None:
-            step = self.latest_step()
-            if step is None:
+            steps = self.all_steps()
+            if not steps:
                 raise StepNotFoundError(f"no committed step under {self.local_dir}")
+            step = steps[-1]
         error: MtcError | None = None
         result: Any = None
+        nbytes = 0
         try:
-            result = self._restore_step(step, target)
+            saved = self._saved_step(step)
+            nbytes = sum(m.nbytes for m in saved.manifests.values())
+            result = self._restore_from(saved, target, args)
         except MtcError as e:
             error = e
         # Every process fails together, or none: a process that restored while
@@ -234,10 +460,30 @@ class CheckpointManager:
                                           step=step)
         if error is not None:
             raise error
+        self.last_restore_tiers = tiers
+        self.last_restore_tier = _farthest(tiers)
+        self._last_saved = max(step, self._last_saved or 0)
+        log.info("mtc: restored step %d: %d bytes in %.3fs from the %s tier (hosts: %s)",
+                 step, nbytes, time.perf_counter() - t0, self.last_restore_tier,
+                 ", ".join(f"{h}={t}" for h, t in sorted(tiers.items())))
         return result
 
-    def _restore_step(self, step: int, target: Any) -> Any:
-        held = self._held()
+    def _restore_from(self, saved: SavedStep, target: Any, args: Any) -> Any:
+        def load(t: Any, prefix: tuple[str, Any] | None = None) -> Any:
+            return restore_tree(saved, t, self.topology, self._dispatch, prefix=prefix)
+
+        if args is None:
+            return load(target)
+        request = orbax_args.restore_targets(args)
+        if isinstance(request, tuple):
+            return load(request[1])
+        out = {}
+        for name, t in request.items():
+            out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
+        return out
+
+    def _saved_step(self, step: int) -> SavedStep:
+        held = self._held_steps()
         holders = sorted(h for h, steps in held.items() if step in steps)
         for h in self.topology.local_hosts:
             if h not in holders and not self.topology.subdirs:
@@ -248,10 +494,13 @@ class CheckpointManager:
         missing = [h for h in range(n) if h not in holders and h in held]
         if missing and self.topology.subdirs:
             raise StepNotFoundError("step is not committed", step=step, host=missing[0])
-        saved = load_step(step, [h for h in holders if h < n], self._dispatch.manifest)
-        return restore_tree(saved, target, self.topology, self._dispatch)
+        return load_step(step, [h for h in holders if h < n], self._dispatch.manifest)
 
-    def _prepare_with_replicators(self) -> int | None:
+    def _host_tiers(self, prepared: Prepared) -> dict[int, str]:
+        addrs = self.options.replicators or ()
+        return {h: prepared.tiers.get(addrs[h], "local") for h in self.topology.local_hosts}
+
+    def _prepare_with_replicators(self) -> Prepared:
         """Have each local host's replicator agree on a step and make its data local."""
         from mtc.replicas import prepare_restore
 
@@ -262,15 +511,15 @@ class CheckpointManager:
         local = [addrs[h] for h in self.topology.local_hosts]
         prepared = prepare_restore(local, token=self.options.replicator_token,
                                    timeout_s=self.options.restore_timeout_s)
-        self.last_restore_tiers = {h: prepared.tiers[addrs[h]] for h in self.topology.local_hosts}
-        return prepared.step
+        self.last_restore_tiers = self._host_tiers(prepared)
+        self.last_restore_tier = _farthest(self.last_restore_tiers)
+        return prepared
 
     # -- lifecycle --------------------------------------------------------------
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._dispatch.close()
+        """Finish every save, then release the directory. Later calls raise ClosedError."""
+        self._held.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -19,7 +19,12 @@ class Options:
       save_interval_steps: ``save(step, ...)`` writes only when ``step`` is a
         multiple of this (or ``force=True``).
       max_to_keep: committed steps kept on the local tier; older ones are deleted
-        after each commit. ``None`` keeps everything (a replicator owns cleanup).
+        after each commit, and before a new step is written the oldest beyond
+        ``max_to_keep - 1`` goes (never the newest complete step), so the RAM
+        disk holds at most ``max(max_to_keep, 2)`` steps at any moment.
+        ``None`` keeps everything (a replicator owns cleanup).
+      keep_period: steps that are multiples of this are never deleted by
+        retention (Orbax's ``keep_period``); they add to the RAM disk's size.
       if_busy: what ``save`` does when the staging budget is used by saves still
         being written: ``"wait"`` blocks until enough memory is free, ``"skip"``
         returns ``False`` without saving.
@@ -50,10 +55,14 @@ class Options:
       sidecars: each host's sidecar process address (``python -m
         sidecar.host.main``), in host order; with them the hosts' RAM disks are
         reached only through those processes, never from this one.
+      read_only: the manager only reads (Orbax's ``read_only``): it takes no
+        writer lock, so it may open a directory another manager writes to; it
+        removes nothing and ``save``/``delete`` raise ConfigError.
     """
 
     save_interval_steps: int = 1
     max_to_keep: int | None = 2
+    keep_period: int | None = None
     if_busy: BusyPolicy = "wait"
     max_staged_bytes: int | None = None
     writer_threads: int = 2
@@ -65,12 +74,20 @@ class Options:
     replicator_token: str | None = None
     restore_timeout_s: float = 120.0
     sidecars: tuple[str, ...] | None = None
+    read_only: bool = False
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            want_int = f.type in ("int", "int | None")
+            if want_int and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ConfigError(f"{f.name} must be an integer, got {type(v).__name__} {v!r}")
         if self.save_interval_steps < 1:
             raise ConfigError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
         if self.max_to_keep is not None and self.max_to_keep < 1:
             raise ConfigError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+        if self.keep_period is not None and self.keep_period < 1:
+            raise ConfigError(f"keep_period must be >= 1 or None, got {self.keep_period}")
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.max_staged_bytes is not None and self.max_staged_bytes <= 0:

@@ -16,9 +16,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtc.errors import UnsupportedLeafError
+from mtc.errors import ManifestError, UnsupportedLeafError
 
 KeyPath = tuple[Any, ...]
+# Leaves of ``save(..., metrics=...)`` are kept in the step's manifest under this
+# path prefix; no pytree path starts with it (keystr paths start with '[' or '.').
+METRICS_ROOT = "@metrics"
 
 
 def _is_leaf(x: Any) -> bool:
@@ -39,7 +42,9 @@ def encode_keys(path: KeyPath) -> tuple[tuple[str, Any], ...]:
     for k in path:
         if isinstance(k, jax.tree_util.DictKey):
             key = k.key
-            if not isinstance(key, (str, int)):
+            if isinstance(key, np.integer):
+                key = int(key)
+            elif not isinstance(key, (str, int)) or isinstance(key, bool):
                 key = str(key)
             out.append(("d", key))
         elif isinstance(k, jax.tree_util.SequenceKey):
@@ -53,29 +58,35 @@ def encode_keys(path: KeyPath) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def unflatten_from_keys(items: Sequence[tuple[Sequence[tuple[str, Any]], Any]]) -> Any:
-    """Rebuild nested dicts and lists from encoded key paths (restore without target)."""
+class _Branch(dict):
+    """An inner node while rebuilding a tree: keys are (kind, key) pairs."""
+
+
+def unflatten_from_keys(items: Sequence[tuple[Sequence[Sequence[Any]], Any]]) -> Any:
+    """Rebuild nested dicts and lists from encoded key paths (restore without target).
+
+    Sequence keys become lists; dict and attribute keys stay dict keys of the
+    type saved (an int-keyed dict, as flax NNX's pure dicts, stays a dict)."""
     if len(items) == 1 and not items[0][0]:
         return items[0][1]
-    root: dict[Any, Any] = {}
+    root = _Branch()
     for keys, value in items:
         node = root
-        for i, (_, key) in enumerate(keys):
+        for i, (kind, key) in enumerate(keys):
+            k = ("i" if kind == "i" else "d", key)
             if i == len(keys) - 1:
-                node[key] = value
+                node[k] = value
             else:
-                node = node.setdefault(key, {})
-    return _lists_from_index_dicts(root, items)
+                node = node.setdefault(k, _Branch())
+    return _build(root)
 
 
-def _lists_from_index_dicts(node: Any, items: Any) -> Any:
-    if not isinstance(node, dict):
+def _build(node: Any) -> Any:
+    if not isinstance(node, _Branch):
         return node
-    converted = {k: _lists_from_index_dicts(v, items) for k, v in node.items()}
-    keys = list(converted)
-    if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))):
-        return [converted[i] for i in range(len(keys))]
-    return converted
+    if node and all(kind == "i" for kind, _ in node):
+        return [_build(node[k]) for k in sorted(node, key=lambda k: k[1])]
+    return {key: _build(v) for (_, key), v in node.items()}
 
 
 def encode_value(x: Any, path: str) -> dict[str, Any]:
@@ -120,4 +131,4 @@ def decode_value(d: dict[str, Any]) -> Any:
         return base64.b64decode(d["v"])
     if t == "np":
         return np.frombuffer(base64.b64decode(d["v"]), dtype=np.dtype(d["dtype"]))[0]
-    raise ValueError(f"unknown value tag {t!r}")
+    raise ManifestError(f"unknown value tag {t!r} in a manifest (written by a newer mtc?)")

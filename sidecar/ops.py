@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mtc import layout
+from mtc import layout, retention
 from mtc.contract import (
     AgentConfig,
     decode_request,
@@ -24,7 +24,7 @@ from mtc.contract import (
     encode_reply,
     task_from_json,
 )
-from mtc.errors import ManifestError, MtcError, ProtocolError, StorageError
+from mtc.errors import LocalDirError, ManifestError, MtcError, ProtocolError, StorageError
 from mtc.manifest import MANIFEST_NAME, Manifest
 from sidecar.load import ShardLoader
 
@@ -42,8 +42,11 @@ class HostOps:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self._ops: dict[str, Callable[..., Any]] = {
-            "steps": self._steps, "manifest": self._manifest, "delete": self._delete,
-            "retain": self._retain, "clean": self._clean, "read": self._read}
+            "open": self._open, "release": self._release, "steps": self._steps,
+            "manifest": self._manifest, "delete": self._delete, "retain": self._retain,
+            "space": self._space, "settle": self._settle, "read": self._read}
+        self._locks: dict[int, int] = {}  # host -> descriptor holding its writer lock
+        self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
 
     def handle(self, request: bytes, serves: Sequence[int] | None = None) -> bytes:
         """One request in, one reply out; never raises for a bad request or a failed op.
@@ -102,24 +105,66 @@ class HostOps:
     def _delete(self, hosts: Sequence[int], step: int) -> bool:
         return any([layout.remove_step(self._root(h), step) for h in hosts])
 
-    def _retain(self, hosts: Sequence[int], oldest_kept: int) -> list[int]:
-        """Remove committed steps older than ``oldest_kept`` (in the background)."""
+    def _open(self, hosts: Sequence[int], lock: bool, clean: bool) -> dict[str, list[str]]:
+        """Make each root usable: create it, take its writer lock (one manager per
+        root; the kernel drops it when the process dies), remove what a crash left."""
+        out: dict[str, list[str]] = {}
+        try:
+            for h in hosts:
+                root = self._root(h)
+                layout.prepare_root(root)
+                if lock and h not in self._locks:
+                    self._locks[h] = layout.lock_root(root)
+                if clean:
+                    try:
+                        out[str(h)] = layout.clean_uncommitted(root)
+                    except OSError as e:
+                        raise LocalDirError(f"cannot read the directory: {e.strerror}",
+                                            host=h, path=str(root)) from e
+                    if out[str(h)]:
+                        log.info("host %d: removed uncommitted folders %s", h, out[str(h)])
+        except BaseException:
+            self._release(hosts)
+            raise
+        return out
+
+    def _release(self, hosts: Sequence[int]) -> None:
+        for h in hosts:
+            fd = self._locks.pop(h, None)
+            if fd is not None:
+                layout.unlock_root(fd, self._root(h))
+
+    def release_all(self) -> None:
+        self._release(list(self._locks))
+
+    def _retain(self, hosts: Sequence[int], complete: list[int], max_to_keep: int | None,
+                keep_period: int | None, before_write: bool) -> list[int]:
+        """Delete (in the background) what the retention policy says of each host's steps."""
         removed = set()
         for h in hosts:
-            for s in layout.committed_steps(self._root(h)):
-                if s < oldest_kept and layout.remove_step(self._root(h), s, background=True):
+            root = self._root(h)
+            for s in retention.to_delete(complete, layout.committed_steps(root),
+                                         max_to_keep=max_to_keep, keep_period=keep_period,
+                                         before_write=before_write):
+                if layout.remove_step(root, s, background=True):
                     removed.add(s)
         return sorted(removed)
 
-    def _clean(self, hosts: Sequence[int]) -> dict[str, list[str]]:
+    def _space(self, hosts: Sequence[int]) -> dict[str, list[int]]:
+        """Per host: bytes free on its RAM disk, and bytes of its newest step (0: none)."""
         out = {}
         for h in hosts:
             root = self._root(h)
-            root.mkdir(parents=True, exist_ok=True)
-            out[str(h)] = layout.clean_uncommitted(root)
-            if out[str(h)]:
-                log.info("host %d: removed uncommitted folders %s", h, out[str(h)])
+            steps = layout.committed_steps(root)
+            key = (h, steps[-1]) if steps else None
+            if key is not None and key not in self._sizes:
+                self._sizes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))
+            out[str(h)] = [layout.free_bytes(root), self._sizes[key] if key else 0]
         return out
+
+    def _settle(self, hosts: Sequence[int]) -> None:
+        """Wait until background deletions have freed their space."""
+        layout.finish_deletions()
 
     def _read(self, hosts: Sequence[int], step: int, tasks: list[dict[str, Any]]) -> bytes:
         """Regions' bytes end to end, from pieces this host holds, each verified."""

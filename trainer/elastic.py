@@ -349,7 +349,7 @@ class ElasticRun:
             raise SystemExit(f"no step on the RAM disks of hosts {hosts}")
         src = self.trainer(slices)
         with mtc.CheckpointManager(view, mesh=src.mesh, options=mtc.Options(
-                max_to_keep=None, simulated_hosts=len(hosts),
+                max_to_keep=None, simulated_hosts=len(hosts), read_only=True,
                 hosts_per_slice=self.cluster.hosts_per_slice)) as reader:
             state = dict(reader.restore(max(common), src.abstract_state()))
         if src is not onto:

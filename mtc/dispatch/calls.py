@@ -26,13 +26,21 @@ class Dispatch(Protocol):
     def manifest(self, step: int, host: int) -> Manifest: ...
     def read(self, step: int, host: int, tasks: Sequence[ReadTask]) -> list[np.ndarray]: ...
     def delete(self, step: int, hosts: Sequence[int]) -> None: ...
-    def retain(self, oldest_kept: int, hosts: Sequence[int]) -> None: ...
-    def clean(self, hosts: Sequence[int]) -> dict[int, list[str]]: ...
+    def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]: ...
+    def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
+               keep_period: int | None, before_write: bool) -> None: ...
+    def space(self, hosts: Sequence[int]) -> dict[int, tuple[int, int]]: ...
+    def settle(self, hosts: Sequence[int]) -> None: ...
     def close(self) -> None: ...
 
 
 class HostCalls:
     """The small host operations, as typed calls over one request/reply channel."""
+
+    # Whether the host side takes the writer lock of a root: where it runs in the
+    # trainer's process the lock dies with that process, as it must. A sidecar
+    # outlives its trainer, so there the trainer locks its side of the host.
+    host_side_lock = True
 
     def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
         """Every answering host process's decoded reply (typed errors raised)."""
@@ -133,14 +141,31 @@ class HostCalls:
     def delete(self, step: int, hosts: Sequence[int]) -> None:
         self._call("delete", hosts, step=step)
 
-    def retain(self, oldest_kept: int, hosts: Sequence[int]) -> None:
-        """Remove every committed step older than ``oldest_kept`` on ``hosts``."""
-        self._call("retain", hosts, oldest_kept=oldest_kept)
-
-    def clean(self, hosts: Sequence[int]) -> dict[int, list[str]]:
-        """Remove uncommitted and half-deleted folders; their names by host."""
+    def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]:
+        """Make the hosts' roots usable; unless ``read_only``, take each root's writer
+        lock (a second manager gets DirectoryLockedError) and remove uncommitted
+        folders. Returns those folders' names by host."""
         out: dict[int, list[str]] = {}
-        for reply in self._call("clean", hosts):
+        for reply in self._call("open", hosts, lock=self.host_side_lock and not read_only,
+                                clean=not read_only):
             for h, names in (reply or {}).items():
                 out[int(h)] = list(names)
         return out
+
+    def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
+               keep_period: int | None, before_write: bool) -> None:
+        """Each host deletes what ``mtc.retention.to_delete`` says of its steps."""
+        self._call("retain", hosts, complete=list(complete), max_to_keep=max_to_keep,
+                   keep_period=keep_period, before_write=before_write)
+
+    def space(self, hosts: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """Per host: (bytes free on its RAM disk, bytes of its newest step)."""
+        out: dict[int, tuple[int, int]] = {}
+        for reply in self._call("space", hosts):
+            for h, (free, newest) in (reply or {}).items():
+                out[int(h)] = (int(free), int(newest))
+        return out
+
+    def settle(self, hosts: Sequence[int]) -> None:
+        """Wait until the hosts' background deletions have freed their space."""
+        self._call("settle", hosts)

@@ -23,7 +23,12 @@ from mtc.errors import HostAgentError
 
 
 class ColocatedDispatch(HostCalls):
-    """Host-side code runs through ``jax.experimental.colocated_python`` (Pathways)."""
+    """Host-side code runs through ``jax.experimental.colocated_python`` (Pathways).
+
+    Workers take no writer lock: a JobSet runs one controller, and a sidecar that
+    outlived a crashed controller would keep its successor out."""
+
+    host_side_lock = False
 
     def __init__(self, config: AgentConfig, devices: Sequence[jax.Device]) -> None:
         from jax.experimental import colocated_python

@@ -41,4 +41,7 @@ class LocalDispatch(HostCalls):
         return load_leaves(ShardLoader(step, self.config.root), tasks, specs)
 
     def close(self) -> None:
-        self.agent.close()
+        try:
+            self.agent.close()
+        finally:
+            self.ops.release_all()

@@ -24,7 +24,7 @@ import grpc
 import jax
 import numpy as np
 
-from mtc import transfer
+from mtc import layout, transfer
 from mtc.contract import (
     AgentConfig,
     ReadTask,
@@ -51,7 +51,12 @@ class Sidecar:
 
 
 class ProcessDispatch(HostCalls):
-    """Talks to one sidecar process per host. Not thread-safe: the manager's thread."""
+    """Talks to one sidecar process per host. Not thread-safe: the manager's thread.
+
+    The writer lock of a host is taken here, on the trainer's side of the host's
+    shared-memory area: it dies with the trainer, while the sidecar lives on."""
+
+    host_side_lock = False
 
     def __init__(self, config: AgentConfig, sidecars: dict[int, Sidecar],
                  *, deadline_s: float = 120.0) -> None:
@@ -68,6 +73,7 @@ class ProcessDispatch(HostCalls):
         self._stubs = {h: c.unary_unary(METHOD, request_serializer=None,
                                         response_deserializer=None)
                        for h, c in self._channels.items()}
+        self._locks: dict[int, int] = {}  # host -> descriptor of the area's writer lock
         self._slots = {h: [transfer.SaveSlot(s.area, f"save-{k}") for k in range(SLOTS_PER_HOST)]
                        for h, s in sidecars.items()}
 
@@ -234,8 +240,25 @@ class ProcessDispatch(HostCalls):
             out[host] = regions
         return out
 
+    def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]:
+        if not read_only:
+            try:
+                for h in hosts:
+                    if h not in self._locks:
+                        self._locks[h] = layout.lock_root(self.sidecars[h].area)
+            except BaseException:
+                self._unlock()
+                raise
+        return super().open(hosts, read_only=read_only)
+
+    def _unlock(self) -> None:
+        for h, fd in self._locks.items():
+            layout.unlock_root(fd, self.sidecars[h].area)
+        self._locks.clear()
+
     def close(self) -> None:
         try:
             self.wait()
         finally:
+            self._unlock()
             self._channels_close()

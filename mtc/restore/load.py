@@ -64,7 +64,21 @@ def _assemble(dispatch: Dispatch, step: int, leaf_no: int, leaf: LeafEntry, inde
     return out
 
 
-def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Dispatch) -> Any:
+def _is_metric(leaf: LeafEntry) -> bool:
+    return leaf.path.startswith(treepath.METRICS_ROOT)
+
+
+def metrics_of(saved: SavedStep) -> Any:
+    """The ``metrics`` saved with the step, or None."""
+    items = [(leaf.keys, treepath.decode_value(leaf.value))
+             for leaf in saved.leaves if _is_metric(leaf)]
+    return treepath.unflatten_from_keys(items)[treepath.METRICS_ROOT] if items else None
+
+
+def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Dispatch,
+                 *, prefix: tuple[str, Any] | None = None) -> Any:
+    """The step's leaves matched to ``target`` (or, without one, all of them, or
+    those under the top-level key ``prefix``, as nested dicts and lists)."""
     step = saved.step
     leaves = saved.leaves
     by_path = {leaf.path: i for i, leaf in enumerate(leaves)}
@@ -72,7 +86,10 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
     reader = topology.local_hosts[0]
 
     if target is None:
-        wanted: list[tuple[int, Any]] = [(i, None) for i in range(len(leaves))]
+        wanted: list[tuple[int, Any]] = [
+            (i, None) for i, leaf in enumerate(leaves)
+            if not _is_metric(leaf) and (prefix is None or (
+                leaf.keys and tuple(leaf.keys[0]) == prefix))]
         flat_target = None
         treedef = None
     else:
@@ -97,6 +114,12 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
             results[i] = treepath.decode_value(leaf.value)
             continue
         sharding = _target_sharding(t) if t is not None else None
+        if sharding is None and isinstance(t, jax.ShapeDtypeStruct) and leaf.kind != "numpy":
+            # Coming back as numpy would silently change the leaf's type.
+            raise TargetMismatchError(
+                f"target {leaf.path} is a jax.ShapeDtypeStruct without .sharding; give it "
+                "sharding= (where the array goes), or use a numpy array or None as the "
+                "target to get numpy", step=step)
         if sharding is None:
             if t is not None and hasattr(t, "shape"):
                 check_leaf(step, leaf, t)

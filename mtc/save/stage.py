@@ -35,7 +35,22 @@ def is_prng_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def prepare(step: int, state: Any, *, skip_if_busy: bool
+def _metric_leaves(metrics: Any) -> list[LeafEntry]:
+    """``metrics`` as plain-value leaves under :data:`treepath.METRICS_ROOT`."""
+    out = []
+    for path, x in treepath.flatten(metrics)[0]:
+        name = treepath.METRICS_ROOT + treepath.path_str(path)
+        if isinstance(x, (jax.Array, np.ndarray)):
+            if x.shape != () or is_prng_key(x):
+                raise UnsupportedLeafError(f"metric {name} is an array of shape {x.shape}; "
+                                           "metrics must be scalars or plain values")
+            x = np.asarray(x)[()]
+        keys = (("d", treepath.METRICS_ROOT), *treepath.encode_keys(path))
+        out.append(LeafEntry(name, keys, "value", value=treepath.encode_value(x, name)))
+    return out
+
+
+def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None
             ) -> tuple[SaveHeader, list[jax.Array | np.ndarray]]:
     """The save header and the arrays, in header order, that hosts must write."""
     flat, _ = treepath.flatten(state)
@@ -65,4 +80,6 @@ def prepare(step: int, state: Any, *, skip_if_busy: bool
             leaves.append(LeafEntry(name, keys, "value", value=treepath.encode_value(x, name)))
             continue
         array_leaves.append(i)
+    if metrics is not None:
+        leaves.extend(_metric_leaves(metrics))
     return SaveHeader(step, tuple(leaves), tuple(array_leaves), skip_if_busy), arrays

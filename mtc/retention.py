@@ -1,0 +1,31 @@
+"""Which steps a host deletes: the retention policy, a pure function.
+
+The manager applies it twice per save. Before a new step is written it keeps one
+step fewer than ``max_to_keep`` (never fewer than the newest complete step), so
+the RAM disk holds at most ``max(max_to_keep, 2)`` steps at any moment, the one
+being written included; after a commit it keeps ``max_to_keep``. Steps that are
+multiples of ``keep_period`` are never deleted (Orbax's ``keep_period``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def to_delete(complete: Sequence[int], held: Sequence[int], *, max_to_keep: int | None,
+              keep_period: int | None = None, before_write: bool = False) -> list[int]:
+    """Steps of ``held`` (one host's committed steps) to delete.
+
+    ``complete`` are the steps committed on every host. Only steps older than the
+    oldest kept complete step go, so a step committed on some hosts only (a
+    failed or running save) never costs the newest complete step.
+    """
+    if max_to_keep is None or not complete:
+        return []
+    n = max(max_to_keep - 1, 1) if before_write else max_to_keep
+    ordered = sorted(complete)
+    if len(ordered) < n:
+        return []
+    oldest_kept = ordered[-n]
+    return [s for s in sorted(held)
+            if s < oldest_kept and not (keep_period and s % keep_period == 0)]

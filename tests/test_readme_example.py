@@ -1,0 +1,137 @@
+"""The README's training loop, run as written: it resumes from the backup after its
+RAM disk is wiped, and ends where an uninterrupted run ends.
+
+The code block is taken from README.md as it stands and run in real Python
+processes; the replicator is a real ``mtc-replicator`` process backing up to a
+``file://`` bucket. One host (this machine's 8 CPU devices), so one replicator
+and no peer (``--replicas 0``): the backup is the only tier left after the wipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jax.sharding import Mesh
+from replicators import Cluster, assert_state_equal, env_with_repo, make_state, new_cluster
+
+import mtc
+import mtc.replicas
+from mtc.replicas import prepare_restore
+from sidecar.backup.job import MANIFEST
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## Use it in a training loop"):]
+    m = re.search(r"```python\n(.*?)```", section, re.S)
+    assert m, "README.md: no python block under 'Use it in a training loop'"
+    return m.group(1)
+
+
+def run_example(code: Path, local_dir: Path, steps: int, replicators: str | None
+                ) -> list[str]:
+    env = env_with_repo()
+    env.update(MTC_DIR=str(local_dir), NUM_STEPS=str(steps),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env.pop("MTC_REPLICATORS", None)
+    if replicators:
+        env["MTC_REPLICATORS"] = replicators
+    r = subprocess.run([sys.executable, str(code)], capture_output=True, text=True,
+                       timeout=180, env=env)
+    assert r.returncode == 0, f"the README's example failed:\n{r.stdout}\n{r.stderr[-4000:]}"
+    return r.stdout.strip().splitlines()
+
+
+def backed_up(bucket: Path) -> list[int]:
+    d = bucket / "steps"
+    return sorted(int(s) for s in os.listdir(d) if (d / s / MANIFEST).is_file()) \
+        if d.is_dir() else []
+
+
+def test_readme_loop_resumes_from_the_backup_after_a_wiped_ram_disk(
+        ramdisk: Path, tmp_path: Path, clusters: list[Cluster]) -> None:
+    code = tmp_path / "example.py"
+    code.write_text(readme_example())
+    bucket = ramdisk / "bucket"
+    cl = new_cluster(clusters, ramdisk / "job", 1, 1, extra=(
+        "--replicas", "0", "--backup", f"file://{bucket}", "--backup-interval-steps", "10"))
+    cl.start_all()
+    addrs = ",".join(cl.addrs)
+
+    # First run: nothing anywhere, so it starts at step 0, and saves 10, 20, 30.
+    out = run_example(code, ramdisk / "job", 30, addrs)
+    assert not any(line.startswith("resumed") for line in out), out
+    deadline = time.monotonic() + 60
+    while 30 not in backed_up(bucket):
+        assert time.monotonic() < deadline, f"step 30 not backed up: {backed_up(bucket)}"
+        time.sleep(0.1)
+
+    # The host loses its RAM disk (and its replicator with it), and comes back empty.
+    cl.stop_all()
+    shutil.rmtree(cl.root(0))
+    cl.start_all()
+    out = run_example(code, ramdisk / "job", 50, addrs)
+    assert out[0] == "resumed from step 30 (backup tier)", out
+    resumed_end = out[-1]
+
+    # Where an uninterrupted run of the same program ends, bit for bit.
+    reference = run_example(code, ramdisk / "reference", 50, None)
+    assert reference[-1].startswith("step 50: sum(w) = "), reference
+    assert resumed_end == reference[-1]
+    # Without replicators, a restart resumes from its own RAM disk.
+    again = run_example(code, ramdisk / "reference", 60, None)
+    assert again[0] == "resumed from step 50 (local tier)", again
+
+
+def test_latest_step_reaches_the_peer_tier_and_says_so(
+        ramdisk: Path, mesh: Mesh, clusters: list[Cluster],
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 slices x 2 hosts: host 1 loses its RAM disk; ``latest_step()`` still finds
+    the newest step (its data on host 3, its peer), says so, and the restore of that
+    step needs no second agreement."""
+    cl = new_cluster(clusters, ramdisk, 4, 2, extra=("--replicas", "1"))
+    cl.start_all()
+    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
+    state = make_state(mesh, 2.0)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        assert mgr.save(2, state)
+    cl.wait_replicated(2, timeout=30)
+    cl.kill(1)
+    shutil.rmtree(cl.root(1))
+    cl.start(1)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        assert mgr.latest_step() is None  # the RAM disks alone: step 2 is not on host 1
+    with_replicators = dataclasses.replace(opts, replicators=tuple(cl.addrs),
+                                           restore_timeout_s=30.0)
+    caplog.set_level(logging.INFO, logger="mtc")
+    rounds: list[int] = []  # the real call, counted
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        rounds.append(1)
+        return prepare_restore(*args, **kw)
+
+    monkeypatch.setattr(mtc.replicas, "prepare_restore", counted)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=with_replicators) as mgr:
+        assert mgr.latest_step() == 2
+        assert mgr.last_restore_tiers == {0: "local", 1: "peer", 2: "local", 3: "local"}
+        assert mgr.last_restore_tier == "peer"
+        assert_state_equal(mgr.restore(2, state), state)
+        assert mgr.last_restore_tier == "peer"
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("mtc")]
+    assert any(m.startswith("mtc: latest step 2, ready on every host (tier: peer)")
+               for m in lines), lines
+    assert len(rounds) == 1  # restore(2) used the agreement latest_step() made
+    restored = [m for m in lines if m.startswith("mtc: restored step 2:")]
+    assert len(restored) == 1 and "from the peer tier" in restored[0] and "1=peer" in restored[0]
