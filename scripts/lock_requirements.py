@@ -22,10 +22,11 @@ def _key(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def closure(root: str) -> dict[str, tuple[str, str]]:
-    """Every distribution ``root`` needs, with the extras asked for on the way."""
+def closure(root: str, extras: frozenset[str] = frozenset()) -> dict[str, tuple[str, str]]:
+    """Every distribution ``root`` (with ``extras``) needs, with the extras asked for on
+    the way."""
     found: dict[str, tuple[str, str]] = {}
-    todo: list[tuple[str, frozenset[str]]] = [(root, frozenset())]
+    todo: list[tuple[str, frozenset[str]]] = [(root, extras)]
     done: set[tuple[str, frozenset[str]]] = set()
     while todo:
         name, extras = todo.pop()
@@ -44,7 +45,8 @@ def closure(root: str) -> dict[str, tuple[str, str]]:
 
 
 def main() -> int:
-    pins = closure("mtc")
+    # The trainer image runs the demo model: mtc[trainer] (optax), not the dev tools.
+    pins = closure("mtc", frozenset({"trainer"}))
     pins.pop("mtc")
     lines = [
         "# mtc's runtime dependencies, pinned to the versions the test suite ran with.",

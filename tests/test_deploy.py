@@ -470,7 +470,7 @@ def test_manifests_agree_with_themselves(
     assert {v["name"]: v for v in trainer_pod["volumes"]}["replicator-tls"]["secret"][
         "secretName"] == secret
 
-    jax_pin = pinned("jax")
+    jax_pin = lock()["jax"]  # the images carry the locked jax
     if writer == "trainer":                     # multi-controller
         assert "--write-jax-init-info" in rep["args"]
         assert tenv["MTC_REPLICATOR_PORT"] == str(port)
@@ -595,14 +595,24 @@ def test_dockerignore_keeps_the_context_small() -> None:
         assert dockerignored(path), path
 
 
-def pinned(name: str) -> str:
+def requirement(name: str) -> Requirement:
     for spec in PYPROJECT["project"]["dependencies"]:
         req = Requirement(spec)
         if req.name == name:
-            (s,) = req.specifier
-            assert s.operator == "==", f"pyproject must pin {name} exactly"
-            return s.version
+            return req
     raise AssertionError(f"{name} is not a dependency in pyproject.toml")
+
+
+def test_library_states_ranges_and_leaves_the_demo_out() -> None:
+    """A library states the versions it works with; exact pins are the images' lock."""
+    for name in ("jax", "jaxlib", "orbax-checkpoint", "pathwaysutils"):
+        ops = {s.operator for s in requirement(name).specifier}
+        assert ops == {">=", "<"}, f"{name}: a range, not {requirement(name).specifier}"
+    assert requirement("jax").specifier == requirement("jaxlib").specifier
+    names = {Requirement(r).name for r in PYPROJECT["project"]["dependencies"]}
+    assert not names & {"optax", "matplotlib"}, "the trainers' dependencies are extras"
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert any(Requirement(r).name == "optax" for r in extras["trainer"])
 
 
 def lock() -> dict[str, str]:
@@ -628,9 +638,11 @@ def test_images_share_python_and_pinned_requirements() -> None:
             assert '--python "$PYTHON_VERSION"' in text, (df.name, stage)
             assert any(w == "ARG" and r.startswith("PYTHON_VERSION") for w, r in ins), stage
     locked = lock()
-    assert locked["jax"] == pinned("jax") and locked["jaxlib"] == pinned("jaxlib")
-    # Every runtime dependency is locked at a version pyproject allows.
-    for spec in PYPROJECT["project"]["dependencies"]:
+    assert locked["jax"] == locked["jaxlib"]
+    # Every runtime dependency (the trainer image's extra too) is locked at a
+    # version pyproject allows.
+    for spec in [*PYPROJECT["project"]["dependencies"],
+                 *PYPROJECT["project"]["optional-dependencies"]["trainer"]]:
         req = Requirement(spec)
         key = re.sub(r"[-_.]+", "-", req.name).lower()
         assert key in locked, f"{req.name} is not in deploy/requirements.txt"
