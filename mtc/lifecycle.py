@@ -14,7 +14,6 @@ import threading
 import weakref
 from typing import Any
 
-
 log = logging.getLogger(__name__)
 
 _unreleased: weakref.WeakSet[Held] = weakref.WeakSet()

@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import jax
 
-from mtc import layout, multihost, orbax_args, retention
+from mtc import layout, multihost, orbax_args
 from mtc.contract import AgentConfig
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, ProcessDispatch
 from mtc.errors import (
     AgreementError,
     ClosedError,
     ConfigError,
-    LocalDirError,
     MtcError,
     ShardUnavailableError,
     StepExistsError,
