@@ -231,16 +231,17 @@ class CheckpointManager:
         held = self._dispatch.steps(self.topology.local_hosts)
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
         if partial:
-            if step in self._complete_here():
+            if step in self._complete_here(held):
                 raise StepExistsError("step is already committed", step=step, host=partial[0])
             # A crash between hosts' commits left the step on some hosts only: it
             # was never a checkpoint, and saving it again replaces it.
             log.warning("step %d was committed on hosts %s only; replacing it", step, partial)
             self._dispatch.delete(step, partial)
             self._num_hosts.pop(step, None)
+            held = {h: [s for s in steps if s != step] for h, steps in held.items()}
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics)
-        self._make_room()
+        self._make_room(held)
         self._prepared = None
         staged = self._dispatch.stage(header, arrays)
         if staged:
@@ -279,13 +280,18 @@ class CheckpointManager:
         return (self.options.max_to_keep is not None and not self.options.replicators
                 and not self.options.read_only)
 
-    def _apply_retention(self, *, before_write: bool = False) -> None:
-        """Delete what :func:`mtc.retention.to_delete` says, on every host served here."""
+    def _apply_retention(self, *, before_write: bool = False,
+                         held: dict[int, list[int]] | None = None) -> dict[int, tuple[int, int]]:
+        """Delete what :func:`mtc.retention.to_delete` says, on every host served here;
+        returns each host's (free bytes, bytes of its newest step), as :meth:`space`.
+        ``held``: the hosts' committed steps, when the caller has just listed them."""
         if not self._retains():
-            return
-        self._dispatch.retain(self.topology.local_hosts, self.all_steps(),
-                              max_to_keep=self.options.max_to_keep,
-                              keep_period=self.options.keep_period, before_write=before_write)
+            return {}
+        complete = multihost.common_steps(self._complete_here(held))
+        return self._dispatch.retain(self.topology.local_hosts, complete,
+                                     max_to_keep=self.options.max_to_keep,
+                                     keep_period=self.options.keep_period,
+                                     before_write=before_write)
 
     def _saves_in_flight(self) -> int:
         """Steps still being written (colocated: unknown, so assume one)."""
@@ -294,16 +300,16 @@ class CheckpointManager:
             return 1
         return -(-int(agent.in_flight()) // max(1, len(self.topology.local_hosts)))
 
-    def _short_of_space(self) -> bool:
+    def _short_of_space(self, space: dict[int, tuple[int, int]] | None = None) -> bool:
         """Whether some host's RAM disk has less room than its newest step takes,
         for the new step and each one still being written."""
         steps_coming = 1 + self._saves_in_flight()
-        for free, newest in self._dispatch.space(self.topology.local_hosts).values():
-            if newest and free < newest * 1.05 * steps_coming:
-                return True
-        return False
+        if space is None:
+            space = self._dispatch.space(self.topology.local_hosts)
+        return any(newest and free < newest * 1.05 * steps_coming
+                   for free, newest in space.values())
 
-    def _make_room(self) -> None:
+    def _make_room(self, held: dict[int, list[int]] | None = None) -> None:
         """Before a step is written: free the oldest step beyond ``max_to_keep - 1``.
 
         Freeing runs in the background; only when a RAM disk is short of room is
@@ -311,9 +317,9 @@ class CheckpointManager:
         retention free one more step (never the newest complete one)."""
         if not self._retains():
             return
-        self._apply_retention(before_write=True)
+        space = self._apply_retention(before_write=True, held=held)
         # Collective in multi-controller JAX: every process takes the same path.
-        if not multihost.any_process(self._short_of_space()):
+        if not multihost.any_process(self._short_of_space(space)):
             return
         self._dispatch.settle(self.topology.local_hosts)
         if multihost.any_process(self._short_of_space()):
@@ -335,9 +341,9 @@ class CheckpointManager:
             self._num_hosts[step] = self._dispatch.manifest(step, holders[0]).num_hosts
         return self._num_hosts[step]
 
-    def _complete_here(self) -> list[int]:
+    def _complete_here(self, listed: dict[int, list[int]] | None = None) -> list[int]:
         held: dict[int, list[int]] = {}
-        for h, steps in self._held_steps().items():
+        for h, steps in (listed if listed is not None else self._held_steps()).items():
             for s in steps:
                 held.setdefault(s, []).append(h)
         complete = []

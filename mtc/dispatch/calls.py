@@ -28,7 +28,7 @@ class Dispatch(Protocol):
     def delete(self, step: int, hosts: Sequence[int]) -> None: ...
     def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]: ...
     def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
-               keep_period: int | None, before_write: bool) -> None: ...
+               keep_period: int | None, before_write: bool) -> dict[int, tuple[int, int]]: ...
     def space(self, hosts: Sequence[int]) -> dict[int, tuple[int, int]]: ...
     def settle(self, hosts: Sequence[int]) -> None: ...
     def close(self) -> None: ...
@@ -153,10 +153,16 @@ class HostCalls:
         return out
 
     def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
-               keep_period: int | None, before_write: bool) -> None:
-        """Each host deletes what ``mtc.retention.to_delete`` says of its steps."""
-        self._call("retain", hosts, complete=list(complete), max_to_keep=max_to_keep,
-                   keep_period=keep_period, before_write=before_write)
+               keep_period: int | None, before_write: bool) -> dict[int, tuple[int, int]]:
+        """Each host deletes (in the background) what ``mtc.retention.to_delete`` says of
+        its steps; returns what :meth:`space` would, in the same round trip."""
+        out: dict[int, tuple[int, int]] = {}
+        for reply in self._call("retain", hosts, complete=list(complete),
+                                max_to_keep=max_to_keep, keep_period=keep_period,
+                                before_write=before_write):
+            for h, (free, newest) in (reply or {}).items():
+                out[int(h)] = (int(free), int(newest))
+        return out
 
     def space(self, hosts: Sequence[int]) -> dict[int, tuple[int, int]]:
         """Per host: (bytes free on its RAM disk, bytes of its newest step)."""
