@@ -101,13 +101,15 @@ class ProcessDispatch(HostCalls):
     # -- requests -------------------------------------------------------------------
 
     def _rpc(self, host: int, op: str, **args: Any) -> Any:
-        return self._fan_out({host: (op, args)})[host]
+        return self._all({host: (op, args)})[host]
 
-    def _fan_out(self, calls: dict[int, tuple[str, dict[str, Any]]]) -> dict[int, Any]:
-        """Requests to several hosts at once; every reply awaited, then the first
-        error (in host order) raised."""
-        futures = {h: self._stubs[h].future(encode_request(op, [h], **args),
-                                            timeout=self.deadline_s, wait_for_ready=True)
+    def _fan_out(self, calls: dict[int, tuple[str, dict[str, Any]]], timeout: float | None
+                 ) -> tuple[dict[int, Any], MtcError | None]:
+        """Requests to several hosts at once (``timeout`` seconds each, None: no limit);
+        every reply awaited. Returns the replies of the hosts that answered, and the
+        first error (in host order) or None."""
+        futures = {h: self._stubs[h].future(encode_request(op, [h], **args), timeout=timeout,
+                                            wait_for_ready=True)
                    for h, (op, args) in calls.items()}
         out: dict[int, Any] = {}
         first: MtcError | None = None
@@ -119,12 +121,16 @@ class ProcessDispatch(HostCalls):
                     f"sidecar unreachable: {e.code().name}: {e.details()}", host=h)
             except MtcError as e:
                 first = first or e
-        if first is not None:
-            raise first
+        return out, first
+
+    def _all(self, calls: dict[int, tuple[str, dict[str, Any]]]) -> dict[int, Any]:
+        out, error = self._fan_out(calls, self.deadline_s)
+        if error is not None:
+            raise error
         return out
 
     def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
-        replies = self._fan_out({h: (op, args) for h in hosts if h in self.sidecars})
+        replies = self._all({h: (op, args) for h in hosts if h in self.sidecars})
         return [replies[h] for h in sorted(replies)]
 
     # -- save -----------------------------------------------------------------------
@@ -186,7 +192,7 @@ class ProcessDispatch(HostCalls):
         for h in calls:
             slots[h].busy = True
         try:
-            self._fan_out(calls)
+            self._all(calls)
         except BaseException:
             for h in calls:  # a host that refused never read its slot
                 slots[h].busy = False
@@ -194,21 +200,14 @@ class ProcessDispatch(HostCalls):
         return True
 
     def _each(self, op: str) -> None:
-        """``poll`` or ``wait`` on every host; slots they report written are free again."""
-        futures = {h: self._stubs[h].future(encode_request(op, [h]), timeout=None
-                                            if op == "wait" else self.deadline_s)
-                   for h in self.sidecars}
-        first: MtcError | None = None
-        for h, fut in futures.items():
-            try:
-                self._release(h, decode_reply(fut.result()))
-            except grpc.RpcError as e:
-                first = first or ShardUnavailableError(
-                    f"sidecar unreachable: {e.code().name}: {e.details()}", host=h)
-            except MtcError as e:
-                first = first or e
-        if first is not None:
-            raise first
+        """``poll`` or ``wait`` on every host; slots they report written are free again
+        (those of the hosts that answered, even when another one failed)."""
+        written, error = self._fan_out({h: (op, {}) for h in self.sidecars},
+                                       None if op == "wait" else self.deadline_s)
+        for h, names in written.items():
+            self._release(h, names)
+        if error is not None:
+            raise error
 
     def wait(self) -> None:
         self._each("wait")
@@ -221,7 +220,7 @@ class ProcessDispatch(HostCalls):
     def _fetch(self, step: int, by_host: dict[int, list[ReadTask]]
                ) -> dict[int, list[np.ndarray]]:
         """Regions each host reads from its own pieces, mapped from its reply file."""
-        replies = self._fan_out({h: ("load", {"step": step,
+        replies = self._all({h: ("load", {"step": step,
                                               "tasks": [task_to_json(t) for t in ts]})
                                  for h, ts in by_host.items()})
         out: dict[int, list[np.ndarray]] = {}
