@@ -76,15 +76,55 @@ def parse_request(text: str) -> ClientRequest:
     return req
 
 
+PENDING_NAME = ".mtc-client-request.yaml"  # a taken request not answered yet
+
+
 def take_request(root: Path) -> ClientRequest | None:
-    """Consume ``replicator.yaml`` if present (the client waits for its deletion)."""
+    """Consume ``replicator.yaml`` if present (the client waits for its deletion).
+
+    A request is kept as :data:`PENDING_NAME` until :func:`done_request`: a
+    replicator restarted before answering serves it again (:func:`pending_request`)
+    instead of leaving the client waiting for a marker nobody writes. A request
+    that cannot be served gets ``replicator.failed`` *before* the yaml disappears:
+    the client checks for it right after.
+    """
     path = root / YAML_NAME
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
-    path.unlink(missing_ok=True)
-    return parse_request(text)
+    try:
+        req = parse_request(text)
+    except ConfigError as e:
+        report(root, str(e), fatal=True)
+        path.unlink(missing_ok=True)
+        raise
+    os.replace(path, root / PENDING_NAME)
+    return req
+
+
+def pending_request(root: Path) -> ClientRequest | None:
+    """A request taken by an earlier run of this replicator and not answered."""
+    try:
+        text = (root / PENDING_NAME).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return parse_request(text)
+    except ConfigError:
+        (root / PENDING_NAME).unlink(missing_ok=True)
+        raise
+
+
+def done_request(root: Path) -> None:
+    (root / PENDING_NAME).unlink(missing_ok=True)
+
+
+def refuse_request(root: Path, why: str) -> None:
+    """Answer a ``replicator.yaml`` this replicator will not serve: ``replicator.failed``
+    first (the client reads it as soon as the yaml is gone), then consume the yaml."""
+    report(root, why, fatal=True)
+    (root / YAML_NAME).unlink(missing_ok=True)
 
 
 def report(root: Path, message: str, *, fatal: bool = False) -> None:
