@@ -3,12 +3,13 @@ recorded once and only read afterwards (the protocol and its invariant:
 ``docs/agreement.md``).
 
 Pure parts, tested alone (``tests/test_agreement.py``): :func:`decide` (the step
-from every member's holdings, or a typed "cannot decide"), :func:`newest_complete`
-and :func:`choose_epoch` (which recorded epoch a request belongs to). The stateful
+from every member's holdings, or a typed "cannot decide"), :func:`newest_complete`,
+:func:`missing_asks` (whether an epoch can form) and :func:`find_record` (which
+recorded epoch answered an ask). The stateful
 parts take their transport as a function, so the same code runs over gRPC in
 ``node.py`` and over an in-memory transport in ``bench/control_plane.py``:
 :class:`Book` (the coordinator's records, persisted), :class:`Coordinator`
-(gather every member, decide once) and :class:`Fresh` (a value computed by a
+(every member asks, gather every member, decide once) and :class:`Fresh` (a value computed by a
 gather that began after the caller asked, shared by every caller waiting).
 """
 
@@ -19,6 +20,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -46,7 +48,7 @@ class Decision:
 
     epoch: int
     step: int
-    decided_at: float  # unix seconds: the lease is measured from here
+    decided_at: float  # unix seconds
     rank: int = -1  # the member that read it
     rid: str = ""  # the restore id it asked with
 
@@ -90,49 +92,39 @@ def decide(holdings: Mapping[int, Holding], members: Collection[int],
 # -- the coordinator's records --------------------------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class EpochRecord:
-    """One decided epoch: immutable ``epoch``/``step``/``decided_at``; ``rids`` and
-    ``consumed`` grow as members read it."""
+    """One decided epoch, immutable: the step, when, and the restore ids of every
+    ask it answers (a re-issued ask with one of them reads it again)."""
 
     epoch: int
     step: int
     decided_at: float
-    rids: set[str] = dataclasses.field(default_factory=set)
-    consumed: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> rid
+    rids: frozenset[str] = frozenset()
 
     def decision(self, rank: int = -1, rid: str = "") -> Decision:
         return Decision(self.epoch, self.step, self.decided_at, rank, rid)
 
 
-def choose_epoch(records: Sequence[EpochRecord], rank: int, rid: str, now: float,
-                 lease_s: float, members: int) -> EpochRecord | None:
-    """The recorded epoch a restore request belongs to, or None for a new one.
+def missing_asks(asks: Mapping[int, float], members: Collection[int], now: float
+                 ) -> tuple[int, ...]:
+    """The members without a live ask (``asks``: rank -> when its ask's lease ends).
+    An epoch forms only when this is empty: every member asked, and none of those
+    asks has outlived its asker's deadline."""
+    return tuple(sorted(m for m in members if asks.get(m, -1.0) <= now))
 
-    A request naming a restore id (``rid``) already recorded joins that epoch: a
-    re-issued request (its replicator restarted) reads the same decision. Otherwise
-    it joins the newest epoch while that one's lease runs (``lease_s`` after it was
-    decided), the requesting rank has not read it yet, and not every member has;
-    any later request starts a new epoch. ``records`` are oldest first.
-    """
-    if rid:
-        for rec in reversed(records):
-            if rid in rec.rids:
-                return rec
-    if not records:
-        return None
-    rec = records[-1]
-    if rank in rec.consumed or len(rec.consumed) >= members:
-        return None
-    if not 0 <= now - rec.decided_at < lease_s:
-        return None
-    return rec
+
+def find_record(records: Sequence[EpochRecord], rid: str) -> EpochRecord | None:
+    """The epoch that answered the ask with restore id ``rid``, if one did."""
+    for rec in reversed(records):
+        if rid in rec.rids:
+            return rec
+    return None
 
 
 class Book:
     """The coordinator's epoch records, written through to its RAM disk (a replicator
-    restart keeps them) and rebuilt from members' reports after a host wipe. The
-    lock guards ``records``; callers take it through the methods only."""
+    restart keeps them). The lock guards ``records``."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
@@ -141,62 +133,28 @@ class Book:
         if path is not None:
             self.records = _load(path)
 
-    def choose(self, rank: int, rid: str, now: float, lease_s: float,
-               members: int) -> EpochRecord | None:
+    def find(self, rid: str) -> EpochRecord | None:
         with self._lock:
-            return choose_epoch(self.records, rank, rid, now, lease_s, members)
+            return find_record(self.records, rid)
 
-    def newest_epoch(self) -> int:
+    def record(self, step: int, rids: Iterable[str], now: float,
+               reported: Iterable[Decision] = ()) -> EpochRecord:
+        """Record a new epoch's decision: the only place a decision is made. Its
+        number is past every epoch this book or any member knows, so a wiped
+        coordinator never reuses one."""
         with self._lock:
-            return self.records[-1].epoch if self.records else 0
-
-    def record(self, step: int, rid: str, now: float) -> EpochRecord:
-        """Record a new epoch's decision: the only place a decision is made."""
-        with self._lock:
-            epoch = (self.records[-1].epoch if self.records else 0) + 1
-            rec = EpochRecord(epoch, step, now, {rid} if rid else set())
+            newest = max([r.epoch for r in self.records[-1:]] + [d.epoch for d in reported],
+                         default=0)
+            rec = EpochRecord(newest + 1, step, now, frozenset(rids))
             self.records = [*self.records, rec][-KEEP_RECORDS:]
             self._save()
             return rec
-
-    def consume(self, rec: EpochRecord, rank: int, rid: str) -> None:
-        with self._lock:
-            rec.consumed[rank] = rid
-            if rid:
-                rec.rids.add(rid)
-            self._save()
-
-    def adopt(self, reports: Iterable[Decision]) -> None:
-        """Rebuild epochs this book lost (a wiped coordinator) from what members read.
-        A decision some member read is taken as it was, never decided again."""
-        with self._lock:
-            known = {r.epoch: r for r in self.records}
-            changed = False
-            for d in reports:
-                if d.epoch <= 0:
-                    continue
-                rec = known.get(d.epoch)
-                if rec is None:
-                    rec = known[d.epoch] = EpochRecord(d.epoch, d.step, d.decided_at)
-                    changed = True
-                elif rec.step != d.step:  # cannot happen: the invariant, checked
-                    raise AgreementError(f"epoch {d.epoch}: recorded step {rec.step}, "
-                                         f"rank {d.rank} read step {d.step}")
-                if d.rank >= 0 and d.rank not in rec.consumed:
-                    rec.consumed[d.rank] = d.rid
-                    if d.rid:
-                        rec.rids.add(d.rid)
-                    changed = True
-            if changed:
-                self.records = sorted(known.values(), key=lambda r: r.epoch)[-KEEP_RECORDS:]
-                self._save()
 
     def _save(self) -> None:
         if self.path is None:
             return
         data = [{"epoch": r.epoch, "step": r.step, "decided_at": r.decided_at,
-                 "rids": sorted(r.rids), "consumed": {str(k): v for k, v in r.consumed.items()}}
-                for r in self.records]
+                 "rids": sorted(r.rids)} for r in self.records]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w") as f:
             json.dump(data, f)
@@ -209,14 +167,11 @@ def _load(path: Path) -> list[EpochRecord]:
     try:
         data = json.loads(path.read_text())
         return [EpochRecord(int(d["epoch"]), int(d["step"]), float(d["decided_at"]),
-                            set(map(str, d["rids"])),
-                            {int(k): str(v) for k, v in d["consumed"].items()})
-                for d in data]
+                            frozenset(map(str, d["rids"]))) for d in data]
     except FileNotFoundError:
         return []
     except (ValueError, KeyError, TypeError) as e:
-        # A record we cannot read must not be silently forgotten: members' reports
-        # rebuild what they read (Book.adopt), but refuse to guess here.
+        # Never guess a record: a restore reading it again must get what was decided.
         raise AgreementError(f"unreadable agreement records {path}: {e}") from e
 
 
@@ -228,49 +183,93 @@ Gather = Callable[[Sequence[int], float], dict[int, Holding]]
 class Coordinator:
     """The one decider of a membership (its lowest rank runs it).
 
-    ``gather(ranks, deadline)`` returns the holdings of those of ``ranks`` that
-    answered before ``deadline`` (monotonic); :meth:`decide_for` asks again for the
-    missing ones until all answer or the deadline passes. One decision is made at a
-    time (``_deciding``); requests that arrive meanwhile wait, then join it.
+    A restore epoch forms when every member has a live ask (each ask holds a lease
+    until its asker's deadline); the coordinator then gathers every member's
+    holdings (asking again for the missing ones until the deadline; at once when
+    all answered), records one decision for all those asks and answers them.
+    ``gather(ranks, deadline)`` returns the holdings of those that answered before
+    ``deadline`` (monotonic). ``_cond`` guards ``_asks``, ``_deciding``, ``_why``.
     """
 
     def __init__(self, members: Sequence[int], equivalent: Callable[[int], Sequence[int]],
-                 gather: Gather, book: Book, *, lease_s: float,
-                 retry_s: float = 0.2, clock: Callable[[], float] = time.time) -> None:
+                 gather: Gather, book: Book, *, retry_s: float = 0.2,
+                 clock: Callable[[], float] = time.time) -> None:
         self.members = list(members)
         self.equivalent = equivalent
         self.gather = gather
         self.book = book
-        self.lease_s = lease_s
         self.retry_s = retry_s
         self.clock = clock
-        self.holders: dict[int, dict[int, Holding]] = {}  # epoch -> holdings it saw
-        self._deciding = threading.Lock()
+        self._cond = threading.Condition()
+        self._asks: dict[int, tuple[str, float]] = {}  # rank -> (rid, lease end)
+        self._deciding = False
+        self._why = ""  # why the last attempt could not decide
+        self._asked_at: dict[int, float] = {}  # rank -> its latest ask (for messages)
+        self.waiting_for: tuple[int, ...] = ()
 
     def decide_for(self, rank: int, rid: str, timeout_s: float) -> EpochRecord:
+        """The decision of the epoch this ask belongs to; :class:`AgreementError` when
+        none is recorded before ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        if not self._deciding.acquire(timeout=max(0.0, timeout_s)):
-            raise AgreementError(f"no decision within {timeout_s:.1f}s: the coordinator is "
-                                 f"still gathering inventories", host=rank)
-        try:
-            n = len(self.members)
-            rec = self.book.choose(rank, rid, self.clock(), self.lease_s, n)
-            if rec is None:
-                holdings = self.gather_all(deadline)
-                result = decide(holdings, self.members, self.equivalent)
-                if isinstance(result, CannotDecide):
+        rid = rid or f"anon-{uuid.uuid4().hex}"
+        with self._cond:
+            rec = self.book.find(rid)
+            if rec is not None:
+                return rec  # a re-issued ask of a decided epoch
+            self._asks[rank] = (rid, deadline)  # replaces an older ask of this rank
+            self._asked_at[rank] = time.monotonic()
+            while True:
+                rec = self.book.find(rid)
+                if rec is not None:
+                    return rec
+                if self._asks.get(rank, ("", 0.0))[0] != rid:
+                    raise AgreementError("a newer restore request of this rank replaced this "
+                                         "one", host=rank)
+                now = time.monotonic()
+                waiting = missing_asks({r: a[1] for r, a in self._asks.items()},
+                                       self.members, now)
+                if not waiting and not self._deciding:
+                    self._decide(deadline)
+                    continue
+                if now >= deadline:
+                    if self._asks.get(rank) == (rid, deadline):
+                        del self._asks[rank]
+                    # Who has not asked during this wait (asks withdrawn at their own
+                    # deadline a moment ago still count as asked).
+                    absent = [m for m in self.members
+                              if self._asked_at.get(m, -1e18) < deadline - 2 * timeout_s]
+                    if absent:
+                        why = f"no restore request yet from rank(s) {absent}"
+                    elif self._deciding:
+                        why = f"no inventory yet from rank(s) {list(self.waiting_for)}"
+                    else:
+                        why = self._why or "the coordinator could not decide"
                     raise AgreementError(f"cannot decide the step to restore within "
-                                         f"{timeout_s:.1f}s: {result.reason}; every member "
-                                         f"must answer", host=rank)
-                self.book.adopt(h.last for h in holdings.values() if h.last is not None)
-                rec = self.book.choose(rank, rid, self.clock(), self.lease_s, n)
-                if rec is None:
-                    rec = self.book.record(result.step, rid, self.clock())
-                    self.holders = {rec.epoch: holdings}
-            self.book.consume(rec, rank, rid)
-            return rec
+                                         f"{timeout_s:.1f}s: {why}; every member must ask "
+                                         f"and answer", host=rank)
+                self._cond.wait(deadline - now)
+
+    def _decide(self, deadline: float) -> None:
+        """Called with ``_cond`` held and every member asking: gather (without the
+        lock, so re-issued asks still register) and record, or say why not."""
+        asks = dict(self._asks)
+        self._deciding = True
+        self._cond.release()
+        try:
+            holdings = self.gather_all(deadline)
         finally:
-            self._deciding.release()
+            self._cond.acquire()
+            self._deciding = False
+        result = decide(holdings, self.members, self.equivalent)
+        if isinstance(result, CannotDecide):
+            self._why = result.reason
+        else:
+            rids = {a[0] for a in asks.values()} | {a[0] for a in self._asks.values()}
+            self.book.record(result.step, rids, self.clock(),
+                             [h.last for h in holdings.values() if h.last is not None])
+            self._asks.clear()
+            self._why = ""
+        self._cond.notify_all()
 
     def gather_all(self, deadline: float) -> dict[int, Holding]:
         """Every member's holdings; asks again for the missing ones until the deadline.
@@ -278,8 +277,10 @@ class Coordinator:
         got: dict[int, Holding] = {}
         while True:
             missing = [r for r in self.members if r not in got]
+            self.waiting_for = tuple(missing)
             got.update(self.gather(missing, deadline))
             if len(got) == len(self.members) or time.monotonic() >= deadline:
+                self.waiting_for = tuple(r for r in self.members if r not in got)
                 return got
             time.sleep(min(self.retry_s, max(0.0, deadline - time.monotonic())))
 

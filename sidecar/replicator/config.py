@@ -25,7 +25,6 @@ class ReplicatorConfig:
     poll_s: float = 0.2
     deadline_s: float = 10.0
     agreement_timeout_s: float = 60.0  # a restore's decision, or AgreementError
-    agreement_lease_s: float = 60.0    # how long after a decision late askers still join it
     framework: str = "mtc"           # "mtc" or "orbax" (from replicator.yaml)
     job_name: str = "mtc"
 

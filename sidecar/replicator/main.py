@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ReplicatorConfig(rank=rank, nodes=nodes, nodes_per_slice=per_slice,
                                   replicas=args.replicas, keep=args.keep,
                                   poll_s=args.poll_seconds, framework=framework,
-                                  agreement_timeout_s=args.agreement_timeout_seconds,
-                                  agreement_lease_s=args.agreement_timeout_seconds)
+                                  agreement_timeout_s=args.agreement_timeout_seconds)
         creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                        args.tls_ca)
         backup = None

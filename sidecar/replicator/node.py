@@ -95,8 +95,7 @@ class Node(BackupDuties, RestoreDuties):
         members = list(range(config.num_nodes))
         self.coordinator = Coordinator(
             members, config.equivalent, self._gather_holdings,
-            Book(root / BOOK_NAME if self.rank == self.coordinator_rank else None),
-            lease_s=config.agreement_lease_s)
+            Book(root / BOOK_NAME if self.rank == self.coordinator_rank else None))
         # The coordinator's newest-complete view for GC, shared by concurrent askers.
         self.complete = Fresh(lambda: newest_complete(
             self._gather_holdings(members, time.monotonic() + config.deadline_s),
