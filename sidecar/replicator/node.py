@@ -92,6 +92,7 @@ class Node(BackupDuties, RestoreDuties):
         self.restoring: dict[int, tuple[Path, set[str]]] = {}
         self.heartbeat = time.monotonic()  # the replication loop's last pass (health)
         self.last_decision = pb.Decision()  # the newest one this node read
+        self.client_rid = ""  # the Orbax request being answered (main's client thread)
         members = list(range(config.num_nodes))
         self.coordinator = Coordinator(
             members, config.equivalent, self._gather_holdings,
@@ -407,7 +408,7 @@ class Node(BackupDuties, RestoreDuties):
               ) -> tuple[int, dict[int, pb.Inventory]]:
         """The epoch's step, and inventories to find its data with (only this node's
         when its data is local: the decision itself costs O(N) messages)."""
-        step = self.agree_epoch(timeout_s, rid).step
+        step = self.agree_epoch(timeout_s, rid or self.client_rid).step
         return step, self._invs_for(step)
 
     def _invs_for(self, step: int) -> dict[int, pb.Inventory]:

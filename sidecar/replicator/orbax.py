@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class ClientRequest:
     data_parallelism: int
     backup_interval_minutes: int | None
     backup_interval_steps: int | None
+    restore_id: str = ""  # given when taken; the same after a replicator restart
 
     @property
     def num_slices(self) -> int:
@@ -70,6 +72,9 @@ def parse_request(text: str) -> ClientRequest:
                                    if "backup-interval-steps" in d else None))
     except (KeyError, TypeError, ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"malformed {YAML_NAME}: {e}") from e
+    for line in text.splitlines():
+        if line.startswith(RID_COMMENT):
+            req = dataclasses.replace(req, restore_id=line[len(RID_COMMENT):].strip())
     if not 0 <= req.rank < req.nodes or req.nodes % req.num_slices:
         raise ConfigError(f"{YAML_NAME}: rank {req.rank} of {req.nodes} nodes with "
                           f"{req.num_slices} slices is inconsistent")
@@ -77,6 +82,7 @@ def parse_request(text: str) -> ClientRequest:
 
 
 PENDING_NAME = ".mtc-client-request.yaml"  # a taken request not answered yet
+RID_COMMENT = "# mtc-restore-id:"
 
 
 def take_request(root: Path) -> ClientRequest | None:
@@ -99,8 +105,12 @@ def take_request(root: Path) -> ClientRequest | None:
         report(root, str(e), fatal=True)
         path.unlink(missing_ok=True)
         raise
-    os.replace(path, root / PENDING_NAME)
-    return req
+    rid = uuid.uuid4().hex
+    tmp = root / (PENDING_NAME + ".tmp")
+    tmp.write_text(f"{text.rstrip()}\n{RID_COMMENT} {rid}\n")
+    os.replace(tmp, root / PENDING_NAME)
+    path.unlink(missing_ok=True)  # consumed: the client goes on to wait for the marker
+    return dataclasses.replace(req, restore_id=rid)
 
 
 def pending_request(root: Path) -> ClientRequest | None:

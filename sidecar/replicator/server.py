@@ -102,6 +102,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             dropped = [self.transfers.pop(k) for k in stale]
         for t in dropped:
             shutil.rmtree(t.tmp, ignore_errors=True)
+        if dropped:
+            self.node.metrics.skipped.labels("transfer_expired").inc(len(dropped))
 
     def incoming(self) -> set[tuple[int, int]]:
         with self._lock:
