@@ -296,3 +296,11 @@ def test_status_map_both_ways_and_retry_rule() -> None:
 def test_health_follows_the_loop() -> None:
     assert healthy(100.0, 101.0, 5.0)
     assert not healthy(100.0, 106.0, 5.0)
+
+
+def test_fresh_runs_start_at_most_every_min_interval() -> None:
+    starts: list[float] = []
+    f = Fresh(lambda: starts.append(time.monotonic()) or len(starts), min_interval_s=0.2)
+    assert f.get(5.0) == 1
+    assert f.get(5.0) == 2  # a question after a run gets a newer run, never the old value
+    assert starts[1] - starts[0] >= 0.2

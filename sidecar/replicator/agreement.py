@@ -288,10 +288,13 @@ class Coordinator:
 class Fresh(Generic[T]):
     """A value (the newest complete step) computed by a run of ``compute`` that began
     after the caller asked: never older than the question, and every caller waiting
-    at once shares the next run, so N askers cost about two runs, not N."""
+    at once shares the next run, so N askers cost about two runs, not N; and runs
+    start at most every ``min_interval_s``, which bounds their cost whatever N is."""
 
-    def __init__(self, compute: Callable[[], T]) -> None:
+    def __init__(self, compute: Callable[[], T], *, min_interval_s: float = 0.0) -> None:
         self._compute = compute
+        self._min_interval_s = min_interval_s  # runs start at most this often
+        self._last_start = -1e18
         self._cond = threading.Condition()
         self._started = 0
         self._done = 0
@@ -306,8 +309,18 @@ class Fresh(Generic[T]):
             while self._done < need:
                 if not self._running:
                     self._running = True
+                    wait_s = self._last_start + self._min_interval_s - time.monotonic()
+                    if wait_s > 0:
+                        # Askers arriving meanwhile still count toward this run: it
+                        # has not started (``_started`` moves when it does).
+                        self._cond.release()
+                        try:
+                            time.sleep(wait_s)
+                        finally:
+                            self._cond.acquire()
                     self._started += 1
                     gen = self._started
+                    self._last_start = time.monotonic()
                     self._cond.release()
                     try:
                         value, error = self._compute(), None

@@ -124,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                 keep_every=args.backup_keep_every))
         _keep_heap()
         node = Node(config, root, creds, backup)
-        server, port, servicer, health_servicer = serve(node, args.listen, creds)
+        # Every member's Decide waits on a server thread of the coordinator until the
+        # epoch forms: one thread per member, plus the usual 32.
+        server, port, servicer, health_servicer = serve(
+            node, args.listen, creds, workers=32 + len(nodes))
     except (MtcError, OSError, ValueError) as e:
         print(f"mtc-replicator: {e}", file=sys.stderr)
         if framework == "orbax" or request is not None:

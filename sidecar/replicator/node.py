@@ -58,6 +58,7 @@ from sidecar.replicator.store import FileMeta, LocalStore, file_sha256
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
+GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view at most this often
 BATCH_BYTES = 4 << 20  # small files travel together, up to this many bytes a call
 BATCH_FILES = 512  # and this many files (their indices ride in the call's metadata)
 
@@ -100,7 +101,7 @@ class Node(BackupDuties, RestoreDuties):
         # The coordinator's newest-complete view for GC, shared by concurrent askers.
         self.complete = Fresh(lambda: newest_complete(
             self._gather_holdings(members, time.monotonic() + config.deadline_s),
-            config.num_nodes, config.equivalent))
+            config.num_nodes, config.equivalent), min_interval_s=GC_VIEW_INTERVAL_S)
 
     # -- inventory ----------------------------------------------------------------
 
