@@ -234,8 +234,8 @@ class Coordinator:
                 if now >= deadline:
                     if self._asks.get(rank) == (rid, deadline):
                         del self._asks[rank]
-                    # Who has not asked during this wait (asks withdrawn at their own
-                    # deadline a moment ago still count as asked).
+                    # Who has not asked since the last decision, lately (asks withdrawn
+                    # at their own deadline a moment ago still count as asked).
                     absent = [m for m in self.members
                               if self._asked_at.get(m, -1e18) < deadline - 2 * timeout_s]
                     if absent:
@@ -268,6 +268,7 @@ class Coordinator:
             self.book.record(result.step, rids, self.clock(),
                              [h.last for h in holdings.values() if h.last is not None])
             self._asks.clear()
+            self._asked_at.clear()  # those asks are answered: they count for no later epoch
             self._why = ""
         self._cond.notify_all()
 
