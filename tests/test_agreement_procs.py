@@ -18,6 +18,7 @@ import pytest
 from replicators import Cluster, commit_raw_step, new_cluster
 
 from mtc.errors import AgreementError, CorruptShardError
+from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.replicas import prepare_restore
 from sidecar.replicator import orbax
@@ -140,14 +141,35 @@ def test_orbax_yaml_to_a_replicator_started_for_mtc_fails_at_once(
     assert not (root / orbax.YAML_NAME).exists()
 
 
-def test_sigterm_shuts_down_gracefully(ramdisk: Path, clusters: list[Cluster]) -> None:
+def test_sigterm_shuts_down_gracefully_even_during_a_restore(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 2, 1)
     cl.start_all()
-    proc = cl.procs[0]
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(20) == 0
-    assert "shutting down" in cl.log_text(0)
-    assert cl.alive(1)
+    # Rank 1 waits for a decision that cannot come (rank 0 never asks) ...
+    errors: list[Exception] = []
+
+    def ask() -> None:
+        c = cl.client(1)
+        try:
+            c.call("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=60),
+                   deadline_s=90, attempts=1)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+        finally:
+            c.close()
+
+    t = threading.Thread(target=ask)
+    t.start()
+    time.sleep(1.0)
+    proc = cl.procs[1]
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # ... and is told to stop: it ends the wait and exits
+    assert proc.wait(30) == 0
+    t.join(30)
+    assert time.monotonic() - t0 < 30
+    assert errors, "the restore in flight was not ended"
+    assert "shutting down" in cl.log_text(1)
+    assert cl.alive(0)
 
 
 def wait_health(cl: Cluster, rank: int, want: str, timeout: float) -> None:
@@ -183,3 +205,33 @@ def test_health_not_serving_while_the_loop_stalls(ramdisk: Path,
         cl.procs[0].send_signal(signal.SIGCONT)
     wait_health(cl, 1, "SERVING", 30)
     assert "stalled" in cl.log_text(1)
+
+
+def test_orbax_request_taken_before_a_sigkill_is_served_after_the_restart(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
+        initialization,
+    )
+
+    cl = new_cluster(clusters, ramdisk, 2, 1, orbax=True)
+    for r in range(2):
+        commit_raw_step(cl.root(r), 3, {"x.bin": os.urandom(256)})
+        initialization._create_replicator_file(
+            cl.root(r), run_name="job", num_nodes=2, data_parallelism=2, node_rank=r,
+            peer_ranks=[1 - r], backup_interval_minutes=30, backup_interval_steps=None)
+    cl.launch(0)  # rank 1 is not up: rank 0 takes its yaml and waits for the decision
+    deadline = time.monotonic() + 30
+    while (cl.root(0) / orbax.YAML_NAME).exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)
+    cl.kill(0)  # the client saw its yaml consumed; the request must not be lost
+    cl.launch(0)
+    cl.launch(1)
+    want = {r: cl.root(r) / f"job-s3-n{r}-w0.restore" for r in range(2)}
+    while not all(p.is_symlink() for p in want.values()):
+        assert time.monotonic() < deadline + 30, [p for p in want.values()]
+        assert not (cl.root(0) / orbax.FAILED_NAME).exists(), \
+            (cl.root(0) / orbax.FAILED_NAME).read_text()
+        time.sleep(0.1)
+    assert not (cl.root(0) / orbax.PENDING_NAME).exists()

@@ -205,6 +205,13 @@ class Coordinator:
         self._deciding = False
         self._why = ""  # why the last attempt could not decide
         self._asked_at: dict[int, float] = {}  # rank -> its latest ask (for messages)
+        self._closed = False
+
+    def close(self) -> None:
+        """Shutting down: every waiting ask ends now, typed."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self.waiting_for: tuple[int, ...] = ()
 
     def decide_for(self, rank: int, rid: str, timeout_s: float) -> EpochRecord:
@@ -231,6 +238,8 @@ class Coordinator:
                 if not waiting and not self._deciding:
                     self._decide(deadline)
                     continue
+                if self._closed:
+                    raise AgreementError("the coordinator is shutting down", host=rank)
                 if now >= deadline:
                     if self._asks.get(rank) == (rid, deadline):
                         del self._asks[rank]

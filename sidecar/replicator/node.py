@@ -145,15 +145,17 @@ class Node(BackupDuties, RestoreDuties):
                                self.config.num_nodes, self.config.equivalent)
 
     def stop(self) -> None:
-        """Ask the loops to end (main joins their threads)."""
+        """Ask the loops and any restore waiting for its decision to end (main joins
+        their threads)."""
         self._stop.set()
+        self.coordinator.close()
+        for p in self.peers.values():
+            p.close()  # cancels calls in flight (a Decide waiting for its epoch, a push)
 
     def close(self) -> None:
-        """After the loops and the server ended: finish the pools, close the channels."""
+        """After the loops and the server ended: finish the pools."""
         for pool in (self._push_pool, self._inv_pool, self._pool):
             pool.shutdown(wait=True, cancel_futures=True)
-        for p in self.peers.values():
-            p.close()
 
     def fully_replicated(self, step: int) -> bool:
         return set(self.config.targets(self.rank)) <= self.replicated.get(step, set())
@@ -395,11 +397,11 @@ class Node(BackupDuties, RestoreDuties):
                     break
                 except PeerError as e:
                     if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \
-                            time.monotonic() + 0.2 >= deadline:
+                            time.monotonic() + 0.2 >= deadline or self._stop.is_set():
                         raise AgreementError(f"no restore decision within {timeout:.1f}s: "
                                              f"{e}", host=self.rank) from e
                     self.metrics.failures.labels("coordinator_unreachable").inc()
-                    time.sleep(0.2)  # the coordinator restarts: ask again
+                    self._stop.wait(0.2)  # the coordinator restarts: ask again
         self.last_decision = d
         log.info("rank %d: restore step %d (epoch %d, decided by rank %d)",
                  self.rank, d.step, d.epoch, c)
