@@ -24,7 +24,10 @@ import pytest
 from replicators import commit_raw_step, env_with_repo
 
 from mtc.errors import AgreementError
+from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import Prepared, prepare_restore
+from sidecar.replicator.client import PeerClient
+from sidecar.replicator.security import Credentials
 
 pytestmark = pytest.mark.integration
 N = 3
@@ -108,36 +111,52 @@ def net() -> Iterator[Net]:
         n.down()
 
 
-def test_partial_partition_never_splits_the_decision(net: Net, ramdisk: Path) -> None:
+def start(net: Net, ramdisk: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
+    """A replicator in each namespace, each host with steps 1 and 2 committed."""
     token = ramdisk / "token"
     token.write_text("netns-test-token")
     procs = []
-    try:
-        for i in range(N):
-            root = ramdisk / f"host-{i}"
-            for s in (1, 2):
-                commit_raw_step(root, s, {"x.bin": os.urandom(512)})
-            log = open(ramdisk / f"replicator-{i}.log", "wb")
-            procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", net.ns[i], sys.executable, "-m",
-                 "sidecar.replicator.main", "--local-dir", str(root),
-                 "--listen", f"0.0.0.0:{PORT}", "--nodes", net.nodes_for(i),
-                 "--rank", str(i), "--token-file", str(token), "--poll-seconds", "0.2",
-                 "--agreement-timeout-seconds", str(TIMEOUT_S),
-                 "--port-file", str(ramdisk / f"port-{i}")],
-                stdout=log, stderr=subprocess.STDOUT, env=env_with_repo()))
-            log.close()
-        deadline = time.monotonic() + 60
-        while not all((ramdisk / f"port-{i}").exists() for i in range(N)):
-            assert time.monotonic() < deadline, "replicators did not start"
-            assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
-            time.sleep(0.1)
+    for i in range(N):
+        root = ramdisk / f"host-{i}"
+        for s in (1, 2):
+            commit_raw_step(root, s, {"x.bin": os.urandom(512)})
+        log = open(ramdisk / f"replicator-{i}.log", "wb")
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", net.ns[i], sys.executable, "-m",
+             "sidecar.replicator.main", "--local-dir", str(root),
+             "--listen", f"0.0.0.0:{PORT}", "--nodes", net.nodes_for(i),
+             "--rank", str(i), "--token-file", str(token), "--poll-seconds", "0.2",
+             "--agreement-timeout-seconds", str(TIMEOUT_S),
+             "--port-file", str(ramdisk / f"port-{i}")],
+            stdout=log, stderr=subprocess.STDOUT, env=env_with_repo()))
+        log.close()
+    deadline = time.monotonic() + 60
+    while not all((ramdisk / f"port-{i}").exists() for i in range(N)):
+        assert time.monotonic() < deadline, "replicators did not start"
+        assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+        time.sleep(0.1)
+    return procs, token.read_text()
 
+
+def stop(procs: list[subprocess.Popen[bytes]], ramdisk: Path) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+    for i in range(N):
+        print(f"--- replicator {i} ---")
+        path = ramdisk / f"replicator-{i}.log"
+        print(path.read_text(errors="replace")[-2000:] if path.exists() else "")
+
+
+def test_partial_partition_never_splits_the_decision(net: Net, ramdisk: Path) -> None:
+    procs, token = start(net, ramdisk)
+    try:
         def restore() -> tuple[Prepared | AgreementError, float]:
             t0 = time.monotonic()
             try:
                 got: Prepared | AgreementError = prepare_restore(
-                    net.control, token=token.read_text(), timeout_s=TIMEOUT_S)
+                    net.control, token=token, timeout_s=TIMEOUT_S)
             except AgreementError as e:
                 got = e
             return got, time.monotonic() - t0
@@ -171,11 +190,40 @@ def test_partial_partition_never_splits_the_decision(net: Net, ramdisk: Path) ->
         assert isinstance(healed, Prepared) and healed.step == 2, healed
         assert healed.epoch == got.epoch + 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-        for i in range(N):
-            print(f"--- replicator {i} ---")
-            path = ramdisk / f"replicator-{i}.log"
-            print(path.read_text(errors="replace")[-2000:] if path.exists() else "")
+        stop(procs, ramdisk)
+
+
+def held_by(net: Net, token: str, holder: int) -> set[tuple[int, int]]:
+    c = PeerClient(net.control[holder], Credentials(token=token), rank=holder)
+    try:
+        inv = c.call("GetInventory", pb.InventoryRequest(), deadline_s=5)
+    finally:
+        c.close()
+    return {(x.origin_rank, x.step) for x in inv.copies}
+
+
+def test_copy_over_a_cut_link_is_not_counted_then_completes_when_healed(
+        net: Net, ramdisk: Path) -> None:
+    procs, token = start(net, ramdisk)
+    try:
+        deadline = time.monotonic() + 30
+        while (0, 2) not in held_by(net, token, 1):  # rank 0's steps go to rank 1
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        net.set_link(0, 1, up=False)
+        commit_raw_step(ramdisk / "host-0", 3, {"x.bin": os.urandom(1 << 20)})
+        # Every attempt over the cut link fails within its deadline; the step is not
+        # counted as replicated, and no partial copy shows up at the target.
+        log0 = ramdisk / "replicator-0.log"
+        deadline = time.monotonic() + 40
+        while "step 3 not replicated to rank 1" not in log0.read_text(errors="replace"):
+            assert time.monotonic() < deadline, "no bounded failure over the cut link"
+            time.sleep(0.2)
+        assert (0, 3) not in held_by(net, token, 1)
+        net.set_link(0, 1, up=True)
+        deadline = time.monotonic() + 40
+        while (0, 3) not in held_by(net, token, 1):
+            assert time.monotonic() < deadline, "not replicated after the link came back"
+            time.sleep(0.2)
+    finally:
+        stop(procs, ramdisk)
