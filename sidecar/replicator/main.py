@@ -253,7 +253,7 @@ def _answer(node: Node, root: Path, request: orbax.ClientRequest) -> None:
                                f"{request.nodes}; this replicator is rank {node.rank} of "
                                f"{node.config.num_nodes}", fatal=True)
             return
-        node.client_rid = request.restore_id  # a re-served request reads its decision again
+        node.use_restore_id(request.restore_id)  # re-served, it reads its decision again
         try:
             step = node.restore_for_client(request.job_name)
             log.info("rank %d: told the client to restore step %d", node.rank, step)

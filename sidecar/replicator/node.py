@@ -93,7 +93,7 @@ class Node(BackupDuties, RestoreDuties):
         self.restoring: dict[int, tuple[Path, set[str]]] = {}
         self.heartbeat = time.monotonic()  # the replication loop's last pass (health)
         self.last_decision = pb.Decision()  # the newest one this node read
-        self.client_rid = ""  # the Orbax request being answered (main's client thread)
+        self._call = threading.local()  # per calling thread: restore id, decision read
         members = list(range(config.num_nodes))
         self.coordinator = Coordinator(
             members, config.equivalent, self._gather_holdings,
@@ -411,8 +411,14 @@ class Node(BackupDuties, RestoreDuties):
               ) -> tuple[int, dict[int, pb.Inventory]]:
         """The epoch's step, and inventories to find its data with (only this node's
         when its data is local: the decision itself costs O(N) messages)."""
-        step = self.agree_epoch(timeout_s, rid or self.client_rid).step
-        return step, self._invs_for(step)
+        d = self.agree_epoch(timeout_s, rid or getattr(self._call, "rid", ""))
+        self._call.decision = d
+        return d.step, self._invs_for(d.step)
+
+    def use_restore_id(self, rid: str) -> None:
+        """The restore id :meth:`agree` asks with on this thread (a PrepareRestore's,
+        an Orbax request's): a re-issued request reads the same decision."""
+        self._call.rid = rid
 
     def _invs_for(self, step: int) -> dict[int, pb.Inventory]:
         if step < 0 or (self.rank, step) in self.store.copies():
@@ -421,14 +427,19 @@ class Node(BackupDuties, RestoreDuties):
 
     def prepare_restore_as(self, timeout_s: float | None, rid: str
                            ) -> tuple[pb.Decision, str, float]:
-        """PrepareRestore: agree, then make this host's data of the step local."""
-        t0 = time.monotonic()
-        d = self.agree_epoch(timeout_s, rid)
-        if d.step < 0:
-            return d, "none", time.monotonic() - t0
-        tier = self.materialize(d.step, self._invs_for(d.step),
-                                into_root=self.config.framework == "mtc")
-        return d, tier, time.monotonic() - t0
+        """PrepareRestore with a restore id: restore.py's ``prepare_restore`` (agree,
+        then make this host's data of the step local), and the decision it read."""
+        self.use_restore_id(rid)
+        self._call.decision = pb.Decision()
+        try:
+            step, tier, seconds = self.prepare_restore(timeout_s)
+            d: pb.Decision = self._call.decision
+        finally:
+            self.use_restore_id("")
+        if d.step != step:  # the invariant, checked where it is cheap
+            raise AgreementError(f"decided step {d.step}, prepared step {step}",
+                                 host=self.rank)
+        return d, tier, seconds
 
 
 @dataclasses.dataclass(frozen=True)
