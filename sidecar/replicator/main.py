@@ -164,7 +164,6 @@ def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
         client_q.put(request)
     poll = node.config.poll_s
     last_expiry = time.monotonic()
-    refused = False  # a replicator.yaml this replicator does not serve was answered
     serving = True
     try:
         while not stop.wait(poll):
@@ -173,7 +172,7 @@ def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
                 if req is not None:
                     client_q.put(req)
             elif (root / orbax.YAML_NAME).exists():
-                refused = _refuse(root, node) or refused
+                _refuse(root, node)
             if time.monotonic() - last_expiry > 5.0:
                 servicer.expire_transfers()
                 last_expiry = time.monotonic()
@@ -227,7 +226,7 @@ def _pending(root: Path) -> orbax.ClientRequest | None:
         return None
 
 
-def _refuse(root: Path, node: Node) -> bool:
+def _refuse(root: Path, node: Node) -> None:
     """A replicator.yaml reached a replicator started for mtc (``--rank``,
     ``--framework mtc``): tell the client at once why nobody will answer it."""
     orbax.refuse_request(root, (
@@ -235,7 +234,6 @@ def _refuse(root: Path, node: Node) -> bool:
         f"{node.config.framework}, so it does not serve Orbax's {orbax.YAML_NAME}: start "
         f"mtc-replicator without --rank (it learns its rank from {orbax.YAML_NAME}) or "
         f"with --framework orbax"))
-    return True
 
 
 def _client_loop(node: Node, root: Path, q: queue.Queue[orbax.ClientRequest | None]) -> None:

@@ -41,11 +41,9 @@ from sidecar.replicator.agreement import (
     BOOK_NAME,
     Book,
     Coordinator,
-    Decided,
     Decision,
     Fresh,
     Holding,
-    decide,
     newest_complete,
 )
 from sidecar.replicator.client import PeerClient, PeerError
@@ -358,12 +356,6 @@ class Node(BackupDuties, RestoreDuties):
             for c in inv.copies:
                 out[(c.origin_rank, c.step)].append((holder, c))
         return out
-
-    def restorable(self, invs: dict[int, pb.Inventory]) -> int:
-        """Newest step every rank can get (from a host or the backup), on this view."""
-        result = decide({r: self.holding(i) for r, i in invs.items()}, list(invs),
-                        self.config.equivalent)
-        return result.step if isinstance(result, Decided) else -1
 
     def decide_for(self, rank: int, rid: str, timeout_s: float) -> pb.Decision:
         """The coordinator's side of ``Decide``: the epoch's recorded decision."""
