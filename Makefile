@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) bench/replicator.py | tee out/bench/replicator.json
 	$(PY) bench/backup.py | tee out/bench/backup.json
 	$(PY) bench/recovery.py | tee out/bench/recovery.json
+	$(PY) bench/control_plane.py | tee out/bench/control_plane.json
 
 # About seven minutes of elastic training, a host lost every two minutes (goodput under failure).
 bench-goodput: $(STAMP)

@@ -14,12 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 from jax.sharding import Mesh
 from replicators import Cluster, assert_state_equal, commit_raw_step, make_state, new_cluster
 
 import mtc
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
+from sidecar.replicator.client import PeerError
 
 OPTS = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
 
@@ -46,6 +48,19 @@ def prepare_all(cl: Cluster, ranks: list[int], timeout: float = 30.0
 
     with ThreadPoolExecutor(len(ranks)) as ex:
         return dict(zip(ranks, ex.map(one, ranks), strict=True))
+
+
+def prepare_error(cl: Cluster, rank: int, timeout: float) -> PeerError | None:
+    """PrepareRestore on ``rank``; the error it answered, or None."""
+    c = cl.client(rank)
+    try:
+        c.call("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=timeout),
+               deadline_s=timeout + 10, attempts=1)
+        return None
+    except PeerError as e:
+        return e
+    finally:
+        c.close()
 
 
 def files_of(d: Path) -> dict[str, bytes]:
@@ -222,14 +237,17 @@ def test_peer_unreachable_then_back(ramdisk: Path, mesh: Mesh, clusters: list[Cl
     assert all(cl.alive(r) for r in (0, 1, 3))
     assert (2, 0, 2) not in cl.held() and (0, 2, 2) not in cl.held()
 
-    # A restore with host 2 down still agrees, within deadlines, on the newest step
-    # whose data is reachable for every host: step 1 (host 2's step 2 exists only
-    # on its own RAM disk, behind a dead replicator).
+    # A restore with host 2 down cannot be decided safely (host 2 may hold data
+    # nobody else has, and deciding without a member could split the job): every
+    # asker gets the typed "cannot decide" (AgreementError, ABORTED) within its
+    # deadline, and no host restores anything.
     t0 = time.monotonic()
-    replies = prepare_all(cl, [0, 1, 3])
-    assert time.monotonic() - t0 < 20
-    assert {r: (x.step, x.tier) for r, x in replies.items()} == {
-        0: (1, "local"), 1: (1, "local"), 3: (1, "local")}
+    with ThreadPoolExecutor(3) as ex:
+        errors = list(ex.map(lambda r: prepare_error(cl, r, 4.0), [0, 1, 3]))
+    assert time.monotonic() - t0 < 4.0 + 8
+    for e in errors:
+        assert e is not None and e.code == grpc.StatusCode.ABORTED, e
+        assert "rank(s) [2]" in str(e), e
 
     # Back: replication completes in both directions.
     t0 = time.monotonic()
@@ -243,6 +261,11 @@ def test_peer_unreachable_then_back(ramdisk: Path, mesh: Mesh, clusters: list[Cl
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert cl.scrape(0)["mtc_replication_lag_steps"] == 0
+    # With every member back, the same restore succeeds, on the newest step.
+    replies = prepare_all(cl, [0, 1, 2, 3])
+    assert {r: (x.step, x.tier) for r, x in replies.items()} == {
+        0: (2, "local"), 1: (2, "local"), 2: (2, "local"), 3: (2, "local")}
+    assert len({x.epoch for x in replies.values()}) == 1
 
 
 # -- garbage collection ----------------------------------------------------------------
@@ -309,10 +332,6 @@ def test_gc_keeps_the_newest_step_every_rank_can_restore(ramdisk: Path,
     cl.wait_held({(1, 0, 3)})
     time.sleep(1.5)  # GC passes with --keep 1
     assert 2 in own_steps(cl.root(0)), "the newest step complete on every rank was deleted"
-    c = cl.client(0)
-    try:
-        reply = c.call("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=20),
-                       deadline_s=40)
-    finally:
-        c.close()
-    assert reply.step == 2
+    # A restore asks every member (agreement needs them all): step 2 everywhere.
+    replies = prepare_all(cl, [0, 1], timeout=20)
+    assert {r: x.step for r, x in replies.items()} == {0: 2, 1: 2}

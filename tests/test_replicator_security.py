@@ -77,7 +77,8 @@ def test_token_required(ramdisk: Path, clusters: list[Cluster]) -> None:
         c = PeerClient(cl.addrs[1], creds, rank=1)
         try:
             for name, req in (("GetInventory", pb.InventoryRequest()),
-                              ("Propose", pb.ProposeRequest(rank=0, step=1)),
+                              ("Decide", pb.DecideRequest(rank=0, timeout_seconds=1)),
+                              ("GetComplete", pb.CompleteRequest()),
                               ("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=1))):
                 with pytest.raises(PeerError) as ei:
                     c.call(name, req, attempts=1)

@@ -31,16 +31,32 @@ class InventoryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps")
+    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision")
     RANK_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NEWEST_BACKED_UP_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKED_UP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     copies: _containers.RepeatedCompositeFieldContainer[StepCopy]
     newest_backed_up_step: int
     backed_up_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    last_decision: Decision
+    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ...) -> None: ...
+
+class Decision(_message.Message):
+    __slots__ = ("epoch", "step", "decided_at", "rank", "restore_id")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_ID_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    decided_at: float
+    rank: int
+    restore_id: str
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., decided_at: _Optional[float] = ..., rank: _Optional[int] = ..., restore_id: _Optional[str] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
     __slots__ = ("copy",)
@@ -103,41 +119,51 @@ class AbortReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ProposeRequest(_message.Message):
-    __slots__ = ("epoch", "rank", "step")
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+class DecideRequest(_message.Message):
+    __slots__ = ("rank", "restore_id", "timeout_seconds")
     RANK_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    epoch: int
+    RESTORE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     rank: int
-    step: int
-    def __init__(self, epoch: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    restore_id: str
+    timeout_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., restore_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
-class ProposeReply(_message.Message):
-    __slots__ = ("seen", "epoch", "active")
-    SEEN_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    ACTIVE_FIELD_NUMBER: _ClassVar[int]
-    seen: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
-    epoch: int
-    active: bool
-    def __init__(self, seen: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., epoch: _Optional[int] = ..., active: _Optional[bool] = ...) -> None: ...
+class DecideReply(_message.Message):
+    __slots__ = ("decision",)
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    decision: Decision
+    def __init__(self, decision: _Optional[_Union[Decision, _Mapping]] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CompleteReply(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class PrepareRestoreRequest(_message.Message):
-    __slots__ = ("timeout_seconds",)
+    __slots__ = ("timeout_seconds", "restore_id")
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_ID_FIELD_NUMBER: _ClassVar[int]
     timeout_seconds: float
-    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+    restore_id: str
+    def __init__(self, timeout_seconds: _Optional[float] = ..., restore_id: _Optional[str] = ...) -> None: ...
 
 class PrepareRestoreReply(_message.Message):
-    __slots__ = ("step", "tier", "seconds")
+    __slots__ = ("step", "tier", "seconds", "epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     tier: str
     seconds: float
-    def __init__(self, step: _Optional[int] = ..., tier: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    epoch: int
+    def __init__(self, step: _Optional[int] = ..., tier: _Optional[str] = ..., seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class BackupRequest(_message.Message):
     __slots__ = ("step",)

@@ -59,10 +59,15 @@ class ReplicatorStub:
                 request_serializer=replicator__pb2.AbortRequest.SerializeToString,
                 response_deserializer=replicator__pb2.AbortReply.FromString,
                 _registered_method=True)
-        self.Propose = channel.unary_unary(
-                '/mtc.replicator.v1.Replicator/Propose',
-                request_serializer=replicator__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=replicator__pb2.ProposeReply.FromString,
+        self.Decide = channel.unary_unary(
+                '/mtc.replicator.v1.Replicator/Decide',
+                request_serializer=replicator__pb2.DecideRequest.SerializeToString,
+                response_deserializer=replicator__pb2.DecideReply.FromString,
+                _registered_method=True)
+        self.GetComplete = channel.unary_unary(
+                '/mtc.replicator.v1.Replicator/GetComplete',
+                request_serializer=replicator__pb2.CompleteRequest.SerializeToString,
+                response_deserializer=replicator__pb2.CompleteReply.FromString,
                 _registered_method=True)
         self.PrepareRestore = channel.unary_unary(
                 '/mtc.replicator.v1.Replicator/PrepareRestore',
@@ -114,7 +119,13 @@ class ReplicatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Propose(self, request, context):
+    def Decide(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetComplete(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,10 +177,15 @@ def add_ReplicatorServicer_to_server(servicer, server):
                     request_deserializer=replicator__pb2.AbortRequest.FromString,
                     response_serializer=replicator__pb2.AbortReply.SerializeToString,
             ),
-            'Propose': grpc.unary_unary_rpc_method_handler(
-                    servicer.Propose,
-                    request_deserializer=replicator__pb2.ProposeRequest.FromString,
-                    response_serializer=replicator__pb2.ProposeReply.SerializeToString,
+            'Decide': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decide,
+                    request_deserializer=replicator__pb2.DecideRequest.FromString,
+                    response_serializer=replicator__pb2.DecideReply.SerializeToString,
+            ),
+            'GetComplete': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetComplete,
+                    request_deserializer=replicator__pb2.CompleteRequest.FromString,
+                    response_serializer=replicator__pb2.CompleteReply.SerializeToString,
             ),
             'PrepareRestore': grpc.unary_unary_rpc_method_handler(
                     servicer.PrepareRestore,
@@ -333,7 +349,7 @@ class Replicator:
             _registered_method=True)
 
     @staticmethod
-    def Propose(request,
+    def Decide(request,
             target,
             options=(),
             channel_credentials=None,
@@ -346,9 +362,36 @@ class Replicator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/mtc.replicator.v1.Replicator/Propose',
-            replicator__pb2.ProposeRequest.SerializeToString,
-            replicator__pb2.ProposeReply.FromString,
+            '/mtc.replicator.v1.Replicator/Decide',
+            replicator__pb2.DecideRequest.SerializeToString,
+            replicator__pb2.DecideReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetComplete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.replicator.v1.Replicator/GetComplete',
+            replicator__pb2.CompleteRequest.SerializeToString,
+            replicator__pb2.CompleteReply.FromString,
             options,
             channel_credentials,
             insecure,

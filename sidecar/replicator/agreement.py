@@ -1,61 +1,351 @@
-"""Restore agreement state: epochs (restore rounds) and the proposals received."""
+"""Restore agreement among replicators: one decider per restore epoch, a decision
+recorded once and only read afterwards (the protocol and its invariant:
+``docs/agreement.md``).
+
+Pure parts, tested alone (``tests/test_agreement.py``): :func:`decide` (the step
+from every member's holdings, or a typed "cannot decide"), :func:`newest_complete`,
+:func:`missing_asks` (whether an epoch can form) and :func:`find_record` (which
+recorded epoch answered an ask). The stateful
+parts take their transport as a function, so the same code runs over gRPC in
+``node.py`` and over an in-memory transport in ``bench/control_plane.py``:
+:class:`Book` (the coordinator's records, persisted), :class:`Coordinator`
+(every member asks, gather every member, decide once) and :class:`Fresh` (a value computed by a
+gather that began after the caller asked, shared by every caller waiting).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import threading
+import time
+import uuid
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from mtc.errors import AgreementError
+
+T = TypeVar("T")
+BOOK_NAME = ".mtc-agreement.json"
+KEEP_RECORDS = 16  # recorded epochs kept; older ones can no longer be joined anyway
 
 
-class Agreement:
-    """Restore rounds ("epochs") and the proposals this node has, by rank.
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """What one member reports: complete copies it holds and the backed-up steps."""
 
-    Each restore (a job start) is a new epoch. A node keeps answering with the
-    proposals of the epoch it decided, for slower nodes of that round, so a
-    proposal counts only in its own epoch: a quick restart must never decide on
-    the proposals of the previous one. A node starting a round joins the epoch a
-    peer is active in, else starts the one after the newest any node finished; a
-    restarted replicator (it remembers no epoch) learns it from its peers.
+    copies: frozenset[tuple[int, int]]  # (origin rank, step)
+    backed_up: frozenset[int] = frozenset()
+    last: Decision | None = None  # the newest decision this member has read
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """An epoch's recorded step, as a member read it (reported back in inventories,
+    so a coordinator that lost its records rebuilds them before deciding again)."""
+
+    epoch: int
+    step: int
+    decided_at: float  # unix seconds
+    rank: int = -1  # the member that read it
+    rid: str = ""  # the restore id it asked with
+
+
+@dataclasses.dataclass(frozen=True)
+class Decided:
+    step: int  # -1: nothing restorable anywhere
+
+
+@dataclasses.dataclass(frozen=True)
+class CannotDecide:
+    reason: str
+    missing: tuple[int, ...] = ()
+
+
+def newest_complete(holdings: Mapping[int, Holding], num_nodes: int,
+                    equivalent: Callable[[int], Sequence[int]]) -> int:
+    """The newest step whose data is held (on hosts, not in backup) for every rank."""
+    held = {c for h in holdings.values() for c in h.copies}
+    for s in sorted({s for _, s in held}, reverse=True):
+        if all(any((o, s) in held for o in equivalent(r)) for r in range(num_nodes)):
+            return s
+    return -1
+
+
+def decide(holdings: Mapping[int, Holding], members: Collection[int],
+           equivalent: Callable[[int], Sequence[int]]) -> Decided | CannotDecide:
+    """The step every member restores: the newest one each rank's data exists for,
+    on a host or in the backup. Never on a partial view: every member must have
+    answered, or the answer is :class:`CannotDecide` naming who is missing."""
+    missing = tuple(sorted(set(members) - set(holdings)))
+    if missing:
+        return CannotDecide(f"no inventory from rank(s) {list(missing)}", missing)
+    extra = sorted(set(holdings) - set(members))
+    if extra:
+        return CannotDecide(f"inventory from rank(s) {extra} outside the membership")
+    backed = max((s for h in holdings.values() for s in h.backed_up), default=-1)
+    return Decided(max(newest_complete(holdings, len(members), equivalent), backed))
+
+
+# -- the coordinator's records --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochRecord:
+    """One decided epoch, immutable: the step, when, and the restore ids of every
+    ask it answers (a re-issued ask with one of them reads it again)."""
+
+    epoch: int
+    step: int
+    decided_at: float
+    rids: frozenset[str] = frozenset()
+
+    def decision(self, rank: int = -1, rid: str = "") -> Decision:
+        return Decision(self.epoch, self.step, self.decided_at, rank, rid)
+
+
+def missing_asks(asks: Mapping[int, float], members: Collection[int], now: float
+                 ) -> tuple[int, ...]:
+    """The members without a live ask (``asks``: rank -> when its ask's lease ends).
+    An epoch forms only when this is empty: every member asked, and none of those
+    asks has outlived its asker's deadline."""
+    return tuple(sorted(m for m in members if asks.get(m, -1.0) <= now))
+
+
+def find_record(records: Sequence[EpochRecord], rid: str) -> EpochRecord | None:
+    """The epoch that answered the ask with restore id ``rid``, if one did."""
+    for rec in reversed(records):
+        if rid in rec.rids:
+            return rec
+    return None
+
+
+class Book:
+    """The coordinator's epoch records, written through to its RAM disk (a replicator
+    restart keeps them). The lock guards ``records``."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self.records: list[EpochRecord] = []
+        if path is not None:
+            self.records = _load(path)
+
+    def find(self, rid: str) -> EpochRecord | None:
+        with self._lock:
+            return find_record(self.records, rid)
+
+    def record(self, step: int, rids: Iterable[str], now: float,
+               reported: Iterable[Decision] = ()) -> EpochRecord:
+        """Record a new epoch's decision: the only place a decision is made. Its
+        number is past every epoch this book or any member knows, so a wiped
+        coordinator never reuses one."""
+        with self._lock:
+            newest = max([r.epoch for r in self.records[-1:]] + [d.epoch for d in reported],
+                         default=0)
+            rec = EpochRecord(newest + 1, step, now, frozenset(rids))
+            self.records = [*self.records, rec][-KEEP_RECORDS:]
+            self._save()
+            return rec
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        data = [{"epoch": r.epoch, "step": r.step, "decided_at": r.decided_at,
+                 "rids": sorted(r.rids)} for r in self.records]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def _load(path: Path) -> list[EpochRecord]:
+    try:
+        data = json.loads(path.read_text())
+        return [EpochRecord(int(d["epoch"]), int(d["step"]), float(d["decided_at"]),
+                            frozenset(map(str, d["rids"]))) for d in data]
+    except FileNotFoundError:
+        return []
+    except (ValueError, KeyError, TypeError) as e:
+        # Never guess a record: a restore reading it again must get what was decided.
+        raise AgreementError(f"unreadable agreement records {path}: {e}") from e
+
+
+# -- the decider ----------------------------------------------------------------------
+
+Gather = Callable[[Sequence[int], float], dict[int, Holding]]
+
+
+class Coordinator:
+    """The one decider of a membership (its lowest rank runs it).
+
+    A restore epoch forms when every member has a live ask (each ask holds a lease
+    until its asker's deadline); the coordinator then gathers every member's
+    holdings (asking again for the missing ones until the deadline; at once when
+    all answered), records one decision for all those asks and answers them.
+    ``gather(ranks, deadline)`` returns the holdings of those that answered before
+    ``deadline`` (monotonic). ``_cond`` guards ``_asks``, ``_deciding``, ``_why``.
     """
 
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.active = False
-        self._props: dict[int, tuple[int, int]] = {}  # rank -> (epoch, step)
-        self._lock = threading.Lock()
+    def __init__(self, members: Sequence[int], equivalent: Callable[[int], Sequence[int]],
+                 gather: Gather, book: Book, *, retry_s: float = 0.2,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.members = list(members)
+        self.equivalent = equivalent
+        self.gather = gather
+        self.book = book
+        self.retry_s = retry_s
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._asks: dict[int, tuple[str, float]] = {}  # rank -> (rid, lease end)
+        self._deciding = False
+        self._why = ""  # why the last attempt could not decide
+        self._asked_at: dict[int, float] = {}  # rank -> its latest ask (for messages)
+        self._closed = False
 
-    def begin(self, peers: list[tuple[int, bool]]) -> int:
-        """Enter a round, given the (epoch, active) answers of the peers reached."""
-        with self._lock:
-            epoch = self.epoch + 1
-            for e, active in peers:
-                epoch = max(epoch, e if active else e + 1)
-            self.epoch, self.active = epoch, True
-            return epoch
+    def close(self) -> None:
+        """Shutting down: every waiting ask ends now, typed."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.waiting_for: tuple[int, ...] = ()
 
-    def join(self, epoch: int) -> None:
-        """A peer is active in a newer epoch than ours: ours is stale, move to it."""
-        with self._lock:
-            if epoch > self.epoch:
-                self.epoch = epoch
+    def decide_for(self, rank: int, rid: str, timeout_s: float) -> EpochRecord:
+        """The decision of the epoch this ask belongs to; :class:`AgreementError` when
+        none is recorded before ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        rid = rid or f"anon-{uuid.uuid4().hex}"
+        with self._cond:
+            rec = self.book.find(rid)
+            if rec is not None:
+                return rec  # a re-issued ask of a decided epoch
+            self._asks[rank] = (rid, deadline)  # replaces an older ask of this rank
+            self._asked_at[rank] = time.monotonic()
+            while True:
+                rec = self.book.find(rid)
+                if rec is not None:
+                    return rec
+                if self._asks.get(rank, ("", 0.0))[0] != rid:
+                    raise AgreementError("a newer restore request of this rank replaced this "
+                                         "one", host=rank)
+                now = time.monotonic()
+                waiting = missing_asks({r: a[1] for r, a in self._asks.items()},
+                                       self.members, now)
+                if not waiting and not self._deciding:
+                    self._decide(deadline)
+                    continue
+                if self._closed:
+                    raise AgreementError("the coordinator is shutting down", host=rank)
+                if now >= deadline:
+                    if self._asks.get(rank) == (rid, deadline):
+                        del self._asks[rank]
+                    # Who has not asked since the last decision, lately (asks withdrawn
+                    # at their own deadline a moment ago still count as asked).
+                    absent = [m for m in self.members
+                              if self._asked_at.get(m, -1e18) < deadline - 2 * timeout_s]
+                    if absent:
+                        why = f"no restore request yet from rank(s) {absent}"
+                    elif self._deciding:
+                        why = f"no inventory yet from rank(s) {list(self.waiting_for)}"
+                    else:
+                        why = self._why or "the coordinator could not decide"
+                    raise AgreementError(f"cannot decide the step to restore within "
+                                         f"{timeout_s:.1f}s: {why}; every member must ask "
+                                         f"and answer", host=rank)
+                self._cond.wait(deadline - now)
 
-    def decided(self) -> None:
-        with self._lock:
-            self.active = False
+    def _decide(self, deadline: float) -> None:
+        """Called with ``_cond`` held and every member asking: gather (without the
+        lock, so re-issued asks still register) and record, or say why not."""
+        asks = dict(self._asks)
+        self._deciding = True
+        self._cond.release()
+        try:
+            holdings = self.gather_all(deadline)
+        finally:
+            self._cond.acquire()
+            self._deciding = False
+        result = decide(holdings, self.members, self.equivalent)
+        if isinstance(result, CannotDecide):
+            self._why = result.reason
+        else:
+            rids = {a[0] for a in asks.values()} | {a[0] for a in self._asks.values()}
+            self.book.record(result.step, rids, self.clock(),
+                             [h.last for h in holdings.values() if h.last is not None])
+            self._asks.clear()
+            self._asked_at.clear()  # those asks are answered: they count for no later epoch
+            self._why = ""
+        self._cond.notify_all()
 
-    def state(self) -> tuple[int, bool]:
-        with self._lock:
-            return self.epoch, self.active
+    def gather_all(self, deadline: float) -> dict[int, Holding]:
+        """Every member's holdings; asks again for the missing ones until the deadline.
+        Returns at once when all have answered (no fixed wait)."""
+        got: dict[int, Holding] = {}
+        while True:
+            missing = [r for r in self.members if r not in got]
+            self.waiting_for = tuple(missing)
+            got.update(self.gather(missing, deadline))
+            if len(got) == len(self.members) or time.monotonic() >= deadline:
+                self.waiting_for = tuple(r for r in self.members if r not in got)
+                return got
+            time.sleep(min(self.retry_s, max(0.0, deadline - time.monotonic())))
 
-    def record(self, rank: int, epoch: int, step: int) -> None:
-        with self._lock:
-            if epoch > 0 and epoch >= self._props.get(rank, (0, 0))[0]:
-                self._props[rank] = (epoch, step)
 
-    def proposals(self) -> dict[int, tuple[int, int]]:
-        """rank -> (epoch, step), the newest proposal of each rank."""
-        with self._lock:
-            return dict(self._props)
+class Fresh(Generic[T]):
+    """A value (the newest complete step) computed by a run of ``compute`` that began
+    after the caller asked: never older than the question, and every caller waiting
+    at once shares the next run, so N askers cost about two runs, not N; and runs
+    start at most every ``min_interval_s``, which bounds their cost whatever N is."""
 
-    def current(self) -> dict[int, int]:
-        """rank -> step, the proposals of this node's epoch."""
-        with self._lock:
-            return {r: s for r, (e, s) in self._props.items() if e == self.epoch}
+    def __init__(self, compute: Callable[[], T], *, min_interval_s: float = 0.0) -> None:
+        self._compute = compute
+        self._min_interval_s = min_interval_s  # runs start at most this often
+        self._last_start = -1e18
+        self._cond = threading.Condition()
+        self._started = 0
+        self._done = 0
+        self._running = False
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    def get(self, timeout_s: float) -> T:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            need = self._started + 1
+            while self._done < need:
+                if not self._running:
+                    self._running = True
+                    wait_s = self._last_start + self._min_interval_s - time.monotonic()
+                    if wait_s > 0:
+                        # Askers arriving meanwhile still count toward this run: it
+                        # has not started (``_started`` moves when it does).
+                        self._cond.release()
+                        try:
+                            time.sleep(wait_s)
+                        finally:
+                            self._cond.acquire()
+                    self._started += 1
+                    gen = self._started
+                    self._last_start = time.monotonic()
+                    self._cond.release()
+                    try:
+                        value, error = self._compute(), None
+                    except Exception as e:  # noqa: BLE001 - handed to every waiter
+                        value, error = None, e
+                    finally:
+                        self._cond.acquire()
+                    self._value, self._error = value, error
+                    self._done, self._running = gen, False
+                    self._cond.notify_all()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AgreementError(f"no fresh view within {timeout_s:.1f}s")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise self._error
+            return self._value  # type: ignore[return-value]

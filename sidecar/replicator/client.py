@@ -11,19 +11,19 @@ from typing import Any, TypeVar
 
 import grpc
 
-from mtc.errors import CorruptShardError, RetryableError
+from mtc.errors import CorruptShardError, MtcError, RetryableError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from sidecar.replicator.security import Credentials
+from sidecar.replicator.status import TRANSIENT, error_class
 from sidecar.replicator.store import CHUNK
 
 T = TypeVar("T")
 MAX_MESSAGE = 64 << 20
 PUSH = "/mtc.replicator.v1.Data/Push"
 FETCH = "/mtc.replicator.v1.Data/Fetch"
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.RESOURCE_EXHAUSTED)
+_RETRYABLE = TRANSIENT  # the one map's: sidecar/replicator/status.py
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -45,13 +45,20 @@ CHANNEL_OPTIONS = [
 
 
 class PeerError(RetryableError):
-    """A peer could not be reached or refused a call; ``code`` is the gRPC status."""
+    """A peer could not be reached or refused a call; ``code`` is the gRPC status.
+    Whether sending it again can help is :func:`~sidecar.replicator.status.is_retryable`
+    (a refusal such as INVALID_ARGUMENT or DATA_LOSS is not), and ``kind`` is the
+    domain error the code stands for, from the same map the server used."""
 
     code: grpc.StatusCode | None = None
 
     @property
     def unreachable(self) -> bool:
         return self.code in _RETRYABLE or self.code is None
+
+    @property
+    def kind(self) -> type[MtcError]:
+        return error_class(self.code)
 
 
 def _identity(b: bytes) -> bytes:

@@ -24,8 +24,7 @@ class ReplicatorConfig:
     keep: int = 2                    # own steps kept; the newest fully replicated one always
     poll_s: float = 0.2
     deadline_s: float = 10.0
-    agreement_timeout_s: float = 60.0
-    straggler_wait_s: float = 10.0     # how long agreement waits for a node that is down
+    agreement_timeout_s: float = 60.0  # a restore's decision, or AgreementError
     framework: str = "mtc"           # "mtc" or "orbax" (from replicator.yaml)
     job_name: str = "mtc"
 

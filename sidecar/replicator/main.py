@@ -1,22 +1,29 @@
-"""``mtc-replicator``: the per-host replicator process."""
+"""``mtc-replicator``: the per-host replicator process, and its composition root:
+:func:`run` starts every thread (replication loop, backup loop, Orbax client
+answers; the gRPC server's own), watches the loop's health, and joins them all
+on shutdown."""
 
 from __future__ import annotations
 
 import argparse
 import ctypes
 import logging
+import queue
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health
+
 from mtc.errors import ConfigError, MtcError
 from sidecar.replicator import orbax
 from sidecar.replicator.config import ReplicatorConfig
 from sidecar.replicator.node import Node
 from sidecar.replicator.security import Credentials
-from sidecar.replicator.server import serve
+from sidecar.replicator.server import ReplicatorServicer, serve, set_health
 
 log = logging.getLogger("mtc.replicator")
 
@@ -54,8 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port-file", help="write the bound gRPC port here once serving")
     p.add_argument("--framework", choices=("mtc", "orbax"), default="mtc")
     p.add_argument("--poll-seconds", type=float, default=0.2)
-    p.add_argument("--straggler-wait-seconds", type=float, default=10.0,
-                   help="how long restore agreement waits for a node that is down")
+    p.add_argument("--straggler-wait-seconds", type=float, default=None,
+                   help="ignored (kept for old command lines): a restore now waits for every "
+                        "member, up to --agreement-timeout-seconds")
+    p.add_argument("--agreement-timeout-seconds", type=float, default=60.0,
+                   help="how long a restore waits for every member before failing (default 60)")
+    p.add_argument("--stall-seconds", type=float, default=120.0,
+                   help="health turns NOT_SERVING when the replication loop has not "
+                        "passed for this long (default 120)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -74,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     request = None
     try:
         if rank is None:
-            # Orbax's client tells us who we are through replicator.yaml.
+            # Orbax's client tells us who we are through replicator.yaml (or a request
+            # taken before a restart and not answered yet: serve it now).
             log.info("waiting for %s in %s", orbax.YAML_NAME, root)
+            request = _pending(root)
             while request is None:
                 if stop.wait(args.poll_seconds):
                     return 0
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ReplicatorConfig(rank=rank, nodes=nodes, nodes_per_slice=per_slice,
                                   replicas=args.replicas, keep=args.keep,
                                   poll_s=args.poll_seconds, framework=framework,
-                                  straggler_wait_s=args.straggler_wait_seconds)
+                                  agreement_timeout_s=args.agreement_timeout_seconds)
         creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                        args.tls_ca)
         backup = None
@@ -109,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                 keep_every=args.backup_keep_every))
         _keep_heap()
         node = Node(config, root, creds, backup)
-        server, port, servicer = serve(node, args.listen, creds)
+        # Every member's Decide waits on a server thread of the coordinator until the
+        # epoch forms: one thread per member, plus the usual 32.
+        server, port, servicer, health_servicer = serve(
+            node, args.listen, creds, workers=32 + len(nodes))
     except (MtcError, OSError, ValueError) as e:
         print(f"mtc-replicator: {e}", file=sys.stderr)
         if framework == "orbax" or request is not None:
@@ -122,21 +140,64 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(str(port))
         tmp.replace(args.port_file)
     log.info("rank %d serving on port %d, root %s", config.rank, port, args.local_dir)
-    loop = threading.Thread(target=node.run, name="mtc-replicate", daemon=True)
-    loop.start()
+    if request is None and config.framework == "orbax":
+        request = _pending(root)
+    return run(node, server, servicer, health_servicer, root, request, stop,
+               stall_s=args.stall_seconds)
+
+
+def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
+        health_servicer: health.HealthServicer, root: Path,
+        request: orbax.ClientRequest | None, stop: threading.Event, *,
+        stall_s: float) -> int:
+    """The composition root's life: start every thread, watch the loop's health,
+    and on ``stop`` (SIGTERM) shut down gracefully: NOT_SERVING, stop accepting,
+    finish the calls in flight, join every thread."""
+    client_q: queue.Queue[orbax.ClientRequest | None] = queue.Queue()
+    threads = [threading.Thread(target=node.run, name="mtc-replicate"),
+               threading.Thread(target=node.backup_loop, name="mtc-backup"),
+               threading.Thread(target=_client_loop, args=(node, root, client_q),
+                                name="mtc-orbax-client")]
+    for t in threads:
+        t.start()
+    if request is not None:
+        client_q.put(request)
+    poll = node.config.poll_s
     last_expiry = time.monotonic()
-    while True:
-        if request is not None:
-            _answer(node, root, request)
-        if stop.wait(args.poll_seconds):
-            break
-        request = _take(root) if config.framework == "orbax" else None
-        if time.monotonic() - last_expiry > 5.0:
-            servicer.expire_transfers()
-            last_expiry = time.monotonic()
-    node.stop()
-    server.stop(grace=2).wait()
+    serving = True
+    try:
+        while not stop.wait(poll):
+            if node.config.framework == "orbax":
+                req = _take(root)
+                if req is not None:
+                    client_q.put(req)
+            elif (root / orbax.YAML_NAME).exists():
+                _refuse(root, node)
+            if time.monotonic() - last_expiry > 5.0:
+                servicer.expire_transfers()
+                last_expiry = time.monotonic()
+            ok = healthy(node.heartbeat, time.monotonic(), stall_s)
+            if ok != serving:
+                log.warning("rank %d: replication loop %s", node.rank,
+                            "passes again" if ok else f"stalled for over {stall_s:.0f}s")
+                set_health(health_servicer, ok)
+                node.metrics.stalled.set(0 if ok else 1)
+                serving = ok
+    finally:
+        log.info("rank %d: shutting down", node.rank)
+        health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING from now on
+        node.stop()
+        client_q.put(None)
+        server.stop(grace=5).wait()  # no new calls; the ones in flight finish
+        for t in threads:
+            t.join()
+        node.close()
     return 0
+
+
+def healthy(heartbeat: float, now: float, stall_s: float) -> bool:
+    """The loop is alive when it passed within ``stall_s``."""
+    return now - heartbeat <= stall_s
 
 
 def _keep_heap() -> None:
@@ -153,23 +214,52 @@ def _take(root: Path) -> orbax.ClientRequest | None:
     try:
         return orbax.take_request(root)
     except ConfigError as e:
-        orbax.report(root, str(e), fatal=True)
+        log.error("%s", e)  # take_request wrote replicator.failed before consuming it
         return None
+
+
+def _pending(root: Path) -> orbax.ClientRequest | None:
+    try:
+        return orbax.pending_request(root)
+    except ConfigError as e:
+        log.error("%s", e)
+        return None
+
+
+def _refuse(root: Path, node: Node) -> None:
+    """A replicator.yaml reached a replicator started for mtc (``--rank``,
+    ``--framework mtc``): tell the client at once why nobody will answer it."""
+    orbax.refuse_request(root, (
+        f"this replicator (rank {node.rank}) was started with --rank and --framework "
+        f"{node.config.framework}, so it does not serve Orbax's {orbax.YAML_NAME}: start "
+        f"mtc-replicator without --rank (it learns its rank from {orbax.YAML_NAME}) or "
+        f"with --framework orbax"))
+
+
+def _client_loop(node: Node, root: Path, q: queue.Queue[orbax.ClientRequest | None]) -> None:
+    """Orbax client starts, one at a time, on a thread of main's (an agreement may
+    take up to its deadline; the main loop keeps watching health meanwhile)."""
+    while (request := q.get()) is not None:
+        _answer(node, root, request)
 
 
 def _answer(node: Node, root: Path, request: orbax.ClientRequest) -> None:
     """Serve one Orbax client start: agree on a step and write the restore marker."""
-    if request.rank != node.rank or request.nodes != node.config.num_nodes:
-        orbax.report(root, f"{orbax.YAML_NAME} names rank {request.rank} of {request.nodes}; "
-                           f"this replicator is rank {node.rank} of {node.config.num_nodes}",
-                     fatal=True)
-        return
     try:
-        step = node.restore_for_client(request.job_name)
-        log.info("rank %d: told the client to restore step %d", node.rank, step)
-    except (MtcError, OSError) as e:
-        log.exception("restore for the client failed")
-        orbax.report(root, f"restore failed: {e}", fatal=True)
+        if request.rank != node.rank or request.nodes != node.config.num_nodes:
+            orbax.report(root, f"{orbax.YAML_NAME} names rank {request.rank} of "
+                               f"{request.nodes}; this replicator is rank {node.rank} of "
+                               f"{node.config.num_nodes}", fatal=True)
+            return
+        node.use_restore_id(request.restore_id)  # re-served, it reads its decision again
+        try:
+            step = node.restore_for_client(request.job_name)
+            log.info("rank %d: told the client to restore step %d", node.rank, step)
+        except (MtcError, OSError) as e:
+            log.exception("restore for the client failed")
+            orbax.report(root, f"restore failed: {e}", fatal=True)
+    finally:
+        orbax.done_request(root)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ class Metrics:
                          "Committed steps newer than the newest fully replicated one",
                          registry=r)
         self.failures = Counter("mtc_failures", "Failures by kind", ["kind"], registry=r)
+        self.skipped = Counter("mtc_skipped", "Work skipped without failing, by reason",
+                               ["reason"], registry=r)
+        self.stalled = Gauge("mtc_loop_stalled",
+                             "1 while the replication loop has not passed for too long",
+                             registry=r)
         for state in ("committed", "replicated", "backed_up"):
             self.newest.labels(state).set(-1)
 

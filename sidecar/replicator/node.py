@@ -7,50 +7,71 @@ rest are pushed and verified on receipt; the step counts as replicated only
 when the target commits the copy. Older unreplicated steps are skipped, so lag
 never grows beyond one step in flight.
 
-Restore: every node gathers every reachable node's inventory, computes the
-newest step whose data exists for every rank somewhere, and proposes it to all
-nodes; each decides the smallest proposal of the nodes it reached. Each restore
-is an epoch of its own, so a quick restart never decides on the proposals of the
-previous one. No node is special, so any one may be down. A host missing its data fetches it file by
-file from the holders, spreading reads over them, verifying every byte.
+Restore (``docs/agreement.md``): every node asks the coordinator (rank 0) which
+step to restore; the coordinator gathers every member's inventory and records
+the epoch's step once, only when every member answered; every node reads that
+record. When a member does not answer within the deadline nobody restores: a
+typed :class:`~mtc.errors.AgreementError`. A host missing its data fetches it
+file by file from the holders, spreading reads over them, verifying every byte.
+
+Threads: ``main.py`` starts and joins them all (:meth:`run`, the backup loop,
+the servers). Each duty has its own pool: pushes, inventory fan-out, restore
+fetches (``_pool``), so an inventory never queues behind a file fetch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mtc.errors import MtcError
+import grpc
+
+from mtc.errors import AgreementError, ConfigError, MtcError
 from mtc.proto import replicator_pb2 as pb
 from sidecar.backup.duties import BackupDuties
 from sidecar.backup.schedule import BackupScheduler
-from sidecar.replicator.agreement import Agreement
+from sidecar.replicator.agreement import (
+    BOOK_NAME,
+    Book,
+    Coordinator,
+    Decision,
+    Fresh,
+    Holding,
+    newest_complete,
+)
 from sidecar.replicator.client import PeerClient, PeerError
 from sidecar.replicator.config import ReplicatorConfig
 from sidecar.replicator.metrics import Metrics
 from sidecar.replicator.restore import RestoreDuties
 from sidecar.replicator.security import Credentials
+from sidecar.replicator.status import is_retryable
 from sidecar.replicator.store import FileMeta, LocalStore, file_sha256
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
+GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view at most this often
 BATCH_BYTES = 4 << 20  # small files travel together, up to this many bytes a call
 BATCH_FILES = 512  # and this many files (their indices ride in the call's metadata)
 
 
 class Node(BackupDuties, RestoreDuties):
+    """One replicator's state. ``replicated``/``_synced`` belong to the replication
+    loop's thread; ``_pushing``/``_backing_up``/``restoring`` are shared, under
+    ``_lock``; the agreement records are the coordinator's (own locks)."""
+
     def __init__(self, config: ReplicatorConfig, root: Path, creds: Credentials,
                  backup: BackupScheduler | None = None) -> None:
         self.config = config
         self.rank = config.rank
         self.store = LocalStore(root, config.rank)
         self.metrics = Metrics()
-        self.agreement = Agreement()
         self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s)
                       for r, a in enumerate(config.nodes) if r != config.rank}
         self.replicated: dict[int, set[int]] = defaultdict(set)
@@ -59,24 +80,38 @@ class Node(BackupDuties, RestoreDuties):
         self._incoming: Any = None  # set by main: callable returning (origin, step) in transfer
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
+        # A pool per duty: pushes, inventory fan-out, restore fetches (restore.py's _pool).
+        self._push_pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
+        self._inv_pool = ThreadPoolExecutor(16, thread_name_prefix="mtc-inventory")
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-fetch")
         self.backup = backup
         self._backing_up: set[int] = set()
         # Steps being restored from the backup: their folder and verified files,
         # served to other restoring hosts that share objects with this one.
         self.restoring: dict[int, tuple[Path, set[str]]] = {}
-        self._complete_at: tuple[float, int] = (-1e9, -1)  # (when, newest complete step)
+        self.heartbeat = time.monotonic()  # the replication loop's last pass (health)
+        self.last_decision = pb.Decision()  # the newest one this node read
+        self._call = threading.local()  # per calling thread: restore id, decision read
+        members = list(range(config.num_nodes))
+        self.coordinator = Coordinator(
+            members, config.equivalent, self._gather_holdings,
+            Book(root / BOOK_NAME if self.rank == self.coordinator_rank else None))
+        # The coordinator's newest-complete view for GC, shared by concurrent askers.
+        self.complete = Fresh(lambda: newest_complete(
+            self._gather_holdings(members, time.monotonic() + config.deadline_s),
+            config.num_nodes, config.equivalent), min_interval_s=GC_VIEW_INTERVAL_S)
 
     # -- inventory ----------------------------------------------------------------
 
     def inventory(self) -> pb.Inventory:
         backed = self.backup.backed_up_steps() if self.backup else []
         inv = pb.Inventory(rank=self.rank, newest_backed_up_step=backed[-1] if backed else -1,
-                           backed_up_steps=backed)
+                           backed_up_steps=backed, last_decision=self.last_decision)
         for origin, step in self.store.copies():
             try:
                 files = self.store.describe(origin, step)
             except (OSError, ValueError):
+                self.metrics.skipped.labels("inventory_unreadable_copy").inc()
                 continue
             c = inv.copies.add(step=step, origin_rank=origin)
             for f in files:
@@ -86,9 +121,9 @@ class Node(BackupDuties, RestoreDuties):
     # -- replication ----------------------------------------------------------------
 
     def run(self) -> None:
-        if self.backup is not None:
-            threading.Thread(target=self._backup_loop, name="mtc-backup", daemon=True).start()
+        """The replication loop (its thread is main's); ends when :meth:`stop` is called."""
         while not self._stop.is_set():
+            self.heartbeat = time.monotonic()
             try:
                 self.replicate_once()
                 self.collect_garbage()
@@ -97,20 +132,28 @@ class Node(BackupDuties, RestoreDuties):
                 self.metrics.failures.labels("loop").inc()
             self._stop.wait(self.config.poll_s)
 
+    def backup_loop(self) -> None:
+        """The backup loop (its thread is main's); returns at once without a backup store."""
+        if self.backup is not None:
+            self._backup_loop()
+
     def newest_complete(self, invs: dict[int, pb.Inventory]) -> int:
         """The newest step whose data is held (on hosts, not in backup) for every rank."""
-        held = self.holders(invs)
-        for s in sorted({s for _, s in held}, reverse=True):
-            if all(any((o, s) in held for o in self.config.equivalent(r))
-                   for r in range(self.config.num_nodes)):
-                return s
-        return -1
+        return newest_complete({r: self.holding(i) for r, i in invs.items()},
+                               self.config.num_nodes, self.config.equivalent)
 
     def stop(self) -> None:
+        """Ask the loops and any restore waiting for its decision to end (main joins
+        their threads)."""
         self._stop.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.coordinator.close()
         for p in self.peers.values():
-            p.close()
+            p.close()  # cancels calls in flight (a Decide waiting for its epoch, a push)
+
+    def close(self) -> None:
+        """After the loops and the server ended: finish the pools."""
+        for pool in (self._push_pool, self._inv_pool, self._pool):
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def fully_replicated(self, step: int) -> bool:
         return set(self.config.targets(self.rank)) <= self.replicated.get(step, set())
@@ -126,6 +169,7 @@ class Node(BackupDuties, RestoreDuties):
             try:
                 inv = self.peers[t].call("GetInventory", pb.InventoryRequest(), attempts=1)
             except PeerError:
+                self.metrics.skipped.labels("target_unanswered").inc()
                 continue
             held = {c.step for c in inv.copies if c.origin_rank == self.rank}
             for s in own:
@@ -182,8 +226,8 @@ class Node(BackupDuties, RestoreDuties):
             linked = set(same)
             todo = [(i, f) for i, f in enumerate(files) if f.path not in linked]
             try:
-                futs = [self._pool.submit(self._push_batch, peer, reply.transfer_id, src, batch)
-                        for batch in _batches(todo)]
+                futs = [self._push_pool.submit(self._push_batch, peer, reply.transfer_id, src,
+                                               batch) for batch in _batches(todo)]
                 for fut in futs:
                     fut.result()
                 peer.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
@@ -192,7 +236,7 @@ class Node(BackupDuties, RestoreDuties):
                     peer.call("Abort", pb.AbortRequest(transfer_id=reply.transfer_id),
                               attempts=1)
                 except PeerError:
-                    pass
+                    self.metrics.skipped.labels("abort_unanswered").inc()
                 raise
             self.replicated[step].add(target)
             log.info("rank %d: step %d replicated to rank %d (%d files linked, %d pushed)",
@@ -216,60 +260,93 @@ class Node(BackupDuties, RestoreDuties):
     # -- garbage collection -------------------------------------------------------
 
     def collect_garbage(self) -> None:
-        keep = self.config.keep
         own = self.store.own_steps()
-        replicated = [s for s in own if self.fully_replicated(s)]
-        protected = set(own[-keep:]) | set(replicated[-1:])
-        if any(t not in self._synced for t in self.config.targets(self.rank)):
-            protected |= set(own)  # the newest replicated step is not known yet
-        with self._lock:
-            protected |= self._pushing | self._backing_up
         replicas = self.store.replica_steps()
-        doomed = [s for s in own if s not in protected]
-        doomed += [s for steps in replicas.values() for s in steps[:-keep]]
-        if doomed:
-            # Local rules cannot see that another host failed to commit or
-            # replicate a newer step: never delete the newest step that every
-            # rank can still be restored from, as the cluster sees it now.
-            now = time.monotonic()
-            # An inventory round per second at most; always fresh before a step
-            # newer than the last known complete one could be deleted.
-            if now - self._complete_at[0] > 1.0 or max(doomed) > self._complete_at[1]:
-                self._complete_at = (now, self.newest_complete(self.gather()))
-            complete = self._complete_at[1]
-            protected.add(complete)
-        else:
-            complete = -1
-        for s in own:
-            if s not in protected:
-                self.store.remove_copy(self.rank, s)
-                self.replicated.pop(s, None)
-        for origin, steps in replicas.items():
-            if origin == self.rank:
-                # Own steps parked for a client (Orbax) or restored: keep the ones
-                # still linked from the root and the newest.
-                linked = {s for s in steps if (self.store.root / str(s)).is_symlink()}
-                for s in steps[:-keep]:
-                    if s not in linked and s not in protected:
-                        self.store.remove_copy(origin, s)
-                continue
-            for s in steps[:-keep]:
-                if s != complete:
-                    self.store.remove_copy(origin, s)
+        with self._lock:
+            busy = self._pushing | self._backing_up
+        args = GcInputs(
+            own=tuple(own), replicated=tuple(s for s in own if self.fully_replicated(s)),
+            replicas={o: tuple(v) for o, v in replicas.items()}, keep=self.config.keep,
+            busy=frozenset(busy),
+            synced=all(t in self._synced for t in self.config.targets(self.rank)),
+            linked=frozenset(s for s in replicas.get(self.rank, [])
+                             if (self.store.root / str(s)).is_symlink()),
+            rank=self.rank)
+        plan = gc_plan(args, None)
+        if plan.needs_complete:
+            # Local rules cannot see that another host failed to commit or replicate a
+            # newer step: never delete the newest step every rank can still be
+            # restored from, as the coordinator sees it after this question.
+            complete = self.complete_step()
+            if complete is None:
+                self.metrics.skipped.labels("gc_no_complete_view").inc()
+                return
+            plan = gc_plan(args, complete)
+        for s in plan.own:
+            self.store.remove_copy(self.rank, s)
+            self.replicated.pop(s, None)
+        for origin, s in plan.replicas:
+            self.store.remove_copy(origin, s)
 
-    # -- restore --------------------------------------------------------------------
+    def complete_step(self) -> int | None:
+        """The newest complete step from inventories gathered after asking (the
+        coordinator's :class:`Fresh` view, shared by every node asking at once: one
+        message per node, not N); None when the coordinator does not answer."""
+        try:
+            if self.rank == self.coordinator_rank:
+                return self.complete.get(self.config.deadline_s * 2)
+            reply = self.peers[self.coordinator_rank].call(
+                "GetComplete", pb.CompleteRequest(), deadline_s=self.config.deadline_s * 2,
+                attempts=1)
+            return int(reply.step)
+        except (PeerError, AgreementError) as e:
+            log.debug("rank %d: no complete-step view: %s", self.rank, e)
+            return None
 
-    def gather(self) -> dict[int, pb.Inventory]:
-        invs = {self.rank: self.inventory()}
-        futs = {r: self._pool.submit(p.call, "GetInventory", pb.InventoryRequest(),
-                                     deadline_s=self.config.deadline_s, attempts=2)
-                for r, p in self.peers.items()}
+    # -- restore agreement (docs/agreement.md) ---------------------------------------
+
+    @property
+    def coordinator_rank(self) -> int:
+        """The decider: the lowest rank of the membership. Fixed, never failed over:
+        a decision needs every member anyway, the coordinator included."""
+        return 0
+
+    def holding(self, inv: pb.Inventory) -> Holding:
+        d = inv.last_decision
+        last = (Decision(d.epoch, d.step, d.decided_at, inv.rank, d.restore_id)
+                if d.epoch > 0 else None)
+        return Holding(frozenset((c.origin_rank, c.step) for c in inv.copies),
+                       frozenset(inv.backed_up_steps), last)
+
+    def _gather_invs(self, ranks: Sequence[int], deadline: float) -> dict[int, pb.Inventory]:
+        """Inventories of those of ``ranks`` that answer before ``deadline``, asked at
+        once on the inventory pool (never behind a restore's file fetches)."""
+        out: dict[int, pb.Inventory] = {}
+        futs = {}
+        for r in ranks:
+            if r == self.rank:
+                out[r] = self.inventory()
+            else:
+                left = max(0.05, min(self.config.deadline_s, deadline - time.monotonic()))
+                futs[r] = self._inv_pool.submit(self.peers[r].call, "GetInventory",
+                                                pb.InventoryRequest(), deadline_s=left,
+                                                attempts=1)
         for r, fut in futs.items():
             try:
-                invs[r] = fut.result()
+                out[r] = fut.result()
             except PeerError as e:
-                log.warning("rank %d: no inventory from rank %d: %s", self.rank, r, e)
-        return invs
+                self.metrics.skipped.labels("inventory_unanswered").inc()
+                log.debug("rank %d: no inventory from rank %d: %s", self.rank, r, e)
+        return out
+
+    def _gather_holdings(self, ranks: Sequence[int], deadline: float) -> dict[int, Holding]:
+        return {r: self.holding(inv) for r, inv in self._gather_invs(ranks, deadline).items()}
+
+    def gather(self) -> dict[int, pb.Inventory]:
+        """Every reachable node's inventory (best effort: the data's whereabouts, never
+        the decision, which only :meth:`agree` makes)."""
+        return self._gather_invs(range(self.config.num_nodes),
+                                 time.monotonic() + self.config.deadline_s)
 
     def holders(self, invs: dict[int, pb.Inventory]
                 ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]:
@@ -280,64 +357,119 @@ class Node(BackupDuties, RestoreDuties):
                 out[(c.origin_rank, c.step)].append((holder, c))
         return out
 
-    def restorable(self, invs: dict[int, pb.Inventory]) -> int:
-        """Newest step every rank can get: from a host, or from the backup."""
-        backed = {s for inv in invs.values() for s in inv.backed_up_steps}
-        return max(self.newest_complete(invs), max(backed, default=-1))
+    def decide_for(self, rank: int, rid: str, timeout_s: float) -> pb.Decision:
+        """The coordinator's side of ``Decide``: the epoch's recorded decision."""
+        if self.rank != self.coordinator_rank:
+            raise ConfigError(f"rank {self.rank} is not the agreement coordinator "
+                              f"(rank {self.coordinator_rank} is)")
+        if not 0 <= rank < self.config.num_nodes:
+            raise ValueError(f"rank {rank} is not a member (0..{self.config.num_nodes - 1})")
+        rec = self.coordinator.decide_for(rank, rid, timeout_s)
+        return pb.Decision(epoch=rec.epoch, step=rec.step, decided_at=rec.decided_at,
+                           rank=rank, restore_id=rid)
 
-    def agree(self, timeout_s: float | None = None) -> tuple[int, dict[int, pb.Inventory]]:
-        """The step every reachable node decides, and the inventories it was based on."""
-        start = time.monotonic()
-        deadline = start + (timeout_s or self.config.agreement_timeout_s)
-        # A node that is not up yet may hold data nobody else has: give it a
-        # moment before deciding without it.
-        straggler_deadline = min(deadline, start + self.config.straggler_wait_s)
-        invs = self.gather()
-        while len(invs) < self.config.num_nodes and time.monotonic() < straggler_deadline:
-            time.sleep(0.2)
-            invs = self.gather()
-        mine = self.restorable(invs)
-        # Which epoch: the round a peer is in, else the one after the newest finished.
-        states = []
-        for p in self.peers.values():
-            try:
-                reply = p.call("Propose", pb.ProposeRequest(rank=self.rank, epoch=0),
-                               deadline_s=self.config.deadline_s, attempts=1)
-            except PeerError:
-                continue
-            states.append((reply.epoch, reply.active))
-        epoch = self.agreement.begin(states)
-        try:
+    def agree_epoch(self, timeout_s: float | None = None, rid: str = "") -> pb.Decision:
+        """Read this restore's decision from the coordinator (deciding it, when this
+        node is the coordinator). Raises :class:`AgreementError` at the deadline."""
+        timeout = timeout_s or self.config.agreement_timeout_s
+        deadline = time.monotonic() + timeout
+        c = self.coordinator_rank
+        if c == self.rank:
+            d = self.decide_for(self.rank, rid, timeout)
+        else:
             while True:
-                self.agreement.record(self.rank, epoch, mine)
-                reached = {self.rank}
-                for r, p in self.peers.items():
-                    try:
-                        reply = p.call("Propose",
-                                       pb.ProposeRequest(rank=self.rank, epoch=epoch, step=mine),
-                                       deadline_s=self.config.deadline_s, attempts=1)
-                    except PeerError:
-                        continue
-                    reached.add(r)
-                    if reply.active and reply.epoch > epoch:
-                        self.agreement.join(reply.epoch)  # we were behind
-                    for prop in reply.seen:  # kept: the peer may decide and move on
-                        self.agreement.record(prop.rank, prop.epoch, prop.step)
-                if self.agreement.state()[0] != epoch:
-                    epoch = self.agreement.state()[0]
-                    log.info("rank %d: joining restore epoch %d", self.rank, epoch)
-                    continue
-                seen = self.agreement.current()
-                if reached <= set(seen) or time.monotonic() > deadline:
-                    decided = min(seen[r] for r in reached if r in seen)
-                    log.info("rank %d: restore step %d in epoch %d (proposals %s)",
-                             self.rank, decided, epoch, seen)
-                    if decided != mine:
-                        invs = self.gather()
-                    return decided, invs
-                time.sleep(0.1)
+                left = deadline - time.monotonic()
+                try:
+                    # The coordinator answers a second before our deadline, so its
+                    # typed "cannot decide" reaches us instead of our own timeout.
+                    req = pb.DecideRequest(rank=self.rank, restore_id=rid,
+                                           timeout_seconds=max(0.1, left - 1.0))
+                    d = self.peers[c].call("Decide", req, deadline_s=max(0.1, left),
+                                           attempts=1).decision
+                    break
+                except PeerError as e:
+                    if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \
+                            time.monotonic() + 0.2 >= deadline or self._stop.is_set():
+                        raise AgreementError(f"no restore decision within {timeout:.1f}s: "
+                                             f"{e}", host=self.rank) from e
+                    self.metrics.failures.labels("coordinator_unreachable").inc()
+                    self._stop.wait(0.2)  # the coordinator restarts: ask again
+        self.last_decision = d
+        log.info("rank %d: restore step %d (epoch %d, decided by rank %d)",
+                 self.rank, d.step, d.epoch, c)
+        return d
+
+    def agree(self, timeout_s: float | None = None, *, rid: str = ""
+              ) -> tuple[int, dict[int, pb.Inventory]]:
+        """The epoch's step, and inventories to find its data with (only this node's
+        when its data is local: the decision itself costs O(N) messages)."""
+        d = self.agree_epoch(timeout_s, rid or getattr(self._call, "rid", ""))
+        self._call.decision = d
+        return d.step, self._invs_for(d.step)
+
+    def use_restore_id(self, rid: str) -> None:
+        """The restore id :meth:`agree` asks with on this thread (a PrepareRestore's,
+        an Orbax request's): a re-issued request reads the same decision."""
+        self._call.rid = rid
+
+    def _invs_for(self, step: int) -> dict[int, pb.Inventory]:
+        if step < 0 or (self.rank, step) in self.store.copies():
+            return {self.rank: self.inventory()}
+        return self.gather()
+
+    def prepare_restore_as(self, timeout_s: float | None, rid: str
+                           ) -> tuple[pb.Decision, str, float]:
+        """PrepareRestore with a restore id: restore.py's ``prepare_restore`` (agree,
+        then make this host's data of the step local), and the decision it read."""
+        self.use_restore_id(rid)
+        self._call.decision = pb.Decision()
+        try:
+            step, tier, seconds = self.prepare_restore(timeout_s)
+            d: pb.Decision = self._call.decision
         finally:
-            self.agreement.decided()
+            self.use_restore_id("")
+        if d.step != step:  # the invariant, checked where it is cheap
+            raise AgreementError(f"decided step {d.step}, prepared step {step}",
+                                 host=self.rank)
+        return d, tier, seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class GcInputs:
+    own: tuple[int, ...]                     # own committed steps, oldest first
+    replicated: tuple[int, ...]              # those on every target
+    replicas: Mapping[int, tuple[int, ...]]  # origin -> copies held (own: parked steps)
+    keep: int
+    busy: frozenset[int]                     # being pushed or backed up
+    synced: bool                             # every target's holdings read since start
+    linked: frozenset[int]                   # parked own steps a client still links to
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GcPlan:
+    own: tuple[int, ...] = ()
+    replicas: tuple[tuple[int, int], ...] = ()
+    needs_complete: bool = False  # call again with the newest complete step
+
+
+def gc_plan(x: GcInputs, complete: int | None) -> GcPlan:
+    """What to delete: own steps beyond the newest ``keep``, except the newest fully
+    replicated one, busy ones (all, until every target was read once after a
+    start) and the newest complete step; copies beyond the newest ``keep`` per
+    origin, except the complete step. Anything to delete needs ``complete``."""
+    protected = set(x.own[-x.keep:]) | set(x.replicated[-1:]) | x.busy
+    if not x.synced:
+        protected |= set(x.own)  # the newest replicated step is not known yet
+    own = [s for s in x.own if s not in protected]
+    reps = [(o, s) for o, steps in x.replicas.items() for s in steps[:-x.keep]
+            if o != x.rank or (s not in x.linked and s not in protected)]
+    if not own and not reps:
+        return GcPlan()
+    if complete is None:
+        return GcPlan(needs_complete=True)
+    return GcPlan(tuple(s for s in own if s != complete),
+                  tuple((o, s) for o, s in reps if s != complete))
 
 
 def _batches(files: list[tuple[int, FileMeta]]) -> list[list[tuple[int, FileMeta]]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class ClientRequest:
     data_parallelism: int
     backup_interval_minutes: int | None
     backup_interval_steps: int | None
+    restore_id: str = ""  # given when taken; the same after a replicator restart
 
     @property
     def num_slices(self) -> int:
@@ -70,21 +72,69 @@ def parse_request(text: str) -> ClientRequest:
                                    if "backup-interval-steps" in d else None))
     except (KeyError, TypeError, ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"malformed {YAML_NAME}: {e}") from e
+    for line in text.splitlines():
+        if line.startswith(RID_COMMENT):
+            req = dataclasses.replace(req, restore_id=line[len(RID_COMMENT):].strip())
     if not 0 <= req.rank < req.nodes or req.nodes % req.num_slices:
         raise ConfigError(f"{YAML_NAME}: rank {req.rank} of {req.nodes} nodes with "
                           f"{req.num_slices} slices is inconsistent")
     return req
 
 
+PENDING_NAME = ".mtc-client-request.yaml"  # a taken request not answered yet
+RID_COMMENT = "# mtc-restore-id:"
+
+
 def take_request(root: Path) -> ClientRequest | None:
-    """Consume ``replicator.yaml`` if present (the client waits for its deletion)."""
+    """Consume ``replicator.yaml`` if present (the client waits for its deletion).
+
+    A request is kept as :data:`PENDING_NAME` until :func:`done_request`: a
+    replicator restarted before answering serves it again (:func:`pending_request`)
+    instead of leaving the client waiting for a marker nobody writes. A request
+    that cannot be served gets ``replicator.failed`` *before* the yaml disappears:
+    the client checks for it right after.
+    """
     path = root / YAML_NAME
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
-    path.unlink(missing_ok=True)
-    return parse_request(text)
+    try:
+        req = parse_request(text)
+    except ConfigError as e:
+        report(root, str(e), fatal=True)
+        path.unlink(missing_ok=True)
+        raise
+    rid = uuid.uuid4().hex
+    tmp = root / (PENDING_NAME + ".tmp")
+    tmp.write_text(f"{text.rstrip()}\n{RID_COMMENT} {rid}\n")
+    os.replace(tmp, root / PENDING_NAME)
+    path.unlink(missing_ok=True)  # consumed: the client goes on to wait for the marker
+    return dataclasses.replace(req, restore_id=rid)
+
+
+def pending_request(root: Path) -> ClientRequest | None:
+    """A request taken by an earlier run of this replicator and not answered."""
+    try:
+        text = (root / PENDING_NAME).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return parse_request(text)
+    except ConfigError:
+        (root / PENDING_NAME).unlink(missing_ok=True)
+        raise
+
+
+def done_request(root: Path) -> None:
+    (root / PENDING_NAME).unlink(missing_ok=True)
+
+
+def refuse_request(root: Path, why: str) -> None:
+    """Answer a ``replicator.yaml`` this replicator will not serve: ``replicator.failed``
+    first (the client reads it as soon as the yaml is gone), then consume the yaml."""
+    report(root, why, fatal=True)
+    (root / YAML_NAME).unlink(missing_ok=True)
 
 
 def report(root: Path, message: str, *, fatal: bool = False) -> None:

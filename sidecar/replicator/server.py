@@ -22,16 +22,16 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mtc.errors import CorruptShardError, FatalError, MtcError, RetryableError, StepNotFoundError
+from mtc.errors import ConfigError, CorruptShardError, MtcError, StepNotFoundError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
 from sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
+from sidecar.replicator.status import to_status
 from sidecar.replicator.store import (
     CHUNK,
     FileMeta,
-    UnsafePathError,
     file_sha256,
     inside,
     safe_relpath,
@@ -47,18 +47,12 @@ TRANSFER_IDLE_S = 300.0
 
 
 def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(e, UnsafePathError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, CorruptShardError):
-        return grpc.StatusCode.DATA_LOSS, str(e)
-    if isinstance(e, StepNotFoundError | FileNotFoundError | KeyError):
-        return grpc.StatusCode.NOT_FOUND, str(e)
-    if isinstance(e, ValueError | FatalError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, RetryableError):
-        return grpc.StatusCode.UNAVAILABLE, str(e)
-    log.exception("internal error in a replicator call", exc_info=e)
-    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+    """Through the one map (``status.py``); an unmapped error is a bug: logged."""
+    code = to_status(e)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in a replicator call", exc_info=e)
+        return code, f"{type(e).__name__}: {e}"
+    return code, str(e)
 
 
 def mapped(fn: F) -> F:
@@ -108,6 +102,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             dropped = [self.transfers.pop(k) for k in stale]
         for t in dropped:
             shutil.rmtree(t.tmp, ignore_errors=True)
+        if dropped:
+            self.node.metrics.skipped.labels("transfer_expired").inc(len(dropped))
 
     def incoming(self) -> set[tuple[int, int]]:
         with self._lock:
@@ -182,20 +178,24 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         return pb.AbortReply()
 
     @mapped
-    def Propose(self, request: pb.ProposeRequest, context: Any) -> pb.ProposeReply:
-        agreement = self.node.agreement
-        agreement.record(request.rank, request.epoch, request.step)  # epoch 0: a query
-        epoch, active = agreement.state()
-        return pb.ProposeReply(
-            seen=[pb.ProposeRequest(rank=r, epoch=e, step=s)
-                  for r, (e, s) in agreement.proposals().items()],
-            epoch=epoch, active=active)
+    def Decide(self, request: pb.DecideRequest, context: Any) -> pb.DecideReply:
+        timeout = min(request.timeout_seconds or self.node.config.agreement_timeout_s,
+                      self.node.config.agreement_timeout_s * 10)
+        return pb.DecideReply(decision=self.node.decide_for(request.rank, request.restore_id,
+                                                            timeout))
+
+    @mapped
+    def GetComplete(self, request: pb.CompleteRequest, context: Any) -> pb.CompleteReply:
+        if self.node.rank != self.node.coordinator_rank:
+            raise ConfigError(f"rank {self.node.rank} is not the coordinator")
+        return pb.CompleteReply(step=self.node.complete.get(self.node.config.deadline_s * 2))
 
     @mapped
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: Any) -> pb.PrepareRestoreReply:
-        step, tier, seconds = self.node.prepare_restore(request.timeout_seconds or None)
-        return pb.PrepareRestoreReply(step=step, tier=tier, seconds=seconds)
+        d, tier, seconds = self.node.prepare_restore_as(request.timeout_seconds or None,
+                                                        request.restore_id)
+        return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch)
 
     @mapped
     def RequestBackup(self, request: pb.BackupRequest, context: Any) -> pb.BackupReply:
@@ -327,9 +327,11 @@ def _raw(b: bytes) -> bytes:
     return b
 
 
-def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 16
-          ) -> tuple[grpc.Server, int, ReplicatorServicer]:
-    """Start the server; returns it, the bound port and the servicer."""
+def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32
+          ) -> tuple[grpc.Server, int, ReplicatorServicer, health.HealthServicer]:
+    """Start the server; returns it, the bound port, the servicer and the health
+    servicer (SERVING here; main lowers it when the loop stalls or at shutdown).
+    Enough workers for every member's Decide to wait on the coordinator at once."""
     check_listen_address(listen, creds)
     interceptors = [TokenInterceptor(creds.token)] if creds.token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
@@ -359,4 +361,14 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 16
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("mtc.replicator.v1.Replicator", health_pb2.HealthCheckResponse.SERVING)
     assert PUSH and FETCH  # the names clients use, defined beside them
-    return server, port, servicer
+    return server, port, servicer, health_servicer
+
+
+SERVICES = ("", "mtc.replicator.v1.Replicator")
+
+
+def set_health(health_servicer: health.HealthServicer, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in SERVICES:
+        health_servicer.set(name, status)

@@ -1,0 +1,306 @@
+"""Restore agreement's pure parts and its decider over an in-memory transport
+(no processes: these run in about a second). The protocol: docs/agreement.md."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mtc.errors import AgreementError, CorruptShardError, StepNotFoundError
+from sidecar.replicator.agreement import (
+    Book,
+    CannotDecide,
+    Coordinator,
+    Decided,
+    Decision,
+    EpochRecord,
+    Fresh,
+    Holding,
+    decide,
+    find_record,
+    missing_asks,
+    newest_complete,
+)
+from sidecar.replicator.client import PeerError
+from sidecar.replicator.main import healthy
+from sidecar.replicator.node import GcInputs, GcPlan, gc_plan
+from sidecar.replicator.status import error_class, is_retryable, to_status
+
+
+def own_only(r: int) -> list[int]:
+    return [r]
+
+
+def peer_group_of_2(r: int) -> list[int]:  # 2 slices of 1 host: Orbax's equivalence
+    return [0, 1]
+
+
+def h(*copies: tuple[int, int], backed: tuple[int, ...] = ()) -> Holding:
+    return Holding(frozenset(copies), frozenset(backed))
+
+
+# -- decide: the step from every member's holdings ------------------------------------
+
+DECIDE_CASES = [
+    # (name, holdings, members, equivalent, expected)
+    ("all hold 5", {0: h((0, 5)), 1: h((1, 5))}, [0, 1], own_only, Decided(5)),
+    ("newest common", {0: h((0, 4), (0, 5)), 1: h((1, 4))}, [0, 1], own_only, Decided(4)),
+    ("held on a peer", {0: h((0, 3), (1, 3)), 1: h()}, [0, 1], own_only, Decided(3)),
+    ("nothing anywhere", {0: h(), 1: h()}, [0, 1], own_only, Decided(-1)),
+    ("backup newer", {0: h((0, 2)), 1: h((1, 2), backed=(7,))}, [0, 1], own_only, Decided(7)),
+    ("peer group stands in", {0: h((0, 6)), 1: h()}, [0, 1], peer_group_of_2, Decided(6)),
+    ("a member silent", {0: h((0, 5))}, [0, 1], own_only,
+     CannotDecide("no inventory from rank(s) [1]", (1,))),
+    ("all silent but one of 4", {2: h()}, [0, 1, 2, 3], own_only,
+     CannotDecide("no inventory from rank(s) [0, 1, 3]", (0, 1, 3))),
+    ("a stranger answers", {0: h(), 1: h(), 5: h()}, [0, 1], own_only,
+     CannotDecide("inventory from rank(s) [5] outside the membership")),
+]
+
+
+@pytest.mark.parametrize(("name", "holdings", "members", "equivalent", "want"), DECIDE_CASES,
+                         ids=[c[0] for c in DECIDE_CASES])
+def test_decide(name: str, holdings: dict[int, Holding], members: list[int],
+                equivalent: object, want: Decided | CannotDecide) -> None:
+    assert decide(holdings, members, equivalent) == want  # type: ignore[arg-type]
+
+
+def test_newest_complete_ignores_backup_and_needs_every_rank() -> None:
+    hs = {0: h((0, 1), (0, 2), (1, 1)), 1: h((1, 1), backed=(9,)), 2: h((2, 1), (2, 2))}
+    assert newest_complete(hs, 3, own_only) == 1
+    hs[1] = h((1, 1), (1, 2))
+    assert newest_complete(hs, 3, own_only) == 2
+
+
+# -- when an epoch can form, which record answers an ask ---------------------------------
+
+ASK_CASES = [
+    # (name, asks: rank -> lease end, now, missing)
+    ("nobody asked", {}, 10.0, (0, 1, 2)),
+    ("all asked", {0: 20.0, 1: 20.0, 2: 11.0}, 10.0, ()),
+    ("one missing", {0: 20.0, 2: 20.0}, 10.0, (1,)),
+    ("an ask whose asker gave up", {0: 20.0, 1: 9.0, 2: 20.0}, 10.0, (1,)),
+    ("a stranger does not count", {0: 20.0, 1: 20.0, 7: 20.0}, 10.0, (2,)),
+]
+
+
+@pytest.mark.parametrize(("name", "asks", "now", "want"), ASK_CASES,
+                         ids=[c[0] for c in ASK_CASES])
+def test_missing_asks(name: str, asks: dict[int, float], now: float,
+                      want: tuple[int, ...]) -> None:
+    assert missing_asks(asks, [0, 1, 2], now) == want
+
+
+def test_find_record_by_restore_id() -> None:
+    recs = [EpochRecord(1, 4, 0.0, frozenset({"a", "b"})), EpochRecord(2, 5, 1.0,
+                                                                      frozenset({"c"}))]
+    assert find_record(recs, "b") == recs[0]
+    assert find_record(recs, "c") == recs[1]
+    assert find_record(recs, "z") is None
+
+
+# -- the coordinator over an in-memory transport ----------------------------------------
+
+
+class Members:
+    """In-memory members: ``holdings[r]`` answers, ``down`` ranks never do."""
+
+    def __init__(self, holdings: dict[int, Holding]) -> None:
+        self.holdings = holdings
+        self.down: set[int] = set()
+        self.asked = 0
+
+    def gather(self, ranks: Sequence[int], deadline: float) -> dict[int, Holding]:
+        self.asked += len(ranks)
+        return {r: self.holdings[r] for r in ranks if r not in self.down}
+
+
+def coordinator(m: Members, book: Book | None = None) -> Coordinator:
+    return Coordinator(sorted(m.holdings), own_only, m.gather, book or Book(), retry_s=0.01)
+
+
+def ask_all(c: Coordinator, ranks: Sequence[int], rid: str = "rid",
+            timeout: float = 5.0) -> list[EpochRecord | Exception]:
+    def one(r: int) -> EpochRecord | Exception:
+        try:
+            return c.decide_for(r, rid, timeout)
+        except AgreementError as e:
+            return e
+    with ThreadPoolExecutor(len(ranks)) as ex:
+        return list(ex.map(one, ranks))
+
+
+def test_every_member_reads_one_decision_with_o_n_messages() -> None:
+    m = Members({r: h((r, 3), (r, 4)) for r in range(8)})
+    c = coordinator(m)
+    recs = ask_all(c, range(8))
+    assert {(x.epoch, x.step) for x in recs if isinstance(x, EpochRecord)} == {(1, 4)}
+    assert len(recs) == 8 and all(isinstance(x, EpochRecord) for x in recs)
+    assert m.asked == 8  # one inventory per member, once: no round per asker
+
+
+def test_decides_as_soon_as_everyone_answered() -> None:
+    m = Members({r: h((r, 1)) for r in range(4)})
+    m.down = {3}
+    c = coordinator(m)
+    threading.Timer(0.3, lambda: m.down.clear()).start()
+    t0 = time.monotonic()
+    recs = ask_all(c, range(4), timeout=10.0)
+    took = time.monotonic() - t0
+    assert {x.step for x in recs if isinstance(x, EpochRecord)} == {1}, recs
+    assert took < 5.0, took  # far below the 10 s deadline: no fixed straggler wait
+
+
+def test_a_member_down_is_a_typed_error_within_the_deadline_and_nothing_recorded() -> None:
+    m = Members({r: h((r, 1)) for r in range(4)})
+    m.down = {2}
+    book = Book()
+    c = coordinator(m, book)
+    t0 = time.monotonic()
+    errors = ask_all(c, range(4), timeout=0.3)
+    assert time.monotonic() - t0 < 3.0
+    assert all(isinstance(e, AgreementError) and "rank(s) [2]" in str(e) for e in errors), \
+        errors
+    assert book.records == []
+    m.down.clear()  # it returns: the next restore succeeds
+    assert {x.step for x in ask_all(c, range(4), rid="again")} == {1}  # type: ignore[union-attr]
+
+
+def test_a_member_that_never_asks_blocks_the_epoch() -> None:
+    m = Members({r: h((r, 1)) for r in range(3)})
+    errors = ask_all(coordinator(m), [0, 1], timeout=0.3)
+    assert all(isinstance(e, AgreementError) and "request yet from rank(s) [2]" in str(e)
+               for e in errors), errors
+
+
+def test_a_late_or_restarted_asker_reads_the_same_record_not_a_newer_view() -> None:
+    m = Members({r: h((r, 5)) for r in range(3)})
+    c = coordinator(m)
+    first = ask_all(c, range(3), rid="restore-1")
+    # New data, then rank 1's replicator restarted and asks again with the same id.
+    m.holdings = {r: h((r, 5), (r, 6)) for r in range(3)}
+    again = c.decide_for(1, "restore-1", 1.0)
+    assert (again.epoch, again.step) == (1, 5) == (first[0].epoch, first[0].step)  # type: ignore[union-attr]
+    # A new restore (new id from everyone) decides anew.
+    assert {x.step for x in ask_all(c, range(3), rid="restore-2")} == {6}  # type: ignore[union-attr]
+
+
+def test_decision_is_immutable_across_a_coordinator_restart(tmp_path: Path) -> None:
+    m = Members({r: h((r, 5)) for r in range(3)})
+    first = ask_all(coordinator(m, Book(tmp_path / "book.json")), range(3), rid="x")
+    m.holdings = {r: h((r, 5), (r, 6)) for r in range(3)}
+    restarted = coordinator(m, Book(tmp_path / "book.json"))  # its RAM disk kept the book
+    got = restarted.decide_for(2, "x", 1.0)
+    assert (got.epoch, got.step) == (first[0].epoch, 5)  # type: ignore[union-attr]
+
+
+def test_a_wiped_coordinator_never_reuses_an_epoch_number() -> None:
+    m = Members({r: h((r, 5)) for r in range(3)})
+    first = ask_all(coordinator(m), range(3))[0]
+    d = first.decision()  # type: ignore[union-attr]
+    m.holdings = {r: Holding(frozenset({(r, 5)}), frozenset(),
+                             Decision(d.epoch, d.step, d.decided_at, r, "rid"))
+                  for r in range(3)}
+    m.holdings[0] = h((0, 5))  # the coordinator's host was wiped: no records
+    again = ask_all(coordinator(m), range(3), rid="next")
+    assert {x.epoch for x in again} == {d.epoch + 1}  # type: ignore[union-attr]
+
+
+def test_unreadable_book_is_a_typed_error(tmp_path: Path) -> None:
+    (tmp_path / "book.json").write_text("{not json")
+    with pytest.raises(AgreementError, match="unreadable"):
+        Book(tmp_path / "book.json")
+
+
+def test_fresh_value_is_computed_after_the_question_and_shared() -> None:
+    runs: list[float] = []
+    gate = threading.Event()
+
+    def compute() -> int:
+        runs.append(time.monotonic())
+        gate.wait(0.2)
+        return len(runs)
+
+    f = Fresh(compute)
+    asked = []
+    with ThreadPoolExecutor(16) as ex:
+        def ask(_: int) -> int:
+            asked.append(time.monotonic())
+            return f.get(5.0)
+        got = list(ex.map(ask, range(16)))
+    assert len(runs) <= 3, runs  # 16 askers, at most the run in flight plus two
+    assert min(got) >= 1
+
+
+# -- garbage collection's plan ----------------------------------------------------------
+
+
+def gc_in(own: tuple[int, ...], replicated: tuple[int, ...] = (), keep: int = 2,
+          replicas: dict[int, tuple[int, ...]] | None = None, synced: bool = True,
+          busy: frozenset[int] = frozenset()) -> GcInputs:
+    return GcInputs(own=own, replicated=replicated, replicas=replicas or {}, keep=keep,
+                    busy=busy, synced=synced, linked=frozenset(), rank=0)
+
+
+GC_CASES = [
+    ("nothing to delete", gc_in((4, 5)), None, GcPlan()),
+    ("asks for the complete step first", gc_in((1, 2, 3, 4, 5), (1,)), None,
+     GcPlan(needs_complete=True)),
+    ("keeps newest, replicated, complete", gc_in((1, 2, 3, 4, 5), (1,)), 2, GcPlan((3,))),
+    ("not synced: keeps all own", gc_in((1, 2, 3), synced=False), 2, GcPlan()),
+    ("busy kept", gc_in((1, 2, 3, 4), busy=frozenset({1})), 3, GcPlan((2,))),
+    ("old copies of a peer go, complete kept", gc_in((5,), replicas={1: (2, 3, 4, 5)}), 2,
+     GcPlan((), ((1, 3),))),
+]
+
+
+@pytest.mark.parametrize(("name", "x", "complete", "want"), GC_CASES,
+                         ids=[c[0] for c in GC_CASES])
+def test_gc_plan(name: str, x: GcInputs, complete: int | None, want: GcPlan) -> None:
+    assert gc_plan(x, complete) == want
+
+
+# -- the one status map ---------------------------------------------------------------
+
+
+def peer_error(code: grpc.StatusCode | None) -> PeerError:
+    e = PeerError("x")
+    e.code = code
+    return e
+
+
+def test_status_map_both_ways_and_retry_rule() -> None:
+    for err, code, back in [
+        (CorruptShardError("x"), grpc.StatusCode.DATA_LOSS, CorruptShardError),
+        (StepNotFoundError("x"), grpc.StatusCode.NOT_FOUND, StepNotFoundError),
+        (AgreementError("x"), grpc.StatusCode.ABORTED, AgreementError),
+    ]:
+        assert to_status(err) == code
+        assert error_class(code) is back
+    assert to_status(ValueError("x")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert to_status(RuntimeError("x")) == grpc.StatusCode.INTERNAL
+    assert is_retryable(peer_error(grpc.StatusCode.UNAVAILABLE))
+    assert is_retryable(peer_error(None))
+    assert not is_retryable(peer_error(grpc.StatusCode.INVALID_ARGUMENT))
+    assert not is_retryable(peer_error(grpc.StatusCode.DATA_LOSS))
+    assert not is_retryable(CorruptShardError("x"))
+    assert is_retryable(AgreementError("x"))
+
+
+def test_health_follows_the_loop() -> None:
+    assert healthy(100.0, 101.0, 5.0)
+    assert not healthy(100.0, 106.0, 5.0)
+
+
+def test_fresh_runs_start_at_most_every_min_interval() -> None:
+    starts: list[float] = []
+    f = Fresh(lambda: starts.append(time.monotonic()) or len(starts), min_interval_s=0.2)
+    assert f.get(5.0) == 1
+    assert f.get(5.0) == 2  # a question after a run gets a newer run, never the old value
+    assert starts[1] - starts[0] >= 0.2
