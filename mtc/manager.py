@@ -300,10 +300,16 @@ class CheckpointManager:
             return 1
         return -(-int(agent.in_flight()) // max(1, len(self.topology.local_hosts)))
 
-    def _short_of_space(self, space: dict[int, tuple[int, int]] | None = None) -> bool:
+    def _short_of_space(self, space: dict[int, tuple[int, int]] | None = None,
+                        steps_coming: int | None = None) -> bool:
         """Whether some host's RAM disk has less room than its newest step takes,
-        for the new step and each one still being written."""
-        steps_coming = 1 + self._saves_in_flight()
+        for the new step and each one still being written.
+
+        The saves in flight are counted before the space is read (``steps_coming``
+        comes from before ``space``): a save committing in between then shows in
+        the space, and is never missed by both."""
+        if steps_coming is None:
+            steps_coming = 1 + self._saves_in_flight()
         if space is None:
             space = self._dispatch.space(self.topology.local_hosts)
         return any(newest and free < newest * 1.05 * steps_coming
@@ -317,9 +323,10 @@ class CheckpointManager:
         retention free one more step (never the newest complete one)."""
         if not self._retains():
             return
+        coming = 1 + self._saves_in_flight()
         space = self._apply_retention(before_write=True, held=held)
         # Collective in multi-controller JAX: every process takes the same path.
-        if not multihost.any_process(self._short_of_space(space)):
+        if not multihost.any_process(self._short_of_space(space, coming)):
             return
         self._dispatch.settle(self.topology.local_hosts)
         if multihost.any_process(self._short_of_space()):
