@@ -17,7 +17,7 @@ def _trainer(devices: list[jax.Device], replicas: int) -> Trainer:
     cfg = Config.preset("tiny", vocab_size=len(VOCAB), total_steps=10)
     mesh = Mesh(np.array(devices).reshape(replicas, len(devices) // replicas),
                 ("replica", "model"))
-    return Trainer(cfg, mesh)
+    return Trainer(cfg, mesh, batch_size=8)
 
 
 def _host(tree: dict) -> dict:

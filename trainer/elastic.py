@@ -59,6 +59,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -75,12 +76,13 @@ from pathwaysutils.elastic import manager as pw_manager
 
 import mtc
 from mtc import layout
+from trainer import aot
 from trainer.cluster import LocalCluster
 from trainer.data import VOCAB, make_iterator
 from trainer.faults import HostFaults
 from trainer.jsonlog import JsonLog
 from trainer.model import PRESETS, Config, State, Trainer, count_params
-from trainer.recovery import Recovery
+from trainer.recovery import Recovery, pause_seconds
 from trainer.reference import compare, reference_losses
 from trainer.snapshot import Retirer, Snapshot, take
 
@@ -105,6 +107,9 @@ class ElasticRun:
         self.pw = pw_manager.Manager(self.devices)
         self.cfg = Config.preset(args.model, vocab_size=len(VOCAB), total_steps=args.steps)
         self.trainers: dict[tuple[int, ...], Trainer] = {}
+        self._trainers_lock = threading.Lock()  # the loop and the compile-ahead thread
+        self.program = "snapshot" if args.snapshot else "step"
+        self.ahead = aot.AheadCompiler() if args.compile_ahead > 0 else None
         self.data = make_iterator(seq_len=self.cfg.seq_len, global_batch_size=args.batch_size,
                                   seed=args.seed)
         self.mgr: mtc.CheckpointManager | None = None
@@ -124,6 +129,7 @@ class ElasticRun:
         self.host_losses = sorted(args.host_loss_at)
         self.gc_frozen = False
         self.slice_fault_done = args.slice_loss_at is None
+        self.returns_seen = 0  # HostFaults.returns already acted on
 
     # -- topology -------------------------------------------------------------------
 
@@ -139,12 +145,31 @@ class ElasticRun:
 
     def trainer(self, slices: tuple[int, ...]) -> Trainer:
         """The compiled step for these slices (kept: coming back to a mesh costs no compile)."""
-        if slices not in self.trainers:
-            devs = [d for s in slices for d in self.slice_devices[s]]
-            mesh = Mesh(np.array(devs).reshape(len(slices), self.per_slice),
-                        ("replica", "model"))
-            self.trainers[slices] = Trainer(self.cfg, mesh)
-        return self.trainers[slices]
+        with self._trainers_lock:
+            if slices not in self.trainers:
+                devs = [d for s in slices for d in self.slice_devices[s]]
+                mesh = Mesh(np.array(devs).reshape(len(slices), self.per_slice),
+                            ("replica", "model"))
+                self.trainers[slices] = Trainer(self.cfg, mesh, batch_size=self.args.batch_size)
+            return self.trainers[slices]
+
+    def compile_ahead(self, slices: tuple[int, ...]) -> None:
+        """Queue the programs of every mesh replica resize can reach from ``slices``
+        (and back up) on the background compiler; drop queued ones no longer wanted."""
+        if self.ahead is None:
+            return
+        targets = aot.ahead_meshes(slices, self.cluster.slices, self.args.compile_ahead)
+        names = aot.names(targets)
+        self.ahead.retarget(names)
+        for m, name in zip(targets, names, strict=True):
+            def job(m: tuple[int, ...] = m) -> None:
+                t = self.trainer(m)
+                for program in (self.program, "wrap_rng"):
+                    if not t.ready(program):
+                        built = t.prepare(program, ahead=True)
+                        self.log.write(event="compiled_ahead", slices=list(m), program=program,
+                                       source=built.source, seconds=built.seconds)
+            self.ahead.submit(name, job)
 
     def local_dir(self, slices: tuple[int, ...]) -> Path:
         """mtc numbers simulated hosts from 0: a folder whose host-<i> are these slices' roots."""
@@ -245,13 +270,15 @@ class ElasticRun:
         active = set(self.pw.active_slice_indices)
         rec = self.pending
         if rec is not None and len(active) < total and rec.kind != "scale_up":
-            # Pause: give the missing slices a moment before resizing without them.
-            try:
-                active = set(pw_elastic.wait_for_slices(
-                    slice_count=total, poll_interval=self.args.poll_s,
-                    timeout=self.args.pause_timeout_s, slice_to_devices=self.pw.slice_to_devices))
-            except TimeoutError:
-                pass
+            # Pause for the missing slices when a replacement is on its way (the
+            # cluster says so), woken when it is back; else resize at once.
+            missing = set(range(total)) - active
+            pause = pause_seconds(missing, self.faults.replacing_slices(),
+                                  self.args.pause_timeout_s, self.args.pause_policy)
+            if pause > 0 and self.faults.wait_back(missing, pause):
+                # Back, says the cluster: one health check confirms it.
+                active = set(pw_elastic.get_active_slice_indices(self.pw.slice_to_devices))
+            rec.detail["pause_s_at_most"] = pause
             self.pw.active_slice_indices = active
         slices = tuple(sorted(active))
         if rec is not None:
@@ -363,8 +390,12 @@ class ElasticRun:
         total = self.cluster.slices
         times = self.step_times.setdefault(slices, [])
         first = True
+        built = trainer.built(self.program)
+        # Ready: in memory before the first step here needs it (built ahead, or
+        # by an earlier run on this mesh); otherwise that step builds it.
+        ready = aot.Use(aot.READY, built.seconds, built.ahead, 0.0) if built else None
         for step in range(state["step"] + 1, args.steps + 1):
-            if len(slices) < total and self.pw.available_inactive_slices:
+            if len(slices) < total and self.scale_up_available(slices):
                 t = time.time()
                 self.pending = Recovery("scale_up", state["step"], self.faults.returned_t or t,
                                         {"slices": sorted(self.pw.available_inactive_slices)},
@@ -410,9 +441,17 @@ class ElasticRun:
                            save_s=t3 - t2, saved=saved, slices=list(slices))
             rec = self.pending
             if rec is not None and rec.t_restore_end is not None:
+                use = ready or trainer.uses.get(self.program)
+                if use is not None:
+                    rec.detail["executable"] = use.source
+                    rec.detail["compile_s"] = use.compile_s
+                    rec.detail["executable_detail"] = use.as_dict()
                 self.finish_recovery(rec, t1 - t0)
                 self.pending = None
                 self.faults.stop_if_healthy()
+            if first:
+                # The mesh runs: build what the next resize (or the way back) needs.
+                self.compile_ahead(slices)
             if first and not self.gc_frozen:
                 # Everything built so far (JAX, the model, the compiled steps) lives
                 # as long as the run: keep it out of the collector's full passes,
@@ -430,6 +469,22 @@ class ElasticRun:
                 self.host_losses.pop(0)
                 self.inject_host_loss(step)
         mgr.wait_until_finished()
+
+    def scale_up_available(self, slices: tuple[int, ...]) -> bool:
+        """Whether inactive slices are healthy again: as pathwaysutils' monitor
+        thread found on its last poll, or, as soon as the cluster says lost
+        hosts are back, by one health check of the inactive slices right now."""
+        if self.pw.available_inactive_slices:
+            return True
+        if self.faults.returns == self.returns_seen:
+            return False
+        self.returns_seen = self.faults.returns
+        inactive = {i: self.pw.slice_to_devices[i]
+                    for i in range(self.cluster.slices) if i not in slices}
+        found = set(pw_elastic.get_active_slice_indices(inactive)) if inactive else set()
+        if found:
+            self.pw.available_inactive_slices = frozenset(found)
+        return bool(found)
 
     def finish_recovery(self, rec: Recovery, first_step_s: float) -> None:
         times = self.step_times.get(rec.slices_after, [])
@@ -479,8 +534,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the lost slice comes back after this many steps on the survivors")
     p.add_argument("--pause-timeout-s", type=float, default=3.0,
                    help="how long to wait for missing slices before resizing without them")
+    p.add_argument("--pause-policy", choices=("replacement", "always"), default="replacement",
+                   help="pause for missing slices only while the cluster replaces their hosts "
+                        "(replacement), or after every failure (always)")
     p.add_argument("--poll-s", type=float, default=0.2,
                    help="pathwaysutils health-check and monitor interval")
+    p.add_argument("--compile-ahead", type=int, default=1, metavar="N",
+                   help="compile the step ahead, in the background, for every mesh with up "
+                        "to N slices fewer than the one training runs on, and for the way "
+                        "back up (0: compile when needed)")
+    p.add_argument("--compile-cache", default="",
+                   help="JAX persistent compilation cache folder or URL (default: "
+                        "<cluster>/compile-cache; 'none': off)")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="no per-step in-memory snapshot (resize restores from mtc)")
     p.add_argument("--no-reference", dest="reference", action="store_false")
@@ -494,10 +559,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.raiseExceptions = True  # as pathwaysutils recommends
     jlog = JsonLog(args.log)
     jlog.write(event="start", pid=os.getpid())
+    cache = args.compile_cache or str(LocalCluster.load(args.cluster).compile_cache_dir())
+    cache_dir = aot.enable_cache(None if cache == "none" else cache)
     run = ElasticRun(args, jlog)
-    jlog.write(event="ready", slices=run.cluster.slices, devices=len(run.devices))
+    jlog.write(event="ready", slices=run.cluster.slices, devices=len(run.devices),
+               compile_cache=cache_dir, compile_ahead=args.compile_ahead)
     t0 = time.perf_counter()
-    run.run()
+    try:
+        run.run()
+    finally:
+        if run.ahead is not None:
+            run.ahead.close()
     if run.mgr is not None:
         run.mgr.close()
     if run.faults.returning is not None:

@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          process=jax.process_index(), processes=jax.process_count())
     cfg = Config(vocab_size=len(VOCAB), d_model=args.d_model, n_heads=args.heads,
                  n_layers=args.layers, d_ff=args.d_ff, total_steps=args.steps)
-    trainer = Trainer(cfg, mesh)
+    trainer = Trainer(cfg, mesh, batch_size=args.batch_size)
     mgr = mtc.CheckpointManager(
         args.ramdisk, mesh=mesh,
         options=mtc.Options(save_interval_steps=args.save_interval,

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mesh = make_mesh()
     cfg = Config.preset(args.model, vocab_size=len(VOCAB), total_steps=args.steps)
-    trainer = Trainer(cfg, mesh)
+    trainer = Trainer(cfg, mesh, batch_size=args.batch_size)
     data = make_iterator(seq_len=cfg.seq_len, global_batch_size=args.batch_size, seed=args.seed)
     mgr = None
     if not args.no_checkpoint:
