@@ -13,6 +13,7 @@ Which meshes to build ahead is a pure function, :func:`ahead_meshes`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -20,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,13 +98,45 @@ def enable_cache(path: Path | str | None, *, min_compile_s: float = 0.0) -> str 
     return where
 
 
-def build(jitted: Any, *args: Any, ahead: bool = False) -> tuple[Any, Built]:
+@contextlib.contextmanager
+def lowered_priority(nice: int) -> Iterator[None]:
+    """Run the body with this thread's ``nice`` raised by ``nice`` (Linux: per
+    thread), then put it back where the OS allows (root, or RLIMIT_NICE).
+
+    Only XLA's compile runs lowered: it releases the GIL. Tracing and lowering
+    hold the GIL, and a starved thread holding it would stall the training loop
+    (priority inversion), so they run at the loop's priority.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        yield
+        return
+    tid = threading.get_native_id()
+    base = os.getpriority(os.PRIO_PROCESS, tid)
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(base + nice, 19))
+    except OSError as e:
+        log.warning("compiling at normal priority: %s", e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+        except OSError as e:  # not allowed back up: the rest of this thread runs lowered
+            log.warning("compile thread stays at nice %d: %s", base + nice, e)
+
+
+def build(jitted: Any, *args: Any, ahead: bool = False, nice: int = 0) -> tuple[Any, Built]:
     """``jitted`` lowered for ``args`` (arrays or ``ShapeDtypeStruct``s with
-    shardings) and compiled, with the record of how."""
+    shardings) and compiled (at ``nice`` more than this thread's priority), with
+    the record of how."""
     _listen()
     before = getattr(_watch, "hits", 0)
     t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
+    lowered = jitted.lower(*args)
+    with lowered_priority(nice):
+        compiled = lowered.compile()
     seconds = time.perf_counter() - t0
     hit = getattr(_watch, "hits", 0) > before
     return compiled, Built(CACHED if hit else COMPILED, seconds, ahead)
@@ -130,22 +163,25 @@ def ahead_meshes(active: Slices, total: int, depth: int) -> list[Slices]:
 # -- the background compiler ----------------------------------------------------------
 
 class AheadCompiler:
-    """One low-priority thread that runs build jobs in order; ``close`` joins it.
+    """One background thread that runs build jobs in order; ``close`` joins it.
 
-    The thread lowers its own OS priority (``nice`` 19 for this thread only, on
-    Linux), so the training loop's threads win the CPU whenever they want it.
-    Jobs are callables; a failing job is logged and dropped (the step then
+    Jobs are callables that compile at lowered priority (:func:`lowered_priority`,
+    ``nice`` passed on by the caller), so the training loop's threads win the CPU
+    when they want it. A failing job is logged and dropped (the step then
     compiles when it is needed, as without compiling ahead). Only the thread
-    that owns the compiler calls ``submit`` and ``close``.
+    that owns the compiler calls ``submit``, ``retarget`` and ``close``;
+    ``wait`` may be called from any thread.
     """
 
-    def __init__(self, *, nice: int = 19, name: str = "compile-ahead") -> None:
+    def __init__(self, *, name: str = "compile-ahead") -> None:
         self._jobs: queue.SimpleQueue[tuple[str, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._nice = nice
         self._queued: set[str] = set()  # names queued and not yet run or skipped
         self._wanted: set[str] | None = None  # None: every job queued
-        self._lock = threading.Lock()  # guards _queued and _wanted (two threads)
+        self._lock = threading.Lock()  # guards _queued, _wanted (two threads)
+        self._finished = threading.Condition()  # notified when a job ends or is skipped
+        self._ended: set[str] = set()  # guarded by _finished, as is _known
+        self._known: set[str] = set()  # every name ever submitted
         self.done: list[str] = []  # job names finished (for reports and tests)
         self.failed: list[str] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -157,6 +193,9 @@ class AheadCompiler:
             if name in self._queued or self._stop.is_set():
                 return False
             self._queued.add(name)
+        with self._finished:
+            self._known.add(name)
+            self._ended.discard(name)
         self._jobs.put((name, job))
         return True
 
@@ -166,18 +205,25 @@ class AheadCompiler:
         with self._lock:
             self._wanted = set(wanted)
 
+    def wait(self, name: str, timeout: float) -> bool:
+        """Wait until the job ``name`` has ended (done, failed or skipped); at
+        once when no such job was submitted."""
+        with self._finished:
+            return self._finished.wait_for(
+                lambda: name in self._ended or name not in self._known, timeout)
+
     def close(self, timeout: float | None = None) -> None:
         """Drop the jobs not started, wait for the one running."""
         self._stop.set()
         self._jobs.put(None)
         self._thread.join(timeout)
 
+    def _end(self, name: str) -> None:
+        with self._finished:
+            self._ended.add(name)
+            self._finished.notify_all()
+
     def _run(self) -> None:
-        if self._nice and hasattr(os, "setpriority"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-            except OSError as e:
-                log.warning("compile-ahead thread keeps its priority: %s", e)
         while True:
             item = self._jobs.get()
             if item is None or self._stop.is_set():
@@ -187,6 +233,7 @@ class AheadCompiler:
                 self._queued.discard(name)
                 skip = self._wanted is not None and name not in self._wanted
             if skip:
+                self._end(name)
                 continue
             try:
                 job()
@@ -194,6 +241,7 @@ class AheadCompiler:
             except Exception:  # the step compiles when it is needed instead
                 log.exception("compiling %s ahead failed", name)
                 self.failed.append(name)
+            self._end(name)
 
 
 def names(meshes: Sequence[Slices]) -> list[str]:

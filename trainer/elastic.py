@@ -128,7 +128,7 @@ class ElasticRun:
         self.resized_steps = 0
         self.host_losses = sorted(args.host_loss_at)
         self.gc_frozen = False
-        self.slice_fault_done = args.slice_loss_at is None
+        self.slice_losses = sorted(args.slice_loss_at)
         self.returns_seen = 0  # HostFaults.returns already acted on
 
     # -- topology -------------------------------------------------------------------
@@ -166,7 +166,7 @@ class ElasticRun:
                 t = self.trainer(m)
                 for program in (self.program, "wrap_rng"):
                     if not t.ready(program):
-                        built = t.prepare(program, ahead=True)
+                        built = t.prepare(program, ahead=True, nice=self.args.compile_ahead_nice)
                         self.log.write(event="compiled_ahead", slices=list(m), program=program,
                                        source=built.source, seconds=built.seconds)
             self.ahead.submit(name, job)
@@ -240,12 +240,24 @@ class ElasticRun:
         self.log.write(event="fault", kind="host_loss", step=step, t=t, **detail)
         self.faults.bring_back([h], s, self.args.host_return_s)
 
-    def inject_slice_loss(self, step: int) -> None:
+    def wait_compiled_ahead(self, slices: tuple[int, ...], timeout: float = 300.0) -> float:
+        """Seconds waited until the compile-ahead job for ``slices`` has ended."""
+        if self.ahead is None or not slices:
+            return 0.0
+        t0 = time.perf_counter()
+        self.ahead.wait(aot.names([slices])[0], timeout)
+        waited = time.perf_counter() - t0
+        self.log.write(event="waited_for_compile_ahead", slices=list(slices), seconds=waited)
+        return waited
+
+    def inject_slice_loss(self, step: int, waited_for_compile_ahead: float = 0.0) -> None:
         s = self.args.lost_slice
         hosts = self.cluster.hosts_of_slice(s)
         t = time.time()
+        self.resized_steps = 0
         self._lose(hosts, s)
-        detail = {"slice": s, "hosts": hosts, "in_flight_step": step}
+        detail = {"slice": s, "hosts": hosts, "in_flight_step": step,
+                  "seconds_waited_for_compile_ahead": waited_for_compile_ahead}
         self.pending = Recovery("slice_loss", step - 1, t, detail)
         self.log.write(event="fault", kind="slice_loss", step=step - 1, t=t, **detail)
 
@@ -409,6 +421,15 @@ class ElasticRun:
                     self.last_saved = state["step"]
                 mgr.wait_until_finished()
                 raise pw_manager.ScaleUpSignalError()
+            waited = 0.0
+            slice_loss = bool(self.slice_losses) and step >= self.slice_losses[0] \
+                and self.pending is None and not self.faults.lost_slices \
+                and len(slices) == total
+            if slice_loss:
+                # The demo loses the slice in steady state: once what the resize
+                # needs is compiled ahead (training waits for it here, logged).
+                waited = self.wait_compiled_ahead(
+                    tuple(s for s in slices if s != args.lost_slice))
             t0 = time.perf_counter()
             batch = next(self.data)
             snap_arrays = None
@@ -417,9 +438,9 @@ class ElasticRun:
             else:
                 state, loss_arr = trainer.step(state, batch)
             state["data"] = self.data.get_state()
-            if not self.slice_fault_done and step == args.slice_loss_at:
-                self.slice_fault_done = True
-                self.inject_slice_loss(step)
+            if slice_loss:
+                self.slice_losses.pop(0)
+                self.inject_slice_loss(step, waited)
             loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
             t1 = time.perf_counter()
             if snap_arrays is not None:
@@ -441,12 +462,7 @@ class ElasticRun:
                            save_s=t3 - t2, saved=saved, slices=list(slices))
             rec = self.pending
             if rec is not None and rec.t_restore_end is not None:
-                use = ready or trainer.uses.get(self.program)
-                if use is not None:
-                    rec.detail["executable"] = use.source
-                    rec.detail["compile_s"] = use.compile_s
-                    rec.detail["executable_detail"] = use.as_dict()
-                self.finish_recovery(rec, t1 - t0)
+                self.finish_recovery(rec, t1 - t0, ready or trainer.uses.get(self.program))
                 self.pending = None
                 self.faults.stop_if_healthy()
             if first:
@@ -486,9 +502,9 @@ class ElasticRun:
             self.pw.available_inactive_slices = frozenset(found)
         return bool(found)
 
-    def finish_recovery(self, rec: Recovery, first_step_s: float) -> None:
+    def finish_recovery(self, rec: Recovery, first_step_s: float, use: aot.Use | None) -> None:
         times = self.step_times.get(rec.slices_after, [])
-        entry = rec.entry(first_step_s, statistics.median(times) if times else None)
+        entry = rec.entry(first_step_s, statistics.median(times) if times else None, use)
         self.recoveries.append(entry)
         self.log.write(event="recovered", **entry)
 
@@ -528,7 +544,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lost-host", type=int, default=1)
     p.add_argument("--host-return-s", type=float, default=1.5,
                    help="seconds until the lost host is back (empty)")
-    p.add_argument("--slice-loss-at", type=int, help="lose --lost-slice while this step runs")
+    p.add_argument("--slice-loss-at", type=_steps, default=[],
+                   help="lose --lost-slice while the first step at or after each of these "
+                        "(comma-separated) runs on every slice")
     p.add_argument("--lost-slice", type=int, default=1)
     p.add_argument("--slice-down-steps", type=int, default=25,
                    help="the lost slice comes back after this many steps on the survivors")
@@ -543,6 +561,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="compile the step ahead, in the background, for every mesh with up "
                         "to N slices fewer than the one training runs on, and for the way "
                         "back up (0: compile when needed)")
+    p.add_argument("--compile-ahead-nice", type=int, default=10, metavar="N",
+                   help="compile ahead at this much lower OS priority than the loop")
     p.add_argument("--compile-cache", default="",
                    help="JAX persistent compilation cache folder or URL (default: "
                         "<cluster>/compile-cache; 'none': off)")

@@ -255,9 +255,10 @@ class Trainer:
                                      sharding=self.batch_sharding)
         return arrays, batch
 
-    def prepare(self, program: str, *, ahead: bool = False) -> aot.Built:
+    def prepare(self, program: str, *, ahead: bool = False, nice: int = 0) -> aot.Built:
         """Build ``program``'s executable unless it is built or being built
-        (then wait for that build); returns how it was built."""
+        (then wait for that build); returns how it was built. ``nice``: compile
+        at that much lower priority (see :func:`aot.lowered_priority`)."""
         with self._lock:
             fut = self._builds.get(program)
             mine = fut is None
@@ -266,7 +267,7 @@ class Trainer:
         if mine:
             try:
                 exe, built = aot.build(self._jitted[program], *self._abstract_args(program),
-                                       ahead=ahead)
+                                       ahead=ahead, nice=nice)
             except BaseException as e:
                 with self._lock:
                     del self._builds[program]
