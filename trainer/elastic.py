@@ -167,8 +167,10 @@ class ElasticRun:
                 for program in (self.program, "wrap_rng"):
                     if not t.ready(program):
                         built = t.prepare(program, ahead=True, nice=self.args.compile_ahead_nice)
+                        warm = t.warm_up(program) if program != "wrap_rng" else 0.0
                         self.log.write(event="compiled_ahead", slices=list(m), program=program,
-                                       source=built.source, seconds=built.seconds)
+                                       source=built.source, seconds=built.seconds,
+                                       warm_up_s=warm)
             self.ahead.submit(name, job)
 
     def local_dir(self, slices: tuple[int, ...]) -> Path:

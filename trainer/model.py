@@ -277,6 +277,24 @@ class Trainer:
             fut.set_result((exe, built))
         return fut.result()[1]
 
+    def warm_up(self, program: str) -> float:
+        """Run ``program`` once on zeros (its inputs donated, its outputs dropped):
+        an executable's first run on this platform costs more than the later ones
+        (first-touch memory, lazily set-up kernels), and that first run should
+        not be the first step after a failure. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        exe = self.executable(program) if program == "wrap_rng" else self._exe[program]
+
+        def zeros(a: jax.ShapeDtypeStruct) -> jax.Array:
+            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                return self.wrap_rng(jax.device_put(
+                    np.zeros(self._key_data.shape, self._key_data.dtype), self.replicated))
+            return jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
+
+        args = jax.tree_util.tree_map(zeros, self._abstract_args(program))
+        jax.block_until_ready(exe(*args))
+        return time.perf_counter() - t0
+
     def built(self, program: str) -> aot.Built | None:
         """How ``program`` was built, once it is."""
         fut = self._builds.get(program)
