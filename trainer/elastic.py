@@ -24,16 +24,28 @@ Failure injection, real where it can be:
   real slice failure does, and the health check reports the slice down.
   ``--host-return-s`` later the host comes back: a new replicator over an empty
   RAM disk, devices healthy.
-- ``slice_loss`` (``--slice-loss-at STEP``): while STEP runs, every host of the
-  slice is lost the same way. It comes back after ``--slice-down-steps``
-  steps have run on the survivors.
+- ``slice_loss`` (``--slice-loss-at STEP[,STEP...]``): while STEP runs, every
+  host of the slice is lost the same way (once the survivors' step is compiled
+  ahead: the demo shows recovery in steady state). It comes back after
+  ``--slice-down-steps`` steps have run on the survivors.
 
 Every step also emits a snapshot of its new state (``trainer.snapshot``; off
 with ``--no-snapshot``), so a failure replays at most the step it interrupted.
 
+Every program runs as an ahead-of-time executable (:mod:`trainer.aot`). Once a
+mesh trains, a background thread compiles (XLA at lower OS priority) and warms
+up the step for every mesh replica resize can reach from it, ``--compile-ahead``
+slices fewer, and for the way back up, with the shardings those meshes have; so
+the first step after a slice loss runs a ready executable. JAX's persistent
+compilation cache (``--compile-cache``, by default in the cluster's folder)
+serves a restarted process. Each ``recovered`` entry says whether the first
+step's executable was ``ready``, ``cached`` or ``compiled``, and its seconds.
+
 Recovery policy, per elastic attempt: pathwaysutils waits for at least one
-healthy slice; then the trainer *pauses* up to ``--pause-timeout-s`` for the
-missing slices and otherwise *resizes* onto the healthy slices (new mesh). The
+healthy slice; then, when the cluster is replacing the missing slices' hosts,
+the trainer *pauses* up to ``--pause-timeout-s`` for them (woken the moment
+they are back, no polling); otherwise, or after that, it *resizes* onto the
+healthy slices (new mesh) at once. The
 state comes from the newest source: the snapshot of the last completed step,
 read from the surviving devices, unless mtc holds that same step; then, on
 the full mesh, through mtc, which asks the replicators to agree on a step and
@@ -41,7 +53,8 @@ fetch what a wiped host lacks from its peer (a snapshot newer than what mtc
 restored replaces it). Without a snapshot a resize reads the survivors' RAM
 disks, and a scale-up saves the last step there first and reads it back.
 While running on fewer slices, every step checks the Manager's
-``available_inactive_slices`` (filled by its monitor thread) and raises
+``available_inactive_slices`` (filled by its monitor thread, or at once by one
+health check when the cluster says hosts are back) and raises
 ``ScaleUpSignalError`` to come back onto every slice, again from the snapshot,
 losing no step.
 
@@ -313,11 +326,16 @@ class ElasticRun:
         t0 = time.perf_counter()
         trainer = self.trainer(slices)
         mgr = self.new_manager(trainer, slices)
+        t_mgr = time.perf_counter()
         state = self.recover(trainer, mgr, rec, slices)
         jax.block_until_ready({k: state[k] for k in Trainer.ARRAYS})
         self.data.set_state(state["data"])
         if rec is not None:
             rec.t_restore_end = time.time()
+            # Where the restore stage went: the checkpoint manager for the mesh
+            # (the previous one's saves finished first), then the state itself.
+            rec.detail["restore_detail"] = {"checkpoint_manager_s": t_mgr - t0,
+                                            "state_s": time.perf_counter() - t_mgr}
             rec.resumed_from_step = state["step"]
             self.log.write(event="restored", kind=rec.kind, step=state["step"], tier=rec.tier,
                            seconds=time.perf_counter() - t0, slices=list(slices))

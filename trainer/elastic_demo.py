@@ -6,20 +6,25 @@ Run as ``python -m trainer.elastic_demo --out out/demo``. It:
    RAM-disk roots under ``/dev/shm/mtc-cluster-demo-<pid>``, one real
    ``mtc-replicator`` process per host, backups to a local folder;
 2. runs the elastic trainer (``trainer.elastic``, a 3.2M-parameter LM) on 8
-   CPU devices: it loses a host once a save is on its peer (replicator
+   CPU devices: twice it loses a host once a save is on its peer (replicator
    SIGKILLed, RAM disk wiped, the slice's devices raise DATA_LOSS), pauses
-   until the host is back empty and restores through mtc, the wiped host's
-   shards from its peer; then it loses a whole slice, continues on the other
-   from the per-step snapshot (replica resize), and scales back up when the
-   slice returns, losing no step (``--host-loss-at 0`` or ``--slice-loss-at 0``
-   leaves a failure out; ``--host-loss-when mid-save`` loses the host while
-   the save is being written);
+   until the host's replacement is back empty and restores through mtc, the
+   wiped host's shards from its peer; twice it loses a whole slice, continues
+   on the other at once from the per-step snapshot (replica resize) with the
+   one-slice step compiled ahead, and scales back up when the slice returns,
+   losing no step (``--host-loss-at 0`` or ``--slice-loss-at 0`` leaves a kind
+   of failure out; ``--host-loss-when mid-save`` loses the host while the save
+   is being written). JAX's compilation cache lives in ``<out>/compile-cache``:
+   a second run loads what the first compiled;
 3. backs the newest step up to the cluster's backup folder (``mtc backup``),
    shows every host's steps on every tier (``mtc status``), takes the cluster
    down, and prints the report: per failure the step at failure, the step
    resumed from, the tier, seconds to detect, wait, restore and recompile,
-   and steps lost; for the run steps completed, goodput, final loss, and
-   whether the loss curve equals an uninterrupted run on the same meshes.
+   steps lost, and whether the step's executable was ready (compiled ahead),
+   cached or compiled; per kind of failure the median and worst recovery; for
+   the run steps completed, goodput from launch and in steady state, final
+   loss, and whether the loss curve equals an uninterrupted run on the same
+   meshes.
 
 It writes ``report.json``, ``elastic.jsonl`` (the trainer's log),
 ``elastic.log`` (its output), ``cluster-status.txt`` and ``timeline.png`` into
