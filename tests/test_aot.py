@@ -64,7 +64,11 @@ def test_ahead_compiler_runs_in_order_skips_retargeted_and_joins() -> None:
         gate.set()
         assert c.wait("c", 10) and c.wait("b", 10)
         assert ran == ["a", "c"] and c.done == ["a", "c"]
+        assert not c.submit("a", lambda: ran.append("again"))  # built: nothing to redo
+        assert c.submit("b", lambda: ran.append("b")) is True  # skipped before: may come back
+        c.retarget(["a", "b", "c"])
         assert c.submit("d", lambda: 1 / 0)
+        assert c.wait("b", 10) and ran == ["a", "c", "b"]
         assert c.wait("d", 10) and c.failed == []  # not wanted: skipped, never run
         c.retarget(["d"])
         assert c.submit("d", lambda: 1 / 0)

@@ -188,9 +188,9 @@ class AheadCompiler:
         self._thread.start()
 
     def submit(self, name: str, job: Callable[[], Any]) -> bool:
-        """Queue ``job`` unless a job of this name was queued before."""
+        """Queue ``job`` unless a job of this name is queued, or ran and succeeded."""
         with self._lock:
-            if name in self._queued or self._stop.is_set():
+            if name in self._queued or name in self.done or self._stop.is_set():
                 return False
             self._queued.add(name)
         with self._finished:
@@ -237,7 +237,8 @@ class AheadCompiler:
                 continue
             try:
                 job()
-                self.done.append(name)
+                with self._lock:
+                    self.done.append(name)
             except Exception:  # the step compiles when it is needed instead
                 log.exception("compiling %s ahead failed", name)
                 self.failed.append(name)

@@ -339,12 +339,13 @@ class ElasticRun:
             rec.resumed_from_step = state["step"]
             self.log.write(event="restored", kind=rec.kind, step=state["step"], tier=rec.tier,
                            seconds=time.perf_counter() - t0, slices=list(slices))
-            if rec.kind == "scale_up" and not any(
-                    layout.step_dir(mgr.local_dir / f"host-{h}", state["step"]).exists()
-                    for h in range(len(self.hosts_of(slices)))):
-                # A step every host holds again, for the replicators to copy.
-                mgr.save(state["step"], state, force=True)
-        self.train(trainer, mgr, state, slices)
+        # After a scale-up the returned hosts hold no step: save one every host
+        # holds again, for the replicators to copy, right after the first step
+        # (not before it: the save's staging and writes would slow that step).
+        resave = rec is not None and rec.kind == "scale_up" and not any(
+            layout.step_dir(mgr.local_dir / f"host-{h}", state["step"]).exists()
+            for h in range(len(self.hosts_of(slices))))
+        self.train(trainer, mgr, state, slices, resave=resave)
 
     def recover(self, trainer: Trainer, mgr: mtc.CheckpointManager, rec: Recovery | None,
                 slices: tuple[int, ...]) -> State:
@@ -417,7 +418,7 @@ class ElasticRun:
         return state
 
     def train(self, trainer: Trainer, mgr: mtc.CheckpointManager, state: State,
-              slices: tuple[int, ...]) -> None:
+              slices: tuple[int, ...], resave: bool = False) -> None:
         args = self.args
         total = self.cluster.slices
         times = self.step_times.setdefault(slices, [])
@@ -486,6 +487,9 @@ class ElasticRun:
                 self.pending = None
                 self.faults.stop_if_healthy()
             if first:
+                if resave and not saved:
+                    saved = mgr.save(step, state, force=True)
+                    self.last_saved = step
                 # The mesh runs: build what the next resize (or the way back) needs.
                 self.compile_ahead(slices)
             if first and not self.gc_frozen:

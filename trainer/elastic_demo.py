@@ -300,7 +300,13 @@ def plot(out: Path, records: list[dict[str, Any]], report: dict[str, Any],
     # Each failure's stages, back to back from the failure to its first step.
     recovered = [r for r in records if r.get("event") == "recovered"]
     seen: set[str] = set()
-    for rec in recovered:
+    for w in (r for r in records if r.get("event") == "waited_for_compile_ahead"):
+        if w["seconds"] > 0.05:
+            for ax in (ax1, ax2):
+                ax.axvspan(w["t"] - t_launch - w["seconds"], w["t"] - t_launch, color="none",
+                           hatch="//", ec="0.6", lw=0,
+                           label="held for a compile ahead (demo)" if ax is ax2 else None)
+    for n, rec in enumerate(recovered):
         sec = rec["seconds"]
         t = rec["t"] - t_launch - sec["total"]
         for stage in ("detect", "wait", "restore", "first_step"):
@@ -314,11 +320,13 @@ def plot(out: Path, records: list[dict[str, Any]], report: dict[str, Any],
         exe = rec.get("executable")
         ax1.annotate(f"{rec['kind']}\nstep {rec['step_at_failure']} -> {rec['resumed_from_step']}"
                      f" ({rec['tier']})\n{sec['total']:.2f}s" + (f", {exe}" if exe else ""),
-                     xy=(rec["t"] - t_launch - sec["total"], 0.97),
+                     xy=(rec["t"] - t_launch - sec["total"], 0.97 - 0.2 * (n % 2)),
                      xycoords=("data", "axes fraction"), va="top", fontsize=7,
                      color="tab:purple" if rec["kind"] == "scale_up" else "tab:red")
+    steady = report.get("goodput_steady_state")
     ax1.set_title(f"mtc elastic demo: {report['steps_completed']} steps, goodput "
-                  f"{report['goodput']:.0%}")
+                  f"{report['goodput']:.0%} from launch"
+                  + (f", {steady:.1%} in steady state" if steady is not None else ""))
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
@@ -338,8 +346,11 @@ def print_report(report: dict[str, Any], out: Path, png: Path | None) -> None:
     for f in report["failures"]:
         s = f["seconds"]
         exe = f.get("executable") or "?"
-        if f.get("compile_s") is not None:
-            exe += f" ({f['compile_s']:.1f}s compile{' ahead' if exe == 'ready' else ''})"
+        ahead = f["detail"].get("executable_detail", {}).get("ahead")
+        if exe == "ready":
+            exe += f" (compiled ahead in {f['compile_s']:.1f}s)" if ahead else " (in memory)"
+        elif f.get("compile_s") is not None:
+            exe += f" ({f['compile_s']:.1f}s)"
         print(f"  {f['kind']:<11}{f['step_at_failure']:>5}{f['resumed_from_step']:>6}  "
               f"{f['tier']:<7}{s['detect']:>7.2f}s{s['wait']:>6.2f}s{s['restore']:>8.2f}s"
               f"{s['recompile']:>9.2f}s{s['total']:>6.2f}s{f['steps_lost']:>6}  {exe}")
