@@ -303,8 +303,8 @@ def plot(out: Path, records: list[dict[str, Any]], report: dict[str, Any],
     for w in (r for r in records if r.get("event") == "waited_for_compile_ahead"):
         if w["seconds"] > 0.05:
             for ax in (ax1, ax2):
-                ax.axvspan(w["t"] - t_launch - w["seconds"], w["t"] - t_launch, color="none",
-                           hatch="//", ec="0.6", lw=0,
+                ax.axvspan(w["t"] - t_launch - w["seconds"], w["t"] - t_launch, fc="0.92",
+                           hatch="//", ec="0.5", lw=0.5,
                            label="held for a compile ahead (demo)" if ax is ax2 else None)
     for n, rec in enumerate(recovered):
         sec = rec["seconds"]
