@@ -89,11 +89,21 @@ def analyse(records: list[dict[str, Any]], t_launch: float) -> dict[str, Any]:
                                 "total")}}
                 for r in recs]
     ahead = [r for r in records if r.get("event") == "compiled_ahead"]
+    # Steady state: after the start-up, which ends once the first step ran and
+    # the compiles ahead it started are done (each mesh compiles once per job),
+    # and never after the first failure.
+    t_ready = max([first["t"], *(r["t"] for r in ahead)])
+    t_ready = min([t_ready, *faults]) if faults else t_ready
+    steady = [r for r in ordered if r["t"] - r["step_s"] >= t_ready]
+    steady_window = t_end - t_ready
     return {
-        "goodput_steady_state": useful_later / window,
-        "goodput_steady_state_definition": "goodput_excluding_startup: start-up (launch to "
-                                           "the end of the first step) and the reference run "
-                                           "excluded",
+        "goodput_steady_state": ideal_seconds(steady, records) / steady_window,
+        "goodput_steady_state_definition":
+            "ideal time of the final model's steps that started after the start-up (the first "
+            "step, and the compiles ahead it started; cut at the first failure) / wall time "
+            "from then to the end of training; the reference run excluded",
+        "steady_state_window_s": steady_window,
+        "startup_incl_compile_ahead_s": t_ready - t_launch,
         "recovery_by_kind": recovery_by_kind(failures),
         "compiled_ahead": [{k: r[k] for k in ("slices", "program", "source", "seconds")}
                            | {"warm_up_s": r.get("warm_up_s"),
