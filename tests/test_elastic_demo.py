@@ -100,7 +100,7 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     assert up["executable"] == "ready" and host["executable"] == "ready"
     # No replacement was on its way for the lost slice: no pause before resizing.
     assert lost["detail"]["pause_s_at_most"] == 0.0
-    assert host["detail"]["pause_s_at_most"] == 3.0
+    assert host["detail"]["pause_s_at_most"] == 10.0
     by_kind = report["recovery_by_kind"]
     assert set(by_kind) == {"host_loss", "slice_loss", "scale_up"}
     assert all(k["count"] == 1 and k["median_s"] == k["worst_s"] for k in by_kind.values())

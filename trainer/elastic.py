@@ -428,7 +428,9 @@ class ElasticRun:
         # by an earlier run on this mesh); otherwise that step builds it.
         ready = aot.Use(aot.READY, built.seconds, built.ahead, 0.0) if built else None
         for step in range(state["step"] + 1, args.steps + 1):
-            if len(slices) < total and self.scale_up_available(slices):
+            # Not before this mesh's first step completed: that step closes the
+            # recovery that brought training here (its report entry).
+            if len(slices) < total and self.pending is None and self.scale_up_available(slices):
                 t = time.time()
                 self.pending = Recovery("scale_up", state["step"], self.faults.returned_t or t,
                                         {"slices": sorted(self.pw.available_inactive_slices)},
@@ -574,8 +576,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lost-slice", type=int, default=1)
     p.add_argument("--slice-down-steps", type=int, default=25,
                    help="the lost slice comes back after this many steps on the survivors")
-    p.add_argument("--pause-timeout-s", type=float, default=3.0,
-                   help="how long to wait for missing slices before resizing without them")
+    p.add_argument("--pause-timeout-s", type=float, default=10.0,
+                   help="how long to wait for missing slices whose hosts are being replaced "
+                        "before resizing without them (woken when they are back)")
     p.add_argument("--pause-policy", choices=("replacement", "always"), default="replacement",
                    help="pause for missing slices only while the cluster replaces their hosts "
                         "(replacement), or after every failure (always)")

@@ -387,7 +387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(comma-separated; 0: no slice loss)")
     p.add_argument("--lost-slice", type=int, default=1)
     p.add_argument("--slice-down-steps", type=int, default=15)
-    p.add_argument("--pause-timeout-s", type=float, default=3.0)
+    p.add_argument("--pause-timeout-s", type=float, default=10.0,
+                   help="how long to pause for a host being replaced before resizing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=1e-6)
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
