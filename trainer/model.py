@@ -194,6 +194,9 @@ class Trainer:
     built on first use or earlier by :meth:`prepare` from any thread (a build
     another thread has started is waited for, never repeated). :attr:`uses`
     records, per program, whether its first run found it ready, cached or compiled.
+    Threads: :meth:`prepare` and :meth:`warm_up` may run on any thread (the
+    compile-ahead one); the step methods and :attr:`uses` belong to the loop.
+    ``_lock`` guards ``_builds``; ``_exe`` only ever gains entries.
     """
 
     ARRAYS = ("params", "opt_state", "rng")
@@ -278,7 +281,7 @@ class Trainer:
         return fut.result()[1]
 
     def warm_up(self, program: str) -> float:
-        """Run ``program`` once on zeros (its inputs donated, its outputs dropped):
+        """Run ``program`` (prepared) once on zeros (inputs donated, outputs dropped):
         an executable's first run on this platform costs more than the later ones
         (first-touch memory, lazily set-up kernels), and that first run should
         not be the first step after a failure. Returns the seconds it took."""
