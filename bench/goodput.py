@@ -12,8 +12,12 @@ trainer's uninterrupted reference run (same process, same meshes, no failures,
 no checkpoints) took for the steps of the final model, over the wall time. With
 the defaults a host is lost about every 2 minutes; the JSON reports the
 measured intervals. It also reports the goodput without the one-time start-up
-(process start, JAX import, init, the first compile), the figure to hold
-against a target stated per failure interval.
+(process start, JAX import, init, the first compile), and in steady state
+(also without the one-time compiles ahead of the one-slice meshes that start
+with the first step), the figure to hold against a target stated per failure
+interval; per kind of failure the median and worst recovery, and where each
+step's executable came from. ``--slice-loss-at`` adds replica resizes (and
+the scale-ups after them) to the mix.
 """
 
 from __future__ import annotations

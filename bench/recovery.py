@@ -24,7 +24,10 @@ the other slice, runs a few train steps, measures the no-loss references, then:
   function (``total_fresh_jit`` = ``total`` + that time).
 
 Detection is immediate here (the bench injects the failure), so ``detect`` is 0
-by construction. References measured in the same run: restoring the same step
+by construction. ``compile_ahead_cost`` (``bench/compile_ahead.py``): the demo's step times while
+the one-slice mesh's step compiles ahead, interleaved with windows without it.
+
+References measured in the same run: restoring the same step
 when nothing was lost (through the replicators, all tiers local, and by explicit
 step without them) and raw tmpfs reads of the same files.
 """
