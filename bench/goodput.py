@@ -12,8 +12,12 @@ trainer's uninterrupted reference run (same process, same meshes, no failures,
 no checkpoints) took for the steps of the final model, over the wall time. With
 the defaults a host is lost about every 2 minutes; the JSON reports the
 measured intervals. It also reports the goodput without the one-time start-up
-(process start, JAX import, init, the first compile), the figure to hold
-against a target stated per failure interval.
+(process start, JAX import, init, the first compile), and in steady state
+(also without the one-time compiles ahead of the one-slice meshes that start
+with the first step), the figure to hold against a target stated per failure
+interval; per kind of failure the median and worst recovery, and where each
+step's executable came from. ``--slice-loss-at`` adds replica resizes (and
+the scale-ups after them) to the mix.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.cluster import LocalCluster
 from trainer.demo import REPO, child_env
-from trainer.elastic_demo import final_steps, goodput, ideal_seconds
+from trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
 
 
 def log(msg: str) -> None:
@@ -81,7 +85,34 @@ def analyse(records: list[dict[str, Any]], t_launch: float) -> dict[str, Any]:
     snapshot_s = sum(r.get("snapshot_s", 0.0) for r in records if "loss" in r)
     save_s = sum(r.get("save_s", 0.0) for r in records if "loss" in r)
     failure_s = sum(lost_s)
+    failures = [{k: r[k] for k in ("kind", "step_at_failure", "resumed_from_step", "tier",
+                                   "steps_lost")}
+                | {"executable": r.get("executable"), "compile_s": r.get("compile_s")}
+                | {"seconds": {k: r["seconds"][k] for k in
+                               ("detect", "wait", "restore", "recompile", "first_step",
+                                "total")}}
+                for r in recs]
+    ahead = [r for r in records if r.get("event") == "compiled_ahead"]
+    # Steady state: after the start-up, which ends once the first step ran and
+    # the compiles ahead it started are done (each mesh compiles once per job),
+    # and never after the first failure.
+    t_ready = max([first["t"], *(r["t"] for r in ahead)])
+    t_ready = min([t_ready, *faults]) if faults else t_ready
+    steady = [r for r in ordered if r["t"] - r["step_s"] >= t_ready]
+    steady_window = t_end - t_ready
     return {
+        "goodput_steady_state": ideal_seconds(steady, records) / steady_window,
+        "goodput_steady_state_definition":
+            "ideal time of the final model's steps that started after the start-up (the first "
+            "step, and the compiles ahead it started; cut at the first failure) / wall time "
+            "from then to the end of training; the reference run excluded",
+        "steady_state_window_s": steady_window,
+        "startup_incl_compile_ahead_s": t_ready - t_launch,
+        "recovery_by_kind": recovery_by_kind(failures),
+        "compiled_ahead": [{k: r[k] for k in ("slices", "program", "source", "seconds")}
+                           | {"warm_up_s": r.get("warm_up_s"),
+                              "done_after_first_step_s": r["t"] - first["t"]}
+                           for r in ahead],
         "goodput_demo_definition": demo,
         "goodput_excluding_startup": useful_later / window,
         "goodput_median_step_definition": median_all / (t_end - t_launch),
@@ -114,12 +145,7 @@ def analyse(records: list[dict[str, Any]], t_launch: float) -> dict[str, Any]:
         },
         "steps_completed": max(steps),
         "steps_executed_incl_replayed": sum(1 for r in records if "loss" in r),
-        "failures": [{k: r[k] for k in ("kind", "step_at_failure", "resumed_from_step", "tier",
-                                        "steps_lost")}
-                     | {"seconds": {k: r["seconds"][k] for k in
-                                    ("detect", "wait", "restore", "recompile", "first_step",
-                                     "total")}}
-                     for r in recs],
+        "failures": failures,
         "failure_seconds_total": failure_s,
         "seconds_between_failures": intervals,
         "goodput_loss_from_failure_only": (failure_s + replayed_s) / window,
@@ -138,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps between saves (the per-step snapshot bounds the replay to one "
                         "step whatever this is; saves bound it when the snapshot is gone)")
     p.add_argument("--host-return-s", type=float, default=1.5)
+    p.add_argument("--slice-loss-at", default="",
+                   help="also lose slice 1 at these steps (comma-separated), back after "
+                        "--slice-down-steps: replica resize and scale-up in the mix")
+    p.add_argument("--slice-down-steps", type=int, default=60)
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the uninterrupted reference run (its step times are the ideal; "
                         "without it, the median step stands in)")
@@ -160,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                "--host-loss-at", ",".join(str(s) for s in range(
                    args.host_loss_every, args.steps, args.host_loss_every)),
                "--host-loss-when", args.host_loss_when, "--model", args.model,
-               "--host-return-s", str(args.host_return_s)]
+               "--host-return-s", str(args.host_return_s),
+               "--compile-cache", str(out / "compile-cache")]
+        if args.slice_loss_at:
+            cmd += ["--slice-loss-at", args.slice_loss_at,
+                    "--slice-down-steps", str(args.slice_down_steps)]
         if args.no_snapshot:
             cmd.append("--no-snapshot")
         if not args.reference:
@@ -176,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"trainer exited {rc}:\n" + "\n".join(tail))
         (out / "t_launch.txt").write_text(f"{t_launch!r}\n")
         result = analyse(read_records(jsonl), t_launch)
-        result["config"] = vars(args) | {"out": str(out), "slice_loss": None,
+        result["config"] = vars(args) | {"out": str(out),
                                          "cpus": os.cpu_count()}
         print(json.dumps(result, indent=2))
         return 0

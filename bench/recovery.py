@@ -24,7 +24,10 @@ the other slice, runs a few train steps, measures the no-loss references, then:
   function (``total_fresh_jit`` = ``total`` + that time).
 
 Detection is immediate here (the bench injects the failure), so ``detect`` is 0
-by construction. References measured in the same run: restoring the same step
+by construction. ``compile_ahead_cost`` (``bench/compile_ahead.py``): the demo's step times while
+the one-slice mesh's step compiles ahead, interleaved with windows without it.
+
+References measured in the same run: restoring the same step
 when nothing was lost (through the replicators, all tiers local, and by explicit
 step without them) and raw tmpfs reads of the same files.
 """
@@ -54,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from compile_ahead import measure as compile_ahead_cost
 from save_restore import LEAF_COLS, LEAF_ROWS, make_state
 
 import mtc
@@ -407,11 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--steps-between", type=int, default=3,
                    help="train steps after each checkpoint, before the host loss")
+    p.add_argument("--compile-ahead-pairs", type=int, default=3,
+                   help="windows compiling the resized mesh's step ahead, interleaved with "
+                        "as many without (bench/compile_ahead.py; 0: skip)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     base = Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp") / \
         f"mtc-cluster-recovery-{os.getpid()}"
     result = run(args.gib, args.samples, args.steps_between, base)
+    if args.compile_ahead_pairs > 0:
+        log("compile-ahead cost: the demo's step, compiling a one-slice mesh ahead or not")
+        result["compile_ahead_cost"] = compile_ahead_cost(pairs=args.compile_ahead_pairs)
     print(json.dumps(result, indent=2))
     return 0 if result["meets_target"] else 1
 

@@ -38,6 +38,14 @@ def test_demo_recovers_from_a_crash_with_the_reference_loss_curve(tmp_path: Path
     assert all(v is not None and v >= 0 for k, v in s.items() if k != "recompile")
     assert s["total"] >= s["detect"] + s["wait"] + s["restore"]
 
+    # The restarted process found the train step in the persistent compilation
+    # cache the first process filled (the first process compiled it).
+    assert f["executable"] == "cached" and f["compile_s"] >= 0
+    crash_first = next(json.loads(line) for line in (out / "crash.jsonl").read_text()
+                       .splitlines() if '"loss"' in line)
+    assert crash_first["executable"] == "compiled"
+    assert any((out / "compile-cache").iterdir())
+
     assert report["steps_completed"] == 40
     assert report["loss_matches_reference"] is True
     assert report["loss_max_abs_diff"]["after_recovery"] <= 1e-6

@@ -90,6 +90,22 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     assert lost["steps_lost"] == 0 and lost["resumed_from_step"] == 29
     assert up["kind"] == "scale_up" and up["steps_lost"] == 0
     assert up["detail"]["slices_after"] == [0, 1]
+    # The one-slice mesh's step was compiled ahead, in the background, while
+    # training ran on both slices: the first step after the loss found it ready.
+    assert lost["executable"] == "ready"
+    assert lost["detail"]["executable_detail"]["ahead"] is True
+    assert lost["compile_s"] > 0
+    assert lost["seconds"]["recompile"] == lost["detail"]["executable_detail"]["waited_s"]
+    # Back on both slices, the step the run started with is still in memory.
+    assert up["executable"] == "ready" and host["executable"] == "ready"
+    # No replacement was on its way for the lost slice: no pause before resizing.
+    assert lost["detail"]["pause_s_at_most"] == 0.0
+    assert host["detail"]["pause_s_at_most"] == 10.0
+    by_kind = report["recovery_by_kind"]
+    assert set(by_kind) == {"host_loss", "slice_loss", "scale_up"}
+    assert all(k["count"] == 1 and k["median_s"] == k["worst_s"] for k in by_kind.values())
+    assert by_kind["slice_loss"]["executables"] == ["ready"]
+    assert 0 < report["goodput"] < report["goodput_steady_state"] <= 1
     for f in report["failures"]:
         s = f["seconds"]
         assert set(s) == {"detect", "wait", "restore", "recompile", "total"}

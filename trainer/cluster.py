@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 STATE = "cluster.json"
 GCS_EMULATOR = "gcs-emulator"  # --backup value: start fake-gcs-server, back up there
 EMULATOR_BUCKET = "mtc-local"
+PORT_FILE_CHECK_S = 0.005  # a stat of a local file: cheap enough to do this often
 
 
 def default_base(name: str) -> Path:
@@ -93,6 +94,13 @@ class LocalCluster:
             env["STORAGE_EMULATOR_HOST"] = self.emulator["url"]
         return env
 
+    def compile_cache_dir(self) -> Path:
+        """Where trainers on this cluster keep JAX's persistent compilation cache by default."""
+        return self.base / "compile-cache"
+
+    def port_file(self, rank: int) -> Path:
+        return self.base / "logs" / f"replicator-{rank}.port"
+
     def hosts_of_slice(self, s: int) -> list[int]:
         return list(range(s * self.hosts_per_slice, (s + 1) * self.hosts_per_slice))
 
@@ -122,33 +130,43 @@ class LocalCluster:
         """Start ``rank``'s replicator (its own session: it outlives whoever started it)."""
         logs = self.base / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        self.port_file(rank).unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "sidecar.replicator.main",
                "--local-dir", str(self.root(rank)), "--listen", self.addresses[rank],
                "--nodes", ",".join(self.addresses), "--rank", str(rank),
                "--nodes-per-slice", str(self.hosts_per_slice), "--replicas", "1",
                "--backup", self.backup, "--backup-interval-minutes", "60",
                "--poll-seconds", str(self.poll_seconds),
-               "--straggler-wait-seconds", str(self.straggler_wait_seconds)]
+               "--straggler-wait-seconds", str(self.straggler_wait_seconds),
+               "--port-file", str(self.port_file(rank))]
         with (logs / f"replicator-{rank}.log").open("ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                     cwd=REPO, start_new_session=True)
         self.pids[rank] = proc.pid
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
+        """Until ``rank``'s replicator serves: it writes its port file once its
+        server is up (watched with a stat every few milliseconds, no RPC), then
+        one health check confirms."""
         import grpc
 
         from sidecar.replicator.healthcheck import check
 
         deadline = time.monotonic() + timeout
+        port_file = self.port_file(rank)
         while time.monotonic() < deadline:
             if not self.alive(rank):
                 log = (self.base / "logs" / f"replicator-{rank}.log").read_text(errors="replace")
                 raise RuntimeError(f"replicator {rank} exited: {log[-2000:]}")
+            if not port_file.exists():
+                time.sleep(PORT_FILE_CHECK_S)
+                continue
             try:
                 if check(self.addresses[rank], timeout_s=1.0) == "SERVING":
                     return
             except grpc.RpcError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.02)
         raise TimeoutError(f"replicator {rank} not serving after {timeout}s")
 
     def alive(self, rank: int) -> bool:

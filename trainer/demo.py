@@ -265,6 +265,10 @@ def build_report(args: argparse.Namespace, crash: Child, resume: Child, ref: Chi
             "tier": restore_ev.get("tier", "local"),
             "seconds": seconds,
             "steps_lost": step_at_failure - resumed_from,
+            # The new process's train step: from the persistent compilation cache
+            # the first run filled ("cached"), or compiled again.
+            "executable": first_after.get("executable") if first_after else None,
+            "compile_s": first_after.get("compile_s") if first_after else None,
             "wait_detail": _wait_detail(resume, kill),
         }],
         "steps_completed": final_step,
@@ -341,7 +345,8 @@ def print_report(report: dict[str, Any], out: Path, png: Path | None, ramdisk: P
           f"{f['steps_lost']} steps lost")
     print(f"  recovery   detect {s['detect']:.2f}s  wait {s['wait']:.2f}s  "
           f"restore {s['restore']:.2f}s  recompile {s['recompile']:.2f}s  "
-          f"total {s['total']:.2f}s")
+          f"total {s['total']:.2f}s; train step {f.get('executable')} "
+          f"({f.get('compile_s') or 0:.2f}s)")
     print(f"  training   {report['steps_completed']} steps, final loss "
           f"{report['final_loss']:.4f}, goodput {report['goodput']:.0%} "
           f"(no-failure reference: {report['reference_goodput']:.0%})")
@@ -369,6 +374,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=1e-6)
     p.add_argument("--ramdisk-root", type=Path, default=Path("/dev/shm"),
                    help="folder for mtc-demo-<pid> (a tmpfs)")
+    p.add_argument("--compile-cache", default=None,
+                   help="JAX persistent compilation cache the processes share (default: "
+                        "<out>/compile-cache, kept between runs; 'none': off)")
     args = p.parse_args(argv)
     if not 0 < args.kill_at < args.steps:
         p.error("need 0 < --kill-at < --steps")
@@ -383,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.json").unlink(missing_ok=True)
     root = args.ramdisk_root if args.ramdisk_root.is_dir() else Path("/tmp")
     ramdisk = root / f"mtc-demo-{os.getpid()}"
-    common = ["--steps", str(args.steps), "--seed", str(args.seed), "--model", args.model]
+    cache = args.compile_cache or str((out / "compile-cache").resolve())
+    common = ["--steps", str(args.steps), "--seed", str(args.seed), "--model", args.model,
+              "--compile-cache", "" if cache == "none" else cache]
     ckpt = [*common, "--ramdisk", str(ramdisk), "--save-interval", str(args.save_interval),
             "--max-to-keep", str(args.max_to_keep)]
     progress = Progress(args.steps)

@@ -24,16 +24,28 @@ Failure injection, real where it can be:
   real slice failure does, and the health check reports the slice down.
   ``--host-return-s`` later the host comes back: a new replicator over an empty
   RAM disk, devices healthy.
-- ``slice_loss`` (``--slice-loss-at STEP``): while STEP runs, every host of the
-  slice is lost the same way. It comes back after ``--slice-down-steps``
-  steps have run on the survivors.
+- ``slice_loss`` (``--slice-loss-at STEP[,STEP...]``): while STEP runs, every
+  host of the slice is lost the same way (once the survivors' step is compiled
+  ahead: the demo shows recovery in steady state). It comes back after
+  ``--slice-down-steps`` steps have run on the survivors.
 
 Every step also emits a snapshot of its new state (``trainer.snapshot``; off
 with ``--no-snapshot``), so a failure replays at most the step it interrupted.
 
+Every program runs as an ahead-of-time executable (:mod:`trainer.aot`). Once a
+mesh trains, a background thread compiles (XLA at lower OS priority) and warms
+up the step for every mesh replica resize can reach from it, ``--compile-ahead``
+slices fewer, and for the way back up, with the shardings those meshes have; so
+the first step after a slice loss runs a ready executable. JAX's persistent
+compilation cache (``--compile-cache``, by default in the cluster's folder)
+serves a restarted process. Each ``recovered`` entry says whether the first
+step's executable was ``ready``, ``cached`` or ``compiled``, and its seconds.
+
 Recovery policy, per elastic attempt: pathwaysutils waits for at least one
-healthy slice; then the trainer *pauses* up to ``--pause-timeout-s`` for the
-missing slices and otherwise *resizes* onto the healthy slices (new mesh). The
+healthy slice; then, when the cluster is replacing the missing slices' hosts,
+the trainer *pauses* up to ``--pause-timeout-s`` for them (woken the moment
+they are back, no polling); otherwise, or after that, it *resizes* onto the
+healthy slices (new mesh) at once. The
 state comes from the newest source: the snapshot of the last completed step,
 read from the surviving devices, unless mtc holds that same step; then, on
 the full mesh, through mtc, which asks the replicators to agree on a step and
@@ -41,7 +53,8 @@ fetch what a wiped host lacks from its peer (a snapshot newer than what mtc
 restored replaces it). Without a snapshot a resize reads the survivors' RAM
 disks, and a scale-up saves the last step there first and reads it back.
 While running on fewer slices, every step checks the Manager's
-``available_inactive_slices`` (filled by its monitor thread) and raises
+``available_inactive_slices`` (filled by its monitor thread, or at once by one
+health check when the cluster says hosts are back) and raises
 ``ScaleUpSignalError`` to come back onto every slice, again from the snapshot,
 losing no step.
 
@@ -59,6 +72,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -75,12 +89,13 @@ from pathwaysutils.elastic import manager as pw_manager
 
 import mtc
 from mtc import layout
+from trainer import aot
 from trainer.cluster import LocalCluster
 from trainer.data import VOCAB, make_iterator
 from trainer.faults import HostFaults
 from trainer.jsonlog import JsonLog
 from trainer.model import PRESETS, Config, State, Trainer, count_params
-from trainer.recovery import Recovery
+from trainer.recovery import Recovery, pause_seconds
 from trainer.reference import compare, reference_losses
 from trainer.snapshot import Retirer, Snapshot, take
 
@@ -105,6 +120,9 @@ class ElasticRun:
         self.pw = pw_manager.Manager(self.devices)
         self.cfg = Config.preset(args.model, vocab_size=len(VOCAB), total_steps=args.steps)
         self.trainers: dict[tuple[int, ...], Trainer] = {}
+        self._trainers_lock = threading.Lock()  # the loop and the compile-ahead thread
+        self.program = "snapshot" if args.snapshot else "step"
+        self.ahead = aot.AheadCompiler() if args.compile_ahead > 0 else None
         self.data = make_iterator(seq_len=self.cfg.seq_len, global_batch_size=args.batch_size,
                                   seed=args.seed)
         self.mgr: mtc.CheckpointManager | None = None
@@ -123,7 +141,8 @@ class ElasticRun:
         self.resized_steps = 0
         self.host_losses = sorted(args.host_loss_at)
         self.gc_frozen = False
-        self.slice_fault_done = args.slice_loss_at is None
+        self.slice_losses = sorted(args.slice_loss_at)
+        self.returns_seen = 0  # HostFaults.returns already acted on
 
     # -- topology -------------------------------------------------------------------
 
@@ -139,12 +158,33 @@ class ElasticRun:
 
     def trainer(self, slices: tuple[int, ...]) -> Trainer:
         """The compiled step for these slices (kept: coming back to a mesh costs no compile)."""
-        if slices not in self.trainers:
-            devs = [d for s in slices for d in self.slice_devices[s]]
-            mesh = Mesh(np.array(devs).reshape(len(slices), self.per_slice),
-                        ("replica", "model"))
-            self.trainers[slices] = Trainer(self.cfg, mesh)
-        return self.trainers[slices]
+        with self._trainers_lock:
+            if slices not in self.trainers:
+                devs = [d for s in slices for d in self.slice_devices[s]]
+                mesh = Mesh(np.array(devs).reshape(len(slices), self.per_slice),
+                            ("replica", "model"))
+                self.trainers[slices] = Trainer(self.cfg, mesh, batch_size=self.args.batch_size)
+            return self.trainers[slices]
+
+    def compile_ahead(self, slices: tuple[int, ...]) -> None:
+        """Queue the programs of every mesh replica resize can reach from ``slices``
+        (and back up) on the background compiler; drop queued ones no longer wanted."""
+        if self.ahead is None:
+            return
+        targets = aot.ahead_meshes(slices, self.cluster.slices, self.args.compile_ahead)
+        names = aot.names(targets)
+        self.ahead.retarget(names)
+        for m, name in zip(targets, names, strict=True):
+            def job(m: tuple[int, ...] = m) -> None:
+                t = self.trainer(m)
+                for program in (self.program, "wrap_rng"):
+                    if not t.ready(program):
+                        built = t.prepare(program, ahead=True, nice=self.args.compile_ahead_nice)
+                        warm = t.warm_up(program) if program != "wrap_rng" else 0.0
+                        self.log.write(event="compiled_ahead", slices=list(m), program=program,
+                                       source=built.source, seconds=built.seconds,
+                                       warm_up_s=warm)
+            self.ahead.submit(name, job)
 
     def local_dir(self, slices: tuple[int, ...]) -> Path:
         """mtc numbers simulated hosts from 0: a folder whose host-<i> are these slices' roots."""
@@ -215,12 +255,24 @@ class ElasticRun:
         self.log.write(event="fault", kind="host_loss", step=step, t=t, **detail)
         self.faults.bring_back([h], s, self.args.host_return_s)
 
-    def inject_slice_loss(self, step: int) -> None:
+    def wait_compiled_ahead(self, slices: tuple[int, ...], timeout: float = 300.0) -> float:
+        """Seconds waited until the compile-ahead job for ``slices`` has ended."""
+        if self.ahead is None or not slices:
+            return 0.0
+        t0 = time.perf_counter()
+        self.ahead.wait(aot.names([slices])[0], timeout)
+        waited = time.perf_counter() - t0
+        self.log.write(event="waited_for_compile_ahead", slices=list(slices), seconds=waited)
+        return waited
+
+    def inject_slice_loss(self, step: int, waited_for_compile_ahead: float = 0.0) -> None:
         s = self.args.lost_slice
         hosts = self.cluster.hosts_of_slice(s)
         t = time.time()
+        self.resized_steps = 0
         self._lose(hosts, s)
-        detail = {"slice": s, "hosts": hosts, "in_flight_step": step}
+        detail = {"slice": s, "hosts": hosts, "in_flight_step": step,
+                  "seconds_waited_for_compile_ahead": waited_for_compile_ahead}
         self.pending = Recovery("slice_loss", step - 1, t, detail)
         self.log.write(event="fault", kind="slice_loss", step=step - 1, t=t, **detail)
 
@@ -245,13 +297,15 @@ class ElasticRun:
         active = set(self.pw.active_slice_indices)
         rec = self.pending
         if rec is not None and len(active) < total and rec.kind != "scale_up":
-            # Pause: give the missing slices a moment before resizing without them.
-            try:
-                active = set(pw_elastic.wait_for_slices(
-                    slice_count=total, poll_interval=self.args.poll_s,
-                    timeout=self.args.pause_timeout_s, slice_to_devices=self.pw.slice_to_devices))
-            except TimeoutError:
-                pass
+            # Pause for the missing slices when a replacement is on its way (the
+            # cluster says so), woken when it is back; else resize at once.
+            missing = set(range(total)) - active
+            pause = pause_seconds(missing, self.faults.replacing_slices(),
+                                  self.args.pause_timeout_s, self.args.pause_policy)
+            if pause > 0 and self.faults.wait_back(missing, pause):
+                # Back, says the cluster: one health check confirms it.
+                active = set(pw_elastic.get_active_slice_indices(self.pw.slice_to_devices))
+            rec.detail["pause_s_at_most"] = pause
             self.pw.active_slice_indices = active
         slices = tuple(sorted(active))
         if rec is not None:
@@ -272,20 +326,26 @@ class ElasticRun:
         t0 = time.perf_counter()
         trainer = self.trainer(slices)
         mgr = self.new_manager(trainer, slices)
+        t_mgr = time.perf_counter()
         state = self.recover(trainer, mgr, rec, slices)
         jax.block_until_ready({k: state[k] for k in Trainer.ARRAYS})
         self.data.set_state(state["data"])
         if rec is not None:
             rec.t_restore_end = time.time()
+            # Where the restore stage went: the checkpoint manager for the mesh
+            # (the previous one's saves finished first), then the state itself.
+            rec.detail["restore_detail"] = {"checkpoint_manager_s": t_mgr - t0,
+                                            "state_s": time.perf_counter() - t_mgr}
             rec.resumed_from_step = state["step"]
             self.log.write(event="restored", kind=rec.kind, step=state["step"], tier=rec.tier,
                            seconds=time.perf_counter() - t0, slices=list(slices))
-            if rec.kind == "scale_up" and not any(
-                    layout.step_dir(mgr.local_dir / f"host-{h}", state["step"]).exists()
-                    for h in range(len(self.hosts_of(slices)))):
-                # A step every host holds again, for the replicators to copy.
-                mgr.save(state["step"], state, force=True)
-        self.train(trainer, mgr, state, slices)
+        # After a scale-up the returned hosts hold no step: save one every host
+        # holds again, for the replicators to copy, right after the first step
+        # (not before it: the save's staging and writes would slow that step).
+        resave = rec is not None and rec.kind == "scale_up" and not any(
+            layout.step_dir(mgr.local_dir / f"host-{h}", state["step"]).exists()
+            for h in range(len(self.hosts_of(slices))))
+        self.train(trainer, mgr, state, slices, resave=resave)
 
     def recover(self, trainer: Trainer, mgr: mtc.CheckpointManager, rec: Recovery | None,
                 slices: tuple[int, ...]) -> State:
@@ -358,13 +418,19 @@ class ElasticRun:
         return state
 
     def train(self, trainer: Trainer, mgr: mtc.CheckpointManager, state: State,
-              slices: tuple[int, ...]) -> None:
+              slices: tuple[int, ...], resave: bool = False) -> None:
         args = self.args
         total = self.cluster.slices
         times = self.step_times.setdefault(slices, [])
         first = True
+        built = trainer.built(self.program)
+        # Ready: in memory before the first step here needs it (built ahead, or
+        # by an earlier run on this mesh); otherwise that step builds it.
+        ready = aot.Use(aot.READY, built.seconds, built.ahead, 0.0) if built else None
         for step in range(state["step"] + 1, args.steps + 1):
-            if len(slices) < total and self.pw.available_inactive_slices:
+            # Not before this mesh's first step completed: that step closes the
+            # recovery that brought training here (its report entry).
+            if len(slices) < total and self.pending is None and self.scale_up_available(slices):
                 t = time.time()
                 self.pending = Recovery("scale_up", state["step"], self.faults.returned_t or t,
                                         {"slices": sorted(self.pw.available_inactive_slices)},
@@ -378,6 +444,15 @@ class ElasticRun:
                     self.last_saved = state["step"]
                 mgr.wait_until_finished()
                 raise pw_manager.ScaleUpSignalError()
+            waited = 0.0
+            slice_loss = bool(self.slice_losses) and step >= self.slice_losses[0] \
+                and self.pending is None and not self.faults.lost_slices \
+                and len(slices) == total
+            if slice_loss:
+                # The demo loses the slice in steady state: once what the resize
+                # needs is compiled ahead (training waits for it here, logged).
+                waited = self.wait_compiled_ahead(
+                    tuple(s for s in slices if s != args.lost_slice))
             t0 = time.perf_counter()
             batch = next(self.data)
             snap_arrays = None
@@ -386,9 +461,9 @@ class ElasticRun:
             else:
                 state, loss_arr = trainer.step(state, batch)
             state["data"] = self.data.get_state()
-            if not self.slice_fault_done and step == args.slice_loss_at:
-                self.slice_fault_done = True
-                self.inject_slice_loss(step)
+            if slice_loss:
+                self.slice_losses.pop(0)
+                self.inject_slice_loss(step, waited)
             loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
             t1 = time.perf_counter()
             if snap_arrays is not None:
@@ -410,9 +485,15 @@ class ElasticRun:
                            save_s=t3 - t2, saved=saved, slices=list(slices))
             rec = self.pending
             if rec is not None and rec.t_restore_end is not None:
-                self.finish_recovery(rec, t1 - t0)
+                self.finish_recovery(rec, t1 - t0, ready or trainer.uses.get(self.program))
                 self.pending = None
                 self.faults.stop_if_healthy()
+            if first:
+                if resave and not saved:
+                    saved = mgr.save(step, state, force=True)
+                    self.last_saved = step
+                # The mesh runs: build what the next resize (or the way back) needs.
+                self.compile_ahead(slices)
             if first and not self.gc_frozen:
                 # Everything built so far (JAX, the model, the compiled steps) lives
                 # as long as the run: keep it out of the collector's full passes,
@@ -431,9 +512,25 @@ class ElasticRun:
                 self.inject_host_loss(step)
         mgr.wait_until_finished()
 
-    def finish_recovery(self, rec: Recovery, first_step_s: float) -> None:
+    def scale_up_available(self, slices: tuple[int, ...]) -> bool:
+        """Whether inactive slices are healthy again: as pathwaysutils' monitor
+        thread found on its last poll, or, as soon as the cluster says lost
+        hosts are back, by one health check of the inactive slices right now."""
+        if self.pw.available_inactive_slices:
+            return True
+        if self.faults.returns == self.returns_seen:
+            return False
+        self.returns_seen = self.faults.returns
+        inactive = {i: self.pw.slice_to_devices[i]
+                    for i in range(self.cluster.slices) if i not in slices}
+        found = set(pw_elastic.get_active_slice_indices(inactive)) if inactive else set()
+        if found:
+            self.pw.available_inactive_slices = frozenset(found)
+        return bool(found)
+
+    def finish_recovery(self, rec: Recovery, first_step_s: float, use: aot.Use | None) -> None:
         times = self.step_times.get(rec.slices_after, [])
-        entry = rec.entry(first_step_s, statistics.median(times) if times else None)
+        entry = rec.entry(first_step_s, statistics.median(times) if times else None, use)
         self.recoveries.append(entry)
         self.log.write(event="recovered", **entry)
 
@@ -473,14 +570,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lost-host", type=int, default=1)
     p.add_argument("--host-return-s", type=float, default=1.5,
                    help="seconds until the lost host is back (empty)")
-    p.add_argument("--slice-loss-at", type=int, help="lose --lost-slice while this step runs")
+    p.add_argument("--slice-loss-at", type=_steps, default=[],
+                   help="lose --lost-slice while the first step at or after each of these "
+                        "(comma-separated) runs on every slice")
     p.add_argument("--lost-slice", type=int, default=1)
     p.add_argument("--slice-down-steps", type=int, default=25,
                    help="the lost slice comes back after this many steps on the survivors")
-    p.add_argument("--pause-timeout-s", type=float, default=3.0,
-                   help="how long to wait for missing slices before resizing without them")
+    p.add_argument("--pause-timeout-s", type=float, default=10.0,
+                   help="how long to wait for missing slices whose hosts are being replaced "
+                        "before resizing without them (woken when they are back)")
+    p.add_argument("--pause-policy", choices=("replacement", "always"), default="replacement",
+                   help="pause for missing slices only while the cluster replaces their hosts "
+                        "(replacement), or after every failure (always)")
     p.add_argument("--poll-s", type=float, default=0.2,
                    help="pathwaysutils health-check and monitor interval")
+    p.add_argument("--compile-ahead", type=int, default=1, metavar="N",
+                   help="compile the step ahead, in the background, for every mesh with up "
+                        "to N slices fewer than the one training runs on, and for the way "
+                        "back up (0: compile when needed)")
+    p.add_argument("--compile-ahead-nice", type=int, default=10, metavar="N",
+                   help="compile ahead at this much lower OS priority than the loop")
+    p.add_argument("--compile-cache", default="",
+                   help="JAX persistent compilation cache folder or URL (default: "
+                        "<cluster>/compile-cache; 'none': off)")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="no per-step in-memory snapshot (resize restores from mtc)")
     p.add_argument("--no-reference", dest="reference", action="store_false")
@@ -494,10 +606,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.raiseExceptions = True  # as pathwaysutils recommends
     jlog = JsonLog(args.log)
     jlog.write(event="start", pid=os.getpid())
+    cache = args.compile_cache or str(LocalCluster.load(args.cluster).compile_cache_dir())
+    cache_dir = aot.enable_cache(None if cache == "none" else cache)
     run = ElasticRun(args, jlog)
-    jlog.write(event="ready", slices=run.cluster.slices, devices=len(run.devices))
+    jlog.write(event="ready", slices=run.cluster.slices, devices=len(run.devices),
+               compile_cache=cache_dir, compile_ahead=args.compile_ahead)
     t0 = time.perf_counter()
-    run.run()
+    try:
+        run.run()
+    finally:
+        if run.ahead is not None:
+            run.ahead.close()
     if run.mgr is not None:
         run.mgr.close()
     if run.faults.returning is not None:

@@ -6,20 +6,25 @@ Run as ``python -m trainer.elastic_demo --out out/demo``. It:
    RAM-disk roots under ``/dev/shm/mtc-cluster-demo-<pid>``, one real
    ``mtc-replicator`` process per host, backups to a local folder;
 2. runs the elastic trainer (``trainer.elastic``, a 3.2M-parameter LM) on 8
-   CPU devices: it loses a host once a save is on its peer (replicator
+   CPU devices: twice it loses a host once a save is on its peer (replicator
    SIGKILLed, RAM disk wiped, the slice's devices raise DATA_LOSS), pauses
-   until the host is back empty and restores through mtc, the wiped host's
-   shards from its peer; then it loses a whole slice, continues on the other
-   from the per-step snapshot (replica resize), and scales back up when the
-   slice returns, losing no step (``--host-loss-at 0`` or ``--slice-loss-at 0``
-   leaves a failure out; ``--host-loss-when mid-save`` loses the host while
-   the save is being written);
+   until the host's replacement is back empty and restores through mtc, the
+   wiped host's shards from its peer; twice it loses a whole slice, continues
+   on the other at once from the per-step snapshot (replica resize) with the
+   one-slice step compiled ahead, and scales back up when the slice returns,
+   losing no step (``--host-loss-at 0`` or ``--slice-loss-at 0`` leaves a kind
+   of failure out; ``--host-loss-when mid-save`` loses the host while the save
+   is being written). JAX's compilation cache lives in ``<out>/compile-cache``:
+   a second run loads what the first compiled;
 3. backs the newest step up to the cluster's backup folder (``mtc backup``),
    shows every host's steps on every tier (``mtc status``), takes the cluster
    down, and prints the report: per failure the step at failure, the step
    resumed from, the tier, seconds to detect, wait, restore and recompile,
-   and steps lost; for the run steps completed, goodput, final loss, and
-   whether the loss curve equals an uninterrupted run on the same meshes.
+   steps lost, and whether the step's executable was ready (compiled ahead),
+   cached or compiled; per kind of failure the median and worst recovery; for
+   the run steps completed, goodput from launch and in steady state, final
+   loss, and whether the loss curve equals an uninterrupted run on the same
+   meshes.
 
 It writes ``report.json``, ``elastic.jsonl`` (the trainer's log),
 ``elastic.log`` (its output), ``cluster-status.txt`` and ``timeline.png`` into
@@ -60,6 +65,12 @@ PHASE = {
     "scale_up": "scaling up",
     "trained": "uninterrupted reference run",
 }
+
+
+STAGE_COLOR = {"detect": "tab:red", "wait": "tab:orange", "restore": "tab:blue",
+               "first_step": "tab:purple"}
+STAGE_LABEL = {"detect": "detect", "wait": "wait (pause for slices)", "restore": "restore",
+               "first_step": "first step (compile if not ready)"}
 
 
 class Follower:
@@ -157,6 +168,39 @@ def ideal_seconds(steps: Iterable[dict[str, Any]], records: list[dict[str, Any]]
     return sum(len(v) * statistics.median(v) for v in by_mesh.values())
 
 
+def steady_state(records: list[dict[str, Any]], t_end: float) -> dict[str, Any]:
+    """Goodput without the start-up and the reference run: the ideal time of the
+    final model's steps after the first, over the wall time from the end of the
+    first step to the end of training, less the time training was held on
+    purpose (the demo waits for a compile ahead before it loses a slice)."""
+    ordered = sorted(final_steps(records).values(), key=lambda r: r["t"])
+    if len(ordered) < 2:
+        return {"goodput": None, "definition": "too few steps", "seconds": None}
+    later = ordered[1:]
+    held = sum(r["seconds"] for r in records if r.get("event") == "waited_for_compile_ahead")
+    wall = t_end - ordered[0]["t"] - held
+    return {
+        "goodput": ideal_seconds(later, records) / wall if wall > 0 else None,
+        "definition": "ideal time of the final model's steps after the first (what the "
+                      "uninterrupted reference run took for each) / wall time from the end "
+                      "of the first step to the end of training, less the seconds the demo "
+                      "held training to let a compile ahead finish before a slice loss",
+        "seconds": {"wall": wall, "held_for_compile_ahead": held},
+    }
+
+
+def recovery_by_kind(failures: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per failure kind: how many, and the median and worst seconds to recover."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in dict.fromkeys(f["kind"] for f in failures):
+        totals = [f["seconds"]["total"] for f in failures if f["kind"] == kind]
+        out[kind] = {"count": len(totals), "median_s": statistics.median(totals),
+                     "worst_s": max(totals),
+                     "executables": sorted({str(f.get("executable")) for f in failures
+                                            if f["kind"] == kind})}
+    return out
+
+
 def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
                  t_launch: float) -> dict[str, Any]:
     ev = {r["event"]: r for r in records if "event" in r}
@@ -169,10 +213,13 @@ def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
                                "seconds", "steps_lost")}
         f["seconds"] = {k: r["seconds"][k] for k in ("detect", "wait", "restore",
                                                       "recompile", "total")}
+        f["executable"] = r.get("executable")
+        f["compile_s"] = r.get("compile_s")
         f["detail"] = {k: v for k, v in r.items() if k not in f and k != "t"}
         f["detail"]["first_step_seconds"] = r["seconds"]["first_step"]
         failures.append(f)
     t_end = ev["trained"]["t"]
+    steady = steady_state(records, t_end)
     ref = ev.get("reference")
     diff = ref["max_abs_diff"] if ref else None
     last = steps[max(steps)] if steps else None
@@ -180,6 +227,10 @@ def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
         "failures": failures,
         "steps_completed": max(steps) if steps else 0,
         "goodput": goodput(records, t_launch, t_end),
+        "goodput_steady_state": steady["goodput"],
+        "goodput_steady_state_definition": steady["definition"],
+        "steady_state_seconds": steady["seconds"],
+        "recovery_by_kind": recovery_by_kind(failures),
         "final_loss": last["loss"] if last else None,
         "loss_matches_reference": diff is not None and diff <= args.tolerance,
         "loss_max_abs_diff": diff,
@@ -229,29 +280,53 @@ def plot(out: Path, records: list[dict[str, Any]], report: dict[str, Any],
         counts[min(int(x), len(counts) - 1)] += 1
     ax2.step(edges[:-1], counts, where="post", color="tab:green", lw=1,
              label="steps completed per second")
-    resized = [r["t"] - t_launch for r in steps if len(r["slices"]) < 2]
-    if resized:
+    runs: list[tuple[float, float]] = []  # each stretch of steps on fewer slices
+    start: float | None = None
+    for prev, r in zip([None, *steps], steps, strict=False):
+        small = len(r["slices"]) < 2
+        if small and start is None:
+            start = r["t"] - t_launch - r["step_s"]
+        elif not small and start is not None and prev is not None:
+            runs.append((start, prev["t"] - t_launch))
+            start = None
+    if start is not None:
+        runs.append((start, steps[-1]["t"] - t_launch))
+    for i, run in enumerate(runs):
         for ax in (ax1, ax2):
-            ax.axvspan(min(resized), max(resized), color="tab:orange", alpha=0.12,
-                       label="on 1 slice (resized)" if ax is ax2 else None)
+            ax.axvspan(run[0], run[-1], color="tab:gray", alpha=0.12,
+                       label="on 1 slice (resized)" if ax is ax2 and i == 0 else None)
     ax2.set_ylabel("steps / s")
     ax2.set_xlabel("seconds since launch")
-    faults = [r for r in records if r.get("event") == "fault"]
+    # Each failure's stages, back to back from the failure to its first step.
     recovered = [r for r in records if r.get("event") == "recovered"]
-    scale = [r for r in records if r.get("event") == "scale_up"]
-    for f, rec in zip(faults, recovered, strict=False):
-        for ax in (ax1, ax2):
-            ax.axvspan(f["t"] - t_launch, rec["t"] - t_launch, color="tab:red", alpha=0.15)
-        ax1.annotate(f"{f['kind']}\nstep {rec['step_at_failure']} -> {rec['resumed_from_step']}"
-                     f" ({rec['tier']})", xy=(f["t"] - t_launch, 0.95),
-                     xycoords=("data", "axes fraction"), va="top", fontsize=8, color="tab:red")
-    for s in scale:
-        for ax in (ax1, ax2):
-            ax.axvline(s["t"] - t_launch, color="tab:purple", lw=1, ls="--")
-        ax1.annotate("scale up", xy=(s["t"] - t_launch, 0.6), xycoords=("data", "axes fraction"),
-                     fontsize=8, color="tab:purple")
+    seen: set[str] = set()
+    for w in (r for r in records if r.get("event") == "waited_for_compile_ahead"):
+        if w["seconds"] > 0.05:
+            for ax in (ax1, ax2):
+                ax.axvspan(w["t"] - t_launch - w["seconds"], w["t"] - t_launch, fc="0.92",
+                           hatch="//", ec="0.5", lw=0.5,
+                           label="held for a compile ahead (demo)" if ax is ax2 else None)
+    for n, rec in enumerate(recovered):
+        sec = rec["seconds"]
+        t = rec["t"] - t_launch - sec["total"]
+        for stage in ("detect", "wait", "restore", "first_step"):
+            width = sec[stage]
+            label = None if stage in seen else STAGE_LABEL[stage]
+            seen.add(stage)
+            for ax in (ax1, ax2):
+                ax.axvspan(t, t + width, color=STAGE_COLOR[stage], alpha=0.35, lw=0,
+                           label=label if ax is ax2 else None)
+            t += width
+        exe = rec.get("executable")
+        ax1.annotate(f"{rec['kind']}\nstep {rec['step_at_failure']} -> {rec['resumed_from_step']}"
+                     f" ({rec['tier']})\n{sec['total']:.2f}s" + (f", {exe}" if exe else ""),
+                     xy=(rec["t"] - t_launch - sec["total"], 0.97 - 0.2 * (n % 2)),
+                     xycoords=("data", "axes fraction"), va="top", fontsize=7,
+                     color="tab:purple" if rec["kind"] == "scale_up" else "tab:red")
+    steady = report.get("goodput_steady_state")
     ax1.set_title(f"mtc elastic demo: {report['steps_completed']} steps, goodput "
-                  f"{report['goodput']:.0%}")
+                  f"{report['goodput']:.0%} from launch"
+                  + (f", {steady:.1%} in steady state" if steady is not None else ""))
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
@@ -267,14 +342,24 @@ def print_report(report: dict[str, Any], out: Path, png: Path | None) -> None:
     print(f"\nmtc elastic demo: char LM ({cfg['params']:,} params), 2 slices x 4 CPU "
           f"devices, 4 simulated hosts with replicators")
     print(f"  {'failure':<11}{'at':>5}{'from':>6}  {'tier':<7}{'detect':>8}{'wait':>7}"
-          f"{'restore':>9}{'recompile':>10}{'total':>7}{'lost':>6}")
+          f"{'restore':>9}{'recompile':>10}{'total':>7}{'lost':>6}  executable")
     for f in report["failures"]:
         s = f["seconds"]
+        exe = f.get("executable") or "?"
+        ahead = f["detail"].get("executable_detail", {}).get("ahead")
+        if exe == "ready":
+            exe += f" (compiled ahead in {f['compile_s']:.1f}s)" if ahead else " (in memory)"
+        elif f.get("compile_s") is not None:
+            exe += f" ({f['compile_s']:.1f}s)"
         print(f"  {f['kind']:<11}{f['step_at_failure']:>5}{f['resumed_from_step']:>6}  "
               f"{f['tier']:<7}{s['detect']:>7.2f}s{s['wait']:>6.2f}s{s['restore']:>8.2f}s"
-              f"{s['recompile']:>9.2f}s{s['total']:>6.1f}s{f['steps_lost']:>6}")
+              f"{s['recompile']:>9.2f}s{s['total']:>6.2f}s{f['steps_lost']:>6}  {exe}")
+    for kind, k in report["recovery_by_kind"].items():
+        print(f"  {kind:<11}{k['count']}x: median {k['median_s']:.2f}s, worst {k['worst_s']:.2f}s")
+    steady = report["goodput_steady_state"]
     print(f"  training   {report['steps_completed']} steps, final loss "
-          f"{report['final_loss']:.4f}, goodput {report['goodput']:.0%} "
+          f"{report['final_loss']:.4f}, goodput {report['goodput']:.0%} from launch, "
+          f"{'n/a' if steady is None else f'{steady:.1%}'} in steady state "
           f"({report['wall_seconds']['training']:.1f}s)")
     d = report["loss_max_abs_diff"]
     print(f"  loss check {'PASS' if report['loss_matches_reference'] else 'FAIL'}: max |diff| "
@@ -290,28 +375,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-interval", type=int, default=5)
     p.add_argument("--model", choices=("small", "tiny"), default="small",
                    help="model preset: small (3.2M parameters) or tiny (0.4M)")
-    p.add_argument("--host-loss-at", type=int, default=40, help="0: no host loss")
+    p.add_argument("--host-loss-at", type=_steps, default=[30, 130],
+                   help="lose a host after the save of the first step at or after each of "
+                        "these (comma-separated; 0: no host loss)")
     p.add_argument("--host-loss-when", choices=("replicated", "mid-save"), default="replicated",
                    help="lose the host once that step's save is on its peer, or mid-save")
     p.add_argument("--lost-host", type=int, default=1)
     p.add_argument("--host-return-s", type=float, default=1.5)
-    p.add_argument("--slice-loss-at", type=int, default=80, help="0: no slice loss")
+    p.add_argument("--slice-loss-at", type=_steps, default=[55, 95],
+                   help="lose a slice at the first step at or after each of these "
+                        "(comma-separated; 0: no slice loss)")
     p.add_argument("--lost-slice", type=int, default=1)
-    p.add_argument("--slice-down-steps", type=int, default=30)
-    p.add_argument("--pause-timeout-s", type=float, default=3.0)
+    p.add_argument("--slice-down-steps", type=int, default=15)
+    p.add_argument("--pause-timeout-s", type=float, default=10.0,
+                   help="how long to pause for a host being replaced before resizing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=1e-6)
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="no per-step in-memory snapshot")
+    p.add_argument("--compile-ahead", type=int, default=1,
+                   help="the trainer's --compile-ahead (0: compile when a mesh is needed)")
+    p.add_argument("--compile-cache", default=None,
+                   help="JAX persistent compilation cache (default: <out>/compile-cache, kept "
+                        "between runs; 'none': off)")
     p.add_argument("--ramdisk-root", type=Path, default=Path("/dev/shm"),
                    help="folder for mtc-cluster-demo-<pid> (a tmpfs)")
     args = p.parse_args(argv)
     for name in ("host_loss_at", "slice_loss_at"):
-        if not 0 <= getattr(args, name) < args.steps:
+        steps = [s for s in getattr(args, name) if s]
+        if not all(0 < s < args.steps for s in steps):
             p.error(f"need 0 <= --{name.replace('_', '-')} < --steps")
-    if args.host_loss_at and args.slice_loss_at and args.host_loss_at >= args.slice_loss_at:
-        p.error("need --host-loss-at < --slice-loss-at (one failure at a time)")
+        setattr(args, name, steps)
     return args
+
+
+def _steps(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,11 +441,13 @@ def main(argv: list[str] | None = None) -> int:
                "--host-loss-when", args.host_loss_when, "--host-return-s", str(args.host_return_s),
                "--lost-slice", str(args.lost_slice),
                "--slice-down-steps", str(args.slice_down_steps),
-               "--pause-timeout-s", str(args.pause_timeout_s)]
+               "--pause-timeout-s", str(args.pause_timeout_s),
+               "--compile-ahead", str(args.compile_ahead),
+               "--compile-cache", args.compile_cache or str((out / "compile-cache").resolve())]
         if args.host_loss_at:
-            cmd += ["--host-loss-at", str(args.host_loss_at)]
+            cmd += ["--host-loss-at", ",".join(map(str, args.host_loss_at))]
         if args.slice_loss_at:
-            cmd += ["--slice-loss-at", str(args.slice_loss_at)]
+            cmd += ["--slice-loss-at", ",".join(map(str, args.slice_loss_at))]
         if not args.snapshot:
             cmd.append("--no-snapshot")
         t_launch = time.time()

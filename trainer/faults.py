@@ -87,6 +87,10 @@ class HostFaults:
         self.lost_slices: set[int] = set()
         self.returned_t: float | None = None  # when the last lost hosts were back
         self.returning: threading.Thread | None = None
+        # Guards lost_slices, replacing and returns; notified when hosts are back.
+        self.changed = threading.Condition()
+        self.replacing: set[int] = set()  # slices whose hosts are being replaced
+        self.returns = 0  # how many times lost hosts came back
 
     def devices_of(self, host: int) -> list[jax.Device]:
         return self.devices[host * self.per_host:(host + 1) * self.per_host]
@@ -100,13 +104,19 @@ class HostFaults:
         for h in hosts:
             for d in self.devices_of(h):
                 self.sim.mark_device_lost(d)
-        self.lost_slices.add(slice_)
+        with self.changed:
+            self.lost_slices.add(slice_)
 
     def bring_back(self, hosts: list[int], slice_: int, delay: float) -> None:
         """After ``delay`` seconds, in the background: new replicators over empty
-        RAM disks, then the devices healthy again."""
+        RAM disks, then the devices healthy again. From now until then the slice
+        counts as being replaced (:meth:`replacing_slices`); waiters on
+        :meth:`wait_back` are woken the moment it is back."""
+        with self.changed:
+            self.replacing.add(slice_)
+
         def run() -> None:
-            time.sleep(delay)
+            time.sleep(delay)  # the replacement's own start (simulated)
             for h in hosts:
                 self.cluster.restart_host(h, wait=False)
             for h in hosts:
@@ -116,12 +126,26 @@ class HostFaults:
                 for h in hosts:
                     for d in self.devices_of(h):
                         sim.mark_device_connected(d)
-            self.lost_slices.discard(slice_)
-            self.returned_t = time.time()
+            with self.changed:
+                self.lost_slices.discard(slice_)
+                self.replacing.discard(slice_)
+                self.returned_t = time.time()
+                self.returns += 1
+                self.changed.notify_all()
             self.log.write(event="returned", hosts=hosts, slice=slice_)
 
         self.returning = threading.Thread(target=run, name="host-return", daemon=True)
         self.returning.start()
+
+    def replacing_slices(self) -> set[int]:
+        with self.changed:
+            return set(self.replacing)
+
+    def wait_back(self, slices: set[int], timeout: float) -> bool:
+        """Wait (woken by the return, no polling) until none of ``slices`` is lost;
+        False after ``timeout`` seconds."""
+        with self.changed:
+            return self.changed.wait_for(lambda: not (self.lost_slices & slices), timeout)
 
     def stop_if_healthy(self) -> None:
         """Stop simulating once nothing is lost (the simulator patches JAX)."""

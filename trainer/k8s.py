@@ -51,6 +51,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="steps kept on the RAM disk (default: the replicators' --keep decides)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=32, help="global batch")
+    p.add_argument("--compile-cache", default=env.get("MTC_COMPILE_CACHE", ""),
+                   help="JAX persistent compilation cache folder, shared by restarted and "
+                        "replacement trainers (default: $MTC_COMPILE_CACHE; empty: off; on "
+                        "Pathways the servers keep their own)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
@@ -145,17 +149,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     import mtc
     from mtc.replicas import prepare_restore
     from sidecar.replicator.k8s import JobSetPlace
+    from trainer import aot
     from trainer.data import VOCAB, make_iterator
     from trainer.model import Config, Trainer, count_params
+
+    cache = aot.enable_cache(args.compile_cache or None) if mode != "pathways" else None
 
     place = JobSetPlace.from_env(worker=mode == "multi-controller")
     mesh = make_mesh(place.hosts_per_slice)
     num_slices = mesh.devices.shape[0]
     emit(event="start", mode=mode, devices=int(mesh.devices.size), slices=int(num_slices),
+         compile_cache=cache,
          process=jax.process_index(), processes=jax.process_count())
     cfg = Config(vocab_size=len(VOCAB), d_model=args.d_model, n_heads=args.heads,
                  n_layers=args.layers, d_ff=args.d_ff, total_steps=args.steps)
-    trainer = Trainer(cfg, mesh)
+    trainer = Trainer(cfg, mesh, batch_size=args.batch_size)
     mgr = mtc.CheckpointManager(
         args.ramdisk, mesh=mesh,
         options=mtc.Options(save_interval_steps=args.save_interval,

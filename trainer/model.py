@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import time
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -17,6 +20,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from trainer import aot
+
+# Captured at import: a trainer built while pathwaysutils' fault simulator has
+# ``jax.jit`` patched still gets a real jitted function (one that can be lowered
+# ahead of time). Failures are still detected where arrays are read.
+_jit = jax.jit
 
 Params = dict[str, Any]
 State = dict[str, Any]
@@ -179,13 +189,23 @@ class Trainer:
     ``state = {"params", "opt_state", "rng", "step": int, "data": {...}}``, where
     ``rng`` is split on every step (so it must be checkpointed for the run to
     continue exactly) and ``data`` is the input iterator's state.
+
+    Every program runs as an ahead-of-time ``Compiled`` executable (:mod:`trainer.aot`),
+    built on first use or earlier by :meth:`prepare` from any thread (a build
+    another thread has started is waited for, never repeated). :attr:`uses`
+    records, per program, whether its first run found it ready, cached or compiled.
+    Threads: :meth:`prepare` and :meth:`warm_up` may run on any thread (the
+    compile-ahead one); the step methods and :attr:`uses` belong to the loop.
+    ``_lock`` guards ``_builds``; ``_exe`` only ever gains entries.
     """
 
     ARRAYS = ("params", "opt_state", "rng")
+    PROGRAMS = ("step", "snapshot", "wrap_rng")
 
-    def __init__(self, cfg: Config, mesh: Mesh) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, *, batch_size: int = 16) -> None:
         self.cfg = cfg
         self.mesh = mesh
+        self.batch_size = batch_size
         self.optimizer = make_optimizer(cfg)
         self.batch_sharding = NamedSharding(mesh, P("replica"))
         shapes = jax.tree_util.tree_map(
@@ -195,10 +215,12 @@ class Trainer:
                           "rng": jax.eval_shape(jax.random.key, 0)}
         self.shardings = state_shardings(cfg, mesh, self._abstract)
         self._array_sh = {k: self.shardings[k] for k in self.ARRAYS}
-        self._step = jax.jit(
+        self.replicated = NamedSharding(mesh, P())
+        self._jitted: dict[str, Any] = {}
+        self._jitted["step"] = _jit(
             self._train_step,
             in_shardings=(self._array_sh, self.batch_sharding),
-            out_shardings=(self._array_sh, NamedSharding(mesh, P())),
+            out_shardings=(self._array_sh, self.replicated),
             donate_argnums=0)
         # The snapshot the step emits: its new state once more, in host memory
         # where the platform has it (on TPU and GPU the copy is a DMA inside the
@@ -211,11 +233,100 @@ class Trainer:
             "params": _with_kind(self.shardings["params"], kind),
             "opt_state": _with_kind(self.shardings["opt_state"], kind),
             "rng": _with_kind(self.shardings["rng"], kind)}
-        self._step_snap = jax.jit(
+        self._jitted["snapshot"] = _jit(
             self._train_step_snapshot,
             in_shardings=(self._array_sh, self.batch_sharding),
-            out_shardings=(self._array_sh, NamedSharding(mesh, P()), self.snapshot_shardings),
+            out_shardings=(self._array_sh, self.replicated, self.snapshot_shardings),
             donate_argnums=0)
+        # A restored key's data becomes a key on this mesh (a small program of its own).
+        self._key_data = jax.eval_shape(jax.random.key_data, self._abstract["rng"])
+        self._jitted["wrap_rng"] = _jit(jax.random.wrap_key_data, in_shardings=self.replicated,
+                                        out_shardings=self.shardings["rng"])
+        self._lock = threading.Lock()
+        self._builds: dict[str, Future[tuple[Any, aot.Built]]] = {}
+        self._exe: dict[str, Any] = {}  # the built executables, read lock-free by the loop
+        self.uses: dict[str, aot.Use] = {}
+
+    # -- executables ---------------------------------------------------------------
+
+    def _abstract_args(self, program: str) -> tuple[Any, ...]:
+        if program == "wrap_rng":
+            return (jax.ShapeDtypeStruct(self._key_data.shape, self._key_data.dtype,
+                                         sharding=self.replicated),)
+        arrays = {k: v for k, v in self.abstract_state().items() if k in self.ARRAYS}
+        batch = jax.ShapeDtypeStruct((self.batch_size, self.cfg.seq_len + 1), np.int32,
+                                     sharding=self.batch_sharding)
+        return arrays, batch
+
+    def prepare(self, program: str, *, ahead: bool = False, nice: int = 0) -> aot.Built:
+        """Build ``program``'s executable unless it is built or being built
+        (then wait for that build); returns how it was built. ``nice``: compile
+        at that much lower priority (see :func:`aot.lowered_priority`)."""
+        with self._lock:
+            fut = self._builds.get(program)
+            mine = fut is None
+            if fut is None:
+                fut = self._builds[program] = Future()
+        if mine:
+            try:
+                exe, built = aot.build(self._jitted[program], *self._abstract_args(program),
+                                       ahead=ahead, nice=nice)
+            except BaseException as e:
+                with self._lock:
+                    del self._builds[program]
+                fut.set_exception(e)
+                raise
+            self._exe[program] = exe
+            fut.set_result((exe, built))
+        return fut.result()[1]
+
+    def warm_up(self, program: str) -> float:
+        """Run ``program`` (prepared) once on zeros (inputs donated, outputs dropped):
+        an executable's first run on this platform costs more than the later ones
+        (first-touch memory, lazily set-up kernels), and that first run should
+        not be the first step after a failure. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        exe = self.executable(program) if program == "wrap_rng" else self._exe[program]
+
+        def zeros(a: jax.ShapeDtypeStruct) -> jax.Array:
+            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                return self.wrap_rng(jax.device_put(
+                    np.zeros(self._key_data.shape, self._key_data.dtype), self.replicated))
+            return jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
+
+        args = jax.tree_util.tree_map(zeros, self._abstract_args(program))
+        jax.block_until_ready(exe(*args))
+        return time.perf_counter() - t0
+
+    def built(self, program: str) -> aot.Built | None:
+        """How ``program`` was built, once it is."""
+        fut = self._builds.get(program)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        return fut.result()[1]
+
+    def ready(self, program: str) -> bool:
+        return program in self._exe
+
+    def executable(self, program: str) -> Any:
+        """The executable, built now if nothing built it before; the first call
+        records the :class:`aot.Use`."""
+        exe = self._exe.get(program)
+        if exe is not None and program in self.uses:
+            return exe
+        t0 = time.perf_counter()
+        was_ready = exe is not None
+        with self._lock:
+            pending = program in self._builds
+        built = self.prepare(program)
+        waited = time.perf_counter() - t0
+        if program not in self.uses:
+            source = aot.READY if was_ready or (pending and built.ahead) else built.source
+            self.uses[program] = aot.Use(source, built.seconds, built.ahead,
+                                         0.0 if was_ready else waited)
+        return self._exe[program]
+
+    # -- the programs --------------------------------------------------------------
 
     def _train_step(self, arrays: State, batch: jax.Array) -> tuple[State, jax.Array]:
         rng, dropout_key = jax.random.split(arrays["rng"])
@@ -235,9 +346,15 @@ class Trainer:
         """A fresh state, built on the host and placed onto the mesh."""
         params = init_params(self.cfg, seed)
         opt_state = jax.tree_util.tree_map(np.asarray, self.optimizer.init(params))
-        arrays = jax.device_put({"params": params, "opt_state": opt_state,
-                                 "rng": jax.random.key(seed)}, self._array_sh)
-        return {**arrays, "step": 0, "data": {"global_next_index": 0}}
+        arrays = jax.device_put({"params": params, "opt_state": opt_state},
+                                {k: self._array_sh[k] for k in ("params", "opt_state")})
+        key_data = jax.device_put(jax.random.key_data(jax.random.key(seed)), self.replicated)
+        rng = self.wrap_rng(key_data)
+        return {**arrays, "rng": rng, "step": 0, "data": {"global_next_index": 0}}
+
+    def wrap_rng(self, key_data: jax.Array) -> jax.Array:
+        """The PRNG key whose data ``key_data`` (replicated on this mesh) holds."""
+        return self.executable("wrap_rng")(key_data)
 
     def abstract_state(self) -> State:
         """The restore target: ShapeDtypeStructs with shardings, placeholders for values."""
@@ -246,10 +363,16 @@ class Trainer:
             self._abstract, self._array_sh)
         return {**target, "step": 0, "data": {"global_next_index": 0}}
 
+    def _batch(self, batch: Any) -> jax.Array:
+        if batch.shape[0] != self.batch_size:
+            raise ValueError(f"batch of {batch.shape[0]}, this trainer is built for "
+                             f"{self.batch_size}")
+        return jax.device_put(batch, self.batch_sharding)
+
     def step(self, state: State, batch: Any) -> tuple[State, jax.Array]:
         """One optimizer step on a host batch ``int32[B, T+1]``; donates ``state``'s arrays."""
         arrays = {k: state[k] for k in self.ARRAYS}
-        new, loss = self._step(arrays, jax.device_put(batch, self.batch_sharding))
+        new, loss = self.executable("step")(arrays, self._batch(batch))
         return {**new, "step": state["step"] + 1, "data": state["data"]}, loss
 
     def step_with_snapshot(self, state: State, batch: Any
@@ -257,7 +380,7 @@ class Trainer:
         """:meth:`step`, also returning a copy of the new arrays that no later step
         donates (``rng`` as its key data), placed per :attr:`snapshot_shardings`."""
         arrays = {k: state[k] for k in self.ARRAYS}
-        new, loss, snap = self._step_snap(arrays, jax.device_put(batch, self.batch_sharding))
+        new, loss, snap = self.executable("snapshot")(arrays, self._batch(batch))
         return {**new, "step": state["step"] + 1, "data": state["data"]}, loss, snap
 
 

@@ -5,7 +5,28 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Set
 from typing import Any
+
+from trainer.aot import READY, Use
+
+
+def pause_seconds(missing: Set[int], replacing: Set[int], timeout: float,
+                  policy: str = "replacement") -> float:
+    """How long to pause for the ``missing`` slices before resizing without them.
+
+    ``replacement``: the whole ``timeout`` when the cluster is replacing the
+    hosts of every missing slice (a restarted pod, a repaired node: back soon,
+    and resuming on the full mesh keeps the throughput), none otherwise (a slice
+    preempted or failed with nothing on its way: waiting only loses time).
+    ``always``: the timeout after every failure."""
+    if not missing:
+        return 0.0
+    if policy == "always":
+        return timeout
+    if policy != "replacement":
+        raise ValueError(f"unknown pause policy {policy!r}")
+    return timeout if set(missing) <= set(replacing) else 0.0
 
 
 @dataclasses.dataclass
@@ -24,18 +45,21 @@ class Recovery:
     tier: str | None = None
     slices_after: tuple[int, ...] = ()
 
-    def entry(self, first_step_s: float, typical_step_s: float | None) -> dict[str, Any]:
+    def entry(self, first_step_s: float, typical_step_s: float | None,
+              use: Use | None = None) -> dict[str, Any]:
         """The report's record of this recovery, now that its first step completed
-        in ``first_step_s`` (``typical_step_s``: the median step on the mesh, if known;
-        what the first step took beyond it is counted as recompilation)."""
+        in ``first_step_s``. ``use``: how that step got its executable; its
+        compile time on the recovery path (none when it was ready, but any wait
+        for a build still running ahead) is the ``recompile`` stage. Without it,
+        what the first step took beyond ``typical_step_s`` (the median step on
+        the mesh, if known) is counted as recompilation."""
         assert self.t_detect is not None and self.t_slices is not None
         assert self.t_restore_end is not None and self.resumed_from_step is not None
         seconds = {
             "detect": self.t_detect - self.t_fail,
             "wait": self.t_slices - self.t_detect,
             "restore": self.t_restore_end - self.t_slices,
-            "recompile": max(first_step_s - typical_step_s, 0.0)
-            if typical_step_s is not None else first_step_s,
+            "recompile": _recompile(first_step_s, typical_step_s, use),
             "first_step": first_step_s,
             "total": time.time() - self.t_fail,
         }
@@ -47,7 +71,19 @@ class Recovery:
             "seconds": seconds,
             "steps_lost": self.step_at_failure - self.resumed_from_step,
             "slices_after": list(self.slices_after),
-            "recompile_measured_against": "median step on this mesh"
-            if typical_step_s is not None else "first step on a new mesh (no typical step yet)",
+            "recompile_measured_against":
+                "the executable's compile time on the recovery path" if use is not None
+                else "median step on this mesh" if typical_step_s is not None
+                else "first step on a new mesh (no typical step yet)",
+            **({"executable": use.source, "compile_s": use.compile_s,
+                "executable_detail": use.as_dict()} if use is not None else {}),
             **self.detail,
         }
+
+
+def _recompile(first_step_s: float, typical_step_s: float | None, use: Use | None) -> float:
+    if use is not None:
+        return use.waited_s if use.source == READY else use.waited_s or use.compile_s
+    if typical_step_s is None:
+        return first_step_s
+    return max(first_step_s - typical_step_s, 0.0)

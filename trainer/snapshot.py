@@ -39,14 +39,22 @@ class Snapshot:
         return all(_covered(a, healthy) for a in jax.tree_util.tree_leaves(self.arrays))
 
     def restore(self, trainer: Trainer, healthy: Set[int]) -> State:
-        """The state on ``trainer``'s mesh, read only from the devices in ``healthy``."""
-        host = jax.tree_util.tree_map_with_path(
-            lambda path, a: _assemble(a, healthy, jax.tree_util.keystr(path)), self.arrays)
+        """The state on ``trainer``'s mesh, read only from the devices in ``healthy``.
+
+        Each target device gets its shard straight from a surviving replica of
+        that same shard (one device-to-device copy, preferring the replica on the
+        target device itself); only a target shard that no saved shard equals
+        (a mesh that splits the arrays differently) is assembled on the host from
+        the parts that overlap it. Nothing else goes through host memory.
+        """
         sh = trainer.shardings
-        arrays = jax.device_put({"params": host["params"], "opt_state": host["opt_state"]},
-                                {"params": sh["params"], "opt_state": sh["opt_state"]})
-        rng = jax.device_put(jax.random.wrap_key_data(host["rng"]), sh["rng"])
-        return {**arrays, "rng": rng, "step": self.step, "data": dict(self.data)}
+        placed = jax.tree_util.tree_map_with_path(
+            lambda path, a, s: _place(a, s, healthy, jax.tree_util.keystr(path)),
+            {"params": self.arrays["params"], "opt_state": self.arrays["opt_state"]},
+            {"params": sh["params"], "opt_state": sh["opt_state"]})
+        key_data = _place(self.arrays["rng"], trainer.replicated, healthy, "['rng']")
+        rng = trainer.wrap_rng(key_data)
+        return {**placed, "rng": rng, "step": self.step, "data": dict(self.data)}
 
 
 class Retirer:
@@ -83,21 +91,45 @@ def _covered(a: jax.Array, healthy: Set[int]) -> bool:
     return sum(int(np.prod([b - e for e, b in idx])) for idx in seen) == a.size
 
 
-def _assemble(a: jax.Array, healthy: Set[int], name: str) -> np.ndarray:
-    """The whole array from one replica of each shard on a healthy device."""
-    out = np.empty(a.shape, a.dtype)
-    seen: set[tuple[tuple[int, int], ...]] = set()
-    filled = 0
+def _place(a: jax.Array, sharding: jax.sharding.Sharding, healthy: Set[int],
+           name: str) -> jax.Array:
+    """``a`` laid out per ``sharding``, read only from shards on ``healthy`` devices."""
+    by_index: dict[tuple[tuple[int, int], ...], list[Any]] = {}
     for s in a.addressable_shards:
-        idx = _index(s, a.shape)
-        if s.device.id not in healthy or idx in seen:
+        if s.device.id in healthy:
+            by_index.setdefault(_index(s, a.shape), []).append(s)
+    pieces = []
+    for device, idx in sharding.addressable_devices_indices_map(a.shape).items():
+        want = tuple(sl.indices(n)[:2] for sl, n in zip(idx or (), a.shape, strict=True))
+        # The target's memory (the snapshot sits in host memory where there is one).
+        dst = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+        same = by_index.get(want)
+        if same:
+            src = next((s for s in same if s.device == device), same[0])
+            pieces.append(jax.device_put(src.data, dst))
+        else:
+            pieces.append(jax.device_put(_region(a, by_index, want, healthy, name), dst))
+    return jax.make_array_from_single_device_arrays(a.shape, sharding, pieces)
+
+
+def _region(a: jax.Array, by_index: dict[tuple[tuple[int, int], ...], list[Any]],
+            want: tuple[tuple[int, int], ...], healthy: Set[int], name: str) -> np.ndarray:
+    """The region ``want`` of ``a`` assembled on the host from the healthy shards
+    that overlap it (one replica of each)."""
+    shape = tuple(b - e for e, b in want)
+    out = np.empty(shape, a.dtype)
+    filled = 0
+    for idx, shards in by_index.items():
+        lo = [max(e, c) for (e, _), (c, _) in zip(want, idx, strict=True)]
+        hi = [min(b, d) for (_, b), (_, d) in zip(want, idx, strict=True)]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
             continue
-        seen.add(idx)
-        part = np.asarray(s.data)
-        out[s.index] = part
-        filled += part.size
-    if filled != a.size:  # shards of one replica are disjoint: a gap is a lost shard
+        part = np.asarray(shards[0].data)
+        out[tuple(slice(low - w, h - w) for low, h, (w, _) in zip(lo, hi, want, strict=True))] = \
+            part[tuple(slice(low - c, h - c) for low, h, (c, _) in zip(lo, hi, idx, strict=True))]
+        filled += int(np.prod([h - low for low, h in zip(lo, hi, strict=True)]))
+    if filled != int(np.prod(shape)):  # shards of one replica are disjoint: a gap is lost
         raise SnapshotLostError(f"snapshot leaf {name}: no surviving device holds some of its "
-                                f"shards (devices {sorted(healthy)} hold {filled} of {a.size} "
-                                "elements)")
+                                f"shards (devices {sorted(healthy)} hold {filled} of "
+                                f"{int(np.prod(shape))} elements of region {list(want)})")
     return out

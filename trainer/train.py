@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import mtc
+from trainer import aot
 from trainer.data import VOCAB, make_iterator
 from trainer.jsonlog import JsonLog
 from trainer.model import PRESETS, Config, Trainer, count_params
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--resume", action="store_true", help="restore mtc's latest step first")
+    p.add_argument("--compile-cache", default=os.environ.get("MTC_COMPILE_CACHE", ""),
+                   help="JAX persistent compilation cache folder or URL, shared by restarted "
+                        "processes (default: $MTC_COMPILE_CACHE; empty: off)")
     p.add_argument("--no-checkpoint", action="store_true",
                    help="train without mtc (the uninterrupted reference run)")
     args = p.parse_args(argv)
@@ -68,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = JsonLog(args.log)
     log.write(event="start", pid=os.getpid())
+    cache = aot.enable_cache(args.compile_cache or None)
 
     mesh = make_mesh()
     cfg = Config.preset(args.model, vocab_size=len(VOCAB), total_steps=args.steps)
-    trainer = Trainer(cfg, mesh)
+    trainer = Trainer(cfg, mesh, batch_size=args.batch_size)
     data = make_iterator(seq_len=cfg.seq_len, global_batch_size=args.batch_size, seed=args.seed)
     mgr = None
     if not args.no_checkpoint:
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             options=mtc.Options(save_interval_steps=args.save_interval,
                                 max_to_keep=args.max_to_keep,
                                 simulated_hosts=4, hosts_per_slice=2))
-    log.write(event="ready")
+    log.write(event="ready", compile_cache=cache)
 
     t0 = time.perf_counter()
     if args.resume:
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if mgr is not None:
             mgr.save(0, state)
 
+    logged_use = False
     for step in range(state["step"] + 1, args.steps + 1):
         t0 = time.perf_counter()
         batch = next(data)
@@ -111,7 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         saved = mgr.save(step, state) if mgr is not None else False
         t2 = time.perf_counter()
-        log.write(step=step, loss=loss, step_s=t1 - t0, save_s=t2 - t1, saved=saved)
+        first: dict[str, object] = {}
+        if not logged_use:
+            # The process's first step: its executable came from the cache or a compile.
+            use = trainer.uses["step"]
+            first = {"executable": use.source, "compile_s": use.compile_s}
+            logged_use = True
+        log.write(step=step, loss=loss, step_s=t1 - t0, save_s=t2 - t1, saved=saved, **first)
 
     t0 = time.perf_counter()
     if mgr is not None:

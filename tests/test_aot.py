@@ -1,0 +1,119 @@
+"""Compiling ahead: which meshes, when to pause, the background compiler, where an
+executable came from (XLA or the persistent cache)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainer import aot
+from trainer.recovery import pause_seconds
+
+
+@pytest.mark.parametrize(("active", "total", "depth", "want"), [
+    ((0, 1), 2, 1, [(0,), (1,)]),
+    ((0, 1), 2, 0, []),
+    ((0, 1), 2, 5, [(0,), (1,)]),  # never fewer than one slice
+    ((0,), 2, 1, [(0, 1)]),  # the way back up
+    ((1,), 2, 1, [(0, 1)]),
+    ((0, 1, 2, 3), 4, 1, [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)]),
+    ((0, 2), 4, 1, [(0,), (2,), (0, 1, 2, 3), (0, 1, 2), (0, 2, 3)]),
+    ((0, 1, 2), 3, 2, [(0, 1), (0, 2), (1, 2), (0,), (1,), (2,)]),
+])
+def test_ahead_meshes(active: tuple[int, ...], total: int, depth: int,
+                      want: list[tuple[int, ...]]) -> None:
+    assert aot.ahead_meshes(active, total, depth) == want
+
+
+@pytest.mark.parametrize(("missing", "replacing", "policy", "want"), [
+    ({1}, {1}, "replacement", 3.0),  # a host being replaced: pause for it
+    ({1}, set(), "replacement", 0.0),  # nothing on its way: resize at once
+    ({0, 1}, {1}, "replacement", 0.0),
+    (set(), set(), "replacement", 0.0),
+    ({1}, set(), "always", 3.0),
+])
+def test_pause_seconds(missing: set[int], replacing: set[int], policy: str,
+                       want: float) -> None:
+    assert pause_seconds(missing, replacing, 3.0, policy) == want
+
+
+def test_pause_policy_is_checked() -> None:
+    with pytest.raises(ValueError, match="unknown pause policy"):
+        pause_seconds({1}, {1}, 3.0, "sometimes")
+
+
+def test_ahead_compiler_runs_in_order_skips_retargeted_and_joins() -> None:
+    ran: list[str] = []
+    gate = threading.Event()
+    c = aot.AheadCompiler()
+    try:
+        assert c.submit("a", lambda: (gate.wait(10), ran.append("a")))
+        assert not c.submit("a", lambda: ran.append("again"))  # queued already
+        assert c.submit("b", lambda: ran.append("b"))
+        assert c.submit("c", lambda: ran.append("c"))
+        c.retarget(["a", "c"])  # b is no longer reachable
+        assert not c.wait("c", 0.05)  # still behind a
+        assert c.wait("never-submitted", 0.0)
+        gate.set()
+        assert c.wait("c", 10) and c.wait("b", 10)
+        assert ran == ["a", "c"] and c.done == ["a", "c"]
+        assert not c.submit("a", lambda: ran.append("again"))  # built: nothing to redo
+        assert c.submit("b", lambda: ran.append("b")) is True  # skipped before: may come back
+        c.retarget(["a", "b", "c"])
+        assert c.submit("d", lambda: 1 / 0)
+        assert c.wait("b", 10) and ran == ["a", "c", "b"]
+        assert c.wait("d", 10) and c.failed == []  # not wanted: skipped, never run
+        c.retarget(["d"])
+        assert c.submit("d", lambda: 1 / 0)
+        assert c.wait("d", 10) and c.failed == ["d"]
+    finally:
+        c.close(timeout=10)
+    assert not c._thread.is_alive()
+
+
+def test_lowered_priority_puts_the_thread_back() -> None:
+    import os
+
+    tid = threading.get_native_id()
+    base = os.getpriority(os.PRIO_PROCESS, tid)
+    seen: list[int] = []
+    with aot.lowered_priority(5):
+        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+    assert seen == [min(base + 5, 19)]
+    after = os.getpriority(os.PRIO_PROCESS, tid)
+    assert after == base or os.geteuid() != 0  # only root may always go back up
+
+
+def test_build_reports_compiled_then_cached_from_the_persistent_cache(
+        tmp_path: Path, mesh: Mesh) -> None:
+    """A new jitted function (as in a restarted process, after the in-memory caches
+    are cleared) finds the executable the first build wrote to the cache folder."""
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        assert aot.enable_cache(tmp_path / "cache") == str(tmp_path / "cache")
+        sh = NamedSharding(mesh, P("replica", "model"))
+        arg = jax.ShapeDtypeStruct((16, 16), np.float32, sharding=sh)
+
+        def program() -> object:
+            return jax.jit(lambda x: jnp.tanh(x) * 3.0 + x.sum(), out_shardings=sh)
+
+        exe, built = aot.build(program(), arg)
+        assert built.source == aot.COMPILED and not built.ahead and built.seconds > 0
+        assert any((tmp_path / "cache").iterdir())
+        jax.clear_caches()
+        exe2, built2 = aot.build(program(), arg, ahead=True)
+        assert built2.source == aot.CACHED and built2.ahead
+        x = jax.device_put(np.arange(256, dtype=np.float32).reshape(16, 16), sh)
+        np.testing.assert_array_equal(np.asarray(exe(x)), np.asarray(exe2(x)))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
