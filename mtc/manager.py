@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from mtc import layout, multihost
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch
 from mtc.errors import (
     ConfigError,
+    CorruptShardError,
     MtcError,
     ShardUnavailableError,
     StepExistsError,
@@ -226,6 +228,8 @@ class CheckpointManager:
         numpy arrays in nested dicts and lists.
         """
         self.wait_until_finished()
+        start = time.monotonic()
+        requested = step
         self.last_restore_tiers = {h: "local" for h in self.topology.local_hosts}
         if step is None and self.options.replicators:
             step = self._prepare_with_replicators()
@@ -239,6 +243,25 @@ class CheckpointManager:
             result = self._restore_step(step, target)
         except MtcError as e:
             error = e
+        # A shard that failed verification while loading was quarantined by the
+        # host that read it; its replicator fetches a verified copy from another
+        # holder when asked to prepare again. Once, within the restore timeout,
+        # and every process together (the replicators agree again).
+        if self.options.replicators and multihost.any_process(
+                isinstance(error, CorruptShardError)):
+            left = self.options.restore_timeout_s - (time.monotonic() - start)
+            log.warning("restore of step %d found a corrupt shard (%s); healing through "
+                        "the replicators (%.0fs left)", step, error, left)
+            if left > 0:
+                try:
+                    healed = self._prepare_with_replicators(timeout_s=left)
+                    if healed is None or (requested is not None and healed != requested):
+                        raise StepNotFoundError(f"after healing, the replicators agree on "
+                                                f"step {healed}", step=requested)
+                    step, error = healed, None
+                    result = self._restore_step(step, target)
+                except MtcError as e:
+                    error = e
         # Every process fails together, or none: a process that restored while
         # another could not would deadlock the job at its next collective.
         if multihost.any_process(error is not None) and error is None:
@@ -266,17 +289,25 @@ class CheckpointManager:
         saved = load_step(step, [h for h in holders if h < n], self._config.root)
         return restore_tree(saved, target, self.topology, self._dispatch, self._config.root)
 
-    def _prepare_with_replicators(self) -> int | None:
-        """Have each local host's replicator agree on a step and make its data local."""
+    def _prepare_with_replicators(self, timeout_s: float | None = None) -> int | None:
+        """Have each local host's replicator agree on a step and make its data local
+        (verified, bad files healed from other holders)."""
         from mtc.replicas import prepare_restore
+        from sidecar.replicator.client import PeerError
 
         addrs = self.options.replicators or ()
         if len(addrs) != self.topology.num_hosts:
             raise ConfigError(f"{len(addrs)} replicator addresses for "
                               f"{self.topology.num_hosts} hosts")
         local = [addrs[h] for h in self.topology.local_hosts]
-        prepared = prepare_restore(local, token=self.options.replicator_token,
-                                   timeout_s=self.options.restore_timeout_s)
+        try:
+            prepared = prepare_restore(local, token=self.options.replicator_token,
+                                       timeout_s=timeout_s or self.options.restore_timeout_s)
+        except PeerError as e:
+            if e.code is not None and e.code.name == "DATA_LOSS":
+                # No good copy of a file on any holder: the replicator named it.
+                raise CorruptShardError(str(e), host=e.host) from e
+            raise
         self.last_restore_tiers = {h: prepared.tiers[addrs[h]] for h in self.topology.local_hosts}
         return prepared.step
 

@@ -31,16 +31,18 @@ class InventoryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps")
+    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "quarantined_files")
     RANK_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NEWEST_BACKED_UP_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKED_UP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FILES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     copies: _containers.RepeatedCompositeFieldContainer[StepCopy]
     newest_backed_up_step: int
     backed_up_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    quarantined_files: int
+    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., quarantined_files: _Optional[int] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
     __slots__ = ("copy",)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import shutil
 import threading
 import time
@@ -32,6 +31,7 @@ from sidecar.replicator.store import (
     CHUNK,
     FileMeta,
     UnsafePathError,
+    copy_verified,
     file_sha256,
     inside,
     safe_relpath,
@@ -150,10 +150,15 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 raise ValueError(f"{rel!r} was not offered as a candidate")
             dst = inside(t.tmp, rel)
             dst.parent.mkdir(parents=True, exist_ok=True)
+            meta = t.files[rel]
+            dst.unlink(missing_ok=True)
+            # A verified copy, not a hard link: one inode for two copies would let
+            # bytes damaged in place damage both.
             try:
-                os.link(src, dst)  # same RAM disk: the bytes are shared, not copied
-            except FileExistsError:
-                pass
+                copy_verified(src, dst, meta.size, meta.crc32c)
+            except CorruptShardError as e:
+                self.node.store.quarantine_file(src, str(e))
+                raise
             with t.lock:
                 t.verified.add(rel)
             linked.append(rel)
@@ -302,8 +307,10 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             store = self.node.store
             staged = self.node.restoring.get(req.step)
             if (req.origin_rank, req.step) in store.copies():
-                path = inside(store.copy_dir(req.origin_rank, req.step), rel)
-            elif req.origin_rank == self.node.rank and staged and rel in staged[1]:
+                # Checked as it is read: a file that fails is quarantined, never sent whole.
+                yield from store.stream_verified(req.origin_rank, req.step, rel, req.offset)
+                return
+            if req.origin_rank == self.node.rank and staged and rel in staged[1]:
                 path = inside(staged[0], rel)  # verified, from a restore in progress
             elif req.origin_rank == self.node.rank and staged:
                 raise StepNotFoundError("not read from the backup yet", step=req.step,
