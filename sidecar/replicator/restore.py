@@ -94,7 +94,7 @@ class RestoreDuties:
                         step, len(bad), bad[0].path)
             tmp = self.store.begin_incoming(self.rank, step)
             try:
-                tiers = self._fetch_all(step, invs, bad, tmp)
+                tiers = self._fetch_all(step, self.rank, invs, bad, tmp)
                 self.store.repair(self.rank, step, {f.path: tmp / f.path for f in bad})
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -111,7 +111,7 @@ class RestoreDuties:
         try:
             if sources:
                 files = [FileMeta(f.path, f.size, f.crc32c) for f in sources[0][1].files]
-                tiers = self._fetch_all(step, invs, files, tmp)
+                tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp)
                 tier = "backup" if "backup" in tiers else "peer"
             elif self.backup is not None and step in self.backup.refresh():
                 files = self._from_backup(step, invs, tmp)
@@ -125,10 +125,11 @@ class RestoreDuties:
             raise
         return tier
 
-    def _fetch_all(self, step: int, invs: dict[int, pb.Inventory], files: list[FileMeta],
-                   tmp: Path) -> set[str]:
-        """Fetch ``files`` of this rank's ``step`` into ``tmp``; the tiers used."""
-        sources = heal_sources(self.rank, step, self.config.equivalent(self.rank), invs)
+    def _fetch_all(self, step: int, origin: int, invs: dict[int, pb.Inventory],
+                   files: list[FileMeta], tmp: Path) -> set[str]:
+        """Fetch ``files`` (of ``origin``'s copy of ``step``, this rank's data or a
+        stand-in for it) into ``tmp``; returns the tiers used."""
+        sources = heal_sources(self.rank, step, origin, files, invs)
         futs = [self._pool.submit(self._fetch,
                                   fetch_order(self.rank, *sources.get(f.path, ([], [])), i),
                                   step, f, tmp)
@@ -167,27 +168,24 @@ class RestoreDuties:
                                 step=step, host=self.rank, path=f.path)
 
 
-def heal_sources(rank: int, step: int, equivalent: list[int], invs: dict[int, pb.Inventory]
+def heal_sources(rank: int, step: int, origin: int, files: list[FileMeta],
+                 invs: dict[int, pb.Inventory]
                  ) -> dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
-    """Per file of ``rank``'s ``step``, where to fetch it: ``(holder, origin)`` pairs
-    in two groups. First the copies of this rank's data (or of the ranks that
-    can stand in for it, Orbax's peer group), except this host's own copy (the
-    one being healed); then "twins": copies of other ranks' data of the same
-    step holding a file with the same path, size and CRC32C (the same shard of
-    a data-parallel leaf, saved by another replica). A pure function."""
-    wanted: dict[str, tuple[int, int]] = {}
-    for _, inv in sorted(invs.items()):
-        for c in inv.copies:
-            if c.step == step and c.origin_rank in equivalent:
-                for f in c.files:
-                    wanted.setdefault(f.path, (f.size, f.crc32c))
+    """Per wanted file (of ``origin``'s copy of ``step``, which ``rank`` restores),
+    where to fetch it: ``(holder, origin)`` pairs, in two groups, of copies
+    holding a file with the same path, size and CRC32C. First the copies of
+    ``origin``'s data, except this host's own data (the copy being healed); then
+    "twins": copies of other ranks' data of the same step (the same shard of a
+    data-parallel leaf saved by another replica, or an Orbax peer's), tried only
+    when every copy of ``origin``'s has failed. Pure."""
+    wanted = {f.path: (f.size, f.crc32c) for f in files}
     own: dict[str, list[tuple[int, int]]] = {}
     twins: dict[str, list[tuple[int, int]]] = {}
     for holder, inv in sorted(invs.items()):
         for c in inv.copies:
             if c.step != step or (holder == rank and c.origin_rank == rank):
                 continue
-            group = own if c.origin_rank in equivalent else twins
+            group = own if c.origin_rank == origin else twins
             for f in c.files:
                 if wanted.get(f.path) == (f.size, f.crc32c):
                     group.setdefault(f.path, []).append((holder, c.origin_rank))
