@@ -73,14 +73,14 @@ class Node(BackupDuties, RestoreDuties):
     def inventory(self) -> pb.Inventory:
         backed = self.backup.backed_up_steps() if self.backup else []
         inv = pb.Inventory(rank=self.rank, newest_backed_up_step=backed[-1] if backed else -1,
-                           backed_up_steps=backed,
-                           quarantined_files=self.store.quarantined_total)
+                           backed_up_steps=backed)
         # Only copies whose bytes check out (cached per file): what agreement
         # decides on has been verified, not just listed.
         for origin, step, files in self.store.verified_copies():
             c = inv.copies.add(step=step, origin_rank=origin)
             for f in files:
                 c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
+        inv.quarantined_files = self.store.quarantined_total
         return inv
 
     # -- replication ----------------------------------------------------------------
