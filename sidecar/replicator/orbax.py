@@ -58,6 +58,8 @@ class ClientRequest:
 def parse_request(text: str) -> ClientRequest:
     try:
         d: dict[str, Any] = yaml.safe_load(text) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"not a mapping: {type(d).__name__}")
         if d.get("framework", "orbax") != "orbax":
             raise ConfigError(f"framework {d.get('framework')!r} is not supported")
         req = ClientRequest(
@@ -68,8 +70,8 @@ def parse_request(text: str) -> ClientRequest:
                                      if "backup-interval-minutes" in d else None),
             backup_interval_steps=(int(d["backup-interval-steps"])
                                    if "backup-interval-steps" in d else None))
-    except (KeyError, TypeError, ValueError, yaml.YAMLError) as e:
-        raise ConfigError(f"malformed {YAML_NAME}: {e}") from e
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError, yaml.YAMLError) as e:
+        raise ConfigError(f"malformed {YAML_NAME}: {e!r}"[:500]) from e
     if not 0 <= req.rank < req.nodes or req.nodes % req.num_slices:
         raise ConfigError(f"{YAML_NAME}: rank {req.rank} of {req.nodes} nodes with "
                           f"{req.num_slices} slices is inconsistent")
