@@ -26,6 +26,7 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
+from sidecar.replicator.decode_guard import DecodeGuard
 from sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
 from sidecar.replicator.store import (
     CHUNK,
@@ -338,7 +339,9 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 16
           ) -> tuple[grpc.Server, int, ReplicatorServicer]:
     """Start the server; returns it, the bound port and the servicer."""
     check_listen_address(listen, creds)
-    interceptors = [TokenInterceptor(creds.token)] if creds.token else []
+    interceptors: list[grpc.ServerInterceptor] = (
+        [TokenInterceptor(creds.token)] if creds.token else [])
+    interceptors.append(DecodeGuard())  # malformed protobufs: INVALID_ARGUMENT
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          interceptors=interceptors,
                          options=[*CHANNEL_OPTIONS[:2],
