@@ -164,9 +164,11 @@ def test_marker_name_is_what_the_client_parses(job: str, step: int, rank: int) -
 # -- backup listings and manifests from a bucket (the local/file backend) -------------
 
 
-@given(st.lists(st.tuples(st.sampled_from(["steps/1/MANIFEST.json", "steps/x/MANIFEST.json",
-                                            "steps/2/data/0/a", "steps/3", "staging/4-x/MANIFEST.json",
-                                            "steps/5/MANIFEST.json/extra"]),
+KEYS = ["steps/1/MANIFEST.json", "steps/x/MANIFEST.json", "steps/2/data/0/a", "steps/3",
+        "staging/4-x/MANIFEST.json", "steps/5/MANIFEST.json/extra"]
+
+
+@given(st.lists(st.tuples(st.sampled_from(KEYS),
                           st.binary(max_size=40)), max_size=6),
        st.one_of(json_any, st.just({"format": "mtc-backup", "version": 1,
                                     "ranks": {"0": [{"path": "../x", "size": 1, "crc32c": 1,

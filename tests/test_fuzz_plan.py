@@ -6,7 +6,6 @@ and reading the plan from real files gives exactly the saved values."""
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import fuzzing  # noqa: F401  (hypothesis profiles)
 import jax
@@ -57,7 +56,7 @@ def cases(draw: st.DrawFn) -> tuple[Mesh, P, tuple[int, ...], list[tuple[Index, 
         inner = sorted(draw(st.sets(st.integers(1, n - 1), max_size=2))) if n > 1 else []
         cuts.append([0, *inner, n])
     blocks = []
-    for combo in itertools.product(*[list(zip(c, c[1:], strict=False)) for c in cuts]):
+    for combo in itertools.product(*[list(itertools.pairwise(c)) for c in cuts]):
         hosts = draw(st.lists(st.integers(0, 3), min_size=1, max_size=2, unique=True))
         blocks.append((tuple(combo), hosts))
     return mesh, P(*spec), tuple(shape), blocks
