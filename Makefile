@@ -46,6 +46,7 @@ bench: $(STAMP)
 	mkdir -p out/bench
 	$(PY) bench/save_restore.py | tee out/bench/save_restore.json
 	$(PY) bench/replicator.py | tee out/bench/replicator.json
+	$(PY) bench/dedup.py | tee out/bench/dedup.json
 	$(PY) bench/backup.py | tee out/bench/backup.json
 	$(PY) bench/recovery.py | tee out/bench/recovery.json
 

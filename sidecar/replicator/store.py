@@ -379,6 +379,9 @@ class LocalStore:
                 return self._described[key]
         if origin == self.rank and (self.root / str(step)).is_dir():
             files = describe_own(self.root / str(step))
+            if not (self.root / str(step) / MANIFEST_NAME).is_file():
+                for f in files:  # described by reading them: checked already
+                    self.note_verified(self.root / str(step) / f.path, f)
         else:
             raw = json.loads(self._descriptor(origin, step).read_text())
             files = [FileMeta(p, int(s), int(c)) for p, s, c in raw]
