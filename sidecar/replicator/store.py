@@ -169,7 +169,9 @@ class LocalStore:
         self.rank = rank
         self.replicas = root / REPLICA_DIR
         self._lock = threading.Lock()
-        self._described: dict[tuple[int, int], list[FileMeta]] = {}
+        # (origin, step) -> (inode of the copy's folder, its files): a folder saved
+        # again under the same number is a different folder, described anew.
+        self._described: dict[tuple[int, int], tuple[int, list[FileMeta]]] = {}
         # path -> ((inode, size, mtime_ns), crc32c): files already read and checked.
         self._crcs: dict[str, tuple[tuple[int, int, int], int]] = {}
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
@@ -314,7 +316,12 @@ class LocalStore:
         """Every copy held here whose files all check out, with its file list: what
         an inventory may offer. Bad files found on the way are quarantined."""
         out = []
-        for origin, step in self.copies():
+        with self._lock:
+            damaged = set(self._damaged)
+        # Damaged copies too: one whose folder was replaced (a step saved again under
+        # the same number) or repaired checks out again and counts again.
+        held = set(self.copies()) | {(o, s) for o, s in damaged if self.copy_dir(o, s).is_dir()}
+        for origin, step in sorted(held):
             try:
                 files = self.describe(origin, step)
                 if self.verify(origin, step):
@@ -374,9 +381,11 @@ class LocalStore:
 
     def describe(self, origin: int, step: int) -> list[FileMeta]:
         key = (origin, step)
+        ino = os.stat(self.copy_dir(origin, step)).st_ino
         with self._lock:
-            if key in self._described:
-                return self._described[key]
+            hit = self._described.get(key)
+            if hit is not None and hit[0] == ino:
+                return hit[1]
         if origin == self.rank and (self.root / str(step)).is_dir():
             files = describe_own(self.root / str(step))
             if not (self.root / str(step) / MANIFEST_NAME).is_file():
@@ -386,7 +395,7 @@ class LocalStore:
             raw = json.loads(self._descriptor(origin, step).read_text())
             files = [FileMeta(p, int(s), int(c)) for p, s, c in raw]
         with self._lock:
-            self._described[key] = files
+            self._described[key] = (ino, files)
         return files
 
     def find_identical(self, metas: Sequence[FileMeta]) -> dict[str, Path]:
@@ -430,7 +439,7 @@ class LocalStore:
         os.replace(tmp_desc, desc)
         os.rename(tmp, final)
         with self._lock:
-            self._described[(origin, step)] = files
+            self._described[(origin, step)] = (os.stat(final).st_ino, files)
             self._damaged.discard((origin, step))
         for f in files:  # every file was verified on arrival
             self.note_verified(final / f.path, f)
@@ -446,7 +455,8 @@ class LocalStore:
                                             host=self.rank, path=str(p))
             layout.commit(tmp, self.root / str(step))
             with self._lock:
-                self._described[(self.rank, step)] = files
+                self._described[(self.rank, step)] = (
+                    os.stat(self.root / str(step)).st_ino, files)
                 self._damaged.discard((self.rank, step))
             for f in files:
                 self.note_verified(self.root / str(step) / f.path, f)
@@ -467,7 +477,7 @@ class LocalStore:
         os.replace(desc.with_suffix(".tmp"), desc)
         os.rename(src, d / str(step))
         with self._lock:
-            self._described[(self.rank, step)] = files
+            self._described[(self.rank, step)] = (os.stat(d / str(step)).st_ino, files)
 
     def remove_copy(self, origin: int, step: int) -> None:
         in_root = self.root / str(step)
