@@ -200,3 +200,40 @@ def test_damage_on_every_holder_is_a_typed_error(ramdisk: Path, mesh: Mesh,
     assert "no good copy" in str(err.value), err.value
     assert cl.scrape(2)[QUARANTINED] == 1
     assert np.asarray(states[6]["own"]).size  # the state itself was fine
+
+
+# -- the source order, a pure function ---------------------------------------------------
+
+
+def _inv(rank: int, copies: list[tuple[int, int, list[tuple[str, int, int]]]]) -> object:
+    from mtc.proto import replicator_pb2 as pb
+
+    inv = pb.Inventory(rank=rank)
+    for origin, step, files in copies:
+        c = inv.copies.add(step=step, origin_rank=origin)
+        for p, n, crc in files:
+            c.files.add(path=p, size=n, crc32c=crc)
+    return inv
+
+
+def test_heal_sources_and_order() -> None:
+    from sidecar.replicator.restore import fetch_order, heal_sources
+    from sidecar.replicator.store import FileMeta
+
+    a, b = ("a.bin", 10, 1), ("b.bin", 20, 2)
+    invs = {
+        0: _inv(0, [(0, 5, [a, b]), (2, 5, [a, ("b.bin", 20, 99)])]),  # 0's own (being healed)
+        1: _inv(1, [(1, 5, [a])]),                                    # a twin of a.bin
+        2: _inv(2, [(0, 5, [a, b]), (2, 5, [a])]),                    # the peer's copy of 0's
+        3: _inv(3, [(0, 4, [a, b])]),                                 # another step: never
+    }
+    files = [FileMeta(*a), FileMeta(*b)]
+    src = heal_sources(0, 5, 0, files, invs)  # type: ignore[arg-type]
+    # Copies of rank 0's data first (not host 0's own), then same-content twins;
+    # b.bin of rank 2 differs (CRC), so it is no source.
+    assert src["a.bin"] == ([(2, 0)], [(0, 2), (1, 1), (2, 2)])
+    assert src["b.bin"] == ([(2, 0)], [])
+    own = [(0, 2), (2, 0), (3, 0)]
+    assert fetch_order(0, own, [(2, 2), (0, 1)], 0) == [(0, 2), (2, 0), (3, 0), (0, 1), (2, 2)]
+    assert fetch_order(0, own, [], 1) == [(0, 2), (3, 0), (2, 0)]  # remote ones rotated
+    assert fetch_order(0, [], [], 3) == []
