@@ -202,6 +202,38 @@ def test_damage_on_every_holder_is_a_typed_error(ramdisk: Path, mesh: Mesh,
     assert np.asarray(states[6]["own"]).size  # the state itself was fine
 
 
+def test_damage_on_every_peer_healed_from_backup(ramdisk: Path, mesh: Mesh,
+                                                 clusters: list[Cluster]) -> None:
+    from mtc.proto import replicator_pb2 as pb
+
+    bucket = ramdisk / "bucket"
+    bucket.mkdir()
+    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True,
+                     extra=("--backup", bucket.as_uri(), "--backup-interval-minutes", "60"))
+    cl.start_all()
+    states = save_steps(ramdisk, mesh, cl, {7: 7.0})
+    c = cl.client(0)
+    try:
+        assert c.call("RequestBackup", pb.BackupRequest(step=-1), deadline_s=60).step == 7
+    finally:
+        c.close()
+    for r in range(4):
+        cl.inventory(r)
+    _, own = data_parallel(cl, 7, 0)
+    victim = shards(cl.root(0), 7)[own[0]]
+    good = victim.read_bytes()
+    flip(victim, silent=True)
+    flip(cl.root(2) / REPLICA_DIR / "0" / "7" / own[0], silent=True)
+
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options(cl)) as m:
+        got = m.restore(None, states[7])
+        tiers = m.last_restore_tiers
+    assert_state_equal(got, states[7])
+    assert tiers[0] == "backup", tiers
+    assert victim.read_bytes() == good
+    assert cl.scrape(0)["mtc_backup_bytes_downloaded_total"] == len(good)
+
+
 # -- the source order, a pure function ---------------------------------------------------
 
 
