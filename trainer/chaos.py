@@ -65,6 +65,9 @@ def worker(base: Path, addrs: list[str]) -> int:
     """Serve the driver's commands on stdin: ``cycle`` restores, checks, saves two steps."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's "where are you"
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -86,6 +89,7 @@ def worker(base: Path, addrs: list[str]) -> int:
             if line.strip() != "cycle":
                 continue
             t0 = time.monotonic()
+            print(f"{time.strftime('%H:%M:%S')} cycle: restore", file=sys.stderr, flush=True)
             try:
                 got = m.restore(None, target)
                 step = int(got["step"])
@@ -101,6 +105,7 @@ def worker(base: Path, addrs: list[str]) -> int:
             try:
                 nxt = max([step, *m.all_steps()]) + 1
                 for s in (nxt, nxt + 1):
+                    print(f"{time.strftime('%H:%M:%S')} save {s}", file=sys.stderr, flush=True)
                     m.save(s, state_of(s, mesh), force=True)
                     m.wait_until_finished()
                 say(saved=nxt + 1)
@@ -116,6 +121,7 @@ class Trainer:
             [sys.executable, "-m", "trainer.chaos", "--worker", "--base", str(base),
              "--nodes", ",".join(addrs)], cwd=REPO, env=_env(), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+        self._buf = b""
         if self.read(120.0).get("ready") is not True:
             raise RuntimeError("trainer did not start")
 
@@ -125,22 +131,33 @@ class Trainer:
         self.proc.stdin.flush()
 
     def read(self, timeout: float) -> dict[str, Any]:
-        """The next JSON line, or {} when none came within ``timeout``."""
+        """The next JSON line, or {} when none came within ``timeout``. Reads the
+        pipe itself: a buffered ``readline`` after ``select`` would leave a second
+        line that arrived with the first unseen until the next write."""
         assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.2)
-            if r:
-                line = self.proc.stdout.readline()
-                if not line:
-                    return {"exited": True}
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
                 try:
                     return dict(json.loads(line))
                 except ValueError:
                     continue
-        return {}
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {}
+            r, _, _ = select.select([fd], [], [], min(left, 0.5))
+            if r:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return {"exited": True}
+                self._buf += chunk
 
-    def kill(self) -> None:
+    def kill(self, *, stacks: bool = False) -> None:
+        if stacks and self.proc.poll() is None:  # a hung trainer: its threads to the log
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
@@ -211,7 +228,8 @@ def wait_replicated(cluster: LocalCluster, step: int, timeout: float) -> int:
 # -- the driver -------------------------------------------------------------------------
 
 
-def run(cycles: int, seconds: float, seed: int, base: Path) -> dict[str, Any]:
+def run(cycles: int, seconds: float, seed: int, base: Path,
+        keep_logs: Path | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
     if base.exists():
         shutil.rmtree(base)
@@ -225,9 +243,11 @@ def run(cycles: int, seconds: float, seed: int, base: Path) -> dict[str, Any]:
     try:
         trainer.send("cycle")  # the first cycle saves steps 0 and 1 from nothing
         trainer.read(CYCLE_DEADLINE_S)
-        trainer.read(CYCLE_DEADLINE_S)
+        last_saved = int(trainer.read(CYCLE_DEADLINE_S).get("saved", 0))
         while out["cycles"] < cycles and time.monotonic() - start < seconds:
-            expected = wait_replicated(cluster, 0, 15.0)
+            # The newest step every host committed and its peer holds: what a
+            # one-host fault must not lose.
+            expected = wait_replicated(cluster, last_saved, 15.0)
             fault = rng.choices(FAULTS, WEIGHTS)[0]
             out["faults"][fault] += 1
             host = rng.randrange(cluster.num_hosts)
@@ -260,7 +280,9 @@ def run(cycles: int, seconds: float, seed: int, base: Path) -> dict[str, Any]:
                     out["errors"]["TrainerExited"] += 1
                 else:
                     out["hangs"] += 1
-                trainer.kill()
+                print(f"cycle {out['cycles']} ({fault} host {host}): restore "
+                      f"{'exited' if reply else 'hung'}", file=sys.stderr)
+                trainer.kill(stacks=True)
                 trainer = Trainer(base, cluster.addresses)
                 continue
             if "error" in reply:
@@ -280,12 +302,21 @@ def run(cycles: int, seconds: float, seed: int, base: Path) -> dict[str, Any]:
                           f"step {expected} was replicated", file=sys.stderr)
                 else:
                     out["ok"] += 1
-            if not trainer.read(CYCLE_DEADLINE_S):  # the two saves
+            saved = trainer.read(CYCLE_DEADLINE_S)  # the two saves
+            last_saved = int(saved.get("saved", last_saved))
+            if "save_error" in saved:
+                print(f"cycle {out['cycles']} ({fault} host {host}): save failed: "
+                      f"{saved['save_error']}: {saved['message']}", file=sys.stderr)
+            if not saved:
                 out["hangs"] += 1
-                trainer.kill()
+                print(f"cycle {out['cycles']} ({fault} host {host}): save hung",
+                      file=sys.stderr)
+                trainer.kill(stacks=True)
                 trainer = Trainer(base, cluster.addresses)
     finally:
         trainer.kill()
+        if keep_logs is not None:
+            shutil.copytree(base / "logs", keep_logs, dirs_exist_ok=True)
         cluster.down_latest()
     out["errors"] = dict(out["errors"])
     out["faults"] = dict(out["faults"])
@@ -304,13 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--base", type=Path,
                    help="cluster folder (default /dev/shm/mtc-cluster-chaos-<pid>)")
+    p.add_argument("--keep-logs", type=Path, help="copy the cluster's logs here at the end")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--nodes", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.base, args.nodes.split(","))
     base = args.base or default_base(f"chaos-{os.getpid()}")
-    print(json.dumps(run(args.cycles, args.seconds, args.seed, base)), flush=True)
+    print(json.dumps(run(args.cycles, args.seconds, args.seed, base, args.keep_logs)),
+          flush=True)
     return 0
 
 
