@@ -72,6 +72,9 @@ def parse_request(text: str) -> ClientRequest:
                                    if "backup-interval-steps" in d else None))
     except (KeyError, TypeError, ValueError, OverflowError, RecursionError, yaml.YAMLError) as e:
         raise ConfigError(f"malformed {YAML_NAME}: {e!r}"[:500]) from e
+    if not req.job_name or "/" in req.job_name or not req.job_name.isprintable():
+        # It names the restore marker: a file name the client's pattern must match.
+        raise ConfigError(f"{YAML_NAME}: job-name {req.job_name!r} cannot name a file")
     if not 0 <= req.rank < req.nodes or req.nodes % req.num_slices:
         raise ConfigError(f"{YAML_NAME}: rank {req.rank} of {req.nodes} nodes with "
                           f"{req.num_slices} slices is inconsistent")
