@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv demo demo-crash cluster-up cluster-down test lint typecheck proto bench bench-goodput clean
+.PHONY: all venv demo demo-crash cluster-up cluster-down test lint typecheck proto bench bench-goodput fuzz chaos clean
 
 all: test
 
@@ -46,6 +46,7 @@ bench: $(STAMP)
 	mkdir -p out/bench
 	$(PY) bench/save_restore.py | tee out/bench/save_restore.json
 	$(PY) bench/replicator.py | tee out/bench/replicator.json
+	$(PY) bench/dedup.py | tee out/bench/dedup.json
 	$(PY) bench/backup.py | tee out/bench/backup.json
 	$(PY) bench/recovery.py | tee out/bench/recovery.json
 	$(PY) bench/control_plane.py | tee out/bench/control_plane.json
@@ -54,6 +55,15 @@ bench: $(STAMP)
 bench-goodput: $(STAMP)
 	mkdir -p out/bench
 	$(PY) bench/goodput.py | tee out/bench/goodput.json
+
+# Long fuzz runs (thousands of examples per test); `make test` runs a short profile.
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz_parsing.py tests/test_fuzz_plan.py tests/test_fuzz_grpc.py
+
+# Random faults over the local cluster for up to 10 minutes or 200 cycles; one JSON line.
+chaos: $(STAMP)
+	mkdir -p out
+	$(PY) -m trainer.chaos --cycles 200 --seconds 600 | tee out/chaos.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

@@ -91,18 +91,21 @@ def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
                 peers[c.origin_rank].append(c.step)
         backed = sorted(inv.backed_up_steps) or backed
         rows.append({"rank": rank, "address": addr, "up": True, "local": own,
-                     "peer_copies": {str(o): sorted(s) for o, s in sorted(peers.items())}})
+                     "peer_copies": {str(o): sorted(s) for o, s in sorted(peers.items())},
+                     "quarantined": inv.quarantined_files})
     down = 1 if any(not r["up"] for r in rows) else 0
     if as_json:
         print(json.dumps({"hosts": rows, "backup": backed}, indent=2))
         return down
-    print(f"{'rank':>4}  {'address':<22} {'local steps':<20} peer copies held")
+    print(f"{'rank':>4}  {'address':<22} {'local steps':<20} {'quarantined':<11} "
+          "peer copies held")
     for r in rows:
         if not r["up"]:
             print(f"{r['rank']:>4}  {r['address']:<22} DOWN: {r['error']}")
             continue
         peers_s = ", ".join(f"rank {o}: {s}" for o, s in r["peer_copies"].items()) or "-"
-        print(f"{r['rank']:>4}  {r['address']:<22} {r['local']!s:<20} {peers_s}")
+        print(f"{r['rank']:>4}  {r['address']:<22} {r['local']!s:<20} "
+              f"{r['quarantined']:<11} {peers_s}")
     print(f"backup: {backed if backed else '-'}")
     if down:
         print(f"mtc: {sum(not r['up'] for r in rows)} of {len(rows)} nodes are down",

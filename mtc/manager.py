@@ -28,6 +28,7 @@ from mtc.errors import (
     AgreementError,
     ClosedError,
     ConfigError,
+    CorruptShardError,
     MtcError,
     ShardUnavailableError,
     StepExistsError,
@@ -441,6 +442,7 @@ class CheckpointManager:
             raise ConfigError("restore() takes target or args=, not both")
         t0 = time.perf_counter()
         self.wait_until_finished()
+        requested = None if step is None else layout.as_step(step)
         tiers = {h: "local" for h in self.topology.local_hosts}
         if step is not None:
             step = layout.as_step(step)
@@ -465,6 +467,28 @@ class CheckpointManager:
             result = self._restore_from(saved, target, args)
         except MtcError as e:
             error = e
+        # A shard that failed verification while loading was quarantined by the
+        # host that read it; its replicator fetches a verified copy from another
+        # holder when asked to prepare again. Once, within the restore timeout,
+        # and every process together (the replicators agree again).
+        if self.options.replicators and multihost.any_process(
+                isinstance(error, CorruptShardError)):
+            left = self.options.restore_timeout_s - (time.perf_counter() - t0)
+            log.warning("restore of step %d found a corrupt shard (%s); healing through "
+                        "the replicators (%.0fs left)", step, error, left)
+            if left > 0:
+                try:
+                    prepared = self._prepare_with_replicators(timeout_s=left)
+                    healed = prepared.step
+                    if healed is None or (requested is not None and healed != requested):
+                        raise StepNotFoundError(f"after healing, the replicators agree on "
+                                                f"step {healed}", step=requested)
+                    step, error, tiers = healed, None, self._host_tiers(prepared)
+                    saved = self._saved_step(step)
+                    nbytes = sum(m.nbytes for m in saved.manifests.values())
+                    result = self._restore_from(saved, target, args)
+                except MtcError as e:
+                    error = e
         # Every process fails together, or none: a process that restored while
         # another could not would deadlock the job at its next collective.
         if multihost.any_process(error is not None) and error is None:
@@ -512,8 +536,10 @@ class CheckpointManager:
         addrs = self.options.replicators or ()
         return {h: prepared.tiers.get(addrs[h], "local") for h in self.topology.local_hosts}
 
-    def _prepare_with_replicators(self) -> Prepared:
-        """Have each local host's replicator agree on a step and make its data local."""
+    def _prepare_with_replicators(self, timeout_s: float | None = None) -> Prepared:
+        """Have each local host's replicator agree on a step and make its data local
+        (verified; bad files healed from other holders). A file with no good copy
+        anywhere comes back as CorruptShardError naming it (mtc.replicas)."""
         from mtc.replicas import prepare_restore
 
         addrs = self.options.replicators or ()
@@ -522,7 +548,7 @@ class CheckpointManager:
                               f"{self.topology.num_hosts} hosts")
         local = [addrs[h] for h in self.topology.local_hosts]
         prepared = prepare_restore(local, token=self.options.replicator_token,
-                                   timeout_s=self.options.restore_timeout_s)
+                                   timeout_s=timeout_s or self.options.restore_timeout_s)
         self.last_restore_tiers = self._host_tiers(prepared)
         self.last_restore_tier = _farthest(self.last_restore_tiers)
         return prepared

@@ -40,8 +40,15 @@ class ShardEntry:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardEntry:
-        return cls(tuple((int(a), int(b)) for a, b in d["index"]), str(d["file"]),
-                   int(d["nbytes"]), int(d["crc32c"]))
+        d = _dict(d, "shard")
+        index = tuple(_pair(p) for p in _list(d["index"], "shard index"))
+        name = d["file"]
+        # A shard is a file of its step folder: never a path that leads elsewhere.
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name \
+                or "\\" in name or "\x00" in name:
+            raise ValueError(f"bad shard file name {name!r}")
+        return cls(index, name, _int(d["nbytes"], "nbytes", 0),
+                   _int(d["crc32c"], "crc32c", 0, 2**32 - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,17 +85,32 @@ class LeafEntry:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LeafEntry:
-        return cls(
-            path=str(d["path"]),
-            keys=tuple((str(k), v) for k, v in d["keys"]),
-            kind=d["kind"],
-            shape=tuple(int(x) for x in d.get("shape", ())),
-            dtype=str(d.get("dtype", "")),
-            sharding=d.get("sharding"),
-            key_impl=d.get("key_impl"),
-            value=d.get("value"),
-            shards=tuple(ShardEntry.from_json(s) for s in d.get("shards", ())),
-        )
+        d = _dict(d, "leaf")
+        kind = d["kind"]
+        if kind not in KINDS:
+            raise ValueError(f"unknown leaf kind {kind!r}")
+        keys = []
+        for k in _list(d["keys"], "keys"):
+            k = _list(k, "key")
+            if len(k) != 2:
+                raise ValueError(f"bad key {k!r}")
+            keys.append((str(k[0]), k[1]))
+        shape = tuple(_int(x, "shape", 0) for x in _list(d.get("shape", []), "shape"))
+        shards = tuple(ShardEntry.from_json(s) for s in _list(d.get("shards", []), "shards"))
+        for s in shards:  # nothing outside the leaf is ever read
+            if len(s.index) != len(shape) or any(
+                    not 0 <= a <= b <= n for (a, b), n in zip(s.index, shape, strict=True)):
+                raise ValueError(f"shard {s.file} index {list(s.index)} is outside "
+                                 f"shape {list(shape)}")
+        sharding = d.get("sharding")
+        key_impl = d.get("key_impl")
+        if sharding is not None and not isinstance(sharding, dict):
+            raise ValueError("sharding is not an object")
+        if key_impl is not None and not isinstance(key_impl, str):
+            raise ValueError("key_impl is not a string")
+        return cls(path=str(d["path"]), keys=tuple(keys), kind=kind, shape=shape,
+                   dtype=str(d.get("dtype", "")), sharding=sharding, key_impl=key_impl,
+                   value=d.get("value"), shards=shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,15 +142,18 @@ class Manifest:
     @classmethod
     def from_bytes(cls, data: bytes, *, path: str = "") -> Manifest:
         try:
-            outer = json.loads(data)
+            outer = _dict(json.loads(data), "manifest")
             text = outer["body"]
+            if not isinstance(text, str):
+                raise ValueError("body is not a string")
             if crc32c(text.encode()) != outer["crc32c"]:
                 raise ManifestError("manifest checksum mismatch", path=path)
-            body = json.loads(text)
+            body = _dict(json.loads(text), "manifest body")
         except ManifestError:
             raise
-        except (ValueError, KeyError, TypeError) as e:
-            raise ManifestError(f"unreadable manifest: {e}", path=path) from e
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            # RecursionError: JSON nested deeper than the parser's stack.
+            raise ManifestError(f"unreadable manifest: {e!r}"[:500], path=path) from e
         if body.get("format") != FORMAT:
             raise ManifestError(f"not an mtc manifest (format={body.get('format')!r})", path=path)
         if body.get("version") != VERSION:
@@ -137,8 +162,44 @@ class Manifest:
                 f"(this mtc reads {VERSION})",
                 path=path)
         try:
-            return cls(step=int(body["step"]), host=int(body["host"]), slice=int(body["slice"]),
-                       num_hosts=int(body["num_hosts"]),
-                       leaves=tuple(LeafEntry.from_json(x) for x in body["leaves"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"malformed manifest: {e}", path=path) from e
+            m = cls(step=_int(body["step"], "step", 0), host=_int(body["host"], "host", 0),
+                    slice=_int(body["slice"], "slice", 0),
+                    num_hosts=_int(body["num_hosts"], "num_hosts", 1),
+                    leaves=tuple(LeafEntry.from_json(x) for x in _list(body["leaves"],
+                                                                       "leaves")))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
+        if m.host >= m.num_hosts:
+            raise ManifestError(f"host {m.host} of {m.num_hosts}", path=path)
+        return m
+
+
+KINDS = ("array", "numpy", "prng_key", "value")
+
+
+def _dict(x: Any, what: str) -> dict[str, Any]:
+    if not isinstance(x, dict):
+        raise ValueError(f"{what} is not an object")
+    return x
+
+
+def _list(x: Any, what: str) -> list[Any]:
+    if not isinstance(x, list):
+        raise ValueError(f"{what} is not a list")
+    return x
+
+
+def _int(x: Any, what: str, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer field (JSON has no other kind; a bool or a float is refused)."""
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise ValueError(f"{what} {x!r} is not an integer")
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        raise ValueError(f"{what} {x} out of range")
+    return x
+
+
+def _pair(p: Any) -> tuple[int, int]:
+    p = _list(p, "index pair")
+    if len(p) != 2:
+        raise ValueError(f"index pair {p!r}")
+    return _int(p[0], "index", 0), _int(p[1], "index", 0)

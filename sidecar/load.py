@@ -9,7 +9,8 @@ anything else is assembled by copying the overlapping parts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,10 @@ import jax
 import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask
+from mtc.errors import CorruptShardError
+from sidecar.quarantine import quarantine
 from sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
+from sidecar.replicator.store import REPLICA_DIR
 
 
 def _stacked_on_leading_axis(task: ReadTask) -> bool:
@@ -47,8 +51,24 @@ class ShardLoader:
     def _map(self, p: Piece) -> np.ndarray:
         key = (p.host, p.entry.file)
         if key not in self._mapped:
-            self._mapped[key] = map_verified(self._path(p), p.entry, step=self.step, host=p.host)
+            with self._quarantining():
+                self._mapped[key] = map_verified(self._path(p), p.entry, step=self.step,
+                                                 host=p.host)
         return self._mapped[key]
+
+    @contextlib.contextmanager
+    def _quarantining(self) -> Iterator[None]:
+        """A shard that fails verification on a host whose replicator can heal it
+        (it keeps peer copies there) is moved aside, so the replicator sees the
+        damage and fetches a good copy when the restore is retried."""
+        try:
+            yield
+        except CorruptShardError as e:
+            if e.path is not None and e.host is not None:
+                root = self.root_of(e.host)
+                if (root / REPLICA_DIR).is_dir() and Path(e.path).is_file():
+                    quarantine(root, Path(e.path), str(e))
+            raise
 
     def read(self, task: ReadTask) -> np.ndarray:
         dtype = jax.numpy.dtype(task.dtype)
@@ -57,8 +77,9 @@ class ShardLoader:
         if len(pieces) == 1 and pieces[0].entry.index == task.index:
             return self._map(pieces[0]).view(dtype).reshape(shape)
         if _stacked_on_leading_axis(task) and can_map_side_by_side([p.entry for p in pieces]):
-            region = map_side_by_side([(self._path(p), p.entry) for p in pieces],
-                                      step=self.step, hosts=[p.host for p in pieces])
+            with self._quarantining():
+                region = map_side_by_side([(self._path(p), p.entry) for p in pieces],
+                                          step=self.step, hosts=[p.host for p in pieces])
             return region.view(dtype).reshape(shape)
         out = np.empty(shape, dtype=dtype)
         for p in pieces:

@@ -31,18 +31,20 @@ class InventoryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision")
+    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision", "quarantined_files")
     RANK_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NEWEST_BACKED_UP_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKED_UP_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FILES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     copies: _containers.RepeatedCompositeFieldContainer[StepCopy]
     newest_backed_up_step: int
     backed_up_steps: _containers.RepeatedScalarFieldContainer[int]
     last_decision: Decision
-    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ...) -> None: ...
+    quarantined_files: int
+    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., quarantined_files: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("epoch", "step", "decided_at", "rank", "restore_id")

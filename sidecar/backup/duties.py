@@ -12,6 +12,7 @@ import grpc
 
 from mtc.errors import ConfigError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
+from sidecar.backup.backend import CorruptBackupError
 from sidecar.replicator.client import PeerError
 from sidecar.replicator.store import FileMeta
 
@@ -169,3 +170,28 @@ class BackupDuties:
             with self._lock:
                 self.restoring.pop(step, None)
 
+    def _file_from_backup(self, step: int, f: FileMeta, dest: Path) -> bool:
+        """One file of this rank's ``step`` from the backup into ``dest``, checked
+        against the backup manifest's size, CRC32C and SHA-256 and against ``f``;
+        False when the backup does not have it."""
+        from sidecar.backup.job import step_prefix
+        from sidecar.replicator.store import file_sha256
+
+        assert self.backup is not None
+        if step not in self.backup.refresh():
+            return False
+        manifest = self.backup.store.manifest(step)
+        for r in self.config.equivalent(self.rank):
+            entry = next((e for e in manifest.get(r, []) if e.path == f.path), None)
+            if entry is None or (entry.size, entry.crc32c) != (f.size, f.crc32c):
+                continue
+            dest.unlink(missing_ok=True)
+            self.backup.store.backend.get_file(f"{step_prefix(step)}/{entry.object}", dest,
+                                               size=entry.size, crc32c=entry.crc32c)
+            if file_sha256(dest).hexdigest() != entry.sha256:
+                dest.unlink(missing_ok=True)
+                raise CorruptBackupError("object differs from its manifest's SHA-256",
+                                         step=step, host=r, path=entry.object)
+            self.metrics.backup_bytes_downloaded.inc(entry.size)
+            return True
+        return False

@@ -76,13 +76,15 @@ class BackupStore:
             raise ManifestError("no backup of this step", step=step)
         try:
             d = json.loads(raw)
+            if not isinstance(d, dict):
+                raise ValueError("not an object")
             if d.get("format") != FORMAT or d.get("version") != VERSION:
                 raise ManifestError(f"unsupported backup manifest {d.get('format')} "
                                     f"v{d.get('version')}", step=step)
-            return {int(r): [BackupEntry(**e) for e in entries]
+            return {int(r): [_entry(e) for e in entries]
                     for r, entries in d["ranks"].items()}
-        except (ValueError, KeyError, TypeError) as e:
-            raise ManifestError(f"malformed backup manifest: {e}", step=step) from e
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise ManifestError(f"malformed backup manifest: {e!r}"[:500], step=step) from e
 
     def write_manifest(self, prefix: str, step: int,
                        ranks: dict[int, list[BackupEntry]]) -> None:
@@ -114,6 +116,20 @@ class BackupStore:
         for p in stale:
             self.backend.delete_prefix(p + "/")
         return stale
+
+
+def _entry(e: Any) -> BackupEntry:
+    """One manifest entry, checked: paths and object keys stay inside their folders."""
+    if not isinstance(e, dict) or set(e) != {f.name for f in dataclasses.fields(BackupEntry)}:
+        raise ValueError(f"bad entry {e!r}"[:200])
+    size, crc = e["size"], e["crc32c"]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (size, crc)) \
+            or size < 0 or not 0 <= crc < 2**32:
+        raise ValueError(f"bad size or crc32c in {e!r}"[:200])
+    if not isinstance(e["sha256"], str) or not isinstance(e["object"], str):
+        raise ValueError(f"bad entry {e!r}"[:200])
+    return BackupEntry(safe_relpath(e["path"]), size, crc, e["sha256"],
+                       safe_relpath(e["object"]))
 
 
 def upload_part(backend: Backend, step_dir: Path, files: dict[str, FileMeta],

@@ -23,6 +23,11 @@ class Metrics:
         self.deduplicated_files = Counter("mtc_deduplicated_files",
                                           "Files a peer already held; only metadata moved",
                                           registry=r)
+        self.quarantined = Counter("mtc_quarantined_files",
+                                   "Files that failed verification, moved aside", registry=r)
+        self.healed = Counter("mtc_healed_files",
+                              "Bad files replaced by a verified copy from another holder",
+                              registry=r)
         self.newest = Gauge("mtc_newest_step", "Newest step by state", ["state"], registry=r)
         self.lag = Gauge("mtc_replication_lag_steps",
                          "Committed steps newer than the newest fully replicated one",

@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 
-from mtc.errors import AgreementError, ConfigError, MtcError
+from mtc.errors import AgreementError, ConfigError, CorruptShardError, MtcError
 from mtc.proto import replicator_pb2 as pb
 from sidecar.backup.duties import BackupDuties
 from sidecar.backup.schedule import BackupScheduler
@@ -72,6 +72,7 @@ class Node(BackupDuties, RestoreDuties):
         self.rank = config.rank
         self.store = LocalStore(root, config.rank)
         self.metrics = Metrics()
+        self.store.on_quarantine = self.metrics.quarantined.inc
         self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s)
                       for r, a in enumerate(config.nodes) if r != config.rank}
         self.replicated: dict[int, set[int]] = defaultdict(set)
@@ -107,15 +108,13 @@ class Node(BackupDuties, RestoreDuties):
         backed = self.backup.backed_up_steps() if self.backup else []
         inv = pb.Inventory(rank=self.rank, newest_backed_up_step=backed[-1] if backed else -1,
                            backed_up_steps=backed, last_decision=self.last_decision)
-        for origin, step in self.store.copies():
-            try:
-                files = self.store.describe(origin, step)
-            except (OSError, ValueError):
-                self.metrics.skipped.labels("inventory_unreadable_copy").inc()
-                continue
+        # Only copies whose bytes check out (cached per file): what agreement
+        # decides on has been verified, not just listed.
+        for origin, step, files in self.store.verified_copies():
             c = inv.copies.add(step=step, origin_rank=origin)
             for f in files:
                 c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
+        inv.quarantined_files = self.store.quarantined_total
         return inv
 
     # -- replication ----------------------------------------------------------------
@@ -211,6 +210,10 @@ class Node(BackupDuties, RestoreDuties):
             self._pushing.add(step)
         try:
             files = self.store.describe(self.rank, step)
+            bad = self.store.verify(self.rank, step)  # never offer bytes that fail
+            if bad:
+                raise CorruptShardError("own copy fails verification; quarantined, not "
+                                        "offered", step=step, host=self.rank, path=bad[0].path)
             offer = pb.OfferRequest(copy=pb.StepCopy(
                 step=step, origin_rank=self.rank,
                 files=[pb.FileInfo(path=f.path, size=f.size, crc32c=f.crc32c) for f in files]))
@@ -247,11 +250,18 @@ class Node(BackupDuties, RestoreDuties):
 
     def _push_batch(self, peer: PeerClient, tid: str, src: Path,
                     batch: list[tuple[int, FileMeta]]) -> None:
-        if len(batch) == 1:
-            f = batch[0][1]
-            peer.push_file(tid, f.path, src / f.path, f.size, f.crc32c)
-        else:
-            peer.push_files(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in batch])
+        try:
+            if len(batch) == 1:
+                f = batch[0][1]
+                peer.push_file(tid, f.path, src / f.path, f.size, f.crc32c)
+            else:
+                peer.push_files(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in batch])
+        except CorruptShardError:
+            # Damaged since it was last checked: read it again, quarantine what fails.
+            where = self.store.locate(src / batch[0][1].path)
+            if where is not None:
+                self.store.verify(*where, cached=False)
+            raise
         self.metrics.bytes_sent.inc(sum(f.size for _, f in batch))
 
     def on_copy_received(self, origin: int, step: int) -> None:

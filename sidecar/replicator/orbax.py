@@ -60,6 +60,8 @@ class ClientRequest:
 def parse_request(text: str) -> ClientRequest:
     try:
         d: dict[str, Any] = yaml.safe_load(text) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"not a mapping: {type(d).__name__}")
         if d.get("framework", "orbax") != "orbax":
             raise ConfigError(f"framework {d.get('framework')!r} is not supported")
         req = ClientRequest(
@@ -70,8 +72,11 @@ def parse_request(text: str) -> ClientRequest:
                                      if "backup-interval-minutes" in d else None),
             backup_interval_steps=(int(d["backup-interval-steps"])
                                    if "backup-interval-steps" in d else None))
-    except (KeyError, TypeError, ValueError, yaml.YAMLError) as e:
-        raise ConfigError(f"malformed {YAML_NAME}: {e}") from e
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError, yaml.YAMLError) as e:
+        raise ConfigError(f"malformed {YAML_NAME}: {e!r}"[:500]) from e
+    if not req.job_name or "/" in req.job_name or not req.job_name.isprintable():
+        # It names the restore marker: a file name the client's pattern must match.
+        raise ConfigError(f"{YAML_NAME}: job-name {req.job_name!r} cannot name a file")
     for line in text.splitlines():
         if line.startswith(RID_COMMENT):
             req = dataclasses.replace(req, restore_id=line[len(RID_COMMENT):].strip())

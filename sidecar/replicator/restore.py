@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtc import layout
-from mtc.errors import MtcError, StepNotFoundError
+from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
-from sidecar.replicator.store import FileMeta
+from sidecar.replicator.store import FileMeta, copy_verified
 
 if TYPE_CHECKING:
     from sidecar.backup.schedule import BackupScheduler
@@ -47,6 +47,8 @@ class RestoreDuties:
         def _from_backup(self, step: int, invs: dict[int, pb.Inventory],
                          tmp: Path) -> list[FileMeta]: ...
 
+        def _file_from_backup(self, step: int, f: FileMeta, dest: Path) -> bool: ...
+
     def restore_for_client(self, job: str) -> int:
         """Answer an Orbax client: agree, park every step folder out of its sight,
         bring this host's data of the agreed step, and write the restore marker."""
@@ -61,8 +63,7 @@ class RestoreDuties:
         if step < 0:
             orbax.write_marker(self.store.root, job, 0, self.rank, None)
             return -1
-        if (self.rank, step) not in self.store.copies():
-            self.materialize(step, invs, into_root=False)
+        self.materialize(step, invs, into_root=False)  # verified, healed if need be
         orbax.write_marker(self.store.root, job, step, self.rank,
                            self.store.copy_dir(self.rank, step))
         return step
@@ -77,9 +78,28 @@ class RestoreDuties:
         return step, tier, time.monotonic() - t0
 
     def materialize(self, step: int, invs: dict[int, pb.Inventory], *, into_root: bool) -> str:
-        """Make this host's data of ``step`` local; returns the tier it came from."""
-        if (self.rank, step) in self.store.copies():
-            return "local"
+        """Make this host's data of ``step`` local and verified; returns the tier it
+        came from ("local", "peer" or "backup").
+
+        A local copy is checked file by file first (for Orbax clients every byte is
+        read again: their reader checks nothing); a file that fails is quarantined
+        and fetched again, verified, from another holder: the copies of this rank's
+        data, then an identical file of another data-parallel replica, then the
+        backup. No good copy anywhere: CorruptShardError naming the file."""
+        if (self.rank, step) in self.store.copies() or self.store.damaged(self.rank, step):
+            bad = self.store.verify(self.rank, step, cached=self.config.framework == "mtc")
+            if not bad:
+                return "local"
+            log.warning("rank %d: step %d has %d bad files (%s, ...); healing", self.rank,
+                        step, len(bad), bad[0].path)
+            tmp = self.store.begin_incoming(self.rank, step)
+            try:
+                tiers = self._fetch_all(step, self.rank, invs, bad, tmp)
+                self.store.repair(self.rank, step, {f.path: tmp / f.path for f in bad})
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self.metrics.healed.inc(len(bad))
+            return "backup" if "backup" in tiers else "peer"
         held = self.holders(invs)
         sources: list[tuple[int, pb.StepCopy]] = []
         for origin in self.config.equivalent(self.rank):
@@ -91,11 +111,8 @@ class RestoreDuties:
         try:
             if sources:
                 files = [FileMeta(f.path, f.size, f.crc32c) for f in sources[0][1].files]
-                futs = [self._pool.submit(self._fetch, sources, i, step, f, tmp)
-                        for i, f in enumerate(files)]
-                for fut in futs:
-                    fut.result()
-                tier = "peer"
+                tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp)
+                tier = "backup" if "backup" in tiers else "peer"
             elif self.backup is not None and step in self.backup.refresh():
                 files = self._from_backup(step, invs, tmp)
                 tier = "backup"
@@ -108,19 +125,86 @@ class RestoreDuties:
             raise
         return tier
 
-    def _fetch(self, sources: list[tuple[int, pb.StepCopy]], i: int, step: int, f: FileMeta,
-               tmp: Path) -> None:
-        """One file from the holders, starting at a different one per file; next on failure."""
-        errors = []
-        for k in range(len(sources)):
-            holder, copy = sources[(i + k) % len(sources)]
+    def _fetch_all(self, step: int, origin: int, invs: dict[int, pb.Inventory],
+                   files: list[FileMeta], tmp: Path) -> set[str]:
+        """Fetch ``files`` (of ``origin``'s copy of ``step``, this rank's data or a
+        stand-in for it) into ``tmp``; returns the tiers used."""
+        sources = heal_sources(self.rank, step, origin, files, invs)
+        futs = [self._pool.submit(self._fetch,
+                                  fetch_order(self.rank, *sources.get(f.path, ([], [])), i),
+                                  step, f, tmp)
+                for i, f in enumerate(files)]
+        return {fut.result() for fut in futs}
+
+    def _fetch(self, sources: list[tuple[int, int]], step: int, f: FileMeta, tmp: Path) -> str:
+        """One file from ``sources`` (``(holder, origin)``, in order), then the backup."""
+        errors: list[str] = []
+        dest = tmp / f.path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        for holder, origin in sources:
             try:
-                self.peers[holder].fetch_file(step, copy.origin_rank, f.path, tmp / f.path,
-                                              f.size, f.crc32c)
-                self.metrics.bytes_fetched.inc(f.size)
-                return
+                if holder == self.rank:  # another copy held here (a data-parallel twin)
+                    src = self.store.copy_dir(origin, step) / f.path
+                    copy_verified(src, dest, f.size, f.crc32c)
+                else:
+                    self.peers[holder].fetch_file(step, origin, f.path, dest, f.size,
+                                                  f.crc32c)
+                    self.metrics.bytes_fetched.inc(f.size)
+                return "peer"
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels("fetch").inc()
-                log.warning("rank %d: %s from rank %d failed: %s", self.rank, f.path, holder, e)
-                errors.append(e)
-        raise errors[-1]
+                log.warning("rank %d: %s of step %d from rank %d (origin %d) failed: %s",
+                            self.rank, f.path, step, holder, origin, e)
+                errors.append(f"rank {holder}: {e}")
+        if self.backup is not None:
+            try:
+                if self._file_from_backup(step, f, dest):
+                    return "backup"
+                errors.append("backup: not backed up")
+            except (MtcError, OSError) as e:
+                self.metrics.failures.labels("fetch").inc()
+                errors.append(f"backup: {e}")
+        raise CorruptShardError(f"no good copy on any holder ({'; '.join(errors) or 'none'})",
+                                step=step, host=self.rank, path=f.path)
+
+
+def heal_sources(rank: int, step: int, origin: int, files: list[FileMeta],
+                 invs: dict[int, pb.Inventory]
+                 ) -> dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+    """Per wanted file (of ``origin``'s copy of ``step``, which ``rank`` restores),
+    where to fetch it: ``(holder, origin)`` pairs, in two groups, of copies
+    holding a file with the same path, size and CRC32C. First the copies of
+    ``origin``'s data, except this host's own data (the copy being healed); then
+    "twins": copies of other ranks' data of the same step (the same shard of a
+    data-parallel leaf saved by another replica, or an Orbax peer's), tried only
+    when every copy of ``origin``'s has failed. Pure."""
+    wanted = {f.path: (f.size, f.crc32c) for f in files}
+    own: dict[str, list[tuple[int, int]]] = {}
+    twins: dict[str, list[tuple[int, int]]] = {}
+    for holder, inv in sorted(invs.items()):
+        for c in inv.copies:
+            if c.step != step or (holder == rank and c.origin_rank == rank):
+                continue
+            group = own if c.origin_rank == origin else twins
+            for f in c.files:
+                if wanted.get(f.path) == (f.size, f.crc32c):
+                    group.setdefault(f.path, []).append((holder, c.origin_rank))
+    return {p: (own.get(p, []), twins.get(p, [])) for p in wanted}
+
+
+def fetch_order(rank: int, own: list[tuple[int, int]], twins: list[tuple[int, int]],
+                i: int) -> list[tuple[int, int]]:
+    """The order one file's sources are tried: copies on this host first (no
+    network), then the other holders of this rank's data rotated by ``i`` (so
+    the files of a restore spread over them), then twins, local ones first."""
+    local = [s for s in own if s[0] == rank]
+    remote = [s for s in own if s[0] != rank]
+    twins = sorted(twins, key=lambda s: s[0] != rank)
+    return local + _rotate(remote, i) + twins
+
+
+def _rotate(sources: list[tuple[int, int]], i: int) -> list[tuple[int, int]]:
+    if not sources:
+        return []
+    k = i % len(sources)
+    return sources[k:] + sources[:k]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import shutil
 import threading
 import time
@@ -27,11 +26,13 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
+from sidecar.replicator.decode_guard import DecodeGuard
 from sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
 from sidecar.replicator.status import to_status
 from sidecar.replicator.store import (
     CHUNK,
     FileMeta,
+    copy_verified,
     file_sha256,
     inside,
     safe_relpath,
@@ -146,10 +147,15 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 raise ValueError(f"{rel!r} was not offered as a candidate")
             dst = inside(t.tmp, rel)
             dst.parent.mkdir(parents=True, exist_ok=True)
+            meta = t.files[rel]
+            dst.unlink(missing_ok=True)
+            # A verified copy, not a hard link: one inode for two copies would let
+            # bytes damaged in place damage both.
             try:
-                os.link(src, dst)  # same RAM disk: the bytes are shared, not copied
-            except FileExistsError:
-                pass
+                copy_verified(src, dst, meta.size, meta.crc32c)
+            except CorruptShardError as e:
+                self.node.store.quarantine_file(src, str(e))
+                raise
             with t.lock:
                 t.verified.add(rel)
             linked.append(rel)
@@ -302,8 +308,10 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             store = self.node.store
             staged = self.node.restoring.get(req.step)
             if (req.origin_rank, req.step) in store.copies():
-                path = inside(store.copy_dir(req.origin_rank, req.step), rel)
-            elif req.origin_rank == self.node.rank and staged and rel in staged[1]:
+                # Checked as it is read: a file that fails is quarantined, never sent whole.
+                yield from store.stream_verified(req.origin_rank, req.step, rel, req.offset)
+                return
+            if req.origin_rank == self.node.rank and staged and rel in staged[1]:
                 path = inside(staged[0], rel)  # verified, from a restore in progress
             elif req.origin_rank == self.node.rank and staged:
                 raise StepNotFoundError("not read from the backup yet", step=req.step,
@@ -333,7 +341,9 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32
     servicer (SERVING here; main lowers it when the loop stalls or at shutdown).
     Enough workers for every member's Decide to wait on the coordinator at once."""
     check_listen_address(listen, creds)
-    interceptors = [TokenInterceptor(creds.token)] if creds.token else []
+    interceptors: list[grpc.ServerInterceptor] = (
+        [TokenInterceptor(creds.token)] if creds.token else [])
+    interceptors.append(DecodeGuard())  # malformed protobufs: INVALID_ARGUMENT
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          interceptors=interceptors,
                          options=[*CHANNEL_OPTIONS[:2],

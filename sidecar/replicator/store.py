@@ -11,27 +11,40 @@ Layout under the host's root (the RAM disk):
 A peer copy is committed like a step: its file list is written, then its folder
 renamed into place; only then does it count. Committed folders never change, so
 their descriptions are computed once.
+
+Bytes are checked, not trusted: a copy counts as held only while every file
+matches its description (size and CRC32C; results cached per file by inode, size
+and mtime, so a steady-state inventory costs one ``stat`` per file). A file that
+fails is quarantined (:mod:`sidecar.quarantine`) and its copy stops counting until
+:meth:`LocalStore.repair` puts a verified file in its place. Deduplicated files
+are verified copies (a reflink where the file system has them), never hard
+links: bytes damaged in place must not damage a second copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import stat
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from mtc import layout
-from mtc.errors import CorruptShardError, FatalError
+from mtc.errors import CorruptShardError, FatalError, MtcError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest
+from sidecar.quarantine import quarantine
 
 REPLICA_DIR = ".mtc-replica"
 CHUNK = 4 << 20
+FICLONE = 0x40049409  # ioctl: share a file's extents copy-on-write (btrfs, xfs)
 
 
 class UnsafePathError(FatalError):
@@ -87,6 +100,40 @@ def file_sha256(path: Path) -> hashlib._Hash:
     return h
 
 
+def copy_verified(src: Path, dst: Path, size: int, crc: int) -> str:
+    """Copy ``src`` to a new file ``dst`` and check that the copy has ``size`` bytes
+    with CRC32C ``crc``; returns "reflink" or "copy". On a mismatch ``dst`` is
+    removed and :class:`CorruptShardError` raised."""
+    how = "copy"
+    try:
+        with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as fout:
+            try:
+                fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
+                how = "reflink"
+            except OSError:  # tmpfs and most file systems: no shared extents
+                got, value = _copy_with_crc(fin, fout)
+        if how == "reflink":  # the clone's bytes are the source's: check them once
+            got, value = os.path.getsize(dst), file_crc(dst)
+        if got != size or value != crc:
+            raise CorruptShardError(f"local file has {got} bytes crc32c {value:#010x}, "
+                                    f"expected {size} bytes {crc:#010x}", path=str(src))
+    except BaseException:
+        dst.unlink(missing_ok=True)
+        raise
+    return how
+
+
+def _copy_with_crc(fin: Any, fout: Any) -> tuple[int, int]:
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    value = got = 0
+    while n := fin.readinto(buf):
+        value = crc32c(view[:n], value)
+        fout.write(view[:n])
+        got += n
+    return got, value
+
+
 def _walk(step_dir: Path) -> list[FileMeta]:
     out = []
     for dirpath, _, names in os.walk(step_dir):
@@ -122,7 +169,14 @@ class LocalStore:
         self.rank = rank
         self.replicas = root / REPLICA_DIR
         self._lock = threading.Lock()
-        self._described: dict[tuple[int, int], list[FileMeta]] = {}
+        # (origin, step) -> (inode of the copy's folder, its files): a folder saved
+        # again under the same number is a different folder, described anew.
+        self._described: dict[tuple[int, int], tuple[int, list[FileMeta]]] = {}
+        # path -> ((inode, size, mtime_ns), crc32c): files already read and checked.
+        self._crcs: dict[str, tuple[tuple[int, int, int], int]] = {}
+        self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
+        self.quarantined_total = 0
+        self.on_quarantine: Callable[[], None] | None = None  # counts in metrics
         root.mkdir(parents=True, exist_ok=True)
         self.replicas.mkdir(exist_ok=True)
         for origin_dir in self.replicas.iterdir():
@@ -160,23 +214,188 @@ class LocalStore:
         return out
 
     def copies(self) -> list[tuple[int, int]]:
-        """Every (origin, step) held complete here, own steps included."""
+        """Every (origin, step) held complete here, own steps included (less those
+        with a file found bad and not yet repaired)."""
         held = {(self.rank, s) for s in self.own_steps()}
         held |= {(o, s) for o, steps in self.replica_steps().items() for s in steps}
+        with self._lock:
+            held -= self._damaged
         return sorted(held)
+
+    def damaged(self, origin: int, step: int) -> bool:
+        """Whether a file of this copy was quarantined and not repaired yet."""
+        with self._lock:
+            return (origin, step) in self._damaged
+
+    # -- verification ---------------------------------------------------------
+
+    def check_file(self, path: Path, meta: FileMeta, *, cached: bool = True) -> str | None:
+        """None when ``path`` holds ``meta``'s bytes, else what is wrong."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return "missing"
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_size != meta.size:
+            return f"{st.st_size} bytes, expected {meta.size}"
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            hit = self._crcs.get(str(path))
+        if cached and hit is not None and hit[0] == key:
+            value = hit[1]
+        else:
+            value = file_crc(path)
+            with self._lock:
+                self._crcs[str(path)] = (key, value)
+        if value != meta.crc32c:
+            return f"crc32c {value:#010x}, expected {meta.crc32c:#010x}"
+        return None
+
+    def note_verified(self, path: Path, meta: FileMeta) -> None:
+        """Remember that ``path`` was just written and checked (no need to read it again)."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._crcs[str(path)] = ((st.st_ino, st.st_size, st.st_mtime_ns), meta.crc32c)
+
+    def verify(self, origin: int, step: int, *, cached: bool = True) -> list[FileMeta]:
+        """Check every file of a held copy against its description; quarantine
+        the bad ones and return them (empty: the copy is good)."""
+        files = self.describe(origin, step)
+        base = self.copy_dir(origin, step)
+        bad = []
+        for f in files:
+            why = self.check_file(base / f.path, f, cached=cached)
+            if why is None:
+                continue
+            bad.append(f)
+            if why != "missing":
+                self.quarantine_file(base / f.path, why, origin=origin, step=step)
+        with self._lock:
+            if bad:
+                self._damaged.add((origin, step))
+            else:
+                self._damaged.discard((origin, step))
+        return bad
+
+    def quarantine_file(self, path: Path, why: str, *, origin: int | None = None,
+                        step: int | None = None) -> None:
+        """Move a file that failed verification aside and count it; its copy (found
+        from the path when not given) no longer counts as held."""
+        if origin is None or step is None:
+            where = self.locate(path)
+            if where is None:
+                return
+            origin, step = where
+        moved = quarantine(self.root, path, f"rank {origin} step {step}: {why}")
+        with self._lock:
+            self._damaged.add((origin, step))
+            self._crcs.pop(str(path), None)
+            if moved is not None:
+                self.quarantined_total += 1
+        if moved is not None and self.on_quarantine is not None:
+            self.on_quarantine()
+
+    def locate(self, path: Path) -> tuple[int, int] | None:
+        """(origin, step) of the copy a file under the root belongs to."""
+        try:
+            parts = path.relative_to(self.root).parts
+        except ValueError:
+            return None
+        if parts and parts[0].isdigit():
+            return self.rank, int(parts[0])
+        if len(parts) > 2 and parts[0] == REPLICA_DIR and parts[1].isdigit() \
+                and parts[2].isdigit():
+            return int(parts[1]), int(parts[2])
+        return None
+
+    def verified_copies(self) -> list[tuple[int, int, list[FileMeta]]]:
+        """Every copy held here whose files all check out, with its file list: what
+        an inventory may offer. Bad files found on the way are quarantined."""
+        out = []
+        with self._lock:
+            damaged = set(self._damaged)
+        # Damaged copies too: one whose folder was replaced (a step saved again under
+        # the same number) or repaired checks out again and counts again.
+        held = set(self.copies()) | {(o, s) for o, s in damaged if self.copy_dir(o, s).is_dir()}
+        for origin, step in sorted(held):
+            try:
+                files = self.describe(origin, step)
+                if self.verify(origin, step):
+                    continue
+            except (OSError, ValueError, MtcError):
+                continue
+            out.append((origin, step, files))
+        return out
+
+    def stream_verified(self, origin: int, step: int, rel: str, offset: int = 0
+                        ) -> Iterator[bytes]:
+        """A held file's bytes from ``offset``, CRC32C checked as they are read; the
+        last chunk is held back until the check passes, so a reader never gets a
+        whole file that fails (the file is quarantined and CorruptShardError raised)."""
+        meta = next((f for f in self.describe(origin, step) if f.path == rel), None)
+        if meta is None:
+            raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
+        if not 0 <= offset <= meta.size:
+            raise ValueError(f"offset {offset} outside {rel} ({meta.size} bytes)")
+        path = inside(self.copy_dir(origin, step), rel)
+        value = 0
+        with open(path, "rb", buffering=0) as f:
+            if offset:
+                value = crc32c(f.read(offset))
+            held = f.read(CHUNK)
+            while held:
+                value = crc32c(held, value)
+                nxt = f.read(CHUNK)
+                if not nxt:
+                    break
+                yield held
+                held = nxt
+            size = f.tell()
+        if size != meta.size or value != meta.crc32c:
+            self.quarantine_file(path, f"{size} bytes crc32c {value:#010x} when sent, "
+                                       f"expected {meta.size} bytes {meta.crc32c:#010x}",
+                                 origin=origin, step=step)
+            raise CorruptShardError("held copy failed its checksum; quarantined", step=step,
+                                    host=origin, path=rel)
+        if held:
+            yield held
+
+    def repair(self, origin: int, step: int, fixed: dict[str, Path]) -> None:
+        """Put verified files (``rel`` -> a file on this RAM disk) in the place of
+        quarantined ones, then check the whole copy again."""
+        base = self.copy_dir(origin, step)
+        metas = {f.path: f for f in self.describe(origin, step)}
+        for rel, src in fixed.items():
+            dst = inside(base, rel)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+            self.note_verified(dst, metas[rel])
+        bad = self.verify(origin, step)
+        if bad:
+            raise CorruptShardError("copy still fails verification after repair", step=step,
+                                    host=origin, path=bad[0].path)
 
     def describe(self, origin: int, step: int) -> list[FileMeta]:
         key = (origin, step)
+        ino = os.stat(self.copy_dir(origin, step)).st_ino
         with self._lock:
-            if key in self._described:
-                return self._described[key]
+            hit = self._described.get(key)
+            if hit is not None and hit[0] == ino:
+                return hit[1]
         if origin == self.rank and (self.root / str(step)).is_dir():
             files = describe_own(self.root / str(step))
+            if not (self.root / str(step) / MANIFEST_NAME).is_file():
+                for f in files:  # described by reading them: checked already
+                    self.note_verified(self.root / str(step) / f.path, f)
         else:
             raw = json.loads(self._descriptor(origin, step).read_text())
             files = [FileMeta(p, int(s), int(c)) for p, s, c in raw]
         with self._lock:
-            self._described[key] = files
+            self._described[key] = (ino, files)
         return files
 
     def find_identical(self, metas: Sequence[FileMeta]) -> dict[str, Path]:
@@ -220,7 +439,10 @@ class LocalStore:
         os.replace(tmp_desc, desc)
         os.rename(tmp, final)
         with self._lock:
-            self._described[(origin, step)] = files
+            self._described[(origin, step)] = (os.stat(final).st_ino, files)
+            self._damaged.discard((origin, step))
+        for f in files:  # every file was verified on arrival
+            self.note_verified(final / f.path, f)
 
     def commit_restored(self, tmp: Path, step: int, files: list[FileMeta], *,
                         into_root: bool) -> None:
@@ -233,7 +455,11 @@ class LocalStore:
                                             host=self.rank, path=str(p))
             layout.commit(tmp, self.root / str(step))
             with self._lock:
-                self._described[(self.rank, step)] = files
+                self._described[(self.rank, step)] = (
+                    os.stat(self.root / str(step)).st_ino, files)
+                self._damaged.discard((self.rank, step))
+            for f in files:
+                self.note_verified(self.root / str(step) / f.path, f)
         else:
             self.commit_incoming(tmp, self.rank, step, files)
 
@@ -251,7 +477,7 @@ class LocalStore:
         os.replace(desc.with_suffix(".tmp"), desc)
         os.rename(src, d / str(step))
         with self._lock:
-            self._described[(self.rank, step)] = files
+            self._described[(self.rank, step)] = (os.stat(d / str(step)).st_ino, files)
 
     def remove_copy(self, origin: int, step: int) -> None:
         in_root = self.root / str(step)
@@ -264,3 +490,4 @@ class LocalStore:
             self._descriptor(origin, step).unlink(missing_ok=True)
         with self._lock:
             self._described.pop((origin, step), None)
+            self._damaged.discard((origin, step))

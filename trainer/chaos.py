@@ -1,0 +1,351 @@
+"""``make chaos``: random faults over the local cluster, every restore checked exactly.
+
+    python -m trainer.chaos [--cycles 200] [--seconds 600] [--seed 0]
+
+Starts a local cluster (``trainer.cluster``: 2 slices of 2 simulated hosts, one
+real replicator process per host, backups to a folder) and a trainer process
+whose state is a function of the step (tiny arrays). Each cycle injects one
+fault, then has the trainer restore through the replicators (``restore()``
+without a step), compare every restored value with the function of the restored
+step, and save two more steps. Faults: SIGKILL of the trainer (mid-restore or
+mid-save), SIGKILL of a replicator (while idle or during the restore), a host
+wipe (replicator killed, RAM disk lost, started empty), a bit flip or a
+truncation of a shard in the newest committed step (some "silent": size and
+mtime kept, as bad memory would). Link cuts and partitions need the network
+namespaces the local cluster does not have yet: not injected.
+
+Prints one JSON line: cycles, ok, corrupt (a value differs), divergent (hosts
+restored different steps), stale (older than the newest step every host had
+committed and replicated before the fault), errors by type, hangs (no answer
+within the cycle deadline), restore seconds (median, max), faults by kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from trainer.cluster import REPO, LocalCluster, _env, default_base
+
+FAULTS = ("none", "kill_trainer", "kill_replicator", "kill_replicator_in_restore",
+          "wipe_host", "bit_flip", "silent_bit_flip", "truncate")
+WEIGHTS = (1, 1, 2, 2, 2, 3, 2, 2)
+CYCLE_DEADLINE_S = 90.0
+
+
+# -- the trainer ------------------------------------------------------------------------
+
+
+def state_of(step: int, mesh: Any) -> dict[str, Any]:
+    """The training state after ``step``: every value a function of the step."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    w = (jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) + step) * 0.5
+    dp = jnp.arange(32 * 16, dtype=jnp.int32).reshape(32, 16) * (step + 1)
+    return {"w": jax.device_put(w, NamedSharding(mesh, P(("replica", "model")))),
+            "dp": jax.device_put(dp, NamedSharding(mesh, P("model"))), "step": step}
+
+
+def worker(base: Path, addrs: list[str]) -> int:
+    """Serve the driver's commands on stdin: ``cycle`` restores, checks, saves two steps."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's "where are you"
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import mtc
+    from mtc.errors import MtcError
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model"))
+    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None,
+                       replicators=tuple(addrs), restore_timeout_s=30)
+    target = state_of(0, mesh)
+
+    def say(**kw: Any) -> None:
+        print(json.dumps(kw), flush=True)
+
+    say(ready=True)
+    with mtc.CheckpointManager(base, mesh=mesh, options=opts) as m:
+        for line in sys.stdin:
+            if line.strip() != "cycle":
+                continue
+            t0 = time.monotonic()
+            print(f"{time.strftime('%H:%M:%S')} cycle: restore", file=sys.stderr, flush=True)
+            try:
+                got = m.restore(None, target)
+                step = int(got["step"])
+                want = state_of(step, mesh)
+                ok = all(np.array_equal(np.asarray(got[k]), np.asarray(want[k]))
+                         for k in ("w", "dp"))
+                say(restored=step, ok=ok, seconds=time.monotonic() - t0,
+                    tiers=sorted(set(m.last_restore_tiers.values())))
+            except MtcError as e:
+                step = max([-1, *m.all_steps()])
+                say(error=type(e).__name__, message=str(e)[:300],
+                    seconds=time.monotonic() - t0)
+            try:
+                nxt = max([step, *m.all_steps()]) + 1
+                for s in (nxt, nxt + 1):
+                    print(f"{time.strftime('%H:%M:%S')} save {s}", file=sys.stderr, flush=True)
+                    m.save(s, state_of(s, mesh), force=True)
+                    m.wait_until_finished()
+                say(saved=nxt + 1)
+            except MtcError as e:
+                say(save_error=type(e).__name__, message=str(e)[:300])
+    return 0
+
+
+class Trainer:
+    def __init__(self, base: Path, addrs: list[str]) -> None:
+        self.log = (base / "logs" / "trainer.log").open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.chaos", "--worker", "--base", str(base),
+             "--nodes", ",".join(addrs)], cwd=REPO, env=_env(), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+        self._buf = b""
+        if self.read(120.0).get("ready") is not True:
+            raise RuntimeError("trainer did not start")
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line, or {} when none came within ``timeout``. Reads the
+        pipe itself: a buffered ``readline`` after ``select`` would leave a second
+        line that arrived with the first unseen until the next write."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                try:
+                    return dict(json.loads(line))
+                except ValueError:
+                    continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {}
+            r, _, _ = select.select([fd], [], [], min(left, 0.5))
+            if r:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return {"exited": True}
+                self._buf += chunk
+
+    def kill(self, *, stacks: bool = False) -> None:
+        if stacks and self.proc.poll() is None:  # a hung trainer: its threads to the log
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.log.close()
+
+
+# -- faults -----------------------------------------------------------------------------
+
+
+def newest_shard(cluster: LocalCluster, rng: random.Random) -> Path | None:
+    host = rng.randrange(cluster.num_hosts)
+    root = cluster.root(host)
+    steps = sorted(int(n) for n in os.listdir(root) if n.isdigit()) if root.is_dir() else []
+    if not steps:
+        return None
+    files = sorted(p for p in (root / str(steps[-1])).iterdir() if p.name != "manifest.json")
+    return rng.choice(files) if files else None
+
+
+def damage(path: Path, how: str) -> None:
+    st = path.stat()
+    with open(path, "r+b") as f:
+        if how == "truncate":
+            f.truncate(st.st_size // 2)
+        else:
+            f.seek(st.st_size // 2)
+            b = f.read(1)[0]
+            f.seek(st.st_size // 2)
+            f.write(bytes([b ^ 0x04]))
+    if how == "silent_bit_flip":
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def replicated_everywhere(cluster: LocalCluster) -> int:
+    """Newest step every host committed and its peer holds (-1: none)."""
+    from mtc.proto import replicator_pb2 as pb
+    from sidecar.replicator.client import PeerClient, PeerError
+    from sidecar.replicator.security import Credentials
+
+    n, per = cluster.num_hosts, cluster.hosts_per_slice
+    held: dict[int, set[tuple[int, int]]] = {}
+    for r, a in enumerate(cluster.addresses):
+        c = PeerClient(a, Credentials(), rank=r, deadline_s=5.0)
+        try:
+            held[r] = {(x.origin_rank, x.step) for x in
+                       c.call("GetInventory", pb.InventoryRequest(), attempts=1).copies}
+        except PeerError:
+            return -1
+        finally:
+            c.close()
+    steps = {s for _, s in held[0] if _ == 0}
+    good = [s for s in steps
+            if all((o, s) in held[o] and (o, s) in held[(o + per) % n] for o in range(n))]
+    return max(good, default=-1)
+
+
+def wait_replicated(cluster: LocalCluster, step: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    got = -1
+    while time.monotonic() < deadline:
+        got = replicated_everywhere(cluster)
+        if got >= step:
+            break
+        time.sleep(0.1)
+    return got
+
+
+# -- the driver -------------------------------------------------------------------------
+
+
+def run(cycles: int, seconds: float, seed: int, base: Path,
+        keep_logs: Path | None = None) -> dict[str, Any]:
+    rng = random.Random(seed)
+    if base.exists():
+        shutil.rmtree(base)
+    cluster = LocalCluster.up(base, slices=2, hosts_per_slice=2)
+    cluster.poll_seconds = 0.05
+    out: dict[str, Any] = {"cycles": 0, "ok": 0, "corrupt": 0, "divergent": 0, "stale": 0,
+                           "errors": Counter(), "hangs": 0, "faults": Counter()}
+    seconds_list: list[float] = []
+    trainer = Trainer(base, cluster.addresses)
+    start = time.monotonic()
+    try:
+        trainer.send("cycle")  # the first cycle saves steps 0 and 1 from nothing
+        trainer.read(CYCLE_DEADLINE_S)
+        last_saved = int(trainer.read(CYCLE_DEADLINE_S).get("saved", 0))
+        while out["cycles"] < cycles and time.monotonic() - start < seconds:
+            # The newest step every host committed and its peer holds: what a
+            # one-host fault must not lose.
+            expected = wait_replicated(cluster, last_saved, 15.0)
+            fault = rng.choices(FAULTS, WEIGHTS)[0]
+            out["faults"][fault] += 1
+            host = rng.randrange(cluster.num_hosts)
+            if fault == "kill_replicator":
+                cluster.kill(host)
+                cluster.launch(host)
+                cluster.wait_serving(host)
+            elif fault == "wipe_host":
+                cluster.lose_host(host)
+                cluster.restart_host(host)
+            elif fault in ("bit_flip", "silent_bit_flip", "truncate"):
+                victim = newest_shard(cluster, rng)
+                if victim is not None:
+                    damage(victim, fault)
+            trainer.send("cycle")
+            if fault == "kill_trainer":
+                time.sleep(rng.uniform(0.0, 1.5))  # mid-restore or mid-save
+                trainer.kill()
+                trainer = Trainer(base, cluster.addresses)
+                trainer.send("cycle")
+            elif fault == "kill_replicator_in_restore":
+                time.sleep(rng.uniform(0.0, 0.3))
+                cluster.kill(host)
+                cluster.launch(host)
+                cluster.wait_serving(host)
+            out["cycles"] += 1
+            reply = trainer.read(CYCLE_DEADLINE_S)
+            if not reply or reply.get("exited"):
+                if reply.get("exited"):
+                    out["errors"]["TrainerExited"] += 1
+                else:
+                    out["hangs"] += 1
+                print(f"cycle {out['cycles']} ({fault} host {host}): restore "
+                      f"{'exited' if reply else 'hung'}", file=sys.stderr)
+                trainer.kill(stacks=True)
+                trainer = Trainer(base, cluster.addresses)
+                continue
+            if "error" in reply:
+                kind = reply["error"]
+                if "disagree" in reply.get("message", ""):
+                    out["divergent"] += 1
+                out["errors"][kind] += 1
+                print(f"cycle {out['cycles']} ({fault}): {kind}: {reply['message']}",
+                      file=sys.stderr)
+            else:
+                seconds_list.append(float(reply["seconds"]))
+                if not reply["ok"]:
+                    out["corrupt"] += 1
+                elif fault != "kill_trainer" and reply["restored"] < expected:
+                    out["stale"] += 1
+                    print(f"cycle {out['cycles']} ({fault}): restored {reply['restored']}, "
+                          f"step {expected} was replicated", file=sys.stderr)
+                else:
+                    out["ok"] += 1
+            saved = trainer.read(CYCLE_DEADLINE_S)  # the two saves
+            last_saved = int(saved.get("saved", last_saved))
+            if "save_error" in saved:
+                print(f"cycle {out['cycles']} ({fault} host {host}): save failed: "
+                      f"{saved['save_error']}: {saved['message']}", file=sys.stderr)
+            if not saved:
+                out["hangs"] += 1
+                print(f"cycle {out['cycles']} ({fault} host {host}): save hung",
+                      file=sys.stderr)
+                trainer.kill(stacks=True)
+                trainer = Trainer(base, cluster.addresses)
+    finally:
+        trainer.kill()
+        if keep_logs is not None:
+            shutil.copytree(base / "logs", keep_logs, dirs_exist_ok=True)
+        cluster.down_latest()
+    out["errors"] = dict(out["errors"])
+    out["faults"] = dict(out["faults"])
+    out["restore_s"] = ({"median": round(statistics.median(seconds_list), 3),
+                         "max": round(max(seconds_list), 3)} if seconds_list else None)
+    out["seconds"] = round(time.monotonic() - start, 1)
+    out["not_injected"] = ["link cuts and partitions (no network namespaces yet)"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="trainer.chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cycles", type=int, default=200)
+    p.add_argument("--seconds", type=float, default=600.0, help="stop after this long")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--base", type=Path,
+                   help="cluster folder (default /dev/shm/mtc-cluster-chaos-<pid>)")
+    p.add_argument("--keep-logs", type=Path, help="copy the cluster's logs here at the end")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--nodes", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.base, args.nodes.split(","))
+    base = args.base or default_base(f"chaos-{os.getpid()}")
+    print(json.dumps(run(args.cycles, args.seconds, args.seed, base, args.keep_logs)),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
