@@ -31,7 +31,8 @@ UNTYPED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
 SERVICE = "/mtc.replicator.v1.Replicator/"
 METHODS = {"GetInventory": pb.InventoryRequest, "Offer": pb.OfferRequest,
            "Link": pb.LinkRequest, "Commit": pb.CommitRequest, "Abort": pb.AbortRequest,
-           "Propose": pb.ProposeRequest, "PrepareRestore": pb.PrepareRestoreRequest,
+           "Decide": pb.DecideRequest, "GetComplete": pb.CompleteRequest,
+           "PrepareRestore": pb.PrepareRestoreRequest,
            "RequestBackup": pb.BackupRequest, "BackupPart": pb.BackupPartRequest}
 
 paths = st.one_of(
@@ -51,11 +52,10 @@ class Server:
         (base / "sentinel").mkdir()
         (base / "sentinel" / "keep").write_text("x")
         cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
-                               nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=2.0,
-                               straggler_wait_s=0.1)
+                               nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=2.0)
         self.node = Node(cfg, self.root, Credentials())
         commit_raw_step(self.root, 1, {"a.bin": b"A" * 5000, "d/b.bin": b"B" * 10})
-        self.server, port, self.servicer = serve(self.node, "127.0.0.1:0", Credentials())
+        self.server, port, self.servicer, _ = serve(self.node, "127.0.0.1:0", Credentials())
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
 
     def close(self) -> None:
@@ -106,7 +106,11 @@ def messages(draw: st.DrawFn) -> tuple[str, bytes]:
                           paths=st.lists(paths, max_size=3)),
         "Commit": st.builds(pb.CommitRequest, transfer_id=st.just(tid)),
         "Abort": st.builds(pb.AbortRequest, transfer_id=st.just(tid)),
-        "Propose": st.builds(pb.ProposeRequest, rank=ints, epoch=ints, step=ints),
+        "Decide": st.builds(pb.DecideRequest, rank=ints, restore_id=st.text(max_size=8),
+                            timeout_seconds=st.one_of(
+                                st.floats(0.01, 1.0), st.sampled_from(
+                                    [0.0, -1.0, float("nan"), float("inf"), 1e300]))),
+        "GetComplete": st.just(pb.CompleteRequest()),
         "PrepareRestore": st.builds(pb.PrepareRestoreRequest, timeout_seconds=st.one_of(
             st.floats(0.01, 1.0), st.sampled_from([0.0, -1.0, float("nan"),
                                                    float("inf"), 1e300]))),
