@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import shutil
 import threading
 import time
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 MAX_FILES = 1_000_000
 TRANSFER_IDLE_S = 300.0
+MAX_RESTORE_TIMEOUT_S = 24 * 3600.0
 
 
 def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -200,7 +202,11 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     @mapped
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: Any) -> pb.PrepareRestoreReply:
-        step, tier, seconds = self.node.prepare_restore(request.timeout_seconds or None)
+        t = request.timeout_seconds
+        if not (math.isfinite(t) and 0 <= t <= MAX_RESTORE_TIMEOUT_S):
+            # NaN or infinity would make a deadline nothing ever passes (found by fuzzing).
+            raise ValueError(f"timeout_seconds {t} is not in 0..{MAX_RESTORE_TIMEOUT_S:.0f}")
+        step, tier, seconds = self.node.prepare_restore(t or None)
         return pb.PrepareRestoreReply(step=step, tier=tier, seconds=seconds)
 
     @mapped
