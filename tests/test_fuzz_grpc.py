@@ -52,7 +52,7 @@ class Server:
         (base / "sentinel").mkdir()
         (base / "sentinel" / "keep").write_text("x")
         cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
-                               nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=2.0)
+                               nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=0.5)
         self.node = Node(cfg, self.root, Credentials())
         commit_raw_step(self.root, 1, {"a.bin": b"A" * 5000, "d/b.bin": b"B" * 10})
         self.server, port, self.servicer, _ = serve(self.node, "127.0.0.1:0", Credentials())

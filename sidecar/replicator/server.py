@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import shutil
 import threading
 import time
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 MAX_FILES = 1_000_000
 TRANSFER_IDLE_S = 300.0
+MAX_RESTORE_TIMEOUT_S = 24 * 3600.0
 
 
 def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -185,7 +187,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def Decide(self, request: pb.DecideRequest, context: Any) -> pb.DecideReply:
-        timeout = min(request.timeout_seconds or self.node.config.agreement_timeout_s,
+        timeout = min(_restore_timeout(request.timeout_seconds)
+                      or self.node.config.agreement_timeout_s,
                       self.node.config.agreement_timeout_s * 10)
         return pb.DecideReply(decision=self.node.decide_for(request.rank, request.restore_id,
                                                             timeout))
@@ -199,8 +202,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     @mapped
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: Any) -> pb.PrepareRestoreReply:
-        d, tier, seconds = self.node.prepare_restore_as(request.timeout_seconds or None,
-                                                        request.restore_id)
+        t = _restore_timeout(request.timeout_seconds)
+        d, tier, seconds = self.node.prepare_restore_as(t or None, request.restore_id)
         return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch)
 
     @mapped
@@ -329,6 +332,14 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         except (MtcError, OSError, ValueError, KeyError) as e:
             code, msg = _status(e)
             context.abort(code, msg)
+
+
+def _restore_timeout(t: float) -> float:
+    """A request's timeout, refused unless finite and in range: NaN or infinity would
+    make a deadline nothing ever passes (found by fuzzing). 0 asks for the default."""
+    if not (math.isfinite(t) and 0 <= t <= MAX_RESTORE_TIMEOUT_S):
+        raise ValueError(f"timeout_seconds {t} is not in 0..{MAX_RESTORE_TIMEOUT_S:.0f}")
+    return t
 
 
 def _raw(b: bytes) -> bytes:
