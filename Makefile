@@ -17,16 +17,16 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m trainer.elastic_demo --out out/demo
+	$(PY) -m mtc_trainer.elastic_demo --out out/demo
 
 demo-crash: $(STAMP)
-	$(PY) -m trainer.demo --out out/demo-crash
+	$(PY) -m mtc_trainer.demo --out out/demo-crash
 
 cluster-up: $(STAMP)
-	$(PY) -m trainer.cluster up
+	$(PY) -m mtc_trainer.cluster up
 
 cluster-down: $(STAMP)
-	$(PY) -m trainer.cluster down
+	$(PY) -m mtc_trainer.cluster down
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q
@@ -63,7 +63,7 @@ fuzz: $(STAMP)
 # Random faults over the local cluster for up to 10 minutes or 200 cycles; one JSON line.
 chaos: $(STAMP)
 	mkdir -p out
-	$(PY) -m trainer.chaos --cycles 200 --seconds 600 | tee out/chaos.json
+	$(PY) -m mtc_trainer.chaos --cycles 200 --seconds 600 | tee out/chaos.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

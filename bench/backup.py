@@ -57,7 +57,7 @@ import numpy as np
 from _common import GB, gbps, log, run_in_scratch, summary  # also puts the repository on the path
 
 from mtc.proto import replicator_pb2 as pb
-from sidecar.backup.job import MANIFEST
+from mtc_sidecar.backup.job import MANIFEST
 
 replicators: Any = importlib.import_module("replicators")  # tests/replicators.py
 gcs_fakes: Any = importlib.import_module("gcs_fakes")  # tests/gcs_fakes.py

@@ -4,7 +4,7 @@ Prints one JSON object to stdout (progress goes to stderr)::
 
     .venv/bin/python bench/goodput.py [--steps 1500] [--host-loss-every 500] [--out DIR]
 
-It drives the demo's trainer, ``trainer.elastic``, the way ``make demo`` does (a
+It drives the demo's trainer, ``mtc_trainer.elastic``, the way ``make demo`` does (a
 :class:`LocalCluster` of 4 replicators in 2 slices, the 3.2M-parameter model,
 the per-step snapshot), with only host losses and a save every 100 steps, and
 scores the run with the demo's own ``goodput`` function: the time the
@@ -35,9 +35,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.cluster import LocalCluster
-from trainer.demo import REPO, child_env
-from trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
+from mtc_trainer.cluster import LocalCluster
+from mtc_trainer.demo import REPO, child_env
+from mtc_trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
 
 
 def log(msg: str) -> None:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     proc: subprocess.Popen[bytes] | None = None
     try:
         cluster = LocalCluster.up(base)
-        cmd = [sys.executable, "-m", "trainer.elastic", "--cluster", str(base),
+        cmd = [sys.executable, "-m", "mtc_trainer.elastic", "--cluster", str(base),
                "--log", str(jsonl), "--steps", str(args.steps),
                "--save-interval", str(args.save_interval),
                "--host-loss-at", ",".join(str(s) for s in range(

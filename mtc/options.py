@@ -53,7 +53,7 @@ class Options:
       replicator_token: the replicators' shared token, if they require one.
       restore_timeout_s: how long a restore waits for the replicators.
       sidecars: each host's sidecar process address (``python -m
-        sidecar.host.main``), in host order; with them the hosts' RAM disks are
+        mtc_sidecar.host.main``), in host order; with them the hosts' RAM disks are
         reached only through those processes, never from this one.
       read_only: the manager only reads (Orbax's ``read_only``): it takes no
         writer lock, so it may open a directory another manager writes to; it

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from mtc.errors import AgreementError
 
 if TYPE_CHECKING:
-    from sidecar.replicator.client import PeerClient
-    from sidecar.replicator.security import Credentials
+    from mtc_sidecar.replicator.client import PeerClient
+    from mtc_sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.2  # between tries to a replicator that is restarting
@@ -41,8 +41,8 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
     the restore is asked again (within ``timeout_s``) and reads the same decision.
     The first typed error is raised as soon as it arrives; the slower calls are
     cancelled. ``creds`` (mutual TLS, token) replaces ``token`` when given."""
-    from sidecar.replicator.client import PeerClient
-    from sidecar.replicator.security import Credentials
+    from mtc_sidecar.replicator.client import PeerClient
+    from mtc_sidecar.replicator.security import Credentials
 
     if creds is None:
         creds = Credentials(token=token)
@@ -80,8 +80,8 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
     """PrepareRestore on one replicator, sent again while it is unreachable
     (restarting) and time is left; any other error is raised as its domain type."""
     from mtc.proto import replicator_pb2 as pb
-    from sidecar.replicator.client import PeerError
-    from sidecar.replicator.status import is_retryable
+    from mtc_sidecar.replicator.client import PeerError
+    from mtc_sidecar.replicator.status import is_retryable
 
     while True:
         left = deadline - time.monotonic()

@@ -24,8 +24,8 @@ from mtc.contract import AgentConfig, SaveHeader
 from mtc.errors import MtcError
 from mtc.manifest import Index, LeafEntry
 from mtc.shards import distinct_shards
-from sidecar.buffers import StagingPool
-from sidecar.write import HostSave, StagedShard, Writer
+from mtc_sidecar.buffers import StagingPool
+from mtc_sidecar.write import HostSave, StagedShard, Writer
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from mtc.contract import (
     encode_reply,
 )
 from mtc.errors import MtcError, StorageError
-from sidecar.agent import HostAgent
-from sidecar.ops import HostOps
+from mtc_sidecar.agent import HostAgent
+from mtc_sidecar.ops import HostOps
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.errors import CorruptShardError
-from sidecar.quarantine import quarantine
-from sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
-from sidecar.replicator.store import REPLICA_DIR
+from mtc_sidecar.quarantine import quarantine
+from mtc_sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
+from mtc_sidecar.replicator.store import REPLICA_DIR
 
 
 def _stacked_on_leading_axis(task: ReadTask) -> bool:

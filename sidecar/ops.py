@@ -26,7 +26,7 @@ from mtc.contract import (
 )
 from mtc.errors import LocalDirError, ManifestError, MtcError, ProtocolError, StorageError
 from mtc.manifest import MANIFEST_NAME, Manifest
-from sidecar.load import ShardLoader
+from mtc_sidecar.load import ShardLoader
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.proto import replicator_pb2 as pb
-from sidecar.replicator.client import PeerClient
-from sidecar.replicator.healthcheck import check
-from sidecar.replicator.security import Credentials
-from trainer.cluster import free_ports
+from mtc_sidecar.replicator.client import PeerClient
+from mtc_sidecar.replicator.healthcheck import check
+from mtc_sidecar.replicator.security import Credentials
+from mtc_trainer.cluster import free_ports
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -57,7 +57,8 @@ class Cluster:
         """Start replicator ``rank`` without waiting for it to serve."""
         log = open(self.logs / f"replicator-{rank}.log", "ab")
         metrics = ("--metrics-port", str(self.metrics_ports[rank])) if self.metrics else ()
-        cmd = [sys.executable, "-m", "sidecar.replicator.main", "--local-dir", str(self.root(rank)),
+        cmd = [sys.executable, "-m", "mtc_sidecar.replicator.main",
+               "--local-dir", str(self.root(rank)),
                "--listen", self.addrs[rank], "--nodes", ",".join(self.addrs),
                *(() if self.orbax else ("--rank", str(rank),
                                         "--nodes-per-slice", str(self.per_slice))),

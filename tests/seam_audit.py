@@ -26,7 +26,8 @@ _EVENTS = {"open", "os.listdir", "os.scandir", "os.rename", "os.remove", "os.rmd
            "shutil.rmtree", "shutil.copyfile", "shutil.move"}
 _PKG = Path(__file__).resolve().parents[1]
 _CONTROLLER = str(_PKG / "mtc") + os.sep
-_HOST = str(_PKG / "sidecar") + os.sep
+# Host-side code imports as mtc_sidecar (a symlink to sidecar/): either path.
+_HOST = (str(_PKG / "sidecar") + os.sep, str(_PKG / "mtc_sidecar") + os.sep)
 
 _roots: list[str] = []
 _leaks: list[str] = []

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from mtc.errors import AgreementError, CorruptShardError, StepNotFoundError
-from sidecar.replicator.agreement import (
+from mtc_sidecar.replicator.agreement import (
     Book,
     CannotDecide,
     Coordinator,
@@ -27,10 +27,10 @@ from sidecar.replicator.agreement import (
     missing_asks,
     newest_complete,
 )
-from sidecar.replicator.client import PeerError
-from sidecar.replicator.main import healthy
-from sidecar.replicator.node import GcInputs, GcPlan, gc_plan
-from sidecar.replicator.status import error_class, is_retryable, to_status
+from mtc_sidecar.replicator.client import PeerError
+from mtc_sidecar.replicator.main import healthy
+from mtc_sidecar.replicator.node import GcInputs, GcPlan, gc_plan
+from mtc_sidecar.replicator.status import error_class, is_retryable, to_status
 
 
 def own_only(r: int) -> list[int]:

@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainer import aot
-from trainer.recovery import pause_seconds
+from mtc_trainer import aot
+from mtc_trainer.recovery import pause_seconds
 
 
 @pytest.mark.parametrize(("active", "total", "depth", "want"), [

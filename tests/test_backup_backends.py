@@ -18,10 +18,10 @@ from gcs_fakes import Emulator, FakeStorageControl, FaultProxy, free_port
 
 from mtc.errors import StepExistsError
 from mtc.integrity import crc32c
-from sidecar.backup.backend import BackupUnavailableError, CorruptBackupError, open_backend
-from sidecar.backup.fsspec_backend import FsspecBackend
-from sidecar.backup.gcs import GcsBackend, crc_b64
-from sidecar.backup.local import LocalBackend
+from mtc_sidecar.backup.backend import BackupUnavailableError, CorruptBackupError, open_backend
+from mtc_sidecar.backup.fsspec_backend import FsspecBackend
+from mtc_sidecar.backup.gcs import GcsBackend, crc_b64
+from mtc_sidecar.backup.local import LocalBackend
 
 MiB = 1 << 20
 # Retry quickly and give up within seconds, so failure tests take seconds, not minutes.

@@ -3,7 +3,7 @@
 after the loss of the whole cluster, the GCS emulator (flat and HNS buckets), and faults.
 
 2 slices x 2 hosts, one peer copy each. Every replicator is a real
-``python -m sidecar.replicator.main`` process; the GCS emulator, the fault proxy and the
+``python -m mtc_sidecar.replicator.main`` process; the GCS emulator, the fault proxy and the
 Storage Control double are started by the tests (tests/gcs_fakes.py).
 """
 
@@ -30,9 +30,9 @@ from replicators import Cluster, assert_state_equal, commit_raw_step, env_with_r
 import mtc
 from mtc.errors import MtcError
 from mtc.proto import replicator_pb2 as pb
-from sidecar.backup.job import MANIFEST
-from sidecar.replicator.client import PeerError
-from sidecar.replicator.store import file_sha256
+from mtc_sidecar.backup.job import MANIFEST
+from mtc_sidecar.replicator.client import PeerError
+from mtc_sidecar.replicator.store import file_sha256
 
 OPTS = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
 MiB = 1 << 20

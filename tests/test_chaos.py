@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_chaos_short_run() -> None:
     base = Path("/dev/shm") / f"mtc-cluster-chaos-test-{uuid.uuid4().hex[:8]}"
-    r = subprocess.run([sys.executable, "-m", "trainer.chaos", "--cycles", "5",
+    r = subprocess.run([sys.executable, "-m", "mtc_trainer.chaos", "--cycles", "5",
                         "--seconds", "45", "--seed", "3", "--base", str(base)],
                        cwd=REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]

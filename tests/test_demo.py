@@ -18,7 +18,7 @@ def test_demo_recovers_from_a_crash_with_the_reference_loss_curve(tmp_path: Path
                                                                  ramdisk: Path) -> None:
     out = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "trainer.demo", "--out", str(out), "--steps", "40",
+        [sys.executable, "-m", "mtc_trainer.demo", "--out", str(out), "--steps", "40",
          "--model", "tiny", "--kill-at", "25", "--save-interval", "10",
          "--ramdisk-root", str(ramdisk)],
         cwd=REPO, capture_output=True, text=True, timeout=230)

@@ -1,7 +1,7 @@
 """Deployment: the JobSet wrapper of the replicator, the images, the manifests (offline).
 
 No cluster and no Docker engine run here. What is checked instead:
-- ``sidecar.replicator.k8s``: ranks and peer addresses from the JobSet
+- ``mtc_sidecar.replicator.k8s``: ranks and peer addresses from the JobSet
   environment, ``jax-init-info.txt`` written atomically, the plaintext health
   mirror (also over mutual TLS), a real ``mtc-replicator-k8s`` process;
 - ``deploy/``: every overlay renders with ``kubectl kustomize``; core kinds, and
@@ -42,8 +42,8 @@ from packaging.requirements import Requirement
 from replicators import env_with_repo, free_ports
 
 from mtc.errors import ConfigError
-from sidecar.replicator import healthcheck
-from sidecar.replicator.k8s import (
+from mtc_sidecar.replicator import healthcheck
+from mtc_sidecar.replicator.k8s import (
     JAX_INIT_INFO,
     HealthMirror,
     JobSetPlace,
@@ -52,7 +52,7 @@ from sidecar.replicator.k8s import (
     replicator_argv,
     write_jax_init_info,
 )
-from sidecar.replicator.security import Credentials
+from mtc_sidecar.replicator.security import Credentials
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -127,7 +127,7 @@ def test_replicator_command_line() -> None:
     assert opts["--nodes"].split(",")[3] == "mtc-train-worker-1-0.mtc-train:7000"
     assert opts["--tls-ca"] == "a" and opts["--replicas"] == "1"
     assert argv[-1] == "--keep=3"
-    from sidecar.replicator import main as replicator
+    from mtc_sidecar.replicator import main as replicator
     parsed = replicator.parse_args(argv)       # mtc-replicator accepts what we pass
     assert parsed.rank == 3 and parsed.keep == 3
 
@@ -180,7 +180,7 @@ def test_wrapper_process_writes_init_info_and_mirrors_health(tmp_path: Path) -> 
            "MTC_WRITE_JAX_INIT_INFO": "1"}
     log = open(tmp_path / "log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.replicator.k8s", "--local-dir", str(local),
+        [sys.executable, "-m", "mtc_sidecar.replicator.k8s", "--local-dir", str(local),
          "--replicas", "0", "--token-file", str(tmp_path / "token")],
         env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -713,10 +713,10 @@ def test_entrypoints_and_health_checks_answer_help(where: str, argv: list[str]) 
 
 def test_image_modules_import() -> None:
     """What each image runs imports here: the trainer's loop, the replicator, the host side."""
-    modules = ["trainer.k8s", "trainer.model", "trainer.data", "mtc", "mtc.replicas",
-               "sidecar.replicator.k8s", "sidecar.replicator.main",
-               "sidecar.replicator.healthcheck",
-               "sidecar.agent", "sidecar.colocated"]
+    modules = ["mtc_trainer.k8s", "mtc_trainer.model", "mtc_trainer.data", "mtc", "mtc.replicas",
+               "mtc_sidecar.replicator.k8s", "mtc_sidecar.replicator.main",
+               "mtc_sidecar.replicator.healthcheck",
+               "mtc_sidecar.agent", "mtc_sidecar.colocated"]
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
     out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True,
                          timeout=120, env={**env_with_repo(), "JAX_PLATFORMS": "cpu"}, cwd=REPO)
@@ -725,8 +725,8 @@ def test_image_modules_import() -> None:
 
 def test_image_entrypoints_are_console_scripts() -> None:
     scripts = PYPROJECT["project"]["scripts"]
-    assert scripts["mtc-replicator-k8s"] == "sidecar.replicator.k8s:main"
-    assert scripts["mtc-train-k8s"] == "trainer.k8s:main"
+    assert scripts["mtc-replicator-k8s"] == "mtc_sidecar.replicator.k8s:main"
+    assert scripts["mtc-train-k8s"] == "mtc_trainer.k8s:main"
     entry = {df.name: [_exec_form(r) for s, ins in final_stages(df).items()
                        for w, r in ins if w == "ENTRYPOINT"] for df in DOCKERFILES.values()}
     assert entry["Dockerfile.sidecar"] == [["mtc-replicator-k8s"]]

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mtc
-from trainer.cluster import LocalCluster
+from mtc_trainer.cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -149,7 +149,7 @@ def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
 
 def run_demo(out: Path, ramdisk: Path, *args: str) -> dict:
     r = subprocess.run(
-        [sys.executable, "-m", "trainer.elastic_demo", "--out", str(out), "--model", "tiny",
+        [sys.executable, "-m", "mtc_trainer.elastic_demo", "--out", str(out), "--model", "tiny",
          "--ramdisk-root", str(ramdisk), *args],
         cwd=REPO, capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

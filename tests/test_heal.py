@@ -23,8 +23,8 @@ import mtc
 from mtc import cli
 from mtc.errors import CorruptShardError
 from mtc.manifest import MANIFEST_NAME
-from sidecar.quarantine import QUARANTINE_DIR, quarantined
-from sidecar.replicator.store import REPLICA_DIR, file_crc
+from mtc_sidecar.quarantine import QUARANTINE_DIR, quarantined
+from mtc_sidecar.replicator.store import REPLICA_DIR, file_crc
 
 QUARANTINED = "mtc_quarantined_files_total"
 
@@ -249,8 +249,8 @@ def _inv(rank: int, copies: list[tuple[int, int, list[tuple[str, int, int]]]]) -
 
 
 def test_heal_sources_and_order() -> None:
-    from sidecar.replicator.restore import fetch_order, heal_sources
-    from sidecar.replicator.store import FileMeta
+    from mtc_sidecar.replicator.restore import fetch_order, heal_sources
+    from mtc_sidecar.replicator.store import FileMeta
 
     a, b = ("a.bin", 10, 1), ("b.bin", 20, 2)
     invs = {

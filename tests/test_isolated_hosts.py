@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mtc
-from trainer.isolation import Hosts
+from mtc_trainer.isolation import Hosts
 
 SLICES = [0, 0, 1, 1]
 

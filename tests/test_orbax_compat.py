@@ -3,7 +3,7 @@
 Four JAX processes (2 slices x 2 hosts, 2 CPU devices each) run
 ``tests/workers/orbax_worker.py``: Orbax's ``initialize_multi_tier_checkpointing``
 and ``ReplicatorCheckpointManager``, talking to four real replicator processes
-(``python -m sidecar.replicator.main`` without ``--rank``) only through the
+(``python -m mtc_sidecar.replicator.main`` without ``--rank``) only through the
 files of the GKE replicator protocol (``replicator.yaml``, restore markers,
 step folders). Like GKE's CSI driver, the test writes ``jax-init-info.txt``.
 

@@ -1,7 +1,7 @@
 """The replicator with real processes: replication, dedup, restore after host loss,
 an unreachable peer, garbage collection, metrics.
 
-Every replicator is a real ``python -m sidecar.replicator.main`` process; losing a
+Every replicator is a real ``python -m mtc_sidecar.replicator.main`` process; losing a
 host means SIGKILL to its replicator and deleting its RAM-disk root.
 """
 
@@ -21,7 +21,7 @@ from replicators import Cluster, assert_state_equal, commit_raw_step, make_state
 import mtc
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
-from sidecar.replicator.client import PeerError
+from mtc_sidecar.replicator.client import PeerError
 
 OPTS = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
 

@@ -25,9 +25,9 @@ from replicators import Cluster, commit_raw_step, new_cluster
 import mtc
 from mtc.manifest import MANIFEST_NAME
 from mtc.proto import replicator_pb2 as pb
-from sidecar.replicator.client import PeerError
-from sidecar.replicator.config import ReplicatorConfig
-from sidecar.replicator.store import REPLICA_DIR
+from mtc_sidecar.replicator.client import PeerError
+from mtc_sidecar.replicator.config import ReplicatorConfig
+from mtc_sidecar.replicator.store import REPLICA_DIR
 
 MiB = 1 << 20
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from trainer.data import VOCAB, make_iterator
-from trainer.model import Config, Trainer
-from trainer.snapshot import SnapshotLostError, take
+from mtc_trainer.data import VOCAB, make_iterator
+from mtc_trainer.model import Config, Trainer
+from mtc_trainer.snapshot import SnapshotLostError, take
 
 
 def _trainer(devices: list[jax.Device], replicas: int) -> Trainer:

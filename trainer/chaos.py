@@ -1,8 +1,8 @@
 """``make chaos``: random faults over the local cluster, every restore checked exactly.
 
-    python -m trainer.chaos [--cycles 200] [--seconds 600] [--seed 0]
+    python -m mtc_trainer.chaos [--cycles 200] [--seconds 600] [--seed 0]
 
-Starts a local cluster (``trainer.cluster``: 2 slices of 2 simulated hosts, one
+Starts a local cluster (``mtc_trainer.cluster``: 2 slices of 2 simulated hosts, one
 real replicator process per host, backups to a folder) and a trainer process
 whose state is a function of the step (tiny arrays). Each cycle injects one
 fault, then has the trainer restore through the replicators (``restore()``
@@ -37,7 +37,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from trainer.cluster import REPO, LocalCluster, _env, default_base
+from mtc_trainer.cluster import REPO, LocalCluster, _env, default_base
 
 FAULTS = ("none", "kill_trainer", "kill_replicator", "kill_replicator_in_restore",
           "wipe_host", "bit_flip", "silent_bit_flip", "truncate")
@@ -116,9 +116,9 @@ def worker(base: Path, addrs: list[str]) -> int:
 
 class Trainer:
     def __init__(self, base: Path, addrs: list[str]) -> None:
-        self.log = (base / "logs" / "trainer.log").open("ab")
+        self.log = (base / "logs" / "mtc_trainer.log").open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.chaos", "--worker", "--base", str(base),
+            [sys.executable, "-m", "mtc_trainer.chaos", "--worker", "--base", str(base),
              "--nodes", ",".join(addrs)], cwd=REPO, env=_env(), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
         self._buf = b""
@@ -194,8 +194,8 @@ def damage(path: Path, how: str) -> None:
 def replicated_everywhere(cluster: LocalCluster) -> int:
     """Newest step every host committed and its peer holds (-1: none)."""
     from mtc.proto import replicator_pb2 as pb
-    from sidecar.replicator.client import PeerClient, PeerError
-    from sidecar.replicator.security import Credentials
+    from mtc_sidecar.replicator.client import PeerClient, PeerError
+    from mtc_sidecar.replicator.security import Credentials
 
     n, per = cluster.num_hosts, cluster.hosts_per_slice
     held: dict[int, set[tuple[int, int]]] = {}
@@ -328,7 +328,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="trainer.chaos", description=__doc__,
+    p = argparse.ArgumentParser(prog="mtc_trainer.chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cycles", type=int, default=200)
     p.add_argument("--seconds", type=float, default=600.0, help="stop after this long")

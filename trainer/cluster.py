@@ -1,9 +1,9 @@
 """``mtc-cluster``: a local cluster of simulated hosts, one command up, one down.
 
-    python -m trainer.cluster up   [--name N] [--slices 2] [--hosts-per-slice 2]
+    python -m mtc_trainer.cluster up   [--name N] [--slices 2] [--hosts-per-slice 2]
                                    [--backup URL | --backup gcs-emulator]
-    python -m trainer.cluster status [--name N]
-    python -m trainer.cluster down [--name N]
+    python -m mtc_trainer.cluster status [--name N]
+    python -m mtc_trainer.cluster down [--name N]
 
 ``up`` gives every simulated host a RAM-disk root ``/dev/shm/mtc-cluster-<name>/host-<i>``
 and starts one real ``mtc-replicator`` process per host (peer copies in the
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer import gcs_emulator
+from mtc_trainer import gcs_emulator
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = "cluster.json"
@@ -131,7 +131,7 @@ class LocalCluster:
         logs = self.base / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.port_file(rank).unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "sidecar.replicator.main",
+        cmd = [sys.executable, "-m", "mtc_sidecar.replicator.main",
                "--local-dir", str(self.root(rank)), "--listen", self.addresses[rank],
                "--nodes", ",".join(self.addresses), "--rank", str(rank),
                "--nodes-per-slice", str(self.hosts_per_slice), "--replicas", "1",
@@ -150,7 +150,7 @@ class LocalCluster:
         one health check confirms."""
         import grpc
 
-        from sidecar.replicator.healthcheck import check
+        from mtc_sidecar.replicator.healthcheck import check
 
         deadline = time.monotonic() + timeout
         port_file = self.port_file(rank)

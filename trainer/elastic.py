@@ -1,8 +1,8 @@
 """The elastic trainer: one training process that survives losing a host or a slice.
 
-Run as ``python -m trainer.elastic --cluster BASE --log FILE`` against a local
-cluster started with ``python -m trainer.cluster up``. The process trains the
-small LM of :mod:`trainer.model` on 8 CPU devices arranged as ``--slices`` slices
+Run as ``python -m mtc_trainer.elastic --cluster BASE --log FILE`` against a local
+cluster started with ``python -m mtc_trainer.cluster up``. The process trains the
+small LM of :mod:`mtc_trainer.model` on 8 CPU devices arranged as ``--slices`` slices
 (mesh axis ``replica``, data parallel) x devices per slice (axis ``model``),
 checkpointing with mtc to the cluster's simulated hosts (2 per slice), whose
 replicators copy every step to a peer host in the other slice.
@@ -29,10 +29,10 @@ Failure injection, real where it can be:
   ahead: the demo shows recovery in steady state). It comes back after
   ``--slice-down-steps`` steps have run on the survivors.
 
-Every step also emits a snapshot of its new state (``trainer.snapshot``; off
+Every step also emits a snapshot of its new state (``mtc_trainer.snapshot``; off
 with ``--no-snapshot``), so a failure replays at most the step it interrupted.
 
-Every program runs as an ahead-of-time executable (:mod:`trainer.aot`). Once a
+Every program runs as an ahead-of-time executable (:mod:`mtc_trainer.aot`). Once a
 mesh trains, a background thread compiles (XLA at lower OS priority) and warms
 up the step for every mesh replica resize can reach from it, ``--compile-ahead``
 slices fewer, and for the way back up, with the shardings those meshes have; so
@@ -89,15 +89,15 @@ from pathwaysutils.elastic import manager as pw_manager
 
 import mtc
 from mtc import layout
-from trainer import aot
-from trainer.cluster import LocalCluster
-from trainer.data import VOCAB, make_iterator
-from trainer.faults import HostFaults
-from trainer.jsonlog import JsonLog
-from trainer.model import PRESETS, Config, State, Trainer, count_params
-from trainer.recovery import Recovery, pause_seconds
-from trainer.reference import compare, reference_losses
-from trainer.snapshot import Retirer, Snapshot, take
+from mtc_trainer import aot
+from mtc_trainer.cluster import LocalCluster
+from mtc_trainer.data import VOCAB, make_iterator
+from mtc_trainer.faults import HostFaults
+from mtc_trainer.jsonlog import JsonLog
+from mtc_trainer.model import PRESETS, Config, State, Trainer, count_params
+from mtc_trainer.recovery import Recovery, pause_seconds
+from mtc_trainer.reference import compare, reference_losses
+from mtc_trainer.snapshot import Retirer, Snapshot, take
 
 log = logging.getLogger("mtc.elastic")
 

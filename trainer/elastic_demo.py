@@ -1,11 +1,11 @@
 """``make demo``: an elastic training job loses a host, then a slice, and comes back.
 
-Run as ``python -m trainer.elastic_demo --out out/demo``. It:
+Run as ``python -m mtc_trainer.elastic_demo --out out/demo``. It:
 
-1. starts a local cluster (``trainer.cluster``): 2 slices x 2 simulated hosts,
+1. starts a local cluster (``mtc_trainer.cluster``): 2 slices x 2 simulated hosts,
    RAM-disk roots under ``/dev/shm/mtc-cluster-demo-<pid>``, one real
    ``mtc-replicator`` process per host, backups to a local folder;
-2. runs the elastic trainer (``trainer.elastic``, a 3.2M-parameter LM) on 8
+2. runs the elastic trainer (``mtc_trainer.elastic``, a 3.2M-parameter LM) on 8
    CPU devices: twice it loses a host once a save is on its peer (replicator
    SIGKILLed, RAM disk wiped, the slice's devices raise DATA_LOSS), pauses
    until the host's replacement is back empty and restores through mtc, the
@@ -47,9 +47,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from trainer.cluster import LocalCluster
-from trainer.demo import REPO, ChildFailed, child_env
-from trainer.jsonlog import JsonTail
+from mtc_trainer.cluster import LocalCluster
+from mtc_trainer.demo import REPO, ChildFailed, child_env
+from mtc_trainer.jsonlog import JsonTail
 
 POLL_S = 0.05
 
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = LocalCluster.up(base)
         follower.say(f"cluster up: 4 hosts in 2 slices under {base}, replicators "
                      f"{', '.join(cluster.addresses)}")
-        cmd = [sys.executable, "-m", "trainer.elastic", "--cluster", str(base),
+        cmd = [sys.executable, "-m", "mtc_trainer.elastic", "--cluster", str(base),
                "--log", str(out / "elastic.jsonl"), "--steps", str(args.steps),
                "--seed", str(args.seed), "--save-interval", str(args.save_interval),
                "--model", args.model, "--lost-host", str(args.lost_host),

@@ -13,9 +13,9 @@ import jax
 from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
 from mtc import layout
-from sidecar.replicator.store import REPLICA_DIR
-from trainer.cluster import LocalCluster
-from trainer.jsonlog import JsonLog
+from mtc_sidecar.replicator.store import REPLICA_DIR
+from mtc_trainer.cluster import LocalCluster
+from mtc_trainer.jsonlog import JsonLog
 
 
 class SliceLossSimulator(DeviceLossSimulator):

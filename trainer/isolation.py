@@ -121,10 +121,10 @@ class Hosts:
     def start_sidecar(self, i: int, slices: Sequence[int], *, env: dict[str, str] | None = None,
                       writer_threads: int = 2) -> Host:
         h = self.hosts[i]
-        ready = self.base / f"host-{i}" / "sidecar.ready"
+        ready = self.base / f"host-{i}" / "mtc_sidecar.ready"
         ready.unlink(missing_ok=True)
         listen = f"{h.address}:0"
-        cmd = [sys.executable, "-m", "sidecar.host.main", "--root", str(h.root),
+        cmd = [sys.executable, "-m", "mtc_sidecar.host.main", "--root", str(h.root),
                "--area", str(h.area), "--host", str(i), "--slices",
                ",".join(str(s) for s in slices), "--listen", listen,
                "--ready-file", str(ready), "--writer-threads", str(writer_threads)]
@@ -134,7 +134,7 @@ class Hosts:
                       f"'{h.root}' && exec \"$@\"")
             cmd = ["ip", "netns", "exec", h.netns, "unshare", "--mount",
                    "--propagation", "private", "--", "sh", "-c", script, "sh", *cmd]
-        log = open(self.base / f"host-{i}" / "sidecar.log", "ab")
+        log = open(self.base / f"host-{i}" / "mtc_sidecar.log", "ab")
         h.sidecar = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         log.close()

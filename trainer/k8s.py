@@ -1,6 +1,6 @@
 """``mtc-train-k8s``: the demo trainer as a cluster job, on Pathways or multi-controller JAX.
 
-The same LM as ``trainer.train``, checkpointed with mtc to each host's RAM
+The same LM as ``mtc_trainer.train``, checkpointed with mtc to each host's RAM
 disk (``--ramdisk``, the path mounted on every worker), with the replicators of
 ``deploy/`` copying steps to peers. On start it restores the newest step every
 host can restore (the replicators agree on it and fetch what a replaced host
@@ -15,7 +15,7 @@ lacks from its peers), or initializes from ``--seed``.
   with the process count from the JobSet environment.
 
 The workers' replicator addresses come from the JobSet environment (see
-``sidecar.replicator.k8s``). Progress goes to stdout as JSON lines; each step
+``mtc_sidecar.replicator.k8s``). Progress goes to stdout as JSON lines; each step
 touches ``--heartbeat`` for the image's HEALTHCHECK.
 """
 
@@ -75,7 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def wait_for_init_info(local_dir: Path, timeout_s: float) -> tuple[int, str]:
-    from sidecar.replicator.k8s import JAX_INIT_INFO, read_jax_init_info
+    from mtc_sidecar.replicator.k8s import JAX_INIT_INFO, read_jax_init_info
 
     deadline = time.monotonic() + timeout_s
     while not (local_dir / JAX_INIT_INFO).exists():
@@ -98,7 +98,7 @@ def init_jax(args: argparse.Namespace) -> str:
         return mode
     import jax
 
-    from sidecar.replicator.k8s import JobSetPlace
+    from mtc_sidecar.replicator.k8s import JobSetPlace
 
     place = JobSetPlace.from_env()
     process_id, coordinator = wait_for_init_info(args.ramdisk, args.init_timeout)
@@ -129,7 +129,7 @@ def make_mesh(hosts_per_slice: int) -> Any:
 
 
 def replicator_credentials(args: argparse.Namespace) -> Any:
-    from sidecar.replicator.security import Credentials
+    from mtc_sidecar.replicator.security import Credentials
 
     tls = args.tls_dir
     return Credentials.from_files(
@@ -148,10 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import mtc
     from mtc.replicas import prepare_restore
-    from sidecar.replicator.k8s import JobSetPlace
-    from trainer import aot
-    from trainer.data import VOCAB, make_iterator
-    from trainer.model import Config, Trainer, count_params
+    from mtc_sidecar.replicator.k8s import JobSetPlace
+    from mtc_trainer import aot
+    from mtc_trainer.data import VOCAB, make_iterator
+    from mtc_trainer.model import Config, Trainer, count_params
 
     cache = aot.enable_cache(args.compile_cache or None) if mode != "pathways" else None
 

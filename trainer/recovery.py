@@ -8,7 +8,7 @@ import time
 from collections.abc import Set
 from typing import Any
 
-from trainer.aot import READY, Use
+from mtc_trainer.aot import READY, Use
 
 
 def pause_seconds(missing: Set[int], replacing: Set[int], timeout: float,

@@ -33,7 +33,7 @@ class ColocatedDispatch(HostCalls):
     def __init__(self, config: AgentConfig, devices: Sequence[jax.Device]) -> None:
         from jax.experimental import colocated_python
 
-        from sidecar.colocated import RemoteAgent, install_cpu_id_patch
+        from mtc_sidecar.colocated import RemoteAgent, install_cpu_id_patch
 
         install_cpu_id_patch()
 

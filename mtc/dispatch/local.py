@@ -11,9 +11,9 @@ import numpy as np
 
 from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, decode_reply, encode_request
 from mtc.dispatch.calls import HostCalls
-from sidecar.agent import HostAgent
-from sidecar.load import ShardLoader, load_leaves
-from sidecar.ops import HostOps
+from mtc_sidecar.agent import HostAgent
+from mtc_sidecar.load import ShardLoader, load_leaves
+from mtc_sidecar.ops import HostOps
 
 
 class LocalDispatch(HostCalls):

@@ -1,6 +1,6 @@
 """Host-side code in a sidecar process per host, reached over gRPC (the local cluster).
 
-Each simulated host is its own processes: a sidecar (``python -m sidecar.host.main``)
+Each simulated host is its own processes: a sidecar (``python -m mtc_sidecar.host.main``)
 that alone sees the host's RAM disk, and the host's replicator. This dispatcher
 is what the controller holds instead of host-side objects: a request per host
 operation, and the array bytes through each host's shared-memory area.

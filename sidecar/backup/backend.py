@@ -68,10 +68,10 @@ def open_backend(url: str, *, retry_deadline_s: float | None = None) -> Backend:
     failures before it raises :class:`BackupUnavailableError` (GCS; default 120 s)."""
     scheme = url.split("://", 1)[0] if "://" in url else "file"
     if scheme == "file":
-        from sidecar.backup.local import LocalBackend
+        from mtc_sidecar.backup.local import LocalBackend
         return LocalBackend(url)
     if scheme == "gs":
-        from sidecar.backup.gcs import GcsBackend
+        from mtc_sidecar.backup.gcs import GcsBackend
         if retry_deadline_s is None:
             return GcsBackend(url)
         if retry_deadline_s <= 0:
@@ -79,5 +79,5 @@ def open_backend(url: str, *, retry_deadline_s: float | None = None) -> Backend:
         return GcsBackend(url, deadline=retry_deadline_s,
                           initial_backoff=min(1.0, retry_deadline_s / 8),
                           max_backoff=min(30.0, retry_deadline_s / 2))
-    from sidecar.backup.fsspec_backend import FsspecBackend
+    from mtc_sidecar.backup.fsspec_backend import FsspecBackend
     return FsspecBackend(url)

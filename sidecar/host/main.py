@@ -1,4 +1,4 @@
-"""``python -m sidecar.host.main``: the sidecar process of one host.
+"""``python -m mtc_sidecar.host.main``: the sidecar process of one host.
 
 It alone (with the host's replicator) sees the host's RAM disk; the trainer
 reaches it over gRPC and hands it bytes through the host's shared-memory area.
@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 
 from mtc.contract import AgentConfig
-from sidecar.host.service import HostService, handler
+from mtc_sidecar.host.service import HostService, handler
 
-log = logging.getLogger("sidecar.host")
+log = logging.getLogger("mtc_sidecar.host")
 MAX_MESSAGE = 256 << 20
 
 

@@ -15,9 +15,9 @@ from mtc.errors import CorruptShardError, MtcError, RetryableError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from sidecar.replicator.security import Credentials
-from sidecar.replicator.status import TRANSIENT, error_class
-from sidecar.replicator.store import CHUNK
+from mtc_sidecar.replicator.security import Credentials
+from mtc_sidecar.replicator.status import TRANSIENT, error_class
+from mtc_sidecar.replicator.store import CHUNK
 
 T = TypeVar("T")
 MAX_MESSAGE = 64 << 20

@@ -54,7 +54,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtc.errors import ConfigError, MtcError
-from sidecar.replicator.security import Credentials
+from mtc_sidecar.replicator.security import Credentials
 
 log = logging.getLogger("mtc.replicator.k8s")
 
@@ -302,7 +302,7 @@ def replicator_argv(args: argparse.Namespace, rest: Sequence[str], place: JobSet
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from sidecar.replicator import main as replicator
+    from mtc_sidecar.replicator import main as replicator
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s replicator-k8s: %(message)s")

@@ -19,11 +19,11 @@ import grpc
 from grpc_health.v1 import health
 
 from mtc.errors import ConfigError, MtcError
-from sidecar.replicator import orbax
-from sidecar.replicator.config import ReplicatorConfig
-from sidecar.replicator.node import Node
-from sidecar.replicator.security import Credentials
-from sidecar.replicator.server import ReplicatorServicer, serve, set_health
+from mtc_sidecar.replicator import orbax
+from mtc_sidecar.replicator.config import ReplicatorConfig
+from mtc_sidecar.replicator.node import Node
+from mtc_sidecar.replicator.security import Credentials
+from mtc_sidecar.replicator.server import ReplicatorServicer, serve, set_health
 
 log = logging.getLogger("mtc.replicator")
 
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                                        args.tls_ca)
         backup = None
         if args.backup:
-            from sidecar.backup.backend import open_backend
-            from sidecar.backup.schedule import BackupPolicy, BackupScheduler
+            from mtc_sidecar.backup.backend import open_backend
+            from mtc_sidecar.backup.schedule import BackupPolicy, BackupScheduler
 
             minutes = args.backup_interval_minutes
             steps = args.backup_interval_steps

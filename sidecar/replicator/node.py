@@ -35,9 +35,9 @@ import grpc
 
 from mtc.errors import AgreementError, ConfigError, CorruptShardError, MtcError
 from mtc.proto import replicator_pb2 as pb
-from sidecar.backup.duties import BackupDuties
-from sidecar.backup.schedule import BackupScheduler
-from sidecar.replicator.agreement import (
+from mtc_sidecar.backup.duties import BackupDuties
+from mtc_sidecar.backup.schedule import BackupScheduler
+from mtc_sidecar.replicator.agreement import (
     BOOK_NAME,
     Book,
     Coordinator,
@@ -46,13 +46,13 @@ from sidecar.replicator.agreement import (
     Holding,
     newest_complete,
 )
-from sidecar.replicator.client import PeerClient, PeerError
-from sidecar.replicator.config import ReplicatorConfig
-from sidecar.replicator.metrics import Metrics
-from sidecar.replicator.restore import RestoreDuties
-from sidecar.replicator.security import Credentials
-from sidecar.replicator.status import is_retryable
-from sidecar.replicator.store import FileMeta, LocalStore, file_sha256
+from mtc_sidecar.replicator.client import PeerClient, PeerError
+from mtc_sidecar.replicator.config import ReplicatorConfig
+from mtc_sidecar.replicator.metrics import Metrics
+from mtc_sidecar.replicator.restore import RestoreDuties
+from mtc_sidecar.replicator.security import Credentials
+from mtc_sidecar.replicator.status import is_retryable
+from mtc_sidecar.replicator.store import FileMeta, LocalStore, file_sha256
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read

@@ -14,20 +14,20 @@ from typing import TYPE_CHECKING
 from mtc import layout
 from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
-from sidecar.replicator.store import FileMeta, copy_verified
+from mtc_sidecar.replicator.store import FileMeta, copy_verified
 
 if TYPE_CHECKING:
-    from sidecar.backup.schedule import BackupScheduler
-    from sidecar.replicator.client import PeerClient
-    from sidecar.replicator.config import ReplicatorConfig
-    from sidecar.replicator.metrics import Metrics
-    from sidecar.replicator.store import LocalStore
+    from mtc_sidecar.backup.schedule import BackupScheduler
+    from mtc_sidecar.replicator.client import PeerClient
+    from mtc_sidecar.replicator.config import ReplicatorConfig
+    from mtc_sidecar.replicator.metrics import Metrics
+    from mtc_sidecar.replicator.store import LocalStore
 
-log = logging.getLogger("sidecar.replicator.node")
+log = logging.getLogger("mtc_sidecar.replicator.node")
 
 
 class RestoreDuties:
-    """Mixed into :class:`sidecar.replicator.node.Node`, whose state it uses."""
+    """Mixed into :class:`mtc_sidecar.replicator.node.Node`, whose state it uses."""
 
     rank: int
     config: ReplicatorConfig
@@ -52,7 +52,7 @@ class RestoreDuties:
     def restore_for_client(self, job: str) -> int:
         """Answer an Orbax client: agree, park every step folder out of its sight,
         bring this host's data of the agreed step, and write the restore marker."""
-        from sidecar.replicator import orbax
+        from mtc_sidecar.replicator import orbax
 
         step, invs = self.agree()
         for s in self.store.own_steps():

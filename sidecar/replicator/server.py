@@ -26,11 +26,11 @@ from mtc.errors import ConfigError, CorruptShardError, MtcError, StepNotFoundErr
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
-from sidecar.replicator.decode_guard import DecodeGuard
-from sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
-from sidecar.replicator.status import to_status
-from sidecar.replicator.store import (
+from mtc_sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
+from mtc_sidecar.replicator.decode_guard import DecodeGuard
+from mtc_sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
+from mtc_sidecar.replicator.status import to_status
+from mtc_sidecar.replicator.store import (
     CHUNK,
     FileMeta,
     copy_verified,
@@ -40,7 +40,7 @@ from sidecar.replicator.store import (
 )
 
 if TYPE_CHECKING:
-    from sidecar.replicator.node import Node
+    from mtc_sidecar.replicator.node import Node
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
