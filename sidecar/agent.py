@@ -243,13 +243,6 @@ class HostAgent:
         with self._lock:
             return sum(not s.done.done() for s in self._pending)
 
-    def committed_steps(self, host: int) -> list[int]:
-        return layout.committed_steps(self.config.root(host))
-
-    def delete(self, step: int, hosts: Sequence[int]) -> None:
-        for h in hosts:
-            layout.remove_step(self.config.root(h), step)
-
     def close(self) -> None:
         try:
             self.wait()

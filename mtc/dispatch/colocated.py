@@ -111,9 +111,6 @@ class ColocatedDispatch(HostCalls):
         self._exchange(jax.device_put(raw, self._replicated))  # raises the typed error
         raise HostAgentError(f"{op}: a worker failed and kept no error")
 
-    def _token(self) -> jax.Array:
-        return jax.device_put(np.uint8(0), self._replicated)
-
     def _to_cpu(self, x: jax.Array | np.ndarray) -> jax.Array:
         """The array on the colocated CPU devices, over the one device list that
         colocated calls require; arrays on another device list (a scalar on one
