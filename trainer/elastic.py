@@ -244,6 +244,7 @@ class ElasticRun:
         in_flight = [p.name for p in self.cluster.root(h).glob(f"{step}.*")]
         committed = layout.step_dir(self.cluster.root(h), step).is_dir()
         t = time.time()
+        self.faults.will_replace(s)
         self._lose([h], s)
         detail = {"host": h, "slice": s, "save_step": step, "when": self.args.host_loss_when,
                   "save_committed_on_host_at_loss": committed,

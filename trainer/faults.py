@@ -107,6 +107,13 @@ class HostFaults:
         with self.changed:
             self.lost_slices.add(slice_)
 
+    def will_replace(self, slice_: int) -> None:
+        """Say, before a loss, that the slice's hosts will be replaced: a trainer that
+        notices the loss at once must already see the replacement on its way (it
+        would resize instead of pausing for it)."""
+        with self.changed:
+            self.replacing.add(slice_)
+
     def bring_back(self, hosts: list[int], slice_: int, delay: float) -> None:
         """After ``delay`` seconds, in the background: new replicators over empty
         RAM disks, then the devices healthy again. From now until then the slice
