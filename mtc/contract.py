@@ -151,9 +151,21 @@ def decode_request(data: bytes) -> tuple[str, list[int], dict[str, Any]]:
     return op, hosts, args
 
 
-def encode_reply(value: Any) -> bytes:
+@dataclasses.dataclass(frozen=True)
+class Raw:
+    """A raw reply in parts (a region's pieces): joined once, behind the kind byte."""
+
+    parts: Sequence[Any]  # bytes-like
+
+
+def encode_reply(value: Any) -> bytes | bytearray:
+    if isinstance(value, Raw):
+        out = bytearray(b"B")
+        for part in value.parts:
+            out += part
+        return out
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return b"B" + bytes(value)
+        return encode_reply(Raw([value]))
     return b"J" + json.dumps(value).encode()
 
 
@@ -162,11 +174,13 @@ def encode_error(e: MtcError) -> bytes:
                               "step": e.step, "host": e.host, "path": e.path}).encode()
 
 
-def decode_reply(data: bytes) -> Any:
-    """The reply's value; a typed error from the host side is raised here, as itself."""
-    kind, payload = data[:1], data[1:]
+def decode_reply(data: bytes | bytearray) -> Any:
+    """The reply's value (raw bytes as a view, writable when ``data`` is); a typed error
+    from the host side is raised here, as itself."""
+    kind = bytes(data[:1])
     if kind == b"B":
-        return payload
+        return memoryview(data)[1:]
+    payload = data[1:]
     if kind == b"J":
         return json.loads(payload)
     if kind == b"E":

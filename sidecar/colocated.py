@@ -77,7 +77,7 @@ class ColocatedAgent:
         config = AgentConfig.from_json(config_json)
         self.agent = HostAgent(config)
         self.ops = HostOps(config)
-        self._replies: dict[int, bytes] = {}  # device id -> the last request's reply
+        self._replies: dict[int, bytes | bytearray] = {}  # device id -> the last request's reply
         self._error: MtcError | None = None  # of the last call that answered FAILED
 
     def _guarded(self, fn: Callable[[], int]) -> int:

@@ -19,6 +19,7 @@ import numpy as np
 from mtc import layout, retention
 from mtc.contract import (
     AgentConfig,
+    Raw,
     decode_request,
     encode_error,
     encode_reply,
@@ -48,7 +49,8 @@ class HostOps:
         self._locks: dict[int, int] = {}  # host -> descriptor holding its writer lock
         self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
 
-    def handle(self, request: bytes, serves: Sequence[int] | None = None) -> bytes:
+    def handle(self, request: bytes, serves: Sequence[int] | None = None
+               ) -> bytes | bytearray:
         """One request in, one reply out; never raises for a bad request or a failed op.
 
         ``serves``: the hosts whose RAM disks this process has (a colocated worker:
@@ -165,7 +167,7 @@ class HostOps:
         """Wait until background deletions have freed their space."""
         layout.finish_deletions()
 
-    def _read(self, hosts: Sequence[int], step: int, tasks: list[dict[str, Any]]) -> bytes:
+    def _read(self, hosts: Sequence[int], step: int, tasks: list[dict[str, Any]]) -> Raw:
         """Regions' bytes end to end, from pieces this host holds, each verified."""
         loader = ShardLoader(step, self._root)
         out = []
@@ -176,4 +178,4 @@ class HostOps:
                 raise ProtocolError(f"asked to read pieces held by hosts {sorted(strangers)}",
                                     step=step, host=hosts[0])
             out.append(np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8).data)
-        return b"".join(out)
+        return Raw(out)  # joined once, into the reply itself

@@ -64,7 +64,7 @@ class HostCalls:
 
     def manifest(self, step: int, host: int) -> Manifest:
         path = f"host {host}: {step}/{MANIFEST_NAME}"
-        m = Manifest.from_bytes(self._one("manifest", host, step=step), path=path)
+        m = Manifest.from_bytes(bytes(self._one("manifest", host, step=step)), path=path)
         if m.step != step or m.host != host:
             raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
                                 host=host, path=path)

@@ -53,7 +53,10 @@ def _assemble(dispatch: Dispatch, step: int, leaf_no: int, leaf: LeafEntry, inde
     hosts = {p.host for p in pieces}
     if len(hosts) == 1:  # the usual case (numpy leaves are on every host): one read
         task = ReadTask(leaf_no, index, leaf.dtype, (), pieces)
-        return np.array(dispatch.read(step, hosts.pop(), [task])[0])
+        region = dispatch.read(step, hosts.pop(), [task])[0]
+        # The caller's numpy leaf must be its own, writable memory: copy only a
+        # view of something shared (a sidecar's reply mapping).
+        return region if region.flags.writeable else np.array(region)
     out = np.empty(tuple(b - a for a, b in index), dtype=jax.numpy.dtype(leaf.dtype))
     for h in sorted(hosts):
         mine = [p for p in pieces if p.host == h]

@@ -60,7 +60,7 @@ class HostService:
             "hello": self._hello, "stage": self._stage, "poll": self._poll,
             "wait": self._wait, "load": self._load}
 
-    def handle(self, request: bytes) -> bytes:
+    def handle(self, request: bytes) -> bytes | bytearray:
         try:
             d = json.loads(request)
             op = d.get("op") if isinstance(d, dict) else None
@@ -154,7 +154,7 @@ class HostService:
 
 def handler(service: HostService) -> grpc.GenericRpcHandler:
     def call(request: bytes, context: grpc.ServicerContext) -> bytes:
-        return service.handle(request)
+        return bytes(service.handle(request))  # gRPC sends bytes only
 
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Call": grpc.unary_unary_rpc_method_handler(call, request_deserializer=None,
