@@ -55,6 +55,22 @@ def as_step(step: Any) -> int:
     return value
 
 
+def write_atomic(path: Path, data: str | bytes, *, durable: bool = False) -> None:
+    """Write ``path`` whole or not at all: a temporary name beside it, then one rename.
+    ``durable`` also syncs the bytes first (records that must survive a power loss)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def host_root(local_dir: str | os.PathLike[str], host: int, subdirs: bool) -> Path:
     """The folder holding ``host``'s steps."""
     return Path(local_dir) / f"host-{host}" if subdirs else Path(local_dir)

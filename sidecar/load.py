@@ -19,6 +19,7 @@ import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.errors import CorruptShardError
+from mtc.shards import paste
 from mtc_sidecar.quarantine import quarantine
 from mtc_sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
 from mtc_sidecar.replicator.store import REPLICA_DIR
@@ -85,13 +86,7 @@ class ShardLoader:
         for p in pieces:
             src_idx = p.entry.index
             src = self._map(p).view(dtype).reshape(tuple(b - a for a, b in src_idx))
-            lo = [max(a, c) for (a, _), (c, _) in zip(task.index, src_idx, strict=True)]
-            hi = [min(b, d) for (_, b), (_, d) in zip(task.index, src_idx, strict=True)]
-            dst_sl = tuple(slice(l_ - t, h - t) for l_, h, (t, _) in zip(lo, hi, task.index,
-                                                                          strict=True))
-            src_sl = tuple(slice(l_ - s, h - s) for l_, h, (s, _) in zip(lo, hi, src_idx,
-                                                                         strict=True))
-            out[dst_sl] = src[src_sl]
+            paste(out, task.index, src, src_idx)
         return out
 
 

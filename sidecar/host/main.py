@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from mtc import layout
 from mtc.contract import AgentConfig
 from mtc_sidecar.host.service import HostService, handler
 
@@ -56,10 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     bound = args.listen if args.listen.startswith("unix:") else (
         args.listen.rsplit(":", 1)[0] + f":{port}")
     if args.ready_file:
-        tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"address": bound, "pid": os.getpid(),
-                                   "area": str(args.area)}))
-        os.replace(tmp, args.ready_file)
+        layout.write_atomic(args.ready_file, json.dumps(
+            {"address": bound, "pid": os.getpid(), "area": str(args.area)}))
     log.info("host %d: serving %s on %s", args.host, args.root, bound)
 
     stop = threading.Event()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from mtc import layout
 from mtc.errors import AgreementError
 
 T = TypeVar("T")
@@ -155,12 +155,7 @@ class Book:
             return
         data = [{"epoch": r.epoch, "step": r.step, "decided_at": r.decided_at,
                  "rids": sorted(r.rids)} for r in self.records]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        layout.write_atomic(self.path, json.dumps(data), durable=True)
 
 
 def _load(path: Path) -> list[EpochRecord]:

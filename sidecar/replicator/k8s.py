@@ -53,6 +53,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mtc import layout
 from mtc.errors import ConfigError, MtcError
 from mtc_sidecar.replicator.security import Credentials
 
@@ -165,12 +166,7 @@ def write_jax_init_info(local_dir: Path, process_id: int, coordinator: str) -> P
     """Write ``jax-init-info.txt`` (process id, coordinator address) atomically."""
     local_dir.mkdir(parents=True, exist_ok=True)
     path = local_dir / JAX_INIT_INFO
-    tmp = local_dir / f".{JAX_INIT_INFO}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(f"{process_id}\n{coordinator}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    layout.write_atomic(path, f"{process_id}\n{coordinator}\n", durable=True)
     return path
 
 

@@ -111,9 +111,7 @@ def take_request(root: Path) -> ClientRequest | None:
         path.unlink(missing_ok=True)
         raise
     rid = uuid.uuid4().hex
-    tmp = root / (PENDING_NAME + ".tmp")
-    tmp.write_text(f"{text.rstrip()}\n{RID_COMMENT} {rid}\n")
-    os.replace(tmp, root / PENDING_NAME)
+    layout.write_atomic(root / PENDING_NAME, f"{text.rstrip()}\n{RID_COMMENT} {rid}\n")
     path.unlink(missing_ok=True)  # consumed: the client goes on to wait for the marker
     return dataclasses.replace(req, restore_id=rid)
 

@@ -434,9 +434,7 @@ class LocalStore:
             shutil.rmtree(tmp, ignore_errors=True)
             return
         desc = self._descriptor(origin, step)
-        tmp_desc = desc.with_suffix(".tmp")
-        tmp_desc.write_text(json.dumps([f.to_json() for f in files]))
-        os.replace(tmp_desc, desc)
+        layout.write_atomic(desc, json.dumps([f.to_json() for f in files]))
         os.rename(tmp, final)
         with self._lock:
             self._described[(origin, step)] = (os.stat(final).st_ino, files)
@@ -473,8 +471,7 @@ class LocalStore:
             layout.remove_step(self.root, step)
             return
         desc = self._descriptor(self.rank, step)
-        desc.with_suffix(".tmp").write_text(json.dumps([f.to_json() for f in files]))
-        os.replace(desc.with_suffix(".tmp"), desc)
+        layout.write_atomic(desc, json.dumps([f.to_json() for f in files]))
         os.rename(src, d / str(step))
         with self._lock:
             self._described[(self.rank, step)] = (os.stat(d / str(step)).st_ino, files)
