@@ -9,16 +9,24 @@ work. The controller's arrays are on 8 CPU devices grouped into 4 hosts.
 from __future__ import annotations
 
 import os
+import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mtc
+from mtc.proto import replicator_pb2 as pb
+from mtc_sidecar.replicator.client import PeerClient
+from mtc_sidecar.replicator.healthcheck import check
+from mtc_sidecar.replicator.security import Credentials
+from mtc_trainer.cluster import free_ports
 from mtc_trainer.isolation import Hosts
 
 SLICES = [0, 0, 1, 1]
@@ -97,3 +105,70 @@ def test_restore_after_host_lost_names_the_host(hosts: Hosts, mesh: Mesh,
             assert e.value.host == 2
         else:
             assert mgr.all_steps() == [1]  # a private folder survives its processes
+
+
+def _serving(address: str, proc: object, timeout_s: float = 60.0) -> None:
+    """Until the replicator at ``address`` answers its health check (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"replicator at {address} exited"
+        try:
+            if check(address, timeout_s=1.0) == "SERVING":
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"replicator at {address} not serving after {timeout_s}s")
+
+
+def test_replicators_in_host_namespaces_bring_a_lost_host_back(hosts: Hosts, mesh: Mesh,
+                                                               tmp_path: Path) -> None:
+    """Each host's replicator runs in its host's namespaces (sees its RAM disk
+    only, peers over the bridge with a token); a host lost and replaced empty
+    gets its shards back from its peer in the other slice."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    ports = [7000] * 4 if hosts.isolation == "namespaces" else free_ports(4)
+    addrs = [hosts.replicator_address(i, ports[i]) for i in range(4)]
+
+    def start(i: int) -> None:
+        proc = hosts.start_replicator(i, [
+            "--local-dir", str(hosts.hosts[i].root), "--listen", addrs[i],
+            "--nodes", ",".join(addrs), "--rank", str(i), "--nodes-per-slice", "2",
+            "--poll-seconds", "0.05", "--agreement-timeout-seconds", "30"], env=env)
+        _serving(addrs[i], proc)
+
+    for i in range(4):
+        start(i)
+    state = _state(mesh)
+    opts = _opts(hosts, replicators=tuple(addrs), replicator_token=hosts.token(),
+                 restore_timeout_s=30.0)
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=opts) as mgr:
+        mgr.save(3, state)
+        mgr.wait_until_finished()
+    # Host 1's peer is host 3 (same position, other slice): wait until it holds the copy.
+    client = PeerClient(addrs[3], Credentials(token=hosts.token()), rank=-1, deadline_s=5.0)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
+        if any(c.origin_rank == 1 and c.step == 3 for c in inv.copies):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"host 1's step 3 never reached host 3: "
+                             f"{hosts.log_tail(3, 'replicator')}")
+    client.close()
+    hosts.kill(1)
+    if hosts.isolation == "processes":
+        shutil.rmtree(hosts.hosts[1].root)  # the RAM disk goes with the host
+        hosts.hosts[1].root.mkdir()
+    hosts.start_sidecar(1, SLICES, env=env)
+    start(1)
+    opts = _opts(hosts, replicators=tuple(addrs), replicator_token=hosts.token(),
+                 restore_timeout_s=30.0)  # host 1's sidecar listens on a new port
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=opts) as mgr:
+        assert mgr.latest_step() == 3
+        back = mgr.restore(3, target=state)
+        assert mgr.last_restore_tiers[1] == "peer"
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(state["w"]))
+    for i in range(4):
+        assert "Traceback" not in hosts.log_tail(i, "replicator", 100000)

@@ -134,7 +134,7 @@ class Hosts:
                       f"'{h.root}' && exec \"$@\"")
             cmd = ["ip", "netns", "exec", h.netns, "unshare", "--mount",
                    "--propagation", "private", "--", "sh", "-c", script, "sh", *cmd]
-        log = open(self.base / f"host-{i}" / "mtc_sidecar.log", "ab")
+        log = open(self.base / f"host-{i}" / "sidecar.log", "ab")
         h.sidecar = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         log.close()
@@ -146,6 +146,43 @@ class Hosts:
             time.sleep(0.02)
         h.sidecar_address = json.loads(ready.read_text())["address"]
         return h
+
+    def replicator_address(self, i: int, port: int) -> str:
+        """Where host ``i``'s replicator listens: a fixed port on the host's own
+        address (a namespace's: nothing else listens there), so every peer can be
+        told every address before any starts. On loopback ``port`` must be free."""
+        return f"{self.hosts[i].address}:{port}"
+
+    def start_replicator(self, i: int, argv: Sequence[str], *,
+                         env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start host ``i``'s replicator (``argv``: the arguments after ``python -m
+        mtc_sidecar.replicator.main``) inside the host's namespaces, with the token
+        peers off loopback must present (:attr:`token_file`). Returns at once: the
+        caller waits for it to serve."""
+        h = self.hosts[i]
+        if h.netns and h.sidecar is None:
+            raise RuntimeError(f"host {i}: start its sidecar first (it owns the namespaces)")
+        cmd = h.wrap([sys.executable, "-m", "mtc_sidecar.replicator.main", *argv,
+                      "--token-file", str(self.token_file)])
+        log = open(self.base / f"host-{i}" / "replicator.log", "ab")
+        h.replicator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        log.close()
+        return h.replicator
+
+    @property
+    def token_file(self) -> Path:
+        """The peers' shared token (replicators off loopback require one)."""
+        p = self.base / "peer-token"
+        if not p.exists():
+            tmp = p.with_suffix(".tmp")
+            tmp.write_text(os.urandom(16).hex() + "\n")
+            os.chmod(tmp, 0o600)
+            tmp.replace(p)
+        return p
+
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
 
     def log_tail(self, i: int, what: str, n: int = 3000) -> str:
         p = self.base / f"host-{i}" / f"{what}.log"
