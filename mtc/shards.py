@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
 
 from mtc.contract import shard_index
 from mtc.manifest import Index
+
+if TYPE_CHECKING:  # the sidecar process never imports JAX (it starts faster)
+    import jax
 
 
 def distinct_shards(a: jax.Array, host_of: Mapping[int, int]

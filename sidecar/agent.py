@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from mtc import layout
@@ -27,7 +27,17 @@ from mtc.shards import distinct_shards
 from mtc_sidecar.buffers import StagingPool
 from mtc_sidecar.write import HostSave, StagedShard, Writer
 
+if TYPE_CHECKING:
+    import jax
+
 log = logging.getLogger(__name__)
+
+
+def _is_jax_array(x: Any) -> bool:
+    """``isinstance(x, jax.Array)`` without importing JAX: the sidecar process never
+    does (it starts a second faster), and where JAX is not loaded nothing is one."""
+    jax_ = sys.modules.get("jax")
+    return jax_ is not None and isinstance(x, jax_.Array)
 
 
 def _on_cpu(x: jax.Array) -> bool:
@@ -61,7 +71,7 @@ class HostAgent:
         """Hosts whose devices hold addressable shards of ``arrays``, here."""
         hosts: set[int] = set()
         for a in arrays:
-            if isinstance(a, jax.Array):
+            if _is_jax_array(a):
                 devices: set[Any] = a.sharding.addressable_devices
                 hosts.update(host_of_device[d.id] for d in devices)
         return sorted(hosts)
@@ -96,7 +106,7 @@ class HostAgent:
         if not reserved and header.skip_if_busy and not self.pool.can_fit_now(total):
             return False
         for src in (s for plan in plans.values() for *_, s in plan):
-            if isinstance(src, jax.Array) and not _on_cpu(src):
+            if _is_jax_array(src) and not _on_cpu(src):
                 src.copy_to_host_async()  # overlap device-to-host transfers
         opened: list[HostSave] = []
         handed = 0  # bytes of the reservation now owned by staged shards
@@ -134,14 +144,18 @@ class HostAgent:
 
     def stage_views(self, header: SaveHeader, host: int,
                     shards: Sequence[tuple[int, Index, np.ndarray]],
-                    on_written: Callable[[BaseException | None], None]) -> None:
+                    on_written: Callable[[BaseException | None], None], *,
+                    slice_: int | None = None, num_hosts: int | None = None) -> None:
         """Queue one host's shards that are in host memory already (a sidecar's view
         of the shared-memory area): (leaf number, index, bytes). The memory must
-        stay as it is until ``on_written`` is called, with the save's error or None."""
+        stay as it is until ``on_written`` is called, with the save's error or None.
+        ``slice_`` and ``num_hosts``: the host's place in the saving job (default:
+        this agent's configuration)."""
         self.raise_background_error()
         self._clean_once(host)
         save = HostSave(self.config.root(host), header.step, host,
-                        self.config.slice_of_host[host], len(self.config.slice_of_host),
+                        self.config.slice_of_host[host] if slice_ is None else slice_,
+                        len(self.config.slice_of_host) if num_hosts is None else num_hosts,
                         list(header.leaves))
         save.done.add_done_callback(lambda f: on_written(f.exception()))
         self.writer.submit(save)
@@ -191,7 +205,7 @@ class HostAgent:
     def _snapshot(self, leaf: int, index: Index, shape: tuple[int, ...],
                   dtype: np.dtype[Any], src: Any, reserved: bool) -> StagedShard:
         nbytes = math.prod(shape) * dtype.itemsize
-        if isinstance(src, jax.Array):
+        if _is_jax_array(src):
             # Elsewhere than CPU the transfer made a fresh host copy. On CPU devices
             # np.asarray is a view of the device buffer: an external reference, and
             # PJRT never donates a buffer that has one, so a donating step after

@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
+import ml_dtypes  # noqa: F401 - registers JAX's dtypes (bfloat16, float8, int4) with numpy
 import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask
@@ -23,6 +23,9 @@ from mtc.shards import paste
 from mtc_sidecar.quarantine import quarantine
 from mtc_sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
 from mtc_sidecar.replicator.store import REPLICA_DIR
+
+if TYPE_CHECKING:  # only the in-process paths put arrays on devices; a sidecar never does
+    import jax
 
 
 def _stacked_on_leading_axis(task: ReadTask) -> bool:
@@ -72,7 +75,7 @@ class ShardLoader:
             raise
 
     def read(self, task: ReadTask) -> np.ndarray:
-        dtype = jax.numpy.dtype(task.dtype)
+        dtype = np.dtype(task.dtype)
         shape = task.shape
         pieces = task.pieces
         if len(pieces) == 1 and pieces[0].entry.index == task.index:
@@ -94,6 +97,8 @@ def to_device(host: np.ndarray, device: jax.Device) -> jax.Array:
     """Put host bytes on a device. On a CPU device JAX adopts suitably aligned host
     memory (a mapped shard is page-aligned) without copying; the mapping is
     copy-on-write, so nothing written to the array reaches the file."""
+    import jax
+
     return jax.device_put(host, device)
 
 
@@ -111,6 +116,8 @@ def load_tasks(loader: ShardLoader, tasks: Sequence[ReadTask],
 def load_leaves(loader: ShardLoader, tasks: Sequence[ReadTask],
                 specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
     """Global arrays (leaf number -> array) built from this host's devices' shards."""
+    import jax
+
     device_sets: list[set[Any]] = [spec.sharding.device_set for spec in specs.values()]
     devices: dict[int, Any] = {d.id: d for ds in device_sets for d in ds}
     singles = load_tasks(loader, tasks, devices)

@@ -8,6 +8,10 @@ controller package (``mtc/``) on the stack and no host-side frame is a leak.
 Test code and the standard library (a test corrupting a file on purpose, a
 background ``rmtree`` the host side started) are neither and pass.
 
+A host's shared-memory area (``host-<i>/area`` of :mod:`mtc_trainer.isolation`,
+the part ``/tmp/sidecar`` plays between ``pathways-worker`` and its sidecar) is
+where the trainer is meant to hand bytes over; it is not a RAM disk and is exempt.
+
 Audit hooks cannot be removed, so one is installed for the session and roots are
 watched and unwatched around each test. ``os.stat`` raises no audit event; what
 is checked is every open, listing, rename, removal, link and directory change.
@@ -15,6 +19,7 @@ is checked is every open, listing, rename, removal, link and directory change.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -57,6 +62,8 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
         return
     if not any(p == r or p.startswith(r + os.sep) for p in paths for r in list(_roots)):
         return
+    if all(_in_area(p) for p in paths):
+        return
     frame = sys._getframe(1)
     controller = None
     while frame is not None:
@@ -69,6 +76,11 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
     if controller is not None:
         with _lock:
             _leaks.append(f"{event} {paths} from {controller}")
+
+
+def _in_area(path: str) -> bool:
+    parts = path.split(os.sep)
+    return any(a == "area" and h.startswith("host-") for h, a in itertools.pairwise(parts))
 
 
 def watch(root: Path) -> None:

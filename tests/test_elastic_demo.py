@@ -21,23 +21,42 @@ from mtc_trainer.cluster import LocalCluster
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_cluster_up_kill_restart_down(ramdisk: Path) -> None:
+def test_cluster_up_kill_restart_down(ramdisk: Path, mesh: Mesh) -> None:
+    """Hosts that share nothing: a step saved through the sidecars is on every
+    host's RAM disk (the hosts say so) and, with namespaces, invisible here; a
+    lost host comes back on its address with an empty RAM disk; ``down`` leaves
+    no process, namespace or folder."""
     base = ramdisk / "cluster"
     c = LocalCluster.up(base)
+    namespaces = c.isolation == "namespaces"
     try:
         assert LocalCluster.load(base).addresses == c.addresses
         assert all(c.alive(r) for r in range(4))
-        (c.root(1) / "marker").write_text("x")
+        x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P(None, "model")))
+        with mtc.CheckpointManager(base / "controller", mesh=mesh, options=mtc.Options(
+                simulated_hosts=4, hosts_per_slice=2, sidecars=c.sidecars())) as mgr:
+            assert mgr.save(1, {"x": x}, force=True)
+        assert all((c.inspect(r) or {}).get("committed") == [1] for r in range(4))
+        if namespaces:
+            assert all(not any(c.root(r).iterdir()) for r in range(4))
+            assert len({h["address"] for h in c.describe()["hosts"]}) == 4
+        sidecar = c.sidecars([1])
         c.lose_host(1)
-        assert not c.alive(1) and not c.root(1).is_dir()
+        assert not c.alive(1) and c.inspect(1) is None
         c.restart_host(1)
-        assert c.alive(1) and not (c.root(1) / "marker").exists()
+        assert c.alive(1) and c.sidecars([1]) == sidecar
+        assert (c.inspect(1) or {}).get("committed") == []  # its RAM disk went with it
         pids = dict(LocalCluster.load(base).pids)
         assert pids[1] == c.pids[1]
+        machine = LocalCluster.load(base).describe()
+        assert [h["replicator_pid"] for h in machine["hosts"]] == [c.pids[r] for r in range(4)]
     finally:
         LocalCluster.load(base).down()
     assert not base.exists()
     assert not any(c.alive(r) for r in range(4))
+    if namespaces:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert c.hosts.tag not in listed
 
 
 # About 60 s on an idle 2-core machine; the limits leave room for a busy CI runner.
@@ -49,10 +68,11 @@ def test_cluster_backs_up_to_the_gcs_emulator(ramdisk: Path, mesh: Mesh) -> None
     try:
         assert c.backup == "gs://mtc-local/checkpoints" and c.emulator is not None
         x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P(None, "model")))
-        with mtc.CheckpointManager(base, mesh=mesh, options=mtc.Options(
-                simulated_hosts=4, hosts_per_slice=2)) as mgr:
+        with mtc.CheckpointManager(base / "controller", mesh=mesh, options=mtc.Options(
+                simulated_hosts=4, hosts_per_slice=2, sidecars=c.sidecars())) as mgr:
             assert mgr.save(1, {"x": x}, force=True)
-        r = subprocess.run([sys.executable, "-m", "mtc.cli", "backup", "--node", c.addresses[0]],
+        r = subprocess.run([sys.executable, "-m", "mtc.cli", "backup", "--token-file",
+                            str(c.token_file()), "--node", c.addresses[0]],
                            cwd=REPO, env=c.env(), capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "backed up step 1" in r.stdout, r.stdout + r.stderr
         url = c.emulator["url"]
@@ -123,7 +143,20 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     assert report["final_loss"] < 3.0
     assert (out / "timeline.png").stat().st_size > 0
     status = (out / "cluster-status.txt").read_text()
-    assert "DOWN" not in status and status.count("127.0.0.1") == 4
+    cluster = report["cluster"]
+    assert cluster["isolation"] in ("namespaces", "processes")
+    assert "DOWN" not in status
+    assert all(status.count(h["address"]) >= 1 for h in cluster["hosts"])
+    # Each host its own processes; host 1, then slice 1 (hosts 2, 3) were replaced:
+    # new processes at the same addresses. Host 0 never failed.
+    start, now = cluster["hosts_at_start"], cluster["hosts"]
+    pids = [h[k] for h in start for k in ("sidecar_pid", "replicator_pid")]
+    assert len(set(pids)) == 8 and all(isinstance(p, int) for p in pids)
+    assert [h["address"] for h in now] == [h["address"] for h in start]
+    assert now[0] == start[0]
+    assert all(now[i]["sidecar_pid"] != start[i]["sidecar_pid"] for i in (1, 2, 3))
+    if cluster["isolation"] == "namespaces":
+        assert len({h["address"] for h in now}) == 4
     assert list(ramdisk.iterdir()) == [], "the demo leaves its cluster behind"
 
 

@@ -1,21 +1,29 @@
-"""``mtc-cluster``: a local cluster of simulated hosts, one command up, one down.
+"""``mtc-cluster``: a local cluster of simulated hosts that share nothing, one command up, one down.
 
     python -m mtc_trainer.cluster up   [--name N] [--slices 2] [--hosts-per-slice 2]
                                    [--backup URL | --backup gcs-emulator]
     python -m mtc_trainer.cluster status [--name N]
     python -m mtc_trainer.cluster down [--name N]
 
-``up`` gives every simulated host a RAM-disk root ``/dev/shm/mtc-cluster-<name>/host-<i>``
-and starts one real ``mtc-replicator`` process per host (peer copies in the
-other slice, backups to ``<base>/backup``, or with ``--backup gcs-emulator`` to
-a bucket in a fake-gcs-server it starts), waits until each serves, and writes
-the addresses and process ids to ``<base>/cluster.json``. ``down`` reads that
-file, SIGKILLs the replicators (the way a host dies), stops the emulator and
+Every simulated host is its own processes (:mod:`mtc_trainer.isolation`): a
+sidecar (``python -m mtc_sidecar.host.main``, the colocated-Python sidecar's
+part) that alone, with the host's replicator, sees the host's RAM disk, and one
+real ``mtc-replicator`` (peer copies in the other slice, backups to
+``<base>/backup``, or with ``--backup gcs-emulator`` to a bucket in a
+fake-gcs-server it starts). With root each host is a network namespace with an
+address on a bridge and a private tmpfs RAM disk that no other process sees;
+otherwise separate processes over private folders. The trainer reaches a host
+through its sidecar's gRPC address and its shared-memory area, and the
+replicators over the network, never through a host's folder.
+
+``up`` writes the hosts (addresses, process ids, namespaces) to
+``<base>/cluster.json``; ``down`` reads that file, SIGKILLs every host's
+processes (the way a host dies), removes the namespaces, stops the emulator and
 removes the folder. ``status`` is ``mtc status`` against every host's replicator.
 
 The training process finds the cluster through the same file and uses
-:class:`LocalCluster` to inject host failures: SIGKILL a host's replicator,
-wipe its RAM disk, start it again empty.
+:class:`LocalCluster` to inject host failures: SIGKILL a host's processes (its
+RAM disk goes with them), start it again empty.
 """
 
 from __future__ import annotations
@@ -25,21 +33,21 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from mtc_trainer import gcs_emulator
+from mtc_trainer.isolation import Hosts
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = "cluster.json"
 GCS_EMULATOR = "gcs-emulator"  # --backup value: start fake-gcs-server, back up there
 EMULATOR_BUCKET = "mtc-local"
 PORT_FILE_CHECK_S = 0.005  # a stat of a local file: cheap enough to do this often
+RAMDISK_BYTES = 2 << 30  # each host's tmpfs: a limit, not an allocation
 
 
 def default_base(name: str) -> Path:
@@ -68,27 +76,67 @@ def _env() -> dict[str, str]:
 
 @dataclasses.dataclass
 class LocalCluster:
-    """Replicator processes over ``<base>/host-<i>``; persisted in ``<base>/cluster.json``."""
+    """Isolated hosts under ``<base>/hosts``; persisted in ``<base>/cluster.json``.
+
+    ``addresses`` are the replicators'; :meth:`sidecars` the sidecars'. A host's
+    RAM disk, :meth:`root`, is a path only its own processes can read."""
 
     base: Path
     slices: int
     hosts_per_slice: int
     addresses: list[str]
-    pids: dict[int, int]
+    machine: dict[str, Any]  # the hosts (mtc_trainer.isolation.Hosts.to_json)
     backup: str
     poll_seconds: float = 0.2
     straggler_wait_seconds: float = 2.0
     emulator: dict[str, Any] | None = None  # the GCS emulator backed up to: url, pid
+    _hosts: Hosts | None = dataclasses.field(default=None, repr=False, compare=False)
+    _channels: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False,
+                                                  compare=False)
 
     @property
     def num_hosts(self) -> int:
         return self.slices * self.hosts_per_slice
 
+    @property
+    def hosts(self) -> Hosts:
+        if self._hosts is None:
+            self._hosts = Hosts.from_json(self.machine)
+        return self._hosts
+
+    @property
+    def isolation(self) -> str:
+        return self.hosts.isolation
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """The replicators' process ids, by host."""
+        return {h.index: h.replicator_pid for h in self.hosts.hosts
+                if h.replicator_pid is not None}
+
     def root(self, rank: int) -> Path:
-        return self.base / f"host-{rank}"
+        """``rank``'s RAM disk, as its own processes see it (with namespaces an
+        empty mount point to everyone else)."""
+        return self.hosts.hosts[rank].root
+
+    def sidecars(self, hosts: list[int] | None = None) -> tuple[str, ...]:
+        """The sidecars' addresses of ``hosts`` (default: all), in that order."""
+        return tuple(self.hosts.hosts[h].sidecar_address
+                     for h in (range(self.num_hosts) if hosts is None else hosts))
+
+    def token(self) -> str:
+        """The replicators' shared token (they listen off loopback)."""
+        return self.hosts.token()
+
+    def token_file(self) -> Path:
+        return self.hosts.token_file
+
+    def describe(self) -> dict[str, Any]:
+        """How the hosts are kept apart: ``isolation`` and per host its address and pids."""
+        return self.hosts.describe()
 
     def env(self) -> dict[str, str]:
-        """The replicators' environment (the emulator's address when backing up to it)."""
+        """The hosts' processes' environment (the emulator's address when backing up to it)."""
         env = _env()
         if self.emulator is not None:
             env["STORAGE_EMULATOR_HOST"] = self.emulator["url"]
@@ -101,15 +149,22 @@ class LocalCluster:
     def port_file(self, rank: int) -> Path:
         return self.base / "logs" / f"replicator-{rank}.port"
 
+    def log_text(self, rank: int, what: str = "replicator") -> str:
+        return self.hosts.log_tail(rank, what, 1 << 20)
+
     def hosts_of_slice(self, s: int) -> list[int]:
         return list(range(s * self.hosts_per_slice, (s + 1) * self.hosts_per_slice))
+
+    def slice_list(self) -> list[int]:
+        return [r // self.hosts_per_slice for r in range(self.num_hosts)]
 
     # -- persistence ----------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if not f.name.startswith("_")}
         d["base"] = str(self.base)
-        d["pids"] = {str(k): v for k, v in self.pids.items()}
+        d["machine"] = self.hosts.to_json()
         return d
 
     def save(self) -> None:
@@ -121,28 +176,28 @@ class LocalCluster:
     def load(cls, base: Path) -> LocalCluster:
         d = json.loads((base / STATE).read_text())
         d["base"] = Path(d["base"])
-        d["pids"] = {int(k): v for k, v in d["pids"].items()}
         return cls(**d)
 
-    # -- processes ---------------------------------------------------------------
+    # -- a host's processes -----------------------------------------------------------
+
+    def start_sidecar(self, rank: int, *, wait: bool = True) -> None:
+        """Start ``rank``'s sidecar: a new network and mount namespace with an empty
+        RAM disk, where the replicator then joins it."""
+        self.hosts.start_sidecar(rank, self.slice_list(), env=self.env(), wait=wait)
 
     def launch(self, rank: int) -> None:
-        """Start ``rank``'s replicator (its own session: it outlives whoever started it)."""
-        logs = self.base / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        """Start ``rank``'s replicator in its host's namespaces (its own session: it
+        outlives whoever started it)."""
+        (self.base / "logs").mkdir(parents=True, exist_ok=True)
         self.port_file(rank).unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "mtc_sidecar.replicator.main",
-               "--local-dir", str(self.root(rank)), "--listen", self.addresses[rank],
-               "--nodes", ",".join(self.addresses), "--rank", str(rank),
-               "--nodes-per-slice", str(self.hosts_per_slice), "--replicas", "1",
-               "--backup", self.backup, "--backup-interval-minutes", "60",
-               "--poll-seconds", str(self.poll_seconds),
-               "--straggler-wait-seconds", str(self.straggler_wait_seconds),
-               "--port-file", str(self.port_file(rank))]
-        with (logs / f"replicator-{rank}.log").open("ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                                    cwd=REPO, start_new_session=True)
-        self.pids[rank] = proc.pid
+        self.hosts.start_replicator(rank, [
+            "--local-dir", str(self.root(rank)), "--listen", self.addresses[rank],
+            "--nodes", ",".join(self.addresses), "--rank", str(rank),
+            "--nodes-per-slice", str(self.hosts_per_slice), "--replicas", "1",
+            "--backup", self.backup, "--backup-interval-minutes", "60",
+            "--poll-seconds", str(self.poll_seconds),
+            "--straggler-wait-seconds", str(self.straggler_wait_seconds),
+            "--port-file", str(self.port_file(rank))], env=self.env())
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         """Until ``rank``'s replicator serves: it writes its port file once its
@@ -156,8 +211,7 @@ class LocalCluster:
         port_file = self.port_file(rank)
         while time.monotonic() < deadline:
             if not self.alive(rank):
-                log = (self.base / "logs" / f"replicator-{rank}.log").read_text(errors="replace")
-                raise RuntimeError(f"replicator {rank} exited: {log[-2000:]}")
+                raise RuntimeError(f"replicator {rank} exited: {self.log_text(rank)[-2000:]}")
             if not port_file.exists():
                 time.sleep(PORT_FILE_CHECK_S)
                 continue
@@ -170,79 +224,68 @@ class LocalCluster:
         raise TimeoutError(f"replicator {rank} not serving after {timeout}s")
 
     def alive(self, rank: int) -> bool:
-        pid = self.pids.get(rank)
-        if pid is None:
-            return False
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)  # reaps it when it is our child
-            if done:
-                return False
-        except ChildProcessError:
-            pass  # not our child: probe it
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return _state_of(pid) != "Z"
+        """Whether ``rank``'s replicator runs."""
+        return self.hosts.replicator_alive(rank)
 
     def kill(self, rank: int) -> None:
         """SIGKILL ``rank``'s replicator: no handler runs, nothing is flushed."""
-        pid = self.pids.pop(rank, None)
-        if pid is None:
-            return
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0]:
-                    return
-            except ChildProcessError:
-                if not Path(f"/proc/{pid}").exists() or _state_of(pid) == "Z":
-                    return
-            time.sleep(0.01)
-
-    def wipe(self, rank: int) -> None:
-        """Lose ``rank``'s RAM disk: everything under its root is gone.
-
-        A file takes the root's place until the host is back, so that nothing
-        in a surviving process (a save still being written for this host) can
-        recreate the folder and commit into it: a dead host writes nothing.
-        """
-        root = self.root(rank)
-        tomb = root.with_name(root.name + ".lost")
-        try:
-            root.rename(tomb)
-        except FileNotFoundError:
-            pass
-        tmp = root.with_name(root.name + ".down")
-        tmp.write_text("this host is down\n")
-        tmp.replace(root)
-        shutil.rmtree(tomb, ignore_errors=True)
+        self.hosts.kill_replicator(rank)
 
     def lose_host(self, rank: int) -> None:
-        self.kill(rank)
-        self.wipe(rank)
+        """SIGKILL every process of ``rank``: with namespaces its RAM disk (a tmpfs
+        of its mount namespace) is gone with the last of them; without, its folder
+        is deleted."""
+        self._close_channel(rank)
+        self.hosts.kill(rank)
+        if self.hosts.isolation != "namespaces":
+            shutil.rmtree(self.root(rank), ignore_errors=True)
         self.save()
 
     def restart_host(self, rank: int, *, wait: bool = True) -> None:
-        """Bring ``rank`` back: a new, empty RAM disk and a new replicator process."""
-        root = self.root(rank)
-        if root.is_file():
-            root.unlink()
-        root.mkdir(parents=True, exist_ok=True)
+        """Bring ``rank`` back on its address: a sidecar over a new, empty RAM disk
+        and a new replicator."""
+        if self.hosts.hosts[rank].sidecar_pid is not None:
+            self.lose_host(rank)
+        self.root(rank).mkdir(parents=True, exist_ok=True)
+        self.start_sidecar(rank)
         self.launch(rank)
         self.save()
         if wait:
             self.wait_serving(rank)
 
+    def inspect(self, rank: int, timeout: float = 5.0) -> dict[str, Any] | None:
+        """What ``rank``'s RAM disk holds, asked of its sidecar (the fault injector's
+        only view of it): ``committed``, ``writing`` steps and ``replicas`` (origin
+        rank -> committed peer copies). None when the host is down."""
+        import grpc
+
+        from mtc.contract import decode_reply, encode_request
+        from mtc.errors import MtcError
+
+        if self.hosts.hosts[rank].sidecar_pid is None:
+            return None
+        stub = self._channels.get(rank)
+        if stub is None:
+            channel = grpc.insecure_channel(self.hosts.hosts[rank].sidecar_address)
+            stub = (channel, channel.unary_unary("/mtc.Host/Call", request_serializer=None,
+                                                 response_deserializer=None))
+            self._channels[rank] = stub
+        try:
+            reply = decode_reply(stub[1](encode_request("inspect", [rank]), timeout=timeout))
+        except (grpc.RpcError, MtcError):
+            return None
+        return reply if isinstance(reply, dict) else None
+
+    def _close_channel(self, rank: int) -> None:
+        stub = self._channels.pop(rank, None)
+        if stub is not None:
+            stub[0].close()
+
     # -- whole cluster ------------------------------------------------------------
 
     @classmethod
     def up(cls, base: Path, *, slices: int = 2, hosts_per_slice: int = 2,
-           backup: str | None = None) -> LocalCluster:
+           backup: str | None = None, isolation: str | None = None) -> LocalCluster:
         if (base / STATE).exists():
             raise SystemExit(f"a cluster already runs in {base} (take it down first)")
         base.mkdir(parents=True, exist_ok=True)
@@ -251,27 +294,37 @@ class LocalCluster:
         if backup.startswith("file://"):
             Path(backup.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
         emulator = None
-        if backup == GCS_EMULATOR:
-            emulator = _start_emulator(base)
-            backup = f"gs://{EMULATOR_BUCKET}/checkpoints"
-        cluster = cls(base, slices, hosts_per_slice,
-                      [f"127.0.0.1:{p}" for p in free_ports(n)], {}, backup,
-                      emulator=emulator)
-        for r in range(n):
-            cluster.root(r).mkdir(parents=True, exist_ok=True)
-            cluster.launch(r)
-        cluster.save()
+        hosts: Hosts | None = None
         try:
+            hosts = Hosts(base / "hosts", n, ramdisk_bytes=RAMDISK_BYTES, isolation=isolation)
+            if backup == GCS_EMULATOR:
+                # In this (the root) namespace, where the hosts reach it over the
+                # bridge, as they would a bucket over the network.
+                emulator = _start_emulator(base, hosts.gateway)
+                backup = f"gs://{EMULATOR_BUCKET}/checkpoints"
+            cluster = cls(base, slices, hosts_per_slice,
+                          [hosts.replicator_address(r) for r in range(n)], hosts.to_json(),
+                          backup, emulator=emulator, _hosts=hosts)
+            for r in range(n):
+                cluster.start_sidecar(r, wait=False)
+            for r in range(n):
+                hosts.wait_sidecar(r)
+                cluster.launch(r)
+            cluster.save()
             for r in range(n):
                 cluster.wait_serving(r)
         except BaseException:
-            cluster.down()
+            if hosts is not None:
+                hosts.down()
+            if emulator is not None:
+                gcs_emulator.stop(emulator["pid"])
+            shutil.rmtree(base, ignore_errors=True)
             raise
         return cluster
 
     def down_latest(self) -> None:
-        """Tear down, with the pids a trainer may have changed (it restarts
-        replicators) read back from the state file."""
+        """Tear down, with the pids a trainer may have changed (it restarts hosts)
+        read back from the state file."""
         try:
             current = LocalCluster.load(self.base)
         except (OSError, ValueError):
@@ -279,19 +332,21 @@ class LocalCluster:
         current.down()
 
     def down(self) -> None:
-        for r in list(self.pids):
-            self.kill(r)
+        for r in list(self._channels):
+            self._close_channel(r)
+        self.hosts.down()
         if self.emulator is not None:
             gcs_emulator.stop(self.emulator["pid"])
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def _start_emulator(base: Path) -> dict[str, Any]:
+def _start_emulator(base: Path, host: str) -> dict[str, Any]:
     """The GCS emulator in its own session (it outlives ``up``, as the replicators do)."""
     (base / "logs").mkdir(parents=True, exist_ok=True)
-    port = free_ports(1)[0]
-    url = f"http://127.0.0.1:{port}"
-    proc = gcs_emulator.start(port, base / "logs" / "gcs-emulator.log", start_new_session=True)
+    port = free_ports(1)[0]  # free on every address of this namespace
+    url = f"http://{host}:{port}"
+    proc = gcs_emulator.start(port, base / "logs" / "gcs-emulator.log", host=host,
+                              start_new_session=True)
     try:
         gcs_emulator.wait_ready(proc, url)
         gcs_emulator.create_bucket(url, EMULATOR_BUCKET)
@@ -299,14 +354,6 @@ def _start_emulator(base: Path) -> dict[str, Any]:
         proc.kill()
         raise
     return {"url": url, "pid": proc.pid}
-
-
-def _state_of(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "X"
-    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                             backup=args.backup)
         print(f"cluster {base}: {c.num_hosts} hosts in {c.slices} slices, replicators "
               f"{','.join(c.addresses)}, backup {c.backup}")
-        print(f"  status: python -m mtc.cli status --nodes {','.join(c.addresses)}")
+        print(f"  hosts kept apart by {c.isolation}; status: python -m mtc.cli status "
+              f"--token-file {c.token_file()} --nodes {','.join(c.addresses)}")
         return 0
     if not (base / STATE).exists():
         print(f"no cluster in {base}", file=sys.stderr)
@@ -333,11 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     c = LocalCluster.load(base)
     if args.command == "down":
         c.down()
-        print(f"cluster {base}: replicators stopped, RAM disks removed")
+        print(f"cluster {base}: hosts stopped, RAM disks removed")
         return 0
     from mtc.cli import status
 
-    return status(c.addresses, None, False)
+    return status(c.addresses, str(c.token_file()), False)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ Failure injection, real where it can be:
 - ``host_loss`` (``--host-loss-at STEP[,STEP...]``): after the save of STEP is
   handed to mtc, once it is on the host's peer (``--host-loss-when
   replicated``) or while the host's writer is writing it (``mid-save``), the
-  host's replicator process is SIGKILLed and its RAM-disk root deleted, and the
+  host's sidecar and replicator are SIGKILLed (its RAM disk goes with them), and the
   host's devices are marked lost with pathwaysutils' ``DeviceLossSimulator``:
   reading any array on them raises ``JaxRuntimeError("DATA_LOSS: ...")``, as a
   real slice failure does, and the health check reports the slice down.
-  ``--host-return-s`` later the host comes back: a new replicator over an empty
-  RAM disk, devices healthy.
+  ``--host-return-s`` later the host comes back: a new sidecar and replicator
+  over an empty RAM disk, devices healthy. This process saves and restores
+  only through the hosts' sidecars and replicators; what a host holds it asks
+  of the host's sidecar (``LocalCluster.inspect``).
 - ``slice_loss`` (``--slice-loss-at STEP[,STEP...]``): while STEP runs, every
   host of the slice is lost the same way (once the survivors' step is compiled
   ahead: the demo shows recovery in steady state). It comes back after
@@ -88,7 +90,6 @@ from pathwaysutils.elastic import elastic as pw_elastic
 from pathwaysutils.elastic import manager as pw_manager
 
 import mtc
-from mtc import layout
 from mtc_trainer import aot
 from mtc_trainer.cluster import LocalCluster
 from mtc_trainer.data import VOCAB, make_iterator
@@ -186,18 +187,20 @@ class ElasticRun:
                                        warm_up_s=warm)
             self.ahead.submit(name, job)
 
-    def local_dir(self, slices: tuple[int, ...]) -> Path:
-        """mtc numbers simulated hosts from 0: a folder whose host-<i> are these slices' roots."""
+    def options(self, slices: tuple[int, ...], **kw: Any) -> mtc.Options:
+        """mtc's options for a mesh of these slices: their hosts' sidecars, in the
+        order that numbers the mesh's hosts from 0 (as a resized Pathways mesh
+        does); this process never sees a RAM disk."""
         hosts = self.hosts_of(slices)
-        if hosts == list(range(len(hosts))):
-            return self.cluster.base
-        view = self.cluster.base / "views" / "-".join(map(str, slices))
-        view.mkdir(parents=True, exist_ok=True)
-        for i, h in enumerate(hosts):
-            link = view / f"host-{i}"
-            if not link.is_symlink():
-                link.symlink_to(self.cluster.root(h), target_is_directory=True)
-        return view
+        return mtc.Options(simulated_hosts=len(hosts),
+                           hosts_per_slice=self.cluster.hosts_per_slice,
+                           sidecars=self.cluster.sidecars(hosts),
+                           replicator_token=self.cluster.token(), **kw)
+
+    def local_dir(self, slices: tuple[int, ...]) -> Path:
+        """mtc's ``local_dir`` here: with sidecars each host has its own RAM disk,
+        which only its processes see, so this folder of the trainer's stays empty."""
+        return self.cluster.base / "controller"
 
     def new_manager(self, trainer: Trainer, slices: tuple[int, ...]) -> mtc.CheckpointManager:
         if self.mgr is not None:
@@ -213,13 +216,11 @@ class ElasticRun:
                 self.mgr.close()
             except (mtc.MtcError, OSError) as e:
                 log.warning("closing the previous checkpoint manager: %s", e)
-        hosts = self.hosts_of(slices)
         full = len(slices) == self.cluster.slices
         self.mgr = mtc.CheckpointManager(
             self.local_dir(slices), mesh=trainer.mesh,
-            options=mtc.Options(
-                save_interval_steps=self.args.save_interval, max_to_keep=None,
-                simulated_hosts=len(hosts), hosts_per_slice=self.cluster.hosts_per_slice,
+            options=self.options(
+                slices, save_interval_steps=self.args.save_interval, max_to_keep=None,
                 # On every slice the replicators agree on restores; on fewer, the
                 # missing hosts' replicators are gone and restore reads the RAM disks.
                 replicators=tuple(self.cluster.addresses) if full else None,
@@ -241,8 +242,8 @@ class ElasticRun:
         else:
             # While the host's writer is writing it (not yet committed).
             waited = self.faults.wait_writing(h, step)
-        in_flight = [p.name for p in self.cluster.root(h).glob(f"{step}.*")]
-        committed = layout.step_dir(self.cluster.root(h), step).is_dir()
+        seen = self.cluster.inspect(h) or {"writing": [], "committed": []}
+        in_flight, committed = step in seen["writing"], step in seen["committed"]
         t = time.time()
         self.faults.will_replace(s)
         self._lose([h], s)
@@ -344,8 +345,8 @@ class ElasticRun:
         # holds again, for the replicators to copy, right after the first step
         # (not before it: the save's staging and writes would slow that step).
         resave = rec is not None and rec.kind == "scale_up" and not any(
-            layout.step_dir(mgr.local_dir / f"host-{h}", state["step"]).exists()
-            for h in range(len(self.hosts_of(slices))))
+            state["step"] in (self.cluster.inspect(h) or {}).get("committed", [])
+            for h in self.hosts_of(slices))
         self.train(trainer, mgr, state, slices, resave=resave)
 
     def recover(self, trainer: Trainer, mgr: mtc.CheckpointManager, rec: Recovery | None,
@@ -403,15 +404,16 @@ class ElasticRun:
         """The newest step committed on every host of ``slices``, read as those
         slices saved it (their own numbering of hosts) and placed onto ``onto``."""
         hosts = self.hosts_of(slices)
-        view = self.local_dir(slices)
-        roots = [view / f"host-{i}" for i in range(len(hosts))]
-        common = set.intersection(*(set(layout.committed_steps(r)) for r in roots))
+        # Committed on every one of these hosts, asked of their sidecars: also the
+        # steps the whole mesh saved, which these slices' hosts hold in full (the
+        # state is replicated across slices), though not every host that saved them.
+        held = [set((self.cluster.inspect(h) or {}).get("committed", [])) for h in hosts]
+        common = set.intersection(*held)
         if not common:
             raise SystemExit(f"no step on the RAM disks of hosts {hosts}")
         src = self.trainer(slices)
-        with mtc.CheckpointManager(view, mesh=src.mesh, options=mtc.Options(
-                max_to_keep=None, simulated_hosts=len(hosts), read_only=True,
-                hosts_per_slice=self.cluster.hosts_per_slice)) as reader:
+        with mtc.CheckpointManager(self.local_dir(slices), mesh=src.mesh, options=self.options(
+                slices, max_to_keep=None, read_only=True)) as reader:
             state = dict(reader.restore(max(common), src.abstract_state()))
         if src is not onto:
             state.update(jax.device_put({k: state[k] for k in Trainer.ARRAYS},

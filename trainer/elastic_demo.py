@@ -2,12 +2,15 @@
 
 Run as ``python -m mtc_trainer.elastic_demo --out out/demo``. It:
 
-1. starts a local cluster (``mtc_trainer.cluster``): 2 slices x 2 simulated hosts,
-   RAM-disk roots under ``/dev/shm/mtc-cluster-demo-<pid>``, one real
-   ``mtc-replicator`` process per host, backups to a local folder;
+1. starts a local cluster (``mtc_trainer.cluster``): 2 slices x 2 simulated hosts
+   that share nothing, each its own sidecar process and real ``mtc-replicator``
+   and a RAM disk only they see (with root: a network namespace and a private
+   tmpfs per host), under ``/dev/shm/mtc-cluster-demo-<pid>``, backups to a
+   local folder;
 2. runs the elastic trainer (``mtc_trainer.elastic``, a 3.2M-parameter LM) on 8
-   CPU devices: twice it loses a host once a save is on its peer (replicator
-   SIGKILLed, RAM disk wiped, the slice's devices raise DATA_LOSS), pauses
+   CPU devices, saving through the hosts' sidecars: twice it loses a host once
+   a save is on its peer (the host's processes SIGKILLed, its RAM disk gone
+   with them, the slice's devices raise DATA_LOSS), pauses
    until the host's replacement is back empty and restores through mtc, the
    wiped host's shards from its peer; twice it loses a whole slice, continues
    on the other at once from the per-step snapshot (replica resize) with the
@@ -26,7 +29,9 @@ Run as ``python -m mtc_trainer.elastic_demo --out out/demo``. It:
    loss, and whether the loss curve equals an uninterrupted run on the same
    meshes.
 
-It writes ``report.json``, ``elastic.jsonl`` (the trainer's log),
+It writes ``report.json`` (with a ``cluster`` object: ``isolation``,
+``"namespaces"`` or ``"processes"``, and per host its ``address``,
+``sidecar_pid`` and ``replicator_pid``), ``elastic.jsonl`` (the trainer's log),
 ``elastic.log`` (its output), ``cluster-status.txt`` and ``timeline.png`` into
 ``--out``. Exit status: 0 when the losses match, 1 when they do not, 2 when
 the trainer failed.
@@ -432,8 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     follower = Follower(out / "elastic.jsonl", args.steps)
     try:
         cluster = LocalCluster.up(base)
-        follower.say(f"cluster up: 4 hosts in 2 slices under {base}, replicators "
-                     f"{', '.join(cluster.addresses)}")
+        started = cluster.describe()
+        follower.say(f"cluster up: 4 hosts in 2 slices under {base}, kept apart by "
+                     f"{cluster.isolation} (each its own sidecar, replicator and RAM disk), "
+                     f"replicators {', '.join(cluster.addresses)}")
         cmd = [sys.executable, "-m", "mtc_trainer.elastic", "--cluster", str(base),
                "--log", str(out / "elastic.jsonl"), "--steps", str(args.steps),
                "--seed", str(args.seed), "--save-interval", str(args.save_interval),
@@ -464,18 +471,23 @@ def main(argv: list[str] | None = None) -> int:
             tail = (out / "elastic.log").read_text(errors="replace").splitlines()[-25:]
             raise ChildFailed(f"the trainer exited with status {proc.returncode}; its output "
                               "ends:\n" + "\n".join(tail))
-        backup = subprocess.run([sys.executable, "-m", "mtc.cli", "backup", "--node",
+        token = ["--token-file", str(cluster.token_file())]
+        backup = subprocess.run([sys.executable, "-m", "mtc.cli", "backup", *token, "--node",
                                  cluster.addresses[0]], capture_output=True, text=True,
                                 env=env, cwd=REPO, timeout=120)
         follower.say(f"backup tier: {backup.stdout.strip() or backup.stderr.strip()} "
                      f"(to {cluster.backup})")
-        status = subprocess.run([sys.executable, "-m", "mtc.cli", "status", "--nodes",
+        status = subprocess.run([sys.executable, "-m", "mtc.cli", "status", *token, "--nodes",
                                  ",".join(cluster.addresses)], capture_output=True, text=True,
                                 env=env, cwd=REPO, timeout=60)
         (out / "cluster-status.txt").write_text(status.stdout)
         follower.say("\nmtc status (every host's steps, own and peer copies):\n"
                      + status.stdout.rstrip())
         report = build_report(args, follower.records, t_launch)
+        # How the hosts were kept apart, as they are now (replaced hosts' new pids),
+        # and as they started.
+        report["cluster"] = {**LocalCluster.load(base).describe(),
+                             "hosts_at_start": started["hosts"]}
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         png = plot(out, follower.records, report, t_launch)
         print_report(report, out, png)

@@ -1,5 +1,7 @@
-"""Losing simulated hosts of a local cluster: real SIGKILLs and wiped RAM disks,
-and their devices failed through pathwaysutils' fault simulator."""
+"""Losing simulated hosts of a local cluster: real SIGKILLs of every process of a
+host (its RAM disk goes with them), and their devices failed through
+pathwaysutils' fault simulator. What a host holds is asked of its sidecar
+(:meth:`LocalCluster.inspect`): this process never sees a RAM disk."""
 
 from __future__ import annotations
 
@@ -12,8 +14,6 @@ from typing import Any
 import jax
 from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
-from mtc import layout
-from mtc_sidecar.replicator.store import REPLICA_DIR
 from mtc_trainer.cluster import LocalCluster
 from mtc_trainer.jsonlog import JsonLog
 
@@ -73,7 +73,7 @@ def _deleted(arr: Any) -> bool:
 class HostFaults:
     """Loses hosts of a :class:`LocalCluster` and brings them back.
 
-    A lost host's replicator is SIGKILLed and its RAM-disk root deleted; its
+    A lost host's sidecar and replicator are SIGKILLed (its RAM disk is gone); its
     devices are marked lost in a :class:`SliceLossSimulator`, so arrays on them
     raise ``DATA_LOSS`` and pathwaysutils' health check reports the slice down.
     """
@@ -97,7 +97,7 @@ class HostFaults:
 
     def lose(self, hosts: list[int], slice_: int) -> None:
         for h in hosts:
-            self.cluster.lose_host(h)  # SIGKILL the replicator, wipe the RAM disk
+            self.cluster.lose_host(h)  # SIGKILL its processes: the RAM disk goes too
         if self.sim is None:
             self.sim = SliceLossSimulator()
             self.sim.start()
@@ -125,7 +125,11 @@ class HostFaults:
         def run() -> None:
             time.sleep(delay)  # the replacement's own start (simulated)
             for h in hosts:
-                self.cluster.restart_host(h, wait=False)
+                self.cluster.start_sidecar(h, wait=False)
+            for h in hosts:
+                self.cluster.hosts.wait_sidecar(h)
+                self.cluster.launch(h)
+            self.cluster.save()
             for h in hosts:
                 self.cluster.wait_serving(h)
             sim = self.sim
@@ -163,9 +167,8 @@ class HostFaults:
     def peer_copy(self, host: int, step: int) -> bool:
         """Whether another host holds a committed copy of ``host``'s files of ``step``."""
         for p in range(self.cluster.num_hosts):
-            copies = self.cluster.root(p) / REPLICA_DIR / str(host)
-            if p != host and (copies / f"{step}.files.json").is_file() \
-                    and layout.step_dir(copies, step).is_dir():
+            seen = self.cluster.inspect(p) if p != host else None
+            if seen is not None and step in seen["replicas"].get(str(host), []):
                 return True
         return False
 
@@ -180,8 +183,8 @@ class HostFaults:
         """Seconds waited until ``host``'s writer has opened ``step``'s temporary
         folder (or committed it already)."""
         t0 = time.perf_counter()
-        root = self.cluster.root(host)
-        while not any(root.glob(f"{step}.*")) and not layout.step_dir(root, step).is_dir() \
-                and time.perf_counter() - t0 < timeout:
-            time.sleep(0.0005)
+        while time.perf_counter() - t0 < timeout:
+            seen = self.cluster.inspect(host)
+            if seen is not None and (step in seen["writing"] or step in seen["committed"]):
+                break
         return time.perf_counter() - t0

@@ -35,11 +35,12 @@ def binary() -> Path:
                 / f"fake-gcs-server-{platform.system().lower()}-{arch}")
 
 
-def start(port: int, log: Path | None, **popen: object) -> subprocess.Popen[bytes]:
-    """Start the emulator on ``127.0.0.1:port``, its errors appended to ``log`` (or
-    dropped); ``popen`` goes to ``subprocess.Popen``."""
-    url = f"http://127.0.0.1:{port}"
-    cmd = [str(binary()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+def start(port: int, log: Path | None, *, host: str = "127.0.0.1",
+          **popen: object) -> subprocess.Popen[bytes]:
+    """Start the emulator on ``host:port`` (loopback, or the local cluster's bridge),
+    its errors appended to ``log`` (or dropped); ``popen`` goes to ``subprocess.Popen``."""
+    url = f"http://{host}:{port}"
+    cmd = [str(binary()), "-scheme", "http", "-backend", "memory", "-host", host,
            "-port", str(port), "-external-url", url, "-log-level", "error"]
     if log is None:
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

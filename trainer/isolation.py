@@ -9,7 +9,14 @@ containers of one pod share a volume. Without root, each host is separate
 processes with a private folder, through the same code paths.
 
 Everything created is removed by :meth:`Hosts.down`: processes (by pid),
-namespaces, the bridge, the folders.
+namespaces, the bridge, the folders. The whole state is plain data
+(:meth:`Hosts.to_json`): another process (the trainer of the local cluster)
+takes it up with :meth:`Hosts.from_json` and can lose and replace hosts too.
+
+Every host's sidecar and replicator listen on fixed ports of the host's own
+address (:data:`SIDECAR_PORT`, a namespace's: nothing else listens there), so a
+replaced host is found where it was, as a pod is behind its stable name; on
+loopback the ports are picked free once, when the hosts are made.
 """
 
 from __future__ import annotations
@@ -20,13 +27,17 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 READY_TIMEOUT_S = 60.0
+SIDECAR_PORT = 7100  # inside a host's namespace
+REPLICATOR_PORT = 7000
 
 
 def namespaces_available() -> bool:
@@ -50,20 +61,37 @@ class Host:
     root: Path  # its RAM disk: a private tmpfs visible to its processes only
     area: Path  # the shared-memory area between the trainer and its sidecar
     netns: str | None
-    sidecar: subprocess.Popen[bytes] | None = None
+    sidecar: subprocess.Popen[bytes] | None = None  # when this process started it
     sidecar_address: str = ""
     replicator: subprocess.Popen[bytes] | None = None
+    sidecar_port: int = SIDECAR_PORT
+    replicator_port: int = REPLICATOR_PORT
+    sidecar_pid: int | None = None
+    replicator_pid: int | None = None
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this host's namespaces (those of its running sidecar)."""
-        if self.netns is None or self.sidecar is None:
+        if self.netns is None or self.sidecar_pid is None:
             return list(argv)
-        return ["nsenter", f"--target={self.sidecar.pid}", "--mount", "--net", "--", *argv]
+        return ["nsenter", f"--target={self.sidecar_pid}", "--mount", "--net", "--", *argv]
 
     def describe(self) -> dict[str, object]:
-        return {"address": self.address,
-                "sidecar_pid": self.sidecar.pid if self.sidecar else None,
-                "replicator_pid": self.replicator.pid if self.replicator else None}
+        return {"address": self.address, "sidecar_pid": self.sidecar_pid,
+                "replicator_pid": self.replicator_pid}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "address": self.address, "root": str(self.root),
+                "area": str(self.area), "netns": self.netns,
+                "sidecar_address": self.sidecar_address, "sidecar_port": self.sidecar_port,
+                "replicator_port": self.replicator_port, "sidecar_pid": self.sidecar_pid,
+                "replicator_pid": self.replicator_pid}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Host:
+        return cls(d["index"], d["address"], Path(d["root"]), Path(d["area"]), d["netns"],
+                   sidecar_address=d["sidecar_address"], sidecar_port=d["sidecar_port"],
+                   replicator_port=d["replicator_port"], sidecar_pid=d["sidecar_pid"],
+                   replicator_pid=d["replicator_pid"])
 
 
 class Hosts:
@@ -87,11 +115,30 @@ class Hosts:
             ns = f"mtc{self.tag}h{i}" if self.isolation == "namespaces" else None
             addr = f"{self.subnet}.{10 + i}" if ns else "127.0.0.1"
             h = Host(i, addr, hd / "ramdisk", hd / "area", ns)
+            if ns is None:  # loopback: ports of its own, picked once
+                h.sidecar_port, h.replicator_port = _free_ports(2)
             h.root.mkdir(parents=True, exist_ok=True)
             h.area.mkdir(parents=True, exist_ok=True)
             if ns:
                 self._add_host_network(h)
             self.hosts.append(h)
+
+    # -- state ------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {"base": str(self.base), "n": self.n, "ramdisk_bytes": self.ramdisk_bytes,
+                "isolation": self.isolation, "tag": self.tag, "subnet": self.subnet,
+                "bridge": self.bridge, "hosts": [h.to_json() for h in self.hosts]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Hosts:
+        """The hosts another process made (their network stays as it is)."""
+        self = cls.__new__(cls)
+        self.base, self.n, self.ramdisk_bytes = Path(d["base"]), d["n"], d["ramdisk_bytes"]
+        self.isolation, self.tag, self.subnet = d["isolation"], d["tag"], d["subnet"]
+        self.bridge = d["bridge"]
+        self.hosts = [Host.from_json(h) for h in d["hosts"]]
+        return self
 
     # -- network ----------------------------------------------------------------------
 
@@ -112,6 +159,11 @@ class Hosts:
                     ("ip", "link", "set", inner, "up"), ("ip", "link", "set", "lo", "up")):
             _run("ip", "netns", "exec", h.netns, *cmd)
 
+    @property
+    def gateway(self) -> str:
+        """The address at which hosts reach this (the root) namespace: the bridge's."""
+        return f"{self.subnet}.1" if self.isolation == "namespaces" else "127.0.0.1"
+
     def link(self, host: int, up: bool) -> None:
         """Cut or restore a host's link (its veth on the bridge)."""
         _run("ip", "link", "set", f"mtv{self.tag}{host}a", "up" if up else "down")
@@ -119,11 +171,13 @@ class Hosts:
     # -- processes --------------------------------------------------------------------
 
     def start_sidecar(self, i: int, slices: Sequence[int], *, env: dict[str, str] | None = None,
-                      writer_threads: int = 2) -> Host:
+                      writer_threads: int = 2, wait: bool = True) -> Host:
+        """Start host ``i``'s sidecar (its own session), which makes the host's
+        namespaces and mounts its RAM disk; with ``wait``, until it serves."""
         h = self.hosts[i]
-        ready = self.base / f"host-{i}" / "mtc_sidecar.ready"
+        ready = self.ready_file(i)
         ready.unlink(missing_ok=True)
-        listen = f"{h.address}:0"
+        listen = f"{h.address}:{h.sidecar_port}"
         cmd = [sys.executable, "-m", "mtc_sidecar.host.main", "--root", str(h.root),
                "--area", str(h.area), "--host", str(i), "--slices",
                ",".join(str(s) for s in slices), "--listen", listen,
@@ -138,20 +192,33 @@ class Hosts:
         h.sidecar = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         log.close()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.exists():
-            if h.sidecar.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"sidecar of host {i} did not start: "
-                                   f"{self.log_tail(i, 'sidecar')}")
-            time.sleep(0.02)
-        h.sidecar_address = json.loads(ready.read_text())["address"]
+        h.sidecar_pid = h.sidecar.pid
+        h.sidecar_address = listen
+        if wait:
+            self.wait_sidecar(i)
         return h
 
-    def replicator_address(self, i: int, port: int) -> str:
+    def ready_file(self, i: int) -> Path:
+        return self.base / f"host-{i}" / "mtc_sidecar.ready"
+
+    def wait_sidecar(self, i: int, timeout: float = READY_TIMEOUT_S) -> None:
+        """Until host ``i``'s sidecar serves (it writes its ready file; a stat every
+        few milliseconds, no RPC)."""
+        h, ready = self.hosts[i], self.ready_file(i)
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if not _alive(h.sidecar_pid, h.sidecar) or time.monotonic() > deadline:
+                raise RuntimeError(f"sidecar of host {i} did not start: "
+                                   f"{self.log_tail(i, 'sidecar')}")
+            time.sleep(0.005)
+        h.sidecar_address = json.loads(ready.read_text())["address"]
+
+    def replicator_address(self, i: int, port: int | None = None) -> str:
         """Where host ``i``'s replicator listens: a fixed port on the host's own
-        address (a namespace's: nothing else listens there), so every peer can be
-        told every address before any starts. On loopback ``port`` must be free."""
-        return f"{self.hosts[i].address}:{port}"
+        address (default: the host's), so every peer can be told every address
+        before any starts. On loopback a given ``port`` must be free."""
+        h = self.hosts[i]
+        return f"{h.address}:{h.replicator_port if port is None else port}"
 
     def start_replicator(self, i: int, argv: Sequence[str], *,
                          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -160,7 +227,7 @@ class Hosts:
         peers off loopback must present (:attr:`token_file`). Returns at once: the
         caller waits for it to serve."""
         h = self.hosts[i]
-        if h.netns and h.sidecar is None:
+        if h.netns and h.sidecar_pid is None:
             raise RuntimeError(f"host {i}: start its sidecar first (it owns the namespaces)")
         cmd = h.wrap([sys.executable, "-m", "mtc_sidecar.replicator.main", *argv,
                       "--token-file", str(self.token_file)])
@@ -168,6 +235,7 @@ class Hosts:
         h.replicator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
         log.close()
+        h.replicator_pid = h.replicator.pid
         return h.replicator
 
     @property
@@ -190,12 +258,19 @@ class Hosts:
 
     def kill(self, i: int) -> None:
         """SIGKILL a host's processes: with namespaces its RAM disk goes with them."""
+        self.kill_replicator(i)
         h = self.hosts[i]
-        for p in (h.replicator, h.sidecar):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait(timeout=30)
-        h.replicator = h.sidecar = None
+        _kill(h.sidecar_pid, h.sidecar)
+        h.sidecar, h.sidecar_pid = None, None
+
+    def kill_replicator(self, i: int) -> None:
+        h = self.hosts[i]
+        _kill(h.replicator_pid, h.replicator)
+        h.replicator, h.replicator_pid = None, None
+
+    def replicator_alive(self, i: int) -> bool:
+        h = self.hosts[i]
+        return _alive(h.replicator_pid, h.replicator)
 
     def describe(self) -> dict[str, object]:
         return {"isolation": self.isolation, "hosts": [h.describe() for h in self.hosts]}
@@ -210,3 +285,60 @@ class Hosts:
                                    check=False)
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _free_ports(n: int) -> list[int]:
+    """Loopback ports free right now (a server binding them later may still race)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _state_of(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "X"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _alive(pid: int | None, proc: subprocess.Popen[bytes] | None) -> bool:
+    """Whether a process runs (not a zombie): our child, or one another process started."""
+    if proc is not None:
+        return proc.poll() is None
+    if pid is None:
+        return False
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0]:  # our child after all: reaped
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return _state_of(pid) not in ("Z", "X")
+
+
+def _kill(pid: int | None, proc: subprocess.Popen[bytes] | None, timeout: float = 30.0) -> None:
+    """SIGKILL one process we (or the process that made the hosts) started; until it is gone."""
+    if proc is not None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=timeout)
+        return
+    if pid is None or not _alive(pid, None):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while _alive(pid, None) and time.monotonic() < deadline:
+        time.sleep(0.005)

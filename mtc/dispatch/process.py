@@ -80,16 +80,16 @@ class ProcessDispatch(HostCalls):
     @classmethod
     def connect(cls, config: AgentConfig, addresses: Sequence[str],
                 deadline_s: float = 120.0) -> ProcessDispatch:
-        """Ask each sidecar (host order) which host it is and where its area is."""
+        """Ask each sidecar (in rank order: the i-th address serves this job's host i,
+        whichever host it is in a larger cluster) where its area is."""
         if len(addresses) != len(config.slice_of_host):
             raise ConfigError(f"{len(addresses)} sidecars for {len(config.slice_of_host)} hosts")
         sidecars = {h: Sidecar(a, Path()) for h, a in enumerate(addresses)}
         probe = cls(config, sidecars, deadline_s=deadline_s)
         for h in sidecars:
             hello = probe._rpc(h, "hello")
-            if hello["host"] != h:
-                raise ConfigError(f"sidecar at {addresses[h]} serves host {hello['host']}, "
-                                  f"expected host {h}", host=h)
+            if hello.get("rank") != h:
+                raise ConfigError(f"sidecar at {addresses[h]} did not take rank {h}", host=h)
             sidecars[h] = Sidecar(addresses[h], Path(hello["area"]))
         probe._channels_close()
         return cls(config, sidecars, deadline_s=deadline_s)
@@ -108,8 +108,9 @@ class ProcessDispatch(HostCalls):
         """Requests to several hosts at once (``timeout`` seconds each, None: no limit);
         every reply awaited. Returns the replies of the hosts that answered, and the
         first error (in host order) or None."""
-        futures = {h: self._stubs[h].future(encode_request(op, [h], **args), timeout=timeout,
-                                            wait_for_ready=True)
+        # Not wait_for_ready: a host whose sidecar is gone (connection refused) is
+        # reported at once, as unavailable, instead of when the deadline ends.
+        futures = {h: self._stubs[h].future(encode_request(op, [h], **args), timeout=timeout)
                    for h, (op, args) in calls.items()}
         out: dict[int, Any] = {}
         first: MtcError | None = None
@@ -188,7 +189,9 @@ class ProcessDispatch(HostCalls):
                 np.copyto(dst, np.asarray(src), casting="no")
                 table.append([leaf, [list(p) for p in index], dt.str, list(shape), off])
             calls[h] = ("stage", {"header": header.to_bytes().decode(), "slot": slot.name,
-                                  "size": slot.size, "shards": table})
+                                  "size": slot.size, "shards": table,
+                                  "slice": self.config.slice_of_host[h],
+                                  "num_hosts": len(self.config.slice_of_host)})
         for h in calls:
             slots[h].busy = True
         try:

@@ -10,6 +10,13 @@ operations of :class:`mtc_sidecar.ops.HostOps` it serves ``stage`` (shards place
 in a save slot), ``poll`` and ``wait`` (background errors; slots written since)
 and ``load`` (regions read into a fresh reply file). One gRPC method carries them
 all, with raw bytes in and out.
+
+A request names the host's rank in the job that sends it (its ``hosts``: exactly
+one): a job on fewer slices numbers its hosts from 0, as it would on a resized
+Pathways mesh, so the rank is the request's, not the process's. ``--host`` is the
+process's identity, named in its errors and logs. ``inspect`` answers the local
+cluster's fault injector (what is committed, being written, held for peers) so
+that it too reaches the RAM disk only through this process.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from mtc import transfer
+from mtc import layout, transfer
 from mtc.contract import (
     AgentConfig,
     SaveHeader,
@@ -37,16 +44,17 @@ from mtc.errors import MtcError, ProtocolError, StorageError
 from mtc_sidecar.agent import HostAgent
 from mtc_sidecar.load import ShardLoader
 from mtc_sidecar.ops import HostOps
+from mtc_sidecar.replicator.store import REPLICA_DIR
 
 log = logging.getLogger(__name__)
 SERVICE = "mtc.Host"
 METHOD = f"/{SERVICE}/Call"
-TRANSFER_OPS = ("hello", "stage", "poll", "wait", "load")
+TRANSFER_OPS = ("hello", "stage", "poll", "wait", "load", "inspect")
 
 
 class HostService:
     """Serves one host. ``_written`` (slots whose save ended) is guarded by ``_lock``;
-    the agent has its own."""
+    the agent has its own. ``host`` is the process's identity; ranks come with requests."""
 
     def __init__(self, config: AgentConfig, host: int, area: Path) -> None:
         self.config = config
@@ -56,23 +64,28 @@ class HostService:
         self.ops = HostOps(config)
         self._written: list[str] = []
         self._lock = threading.Lock()
-        self._ops: dict[str, Callable[[dict[str, Any]], Any]] = {
+        self._ops: dict[str, Callable[[int, dict[str, Any]], Any]] = {
             "hello": self._hello, "stage": self._stage, "poll": self._poll,
-            "wait": self._wait, "load": self._load}
+            "wait": self._wait, "load": self._load, "inspect": self._inspect}
 
     def handle(self, request: bytes) -> bytes | bytearray:
         try:
             d = json.loads(request)
             op = d.get("op") if isinstance(d, dict) else None
         except ValueError:
-            op = None
-        if op not in TRANSFER_OPS:
-            return self.ops.handle(request, serves=[self.host])
+            d = op = None
         try:
+            ranks = d.get("hosts") if isinstance(d, dict) else None
+            if not (isinstance(ranks, list) and len(ranks) == 1 and isinstance(ranks[0], int)
+                    and not isinstance(ranks[0], bool) and ranks[0] >= 0):
+                raise ProtocolError(f"a request names the one rank it asks (got {ranks!r})",
+                                    host=self.host)
+            if op not in TRANSFER_OPS:
+                return self.ops.handle(request)
             args = d.get("args")
             if not isinstance(args, dict):
                 raise ProtocolError(f"malformed {op} request: no arguments", host=self.host)
-            return encode_reply(self._ops[op](args))
+            return encode_reply(self._ops[op](ranks[0], args))
         except MtcError as e:
             return encode_error(e)
         except OSError as e:
@@ -81,10 +94,27 @@ class HostService:
         except (TypeError, KeyError, ValueError, IndexError) as e:
             return encode_error(ProtocolError(f"malformed {op} request: {e!r}", host=self.host))
 
-    def _hello(self, args: dict[str, Any]) -> dict[str, Any]:
-        return {"host": self.host, "area": str(self.area)}
+    def _hello(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
+        return {"host": self.host, "rank": rank, "area": str(self.area)}
 
-    def _stage(self, args: dict[str, Any]) -> bool:
+    def _inspect(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
+        """What this host's RAM disk holds: committed steps, steps being written,
+        and per origin rank the peer copies committed here."""
+        root = self.config.root(rank)
+        names = [p.name for p in root.iterdir()] if root.is_dir() else []
+        writing = sorted({int(n.split(layout.TMP_MARK)[0]) for n in names
+                          if layout.TMP_MARK in n and n.split(layout.TMP_MARK)[0].isdigit()})
+        replicas: dict[str, list[int]] = {}
+        held = root / REPLICA_DIR
+        for origin in sorted(held.iterdir()) if held.is_dir() else []:
+            if origin.name.isdigit() and origin.is_dir():
+                replicas[origin.name] = sorted(
+                    s for s in layout.committed_steps(origin)
+                    if (origin / f"{s}.files.json").is_file())
+        return {"host": self.host, "committed": layout.committed_steps(root),
+                "writing": writing, "replicas": replicas}
+
+    def _stage(self, rank: int, args: dict[str, Any]) -> bool:
         header = SaveHeader.from_bytes(args["header"].encode())
         slot = args["slot"]
         if "/" in slot or slot.startswith("."):
@@ -103,7 +133,8 @@ class HostService:
             with self._lock:
                 self._written.append(slot)
 
-        self.agent.stage_views(header, self.host, shards, written)
+        self.agent.stage_views(header, rank, shards, written, slice_=int(args["slice"]),
+                               num_hosts=int(args["num_hosts"]))
         return True
 
     def _written_since(self) -> list[str]:
@@ -111,23 +142,23 @@ class HostService:
             out, self._written = self._written, []
         return out
 
-    def _poll(self, args: dict[str, Any]) -> list[str]:
+    def _poll(self, rank: int, args: dict[str, Any]) -> list[str]:
         self.agent.raise_background_error()
         return self._written_since()
 
-    def _wait(self, args: dict[str, Any]) -> list[str]:
+    def _wait(self, rank: int, args: dict[str, Any]) -> list[str]:
         try:
             self.agent.wait()
         finally:
             written = self._written_since()
         return written
 
-    def _load(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _load(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
         """Read each task's region (pieces this host holds, verified) into one reply file."""
         step = int(args["step"])
         tasks = [task_from_json(t) for t in args["tasks"]]
         for t in tasks:
-            if any(p.host != self.host for p in t.pieces):
+            if any(p.host != rank for p in t.pieces):
                 raise ProtocolError("asked to read another host's pieces", step=step,
                                     host=self.host)
         loader = ShardLoader(step, self.config.root)
