@@ -26,4 +26,5 @@ def test_chaos_short_run() -> None:
     assert out["ok"] + sum(out["errors"].values()) + out["stale"] == out["cycles"], out
     assert out["ok"] >= 1 and out["restore_s"]["max"] > 0
     assert sum(out["faults"].values()) == out["cycles"]
+    assert out["isolation"] in ("namespaces", "processes")
     assert not base.exists()  # the cluster was taken down

@@ -2,17 +2,19 @@
 
     python -m mtc_trainer.chaos [--cycles 200] [--seconds 600] [--seed 0]
 
-Starts a local cluster (``mtc_trainer.cluster``: 2 slices of 2 simulated hosts, one
-real replicator process per host, backups to a folder) and a trainer process
-whose state is a function of the step (tiny arrays). Each cycle injects one
-fault, then has the trainer restore through the replicators (``restore()``
-without a step), compare every restored value with the function of the restored
-step, and save two more steps. Faults: SIGKILL of the trainer (mid-restore or
-mid-save), SIGKILL of a replicator (while idle or during the restore), a host
-wipe (replicator killed, RAM disk lost, started empty), a bit flip or a
-truncation of a shard in the newest committed step (some "silent": size and
-mtime kept, as bad memory would). Link cuts and partitions need the network
-namespaces the local cluster does not have yet: not injected.
+Starts a local cluster (``mtc_trainer.cluster``: 2 slices of 2 simulated hosts
+that share nothing, each its own sidecar and replicator process and RAM disk,
+backups to a folder) and a trainer process whose state is a function of the
+step (tiny arrays), saving through the sidecars. Each cycle injects one fault,
+then has the trainer restore through the replicators (``restore()`` without a
+step), compare every restored value with the function of the restored step, and
+save two more steps. Faults: SIGKILL of the trainer (mid-restore or mid-save),
+of a replicator (while idle or during the restore) or of a sidecar (its
+replicator keeps the RAM disk, as a pod's volume outlives a container), a host
+wipe (every process of the host killed, RAM disk lost, started empty), a bit
+flip or a truncation of a shard in the newest committed step (some "silent":
+size and mtime kept, as bad memory would), done on the host itself (a process
+in its namespaces).
 
 Prints one JSON line: cycles, ok, corrupt (a value differs), divergent (hosts
 restored different steps), stale (older than the newest step every host had
@@ -40,8 +42,8 @@ from typing import Any
 from mtc_trainer.cluster import REPO, LocalCluster, _env, default_base
 
 FAULTS = ("none", "kill_trainer", "kill_replicator", "kill_replicator_in_restore",
-          "wipe_host", "bit_flip", "silent_bit_flip", "truncate")
-WEIGHTS = (1, 1, 2, 2, 2, 3, 2, 2)
+          "kill_sidecar", "wipe_host", "bit_flip", "silent_bit_flip", "truncate")
+WEIGHTS = (1, 1, 2, 2, 1, 2, 3, 2, 2)
 CYCLE_DEADLINE_S = 90.0
 
 
@@ -61,7 +63,7 @@ def state_of(step: int, mesh: Any) -> dict[str, Any]:
             "dp": jax.device_put(dp, NamedSharding(mesh, P("model"))), "step": step}
 
 
-def worker(base: Path, addrs: list[str]) -> int:
+def worker(base: Path) -> int:
     """Serve the driver's commands on stdin: ``cycle`` restores, checks, saves two steps."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -76,15 +78,17 @@ def worker(base: Path, addrs: list[str]) -> int:
     from mtc.errors import MtcError
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model"))
+    cluster = LocalCluster.load(base)  # the hosts keep their addresses when replaced
     opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None,
-                       replicators=tuple(addrs), restore_timeout_s=30)
+                       sidecars=cluster.sidecars(), replicators=tuple(cluster.addresses),
+                       replicator_token=cluster.token(), restore_timeout_s=30)
     target = state_of(0, mesh)
 
     def say(**kw: Any) -> None:
         print(json.dumps(kw), flush=True)
 
     say(ready=True)
-    with mtc.CheckpointManager(base, mesh=mesh, options=opts) as m:
+    with mtc.CheckpointManager(base / "controller", mesh=mesh, options=opts) as m:
         for line in sys.stdin:
             if line.strip() != "cycle":
                 continue
@@ -115,11 +119,12 @@ def worker(base: Path, addrs: list[str]) -> int:
 
 
 class Trainer:
-    def __init__(self, base: Path, addrs: list[str]) -> None:
+    def __init__(self, base: Path) -> None:
+        (base / "logs").mkdir(parents=True, exist_ok=True)
         self.log = (base / "logs" / "mtc_trainer.log").open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mtc_trainer.chaos", "--worker", "--base", str(base),
-             "--nodes", ",".join(addrs)], cwd=REPO, env=_env(), stdin=subprocess.PIPE,
+            [sys.executable, "-m", "mtc_trainer.chaos", "--worker", "--base", str(base)],
+            cwd=REPO, env=_env(), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
         self._buf = b""
         if self.read(120.0).get("ready") is not True:
@@ -167,14 +172,31 @@ class Trainer:
 # -- faults -----------------------------------------------------------------------------
 
 
-def newest_shard(cluster: LocalCluster, rng: random.Random) -> Path | None:
-    host = rng.randrange(cluster.num_hosts)
-    root = cluster.root(host)
+def damage_on_host(cluster: LocalCluster, host: int, how: str, seed: int) -> str | None:
+    """Damage a shard of the newest committed step on ``host``'s RAM disk, from a
+    process inside the host (only its processes see it). Returns the file's path,
+    or None when the host holds no step."""
+    h = cluster.hosts.hosts[host]
+    r = subprocess.run(h.wrap([sys.executable, "-m", "mtc_trainer.chaos", "--damage",
+                               str(h.root), "--how", how, "--seed", str(seed)]),
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise RuntimeError(f"damaging a shard on host {host}: {r.stderr[-1000:]}")
+    return r.stdout.strip() or None
+
+
+def damage_newest(root: Path, how: str, seed: int) -> Path | None:
+    """(On the host.) A random shard file of the newest committed step, damaged."""
+    rng = random.Random(seed)
     steps = sorted(int(n) for n in os.listdir(root) if n.isdigit()) if root.is_dir() else []
     if not steps:
         return None
     files = sorted(p for p in (root / str(steps[-1])).iterdir() if p.name != "manifest.json")
-    return rng.choice(files) if files else None
+    if not files:
+        return None
+    victim = rng.choice(files)
+    damage(victim, how)
+    return victim
 
 
 def damage(path: Path, how: str) -> None:
@@ -199,8 +221,9 @@ def replicated_everywhere(cluster: LocalCluster) -> int:
 
     n, per = cluster.num_hosts, cluster.hosts_per_slice
     held: dict[int, set[tuple[int, int]]] = {}
+    creds = Credentials(token=cluster.token())
     for r, a in enumerate(cluster.addresses):
-        c = PeerClient(a, Credentials(), rank=r, deadline_s=5.0)
+        c = PeerClient(a, creds, rank=r, deadline_s=5.0)
         try:
             held[r] = {(x.origin_rank, x.step) for x in
                        c.call("GetInventory", pb.InventoryRequest(), attempts=1).copies}
@@ -238,7 +261,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
     out: dict[str, Any] = {"cycles": 0, "ok": 0, "corrupt": 0, "divergent": 0, "stale": 0,
                            "errors": Counter(), "hangs": 0, "faults": Counter()}
     seconds_list: list[float] = []
-    trainer = Trainer(base, cluster.addresses)
+    trainer = Trainer(base)
     start = time.monotonic()
     try:
         trainer.send("cycle")  # the first cycle saves steps 0 and 1 from nothing
@@ -255,18 +278,20 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
                 cluster.kill(host)
                 cluster.launch(host)
                 cluster.wait_serving(host)
+            elif fault == "kill_sidecar":
+                cluster.hosts.kill_sidecar(host)
+                cluster.start_sidecar(host)
+                cluster.save()
             elif fault == "wipe_host":
                 cluster.lose_host(host)
                 cluster.restart_host(host)
             elif fault in ("bit_flip", "silent_bit_flip", "truncate"):
-                victim = newest_shard(cluster, rng)
-                if victim is not None:
-                    damage(victim, fault)
+                damage_on_host(cluster, host, fault, rng.randrange(1 << 30))
             trainer.send("cycle")
             if fault == "kill_trainer":
                 time.sleep(rng.uniform(0.0, 1.5))  # mid-restore or mid-save
                 trainer.kill()
-                trainer = Trainer(base, cluster.addresses)
+                trainer = Trainer(base)
                 trainer.send("cycle")
             elif fault == "kill_replicator_in_restore":
                 time.sleep(rng.uniform(0.0, 0.3))
@@ -283,7 +308,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
                 print(f"cycle {out['cycles']} ({fault} host {host}): restore "
                       f"{'exited' if reply else 'hung'}", file=sys.stderr)
                 trainer.kill(stacks=True)
-                trainer = Trainer(base, cluster.addresses)
+                trainer = Trainer(base)
                 continue
             if "error" in reply:
                 kind = reply["error"]
@@ -312,7 +337,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
                 print(f"cycle {out['cycles']} ({fault} host {host}): save hung",
                       file=sys.stderr)
                 trainer.kill(stacks=True)
-                trainer = Trainer(base, cluster.addresses)
+                trainer = Trainer(base)
     finally:
         trainer.kill()
         if keep_logs is not None:
@@ -323,7 +348,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
     out["restore_s"] = ({"median": round(statistics.median(seconds_list), 3),
                          "max": round(max(seconds_list), 3)} if seconds_list else None)
     out["seconds"] = round(time.monotonic() - start, 1)
-    out["not_injected"] = ["link cuts and partitions (no network namespaces yet)"]
+    out["isolation"] = cluster.isolation
     return out
 
 
@@ -337,10 +362,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="cluster folder (default /dev/shm/mtc-cluster-chaos-<pid>)")
     p.add_argument("--keep-logs", type=Path, help="copy the cluster's logs here at the end")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--nodes", help=argparse.SUPPRESS)
+    p.add_argument("--damage", type=Path, help=argparse.SUPPRESS)  # a RAM disk, on its host
+    p.add_argument("--how", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args.base, args.nodes.split(","))
+        return worker(args.base)
+    if args.damage:
+        victim = damage_newest(args.damage, args.how, args.seed)
+        print(victim or "")
+        return 0
     base = args.base or default_base(f"chaos-{os.getpid()}")
     print(json.dumps(run(args.cycles, args.seconds, args.seed, base, args.keep_logs)),
           flush=True)

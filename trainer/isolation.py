@@ -70,10 +70,12 @@ class Host:
     replicator_pid: int | None = None
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside this host's namespaces (those of its running sidecar)."""
-        if self.netns is None or self.sidecar_pid is None:
+        """``argv`` run inside this host's namespaces (those of its running sidecar,
+        or replicator)."""
+        owner = self.sidecar_pid if self.sidecar_pid is not None else self.replicator_pid
+        if self.netns is None or owner is None:
             return list(argv)
-        return ["nsenter", f"--target={self.sidecar_pid}", "--mount", "--net", "--", *argv]
+        return ["nsenter", f"--target={owner}", "--mount", "--net", "--", *argv]
 
     def describe(self) -> dict[str, object]:
         return {"address": self.address, "sidecar_pid": self.sidecar_pid,
@@ -173,7 +175,11 @@ class Hosts:
     def start_sidecar(self, i: int, slices: Sequence[int], *, env: dict[str, str] | None = None,
                       writer_threads: int = 2, wait: bool = True) -> Host:
         """Start host ``i``'s sidecar (its own session), which makes the host's
-        namespaces and mounts its RAM disk; with ``wait``, until it serves."""
+        namespaces and mounts its RAM disk; with ``wait``, until it serves.
+
+        While the host's replicator still runs (the sidecar alone died), the new
+        sidecar joins the replicator's namespaces: the RAM disk is as it was, as
+        a pod's volume outlives one of its containers."""
         h = self.hosts[i]
         ready = self.ready_file(i)
         ready.unlink(missing_ok=True)
@@ -182,7 +188,9 @@ class Hosts:
                "--area", str(h.area), "--host", str(i), "--slices",
                ",".join(str(s) for s in slices), "--listen", listen,
                "--ready-file", str(ready), "--writer-threads", str(writer_threads)]
-        if h.netns:
+        if h.netns and _alive(h.replicator_pid, h.replicator):
+            cmd = ["nsenter", f"--target={h.replicator_pid}", "--mount", "--net", "--", *cmd]
+        elif h.netns:
             # A private tmpfs at the root, seen by this process and whoever joins it.
             script = (f"mount -t tmpfs -o size={self.ramdisk_bytes},mode=0700 tmpfs "
                       f"'{h.root}' && exec \"$@\"")
@@ -227,7 +235,7 @@ class Hosts:
         peers off loopback must present (:attr:`token_file`). Returns at once: the
         caller waits for it to serve."""
         h = self.hosts[i]
-        if h.netns and h.sidecar_pid is None:
+        if h.netns and h.sidecar_pid is None and h.replicator_pid is None:
             raise RuntimeError(f"host {i}: start its sidecar first (it owns the namespaces)")
         cmd = h.wrap([sys.executable, "-m", "mtc_sidecar.replicator.main", *argv,
                       "--token-file", str(self.token_file)])
@@ -259,6 +267,12 @@ class Hosts:
     def kill(self, i: int) -> None:
         """SIGKILL a host's processes: with namespaces its RAM disk goes with them."""
         self.kill_replicator(i)
+        h = self.hosts[i]
+        _kill(h.sidecar_pid, h.sidecar)
+        h.sidecar, h.sidecar_pid = None, None
+
+    def kill_sidecar(self, i: int) -> None:
+        """SIGKILL a host's sidecar alone (its replicator keeps the RAM disk)."""
         h = self.hosts[i]
         _kill(h.sidecar_pid, h.sidecar)
         h.sidecar, h.sidecar_pid = None, None
