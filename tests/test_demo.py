@@ -54,4 +54,8 @@ def test_demo_recovers_from_a_crash_with_the_reference_loss_curve(tmp_path: Path
     for run in ("crash", "resume", "reference"):
         lines = (out / f"{run}.jsonl").read_text().splitlines()
         assert any('"loss"' in line for line in lines)
+    # The trainers reached the hosts only through their sidecars, one process each.
+    cluster = report["cluster"]
+    assert cluster["isolation"] in ("namespaces", "processes")
+    assert len({h["sidecar_pid"] for h in cluster["hosts"]}) == 4
     assert list(ramdisk.iterdir()) == [], "the demo leaves its RAM-disk folder behind"

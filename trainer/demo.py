@@ -3,7 +3,10 @@
 Run as ``python -m mtc_trainer.demo --out out/demo``. The demo itself never imports
 JAX; it supervises three training processes (``mtc_trainer.train``), each on 8 CPU
 devices as 2 slices x 4 devices, checkpointing to 4 simulated hosts (2 per
-slice) under ``/dev/shm/mtc-demo-<pid>``:
+slice) that share nothing (:mod:`mtc_trainer.isolation`: each its own sidecar
+process and RAM disk, with root a network namespace and a private tmpfs) under
+``/dev/shm/mtc-demo-<pid>``; the training processes reach them only through the
+sidecars, which outlive a crashed trainer as a host outlives its program:
 
 1. ``crash``: trains, saving every ``--save-interval`` steps, and is SIGKILLed
    once it has logged step ``--kill-at`` (a real crash: no handler runs, saves in
@@ -36,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from mtc_trainer.isolation import Hosts
 from mtc_trainer.jsonlog import JsonTail
 
 REPO = Path(__file__).resolve().parents[1]
@@ -394,16 +398,25 @@ def main(argv: list[str] | None = None) -> int:
     cache = args.compile_cache or str((out / "compile-cache").resolve())
     common = ["--steps", str(args.steps), "--seed", str(args.seed), "--model", args.model,
               "--compile-cache", "" if cache == "none" else cache]
-    ckpt = [*common, "--ramdisk", str(ramdisk), "--save-interval", str(args.save_interval),
-            "--max-to-keep", str(args.max_to_keep)]
     progress = Progress(args.steps)
     children: list[Child] = []
+    hosts: Hosts | None = None
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
     try:
+        hosts = Hosts(ramdisk, 4)
+        for i in range(4):
+            hosts.start_sidecar(i, [0, 0, 1, 1], env=env, wait=False)
+        for i in range(4):
+            hosts.wait_sidecar(i)
+        progress.say(f"hosts: 4 sidecars, kept apart by {hosts.isolation}")
+        ckpt = [*common, "--ramdisk", str(ramdisk / "controller"),
+                "--sidecars", ",".join(h.sidecar_address for h in hosts.hosts),
+                "--save-interval", str(args.save_interval), "--max-to-keep",
+                str(args.max_to_keep)]
         progress.say(f"run 1: train, SIGKILL after step {args.kill_at} "
                      f"(checkpoints every {args.save_interval} steps in {ramdisk})")
         crash = launch("crash", out, ckpt, env)
@@ -430,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         init = crash.event("init") or {}
         report = build_report(args, crash, resume, ref, kill, init.get("params"))
         report["config"]["tolerance"] = args.tolerance
+        report["cluster"] = hosts.describe()
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         png = plot(out, crash, resume, ref, report)
         print_report(report, out, png, ramdisk)
@@ -442,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
             if c.proc.poll() is None:
                 c.proc.kill()
                 c.proc.wait()
+        if hosts is not None:
+            hosts.down()
         shutil.rmtree(ramdisk, ignore_errors=True)
 
 

@@ -38,6 +38,9 @@ from mtc_trainer.model import PRESETS, Config, Trainer, count_params
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ramdisk", type=Path, help="mtc local_dir (one host-<i> root per host)")
+    p.add_argument("--sidecars", default="",
+                   help="the hosts' sidecar addresses, comma-separated (host order): save and "
+                        "restore through them; this process then never sees a RAM disk")
     p.add_argument("--log", type=Path, required=True, help="JSON-lines output")
     p.add_argument("--steps", type=int, default=150, help="train up to this step")
     p.add_argument("--model", choices=sorted(PRESETS), default="small",
@@ -84,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             args.ramdisk, mesh=mesh,
             options=mtc.Options(save_interval_steps=args.save_interval,
                                 max_to_keep=args.max_to_keep,
-                                simulated_hosts=4, hosts_per_slice=2))
+                                simulated_hosts=4, hosts_per_slice=2,
+                                sidecars=tuple(args.sidecars.split(",")) if args.sidecars
+                                else None))
     log.write(event="ready", compile_cache=cache)
 
     t0 = time.perf_counter()
