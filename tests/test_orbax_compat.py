@@ -1,20 +1,26 @@
-"""Orbax's own multi-tier client, unmodified, against mtc's real replicator.
+"""Orbax's own multi-tier client, unmodified, against mtc's real replicator, on
+hosts that share nothing.
 
-Four JAX processes (2 slices x 2 hosts, 2 CPU devices each) run
-``tests/workers/orbax_worker.py``: Orbax's ``initialize_multi_tier_checkpointing``
-and ``ReplicatorCheckpointManager``, talking to four real replicator processes
-(``python -m mtc_sidecar.replicator.main`` without ``--rank``) only through the
-files of the GKE replicator protocol (``replicator.yaml``, restore markers,
-step folders). Like GKE's CSI driver, the test writes ``jax-init-info.txt``.
+Four isolated hosts (``mtc_trainer.isolation``: with root each its own network
+namespace, an address on a bridge, and a private tmpfs RAM disk; otherwise
+separate processes over private folders), 2 slices x 2 hosts. On each host, a
+JAX process (2 CPU devices) runs ``tests/workers/orbax_worker.py``: Orbax's
+``initialize_multi_tier_checkpointing`` and ``ReplicatorCheckpointManager``,
+joined into one job by ``jax.distributed`` over the bridge, talking to its
+host's real replicator (``python -m mtc_sidecar.replicator.main`` without
+``--rank``) only through the files of the GKE replicator protocol
+(``replicator.yaml``, restore markers, step folders) on its own RAM disk. Like
+GKE's CSI driver, the test writes ``jax-init-info.txt``; it does so, and
+inspects or damages a host's files, from a process inside that host.
 
 Phase 1 trains steps 1..3 and waits until every replicator pushed step 3 to
-its peer in the other slice. Phase 2 is a restart after trouble: host 0 lost
-its RAM disk (replicator SIGKILLed, folder wiped, replicator restarted empty),
-host 1 holds a bogus NEWER complete step 99 (replicated to its peer too) and
-host 3 a half-written ``7.orbax-checkpoint-tmp``. All four restarted processes
-must be told the same step (3, the newest on every peer group), see no other
-step, restore exactly the saved values (host 0 from data its replicator
-fetched from host 2), and save step 4 together -- a step-set mismatch would
+its peer in the other slice. Phase 2 is a restart after trouble: host 0 is
+replaced (every process SIGKILLed, its RAM disk gone, started empty), host 1
+holds a bogus NEWER complete step 99 (replicated to its peer too) and host 3 a
+half-written ``7.orbax-checkpoint-tmp``. All four restarted processes must be
+told the same step (3, the newest on every peer group), see no other step,
+restore exactly the saved values (host 0 from data its replicator fetched from
+host 2 over the network), and save step 4 together -- a step-set mismatch would
 deadlock Orbax's save barrier, which the timeouts turn into a failure.
 """
 
@@ -22,16 +28,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
-from replicators import Cluster, free_ports
+from prometheus_client.parser import text_string_to_metric_families
+
+from mtc.proto import replicator_pb2 as pb
+from mtc_sidecar.replicator.client import PeerClient
+from mtc_sidecar.replicator.healthcheck import check
+from mtc_sidecar.replicator.security import Credentials
+from mtc_trainer.cluster import free_ports
+from mtc_trainer.isolation import Hosts
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "workers" / "orbax_worker.py"
@@ -41,6 +55,7 @@ STEPS = 3
 PHASE_TIMEOUT_S = 60.0
 FAILURE_GRACE_S = 10.0  # after one process fails, the others are stuck in a collective
 REPLICA = ".mtc-replica"
+COORDINATOR_PORT, METRICS_PORT = 7300, 7301  # inside the hosts' namespaces
 
 
 def _env() -> dict[str, str]:
@@ -56,23 +71,141 @@ def _tail(path: Path, n: int = 3000) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-def run_job(phase: str, cluster: Cluster, logs: Path) -> list[dict[str, Any]]:
+# What the test does on a host, run by a Python process inside it (argv[1]: the root).
+ON_HOST = {
+    "init_info": "open(f'{root}/jax-init-info.txt', 'w').write(arg)",
+    "descriptor": "out = json.load(open(f'{root}/.mtc-replica/{arg}.files.json'))",
+    "plant_newer": (  # host 1: a complete step 99 nobody else has a counterpart of
+        "shutil.copytree(f'{root}/{arg}', f'{root}/.planting', symlinks=True); "
+        "os.rename(f'{root}/.planting', f'{root}/99')"),
+    "plant_partial": (  # host 3: a half-written step from a crashed save
+        "shutil.copytree(f'{root}/{arg}', f'{root}/7.orbax-checkpoint-tmp', symlinks=True); "
+        "os.unlink(f'{root}/7.orbax-checkpoint-tmp/commit_success.txt')"),
+    "after_restart": (
+        "out = {'names': sorted(os.listdir(root)), "
+        "'real_step': os.path.realpath(f'{root}/{arg}'), "
+        "'real_copy': os.path.realpath(f'{root}/.mtc-replica/0/{arg}'), "
+        "'copy_is_dir': os.path.isdir(f'{root}/.mtc-replica/0/{arg}'), "
+        "'parked_99': os.path.isdir(f'{root}/.mtc-replica/1/99')}"),
+}
+
+
+class OrbaxHosts:
+    """Four isolated hosts, each with its replicator (Orbax mode: no ``--rank``)."""
+
+    def __init__(self, base: Path) -> None:
+        self.hosts = Hosts(base / "hosts", HOSTS, ramdisk_bytes=512 << 20)
+        self.logs = base / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.creds = Credentials(token=self.hosts.token())
+        ns = self.hosts.isolation == "namespaces"
+        self.coordinator = COORDINATOR_PORT if ns else free_ports(1)[0]
+        self.metrics = [METRICS_PORT] * HOSTS if ns else free_ports(HOSTS)
+        self.addrs = [self.hosts.replicator_address(i) for i in range(HOSTS)]
+
+    def root(self, i: int) -> Path:
+        return self.hosts.hosts[i].root
+
+    def start_host(self, i: int) -> None:
+        """The host's sidecar (it owns the namespaces and mounts the RAM disk) and its
+        replicator, which serves once Orbax's replicator.yaml told it its rank."""
+        self.hosts.start_sidecar(i, [h // PER_SLICE for h in range(HOSTS)], env=_env())
+        self.hosts.start_replicator(i, [
+            "--local-dir", str(self.root(i)), "--listen", self.addrs[i],
+            "--nodes", ",".join(self.addrs), "--replicas", "1", "--poll-seconds", "0.05",
+            "--metrics-port", str(self.metrics[i]),
+            "--metrics-address", self.hosts.hosts[i].address], env=_env())
+
+    def lose_host(self, i: int) -> None:
+        """Every process of host ``i`` SIGKILLed: with namespaces its tmpfs goes too."""
+        self.hosts.kill(i)
+        if self.hosts.isolation != "namespaces":
+            import shutil
+
+            shutil.rmtree(self.root(i))
+            self.root(i).mkdir()
+
+    def on_host(self, i: int, what: str, arg: str = "") -> Any:
+        """Run ``ON_HOST[what]`` in a process inside host ``i``; its ``out`` comes back."""
+        code = ("import json, os, shutil, sys; root, arg = sys.argv[1], sys.argv[2]; out = None; "
+                + ON_HOST[what] + "; print(json.dumps(out))")
+        h = self.hosts.hosts[i]
+        r = subprocess.run(h.wrap([sys.executable, "-c", code, str(h.root), arg]),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"{what} on host {i}: {r.stderr[-2000:]}"
+        return json.loads(r.stdout)
+
+    def worker(self, i: int, phase: str, log: Path) -> subprocess.Popen[bytes]:
+        h = self.hosts.hosts[i]
+        argv = [sys.executable, str(WORKER), "--local-dir", str(h.root), "--phase", phase,
+                "--steps", str(STEPS), "--num-slices", str(HOSTS // PER_SLICE)]
+        if self.hosts.isolation == "namespaces":
+            # The host's own name resolves to its address, as on a real host (JAX's
+            # CPU collectives tell their peers where to connect by it).
+            argv = ["unshare", "--uts", "--", "sh", "-c", f'hostname {h.address} && exec "$@"',
+                    "sh", *argv]
+        with log.open("wb") as fo:
+            return subprocess.Popen(
+                h.wrap(argv),
+                cwd=REPO, env=_env(), stdout=fo, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL)
+
+    def log_text(self, i: int) -> str:
+        return self.hosts.log_tail(i, "replicator", 1 << 20)
+
+    def scrape(self, i: int) -> dict[str, float]:
+        """Host ``i``'s replicator's Prometheus samples (over the bridge)."""
+        url = f"http://{self.hosts.hosts[i].address}:{self.metrics[i]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def inventory(self, i: int) -> pb.Inventory:
+        c = PeerClient(self.addrs[i], self.creds, rank=i)
+        try:
+            return c.call("GetInventory", pb.InventoryRequest())
+        finally:
+            c.close()
+
+    def wait_serving(self, i: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.hosts.replicator_alive(i), self.log_text(i)[-2000:]
+            try:
+                if check(self.addrs[i], creds=self.creds, timeout_s=1.0) == "SERVING":
+                    return
+            except grpc.RpcError:
+                time.sleep(0.1)
+        raise TimeoutError(f"replicator {i} not serving after {timeout}s")
+
+    def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
+        """Until every host's ``step`` is held by its peer in the other slice."""
+        deadline = time.monotonic() + timeout
+        want = {((o + PER_SLICE) % HOSTS, o, step) for o in range(HOSTS)}
+        while time.monotonic() < deadline:
+            held = {(r, c.origin_rank, c.step) for r in range(HOSTS)
+                    for c in self.inventory(r).copies}
+            if want <= held:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"step {step} not replicated in {timeout}s")
+
+
+def run_job(phase: str, cluster: OrbaxHosts, logs: Path) -> list[dict[str, Any]]:
     """One job of HOSTS processes; every one must exit 0 and report. Stragglers are SIGKILLed."""
-    (port,) = free_ports(1)
+    coordinator = f"{cluster.hosts.hosts[0].address}:{cluster.coordinator}"
     for i in range(HOSTS):  # what GKE's multi-tier CSI driver does
-        cluster.root(i).mkdir(parents=True, exist_ok=True)
-        (cluster.root(i) / "jax-init-info.txt").write_text(f"{i}\n127.0.0.1:{port}\n")
+        cluster.on_host(i, "init_info", f"{i}\n{coordinator}\n")
     procs: list[subprocess.Popen[bytes]] = []
     outs = [logs / f"{phase}-{i}.log" for i in range(HOSTS)]
     try:
         for i in range(HOSTS):
-            with outs[i].open("wb") as fo:
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), "--local-dir", str(cluster.root(i)),
-                     "--phase", phase, "--steps", str(STEPS), "--num-slices",
-                     str(HOSTS // PER_SLICE)],
-                    cwd=REPO, env=_env(), stdout=fo, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL))
+            procs.append(cluster.worker(i, phase, outs[i]))
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.returncode not in (None, 0) for p in procs):
@@ -86,7 +219,7 @@ def run_job(phase: str, cluster: Cluster, logs: Path) -> list[dict[str, Any]]:
     rcs = [p.returncode for p in procs]
     if any(rc != 0 for rc in rcs):
         detail = "\n".join(f"--- {phase} process {i} rc={rc}\n{_tail(outs[i])}\n"
-                           f"--- replicator {i}\n{_tail(cluster.logs / f'replicator-{i}.log')}"
+                           f"--- replicator {i}\n{cluster.log_text(i)[-3000:]}"
                            for i, rc in enumerate(rcs))
         pytest.fail(f"{phase}: exit codes {rcs}\n{detail}")
     results = []
@@ -114,12 +247,12 @@ def check_restored(r: dict[str, Any], step: int) -> None:
                                           err_msg=f"process {r['process']} {name}{idx}")
 
 
-def descriptor(cluster: Cluster, holder: int, origin: int, step: int) -> list[Any]:
-    return json.loads((cluster.root(holder) / REPLICA / str(origin) / f"{step}.files.json")
-                      .read_text())
+def descriptor(cluster: OrbaxHosts, holder: int, origin: int, step: int) -> list[Any]:
+    found: list[Any] = cluster.on_host(holder, "descriptor", f"{origin}/{step}")
+    return found
 
 
-def wait_holds(cluster: Cluster, holders: list[int], origin: int, step: int,
+def wait_holds(cluster: OrbaxHosts, holders: list[int], origin: int, step: int,
                timeout: float = 30.0) -> None:
     """Until each of ``holders`` (serving replicators) holds ``origin``'s ``step``."""
     deadline = time.monotonic() + timeout
@@ -135,13 +268,11 @@ def wait_holds(cluster: Cluster, holders: list[int], origin: int, step: int,
 def test_orbax_client_restarts_on_replicated_step(ramdisk: Path) -> None:
     t0 = time.monotonic()
     logs = ramdisk / "logs"
-    cluster = Cluster(ramdisk, HOSTS, PER_SLICE, extra=("--replicas", "1"), metrics=True,
-                      orbax=True)
+    cluster = OrbaxHosts(ramdisk)
     peer = {h: (h + PER_SLICE) % HOSTS for h in range(HOSTS)}
     try:
         for h in range(HOSTS):
-            cluster.root(h).mkdir(parents=True)
-            cluster.launch(h)  # serves once Orbax's replicator.yaml told it its rank
+            cluster.start_host(h)
 
         # -- phase 1: a fresh job trains steps 1..3 -------------------------------------
         first = run_job("train", cluster, logs)
@@ -154,20 +285,14 @@ def test_orbax_client_restarts_on_replicated_step(ramdisk: Path) -> None:
         t1 = time.monotonic()
 
         # -- trouble between the jobs ----------------------------------------------------
-        # Host 0 is replaced: its RAM disk is gone, its replicator starts empty.
-        cluster.kill(0)
-        shutil.rmtree(cluster.root(0))
-        cluster.root(0).mkdir()
-        cluster.launch(0)
+        # Host 0 is replaced: its processes SIGKILLed, its RAM disk gone, started empty.
+        cluster.lose_host(0)
+        cluster.start_host(0)
         # Host 1 holds a NEWER complete step nobody else has a counterpart of.
-        bogus = cluster.root(1) / ".planting"
-        shutil.copytree(cluster.root(1) / str(STEPS), bogus, symlinks=True)
-        os.rename(bogus, cluster.root(1) / "99")
+        cluster.on_host(1, "plant_newer", str(STEPS))
         wait_holds(cluster, [1, peer[1]], origin=1, step=99)  # even replicated
         # Host 3 holds a half-written step from a crashed save.
-        partial = cluster.root(3) / "7.orbax-checkpoint-tmp"
-        shutil.copytree(cluster.root(3) / str(STEPS), partial, symlinks=True)
-        (partial / "commit_success.txt").unlink()
+        cluster.on_host(3, "plant_partial", str(STEPS))
 
         # -- phase 2: the restarted job --------------------------------------------------
         second = run_job("restart", cluster, logs)
@@ -183,9 +308,9 @@ def test_orbax_client_restarts_on_replicated_step(ramdisk: Path) -> None:
             assert max(r["steps_at_end"]) == STEPS + 1, r
 
         # Host 0's data came from its peer (host 2), byte for byte what host 0 saved.
-        copy = cluster.root(0) / REPLICA / "0" / str(STEPS)
-        assert copy.is_dir()
-        assert os.path.realpath(cluster.root(0) / str(STEPS)) == os.path.realpath(copy)
+        seen = {h: cluster.on_host(h, "after_restart", str(STEPS)) for h in range(HOSTS)}
+        assert seen[0]["copy_is_dir"]
+        assert seen[0]["real_step"] == seen[0]["real_copy"]
         files = descriptor(cluster, 0, 0, STEPS)
         assert files == descriptor(cluster, peer[0], 0, STEPS)
         assert any(f[0].startswith("state/ocdbt.process_0/") for f in files), files
@@ -195,14 +320,16 @@ def test_orbax_client_restarts_on_replicated_step(ramdisk: Path) -> None:
         assert fetched[1] == fetched[2] == fetched[3] == 0, fetched
         assert "told the client to restore step 3" in cluster.log_text(0)
         # The bogus step is parked out of the client's sight, not deleted or used.
-        assert not (cluster.root(1) / "99").exists()
-        assert (cluster.root(1) / REPLICA / "1" / "99").is_dir()
+        assert "99" not in seen[1]["names"]
+        assert seen[1]["parked_99"]
         for h in range(HOSTS):
-            marker = [n for n in os.listdir(cluster.root(h)) if n.endswith(".restore")]
+            marker = [n for n in seen[h]["names"] if n.endswith(".restore")]
             assert marker == [], f"host {h} still has restore markers {marker}"
+        if cluster.hosts.isolation == "namespaces":  # nothing of a host is visible here
+            assert all(not any(cluster.root(h).iterdir()) for h in range(HOSTS))
 
         # Replication goes on after the restore dance.
         cluster.wait_replicated(STEPS + 1, timeout=30)
         print(f"phase 1 {t1 - t0:.1f}s, phase 2 {time.monotonic() - t1:.1f}s")
     finally:
-        cluster.stop_all()
+        cluster.hosts.down()

@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tls-ca", help="CA certificate that signs every peer (PEM)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument("--metrics-address", default="127.0.0.1",
+                   help="address the metrics are served on (default loopback: they carry no "
+                        "authentication; the pod's address to let Prometheus scrape them)")
     p.add_argument("--port-file", help="write the bound gRPC port here once serving")
     p.add_argument("--framework", choices=("mtc", "orbax"), default="mtc")
     p.add_argument("--poll-seconds", type=float, default=0.2)
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             orbax.report(root, f"mtc-replicator cannot start: {e}", fatal=True)
         return 2
     if args.metrics_port:
-        node.metrics.serve(args.metrics_port)
+        node.metrics.serve(args.metrics_port, args.metrics_address)
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(port))
