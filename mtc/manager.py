@@ -23,7 +23,7 @@ import jax
 
 from mtc import layout, multihost, orbax_args
 from mtc.contract import AgentConfig
-from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, ProcessDispatch
+from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, NetworkTier, ProcessDispatch
 from mtc.errors import (
     AgreementError,
     ClosedError,
@@ -125,13 +125,14 @@ class CheckpointManager:
             max_staged_bytes=self.options.max_staged_bytes,
             writer_threads=self.options.writer_threads,
         )
+        self._network = self._network_tier() if mode == "local" else None
         dispatch: Dispatch
         if mode == "process":
             dispatch = ProcessDispatch.connect(self._config, self.options.sidecars or ())
         elif mode == "colocated":
             dispatch = ColocatedDispatch(self._config, devices)
         else:
-            dispatch = LocalDispatch(self._config)
+            dispatch = LocalDispatch(self._config, self._network)
         # Every RAM-disk operation from here on goes through the dispatcher: the host
         # side (sidecar/) alone touches a RAM disk, here as on separate machines.
         # A reader neither locks nor cleans: a writer may be at work.
@@ -151,6 +152,15 @@ class CheckpointManager:
         self._prepared: Prepared | None = None
         self.last_restore_tiers: dict[int, str] = {}
         self.last_restore_tier: str | None = None
+
+    def _network_tier(self) -> NetworkTier | None:
+        """Multi-controller JAX with a RAM disk per process (no host subfolders): other
+        hosts' files are reachable only through the replicators, when there are some."""
+        if self.topology.subdirs or not self.options.replicators \
+                or self.options.simulated_hosts is not None:
+            return None
+        return NetworkTier(tuple(self.options.replicators), self.options.replicator_token,
+                           self.topology.local_hosts)
 
     # -- save -------------------------------------------------------------------
 
@@ -530,6 +540,12 @@ class CheckpointManager:
         missing = [h for h in range(n) if h not in holders and h in held]
         if missing and self.topology.subdirs:
             raise StepNotFoundError("step is not committed", step=step, host=missing[0])
+        if self._network is not None:
+            # Multi-controller JAX, each process alone with its RAM disk: every saving
+            # host's manifest (and later its regions) through this host's side, which
+            # gets other hosts' from the network tier. Without replicators only this
+            # host's files are known, and a region it lacks is ShardUnavailableError.
+            return load_step(step, range(n), self._dispatch.manifest)
         return load_step(step, [h for h in holders if h < n], self._dispatch.manifest)
 
     def _host_tiers(self, prepared: Prepared) -> dict[int, str]:
