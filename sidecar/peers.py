@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +64,9 @@ class PeerFiles:
                          for i, a in enumerate(self.addresses)]
         self._lock = threading.Lock()
         self._inventories: dict[int, tuple[float, Holders]] = {}
-        self.fetched_bytes = 0  # bytes that came over the network tier (for tests, logs)
+        # What came over the network tier (for logs and tests): bytes, newest files.
+        self.fetched_bytes = 0
+        self.fetched: deque[tuple[int, int, str]] = deque(maxlen=256)  # (step, origin, file)
 
     def close(self) -> None:
         for c in self._clients:
@@ -114,6 +117,7 @@ class PeerFiles:
                     errors.append(f"{client.address}: {e}")
                     continue
                 self.fetched_bytes += size
+                self.fetched.append((step, origin, rel))
                 return data
         raise ShardUnavailableError(
             f"no replicator serves {rel} of host {origin}'s copy (asked "

@@ -320,8 +320,9 @@ class Worker:
         """Bytes of other hosts' files that reached this host over the network tier."""
         peers = getattr(mgr._dispatch, "peers", None)
         self.summary["fetched_bytes"] = int(peers.fetched_bytes) if peers is not None else 0
+        self.summary["fetched_files"] = sorted({f for _, _, f in peers.fetched}) if peers else []
 
-    def restore_checked(self, mgr: Any, label: str, step: int, kind: str) -> None:
+    def restore_checked(self, label: str, mgr: Any, step: int, kind: str) -> None:
         import mtc
 
         got = None
@@ -359,7 +360,7 @@ class Worker:
             got = mgr.restore(2, target=s1)
             self.check_restored("step 2 onto saved sharding", got, 2, "saved")
             self.fetched(mgr)
-            self.summary["fetched_for_saved"] = self.summary["fetched_bytes"]
+            self.summary["fetched_for_saved"] = self.summary["fetched_files"]
             # Other layouts need rows other hosts saved: over the network tier.
             for kind in ("cols", "replicated", "mesh2d"):
                 self.restore_checked(f"step 2 onto {kind}", mgr, 2, kind)
