@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
