@@ -472,9 +472,8 @@ class CheckpointManager:
         result: Any = None
         nbytes = 0
         try:
-            saved = self._saved_step(step)
+            saved, result = self._load(step, target, args)
             nbytes = sum(m.nbytes for m in saved.manifests.values())
-            result = self._restore_from(saved, target, args)
         except MtcError as e:
             error = e
         # A shard that failed verification while loading was quarantined by the
@@ -494,9 +493,8 @@ class CheckpointManager:
                         raise StepNotFoundError(f"after healing, the replicators agree on "
                                                 f"step {healed}", step=requested)
                     step, error, tiers = healed, None, self._host_tiers(prepared)
-                    saved = self._saved_step(step)
+                    saved, result = self._load(step, target, args)
                     nbytes = sum(m.nbytes for m in saved.manifests.values())
-                    result = self._restore_from(saved, target, args)
                 except MtcError as e:
                     error = e
         # Every process fails together, or none: a process that restored while
@@ -514,6 +512,25 @@ class CheckpointManager:
                  ", ".join(f"{h}={t}" for h, t in sorted(tiers.items())))
         return result
 
+    def _load(self, step: int, target: Any, args: Any) -> tuple[SavedStep, Any]:
+        """The step's saved tree and ``target`` loaded from it.
+
+        In multi-controller JAX with the network tier, this host's own manifest
+        comes first: a target laid out as saved needs nothing else, and no byte
+        crosses the network (a job of a thousand hosts does not fetch a million
+        manifests to restore where it saved). Only when the target needs a region
+        another host saved are every saving host's manifests fetched and the plan
+        made again."""
+        saved = self._saved_step(step)
+        if self._network is None:
+            return saved, self._restore_from(saved, target, args)
+        try:
+            return saved, self._restore_from(saved, target, args)
+        except ShardUnavailableError:
+            pass  # planned on this host's files alone: nothing was read from elsewhere
+        saved = self._saved_step(step, every_host=True)
+        return saved, self._restore_from(saved, target, args)
+
     def _restore_from(self, saved: SavedStep, target: Any, args: Any) -> Any:
         def load(t: Any, prefix: tuple[str, Any] | None = None) -> Any:
             return restore_tree(saved, t, self.topology, self._dispatch, prefix=prefix)
@@ -528,7 +545,9 @@ class CheckpointManager:
             out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
         return out
 
-    def _saved_step(self, step: int) -> SavedStep:
+    def _saved_step(self, step: int, *, every_host: bool = False) -> SavedStep:
+        """Manifests of ``step``: of every host this process reaches; ``every_host``
+        (multi-controller JAX with the network tier) of every host that saved it."""
         held = self._held_steps()
         holders = sorted(h for h, steps in held.items() if step in steps)
         for h in self.topology.local_hosts:
@@ -540,7 +559,7 @@ class CheckpointManager:
         missing = [h for h in range(n) if h not in holders and h in held]
         if missing and self.topology.subdirs:
             raise StepNotFoundError("step is not committed", step=step, host=missing[0])
-        if self._network is not None:
+        if every_host and self._network is not None:
             # Multi-controller JAX, each process alone with its RAM disk: every saving
             # host's manifest (and later its regions) through this host's side, which
             # gets other hosts' from the network tier. Without replicators only this
