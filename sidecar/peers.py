@@ -3,11 +3,12 @@
 In multi-controller JAX every process is its own host and sees its own RAM disk
 only. When a restore needs a region another host saved (onto another mesh, onto
 fewer hosts than saved, on a host replaced empty), the bytes come from a
-replicator that holds that host's copy of the step: the saving host's own
-replicator, else one keeping a peer copy of it (``.mtc-replica/<rank>``), as the
-replicators' inventories say. Each file arrives checked against the size and
-CRC32C its holder lists (the reader checks it against the manifest again); no
-host ever opens another host's RAM disk through a filesystem.
+replicator that holds that host's copy of the step: this host's own replicator
+when it keeps a peer copy of it (``.mtc-replica/<rank>``), else the saving
+host's, else any other listing one, as the replicators' inventories say. Each
+file arrives checked against the size and CRC32C its holder lists (the reader
+checks it against the manifest again); no host ever opens another host's RAM
+disk through a filesystem.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ Holders = dict[int, list[tuple[PeerClient, dict[str, tuple[int, int]]]]]
 
 def order_holders(origin: int, near: int | None, ranks: Sequence[int]) -> list[int]:
     """Positions in ``ranks`` (the replicators' own ranks, -1 for none) to ask for a
-    file of ``origin``: origin's own replicator first (it holds the step in its
-    root), then this host's (a peer copy on this host's RAM disk), then the rest
-    in order."""
-    own = [i for i, r in enumerate(ranks) if r == origin]
-    here = [i for i, r in enumerate(ranks) if r == near and r != origin]
+    file of ``origin``: this host's replicator first (a peer copy on this host's
+    RAM disk crosses no link), then origin's own (it holds the step in its root),
+    then the rest in order."""
+    here = [i for i, r in enumerate(ranks) if r == near]
+    own = [i for i, r in enumerate(ranks) if r == origin and r != near]
     rest = [i for i in range(len(ranks)) if i not in own and i not in here]
-    return own + here + rest
+    return here + own + rest
 
 
 class PeerFiles:

@@ -24,11 +24,11 @@ from mtc_sidecar.peers import PeerFiles, order_holders
 
 
 @pytest.mark.parametrize(("origin", "near", "ranks", "want"), [
-    (2, 0, [0, 1, 2, 3], [2, 0, 1, 3]),   # the saver's own, then this host's, then the rest
+    (2, 0, [0, 1, 2, 3], [0, 2, 1, 3]),   # this host's peer copy, the saver's, the rest
     (0, 0, [0, 1, 2, 3], [0, 1, 2, 3]),   # this host saved it
-    (3, 1, [0, 1], [1, 0]),               # the saver is gone: this host's peer copy first
+    (3, 1, [0, 1], [1, 0]),               # the saver is gone
     (3, None, [0, -1, 2], [0, 1, 2]),     # unknown rank (did not answer) stays in order
-    (1, 0, [1, 0], [0, 1]),               # ranks are the replicators' own, not positions
+    (1, 0, [1, 0], [1, 0]),               # ranks are the replicators' own, not positions
 ])
 def test_order_holders(origin: int, near: int | None, ranks: list[int], want: list[int]) -> None:
     assert order_holders(origin, near, ranks) == want
