@@ -321,6 +321,7 @@ class Worker:
         peers = getattr(mgr._dispatch, "peers", None)
         self.summary["fetched_bytes"] = int(peers.fetched_bytes) if peers is not None else 0
         self.summary["fetched_files"] = sorted({f for _, _, f in peers.fetched}) if peers else []
+        self.summary["fetched_from"] = sorted({o for _, o, _ in peers.fetched}) if peers else []
 
     def restore_checked(self, label: str, mgr: Any, step: int, kind: str) -> None:
         import mtc
