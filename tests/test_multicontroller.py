@@ -272,6 +272,8 @@ def test_isolated_hosts_save_restore_restart_replace_and_shrink(tmp_path: Path) 
         results = c.run_job("replaced", everyone, logs)
         for r in results:
             assert r["steps_before"] == [] and r["latest_step"] == 3
+        assert results[3]["early_error"] == ["StepNotFoundError", 3]
+        assert [r["early_error"][0] for r in results[:3]] == ["ShardUnavailableError"] * 3
         assert results[3]["tier"] == "peer" and results[3]["own_files"] == ["3"]
         assert [r["tier"] for r in results[:3]] == ["local"] * 3
 

@@ -411,6 +411,8 @@ class Worker:
             mgr.close()
 
     def replaced(self) -> None:
+        import mtc
+
         mgr = self.manager()
         try:
             # The replaced host's RAM disk is empty: no step is on every host's.
@@ -418,6 +420,14 @@ class Worker:
             self.summary["steps_before"] = before
             self.check(before == [], f"all_steps() {before} with host {self.nproc - 1} "
                                      f"replaced empty, wanted []")
+            # Asked for step 3 before the replicators bring it back: every process
+            # fails together (the replaced host names itself), none restores alone.
+            try:
+                mgr.restore(3, target=self.target_from_structs("saved"))
+                self.check(False, f"restore(3) succeeded although host {self.nproc - 1} "
+                                  "has no step 3")
+            except mtc.MtcError as e:
+                self.summary["early_error"] = [type(e).__name__, e.host]
             latest = mgr.latest_step()
             self.summary["latest_step"] = latest
             self.summary["tier"] = mgr.last_restore_tier
