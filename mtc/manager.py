@@ -528,6 +528,8 @@ class CheckpointManager:
             return saved, self._restore_from(saved, target, args)
         except ShardUnavailableError:
             pass  # planned on this host's files alone: nothing was read from elsewhere
+        log.info("mtc: restore of step %d needs regions other hosts saved: their manifests "
+                 "and files come through the replicators", step)
         saved = self._saved_step(step, every_host=True)
         return saved, self._restore_from(saved, target, args)
 
