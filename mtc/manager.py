@@ -23,7 +23,7 @@ import jax
 
 from mtc import layout, multihost, orbax_args
 from mtc.contract import AgentConfig
-from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, ProcessDispatch
+from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, NetworkTier, ProcessDispatch
 from mtc.errors import (
     AgreementError,
     ClosedError,
@@ -125,13 +125,14 @@ class CheckpointManager:
             max_staged_bytes=self.options.max_staged_bytes,
             writer_threads=self.options.writer_threads,
         )
+        self._network = self._network_tier() if mode == "local" else None
         dispatch: Dispatch
         if mode == "process":
             dispatch = ProcessDispatch.connect(self._config, self.options.sidecars or ())
         elif mode == "colocated":
             dispatch = ColocatedDispatch(self._config, devices)
         else:
-            dispatch = LocalDispatch(self._config)
+            dispatch = LocalDispatch(self._config, self._network)
         # Every RAM-disk operation from here on goes through the dispatcher: the host
         # side (sidecar/) alone touches a RAM disk, here as on separate machines.
         # A reader neither locks nor cleans: a writer may be at work.
@@ -151,6 +152,15 @@ class CheckpointManager:
         self._prepared: Prepared | None = None
         self.last_restore_tiers: dict[int, str] = {}
         self.last_restore_tier: str | None = None
+
+    def _network_tier(self) -> NetworkTier | None:
+        """Multi-controller JAX with a RAM disk per process (no host subfolders): other
+        hosts' files are reachable only through the replicators, when there are some."""
+        if self.topology.subdirs or not self.options.replicators \
+                or self.options.simulated_hosts is not None:
+            return None
+        return NetworkTier(tuple(self.options.replicators), self.options.replicator_token,
+                           self.topology.local_hosts)
 
     # -- save -------------------------------------------------------------------
 
@@ -462,9 +472,8 @@ class CheckpointManager:
         result: Any = None
         nbytes = 0
         try:
-            saved = self._saved_step(step)
+            saved, result = self._load(step, target, args)
             nbytes = sum(m.nbytes for m in saved.manifests.values())
-            result = self._restore_from(saved, target, args)
         except MtcError as e:
             error = e
         # A shard that failed verification while loading was quarantined by the
@@ -484,9 +493,8 @@ class CheckpointManager:
                         raise StepNotFoundError(f"after healing, the replicators agree on "
                                                 f"step {healed}", step=requested)
                     step, error, tiers = healed, None, self._host_tiers(prepared)
-                    saved = self._saved_step(step)
+                    saved, result = self._load(step, target, args)
                     nbytes = sum(m.nbytes for m in saved.manifests.values())
-                    result = self._restore_from(saved, target, args)
                 except MtcError as e:
                     error = e
         # Every process fails together, or none: a process that restored while
@@ -504,6 +512,27 @@ class CheckpointManager:
                  ", ".join(f"{h}={t}" for h, t in sorted(tiers.items())))
         return result
 
+    def _load(self, step: int, target: Any, args: Any) -> tuple[SavedStep, Any]:
+        """The step's saved tree and ``target`` loaded from it.
+
+        In multi-controller JAX with the network tier, this host's own manifest
+        comes first: a target laid out as saved needs nothing else, and no byte
+        crosses the network (a job of a thousand hosts does not fetch a million
+        manifests to restore where it saved). Only when the target needs a region
+        another host saved are every saving host's manifests fetched and the plan
+        made again."""
+        saved = self._saved_step(step)
+        if self._network is None:
+            return saved, self._restore_from(saved, target, args)
+        try:
+            return saved, self._restore_from(saved, target, args)
+        except ShardUnavailableError:
+            pass  # planned on this host's files alone: nothing was read from elsewhere
+        log.info("mtc: restore of step %d needs regions other hosts saved: their manifests "
+                 "and files come through the replicators", step)
+        saved = self._saved_step(step, every_host=True)
+        return saved, self._restore_from(saved, target, args)
+
     def _restore_from(self, saved: SavedStep, target: Any, args: Any) -> Any:
         def load(t: Any, prefix: tuple[str, Any] | None = None) -> Any:
             return restore_tree(saved, t, self.topology, self._dispatch, prefix=prefix)
@@ -518,7 +547,9 @@ class CheckpointManager:
             out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
         return out
 
-    def _saved_step(self, step: int) -> SavedStep:
+    def _saved_step(self, step: int, *, every_host: bool = False) -> SavedStep:
+        """Manifests of ``step``: of every host this process reaches; ``every_host``
+        (multi-controller JAX with the network tier) of every host that saved it."""
         held = self._held_steps()
         holders = sorted(h for h, steps in held.items() if step in steps)
         for h in self.topology.local_hosts:
@@ -530,6 +561,12 @@ class CheckpointManager:
         missing = [h for h in range(n) if h not in holders and h in held]
         if missing and self.topology.subdirs:
             raise StepNotFoundError("step is not committed", step=step, host=missing[0])
+        if every_host and self._network is not None:
+            # Multi-controller JAX, each process alone with its RAM disk: every saving
+            # host's manifest (and later its regions) through this host's side, which
+            # gets other hosts' from the network tier. Without replicators only this
+            # host's files are known, and a region it lacks is ShardUnavailableError.
+            return load_step(step, range(n), self._dispatch.manifest)
         return load_step(step, [h for h in holders if h < n], self._dispatch.manifest)
 
     def _host_tiers(self, prepared: Prepared) -> dict[int, str]:

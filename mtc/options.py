@@ -50,6 +50,9 @@ class Options:
         replicators, ``restore()`` without a step asks them to agree on the
         newest step restorable on every host and to fetch missing data from
         peers first; retention is then theirs (``max_to_keep`` is not applied).
+        In multi-controller JAX with a RAM disk per process (no host subfolders)
+        they also serve the manifests and regions this process's host does not
+        hold (a restore onto another mesh or onto fewer processes).
       replicator_token: the replicators' shared token, if they require one.
       restore_timeout_s: how long a restore waits for the replicators.
       sidecars: each host's sidecar process address (``python -m

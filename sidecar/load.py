@@ -5,12 +5,16 @@ leaf that one or more of the host's devices need, and the saved pieces that
 cover it. A task whose region equals a saved shard maps that file; one whose
 region is saved shards stacked along the leading axis maps them side by side;
 anything else is assembled by copying the overlapping parts.
+
+A piece another host saved is never read through a filesystem: with ``remote``
+(multi-controller JAX, each process its own host) its file comes over the
+network tier (:mod:`sidecar.peers`) and is checked against the manifest here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +23,7 @@ import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.errors import CorruptShardError
+from mtc.integrity import crc32c
 from mtc.shards import paste
 from mtc_sidecar.quarantine import quarantine
 from mtc_sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
@@ -41,24 +46,53 @@ def _stacked_on_leading_axis(task: ReadTask) -> bool:
     return pos == task.index[0][1]
 
 
-class ShardLoader:
-    """Executes read tasks for one step; each file is verified at most once."""
+# (step, saving host, file relative to the step folder) -> the file's bytes
+Remote = Callable[[int, int, str], bytearray]
 
-    def __init__(self, step: int, root_of: Callable[[int], Path]) -> None:
+
+class ShardLoader:
+    """Executes read tasks for one step; each file is verified at most once.
+
+    ``remote``: where pieces of hosts other than ``own`` come from (the network
+    tier); without it every host's root is a folder here (simulated hosts)."""
+
+    def __init__(self, step: int, root_of: Callable[[int], Path], *,
+                 remote: Remote | None = None, own: Collection[int] = ()) -> None:
         self.step = step
         self.root_of = root_of
+        self.remote = remote
+        self.own = frozenset(own)
         self._mapped: dict[tuple[int, str], np.ndarray] = {}
 
     def _path(self, p: Piece) -> Path:
         return self.root_of(p.host) / str(self.step) / p.entry.file
 
+    def _is_remote(self, p: Piece) -> bool:
+        return self.remote is not None and p.host not in self.own
+
     def _map(self, p: Piece) -> np.ndarray:
         key = (p.host, p.entry.file)
         if key not in self._mapped:
-            with self._quarantining():
-                self._mapped[key] = map_verified(self._path(p), p.entry, step=self.step,
-                                                 host=p.host)
+            if self._is_remote(p):
+                self._mapped[key] = self._fetch(p)
+            else:
+                with self._quarantining():
+                    self._mapped[key] = map_verified(self._path(p), p.entry, step=self.step,
+                                                     host=p.host)
         return self._mapped[key]
+
+    def _fetch(self, p: Piece) -> np.ndarray:
+        """Another host's shard file over the network tier, checked against the manifest
+        (the holder's inventory vouched for its bytes, the manifest for its meaning)."""
+        assert self.remote is not None
+        data = self.remote(self.step, p.host, p.entry.file)
+        got = crc32c(data) if data else 0
+        if len(data) != p.entry.nbytes or got != p.entry.crc32c:
+            raise CorruptShardError(
+                f"copy from the network tier has {len(data)} bytes crc32c {got:#010x}, "
+                f"manifest says {p.entry.nbytes} bytes {p.entry.crc32c:#010x}",
+                step=self.step, host=p.host, path=p.entry.file)
+        return np.frombuffer(data, dtype=np.uint8)
 
     @contextlib.contextmanager
     def _quarantining(self) -> Iterator[None]:
@@ -80,7 +114,8 @@ class ShardLoader:
         pieces = task.pieces
         if len(pieces) == 1 and pieces[0].entry.index == task.index:
             return self._map(pieces[0]).view(dtype).reshape(shape)
-        if _stacked_on_leading_axis(task) and can_map_side_by_side([p.entry for p in pieces]):
+        if (_stacked_on_leading_axis(task) and not any(self._is_remote(p) for p in pieces)
+                and can_map_side_by_side([p.entry for p in pieces])):
             with self._quarantining():
                 region = map_side_by_side([(self._path(p), p.entry) for p in pieces],
                                           step=self.step, hosts=[p.host for p in pieces])

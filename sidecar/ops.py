@@ -27,7 +27,7 @@ from mtc.contract import (
 )
 from mtc.errors import LocalDirError, ManifestError, MtcError, ProtocolError, StorageError
 from mtc.manifest import MANIFEST_NAME, Manifest
-from mtc_sidecar.load import ShardLoader
+from mtc_sidecar.load import Remote, ShardLoader
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,16 @@ class HostOps:
     ``hosts`` in a request are the ones it is asked about; with host subfolders
     (simulated hosts, or processes of one machine sharing a RAM disk) the roots
     beside them are reachable too and are listed by ``steps``.
+
+    ``remote``: in multi-controller JAX, where the files of hosts other than
+    ``own`` (this process's) come from: the network tier, never their RAM disks.
     """
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, *, remote: Remote | None = None,
+                 own: Sequence[int] = ()) -> None:
         self.config = config
+        self.remote = remote
+        self.own = tuple(own)
         self._ops: dict[str, Callable[..., Any]] = {
             "open": self._open, "release": self._release, "steps": self._steps,
             "manifest": self._manifest, "delete": self._delete, "retain": self._retain,
@@ -90,7 +96,11 @@ class HostOps:
         host = hosts[0]
         path = layout.step_dir(self._root(host), step) / MANIFEST_NAME
         try:
-            data = path.read_bytes()
+            if self.remote is not None and host not in self.own:
+                path = Path(f"host-{host}:{step}") / MANIFEST_NAME  # named, never opened
+                data = bytes(self.remote(step, host, MANIFEST_NAME))
+            else:
+                data = path.read_bytes()
         except FileNotFoundError as e:
             raise ManifestError("committed step has no manifest", step=step, host=host,
                                 path=str(path)) from e
@@ -169,7 +179,7 @@ class HostOps:
 
     def _read(self, hosts: Sequence[int], step: int, tasks: list[dict[str, Any]]) -> Raw:
         """Regions' bytes end to end, from pieces this host holds, each verified."""
-        loader = ShardLoader(step, self._root)
+        loader = ShardLoader(step, self._root, remote=self.remote, own=self.own)
         out = []
         for d in tasks:
             t = task_from_json(d)

@@ -12,8 +12,8 @@ cluster); they differ only in how requests and bytes travel.
 
 from mtc.dispatch.calls import Dispatch, HostCalls
 from mtc.dispatch.colocated import ColocatedDispatch
-from mtc.dispatch.local import LocalDispatch
+from mtc.dispatch.local import LocalDispatch, NetworkTier
 from mtc.dispatch.process import ProcessDispatch, Sidecar
 
-__all__ = ["ColocatedDispatch", "Dispatch", "HostCalls", "LocalDispatch", "ProcessDispatch",
-           "Sidecar"]
+__all__ = ["ColocatedDispatch", "Dispatch", "HostCalls", "LocalDispatch", "NetworkTier",
+           "ProcessDispatch", "Sidecar"]

@@ -3,6 +3,7 @@ and simulated hosts of one process."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,15 +15,34 @@ from mtc.dispatch.calls import HostCalls
 from mtc_sidecar.agent import HostAgent
 from mtc_sidecar.load import ShardLoader, load_leaves
 from mtc_sidecar.ops import HostOps
+from mtc_sidecar.peers import PeerFiles
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkTier:
+    """Where a process of a multi-controller job gets other hosts' files: the
+    replicators (``addresses`` in host order, ``token``); ``own``: its hosts."""
+
+    addresses: tuple[str, ...]
+    token: str | None
+    own: tuple[int, ...]
 
 
 class LocalDispatch(HostCalls):
-    """Host-side code runs in this process (multi-controller JAX, simulated hosts)."""
+    """Host-side code runs in this process (multi-controller JAX, simulated hosts).
 
-    def __init__(self, config: AgentConfig) -> None:
+    With ``network`` (multi-controller JAX, each process alone with its RAM disk)
+    other hosts' manifests and regions come through their replicators."""
+
+    def __init__(self, config: AgentConfig, network: NetworkTier | None = None) -> None:
         self.config = config
         self.agent = HostAgent(config)
-        self.ops = HostOps(config)
+        self.peers = (PeerFiles(network.addresses, network.token,
+                                near=network.own[0] if network.own else None)
+                      if network is not None else None)
+        self.own = network.own if network is not None else ()
+        self.ops = HostOps(config, remote=self.peers.read if self.peers else None,
+                           own=self.own)
 
     def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
         return [decode_reply(self.ops.handle(encode_request(op, hosts, **args)))]
@@ -38,10 +58,14 @@ class LocalDispatch(HostCalls):
 
     def load(self, step: int, tasks: Sequence[ReadTask],
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
-        return load_leaves(ShardLoader(step, self.config.root), tasks, specs)
+        loader = ShardLoader(step, self.config.root,
+                             remote=self.peers.read if self.peers else None, own=self.own)
+        return load_leaves(loader, tasks, specs)
 
     def close(self) -> None:
         try:
             self.agent.close()
         finally:
             self.ops.release_all()
+            if self.peers is not None:
+                self.peers.close()

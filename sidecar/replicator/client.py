@@ -205,3 +205,33 @@ class PeerClient:
             raise CorruptShardError(
                 f"copy from rank {self.rank} does not match: {got} bytes crc32c {value:#010x}, "
                 f"expected {size} bytes crc32c {crc:#010x}", step=step, host=origin, path=rel)
+
+    def fetch_bytes(self, step: int, origin: int, rel: str, size: int, crc: int,
+                    *, deadline_s: float = 120.0) -> bytearray:
+        """One file of a copy this peer holds, into memory, verified against the size
+        and CRC32C its inventory gave (a restore reading another host's region)."""
+        req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
+        out = bytearray(size)  # filled in place: no growing, no join
+        view = memoryview(out)
+        got = value = 0
+        try:
+            for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
+                if got + len(chunk) > size:
+                    got += len(chunk)
+                    break
+                value = crc32c(chunk, value)
+                view[got:got + len(chunk)] = chunk
+                got += len(chunk)
+        except grpc.RpcError as e:
+            err = PeerError(f"fetch of {rel} from rank {self.rank} at {self.address} failed: "
+                            f"{e.code().name}: {e.details()}", step=step, host=origin, path=rel)
+            err.code = e.code()
+            raise err from e
+        finally:
+            view.release()
+        if got != size or value != crc:
+            raise CorruptShardError(
+                f"copy from rank {self.rank} does not match: {got} bytes crc32c "
+                f"{value:#010x}, expected {size} bytes crc32c {crc:#010x}", step=step,
+                host=origin, path=rel)
+        return out

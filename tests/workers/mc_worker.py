@@ -1,20 +1,26 @@
 """One process of a multi-controller JAX job, driven by tests/test_multicontroller.py.
 
-Each process is one host: it joins the job through ``jax.distributed.initialize``
-on localhost, builds a mesh over every device of every process, and exercises
-``mtc.CheckpointManager``. Phases:
+Each process is one host, alone with its RAM disk (``--local-dir``: its host's
+private tmpfs, or a private folder without root); it joins the job through
+``jax.distributed.initialize`` at the coordinator's address (host 0's, over the
+bridge), builds a mesh over every device of every process, and exercises
+``mtc.CheckpointManager``. Regions a process does not hold come from the
+replicators (``--replicators``), never from another host's RAM disk. Phases:
 
 - ``train``: save steps 1 and 2, check the inventory and the on-disk layout,
   restore step 2 (and 1) onto the saved sharding and onto other shardings;
-- ``restart``: a fresh job on the same ``local_dir`` restores ``latest_step()``
-  into targets built from ``jax.ShapeDtypeStruct``, then saves step 3;
-- ``partial``: the last host has lost step 3 (the test deleted it): every
-  process must agree that step 2 is the newest complete step, and restore it;
-- ``skew``: with ``max_to_keep=None`` (a replicator owns cleanup), process 0
-  runs a few seconds behind the others; ``save``, ``wait_until_finished`` and
-  ``restore`` of that step must still work on every process;
-- ``shrink``: a restart on fewer processes than saved (a smaller job on the
-  same shared ``local_dir``) restores step 2 from every saved host folder.
+- ``restart``: a fresh job restores ``latest_step()`` (agreed by the
+  replicators) into targets built from ``jax.ShapeDtypeStruct``, then saves step 3;
+- ``replaced``: the last host was replaced empty: its RAM disk holds nothing, so
+  no step is on every host's; ``latest_step()`` has its replicator bring step 3
+  back from its peer, and every layout restores;
+- ``shrink``: a job of fewer processes than saved restores step 3; the regions
+  of hosts no longer in the job come from their peer copies, through the
+  replicators of the hosts left;
+- ``skew``: with ``max_to_keep=None`` and no replicators, process 0 runs a few
+  seconds behind the others; ``save``, ``wait_until_finished`` and ``restore``
+  of that step must still work on every process; a layout needing another
+  host's regions fails with ShardUnavailableError (no network tier to get them).
 
 Checks never stop at the first mismatch and never skip a collective (so every
 process stays in step); mismatches are collected and printed, with what was
@@ -42,11 +48,14 @@ RESULT_PREFIX = "MC_RESULT "
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--phase", required=True,
-                   choices=["train", "restart", "partial", "skew", "shrink"])
+                   choices=["train", "restart", "replaced", "shrink", "skew"])
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--num-processes", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--local-dir", required=True)
+    p.add_argument("--coordinator", required=True, help="HOST:PORT of process 0")
+    p.add_argument("--local-dir", required=True, help="this host's RAM disk")
+    p.add_argument("--replicators", default="", help="every host's replicator, in order")
+    p.add_argument("--token-file", help="the replicators' shared token")
+    p.add_argument("--hosts-per-slice", type=int, default=1)
     return p.parse_args()
 
 
@@ -54,7 +63,7 @@ def main() -> int:
     args = parse_args()
     import jax
 
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+    jax.distributed.initialize(coordinator_address=args.coordinator,
                                num_processes=args.num_processes, process_id=args.process_id,
                                initialization_timeout=60)
     try:
@@ -264,10 +273,10 @@ class Worker:
                    f"{label} data: {got['data']!r}, wanted {exp['data']!r}")
 
     def check_layout(self, step: int) -> None:
-        """This process wrote exactly its own shards, under host-<process_index>/<step>/."""
+        """This process wrote exactly its own shards, under <its RAM disk>/<step>/."""
         from mtc.manifest import MANIFEST_NAME, Manifest
 
-        root = Path(self.args.local_dir) / f"host-{self.pid}" / str(step)
+        root = Path(self.args.local_dir) / str(step)
         path = root / MANIFEST_NAME
         if not path.is_file():
             self.check(False, f"no manifest at {path}")
@@ -297,11 +306,32 @@ class Worker:
 
     # -- phases --------------------------------------------------------------
 
-    def manager(self) -> Any:
+    def manager(self, *, max_to_keep: int | None = 2, replicators: bool = True) -> Any:
         import mtc
 
-        return mtc.CheckpointManager(self.args.local_dir, mesh=self.mesh,
-                                     options=mtc.Options(max_to_keep=2))
+        addrs = tuple(a for a in self.args.replicators.split(",") if a) if replicators else ()
+        token = Path(self.args.token_file).read_text().strip() if self.args.token_file else None
+        return mtc.CheckpointManager(self.args.local_dir, mesh=self.mesh, options=mtc.Options(
+            max_to_keep=max_to_keep, host_subdirs=False,
+            hosts_per_slice=self.args.hosts_per_slice, replicators=addrs or None,
+            replicator_token=token if addrs else None, restore_timeout_s=60.0))
+
+    def fetched(self, mgr: Any) -> None:
+        """Bytes of other hosts' files that reached this host over the network tier."""
+        peers = getattr(mgr._dispatch, "peers", None)
+        self.summary["fetched_bytes"] = int(peers.fetched_bytes) if peers is not None else 0
+        self.summary["fetched_files"] = sorted({f for _, _, f in peers.fetched}) if peers else []
+        self.summary["fetched_from"] = sorted({o for _, o, _ in peers.fetched}) if peers else []
+
+    def restore_checked(self, label: str, mgr: Any, step: int, kind: str) -> None:
+        import mtc
+
+        got = None
+        try:
+            got = mgr.restore(step, target=self.target_from_structs(kind))
+        except mtc.MtcError as e:
+            self.check(False, f"{label}: restore({step}) onto {kind} failed: {e!r}")
+        self.check_restored(label, got, step, kind)
 
     def train(self) -> None:
         import jax
@@ -321,19 +351,21 @@ class Worker:
             steps = mgr.all_steps()
             self.summary["all_steps"] = steps
             self.check(steps == [1, 2], f"all_steps() {steps}, wanted [1, 2]")
-            self.check(mgr.latest_step() == 2, f"latest_step() {mgr.latest_step()}")
             for step in (1, 2):
                 self.check_layout(step)
+            self.summary["own_files"] = sorted(p.name for p in Path(self.args.local_dir).iterdir()
+                                               if p.name.isdigit())
 
             # Same sharding, the live step-1 arrays as target: values must come
             # from the checkpoint, not from the target.
             got = mgr.restore(2, target=s1)
             self.check_restored("step 2 onto saved sharding", got, 2, "saved")
+            self.fetched(mgr)
+            self.summary["fetched_for_saved"] = self.summary["fetched_files"]
+            # Other layouts need rows other hosts saved: over the network tier.
             for kind in ("cols", "replicated", "mesh2d"):
-                got = mgr.restore(2, target=self.target_from_structs(kind))
-                self.check_restored(f"step 2 onto {kind}", got, 2, kind)
-            got = mgr.restore(1, target=self.target_from_structs("saved"))
-            self.check_restored("step 1 onto saved sharding", got, 1, "saved")
+                self.restore_checked(f"step 2 onto {kind}", mgr, 2, kind)
+            self.restore_checked("step 1 onto saved sharding", mgr, 1, "saved")
 
             # Without a target: whole numpy arrays, assembled from every host's files.
             raw = mgr.restore(2)
@@ -349,6 +381,7 @@ class Worker:
             rng = raw["rng"]
             self.check(np.array_equal(np.asarray(jax.random.key_data(rng)), exp["key"]),
                        f"untargeted restore rng: {rng!r}")
+            self.fetched(mgr)
         finally:
             mgr.close()
 
@@ -359,50 +392,66 @@ class Worker:
             latest = mgr.latest_step()
             self.summary["all_steps"] = steps
             self.summary["latest_step"] = latest
+            self.summary["tier"] = mgr.last_restore_tier
             self.check(steps == [1, 2], f"after restart all_steps() {steps}, wanted [1, 2]")
             self.check(latest == 2, f"after restart latest_step() {latest}, wanted 2")
             step = latest if latest is not None else 2
-            got = mgr.restore(step, target=self.target_from_structs("saved"))
-            self.check_restored("restart onto saved sharding", got, 2, "saved")
-            got = mgr.restore(step, target=self.target_from_structs("cols"))
-            self.check_restored("restart onto cols", got, 2, "cols")
+            self.restore_checked("restart onto saved sharding", mgr, step, "saved")
+            self.restore_checked("restart onto cols", mgr, step, "cols")
 
-            # Training goes on: save the next step; retention keeps the newest two.
+            # Training goes on: save the next step (retention is the replicators').
             self.check(mgr.save(3, self.state(3)) is True, "save(3) returned False")
             mgr.wait_until_finished()
             steps = mgr.all_steps()
-            self.check(steps == [2, 3], f"after save(3) all_steps() {steps}, wanted [2, 3]")
+            self.check(steps[-1:] == [3] and 2 in steps,
+                       f"after save(3) all_steps() {steps}, wanted 2 and 3")
             self.check_layout(3)
-            got = mgr.restore(3, target=self.target_from_structs("mesh2d"))
-            self.check_restored("step 3 onto mesh2d", got, 3, "mesh2d")
+            self.restore_checked("step 3 onto mesh2d", mgr, 3, "mesh2d")
         finally:
             mgr.close()
 
-    def partial(self) -> None:
+    def replaced(self) -> None:
         import mtc
 
         mgr = self.manager()
         try:
-            steps = mgr.all_steps()
-            latest = mgr.latest_step()
-            self.summary["all_steps"] = steps
-            self.summary["latest_step"] = latest
-            self.check(steps == [2], f"step 3 is missing on host {self.nproc - 1}: "
-                                     f"all_steps() {steps}, wanted [2] on every process")
-            self.check(latest == 2, f"latest_step() {latest}, wanted 2 on every process")
-            got = mgr.restore(2, target=self.target_from_structs("replicated"))
-            self.check_restored("step 2 onto replicated after losing step 3", got, 2,
-                                "replicated")
+            # The replaced host's RAM disk is empty: no step is on every host's.
+            before = mgr.all_steps()
+            self.summary["steps_before"] = before
+            self.check(before == [], f"all_steps() {before} with host {self.nproc - 1} "
+                                     f"replaced empty, wanted []")
+            # Asked for step 3 before the replicators bring it back: every process
+            # fails together (the replaced host names itself), none restores alone.
             try:
                 mgr.restore(3, target=self.target_from_structs("saved"))
-                self.check(False, "restore(3) succeeded although host "
-                                  f"{self.nproc - 1} has no step 3")
-            except mtc.StepNotFoundError:
-                self.check(True, "")
-            # Step 3 of the other hosts is kept: it is not this process's to drop.
-            mine = Path(self.args.local_dir) / f"host-{self.pid}"
-            self.check((mine / "3").is_dir() == (self.pid != self.nproc - 1),
-                       f"{mine}: {sorted(p.name for p in mine.iterdir())}")
+                self.check(False, f"restore(3) succeeded although host {self.nproc - 1} "
+                                  "has no step 3")
+            except mtc.MtcError as e:
+                self.summary["early_error"] = [type(e).__name__, e.host]
+            latest = mgr.latest_step()
+            self.summary["latest_step"] = latest
+            self.summary["tier"] = mgr.last_restore_tier
+            self.check(latest == 3, f"latest_step() {latest}, wanted 3 (from the peer copy)")
+            step = latest if latest is not None else 3
+            for kind in ("saved", "mesh2d"):
+                self.restore_checked(f"step 3 onto {kind} after a host was replaced", mgr, step,
+                                     kind)
+            self.summary["own_files"] = sorted(p.name for p in Path(self.args.local_dir).iterdir()
+                                               if p.name.isdigit())
+            self.fetched(mgr)
+        finally:
+            mgr.close()
+
+    def shrink(self) -> None:
+        mgr = self.manager()
+        try:
+            steps = mgr.all_steps()
+            self.summary["all_steps"] = steps
+            self.check(3 in steps, f"all_steps() {steps} lacks step 3")
+            # Explicit step: the replicators of the hosts gone cannot agree any more.
+            for kind in ("saved", "cols"):
+                self.restore_checked(f"step 3 onto {kind} on fewer processes", mgr, 3, kind)
+            self.fetched(mgr)
         finally:
             mgr.close()
 
@@ -410,8 +459,7 @@ class Worker:
         import mtc
 
         lag_s = 2.0
-        mgr = mtc.CheckpointManager(self.args.local_dir, mesh=self.mesh,
-                                    options=mtc.Options(max_to_keep=None))
+        mgr = self.manager(max_to_keep=None, replicators=False)
         try:
             state = self.state(1)
             if self.pid == 0:
@@ -426,37 +474,20 @@ class Worker:
                     f"restore(1) right after save(1) and wait_until_finished() failed on a "
                     f"process that ran {lag_s:.0f} s ahead of process 0: {e!r}. With "
                     f"max_to_keep=None nothing in save/wait_until_finished/restore "
-                    f"synchronizes the processes, so this process read host-0's folder "
-                    f"before process 0 had committed step 1"))
+                    f"synchronizes the processes, so this process looked for step 1 "
+                    f"before process 0 had committed it"))
             self.check_restored("step 1 restored right after saving", got, 1, "saved")
             steps = mgr.all_steps()
             self.summary["all_steps"] = steps
             self.check(steps == [1], f"all_steps() {steps}, wanted [1]")
-        finally:
-            mgr.close()
-
-    def shrink(self) -> None:
-        import mtc
-
-        saved_hosts = sorted(p.name for p in Path(self.args.local_dir).iterdir())
-        self.summary["saved_hosts"] = saved_hosts
-        mgr = self.manager()
-        try:
-            latest = mgr.latest_step()
-            self.summary["latest_step"] = latest
-            self.check(latest == 2, f"latest_step() {latest}, wanted 2")
-            for kind in ("saved", "cols"):
-                got = None
-                try:
-                    got = mgr.restore(2, target=self.target_from_structs(kind))
-                except mtc.MtcError as e:
-                    self.check(False, (
-                        f"restore(2) onto {kind} with {self.nproc} process(es) of a job saved "
-                        f"by {len(saved_hosts)} hosts ({saved_hosts} all under "
-                        f"{self.args.local_dir}) failed: {e!r}. CheckpointManager.restore only "
-                        f"reads host folders 0..{self.nproc - 1} (range(topology.num_hosts)), "
-                        f"so shards saved by the other hosts are never considered"))
-                self.check_restored(f"step 2 onto {kind} on fewer processes", got, 2, kind)
+            # Columns need every host's rows: without replicators nothing may fetch
+            # them (another host's RAM disk is not a folder here), so the restore
+            # fails, typed, on every process.
+            try:
+                mgr.restore(1, target=self.target_from_structs("cols"))
+                self.check(False, "restore onto cols succeeded without a network tier")
+            except mtc.ShardUnavailableError as e:
+                self.summary["no_network_error"] = type(e).__name__
         finally:
             mgr.close()
 

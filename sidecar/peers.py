@@ -1,0 +1,126 @@
+"""Other hosts' files of a step, over the network tier.
+
+In multi-controller JAX every process is its own host and sees its own RAM disk
+only. When a restore needs a region another host saved (onto another mesh, onto
+fewer hosts than saved, on a host replaced empty), the bytes come from a
+replicator that holds that host's copy of the step: this host's own replicator
+when it keeps a peer copy of it (``.mtc-replica/<rank>``), else the saving
+host's, else any other listing one, as the replicators' inventories say. Each
+file arrives checked against the size and CRC32C its holder lists (the reader
+checks it against the manifest again); no host ever opens another host's RAM
+disk through a filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from mtc.errors import CorruptShardError, ShardUnavailableError
+from mtc.proto import replicator_pb2 as pb
+from mtc_sidecar.replicator.client import PeerClient, PeerError
+from mtc_sidecar.replicator.security import Credentials
+
+log = logging.getLogger(__name__)
+
+INVENTORY_DEADLINE_S = 5.0
+# Inventories change only when a step commits, is copied or is deleted: within one
+# restore (manifests, then regions) one round serves; a miss asks again at once.
+INVENTORY_TTL_S = 10.0
+
+# origin rank -> holders, nearest first: (client, path -> (size, crc32c))
+Holders = dict[int, list[tuple[PeerClient, dict[str, tuple[int, int]]]]]
+
+
+def order_holders(origin: int, near: int | None, ranks: Sequence[int]) -> list[int]:
+    """Positions in ``ranks`` (the replicators' own ranks, -1 for none) to ask for a
+    file of ``origin``: this host's replicator first (a peer copy on this host's
+    RAM disk crosses no link), then origin's own (it holds the step in its root),
+    then the rest in order."""
+    here = [i for i, r in enumerate(ranks) if r == near]
+    own = [i for i, r in enumerate(ranks) if r == origin and r != near]
+    rest = [i for i in range(len(ranks)) if i not in own and i not in here]
+    return here + own + rest
+
+
+class PeerFiles:
+    """Reads files of other hosts' steps through the replicators at ``addresses``.
+
+    Owns one client per replicator (closed by :meth:`close`) and the inventories
+    of the steps asked about; ``_lock`` guards ``_inventories``. ``near`` is the
+    rank of this host's own replicator.
+    """
+
+    def __init__(self, addresses: Sequence[str], token: str | None, *, near: int | None,
+                 deadline_s: float = 60.0) -> None:
+        creds = Credentials(token=token)
+        self.addresses = list(addresses)
+        self.near = near
+        self.deadline_s = deadline_s
+        self._clients = [PeerClient(a, creds, rank=i, deadline_s=INVENTORY_DEADLINE_S)
+                         for i, a in enumerate(self.addresses)]
+        self._lock = threading.Lock()
+        self._inventories: dict[int, tuple[float, Holders]] = {}
+        # What came over the network tier (for logs and tests): bytes, newest files.
+        self.fetched_bytes = 0
+        self.fetched: deque[tuple[int, int, str]] = deque(maxlen=256)  # (step, origin, file)
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.close()
+
+    def _ask(self, client: PeerClient) -> pb.Inventory | None:
+        try:
+            return client.call("GetInventory", pb.InventoryRequest(), attempts=1)
+        except PeerError as e:  # a lost host's replicator: its copies are elsewhere
+            log.info("replicator %s did not answer its inventory: %s", client.address, e)
+            return None
+
+    def _holders(self, step: int, *, fresh: bool) -> Holders:
+        with self._lock:
+            cached = self._inventories.get(step)
+        if cached is not None and not fresh and time.monotonic() - cached[0] < INVENTORY_TTL_S:
+            return cached[1]
+        with ThreadPoolExecutor(len(self._clients), thread_name_prefix="mtc-inventory") as pool:
+            invs = list(pool.map(self._ask, self._clients))
+        ranks = [inv.rank if inv is not None else -1 for inv in invs]
+        holders: Holders = {}
+        for origin in sorted({c.origin_rank for inv in invs if inv is not None
+                              for c in inv.copies if c.step == step}):
+            for i in order_holders(origin, self.near, ranks):
+                inv = invs[i]
+                copy = next((c for c in inv.copies if c.step == step
+                             and c.origin_rank == origin), None) if inv is not None else None
+                if copy is not None:
+                    files = {f.path: (int(f.size), int(f.crc32c)) for f in copy.files}
+                    holders.setdefault(origin, []).append((self._clients[i], files))
+        with self._lock:
+            self._inventories = {step: (time.monotonic(), holders)}
+        return holders
+
+    def read(self, step: int, origin: int, rel: str) -> bytearray:
+        """File ``rel`` of host ``origin``'s copy of ``step``, verified on arrival.
+        Raises ShardUnavailableError when no replicator serves a good copy."""
+        errors: list[str] = []
+        for fresh in (False, True):
+            for client, files in self._holders(step, fresh=fresh).get(origin, []):
+                if rel not in files:
+                    continue
+                size, crc = files[rel]
+                try:
+                    data = client.fetch_bytes(step, origin, rel, size, crc,
+                                              deadline_s=self.deadline_s)
+                except (PeerError, CorruptShardError) as e:
+                    errors.append(f"{client.address}: {e}")
+                    continue
+                self.fetched_bytes += size
+                self.fetched.append((step, origin, rel))
+                return data
+        raise ShardUnavailableError(
+            f"no replicator serves {rel} of host {origin}'s copy (asked "
+            f"{', '.join(self.addresses)}{': ' + '; '.join(errors) if errors else ''})",
+            step=step, host=origin, path=rel)
