@@ -24,6 +24,7 @@ from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
 from mtc_sidecar.replicator.client import PeerError
 
+
 def save(cl: Cluster, mesh: Mesh, steps: dict[int, dict[str, Any]]) -> None:
     """Save ``steps`` through the cluster's sidecars."""
     with mtc.CheckpointManager(cl.base, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
