@@ -18,13 +18,13 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import ml_dtypes  # noqa: F401 - registers JAX's dtypes (bfloat16, float8, int4) with numpy
 import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.shards import paste
+from mtc_sidecar.dtypes import numpy_dtype
 from mtc_sidecar.quarantine import quarantine
 from mtc_sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
 from mtc_sidecar.replicator.store import REPLICA_DIR
@@ -109,7 +109,7 @@ class ShardLoader:
             raise
 
     def read(self, task: ReadTask) -> np.ndarray:
-        dtype = np.dtype(task.dtype)
+        dtype = numpy_dtype(task.dtype)
         shape = task.shape
         pieces = task.pieces
         if len(pieces) == 1 and pieces[0].entry.index == task.index:

@@ -61,10 +61,12 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture
 def clusters() -> Iterator[list[Any]]:
     """Replicator clusters a test creates (tests/replicators.py); every replicator
-    is SIGKILLed at the end and its log tail printed for the failure report."""
+    and sidecar is SIGKILLed at the end and its log tail printed for the failure report."""
     made: list[Any] = []
     yield made
     for c in made:
         c.stop_all()
         for r in range(c.n):
             print(f"--- replicator {r} log tail ---\n{c.log_text(r)[-3000:]}")
+            if c.sidecar_log(r):
+                print(f"--- sidecar {r} log tail ---\n{c.sidecar_log(r)}")

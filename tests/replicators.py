@@ -1,9 +1,22 @@
-"""Real replicator processes for tests: start, wait until serving, SIGKILL, restart."""
+"""Real replicator and sidecar processes for tests: start, wait until serving, SIGKILL,
+restart.
+
+Each simulated host of a :class:`Cluster` is its own processes: its replicator
+and, once a test asks for :meth:`Cluster.options`, its sidecar (``python -m
+mtc_sidecar.host.main``, started through :class:`mtc_trainer.isolation.Hosts` in
+``"processes"`` mode), the one process through which a controller's
+``CheckpointManager`` reaches the host's RAM disk. The controller never reads a
+host's root (the ``ramdisk`` fixture's seam audit checks it). The test harness
+does: it plays the host (an operator, bad memory, a lost machine), committing
+raw steps, flipping bytes and wiping roots to assert outcomes, which is why the
+roots stay plain folders this process can see (no private mount namespaces).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,14 +33,19 @@ from mtc_sidecar.replicator.client import PeerClient
 from mtc_sidecar.replicator.healthcheck import check
 from mtc_sidecar.replicator.security import Credentials
 from mtc_trainer.cluster import free_ports
+from mtc_trainer.isolation import Hosts
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
+    import mtc
+
 
 @dataclasses.dataclass
 class Cluster:
-    """``n`` replicators over ``<base>/host-<rank>``, ``per_slice`` hosts per slice."""
+    """``n`` replicators over ``<base>/host-<rank>``, ``per_slice`` hosts per slice, and
+    (from the first :meth:`options`) a sidecar per host over the same root; the
+    sidecars' shared-memory areas and logs are under ``<base>/hosts/``."""
 
     base: Path
     n: int
@@ -49,9 +67,67 @@ class Cluster:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.logs = self.base / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        self._hosts: Hosts | None = None
 
     def root(self, rank: int) -> Path:
         return self.base / f"host-{rank}"
+
+    # -- sidecars: the controller's only way to a host's RAM disk ----------------------
+
+    @property
+    def hosts(self) -> Hosts:
+        """The hosts' sidecars (none runs before :meth:`start_sidecars`)."""
+        if self._hosts is None:
+            hs = Hosts(self.base / "hosts", self.n, isolation="processes")
+            for h in hs.hosts:  # the root the replicator and the test see
+                h.root.rmdir()
+                h.root = self.root(h.index)
+            self._hosts = hs
+        return self._hosts
+
+    def sidecar_alive(self, rank: int) -> bool:
+        proc = self.hosts.hosts[rank].sidecar
+        return proc is not None and proc.poll() is None
+
+    def start_sidecars(self) -> None:
+        """Start every host's sidecar that is not running, all at once; until each serves."""
+        import seam_audit  # tests/: the conftest's audit
+
+        # From here the controller must not run host-side code in this process either.
+        seam_audit.sidecars_only(self.base)
+        slices = [r // self.per_slice for r in range(self.n)]
+        down = [r for r in range(self.n) if not self.sidecar_alive(r)]
+        for r in down:
+            self.hosts.start_sidecar(r, slices, env=env_with_repo(), wait=False)
+        for r in down:
+            self.hosts.wait_sidecar(r)
+
+    def kill_sidecar(self, rank: int) -> None:
+        """SIGKILL the sidecar of host ``rank`` if one runs (:meth:`options` restarts it)."""
+        if self._hosts is not None:
+            self._hosts.kill_sidecar(rank)
+
+    def lose_host(self, rank: int) -> None:
+        """Host ``rank`` is gone: its replicator and sidecar SIGKILLed, its RAM disk wiped."""
+        self.kill(rank)
+        self.kill_sidecar(rank)
+        shutil.rmtree(self.root(rank))
+
+    def options(self, *, replicators: bool = False, **kw: Any) -> mtc.Options:
+        """Options of a controller that reaches every host through its sidecar (started
+        here when not running) and, with ``replicators``, the replicators too."""
+        import mtc  # here: the process harness above does not need JAX
+
+        self.start_sidecars()
+        if replicators:
+            kw = {"replicators": tuple(self.addrs), "replicator_token": self.creds.token,
+                  **kw}
+        return mtc.Options(simulated_hosts=self.n, hosts_per_slice=self.per_slice,
+                           dispatch="process",
+                           sidecars=tuple(h.sidecar_address for h in self.hosts.hosts), **kw)
+
+    def sidecar_log(self, rank: int) -> str:
+        return self._hosts.log_tail(rank, "sidecar") if self._hosts is not None else ""
 
     def launch(self, rank: int, *more: str) -> None:
         """Start replicator ``rank`` without waiting for it to serve."""
@@ -118,8 +194,11 @@ class Cluster:
             proc.wait(10)
 
     def stop_all(self) -> None:
+        """SIGKILL every replicator and sidecar (their logs stay)."""
         for r in list(self.procs):
             self.kill(r)
+        for r in range(self.n):
+            self.kill_sidecar(r)
 
     def client(self, rank: int) -> PeerClient:
         return PeerClient(self.addrs[rank], self.creds, rank=rank)

@@ -12,6 +12,13 @@ A host's shared-memory area (``host-<i>/area`` of :mod:`mtc_trainer.isolation`,
 the part ``/tmp/sidecar`` plays between ``pathways-worker`` and its sidecar) is
 where the trainer is meant to hand bytes over; it is not a RAM disk and is exempt.
 
+Where the hosts run their own sidecar processes (:func:`sidecars_only`, the
+replicator tests' clusters), host-side code has no business in the test process
+either: there any access by ``mtc/`` code is a leak even below a host-side frame
+(an in-process ``LocalDispatch``), and so is host-side code that no test frame
+called (the writer threads of an in-process agent). The test's own inspection and
+damage of the hosts' files (the harness plays the host) has a test frame.
+
 Audit hooks cannot be removed, so one is installed for the session and roots are
 watched and unwatched around each test. ``os.stat`` raises no audit event; what
 is checked is every open, listing, rename, removal, link and directory change.
@@ -34,7 +41,10 @@ _CONTROLLER = str(_PKG / "mtc") + os.sep
 # Host-side code imports as mtc_sidecar (a symlink to sidecar/): either path.
 _HOST = (str(_PKG / "sidecar") + os.sep, str(_PKG / "mtc_sidecar") + os.sep)
 
+_TESTS = str(_PKG / "tests") + os.sep
+
 _roots: list[str] = []
+_strict: list[str] = []  # roots whose hosts run sidecar processes
 _leaks: list[str] = []
 _lock = threading.Lock()
 _installed = False
@@ -64,15 +74,23 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
         return
     if all(_in_area(p) for p in paths):
         return
+    strict = any(p == r or p.startswith(r + os.sep) for p in paths for r in list(_strict))
     frame = sys._getframe(1)
-    controller = None
+    controller = host = None
+    test = False
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(_HOST):
-            return  # host-side code: allowed
-        if controller is None and name.startswith(_CONTROLLER):
+            if not strict:
+                return  # host-side code: allowed
+            host = host or f"{name}:{frame.f_lineno}"
+        elif controller is None and name.startswith(_CONTROLLER):
             controller = f"{name}:{frame.f_lineno}"
+        elif name.startswith(_TESTS):
+            test = True
         frame = frame.f_back
+    if controller is None and strict and host is not None and not test:
+        controller = f"{host} (host-side code in the test process, its sidecars running)"
     if controller is not None:
         with _lock:
             _leaks.append(f"{event} {paths} from {controller}")
@@ -93,12 +111,22 @@ def watch(root: Path) -> None:
         _roots.append(str(root.resolve()))
 
 
+def sidecars_only(root: Path) -> None:
+    """From now on the hosts under ``root`` (a watched root, or a folder in one) are
+    reached through their sidecar processes only: host-side code in this process
+    no longer excuses an access there, unless a test frame called it."""
+    with _lock:
+        _strict.append(str(root.resolve()))
+
+
 def unwatch(root: Path) -> list[str]:
-    """Stop watching ``root``; returns the leaks seen (and forgets them)."""
+    """Stop watching ``root`` (and what :func:`sidecars_only` marked in it); returns
+    the leaks seen (and forgets them)."""
     with _lock:
         r = str(root.resolve())
         if r in _roots:
             _roots.remove(r)
+        _strict[:] = [s for s in _strict if not (s == r or s.startswith(r + os.sep))]
         leaks = list(_leaks)
         _leaks.clear()
     return leaks

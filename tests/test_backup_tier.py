@@ -3,8 +3,11 @@
 after the loss of the whole cluster, the GCS emulator (flat and HNS buckets), and faults.
 
 2 slices x 2 hosts, one peer copy each. Every replicator is a real
-``python -m mtc_sidecar.replicator.main`` process; the GCS emulator, the fault proxy and the
-Storage Control double are started by the tests (tests/gcs_fakes.py).
+``python -m mtc_sidecar.replicator.main`` process, and the controller reaches each host's
+RAM disk only through the host's sidecar process (``Cluster.options``); the test plays
+the hosts (and the whole cluster's loss), reading and wiping their roots. The GCS
+emulator, the fault proxy and the Storage Control double are started by the tests
+(tests/gcs_fakes.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from mtc_sidecar.backup.job import MANIFEST
 from mtc_sidecar.replicator.client import PeerError
 from mtc_sidecar.replicator.store import file_sha256
 
-OPTS = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
 MiB = 1 << 20
 # The emulator is started with a preexec_fn (to die with the tests), so Python forks
 # after JAX started its threads; the child only calls prctl and execs the emulator.
@@ -52,6 +54,8 @@ def clusters() -> Iterator[list[Cluster]]:
         c.stop_all()
         for r in range(c.n):
             print(f"--- replicator {r} log tail ---\n{c.log_text(r)[-3000:]}")
+            if c.sidecar_log(r):
+                print(f"--- sidecar {r} log tail ---\n{c.sidecar_log(r)}")
 
 
 def new_cluster(clusters: list[Cluster], base: Path, *backup: str, n: int = 4,
@@ -77,8 +81,9 @@ def new_bucket(emulator: Emulator) -> str:
     return name
 
 
-def save(base: Path, mesh: Mesh, step: int, state: dict[str, Any]) -> None:
-    with mtc.CheckpointManager(base, mesh=mesh, options=OPTS) as m:
+def save(cl: Cluster, mesh: Mesh, step: int, state: dict[str, Any]) -> None:
+    """Save ``step`` through the cluster's sidecars."""
+    with mtc.CheckpointManager(cl.base, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
         assert m.save(step, state)
         m.wait_until_finished()
 
@@ -118,7 +123,8 @@ def prepare_all(cl: Cluster, timeout: float = 30.0) -> dict[int, Any]:
 
 
 def lose_everything(cl: Cluster) -> None:
-    """The whole cluster is gone: every replicator SIGKILLed, every RAM disk wiped."""
+    """The whole cluster is gone: every replicator and sidecar SIGKILLed, every RAM disk
+    wiped."""
     cl.stop_all()
     for r in range(cl.n):
         shutil.rmtree(cl.root(r))
@@ -146,7 +152,7 @@ def test_interval_backups_dedup_spread_and_retention(ramdisk: Path, mesh: Mesh,
     seen: set[int] = set()
     for step in (1, 2, 3, 4, 5, 6, 8, 10):
         states[step] = make_state(mesh, float(step))
-        save(ramdisk, mesh, step, states[step])
+        save(cl, mesh, step, states[step])
         if step % 2 == 0:  # every 2 steps: due as soon as every host committed it
             wait_for(f"backup of step {step}", lambda s=step: s in local_committed(bucket))
         seen |= set(local_committed(bucket))
@@ -216,7 +222,7 @@ def test_requested_backups_then_whole_cluster_restore(ramdisk: Path, mesh: Mesh,
     backup = ("--backup", f"file://{bucket}", "--backup-interval-minutes", "60")
     cl = new_cluster(clusters, ramdisk, *backup)
     s1, s2, s3 = (make_state(mesh, float(k)) for k in (1, 2, 3))
-    save(ramdisk, mesh, 1, s1)
+    save(cl, mesh, 1, s1)
     cl.wait_replicated(1, timeout=20)
     assert local_committed(bucket) == []
 
@@ -231,14 +237,14 @@ def test_requested_backups_then_whole_cluster_restore(ramdisk: Path, mesh: Mesh,
     # An Orbax-style _BACKUP_REQUESTED file in a step folder is a request too: on a
     # host that does not lead (it asks the leader), and on the leader. Each is answered
     # once: the file stays, and the next step is not backed up because of it.
-    save(ramdisk, mesh, 2, s2)
+    save(cl, mesh, 2, s2)
     (cl.root(1) / "2" / "_BACKUP_REQUESTED").touch()
     wait_for("backup of step 2", lambda: 2 in local_committed(bucket))
-    save(ramdisk, mesh, 3, s3)
+    save(cl, mesh, 3, s3)
     (cl.root(0) / "3" / "_BACKUP_REQUESTED").touch()
     wait_for("backup of step 3", lambda: 3 in local_committed(bucket))
     time.sleep(0.6)  # a backup pass or more sees the file again
-    save(ramdisk, mesh, 4, make_state(mesh, 4.0))
+    save(cl, mesh, 4, make_state(mesh, 4.0))
     cl.wait_replicated(4, timeout=20)
     time.sleep(1.0)
     assert local_committed(bucket) == [1, 2, 3]
@@ -265,7 +271,7 @@ def test_requested_backups_then_whole_cluster_restore(ramdisk: Path, mesh: Mesh,
     assert unique and needed > sum(unique.values())
     assert read == sum(unique.values()), (read, unique)
     assert fetched == needed - read
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=OPTS) as m:
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
         assert m.all_steps() == [3]
         assert_state_equal(m.restore(3, s3), s3)
 
@@ -279,8 +285,7 @@ def test_requested_backups_then_whole_cluster_restore(ramdisk: Path, mesh: Mesh,
     data[len(data) // 2] ^= 0xFF
     obj.write_bytes(bytes(data))
     cl.start_all()
-    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None,
-                       replicators=tuple(cl.addrs), restore_timeout_s=30)
+    opts = cl.options(replicators=True, max_to_keep=None, restore_timeout_s=30)
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as m, \
             pytest.raises(MtcError) as err:
         m.restore(None, s3)
@@ -311,9 +316,9 @@ def test_gcs_hns_backup_and_restore(ramdisk: Path, mesh: Mesh, emulator: Emulato
         cl = new_cluster(clusters, ramdisk, "--backup", f"gs://{bucket}/ckpt",
                          "--backup-interval-steps", "1", "--backup-keep", "1", env=env)
         s1, s2 = make_state(mesh, 1.0), make_state(mesh, 2.0)
-        save(ramdisk, mesh, 1, s1)
+        save(cl, mesh, 1, s1)
         wait_for("backup of step 1", lambda: gcs_committed(emulator, bucket, "ckpt") == [1])
-        save(ramdisk, mesh, 2, s2)
+        save(cl, mesh, 2, s2)
         wait_for("backup of step 2", lambda: gcs_committed(emulator, bucket, "ckpt") == [2])
         wait_for("step 1 deleted", lambda: not bucket_keys(emulator, bucket, "ckpt/steps/1/")
                  and not any(f.startswith("ckpt/steps/1/") for f in control.folders[bucket]))
@@ -339,8 +344,7 @@ def test_gcs_hns_backup_and_restore(ramdisk: Path, mesh: Mesh, emulator: Emulato
         # The whole cluster is lost: the controller's restore() comes back from GCS.
         lose_everything(cl)
         cl.start_all()
-        opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None,
-                           replicators=tuple(cl.addrs), restore_timeout_s=30)
+        opts = cl.options(replicators=True, max_to_keep=None, restore_timeout_s=30)
         with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as m:
             assert_state_equal(m.restore(None, s2), s2)
             assert m.last_restore_tiers == {h: "backup" for h in range(4)}

@@ -6,6 +6,11 @@ quarantined and fetched again, verified, from another holder: the peer's copy,
 else the same shard saved by another data-parallel replica. Deduplicated copies
 are separate files, so damage to one does not reach the other. With no good
 copy anywhere the restore fails with a typed error naming the file.
+
+The controller reaches every host's RAM disk only through the host's sidecar
+process (``Cluster.options``): a load that finds damage does so in the sidecar,
+and its typed error crosses the seam. The test plays the host's bad memory,
+damaging the files in place.
 """
 
 from __future__ import annotations
@@ -30,15 +35,13 @@ QUARANTINED = "mtc_quarantined_files_total"
 
 
 def options(cl: Cluster) -> mtc.Options:
-    return mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None,
-                       replicators=tuple(cl.addrs), restore_timeout_s=60)
+    return cl.options(replicators=True, max_to_keep=None, restore_timeout_s=60)
 
 
 def save_steps(ramdisk: Path, mesh: Mesh, cl: Cluster, steps: dict[int, float]
                ) -> dict[int, dict[str, object]]:
     states = {s: make_state(mesh, scale) for s, scale in steps.items()}
-    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as m:
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
         for s, state in states.items():  # each replicated before the next (only the
             m.save(s, state)             # newest step is pushed)
             m.wait_until_finished()

@@ -103,14 +103,14 @@ def test_latest_step_reaches_the_peer_tier_and_says_so(
     step needs no second agreement."""
     cl = new_cluster(clusters, ramdisk, 4, 2, extra=("--replicas", "1"))
     cl.start_all()
-    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
     state = make_state(mesh, 2.0)
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+    # The controller reaches each host through its sidecar process.
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(max_to_keep=None)) as mgr:
         assert mgr.save(2, state)
     cl.wait_replicated(2, timeout=30)
-    cl.kill(1)
-    shutil.rmtree(cl.root(1))
+    cl.lose_host(1)  # its replicator, sidecar and RAM disk
     cl.start(1)
+    opts = cl.options(max_to_keep=None)  # host 1's sidecar restarted, empty
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
         assert mgr.latest_step() is None  # the RAM disks alone: step 2 is not on host 1
     with_replicators = dataclasses.replace(opts, replicators=tuple(cl.addrs),

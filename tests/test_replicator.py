@@ -1,14 +1,15 @@
 """The replicator with real processes: replication, dedup, restore after host loss,
 an unreachable peer, garbage collection, metrics.
 
-Every replicator is a real ``python -m mtc_sidecar.replicator.main`` process; losing a
-host means SIGKILL to its replicator and deleting its RAM-disk root.
+Every replicator is a real ``python -m mtc_sidecar.replicator.main`` process, and the
+controller reaches each host's RAM disk only through the host's sidecar process
+(``Cluster.options``); losing a host means SIGKILL to its replicator and sidecar and
+deleting its RAM-disk root. The test plays the host: it reads and wipes the roots.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,13 +24,10 @@ from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
 from mtc_sidecar.replicator.client import PeerError
 
-OPTS = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None)
 
-
-
-
-def save(base: Path, mesh: Mesh, steps: dict[int, dict[str, Any]]) -> None:
-    with mtc.CheckpointManager(base, mesh=mesh, options=OPTS) as m:
+def save(cl: Cluster, mesh: Mesh, steps: dict[int, dict[str, Any]]) -> None:
+    """Save ``steps`` through the cluster's sidecars."""
+    with mtc.CheckpointManager(cl.base, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
         for step, state in steps.items():
             assert m.save(step, state)
         m.wait_until_finished()
@@ -69,9 +67,8 @@ def files_of(d: Path) -> dict[str, bytes]:
 
 
 def wipe(cl: Cluster, rank: int) -> None:
-    """Lose a host: SIGKILL its replicator, delete its RAM disk."""
-    cl.kill(rank)
-    shutil.rmtree(cl.root(rank))
+    """Lose a host: SIGKILL its replicator and sidecar, delete its RAM disk."""
+    cl.lose_host(rank)
 
 
 # -- replication --------------------------------------------------------------------
@@ -82,8 +79,8 @@ def test_replication_verified_and_deduplicated(ramdisk: Path, mesh: Mesh,
     state = make_state(mesh, 1.0)
     # Saved before the replicators start, so every host's own step is there when
     # its peer's copy is offered: the data-parallel shards can only be linked.
-    save(ramdisk, mesh, {1: state})
     cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
+    save(cl, mesh, {1: state})
     cl.start_all()
     cl.wait_replicated(1, timeout=30)
 
@@ -163,7 +160,7 @@ def test_restore_after_host_loss(ramdisk: Path, mesh: Mesh, clusters: list[Clust
     cl = new_cluster(clusters, ramdisk, 4, 2)
     cl.start_all()
     s1, s2 = make_state(mesh, 1.0), make_state(mesh, 2.0)
-    save(ramdisk, mesh, {1: s1, 2: s2})
+    save(cl, mesh, {1: s1, 2: s2})
     cl.wait_replicated(2, timeout=30)
     before = files_of(cl.root(1) / "2")
 
@@ -177,7 +174,7 @@ def test_restore_after_host_loss(ramdisk: Path, mesh: Mesh, clusters: list[Clust
         0: (2, "local"), 1: (2, "peer"), 2: (2, "local"), 3: (2, "local")}
     assert files_of(cl.root(1) / "2") == before
 
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=OPTS) as m:
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
         assert 2 in m.all_steps()
         assert_state_equal(m.restore(2, s2), s2)
     # Redundancy comes back without a new save: host 3's copy on the replaced
@@ -190,7 +187,7 @@ def test_two_hosts_lost_in_different_slices(ramdisk: Path, mesh: Mesh,
     cl = new_cluster(clusters, ramdisk, 4, 2)
     cl.start_all()
     s3 = make_state(mesh, 3.0)
-    save(ramdisk, mesh, {2: make_state(mesh, 2.0), 3: s3})
+    save(cl, mesh, {2: make_state(mesh, 2.0), 3: s3})
     cl.wait_replicated(3, timeout=30)
 
     # Host 0 (slice 0) and host 3 (slice 1) at once: each one's data survives on
@@ -203,8 +200,7 @@ def test_two_hosts_lost_in_different_slices(ramdisk: Path, mesh: Mesh,
     cl.wait_serving(3)
 
     # The controller's own path: restore() without a step asks the replicators.
-    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, replicators=tuple(cl.addrs),
-                       restore_timeout_s=30)
+    opts = cl.options(replicators=True, restore_timeout_s=30)
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as m:
         assert_state_equal(m.restore(None, s3), s3)
     cl.wait_held({(0, 2, 3), (3, 1, 3), (2, 0, 3), (1, 3, 3)}, timeout=15)
@@ -221,11 +217,11 @@ def test_peer_unreachable_then_back(ramdisk: Path, mesh: Mesh, clusters: list[Cl
     cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
     cl.start_all()
     s1 = make_state(mesh, 1.0)
-    save(ramdisk, mesh, {1: s1})
+    save(cl, mesh, {1: s1})
     cl.wait_replicated(1, timeout=30)
 
     cl.kill(2)  # host 0's peer, not restarted for now
-    save(ramdisk, mesh, {2: make_state(mesh, 2.0)})
+    save(cl, mesh, {2: make_state(mesh, 2.0)})
     # Hosts 1 and 3 are unaffected.
     cl.wait_held({(3, 1, 2), (1, 3, 2)}, timeout=30)
     deadline = time.monotonic() + 20

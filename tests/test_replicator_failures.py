@@ -2,7 +2,9 @@
 
 Real processes and SIGKILL: a receiver dying mid-copy, a holder dying while a
 replaced host fetches from it, a flipped byte in a peer copy, and a sender whose
-own file went bad after it was committed.
+own file went bad after it was committed. A controller reaches the hosts' RAM
+disks only through each host's sidecar process (``Cluster.options``); the test
+plays the host, damaging and wiping its files.
 """
 
 from __future__ import annotations
@@ -195,16 +197,15 @@ def test_corrupted_peer_copy_detected_on_restore(ramdisk: Path, clusters: list[C
                        NamedSharding(mesh, P(("replica", "model"))))
     b = jax.device_put(jnp.arange(64, dtype=jnp.int32), NamedSharding(mesh, P()))
     state = {"w": w, "b": b}
-    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=1, max_to_keep=None)
     cl = new_cluster(clusters, ramdisk, 4, 1, extra=("--replicas", "2"), metrics=True)
     cl.start_all()
+    opts = cl.options(max_to_keep=None)
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as m:
         m.save(5, state)
         m.wait_until_finished()
     cl.wait_held(wanted_copies(4, 1, 2, 5), timeout=60)
 
-    cl.kill(0)
-    shutil.rmtree(cl.root(0))
+    cl.lose_host(0)  # its replicator, sidecar and RAM disk
     cl.start(0)
     # Flip a byte in every file of host 1's copy of host 0's data that is not a
     # hard link to host 1's own data (a deduplicated file is host 1's own too).
@@ -227,8 +228,8 @@ def test_corrupted_peer_copy_detected_on_restore(ramdisk: Path, clusters: list[C
     assert (0, 5) not in {(c.origin_rank, c.step) for c in cl.inventory(1).copies} or \
         healed == digests(cl.root(2) / REPLICA_DIR / "0" / "5")
     assert digests(cl.root(0) / "5") == digests(cl.root(2) / REPLICA_DIR / "0" / "5")
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as m:
-        got = m.restore(5, state)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
+        got = m.restore(5, state)  # host 0's sidecar is a new one
     np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(w))
     np.testing.assert_array_equal(np.asarray(got["b"]), np.asarray(b))
 
@@ -240,17 +241,16 @@ def test_corrupted_own_file_not_replicated(ramdisk: Path, clusters: list[Cluster
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model"))
     w = jax.device_put(jnp.arange(512 * 256, dtype=jnp.float32).reshape(512, 256),
                        NamedSharding(mesh, P(("replica", "model"))))
-    opts = mtc.Options(simulated_hosts=2, hosts_per_slice=1, max_to_keep=None)
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as m:
+    cl = new_cluster(clusters, ramdisk, 2, 1, metrics=True)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
         m.save(3, {"w": w})
         m.wait_until_finished()
     # Host 0's shard goes bad after the commit (its manifest still has the old CRC).
-    shard = next(p for p in (ramdisk / "host-0" / "3").iterdir() if p.name != MANIFEST_NAME)
+    shard = next(p for p in (cl.root(0) / "3").iterdir() if p.name != MANIFEST_NAME)
     data = bytearray(shard.read_bytes())
     data[7] ^= 0x01
     shard.write_bytes(bytes(data))
 
-    cl = new_cluster(clusters, ramdisk, 2, 1, metrics=True)
     cl.start_all()
     cl.wait_held({(0, 1, 3)}, timeout=30)  # the healthy direction works
     deadline = time.monotonic() + 15
@@ -258,7 +258,7 @@ def test_corrupted_own_file_not_replicated(ramdisk: Path, clusters: list[Cluster
         assert time.monotonic() < deadline, cl.scrape(0)
         time.sleep(0.05)
     assert (1, 0, 3) not in cl.held()
-    assert not (ramdisk / "host-1" / REPLICA_DIR / "0" / "3").exists()
+    assert not (cl.root(1) / REPLICA_DIR / "0" / "3").exists()
     m0 = cl.scrape(0)
     assert m0["mtc_newest_step{state=replicated}"] == -1
     # Named for what happened: the local data is corrupt, the peer is fine.

@@ -42,6 +42,7 @@ from mtc.contract import (
 )
 from mtc.errors import MtcError, ProtocolError, StorageError
 from mtc_sidecar.agent import HostAgent
+from mtc_sidecar.dtypes import numpy_dtype
 from mtc_sidecar.load import ShardLoader
 from mtc_sidecar.ops import HostOps
 from mtc_sidecar.replicator.store import REPLICA_DIR
@@ -122,11 +123,12 @@ class HostService:
         view = transfer.map_file(self.area / slot, int(args["size"]), writable=False)
         shards = []
         for leaf, index, dtype, shape, offset in args["shards"]:
-            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            dt = numpy_dtype(dtype)
+            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
             if offset < 0 or offset + n > view.size:
                 raise ProtocolError(f"shard outside slot {slot}", step=header.step,
                                     host=self.host)
-            data = view[offset:offset + n].view(np.dtype(dtype)).reshape(shape)
+            data = view[offset:offset + n].view(dt).reshape(shape)
             shards.append((int(leaf), tuple((int(a), int(b)) for a, b in index), data))
 
         def written(_error: BaseException | None) -> None:  # errors come by poll/wait
