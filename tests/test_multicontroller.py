@@ -51,7 +51,8 @@ FAILURE_GRACE_S = 10.0
 HOSTS_PER_SLICE = 2
 # In a host's own network namespace nothing else listens: fixed ports are free.
 REPLICATOR_PORT = 7000
-_coordinator_ports = itertools.count(7100)  # a fresh one per job (no TIME_WAIT clash)
+# A fresh one per job (no TIME_WAIT clash), clear of the hosts' own fixed ports.
+_coordinator_ports = itertools.count(7400)
 
 
 def _free_ports(n: int) -> list[int]:
