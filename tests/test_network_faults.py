@@ -621,7 +621,7 @@ def test_chaos_link_cuts_lose_nothing_and_never_diverge(
             f = chaos.plan_net_fault(kind, rng.randrange(4), slices, rng)
             got: list[Any] = []
 
-            def restore(target: Any = state) -> None:
+            def restore(target: Any = state, got: list[Any] = got) -> None:
                 t0 = time.monotonic()
                 try:
                     got.append(mgr.restore(None, target))
