@@ -80,7 +80,7 @@ class Net:
             "--nodes", ",".join(self.addrs), "--rank", str(i), "--nodes-per-slice", "2",
             "--poll-seconds", "0.05", "--agreement-timeout-seconds", str(TIMEOUT_S),
             "--backup", f"gs://{BUCKET}/b", "--backup-interval-minutes", "100000",
-            "--backup-retry-seconds", "6"], env=self.env)
+            "--backup-retry-seconds", "20"], env=self.env)
 
     def wait_serving(self, i: int) -> None:
         h, proc = self.hosts, self.hosts.hosts[i].replicator
@@ -182,7 +182,12 @@ def net() -> Iterator[Net]:
             n.wait_serving(i)
         yield n
     finally:
-        tails = {i: hosts.log_tail(i, "replicator") for i in range(4)}
+        # For a failure's report: every warning and error, then the log's tail.
+        tails = {i: "\n".join([ln[:400] for ln in hosts.log_tail(i, "replicator", 1 << 24)
+                               .splitlines() if any(w in ln for w in (
+                                   "WARNING", "ERROR", "Traceback", "Exception"))][-60:]
+                              + ["..."]) + hosts.log_tail(i, "replicator")
+                 for i in range(4)}
         for h in hosts.hosts:  # a test that failed while one was stopped
             if h.replicator is not None and h.replicator.poll() is None:
                 os.kill(h.replicator.pid, signal.SIGCONT)
@@ -468,10 +473,10 @@ def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path
 
 
 def test_an_upload_the_store_does_not_know_is_retryable() -> None:
-    """A 404 answering an upload (a resumable session lost while a link was down,
-    as fake-gcs-server does when another upload of the object finished meanwhile;
-    real GCS after a session expired) is a retryable BackupUnavailableError, not
-    an untyped error that ends the backup pass with a traceback."""
+    """A 404 answering an upload (fake-gcs-server's answer to a last chunk re-sent
+    after its answer timed out, seen in the cut-link test above; real GCS's for
+    an expired session) is a retryable BackupUnavailableError, not an untyped
+    error that ends the backup pass with a traceback."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class NotFound(BaseHTTPRequestHandler):

@@ -172,9 +172,11 @@ class GcsBackend(Backend):
             if what != "upload":
                 raise MtcError(f"{what} of gs://{self.bucket_name}/{self.root}{key}: "
                                f"{e}") from e
-            # An upload the store no longer knows (a resumable session expired or
-            # lost while a link was down, a bucket not created yet): the next try
-            # starts a new session. Typed, so callers retry instead of giving up.
+            # An upload the store no longer knows: a resumable session expired (GCS,
+            # after a link was down long enough), or a last chunk re-sent after its
+            # answer timed out although the store had finished the object
+            # (fake-gcs-server drops the session then), or no bucket yet. The next
+            # try starts a new session: typed, so callers retry instead of giving up.
             raise BackupUnavailableError(
                 f"upload of gs://{self.bucket_name}/{self.root}{key}: session or bucket not "
                 f"found: {e}", path=key) from e
