@@ -154,6 +154,11 @@ def _free_port(address: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _notable(log: str) -> list[str]:
+    marks = ("WARNING", "ERROR", "Traceback", "Exception")
+    return [ln[:400] for ln in log.splitlines() if any(m in ln for m in marks)][-60:]
+
+
 @pytest.fixture(scope="module")
 def net() -> Iterator[Net]:
     if not namespaces_available():
@@ -183,11 +188,8 @@ def net() -> Iterator[Net]:
         yield n
     finally:
         # For a failure's report: every warning and error, then the log's tail.
-        tails = {i: "\n".join([ln[:400] for ln in hosts.log_tail(i, "replicator", 1 << 24)
-                               .splitlines() if any(w in ln for w in (
-                                   "WARNING", "ERROR", "Traceback", "Exception"))][-60:]
-                              + ["..."]) + hosts.log_tail(i, "replicator")
-                 for i in range(4)}
+        tails = {i: "\n".join(_notable(hosts.log_tail(i, "replicator", 1 << 24)))
+                 + "\n...\n" + hosts.log_tail(i, "replicator") for i in range(4)}
         for h in hosts.hosts:  # a test that failed while one was stopped
             if h.replicator is not None and h.replicator.poll() is None:
                 os.kill(h.replicator.pid, signal.SIGCONT)
