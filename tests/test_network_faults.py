@@ -471,7 +471,7 @@ def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path
         for s in accepted:
             s.close()
         server.close()
-    assert took < 20.0, took  # one request alone used to wait 60 s
+    assert took < 30.0, took  # one request alone used to wait 60 s, then retried
 
 
 def test_an_upload_the_store_does_not_know_is_retryable() -> None:

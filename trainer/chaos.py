@@ -291,7 +291,7 @@ def plan_net_fault(kind: str, host: int, slices: list[list[int]], rng: random.Ra
     during = kind.endswith("_in_restore")
     return NetFault(kind, None if kind.startswith("partition") else host,
                     tuple(tuple(g) for g in slices) if kind.startswith("partition") else (),
-                    during, rng.uniform(0.0, 0.3) if during else 0.0,
+                    during, rng.uniform(0.0, 0.1) if during else 0.0,
                     rng.uniform(*HEAL_AFTER_S))
 
 

@@ -90,5 +90,6 @@ def request_timeouts(retry_deadline_s: float) -> tuple[float, float]:
     """(connect, read) seconds of one request to a remote store retried for
     ``retry_deadline_s``: the defaults (10, 60), shrunk so that a request that
     stalls (a cut link: no reset, no error, just silence) fails, and is retried,
-    within the deadline instead of past it."""
-    return (min(10.0, retry_deadline_s / 4), min(60.0, retry_deadline_s / 2))
+    about within the deadline instead of a minute past it. Never below (1, 5): a
+    busy store or machine answering a 16 MiB chunk late is not a stall."""
+    return (min(10.0, max(1.0, retry_deadline_s / 4)), min(60.0, max(5.0, retry_deadline_s / 2)))
