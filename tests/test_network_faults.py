@@ -319,9 +319,10 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
     size = 24 << 20
     for step in (10, 11, 12):  # a copy that finished before the cut landed: again
         needle = incoming.format(step=step)
+        cut_at_s: list[float] = []
         trigger, fired = when(
             lambda n=needle: any(0 < p < size // 2 for p in open_positions(net.pid(3), n)),
-            lambda: hosts.link(1, False), 60.0)
+            lambda c=cut_at_s: (hosts.link(1, False), c.append(time.monotonic())), 60.0)
         try:
             with mtc.CheckpointManager(tmp_path, mesh=mesh, options=net.options()) as mgr:
                 mgr.save(step, big_state(mesh, step), force=True)
@@ -345,6 +346,14 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
     failed = f"rank 1: step {step} not replicated to rank 3"
     wait_for("the cut copy's failure", lambda: failed in net.log(1)[cut_at:], 60.0,
              during=never_counted)
+    # The receiver lets go of the half-written file soon (its keepalive finds the
+    # sender gone: 5 s + 3 s), not when TCP gives up (20 s) or at the push's 120 s
+    # deadline: a link that flaps must not pin server threads and RAM disk.
+    wait_for("the receiver dropping the cut stream",
+             lambda: not open_positions(net.pid(3), needle), 60.0, during=never_counted)
+    dropped = time.monotonic() - cut_at_s[0]
+    print(f"the receiver dropped the cut stream {dropped:.1f}s after the cut")
+    assert dropped < 15.0, dropped
     never_counted()
     assert f"step {step} replicated to rank 3" not in net.log(1)[cut_at:]
     hosts.link(1, True)
