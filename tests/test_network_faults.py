@@ -439,7 +439,7 @@ def test_link_cut_during_backup_upload_lists_no_partial_backup(
             store.backend.get_file(f"{step_prefix(step)}/{e.object}", local, size=e.size,
                                    crc32c=e.crc32c)
     assert sum(e.size for es in manifest.values() for e in es) >= 4 * (48 << 20)
-    assert step in net.inventory(0).backed_up_steps or step in store.committed_steps()
+    wait_for("the leader's listing", lambda: step in net.inventory(0).backed_up_steps, 20.0)
 
 
 def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path) -> None:
