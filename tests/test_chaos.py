@@ -10,6 +10,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -28,3 +30,53 @@ def test_chaos_short_run() -> None:
     assert sum(out["faults"].values()) == out["cycles"]
     assert out["isolation"] in ("namespaces", "processes")
     assert not base.exists()  # the cluster was taken down
+
+
+# -- network faults: the pure parts (the real ones run in tests/test_network_faults.py) --
+
+
+class _Hosts:
+    """Records what the driver asks of the network (stands in for isolation.Hosts)."""
+
+    isolation = "namespaces"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def link(self, host: int, up: bool) -> None:
+        self.calls.append(("link", host, up))
+
+    def partition(self, groups: list[list[int]]) -> None:
+        self.calls.append(("partition", groups))
+
+    def heal(self) -> None:
+        self.calls.append(("heal",))
+
+
+def test_network_faults_are_drawn_only_on_isolated_hosts() -> None:
+    import random
+    import types
+
+    from mtc_trainer import chaos
+
+    assert chaos.network_of(types.SimpleNamespace()) is None  # today's LocalCluster
+    assert chaos.network_of(types.SimpleNamespace(hosts=object())) is None
+    processes = _Hosts()
+    processes.isolation = "processes"  # no namespaces: nothing to cut
+    assert chaos.network_of(types.SimpleNamespace(hosts=processes)) is None
+    hosts = _Hosts()
+    assert chaos.network_of(types.SimpleNamespace(hosts=hosts)) is hosts
+    assert chaos.fault_kinds(None) == (chaos.FAULTS, chaos.WEIGHTS)
+    kinds, weights = chaos.fault_kinds(hosts)
+    assert set(chaos.NET_FAULTS) <= set(kinds) and len(kinds) == len(weights)
+    rng = random.Random(5)
+    slices = [[0, 1], [2, 3]]
+    for kind in chaos.NET_FAULTS:
+        f = chaos.plan_net_fault(kind, 2, slices, rng)
+        assert chaos.HEAL_AFTER_S[0] <= f.heal_after_s <= chaos.HEAL_AFTER_S[1]
+        assert f.during_restore == kind.endswith("_in_restore")
+        chaos.cut(hosts, f)
+    assert hosts.calls == [("link", 2, False), ("link", 2, False),
+                           ("partition", [[0, 1], [2, 3]])]
+    with pytest.raises(ValueError):
+        chaos.plan_net_fault("bit_flip", 0, slices, rng)

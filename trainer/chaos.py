@@ -14,7 +14,11 @@ replicator keeps the RAM disk, as a pod's volume outlives a container), a host
 wipe (every process of the host killed, RAM disk lost, started empty), a bit
 flip or a truncation of a shard in the newest committed step (some "silent":
 size and mtime kept, as bad memory would), done on the host itself (a process
-in its namespaces).
+in its namespaces). With network namespaces (root; see :func:`network_of`) also
+network faults: a host's link cut before the restore or during it, the slices
+partitioned from each other during it, healed after up to a few seconds (a
+fault outlasting the restore's deadline ends in a typed error, counted by
+type). Without them they are not injected, and the JSON line says so.
 
 Prints one JSON line: cycles, ok, corrupt (a value differs), divergent (hosts
 restored different steps), stale (older than the newest step every host had
@@ -25,6 +29,7 @@ within the cycle deadline), restore seconds (median, max), faults by kind.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -37,13 +42,17 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from mtc_trainer.cluster import REPO, LocalCluster, _env, default_base
 
 FAULTS = ("none", "kill_trainer", "kill_replicator", "kill_replicator_in_restore",
           "kill_sidecar", "wipe_host", "bit_flip", "silent_bit_flip", "truncate")
 WEIGHTS = (1, 1, 2, 2, 1, 2, 3, 2, 2)
+# Injected only on isolated hosts (network_of): faults of the network between them.
+NET_FAULTS = ("cut_link", "cut_link_in_restore", "partition_in_restore")
+NET_WEIGHTS = (2, 2, 2)
+HEAL_AFTER_S = (0.5, 4.0)  # how long a network fault lasts (uniform)
 CYCLE_DEADLINE_S = 90.0
 
 
@@ -248,6 +257,72 @@ def wait_replicated(cluster: LocalCluster, step: int, timeout: float) -> int:
     return got
 
 
+# -- network faults (isolated hosts only) ---------------------------------------------
+
+
+class Network(Protocol):
+    """What network faults need of the hosts (``trainer.isolation.Hosts`` has it)."""
+
+    def link(self, host: int, up: bool) -> None: ...
+
+    def partition(self, groups: list[list[int]]) -> None: ...
+
+    def heal(self) -> None: ...
+
+
+def network_of(cluster: Any) -> Network | None:
+    """The network namespaces ``cluster``'s hosts run in (``LocalCluster.hosts``),
+    or None when they are only separate processes (no network faults then)."""
+    hosts = getattr(cluster, "hosts", None)
+    if hosts is None or getattr(hosts, "isolation", "namespaces") != "namespaces":
+        return None
+    if not all(callable(getattr(hosts, m, None)) for m in ("link", "partition", "heal")):
+        return None
+    return hosts
+
+
+def fault_kinds(net: Network | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The faults a run draws from, and their weights: network faults only on
+    isolated hosts (so a run without them draws as it always did)."""
+    if net is None:
+        return FAULTS, WEIGHTS
+    return FAULTS + NET_FAULTS, WEIGHTS + NET_WEIGHTS
+
+
+@dataclasses.dataclass(frozen=True)
+class NetFault:
+    """One network fault: a host's link cut, or the slices partitioned (``groups``);
+    when it starts (``during_restore``: a moment after the restore began) and how
+    long until healed."""
+
+    kind: str
+    host: int | None
+    groups: tuple[tuple[int, ...], ...]
+    during_restore: bool
+    start_delay_s: float
+    heal_after_s: float
+
+
+def plan_net_fault(kind: str, host: int, slices: list[list[int]], rng: random.Random
+                   ) -> NetFault:
+    """Pure: what ``kind`` does this cycle. A partition separates the slices whole
+    (each slice's hosts still reach each other and the controller)."""
+    if kind not in NET_FAULTS:
+        raise ValueError(f"not a network fault: {kind}")
+    during = kind.endswith("_in_restore")
+    return NetFault(kind, None if kind.startswith("partition") else host,
+                    tuple(tuple(g) for g in slices) if kind.startswith("partition") else (),
+                    during, rng.uniform(0.0, 0.1) if during else 0.0,
+                    rng.uniform(*HEAL_AFTER_S))
+
+
+def cut(net: Network, f: NetFault) -> None:
+    if f.host is not None:
+        net.link(f.host, False)
+    else:
+        net.partition([list(g) for g in f.groups])
+
+
 # -- the driver -------------------------------------------------------------------------
 
 
@@ -258,6 +333,9 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
         shutil.rmtree(base)
     cluster = LocalCluster.up(base, slices=2, hosts_per_slice=2)
     cluster.poll_seconds = 0.05
+    net = network_of(cluster)
+    kinds, weights = fault_kinds(net)
+    slices = [cluster.hosts_of_slice(s) for s in range(cluster.slices)]
     out: dict[str, Any] = {"cycles": 0, "ok": 0, "corrupt": 0, "divergent": 0, "stale": 0,
                            "errors": Counter(), "hangs": 0, "faults": Counter()}
     seconds_list: list[float] = []
@@ -271,9 +349,12 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
             # The newest step every host committed and its peer holds: what a
             # one-host fault must not lose.
             expected = wait_replicated(cluster, last_saved, 15.0)
-            fault = rng.choices(FAULTS, WEIGHTS)[0]
+            fault = rng.choices(kinds, weights)[0]
             out["faults"][fault] += 1
             host = rng.randrange(cluster.num_hosts)
+            nf = plan_net_fault(fault, host, slices, rng) if fault in NET_FAULTS else None
+            if net is not None and nf is not None and not nf.during_restore:
+                cut(net, nf)
             if fault == "kill_replicator":
                 cluster.kill(host)
                 cluster.launch(host)
@@ -298,6 +379,14 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
                 cluster.kill(host)
                 cluster.launch(host)
                 cluster.wait_serving(host)
+            elif net is not None and nf is not None:
+                # The restore runs meanwhile (the trainer's own thread): cut now, or a
+                # moment after it began, and heal while it waits.
+                if nf.during_restore:
+                    time.sleep(nf.start_delay_s)
+                    cut(net, nf)
+                time.sleep(nf.heal_after_s)
+                net.heal()
             out["cycles"] += 1
             reply = trainer.read(CYCLE_DEADLINE_S)
             if not reply or reply.get("exited"):
@@ -339,6 +428,8 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
                 trainer.kill(stacks=True)
                 trainer = Trainer(base)
     finally:
+        if net is not None:
+            net.heal()
         trainer.kill()
         if keep_logs is not None:
             shutil.copytree(base / "logs", keep_logs, dirs_exist_ok=True)
@@ -349,6 +440,9 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
                          "max": round(max(seconds_list), 3)} if seconds_list else None)
     out["seconds"] = round(time.monotonic() - start, 1)
     out["isolation"] = cluster.isolation
+    if net is None:
+        out["not_injected"] = ["link cuts and partitions (they need network namespaces: "
+                               "root)"]
     return out
 
 

@@ -300,6 +300,54 @@ class Hosts:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
         shutil.rmtree(self.base, ignore_errors=True)
 
+    # -- partitions (appended: network faults between hosts) --------------------------
+
+    def partition(self, groups: Sequence[Sequence[int]]) -> None:
+        """Split the hosts into ``groups`` that reach each other but no other group
+        (a host in no group reaches every host). Links stay up, so this process
+        (the controller, the GCS emulator at the bridge address) still reaches
+        every host: what a switch failing between two racks does. Each host drops
+        what it sends to the other groups' addresses (a blackhole route in its
+        namespace): new connections fail at once, open ones go silent. Cumulative;
+        :meth:`heal` removes every route added."""
+        if self.isolation != "namespaces":
+            raise RuntimeError("partitions need network namespaces (root)")
+        group_of = {h: g for g, members in enumerate(groups) for h in members}
+        cuts: list[tuple[str, str]] = getattr(self, "_cuts", [])
+        for a in self.hosts:
+            for b in self.hosts:
+                ga, gb = group_of.get(a.index), group_of.get(b.index)
+                if ga is None or gb is None or ga == gb or (a.netns, b.address) in cuts:
+                    continue
+                assert a.netns is not None
+                _run("ip", "-n", a.netns, "route", "add", "blackhole", f"{b.address}/32")
+                cuts.append((a.netns, b.address))
+        self._cuts = cuts
+
+    def cut(self, a: int, b: int) -> None:
+        """Cut hosts ``a`` and ``b`` off each other only (a partial partition: each
+        still reaches everyone else)."""
+        if self.isolation != "namespaces":
+            raise RuntimeError("partitions need network namespaces (root)")
+        cuts: list[tuple[str, str]] = getattr(self, "_cuts", [])
+        for x, y in ((a, b), (b, a)):
+            ns, addr = self.hosts[x].netns, self.hosts[y].address
+            assert ns is not None
+            if (ns, addr) not in cuts:
+                _run("ip", "-n", ns, "route", "add", "blackhole", f"{addr}/32")
+                cuts.append((ns, addr))
+        self._cuts = cuts
+
+    def heal(self) -> None:
+        """Undo every :meth:`partition` and :meth:`cut`, and bring every link up."""
+        cuts: list[tuple[str, str]] = getattr(self, "_cuts", [])
+        while cuts:
+            ns, addr = cuts.pop()
+            subprocess.run(["ip", "-n", ns, "route", "del", "blackhole", f"{addr}/32"],
+                           capture_output=True, check=False)
+        if self.isolation == "namespaces":
+            for i in range(self.n):
+                self.link(i, True)
 
 def _free_ports(n: int) -> list[int]:
     """Loopback ports free right now (a server binding them later may still race)."""

@@ -76,8 +76,20 @@ def open_backend(url: str, *, retry_deadline_s: float | None = None) -> Backend:
             return GcsBackend(url)
         if retry_deadline_s <= 0:
             raise ValueError(f"retry deadline must be positive, got {retry_deadline_s}")
+        # One request's own timeouts within the deadline too: a request stalled on a
+        # cut link otherwise blocks for the 60 s read timeout whatever the deadline.
         return GcsBackend(url, deadline=retry_deadline_s,
                           initial_backoff=min(1.0, retry_deadline_s / 8),
-                          max_backoff=min(30.0, retry_deadline_s / 2))
+                          max_backoff=min(30.0, retry_deadline_s / 2),
+                          timeout=request_timeouts(retry_deadline_s))
     from mtc_sidecar.backup.fsspec_backend import FsspecBackend
     return FsspecBackend(url)
+
+
+def request_timeouts(retry_deadline_s: float) -> tuple[float, float]:
+    """(connect, read) seconds of one request to a remote store retried for
+    ``retry_deadline_s``: the defaults (10, 60), shrunk so that a request that
+    stalls (a cut link: no reset, no error, just silence) fails, and is retried,
+    about within the deadline instead of a minute past it. Never below (1, 5): a
+    busy store or machine answering a 16 MiB chunk late is not a stall."""
+    return (min(10.0, max(1.0, retry_deadline_s / 4)), min(60.0, max(5.0, retry_deadline_s / 2)))

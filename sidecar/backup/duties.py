@@ -129,7 +129,14 @@ class BackupDuties:
         if self.backup is None:
             raise ConfigError("this replicator has no backup store (--backup)")
         if self.leads():
-            return self.backup.run_once(self, force=True)
+            try:
+                return self.backup.run_once(self, force=True)
+            except MtcError as e:
+                # The caller gets the typed error; the operator gets it here too
+                # (a cut link mid-upload, a holder gone): the loop tries again.
+                self.metrics.failures.labels("backup").inc()
+                log.warning("rank %d: requested backup failed: %s", self.rank, e)
+                raise
         for r in range(self.rank):
             try:
                 return int(self.peers[r].call("RequestBackup", pb.BackupRequest(step=-1),

@@ -168,6 +168,18 @@ class GcsBackend(Backend):
                 raise CorruptBackupError(f"{what}: GCS refused the CRC32C: {e}",
                                          path=key) from e
             raise MtcError(f"{what} of gs://{self.bucket_name}/{self._name(key)}: {e}") from e
+        except gexc.NotFound as e:
+            if what != "upload":
+                raise MtcError(f"{what} of gs://{self.bucket_name}/{self.root}{key}: "
+                               f"{e}") from e
+            # An upload the store no longer knows: a resumable session expired (GCS,
+            # after a link was down long enough), or a last chunk re-sent after its
+            # answer timed out although the store had finished the object
+            # (fake-gcs-server drops the session then), or no bucket yet. The next
+            # try starts a new session: typed, so callers retry instead of giving up.
+            raise BackupUnavailableError(
+                f"upload of gs://{self.bucket_name}/{self.root}{key}: session or bucket not "
+                f"found: {e}", path=key) from e
         except _TRANSIENT as e:
             raise BackupUnavailableError(
                 f"{what} of gs://{self.bucket_name}/{self.root}{key}: {type(e).__name__}: {e}",

@@ -360,7 +360,13 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32
                          options=[*CHANNEL_OPTIONS[:2],
                                   ("grpc.max_receive_message_length", MAX_MESSAGE),
                                   # Never share a port with another server silently.
-                                  ("grpc.so_reuseport", 0)],
+                                  ("grpc.so_reuseport", 0),
+                                  # A peer gone silent mid-call (its link cut) is let
+                                  # go within ~8 s (pinged while calls are open): its
+                                  # push no longer pins a worker and a half-written
+                                  # file until TCP gives up (20 s) or the deadline.
+                                  ("grpc.keepalive_time_ms", 5_000),
+                                  ("grpc.keepalive_timeout_ms", 3_000)],
                          maximum_concurrent_rpcs=workers * 4)
     servicer = ReplicatorServicer(node)
     pb_grpc.add_ReplicatorServicer_to_server(servicer, server)

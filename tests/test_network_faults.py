@@ -1,0 +1,682 @@
+"""Network faults on the isolated cluster: link cuts during a peer copy and during
+a backup upload, one slice partitioned from the other, a peer slower than the
+deadline; then heal.
+
+Four hosts (2 slices x 2), each a network namespace with an address on a bridge
+this module creates (``trainer/isolation.py``), a private RAM disk, a sidecar
+and a replicator; the real fake-gcs-server in this namespace, at the bridge's
+address, as the backup store. This process is the controller
+(``mtc.CheckpointManager`` over the sidecars and replicators). Faults: a host's
+veth down (``Hosts.link``: it goes silent for everyone), blackhole routes
+between the slices' hosts (``Hosts.partition``: the slices lose each other, the
+controller still reaches all), SIGSTOP of a replicator. There is no tc netem
+here; a process stopped past the deadline is the slow peer.
+
+Asserts: nothing partial is ever counted (a copy in the receiver's inventory,
+a backup in the bucket's listing) before it is complete and verified; every
+wait ends within its deadline with a typed error; no two hosts read different
+decisions; after healing, the copy, the backup and the restore complete, and
+every restored value is exact.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import mtc
+from mtc.errors import MtcError
+from mtc.proto import replicator_pb2 as pb
+from mtc_sidecar.backup.backend import BackupUnavailableError, open_backend
+from mtc_sidecar.backup.job import BackupStore, step_prefix
+from mtc_sidecar.replicator.client import PeerClient, PeerError
+from mtc_sidecar.replicator.healthcheck import check
+from mtc_sidecar.replicator.security import Credentials
+from mtc_trainer import gcs_emulator
+from mtc_trainer.isolation import Hosts, namespaces_available
+
+SLICES = [0, 0, 1, 1]
+PORT = 7000  # inside namespaces this module made: nothing else listens there
+TIMEOUT_S = 6.0  # the restore's and the agreement's deadline
+SLACK_S = 15.0  # what a bounded wait may take beyond its deadline on a loaded machine
+BUCKET = "mtc-net"
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- the cluster ------------------------------------------------------------------------
+
+
+class Net:
+    """The hosts, their replicators' addresses, the emulator and the controller's options."""
+
+    def __init__(self, hosts: Hosts, emulator_url: str) -> None:
+        self.hosts = hosts
+        self.emulator_url = emulator_url
+        self.addrs = [hosts.replicator_address(i, PORT) for i in range(4)]
+        self.token = hosts.token()
+        self.env = {**os.environ, "PYTHONPATH": str(REPO),
+                    "STORAGE_EMULATOR_HOST": emulator_url}
+
+    def start_replicator(self, i: int) -> None:
+        h = self.hosts
+        h.start_replicator(i, [
+            "--local-dir", str(h.hosts[i].root), "--listen", self.addrs[i],
+            "--nodes", ",".join(self.addrs), "--rank", str(i), "--nodes-per-slice", "2",
+            "--poll-seconds", "0.05", "--agreement-timeout-seconds", str(TIMEOUT_S),
+            "--backup", f"gs://{BUCKET}/b", "--backup-interval-minutes", "100000",
+            "--backup-retry-seconds", "20"], env=self.env)
+
+    def wait_serving(self, i: int) -> None:
+        h, proc = self.hosts, self.hosts.hosts[i].replicator
+        assert proc is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, self.hosts.log_tail(i, "replicator")
+            try:
+                if check(self.addrs[i], timeout_s=1.0) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"replicator {i} not serving: {h.log_tail(i, 'replicator')}")
+
+    def options(self) -> mtc.Options:
+        return mtc.Options(simulated_hosts=4, hosts_per_slice=2,
+                           sidecars=tuple(h.sidecar_address for h in self.hosts.hosts),
+                           replicators=tuple(self.addrs), replicator_token=self.token,
+                           restore_timeout_s=TIMEOUT_S)
+
+    def client(self, i: int) -> PeerClient:
+        return PeerClient(self.addrs[i], Credentials(token=self.token), rank=i, deadline_s=5.0)
+
+    def inventory(self, i: int) -> pb.Inventory:
+        c = self.client(i)
+        try:
+            return c.call("GetInventory", pb.InventoryRequest(), attempts=1)
+        finally:
+            c.close()
+
+    def held(self, i: int) -> set[tuple[int, int]]:
+        return {(c.origin_rank, c.step) for c in self.inventory(i).copies}
+
+    def log(self, i: int) -> str:
+        return self.hosts.log_tail(i, "replicator", 1 << 22)
+
+    def pid(self, i: int) -> int:
+        p = self.hosts.hosts[i].replicator
+        assert p is not None
+        return p.pid
+
+    def backups(self) -> BackupStore:
+        """The bucket, read by this process (the emulator is in its namespace)."""
+        old = os.environ.get("STORAGE_EMULATOR_HOST")
+        os.environ["STORAGE_EMULATOR_HOST"] = self.emulator_url
+        try:
+            return BackupStore(open_backend(f"gs://{BUCKET}/b", retry_deadline_s=10))
+        finally:
+            if old is None:
+                del os.environ["STORAGE_EMULATOR_HOST"]
+            else:
+                os.environ["STORAGE_EMULATOR_HOST"] = old
+
+    def wait_replicated(self, step: int, timeout_s: float = 60.0) -> None:
+        """Until every host's data of ``step`` is on its peer (host i <-> i +- 2)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if all((o, step) in self.held((o + 2) % 4) for o in range(4)):
+                    return
+            except PeerError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"step {step} not replicated everywhere in {timeout_s}s")
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+def _notable(log: str) -> list[str]:
+    marks = ("WARNING", "ERROR", "Traceback", "Exception")
+    return [ln[:400] for ln in log.splitlines() if any(m in ln for m in marks)][-60:]
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[Net]:
+    if not namespaces_available():
+        pytest.skip("network faults need network namespaces (root, ip, nsenter)")
+    hosts = Hosts(Path("/dev/shm") / f"mtc-netfault-{uuid.uuid4().hex[:8]}", 4,
+                  ramdisk_bytes=768 << 20)
+    emu: subprocess.Popen[bytes] | None = None
+    try:
+        bridge = f"{hosts.subnet}.1"
+        port = _free_port(bridge)
+        url = f"http://{bridge}:{port}"
+        # The emulator listens on the bridge's address (its own namespace's), so the
+        # hosts reach it over their links; its upload URLs name that address too.
+        emu = subprocess.Popen(
+            [str(gcs_emulator.binary()), "-scheme", "http", "-backend", "memory",
+             "-host", bridge, "-port", str(port), "-external-url", url,
+             "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        gcs_emulator.wait_ready(emu, url)
+        gcs_emulator.create_bucket(url, BUCKET)
+        n = Net(hosts, url)
+        with ThreadPoolExecutor(4) as pool:  # the hosts start at once, as real ones do
+            list(pool.map(lambda i: hosts.start_sidecar(i, SLICES, env=n.env), range(4)))
+        for i in range(4):
+            n.start_replicator(i)
+        for i in range(4):
+            n.wait_serving(i)
+        yield n
+    finally:
+        # For a failure's report: every warning and error, then the log's tail.
+        tails = {i: "\n".join(_notable(hosts.log_tail(i, "replicator", 1 << 24)))
+                 + "\n...\n" + hosts.log_tail(i, "replicator") for i in range(4)}
+        for h in hosts.hosts:  # a test that failed while one was stopped
+            if h.replicator is not None and h.replicator.poll() is None:
+                os.kill(h.replicator.pid, signal.SIGCONT)
+        hosts.down()
+        if emu is not None:
+            gcs_emulator.stop(emu.pid)
+            emu.wait(10)
+        for i, t in tails.items():
+            print(f"--- replicator {i} ---\n{t}")
+
+
+@pytest.fixture
+def healed(net: Net) -> Iterator[Net]:
+    """The cluster, healed again however the test ends."""
+    try:
+        yield net
+    finally:
+        for i in range(4):
+            h = net.hosts.hosts[i]
+            if h.replicator is not None and h.replicator.poll() is None:
+                os.kill(h.replicator.pid, signal.SIGCONT)
+        net.hosts.heal()
+
+
+def big_state(mesh: Mesh, step: int) -> dict[str, Any]:
+    """48 MiB a host (two 24 MiB shards, different on every host): copies and
+    uploads that take long enough to be cut midway."""
+    w = np.arange(24576 * 2048, dtype=np.float32).reshape(24576, 2048) + step
+    return {"w": jax.device_put(w, NamedSharding(mesh, PartitionSpec(("replica", "model")))),
+            "step": step}
+
+
+def small_state(mesh: Mesh, step: int) -> dict[str, Any]:
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) * (step + 1)
+    dp = np.arange(16, dtype=np.int32) + step
+    return {"w": jax.device_put(w, NamedSharding(mesh, PartitionSpec(("replica", "model")))),
+            "dp": jax.device_put(dp, NamedSharding(mesh, PartitionSpec())), "step": step}
+
+
+def assert_exact(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert int(got["step"]) == int(want["step"])
+    for k in want:
+        if k != "step":
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
+# -- what a process is doing, from /proc (this process is root) -----------------------
+
+
+def open_positions(pid: int, needle: str) -> list[int]:
+    """File offsets of ``pid``'s open files whose path contains ``needle``."""
+    out = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            if needle not in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                out += [int(line.split()[1]) for line in f if line.startswith("pos:")]
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def queued_to(pid: int, address: str, port: int) -> int:
+    """Bytes ``pid``'s namespace has queued (sent, not acknowledged) on TCP
+    connections to ``address:port``."""
+    want = "".join(f"{int(b):02X}" for b in reversed(address.split("."))) + f":{port:04X}"
+    total = 0
+    try:
+        with open(f"/proc/{pid}/net/tcp") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[2] == want:
+                    total += int(cols[4].split(":")[0], 16)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+    return total
+
+
+def when(condition: Callable[[], bool], then: Callable[[], None], timeout_s: float
+         ) -> tuple[threading.Thread, threading.Event]:
+    """On a thread: poll ``condition`` (bounded by ``timeout_s``) and call ``then``
+    the moment it holds; the event is set once ``then`` ran. Joined by the caller."""
+    fired = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if condition():
+                then()
+                fired.set()
+                return
+            time.sleep(0.001)
+
+    t = threading.Thread(target=watch, name="fault-trigger")
+    t.start()
+    return t, fired
+
+
+def wait_for(what: str, condition: Callable[[], bool], timeout_s: float,
+             during: Callable[[], None] | None = None) -> float:
+    """Until ``condition`` (bounded); ``during`` is checked on every poll. Seconds taken."""
+    t0 = time.monotonic()
+    while not condition():
+        if during is not None:
+            during()
+        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s}s"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+# -- 1. a link cut during a peer copy ----------------------------------------------------
+
+
+@pytest.mark.integration
+def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
+        healed: Net, mesh: Mesh, tmp_path: Path) -> None:
+    net, hosts = healed, healed.hosts
+    # Host 1's copy goes to host 3 (same position, other slice). The moment host 3
+    # is writing it, host 1's link goes down: the copy is cut midway.
+    incoming = "/.mtc-replica/1/{step}.mtc-tmp-"
+    size = 24 << 20
+    for step in (10, 11, 12):  # a copy that finished before the cut landed: again
+        needle = incoming.format(step=step)
+        cut_at_s: list[float] = []
+        trigger, fired = when(
+            lambda n=needle: any(0 < p < size // 2 for p in open_positions(net.pid(3), n)),
+            lambda c=cut_at_s: (hosts.link(1, False), c.append(time.monotonic())), 60.0)
+        try:
+            with mtc.CheckpointManager(tmp_path, mesh=mesh, options=net.options()) as mgr:
+                mgr.save(step, big_state(mesh, step), force=True)
+                mgr.wait_until_finished()
+        finally:
+            trigger.join()
+        assert fired.is_set(), f"host 3 never received step {step}"
+        if (1, step) not in net.held(3):
+            print(f"step {step}: cut at {open_positions(net.pid(3), needle)}")
+            break
+        hosts.link(1, True)
+    else:
+        raise AssertionError("every copy completed before the cut took effect")
+    cut_at = len(net.log(1))
+
+    def never_counted() -> None:
+        assert (1, step) not in net.held(3), "a partial copy was counted"
+
+    # The sender's push fails within its keepalive (no reset comes over a dead
+    # link), typed; meanwhile the receiver never lists the copy.
+    failed = f"rank 1: step {step} not replicated to rank 3"
+    wait_for("the cut copy's failure", lambda: failed in net.log(1)[cut_at:], 60.0,
+             during=never_counted)
+    # The receiver lets go of the half-written file soon (its keepalive finds the
+    # sender gone: 5 s + 3 s), not when TCP gives up (20 s) or at the push's 120 s
+    # deadline: a link that flaps must not pin server threads and RAM disk.
+    wait_for("the receiver dropping the cut stream",
+             lambda: not open_positions(net.pid(3), needle), 60.0, during=never_counted)
+    dropped = time.monotonic() - cut_at_s[0]
+    print(f"the receiver dropped the cut stream {dropped:.1f}s after the cut")
+    assert dropped < 15.0, dropped
+    never_counted()
+    assert f"step {step} replicated to rank 3" not in net.log(1)[cut_at:]
+    hosts.link(1, True)
+    wait_for("the copy after the heal", lambda: (1, step) in net.held(3), 60.0)
+    inv = net.inventory(3)
+    copy = next(c for c in inv.copies if (c.origin_rank, c.step) == (1, step))
+    assert sum(f.size for f in copy.files) >= 48 << 20  # the whole step, verified
+    assert inv.quarantined_files == 0
+    for i in range(4):
+        assert "Traceback" not in net.log(i), net.log(i)[-3000:]
+
+
+# -- 2. a link cut during a backup upload --------------------------------------------
+
+
+@pytest.mark.integration
+def test_link_cut_during_backup_upload_lists_no_partial_backup(
+        healed: Net, mesh: Mesh, tmp_path: Path) -> None:
+    net, hosts = healed, healed.hosts
+    bridge, port = net.emulator_url.removeprefix("http://").split(":")
+    store = net.backups()
+    step = 20
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=net.options()) as mgr:
+        mgr.save(step, big_state(mesh, step), force=True)
+        mgr.wait_until_finished()
+    net.wait_replicated(step)  # from here host 1 sends bulk bytes only to the bucket
+    # Host 1 uploads its own shards (the leader spreads uploads over the holders);
+    # the moment they are on the wire, its link goes down.
+    trigger, fired = when(
+        lambda: queued_to(net.pid(1), bridge, int(port)) > 0 and
+        bool(open_positions(net.pid(1), f"/ramdisk/{step}/")),
+        lambda: hosts.link(1, False), 60.0)
+    answer: list[Any] = []
+
+    def request() -> None:
+        c = net.client(0)
+        try:
+            answer.append(c.call("RequestBackup", pb.BackupRequest(step=-1), deadline_s=120,
+                                 attempts=1).step)
+        except PeerError as e:
+            answer.append(e)
+        finally:
+            c.close()
+
+    t0 = time.monotonic()
+    requester = threading.Thread(target=request)
+    requester.start()
+    requester.join(120 + SLACK_S)
+    trigger.join()
+    assert fired.is_set(), "host 1 never uploaded"
+    took = time.monotonic() - t0
+    print(f"RequestBackup after the cut: {answer} in {took:.1f}s")
+    assert answer, "RequestBackup did not end within its deadline"
+    # Cut mid-upload: the leader's call for host 1's part fails within the channel's
+    # keepalive (typed: retryable), and the request is tried again (gRPC retries
+    # UNAVAILABLE), the leader then reading host 1's data from its peer copy on host 3.
+    assert isinstance(answer[0], PeerError) or answer[0] == step, answer
+    assert took < 120 + SLACK_S
+
+    def no_partial_backup() -> None:
+        for s in store.committed_steps():
+            manifest = store.manifest(s)
+            present = set(store.backend.list(f"{step_prefix(s)}/"))
+            for entries in manifest.values():
+                for e in entries:
+                    assert f"{step_prefix(s)}/{e.object}" in present, (s, e)
+
+    # The leader retries (from the peer copy of host 1's data, or after the heal);
+    # whatever the bucket lists meanwhile is complete.
+    wait_for("a backup failure", lambda: "backup failed" in net.log(0), 60.0,
+             during=no_partial_backup)
+    no_partial_backup()
+    hosts.link(1, True)
+    wait_for("the backup after the heal", lambda: step in store.committed_steps(), 60.0,
+             during=no_partial_backup)
+    manifest = store.manifest(step)
+    assert sorted(manifest) == [0, 1, 2, 3]
+    out = tmp_path / "check"
+    for rank, entries in manifest.items():  # every object, size and CRC32C checked
+        for e in entries:
+            local = out / str(rank) / e.path
+            local.parent.mkdir(parents=True, exist_ok=True)
+            store.backend.get_file(f"{step_prefix(step)}/{e.object}", local, size=e.size,
+                                   crc32c=e.crc32c)
+    assert sum(e.size for es in manifest.values() for e in es) >= 4 * (48 << 20)
+    wait_for("the leader's listing", lambda: step in net.inventory(0).backed_up_steps, 20.0)
+
+
+def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path) -> None:
+    """A store that accepts the connection and then says nothing (a link cut
+    mid-request): one request's timeouts fit inside the retry deadline, so the
+    call fails, typed, soon after it; not after the default 60 s read timeout."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])  # and never answer
+            except TimeoutError:
+                continue
+
+    t = threading.Thread(target=accept)
+    t.start()
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        backend = open_backend("gs://stalled/b", retry_deadline_s=2.0)
+        t0 = time.monotonic()
+        with pytest.raises(BackupUnavailableError):
+            backend.put_bytes("steps/1/MANIFEST.json", b"{}")
+        took = time.monotonic() - t0
+    finally:
+        if old is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = old
+        stop.set()
+        t.join()
+        for s in accepted:
+            s.close()
+        server.close()
+    assert took < 30.0, took  # one request alone used to wait 60 s, then retried
+
+
+def test_an_upload_the_store_does_not_know_is_retryable() -> None:
+    """A 404 answering an upload (fake-gcs-server's answer to a last chunk re-sent
+    after its answer timed out, seen in the cut-link test above; real GCS's for
+    an expired session) is a retryable BackupUnavailableError, not an untyped
+    error that ends the backup pass with a traceback."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def answer(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(n)
+            body = b'{"error": {"code": 404, "message": "Not Found"}}'
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_PUT = do_POST = answer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    t = threading.Thread(target=server.serve_forever)
+    t.start()
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        backend = open_backend("gs://gone/b", retry_deadline_s=2.0)
+        with pytest.raises(BackupUnavailableError, match="not found"):
+            backend.put_bytes("steps/1/MANIFEST.json", b"{}")
+    finally:
+        if old is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = old
+        server.shutdown()
+        t.join()
+        server.server_close()
+
+
+# -- 3. one slice partitioned from the other ------------------------------------------
+
+
+def decisions(net: Net) -> set[tuple[int, int]]:
+    """(epoch, step) of the newest decision each host read. Asked again for a few
+    seconds while a host is unreachable: right after a heal, gRPC fails calls fast
+    until its next connection attempt (backoff) gets through."""
+    deadline = time.monotonic() + SLACK_S
+    while True:
+        try:
+            return {(inv.last_decision.epoch, inv.last_decision.step)
+                    for inv in (net.inventory(i) for i in range(4))}
+        except PeerError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def restore_failing(net: Net, mgr: mtc.CheckpointManager, target: Any) -> MtcError:
+    t0 = time.monotonic()
+    with pytest.raises(MtcError) as e:
+        mgr.restore(None, target)
+    took = time.monotonic() - t0
+    print(f"restore failed in {took:.1f}s: {e.value!r}")
+    assert took < TIMEOUT_S + SLACK_S, took
+    return e.value
+
+
+@pytest.mark.integration
+def test_slice_partition_fails_typed_within_the_deadline_then_restores(
+        healed: Net, mesh: Mesh, tmp_path: Path) -> None:
+    net, hosts = healed, healed.hosts
+    step = 30
+    state = small_state(mesh, step)
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=net.options()) as mgr:
+        mgr.save(step, state, force=True)
+        mgr.wait_until_finished()
+        net.wait_replicated(step)
+        before = decisions(net)
+        # Each slice's hosts reach each other and the controller, not the other slice.
+        hosts.partition([[0, 1], [2, 3]])
+        err = restore_failing(net, mgr, state)
+        assert isinstance(err, mtc.AgreementError), repr(err)
+        assert decisions(net) == before  # nothing was decided, by anyone
+        # A partial partition: only host 3 and the coordinator lose each other.
+        hosts.heal()
+        hosts.cut(0, 3)
+        err = restore_failing(net, mgr, state)
+        assert isinstance(err, mtc.AgreementError), repr(err)
+        assert re.search(r"rank(\(s\))? \[?3\b", str(err)), err  # names who is missing
+        assert decisions(net) == before
+        hosts.heal()
+        back = mgr.restore(None, state)
+        assert_exact(back, state)
+        after = decisions(net)
+        assert len(after) == 1 and after.pop()[1] == step  # one decision, read by all
+    for i in range(4):
+        assert "Traceback" not in net.log(i), net.log(i)[-3000:]
+
+
+# -- 4. a peer slower than the deadline -----------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stopped", [0, 2], ids=["coordinator", "member"])
+def test_peer_slower_than_the_deadline_fails_typed_then_restores(
+        healed: Net, mesh: Mesh, tmp_path: Path, stopped: int) -> None:
+    net = healed
+    step = 40 + stopped
+    state = small_state(mesh, step)
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=net.options()) as mgr:
+        mgr.save(step, state, force=True)
+        mgr.wait_until_finished()
+        net.wait_replicated(step)
+        before = decisions(net)
+        os.kill(net.pid(stopped), signal.SIGSTOP)  # alive, connected, answering nothing
+        try:
+            err = restore_failing(net, mgr, state)
+            assert isinstance(err, mtc.AgreementError), repr(err)
+        finally:
+            os.kill(net.pid(stopped), signal.SIGCONT)
+        assert decisions(net) == before
+        back = mgr.restore(None, state)
+        assert_exact(back, state)
+        after = decisions(net)
+        assert len(after) == 1 and after.pop()[1] == step
+
+
+# -- 5. the chaos driver's network faults, on these hosts -------------------------------
+
+
+@pytest.mark.integration
+def test_chaos_link_cuts_lose_nothing_and_never_diverge(
+        healed: Net, mesh: Mesh, tmp_path: Path) -> None:
+    """The chaos driver's link cuts (its own plan and cut, on real isolated hosts:
+    before the restore, and during its reads from the hosts), healed while the
+    restore runs: the restore ends within its deadline, exact and of the newest
+    replicated step, or with a typed error; once healed every host reads one
+    decision."""
+    import random
+
+    from mtc_trainer import chaos
+
+    net, rng = healed, random.Random(11)
+    slices = [[0, 1], [2, 3]]
+    outcomes = []
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=net.options()) as mgr:
+        # The partition is the driver's too; its restore is over before a plan's
+        # delay (agreement takes milliseconds), and the test above covers it.
+        for k, kind in enumerate(("cut_link", "cut_link_in_restore")):
+            step = 50 + k
+            # 48 MiB a host for the cut during the restore: the restore reads for a
+            # second or two, so the fault planned for its middle lands there.
+            state = (big_state if kind.endswith("_in_restore") else small_state)(mesh, step)
+            mgr.save(step, state, force=True)
+            mgr.wait_until_finished()
+            net.wait_replicated(step)
+            f = chaos.plan_net_fault(kind, rng.randrange(4), slices, rng)
+            got: list[Any] = []
+
+            def restore(target: Any = state, got: list[Any] = got) -> None:
+                t0 = time.monotonic()
+                try:
+                    got.append(mgr.restore(None, target))
+                except MtcError as e:
+                    got.append(e)
+                got.append(time.monotonic() - t0)
+
+            if not f.during_restore:
+                chaos.cut(net.hosts, f)
+            t = threading.Thread(target=restore)
+            t.start()
+            try:
+                if f.during_restore:
+                    time.sleep(f.start_delay_s)
+                    chaos.cut(net.hosts, f)
+                time.sleep(f.heal_after_s)
+            finally:
+                net.hosts.heal()
+                t.join(TIMEOUT_S + 2 * SLACK_S)
+            assert not t.is_alive(), f"{kind}: the restore did not end"
+            result, took = got
+            print(f"{kind} {f}: {result if isinstance(result, MtcError) else 'ok'} "
+                  f"in {took:.1f}s", flush=True)
+            assert took < TIMEOUT_S + 2 * SLACK_S, (kind, took)
+            if isinstance(result, MtcError):
+                outcomes.append((kind, type(result).__name__))
+                back = mgr.restore(None, state)  # healed: it restores now
+            else:
+                outcomes.append((kind, "ok"))
+                back = result
+            assert_exact(back, state)  # nothing lost: the newest replicated step, exact
+            after = decisions(net)
+            assert len(after) == 1 and after.pop()[1] == step, (kind, after)
+    print("network faults:", outcomes)
