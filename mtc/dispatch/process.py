@@ -191,10 +191,9 @@ class ProcessDispatch(HostCalls):
             slots[h] = slot
         encoded = header.to_bytes().decode()
 
-        def copy_and_stage(h: int, items: list[Any]) -> Any:
-            # One host's shards into its slot, then its stage request at once: the
-            # hosts' copies run side by side (numpy copies without the GIL), and
-            # each request's round trip overlaps the other hosts' copies.
+        def copy(h: int, items: list[Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+            # One host's shards into its slot (numpy copies without the GIL: the
+            # hosts' copies run side by side).
             sizes = [int(np.prod(shape, dtype=np.int64)) * dt.itemsize
                      for _, _, shape, dt, _ in items]
             offsets, total = transfer.layout_regions(sizes)
@@ -205,18 +204,21 @@ class ProcessDispatch(HostCalls):
                 dst = view[off:off + n].view(dt).reshape(shape)
                 np.copyto(dst, np.asarray(src), casting="no")
                 table.append([leaf, [list(p) for p in index], dt.str, list(shape), off])
-            return self._request(h, "stage", {
-                "header": encoded, "slot": slot.name, "size": slot.size, "shards": table,
-                "slice": self.config.slice_of_host[h],
-                "num_hosts": len(self.config.slice_of_host)}, self.deadline_s)
+            return "stage", {"header": encoded, "slot": slot.name, "size": slot.size,
+                             "shards": table, "slice": self.config.slice_of_host[h],
+                             "num_hosts": len(self.config.slice_of_host)}, {}
 
         staged = {h: items for h, items in per_host.items() if items}
         for h in staged:
             slots[h].busy = True
-        futures = {h: self._pool.submit(copy_and_stage, h, items) for h, items in staged.items()}
         accepted: dict[int, Any] = {}
         try:
-            accepted, error = self._gather(futures)
+            copies = {h: self._pool.submit(copy, h, items) for h, items in staged.items()}
+            wait(copies.values())
+            calls = {h: f.result()[:2] for h, f in copies.items()}
+            # Every stage request once every copy is done: a sidecar writing its
+            # host's save would take CPU from the copies still running (the stall).
+            accepted, error = self._fan_out(calls, self.deadline_s)
             if error is not None:
                 raise error
         except BaseException:
