@@ -89,7 +89,7 @@ from pathwaysutils.elastic import manager as pw_manager
 
 import mtc
 from mtc import layout
-from mtc_trainer import aot
+from mtc_trainer import aot, health
 from mtc_trainer.cluster import LocalCluster
 from mtc_trainer.data import VOCAB, make_iterator
 from mtc_trainer.faults import HostFaults
@@ -117,6 +117,8 @@ class ElasticRun:
                               for s in range(n_slices)}
         # CPU devices carry no slice_index: give pathwaysutils the grouping.
         pw_elastic.get_slice_to_devices = self.group_by_slice
+        # Its health check compiles anew on every call (every poll, every attempt).
+        health.install()
         self.pw = pw_manager.Manager(self.devices)
         self.cfg = Config.preset(args.model, vocab_size=len(VOCAB), total_steps=args.steps)
         self.trainers: dict[tuple[int, ...], Trainer] = {}
@@ -305,6 +307,7 @@ class ElasticRun:
                                   self.args.pause_timeout_s, self.args.pause_policy)
             if pause > 0 and self.faults.wait_back(missing, pause):
                 # Back, says the cluster: one health check confirms it.
+                rec.t_replaced = self.faults.returned_t
                 active = set(pw_elastic.get_active_slice_indices(self.pw.slice_to_devices))
             rec.detail["pause_s_at_most"] = pause
             self.pw.active_slice_indices = active
@@ -428,14 +431,16 @@ class ElasticRun:
         # Ready: in memory before the first step here needs it (built ahead, or
         # by an earlier run on this mesh); otherwise that step builds it.
         ready = aot.Use(aot.READY, built.seconds, built.ahead, 0.0) if built else None
+        step_end = time.time()  # when the last step here ended (wall clock)
         for step in range(state["step"] + 1, args.steps + 1):
             # Not before this mesh's first step completed: that step closes the
             # recovery that brought training here (its report entry).
             if len(slices) < total and self.pending is None and self.scale_up_available(slices):
                 t = time.time()
-                self.pending = Recovery("scale_up", state["step"], self.faults.returned_t or t,
+                back = self.faults.returned_t or t
+                self.pending = Recovery("scale_up", state["step"], back,
                                         {"slices": sorted(self.pw.available_inactive_slices)},
-                                        t_detect=t)
+                                        t_detect=t, t_in_flight_end=max(step_end, back))
                 self.log.write(event="scale_up", step=state["step"],
                                available=sorted(self.pw.available_inactive_slices))
                 if not args.snapshot and self.last_saved != state["step"]:
@@ -467,6 +472,7 @@ class ElasticRun:
                 self.inject_slice_loss(step, waited)
             loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
             t1 = time.perf_counter()
+            step_end = time.time()
             if snap_arrays is not None:
                 self.retirer.retire(self.snapshot)
                 self.snapshot = take(state, snap_arrays)

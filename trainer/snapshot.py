@@ -48,13 +48,17 @@ class Snapshot:
         the parts that overlap it. Nothing else goes through host memory.
         """
         sh = trainer.shardings
-        placed = jax.tree_util.tree_map_with_path(
-            lambda path, a, s: _place(a, s, healthy, jax.tree_util.keystr(path)),
-            {"params": self.arrays["params"], "opt_state": self.arrays["opt_state"]},
-            {"params": sh["params"], "opt_state": sh["opt_state"]})
-        key_data = _place(self.arrays["rng"], trainer.replicated, healthy, "['rng']")
+        names = ("params", "opt_state")
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(
+            {k: self.arrays[k] for k in names})
+        targets = jax.tree_util.tree_leaves({k: sh[k] for k in names})
+        items = [(a, s, jax.tree_util.keystr(path))
+                 for (path, a), s in zip(leaves, targets, strict=True)]
+        items.append((self.arrays["rng"], trainer.replicated, "['rng']"))
+        *placed, key_data = _place_all(items, healthy)
         rng = trainer.wrap_rng(key_data)
-        return {**placed, "rng": rng, "step": self.step, "data": dict(self.data)}
+        return {**jax.tree_util.tree_unflatten(treedef, placed), "rng": rng,
+                "step": self.step, "data": dict(self.data)}
 
 
 class Retirer:
@@ -91,14 +95,40 @@ def _covered(a: jax.Array, healthy: Set[int]) -> bool:
     return sum(int(np.prod([b - e for e, b in idx])) for idx in seen) == a.size
 
 
-def _place(a: jax.Array, sharding: jax.sharding.Sharding, healthy: Set[int],
-           name: str) -> jax.Array:
-    """``a`` laid out per ``sharding``, read only from shards on ``healthy`` devices."""
+def _place_all(items: list[tuple[jax.Array, jax.sharding.Sharding, str]],
+               healthy: Set[int]) -> list[jax.Array]:
+    """Each ``(array, sharding, name)``'s array laid out per its sharding, read
+    only from shards on ``healthy`` devices. Every piece of every array moves in
+    one ``device_put`` (one dispatch for the hundreds of shards of a model's
+    state, not one each)."""
+    sources: list[Any] = []
+    dests: list[jax.sharding.Sharding] = []
+    counts = []
+    for a, sharding, name in items:
+        pieces = _pieces(a, sharding, healthy, name)
+        sources.extend(src for src, _ in pieces)
+        dests.extend(dst for _, dst in pieces)
+        counts.append(len(pieces))
+    moved = jax.device_put(sources, dests)
+    out: list[jax.Array] = []
+    start = 0
+    for (a, sharding, _), n in zip(items, counts, strict=True):
+        out.append(jax.make_array_from_single_device_arrays(
+            a.shape, sharding, moved[start:start + n]))
+        start += n
+    return out
+
+
+def _pieces(a: jax.Array, sharding: jax.sharding.Sharding, healthy: Set[int],
+            name: str) -> list[tuple[Any, jax.sharding.Sharding]]:
+    """Per device of ``sharding`` (in its order): where that device's shard of
+    ``a`` comes from (a surviving replica of the same shard, preferring one on
+    the device itself, else the region assembled on the host) and where it goes."""
     by_index: dict[tuple[tuple[int, int], ...], list[Any]] = {}
     for s in a.addressable_shards:
         if s.device.id in healthy:
             by_index.setdefault(_index(s, a.shape), []).append(s)
-    pieces = []
+    pieces: list[tuple[Any, jax.sharding.Sharding]] = []
     for device, idx in sharding.addressable_devices_indices_map(a.shape).items():
         want = tuple(sl.indices(n)[:2] for sl, n in zip(idx or (), a.shape, strict=True))
         # The target's memory (the snapshot sits in host memory where there is one).
@@ -106,10 +136,10 @@ def _place(a: jax.Array, sharding: jax.sharding.Sharding, healthy: Set[int],
         same = by_index.get(want)
         if same:
             src = next((s for s in same if s.device == device), same[0])
-            pieces.append(jax.device_put(src.data, dst))
+            pieces.append((src.data, dst))
         else:
-            pieces.append(jax.device_put(_region(a, by_index, want, healthy, name), dst))
-    return jax.make_array_from_single_device_arrays(a.shape, sharding, pieces)
+            pieces.append((_region(a, by_index, want, healthy, name), dst))
+    return pieces
 
 
 def _region(a: jax.Array, by_index: dict[tuple[tuple[int, int], ...], list[Any]],
