@@ -23,6 +23,10 @@ the other slice, runs a few train steps, measures the no-loss references, then:
   would also trace and compile the step anew, timed alone on a freshly jitted
   function (``total_fresh_jit`` = ``total`` + that time).
 
+``slice_loss`` (``bench/recovery_slice.py``): the same state, slice 1 lost
+while a step runs, training continuing on slice 0 from the per-step snapshot
+(target: at most 2 s to the first completed step).
+
 Detection is immediate here (the bench injects the failure), so ``detect`` is 0
 by construction. ``compile_ahead_cost`` (``bench/compile_ahead.py``): the demo's step times while
 the one-slice mesh's step compiles ahead, interleaved with windows without it.
@@ -58,6 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compile_ahead import measure as compile_ahead_cost
+from recovery_slice import run_slice_loss
 from save_restore import LEAF_COLS, LEAF_ROWS, make_state
 
 import mtc
@@ -411,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--steps-between", type=int, default=3,
                    help="train steps after each checkpoint, before the host loss")
+    p.add_argument("--slice-loss-samples", type=int, default=3,
+                   help="slice losses (replica resize from the per-step snapshot) with the "
+                        "same state (bench/recovery_slice.py; 0: skip)")
     p.add_argument("--compile-ahead-pairs", type=int, default=3,
                    help="windows compiling the resized mesh's step ahead, interleaved with "
                         "as many without (bench/compile_ahead.py; 0: skip)")
@@ -419,6 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     base = Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp") / \
         f"mtc-cluster-recovery-{os.getpid()}"
     result = run(args.gib, args.samples, args.steps_between, base)
+    gc.collect()
+    if args.slice_loss_samples > 0:
+        result["slice_loss"] = run_slice_loss(
+            max(1, round(args.gib * 1024 / 64)), (LEAF_ROWS, LEAF_COLS),
+            args.slice_loss_samples, make_state, log)
+        result["meets_target"] = result["meets_target"] and result["slice_loss"]["meets_target"]
     if args.compile_ahead_pairs > 0:
         log("compile-ahead cost: the demo's step, compiling a one-slice mesh ahead or not")
         result["compile_ahead_cost"] = compile_ahead_cost(pairs=args.compile_ahead_pairs)

@@ -48,17 +48,21 @@ class Snapshot:
         the parts that overlap it. Nothing else goes through host memory.
         """
         sh = trainer.shardings
-        names = ("params", "opt_state")
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(
-            {k: self.arrays[k] for k in names})
-        targets = jax.tree_util.tree_leaves({k: sh[k] for k in names})
-        items = [(a, s, jax.tree_util.keystr(path))
-                 for (path, a), s in zip(leaves, targets, strict=True)]
-        items.append((self.arrays["rng"], trainer.replicated, "['rng']"))
-        *placed, key_data = _place_all(items, healthy)
-        rng = trainer.wrap_rng(key_data)
-        return {**jax.tree_util.tree_unflatten(treedef, placed), "rng": rng,
+        placed = place(self.arrays, {"params": sh["params"], "opt_state": sh["opt_state"],
+                                     "rng": trainer.replicated}, healthy)
+        rng = trainer.wrap_rng(placed["rng"])
+        return {"params": placed["params"], "opt_state": placed["opt_state"], "rng": rng,
                 "step": self.step, "data": dict(self.data)}
+
+
+def place(arrays: Any, shardings: Any, healthy: Set[int]) -> Any:
+    """The pytree ``arrays`` laid out per the matching pytree ``shardings``, read
+    only from shards on the devices in ``healthy`` (see :meth:`Snapshot.restore`)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(arrays)
+    targets = jax.tree_util.tree_structure(arrays).flatten_up_to(shardings)  # type: ignore[attr-defined]
+    items = [(a, s, jax.tree_util.keystr(path))
+             for (path, a), s in zip(leaves, targets, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, _place_all(items, healthy))
 
 
 class Retirer:
@@ -109,7 +113,10 @@ def _place_all(items: list[tuple[jax.Array, jax.sharding.Sharding, str]],
         sources.extend(src for src, _ in pieces)
         dests.extend(dst for _, dst in pieces)
         counts.append(len(pieces))
-    moved = jax.device_put(sources, dests)
+    # Copies, even onto the device a shard is on: the step after a restore
+    # donates its input, and an alias would take the snapshot with it (a second
+    # failure during that step would find no snapshot to restore).
+    moved = jax.device_put(sources, dests, may_alias=False)
     out: list[jax.Array] = []
     start = 0
     for (a, sharding, _), n in zip(items, counts, strict=True):
