@@ -142,6 +142,7 @@ class ElasticRun:
         self.first_losses: dict[int, float] = {}  # losses of steps later replayed
         self.resized_steps = 0
         self.host_losses = sorted(args.host_loss_at)
+        self.t_last_fault: float | None = None  # the last failure injected (or first step)
         self.gc_frozen = False
         self.slice_losses = sorted(args.slice_loss_at)
         self.returns_seen = 0  # HostFaults.returns already acted on
@@ -470,6 +471,7 @@ class ElasticRun:
             if slice_loss:
                 self.slice_losses.pop(0)
                 self.inject_slice_loss(step, waited)
+                self.t_last_fault = time.time()
             loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
             t1 = time.perf_counter()
             step_end = time.time()
@@ -513,11 +515,25 @@ class ElasticRun:
                 if self.resized_steps == args.slice_down_steps and self.faults.lost_slices:
                     s = min(self.faults.lost_slices)
                     self.faults.bring_back(self.cluster.hosts_of_slice(s), s, 0.0)
-            if self.host_losses and step >= self.host_losses[0] and saved \
-                    and self.pending is None and not self.faults.lost_slices:
-                self.host_losses.pop(0)
+            if self.t_last_fault is None:
+                self.t_last_fault = time.time()  # the first step ran: count from here
+            if saved and self.pending is None and not self.faults.lost_slices \
+                    and self.host_loss_due(step):
+                if self.host_losses and step >= self.host_losses[0]:
+                    self.host_losses.pop(0)
                 self.inject_host_loss(step)
+                self.t_last_fault = time.time()
         mgr.wait_until_finished()
+
+    def host_loss_due(self, step: int) -> bool:
+        """Whether to lose the host now: ``step`` reached the next of
+        ``--host-loss-at``, or ``--host-loss-every-s`` passed since the last
+        failure (or the first step)."""
+        if self.host_losses and step >= self.host_losses[0]:
+            return True
+        every = self.args.host_loss_every_s
+        return every > 0 and self.t_last_fault is not None \
+            and time.time() - self.t_last_fault >= every
 
     def scale_up_available(self, slices: tuple[int, ...]) -> bool:
         """Whether inactive slices are healthy again: as pathwaysutils' monitor
@@ -572,6 +588,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-loss-at", type=_steps, default=[],
                    help="lose --lost-host after the save of the first step at or after each "
                         "of these (comma-separated) steps")
+    p.add_argument("--host-loss-every-s", type=float, default=0.0, metavar="S",
+                   help="also lose --lost-host after the first save once S seconds have "
+                        "passed since the last failure (or the first step); 0: off")
     p.add_argument("--host-loss-when", choices=("replicated", "mid-save"), default="replicated",
                    help="lose the host once that save is on its peer, or while it is written")
     p.add_argument("--lost-host", type=int, default=1)

@@ -36,7 +36,10 @@ class Snapshot:
 
     def complete_on(self, healthy: Set[int]) -> bool:
         """Whether the devices with these ids hold every shard of every array."""
-        return all(_covered(a, healthy) for a in jax.tree_util.tree_leaves(self.arrays))
+        leaves = jax.tree_util.tree_leaves(self.arrays)
+        if all({d.id for d in a.sharding.device_set} <= healthy for a in leaves):
+            return True  # nothing it was on is lost (a scale-up): no shard to count
+        return all(_covered(a, healthy) for a in leaves)
 
     def restore(self, trainer: Trainer, healthy: Set[int]) -> State:
         """The state on ``trainer``'s mesh, read only from the devices in ``healthy``.
