@@ -413,7 +413,8 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=1.0)
-    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--samples", type=int, default=3,
+                   help="host losses (0: only the slice loss)")
     p.add_argument("--steps-between", type=int, default=3,
                    help="train steps after each checkpoint, before the host loss")
     p.add_argument("--slice-loss-samples", type=int, default=3,
@@ -426,7 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     base = Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp") / \
         f"mtc-cluster-recovery-{os.getpid()}"
-    result = run(args.gib, args.samples, args.steps_between, base)
+    # --samples 0: the slice loss alone (the host loss's RAM disks hold several
+    # GiB: a machine short of memory may run the two cases apart).
+    result = run(args.gib, args.samples, args.steps_between, base) if args.samples > 0 \
+        else {"meets_target": True, "host_loss": "skipped (--samples 0)"}
     gc.collect()
     if args.slice_loss_samples > 0:
         result["slice_loss"] = run_slice_loss(
