@@ -127,20 +127,30 @@ def analyse(records: list[dict[str, Any]], t_launch: float) -> dict[str, Any]:
         [r["seconds"] for r in records
          if r.get("event") == "waited_for_compile_ahead" and r["t"] >= t_ready]
     steady_window = t_end - t_ready - sum(held)
+    by_ref = ideal_seconds(steady, records) / steady_window
+    by_median = ideal_seconds(steady, records, reference=False) / steady_window
+    # The reference runs after training, in the same process: on a shared machine
+    # whose load changed meanwhile its steps are no ideal (a goodput above 1 says
+    # so). The figure held against the target is the lower of the two ideals.
+    ref_skew = ref_step / typical - 1.0 if ref_step else None
     return {
-        "goodput_steady_state": ideal_seconds(steady, records) / steady_window,
+        "goodput_steady_state": min(by_ref, by_median),
+        "goodput_steady_state_reference_ideal": by_ref,
+        "goodput_steady_state_median_step_ideal": by_median,
+        "reference_step_over_run_median_step": None if ref_step is None else ref_step / typical,
+        "reference_trusted": ref_skew is not None and abs(ref_skew) <= 0.1,
         "goodput_steady_state_definition":
             "ideal time of the final model's steps that started after the start-up (the first "
             "step, and the compiles ahead it started; cut at the first failure) / wall time "
             "from then to the end of training, less the seconds the fault injector held "
-            "training to stage a failure; the reference run excluded"
-            + ("" if ref else "; no reference run: the run's median step on each mesh is "
-               "the ideal"),
+            "training to stage a failure; the reference run excluded; the lower of two "
+            "ideals: each step's time in the uninterrupted reference run, and the run's own "
+            "median step on each mesh (mean above median on a noisy machine counts as loss)",
         "steady_state_window_s": steady_window,
         "injector_held_s": sum(held),
         "target": {"goodput_steady_state": (">=", TARGET_GOODPUT),
                    "failure_every_s": TARGET_FAILURE_EVERY_S},
-        "meets_target": ideal_seconds(steady, records) / steady_window >= TARGET_GOODPUT,
+        "meets_target": min(by_ref, by_median) >= TARGET_GOODPUT,
         "recovery_stages_by_kind": stages_by_kind(recs),
         "startup_incl_compile_ahead_s": t_ready - t_launch,
         "recovery_by_kind": recovery_by_kind(failures),
