@@ -51,7 +51,8 @@ bench: $(STAMP)
 	$(PY) bench/recovery.py | tee out/bench/recovery.json
 	$(PY) bench/control_plane.py | tee out/bench/control_plane.json
 
-# About seven minutes of elastic training, a host lost every two minutes (goodput under failure).
+# About twenty minutes: 1200 steps of elastic training losing a host every two minutes, then
+# the uninterrupted reference run (`bench/goodput.py --quick`: about five minutes, no reference).
 bench-goodput: $(STAMP)
 	mkdir -p out/bench
 	$(PY) bench/goodput.py | tee out/bench/goodput.json

@@ -1,23 +1,29 @@
-"""Goodput of the elastic trainer losing a host every ``--host-loss-every`` steps.
+"""Goodput of the elastic trainer losing a host every ``--failure-every-s`` seconds.
 
 Prints one JSON object to stdout (progress goes to stderr)::
 
-    .venv/bin/python bench/goodput.py [--steps 1500] [--host-loss-every 500] [--out DIR]
+    .venv/bin/python bench/goodput.py [--steps 1200] [--failure-every-s 120] [--out DIR]
+    .venv/bin/python bench/goodput.py --quick   # 480 steps, no reference run (~5 min)
 
 It drives the demo's trainer, ``mtc_trainer.elastic``, the way ``make demo`` does (a
 :class:`LocalCluster` of 4 replicators in 2 slices, the 3.2M-parameter model,
-the per-step snapshot), with only host losses and a save every 100 steps, and
-scores the run with the demo's own ``goodput`` function: the time the
-trainer's uninterrupted reference run (same process, same meshes, no failures,
-no checkpoints) took for the steps of the final model, over the wall time. With
-the defaults a host is lost about every 2 minutes; the JSON reports the
-measured intervals. It also reports the goodput without the one-time start-up
-(process start, JAX import, init, the first compile), and in steady state
-(also without the one-time compiles ahead of the one-slice meshes that start
-with the first step), the figure to hold against a target stated per failure
-interval; per kind of failure the median and worst recovery, and where each
-step's executable came from. ``--slice-loss-at`` adds replica resizes (and
-the scale-ups after them) to the mix.
+the per-step snapshot), with host losses only (each paused for the simulated
+replacement, ``--host-return-s``, and restored through mtc from the peer tier)
+and a save every 20 steps. A host is lost at the first save once
+``--failure-every-s`` seconds (default 120: the target's "one failure every 2
+minutes") have passed since the last failure; the JSON reports the measured
+intervals. It scores the run with the demo's own ``goodput`` function: the time
+the trainer's uninterrupted reference run (same process, same meshes, no
+failures, no checkpoints) took for the steps of the final model, over the wall
+time (without the reference, ``--quick``, the run's median step on each mesh
+stands in). It also reports the goodput without the one-time start-up (process
+start, JAX import, init, the first compile), and in steady state (also without
+the one-time compiles ahead of the one-slice meshes that start with the first
+step, and without the seconds the fault injector itself held training to stage
+a failure: waiting for the save to reach the peer), the figure to hold against
+the 98% target; per kind of failure the median and worst recovery and of each
+stage, and where each step's executable came from. ``--slice-loss-at`` adds
+replica resizes (and the scale-ups after them) to the mix.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from mtc_trainer.cluster import LocalCluster
 from mtc_trainer.demo import REPO, child_env
 from mtc_trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
 
+TARGET_GOODPUT = 0.98
+TARGET_FAILURE_EVERY_S = 120.0
+
 
 def log(msg: str) -> None:
     print(f"[goodput {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -46,6 +55,18 @@ def log(msg: str) -> None:
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def stages_by_kind(recoveries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind of failure, the median and worst seconds of every recorded stage."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in dict.fromkeys(r["kind"] for r in recoveries):
+        mine = [r["seconds"] for r in recoveries if r["kind"] == kind]
+        keys = dict.fromkeys(k for sec in mine for k in sec)
+        out[kind] = {"count": len(mine)} | {
+            k: {"median_s": statistics.median(v), "worst_s": max(v)}
+            for k in keys if (v := [sec[k] for sec in mine if k in sec])}
+    return out
 
 
 def analyse(records: list[dict[str, Any]], t_launch: float) -> dict[str, Any]:
@@ -99,14 +120,38 @@ def analyse(records: list[dict[str, Any]], t_launch: float) -> dict[str, Any]:
     t_ready = max([first["t"], *(r["t"] for r in ahead)])
     t_ready = min([t_ready, *faults]) if faults else t_ready
     steady = [r for r in ordered if r["t"] - r["step_s"] >= t_ready]
-    steady_window = t_end - t_ready
+    # Training held by the fault injector to stage a failure (not recovery):
+    # waiting for the save to reach the peer, or for a compile ahead to finish.
+    held = [r.get("seconds_waited_before_loss", 0.0) for r in records
+            if r.get("event") == "fault" and r["t"] >= t_ready] + \
+        [r["seconds"] for r in records
+         if r.get("event") == "waited_for_compile_ahead" and r["t"] >= t_ready]
+    steady_window = t_end - t_ready - sum(held)
+    by_ref = ideal_seconds(steady, records) / steady_window
+    by_median = ideal_seconds(steady, records, reference=False) / steady_window
+    # The reference runs after training, in the same process: on a shared machine
+    # whose load changed meanwhile its steps are no ideal (a goodput above 1 says
+    # so). The figure held against the target is the lower of the two ideals.
+    ref_skew = ref_step / typical - 1.0 if ref_step else None
     return {
-        "goodput_steady_state": ideal_seconds(steady, records) / steady_window,
+        "goodput_steady_state": min(by_ref, by_median),
+        "goodput_steady_state_reference_ideal": by_ref,
+        "goodput_steady_state_median_step_ideal": by_median,
+        "reference_step_over_run_median_step": None if ref_step is None else ref_step / typical,
+        "reference_trusted": ref_skew is not None and abs(ref_skew) <= 0.1,
         "goodput_steady_state_definition":
             "ideal time of the final model's steps that started after the start-up (the first "
             "step, and the compiles ahead it started; cut at the first failure) / wall time "
-            "from then to the end of training; the reference run excluded",
+            "from then to the end of training, less the seconds the fault injector held "
+            "training to stage a failure; the reference run excluded; the lower of two "
+            "ideals: each step's time in the uninterrupted reference run, and the run's own "
+            "median step on each mesh (mean above median on a noisy machine counts as loss)",
         "steady_state_window_s": steady_window,
+        "injector_held_s": sum(held),
+        "target": {"goodput_steady_state": (">=", TARGET_GOODPUT),
+                   "failure_every_s": TARGET_FAILURE_EVERY_S},
+        "meets_target": min(by_ref, by_median) >= TARGET_GOODPUT,
+        "recovery_stages_by_kind": stages_by_kind(recs),
         "startup_incl_compile_ahead_s": t_ready - t_launch,
         "recovery_by_kind": recovery_by_kind(failures),
         "compiled_ahead": [{k: r[k] for k in ("slices", "program", "source", "seconds")}
@@ -155,12 +200,18 @@ def analyse(records: list[dict[str, Any]], t_launch: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--host-loss-every", type=int, default=500,
-                   help="lose a host after the save of every this many steps")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps to train (default 1200; --quick: 480)")
+    p.add_argument("--failure-every-s", type=float, default=TARGET_FAILURE_EVERY_S,
+                   help="lose a host at the first save once this many seconds passed since "
+                        "the last failure (0: off)")
+    p.add_argument("--host-loss-every", type=int, default=0,
+                   help="also lose a host after the save of every this many steps (0: off)")
+    p.add_argument("--quick", action="store_true",
+                   help="480 steps and no reference run (the median step is the ideal)")
     p.add_argument("--host-loss-when", choices=("replicated", "mid-save"), default="replicated")
     p.add_argument("--model", choices=("small", "tiny"), default="small")
-    p.add_argument("--save-interval", type=int, default=100,
+    p.add_argument("--save-interval", type=int, default=20,
                    help="steps between saves (the per-step snapshot bounds the replay to one "
                         "step whatever this is; saves bound it when the snapshot is gone)")
     p.add_argument("--host-return-s", type=float, default=1.5)
@@ -175,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="pass --no-snapshot: no per-step host snapshot of the state")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 480 if args.quick else 1200
+    if args.quick:
+        args.reference = False
     out = args.out or Path(tempfile.mkdtemp(prefix="mtc-goodput-"))
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "elastic.jsonl"
@@ -188,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                "--log", str(jsonl), "--steps", str(args.steps),
                "--save-interval", str(args.save_interval),
                "--host-loss-at", ",".join(str(s) for s in range(
-                   args.host_loss_every, args.steps, args.host_loss_every)),
+                   args.host_loss_every, args.steps, args.host_loss_every))
+               if args.host_loss_every > 0 else "",
+               "--host-loss-every-s", str(args.failure_every_s),
                "--host-loss-when", args.host_loss_when, "--model", args.model,
                "--host-return-s", str(args.host_return_s),
                "--compile-cache", str(out / "compile-cache")]

@@ -139,13 +139,18 @@ def to_device(host: np.ndarray, device: jax.Device) -> jax.Array:
 
 def load_tasks(loader: ShardLoader, tasks: Sequence[ReadTask],
                devices: dict[int, jax.Device]) -> dict[tuple[int, int], jax.Array]:
-    """Single-device arrays keyed by (leaf, device id)."""
-    out: dict[tuple[int, int], Any] = {}
+    """Single-device arrays keyed by (leaf, device id). Every shard moves in one
+    ``device_put`` (one dispatch for a state's hundreds of shards, not one each;
+    host memory is adopted as :func:`to_device` says)."""
+    keys: list[tuple[int, int]] = []
+    hosts: list[np.ndarray] = []
     for task in tasks:
         host = loader.read(task)
         for dev_id in task.device_ids:
-            out[(task.leaf, dev_id)] = to_device(host, devices[dev_id])
-    return out
+            keys.append((task.leaf, dev_id))
+            hosts.append(host)
+    placed = jax.device_put(hosts, [devices[k[1]] for k in keys])
+    return dict(zip(keys, placed, strict=True))
 
 
 def load_leaves(loader: ShardLoader, tasks: Sequence[ReadTask],

@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtc_trainer import aot
-from mtc_trainer.recovery import pause_seconds
+from mtc_trainer import aot, recovery
+from mtc_trainer.recovery import Recovery, pause_seconds
 
 
 @pytest.mark.parametrize(("active", "total", "depth", "want"), [
@@ -117,3 +117,25 @@ def test_build_reports_compiled_then_cached_from_the_persistent_cache(
         from jax._src import compilation_cache
 
         compilation_cache.reset_cache()
+
+
+def test_recovery_record_splits_out_the_replacement_and_the_step_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paused host loss: the replacement's own start is its own stage, and what
+    recovery took beyond it; a scale-up: the step that was running on the smaller
+    mesh when the slice came back (training went on) apart from the rest."""
+    monkeypatch.setattr(recovery.time, "time", lambda: 110.0)
+    host = Recovery("host_loss", 15, 100.0, {}, t_detect=100.2, t_slices=102.1,
+                    t_restore_end=103.0, resumed_from_step=15, t_replaced=102.0)
+    sec = host.entry(0.5, 0.5)["seconds"]
+    assert sec["total"] == pytest.approx(10.0)
+    assert sec["replacement"] == pytest.approx(2.0)
+    assert sec["beyond_replacement"] == pytest.approx(8.0)
+    assert "in_flight_step" not in sec
+    up = Recovery("scale_up", 40, 109.0, {}, t_detect=109.3, t_slices=109.35,
+                  t_restore_end=109.4, resumed_from_step=40, t_in_flight_end=109.3)
+    sec = up.entry(0.5, 0.5)["seconds"]
+    assert sec["in_flight_step"] == pytest.approx(0.3)
+    assert sec["beyond_in_flight_step"] == pytest.approx(0.7)
+    assert "replacement" not in sec
+    assert up.entry(0.5, 0.5)["steps_lost"] == 0

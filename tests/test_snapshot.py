@@ -6,11 +6,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mtc_trainer.data import VOCAB, make_iterator
 from mtc_trainer.model import Config, Trainer
-from mtc_trainer.snapshot import SnapshotLostError, take
+from mtc_trainer.snapshot import SnapshotLostError, place, take
 
 
 def _trainer(devices: list[jax.Device], replicas: int) -> Trainer:
@@ -100,3 +101,22 @@ def test_snapshot_restores_shard_by_shard_onto_devices_and_regroups_other_layout
     got = snap.restore(small, survivors)
     _, loss, _ = small.step_with_snapshot(got, next(data))
     assert np.isfinite(float(loss))
+
+
+def test_placed_arrays_are_copies_that_a_donating_step_cannot_take_with_it() -> None:
+    """The step after a restore donates its input: had the placement aliased the
+    snapshot's buffers (same device, same memory), the snapshot would be gone
+    with it, and a second failure during that step would find nothing to restore."""
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    full = NamedSharding(Mesh(np.array(devices).reshape(2, 4), ("replica", "model")),
+                         P("model"))
+    small = NamedSharding(Mesh(np.array(devices[:4]).reshape(1, 4), ("replica", "model")),
+                          P("model"))
+    snap = {"w": jax.device_put(np.arange(64, dtype=np.float32), full)}
+    placed = place(snap, {"w": small}, {d.id for d in devices[:4]})
+    assert placed["w"].sharding == small
+    out = jax.jit(lambda t: {"w": t["w"] + 1}, donate_argnums=0)(placed)
+    assert placed["w"].is_deleted()  # donated, as the trainer's step does
+    assert not snap["w"].is_deleted()
+    np.testing.assert_array_equal(np.asarray(snap["w"]), np.arange(64, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(64, dtype=np.float32) + 1)

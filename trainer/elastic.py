@@ -90,7 +90,7 @@ from pathwaysutils.elastic import elastic as pw_elastic
 from pathwaysutils.elastic import manager as pw_manager
 
 import mtc
-from mtc_trainer import aot
+from mtc_trainer import aot, health
 from mtc_trainer.cluster import LocalCluster
 from mtc_trainer.data import VOCAB, make_iterator
 from mtc_trainer.faults import HostFaults
@@ -118,6 +118,8 @@ class ElasticRun:
                               for s in range(n_slices)}
         # CPU devices carry no slice_index: give pathwaysutils the grouping.
         pw_elastic.get_slice_to_devices = self.group_by_slice
+        # Its health check compiles anew on every call (every poll, every attempt).
+        health.install()
         self.pw = pw_manager.Manager(self.devices)
         self.cfg = Config.preset(args.model, vocab_size=len(VOCAB), total_steps=args.steps)
         self.trainers: dict[tuple[int, ...], Trainer] = {}
@@ -141,6 +143,7 @@ class ElasticRun:
         self.first_losses: dict[int, float] = {}  # losses of steps later replayed
         self.resized_steps = 0
         self.host_losses = sorted(args.host_loss_at)
+        self.t_last_fault: float | None = None  # the last failure injected (or first step)
         self.gc_frozen = False
         self.slice_losses = sorted(args.slice_loss_at)
         self.returns_seen = 0  # HostFaults.returns already acted on
@@ -306,6 +309,7 @@ class ElasticRun:
                                   self.args.pause_timeout_s, self.args.pause_policy)
             if pause > 0 and self.faults.wait_back(missing, pause):
                 # Back, says the cluster: one health check confirms it.
+                rec.t_replaced = self.faults.returned_t
                 active = set(pw_elastic.get_active_slice_indices(self.pw.slice_to_devices))
             rec.detail["pause_s_at_most"] = pause
             self.pw.active_slice_indices = active
@@ -430,14 +434,16 @@ class ElasticRun:
         # Ready: in memory before the first step here needs it (built ahead, or
         # by an earlier run on this mesh); otherwise that step builds it.
         ready = aot.Use(aot.READY, built.seconds, built.ahead, 0.0) if built else None
+        step_end = time.time()  # when the last step here ended (wall clock)
         for step in range(state["step"] + 1, args.steps + 1):
             # Not before this mesh's first step completed: that step closes the
             # recovery that brought training here (its report entry).
             if len(slices) < total and self.pending is None and self.scale_up_available(slices):
                 t = time.time()
-                self.pending = Recovery("scale_up", state["step"], self.faults.returned_t or t,
+                back = self.faults.returned_t or t
+                self.pending = Recovery("scale_up", state["step"], back,
                                         {"slices": sorted(self.pw.available_inactive_slices)},
-                                        t_detect=t)
+                                        t_detect=t, t_in_flight_end=max(step_end, back))
                 self.log.write(event="scale_up", step=state["step"],
                                available=sorted(self.pw.available_inactive_slices))
                 if not args.snapshot and self.last_saved != state["step"]:
@@ -467,8 +473,10 @@ class ElasticRun:
             if slice_loss:
                 self.slice_losses.pop(0)
                 self.inject_slice_loss(step, waited)
+                self.t_last_fault = time.time()
             loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
             t1 = time.perf_counter()
+            step_end = time.time()
             if snap_arrays is not None:
                 self.retirer.retire(self.snapshot)
                 self.snapshot = take(state, snap_arrays)
@@ -509,11 +517,25 @@ class ElasticRun:
                 if self.resized_steps == args.slice_down_steps and self.faults.lost_slices:
                     s = min(self.faults.lost_slices)
                     self.faults.bring_back(self.cluster.hosts_of_slice(s), s, 0.0)
-            if self.host_losses and step >= self.host_losses[0] and saved \
-                    and self.pending is None and not self.faults.lost_slices:
-                self.host_losses.pop(0)
+            if self.t_last_fault is None:
+                self.t_last_fault = time.time()  # the first step ran: count from here
+            if saved and self.pending is None and not self.faults.lost_slices \
+                    and self.host_loss_due(step):
+                if self.host_losses and step >= self.host_losses[0]:
+                    self.host_losses.pop(0)
                 self.inject_host_loss(step)
+                self.t_last_fault = time.time()
         mgr.wait_until_finished()
+
+    def host_loss_due(self, step: int) -> bool:
+        """Whether to lose the host now: ``step`` reached the next of
+        ``--host-loss-at``, or ``--host-loss-every-s`` passed since the last
+        failure (or the first step)."""
+        if self.host_losses and step >= self.host_losses[0]:
+            return True
+        every = self.args.host_loss_every_s
+        return every > 0 and self.t_last_fault is not None \
+            and time.time() - self.t_last_fault >= every
 
     def scale_up_available(self, slices: tuple[int, ...]) -> bool:
         """Whether inactive slices are healthy again: as pathwaysutils' monitor
@@ -568,6 +590,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-loss-at", type=_steps, default=[],
                    help="lose --lost-host after the save of the first step at or after each "
                         "of these (comma-separated) steps")
+    p.add_argument("--host-loss-every-s", type=float, default=0.0, metavar="S",
+                   help="also lose --lost-host after the first save once S seconds have "
+                        "passed since the last failure (or the first step); 0: off")
     p.add_argument("--host-loss-when", choices=("replicated", "mid-save"), default="replicated",
                    help="lose the host once that save is on its peer, or while it is written")
     p.add_argument("--lost-host", type=int, default=1)

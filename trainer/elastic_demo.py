@@ -218,6 +218,11 @@ def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
                                "seconds", "steps_lost")}
         f["seconds"] = {k: r["seconds"][k] for k in ("detect", "wait", "restore",
                                                       "recompile", "total")}
+        # What the targets are measured against: a host loss beyond its replacement's
+        # own start, a scale-up beyond the step in flight when the slice returned.
+        f["stages"] = {k: r["seconds"][k] for k in ("replacement", "beyond_replacement",
+                                                     "in_flight_step", "beyond_in_flight_step")
+                       if k in r["seconds"]}
         f["executable"] = r.get("executable")
         f["compile_s"] = r.get("compile_s")
         f["detail"] = {k: v for k, v in r.items() if k not in f and k != "t"}
@@ -359,6 +364,13 @@ def print_report(report: dict[str, Any], out: Path, png: Path | None) -> None:
         print(f"  {f['kind']:<11}{f['step_at_failure']:>5}{f['resumed_from_step']:>6}  "
               f"{f['tier']:<7}{s['detect']:>7.2f}s{s['wait']:>6.2f}s{s['restore']:>8.2f}s"
               f"{s['recompile']:>9.2f}s{s['total']:>6.2f}s{f['steps_lost']:>6}  {exe}")
+        st = f.get("stages", {})
+        if "beyond_replacement" in st:
+            print(f"{'':13}{st['beyond_replacement']:.2f}s beyond the replacement's own start "
+                  f"({st['replacement']:.2f}s)")
+        if "beyond_in_flight_step" in st:
+            print(f"{'':13}{st['beyond_in_flight_step']:.2f}s beyond the step in flight "
+                  f"({st['in_flight_step']:.2f}s)")
     for kind, k in report["recovery_by_kind"].items():
         print(f"  {kind:<11}{k['count']}x: median {k['median_s']:.2f}s, worst {k['worst_s']:.2f}s")
     steady = report["goodput_steady_state"]

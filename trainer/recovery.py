@@ -44,6 +44,12 @@ class Recovery:
     resumed_from_step: int | None = None
     tier: str | None = None
     slices_after: tuple[int, ...] = ()
+    # A paused failure: when the lost hosts' replacements were back (the cluster's
+    # own start of a new host, simulated or not: no part of the trainer's work).
+    t_replaced: float | None = None
+    # A scale-up: when the step that ran on the smaller mesh as the slices came
+    # back ended (training went on meanwhile; that step counts).
+    t_in_flight_end: float | None = None
 
     def entry(self, first_step_s: float, typical_step_s: float | None,
               use: Use | None = None) -> dict[str, Any]:
@@ -63,6 +69,14 @@ class Recovery:
             "first_step": first_step_s,
             "total": time.time() - self.t_fail,
         }
+        if self.t_replaced is not None:
+            # Inside ``wait``: what recovery took beyond the replacement's start.
+            seconds["replacement"] = max(self.t_replaced - self.t_fail, 0.0)
+            seconds["beyond_replacement"] = seconds["total"] - seconds["replacement"]
+        if self.t_in_flight_end is not None:
+            # Inside ``detect``: the step in flight finishing on the smaller mesh.
+            seconds["in_flight_step"] = max(self.t_in_flight_end - self.t_fail, 0.0)
+            seconds["beyond_in_flight_step"] = seconds["total"] - seconds["in_flight_step"]
         return {
             "kind": self.kind,
             "step_at_failure": self.step_at_failure,

@@ -36,7 +36,10 @@ class Snapshot:
 
     def complete_on(self, healthy: Set[int]) -> bool:
         """Whether the devices with these ids hold every shard of every array."""
-        return all(_covered(a, healthy) for a in jax.tree_util.tree_leaves(self.arrays))
+        leaves = jax.tree_util.tree_leaves(self.arrays)
+        if all({d.id for d in a.sharding.device_set} <= healthy for a in leaves):
+            return True  # nothing it was on is lost (a scale-up): no shard to count
+        return all(_covered(a, healthy) for a in leaves)
 
     def restore(self, trainer: Trainer, healthy: Set[int]) -> State:
         """The state on ``trainer``'s mesh, read only from the devices in ``healthy``.
@@ -48,13 +51,21 @@ class Snapshot:
         the parts that overlap it. Nothing else goes through host memory.
         """
         sh = trainer.shardings
-        placed = jax.tree_util.tree_map_with_path(
-            lambda path, a, s: _place(a, s, healthy, jax.tree_util.keystr(path)),
-            {"params": self.arrays["params"], "opt_state": self.arrays["opt_state"]},
-            {"params": sh["params"], "opt_state": sh["opt_state"]})
-        key_data = _place(self.arrays["rng"], trainer.replicated, healthy, "['rng']")
-        rng = trainer.wrap_rng(key_data)
-        return {**placed, "rng": rng, "step": self.step, "data": dict(self.data)}
+        placed = place(self.arrays, {"params": sh["params"], "opt_state": sh["opt_state"],
+                                     "rng": trainer.replicated}, healthy)
+        rng = trainer.wrap_rng(placed["rng"])
+        return {"params": placed["params"], "opt_state": placed["opt_state"], "rng": rng,
+                "step": self.step, "data": dict(self.data)}
+
+
+def place(arrays: Any, shardings: Any, healthy: Set[int]) -> Any:
+    """The pytree ``arrays`` laid out per the matching pytree ``shardings``, read
+    only from shards on the devices in ``healthy`` (see :meth:`Snapshot.restore`)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(arrays)
+    targets = jax.tree_util.tree_structure(arrays).flatten_up_to(shardings)  # type: ignore[attr-defined]
+    items = [(a, s, jax.tree_util.keystr(path))
+             for (path, a), s in zip(leaves, targets, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, _place_all(items, healthy))
 
 
 class Retirer:
@@ -91,14 +102,43 @@ def _covered(a: jax.Array, healthy: Set[int]) -> bool:
     return sum(int(np.prod([b - e for e, b in idx])) for idx in seen) == a.size
 
 
-def _place(a: jax.Array, sharding: jax.sharding.Sharding, healthy: Set[int],
-           name: str) -> jax.Array:
-    """``a`` laid out per ``sharding``, read only from shards on ``healthy`` devices."""
+def _place_all(items: list[tuple[jax.Array, jax.sharding.Sharding, str]],
+               healthy: Set[int]) -> list[jax.Array]:
+    """Each ``(array, sharding, name)``'s array laid out per its sharding, read
+    only from shards on ``healthy`` devices. Every piece of every array moves in
+    one ``device_put`` (one dispatch for the hundreds of shards of a model's
+    state, not one each)."""
+    sources: list[Any] = []
+    dests: list[jax.sharding.Sharding] = []
+    counts = []
+    for a, sharding, name in items:
+        pieces = _pieces(a, sharding, healthy, name)
+        sources.extend(src for src, _ in pieces)
+        dests.extend(dst for _, dst in pieces)
+        counts.append(len(pieces))
+    # Copies, even onto the device a shard is on: the step after a restore
+    # donates its input, and an alias would take the snapshot with it (a second
+    # failure during that step would find no snapshot to restore).
+    moved = jax.device_put(sources, dests, may_alias=False)
+    out: list[jax.Array] = []
+    start = 0
+    for (a, sharding, _), n in zip(items, counts, strict=True):
+        out.append(jax.make_array_from_single_device_arrays(
+            a.shape, sharding, moved[start:start + n]))
+        start += n
+    return out
+
+
+def _pieces(a: jax.Array, sharding: jax.sharding.Sharding, healthy: Set[int],
+            name: str) -> list[tuple[Any, jax.sharding.Sharding]]:
+    """Per device of ``sharding`` (in its order): where that device's shard of
+    ``a`` comes from (a surviving replica of the same shard, preferring one on
+    the device itself, else the region assembled on the host) and where it goes."""
     by_index: dict[tuple[tuple[int, int], ...], list[Any]] = {}
     for s in a.addressable_shards:
         if s.device.id in healthy:
             by_index.setdefault(_index(s, a.shape), []).append(s)
-    pieces = []
+    pieces: list[tuple[Any, jax.sharding.Sharding]] = []
     for device, idx in sharding.addressable_devices_indices_map(a.shape).items():
         want = tuple(sl.indices(n)[:2] for sl, n in zip(idx or (), a.shape, strict=True))
         # The target's memory (the snapshot sits in host memory where there is one).
@@ -106,10 +146,10 @@ def _place(a: jax.Array, sharding: jax.sharding.Sharding, healthy: Set[int],
         same = by_index.get(want)
         if same:
             src = next((s for s in same if s.device == device), same[0])
-            pieces.append(jax.device_put(src.data, dst))
+            pieces.append((src.data, dst))
         else:
-            pieces.append(jax.device_put(_region(a, by_index, want, healthy, name), dst))
-    return jax.make_array_from_single_device_arrays(a.shape, sharding, pieces)
+            pieces.append((_region(a, by_index, want, healthy, name), dst))
+    return pieces
 
 
 def _region(a: jax.Array, by_index: dict[tuple[tuple[int, int], ...], list[Any]],
