@@ -142,6 +142,8 @@ def load_tasks(loader: ShardLoader, tasks: Sequence[ReadTask],
     """Single-device arrays keyed by (leaf, device id). Every shard moves in one
     ``device_put`` (one dispatch for a state's hundreds of shards, not one each;
     host memory is adopted as :func:`to_device` says)."""
+    import jax
+
     keys: list[tuple[int, int]] = []
     hosts: list[np.ndarray] = []
     for task in tasks:
