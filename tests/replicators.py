@@ -163,15 +163,7 @@ class Cluster:
 
     def scrape(self, rank: int) -> dict[str, float]:
         """Rank's Prometheus samples: ``name`` or ``name{label=value,...}`` -> value."""
-        url = f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
+        return scrape(f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics")
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -240,6 +232,18 @@ class Cluster:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"step {step} not replicated in {timeout}s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus samples at ``url``: ``name`` or ``name{label=value,...}`` -> value."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
 
 
 def env_with_repo() -> dict[str, str]:

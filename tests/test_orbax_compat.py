@@ -31,14 +31,13 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from replicators import scrape
 
 from mtc.proto import replicator_pb2 as pb
 from mtc_sidecar.replicator.client import PeerClient
@@ -155,15 +154,7 @@ class OrbaxHosts:
 
     def scrape(self, i: int) -> dict[str, float]:
         """Host ``i``'s replicator's Prometheus samples (over the bridge)."""
-        url = f"http://{self.hosts.hosts[i].address}:{self.metrics[i]}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
+        return scrape(f"http://{self.hosts.hosts[i].address}:{self.metrics[i]}/metrics")
 
     def inventory(self, i: int) -> pb.Inventory:
         c = PeerClient(self.addrs[i], self.creds, rank=i)

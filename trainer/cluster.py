@@ -33,14 +33,13 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from mtc_trainer import gcs_emulator
-from mtc_trainer.isolation import Hosts
+from mtc_trainer.isolation import Hosts, free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = "cluster.json"
@@ -53,19 +52,6 @@ RAMDISK_BYTES = 2 << 30  # each host's tmpfs: a limit, not an allocation
 def default_base(name: str) -> Path:
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
     return root / f"mtc-cluster-{name}"
-
-
-def free_ports(n: int) -> list[int]:
-    """Loopback ports free right now (a server binding them later may still race)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _env() -> dict[str, str]:

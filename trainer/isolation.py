@@ -118,7 +118,7 @@ class Hosts:
             addr = f"{self.subnet}.{10 + i}" if ns else "127.0.0.1"
             h = Host(i, addr, hd / "ramdisk", hd / "area", ns)
             if ns is None:  # loopback: ports of its own, picked once
-                h.sidecar_port, h.replicator_port = _free_ports(2)
+                h.sidecar_port, h.replicator_port = free_ports(2)
             h.root.mkdir(parents=True, exist_ok=True)
             h.area.mkdir(parents=True, exist_ok=True)
             if ns:
@@ -349,7 +349,7 @@ class Hosts:
             for i in range(self.n):
                 self.link(i, True)
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """Loopback ports free right now (a server binding them later may still race)."""
     socks = []
     for _ in range(n):
