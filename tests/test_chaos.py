@@ -30,6 +30,16 @@ def test_chaos_short_run() -> None:
     assert sum(out["faults"].values()) == out["cycles"]
     assert out["isolation"] in ("namespaces", "processes")
     assert not base.exists()  # the cluster was taken down
+    # ... with every process it started, restarted ones included.
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(base) in (proc / "cmdline").read_bytes().decode(
+                    errors="replace"):
+                left.append(proc.name)
+        except OSError:
+            continue
+    assert left == [], f"processes of the chaos cluster left running: {left}"
 
 
 # -- network faults: the pure parts (the real ones run in tests/test_network_faults.py) --

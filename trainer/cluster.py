@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,9 @@ class LocalCluster:
         return d
 
     def save(self) -> None:
-        tmp = self.base / (STATE + ".tmp")
+        # A temporary name of each writer's own: the trainer's host-return thread
+        # saves too. (Not mtc.layout's: this file is the harness's, not a host's.)
+        tmp = self.base / f"{STATE}.tmp-{os.getpid()}-{threading.get_ident()}"
         tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         tmp.replace(self.base / STATE)
 
@@ -170,6 +173,7 @@ class LocalCluster:
         """Start ``rank``'s sidecar: a new network and mount namespace with an empty
         RAM disk, where the replicator then joins it."""
         self.hosts.start_sidecar(rank, self.slice_list(), env=self.env(), wait=wait)
+        self.save()  # its pid: whoever takes the cluster down reads it from the file
 
     def launch(self, rank: int) -> None:
         """Start ``rank``'s replicator in its host's namespaces (its own session: it
@@ -184,6 +188,7 @@ class LocalCluster:
             "--poll-seconds", str(self.poll_seconds),
             "--straggler-wait-seconds", str(self.straggler_wait_seconds),
             "--port-file", str(self.port_file(rank))], env=self.env())
+        self.save()
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         """Until ``rank``'s replicator serves: it writes its port file once its
