@@ -191,7 +191,7 @@ class ProcessDispatch(HostCalls):
             slots[h] = slot
         encoded = header.to_bytes().decode()
 
-        def copy(h: int, items: list[Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        def copy(h: int, items: list[Any]) -> dict[str, Any]:
             # One host's shards into its slot (numpy copies without the GIL: the
             # hosts' copies run side by side).
             sizes = [int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -204,9 +204,9 @@ class ProcessDispatch(HostCalls):
                 dst = view[off:off + n].view(dt).reshape(shape)
                 np.copyto(dst, np.asarray(src), casting="no")
                 table.append([leaf, [list(p) for p in index], dt.str, list(shape), off])
-            return "stage", {"header": encoded, "slot": slot.name, "size": slot.size,
-                             "shards": table, "slice": self.config.slice_of_host[h],
-                             "num_hosts": len(self.config.slice_of_host)}, {}
+            return {"header": encoded, "slot": slot.name, "size": slot.size, "shards": table,
+                    "slice": self.config.slice_of_host[h],
+                    "num_hosts": len(self.config.slice_of_host)}
 
         staged = {h: items for h, items in per_host.items() if items}
         for h in staged:
@@ -215,7 +215,7 @@ class ProcessDispatch(HostCalls):
         try:
             copies = {h: self._pool.submit(copy, h, items) for h, items in staged.items()}
             wait(copies.values())
-            calls = {h: f.result()[:2] for h, f in copies.items()}
+            calls = {h: ("stage", f.result()) for h, f in copies.items()}
             # Every stage request once every copy is done: a sidecar writing its
             # host's save would take CPU from the copies still running (the stall).
             accepted, error = self._fan_out(calls, self.deadline_s)
