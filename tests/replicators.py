@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -166,18 +167,9 @@ class Cluster:
         return scrape(f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics")
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            proc = self.procs[rank]
-            if proc.poll() is not None:
-                raise RuntimeError(f"replicator {rank} exited {proc.returncode}: "
-                                   f"{(self.logs / f'replicator-{rank}.log').read_text()[-2000:]}")
-            try:
-                if check(self.addrs[rank], creds=self.creds, timeout_s=1.0) == "SERVING":
-                    return
-            except grpc.RpcError:
-                time.sleep(0.1)
-        raise TimeoutError(f"replicator {rank} not serving after {timeout}s")
+        wait_healthy(self.addrs[rank], lambda: self.procs[rank].poll() is None, self.creds,
+                     lambda: (self.logs / f"replicator-{rank}.log").read_text()[-2000:],
+                     timeout)
 
     def kill(self, rank: int) -> None:
         proc = self.procs.pop(rank, None)
@@ -232,6 +224,23 @@ class Cluster:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"step {step} not replicated in {timeout}s")
+
+
+def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials,
+                 log: Callable[[], str], timeout: float = 30.0) -> None:
+    """Until the replicator at ``address`` answers its health check SERVING; a
+    RuntimeError with its ``log`` as soon as it is not ``alive``, TimeoutError
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"replicator at {address} exited: {log()}")
+        try:
+            if check(address, creds=creds, timeout_s=1.0) == "SERVING":
+                return
+        except grpc.RpcError:
+            time.sleep(0.1)
+    raise TimeoutError(f"replicator at {address} not serving after {timeout}s: {log()}")
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -15,16 +15,15 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from replicators import wait_healthy
 
 import mtc
 from mtc.proto import replicator_pb2 as pb
 from mtc_sidecar.replicator.client import PeerClient
-from mtc_sidecar.replicator.healthcheck import check
 from mtc_sidecar.replicator.security import Credentials
 from mtc_trainer.cluster import free_ports
 from mtc_trainer.isolation import Hosts
@@ -107,20 +106,6 @@ def test_restore_after_host_lost_names_the_host(hosts: Hosts, mesh: Mesh,
             assert mgr.all_steps() == [1]  # a private folder survives its processes
 
 
-def _serving(address: str, proc: object, timeout_s: float = 60.0) -> None:
-    """Until the replicator at ``address`` answers its health check (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"replicator at {address} exited"
-        try:
-            if check(address, timeout_s=1.0) == "SERVING":
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"replicator at {address} not serving after {timeout_s}s")
-
-
 def test_replicators_in_host_namespaces_bring_a_lost_host_back(hosts: Hosts, mesh: Mesh,
                                                                tmp_path: Path) -> None:
     """Each host's replicator runs in its host's namespaces (sees its RAM disk
@@ -135,7 +120,8 @@ def test_replicators_in_host_namespaces_bring_a_lost_host_back(hosts: Hosts, mes
             "--local-dir", str(hosts.hosts[i].root), "--listen", addrs[i],
             "--nodes", ",".join(addrs), "--rank", str(i), "--nodes-per-slice", "2",
             "--poll-seconds", "0.05", "--agreement-timeout-seconds", "30"], env=env)
-        _serving(addrs[i], proc)
+        wait_healthy(addrs[i], lambda: proc.poll() is None, Credentials(),
+                     lambda: hosts.log_tail(i, "replicator"), 60.0)
 
     for i in range(4):
         start(i)

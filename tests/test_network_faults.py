@@ -442,7 +442,9 @@ def test_link_cut_during_backup_upload_lists_no_partial_backup(
     wait_for("the leader's listing", lambda: step in net.inventory(0).backed_up_steps, 20.0)
 
 
-def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path) -> None:
+def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
     """A store that accepts the connection and then says nothing (a link cut
     mid-request): one request's timeouts fit inside the retry deadline, so the
     call fails, typed, soon after it; not after the default 60 s read timeout."""
@@ -462,8 +464,7 @@ def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path
 
     t = threading.Thread(target=accept)
     t.start()
-    old = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{server.getsockname()[1]}"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.getsockname()[1]}")
     try:
         backend = open_backend("gs://stalled/b", retry_deadline_s=2.0)
         t0 = time.monotonic()
@@ -471,10 +472,6 @@ def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path
             backend.put_bytes("steps/1/MANIFEST.json", b"{}")
         took = time.monotonic() - t0
     finally:
-        if old is None:
-            os.environ.pop("STORAGE_EMULATOR_HOST", None)
-        else:
-            os.environ["STORAGE_EMULATOR_HOST"] = old
         stop.set()
         t.join()
         for s in accepted:
@@ -483,7 +480,8 @@ def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path
     assert took < 30.0, took  # one request alone used to wait 60 s, then retried
 
 
-def test_an_upload_the_store_does_not_know_is_retryable() -> None:
+def test_an_upload_the_store_does_not_know_is_retryable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A 404 answering an upload (fake-gcs-server's answer to a last chunk re-sent
     after its answer timed out, seen in the cut-link test above; real GCS's for
     an expired session) is a retryable BackupUnavailableError, not an untyped
@@ -509,17 +507,12 @@ def test_an_upload_the_store_does_not_know_is_retryable() -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
     t = threading.Thread(target=server.serve_forever)
     t.start()
-    old = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.server_address[1]}")
     try:
         backend = open_backend("gs://gone/b", retry_deadline_s=2.0)
         with pytest.raises(BackupUnavailableError, match="not found"):
             backend.put_bytes("steps/1/MANIFEST.json", b"{}")
     finally:
-        if old is None:
-            os.environ.pop("STORAGE_EMULATOR_HOST", None)
-        else:
-            os.environ["STORAGE_EMULATOR_HOST"] = old
         server.shutdown()
         t.join()
         server.server_close()

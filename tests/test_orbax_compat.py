@@ -34,14 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 from replicators import scrape
 
 from mtc.proto import replicator_pb2 as pb
 from mtc_sidecar.replicator.client import PeerClient
-from mtc_sidecar.replicator.healthcheck import check
 from mtc_sidecar.replicator.security import Credentials
 from mtc_trainer.cluster import free_ports
 from mtc_trainer.isolation import Hosts
@@ -162,17 +160,6 @@ class OrbaxHosts:
             return c.call("GetInventory", pb.InventoryRequest())
         finally:
             c.close()
-
-    def wait_serving(self, i: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.hosts.replicator_alive(i), self.log_text(i)[-2000:]
-            try:
-                if check(self.addrs[i], creds=self.creds, timeout_s=1.0) == "SERVING":
-                    return
-            except grpc.RpcError:
-                time.sleep(0.1)
-        raise TimeoutError(f"replicator {i} not serving after {timeout}s")
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
         """Until every host's ``step`` is held by its peer in the other slice."""
