@@ -111,5 +111,11 @@ class HostAgentError(FatalError):
     """Host-side code answered inconsistently (workers disagreeing on one call)."""
 
 
+class ColocatedCallError(HostAgentError):
+    """A colocated-Python call failed on a worker: the function raised, named a
+    device the worker does not have, or returned what its declared specs do not
+    allow (as the real runtime refuses it)."""
+
+
 class ProtocolError(FatalError):
     """A malformed request or reply crossed the host seam."""

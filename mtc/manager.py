@@ -24,6 +24,7 @@ import jax
 from mtc import layout, multihost, orbax_args
 from mtc.contract import AgentConfig
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, NetworkTier, ProcessDispatch
+from mtc.dispatch.process import find_sidecars
 from mtc.errors import (
     AgreementError,
     ClosedError,
@@ -130,7 +131,9 @@ class CheckpointManager:
         if mode == "process":
             dispatch = ProcessDispatch.connect(self._config, self.options.sidecars or ())
         elif mode == "colocated":
-            dispatch = ColocatedDispatch(self._config, devices)
+            sidecars = (find_sidecars(self._config, self.options.sidecars)
+                        if self.options.sidecars else None)
+            dispatch = ColocatedDispatch(self._config, devices, sidecars)
         else:
             dispatch = LocalDispatch(self._config, self._network)
         # Every RAM-disk operation from here on goes through the dispatcher: the host

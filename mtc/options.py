@@ -36,7 +36,10 @@ class Options:
         process (multi-controller JAX, simulated hosts); ``"colocated"`` goes
         through ``jax.experimental.colocated_python`` (Pathways);
         ``"process"`` sends every host operation to a sidecar process per host
-        (``sidecars``; the local cluster); ``"auto"`` picks process when
+        (``sidecars``; the local cluster); ``"colocated"`` with ``sidecars``
+        runs the colocated-Python programs in those sidecars, as Pathways
+        workers would (the local cluster's hosts started with
+        ``--colocated-devices``); ``"auto"`` picks process when
         ``sidecars`` are given, colocated on Pathways, local elsewhere.
       hosts_per_slice: hosts per slice when devices carry no ``slice_index``.
       simulated_hosts: group this process's devices into this many simulated
@@ -100,8 +103,10 @@ class Options:
         if self.dispatch not in ("auto", "local", "colocated", "process"):
             raise ConfigError("dispatch must be auto, local, colocated or process, "
                               f"got {self.dispatch!r}")
-        if (self.dispatch == "process") != bool(self.sidecars) and self.dispatch != "auto":
+        if self.dispatch == "process" and not self.sidecars:
             raise ConfigError("dispatch='process' goes with sidecars=(one address per host)")
+        if self.dispatch == "local" and self.sidecars:
+            raise ConfigError("dispatch='local' runs host-side code here: no sidecars")
         if self.hosts_per_slice < 1:
             raise ConfigError(f"hosts_per_slice must be >= 1, got {self.hosts_per_slice}")
         if self.simulated_hosts is not None and self.simulated_hosts < 1:

@@ -11,8 +11,10 @@ is ever inside a call.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -31,6 +33,12 @@ from mtc_sidecar.agent import HostAgent
 from mtc_sidecar.ops import HostOps
 
 log = logging.getLogger(__name__)
+
+# Where this host's RAM disk is, when the process that runs these objects knows
+# better than the controller's config: the local cluster's sidecars
+# (mtc_sidecar.host.colocated) keep each host's at a path of its own. On a real
+# worker every host mounts its RAM disk at the job's ``local_dir``: None.
+HOST_ROOT: Path | None = None
 
 
 def install_cpu_id_patch() -> None:
@@ -75,6 +83,8 @@ class ColocatedAgent:
     def __init__(self, config_json: str) -> None:
         install_cpu_id_patch()
         config = AgentConfig.from_json(config_json)
+        if HOST_ROOT is not None:
+            config = dataclasses.replace(config, local_dir=str(HOST_ROOT), subdirs=False)
         self.agent = HostAgent(config)
         self.ops = HostOps(config)
         self._replies: dict[int, bytes | bytearray] = {}  # device id -> the last request's reply
@@ -103,13 +113,15 @@ class ColocatedAgent:
         else:
             by_host = {h: self.ops.handle(req, serves=[h]) for h in set(hosts.values())}
         self._replies = {d: by_host[h] for d, h in hosts.items()}
-        pieces = [jax.device_put(np.array([len(self._replies[s.device.id])], np.int64), s.device)
+        pieces = [jax.device_put(np.array([len(self._replies[s.device.id])], "<u8").view(np.uint8),
+                                 s.device)
                   for s in ranks.addressable_shards]
-        return jax.make_array_from_single_device_arrays(ranks.shape, ranks.sharding, pieces)
+        return jax.make_array_from_single_device_arrays((8 * ranks.shape[0],), ranks.sharding,
+                                                        pieces)
 
     def reply(self, ranks: jax.Array, cap: jax.Array) -> jax.Array:
         """The kept reply, zero-padded to ``cap`` bytes, on this worker's devices."""
-        n = int(np.asarray(cap.addressable_shards[0].data))
+        n = int(np.asarray(cap.addressable_shards[0].data).view("<u8")[0])
         pieces = []
         for s in ranks.addressable_shards:
             buf = np.zeros(n, np.uint8)

@@ -100,10 +100,13 @@ class Hosts:
     """``n`` isolated hosts under ``base`` (folders for areas, logs and ready files)."""
 
     def __init__(self, base: Path, n: int, *, ramdisk_bytes: int = 1 << 30,
-                 isolation: str | None = None) -> None:
+                 isolation: str | None = None, colocated_devices: int = 0) -> None:
         self.base = base
         self.n = n
         self.ramdisk_bytes = ramdisk_bytes
+        # The job's CPU devices, split evenly among the hosts' colocated-Python
+        # servers (0: the sidecars run none).
+        self.colocated_devices = colocated_devices
         self.isolation = isolation or ("namespaces" if namespaces_available() else "processes")
         self.tag = f"{os.getpid() % 1000:03d}{random.randrange(100):02d}"
         self.subnet = f"10.{200 + random.randrange(50)}.{random.randrange(256)}"
@@ -130,6 +133,7 @@ class Hosts:
     def to_json(self) -> dict[str, Any]:
         return {"base": str(self.base), "n": self.n, "ramdisk_bytes": self.ramdisk_bytes,
                 "isolation": self.isolation, "tag": self.tag, "subnet": self.subnet,
+                "colocated_devices": self.colocated_devices,
                 "bridge": self.bridge, "hosts": [h.to_json() for h in self.hosts]}
 
     @classmethod
@@ -139,6 +143,7 @@ class Hosts:
         self.base, self.n, self.ramdisk_bytes = Path(d["base"]), d["n"], d["ramdisk_bytes"]
         self.isolation, self.tag, self.subnet = d["isolation"], d["tag"], d["subnet"]
         self.bridge = d["bridge"]
+        self.colocated_devices = int(d.get("colocated_devices", 0))
         self.hosts = [Host.from_json(h) for h in d["hosts"]]
         return self
 
@@ -188,6 +193,9 @@ class Hosts:
                "--area", str(h.area), "--host", str(i), "--slices",
                ",".join(str(s) for s in slices), "--listen", listen,
                "--ready-file", str(ready), "--writer-threads", str(writer_threads)]
+        if self.colocated_devices:
+            cmd += ["--colocated-devices", str(self.colocated_devices // self.n),
+                    "--job-devices", str(self.colocated_devices)]
         if h.netns and _alive(h.replicator_pid, h.replicator):
             cmd = ["nsenter", f"--target={h.replicator_pid}", "--mount", "--net", "--", *cmd]
         elif h.netns:

@@ -1,5 +1,6 @@
 """Host-side code through ``jax.experimental.colocated_python`` (Pathways): the
-colocated-Python sidecar of each worker runs it."""
+colocated-Python sidecar of each worker runs it; on the local cluster, each
+host's sidecar process does (:mod:`mtc.dispatch.remote_colocated`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from mtc.contract import (
     encode_request,
 )
 from mtc.dispatch.calls import HostCalls
+from mtc.dispatch.process import Sidecar
+from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import HostAgentError
 
 
@@ -30,7 +33,8 @@ class ColocatedDispatch(HostCalls):
 
     host_side_lock = False
 
-    def __init__(self, config: AgentConfig, devices: Sequence[jax.Device]) -> None:
+    def __init__(self, config: AgentConfig, devices: Sequence[jax.Device],
+                 sidecars: dict[int, Sidecar] | None = None) -> None:
         from jax.experimental import colocated_python
 
         from mtc_sidecar.colocated import RemoteAgent, install_cpu_id_patch
@@ -53,6 +57,10 @@ class ColocatedDispatch(HostCalls):
         self._ranks = jax.make_array_from_single_device_arrays(
             (len(self.cpu_devices),), self._per_host,
             [jax.device_put(np.array([rank_of[c]], np.int32), c) for c in self.cpu_devices])
+        # On the local cluster, the hosts' sidecars run the programs (as workers
+        # do), instead of JAX's CPU fallback in this process.
+        self._runtime = (Runtime(sidecars, {c.id: r for c, r in rank_of.items()})
+                         if sidecars is not None else None)
         self._answer_spec = jax.ShapeDtypeStruct((len(self.cpu_devices),), np.dtype(np.uint8),
                                                  sharding=self._per_host)
         remote: Any = RemoteAgent(config.to_json())  # type: ignore[call-arg]
@@ -62,7 +70,9 @@ class ColocatedDispatch(HostCalls):
         self._stage = remote.stage.specialize(out_specs_fn=lambda *_: answer)
         self._wait = remote.wait.specialize(out_specs_fn=lambda *_: answer)
         self._poll = remote.poll.specialize(out_specs_fn=lambda *_: answer)
-        lengths = jax.ShapeDtypeStruct((len(self.cpu_devices),), np.dtype(np.int64),
+        # 64-bit numbers as 8 bytes: without jax_enable_x64 a worker's int64 array
+        # would be int32, and the call refused for breaking its declared spec.
+        lengths = jax.ShapeDtypeStruct((8 * len(self.cpu_devices),), np.dtype(np.uint8),
                                        sharding=self._per_host)
         self._ask = remote.ask.specialize(out_specs_fn=lambda *_: lengths)
         self._remote = remote
@@ -77,7 +87,7 @@ class ColocatedDispatch(HostCalls):
 
     def _exchange(self, request: jax.Array) -> list[Any]:
         lengths = self._ask(request, self._ranks)
-        sizes = [int(np.asarray(sh.data).reshape(-1)[0]) for sh in lengths.addressable_shards]
+        sizes = [int(np.asarray(sh.data).view("<u8")[0]) for sh in lengths.addressable_shards]
         cap = 1 << max(max(sizes), 1).bit_length()
         fetch = self._fetchers.get(cap)
         if fetch is None:
@@ -85,7 +95,8 @@ class ColocatedDispatch(HostCalls):
                                         sharding=self._per_host)
             fetch = self._fetchers[cap] = self._remote.reply.specialize(
                 out_specs_fn=lambda *_: spec)
-        padded = fetch(self._ranks, jax.device_put(np.int64(cap), self._replicated))
+        padded = fetch(self._ranks, jax.device_put(np.array([cap], "<u8").view(np.uint8),
+                                                   self._replicated))
         by_device = {sh.device: n for sh, n in zip(lengths.addressable_shards, sizes,
                                                    strict=True)}
         replies: dict[int, Any] = {}
@@ -142,4 +153,8 @@ class ColocatedDispatch(HostCalls):
         self._unanimous(self._poll(self._ranks), "poll")
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            if self._runtime is not None:
+                self._runtime.close()

@@ -83,19 +83,7 @@ class ProcessDispatch(HostCalls):
     @classmethod
     def connect(cls, config: AgentConfig, addresses: Sequence[str],
                 deadline_s: float = 120.0) -> ProcessDispatch:
-        """Ask each sidecar (in rank order: the i-th address serves this job's host i,
-        whichever host it is in a larger cluster) where its area is."""
-        if len(addresses) != len(config.slice_of_host):
-            raise ConfigError(f"{len(addresses)} sidecars for {len(config.slice_of_host)} hosts")
-        sidecars = {h: Sidecar(a, Path()) for h, a in enumerate(addresses)}
-        probe = cls(config, sidecars, deadline_s=deadline_s)
-        for h in sidecars:
-            hello = probe._rpc(h, "hello")
-            if hello.get("rank") != h:
-                raise ConfigError(f"sidecar at {addresses[h]} did not take rank {h}", host=h)
-            sidecars[h] = Sidecar(addresses[h], Path(hello["area"]))
-        probe._channels_close()
-        return cls(config, sidecars, deadline_s=deadline_s)
+        return cls(config, find_sidecars(config, addresses, deadline_s), deadline_s=deadline_s)
 
     def _channels_close(self) -> None:
         self._pool.shutdown(wait=True)  # no request is left in flight
@@ -290,3 +278,22 @@ class ProcessDispatch(HostCalls):
         finally:
             self._unlock()
             self._channels_close()
+
+
+def find_sidecars(config: AgentConfig, addresses: Sequence[str], deadline_s: float = 120.0
+                  ) -> dict[int, Sidecar]:
+    """Ask each sidecar (in rank order: the i-th address serves this job's host i,
+    whichever host it is in a larger cluster) where its area is."""
+    if len(addresses) != len(config.slice_of_host):
+        raise ConfigError(f"{len(addresses)} sidecars for {len(config.slice_of_host)} hosts")
+    sidecars = {h: Sidecar(a, Path()) for h, a in enumerate(addresses)}
+    probe = ProcessDispatch(config, sidecars, deadline_s=deadline_s)
+    try:
+        for h in sidecars:
+            hello = probe._rpc(h, "hello")
+            if hello.get("rank") != h:
+                raise ConfigError(f"sidecar at {addresses[h]} did not take rank {h}", host=h)
+            sidecars[h] = Sidecar(addresses[h], Path(hello["area"]))
+    finally:
+        probe._channels_close()
+    return sidecars

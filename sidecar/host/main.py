@@ -20,6 +20,7 @@ import grpc
 
 from mtc import layout
 from mtc.contract import AgentConfig
+from mtc_sidecar.host.colocated import ColocatedServer
 from mtc_sidecar.host.service import HostService, handler
 
 log = logging.getLogger("mtc_sidecar.host")
@@ -36,6 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--listen", required=True, help="address to serve (host:port or unix:PATH)")
     p.add_argument("--ready-file", type=Path, help="written with the bound address when serving")
     p.add_argument("--writer-threads", type=int, default=2)
+    p.add_argument("--colocated-devices", type=int, default=0,
+                   help="run colocated-Python programs on this many CPU devices of its own "
+                        "(0: none; JAX is then never imported)")
+    p.add_argument("--job-devices", type=int, default=0,
+                   help="the CPU devices of the whole job, this host's among them")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sidecar %(message)s")
 
@@ -45,7 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     config = AgentConfig(local_dir=str(args.root), host_of_device={},
                          slice_of_host=dict(enumerate(slices)), subdirs=False,
                          max_staged_bytes=None, writer_threads=args.writer_threads)
-    service = HostService(config, args.host, args.area)
+    colocated = (ColocatedServer(args.host, args.area, args.root, args.colocated_devices,
+                                 max(args.job_devices, args.colocated_devices))
+                 if args.colocated_devices > 0 else None)
+    service = HostService(config, args.host, args.area, colocated)
     pool = ThreadPoolExecutor(8, thread_name_prefix="mtc-sidecar-rpc")
     server = grpc.server(pool, options=[("grpc.max_send_message_length", MAX_MESSAGE),
                                         ("grpc.max_receive_message_length", MAX_MESSAGE)])
@@ -68,6 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     server.stop(grace=5).wait()
     service.close()
     pool.shutdown()
+    if colocated is not None:
+        # JAX's distributed client would wait at exit for the process just ended.
+        logging.shutdown()
+        os._exit(0)
 
 
 if __name__ == "__main__":

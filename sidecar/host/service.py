@@ -9,7 +9,9 @@ Requests are the seam's JSON requests (``mtc.contract``); besides the RAM-disk
 operations of :class:`mtc_sidecar.ops.HostOps` it serves ``stage`` (shards placed
 in a save slot), ``poll`` and ``wait`` (background errors; slots written since)
 and ``load`` (regions read into a fresh reply file). One gRPC method carries them
-all, with raw bytes in and out.
+all, with raw bytes in and out. A second, ``Execute``, runs the programs of the
+controller's colocated-Python calls (:mod:`.colocated`), when the sidecar was
+started with ``--colocated-devices``.
 
 A request names the host's rank in the job that sends it (its ``hosts``: exactly
 one): a job on fewer slices numbers its hosts from 0, as it would on a resized
@@ -43,6 +45,7 @@ from mtc.contract import (
 from mtc.errors import MtcError, ProtocolError, StorageError
 from mtc_sidecar.agent import HostAgent
 from mtc_sidecar.dtypes import numpy_dtype
+from mtc_sidecar.host.colocated import ColocatedServer
 from mtc_sidecar.load import ShardLoader
 from mtc_sidecar.ops import HostOps
 from mtc_sidecar.replicator.store import REPLICA_DIR
@@ -57,8 +60,10 @@ class HostService:
     """Serves one host. ``_written`` (slots whose save ended) is guarded by ``_lock``;
     the agent has its own. ``host`` is the process's identity; ranks come with requests."""
 
-    def __init__(self, config: AgentConfig, host: int, area: Path) -> None:
+    def __init__(self, config: AgentConfig, host: int, area: Path,
+                 colocated: ColocatedServer | None = None) -> None:
         self.config = config
+        self.colocated = colocated
         self.host = host
         self.area = area
         self.agent = HostAgent(config)
@@ -181,14 +186,27 @@ class HostService:
             os.close(fd)
         return {"file": path.name, "size": total, "offsets": offsets}
 
+    def execute(self, message: bytes) -> bytes:
+        """A colocated-Python call (the ``Execute`` method): see :mod:`.colocated`."""
+        if self.colocated is None:
+            return ColocatedServer.refuse(self.host, self.area)
+        return self.colocated.execute(message)
+
     def close(self) -> None:
         self.agent.close()
+        if self.colocated is not None:
+            self.colocated.close()
 
 
 def handler(service: HostService) -> grpc.GenericRpcHandler:
     def call(request: bytes, context: grpc.ServicerContext) -> bytes:
         return bytes(service.handle(request))  # gRPC sends bytes only
 
+    def execute(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return service.execute(request)
+
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Call": grpc.unary_unary_rpc_method_handler(call, request_deserializer=None,
-                                                    response_serializer=None)})
+                                                    response_serializer=None),
+        "Execute": grpc.unary_unary_rpc_method_handler(execute, request_deserializer=None,
+                                                       response_serializer=None)})

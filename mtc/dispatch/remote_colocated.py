@@ -1,0 +1,193 @@
+"""The local cluster's colocated-Python runtime, controller half.
+
+JAX's colocated Python compiles a function into a program that Pathways runs in
+the colocated-Python sidecar of every worker; on CPU devices JAX runs it in the
+calling process instead, and checks nothing. While a :class:`Runtime` is
+registered for a set of CPU devices, it takes that step for programs on them:
+the function and its specs are pickled by JAX's own colocated serialization, as
+for a real program, and every call sends the program with each host's shards of
+the inputs to that host's sidecar (:mod:`mtc_sidecar.host.colocated`), which runs
+it on devices of its own and answers with its shards of the outputs. They are
+assembled here on the declared shardings. A call succeeds only when every host
+does; a host's typed error comes back as itself.
+
+Input and output bytes cross through each host's shared-memory area
+(:func:`mtc.transfer.pack_message`), never through a RAM disk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+from jax import tree_util
+
+from mtc import errors, transfer
+from mtc.errors import ColocatedCallError, MtcError, ShardUnavailableError
+
+METHOD = "/mtc.Host/Execute"
+MAX_MESSAGE = 256 << 20
+
+_lock = threading.Lock()
+_runtimes: list[Runtime] = []
+_original: Callable[..., Any] | None = None  # JAX's own step, while one is registered
+
+
+def _compile(name: str, fun: Callable[..., Any], in_specs_treedef: Any,
+             in_specs_leaves: tuple[Any, ...], out_specs_treedef: Any,
+             out_specs_leaves: tuple[Any, ...], devices: Any) -> Callable[..., Any]:
+    """Stands in for ``colocated_python.func._compile_to_executable``."""
+    ids = {d.id for d in devices}
+    with _lock:
+        runtime = next((r for r in _runtimes if ids <= set(r.host_of_device)), None)
+    if runtime is None:  # not in-process either: that would check nothing
+        raise ColocatedCallError(f"{name}: no host serves CPU devices {sorted(ids)}")
+    return runtime.compile(name, fun, in_specs_treedef, in_specs_leaves, out_specs_treedef,
+                           out_specs_leaves, devices)
+
+
+def _register(runtime: Runtime) -> None:
+    global _original
+    from jax.experimental.colocated_python import func
+
+    with _lock:
+        if not _runtimes:
+            _original = func._compile_to_executable
+            func._compile_to_executable = _compile
+        _runtimes.append(runtime)
+
+
+def _unregister(runtime: Runtime) -> None:
+    global _original
+    from jax.experimental.colocated_python import func
+
+    with _lock:
+        if runtime in _runtimes:
+            _runtimes.remove(runtime)
+        if not _runtimes and _original is not None:
+            func._compile_to_executable = _original
+            _original = None
+
+
+def _raise(host: int, d: dict[str, Any]) -> None:
+    cls = getattr(errors, str(d.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, MtcError)):
+        cls = ColocatedCallError
+    raise cls(str(d.get("message")), step=d.get("step"),
+              host=host if d.get("host") is None else d["host"], path=d.get("path"))
+
+
+class Runtime:
+    """Runs colocated programs on the devices of ``host_of_device`` (CPU device id ->
+    host rank) in the hosts' sidecars (``sidecars``: rank -> where it listens).
+    Registered from construction until :meth:`close`."""
+
+    def __init__(self, sidecars: dict[int, Any], host_of_device: dict[int, int],
+                 *, deadline_s: float = 120.0) -> None:
+        missing = sorted(set(host_of_device.values()) - set(sidecars))
+        if missing:
+            raise errors.ConfigError(f"no sidecar for hosts {missing}")
+        self.sidecars = sidecars
+        self.host_of_device = dict(host_of_device)
+        self.deadline_s = deadline_s
+        opts = [("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.max_receive_message_length", MAX_MESSAGE)]
+        self._channels = {h: grpc.insecure_channel(s.address, options=opts)
+                          for h, s in sidecars.items()}
+        self._stubs = {h: c.unary_unary(METHOD, request_serializer=None,
+                                        response_deserializer=None)
+                       for h, c in self._channels.items()}
+        self._pool = ThreadPoolExecutor(max(1, len(sidecars)), thread_name_prefix="mtc-coloc")
+        _register(self)
+
+    def close(self) -> None:
+        _unregister(self)
+        self._pool.shutdown(wait=True)
+        for c in self._channels.values():
+            c.close()
+
+    def compile(self, name: str, fun: Callable[..., Any], in_treedef: Any,
+                in_specs: tuple[Any, ...], out_treedef: Any, out_specs: tuple[Any, ...],
+                devices: Any) -> Callable[..., Any]:
+        """What JAX calls for each input of a specialized function: the program,
+        pickled once, sent to each host on its first call there."""
+        from jax.experimental.colocated_python import serialization
+
+        for s in (*in_specs, *out_specs):
+            if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+                raise ColocatedCallError(f"{name}: PRNG key arrays cannot cross here")
+        pickled = serialization._serialize(
+            (fun, in_treedef, in_specs, out_treedef, out_specs, devices))
+        pid = transfer.program_id(pickled)
+        ids = [d.id for d in devices]
+        hosts = sorted({self.host_of_device[i] for i in ids})
+        own = {h: [i for i in ids if self.host_of_device[i] == h] for h in hosts}
+        by_id = {d.id: d for d in devices}
+        sent: set[int] = set()
+        lock = threading.Lock()
+
+        def one(h: int, inputs: list[list[list[int]]], buffers: list[np.ndarray]
+                ) -> tuple[dict[str, Any], list[np.ndarray]]:
+            header = {"program": pid, "name": name, "devices": ids, "own": own[h],
+                      "inputs": inputs}
+            area = self.sidecars[h].area
+            for _ in range(2):  # once more with the program, for a sidecar that lacks it
+                with lock:
+                    first = h not in sent
+                parts = [*buffers, np.frombuffer(pickled, np.uint8)] if first else buffers
+                message = transfer.pack_message(area, {**header, "pickled": first}, parts)
+                try:
+                    reply = self._stubs[h](message, timeout=self.deadline_s)
+                except grpc.RpcError as e:
+                    raise ShardUnavailableError(
+                        f"{name}: sidecar unreachable: {e.code().name}: {e.details()}",
+                        host=h) from None
+                got, data = transfer.unpack_message(area, reply)
+                if "error" in got:
+                    _raise(h, got["error"])
+                if not got.get("unknown_program"):
+                    with lock:
+                        sent.add(h)
+                    return got, data
+                with lock:
+                    sent.discard(h)
+            raise ColocatedCallError(f"{name}: the sidecar did not keep the program", host=h)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            leaves = tree_util.tree_leaves((args, kwargs))
+            inputs: dict[int, list[list[list[int]]]] = {h: [] for h in hosts}
+            buffers: dict[int, list[np.ndarray]] = {h: [] for h in hosts}
+            for x in leaves:
+                for h in hosts:
+                    inputs[h].append([])
+                for s in x.addressable_shards:
+                    h = self.host_of_device[s.device.id]
+                    inputs[h][-1].append([s.device.id, len(buffers[h])])
+                    buffers[h].append(np.ascontiguousarray(np.asarray(s.data))
+                                      .reshape(-1).view(np.uint8))
+            futures = {h: self._pool.submit(one, h, inputs[h], buffers[h]) for h in hosts}
+            wait(futures.values())  # every host answered, whatever the first one raised
+            replies = {h: f.result() for h, f in sorted(futures.items())}
+            results = []
+            for k, spec in enumerate(out_specs):
+                dt = np.dtype(spec.dtype)
+                shard = spec.sharding.shard_shape(spec.shape)
+                pieces = {}
+                for got, data in replies.values():
+                    for cid, b in got["outputs"][k]:
+                        pieces[int(cid)] = jax.device_put(
+                            data[int(b)].view(dt).reshape(shard), by_id[int(cid)])
+                want = {d.id for d in spec.sharding.addressable_devices}
+                if set(pieces) != want:
+                    raise ColocatedCallError(f"{name}: output {k} came back on devices "
+                                             f"{sorted(pieces)}, declared {sorted(want)}")
+                results.append(jax.make_array_from_single_device_arrays(
+                    spec.shape, spec.sharding, list(pieces.values())))
+            return tree_util.tree_unflatten(out_treedef, results)
+
+        return call

@@ -1,0 +1,271 @@
+"""The colocated-Python server of the local cluster, in each host's sidecar process.
+
+On Pathways the controller's ``jax.experimental.colocated_python`` calls run in
+the colocated-Python sidecar of every worker. Here each host's sidecar plays that
+server for the controller's runtime (:mod:`mtc.dispatch.remote_colocated`): it
+gets a program (the function and its specs, pickled by JAX's own colocated-Python
+serialization) with this host's shards of the inputs, runs it on CPU devices of
+its own, checks the result against the declared output specs, and sends back
+this host's shards of the outputs.
+
+What a program is held to, as on a worker:
+
+- The function sees the job's global arrays, of which only this host's shards
+  are addressable: the sidecar's JAX is process 1 of a two-process CPU job whose
+  process 0 (:mod:`.ghost`) holds the other hosts' devices, as a worker's JAX
+  sees the whole job's devices and holds its own.
+- Device ids in a program are the controller's. They resolve through a map built
+  per program (Pathways resolves them as backend-global ids; Orbax's patch
+  teaches JAX that): this host's onto this process's devices, whose own ids
+  (2048 and up) are none of the controller's; the others onto the other
+  process's. Code that looks a device up by a controller id finds one that is
+  not this host's, and an id outside the program's device list (a controller
+  device that leaked into a closure) does not resolve at all.
+- A result must have the declared tree, dtypes, shapes and sharding, with its
+  addressable shards on exactly this host's devices of that sharding.
+
+JAX starts on a thread started with the server (a few seconds here, with the
+other process), so that the first call after a host's start does not wait for
+all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mtc import transfer
+from mtc.errors import ColocatedCallError, MtcError, ProtocolError
+from mtc_sidecar.host import ghost
+
+if TYPE_CHECKING:
+    import jax
+
+log = logging.getLogger(__name__)
+_DESERIALIZE = threading.Lock()  # JAX's deserializer keeps per-process state
+
+
+class _Program:
+    """A deserialized program and the device map it was resolved with: the
+    controller's ids of this host's devices onto this process's own devices, the
+    program's other ids onto the other process's (the rest of the job)."""
+
+    def __init__(self, pickled: bytes, device_ids: list[int], own_ids: list[int]) -> None:
+        import jax
+        from jax.experimental.colocated_python import serialization
+
+        mine, others = jax.local_devices(), [d for d in jax.devices()
+                                             if d.process_index != jax.process_index()]
+        own = sorted(own_ids)
+        rest = sorted(set(device_ids) - set(own))
+        if len(own) > len(mine) or len(rest) > len(others):
+            raise ColocatedCallError(
+                f"the program spans {len(own)} devices of this host and {len(rest)} others; "
+                f"this host's runtime has {len(mine)} and {len(others)}")
+        self.device_of = {**dict(zip(own, mine, strict=False)),
+                          **dict(zip(rest, others, strict=False))}
+        self.id_of = {d: c for c, d in self.device_of.items()}
+        with _DESERIALIZE, _resolving(serialization, self.device_of):
+            (self.fun, self.in_treedef, self.in_specs, self.out_treedef, self.out_specs,
+             self.devices) = serialization._deserialize(pickled)
+
+
+def _error_message(host: int, area: Path, e: MtcError) -> bytes:
+    return transfer.pack_message(area, {"error": {
+        "type": type(e).__name__, "message": e.message, "step": e.step,
+        "host": host if e.host is None else e.host, "path": e.path}}, [])
+
+
+@contextmanager
+def _resolving(serialization: Any, device_of: dict[int, jax.Device]) -> Iterator[None]:
+    """JAX's deserializer resolves CPU ids through ``_get_cpu_device_map``: this
+    program's map while it runs (Orbax's patch, if a program installed it, after)."""
+    saved = serialization._get_cpu_device_map
+    serialization._get_cpu_device_map = lambda: device_of
+    try:
+        yield
+    finally:
+        serialization._get_cpu_device_map = saved
+
+
+class ColocatedServer:
+    """Runs one host's colocated-Python programs, one call at a time (a worker runs
+    its programs in the order they were issued), on ``own_devices`` CPU devices of
+    a JAX whose other ``job_devices - own_devices`` belong to the rest of the job
+    (:mod:`.ghost`)."""
+
+    def __init__(self, host: int, area: Path, root: Path, own_devices: int,
+                 job_devices: int) -> None:
+        self.host = host
+        self.area = area
+        self.root = root
+        self._own, self._others = own_devices, job_devices - own_devices
+        if self._own < 1 or self._others < 0:
+            raise ValueError(f"{own_devices} devices of {job_devices}")
+        self._programs: dict[str, _Program] = {}
+        self._run = threading.Lock()
+        self._ghost: subprocess.Popen[bytes] | None = None
+        self._address = ""
+        if self._others:
+            # Started from this thread, the process's main one: the other process
+            # dies with the thread that started it (PR_SET_PDEATHSIG).
+            self._address = f"127.0.0.1:{_free_port()}"  # the host's own loopback
+            self._ghost = subprocess.Popen([sys.executable, "-m", "mtc_sidecar.host.ghost",
+                                            self._address, str(self._others)])
+        self._ready = threading.Event()
+        self._warm_error: BaseException | None = None
+        self._warm = threading.Thread(target=self._start_jax, name="mtc-colocated-warm",
+                                      daemon=True)
+        self._warm.start()
+
+    def _start_jax(self) -> None:
+        try:
+            flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count")]
+            os.environ["XLA_FLAGS"] = " ".join(
+                [*flags, f"--xla_force_host_platform_device_count={self._own}"])
+            import jax
+
+            jax.config.update("jax_platforms", "cpu")
+            if self._others:
+                jax.distributed.initialize(self._address, num_processes=2, process_id=1,
+                                           initialization_timeout=ghost.TIMEOUT_S,
+                                           heartbeat_timeout_seconds=ghost.NEVER_S,
+                                           shutdown_timeout_seconds=1)
+            jax.devices()
+            # The worker-side objects a controller's programs name (they come by
+            # reference), with this host's RAM disk where this process keeps it.
+            import mtc_sidecar.colocated as agents
+
+            agents.HOST_ROOT = self.root
+        except BaseException as e:  # noqa: BLE001 (reported by every call)
+            self._warm_error = e
+            log.error("host %d: colocated runtime did not start: %r", self.host, e)
+        finally:
+            self._ready.set()
+
+    def close(self) -> None:
+        """Ends the other process (JAX takes SIGTERM as a preemption notice)."""
+        self._warm.join()
+        if self._ghost is not None:
+            self._ghost.kill()
+            self._ghost.wait()
+
+    @staticmethod
+    def refuse(host: int, area: Path) -> bytes:
+        """The answer of a sidecar that runs no colocated Python."""
+        return _error_message(host, area, ColocatedCallError(
+            "this sidecar runs no colocated Python (start it with --colocated-devices)"))
+
+    def execute(self, message: bytes) -> bytes:
+        """One call: the reply carries this host's output shards, or the error."""
+        try:
+            self._ready.wait()
+            if self._warm_error is not None:
+                raise ColocatedCallError(f"JAX did not start: {self._warm_error!r}")
+            header, buffers = transfer.unpack_message(self.area, message)
+            with self._run:
+                return self._execute(header, buffers)
+        except MtcError as e:
+            return _error_message(self.host, self.area, e)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            return _error_message(self.host, self.area,
+                                  ProtocolError(f"malformed colocated call: {e!r}"))
+
+    def _program(self, header: dict[str, Any], buffers: list[np.ndarray]) -> _Program | None:
+        pid = str(header["program"])
+        prog = self._programs.get(pid)
+        if prog is None and header.get("pickled"):
+            pickled = buffers.pop().tobytes()
+            if transfer.program_id(pickled) != pid:
+                raise ProtocolError(f"program {pid} arrived with other bytes")
+            try:
+                prog = _Program(pickled, [int(i) for i in header["devices"]],
+                                [int(i) for i in header["own"]])
+            except MtcError:
+                raise
+            except Exception as e:  # as a worker refuses a program naming foreign devices
+                raise ColocatedCallError(f"{header['name']}: the program does not load on "
+                                         f"this host: {type(e).__name__}: {e}") from e
+            self._programs[pid] = prog
+        return prog
+
+    def _execute(self, header: dict[str, Any], buffers: list[np.ndarray]) -> bytes:
+        import jax
+        from jax import tree_util
+
+        prog = self._program(header, buffers)
+        if prog is None:  # this sidecar started after the controller sent it
+            return transfer.pack_message(self.area, {"unknown_program": True}, [])
+        name = str(header["name"])
+        leaves: list[Any] = []
+        inputs = header["inputs"]
+        if len(inputs) != len(prog.in_specs):
+            raise ProtocolError(f"{name}: {len(inputs)} inputs for {len(prog.in_specs)} specs")
+        for k, (spec, ids) in enumerate(zip(prog.in_specs, inputs, strict=True)):
+            shard = spec.sharding.shard_shape(spec.shape)
+            dt = np.dtype(spec.dtype)
+            by_device = {prog.device_of[int(c)]: buffers[int(b)] for c, b in ids}
+            if set(by_device) != set(spec.sharding.addressable_devices):
+                raise ProtocolError(f"{name}: input {k} came without this host's shards")
+            pieces = []
+            for d, raw in by_device.items():
+                if raw.nbytes != math.prod(shard) * dt.itemsize:
+                    raise ProtocolError(f"{name}: input {k}'s shard is {raw.nbytes} bytes")
+                pieces.append(jax.device_put(raw.view(dt).reshape(shard), d))
+            leaves.append(jax.make_array_from_single_device_arrays(spec.shape, spec.sharding,
+                                                                   pieces))
+        args, kwargs = tree_util.tree_unflatten(prog.in_treedef, leaves)
+        try:
+            result = prog.fun(*args, **kwargs)
+        except MtcError:
+            raise
+        except Exception as e:
+            log.error("host %d: %s raised:\n%s", self.host, name, traceback.format_exc())
+            raise ColocatedCallError(f"{name} raised {type(e).__name__}: {e}") from e
+        out_leaves, treedef = tree_util.tree_flatten(result)
+        if treedef != prog.out_treedef:
+            raise ColocatedCallError(f"{name} returned {treedef}, declared {prog.out_treedef}")
+        outputs: list[list[list[int]]] = []
+        data: list[np.ndarray] = []
+        for k, (r, spec) in enumerate(zip(out_leaves, prog.out_specs, strict=True)):
+            _check(name, k, r, spec)
+            ids = []
+            for s in r.addressable_shards:
+                ids.append([prog.id_of[s.device], len(data)])
+                data.append(np.ascontiguousarray(np.asarray(s.data)).reshape(-1).view(np.uint8))
+            outputs.append(ids)
+        return transfer.pack_message(self.area, {"outputs": outputs}, data)
+
+
+def _check(name: str, k: int, r: Any, spec: Any) -> None:
+    """Output ``k`` against its declared spec, as the runtime holds it."""
+    import jax
+
+    if not isinstance(r, jax.Array):
+        raise ColocatedCallError(f"{name}: output {k} is a {type(r).__name__}, not a jax.Array")
+    if r.dtype != spec.dtype or r.shape != spec.shape:
+        raise ColocatedCallError(f"{name}: output {k} is {r.dtype}{list(r.shape)}, declared "
+                                 f"{spec.dtype}{list(spec.shape)}")
+    if not r.sharding.is_equivalent_to(spec.sharding, r.ndim) or (
+            {s.device for s in r.addressable_shards} != set(spec.sharding.addressable_devices)):
+        raise ColocatedCallError(f"{name}: output {k} is not on its declared sharding "
+                                 f"{spec.sharding.spec} over this host's devices")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,196 @@
+"""Colocated Python run by the hosts' sidecars, as Pathways workers run it.
+
+The controller uses JAX's real ``colocated_python`` API (``ColocatedDispatch``);
+instead of JAX's CPU fallback, which runs the function in this process and checks
+nothing, each host's sidecar process gets the program as JAX pickles it, runs it
+on CPU devices of its own (numbered differently from this process's), sees only
+its own shards, and has its result checked against the declared specs. With
+root, each host is also its own network and mount namespace: this process cannot
+see a step file.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.experimental import colocated_python
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import mtc
+from mtc.dispatch.process import Sidecar
+from mtc.dispatch.remote_colocated import Runtime
+from mtc.errors import ColocatedCallError
+from mtc_trainer.isolation import Hosts
+
+SLICES = [0, 0, 1, 1]
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    hs = Hosts(Path("/dev/shm") / f"mtc-coloc-{uuid.uuid4().hex[:8]}", 4,
+               ramdisk_bytes=64 << 20, colocated_devices=8)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        for i in range(4):
+            hs.start_sidecar(i, SLICES, env=env)
+        yield hs
+    finally:
+        tails = {i: hs.log_tail(i, "sidecar") for i in range(4)}
+        hs.down()
+        for i, t in tails.items():
+            print(f"--- sidecar {i} ---\n{t}")
+
+
+def _opts(hs: Hosts) -> mtc.Options:
+    return mtc.Options(simulated_hosts=4, hosts_per_slice=2, dispatch="colocated",
+                       sidecars=tuple(h.sidecar_address for h in hs.hosts))
+
+
+def _runtime(hs: Hosts) -> Runtime:
+    """Device ``i`` on host ``i // 2``, as the manager's simulated hosts group them."""
+    sidecars = {i: Sidecar(h.sidecar_address, h.area) for i, h in enumerate(hs.hosts)}
+    return Runtime(sidecars, {d.id: d.id // 2 for d in jax.devices()})
+
+
+def _per_host() -> NamedSharding:
+    return NamedSharding(Mesh(np.array(jax.devices()), ("d",)), PartitionSpec("d"))
+
+
+def test_save_restore_through_colocated_sidecars(hosts: Hosts, mesh: Mesh,
+                                                 tmp_path: Path) -> None:
+    w = jax.device_put(np.arange(8 * 16, dtype=np.float32).reshape(8, 16),
+                       NamedSharding(mesh, PartitionSpec("replica", "model")))
+    state = {"w": w, "b": jax.device_put(np.arange(16, dtype=np.int32),
+                                         NamedSharding(mesh, PartitionSpec())),
+             "np": np.arange(5, dtype=np.int64), "step": 7}
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh,
+                               options=_opts(hosts)) as mgr:
+        assert mgr.save(1, state)
+        assert mgr.save(2, state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2]
+        back = mgr.restore(2, target=state)
+        half = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+        other = {"w": jax.ShapeDtypeStruct((8, 16), np.float32,
+                                           sharding=NamedSharding(half, PartitionSpec("b", "a"))),
+                 "b": None, "np": None, "step": None}
+        moved = mgr.restore(2, target=other)
+    for got in (back, moved):
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(back["b"]), np.arange(16))
+    np.testing.assert_array_equal(back["np"], np.arange(5))
+    assert back["step"] == 7
+    if hosts.isolation == "namespaces":
+        for h in hosts.hosts:  # the RAM disks are private to the hosts' processes
+            assert list(h.root.iterdir()) == []
+
+
+def test_each_host_sees_its_own_shards_on_devices_of_its_own(hosts: Hosts) -> None:
+    """A worker's function reads only its addressable shards, on its own devices."""
+
+    @colocated_python.colocated_python
+    def where(x: jax.Array) -> jax.Array:
+        pieces = [jax.device_put(np.array([[int(np.asarray(s.data)[0]), s.device.id,
+                                            len(x.addressable_shards), os.getpid()]], np.int32),
+                                 s.device)
+                  for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays((x.shape[0], 4), x.sharding, pieces)
+
+    sharding = _per_host()
+    x = jax.device_put(np.arange(8, dtype=np.int32) * 10, sharding)
+    out_spec = jax.ShapeDtypeStruct((8, 4), np.int32, sharding=sharding)
+    runtime = _runtime(hosts)
+    try:
+        got = np.asarray(where.specialize(out_specs_fn=lambda _: out_spec)(x))
+    finally:
+        runtime.close()
+    np.testing.assert_array_equal(got[:, 0], np.arange(8) * 10)  # each device its own shard
+    assert set(got[:, 2]) == {2}  # a host's function sees its two shards only
+    pids = got[:, 3]
+    assert len(set(pids)) == 4 and os.getpid() not in pids  # four sidecar processes
+    assert all(pids[2 * h] == pids[2 * h + 1] for h in range(4))
+    assert all(got[i, 1] != i for i in range(8))  # worker ids are not the controller's
+
+
+def test_a_result_that_breaks_its_declared_spec_fails_the_call(hosts: Hosts) -> None:
+    @colocated_python.colocated_python
+    def wrong_dtype(x: jax.Array) -> jax.Array:
+        return x.astype(np.float32)
+
+    sharding = _per_host()
+    x = jax.device_put(np.arange(8, dtype=np.int32), sharding)
+    spec = jax.ShapeDtypeStruct((8,), np.int32, sharding=sharding)
+    runtime = _runtime(hosts)
+    try:
+        with pytest.raises(ColocatedCallError,
+                           match=r"output 0 is float32\[8\], declared int32\[8\]"):
+            wrong_dtype.specialize(out_specs_fn=lambda _: spec)(x)
+    finally:
+        runtime.close()
+
+
+def test_a_controller_device_id_in_a_closure_fails_on_the_worker(hosts: Hosts) -> None:
+    """Placing a result by a controller id lands on a device that is not the host's."""
+    controller_ids = [d.id for d in jax.devices()]
+
+    @colocated_python.colocated_python
+    def by_controller_id(x: jax.Array) -> jax.Array:
+        devices = {d.id: d for d in jax.devices()}
+        pieces = [jax.device_put(np.asarray(s.data), devices[controller_ids[k]])
+                  for k, s in enumerate(x.addressable_shards)]
+        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, pieces)
+
+    sharding = _per_host()
+    x = jax.device_put(np.arange(8, dtype=np.int32), sharding)
+    spec = jax.ShapeDtypeStruct((8,), np.int32, sharding=sharding)
+    runtime = _runtime(hosts)
+    try:
+        with pytest.raises(ColocatedCallError) as e:
+            by_controller_id.specialize(out_specs_fn=lambda _: spec)(x)
+    finally:
+        runtime.close()
+    assert "not present in the sharding" in e.value.message and e.value.host is not None
+
+
+def test_a_device_outside_the_program_does_not_resolve_on_the_worker(hosts: Hosts) -> None:
+    """A closure holding a controller sharding beyond the call's devices (as a TPU
+    sharding would be) fails on the worker, not silently in this process."""
+    far = NamedSharding(Mesh(np.array(jax.devices()[4:]), ("d",)), PartitionSpec())
+
+    @colocated_python.colocated_python
+    def holds_far(x: jax.Array) -> jax.Array:
+        assert far.spec == PartitionSpec()  # captured: pickled with the function
+        return x
+
+    near = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("d",)), PartitionSpec("d"))
+    x = jax.device_put(np.arange(4, dtype=np.int32), near)
+    spec = jax.ShapeDtypeStruct((4,), np.int32, sharding=near)
+    runtime = _runtime(hosts)
+    try:
+        with pytest.raises(ColocatedCallError, match="Invalid device ID"):
+            holds_far.specialize(out_specs_fn=lambda _: spec)(x)
+    finally:
+        runtime.close()
+
+
+def test_a_host_error_comes_back_typed_with_its_host(hosts: Hosts) -> None:
+    @colocated_python.colocated_python
+    def fails(x: jax.Array) -> jax.Array:
+        raise mtc.StorageError("disk gone", step=3, path="/x")
+
+    sharding = _per_host()
+    x = jax.device_put(np.arange(8, dtype=np.int32), sharding)
+    spec = jax.ShapeDtypeStruct((8,), np.int32, sharding=sharding)
+    runtime = _runtime(hosts)
+    try:
+        with pytest.raises(mtc.StorageError) as e:
+            fails.specialize(out_specs_fn=lambda _: spec)(x)
+    finally:
+        runtime.close()
+    assert e.value.step == 3 and e.value.host in range(4) and e.value.path == "/x"
