@@ -276,7 +276,11 @@ class LocalCluster:
 
     @classmethod
     def up(cls, base: Path, *, slices: int = 2, hosts_per_slice: int = 2,
-           backup: str | None = None, isolation: str | None = None) -> LocalCluster:
+           backup: str | None = None, isolation: str | None = None,
+           colocated_devices: int = 0) -> LocalCluster:
+        """``colocated_devices``: the trainer's CPU devices, split among the hosts'
+        sidecars, which then also run colocated-Python programs
+        (``Options(dispatch="colocated")``); 0: they serve seam requests only."""
         if (base / STATE).exists():
             raise SystemExit(f"a cluster already runs in {base} (take it down first)")
         base.mkdir(parents=True, exist_ok=True)
@@ -287,7 +291,8 @@ class LocalCluster:
         emulator = None
         hosts: Hosts | None = None
         try:
-            hosts = Hosts(base / "hosts", n, ramdisk_bytes=RAMDISK_BYTES, isolation=isolation)
+            hosts = Hosts(base / "hosts", n, ramdisk_bytes=RAMDISK_BYTES, isolation=isolation,
+                          colocated_devices=colocated_devices)
             if backup == GCS_EMULATOR:
                 # In this (the root) namespace, where the hosts reach it over the
                 # bridge, as they would a bucket over the network.
@@ -356,11 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts-per-slice", type=int, default=2)
     p.add_argument("--backup", help="backup URL (default: file://<base>/backup), or "
                    f"{GCS_EMULATOR!r}: start fake-gcs-server and back up to a bucket there")
+    p.add_argument("--colocated-devices", type=int, default=0,
+                   help="the trainer's CPU devices: the sidecars also run colocated Python "
+                        "on their share of them (0: they do not)")
     args = p.parse_args(argv)
     base = args.base or default_base(args.name)
     if args.command == "up":
         c = LocalCluster.up(base, slices=args.slices, hosts_per_slice=args.hosts_per_slice,
-                            backup=args.backup)
+                            backup=args.backup, colocated_devices=args.colocated_devices)
         print(f"cluster {base}: {c.num_hosts} hosts in {c.slices} slices, replicators "
               f"{','.join(c.addresses)}, backup {c.backup}")
         print(f"  hosts kept apart by {c.isolation}; status: python -m mtc.cli status "

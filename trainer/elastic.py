@@ -197,7 +197,7 @@ class ElasticRun:
         hosts = self.hosts_of(slices)
         return mtc.Options(simulated_hosts=len(hosts),
                            hosts_per_slice=self.cluster.hosts_per_slice,
-                           sidecars=self.cluster.sidecars(hosts),
+                           sidecars=self.cluster.sidecars(hosts), dispatch=self.args.dispatch,
                            replicator_token=self.cluster.token(), **kw)
 
     def local_dir(self, slices: tuple[int, ...]) -> Path:
@@ -623,6 +623,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "<cluster>/compile-cache; 'none': off)")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="no per-step in-memory snapshot (resize restores from mtc)")
+    p.add_argument("--dispatch", choices=("process", "colocated"), default="process",
+                   help="how mtc reaches the hosts' sidecars: seam requests, or colocated "
+                        "Python programs they run (a cluster up with --colocated-devices)")
     p.add_argument("--no-reference", dest="reference", action="store_false")
     return p.parse_args(argv)
 

@@ -56,6 +56,8 @@ from mtc_trainer.cluster import LocalCluster
 from mtc_trainer.demo import REPO, ChildFailed, child_env
 from mtc_trainer.jsonlog import JsonTail
 
+DEVICES = 8  # the trainer's CPU devices (mtc_trainer.elastic asks XLA for them)
+
 POLL_S = 0.05
 
 PHASE = {
@@ -408,6 +410,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="how long to pause for a host being replaced before resizing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=1e-6)
+    p.add_argument("--dispatch", choices=("process", "colocated"), default="process",
+                   help="the trainer reaches the sidecars by seam requests, or by colocated "
+                        "Python programs they run as Pathways workers would")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="no per-step in-memory snapshot")
     p.add_argument("--compile-ahead", type=int, default=1,
@@ -448,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     proc: subprocess.Popen[bytes] | None = None
     follower = Follower(out / "elastic.jsonl", args.steps)
     try:
-        cluster = LocalCluster.up(base)
+        cluster = LocalCluster.up(
+            base, colocated_devices=DEVICES if args.dispatch == "colocated" else 0)
         started = cluster.describe()
         follower.say(f"cluster up: 4 hosts in 2 slices under {base}, kept apart by "
                      f"{cluster.isolation} (each its own sidecar, replicator and RAM disk), "
@@ -461,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                "--lost-slice", str(args.lost_slice),
                "--slice-down-steps", str(args.slice_down_steps),
                "--pause-timeout-s", str(args.pause_timeout_s),
-               "--compile-ahead", str(args.compile_ahead),
+               "--compile-ahead", str(args.compile_ahead), "--dispatch", args.dispatch,
                "--compile-cache", args.compile_cache or str((out / "compile-cache").resolve())]
         if args.host_loss_at:
             cmd += ["--host-loss-at", ",".join(map(str, args.host_loss_at))]
@@ -499,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         # How the hosts were kept apart, as they are now (replaced hosts' new pids),
         # and as they started.
         report["cluster"] = {**LocalCluster.load(base).describe(),
-                             "hosts_at_start": started["hosts"]}
+                             "hosts_at_start": started["hosts"], "dispatch": args.dispatch}
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         png = plot(out, follower.records, report, t_launch)
         print_report(report, out, png)

@@ -295,7 +295,8 @@ class Hosts:
         return _alive(h.replicator_pid, h.replicator)
 
     def describe(self) -> dict[str, object]:
-        return {"isolation": self.isolation, "hosts": [h.describe() for h in self.hosts]}
+        return {"isolation": self.isolation, "colocated_devices": self.colocated_devices,
+                "hosts": [h.describe() for h in self.hosts]}
 
     def down(self) -> None:
         for i in range(self.n):
