@@ -177,8 +177,15 @@ class HostOps:
         """Wait until background deletions have freed their space."""
         layout.finish_deletions()
 
-    def _read(self, hosts: Sequence[int], step: int, tasks: list[dict[str, Any]]) -> Raw:
-        """Regions' bytes end to end, from pieces this host holds, each verified."""
+    def _read(self, hosts: Sequence[int], step: int,
+              tasks: list[dict[str, Any]] | dict[str, list[dict[str, Any]]]) -> Raw:
+        """Regions' bytes end to end, from pieces this host holds, each verified.
+        ``tasks`` by host: a request to every worker at once, each reading its own."""
+        if isinstance(tasks, dict):
+            if len(hosts) != 1:
+                raise ProtocolError(f"tasks by host read by one host, not {list(hosts)}",
+                                    step=step)
+            tasks = tasks.get(str(hosts[0]), [])
         loader = ShardLoader(step, self._root, remote=self.remote, own=self.own)
         out = []
         for d in tasks:

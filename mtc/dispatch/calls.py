@@ -34,6 +34,17 @@ class Dispatch(Protocol):
     def close(self) -> None: ...
 
 
+def regions_of(tasks: Sequence[ReadTask], reply: Any) -> list[np.ndarray]:
+    """The regions of a ``read`` reply: the tasks' bytes end to end."""
+    raw, regions, pos = memoryview(reply), [], 0
+    for t in tasks:
+        dt = jax.numpy.dtype(t.dtype)
+        n = math.prod(t.shape) * dt.itemsize
+        regions.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(t.shape))
+        pos += n
+    return regions
+
+
 class HostCalls:
     """The small host operations, as typed calls over one request/reply channel."""
 
@@ -77,18 +88,9 @@ class HostCalls:
     def _fetch(self, step: int, by_host: dict[int, list[ReadTask]]
                ) -> dict[int, list[np.ndarray]]:
         """Each host reads its tasks' regions; the bytes come back in the reply."""
-        out: dict[int, list[np.ndarray]] = {}
-        for host, tasks in by_host.items():
-            raw = memoryview(self._one("read", host, step=step,
-                                       tasks=[task_to_json(t) for t in tasks]))
-            regions, pos = [], 0
-            for t in tasks:
-                dt = jax.numpy.dtype(t.dtype)
-                n = math.prod(t.shape) * dt.itemsize
-                regions.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(t.shape))
-                pos += n
-            out[host] = regions
-        return out
+        return {host: regions_of(tasks, self._one("read", host, step=step,
+                                                   tasks=[task_to_json(t) for t in tasks]))
+                for host, tasks in by_host.items()}
 
     def load(self, step: int, tasks: Sequence[ReadTask],
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:

@@ -15,11 +15,13 @@ from mtc.contract import (
     ERROR_REQUEST,
     FAILED,
     AgentConfig,
+    ReadTask,
     SaveHeader,
     decode_reply,
     encode_request,
+    task_to_json,
 )
-from mtc.dispatch.calls import HostCalls
+from mtc.dispatch.calls import HostCalls, regions_of
 from mtc.dispatch.process import Sidecar
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import HostAgentError
@@ -121,6 +123,18 @@ class ColocatedDispatch(HostCalls):
         raw = np.frombuffer(ERROR_REQUEST, dtype=np.uint8)
         self._exchange(jax.device_put(raw, self._replicated))  # raises the typed error
         raise HostAgentError(f"{op}: a worker failed and kept no error")
+
+    def _fetch(self, step: int, by_host: dict[int, list[ReadTask]]
+               ) -> dict[int, list[np.ndarray]]:
+        """One request to every worker, each reading its own host's tasks: the hosts'
+        reads run side by side instead of a call per host."""
+        raw = np.frombuffer(encode_request(
+            "read", sorted(by_host), step=step,
+            tasks={str(h): [task_to_json(t) for t in ts] for h, ts in by_host.items()}),
+            dtype=np.uint8)
+        replies = dict(zip(sorted(set(self._rank_of.values())),
+                           self._exchange(jax.device_put(raw, self._replicated)), strict=True))
+        return {h: regions_of(ts, replies[h]) for h, ts in by_host.items()}
 
     def _to_cpu(self, x: jax.Array | np.ndarray) -> jax.Array:
         """The array on the colocated CPU devices, over the one device list that

@@ -168,8 +168,12 @@ class Runtime:
                 for s in x.addressable_shards:
                     h = self.host_of_device[s.device.id]
                     inputs[h][-1].append([s.device.id, len(buffers[h])])
-                    buffers[h].append(np.ascontiguousarray(np.asarray(s.data))
-                                      .reshape(-1).view(np.uint8))
+                    try:
+                        data = np.asarray(s.data)
+                    except jax.errors.JaxRuntimeError as e:  # a device lost with its host
+                        raise ShardUnavailableError(f"{name}: an input's shard on device "
+                                                    f"{s.device.id} is gone: {e}", host=h) from e
+                    buffers[h].append(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
             futures = {h: self._pool.submit(one, h, inputs[h], buffers[h]) for h in hosts}
             wait(futures.values())  # every host answered, whatever the first one raised
             replies = {h: f.result() for h, f in sorted(futures.items())}
@@ -178,10 +182,10 @@ class Runtime:
                 dt = np.dtype(spec.dtype)
                 shard = spec.sharding.shard_shape(spec.shape)
                 pieces = {}
-                for got, data in replies.values():
+                for got, out in replies.values():
                     for cid, b in got["outputs"][k]:
                         pieces[int(cid)] = jax.device_put(
-                            data[int(b)].view(dt).reshape(shard), by_id[int(cid)])
+                            out[int(b)].view(dt).reshape(shard), by_id[int(cid)])
                 want = {d.id for d in spec.sharding.addressable_devices}
                 if set(pieces) != want:
                     raise ColocatedCallError(f"{name}: output {k} came back on devices "
