@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m mtc_trainer.elastic_demo --out out/demo
+	$(PY) -m mtc_trainer.elastic_demo --out out/demo $(ARGS)
 
 demo-crash: $(STAMP)
 	$(PY) -m mtc_trainer.demo --out out/demo-crash
