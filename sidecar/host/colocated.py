@@ -150,6 +150,7 @@ class ColocatedServer:
             import mtc_sidecar.colocated as agents
 
             agents.HOST_ROOT = self.root
+            agents.install_cpu_id_patch()  # imports Orbax (a second): before any call
         except BaseException as e:  # noqa: BLE001 (reported by every call)
             self._warm_error = e
             log.error("host %d: colocated runtime did not start: %r", self.host, e)
