@@ -44,7 +44,8 @@ def _compile(name: str, fun: Callable[..., Any], in_specs_treedef: Any,
     """Stands in for ``colocated_python.func._compile_to_executable``."""
     ids = {d.id for d in devices}
     with _lock:
-        runtime = next((r for r in _runtimes if ids <= set(r.host_of_device)), None)
+        # The newest first: a manager made for a resized mesh before the old one closed.
+        runtime = next((r for r in reversed(_runtimes) if ids <= set(r.host_of_device)), None)
     if runtime is None:  # not in-process either: that would check nothing
         raise ColocatedCallError(f"{name}: no host serves CPU devices {sorted(ids)}")
     return runtime.compile(name, fun, in_specs_treedef, in_specs_leaves, out_specs_treedef,
