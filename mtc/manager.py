@@ -44,6 +44,7 @@ from mtc.topology import Topology
 
 if TYPE_CHECKING:
     from mtc.replicas import Prepared
+    from mtc_sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +160,17 @@ class CheckpointManager:
         if self.topology.subdirs or not self.options.replicators \
                 or self.options.simulated_hosts is not None:
             return None
-        return NetworkTier(tuple(self.options.replicators), self.options.replicator_token,
+        return NetworkTier(tuple(self.options.replicators), self._replicator_credentials(),
                            self.topology.local_hosts)
+
+    def _replicator_credentials(self) -> Credentials:
+        """How this process authenticates to the replicators: the shared token and,
+        with ``replicator_tls``, its certificate (mutual TLS)."""
+        from mtc_sidecar.replicator.security import Credentials
+
+        tls = self.options.replicator_tls
+        cert, key, ca = (Path(p) for p in tls) if tls else (None, None, None)
+        return Credentials(self.options.replicator_token, cert, key, ca)
 
     # -- save -------------------------------------------------------------------
 
@@ -585,6 +595,7 @@ class CheckpointManager:
                               f"{self.topology.num_hosts} hosts")
         local = [addrs[h] for h in self.topology.local_hosts]
         prepared = prepare_restore(local, token=self.options.replicator_token,
+                                   creds=self._replicator_credentials(),
                                    timeout_s=timeout_s or self.options.restore_timeout_s)
         self.last_restore_tiers = self._host_tiers(prepared)
         self.last_restore_tier = _farthest(self.last_restore_tiers)

@@ -54,6 +54,9 @@ class Options:
         they also serve the manifests and regions this process's host does not
         hold (a restore onto another mesh or onto fewer processes).
       replicator_token: the replicators' shared token, if they require one.
+      replicator_tls: ``(certificate, key, CA)`` PEM files for mutual TLS with the
+        replicators (their ``--tls-cert/--tls-key/--tls-ca``; on Kubernetes the
+        ``mtc-replicator-tls`` secret's ``tls.crt``, ``tls.key``, ``ca.crt``).
       restore_timeout_s: how long a restore waits for the replicators.
       sidecars: each host's sidecar process address (``python -m
         mtc_sidecar.host.main``), in host order; with them the hosts' RAM disks are
@@ -75,6 +78,7 @@ class Options:
     host_subdirs: bool | None = None
     replicators: tuple[str, ...] | None = None
     replicator_token: str | None = None
+    replicator_tls: tuple[str, str, str] | None = None
     restore_timeout_s: float = 120.0
     sidecars: tuple[str, ...] | None = None
     read_only: bool = False
@@ -106,3 +110,7 @@ class Options:
             raise ConfigError(f"hosts_per_slice must be >= 1, got {self.hosts_per_slice}")
         if self.simulated_hosts is not None and self.simulated_hosts < 1:
             raise ConfigError(f"simulated_hosts must be >= 1, got {self.simulated_hosts}")
+        if self.replicator_tls is not None and (
+                len(self.replicator_tls) != 3 or not all(self.replicator_tls)):
+            raise ConfigError("replicator_tls is (certificate, key, CA) files, got "
+                              f"{self.replicator_tls!r}")
