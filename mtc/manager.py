@@ -593,9 +593,16 @@ class CheckpointManager:
         if len(addrs) != self.topology.num_hosts:
             raise ConfigError(f"{len(addrs)} replicator addresses for "
                               f"{self.topology.num_hosts} hosts")
+        ranks = self.options.replicator_ranks or tuple(range(self.topology.num_hosts))
+        if len(ranks) != self.topology.num_hosts:
+            raise ConfigError(f"{len(ranks)} replicator ranks for "
+                              f"{self.topology.num_hosts} hosts")
         local = [addrs[h] for h in self.topology.local_hosts]
+        # The job's membership, stated: every host of this job (not only this
+        # process's), by its replicator's rank. A job that came back on fewer hosts
+        # than saved agrees among its own; the others' data must come from peers.
         prepared = prepare_restore(local, token=self.options.replicator_token,
-                                   creds=self._replicator_credentials(),
+                                   creds=self._replicator_credentials(), members=ranks,
                                    timeout_s=timeout_s or self.options.restore_timeout_s)
         self.last_restore_tiers = self._host_tiers(prepared)
         self.last_restore_tier = _farthest(self.last_restore_tiers)
