@@ -7,8 +7,9 @@ rest are pushed and verified on receipt; the step counts as replicated only
 when the target commits the copy. Older unreplicated steps are skipped, so lag
 never grows beyond one step in flight.
 
-Restore (``docs/agreement.md``): every node asks the coordinator (rank 0) which
-step to restore; the coordinator gathers every member's inventory and records
+Restore (``docs/agreement.md``): every node of the job's stated membership asks
+its coordinator (the lowest member; rank 0 for a job of full size) which step to
+restore; the coordinator gathers every member's inventory and records
 the epoch's step once, only when every member answered; every node reads that
 record. When a member does not answer within the deadline nobody restores: a
 typed :class:`~mtc.errors.AgreementError`. A host missing its data fetches it
