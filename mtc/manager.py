@@ -245,11 +245,19 @@ class CheckpointManager:
         elif state is None:
             raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
         step = layout.as_step(step)
-        self._dispatch.raise_background_error()
+        overlapped = isinstance(self._dispatch, ProcessDispatch)
+        if not overlapped:
+            self._dispatch.raise_background_error()
         if not (force or self._on_schedule(step)):
+            if overlapped:
+                self._dispatch.raise_background_error()
             return False
         t0 = time.perf_counter()
-        held = self._dispatch.steps(self.topology.local_hosts)
+        if isinstance(self._dispatch, ProcessDispatch):
+            # One round trip for both: earlier saves' errors, then the hosts' steps.
+            held = self._dispatch.poll_and_steps(self.topology.local_hosts)
+        else:
+            held = self._dispatch.steps(self.topology.local_hosts)
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
         if partial:
             if step in self._complete_here(held):
@@ -262,9 +270,15 @@ class CheckpointManager:
             held = {h: [s for s in steps if s != step] for h, steps in held.items()}
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics)
-        self._make_room(held)
         self._prepared = None
-        staged = self._dispatch.stage(header, arrays)
+        if isinstance(self._dispatch, ProcessDispatch):
+            # Room is made while the shards are copied into the hosts' areas (no
+            # host writes before it is made: the stage requests wait for it).
+            staged = self._dispatch.stage(header, arrays,
+                                          before_send=lambda: self._make_room(held))
+        else:
+            self._make_room(held)
+            staged = self._dispatch.stage(header, arrays)
         if staged:
             self._last_saved = step
             nbytes = sum(int(a.nbytes) for a in arrays)
@@ -315,7 +329,10 @@ class CheckpointManager:
                                      before_write=before_write)
 
     def _saves_in_flight(self) -> int:
-        """Steps still being written (colocated: unknown, so assume one)."""
+        """Steps still being written (colocated: unknown, so assume one; sidecar
+        processes: those whose save slot no host reported written yet)."""
+        if isinstance(self._dispatch, ProcessDispatch):
+            return self._dispatch.saves_in_flight()
         agent = getattr(self._dispatch, "agent", None)
         if agent is None:
             return 1
