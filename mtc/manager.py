@@ -281,6 +281,9 @@ class CheckpointManager:
             staged = self._dispatch.stage(header, arrays)
         if staged:
             self._last_saved = step
+            if isinstance(self._dispatch, (ProcessDispatch, LocalDispatch)):
+                # Their manifests say this job's host count: no host need be asked.
+                self._num_hosts[step] = len(self._config.slice_of_host)
             nbytes = sum(int(a.nbytes) for a in arrays)
             log.info("mtc: save step %d: %d bytes staged in %.3fs; writing to the local tier "
                      "(%s) in the background", step, nbytes, time.perf_counter() - t0,
