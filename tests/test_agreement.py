@@ -145,6 +145,16 @@ def test_a_smaller_jobs_epoch_needs_its_members_only_and_each_reads_one_record()
     m.holdings[3] = hs((3, 9))
     again = ask_all(small, [0, 1], rid="again")
     assert {(x.epoch, x.step) for x in again if isinstance(x, EpochRecord)} == {(2, 3)}
+    # A restore id answered for one membership is never read as another's record.
+    with pytest.raises(AgreementError, match=r"answered for membership \[0, 1\]"):
+        full.decide_for(0, "again", 0.3)
+
+
+def test_records_keep_their_membership_across_a_restart(tmp_path: Path) -> None:
+    book = Book(tmp_path / "book.json")
+    book.record(3, {"a"}, 1.0, members=[0, 1])
+    again = Book(tmp_path / "book.json")
+    assert again.find("a") == EpochRecord(1, 3, 1.0, frozenset({"a"}), (0, 1))
 
 
 # -- when an epoch can form, which record answers an ask ---------------------------------

@@ -136,6 +136,7 @@ class EpochRecord:
     step: int
     decided_at: float
     rids: frozenset[str] = frozenset()
+    members: tuple[int, ...] = ()  # the membership it was decided for (): not recorded
 
     def decision(self, rank: int = -1, rid: str = "") -> Decision:
         return Decision(self.epoch, self.step, self.decided_at, rank, rid)
@@ -173,14 +174,15 @@ class Book:
             return find_record(self.records, rid)
 
     def record(self, step: int, rids: Iterable[str], now: float,
-               reported: Iterable[Decision] = ()) -> EpochRecord:
+               reported: Iterable[Decision] = (), members: Sequence[int] = ()
+               ) -> EpochRecord:
         """Record a new epoch's decision: the only place a decision is made. Its
         number is past every epoch this book or any member knows, so a wiped
         coordinator never reuses one."""
         with self._lock:
             newest = max([r.epoch for r in self.records[-1:]] + [d.epoch for d in reported],
                          default=0)
-            rec = EpochRecord(newest + 1, step, now, frozenset(rids))
+            rec = EpochRecord(newest + 1, step, now, frozenset(rids), tuple(members))
             self.records = [*self.records, rec][-KEEP_RECORDS:]
             self._save()
             return rec
@@ -189,7 +191,7 @@ class Book:
         if self.path is None:
             return
         data = [{"epoch": r.epoch, "step": r.step, "decided_at": r.decided_at,
-                 "rids": sorted(r.rids)} for r in self.records]
+                 "rids": sorted(r.rids), "members": list(r.members)} for r in self.records]
         layout.write_atomic(self.path, json.dumps(data), durable=True)
 
 
@@ -197,7 +199,8 @@ def _load(path: Path) -> list[EpochRecord]:
     try:
         data = json.loads(path.read_text())
         return [EpochRecord(int(d["epoch"]), int(d["step"]), float(d["decided_at"]),
-                            frozenset(map(str, d["rids"]))) for d in data]
+                            frozenset(map(str, d["rids"])),
+                            tuple(int(m) for m in d.get("members", ()))) for d in data]
     except FileNotFoundError:
         return []
     except (ValueError, KeyError, TypeError) as e:
@@ -252,13 +255,13 @@ class Coordinator:
         deadline = time.monotonic() + timeout_s
         rid = rid or f"anon-{uuid.uuid4().hex}"
         with self._cond:
-            rec = self.book.find(rid)
+            rec = self._find(rid, rank)
             if rec is not None:
                 return rec  # a re-issued ask of a decided epoch
             self._asks[rank] = (rid, deadline)  # replaces an older ask of this rank
             self._asked_at[rank] = time.monotonic()
             while True:
-                rec = self.book.find(rid)
+                rec = self._find(rid, rank)
                 if rec is not None:
                     return rec
                 if self._asks.get(rank, ("", 0.0))[0] != rid:
@@ -290,6 +293,15 @@ class Coordinator:
                                          f"and answer", host=rank)
                 self._cond.wait(deadline - now)
 
+    def _find(self, rid: str, rank: int) -> EpochRecord | None:
+        """The record that answered ``rid``, when it was decided for this membership;
+        one decided for another membership is never read as this one's."""
+        rec = self.book.find(rid)
+        if rec is not None and rec.members and sorted(rec.members) != sorted(self.members):
+            raise AgreementError(f"restore id {rid!r} was answered for membership "
+                                 f"{list(rec.members)}, not {self.members}", host=rank)
+        return rec
+
     def _decide(self, deadline: float) -> None:
         """Called with ``_cond`` held and every member asking: gather (without the
         lock, so re-issued asks still register) and record, or say why not."""
@@ -307,7 +319,8 @@ class Coordinator:
         else:
             rids = {a[0] for a in asks.values()} | {a[0] for a in self._asks.values()}
             self.book.record(result.step, rids, self.clock(),
-                             [h.last for h in holdings.values() if h.last is not None])
+                             [h.last for h in holdings.values() if h.last is not None],
+                             self.members)
             self._asks.clear()
             self._asked_at.clear()  # those asks are answered: they count for no later epoch
             self._why = ""
