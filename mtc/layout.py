@@ -106,6 +106,18 @@ _deleting: list[Future[None]] = []
 _deleting_lock = threading.Lock()
 
 
+def lower_thread_priority(by: int = 10) -> None:
+    """The calling thread yields the CPU to the training loop and to the requests
+    it waits on (Linux: a thread's own nice value, raised by ``by`` over what it
+    has, so it holds under a process started with ``nice`` too). Background work
+    (host-side writes, deletions) runs at full speed when nothing else wants the CPU."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except (OSError, AttributeError):
+        pass
+
+
 def remove_step(root: Path, step: int, *, background: bool = False) -> bool:
     """Delete a committed step, atomically hiding it first. False if absent.
 
@@ -123,7 +135,8 @@ def remove_step(root: Path, step: int, *, background: bool = False) -> bool:
     if background:
         with _deleting_lock:
             if _deleter is None:
-                _deleter = ThreadPoolExecutor(1, thread_name_prefix="mtc-delete")
+                _deleter = ThreadPoolExecutor(1, thread_name_prefix="mtc-delete",
+                                              initializer=lower_thread_priority)
             _deleting[:] = [f for f in _deleting if not f.done()]
             _deleting.append(_deleter.submit(shutil.rmtree, dst, ignore_errors=True))
     else:

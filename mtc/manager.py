@@ -45,6 +45,7 @@ from mtc.topology import Topology
 
 if TYPE_CHECKING:
     from mtc.replicas import Prepared
+    from mtc_sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +163,17 @@ class CheckpointManager:
         if self.topology.subdirs or not self.options.replicators \
                 or self.options.simulated_hosts is not None:
             return None
-        return NetworkTier(tuple(self.options.replicators), self.options.replicator_token,
+        return NetworkTier(tuple(self.options.replicators), self._replicator_credentials(),
                            self.topology.local_hosts)
+
+    def _replicator_credentials(self) -> Credentials:
+        """How this process authenticates to the replicators: the shared token and,
+        with ``replicator_tls``, its certificate (mutual TLS)."""
+        from mtc_sidecar.replicator.security import Credentials
+
+        tls = self.options.replicator_tls
+        cert, key, ca = (Path(p) for p in tls) if tls else (None, None, None)
+        return Credentials(self.options.replicator_token, cert, key, ca)
 
     # -- save -------------------------------------------------------------------
 
@@ -238,11 +248,19 @@ class CheckpointManager:
         elif state is None:
             raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
         step = layout.as_step(step)
-        self._dispatch.raise_background_error()
+        overlapped = isinstance(self._dispatch, ProcessDispatch)
+        if not overlapped:
+            self._dispatch.raise_background_error()
         if not (force or self._on_schedule(step)):
+            if overlapped:
+                self._dispatch.raise_background_error()
             return False
         t0 = time.perf_counter()
-        held = self._dispatch.steps(self.topology.local_hosts)
+        if isinstance(self._dispatch, ProcessDispatch):
+            # One round trip for both: earlier saves' errors, then the hosts' steps.
+            held = self._dispatch.poll_and_steps(self.topology.local_hosts)
+        else:
+            held = self._dispatch.steps(self.topology.local_hosts)
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
         if partial:
             if step in self._complete_here(held):
@@ -255,11 +273,20 @@ class CheckpointManager:
             held = {h: [s for s in steps if s != step] for h, steps in held.items()}
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics)
-        self._make_room(held)
         self._prepared = None
-        staged = self._dispatch.stage(header, arrays)
+        if isinstance(self._dispatch, ProcessDispatch):
+            # Room is made while the shards are copied into the hosts' areas (no
+            # host writes before it is made: the stage requests wait for it).
+            staged = self._dispatch.stage(header, arrays,
+                                          before_send=lambda: self._make_room(held))
+        else:
+            self._make_room(held)
+            staged = self._dispatch.stage(header, arrays)
         if staged:
             self._last_saved = step
+            if isinstance(self._dispatch, (ProcessDispatch, LocalDispatch)):
+                # Their manifests say this job's host count: no host need be asked.
+                self._num_hosts[step] = len(self._config.slice_of_host)
             nbytes = sum(int(a.nbytes) for a in arrays)
             log.info("mtc: save step %d: %d bytes staged in %.3fs; writing to the local tier "
                      "(%s) in the background", step, nbytes, time.perf_counter() - t0,
@@ -308,7 +335,10 @@ class CheckpointManager:
                                      before_write=before_write)
 
     def _saves_in_flight(self) -> int:
-        """Steps still being written (colocated: unknown, so assume one)."""
+        """Steps still being written (colocated: unknown, so assume one; sidecar
+        processes: those whose save slot no host reported written yet)."""
+        if isinstance(self._dispatch, ProcessDispatch):
+            return self._dispatch.saves_in_flight()
         agent = getattr(self._dispatch, "agent", None)
         if agent is None:
             return 1
@@ -586,8 +616,16 @@ class CheckpointManager:
         if len(addrs) != self.topology.num_hosts:
             raise ConfigError(f"{len(addrs)} replicator addresses for "
                               f"{self.topology.num_hosts} hosts")
+        ranks = self.options.replicator_ranks or tuple(range(self.topology.num_hosts))
+        if len(ranks) != self.topology.num_hosts:
+            raise ConfigError(f"{len(ranks)} replicator ranks for "
+                              f"{self.topology.num_hosts} hosts")
         local = [addrs[h] for h in self.topology.local_hosts]
+        # The job's membership, stated: every host of this job (not only this
+        # process's), by its replicator's rank. A job that came back on fewer hosts
+        # than saved agrees among its own; the others' data must come from peers.
         prepared = prepare_restore(local, token=self.options.replicator_token,
+                                   creds=self._replicator_credentials(), members=ranks,
                                    timeout_s=timeout_s or self.options.restore_timeout_s)
         self.last_restore_tiers = self._host_tiers(prepared)
         self.last_restore_tier = _farthest(self.last_restore_tiers)

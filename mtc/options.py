@@ -56,7 +56,16 @@ class Options:
         In multi-controller JAX with a RAM disk per process (no host subfolders)
         they also serve the manifests and regions this process's host does not
         hold (a restore onto another mesh or onto fewer processes).
+      replicator_ranks: each host's rank among the replicators (their ``--rank``),
+        in host order; ``None``: host ``h`` is rank ``h``. These ranks are the job's
+        membership in the replicators' restore agreement: a job that comes back on
+        fewer hosts than saved (4 processes as 2) agrees among its own hosts, and
+        the data of the hosts gone must be held by them (peer copies) or backed
+        up. State the ranks when the job's hosts are not the first ones.
       replicator_token: the replicators' shared token, if they require one.
+      replicator_tls: ``(certificate, key, CA)`` PEM files for mutual TLS with the
+        replicators (their ``--tls-cert/--tls-key/--tls-ca``; on Kubernetes the
+        ``mtc-replicator-tls`` secret's ``tls.crt``, ``tls.key``, ``ca.crt``).
       restore_timeout_s: how long a restore waits for the replicators.
       sidecars: each host's sidecar process address (``python -m
         mtc_sidecar.host.main``), in host order; with them the hosts' RAM disks are
@@ -77,7 +86,9 @@ class Options:
     simulated_hosts: int | None = None
     host_subdirs: bool | None = None
     replicators: tuple[str, ...] | None = None
+    replicator_ranks: tuple[int, ...] | None = None
     replicator_token: str | None = None
+    replicator_tls: tuple[str, str, str] | None = None
     restore_timeout_s: float = 120.0
     sidecars: tuple[str, ...] | None = None
     read_only: bool = False
@@ -111,3 +122,12 @@ class Options:
             raise ConfigError(f"hosts_per_slice must be >= 1, got {self.hosts_per_slice}")
         if self.simulated_hosts is not None and self.simulated_hosts < 1:
             raise ConfigError(f"simulated_hosts must be >= 1, got {self.simulated_hosts}")
+        if self.replicator_ranks is not None and (
+                len(set(self.replicator_ranks)) != len(self.replicator_ranks)
+                or any(not isinstance(r, int) or r < 0 for r in self.replicator_ranks)):
+            raise ConfigError("replicator_ranks are distinct ranks >= 0, got "
+                              f"{self.replicator_ranks!r}")
+        if self.replicator_tls is not None and (
+                len(self.replicator_tls) != 3 or not all(self.replicator_tls)):
+            raise ConfigError("replicator_tls is (certificate, key, CA) files, got "
+                              f"{self.replicator_tls!r}")

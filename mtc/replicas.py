@@ -33,9 +33,15 @@ class Prepared:
 
 def prepare_restore(addresses: Sequence[str], *, token: str | None,
                     timeout_s: float, creds: Credentials | None = None,
-                    restore_id: str | None = None) -> Prepared:
+                    restore_id: str | None = None,
+                    members: Sequence[int] = ()) -> Prepared:
     """Ask each replicator (concurrently: they read one decision) to make its
     host's data of the agreed step local.
+
+    ``members``: the replicator ranks of every host of the job restoring, stated
+    by the job (in multi-controller JAX each process asks only its own replicators
+    but states the whole job's): they, and only they, must ask and answer before
+    a step is decided. Empty: every node the replicators were started with.
 
     Every request carries one restore id, so a replicator that restarts during
     the restore is asked again (within ``timeout_s``) and reads the same decision.
@@ -52,7 +58,8 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
     clients = [PeerClient(a, creds, rank=i) for i, a in enumerate(addresses)]
     pool = ThreadPoolExecutor(len(clients), thread_name_prefix="mtc-prepare")
     try:
-        futs = [pool.submit(_prepare_one, c, rid, deadline, cancelled) for c in clients]
+        futs = [pool.submit(_prepare_one, c, rid, deadline, cancelled, tuple(members))
+                for c in clients]
         done, _ = wait(futs, return_when=FIRST_EXCEPTION)
         for f in futs:
             if f in done and f.exception() is not None:
@@ -76,7 +83,7 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
 
 
 def _prepare_one(client: PeerClient, rid: str, deadline: float,
-                 cancelled: threading.Event) -> Any:
+                 cancelled: threading.Event, members: tuple[int, ...]) -> Any:
     """PrepareRestore on one replicator, sent again while it is unreachable
     (restarting) and time is left; any other error is raised as its domain type."""
     from mtc.proto import replicator_pb2 as pb
@@ -88,7 +95,7 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
         try:
             return client.call("PrepareRestore",
                                pb.PrepareRestoreRequest(timeout_seconds=max(0.5, left),
-                                                        restore_id=rid),
+                                                        restore_id=rid, members=members),
                                deadline_s=max(0.5, left) + MATERIALIZE_S, attempts=1)
         except PeerError as e:
             if cancelled.is_set():

@@ -55,9 +55,10 @@ class PeerFiles:
     rank of this host's own replicator.
     """
 
-    def __init__(self, addresses: Sequence[str], token: str | None, *, near: int | None,
-                 deadline_s: float = 60.0) -> None:
-        creds = Credentials(token=token)
+    def __init__(self, addresses: Sequence[str], creds: Credentials | str | None, *,
+                 near: int | None, deadline_s: float = 60.0) -> None:
+        if not isinstance(creds, Credentials):  # a shared token, or nothing
+            creds = Credentials(token=creds)
         self.addresses = list(addresses)
         self.near = near
         self.deadline_s = deadline_s

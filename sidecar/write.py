@@ -119,20 +119,12 @@ def _drain(save: HostSave) -> None:
         pass
 
 
-def _lower_priority() -> None:
-    """Writers yield the CPU to the training loop (Linux: per-thread nice)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (OSError, AttributeError):
-        pass
-
-
 class Writer:
     """Background writer: one save at a time, its files in parallel."""
 
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtc-write",
-                                        initializer=_lower_priority)
+                                        initializer=layout.lower_thread_priority)
         self._jobs: queue.SimpleQueue[HostSave | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mtc-commit", daemon=True)
         self._thread.start()

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mtc.errors import AgreementError, CorruptShardError, StepNotFoundError
+from mtc.errors import AgreementError, ConfigError, CorruptShardError, StepNotFoundError
 from mtc_sidecar.replicator.agreement import (
     Book,
     CannotDecide,
@@ -22,6 +22,7 @@ from mtc_sidecar.replicator.agreement import (
     EpochRecord,
     Fresh,
     Holding,
+    check_members,
     decide,
     find_record,
     missing_asks,
@@ -76,6 +77,84 @@ def test_newest_complete_ignores_backup_and_needs_every_rank() -> None:
     assert newest_complete(hs, 3, own_only) == 1
     hs[1] = h((1, 1), (1, 2))
     assert newest_complete(hs, 3, own_only) == 2
+
+
+def hs(*copies: tuple[int, int], saved: tuple[tuple[int, int], ...] = ()) -> Holding:
+    return Holding(frozenset(copies), frozenset(), None, frozenset(saved))
+
+
+# (name, holdings, members, num_nodes, expected): a job of fewer hosts than saved.
+SMALLER_JOB_CASES = [
+    ("the gone hosts' data on members' peer copies",
+     {0: hs((0, 3), (2, 3)), 1: hs((1, 3), (3, 3))}, [0, 1], 4, Decided(3)),
+    ("a gone host's data nowhere: an older step",
+     {0: hs((0, 2), (0, 3), (2, 2), (2, 3)), 1: hs((1, 2), (1, 3), (3, 2))}, [0, 1], 4,
+     Decided(2)),
+    ("held only by a host outside the job: does not count",
+     {0: hs((0, 3), (2, 3)), 1: hs((1, 3))}, [0, 1], 4, Decided(-1)),
+    ("a step the smaller job saved: its own hosts' data suffice",
+     {0: hs((0, 3), (2, 3), (0, 4), saved=((3, 4), (4, 2))),
+      1: hs((1, 3), (3, 3), (1, 4), saved=((3, 4), (4, 2)))}, [0, 1], 4, Decided(4)),
+    ("one copy states more saving hosts: the most is needed",
+     {0: hs((0, 4), saved=((4, 2),)), 1: hs((1, 4), saved=((4, 3),))}, [0, 1], 4,
+     Decided(-1)),
+    ("a member silent: never a partial view",
+     {0: hs((0, 3), (2, 3))}, [0, 1], 4, CannotDecide("no inventory from rank(s) [1]", (1,))),
+]
+
+
+@pytest.mark.parametrize(("name", "holdings", "members", "num_nodes", "want"),
+                         SMALLER_JOB_CASES, ids=[c[0] for c in SMALLER_JOB_CASES])
+def test_decide_for_a_smaller_job(name: str, holdings: dict[int, Holding], members: list[int],
+                                  num_nodes: int, want: Decided | CannotDecide) -> None:
+    assert decide(holdings, members, own_only, num_nodes) == want
+
+
+@pytest.mark.parametrize(("members", "rank", "match"), [
+    ([0, 0, 1], 0, "names a rank twice"),
+    ([0, 4], 0, r"rank\(s\) \[4\] are not among the replicators' 4 nodes"),
+    ([-1, 0], 0, "are not among"),
+    ([2, 3], 0, "rank 0 asked with membership \\[2, 3\\], which does not include it"),
+])
+def test_a_stated_membership_is_checked_never_guessed(members: list[int], rank: int,
+                                                      match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_members(members, 4, rank)
+
+
+def test_stated_memberships_sorted_and_empty_means_every_node() -> None:
+    assert check_members([3, 1], 4, 1) == (1, 3)
+    assert check_members([], 4, 2) == (0, 1, 2, 3)
+
+
+def test_a_smaller_jobs_epoch_needs_its_members_only_and_each_reads_one_record() -> None:
+    """Members 0 and 1 of 4 nodes decide among themselves, with a book shared with
+    the full membership's coordinator: epoch numbers never repeat across them."""
+    m = Members({0: hs((0, 3), (2, 3)), 1: hs((1, 3), (3, 3)), 2: hs(), 3: hs()})
+    m.down = {2, 3}
+    book = Book()
+    small = Coordinator([0, 1], own_only, m.gather, book, retry_s=0.01, num_nodes=4)
+    full = Coordinator([0, 1, 2, 3], own_only, m.gather, book, retry_s=0.01, num_nodes=4)
+    recs = ask_all(small, [0, 1])
+    assert {(x.epoch, x.step) for x in recs if isinstance(x, EpochRecord)} == {(1, 3)}, recs
+    # The full membership cannot form while 2 and 3 are down (and their asks are missing).
+    errors = ask_all(full, [0, 1], rid="full", timeout=0.3)
+    assert all(isinstance(e, AgreementError) and "[2, 3]" in str(e) for e in errors), errors
+    # Had a step 2 and 3 alone hold been newer, the smaller job never restores it.
+    m.holdings[2] = hs((2, 9))
+    m.holdings[3] = hs((3, 9))
+    again = ask_all(small, [0, 1], rid="again")
+    assert {(x.epoch, x.step) for x in again if isinstance(x, EpochRecord)} == {(2, 3)}
+    # A restore id answered for one membership is never read as another's record.
+    with pytest.raises(AgreementError, match=r"answered for membership \[0, 1\]"):
+        full.decide_for(0, "again", 0.3)
+
+
+def test_records_keep_their_membership_across_a_restart(tmp_path: Path) -> None:
+    book = Book(tmp_path / "book.json")
+    book.record(3, {"a"}, 1.0, members=[0, 1])
+    again = Book(tmp_path / "book.json")
+    assert again.find("a") == EpochRecord(1, 3, 1.0, frozenset({"a"}), (0, 1))
 
 
 # -- when an epoch can form, which record answers an ask ---------------------------------

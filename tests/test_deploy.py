@@ -503,6 +503,59 @@ def test_manifests_agree_with_themselves(
         assert len(all_ports) == len(set(all_ports)), (rj["name"], all_ports)
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_trainer_gives_the_manager_the_replicators_of_its_pods(
+        overlay: Path, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mtc-train-k8s`` as the rendered pod starts it: the manager's ``replicators``
+    are exactly the replicators' own ``--nodes`` (same names, same rank order, so
+    host h is rank h), reached over mutual TLS with the files the replicators use."""
+    from mtc_trainer import k8s as train_k8s
+
+    (js,) = jobsets(rendered[overlay.name])
+    worker = job_of(js, "worker")
+    pod = pod_of(worker)
+    rep = containers(pod)["replicator"]
+    is_mc = "pathways-worker" not in containers(pod)
+    trainer_pod = pod if is_mc else pod_of(job_of(js, "pathways-head"))
+    trainer = containers(trainer_pod)["trainer"]
+    # The downward API's values, as Kubernetes would fill them in for slice 1, host 0.
+    place_env = worker_env(JOB_INDEX="1", MTC_NUM_SLICES=str(worker["replicas"]),
+                           MTC_HOSTS_PER_SLICE=str(worker["template"]["spec"]["completions"]))
+    plain = {k: v for k, v in env_of(trainer).items() if isinstance(v, str)}
+    for k, v in {**place_env, **plain}.items():
+        monkeypatch.setenv(k, v)
+    if not is_mc:
+        monkeypatch.delenv("JOB_INDEX")
+        monkeypatch.delenv("JOB_COMPLETION_INDEX")
+        monkeypatch.setenv("REPLICATED_JOB_NAME", "pathways-head")
+    args = train_k8s.parse_args([a for a in trainer.get("args", [])
+                                 if not a.startswith("--mode=")])
+    place = JobSetPlace.from_env(worker=is_mc)
+    opts = train_k8s.checkpoint_options(args, place)
+
+    rargs, rest = parse_args([*rep["args"]], env={k: v for k, v in env_of(rep).items()
+                                                   if isinstance(v, str)})
+    rargv = replicator_argv(rargs, rest, JobSetPlace.from_env(place_env))
+    ropts = dict(zip(rargv[::2], rargv[1::2], strict=False))
+    assert opts.replicators == tuple(ropts["--nodes"].split(","))
+    assert opts.replicators[3] == "mtc-train-worker-1-1.mtc-train:9470"
+    assert opts.replicator_tls == (arg(rep, "--tls-cert"), arg(rep, "--tls-key"),
+                                   arg(rep, "--tls-ca"))
+    assert opts.hosts_per_slice == int(place_env["MTC_HOSTS_PER_SLICE"])
+    # The certificate the replicators serve (*.<subdomain>) covers every address.
+    assert all(a.split(":")[0].endswith(f".{place.subdomain}") for a in opts.replicators)
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    off = train_k8s.checkpoint_options(train_k8s.parse_args(
+        ["--no-replicators", "--token-file", str(token)]), place)
+    assert off.replicators is None and off.replicator_tls is None \
+        and off.replicator_token is None
+    on = train_k8s.checkpoint_options(train_k8s.parse_args(["--token-file", str(token)]), place)
+    assert on.replicator_token == "s3cret"
+
+
 def test_gke_mtc_component_swaps_only_the_ramdisk(
         rendered: dict[str, list[dict[str, Any]]]) -> None:
     if "pathways-gke-mtc" not in rendered:

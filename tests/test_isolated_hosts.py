@@ -158,3 +158,48 @@ def test_replicators_in_host_namespaces_bring_a_lost_host_back(hosts: Hosts, mes
     np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(state["w"]))
     for i in range(4):
         assert "Traceback" not in hosts.log_tail(i, "replicator", 100000)
+
+
+def test_a_refused_stage_is_raised_on_the_next_call_and_never_committed(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save`` returns once the shards are in the hosts' areas and the requests are
+    sent; the hosts' answers are awaited by the next call. A host's refusal (here
+    its real sidecar refusing a malformed stage request, the one fault injected on
+    the controller's side) is raised, typed and naming the host, by the next call;
+    that host never commits the step, no later request overtakes the refused one,
+    and its slot is free again: the next save commits on every host."""
+    from mtc.dispatch.process import ProcessDispatch
+    from mtc.errors import ProtocolError
+
+    real = ProcessDispatch._request
+    bad = {"step": 2, "host": 1}
+
+    def request(self: ProcessDispatch, host: int, op: str, args: dict[str, object],
+                timeout: float | None) -> object:
+        if op == "stage" and host == bad["host"] and f'"step": {bad["step"]}' in str(
+                args.get("header", "")):
+            args = {**args, "slot": "../elsewhere"}
+        return real(self, host, op, args, timeout)
+
+    monkeypatch.setattr(ProcessDispatch, "_request", request)
+    state = _state(mesh)
+    with mtc.CheckpointManager(tmp_path / "controller-view", mesh=mesh,
+                               options=_opts(hosts, max_to_keep=None)) as mgr:
+        assert mgr.save(1, state)
+        # Nothing sent after a save overtakes its stage requests: every host has
+        # committed the step when wait_until_finished returns.
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+        assert mgr.save(2, state) is True  # the refusal is not awaited here
+        with pytest.raises(ProtocolError, match="bad slot name") as e:
+            mgr.wait_until_finished()
+        assert e.value.host == 1
+        mgr.wait_until_finished()  # raised once; the others' writes finished
+        assert mgr.all_steps() == [1]  # step 2 is on hosts 0, 2, 3 only: not a step
+        held = mgr._dispatch.steps(mgr.topology.local_hosts)
+        assert [2 in held[h] for h in range(4)] == [True, False, True, True]
+        assert mgr.save(3, state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 3]
+        np.testing.assert_array_equal(np.asarray(mgr.restore(3, target=state)["w"]),
+                                      np.asarray(state["w"]))

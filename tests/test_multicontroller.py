@@ -208,6 +208,22 @@ class Cluster:
         check_results(phase, results, len(on))
         return results
 
+    def assert_partial_membership_fails(self, gone: int, timeout_s: float = 3.0) -> None:
+        """A membership naming a host that is gone never decides: the typed error
+        names it, within the deadline; one that leaves the asker out is refused."""
+        from mtc.errors import AgreementError, ConfigError
+        from mtc.replicas import prepare_restore
+
+        t0 = time.monotonic()
+        with pytest.raises(AgreementError, match=rf"rank\(s\) \[{gone}\]"):
+            prepare_restore([self.addrs[0]], token=self.hosts.token(), timeout_s=timeout_s,
+                            members=(0, gone))
+        # Bounded, not a performance figure: the deadline plus the RPCs' slack.
+        assert time.monotonic() - t0 < timeout_s + 30
+        with pytest.raises(ConfigError, match="does not include it"):
+            prepare_restore([self.addrs[0]], token=self.hosts.token(), timeout_s=timeout_s,
+                            members=(1,))
+
     def assert_private(self) -> None:
         """With namespaces, no host's RAM disk is visible from here."""
         if self.hosts.isolation == "namespaces":
@@ -245,7 +261,7 @@ def check_results(phase: str, results: list[dict[str, Any]], num_processes: int)
         assert r["checks"] >= 20, f"{phase}: process {r['process_index']} ran too few checks"
 
 
-@pytest.mark.timeout(5 * PHASE_TIMEOUT_S + 240)
+@pytest.mark.timeout(6 * PHASE_TIMEOUT_S + 240)
 def test_isolated_hosts_save_restore_restart_replace_and_shrink(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -283,9 +299,16 @@ def test_isolated_hosts_save_restore_restart_replace_and_shrink(tmp_path: Path) 
         c.lose(2)
         c.lose(3)
         results = c.run_job("shrink", [0, 1], logs)
-        # Hosts 2 and 3's rows and manifests came from their peer copies.
+        # The smaller job's own replicators agreed on step 3 (its membership: hosts
+        # 0 and 1, stated by its managers); hosts 2 and 3's rows and manifests came
+        # from their peer copies.
+        assert [r["latest_step"] for r in results] == [3, 3]
         assert {2, 3} <= {o for r in results for o in r["fetched_from"]}
         c.assert_private()
+        c.assert_partial_membership_fails(gone=2)
+        # It restarts: step 4, which only its own two hosts saved, is agreed on.
+        results = c.run_job("shrunk", [0, 1], logs)
+        assert [r["latest_step"] for r in results] == [4, 4]
 
 
 @pytest.mark.timeout(PHASE_TIMEOUT_S + 120)

@@ -456,3 +456,39 @@ def test_non_loopback_listen_needs_credentials(tmp_path: Path, listen: str) -> N
     assert "--token-file" in r.stderr
     assert "Traceback" not in r.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_manager_agrees_with_tls_replicators_through_its_certificate(
+        ramdisk: Path, tmp_path: Path, mesh: Any, clusters: list[Cluster]) -> None:
+    """``Options(replicator_tls=...)`` (what ``mtc-train-k8s`` passes from its TLS
+    folder): the manager's restore agreement reaches replicators that accept mutual
+    TLS only; the same manager without a certificate is refused, typed, at its deadline."""
+    from replicators import assert_state_equal, make_state
+
+    import mtc
+
+    pki = tmp_path  # the controller's files, not on any host's RAM disk
+    ca = make_ca("mtc test CA")
+    ca_pem = write_pem(ca[1], pki / "ca.crt")
+    node_crt, node_key = make_leaf(ca, "node", pki)
+    trainer_crt, trainer_key = make_leaf(ca, "trainer", pki)
+    creds = Credentials(tls_cert=node_crt, tls_key=node_key, tls_ca=ca_pem)
+    cl = new_cluster(clusters, ramdisk, 2, 1, creds=creds,
+                     extra=("--tls-cert", str(node_crt), "--tls-key", str(node_key),
+                            "--tls-ca", str(ca_pem)))
+    cl.start_all()
+    tls = (str(trainer_crt), str(trainer_key), str(ca_pem))
+    s1 = make_state(mesh, 1.0)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(
+            replicators=True, replicator_tls=tls, restore_timeout_s=30)) as m:
+        assert m.save(1, s1)
+    cl.wait_replicated(1, timeout=30)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(
+            replicators=True, replicator_tls=tls, restore_timeout_s=30)) as m:
+        assert m.latest_step() == 1
+        assert m.last_restore_tiers == {0: "local", 1: "local"}
+        assert_state_equal(m.restore(None, s1), s1)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(
+            replicators=True, restore_timeout_s=2)) as m, \
+            pytest.raises(mtc.AgreementError, match="did not answer"):
+        m.latest_step()

@@ -128,14 +128,27 @@ def make_mesh(hosts_per_slice: int) -> Any:
     return Mesh(np.array(devices).reshape(num_slices, -1), ("replica", "model"))
 
 
-def replicator_credentials(args: argparse.Namespace) -> Any:
-    from mtc_sidecar.replicator.security import Credentials
+def checkpoint_options(args: argparse.Namespace, place: Any) -> Any:
+    """The manager's options: every worker's replicator (``place``'s addresses, in
+    rank order: the replicators' own ``--nodes``, so host ``h`` of mtc's topology
+    is the replicator of rank ``h``), reached over mutual TLS with ``--tls-dir``'s
+    files and the token of ``--token-file``. Through them the manager agrees on the
+    step to restore, gets a replaced host's data from its peer or the backup, and
+    (multi-controller) fetches the regions other hosts saved when the mesh changed.
+    Each pod's replicator is a container of the pod itself, its name the pod's in
+    the JobSet's headless service, which the ``*.<subdomain>`` certificate covers."""
+    import mtc
 
     tls = args.tls_dir
-    return Credentials.from_files(
-        str(args.token_file) if args.token_file else None,
-        str(tls / "tls.crt") if tls else None, str(tls / "tls.key") if tls else None,
-        str(tls / "ca.crt") if tls else None)
+    token = args.token_file.read_text().strip() if args.token_file else None
+    with_replicators = not args.no_replicators
+    return mtc.Options(
+        save_interval_steps=args.save_interval, max_to_keep=args.max_to_keep,
+        hosts_per_slice=place.hosts_per_slice,
+        replicators=tuple(place.addresses(args.replicator_port)) if with_replicators else None,
+        replicator_token=token if with_replicators else None,
+        replicator_tls=(str(tls / "tls.crt"), str(tls / "tls.key"), str(tls / "ca.crt"))
+        if tls and with_replicators else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,7 +160,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     import mtc
-    from mtc.replicas import prepare_restore
     from mtc_sidecar.replicator.k8s import JobSetPlace
     from mtc_trainer import aot
     from mtc_trainer.data import VOCAB, make_iterator
@@ -164,25 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = Config(vocab_size=len(VOCAB), d_model=args.d_model, n_heads=args.heads,
                  n_layers=args.layers, d_ff=args.d_ff, total_steps=args.steps)
     trainer = Trainer(cfg, mesh, batch_size=args.batch_size)
-    mgr = mtc.CheckpointManager(
-        args.ramdisk, mesh=mesh,
-        options=mtc.Options(save_interval_steps=args.save_interval,
-                            max_to_keep=args.max_to_keep,
-                            hosts_per_slice=place.hosts_per_slice))
+    mgr = mtc.CheckpointManager(args.ramdisk, mesh=mesh,
+                                options=checkpoint_options(args, place))
 
     t0 = time.perf_counter()
-    step: int | None
-    addresses = place.addresses(args.replicator_port)
-    if args.no_replicators:
-        step = mgr.latest_step()
-    elif len(addresses) != mgr.topology.num_hosts:
-        log.warning("%d replicators but mtc sees %d hosts: restoring from the RAM disks only",
-                    len(addresses), mgr.topology.num_hosts)
-        step = mgr.latest_step()
-    else:
-        step = prepare_restore([addresses[h] for h in mgr.topology.local_hosts], token=None,
-                               timeout_s=mgr.options.restore_timeout_s,
-                               creds=replicator_credentials(args)).step
+    # With replicators: they agree on the step (the manager raises ConfigError when
+    # their count is not mtc's host count) and make every host's data local.
+    step = mgr.latest_step()
     if mode == "multi-controller":
         shard, shards = place.slice_index or 0, num_slices
     else:

@@ -16,15 +16,16 @@ from mtc_sidecar.agent import HostAgent
 from mtc_sidecar.load import ShardLoader, load_leaves
 from mtc_sidecar.ops import HostOps
 from mtc_sidecar.peers import PeerFiles
+from mtc_sidecar.replicator.security import Credentials
 
 
 @dataclasses.dataclass(frozen=True)
 class NetworkTier:
     """Where a process of a multi-controller job gets other hosts' files: the
-    replicators (``addresses`` in host order, ``token``); ``own``: its hosts."""
+    replicators (``addresses`` in host order, reached with ``creds``); ``own``: its hosts."""
 
     addresses: tuple[str, ...]
-    token: str | None
+    creds: Credentials
     own: tuple[int, ...]
 
 
@@ -37,7 +38,7 @@ class LocalDispatch(HostCalls):
     def __init__(self, config: AgentConfig, network: NetworkTier | None = None) -> None:
         self.config = config
         self.agent = HostAgent(config)
-        self.peers = (PeerFiles(network.addresses, network.token,
+        self.peers = (PeerFiles(network.addresses, network.creds,
                                 near=network.own[0] if network.own else None)
                       if network is not None else None)
         self.own = network.own if network is not None else ()

@@ -8,15 +8,17 @@ operation, and the array bytes through each host's shared-memory area.
 Save: the distinct shards of each host are copied into a slot of that host's area
 (the copy is the save's stall, as the device-to-host copy is on a TPU) and the
 sidecar writes them from there; a slot is reused once the sidecar reports the
-save written. Restore: the host holding each piece reads it, verified, into a
-fresh reply file of its area, which the controller maps onto its devices.
+save written. The stage requests' answers are awaited by the next request, not
+by the save (a refusal is raised there, like a background write's error).
+Restore: the host holding each piece reads it, verified, into a fresh reply file
+of its area, which the controller maps onto its devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -77,8 +79,16 @@ class ProcessDispatch(HostCalls):
         self._locks: dict[int, int] = {}  # host -> descriptor of the area's writer lock
         self._slots = {h: [transfer.SaveSlot(s.area, f"save-{k}") for k in range(SLOTS_PER_HOST)]
                        for h, s in sidecars.items()}
-        # Requests to the hosts at once, and each host's copy into its save slot.
-        self._pool = ThreadPoolExecutor(max(1, len(sidecars)), thread_name_prefix="mtc-hosts")
+        # Requests to the hosts at once (two per host: a save's poll and listing go
+        # together), and apart from them each host's copy into its save slot, so
+        # that requests made while the copies run do not queue behind them.
+        self._pool = ThreadPoolExecutor(max(1, 2 * len(sidecars)), thread_name_prefix="mtc-hosts")
+        self._copy_pool = ThreadPoolExecutor(max(1, len(sidecars)),
+                                             thread_name_prefix="mtc-copy")
+        # The last save's stage requests, answered or not: joined before any other
+        # request goes to a host (so nothing overtakes them), their errors raised then.
+        self._staging: dict[int, Future[Any]] = {}
+        self._staging_slots: dict[int, transfer.SaveSlot] = {}
 
     @classmethod
     def connect(cls, config: AgentConfig, addresses: Sequence[str],
@@ -87,6 +97,7 @@ class ProcessDispatch(HostCalls):
 
     def _channels_close(self) -> None:
         self._pool.shutdown(wait=True)  # no request is left in flight
+        self._copy_pool.shutdown(wait=True)
         for c in self._channels.values():
             c.close()
 
@@ -95,11 +106,31 @@ class ProcessDispatch(HostCalls):
     def _rpc(self, host: int, op: str, **args: Any) -> Any:
         return self._all({host: (op, args)})[host]
 
+    def _join_staging(self) -> None:
+        """Wait for the last save's stage requests. A host that refused (or did not
+        answer) never reads its slot, which is free again; the first error is raised
+        here, on the call after the save, as a background write's error would be."""
+        if not self._staging:
+            return
+        pending, slots = self._staging, self._staging_slots
+        self._staging, self._staging_slots = {}, {}
+        accepted: dict[int, Any] = {}
+        try:
+            accepted, error = self._gather(pending)
+        finally:
+            for h in pending:
+                if h not in accepted:
+                    slots[h].busy = False
+        if error is not None:
+            raise error
+
     def _fan_out(self, calls: dict[int, tuple[str, dict[str, Any]]], timeout: float | None
                  ) -> tuple[dict[int, Any], MtcError | None]:
         """Requests to several hosts at once (``timeout`` seconds each, None: no limit);
         every reply awaited. Returns the replies of the hosts that answered, and the
-        first error (in host order) or None."""
+        first error (in host order) or None. The last save's stage requests are
+        answered first (:meth:`_join_staging`)."""
+        self._join_staging()
         # Not wait_for_ready: a host whose sidecar is gone (connection refused) is
         # reported at once, as unavailable, instead of when the deadline ends.
         # Blocking calls on a pool of this object's own: a gRPC future starts a
@@ -155,7 +186,52 @@ class ProcessDispatch(HostCalls):
                 self._release(host, self._rpc(host, "wait"))
         return None
 
-    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
+    def saves_in_flight(self) -> int:
+        """Saves staged on some host and not yet reported written there (at most):
+        each holds its host's slot until a poll or wait says it was written."""
+        return max((sum(s.busy for s in slots) for slots in self._slots.values()), default=0)
+
+    def poll_and_steps(self, hosts: Sequence[int]) -> dict[int, list[int]]:
+        """:meth:`raise_background_error` and :meth:`steps` in one round trip: both
+        requests to every host at once. A background error is raised first, as
+        if the poll had come alone; slots reported written are free again."""
+        self._join_staging()
+        calls = [(h, "poll") for h in self.sidecars] + [(h, "steps") for h in hosts
+                                                        if h in self.sidecars]
+        futures = [self._pool.submit(self._request, h, op, {}, self.deadline_s)
+                   for h, op in calls]
+        polled, poll_error = self._gather({h: f for (h, op), f in zip(calls, futures,
+                                                                      strict=True)
+                                           if op == "poll"})
+        listed, list_error = self._gather({h: f for (h, op), f in zip(calls, futures,
+                                                                      strict=True)
+                                           if op == "steps"})
+        for h, names in polled.items():
+            self._release(h, names)
+        if poll_error is not None:
+            raise poll_error
+        if list_error is not None:
+            raise list_error
+        out: dict[int, list[int]] = {}
+        for reply in (listed[h] for h in sorted(listed)):
+            for h, steps in (reply or {}).items():
+                out[int(h)] = [int(s) for s in steps]
+        return out
+
+    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray], *,
+              before_send: Callable[[], None] | None = None) -> bool:
+        """Copy each host's shards into a free slot of its area, then ask every host
+        to write them. ``before_send`` runs on the caller's thread while the copies
+        run (the manager frees room on the RAM disks then, a round trip the copies
+        hide); the hosts are asked only once it returned, and not when it raised.
+
+        Returns once the shards are in the areas and the requests sent: the state
+        may change from then on. The hosts' answers are not awaited here (that
+        round trip was most of the stall beyond the copy): the next request to the
+        hosts waits for them first, and raises a refusal, as the next call raises
+        a background write's error. A step is committed only by its host's writer,
+        once every byte is written and checksummed, as before."""
+        self._join_staging()
         host_of = self.config.host_of_device
         per_host: dict[int, list[tuple[int, Any, tuple[int, ...], np.dtype[Any], Any]]] = {
             h: [] for h in self.sidecars}
@@ -197,23 +273,20 @@ class ProcessDispatch(HostCalls):
                     "num_hosts": len(self.config.slice_of_host)}
 
         staged = {h: items for h, items in per_host.items() if items}
+        copies = {h: self._copy_pool.submit(copy, h, items) for h, items in staged.items()}
+        try:
+            if before_send is not None:
+                before_send()  # this save is not in flight yet (its slots not busy)
+        finally:
+            wait(copies.values())  # no copy is left writing into a slot
+        requests = {h: f.result() for h, f in copies.items()}
+        # Every stage request once every copy is done: a sidecar writing its
+        # host's save would take CPU from the copies still running (the stall).
         for h in staged:
             slots[h].busy = True
-        accepted: dict[int, Any] = {}
-        try:
-            copies = {h: self._pool.submit(copy, h, items) for h, items in staged.items()}
-            wait(copies.values())
-            calls = {h: ("stage", f.result()) for h, f in copies.items()}
-            # Every stage request once every copy is done: a sidecar writing its
-            # host's save would take CPU from the copies still running (the stall).
-            accepted, error = self._fan_out(calls, self.deadline_s)
-            if error is not None:
-                raise error
-        except BaseException:
-            for h in staged:  # a host that refused never reads its slot
-                if h not in accepted:
-                    slots[h].busy = False
-            raise
+        self._staging_slots = {h: slots[h] for h in staged}
+        self._staging = {h: self._pool.submit(self._request, h, "stage", args, self.deadline_s)
+                         for h, args in requests.items()}
         return True
 
     def _each(self, op: str) -> None:

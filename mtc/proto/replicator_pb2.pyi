@@ -17,14 +17,16 @@ class FileInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class StepCopy(_message.Message):
-    __slots__ = ("step", "origin_rank", "files")
+    __slots__ = ("step", "origin_rank", "files", "saved_hosts")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    SAVED_HOSTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     origin_rank: int
     files: _containers.RepeatedCompositeFieldContainer[FileInfo]
-    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
+    saved_hosts: int
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., saved_hosts: _Optional[int] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ()
@@ -122,14 +124,16 @@ class AbortReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DecideRequest(_message.Message):
-    __slots__ = ("rank", "restore_id", "timeout_seconds")
+    __slots__ = ("rank", "restore_id", "timeout_seconds", "members")
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESTORE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     restore_id: str
     timeout_seconds: float
-    def __init__(self, rank: _Optional[int] = ..., restore_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., restore_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecideReply(_message.Message):
     __slots__ = ("decision",)
@@ -148,12 +152,14 @@ class CompleteReply(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class PrepareRestoreRequest(_message.Message):
-    __slots__ = ("timeout_seconds", "restore_id")
+    __slots__ = ("timeout_seconds", "restore_id", "members")
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     timeout_seconds: float
     restore_id: str
-    def __init__(self, timeout_seconds: _Optional[float] = ..., restore_id: _Optional[str] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, timeout_seconds: _Optional[float] = ..., restore_id: _Optional[str] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareRestoreReply(_message.Message):
     __slots__ = ("step", "tier", "seconds", "epoch")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from mtc import layout
-from mtc.errors import AgreementError
+from mtc.errors import AgreementError, ConfigError
 
 T = TypeVar("T")
 BOOK_NAME = ".mtc-agreement.json"
@@ -39,6 +39,7 @@ class Holding:
     copies: frozenset[tuple[int, int]]  # (origin rank, step)
     backed_up: frozenset[int] = frozenset()
     last: Decision | None = None  # the newest decision this member has read
+    saved_hosts: frozenset[tuple[int, int]] = frozenset()  # (step, hosts that saved it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,21 +65,35 @@ class CannotDecide:
     missing: tuple[int, ...] = ()
 
 
+def saving_ranks(step: int, holdings: Mapping[int, Holding], num_nodes: int) -> range:
+    """The ranks whose data ``step`` needs: those that saved it, as its copies'
+    manifests state (the most any copy states: never fewer than saved); every
+    node's when none states it (an Orbax step)."""
+    stated = [n for h in holdings.values() for s, n in h.saved_hosts if s == step and n > 0]
+    return range(max(stated) if stated else num_nodes)
+
+
 def newest_complete(holdings: Mapping[int, Holding], num_nodes: int,
                     equivalent: Callable[[int], Sequence[int]]) -> int:
-    """The newest step whose data is held (on hosts, not in backup) for every rank."""
+    """The newest step whose data is held (on hosts, not in backup) for every rank
+    that saved it (``num_nodes`` ranks, or fewer when a smaller job saved it)."""
     held = {c for h in holdings.values() for c in h.copies}
     for s in sorted({s for _, s in held}, reverse=True):
-        if all(any((o, s) in held for o in equivalent(r)) for r in range(num_nodes)):
+        if all(any((o, s) in held for o in equivalent(r))
+               for r in saving_ranks(s, holdings, num_nodes)):
             return s
     return -1
 
 
 def decide(holdings: Mapping[int, Holding], members: Collection[int],
-           equivalent: Callable[[int], Sequence[int]]) -> Decided | CannotDecide:
-    """The step every member restores: the newest one each rank's data exists for,
-    on a host or in the backup. Never on a partial view: every member must have
-    answered, or the answer is :class:`CannotDecide` naming who is missing."""
+           equivalent: Callable[[int], Sequence[int]],
+           num_nodes: int | None = None) -> Decided | CannotDecide:
+    """The step every member restores: the newest one each saving rank's data
+    exists for (held by a member, or in the backup). ``members`` is the job's
+    membership as the job stated it, possibly fewer than the ``num_nodes`` that
+    saved (a job that came back smaller: the data of the ranks gone must then be
+    held by members). Never on a partial view: every member must have answered,
+    or the answer is :class:`CannotDecide` naming who is missing."""
     missing = tuple(sorted(set(members) - set(holdings)))
     if missing:
         return CannotDecide(f"no inventory from rank(s) {list(missing)}", missing)
@@ -86,7 +101,27 @@ def decide(holdings: Mapping[int, Holding], members: Collection[int],
     if extra:
         return CannotDecide(f"inventory from rank(s) {extra} outside the membership")
     backed = max((s for h in holdings.values() for s in h.backed_up), default=-1)
-    return Decided(max(newest_complete(holdings, len(members), equivalent), backed))
+    n = len(members) if num_nodes is None else num_nodes
+    return Decided(max(newest_complete(holdings, n, equivalent), backed))
+
+
+def check_members(members: Sequence[int], num_nodes: int, rank: int | None = None
+                  ) -> tuple[int, ...]:
+    """A stated membership, validated: distinct ranks among the ``num_nodes``
+    (``rank``, the asker, one of them); empty means every node. Raises
+    :class:`ConfigError` naming what is wrong: a membership is never guessed."""
+    got = tuple(sorted(members)) if members else tuple(range(num_nodes))
+    if len(set(got)) != len(got):
+        raise ConfigError(f"membership {list(members)} names a rank twice")
+    outside = [m for m in got if not 0 <= m < num_nodes]
+    if outside:
+        raise ConfigError(f"membership {list(members)}: rank(s) {outside} are not among the "
+                          f"replicators' {num_nodes} nodes (0..{num_nodes - 1})")
+    if rank is not None and rank not in got:
+        raise ConfigError(f"rank {rank} asked with membership {list(got)}, which does not "
+                          f"include it: state each host's replicator rank "
+                          f"(Options.replicator_ranks)")
+    return got
 
 
 # -- the coordinator's records --------------------------------------------------------
@@ -101,6 +136,7 @@ class EpochRecord:
     step: int
     decided_at: float
     rids: frozenset[str] = frozenset()
+    members: tuple[int, ...] = ()  # the membership it was decided for (): not recorded
 
     def decision(self, rank: int = -1, rid: str = "") -> Decision:
         return Decision(self.epoch, self.step, self.decided_at, rank, rid)
@@ -138,14 +174,15 @@ class Book:
             return find_record(self.records, rid)
 
     def record(self, step: int, rids: Iterable[str], now: float,
-               reported: Iterable[Decision] = ()) -> EpochRecord:
+               reported: Iterable[Decision] = (), members: Sequence[int] = ()
+               ) -> EpochRecord:
         """Record a new epoch's decision: the only place a decision is made. Its
         number is past every epoch this book or any member knows, so a wiped
         coordinator never reuses one."""
         with self._lock:
             newest = max([r.epoch for r in self.records[-1:]] + [d.epoch for d in reported],
                          default=0)
-            rec = EpochRecord(newest + 1, step, now, frozenset(rids))
+            rec = EpochRecord(newest + 1, step, now, frozenset(rids), tuple(members))
             self.records = [*self.records, rec][-KEEP_RECORDS:]
             self._save()
             return rec
@@ -154,7 +191,7 @@ class Book:
         if self.path is None:
             return
         data = [{"epoch": r.epoch, "step": r.step, "decided_at": r.decided_at,
-                 "rids": sorted(r.rids)} for r in self.records]
+                 "rids": sorted(r.rids), "members": list(r.members)} for r in self.records]
         layout.write_atomic(self.path, json.dumps(data), durable=True)
 
 
@@ -162,7 +199,8 @@ def _load(path: Path) -> list[EpochRecord]:
     try:
         data = json.loads(path.read_text())
         return [EpochRecord(int(d["epoch"]), int(d["step"]), float(d["decided_at"]),
-                            frozenset(map(str, d["rids"]))) for d in data]
+                            frozenset(map(str, d["rids"])),
+                            tuple(int(m) for m in d.get("members", ()))) for d in data]
     except FileNotFoundError:
         return []
     except (ValueError, KeyError, TypeError) as e:
@@ -188,8 +226,10 @@ class Coordinator:
 
     def __init__(self, members: Sequence[int], equivalent: Callable[[int], Sequence[int]],
                  gather: Gather, book: Book, *, retry_s: float = 0.2,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, num_nodes: int | None = None) -> None:
         self.members = list(members)
+        # Ranks that may have saved: every node, when the membership is a smaller job's.
+        self.num_nodes = len(self.members) if num_nodes is None else num_nodes
         self.equivalent = equivalent
         self.gather = gather
         self.book = book
@@ -215,13 +255,13 @@ class Coordinator:
         deadline = time.monotonic() + timeout_s
         rid = rid or f"anon-{uuid.uuid4().hex}"
         with self._cond:
-            rec = self.book.find(rid)
+            rec = self._find(rid, rank)
             if rec is not None:
                 return rec  # a re-issued ask of a decided epoch
             self._asks[rank] = (rid, deadline)  # replaces an older ask of this rank
             self._asked_at[rank] = time.monotonic()
             while True:
-                rec = self.book.find(rid)
+                rec = self._find(rid, rank)
                 if rec is not None:
                     return rec
                 if self._asks.get(rank, ("", 0.0))[0] != rid:
@@ -253,6 +293,15 @@ class Coordinator:
                                          f"and answer", host=rank)
                 self._cond.wait(deadline - now)
 
+    def _find(self, rid: str, rank: int) -> EpochRecord | None:
+        """The record that answered ``rid``, when it was decided for this membership;
+        one decided for another membership is never read as this one's."""
+        rec = self.book.find(rid)
+        if rec is not None and rec.members and sorted(rec.members) != sorted(self.members):
+            raise AgreementError(f"restore id {rid!r} was answered for membership "
+                                 f"{list(rec.members)}, not {self.members}", host=rank)
+        return rec
+
     def _decide(self, deadline: float) -> None:
         """Called with ``_cond`` held and every member asking: gather (without the
         lock, so re-issued asks still register) and record, or say why not."""
@@ -264,13 +313,14 @@ class Coordinator:
         finally:
             self._cond.acquire()
             self._deciding = False
-        result = decide(holdings, self.members, self.equivalent)
+        result = decide(holdings, self.members, self.equivalent, self.num_nodes)
         if isinstance(result, CannotDecide):
             self._why = result.reason
         else:
             rids = {a[0] for a in asks.values()} | {a[0] for a in self._asks.values()}
             self.book.record(result.step, rids, self.clock(),
-                             [h.last for h in holdings.values() if h.last is not None])
+                             [h.last for h in holdings.values() if h.last is not None],
+                             self.members)
             self._asks.clear()
             self._asked_at.clear()  # those asks are answered: they count for no later epoch
             self._why = ""

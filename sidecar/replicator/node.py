@@ -7,8 +7,9 @@ rest are pushed and verified on receipt; the step counts as replicated only
 when the target commits the copy. Older unreplicated steps are skipped, so lag
 never grows beyond one step in flight.
 
-Restore (``docs/agreement.md``): every node asks the coordinator (rank 0) which
-step to restore; the coordinator gathers every member's inventory and records
+Restore (``docs/agreement.md``): every node of the job's stated membership asks
+its coordinator (the lowest member; rank 0 for a job of full size) which step to
+restore; the coordinator gathers every member's inventory and records
 the epoch's step once, only when every member answered; every node reads that
 record. When a member does not answer within the deadline nobody restores: a
 typed :class:`~mtc.errors.AgreementError`. A host missing its data fetches it
@@ -44,6 +45,7 @@ from mtc_sidecar.replicator.agreement import (
     Decision,
     Fresh,
     Holding,
+    check_members,
     newest_complete,
 )
 from mtc_sidecar.replicator.client import PeerClient, PeerError
@@ -94,9 +96,14 @@ class Node(BackupDuties, RestoreDuties):
         self.last_decision = pb.Decision()  # the newest one this node read
         self._call = threading.local()  # per calling thread: restore id, decision read
         members = list(range(config.num_nodes))
-        self.coordinator = Coordinator(
-            members, config.equivalent, self._gather_holdings,
-            Book(root / BOOK_NAME if self.rank == self.coordinator_rank else None))
+        # Every node may decide: a job's decider is the lowest rank of the membership
+        # it states, and a job that came back smaller may not include rank 0. One
+        # book (epoch numbers past every one it or a member knows), one coordinator
+        # per membership stated, created on its first ask (``_coord_lock``).
+        self.book = Book(root / BOOK_NAME)
+        self._coord_lock = threading.Lock()
+        self._coordinators: dict[tuple[int, ...], Coordinator] = {}
+        self.coordinator = self.coordinator_of(tuple(members))
         # The coordinator's newest-complete view for GC, shared by concurrent askers.
         self.complete = Fresh(lambda: newest_complete(
             self._gather_holdings(members, time.monotonic() + config.deadline_s),
@@ -111,7 +118,11 @@ class Node(BackupDuties, RestoreDuties):
         # Only copies whose bytes check out (cached per file): what agreement
         # decides on has been verified, not just listed.
         for origin, step, files in self.store.verified_copies():
-            c = inv.copies.add(step=step, origin_rank=origin)
+            try:
+                hosts = self.store.saved_hosts(origin, step)
+            except OSError:
+                continue  # deleted since it was verified
+            c = inv.copies.add(step=step, origin_rank=origin, saved_hosts=hosts)
             for f in files:
                 c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
         inv.quarantined_files = self.store.quarantined_total
@@ -145,7 +156,10 @@ class Node(BackupDuties, RestoreDuties):
         """Ask the loops and any restore waiting for its decision to end (main joins
         their threads)."""
         self._stop.set()
-        self.coordinator.close()
+        with self._coord_lock:
+            coordinators = list(self._coordinators.values())
+        for c in coordinators:
+            c.close()
         for p in self.peers.values():
             p.close()  # cancels calls in flight (a Decide waiting for its epoch, a push)
 
@@ -317,16 +331,28 @@ class Node(BackupDuties, RestoreDuties):
 
     @property
     def coordinator_rank(self) -> int:
-        """The decider: the lowest rank of the membership. Fixed, never failed over:
-        a decision needs every member anyway, the coordinator included."""
+        """The decider of the full membership (every node): rank 0."""
         return 0
+
+    def coordinator_of(self, members: tuple[int, ...]) -> Coordinator:
+        """This node's coordinator of ``members`` (validated, sorted; this node its
+        lowest rank). Fixed per membership, never failed over: a decision needs every
+        member anyway, the decider included."""
+        with self._coord_lock:
+            c = self._coordinators.get(members)
+            if c is None:
+                c = Coordinator(list(members), self.config.equivalent, self._gather_holdings,
+                                self.book, num_nodes=self.config.num_nodes)
+                self._coordinators[members] = c
+            return c
 
     def holding(self, inv: pb.Inventory) -> Holding:
         d = inv.last_decision
         last = (Decision(d.epoch, d.step, d.decided_at, inv.rank, d.restore_id)
                 if d.epoch > 0 else None)
         return Holding(frozenset((c.origin_rank, c.step) for c in inv.copies),
-                       frozenset(inv.backed_up_steps), last)
+                       frozenset(inv.backed_up_steps), last,
+                       frozenset((c.step, c.saved_hosts) for c in inv.copies if c.saved_hosts))
 
     def _gather_invs(self, ranks: Sequence[int], deadline: float) -> dict[int, pb.Inventory]:
         """Inventories of those of ``ranks`` that answer before ``deadline``, asked at
@@ -367,25 +393,31 @@ class Node(BackupDuties, RestoreDuties):
                 out[(c.origin_rank, c.step)].append((holder, c))
         return out
 
-    def decide_for(self, rank: int, rid: str, timeout_s: float) -> pb.Decision:
-        """The coordinator's side of ``Decide``: the epoch's recorded decision."""
-        if self.rank != self.coordinator_rank:
-            raise ConfigError(f"rank {self.rank} is not the agreement coordinator "
-                              f"(rank {self.coordinator_rank} is)")
+    def decide_for(self, rank: int, rid: str, timeout_s: float,
+                   members: Sequence[int] = ()) -> pb.Decision:
+        """The decider's side of ``Decide``: the recorded decision of the epoch of
+        ``members`` (empty: every node) that this ask belongs to."""
         if not 0 <= rank < self.config.num_nodes:
             raise ValueError(f"rank {rank} is not a member (0..{self.config.num_nodes - 1})")
-        rec = self.coordinator.decide_for(rank, rid, timeout_s)
+        group = check_members(members, self.config.num_nodes, rank)
+        if self.rank != group[0]:
+            raise ConfigError(f"rank {self.rank} is not the agreement coordinator of "
+                              f"membership {list(group)} (rank {group[0]} is)")
+        rec = self.coordinator_of(group).decide_for(rank, rid, timeout_s)
         return pb.Decision(epoch=rec.epoch, step=rec.step, decided_at=rec.decided_at,
                            rank=rank, restore_id=rid)
 
-    def agree_epoch(self, timeout_s: float | None = None, rid: str = "") -> pb.Decision:
-        """Read this restore's decision from the coordinator (deciding it, when this
-        node is the coordinator). Raises :class:`AgreementError` at the deadline."""
+    def agree_epoch(self, timeout_s: float | None = None, rid: str = "",
+                    members: Sequence[int] = ()) -> pb.Decision:
+        """Read this restore's decision from the decider of ``members`` (the job's
+        membership as it stated it; empty: every node), deciding it when this node
+        is that decider. Raises :class:`AgreementError` at the deadline."""
         timeout = timeout_s or self.config.agreement_timeout_s
         deadline = time.monotonic() + timeout
-        c = self.coordinator_rank
+        group = check_members(members, self.config.num_nodes, self.rank)
+        c = group[0]
         if c == self.rank:
-            d = self.decide_for(self.rank, rid, timeout)
+            d = self.decide_for(self.rank, rid, timeout, group)
         else:
             while True:
                 left = deadline - time.monotonic()
@@ -393,7 +425,8 @@ class Node(BackupDuties, RestoreDuties):
                     # The coordinator answers a second before our deadline, so its
                     # typed "cannot decide" reaches us instead of our own timeout.
                     req = pb.DecideRequest(rank=self.rank, restore_id=rid,
-                                           timeout_seconds=max(0.1, left - 1.0))
+                                           timeout_seconds=max(0.1, left - 1.0),
+                                           members=group)
                     d = self.peers[c].call("Decide", req, deadline_s=max(0.1, left),
                                            attempts=1).decision
                     break
@@ -413,7 +446,8 @@ class Node(BackupDuties, RestoreDuties):
               ) -> tuple[int, dict[int, pb.Inventory]]:
         """The epoch's step, and inventories to find its data with (only this node's
         when its data is local: the decision itself costs O(N) messages)."""
-        d = self.agree_epoch(timeout_s, rid or getattr(self._call, "rid", ""))
+        d = self.agree_epoch(timeout_s, rid or getattr(self._call, "rid", ""),
+                             getattr(self._call, "members", ()))
         self._call.decision = d
         return d.step, self._invs_for(d.step)
 
@@ -427,17 +461,21 @@ class Node(BackupDuties, RestoreDuties):
             return {self.rank: self.inventory()}
         return self.gather()
 
-    def prepare_restore_as(self, timeout_s: float | None, rid: str
-                           ) -> tuple[pb.Decision, str, float]:
-        """PrepareRestore with a restore id: restore.py's ``prepare_restore`` (agree,
-        then make this host's data of the step local), and the decision it read."""
+    def prepare_restore_as(self, timeout_s: float | None, rid: str,
+                           members: Sequence[int] = ()) -> tuple[pb.Decision, str, float]:
+        """PrepareRestore with a restore id and the job's membership: restore.py's
+        ``prepare_restore`` (agree, then make this host's data of the step local),
+        and the decision it read."""
+        check_members(members, self.config.num_nodes, self.rank)  # typed, before waiting
         self.use_restore_id(rid)
+        self._call.members = tuple(members)
         self._call.decision = pb.Decision()
         try:
             step, tier, seconds = self.prepare_restore(timeout_s)
             d: pb.Decision = self._call.decision
         finally:
             self.use_restore_id("")
+            self._call.members = ()
         if d.step != step:  # the invariant, checked where it is cheap
             raise AgreementError(f"decided step {d.step}, prepared step {step}",
                                  host=self.rank)

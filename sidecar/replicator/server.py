@@ -191,7 +191,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                       or self.node.config.agreement_timeout_s,
                       self.node.config.agreement_timeout_s * 10)
         return pb.DecideReply(decision=self.node.decide_for(request.rank, request.restore_id,
-                                                            timeout))
+                                                            timeout, list(request.members)))
 
     @mapped
     def GetComplete(self, request: pb.CompleteRequest, context: Any) -> pb.CompleteReply:
@@ -203,7 +203,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: Any) -> pb.PrepareRestoreReply:
         t = _restore_timeout(request.timeout_seconds)
-        d, tier, seconds = self.node.prepare_restore_as(t or None, request.restore_id)
+        d, tier, seconds = self.node.prepare_restore_as(t or None, request.restore_id,
+                                                        list(request.members))
         return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch)
 
     @mapped

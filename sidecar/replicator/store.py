@@ -172,6 +172,7 @@ class LocalStore:
         # (origin, step) -> (inode of the copy's folder, its files): a folder saved
         # again under the same number is a different folder, described anew.
         self._described: dict[tuple[int, int], tuple[int, list[FileMeta]]] = {}
+        self._saved_hosts: dict[tuple[int, int], tuple[int, int]] = {}  # same key, inode
         # path -> ((inode, size, mtime_ns), crc32c): files already read and checked.
         self._crcs: dict[str, tuple[tuple[int, int, int], int]] = {}
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
@@ -397,6 +398,24 @@ class LocalStore:
         with self._lock:
             self._described[key] = (ino, files)
         return files
+
+    def saved_hosts(self, origin: int, step: int) -> int:
+        """How many hosts saved this copy's step, as its mtc manifest states (read
+        once per folder); 0 when it states none (an Orbax step, an unreadable one)."""
+        key = (origin, step)
+        d = self.copy_dir(origin, step)
+        ino = os.stat(d).st_ino
+        with self._lock:
+            hit = self._saved_hosts.get(key)
+            if hit is not None and hit[0] == ino:
+                return hit[1]
+        try:
+            n = Manifest.from_bytes((d / MANIFEST_NAME).read_bytes()).num_hosts
+        except (OSError, MtcError):
+            n = 0
+        with self._lock:
+            self._saved_hosts[key] = (ino, n)
+        return n
 
     def find_identical(self, metas: Sequence[FileMeta]) -> dict[str, Path]:
         """Per offered file, a file held here with the same size and CRC32C (a dedup

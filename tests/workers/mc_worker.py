@@ -14,9 +14,12 @@ replicators (``--replicators``), never from another host's RAM disk. Phases:
 - ``replaced``: the last host was replaced empty: its RAM disk holds nothing, so
   no step is on every host's; ``latest_step()`` has its replicator bring step 3
   back from its peer, and every layout restores;
-- ``shrink``: a job of fewer processes than saved restores step 3; the regions
-  of hosts no longer in the job come from their peer copies, through the
-  replicators of the hosts left;
+- ``shrink``: a job of fewer processes than saved has the replicators of its
+  own hosts agree on step 3 (its membership, stated by the manager, is its own
+  hosts); the regions of hosts no longer in the job come from their peer copies,
+  through the replicators of the hosts left; it then saves step 4;
+- ``shrunk``: that smaller job restarts: its replicators agree on step 4, which
+  only its own hosts saved;
 - ``skew``: with ``max_to_keep=None`` and no replicators, process 0 runs a few
   seconds behind the others; ``save``, ``wait_until_finished`` and ``restore``
   of that step must still work on every process; a layout needing another
@@ -48,7 +51,7 @@ RESULT_PREFIX = "MC_RESULT "
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--phase", required=True,
-                   choices=["train", "restart", "replaced", "shrink", "skew"])
+                   choices=["train", "restart", "replaced", "shrink", "shrunk", "skew"])
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--coordinator", required=True, help="HOST:PORT of process 0")
@@ -443,15 +446,37 @@ class Worker:
             mgr.close()
 
     def shrink(self) -> None:
+        """The job came back smaller: the replicators of its own hosts agree (the
+        membership is the job's, stated by its manager), the data of the hosts gone
+        coming from their peer copies; it trains on and saves step 4."""
         mgr = self.manager()
         try:
             steps = mgr.all_steps()
             self.summary["all_steps"] = steps
             self.check(3 in steps, f"all_steps() {steps} lacks step 3")
-            # Explicit step: the replicators of the hosts gone cannot agree any more.
+            latest = mgr.latest_step()
+            self.summary["latest_step"] = latest
+            self.summary["tier"] = mgr.last_restore_tier
+            self.check(latest == 3, f"latest_step() {latest} on fewer processes, wanted 3")
+            step = latest if latest is not None else 3
             for kind in ("saved", "cols"):
-                self.restore_checked(f"step 3 onto {kind} on fewer processes", mgr, 3, kind)
+                self.restore_checked(f"step {step} onto {kind} on fewer processes", mgr, step,
+                                     kind)
             self.fetched(mgr)
+            self.check(mgr.save(4, self.state(4)) is True, "save(4) returned False")
+            mgr.wait_until_finished()
+        finally:
+            mgr.close()
+
+    def shrunk(self) -> None:
+        """The smaller job restarts: the step it saved itself (on fewer hosts than
+        the replicators have nodes) is the one its replicators agree on."""
+        mgr = self.manager()
+        try:
+            latest = mgr.latest_step()
+            self.summary["latest_step"] = latest
+            self.check(latest == 4, f"latest_step() {latest} after the smaller job saved 4")
+            self.restore_checked("step 4 of the smaller job", mgr, latest or 4, "saved")
         finally:
             mgr.close()
 
