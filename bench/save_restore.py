@@ -250,15 +250,17 @@ def run(gib: float, samples: int, warmup: int, root: Path, hosts_mode: str,
     half_target = abstract(state, half)
 
     hosts = None
-    if hosts_mode == "isolated":
+    if hosts_mode in ("isolated", "colocated"):
         from mtc_trainer.isolation import Hosts
 
         # Room for the steps retention keeps, plus the one being written.
-        hosts = Hosts(root / "hosts", 4, ramdisk_bytes=int(total_bytes / 4 * 3.5))
+        hosts = Hosts(root / "hosts", 4, ramdisk_bytes=int(total_bytes / 4 * 3.5),
+                      colocated_devices=len(jax.devices()) if hosts_mode == "colocated" else 0)
         for i in range(4):
             hosts.start_sidecar(i, [0, 0, 1, 1])
         mtc_options = mtc.Options(max_to_keep=2, simulated_hosts=4, hosts_per_slice=2,
-                                  sidecars=tuple(h.sidecar_address for h in hosts.hosts))
+                                  sidecars=tuple(h.sidecar_address for h in hosts.hosts),
+                                  dispatch="colocated" if hosts_mode == "colocated" else "auto")
         log(f"isolated hosts: {hosts.describe()}")
     else:
         mtc_options = mtc.Options(max_to_keep=2, simulated_hosts=4, hosts_per_slice=2,
@@ -432,8 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--orbax-saves", type=int, default=3,
                    help="Orbax saves a round: the reference's median is of samples x this "
                         "(default 3)")
-    p.add_argument("--hosts", choices=("isolated", "in-process"), default="isolated",
-                   help="sidecar processes with private RAM disks (default), or this process")
+    p.add_argument("--hosts", choices=("isolated", "in-process", "colocated"),
+                   default="isolated",
+                   help="sidecar processes with private RAM disks (default), the same running "
+                        "the controller's colocated-Python programs, or this process")
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 1 or args.gib <= 0 or args.orbax_saves < 1:
         p.error("--samples, --warmup and --orbax-saves must be >= 1 and --gib > 0")
