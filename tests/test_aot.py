@@ -38,6 +38,9 @@ def test_ahead_meshes(active: tuple[int, ...], total: int, depth: int,
     ({0, 1}, {1}, "replacement", 0.0),
     (set(), set(), "replacement", 0.0),
     ({1}, set(), "always", 3.0),
+    ({1}, {1}, "resize", 0.0),  # go on on the healthy slices while it is replaced
+    ({0, 1}, {0, 1}, "resize", 0.0),
+    (set(), set(), "resize", 0.0),
 ])
 def test_pause_seconds(missing: set[int], replacing: set[int], policy: str,
                        want: float) -> None:
@@ -47,6 +50,8 @@ def test_pause_seconds(missing: set[int], replacing: set[int], policy: str,
 def test_pause_policy_is_checked() -> None:
     with pytest.raises(ValueError, match="unknown pause policy"):
         pause_seconds({1}, {1}, 3.0, "sometimes")
+    with pytest.raises(ValueError, match="unknown pause policy"):
+        pause_seconds(set(), set(), 3.0, "sometimes")  # checked even with nothing missing
 
 
 def test_ahead_compiler_runs_in_order_skips_retargeted_and_joins() -> None:

@@ -96,7 +96,7 @@ from mtc_trainer.data import VOCAB, make_iterator
 from mtc_trainer.faults import HostFaults
 from mtc_trainer.jsonlog import JsonLog
 from mtc_trainer.model import PRESETS, Config, State, Trainer, count_params
-from mtc_trainer.recovery import Recovery, pause_seconds
+from mtc_trainer.recovery import PAUSE_POLICIES, Recovery, pause_seconds
 from mtc_trainer.reference import compare, reference_losses
 from mtc_trainer.snapshot import Retirer, Snapshot, take
 
@@ -147,6 +147,7 @@ class ElasticRun:
         self.gc_frozen = False
         self.slice_losses = sorted(args.slice_loss_at)
         self.returns_seen = 0  # HostFaults.returns already acted on
+        self.restore_split: dict[str, float] = {}  # the last recovery's mtc restore, split
 
     # -- topology -------------------------------------------------------------------
 
@@ -298,9 +299,13 @@ class ElasticRun:
         retry(self.attempt)()
 
     def attempt(self) -> None:
+        t_attempt = time.time()
         total = self.cluster.slices
         active = set(self.pw.active_slice_indices)
         rec = self.pending
+        if rec is not None and rec.t_detect is not None:
+            # pathwaysutils' part of the wait: its cleanup and health checks.
+            rec.detail["attempt_after_detect_s"] = t_attempt - rec.t_detect
         if rec is not None and len(active) < total and rec.kind != "scale_up":
             # Pause for the missing slices when a replacement is on its way (the
             # cluster says so), woken when it is back; else resize at once.
@@ -312,6 +317,7 @@ class ElasticRun:
                 rec.t_replaced = self.faults.returned_t
                 active = set(pw_elastic.get_active_slice_indices(self.pw.slice_to_devices))
             rec.detail["pause_s_at_most"] = pause
+            rec.detail["pause_policy"] = self.args.pause_policy
             self.pw.active_slice_indices = active
         slices = tuple(sorted(active))
         if rec is not None:
@@ -341,7 +347,8 @@ class ElasticRun:
             # Where the restore stage went: the checkpoint manager for the mesh
             # (the previous one's saves finished first), then the state itself.
             rec.detail["restore_detail"] = {"checkpoint_manager_s": t_mgr - t0,
-                                            "state_s": time.perf_counter() - t_mgr}
+                                            "state_s": time.perf_counter() - t_mgr,
+                                            **self.restore_split}
             rec.resumed_from_step = state["step"]
             self.log.write(event="restored", kind=rec.kind, step=state["step"], tier=rec.tier,
                            seconds=time.perf_counter() - t0, slices=list(slices))
@@ -372,10 +379,13 @@ class ElasticRun:
             return state
         assert rec is not None
         full = len(slices) == self.cluster.slices
+        self.restore_split = {}
         if rec.kind == "host_loss":  # the sender is dead: what its peer holds is final
+            t0 = time.perf_counter()
             rec.detail["save_on_peer_before_restore"] = self.faults.peer_copy(
                 rec.detail["host"], rec.detail["save_step"])
             rec.detail["save_failed"] = rec.detail["save_step"] in self.failed_saves
+            self.restore_split["peer_copy_check_s"] = time.perf_counter() - t0
         healthy = {d.id for s in slices for d in self.slice_devices[s]} - self.snapshot_lost
         snap = self.snapshot if self.snapshot is not None and self.snapshot.complete_on(
             healthy) else None
@@ -386,7 +396,10 @@ class ElasticRun:
         if full and rec.kind != "scale_up" and (snap is None or tie):
             # The replicators agree on the step and bring a wiped host's shards back
             # from its peer (or the backup).
+            t0 = time.perf_counter()
             state = dict(mgr.restore(None, trainer.abstract_state()))
+            self.restore_split = {f"mtc_{k}_s": v for k, v in mgr.last_restore_seconds.items()}
+            self.restore_split["mtc_restore_s"] = time.perf_counter() - t0
             tiers = sorted(set(mgr.last_restore_tiers.values()))
             rec.tier = next((t for t in ("backup", "peer", "local") if t in tiers), "local")
             rec.detail["host_tiers"] = {str(self.hosts_of(slices)[h]): t
@@ -607,9 +620,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pause-timeout-s", type=float, default=10.0,
                    help="how long to wait for missing slices whose hosts are being replaced "
                         "before resizing without them (woken when they are back)")
-    p.add_argument("--pause-policy", choices=("replacement", "always"), default="replacement",
+    p.add_argument("--pause-policy", choices=PAUSE_POLICIES, default="replacement",
                    help="pause for missing slices only while the cluster replaces their hosts "
-                        "(replacement), or after every failure (always)")
+                        "(replacement), after every failure (always), or never: train on "
+                        "the healthy slices meanwhile and scale back up (resize)")
     p.add_argument("--poll-s", type=float, default=0.2,
                    help="pathwaysutils health-check and monitor interval")
     p.add_argument("--compile-ahead", type=int, default=1, metavar="N",
@@ -638,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir = aot.enable_cache(None if cache == "none" else cache)
     run = ElasticRun(args, jlog)
     jlog.write(event="ready", slices=run.cluster.slices, devices=len(run.devices),
-               compile_cache=cache_dir, compile_ahead=args.compile_ahead)
+               compile_cache=cache_dir, compile_ahead=args.compile_ahead,
+               pause_policy=args.pause_policy)
     t0 = time.perf_counter()
     try:
         run.run()

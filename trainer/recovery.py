@@ -10,6 +10,8 @@ from typing import Any
 
 from mtc_trainer.aot import READY, Use
 
+PAUSE_POLICIES = ("replacement", "always", "resize")
+
 
 def pause_seconds(missing: Set[int], replacing: Set[int], timeout: float,
                   policy: str = "replacement") -> float:
@@ -19,13 +21,16 @@ def pause_seconds(missing: Set[int], replacing: Set[int], timeout: float,
     hosts of every missing slice (a restarted pod, a repaired node: back soon,
     and resuming on the full mesh keeps the throughput), none otherwise (a slice
     preempted or failed with nothing on its way: waiting only loses time).
-    ``always``: the timeout after every failure."""
-    if not missing:
+    ``always``: the timeout after every failure. ``resize``: never (training
+    goes on at once on the healthy slices while the hosts are replaced, and
+    scales back up when they are back: pathwaysutils' own model of elasticity,
+    which trades the replacement's start for a resize and a scale-up)."""
+    if policy not in PAUSE_POLICIES:
+        raise ValueError(f"unknown pause policy {policy!r}")
+    if not missing or policy == "resize":
         return 0.0
     if policy == "always":
         return timeout
-    if policy != "replacement":
-        raise ValueError(f"unknown pause policy {policy!r}")
     return timeout if set(missing) <= set(replacing) else 0.0
 
 

@@ -95,7 +95,9 @@ class Node(BackupDuties, RestoreDuties):
         self._call = threading.local()  # per calling thread: restore id, decision read
         members = list(range(config.num_nodes))
         self.coordinator = Coordinator(
-            members, config.equivalent, self._gather_holdings,
+            members, config.equivalent,
+            # Every member asked before the coordinator gathers: each one is up.
+            lambda ranks, deadline: self._gather_holdings(ranks, deadline, known_up=True),
             Book(root / BOOK_NAME if self.rank == self.coordinator_rank else None))
         # The coordinator's newest-complete view for GC, shared by concurrent askers.
         self.complete = Fresh(lambda: newest_complete(
@@ -328,9 +330,11 @@ class Node(BackupDuties, RestoreDuties):
         return Holding(frozenset((c.origin_rank, c.step) for c in inv.copies),
                        frozenset(inv.backed_up_steps), last)
 
-    def _gather_invs(self, ranks: Sequence[int], deadline: float) -> dict[int, pb.Inventory]:
+    def _gather_invs(self, ranks: Sequence[int], deadline: float, *,
+                     known_up: bool = False) -> dict[int, pb.Inventory]:
         """Inventories of those of ``ranks`` that answer before ``deadline``, asked at
-        once on the inventory pool (never behind a restore's file fetches)."""
+        once on the inventory pool (never behind a restore's file fetches).
+        ``known_up``: they are serving (see :meth:`PeerClient.call`)."""
         out: dict[int, pb.Inventory] = {}
         futs = {}
         for r in ranks:
@@ -340,7 +344,7 @@ class Node(BackupDuties, RestoreDuties):
                 left = max(0.05, min(self.config.deadline_s, deadline - time.monotonic()))
                 futs[r] = self._inv_pool.submit(self.peers[r].call, "GetInventory",
                                                 pb.InventoryRequest(), deadline_s=left,
-                                                attempts=1)
+                                                attempts=1, known_up=known_up)
         for r, fut in futs.items():
             try:
                 out[r] = fut.result()
@@ -349,8 +353,10 @@ class Node(BackupDuties, RestoreDuties):
                 log.debug("rank %d: no inventory from rank %d: %s", self.rank, r, e)
         return out
 
-    def _gather_holdings(self, ranks: Sequence[int], deadline: float) -> dict[int, Holding]:
-        return {r: self.holding(inv) for r, inv in self._gather_invs(ranks, deadline).items()}
+    def _gather_holdings(self, ranks: Sequence[int], deadline: float, *,
+                         known_up: bool = False) -> dict[int, Holding]:
+        return {r: self.holding(inv)
+                for r, inv in self._gather_invs(ranks, deadline, known_up=known_up).items()}
 
     def gather(self) -> dict[int, pb.Inventory]:
         """Every reachable node's inventory (best effort: the data's whereabouts, never
