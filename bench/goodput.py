@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mtc_trainer.cluster import LocalCluster
 from mtc_trainer.demo import REPO, child_env
 from mtc_trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
-from mtc_trainer.recovery import PAUSE_POLICIES
+from mtc_trainer.policy import PAUSE_POLICIES
 
 TARGET_GOODPUT = 0.98
 TARGET_FAILURE_EVERY_S = 120.0

@@ -14,7 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtc_trainer import aot, recovery
-from mtc_trainer.recovery import Recovery, pause_seconds
+from mtc_trainer.policy import pause_seconds
+from mtc_trainer.recovery import Recovery
 
 
 @pytest.mark.parametrize(("active", "total", "depth", "want"), [

@@ -96,7 +96,8 @@ from mtc_trainer.data import VOCAB, make_iterator
 from mtc_trainer.faults import HostFaults
 from mtc_trainer.jsonlog import JsonLog
 from mtc_trainer.model import PRESETS, Config, State, Trainer, count_params
-from mtc_trainer.recovery import PAUSE_POLICIES, Recovery, pause_seconds
+from mtc_trainer.policy import PAUSE_POLICIES, pause_seconds
+from mtc_trainer.recovery import Recovery
 from mtc_trainer.reference import compare, reference_losses
 from mtc_trainer.snapshot import Retirer, Snapshot, take
 

@@ -1,22 +1,29 @@
-"""A restore's files of one held copy in one stream (``Fetch`` with ``more_paths``).
+"""A restore's peer traffic after a host loss.
 
-The pure grouping (:func:`fetch_batches`) alone, then the real client against a
-real replicator server in this process, on loopback: every file arrives whole
-and verified; a file that does not match its size or CRC32C ends the stream,
-is not left behind, and the files before it still count.
+Files of one held copy in one stream (``Fetch`` with ``more_paths``): the pure
+grouping (:func:`fetch_batches`) alone, then the real client against a real
+replicator server in this process, on loopback: every file arrives whole and
+verified; a file that does not match its size or CRC32C ends the stream, is not
+left behind, and the files before it still count. And a call to a peer known to
+be up (``known_up``: the agreement asking a member that just asked) connects
+anew instead of waiting out the shared channel's backoff from the peer's loss.
 """
 
 from __future__ import annotations
 
+import socket
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from replicators import commit_raw_step
 
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
+from mtc.proto import replicator_pb2 as pb
 from mtc_sidecar.replicator.client import PeerClient, PeerError
 from mtc_sidecar.replicator.config import ReplicatorConfig
 from mtc_sidecar.replicator.node import Node
@@ -109,3 +116,39 @@ def test_a_copy_not_held_sends_nothing(holder: Holder, tmp_path: Path) -> None:
     got, err = holder.client.fetch_files(7, 0, metas(), tmp_path / "dest")
     assert got == [] and isinstance(err, PeerError)
     assert not any((tmp_path / "dest").rglob("*.bin"))
+
+
+def test_a_peer_known_up_is_called_over_a_connection_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A port nothing listens on yet: the peer is lost, the shared channel fails.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = PeerClient(f"127.0.0.1:{port}", Credentials(), rank=0, deadline_s=2.0)
+    cfg = ReplicatorConfig(rank=0, nodes=(f"127.0.0.1:{port}", "127.0.0.1:1"),
+                           nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=0.5)
+    node = Node(cfg, tmp_path / "root", Credentials())
+    made: list[bool] = []
+    new_channel = PeerClient._new_channel
+
+    def spy(self: PeerClient, *, own_connection: bool = False) -> Any:
+        made.append(own_connection)
+        return new_channel(self, own_connection=own_connection)
+
+    monkeypatch.setattr(PeerClient, "_new_channel", spy)
+    try:
+        with pytest.raises(PeerError) as lost:
+            client.call("GetInventory", pb.InventoryRequest(), attempts=1)
+        assert lost.value.code == grpc.StatusCode.UNAVAILABLE
+        # The replacement serves at the same address.
+        server, _, _, _ = serve(node, f"127.0.0.1:{port}", Credentials())
+        try:
+            inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1,
+                              known_up=True)
+            assert inv.rank == 0
+            assert made == [True]  # over a channel of its own, closed again
+        finally:
+            server.stop(0).wait()
+    finally:
+        client.close()
+        node.stop()
