@@ -399,7 +399,8 @@ class ElasticRun:
             # from its peer (or the backup).
             t0 = time.perf_counter()
             state = dict(mgr.restore(None, trainer.abstract_state()))
-            self.restore_split = {f"mtc_{k}_s": v for k, v in mgr.last_restore_seconds.items()}
+            self.restore_split.update(
+                {f"mtc_{k}_s": v for k, v in mgr.last_restore_seconds.items()})
             self.restore_split["mtc_restore_s"] = time.perf_counter() - t0
             tiers = sorted(set(mgr.last_restore_tiers.values()))
             rec.tier = next((t for t in ("backup", "peer", "local") if t in tiers), "local")
