@@ -145,3 +145,36 @@ def test_recovery_record_splits_out_the_replacement_and_the_step_in_flight(
     assert sec["beyond_in_flight_step"] == pytest.approx(0.7)
     assert "replacement" not in sec
     assert up.entry(0.5, 0.5)["steps_lost"] == 0
+
+
+def test_ahead_compiler_starts_nothing_while_held() -> None:
+    """A recovery holds the compiler: no job starts (and a running one waits at
+    wait_released) until it is released."""
+    ran: list[str] = []
+    c = aot.AheadCompiler()
+    try:
+        c.hold()
+        assert c.submit("a", lambda: ran.append("a"))
+        assert not c.wait("a", 0.3)  # held: not started
+        assert ran == []
+        c.release()
+        assert c.wait("a", 10)
+        assert ran == ["a"]
+        c.hold()
+        steps: list[str] = []
+
+        def job() -> None:
+            steps.append("compiled")
+            c.wait_released()
+            steps.append("warmed up")
+
+        c.release()
+        assert c.submit("b", job)
+        c.hold()  # may land before or during the job: either way it waits
+        assert not c.wait("b", 0.3)
+        assert "warmed up" not in steps
+        c.release()
+        assert c.wait("b", 10)
+        assert steps == ["compiled", "warmed up"]
+    finally:
+        c.close(10)

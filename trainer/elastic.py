@@ -186,6 +186,8 @@ class ElasticRun:
                 for program in (self.program, "wrap_rng"):
                     if not t.ready(program):
                         built = t.prepare(program, ahead=True, nice=self.args.compile_ahead_nice)
+                        assert self.ahead is not None
+                        self.ahead.wait_released()  # no warm-up while a recovery runs
                         warm = t.warm_up(program) if program != "wrap_rng" else 0.0
                         self.log.write(event="compiled_ahead", slices=list(m), program=program,
                                        source=built.source, seconds=built.seconds,
@@ -287,6 +289,8 @@ class ElasticRun:
 
     def on_elastic_event(self) -> None:
         t = time.time()
+        if self.ahead is not None:
+            self.ahead.hold()  # recovery first; released once its first step ran
         rec = self.pending
         if rec is not None and rec.t_detect is None:
             rec.t_detect = t
@@ -336,6 +340,8 @@ class ElasticRun:
         return self.slice_devices[slices[0]][0]
 
     def _resume(self, rec: Recovery | None, slices: tuple[int, ...]) -> None:
+        if rec is None and self.ahead is not None:
+            self.ahead.release()  # no recovery to finish first (held by an elastic event)
         t0 = time.perf_counter()
         trainer = self.trainer(slices)
         mgr = self.new_manager(trainer, slices)
@@ -569,6 +575,8 @@ class ElasticRun:
         return bool(found)
 
     def finish_recovery(self, rec: Recovery, first_step_s: float, use: aot.Use | None) -> None:
+        if self.ahead is not None:
+            self.ahead.release()
         times = self.step_times.get(rec.slices_after, [])
         entry = rec.entry(first_step_s, statistics.median(times) if times else None, use)
         self.recoveries.append(entry)
