@@ -7,9 +7,15 @@ Prints one JSON object to stdout (progress goes to stderr)::
 
 It drives the demo's trainer, ``mtc_trainer.elastic``, the way ``make demo`` does (a
 :class:`LocalCluster` of 4 replicators in 2 slices, the 3.2M-parameter model,
-the per-step snapshot), with host losses only (each paused for the simulated
-replacement, ``--host-return-s``, and restored through mtc from the peer tier)
-and a save every 20 steps. A host is lost at the first save once
+the per-step snapshot), with host losses only and a save every 20 steps. What
+training does while the lost host is replaced (``--host-return-s``) is the
+trainer's ``--pause-policy``: by default ``resize``, as pathwaysutils' elastic
+model has it (go on at once on the surviving slice from the snapshot, scale back
+up from it when the host is back); ``replacement`` pauses for the host and
+restores through mtc from the peer tier. The JSON says which (``pause_policy``).
+Besides the target's figure, ``goodput_steady_state_full_mesh_ideal`` counts
+every steady step at the full mesh's median step, so that running slower on
+fewer slices counts as lost too. A host is lost at the first save once
 ``--failure-every-s`` seconds (default 120: the target's "one failure every 2
 minutes") have passed since the last failure; the JSON reports the measured
 intervals. It scores the run with the demo's own ``goodput`` function: the time
