@@ -81,6 +81,7 @@ SLICES = 2
 HOSTS_PER_SLICE = 2
 LOST_HOST = 1
 TARGET_TOTAL_S = 10.0
+TARGET_BEYOND_REPLACEMENT_S = 1.0  # issue 12: a host loss beyond the replacement's start
 
 State = dict[str, jax.Array]
 
@@ -321,6 +322,9 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
                     "trace_and_compile_fresh": fresh_compile_s,
                     "total": t_first - t0,
                     "total_fresh_jit": t_first - t0 + fresh_compile_s,
+                    # What recovery took beyond the replacement's own start (the
+                    # replicator's restart, ``wait``): the restore and the first step.
+                    "beyond_replacement": t_first - t_serving,
                 },
                 "restored_buffers_donated": donated,
                 "tiers": {str(h): t for h, t in sorted(tiers.items())},
@@ -375,10 +379,13 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
             "recompile_fresh_jit": med("trace_and_compile_fresh"),
             "total": total,
             "total_fresh_jit": total_fresh,
+            "beyond_replacement": med("beyond_replacement"),
             "typical_step": statistics.median(step_times),
             "initial_compile_and_step": compile_s,
         },
         "max_seconds": {"total": max(r["seconds"]["total"] for r in rows),
+                        "beyond_replacement": max(r["seconds"]["beyond_replacement"]
+                                                  for r in rows),
                         "total_fresh_jit": max(r["seconds"]["total_fresh_jit"] for r in rows)},
         "reference_median_seconds": {
             "restore_nothing_lost_via_replicators": ref_repl,
@@ -399,8 +406,11 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
             "restore_after_loss_bytes_on_ramdisks": step_bytes / restore / gbps,
             "restore_local_by_step_bytes_on_ramdisks": step_bytes / ref_local / gbps,
         },
-        "target": {"total_s": ("<=", TARGET_TOTAL_S)},
+        "target": {"total_s": ("<=", TARGET_TOTAL_S),
+                   "beyond_replacement_s": ("<=", TARGET_BEYOND_REPLACEMENT_S)},
         "meets_target": max(total, total_fresh) <= TARGET_TOTAL_S,
+        "meets_target_beyond_replacement":
+            med("beyond_replacement") <= TARGET_BEYOND_REPLACEMENT_S,
         "meets_target_compiled": total <= TARGET_TOTAL_S,
         "meets_target_fresh_jit": total_fresh <= TARGET_TOTAL_S,
         "values_checked": True,
@@ -415,6 +425,8 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
             "step_bytes_on_ramdisks: both slices save their data-parallel replica, so the "
             "RAM disks hold twice the state; raw_tmpfs_read reads all of those files",
             "wait: restarting host 1's replicator (empty RAM disk) until it serves",
+            "beyond_replacement: restore + first step, what the host loss cost beyond its "
+            "replacement's own start (wait)",
             "restore: mgr.restore(None, target): PrepareRestore on all replicators (host 1 "
             "fetches its shards from its peer in the other slice), then the load into the "
             "target shardings",

@@ -37,6 +37,7 @@ from mtc.errors import (
     StorageError,
 )
 from mtc.lifecycle import Held, track
+from mtc.manifest import Manifest
 from mtc.options import Options
 from mtc.restore.load import metrics_of, restore_tree
 from mtc.restore.plan import SavedStep, load_step
@@ -104,6 +105,8 @@ class CheckpointManager:
         restore (or of the step ``latest_step`` prepared) came from: ``"local"``,
         ``"peer"`` or ``"backup"``.
       last_restore_tier: the farthest of those (None before any restore).
+      last_restore_seconds: the last restore's ``prepare`` (saves finished, the
+        replicators' agreement and fetches) and ``load`` seconds.
     """
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
@@ -156,6 +159,7 @@ class CheckpointManager:
         self._prepared: Prepared | None = None
         self.last_restore_tiers: dict[int, str] = {}
         self.last_restore_tier: str | None = None
+        self.last_restore_seconds: dict[str, float] = {}
 
     def _network_tier(self) -> NetworkTier | None:
         """Multi-controller JAX with a RAM disk per process (no host subfolders): other
@@ -386,10 +390,12 @@ class CheckpointManager:
         restarted with fewer or more processes on one machine)."""
         return self._dispatch.steps(self.topology.local_hosts)
 
-    def _saved_hosts(self, step: int, holders: list[int]) -> int:
+    def _saved_hosts(self, step: int, holders: list[int],
+                     manifest_of: Callable[[int, int], Manifest] | None = None) -> int:
         """How many hosts took part in saving ``step`` (from a manifest, cached)."""
         if step not in self._num_hosts:
-            self._num_hosts[step] = self._dispatch.manifest(step, holders[0]).num_hosts
+            fetch = manifest_of or self._dispatch.manifest
+            self._num_hosts[step] = fetch(step, holders[0]).num_hosts
         return self._num_hosts[step]
 
     def _complete_here(self, listed: dict[int, list[int]] | None = None) -> list[int]:
@@ -496,6 +502,7 @@ class CheckpointManager:
             prepared = self._prepared or self._prepare_with_replicators()
             step, tiers = prepared.step, self._host_tiers(prepared)
         self._prepared = None
+        t_prepared = time.perf_counter()
         if step is None:
             steps = self.all_steps()
             if not steps:
@@ -539,6 +546,8 @@ class CheckpointManager:
             raise error
         self.last_restore_tiers = tiers
         self.last_restore_tier = _farthest(tiers)
+        self.last_restore_seconds = {"prepare": t_prepared - t0,
+                                     "load": time.perf_counter() - t_prepared}
         self._last_saved = max(step, self._last_saved or 0)
         log.info("mtc: restored step %d: %d bytes in %.3fs from the %s tier (hosts: %s)",
                  step, nbytes, time.perf_counter() - t0, self.last_restore_tier,
@@ -590,7 +599,15 @@ class CheckpointManager:
                 raise StepNotFoundError("step is not committed", step=step, host=h)
         if not holders:
             raise StepNotFoundError(f"step is not committed under {self.local_dir}", step=step)
-        n = self._saved_hosts(step, holders)
+        # Each host's manifest fetched and parsed once per restore, though read twice.
+        fetched: dict[int, Manifest] = {}
+
+        def manifest_of(s: int, h: int) -> Manifest:
+            if h not in fetched:
+                fetched[h] = self._dispatch.manifest(s, h)
+            return fetched[h]
+
+        n = self._saved_hosts(step, holders, manifest_of)
         missing = [h for h in range(n) if h not in holders and h in held]
         if missing and self.topology.subdirs:
             raise StepNotFoundError("step is not committed", step=step, host=missing[0])
@@ -599,8 +616,8 @@ class CheckpointManager:
             # host's manifest (and later its regions) through this host's side, which
             # gets other hosts' from the network tier. Without replicators only this
             # host's files are known, and a region it lacks is ShardUnavailableError.
-            return load_step(step, range(n), self._dispatch.manifest)
-        return load_step(step, [h for h in holders if h < n], self._dispatch.manifest)
+            return load_step(step, range(n), manifest_of)
+        return load_step(step, [h for h in holders if h < n], manifest_of)
 
     def _host_tiers(self, prepared: Prepared) -> dict[int, str]:
         addrs = self.options.replicators or ()

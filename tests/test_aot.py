@@ -14,7 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtc_trainer import aot, recovery
-from mtc_trainer.recovery import Recovery, pause_seconds
+from mtc_trainer.policy import pause_seconds
+from mtc_trainer.recovery import Recovery
 
 
 @pytest.mark.parametrize(("active", "total", "depth", "want"), [
@@ -38,6 +39,9 @@ def test_ahead_meshes(active: tuple[int, ...], total: int, depth: int,
     ({0, 1}, {1}, "replacement", 0.0),
     (set(), set(), "replacement", 0.0),
     ({1}, set(), "always", 3.0),
+    ({1}, {1}, "resize", 0.0),  # go on on the healthy slices while it is replaced
+    ({0, 1}, {0, 1}, "resize", 0.0),
+    (set(), set(), "resize", 0.0),
 ])
 def test_pause_seconds(missing: set[int], replacing: set[int], policy: str,
                        want: float) -> None:
@@ -47,6 +51,8 @@ def test_pause_seconds(missing: set[int], replacing: set[int], policy: str,
 def test_pause_policy_is_checked() -> None:
     with pytest.raises(ValueError, match="unknown pause policy"):
         pause_seconds({1}, {1}, 3.0, "sometimes")
+    with pytest.raises(ValueError, match="unknown pause policy"):
+        pause_seconds(set(), set(), 3.0, "sometimes")  # checked even with nothing missing
 
 
 def test_ahead_compiler_runs_in_order_skips_retargeted_and_joins() -> None:
@@ -139,3 +145,36 @@ def test_recovery_record_splits_out_the_replacement_and_the_step_in_flight(
     assert sec["beyond_in_flight_step"] == pytest.approx(0.7)
     assert "replacement" not in sec
     assert up.entry(0.5, 0.5)["steps_lost"] == 0
+
+
+def test_ahead_compiler_starts_nothing_while_held() -> None:
+    """A recovery holds the compiler: no job starts (and a running one waits at
+    wait_released) until it is released."""
+    ran: list[str] = []
+    c = aot.AheadCompiler()
+    try:
+        c.hold()
+        assert c.submit("a", lambda: ran.append("a"))
+        assert not c.wait("a", 0.3)  # held: not started
+        assert ran == []
+        c.release()
+        assert c.wait("a", 10)
+        assert ran == ["a"]
+        c.hold()
+        steps: list[str] = []
+
+        def job() -> None:
+            steps.append("compiled")
+            c.wait_released()
+            steps.append("warmed up")
+
+        c.release()
+        assert c.submit("b", job)
+        c.hold()  # may land before or during the job: either way it waits
+        assert not c.wait("b", 0.3)
+        assert "warmed up" not in steps
+        c.release()
+        assert c.wait("b", 10)
+        assert steps == ["compiled", "warmed up"]
+    finally:
+        c.close(10)

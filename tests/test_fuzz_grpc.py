@@ -170,7 +170,8 @@ def test_offer_push_link_commit(server: Server, files: list[pb.FileInfo],
 
 @given(st.one_of(st.binary(max_size=40),
                  st.builds(pb.FetchRequest, step=ints, origin_rank=ints, path=paths,
-                           offset=st.one_of(u64, st.integers(0, 6000))).map(
+                           offset=st.one_of(u64, st.integers(0, 6000)),
+                           more_paths=st.lists(paths, max_size=3)).map(
                      lambda r: r.SerializeToString())))
 def test_fetch(server: Server, payload: bytes) -> None:
     fetch = server.channel.unary_stream("/mtc.replicator.v1.Data/Fetch",
@@ -181,6 +182,10 @@ def test_fetch(server: Server, payload: bytes) -> None:
         assert e.code() not in UNTYPED, e.details()
         return
     req = pb.FetchRequest.FromString(payload)
-    # Only bytes of a file held here, from the offset asked.
-    whole = {"a.bin": b"A" * 5000, "d/b.bin": b"B" * 10}[req.path]
-    assert got == whole[req.offset:]
+    # Only bytes of files held here: from the offset asked, or several back to back.
+    held = {"a.bin": b"A" * 5000, "d/b.bin": b"B" * 10}
+    if req.more_paths:
+        assert req.offset == 0
+        assert got == b"".join(held[p] for p in [req.path, *req.more_paths])
+    else:
+        assert got == held[req.path][req.offset:]

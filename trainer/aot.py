@@ -184,6 +184,11 @@ class AheadCompiler:
         self._known: set[str] = set()  # every name ever submitted
         self.done: list[str] = []  # job names finished (for reports and tests)
         self.failed: list[str] = []
+        # Set while nothing holds the compiler: a recovery does (hold/release), and
+        # then no job starts and no job's warm-up runs (they would take the CPU
+        # from the restore and the first step, the critical path).
+        self._released = threading.Event()
+        self._released.set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -212,9 +217,23 @@ class AheadCompiler:
             return self._finished.wait_for(
                 lambda: name in self._ended or name not in self._known, timeout)
 
+    def hold(self) -> None:
+        """Start no job (and let running ones stop at :meth:`wait_released`) until
+        :meth:`release`: speculative work waits while a recovery runs."""
+        self._released.clear()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait_released(self) -> None:
+        """Called by a job between its steps (after its compile, before its
+        warm-up): returns once nothing holds the compiler, or it is closing."""
+        self._released.wait()  # close() sets it too
+
     def close(self, timeout: float | None = None) -> None:
         """Drop the jobs not started, wait for the one running."""
         self._stop.set()
+        self._released.set()
         self._jobs.put(None)
         self._thread.join(timeout)
 
@@ -229,6 +248,9 @@ class AheadCompiler:
             if item is None or self._stop.is_set():
                 return
             name, job = item
+            self.wait_released()
+            if self._stop.is_set():
+                return
             with self._lock:
                 self._queued.discard(name)
                 skip = self._wanted is not None and name not in self._wanted

@@ -47,7 +47,8 @@ STATE = "cluster.json"
 GCS_EMULATOR = "gcs-emulator"  # --backup value: start fake-gcs-server, back up there
 EMULATOR_BUCKET = "mtc-local"
 PORT_FILE_CHECK_S = 0.005  # a stat of a local file: cheap enough to do this often
-RAMDISK_BYTES = 2 << 30  # each host's tmpfs: a limit, not an allocation
+RAMDISK_BYTES = 4 << 30  # each host's tmpfs: a limit, not an allocation (bench/recovery.py
+# at 1 GiB: two own steps and two peer copies of 512 MiB each, and one arriving)
 
 
 def default_base(name: str) -> Path:

@@ -55,6 +55,7 @@ from typing import Any
 from mtc_trainer.cluster import LocalCluster
 from mtc_trainer.demo import REPO, ChildFailed, child_env
 from mtc_trainer.jsonlog import JsonTail
+from mtc_trainer.policy import PAUSE_POLICIES
 
 DEVICES = 8  # the trainer's CPU devices (mtc_trainer.elastic asks XLA for them)
 
@@ -263,7 +264,8 @@ def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
                    "host_loss_when": args.host_loss_when, "lost_host": args.lost_host,
                    "host_return_s": args.host_return_s, "slice_loss_at": args.slice_loss_at or None,
                    "lost_slice": args.lost_slice, "slice_down_steps": args.slice_down_steps,
-                   "pause_timeout_s": args.pause_timeout_s, "seed": args.seed,
+                   "pause_timeout_s": args.pause_timeout_s,
+                   "pause_policy": args.pause_policy, "seed": args.seed,
                    "params": ev.get("init", {}).get("params"),
                    "slices": 2, "hosts_per_slice": 2, "devices": 8,
                    "tolerance": args.tolerance},
@@ -408,6 +410,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slice-down-steps", type=int, default=15)
     p.add_argument("--pause-timeout-s", type=float, default=10.0,
                    help="how long to pause for a host being replaced before resizing")
+    p.add_argument("--pause-policy", choices=PAUSE_POLICIES, default="replacement",
+                   help="the trainer's --pause-policy: pause for a host being replaced and "
+                        "restore through mtc from its peer (replacement, the demo's story), "
+                        "or train on the other slice meanwhile and scale back up (resize)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=1e-6)
     p.add_argument("--dispatch", choices=("process", "colocated"), default="process",
@@ -467,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                "--lost-slice", str(args.lost_slice),
                "--slice-down-steps", str(args.slice_down_steps),
                "--pause-timeout-s", str(args.pause_timeout_s),
-               "--compile-ahead", str(args.compile_ahead), "--dispatch", args.dispatch,
+               "--pause-policy", args.pause_policy, "--dispatch", args.dispatch,
+               "--compile-ahead", str(args.compile_ahead),
                "--compile-cache", args.compile_cache or str((out / "compile-cache").resolve())]
         if args.host_loss_at:
             cmd += ["--host-loss-at", ",".join(map(str, args.host_loss_at))]

@@ -5,28 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Set
 from typing import Any
 
 from mtc_trainer.aot import READY, Use
-
-
-def pause_seconds(missing: Set[int], replacing: Set[int], timeout: float,
-                  policy: str = "replacement") -> float:
-    """How long to pause for the ``missing`` slices before resizing without them.
-
-    ``replacement``: the whole ``timeout`` when the cluster is replacing the
-    hosts of every missing slice (a restarted pod, a repaired node: back soon,
-    and resuming on the full mesh keeps the throughput), none otherwise (a slice
-    preempted or failed with nothing on its way: waiting only loses time).
-    ``always``: the timeout after every failure."""
-    if not missing:
-        return 0.0
-    if policy == "always":
-        return timeout
-    if policy != "replacement":
-        raise ValueError(f"unknown pause policy {policy!r}")
-    return timeout if set(missing) <= set(replacing) else 0.0
 
 
 @dataclasses.dataclass

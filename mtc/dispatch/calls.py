@@ -128,10 +128,11 @@ class HostCalls:
                 paste(out, t.index, got[(t.leaf, p)], p.entry.index)
             regions[id(t)] = out
         devices = {d.id: d for spec in specs.values() for d in spec.sharding.device_set}
-        singles: dict[tuple[int, int], jax.Array] = {}
-        for t in tasks:
-            for dev in t.device_ids:
-                singles[(t.leaf, dev)] = jax.device_put(regions[id(t)], devices[dev])
+        # One batched device_put for every shard (one by one costs ~0.1 ms each).
+        keys = [(t, dev) for t in tasks for dev in t.device_ids]
+        placed = jax.device_put([regions[id(t)] for t, _ in keys],
+                                [devices[dev] for _, dev in keys])
+        singles = {(t.leaf, dev): a for (t, dev), a in zip(keys, placed, strict=True)}
         arrays: dict[int, jax.Array] = {}
         for leaf, spec in specs.items():
             local = [singles[(leaf, d.id)] for d in spec.sharding.addressable_devices

@@ -223,13 +223,15 @@ class PushAck(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("step", "origin_rank", "path", "offset")
+    __slots__ = ("step", "origin_rank", "path", "offset", "more_paths")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MORE_PATHS_FIELD_NUMBER: _ClassVar[int]
     step: int
     origin_rank: int
     path: str
     offset: int
-    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    more_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., more_paths: _Optional[_Iterable[str]] = ...) -> None: ...

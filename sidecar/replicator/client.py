@@ -17,7 +17,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc_sidecar.replicator.security import Credentials
 from mtc_sidecar.replicator.status import TRANSIENT, error_class
-from mtc_sidecar.replicator.store import CHUNK
+from mtc_sidecar.replicator.store import CHUNK, FileMeta
 
 T = TypeVar("T")
 MAX_MESSAGE = 64 << 20
@@ -74,9 +74,8 @@ class PeerClient:
         self.rank = rank
         self.deadline_s = deadline_s
         self._metadata = creds.call_metadata()
-        cc = creds.channel_credentials()
-        self.channel = (grpc.secure_channel(address, cc, options=CHANNEL_OPTIONS) if cc
-                        else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        self._cc = creds.channel_credentials()
+        self.channel = self._new_channel()
         self.stub = pb_grpc.ReplicatorStub(self.channel)
         self._push = self.channel.stream_unary(PUSH, request_serializer=_identity,
                                                response_deserializer=pb.PushAck.FromString)
@@ -84,12 +83,34 @@ class PeerClient:
                                                 request_serializer=pb.FetchRequest.SerializeToString,
                                                 response_deserializer=_identity)
 
+    def _new_channel(self, *, own_connection: bool = False) -> grpc.Channel:
+        # gRPC shares connections among a process's channels to one address: a
+        # channel of its own connection does not inherit the shared one's backoff.
+        opts = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if own_connection \
+            else CHANNEL_OPTIONS
+        return (grpc.secure_channel(self.address, self._cc, options=opts)
+                if self._cc else grpc.insecure_channel(self.address, options=opts))
+
     def close(self) -> None:
         self.channel.close()
 
     def call(self, name: str, request: Any, *, deadline_s: float | None = None,
-             attempts: int = 3) -> Any:
-        """A control call with a deadline, retried with backoff while the peer is unavailable."""
+             attempts: int = 3, known_up: bool = False) -> Any:
+        """A control call with a deadline, retried with backoff while the peer is unavailable.
+
+        ``known_up``: the caller knows the peer is serving (it has just called us),
+        so the call goes over a channel of its own, connected now: the shared one
+        may still be backing off from the peer's loss (up to the maximum reconnect
+        backoff after its return, every call failing fast meanwhile). One connection
+        more per call: for rare calls (a restore's agreement)."""
+        if known_up:
+            channel = self._new_channel(own_connection=True)
+            try:
+                once: Callable[..., Any] = getattr(pb_grpc.ReplicatorStub(channel), name)
+                return self._retry(lambda: once(request, timeout=deadline_s or self.deadline_s,
+                                                metadata=self._metadata), name, attempts)
+            finally:
+                channel.close()
         method: Callable[..., Any] = getattr(self.stub, name)
         return self._retry(lambda: method(request, timeout=deadline_s or self.deadline_s,
                                           metadata=self._metadata), name, attempts)
@@ -205,6 +226,78 @@ class PeerClient:
             raise CorruptShardError(
                 f"copy from rank {self.rank} does not match: {got} bytes crc32c {value:#010x}, "
                 f"expected {size} bytes crc32c {crc:#010x}", step=step, host=origin, path=rel)
+
+    def fetch_files(self, step: int, origin: int, files: list[FileMeta], dest: Path,
+                    *, deadline_s: float = 120.0) -> tuple[list[str], MtcError | None]:
+        """Download several files of a peer's copy in one stream into ``dest``
+        (each at ``dest / path``), each verified against its size and CRC32C as it
+        ends. Returns the paths written and verified, in order, and the error that
+        ended the stream early (None: all of them); a file cut short is removed."""
+        if not files:
+            return [], None
+        req = pb.FetchRequest(step=step, origin_rank=origin, path=files[0].path,
+                              more_paths=[f.path for f in files[1:]])
+        done: list[str] = []
+        i = got = value = 0
+        out: Any = None
+
+        def finish() -> MtcError | None:
+            nonlocal i, got, value, out
+            f = files[i]
+            if out is not None:
+                out.close()
+                out = None
+            if got != f.size or value != f.crc32c:
+                os.unlink(dest / f.path)
+                return CorruptShardError(
+                    f"copy from rank {self.rank} does not match: {got} bytes crc32c "
+                    f"{value:#010x}, expected {f.size} bytes crc32c {f.crc32c:#010x}",
+                    step=step, host=origin, path=f.path)
+            done.append(f.path)
+            i, got, value = i + 1, 0, 0
+            return None
+
+        def start() -> None:
+            nonlocal out
+            path = dest / files[i].path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(path, "wb", buffering=0)
+
+        try:
+            start()
+            while i < len(files) and files[i].size == 0:  # nothing of theirs is sent
+                if (err := finish()) is not None:
+                    return done, err
+                if i < len(files):
+                    start()
+            for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
+                if i >= len(files) or got + len(chunk) > files[i].size:
+                    return done, CorruptShardError(
+                        f"rank {self.rank} sent more than the files' sizes", step=step,
+                        host=origin, path=files[min(i, len(files) - 1)].path)
+                value = crc32c(chunk, value)
+                out.write(chunk)
+                got += len(chunk)
+                while i < len(files) and got == files[i].size:
+                    if (err := finish()) is not None:
+                        return done, err
+                    if i < len(files):
+                        start()
+            if i < len(files):
+                return done, CorruptShardError(
+                    f"rank {self.rank} ended the stream short of the files' sizes",
+                    step=step, host=origin, path=files[i].path)
+            return done, None
+        except grpc.RpcError as e:
+            err = PeerError(f"fetch of {len(files)} files from rank {self.rank} failed at "
+                            f"{files[min(i, len(files) - 1)].path}: {e.code().name}: "
+                            f"{e.details()}", step=step, host=self.rank)
+            err.code = e.code()
+            return done, err
+        finally:
+            if out is not None:  # a file cut short
+                out.close()
+                (dest / files[i].path).unlink(missing_ok=True)
 
     def fetch_bytes(self, step: int, origin: int, rel: str, size: int, crc: int,
                     *, deadline_s: float = 120.0) -> bytearray:

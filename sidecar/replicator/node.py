@@ -341,8 +341,12 @@ class Node(BackupDuties, RestoreDuties):
         with self._coord_lock:
             c = self._coordinators.get(members)
             if c is None:
-                c = Coordinator(list(members), self.config.equivalent, self._gather_holdings,
-                                self.book, num_nodes=self.config.num_nodes)
+                c = Coordinator(
+                    list(members), self.config.equivalent,
+                    # Every member asked before the coordinator gathers: each one is up.
+                    lambda ranks, deadline: self._gather_holdings(ranks, deadline,
+                                                                  known_up=True),
+                    self.book, num_nodes=self.config.num_nodes)
                 self._coordinators[members] = c
             return c
 
@@ -354,9 +358,11 @@ class Node(BackupDuties, RestoreDuties):
                        frozenset(inv.backed_up_steps), last,
                        frozenset((c.step, c.saved_hosts) for c in inv.copies if c.saved_hosts))
 
-    def _gather_invs(self, ranks: Sequence[int], deadline: float) -> dict[int, pb.Inventory]:
+    def _gather_invs(self, ranks: Sequence[int], deadline: float, *,
+                     known_up: bool = False) -> dict[int, pb.Inventory]:
         """Inventories of those of ``ranks`` that answer before ``deadline``, asked at
-        once on the inventory pool (never behind a restore's file fetches)."""
+        once on the inventory pool (never behind a restore's file fetches).
+        ``known_up``: they are serving (see :meth:`PeerClient.call`)."""
         out: dict[int, pb.Inventory] = {}
         futs = {}
         for r in ranks:
@@ -366,7 +372,7 @@ class Node(BackupDuties, RestoreDuties):
                 left = max(0.05, min(self.config.deadline_s, deadline - time.monotonic()))
                 futs[r] = self._inv_pool.submit(self.peers[r].call, "GetInventory",
                                                 pb.InventoryRequest(), deadline_s=left,
-                                                attempts=1)
+                                                attempts=1, known_up=known_up)
         for r, fut in futs.items():
             try:
                 out[r] = fut.result()
@@ -375,8 +381,10 @@ class Node(BackupDuties, RestoreDuties):
                 log.debug("rank %d: no inventory from rank %d: %s", self.rank, r, e)
         return out
 
-    def _gather_holdings(self, ranks: Sequence[int], deadline: float) -> dict[int, Holding]:
-        return {r: self.holding(inv) for r, inv in self._gather_invs(ranks, deadline).items()}
+    def _gather_holdings(self, ranks: Sequence[int], deadline: float, *,
+                         known_up: bool = False) -> dict[int, Holding]:
+        return {r: self.holding(inv)
+                for r, inv in self._gather_invs(ranks, deadline, known_up=known_up).items()}
 
     def gather(self) -> dict[int, pb.Inventory]:
         """Every reachable node's inventory (best effort: the data's whereabouts, never

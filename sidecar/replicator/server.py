@@ -310,6 +310,17 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 raise ValueError(f"malformed FetchRequest: {e}") from e
             rel = safe_relpath(req.path)
             store = self.node.store
+            if req.more_paths:
+                # Several files of a held copy back to back, each checked as read.
+                rels = [rel, *(safe_relpath(p) for p in req.more_paths)]
+                if len(rels) > MAX_FILES or req.offset:
+                    raise ValueError("too many files, or an offset, in a fetch of several")
+                if (req.origin_rank, req.step) not in store.copies():
+                    raise StepNotFoundError("no complete copy here", step=req.step,
+                                            host=req.origin_rank)
+                for r in rels:
+                    yield from store.stream_verified(req.origin_rank, req.step, r)
+                return
             staged = self.node.restoring.get(req.step)
             if (req.origin_rank, req.step) in store.copies():
                 # Checked as it is read: a file that fails is quarantined, never sent whole.
