@@ -174,13 +174,13 @@ def encode_error(e: MtcError) -> bytes:
                               "step": e.step, "host": e.host, "path": e.path}).encode()
 
 
-def decode_reply(data: bytes | bytearray) -> Any:
+def decode_reply(data: bytes | bytearray | memoryview) -> Any:
     """The reply's value (raw bytes as a view, writable when ``data`` is); a typed error
     from the host side is raised here, as itself."""
     kind = bytes(data[:1])
     if kind == b"B":
         return memoryview(data)[1:]
-    payload = data[1:]
+    payload = bytes(data[1:])  # JSON and errors are small; raw bytes are not copied
     if kind == b"J":
         return json.loads(payload)
     if kind == b"E":

@@ -120,12 +120,17 @@ class ColocatedAgent:
                                                         pieces)
 
     def reply(self, ranks: jax.Array, cap: jax.Array) -> jax.Array:
-        """The kept reply, zero-padded to ``cap`` bytes, on this worker's devices."""
+        """The kept reply split across this worker's devices in mesh order, each part
+        zero-padded to ``cap`` bytes."""
         n = int(np.asarray(cap.addressable_shards[0].data).view("<u8")[0])
+        shards = sorted(ranks.addressable_shards, key=lambda s: s.index[0].start or 0)
+        part: dict[int, int] = {}  # host -> parts of its reply placed so far
         pieces = []
-        for s in ranks.addressable_shards:
+        for s in shards:
+            h = int(np.asarray(s.data).reshape(-1)[0])
+            k = part[h] = part.get(h, -1) + 1
+            data = memoryview(self._replies.get(s.device.id, b""))[k * n:(k + 1) * n]
             buf = np.zeros(n, np.uint8)
-            data = self._replies.get(s.device.id, b"")
             buf[:len(data)] = np.frombuffer(data, np.uint8)
             pieces.append(jax.device_put(buf, s.device))
         return jax.make_array_from_single_device_arrays((ranks.shape[0] * n,), ranks.sharding,

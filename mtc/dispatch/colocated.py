@@ -53,6 +53,8 @@ class ColocatedDispatch(HostCalls):
             rank_of.setdefault(c, config.host_of_device[d.id])
         self.cpu_devices = list(rank_of)
         self._rank_of = rank_of
+        self._devices_of = {r: sum(1 for x in rank_of.values() if x == r)
+                            for r in set(rank_of.values())}
         mesh = jax.sharding.Mesh(np.array(self.cpu_devices), ("hosts",))
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._per_host = NamedSharding(mesh, PartitionSpec("hosts"))
@@ -88,9 +90,15 @@ class ColocatedDispatch(HostCalls):
         return self._exchange(jax.device_put(raw, self._replicated))
 
     def _exchange(self, request: jax.Array) -> list[Any]:
+        """Each worker's reply to ``request``, in rank order. A worker's reply comes
+        back split across its devices (each carries a part, padded to a size class
+        shared by the call: one specialization per class)."""
         lengths = self._ask(request, self._ranks)
-        sizes = [int(np.asarray(sh.data).view("<u8")[0]) for sh in lengths.addressable_shards]
-        cap = 1 << max(max(sizes), 1).bit_length()
+        size_of: dict[int, int] = {}
+        for sh in lengths.addressable_shards:
+            size_of.setdefault(self._rank_of[sh.device], int(np.asarray(sh.data).view("<u8")[0]))
+        per_device = max(-(-n // self._devices_of[r]) for r, n in size_of.items())
+        cap = 1 << (max(per_device, 1) - 1).bit_length()
         fetch = self._fetchers.get(cap)
         if fetch is None:
             spec = jax.ShapeDtypeStruct((len(self.cpu_devices) * cap,), np.dtype(np.uint8),
@@ -99,14 +107,15 @@ class ColocatedDispatch(HostCalls):
                 out_specs_fn=lambda *_: spec)
         padded = fetch(self._ranks, jax.device_put(np.array([cap], "<u8").view(np.uint8),
                                                    self._replicated))
-        by_device = {sh.device: n for sh, n in zip(lengths.addressable_shards, sizes,
-                                                   strict=True)}
-        replies: dict[int, Any] = {}
+        parts: dict[int, list[tuple[int, np.ndarray]]] = {}
         for sh in padded.addressable_shards:
-            rank = self._rank_of[sh.device]
-            if rank not in replies:  # a worker's devices carry the same reply
-                data = np.asarray(sh.data)[:by_device[sh.device]].tobytes()
-                replies[rank] = decode_reply(data)
+            parts.setdefault(self._rank_of[sh.device], []).append(
+                (int(sh.index[0].start or 0), np.asarray(sh.data)))
+        replies: dict[int, Any] = {}
+        for rank, ps in parts.items():
+            ps.sort(key=lambda p: p[0])  # the worker's devices in mesh order
+            whole = ps[0][1] if len(ps) == 1 else np.concatenate([p for _, p in ps])
+            replies[rank] = decode_reply(whole[:size_of[rank]].data)
         return [replies[r] for r in sorted(replies)]
 
     def _unanimous(self, answer: jax.Array, op: str) -> bool:
