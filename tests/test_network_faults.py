@@ -320,14 +320,18 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
     for step in (10, 11, 12):  # a copy that finished before the cut landed: again
         needle = incoming.format(step=step)
         cut_at_s: list[float] = []
+        saved = threading.Event()  # the link also carries the controller's requests
         trigger, fired = when(
-            lambda n=needle: any(0 < p < size // 2 for p in open_positions(net.pid(3), n)),
+            lambda n=needle: saved.is_set() and any(
+                0 < p < size // 2 for p in open_positions(net.pid(3), n)),
             lambda c=cut_at_s: (hosts.link(1, False), c.append(time.monotonic())), 60.0)
         try:
             with mtc.CheckpointManager(tmp_path, mesh=mesh, options=net.options()) as mgr:
                 mgr.save(step, big_state(mesh, step), force=True)
                 mgr.wait_until_finished()
+            saved.set()
         finally:
+            saved.set()
             trigger.join()
         assert fired.is_set(), f"host 3 never received step {step}"
         if (1, step) not in net.held(3):

@@ -43,6 +43,7 @@ from mtc.shards import distinct_shards
 METHOD = "/mtc.Host/Call"
 MAX_MESSAGE = 256 << 20
 SLOTS_PER_HOST = 2
+WAIT_DEADLINE_S = 600.0  # a host's writes of its part of one save, at the slowest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,8 +293,11 @@ class ProcessDispatch(HostCalls):
     def _each(self, op: str) -> None:
         """``poll`` or ``wait`` on every host; slots they report written are free again
         (those of the hosts that answered, even when another one failed)."""
+        # A wait lasts as long as the writes, but not forever: a host whose link is
+        # gone never answers (no reset crosses a dead link).
         written, error = self._fan_out({h: (op, {}) for h in self.sidecars},
-                                       None if op == "wait" else self.deadline_s)
+                                       max(WAIT_DEADLINE_S, self.deadline_s) if op == "wait"
+                                       else self.deadline_s)
         for h, names in written.items():
             self._release(h, names)
         if error is not None:
