@@ -322,7 +322,7 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
         cut_at_s: list[float] = []
         saved = threading.Event()  # the link also carries the controller's requests
         trigger, fired = when(
-            lambda n=needle: saved.is_set() and any(
+            lambda n=needle, s=saved: s.is_set() and any(
                 0 < p < size // 2 for p in open_positions(net.pid(3), n)),
             lambda c=cut_at_s: (hosts.link(1, False), c.append(time.monotonic())), 60.0)
         try:
