@@ -22,7 +22,9 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -304,3 +306,20 @@ def assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
         assert got[k].sharding == want[k].sharding
     assert got["n"] == want["n"]
+
+
+@contextmanager
+def sidecar_hosts(name: str, slices: list[int], **kw: Any) -> Iterator[Hosts]:
+    """Isolated hosts under /dev/shm with a sidecar each (``kw`` for :class:`Hosts`);
+    taken down after, their sidecars' logs printed for a failure's report."""
+    hs = Hosts(Path("/dev/shm") / f"mtc-{name}-{uuid.uuid4().hex[:8]}", len(slices), **kw)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        for i in range(len(slices)):
+            hs.start_sidecar(i, slices, env=env)
+        yield hs
+    finally:
+        tails = {i: hs.log_tail(i, "sidecar") for i in range(len(slices))}
+        hs.down()
+        for i, t in tails.items():
+            print(f"--- sidecar {i} ---\n{t}")

@@ -12,7 +12,6 @@ see a step file.
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 from jax.experimental import colocated_python
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from replicators import sidecar_hosts
 
 import mtc
 from mtc.dispatch.process import Sidecar
@@ -33,18 +33,8 @@ SLICES = [0, 0, 1, 1]
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    hs = Hosts(Path("/dev/shm") / f"mtc-coloc-{uuid.uuid4().hex[:8]}", 4,
-               ramdisk_bytes=64 << 20, colocated_devices=8)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    try:
-        for i in range(4):
-            hs.start_sidecar(i, SLICES, env=env)
+    with sidecar_hosts("coloc", SLICES, ramdisk_bytes=64 << 20, colocated_devices=8) as hs:
         yield hs
-    finally:
-        tails = {i: hs.log_tail(i, "sidecar") for i in range(4)}
-        hs.down()
-        for i, t in tails.items():
-            print(f"--- sidecar {i} ---\n{t}")
 
 
 def _opts(hs: Hosts) -> mtc.Options:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import wait_healthy
+from replicators import sidecar_hosts, wait_healthy
 
 import mtc
 from mtc.proto import replicator_pb2 as pb
@@ -33,17 +32,8 @@ SLICES = [0, 0, 1, 1]
 
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
-    hs = Hosts(Path("/dev/shm") / f"mtc-iso-{uuid.uuid4().hex[:8]}", 4, ramdisk_bytes=64 << 20)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    try:
-        for i in range(4):
-            hs.start_sidecar(i, SLICES, env=env)
+    with sidecar_hosts("iso", SLICES, ramdisk_bytes=64 << 20) as hs:
         yield hs
-    finally:
-        tails = {i: hs.log_tail(i, "sidecar") for i in range(4)}
-        hs.down()
-        for i, t in tails.items():
-            print(f"--- sidecar {i} ---\n{t}")
 
 
 def _opts(hs: Hosts, **kw: object) -> mtc.Options:

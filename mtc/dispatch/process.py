@@ -54,6 +54,16 @@ class Sidecar:
     area: Path
 
 
+def channels(sidecars: dict[int, Sidecar], method: str
+             ) -> tuple[dict[int, grpc.Channel], dict[int, Any]]:
+    """A channel to each host's sidecar, and a raw-bytes stub of ``method`` on it."""
+    opts = [("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.max_receive_message_length", MAX_MESSAGE)]
+    chans = {h: grpc.insecure_channel(s.address, options=opts) for h, s in sidecars.items()}
+    return chans, {h: c.unary_unary(method, request_serializer=None, response_deserializer=None)
+                   for h, c in chans.items()}
+
+
 class ProcessDispatch(HostCalls):
     """Talks to one sidecar process per host. Not thread-safe: the manager's thread.
 
@@ -70,13 +80,7 @@ class ProcessDispatch(HostCalls):
         self.config = config
         self.sidecars = sidecars
         self.deadline_s = deadline_s
-        opts = [("grpc.max_send_message_length", MAX_MESSAGE),
-                ("grpc.max_receive_message_length", MAX_MESSAGE)]
-        self._channels = {h: grpc.insecure_channel(s.address, options=opts)
-                          for h, s in sidecars.items()}
-        self._stubs = {h: c.unary_unary(METHOD, request_serializer=None,
-                                        response_deserializer=None)
-                       for h, c in self._channels.items()}
+        self._channels, self._stubs = channels(sidecars, METHOD)
         self._locks: dict[int, int] = {}  # host -> descriptor of the area's writer lock
         self._slots = {h: [transfer.SaveSlot(s.area, f"save-{k}") for k in range(SLOTS_PER_HOST)]
                        for h, s in sidecars.items()}

@@ -28,10 +28,10 @@ import numpy as np
 from jax import tree_util
 
 from mtc import errors, transfer
+from mtc.dispatch.process import Sidecar, channels
 from mtc.errors import ColocatedCallError, MtcError, ShardUnavailableError
 
 METHOD = "/mtc.Host/Execute"
-MAX_MESSAGE = 256 << 20
 
 _lock = threading.Lock()
 _runtimes: list[Runtime] = []
@@ -88,7 +88,7 @@ class Runtime:
     host rank) in the hosts' sidecars (``sidecars``: rank -> where it listens).
     Registered from construction until :meth:`close`."""
 
-    def __init__(self, sidecars: dict[int, Any], host_of_device: dict[int, int],
+    def __init__(self, sidecars: dict[int, Sidecar], host_of_device: dict[int, int],
                  *, deadline_s: float = 120.0) -> None:
         missing = sorted(set(host_of_device.values()) - set(sidecars))
         if missing:
@@ -96,13 +96,7 @@ class Runtime:
         self.sidecars = sidecars
         self.host_of_device = dict(host_of_device)
         self.deadline_s = deadline_s
-        opts = [("grpc.max_send_message_length", MAX_MESSAGE),
-                ("grpc.max_receive_message_length", MAX_MESSAGE)]
-        self._channels = {h: grpc.insecure_channel(s.address, options=opts)
-                          for h, s in sidecars.items()}
-        self._stubs = {h: c.unary_unary(METHOD, request_serializer=None,
-                                        response_deserializer=None)
-                       for h, c in self._channels.items()}
+        self._channels, self._stubs = channels(sidecars, METHOD)
         self._pool = ThreadPoolExecutor(max(1, len(sidecars)), thread_name_prefix="mtc-coloc")
         _register(self)
 
