@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -108,8 +109,11 @@ class Hosts:
         # servers (0: the sidecars run none).
         self.colocated_devices = colocated_devices
         self.isolation = isolation or ("namespaces" if namespaces_available() else "processes")
-        self.tag = f"{os.getpid() % 1000:03d}{random.randrange(100):02d}"
-        self.subnet = f"10.{200 + random.randrange(50)}.{random.randrange(256)}"
+        # In every interface and namespace name (15 characters at most): random, so
+        # that two clusters on one machine (two test runs) do not meet.
+        self.tag = uuid.uuid4().hex[:5]
+        rng = random.SystemRandom()  # not the process's generator, which tests may seed
+        self.subnet = f"10.{200 + rng.randrange(50)}.{rng.randrange(256)}"
         self.bridge = f"mtcb{self.tag}"
         self.hosts: list[Host] = []
         base.mkdir(parents=True, exist_ok=True)
