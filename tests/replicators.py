@@ -323,3 +323,22 @@ def sidecar_hosts(name: str, slices: list[int], **kw: Any) -> Iterator[Hosts]:
         hs.down()
         for i, t in tails.items():
             print(f"--- sidecar {i} ---\n{t}")
+
+
+def save_two_and_restore(mgr: Any, state: dict[str, Any]) -> tuple[Any, Any]:
+    """Save ``state`` as steps 1 and 2, then restore step 2 onto its own layout and,
+    with its ``w`` (8 x 16 float32), onto half the devices in another layout (pieces
+    from several hosts). Returns both restores."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    assert mgr.save(1, state)
+    assert mgr.save(2, state)
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [1, 2]
+    back = mgr.restore(2, target=state)
+    half = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    other = {k: None for k in state} | {"w": jax.ShapeDtypeStruct(
+        (8, 16), np.float32, sharding=NamedSharding(half, PartitionSpec("b", "a")))}
+    return back, mgr.restore(2, target=other)

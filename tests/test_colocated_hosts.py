@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax.experimental import colocated_python
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import sidecar_hosts
+from replicators import save_two_and_restore, sidecar_hosts
 
 import mtc
 from mtc.dispatch.process import Sidecar
@@ -61,16 +61,7 @@ def test_save_restore_through_colocated_sidecars(hosts: Hosts, mesh: Mesh,
              "np": np.arange(5, dtype=np.int64), "step": 7}
     with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh,
                                options=_opts(hosts)) as mgr:
-        assert mgr.save(1, state)
-        assert mgr.save(2, state)
-        mgr.wait_until_finished()
-        assert mgr.all_steps() == [1, 2]
-        back = mgr.restore(2, target=state)
-        half = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
-        other = {"w": jax.ShapeDtypeStruct((8, 16), np.float32,
-                                           sharding=NamedSharding(half, PartitionSpec("b", "a"))),
-                 "b": None, "np": None, "step": None}
-        moved = mgr.restore(2, target=other)
+        back, moved = save_two_and_restore(mgr, state)
     for got in (back, moved):
         np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(w))
     np.testing.assert_array_equal(np.asarray(back["b"]), np.arange(16))

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import sidecar_hosts, wait_healthy
+from replicators import save_two_and_restore, sidecar_hosts, wait_healthy
 
 import mtc
 from mtc.proto import replicator_pb2 as pb
@@ -53,17 +53,7 @@ def test_save_restore_through_isolated_sidecars(hosts: Hosts, mesh: Mesh,
     state = _state(mesh)
     local = tmp_path / "controller-view"
     with mtc.CheckpointManager(local, mesh=mesh, options=_opts(hosts)) as mgr:
-        assert mgr.save(1, state)
-        assert mgr.save(2, state)
-        mgr.wait_until_finished()
-        assert mgr.all_steps() == [1, 2]
-        back = mgr.restore(2, target=state)
-        # Onto half the devices and another layout: pieces come from several hosts.
-        half = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
-        other = {"w": jax.ShapeDtypeStruct((8, 16), np.float32,
-                                           sharding=NamedSharding(half, PartitionSpec("b", "a"))),
-                 "b": None, "np": None, "step": None}
-        moved = mgr.restore(2, target=other)
+        back, moved = save_two_and_restore(mgr, state)
         whole = mgr.restore(2)
     for got in (back, moved, whole):
         np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
