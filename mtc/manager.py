@@ -238,9 +238,11 @@ class CheckpointManager:
         (:meth:`metrics`). Returns False when the step is off the save interval
         and at no preemption sync point (and ``force`` is off), or when
         ``Options.if_busy == "skip"`` and earlier saves still hold the staging
-        budget. Errors of earlier background saves
-        are raised here. In multi-controller JAX every process calls it for the
-        same steps (retention agrees on the steps committed everywhere).
+        budget. Errors of earlier background saves are raised here (through
+        sidecar processes, a call off the interval asks the hosts at most once a
+        second, and only while a save is in flight). In multi-controller JAX
+        every process calls it for the same steps (retention agrees on the steps
+        committed everywhere).
         """
         self._writable("save")
         if orbax_args.is_orbax_args(state):
@@ -256,8 +258,8 @@ class CheckpointManager:
         if not overlapped:
             self._dispatch.raise_background_error()
         if not (force or self._on_schedule(step)):
-            if overlapped:
-                self._dispatch.raise_background_error()
+            if isinstance(self._dispatch, ProcessDispatch):
+                self._dispatch.poll_if_due()  # not a round trip per step
             return False
         t0 = time.perf_counter()
         if isinstance(self._dispatch, ProcessDispatch):

@@ -117,6 +117,10 @@ def test_replicators_in_host_namespaces_bring_a_lost_host_back(hosts: Hosts, mes
     while time.monotonic() < deadline:
         inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
         if any(c.origin_rank == 1 and c.step == 3 for c in inv.copies):
+            # A leader election's question: the rank only, no copies checked.
+            brief = client.call("GetInventory", pb.InventoryRequest(rank_only=True),
+                                attempts=1)
+            assert brief.rank == 3 and not brief.copies
             break
         time.sleep(0.1)
     else:
@@ -183,3 +187,48 @@ def test_a_refused_stage_is_raised_on_the_next_call_and_never_committed(
         assert mgr.all_steps() == [1, 3]
         np.testing.assert_array_equal(np.asarray(mgr.restore(3, target=state)["w"]),
                                       np.asarray(state["w"]))
+
+
+def test_steps_off_the_interval_ask_the_hosts_only_while_a_save_is_in_flight(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save`` off the save interval is called at every training step: with
+    nothing in flight it sends no request at all, and while a save is in flight
+    it polls at most every ``POLL_INTERVAL_S``, so a host's refusal still comes
+    out of it, typed and naming the host, within about that long."""
+    from mtc.dispatch import process
+    from mtc.dispatch.process import ProcessDispatch
+    from mtc.errors import ProtocolError
+
+    real = ProcessDispatch._request
+    sent: list[str] = []
+
+    def request(self: ProcessDispatch, host: int, op: str, args: dict[str, object],
+                timeout: float | None) -> object:
+        sent.append(op)
+        if op == "stage" and host == 2 and '"step": 8' in str(args.get("header", "")):
+            args = {**args, "slot": "../elsewhere"}  # host 2 refuses step 8
+        return real(self, host, op, args, timeout)
+
+    monkeypatch.setattr(ProcessDispatch, "_request", request)
+    state = _state(mesh)
+    with mtc.CheckpointManager(tmp_path / "controller-view", mesh=mesh,
+                               options=_opts(hosts, save_interval_steps=4,
+                                             max_to_keep=None)) as mgr:
+        assert mgr.save(4, state)
+        mgr.wait_until_finished()
+        sent.clear()
+        assert [mgr.save(s, state) for s in (5, 6, 7)] == [False] * 3
+        assert sent == []  # nothing in flight: not one round trip per step
+        assert mgr.save(8, state)
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError, match="bad slot name") as e:
+            for _ in range(400):  # bounded: 20 s at most
+                mgr.save(9, state)  # off the interval
+                time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert e.value.host == 2
+        assert took < 10 * process.POLL_INTERVAL_S
+        polls = sent.count("poll")
+        assert 0 < polls <= 4 * (took / process.POLL_INTERVAL_S + 2)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [4]  # step 8 never became a step

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -44,6 +45,9 @@ METHOD = "/mtc.Host/Call"
 MAX_MESSAGE = 256 << 20
 SLOTS_PER_HOST = 2
 WAIT_DEADLINE_S = 600.0  # a host's writes of its part of one save, at the slowest
+# Between saves, how often a save in flight is polled for its background error: a
+# round trip to every host at every step cost the demo's steps 2.5% (7 ms of 0.27 s).
+POLL_INTERVAL_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +98,7 @@ class ProcessDispatch(HostCalls):
         # request goes to a host (so nothing overtakes them), their errors raised then.
         self._staging: dict[int, Future[Any]] = {}
         self._staging_slots: dict[int, transfer.SaveSlot] = {}
+        self._polled = 0.0  # time.monotonic() of the last poll of every host
 
     @classmethod
     def connect(cls, config: AgentConfig, addresses: Sequence[str],
@@ -211,6 +216,7 @@ class ProcessDispatch(HostCalls):
         listed, list_error = self._gather({h: f for (h, op), f in zip(calls, futures,
                                                                       strict=True)
                                            if op == "steps"})
+        self._polled = time.monotonic()
         for h, names in polled.items():
             self._release(h, names)
         if poll_error is not None:
@@ -302,6 +308,7 @@ class ProcessDispatch(HostCalls):
         written, error = self._fan_out({h: (op, {}) for h in self.sidecars},
                                        max(WAIT_DEADLINE_S, self.deadline_s) if op == "wait"
                                        else self.deadline_s)
+        self._polled = time.monotonic()
         for h, names in written.items():
             self._release(h, names)
         if error is not None:
@@ -312,6 +319,17 @@ class ProcessDispatch(HostCalls):
 
     def raise_background_error(self) -> None:
         self._each("poll")
+
+    def poll_if_due(self) -> None:
+        """:meth:`raise_background_error` for a call between saves: only while a
+        save is in flight (one whose every host reported it written can raise
+        nothing more: a failed write keeps its slot until the poll that raises it),
+        and at most every ``POLL_INTERVAL_S``. So its error comes within about a
+        second of the write failing, instead of at the very next step."""
+        if not self._staging and not self.saves_in_flight():
+            return
+        if time.monotonic() - self._polled >= POLL_INTERVAL_S:
+            self._each("poll")
 
     # -- restore --------------------------------------------------------------------
 

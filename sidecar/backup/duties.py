@@ -80,8 +80,10 @@ class BackupDuties:
         for r in range(self.rank):
             try:
                 # Generous: a busy leader that answers late must not get a rival.
-                self.peers[r].call("GetInventory", pb.InventoryRequest(), deadline_s=5.0,
-                                   attempts=1)
+                # Rank only: every node asks this twice a second, and a whole
+                # inventory checks every file the leader holds.
+                self.peers[r].call("GetInventory", pb.InventoryRequest(rank_only=True),
+                                   deadline_s=5.0, attempts=1)
                 return False
             except PeerError:
                 continue

@@ -110,10 +110,21 @@ class BackupScheduler:
         return bool(p.interval_minutes) and \
             time.monotonic() - self._last_time >= 60 * (p.interval_minutes or 0)
 
+    def may_be_due(self) -> bool:
+        """Whether a backup can be due now, asked before anything is gathered: on
+        request, on a step interval (then only the newest complete step says), or
+        once the time interval passed. The backup loop runs twice a second, and
+        gathering costs every node an inventory, which checks every file it holds."""
+        p = self.policy
+        if self._requested.is_set() or p.interval_steps:
+            return True
+        return bool(p.interval_minutes) and \
+            time.monotonic() - self._last_time >= 60 * (p.interval_minutes or 0)
+
     def run_once(self, node: BackupDuties, *, force: bool = False) -> int:
         """If this node leads and a backup is due, back up; returns the step or -1."""
         with self._lock:
-            if not node.leads():
+            if not (force or self.may_be_due()) or not node.leads():
                 return -1
             invs = node.gather()
             step = node.newest_complete(invs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import queue
 import signal
 import sys
@@ -72,12 +73,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stall-seconds", type=float, default=120.0,
                    help="health turns NOT_SERVING when the replication loop has not "
                         "passed for this long (default 120)")
+    p.add_argument("--nice", type=int, default=0, metavar="N",
+                   help="lower this process's CPU priority by N (0: unchanged): where the "
+                        "replicator shares the host's cores with the training process, its "
+                        "copies, checks and backups yield to the trainer's input pipeline "
+                        "and dispatch, and run in the gaps (a restore, when training waits "
+                        "for it, is not held back)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 
+def lower_priority(nice: int) -> None:
+    """``nice`` for this process and its threads (set before any starts: they
+    inherit it). A process in a session of its own (this one is started with
+    setsid) is also its own scheduling group where the kernel groups sessions
+    (autogroup): groups share the cores equally whatever their members' nice, so
+    the group's own nice is lowered too, or the trainer would not get its cores
+    back."""
+    os.nice(nice)
+    autogroup = Path("/proc/self/autogroup")
+    try:
+        current = int(autogroup.read_text().split("nice")[1])
+        autogroup.write_text(str(min(19, current + nice)))
+    except (OSError, IndexError, ValueError):
+        pass  # no autogroups here (or not ours to change): the nice alone counts
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.nice:
+        lower_priority(args.nice)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s replicator: %(message)s")
     root = Path(args.local_dir)

@@ -114,6 +114,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
+        if request.rank_only:
+            return pb.Inventory(rank=self.node.rank)
         return self.node.inventory()
 
     @mapped

@@ -1,0 +1,133 @@
+"""What a replicator spends when there is little to do: the simulated hosts share
+the trainer's cores, so every idle check and every byte zeroed is taken from the
+training (bench/goodput.py measures what that costs; these tests check that the
+cheaper paths still give the same answers)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mtc.integrity import crc32c
+from mtc_sidecar.backup import _io
+from mtc_sidecar.backup.backend import open_backend
+from mtc_sidecar.backup.schedule import BackupPolicy, BackupScheduler
+from mtc_sidecar.replicator import store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class CountingNode:
+    """The two questions the scheduler asks a node before backing up (a fake of
+    :class:`~mtc_sidecar.backup.duties.BackupDuties`: only what it is asked is
+    counted; the real loop runs in tests/test_backup_tier.py)."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def leads(self) -> bool:
+        self.asked.append("leads")
+        return True
+
+    def gather(self) -> dict[int, Any]:
+        self.asked.append("gather")
+        return {}
+
+    def newest_complete(self, invs: dict[int, Any]) -> int:
+        return -1  # nothing complete: nothing is backed up either way
+
+
+@pytest.mark.parametrize("policy, due", [
+    (BackupPolicy(interval_minutes=60.0), False),
+    (BackupPolicy(interval_minutes=None, interval_steps=None), False),
+    (BackupPolicy(interval_minutes=0.0, interval_steps=5), True),
+    (BackupPolicy(interval_minutes=1e-9), True),
+])
+def test_backup_pass_asks_nobody_until_a_backup_can_be_due(
+        tmp_path: Path, policy: BackupPolicy, due: bool) -> None:
+    sched = BackupScheduler(open_backend((tmp_path / "b").as_uri()), policy)
+    node = CountingNode()
+    assert sched.run_once(node) == -1  # type: ignore[arg-type]
+    # A time interval not yet passed needs no inventory from anyone (the loop
+    # runs twice a second on every node); a step interval needs the newest
+    # complete step, so it gathers.
+    assert node.asked == (["leads", "gather"] if due else [])
+    sched.request()
+    assert sched.run_once(node) == -1  # type: ignore[arg-type]
+    assert node.asked[-2:] == ["leads", "gather"]  # a request is always acted on
+
+
+SIZES = [0, 1, 4097, store.CHUNK - 1, store.CHUNK, store.CHUNK + 1, 2 * _io.CHUNK + 5]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_checksums_and_copies_with_buffers_the_size_of_the_file(tmp_path: Path,
+                                                                size: int) -> None:
+    data = os.urandom(size)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    want = crc32c(data)
+    assert store.file_crc(src) == want
+    assert _io.file_crc(src) == (size, want)
+    assert store.copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
+    assert (tmp_path / "copy").read_bytes() == data
+    with src.open("rb", buffering=0) as f:
+        assert len(store.read_buffer(f)) == max(1, min(size, store.CHUNK))
+    out = io.BytesIO()
+    with src.open("rb") as f:
+        assert _io.copy_stream(f, out) == (size, want)
+    assert out.getvalue() == data
+    # A stream of unknown length (no file behind it) is read in whole chunks.
+    out = io.BytesIO()
+    assert _io.copy_stream(io.BytesIO(data), out, 0) == (size, want)
+    assert out.getvalue() == data
+
+
+def test_copy_from_a_pipe_is_not_read_a_byte_at_a_time(tmp_path: Path) -> None:
+    r, w = os.pipe()
+    data = os.urandom(3 << 20)
+    with os.fdopen(w, "wb") as fw:
+        writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdout.buffer.write("
+                                   "sys.stdin.buffer.read())"], stdin=subprocess.PIPE,
+                                  stdout=fw)
+    assert writer.stdin is not None
+    writer.stdin.write(data)
+    writer.stdin.close()
+    reads: list[int] = []
+    with os.fdopen(r, "rb", buffering=0) as fr:
+
+        class Counting(io.RawIOBase):
+            def readinto(self, b: Any) -> int:
+                n = fr.readinto(b)
+                reads.append(n or 0)
+                return n or 0
+
+            def fileno(self) -> int:
+                return fr.fileno()
+
+        out = io.BytesIO()
+        assert _io.copy_stream(Counting(), out) == (len(data), crc32c(data))
+    assert writer.wait(30) == 0
+    assert out.getvalue() == data
+    assert len(reads) < 1000  # 3 MiB through a pipe: its buffer's size per read, not 1 byte
+
+
+def test_replicator_nice_lowers_the_process_and_its_session_group() -> None:
+    """``--nice``: where sessions are scheduling groups (autogroup), a process's
+    nice alone does not give the other sessions their cores back."""
+    code = ("import os\nfrom mtc_sidecar.replicator.main import lower_priority\n"
+            "lower_priority(7)\nprint(os.nice(0))\n"
+            "p = '/proc/self/autogroup'\n"
+            "print(open(p).read().split('nice')[1].strip() if os.path.exists(p) else 'none')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, start_new_session=True, timeout=60, check=True)
+    nice, group = out.stdout.split()
+    assert int(nice) == min(19, os.nice(0) + 7)
+    if group != "none":
+        assert int(group) >= 7
