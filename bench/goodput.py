@@ -249,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                         "without it, the median step stands in)")
     p.add_argument("--no-snapshot", action="store_true",
                    help="pass --no-snapshot: no per-step host snapshot of the state")
+    p.add_argument("--replicator-nice", type=int, default=0, metavar="N",
+                   help="the replicators' --nice (default 0, as the demo): on these 2 "
+                        "cores the trainer's CPU devices stand in for accelerators, and "
+                        "the replicators' work after a save takes the cores from them; "
+                        "19 measures what that contention costs (a busy trainer then "
+                        "starves the peer tier, whose lag grows: see steps_lost)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.steps is None:
@@ -263,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster: LocalCluster | None = None
     proc: subprocess.Popen[bytes] | None = None
     try:
-        cluster = LocalCluster.up(base)
+        cluster = LocalCluster.up(base, replicator_nice=args.replicator_nice)
         cmd = [sys.executable, "-m", "mtc_trainer.elastic", "--cluster", str(base),
                "--log", str(jsonl), "--steps", str(args.steps),
                "--save-interval", str(args.save_interval),

@@ -77,12 +77,15 @@ class LocalCluster:
     backup: str
     poll_seconds: float = 0.2
     straggler_wait_seconds: float = 2.0
-    # The simulated hosts share this machine's cores with the trainer, whose CPU
-    # devices stand in for accelerators: at the default priority, the replicators'
-    # work after each save (checks, dedup, copies) doubled the next step (0.26 to
-    # 0.59 s in the demo). On a real host that work has CPUs the accelerator does
-    # not need; here it runs in the trainer's gaps (--nice, its session's group too).
-    replicator_nice: int = 19
+    # The replicators' --nice. The simulated hosts share this machine's cores with
+    # the trainer, whose CPU devices stand in for accelerators: the replicators'
+    # work after each save (checks, dedup, copies) slows the next step (0.26 to
+    # 0.59 s in the demo), which on a real host has CPUs the accelerator does not
+    # need. Niced (19) it runs in the trainer's gaps instead, but a busy trainer
+    # then starves it: a save reaches its peer late, and a host lost meanwhile
+    # loses more steps. 0 keeps the peer tier's lag honest; bench/goodput.py
+    # measures both (--replicator-nice).
+    replicator_nice: int = 0
     emulator: dict[str, Any] | None = None  # the GCS emulator backed up to: url, pid
     _hosts: Hosts | None = dataclasses.field(default=None, repr=False, compare=False)
     _channels: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False,
@@ -285,10 +288,11 @@ class LocalCluster:
     @classmethod
     def up(cls, base: Path, *, slices: int = 2, hosts_per_slice: int = 2,
            backup: str | None = None, isolation: str | None = None,
-           colocated_devices: int = 0) -> LocalCluster:
+           colocated_devices: int = 0, replicator_nice: int = 0) -> LocalCluster:
         """``colocated_devices``: the trainer's CPU devices, split among the hosts'
         sidecars, which then also run colocated-Python programs
-        (``Options(dispatch="colocated")``); 0: they serve seam requests only."""
+        (``Options(dispatch="colocated")``); 0: they serve seam requests only.
+        ``replicator_nice``: the replicators' ``--nice`` (see the field)."""
         if (base / STATE).exists():
             raise SystemExit(f"a cluster already runs in {base} (take it down first)")
         base.mkdir(parents=True, exist_ok=True)
@@ -308,7 +312,8 @@ class LocalCluster:
                 backup = f"gs://{EMULATOR_BUCKET}/checkpoints"
             cluster = cls(base, slices, hosts_per_slice,
                           [hosts.replicator_address(r) for r in range(n)], hosts.to_json(),
-                          backup, emulator=emulator, _hosts=hosts)
+                          backup, replicator_nice=replicator_nice, emulator=emulator,
+                          _hosts=hosts)
             for r in range(n):
                 cluster.start_sidecar(r, wait=False)
             for r in range(n):
