@@ -232,3 +232,41 @@ def test_steps_off_the_interval_ask_the_hosts_only_while_a_save_is_in_flight(
         assert 0 < polls <= 4 * (took / process.POLL_INTERVAL_S + 2)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [4]  # step 8 never became a step
+
+
+def test_a_region_both_slices_need_is_read_once_and_the_reads_spread(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both slices save their data-parallel replica; a restore reads each region
+    once, by one of the hosts holding it, and places it onto both slices'
+    devices: half the bytes of reading every host's own copy, spread over all
+    four hosts, and the same values on every device."""
+    from mtc.dispatch.process import ProcessDispatch
+
+    real = ProcessDispatch._request
+    asked: dict[int, int] = {}
+
+    def request(self: ProcessDispatch, host: int, op: str, args: dict[str, object],
+                timeout: float | None) -> object:
+        if op == "load":
+            for t in args["tasks"]:  # type: ignore[attr-defined]
+                n = int(np.prod([b - a for a, b in t["index"]])) * 4
+                asked[host] = asked.get(host, 0) + n
+        return real(self, host, op, args, timeout)
+
+    monkeypatch.setattr(ProcessDispatch, "_request", request)
+    replicated = NamedSharding(mesh, PartitionSpec(None, "model"))  # same on both slices
+    state = {f"w{i}": jax.device_put(np.arange(i, i + 64 * 64, dtype=np.float32).reshape(
+        64, 64), replicated) for i in range(8)}
+    with mtc.CheckpointManager(tmp_path / "controller-view", mesh=mesh,
+                               options=_opts(hosts)) as mgr:
+        assert mgr.save(1, state, force=True)
+        mgr.wait_until_finished()
+        back = mgr.restore(1, target=state)
+    state_bytes = sum(int(a.nbytes) for a in state.values())
+    assert sum(asked.values()) == state_bytes  # once, not once per slice
+    assert sorted(asked) == [0, 1, 2, 3] and max(asked.values()) == state_bytes // 4
+    for k, a in state.items():
+        assert back[k].sharding == replicated
+        for shard in back[k].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data),
+                                          np.asarray(a)[shard.index])

@@ -45,6 +45,27 @@ def regions_of(tasks: Sequence[ReadTask], reply: Any) -> list[np.ndarray]:
     return regions
 
 
+def _read_once(tasks: Sequence[ReadTask]) -> tuple[list[ReadTask], dict[int, tuple[int, ...]]]:
+    """One task per distinct (leaf, region), and for each (by ``id``) every device
+    that needs it. Of the tasks that plan the same region (one per host needing
+    it), the one whose pieces' hosts have been given the fewest bytes so far is
+    read: the reads spread over the replicas' hosts instead of all going to one."""
+    groups: dict[tuple[int, tuple[tuple[int, int], ...]], list[ReadTask]] = {}
+    for t in tasks:
+        groups.setdefault((t.leaf, t.index), []).append(t)
+    given: dict[int, int] = {}
+    reads: list[ReadTask] = []
+    targets: dict[int, tuple[int, ...]] = {}
+    for same in groups.values():
+        chosen = min(same, key=lambda t: sum(given.get(p.host, 0) for p in t.pieces))
+        nbytes = math.prod(chosen.shape) * jax.numpy.dtype(chosen.dtype).itemsize
+        for p in chosen.pieces:
+            given[p.host] = given.get(p.host, 0) + nbytes
+        reads.append(chosen)
+        targets[id(chosen)] = tuple(d for t in same for d in t.device_ids)
+    return reads, targets
+
+
 class HostCalls:
     """The small host operations, as typed calls over one request/reply channel."""
 
@@ -97,10 +118,18 @@ class HostCalls:
         """Restore's reads onto the target devices: each region from the one host
         holding all its pieces, or assembled here from each holder's pieces
         (resharding across hosts); no host reads another's RAM disk, and no
-        target sharding or device id reaches a host."""
+        target sharding or device id reaches a host.
+
+        A region the devices of several hosts need (a leaf replicated over the
+        slices, each slice a data-parallel replica) is read once, by the least
+        loaded of the hosts planned to read it, and placed onto all of them: a
+        restore reads one replica and broadcasts it, as the controller holds
+        every device (on a single-controller job; a multi-controller process
+        plans its own hosts only)."""
+        reads, targets = _read_once(tasks)
         whole: dict[int, list[ReadTask]] = {}
         split: list[ReadTask] = []
-        for t in tasks:
+        for t in reads:
             holders = {p.host for p in t.pieces}
             if len(holders) == 1:
                 whole.setdefault(holders.pop(), []).append(t)
@@ -129,7 +158,7 @@ class HostCalls:
             regions[id(t)] = out
         devices = {d.id: d for spec in specs.values() for d in spec.sharding.device_set}
         # One batched device_put for every shard (one by one costs ~0.1 ms each).
-        keys = [(t, dev) for t in tasks for dev in t.device_ids]
+        keys = [(t, dev) for t in reads for dev in targets[id(t)]]
         placed = jax.device_put([regions[id(t)] for t, _ in keys],
                                 [devices[dev] for _, dev in keys])
         singles = {(t.leaf, dev): a for (t, dev), a in zip(keys, placed, strict=True)}
