@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from mtc.integrity import crc32c
+from mtc.integrity import crc32c, read_buffer
 from mtc_sidecar.backup import _io
 from mtc_sidecar.backup.backend import open_backend
 from mtc_sidecar.backup.schedule import BackupPolicy, BackupScheduler
@@ -78,7 +78,7 @@ def test_checksums_and_copies_with_buffers_the_size_of_the_file(tmp_path: Path,
     assert store.copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
     assert (tmp_path / "copy").read_bytes() == data
     with src.open("rb", buffering=0) as f:
-        assert len(store.read_buffer(f)) == max(1, min(size, store.CHUNK))
+        assert len(read_buffer(f, store.CHUNK)) == max(1, min(size, store.CHUNK))
     out = io.BytesIO()
     with src.open("rb") as f:
         assert _io.copy_stream(f, out) == (size, want)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import os
-import stat
 import uuid
 from pathlib import Path
 from typing import IO, Any
 
-from mtc.integrity import crc32c
+from mtc.integrity import crc32c, read_buffer
 
 CHUNK = 8 << 20
 TMP_MARK = ".mtc-tmp-"
@@ -24,24 +22,9 @@ def is_tmp(name: str) -> bool:
     return TMP_MARK in name
 
 
-def _buffer(size: int | None) -> memoryview:
-    # No bigger than the file: a new bytearray is zero-filled, and a step is
-    # hundreds of small files (8 MiB filled for each was most of a backup's CPU).
-    return memoryview(bytearray(CHUNK if size is None else max(1, min(CHUNK, size))))
-
-
-def _size(f: IO[Any]) -> int | None:
-    """A regular file's size; None for a stream of unknown length (a pipe, a socket)."""
-    try:
-        st = os.fstat(f.fileno())
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
-
-
 def copy_stream(src: IO[Any], dst: IO[Any], crc: int = 0) -> tuple[int, int]:
     """Copy ``src`` to its end into ``dst``; returns (bytes copied, running CRC32C)."""
-    view = _buffer(_size(src))
+    view = read_buffer(src, CHUNK)
     n = 0
     while True:
         k = src.readinto(view) if hasattr(src, "readinto") else _read_into(src, view)
@@ -62,7 +45,7 @@ def file_crc(path: Path) -> tuple[int, int]:
     """(size, CRC32C) of a file, read in chunks."""
     crc = n = 0
     with open(path, "rb", buffering=0) as f:
-        view = _buffer(_size(f))
+        view = read_buffer(f, CHUNK)
         while k := f.readinto(view):
             crc = crc32c(view[:k], crc)
             n += k
