@@ -254,17 +254,19 @@ class CheckpointManager:
         elif state is None:
             raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
         step = layout.as_step(step)
-        overlapped = isinstance(self._dispatch, ProcessDispatch)
-        if not overlapped:
+        # Through sidecar processes: requests overlap, and a step off the interval
+        # costs no round trip.
+        sidecars = self._dispatch if isinstance(self._dispatch, ProcessDispatch) else None
+        if sidecars is None:
             self._dispatch.raise_background_error()
         if not (force or self._on_schedule(step)):
-            if isinstance(self._dispatch, ProcessDispatch):
-                self._dispatch.poll_if_due()  # not a round trip per step
+            if sidecars is not None:
+                sidecars.poll_if_due()
             return False
         t0 = time.perf_counter()
-        if isinstance(self._dispatch, ProcessDispatch):
+        if sidecars is not None:
             # One round trip for both: earlier saves' errors, then the hosts' steps.
-            held = self._dispatch.poll_and_steps(self.topology.local_hosts)
+            held = sidecars.poll_and_steps(self.topology.local_hosts)
         else:
             held = self._dispatch.steps(self.topology.local_hosts)
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
@@ -280,10 +282,10 @@ class CheckpointManager:
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics)
         self._prepared = None
-        if isinstance(self._dispatch, ProcessDispatch):
+        if sidecars is not None:
             # Room is made while the shards are copied into the hosts' areas (no
             # host writes before it is made: the stage requests wait for it).
-            staged = self._dispatch.stage(header, arrays,
+            staged = sidecars.stage(header, arrays,
                                           before_send=lambda: self._make_room(held))
         else:
             self._make_room(held)

@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from mtc.integrity import crc32c, read_buffer
+from mtc.integrity import crc32c
 from mtc_sidecar.backup import _io
 from mtc_sidecar.backup.backend import open_backend
 from mtc_sidecar.backup.schedule import BackupPolicy, BackupScheduler
+from mtc_sidecar.checksum import read_buffer
 from mtc_sidecar.replicator import store
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,9 @@ import uuid
 from pathlib import Path
 from typing import IO, Any
 
-from mtc.integrity import crc32c, read_buffer
+from mtc.integrity import crc32c
+from mtc_sidecar import checksum
+from mtc_sidecar.checksum import read_buffer
 
 CHUNK = 8 << 20
 TMP_MARK = ".mtc-tmp-"
@@ -43,13 +45,7 @@ def _read_into(src: IO[Any], view: memoryview) -> int:
 
 def file_crc(path: Path) -> tuple[int, int]:
     """(size, CRC32C) of a file, read in chunks."""
-    crc = n = 0
-    with open(path, "rb", buffering=0) as f:
-        view = read_buffer(f, CHUNK)
-        while k := f.readinto(view):
-            crc = crc32c(view[:k], crc)
-            n += k
-    return n, crc
+    return checksum.file_crc(path, CHUNK)
 
 
 def fsync_dir(path: Path) -> None:

@@ -38,8 +38,10 @@ from typing import Any
 
 from mtc import layout
 from mtc.errors import CorruptShardError, FatalError, MtcError
-from mtc.integrity import crc32c, read_buffer
+from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest
+from mtc_sidecar import checksum
+from mtc_sidecar.checksum import read_buffer
 from mtc_sidecar.quarantine import quarantine
 
 REPLICA_DIR = ".mtc-replica"
@@ -82,12 +84,7 @@ def inside(base: Path, rel: str) -> Path:
 
 
 def file_crc(path: Path) -> int:
-    value = 0
-    with open(path, "rb", buffering=0) as f:
-        view = read_buffer(f, CHUNK)
-        while n := f.readinto(view):
-            value = crc32c(view[:n], value)
-    return value
+    return checksum.file_crc(path, CHUNK)[1]
 
 
 def file_sha256(path: Path) -> hashlib._Hash:
