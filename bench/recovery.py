@@ -135,6 +135,18 @@ def inventory(addr: str, rank: int, token: str) -> set[tuple[int, int]]:
     return {(cp.origin_rank, cp.step) for cp in inv.copies}
 
 
+def wait_own_copy(cluster: LocalCluster, host: int, step: int, timeout: float = 120.0
+                  ) -> float:
+    """Until ``host``'s replicator holds its own data of ``step`` (brought back in the
+    background after a restore that read its regions elsewhere); returns seconds."""
+    t0 = time.perf_counter()
+    while (host, step) not in inventory(cluster.addresses[host], host, cluster.token()):
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"host {host}'s step {step} not local again in {timeout}s")
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
 def wait_replicated(cluster: LocalCluster, step: int, timeout: float = 120.0) -> float:
     """Until every host's ``step`` is held by its peer in the other slice; returns seconds."""
     t0 = time.perf_counter()
@@ -287,6 +299,7 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
             jax.block_until_ready(restored)
             t_restored = time.perf_counter()
             tiers = dict(mgr.last_restore_tiers)
+            split = dict(mgr.last_restore_seconds)
             state = step_fn(restored)
             jax.block_until_ready(state)
             t_first = time.perf_counter()
@@ -298,6 +311,7 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
                                      f" expected 'peer' (tiers {tiers})")
             donated = all(v.is_deleted() for v in restored.values())
             del restored
+            own_back_s = t_first - t_restored + wait_own_copy(cluster, LOST_HOST, saved_step)
             # A new process traces and compiles the step anew: time that alone.
             t = time.perf_counter()
             new_step().lower(state).compile()
@@ -326,6 +340,9 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
                     # replicator's restart, ``wait``): the restore and the first step.
                     "beyond_replacement": t_first - t_serving,
                 },
+                "restore_split": split,
+                # Host 1's own copy back on its RAM disk, after the restore ended.
+                "own_copy_local_after_restore_s": own_back_s,
                 "restored_buffers_donated": donated,
                 "tiers": {str(h): t for h, t in sorted(tiers.items())},
                 "reference": {
@@ -380,9 +397,13 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
             "total": total,
             "total_fresh_jit": total_fresh,
             "beyond_replacement": med("beyond_replacement"),
+            "own_copy_local_after_restore": statistics.median(
+                r["own_copy_local_after_restore_s"] for r in rows),
             "typical_step": statistics.median(step_times),
             "initial_compile_and_step": compile_s,
         },
+        "restores_that_waited_for_the_replaced_host": sum(
+            "wait_pending" in r["restore_split"] for r in rows),
         "max_seconds": {"total": max(r["seconds"]["total"] for r in rows),
                         "beyond_replacement": max(r["seconds"]["beyond_replacement"]
                                                   for r in rows),
@@ -427,9 +448,14 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
             "wait: restarting host 1's replicator (empty RAM disk) until it serves",
             "beyond_replacement: restore + first step, what the host loss cost beyond its "
             "replacement's own start (wait)",
-            "restore: mgr.restore(None, target): PrepareRestore on all replicators (host 1 "
-            "fetches its shards from its peer in the other slice), then the load into the "
-            "target shardings",
+            "restore: mgr.restore(None, target): PrepareRestore on all replicators (agreed; "
+            "host 1, holding nothing, answers pending and fetches its shards from its peer "
+            "in the background), then the load into the target shardings, host 1's regions "
+            "read from host 3's copy of the same regions (restore_split: prepare, load, and "
+            "wait_pending when the restore had to wait for host 1's data)",
+            "own_copy_local_after_restore_s: from the end of the restore until host 1's "
+            "replicator holds its own data again (the background fetch, after the "
+            "replicators' quiet time)",
             f"steps_lost: {steps_between} steps ran after the checkpoint before the loss",
         ],
         "samples_detail": rows,

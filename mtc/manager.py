@@ -435,16 +435,18 @@ class CheckpointManager:
         Without replicators: the newest step committed on every host's RAM
         disk. With ``Options(replicators=...)``: the replicators agree on the
         newest step restorable on every host from its RAM disk, a peer or the
-        backup, and bring missing data local; ``last_restore_tier(s)`` say from
-        where. That is a round trip to every replicator: call it when (re)starting,
-        not every step. Until the next ``save`` the answer is kept, and
-        ``restore(step)`` of it needs no second round.
+        backup, and bring missing data local (a replaced host's in the background
+        when other hosts' copies can stand in: see ``restore_while_fetching``);
+        ``last_restore_tier(s)`` say from where. That is a round trip to every
+        replicator: call it when (re)starting, not every step. Until the next
+        ``save`` the answer is kept, and ``restore(step)`` of it needs no second
+        round.
         """
         if not self.options.replicators:
             steps = self.all_steps()
             return steps[-1] if steps else None
         if self._prepared is None:
-            self._prepared = self._prepare_with_replicators()
+            self._prepared = self._prepare_with_replicators(background=self._may_defer())
         step = self._prepared.step
         if step is None:
             steps = self.all_steps()
@@ -452,7 +454,7 @@ class CheckpointManager:
         if multihost.common_steps([step]) != [step]:
             raise AgreementError("processes were told different steps by their replicators",
                                  step=step)
-        log.info("mtc: latest step %d, ready on every host (tier: %s)", step,
+        log.info("mtc: latest step %d, agreed by every host (tier: %s)", step,
                  self.last_restore_tier)
         return step
 
@@ -497,13 +499,16 @@ class CheckpointManager:
         self.wait_until_finished()
         requested = None if step is None else layout.as_step(step)
         tiers = {h: "local" for h in self.topology.local_hosts}
+        prepared: Prepared | None = None
         if step is not None:
             step = layout.as_step(step)
             if self._prepared is not None and self._prepared.step == step:
-                tiers = self._host_tiers(self._prepared)
+                prepared = self._prepared
+                tiers = self._host_tiers(prepared)
         elif self.options.replicators:
             # A fresh agreement: hosts may have been lost since latest_step() asked.
-            prepared = self._prepared or self._prepare_with_replicators()
+            prepared = self._prepared or self._prepare_with_replicators(
+                background=self._may_defer())
             step, tiers = prepared.step, self._host_tiers(prepared)
         self._prepared = None
         t_prepared = time.perf_counter()
@@ -515,8 +520,9 @@ class CheckpointManager:
         error: MtcError | None = None
         result: Any = None
         nbytes = 0
+        self.last_restore_seconds = {}
         try:
-            saved, result = self._load(step, target, args)
+            saved, result = self._load(step, target, args, prepared)
             nbytes = sum(m.nbytes for m in saved.manifests.values())
         except MtcError as e:
             error = e
@@ -550,16 +556,23 @@ class CheckpointManager:
             raise error
         self.last_restore_tiers = tiers
         self.last_restore_tier = _farthest(tiers)
-        self.last_restore_seconds = {"prepare": t_prepared - t0,
-                                     "load": time.perf_counter() - t_prepared}
+        self.last_restore_seconds.update({"prepare": t_prepared - t0,
+                                          "load": time.perf_counter() - t_prepared})
         self._last_saved = max(step, self._last_saved or 0)
         log.info("mtc: restored step %d: %d bytes in %.3fs from the %s tier (hosts: %s)",
                  step, nbytes, time.perf_counter() - t0, self.last_restore_tier,
                  ", ".join(f"{h}={t}" for h, t in sorted(tiers.items())))
         return result
 
-    def _load(self, step: int, target: Any, args: Any) -> tuple[SavedStep, Any]:
+    def _load(self, step: int, target: Any, args: Any,
+              prepared: Prepared | None = None) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it.
+
+        Hosts whose data is still on its way (``prepared.pending``: replaced hosts
+        whose replicators fetch it in the background) are left out of the plan:
+        their devices' regions are read from other hosts' copies of the same
+        regions (data-parallel replicas). Where those do not cover a region, the
+        restore waits for the pending hosts' data and plans again.
 
         In multi-controller JAX with the network tier, this host's own manifest
         comes first: a target laid out as saved needs nothing else, and no byte
@@ -567,6 +580,18 @@ class CheckpointManager:
         manifests to restore where it saved). Only when the target needs a region
         another host saved are every saving host's manifests fetched and the plan
         made again."""
+        pending = self._pending_hosts(prepared)
+        if pending and prepared is not None:
+            try:
+                saved = self._saved_step(step, pending=pending)
+                return saved, self._restore_from(saved, target, args)
+            except (ShardUnavailableError, StepNotFoundError) as e:
+                # Planned again from the start: nothing was placed on a device yet.
+                log.info("mtc: the other hosts' copies of step %d do not cover hosts %s (%s): "
+                         "waiting for their data", step, sorted(pending), e)
+            t = time.perf_counter()
+            self._wait_local(prepared)
+            self.last_restore_seconds["wait_pending"] = time.perf_counter() - t
         saved = self._saved_step(step)
         if self._network is None:
             return saved, self._restore_from(saved, target, args)
@@ -593,13 +618,15 @@ class CheckpointManager:
             out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
         return out
 
-    def _saved_step(self, step: int, *, every_host: bool = False) -> SavedStep:
-        """Manifests of ``step``: of every host this process reaches; ``every_host``
+    def _saved_step(self, step: int, *, every_host: bool = False,
+                    pending: frozenset[int] = frozenset()) -> SavedStep:
+        """Manifests of ``step``: of every host this process reaches (but the
+        ``pending`` hosts, whose data is on its way); ``every_host``
         (multi-controller JAX with the network tier) of every host that saved it."""
         held = self._held_steps()
-        holders = sorted(h for h, steps in held.items() if step in steps)
+        holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
         for h in self.topology.local_hosts:
-            if h not in holders and not self.topology.subdirs:
+            if h not in holders and h not in pending and not self.topology.subdirs:
                 raise StepNotFoundError("step is not committed", step=step, host=h)
         if not holders:
             raise StepNotFoundError(f"step is not committed under {self.local_dir}", step=step)
@@ -612,7 +639,7 @@ class CheckpointManager:
             return fetched[h]
 
         n = self._saved_hosts(step, holders, manifest_of)
-        missing = [h for h in range(n) if h not in holders and h in held]
+        missing = [h for h in range(n) if h not in holders and h in held and h not in pending]
         if missing and self.topology.subdirs:
             raise StepNotFoundError("step is not committed", step=step, host=missing[0])
         if every_host and self._network is not None:
@@ -623,30 +650,63 @@ class CheckpointManager:
             return load_step(step, range(n), manifest_of)
         return load_step(step, [h for h in holders if h < n], manifest_of)
 
+    def _may_defer(self) -> bool:
+        """Whether a restore may start before every host's data is local: this
+        process plans the reads of every host (one controller), so it can read a
+        replaced host's regions from other hosts' copies."""
+        return (self.options.restore_while_fetching and self._network is None
+                and len(self.topology.local_hosts) == self.topology.num_hosts)
+
+    def _pending_hosts(self, prepared: Prepared | None) -> frozenset[int]:
+        if prepared is None or not prepared.pending:
+            return frozenset()
+        addrs = self.options.replicators or ()
+        return frozenset(h for h in self.topology.local_hosts if addrs[h] in prepared.pending)
+
+    def _wait_local(self, prepared: Prepared) -> None:
+        """Ask the pending hosts' replicators again, with the same restore id (the
+        same decision), to answer once their data is local."""
+        from mtc.replicas import prepare_restore
+
+        again = prepare_restore(sorted(prepared.pending), token=self.options.replicator_token,
+                                creds=self._replicator_credentials(),
+                                members=self._replicator_ranks(),
+                                restore_id=prepared.restore_id,
+                                timeout_s=self.options.restore_timeout_s)
+        if again.step != prepared.step:
+            raise AgreementError(f"asked again, the replicators say step {again.step}",
+                                 step=prepared.step)
+
     def _host_tiers(self, prepared: Prepared) -> dict[int, str]:
         addrs = self.options.replicators or ()
         return {h: prepared.tiers.get(addrs[h], "local") for h in self.topology.local_hosts}
 
-    def _prepare_with_replicators(self, timeout_s: float | None = None) -> Prepared:
+    def _replicator_ranks(self) -> tuple[int, ...]:
+        """The job's membership, stated: every host of this job (not only this
+        process's), by its replicator's rank. A job that came back on fewer hosts
+        than saved agrees among its own; the others' data must come from peers."""
+        ranks = self.options.replicator_ranks or tuple(range(self.topology.num_hosts))
+        if len(ranks) != self.topology.num_hosts:
+            raise ConfigError(f"{len(ranks)} replicator ranks for "
+                              f"{self.topology.num_hosts} hosts")
+        return ranks
+
+    def _prepare_with_replicators(self, timeout_s: float | None = None, *,
+                                  background: bool = False) -> Prepared:
         """Have each local host's replicator agree on a step and make its data local
         (verified; bad files healed from other holders). A file with no good copy
-        anywhere comes back as CorruptShardError naming it (mtc.replicas)."""
+        anywhere comes back as CorruptShardError naming it (mtc.replicas).
+        ``background``: a host holding no copy answers once agreed (pending)."""
         from mtc.replicas import prepare_restore
 
         addrs = self.options.replicators or ()
         if len(addrs) != self.topology.num_hosts:
             raise ConfigError(f"{len(addrs)} replicator addresses for "
                               f"{self.topology.num_hosts} hosts")
-        ranks = self.options.replicator_ranks or tuple(range(self.topology.num_hosts))
-        if len(ranks) != self.topology.num_hosts:
-            raise ConfigError(f"{len(ranks)} replicator ranks for "
-                              f"{self.topology.num_hosts} hosts")
         local = [addrs[h] for h in self.topology.local_hosts]
-        # The job's membership, stated: every host of this job (not only this
-        # process's), by its replicator's rank. A job that came back on fewer hosts
-        # than saved agrees among its own; the others' data must come from peers.
         prepared = prepare_restore(local, token=self.options.replicator_token,
-                                   creds=self._replicator_credentials(), members=ranks,
+                                   creds=self._replicator_credentials(),
+                                   members=self._replicator_ranks(), background=background,
                                    timeout_s=timeout_s or self.options.restore_timeout_s)
         self.last_restore_tiers = self._host_tiers(prepared)
         self.last_restore_tier = _farthest(self.last_restore_tiers)

@@ -67,6 +67,15 @@ class Options:
         replicators (their ``--tls-cert/--tls-key/--tls-ca``; on Kubernetes the
         ``mtc-replicator-tls`` secret's ``tls.crt``, ``tls.key``, ``ca.crt``).
       restore_timeout_s: how long a restore waits for the replicators.
+      restore_while_fetching: with replicators and one controller planning
+        every host's reads: a host that holds no copy of the agreed step (a
+        replaced host) does not hold the restore up while its replicator fetches
+        its data from a peer; its devices' regions are read from the other
+        hosts' copies of the same regions (data-parallel replicas over slices)
+        and its replicator makes its data local in the background (until it
+        is, that host's data of the step is on its peers only). Where no other
+        copy covers a region, the restore waits for that data. ``False``: every
+        host's data is local before anything is read.
       sidecars: each host's sidecar process address (``python -m
         mtc_sidecar.host.main``), in host order; with them the hosts' RAM disks are
         reached only through those processes, never from this one.
@@ -90,6 +99,7 @@ class Options:
     replicator_token: str | None = None
     replicator_tls: tuple[str, str, str] | None = None
     restore_timeout_s: float = 120.0
+    restore_while_fetching: bool = True
     sidecars: tuple[str, ...] | None = None
     read_only: bool = False
 

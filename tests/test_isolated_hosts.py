@@ -86,62 +86,137 @@ def test_restore_after_host_lost_names_the_host(hosts: Hosts, mesh: Mesh,
             assert mgr.all_steps() == [1]  # a private folder survives its processes
 
 
+class Replicators:
+    """A replicator per host, each in its host's namespaces (it sees its RAM disk
+    only, and its peers over the bridge, with a token)."""
+
+    def __init__(self, hosts: Hosts) -> None:
+        self.hosts = hosts
+        self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        ports = [7000] * 4 if hosts.isolation == "namespaces" else free_ports(4)
+        self.addrs = [hosts.replicator_address(i, ports[i]) for i in range(4)]
+        for i in range(4):
+            self.start(i)
+
+    def start(self, i: int) -> None:
+        proc = self.hosts.start_replicator(i, [
+            "--local-dir", str(self.hosts.hosts[i].root), "--listen", self.addrs[i],
+            "--nodes", ",".join(self.addrs), "--rank", str(i), "--nodes-per-slice", "2",
+            "--poll-seconds", "0.05", "--agreement-timeout-seconds", "30"], env=self.env)
+        wait_healthy(self.addrs[i], lambda: proc.poll() is None, Credentials(),
+                     lambda: self.hosts.log_tail(i, "replicator"), 60.0)
+
+    def options(self, **kw: object) -> mtc.Options:
+        # Built anew after a replacement: its sidecar listens on a new port.
+        return _opts(self.hosts, replicators=tuple(self.addrs),
+                     replicator_token=self.hosts.token(), restore_timeout_s=30.0, **kw)
+
+    def wait_for_copy(self, holder: int, origin: int, step: int) -> None:
+        client = PeerClient(self.addrs[holder], Credentials(token=self.hosts.token()),
+                            rank=-1, deadline_s=5.0)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
+                if any(c.origin_rank == origin and c.step == step for c in inv.copies):
+                    return
+                time.sleep(0.1)
+        finally:
+            client.close()
+        raise AssertionError(f"host {origin}'s step {step} never reached host {holder}: "
+                             f"{self.hosts.log_tail(holder, 'replicator')}")
+
+    def replace(self, i: int) -> None:
+        """Lose host ``i`` (SIGKILL) and start it again with an empty RAM disk."""
+        self.hosts.kill(i)
+        if self.hosts.isolation == "processes":
+            shutil.rmtree(self.hosts.hosts[i].root)  # the RAM disk goes with the host
+            self.hosts.hosts[i].root.mkdir()
+        self.hosts.start_sidecar(i, SLICES, env=self.env)
+        self.start(i)
+
+    def assert_no_tracebacks(self) -> None:
+        for i in range(4):
+            assert "Traceback" not in self.hosts.log_tail(i, "replicator", 100000)
+
+
 def test_replicators_in_host_namespaces_bring_a_lost_host_back(hosts: Hosts, mesh: Mesh,
                                                                tmp_path: Path) -> None:
-    """Each host's replicator runs in its host's namespaces (sees its RAM disk
-    only, peers over the bridge with a token); a host lost and replaced empty
-    gets its shards back from its peer in the other slice."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    ports = [7000] * 4 if hosts.isolation == "namespaces" else free_ports(4)
-    addrs = [hosts.replicator_address(i, ports[i]) for i in range(4)]
-
-    def start(i: int) -> None:
-        proc = hosts.start_replicator(i, [
-            "--local-dir", str(hosts.hosts[i].root), "--listen", addrs[i],
-            "--nodes", ",".join(addrs), "--rank", str(i), "--nodes-per-slice", "2",
-            "--poll-seconds", "0.05", "--agreement-timeout-seconds", "30"], env=env)
-        wait_healthy(addrs[i], lambda: proc.poll() is None, Credentials(),
-                     lambda: hosts.log_tail(i, "replicator"), 60.0)
-
-    for i in range(4):
-        start(i)
+    """A host lost and replaced empty gets its shards back from its peer in the
+    other slice. Its shards are its own (split over the slices): no other host's
+    copy covers them, so the restore waits for them to arrive."""
+    reps = Replicators(hosts)
     state = _state(mesh)
-    opts = _opts(hosts, replicators=tuple(addrs), replicator_token=hosts.token(),
-                 restore_timeout_s=30.0)
-    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=opts) as mgr:
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=reps.options()) as mgr:
         mgr.save(3, state)
         mgr.wait_until_finished()
     # Host 1's peer is host 3 (same position, other slice): wait until it holds the copy.
-    client = PeerClient(addrs[3], Credentials(token=hosts.token()), rank=-1, deadline_s=5.0)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
-        if any(c.origin_rank == 1 and c.step == 3 for c in inv.copies):
-            # A leader election's question: the rank only, no copies checked.
-            brief = client.call("GetInventory", pb.InventoryRequest(rank_only=True),
-                                attempts=1)
-            assert brief.rank == 3 and not brief.copies
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"host 1's step 3 never reached host 3: "
-                             f"{hosts.log_tail(3, 'replicator')}")
+    reps.wait_for_copy(3, 1, 3)
+    client = PeerClient(reps.addrs[3], Credentials(token=hosts.token()), rank=-1)
+    # A leader election's question: the rank only, no copies checked.
+    brief = client.call("GetInventory", pb.InventoryRequest(rank_only=True), attempts=1)
     client.close()
-    hosts.kill(1)
-    if hosts.isolation == "processes":
-        shutil.rmtree(hosts.hosts[1].root)  # the RAM disk goes with the host
-        hosts.hosts[1].root.mkdir()
-    hosts.start_sidecar(1, SLICES, env=env)
-    start(1)
-    opts = _opts(hosts, replicators=tuple(addrs), replicator_token=hosts.token(),
-                 restore_timeout_s=30.0)  # host 1's sidecar listens on a new port
-    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=opts) as mgr:
+    assert brief.rank == 3 and not brief.copies
+    reps.replace(1)
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=reps.options()) as mgr:
         assert mgr.latest_step() == 3
         back = mgr.restore(3, target=state)
         assert mgr.last_restore_tiers[1] == "peer"
+        assert "wait_pending" in mgr.last_restore_seconds  # nobody else holds its shards
     np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(state["w"]))
-    for i in range(4):
-        assert "Traceback" not in hosts.log_tail(i, "replicator", 100000)
+    reps.assert_no_tracebacks()
+
+
+def test_a_replaced_host_is_restored_from_its_replica_while_its_data_comes_back(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state is replicated over the slices: host 3 holds the regions host 1's
+    devices need. After host 1 is replaced empty, the restore reads nothing from
+    it and does not wait for its peer fetch; its replicator makes its own data
+    local in the background, verified, and the next restore finds it there."""
+    from mtc.dispatch.process import ProcessDispatch
+
+    real = ProcessDispatch._request
+    loads: dict[int, int] = {}
+
+    def request(self: ProcessDispatch, host: int, op: str, args: dict[str, object],
+                timeout: float | None) -> object:
+        if op == "load":
+            loads[host] = loads.get(host, 0) + 1
+        return real(self, host, op, args, timeout)
+
+    reps = Replicators(hosts)
+    replicated = NamedSharding(mesh, PartitionSpec(None, "model"))
+    state = {f"w{i}": jax.device_put(np.arange(i, i + 32 * 32, dtype=np.float32).reshape(
+        32, 32), replicated) for i in range(4)}
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=reps.options()) as mgr:
+        assert mgr.save(4, state, force=True)
+        mgr.wait_until_finished()
+    reps.wait_for_copy(3, 1, 4)
+    reps.replace(1)
+    monkeypatch.setattr(ProcessDispatch, "_request", request)
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=reps.options()) as mgr:
+        back = mgr.restore(None, target=state)
+        assert mgr.last_restore_tiers == {0: "local", 1: "peer", 2: "local", 3: "local"}
+        assert "wait_pending" not in mgr.last_restore_seconds
+        assert 1 not in loads and sorted(loads) == [0, 2, 3]  # host 1 read nothing
+        for k, a in state.items():
+            for shard in back[k].addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data),
+                                              np.asarray(a)[shard.index])
+        # Host 1's own copy arrives in the background (after the replicator's quiet
+        # time), committed and listed by its sidecar.
+        deadline = time.monotonic() + 60
+        while 4 not in mgr._held_steps().get(1, []):
+            assert time.monotonic() < deadline, hosts.log_tail(1, "replicator")
+            time.sleep(0.2)
+        loads.clear()
+        again = mgr.restore(None, target=state)
+        assert mgr.last_restore_tiers == {h: "local" for h in range(4)}
+        assert 1 in loads  # its own copy is read again
+    for k, a in state.items():
+        np.testing.assert_array_equal(np.asarray(again[k]), np.asarray(a))
+    assert "in the background" in hosts.log_tail(1, "replicator", 100000)
+    reps.assert_no_tracebacks()
 
 
 def test_a_refused_stage_is_raised_on_the_next_call_and_never_committed(

@@ -116,11 +116,13 @@ def test_latest_step_reaches_the_peer_tier_and_says_so(
     with_replicators = dataclasses.replace(opts, replicators=tuple(cl.addrs),
                                            restore_timeout_s=30.0)
     caplog.set_level(logging.INFO, logger="mtc")
-    rounds: list[int] = []  # the real call, counted
+    rounds: list[str | None] = []  # the real call, counted, by restore id
 
     def counted(*args: Any, **kw: Any) -> Any:
-        rounds.append(1)
-        return prepare_restore(*args, **kw)
+        got = prepare_restore(*args, **kw)
+        assert kw.get("restore_id") in (None, got.restore_id)
+        rounds.append(got.restore_id)
+        return got
 
     monkeypatch.setattr(mtc.replicas, "prepare_restore", counted)
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=with_replicators) as mgr:
@@ -130,8 +132,12 @@ def test_latest_step_reaches_the_peer_tier_and_says_so(
         assert_state_equal(mgr.restore(2, state), state)
         assert mgr.last_restore_tier == "peer"
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("mtc")]
-    assert any(m.startswith("mtc: latest step 2, ready on every host (tier: peer)")
+    assert any(m.startswith("mtc: latest step 2, agreed by every host (tier: peer)")
                for m in lines), lines
-    assert len(rounds) == 1  # restore(2) used the agreement latest_step() made
+    # restore(2) used the agreement latest_step() made: host 1's shards are its own
+    # (no other host holds them), so it asked host 1 once more, for the same
+    # decision, to wait for them.
+    assert len(rounds) == 2 and len(set(rounds)) == 1, rounds
+    assert any("waiting for their data" in m for m in lines), lines
     restored = [m for m in lines if m.startswith("mtc: restored step 2:")]
     assert len(restored) == 1 and "from the peer tier" in restored[0] and "1=peer" in restored[0]

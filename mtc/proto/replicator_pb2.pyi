@@ -154,26 +154,30 @@ class CompleteReply(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class PrepareRestoreRequest(_message.Message):
-    __slots__ = ("timeout_seconds", "restore_id", "members")
+    __slots__ = ("timeout_seconds", "restore_id", "members", "background")
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     timeout_seconds: float
     restore_id: str
     members: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, timeout_seconds: _Optional[float] = ..., restore_id: _Optional[str] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
+    background: bool
+    def __init__(self, timeout_seconds: _Optional[float] = ..., restore_id: _Optional[str] = ..., members: _Optional[_Iterable[int]] = ..., background: _Optional[bool] = ...) -> None: ...
 
 class PrepareRestoreReply(_message.Message):
-    __slots__ = ("step", "tier", "seconds", "epoch")
+    __slots__ = ("step", "tier", "seconds", "epoch", "pending")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     step: int
     tier: str
     seconds: float
     epoch: int
-    def __init__(self, step: _Optional[int] = ..., tier: _Optional[str] = ..., seconds: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    pending: bool
+    def __init__(self, step: _Optional[int] = ..., tier: _Optional[str] = ..., seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class BackupRequest(_message.Message):
     __slots__ = ("step",)

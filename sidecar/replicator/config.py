@@ -25,6 +25,10 @@ class ReplicatorConfig:
     poll_s: float = 0.2
     deadline_s: float = 10.0
     agreement_timeout_s: float = 60.0  # a restore's decision, or AgreementError
+    # After answering a restore, copies that can wait (pushes to peers, a replaced
+    # host's own data fetched in the background) wait this long: the restore's
+    # reads and the first steps after it have the host's cores and network.
+    restore_quiet_s: float = 2.0
     framework: str = "mtc"           # "mtc" or "orbax" (from replicator.yaml)
     job_name: str = "mtc"
 
@@ -39,6 +43,8 @@ class ReplicatorConfig:
                               f"{self.num_slices} slices, got {self.replicas}")
         if self.keep < 1:
             raise ConfigError("keep must be >= 1")
+        if self.restore_quiet_s < 0:
+            raise ConfigError(f"restore_quiet_s must be >= 0, got {self.restore_quiet_s}")
 
     @property
     def num_nodes(self) -> int:

@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "member, up to --agreement-timeout-seconds")
     p.add_argument("--agreement-timeout-seconds", type=float, default=60.0,
                    help="how long a restore waits for every member before failing (default 60)")
+    p.add_argument("--restore-quiet-seconds", type=float, default=2.0,
+                   help="after answering a restore, pushes to peers and a replaced host's "
+                        "own data (fetched in the background) wait this long, so the "
+                        "restore's reads and the first train steps after it run first "
+                        "(default 2; 0: at once)")
     p.add_argument("--stall-seconds", type=float, default=120.0,
                    help="health turns NOT_SERVING when the replication loop has not "
                         "passed for this long (default 120)")
@@ -130,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         config = ReplicatorConfig(rank=rank, nodes=nodes, nodes_per_slice=per_slice,
                                   replicas=args.replicas, keep=args.keep,
                                   poll_s=args.poll_seconds, framework=framework,
-                                  agreement_timeout_s=args.agreement_timeout_seconds)
+                                  agreement_timeout_s=args.agreement_timeout_seconds,
+                                  restore_quiet_s=args.restore_quiet_seconds)
         creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                        args.tls_ca)
         backup = None

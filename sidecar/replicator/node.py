@@ -28,7 +28,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,12 @@ class Node(BackupDuties, RestoreDuties):
         self._push_pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
         self._inv_pool = ThreadPoolExecutor(16, thread_name_prefix="mtc-inventory")
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-fetch")
+        # A restore answered before its data arrived (restore.py): one at a time.
+        self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="mtc-materialize")
+        self._bg_lock = threading.Lock()
+        self._materializing: dict[int, Future[str]] = {}
+        self._bg_wake = threading.Event()
+        self.quiet_until = 0.0  # monotonic: copies that can wait wait until then
         self.backup = backup
         self._backing_up: set[int] = set()
         # Steps being restored from the backup: their folder and verified files,
@@ -156,6 +162,7 @@ class Node(BackupDuties, RestoreDuties):
         """Ask the loops and any restore waiting for its decision to end (main joins
         their threads)."""
         self._stop.set()
+        self._bg_wake.set()
         with self._coord_lock:
             coordinators = list(self._coordinators.values())
         for c in coordinators:
@@ -165,7 +172,8 @@ class Node(BackupDuties, RestoreDuties):
 
     def close(self) -> None:
         """After the loops and the server ended: finish the pools."""
-        for pool in (self._push_pool, self._inv_pool, self._pool):
+        # The background restore first: it waits on the fetch pool's calls.
+        for pool in (self._bg_pool, self._push_pool, self._inv_pool, self._pool):
             pool.shutdown(wait=True, cancel_futures=True)
 
     def fully_replicated(self, step: int) -> bool:
@@ -193,6 +201,8 @@ class Node(BackupDuties, RestoreDuties):
             self._synced[t] = now
 
     def replicate_once(self) -> None:
+        if time.monotonic() < self.quiet_until:
+            return  # a restore was just answered: its reads and steps go first
         own = self.store.own_steps()
         if not own:
             return
@@ -470,7 +480,8 @@ class Node(BackupDuties, RestoreDuties):
         return self.gather()
 
     def prepare_restore_as(self, timeout_s: float | None, rid: str,
-                           members: Sequence[int] = ()) -> tuple[pb.Decision, str, float]:
+                           members: Sequence[int] = (), *, background: bool = False
+                           ) -> tuple[pb.Decision, str, float, bool]:
         """PrepareRestore with a restore id and the job's membership: restore.py's
         ``prepare_restore`` (agree, then make this host's data of the step local),
         and the decision it read."""
@@ -479,15 +490,17 @@ class Node(BackupDuties, RestoreDuties):
         self._call.members = tuple(members)
         self._call.decision = pb.Decision()
         try:
-            step, tier, seconds = self.prepare_restore(timeout_s)
+            step, tier, seconds, pending = self.prepare_restore(timeout_s,
+                                                                background=background)
             d: pb.Decision = self._call.decision
         finally:
             self.use_restore_id("")
             self._call.members = ()
+        self.quiet_until = time.monotonic() + self.config.restore_quiet_s
         if d.step != step:  # the invariant, checked where it is cheap
             raise AgreementError(f"decided step {d.step}, prepared step {step}",
                                  host=self.rank)
-        return d, tier, seconds
+        return d, tier, seconds, pending
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,11 @@ class RestoreDuties:
     peers: dict[int, PeerClient]
     backup: BackupScheduler | None
     _pool: ThreadPoolExecutor
+    _bg_pool: ThreadPoolExecutor  # one thread: data made local after answering
+    _bg_lock: threading.Lock
+    _materializing: dict[int, Future[str]]
+    _bg_wake: threading.Event  # ends the background fetch's quiet time early
+    _stop: threading.Event
 
     if TYPE_CHECKING:  # provided by Node and BackupDuties
         def agree(self, timeout_s: float | None = None
@@ -70,18 +76,82 @@ class RestoreDuties:
                            self.store.copy_dir(self.rank, step))
         return step
 
-    def prepare_restore(self, timeout_s: float | None = None) -> tuple[int, str, float]:
-        """Agree on the step and make this host's data for it local."""
+    def prepare_restore(self, timeout_s: float | None = None, *, background: bool = False
+                        ) -> tuple[int, str, float, bool]:
+        """Agree on the step and make this host's data for it local; returns the
+        step, the tier the data came from, the seconds taken and whether it is
+        still on its way.
+
+        ``background``: a host holding no copy of the step (a replaced host)
+        answers once the step is agreed and fetches its data in the background
+        (``pending``); the controller reads the same regions from other hosts'
+        copies meanwhile. A local copy is still checked (and healed) first."""
         t0 = time.monotonic()
         step, invs = self.agree(timeout_s)
         if step < 0:
-            return -1, "none", time.monotonic() - t0
+            return -1, "none", time.monotonic() - t0, False
         t_agreed = time.monotonic()
-        tier = self.materialize(step, invs, into_root=self.config.framework == "mtc")
+        into_root = self.config.framework == "mtc"
+        local = (self.rank, step) in self.store.copies() or self.store.damaged(self.rank, step)
+        if background and not local:
+            # Where its data will come from, said now (and when from nowhere, failed now).
+            if self._copies_elsewhere(step, invs):
+                coming_from = "peer"
+            elif self.backup is not None and step in self.backup.refresh():
+                coming_from = "backup"
+            else:
+                raise StepNotFoundError("no peer or backup holds this host's data", step=step,
+                                        host=self.rank)
+            with self._bg_lock:
+                running = self._materializing.get(step)
+                if running is None:
+                    self._bg_wake.clear()
+                    running = self._bg_pool.submit(self._materialize_logged, step, invs,
+                                                   into_root)
+                    self._materializing[step] = running
+            log.info("rank %d: step %d agreed in %.3fs; its data comes from the %s tier in "
+                     "the background", self.rank, step, t_agreed - t0, coming_from)
+            return step, coming_from, time.monotonic() - t0, True
+        with self._bg_lock:
+            running = self._materializing.get(step)
+        tier = None
+        if running is not None:
+            # Asked to wait: the background fetch's outcome (starting now, its quiet
+            # time cut short: training waits for it), or a try of its own.
+            self._bg_wake.set()
+            try:
+                tier = running.result()
+            except (MtcError, OSError):  # logged there; this caller gets its own error
+                pass
+        if tier is None:
+            tier = self.materialize(step, invs, into_root=into_root)
         t_end = time.monotonic()
         log.info("rank %d: step %d prepared from the %s tier: agreed in %.3fs, local in %.3fs",
                  self.rank, step, tier, t_agreed - t0, t_end - t_agreed)
-        return step, tier, t_end - t0
+        return step, tier, t_end - t0, False
+
+    def _materialize_logged(self, step: int, invs: dict[int, pb.Inventory],
+                            into_root: bool) -> str:
+        """:meth:`materialize` on the background pool: its failure is logged and
+        counted here (nobody may ask for the result); the next restore retries."""
+        t0 = time.monotonic()
+        try:
+            # Queued at the answer: the quiet time after it starts now.
+            self._bg_wake.wait(self.config.restore_quiet_s)
+            if self._stop.is_set():
+                raise StepNotFoundError("the replicator is stopping", step=step, host=self.rank)
+            tier = self.materialize(step, invs, into_root=into_root)
+        except Exception as e:
+            self.metrics.failures.labels("materialize").inc()
+            log.error("rank %d: step %d could not be made local in the background: %s",
+                      self.rank, step, e)
+            raise
+        finally:
+            with self._bg_lock:
+                self._materializing.pop(step, None)
+        log.info("rank %d: step %d local from the %s tier in %.3fs (background)",
+                 self.rank, step, tier, time.monotonic() - t0)
+        return tier
 
     def materialize(self, step: int, invs: dict[int, pb.Inventory], *, into_root: bool) -> str:
         """Make this host's data of ``step`` local and verified; returns the tier it
@@ -106,12 +176,7 @@ class RestoreDuties:
                 shutil.rmtree(tmp, ignore_errors=True)
             self.metrics.healed.inc(len(bad))
             return "backup" if "backup" in tiers else "peer"
-        held = self.holders(invs)
-        sources: list[tuple[int, pb.StepCopy]] = []
-        for origin in self.config.equivalent(self.rank):
-            sources += [(h, c) for h, c in held.get((origin, step), []) if h != self.rank]
-            if sources:
-                break
+        sources = self._copies_elsewhere(step, invs)
         tmp = (layout.new_tmp_dir(self.store.root, step) if into_root
                else self.store.begin_incoming(self.rank, step))
         try:
@@ -130,6 +195,17 @@ class RestoreDuties:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return tier
+
+    def _copies_elsewhere(self, step: int, invs: dict[int, pb.Inventory]
+                          ) -> list[tuple[int, pb.StepCopy]]:
+        """Other hosts' copies this host's data of ``step`` can come from: of its
+        own data first, else of the first equivalent rank's that has some."""
+        held = self.holders(invs)
+        for origin in self.config.equivalent(self.rank):
+            sources = [(h, c) for h, c in held.get((origin, step), []) if h != self.rank]
+            if sources:
+                return sources
+        return []
 
     def _fetch_all(self, step: int, origin: int, invs: dict[int, pb.Inventory],
                    files: list[FileMeta], tmp: Path) -> set[str]:

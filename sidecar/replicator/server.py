@@ -205,9 +205,10 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: Any) -> pb.PrepareRestoreReply:
         t = _restore_timeout(request.timeout_seconds)
-        d, tier, seconds = self.node.prepare_restore_as(t or None, request.restore_id,
-                                                        list(request.members))
-        return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch)
+        d, tier, seconds, pending = self.node.prepare_restore_as(
+            t or None, request.restore_id, list(request.members), background=request.background)
+        return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch,
+                                      pending=pending)
 
     @mapped
     def RequestBackup(self, request: pb.BackupRequest, context: Any) -> pb.BackupReply:
