@@ -3,6 +3,7 @@ processes touch its RAM disk), shared by the replicator's store and the backups.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from typing import Any
@@ -23,6 +24,17 @@ def read_buffer(f: Any, chunk: int) -> memoryview:
         return memoryview(bytearray(chunk))
     size = st.st_size if stat.S_ISREG(st.st_mode) else chunk
     return memoryview(bytearray(max(1, min(chunk, size))))
+
+
+def file_sha256(path: str | os.PathLike[str], chunk: int) -> bytes:
+    """SHA-256 digest of a file, read ``chunk`` bytes at a time (through a buffer
+    no bigger than the file: see :func:`read_buffer`)."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        view = read_buffer(f, chunk)
+        while k := f.readinto(view):
+            h.update(view[:k])
+    return h.digest()
 
 
 def file_crc(path: str | os.PathLike[str], chunk: int) -> tuple[int, int]:

@@ -181,8 +181,8 @@ def test_interval_backups_dedup_spread_and_retention(ramdisk: Path, mesh: Mesh,
         for e in es:
             assert e["object"] in objects
             host_file = cl.root(r) / "8" / e["path"]
-            assert file_sha256(host_file).hexdigest() == e["sha256"]
-            assert file_sha256(bucket / "steps/8" / e["object"]).hexdigest() == e["sha256"]
+            assert file_sha256(host_file).hex() == e["sha256"]
+            assert file_sha256(bucket / "steps/8" / e["object"]).hex() == e["sha256"]
     # Data-parallel shards (same bytes on host 0 and host 2, and on 1 and 3) are
     # uploaded once: fewer objects than files, and some object serves two ranks.
     assert len(objects) < total, (len(objects), total)

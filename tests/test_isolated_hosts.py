@@ -155,8 +155,15 @@ def test_replicators_in_host_namespaces_bring_a_lost_host_back(hosts: Hosts, mes
     client = PeerClient(reps.addrs[3], Credentials(token=hosts.token()), rank=-1)
     # A leader election's question: the rank only, no copies checked.
     brief = client.call("GetInventory", pb.InventoryRequest(rank_only=True), attempts=1)
+    # A pusher's question (which of my steps do you hold?): its copies alone.
+    whole = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
+    mine = client.call("GetInventory", pb.InventoryRequest(origins=[1]), attempts=1)
     client.close()
     assert brief.rank == 3 and not brief.copies
+    assert {c.origin_rank for c in whole.copies} == {1, 3}
+    assert [(c.origin_rank, c.step) for c in mine.copies] == [(1, 3)]
+    assert list(mine.copies[0].files) == [
+        f for c in whole.copies if c.origin_rank == 1 for f in c.files]
     reps.replace(1)
     with mtc.CheckpointManager(tmp_path, mesh=mesh, options=reps.options()) as mgr:
         assert mgr.latest_step() == 3

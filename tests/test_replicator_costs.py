@@ -5,6 +5,7 @@ cheaper paths still give the same answers)."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import subprocess
@@ -76,6 +77,7 @@ def test_checksums_and_copies_with_buffers_the_size_of_the_file(tmp_path: Path,
     want = crc32c(data)
     assert store.file_crc(src) == want
     assert _io.file_crc(src) == (size, want)
+    assert store.file_sha256(src) == hashlib.sha256(data).digest()
     assert store.copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
     assert (tmp_path / "copy").read_bytes() == data
     with src.open("rb", buffering=0) as f:
@@ -88,6 +90,32 @@ def test_checksums_and_copies_with_buffers_the_size_of_the_file(tmp_path: Path,
     out = io.BytesIO()
     assert _io.copy_stream(io.BytesIO(data), out, 0) == (size, want)
     assert out.getvalue() == data
+
+
+def test_a_digest_is_read_once_per_file_version_and_forgotten_with_its_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deduplication asks a replicator for the SHA-256 of its own files twice per
+    save (pushing its step, holding its twin's): the second answer comes from
+    memory, a rewritten file is read again, and a removed step's entries go."""
+    s = store.LocalStore(tmp_path / "root", 0)
+    step = tmp_path / "root" / "5"
+    step.mkdir()
+    f = step / "a.bin"
+    f.write_bytes(b"x" * 1000)
+    reads: list[Path] = []
+    real = store.file_sha256
+    monkeypatch.setattr(store, "file_sha256", lambda p: reads.append(p) or real(p))
+    first = s.sha256(f)
+    assert s.sha256(f) == first == hashlib.sha256(b"x" * 1000).digest()
+    assert reads == [f]
+    f.unlink()
+    f.write_bytes(b"y" * 1000)  # a new inode: another file under the same name
+    assert s.sha256(f) == hashlib.sha256(b"y" * 1000).digest()
+    assert len(reads) == 2
+    s.note_verified(f, store.FileMeta("a.bin", 1000, crc32c(b"y" * 1000)))
+    assert s._shas and s._crcs
+    s.remove_copy(0, 5)
+    assert not step.exists() and not s._shas and not s._crcs
 
 
 def test_copy_from_a_pipe_is_not_read_a_byte_at_a_time(tmp_path: Path) -> None:

@@ -29,10 +29,12 @@ class StepCopy(_message.Message):
     def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., saved_hosts: _Optional[int] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
-    __slots__ = ("rank_only",)
+    __slots__ = ("rank_only", "origins")
     RANK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ORIGINS_FIELD_NUMBER: _ClassVar[int]
     rank_only: bool
-    def __init__(self, rank_only: _Optional[bool] = ...) -> None: ...
+    origins: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank_only: _Optional[bool] = ..., origins: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Inventory(_message.Message):
     __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision", "quarantined_files")

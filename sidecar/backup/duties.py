@@ -197,7 +197,7 @@ class BackupDuties:
             dest.unlink(missing_ok=True)
             self.backup.store.backend.get_file(f"{step_prefix(step)}/{entry.object}", dest,
                                                size=entry.size, crc32c=entry.crc32c)
-            if file_sha256(dest).hexdigest() != entry.sha256:
+            if file_sha256(dest).hex() != entry.sha256:
                 dest.unlink(missing_ok=True)
                 raise CorruptBackupError("object differs from its manifest's SHA-256",
                                          step=step, host=r, path=entry.object)

@@ -146,7 +146,7 @@ def upload_part(backend: Backend, step_dir: Path, files: dict[str, FileMeta],
         if upload:
             backend.put_file(local, f"{req.prefix}/data/{req.origin_rank}/{rel}",
                              size=meta.size, crc32c=meta.crc32c)
-        return rel, file_sha256(local).digest(), upload
+        return rel, file_sha256(local), upload
 
     jobs = [(p, True) for p in req.upload] + [(p, False) for p in req.hash]
     with ThreadPoolExecutor(4, thread_name_prefix="mtc-backup") as pool:
@@ -280,7 +280,7 @@ def download_rank(store: BackupStore, step: int, rank: int, dest: Path,
         raise ManifestError(f"backup has no data for rank {rank}", step=step, host=rank)
 
     def verify(local: Path, e: BackupEntry) -> None:
-        if file_sha256(local).hexdigest() != e.sha256:
+        if file_sha256(local).hex() != e.sha256:
             local.unlink(missing_ok=True)
             raise CorruptBackupError("object differs from its manifest's SHA-256",
                                      step=step, host=rank, path=e.object)

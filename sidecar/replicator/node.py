@@ -54,7 +54,7 @@ from mtc_sidecar.replicator.metrics import Metrics
 from mtc_sidecar.replicator.restore import RestoreDuties
 from mtc_sidecar.replicator.security import Credentials
 from mtc_sidecar.replicator.status import is_retryable
-from mtc_sidecar.replicator.store import FileMeta, LocalStore, file_sha256
+from mtc_sidecar.replicator.store import FileMeta, LocalStore
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
@@ -117,13 +117,14 @@ class Node(BackupDuties, RestoreDuties):
 
     # -- inventory ----------------------------------------------------------------
 
-    def inventory(self) -> pb.Inventory:
+    def inventory(self, origins: frozenset[int] | None = None) -> pb.Inventory:
+        """What this node holds, verified; ``origins``: only copies of those ranks."""
         backed = self.backup.backed_up_steps() if self.backup else []
         inv = pb.Inventory(rank=self.rank, newest_backed_up_step=backed[-1] if backed else -1,
                            backed_up_steps=backed, last_decision=self.last_decision)
         # Only copies whose bytes check out (cached per file): what agreement
         # decides on has been verified, not just listed.
-        for origin, step, files in self.store.verified_copies():
+        for origin, step, files in self.store.verified_copies(origins):
             try:
                 hosts = self.store.saved_hosts(origin, step)
             except OSError:
@@ -188,7 +189,8 @@ class Node(BackupDuties, RestoreDuties):
             if now - self._synced.get(t, -RESYNC_S) < RESYNC_S:
                 continue
             try:
-                inv = self.peers[t].call("GetInventory", pb.InventoryRequest(), attempts=1)
+                inv = self.peers[t].call("GetInventory",
+                                         pb.InventoryRequest(origins=[self.rank]), attempts=1)
             except PeerError:
                 self.metrics.skipped.labels("target_unanswered").inc()
                 continue
@@ -247,7 +249,7 @@ class Node(BackupDuties, RestoreDuties):
                 return
             src = self.store.copy_dir(self.rank, step)
             same = [c.path for c in reply.candidates
-                    if file_sha256(src / c.path).digest() == c.sha256]
+                    if self.store.sha256(src / c.path) == c.sha256]
             if same:
                 peer.call("Link", pb.LinkRequest(transfer_id=reply.transfer_id, paths=same))
             linked = set(same)

@@ -34,7 +34,6 @@ from mtc_sidecar.replicator.store import (
     CHUNK,
     FileMeta,
     copy_verified,
-    file_sha256,
     inside,
     safe_relpath,
 )
@@ -116,7 +115,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
         if request.rank_only:
             return pb.Inventory(rank=self.node.rank)
-        return self.node.inventory()
+        return self.node.inventory(frozenset(request.origins) or None)
 
     @mapped
     def Offer(self, request: pb.OfferRequest, context: Any) -> pb.OfferReply:
@@ -136,7 +135,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         reply = pb.OfferReply(transfer_id=uuid.uuid4().hex)
         for path, local in store.find_identical(files).items():
             t.candidates[path] = local
-            reply.candidates.add(path=path, sha256=file_sha256(local).digest())
+            reply.candidates.add(path=path, sha256=store.sha256(local))
         with self._lock:
             self.transfers[reply.transfer_id] = t
         return reply

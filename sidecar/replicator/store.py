@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -46,6 +45,7 @@ from mtc_sidecar.quarantine import quarantine
 
 REPLICA_DIR = ".mtc-replica"
 CHUNK = 4 << 20
+CACHE_SWEEP = 50_000  # remembered checksums beyond which files gone are swept out
 FICLONE = 0x40049409  # ioctl: share a file's extents copy-on-write (btrfs, xfs)
 
 
@@ -87,13 +87,10 @@ def file_crc(path: Path) -> int:
     return checksum.file_crc(path, CHUNK)[1]
 
 
-def file_sha256(path: Path) -> hashlib._Hash:
-    """SHA-256 of a file: the proof that two files with equal CRC32C are the same bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h
+def file_sha256(path: Path) -> bytes:
+    """SHA-256 digest of a file: the proof that two files with equal CRC32C are the
+    same bytes."""
+    return checksum.file_sha256(path, CHUNK)
 
 
 def copy_verified(src: Path, dst: Path, size: int, crc: int) -> str:
@@ -168,8 +165,11 @@ class LocalStore:
         # again under the same number is a different folder, described anew.
         self._described: dict[tuple[int, int], tuple[int, list[FileMeta]]] = {}
         self._saved_hosts: dict[tuple[int, int], tuple[int, int]] = {}  # same key, inode
-        # path -> ((inode, size, mtime_ns), crc32c): files already read and checked.
+        # path -> ((inode, size, mtime_ns), crc32c): files already read and checked;
+        # and their SHA-256 once one was needed (deduplication asks twice per save:
+        # as the sender of a step and as the holder of its twin's identical files).
         self._crcs: dict[str, tuple[tuple[int, int, int], int]] = {}
+        self._shas: dict[str, tuple[tuple[int, int, int], bytes]] = {}
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
         self.quarantined_total = 0
         self.on_quarantine: Callable[[], None] | None = None  # counts in metrics
@@ -251,6 +251,34 @@ class LocalStore:
             return f"crc32c {value:#010x}, expected {meta.crc32c:#010x}"
         return None
 
+    def sha256(self, path: Path) -> bytes:
+        """:func:`file_sha256` of ``path``, remembered while the file is unchanged."""
+        name = os.fspath(path)
+        st = os.lstat(name)
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            hit = self._shas.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        digest = file_sha256(Path(name))
+        with self._lock:
+            self._shas[name] = (key, digest)
+        return digest
+
+    def _forget(self, folder: Path) -> None:
+        """Drop what is remembered of the files under ``folder`` (removed): paths are
+        never reused by another step, and the caches would otherwise grow a few
+        hundred entries with every save. Entries of folders removed behind this
+        store's back (the sidecar's retention) go once the caches pass a bound."""
+        prefix = os.fspath(folder) + os.sep
+        with self._lock:
+            for cache in (self._crcs, self._shas):
+                stale = [k for k in cache if k.startswith(prefix)]
+                if len(cache) - len(stale) > CACHE_SWEEP:
+                    stale = [k for k in cache if not os.path.lexists(k)]
+                for k in stale:
+                    del cache[k]
+
     def note_verified(self, path: Path, meta: FileMeta) -> None:
         """Remember that ``path`` was just written and checked (no need to read it again)."""
         try:
@@ -311,9 +339,11 @@ class LocalStore:
             return int(parts[1]), int(parts[2])
         return None
 
-    def verified_copies(self) -> list[tuple[int, int, list[FileMeta]]]:
-        """Every copy held here whose files all check out, with its file list: what
-        an inventory may offer. Bad files found on the way are quarantined."""
+    def verified_copies(self, origins: frozenset[int] | None = None
+                        ) -> list[tuple[int, int, list[FileMeta]]]:
+        """Every copy held here (of ``origins`` only, when given) whose files all
+        check out, with its file list: what an inventory may offer. Bad files found
+        on the way are quarantined."""
         out = []
         with self._lock:
             damaged = set(self._damaged)
@@ -321,6 +351,8 @@ class LocalStore:
         # the same number) or repaired checks out again and counts again.
         held = set(self.copies()) | {(o, s) for o, s in damaged if self.copy_dir(o, s).is_dir()}
         for origin, step in sorted(held):
+            if origins is not None and origin not in origins:
+                continue
             try:
                 files = self.describe(origin, step)
                 if self.verify(origin, step):
@@ -499,9 +531,11 @@ class LocalStore:
             in_root.unlink()  # a restored step: the link in the root, data in the replica area
         if origin == self.rank and in_root.is_dir():
             layout.remove_step(self.root, step)
+            self._forget(in_root)
         else:
             layout.remove_step(self.replicas / str(origin), step)
             self._descriptor(origin, step).unlink(missing_ok=True)
+            self._forget(self.replicas / str(origin) / str(step))
         with self._lock:
             self._described.pop((origin, step), None)
             self._damaged.discard((origin, step))
