@@ -141,6 +141,37 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, path: str = "") -> Manifest:
+        body = cls._body(data, path)
+        try:
+            m = cls(step=_int(body["step"], "step", 0), host=_int(body["host"], "host", 0),
+                    slice=_int(body["slice"], "slice", 0),
+                    num_hosts=_int(body["num_hosts"], "num_hosts", 1),
+                    leaves=tuple(LeafEntry.from_json(x) for x in _list(body["leaves"],
+                                                                       "leaves")))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
+        if m.host >= m.num_hosts:
+            raise ManifestError(f"host {m.host} of {m.num_hosts}", path=path)
+        return m
+
+    @classmethod
+    def num_hosts_of(cls, data: bytes, *, path: str = "") -> int:
+        """The number of hosts that saved the step, checked as :meth:`from_bytes`
+        checks the manifest but without building its leaves (a replicator asks
+        this of every copy it lists; a manifest has thousands of shards)."""
+        body = cls._body(data, path)
+        try:
+            num_hosts = _int(body["num_hosts"], "num_hosts", 1)
+            host = _int(body["host"], "host", 0)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
+        if host >= num_hosts:
+            raise ManifestError(f"host {host} of {num_hosts}", path=path)
+        return num_hosts
+
+    @staticmethod
+    def _body(data: bytes, path: str) -> dict[str, Any]:
+        """The manifest's body, its checksum, format and version checked."""
         try:
             outer = _dict(json.loads(data), "manifest")
             text = outer["body"]
@@ -161,17 +192,7 @@ class Manifest:
                 f"manifest version {body.get('version')} is not supported "
                 f"(this mtc reads {VERSION})",
                 path=path)
-        try:
-            m = cls(step=_int(body["step"], "step", 0), host=_int(body["host"], "host", 0),
-                    slice=_int(body["slice"], "slice", 0),
-                    num_hosts=_int(body["num_hosts"], "num_hosts", 1),
-                    leaves=tuple(LeafEntry.from_json(x) for x in _list(body["leaves"],
-                                                                       "leaves")))
-        except (KeyError, TypeError, ValueError, OverflowError) as e:
-            raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
-        if m.host >= m.num_hosts:
-            raise ManifestError(f"host {m.host} of {m.num_hosts}", path=path)
-        return m
+        return body
 
 
 KINDS = ("array", "numpy", "prng_key", "value")

@@ -118,6 +118,51 @@ def test_a_digest_is_read_once_per_file_version_and_forgotten_with_its_step(
     assert not step.exists() and not s._shas and not s._crcs
 
 
+def test_inside_looks_only_at_the_parts_below_the_base_and_still_refuses_escapes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The containment check resolves a whole path only when one of the relative
+    path's own parts is a link: the answers are those of resolving every path."""
+    real_base = tmp_path / "deep" / "er" / "base"
+    (real_base / "d").mkdir(parents=True)
+    (real_base / "d" / "f.bin").write_bytes(b"x")
+    base = tmp_path / "link-to-base"  # the base itself may be reached through a link
+    base.symlink_to(real_base)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (real_base / "out-dir").symlink_to(outside)
+    (real_base / "out-file").symlink_to(outside / "secret")
+    (real_base / "in-dir").symlink_to(real_base / "d")
+    resolved: list[str] = []
+    real = os.path.realpath
+    monkeypatch.setattr(os.path, "realpath", lambda p: resolved.append(p) or real(p))
+    assert store.inside(base, "d/f.bin") == base / "d" / "f.bin"
+    assert store.inside(base, "d/new/g.bin") == base / "d" / "new" / "g.bin"
+    assert store.inside(base, "new/g.bin") == base / "new" / "g.bin"
+    assert resolved == []  # no link among the parts: nothing resolved
+    assert store.inside(base, "in-dir/f.bin") == base / "in-dir" / "f.bin"
+    for rel in ("out-dir/x", "out-file", "out-dir"):
+        with pytest.raises(store.UnsafePathError):
+            store.inside(base, rel)
+    for rel in ("../x", "d/../../x", "/etc/passwd", "d//f.bin", ""):
+        with pytest.raises(store.UnsafePathError):
+            store.inside(base, rel)
+
+
+def test_the_host_count_is_read_without_building_the_manifest() -> None:
+    from mtc.errors import ManifestError
+    from mtc.manifest import Manifest
+
+    data = Manifest(step=3, host=1, slice=0, num_hosts=4, leaves=()).to_bytes()
+    assert Manifest.num_hosts_of(data) == Manifest.from_bytes(data).num_hosts == 4
+    for bad in (data.replace(b'"num_hosts', b'"num_hostz'), b"{}", b"not json",
+                Manifest(step=3, host=0, slice=0, num_hosts=1, leaves=()).to_bytes()
+                .replace(b'\\"host\\":0', b'\\"host\\":5')):
+        with pytest.raises(ManifestError):
+            Manifest.num_hosts_of(bad)
+        with pytest.raises(ManifestError):
+            Manifest.from_bytes(bad)
+
+
 def test_copy_from_a_pipe_is_not_read_a_byte_at_a_time(tmp_path: Path) -> None:
     r, w = os.pipe()
     data = os.urandom(3 << 20)
