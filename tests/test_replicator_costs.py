@@ -118,6 +118,26 @@ def test_a_digest_is_read_once_per_file_version_and_forgotten_with_its_step(
     assert not step.exists() and not s._shas and not s._crcs
 
 
+def test_a_cache_of_many_live_files_is_swept_once_per_doubling_not_per_removal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store, "CACHE_SWEEP", 2)
+    s = store.LocalStore(tmp_path / "root", 0)
+    live = tmp_path / "root" / "live"
+    live.mkdir()
+    for i in range(5):  # live files, still held
+        (live / f"{i}.bin").write_bytes(b"x")
+        s.note_verified(live / f"{i}.bin", store.FileMeta(f"{i}.bin", 1, crc32c(b"x")))
+    s._crcs[str(tmp_path / "gone.bin")] = ((0, 1, 0), 0)  # removed behind the store's back
+    swept: list[str] = []
+    real = os.path.lexists
+    monkeypatch.setattr(os.path, "lexists", lambda p: swept.append(p) or real(p))
+    for step in (7, 8, 9):
+        (tmp_path / "root" / str(step)).mkdir()
+        s.remove_copy(0, step)
+    assert len(swept) == 6  # one sweep of the 6 entries, then none until the cache doubles
+    assert sorted(s._crcs) == sorted(str(live / f"{i}.bin") for i in range(5))
+
+
 def test_inside_looks_only_at_the_parts_below_the_base_and_still_refuses_escapes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The containment check resolves a whole path only when one of the relative

@@ -191,6 +191,7 @@ class LocalStore:
         # as the sender of a step and as the holder of its twin's identical files).
         self._crcs: dict[str, tuple[tuple[int, int, int], int]] = {}
         self._shas: dict[str, tuple[tuple[int, int, int], bytes]] = {}
+        self._sweep_at = CACHE_SWEEP  # cache size that triggers a sweep for files gone
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
         self.quarantined_total = 0
         self.on_quarantine: Callable[[], None] | None = None  # counts in metrics
@@ -296,8 +297,11 @@ class LocalStore:
         with self._lock:
             for cache in (self._crcs, self._shas):
                 stale = [k for k in cache if k.startswith(prefix)]
-                if len(cache) - len(stale) > CACHE_SWEEP:
+                if len(cache) - len(stale) > self._sweep_at:
                     stale = [k for k in cache if not os.path.lexists(k)]
+                    # Many live files: the next sweep waits until the cache doubles
+                    # (not one per removal, an lstat of every entry after each save).
+                    self._sweep_at = max(CACHE_SWEEP, 2 * (len(cache) - len(stale)))
                 for k in stale:
                     del cache[k]
 
