@@ -47,7 +47,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtc_trainer.cluster import LocalCluster
+from bench._cpu import CpuSampler
+from mtc_trainer.cluster import STATE, LocalCluster
 from mtc_trainer.demo import REPO, child_env
 from mtc_trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
 from mtc_trainer.policy import PAUSE_POLICIES
@@ -76,7 +77,25 @@ def stages_by_kind(recoveries: list[dict[str, Any]]) -> dict[str, dict[str, Any]
     return out
 
 
-def analyse(records: list[dict[str, Any]], t_launch: float) -> dict[str, Any]:
+def host_cpu(cpu: CpuSampler, records: list[dict[str, Any]], t0: float, t1: float
+             ) -> dict[str, Any]:
+    """What the simulated hosts' processes spent between ``t0`` and ``t1``: on these
+    cores it is taken from the steps (on a real host it runs beside the accelerators)."""
+    used = cpu.seconds(t0, t1)
+    hosts = used.get("sidecars", 0.0) + used.get("replicators", 0.0)
+    saves = sum(1 for r in records if r.get("saved") and t0 <= r["t"] <= t1)
+    cores = os.cpu_count() or 1
+    return {"cpu_s": used, "saves": saves, "wall_s": t1 - t0, "cores": cores,
+            "hosts_share_of_cores": hosts / ((t1 - t0) * cores),
+            "hosts_cpu_s_per_save": hosts / saves if saves else None,
+            "definition": "user + system CPU seconds of the sidecars, replicators and "
+                          "trainer from /proc, sampled every 0.5 s, over the steady "
+                          "state's wall time (held seconds included); share: the hosts' "
+                          "processes over wall time x cores"}
+
+
+def analyse(records: list[dict[str, Any]], t_launch: float,
+            cpu: CpuSampler | None = None) -> dict[str, Any]:
     ev: dict[str, dict[str, Any]] = {}
     for r in records:
         if "event" in r:
@@ -168,6 +187,7 @@ def analyse(records: list[dict[str, Any]], t_launch: float) -> dict[str, Any]:
             "counts as lost what steps on fewer slices (a resize) ran slower",
         "steady_steps_on_fewer_slices": resized_steps,
         "steady_state_window_s": steady_window,
+        "cpu_in_steady_state": None if cpu is None else host_cpu(cpu, records, t_ready, t_end),
         "injector_held_s": sum(held),
         "target": {"goodput_steady_state": (">=", TARGET_GOODPUT),
                    "failure_every_s": TARGET_FAILURE_EVERY_S},
@@ -289,8 +309,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.reference:
             cmd.append("--no-reference")
         log(" ".join(cmd[1:]))
+
+        def pids() -> dict[str, list[int]]:
+            hosts = json.loads((base / STATE).read_text())["machine"]["hosts"]
+            return {"sidecars": [h["sidecar_pid"] for h in hosts if h.get("sidecar_pid")],
+                    "replicators": [h["replicator_pid"] for h in hosts
+                                    if h.get("replicator_pid")],
+                    "trainer": [proc.pid] if proc is not None else []}
+
         t_launch = time.time()  # as elastic_demo: just before the trainer starts
-        with (out / "elastic.log").open("wb") as f:
+        with (out / "elastic.log").open("wb") as f, CpuSampler(pids) as cpu:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
                                     cwd=REPO)
             rc = proc.wait()
@@ -298,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             tail = (out / "elastic.log").read_text(errors="replace").splitlines()[-25:]
             raise SystemExit(f"trainer exited {rc}:\n" + "\n".join(tail))
         (out / "t_launch.txt").write_text(f"{t_launch!r}\n")
-        result = analyse(read_records(jsonl), t_launch)
+        result = analyse(read_records(jsonl), t_launch, cpu)
         result["pause_policy"] = args.pause_policy
         result["config"] = vars(args) | {"out": str(out),
                                          "cpus": os.cpu_count()}

@@ -158,12 +158,18 @@ def test_replicators_in_host_namespaces_bring_a_lost_host_back(hosts: Hosts, mes
     # A pusher's question (which of my steps do you hold?): its copies alone.
     whole = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
     mine = client.call("GetInventory", pb.InventoryRequest(origins=[1]), attempts=1)
+    # Holdings' question (the agreement, GC's complete-step view, a pusher's
+    # sync): the same verified copies, without their file lists.
+    bare = client.call("GetInventory", pb.InventoryRequest(without_files=True), attempts=1)
     client.close()
     assert brief.rank == 3 and not brief.copies
     assert {c.origin_rank for c in whole.copies} == {1, 3}
     assert [(c.origin_rank, c.step) for c in mine.copies] == [(1, 3)]
     assert list(mine.copies[0].files) == [
         f for c in whole.copies if c.origin_rank == 1 for f in c.files]
+    assert [(c.origin_rank, c.step, c.saved_hosts) for c in bare.copies] == [
+        (c.origin_rank, c.step, c.saved_hosts) for c in whole.copies]
+    assert all(c.files for c in whole.copies) and not any(c.files for c in bare.copies)
     reps.replace(1)
     with mtc.CheckpointManager(tmp_path, mesh=mesh, options=reps.options()) as mgr:
         assert mgr.latest_step() == 3

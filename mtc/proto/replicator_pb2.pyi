@@ -29,12 +29,14 @@ class StepCopy(_message.Message):
     def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., saved_hosts: _Optional[int] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
-    __slots__ = ("rank_only", "origins")
+    __slots__ = ("rank_only", "origins", "without_files")
     RANK_ONLY_FIELD_NUMBER: _ClassVar[int]
     ORIGINS_FIELD_NUMBER: _ClassVar[int]
+    WITHOUT_FILES_FIELD_NUMBER: _ClassVar[int]
     rank_only: bool
     origins: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rank_only: _Optional[bool] = ..., origins: _Optional[_Iterable[int]] = ...) -> None: ...
+    without_files: bool
+    def __init__(self, rank_only: _Optional[bool] = ..., origins: _Optional[_Iterable[int]] = ..., without_files: _Optional[bool] = ...) -> None: ...
 
 class Inventory(_message.Message):
     __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision", "quarantined_files")

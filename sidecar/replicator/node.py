@@ -117,21 +117,25 @@ class Node(BackupDuties, RestoreDuties):
 
     # -- inventory ----------------------------------------------------------------
 
-    def inventory(self, origins: frozenset[int] | None = None) -> pb.Inventory:
-        """What this node holds, verified; ``origins``: only copies of those ranks."""
+    def inventory(self, origins: frozenset[int] | None = None, *,
+                  files: bool = True) -> pb.Inventory:
+        """What this node holds, verified; ``origins``: only copies of those ranks;
+        ``files``: with each copy's file list (a fetch needs it, holdings do not:
+        about 180 entries per copy, built, sent and parsed on every GC gather)."""
         backed = self.backup.backed_up_steps() if self.backup else []
         inv = pb.Inventory(rank=self.rank, newest_backed_up_step=backed[-1] if backed else -1,
                            backed_up_steps=backed, last_decision=self.last_decision)
         # Only copies whose bytes check out (cached per file): what agreement
         # decides on has been verified, not just listed.
-        for origin, step, files in self.store.verified_copies(origins):
+        for origin, step, held in self.store.verified_copies(origins):
             try:
                 hosts = self.store.saved_hosts(origin, step)
             except OSError:
                 continue  # deleted since it was verified
             c = inv.copies.add(step=step, origin_rank=origin, saved_hosts=hosts)
-            for f in files:
-                c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
+            if files:
+                for f in held:
+                    c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
         inv.quarantined_files = self.store.quarantined_total
         return inv
 
@@ -189,8 +193,9 @@ class Node(BackupDuties, RestoreDuties):
             if now - self._synced.get(t, -RESYNC_S) < RESYNC_S:
                 continue
             try:
-                inv = self.peers[t].call("GetInventory",
-                                         pb.InventoryRequest(origins=[self.rank]), attempts=1)
+                inv = self.peers[t].call(
+                    "GetInventory", pb.InventoryRequest(origins=[self.rank], without_files=True),
+                    attempts=1)
             except PeerError:
                 self.metrics.skipped.labels("target_unanswered").inc()
                 continue
@@ -371,20 +376,21 @@ class Node(BackupDuties, RestoreDuties):
                        frozenset((c.step, c.saved_hosts) for c in inv.copies if c.saved_hosts))
 
     def _gather_invs(self, ranks: Sequence[int], deadline: float, *,
-                     known_up: bool = False) -> dict[int, pb.Inventory]:
+                     known_up: bool = False, files: bool = True) -> dict[int, pb.Inventory]:
         """Inventories of those of ``ranks`` that answer before ``deadline``, asked at
         once on the inventory pool (never behind a restore's file fetches).
-        ``known_up``: they are serving (see :meth:`PeerClient.call`)."""
+        ``known_up``: they are serving (see :meth:`PeerClient.call`); ``files``:
+        with the copies' file lists."""
         out: dict[int, pb.Inventory] = {}
         futs = {}
         for r in ranks:
             if r == self.rank:
-                out[r] = self.inventory()
+                out[r] = self.inventory(files=files)
             else:
                 left = max(0.05, min(self.config.deadline_s, deadline - time.monotonic()))
                 futs[r] = self._inv_pool.submit(self.peers[r].call, "GetInventory",
-                                                pb.InventoryRequest(), deadline_s=left,
-                                                attempts=1, known_up=known_up)
+                                                pb.InventoryRequest(without_files=not files),
+                                                deadline_s=left, attempts=1, known_up=known_up)
         for r, fut in futs.items():
             try:
                 out[r] = fut.result()
@@ -396,7 +402,8 @@ class Node(BackupDuties, RestoreDuties):
     def _gather_holdings(self, ranks: Sequence[int], deadline: float, *,
                          known_up: bool = False) -> dict[int, Holding]:
         return {r: self.holding(inv)
-                for r, inv in self._gather_invs(ranks, deadline, known_up=known_up).items()}
+                for r, inv in self._gather_invs(ranks, deadline, known_up=known_up,
+                                                files=False).items()}
 
     def gather(self) -> dict[int, pb.Inventory]:
         """Every reachable node's inventory (best effort: the data's whereabouts, never

@@ -115,7 +115,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
         if request.rank_only:
             return pb.Inventory(rank=self.node.rank)
-        return self.node.inventory(frozenset(request.origins) or None)
+        return self.node.inventory(frozenset(request.origins) or None,
+                                   files=not request.without_files)
 
     @mapped
     def Offer(self, request: pb.OfferRequest, context: Any) -> pb.OfferReply:
