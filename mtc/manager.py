@@ -39,21 +39,20 @@ from mtc.errors import (
 from mtc.lifecycle import Held, track
 from mtc.manifest import Manifest
 from mtc.options import Options
-from mtc.restore.load import metrics_of, restore_tree
-from mtc.restore.plan import SavedStep, load_step
+from mtc.replicas import ReplicatorTier, credentials, farthest
+from mtc.restore.load import metrics_of
+from mtc.restore.plan import SavedStep
+from mtc.restore.step import StepReader
 from mtc.save.stage import prepare
 from mtc.topology import Topology
 
 if TYPE_CHECKING:
     from mtc.replicas import Prepared
-    from mtc_sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
-# Where a host's data came from, nearest first; a restore reports the farthest.
-TIERS = ("local", "peer", "backup")
 
 
 def _on_pathways() -> bool:
@@ -82,11 +81,6 @@ def _api(fn: Callable[Concatenate[CheckpointManager, P], R]
             raise StorageError(f"{fn.__name__}(): {e.strerror or e}",
                                path=str(e.filename) if e.filename else None) from e
     return call
-
-
-def _farthest(tiers: dict[int, str]) -> str:
-    return max(tiers.values(), key=lambda t: TIERS.index(t) if t in TIERS else -1,
-               default="local")
 
 
 class CheckpointManager:
@@ -149,6 +143,9 @@ class CheckpointManager:
             dispatch.close()
             raise
         self._dispatch = dispatch
+        self._reader = StepReader(dispatch, self.topology, self._network, self.local_dir,
+                                  self._saved_hosts)
+        self._tier_: ReplicatorTier | None = None  # made when first asked (see _tier)
         # What close() releases, apart from the manager, so that a manager never
         # closed is still finished at exit or when collected (mtc.lifecycle).
         self._held = Held(dispatch, str(self.local_dir))
@@ -167,17 +164,16 @@ class CheckpointManager:
         if self.topology.subdirs or not self.options.replicators \
                 or self.options.simulated_hosts is not None:
             return None
-        return NetworkTier(tuple(self.options.replicators), self._replicator_credentials(),
+        return NetworkTier(tuple(self.options.replicators), credentials(self.options),
                            self.topology.local_hosts)
 
-    def _replicator_credentials(self) -> Credentials:
-        """How this process authenticates to the replicators: the shared token and,
-        with ``replicator_tls``, its certificate (mutual TLS)."""
-        from mtc_sidecar.replicator.security import Credentials
-
-        tls = self.options.replicator_tls
-        cert, key, ca = (Path(p) for p in tls) if tls else (None, None, None)
-        return Credentials(self.options.replicator_token, cert, key, ca)
+    @property
+    def _tier(self) -> ReplicatorTier:
+        """The replicators, made on first use: a manager whose replicator addresses
+        do not match its hosts still saves; its first restore says so."""
+        if self._tier_ is None:
+            self._tier_ = ReplicatorTier(self.options, self.topology)
+        return self._tier_
 
     # -- save -------------------------------------------------------------------
 
@@ -462,7 +458,7 @@ class CheckpointManager:
     def metrics(self, step: Any) -> Any:
         """The ``metrics`` saved with ``step`` (None when none were given)."""
         step = layout.as_step(step)
-        return metrics_of(self._saved_step(step))
+        return metrics_of(self._reader.saved_step(step))
 
     @_api
     def delete(self, step: Any) -> None:
@@ -504,12 +500,12 @@ class CheckpointManager:
             step = layout.as_step(step)
             if self._prepared is not None and self._prepared.step == step:
                 prepared = self._prepared
-                tiers = self._host_tiers(prepared)
+                tiers = self._tier.host_tiers(prepared)
         elif self.options.replicators:
             # A fresh agreement: hosts may have been lost since latest_step() asked.
             prepared = self._prepared or self._prepare_with_replicators(
                 background=self._may_defer())
-            step, tiers = prepared.step, self._host_tiers(prepared)
+            step, tiers = prepared.step, self._tier.host_tiers(prepared)
         self._prepared = None
         t_prepared = time.perf_counter()
         if step is None:
@@ -542,7 +538,7 @@ class CheckpointManager:
                     if healed is None or (requested is not None and healed != requested):
                         raise StepNotFoundError(f"after healing, the replicators agree on "
                                                 f"step {healed}", step=requested)
-                    step, error, tiers = healed, None, self._host_tiers(prepared)
+                    step, error, tiers = healed, None, self._tier.host_tiers(prepared)
                     saved, result = self._load(step, target, args)
                     nbytes = sum(m.nbytes for m in saved.manifests.values())
                 except MtcError as e:
@@ -555,7 +551,7 @@ class CheckpointManager:
         if error is not None:
             raise error
         self.last_restore_tiers = tiers
-        self.last_restore_tier = _farthest(tiers)
+        self.last_restore_tier = farthest(tiers)
         self.last_restore_seconds.update({"prepare": t_prepared - t0,
                                           "load": time.perf_counter() - t_prepared})
         self._last_saved = max(step, self._last_saved or 0)
@@ -566,89 +562,15 @@ class CheckpointManager:
 
     def _load(self, step: int, target: Any, args: Any,
               prepared: Prepared | None = None) -> tuple[SavedStep, Any]:
-        """The step's saved tree and ``target`` loaded from it.
-
-        Hosts whose data is still on its way (``prepared.pending``: replaced hosts
-        whose replicators fetch it in the background) are left out of the plan:
-        their devices' regions are read from other hosts' copies of the same
-        regions (data-parallel replicas). Where those do not cover a region, the
-        restore waits for the pending hosts' data and plans again.
-
-        In multi-controller JAX with the network tier, this host's own manifest
-        comes first: a target laid out as saved needs nothing else, and no byte
-        crosses the network (a job of a thousand hosts does not fetch a million
-        manifests to restore where it saved). Only when the target needs a region
-        another host saved are every saving host's manifests fetched and the plan
-        made again."""
-        pending = self._pending_hosts(prepared)
-        if pending and prepared is not None:
-            try:
-                saved = self._saved_step(step, pending=pending)
-                return saved, self._restore_from(saved, target, args)
-            except (ShardUnavailableError, StepNotFoundError) as e:
-                # Planned again from the start: nothing was placed on a device yet.
-                log.info("mtc: the other hosts' copies of step %d do not cover hosts %s (%s): "
-                         "waiting for their data", step, sorted(pending), e)
-            t = time.perf_counter()
-            self._wait_local(prepared)
-            self.last_restore_seconds["wait_pending"] = time.perf_counter() - t
-        saved = self._saved_step(step)
-        if self._network is None:
-            return saved, self._restore_from(saved, target, args)
-        try:
-            return saved, self._restore_from(saved, target, args)
-        except ShardUnavailableError:
-            pass  # planned on this host's files alone: nothing was read from elsewhere
-        log.info("mtc: restore of step %d needs regions other hosts saved: their manifests "
-                 "and files come through the replicators", step)
-        saved = self._saved_step(step, every_host=True)
-        return saved, self._restore_from(saved, target, args)
-
-    def _restore_from(self, saved: SavedStep, target: Any, args: Any) -> Any:
-        def load(t: Any, prefix: tuple[str, Any] | None = None) -> Any:
-            return restore_tree(saved, t, self.topology, self._dispatch, prefix=prefix)
-
-        if args is None:
-            return load(target)
-        request = orbax_args.restore_targets(args)
-        if isinstance(request, tuple):
-            return load(request[1])
-        out = {}
-        for name, t in request.items():
-            out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
-        return out
-
-    def _saved_step(self, step: int, *, every_host: bool = False,
-                    pending: frozenset[int] = frozenset()) -> SavedStep:
-        """Manifests of ``step``: of every host this process reaches (but the
-        ``pending`` hosts, whose data is on its way); ``every_host``
-        (multi-controller JAX with the network tier) of every host that saved it."""
-        held = self._held_steps()
-        holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
-        for h in self.topology.local_hosts:
-            if h not in holders and h not in pending and not self.topology.subdirs:
-                raise StepNotFoundError("step is not committed", step=step, host=h)
-        if not holders:
-            raise StepNotFoundError(f"step is not committed under {self.local_dir}", step=step)
-        # Each host's manifest fetched and parsed once per restore, though read twice.
-        fetched: dict[int, Manifest] = {}
-
-        def manifest_of(s: int, h: int) -> Manifest:
-            if h not in fetched:
-                fetched[h] = self._dispatch.manifest(s, h)
-            return fetched[h]
-
-        n = self._saved_hosts(step, holders, manifest_of)
-        missing = [h for h in range(n) if h not in holders and h in held and h not in pending]
-        if missing and self.topology.subdirs:
-            raise StepNotFoundError("step is not committed", step=step, host=missing[0])
-        if every_host and self._network is not None:
-            # Multi-controller JAX, each process alone with its RAM disk: every saving
-            # host's manifest (and later its regions) through this host's side, which
-            # gets other hosts' from the network tier. Without replicators only this
-            # host's files are known, and a region it lacks is ShardUnavailableError.
-            return load_step(step, range(n), manifest_of)
-        return load_step(step, [h for h in holders if h < n], manifest_of)
+        """The step's saved tree and ``target`` loaded from it (mtc.restore.step);
+        the hosts whose data ``prepared`` says is on its way are waited for only
+        where the other hosts' copies do not cover their regions."""
+        if prepared is None or not prepared.pending:
+            return self._reader.load(step, target, args)
+        tier = self._tier
+        return self._reader.load(step, target, args, pending=tier.pending_hosts(prepared),
+                                 wait_pending=lambda: tier.wait_local(prepared),
+                                 seconds=self.last_restore_seconds)
 
     def _may_defer(self) -> bool:
         """Whether a restore may start before every host's data is local: this
@@ -657,59 +579,13 @@ class CheckpointManager:
         return (self.options.restore_while_fetching and self._network is None
                 and len(self.topology.local_hosts) == self.topology.num_hosts)
 
-    def _pending_hosts(self, prepared: Prepared | None) -> frozenset[int]:
-        if prepared is None or not prepared.pending:
-            return frozenset()
-        addrs = self.options.replicators or ()
-        return frozenset(h for h in self.topology.local_hosts if addrs[h] in prepared.pending)
-
-    def _wait_local(self, prepared: Prepared) -> None:
-        """Ask the pending hosts' replicators again, with the same restore id (the
-        same decision), to answer once their data is local."""
-        from mtc.replicas import prepare_restore
-
-        again = prepare_restore(sorted(prepared.pending), token=self.options.replicator_token,
-                                creds=self._replicator_credentials(),
-                                members=self._replicator_ranks(),
-                                restore_id=prepared.restore_id,
-                                timeout_s=self.options.restore_timeout_s)
-        if again.step != prepared.step:
-            raise AgreementError(f"asked again, the replicators say step {again.step}",
-                                 step=prepared.step)
-
-    def _host_tiers(self, prepared: Prepared) -> dict[int, str]:
-        addrs = self.options.replicators or ()
-        return {h: prepared.tiers.get(addrs[h], "local") for h in self.topology.local_hosts}
-
-    def _replicator_ranks(self) -> tuple[int, ...]:
-        """The job's membership, stated: every host of this job (not only this
-        process's), by its replicator's rank. A job that came back on fewer hosts
-        than saved agrees among its own; the others' data must come from peers."""
-        ranks = self.options.replicator_ranks or tuple(range(self.topology.num_hosts))
-        if len(ranks) != self.topology.num_hosts:
-            raise ConfigError(f"{len(ranks)} replicator ranks for "
-                              f"{self.topology.num_hosts} hosts")
-        return ranks
-
     def _prepare_with_replicators(self, timeout_s: float | None = None, *,
                                   background: bool = False) -> Prepared:
-        """Have each local host's replicator agree on a step and make its data local
-        (verified; bad files healed from other holders). A file with no good copy
-        anywhere comes back as CorruptShardError naming it (mtc.replicas).
-        ``background``: a host holding no copy answers once agreed (pending)."""
-        from mtc.replicas import prepare_restore
-
-        addrs = self.options.replicators or ()
-        if len(addrs) != self.topology.num_hosts:
-            raise ConfigError(f"{len(addrs)} replicator addresses for "
-                              f"{self.topology.num_hosts} hosts")
-        local = [addrs[h] for h in self.topology.local_hosts]
-        prepared = prepare_restore(local, token=self.options.replicator_token,
-                                   creds=self._replicator_credentials(),
-                                   members=self._replicator_ranks(), background=background,
-                                   timeout_s=timeout_s or self.options.restore_timeout_s)
-        self.last_restore_tiers = self._host_tiers(prepared)
-        self.last_restore_tier = _farthest(self.last_restore_tiers)
+        """The replicators' agreement and each local host's data made local (or,
+        ``background``, on its way): see :meth:`ReplicatorTier.prepare`."""
+        prepared = self._tier.prepare(timeout_s, background=background)
+        self.last_restore_tiers = self._tier.host_tiers(prepared)
+        self.last_restore_tier = farthest(self.last_restore_tiers)
         return prepared
 
     # -- lifecycle --------------------------------------------------------------

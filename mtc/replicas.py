@@ -1,4 +1,5 @@
-"""The controller's side of the peer tier: asking replicators to prepare a restore."""
+"""The controller's side of the peer tier: asking replicators to prepare a restore
+(:func:`prepare_restore`), as a job's hosts see them (:class:`ReplicatorTier`)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,28 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtc.errors import AgreementError
+from mtc.errors import AgreementError, ConfigError
 
 if TYPE_CHECKING:
+    from mtc.options import Options
+    from mtc.topology import Topology
     from mtc_sidecar.replicator.client import PeerClient
     from mtc_sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.2  # between tries to a replicator that is restarting
 MATERIALIZE_S = 30.0  # beyond the agreement deadline, for a host's data to arrive
+# Where a host's data came from, nearest first; a restore reports the farthest.
+TIERS = ("local", "peer", "backup")
+
+
+def farthest(tiers: dict[int, str]) -> str:
+    """The farthest tier any host's data came from ("local" when none)."""
+    return max(tiers.values(), key=lambda t: TIERS.index(t) if t in TIERS else -1,
+               default="local")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,3 +132,72 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
                                      f"restore in time: {e}", host=client.rank) from e
             log.info("replicator %s unavailable (%s); asking again", client.address, e.code)
             cancelled.wait(RETRY_S)
+
+
+class ReplicatorTier:
+    """A job's replicators, as its controller asks them: one per host
+    (``Options.replicators``, by host), each answering for its host's data."""
+
+    def __init__(self, options: Options, topology: Topology) -> None:
+        addrs = tuple(options.replicators or ())
+        if len(addrs) != topology.num_hosts:
+            raise ConfigError(f"{len(addrs)} replicator addresses for "
+                              f"{topology.num_hosts} hosts")
+        ranks = options.replicator_ranks or tuple(range(topology.num_hosts))
+        if len(ranks) != topology.num_hosts:
+            raise ConfigError(f"{len(ranks)} replicator ranks for {topology.num_hosts} hosts")
+        self.options = options
+        self.addresses = addrs
+        # The job's membership, stated: every host of this job (not only this
+        # process's), by its replicator's rank. A job that came back on fewer hosts
+        # than saved agrees among its own; the others' data must come from peers.
+        self.ranks = tuple(ranks)
+        self.local_hosts = tuple(topology.local_hosts)
+
+    def credentials(self) -> Credentials:
+        """How this process authenticates to the replicators: the shared token and,
+        with ``replicator_tls``, its certificate (mutual TLS)."""
+        return credentials(self.options)
+
+    def prepare(self, timeout_s: float | None = None, *, background: bool = False
+                ) -> Prepared:
+        """Have each local host's replicator agree on a step and make its data local
+        (verified; bad files healed from other holders). A file with no good copy
+        anywhere comes back as CorruptShardError naming it. ``background``: a host
+        holding no copy answers once agreed (pending)."""
+        return prepare_restore([self.addresses[h] for h in self.local_hosts],
+                               token=self.options.replicator_token,
+                               creds=self.credentials(), members=self.ranks,
+                               background=background,
+                               timeout_s=timeout_s or self.options.restore_timeout_s)
+
+    def wait_local(self, prepared: Prepared) -> None:
+        """Ask the pending hosts' replicators again, with the same restore id (the
+        same decision), to answer once their data is local."""
+        again = prepare_restore(sorted(prepared.pending), token=self.options.replicator_token,
+                                creds=self.credentials(), members=self.ranks,
+                                restore_id=prepared.restore_id,
+                                timeout_s=self.options.restore_timeout_s)
+        if again.step != prepared.step:
+            raise AgreementError(f"asked again, the replicators say step {again.step}",
+                                 step=prepared.step)
+
+    def host_tiers(self, prepared: Prepared) -> dict[int, str]:
+        """Per local host, the tier its data of ``prepared`` comes from."""
+        return {h: prepared.tiers.get(self.addresses[h], "local") for h in self.local_hosts}
+
+    def pending_hosts(self, prepared: Prepared | None) -> frozenset[int]:
+        """The local hosts whose data of ``prepared`` is still on its way."""
+        if prepared is None or not prepared.pending:
+            return frozenset()
+        return frozenset(h for h in self.local_hosts if self.addresses[h] in prepared.pending)
+
+
+def credentials(options: Options) -> Credentials:
+    """The replicators' shared token and, with ``replicator_tls``, this process's
+    certificate (mutual TLS)."""
+    from mtc_sidecar.replicator.security import Credentials
+
+    tls = options.replicator_tls
+    cert, key, ca = (Path(p) for p in tls) if tls else (None, None, None)
+    return Credentials(options.replicator_token, cert, key, ca)

@@ -21,12 +21,18 @@ def test_bad_replicator_options_are_refused(kw: dict[str, object], match: str) -
         mtc.Options(**kw)  # type: ignore[arg-type]
 
 
-def test_the_job_states_one_rank_per_host(tmp_path: Path, mesh: Mesh) -> None:
-    """A membership the size of which is not the job's host count is refused before
-    any replicator is asked (nothing listens at these addresses)."""
+@pytest.mark.parametrize("addresses, ranks, match", [
+    (4, (0, 1), "2 replicator ranks for 4 hosts"),
+    (3, None, "3 replicator addresses for 4 hosts"),
+])
+def test_the_job_states_one_rank_per_host(tmp_path: Path, mesh: Mesh, addresses: int,
+                                          ranks: tuple[int, ...] | None, match: str) -> None:
+    """A membership or an address list the size of which is not the job's host
+    count is refused before any replicator is asked (nothing listens at these
+    addresses)."""
     opts = mtc.Options(simulated_hosts=4, dispatch="local",
-                       replicators=tuple(f"127.0.0.1:{9 + i}" for i in range(4)),
-                       replicator_ranks=(0, 1))
+                       replicators=tuple(f"127.0.0.1:{9 + i}" for i in range(addresses)),
+                       replicator_ranks=ranks)
     with mtc.CheckpointManager(tmp_path, mesh=mesh, options=opts) as m, \
-            pytest.raises(mtc.ConfigError, match="2 replicator ranks for 4 hosts"):
+            pytest.raises(mtc.ConfigError, match=match):
         m.latest_step()

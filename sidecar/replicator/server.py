@@ -377,11 +377,17 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32
                                   # Never share a port with another server silently.
                                   ("grpc.so_reuseport", 0),
                                   # A peer gone silent mid-call (its link cut) is let
-                                  # go within ~8 s (pinged while calls are open): its
-                                  # push no longer pins a worker and a half-written
-                                  # file until TCP gives up (20 s) or the deadline.
-                                  ("grpc.keepalive_time_ms", 5_000),
-                                  ("grpc.keepalive_timeout_ms", 3_000)],
+                                  # go within seconds (pinged every 2 s while calls
+                                  # are open, unanswered for 3 s): its push no longer
+                                  # pins a worker and a half-written file until TCP
+                                  # gives up (20 s) or the deadline. At a 5 s ping
+                                  # some cuts were found after two more periods.
+                                  ("grpc.keepalive_time_ms", 2_000),
+                                  ("grpc.keepalive_timeout_ms", 3_000),
+                                  # Pinged even while it sends nothing: a push's
+                                  # receiver sends no data until the stream ends,
+                                  # and by default stops pinging after two pings.
+                                  ("grpc.http2.max_pings_without_data", 0)],
                          maximum_concurrent_rpcs=workers * 4)
     servicer = ReplicatorServicer(node)
     pb_grpc.add_ReplicatorServicer_to_server(servicer, server)

@@ -1,0 +1,132 @@
+"""Controller side of a restore, one step: the manifests of the hosts that hold
+it, then the target loaded from them (planned and read by mtc.restore.load).
+
+A restore whose replicators still bring a replaced host's data plans without
+that host first (its regions read from other hosts' copies of the same
+regions), and only where those do not cover a region waits for the data.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mtc import orbax_args
+from mtc.dispatch import Dispatch, NetworkTier
+from mtc.errors import ShardUnavailableError, StepNotFoundError
+from mtc.manifest import Manifest
+from mtc.restore.load import restore_tree
+from mtc.restore.plan import SavedStep, load_step
+from mtc.topology import Topology
+
+log = logging.getLogger(__name__)
+
+# How many hosts saved a step, from one of its holders' manifests (the
+# manager's cache, shared with its save path).
+SavedHosts = Callable[[int, list[int], Callable[[int, int], Manifest]], int]
+
+
+class StepReader:
+    """Reads a committed step into a target from the hosts ``dispatch`` reaches
+    (``network``: the replicators, for other hosts' files in multi-controller JAX)."""
+
+    def __init__(self, dispatch: Dispatch, topology: Topology, network: NetworkTier | None,
+                 local_dir: Path, saved_hosts: SavedHosts) -> None:
+        self.dispatch = dispatch
+        self.topology = topology
+        self.network = network
+        self.local_dir = local_dir
+        self._saved_hosts = saved_hosts
+
+    def load(self, step: int, target: Any, args: Any, *,
+             pending: frozenset[int] = frozenset(),
+             wait_pending: Callable[[], None] | None = None,
+             seconds: dict[str, float] | None = None) -> tuple[SavedStep, Any]:
+        """The step's saved tree and ``target`` loaded from it.
+
+        ``pending``: hosts whose data is still on its way (replaced hosts whose
+        replicators fetch it in the background), left out of the plan: their
+        devices' regions are read from other hosts' copies of the same regions
+        (data-parallel replicas). Where those do not cover a region,
+        ``wait_pending()`` waits for their data (its seconds in
+        ``seconds["wait_pending"]``) and the step is planned again.
+
+        In multi-controller JAX with the network tier, this host's own manifest
+        comes first: a target laid out as saved needs nothing else, and no byte
+        crosses the network (a job of a thousand hosts does not fetch a million
+        manifests to restore where it saved). Only when the target needs a region
+        another host saved are every saving host's manifests fetched and the plan
+        made again."""
+        if pending and wait_pending is not None:
+            try:
+                saved = self.saved_step(step, pending=pending)
+                return saved, self.restore_from(saved, target, args)
+            except (ShardUnavailableError, StepNotFoundError) as e:
+                # Planned again from the start: nothing was placed on a device yet.
+                log.info("mtc: the other hosts' copies of step %d do not cover hosts %s (%s): "
+                         "waiting for their data", step, sorted(pending), e)
+            t = time.perf_counter()
+            wait_pending()
+            if seconds is not None:
+                seconds["wait_pending"] = time.perf_counter() - t
+        saved = self.saved_step(step)
+        if self.network is None:
+            return saved, self.restore_from(saved, target, args)
+        try:
+            return saved, self.restore_from(saved, target, args)
+        except ShardUnavailableError:
+            pass  # planned on this host's files alone: nothing was read from elsewhere
+        log.info("mtc: restore of step %d needs regions other hosts saved: their manifests "
+                 "and files come through the replicators", step)
+        saved = self.saved_step(step, every_host=True)
+        return saved, self.restore_from(saved, target, args)
+
+    def restore_from(self, saved: SavedStep, target: Any, args: Any) -> Any:
+        """``target`` (or Orbax ``args``' targets) loaded from ``saved``."""
+        def load(t: Any, prefix: tuple[str, Any] | None = None) -> Any:
+            return restore_tree(saved, t, self.topology, self.dispatch, prefix=prefix)
+
+        if args is None:
+            return load(target)
+        request = orbax_args.restore_targets(args)
+        if isinstance(request, tuple):
+            return load(request[1])
+        out = {}
+        for name, t in request.items():
+            out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
+        return out
+
+    def saved_step(self, step: int, *, every_host: bool = False,
+                   pending: frozenset[int] = frozenset()) -> SavedStep:
+        """Manifests of ``step``: of every host this process reaches (but the
+        ``pending`` hosts, whose data is on its way); ``every_host``
+        (multi-controller JAX with the network tier) of every host that saved it."""
+        held = self.dispatch.steps(self.topology.local_hosts)
+        holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
+        for h in self.topology.local_hosts:
+            if h not in holders and h not in pending and not self.topology.subdirs:
+                raise StepNotFoundError("step is not committed", step=step, host=h)
+        if not holders:
+            raise StepNotFoundError(f"step is not committed under {self.local_dir}", step=step)
+        # Each host's manifest fetched and parsed once per restore, though read twice.
+        fetched: dict[int, Manifest] = {}
+
+        def manifest_of(s: int, h: int) -> Manifest:
+            if h not in fetched:
+                fetched[h] = self.dispatch.manifest(s, h)
+            return fetched[h]
+
+        n = self._saved_hosts(step, holders, manifest_of)
+        missing = [h for h in range(n) if h not in holders and h in held and h not in pending]
+        if missing and self.topology.subdirs:
+            raise StepNotFoundError("step is not committed", step=step, host=missing[0])
+        if every_host and self.network is not None:
+            # Multi-controller JAX, each process alone with its RAM disk: every saving
+            # host's manifest (and later its regions) through this host's side, which
+            # gets other hosts' from the network tier. Without replicators only this
+            # host's files are known, and a region it lacks is ShardUnavailableError.
+            return load_step(step, range(n), manifest_of)
+        return load_step(step, [h for h in holders if h < n], manifest_of)
