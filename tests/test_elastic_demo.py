@@ -225,3 +225,26 @@ def test_host_lost_mid_save_never_resumes_from_the_unfinished_save(
         assert host["tier"] == "peer"  # host 1 is empty: all its shards from its peer
     assert report["steps_completed"] == 30
     assert report["loss_matches_reference"] is True
+
+
+@pytest.mark.parametrize("losses, every_s, since_s, step, due", [
+    ([15], 0.0, 1.0, 15, True),     # asked for at this step
+    ([15], 0.0, 1.0, 14, False),
+    ([], 120.0, 121.0, 20, True),   # two minutes since the last failure
+    ([], 120.0, 60.0, 20, False),
+    ([], 120.0, 121.0, 30, False),  # the last step: nothing left to recover into
+    ([], 0.0, 1e9, 20, False),      # off
+])
+def test_a_host_is_lost_when_due_but_never_at_the_last_step(
+        losses: list[int], every_s: float, since_s: float, step: int, due: bool) -> None:
+    """The fault injector's timing (a bench running out its steps just as two
+    minutes passed lost the host after the final save; the run's final
+    wait_until_finished then could not ask that host and the trainer exited)."""
+    import time
+    import types
+
+    from mtc_trainer.elastic import ElasticRun
+
+    run = types.SimpleNamespace(host_losses=losses, t_last_fault=time.time() - since_s,
+                                args=types.SimpleNamespace(steps=30, host_loss_every_s=every_s))
+    assert ElasticRun.host_loss_due(run, step) is due  # type: ignore[arg-type]

@@ -556,7 +556,10 @@ class ElasticRun:
     def host_loss_due(self, step: int) -> bool:
         """Whether to lose the host now: ``step`` reached the next of
         ``--host-loss-at``, or ``--host-loss-every-s`` passed since the last
-        failure (or the first step)."""
+        failure (or the first step). Never at the last step: nothing would be
+        left to recover into (and the run's final wait cannot ask the lost host)."""
+        if step >= self.args.steps:
+            return False
         if self.host_losses and step >= self.host_losses[0]:
             return True
         every = self.args.host_loss_every_s
