@@ -380,8 +380,7 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32
                                   # go within seconds (pinged every 2 s while calls
                                   # are open, unanswered for 3 s): its push no longer
                                   # pins a worker and a half-written file until TCP
-                                  # gives up (20 s) or the deadline. At a 5 s ping
-                                  # some cuts were found after two more periods.
+                                  # gives up (20 s) or the deadline.
                                   ("grpc.keepalive_time_ms", 2_000),
                                   ("grpc.keepalive_timeout_ms", 3_000),
                                   # Pinged even while it sends nothing: a push's
