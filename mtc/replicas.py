@@ -154,11 +154,6 @@ class ReplicatorTier:
         self.ranks = tuple(ranks)
         self.local_hosts = tuple(topology.local_hosts)
 
-    def credentials(self) -> Credentials:
-        """How this process authenticates to the replicators: the shared token and,
-        with ``replicator_tls``, its certificate (mutual TLS)."""
-        return credentials(self.options)
-
     def prepare(self, timeout_s: float | None = None, *, background: bool = False
                 ) -> Prepared:
         """Have each local host's replicator agree on a step and make its data local
@@ -167,7 +162,7 @@ class ReplicatorTier:
         holding no copy answers once agreed (pending)."""
         return prepare_restore([self.addresses[h] for h in self.local_hosts],
                                token=self.options.replicator_token,
-                               creds=self.credentials(), members=self.ranks,
+                               creds=credentials(self.options), members=self.ranks,
                                background=background,
                                timeout_s=timeout_s or self.options.restore_timeout_s)
 
@@ -175,7 +170,7 @@ class ReplicatorTier:
         """Ask the pending hosts' replicators again, with the same restore id (the
         same decision), to answer once their data is local."""
         again = prepare_restore(sorted(prepared.pending), token=self.options.replicator_token,
-                                creds=self.credentials(), members=self.ranks,
+                                creds=credentials(self.options), members=self.ranks,
                                 restore_id=prepared.restore_id,
                                 timeout_s=self.options.restore_timeout_s)
         if again.step != prepared.step:
