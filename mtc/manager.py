@@ -260,30 +260,23 @@ class CheckpointManager:
                 sidecars.poll_if_due()
             return False
         t0 = time.perf_counter()
-        if sidecars is not None:
-            # One round trip for both: earlier saves' errors, then the hosts' steps.
-            held = sidecars.poll_and_steps(self.topology.local_hosts)
-        else:
-            held = self._dispatch.steps(self.topology.local_hosts)
-        partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
-        if partial:
-            if step in self._complete_here(held):
-                raise StepExistsError("step is already committed", step=step, host=partial[0])
-            # A crash between hosts' commits left the step on some hosts only: it
-            # was never a checkpoint, and saving it again replaces it.
-            log.warning("step %d was committed on hosts %s only; replacing it", step, partial)
-            self._dispatch.delete(step, partial)
-            self._num_hosts.pop(step, None)
-            held = {h: [s for s in steps if s != step] for h, steps in held.items()}
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics)
-        self._prepared = None
         if sidecars is not None:
-            # Room is made while the shards are copied into the hosts' areas (no
-            # host writes before it is made: the stage requests wait for it).
-            staged = sidecars.stage(header, arrays,
-                                          before_send=lambda: self._make_room(held))
+            def before_send() -> None:
+                # While the shards are copied into the hosts' areas: one round trip
+                # for earlier saves' errors and the hosts' steps, then room on the
+                # RAM disks. Nothing is sent to a host before it returned, and
+                # nothing at all when it raised.
+                held = self._replace_partial(step, sidecars.poll_and_steps(
+                    self.topology.local_hosts))
+                self._prepared = None
+                self._make_room(held)
+
+            staged = sidecars.stage(header, arrays, before_send=before_send)
         else:
+            held = self._replace_partial(step, self._dispatch.steps(self.topology.local_hosts))
+            self._prepared = None
             self._make_room(held)
             staged = self._dispatch.stage(header, arrays)
         if staged:
@@ -296,6 +289,21 @@ class CheckpointManager:
                      "(%s) in the background", step, nbytes, time.perf_counter() - t0,
                      self.local_dir)
         return staged
+
+    def _replace_partial(self, step: int, held: dict[int, list[int]]) -> dict[int, list[int]]:
+        """``held`` (the hosts' committed steps) once ``step`` may be saved: a step
+        committed on every host raises :class:`StepExistsError`; one that a crash
+        between hosts' commits left on some hosts only was never a checkpoint, and
+        is deleted so that saving it again replaces it."""
+        partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
+        if not partial:
+            return held
+        if step in self._complete_here(held):
+            raise StepExistsError("step is already committed", step=step, host=partial[0])
+        log.warning("step %d was committed on hosts %s only; replacing it", step, partial)
+        self._dispatch.delete(step, partial)
+        self._num_hosts.pop(step, None)
+        return {h: [s for s in steps if s != step] for h, steps in held.items()}
 
     @_api
     def wait_until_finished(self) -> None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,40 @@ def distinct_shards(a: jax.Array, host_of: Mapping[int, int]
             seen.add((h, index))
             found.append((pos, h, index, tuple(b - a_ for a_, b in index)))
     return found
+
+
+Plan = list[tuple[int, int, Index, tuple[int, ...]]]
+PLANS_KEPT = 4096  # layouts remembered; a job has a few hundred per mesh
+
+
+class ShardPlans:
+    """:func:`distinct_shards`, worked out once per array layout.
+
+    Which shards a host holds depends only on the sharding, the shape and the
+    hosts of the sharding's devices; working it out builds a shard object per
+    device and its index (about 25 us an array here: 2.6 ms of a save's
+    blocking time for the demo model's 111 leaves, against 0.5 ms remembered).
+    Each save asks again with the same layouts, so the answers are remembered
+    (at most ``PLANS_KEPT``: a job that keeps resizing its mesh starts over
+    rather than grow without bound)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[Any, ...], Plan] = {}
+
+    def __call__(self, a: jax.Array, host_of: Mapping[int, int]) -> Plan:
+        s = a.sharding
+        # The hosts are part of the key: one device id may be another host's in
+        # another call (a colocated worker numbers its own devices, and its map
+        # names only those: the ones addressable there).
+        devices: set[Any] = s.addressable_devices
+        hosts = tuple(sorted((d.id, host_of[d.id]) for d in devices))
+        key = (s, a.shape, hosts)
+        found = self._plans.get(key)
+        if found is None:
+            if len(self._plans) >= PLANS_KEPT:
+                self._plans.clear()
+            found = self._plans[key] = distinct_shards(a, host_of)
+        return found
 
 
 def paste(out: np.ndarray, out_index: Index, src: np.ndarray, src_index: Index) -> None:

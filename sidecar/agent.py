@@ -23,7 +23,7 @@ from mtc import layout
 from mtc.contract import AgentConfig, SaveHeader
 from mtc.errors import MtcError
 from mtc.manifest import Index, LeafEntry
-from mtc.shards import distinct_shards
+from mtc.shards import ShardPlans
 from mtc_sidecar.buffers import StagingPool
 from mtc_sidecar.write import HostSave, StagedShard, Writer
 
@@ -64,8 +64,7 @@ class HostAgent:
         self._pending: list[HostSave] = []
         self._lock = threading.Lock()
         self._cleaned: set[int] = set()
-        self._shard_plans: dict[tuple[Any, tuple[int, ...]],
-                                list[tuple[int, int, Index, tuple[int, ...]]]] = {}
+        self._distinct_shards = ShardPlans()
 
     def hosts_of(self, arrays: Sequence[Any], host_of_device: dict[int, int]) -> list[int]:
         """Hosts whose devices hold addressable shards of ``arrays``, here."""
@@ -170,8 +169,7 @@ class HostAgent:
               host_of: dict[int, int]
               ) -> dict[int, list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]]]:
         """Per host: (array number, index, shape, dtype, source) of each distinct shard
-        it holds. Which shards those are depends only on the sharding and the shape,
-        so it is worked out once per pair (building shard objects is not free)."""
+        it holds (which shards those are is worked out once per layout: ShardPlans)."""
         out: dict[int, list[tuple[int, Index, tuple[int, ...], np.dtype[Any], Any]]] = {
             h: [] for h in hosts}
         for i, a in enumerate(arrays):
@@ -191,16 +189,6 @@ class HostAgent:
                     data = a.addressable_data(pos)
                 out[h].append((i, index, shape, dtype, data))
         return out
-
-    def _distinct_shards(self, a: jax.Array, host_of: dict[int, int]
-                         ) -> list[tuple[int, int, Index, tuple[int, ...]]]:
-        """(position among the addressable shards, host, index, shape), one per
-        index a host holds (replicas on several devices of one host are written once)."""
-        key = (a.sharding, a.shape)
-        found = self._shard_plans.get(key)
-        if found is None:
-            found = self._shard_plans[key] = distinct_shards(a, host_of)
-        return found
 
     def _snapshot(self, leaf: int, index: Index, shape: tuple[int, ...],
                   dtype: np.dtype[Any], src: Any, reserved: bool) -> StagedShard:

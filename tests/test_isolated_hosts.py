@@ -275,6 +275,20 @@ def test_a_refused_stage_is_raised_on_the_next_call_and_never_committed(
         assert mgr.all_steps() == [1, 3]
         np.testing.assert_array_equal(np.asarray(mgr.restore(3, target=state)["w"]),
                                       np.asarray(state["w"]))
+        # The hosts are asked for their steps while the shards are copied into
+        # their areas: a step committed everywhere is still refused (nothing is
+        # sent, its slots stay free) and one on some hosts only is replaced.
+        with pytest.raises(mtc.StepExistsError):
+            mgr.save(3, state, force=True)
+        doubled = {**state, "w": state["w"] * 2}  # type: ignore[operator]
+        bad["step"] = -1  # host 1 takes step 2 this time
+        assert mgr.save(2, doubled, force=True)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2, 3]
+        np.testing.assert_array_equal(np.asarray(mgr.restore(2, target=state)["w"]),
+                                      2 * np.asarray(state["w"]))
+        np.testing.assert_array_equal(np.asarray(mgr.restore(3, target=state)["w"]),
+                                      np.asarray(state["w"]))
 
 
 def test_steps_off_the_interval_ask_the_hosts_only_while_a_save_is_in_flight(

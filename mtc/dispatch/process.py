@@ -39,7 +39,7 @@ from mtc.contract import (
 )
 from mtc.dispatch.calls import HostCalls
 from mtc.errors import ConfigError, MtcError, SaveInProgressError, ShardUnavailableError
-from mtc.shards import distinct_shards
+from mtc.shards import ShardPlans
 
 METHOD = "/mtc.Host/Call"
 MAX_MESSAGE = 256 << 20
@@ -99,6 +99,7 @@ class ProcessDispatch(HostCalls):
         self._staging: dict[int, Future[Any]] = {}
         self._staging_slots: dict[int, transfer.SaveSlot] = {}
         self._polled = 0.0  # time.monotonic() of the last poll of every host
+        self._plans = ShardPlans()  # which shards each host writes, per array layout
 
     @classmethod
     def connect(cls, config: AgentConfig, addresses: Sequence[str],
@@ -233,8 +234,9 @@ class ProcessDispatch(HostCalls):
               before_send: Callable[[], None] | None = None) -> bool:
         """Copy each host's shards into a free slot of its area, then ask every host
         to write them. ``before_send`` runs on the caller's thread while the copies
-        run (the manager frees room on the RAM disks then, a round trip the copies
-        hide); the hosts are asked only once it returned, and not when it raised.
+        run (the manager asks the hosts for earlier saves' errors and their steps,
+        and frees room on the RAM disks then: round trips the copies hide); the
+        hosts are asked to write only once it returned, and not when it raised.
 
         Returns once the shards are in the areas and the requests sent: the state
         may change from then on. The hosts' answers are not awaited here (that
@@ -254,7 +256,7 @@ class ProcessDispatch(HostCalls):
                                         a.dtype, a))
                 continue
             shards = a.addressable_shards
-            for pos, h, index, shape in distinct_shards(a, host_of):
+            for pos, h, index, shape in self._plans(a, host_of):
                 per_host[h].append((leaf, index, shape, np.dtype(a.dtype), shards[pos].data))
         slots: dict[int, transfer.SaveSlot] = {}
         for h in per_host:
