@@ -45,6 +45,7 @@ proto: $(STAMP)
 bench: $(STAMP)
 	mkdir -p out/bench
 	$(PY) bench/save_restore.py | tee out/bench/save_restore.json
+	$(PY) bench/save_stall.py | tee out/bench/save_stall.json
 	$(PY) bench/replicator.py | tee out/bench/replicator.json
 	$(PY) bench/dedup.py | tee out/bench/dedup.json
 	$(PY) bench/backup.py | tee out/bench/backup.json
