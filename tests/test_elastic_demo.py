@@ -248,3 +248,28 @@ def test_a_host_is_lost_when_due_but_never_at_the_last_step(
     run = types.SimpleNamespace(host_losses=losses, t_last_fault=time.time() - since_s,
                                 args=types.SimpleNamespace(steps=30, host_loss_every_s=every_s))
     assert ElasticRun.host_loss_due(run, step) is due  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("slice_down, resized, back", [
+    (None, 25, None),   # a host loss: its replacement is on its way, nothing else returns
+    (None, 400, None),  # however long the survivors train on (resized steps add up)
+    (1, 24, None),      # a slice loss: not yet
+    (1, 25, 1),         # back once --slice-down-steps ran without it
+])
+def test_only_a_slice_loss_brings_its_slice_back_after_the_slice_down_steps(
+        slice_down: int | None, resized: int, back: int | None) -> None:
+    """A goodput run whose host replacement came slowly had run 25 steps on one slice
+    over its host losses: the slice-down rule brought back every host of the
+    replaced host's slice, and a second replicator for the live host 0 found its
+    address taken while the first one was left running after the teardown."""
+    import types
+
+    from mtc_trainer.elastic import ElasticRun
+
+    run = types.SimpleNamespace(slice_down=slice_down, resized_steps=resized,
+                                args=types.SimpleNamespace(slice_down_steps=25))
+    assert ElasticRun.slice_to_bring_back(run) == back  # type: ignore[arg-type]
+    # Brought back once: asked again, nothing; not yet: still the slice lost.
+    assert run.slice_down == (None if back is not None else slice_down)
+    if back is not None:
+        assert ElasticRun.slice_to_bring_back(run) is None  # type: ignore[arg-type]

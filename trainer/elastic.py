@@ -148,6 +148,8 @@ class ElasticRun:
         self.losses: dict[int, float] = {}
         self.first_losses: dict[int, float] = {}  # losses of steps later replayed
         self.resized_steps = 0
+        # The slice a slice loss took, until --slice-down-steps steps ran without it.
+        self.slice_down: int | None = None
         self.host_losses = sorted(args.host_loss_at)
         self.t_last_fault: float | None = None  # the last failure injected (or first step)
         self.gc_frozen = False
@@ -284,6 +286,7 @@ class ElasticRun:
         hosts = self.cluster.hosts_of_slice(s)
         t = time.time()
         self.resized_steps = 0
+        self.slice_down = s
         self._lose(hosts, s)
         detail = {"slice": s, "hosts": hosts, "in_flight_step": step,
                   "seconds_waited_for_compile_ahead": waited_for_compile_ahead}
@@ -540,8 +543,7 @@ class ElasticRun:
             first = False
             if len(slices) < total:
                 self.resized_steps += 1
-                if self.resized_steps == args.slice_down_steps and self.faults.lost_slices:
-                    s = min(self.faults.lost_slices)
+                if (s := self.slice_to_bring_back()) is not None:
                     self.faults.bring_back(self.cluster.hosts_of_slice(s), s, 0.0)
             if self.t_last_fault is None:
                 self.t_last_fault = time.time()  # the first step ran: count from here
@@ -552,6 +554,18 @@ class ElasticRun:
                 self.inject_host_loss(step)
                 self.t_last_fault = time.time()
         mgr.wait_until_finished()
+
+    def slice_to_bring_back(self) -> int | None:
+        """The slice a slice loss took, once ``--slice-down-steps`` steps ran on the
+        survivors (then None again). Never a slice missing for a lost host: its
+        replacement is on its way, and bringing all its hosts back would start
+        second processes beside the live ones (their address taken, the live
+        ones orphaned, the cluster file naming the failed new ones)."""
+        s = self.slice_down
+        if s is None or self.resized_steps < self.args.slice_down_steps:
+            return None
+        self.slice_down = None
+        return s
 
     def host_loss_due(self, step: int) -> bool:
         """Whether to lose the host now: ``step`` reached the next of
