@@ -30,6 +30,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -45,14 +46,15 @@ from jax.sharding import Mesh
 import mtc
 from mtc.save.stage import is_prng_key, prepare
 from mtc.shards import distinct_shards
+from mtc.topology import Topology
 
 HOSTS_OF_SLICE = [0, 0, 1, 1]
-HOST_OF_DEVICE = {i: i // 2 for i in range(8)}  # 2 devices a host, as mtc's default
 SETTLE_S = 1.0  # after each save's writes: the next sample starts on quiet hosts
 
 
-def host_shards(state: Any) -> list[Any]:
-    """The shards the hosts write (each host's distinct ones), as device arrays."""
+def host_shards(state: Any, host_of: dict[int, int]) -> tuple[list[Any], int]:
+    """The shards the hosts write (each host's distinct ones), as device arrays, and
+    the number of array leaves."""
     _, arrays = prepare(0, state, skip_if_busy=False)
     out = []
     for a in arrays:
@@ -60,8 +62,8 @@ def host_shards(state: Any) -> list[Any]:
             out.extend([a] * len(HOSTS_OF_SLICE))
             continue
         shards = a.addressable_shards
-        out.extend(shards[pos].data for pos, _, _, _ in distinct_shards(a, HOST_OF_DEVICE))
-    return out
+        out.extend(shards[pos].data for pos, _, _, _ in distinct_shards(a, host_of))
+    return out, len(arrays)
 
 
 def host_value(x: Any) -> Any:
@@ -79,12 +81,15 @@ def run(samples: int, warmup: int, model: str, root: Path) -> dict[str, Any]:
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model"))
     state = Trainer(cfg, mesh).init(0)
     jax.block_until_ready(state)
-    srcs = host_shards(state)
+    base_options = mtc.Options(simulated_hosts=len(HOSTS_OF_SLICE), hosts_per_slice=2,
+                               max_to_keep=2)
+    # The manager's own device-to-host map: the reference copies what the hosts write.
+    topology = Topology.detect(jax.devices(), base_options)
+    srcs, leaves = host_shards(state, topology.host_of_device)
     bufs = [np.empty(s.shape, s.dtype) for s in srcs]
     for b in bufs:
         b.fill(1)  # touched: no sample pays for first-touch pages
     nbytes = sum(int(b.nbytes) for b in bufs)
-    leaves = len(prepare(0, state, skip_if_busy=False)[1])
     log(f"{leaves} array leaves, {len(srcs)} host shards, {nbytes / 1e6:.1f} MB to stage")
 
     hosts = Hosts(root / "hosts", len(HOSTS_OF_SLICE), ramdisk_bytes=max(64 << 20, 8 * nbytes))
@@ -93,8 +98,8 @@ def run(samples: int, warmup: int, model: str, root: Path) -> dict[str, Any]:
     try:
         for i in range(len(HOSTS_OF_SLICE)):
             hosts.start_sidecar(i, HOSTS_OF_SLICE)
-        options = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=2,
-                              sidecars=tuple(h.sidecar_address for h in hosts.hosts))
+        options = dataclasses.replace(
+            base_options, sidecars=tuple(h.sidecar_address for h in hosts.hosts))
         with mtc.CheckpointManager(root / "controller", mesh=mesh, options=options) as mgr:
             for r in range(warmup + samples):
                 gc.collect()
