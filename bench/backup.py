@@ -57,15 +57,15 @@ import numpy as np
 from _common import GB, gbps, log, run_in_scratch, summary  # also puts the repository on the path
 
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.backup.job import MANIFEST
+from mtc.sidecar.backup.job import MANIFEST
 
 replicators: Any = importlib.import_module("replicators")  # tests/replicators.py
 gcs_fakes: Any = importlib.import_module("gcs_fakes")  # tests/gcs_fakes.py
 
 MIB = 1 << 20
 HOSTS = 2
-MTC_UPLOAD_THREADS = 4  # per host (sidecar.backup.job.upload_part)
-MTC_DOWNLOAD_THREADS = 8  # per host (sidecar.backup.job.download_rank)
+MTC_UPLOAD_THREADS = 4  # per host (mtc.sidecar.backup.job.upload_part)
+MTC_DOWNLOAD_THREADS = 8  # per host (mtc.sidecar.backup.job.download_rank)
 
 
 def make_payload(nbytes: int) -> np.ndarray:

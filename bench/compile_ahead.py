@@ -6,11 +6,11 @@ Prints one JSON object to stdout (progress goes to stderr)::
     .venv/bin/python bench/compile_ahead.py [--model small] [--pairs 3]
 
 One process, the elastic demo's model on 8 CPU devices as 2 slices x 4
-(``mtc_trainer.model.Trainer``, the step with its snapshot, as ``make demo`` runs
+(``mtc.trainer.model.Trainer``, the step with its snapshot, as ``make demo`` runs
 it). After warm-up it alternates two kinds of window, ``--pairs`` times each:
 
 * ``ahead``: a fresh one-slice trainer's step is compiled on the
-  :class:`mtc_trainer.aot.AheadCompiler` thread exactly as the elastic trainer does
+  :class:`mtc.trainer.aot.AheadCompiler` thread exactly as the elastic trainer does
   it (tracing at the loop's priority, XLA at ``--nice`` lower, then one warm-up
   run), while the loop trains; the window lasts until that job is done;
 * ``none``: the loop trains alone for as many steps as the ``ahead`` window
@@ -44,9 +44,9 @@ from jax.sharding import Mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtc_trainer import aot
-from mtc_trainer.data import VOCAB, make_iterator
-from mtc_trainer.model import Config, Trainer
+from mtc.trainer import aot
+from mtc.trainer.data import VOCAB, make_iterator
+from mtc.trainer.model import Config, Trainer
 
 
 def log(msg: str) -> None:

@@ -34,14 +34,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mtc_sidecar.replicator.agreement import (  # noqa: E402
+from mtc.sidecar.replicator.agreement import (  # noqa: E402
     Book,
     Coordinator,
     Fresh,
     Holding,
     newest_complete,
 )
-from mtc_sidecar.replicator.node import GC_VIEW_INTERVAL_S, GcInputs, gc_plan  # noqa: E402
+from mtc.sidecar.replicator.node import GC_VIEW_INTERVAL_S, GcInputs, gc_plan  # noqa: E402
 
 SIZES = (4, 16, 64, 256, 1024)
 SAVE_S = 10.0  # a save every 10 s

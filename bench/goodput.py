@@ -5,7 +5,7 @@ Prints one JSON object to stdout (progress goes to stderr)::
     .venv/bin/python bench/goodput.py [--steps 1200] [--failure-every-s 120] [--out DIR]
     .venv/bin/python bench/goodput.py --quick   # 480 steps, no reference run (~5 min)
 
-It drives the demo's trainer, ``mtc_trainer.elastic``, the way ``make demo`` does (a
+It drives the demo's trainer, ``mtc.trainer.elastic``, the way ``make demo`` does (a
 :class:`LocalCluster` of 4 replicators in 2 slices, the 3.2M-parameter model,
 the per-step snapshot), with host losses only and a save every 20 steps. What
 training does while the lost host is replaced (``--host-return-s``) is the
@@ -48,10 +48,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._cpu import CpuSampler
-from mtc_trainer.cluster import STATE, LocalCluster
-from mtc_trainer.demo import REPO, child_env
-from mtc_trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
-from mtc_trainer.policy import PAUSE_POLICIES
+from mtc.trainer.cluster import STATE, LocalCluster
+from mtc.trainer.demo import REPO, child_env
+from mtc.trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
+from mtc.trainer.policy import PAUSE_POLICIES
 
 TARGET_GOODPUT = 0.98
 TARGET_FAILURE_EVERY_S = 120.0
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     proc: subprocess.Popen[bytes] | None = None
     try:
         cluster = LocalCluster.up(base, replicator_nice=args.replicator_nice)
-        cmd = [sys.executable, "-m", "mtc_trainer.elastic", "--cluster", str(base),
+        cmd = [sys.executable, "-m", "mtc.trainer.elastic", "--cluster", str(base),
                "--log", str(jsonl), "--steps", str(args.steps),
                "--save-interval", str(args.save_interval),
                "--host-loss-at", ",".join(str(s) for s in range(

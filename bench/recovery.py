@@ -7,7 +7,7 @@ Prints one JSON object to stdout (progress goes to stderr)::
 The state is ``--gib`` GiB of float32 leaves of 64 MiB on a ('replica', 'model')
 = (2, 4) mesh of 8 CPU devices, each leaf sharded along axis 0 over 'model', so
 the two slices hold data-parallel replicas. mtc treats the 8 devices as 4
-simulated hosts in 2 slices; a :class:`mtc_trainer.cluster.LocalCluster` runs one
+simulated hosts in 2 slices; a :class:`mtc.trainer.cluster.LocalCluster` runs one
 real ``mtc-replicator`` process per host (peer copies in the other slice).
 
 Each sample saves a step, waits until every host's step is held by its peer in
@@ -69,9 +69,9 @@ from save_restore import LEAF_COLS, LEAF_ROWS, make_state
 import mtc
 from mtc.contract import shard_index
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.client import PeerClient
-from mtc_sidecar.replicator.security import Credentials
-from mtc_trainer.cluster import LocalCluster
+from mtc.sidecar.replicator.client import PeerClient
+from mtc.sidecar.replicator.security import Credentials
+from mtc.trainer.cluster import LocalCluster
 
 MIB = 1 << 20
 NUM_DEVICES = 8

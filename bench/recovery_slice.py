@@ -2,17 +2,17 @@
 completed step on the surviving slice. Part of ``bench/recovery.py``'s JSON
 (``slice_loss``); the state and mesh are that bench's.
 
-The path is the elastic trainer's (``mtc_trainer.elastic``), its parts real:
+The path is the elastic trainer's (``mtc.trainer.elastic``), its parts real:
 
 * every train step on the full mesh also emits a copy of its new state (the
-  per-step snapshot, never donated; ``mtc_trainer.snapshot``);
+  per-step snapshot, never donated; ``mtc.trainer.snapshot``);
 * the surviving slice's step is compiled ahead, before the loss (timed apart);
 * t0: while a step runs, slice 1's devices are marked lost in pathwaysutils'
-  ``DeviceLossSimulator`` (``mtc_trainer.faults.SliceLossSimulator``); reading
+  ``DeviceLossSimulator`` (``mtc.trainer.faults.SliceLossSimulator``); reading
   the step's output raises ``DATA_LOSS`` (``detect``), classified by
   ``is_error_due_to_slice_down``;
 * ``wait``: pathwaysutils' slice health check (``get_active_slice_indices``,
-  the executables kept by ``mtc_trainer.health``) finds slice 0 alone; on this
+  the executables kept by ``mtc.trainer.health``) finds slice 0 alone; on this
   CPU it runs behind the interrupted step, which XLA cannot cancel;
 * ``restore``: the snapshot of the last completed step, read only from slice
   0's devices, placed onto the one-slice mesh (``snapshot.place``);
@@ -36,9 +36,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pathwaysutils.elastic import elastic as pw_elastic
 
-from mtc_trainer import health
-from mtc_trainer.faults import SliceLossSimulator
-from mtc_trainer.snapshot import place
+from mtc.trainer import health
+from mtc.trainer.faults import SliceLossSimulator
+from mtc.trainer.snapshot import place
 
 AXES = ("replica", "model")
 SPEC = PartitionSpec("model", None)

@@ -58,7 +58,7 @@ from _common import GB, gbps, log, run_in_scratch, summary  # also puts the repo
 from mtc.integrity import crc32c
 from mtc.layout import TMP_MARK
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.store import REPLICA_DIR, describe_own
+from mtc.sidecar.replicator.store import REPLICA_DIR, describe_own
 
 replicators: Any = importlib.import_module("replicators")  # tests/replicators.py
 

@@ -251,7 +251,7 @@ def run(gib: float, samples: int, warmup: int, root: Path, hosts_mode: str,
 
     hosts = None
     if hosts_mode in ("isolated", "colocated"):
-        from mtc_trainer.isolation import Hosts
+        from mtc.trainer.isolation import Hosts
 
         # Room for the steps retention keeps, plus the one being written.
         hosts = Hosts(root / "hosts", 4, ramdisk_bytes=int(total_bytes / 4 * 3.5),

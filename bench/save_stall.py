@@ -8,7 +8,7 @@ Prints one JSON object to stdout (progress goes to stderr)::
 the copy decides it. A real model's state is hundreds of leaves, most of them
 small (biases, norms and their optimizer moments), and there the per-leaf and
 per-host work around the copy decides it: this benchmark saves the demo's own
-state (``mtc_trainer.model``, the ``--model`` preset with its Adam moments: the
+state (``mtc.trainer.model``, the ``--model`` preset with its Adam moments: the
 small preset is 111 array leaves, 180 shards of them on each of 4 simulated
 hosts) through isolated hosts' sidecars (``trainer/isolation.py``), as
 ``make demo`` does, the save interval's worth of writing finished between
@@ -73,9 +73,9 @@ def host_value(x: Any) -> Any:
 
 
 def run(samples: int, warmup: int, model: str, root: Path) -> dict[str, Any]:
-    from mtc_trainer.data import VOCAB
-    from mtc_trainer.isolation import Hosts
-    from mtc_trainer.model import Config, Trainer
+    from mtc.trainer.data import VOCAB
+    from mtc.trainer.isolation import Hosts
+    from mtc.trainer.model import Config, Trainer
 
     cfg = Config.preset(model, vocab_size=len(VOCAB), total_steps=samples + warmup)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model"))
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--samples", type=int, default=20, help="timed saves (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="discarded saves (default 3)")
-    p.add_argument("--model", default="small", help="mtc_trainer.model preset (default small)")
+    p.add_argument("--model", default="small", help="mtc.trainer.model preset (default small)")
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 0:
         p.error("--samples must be >= 1 and --warmup >= 0")

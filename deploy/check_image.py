@@ -3,8 +3,12 @@
 Run by both Dockerfiles after installing: the controller pickles functions that
 the colocated-Python sidecar runs, so the trainer and sidecar images need the
 same Python minor version and the same jax and jaxlib (Pathways requires it).
+``requirements.txt`` is the trainer image's lock: in the colocated-Python image,
+whose jax and jaxlib come from Google's base, this is where a base that does not
+match the trainer is caught.
 
-    python check_image.py --python 3.11 --requirements requirements.txt [--packages jax jaxlib]
+    python check_image.py --python 3.12 --requirements requirements.txt \
+        [--packages jax jaxlib] [--colocated-server]
 """
 
 from __future__ import annotations
@@ -27,7 +31,21 @@ def pins(requirements: Path) -> dict[str, str]:
     return out
 
 
-def problems(python: str, requirements: Path, packages: Sequence[str]) -> list[str]:
+def colocated_server_problem() -> str | None:
+    """Google's sidecar bases ship a jaxlib built with the colocated-Python CPU client;
+    a jaxlib from PyPI installed over it has none, and the server cannot start."""
+    try:
+        from jax._src.lib import _jax  # type: ignore[attr-defined]
+    except ImportError as e:
+        return f"jaxlib does not import: {e}"
+    if not hasattr(_jax, "colocated_python_cpu_client"):
+        return ("jaxlib has no colocated_python_cpu_client: the base's jaxlib was replaced "
+                "(install with the base's constraints)")
+    return None
+
+
+def problems(python: str, requirements: Path, packages: Sequence[str],
+             colocated_server: bool = False) -> list[str]:
     found = []
     have = f"{sys.version_info.major}.{sys.version_info.minor}"
     if have != python:
@@ -44,7 +62,11 @@ def problems(python: str, requirements: Path, packages: Sequence[str]) -> list[s
             found.append(f"{name} is not installed (pinned {want})")
             continue
         if got != want:
-            found.append(f"{name} {got} installed, {want} pinned")
+            found.append(f"{name} {got} installed, {want} pinned (the trainer image's)")
+    if colocated_server:
+        problem = colocated_server_problem()
+        if problem:
+            found.append(problem)
     return found
 
 
@@ -53,8 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--python", required=True, help="expected MAJOR.MINOR")
     p.add_argument("--requirements", type=Path, required=True)
     p.add_argument("--packages", nargs="+", default=["jax", "jaxlib"])
+    p.add_argument("--colocated-server", action="store_true",
+                   help="also check that jaxlib has the colocated-Python server's client")
     args = p.parse_args(argv)
-    found = problems(args.python, args.requirements, args.packages)
+    found = problems(args.python, args.requirements, args.packages, args.colocated_server)
     for line in found:
         print(f"check_image: {line}", file=sys.stderr)
     if not found:

@@ -20,11 +20,11 @@ from mtc import layout
 from mtc.errors import LocalDirError, MtcError
 
 if TYPE_CHECKING:
-    from mtc_sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.security import Credentials
 
 
 def _creds(token_file: str | None) -> Credentials:
-    from mtc_sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.security import Credentials
 
     return Credentials.from_files(token_file, None, None, None)
 
@@ -71,7 +71,7 @@ def _size(n: int) -> str:
 
 def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
     from mtc.proto import replicator_pb2 as pb
-    from mtc_sidecar.replicator.client import PeerClient, PeerError
+    from mtc.sidecar.replicator.client import PeerClient, PeerError
 
     rows: list[dict[str, Any]] = []
     backed: list[int] = []
@@ -115,7 +115,7 @@ def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
 
 def backup(node: str, token_file: str | None) -> int:
     from mtc.proto import replicator_pb2 as pb
-    from mtc_sidecar.replicator.client import PeerClient
+    from mtc.sidecar.replicator.client import PeerClient
 
     client = PeerClient(node, _creds(token_file), rank=-1)
     try:

@@ -16,13 +16,14 @@ import os
 import shutil
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mtc.errors import DirectoryLockedError, InvalidStepError, LocalDirError
+from mtc.pool import ThreadPool
 
 TMP_MARK = ".mtc-tmp-"
 DEL_MARK = ".mtc-del-"
@@ -101,7 +102,7 @@ def commit(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
 
 
-_deleter: ThreadPoolExecutor | None = None
+_deleter: ThreadPool | None = None  # one per process, for its whole life
 _deleting: list[Future[None]] = []
 _deleting_lock = threading.Lock()
 
@@ -135,11 +136,14 @@ def remove_step(root: Path, step: int, *, background: bool = False) -> bool:
     if background:
         with _deleting_lock:
             if _deleter is None:
-                _deleter = ThreadPoolExecutor(1, thread_name_prefix="mtc-delete",
-                                              initializer=lower_thread_priority)
-            _deleting[:] = [f for f in _deleting if not f.done()]
-            _deleting.append(_deleter.submit(shutil.rmtree, dst, ignore_errors=True))
-    else:
+                try:
+                    _deleter = ThreadPool(1, "mtc-delete", initializer=lower_thread_priority)
+                except RuntimeError:  # the interpreter is exiting: no new threads
+                    background = False
+            if _deleter is not None:
+                _deleting[:] = [f for f in _deleting if not f.done()]
+                _deleting.append(_deleter.submit(shutil.rmtree, dst, ignore_errors=True))
+    if not background:
         shutil.rmtree(dst, ignore_errors=True)
     return True
 

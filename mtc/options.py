@@ -77,7 +77,7 @@ class Options:
         copy covers a region, the restore waits for that data. ``False``: every
         host's data is local before anything is read.
       sidecars: each host's sidecar process address (``python -m
-        mtc_sidecar.host.main``), in host order; with them the hosts' RAM disks are
+        mtc.sidecar.host.main``), in host order; with them the hosts' RAM disks are
         reached only through those processes, never from this one.
       read_only: the manager only reads (Orbax's ``read_only``): it takes no
         writer lock, so it may open a directory another manager writes to; it

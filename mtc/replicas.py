@@ -17,9 +17,9 @@ from mtc.errors import AgreementError, ConfigError
 
 if TYPE_CHECKING:
     from mtc.options import Options
+    from mtc.sidecar.replicator.client import PeerClient
+    from mtc.sidecar.replicator.security import Credentials
     from mtc.topology import Topology
-    from mtc_sidecar.replicator.client import PeerClient
-    from mtc_sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.2  # between tries to a replicator that is restarting
@@ -67,8 +67,8 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
     ``background``: a replicator whose host holds no copy of the step answers
     once it is agreed and brings the data in the background (``pending``); ask
     it again with the returned ``restore_id`` to wait for the data."""
-    from mtc_sidecar.replicator.client import PeerClient
-    from mtc_sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.client import PeerClient
+    from mtc.sidecar.replicator.security import Credentials
 
     if creds is None:
         creds = Credentials(token=token)
@@ -111,8 +111,8 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
     """PrepareRestore on one replicator, sent again while it is unreachable
     (restarting) and time is left; any other error is raised as its domain type."""
     from mtc.proto import replicator_pb2 as pb
-    from mtc_sidecar.replicator.client import PeerError
-    from mtc_sidecar.replicator.status import is_retryable
+    from mtc.sidecar.replicator.client import PeerError
+    from mtc.sidecar.replicator.status import is_retryable
 
     while True:
         left = deadline - time.monotonic()
@@ -191,7 +191,7 @@ class ReplicatorTier:
 def credentials(options: Options) -> Credentials:
     """The replicators' shared token and, with ``replicator_tls``, this process's
     certificate (mutual TLS)."""
-    from mtc_sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.security import Credentials
 
     tls = options.replicator_tls
     cert, key, ca = (Path(p) for p in tls) if tls else (None, None, None)

@@ -24,8 +24,8 @@ from mtc.contract import AgentConfig, SaveHeader
 from mtc.errors import MtcError
 from mtc.manifest import Index, LeafEntry
 from mtc.shards import ShardPlans
-from mtc_sidecar.buffers import StagingPool
-from mtc_sidecar.write import HostSave, StagedShard, Writer
+from mtc.sidecar.buffers import StagingPool
+from mtc.sidecar.write import HostSave, StagedShard, Writer
 
 if TYPE_CHECKING:
     import jax

@@ -29,14 +29,14 @@ from mtc.contract import (
     encode_reply,
 )
 from mtc.errors import MtcError, StorageError
-from mtc_sidecar.agent import HostAgent
-from mtc_sidecar.ops import HostOps
+from mtc.sidecar.agent import HostAgent
+from mtc.sidecar.ops import HostOps
 
 log = logging.getLogger(__name__)
 
 # Where this host's RAM disk is, when the process that runs these objects knows
 # better than the controller's config: the local cluster's sidecars
-# (mtc_sidecar.host.colocated) keep each host's at a path of its own. On a real
+# (mtc.sidecar.host.colocated) keep each host's at a path of its own. On a real
 # worker every host mounts its RAM disk at the job's ``local_dir``: None.
 HOST_ROOT: Path | None = None
 

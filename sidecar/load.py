@@ -8,7 +8,7 @@ anything else is assembled by copying the overlapping parts.
 
 A piece another host saved is never read through a filesystem: with ``remote``
 (multi-controller JAX, each process its own host) its file comes over the
-network tier (:mod:`sidecar.peers`) and is checked against the manifest here.
+network tier (:mod:`mtc.sidecar.peers`) and is checked against the manifest here.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.shards import paste
-from mtc_sidecar.dtypes import numpy_dtype
-from mtc_sidecar.quarantine import quarantine
-from mtc_sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
-from mtc_sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.dtypes import numpy_dtype
+from mtc.sidecar.quarantine import quarantine
+from mtc.sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
+from mtc.sidecar.replicator.store import REPLICA_DIR
 
 if TYPE_CHECKING:  # only the in-process paths put arrays on devices; a sidecar never does
     import jax

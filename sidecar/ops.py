@@ -27,7 +27,7 @@ from mtc.contract import (
 )
 from mtc.errors import LocalDirError, ManifestError, MtcError, ProtocolError, StorageError
 from mtc.manifest import MANIFEST_NAME, Manifest
-from mtc_sidecar.load import Remote, ShardLoader
+from mtc.sidecar.load import Remote, ShardLoader
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mtc.errors import CorruptShardError, ShardUnavailableError
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.client import PeerClient, PeerError
-from mtc_sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
 

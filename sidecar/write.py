@@ -18,7 +18,7 @@ import queue
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from mtc import layout
 from mtc.errors import MtcError, RamDiskFullError, StepExistsError, StorageError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
+from mtc.pool import ThreadPool
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,9 @@ class Writer:
     """Background writer: one save at a time, its files in parallel."""
 
     def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mtc-write",
-                                        initializer=layout.lower_thread_priority)
+        # Every thread starts now: a save finished at interpreter exit (mtc.lifecycle)
+        # gets no new ones from Python 3.12 on.
+        self._pool = ThreadPool(threads, "mtc-write", initializer=layout.lower_thread_priority)
         self._jobs: queue.SimpleQueue[HostSave | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mtc-commit", daemon=True)
         self._thread.start()

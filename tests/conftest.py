@@ -9,6 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,31 @@ import numpy as np
 import pytest
 import seam_audit
 from jax.sharding import Mesh
+
+# -- the fast lane: a test that starts a process must say so ----------------------------
+
+_SPAWN_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.exec",
+                 "os.spawn", "os.system", "os.startfile"}
+_unmarked: list[str] = []  # the test running now, when it lacks the ``process`` marker
+
+
+def _refuse_unmarked_spawn(event: str, args: tuple[Any, ...]) -> None:
+    if _unmarked and event in _SPAWN_EVENTS:
+        raise RuntimeError(f"{_unmarked[0]} started a process ({event} {str(args[:1])[:120]}) "
+                           "without @pytest.mark.process: `make test-fast` would run it")
+
+
+sys.addaudithook(_refuse_unmarked_spawn)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    if item.get_closest_marker("process") is None:
+        _unmarked[:] = [item.nodeid]
+    try:
+        return (yield)
+    finally:
+        _unmarked.clear()
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from google.cloud.storage_control_v2 import types
 from google.longrunning import operations_pb2
 from google.protobuf import empty_pb2
 
-from mtc_trainer import gcs_emulator
+from mtc.trainer import gcs_emulator
 
 
 def free_port() -> int:

@@ -3,7 +3,7 @@ restart.
 
 Each simulated host of a :class:`Cluster` is its own processes: its replicator
 and, once a test asks for :meth:`Cluster.options`, its sidecar (``python -m
-mtc_sidecar.host.main``, started through :class:`mtc_trainer.isolation.Hosts` in
+mtc.sidecar.host.main``, started through :class:`mtc.trainer.isolation.Hosts` in
 ``"processes"`` mode), the one process through which a controller's
 ``CheckpointManager`` reaches the host's RAM disk. The controller never reads a
 host's root (the ``ramdisk`` fixture's seam audit checks it). The test harness
@@ -32,11 +32,11 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.client import PeerClient
-from mtc_sidecar.replicator.healthcheck import check
-from mtc_sidecar.replicator.security import Credentials
-from mtc_trainer.cluster import free_ports
-from mtc_trainer.isolation import Hosts
+from mtc.sidecar.replicator.client import PeerClient
+from mtc.sidecar.replicator.healthcheck import check
+from mtc.sidecar.replicator.security import Credentials
+from mtc.trainer.cluster import free_ports
+from mtc.trainer.isolation import Hosts
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -136,7 +136,7 @@ class Cluster:
         """Start replicator ``rank`` without waiting for it to serve."""
         log = open(self.logs / f"replicator-{rank}.log", "ab")
         metrics = ("--metrics-port", str(self.metrics_ports[rank])) if self.metrics else ()
-        cmd = [sys.executable, "-m", "mtc_sidecar.replicator.main",
+        cmd = [sys.executable, "-m", "mtc.sidecar.replicator.main",
                "--local-dir", str(self.root(rank)),
                "--listen", self.addrs[rank], "--nodes", ",".join(self.addrs),
                *(() if self.orbax else ("--rank", str(rank),

@@ -8,7 +8,7 @@ controller package (``mtc/``) on the stack and no host-side frame is a leak.
 Test code and the standard library (a test corrupting a file on purpose, a
 background ``rmtree`` the host side started) are neither and pass.
 
-A host's shared-memory area (``host-<i>/area`` of :mod:`mtc_trainer.isolation`,
+A host's shared-memory area (``host-<i>/area`` of :mod:`mtc.trainer.isolation`,
 the part ``/tmp/sidecar`` plays between ``pathways-worker`` and its sidecar) is
 where the trainer is meant to hand bytes over; it is not a RAM disk and is exempt.
 
@@ -38,8 +38,11 @@ _EVENTS = {"open", "os.listdir", "os.scandir", "os.rename", "os.remove", "os.rmd
            "shutil.rmtree", "shutil.copyfile", "shutil.move"}
 _PKG = Path(__file__).resolve().parents[1]
 _CONTROLLER = str(_PKG / "mtc") + os.sep
-# Host-side code imports as mtc_sidecar (a symlink to sidecar/): either path.
-_HOST = (str(_PKG / "sidecar") + os.sep, str(_PKG / "mtc_sidecar") + os.sep)
+# A thread runner, like concurrent.futures' (which sits outside mtc/): it runs what it
+# is handed, and who handed it is not on its thread's stack.
+_RUNNERS = (str(_PKG / "mtc" / "pool.py"),)
+# Host-side code: sidecar/, imported as mtc.sidecar.
+_HOST = (str(_PKG / "sidecar") + os.sep,)
 
 _TESTS = str(_PKG / "tests") + os.sep
 
@@ -80,7 +83,9 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
     test = False
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(_HOST):
+        if name in _RUNNERS:
+            pass
+        elif name.startswith(_HOST):
             if not strict:
                 return  # host-side code: allowed
             host = host or f"{name}:{frame.f_lineno}"

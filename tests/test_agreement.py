@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from mtc.errors import AgreementError, ConfigError, CorruptShardError, StepNotFoundError
-from mtc_sidecar.replicator.agreement import (
+from mtc.sidecar.replicator.agreement import (
     Book,
     CannotDecide,
     Coordinator,
@@ -28,10 +28,10 @@ from mtc_sidecar.replicator.agreement import (
     missing_asks,
     newest_complete,
 )
-from mtc_sidecar.replicator.client import PeerError
-from mtc_sidecar.replicator.main import healthy
-from mtc_sidecar.replicator.node import GcInputs, GcPlan, gc_plan
-from mtc_sidecar.replicator.status import error_class, is_retryable, to_status
+from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.main import healthy
+from mtc.sidecar.replicator.node import GcInputs, GcPlan, gc_plan
+from mtc.sidecar.replicator.status import error_class, is_retryable, to_status
 
 
 def own_only(r: int) -> list[int]:

@@ -21,9 +21,9 @@ from mtc.errors import AgreementError, CorruptShardError
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.replicas import prepare_restore
-from mtc_sidecar.replicator import orbax
+from mtc.sidecar.replicator import orbax
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def commit_everywhere(cl: Cluster, steps: tuple[int, ...]) -> None:
@@ -173,7 +173,7 @@ def test_sigterm_shuts_down_gracefully_even_during_a_restore(
 
 
 def wait_health(cl: Cluster, rank: int, want: str, timeout: float) -> None:
-    from mtc_sidecar.replicator.healthcheck import check
+    from mtc.sidecar.replicator.healthcheck import check
 
     deadline = time.monotonic() + timeout
     got = ""

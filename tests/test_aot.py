@@ -13,9 +13,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtc_trainer import aot, recovery
-from mtc_trainer.policy import pause_seconds
-from mtc_trainer.recovery import Recovery
+from mtc.trainer import aot, recovery
+from mtc.trainer.policy import pause_seconds
+from mtc.trainer.recovery import Recovery
 
 
 @pytest.mark.parametrize(("active", "total", "depth", "want"), [

@@ -18,10 +18,10 @@ from gcs_fakes import Emulator, FakeStorageControl, FaultProxy, free_port
 
 from mtc.errors import StepExistsError
 from mtc.integrity import crc32c
-from mtc_sidecar.backup.backend import BackupUnavailableError, CorruptBackupError, open_backend
-from mtc_sidecar.backup.fsspec_backend import FsspecBackend
-from mtc_sidecar.backup.gcs import GcsBackend, crc_b64
-from mtc_sidecar.backup.local import LocalBackend
+from mtc.sidecar.backup.backend import BackupUnavailableError, CorruptBackupError, open_backend
+from mtc.sidecar.backup.fsspec_backend import FsspecBackend
+from mtc.sidecar.backup.gcs import GcsBackend, crc_b64
+from mtc.sidecar.backup.local import LocalBackend
 
 MiB = 1 << 20
 # Retry quickly and give up within seconds, so failure tests take seconds, not minutes.
@@ -183,6 +183,7 @@ def test_fsspec_detects_corruption(memory_store: FsspecBackend, tmp_path: Path) 
 # -- GCS through the emulator -------------------------------------------------------
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_round_trip(bucket: str, emulator: Emulator, tmp_path: Path) -> None:
     store = open_backend(f"gs://{bucket}/backups")
     assert isinstance(store, GcsBackend)
@@ -209,6 +210,7 @@ def test_gcs_round_trip(bucket: str, emulator: Emulator, tmp_path: Path) -> None
     assert store.list("") == []
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_crc_verification(bucket: str, emulator: Emulator, tmp_path: Path) -> None:
     store = GcsBackend(f"gs://{bucket}", chunk_size=8 * MiB, **FAST)
     admin = emulator.client().bucket(bucket)
@@ -230,6 +232,7 @@ def test_gcs_crc_verification(bucket: str, emulator: Emulator, tmp_path: Path) -
         store.get_file("ok/none", tmp_path / "none", size=1, crc32c=0)
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_resumes_partial_download(bucket: str, proxy: FaultProxy, tmp_path: Path) -> None:
     store = GcsBackend(f"gs://{bucket}", chunk_size=8 * MiB, **FAST)
     src = tmp_path / "src"
@@ -248,6 +251,7 @@ def test_gcs_resumes_partial_download(bucket: str, proxy: FaultProxy, tmp_path: 
     assert out.read_bytes() == src.read_bytes()
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_download_cut_midway(bucket: str, proxy: FaultProxy, tmp_path: Path) -> None:
     store = GcsBackend(f"gs://{bucket}", **FAST)
     src = tmp_path / "src"
@@ -275,6 +279,7 @@ def test_gcs_download_cut_midway(bucket: str, proxy: FaultProxy, tmp_path: Path)
     assert [r for _, _, r in proxy.requests if r] == [f"bytes={kept}-"]
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_unreachable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")
     store = GcsBackend("gs://nowhere/x", deadline=1.5, initial_backoff=0.05, max_backoff=0.2,
@@ -293,6 +298,7 @@ def test_gcs_unreachable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     assert time.monotonic() - t0 < 20
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_retries_5xx(bucket: str, proxy: FaultProxy, tmp_path: Path) -> None:
     store = GcsBackend(f"gs://{bucket}", chunk_size=8 * MiB, **FAST)
     src = tmp_path / "src"
@@ -316,6 +322,7 @@ def test_gcs_retries_5xx(bucket: str, proxy: FaultProxy, tmp_path: Path) -> None
     assert time.monotonic() - t0 < 20
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_upload_killed_midway(bucket: str, proxy: FaultProxy, emulator: Emulator,
                                   tmp_path: Path) -> None:
     store = GcsBackend(f"gs://{bucket}", chunk_size=8 * MiB, **FAST)
@@ -339,6 +346,7 @@ def test_gcs_upload_killed_midway(bucket: str, proxy: FaultProxy, emulator: Emul
     assert blob is not None and blob.size == size and blob.crc32c == crc_b64(crc)
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_parallel_uploads(bucket: str, tmp_path: Path) -> None:
     store = GcsBackend(f"gs://{bucket}/p", chunk_size=8 * MiB, **FAST)
     files = []
@@ -370,6 +378,7 @@ def control(emulator: Emulator, bucket: str) -> Iterator[FakeStorageControl]:
         fake.stop()
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_publish_renames_folder_on_hns(bucket: str, control: FakeStorageControl,
                                            tmp_path: Path) -> None:
     store = GcsBackend(f"gs://{bucket}/backups", control_endpoint=control.endpoint, **FAST)
@@ -403,6 +412,7 @@ def test_gcs_publish_renames_folder_on_hns(bucket: str, control: FakeStorageCont
     assert store.list("steps/8/") == ["steps/8/MANIFEST.json"]
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_publish_on_flat_bucket(bucket: str, emulator: Emulator, tmp_path: Path) -> None:
     flat = FakeStorageControl(emulator, hns=set())  # the bucket exists, without HNS
     try:
@@ -416,6 +426,7 @@ def test_gcs_publish_on_flat_bucket(bucket: str, emulator: Emulator, tmp_path: P
         flat.stop()
 
 
+@pytest.mark.process  # the GCS emulator
 def test_gcs_control_api_unreachable(bucket: str) -> None:
     store = GcsBackend(f"gs://{bucket}", control_endpoint=f"127.0.0.1:{free_port()}",
                        deadline=1.0, initial_backoff=0.05, max_backoff=0.2, timeout=1.0)

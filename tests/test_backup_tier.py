@@ -3,7 +3,7 @@
 after the loss of the whole cluster, the GCS emulator (flat and HNS buckets), and faults.
 
 2 slices x 2 hosts, one peer copy each. Every replicator is a real
-``python -m mtc_sidecar.replicator.main`` process, and the controller reaches each host's
+``python -m mtc.sidecar.replicator.main`` process, and the controller reaches each host's
 RAM disk only through the host's sidecar process (``Cluster.options``); the test plays
 the hosts (and the whole cluster's loss), reading and wiping their roots. The GCS
 emulator, the fault proxy and the Storage Control double are started by the tests
@@ -33,14 +33,15 @@ from replicators import Cluster, assert_state_equal, commit_raw_step, env_with_r
 import mtc
 from mtc.errors import MtcError
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.backup.job import MANIFEST
-from mtc_sidecar.replicator.client import PeerError
-from mtc_sidecar.replicator.store import file_sha256
+from mtc.sidecar.backup.job import MANIFEST
+from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.store import file_sha256
 
 MiB = 1 << 20
 # The emulator is started with a preexec_fn (to die with the tests), so Python forks
 # after JAX started its threads; the child only calls prctl and execs the emulator.
-pytestmark = pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
+pytestmark = [pytest.mark.process,
+              pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")]
 
 
 # -- fixtures and helpers -------------------------------------------------------------

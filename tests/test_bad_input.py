@@ -131,6 +131,7 @@ def test_saving_a_committed_step_again_is_refused(ramdisk: Path, mesh: Mesh) -> 
             mgr.save(1, {"w": sharded(mesh)})
 
 
+@pytest.mark.process
 def test_full_ram_disk_discards_the_step_and_next_save_succeeds(tiny_tmpfs: Path,
                                                                 mesh: Mesh) -> None:
     small = {"w": sharded(mesh, (64, 16))}            # 4 KiB
@@ -160,6 +161,7 @@ def test_full_ram_disk_discards_the_step_and_next_save_succeeds(tiny_tmpfs: Path
                                       np.asarray(small["w"]))
 
 
+@pytest.mark.process
 def test_background_error_surfaces_on_next_save(tiny_tmpfs: Path, mesh: Mesh) -> None:
     big = {"w": sharded(mesh, (1024, 1024))}
     with mtc.CheckpointManager(tiny_tmpfs, mesh=mesh, options=opts()) as mgr:

@@ -7,7 +7,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from bench._cpu import CpuSampler, process_cpu
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 

@@ -15,9 +15,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.process
 def test_chaos_short_run() -> None:
     base = Path("/dev/shm") / f"mtc-cluster-chaos-test-{uuid.uuid4().hex[:8]}"
-    r = subprocess.run([sys.executable, "-m", "mtc_trainer.chaos", "--cycles", "5",
+    r = subprocess.run([sys.executable, "-m", "mtc.trainer.chaos", "--cycles", "5",
                         "--seconds", "45", "--seed", "3", "--base", str(base)],
                        cwd=REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -67,7 +68,7 @@ def test_network_faults_are_drawn_only_on_isolated_hosts() -> None:
     import random
     import types
 
-    from mtc_trainer import chaos
+    from mtc.trainer import chaos
 
     assert chaos.network_of(types.SimpleNamespace()) is None  # today's LocalCluster
     assert chaos.network_of(types.SimpleNamespace(hosts=object())) is None

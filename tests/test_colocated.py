@@ -21,7 +21,7 @@ from mtc.contract import AgentConfig
 from mtc.dispatch import ColocatedDispatch
 from mtc.errors import HostAgentError
 from mtc.save.stage import prepare
-from mtc_sidecar.colocated import ColocatedAgent
+from mtc.sidecar.colocated import ColocatedAgent
 
 
 def _ranks(hosts: list[int]) -> jax.Array:

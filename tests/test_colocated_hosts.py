@@ -26,7 +26,9 @@ import mtc
 from mtc.dispatch.process import Sidecar
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import ColocatedCallError
-from mtc_trainer.isolation import Hosts
+from mtc.trainer.isolation import Hosts
+
+pytestmark = pytest.mark.process  # every test here runs on the sidecar processes
 
 SLICES = [0, 0, 1, 1]
 

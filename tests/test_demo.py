@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -18,7 +20,7 @@ def test_demo_recovers_from_a_crash_with_the_reference_loss_curve(tmp_path: Path
                                                                  ramdisk: Path) -> None:
     out = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "mtc_trainer.demo", "--out", str(out), "--steps", "40",
+        [sys.executable, "-m", "mtc.trainer.demo", "--out", str(out), "--steps", "40",
          "--model", "tiny", "--kill-at", "25", "--save-interval", "10",
          "--ramdisk-root", str(ramdisk)],
         cwd=REPO, capture_output=True, text=True, timeout=230)

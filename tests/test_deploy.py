@@ -1,7 +1,7 @@
 """Deployment: the JobSet wrapper of the replicator, the images, the manifests (offline).
 
 No cluster and no Docker engine run here. What is checked instead:
-- ``mtc_sidecar.replicator.k8s``: ranks and peer addresses from the JobSet
+- ``mtc.sidecar.replicator.k8s``: ranks and peer addresses from the JobSet
   environment, ``jax-init-info.txt`` written atomically, the plaintext health
   mirror (also over mutual TLS), a real ``mtc-replicator-k8s`` process;
 - ``deploy/``: every overlay renders with ``kubectl kustomize``; core kinds, and
@@ -39,11 +39,12 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from replicators import env_with_repo, free_ports
 
 from mtc.errors import ConfigError
-from mtc_sidecar.replicator import healthcheck
-from mtc_sidecar.replicator.k8s import (
+from mtc.sidecar.replicator import healthcheck
+from mtc.sidecar.replicator.k8s import (
     JAX_INIT_INFO,
     HealthMirror,
     JobSetPlace,
@@ -52,7 +53,10 @@ from mtc_sidecar.replicator.k8s import (
     replicator_argv,
     write_jax_init_info,
 )
-from mtc_sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.security import Credentials
+
+# Every test here renders the overlays (kubectl kustomize) or runs the images' tools.
+pytestmark = pytest.mark.process
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -127,7 +131,7 @@ def test_replicator_command_line() -> None:
     assert opts["--nodes"].split(",")[3] == "mtc-train-worker-1-0.mtc-train:7000"
     assert opts["--tls-ca"] == "a" and opts["--replicas"] == "1"
     assert argv[-1] == "--keep=3"
-    from mtc_sidecar.replicator import main as replicator
+    from mtc.sidecar.replicator import main as replicator
     parsed = replicator.parse_args(argv)       # mtc-replicator accepts what we pass
     assert parsed.rank == 3 and parsed.keep == 3
 
@@ -180,7 +184,7 @@ def test_wrapper_process_writes_init_info_and_mirrors_health(tmp_path: Path) -> 
            "MTC_WRITE_JAX_INIT_INFO": "1"}
     log = open(tmp_path / "log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mtc_sidecar.replicator.k8s", "--local-dir", str(local),
+        [sys.executable, "-m", "mtc.sidecar.replicator.k8s", "--local-dir", str(local),
          "--replicas", "0", "--token-file", str(tmp_path / "token")],
         env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -510,7 +514,7 @@ def test_trainer_gives_the_manager_the_replicators_of_its_pods(
     """``mtc-train-k8s`` as the rendered pod starts it: the manager's ``replicators``
     are exactly the replicators' own ``--nodes`` (same names, same rank order, so
     host h is rank h), reached over mutual TLS with the files the replicators use."""
-    from mtc_trainer import k8s as train_k8s
+    from mtc.trainer import k8s as train_k8s
 
     (js,) = jobsets(rendered[overlay.name])
     worker = job_of(js, "worker")
@@ -683,7 +687,9 @@ def test_images_share_python_and_pinned_requirements() -> None:
     assert a["PYTHON_VERSION"] == b["PYTHON_VERSION"]
     m = re.fullmatch(r"python:(\d+\.\d+)[.\d]*-slim.*", a["PYTHON_IMAGE"])
     assert m and m.group(1) == a["PYTHON_VERSION"], a["PYTHON_IMAGE"]
-    assert PYPROJECT["project"]["requires-python"] == f">={a['PYTHON_VERSION']}"
+    # Google's colocated-Python sidecar bases are Python 3.12: so is every image.
+    assert a["PYTHON_VERSION"] == "3.12"
+    assert SpecifierSet(PYPROJECT["project"]["requires-python"]).contains(a["PYTHON_VERSION"])
     for df in DOCKERFILES.values():
         for stage, ins in final_stages(df).items():
             text = "\n".join(rest for _, rest in ins)
@@ -714,6 +720,24 @@ def test_check_image_guards_the_build(tmp_path: Path) -> None:
                           str(bad)], capture_output=True, text=True)
     assert out.returncode == 1
     assert "Python" in out.stderr and "jax" in out.stderr and "jaxlib is not pinned" in out.stderr
+    # PyPI's jaxlib (as here) lacks the colocated-Python client of Google's bases.
+    colo = subprocess.run([sys.executable, script, "--python", py, "--requirements",
+                           str(DEPLOY / "requirements.txt"), "--colocated-server"],
+                          capture_output=True, text=True)
+    assert colo.returncode == 1 and "colocated_python_cpu_client" in colo.stderr, colo.stderr
+
+
+def test_colocated_image_keeps_the_bases_jax() -> None:
+    """The colocated-Python target installs mtc under the base's constraints (the base's
+    jax, jaxlib, protobuf and grpc stay) and checks them against the trainer's lock."""
+    stages = final_stages(DOCKERFILES["sidecar"])
+    text = "\n".join(rest for _, rest in stages["colocated-python"])
+    assert "server_constraints.txt" in args_of(DOCKERFILES["sidecar"])["BASE_CONSTRAINTS"]
+    assert '-c "$BASE_CONSTRAINTS"' in text
+    assert "--no-deps -r" not in text, "installing the lock would replace the base's jax"
+    assert "--colocated-server" in text
+    assert any(w == "FROM" and r.startswith("${COLOCATED_BASE}")
+               for w, r in stages["colocated-python"])
 
 
 def test_images_run_as_non_root_with_health_checks() -> None:
@@ -766,10 +790,10 @@ def test_entrypoints_and_health_checks_answer_help(where: str, argv: list[str]) 
 
 def test_image_modules_import() -> None:
     """What each image runs imports here: the trainer's loop, the replicator, the host side."""
-    modules = ["mtc_trainer.k8s", "mtc_trainer.model", "mtc_trainer.data", "mtc", "mtc.replicas",
-               "mtc_sidecar.replicator.k8s", "mtc_sidecar.replicator.main",
-               "mtc_sidecar.replicator.healthcheck",
-               "mtc_sidecar.agent", "mtc_sidecar.colocated"]
+    modules = ["mtc.trainer.k8s", "mtc.trainer.model", "mtc.trainer.data", "mtc", "mtc.replicas",
+               "mtc.sidecar.replicator.k8s", "mtc.sidecar.replicator.main",
+               "mtc.sidecar.replicator.healthcheck",
+               "mtc.sidecar.agent", "mtc.sidecar.colocated"]
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
     out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True,
                          timeout=120, env={**env_with_repo(), "JAX_PLATFORMS": "cpu"}, cwd=REPO)
@@ -778,8 +802,8 @@ def test_image_modules_import() -> None:
 
 def test_image_entrypoints_are_console_scripts() -> None:
     scripts = PYPROJECT["project"]["scripts"]
-    assert scripts["mtc-replicator-k8s"] == "mtc_sidecar.replicator.k8s:main"
-    assert scripts["mtc-train-k8s"] == "mtc_trainer.k8s:main"
+    assert scripts["mtc-replicator-k8s"] == "mtc.sidecar.replicator.k8s:main"
+    assert scripts["mtc-train-k8s"] == "mtc.trainer.k8s:main"
     entry = {df.name: [_exec_form(r) for s, ins in final_stages(df).items()
                        for w, r in ins if w == "ENTRYPOINT"] for df in DOCKERFILES.values()}
     assert entry["Dockerfile.sidecar"] == [["mtc-replicator-k8s"]]

@@ -16,11 +16,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mtc
-from mtc_trainer.cluster import LocalCluster
+from mtc.trainer.cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.process
 def test_cluster_up_kill_restart_down(ramdisk: Path, mesh: Mesh) -> None:
     """Hosts that share nothing: a step saved through the sidecars is on every
     host's RAM disk (the hosts say so) and, with namespaces, invisible here; a
@@ -60,6 +61,7 @@ def test_cluster_up_kill_restart_down(ramdisk: Path, mesh: Mesh) -> None:
 
 
 # About 60 s on an idle 2-core machine; the limits leave room for a busy CI runner.
+@pytest.mark.process
 def test_cluster_backs_up_to_the_gcs_emulator(ramdisk: Path, mesh: Mesh) -> None:
     """``up --backup gcs-emulator``: a real fake-gcs-server, a bucket, replicators
     pointed at it; ``mtc backup`` lands a step there; ``down`` stops the emulator."""
@@ -92,6 +94,7 @@ def test_cluster_backs_up_to_the_gcs_emulator(ramdisk: Path, mesh: Mesh) -> None
 
 
 @pytest.mark.timeout(280)
+@pytest.mark.process
 def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
         tmp_path: Path, ramdisk: Path) -> None:
     out = tmp_path / "demo"
@@ -161,6 +164,7 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
 
 
 @pytest.mark.timeout(210)
+@pytest.mark.process
 def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
         tmp_path: Path, ramdisk: Path) -> None:
     """Without the per-step snapshot a resize reads the survivors' RAM disks (at most
@@ -182,7 +186,7 @@ def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
 
 def run_demo(out: Path, ramdisk: Path, *args: str) -> dict:
     r = subprocess.run(
-        [sys.executable, "-m", "mtc_trainer.elastic_demo", "--out", str(out), "--model", "tiny",
+        [sys.executable, "-m", "mtc.trainer.elastic_demo", "--out", str(out), "--model", "tiny",
          "--ramdisk-root", str(ramdisk), *args],
         cwd=REPO, capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -192,6 +196,7 @@ def run_demo(out: Path, ramdisk: Path, *args: str) -> dict:
 
 @pytest.mark.timeout(210)
 @pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "no-snapshot"])
+@pytest.mark.process
 def test_host_lost_mid_save_never_resumes_from_the_unfinished_save(
         tmp_path: Path, ramdisk: Path, snapshot: bool) -> None:
     """The host dies right after step 15 is handed to mtc, while its files are written.
@@ -243,7 +248,7 @@ def test_a_host_is_lost_when_due_but_never_at_the_last_step(
     import time
     import types
 
-    from mtc_trainer.elastic import ElasticRun
+    from mtc.trainer.elastic import ElasticRun
 
     run = types.SimpleNamespace(host_losses=losses, t_last_fault=time.time() - since_s,
                                 args=types.SimpleNamespace(steps=30, host_loss_every_s=every_s))
@@ -264,7 +269,7 @@ def test_only_a_slice_loss_brings_its_slice_back_after_the_slice_down_steps(
     address taken while the first one was left running after the teardown."""
     import types
 
-    from mtc_trainer.elastic import ElasticRun
+    from mtc.trainer.elastic import ElasticRun
 
     run = types.SimpleNamespace(slice_down=slice_down, resized_steps=resized,
                                 args=types.SimpleNamespace(slice_down_steps=25))

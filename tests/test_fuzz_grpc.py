@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from replicators import commit_raw_step
 
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.config import ReplicatorConfig
-from mtc_sidecar.replicator.node import Node
-from mtc_sidecar.replicator.security import Credentials
-from mtc_sidecar.replicator.server import serve
+from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.server import serve
 
 UNTYPED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
            grpc.StatusCode.DEADLINE_EXCEEDED}

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from mtc.errors import MtcError
 from mtc.integrity import crc32c
 from mtc.manifest import Manifest
-from mtc_sidecar.backup.job import BackupStore
-from mtc_sidecar.backup.local import LocalBackend
-from mtc_sidecar.replicator import orbax
+from mtc.sidecar.backup.job import BackupStore
+from mtc.sidecar.backup.local import LocalBackend
+from mtc.sidecar.replicator import orbax
 
 json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
                       st.floats(allow_nan=True), st.text(max_size=20))

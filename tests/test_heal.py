@@ -28,8 +28,8 @@ import mtc
 from mtc import cli
 from mtc.errors import CorruptShardError
 from mtc.manifest import MANIFEST_NAME
-from mtc_sidecar.quarantine import QUARANTINE_DIR, quarantined
-from mtc_sidecar.replicator.store import REPLICA_DIR, file_crc
+from mtc.sidecar.quarantine import QUARANTINE_DIR, quarantined
+from mtc.sidecar.replicator.store import REPLICA_DIR, file_crc
 
 QUARANTINED = "mtc_quarantined_files_total"
 
@@ -79,6 +79,7 @@ def truncate(path: Path) -> None:
         f.truncate(path.stat().st_size // 3)
 
 
+@pytest.mark.process
 def test_flip_and_truncation_healed_from_peer(ramdisk: Path, mesh: Mesh,
                                               clusters: list[Cluster],
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -113,6 +114,7 @@ def test_flip_and_truncation_healed_from_peer(ramdisk: Path, mesh: Mesh,
     assert [r["local"] for r in rows] == [[1, 2]] * 4
 
 
+@pytest.mark.process
 def test_silent_damage_found_on_load_healed_and_retried(ramdisk: Path, mesh: Mesh,
                                                         clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
@@ -136,6 +138,7 @@ def test_silent_damage_found_on_load_healed_and_retried(ramdisk: Path, mesh: Mes
     assert "heal" in cl.log_text(0)
 
 
+@pytest.mark.process
 def test_healed_from_data_parallel_twin(ramdisk: Path, mesh: Mesh,
                                         clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
@@ -163,6 +166,7 @@ def test_healed_from_data_parallel_twin(ramdisk: Path, mesh: Mesh,
     assert not peer_copy.exists()
 
 
+@pytest.mark.process
 def test_dedup_source_damage_does_not_reach_the_copy(ramdisk: Path, mesh: Mesh,
                                                      clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
@@ -184,6 +188,7 @@ def test_dedup_source_damage_does_not_reach_the_copy(ramdisk: Path, mesh: Mesh,
     assert (cl.root(2) / QUARANTINE_DIR).is_dir()
 
 
+@pytest.mark.process
 def test_damage_on_every_holder_is_a_typed_error(ramdisk: Path, mesh: Mesh,
                                                  clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
@@ -205,6 +210,7 @@ def test_damage_on_every_holder_is_a_typed_error(ramdisk: Path, mesh: Mesh,
     assert np.asarray(states[6]["own"]).size  # the state itself was fine
 
 
+@pytest.mark.process
 def test_damage_on_every_peer_healed_from_backup(ramdisk: Path, mesh: Mesh,
                                                  clusters: list[Cluster]) -> None:
     from mtc.proto import replicator_pb2 as pb
@@ -252,8 +258,8 @@ def _inv(rank: int, copies: list[tuple[int, int, list[tuple[str, int, int]]]]) -
 
 
 def test_heal_sources_and_order() -> None:
-    from mtc_sidecar.replicator.restore import fetch_order, heal_sources
-    from mtc_sidecar.replicator.store import FileMeta
+    from mtc.sidecar.replicator.restore import fetch_order, heal_sources
+    from mtc.sidecar.replicator.store import FileMeta
 
     a, b = ("a.bin", 10, 1), ("b.bin", 20, 2)
     invs = {

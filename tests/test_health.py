@@ -1,5 +1,5 @@
 """The slice health check pathwaysutils runs on every poll and elastic attempt:
-with :mod:`mtc_trainer.health` installed it still finds lost slices (through the
+with :mod:`mtc.trainer.health` installed it still finds lost slices (through the
 real ``DeviceLossSimulator``) and compiles its programs once, not on every check."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import jax
 import pytest
 from pathwaysutils.elastic import elastic as pw_elastic
 
-from mtc_trainer import health
-from mtc_trainer.faults import SliceLossSimulator
+from mtc.trainer import health
+from mtc.trainer.faults import SliceLossSimulator
 
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 _compiles = threading.local()

@@ -22,10 +22,12 @@ from replicators import save_two_and_restore, sidecar_hosts, wait_healthy
 
 import mtc
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.client import PeerClient
-from mtc_sidecar.replicator.security import Credentials
-from mtc_trainer.cluster import free_ports
-from mtc_trainer.isolation import Hosts
+from mtc.sidecar.replicator.client import PeerClient
+from mtc.sidecar.replicator.security import Credentials
+from mtc.trainer.cluster import free_ports
+from mtc.trainer.isolation import Hosts
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 SLICES = [0, 0, 1, 1]
 

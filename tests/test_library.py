@@ -32,7 +32,7 @@ from replicators import env_with_repo
 
 import mtc
 from mtc import retention
-from mtc_trainer.cluster import free_ports
+from mtc.trainer.cluster import free_ports
 
 MiB = 1 << 20
 
@@ -146,6 +146,7 @@ HOLD_LOCK = """
 """
 
 
+@pytest.mark.process
 def test_second_manager_on_a_directory_is_refused_and_a_crash_frees_it(ramdisk: Path,
                                                                         mesh: Mesh) -> None:
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts()) as mgr:
@@ -184,6 +185,7 @@ def test_second_manager_on_a_directory_is_refused_and_a_crash_frees_it(ramdisk: 
         assert mgr.all_steps() == [1]
 
 
+@pytest.mark.process
 def test_unusable_local_dir_gives_an_mtc_error_naming_the_path(ramdisk: Path, mesh: Mesh,
                                                                tmpfs: Any) -> None:
     a_file = ramdisk / "file"
@@ -218,6 +220,7 @@ def test_retention_policy(complete: list[int], held: list[int], keep: int | None
                                before_write=before) == want
 
 
+@pytest.mark.process
 def test_ram_disk_of_the_documented_size_holds_every_save(tmpfs: Any, mesh: Mesh) -> None:
     # One host (all 8 devices), 1 MiB of shards: docs/deploy.md's formula says
     # max(2, max_to_keep) x host shard bytes x 1.15.
@@ -250,6 +253,7 @@ def test_ram_disk_of_the_documented_size_holds_every_save(tmpfs: Any, mesh: Mesh
 # -- a save in flight at interpreter exit --------------------------------------------------
 
 
+@pytest.mark.process
 def test_save_in_flight_at_exit_is_finished_and_said(ramdisk: Path, mesh: Mesh) -> None:
     r = run_py(f"""
         import os
@@ -370,6 +374,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60, env=env_with_repo())
 
 
+@pytest.mark.process
 def test_status_reads_a_local_directory_and_fails_when_nodes_are_down(ramdisk: Path,
                                                                       mesh: Mesh) -> None:
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts()) as mgr:

@@ -1,6 +1,6 @@
 """Multi-controller JAX on hosts that share nothing: real OS processes, one per host.
 
-Every JAX process runs on a host of its own (``mtc_trainer.isolation.Hosts``):
+Every JAX process runs on a host of its own (``mtc.trainer.isolation.Hosts``):
 with root, inside that host's network and mount namespaces (nsenter into the
 host's sidecar, which owns them), its RAM disk a private tmpfs no other host
 sees, its address on a bridge, ``jax.distributed`` and the collectives over that
@@ -36,10 +36,12 @@ import grpc
 import pytest
 
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.client import PeerClient
-from mtc_sidecar.replicator.healthcheck import check
-from mtc_sidecar.replicator.security import Credentials
-from mtc_trainer.isolation import Hosts
+from mtc.sidecar.replicator.client import PeerClient
+from mtc.sidecar.replicator.healthcheck import check
+from mtc.sidecar.replicator.security import Credentials
+from mtc.trainer.isolation import Hosts
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "workers" / "mc_worker.py"

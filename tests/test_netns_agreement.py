@@ -26,10 +26,10 @@ from replicators import commit_raw_step, env_with_repo
 from mtc.errors import AgreementError
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import Prepared, prepare_restore
-from mtc_sidecar.replicator.client import PeerClient
-from mtc_sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.client import PeerClient
+from mtc.sidecar.replicator.security import Credentials
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 N = 3
 PORT = 7000  # inside namespaces this test made: nothing else listens there
 TIMEOUT_S = 5.0
@@ -123,7 +123,7 @@ def start(net: Net, ramdisk: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
         log = open(ramdisk / f"replicator-{i}.log", "wb")
         procs.append(subprocess.Popen(
             ["ip", "netns", "exec", net.ns[i], sys.executable, "-m",
-             "mtc_sidecar.replicator.main", "--local-dir", str(root),
+             "mtc.sidecar.replicator.main", "--local-dir", str(root),
              "--listen", f"0.0.0.0:{PORT}", "--nodes", net.nodes_for(i),
              "--rank", str(i), "--token-file", str(token), "--poll-seconds", "0.2",
              "--agreement-timeout-seconds", str(TIMEOUT_S),

@@ -43,13 +43,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import mtc
 from mtc.errors import MtcError
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.backup.backend import BackupUnavailableError, open_backend
-from mtc_sidecar.backup.job import BackupStore, step_prefix
-from mtc_sidecar.replicator.client import PeerClient, PeerError
-from mtc_sidecar.replicator.healthcheck import check
-from mtc_sidecar.replicator.security import Credentials
-from mtc_trainer import gcs_emulator
-from mtc_trainer.isolation import Hosts, namespaces_available
+from mtc.sidecar.backup.backend import BackupUnavailableError, open_backend
+from mtc.sidecar.backup.job import BackupStore, step_prefix
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.healthcheck import check
+from mtc.sidecar.replicator.security import Credentials
+from mtc.trainer import gcs_emulator
+from mtc.trainer.isolation import Hosts, namespaces_available
 
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there
@@ -309,7 +309,7 @@ def wait_for(what: str, condition: Callable[[], bool], timeout_s: float,
 # -- 1. a link cut during a peer copy ----------------------------------------------------
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
         healed: Net, mesh: Mesh, tmp_path: Path) -> None:
     net, hosts = healed, healed.hosts
@@ -374,7 +374,7 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
 # -- 2. a link cut during a backup upload --------------------------------------------
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_link_cut_during_backup_upload_lists_no_partial_backup(
         healed: Net, mesh: Mesh, tmp_path: Path) -> None:
     net, hosts = healed, healed.hosts
@@ -551,7 +551,7 @@ def restore_failing(net: Net, mgr: mtc.CheckpointManager, target: Any) -> MtcErr
     return e.value
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_slice_partition_fails_typed_within_the_deadline_then_restores(
         healed: Net, mesh: Mesh, tmp_path: Path) -> None:
     net, hosts = healed, healed.hosts
@@ -586,8 +586,8 @@ def test_slice_partition_fails_typed_within_the_deadline_then_restores(
 # -- 4. a peer slower than the deadline -----------------------------------------------
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("stopped", [0, 2], ids=["coordinator", "member"])
+@pytest.mark.process
 def test_peer_slower_than_the_deadline_fails_typed_then_restores(
         healed: Net, mesh: Mesh, tmp_path: Path, stopped: int) -> None:
     net = healed
@@ -614,7 +614,7 @@ def test_peer_slower_than_the_deadline_fails_typed_then_restores(
 # -- 5. the chaos driver's network faults, on these hosts -------------------------------
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_chaos_link_cuts_lose_nothing_and_never_diverge(
         healed: Net, mesh: Mesh, tmp_path: Path) -> None:
     """The chaos driver's link cuts (its own plan and cut, on real isolated hosts:
@@ -624,7 +624,7 @@ def test_chaos_link_cuts_lose_nothing_and_never_diverge(
     decision."""
     import random
 
-    from mtc_trainer import chaos
+    from mtc.trainer import chaos
 
     net, rng = healed, random.Random(11)
     slices = [[0, 1], [2, 3]]

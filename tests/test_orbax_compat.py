@@ -1,13 +1,13 @@
 """Orbax's own multi-tier client, unmodified, against mtc's real replicator, on
 hosts that share nothing.
 
-Four isolated hosts (``mtc_trainer.isolation``: with root each its own network
+Four isolated hosts (``mtc.trainer.isolation``: with root each its own network
 namespace, an address on a bridge, and a private tmpfs RAM disk; otherwise
 separate processes over private folders), 2 slices x 2 hosts. On each host, a
 JAX process (2 CPU devices) runs ``tests/workers/orbax_worker.py``: Orbax's
 ``initialize_multi_tier_checkpointing`` and ``ReplicatorCheckpointManager``,
 joined into one job by ``jax.distributed`` over the bridge, talking to its
-host's real replicator (``python -m mtc_sidecar.replicator.main`` without
+host's real replicator (``python -m mtc.sidecar.replicator.main`` without
 ``--rank``) only through the files of the GKE replicator protocol
 (``replicator.yaml``, restore markers, step folders) on its own RAM disk. Like
 GKE's CSI driver, the test writes ``jax-init-info.txt``; it does so, and
@@ -39,10 +39,12 @@ import pytest
 from replicators import scrape
 
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.client import PeerClient
-from mtc_sidecar.replicator.security import Credentials
-from mtc_trainer.cluster import free_ports
-from mtc_trainer.isolation import Hosts
+from mtc.sidecar.replicator.client import PeerClient
+from mtc.sidecar.replicator.security import Credentials
+from mtc.trainer.cluster import free_ports
+from mtc.trainer.isolation import Hosts
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "workers" / "orbax_worker.py"

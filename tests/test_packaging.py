@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -17,12 +19,35 @@ def test_distribution_top_level_names_are_prefixed() -> None:
     dist = md.distribution("mtc")
     top = set((dist.read_text("top_level.txt") or "").split())
     assert top, "mtc's metadata lists no top-level packages"
-    assert top <= {"mtc", "mtc_sidecar", "mtc_trainer"}, top
-    for name in ("sidecar", "trainer"):
-        for entry in dist.entry_points:
-            assert not entry.value.startswith(name + "."), entry
+    assert top == {"mtc"}, top
+    for entry in dist.entry_points:
+        assert entry.value.startswith("mtc."), entry
 
 
+@pytest.mark.process
+def test_every_file_imports_under_one_name() -> None:
+    """The host side and the trainers are mtc.sidecar and mtc.trainer, nothing else:
+    no symlinks, no second top-level name (an ``except`` on one name's error class
+    would miss the other's)."""
+    for link in ("mtc_sidecar", "mtc_trainer", "mtc/sidecar", "mtc/trainer"):
+        assert not (REPO / link).exists(), link
+    code = textwrap.dedent("""
+        import importlib, importlib.util, sys
+        from mtc.sidecar.replicator import client
+        from mtc.trainer import isolation
+        print(client.__file__, isolation.__file__)
+        for name in ("mtc_sidecar", "mtc_trainer", "sidecar", "trainer"):
+            assert importlib.util.find_spec(name) is None, name
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    client, isolation = r.stdout.split()
+    assert client == str(REPO / "sidecar" / "replicator" / "client.py")
+    assert isolation == str(REPO / "trainer" / "isolation.py")
+
+
+@pytest.mark.process
 def test_a_users_sidecar_and_trainer_modules_do_not_shadow_mtc(tmp_path: Path,
                                                                ramdisk: Path) -> None:
     for name in ("sidecar", "trainer"):
@@ -42,3 +67,20 @@ def test_a_users_sidecar_and_trainer_modules_do_not_shadow_mtc(tmp_path: Path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed local" in r.stdout
+
+
+def test_the_oldest_lane_installs_the_stated_lower_bounds() -> None:
+    """tests/oldest-constraints.txt (``make test-oldest``) pins each version-sensitive
+    dependency at the lower bound pyproject.toml states, so the range is what ran."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    deps = {Requirement(r).name: Requirement(r) for r in tomllib.loads(
+        (REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    pins = dict(line.split("==") for line in (REPO / "tests" / "oldest-constraints.txt")
+                .read_text().splitlines() if line and not line.startswith("#"))
+    assert set(pins) == {"jax", "jaxlib", "orbax-checkpoint", "pathwaysutils", "grain"}
+    for name, version in pins.items():
+        lower = [s.version for s in deps[name].specifier if s.operator == ">="]
+        assert lower == [version], (name, deps[name].specifier, version)

@@ -19,8 +19,8 @@ from mtc.contract import Piece, ReadTask
 from mtc.errors import CorruptShardError, ShardUnavailableError
 from mtc.integrity import crc32c
 from mtc.manifest import ShardEntry
-from mtc_sidecar.load import ShardLoader
-from mtc_sidecar.peers import PeerFiles, order_holders
+from mtc.sidecar.load import ShardLoader
+from mtc.sidecar.peers import PeerFiles, order_holders
 
 
 @pytest.mark.parametrize(("origin", "near", "ranks", "want"), [

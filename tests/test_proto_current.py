@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -27,7 +27,9 @@ from replicators import Cluster, assert_state_equal, env_with_repo, make_state, 
 import mtc
 import mtc.replicas
 from mtc.replicas import prepare_restore
-from mtc_sidecar.backup.job import MANIFEST
+from mtc.sidecar.backup.job import MANIFEST
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -1,7 +1,7 @@
 """The replicator with real processes: replication, dedup, restore after host loss,
 an unreachable peer, garbage collection, metrics.
 
-Every replicator is a real ``python -m mtc_sidecar.replicator.main`` process, and the
+Every replicator is a real ``python -m mtc.sidecar.replicator.main`` process, and the
 controller reaches each host's RAM disk only through the host's sidecar process
 (``Cluster.options``); losing a host means SIGKILL to its replicator and sidecar and
 deleting its RAM-disk root. The test plays the host: it reads and wipes the roots.
@@ -16,13 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from jax.sharding import Mesh
 from replicators import Cluster, assert_state_equal, commit_raw_step, make_state, new_cluster
 
 import mtc
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.client import PeerError
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 
 def save(cl: Cluster, mesh: Mesh, steps: dict[int, dict[str, Any]]) -> None:

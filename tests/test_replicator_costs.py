@@ -16,18 +16,18 @@ from typing import Any
 import pytest
 
 from mtc.integrity import crc32c
-from mtc_sidecar.backup import _io
-from mtc_sidecar.backup.backend import open_backend
-from mtc_sidecar.backup.schedule import BackupPolicy, BackupScheduler
-from mtc_sidecar.checksum import read_buffer
-from mtc_sidecar.replicator import store
+from mtc.sidecar.backup import _io
+from mtc.sidecar.backup.backend import open_backend
+from mtc.sidecar.backup.schedule import BackupPolicy, BackupScheduler
+from mtc.sidecar.checksum import read_buffer
+from mtc.sidecar.replicator import store
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 class CountingNode:
     """The two questions the scheduler asks a node before backing up (a fake of
-    :class:`~mtc_sidecar.backup.duties.BackupDuties`: only what it is asked is
+    :class:`~mtc.sidecar.backup.duties.BackupDuties`: only what it is asked is
     counted; the real loop runs in tests/test_backup_tier.py)."""
 
     def __init__(self) -> None:
@@ -183,6 +183,7 @@ def test_the_host_count_is_read_without_building_the_manifest() -> None:
             Manifest.from_bytes(bad)
 
 
+@pytest.mark.process
 def test_copy_from_a_pipe_is_not_read_a_byte_at_a_time(tmp_path: Path) -> None:
     r, w = os.pipe()
     data = os.urandom(3 << 20)
@@ -212,10 +213,11 @@ def test_copy_from_a_pipe_is_not_read_a_byte_at_a_time(tmp_path: Path) -> None:
     assert len(reads) < 1000  # 3 MiB through a pipe: its buffer's size per read, not 1 byte
 
 
+@pytest.mark.process
 def test_replicator_nice_lowers_the_process_and_its_session_group() -> None:
     """``--nice``: where sessions are scheduling groups (autogroup), a process's
     nice alone does not give the other sessions their cores back."""
-    code = ("import os\nfrom mtc_sidecar.replicator.main import lower_priority\n"
+    code = ("import os\nfrom mtc.sidecar.replicator.main import lower_priority\n"
             "lower_priority(7)\nprint(os.nice(0))\n"
             "p = '/proc/self/autogroup'\n"
             "print(open(p).read().split('nice')[1].strip() if os.path.exists(p) else 'none')\n")

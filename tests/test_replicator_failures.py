@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from replicators import Cluster, commit_raw_step, new_cluster
@@ -27,9 +28,11 @@ from replicators import Cluster, commit_raw_step, new_cluster
 import mtc
 from mtc.manifest import MANIFEST_NAME
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.client import PeerError
-from mtc_sidecar.replicator.config import ReplicatorConfig
-from mtc_sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.store import REPLICA_DIR
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 MiB = 1 << 20
 

@@ -30,9 +30,11 @@ from replicators import Cluster, commit_raw_step, env_with_repo, free_ports, new
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc_sidecar.replicator.client import FETCH, PUSH, PeerClient, PeerError
-from mtc_sidecar.replicator.security import TOKEN_HEADER, Credentials
-from mtc_sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.replicator.client import FETCH, PUSH, PeerClient, PeerError
+from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.store import REPLICA_DIR
+
+pytestmark = pytest.mark.process  # every test here starts processes
 
 SECRET = b"top secret outside the RAM disk\n"
 
@@ -447,7 +449,7 @@ def test_malformed_requests_get_errors_not_crashes(ramdisk: Path,
 def test_non_loopback_listen_needs_credentials(tmp_path: Path, listen: str) -> None:
     port = free_ports(1)[0]
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "mtc_sidecar.replicator.main",
+    r = subprocess.run([sys.executable, "-m", "mtc.sidecar.replicator.main",
                         "--local-dir", str(tmp_path / "root"), "--listen", f"{listen}:{port}",
                         "--nodes", f"127.0.0.1:{port},127.0.0.1:1", "--rank", "0"],
                        capture_output=True, text=True, timeout=60, env=env_with_repo())

@@ -24,13 +24,13 @@ from replicators import commit_raw_step
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.client import PeerClient, PeerError
-from mtc_sidecar.replicator.config import ReplicatorConfig
-from mtc_sidecar.replicator.node import Node
-from mtc_sidecar.replicator.restore import fetch_batches
-from mtc_sidecar.replicator.security import Credentials
-from mtc_sidecar.replicator.server import serve
-from mtc_sidecar.replicator.store import FileMeta
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.restore import fetch_batches
+from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.server import serve
+from mtc.sidecar.replicator.store import FileMeta
 
 FILES = {"a.bin": bytes(range(256)) * 40, "empty.bin": b"", "d/b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 3}

@@ -10,18 +10,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from replicators import Cluster, env_with_repo, new_cluster
 
 import mtc
 
+pytestmark = pytest.mark.process  # every test here starts processes
+
 DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn, jnp.int4, jnp.float32)
 
 
 def test_sidecar_starts_without_ml_dtypes_and_resolves_them_on_demand() -> None:
-    code = ("import sys, mtc_sidecar.host.main\n"
-            "from mtc_sidecar.dtypes import numpy_dtype\n"
+    code = ("import sys, mtc.sidecar.host.main\n"
+            "from mtc.sidecar.dtypes import numpy_dtype\n"
             "assert 'ml_dtypes' not in sys.modules, 'imported at start-up'\n"
             "assert numpy_dtype('float32').itemsize == 4 and 'ml_dtypes' not in sys.modules\n"
             "print(numpy_dtype('bfloat16'), numpy_dtype('bfloat16').itemsize)\n")

@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtc_trainer.data import VOCAB, make_iterator
-from mtc_trainer.model import Config, Trainer
-from mtc_trainer.snapshot import SnapshotLostError, place, take
+from mtc.trainer.data import VOCAB, make_iterator
+from mtc.trainer.model import Config, Trainer
+from mtc.trainer.snapshot import SnapshotLostError, place, take
 
 
 def _trainer(devices: list[jax.Device], replicas: int) -> Trainer:

@@ -1,8 +1,8 @@
 """``make chaos``: random faults over the local cluster, every restore checked exactly.
 
-    python -m mtc_trainer.chaos [--cycles 200] [--seconds 600] [--seed 0]
+    python -m mtc.trainer.chaos [--cycles 200] [--seconds 600] [--seed 0]
 
-Starts a local cluster (``mtc_trainer.cluster``: 2 slices of 2 simulated hosts
+Starts a local cluster (``mtc.trainer.cluster``: 2 slices of 2 simulated hosts
 that share nothing, each its own sidecar and replicator process and RAM disk,
 backups to a folder) and a trainer process whose state is a function of the
 step (tiny arrays), saving through the sidecars. Each cycle injects one fault,
@@ -44,7 +44,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtc_trainer.cluster import REPO, LocalCluster, _env, default_base
+from mtc.trainer.cluster import REPO, LocalCluster, _env, default_base
 
 FAULTS = ("none", "kill_trainer", "kill_replicator", "kill_replicator_in_restore",
           "kill_sidecar", "wipe_host", "bit_flip", "silent_bit_flip", "truncate")
@@ -130,9 +130,9 @@ def worker(base: Path) -> int:
 class Trainer:
     def __init__(self, base: Path) -> None:
         (base / "logs").mkdir(parents=True, exist_ok=True)
-        self.log = (base / "logs" / "mtc_trainer.log").open("ab")
+        self.log = (base / "logs" / "mtc.trainer.log").open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mtc_trainer.chaos", "--worker", "--base", str(base)],
+            [sys.executable, "-m", "mtc.trainer.chaos", "--worker", "--base", str(base)],
             cwd=REPO, env=_env(), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
         self._buf = b""
@@ -186,7 +186,7 @@ def damage_on_host(cluster: LocalCluster, host: int, how: str, seed: int) -> str
     process inside the host (only its processes see it). Returns the file's path,
     or None when the host holds no step."""
     h = cluster.hosts.hosts[host]
-    r = subprocess.run(h.wrap([sys.executable, "-m", "mtc_trainer.chaos", "--damage",
+    r = subprocess.run(h.wrap([sys.executable, "-m", "mtc.trainer.chaos", "--damage",
                                str(h.root), "--how", how, "--seed", str(seed)]),
                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
@@ -225,8 +225,8 @@ def damage(path: Path, how: str) -> None:
 def replicated_everywhere(cluster: LocalCluster) -> int:
     """Newest step every host committed and its peer holds (-1: none)."""
     from mtc.proto import replicator_pb2 as pb
-    from mtc_sidecar.replicator.client import PeerClient, PeerError
-    from mtc_sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.client import PeerClient, PeerError
+    from mtc.sidecar.replicator.security import Credentials
 
     n, per = cluster.num_hosts, cluster.hosts_per_slice
     held: dict[int, set[tuple[int, int]]] = {}
@@ -261,7 +261,7 @@ def wait_replicated(cluster: LocalCluster, step: int, timeout: float) -> int:
 
 
 class Network(Protocol):
-    """What network faults need of the hosts (``trainer.isolation.Hosts`` has it)."""
+    """What network faults need of the hosts (``mtc.trainer.isolation.Hosts`` has it)."""
 
     def link(self, host: int, up: bool) -> None: ...
 
@@ -447,7 +447,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mtc_trainer.chaos", description=__doc__,
+    p = argparse.ArgumentParser(prog="mtc.trainer.chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cycles", type=int, default=200)
     p.add_argument("--seconds", type=float, default=600.0, help="stop after this long")

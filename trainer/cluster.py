@@ -1,12 +1,12 @@
 """``mtc-cluster``: a local cluster of simulated hosts that share nothing, one command up, one down.
 
-    python -m mtc_trainer.cluster up   [--name N] [--slices 2] [--hosts-per-slice 2]
+    python -m mtc.trainer.cluster up   [--name N] [--slices 2] [--hosts-per-slice 2]
                                    [--backup URL | --backup gcs-emulator]
-    python -m mtc_trainer.cluster status [--name N]
-    python -m mtc_trainer.cluster down [--name N]
+    python -m mtc.trainer.cluster status [--name N]
+    python -m mtc.trainer.cluster down [--name N]
 
-Every simulated host is its own processes (:mod:`mtc_trainer.isolation`): a
-sidecar (``python -m mtc_sidecar.host.main``, the colocated-Python sidecar's
+Every simulated host is its own processes (:mod:`mtc.trainer.isolation`): a
+sidecar (``python -m mtc.sidecar.host.main``, the colocated-Python sidecar's
 part) that alone, with the host's replicator, sees the host's RAM disk, and one
 real ``mtc-replicator`` (peer copies in the other slice, backups to
 ``<base>/backup``, or with ``--backup gcs-emulator`` to a bucket in a
@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mtc_trainer import gcs_emulator
-from mtc_trainer.isolation import Hosts, free_ports
+from mtc.trainer import gcs_emulator
+from mtc.trainer.isolation import Hosts, free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = "cluster.json"
@@ -73,7 +73,7 @@ class LocalCluster:
     slices: int
     hosts_per_slice: int
     addresses: list[str]
-    machine: dict[str, Any]  # the hosts (mtc_trainer.isolation.Hosts.to_json)
+    machine: dict[str, Any]  # the hosts (mtc.trainer.isolation.Hosts.to_json)
     backup: str
     poll_seconds: float = 0.2
     straggler_wait_seconds: float = 2.0
@@ -207,7 +207,7 @@ class LocalCluster:
         one health check confirms."""
         import grpc
 
-        from mtc_sidecar.replicator.healthcheck import check
+        from mtc.sidecar.replicator.healthcheck import check
 
         deadline = time.monotonic() + timeout
         port_file = self.port_file(rank)

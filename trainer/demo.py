@@ -1,9 +1,9 @@
 """``make demo``: crash a training process, recover from mtc's RAM-disk tier, check the loss.
 
-Run as ``python -m mtc_trainer.demo --out out/demo``. The demo itself never imports
-JAX; it supervises three training processes (``mtc_trainer.train``), each on 8 CPU
+Run as ``python -m mtc.trainer.demo --out out/demo``. The demo itself never imports
+JAX; it supervises three training processes (``mtc.trainer.train``), each on 8 CPU
 devices as 2 slices x 4 devices, checkpointing to 4 simulated hosts (2 per
-slice) that share nothing (:mod:`mtc_trainer.isolation`: each its own sidecar
+slice) that share nothing (:mod:`mtc.trainer.isolation`: each its own sidecar
 process and RAM disk, with root a network namespace and a private tmpfs) under
 ``/dev/shm/mtc-demo-<pid>``; the training processes reach them only through the
 sidecars, which outlive a crashed trainer as a host outlives its program:
@@ -39,8 +39,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from mtc_trainer.isolation import Hosts
-from mtc_trainer.jsonlog import JsonTail
+from mtc.trainer.isolation import Hosts
+from mtc.trainer.jsonlog import JsonTail
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
@@ -157,7 +157,7 @@ def launch(name: str, out: Path, args: list[str], env: dict[str, str]) -> Child:
     log_path, out_path = out / f"{name}.jsonl", out / f"{name}.log"
     log_path.unlink(missing_ok=True)
     with out_path.open("wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "mtc_trainer.train", "--log", str(log_path),
+        proc = subprocess.Popen([sys.executable, "-m", "mtc.trainer.train", "--log", str(log_path),
                                  *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     return Child(name, proc, log_path, out_path, time.time())
 

@@ -1,8 +1,8 @@
 """The elastic trainer: one training process that survives losing a host or a slice.
 
-Run as ``python -m mtc_trainer.elastic --cluster BASE --log FILE`` against a local
-cluster started with ``python -m mtc_trainer.cluster up``. The process trains the
-small LM of :mod:`mtc_trainer.model` on 8 CPU devices arranged as ``--slices`` slices
+Run as ``python -m mtc.trainer.elastic --cluster BASE --log FILE`` against a local
+cluster started with ``python -m mtc.trainer.cluster up``. The process trains the
+small LM of :mod:`mtc.trainer.model` on 8 CPU devices arranged as ``--slices`` slices
 (mesh axis ``replica``, data parallel) x devices per slice (axis ``model``),
 checkpointing with mtc to the cluster's simulated hosts (2 per slice), whose
 replicators copy every step to a peer host in the other slice.
@@ -31,10 +31,10 @@ Failure injection, real where it can be:
   ahead: the demo shows recovery in steady state). It comes back after
   ``--slice-down-steps`` steps have run on the survivors.
 
-Every step also emits a snapshot of its new state (``mtc_trainer.snapshot``; off
+Every step also emits a snapshot of its new state (``mtc.trainer.snapshot``; off
 with ``--no-snapshot``), so a failure replays at most the step it interrupted.
 
-Every program runs as an ahead-of-time executable (:mod:`mtc_trainer.aot`). Once a
+Every program runs as an ahead-of-time executable (:mod:`mtc.trainer.aot`). Once a
 mesh trains, a background thread compiles (XLA at lower OS priority) and warms
 up the step for every mesh replica resize can reach from it, ``--compile-ahead``
 slices fewer, and for the way back up, with the shardings those meshes have; so
@@ -44,7 +44,7 @@ serves a restarted process. Each ``recovered`` entry says whether the first
 step's executable was ``ready``, ``cached`` or ``compiled``, and its seconds.
 
 Recovery policy, per elastic attempt (``--pause-policy``, a pure function in
-:mod:`mtc_trainer.policy`): pathwaysutils waits for at least one healthy slice;
+:mod:`mtc.trainer.policy`): pathwaysutils waits for at least one healthy slice;
 then, by default (``resize``, pathwaysutils' own model), the trainer *resizes*
 onto the healthy slices (new mesh) at once and scales back up when the missing
 ones return, also while the cluster replaces their hosts (on this machine a
@@ -95,16 +95,16 @@ from pathwaysutils.elastic import elastic as pw_elastic
 from pathwaysutils.elastic import manager as pw_manager
 
 import mtc
-from mtc_trainer import aot, health
-from mtc_trainer.cluster import LocalCluster
-from mtc_trainer.data import VOCAB, make_iterator
-from mtc_trainer.faults import HostFaults
-from mtc_trainer.jsonlog import JsonLog
-from mtc_trainer.model import PRESETS, Config, State, Trainer, count_params
-from mtc_trainer.policy import PAUSE_POLICIES, pause_seconds
-from mtc_trainer.recovery import Recovery
-from mtc_trainer.reference import compare, reference_losses
-from mtc_trainer.snapshot import Retirer, Snapshot, take
+from mtc.trainer import aot, health
+from mtc.trainer.cluster import LocalCluster
+from mtc.trainer.data import VOCAB, make_iterator
+from mtc.trainer.faults import HostFaults
+from mtc.trainer.jsonlog import JsonLog
+from mtc.trainer.model import PRESETS, Config, State, Trainer, count_params
+from mtc.trainer.policy import PAUSE_POLICIES, pause_seconds
+from mtc.trainer.recovery import Recovery
+from mtc.trainer.reference import compare, reference_losses
+from mtc.trainer.snapshot import Retirer, Snapshot, take
 
 log = logging.getLogger("mtc.elastic")
 

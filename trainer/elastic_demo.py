@@ -1,13 +1,13 @@
 """``make demo``: an elastic training job loses a host, then a slice, and comes back.
 
-Run as ``python -m mtc_trainer.elastic_demo --out out/demo``. It:
+Run as ``python -m mtc.trainer.elastic_demo --out out/demo``. It:
 
-1. starts a local cluster (``mtc_trainer.cluster``): 2 slices x 2 simulated hosts
+1. starts a local cluster (``mtc.trainer.cluster``): 2 slices x 2 simulated hosts
    that share nothing, each its own sidecar process and real ``mtc-replicator``
    and a RAM disk only they see (with root: a network namespace and a private
    tmpfs per host), under ``/dev/shm/mtc-cluster-demo-<pid>``, backups to a
    local folder;
-2. runs the elastic trainer (``mtc_trainer.elastic``, a 3.2M-parameter LM) on 8
+2. runs the elastic trainer (``mtc.trainer.elastic``, a 3.2M-parameter LM) on 8
    CPU devices, saving through the hosts' sidecars: twice it loses a host once
    a save is on its peer (the host's processes SIGKILLed, its RAM disk gone
    with them, the slice's devices raise DATA_LOSS), pauses
@@ -52,12 +52,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from mtc_trainer.cluster import LocalCluster
-from mtc_trainer.demo import REPO, ChildFailed, child_env
-from mtc_trainer.jsonlog import JsonTail
-from mtc_trainer.policy import PAUSE_POLICIES
+from mtc.trainer.cluster import LocalCluster
+from mtc.trainer.demo import REPO, ChildFailed, child_env
+from mtc.trainer.jsonlog import JsonTail
+from mtc.trainer.policy import PAUSE_POLICIES
 
-DEVICES = 8  # the trainer's CPU devices (mtc_trainer.elastic asks XLA for them)
+DEVICES = 8  # the trainer's CPU devices (mtc.trainer.elastic asks XLA for them)
 
 POLL_S = 0.05
 
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         follower.say(f"cluster up: 4 hosts in 2 slices under {base}, kept apart by "
                      f"{cluster.isolation} (each its own sidecar, replicator and RAM disk), "
                      f"replicators {', '.join(cluster.addresses)}")
-        cmd = [sys.executable, "-m", "mtc_trainer.elastic", "--cluster", str(base),
+        cmd = [sys.executable, "-m", "mtc.trainer.elastic", "--cluster", str(base),
                "--log", str(out / "elastic.jsonl"), "--steps", str(args.steps),
                "--seed", str(args.seed), "--save-interval", str(args.save_interval),
                "--model", args.model, "--lost-host", str(args.lost_host),

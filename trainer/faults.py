@@ -14,8 +14,8 @@ from typing import Any
 import jax
 from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
-from mtc_trainer.cluster import LocalCluster
-from mtc_trainer.jsonlog import JsonLog
+from mtc.trainer.cluster import LocalCluster
+from mtc.trainer.jsonlog import JsonLog
 
 
 class SliceLossSimulator(DeviceLossSimulator):

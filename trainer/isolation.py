@@ -193,7 +193,7 @@ class Hosts:
         ready = self.ready_file(i)
         ready.unlink(missing_ok=True)
         listen = f"{h.address}:{h.sidecar_port}"
-        cmd = [sys.executable, "-m", "mtc_sidecar.host.main", "--root", str(h.root),
+        cmd = [sys.executable, "-m", "mtc.sidecar.host.main", "--root", str(h.root),
                "--area", str(h.area), "--host", str(i), "--slices",
                ",".join(str(s) for s in slices), "--listen", listen,
                "--ready-file", str(ready), "--writer-threads", str(writer_threads)]
@@ -219,7 +219,7 @@ class Hosts:
         return h
 
     def ready_file(self, i: int) -> Path:
-        return self.base / f"host-{i}" / "mtc_sidecar.ready"
+        return self.base / f"host-{i}" / "mtc.sidecar.ready"
 
     def wait_sidecar(self, i: int, timeout: float = READY_TIMEOUT_S) -> None:
         """Until host ``i``'s sidecar serves (it writes its ready file; a stat every
@@ -243,13 +243,13 @@ class Hosts:
     def start_replicator(self, i: int, argv: Sequence[str], *,
                          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start host ``i``'s replicator (``argv``: the arguments after ``python -m
-        mtc_sidecar.replicator.main``) inside the host's namespaces, with the token
+        mtc.sidecar.replicator.main``) inside the host's namespaces, with the token
         peers off loopback must present (:attr:`token_file`). Returns at once: the
         caller waits for it to serve."""
         h = self.hosts[i]
         if h.netns and h.sidecar_pid is None and h.replicator_pid is None:
             raise RuntimeError(f"host {i}: start its sidecar first (it owns the namespaces)")
-        cmd = h.wrap([sys.executable, "-m", "mtc_sidecar.replicator.main", *argv,
+        cmd = h.wrap([sys.executable, "-m", "mtc.sidecar.replicator.main", *argv,
                       "--token-file", str(self.token_file)])
         log = open(self.base / f"host-{i}" / "replicator.log", "ab")
         h.replicator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -1,6 +1,6 @@
 """``mtc-train-k8s``: the demo trainer as a cluster job, on Pathways or multi-controller JAX.
 
-The same LM as ``mtc_trainer.train``, checkpointed with mtc to each host's RAM
+The same LM as ``mtc.trainer.train``, checkpointed with mtc to each host's RAM
 disk (``--ramdisk``, the path mounted on every worker), with the replicators of
 ``deploy/`` copying steps to peers. On start it restores the newest step every
 host can restore (the replicators agree on it and fetch what a replaced host
@@ -15,7 +15,7 @@ lacks from its peers), or initializes from ``--seed``.
   with the process count from the JobSet environment.
 
 The workers' replicator addresses come from the JobSet environment (see
-``mtc_sidecar.replicator.k8s``). Progress goes to stdout as JSON lines; each step
+``mtc.sidecar.replicator.k8s``). Progress goes to stdout as JSON lines; each step
 touches ``--heartbeat`` for the image's HEALTHCHECK.
 """
 
@@ -75,7 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def wait_for_init_info(local_dir: Path, timeout_s: float) -> tuple[int, str]:
-    from mtc_sidecar.replicator.k8s import JAX_INIT_INFO, read_jax_init_info
+    from mtc.sidecar.replicator.k8s import JAX_INIT_INFO, read_jax_init_info
 
     deadline = time.monotonic() + timeout_s
     while not (local_dir / JAX_INIT_INFO).exists():
@@ -98,7 +98,7 @@ def init_jax(args: argparse.Namespace) -> str:
         return mode
     import jax
 
-    from mtc_sidecar.replicator.k8s import JobSetPlace
+    from mtc.sidecar.replicator.k8s import JobSetPlace
 
     place = JobSetPlace.from_env()
     process_id, coordinator = wait_for_init_info(args.ramdisk, args.init_timeout)
@@ -160,10 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     import mtc
-    from mtc_sidecar.replicator.k8s import JobSetPlace
-    from mtc_trainer import aot
-    from mtc_trainer.data import VOCAB, make_iterator
-    from mtc_trainer.model import Config, Trainer, count_params
+    from mtc.sidecar.replicator.k8s import JobSetPlace
+    from mtc.trainer import aot
+    from mtc.trainer.data import VOCAB, make_iterator
+    from mtc.trainer.model import Config, Trainer, count_params
 
     cache = aot.enable_cache(args.compile_cache or None) if mode != "pathways" else None
 

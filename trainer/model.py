@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtc_trainer import aot
+from mtc.trainer import aot
 
 # Captured at import: a trainer built while pathwaysutils' fault simulator has
 # ``jax.jit`` patched still gets a real jitted function (one that can be lowered
@@ -190,7 +190,7 @@ class Trainer:
     ``rng`` is split on every step (so it must be checkpointed for the run to
     continue exactly) and ``data`` is the input iterator's state.
 
-    Every program runs as an ahead-of-time ``Compiled`` executable (:mod:`mtc_trainer.aot`),
+    Every program runs as an ahead-of-time ``Compiled`` executable (:mod:`mtc.trainer.aot`),
     built on first use or earlier by :meth:`prepare` from any thread (a build
     another thread has started is waited for, never repeated). :attr:`uses`
     records, per program, whether its first run found it ready, cached or compiled.

@@ -7,7 +7,7 @@ import dataclasses
 import time
 from typing import Any
 
-from mtc_trainer.aot import READY, Use
+from mtc.trainer.aot import READY, Use
 
 
 @dataclasses.dataclass

@@ -8,9 +8,9 @@ from typing import Any
 
 import jax
 
-from mtc_trainer.data import make_iterator
-from mtc_trainer.model import Trainer
-from mtc_trainer.snapshot import Snapshot, take
+from mtc.trainer.data import make_iterator
+from mtc.trainer.model import Trainer
+from mtc.trainer.snapshot import Snapshot, take
 
 Slices = tuple[int, ...]
 

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtc_trainer.model import State, Trainer
+from mtc.trainer.model import State, Trainer
 
 
 class SnapshotLostError(RuntimeError):

@@ -1,6 +1,6 @@
 """One training process of the demo: train the LM, checkpointing with mtc.
 
-Run as ``python -m mtc_trainer.train --ramdisk DIR --log FILE [--resume]``. The
+Run as ``python -m mtc.trainer.train --ramdisk DIR --log FILE [--resume]``. The
 process builds a 2-slice x 4-device mesh over 8 CPU devices, groups them into 4
 simulated hosts (2 per slice), and saves every ``--save-interval`` steps to
 their RAM-disk roots under ``--ramdisk``. With ``--resume`` it first restores
@@ -29,10 +29,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 import mtc
-from mtc_trainer import aot
-from mtc_trainer.data import VOCAB, make_iterator
-from mtc_trainer.jsonlog import JsonLog
-from mtc_trainer.model import PRESETS, Config, Trainer, count_params
+from mtc.trainer import aot
+from mtc.trainer.data import VOCAB, make_iterator
+from mtc.trainer.jsonlog import JsonLog
+from mtc.trainer.model import PRESETS, Config, Trainer, count_params
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

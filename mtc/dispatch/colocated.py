@@ -39,7 +39,7 @@ class ColocatedDispatch(HostCalls):
                  sidecars: dict[int, Sidecar] | None = None) -> None:
         from jax.experimental import colocated_python
 
-        from mtc_sidecar.colocated import RemoteAgent, install_cpu_id_patch
+        from mtc.sidecar.colocated import RemoteAgent, install_cpu_id_patch
 
         install_cpu_id_patch()
 

@@ -12,11 +12,11 @@ import numpy as np
 
 from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, decode_reply, encode_request
 from mtc.dispatch.calls import HostCalls
-from mtc_sidecar.agent import HostAgent
-from mtc_sidecar.load import ShardLoader, load_leaves
-from mtc_sidecar.ops import HostOps
-from mtc_sidecar.peers import PeerFiles
-from mtc_sidecar.replicator.security import Credentials
+from mtc.sidecar.agent import HostAgent
+from mtc.sidecar.load import ShardLoader, load_leaves
+from mtc.sidecar.ops import HostOps
+from mtc.sidecar.peers import PeerFiles
+from mtc.sidecar.replicator.security import Credentials
 
 
 @dataclasses.dataclass(frozen=True)

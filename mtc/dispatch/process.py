@@ -1,6 +1,6 @@
 """Host-side code in a sidecar process per host, reached over gRPC (the local cluster).
 
-Each simulated host is its own processes: a sidecar (``python -m mtc_sidecar.host.main``)
+Each simulated host is its own processes: a sidecar (``python -m mtc.sidecar.host.main``)
 that alone sees the host's RAM disk, and the host's replicator. This dispatcher
 is what the controller holds instead of host-side objects: a request per host
 operation, and the array bytes through each host's shared-memory area.
@@ -20,7 +20,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from mtc.contract import (
 )
 from mtc.dispatch.calls import HostCalls
 from mtc.errors import ConfigError, MtcError, SaveInProgressError, ShardUnavailableError
+from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
 
 METHOD = "/mtc.Host/Call"
@@ -91,9 +92,9 @@ class ProcessDispatch(HostCalls):
         # Requests to the hosts at once (two per host: a save's poll and listing go
         # together), and apart from them each host's copy into its save slot, so
         # that requests made while the copies run do not queue behind them.
-        self._pool = ThreadPoolExecutor(max(1, 2 * len(sidecars)), thread_name_prefix="mtc-hosts")
-        self._copy_pool = ThreadPoolExecutor(max(1, len(sidecars)),
-                                             thread_name_prefix="mtc-copy")
+        # Threads started now: saves are still waited for at interpreter exit.
+        self._pool = ThreadPool(max(1, 2 * len(sidecars)), "mtc-hosts")
+        self._copy_pool = ThreadPool(max(1, len(sidecars)), "mtc-copy")
         # The last save's stage requests, answered or not: joined before any other
         # request goes to a host (so nothing overtakes them), their errors raised then.
         self._staging: dict[int, Future[Any]] = {}

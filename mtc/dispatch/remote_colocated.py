@@ -6,7 +6,7 @@ calling process instead, and checks nothing. While a :class:`Runtime` is
 registered for a set of CPU devices, it takes that step for programs on them:
 the function and its specs are pickled by JAX's own colocated serialization, as
 for a real program, and every call sends the program with each host's shards of
-the inputs to that host's sidecar (:mod:`mtc_sidecar.host.colocated`), which runs
+the inputs to that host's sidecar (:mod:`mtc.sidecar.host.colocated`), which runs
 it on devices of its own and answers with its shards of the outputs. They are
 assembled here on the declared shardings. A call succeeds only when every host
 does; a host's typed error comes back as itself.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any
 
 import grpc
@@ -30,6 +30,7 @@ from jax import tree_util
 from mtc import errors, transfer
 from mtc.dispatch.process import Sidecar, channels
 from mtc.errors import ColocatedCallError, MtcError, ShardUnavailableError
+from mtc.pool import ThreadPool
 
 METHOD = "/mtc.Host/Execute"
 
@@ -97,7 +98,7 @@ class Runtime:
         self.host_of_device = dict(host_of_device)
         self.deadline_s = deadline_s
         self._channels, self._stubs = channels(sidecars, METHOD)
-        self._pool = ThreadPoolExecutor(max(1, len(sidecars)), thread_name_prefix="mtc-coloc")
+        self._pool = ThreadPool(max(1, len(sidecars)), "mtc-coloc")
         _register(self)
 
     def close(self) -> None:

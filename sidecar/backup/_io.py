@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from mtc.integrity import crc32c
-from mtc_sidecar import checksum
-from mtc_sidecar.checksum import read_buffer
+from mtc.sidecar import checksum
+from mtc.sidecar.checksum import read_buffer
 
 CHUNK = 8 << 20
 TMP_MARK = ".mtc-tmp-"

@@ -68,10 +68,10 @@ def open_backend(url: str, *, retry_deadline_s: float | None = None) -> Backend:
     failures before it raises :class:`BackupUnavailableError` (GCS; default 120 s)."""
     scheme = url.split("://", 1)[0] if "://" in url else "file"
     if scheme == "file":
-        from mtc_sidecar.backup.local import LocalBackend
+        from mtc.sidecar.backup.local import LocalBackend
         return LocalBackend(url)
     if scheme == "gs":
-        from mtc_sidecar.backup.gcs import GcsBackend
+        from mtc.sidecar.backup.gcs import GcsBackend
         if retry_deadline_s is None:
             return GcsBackend(url)
         if retry_deadline_s <= 0:
@@ -82,7 +82,7 @@ def open_backend(url: str, *, retry_deadline_s: float | None = None) -> Backend:
                           initial_backoff=min(1.0, retry_deadline_s / 8),
                           max_backoff=min(30.0, retry_deadline_s / 2),
                           timeout=request_timeouts(retry_deadline_s))
-    from mtc_sidecar.backup.fsspec_backend import FsspecBackend
+    from mtc.sidecar.backup.fsspec_backend import FsspecBackend
     return FsspecBackend(url)
 
 

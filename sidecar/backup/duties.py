@@ -12,22 +12,22 @@ import grpc
 
 from mtc.errors import ConfigError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.backup.backend import CorruptBackupError
-from mtc_sidecar.replicator.client import PeerError
-from mtc_sidecar.replicator.store import FileMeta
+from mtc.sidecar.backup.backend import CorruptBackupError
+from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.store import FileMeta
 
 if TYPE_CHECKING:
-    from mtc_sidecar.backup.schedule import BackupScheduler
-    from mtc_sidecar.replicator.client import PeerClient
-    from mtc_sidecar.replicator.config import ReplicatorConfig
-    from mtc_sidecar.replicator.metrics import Metrics
-    from mtc_sidecar.replicator.store import LocalStore
+    from mtc.sidecar.backup.schedule import BackupScheduler
+    from mtc.sidecar.replicator.client import PeerClient
+    from mtc.sidecar.replicator.config import ReplicatorConfig
+    from mtc.sidecar.replicator.metrics import Metrics
+    from mtc.sidecar.replicator.store import LocalStore
 
-log = logging.getLogger("mtc_sidecar.replicator.node")
+log = logging.getLogger("mtc.sidecar.replicator.node")
 
 
 class BackupDuties:
-    """Mixed into :class:`mtc_sidecar.replicator.node.Node`, whose state it uses."""
+    """Mixed into :class:`mtc.sidecar.replicator.node.Node`, whose state it uses."""
 
     rank: int
     config: ReplicatorConfig
@@ -52,7 +52,7 @@ class BackupDuties:
         raise NotImplementedError
 
     def _backup_loop(self) -> None:
-        from mtc_sidecar.replicator.orbax import backup_requested
+        from mtc.sidecar.replicator.orbax import backup_requested
 
         assert self.backup is not None
         answered = -1  # the newest step whose _BACKUP_REQUESTED file was acted on
@@ -107,7 +107,7 @@ class BackupDuties:
         return self.peers[holder].call("BackupPart", req, deadline_s=3600, attempts=1)
 
     def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply:
-        from mtc_sidecar.backup.job import upload_part
+        from mtc.sidecar.backup.job import upload_part
 
         if self.backup is None:
             raise ConfigError("this replicator has no backup store (--backup)")
@@ -151,7 +151,7 @@ class BackupDuties:
                      ) -> list[FileMeta]:
         """This host's data from the backup; objects several restoring hosts share
         are read from the bucket by one of them and fetched from it by the rest."""
-        from mtc_sidecar.backup.job import HolderIdle, Shared, download_rank, plan_shared
+        from mtc.sidecar.backup.job import HolderIdle, Shared, download_rank, plan_shared
 
         assert self.backup is not None
         held = self.holders(invs)
@@ -183,8 +183,8 @@ class BackupDuties:
         """One file of this rank's ``step`` from the backup into ``dest``, checked
         against the backup manifest's size, CRC32C and SHA-256 and against ``f``;
         False when the backup does not have it."""
-        from mtc_sidecar.backup.job import step_prefix
-        from mtc_sidecar.replicator.store import file_sha256
+        from mtc.sidecar.backup.job import step_prefix
+        from mtc.sidecar.replicator.store import file_sha256
 
         assert self.backup is not None
         if step not in self.backup.refresh():

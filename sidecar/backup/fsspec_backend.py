@@ -15,9 +15,9 @@ from pathlib import Path
 
 import fsspec
 
-from mtc_sidecar.backup._io import copy_stream, file_crc, partial_name
-from mtc_sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
-from mtc_sidecar.backup.local import check_key
+from mtc.sidecar.backup._io import copy_stream, file_crc, partial_name
+from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
+from mtc.sidecar.backup.local import check_key
 
 
 @contextmanager

@@ -52,9 +52,9 @@ from google.cloud.storage import exceptions as storage_exc
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from mtc.errors import MtcError, StepExistsError
-from mtc_sidecar.backup._io import file_crc, partial_name
-from mtc_sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
-from mtc_sidecar.backup.local import check_key
+from mtc.sidecar.backup._io import file_crc, partial_name
+from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
+from mtc.sidecar.backup.local import check_key
 
 log = logging.getLogger(__name__)
 

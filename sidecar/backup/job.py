@@ -30,8 +30,8 @@ from typing import Any
 
 from mtc.errors import ManifestError, MtcError, RetryableError
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.backup.backend import Backend, CorruptBackupError
-from mtc_sidecar.replicator.store import FileMeta, file_sha256, safe_relpath
+from mtc.sidecar.backup.backend import Backend, CorruptBackupError
+from mtc.sidecar.replicator.store import FileMeta, file_sha256, safe_relpath
 
 log = logging.getLogger(__name__)
 

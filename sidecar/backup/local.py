@@ -13,8 +13,8 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
 
 from mtc.errors import MtcError, StepExistsError
-from mtc_sidecar.backup._io import copy_stream, fsync_dir, is_tmp, tmp_name
-from mtc_sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
+from mtc.sidecar.backup._io import copy_stream, fsync_dir, is_tmp, tmp_name
+from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
 
 
 def _root_of(url: str) -> Path:

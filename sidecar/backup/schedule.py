@@ -18,11 +18,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 from mtc.errors import MtcError
-from mtc_sidecar.backup.backend import Backend
-from mtc_sidecar.backup.job import BackupStore, back_up_step
+from mtc.sidecar.backup.backend import Backend
+from mtc.sidecar.backup.job import BackupStore, back_up_step
 
 if TYPE_CHECKING:
-    from mtc_sidecar.backup.duties import BackupDuties
+    from mtc.sidecar.backup.duties import BackupDuties
 
 log = logging.getLogger(__name__)
 

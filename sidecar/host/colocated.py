@@ -48,7 +48,7 @@ import numpy as np
 
 from mtc import transfer
 from mtc.errors import ColocatedCallError, MtcError, ProtocolError
-from mtc_sidecar.host import ghost
+from mtc.sidecar.host import ghost
 
 if TYPE_CHECKING:
     import jax
@@ -122,7 +122,7 @@ class ColocatedServer:
             # Started from this thread, the process's main one: the other process
             # dies with the thread that started it (PR_SET_PDEATHSIG).
             self._address = f"127.0.0.1:{_free_port()}"  # the host's own loopback
-            self._ghost = subprocess.Popen([sys.executable, "-m", "mtc_sidecar.host.ghost",
+            self._ghost = subprocess.Popen([sys.executable, "-m", "mtc.sidecar.host.ghost",
                                             self._address, str(self._others)])
         self._ready = threading.Event()
         self._warm_error: BaseException | None = None
@@ -147,7 +147,7 @@ class ColocatedServer:
             jax.devices()
             # The worker-side objects a controller's programs name (they come by
             # reference), with this host's RAM disk where this process keeps it.
-            import mtc_sidecar.colocated as agents
+            import mtc.sidecar.colocated as agents
 
             agents.HOST_ROOT = self.root
             agents.install_cpu_id_patch()  # imports Orbax (a second): before any call

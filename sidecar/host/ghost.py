@@ -1,4 +1,4 @@
-"""``python -m mtc_sidecar.host.ghost ADDRESS N``: the rest of the job, as one worker sees it.
+"""``python -m mtc.sidecar.host.ghost ADDRESS N``: the rest of the job, as one worker sees it.
 
 A Pathways worker's colocated-Python sidecar runs a JAX whose devices are the
 whole job's, only its own addressable: an input is a global array of which it

@@ -1,4 +1,4 @@
-"""``python -m mtc_sidecar.host.main``: the sidecar process of one host.
+"""``python -m mtc.sidecar.host.main``: the sidecar process of one host.
 
 It alone (with the host's replicator) sees the host's RAM disk; the trainer
 reaches it over gRPC and hands it bytes through the host's shared-memory area.
@@ -20,10 +20,10 @@ import grpc
 
 from mtc import layout
 from mtc.contract import AgentConfig
-from mtc_sidecar.host.colocated import ColocatedServer
-from mtc_sidecar.host.service import HostService, handler
+from mtc.sidecar.host.colocated import ColocatedServer
+from mtc.sidecar.host.service import HostService, handler
 
-log = logging.getLogger("mtc_sidecar.host")
+log = logging.getLogger("mtc.sidecar.host")
 MAX_MESSAGE = 256 << 20
 
 

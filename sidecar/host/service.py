@@ -6,7 +6,7 @@ through the host's shared-memory area (:mod:`mtc.transfer`), never through the
 RAM disk, which only this process (and the host's replicator) can see.
 
 Requests are the seam's JSON requests (``mtc.contract``); besides the RAM-disk
-operations of :class:`mtc_sidecar.ops.HostOps` it serves ``stage`` (shards placed
+operations of :class:`mtc.sidecar.ops.HostOps` it serves ``stage`` (shards placed
 in a save slot), ``poll`` and ``wait`` (background errors; slots written since)
 and ``load`` (regions read into a fresh reply file). One gRPC method carries them
 all, with raw bytes in and out. A second, ``Execute``, runs the programs of the
@@ -43,12 +43,12 @@ from mtc.contract import (
     task_from_json,
 )
 from mtc.errors import MtcError, ProtocolError, StorageError
-from mtc_sidecar.agent import HostAgent
-from mtc_sidecar.dtypes import numpy_dtype
-from mtc_sidecar.host.colocated import ColocatedServer
-from mtc_sidecar.load import ShardLoader
-from mtc_sidecar.ops import HostOps
-from mtc_sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.agent import HostAgent
+from mtc.sidecar.dtypes import numpy_dtype
+from mtc.sidecar.host.colocated import ColocatedServer
+from mtc.sidecar.load import ShardLoader
+from mtc.sidecar.ops import HostOps
+from mtc.sidecar.replicator.store import REPLICA_DIR
 
 log = logging.getLogger(__name__)
 SERVICE = "mtc.Host"

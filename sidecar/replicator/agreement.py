@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 from mtc import layout
 from mtc.errors import AgreementError, ConfigError
 
-log = logging.getLogger("mtc_sidecar.replicator.agreement")
+log = logging.getLogger("mtc.sidecar.replicator.agreement")
 T = TypeVar("T")
 BOOK_NAME = ".mtc-agreement.json"
 KEEP_RECORDS = 16  # recorded epochs kept; older ones can no longer be joined anyway

@@ -15,9 +15,9 @@ from mtc.errors import CorruptShardError, MtcError, RetryableError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc_sidecar.replicator.security import Credentials
-from mtc_sidecar.replicator.status import TRANSIENT, error_class
-from mtc_sidecar.replicator.store import CHUNK, FileMeta
+from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.status import TRANSIENT, error_class
+from mtc.sidecar.replicator.store import CHUNK, FileMeta
 
 T = TypeVar("T")
 MAX_MESSAGE = 64 << 20
@@ -46,7 +46,7 @@ CHANNEL_OPTIONS = [
 
 class PeerError(RetryableError):
     """A peer could not be reached or refused a call; ``code`` is the gRPC status.
-    Whether sending it again can help is :func:`~sidecar.replicator.status.is_retryable`
+    Whether sending it again can help is :func:`~mtc.sidecar.replicator.status.is_retryable`
     (a refusal such as INVALID_ARGUMENT or DATA_LOSS is not), and ``kind`` is the
     domain error the code stands for, from the same map the server used."""
 

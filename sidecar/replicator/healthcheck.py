@@ -1,4 +1,4 @@
-"""``python -m mtc_sidecar.replicator.healthcheck``: exit 0 when a gRPC health service says SERVING.
+"""``python -m mtc.sidecar.replicator.healthcheck``: exit 0 when a gRPC health service says SERVING.
 
 The images' ``HEALTHCHECK`` (Docker, Podman) runs it against the replicator's
 plaintext health mirror. Kubernetes ignores ``HEALTHCHECK``; the manifests use
@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mtc.errors import MtcError
-from mtc_sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.security import Credentials
 
 
 def check(address: str, service: str = "", *, creds: Credentials | None = None,
@@ -34,7 +34,7 @@ def check(address: str, service: str = "", *, creds: Credentials | None = None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtc_sidecar.replicator.healthcheck",
+    p = argparse.ArgumentParser(prog="python -m mtc.sidecar.replicator.healthcheck",
                                 description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--address", default="127.0.0.1:9471",
                    help="HOST:PORT of the health service (default: the replicator's health "

@@ -7,7 +7,7 @@ of that slice (``JOB_COMPLETION_INDEX``), and every pod is reachable through
 the JobSet's headless service as
 ``<jobset>-<replicated job>-<job index>-<pod index>.<subdomain>``. Rank ``r`` is
 host ``r % hosts`` of slice ``r // hosts``, the order
-:class:`~sidecar.replicator.config.ReplicatorConfig` expects.
+:class:`~mtc.sidecar.replicator.config.ReplicatorConfig` expects.
 
 Environment (JobSet sets the first two as annotations, the manifests in
 ``deploy/`` copy them and the labels into the environment with the downward
@@ -55,7 +55,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtc import layout
 from mtc.errors import ConfigError, MtcError
-from mtc_sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.security import Credentials
 
 log = logging.getLogger("mtc.replicator.k8s")
 
@@ -298,7 +298,7 @@ def replicator_argv(args: argparse.Namespace, rest: Sequence[str], place: JobSet
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mtc_sidecar.replicator import main as replicator
+    from mtc.sidecar.replicator import main as replicator
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s replicator-k8s: %(message)s")

@@ -20,11 +20,11 @@ import grpc
 from grpc_health.v1 import health
 
 from mtc.errors import ConfigError, MtcError
-from mtc_sidecar.replicator import orbax
-from mtc_sidecar.replicator.config import ReplicatorConfig
-from mtc_sidecar.replicator.node import Node
-from mtc_sidecar.replicator.security import Credentials
-from mtc_sidecar.replicator.server import ReplicatorServicer, serve, set_health
+from mtc.sidecar.replicator import orbax
+from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.server import ReplicatorServicer, serve, set_health
 
 log = logging.getLogger("mtc.replicator")
 
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                                        args.tls_ca)
         backup = None
         if args.backup:
-            from mtc_sidecar.backup.backend import open_backend
-            from mtc_sidecar.backup.schedule import BackupPolicy, BackupScheduler
+            from mtc.sidecar.backup.backend import open_backend
+            from mtc.sidecar.backup.schedule import BackupPolicy, BackupScheduler
 
             minutes = args.backup_interval_minutes
             steps = args.backup_interval_steps

@@ -36,9 +36,9 @@ import grpc
 
 from mtc.errors import AgreementError, ConfigError, CorruptShardError, MtcError
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.backup.duties import BackupDuties
-from mtc_sidecar.backup.schedule import BackupScheduler
-from mtc_sidecar.replicator.agreement import (
+from mtc.sidecar.backup.duties import BackupDuties
+from mtc.sidecar.backup.schedule import BackupScheduler
+from mtc.sidecar.replicator.agreement import (
     BOOK_NAME,
     Book,
     Coordinator,
@@ -48,13 +48,13 @@ from mtc_sidecar.replicator.agreement import (
     check_members,
     newest_complete,
 )
-from mtc_sidecar.replicator.client import PeerClient, PeerError
-from mtc_sidecar.replicator.config import ReplicatorConfig
-from mtc_sidecar.replicator.metrics import Metrics
-from mtc_sidecar.replicator.restore import RestoreDuties
-from mtc_sidecar.replicator.security import Credentials
-from mtc_sidecar.replicator.status import is_retryable
-from mtc_sidecar.replicator.store import FileMeta, LocalStore
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.restore import RestoreDuties
+from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.status import is_retryable
+from mtc.sidecar.replicator.store import FileMeta, LocalStore
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read

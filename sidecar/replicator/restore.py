@@ -16,21 +16,21 @@ from typing import TYPE_CHECKING
 from mtc import layout
 from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
-from mtc_sidecar.replicator.store import FileMeta, copy_verified
+from mtc.sidecar.replicator.store import FileMeta, copy_verified
 
 if TYPE_CHECKING:
-    from mtc_sidecar.backup.schedule import BackupScheduler
-    from mtc_sidecar.replicator.client import PeerClient
-    from mtc_sidecar.replicator.config import ReplicatorConfig
-    from mtc_sidecar.replicator.metrics import Metrics
-    from mtc_sidecar.replicator.store import LocalStore
+    from mtc.sidecar.backup.schedule import BackupScheduler
+    from mtc.sidecar.replicator.client import PeerClient
+    from mtc.sidecar.replicator.config import ReplicatorConfig
+    from mtc.sidecar.replicator.metrics import Metrics
+    from mtc.sidecar.replicator.store import LocalStore
 
-log = logging.getLogger("mtc_sidecar.replicator.node")
+log = logging.getLogger("mtc.sidecar.replicator.node")
 FETCH_STREAMS = 4  # a restore's streams from one holder: the node's fetch pool is 4 threads
 
 
 class RestoreDuties:
-    """Mixed into :class:`mtc_sidecar.replicator.node.Node`, whose state it uses."""
+    """Mixed into :class:`mtc.sidecar.replicator.node.Node`, whose state it uses."""
 
     rank: int
     config: ReplicatorConfig
@@ -60,7 +60,7 @@ class RestoreDuties:
     def restore_for_client(self, job: str) -> int:
         """Answer an Orbax client: agree, park every step folder out of its sight,
         bring this host's data of the agreed step, and write the restore marker."""
-        from mtc_sidecar.replicator import orbax
+        from mtc.sidecar.replicator import orbax
 
         step, invs = self.agree()
         for s in self.store.own_steps():

@@ -1,4 +1,4 @@
-"""The replicator's gRPC server: thin servicers over :class:`~sidecar.replicator.node.Node`.
+"""The replicator's gRPC server: thin servicers over :class:`~mtc.sidecar.replicator.node.Node`.
 
 Domain errors become status codes in one place (:func:`_status`). Shard bytes use
 raw-bytes handlers (no protobuf copy); control messages are protobuf.
@@ -26,11 +26,11 @@ from mtc.errors import ConfigError, CorruptShardError, MtcError, StepNotFoundErr
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc_sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
-from mtc_sidecar.replicator.decode_guard import DecodeGuard
-from mtc_sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
-from mtc_sidecar.replicator.status import to_status
-from mtc_sidecar.replicator.store import (
+from mtc.sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
+from mtc.sidecar.replicator.decode_guard import DecodeGuard
+from mtc.sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
+from mtc.sidecar.replicator.status import to_status
+from mtc.sidecar.replicator.store import (
     CHUNK,
     FileMeta,
     copy_verified,
@@ -39,7 +39,7 @@ from mtc_sidecar.replicator.store import (
 )
 
 if TYPE_CHECKING:
-    from mtc_sidecar.replicator.node import Node
+    from mtc.sidecar.replicator.node import Node
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])

@@ -15,7 +15,7 @@ their descriptions are computed once.
 Bytes are checked, not trusted: a copy counts as held only while every file
 matches its description (size and CRC32C; results cached per file by inode, size
 and mtime, so a steady-state inventory costs one ``stat`` per file). A file that
-fails is quarantined (:mod:`mtc_sidecar.quarantine`) and its copy stops counting until
+fails is quarantined (:mod:`mtc.sidecar.quarantine`) and its copy stops counting until
 :meth:`LocalStore.repair` puts a verified file in its place. Deduplicated files
 are verified copies (a reflink where the file system has them), never hard
 links: bytes damaged in place must not damage a second copy.
@@ -39,9 +39,9 @@ from mtc import layout
 from mtc.errors import CorruptShardError, FatalError, MtcError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest
-from mtc_sidecar import checksum
-from mtc_sidecar.checksum import read_buffer
-from mtc_sidecar.quarantine import quarantine
+from mtc.sidecar import checksum
+from mtc.sidecar.checksum import read_buffer
+from mtc.sidecar.quarantine import quarantine
 
 REPLICA_DIR = ".mtc-replica"
 CHUNK = 4 << 20

@@ -1,0 +1,85 @@
+"""A thread pool whose threads all start with it.
+
+``concurrent.futures.ThreadPoolExecutor`` starts its threads as work arrives.
+From Python 3.12 the interpreter refuses new threads once it is exiting, so a
+save still being written at exit (finished by :mod:`mtc.lifecycle`) could not
+get the writer threads it needed, and was lost. This pool's threads exist from
+the start: work submitted during interpreter exit runs like any other.
+
+Its threads are daemons (an unclosed pool never holds up exit); the owner
+joins them with :meth:`ThreadPool.shutdown`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_STOP = object()
+
+
+class ThreadPool(Executor):
+    """``threads`` worker threads, started now; ``initializer`` runs in each first."""
+
+    def __init__(self, threads: int, name: str,
+                 initializer: Callable[[], None] | None = None) -> None:
+        if threads < 1:
+            raise ValueError(f"a pool needs at least one thread, got {threads}")
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._initializer = initializer
+        self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        fut: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("submit() on a pool that was shut down")
+            self._work.put((fut, fn, args, kwargs))
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if cancel_futures:
+                while True:
+                    try:
+                        item = self._work.get_nowait()
+                    except queue.Empty:
+                        break
+                    item[0].cancel()
+            for _ in self._threads:
+                self._work.put(_STOP)
+        if wait:
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join()
+
+    def _run(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
+        while True:
+            item = self._work.get()
+            if item is _STOP:
+                return
+            fut, fn, args, kwargs = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)

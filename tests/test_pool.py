@@ -1,0 +1,68 @@
+"""mtc.pool.ThreadPool: every thread starts with the pool, so work submitted while
+the interpreter exits still runs (Python 3.12 and newer refuse new threads then)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from mtc.pool import ThreadPool
+
+
+def test_threads_start_with_the_pool_and_are_joined_on_shutdown() -> None:
+    before = threading.active_count()
+    pool = ThreadPool(3, "t-pool")
+    assert threading.active_count() == before + 3
+    assert [f.result(5) for f in [pool.submit(pow, 2, i) for i in range(6)]] == \
+        [1, 2, 4, 8, 16, 32]
+    pool.shutdown()
+    assert threading.active_count() == before
+    with pytest.raises(RuntimeError):
+        pool.submit(pow, 2, 2)
+
+
+def test_an_error_comes_back_through_the_future() -> None:
+    pool = ThreadPool(1, "t-pool")
+    try:
+        with pytest.raises(ZeroDivisionError):
+            pool.submit(lambda: 1 / 0).result(5)
+        assert pool.submit(lambda: 7).result(5) == 7  # the thread survived it
+    finally:
+        pool.shutdown()
+
+
+def test_cancelled_work_never_runs() -> None:
+    started, gate = threading.Event(), threading.Event()
+    ran: list[int] = []
+    pool = ThreadPool(1, "t-pool")
+
+    def hold() -> bool:
+        started.set()
+        return gate.wait(5)
+
+    first = pool.submit(hold)
+    later = pool.submit(ran.append, 1)
+    assert started.wait(5)
+    threading.Timer(0.2, gate.set).start()
+    pool.shutdown(cancel_futures=True)  # while the only thread is held by ``first``
+    assert first.result(5) is True
+    assert later.cancelled() and ran == []
+
+
+@pytest.mark.process
+def test_work_submitted_at_interpreter_exit_runs() -> None:
+    code = textwrap.dedent("""
+        import threading
+        from mtc.pool import ThreadPool
+        pool = ThreadPool(2, "exit-pool")
+        def at_exit():
+            print(sum(f.result(10) for f in [pool.submit(pow, 3, i) for i in range(4)]))
+        threading._register_atexit(at_exit)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "40"
