@@ -62,10 +62,12 @@ class Options:
         fewer hosts than saved (4 processes as 2) agrees among its own hosts, and
         the data of the hosts gone must be held by them (peer copies) or backed
         up. State the ranks when the job's hosts are not the first ones.
-      replicator_token: the replicators' shared token, if they require one.
+      replicator_token: the replicators' shared token, if they require one; also
+        presented to the hosts' ``sidecars``, which take the same credentials.
       replicator_tls: ``(certificate, key, CA)`` PEM files for mutual TLS with the
         replicators (their ``--tls-cert/--tls-key/--tls-ca``; on Kubernetes the
-        ``mtc-replicator-tls`` secret's ``tls.crt``, ``tls.key``, ``ca.crt``).
+        ``mtc-replicator-tls`` secret's ``tls.crt``, ``tls.key``, ``ca.crt``) and
+        the sidecars. A controller's certificate names no rank (docs/security.md).
       restore_timeout_s: how long a restore waits for the replicators.
       restore_while_fetching: with replicators and one controller planning
         every host's reads: a host that holds no copy of the agreed step (a

@@ -263,6 +263,7 @@ class LocalCluster:
 
         from mtc.contract import decode_reply, encode_request
         from mtc.errors import MtcError
+        from mtc.sidecar.replicator.security import TOKEN_HEADER
 
         if self.hosts.hosts[rank].sidecar_pid is None:
             return None
@@ -273,7 +274,8 @@ class LocalCluster:
                                                  response_deserializer=None))
             self._channels[rank] = stub
         try:
-            reply = decode_reply(stub[1](encode_request("inspect", [rank]), timeout=timeout))
+            reply = decode_reply(stub[1](encode_request("inspect", [rank]), timeout=timeout,
+                                         metadata=[(TOKEN_HEADER, self.token())]))
         except (grpc.RpcError, MtcError):
             return None
         return reply if isinstance(reply, dict) else None

@@ -182,9 +182,11 @@ class Hosts:
     # -- processes --------------------------------------------------------------------
 
     def start_sidecar(self, i: int, slices: Sequence[int], *, env: dict[str, str] | None = None,
-                      writer_threads: int = 2, wait: bool = True) -> Host:
+                      writer_threads: int = 2, wait: bool = True,
+                      extra: Sequence[str] = ()) -> Host:
         """Start host ``i``'s sidecar (its own session), which makes the host's
         namespaces and mounts its RAM disk; with ``wait``, until it serves.
+        ``extra``: more arguments of the sidecar (its certificate, for mutual TLS).
 
         While the host's replicator still runs (the sidecar alone died), the new
         sidecar joins the replicator's namespaces: the RAM disk is as it was, as
@@ -196,7 +198,9 @@ class Hosts:
         cmd = [sys.executable, "-m", "mtc.sidecar.host.main", "--root", str(h.root),
                "--area", str(h.area), "--host", str(i), "--slices",
                ",".join(str(s) for s in slices), "--listen", listen,
-               "--ready-file", str(ready), "--writer-threads", str(writer_threads)]
+               "--ready-file", str(ready), "--writer-threads", str(writer_threads),
+               # Every caller presents the hosts' token (the replicators' too).
+               "--token-file", str(self.token_file), *extra]
         if self.colocated_devices:
             cmd += ["--colocated-devices", str(self.colocated_devices // self.n),
                     "--job-devices", str(self.colocated_devices)]
@@ -260,13 +264,21 @@ class Hosts:
 
     @property
     def token_file(self) -> Path:
-        """The peers' shared token (replicators off loopback require one)."""
+        """The hosts' shared token: every sidecar requires it, and every replicator
+        (the controller presents it to both)."""
         p = self.base / "peer-token"
         if not p.exists():
-            tmp = p.with_suffix(".tmp")
-            tmp.write_text(os.urandom(16).hex() + "\n")
-            os.chmod(tmp, 0o600)
-            tmp.replace(p)
+            # Hosts may be started from several threads at once: the first link wins.
+            tmp = p.with_name(f".peer-token.{uuid.uuid4().hex}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(os.urandom(16).hex() + "\n")
+            try:
+                os.link(tmp, p)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
         return p
 
     def token(self) -> str:
