@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import grpc
 
@@ -15,7 +15,8 @@ from mtc.errors import CorruptShardError, MtcError, RetryableError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.confine import open_beneath
+from mtc.sidecar.replicator.security import Credentials, rank_name
 from mtc.sidecar.replicator.status import TRANSIENT, error_class
 from mtc.sidecar.replicator.store import CHUNK, FileMeta
 
@@ -65,16 +66,34 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
+def _open_own(path: Path) -> BinaryIO:
+    """A file of this host's own copy, to send: never through a symlink planted there."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb",
+                     buffering=0)
+
+
+def _create(dest: Path) -> BinaryIO:
+    """A file fetched into a restore's folder: a symlink in its place is not followed."""
+    return os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o644), "wb", buffering=0)
+
+
 class PeerClient:
-    """One peer's replicator, reached at ``address``."""
+    """One peer's replicator, reached at ``address``. With ``as_peer`` (a replicator
+    calling another) and mutual TLS, the server's certificate must name ``rank``:
+    what it answers (an inventory, a file) is rank ``rank``'s, not whoever answers at
+    its address."""
 
     def __init__(self, address: str, creds: Credentials, *, rank: int,
-                 deadline_s: float = 10.0) -> None:
+                 deadline_s: float = 10.0, as_peer: bool = False) -> None:
         self.address = address
         self.rank = rank
         self.deadline_s = deadline_s
         self._metadata = creds.call_metadata()
         self._cc = creds.channel_credentials()
+        self._options = list(CHANNEL_OPTIONS)
+        if as_peer and self._cc is not None:
+            self._options.append(("grpc.ssl_target_name_override", rank_name(rank)))
         self.channel = self._new_channel()
         self.stub = pb_grpc.ReplicatorStub(self.channel)
         self._push = self.channel.stream_unary(PUSH, request_serializer=_identity,
@@ -86,8 +105,8 @@ class PeerClient:
     def _new_channel(self, *, own_connection: bool = False) -> grpc.Channel:
         # gRPC shares connections among a process's channels to one address: a
         # channel of its own connection does not inherit the shared one's backoff.
-        opts = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if own_connection \
-            else CHANNEL_OPTIONS
+        opts = [*self._options, ("grpc.use_local_subchannel_pool", 1)] if own_connection \
+            else self._options
         return (grpc.secure_channel(self.address, self._cc, options=opts)
                 if self._cc else grpc.insecure_channel(self.address, options=opts))
 
@@ -146,7 +165,7 @@ class PeerClient:
         def chunks() -> Iterator[bytes]:
             value = 0
             bad[0] = False
-            with open(path, "rb", buffering=0) as f:
+            with _open_own(path) as f:
                 chunk = f.read(CHUNK)
                 while chunk:
                     value = crc32c(chunk, value)
@@ -182,7 +201,7 @@ class PeerClient:
             # again); the receiver splits the stream by the offered sizes anyway.
             bad.clear()
             for _, path, size, crc in files:
-                with open(path, "rb", buffering=0) as f:
+                with _open_own(path) as f:
                     data = f.read(size + 1)
                 if len(data) != size or crc32c(data) != crc:
                     bad.append(path)
@@ -208,7 +227,7 @@ class PeerClient:
         dest.parent.mkdir(parents=True, exist_ok=True)
         value = got = 0
         try:
-            with open(dest, "wb", buffering=0) as f:
+            with _create(dest) as f:
                 for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
                     got += len(chunk)
                     if got > size:
@@ -259,11 +278,12 @@ class PeerClient:
 
         def start() -> None:
             nonlocal out
-            path = dest / files[i].path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            out = open(path, "wb", buffering=0)
+            out = os.fdopen(open_beneath(dest, files[i].path,
+                                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC, makedirs=True),
+                            "wb", buffering=0)
 
         try:
+            dest.mkdir(parents=True, exist_ok=True)
             start()
             while i < len(files) and files[i].size == 0:  # nothing of theirs is sent
                 if (err := finish()) is not None:

@@ -1,6 +1,13 @@
 """Peer authentication: mutual TLS from certificate files, a shared token, or both.
 
-Without credentials a replicator serves loopback addresses only.
+Without credentials a replicator (and a host's sidecar) serves loopback addresses
+only. With mutual TLS each host's certificate names its replicator rank: a DNS
+subject alternative name ``mtc-rank-<r>`` (:func:`rank_name`). A server acts for
+a caller only as the rank its certificate names (a copy's origin, a ``Decide``'s
+rank); a certificate naming no rank (the controller's) may read and ask for
+restores, never act as a peer; and a replicator reaching peer ``r`` accepts only
+a server whose certificate names ``r``. A shared token names nobody: its holder
+may act as any rank (docs/security.md).
 """
 
 from __future__ import annotations
@@ -8,15 +15,16 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from mtc.errors import ConfigError
+from mtc.errors import ConfigError, UnauthorizedError
 
 TOKEN_HEADER = "x-mtc-token"
+RANK_PREFIX = "mtc-rank-"
 # Unauthenticated on purpose: Kubernetes probes carry no credentials.
 OPEN_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
@@ -70,8 +78,93 @@ class Credentials:
     def call_metadata(self) -> list[tuple[str, str]]:
         return [(TOKEN_HEADER, self.token)] if self.token else []
 
+    def own_ranks(self) -> set[int]:
+        """The ranks this process's certificate names (none without TLS)."""
+        if not self.tls:
+            return set()
+        assert self.tls_cert is not None
+        from cryptography import x509  # google-auth's dependency, always installed
+
+        try:
+            cert = x509.load_pem_x509_certificate(self.tls_cert.read_bytes())
+            names = cert.extensions.get_extension_for_class(
+                x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        except x509.ExtensionNotFound:
+            names = []
+        except ValueError as e:
+            raise ConfigError(f"unreadable certificate {self.tls_cert}: {e}") from e
+        return ranks_named(names)
+
+    def check_names_rank(self, rank: int) -> None:
+        """With mutual TLS, this replicator's certificate must name its rank and no
+        other: peers accept its copies and its answers only as that rank's."""
+        if not self.tls:
+            return
+        named = self.own_ranks()
+        if named != {rank}:
+            raise ConfigError(
+                f"certificate {self.tls_cert} names rank(s) {sorted(named) or 'none'}, this "
+                f"replicator is rank {rank}: give each host a certificate with the DNS name "
+                f"{rank_name(rank)} (docs/security.md)")
+
+
+def rank_name(rank: int) -> str:
+    """The DNS subject alternative name that makes a certificate rank ``rank``'s."""
+    return f"{RANK_PREFIX}{rank}"
+
+
+def ranks_named(names: Iterable[str | bytes]) -> set[int]:
+    """The ranks a certificate's DNS names name."""
+    out = set()
+    for n in names:
+        text = n.decode(errors="replace") if isinstance(n, bytes) else n
+        digits = text[len(RANK_PREFIX):]
+        if text.startswith(RANK_PREFIX) and digits.isascii() and digits.isdigit() \
+                and len(digits) < 10:
+            out.add(int(digits))
+    return out
+
+
+def caller_rank(context: grpc.ServicerContext) -> int | None:
+    """The one rank the caller's certificate names; None when it names none, several,
+    or the call came without TLS."""
+    try:
+        auth = context.auth_context() or {}
+    except (AttributeError, ValueError):
+        return None
+    ranks = ranks_named(auth.get("peer_dns", ()))
+    return next(iter(ranks)) if len(ranks) == 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who a server lets act for which rank: with mutual TLS (``tls``), only the rank
+    the caller's certificate names; with a token alone, anyone holding it."""
+
+    tls: bool
+
+    def require(self, context: grpc.ServicerContext, rank: int, what: str) -> None:
+        """Refuse (:class:`UnauthorizedError`) a caller acting for ``rank`` unless it is."""
+        if not self.tls:
+            return
+        got = caller_rank(context)
+        if got != rank:
+            raise UnauthorizedError(f"{what} for rank {rank} from a caller whose certificate "
+                                    f"names {'rank ' + str(got) if got is not None else 'no rank'}")
+
+    def require_peer(self, context: grpc.ServicerContext, what: str) -> int | None:
+        """The caller's rank; with TLS, refuse one whose certificate names none."""
+        got = caller_rank(context)
+        if self.tls and got is None:
+            raise UnauthorizedError(f"{what}: only a peer replicator may call (its certificate "
+                                    f"names no rank)")
+        return got
+
 
 def is_loopback(listen: str) -> bool:
+    """Whether ``listen`` is reachable only from this machine (loopback, a unix socket)."""
+    if listen.startswith("unix:") or listen.startswith("unix-abstract:"):
+        return True
     host = listen.rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True

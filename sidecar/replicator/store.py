@@ -35,22 +35,19 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtc import layout
-from mtc.errors import CorruptShardError, FatalError, MtcError
+from mtc import layout, validate
+from mtc.errors import CorruptShardError, FatalError, MtcError, UnsafePathError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.sidecar import checksum
 from mtc.sidecar.checksum import read_buffer
+from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
 from mtc.sidecar.quarantine import quarantine
 
 REPLICA_DIR = ".mtc-replica"
 CHUNK = 4 << 20
 CACHE_SWEEP = 50_000  # remembered checksums beyond which files gone are swept out
 FICLONE = 0x40049409  # ioctl: share a file's extents copy-on-write (btrfs, xfs)
-
-
-class UnsafePathError(FatalError):
-    """A path in a request would leave the replicator's root."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +61,8 @@ class FileMeta:
 
 
 def safe_relpath(path: str) -> str:
-    """Validate a '/'-separated relative path from a request."""
-    if not path or "\x00" in path or path.startswith("/") or "\\" in path:
-        raise UnsafePathError(f"refusing path {path!r}")
-    parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise UnsafePathError(f"refusing path {path!r}")
-    return path
+    """Validate a '/'-separated relative path from a request (:func:`mtc.validate.relpath`)."""
+    return validate.relpath(path)
 
 
 def inside(base: Path, rel: str) -> Path:
@@ -196,9 +188,9 @@ class LocalStore:
         self.quarantined_total = 0
         self.on_quarantine: Callable[[], None] | None = None  # counts in metrics
         root.mkdir(parents=True, exist_ok=True)
-        self.replicas.mkdir(exist_ok=True)
+        real_dir(self.replicas)
         for origin_dir in self.replicas.iterdir():
-            if origin_dir.is_dir():
+            if is_real_dir(origin_dir):
                 layout.clean_uncommitted(origin_dir)
 
     # -- paths --------------------------------------------------------------
@@ -206,7 +198,7 @@ class LocalStore:
     def copy_dir(self, origin: int, step: int) -> Path:
         """Where a copy lives. A host's own step is in its root, or in the replica
         area once restored for a client that must not see step folders in the root."""
-        if origin == self.rank and (self.root / str(step)).is_dir():
+        if origin == self.rank and is_real_dir(self.root / str(step)):
             return self.root / str(step)
         return self.replicas / str(origin) / str(step)
 
@@ -223,7 +215,7 @@ class LocalStore:
         if not self.replicas.is_dir():
             return out
         for origin_dir in self.replicas.iterdir():
-            if not origin_dir.name.isdigit():
+            if not origin_dir.name.isdigit() or not is_real_dir(origin_dir):
                 continue
             steps = [s for s in layout.committed_steps(origin_dir)
                      if self._descriptor(int(origin_dir.name), s).is_file()]
@@ -398,11 +390,20 @@ class LocalStore:
             raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
         if not 0 <= offset <= meta.size:
             raise ValueError(f"offset {offset} outside {rel} ({meta.size} bytes)")
-        path = inside(self.copy_dir(origin, step), rel)
+        folder = self.copy_dir(origin, step)
+        path = folder / rel
         value = 0
-        with open(path, "rb", buffering=0) as f:
-            if offset:
-                value = crc32c(f.read(offset))
+        # Opened part by part without following a symlink: nothing outside the copy
+        # is ever sent, whatever was planted in it.
+        under = folder.relative_to(self.root).as_posix()
+        with os.fdopen(open_beneath(self.root, f"{under}/{rel}"), "rb", buffering=0) as f:
+            done = 0
+            while done < offset:  # the part before the offset, checked in chunks too
+                part = f.read(min(CHUNK, offset - done))
+                if not part:
+                    break
+                value = crc32c(part, value)
+                done += len(part)
             held = f.read(CHUNK)
             while held:
                 value = crc32c(held, value)
@@ -443,7 +444,7 @@ class LocalStore:
             hit = self._described.get(key)
             if hit is not None and hit[0] == ino:
                 return hit[1]
-        if origin == self.rank and (self.root / str(step)).is_dir():
+        if origin == self.rank and is_real_dir(self.root / str(step)):
             files = describe_own(self.root / str(step))
             if not (self.root / str(step) / MANIFEST_NAME).is_file():
                 for f in files:  # described by reading them: checked already
@@ -492,8 +493,8 @@ class LocalStore:
     # -- incoming copies ----------------------------------------------------
 
     def begin_incoming(self, origin: int, step: int) -> Path:
-        d = self.replicas / str(origin)
-        d.mkdir(parents=True, exist_ok=True)
+        real_dir(self.replicas)
+        d = real_dir(self.replicas / str(origin))
         tmp = d / f"{step}{layout.TMP_MARK}{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         return tmp
@@ -505,9 +506,14 @@ class LocalStore:
                 raise CorruptShardError("incoming copy is incomplete", step=step, host=origin,
                                         path=str(p))
         final = self.replicas / str(origin) / str(step)
-        if final.exists():  # an earlier identical copy; keep it
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
+        if os.path.lexists(final):
+            if is_real_dir(final) and self._good(origin, step):
+                shutil.rmtree(tmp, ignore_errors=True)  # an earlier good copy; keep it
+                return
+            # The copy held failed verification (its bad files quarantined) or is not
+            # a folder: the verified one just received takes its place, or the same
+            # damaged folder would be pushed to again and again.
+            self._replace_held(origin, step)
         desc = self._descriptor(origin, step)
         layout.write_atomic(desc, json.dumps([f.to_json() for f in files]))
         os.rename(tmp, final)
@@ -516,6 +522,25 @@ class LocalStore:
             self._damaged.discard((origin, step))
         for f in files:  # every file was verified on arrival
             self.note_verified(final / f.path, f)
+
+    def _good(self, origin: int, step: int) -> bool:
+        """Whether the held copy checks out now (read again, not from the cache)."""
+        try:
+            return not self.verify(origin, step, cached=False)
+        except (OSError, ValueError, MtcError):
+            return False
+
+    def _replace_held(self, origin: int, step: int) -> None:
+        """Remove a held copy (its folder, or whatever is in its place) to make room."""
+        final = self.replicas / str(origin) / str(step)
+        if os.path.islink(final) or not os.path.isdir(final):
+            os.unlink(final)
+        else:
+            layout.remove_step(self.replicas / str(origin), step)
+        self._descriptor(origin, step).unlink(missing_ok=True)
+        self._forget(final)
+        with self._lock:
+            self._described.pop((origin, step), None)
 
     def commit_restored(self, tmp: Path, step: int, files: list[FileMeta], *,
                         into_root: bool) -> None:
@@ -540,8 +565,8 @@ class LocalStore:
         """Move an own step folder from the root into the replica area, described."""
         src = self.root / str(step)
         files = self.describe(self.rank, step)
-        d = self.replicas / str(self.rank)
-        d.mkdir(parents=True, exist_ok=True)
+        real_dir(self.replicas)
+        d = real_dir(self.replicas / str(self.rank))
         if (d / str(step)).exists():
             layout.remove_step(self.root, step)
             return
