@@ -222,7 +222,12 @@ class PeerClient:
 
     def fetch_file(self, step: int, origin: int, rel: str, dest: Path, size: int, crc: int,
                    *, deadline_s: float = 120.0) -> None:
-        """Download one file of a peer's copy into ``dest``, verifying size and CRC32C."""
+        """Download one file of a peer's copy into ``dest``, verifying size and CRC32C;
+        asked again, a few times, while the peer has no stream free for it."""
+        _while_busy(lambda: self._fetch_file(step, origin, rel, dest, size, crc, deadline_s))
+
+    def _fetch_file(self, step: int, origin: int, rel: str, dest: Path, size: int, crc: int,
+                    deadline_s: float) -> None:
         req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
         dest.parent.mkdir(parents=True, exist_ok=True)
         value = got = 0
@@ -322,7 +327,12 @@ class PeerClient:
     def fetch_bytes(self, step: int, origin: int, rel: str, size: int, crc: int,
                     *, deadline_s: float = 120.0) -> bytearray:
         """One file of a copy this peer holds, into memory, verified against the size
-        and CRC32C its inventory gave (a restore reading another host's region)."""
+        and CRC32C its inventory gave (a restore reading another host's region);
+        asked again, a few times, while the peer has no stream free for it."""
+        return _while_busy(lambda: self._fetch_bytes(step, origin, rel, size, crc, deadline_s))
+
+    def _fetch_bytes(self, step: int, origin: int, rel: str, size: int, crc: int,
+                     deadline_s: float) -> bytearray:
         req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
         out = bytearray(size)  # filled in place: no growing, no join
         view = memoryview(out)
@@ -348,3 +358,22 @@ class PeerClient:
                 f"{value:#010x}, expected {size} bytes crc32c {crc:#010x}", step=step,
                 host=origin, path=rel)
         return out
+
+
+BUSY_ATTEMPTS = 6  # about 6 s of backoff in all
+
+
+def _while_busy(fn: Callable[[], T]) -> T:
+    """``fn()``, called again with backoff while the peer answers RESOURCE_EXHAUSTED
+    (all its streams taken, for now): a restore's fetch waits for a free stream
+    rather than fail over to another holder at once."""
+    delay = 0.2
+    for attempt in range(BUSY_ATTEMPTS):
+        try:
+            return fn()
+        except PeerError as e:
+            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == BUSY_ATTEMPTS - 1:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+    raise AssertionError("unreachable")
