@@ -13,11 +13,13 @@ from collections.abc import Sequence
 
 from mtc import validate
 from mtc.errors import ProtocolError
+from mtc.manifest import check_run
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.store import FileMeta
 
 MAX_FILES = 100_000       # files of one copy: an Offer, a fetch of several, a backup part
 MAX_OPEN_FILES = 200_000  # files of every open incoming transfer together
+MAX_LOST_CHARS = 1 << 16  # a decision's account of the data gone
 _STAGING = re.compile(r"staging/(\d+)-[0-9a-f]{8}")
 
 
@@ -77,11 +79,14 @@ def restore_id(rid: str) -> str:
 
 
 def decision(d: pb.Decision, *, host: int) -> pb.Decision:
-    """A decision the coordinator answered: its epoch and step in range (it is kept,
-    and reported in this node's inventories)."""
+    """A decision the coordinator answered: its epoch and step in range, its run a run
+    identity (it is kept, and reported in this node's inventories)."""
     validate.epoch(d.epoch)
     if d.step != -1:
         validate.step(d.step, what="decided step", host=host)
+    _run(d.run, host)
+    if len(d.lost) > MAX_LOST_CHARS:
+        raise ProtocolError(f"a decision's lost data is {len(d.lost)} characters", host=host)
     return d
 
 
@@ -93,9 +98,7 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
         raise ProtocolError(f"rank {rank} answered as rank {inv.rank}", host=rank)
     d = inv.last_decision
     if d.epoch:
-        validate.epoch(d.epoch)
-        if d.step != -1:
-            validate.step(d.step, what="decided step", host=rank)
+        decision(d, host=rank)
         validate.ident(d.restore_id, "restore id")
     _steps([s for s in inv.backed_up_steps], rank)
     if inv.newest_backed_up_step != -1:
@@ -104,12 +107,20 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
         validate.count(c.origin_rank, "origin rank", num_nodes - 1)
         validate.step(c.step, host=rank)
         validate.count(c.saved_hosts, "saved hosts", num_nodes)
+        _run(c.run, rank)
         if len(c.files) > MAX_FILES:
             raise ProtocolError(f"a copy of {len(c.files)} files", step=c.step, host=rank)
         for f in c.files:
             validate.relpath(f.path)
             validate.file_size(f.size, path=f.path[:200])
     return inv
+
+
+def _run(run: str, host: int) -> None:
+    try:
+        check_run(run)
+    except ValueError as e:
+        raise ProtocolError(str(e), host=host) from None
 
 
 def _steps(steps: Sequence[int], rank: int) -> None:

@@ -142,9 +142,12 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.identity.require_peer(context, "Offer")
         self.identity.require(context, origin, "a copy")
         store = self.node.store
-        if (origin, step) in store.copies():
+        fences = store.fences
+        # Complete only when it is this very copy: a copy held of an older save under
+        # the same number (saved again after a restore) is replaced at the commit.
+        if (origin, step) in store.copies() and store.same_copy(origin, step, files):
             return pb.OfferReply(already_complete=True)
-        t = Transfer(origin, step, Path(), files)
+        t = Transfer(origin, step, Path(), files, fences)
         reply = pb.OfferReply()
         for path, local in store.find_identical(files).items():
             t.candidates[path] = local
@@ -193,6 +196,11 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             self.transfers.put_back(request.transfer_id, t)
             raise CorruptShardError(f"{len(missing)} files not received or not verified, e.g. "
                                     f"{sorted(missing)[0]}", step=t.step, host=t.origin)
+        if self.node.store.fenced_since(t.fences, t.step):
+            shutil.rmtree(t.tmp, ignore_errors=True)
+            raise StepNotFoundError("a restore of an older step was agreed while this copy "
+                                    "was on its way: the step is fenced off", step=t.step,
+                                    host=t.origin)
         try:
             self.node.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()))
         except BaseException:
@@ -237,7 +245,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 t or None, checks.restore_id(request.restore_id), list(request.members),
                 background=request.background)
         return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch,
-                                      pending=pending)
+                                      pending=pending, run=d.run, lost=d.lost)
 
     @mapped
     def RequestBackup(self, request: pb.BackupRequest, context: Any) -> pb.BackupReply:

@@ -23,9 +23,11 @@ from mtc.sidecar.replicator.store import FileMeta
 class Transfer:
     """An incoming copy: its temporary folder, expected files and verified ones."""
 
-    def __init__(self, origin: int, step: int, tmp: Path, files: list[FileMeta]) -> None:
+    def __init__(self, origin: int, step: int, tmp: Path, files: list[FileMeta],
+                 fences: int = 0) -> None:
         self.origin = origin
         self.step = step
+        self.fences = fences  # the store's fences when offered (LocalStore.fenced_since)
         self.tmp = tmp
         self.files = {f.path: f for f in files}
         self.nbytes = sum(f.size for f in files)
