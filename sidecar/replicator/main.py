@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 keep_every=args.backup_keep_every))
         _keep_heap()
         node = Node(config, root, creds, backup)
+        if backup is not None:
+            node.metrics.backup_interval.set(60 * (backup.policy.interval_minutes or 0))
         # Every member's Decide waits on a server thread of the coordinator until the
         # epoch forms: one thread per member, plus the usual 32.
         server, port, servicer, health_servicer = serve(
