@@ -115,3 +115,18 @@ def test_a_client_that_keeps_old_certificates_is_refused(tmp_path: Path,
             stale.call("GetInventory", pb.InventoryRequest(), attempts=2)
     finally:
         stale.close()
+
+
+def test_client_credentials_follow_the_files_and_skip_bad_ones(tmp_path: Path) -> None:
+    from mtc.sidecar.replicator.security import TlsWatch
+
+    secret = mount_secret(tmp_path / "secret", issue(make_ca("mtc-ca-1"), "mtc-replicator"))
+    watch = TlsWatch(creds_of(secret), check_s=0.0)
+    first = watch.credentials
+    assert first is not None and watch.renewed() is None           # nothing changed
+    mount_secret(secret, {"tls.crt": b"junk", "tls.key": b"junk", "ca.crt": b"junk"})
+    assert watch.renewed() is None and watch.credentials is first   # bad files: kept
+    mount_secret(secret, issue(make_ca("mtc-ca-2"), "mtc-replicator"))
+    second = watch.renewed()
+    assert second is not None and watch.credentials is second
+    assert watch.renewed() is None

@@ -672,6 +672,16 @@ def test_a_failed_slice_restarts_alone(case: str,
     policy = js["spec"]["failurePolicy"]
     assert policy.get("restartStrategy", "Recreate") != "InPlaceRestart", \
         "in-place restart needs JobSet's agent in every pod"
+    # What JobSet's admission webhook checks of the rules (v0.12.0).
+    names = [r["name"] for r in policy["rules"]]
+    assert len(names) == len(set(names))
+    jobs = {rj["name"] for rj in js["spec"]["replicatedJobs"]}
+    for r in policy["rules"]:
+        assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", r["name"]), r["name"]
+        assert set(r.get("targetReplicatedJobs", [])) <= jobs, r
+        assert set(r.get("onJobFailureReasons", [])) <= {
+            "BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes",
+            "MaxFailedIndexesExceeded", "PodFailurePolicy"}, r
     assert policy["maxRestarts"] >= 1
     assert jobset_action(js, "worker", "BackoffLimitExceeded") in (
         "RestartJob", "RestartJobAndIgnoreMaxRestarts")

@@ -125,6 +125,7 @@ class ServerCertificates:
         self._creds = creds
         self._lock = threading.Lock()
         self._stamp, config = self._read()
+        self._refused: Stamp | None = None  # files found bad: not read again, nor logged
         self.initial = config
         self.reloads = 0
 
@@ -140,9 +141,14 @@ class ServerCertificates:
         the next connection."""
         try:
             with self._lock:
-                if self._creds.tls_stamp() == self._stamp:
+                now = self._creds.tls_stamp()
+                if now in (self._stamp, self._refused):
                     return None
-                stamp, config = self._read()
+                try:
+                    stamp, config = self._read()
+                except ConfigError:
+                    self._refused = now
+                    raise
                 self._stamp = stamp
                 self.reloads += 1
             log.info("TLS certificate files changed (%s): new connections use them",
@@ -163,6 +169,7 @@ class TlsWatch:
         self._check_s = check_s
         self._lock = threading.Lock()
         self._stamp: Stamp | None = None
+        self._refused: Stamp | None = None  # files found bad: not read again, nor logged
         self.credentials: grpc.ChannelCredentials | None = None
         if creds.tls:
             self._stamp, cert, key, ca = creds.read_tls()
@@ -182,9 +189,14 @@ class TlsWatch:
                 return None
             self._next = now + self._check_s
             try:
-                if self._creds.tls_stamp() == self._stamp:
+                current = self._creds.tls_stamp()
+                if current in (self._stamp, self._refused):
                     return None
-                stamp, cert, key, ca = self._creds.read_tls()
+                try:
+                    stamp, cert, key, ca = self._creds.read_tls()
+                except ConfigError:
+                    self._refused = current
+                    raise
             except (OSError, ConfigError) as e:
                 log.warning("TLS certificate files not reloaded, the current ones stay: %s",
                             e)
