@@ -9,11 +9,13 @@ from mtc.errors import (
     ClosedError,
     ConfigError,
     CorruptShardError,
+    DataLossError,
     DirectoryLockedError,
     FatalError,
     InvalidStepError,
     LocalDirError,
     ManifestError,
+    MixedRunError,
     MtcError,
     RamDiskFullError,
     RetryableError,
@@ -34,8 +36,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgreementError", "CheckpointManager", "ClosedError", "ConfigError", "CorruptShardError",
-    "DirectoryLockedError", "FatalError", "InvalidStepError", "LocalDirError", "ManifestError",
-    "MtcError", "Options", "RamDiskFullError", "RetryableError", "SaveInProgressError",
+    "DataLossError", "DirectoryLockedError", "FatalError", "InvalidStepError", "LocalDirError",
+    "ManifestError", "MixedRunError", "MtcError", "Options", "RamDiskFullError",
+    "RetryableError", "SaveInProgressError",
     "ShardUnavailableError", "StepExistsError", "StepNotFoundError", "StorageError",
     "TargetMismatchError", "UnsupportedLeafError", "__version__",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 from mtc import errors, layout
 from mtc.errors import MtcError, ProtocolError
-from mtc.manifest import Index, LeafEntry, ShardEntry
+from mtc.manifest import Index, LeafEntry, ShardEntry, check_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,24 +49,26 @@ class AgentConfig:
 class SaveHeader:
     """The controller's description of one save: the step and the tree's leaves.
 
-    ``array_leaves[i]`` is the leaf number of the i-th array handed to ``stage``.
+    ``array_leaves[i]`` is the leaf number of the i-th array handed to ``stage``;
+    ``run`` the saving manager's run identity, written into every host's manifest.
     """
 
     step: int
     leaves: tuple[LeafEntry, ...]
     array_leaves: tuple[int, ...]
     skip_if_busy: bool
+    run: str = ""
 
     def to_bytes(self) -> bytes:
         return json.dumps({"step": self.step, "leaves": [x.to_json() for x in self.leaves],
                            "array_leaves": list(self.array_leaves),
-                           "skip_if_busy": self.skip_if_busy}).encode()
+                           "skip_if_busy": self.skip_if_busy, "run": self.run}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SaveHeader:
         d = json.loads(data)
         return cls(d["step"], tuple(LeafEntry.from_json(x) for x in d["leaves"]),
-                   tuple(d["array_leaves"]), d["skip_if_busy"])
+                   tuple(d["array_leaves"]), d["skip_if_busy"], check_run(d.get("run", "")))
 
 
 def shard_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:

@@ -75,6 +75,19 @@ class StepExistsError(FatalError):
     """A step with this number is already committed."""
 
 
+class MixedRunError(FatalError):
+    """A step's hosts hold bytes written by different runs of the job (a step saved
+    again under the same number after a restore, while an earlier run's save of it
+    survived on some hosts): it is never restored."""
+
+
+class DataLossError(FatalError):
+    """Some hosts' data of every step is gone (their RAM disks, their peers' copies
+    and the backup) while other hosts still hold steps: nothing can be restored
+    consistently. The message names the steps and the ranks whose data is gone;
+    ``Options(if_data_lost="start_over")`` starts from scratch instead."""
+
+
 class ShardUnavailableError(FatalError):
     """No readable copy covers part of an array the restore target needs."""
 

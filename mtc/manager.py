@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import jax
 
-from mtc import layout, multihost, orbax_args
+from mtc import layout, multihost, orbax_args, runs
 from mtc.contract import AgentConfig
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, NetworkTier, ProcessDispatch
 from mtc.dispatch.process import find_sidecars
@@ -30,14 +30,16 @@ from mtc.errors import (
     ClosedError,
     ConfigError,
     CorruptShardError,
+    DataLossError,
+    MixedRunError,
     MtcError,
     ShardUnavailableError,
     StepExistsError,
     StepNotFoundError,
     StorageError,
 )
+from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
-from mtc.manifest import Manifest
 from mtc.options import Options
 from mtc.replicas import ReplicatorTier, credentials, farthest
 from mtc.restore.load import metrics_of
@@ -143,14 +145,19 @@ class CheckpointManager:
             dispatch.close()
             raise
         self._dispatch = dispatch
+        self._inventory = StepInventory(dispatch, self.topology)
         self._reader = StepReader(dispatch, self.topology, self._network, self.local_dir,
-                                  self._saved_hosts)
+                                  self._inventory.saved_hosts)
         self._tier_: ReplicatorTier | None = None  # made when first asked (see _tier)
         # What close() releases, apart from the manager, so that a manager never
         # closed is still finished at exit or when collected (mtc.lifecycle).
         self._held = Held(dispatch, str(self.local_dir))
         track(self, self._held)
-        self._num_hosts: dict[int, int] = {}
+        # The run identity written into every manifest this manager saves (mtc.runs):
+        # fixed now and again after each restore, the same in every process.
+        self._run = "" if self.options.read_only else runs.shared_run_id()
+        # The step latest_step() answered: restoring it fences off newer steps.
+        self._latest: int | None = None
         self._last_saved: int | None = None
         # A step the replicators prepared for latest_step(), not yet restored.
         self._prepared: Prepared | None = None
@@ -261,7 +268,7 @@ class CheckpointManager:
             return False
         t0 = time.perf_counter()
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
-                                 metrics=metrics)
+                                 metrics=metrics, run=self._run)
         if sidecars is not None:
             def before_send() -> None:
                 # While the shards are copied into the hosts' areas: one round trip
@@ -281,9 +288,8 @@ class CheckpointManager:
             staged = self._dispatch.stage(header, arrays)
         if staged:
             self._last_saved = step
-            if isinstance(self._dispatch, (ProcessDispatch, LocalDispatch)):
-                # Their manifests say this job's host count: no host need be asked.
-                self._num_hosts[step] = len(self._config.slice_of_host)
+            # The manifests say this job's host count and this run: no host need be asked.
+            self._inventory.saved(step, self._run, self.topology.local_hosts)
             nbytes = sum(int(a.nbytes) for a in arrays)
             log.info("mtc: save step %d: %d bytes staged in %.3fs; writing to the local tier "
                      "(%s) in the background", step, nbytes, time.perf_counter() - t0,
@@ -298,11 +304,12 @@ class CheckpointManager:
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
         if not partial:
             return held
-        if step in self._complete_here(held):
+        if step in self._inventory.complete_here(held):
             raise StepExistsError("step is already committed", step=step, host=partial[0])
-        log.warning("step %d was committed on hosts %s only; replacing it", step, partial)
+        log.warning("step %d was committed on hosts %s only (or by another run on some); "
+                    "replacing it", step, partial)
         self._dispatch.delete(step, partial)
-        self._num_hosts.pop(step, None)
+        self._inventory.forget(step)
         return {h: [s for s in steps if s != step] for h, steps in held.items()}
 
     @_api
@@ -340,7 +347,7 @@ class CheckpointManager:
         ``held``: the hosts' committed steps, when the caller has just listed them."""
         if not self._retains():
             return {}
-        complete = multihost.common_steps(self._complete_here(held))
+        complete = self._inventory.common(held)
         return self._dispatch.retain(self.topology.local_hosts, complete,
                                      max_to_keep=self.options.max_to_keep,
                                      keep_period=self.options.keep_period,
@@ -392,45 +399,12 @@ class CheckpointManager:
 
     # -- inventory --------------------------------------------------------------
 
-    def _held_steps(self) -> dict[int, list[int]]:
-        """Committed steps of every host the dispatcher reaches: its own, and with
-        host subfolders every ``host-<i>`` beside them (simulated hosts, a job
-        restarted with fewer or more processes on one machine)."""
-        return self._dispatch.steps(self.topology.local_hosts)
-
-    def _saved_hosts(self, step: int, holders: list[int],
-                     manifest_of: Callable[[int, int], Manifest] | None = None) -> int:
-        """How many hosts took part in saving ``step`` (from a manifest, cached)."""
-        if step not in self._num_hosts:
-            fetch = manifest_of or self._dispatch.manifest
-            self._num_hosts[step] = fetch(step, holders[0]).num_hosts
-        return self._num_hosts[step]
-
-    def _complete_here(self, listed: dict[int, list[int]] | None = None) -> list[int]:
-        held: dict[int, list[int]] = {}
-        for h, steps in (listed if listed is not None else self._held_steps()).items():
-            for s in steps:
-                held.setdefault(s, []).append(h)
-        complete = []
-        for s, holders in sorted(held.items()):
-            if not self.topology.subdirs:  # other hosts' roots are not visible here
-                if set(self.topology.local_hosts) <= set(holders):
-                    complete.append(s)
-                continue
-            try:
-                n = self._saved_hosts(s, holders)
-            except MtcError:
-                continue  # an unreadable manifest: never offered as a step
-            if set(range(n)) <= set(holders):
-                complete.append(s)
-        return complete
-
     @_api
     def all_steps(self) -> list[int]:
         """Steps committed on every host's RAM disk that saved them (collective in
         multi-controller JAX). Peer copies and backups are not listed here:
         ``latest_step`` and ``restore`` reach them through the replicators."""
-        return multihost.common_steps(self._complete_here())
+        return self._inventory.common()
 
     @_api
     def latest_step(self) -> int | None:
@@ -448,19 +422,51 @@ class CheckpointManager:
         """
         if not self.options.replicators:
             steps = self.all_steps()
-            return steps[-1] if steps else None
+            if not steps:
+                self._unrestorable()
+            self._latest = steps[-1] if steps else None
+            return self._latest
         if self._prepared is None:
+            self._wait_saves()  # the replicators see what this job committed
             self._prepared = self._prepare_with_replicators(background=self._may_defer())
         step = self._prepared.step
         if step is None:
+            if self._prepared.lost:
+                self._unrestorable(self._prepared.lost)
             steps = self.all_steps()
-            return steps[-1] if steps else None
+            self._latest = steps[-1] if steps else None
+            return self._latest
         if multihost.common_steps([step]) != [step]:
             raise AgreementError("processes were told different steps by their replicators",
                                  step=step)
         log.info("mtc: latest step %d, agreed by every host (tier: %s)", step,
                  self.last_restore_tier)
+        self._latest = step
         return step
+
+    def _unrestorable(self, lost: str = "") -> None:
+        """No step can be restored: fine when the hosts hold none (a new job); when
+        some do (another host's data of every step is gone), a
+        :class:`DataLossError` naming what is gone, or with
+        ``Options(if_data_lost="start_over")`` those steps deleted on this job's
+        hosts, so that it saves their numbers again from scratch."""
+        held = {h: steps for h, steps in self._inventory.held().items() if steps}
+        if not multihost.any_process(bool(held) or bool(lost)):
+            return
+        what = lost or "; ".join(f"host {h} holds steps {steps}" for h, steps in
+                                 sorted(held.items())) or "other processes' hosts hold steps"
+        if self.options.if_data_lost == "raise":
+            raise DataLossError(
+                f"no step can be restored: the data of some host of every step is gone, "
+                f"while others still hold steps ({what}). Bring the data back (restart the "
+                f"lost host's replicator, or restore its backup) and retry, or start from "
+                f"scratch with Options(if_data_lost='start_over')")
+        log.warning("mtc: no step can be restored (%s); starting over as asked "
+                    "(if_data_lost='start_over'): deleting this job's unrestorable steps", what)
+        if not self.options.read_only:
+            for step in sorted({s for steps in held.values() for s in steps}):
+                self._dispatch.delete(step, [h for h, steps in held.items() if step in steps])
+                self._inventory.forget(step)
 
     @_api
     def metrics(self, step: Any) -> Any:
@@ -475,7 +481,7 @@ class CheckpointManager:
         step = layout.as_step(step)
         self.wait_until_finished()
         self._dispatch.delete(step, self.topology.local_hosts)
-        self._num_hosts.pop(step, None)
+        self._inventory.forget(step)
 
     # -- restore ----------------------------------------------------------------
 
@@ -514,19 +520,33 @@ class CheckpointManager:
             prepared = self._prepared or self._prepare_with_replicators(
                 background=self._may_defer())
             step, tiers = prepared.step, self._tier.host_tiers(prepared)
+            if step is None:
+                self._unrestorable(prepared.lost)
+                raise StepNotFoundError("the replicators agree that no step can be restored "
+                                        "on this job's hosts (none was saved, or none "
+                                        "completely)")
         self._prepared = None
+        # Restoring the newest step fences off newer ones: only saves that did not
+        # finish on every host can be newer, and the job will save their numbers
+        # again (the replicators fence their own hosts when they agree).
+        newest = step is None or step == self._latest
         t_prepared = time.perf_counter()
         if step is None:
             steps = self.all_steps()
             if not steps:
-                raise StepNotFoundError(f"no committed step under {self.local_dir}")
+                self._unrestorable()
+                raise StepNotFoundError(f"no step is committed on every host of this job "
+                                        f"({self._where()})")
             step = steps[-1]
+        run = prepared.run if prepared is not None and prepared.step == step else ""
+        if not run and not self.options.replicators:
+            self._check_one_run(step)
         error: MtcError | None = None
         result: Any = None
         nbytes = 0
         self.last_restore_seconds = {}
         try:
-            saved, result = self._load(step, target, args, prepared)
+            saved, result = self._load(step, target, args, prepared, run)
             nbytes = sum(m.nbytes for m in saved.manifests.values())
         except MtcError as e:
             error = e
@@ -547,7 +567,7 @@ class CheckpointManager:
                         raise StepNotFoundError(f"after healing, the replicators agree on "
                                                 f"step {healed}", step=requested)
                     step, error, tiers = healed, None, self._tier.host_tiers(prepared)
-                    saved, result = self._load(step, target, args)
+                    saved, result = self._load(step, target, args, run=prepared.run)
                     nbytes = sum(m.nbytes for m in saved.manifests.values())
                 except MtcError as e:
                     error = e
@@ -563,22 +583,67 @@ class CheckpointManager:
         self.last_restore_seconds.update({"prepare": t_prepared - t0,
                                           "load": time.perf_counter() - t_prepared})
         self._last_saved = max(step, self._last_saved or 0)
+        if newest and not self.options.replicators and not self.options.read_only:
+            self._fence(step)
+        self._latest = None
+        if not self.options.read_only:
+            # Saves from here on are another run's: what this run saved after the
+            # restored step (fenced, or never finished) can never mix with them.
+            self._run = runs.shared_run_id()
         log.info("mtc: restored step %d: %d bytes in %.3fs from the %s tier (hosts: %s)",
                  step, nbytes, time.perf_counter() - t0, self.last_restore_tier,
                  ", ".join(f"{h}={t}" for h, t in sorted(tiers.items())))
         return result
 
+    def _fence(self, step: int) -> None:
+        """Delete this job's hosts' steps newer than ``step`` (the newest complete
+        one, just restored): each is a save some host never finished."""
+        held = self._inventory.held()
+        for s in sorted({s for steps in held.values() for s in steps if s > step}):
+            hosts = [h for h in self.topology.local_hosts if s in held.get(h, ())]
+            if hosts:
+                log.info("mtc: step %d was committed on hosts %s only: deleted (fenced off "
+                         "after restoring step %d)", s, hosts, step)
+                self._dispatch.delete(s, hosts)
+                self._inventory.forget(s)
+
+    def _check_one_run(self, step: int) -> None:
+        """In multi-controller JAX each process sees its own host: that every
+        process's copy of ``step`` was written by one run is asked of them all
+        (collective), before anything is read."""
+        if self.topology.subdirs or jax.process_count() == 1:
+            return
+        held = self._inventory.held()
+        mine = [h for h in self.topology.local_hosts if step in held.get(h, ())]
+        key = -1
+        if mine:
+            try:
+                one = self._inventory.run_of(step, mine)
+            except MtcError:
+                one = None
+            key = -1 if one is None else runs.run_key(one)
+        if multihost.common_steps([step], {step: key}) != [step]:
+            raise MixedRunError("the processes' hosts hold copies of this step written by "
+                                "different runs (or not at all): it is never restored",
+                                step=step)
+
+    def _where(self) -> str:
+        """Where this manager's steps are, as the user configured it."""
+        if self.options.sidecars:
+            return f"the RAM disks behind sidecars {', '.join(self.options.sidecars)}"
+        return str(self.local_dir)
+
     def _load(self, step: int, target: Any, args: Any,
-              prepared: Prepared | None = None) -> tuple[SavedStep, Any]:
+              prepared: Prepared | None = None, run: str = "") -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it (mtc.restore.step);
         the hosts whose data ``prepared`` says is on its way are waited for only
         where the other hosts' copies do not cover their regions."""
         if prepared is None or not prepared.pending:
-            return self._reader.load(step, target, args)
+            return self._reader.load(step, target, args, run=run)
         tier = self._tier
         return self._reader.load(step, target, args, pending=tier.pending_hosts(prepared),
                                  wait_pending=lambda: tier.wait_local(prepared),
-                                 seconds=self.last_restore_seconds)
+                                 seconds=self.last_restore_seconds, run=run)
 
     def _may_defer(self) -> bool:
         """Whether a restore may start before every host's data is local: this

@@ -17,8 +17,15 @@ from mtc.errors import ManifestError
 from mtc.integrity import crc32c
 
 FORMAT = "mtc-manifest"
-VERSION = 1
+# 2 added ``run``. A reader takes every version up to its own (an older step reads
+# as run ""); a step of a newer version is refused by name: upgrade readers (the
+# replicators, then the trainers) before writers (docs/deploy.md, "Upgrades").
+VERSION = 2
+READS = (1, 2)
 MANIFEST_NAME = "manifest.json"
+# A run identity: what the manager's save wrote it with (mtc.runs). Short, plain.
+RUN_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_.:")
+RUN_MAX = 64
 
 LeafKind = Literal["array", "numpy", "prng_key", "value"]
 # One (start, stop) pair per dimension, in global coordinates.
@@ -123,6 +130,9 @@ class Manifest:
     num_hosts: int
     leaves: tuple[LeafEntry, ...]
     version: int = VERSION
+    # The run that wrote it: every host's manifest of one step names the same run,
+    # or the step mixes two runs' bytes and is never restored ("": before version 2).
+    run: str = ""
 
     @property
     def files(self) -> dict[str, ShardEntry]:
@@ -135,7 +145,7 @@ class Manifest:
     def to_bytes(self) -> bytes:
         body = {"format": FORMAT, "version": self.version, "step": self.step,
                 "host": self.host, "slice": self.slice, "num_hosts": self.num_hosts,
-                "leaves": [leaf.to_json() for leaf in self.leaves]}
+                "run": check_run(self.run), "leaves": [leaf.to_json() for leaf in self.leaves]}
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return json.dumps({"body": text, "crc32c": crc32c(text.encode())}).encode()
 
@@ -143,11 +153,13 @@ class Manifest:
     def from_bytes(cls, data: bytes, *, path: str = "") -> Manifest:
         body = cls._body(data, path)
         try:
-            m = cls(step=_int(body["step"], "step", 0), host=_int(body["host"], "host", 0),
+            m = cls(step=_int(body["step"], "step", 0, STEP_MAX),
+                    host=_int(body["host"], "host", 0),
                     slice=_int(body["slice"], "slice", 0),
                     num_hosts=_int(body["num_hosts"], "num_hosts", 1),
                     leaves=tuple(LeafEntry.from_json(x) for x in _list(body["leaves"],
-                                                                       "leaves")))
+                                                                       "leaves")),
+                    version=body["version"], run=check_run(body.get("run", "")))
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
         if m.host >= m.num_hosts:
@@ -156,18 +168,25 @@ class Manifest:
 
     @classmethod
     def num_hosts_of(cls, data: bytes, *, path: str = "") -> int:
-        """The number of hosts that saved the step, checked as :meth:`from_bytes`
-        checks the manifest but without building its leaves (a replicator asks
-        this of every copy it lists; a manifest has thousands of shards)."""
+        """The number of hosts that saved the step (see :meth:`summary_of`)."""
+        return cls.summary_of(data, path=path)[0]
+
+    @classmethod
+    def summary_of(cls, data: bytes, *, path: str = "") -> tuple[int, str]:
+        """The number of hosts that saved the step and the run that saved it,
+        checked as :meth:`from_bytes` checks the manifest but without building its
+        leaves (a replicator asks this of every copy it lists; a manifest has
+        thousands of shards)."""
         body = cls._body(data, path)
         try:
             num_hosts = _int(body["num_hosts"], "num_hosts", 1)
             host = _int(body["host"], "host", 0)
+            run = check_run(body.get("run", ""))
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
         if host >= num_hosts:
             raise ManifestError(f"host {host} of {num_hosts}", path=path)
-        return num_hosts
+        return num_hosts, run
 
     @staticmethod
     def _body(data: bytes, path: str) -> dict[str, Any]:
@@ -187,12 +206,23 @@ class Manifest:
             raise ManifestError(f"unreadable manifest: {e!r}"[:500], path=path) from e
         if body.get("format") != FORMAT:
             raise ManifestError(f"not an mtc manifest (format={body.get('format')!r})", path=path)
-        if body.get("version") != VERSION:
+        if body.get("version") not in READS:
             raise ManifestError(
                 f"manifest version {body.get('version')} is not supported "
-                f"(this mtc reads {VERSION})",
+                f"(this mtc reads versions {', '.join(map(str, READS))}: a newer mtc wrote "
+                f"it; upgrade this reader)",
                 path=path)
         return body
+
+
+STEP_MAX = 2**62  # a step number: an int64 everywhere, with room to spare
+
+
+def check_run(run: object) -> str:
+    """A run identity from a manifest or a message: a short plain string."""
+    if not isinstance(run, str) or len(run) > RUN_MAX or not set(run) <= RUN_CHARS:
+        raise ValueError(f"bad run identity {str(run)[:80]!r}")
+    return run
 
 
 KINDS = ("array", "numpy", "prng_key", "value")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -11,20 +11,41 @@ import numpy as np
 WINDOW = 64
 
 
-def common_steps(local: Sequence[int]) -> list[int]:
-    """Steps committed in every process (collective: every process must call it)."""
+def common_steps(local: Sequence[int], keys: Mapping[int, int] | None = None) -> list[int]:
+    """Steps committed in every process (collective: every process must call it).
+    ``keys``: per step a number every process must report alike for the step to be
+    common (its run's :func:`mtc.runs.run_key`: one run's bytes on every host)."""
     if jax.process_count() == 1:
         return sorted(local)
     from jax.experimental import multihost_utils
 
-    mine = np.full(WINDOW, -1, dtype=np.int64)
     newest = sorted(local)[-WINDOW:]
-    mine[:len(newest)] = newest
-    everyone = np.asarray(multihost_utils.process_allgather(mine))
-    common = set(newest)
-    for row in everyone.reshape(jax.process_count(), WINDOW):
-        common &= {int(s) for s in row if s >= 0}
-    return sorted(common)
+    mine = np.full((2, WINDOW), -1, dtype=np.int64)
+    mine[0, :len(newest)] = newest
+    mine[1, :len(newest)] = [(keys or {}).get(s, 0) for s in newest]
+    # As 32-bit halves: without jax_enable_x64 an int64 array crosses as int32.
+    everyone = np.asarray(multihost_utils.process_allgather(_halves(mine)))
+    common: set[tuple[int, int]] | None = None
+    for rows in everyone.reshape(jax.process_count(), 4, WINDOW):
+        whole = _whole(rows)
+        seen = {(int(s), int(k)) for s, k in zip(whole[0], whole[1], strict=True) if s >= 0}
+        common = seen if common is None else common & seen
+    return sorted(s for s, _ in common or ())
+
+
+def _halves(a: np.ndarray) -> np.ndarray:
+    """An int64 array (2 rows) as 4 rows of int32: each row's high, then low halves."""
+    u = a.astype(np.uint64)
+    hi = (u >> np.uint64(32)).astype(np.uint32).view(np.int32)
+    lo = (u & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+    return np.concatenate([hi, lo]).astype(np.int32)
+
+
+def _whole(rows: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_halves`."""
+    r = np.asarray(rows, dtype=np.int32).view(np.uint32).astype(np.uint64)
+    n = r.shape[0] // 2
+    return ((r[:n] << np.uint64(32)) | r[n:]).view(np.int64)
 
 
 def barrier(name: str) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 from mtc.errors import ConfigError
 
 BusyPolicy = Literal["wait", "skip"]
+LossPolicy = Literal["raise", "start_over"]
 Dispatch = Literal["auto", "local", "colocated", "process"]
 
 
@@ -82,6 +83,13 @@ class Options:
       read_only: the manager only reads (Orbax's ``read_only``): it takes no
         writer lock, so it may open a directory another manager writes to; it
         removes nothing and ``save``/``delete`` raise ConfigError.
+      if_data_lost: what ``latest_step``/``restore`` do when no step can be
+        restored although some hosts still hold steps (another host's data of
+        every step is gone: its RAM disk, its peers' copies, the backup).
+        ``"raise"``: :class:`mtc.DataLossError` naming the steps and hosts (bring
+        the data back, e.g. a backup, and restart); ``"start_over"``: answer
+        ``None`` and delete the unrestorable steps on this job's hosts, so the
+        job starts from scratch and saves those step numbers again.
     """
 
     save_interval_steps: int = 1
@@ -102,6 +110,7 @@ class Options:
     restore_while_fetching: bool = True
     sidecars: tuple[str, ...] | None = None
     read_only: bool = False
+    if_data_lost: LossPolicy = "raise"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -121,6 +130,9 @@ class Options:
             raise ConfigError(f"max_staged_bytes must be positive, got {self.max_staged_bytes}")
         if self.writer_threads < 1:
             raise ConfigError(f"writer_threads must be >= 1, got {self.writer_threads}")
+        if self.if_data_lost not in ("raise", "start_over"):
+            raise ConfigError(f"if_data_lost must be 'raise' or 'start_over', got "
+                              f"{self.if_data_lost!r}")
         if self.dispatch not in ("auto", "local", "colocated", "process"):
             raise ConfigError("dispatch must be auto, local, colocated or process, "
                               f"got {self.dispatch!r}")

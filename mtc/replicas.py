@@ -45,6 +45,8 @@ class Prepared:
     epoch: int = 0
     pending: frozenset[str] = frozenset()
     restore_id: str = ""
+    run: str = ""  # the run whose bytes make the step ("": not named, or the backup's)
+    lost: str = ""  # step None while hosts hold data: whose data of which steps is gone
 
 
 def prepare_restore(addresses: Sequence[str], *, token: str | None,
@@ -94,15 +96,15 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
         log.info("replicator %s: step %d (epoch %d) from the %s tier in %.2fs%s",
                  a, r.step, r.epoch, r.tier, r.seconds,
                  " (its data still on the way)" if r.pending else "")
-    decided = {(r.epoch, r.step) for r in replies}
+    decided = {(r.epoch, r.step, r.run) for r in replies}
     if len(decided) != 1:
-        raise AgreementError(f"replicators read different decisions (epoch, step): "
+        raise AgreementError(f"replicators read different decisions (epoch, step, run): "
                              f"{sorted(decided)}")
-    epoch, step = decided.pop()
+    epoch, step, run = decided.pop()
     return Prepared(None if step < 0 else step,
                     {a: r.tier for a, r in zip(addresses, replies, strict=True)}, epoch,
                     frozenset(a for a, r in zip(addresses, replies, strict=True) if r.pending),
-                    rid)
+                    rid, run, replies[0].lost)
 
 
 def _prepare_one(client: PeerClient, rid: str, deadline: float,

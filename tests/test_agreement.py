@@ -91,16 +91,63 @@ SMALLER_JOB_CASES = [
      {0: hs((0, 2), (0, 3), (2, 2), (2, 3)), 1: hs((1, 2), (1, 3), (3, 2))}, [0, 1], 4,
      Decided(2)),
     ("held only by a host outside the job: does not count",
-     {0: hs((0, 3), (2, 3)), 1: hs((1, 3))}, [0, 1], 4, Decided(-1)),
+     {0: hs((0, 3), (2, 3)), 1: hs((1, 3))}, [0, 1], 4,
+     Decided(-1, lost="step 3: data of rank(s) [3] is on no member and not in the backup "
+                      "(rank(s) [0, 1, 2] still hold theirs)")),
     ("a step the smaller job saved: its own hosts' data suffice",
      {0: hs((0, 3), (2, 3), (0, 4), saved=((3, 4), (4, 2))),
       1: hs((1, 3), (3, 3), (1, 4), saved=((3, 4), (4, 2)))}, [0, 1], 4, Decided(4)),
     ("one copy states more saving hosts: the most is needed",
      {0: hs((0, 4), saved=((4, 2),)), 1: hs((1, 4), saved=((4, 3),))}, [0, 1], 4,
-     Decided(-1)),
+     Decided(-1, lost="step 4: data of rank(s) [2] is on no member and not in the backup "
+                      "(rank(s) [0, 1] still hold theirs)")),
     ("a member silent: never a partial view",
      {0: hs((0, 3), (2, 3))}, [0, 1], 4, CannotDecide("no inventory from rank(s) [1]", (1,))),
 ]
+
+
+def hr(*copies: tuple[int, int, str, int]) -> Holding:
+    """A member's copies with their runs: (origin, step, run, hosts that saved it)."""
+    return Holding(frozenset((o, s) for o, s, _, _ in copies), frozenset(), None, frozenset(),
+                   frozenset(copies))
+
+
+# (name, holdings, members, num_nodes, expected): steps saved by more than one run.
+RUN_CASES = [
+    ("one run everywhere",
+     {0: hr((0, 5, "a", 2)), 1: hr((1, 5, "a", 2))}, [0, 1], 2, Decided(5, "a")),
+    ("a step two runs committed on different hosts is never complete",
+     {0: hr((0, 4, "a", 2), (0, 5, "a", 2)), 1: hr((1, 4, "a", 2), (1, 5, "b", 2))}, [0, 1], 2,
+     Decided(4, "a")),
+    ("a stale copy of another run beside a complete run",
+     {0: hr((0, 5, "b", 2), (1, 5, "a", 2)), 1: hr((1, 5, "b", 2))}, [0, 1], 2, Decided(5, "b")),
+    ("a smaller run's step: its own saving hosts, not the bigger run's",
+     {0: hr((0, 5, "small", 2), (2, 5, "big", 4)), 1: hr((1, 5, "small", 2))}, [0, 1], 4,
+     Decided(5, "small")),
+    ("every copy mixed: nothing to restore, said",
+     {0: hr((0, 5, "a", 2)), 1: hr((1, 5, "b", 2))}, [0, 1], 2,
+     Decided(-1, lost="step 5 (run a): data of rank(s) [1] is on no member and not in the "
+                      "backup (rank(s) [0] still hold theirs); step 5 (run b): data of rank(s) "
+                      "[0] is on no member and not in the backup (rank(s) [1] still hold "
+                      "theirs)")),
+]
+
+
+@pytest.mark.parametrize(("name", "holdings", "members", "num_nodes", "want"), RUN_CASES,
+                         ids=[c[0] for c in RUN_CASES])
+def test_decide_never_combines_two_runs(name: str, holdings: dict[int, Holding],
+                                        members: list[int], num_nodes: int,
+                                        want: Decided) -> None:
+    assert decide(holdings, members, own_only, num_nodes) == want
+
+
+def test_a_decision_keeps_its_run_and_loss_across_a_restart(tmp_path: Path) -> None:
+    book = Book(tmp_path / "book.json")
+    book.record(7, {"r"}, 1.0, members=[0, 1], run="abc")
+    book.record(-1, {"s"}, 2.0, members=[0, 1], lost="step 9: gone")
+    again = Book(tmp_path / "book.json")
+    assert again.find("r") is not None and again.find("r").run == "abc"  # type: ignore[union-attr]
+    assert again.find("s").lost == "step 9: gone"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(("name", "holdings", "members", "num_nodes", "want"),

@@ -221,7 +221,7 @@ def test_a_replaced_host_is_restored_from_its_replica_while_its_data_comes_back(
         # Host 1's own copy arrives in the background (after the replicator's quiet
         # time), committed and listed by its sidecar.
         deadline = time.monotonic() + 60
-        while 4 not in mgr._held_steps().get(1, []):
+        while 4 not in mgr._inventory.held().get(1, []):
             assert time.monotonic() < deadline, hosts.log_tail(1, "replicator")
             time.sleep(0.2)
         loads.clear()

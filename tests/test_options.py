@@ -36,3 +36,14 @@ def test_the_job_states_one_rank_per_host(tmp_path: Path, mesh: Mesh, addresses:
     with mtc.CheckpointManager(tmp_path, mesh=mesh, options=opts) as m, \
             pytest.raises(mtc.ConfigError, match=match):
         m.latest_step()
+
+
+def test_the_readme_lists_every_option() -> None:
+    """The README's Options table has a row for every field of mtc.Options."""
+    import dataclasses
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("### Options"):readme.index("## How it works")]
+    rows = set(re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M))
+    assert rows == {f.name for f in dataclasses.fields(mtc.Options)}

@@ -299,9 +299,13 @@ def test_orbax_client_restarts_on_replicated_step(ramdisk: Path) -> None:
         assert fetched[0] == sum(f[1] for f in files) > 0, fetched
         assert fetched[1] == fetched[2] == fetched[3] == 0, fetched
         assert "told the client to restore step 3" in cluster.log_text(0)
-        # The bogus step is parked out of the client's sight, not deleted or used.
+        # The step no other host has is out of the client's sight and fenced off: a
+        # restore of step 3 was agreed, so 99 can only be a save that never finished
+        # everywhere, and an Orbax step names no run that would keep a later 99 of
+        # the resumed job apart from it.
         assert "99" not in seen[1]["names"]
-        assert seen[1]["parked_99"]
+        assert not seen[1]["parked_99"]
+        assert "fenced off steps newer than the agreed step 3" in cluster.log_text(1)
         for h in range(HOSTS):
             marker = [n for n in seen[h]["names"] if n.endswith(".restore")]
             assert marker == [], f"host {h} still has restore markers {marker}"

@@ -114,7 +114,9 @@ def test_latest_step_reaches_the_peer_tier_and_says_so(
     cl.start(1)
     opts = cl.options(max_to_keep=None)  # host 1's sidecar restarted, empty
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
-        assert mgr.latest_step() is None  # the RAM disks alone: step 2 is not on host 1
+        # The RAM disks alone: host 1's data of every step is gone, others hold step 2.
+        with pytest.raises(mtc.DataLossError, match=r"host 0 holds steps \[2\]"):
+            mgr.latest_step()
     with_replicators = dataclasses.replace(opts, replicators=tuple(cl.addrs),
                                            restore_timeout_s=30.0)
     caplog.set_level(logging.INFO, logger="mtc")

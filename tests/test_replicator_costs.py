@@ -41,8 +41,8 @@ class CountingNode:
         self.asked.append("gather")
         return {}
 
-    def newest_complete(self, invs: dict[int, Any]) -> int:
-        return -1  # nothing complete: nothing is backed up either way
+    def newest_complete_run(self, invs: dict[int, Any]) -> tuple[int, str]:
+        return -1, ""  # nothing complete: nothing is backed up either way
 
 
 @pytest.mark.parametrize("policy, due", [

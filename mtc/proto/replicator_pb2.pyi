@@ -17,16 +17,20 @@ class FileInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class StepCopy(_message.Message):
-    __slots__ = ("step", "origin_rank", "files", "saved_hosts")
+    __slots__ = ("step", "origin_rank", "files", "saved_hosts", "run", "fingerprint")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     SAVED_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     step: int
     origin_rank: int
     files: _containers.RepeatedCompositeFieldContainer[FileInfo]
     saved_hosts: int
-    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., saved_hosts: _Optional[int] = ...) -> None: ...
+    run: str
+    fingerprint: int
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., saved_hosts: _Optional[int] = ..., run: _Optional[str] = ..., fingerprint: _Optional[int] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ("rank_only", "origins", "without_files")
@@ -55,18 +59,22 @@ class Inventory(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., quarantined_files: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("epoch", "step", "decided_at", "rank", "restore_id")
+    __slots__ = ("epoch", "step", "decided_at", "rank", "restore_id", "run", "lost")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESTORE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     decided_at: float
     rank: int
     restore_id: str
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., decided_at: _Optional[float] = ..., rank: _Optional[int] = ..., restore_id: _Optional[str] = ...) -> None: ...
+    run: str
+    lost: str
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., decided_at: _Optional[float] = ..., rank: _Optional[int] = ..., restore_id: _Optional[str] = ..., run: _Optional[str] = ..., lost: _Optional[str] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
     __slots__ = ("copy",)
@@ -170,18 +178,22 @@ class PrepareRestoreRequest(_message.Message):
     def __init__(self, timeout_seconds: _Optional[float] = ..., restore_id: _Optional[str] = ..., members: _Optional[_Iterable[int]] = ..., background: _Optional[bool] = ...) -> None: ...
 
 class PrepareRestoreReply(_message.Message):
-    __slots__ = ("step", "tier", "seconds", "epoch", "pending")
+    __slots__ = ("step", "tier", "seconds", "epoch", "pending", "run", "lost")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     step: int
     tier: str
     seconds: float
     epoch: int
     pending: bool
-    def __init__(self, step: _Optional[int] = ..., tier: _Optional[str] = ..., seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., pending: _Optional[bool] = ...) -> None: ...
+    run: str
+    lost: str
+    def __init__(self, step: _Optional[int] = ..., tier: _Optional[str] = ..., seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., pending: _Optional[bool] = ..., run: _Optional[str] = ..., lost: _Optional[str] = ...) -> None: ...
 
 class BackupRequest(_message.Message):
     __slots__ = ("step",)

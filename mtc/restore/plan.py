@@ -18,8 +18,9 @@ from typing import Any
 
 import jax
 
+from mtc import runs
 from mtc.contract import Piece, ReadTask, shard_index
-from mtc.errors import ManifestError, ShardUnavailableError, TargetMismatchError
+from mtc.errors import ManifestError, MixedRunError, ShardUnavailableError, TargetMismatchError
 from mtc.manifest import Index, LeafEntry, Manifest, ShardEntry
 from mtc.topology import Topology
 
@@ -37,10 +38,21 @@ class SavedStep:
         return next(iter(self.manifests.values())).leaves
 
 
-def load_step(step: int, hosts: Sequence[int], manifest_of: Callable[[int, int], Manifest]
-              ) -> SavedStep:
-    """Every host's manifest of ``step`` (``manifest_of(step, host)``, through the seam)."""
+def load_step(step: int, hosts: Sequence[int], manifest_of: Callable[[int, int], Manifest],
+              *, run: str = "") -> SavedStep:
+    """Every host's manifest of ``step`` (``manifest_of(step, host)``, through the
+    seam), all written by one run (``run`` when it is given: the one agreed on).
+    A step whose hosts' copies two runs wrote is refused: :class:`MixedRunError`."""
     manifests = {h: manifest_of(step, h) for h in hosts}
+    written_by = {h: m.run for h, m in manifests.items()}
+    one = runs.one_run(written_by)
+    if one is None:
+        raise MixedRunError(f"the hosts' copies of this step were written by different runs "
+                            f"({runs.describe_mix(written_by)}): it is never restored",
+                            step=step)
+    if run and one != run:
+        raise MixedRunError(f"the hosts' copies were written by run {one or '(none)'}, the "
+                            f"restore agreed on run {run}", step=step)
     first = next(iter(manifests.values()))
     holders: list[dict[Index, list[tuple[int, ShardEntry]]]] = [
         defaultdict(list) for _ in first.leaves]

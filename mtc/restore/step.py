@@ -44,7 +44,8 @@ class StepReader:
     def load(self, step: int, target: Any, args: Any, *,
              pending: frozenset[int] = frozenset(),
              wait_pending: Callable[[], None] | None = None,
-             seconds: dict[str, float] | None = None) -> tuple[SavedStep, Any]:
+             seconds: dict[str, float] | None = None, run: str = ""
+             ) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it.
 
         ``pending``: hosts whose data is still on its way (replaced hosts whose
@@ -59,10 +60,11 @@ class StepReader:
         crosses the network (a job of a thousand hosts does not fetch a million
         manifests to restore where it saved). Only when the target needs a region
         another host saved are every saving host's manifests fetched and the plan
-        made again."""
+        made again. Every manifest read must name one run (``run``, when the
+        replicators agreed on one): else :class:`MixedRunError`."""
         if pending and wait_pending is not None:
             try:
-                saved = self.saved_step(step, pending=pending)
+                saved = self.saved_step(step, pending=pending, run=run)
                 return saved, self.restore_from(saved, target, args)
             except (ShardUnavailableError, StepNotFoundError) as e:
                 # Planned again from the start: nothing was placed on a device yet.
@@ -72,7 +74,7 @@ class StepReader:
             wait_pending()
             if seconds is not None:
                 seconds["wait_pending"] = time.perf_counter() - t
-        saved = self.saved_step(step)
+        saved = self.saved_step(step, run=run)
         if self.network is None:
             return saved, self.restore_from(saved, target, args)
         try:
@@ -81,7 +83,7 @@ class StepReader:
             pass  # planned on this host's files alone: nothing was read from elsewhere
         log.info("mtc: restore of step %d needs regions other hosts saved: their manifests "
                  "and files come through the replicators", step)
-        saved = self.saved_step(step, every_host=True)
+        saved = self.saved_step(step, every_host=True, run=run)
         return saved, self.restore_from(saved, target, args)
 
     def restore_from(self, saved: SavedStep, target: Any, args: Any) -> Any:
@@ -100,7 +102,7 @@ class StepReader:
         return out
 
     def saved_step(self, step: int, *, every_host: bool = False,
-                   pending: frozenset[int] = frozenset()) -> SavedStep:
+                   pending: frozenset[int] = frozenset(), run: str = "") -> SavedStep:
         """Manifests of ``step``: of every host this process reaches (but the
         ``pending`` hosts, whose data is on its way); ``every_host``
         (multi-controller JAX with the network tier) of every host that saved it."""
@@ -128,5 +130,5 @@ class StepReader:
             # host's manifest (and later its regions) through this host's side, which
             # gets other hosts' from the network tier. Without replicators only this
             # host's files are known, and a region it lacks is ShardUnavailableError.
-            return load_step(step, range(n), manifest_of)
-        return load_step(step, [h for h in holders if h < n], manifest_of)
+            return load_step(step, range(n), manifest_of, run=run)
+        return load_step(step, [h for h in holders if h < n], manifest_of, run=run)

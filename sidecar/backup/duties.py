@@ -44,11 +44,14 @@ class BackupDuties:
     def gather(self) -> dict[int, pb.Inventory]:
         raise NotImplementedError
 
-    def holders(self, invs: dict[int, pb.Inventory]
+    def holders(self, invs: dict[int, pb.Inventory], run: str | None = None
                 ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]:
         raise NotImplementedError
 
     def newest_complete(self, invs: dict[int, pb.Inventory]) -> int:
+        raise NotImplementedError
+
+    def newest_complete_run(self, invs: dict[int, pb.Inventory]) -> tuple[int, str]:
         raise NotImplementedError
 
     def _backup_loop(self) -> None:
@@ -89,9 +92,11 @@ class BackupDuties:
                 continue
         return True
 
-    def backup_sources(self, step: int, invs: dict[int, pb.Inventory]
+    def backup_sources(self, step: int, invs: dict[int, pb.Inventory], run: str = ""
                        ) -> dict[int, list[tuple[int, int, list[FileMeta]]]]:
-        held = self.holders(invs)
+        """Per rank, the copies its data of ``step`` can be uploaded from: those
+        ``run`` wrote (the step's complete run), never another run's."""
+        held = self.holders(invs, run or None)
         out: dict[int, list[tuple[int, int, list[FileMeta]]]] = {}
         for r in range(self.config.num_nodes):
             copies = [(h, o, [FileMeta(f.path, f.size, f.crc32c) for f in c.files])

@@ -127,7 +127,7 @@ class BackupScheduler:
             if not (force or self.may_be_due()) or not node.leads():
                 return -1
             invs = node.gather()
-            step = node.newest_complete(invs)
+            step, run = node.newest_complete_run(invs)
             if not (force or self.due(step)) or step < 0:
                 return -1
             if step in self.refresh():
@@ -135,7 +135,7 @@ class BackupScheduler:
                 self._requested.clear()
                 return step
             self._requested.clear()
-            sources = node.backup_sources(step, invs)
+            sources = node.backup_sources(step, invs, run)
             try:
                 back_up_step(self.store, step, sources, node.call_backup_part)
             except MtcError:

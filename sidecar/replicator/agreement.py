@@ -42,6 +42,11 @@ class Holding:
     backed_up: frozenset[int] = frozenset()
     last: Decision | None = None  # the newest decision this member has read
     saved_hosts: frozenset[tuple[int, int]] = frozenset()  # (step, hosts that saved it)
+    # (origin rank, step, run, hosts that saved it) of the copies whose manifest
+    # names a run: the copies of one step may be of different runs, and only one
+    # run's bytes make a step. A copy not listed here is of run "" (an Orbax step,
+    # one saved before runs were recorded) and counts ``saved_hosts``.
+    runs: frozenset[tuple[int, int, str, int]] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,8 @@ class Decision:
 @dataclasses.dataclass(frozen=True)
 class Decided:
     step: int  # -1: nothing restorable anywhere
+    run: str = ""  # the run whose bytes make the step ("": not recorded, or the backup's)
+    lost: str = ""  # with -1 while members hold data: which ranks' data is gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,24 +74,65 @@ class CannotDecide:
     missing: tuple[int, ...] = ()
 
 
-def saving_ranks(step: int, holdings: Mapping[int, Holding], num_nodes: int) -> range:
-    """The ranks whose data ``step`` needs: those that saved it, as its copies'
-    manifests state (the most any copy states: never fewer than saved); every
-    node's when none states it (an Orbax step)."""
-    stated = [n for h in holdings.values() for s, n in h.saved_hosts if s == step and n > 0]
+def _held_runs(holdings: Mapping[int, Holding]) -> dict[tuple[int, int], set[str]]:
+    """(origin, step) -> the runs of the copies of it that members hold."""
+    held: dict[tuple[int, int], set[str]] = {}
+    for h in holdings.values():
+        named = {(o, s): r for o, s, r, _ in h.runs}
+        for c in h.copies:
+            held.setdefault(c, set()).add(named.get(c, ""))
+    return held
+
+
+def saving_ranks(step: int, holdings: Mapping[int, Holding], num_nodes: int,
+                 run: str = "") -> range:
+    """The ranks whose data ``step`` of ``run`` needs: those that saved it, as its
+    copies' manifests state (the most any copy states: never fewer than saved);
+    every node's when none states it (an Orbax step)."""
+    stated = [n for h in holdings.values() for _, s, r, n in h.runs
+              if s == step and r == run and n > 0]
+    if not run:
+        stated += [n for h in holdings.values() for s, n in h.saved_hosts if s == step and n > 0]
     return range(max(stated) if stated else num_nodes)
+
+
+def newest_complete_run(holdings: Mapping[int, Holding], num_nodes: int,
+                        equivalent: Callable[[int], Sequence[int]]) -> tuple[int, str]:
+    """The newest step, and its run, whose data of that one run is held (on hosts,
+    not in backup) for every rank that saved it (``num_nodes`` ranks, or fewer when
+    a smaller job saved it); (-1, "") when none. Copies of one step written by
+    different runs never complete each other."""
+    held = _held_runs(holdings)
+    for s in sorted({s for _, s in held}, reverse=True):
+        for run in sorted({r for (_, t), rs in held.items() if t == s for r in rs}):
+            if all(any(run in held.get((o, s), ()) for o in equivalent(r))
+                   for r in saving_ranks(s, holdings, num_nodes, run)):
+                return s, run
+    return -1, ""
 
 
 def newest_complete(holdings: Mapping[int, Holding], num_nodes: int,
                     equivalent: Callable[[int], Sequence[int]]) -> int:
-    """The newest step whose data is held (on hosts, not in backup) for every rank
-    that saved it (``num_nodes`` ranks, or fewer when a smaller job saved it)."""
-    held = {c for h in holdings.values() for c in h.copies}
-    for s in sorted({s for _, s in held}, reverse=True):
-        if all(any((o, s) in held for o in equivalent(r))
-               for r in saving_ranks(s, holdings, num_nodes)):
-            return s
-    return -1
+    """The step of :func:`newest_complete_run`."""
+    return newest_complete_run(holdings, num_nodes, equivalent)[0]
+
+
+def describe_loss(holdings: Mapping[int, Holding], num_nodes: int,
+                  equivalent: Callable[[int], Sequence[int]], *, newest: int = 3) -> str:
+    """Why no step is complete while members hold data: per newest step held
+    anywhere, the ranks whose data of it no member holds. "" when nothing is held."""
+    held = _held_runs(holdings)
+    lines = []
+    for s in sorted({s for _, s in held}, reverse=True)[:newest]:
+        runs = sorted({r for (_, t), rs in held.items() if t == s for r in rs})
+        for run in runs:
+            gone = [r for r in saving_ranks(s, holdings, num_nodes, run)
+                    if not any(run in held.get((o, s), ()) for o in equivalent(r))]
+            holders = sorted(o for (o, t), rs in held.items() if t == s and run in rs)
+            lines.append(f"step {s}{f' (run {run})' if len(runs) > 1 else ''}: data of "
+                         f"rank(s) {gone} is on no member and not in the backup "
+                         f"(rank(s) {holders} still hold theirs)")
+    return "; ".join(lines)
 
 
 def decide(holdings: Mapping[int, Holding], members: Collection[int],
@@ -104,7 +152,12 @@ def decide(holdings: Mapping[int, Holding], members: Collection[int],
         return CannotDecide(f"inventory from rank(s) {extra} outside the membership")
     backed = max((s for h in holdings.values() for s in h.backed_up), default=-1)
     n = len(members) if num_nodes is None else num_nodes
-    return Decided(max(newest_complete(holdings, n, equivalent), backed))
+    step, run = newest_complete_run(holdings, n, equivalent)
+    if backed > step:
+        return Decided(backed)  # the backup's run: its hosts' manifests say (checked on load)
+    if step < 0:
+        return Decided(-1, lost=describe_loss(holdings, n, equivalent))
+    return Decided(step, run)
 
 
 def check_members(members: Sequence[int], num_nodes: int, rank: int | None = None
@@ -139,6 +192,8 @@ class EpochRecord:
     decided_at: float
     rids: frozenset[str] = frozenset()
     members: tuple[int, ...] = ()  # the membership it was decided for (): not recorded
+    run: str = ""  # the run whose bytes make the step (see Decided)
+    lost: str = ""  # step -1 while members hold data: whose data is gone
 
     def decision(self, rank: int = -1, rid: str = "") -> Decision:
         return Decision(self.epoch, self.step, self.decided_at, rank, rid)
@@ -176,15 +231,16 @@ class Book:
             return find_record(self.records, rid)
 
     def record(self, step: int, rids: Iterable[str], now: float,
-               reported: Iterable[Decision] = (), members: Sequence[int] = ()
-               ) -> EpochRecord:
+               reported: Iterable[Decision] = (), members: Sequence[int] = (), *,
+               run: str = "", lost: str = "") -> EpochRecord:
         """Record a new epoch's decision: the only place a decision is made. Its
         number is past every epoch this book or any member knows, so a wiped
         coordinator never reuses one."""
         with self._lock:
             newest = max([r.epoch for r in self.records[-1:]] + [d.epoch for d in reported],
                          default=0)
-            rec = EpochRecord(newest + 1, step, now, frozenset(rids), tuple(members))
+            rec = EpochRecord(newest + 1, step, now, frozenset(rids), tuple(members), run,
+                              lost)
             self.records = [*self.records, rec][-KEEP_RECORDS:]
             self._save()
             return rec
@@ -193,7 +249,8 @@ class Book:
         if self.path is None:
             return
         data = [{"epoch": r.epoch, "step": r.step, "decided_at": r.decided_at,
-                 "rids": sorted(r.rids), "members": list(r.members)} for r in self.records]
+                 "rids": sorted(r.rids), "members": list(r.members), "run": r.run,
+                 "lost": r.lost} for r in self.records]
         layout.write_atomic(self.path, json.dumps(data), durable=True)
 
 
@@ -202,7 +259,8 @@ def _load(path: Path) -> list[EpochRecord]:
         data = json.loads(path.read_text())
         return [EpochRecord(int(d["epoch"]), int(d["step"]), float(d["decided_at"]),
                             frozenset(map(str, d["rids"])),
-                            tuple(int(m) for m in d.get("members", ()))) for d in data]
+                            tuple(int(m) for m in d.get("members", ())),
+                            str(d.get("run", "")), str(d.get("lost", ""))) for d in data]
     except FileNotFoundError:
         return []
     except (ValueError, KeyError, TypeError) as e:
@@ -325,7 +383,7 @@ class Coordinator:
             rids = {a[0] for a in asks.values()} | {a[0] for a in self._asks.values()}
             self.book.record(result.step, rids, self.clock(),
                              [h.last for h in holdings.values() if h.last is not None],
-                             self.members)
+                             self.members, run=result.run, lost=result.lost)
             self._asks.clear()
             self._asked_at.clear()  # those asks are answered: they count for no later epoch
             self._why = ""

@@ -47,6 +47,7 @@ from mtc.sidecar.replicator.agreement import (
     Holding,
     check_members,
     newest_complete,
+    newest_complete_run,
 )
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -54,7 +55,7 @@ from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.restore import RestoreDuties
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.status import is_retryable
-from mtc.sidecar.replicator.store import FileMeta, LocalStore
+from mtc.sidecar.replicator.store import FileMeta, LocalStore, fingerprint_of
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
@@ -78,6 +79,9 @@ class Node(BackupDuties, RestoreDuties):
         self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s)
                       for r, a in enumerate(config.nodes) if r != config.rank}
         self.replicated: dict[int, set[int]] = defaultdict(set)
+        # The fingerprint of each own step when ``replicated`` learnt its targets: a
+        # step saved again under its number (another run's) is replicated anew.
+        self._replicated_fp: dict[int, int] = {}
         self._synced: dict[int, float] = {}  # target -> when its holdings were last read
         self._pushing: set[int] = set()
         self._incoming: Any = None  # set by main: callable returning (origin, step) in transfer
@@ -129,10 +133,11 @@ class Node(BackupDuties, RestoreDuties):
         # decides on has been verified, not just listed.
         for origin, step, held in self.store.verified_copies(origins):
             try:
-                hosts = self.store.saved_hosts(origin, step)
+                hosts, run = self.store.summary(origin, step)
             except OSError:
                 continue  # deleted since it was verified
-            c = inv.copies.add(step=step, origin_rank=origin, saved_hosts=hosts)
+            c = inv.copies.add(step=step, origin_rank=origin, saved_hosts=hosts, run=run,
+                               fingerprint=fingerprint_of(held))
             if files:
                 for f in held:
                     c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
@@ -160,8 +165,12 @@ class Node(BackupDuties, RestoreDuties):
 
     def newest_complete(self, invs: dict[int, pb.Inventory]) -> int:
         """The newest step whose data is held (on hosts, not in backup) for every rank."""
-        return newest_complete({r: self.holding(i) for r, i in invs.items()},
-                               self.config.num_nodes, self.config.equivalent)
+        return self.newest_complete_run(invs)[0]
+
+    def newest_complete_run(self, invs: dict[int, pb.Inventory]) -> tuple[int, str]:
+        """:meth:`newest_complete` and the run whose copies make it."""
+        return newest_complete_run({r: self.holding(i) for r, i in invs.items()},
+                                   self.config.num_nodes, self.config.equivalent)
 
     def stop(self) -> None:
         """Ask the loops and any restore waiting for its decision to end (main joins
@@ -199,7 +208,9 @@ class Node(BackupDuties, RestoreDuties):
             except PeerError:
                 self.metrics.skipped.labels("target_unanswered").inc()
                 continue
-            held = {c.step for c in inv.copies if c.origin_rank == self.rank}
+            # Held as saved here: a copy of an older save under the number is not.
+            held = {c.step for c in inv.copies if c.origin_rank == self.rank
+                    and c.fingerprint == self._own_fingerprint(c.step)}
             for s in own:
                 if s in held:
                     self.replicated[s].add(t)
@@ -213,8 +224,12 @@ class Node(BackupDuties, RestoreDuties):
         own = self.store.own_steps()
         if not own:
             return
-        self.sync_targets(own)
         newest = own[-1]
+        fp = self._own_fingerprint(newest)
+        if self._replicated_fp.get(newest) != fp:  # saved (again) since it was replicated
+            self.replicated[newest] = set()
+            self._replicated_fp[newest] = fp
+        self.sync_targets(own)
         self.metrics.newest.labels("committed").set(newest)
         for target in self.config.targets(self.rank):
             if target in self.replicated[newest]:
@@ -233,6 +248,12 @@ class Node(BackupDuties, RestoreDuties):
         if done:
             self.metrics.newest.labels("replicated").set(done[-1])
         self.metrics.lag.set(sum(1 for s in own if not done or s > done[-1]))
+
+    def _own_fingerprint(self, step: int) -> int:
+        try:
+            return self.store.fingerprint(self.rank, step)
+        except (OSError, ValueError):
+            return -1  # deleted meanwhile
 
     def push_step(self, step: int, target: int) -> None:
         """Copy one own step to ``target``; returns once the target committed it."""
@@ -326,6 +347,7 @@ class Node(BackupDuties, RestoreDuties):
         for s in plan.own:
             self.store.remove_copy(self.rank, s)
             self.replicated.pop(s, None)
+            self._replicated_fp.pop(s, None)
         for origin, s in plan.replicas:
             self.store.remove_copy(origin, s)
 
@@ -373,7 +395,10 @@ class Node(BackupDuties, RestoreDuties):
                 if d.epoch > 0 else None)
         return Holding(frozenset((c.origin_rank, c.step) for c in inv.copies),
                        frozenset(inv.backed_up_steps), last,
-                       frozenset((c.step, c.saved_hosts) for c in inv.copies if c.saved_hosts))
+                       frozenset((c.step, c.saved_hosts) for c in inv.copies
+                                 if c.saved_hosts and not c.run),
+                       frozenset((c.origin_rank, c.step, c.run, c.saved_hosts)
+                                 for c in inv.copies if c.run))
 
     def _gather_invs(self, ranks: Sequence[int], deadline: float, *,
                      known_up: bool = False, files: bool = True) -> dict[int, pb.Inventory]:
@@ -411,13 +436,16 @@ class Node(BackupDuties, RestoreDuties):
         return self._gather_invs(range(self.config.num_nodes),
                                  time.monotonic() + self.config.deadline_s)
 
-    def holders(self, invs: dict[int, pb.Inventory]
+    def holders(self, invs: dict[int, pb.Inventory], run: str | None = None
                 ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]:
-        """(origin, step) -> [(holder rank, its copy)]."""
+        """(origin, step) -> [(holder rank, its copy)]; ``run``: copies written by
+        that run only (a copy of another run under the same number is another
+        checkpoint)."""
         out: dict[tuple[int, int], list[tuple[int, pb.StepCopy]]] = defaultdict(list)
         for holder, inv in invs.items():
             for c in inv.copies:
-                out[(c.origin_rank, c.step)].append((holder, c))
+                if run is None or c.run == run:
+                    out[(c.origin_rank, c.step)].append((holder, c))
         return out
 
     def decide_for(self, rank: int, rid: str, timeout_s: float,
@@ -432,7 +460,7 @@ class Node(BackupDuties, RestoreDuties):
                               f"membership {list(group)} (rank {group[0]} is)")
         rec = self.coordinator_of(group).decide_for(rank, rid, timeout_s)
         return pb.Decision(epoch=rec.epoch, step=rec.step, decided_at=rec.decided_at,
-                           rank=rank, restore_id=rid)
+                           rank=rank, restore_id=rid, run=rec.run, lost=rec.lost)
 
     def agree_epoch(self, timeout_s: float | None = None, rid: str = "",
                     members: Sequence[int] = ()) -> pb.Decision:
@@ -464,29 +492,55 @@ class Node(BackupDuties, RestoreDuties):
                                              f"{e}", host=self.rank) from e
                     self.metrics.failures.labels("coordinator_unreachable").inc()
                     self._stop.wait(0.2)  # the coordinator restarts: ask again
+        # Not a re-issued ask of a decision already read (same epoch, same restore id).
+        fresh = (d.epoch, d.restore_id) != (self.last_decision.epoch,
+                                            self.last_decision.restore_id) or not d.restore_id
         self.last_decision = d
         log.info("rank %d: restore step %d (epoch %d, decided by rank %d)",
                  self.rank, d.step, d.epoch, c)
+        if d.step >= 0 and fresh:
+            gone = self.store.fence(d.step)
+            if gone:
+                log.info("rank %d: fenced off steps newer than the agreed step %d (copies "
+                         "of (rank, step) %s): they did not finish on every host, and the "
+                         "job saves those numbers again", self.rank, d.step, gone)
+        elif d.lost:
+            log.error("rank %d: no step can be restored although hosts hold data: %s",
+                      self.rank, d.lost)
         return d
 
     def agree(self, timeout_s: float | None = None, *, rid: str = ""
-              ) -> tuple[int, dict[int, pb.Inventory]]:
-        """The epoch's step, and inventories to find its data with (only this node's
-        when its data is local: the decision itself costs O(N) messages)."""
+              ) -> tuple[pb.Decision, dict[int, pb.Inventory]]:
+        """The epoch's decision (its step and run), and inventories to find its data
+        with (only this node's when its data is local: the decision itself costs
+        O(N) messages)."""
         d = self.agree_epoch(timeout_s, rid or getattr(self._call, "rid", ""),
                              getattr(self._call, "members", ()))
         self._call.decision = d
-        return d.step, self._invs_for(d.step)
+        return d, self._invs_for(d.step, d.run)
 
     def use_restore_id(self, rid: str) -> None:
         """The restore id :meth:`agree` asks with on this thread (a PrepareRestore's,
         an Orbax request's): a re-issued request reads the same decision."""
         self._call.rid = rid
 
-    def _invs_for(self, step: int) -> dict[int, pb.Inventory]:
-        if step < 0 or (self.rank, step) in self.store.copies():
+    def _invs_for(self, step: int, run: str) -> dict[int, pb.Inventory]:
+        """Only this node's inventory when its data of the step is here and whole
+        (nothing to fetch); else every node's (where to fetch from, or heal)."""
+        if step < 0 or ((self.rank, step) in self.store.copies() and self.holds_own(step, run)):
             return {self.rank: self.inventory()}
         return self.gather()
+
+    def holds_own(self, step: int, run: str) -> bool:
+        """Whether this host holds its own data of ``step`` as ``run`` wrote it
+        (damaged files included: they are healed in place)."""
+        if (self.rank, step) not in self.store.copies() and \
+                not self.store.damaged(self.rank, step):
+            return False
+        try:
+            return not run or self.store.summary(self.rank, step)[1] == run
+        except OSError:
+            return False
 
     def prepare_restore_as(self, timeout_s: float | None, rid: str,
                            members: Sequence[int] = (), *, background: bool = False

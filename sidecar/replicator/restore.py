@@ -47,9 +47,11 @@ class RestoreDuties:
 
     if TYPE_CHECKING:  # provided by Node and BackupDuties
         def agree(self, timeout_s: float | None = None
-                  ) -> tuple[int, dict[int, pb.Inventory]]: ...
+                  ) -> tuple[pb.Decision, dict[int, pb.Inventory]]: ...
 
-        def holders(self, invs: dict[int, pb.Inventory]
+        def holds_own(self, step: int, run: str) -> bool: ...
+
+        def holders(self, invs: dict[int, pb.Inventory], run: str | None = None
                     ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]: ...
 
         def _from_backup(self, step: int, invs: dict[int, pb.Inventory],
@@ -62,7 +64,8 @@ class RestoreDuties:
         bring this host's data of the agreed step, and write the restore marker."""
         from mtc.sidecar.replicator import orbax
 
-        step, invs = self.agree()
+        decision, invs = self.agree()
+        step, run = decision.step, decision.run
         for s in self.store.own_steps():
             if (self.store.root / str(s)).is_symlink():
                 (self.store.root / str(s)).unlink()
@@ -71,7 +74,7 @@ class RestoreDuties:
         if step < 0:
             orbax.write_marker(self.store.root, job, 0, self.rank, None)
             return -1
-        self.materialize(step, invs, into_root=False)  # verified, healed if need be
+        self.materialize(step, invs, into_root=False, run=run)  # verified, healed if need be
         orbax.write_marker(self.store.root, job, step, self.rank,
                            self.store.copy_dir(self.rank, step))
         return step
@@ -87,15 +90,16 @@ class RestoreDuties:
         (``pending``); the controller reads the same regions from other hosts'
         copies meanwhile. A local copy is still checked (and healed) first."""
         t0 = time.monotonic()
-        step, invs = self.agree(timeout_s)
+        decision, invs = self.agree(timeout_s)
+        step, run = decision.step, decision.run
         if step < 0:
             return -1, "none", time.monotonic() - t0, False
         t_agreed = time.monotonic()
         into_root = self.config.framework == "mtc"
-        local = (self.rank, step) in self.store.copies() or self.store.damaged(self.rank, step)
+        local = self.holds_own(step, run)
         if background and not local:
             # Where its data will come from, said now (and when from nowhere, failed now).
-            if self._copies_elsewhere(step, invs):
+            if self._copies_elsewhere(step, invs, run):
                 coming_from = "peer"
             elif self.backup is not None and step in self.backup.refresh():
                 coming_from = "backup"
@@ -107,7 +111,7 @@ class RestoreDuties:
                 if running is None:
                     self._bg_wake.clear()
                     running = self._bg_pool.submit(self._materialize_logged, step, invs,
-                                                   into_root)
+                                                   into_root, run)
                     self._materializing[step] = running
             log.info("rank %d: step %d agreed in %.3fs; its data comes from the %s tier in "
                      "the background", self.rank, step, t_agreed - t0, coming_from)
@@ -124,14 +128,14 @@ class RestoreDuties:
             except (MtcError, OSError):  # logged there; this caller gets its own error
                 pass
         if tier is None:
-            tier = self.materialize(step, invs, into_root=into_root)
+            tier = self.materialize(step, invs, into_root=into_root, run=run)
         t_end = time.monotonic()
         log.info("rank %d: step %d prepared from the %s tier: agreed in %.3fs, local in %.3fs",
                  self.rank, step, tier, t_agreed - t0, t_end - t_agreed)
         return step, tier, t_end - t0, False
 
     def _materialize_logged(self, step: int, invs: dict[int, pb.Inventory],
-                            into_root: bool) -> str:
+                            into_root: bool, run: str = "") -> str:
         """:meth:`materialize` on the background pool: its failure is logged and
         counted here (nobody may ask for the result); the next restore retries."""
         t0 = time.monotonic()
@@ -140,7 +144,7 @@ class RestoreDuties:
             self._bg_wake.wait(self.config.restore_quiet_s)
             if self._stop.is_set():
                 raise StepNotFoundError("the replicator is stopping", step=step, host=self.rank)
-            tier = self.materialize(step, invs, into_root=into_root)
+            tier = self.materialize(step, invs, into_root=into_root, run=run)
         except Exception as e:
             self.metrics.failures.labels("materialize").inc()
             log.error("rank %d: step %d could not be made local in the background: %s",
@@ -153,16 +157,23 @@ class RestoreDuties:
                  self.rank, step, tier, time.monotonic() - t0)
         return tier
 
-    def materialize(self, step: int, invs: dict[int, pb.Inventory], *, into_root: bool) -> str:
-        """Make this host's data of ``step`` local and verified; returns the tier it
-        came from ("local", "peer" or "backup").
+    def materialize(self, step: int, invs: dict[int, pb.Inventory], *, into_root: bool,
+                    run: str = "") -> str:
+        """Make this host's data of ``step`` (as ``run`` wrote it; "": whatever run)
+        local and verified; returns the tier it came from ("local", "peer" or
+        "backup"). A copy held here of another run under the same number is another
+        checkpoint: it is removed and this run's fetched.
 
         A local copy is checked file by file first (for Orbax clients every byte is
         read again: their reader checks nothing); a file that fails is quarantined
         and fetched again, verified, from another holder: the copies of this rank's
         data, then an identical file of another data-parallel replica, then the
         backup. No good copy anywhere: CorruptShardError naming the file."""
-        if (self.rank, step) in self.store.copies() or self.store.damaged(self.rank, step):
+        if not self.holds_own(step, run) and (self.store.copy_dir(self.rank, step).exists()):
+            log.warning("rank %d: its copy of step %d was written by another run than the "
+                        "agreed one (%s): replaced", self.rank, step, run)
+            self.store.remove_copy(self.rank, step)
+        if self.holds_own(step, run):
             bad = self.store.verify(self.rank, step, cached=self.config.framework == "mtc")
             if not bad:
                 return "local"
@@ -170,19 +181,19 @@ class RestoreDuties:
                         step, len(bad), bad[0].path)
             tmp = self.store.begin_incoming(self.rank, step)
             try:
-                tiers = self._fetch_all(step, self.rank, invs, bad, tmp)
+                tiers = self._fetch_all(step, self.rank, invs, bad, tmp, run)
                 self.store.repair(self.rank, step, {f.path: tmp / f.path for f in bad})
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             self.metrics.healed.inc(len(bad))
             return "backup" if "backup" in tiers else "peer"
-        sources = self._copies_elsewhere(step, invs)
+        sources = self._copies_elsewhere(step, invs, run)
         tmp = (layout.new_tmp_dir(self.store.root, step) if into_root
                else self.store.begin_incoming(self.rank, step))
         try:
             if sources:
                 files = [FileMeta(f.path, f.size, f.crc32c) for f in sources[0][1].files]
-                tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp)
+                tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp, run)
                 tier = "backup" if "backup" in tiers else "peer"
             elif self.backup is not None and step in self.backup.refresh():
                 files = self._from_backup(step, invs, tmp)
@@ -196,11 +207,12 @@ class RestoreDuties:
             raise
         return tier
 
-    def _copies_elsewhere(self, step: int, invs: dict[int, pb.Inventory]
+    def _copies_elsewhere(self, step: int, invs: dict[int, pb.Inventory], run: str = ""
                           ) -> list[tuple[int, pb.StepCopy]]:
-        """Other hosts' copies this host's data of ``step`` can come from: of its
-        own data first, else of the first equivalent rank's that has some."""
-        held = self.holders(invs)
+        """Other hosts' copies this host's data of ``step`` (of ``run``) can come
+        from: of its own data first, else of the first equivalent rank's that has
+        some."""
+        held = self.holders(invs, run or None)
         for origin in self.config.equivalent(self.rank):
             sources = [(h, c) for h, c in held.get((origin, step), []) if h != self.rank]
             if sources:
@@ -208,10 +220,10 @@ class RestoreDuties:
         return []
 
     def _fetch_all(self, step: int, origin: int, invs: dict[int, pb.Inventory],
-                   files: list[FileMeta], tmp: Path) -> set[str]:
+                   files: list[FileMeta], tmp: Path, run: str = "") -> set[str]:
         """Fetch ``files`` (of ``origin``'s copy of ``step``, this rank's data or a
-        stand-in for it) into ``tmp``; returns the tiers used."""
-        sources = heal_sources(self.rank, step, origin, files, invs)
+        stand-in for it, of ``run``) into ``tmp``; returns the tiers used."""
+        sources = heal_sources(self.rank, step, origin, files, invs, run)
         orders = [fetch_order(self.rank, *sources.get(f.path, ([], [])), i)
                   for i, f in enumerate(files)]
         # The files whose first source is another host come in a few streams (a call
@@ -296,7 +308,7 @@ def fetch_batches(first: Sequence[tuple[int, int] | None], rank: int, streams: i
 
 
 def heal_sources(rank: int, step: int, origin: int, files: list[FileMeta],
-                 invs: dict[int, pb.Inventory]
+                 invs: dict[int, pb.Inventory], run: str = ""
                  ) -> dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
     """Per wanted file (of ``origin``'s copy of ``step``, which ``rank`` restores),
     where to fetch it: ``(holder, origin)`` pairs, in two groups, of copies
@@ -304,13 +316,16 @@ def heal_sources(rank: int, step: int, origin: int, files: list[FileMeta],
     ``origin``'s data, except this host's own data (the copy being healed); then
     "twins": copies of other ranks' data of the same step (the same shard of a
     data-parallel leaf saved by another replica, or an Orbax peer's), tried only
-    when every copy of ``origin``'s has failed. Pure."""
+    when every copy of ``origin``'s has failed. Only copies ``run`` wrote (any,
+    when ""): the same path under the same step number in another run's copy is
+    another checkpoint's file. Pure."""
     wanted = {f.path: (f.size, f.crc32c) for f in files}
     own: dict[str, list[tuple[int, int]]] = {}
     twins: dict[str, list[tuple[int, int]]] = {}
     for holder, inv in sorted(invs.items()):
         for c in inv.copies:
-            if c.step != step or (holder == rank and c.origin_rank == rank):
+            if c.step != step or (holder == rank and c.origin_rank == rank) or \
+                    (run and c.run != run):
                 continue
             group = own if c.origin_rank == origin else twins
             for f in c.files:

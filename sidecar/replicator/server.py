@@ -72,9 +72,11 @@ def mapped(fn: F) -> F:
 class Transfer:
     """An incoming copy: its temporary folder, expected files and verified ones."""
 
-    def __init__(self, origin: int, step: int, tmp: Path, files: list[FileMeta]) -> None:
+    def __init__(self, origin: int, step: int, tmp: Path, files: list[FileMeta],
+                 fences: int = 0) -> None:
         self.origin = origin
         self.step = step
+        self.fences = fences  # the store's fences when offered (LocalStore.fenced_since)
         self.tmp = tmp
         self.files = {f.path: f for f in files}
         self.verified: set[str] = set()
@@ -129,10 +131,14 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         if len({f.path for f in files}) != len(files):
             raise ValueError("duplicate paths in offer")
         store = self.node.store
-        if (c.origin_rank, c.step) in store.copies():
+        fences = store.fences
+        # Complete only when it is this very copy: a copy held of an older save under
+        # the same number (saved again after a restore) is replaced at the commit.
+        if (c.origin_rank, c.step) in store.copies() and \
+                store.same_copy(c.origin_rank, c.step, files):
             return pb.OfferReply(already_complete=True)
         tmp = store.begin_incoming(c.origin_rank, c.step)
-        t = Transfer(c.origin_rank, c.step, tmp, files)
+        t = Transfer(c.origin_rank, c.step, tmp, files, fences)
         reply = pb.OfferReply(transfer_id=uuid.uuid4().hex)
         for path, local in store.find_identical(files).items():
             t.candidates[path] = local
@@ -173,6 +179,13 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         if missing:
             raise CorruptShardError(f"{len(missing)} files not received or not verified, e.g. "
                                     f"{sorted(missing)[0]}", step=t.step, host=t.origin)
+        if self.node.store.fenced_since(t.fences, t.step):
+            with self._lock:
+                self.transfers.pop(request.transfer_id, None)
+            shutil.rmtree(t.tmp, ignore_errors=True)
+            raise StepNotFoundError("a restore of an older step was agreed while this copy "
+                                    "was on its way: the step is fenced off", step=t.step,
+                                    host=t.origin)
         self.node.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()))
         with self._lock:
             self.transfers.pop(request.transfer_id, None)
@@ -208,7 +221,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         d, tier, seconds, pending = self.node.prepare_restore_as(
             t or None, request.restore_id, list(request.members), background=request.background)
         return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch,
-                                      pending=pending)
+                                      pending=pending, run=d.run, lost=d.lost)
 
     @mapped
     def RequestBackup(self, request: pb.BackupRequest, context: Any) -> pb.BackupReply:

@@ -152,6 +152,12 @@ def _copy_with_crc(fin: Any, fout: Any) -> tuple[int, int]:
     return got, value
 
 
+def fingerprint_of(files: Sequence[FileMeta]) -> int:
+    """CRC32C of a file list, in path order: identifies a copy's bytes."""
+    text = json.dumps(sorted(f.to_json() for f in files), separators=(",", ":"))
+    return crc32c(text.encode())
+
+
 def _walk(step_dir: Path) -> list[FileMeta]:
     out = []
     for dirpath, _, names in os.walk(step_dir):
@@ -190,7 +196,8 @@ class LocalStore:
         # (origin, step) -> (inode of the copy's folder, its files): a folder saved
         # again under the same number is a different folder, described anew.
         self._described: dict[tuple[int, int], tuple[int, list[FileMeta]]] = {}
-        self._saved_hosts: dict[tuple[int, int], tuple[int, int]] = {}  # same key, inode
+        # Same key: (inode, (hosts that saved it, the run that wrote it)).
+        self._summaries: dict[tuple[int, int], tuple[int, tuple[int, str]]] = {}
         # path -> ((inode, size, mtime_ns), crc32c): files already read and checked;
         # and their SHA-256 once one was needed (deduplication asks twice per save:
         # as the sender of a step and as the holder of its twin's identical files).
@@ -199,6 +206,10 @@ class LocalStore:
         self._sweep_at = CACHE_SWEEP  # cache size that triggers a sweep for files gone
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
         self._owned: dict[int, tuple[int, bool]] = {}  # step -> (inode of <root>/<step>, ours)
+        # Fences so far, and the step of the newest (see :meth:`fence`): a copy offered
+        # before a fence of a step beyond it is refused at its commit.
+        self.fences = 0
+        self._fenced_at = -1
         self.quarantined_total = 0
         self.on_quarantine: Callable[[], None] | None = None  # counts in metrics
         root.mkdir(parents=True, exist_ok=True)
@@ -508,22 +519,64 @@ class LocalStore:
         return files
 
     def saved_hosts(self, origin: int, step: int) -> int:
-        """How many hosts saved this copy's step, as its mtc manifest states (read
-        once per folder); 0 when it states none (an Orbax step, an unreadable one)."""
+        """How many hosts saved this copy's step (see :meth:`summary`)."""
+        return self.summary(origin, step)[0]
+
+    def summary(self, origin: int, step: int) -> tuple[int, str]:
+        """How many hosts saved this copy's step and the run that wrote it, as its
+        mtc manifest states (read once per folder); (0, "") when it states none
+        (an Orbax step, an unreadable one)."""
         key = (origin, step)
         d = self.copy_dir(origin, step)
         ino = os.stat(d).st_ino
         with self._lock:
-            hit = self._saved_hosts.get(key)
+            hit = self._summaries.get(key)
             if hit is not None and hit[0] == ino:
                 return hit[1]
         try:
-            n = Manifest.num_hosts_of((d / MANIFEST_NAME).read_bytes())
+            found = Manifest.summary_of((d / MANIFEST_NAME).read_bytes())
         except (OSError, MtcError):
-            n = 0
+            found = (0, "")
         with self._lock:
-            self._saved_hosts[key] = (ino, n)
-        return n
+            self._summaries[key] = (ino, found)
+        return found
+
+    def fenced_since(self, fences: int, step: int) -> bool:
+        """Whether a copy of ``step`` offered when :attr:`fences` was ``fences`` has
+        been fenced off since (a push that was on its way when a restore was agreed)."""
+        with self._lock:
+            return self.fences != fences and step > self._fenced_at
+
+    def fingerprint(self, origin: int, step: int) -> int:
+        """CRC32C of a held copy's file list: the same for any copy of the same bytes
+        (:func:`fingerprint_of`), another for a step saved again under its number."""
+        return fingerprint_of(self.describe(origin, step))
+
+    def same_copy(self, origin: int, step: int, files: Sequence[FileMeta]) -> bool:
+        """Whether the copy held of (origin, step) has exactly these files (the same
+        checkpoint, not an older one saved under the same number)."""
+        try:
+            held = self.describe(origin, step)
+        except (OSError, ValueError):
+            return False
+        return sorted(held, key=lambda f: f.path) == sorted(files, key=lambda f: f.path)
+
+    def fence(self, step: int) -> list[tuple[int, int]]:
+        """Remove every copy held here of a step newer than ``step``, this host's own
+        steps and its peers' alike: after a restore of ``step`` is agreed, a newer
+        step can only be a save that did not finish on every host, and the job
+        will save that number again; its bytes must never meet the new ones."""
+        gone = []
+        with self._lock:
+            self.fences += 1
+            self._fenced_at = step
+        held = {(self.rank, s) for s in self.own_steps()}
+        held |= {(o, s) for o, steps in self.replica_steps().items() for s in steps}
+        for origin, s in sorted(held):
+            if s > step:
+                self.remove_copy(origin, s)
+                gone.append((origin, s))
+        return gone
 
     def find_identical(self, metas: Sequence[FileMeta]) -> dict[str, Path]:
         """Per offered file, a file held here with the same size and CRC32C (a dedup
@@ -557,9 +610,13 @@ class LocalStore:
                 raise CorruptShardError("incoming copy is incomplete", step=step, host=origin,
                                         path=str(p))
         final = self.replicas / str(origin) / str(step)
-        if final.exists():  # an earlier identical copy; keep it
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
+        if final.exists():
+            if self.same_copy(origin, step, files):  # an earlier identical copy; keep it
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+            # An older checkpoint under the same number (the origin saved the step
+            # again after a restore): the new one replaces it.
+            self.remove_copy(origin, step)
         desc = self._descriptor(origin, step)
         layout.write_atomic(desc, json.dumps([f.to_json() for f in files]))
         os.rename(tmp, final)
@@ -616,4 +673,5 @@ class LocalStore:
             self._forget(self.replicas / str(origin) / str(step))
         with self._lock:
             self._described.pop((origin, step), None)
+            self._summaries.pop((origin, step), None)
             self._damaged.discard((origin, step))

@@ -1,0 +1,127 @@
+"""One run's bytes per step through the replicators, and no loss in silence.
+
+Real replicator and sidecar processes (tests/replicators.py), 2 slices of 2 hosts,
+one peer copy each; the controller reaches the hosts through their sidecars. The
+test plays the hosts: it removes step folders and peer copies as a host that died
+before its commit, or a wiped RAM disk, would leave them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from jax.sharding import Mesh
+from replicators import Cluster, assert_state_equal, make_state, new_cluster
+
+import mtc
+from mtc.manifest import MANIFEST_NAME, Manifest
+
+pytestmark = pytest.mark.process  # every test here starts processes
+
+
+def peer_copy(cl: Cluster, origin: int, step: int) -> Path:
+    """Where host ``origin``'s step is copied (its peer in the other slice)."""
+    return cl.root((origin + cl.per_slice) % cl.n) / ".mtc-replica" / str(origin) / str(step)
+
+
+def copies_of(cl: Cluster, step: int) -> set[tuple[int, int]]:
+    """(holder, origin) of every copy of ``step`` the replicators list."""
+    return {(h, o) for h, o, s in cl.held() if s == step}
+
+
+def test_a_save_no_host_finished_everywhere_is_fenced_and_saved_again_by_the_next_run(
+        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
+    cl = new_cluster(clusters, ramdisk, 4, 2)
+    cl.start_all()
+    opts = cl.options(replicators=True, restore_timeout_s=30)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        mgr.save(20, make_state(mesh, 20.0))
+        mgr.save(25, make_state(mesh, 25.0))
+        mgr.wait_until_finished()
+    cl.wait_replicated(25, timeout=60)
+    # Host 3 died before its commit of 25: neither it nor its peer copy exists.
+    cl.kill(3)
+    shutil.rmtree(cl.root(3) / "25")
+    shutil.rmtree(peer_copy(cl, 3, 25))
+    cl.start(3)
+
+    # The next run: the replicators agree on 20 and fence 25 off on every host.
+    resumed = make_state(mesh, 1025.0)  # other data under the same step number
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        assert mgr.latest_step() == 20
+        assert_state_equal(mgr.restore(20, target=make_state(mesh, 0.0)),
+                           make_state(mesh, 20.0))
+        assert copies_of(cl, 25) == set()
+        assert not any((cl.root(h) / "25").exists() for h in range(4))
+        assert mgr.save(25, resumed)  # no StepExistsError: 25 is free again
+        mgr.wait_until_finished()
+    cl.wait_replicated(25, timeout=60)
+    runs = {Manifest.from_bytes((cl.root(h) / "25" / MANIFEST_NAME).read_bytes()).run
+            for h in range(4)}
+    assert len(runs) == 1
+
+    # And the run after it restores the resumed run's 25, whole.
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        assert mgr.latest_step() == 25
+        assert_state_equal(mgr.restore(25, target=make_state(mesh, 0.0)), resumed)
+
+
+def test_a_peer_copy_of_an_older_save_under_the_same_number_is_replaced(
+        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
+    cl = new_cluster(clusters, ramdisk, 4, 2)
+    cl.start_all()
+    opts = cl.options(replicators=True, restore_timeout_s=30)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        mgr.save(5, make_state(mesh, 5.0))
+        mgr.wait_until_finished()
+    cl.wait_replicated(5, timeout=60)
+    old = (peer_copy(cl, 0, 5) / MANIFEST_NAME).read_bytes()
+    # Every host's 5 is saved again by another run (the peers keep the old copies).
+    for h in range(4):
+        shutil.rmtree(cl.root(h) / "5")
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        mgr.save(5, make_state(mesh, 6.0))
+        mgr.wait_until_finished()
+    new = (cl.root(0) / "5" / MANIFEST_NAME).read_bytes()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        held = peer_copy(cl, 0, 5) / MANIFEST_NAME
+        if held.exists() and held.read_bytes() == new:
+            break
+        time.sleep(0.1)
+    assert (peer_copy(cl, 0, 5) / MANIFEST_NAME).read_bytes() == new != old
+    # A host wiped now gets the new run's data back from its peer.
+    cl.lose_host(0)
+    cl.start(0)
+    opts = cl.options(replicators=True, restore_timeout_s=30)  # its sidecar back too
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        assert mgr.latest_step() == 5
+        assert_state_equal(mgr.restore(5, target=make_state(mesh, 0.0)),
+                           make_state(mesh, 6.0))
+        assert mgr.last_restore_tiers[0] == "peer"
+
+
+def test_a_host_and_its_peer_wiped_is_a_typed_error_naming_them(
+        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
+    cl = new_cluster(clusters, ramdisk, 4, 2)
+    cl.start_all()
+    opts = cl.options(replicators=True, restore_timeout_s=30)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        mgr.save(20, make_state(mesh, 20.0))
+        mgr.save(25, make_state(mesh, 25.0))
+        mgr.wait_until_finished()
+    cl.wait_replicated(25, timeout=60)
+    cl.lose_host(1)
+    cl.lose_host(3)  # host 1's peer: both copies of host 1's data are gone
+    cl.start(1)
+    cl.start(3)
+    opts = cl.options(replicators=True, restore_timeout_s=30)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        with pytest.raises(mtc.DataLossError,
+                           match=r"step 25: data of rank\(s\) \[1, 3\] is on no member"):
+            mgr.latest_step()
+    # Nothing was deleted: the data of hosts 0 and 2 is still there to bring back.
+    assert (cl.root(0) / "25").is_dir() and (cl.root(2) / "20").is_dir()
