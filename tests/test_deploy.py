@@ -1438,3 +1438,7 @@ def test_deploy_guide_is_linked() -> None:
     for overlay in OVERLAYS:
         assert f"deploy/overlays/{overlay.name}" in text, overlay.name
     assert fnmatch.fnmatch(text, "*jax-init-info.txt*")
+    # The upgrade rule of the on-disk formats, and the test that holds a release to it.
+    assert "\n## Upgrades\n" in text and "tests/test_manifest_upgrade.py" in text
+    assert (REPO / "tests" / "test_manifest_upgrade.py").is_file()
+    assert "docs/operations.md" in (REPO / "README.md").read_text()
