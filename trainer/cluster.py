@@ -322,6 +322,9 @@ class LocalCluster:
             cluster.save()
             for r in range(n):
                 cluster.wait_serving(r)
+            # Serving is not reaching: every host must reach every other (and this
+            # namespace them), or the cluster says why now, not in a restore later.
+            hosts.check_reach(lambda h: h.replicator_port)
         except BaseException:
             if hosts is not None:
                 hosts.down()
