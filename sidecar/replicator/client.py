@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.confine import open_beneath
-from mtc.sidecar.replicator.security import Credentials, rank_name
+from mtc.sidecar.replicator.security import Credentials, TlsWatch, rank_name
 from mtc.sidecar.replicator.status import TRANSIENT, error_class
 from mtc.sidecar.replicator.store import CHUNK, FileMeta
 
@@ -78,11 +80,23 @@ def _create(dest: Path) -> BinaryIO:
                              | os.O_CLOEXEC, 0o644), "wb", buffering=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Channel:
+    """One channel to the peer and the calls made on it."""
+
+    channel: grpc.Channel
+    stub: pb_grpc.ReplicatorStub
+    push: Any
+    fetch: Any
+
+
 class PeerClient:
-    """One peer's replicator, reached at ``address``. With ``as_peer`` (a replicator
-    calling another) and mutual TLS, the server's certificate must name ``rank``:
-    what it answers (an inventory, a file) is rank ``rank``'s, not whoever answers at
-    its address."""
+    """One peer's replicator, reached at ``address``. With mutual TLS, a change of
+    the certificate files (a rotation) makes a new channel for the calls after it;
+    calls in flight finish on the old one, closed with the client. With ``as_peer``
+    (a replicator calling another) and mutual TLS, the server's certificate must
+    name ``rank``: what it answers (an inventory, a file) is rank ``rank``'s, not
+    whoever's answers at its address."""
 
     def __init__(self, address: str, creds: Credentials, *, rank: int,
                  deadline_s: float = 10.0, as_peer: bool = False) -> None:
@@ -90,28 +104,62 @@ class PeerClient:
         self.rank = rank
         self.deadline_s = deadline_s
         self._metadata = creds.call_metadata()
-        self._cc = creds.channel_credentials()
+        self._tls = TlsWatch(creds)
         self._options = list(CHANNEL_OPTIONS)
-        if as_peer and self._cc is not None:
+        if as_peer and creds.tls:
             self._options.append(("grpc.ssl_target_name_override", rank_name(rank)))
-        self.channel = self._new_channel()
-        self.stub = pb_grpc.ReplicatorStub(self.channel)
-        self._push = self.channel.stream_unary(PUSH, request_serializer=_identity,
-                                               response_deserializer=pb.PushAck.FromString)
-        self._fetch = self.channel.unary_stream(FETCH,
-                                                request_serializer=pb.FetchRequest.SerializeToString,
-                                                response_deserializer=_identity)
+        self._lock = threading.Lock()
+        self._retired: list[grpc.Channel] = []
+        self._now = self._open()
+
+    def _open(self) -> _Channel:
+        channel = self._new_channel()
+        return _Channel(channel, pb_grpc.ReplicatorStub(channel),
+                        channel.stream_unary(PUSH, request_serializer=_identity,
+                                             response_deserializer=pb.PushAck.FromString),
+                        channel.unary_stream(FETCH,
+                                             request_serializer=pb.FetchRequest.SerializeToString,
+                                             response_deserializer=_identity))
+
+    def _current(self) -> _Channel:
+        if self._tls.renewed() is not None:
+            with self._lock:
+                self._retired.append(self._now.channel)
+                self._now = self._open()
+        return self._now
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._current().channel
+
+    @property
+    def stub(self) -> pb_grpc.ReplicatorStub:
+        return self._current().stub
 
     def _new_channel(self, *, own_connection: bool = False) -> grpc.Channel:
-        # gRPC shares connections among a process's channels to one address: a
-        # channel of its own connection does not inherit the shared one's backoff.
+        """A channel with the current certificate files' credentials. gRPC shares
+        connections among a process's channels to one address: a channel of its
+        own connection does not inherit the shared one's backoff."""
+        cc = self._tls.credentials
         opts = [*self._options, ("grpc.use_local_subchannel_pool", 1)] if own_connection \
             else self._options
-        return (grpc.secure_channel(self.address, self._cc, options=opts)
-                if self._cc else grpc.insecure_channel(self.address, options=opts))
+        return (grpc.secure_channel(self.address, cc, options=opts)
+                if cc else grpc.insecure_channel(self.address, options=opts))
+
+    def _stream(self, chunks: Iterator[bytes], deadline_s: float,
+                 metadata: list[tuple[str, str]]) -> pb.PushAck:
+        return self._current().push(chunks, timeout=deadline_s, metadata=metadata)
+
+    def _fetch(self, req: pb.FetchRequest, deadline_s: float) -> Iterator[bytes]:
+        return self._current().fetch(req, timeout=deadline_s,
+                                     metadata=self._metadata)
 
     def close(self) -> None:
-        self.channel.close()
+        with self._lock:
+            channels = [*self._retired, self._now.channel]
+            self._retired.clear()
+        for c in channels:
+            c.close()
 
     def call(self, name: str, request: Any, *, deadline_s: float | None = None,
              attempts: int = 3, known_up: bool = False) -> Any:
@@ -123,6 +171,7 @@ class PeerClient:
         backoff after its return, every call failing fast meanwhile). One connection
         more per call: for rare calls (a restore's agreement)."""
         if known_up:
+            self._current()  # credentials renewed first, if the files changed
             channel = self._new_channel(own_connection=True)
             try:
                 once: Callable[..., Any] = getattr(pb_grpc.ReplicatorStub(channel), name)
@@ -179,7 +228,7 @@ class PeerClient:
         md = [*self._metadata, ("x-mtc-transfer", transfer_id), ("x-mtc-path", rel),
               ("x-mtc-size", str(size)), ("x-mtc-crc32c", str(crc))]
         try:
-            return self._retry(lambda: self._push(chunks(), timeout=deadline_s, metadata=md),
+            return self._retry(lambda: self._stream(chunks(), deadline_s, md),
                                f"push of {rel}", 2)
         except PeerError:
             if bad[0]:
@@ -212,7 +261,7 @@ class PeerClient:
         md = [*self._metadata, ("x-mtc-transfer", transfer_id),
               ("x-mtc-files", ",".join(str(i) for i, *_ in files))]
         try:
-            return self._retry(lambda: self._push(chunks(), timeout=deadline_s, metadata=md),
+            return self._retry(lambda: self._stream(chunks(), deadline_s, md),
                                f"push of {len(files)} files", 2)
         except PeerError:
             if bad:
@@ -233,7 +282,7 @@ class PeerClient:
         value = got = 0
         try:
             with _create(dest) as f:
-                for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
+                for chunk in self._fetch(req, deadline_s):
                     got += len(chunk)
                     if got > size:
                         break
@@ -295,7 +344,7 @@ class PeerClient:
                     return done, err
                 if i < len(files):
                     start()
-            for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
+            for chunk in self._fetch(req, deadline_s):
                 if i >= len(files) or got + len(chunk) > files[i].size:
                     return done, CorruptShardError(
                         f"rank {self.rank} sent more than the files' sizes", step=step,
@@ -338,7 +387,7 @@ class PeerClient:
         view = memoryview(out)
         got = value = 0
         try:
-            for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
+            for chunk in self._fetch(req, deadline_s):
                 if got + len(chunk) > size:
                     got += len(chunk)
                     break

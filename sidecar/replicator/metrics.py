@@ -35,6 +35,16 @@ class Metrics:
         self.failures = Counter("mtc_failures", "Failures by kind", ["kind"], registry=r)
         self.skipped = Counter("mtc_skipped", "Work skipped without failing, by reason",
                                ["reason"], registry=r)
+        # For alerts on the backup's age (deploy/components/monitoring-*): only the
+        # backup leader commits backups, so the job's newest is the maximum over nodes.
+        self.backup_committed = Gauge(
+            "mtc_backup_last_success_timestamp_seconds",
+            "Unix time this node, leading, last committed a backup (0: none since it started)",
+            registry=r)
+        self.backup_interval = Gauge(
+            "mtc_backup_interval_seconds",
+            "The time between backups this node was given (0: by steps only, or no backup)",
+            registry=r)
         self.stalled = Gauge("mtc_loop_stalled",
                              "1 while the replication loop has not passed for too long",
                              registry=r)

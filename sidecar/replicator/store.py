@@ -3,7 +3,9 @@
 Layout under the host's root (the RAM disk):
 
 - ``<step>/``                                  the host's own committed steps (mtc or
-                                              Orbax: opaque file trees to the replicator)
+                                              Orbax: opaque file trees to the replicator);
+                                              an mtc step whose manifest names another
+                                              host or step is not (:meth:`LocalStore.owns`)
 - ``.mtc-replica/<origin>/<step>/``            a verified copy of rank ``origin``'s step
 - ``.mtc-replica/<origin>/<step>.files.json``  its file list (path, size, CRC32C)
 - ``.mtc-replica/<origin>/<step>.mtc-tmp-*/``  a copy being received
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import shutil
 import stat
@@ -43,6 +46,8 @@ from mtc.sidecar import checksum
 from mtc.sidecar.checksum import read_buffer
 from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
 from mtc.sidecar.quarantine import quarantine
+
+log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".mtc-replica"
 CHUNK = 4 << 20
@@ -192,6 +197,7 @@ class LocalStore:
         self._shas: dict[str, tuple[tuple[int, int, int], bytes]] = {}
         self._sweep_at = CACHE_SWEEP  # cache size that triggers a sweep for files gone
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
+        self._owned: dict[int, tuple[int, bool]] = {}  # step -> (inode of <root>/<step>, ours)
         # Fences so far, and the step of the newest (see :meth:`fence`): a copy offered
         # before a fence of a step beyond it is refused at its commit.
         self.fences = 0
@@ -209,9 +215,51 @@ class LocalStore:
     def copy_dir(self, origin: int, step: int) -> Path:
         """Where a copy lives. A host's own step is in its root, or in the replica
         area once restored for a client that must not see step folders in the root."""
-        if origin == self.rank and is_real_dir(self.root / str(step)):
+        if origin == self.rank and self.owns(step):
             return self.root / str(step)
         return self.replicas / str(origin) / str(step)
+
+    def owns(self, step: int) -> bool:
+        """Whether ``<root>/<step>/`` is a step of this host's. A RAM disk that outlives
+        its job (GKE's multi-tier checkpointing volume stays with the node) may hold
+        another rank's steps under the same names: an mtc step whose manifest names
+        another host, or another step, is not this host's, and neither is one whose
+        manifest cannot be read (it cannot say whose it is). Those are never
+        offered, served, backed up or deleted here. A step without a manifest
+        (Orbax's) says nothing of its host and counts as this host's, as Orbax's
+        client has it. Decided once per folder (by inode)."""
+        d = self.root / str(step)
+        try:
+            st = os.lstat(d)  # a symlink named as a step is no step: never followed
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            return False
+        with self._lock:
+            hit = self._owned.get(step)
+        if hit is not None and hit[0] == st.st_ino:
+            return hit[1]
+        why = None
+        try:
+            data = (d / MANIFEST_NAME).read_bytes()
+        except FileNotFoundError:
+            data = None
+        except OSError as e:
+            why = f"its manifest cannot be read ({e.strerror})"
+        if data is not None:
+            try:
+                m = Manifest.from_bytes(data, path=str(d / MANIFEST_NAME))
+            except MtcError as e:
+                why = f"its manifest is unreadable ({e})"
+            else:
+                if (m.host, m.step) != (self.rank, step):
+                    why = f"its manifest is host {m.host}'s step {m.step}"
+        if why is not None:
+            log.warning("rank %d: %s is not this host's step: %s; it is left as it is "
+                        "(neither offered, served nor deleted)", self.rank, d, why)
+        with self._lock:
+            self._owned[step] = (st.st_ino, why is None)
+        return why is None
 
     def _descriptor(self, origin: int, step: int) -> Path:
         return self.replicas / str(origin) / f"{step}.files.json"
@@ -219,7 +267,11 @@ class LocalStore:
     # -- inventory ----------------------------------------------------------
 
     def own_steps(self) -> list[int]:
-        return layout.committed_steps(self.root)
+        present = layout.committed_steps(self.root)
+        with self._lock:  # forget folders gone (the sidecar's retention removes them too)
+            for gone in self._owned.keys() - set(present):
+                del self._owned[gone]
+        return [s for s in present if self.owns(s)]
 
     def replica_steps(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
@@ -455,7 +507,7 @@ class LocalStore:
             hit = self._described.get(key)
             if hit is not None and hit[0] == ino:
                 return hit[1]
-        if origin == self.rank and is_real_dir(self.root / str(step)):
+        if origin == self.rank and self.owns(step):
             files = describe_own(self.root / str(step))
             if not (self.root / str(step) / MANIFEST_NAME).is_file():
                 for f in files:  # described by reading them: checked already
@@ -634,9 +686,9 @@ class LocalStore:
 
     def remove_copy(self, origin: int, step: int) -> None:
         in_root = self.root / str(step)
-        if origin == self.rank and in_root.is_symlink():
+        if origin == self.rank and in_root.is_symlink() and self.owns(step):
             in_root.unlink()  # a restored step: the link in the root, data in the replica area
-        if origin == self.rank and in_root.is_dir():
+        if origin == self.rank and self.owns(step):
             layout.remove_step(self.root, step)
             self._forget(in_root)
         else:
