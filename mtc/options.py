@@ -67,8 +67,10 @@ class Options:
         presented to the hosts' ``sidecars``, which take the same credentials.
       replicator_tls: ``(certificate, key, CA)`` PEM files for mutual TLS with the
         replicators (their ``--tls-cert/--tls-key/--tls-ca``; on Kubernetes the
-        ``mtc-replicator-tls`` secret's ``tls.crt``, ``tls.key``, ``ca.crt``) and
-        the sidecars. A controller's certificate names no rank (docs/security.md).
+        pod's own certificate, ``tls.crt``, ``tls.key``, ``ca.crt`` of the volume
+        cert-manager's CSI driver mounts) and the sidecars. A Pathways controller's
+        certificate names no rank; a multi-controller trainer's is its pod's,
+        naming that host's rank (docs/security.md).
       restore_timeout_s: how long a restore waits for the replicators.
       restore_while_fetching: with replicators and one controller planning
         every host's reads: a host that holds no copy of the agreed step (a

@@ -18,7 +18,8 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.confine import open_beneath
-from mtc.sidecar.replicator.security import Credentials, TlsWatch, rank_name
+from mtc.sidecar.replicator.rank_names import PeerServerName
+from mtc.sidecar.replicator.security import Credentials, TlsWatch
 from mtc.sidecar.replicator.status import TRANSIENT, error_class
 from mtc.sidecar.replicator.store import CHUNK, FileMeta
 
@@ -106,8 +107,9 @@ class PeerClient:
         self._metadata = creds.call_metadata()
         self._tls = TlsWatch(creds)
         self._options = list(CHANNEL_OPTIONS)
-        if as_peer and creds.tls:
-            self._options.append(("grpc.ssl_target_name_override", rank_name(rank)))
+        # The name the server's certificate must bear: rank ``rank``'s (rank_names.py).
+        self._server_name = PeerServerName(address, creds, rank) if as_peer and creds.tls \
+            else None
         self._lock = threading.Lock()
         self._retired: list[grpc.Channel] = []
         self._now = self._open()
@@ -122,7 +124,8 @@ class PeerClient:
                                              response_deserializer=_identity))
 
     def _current(self) -> _Channel:
-        if self._tls.renewed() is not None:
+        if self._tls.renewed() is not None or (
+                self._server_name is not None and self._server_name.renewed()):
             with self._lock:
                 self._retired.append(self._now.channel)
                 self._now = self._open()
@@ -142,7 +145,9 @@ class PeerClient:
         own connection does not inherit the shared one's backoff."""
         cc = self._tls.credentials
         opts = [*self._options, ("grpc.use_local_subchannel_pool", 1)] if own_connection \
-            else self._options
+            else list(self._options)
+        if self._server_name is not None:
+            opts.append(("grpc.ssl_target_name_override", self._server_name.name))
         return (grpc.secure_channel(self.address, cc, options=opts)
                 if cc else grpc.insecure_channel(self.address, options=opts))
 
@@ -179,9 +184,11 @@ class PeerClient:
                                                 metadata=self._metadata), name, attempts)
             finally:
                 channel.close()
-        method: Callable[..., Any] = getattr(self.stub, name)
-        return self._retry(lambda: method(request, timeout=deadline_s or self.deadline_s,
-                                          metadata=self._metadata), name, attempts)
+        # The stub is looked up for each attempt: a renewed certificate or a peer's
+        # new name (a replaced pod) makes a new channel between attempts.
+        return self._retry(lambda: getattr(self.stub, name)(
+            request, timeout=deadline_s or self.deadline_s, metadata=self._metadata),
+            name, attempts)
 
     def _retry(self, fn: Callable[[], T], what: str, attempts: int) -> T:
         delay = 0.1
@@ -190,6 +197,8 @@ class PeerClient:
                 return fn()
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
+                if code == grpc.StatusCode.UNAVAILABLE and self._server_name is not None:
+                    self._server_name.stale()  # a replaced peer pod has a new name
                 if code not in _RETRYABLE or attempt == attempts - 1:
                     err = PeerError(f"{what} to rank {self.rank} at {self.address} failed: "
                                     f"{code.name if code else e}: "

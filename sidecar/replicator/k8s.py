@@ -1,10 +1,12 @@
 """``mtc-replicator-k8s``: the replicator in a JobSet pod, configured from its environment.
 
-The replicator needs every node's address in rank order, its own rank and the
-hosts per slice. In a JobSet these follow from the pod's place in it: the
-worker replicated job has one Job per slice (``JOB_INDEX``) and one pod per host
-of that slice (``JOB_COMPLETION_INDEX``), and every pod is reachable through
-the JobSet's headless service as
+The replicator needs every node's address in rank order, its own rank, the
+hosts per slice, and how the job names its pods (a pod's certificate, which
+cert-manager's CSI driver issues for ``${POD_NAME}``, names its rank by that
+name: :mod:`~mtc.sidecar.replicator.rank_names`). In a JobSet these follow from
+the pod's place in it: the worker replicated job has one Job per slice
+(``JOB_INDEX``) and one pod per host of that slice (``JOB_COMPLETION_INDEX``),
+and every pod is reachable through the JobSet's headless service as
 ``<jobset>-<replicated job>-<job index>-<pod index>.<subdomain>``. Rank ``r`` is
 host ``r % hosts`` of slice ``r // hosts``, the order
 :class:`~mtc.sidecar.replicator.config.ReplicatorConfig` expects.
@@ -64,7 +66,8 @@ DEFAULT_PORT = 9470
 DEFAULT_COORDINATOR_PORT = 8476
 SERVICES = ("", "mtc.replicator.v1.Replicator")
 # Computed by this wrapper; giving them as well would contradict the JobSet.
-_COMPUTED = ("--nodes", "--rank", "--nodes-per-slice", "--listen")
+_COMPUTED = ("--nodes", "--rank", "--nodes-per-slice", "--listen", "--tls-pod-prefix",
+             "--tls-hosts-per-slice")
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -152,6 +155,13 @@ class JobSetPlace:
             raise ConfigError(f"rank {rank} is not in 0..{self.num_nodes - 1}")
         s, h = divmod(rank, self.hosts_per_slice)
         return f"{self.jobset}-{self.worker_job}-{s}-{h}.{self.subdomain}"
+
+    @property
+    def pod_prefix(self) -> str:
+        """What every worker pod's name starts with: Kubernetes names the pods of Job
+        ``<jobset>-<replicated job>-<slice>`` ``<job>-<host>-xxxxx``, and
+        cert-manager's CSI driver puts that name in the pod's certificate."""
+        return f"{self.jobset}-{self.worker_job}-"
 
     def addresses(self, port: int) -> list[str]:
         """Every worker's ``host:port``, in rank order."""
@@ -302,7 +312,10 @@ def replicator_argv(args: argparse.Namespace, rest: Sequence[str], place: JobSet
             "--listen", f"0.0.0.0:{args.port}",
             "--nodes", ",".join(place.addresses(args.port)),
             "--rank", str(place.rank),
-            "--nodes-per-slice", str(place.hosts_per_slice)]
+            "--nodes-per-slice", str(place.hosts_per_slice),
+            # A worker pod's certificate names the pod: that name is its rank.
+            "--tls-pod-prefix", place.pod_prefix,
+            "--tls-hosts-per-slice", str(place.hosts_per_slice)]
     for flag in ("token_file", "tls_cert", "tls_key", "tls_ca"):
         value = getattr(args, flag)
         if value:

@@ -24,6 +24,7 @@ from mtc.sidecar.replicator import orbax
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.limits import Limits
 from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import ReplicatorServicer, serve, set_health
 
@@ -58,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tls-cert", help="this node's certificate (PEM), for mutual TLS")
     p.add_argument("--tls-key", help="its private key (PEM)")
     p.add_argument("--tls-ca", help="CA certificate that signs every peer (PEM)")
+    p.add_argument("--tls-pod-prefix", metavar="PREFIX",
+                   help="read a certificate naming JobSet pod PREFIX<slice>-<host>-xxxxx "
+                        "(<jobset>-<replicated job>-, as cert-manager's CSI driver issues "
+                        "${POD_NAME}) as rank slice * --tls-hosts-per-slice + host, beside "
+                        "mtc-rank-<r> (mtc-replicator-k8s gives both)")
+    p.add_argument("--tls-hosts-per-slice", type=int, metavar="N",
+                   help="hosts per slice of --tls-pod-prefix's pod names")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--metrics-address", default="127.0.0.1",
@@ -144,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
                                   poll_s=args.poll_seconds, framework=framework,
                                   agreement_timeout_s=args.agreement_timeout_seconds,
                                   restore_quiet_s=args.restore_quiet_seconds)
+        if (args.tls_pod_prefix is None) != (args.tls_hosts_per_slice is None):
+            raise ConfigError("--tls-pod-prefix and --tls-hosts-per-slice go together")
+        if args.tls_pod_prefix is not None:
+            # Before any certificate is read: how this process maps pod names to ranks.
+            use_pod_names(PodNames(args.tls_pod_prefix, args.tls_hosts_per_slice))
         creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                        args.tls_ca)
         creds.check_names_rank(rank)  # with mutual TLS: peers take us for this rank only

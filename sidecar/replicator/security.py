@@ -2,7 +2,9 @@
 
 Without credentials a replicator (and a host's sidecar) serves loopback addresses
 only. With mutual TLS each host's certificate names its replicator rank: a DNS
-subject alternative name ``mtc-rank-<r>`` (:func:`rank_name`). A server acts for
+subject alternative name ``mtc-rank-<r>`` (:func:`rank_name`) or its JobSet pod's
+name (:mod:`~mtc.sidecar.replicator.rank_names`, the one place that maps names to
+ranks). A server acts for
 a caller only as the rank its certificate names (a copy's origin, a ``Decide``'s
 rank); a certificate naming no rank (the controller's) may read and ask for
 restores, never act as a peer; and a replicator reaching peer ``r`` accepts only
@@ -25,13 +27,18 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from mtc.errors import ConfigError, UnauthorizedError
+
+# rank_name and ranks_named are re-exported: callers name ranks through this module.
+from mtc.sidecar.replicator.rank_names import pod_names
+from mtc.sidecar.replicator.rank_names import rank_name as rank_name
+from mtc.sidecar.replicator.rank_names import ranks_named as ranks_named
 
 log = logging.getLogger(__name__)
 CERT_CHECK_S = 1.0  # how often a client looks at the certificate files (one stat each)
@@ -40,7 +47,6 @@ CERT_CHECK_S = 1.0  # how often a client looks at the certificate files (one sta
 Stamp = tuple[tuple[int, int, int], ...]
 
 TOKEN_HEADER = "x-mtc-token"
-RANK_PREFIX = "mtc-rank-"
 # Unauthenticated on purpose: Kubernetes probes carry no credentials.
 OPEN_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
@@ -148,27 +154,15 @@ class Credentials:
             return
         named = self.own_ranks()
         if named != {rank}:
+            pods = pod_names()
             raise ConfigError(
                 f"certificate {self.tls_cert} names rank(s) {sorted(named) or 'none'}, this "
                 f"replicator is rank {rank}: give each host a certificate with the DNS name "
-                f"{rank_name(rank)} (docs/security.md)")
-
-
-def rank_name(rank: int) -> str:
-    """The DNS subject alternative name that makes a certificate rank ``rank``'s."""
-    return f"{RANK_PREFIX}{rank}"
-
-
-def ranks_named(names: Iterable[str | bytes]) -> set[int]:
-    """The ranks a certificate's DNS names name."""
-    out = set()
-    for n in names:
-        text = n.decode(errors="replace") if isinstance(n, bytes) else n
-        digits = text[len(RANK_PREFIX):]
-        if text.startswith(RANK_PREFIX) and digits.isascii() and digits.isdigit() \
-                and len(digits) < 10:
-            out.add(int(digits))
-    return out
+                f"{rank_name(rank)}"
+                + (f" or its pod's name ({pods.prefix}<slice>-<host>-xxxxx, "
+                   f"{pods.hosts_per_slice} hosts per slice)" if pods else
+                   ", or read pod names as ranks (--tls-pod-prefix, --tls-hosts-per-slice)")
+                + " (docs/security.md)")
 
 
 def caller_rank(context: grpc.ServicerContext) -> int | None:

@@ -1,0 +1,180 @@
+"""Replicators with the certificates cert-manager's CSI driver issues JobSet pods.
+
+Each worker pod's certificate names the pod (``<jobset>-worker-<slice>-<host>-xxxxx``,
+and ``*.<jobset>``), not ``mtc-rank-<r>``; the replicator is told how the job names
+its pods (``--tls-pod-prefix``, ``--tls-hosts-per-slice``: what mtc-replicator-k8s
+passes) and reads such a name as rank ``slice * hosts + host``. Real replicator
+processes over mutual TLS on loopback, four hosts in two slices, certificates
+issued here as the driver would (plus 127.0.0.1, the address this harness, playing
+the controller, dials; in a cluster the controller dials ``<host>.<jobset>``,
+which ``*.<jobset>`` covers). They replicate, agree on a restore after a host is
+replaced by a pod of another name, and refuse a pod's certificate as any other
+rank than its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from replicators import Cluster, commit_raw_step, env_with_repo, free_ports, new_cluster
+from tls_certs import issue, make_ca
+
+from mtc.proto import replicator_pb2 as pb
+from mtc.replicas import prepare_restore
+from mtc.sidecar.replicator import rank_names
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.rank_names import PodNames
+from mtc.sidecar.replicator.security import Credentials
+
+pytestmark = pytest.mark.process  # replicator processes
+
+JOBSET = "mtc-train"
+HOSTS = 2      # per slice
+PODS = PodNames(f"{JOBSET}-worker-", HOSTS)
+
+
+def pod(rank: int, suffix: str) -> str:
+    s, h = divmod(rank, HOSTS)
+    return f"{JOBSET}-worker-{s}-{h}-{suffix}"
+
+
+class Pki:
+    """The job's CA, and certificate files as the CSI driver mounts them."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.ca = make_ca(f"{JOBSET}-ca")
+        base.mkdir()
+        self.ca_file = base / "ca.crt"
+        self.ca_file.write_bytes(self.ca[0])
+
+    def issue(self, name: str, *, ips: tuple[str, ...] = ("127.0.0.1",)) -> tuple[Path, Path]:
+        """A pod's certificate: its name, and the names peers and the controller dial."""
+        files = issue(self.ca, name, dns=(name, f"*.{JOBSET}", f"*.{JOBSET}.default.svc"),
+                      ips=ips)
+        folder = self.base / name
+        folder.mkdir()
+        for n, data in files.items():
+            (folder / n).write_bytes(data)
+        return folder / "tls.crt", folder / "tls.key"
+
+    def creds(self, name: str) -> Credentials:
+        cert, key = self.issue(name, ips=())
+        return Credentials(tls_cert=cert, tls_key=key, tls_ca=self.ca_file)
+
+
+def code(creds: Credentials, address: str, rank: int, method: str, req: Any) -> Any:
+    """The reply to one call, or the status code it failed with."""
+    c = PeerClient(address, creds, rank=rank)
+    try:
+        return c.call(method, req, attempts=1)
+    except PeerError as e:
+        return e.code
+    finally:
+        c.close()
+
+
+def offer(origin: int, step: int) -> pb.OfferRequest:
+    return pb.OfferRequest(copy=pb.StepCopy(step=step, origin_rank=origin, files=[
+        pb.FileInfo(path="a.bin", size=1, crc32c=0)]))
+
+
+def start_refused(base: Path, rank: int, cert: tuple[Path, Path], ca: Path,
+                  nodes: list[str]) -> str:
+    """stderr of a replicator of ``rank`` started with ``cert``, which must refuse."""
+    r = subprocess.run([sys.executable, "-m", "mtc.sidecar.replicator.main",
+                        "--local-dir", str(base / f"refused-{rank}"),
+                        "--listen", f"127.0.0.1:{free_ports(1)[0]}", "--nodes", ",".join(nodes),
+                        "--rank", str(rank), "--nodes-per-slice", str(HOSTS),
+                        "--tls-cert", str(cert[0]), "--tls-key", str(cert[1]),
+                        "--tls-ca", str(ca), "--tls-pod-prefix", PODS.prefix,
+                        "--tls-hosts-per-slice", str(HOSTS)],
+                       capture_output=True, text=True, timeout=60, env=env_with_repo())
+    assert r.returncode == 2, r.stderr
+    return r.stderr
+
+
+def test_replicators_with_pod_certificates(ramdisk: Path, clusters: list[Cluster],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    pki = Pki(ramdisk / "pki")
+    certs = {r: pki.issue(pod(r, f"a{r}a{r}a")) for r in range(2 * HOSTS)}
+    # The controller: the Pathways head's pod, whose name is no worker's.
+    controller = pki.creds(f"{JOBSET}-pathways-head-0-0-h7h7h")
+    cl = new_cluster(clusters, ramdisk, 2 * HOSTS, HOSTS, creds=controller,
+                     extra=("--tls-ca", str(pki.ca_file), "--tls-pod-prefix", PODS.prefix,
+                            "--tls-hosts-per-slice", str(HOSTS)),
+                     rank_args={r: ("--tls-cert", str(c), "--tls-key", str(k))
+                                for r, (c, k) in certs.items()})
+    try:
+        cl.start_all()
+        data = {r: os.urandom(4096) for r in range(cl.n)}
+        for r in range(cl.n):
+            commit_raw_step(cl.root(r), 1, {"a.bin": data[r]})
+        cl.wait_replicated(1, timeout=60)  # peers reach each other by their pods' names
+
+        # Host 1 is replaced: a new pod (another name, another key), an empty RAM disk.
+        cl.lose_host(1)
+        new = pki.issue(pod(1, "n3wp0"))
+        cl.rank_args[1] = ("--tls-cert", str(new[0]), "--tls-key", str(new[1]))
+        cl.start(1)
+        # Every replicator agrees on step 1; the new pod's data comes from its peer.
+        prepared = prepare_restore(cl.addrs, token=None, creds=controller, timeout_s=60)
+        assert prepared.step == 1
+        assert prepared.tiers[cl.addrs[1]] == "peer"
+        assert {prepared.tiers[cl.addrs[r]] for r in (0, 2, 3)} == {"local"}
+        assert (cl.root(1) / "1" / "a.bin").read_bytes() == data[1]
+        # The other ranks learnt the new pod's name: they copy to it again.
+        cl.wait_held({(1, 3, 1), (3, 1, 1)}, timeout=30)
+
+        host1 = Credentials(tls_cert=new[0], tls_key=new[1], tls_ca=pki.ca_file)
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        # A pod's certificate is its rank only: rank 1's, acting for rank 0 or 3.
+        assert code(host1, cl.addrs[2], 2, "Offer", offer(0, 7)) == denied
+        assert code(host1, cl.addrs[0], 0, "Offer", offer(3, 7)) == denied
+        assert code(host1, cl.addrs[0], 0, "Decide",
+                    pb.DecideRequest(rank=0, timeout_seconds=1)) == denied
+        own = code(host1, cl.addrs[3], 3, "Offer", offer(1, 7))
+        assert isinstance(own, pb.OfferReply) and own.transfer_id
+        code(host1, cl.addrs[3], 3, "Abort", pb.AbortRequest(transfer_id=own.transfer_id))
+        # Host index 2 of 2 would be slice 1's host 0 by arithmetic: it is no rank.
+        beyond = pki.creds(f"{JOBSET}-worker-0-2-b2b2b")
+        assert code(beyond, cl.addrs[0], 0, "Offer", offer(2, 7)) == denied
+        # Another JobSet's pod of the same indices (and the same CA): no rank here.
+        stranger = pki.creds("other-worker-1-0-c5c5c")
+        assert code(stranger, cl.addrs[0], 0, "Offer", offer(2, 7)) == denied
+        # The controller's reads and restores, never a peer's part.
+        assert code(controller, cl.addrs[2], 2, "Offer", offer(0, 7)) == denied
+        assert isinstance(code(controller, cl.addrs[3], 3, "GetInventory",
+                               pb.InventoryRequest()), pb.Inventory)
+
+        # A replicator reaching peer r takes only a server whose certificate is rank r's.
+        monkeypatch.setattr(rank_names, "_pods", None)
+        rank_names.use_pod_names(PODS)  # as mtc-replicator's --tls-pod-prefix does
+        genuine = PeerClient(cl.addrs[0], host1, rank=0, as_peer=True)
+        impostor = PeerClient(cl.addrs[0], host1, rank=2, as_peer=True)
+        try:
+            assert isinstance(genuine.call("GetInventory", pb.InventoryRequest()),
+                              pb.Inventory)
+            with pytest.raises(PeerError) as ei:  # rank 0's server, asked as rank 2
+                impostor.call("GetInventory", pb.InventoryRequest(), attempts=2)
+            assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+        finally:
+            genuine.close()
+            impostor.close()
+        assert 7 not in {c.step for r in range(cl.n) for c in cl.inventory(r).copies}
+
+        # A replicator whose pod's certificate is another rank's does not start.
+        err = start_refused(ramdisk, 0, certs[3], pki.ca_file, cl.addrs)
+        assert "names rank(s) [3]" in err
+        err = start_refused(ramdisk, 2, pki.issue("other-worker-1-0-d4d4d"), pki.ca_file,
+                            cl.addrs)
+        assert "names rank(s) none" in err
+    finally:
+        for rank in range(cl.n):
+            print(f"--- replicator {rank} ---\n{cl.log_text(rank)[-2000:]}")
