@@ -6,12 +6,13 @@
 The job file (every key: deploy/job.example.yaml) names the project, the bucket,
 the namespace, the JobSet, the images and the slice shape. This script renders the
 overlay the job file's ``mode`` names with ``kubectl kustomize`` (with the
-components its ``monitoring`` and ``certificates`` ask for) and sets every value
-that follows from the job file, in every place it appears: the hosts per slice
-that the TPU type and topology give, the Pathways instance type, the memory that
-the RAM disk adds to its writers' requests, the disruption budget, the names in
-the selectors and the certificate. The output is printed, never written into the
-repository: render it again after changing the job file or updating mtc.
+components its ``monitoring`` asks for) and sets every value that follows from
+the job file, in every place it appears: the hosts per slice that the TPU type
+and topology give, the Pathways instance type, the memory that the RAM disk adds
+to its writers' requests, the disruption budget, the names in the selectors, the
+job's CA and the names in its pods' certificates. The output is printed, never
+written into the repository: render it again after changing the job file or
+updating mtc.
 
 Needs PyYAML and kubectl (``pip install -e '.[dev]'`` has both).
 """
@@ -36,7 +37,13 @@ import yaml
 DEPLOY = Path(__file__).resolve().parent
 MODES = ("pathways", "pathways-gke-mtc", "multi-controller")
 MONITORING = {"gmp": (), "prometheus-operator": ("monitoring-prometheus",), "none": ()}
-CERTIFICATES = {"secret": (), "cert-manager": ("cert-manager",)}
+# Every overlay lists components/cert-manager (the job's CA); the pods' own certificates
+# come from cert-manager's CSI driver. One shared Secret cannot be each host's.
+CERTIFICATES = {"cert-manager": ()}
+CSI_CERT_DRIVER = "csi.cert-manager.io"
+# Kubernetes names an Indexed Job's pod <job>-<index>-xxxxx, its prefix cut at 58
+# characters: a worker pod's name, its rank (docs/security.md), must keep its indices.
+MAX_GENERATED_PREFIX = 58
 GMP_KINDS = {("monitoring.googleapis.com", "PodMonitoring"), ("monitoring.googleapis.com", "Rules")}
 CLUSTER_SCOPED = {"PriorityClass", "CheckpointConfiguration"}
 
@@ -153,13 +160,24 @@ class Job:
                                        tuple(MONITORING))
         self.monitoring_namespace = self._dns(
             "monitoringNamespace", data.get("monitoringNamespace", "monitoring"), 63)
-        self.certificates = self._choice("certificates", data.get("certificates", "secret"),
+        if data.get("certificates") == "secret":
+            raise JobFileError(f"{path}: certificates: 'secret' (one certificate shared by "
+                               "every host) is gone: each host's certificate must name its "
+                               "rank; use cert-manager (its CSI driver issues each pod its own, "
+                               "docs/deploy.md step 6)")
+        self.certificates = self._choice("certificates",
+                                         data.get("certificates", "cert-manager"),
                                          tuple(CERTIFICATES))
         self.max_restarts = self._int("maxRestarts", data.get("maxRestarts", 20), 0)
         only = data.get("restartFailedSliceOnly", True)
         if not isinstance(only, bool):
             raise JobFileError(f"{path}: restartFailedSliceOnly: {only!r} is not true or false")
         self.restart_slice_only = only
+        longest = f"{self.name}-worker-{self.slices - 1}-{self.hosts - 1}-"
+        if len(longest) > MAX_GENERATED_PREFIX:
+            raise JobFileError(f"{path}: name: pods named {longest}xxxxx are longer than "
+                               f"Kubernetes keeps whole ({MAX_GENERATED_PREFIX} characters "
+                               "before the suffix): a shorter name")
 
     def _dns(self, key: str, value: Any, longest: int) -> str:
         if not isinstance(value, str) or not DNS_LABEL.match(value) or len(value) > longest:
@@ -269,6 +287,18 @@ def memory(c: dict[str, Any], request: int, limit: int) -> None:
     res.setdefault("limits", {})["memory"] = mebibytes(limit)
 
 
+def configure_certificate_volume(v: dict[str, Any], job: Job) -> None:
+    """A pod's certificate from cert-manager's CSI driver: the job's CA Issuer, and
+    the job's names in its DNS names (``${POD_NAME}`` and the namespace stay: the
+    driver fills them in for each pod)."""
+    attrs = v["csi"]["volumeAttributes"]
+    attrs["csi.cert-manager.io/issuer-name"] = f"{job.name}-ca"
+    names = attrs.get("csi.cert-manager.io/dns-names", "").split(",")
+    attrs["csi.cert-manager.io/dns-names"] = ",".join(
+        f"*.{job.name}{n[len(EXAMPLE_NAME) + 2:]}" if n.startswith(f"*.{EXAMPLE_NAME}") else n
+        for n in names)
+
+
 def configure_jobset(js: dict[str, Any], job: Job) -> None:
     js["metadata"]["name"] = job.name
     policy = js["spec"]["failurePolicy"]
@@ -292,6 +322,8 @@ def configure_jobset(js: dict[str, Any], job: Job) -> None:
         for v in pod.get("volumes", []):
             if v["name"] == "ramdisk" and "emptyDir" in v:
                 v["emptyDir"]["sizeLimit"] = job.ramdisk_quantity
+            if v.get("csi", {}).get("driver") == CSI_CERT_DRIVER:
+                configure_certificate_volume(v, job)
         cs = containers(pod)
         for c in cs.values():
             set_env(c, "MTC_HOSTS_PER_SLICE", str(job.hosts))
@@ -343,10 +375,22 @@ def configure(docs: list[dict[str, Any]], job: Job) -> list[dict[str, Any]]:
             for m in walk(d["spec"]):
                 if m.get("kubernetes.io/metadata.name") == "monitoring":
                     m["kubernetes.io/metadata.name"] = job.monitoring_namespace
-        elif kind == "Certificate" and "dnsNames" in d["spec"]:
-            d["spec"]["dnsNames"] = [f"*.{job.name}", f"*.{job.name}.{job.namespace}.svc",
-                                     f"*.{job.name}.{job.namespace}.svc.cluster.local"]
+        elif kind in ("Issuer", "Certificate"):
+            # The job's own CA (a CA shared by two jobs would make one's pods ranks of
+            # the other's): every name <example>-... becomes <job>-....
+            _rename(meta, "name", job)
+            spec = d["spec"]
+            for holder, key in ((spec, "secretName"), (spec, "commonName"),
+                                (spec.get("issuerRef", {}), "name"),
+                                (spec.get("ca", {}), "secretName")):
+                _rename(holder, key, job)
     return [_values(d, job) for d in docs]
+
+
+def _rename(holder: dict[str, Any], key: str, job: Job) -> None:
+    value = holder.get(key)
+    if isinstance(value, str) and value.startswith(EXAMPLE_NAME + "-"):
+        holder[key] = job.name + value[len(EXAMPLE_NAME):]
 
 
 def _values(node: Any, job: Job) -> Any:
