@@ -50,7 +50,8 @@ class SaveHeader:
     """The controller's description of one save: the step and the tree's leaves.
 
     ``array_leaves[i]`` is the leaf number of the i-th array handed to ``stage``;
-    ``run`` the saving manager's run identity, written into every host's manifest.
+    ``run`` the saving manager's run identity, written into every host's manifest,
+    as ``ranks`` (each host's replicator rank, when not host h = rank h) is.
     """
 
     step: int
@@ -58,17 +59,20 @@ class SaveHeader:
     array_leaves: tuple[int, ...]
     skip_if_busy: bool
     run: str = ""
+    ranks: tuple[int, ...] = ()
 
     def to_bytes(self) -> bytes:
         return json.dumps({"step": self.step, "leaves": [x.to_json() for x in self.leaves],
                            "array_leaves": list(self.array_leaves),
-                           "skip_if_busy": self.skip_if_busy, "run": self.run}).encode()
+                           "skip_if_busy": self.skip_if_busy, "run": self.run,
+                           "ranks": list(self.ranks)}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SaveHeader:
         d = json.loads(data)
         return cls(d["step"], tuple(LeafEntry.from_json(x) for x in d["leaves"]),
-                   tuple(d["array_leaves"]), d["skip_if_busy"], check_run(d.get("run", "")))
+                   tuple(d["array_leaves"]), d["skip_if_busy"], check_run(d.get("run", "")),
+                   tuple(int(r) for r in d.get("ranks", ())))
 
 
 def shard_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:

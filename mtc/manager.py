@@ -171,8 +171,22 @@ class CheckpointManager:
         if self.topology.subdirs or not self.options.replicators \
                 or self.options.simulated_hosts is not None:
             return None
+        host = self.topology.local_hosts[0]
+        ranks = self.options.replicator_ranks
         return NetworkTier(tuple(self.options.replicators), credentials(self.options),
-                           self.topology.local_hosts)
+                           self.topology.local_hosts,
+                           ranks[host] if ranks and host < len(ranks) else host)
+
+    def _saved_ranks(self) -> tuple[int, ...]:
+        """Each host's replicator rank, for the manifests, when the job's hosts are not
+        ranks 0..n-1 (it came back on other hosts): where each host's data is kept."""
+        ranks = tuple(self.options.replicator_ranks or ())
+        if not self.options.replicators or not ranks or ranks == tuple(range(len(ranks))):
+            return ()
+        if len(ranks) != self.topology.num_hosts:
+            raise ConfigError(f"{len(ranks)} replicator ranks for {self.topology.num_hosts} "
+                              f"hosts")
+        return ranks
 
     @property
     def _tier(self) -> ReplicatorTier:
@@ -268,7 +282,7 @@ class CheckpointManager:
             return False
         t0 = time.perf_counter()
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
-                                 metrics=metrics, run=self._run)
+                                 metrics=metrics, run=self._run, ranks=self._saved_ranks())
         if sidecars is not None:
             def before_send() -> None:
                 # While the shards are copied into the hosts' areas: one round trip
@@ -302,10 +316,12 @@ class CheckpointManager:
         between hosts' commits left on some hosts only was never a checkpoint, and
         is deleted so that saving it again replaces it."""
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
+        if self._inventory.sees_own_host_only or partial:  # the first: collective
+            if step in self._inventory.complete_everywhere(held):
+                raise StepExistsError("step is already committed", step=step,
+                                      host=partial[0] if partial else None)
         if not partial:
             return held
-        if step in self._inventory.complete_here(held):
-            raise StepExistsError("step is already committed", step=step, host=partial[0])
         log.warning("step %d was committed on hosts %s only (or by another run on some); "
                     "replacing it", step, partial)
         self._dispatch.delete(step, partial)
@@ -539,12 +555,13 @@ class CheckpointManager:
                                         f"({self._where()})")
             step = steps[-1]
         run = prepared.run if prepared is not None and prepared.step == step else ""
-        if not run and not self.options.replicators:
+        if not run:  # no agreed run: that the hosts' copies are one run's is asked here
             self._check_one_run(step)
         error: MtcError | None = None
         result: Any = None
         nbytes = 0
         self.last_restore_seconds = {}
+        fetched_before = self._dispatch.network_bytes()
         try:
             saved, result = self._load(step, target, args, prepared, run)
             nbytes = sum(m.nbytes for m in saved.manifests.values())
@@ -578,6 +595,9 @@ class CheckpointManager:
                                           step=step)
         if error is not None:
             raise error
+        if self._dispatch.network_bytes() > fetched_before:
+            # Regions this process read from other hosts' copies, over the network.
+            tiers = {h: farthest({0: t, 1: "peer"}) for h, t in tiers.items()}
         self.last_restore_tiers = tiers
         self.last_restore_tier = farthest(tiers)
         self.last_restore_seconds.update({"prepare": t_prepared - t0,
@@ -586,6 +606,7 @@ class CheckpointManager:
         if newest and not self.options.replicators and not self.options.read_only:
             self._fence(step)
         self._latest = None
+        self._inventory.relearn()
         if not self.options.read_only:
             # Saves from here on are another run's: what this run saved after the
             # restored step (fenced, or never finished) can never mix with them.
@@ -608,24 +629,31 @@ class CheckpointManager:
                 self._inventory.forget(s)
 
     def _check_one_run(self, step: int) -> None:
-        """In multi-controller JAX each process sees its own host: that every
-        process's copy of ``step`` was written by one run is asked of them all
-        (collective), before anything is read."""
-        if self.topology.subdirs or jax.process_count() == 1:
+        """In multi-controller JAX each process sees its own host: that the copies of
+        ``step`` its hosts hold were all written by one run is asked of every process
+        (collective), before anything is read. A host holding none (a job grown onto
+        hosts that did not save it, reading through the replicators) has no say."""
+        if not self._inventory.sees_own_host_only:
             return
         held = self._inventory.held()
         mine = [h for h in self.topology.local_hosts if step in held.get(h, ())]
-        key = -1
+        key = -1  # no copy here (or an unreadable one: the loader names it)
         if mine:
             try:
                 one = self._inventory.run_of(step, mine)
+                key = -2 if one is None else runs.run_key(one)
             except MtcError:
-                one = None
-            key = -1 if one is None else runs.run_key(one)
-        if multihost.common_steps([step], {step: key}) != [step]:
-            raise MixedRunError("the processes' hosts hold copies of this step written by "
-                                "different runs (or not at all): it is never restored",
-                                step=step)
+                pass
+        keys = multihost.every_value(key)
+        if len({k for k in keys if k != -1}) > 1:
+            by_key: dict[int, list[int]] = {}
+            for process, k in enumerate(keys):
+                if k != -1:
+                    by_key.setdefault(k, []).append(process)
+            raise MixedRunError(
+                f"the processes' hosts hold copies of this step written by different runs "
+                f"(processes {' / '.join(str(p) for p in by_key.values())} each hold one "
+                f"run's): it is never restored", step=step)
 
     def _where(self) -> str:
         """Where this manager's steps are, as the user configured it."""

@@ -47,9 +47,13 @@ class Options:
         hosts (one RAM-disk root each, under ``<local_dir>/host-<i>/``). ``None``
         means one host per JAX process.
       host_subdirs: keep each host's steps under ``<local_dir>/host-<i>/``
-        rather than in ``local_dir`` itself. ``None``: on when hosts are
-        simulated or several processes share a machine (CPU devices), off on a
-        real host whose RAM disk is ``local_dir``.
+        rather than in ``local_dir`` itself. ``None``: off with one process per
+        host (multi-controller JAX: ``local_dir`` is the host's RAM disk, where
+        its replicator looks) and on Pathways; on for a single process on CPU
+        devices (this machine standing in for a job's hosts). Processes of one
+        machine sharing a ``local_dir`` set it on (else the second one gets
+        ``DirectoryLockedError``). With replicators, a manager whose host root is
+        not its replicator's ``--local-dir`` fails at start with ``ConfigError``.
       replicators: each host's ``mtc-replicator`` address, in host order. With
         replicators, ``restore()`` without a step asks them to agree on the
         newest step restorable on every host and to fetch missing data from

@@ -50,10 +50,11 @@ def _metric_leaves(metrics: Any) -> list[LeafEntry]:
     return out
 
 
-def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, run: str = ""
-            ) -> tuple[SaveHeader, list[jax.Array | np.ndarray]]:
+def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, run: str = "",
+            ranks: tuple[int, ...] = ()) -> tuple[SaveHeader, list[jax.Array | np.ndarray]]:
     """The save header and the arrays, in header order, that hosts must write;
-    ``run``: the manager's run identity, written into every host's manifest."""
+    ``run``: the manager's run identity, written into every host's manifest, as
+    ``ranks`` (each host's replicator rank, when host h is not rank h) is."""
     flat, _ = treepath.flatten(state)
     leaves: list[LeafEntry] = []
     arrays: list[jax.Array | np.ndarray] = []
@@ -83,4 +84,4 @@ def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, r
         array_leaves.append(i)
     if metrics is not None:
         leaves.extend(_metric_leaves(metrics))
-    return SaveHeader(step, tuple(leaves), tuple(array_leaves), skip_if_busy, run), arrays
+    return SaveHeader(step, tuple(leaves), tuple(array_leaves), skip_if_busy, run, ranks), arrays

@@ -133,11 +133,12 @@ class Node(BackupDuties, RestoreDuties):
         # decides on has been verified, not just listed.
         for origin, step, held in self.store.verified_copies(origins):
             try:
-                hosts, run = self.store.summary(origin, step)
+                summary = self.store.summary(origin, step)
             except OSError:
                 continue  # deleted since it was verified
-            c = inv.copies.add(step=step, origin_rank=origin, saved_hosts=hosts, run=run,
-                               fingerprint=fingerprint_of(held))
+            c = inv.copies.add(step=step, origin_rank=origin, saved_hosts=summary.num_hosts,
+                               run=summary.run, fingerprint=fingerprint_of(held),
+                               saving_ranks=summary.ranks)
             if files:
                 for f in held:
                     c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
@@ -398,7 +399,9 @@ class Node(BackupDuties, RestoreDuties):
                        frozenset((c.step, c.saved_hosts) for c in inv.copies
                                  if c.saved_hosts and not c.run),
                        frozenset((c.origin_rank, c.step, c.run, c.saved_hosts)
-                                 for c in inv.copies if c.run))
+                                 for c in inv.copies if c.run),
+                       frozenset((c.step, c.run, tuple(c.saving_ranks))
+                                 for c in inv.copies if c.saving_ranks))
 
     def _gather_invs(self, ranks: Sequence[int], deadline: float, *,
                      known_up: bool = False, files: bool = True) -> dict[int, pb.Inventory]:
@@ -489,7 +492,9 @@ class Node(BackupDuties, RestoreDuties):
                     if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \
                             time.monotonic() + 0.2 >= deadline or self._stop.is_set():
                         raise AgreementError(f"no restore decision within {timeout:.1f}s: "
-                                             f"{e}", host=self.rank) from e
+                                             f"{e.message}", step=e.step,
+                                             host=self.rank if e.host is None else e.host
+                                             ) from e
                     self.metrics.failures.labels("coordinator_unreachable").inc()
                     self._stop.wait(0.2)  # the coordinator restarts: ask again
         # Not a re-issued ask of a decision already read (same epoch, same restore id).

@@ -29,7 +29,7 @@ from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
 from mtc.sidecar.replicator.decode_guard import DecodeGuard
 from mtc.sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
-from mtc.sidecar.replicator.status import to_status
+from mtc.sidecar.replicator.status import to_status, wire_error
 from mtc.sidecar.replicator.store import (
     CHUNK,
     FileMeta,
@@ -48,13 +48,16 @@ TRANSFER_IDLE_S = 300.0
 MAX_RESTORE_TIMEOUT_S = 24 * 3600.0
 
 
-def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Through the one map (``status.py``); an unmapped error is a bug: logged."""
+def _status(e: BaseException, context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
+    """Through the one map (``status.py``); an unmapped error is a bug: logged. The
+    error's step, host and file go in the trailing metadata (``wire_error``)."""
     code = to_status(e)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in a replicator call", exc_info=e)
         return code, f"{type(e).__name__}: {e}"
-    return code, str(e)
+    message, where = wire_error(e)
+    context.set_trailing_metadata(where)
+    return code, message
 
 
 def mapped(fn: F) -> F:
@@ -64,7 +67,7 @@ def mapped(fn: F) -> F:
         try:
             return fn(self, request, context)
         except (MtcError, OSError, ValueError, KeyError) as e:
-            code, msg = _status(e)
+            code, msg = _status(e, context)
             context.abort(code, msg)
     return wrapper  # type: ignore[return-value]
 
@@ -247,7 +250,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             self.node.metrics.bytes_received.inc(got)
             return pb.PushAck(path=metas[0].path if len(metas) == 1 else "", size=got)
         except (MtcError, OSError, ValueError, KeyError) as e:
-            code, msg = _status(e)
+            code, msg = _status(e, context)
             context.abort(code, msg)
             raise AssertionError("unreachable") from e
 
@@ -358,7 +361,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 while chunk := f.read(CHUNK):
                     yield chunk
         except (MtcError, OSError, ValueError, KeyError) as e:
-            code, msg = _status(e)
+            code, msg = _status(e, context)
             context.abort(code, msg)
 
 

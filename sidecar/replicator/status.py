@@ -10,6 +10,8 @@ errors yes; bad input, missing or corrupt data no.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from mtc.errors import (
@@ -50,6 +52,48 @@ _BY_CODE: dict[grpc.StatusCode, type[MtcError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: RetryableError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: RetryableError,
 }
+
+
+# An error's step, host and file travel beside its bare message, as trailing
+# metadata: the caller's error names them once, instead of the text naming them
+# again at every hop it is wrapped in.
+_WHERE = (("step", "x-mtc-error-step"), ("host", "x-mtc-error-host"),
+          ("path", "x-mtc-error-path"))
+_WHERE_MAX = 4096  # a path from the network, bounded like every other field
+
+
+def wire_error(e: BaseException) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """A handler's error as it travels: its message without the where-suffix, and
+    its step, host and file as trailing metadata."""
+    if not isinstance(e, MtcError):
+        return str(e), ()
+    where = tuple((key, str(getattr(e, attr))[:_WHERE_MAX]) for attr, key in _WHERE
+                  if getattr(e, attr) is not None)
+    return e.message, where
+
+
+def where_of(metadata: object) -> dict[str, Any]:
+    """The step, host and file a failed call's trailing metadata names (a caller's
+    error is built with them); nothing that does not parse."""
+    got: dict[str, Any] = {}
+    keys = {key: attr for attr, key in _WHERE}
+    try:
+        items = list(metadata or ())  # type: ignore[call-overload]
+    except TypeError:
+        return got
+    for item in items[:16]:
+        try:
+            key, value = item
+        except (TypeError, ValueError):
+            continue
+        attr = keys.get(key) if isinstance(key, str) else None
+        if attr is None or not isinstance(value, str) or len(value) > _WHERE_MAX:
+            continue
+        if attr == "path":
+            got[attr] = value
+        elif value.lstrip("-").isdigit() and len(value) < 20:
+            got[attr] = int(value)
+    return got
 
 
 def to_status(e: BaseException) -> grpc.StatusCode:
