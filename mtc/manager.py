@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -42,6 +43,7 @@ from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
 from mtc.options import Options
 from mtc.replicas import ReplicatorTier, credentials, farthest
+from mtc.replicator_watch import ReplicatorWatch
 from mtc.restore.load import metrics_of
 from mtc.restore.plan import SavedStep
 from mtc.restore.step import StepReader
@@ -145,6 +147,14 @@ class CheckpointManager:
             dispatch.close()
             raise
         self._dispatch = dispatch
+        try:
+            self._watch = self._watch_replicators()
+        except BaseException:
+            dispatch.close()
+            raise
+        # Hosts whose replicator did not answer the last check: the manager keeps
+        # their RAM disks within max_to_keep meanwhile.
+        self._unreplicated: frozenset[int] = frozenset()
         self._inventory = StepInventory(dispatch, self.topology)
         self._reader = StepReader(dispatch, self.topology, self._network, self.local_dir,
                                   self._inventory.saved_hosts)
@@ -187,6 +197,27 @@ class CheckpointManager:
             raise ConfigError(f"{len(ranks)} replicator ranks for {self.topology.num_hosts} "
                               f"hosts")
         return ranks
+
+    def _watch_replicators(self) -> ReplicatorWatch | None:
+        """With replicators, a writer checks that each of its hosts' replicators is the
+        rank the job states and serves that host's RAM disk (``ConfigError``), and
+        watches them at every save (:mod:`mtc.replicator_watch`)."""
+        addrs = tuple(self.options.replicators or ())
+        ranks = tuple(self.options.replicator_ranks or range(len(addrs)))
+        if self.options.read_only or not addrs or len(addrs) != self.topology.num_hosts \
+                or len(ranks) != len(addrs):
+            return None  # the first restore says what does not match
+        hosts = self.topology.local_hosts
+        watch = ReplicatorWatch({h: addrs[h] for h in hosts}, {h: ranks[h] for h in hosts},
+                                credentials(self.options))
+        try:
+            watch.start({h: str(self._config.root(h)) for h in hosts},
+                        self._dispatch.identify(hosts, create=True),
+                        subdirs=self.topology.subdirs)
+        except BaseException:
+            watch.close()
+            raise
+        return watch
 
     @property
     def _tier(self) -> ReplicatorTier:
@@ -280,6 +311,8 @@ class CheckpointManager:
             if sidecars is not None:
                 sidecars.poll_if_due()
             return False
+        if self._watch is not None:
+            self._unreplicated = self._watch.poll()
         t0 = time.perf_counter()
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics, run=self._run, ranks=self._saved_ranks())
@@ -304,11 +337,44 @@ class CheckpointManager:
             self._last_saved = step
             # The manifests say this job's host count and this run: no host need be asked.
             self._inventory.saved(step, self._run, self.topology.local_hosts)
-            nbytes = sum(int(a.nbytes) for a in arrays)
-            log.info("mtc: save step %d: %d bytes staged in %.3fs; writing to the local tier "
-                     "(%s) in the background", step, nbytes, time.perf_counter() - t0,
-                     self.local_dir)
+            log.info("mtc: save step %d: %d bytes of %s staged in %.3fs; writing to %s in the "
+                     "background", step, self._bytes_here(arrays), self._hosts_here(),
+                     time.perf_counter() - t0, self._roots_here())
         return staged
+
+    def _bytes_here(self, arrays: Any) -> int:
+        """Bytes the hosts this process serves write for ``arrays``: each region a
+        host holds once (replicas on its devices are written once), numpy leaves
+        whole on every host."""
+        total = 0
+        hosts = self.topology.host_of_device
+        for a in arrays:
+            if not isinstance(a, jax.Array):
+                total += int(a.nbytes) * len(self.topology.local_hosts)
+                continue
+            seen: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
+            indices: Mapping[Any, Any] = a.sharding.addressable_devices_indices_map(a.shape)
+            for d, idx in indices.items():
+                key = (hosts.get(d.id, -1),
+                       tuple(s.indices(n)[:2] for s, n in zip(idx or (), a.shape, strict=False)))
+                if key not in seen:
+                    seen.add(key)
+                    total += math.prod(b - s for s, b in key[1]) * a.dtype.itemsize
+        return total
+
+    def _hosts_here(self) -> str:
+        hosts = self.topology.local_hosts
+        return f"host {hosts[0]}" if len(hosts) == 1 else f"{len(hosts)} hosts"
+
+    def _roots_here(self) -> str:
+        """Where the hosts this process serves keep their steps, as this process names
+        them (a sidecar's or a worker's RAM disk is named, never opened, here)."""
+        hosts = self.topology.local_hosts
+        if len(hosts) == 1:
+            return str(self._config.root(hosts[0]))
+        if self.topology.subdirs:
+            return f"{self.local_dir}/host-{{{hosts[0]}..{hosts[-1]}}}"
+        return f"the RAM disk ({self.local_dir}) of each of {len(hosts)} hosts"
 
     def _replace_partial(self, step: int, held: dict[int, list[int]]) -> dict[int, list[int]]:
         """``held`` (the hosts' committed steps) once ``step`` may be saved: a step
@@ -394,12 +460,29 @@ class CheckpointManager:
         return any(newest and free < newest * 1.05 * steps_coming
                    for free, newest in space.values())
 
+    def _retain_unreplicated(self, held: dict[int, list[int]] | None) -> None:
+        """A host whose replicator does not answer has nobody cleaning its RAM disk:
+        before a step is written, its newest ``max_to_keep`` (2 when None) steps are
+        kept, from its own view (the others' progress is the replicators' to know;
+        saves go in step, so its newest steps are the job's)."""
+        hosts = [h for h in self._unreplicated if h in self.topology.local_hosts]
+        if not hosts or self.options.read_only:
+            return
+        held = held if held is not None else self._dispatch.steps(hosts)
+        keep = self.options.max_to_keep or 2
+        for h in hosts:
+            steps = held.get(h, [])
+            if len(steps) >= keep:
+                self._dispatch.retain([h], steps, max_to_keep=keep,
+                                      keep_period=self.options.keep_period, before_write=True)
+
     def _make_room(self, held: dict[int, list[int]] | None = None) -> None:
         """Before a step is written: free the oldest step beyond ``max_to_keep - 1``.
 
         Freeing runs in the background; only when a RAM disk is short of room is
         it waited for, and then for the saves still in flight, whose commit lets
         retention free one more step (never the newest complete one)."""
+        self._retain_unreplicated(held)
         if not self._retains():
             return
         coming = 1 + self._saves_in_flight()
@@ -693,7 +776,11 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish every save, then release the directory. Later calls raise ClosedError."""
-        self._held.release()
+        try:
+            self._held.release()
+        finally:
+            if self._watch is not None:
+                self._watch.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

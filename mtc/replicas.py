@@ -133,7 +133,7 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
             if not is_retryable(e):  # the replicator's own error, named once
                 raise e.kind(e.message, step=e.step, host=e.host, path=e.path) from e
             if time.monotonic() + RETRY_S >= deadline:
-                raise AgreementError(f"no answer to the restore in time: {e.message}",
+                raise AgreementError(f"did not answer the restore in time: {e.message}",
                                      host=e.host) from e
             log.info("replicator %s unavailable (%s); asking again", client.address, e.code)
             cancelled.wait(RETRY_S)

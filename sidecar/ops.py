@@ -55,7 +55,8 @@ class HostOps:
         self._ops: dict[str, Callable[..., Any]] = {
             "open": self._open, "release": self._release, "steps": self._steps,
             "manifest": self._manifest, "delete": self._delete, "retain": self._retain,
-            "space": self._space, "settle": self._settle, "read": self._read}
+            "space": self._space, "settle": self._settle, "read": self._read,
+            "identify": self._identify}
         self._locks: dict[int, int] = {}  # host -> descriptor holding its writer lock
         self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
         # step -> ((inode, mtime) of this host's manifest of it, saving host it names)
@@ -196,6 +197,11 @@ class HostOps:
                 self._sizes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))
             out[str(h)] = [layout.free_bytes(root), self._sizes[key] if key else 0]
         return out
+
+    def _identify(self, hosts: Sequence[int], create: bool) -> dict[str, str]:
+        """Per host: its root's identity (``create``: written now when it has none),
+        which the replicator serving the same folder reports back."""
+        return {str(h): layout.root_identity(self._root(h), create=create) for h in hosts}
 
     def _settle(self, hosts: Sequence[int]) -> None:
         """Wait until background deletions have freed their space."""

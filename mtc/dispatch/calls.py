@@ -33,6 +33,7 @@ class Dispatch(Protocol):
     def settle(self, hosts: Sequence[int]) -> None: ...
     def own_for(self, step: int) -> tuple[int, ...]: ...
     def network_bytes(self) -> int: ...
+    def identify(self, hosts: Sequence[int], *, create: bool) -> dict[int, str]: ...
     def close(self) -> None: ...
 
 
@@ -209,6 +210,15 @@ class HostCalls:
     def settle(self, hosts: Sequence[int]) -> None:
         """Wait until the hosts' background deletions have freed their space."""
         self._call("settle", hosts)
+
+    def identify(self, hosts: Sequence[int], *, create: bool) -> dict[int, str]:
+        """Each host root's identity (``create``: written where none is yet), the token
+        its replicator reports back when it serves the same folder."""
+        out: dict[int, str] = {}
+        for reply in self._call("identify", hosts, create=create):
+            for h, ident in (reply or {}).items():
+                out[int(h)] = str(ident)
+        return out
 
     def own_for(self, step: int) -> tuple[int, ...]:
         """With the network tier (multi-controller JAX, this process alone with its

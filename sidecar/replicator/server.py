@@ -120,6 +120,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
         if request.rank_only:
             return pb.Inventory(rank=self.node.rank)
+        if request.identify:
+            return self.node.identity()
         return self.node.inventory(frozenset(request.origins) or None,
                                    files=not request.without_files)
 

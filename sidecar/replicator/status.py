@@ -57,19 +57,24 @@ _BY_CODE: dict[grpc.StatusCode, type[MtcError]] = {
 # An error's step, host and file travel beside its bare message, as trailing
 # metadata: the caller's error names them once, instead of the text naming them
 # again at every hop it is wrapped in.
+# A path may hold any character: it travels as bytes (a "-bin" key).
 _WHERE = (("step", "x-mtc-error-step"), ("host", "x-mtc-error-host"),
-          ("path", "x-mtc-error-path"))
+          ("path", "x-mtc-error-path-bin"))
 _WHERE_MAX = 4096  # a path from the network, bounded like every other field
 
 
-def wire_error(e: BaseException) -> tuple[str, tuple[tuple[str, str], ...]]:
+def wire_error(e: BaseException) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
     """A handler's error as it travels: its message without the where-suffix, and
     its step, host and file as trailing metadata."""
     if not isinstance(e, MtcError):
         return str(e), ()
-    where = tuple((key, str(getattr(e, attr))[:_WHERE_MAX]) for attr, key in _WHERE
-                  if getattr(e, attr) is not None)
-    return e.message, where
+    where: list[tuple[str, str | bytes]] = []
+    for attr, key in _WHERE:
+        value = getattr(e, attr)
+        if value is not None:
+            where.append((key, str(value).encode()[:_WHERE_MAX] if attr == "path"
+                          else str(int(value))))
+    return e.message, tuple(where)
 
 
 def where_of(metadata: object) -> dict[str, Any]:
@@ -87,11 +92,11 @@ def where_of(metadata: object) -> dict[str, Any]:
         except (TypeError, ValueError):
             continue
         attr = keys.get(key) if isinstance(key, str) else None
-        if attr is None or not isinstance(value, str) or len(value) > _WHERE_MAX:
+        if attr is None or not isinstance(value, str | bytes) or len(value) > _WHERE_MAX:
             continue
         if attr == "path":
-            got[attr] = value
-        elif value.lstrip("-").isdigit() and len(value) < 20:
+            got[attr] = value.decode(errors="replace") if isinstance(value, bytes) else value
+        elif isinstance(value, str) and value.lstrip("-").isdigit() and len(value) < 20:
             got[attr] = int(value)
     return got
 
