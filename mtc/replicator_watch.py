@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.security import Credentials
 
 log = logging.getLogger("mtc.manager")
-ASK_DEADLINE_S = 5.0
+ASK_DEADLINE_S = 2.0  # a replicator on its own host answers its identity in ms
 CHECK_INTERVAL_S = 2.0  # background checks start at most this often (one at a time)
 
 
