@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from mtc import multihost, runs
 from mtc.dispatch import Dispatch
-from mtc.errors import MtcError
+from mtc.errors import MixedRunError, MtcError
 from mtc.manifest import Manifest
 from mtc.topology import Topology
 
@@ -146,3 +146,32 @@ class StepInventory:
     def run_of(self, step: int, hosts: Sequence[int]) -> str | None:
         """The one run that wrote ``hosts``' copies of ``step`` (None: mixed)."""
         return runs.one_run(self.runs_of(step, hosts))
+
+    def check_one_run(self, step: int) -> None:
+        """Raise :class:`MixedRunError` unless every copy of ``step`` the job's hosts
+        hold was written by one run. In multi-controller JAX each process sees its
+        own host: asked of every process (collective), before anything is read; a
+        host holding none (a job grown onto hosts that did not save it, reading
+        through the replicators) has no say. Elsewhere the loader sees every host's
+        manifest and checks them itself."""
+        if not self.sees_own_host_only:
+            return
+        held = self.held()
+        mine = [h for h in self.topology.local_hosts if step in held.get(h, ())]
+        key = -1  # no copy here (or an unreadable one: the loader names it)
+        if mine:
+            try:
+                one = self.run_of(step, mine)
+                key = -2 if one is None else runs.run_key(one)
+            except MtcError:
+                pass
+        keys = multihost.every_value(key)
+        if len({k for k in keys if k != -1}) > 1:
+            by_key: dict[int, list[int]] = {}
+            for process, k in enumerate(keys):
+                if k != -1:
+                    by_key.setdefault(k, []).append(process)
+            raise MixedRunError(
+                f"the processes' hosts hold copies of this step written by different runs "
+                f"(processes {' / '.join(str(p) for p in by_key.values())} each hold one "
+                f"run's): it is never restored", step=step)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import sys
 import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -32,7 +31,6 @@ from mtc.errors import (
     ConfigError,
     CorruptShardError,
     DataLossError,
-    MixedRunError,
     MtcError,
     ShardUnavailableError,
     StepExistsError,
@@ -47,7 +45,7 @@ from mtc.replicator_watch import ReplicatorWatch
 from mtc.restore.load import metrics_of
 from mtc.restore.plan import SavedStep
 from mtc.restore.step import StepReader
-from mtc.save.stage import prepare
+from mtc.save.stage import bytes_on_hosts, prepare
 from mtc.topology import Topology
 
 if TYPE_CHECKING:
@@ -338,29 +336,11 @@ class CheckpointManager:
             # The manifests say this job's host count and this run: no host need be asked.
             self._inventory.saved(step, self._run, self.topology.local_hosts)
             log.info("mtc: save step %d: %d bytes of %s staged in %.3fs; writing to %s in the "
-                     "background", step, self._bytes_here(arrays), self._hosts_here(),
+                     "background", step,
+                     bytes_on_hosts(arrays, self.topology.host_of_device,
+                                    len(self.topology.local_hosts)), self._hosts_here(),
                      time.perf_counter() - t0, self._roots_here())
         return staged
-
-    def _bytes_here(self, arrays: Any) -> int:
-        """Bytes the hosts this process serves write for ``arrays``: each region a
-        host holds once (replicas on its devices are written once), numpy leaves
-        whole on every host."""
-        total = 0
-        hosts = self.topology.host_of_device
-        for a in arrays:
-            if not isinstance(a, jax.Array):
-                total += int(a.nbytes) * len(self.topology.local_hosts)
-                continue
-            seen: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
-            indices: Mapping[Any, Any] = a.sharding.addressable_devices_indices_map(a.shape)
-            for d, idx in indices.items():
-                key = (hosts.get(d.id, -1),
-                       tuple(s.indices(n)[:2] for s, n in zip(idx or (), a.shape, strict=False)))
-                if key not in seen:
-                    seen.add(key)
-                    total += math.prod(b - s for s, b in key[1]) * a.dtype.itemsize
-        return total
 
     def _hosts_here(self) -> str:
         hosts = self.topology.local_hosts
@@ -639,7 +619,7 @@ class CheckpointManager:
             step = steps[-1]
         run = prepared.run if prepared is not None and prepared.step == step else ""
         if not run:  # no agreed run: that the hosts' copies are one run's is asked here
-            self._check_one_run(step)
+            self._inventory.check_one_run(step)
         error: MtcError | None = None
         result: Any = None
         nbytes = 0
@@ -710,33 +690,6 @@ class CheckpointManager:
                          "after restoring step %d)", s, hosts, step)
                 self._dispatch.delete(s, hosts)
                 self._inventory.forget(s)
-
-    def _check_one_run(self, step: int) -> None:
-        """In multi-controller JAX each process sees its own host: that the copies of
-        ``step`` its hosts hold were all written by one run is asked of every process
-        (collective), before anything is read. A host holding none (a job grown onto
-        hosts that did not save it, reading through the replicators) has no say."""
-        if not self._inventory.sees_own_host_only:
-            return
-        held = self._inventory.held()
-        mine = [h for h in self.topology.local_hosts if step in held.get(h, ())]
-        key = -1  # no copy here (or an unreadable one: the loader names it)
-        if mine:
-            try:
-                one = self._inventory.run_of(step, mine)
-                key = -2 if one is None else runs.run_key(one)
-            except MtcError:
-                pass
-        keys = multihost.every_value(key)
-        if len({k for k in keys if k != -1}) > 1:
-            by_key: dict[int, list[int]] = {}
-            for process, k in enumerate(keys):
-                if k != -1:
-                    by_key.setdefault(k, []).append(process)
-            raise MixedRunError(
-                f"the processes' hosts hold copies of this step written by different runs "
-                f"(processes {' / '.join(str(p) for p in by_key.values())} each hold one "
-                f"run's): it is never restored", step=step)
 
     def _where(self) -> str:
         """Where this manager's steps are, as the user configured it."""

@@ -57,7 +57,8 @@ class Options:
       replicators: each host's ``mtc-replicator`` address, in host order. With
         replicators, ``restore()`` without a step asks them to agree on the
         newest step restorable on every host and to fetch missing data from
-        peers first; retention is then theirs (``max_to_keep`` is not applied).
+        peers first; retention is then theirs (``max_to_keep`` is applied only
+        to a host whose replicator does not answer, until it does).
         In multi-controller JAX with a RAM disk per process (no host subfolders)
         they also serve the manifests and regions this process's host does not
         hold (a restore onto another mesh or onto fewer processes).
@@ -66,12 +67,17 @@ class Options:
         membership in the replicators' restore agreement: a job that comes back on
         fewer hosts than saved (4 processes as 2) agrees among its own hosts, and
         the data of the hosts gone must be held by them (peer copies) or backed
-        up. State the ranks when the job's hosts are not the first ones.
+        up. State the ranks when the job's hosts are not the first ones: its
+        manifests then name them, so its own steps restore later on these
+        hosts or on all of them again.
       replicator_token: the replicators' shared token, if they require one.
       replicator_tls: ``(certificate, key, CA)`` PEM files for mutual TLS with the
         replicators (their ``--tls-cert/--tls-key/--tls-ca``; on Kubernetes the
         ``mtc-replicator-tls`` secret's ``tls.crt``, ``tls.key``, ``ca.crt``).
-      restore_timeout_s: how long a restore waits for the replicators.
+      restore_timeout_s: how long a restore waits for the replicators (a member
+        that does not ask fails their agreement sooner, at their
+        ``--agreement-timeout-seconds``; this bound holds for this process's own
+        replicator not answering, and for the data made local).
       restore_while_fetching: with replicators and one controller planning
         every host's reads: a host that holds no copy of the agreed step (a
         replaced host) does not hold the restore up while its replicator fetches
