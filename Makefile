@@ -65,7 +65,7 @@ test-oldest:
 	  && $(OLD)/bin/python -m pytest -q -p no:cacheprovider $(FAST); fi
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check mtc sidecar trainer bench tests scripts
+	$(VENV)/bin/ruff check mtc sidecar trainer bench tests scripts deploy
 
 typecheck: $(STAMP)
 	$(PY) scripts/typecheck.py

@@ -260,6 +260,7 @@ def run(gib: float, samples: int, warmup: int, root: Path, hosts_mode: str,
             hosts.start_sidecar(i, [0, 0, 1, 1])
         mtc_options = mtc.Options(max_to_keep=2, simulated_hosts=4, hosts_per_slice=2,
                                   sidecars=tuple(h.sidecar_address for h in hosts.hosts),
+                                  replicator_token=hosts.token(),
                                   dispatch="colocated" if hosts_mode == "colocated" else "auto")
         log(f"isolated hosts: {hosts.describe()}")
     else:

@@ -99,7 +99,8 @@ def run(samples: int, warmup: int, model: str, root: Path) -> dict[str, Any]:
         for i in range(len(HOSTS_OF_SLICE)):
             hosts.start_sidecar(i, HOSTS_OF_SLICE)
         options = dataclasses.replace(
-            base_options, sidecars=tuple(h.sidecar_address for h in hosts.hosts))
+            base_options, sidecars=tuple(h.sidecar_address for h in hosts.hosts),
+            replicator_token=hosts.token())
         with mtc.CheckpointManager(root / "controller", mesh=mesh, options=options) as mgr:
             for r in range(warmup + samples):
                 gc.collect()

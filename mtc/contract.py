@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mtc import errors, layout
+from mtc import errors, layout, validate
 from mtc.errors import MtcError, ProtocolError
 from mtc.manifest import Index, LeafEntry, ShardEntry, check_run
 
@@ -69,10 +69,23 @@ class SaveHeader:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SaveHeader:
+        """The header a host received, checked: the step names a folder."""
         d = json.loads(data)
-        return cls(d["step"], tuple(LeafEntry.from_json(x) for x in d["leaves"]),
-                   tuple(d["array_leaves"]), d["skip_if_busy"], check_run(d.get("run", "")),
-                   tuple(int(r) for r in d.get("ranks", ())))
+        if not isinstance(d, dict):
+            raise ProtocolError("a save header is a JSON object")
+        leaves = d["leaves"]
+        array_leaves = d["array_leaves"]
+        if not isinstance(leaves, list) or not isinstance(array_leaves, list) or not all(
+                validate.is_int(i) and 0 <= i < len(leaves) for i in array_leaves):
+            raise ProtocolError("malformed save header: leaves or array_leaves")
+        if not isinstance(d["skip_if_busy"], bool):
+            raise ProtocolError("malformed save header: skip_if_busy")
+        ranks = d.get("ranks", [])
+        if not isinstance(ranks, list) or not all(validate.is_int(r) and r >= 0 for r in ranks):
+            raise ProtocolError("malformed save header: ranks")
+        return cls(validate.step(d["step"]), tuple(LeafEntry.from_json(x) for x in leaves),
+                   tuple(array_leaves), d["skip_if_busy"], check_run(d.get("run", "")),
+                   tuple(ranks))
 
 
 def shard_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
@@ -121,10 +134,22 @@ def task_to_json(task: ReadTask) -> dict[str, Any]:
 
 
 def task_from_json(d: dict[str, Any]) -> ReadTask:
-    return ReadTask(int(d["leaf"]), tuple((int(a), int(b)) for a, b in d["index"]),
-                    str(d["dtype"]), tuple(int(x) for x in d["devices"]),
-                    tuple(Piece(int(p["host"]), ShardEntry.from_json(p["entry"]))
+    """A read task from a request: integers are integers, the region is a region."""
+    if not isinstance(d, dict):
+        raise ProtocolError("a read task is a JSON object")
+    index = tuple((_nonneg(a), _nonneg(b)) for a, b in d["index"])
+    if any(a > b for a, b in index):
+        raise ProtocolError(f"read task region {list(index)} is not a region")
+    return ReadTask(_nonneg(d["leaf"]), index, str(d["dtype"]),
+                    tuple(_nonneg(x) for x in d["devices"]),
+                    tuple(Piece(_nonneg(p["host"]), ShardEntry.from_json(p["entry"]))
                           for p in d["pieces"]))
+
+
+def _nonneg(x: Any) -> int:
+    if not validate.is_int(x) or x < 0:
+        raise ProtocolError(f"expected a non-negative integer, got {x!r}"[:120])
+    return int(x)
 
 
 # -- host operations on the wire ---------------------------------------------------------
@@ -148,13 +173,29 @@ def encode_request(op: str, hosts: Sequence[int], **args: Any) -> bytes:
 
 
 def decode_request(data: bytes) -> tuple[str, list[int], dict[str, Any]]:
+    """A request's operation, hosts and arguments, checked before anything runs: every
+    host a non-negative integer, every step (``step``, ``complete``) an integer in
+    range (a string would name a folder anywhere)."""
     try:
         d = json.loads(data)
-        op, hosts, args = d["op"], [int(h) for h in d["hosts"]], dict(d["args"])
+        op, hosts, args = d["op"], list(d["hosts"]), dict(d["args"])
     except (ValueError, KeyError, TypeError) as e:
         raise ProtocolError(f"malformed host request: {e}") from e
     if op not in HOST_OPS:
-        raise ProtocolError(f"unknown host operation {op!r}")
+        raise ProtocolError(f"unknown host operation {op!r}"[:120])
+    hosts = [_nonneg(h) for h in hosts]
+    if "step" in args:
+        args["step"] = validate.step(args["step"])
+    if "complete" in args:
+        if not isinstance(args["complete"], list):
+            raise ProtocolError("complete is a list of steps")
+        args["complete"] = [validate.step(s, what="complete step") for s in args["complete"]]
+    for name in ("max_to_keep", "keep_period"):
+        if args.get(name) is not None:
+            _nonneg(args[name])
+    for name in ("lock", "clean", "create", "before_write"):
+        if name in args and not isinstance(args[name], bool):
+            raise ProtocolError(f"{name} is true or false")
     return op, hosts, args
 
 

@@ -132,3 +132,18 @@ class ColocatedCallError(HostAgentError):
 
 class ProtocolError(FatalError):
     """A malformed request or reply crossed the host seam."""
+
+
+class UnsafePathError(FatalError):
+    """A path from a request or a peer would leave the folder it names a file of
+    (``..``, an absolute path, a symlink), or is too long to be a file's."""
+
+
+class UnauthorizedError(FatalError):
+    """The caller may not make this call: its certificate names another rank than
+    the one it acts for, or no rank where only a peer replicator may call."""
+
+
+class BusyError(RetryableError):
+    """A server has no room for this call now (streams, transfers or RAM disk space
+    are at their bound); the same call may succeed later."""

@@ -14,6 +14,7 @@ import dataclasses
 import fcntl
 import os
 import shutil
+import stat
 import threading
 import uuid
 from concurrent.futures import Future, wait
@@ -24,6 +25,7 @@ import numpy as np
 
 from mtc.errors import DirectoryLockedError, InvalidStepError, LocalDirError
 from mtc.pool import ThreadPool
+from mtc.validate import MAX_STEP
 
 TMP_MARK = ".mtc-tmp-"
 DEL_MARK = ".mtc-del-"
@@ -32,6 +34,7 @@ DEL_MARK = ".mtc-del-"
 # crash leaves nothing to clean up. Replicators never take it (they write peer
 # copies and restored steps beside the manager, by design).
 LOCK_NAME = ".mtc-writer.lock"
+_STEP_DIGITS = len(str(MAX_STEP))
 # A host root's identity: a random token the host side writes once at the root; the
 # replicator serving that RAM disk reports what it finds at its --local-dir, so a
 # manager and a replicator that do not serve the same folder are told apart at
@@ -77,6 +80,8 @@ def as_step(step: Any) -> int:
     value = int(np.asarray(step)) if not isinstance(step, int) else int(step)
     if value < 0:
         raise InvalidStepError(f"a step must be a non-negative integer, got {value}")
+    if value > MAX_STEP:
+        raise InvalidStepError(f"a step must be at most {MAX_STEP}, got {value}")
     return value
 
 
@@ -110,12 +115,31 @@ def new_tmp_dir(root: Path, step: int) -> Path:
 
 
 def committed_steps(root: Path) -> list[int]:
-    """Committed steps under ``root``, oldest first."""
+    """Committed steps under ``root``, oldest first: folders named by a step number
+    (a symlink named so is no step: its files are not the host's), in range."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
-    return sorted(int(n) for n in names if n.isdigit() and (root / n).is_dir())
+    steps = (step_of_name(n) for n in names)
+    return sorted(s for s in steps if s is not None and _is_real_dir(root / str(s)))
+
+
+def step_of_name(name: str) -> int | None:
+    """The step a folder name is, written as :func:`step_dir` writes it (ASCII digits,
+    no leading zero, in range); None for any other name."""
+    if not (name.isascii() and name.isdigit()) or len(name) > _STEP_DIGITS or \
+            (name != "0" and name.startswith("0")):
+        return None
+    value = int(name)
+    return value if value <= MAX_STEP else None
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def commit(tmp: Path, final: Path) -> None:
@@ -195,6 +219,13 @@ def free_bytes(root: Path) -> int:
     """Bytes free on the file system holding ``root``."""
     st = os.statvfs(root)
     return st.f_bavail * st.f_frsize
+
+
+def room(path: Path, reserve: int) -> int:
+    """Bytes that may still be written on ``path``'s file system, leaving ``reserve``
+    free (at most a sixteenth of it, on a small one)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize - min(reserve, st.f_blocks * st.f_frsize // 16)
 
 
 def folder_bytes(path: Path) -> int:

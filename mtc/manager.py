@@ -128,10 +128,14 @@ class CheckpointManager:
         )
         self._network = self._network_tier() if mode == "local" else None
         dispatch: Dispatch
+        # The sidecars take the replicators' credentials (a token, or this
+        # process's certificate).
         if mode == "process":
-            dispatch = ProcessDispatch.connect(self._config, self.options.sidecars or ())
+            dispatch = ProcessDispatch.connect(self._config, self.options.sidecars or (),
+                                               creds=credentials(self.options))
         elif mode == "colocated":
-            sidecars = (find_sidecars(self._config, self.options.sidecars)
+            sidecars = (find_sidecars(self._config, self.options.sidecars,
+                                      creds=credentials(self.options))
                         if self.options.sidecars else None)
             dispatch = ColocatedDispatch(self._config, devices, sidecars)
         else:

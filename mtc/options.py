@@ -70,10 +70,12 @@ class Options:
         up. State the ranks when the job's hosts are not the first ones: its
         manifests then name them, so its own steps restore later on these
         hosts or on all of them again.
-      replicator_token: the replicators' shared token, if they require one.
+      replicator_token: the replicators' shared token, if they require one; also
+        presented to the hosts' ``sidecars``, which take the same credentials.
       replicator_tls: ``(certificate, key, CA)`` PEM files for mutual TLS with the
         replicators (their ``--tls-cert/--tls-key/--tls-ca``; on Kubernetes the
-        ``mtc-replicator-tls`` secret's ``tls.crt``, ``tls.key``, ``ca.crt``).
+        ``mtc-replicator-tls`` secret's ``tls.crt``, ``tls.key``, ``ca.crt``) and
+        the sidecars. A controller's certificate names no rank (docs/security.md).
       restore_timeout_s: how long a restore waits for the replicators (a member
         that does not ask fails their agreement sooner, at their
         ``--agreement-timeout-seconds``; this bound holds for this process's own

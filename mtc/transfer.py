@@ -43,12 +43,19 @@ def layout_regions(sizes: list[int]) -> tuple[list[int], int]:
 
 
 def map_file(path: Path, size: int, *, writable: bool) -> np.ndarray:
-    """A uint8 view of ``size`` bytes of ``path`` (created or grown when writable)."""
+    """A uint8 view of ``size`` bytes of ``path`` (created or grown when writable).
+    An area's files are never symlinks; read-only, ``size`` must be in the file (a
+    mapping past its end would fault when read): ValueError otherwise."""
+    if size < 0:
+        raise ValueError(f"negative size {size} for {path.name}")
     flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
-    fd = os.open(path, flags, 0o600)
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        if writable and os.fstat(fd).st_size < size:
+        have = os.fstat(fd).st_size
+        if writable and have < size:
             os.ftruncate(fd, size)
+        elif not writable and have < size:
+            raise ValueError(f"{path.name} has {have} bytes, {size} were named")
         if size == 0:
             return np.zeros(0, np.uint8)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED,

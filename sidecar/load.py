@@ -14,6 +14,7 @@ network tier (:mod:`mtc.sidecar.peers`) and is checked against the manifest here
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask
-from mtc.errors import CorruptShardError
+from mtc.errors import CorruptShardError, ProtocolError
 from mtc.integrity import crc32c
 from mtc.shards import paste
+from mtc.sidecar.confine import is_real_dir
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.quarantine import quarantine
 from mtc.sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
@@ -65,7 +67,11 @@ class ShardLoader:
         self._mapped: dict[tuple[int, str], np.ndarray] = {}
 
     def _path(self, p: Piece) -> Path:
-        return self.root_of(p.host) / str(self.step) / p.entry.file
+        folder = self.root_of(p.host) / str(self.step)
+        if not is_real_dir(folder):  # a symlink named as the step leads elsewhere
+            raise CorruptShardError("step folder is missing or not a folder", step=self.step,
+                                    host=p.host, path=str(folder))
+        return folder / p.entry.file
 
     def _is_remote(self, p: Piece) -> bool:
         return self.remote is not None and p.host not in self.own
@@ -120,12 +126,59 @@ class ShardLoader:
                 region = map_side_by_side([(self._path(p), p.entry) for p in pieces],
                                           step=self.step, hosts=[p.host for p in pieces])
             return region.view(dtype).reshape(shape)
-        out = np.empty(shape, dtype=dtype)
+        # Zeroed, not empty: a region the pieces leave a gap in (a request's, not a
+        # plan's) must not carry this process's old memory to whoever asked.
+        out = np.zeros(shape, dtype=dtype)
         for p in pieces:
             src_idx = p.entry.index
             src = self._map(p).view(dtype).reshape(tuple(b - a for a, b in src_idx))
             paste(out, task.index, src, src_idx)
         return out
+
+
+def check_tasks(tasks: Sequence[ReadTask], *, step: int, host: int) -> int:
+    """The bytes ``tasks`` (from a request) read, once they are checked to be a plan's:
+    every piece's bytes those of its region, no piece named twice in a task, and the
+    pieces covering each task's region (a region is only ever made of bytes read
+    from files; whoever serves the request bounds the total). Raises
+    :class:`ProtocolError` naming the leaf."""
+    total = 0
+    for t in tasks:
+        try:
+            itemsize = numpy_dtype(t.dtype).itemsize
+        except TypeError as e:
+            raise ProtocolError(f"leaf {t.leaf}: {e}", step=step, host=host) from None
+        seen: set[tuple[int, str]] = set()
+        covered = 0
+        for p in t.pieces:
+            idx = p.entry.index
+            if len(idx) != len(t.index) or any(a > b for a, b in idx) or \
+                    p.entry.nbytes != _volume(idx) * itemsize:
+                raise ProtocolError(f"leaf {t.leaf}: piece {p.entry.file} holds "
+                                    f"{p.entry.nbytes} bytes, not its region {list(idx)}",
+                                    step=step, host=host)
+            key = (p.host, p.entry.file)
+            if key in seen:
+                raise ProtocolError(f"leaf {t.leaf}: piece {p.entry.file} named twice",
+                                    step=step, host=host)
+            seen.add(key)
+            covered += _intersection(idx, t.index)
+        region = _volume(t.index)
+        if covered < region:
+            raise ProtocolError(f"leaf {t.leaf}: the pieces named cover {covered} of the "
+                                f"{region} elements of region {list(t.index)}", step=step,
+                                host=host)
+        total += region * itemsize
+    return total
+
+
+def _volume(index: Sequence[tuple[int, int]]) -> int:
+    return math.prod(b - a for a, b in index)
+
+
+def _intersection(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> int:
+    return math.prod(max(0, min(x1, y1) - max(x0, y0))
+                     for (x0, x1), (y0, y1) in zip(a, b, strict=True))
 
 
 def to_device(host: np.ndarray, device: jax.Device) -> jax.Array:

@@ -27,7 +27,7 @@ from mtc.contract import (
 )
 from mtc.errors import LocalDirError, ManifestError, MtcError, ProtocolError, StorageError
 from mtc.manifest import MANIFEST_NAME, Manifest
-from mtc.sidecar.load import Remote, ShardLoader
+from mtc.sidecar.load import Remote, ShardLoader, check_tasks
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,12 @@ class HostOps:
     """
 
     def __init__(self, config: AgentConfig, *, remote: Remote | None = None,
-                 own: Sequence[int] = ()) -> None:
+                 own: Sequence[int] = (), max_reply_bytes: int | None = None) -> None:
         self.config = config
         self.remote = remote
         self.own = tuple(own)
+        # The most a ``read`` may answer with (a process whose replies have a size limit).
+        self.max_reply_bytes = max_reply_bytes
         self._ops: dict[str, Callable[..., Any]] = {
             "open": self._open, "release": self._release, "steps": self._steps,
             "manifest": self._manifest, "delete": self._delete, "retain": self._retain,
@@ -217,12 +219,21 @@ class HostOps:
                                     step=step)
             tasks = tasks.get(str(hosts[0]), [])
         loader = ShardLoader(step, self._root, remote=self.remote, own=self.own_for(step))
-        out = []
-        for d in tasks:
-            t = task_from_json(d)
+        if not isinstance(tasks, list):
+            raise ProtocolError("tasks is a list", step=step)
+        parsed = [task_from_json(d) for d in tasks]
+        for t in parsed:
             strangers = {p.host for p in t.pieces} - set(hosts)
             if strangers:
                 raise ProtocolError(f"asked to read pieces held by hosts {sorted(strangers)}",
                                     step=step, host=hosts[0])
-            out.append(np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8).data)
+        # Checked whole before anything is read: what is asked is bounded by the
+        # pieces' own bytes, and by what this process may answer with.
+        total = check_tasks(parsed, step=step, host=hosts[0] if hosts else -1)
+        if self.max_reply_bytes is not None and total > self.max_reply_bytes:
+            raise ProtocolError(f"a read of {total} bytes answers with more than "
+                                f"{self.max_reply_bytes}: ask for fewer regions at once",
+                                step=step, host=hosts[0] if hosts else None)
+        out = [np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8).data
+               for t in parsed]
         return Raw(out)  # joined once, into the reply itself

@@ -16,6 +16,8 @@ import time
 import uuid
 from pathlib import Path
 
+from mtc.sidecar.confine import is_beneath, is_real_dir, real_dir
+
 QUARANTINE_DIR = ".mtc-quarantine"
 KEEP = 32
 
@@ -23,16 +25,22 @@ log = logging.getLogger(__name__)
 
 
 def quarantine(root: Path, path: Path, reason: str) -> Path | None:
-    """Move ``path`` (under ``root``) aside; None when it was already gone."""
-    qdir = root / QUARANTINE_DIR
-    qdir.mkdir(exist_ok=True)
+    """Move ``path`` (under ``root``) aside; None when it was already gone. A path
+    that does not lie under ``root`` (a symlink leading out on the way) is never
+    moved: only the RAM disk's own files are."""
+    if not is_beneath(root, path.parent) and os.path.realpath(path.parent) != \
+            os.path.realpath(root):
+        log.error("not quarantining %s: it is not under %s (%s)", path, root, reason)
+        return None
+    qdir = real_dir(root / QUARANTINE_DIR)
     try:
         rel = path.relative_to(root).as_posix()
     except ValueError:
         rel = path.name
-    dst = qdir / f"{time.time_ns()}-{uuid.uuid4().hex[:6]}-{rel.replace('/', '__')}"
+    name = f"{time.time_ns()}-{uuid.uuid4().hex[:6]}-{rel.replace('/', '__')}"[:200]
+    dst = qdir / name
     try:
-        os.rename(path, dst)
+        os.rename(path, dst)  # moves a symlink itself, never what it points to
     except FileNotFoundError:
         return None
     log.warning("quarantined %s as %s: %s", path, dst.name, reason)
@@ -42,6 +50,8 @@ def quarantine(root: Path, path: Path, reason: str) -> Path | None:
 
 def quarantined(root: Path) -> list[str]:
     """Names of the quarantined files kept under ``root``, oldest first."""
+    if not is_real_dir(root / QUARANTINE_DIR):
+        return []
     try:
         return sorted(os.listdir(root / QUARANTINE_DIR))
     except FileNotFoundError:
@@ -49,9 +59,15 @@ def quarantined(root: Path) -> list[str]:
 
 
 def _trim(qdir: Path) -> None:
-    names = sorted(os.listdir(qdir))
-    for n in names[:-KEEP]:
-        try:
-            os.unlink(qdir / n)
-        except (IsADirectoryError, FileNotFoundError):
-            pass
+    # By name, relative to the folder's own descriptor (opened without following a
+    # link): only the folder's own entries are ever removed.
+    fd = os.open(qdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        names = sorted(os.listdir(fd))
+        for n in names[:-KEEP]:
+            try:
+                os.unlink(n, dir_fd=fd)
+            except (IsADirectoryError, FileNotFoundError):
+                pass
+    finally:
+        os.close(fd)

@@ -11,6 +11,7 @@ either.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 from collections.abc import Sequence
@@ -48,11 +49,15 @@ def _verify(view: np.ndarray, path: Path, entry: ShardEntry, step: int, host: in
 
 def _open(path: Path, step: int, host: int) -> int:
     try:
-        return os.open(path, os.O_RDONLY)
+        # A shard file is never a symlink: one planted in a step leads out of it.
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError as e:
         raise CorruptShardError("shard file is missing", step=step, host=host,
                                 path=str(path)) from e
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptShardError("shard file is a symlink", step=step, host=host,
+                                    path=str(path)) from e
         raise StorageError(f"cannot open: {e.strerror}", step=step, host=host,
                            path=str(path)) from e
 

@@ -61,6 +61,8 @@ class Cluster:
     orbax: bool = False
     # Environment variables added to every replicator's (STORAGE_EMULATOR_HOST, ...).
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Arguments of one rank's replicator only (its own certificate, with mutual TLS).
+    rank_args: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         ports = free_ports(self.n * (2 if self.metrics else 1))
@@ -85,6 +87,8 @@ class Cluster:
             for h in hs.hosts:  # the root the replicator and the test see
                 h.root.rmdir()
                 h.root = self.root(h.index)
+            if self.creds.token:  # the sidecars take the replicators' token
+                (hs.base / "peer-token").write_text(self.creds.token + "\n")
             self._hosts = hs
         return self._hosts
 
@@ -100,8 +104,11 @@ class Cluster:
         seam_audit.sidecars_only(self.base)
         slices = [r // self.per_slice for r in range(self.n)]
         down = [r for r in range(self.n) if not self.sidecar_alive(r)]
+        # With mutual TLS the sidecars take certificates too (the same credentials).
+        tls = (("--tls-cert", str(self.creds.tls_cert), "--tls-key", str(self.creds.tls_key),
+                "--tls-ca", str(self.creds.tls_ca)) if self.creds.tls else ())
         for r in down:
-            self.hosts.start_sidecar(r, slices, env=env_with_repo(), wait=False)
+            self.hosts.start_sidecar(r, slices, env=env_with_repo(), wait=False, extra=tls)
         for r in down:
             self.hosts.wait_sidecar(r)
 
@@ -122,9 +129,9 @@ class Cluster:
         import mtc  # here: the process harness above does not need JAX
 
         self.start_sidecars()
+        kw = {"replicator_token": self.hosts.token(), **kw}  # the sidecars require it
         if replicators:
-            kw = {"replicators": tuple(self.addrs), "replicator_token": self.creds.token,
-                  **kw}
+            kw = {"replicators": tuple(self.addrs), **kw}
         return mtc.Options(simulated_hosts=self.n, hosts_per_slice=self.per_slice,
                            dispatch="process",
                            sidecars=tuple(h.sidecar_address for h in self.hosts.hosts), **kw)
@@ -141,7 +148,8 @@ class Cluster:
                "--listen", self.addrs[rank], "--nodes", ",".join(self.addrs),
                *(() if self.orbax else ("--rank", str(rank),
                                         "--nodes-per-slice", str(self.per_slice))),
-               "--poll-seconds", "0.05", *metrics, *self.extra, *more]
+               "--poll-seconds", "0.05", *metrics, *self.extra, *self.rank_args.get(rank, ()),
+               *more]
         self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             env={**os.environ, **self.env} if self.env else None)
         log.close()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -368,10 +369,35 @@ def test_a_wiped_coordinator_never_reuses_an_epoch_number() -> None:
     assert {x.epoch for x in again} == {d.epoch + 1}  # type: ignore[union-attr]
 
 
-def test_unreadable_book_is_a_typed_error(tmp_path: Path) -> None:
+def test_unreadable_book_is_moved_aside_and_the_book_starts_anew(tmp_path: Path) -> None:
+    """A corrupt record file is not fatal: kept aside for inspection, the book starts
+    empty, and its next epoch is past every one the members report."""
     (tmp_path / "book.json").write_text("{not json")
-    with pytest.raises(AgreementError, match="unreadable"):
-        Book(tmp_path / "book.json")
+    book = Book(tmp_path / "book.json")
+    assert book.records == []
+    assert [p.name.split(".corrupt-")[0] for p in tmp_path.iterdir()] == ["book.json"]
+    assert (next(tmp_path.iterdir())).read_text() == "{not json"
+    rec = book.record(7, ["r"], 1.0, [Decision(41, 5, 0.0)])
+    assert (rec.epoch, rec.step) == (42, 7)
+    assert [r.epoch for r in Book(tmp_path / "book.json").records] == [42]
+
+
+def test_out_of_range_epochs_are_never_recorded_and_dropped_when_read(tmp_path: Path) -> None:
+    """A member reporting epoch 2^63-1 does not push the book past what an int64 holds;
+    a file that already holds such a record (written before this check) is read
+    without it, and deciding goes on."""
+    book = Book(tmp_path / "book.json")
+    rec = book.record(3, ["a"], 1.0, [Decision(2**63 - 1, 1, 0.0), Decision(9, 1, 0.0)])
+    assert rec.epoch == 10
+    records = json.loads((tmp_path / "book.json").read_text())
+    records.append({"epoch": 2**63, "step": 4, "decided_at": 2.0, "rids": ["b"],
+                    "members": []})
+    (tmp_path / "book.json").write_text(json.dumps(records))
+    again = Book(tmp_path / "book.json")
+    assert [r.epoch for r in again.records] == [10]
+    assert again.record(5, ["c"], 3.0).epoch == 11
+    with pytest.raises(AgreementError, match="out of range"):
+        again.record(2**63 - 1, ["d"], 4.0)
 
 
 def test_fresh_value_is_computed_after_the_question_and_shared() -> None:

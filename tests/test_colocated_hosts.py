@@ -26,6 +26,7 @@ import mtc
 from mtc.dispatch.process import Sidecar
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import ColocatedCallError
+from mtc.sidecar.replicator.security import Credentials
 from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here runs on the sidecar processes
@@ -41,12 +42,14 @@ def hosts() -> Iterator[Hosts]:
 
 def _opts(hs: Hosts) -> mtc.Options:
     return mtc.Options(simulated_hosts=4, hosts_per_slice=2, dispatch="colocated",
+                       replicator_token=hs.token(),
                        sidecars=tuple(h.sidecar_address for h in hs.hosts))
 
 
 def _runtime(hs: Hosts) -> Runtime:
     """Device ``i`` on host ``i // 2``, as the manager's simulated hosts group them."""
-    sidecars = {i: Sidecar(h.sidecar_address, h.area) for i, h in enumerate(hs.hosts)}
+    creds = Credentials(token=hs.token())
+    sidecars = {i: Sidecar(h.sidecar_address, h.area, creds) for i, h in enumerate(hs.hosts)}
     return Runtime(sidecars, {d.id: d.id // 2 for d in jax.devices()})
 
 

@@ -4,11 +4,16 @@ No cluster and no Docker engine run here. What is checked instead:
 - ``mtc.sidecar.replicator.k8s``: ranks and peer addresses from the JobSet
   environment, ``jax-init-info.txt`` written atomically, the plaintext health
   mirror (also over mutual TLS), a real ``mtc-replicator-k8s`` process;
-- ``deploy/``: every overlay renders with ``kubectl kustomize``; core kinds, and
-  every replicated job's Job template, pass ``kubernetes-validate --strict``;
-  every JobSet passes ``check-jsonschema`` against the strict JobSet v1alpha2
-  schema (``../shared/schemas/jobset-v1alpha2.strict.json`` beside the clone,
-  or ``$MTC_JOBSET_SCHEMA``); values that must agree across the manifests do;
+- ``deploy/``: every overlay, and jobs rendered by ``deploy/configure.py`` with
+  values unlike the example's, render with ``kubectl kustomize``; core kinds and
+  every replicated job's Job template pass ``kubernetes-validate --strict`` at
+  Kubernetes 1.32 and the newest version it knows; JobSets and the
+  CheckpointConfiguration pass their strict schemas
+  (``../shared/schemas/`` beside the clone, or ``$MTC_JOBSET_SCHEMA``,
+  ``$MTC_CPC_SCHEMA``); what docs/deploy.md and docs/operations.md promise of
+  them holds (failure policies evaluated as JobSet and the Job controller would,
+  memory, placement, ownership, metrics, alerts, disruption budget,
+  certificates); values that must agree across the manifests do;
 - the Dockerfiles: every ``COPY`` source exists and is in the build context;
   both images share the Python base and install the same pinned requirements,
   whose jax and jaxlib are pyproject's; each image's entrypoint and health
@@ -20,6 +25,7 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import json
+import math
 import os
 import re
 import shlex
@@ -29,6 +35,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -40,6 +47,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from prometheus_client.parser import text_string_to_metric_families
 from replicators import env_with_repo, free_ports
 
 from mtc.errors import ConfigError
@@ -320,17 +328,61 @@ def render(overlay: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+def configure_module() -> Any:
+    sys.path.insert(0, str(DEPLOY))
+    try:
+        import configure
+    finally:
+        sys.path.remove(str(DEPLOY))
+    return configure
+
+
+# Jobs rendered by deploy/configure.py, with values unlike the examples' everywhere, so
+# that a place the script misses keeps an example's value and a test sees it.
+JOBS: dict[str, dict[str, Any]] = {
+    "job-pathways": {
+        "name": "llm-a", "namespace": "team-x", "mode": "pathways", "project": "acme-ml-123",
+        "bucket": "acme-ckpt", "serviceAccount": "trainer-sa",
+        "images": {"registry": "europe-docker.pkg.dev/acme-ml-123/ml", "tag": "2.3.4"},
+        "tpu": {"type": "v5p", "topology": "2x2x4", "slices": 3}, "ramDisk": "100Gi",
+        "memory": {"replicator": "3Gi", "sidecar": "6Gi"}, "headNodePool": "head-pool",
+        "monitoring": "prometheus-operator", "monitoringNamespace": "prom",
+        "certificates": "cert-manager", "maxRestarts": 7},
+    "job-multi-controller": {
+        "name": "mc-b", "namespace": "team-y", "mode": "multi-controller",
+        "project": "acme-ml-123", "bucket": "acme-ckpt", "images": {"tag": "1.0.0"},
+        "tpu": {"type": "v5e", "topology": "4x4", "slices": 2}, "ramDisk": "48Gi",
+        "memory": {"trainer": "41Gi"}, "monitoring": "none"},
+    "job-pathways-gke-mtc": {
+        "name": "gke-c", "namespace": "team-z", "mode": "pathways-gke-mtc",
+        "project": "acme-ml-123", "bucket": "acme-ckpt",
+        "tpu": {"type": "v5e", "topology": "2x4", "chipsPerHost": 8, "slices": 4},
+        "ramDisk": "20Gi"},
+}
+CASES = [o.name for o in OVERLAYS] + sorted(JOBS)
+
+
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict[str, Any]]]:
-    return {o.name: render(o) for o in OVERLAYS}
+    """Every overlay as shipped, and every job of JOBS as deploy/configure.py renders it."""
+    out = {o.name: render(o) for o in OVERLAYS}
+    configure = configure_module()
+    for case, data in JOBS.items():
+        out[case] = configure.render(configure.Job(data, case))
+    return out
 
 
 def test_overlays_exist() -> None:
-    assert {o.name for o in OVERLAYS} >= {"pathways", "multi-controller"}
+    assert {o.name for o in OVERLAYS} >= {"pathways", "pathways-gke-mtc", "multi-controller"}
 
 
 def jobsets(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == "JobSet"]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (d,) = [d for d in docs if d["kind"] == kind]
+    return d
 
 
 def job_of(jobset: dict[str, Any], name: str) -> dict[str, Any]:
@@ -357,12 +409,39 @@ def arg(c: dict[str, Any], name: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def mounts(c: dict[str, Any]) -> dict[str, str]:
+    return {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+
+
+def is_pathways(js: dict[str, Any]) -> bool:
+    return any(rj["name"] == "pathways-head" for rj in js["spec"]["replicatedJobs"])
+
+
+def quantity(q: str) -> int:
+    return int(configure_module().quantity_bytes(q))
+
+
+CORE_GROUPS = {"v1", "apps/v1", "batch/v1", "networking.k8s.io/v1", "policy/v1",
+               "scheduling.k8s.io/v1", "rbac.authorization.k8s.io/v1"}
+
+
+def validator_versions() -> list[str]:
+    """The oldest Kubernetes GKE multi-tier checkpointing supports, and the newest the
+    validator knows."""
+    from kubernetes_validate.utils import latest_version
+
+    return ["1.32.0", latest_version()]
+
+
+@pytest.mark.parametrize("version", validator_versions())
+@pytest.mark.parametrize("case", CASES)
 def test_core_kinds_and_job_templates_pass_kubernetes_validate(
-        overlay: Path, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
-    docs = rendered[overlay.name]
-    core = [d for d in docs if d["kind"] != "JobSet"]
-    assert {d["kind"] for d in core} >= {"NetworkPolicy", "PriorityClass"}
+        case: str, version: str, rendered: dict[str, list[dict[str, Any]]],
+        tmp_path: Path) -> None:
+    docs = rendered[case]
+    core = [d for d in docs if d["apiVersion"] in CORE_GROUPS]
+    assert {d["kind"] for d in core} >= {"NetworkPolicy", "PriorityClass", "ServiceAccount",
+                                         "PodDisruptionBudget"}
     # kubernetes-validate knows no JobSet; the pod templates inside are checked as Jobs.
     for js in jobsets(docs):
         for rj in js["spec"]["replicatedJobs"]:
@@ -371,43 +450,70 @@ def test_core_kinds_and_job_templates_pass_kubernetes_validate(
                          "spec": rj["template"]["spec"]})
     path = tmp_path / "core.yaml"
     path.write_text(yaml.safe_dump_all(core))
-    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", str(path)],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", version,
+                          str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "ERROR" not in out.stdout, out.stdout + out.stderr
 
 
-def jobset_schema() -> Path | None:
-    override = os.environ.get("MTC_JOBSET_SCHEMA")
+def shared_schema(name: str, env: str) -> Path | None:
+    override = os.environ.get(env)
     if override:
         if not Path(override).is_file():
-            pytest.fail(f"MTC_JOBSET_SCHEMA={override} is not a file")
+            pytest.fail(f"{env}={override} is not a file")
         return Path(override)
-    path = REPO.parent / "shared" / "schemas" / "jobset-v1alpha2.strict.json"
+    path = REPO.parent / "shared" / "schemas" / name
     return path if path.is_file() else None
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
-def test_jobsets_pass_the_strict_jobset_schema(
-        overlay: Path, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
-    schema = jobset_schema()
+def check_schema(schema_name: str, env: str, objs: list[dict[str, Any]], tmp_path: Path) -> None:
+    schema = shared_schema(schema_name, env)
     if schema is None:
-        pytest.skip("JobSet schema absent: no ../shared/schemas/jobset-v1alpha2.strict.json "
-                    "beside the repository and no MTC_JOBSET_SCHEMA; JobSets were not "
-                    "validated against it")
+        pytest.skip(f"schema absent: no ../shared/schemas/{schema_name} beside the "
+                    f"repository and no {env}; nothing was validated against it")
+    assert objs
     files = []
-    for i, js in enumerate(jobsets(rendered[overlay.name])):
-        files.append(tmp_path / f"jobset-{i}.json")
-        files[-1].write_text(json.dumps(js))
-    assert files, f"{overlay.name} renders no JobSet"
+    for i, obj in enumerate(objs):
+        files.append(tmp_path / f"obj-{i}.json")
+        files[-1].write_text(json.dumps(obj))
     out = subprocess.run([tool("check-jsonschema"), "--schemafile", str(schema),
                           *map(str, files)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", CASES)
+def test_jobsets_pass_the_strict_jobset_schema(
+        case: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    check_schema("jobset-v1alpha2.strict.json", "MTC_JOBSET_SCHEMA",
+                 jobsets(rendered[case]), tmp_path)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("pathways-gke-mtc")])
+def test_gke_mtc_ships_its_checkpoint_configuration(
+        case: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """Without a CheckpointConfiguration GKE runs no driver and the pods never start."""
+    docs = rendered[case]
+    cpc = one(docs, "CheckpointConfiguration")
+    check_schema("checkpointconfiguration-v1.strict.json", "MTC_CPC_SCHEMA", [cpc], tmp_path)
+    (js,) = jobsets(docs)
+    worker = pod_of(job_of(js, "worker"))
+    volumes = {v["name"]: v for v in worker["volumes"]}
+    assert volumes["ramdisk"]["csi"]["driver"] == "multitier-checkpoint.csi.storage.gke.io"
+    # Its driver runs on this job's TPU nodes, tolerating their taint.
+    for k, v in cpc["spec"]["nodeSelector"].items():
+        assert worker["nodeSelector"][k] == v
+    assert any(t["key"] == "google.com/tpu" for t in cpc["spec"]["tolerations"])
+    # The backup tier's bucket, and the RAM disk the writers' memory is sized for.
+    rep = containers(worker)["replicator"]
+    assert arg(rep, "--backup") == f"gs://{cpc['spec']['cloudStorageBucketName']}/mtc-backup"
+    size = quantity(cpc["spec"]["inMemoryVolumeSize"])
+    assert quantity(rep["resources"]["limits"]["memory"]) > size
+    assert "metadata" in cpc and "namespace" not in cpc["metadata"]  # cluster-scoped
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_manifests_agree_with_themselves(
-        overlay: Path, rendered: dict[str, list[dict[str, Any]]]) -> None:
-    docs = rendered[overlay.name]
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered[case]
     (js,) = jobsets(docs)
     name = js["metadata"]["name"]
     assert js["spec"]["network"]["enableDNSHostnames"] is True
@@ -426,13 +532,13 @@ def test_manifests_agree_with_themselves(
     assert "replicatedjob-replicas" in renv["MTC_NUM_SLICES"]["fieldRef"]["fieldPath"]
     port, health_port = int(renv["MTC_REPLICATOR_PORT"]), int(renv["MTC_HEALTH_PORT"])
     ports = {p["name"]: p["containerPort"] for p in rep["ports"]}
-    assert ports == {"replicator": port, "health": health_port}
+    assert ports["replicator"] == port and ports["health"] == health_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert rep[probe]["grpc"]["port"] == health_port, probe
 
     # Peer TLS from the Secret, mounted where the replicator's flags point.
     volumes = {v["name"]: v for v in pod["volumes"]}
-    tls_mount = {m["name"]: m["mountPath"] for m in rep["volumeMounts"]}["replicator-tls"]
+    tls_mount = mounts(rep)["replicator-tls"]
     for flag, file in (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key"),
                        ("--tls-ca", "ca.crt")):
         assert arg(rep, flag) == f"{tls_mount}/{file}"
@@ -445,7 +551,7 @@ def test_manifests_agree_with_themselves(
         ramdisk.get("csi", {}).get("driver") == "multitier-checkpoint.csi.storage.gke.io"
     writer = "colocated-python-sidecar" if "pathways-worker" in cs else "trainer"
     for c in ("replicator", writer):
-        assert {m["name"]: m["mountPath"] for m in cs[c]["volumeMounts"]}["ramdisk"] == local
+        assert mounts(cs[c])["ramdisk"] == local
 
     # Priority for hot swap, from a PriorityClass the overlay ships.
     classes = {d["metadata"]["name"] for d in docs if d["kind"] == "PriorityClass"}
@@ -453,15 +559,16 @@ def test_manifests_agree_with_themselves(
         assert pod_of(rj)["priorityClassName"] in classes
 
     # The NetworkPolicy: the replicator port only from this JobSet's pods.
-    (np_,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    np_ = one(docs, "NetworkPolicy")
     label = "jobset.sigs.k8s.io/jobset-name"
     assert np_["spec"]["podSelector"]["matchLabels"] == {label: name}
     for rule in np_["spec"]["ingress"]:
         open_ports = {p["port"] for p in rule.get("ports", [])}
-        if "from" in rule:
-            assert rule["from"] == [{"podSelector": {"matchLabels": {label: name}}}]
+        if rule.get("from") == [{"podSelector": {"matchLabels": {label: name}}}]:
+            assert not open_ports
         else:
-            assert port not in open_ports and open_ports <= {health_port}
+            assert port not in open_ports and open_ports, rule
+            assert open_ports <= {health_port, ports["metrics"]}
 
     trainer_pod = pod_of(job_of(js, "pathways-head")) if writer != "trainer" else pod
     trainer = containers(trainer_pod)["trainer"]
@@ -469,15 +576,13 @@ def test_manifests_agree_with_themselves(
     assert tenv["MTC_HOSTS_PER_SLICE"] == str(hosts)
     assert tenv["MTC_REPLICATOR_PORT"] == str(port)
     assert arg(trainer, "--ramdisk") == local
-    tls_dir = {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}["replicator-tls"]
+    tls_dir = mounts(trainer)["replicator-tls"]
     assert tenv["MTC_TLS_DIR"] == tls_dir
     assert {v["name"]: v for v in trainer_pod["volumes"]}["replicator-tls"]["secret"][
         "secretName"] == secret
 
-    jax_pin = lock()["jax"]  # the images carry the locked jax
     if writer == "trainer":                     # multi-controller
         assert "--write-jax-init-info" in rep["args"]
-        assert tenv["MTC_REPLICATOR_PORT"] == str(port)
         coord = {p["name"]: p["containerPort"] for p in trainer["ports"]}["coordinator"]
         assert env_of(rep)["MTC_COORDINATOR_PORT"] == str(coord)
     else:                                       # Pathways
@@ -493,13 +598,20 @@ def test_manifests_agree_with_themselves(
         shm = env_of(side)["CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY"]
         assert env_of(cs["pathways-worker"])["CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY"] == shm
         for c in ("pathways-worker", "colocated-python-sidecar"):
-            assert {m["name"]: m["mountPath"] for m in cs[c]["volumeMounts"]}[
-                "sidecar-shm"] == shm
+            assert mounts(cs[c])["sidecar-shm"] == shm
         assert volumes["sidecar-shm"]["emptyDir"]["medium"] == "Memory"
-        # Pathways' images serve one jax release: the trainer's.
+        # The slice shape the resource manager expects is the worker job's.
+        instance = arg(head["pathways-rm"], "--instance_type")
+        assert instance is not None
+        topology = instance.split(":")[1]
+        assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == topology
+        chips = int(cs["pathways-worker"]["resources"]["limits"]["google.com/tpu"])
+        assert math.prod(int(d) for d in topology.split("x")) == chips * hosts
+        # Pathways' images serve one jax release: the images' lock's (the job file's
+        # images.pathways defaults to it).
         for c in [*cs.values(), *head.values()]:
             if "cloud-tpu-v2-images/pathways/" in c["image"]:
-                assert c["image"].endswith(f":jax-{jax_pin}"), c["image"]
+                assert c["image"].endswith(f":jax-{lock()['jax']}"), c["image"]
     # Every pod port in one pod is distinct (they share a network namespace).
     for rj in js["spec"]["replicatedJobs"]:
         all_ports = [p["containerPort"] for c in containers(pod_of(rj)).values()
@@ -507,25 +619,392 @@ def test_manifests_agree_with_themselves(
         assert len(all_ports) == len(set(all_ports)), (rj["name"], all_ports)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", CASES)
+def test_each_slice_is_one_node_pool(case: str,
+                                     rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Without JobSet's exclusive topology, only the accelerator and topology
+    selectors place the pods: one slice's pods could land in two node pools."""
+    (js,) = jobsets(rendered[case])
+    worker = job_of(js, "worker")
+    annotations = worker["template"].get("metadata", {}).get("annotations", {})
+    assert annotations.get("alpha.jobset.sigs.k8s.io/exclusive-topology") == \
+        "cloud.google.com/gke-nodepool"
+    if is_pathways(js):
+        head = job_of(js, "pathways-head")["template"]["metadata"]["annotations"]
+        assert head["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "kubernetes.io/hostname"
+
+
+def jobset_action(js: dict[str, Any], replicated_job: str, reason: str) -> str:
+    """What JobSet does when a child Job of ``replicated_job`` fails for ``reason``:
+    the first rule whose reasons and target jobs match (empty lists match all), else
+    RestartJobSet (JobSet's configurable failure policy)."""
+    for rule in js["spec"]["failurePolicy"].get("rules", []):
+        if rule.get("onJobFailureReasons") and reason not in rule["onJobFailureReasons"]:
+            continue
+        if rule.get("targetReplicatedJobs") and \
+                replicated_job not in rule["targetReplicatedJobs"]:
+            continue
+        return str(rule["action"])
+    return "RestartJobSet"
+
+
+def pod_failure_action(job_spec: dict[str, Any], *, condition: str | None = None,
+                       container: str | None = None, exit_code: int | None = None) -> str:
+    """What the Job does with a failed pod: the first podFailurePolicy rule that
+    matches, else Count (Kubernetes' Job controller)."""
+    for rule in job_spec.get("podFailurePolicy", {}).get("rules", []):
+        if condition and any(c["type"] == condition for c in rule.get("onPodConditions", [])):
+            return str(rule["action"])
+        codes = rule.get("onExitCodes")
+        if codes and exit_code is not None and codes.get("containerName") in (None, container) \
+                and (exit_code in codes["values"]) == (codes["operator"] == "In"):
+            return str(rule["action"])
+    return "Count"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_failed_slice_restarts_alone(case: str,
+                                       rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Recreating the whole JobSet empties every memory RAM disk: a worker failure
+    restarts its own slice's Job only; host maintenance does not count as a failure;
+    the pods have time to finish a save (and the replicator to send it on)."""
+    (js,) = jobsets(rendered[case])
+    policy = js["spec"]["failurePolicy"]
+    assert policy.get("restartStrategy", "Recreate") != "InPlaceRestart", \
+        "in-place restart needs JobSet's agent in every pod"
+    # What JobSet's admission webhook checks of the rules (v0.12.0).
+    names = [r["name"] for r in policy["rules"]]
+    assert len(names) == len(set(names))
+    jobs = {rj["name"] for rj in js["spec"]["replicatedJobs"]}
+    for r in policy["rules"]:
+        assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", r["name"]), r["name"]
+        assert set(r.get("targetReplicatedJobs", [])) <= jobs, r
+        assert set(r.get("onJobFailureReasons", [])) <= {
+            "BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes",
+            "MaxFailedIndexesExceeded", "PodFailurePolicy"}, r
+    assert policy["maxRestarts"] >= 1
+    assert jobset_action(js, "worker", "BackoffLimitExceeded") in (
+        "RestartJob", "RestartJobAndIgnoreMaxRestarts")
+    # A configuration error (a pod failure policy's FailJob) ends the JobSet at once.
+    assert jobset_action(js, "worker", "PodFailurePolicy") == "FailJobSet"
+    if is_pathways(js):
+        # Google's Pathways manifests: a failed head restarts everything.
+        assert jobset_action(js, "pathways-head", "BackoffLimitExceeded") == "RestartJobSet"
+    for rj in js["spec"]["replicatedJobs"]:
+        spec = rj["template"]["spec"]
+        pod = pod_of(rj)
+        # Maintenance, preemption, eviction: replaced, not counted as a failure.
+        assert pod_failure_action(spec, condition="DisruptionTarget") == "Ignore", rj["name"]
+        # The API server accepts a pod failure policy only with restartPolicy Never.
+        assert pod["restartPolicy"] == "Never", rj["name"]
+        assert pod["terminationGracePeriodSeconds"] >= 60, rj["name"]
+        if "trainer" in containers(pod):
+            assert pod_failure_action(spec, container="trainer", exit_code=2) == "FailJob"
+            assert pod_failure_action(spec, container="trainer", exit_code=1) == "Count"
+    assert job_of(js, "worker")["template"]["spec"]["backoffLimit"] == 0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ramdisk_memory_is_requested_and_limited(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """RAM-disk pages count against the memory of the container that writes them: the
+    pod's requests cover the disk (or the kubelet evicts it first under pressure),
+    and no writer's limit is below it (or a full disk OOM-kills the writer)."""
+    docs = rendered[case]
+    (js,) = jobsets(docs)
+    pod = pod_of(job_of(js, "worker"))
+    ramdisk = {v["name"]: v for v in pod["volumes"]}["ramdisk"]
+    if "emptyDir" in ramdisk:
+        size = quantity(ramdisk["emptyDir"]["sizeLimit"])
+    else:
+        size = quantity(one(docs, "CheckpointConfiguration")["spec"]["inMemoryVolumeSize"])
+    writers = [c for c in containers(pod).values() if "ramdisk" in mounts(c)]
+    assert {c["name"] for c in writers} >= {"replicator"} and len(writers) == 2
+    requests = [quantity(c["resources"]["requests"]["memory"]) for c in writers]
+    limits = [quantity(c["resources"]["limits"]["memory"]) for c in writers]
+    assert sum(requests) >= size + 2 * 2**30   # the disk and each one's working memory
+    for c, req, lim in zip(writers, requests, limits, strict=True):
+        assert lim >= size + 2**30, c["name"]
+        assert req <= lim, c["name"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "pathways" in c])
+def test_pathways_worker_head_and_restart_policy(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    (js,) = jobsets(rendered[case])
+    worker = containers(pod_of(job_of(js, "worker")))["pathways-worker"]
+    env = env_of(worker)
+    assert {k: env[k] for k in ("XCLOUD_ENVIRONMENT", "TPU_MIN_LOG_LEVEL",
+                                "TF_CPP_MIN_LOG_LEVEL", "MEGASCALE_GRPC_ENABLE_XOR_TRACER")} \
+        == {"XCLOUD_ENVIRONMENT": "GCP", "TPU_MIN_LOG_LEVEL": "0", "TF_CPP_MIN_LOG_LEVEL": "0",
+            "MEGASCALE_GRPC_ENABLE_XOR_TRACER": "false"}
+    downward = {"JOBSET_NAME": "metadata.annotations['jobset.sigs.k8s.io/jobset-name']",
+                "REPLICATED_JOB_NAME":
+                    "metadata.annotations['jobset.sigs.k8s.io/replicatedjob-name']",
+                "MEGASCALE_NUM_SLICES":
+                    "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']",
+                "MEGASCALE_SLICE_ID": "metadata.labels['jobset.sigs.k8s.io/job-index']",
+                "MEGASCALE_COORDINATOR_ADDRESS":
+                    "metadata.labels['jobset.sigs.k8s.io/coordinator']",
+                "PATHWAYS_HEAD": "metadata.labels['jobset.sigs.k8s.io/coordinator']"}
+    for k, path in downward.items():
+        assert env[k] == {"fieldRef": {"fieldPath": path}}, k
+    head_job = job_of(js, "pathways-head")
+    head = pod_of(head_job)
+    # On a CPU node pool, never a TPU node; no in-place restart; started first.
+    assert head["nodeSelector"].keys() == {"cloud.google.com/gke-nodepool"}
+    assert not any("google.com/tpu" in c.get("resources", {}).get("limits", {})
+                   for c in containers(head).values())
+    assert head["restartPolicy"] == "Never"
+    assert head_job["template"]["spec"]["backoffLimit"] == 0
+    assert js["spec"]["startupPolicy"]["startupPolicyOrder"] == "InOrder"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pods_run_as_the_service_account_granted_the_bucket(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered[case]
+    sa = one(docs, "ServiceAccount")
+    (js,) = jobsets(docs)
+    for rj in js["spec"]["replicatedJobs"]:
+        assert pod_of(rj)["serviceAccountName"] == sa["metadata"]["name"], rj["name"]
+    assert sa["automountServiceAccountToken"] is False
+    assert sa["metadata"].get("namespace", "default") == js["metadata"].get("namespace",
+                                                                             "default")
+    # The guide's IAM binding names the namespace and this account, not "default".
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    assert "subject/ns/$NAMESPACE/sa/$KSA" in guide
+
+
+def effective_uid(c: dict[str, Any], pod: dict[str, Any]) -> int:
+    """The uid a container runs as; the manifests state it wherever volumes are shared."""
+    uid = c.get("securityContext", {}).get("runAsUser",
+                                           pod.get("securityContext", {}).get("runAsUser"))
+    assert uid is not None, f"{c['name']} does not state its user"
+    return int(uid)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_shared_folders_have_one_owner(case: str,
+                                       rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Containers that write one volume run as one user: each must write, rename and
+    delete what the other created, whatever umask created it (the root pathways-worker's
+    files in /tmp, the sidecar's steps the replicator deletes, GKE's root-owned volume)."""
+    (js,) = jobsets(rendered[case])
+    for rj in js["spec"]["replicatedJobs"]:
+        pod = pod_of(rj)
+        writers: dict[str, set[int]] = {}
+        for c in containers(pod).values():
+            for m in c.get("volumeMounts", []):
+                if not m.get("readOnly"):
+                    writers.setdefault(m["name"], set()).add(effective_uid(c, pod))
+        for volume, uids in writers.items():
+            assert len(uids) == 1, f"{rj['name']}: {volume} is written by users {uids}"
+    pod = pod_of(job_of(js, "worker"))
+    cs = containers(pod)
+    if "pathways-worker" in cs:
+        # /tmp shared by pathways-worker and the sidecar, as Google's manifests do (an
+        # emptyDir here, not the node's /tmp).
+        for c in ("pathways-worker", "colocated-python-sidecar"):
+            assert mounts(cs[c])["shared-tmp"] == "/tmp"
+        assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}["shared-tmp"]
+        for c in ("colocated-python-sidecar", "replicator"):
+            sc = cs[c]["securityContext"]
+            assert sc["capabilities"]["drop"] == ["ALL"] and \
+                sc["allowPrivilegeEscalation"] is False, c
+    else:
+        assert effective_uid(cs["replicator"], pod) == 10001
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_metrics_are_declared_scraped_and_let_in(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered[case]
+    (js,) = jobsets(docs)
+    name = js["metadata"]["name"]
+    pod = pod_of(job_of(js, "worker"))
+    rep = containers(pod)["replicator"]
+    port = {p["name"]: p["containerPort"] for p in rep["ports"]}["metrics"]
+    assert arg(rep, "--metrics-port") == str(port)
+    assert arg(rep, "--metrics-address") == "0.0.0.0"
+    # Worker pods carry these labels (JobSet sets them).
+    labels = {"jobset.sigs.k8s.io/jobset-name": name,
+              "jobset.sigs.k8s.io/replicatedjob-name": "worker"}
+    kinds = {d["kind"] for d in docs}
+    scraper_namespaces = set()
+    if "PodMonitoring" in kinds:
+        pm = one(docs, "PodMonitoring")
+        assert pm["spec"]["selector"]["matchLabels"] == labels
+        assert [e["port"] for e in pm["spec"]["endpoints"]] == ["metrics"]
+        assert {t["to"] for t in pm["spec"]["targetLabels"]["fromPod"]} >= {"jobset"}
+        scraper_namespaces.add("gmp-system")
+    if "ServiceMonitor" in kinds:
+        svc, sm = one(docs, "Service"), one(docs, "ServiceMonitor")
+        assert svc["spec"]["selector"] == labels
+        assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        assert [e["port"] for e in sm["spec"]["endpoints"]] == [svc["spec"]["ports"][0]["name"]]
+        assert {r["targetLabel"] for r in sm["spec"]["endpoints"][0]["relabelings"]} >= \
+            {"jobset"}
+        scraper_namespaces.add(JOBS[case]["monitoringNamespace"] if case in JOBS
+                               else "monitoring")
+    if case in JOBS and JOBS[case].get("monitoring") == "none":
+        assert not kinds & {"PodMonitoring", "Rules", "ServiceMonitor", "PrometheusRule"}
+    if case in JOBS and JOBS[case].get("monitoring") == "prometheus-operator":
+        assert not kinds & {"PodMonitoring", "Rules"}, "GMP's objects need GMP's CRDs"
+    # The NetworkPolicy lets each scraper's namespace reach the metrics port, and only it.
+    allowed = set()
+    for rule in one(docs, "NetworkPolicy")["spec"]["ingress"]:
+        if port in {p["port"] for p in rule.get("ports", [])}:
+            for peer in rule["from"]:
+                allowed.add(peer["namespaceSelector"]["matchLabels"][
+                    "kubernetes.io/metadata.name"])
+    assert scraper_namespaces <= allowed
+
+
+def alert_groups(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for kind in ("Rules", "PrometheusRule"):
+        found = [d for d in docs if d["kind"] == kind]
+        if found:
+            return list(found[0]["spec"]["groups"])
+    return []
+
+
+def test_alert_rules_are_one_set_with_runbooks(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    gmp = yaml.safe_load((DEPLOY / "components/monitoring-gmp/rules.yaml").read_text())
+    prom = yaml.safe_load(
+        (DEPLOY / "components/monitoring-prometheus/prometheusrule.yaml").read_text())
+    assert gmp["spec"]["groups"] == prom["spec"]["groups"], "the two rule sets differ"
+    rules = [r for g in gmp["spec"]["groups"] for r in g["rules"]]
+    alerts = {r["alert"] for r in rules}
+    # Replication lag, backup age, quarantined files, failures.
+    assert alerts >= {"MtcReplicationLagging", "MtcBackupStale", "MtcNoBackup",
+                      "MtcFilesQuarantined", "MtcReplicatorFailing"}
+    runbook = (REPO / "docs" / "operations.md").read_text()
+    headings = {re.sub(r"[^a-z0-9-]", "", h.strip().lower().replace(" ", "-"))
+                for h in re.findall(r"^#+ (.+)$", runbook, re.M)}
+    for r in rules:
+        anchor = r["annotations"]["runbook"]
+        assert anchor == f"docs/operations.md#{r['alert'].lower()}", anchor
+        assert r["alert"].lower() in headings, f"no runbook entry for {r['alert']}"
+        assert r["labels"]["severity"] in ("warning", "critical")
+    # The shipped overlays and the jobs that ask for it carry the rules.
+    for case in ("pathways", "multi-controller", "job-pathways"):
+        assert alert_groups(rendered[case]) == gmp["spec"]["groups"], case
+
+
+def test_alerts_read_what_a_replicator_exports(tmp_path: Path) -> None:
+    """Every series the alert rules read is on a real replicator's metrics port, and
+    the backup-age series move when a backup is committed."""
+    from replicators import Cluster, commit_raw_step
+
+    rules = yaml.safe_load((DEPLOY / "components/monitoring-gmp/rules.yaml").read_text())
+    exprs = " ".join(r["expr"] for g in rules["spec"]["groups"] for r in g["rules"])
+    wanted = set(re.findall(r"\bmtc_[a-z_]+", exprs))
+    cl = Cluster(tmp_path, 1, 1, metrics=True,
+                 extra=("--replicas", "0", "--backup", (tmp_path / "bucket").as_uri(),
+                        "--backup-interval-minutes", "30"))
+    try:
+        cl.start_all()
+        before = cl.scrape(0)
+        # Families, with or without samples yet (a labelled counter has none until used).
+        with urllib.request.urlopen(f"http://127.0.0.1:{cl.metrics_ports[0]}/metrics",
+                                    timeout=5) as r:
+            families = list(text_string_to_metric_families(r.read().decode()))
+        names = {f.name + ("_total" if f.type == "counter" else "") for f in families}
+        assert wanted <= names, wanted - names
+        assert before["mtc_backup_interval_seconds"] == 1800
+        assert before["mtc_backup_last_success_timestamp_seconds"] == 0
+        commit_raw_step(cl.root(0), 4, {"a.bin": b"x" * 1024})
+        client = cl.client(0)
+        try:
+            from mtc.proto import replicator_pb2 as pb
+
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if client.call("RequestBackup", pb.BackupRequest(step=-1),
+                               deadline_s=30).step == 4:
+                    break
+                time.sleep(0.2)
+        finally:
+            client.close()
+        after = cl.scrape(0)
+        assert after["mtc_newest_step{state=backed_up}"] == 4
+        assert abs(after["mtc_backup_last_success_timestamp_seconds"] - time.time()) < 60
+    finally:
+        cl.stop_all()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_disruptions_take_one_host_at_a_time(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Host h of two slices disrupted together loses both copies of rank h's newest
+    step; one host down fails its slice: at most one slice is disrupted at a time."""
+    docs = rendered[case]
+    (js,) = jobsets(docs)
+    worker = job_of(js, "worker")
+    pods = worker["replicas"] * worker["template"]["spec"]["completions"]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == pods - 1
+    assert "maxUnavailable" not in pdb["spec"], "Jobs have no scale subresource"
+    assert pdb["spec"]["selector"]["matchLabels"] == {
+        "jobset.sigs.k8s.io/jobset-name": js["metadata"]["name"],
+        "jobset.sigs.k8s.io/replicatedjob-name": "worker"}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c in JOBS
+                                  and JOBS[c].get("certificates") == "cert-manager"])
+def test_cert_manager_issues_the_peer_certificate(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered[case]
+    (js,) = jobsets(docs)
+    certs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Certificate"}
+    issuers = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Issuer"}
+    pod = pod_of(job_of(js, "worker"))
+    secret = {v["name"]: v for v in pod["volumes"]}["replicator-tls"]["secret"]["secretName"]
+    (leaf,) = [c for c in certs.values() if c["spec"]["secretName"] == secret]
+    assert {"server auth", "client auth"} <= set(leaf["spec"]["usages"])
+    assert leaf["spec"]["privateKey"]["rotationPolicy"] == "Always"
+    # Signed by a CA issuer (so the Secret holds ca.crt, which the pods trust).
+    issuer = issuers[leaf["spec"]["issuerRef"]["name"]]
+    ca = [c for c in certs.values()
+          if c["spec"]["secretName"] == issuer["spec"]["ca"]["secretName"]]
+    assert ca and ca[0]["spec"]["isCA"] is True
+    # Every replicator's name, as peers and the controller dial it, is covered.
+    place = JobSetPlace.from_env(worker_env(
+        JOBSET_NAME=js["metadata"]["name"], MTC_NUM_SLICES=str(job_of(js, "worker")["replicas"]),
+        MTC_HOSTS_PER_SLICE=str(job_of(js, "worker")["template"]["spec"]["completions"])))
+    for address in place.addresses(9470):
+        host = address.rsplit(":", 1)[0]
+        assert any(fnmatch.fnmatch(host, n) and n.count(".") == host.count(".")
+                   for n in leaf["spec"]["dnsNames"]), host
+    ns = js["metadata"]["namespace"]
+    assert f"*.{js['metadata']['name']}.{ns}.svc" in leaf["spec"]["dnsNames"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_trainer_gives_the_manager_the_replicators_of_its_pods(
-        overlay: Path, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path,
+        case: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``mtc-train-k8s`` as the rendered pod starts it: the manager's ``replicators``
     are exactly the replicators' own ``--nodes`` (same names, same rank order, so
     host h is rank h), reached over mutual TLS with the files the replicators use."""
     from mtc.trainer import k8s as train_k8s
 
-    (js,) = jobsets(rendered[overlay.name])
+    (js,) = jobsets(rendered[case])
+    name = js["metadata"]["name"]
     worker = job_of(js, "worker")
     pod = pod_of(worker)
     rep = containers(pod)["replicator"]
     is_mc = "pathways-worker" not in containers(pod)
     trainer_pod = pod if is_mc else pod_of(job_of(js, "pathways-head"))
     trainer = containers(trainer_pod)["trainer"]
+    hosts = worker["template"]["spec"]["completions"]
     # The downward API's values, as Kubernetes would fill them in for slice 1, host 0.
-    place_env = worker_env(JOB_INDEX="1", MTC_NUM_SLICES=str(worker["replicas"]),
-                           MTC_HOSTS_PER_SLICE=str(worker["template"]["spec"]["completions"]))
+    place_env = worker_env(JOBSET_NAME=name, JOB_INDEX="1",
+                           MTC_NUM_SLICES=str(worker["replicas"]),
+                           MTC_HOSTS_PER_SLICE=str(hosts))
     plain = {k: v for k, v in env_of(trainer).items() if isinstance(v, str)}
     for k, v in {**place_env, **plain}.items():
         monkeypatch.setenv(k, v)
@@ -543,10 +1022,12 @@ def test_trainer_gives_the_manager_the_replicators_of_its_pods(
     rargv = replicator_argv(rargs, rest, JobSetPlace.from_env(place_env))
     ropts = dict(zip(rargv[::2], rargv[1::2], strict=False))
     assert opts.replicators == tuple(ropts["--nodes"].split(","))
-    assert opts.replicators[3] == "mtc-train-worker-1-1.mtc-train:9470"
+    assert len(opts.replicators) == worker["replicas"] * hosts
+    assert opts.replicators[hosts + hosts - 1] == \
+        f"{name}-worker-1-{hosts - 1}.{name}:9470"
     assert opts.replicator_tls == (arg(rep, "--tls-cert"), arg(rep, "--tls-key"),
                                    arg(rep, "--tls-ca"))
-    assert opts.hosts_per_slice == int(place_env["MTC_HOSTS_PER_SLICE"])
+    assert opts.hosts_per_slice == hosts
     # The certificate the replicators serve (*.<subdomain>) covers every address.
     assert all(a.split(":")[0].endswith(f".{place.subdomain}") for a in opts.replicators)
 
@@ -562,8 +1043,6 @@ def test_trainer_gives_the_manager_the_replicators_of_its_pods(
 
 def test_gke_mtc_component_swaps_only_the_ramdisk(
         rendered: dict[str, list[dict[str, Any]]]) -> None:
-    if "pathways-gke-mtc" not in rendered:
-        pytest.skip("no pathways-gke-mtc overlay")
     (plain,), (csi,) = jobsets(rendered["pathways"]), jobsets(rendered["pathways-gke-mtc"])
     for js in (plain, csi):
         for rj in js["spec"]["replicatedJobs"]:
@@ -571,6 +1050,147 @@ def test_gke_mtc_component_swaps_only_the_ramdisk(
                 rj["template"]["spec"]["template"]["spec"]["volumes"] = [
                     v for v in pod_of(rj)["volumes"] if v["name"] != "ramdisk"]
     assert plain == csi
+    extra = [d["kind"] for d in rendered["pathways-gke-mtc"] if d["kind"] not in
+             {x["kind"] for x in rendered["pathways"]}]
+    assert extra == ["CheckpointConfiguration"]
+
+
+# -- one place to configure: deploy/configure.py ------------------------------------------------
+
+
+EXAMPLE_VALUES = {
+    # name: a pattern that must not match in a configured job's manifests
+    "the JobSet's name": r"mtc-train(?![a-z])",
+    "the namespace": r"\.default\.|namespace: default\b",
+    "the project": r"\bPROJECT\b|my-project",
+    "the bucket": r"\bBUCKET\b",
+    "the accelerator": r"tpu-v6e-slice",
+    "the topology": r"\b2x4\b",
+    "the RAM disk size": r"\b64Gi\b",
+    "the image tag": r":0\.1\.0\b",
+    "the head node pool": r"\bcpu-np\b",
+}
+
+
+@pytest.mark.parametrize("case", ["job-pathways", "job-multi-controller"])
+def test_one_job_file_sets_every_place(case: str,
+                                       rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """A job file's values reach every place they belong, and none of the example's
+    stays behind (a value the script forgot would)."""
+    text = yaml.safe_dump_all(rendered[case])
+    for what, pattern in EXAMPLE_VALUES.items():
+        assert not re.search(pattern, text), f"{what} of the example survives: " \
+            f"{re.search(pattern, text)}"
+    job = JOBS[case]
+    docs = rendered[case]
+    (js,) = jobsets(docs)
+    assert js["metadata"]["name"] == job["name"]
+    for d in docs:
+        if d["kind"] not in ("PriorityClass", "CheckpointConfiguration"):
+            assert d["metadata"]["namespace"] == job["namespace"], d["kind"]
+    assert js["spec"]["failurePolicy"]["maxRestarts"] == job.get("maxRestarts", 20)
+    images = {c["image"] for rj in js["spec"]["replicatedJobs"]
+              for c in containers(pod_of(rj)).values()}
+    registry = job.get("images", {}).get("registry", f"us-docker.pkg.dev/{job['project']}/mtc")
+    tag = job.get("images", {}).get("tag", "0.1.0")
+    mtc_images = {i for i in images if "/pathways/" not in i}
+    assert mtc_images and all(i.startswith(registry + "/") and i.endswith(":" + tag)
+                              for i in mtc_images), mtc_images
+    assert all(i.endswith(f":jax-{lock()['jax']}") for i in images - mtc_images)
+    assert f"gs://{job['bucket']}/mtc-backup" in text
+
+
+def test_job_file_shape_and_memory_follow_the_tpu() -> None:
+    configure = configure_module()
+    job = configure.Job(JOBS["job-pathways"], "job.yaml")
+    # v5p 2x2x4: 16 chips, 4 per host: 4 hosts; Pathways calls v5p "tpuv5".
+    assert (job.hosts, job.chips_per_host, job.slices) == (4, 4, 3)
+    assert (job.accelerator, job.instance_type) == ("tpu-v5p-slice", "tpuv5:2x2x4")
+    v5e = configure.Job(JOBS["job-pathways-gke-mtc"], "job.yaml")
+    assert (v5e.hosts, v5e.instance_type) == (1, "tpuv5e1t:2x4")
+    assert configure.Job({"project": "acme-ml-123", "bucket": "b-1"}, "j").pathways_tag == \
+        f"jax-{lock()['jax']}"
+
+
+def test_whole_jobset_restarts_where_jobset_lacks_restart_job() -> None:
+    """A JobSet controller without the RestartJob feature gate refuses the rule:
+    the job file can leave it out, and then a failed slice restarts every Job."""
+    configure = configure_module()
+    data = {**JOBS["job-multi-controller"], "restartFailedSliceOnly": False}
+    (js,) = jobsets(configure.render(configure.Job(data, "job.yaml")))
+    assert all(r["action"] not in ("RestartJob", "RestartJobAndIgnoreMaxRestarts")
+               for r in js["spec"]["failurePolicy"]["rules"])
+    assert jobset_action(js, "worker", "BackoffLimitExceeded") == "RestartJobSet"
+    assert jobset_action(js, "worker", "PodFailurePolicy") == "FailJobSet"
+
+
+def test_configured_memory_adds_the_ramdisk(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    (js,) = jobsets(rendered["job-pathways"])
+    cs = containers(pod_of(job_of(js, "worker")))
+    gi = 2**30
+    # 100Gi disk: half of it in each writer's request, all of it in each limit.
+    assert quantity(cs["replicator"]["resources"]["requests"]["memory"]) == (3 + 50) * gi
+    assert quantity(cs["replicator"]["resources"]["limits"]["memory"]) == (3 + 100) * gi
+    side = cs["colocated-python-sidecar"]["resources"]
+    assert (quantity(side["requests"]["memory"]), quantity(side["limits"]["memory"])) == \
+        ((6 + 50) * gi, (6 + 100) * gi)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"bucket": None}, r"job\.yaml: bucket is required"),
+    ({"project": "PROJECT"}, r"project: 'PROJECT' is not a Google Cloud project id"),
+    ({"tpu": {"type": "v5e", "topology": "2x2", "chipsPerHost": 8}},
+     r"tpu\.topology: 4 chips are not whole hosts of 8"),
+    ({"tpu": {"type": "v6e", "topology": "2x2x2"}}, r"tpu\.topology: '2x2x2' is not a 2-D"),
+    ({"tpu": {"type": "v7"}}, r"tpu\.type: 'v7' is not one of"),
+    ({"ramDisk": "lots"}, r"ramDisk: 'lots' is not a memory quantity"),
+    ({"name": "Mtc_Train"}, r"name: 'Mtc_Train' is not a DNS label"),
+    ({"slices": 2}, r"unknown key 'slices'"),
+    ({"restartFailedSliceOnly": "yes"}, r"restartFailedSliceOnly: 'yes' is not true or false"),
+    ({"images": {"tags": "1"}}, r"images\.tags: unknown key"),
+])
+def test_bad_job_files_are_named(change: dict[str, Any], match: str) -> None:
+    configure = configure_module()
+    data = {"project": "acme-ml-123", "bucket": "acme-ckpt", **change}
+    data = {k: v for k, v in data.items() if v is not None}
+    with pytest.raises(configure.JobFileError, match=match):
+        configure.Job(data, "job.yaml")
+
+
+def test_configure_prints_the_manifests_of_the_example_job(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(DEPLOY / "configure.py"),
+                          str(DEPLOY / "job.example.yaml")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert {d["kind"] for d in docs} >= {"JobSet", "NetworkPolicy", "PodDisruptionBudget",
+                                         "ServiceAccount", "PodMonitoring", "Rules"}
+    bad = tmp_path / "job.yaml"
+    bad.write_text("project: acme-ml-123\n")
+    out = subprocess.run([sys.executable, str(DEPLOY / "configure.py"), str(bad)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"{bad}: bucket is required" in out.stderr
+    # What it prints is never checked in.
+    assert "*.rendered.yaml" in (REPO / ".gitignore").read_text().split()
+
+
+def test_deploy_guide_lists_the_prerequisites_in_order() -> None:
+    """An operator runs the guide top to bottom: each step's command comes after what
+    it needs."""
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    start = guide.index("## From an empty project")
+    text = guide[start:guide.index("\n## ", start + 1)]
+    steps = ["--cluster-version", "--addons=GcsFuseCsiDriver", "HighScaleCheckpointing",
+             "--workload-pool", "node-pools create", "jobset/releases/download", "RestartJob: true",
+             "--enable-hierarchical-namespace", "subject/ns/$NAMESPACE/sa/$KSA",
+             "gke-checkpointing-multitier-node", "cert-manager", "docker build",
+             "deploy/configure.py", "kubectl apply --server-side -f my-job.rendered.yaml"]
+    at = [text.find(s) for s in steps]
+    missing = [s for s, i in zip(steps, at, strict=True) if i < 0]
+    assert not missing, f"docs/deploy.md lacks {missing}"
+    assert at == sorted(at), [s for s, _ in sorted(zip(steps, at, strict=True),
+                                                   key=lambda x: x[1])]
+    assert "1.32" in text   # the oldest GKE version multi-tier checkpointing supports
 
 
 # -- the images -------------------------------------------------------------------------------
@@ -818,3 +1438,7 @@ def test_deploy_guide_is_linked() -> None:
     for overlay in OVERLAYS:
         assert f"deploy/overlays/{overlay.name}" in text, overlay.name
     assert fnmatch.fnmatch(text, "*jax-init-info.txt*")
+    # The upgrade rule of the on-disk formats, and the test that holds a release to it.
+    assert "\n## Upgrades\n" in text and "tests/test_manifest_upgrade.py" in text
+    assert (REPO / "tests" / "test_manifest_upgrade.py").is_file()
+    assert "docs/operations.md" in (REPO / "README.md").read_text()

@@ -35,7 +35,8 @@ def test_cluster_up_kill_restart_down(ramdisk: Path, mesh: Mesh) -> None:
         assert all(c.alive(r) for r in range(4))
         x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P(None, "model")))
         with mtc.CheckpointManager(base / "controller", mesh=mesh, options=mtc.Options(
-                simulated_hosts=4, hosts_per_slice=2, sidecars=c.sidecars())) as mgr:
+                simulated_hosts=4, hosts_per_slice=2, sidecars=c.sidecars(),
+                replicator_token=c.token())) as mgr:
             assert mgr.save(1, {"x": x}, force=True)
         assert all((c.inspect(r) or {}).get("committed") == [1] for r in range(4))
         if namespaces:
@@ -71,7 +72,8 @@ def test_cluster_backs_up_to_the_gcs_emulator(ramdisk: Path, mesh: Mesh) -> None
         assert c.backup == "gs://mtc-local/checkpoints" and c.emulator is not None
         x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P(None, "model")))
         with mtc.CheckpointManager(base / "controller", mesh=mesh, options=mtc.Options(
-                simulated_hosts=4, hosts_per_slice=2, sidecars=c.sidecars())) as mgr:
+                simulated_hosts=4, hosts_per_slice=2, sidecars=c.sidecars(),
+                replicator_token=c.token())) as mgr:
             assert mgr.save(1, {"x": x}, force=True)
         r = subprocess.run([sys.executable, "-m", "mtc.cli", "backup", "--token-file",
                             str(c.token_file()), "--node", c.addresses[0]],

@@ -39,6 +39,7 @@ def hosts() -> Iterator[Hosts]:
 
 
 def _opts(hs: Hosts, **kw: object) -> mtc.Options:
+    kw = {"replicator_token": hs.token(), **kw}  # the sidecars require it
     return mtc.Options(simulated_hosts=4, hosts_per_slice=2,
                        sidecars=tuple(h.sidecar_address for h in hs.hosts), **kw)  # type: ignore[arg-type]
 

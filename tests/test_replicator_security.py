@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.client import FETCH, PUSH, PeerClient, PeerError
-from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials, rank_name
 from mtc.sidecar.replicator.store import REPLICA_DIR
 
 pytestmark = pytest.mark.process  # every test here starts processes
@@ -141,7 +142,9 @@ def make_ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 
 
 def make_leaf(ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], cn: str,
-              out: Path) -> tuple[Path, Path]:
+              out: Path, *, ranks: Sequence[int] = ()) -> tuple[Path, Path]:
+    """A certificate of ``ca`` for loopback; with ``ranks``, naming those replicator
+    ranks (``mtc-rank-<r>``), as each host's must name its own."""
     ca_key, ca_cert = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -150,7 +153,8 @@ def make_leaf(ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], cn: str,
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                x509.DNSName("localhost"), *(x509.DNSName(rank_name(r)) for r in ranks),
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                 critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                   ExtendedKeyUsageOID.CLIENT_AUTH]),
@@ -169,19 +173,29 @@ def write_pem(cert: x509.Certificate, path: Path) -> Path:
     return path
 
 
+def tls_cluster(clusters: list[Cluster], base: Path,
+                ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], ca_pem: Path,
+                pki: Path, client_crt: Path, client_key: Path, n: int = 2) -> Cluster:
+    """``n`` replicators over mutual TLS, each with a certificate naming its rank; the
+    harness calls them with ``client_crt`` (naming none, as a controller's)."""
+    certs = {r: make_leaf(ca, f"node{r}", pki, ranks=[r]) for r in range(n)}
+    return new_cluster(clusters, base, n, 1,
+                       creds=Credentials(tls_cert=client_crt, tls_key=client_key,
+                                         tls_ca=ca_pem),
+                       extra=("--tls-ca", str(ca_pem)),
+                       rank_args={r: ("--tls-cert", str(c), "--tls-key", str(k))
+                                  for r, (c, k) in certs.items()})
+
+
 def test_mutual_tls(ramdisk: Path, clusters: list[Cluster]) -> None:
     pki = ramdisk / "pki"
     pki.mkdir()
     ca, rogue_ca = make_ca("mtc test CA"), make_ca("someone else's CA")
     ca_pem = write_pem(ca[1], pki / "ca.crt")
-    node_crt, node_key = make_leaf(ca, "node", pki)
     client_crt, client_key = make_leaf(ca, "trainer", pki)
-    rogue_crt, rogue_key = make_leaf(rogue_ca, "intruder", pki)
+    rogue_crt, rogue_key = make_leaf(rogue_ca, "intruder", pki, ranks=[1])
 
-    creds = Credentials(tls_cert=node_crt, tls_key=node_key, tls_ca=ca_pem)
-    cl = new_cluster(clusters, ramdisk, 2, 1, creds=creds,
-                     extra=("--tls-cert", str(node_crt), "--tls-key", str(node_key),
-                            "--tls-ca", str(ca_pem)))
+    cl = tls_cluster(clusters, ramdisk, ca, ca_pem, pki, client_crt, client_key)
     cl.start_all()
     commit_raw_step(cl.root(0), 1, {"a.bin": os.urandom(2048)})
     cl.wait_held({(1, 0, 1)})  # peers authenticate each other
@@ -464,7 +478,8 @@ def test_manager_agrees_with_tls_replicators_through_its_certificate(
         ramdisk: Path, tmp_path: Path, mesh: Any, clusters: list[Cluster]) -> None:
     """``Options(replicator_tls=...)`` (what ``mtc-train-k8s`` passes from its TLS
     folder): the manager's restore agreement reaches replicators that accept mutual
-    TLS only; the same manager without a certificate is refused, typed, at its deadline."""
+    TLS only; the same manager without a certificate is refused, typed: by the sidecars
+    at once, by the replicators at its deadline."""
     from replicators import assert_state_equal, make_state
 
     import mtc
@@ -472,12 +487,8 @@ def test_manager_agrees_with_tls_replicators_through_its_certificate(
     pki = tmp_path  # the controller's files, not on any host's RAM disk
     ca = make_ca("mtc test CA")
     ca_pem = write_pem(ca[1], pki / "ca.crt")
-    node_crt, node_key = make_leaf(ca, "node", pki)
     trainer_crt, trainer_key = make_leaf(ca, "trainer", pki)
-    creds = Credentials(tls_cert=node_crt, tls_key=node_key, tls_ca=ca_pem)
-    cl = new_cluster(clusters, ramdisk, 2, 1, creds=creds,
-                     extra=("--tls-cert", str(node_crt), "--tls-key", str(node_key),
-                            "--tls-ca", str(ca_pem)))
+    cl = tls_cluster(clusters, ramdisk, ca, ca_pem, pki, trainer_crt, trainer_key)
     cl.start_all()
     tls = (str(trainer_crt), str(trainer_key), str(ca_pem))
     s1 = make_state(mesh, 1.0)
@@ -490,7 +501,11 @@ def test_manager_agrees_with_tls_replicators_through_its_certificate(
         assert m.latest_step() == 1
         assert m.last_restore_tiers == {0: "local", 1: "local"}
         assert_state_equal(m.restore(None, s1), s1)
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(
-            replicators=True, restore_timeout_s=2)) as m, \
-            pytest.raises(mtc.AgreementError, match="did not answer"):
-        m.latest_step()
+    # Without a certificate: the sidecars (same credentials) refuse the manager, and
+    # the replicators its restore, typed, at its deadline.
+    with pytest.raises(mtc.ShardUnavailableError, match="sidecar unreachable"):
+        mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(
+            replicators=True, restore_timeout_s=2))
+    from mtc.replicas import prepare_restore
+    with pytest.raises(mtc.AgreementError, match="did not answer"):
+        prepare_restore(cl.addrs, token=None, timeout_s=2)

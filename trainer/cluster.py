@@ -263,6 +263,7 @@ class LocalCluster:
 
         from mtc.contract import decode_reply, encode_request
         from mtc.errors import MtcError
+        from mtc.sidecar.replicator.security import TOKEN_HEADER
 
         if self.hosts.hosts[rank].sidecar_pid is None:
             return None
@@ -273,7 +274,8 @@ class LocalCluster:
                                                  response_deserializer=None))
             self._channels[rank] = stub
         try:
-            reply = decode_reply(stub[1](encode_request("inspect", [rank]), timeout=timeout))
+            reply = decode_reply(stub[1](encode_request("inspect", [rank]), timeout=timeout,
+                                         metadata=[(TOKEN_HEADER, self.token())]))
         except (grpc.RpcError, MtcError):
             return None
         return reply if isinstance(reply, dict) else None
@@ -322,6 +324,9 @@ class LocalCluster:
             cluster.save()
             for r in range(n):
                 cluster.wait_serving(r)
+            # Serving is not reaching: every host must reach every other (and this
+            # namespace them), or the cluster says why now, not in a restore later.
+            hosts.check_reach(lambda h: h.replicator_port)
         except BaseException:
             if hosts is not None:
                 hosts.down()

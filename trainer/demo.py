@@ -415,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.say(f"hosts: 4 sidecars, kept apart by {hosts.isolation}")
         ckpt = [*common, "--ramdisk", str(ramdisk / "controller"),
                 "--sidecars", ",".join(h.sidecar_address for h in hosts.hosts),
+                "--token-file", str(hosts.token_file),
                 "--save-interval", str(args.save_interval), "--max-to-keep",
                 str(args.max_to_keep)]
         progress.say(f"run 1: train, SIGKILL after step {args.kill_at} "

@@ -3,7 +3,11 @@
 With root (here and in CI) every host gets a network namespace with an address
 of its own on a bridge this module creates (a private /24, nothing else is ever
 addressed), and a mount namespace in which its RAM disk is a private tmpfs: the
-trainer's process sees an empty folder where the host's steps are. The host's
+trainer's process sees an empty folder where the host's steps are. The bridge
+lives in a namespace of the cluster's own (the "switch"), joined to the caller's
+namespace by one link: traffic between hosts never crosses the caller's
+firewall (Docker's FORWARD DROP and bridge netfilter on a workstation), and the
+caller reaches the hosts as directly connected neighbours. The host's
 sidecar starts the namespaces; its replicator joins them (``nsenter``), as the
 containers of one pod share a volume. Without root, each host is separate
 processes with a private folder, through the same code paths.
@@ -32,7 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +119,7 @@ class Hosts:
         rng = random.SystemRandom()  # not the process's generator, which tests may seed
         self.subnet = f"10.{200 + rng.randrange(50)}.{rng.randrange(256)}"
         self.bridge = f"mtcb{self.tag}"
+        self.switch = f"mtc{self.tag}sw"  # the namespace the bridge lives in
         self.hosts: list[Host] = []
         base.mkdir(parents=True, exist_ok=True)
         if self.isolation == "namespaces":
@@ -138,7 +143,8 @@ class Hosts:
         return {"base": str(self.base), "n": self.n, "ramdisk_bytes": self.ramdisk_bytes,
                 "isolation": self.isolation, "tag": self.tag, "subnet": self.subnet,
                 "colocated_devices": self.colocated_devices,
-                "bridge": self.bridge, "hosts": [h.to_json() for h in self.hosts]}
+                "bridge": self.bridge, "switch": self.switch,
+                "hosts": [h.to_json() for h in self.hosts]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Hosts:
@@ -146,7 +152,7 @@ class Hosts:
         self = cls.__new__(cls)
         self.base, self.n, self.ramdisk_bytes = Path(d["base"]), d["n"], d["ramdisk_bytes"]
         self.isolation, self.tag, self.subnet = d["isolation"], d["tag"], d["subnet"]
-        self.bridge = d["bridge"]
+        self.bridge, self.switch = d["bridge"], d["switch"]
         self.colocated_devices = int(d.get("colocated_devices", 0))
         self.hosts = [Host.from_json(h) for h in d["hosts"]]
         return self
@@ -154,37 +160,90 @@ class Hosts:
     # -- network ----------------------------------------------------------------------
 
     def _make_network(self) -> None:
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        """The switch: a namespace holding the bridge, and the uplink from this
+        namespace to it (this side ``<subnet>.1``, the hosts' gateway)."""
+        sw, up_here, up_there = self.switch, f"mtu{self.tag}a", f"mtu{self.tag}b"
+        _run("ip", "netns", "add", sw)
+        _run("ip", "-n", sw, "link", "set", "lo", "up")
+        _run("ip", "-n", sw, "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "-n", sw, "link", "set", self.bridge, "up")
+        _run("ip", "link", "add", up_here, "type", "veth", "peer", "name", up_there,
+             "netns", sw)
+        _run("ip", "-n", sw, "link", "set", up_there, "master", self.bridge)
+        _run("ip", "-n", sw, "link", "set", up_there, "up")
+        _run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", up_here)
+        _run("ip", "link", "set", up_here, "up")
 
     def _add_host_network(self, h: Host) -> None:
         assert h.netns is not None
         outer, inner = f"mtv{self.tag}{h.index}a", f"mtv{self.tag}{h.index}b"
         _run("ip", "netns", "add", h.netns)
-        _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-        _run("ip", "link", "set", outer, "master", self.bridge)
-        _run("ip", "link", "set", outer, "up")
-        _run("ip", "link", "set", inner, "netns", h.netns)
-        for cmd in (("ip", "addr", "add", f"{h.address}/24", "dev", inner),
-                    ("ip", "link", "set", inner, "up"), ("ip", "link", "set", "lo", "up")):
-            _run("ip", "netns", "exec", h.netns, *cmd)
+        _run("ip", "-n", self.switch, "link", "add", outer, "type", "veth", "peer", "name",
+             inner, "netns", h.netns)
+        _run("ip", "-n", self.switch, "link", "set", outer, "master", self.bridge)
+        _run("ip", "-n", self.switch, "link", "set", outer, "up")
+        for cmd in (("addr", "add", f"{h.address}/24", "dev", inner),
+                    ("link", "set", inner, "up"), ("link", "set", "lo", "up")):
+            _run("ip", "-n", h.netns, *cmd)
 
     @property
     def gateway(self) -> str:
-        """The address at which hosts reach this (the root) namespace: the bridge's."""
+        """The address at which hosts reach this (the caller's) namespace: its end
+        of the uplink to the switch."""
         return f"{self.subnet}.1" if self.isolation == "namespaces" else "127.0.0.1"
 
     def link(self, host: int, up: bool) -> None:
-        """Cut or restore a host's link (its veth on the bridge)."""
-        _run("ip", "link", "set", f"mtv{self.tag}{host}a", "up" if up else "down")
+        """Cut or restore a host's link (its port on the switch's bridge)."""
+        _run("ip", "-n", self.switch, "link", "set", f"mtv{self.tag}{host}a",
+             "up" if up else "down")
+
+    def check_reach(self, port_of: Callable[[Host], int], timeout_s: float = 2.0) -> None:
+        """Every host reaches every other at ``port_of(host)`` (a TCP connect from
+        inside its namespace), or a RuntimeError within seconds naming the hosts
+        that cannot and the likely cause; from the caller's namespace too."""
+        if self.isolation != "namespaces":
+            return
+        probe = ("import socket, sys\n"
+                 "bad = []\n"
+                 "for a in sys.argv[2:]:\n"
+                 "    h, p = a.rsplit(':', 1)\n"
+                 "    try:\n"
+                 "        socket.create_connection((h, int(p)), float(sys.argv[1])).close()\n"
+                 "    except OSError as e:\n"
+                 "        bad.append(f'{a} ({e})')\n"
+                 "print('; '.join(bad))\n")
+        targets = {h.index: f"{h.address}:{port_of(h)}" for h in self.hosts}
+        checks = {h.index: subprocess.Popen(
+            ["ip", "netns", "exec", h.netns or "", sys.executable, "-c", probe, str(timeout_s),
+             *[t for j, t in targets.items() if j != h.index]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in self.hosts}
+        problems = []
+        for i, proc in checks.items():
+            out, err = proc.communicate(timeout=timeout_s * len(self.hosts) + 30)
+            if proc.returncode != 0 or out.strip():
+                problems.append(f"host {i} ({self.hosts[i].address}) cannot reach "
+                                f"{out.strip() or err.strip()[-300:]}")
+        for i, t in targets.items():
+            host, port = t.rsplit(":", 1)
+            try:
+                socket.create_connection((host, int(port)), timeout_s).close()
+            except OSError as e:
+                problems.append(f"this namespace cannot reach host {i} at {t} ({e})")
+        if problems:
+            raise RuntimeError(
+                "the local cluster's hosts cannot reach each other: " + "; ".join(problems)
+                + f". Their traffic crosses only the cluster's own namespaces ({self.switch} "
+                "and the hosts'): look for a firewall or route inside them, or a subnet "
+                f"({self.subnet}.0/24) that this machine already uses")
 
     # -- processes --------------------------------------------------------------------
 
     def start_sidecar(self, i: int, slices: Sequence[int], *, env: dict[str, str] | None = None,
-                      writer_threads: int = 2, wait: bool = True) -> Host:
+                      writer_threads: int = 2, wait: bool = True,
+                      extra: Sequence[str] = ()) -> Host:
         """Start host ``i``'s sidecar (its own session), which makes the host's
         namespaces and mounts its RAM disk; with ``wait``, until it serves.
+        ``extra``: more arguments of the sidecar (its certificate, for mutual TLS).
 
         While the host's replicator still runs (the sidecar alone died), the new
         sidecar joins the replicator's namespaces: the RAM disk is as it was, as
@@ -196,7 +255,9 @@ class Hosts:
         cmd = [sys.executable, "-m", "mtc.sidecar.host.main", "--root", str(h.root),
                "--area", str(h.area), "--host", str(i), "--slices",
                ",".join(str(s) for s in slices), "--listen", listen,
-               "--ready-file", str(ready), "--writer-threads", str(writer_threads)]
+               "--ready-file", str(ready), "--writer-threads", str(writer_threads),
+               # Every caller presents the hosts' token (the replicators' too).
+               "--token-file", str(self.token_file), *extra]
         if self.colocated_devices:
             cmd += ["--colocated-devices", str(self.colocated_devices // self.n),
                     "--job-devices", str(self.colocated_devices)]
@@ -260,13 +321,21 @@ class Hosts:
 
     @property
     def token_file(self) -> Path:
-        """The peers' shared token (replicators off loopback require one)."""
+        """The hosts' shared token: every sidecar requires it, and every replicator
+        (the controller presents it to both)."""
         p = self.base / "peer-token"
         if not p.exists():
-            tmp = p.with_suffix(".tmp")
-            tmp.write_text(os.urandom(16).hex() + "\n")
-            os.chmod(tmp, 0o600)
-            tmp.replace(p)
+            # Hosts may be started from several threads at once: the first link wins.
+            tmp = p.with_name(f".peer-token.{uuid.uuid4().hex}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(os.urandom(16).hex() + "\n")
+            try:
+                os.link(tmp, p)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
         return p
 
     def token(self) -> str:
@@ -310,7 +379,11 @@ class Hosts:
                 if h.netns:
                     subprocess.run(["ip", "netns", "del", h.netns], capture_output=True,
                                    check=False)
-            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+            # The switch takes the bridge and every port with it; the uplink goes too.
+            subprocess.run(["ip", "netns", "del", self.switch], capture_output=True,
+                           check=False)
+            subprocess.run(["ip", "link", "del", f"mtu{self.tag}a"], capture_output=True,
+                           check=False)
         shutil.rmtree(self.base, ignore_errors=True)
 
     # -- partitions (appended: network faults between hosts) --------------------------

@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sidecars", default="",
                    help="the hosts' sidecar addresses, comma-separated (host order): save and "
                         "restore through them; this process then never sees a RAM disk")
+    p.add_argument("--token-file", type=Path,
+                   help="the token the sidecars require (the hosts' peer token)")
     p.add_argument("--log", type=Path, required=True, help="JSON-lines output")
     p.add_argument("--steps", type=int, default=150, help="train up to this step")
     p.add_argument("--model", choices=sorted(PRESETS), default="small",
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             options=mtc.Options(save_interval_steps=args.save_interval,
                                 max_to_keep=args.max_to_keep,
                                 simulated_hosts=4, hosts_per_slice=2,
+                                replicator_token=(args.token_file.read_text().strip()
+                                                  if args.token_file else None),
                                 sidecars=tuple(args.sidecars.split(",")) if args.sidecars
                                 else None))
     log.write(event="ready", compile_cache=cache)

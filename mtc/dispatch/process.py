@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import jax
@@ -42,6 +42,9 @@ from mtc.errors import ConfigError, MtcError, SaveInProgressError, ShardUnavaila
 from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
 
+if TYPE_CHECKING:
+    from mtc.sidecar.replicator.security import Credentials
+
 METHOD = "/mtc.Host/Call"
 MAX_MESSAGE = 256 << 20
 SLOTS_PER_HOST = 2
@@ -53,20 +56,37 @@ POLL_INTERVAL_S = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class Sidecar:
-    """Where one host's sidecar listens, and its shared-memory area (as the trainer sees it)."""
+    """Where one host's sidecar listens, its shared-memory area (as the trainer sees it),
+    and the credentials it takes."""
 
     address: str
     area: Path
+    creds: Credentials | None = None
 
 
-def channels(sidecars: dict[int, Sidecar], method: str
+def channels(sidecars: dict[int, Sidecar], method: str, creds: Credentials | None = None
              ) -> tuple[dict[int, grpc.Channel], dict[int, Any]]:
-    """A channel to each host's sidecar, and a raw-bytes stub of ``method`` on it."""
+    """A channel to each host's sidecar, and a raw-bytes stub of ``method`` on it that
+    presents ``creds`` (the replicators' token, or this process's certificate)."""
     opts = [("grpc.max_send_message_length", MAX_MESSAGE),
             ("grpc.max_receive_message_length", MAX_MESSAGE)]
-    chans = {h: grpc.insecure_channel(s.address, options=opts) for h, s in sidecars.items()}
-    return chans, {h: c.unary_unary(method, request_serializer=None, response_deserializer=None)
+    cc = creds.channel_credentials() if creds is not None else None
+    chans = {h: grpc.secure_channel(s.address, cc, options=opts) if cc else
+             grpc.insecure_channel(s.address, options=opts) for h, s in sidecars.items()}
+    metadata = tuple(creds.call_metadata()) if creds is not None else ()
+    return chans, {h: _with_metadata(c.unary_unary(method, request_serializer=None,
+                                                   response_deserializer=None), metadata)
                    for h, c in chans.items()}
+
+
+def _with_metadata(stub: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
+    if not metadata:
+        return stub
+
+    def call(request: bytes, **kw: Any) -> Any:
+        return stub(request, metadata=metadata, **kw)
+
+    return call
 
 
 class ProcessDispatch(HostCalls):
@@ -78,14 +98,14 @@ class ProcessDispatch(HostCalls):
     host_side_lock = False
 
     def __init__(self, config: AgentConfig, sidecars: dict[int, Sidecar],
-                 *, deadline_s: float = 120.0) -> None:
+                 *, deadline_s: float = 120.0, creds: Credentials | None = None) -> None:
         missing = sorted(set(config.slice_of_host) - set(sidecars))
         if missing:
             raise ConfigError(f"no sidecar for hosts {missing}")
         self.config = config
         self.sidecars = sidecars
         self.deadline_s = deadline_s
-        self._channels, self._stubs = channels(sidecars, METHOD)
+        self._channels, self._stubs = channels(sidecars, METHOD, creds)
         self._locks: dict[int, int] = {}  # host -> descriptor of the area's writer lock
         self._slots = {h: [transfer.SaveSlot(s.area, f"save-{k}") for k in range(SLOTS_PER_HOST)]
                        for h, s in sidecars.items()}
@@ -104,8 +124,10 @@ class ProcessDispatch(HostCalls):
 
     @classmethod
     def connect(cls, config: AgentConfig, addresses: Sequence[str],
-                deadline_s: float = 120.0) -> ProcessDispatch:
-        return cls(config, find_sidecars(config, addresses, deadline_s), deadline_s=deadline_s)
+                deadline_s: float = 120.0, creds: Credentials | None = None
+                ) -> ProcessDispatch:
+        return cls(config, find_sidecars(config, addresses, deadline_s, creds),
+                   deadline_s=deadline_s, creds=creds)
 
     def _channels_close(self) -> None:
         self._pool.shutdown(wait=True)  # no request is left in flight
@@ -382,20 +404,20 @@ class ProcessDispatch(HostCalls):
             self._channels_close()
 
 
-def find_sidecars(config: AgentConfig, addresses: Sequence[str], deadline_s: float = 120.0
-                  ) -> dict[int, Sidecar]:
+def find_sidecars(config: AgentConfig, addresses: Sequence[str], deadline_s: float = 120.0,
+                  creds: Credentials | None = None) -> dict[int, Sidecar]:
     """Ask each sidecar (in rank order: the i-th address serves this job's host i,
     whichever host it is in a larger cluster) where its area is."""
     if len(addresses) != len(config.slice_of_host):
         raise ConfigError(f"{len(addresses)} sidecars for {len(config.slice_of_host)} hosts")
     sidecars = {h: Sidecar(a, Path()) for h, a in enumerate(addresses)}
-    probe = ProcessDispatch(config, sidecars, deadline_s=deadline_s)
+    probe = ProcessDispatch(config, sidecars, deadline_s=deadline_s, creds=creds)
     try:
         for h in sidecars:
             hello = probe._rpc(h, "hello")
             if hello.get("rank") != h:
                 raise ConfigError(f"sidecar at {addresses[h]} did not take rank {h}", host=h)
-            sidecars[h] = Sidecar(addresses[h], Path(hello["area"]))
+            sidecars[h] = Sidecar(addresses[h], Path(hello["area"]), creds)
     finally:
         probe._channels_close()
     return sidecars

@@ -97,7 +97,8 @@ class Runtime:
         self.sidecars = sidecars
         self.host_of_device = dict(host_of_device)
         self.deadline_s = deadline_s
-        self._channels, self._stubs = channels(sidecars, METHOD)
+        creds = next((s.creds for s in sidecars.values()), None)
+        self._channels, self._stubs = channels(sidecars, METHOD, creds)
         self._pool = ThreadPool(max(1, len(sidecars)), "mtc-coloc")
         _register(self)
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from mtc.errors import ConfigError, MtcError, StepNotFoundError
+from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import CorruptBackupError
 from mtc.sidecar.replicator.client import PeerError
@@ -112,7 +112,7 @@ class BackupDuties:
         return self.peers[holder].call("BackupPart", req, deadline_s=3600, attempts=1)
 
     def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply:
-        from mtc.sidecar.backup.job import upload_part
+        from mtc.sidecar.backup.job import MANIFEST, step_prefix, upload_part
 
         if self.backup is None:
             raise ConfigError("this replicator has no backup store (--backup)")
@@ -121,6 +121,12 @@ class BackupDuties:
         try:
             if (req.origin_rank, req.step) not in self.store.copies():
                 raise StepNotFoundError("copy is gone", step=req.step, host=req.origin_rank)
+            if req.prefix == step_prefix(req.step) and \
+                    self.backup.store.backend.get_bytes(f"{req.prefix}/{MANIFEST}") is not None:
+                # A committed backup's objects are never written again: its manifest's
+                # SHA-256 of each must stay true.
+                raise StepExistsError("the backup of this step is committed", step=req.step,
+                                      host=req.origin_rank)
             files = {f.path: f for f in self.store.describe(req.origin_rank, req.step)}
             reply = upload_part(self.backup.store.backend,
                                 self.store.copy_dir(req.origin_rank, req.step), files, req)

@@ -146,6 +146,7 @@ class BackupScheduler:
             with self._listing_lock:
                 self._listing = (0.0, sorted({*self._listing[1], step}))
             node.metrics.newest.labels("backed_up").set(step)
+            node.metrics.backup_committed.set_to_current_time()
             deleted = self.store.apply_retention(self.policy.keep, self.policy.keep_every)
             if deleted:
                 log.info("backup retention deleted steps %s", deleted)

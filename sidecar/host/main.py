@@ -3,6 +3,10 @@
 It alone (with the host's replicator) sees the host's RAM disk; the trainer
 reaches it over gRPC and hands it bytes through the host's shared-memory area.
 It serves until SIGTERM or SIGINT, then finishes the saves in flight and exits.
+
+Every call is authenticated with the replicators' credentials (``--token-file``,
+or mutual TLS): without any it serves a loopback address only, and runs no
+colocated Python at all (a program is code it would run as sent).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import grpc
 
 from mtc import layout
 from mtc.contract import AgentConfig
+from mtc.errors import ConfigError
 from mtc.sidecar.host.colocated import ColocatedServer
-from mtc.sidecar.host.service import HostService, handler
+from mtc.sidecar.host.service import MAX_MESSAGE, HostService, handler
+from mtc.sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
 
 log = logging.getLogger("mtc.sidecar.host")
-MAX_MESSAGE = 256 << 20
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,9 +47,22 @@ def main(argv: list[str] | None = None) -> None:
                         "(0: none; JAX is then never imported)")
     p.add_argument("--job-devices", type=int, default=0,
                    help="the CPU devices of the whole job, this host's among them")
+    p.add_argument("--token-file", help="file holding the shared token every caller presents")
+    p.add_argument("--tls-cert", help="this host's certificate (PEM), for mutual TLS")
+    p.add_argument("--tls-key", help="its private key (PEM)")
+    p.add_argument("--tls-ca", help="CA certificate that signs every caller's (PEM)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sidecar %(message)s")
 
+    try:
+        creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
+                                       args.tls_ca)
+        check_listen_address(args.listen, creds)
+        if args.colocated_devices > 0 and not creds.any:
+            raise ConfigError("--colocated-devices runs the programs callers send: give "
+                              "--token-file or --tls-cert/--tls-key/--tls-ca")
+    except (ConfigError, OSError) as e:
+        p.exit(2, f"sidecar: {e}\n")
     slices = [int(x) for x in args.slices.split(",")]
     args.root.mkdir(parents=True, exist_ok=True)
     args.area.mkdir(parents=True, exist_ok=True)
@@ -57,9 +75,15 @@ def main(argv: list[str] | None = None) -> None:
     service = HostService(config, args.host, args.area, colocated)
     pool = ThreadPoolExecutor(8, thread_name_prefix="mtc-sidecar-rpc")
     server = grpc.server(pool, options=[("grpc.max_send_message_length", MAX_MESSAGE),
-                                        ("grpc.max_receive_message_length", MAX_MESSAGE)])
+                                        ("grpc.max_receive_message_length", MAX_MESSAGE),
+                                        ("grpc.so_reuseport", 0)],
+                         interceptors=[TokenInterceptor(creds.token)] if creds.token else [],
+                         # Calls beyond these are refused at once, not queued behind
+                         # the pool: a flood of them holds no memory here.
+                         maximum_concurrent_rpcs=32)
     server.add_generic_rpc_handlers((handler(service),))
-    port = server.add_insecure_port(args.listen)
+    sc = creds.server_credentials()
+    port = server.add_secure_port(args.listen, sc) if sc else server.add_insecure_port(args.listen)
     if port == 0:
         raise SystemExit(f"sidecar: cannot listen on {args.listen}")
     server.start()

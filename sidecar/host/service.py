@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from mtc import layout, transfer
+from mtc import layout, transfer, validate
 from mtc.contract import (
     AgentConfig,
     SaveHeader,
@@ -46,7 +49,7 @@ from mtc.errors import MtcError, ProtocolError, StorageError
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.host.colocated import ColocatedServer
-from mtc.sidecar.load import ShardLoader
+from mtc.sidecar.load import ShardLoader, check_tasks
 from mtc.sidecar.ops import HostOps
 from mtc.sidecar.replicator.store import REPLICA_DIR
 
@@ -54,6 +57,12 @@ log = logging.getLogger(__name__)
 SERVICE = "mtc.Host"
 METHOD = f"/{SERVICE}/Call"
 TRANSFER_OPS = ("hello", "stage", "poll", "wait", "load", "inspect")
+MAX_MESSAGE = 256 << 20  # a request's or reply's bytes (a read's regions travel in replies)
+# Room a load leaves free in the shared-memory area: its reply file must not fill
+# the area the trainer copies its saves into.
+AREA_RESERVE = 64 << 20
+_SLOT = re.compile(r"save-[0-9]{1,4}")
+REPLY_TTL_S = 120.0
 
 
 class HostService:
@@ -67,7 +76,7 @@ class HostService:
         self.host = host
         self.area = area
         self.agent = HostAgent(config)
-        self.ops = HostOps(config)
+        self.ops = HostOps(config, max_reply_bytes=MAX_MESSAGE - 4096)
         self._written: list[str] = []
         self._lock = threading.Lock()
         self._ops: dict[str, Callable[[int, dict[str, Any]], Any]] = {
@@ -123,25 +132,32 @@ class HostService:
     def _stage(self, rank: int, args: dict[str, Any]) -> bool:
         header = SaveHeader.from_bytes(args["header"].encode())
         slot = args["slot"]
-        if "/" in slot or slot.startswith("."):
-            raise ProtocolError(f"bad slot name {slot!r}", host=self.host)
-        view = transfer.map_file(self.area / slot, int(args["size"]), writable=False)
+        if not isinstance(slot, str) or not _SLOT.fullmatch(slot):
+            raise ProtocolError(f"bad slot name {slot!r}"[:120], host=self.host)
+        size = validate.count(args["size"], "slot size", validate.MAX_FILE_BYTES)
+        view = transfer.map_file(self.area / slot, size, writable=False)
         shards = []
         for leaf, index, dtype, shape, offset in args["shards"]:
             dt = numpy_dtype(dtype)
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            if offset < 0 or offset + n > view.size:
+            dims = [validate.count(d, "shape", view.size) for d in shape]
+            n = math.prod(dims) * dt.itemsize
+            if not validate.is_int(offset) or offset < 0 or offset + n > view.size:
                 raise ProtocolError(f"shard outside slot {slot}", step=header.step,
                                     host=self.host)
-            data = view[offset:offset + n].view(dt).reshape(shape)
-            shards.append((int(leaf), tuple((int(a), int(b)) for a, b in index), data))
+            data = view[offset:offset + n].view(dt).reshape(dims)
+            shards.append((validate.count(leaf, "leaf", len(header.leaves) - 1),
+                           tuple((validate.count(a, "index", validate.MAX_FILE_BYTES),
+                                  validate.count(b, "index", validate.MAX_FILE_BYTES))
+                                 for a, b in index), data))
 
         def written(_error: BaseException | None) -> None:  # errors come by poll/wait
             with self._lock:
                 self._written.append(slot)
 
-        self.agent.stage_views(header, rank, shards, written, slice_=int(args["slice"]),
-                               num_hosts=int(args["num_hosts"]))
+        num_hosts = validate.count(args["num_hosts"], "num_hosts", 1 << 20, lo=1)
+        self.agent.stage_views(header, rank, shards, written,
+                               slice_=validate.count(args["slice"], "slice", num_hosts),
+                               num_hosts=num_hosts)
         return True
 
     def _written_since(self) -> list[str]:
@@ -161,30 +177,59 @@ class HostService:
         return written
 
     def _load(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
-        """Read each task's region (pieces this host holds, verified) into one reply file."""
-        step = int(args["step"])
+        """Read each task's region (pieces this host holds, verified) into one reply file.
+        The request is checked whole first (:func:`check_tasks`), and the reply must
+        fit in the area; a reply file is never left behind by a load that failed."""
+        step = validate.step(args["step"], host=self.host)
+        if not isinstance(args["tasks"], list):
+            raise ProtocolError("tasks is a list", step=step, host=self.host)
         tasks = [task_from_json(t) for t in args["tasks"]]
         for t in tasks:
             if any(p.host != rank for p in t.pieces):
                 raise ProtocolError("asked to read another host's pieces", step=step,
                                     host=self.host)
+        asked = check_tasks(tasks, step=step, host=self.host)
+        room = layout.room(self.area, AREA_RESERVE)
+        if asked > room:
+            raise ProtocolError(f"a load of {asked} bytes does not fit in the shared-memory "
+                                f"area ({max(room, 0)} bytes free beyond the reserve)",
+                                step=step, host=self.host, path=str(self.area))
+        self._remove_stale_replies()
         loader = ShardLoader(step, self.config.root)
-        regions = [loader.read(t) for t in tasks]
-        offsets, total = transfer.layout_regions([r.nbytes for r in regions])
+        itemsizes = [numpy_dtype(t.dtype).itemsize for t in tasks]
+        offsets, total = transfer.layout_regions(
+            [math.prod(t.shape) * k for t, k in zip(tasks, itemsizes, strict=True)])
         path = transfer.new_reply_file(self.area)
         # write(2) into fresh tmpfs pages is about twice as fast here as storing
-        # through a new mapping (the kernel allocates and copies in one pass).
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # through a new mapping (the kernel allocates and copies in one pass). One
+        # region at a time: this process holds at most one assembled region.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, total)
-            for r, off in zip(regions, offsets, strict=True):
-                view = np.ascontiguousarray(r).reshape(-1).view(np.uint8).data
+            for t, off in zip(tasks, offsets, strict=True):
+                view = np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8).data
                 done = 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done:], off + done)
+                del view
+        except BaseException:
+            os.unlink(path)  # nobody will be told its name
+            raise
         finally:
             os.close(fd)
         return {"file": path.name, "size": total, "offsets": offsets}
+
+    def _remove_stale_replies(self) -> None:
+        """Reply files nobody took within REPLY_TTL_S (the trainer maps and unlinks
+        its own at once): a caller that never does must not fill the area."""
+        now = time.time()
+        for name in os.listdir(self.area):
+            if name.startswith("reply-"):
+                try:
+                    if now - os.lstat(self.area / name).st_mtime > REPLY_TTL_S:
+                        os.unlink(self.area / name)
+                except FileNotFoundError:
+                    pass
 
     def execute(self, message: bytes) -> bytes:
         """A colocated-Python call (the ``Execute`` method): see :mod:`.colocated`."""

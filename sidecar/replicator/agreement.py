@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -27,6 +28,7 @@ from typing import Generic, TypeVar
 
 from mtc import layout
 from mtc.errors import AgreementError, ConfigError
+from mtc.validate import MAX_EPOCH, MAX_STEP
 
 log = logging.getLogger("mtc.sidecar.replicator.agreement")
 T = TypeVar("T")
@@ -245,8 +247,12 @@ class Book:
         number is past every epoch this book or any member knows, so a wiped
         coordinator never reuses one."""
         with self._lock:
-            newest = max([r.epoch for r in self.records[-1:]] + [d.epoch for d in reported],
-                         default=0)
+            # An epoch out of range (a member's report that was never checked) counts
+            # for nothing: recorded, it would make every later record unwritable.
+            newest = max([r.epoch for r in self.records[-1:]] +
+                         [d.epoch for d in reported if 0 <= d.epoch < MAX_EPOCH], default=0)
+            if not 0 <= step <= MAX_STEP and step != -1:
+                raise AgreementError(f"refusing to record step {step}: out of range")
             rec = EpochRecord(newest + 1, step, now, frozenset(rids), tuple(members), run,
                               lost)
             self.records = [*self.records, rec][-KEEP_RECORDS:]
@@ -263,17 +269,37 @@ class Book:
 
 
 def _load(path: Path) -> list[EpochRecord]:
+    """The records kept at ``path``. A record out of range (an epoch near 2^63 that a
+    member once reported) is dropped; a file that cannot be read at all is moved
+    aside (``<name>.corrupt-<ns>``, kept for inspection) and the book starts empty:
+    its epoch numbers then continue past every one the members report, and a
+    restore whose record is gone is decided again, by every member, as a new one."""
     try:
         data = json.loads(path.read_text())
-        return [EpochRecord(int(d["epoch"]), int(d["step"]), float(d["decided_at"]),
-                            frozenset(map(str, d["rids"])),
-                            tuple(int(m) for m in d.get("members", ())),
-                            str(d.get("run", "")), str(d.get("lost", ""))) for d in data]
+        if not isinstance(data, list):
+            raise ValueError("not a list of records")
     except FileNotFoundError:
         return []
-    except (ValueError, KeyError, TypeError) as e:
-        # Never guess a record: a restore reading it again must get what was decided.
-        raise AgreementError(f"unreadable agreement records {path}: {e}") from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        aside = path.with_name(f"{path.name}.corrupt-{time.time_ns()}")
+        os.replace(path, aside)
+        log.error("agreement records %s are unreadable (%s); moved to %s, starting anew",
+                  path, e, aside.name)
+        return []
+    out = []
+    for d in data:
+        try:
+            rec = EpochRecord(int(d["epoch"]), int(d["step"]), float(d["decided_at"]),
+                              frozenset(map(str, d["rids"])),
+                              tuple(int(m) for m in d.get("members", ())),
+                              str(d.get("run", "")), str(d.get("lost", "")))
+            if not (0 < rec.epoch <= MAX_EPOCH and -1 <= rec.step <= MAX_STEP):
+                raise ValueError(f"epoch {rec.epoch} step {rec.step} out of range")
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+            log.error("dropping an agreement record of %s: %s", path, e)
+            continue
+        out.append(rec)
+    return out
 
 
 # -- the decider ----------------------------------------------------------------------

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import grpc
 
@@ -15,7 +17,8 @@ from mtc.errors import CorruptShardError, MtcError, RetryableError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.confine import open_beneath
+from mtc.sidecar.replicator.security import Credentials, TlsWatch, rank_name
 from mtc.sidecar.replicator.status import TRANSIENT, error_class, where_of
 from mtc.sidecar.replicator.store import CHUNK, FileMeta
 
@@ -65,34 +68,98 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
+def _open_own(path: Path) -> BinaryIO:
+    """A file of this host's own copy, to send: never through a symlink planted there."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb",
+                     buffering=0)
+
+
+def _create(dest: Path) -> BinaryIO:
+    """A file fetched into a restore's folder: a symlink in its place is not followed."""
+    return os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o644), "wb", buffering=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Channel:
+    """One channel to the peer and the calls made on it."""
+
+    channel: grpc.Channel
+    stub: pb_grpc.ReplicatorStub
+    push: Any
+    fetch: Any
+
+
 class PeerClient:
-    """One peer's replicator, reached at ``address``."""
+    """One peer's replicator, reached at ``address``. With mutual TLS, a change of
+    the certificate files (a rotation) makes a new channel for the calls after it;
+    calls in flight finish on the old one, closed with the client. With ``as_peer``
+    (a replicator calling another) and mutual TLS, the server's certificate must
+    name ``rank``: what it answers (an inventory, a file) is rank ``rank``'s, not
+    whoever's answers at its address."""
 
     def __init__(self, address: str, creds: Credentials, *, rank: int,
-                 deadline_s: float = 10.0) -> None:
+                 deadline_s: float = 10.0, as_peer: bool = False) -> None:
         self.address = address
         self.rank = rank
         self.deadline_s = deadline_s
         self._metadata = creds.call_metadata()
-        self._cc = creds.channel_credentials()
-        self.channel = self._new_channel()
-        self.stub = pb_grpc.ReplicatorStub(self.channel)
-        self._push = self.channel.stream_unary(PUSH, request_serializer=_identity,
-                                               response_deserializer=pb.PushAck.FromString)
-        self._fetch = self.channel.unary_stream(FETCH,
-                                                request_serializer=pb.FetchRequest.SerializeToString,
-                                                response_deserializer=_identity)
+        self._tls = TlsWatch(creds)
+        self._options = list(CHANNEL_OPTIONS)
+        if as_peer and creds.tls:
+            self._options.append(("grpc.ssl_target_name_override", rank_name(rank)))
+        self._lock = threading.Lock()
+        self._retired: list[grpc.Channel] = []
+        self._now = self._open()
+
+    def _open(self) -> _Channel:
+        channel = self._new_channel()
+        return _Channel(channel, pb_grpc.ReplicatorStub(channel),
+                        channel.stream_unary(PUSH, request_serializer=_identity,
+                                             response_deserializer=pb.PushAck.FromString),
+                        channel.unary_stream(FETCH,
+                                             request_serializer=pb.FetchRequest.SerializeToString,
+                                             response_deserializer=_identity))
+
+    def _current(self) -> _Channel:
+        if self._tls.renewed() is not None:
+            with self._lock:
+                self._retired.append(self._now.channel)
+                self._now = self._open()
+        return self._now
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._current().channel
+
+    @property
+    def stub(self) -> pb_grpc.ReplicatorStub:
+        return self._current().stub
 
     def _new_channel(self, *, own_connection: bool = False) -> grpc.Channel:
-        # gRPC shares connections among a process's channels to one address: a
-        # channel of its own connection does not inherit the shared one's backoff.
-        opts = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if own_connection \
-            else CHANNEL_OPTIONS
-        return (grpc.secure_channel(self.address, self._cc, options=opts)
-                if self._cc else grpc.insecure_channel(self.address, options=opts))
+        """A channel with the current certificate files' credentials. gRPC shares
+        connections among a process's channels to one address: a channel of its
+        own connection does not inherit the shared one's backoff."""
+        cc = self._tls.credentials
+        opts = [*self._options, ("grpc.use_local_subchannel_pool", 1)] if own_connection \
+            else self._options
+        return (grpc.secure_channel(self.address, cc, options=opts)
+                if cc else grpc.insecure_channel(self.address, options=opts))
+
+    def _stream(self, chunks: Iterator[bytes], deadline_s: float,
+                 metadata: list[tuple[str, str]]) -> pb.PushAck:
+        return self._current().push(chunks, timeout=deadline_s, metadata=metadata)
+
+    def _fetch(self, req: pb.FetchRequest, deadline_s: float) -> Iterator[bytes]:
+        return self._current().fetch(req, timeout=deadline_s,
+                                     metadata=self._metadata)
 
     def close(self) -> None:
-        self.channel.close()
+        with self._lock:
+            channels = [*self._retired, self._now.channel]
+            self._retired.clear()
+        for c in channels:
+            c.close()
 
     def call(self, name: str, request: Any, *, deadline_s: float | None = None,
              attempts: int = 3, known_up: bool = False) -> Any:
@@ -104,6 +171,7 @@ class PeerClient:
         backoff after its return, every call failing fast meanwhile). One connection
         more per call: for rare calls (a restore's agreement)."""
         if known_up:
+            self._current()  # credentials renewed first, if the files changed
             channel = self._new_channel(own_connection=True)
             try:
                 once: Callable[..., Any] = getattr(pb_grpc.ReplicatorStub(channel), name)
@@ -154,7 +222,7 @@ class PeerClient:
         def chunks() -> Iterator[bytes]:
             value = 0
             bad[0] = False
-            with open(path, "rb", buffering=0) as f:
+            with _open_own(path) as f:
                 chunk = f.read(CHUNK)
                 while chunk:
                     value = crc32c(chunk, value)
@@ -168,7 +236,7 @@ class PeerClient:
         md = [*self._metadata, ("x-mtc-transfer", transfer_id), ("x-mtc-path", rel),
               ("x-mtc-size", str(size)), ("x-mtc-crc32c", str(crc))]
         try:
-            return self._retry(lambda: self._push(chunks(), timeout=deadline_s, metadata=md),
+            return self._retry(lambda: self._stream(chunks(), deadline_s, md),
                                f"push of {rel}", 2)
         except PeerError:
             if bad[0]:
@@ -190,7 +258,7 @@ class PeerClient:
             # again); the receiver splits the stream by the offered sizes anyway.
             bad.clear()
             for _, path, size, crc in files:
-                with open(path, "rb", buffering=0) as f:
+                with _open_own(path) as f:
                     data = f.read(size + 1)
                 if len(data) != size or crc32c(data) != crc:
                     bad.append(path)
@@ -201,7 +269,7 @@ class PeerClient:
         md = [*self._metadata, ("x-mtc-transfer", transfer_id),
               ("x-mtc-files", ",".join(str(i) for i, *_ in files))]
         try:
-            return self._retry(lambda: self._push(chunks(), timeout=deadline_s, metadata=md),
+            return self._retry(lambda: self._stream(chunks(), deadline_s, md),
                                f"push of {len(files)} files", 2)
         except PeerError:
             if bad:
@@ -211,13 +279,18 @@ class PeerClient:
 
     def fetch_file(self, step: int, origin: int, rel: str, dest: Path, size: int, crc: int,
                    *, deadline_s: float = 120.0) -> None:
-        """Download one file of a peer's copy into ``dest``, verifying size and CRC32C."""
+        """Download one file of a peer's copy into ``dest``, verifying size and CRC32C;
+        asked again, a few times, while the peer has no stream free for it."""
+        _while_busy(lambda: self._fetch_file(step, origin, rel, dest, size, crc, deadline_s))
+
+    def _fetch_file(self, step: int, origin: int, rel: str, dest: Path, size: int, crc: int,
+                    deadline_s: float) -> None:
         req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
         dest.parent.mkdir(parents=True, exist_ok=True)
         value = got = 0
         try:
-            with open(dest, "wb", buffering=0) as f:
-                for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
+            with _create(dest) as f:
+                for chunk in self._fetch(req, deadline_s):
                     got += len(chunk)
                     if got > size:
                         break
@@ -267,18 +340,19 @@ class PeerClient:
 
         def start() -> None:
             nonlocal out
-            path = dest / files[i].path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            out = open(path, "wb", buffering=0)
+            out = os.fdopen(open_beneath(dest, files[i].path,
+                                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC, makedirs=True),
+                            "wb", buffering=0)
 
         try:
+            dest.mkdir(parents=True, exist_ok=True)
             start()
             while i < len(files) and files[i].size == 0:  # nothing of theirs is sent
                 if (err := finish()) is not None:
                     return done, err
                 if i < len(files):
                     start()
-            for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
+            for chunk in self._fetch(req, deadline_s):
                 if i >= len(files) or got + len(chunk) > files[i].size:
                     return done, CorruptShardError(
                         f"rank {self.rank} sent more than the files' sizes", step=step,
@@ -310,13 +384,18 @@ class PeerClient:
     def fetch_bytes(self, step: int, origin: int, rel: str, size: int, crc: int,
                     *, deadline_s: float = 120.0) -> bytearray:
         """One file of a copy this peer holds, into memory, verified against the size
-        and CRC32C its inventory gave (a restore reading another host's region)."""
+        and CRC32C its inventory gave (a restore reading another host's region);
+        asked again, a few times, while the peer has no stream free for it."""
+        return _while_busy(lambda: self._fetch_bytes(step, origin, rel, size, crc, deadline_s))
+
+    def _fetch_bytes(self, step: int, origin: int, rel: str, size: int, crc: int,
+                     deadline_s: float) -> bytearray:
         req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
         out = bytearray(size)  # filled in place: no growing, no join
         view = memoryview(out)
         got = value = 0
         try:
-            for chunk in self._fetch(req, timeout=deadline_s, metadata=self._metadata):
+            for chunk in self._fetch(req, deadline_s):
                 if got + len(chunk) > size:
                     got += len(chunk)
                     break
@@ -336,3 +415,22 @@ class PeerClient:
                 f"{value:#010x}, expected {size} bytes crc32c {crc:#010x}", step=step,
                 host=origin, path=rel)
         return out
+
+
+BUSY_ATTEMPTS = 6  # about 6 s of backoff in all
+
+
+def _while_busy(fn: Callable[[], T]) -> T:
+    """``fn()``, called again with backoff while the peer answers RESOURCE_EXHAUSTED
+    (all its streams taken, for now): a restore's fetch waits for a free stream
+    rather than fail over to another holder at once."""
+    delay = 0.2
+    for attempt in range(BUSY_ATTEMPTS):
+        try:
+            return fn()
+        except PeerError as e:
+            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == BUSY_ATTEMPTS - 1:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+    raise AssertionError("unreachable")

@@ -14,6 +14,8 @@ from typing import Any
 
 import grpc
 
+_HEALTH = "/grpc.health.v1.Health/"
+
 
 class _Malformed:
     def __init__(self, error: Exception) -> None:
@@ -31,6 +33,10 @@ class DecodeGuard(grpc.ServerInterceptor):
         h = continuation(handler_call_details)
         if h is None or h.request_deserializer is None or h.request_streaming:
             return h  # raw-bytes handlers decode nothing; streams of protobufs: none here
+        if getattr(handler_call_details, "method", "").startswith(_HEALTH):
+            # Untouched: rewrapped, Watch would lose its non-blocking mark and hold a
+            # server thread for as long as a caller keeps it open.
+            return h
         decode = h.request_deserializer
 
         def tolerant(data: bytes) -> Any:

@@ -55,7 +55,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtc import layout
 from mtc.errors import ConfigError, MtcError
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.security import Credentials, TlsWatch
 
 log = logging.getLogger("mtc.replicator.k8s")
 
@@ -191,11 +191,11 @@ class HealthMirror:
         self.target = target
         self.poll_s = poll_s
         self.timeout_s = timeout_s
-        cc = creds.channel_credentials()
-        options = [("grpc.ssl_target_name_override", tls_name)] if cc and tls_name else []
-        self._channel = (grpc.secure_channel(target, cc, options=options) if cc
-                         else grpc.insecure_channel(target))
-        self._stub = health_pb2_grpc.HealthStub(self._channel)
+        self._tls_name = tls_name
+        # A certificate rotation makes a new channel (the replicator serves the new
+        # files to new connections; see security.py).
+        self._tls = TlsWatch(creds)
+        self._channel, self._stub = self._connect(self._tls.credentials)
         self.servicer = health.HealthServicer()
         for s in SERVICES:
             self.servicer.set(s, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -203,8 +203,21 @@ class HealthMirror:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _connect(self, cc: grpc.ChannelCredentials | None
+                 ) -> tuple[grpc.Channel, health_pb2_grpc.HealthStub]:
+        options = ([("grpc.ssl_target_name_override", self._tls_name)]
+                   if cc and self._tls_name else [])
+        channel = (grpc.secure_channel(self.target, cc, options=options) if cc
+                   else grpc.insecure_channel(self.target))
+        return channel, health_pb2_grpc.HealthStub(channel)
+
     def poll_once(self) -> dict[str, int]:
         """Ask the replicator for each service's status and mirror it."""
+        cc = self._tls.renewed()
+        if cc is not None:
+            old = self._channel
+            self._channel, self._stub = self._connect(cc)
+            old.close()
         statuses = {}
         for s in SERVICES:
             try:

@@ -24,6 +24,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import orbax
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.limits import Limits
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import check_peers
@@ -91,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "copies, checks and backups yield to the trainer's input pipeline "
                         "and dispatch, and run in the gaps (a restore, when training waits "
                         "for it, is not held back)")
+    p.add_argument("--stream-grace-seconds", type=float, default=Limits.grace_s,
+                   help="a push or fetch stream's first seconds, after which it must keep "
+                        f"up --stream-min-rate or be ended (default {Limits.grace_s:.0f})")
+    p.add_argument("--stream-min-rate", type=float, default=Limits.min_rate,
+                   help="bytes a second a stream averages once its grace is over (default "
+                        f"{Limits.min_rate:.0f})")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -147,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                                   replication_warn_s=args.replication_warn_seconds)
         creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                        args.tls_ca)
+        creds.check_names_rank(rank)  # with mutual TLS: peers take us for this rank only
         backup = None
         if args.backup:
             from mtc.sidecar.backup.backend import open_backend
@@ -166,10 +174,15 @@ def main(argv: list[str] | None = None) -> int:
                 keep_every=args.backup_keep_every))
         _keep_heap()
         node = Node(config, root, creds, backup)
+        if backup is not None:
+            node.metrics.backup_interval.set(60 * (backup.policy.interval_minutes or 0))
         # Every member's Decide waits on a server thread of the coordinator until the
-        # epoch forms: one thread per member, plus the usual 32.
+        # epoch forms: two threads per member (an ask and its re-issue), plus 32.
+        if not (args.stream_grace_seconds > 0 and args.stream_min_rate > 0):
+            raise ConfigError("--stream-grace-seconds and --stream-min-rate must be positive")
         server, port, servicer, health_servicer = serve(
-            node, args.listen, creds, workers=32 + len(nodes))
+            node, args.listen, creds, workers=32 + 2 * len(nodes),
+            limits=Limits(grace_s=args.stream_grace_seconds, min_rate=args.stream_min_rate))
     except (MtcError, OSError, ValueError) as e:
         print(f"mtc-replicator: {e}", file=sys.stderr)
         if framework == "orbax" or request is not None:
@@ -235,6 +248,7 @@ def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
         node.stop()
         client_q.put(None)
         server.stop(grace=5).wait()  # no new calls; the ones in flight finish
+        servicer.close()
         for t in threads:
             t.join()
         node.close()

@@ -41,6 +41,16 @@ class Metrics:
         self.config_mismatch = Gauge("mtc_config_mismatch",
                                      "1 when this node's --nodes, --rank or --nodes-per-slice "
                                      "disagree with a peer's", registry=r)
+        # For alerts on the backup's age (deploy/components/monitoring-*): only the
+        # backup leader commits backups, so the job's newest is the maximum over nodes.
+        self.backup_committed = Gauge(
+            "mtc_backup_last_success_timestamp_seconds",
+            "Unix time this node, leading, last committed a backup (0: none since it started)",
+            registry=r)
+        self.backup_interval = Gauge(
+            "mtc_backup_interval_seconds",
+            "The time between backups this node was given (0: by steps only, or no backup)",
+            registry=r)
         self.stalled = Gauge("mtc_loop_stalled",
                              "1 while the replication loop has not passed for too long",
                              registry=r)

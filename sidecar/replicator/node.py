@@ -39,6 +39,7 @@ from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.duties import BackupDuties
 from mtc.sidecar.backup.schedule import BackupScheduler
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agreement import (
     BOOK_NAME,
     Book,
@@ -78,7 +79,8 @@ class Node(BackupDuties, RestoreDuties):
         self.store = LocalStore(root, config.rank)
         self.metrics = Metrics()
         self.store.on_quarantine = self.metrics.quarantined.inc
-        self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s)
+        self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s,
+                                    as_peer=True)
                       for r, a in enumerate(config.nodes) if r != config.rank}
         self.replicated: dict[int, set[int]] = defaultdict(set)
         # The fingerprint of each own step when ``replicated`` learnt its targets: a
@@ -464,10 +466,15 @@ class Node(BackupDuties, RestoreDuties):
                                                 deadline_s=left, attempts=1, known_up=known_up)
         for r, fut in futs.items():
             try:
-                out[r] = fut.result()
+                # Checked whole before anything in it is stored or acted on.
+                out[r] = checks.inventory(fut.result(), rank=r,
+                                          num_nodes=self.config.num_nodes)
             except PeerError as e:
                 self.metrics.skipped.labels("inventory_unanswered").inc()
                 log.debug("rank %d: no inventory from rank %d: %s", self.rank, r, e)
+            except MtcError as e:
+                self.metrics.skipped.labels("inventory_refused").inc()
+                log.warning("rank %d: refused the inventory of rank %d: %s", self.rank, r, e)
         return out
 
     def _gather_holdings(self, ranks: Sequence[int], deadline: float, *,
@@ -533,8 +540,8 @@ class Node(BackupDuties, RestoreDuties):
                     req = pb.DecideRequest(rank=self.rank, restore_id=rid,
                                            timeout_seconds=max(0.1, left - 1.0),
                                            members=group)
-                    d = self.peers[c].call("Decide", req, deadline_s=max(0.1, left),
-                                           attempts=1).decision
+                    d = checks.decision(self.peers[c].call(
+                        "Decide", req, deadline_s=max(0.1, left), attempts=1).decision, host=c)
                     break
                 except PeerError as e:
                     if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \

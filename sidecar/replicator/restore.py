@@ -5,6 +5,7 @@ answer Orbax's client with the restore marker. Every byte is verified on arrival
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -17,7 +18,7 @@ from mtc import layout
 from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.agreement import saving_ranks
-from mtc.sidecar.replicator.store import FileMeta, copy_verified
+from mtc.sidecar.replicator.store import FileMeta, copy_verified, inside
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.schedule import BackupScheduler
@@ -70,11 +71,12 @@ class RestoreDuties:
 
         decision, invs = self.agree()
         step, run = decision.step, decision.run
+        for name in os.listdir(self.store.root):  # a client's renamed markers: links
+            if layout.step_of_name(name) is not None and \
+                    os.path.islink(self.store.root / name):
+                (self.store.root / name).unlink()
         for s in self.store.own_steps():
-            if (self.store.root / str(s)).is_symlink():
-                (self.store.root / str(s)).unlink()
-            else:
-                self.store.adopt_own(s)
+            self.store.adopt_own(s)
         if step < 0:
             orbax.write_marker(self.store.root, job, 0, self.rank, None)
             return -1
@@ -272,7 +274,7 @@ class RestoreDuties:
     def _fetch(self, sources: list[tuple[int, int]], step: int, f: FileMeta, tmp: Path) -> str:
         """One file from ``sources`` (``(holder, origin)``, in order), then the backup."""
         errors: list[str] = []
-        dest = tmp / f.path
+        dest = inside(tmp, f.path)  # a holder's path: checked before anything is written
         dest.parent.mkdir(parents=True, exist_ok=True)
         for holder, origin in sources:
             try:

@@ -1,6 +1,19 @@
 """Peer authentication: mutual TLS from certificate files, a shared token, or both.
 
-Without credentials a replicator serves loopback addresses only.
+Without credentials a replicator (and a host's sidecar) serves loopback addresses
+only. With mutual TLS each host's certificate names its replicator rank: a DNS
+subject alternative name ``mtc-rank-<r>`` (:func:`rank_name`). A server acts for
+a caller only as the rank its certificate names (a copy's origin, a ``Decide``'s
+rank); a certificate naming no rank (the controller's) may read and ask for
+restores, never act as a peer; and a replicator reaching peer ``r`` accepts only
+a server whose certificate names ``r``. A shared token names nobody: its holder
+may act as any rank (docs/security.md).
+
+Certificate files are read again when they change, so that a rotation (cert-manager
+renews the Secret, the kubelet swaps the mounted files) needs no restart: a server
+hands gRPC the current files on every new connection (:meth:`Credentials.server_credentials`),
+and a client makes a new channel once it sees them change (:class:`TlsWatch`).
+Connections already open keep the certificates they were made with.
 """
 
 from __future__ import annotations
@@ -8,15 +21,26 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
-from collections.abc import Callable
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from mtc.errors import ConfigError
+from mtc.errors import ConfigError, UnauthorizedError
+
+log = logging.getLogger(__name__)
+CERT_CHECK_S = 1.0  # how often a client looks at the certificate files (one stat each)
+# The three files as one version: (inode, size, mtime) of each. The kubelet replaces a
+# Secret's files by swapping a symlink, so all three change together.
+Stamp = tuple[tuple[int, int, int], ...]
 
 TOKEN_HEADER = "x-mtc-token"
+RANK_PREFIX = "mtc-rank-"
 # Unauthenticated on purpose: Kubernetes probes carry no credentials.
 OPEN_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
@@ -50,28 +74,233 @@ class Credentials:
         return cls(token, Path(cert) if cert else None, Path(key) if key else None,
                    Path(ca) if ca else None)
 
-    def server_credentials(self) -> grpc.ServerCredentials | None:
+    def _tls_paths(self) -> tuple[Path, Path, Path]:
+        assert self.tls_cert and self.tls_key and self.tls_ca
+        return self.tls_cert, self.tls_key, self.tls_ca
+
+    def tls_stamp(self) -> Stamp | None:
+        """The version of the certificate files on disk (None without TLS)."""
         if not self.tls:
             return None
-        assert self.tls_cert and self.tls_key and self.tls_ca
-        return grpc.ssl_server_credentials(
-            [(self.tls_key.read_bytes(), self.tls_cert.read_bytes())],
-            root_certificates=self.tls_ca.read_bytes(), require_client_auth=True)
+        out = []
+        for p in self._tls_paths():
+            st = os.stat(p)
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(out)
+
+    def read_tls(self) -> tuple[Stamp, bytes, bytes, bytes]:
+        """(version, certificate chain, key, CA) read as one version: files that
+        change while they are read (a rotation under way) are read again."""
+        cert, key, ca = self._tls_paths()
+        for _ in range(5):
+            before = self.tls_stamp()
+            data = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
+            after = self.tls_stamp()
+            if before == after and after is not None:
+                if not all(b"-----BEGIN" in d for d in data):
+                    raise ConfigError(f"{cert}, {key} or {ca} holds no PEM block")
+                return (after, *data)
+            time.sleep(0.05)
+        raise ConfigError(f"{cert}, {key} and {ca} kept changing while read")
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """Mutual TLS from the certificate files as they are when each connection
+        starts (see the module's doc); None without TLS."""
+        if not self.tls:
+            return None
+        certs = ServerCertificates(self)
+        return grpc.dynamic_ssl_server_credentials(
+            certs.initial, certs.fetch, require_client_authentication=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """Channel credentials from the certificate files as they are now; a channel
+        keeps them (make a new channel when :class:`TlsWatch` says they changed)."""
         if not self.tls:
             return None
-        assert self.tls_cert and self.tls_key and self.tls_ca
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.tls_ca.read_bytes(),
-            private_key=self.tls_key.read_bytes(),
-            certificate_chain=self.tls_cert.read_bytes())
+        _, cert, key, ca = self.read_tls()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
 
     def call_metadata(self) -> list[tuple[str, str]]:
         return [(TOKEN_HEADER, self.token)] if self.token else []
 
+    def own_ranks(self) -> set[int]:
+        """The ranks this process's certificate names (none without TLS)."""
+        if not self.tls:
+            return set()
+        assert self.tls_cert is not None
+        from cryptography import x509  # google-auth's dependency, always installed
+
+        try:
+            cert = x509.load_pem_x509_certificate(self.tls_cert.read_bytes())
+            names = cert.extensions.get_extension_for_class(
+                x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        except x509.ExtensionNotFound:
+            names = []
+        except ValueError as e:
+            raise ConfigError(f"unreadable certificate {self.tls_cert}: {e}") from e
+        return ranks_named(names)
+
+    def check_names_rank(self, rank: int) -> None:
+        """With mutual TLS, this replicator's certificate must name its rank and no
+        other: peers accept its copies and its answers only as that rank's."""
+        if not self.tls:
+            return
+        named = self.own_ranks()
+        if named != {rank}:
+            raise ConfigError(
+                f"certificate {self.tls_cert} names rank(s) {sorted(named) or 'none'}, this "
+                f"replicator is rank {rank}: give each host a certificate with the DNS name "
+                f"{rank_name(rank)} (docs/security.md)")
+
+
+def rank_name(rank: int) -> str:
+    """The DNS subject alternative name that makes a certificate rank ``rank``'s."""
+    return f"{RANK_PREFIX}{rank}"
+
+
+def ranks_named(names: Iterable[str | bytes]) -> set[int]:
+    """The ranks a certificate's DNS names name."""
+    out = set()
+    for n in names:
+        text = n.decode(errors="replace") if isinstance(n, bytes) else n
+        digits = text[len(RANK_PREFIX):]
+        if text.startswith(RANK_PREFIX) and digits.isascii() and digits.isdigit() \
+                and len(digits) < 10:
+            out.add(int(digits))
+    return out
+
+
+def caller_rank(context: grpc.ServicerContext) -> int | None:
+    """The one rank the caller's certificate names; None when it names none, several,
+    or the call came without TLS."""
+    try:
+        auth = context.auth_context() or {}
+    except (AttributeError, ValueError):
+        return None
+    ranks = ranks_named(auth.get("peer_dns", ()))
+    return next(iter(ranks)) if len(ranks) == 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who a server lets act for which rank: with mutual TLS (``tls``), only the rank
+    the caller's certificate names; with a token alone, anyone holding it."""
+
+    tls: bool
+
+    def require(self, context: grpc.ServicerContext, rank: int, what: str) -> None:
+        """Refuse (:class:`UnauthorizedError`) a caller acting for ``rank`` unless it is."""
+        if not self.tls:
+            return
+        got = caller_rank(context)
+        if got != rank:
+            raise UnauthorizedError(f"{what} for rank {rank} from a caller whose certificate "
+                                    f"names {'rank ' + str(got) if got is not None else 'no rank'}")
+
+    def require_peer(self, context: grpc.ServicerContext, what: str) -> int | None:
+        """The caller's rank; with TLS, refuse one whose certificate names none."""
+        got = caller_rank(context)
+        if self.tls and got is None:
+            raise UnauthorizedError(f"{what}: only a peer replicator may call (its certificate "
+                                    f"names no rank)")
+        return got
+
+
+class ServerCertificates:
+    """A server's certificate configuration, read again when the files change: gRPC
+    asks :meth:`fetch` before every new connection's handshake (on its own threads)."""
+
+    def __init__(self, creds: Credentials) -> None:
+        self._creds = creds
+        self._lock = threading.Lock()
+        self._stamp, config = self._read()
+        self._refused: Stamp | None = None  # files found bad: not read again, nor logged
+        self.initial = config
+        self.reloads = 0
+
+    def _read(self) -> tuple[Stamp, grpc.ServerCertificateConfiguration]:
+        stamp, cert, key, ca = self._creds.read_tls()
+        return stamp, grpc.ssl_server_certificate_configuration([(key, cert)],
+                                                                root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """The new configuration when the files changed since the last one, else None
+        (gRPC keeps the current one). Never raises: a file missing or unreadable
+        mid-rotation leaves the current certificates in use, and is tried again at
+        the next connection."""
+        try:
+            with self._lock:
+                now = self._creds.tls_stamp()
+                if now in (self._stamp, self._refused):
+                    return None
+                try:
+                    stamp, config = self._read()
+                except ConfigError:
+                    self._refused = now
+                    raise
+                self._stamp = stamp
+                self.reloads += 1
+            log.info("TLS certificate files changed (%s): new connections use them",
+                     self._creds.tls_cert)
+            return config
+        except (OSError, ConfigError) as e:
+            log.warning("TLS certificate files not reloaded, the current ones stay: %s", e)
+            return None
+
+
+class TlsWatch:
+    """A client's channel credentials, made again when its certificate files change
+    (looked at with one ``stat`` per file, at most every :data:`CERT_CHECK_S`
+    seconds). Thread-safe."""
+
+    def __init__(self, creds: Credentials, *, check_s: float = CERT_CHECK_S) -> None:
+        self._creds = creds
+        self._check_s = check_s
+        self._lock = threading.Lock()
+        self._stamp: Stamp | None = None
+        self._refused: Stamp | None = None  # files found bad: not read again, nor logged
+        self.credentials: grpc.ChannelCredentials | None = None
+        if creds.tls:
+            self._stamp, cert, key, ca = creds.read_tls()
+            self.credentials = grpc.ssl_channel_credentials(
+                root_certificates=ca, private_key=key, certificate_chain=cert)
+        self._next = time.monotonic() + check_s
+
+    def renewed(self) -> grpc.ChannelCredentials | None:
+        """New credentials when the files changed since :attr:`credentials` were made
+        (they become :attr:`credentials`), else None. Files unreadable mid-rotation
+        leave the current credentials, and are looked at again later."""
+        if not self._creds.tls:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                return None
+            self._next = now + self._check_s
+            try:
+                current = self._creds.tls_stamp()
+                if current in (self._stamp, self._refused):
+                    return None
+                try:
+                    stamp, cert, key, ca = self._creds.read_tls()
+                except ConfigError:
+                    self._refused = current
+                    raise
+            except (OSError, ConfigError) as e:
+                log.warning("TLS certificate files not reloaded, the current ones stay: %s",
+                            e)
+                return None
+            self._stamp = stamp
+            self.credentials = grpc.ssl_channel_credentials(
+                root_certificates=ca, private_key=key, certificate_chain=cert)
+            return self.credentials
+
 
 def is_loopback(listen: str) -> bool:
+    """Whether ``listen`` is reachable only from this machine (loopback, a unix socket)."""
+    if listen.startswith("unix:") or listen.startswith("unix-abstract:"):
+        return True
     host = listen.rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True

@@ -2,6 +2,13 @@
 
 Domain errors become status codes in one place (:func:`_status`). Shard bytes use
 raw-bytes handlers (no protobuf copy); control messages are protobuf.
+
+Everything a request names is checked on arrival (:mod:`.checks`); who may act for
+which rank is :class:`~mtc.sidecar.replicator.security.Identity`'s; how many
+streams a caller holds, and for how long, :mod:`.limits`'. An incoming copy is
+one open transfer per origin rank: a new offer from the same origin (a retry, a
+replay) replaces the one it had open, and every open transfer together is sized
+against the RAM disk's free space.
 """
 
 from __future__ import annotations
@@ -9,10 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import shutil
-import threading
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -22,13 +27,27 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mtc.errors import ConfigError, CorruptShardError, MtcError, StepNotFoundError
+from mtc import layout
+from mtc.errors import (
+    ConfigError,
+    CorruptShardError,
+    MtcError,
+    StepNotFoundError,
+)
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, MAX_MESSAGE, PUSH
+from mtc.sidecar.confine import open_beneath
+from mtc.sidecar.replicator import checks
+from mtc.sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, PUSH
 from mtc.sidecar.replicator.decode_guard import DecodeGuard
-from mtc.sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
+from mtc.sidecar.replicator.limits import BoundedHealth, Gate, Limits, Streams, peer_of
+from mtc.sidecar.replicator.security import (
+    Credentials,
+    Identity,
+    TokenInterceptor,
+    check_listen_address,
+)
 from mtc.sidecar.replicator.status import to_status, wire_error
 from mtc.sidecar.replicator.store import (
     CHUNK,
@@ -37,24 +56,31 @@ from mtc.sidecar.replicator.store import (
     inside,
     safe_relpath,
 )
+from mtc.sidecar.replicator.transfers import Transfer, Transfers
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.node import Node
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
-MAX_FILES = 1_000_000
 TRANSFER_IDLE_S = 300.0
 MAX_RESTORE_TIMEOUT_S = 24 * 3600.0
+# A request's bytes: data chunks are 4 MiB (a few small files together, at most
+# 1 MiB each), an offer of MAX_FILES files a few MiB.
+MAX_REQUEST = 16 << 20
+# Free space an incoming copy leaves on the RAM disk beyond its own bytes.
+DISK_RESERVE = 64 << 20
 
 
 def _status(e: BaseException, context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
-    """Through the one map (``status.py``); an unmapped error is a bug: logged. The
-    error's step, host and file go in the trailing metadata (``wire_error``)."""
+    """Through the one map (``status.py``); an unmapped error is a bug: logged, and
+    answered without its message (which may name this server's own folders). A
+    mapped error's step, host and file go in the trailing metadata (``wire_error``),
+    its message bare."""
     code = to_status(e)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in a replicator call", exc_info=e)
-        return code, f"{type(e).__name__}: {e}"
+        return code, f"internal error ({type(e).__name__}; the replicator's log has it)"
     message, where = wire_error(e)
     context.set_trailing_metadata(where)
     return code, message
@@ -72,49 +98,39 @@ def mapped(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class Transfer:
-    """An incoming copy: its temporary folder, expected files and verified ones."""
-
-    def __init__(self, origin: int, step: int, tmp: Path, files: list[FileMeta],
-                 fences: int = 0) -> None:
-        self.origin = origin
-        self.step = step
-        self.fences = fences  # the store's fences when offered (LocalStore.fenced_since)
-        self.tmp = tmp
-        self.files = {f.path: f for f in files}
-        self.verified: set[str] = set()
-        self.candidates: dict[str, Path] = {}
-        self.touched = time.monotonic()
-        self.lock = threading.Lock()
-
-
 class ReplicatorServicer(pb_grpc.ReplicatorServicer):
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, identity: Identity | None = None,
+                 streams: Streams | None = None) -> None:
         self.node = node
-        self.transfers: dict[str, Transfer] = {}
-        self._lock = threading.Lock()
+        self.identity = identity or Identity(tls=False)
+        self.streams = streams or Streams()
+        # A rank's ask waits at the coordinator; a restarted replicator asks again
+        # before its old call ends. A few restores at once per replicator.
+        self.deciding = Gate(2, "Decide asks of this rank")
+        self.preparing = Gate(8, "restores")
+        self.transfers = Transfers(
+            lambda: layout.room(node.store.root, DISK_RESERVE),
+            max_files=checks.MAX_OPEN_FILES, idle_s=TRANSFER_IDLE_S)
 
-    def _transfer(self, tid: str) -> Transfer:
-        with self._lock:
-            t = self.transfers.get(tid)
+    def close(self) -> None:
+        """After the server stopped: the stream watchdog ends."""
+        self.streams.close()
+
+    def _transfer(self, tid: str, context: Any) -> Transfer:
+        """An open transfer, of this caller's (with TLS: the rank that offered it)."""
+        t = self.transfers.get(tid)
         if t is None:
-            raise KeyError(f"unknown transfer {tid!r}")
-        t.touched = time.monotonic()
+            raise KeyError(f"unknown transfer {tid[:64]!r}")
+        self.identity.require(context, t.origin, "a transfer")
         return t
 
     def expire_transfers(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            stale = [k for k, t in self.transfers.items() if now - t.touched > TRANSFER_IDLE_S]
-            dropped = [self.transfers.pop(k) for k in stale]
-        for t in dropped:
-            shutil.rmtree(t.tmp, ignore_errors=True)
+        dropped = self.transfers.expire()
         if dropped:
-            self.node.metrics.skipped.labels("transfer_expired").inc(len(dropped))
+            self.node.metrics.skipped.labels("transfer_expired").inc(dropped)
 
     def incoming(self) -> set[tuple[int, int]]:
-        with self._lock:
-            return {(t.origin, t.step) for t in self.transfers.values()}
+        return self.transfers.incoming()
 
     @mapped
     def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
@@ -127,34 +143,32 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def Offer(self, request: pb.OfferRequest, context: Any) -> pb.OfferReply:
-        c = request.copy
-        if not 0 <= c.origin_rank < self.node.config.num_nodes or c.origin_rank == self.node.rank:
-            raise ValueError(f"origin rank {c.origin_rank} is not a peer of rank {self.node.rank}")
-        if c.step < 0 or len(c.files) > MAX_FILES:
-            raise ValueError("bad step or too many files")
-        files = [FileMeta(safe_relpath(f.path), f.size, f.crc32c) for f in c.files]
-        if len({f.path for f in files}) != len(files):
-            raise ValueError("duplicate paths in offer")
+        origin, step, files = checks.offer(request.copy, rank=self.node.rank,
+                                           num_nodes=self.node.config.num_nodes)
+        self.identity.require_peer(context, "Offer")
+        self.identity.require(context, origin, "a copy")
         store = self.node.store
         fences = store.fences
         # Complete only when it is this very copy: a copy held of an older save under
         # the same number (saved again after a restore) is replaced at the commit.
-        if (c.origin_rank, c.step) in store.copies() and \
-                store.same_copy(c.origin_rank, c.step, files):
+        if (origin, step) in store.copies() and store.same_copy(origin, step, files):
             return pb.OfferReply(already_complete=True)
-        tmp = store.begin_incoming(c.origin_rank, c.step)
-        t = Transfer(c.origin_rank, c.step, tmp, files, fences)
-        reply = pb.OfferReply(transfer_id=uuid.uuid4().hex)
+        t = Transfer(origin, step, Path(), files, fences)
+        reply = pb.OfferReply()
         for path, local in store.find_identical(files).items():
             t.candidates[path] = local
             reply.candidates.add(path=path, sha256=store.sha256(local))
-        with self._lock:
-            self.transfers[reply.transfer_id] = t
+        t.tmp = store.begin_incoming(origin, step)
+        try:
+            reply.transfer_id = self.transfers.open(t)
+        except BaseException:
+            shutil.rmtree(t.tmp, ignore_errors=True)
+            raise
         return reply
 
     @mapped
     def Link(self, request: pb.LinkRequest, context: Any) -> pb.LinkReply:
-        t = self._transfer(request.transfer_id)
+        t = self._transfer(request.transfer_id, context)
         linked = []
         for rel in request.paths:
             src = t.candidates.get(rel)
@@ -179,39 +193,48 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:
-        t = self._transfer(request.transfer_id)
+        self._transfer(request.transfer_id, context)
+        t = self.transfers.take(request.transfer_id)  # one commit: a replayed one finds none
+        if t is None:
+            raise KeyError(f"unknown transfer {request.transfer_id[:64]!r}")
         missing = set(t.files) - t.verified
         if missing:
+            self.transfers.put_back(request.transfer_id, t)
             raise CorruptShardError(f"{len(missing)} files not received or not verified, e.g. "
                                     f"{sorted(missing)[0]}", step=t.step, host=t.origin)
         if self.node.store.fenced_since(t.fences, t.step):
-            with self._lock:
-                self.transfers.pop(request.transfer_id, None)
             shutil.rmtree(t.tmp, ignore_errors=True)
             raise StepNotFoundError("a restore of an older step was agreed while this copy "
                                     "was on its way: the step is fenced off", step=t.step,
                                     host=t.origin)
-        self.node.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()))
-        with self._lock:
-            self.transfers.pop(request.transfer_id, None)
+        try:
+            self.node.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()))
+        except BaseException:
+            shutil.rmtree(t.tmp, ignore_errors=True)
+            raise
         self.node.on_copy_received(t.origin, t.step)
         return pb.CommitReply(step=t.step, origin_rank=t.origin)
 
     @mapped
     def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
-        with self._lock:
-            t = self.transfers.pop(request.transfer_id, None)
+        t = self.transfers.get(request.transfer_id)
         if t is not None:
+            self.identity.require(context, t.origin, "Abort")
+            self.transfers.take(request.transfer_id)
             shutil.rmtree(t.tmp, ignore_errors=True)
         return pb.AbortReply()
 
     @mapped
     def Decide(self, request: pb.DecideRequest, context: Any) -> pb.DecideReply:
+        self.identity.require_peer(context, "Decide")
+        self.identity.require(context, request.rank, "Decide")
         timeout = min(_restore_timeout(request.timeout_seconds)
                       or self.node.config.agreement_timeout_s,
                       self.node.config.agreement_timeout_s * 10)
-        return pb.DecideReply(decision=self.node.decide_for(request.rank, request.restore_id,
-                                                            timeout, list(request.members)))
+        with self.deciding.enter(request.rank):
+            return pb.DecideReply(decision=self.node.decide_for(
+                request.rank, checks.restore_id(request.restore_id), timeout,
+                list(request.members)))
 
     @mapped
     def GetComplete(self, request: pb.CompleteRequest, context: Any) -> pb.CompleteReply:
@@ -223,8 +246,10 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: Any) -> pb.PrepareRestoreReply:
         t = _restore_timeout(request.timeout_seconds)
-        d, tier, seconds, pending = self.node.prepare_restore_as(
-            t or None, request.restore_id, list(request.members), background=request.background)
+        with self.preparing.enter(None):
+            d, tier, seconds, pending = self.node.prepare_restore_as(
+                t or None, checks.restore_id(request.restore_id), list(request.members),
+                background=request.background)
         return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch,
                                       pending=pending, run=d.run, lost=d.lost)
 
@@ -234,6 +259,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def BackupPart(self, request: pb.BackupPartRequest, context: Any) -> pb.BackupPartReply:
+        self.identity.require_peer(context, "BackupPart")  # the backup leader
+        checks.backup_part(request, num_nodes=self.node.config.num_nodes)
         return self.node.backup_part(request)
 
     # -- data plane: raw bytes --------------------------------------------------
@@ -241,20 +268,26 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushAck:
         try:
             md = dict(context.invocation_metadata())
-            t = self._transfer(str(md.get("x-mtc-transfer", "")))
+            t = self._transfer(str(md.get("x-mtc-transfer", "")), context)
             metas = self._pushed_files(t, md)
-            # Whatever was there no longer counts, and is unlinked rather than
-            # overwritten: a linked (deduplicated) file shares its bytes with a
-            # committed step of ours.
-            with t.lock:
-                t.verified.difference_update(m.path for m in metas)
-            got = self._receive(t, metas, chunks)
+            # A place among the streams, and a deadline and a minimum rate for this one.
+            with self.streams.open("push", peer_of(context), context,
+                                   sum(m.size for m in metas)) as stream:
+                # Whatever was there no longer counts, and is unlinked rather than
+                # overwritten: a linked (deduplicated) file shares its bytes with a
+                # committed step of ours.
+                with t.lock:
+                    t.verified.difference_update(m.path for m in metas)
+                got = self._receive(t, metas, _counted(chunks, stream))
             self.node.metrics.bytes_received.inc(got)
             return pb.PushAck(path=metas[0].path if len(metas) == 1 else "", size=got)
         except (MtcError, OSError, ValueError, KeyError) as e:
             code, msg = _status(e, context)
             context.abort(code, msg)
             raise AssertionError("unreachable") from e
+        except grpc.RpcError:  # cancelled (by the stream watchdog, or the caller)
+            context.abort(grpc.StatusCode.CANCELLED, "push cancelled")
+            raise AssertionError("unreachable") from None
 
     @staticmethod
     def _pushed_files(t: Transfer, md: dict[str, Any]) -> list[FileMeta]:
@@ -288,10 +321,12 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         total = 0
         for meta in metas:
             dst = inside(t.tmp, meta.path)
-            dst.parent.mkdir(parents=True, exist_ok=True)
             dst.unlink(missing_ok=True)
             value = got = 0
-            with open(dst, "xb", buffering=0) as f:
+            # Created new, part by part without following a symlink (O_EXCL, O_NOFOLLOW).
+            fd = open_beneath(t.tmp, meta.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                              makedirs=True)
+            with os.fdopen(fd, "wb", buffering=0) as f:
                 try:
                     while got < meta.size:
                         if not pending:
@@ -329,42 +364,55 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 req = pb.FetchRequest.FromString(request)
             except DecodeError as e:
                 raise ValueError(f"malformed FetchRequest: {e}") from e
-            rel = safe_relpath(req.path)
-            store = self.node.store
-            if req.more_paths:
-                # Several files of a held copy back to back, each checked as read.
-                rels = [rel, *(safe_relpath(p) for p in req.more_paths)]
-                if len(rels) > MAX_FILES or req.offset:
-                    raise ValueError("too many files, or an offset, in a fetch of several")
-                if (req.origin_rank, req.step) not in store.copies():
-                    raise StepNotFoundError("no complete copy here", step=req.step,
-                                            host=req.origin_rank)
-                for r in rels:
-                    yield from store.stream_verified(req.origin_rank, req.step, r)
-                return
-            staged = self.node.restoring.get(req.step)
-            if (req.origin_rank, req.step) in store.copies():
-                # Checked as it is read: a file that fails is quarantined, never sent whole.
-                yield from store.stream_verified(req.origin_rank, req.step, rel, req.offset)
-                return
-            if req.origin_rank == self.node.rank and staged and rel in staged[1]:
-                path = inside(staged[0], rel)  # verified, from a restore in progress
-            elif req.origin_rank == self.node.rank and staged:
-                raise StepNotFoundError("not read from the backup yet", step=req.step,
-                                        host=req.origin_rank, path=rel)
-            elif req.origin_rank == self.node.rank:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"rank {self.node.rank} is not restoring step {req.step}")
-            else:
-                raise StepNotFoundError("no complete copy here", step=req.step,
-                                        host=req.origin_rank)
-            with open(path, "rb", buffering=0) as f:
-                f.seek(req.offset)
-                while chunk := f.read(CHUNK):
+            origin, step, rels = checks.fetch(req, num_nodes=self.node.config.num_nodes)
+            with self.streams.open("fetch", peer_of(context), context,
+                                   self._fetch_size(origin, step, rels, req.offset)) as stream:
+                for chunk in self._fetch_chunks(req, origin, step, rels, context):
+                    stream.add(len(chunk))
                     yield chunk
         except (MtcError, OSError, ValueError, KeyError) as e:
             code, msg = _status(e, context)
             context.abort(code, msg)
+
+    def _fetch_size(self, origin: int, step: int, rels: list[str], offset: int) -> int:
+        """The bytes a fetch sends (its deadline), as far as they are known here."""
+        try:
+            sizes = {f.path: f.size for f in self.node.store.describe(origin, step)}
+        except (OSError, ValueError, MtcError):
+            return 0
+        return max(0, sum(sizes.get(r, 0) for r in rels) - offset)
+
+    def _fetch_chunks(self, req: pb.FetchRequest, origin: int, step: int, rels: list[str],
+                      context: grpc.ServicerContext) -> Iterator[bytes]:
+        store = self.node.store
+        if len(rels) > 1:
+            # Several files of a held copy back to back, each checked as read.
+            if (origin, step) not in store.copies():
+                raise StepNotFoundError("no complete copy here", step=step, host=origin)
+            for r in rels:
+                yield from store.stream_verified(origin, step, r)
+            return
+        rel = rels[0]
+        staged = self.node.restoring.get(step)
+        if (origin, step) in store.copies():
+            # Checked as it is read: a file that fails is quarantined, never sent whole.
+            yield from store.stream_verified(origin, step, rel, req.offset)
+            return
+        if origin == self.node.rank and staged and rel in staged[1]:
+            base = staged[0]  # verified, from a restore in progress
+        elif origin == self.node.rank and staged:
+            raise StepNotFoundError("not read from the backup yet", step=step, host=origin,
+                                    path=rel)
+        elif origin == self.node.rank:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"rank {self.node.rank} is not restoring step {step}")
+            return
+        else:
+            raise StepNotFoundError("no complete copy here", step=step, host=origin)
+        with os.fdopen(open_beneath(base, rel), "rb", buffering=0) as f:
+            f.seek(req.offset)
+            while chunk := f.read(CHUNK):
+                yield chunk
 
 
 def _restore_timeout(t: float) -> float:
@@ -379,19 +427,31 @@ def _raw(b: bytes) -> bytes:
     return b
 
 
-def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32
+def _counted(chunks: Iterator[bytes], stream: Any) -> Iterator[bytes]:
+    for c in chunks:
+        stream.add(len(c))
+        yield c
+
+
+def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
+          limits: Limits | None = None
           ) -> tuple[grpc.Server, int, ReplicatorServicer, health.HealthServicer]:
-    """Start the server; returns it, the bound port, the servicer and the health
-    servicer (SERVING here; main lowers it when the loop stalls or at shutdown).
-    Enough workers for every member's Decide to wait on the coordinator at once."""
+    """Start the server; returns it, the bound port, the servicer (close it after the
+    server stopped) and the health servicer (SERVING here; main lowers it when the
+    loop stalls or at shutdown). ``workers``: main gives 32 + 2N, room for two
+    Decide asks of every member, the restores and data streams :mod:`.limits`
+    allows, and calls that answer at once beside them."""
     check_listen_address(listen, creds)
+    streams = Streams(limits or Limits(),
+                      on_cancel=lambda kind: node.metrics.skipped.labels(
+                          f"{kind}_stream_ended").inc())
     interceptors: list[grpc.ServerInterceptor] = (
         [TokenInterceptor(creds.token)] if creds.token else [])
     interceptors.append(DecodeGuard())  # malformed protobufs: INVALID_ARGUMENT
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          interceptors=interceptors,
-                         options=[*CHANNEL_OPTIONS[:2],
-                                  ("grpc.max_receive_message_length", MAX_MESSAGE),
+                         options=[CHANNEL_OPTIONS[0],  # what it sends: as clients take
+                                  ("grpc.max_receive_message_length", MAX_REQUEST),
                                   # Never share a port with another server silently.
                                   ("grpc.so_reuseport", 0),
                                   # A peer gone silent mid-call (its link cut) is let
@@ -406,7 +466,7 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32
                                   # and by default stops pinging after two pings.
                                   ("grpc.http2.max_pings_without_data", 0)],
                          maximum_concurrent_rpcs=workers * 4)
-    servicer = ReplicatorServicer(node)
+    servicer = ReplicatorServicer(node, Identity(tls=creds.tls), streams)
     pb_grpc.add_ReplicatorServicer_to_server(servicer, server)
     data = grpc.method_handlers_generic_handler("mtc.replicator.v1.Data", {
         "Push": grpc.stream_unary_rpc_method_handler(
@@ -416,7 +476,7 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32
             servicer.fetch, request_deserializer=_raw, response_serializer=_raw),
     })
     server.add_generic_rpc_handlers((data,))
-    health_servicer = health.HealthServicer()
+    health_servicer = BoundedHealth(streams)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     sc = creds.server_credentials()
     port = server.add_secure_port(listen, sc) if sc else server.add_insecure_port(listen)

@@ -16,12 +16,14 @@ import grpc
 
 from mtc.errors import (
     AgreementError,
+    BusyError,
     ConfigError,
     CorruptShardError,
     FatalError,
     MtcError,
     RetryableError,
     StepNotFoundError,
+    UnauthorizedError,
 )
 
 # Ordered: the first class a raised error is an instance of decides its code.
@@ -33,6 +35,8 @@ _MAP: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (KeyError, grpc.StatusCode.NOT_FOUND),
     (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (AgreementError, grpc.StatusCode.ABORTED),
+    (UnauthorizedError, grpc.StatusCode.PERMISSION_DENIED),
+    (BusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (FatalError, grpc.StatusCode.INVALID_ARGUMENT),
     (RetryableError, grpc.StatusCode.UNAVAILABLE),
@@ -48,6 +52,7 @@ _BY_CODE: dict[grpc.StatusCode, type[MtcError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
     grpc.StatusCode.ABORTED: AgreementError,
     grpc.StatusCode.INVALID_ARGUMENT: FatalError,
+    grpc.StatusCode.PERMISSION_DENIED: UnauthorizedError,
     grpc.StatusCode.UNAVAILABLE: RetryableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: RetryableError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: RetryableError,

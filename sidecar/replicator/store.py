@@ -3,7 +3,9 @@
 Layout under the host's root (the RAM disk):
 
 - ``<step>/``                                  the host's own committed steps (mtc or
-                                              Orbax: opaque file trees to the replicator)
+                                              Orbax: opaque file trees to the replicator);
+                                              an mtc step whose manifest names another
+                                              host or step is not (:meth:`LocalStore.owns`)
 - ``.mtc-replica/<origin>/<step>/``            a verified copy of rank ``origin``'s step
 - ``.mtc-replica/<origin>/<step>.files.json``  its file list (path, size, CRC32C)
 - ``.mtc-replica/<origin>/<step>.mtc-tmp-*/``  a copy being received
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import shutil
 import stat
@@ -35,22 +38,21 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtc import layout
-from mtc.errors import CorruptShardError, FatalError, MtcError
+from mtc import layout, validate
+from mtc.errors import CorruptShardError, FatalError, MtcError, UnsafePathError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar import checksum
 from mtc.sidecar.checksum import read_buffer
+from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
 from mtc.sidecar.quarantine import quarantine
+
+log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".mtc-replica"
 CHUNK = 4 << 20
 CACHE_SWEEP = 50_000  # remembered checksums beyond which files gone are swept out
 FICLONE = 0x40049409  # ioctl: share a file's extents copy-on-write (btrfs, xfs)
-
-
-class UnsafePathError(FatalError):
-    """A path in a request would leave the replicator's root."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +66,8 @@ class FileMeta:
 
 
 def safe_relpath(path: str) -> str:
-    """Validate a '/'-separated relative path from a request."""
-    if not path or "\x00" in path or path.startswith("/") or "\\" in path:
-        raise UnsafePathError(f"refusing path {path!r}")
-    parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise UnsafePathError(f"refusing path {path!r}")
-    return path
+    """Validate a '/'-separated relative path from a request (:func:`mtc.validate.relpath`)."""
+    return validate.relpath(path)
 
 
 def inside(base: Path, rel: str) -> Path:
@@ -200,6 +197,7 @@ class LocalStore:
         self._shas: dict[str, tuple[tuple[int, int, int], bytes]] = {}
         self._sweep_at = CACHE_SWEEP  # cache size that triggers a sweep for files gone
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
+        self._owned: dict[int, tuple[int, bool]] = {}  # step -> (inode of <root>/<step>, ours)
         # Fences so far, and the step of the newest (see :meth:`fence`): a copy offered
         # before a fence of a step beyond it is refused at its commit.
         self.fences = 0
@@ -207,9 +205,9 @@ class LocalStore:
         self.quarantined_total = 0
         self.on_quarantine: Callable[[], None] | None = None  # counts in metrics
         root.mkdir(parents=True, exist_ok=True)
-        self.replicas.mkdir(exist_ok=True)
+        real_dir(self.replicas)
         for origin_dir in self.replicas.iterdir():
-            if origin_dir.is_dir():
+            if is_real_dir(origin_dir):
                 layout.clean_uncommitted(origin_dir)
 
     # -- paths --------------------------------------------------------------
@@ -217,9 +215,51 @@ class LocalStore:
     def copy_dir(self, origin: int, step: int) -> Path:
         """Where a copy lives. A host's own step is in its root, or in the replica
         area once restored for a client that must not see step folders in the root."""
-        if origin == self.rank and (self.root / str(step)).is_dir():
+        if origin == self.rank and self.owns(step):
             return self.root / str(step)
         return self.replicas / str(origin) / str(step)
+
+    def owns(self, step: int) -> bool:
+        """Whether ``<root>/<step>/`` is a step of this host's. A RAM disk that outlives
+        its job (GKE's multi-tier checkpointing volume stays with the node) may hold
+        another rank's steps under the same names: an mtc step whose manifest names
+        another host, or another step, is not this host's, and neither is one whose
+        manifest cannot be read (it cannot say whose it is). Those are never
+        offered, served, backed up or deleted here. A step without a manifest
+        (Orbax's) says nothing of its host and counts as this host's, as Orbax's
+        client has it. Decided once per folder (by inode)."""
+        d = self.root / str(step)
+        try:
+            st = os.lstat(d)  # a symlink named as a step is no step: never followed
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            return False
+        with self._lock:
+            hit = self._owned.get(step)
+        if hit is not None and hit[0] == st.st_ino:
+            return hit[1]
+        why = None
+        try:
+            data = (d / MANIFEST_NAME).read_bytes()
+        except FileNotFoundError:
+            data = None
+        except OSError as e:
+            why = f"its manifest cannot be read ({e.strerror})"
+        if data is not None:
+            try:
+                m = Manifest.from_bytes(data, path=str(d / MANIFEST_NAME))
+            except MtcError as e:
+                why = f"its manifest is unreadable ({e})"
+            else:
+                if (m.host, m.step) != (self.rank, step):
+                    why = f"its manifest is host {m.host}'s step {m.step}"
+        if why is not None:
+            log.warning("rank %d: %s is not this host's step: %s; it is left as it is "
+                        "(neither offered, served nor deleted)", self.rank, d, why)
+        with self._lock:
+            self._owned[step] = (st.st_ino, why is None)
+        return why is None
 
     def _descriptor(self, origin: int, step: int) -> Path:
         return self.replicas / str(origin) / f"{step}.files.json"
@@ -227,14 +267,18 @@ class LocalStore:
     # -- inventory ----------------------------------------------------------
 
     def own_steps(self) -> list[int]:
-        return layout.committed_steps(self.root)
+        present = layout.committed_steps(self.root)
+        with self._lock:  # forget folders gone (the sidecar's retention removes them too)
+            for gone in self._owned.keys() - set(present):
+                del self._owned[gone]
+        return [s for s in present if self.owns(s)]
 
     def replica_steps(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
         if not self.replicas.is_dir():
             return out
         for origin_dir in self.replicas.iterdir():
-            if not origin_dir.name.isdigit():
+            if not origin_dir.name.isdigit() or not is_real_dir(origin_dir):
                 continue
             steps = [s for s in layout.committed_steps(origin_dir)
                      if self._descriptor(int(origin_dir.name), s).is_file()]
@@ -409,11 +453,20 @@ class LocalStore:
             raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
         if not 0 <= offset <= meta.size:
             raise ValueError(f"offset {offset} outside {rel} ({meta.size} bytes)")
-        path = inside(self.copy_dir(origin, step), rel)
+        folder = self.copy_dir(origin, step)
+        path = folder / rel
         value = 0
-        with open(path, "rb", buffering=0) as f:
-            if offset:
-                value = crc32c(f.read(offset))
+        # Opened part by part without following a symlink: nothing outside the copy
+        # is ever sent, whatever was planted in it.
+        under = folder.relative_to(self.root).as_posix()
+        with os.fdopen(open_beneath(self.root, f"{under}/{rel}"), "rb", buffering=0) as f:
+            done = 0
+            while done < offset:  # the part before the offset, checked in chunks too
+                part = f.read(min(CHUNK, offset - done))
+                if not part:
+                    break
+                value = crc32c(part, value)
+                done += len(part)
             held = f.read(CHUNK)
             while held:
                 value = crc32c(held, value)
@@ -454,7 +507,7 @@ class LocalStore:
             hit = self._described.get(key)
             if hit is not None and hit[0] == ino:
                 return hit[1]
-        if origin == self.rank and (self.root / str(step)).is_dir():
+        if origin == self.rank and self.owns(step):
             files = describe_own(self.root / str(step))
             if not (self.root / str(step) / MANIFEST_NAME).is_file():
                 for f in files:  # described by reading them: checked already
@@ -545,8 +598,8 @@ class LocalStore:
     # -- incoming copies ----------------------------------------------------
 
     def begin_incoming(self, origin: int, step: int) -> Path:
-        d = self.replicas / str(origin)
-        d.mkdir(parents=True, exist_ok=True)
+        real_dir(self.replicas)
+        d = real_dir(self.replicas / str(origin))
         tmp = d / f"{step}{layout.TMP_MARK}{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         return tmp
@@ -558,13 +611,16 @@ class LocalStore:
                 raise CorruptShardError("incoming copy is incomplete", step=step, host=origin,
                                         path=str(p))
         final = self.replicas / str(origin) / str(step)
-        if final.exists():
-            if self.same_copy(origin, step, files):  # an earlier identical copy; keep it
-                shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.lexists(final):
+            if is_real_dir(final) and self.same_copy(origin, step, files) and \
+                    self._good(origin, step):
+                shutil.rmtree(tmp, ignore_errors=True)  # an earlier good copy; keep it
                 return
-            # An older checkpoint under the same number (the origin saved the step
-            # again after a restore): the new one replaces it.
-            self.remove_copy(origin, step)
+            # The copy held is an older checkpoint under the same number (the origin
+            # saved the step again after a restore), failed verification (its bad
+            # files quarantined: else the same damaged folder would be pushed to again
+            # and again), or is not a folder: the verified one received takes its place.
+            self._replace_held(origin, step)
         desc = self._descriptor(origin, step)
         layout.write_atomic(desc, json.dumps([f.to_json() for f in files]))
         os.rename(tmp, final)
@@ -573,6 +629,26 @@ class LocalStore:
             self._damaged.discard((origin, step))
         for f in files:  # every file was verified on arrival
             self.note_verified(final / f.path, f)
+
+    def _good(self, origin: int, step: int) -> bool:
+        """Whether the held copy checks out now (read again, not from the cache)."""
+        try:
+            return not self.verify(origin, step, cached=False)
+        except (OSError, ValueError, MtcError):
+            return False
+
+    def _replace_held(self, origin: int, step: int) -> None:
+        """Remove a held copy (its folder, or whatever is in its place) to make room."""
+        final = self.replicas / str(origin) / str(step)
+        if os.path.islink(final) or not os.path.isdir(final):
+            os.unlink(final)
+        else:
+            layout.remove_step(self.replicas / str(origin), step)
+        self._descriptor(origin, step).unlink(missing_ok=True)
+        self._forget(final)
+        with self._lock:
+            self._described.pop((origin, step), None)
+            self._summaries.pop((origin, step), None)
 
     def commit_restored(self, tmp: Path, step: int, files: list[FileMeta], *,
                         into_root: bool) -> None:
@@ -597,8 +673,8 @@ class LocalStore:
         """Move an own step folder from the root into the replica area, described."""
         src = self.root / str(step)
         files = self.describe(self.rank, step)
-        d = self.replicas / str(self.rank)
-        d.mkdir(parents=True, exist_ok=True)
+        real_dir(self.replicas)
+        d = real_dir(self.replicas / str(self.rank))
         if (d / str(step)).exists():
             layout.remove_step(self.root, step)
             return
@@ -610,9 +686,9 @@ class LocalStore:
 
     def remove_copy(self, origin: int, step: int) -> None:
         in_root = self.root / str(step)
-        if origin == self.rank and in_root.is_symlink():
+        if origin == self.rank and in_root.is_symlink() and self.owns(step):
             in_root.unlink()  # a restored step: the link in the root, data in the replica area
-        if origin == self.rank and in_root.is_dir():
+        if origin == self.rank and self.owns(step):
             layout.remove_step(self.root, step)
             self._forget(in_root)
         else:

@@ -1,0 +1,102 @@
+"""sidecar/ops.py, the host side of every small host operation: one request in, one
+reply out, a typed error (naming step, host and file) for anything wrong, never an
+exception through the seam."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mtc import errors
+from mtc.contract import AgentConfig, decode_reply, encode_request
+from mtc.manifest import MANIFEST_NAME, Manifest
+from mtc.sidecar.ops import HostOps
+
+
+def config(root: Path) -> AgentConfig:
+    return AgentConfig(local_dir=str(root), host_of_device={0: 0, 1: 1},
+                       slice_of_host={0: 0, 1: 0}, subdirs=True, max_staged_bytes=None,
+                       writer_threads=1)
+
+
+def commit(root: Path, host: int, step: int, *, manifest_host: int | None = None) -> None:
+    d = root / f"host-{host}" / str(step)
+    d.mkdir(parents=True)
+    m = Manifest(step=step, host=host if manifest_host is None else manifest_host, slice=0,
+                 num_hosts=2, leaves=(), run="r")
+    (d / MANIFEST_NAME).write_bytes(m.to_bytes())
+
+
+def ask(ops: HostOps, op: str, hosts: list[int], **args: object) -> object:
+    return decode_reply(ops.handle(encode_request(op, hosts, **args)))
+
+
+def test_steps_lists_every_reachable_host_root(tmp_path: Path) -> None:
+    commit(tmp_path, 0, 5)
+    commit(tmp_path, 1, 5)
+    commit(tmp_path, 1, 6)
+    (tmp_path / "host-1" / "7.mtc-tmp-abc").mkdir()  # uncommitted: never a step
+    (tmp_path / "host-9").write_text("a lost host's placeholder, not a folder")
+    ops = HostOps(config(tmp_path))
+    assert ask(ops, "steps", [0]) == {"0": [5], "1": [5, 6]}
+
+
+def test_a_manifest_is_checked_where_it_is_and_errors_name_it(tmp_path: Path) -> None:
+    commit(tmp_path, 0, 5)
+    commit(tmp_path, 1, 5, manifest_host=0)  # a copy of host 0's, in host 1's root
+    ops = HostOps(config(tmp_path))
+    data = ask(ops, "manifest", [0], step=5)
+    assert Manifest.from_bytes(bytes(data)).step == 5  # type: ignore[arg-type]
+    with pytest.raises(errors.ManifestError, match="belongs to step 5 host 0") as e:
+        ask(ops, "manifest", [1], step=5)
+    assert (e.value.step, e.value.host) == (5, 1) and MANIFEST_NAME in str(e.value.path)
+    with pytest.raises(errors.ManifestError, match="has no manifest") as e:
+        ask(ops, "manifest", [0], step=6)
+    assert e.value.step == 6
+
+
+def test_delete_and_retain_remove_only_what_they_are_told(tmp_path: Path) -> None:
+    for s in (1, 2, 3, 4):
+        commit(tmp_path, 0, s)
+    ops = HostOps(config(tmp_path))
+    assert ask(ops, "delete", [0], step=1) is True
+    assert ask(ops, "delete", [0], step=1) is False  # already gone
+    space = ask(ops, "retain", [0], complete=[2, 3, 4], max_to_keep=2, keep_period=None,
+                before_write=False)
+    ask(ops, "settle", [0])
+    assert ask(ops, "steps", [0]) == {"0": [3, 4]}
+    free, newest = space["0"]  # type: ignore[index]
+    assert free > 0 and newest > 0
+
+
+def test_open_takes_one_writer_per_root(tmp_path: Path) -> None:
+    first, second = HostOps(config(tmp_path)), HostOps(config(tmp_path))
+    assert ask(first, "open", [0], lock=True, clean=True) == {"0": []}
+    with pytest.raises(errors.DirectoryLockedError):
+        ask(second, "open", [0], lock=True, clean=True)
+    first.release_all()
+    assert ask(second, "open", [0], lock=True, clean=True) == {"0": []}
+    second.release_all()
+
+
+@pytest.mark.parametrize("request_bytes, kind", [
+    (b"not json", errors.ProtocolError),
+    (json.dumps({"op": "format-disk", "hosts": [0], "args": {}}).encode(), errors.ProtocolError),
+    (encode_request("manifest", [0], nope=1), errors.ProtocolError),
+])
+def test_a_malformed_request_is_a_typed_error(tmp_path: Path, request_bytes: bytes,
+                                              kind: type[errors.MtcError]) -> None:
+    reply = HostOps(config(tmp_path)).handle(request_bytes)
+    with pytest.raises(kind):
+        decode_reply(reply)
+
+
+def test_a_worker_answers_only_for_its_own_host(tmp_path: Path) -> None:
+    commit(tmp_path, 1, 5)
+    ops = HostOps(config(tmp_path))
+    assert decode_reply(ops.handle(encode_request("steps", [1]), serves=[0])) is None
+    reply = decode_reply(ops.handle(encode_request("manifest", [1], step=5), serves=[1]))
+    assert Manifest.from_bytes(bytes(np.frombuffer(reply, np.uint8))).host == 1  # type: ignore[arg-type]

@@ -1,0 +1,148 @@
+"""The host side's write path, module by module: the staging pool (sidecar/buffers.py)
+and the writer (sidecar/write.py): every byte written and checksummed before the
+rename that commits a step, and a failed save leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mtc import layout
+from mtc.errors import RamDiskFullError, StepExistsError
+from mtc.integrity import crc32c
+from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest
+from mtc.sidecar.buffers import StagingPool
+from mtc.sidecar.write import HostSave, StagedShard, Writer
+
+# -- the staging pool --------------------------------------------------------------------
+
+
+def test_the_pool_bounds_what_is_held_and_reuses_freed_buffers() -> None:
+    pool = StagingPool(100)
+    a = pool.acquire(60)
+    assert a is not None and pool.held == 60
+    assert pool.acquire(60, block=False) is None  # would exceed the budget
+    pool.release(60, a)
+    b = pool.acquire(60)
+    assert b is a  # the freed buffer comes back: warm memory
+    pool.release(60, b)
+    assert pool.held == 0
+
+
+def test_a_buffer_larger_than_the_budget_is_allowed_alone() -> None:
+    pool = StagingPool(10)
+    big = pool.acquire(50)  # a save could never progress otherwise
+    assert big is not None and big.nbytes == 50
+    assert pool.acquire(1, block=False) is None
+    pool.release(50)
+    assert pool.acquire(1, block=False) is not None
+
+
+def test_a_blocked_acquire_wakes_when_memory_is_released() -> None:
+    pool = StagingPool(100)
+    first = pool.acquire(80)
+    got: list[np.ndarray | None] = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(50)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got  # waiting for room
+    pool.release(80, first)
+    t.join(5)
+    assert got and got[0] is not None and pool.held == 50
+
+
+def test_reserve_and_account_count_without_buffers() -> None:
+    pool = StagingPool()
+    pool.ensure_capacity(100)
+    pool.ensure_capacity(5)  # only the first size counts
+    assert pool.capacity == 100
+    assert pool.reserve(70) and not pool.reserve(40)
+    assert pool.account(30, block=False) and not pool.account(1, block=False)
+    assert pool.can_fit_now(0)
+    pool.release(100)
+    assert pool.held == 0
+
+
+# -- the writer ---------------------------------------------------------------------------
+
+
+def leaf(n: int) -> LeafEntry:
+    return LeafEntry(f"['x{n}']", (("d", f"x{n}"),), "array", (4,), "float32")
+
+
+def save_of(root: Path, step: int, shards: list[np.ndarray], run: str = "r1") -> HostSave:
+    save = HostSave(root, step, 0, 0, 1, [leaf(i) for i in range(len(shards))], run)
+    released: list[int] = []
+    for i, data in enumerate(shards):
+        save.add(StagedShard(i, ((0, 4),), data, lambda i=i: released.append(i)))
+    save.seal()
+    save.go.set()
+    save.released = released  # type: ignore[attr-defined]
+    return save
+
+
+def test_a_save_is_committed_with_checksums_manifest_last(tmp_path: Path) -> None:
+    writer = Writer(2)
+    try:
+        shards = [np.arange(4, dtype=np.float32) + i for i in range(3)]
+        save = save_of(tmp_path, 7, shards)
+        writer.submit(save)
+        final = save.done.result(10)
+    finally:
+        writer.close()
+    assert final == tmp_path / "7" and layout.committed_steps(tmp_path) == [7]
+    m = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
+    assert (m.step, m.run) == (7, "r1")
+    for i, entry in enumerate(s for lf in m.leaves for s in lf.shards):
+        data = (final / entry.file).read_bytes()
+        assert data == shards[i].tobytes() and entry.crc32c == crc32c(data)
+    assert sorted(save.released) == [0, 1, 2]  # type: ignore[attr-defined]
+    assert not [n for n in os.listdir(tmp_path) if layout.TMP_MARK in n]
+
+
+def test_a_step_already_committed_is_refused_and_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "keep").write_text("earlier")
+    writer = Writer(1)
+    try:
+        save = save_of(tmp_path, 7, [np.zeros(4, np.float32)])
+        writer.submit(save)
+        with pytest.raises(StepExistsError):
+            save.done.result(10)
+    finally:
+        writer.close()
+    assert (tmp_path / "7" / "keep").read_text() == "earlier"
+    assert os.listdir(tmp_path) == ["7"]  # the temporary folder is gone
+
+
+@pytest.mark.process  # mounts a tmpfs
+def test_a_full_ram_disk_discards_the_step(tiny_tmpfs: Path) -> None:
+    writer = Writer(2)
+    try:
+        save = save_of(tiny_tmpfs, 3, [np.zeros(1 << 20, np.float32)])  # 4 MiB > room left
+        writer.submit(save)
+        with pytest.raises(RamDiskFullError):
+            save.done.result(10)
+    finally:
+        writer.close()
+    assert os.listdir(tiny_tmpfs) == []  # nothing half-written stays
+    assert save.released == [0]  # type: ignore[attr-defined]
+
+
+def test_a_save_aborted_while_staging_releases_its_shards(tmp_path: Path) -> None:
+    writer = Writer(1)
+    try:
+        save = HostSave(tmp_path, 1, 0, 0, 1, [leaf(0)])
+        released: list[int] = []
+        save.add(StagedShard(0, ((0, 4),), np.zeros(4, np.float32), lambda: released.append(0)))
+        writer.submit(save)
+        save.abort(RuntimeError("staging failed"))
+        with pytest.raises(RuntimeError, match="staging failed"):
+            save.done.result(10)
+    finally:
+        writer.close()
+    assert os.listdir(tmp_path) == [] and released == [0]
