@@ -252,8 +252,11 @@ class LocalStore:
             except MtcError as e:
                 why = f"its manifest is unreadable ({e})"
             else:
-                if (m.host, m.step) != (self.rank, step):
-                    why = f"its manifest is host {m.host}'s step {m.step}"
+                # Host h of a job is rank h, unless its manifests name the ranks
+                # (a job that came back on other hosts: host 0 of 2 on rank 2).
+                if (m.rank_of(m.host), m.step) != (self.rank, step):
+                    why = (f"its manifest is host {m.host}'s step {m.step}"
+                           + (f" (rank {m.rank_of(m.host)})" if m.ranks else ""))
         if why is not None:
             log.warning("rank %d: %s is not this host's step: %s; it is left as it is "
                         "(neither offered, served nor deleted)", self.rank, d, why)
