@@ -4,7 +4,8 @@
     mtc status --nodes ADDR0,ADDR1,...   every host's steps on every tier (via replicators)
     mtc backup --node ADDR               back up the newest complete step now
 
-``status`` exits 1 when a node it was asked about is down.
+``status`` exits 1 when a node it was asked about is down, or its configuration
+disagrees with its peers'.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
         client = PeerClient(addr, _creds(token_file), rank=rank, deadline_s=5.0)
         try:
             inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
+            ident = client.call("GetInventory", pb.InventoryRequest(identify=True), attempts=1)
         except PeerError as e:
             rows.append({"rank": rank, "address": addr, "up": False, "error": str(e)})
             continue
@@ -92,25 +94,42 @@ def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
         backed = sorted(inv.backed_up_steps) or backed
         rows.append({"rank": rank, "address": addr, "up": True, "local": own,
                      "peer_copies": {str(o): sorted(s) for o, s in sorted(peers.items())},
-                     "quarantined": inv.quarantined_files})
-    down = 1 if any(not r["up"] for r in rows) else 0
+                     "quarantined": inv.quarantined_files,
+                     "replication": _replication(ident),
+                     "config_error": ident.config_error})
+    down = 1 if any(not r["up"] or r["config_error"] for r in rows) else 0
     if as_json:
         print(json.dumps({"hosts": rows, "backup": backed}, indent=2))
         return down
-    print(f"{'rank':>4}  {'address':<22} {'local steps':<20} {'quarantined':<11} "
-          "peer copies held")
+    print(f"{'rank':>4}  {'address':<22} {'local steps':<20} {'replication':<22} "
+          f"{'quarantined':<11} peer copies held")
     for r in rows:
         if not r["up"]:
             print(f"{r['rank']:>4}  {r['address']:<22} DOWN: {r['error']}")
             continue
         peers_s = ", ".join(f"rank {o}: {s}" for o, s in r["peer_copies"].items()) or "-"
-        print(f"{r['rank']:>4}  {r['address']:<22} {r['local']!s:<20} "
+        print(f"{r['rank']:>4}  {r['address']:<22} {r['local']!s:<20} {r['replication']:<22} "
               f"{r['quarantined']:<11} {peers_s}")
+    for r in rows:
+        if r.get("config_error"):
+            print(f"rank {r['rank']}: CONFIGURATION DISAGREES: {r['config_error']}")
     print(f"backup: {backed if backed else '-'}")
-    if down:
-        print(f"mtc: {sum(not r['up'] for r in rows)} of {len(rows)} nodes are down",
+    gone = sum(not r["up"] for r in rows)
+    if gone:
+        print(f"mtc: {gone} of {len(rows)} nodes are down", file=sys.stderr)
+    wrong = sum(bool(r.get("config_error")) for r in rows)
+    if wrong:
+        print(f"mtc: {wrong} of {len(rows)} nodes disagree with a peer's configuration",
               file=sys.stderr)
     return down
+
+
+def _replication(ident: Any) -> str:
+    """How a node's replication is doing, from its identity."""
+    if ident.unreplicated_step < 0:
+        return "up to date"
+    word = "LATE" if ident.replication_late else "copying"
+    return f"{word}: step {ident.unreplicated_step} {ident.unreplicated_seconds:.0f}s"
 
 
 def backup(node: str, token_file: str | None) -> int:

@@ -50,7 +50,8 @@ class SaveHeader:
     """The controller's description of one save: the step and the tree's leaves.
 
     ``array_leaves[i]`` is the leaf number of the i-th array handed to ``stage``;
-    ``run`` the saving manager's run identity, written into every host's manifest.
+    ``run`` the saving manager's run identity, written into every host's manifest,
+    as ``ranks`` (each host's replicator rank, when not host h = rank h) is.
     """
 
     step: int
@@ -58,11 +59,13 @@ class SaveHeader:
     array_leaves: tuple[int, ...]
     skip_if_busy: bool
     run: str = ""
+    ranks: tuple[int, ...] = ()
 
     def to_bytes(self) -> bytes:
         return json.dumps({"step": self.step, "leaves": [x.to_json() for x in self.leaves],
                            "array_leaves": list(self.array_leaves),
-                           "skip_if_busy": self.skip_if_busy, "run": self.run}).encode()
+                           "skip_if_busy": self.skip_if_busy, "run": self.run,
+                           "ranks": list(self.ranks)}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SaveHeader:
@@ -77,8 +80,12 @@ class SaveHeader:
             raise ProtocolError("malformed save header: leaves or array_leaves")
         if not isinstance(d["skip_if_busy"], bool):
             raise ProtocolError("malformed save header: skip_if_busy")
+        ranks = d.get("ranks", [])
+        if not isinstance(ranks, list) or not all(validate.is_int(r) and r >= 0 for r in ranks):
+            raise ProtocolError("malformed save header: ranks")
         return cls(validate.step(d["step"]), tuple(LeafEntry.from_json(x) for x in leaves),
-                   tuple(array_leaves), d["skip_if_busy"], check_run(d.get("run", "")))
+                   tuple(array_leaves), d["skip_if_busy"], check_run(d.get("run", "")),
+                   tuple(ranks))
 
 
 def shard_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
@@ -153,6 +160,7 @@ def _nonneg(x: Any) -> int:
 # byte and a payload: b"J" JSON, b"B" raw bytes (a region read), b"E" a typed error.
 
 HOST_OPS = ("open", "release", "steps", "manifest", "delete", "retain", "space", "settle",
+            "identify",
             "read")
 # Colocated calls answer with one uint8 per worker; a worker whose call raised
 # answers FAILED and keeps its typed error for the request ERROR_REQUEST.
@@ -185,6 +193,9 @@ def decode_request(data: bytes) -> tuple[str, list[int], dict[str, Any]]:
     for name in ("max_to_keep", "keep_period"):
         if args.get(name) is not None:
             _nonneg(args[name])
+    for name in ("lock", "clean", "create", "before_write"):
+        if name in args and not isinstance(args[name], bool):
+            raise ProtocolError(f"{name} is true or false")
     return op, hosts, args
 
 

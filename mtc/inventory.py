@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from mtc import multihost, runs
 from mtc.dispatch import Dispatch
-from mtc.errors import MtcError
+from mtc.errors import MixedRunError, MtcError
 from mtc.manifest import Manifest
 from mtc.topology import Topology
 
@@ -30,6 +30,17 @@ class StepInventory:
         self.topology = topology
         self._num_hosts: dict[int, int] = {}
         self._runs: dict[int, dict[int, str]] = {}  # step -> host -> run
+        # Multi-controller JAX: the steps complete on every host, learnt collectively
+        # (None: not yet, or not since the last restore; see :meth:`complete_everywhere`).
+        self._everywhere: set[int] | None = None
+
+    @property
+    def sees_own_host_only(self) -> bool:
+        """Each process sees its own host's RAM disk only (multi-controller JAX):
+        whether a step is complete is a question for every process."""
+        import jax
+
+        return not self.topology.subdirs and jax.process_count() > 1
 
     def held(self) -> dict[int, list[int]]:
         """Committed steps per host: the local hosts, and with host subfolders
@@ -41,17 +52,38 @@ class StepInventory:
         self.forget(step)
         self._num_hosts[step] = self.topology.num_hosts
         self._runs[step] = {h: run for h in hosts}
+        if self._everywhere is not None:
+            self._everywhere.add(step)
 
     def forget(self, step: int) -> None:
         """``step`` was deleted (or is about to be saved again)."""
         self._num_hosts.pop(step, None)
         self._runs.pop(step, None)
+        if self._everywhere is not None:
+            self._everywhere.discard(step)
+
+    def relearn(self) -> None:
+        """The hosts' steps may have changed behind this manager (a restore: the
+        replicators fenced or fetched): :meth:`complete_everywhere` asks again."""
+        self._everywhere = None
+
+    def complete_everywhere(self, listed: dict[int, list[int]]) -> set[int]:
+        """Steps complete on every host of the job (``listed``: this process's hosts'
+        committed steps). Multi-controller JAX: asked of every process once (a
+        collective) at the first call after the manager started or restored (every
+        process saves the same steps, so every one calls it then), then kept as
+        this manager saves and deletes; elsewhere as :meth:`complete_here` sees it."""
+        if not self.sees_own_host_only:
+            return set(self.complete_here(listed))
+        if self._everywhere is None:
+            self._everywhere = set(self.common(listed))
+        return self._everywhere
 
     def saved_hosts(self, step: int, holders: Sequence[int],
                     manifest_of: ManifestOf | None = None) -> int:
         """How many hosts took part in saving ``step`` (one holder's manifest)."""
         if step not in self._num_hosts:
-            m = (manifest_of or self.dispatch.manifest)(step, holders[0])
+            m = (manifest_of or self.dispatch.manifest)(step, self._copy_of(step, holders[0]))
             self._num_hosts[step] = m.num_hosts
             self._runs.setdefault(step, {})[holders[0]] = m.run
         return self._num_hosts[step]
@@ -62,10 +94,17 @@ class StepInventory:
         known = self._runs.setdefault(step, {})
         for h in hosts:
             if h not in known:
-                m = (manifest_of or self.dispatch.manifest)(step, h)
+                m = (manifest_of or self.dispatch.manifest)(step, self._copy_of(step, h))
                 known[h] = m.run
                 self._num_hosts.setdefault(step, m.num_hosts)
         return {h: known[h] for h in hosts}
+
+    def _copy_of(self, step: int, host: int) -> int:
+        """The saving host whose data of ``step`` local host ``host``'s RAM disk holds:
+        itself, but in multi-controller JAX after a job came back on other hosts
+        (host 0 of this job may hold host 2's data of a step the larger job saved)."""
+        own = self.dispatch.own_for(step) if self.sees_own_host_only else ()
+        return own[0] if own else host
 
     def complete_here(self, listed: dict[int, list[int]] | None = None) -> list[int]:
         """Steps complete as far as this process can see: with host subfolders,
@@ -107,3 +146,32 @@ class StepInventory:
     def run_of(self, step: int, hosts: Sequence[int]) -> str | None:
         """The one run that wrote ``hosts``' copies of ``step`` (None: mixed)."""
         return runs.one_run(self.runs_of(step, hosts))
+
+    def check_one_run(self, step: int) -> None:
+        """Raise :class:`MixedRunError` unless every copy of ``step`` the job's hosts
+        hold was written by one run. In multi-controller JAX each process sees its
+        own host: asked of every process (collective), before anything is read; a
+        host holding none (a job grown onto hosts that did not save it, reading
+        through the replicators) has no say. Elsewhere the loader sees every host's
+        manifest and checks them itself."""
+        if not self.sees_own_host_only:
+            return
+        held = self.held()
+        mine = [h for h in self.topology.local_hosts if step in held.get(h, ())]
+        key = -1  # no copy here (or an unreadable one: the loader names it)
+        if mine:
+            try:
+                one = self.run_of(step, mine)
+                key = -2 if one is None else runs.run_key(one)
+            except MtcError:
+                pass
+        keys = multihost.every_value(key)
+        if len({k for k in keys if k != -1}) > 1:
+            by_key: dict[int, list[int]] = {}
+            for process, k in enumerate(keys):
+                if k != -1:
+                    by_key.setdefault(k, []).append(process)
+            raise MixedRunError(
+                f"the processes' hosts hold copies of this step written by different runs "
+                f"(processes {' / '.join(str(p) for p in by_key.values())} each hold one "
+                f"run's): it is never restored", step=step)

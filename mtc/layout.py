@@ -35,6 +35,30 @@ DEL_MARK = ".mtc-del-"
 # copies and restored steps beside the manager, by design).
 LOCK_NAME = ".mtc-writer.lock"
 _STEP_DIGITS = len(str(MAX_STEP))
+# A host root's identity: a random token the host side writes once at the root; the
+# replicator serving that RAM disk reports what it finds at its --local-dir, so a
+# manager and a replicator that do not serve the same folder are told apart at
+# start without any path crossing between hosts.
+ROOT_ID_NAME = ".mtc-root-id"
+ROOT_ID_MAX = 64
+
+
+def root_identity(root: Path, *, create: bool) -> str:
+    """The identity written at ``root`` ("" when none is there); ``create`` writes a
+    new one when none is (host side only: a manager's host at start)."""
+    path = root / ROOT_ID_NAME
+    try:
+        with open(path, "rb") as f:
+            found = f.read(ROOT_ID_MAX + 1).decode("ascii", "replace").strip()
+        if found and len(found) <= ROOT_ID_MAX and found.isalnum():
+            return found
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    if not create:
+        return ""
+    new = uuid.uuid4().hex
+    write_atomic(path, new)
+    return root_identity(root, create=False) or new
 
 
 def as_step(step: Any) -> int:

@@ -31,7 +31,6 @@ from mtc.errors import (
     ConfigError,
     CorruptShardError,
     DataLossError,
-    MixedRunError,
     MtcError,
     ShardUnavailableError,
     StepExistsError,
@@ -42,10 +41,11 @@ from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
 from mtc.options import Options
 from mtc.replicas import ReplicatorTier, credentials, farthest
+from mtc.replicator_watch import ReplicatorWatch
 from mtc.restore.load import metrics_of
 from mtc.restore.plan import SavedStep
 from mtc.restore.step import StepReader
-from mtc.save.stage import prepare
+from mtc.save.stage import bytes_on_hosts, prepare
 from mtc.topology import Topology
 
 if TYPE_CHECKING:
@@ -149,6 +149,14 @@ class CheckpointManager:
             dispatch.close()
             raise
         self._dispatch = dispatch
+        try:
+            self._watch = self._watch_replicators()
+        except BaseException:
+            dispatch.close()
+            raise
+        # Hosts whose replicator did not answer the last check: the manager keeps
+        # their RAM disks within max_to_keep meanwhile.
+        self._unreplicated: frozenset[int] = frozenset()
         self._inventory = StepInventory(dispatch, self.topology)
         self._reader = StepReader(dispatch, self.topology, self._network, self.local_dir,
                                   self._inventory.saved_hosts)
@@ -175,8 +183,43 @@ class CheckpointManager:
         if self.topology.subdirs or not self.options.replicators \
                 or self.options.simulated_hosts is not None:
             return None
+        host = self.topology.local_hosts[0]
+        ranks = self.options.replicator_ranks
         return NetworkTier(tuple(self.options.replicators), credentials(self.options),
-                           self.topology.local_hosts)
+                           self.topology.local_hosts,
+                           ranks[host] if ranks and host < len(ranks) else host)
+
+    def _saved_ranks(self) -> tuple[int, ...]:
+        """Each host's replicator rank, for the manifests, when the job's hosts are not
+        ranks 0..n-1 (it came back on other hosts): where each host's data is kept."""
+        ranks = tuple(self.options.replicator_ranks or ())
+        if not self.options.replicators or not ranks or ranks == tuple(range(len(ranks))):
+            return ()
+        if len(ranks) != self.topology.num_hosts:
+            raise ConfigError(f"{len(ranks)} replicator ranks for {self.topology.num_hosts} "
+                              f"hosts")
+        return ranks
+
+    def _watch_replicators(self) -> ReplicatorWatch | None:
+        """With replicators, a writer checks that each of its hosts' replicators is the
+        rank the job states and serves that host's RAM disk (``ConfigError``), and
+        watches them at every save (:mod:`mtc.replicator_watch`)."""
+        addrs = tuple(self.options.replicators or ())
+        ranks = tuple(self.options.replicator_ranks or range(len(addrs)))
+        if self.options.read_only or not addrs or len(addrs) != self.topology.num_hosts \
+                or len(ranks) != len(addrs):
+            return None  # the first restore says what does not match
+        hosts = self.topology.local_hosts
+        watch = ReplicatorWatch({h: addrs[h] for h in hosts}, {h: ranks[h] for h in hosts},
+                                credentials(self.options))
+        try:
+            watch.start({h: str(self._config.root(h)) for h in hosts},
+                        self._dispatch.identify(hosts, create=True),
+                        subdirs=self.topology.subdirs)
+        except BaseException:
+            watch.close()
+            raise
+        return watch
 
     @property
     def _tier(self) -> ReplicatorTier:
@@ -270,9 +313,11 @@ class CheckpointManager:
             if sidecars is not None:
                 sidecars.poll_if_due()
             return False
+        if self._watch is not None:
+            self._unreplicated = self._watch.poll()
         t0 = time.perf_counter()
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
-                                 metrics=metrics, run=self._run)
+                                 metrics=metrics, run=self._run, ranks=self._saved_ranks())
         if sidecars is not None:
             def before_send() -> None:
                 # While the shards are copied into the hosts' areas: one round trip
@@ -294,11 +339,26 @@ class CheckpointManager:
             self._last_saved = step
             # The manifests say this job's host count and this run: no host need be asked.
             self._inventory.saved(step, self._run, self.topology.local_hosts)
-            nbytes = sum(int(a.nbytes) for a in arrays)
-            log.info("mtc: save step %d: %d bytes staged in %.3fs; writing to the local tier "
-                     "(%s) in the background", step, nbytes, time.perf_counter() - t0,
-                     self.local_dir)
+            log.info("mtc: save step %d: %d bytes of %s staged in %.3fs; writing to %s in the "
+                     "background", step,
+                     bytes_on_hosts(arrays, self.topology.host_of_device,
+                                    len(self.topology.local_hosts)), self._hosts_here(),
+                     time.perf_counter() - t0, self._roots_here())
         return staged
+
+    def _hosts_here(self) -> str:
+        hosts = self.topology.local_hosts
+        return f"host {hosts[0]}" if len(hosts) == 1 else f"{len(hosts)} hosts"
+
+    def _roots_here(self) -> str:
+        """Where the hosts this process serves keep their steps, as this process names
+        them (a sidecar's or a worker's RAM disk is named, never opened, here)."""
+        hosts = self.topology.local_hosts
+        if len(hosts) == 1:
+            return str(self._config.root(hosts[0]))
+        if self.topology.subdirs:
+            return f"{self.local_dir}/host-{{{hosts[0]}..{hosts[-1]}}}"
+        return f"the RAM disk ({self.local_dir}) of each of {len(hosts)} hosts"
 
     def _replace_partial(self, step: int, held: dict[int, list[int]]) -> dict[int, list[int]]:
         """``held`` (the hosts' committed steps) once ``step`` may be saved: a step
@@ -306,10 +366,12 @@ class CheckpointManager:
         between hosts' commits left on some hosts only was never a checkpoint, and
         is deleted so that saving it again replaces it."""
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
+        if self._inventory.sees_own_host_only or partial:  # the first: collective
+            if step in self._inventory.complete_everywhere(held):
+                raise StepExistsError("step is already committed", step=step,
+                                      host=partial[0] if partial else None)
         if not partial:
             return held
-        if step in self._inventory.complete_here(held):
-            raise StepExistsError("step is already committed", step=step, host=partial[0])
         log.warning("step %d was committed on hosts %s only (or by another run on some); "
                     "replacing it", step, partial)
         self._dispatch.delete(step, partial)
@@ -382,12 +444,29 @@ class CheckpointManager:
         return any(newest and free < newest * 1.05 * steps_coming
                    for free, newest in space.values())
 
+    def _retain_unreplicated(self, held: dict[int, list[int]] | None) -> None:
+        """A host whose replicator does not answer has nobody cleaning its RAM disk:
+        before a step is written, its newest ``max_to_keep`` (2 when None) steps are
+        kept, from its own view (the others' progress is the replicators' to know;
+        saves go in step, so its newest steps are the job's)."""
+        hosts = [h for h in self._unreplicated if h in self.topology.local_hosts]
+        if not hosts or self.options.read_only:
+            return
+        held = held if held is not None else self._dispatch.steps(hosts)
+        keep = self.options.max_to_keep or 2
+        for h in hosts:
+            steps = held.get(h, [])
+            if len(steps) >= keep:
+                self._dispatch.retain([h], steps, max_to_keep=keep,
+                                      keep_period=self.options.keep_period, before_write=True)
+
     def _make_room(self, held: dict[int, list[int]] | None = None) -> None:
         """Before a step is written: free the oldest step beyond ``max_to_keep - 1``.
 
         Freeing runs in the background; only when a RAM disk is short of room is
         it waited for, and then for the saves still in flight, whose commit lets
         retention free one more step (never the newest complete one)."""
+        self._retain_unreplicated(held)
         if not self._retains():
             return
         coming = 1 + self._saves_in_flight()
@@ -543,12 +622,13 @@ class CheckpointManager:
                                         f"({self._where()})")
             step = steps[-1]
         run = prepared.run if prepared is not None and prepared.step == step else ""
-        if not run and not self.options.replicators:
-            self._check_one_run(step)
+        if not run:  # no agreed run: that the hosts' copies are one run's is asked here
+            self._inventory.check_one_run(step)
         error: MtcError | None = None
         result: Any = None
         nbytes = 0
         self.last_restore_seconds = {}
+        fetched_before = self._dispatch.network_bytes()
         try:
             saved, result = self._load(step, target, args, prepared, run)
             nbytes = sum(m.nbytes for m in saved.manifests.values())
@@ -582,6 +662,9 @@ class CheckpointManager:
                                           step=step)
         if error is not None:
             raise error
+        if self._dispatch.network_bytes() > fetched_before:
+            # Regions this process read from other hosts' copies, over the network.
+            tiers = {h: farthest({0: t, 1: "peer"}) for h, t in tiers.items()}
         self.last_restore_tiers = tiers
         self.last_restore_tier = farthest(tiers)
         self.last_restore_seconds.update({"prepare": t_prepared - t0,
@@ -590,6 +673,7 @@ class CheckpointManager:
         if newest and not self.options.replicators and not self.options.read_only:
             self._fence(step)
         self._latest = None
+        self._inventory.relearn()
         if not self.options.read_only:
             # Saves from here on are another run's: what this run saved after the
             # restored step (fenced, or never finished) can never mix with them.
@@ -610,26 +694,6 @@ class CheckpointManager:
                          "after restoring step %d)", s, hosts, step)
                 self._dispatch.delete(s, hosts)
                 self._inventory.forget(s)
-
-    def _check_one_run(self, step: int) -> None:
-        """In multi-controller JAX each process sees its own host: that every
-        process's copy of ``step`` was written by one run is asked of them all
-        (collective), before anything is read."""
-        if self.topology.subdirs or jax.process_count() == 1:
-            return
-        held = self._inventory.held()
-        mine = [h for h in self.topology.local_hosts if step in held.get(h, ())]
-        key = -1
-        if mine:
-            try:
-                one = self._inventory.run_of(step, mine)
-            except MtcError:
-                one = None
-            key = -1 if one is None else runs.run_key(one)
-        if multihost.common_steps([step], {step: key}) != [step]:
-            raise MixedRunError("the processes' hosts hold copies of this step written by "
-                                "different runs (or not at all): it is never restored",
-                                step=step)
 
     def _where(self) -> str:
         """Where this manager's steps are, as the user configured it."""
@@ -669,7 +733,11 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish every save, then release the directory. Later calls raise ClosedError."""
-        self._held.release()
+        try:
+            self._held.release()
+        finally:
+            if self._watch is not None:
+                self._watch.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from mtc.errors import ManifestError
 from mtc.integrity import crc32c
 
 FORMAT = "mtc-manifest"
-# 2 added ``run``. A reader takes every version up to its own (an older step reads
-# as run ""); a step of a newer version is refused by name: upgrade readers (the
-# replicators, then the trainers) before writers (docs/deploy.md, "Upgrades").
+# 2 added ``run``, and ``ranks`` where it is not host h = rank h. A reader takes
+# every version up to its own (an older step reads as run ""); a step of a newer
+# version is refused by name: upgrade readers (the replicators, then the trainers)
+# before writers (docs/deploy.md, "Upgrades").
 VERSION = 2
 READS = (1, 2)
 MANIFEST_NAME = "manifest.json"
@@ -133,6 +134,14 @@ class Manifest:
     # The run that wrote it: every host's manifest of one step names the same run,
     # or the step mixes two runs' bytes and is never restored ("": before version 2).
     run: str = ""
+    # The replicator rank of each saving host, in host order (a job that came back
+    # on other hosts than 0..n-1): where each host's data of the step is kept.
+    # Empty: host h is rank h.
+    ranks: tuple[int, ...] = ()
+
+    def rank_of(self, host: int) -> int:
+        """The replicator rank holding saving host ``host``'s data of the step."""
+        return self.ranks[host] if self.ranks else host
 
     @property
     def files(self) -> dict[str, ShardEntry]:
@@ -146,6 +155,8 @@ class Manifest:
         body = {"format": FORMAT, "version": self.version, "step": self.step,
                 "host": self.host, "slice": self.slice, "num_hosts": self.num_hosts,
                 "run": check_run(self.run), "leaves": [leaf.to_json() for leaf in self.leaves]}
+        if self.ranks:
+            body["ranks"] = list(check_ranks(list(self.ranks), self.num_hosts))
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return json.dumps({"body": text, "crc32c": crc32c(text.encode())}).encode()
 
@@ -159,7 +170,8 @@ class Manifest:
                     num_hosts=_int(body["num_hosts"], "num_hosts", 1),
                     leaves=tuple(LeafEntry.from_json(x) for x in _list(body["leaves"],
                                                                        "leaves")),
-                    version=body["version"], run=check_run(body.get("run", "")))
+                    version=body["version"], run=check_run(body.get("run", "")),
+                    ranks=_ranks(body))
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
         if m.host >= m.num_hosts:
@@ -172,21 +184,22 @@ class Manifest:
         return cls.summary_of(data, path=path)[0]
 
     @classmethod
-    def summary_of(cls, data: bytes, *, path: str = "") -> tuple[int, str]:
-        """The number of hosts that saved the step and the run that saved it,
-        checked as :meth:`from_bytes` checks the manifest but without building its
-        leaves (a replicator asks this of every copy it lists; a manifest has
-        thousands of shards)."""
+    def summary_of(cls, data: bytes, *, path: str = "") -> Summary:
+        """The number of hosts that saved the step, the run that saved it and the
+        saving hosts' ranks, checked as :meth:`from_bytes` checks the manifest but
+        without building its leaves (a replicator asks this of every copy it
+        lists; a manifest has thousands of shards)."""
         body = cls._body(data, path)
         try:
             num_hosts = _int(body["num_hosts"], "num_hosts", 1)
             host = _int(body["host"], "host", 0)
             run = check_run(body.get("run", ""))
+            ranks = _ranks(body)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
         if host >= num_hosts:
             raise ManifestError(f"host {host} of {num_hosts}", path=path)
-        return num_hosts, run
+        return Summary(num_hosts, run, ranks, host)
 
     @staticmethod
     def _body(data: bytes, path: str) -> dict[str, Any]:
@@ -215,7 +228,31 @@ class Manifest:
         return body
 
 
+class Summary(NamedTuple):
+    """What a replicator reads of a manifest: hosts that saved the step, its run,
+    their replicator ranks (empty: host h is rank h) and whose manifest it is."""
+
+    num_hosts: int
+    run: str
+    ranks: tuple[int, ...] = ()
+    host: int = 0  # the saving host whose manifest it is
+
+
 STEP_MAX = 2**62  # a step number: an int64 everywhere, with room to spare
+
+
+def check_ranks(ranks: Any, num_hosts: int) -> tuple[int, ...]:
+    """The saving hosts' replicator ranks: one distinct rank >= 0 per host."""
+    got = tuple(_int(r, "rank", 0, 2**31 - 1) for r in _list(ranks, "ranks"))
+    if len(got) != num_hosts or len(set(got)) != len(got):
+        raise ValueError(f"ranks {list(got)[:16]} are not {num_hosts} distinct ranks")
+    return got
+
+
+def _ranks(body: dict[str, Any]) -> tuple[int, ...]:
+    if "ranks" not in body:
+        return ()
+    return check_ranks(body["ranks"], _int(body["num_hosts"], "num_hosts", 1))
 
 
 def check_run(run: object) -> str:

@@ -48,6 +48,17 @@ def _whole(rows: np.ndarray) -> np.ndarray:
     return ((r[:n] << np.uint64(32)) | r[n:]).view(np.int64)
 
 
+def every_value(value: int) -> list[int]:
+    """Every process's ``value`` (an int64), in process order (collective)."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    mine = _halves(np.array([[value]], dtype=np.int64))
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    return [int(_whole(rows)[0, 0]) for rows in everyone.reshape(jax.process_count(), 2, 1)]
+
+
 def barrier(name: str) -> None:
     """Wait for every process (no-op with one)."""
     if jax.process_count() > 1:

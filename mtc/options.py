@@ -47,13 +47,18 @@ class Options:
         hosts (one RAM-disk root each, under ``<local_dir>/host-<i>/``). ``None``
         means one host per JAX process.
       host_subdirs: keep each host's steps under ``<local_dir>/host-<i>/``
-        rather than in ``local_dir`` itself. ``None``: on when hosts are
-        simulated or several processes share a machine (CPU devices), off on a
-        real host whose RAM disk is ``local_dir``.
+        rather than in ``local_dir`` itself. ``None``: off with one process per
+        host (multi-controller JAX: ``local_dir`` is the host's RAM disk, where
+        its replicator looks) and on Pathways; on for a single process on CPU
+        devices (this machine standing in for a job's hosts). Processes of one
+        machine sharing a ``local_dir`` set it on (else the second one gets
+        ``DirectoryLockedError``). With replicators, a manager whose host root is
+        not its replicator's ``--local-dir`` fails at start with ``ConfigError``.
       replicators: each host's ``mtc-replicator`` address, in host order. With
         replicators, ``restore()`` without a step asks them to agree on the
         newest step restorable on every host and to fetch missing data from
-        peers first; retention is then theirs (``max_to_keep`` is not applied).
+        peers first; retention is then theirs (``max_to_keep`` is applied only
+        to a host whose replicator does not answer, until it does).
         In multi-controller JAX with a RAM disk per process (no host subfolders)
         they also serve the manifests and regions this process's host does not
         hold (a restore onto another mesh or onto fewer processes).
@@ -62,7 +67,9 @@ class Options:
         membership in the replicators' restore agreement: a job that comes back on
         fewer hosts than saved (4 processes as 2) agrees among its own hosts, and
         the data of the hosts gone must be held by them (peer copies) or backed
-        up. State the ranks when the job's hosts are not the first ones.
+        up. State the ranks when the job's hosts are not the first ones: its
+        manifests then name them, so its own steps restore later on these
+        hosts or on all of them again.
       replicator_token: the replicators' shared token, if they require one; also
         presented to the hosts' ``sidecars``, which take the same credentials.
       replicator_tls: ``(certificate, key, CA)`` PEM files for mutual TLS with the
@@ -71,7 +78,10 @@ class Options:
         cert-manager's CSI driver mounts) and the sidecars. A Pathways controller's
         certificate names no rank; a multi-controller trainer's is its pod's,
         naming that host's rank (docs/security.md).
-      restore_timeout_s: how long a restore waits for the replicators.
+      restore_timeout_s: how long a restore waits for the replicators (a member
+        that does not ask fails their agreement sooner, at their
+        ``--agreement-timeout-seconds``; this bound holds for this process's own
+        replicator not answering, and for the data made local).
       restore_while_fetching: with replicators and one controller planning
         every host's reads: a host that holds no copy of the agreed step (a
         replaced host) does not hold the restore up while its replicator fetches

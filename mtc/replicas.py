@@ -52,7 +52,8 @@ class Prepared:
 def prepare_restore(addresses: Sequence[str], *, token: str | None,
                     timeout_s: float, creds: Credentials | None = None,
                     restore_id: str | None = None,
-                    members: Sequence[int] = (), background: bool = False) -> Prepared:
+                    members: Sequence[int] = (), background: bool = False,
+                    ranks: Sequence[int] | None = None) -> Prepared:
     """Ask each replicator (concurrently: they read one decision) to make its
     host's data of the agreed step local.
 
@@ -68,7 +69,8 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
 
     ``background``: a replicator whose host holds no copy of the step answers
     once it is agreed and brings the data in the background (``pending``); ask
-    it again with the returned ``restore_id`` to wait for the data."""
+    it again with the returned ``restore_id`` to wait for the data. ``ranks``: each
+    address's replicator rank (default: its position), which errors name."""
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.security import Credentials
 
@@ -77,7 +79,8 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
     rid = restore_id or uuid.uuid4().hex
     deadline = time.monotonic() + timeout_s
     cancelled = threading.Event()
-    clients = [PeerClient(a, creds, rank=i) for i, a in enumerate(addresses)]
+    clients = [PeerClient(a, creds, rank=ranks[i] if ranks is not None else i)
+               for i, a in enumerate(addresses)]
     pool = ThreadPoolExecutor(len(clients), thread_name_prefix="mtc-prepare")
     try:
         futs = [pool.submit(_prepare_one, c, rid, deadline, cancelled, tuple(members),
@@ -127,11 +130,11 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
         except PeerError as e:
             if cancelled.is_set():
                 raise
-            if not is_retryable(e):
-                raise e.kind(f"replicator {client.address}: {e}", host=client.rank) from e
+            if not is_retryable(e):  # the replicator's own error, named once
+                raise e.kind(e.message, step=e.step, host=e.host, path=e.path) from e
             if time.monotonic() + RETRY_S >= deadline:
-                raise AgreementError(f"replicator {client.address} did not answer the "
-                                     f"restore in time: {e}", host=client.rank) from e
+                raise AgreementError(f"did not answer the restore in time: {e.message}",
+                                     host=e.host) from e
             log.info("replicator %s unavailable (%s); asking again", client.address, e.code)
             cancelled.wait(RETRY_S)
 
@@ -166,15 +169,19 @@ class ReplicatorTier:
                                token=self.options.replicator_token,
                                creds=credentials(self.options), members=self.ranks,
                                background=background,
-                               timeout_s=timeout_s or self.options.restore_timeout_s)
+                               timeout_s=timeout_s or self.options.restore_timeout_s,
+                               ranks=[self.ranks[h] for h in self.local_hosts])
 
     def wait_local(self, prepared: Prepared) -> None:
         """Ask the pending hosts' replicators again, with the same restore id (the
         same decision), to answer once their data is local."""
-        again = prepare_restore(sorted(prepared.pending), token=self.options.replicator_token,
+        pending = sorted(prepared.pending)
+        rank_of = {a: r for a, r in zip(self.addresses, self.ranks, strict=True)}
+        again = prepare_restore(pending, token=self.options.replicator_token,
                                 creds=credentials(self.options), members=self.ranks,
                                 restore_id=prepared.restore_id,
-                                timeout_s=self.options.restore_timeout_s)
+                                timeout_s=self.options.restore_timeout_s,
+                                ranks=[rank_of[a] for a in pending])
         if again.step != prepared.step:
             raise AgreementError(f"asked again, the replicators say step {again.step}",
                                  step=prepared.step)

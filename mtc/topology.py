@@ -64,7 +64,11 @@ class Topology:
                               if d.process_index == me}))
         subdirs = options.host_subdirs
         if subdirs is None:
-            subdirs = devices[0].platform == "cpu"
+            # One process per host (multi-controller JAX) keeps its steps at the root of
+            # its RAM disk, where the host's replicator looks: the deployment's layout.
+            # One process on CPU devices is this machine standing in for a job: host
+            # folders, so a RAM disk's root is never mistaken for one host's.
+            subdirs = devices[0].platform == "cpu" and jax.process_count() == 1
         return cls(host_of, slice_of, local, subdirs)
 
     @classmethod

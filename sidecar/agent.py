@@ -114,7 +114,7 @@ class HostAgent:
                 self._clean_once(h)
                 save = HostSave(self.config.root(h), header.step, h,
                                 self.config.slice_of_host[h], len(self.config.slice_of_host),
-                                list(header.leaves), header.run)
+                                list(header.leaves), header.run, header.ranks)
                 self.writer.submit(save)
                 opened.append(save)
                 with self._lock:
@@ -155,7 +155,7 @@ class HostAgent:
         save = HostSave(self.config.root(host), header.step, host,
                         self.config.slice_of_host[host] if slice_ is None else slice_,
                         len(self.config.slice_of_host) if num_hosts is None else num_hosts,
-                        list(header.leaves), header.run)
+                        list(header.leaves), header.run, header.ranks)
         save.done.add_done_callback(lambda f: on_written(f.exception()))
         self.writer.submit(save)
         with self._lock:

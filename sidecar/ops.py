@@ -40,7 +40,11 @@ class HostOps:
     beside them are reachable too and are listed by ``steps``.
 
     ``remote``: in multi-controller JAX, where the files of hosts other than
-    ``own`` (this process's) come from: the network tier, never their RAM disks.
+    this process's own come from: the network tier, never their RAM disks. Which
+    saving host's data of a step this host's RAM disk holds is what its manifest
+    there says (:meth:`own_for`): a job that came back on other hosts than it
+    saved on holds another host's (host 2 of 4 is host 0 of a job of 2), and a
+    host it grew onto holds none.
     """
 
     def __init__(self, config: AgentConfig, *, remote: Remote | None = None,
@@ -53,9 +57,30 @@ class HostOps:
         self._ops: dict[str, Callable[..., Any]] = {
             "open": self._open, "release": self._release, "steps": self._steps,
             "manifest": self._manifest, "delete": self._delete, "retain": self._retain,
-            "space": self._space, "settle": self._settle, "read": self._read}
+            "space": self._space, "settle": self._settle, "read": self._read,
+            "identify": self._identify}
         self._locks: dict[int, int] = {}  # host -> descriptor holding its writer lock
         self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
+        # step -> ((inode, mtime) of this host's manifest of it, saving host it names)
+        self._own: dict[int, tuple[tuple[int, int], int]] = {}
+
+    def own_for(self, step: int) -> tuple[int, ...]:
+        """The saving hosts whose data of ``step`` this process's RAM disks hold:
+        with the network tier, the one this host's manifest of it names (none when
+        it holds no copy); else the hosts it serves."""
+        if self.remote is None or len(self.own) != 1:
+            return self.own
+        path = layout.step_dir(self._root(self.own[0]), step) / MANIFEST_NAME
+        try:
+            st = os.stat(path)
+            key = (st.st_ino, st.st_mtime_ns)
+            hit = self._own.get(step)
+            if hit is None or hit[0] != key:
+                hit = (key, Manifest.summary_of(path.read_bytes(), path=str(path)).host)
+                self._own[step] = hit
+        except (OSError, ManifestError):
+            return ()  # no readable copy here: every host's data comes from the network
+        return (hit[1],)
 
     def handle(self, request: bytes, serves: Sequence[int] | None = None
                ) -> bytes | bytearray:
@@ -98,7 +123,7 @@ class HostOps:
         host = hosts[0]
         path = layout.step_dir(self._root(host), step) / MANIFEST_NAME
         try:
-            if self.remote is not None and host not in self.own:
+            if self.remote is not None and host not in self.own_for(step):
                 path = Path(f"host-{host}:{step}") / MANIFEST_NAME  # named, never opened
                 data = bytes(self.remote(step, host, MANIFEST_NAME))
             else:
@@ -175,6 +200,11 @@ class HostOps:
             out[str(h)] = [layout.free_bytes(root), self._sizes[key] if key else 0]
         return out
 
+    def _identify(self, hosts: Sequence[int], create: bool) -> dict[str, str]:
+        """Per host: its root's identity (``create``: written now when it has none),
+        which the replicator serving the same folder reports back."""
+        return {str(h): layout.root_identity(self._root(h), create=create) for h in hosts}
+
     def _settle(self, hosts: Sequence[int]) -> None:
         """Wait until background deletions have freed their space."""
         layout.finish_deletions()
@@ -188,7 +218,7 @@ class HostOps:
                 raise ProtocolError(f"tasks by host read by one host, not {list(hosts)}",
                                     step=step)
             tasks = tasks.get(str(hosts[0]), [])
-        loader = ShardLoader(step, self._root, remote=self.remote, own=self.own)
+        loader = ShardLoader(step, self._root, remote=self.remote, own=self.own_for(step))
         if not isinstance(tasks, list):
             raise ProtocolError("tasks is a list", step=step)
         parsed = [task_from_json(d) for d in tasks]

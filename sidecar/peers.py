@@ -34,6 +34,9 @@ INVENTORY_TTL_S = 10.0
 
 # origin rank -> holders, nearest first: (client, path -> (size, crc32c))
 Holders = dict[int, list[tuple[PeerClient, dict[str, tuple[int, int]]]]]
+# saving host -> the origin rank its data of a step is kept under (its copies'
+# saving_ranks; a host absent here is its own rank)
+Origins = dict[int, int]
 
 
 def order_holders(origin: int, near: int | None, ranks: Sequence[int]) -> list[int]:
@@ -65,7 +68,7 @@ class PeerFiles:
         self._clients = [PeerClient(a, creds, rank=i, deadline_s=INVENTORY_DEADLINE_S)
                          for i, a in enumerate(self.addresses)]
         self._lock = threading.Lock()
-        self._inventories: dict[int, tuple[float, Holders]] = {}
+        self._inventories: dict[int, tuple[float, Holders, Origins]] = {}
         # What came over the network tier (for logs and tests): bytes, newest files.
         self.fetched_bytes = 0
         self.fetched: deque[tuple[int, int, str]] = deque(maxlen=256)  # (step, origin, file)
@@ -81,14 +84,19 @@ class PeerFiles:
             log.info("replicator %s did not answer its inventory: %s", client.address, e)
             return None
 
-    def _holders(self, step: int, *, fresh: bool) -> Holders:
+    def _holders(self, step: int, *, fresh: bool) -> tuple[Holders, Origins]:
         with self._lock:
             cached = self._inventories.get(step)
         if cached is not None and not fresh and time.monotonic() - cached[0] < INVENTORY_TTL_S:
-            return cached[1]
+            return cached[1], cached[2]
         with ThreadPoolExecutor(len(self._clients), thread_name_prefix="mtc-inventory") as pool:
             invs = list(pool.map(self._ask, self._clients))
         ranks = [inv.rank if inv is not None else -1 for inv in invs]
+        origins: Origins = {}
+        for inv in invs:
+            for c in inv.copies if inv is not None else ():
+                if c.step == step and c.saving_ranks:
+                    origins = dict(enumerate(c.saving_ranks))
         holders: Holders = {}
         for origin in sorted({c.origin_rank for inv in invs if inv is not None
                               for c in inv.copies if c.step == step}):
@@ -100,15 +108,20 @@ class PeerFiles:
                     files = {f.path: (int(f.size), int(f.crc32c)) for f in copy.files}
                     holders.setdefault(origin, []).append((self._clients[i], files))
         with self._lock:
-            self._inventories = {step: (time.monotonic(), holders)}
-        return holders
+            self._inventories = {step: (time.monotonic(), holders, origins)}
+        return holders, origins
 
-    def read(self, step: int, origin: int, rel: str) -> bytearray:
-        """File ``rel`` of host ``origin``'s copy of ``step``, verified on arrival.
-        Raises ShardUnavailableError when no replicator serves a good copy."""
+    def read(self, step: int, host: int, rel: str) -> bytearray:
+        """File ``rel`` of saving host ``host``'s data of ``step`` (kept by the
+        replicators as its rank's: host ``h`` is rank ``h`` unless the copies say
+        otherwise), verified on arrival. Raises ShardUnavailableError when no
+        replicator serves a good copy."""
         errors: list[str] = []
+        origin = host
         for fresh in (False, True):
-            for client, files in self._holders(step, fresh=fresh).get(origin, []):
+            holders, origins = self._holders(step, fresh=fresh)
+            origin = origins.get(host, host)
+            for client, files in holders.get(origin, []):
                 if rel not in files:
                     continue
                 size, crc = files[rel]
@@ -122,6 +135,6 @@ class PeerFiles:
                 self.fetched.append((step, origin, rel))
                 return data
         raise ShardUnavailableError(
-            f"no replicator serves {rel} of host {origin}'s copy (asked "
+            f"no replicator serves {rel} of host {host}'s data (rank {origin}'s copy; asked "
             f"{', '.join(self.addresses)}{': ' + '; '.join(errors) if errors else ''})",
-            step=step, host=origin, path=rel)
+            step=step, host=host, path=rel)

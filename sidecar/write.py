@@ -53,9 +53,10 @@ class HostSave:
     """One host's step in flight: metadata now, shards as they are staged."""
 
     def __init__(self, root: Path, step: int, host: int, slice_: int, num_hosts: int,
-                 leaves: list[LeafEntry], run: str = "") -> None:
+                 leaves: list[LeafEntry], run: str = "", ranks: tuple[int, ...] = ()) -> None:
         self.root = root
         self.run = run
+        self.ranks = ranks  # each saving host's replicator rank (empty: host h is rank h)
         self.step = step
         self.host = host
         self.slice = slice_
@@ -180,7 +181,8 @@ class Writer:
             leaves = [dataclasses.replace(leaf, shards=tuple(entries.get(i, ())))
                       for i, leaf in enumerate(save.leaves)]
             manifest = Manifest(step=save.step, host=save.host, slice=save.slice,
-                                num_hosts=save.num_hosts, leaves=tuple(leaves), run=save.run)
+                                num_hosts=save.num_hosts, leaves=tuple(leaves), run=save.run,
+                                ranks=save.ranks)
             try:
                 (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
             except OSError as e:

@@ -142,6 +142,36 @@ def test_decide_never_combines_two_runs(name: str, holdings: dict[int, Holding],
     assert decide(holdings, members, own_only, num_nodes) == want
 
 
+def hk(*copies: tuple[int, int, str, tuple[int, ...]]) -> Holding:
+    """Copies of a job that saved on ranks other than 0..n-1: (origin, step, run, ranks)."""
+    return Holding(frozenset((o, s) for o, s, _, _ in copies), frozenset(), None, frozenset(),
+                   frozenset((o, s, r, len(k)) for o, s, r, k in copies),
+                   frozenset((s, r, k) for _, s, r, k in copies))
+
+
+# (name, holdings, members, num_nodes, expected): steps saved by a job on ranks 2 and 3.
+RANKS_CASES = [
+    ("a job of 2 on ranks 2 and 3: their data makes its step, not ranks 0 and 1's",
+     {2: hk((2, 4, "s", (2, 3)), (0, 3, "b", ())), 3: hk((3, 4, "s", (2, 3)))}, [2, 3], 4,
+     Decided(4, "s")),
+    ("its step without rank 3's data is not complete",
+     {2: hk((2, 4, "s", (2, 3))), 3: hk()}, [2, 3], 4,
+     Decided(-1, lost="step 4: data of rank(s) [3] is on no member and not in the backup "
+                      "(rank(s) [2] still hold theirs)")),
+    ("the job grown back onto all 4 restores it: ranks 0 and 1 saved none of it",
+     {0: hk(), 1: hk(), 2: hk((2, 4, "s", (2, 3))), 3: hk((3, 4, "s", (2, 3)))},
+     [0, 1, 2, 3], 4, Decided(4, "s")),
+]
+
+
+@pytest.mark.parametrize(("name", "holdings", "members", "num_nodes", "want"), RANKS_CASES,
+                         ids=[c[0] for c in RANKS_CASES])
+def test_decide_on_the_ranks_that_saved(name: str, holdings: dict[int, Holding],
+                                        members: list[int], num_nodes: int,
+                                        want: Decided) -> None:
+    assert decide(holdings, members, own_only, num_nodes) == want
+
+
 def test_a_decision_keeps_its_run_and_loss_across_a_restart(tmp_path: Path) -> None:
     book = Book(tmp_path / "book.json")
     book.record(7, {"r"}, 1.0, members=[0, 1], run="abc")

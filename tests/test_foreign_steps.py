@@ -67,6 +67,20 @@ def test_store_tells_its_steps_from_another_ranks(tmp_path: Path) -> None:
     assert LocalStore(root, rank=1).own_steps() == [7, 9]
 
 
+def test_a_step_of_a_job_back_on_other_ranks_is_the_rank_its_manifest_names(
+        tmp_path: Path) -> None:
+    root = tmp_path / "host-2"
+    root.mkdir()
+    # A job of 2 on ranks 2 and 3 saved step 4 here as its host 0.
+    mtc_step(root, 4, host=0, num_hosts=2, fill=1)
+    m = Manifest.from_bytes((root / "4" / MANIFEST_NAME).read_bytes())
+    (root / "4" / MANIFEST_NAME).write_bytes(
+        Manifest(step=4, host=0, slice=0, num_hosts=2, leaves=m.leaves,
+                 ranks=(2, 3)).to_bytes())
+    assert LocalStore(root, rank=2).own_steps() == [4]
+    assert LocalStore(root, rank=0).own_steps() == []  # host 0 of that job is rank 2
+
+
 def _wait(what: str, cond: Any, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -766,7 +766,10 @@ def test_a_hostile_peers_inventory_is_refused(base: Path) -> None:
             finally:
                 c0.close()
         assert held.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 4, held
-        assert held.count(grpc.StatusCode.DEADLINE_EXCEEDED) == 8, held
+        # The eight held end at the caller's deadline, or at the replicator's own
+        # --agreement-timeout-seconds (3 here, whatever the hour asked), typed.
+        assert held.count(grpc.StatusCode.DEADLINE_EXCEEDED) + \
+            held.count(grpc.StatusCode.ABORTED) == 8, held
     finally:
         server.stop(0).wait()
         print(cl.log_text(0)[-3000:])

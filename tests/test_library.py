@@ -321,7 +321,10 @@ def test_one_info_line_per_save_and_restore(ramdisk: Path, mesh: Mesh,
     saves = [m for m in lines if m.startswith("mtc: save step 5:")]
     restores = [m for m in lines if m.startswith("mtc: restored step 5:")]
     assert len(saves) == 1 and len(restores) == 1, lines
-    assert f"{state['w'].nbytes} bytes" in saves[0] and "local tier" in saves[0]
+    # This process's hosts' bytes (each of the 4 hosts writes the regions it holds:
+    # the leaf is replicated over the 2 slices) and where they go.
+    assert f"{2 * state['w'].nbytes} bytes of 4 hosts" in saves[0], saves
+    assert f"writing to {ramdisk}/host-{{0..3}}" in saves[0], saves
     assert "bytes in" in restores[0] and "from the local tier" in restores[0]
 
 

@@ -31,6 +31,9 @@ class Dispatch(Protocol):
                keep_period: int | None, before_write: bool) -> dict[int, tuple[int, int]]: ...
     def space(self, hosts: Sequence[int]) -> dict[int, tuple[int, int]]: ...
     def settle(self, hosts: Sequence[int]) -> None: ...
+    def own_for(self, step: int) -> tuple[int, ...]: ...
+    def network_bytes(self) -> int: ...
+    def identify(self, hosts: Sequence[int], *, create: bool) -> dict[int, str]: ...
     def close(self) -> None: ...
 
 
@@ -207,3 +210,23 @@ class HostCalls:
     def settle(self, hosts: Sequence[int]) -> None:
         """Wait until the hosts' background deletions have freed their space."""
         self._call("settle", hosts)
+
+    def identify(self, hosts: Sequence[int], *, create: bool) -> dict[int, str]:
+        """Each host root's identity (``create``: written where none is yet), the token
+        its replicator reports back when it serves the same folder."""
+        out: dict[int, str] = {}
+        for reply in self._call("identify", hosts, create=create):
+            for h, ident in (reply or {}).items():
+                out[int(h)] = str(ident)
+        return out
+
+    def own_for(self, step: int) -> tuple[int, ...]:
+        """With the network tier (multi-controller JAX, this process alone with its
+        host's RAM disk): the saving hosts whose data of ``step`` that RAM disk
+        holds (:meth:`mtc.sidecar.ops.HostOps.own_for`). () elsewhere."""
+        return ()
+
+    def network_bytes(self) -> int:
+        """Bytes of other hosts' files this process has read over the network tier
+        (multi-controller JAX; 0 elsewhere, where no host reads another's files)."""
+        return 0

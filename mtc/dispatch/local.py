@@ -22,11 +22,13 @@ from mtc.sidecar.replicator.security import Credentials
 @dataclasses.dataclass(frozen=True)
 class NetworkTier:
     """Where a process of a multi-controller job gets other hosts' files: the
-    replicators (``addresses`` in host order, reached with ``creds``); ``own``: its hosts."""
+    replicators (``addresses`` in host order, reached with ``creds``); ``own``: its
+    hosts; ``rank``: its host's replicator's rank (asked first: it may hold a copy)."""
 
     addresses: tuple[str, ...]
     creds: Credentials
     own: tuple[int, ...]
+    rank: int | None = None
 
 
 class LocalDispatch(HostCalls):
@@ -38,8 +40,7 @@ class LocalDispatch(HostCalls):
     def __init__(self, config: AgentConfig, network: NetworkTier | None = None) -> None:
         self.config = config
         self.agent = HostAgent(config)
-        self.peers = (PeerFiles(network.addresses, network.creds,
-                                near=network.own[0] if network.own else None)
+        self.peers = (PeerFiles(network.addresses, network.creds, near=network.rank)
                       if network is not None else None)
         self.own = network.own if network is not None else ()
         self.ops = HostOps(config, remote=self.peers.read if self.peers else None,
@@ -60,8 +61,15 @@ class LocalDispatch(HostCalls):
     def load(self, step: int, tasks: Sequence[ReadTask],
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
         loader = ShardLoader(step, self.config.root,
-                             remote=self.peers.read if self.peers else None, own=self.own)
+                             remote=self.peers.read if self.peers else None,
+                             own=self.ops.own_for(step))
         return load_leaves(loader, tasks, specs)
+
+    def own_for(self, step: int) -> tuple[int, ...]:
+        return self.ops.own_for(step) if self.peers is not None else ()
+
+    def network_bytes(self) -> int:
+        return self.peers.fetched_bytes if self.peers is not None else 0
 
     def close(self) -> None:
         try:

@@ -17,46 +17,70 @@ class FileInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class StepCopy(_message.Message):
-    __slots__ = ("step", "origin_rank", "files", "saved_hosts", "run", "fingerprint")
+    __slots__ = ("step", "origin_rank", "files", "saved_hosts", "run", "fingerprint", "saving_ranks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     SAVED_HOSTS_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SAVING_RANKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     origin_rank: int
     files: _containers.RepeatedCompositeFieldContainer[FileInfo]
     saved_hosts: int
     run: str
     fingerprint: int
-    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., saved_hosts: _Optional[int] = ..., run: _Optional[str] = ..., fingerprint: _Optional[int] = ...) -> None: ...
+    saving_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., saved_hosts: _Optional[int] = ..., run: _Optional[str] = ..., fingerprint: _Optional[int] = ..., saving_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
-    __slots__ = ("rank_only", "origins", "without_files")
+    __slots__ = ("rank_only", "origins", "without_files", "identify")
     RANK_ONLY_FIELD_NUMBER: _ClassVar[int]
     ORIGINS_FIELD_NUMBER: _ClassVar[int]
     WITHOUT_FILES_FIELD_NUMBER: _ClassVar[int]
+    IDENTIFY_FIELD_NUMBER: _ClassVar[int]
     rank_only: bool
     origins: _containers.RepeatedScalarFieldContainer[int]
     without_files: bool
-    def __init__(self, rank_only: _Optional[bool] = ..., origins: _Optional[_Iterable[int]] = ..., without_files: _Optional[bool] = ...) -> None: ...
+    identify: bool
+    def __init__(self, rank_only: _Optional[bool] = ..., origins: _Optional[_Iterable[int]] = ..., without_files: _Optional[bool] = ..., identify: _Optional[bool] = ...) -> None: ...
+
+class NodeConfig(_message.Message):
+    __slots__ = ("nodes", "nodes_per_slice")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NODES_PER_SLICE_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    nodes_per_slice: int
+    def __init__(self, nodes: _Optional[_Iterable[str]] = ..., nodes_per_slice: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision", "quarantined_files")
+    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision", "quarantined_files", "root_id", "config", "config_error", "unreplicated_step", "unreplicated_seconds", "replication_late")
     RANK_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NEWEST_BACKED_UP_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKED_UP_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FILES_FIELD_NUMBER: _ClassVar[int]
+    ROOT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_ERROR_FIELD_NUMBER: _ClassVar[int]
+    UNREPLICATED_STEP_FIELD_NUMBER: _ClassVar[int]
+    UNREPLICATED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_LATE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     copies: _containers.RepeatedCompositeFieldContainer[StepCopy]
     newest_backed_up_step: int
     backed_up_steps: _containers.RepeatedScalarFieldContainer[int]
     last_decision: Decision
     quarantined_files: int
-    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., quarantined_files: _Optional[int] = ...) -> None: ...
+    root_id: str
+    config: NodeConfig
+    config_error: str
+    unreplicated_step: int
+    unreplicated_seconds: float
+    replication_late: bool
+    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., quarantined_files: _Optional[int] = ..., root_id: _Optional[str] = ..., config: _Optional[_Union[NodeConfig, _Mapping]] = ..., config_error: _Optional[str] = ..., unreplicated_step: _Optional[int] = ..., unreplicated_seconds: _Optional[float] = ..., replication_late: _Optional[bool] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("epoch", "step", "decided_at", "rank", "restore_id", "run", "lost")

@@ -108,6 +108,8 @@ class StepReader:
         (multi-controller JAX with the network tier) of every host that saved it."""
         held = self.dispatch.steps(self.topology.local_hosts)
         holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
+        if self.network is not None:
+            return self._saved_over_network(step, holders, every_host, run)
         for h in self.topology.local_hosts:
             if h not in holders and h not in pending and not self.topology.subdirs:
                 raise StepNotFoundError("step is not committed", step=step, host=h)
@@ -125,10 +127,24 @@ class StepReader:
         missing = [h for h in range(n) if h not in holders and h in held and h not in pending]
         if missing and self.topology.subdirs:
             raise StepNotFoundError("step is not committed", step=step, host=missing[0])
-        if every_host and self.network is not None:
-            # Multi-controller JAX, each process alone with its RAM disk: every saving
-            # host's manifest (and later its regions) through this host's side, which
-            # gets other hosts' from the network tier. Without replicators only this
-            # host's files are known, and a region it lacks is ShardUnavailableError.
-            return load_step(step, range(n), manifest_of, run=run)
         return load_step(step, [h for h in holders if h < n], manifest_of, run=run)
+
+    def _saved_over_network(self, step: int, holders: list[int], every_host: bool,
+                            run: str) -> SavedStep:
+        """Multi-controller JAX with the network tier, each process alone with its RAM
+        disk: this host's manifest of the step, or (``every_host``, or when this host
+        saved none of it: a job grown onto more hosts, a host replaced empty) every
+        saving host's, which this host's side gets from the network tier. Without
+        replicators only this host's files are known (the caller's other path)."""
+        fetched: dict[int, Manifest] = {}
+
+        def manifest_of(s: int, h: int) -> Manifest:
+            if h not in fetched:
+                fetched[h] = self.dispatch.manifest(s, h)
+            return fetched[h]
+
+        mine = list(self.dispatch.own_for(step)) if holders else []
+        n = self._saved_hosts(step, mine or [0], manifest_of)
+        if every_host or not mine:
+            return load_step(step, range(n), manifest_of, run=run)
+        return load_step(step, mine, manifest_of, run=run)

@@ -7,6 +7,8 @@ host; everything else must be a plain value that the manifest stores inline.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -50,10 +52,11 @@ def _metric_leaves(metrics: Any) -> list[LeafEntry]:
     return out
 
 
-def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, run: str = ""
-            ) -> tuple[SaveHeader, list[jax.Array | np.ndarray]]:
+def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, run: str = "",
+            ranks: tuple[int, ...] = ()) -> tuple[SaveHeader, list[jax.Array | np.ndarray]]:
     """The save header and the arrays, in header order, that hosts must write;
-    ``run``: the manager's run identity, written into every host's manifest."""
+    ``run``: the manager's run identity, written into every host's manifest, as
+    ``ranks`` (each host's replicator rank, when host h is not rank h) is."""
     flat, _ = treepath.flatten(state)
     leaves: list[LeafEntry] = []
     arrays: list[jax.Array | np.ndarray] = []
@@ -83,4 +86,26 @@ def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, r
         array_leaves.append(i)
     if metrics is not None:
         leaves.extend(_metric_leaves(metrics))
-    return SaveHeader(step, tuple(leaves), tuple(array_leaves), skip_if_busy, run), arrays
+    return SaveHeader(step, tuple(leaves), tuple(array_leaves), skip_if_busy, run, ranks), arrays
+
+
+def bytes_on_hosts(arrays: Sequence[jax.Array | np.ndarray], host_of_device: Mapping[int, int],
+                   num_hosts: int) -> int:
+    """Bytes the ``num_hosts`` hosts this process serves write for ``arrays``: each
+    region a host holds once (replicas on its devices are written once), numpy
+    leaves whole on every host. For the save's log line: this process's share,
+    not the job's."""
+    total = 0
+    for a in arrays:
+        if not isinstance(a, jax.Array):
+            total += int(a.nbytes) * num_hosts
+            continue
+        seen: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
+        indices: Mapping[Any, Any] = a.sharding.addressable_devices_indices_map(a.shape)
+        for d, idx in indices.items():
+            key = (host_of_device.get(d.id, -1),
+                   tuple(s.indices(n)[:2] for s, n in zip(idx or (), a.shape, strict=False)))
+            if key not in seen:
+                seen.add(key)
+                total += math.prod(b - s for s, b in key[1]) * a.dtype.itemsize
+    return total

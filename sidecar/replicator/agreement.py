@@ -49,6 +49,10 @@ class Holding:
     # run's bytes make a step. A copy not listed here is of run "" (an Orbax step,
     # one saved before runs were recorded) and counts ``saved_hosts``.
     runs: frozenset[tuple[int, int, str, int]] = frozenset()
+    # (step, run, ranks) of the copies whose manifest states the saving hosts' ranks
+    # (a job that came back on other hosts than 0..n-1 saved it): those ranks' data
+    # makes the step, not ranks 0..n-1.
+    saving: frozenset[tuple[int, str, tuple[int, ...]]] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +91,14 @@ def _held_runs(holdings: Mapping[int, Holding]) -> dict[tuple[int, int], set[str
 
 
 def saving_ranks(step: int, holdings: Mapping[int, Holding], num_nodes: int,
-                 run: str = "") -> range:
+                 run: str = "") -> Sequence[int]:
     """The ranks whose data ``step`` of ``run`` needs: those that saved it, as its
-    copies' manifests state (the most any copy states: never fewer than saved);
-    every node's when none states it (an Orbax step)."""
+    copies' manifests state (their ranks, or the most hosts any copy states: never
+    fewer than saved); every node's when none states it (an Orbax step)."""
+    for h in holdings.values():
+        for s, r, ranks in h.saving:
+            if s == step and r == run and ranks:
+                return ranks
     stated = [n for h in holdings.values() for _, s, r, n in h.runs
               if s == step and r == run and n > 0]
     if not run:

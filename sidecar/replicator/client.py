@@ -20,7 +20,7 @@ from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.confine import open_beneath
 from mtc.sidecar.replicator.rank_names import PeerServerName
 from mtc.sidecar.replicator.security import Credentials, TlsWatch
-from mtc.sidecar.replicator.status import TRANSIENT, error_class
+from mtc.sidecar.replicator.status import TRANSIENT, error_class, where_of
 from mtc.sidecar.replicator.store import CHUNK, FileMeta
 
 T = TypeVar("T")
@@ -200,15 +200,23 @@ class PeerClient:
                 if code == grpc.StatusCode.UNAVAILABLE and self._server_name is not None:
                     self._server_name.stale()  # a replaced peer pod has a new name
                 if code not in _RETRYABLE or attempt == attempts - 1:
-                    err = PeerError(f"{what} to rank {self.rank} at {self.address} failed: "
-                                    f"{code.name if code else e}: "
-                                    f"{e.details() if hasattr(e, 'details') else ''}",
-                                    host=self.rank)
-                    err.code = code
-                    raise err from e
+                    raise self._error(what, e, code) from e
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
         raise AssertionError("unreachable")
+
+    def _error(self, what: str, e: grpc.RpcError, code: grpc.StatusCode | None) -> PeerError:
+        """A failed call as a :class:`PeerError`: the peer's own message, and the
+        step, host and file its error named (else this peer's rank as the host),
+        each once."""
+        where = where_of(e.trailing_metadata() if hasattr(e, "trailing_metadata") else None)
+        details = e.details() if hasattr(e, "details") else ""
+        err = PeerError(f"{what} to {self.address} failed: {code.name if code else e}: "
+                        f"{details}", step=where.get("step"),
+                        host=where.get("host", self.rank if self.rank >= 0 else None),
+                        path=where.get("path"))
+        err.code = code
+        return err
 
     def push_file(self, transfer_id: str, rel: str, path: Path, size: int, crc: int,
                   *, deadline_s: float = 120.0) -> pb.PushAck:

@@ -29,6 +29,9 @@ class ReplicatorConfig:
     # host's own data fetched in the background) wait this long: the restore's
     # reads and the first steps after it have the host's cores and network.
     restore_quiet_s: float = 2.0
+    # Own steps not on every target for longer than this: a WARNING, the identity's
+    # replication_late (mtc status, the managers' logs) and mtc_unreplicated_seconds.
+    replication_warn_s: float = 120.0
     framework: str = "mtc"           # "mtc" or "orbax" (from replicator.yaml)
     job_name: str = "mtc"
 

@@ -20,12 +20,15 @@ import grpc
 from grpc_health.v1 import health
 
 from mtc.errors import ConfigError, MtcError
+from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import orbax
+from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.limits import Limits
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
 from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.selfcheck import check_peers
 from mtc.sidecar.replicator.server import ReplicatorServicer, serve, set_health
 
 log = logging.getLogger("mtc.replicator")
@@ -84,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "own data (fetched in the background) wait this long, so the "
                         "restore's reads and the first train steps after it run first "
                         "(default 2; 0: at once)")
+    p.add_argument("--replication-warn-seconds", type=float, default=120.0,
+                   help="own steps not on every peer for this long: a WARNING here, "
+                        "'late' in mtc status and in the trainers' logs, and "
+                        "mtc_unreplicated_seconds (default 120)")
     p.add_argument("--stall-seconds", type=float, default=120.0,
                    help="health turns NOT_SERVING when the replication loop has not "
                         "passed for this long (default 120)")
@@ -151,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                                   replicas=args.replicas, keep=args.keep,
                                   poll_s=args.poll_seconds, framework=framework,
                                   agreement_timeout_s=args.agreement_timeout_seconds,
-                                  restore_quiet_s=args.restore_quiet_seconds)
+                                  restore_quiet_s=args.restore_quiet_seconds,
+                                  replication_warn_s=args.replication_warn_seconds)
         if (args.tls_pod_prefix is None) != (args.tls_hosts_per_slice is None):
             raise ConfigError("--tls-pod-prefix and --tls-hosts-per-slice go together")
         if args.tls_pod_prefix is not None:
@@ -217,7 +225,10 @@ def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
     threads = [threading.Thread(target=node.run, name="mtc-replicate"),
                threading.Thread(target=node.backup_loop, name="mtc-backup"),
                threading.Thread(target=_client_loop, args=(node, root, client_q),
-                                name="mtc-orbax-client")]
+                                name="mtc-orbax-client"),
+               threading.Thread(target=check_peers,
+                                args=(node.config, lambda peer: _identify(node, peer),
+                                      node.disagrees, stop), name="mtc-config-check")]
     for t in threads:
         t.start()
     if request is not None:
@@ -245,6 +256,7 @@ def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
                 serving = ok
     finally:
         log.info("rank %d: shutting down", node.rank)
+        stop.set()  # the threads waiting on it (the configuration check) end
         health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING from now on
         node.stop()
         client_q.put(None)
@@ -254,6 +266,16 @@ def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
             t.join()
         node.close()
     return 0
+
+
+def _identify(node: Node, peer: int) -> pb.Inventory | None:
+    """Peer ``peer``'s identity, or None while it does not answer."""
+    try:
+        reply: pb.Inventory = node.peers[peer].call(
+            "GetInventory", pb.InventoryRequest(identify=True), attempts=1, deadline_s=5.0)
+        return reply
+    except PeerError:
+        return None
 
 
 def healthy(heartbeat: float, now: float, stall_s: float) -> bool:

@@ -35,6 +35,12 @@ class Metrics:
         self.failures = Counter("mtc_failures", "Failures by kind", ["kind"], registry=r)
         self.skipped = Counter("mtc_skipped", "Work skipped without failing, by reason",
                                ["reason"], registry=r)
+        self.unreplicated = Gauge("mtc_unreplicated_seconds",
+                                  "How long this host's newest steps have waited to reach "
+                                  "every peer (0: they are there)", registry=r)
+        self.config_mismatch = Gauge("mtc_config_mismatch",
+                                     "1 when this node's --nodes, --rank or --nodes-per-slice "
+                                     "disagree with a peer's", registry=r)
         # For alerts on the backup's age (deploy/components/monitoring-*): only the
         # backup leader commits backups, so the job's newest is the maximum over nodes.
         self.backup_committed = Gauge(

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from mtc.errors import AgreementError, ConfigError, CorruptShardError, MtcError
+from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.duties import BackupDuties
 from mtc.sidecar.backup.schedule import BackupScheduler
@@ -55,6 +56,7 @@ from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.restore import RestoreDuties
 from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.selfcheck import ReplicationClock
 from mtc.sidecar.replicator.status import is_retryable
 from mtc.sidecar.replicator.store import FileMeta, LocalStore, fingerprint_of
 
@@ -105,6 +107,10 @@ class Node(BackupDuties, RestoreDuties):
         # served to other restoring hosts that share objects with this one.
         self.restoring: dict[int, tuple[Path, set[str]]] = {}
         self.heartbeat = time.monotonic()  # the replication loop's last pass (health)
+        # How this node's flags disagree with a peer's (selfcheck.check_peers, at
+        # start): while set, it refuses restores and copies nothing.
+        self.config_error = ""
+        self.replication = ReplicationClock(config.replication_warn_s)
         self.last_decision = pb.Decision()  # the newest one this node read
         self._call = threading.local()  # per calling thread: restore id, decision read
         members = list(range(config.num_nodes))
@@ -135,16 +141,43 @@ class Node(BackupDuties, RestoreDuties):
         # decides on has been verified, not just listed.
         for origin, step, held in self.store.verified_copies(origins):
             try:
-                hosts, run = self.store.summary(origin, step)
+                summary = self.store.summary(origin, step)
             except OSError:
                 continue  # deleted since it was verified
-            c = inv.copies.add(step=step, origin_rank=origin, saved_hosts=hosts, run=run,
-                               fingerprint=fingerprint_of(held))
+            c = inv.copies.add(step=step, origin_rank=origin, saved_hosts=summary.num_hosts,
+                               run=summary.run, fingerprint=fingerprint_of(held),
+                               saving_ranks=summary.ranks)
             if files:
                 for f in held:
                     c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
         inv.quarantined_files = self.store.quarantined_total
         return inv
+
+    def identity(self) -> pb.Inventory:
+        """Who this node is, without its copies: rank, configuration, the identity of
+        the RAM disk it serves, whether its configuration disagrees with a peer's,
+        and how its replication is doing (``GetInventory(identify=true)``)."""
+        step, waited, late = self.replication.state()
+        return pb.Inventory(
+            rank=self.rank, root_id=root_identity(self.store.root, create=False),
+            config=pb.NodeConfig(nodes=self.config.nodes,
+                                 nodes_per_slice=self.config.nodes_per_slice),
+            config_error=self.config_error, unreplicated_step=step,
+            unreplicated_seconds=waited, replication_late=late,
+            quarantined_files=self.store.quarantined_total)
+
+    def disagrees(self, problem: str) -> None:
+        """A peer's configuration disagrees with this node's (selfcheck.check_peers)."""
+        self.config_error = "; ".join(filter(None, [self.config_error, problem]))
+        self.metrics.config_mismatch.set(1)
+        log.error("rank %d: configuration disagrees with a peer's (%s): this node refuses "
+                  "restores and copies nothing until every replicator runs with the same "
+                  "--nodes and --nodes-per-slice and its own --rank", self.rank, problem)
+
+    def refuse_if_misconfigured(self) -> None:
+        if self.config_error:
+            raise ConfigError(f"replicator configuration disagrees with a peer's: "
+                              f"{self.config_error}", host=self.rank)
 
     # -- replication ----------------------------------------------------------------
 
@@ -153,8 +186,9 @@ class Node(BackupDuties, RestoreDuties):
         while not self._stop.is_set():
             self.heartbeat = time.monotonic()
             try:
-                self.replicate_once()
-                self.collect_garbage()
+                if not self.config_error:  # copies to the wrong peers help nobody
+                    self.replicate_once()
+                    self.collect_garbage()
             except Exception:
                 log.exception("replication pass failed")
                 self.metrics.failures.labels("loop").inc()
@@ -225,6 +259,7 @@ class Node(BackupDuties, RestoreDuties):
             return  # a restore was just answered: its reads and steps go first
         own = self.store.own_steps()
         if not own:
+            self._note_replication(-1, True)
             return
         newest = own[-1]
         fp = self._own_fingerprint(newest)
@@ -247,9 +282,18 @@ class Node(BackupDuties, RestoreDuties):
                 log.warning("rank %d: step %d not replicated to rank %d: %s",
                             self.rank, newest, target, e)
         done = [s for s in own if self.fully_replicated(s)]
+        self._note_replication(newest, self.fully_replicated(newest))
         if done:
             self.metrics.newest.labels("replicated").set(done[-1])
         self.metrics.lag.set(sum(1 for s in own if not done or s > done[-1]))
+
+    def _note_replication(self, newest: int, replicated: bool) -> None:
+        self.replication.update(newest, replicated)
+        self.metrics.unreplicated.set(self.replication.state()[1])
+        warning = self.replication.warn_once()
+        if warning:
+            log.warning("rank %d: %s (targets: ranks %s)", self.rank, warning,
+                        self.config.targets(self.rank))
 
     def _own_fingerprint(self, step: int) -> int:
         try:
@@ -400,7 +444,9 @@ class Node(BackupDuties, RestoreDuties):
                        frozenset((c.step, c.saved_hosts) for c in inv.copies
                                  if c.saved_hosts and not c.run),
                        frozenset((c.origin_rank, c.step, c.run, c.saved_hosts)
-                                 for c in inv.copies if c.run))
+                                 for c in inv.copies if c.run),
+                       frozenset((c.step, c.run, tuple(c.saving_ranks))
+                                 for c in inv.copies if c.saving_ranks))
 
     def _gather_invs(self, ranks: Sequence[int], deadline: float, *,
                      known_up: bool = False, files: bool = True) -> dict[int, pb.Inventory]:
@@ -461,11 +507,13 @@ class Node(BackupDuties, RestoreDuties):
         ``members`` (empty: every node) that this ask belongs to."""
         if not 0 <= rank < self.config.num_nodes:
             raise ValueError(f"rank {rank} is not a member (0..{self.config.num_nodes - 1})")
+        self.refuse_if_misconfigured()
         group = check_members(members, self.config.num_nodes, rank)
         if self.rank != group[0]:
             raise ConfigError(f"rank {self.rank} is not the agreement coordinator of "
                               f"membership {list(group)} (rank {group[0]} is)")
-        rec = self.coordinator_of(group).decide_for(rank, rid, timeout_s)
+        rec = self.coordinator_of(group).decide_for(
+            rank, rid, min(timeout_s, self.config.agreement_timeout_s))
         return pb.Decision(epoch=rec.epoch, step=rec.step, decided_at=rec.decided_at,
                            rank=rank, restore_id=rid, run=rec.run, lost=rec.lost)
 
@@ -474,7 +522,10 @@ class Node(BackupDuties, RestoreDuties):
         """Read this restore's decision from the decider of ``members`` (the job's
         membership as it stated it; empty: every node), deciding it when this node
         is that decider. Raises :class:`AgreementError` at the deadline."""
-        timeout = timeout_s or self.config.agreement_timeout_s
+        # The asker's deadline, never beyond --agreement-timeout-seconds: a member that
+        # does not ask fails the restore within that bound, whatever the asker allows.
+        timeout = min(timeout_s or self.config.agreement_timeout_s,
+                      self.config.agreement_timeout_s)
         deadline = time.monotonic() + timeout
         group = check_members(members, self.config.num_nodes, self.rank)
         c = group[0]
@@ -496,7 +547,9 @@ class Node(BackupDuties, RestoreDuties):
                     if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \
                             time.monotonic() + 0.2 >= deadline or self._stop.is_set():
                         raise AgreementError(f"no restore decision within {timeout:.1f}s: "
-                                             f"{e}", host=self.rank) from e
+                                             f"{e.message}", step=e.step,
+                                             host=self.rank if e.host is None else e.host
+                                             ) from e
                     self.metrics.failures.labels("coordinator_unreachable").inc()
                     self._stop.wait(0.2)  # the coordinator restarts: ask again
         # Not a re-issued ask of a decision already read (same epoch, same restore id).
@@ -555,6 +608,7 @@ class Node(BackupDuties, RestoreDuties):
         """PrepareRestore with a restore id and the job's membership: restore.py's
         ``prepare_restore`` (agree, then make this host's data of the step local),
         and the decision it read."""
+        self.refuse_if_misconfigured()
         check_members(members, self.config.num_nodes, self.rank)  # typed, before waiting
         self.use_restore_id(rid)
         self._call.members = tuple(members)

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 from mtc import layout
 from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.agreement import saving_ranks
 from mtc.sidecar.replicator.store import FileMeta, copy_verified, inside
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.schedule import BackupScheduler
+    from mtc.sidecar.replicator.agreement import Holding
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
@@ -51,6 +53,8 @@ class RestoreDuties:
                   ) -> tuple[pb.Decision, dict[int, pb.Inventory]]: ...
 
         def holds_own(self, step: int, run: str) -> bool: ...
+
+        def holding(self, inv: pb.Inventory) -> Holding: ...
 
         def holders(self, invs: dict[int, pb.Inventory], run: str | None = None
                     ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]: ...
@@ -99,6 +103,14 @@ class RestoreDuties:
         t_agreed = time.monotonic()
         into_root = self.config.framework == "mtc"
         local = self.holds_own(step, run)
+        if not local and into_root and self.rank not in saving_ranks(
+                step, {r: self.holding(i) for r, i in invs.items()}, self.config.num_nodes, run):
+            # A job grown onto this host: the step was saved by fewer hosts, none of
+            # them this one. Its process reads every region from their copies.
+            log.info("rank %d: step %d agreed in %.3fs; this host saved none of it (its "
+                     "regions come from the hosts that did)", self.rank, step,
+                     time.monotonic() - t0)
+            return step, "peer", time.monotonic() - t0, False
         if background and not local:
             # Where its data will come from, said now (and when from nowhere, failed now).
             if self._copies_elsewhere(step, invs, run):

@@ -48,7 +48,7 @@ from mtc.sidecar.replicator.security import (
     TokenInterceptor,
     check_listen_address,
 )
-from mtc.sidecar.replicator.status import to_status
+from mtc.sidecar.replicator.status import to_status, wire_error
 from mtc.sidecar.replicator.store import (
     CHUNK,
     FileMeta,
@@ -72,14 +72,18 @@ MAX_REQUEST = 16 << 20
 DISK_RESERVE = 64 << 20
 
 
-def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
+def _status(e: BaseException, context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
     """Through the one map (``status.py``); an unmapped error is a bug: logged, and
-    answered without its message (which may name this server's own folders)."""
+    answered without its message (which may name this server's own folders). A
+    mapped error's step, host and file go in the trailing metadata (``wire_error``),
+    its message bare."""
     code = to_status(e)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in a replicator call", exc_info=e)
         return code, f"internal error ({type(e).__name__}; the replicator's log has it)"
-    return code, str(e)
+    message, where = wire_error(e)
+    context.set_trailing_metadata(where)
+    return code, message
 
 
 def mapped(fn: F) -> F:
@@ -89,7 +93,7 @@ def mapped(fn: F) -> F:
         try:
             return fn(self, request, context)
         except (MtcError, OSError, ValueError, KeyError) as e:
-            code, msg = _status(e)
+            code, msg = _status(e, context)
             context.abort(code, msg)
     return wrapper  # type: ignore[return-value]
 
@@ -132,6 +136,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
         if request.rank_only:
             return pb.Inventory(rank=self.node.rank)
+        if request.identify:
+            return self.node.identity()
         return self.node.inventory(frozenset(request.origins) or None,
                                    files=not request.without_files)
 
@@ -276,7 +282,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             self.node.metrics.bytes_received.inc(got)
             return pb.PushAck(path=metas[0].path if len(metas) == 1 else "", size=got)
         except (MtcError, OSError, ValueError, KeyError) as e:
-            code, msg = _status(e)
+            code, msg = _status(e, context)
             context.abort(code, msg)
             raise AssertionError("unreachable") from e
         except grpc.RpcError:  # cancelled (by the stream watchdog, or the caller)
@@ -365,7 +371,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                     stream.add(len(chunk))
                     yield chunk
         except (MtcError, OSError, ValueError, KeyError) as e:
-            code, msg = _status(e)
+            code, msg = _status(e, context)
             context.abort(code, msg)
 
     def _fetch_size(self, origin: int, step: int, rels: list[str], offset: int) -> int:

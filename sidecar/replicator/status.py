@@ -10,6 +10,8 @@ errors yes; bad input, missing or corrupt data no.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from mtc.errors import (
@@ -55,6 +57,53 @@ _BY_CODE: dict[grpc.StatusCode, type[MtcError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: RetryableError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: RetryableError,
 }
+
+
+# An error's step, host and file travel beside its bare message, as trailing
+# metadata: the caller's error names them once, instead of the text naming them
+# again at every hop it is wrapped in.
+# A path may hold any character: it travels as bytes (a "-bin" key).
+_WHERE = (("step", "x-mtc-error-step"), ("host", "x-mtc-error-host"),
+          ("path", "x-mtc-error-path-bin"))
+_WHERE_MAX = 4096  # a path from the network, bounded like every other field
+
+
+def wire_error(e: BaseException) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
+    """A handler's error as it travels: its message without the where-suffix, and
+    its step, host and file as trailing metadata."""
+    if not isinstance(e, MtcError):
+        return str(e), ()
+    where: list[tuple[str, str | bytes]] = []
+    for attr, key in _WHERE:
+        value = getattr(e, attr)
+        if value is not None:
+            where.append((key, str(value).encode()[:_WHERE_MAX] if attr == "path"
+                          else str(int(value))))
+    return e.message, tuple(where)
+
+
+def where_of(metadata: object) -> dict[str, Any]:
+    """The step, host and file a failed call's trailing metadata names (a caller's
+    error is built with them); nothing that does not parse."""
+    got: dict[str, Any] = {}
+    keys = {key: attr for attr, key in _WHERE}
+    try:
+        items = list(metadata or ())  # type: ignore[call-overload]
+    except TypeError:
+        return got
+    for item in items[:16]:
+        try:
+            key, value = item
+        except (TypeError, ValueError):
+            continue
+        attr = keys.get(key) if isinstance(key, str) else None
+        if attr is None or not isinstance(value, str | bytes) or len(value) > _WHERE_MAX:
+            continue
+        if attr == "path":
+            got[attr] = value.decode(errors="replace") if isinstance(value, bytes) else value
+        elif isinstance(value, str) and value.lstrip("-").isdigit() and len(value) < 20:
+            got[attr] = int(value)
+    return got
 
 
 def to_status(e: BaseException) -> grpc.StatusCode:

@@ -41,7 +41,7 @@ from typing import Any
 from mtc import layout, validate
 from mtc.errors import CorruptShardError, FatalError, MtcError, UnsafePathError
 from mtc.integrity import crc32c
-from mtc.manifest import MANIFEST_NAME, Manifest
+from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar import checksum
 from mtc.sidecar.checksum import read_buffer
 from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
@@ -189,7 +189,7 @@ class LocalStore:
         # again under the same number is a different folder, described anew.
         self._described: dict[tuple[int, int], tuple[int, list[FileMeta]]] = {}
         # Same key: (inode, (hosts that saved it, the run that wrote it)).
-        self._summaries: dict[tuple[int, int], tuple[int, tuple[int, str]]] = {}
+        self._summaries: dict[tuple[int, int], tuple[int, Summary]] = {}
         # path -> ((inode, size, mtime_ns), crc32c): files already read and checked;
         # and their SHA-256 once one was needed (deduplication asks twice per save:
         # as the sender of a step and as the holder of its twin's identical files).
@@ -252,8 +252,11 @@ class LocalStore:
             except MtcError as e:
                 why = f"its manifest is unreadable ({e})"
             else:
-                if (m.host, m.step) != (self.rank, step):
-                    why = f"its manifest is host {m.host}'s step {m.step}"
+                # Host h of a job is rank h, unless its manifests name the ranks
+                # (a job that came back on other hosts: host 0 of 2 on rank 2).
+                if (m.rank_of(m.host), m.step) != (self.rank, step):
+                    why = (f"its manifest is host {m.host}'s step {m.step}"
+                           + (f" (rank {m.rank_of(m.host)})" if m.ranks else ""))
         if why is not None:
             log.warning("rank %d: %s is not this host's step: %s; it is left as it is "
                         "(neither offered, served nor deleted)", self.rank, d, why)
@@ -523,7 +526,7 @@ class LocalStore:
         """How many hosts saved this copy's step (see :meth:`summary`)."""
         return self.summary(origin, step)[0]
 
-    def summary(self, origin: int, step: int) -> tuple[int, str]:
+    def summary(self, origin: int, step: int) -> Summary:
         """How many hosts saved this copy's step and the run that wrote it, as its
         mtc manifest states (read once per folder); (0, "") when it states none
         (an Orbax step, an unreadable one)."""
@@ -537,7 +540,7 @@ class LocalStore:
         try:
             found = Manifest.summary_of((d / MANIFEST_NAME).read_bytes())
         except (OSError, MtcError):
-            found = (0, "")
+            found = Summary(0, "")
         with self._lock:
             self._summaries[key] = (ino, found)
         return found

@@ -12,7 +12,8 @@ replicators (``--replicators``), never from another host's RAM disk. Phases:
 - ``restart``: a fresh job restores ``latest_step()`` (agreed by the
   replicators) into targets built from ``jax.ShapeDtypeStruct``, then saves step 3;
 - ``replaced``: the last host was replaced empty: its RAM disk holds nothing, so
-  no step is on every host's; ``latest_step()`` has its replicator bring step 3
+  no step is on every host's; ``restore(3)`` reads its regions from its peer's
+  copy through the replicators; ``latest_step()`` has its replicator bring step 3
   back from its peer, and every layout restores;
 - ``shrink``: a job of fewer processes than saved has the replicators of its
   own hosts agree on step 3 (its membership, stated by the manager, is its own
@@ -39,6 +40,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +50,9 @@ EMB = (64, 1024)
 RESULT_PREFIX = "MC_RESULT "
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(phases: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--phase", required=True,
-                   choices=["train", "restart", "replaced", "shrink", "shrunk", "skew"])
+    p.add_argument("--phase", required=True, choices=list(phases))
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--coordinator", required=True, help="HOST:PORT of process 0")
@@ -59,18 +60,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--replicators", default="", help="every host's replicator, in order")
     p.add_argument("--token-file", help="the replicators' shared token")
     p.add_argument("--hosts-per-slice", type=int, default=1)
+    p.add_argument("--replicator-ranks", default="",
+                   help="each process's host's replicator rank (default: its process index)")
+    p.add_argument("--steps", default="", help="the steps a phase saves or expects")
     return p.parse_args()
 
 
-def main() -> int:
-    args = parse_args()
+def main(worker_class: type[Worker] | None = None) -> int:
+    """Run one phase of ``worker_class`` (a :class:`Worker` with more phases, or this one)."""
+    cls = worker_class or Worker
+    args = parse_args(cls.PHASES)
     import jax
 
+    if args.phase in cls.RECOVERABLE:  # a process of the job dies: the others live on
+        jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(coordinator_address=args.coordinator,
                                num_processes=args.num_processes, process_id=args.process_id,
                                initialization_timeout=60)
     try:
-        worker = Worker(args)
+        worker = cls(args)
         t0 = time.perf_counter()
         getattr(worker, args.phase)()
         worker.summary["seconds"] = round(time.perf_counter() - t0, 3)
@@ -102,6 +110,9 @@ def describe(got: Any, want: Any) -> str:
 
 
 class Worker:
+    PHASES: tuple[str, ...] = ("train", "restart", "replaced", "shrink", "shrunk", "skew")
+    RECOVERABLE: tuple[str, ...] = ()  # phases in which a process dies on purpose
+
     def __init__(self, args: argparse.Namespace) -> None:
         import jax
         import numpy as np
@@ -146,32 +157,33 @@ class Worker:
         raise ValueError(kind)
 
     @staticmethod
-    def expected(step: int) -> dict[str, Any]:
-        """Host (numpy) values of the state saved at ``step``; differ per step."""
+    def expected(step: int, seed: int = 0) -> dict[str, Any]:
+        """Host (numpy) values of the state saved at ``step``; differ per step, and
+        per ``seed`` (another run's data under the same step number) in every leaf."""
         import jax
         import numpy as np
 
         return {
             "w": (np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
-                  + np.float32(1000 * step)),
-            "b": np.arange(COLS, dtype=np.int32) * np.int32(step) - 3,
+                  + np.float32(1000 * step + 100_000 * seed)),
+            "b": np.arange(COLS, dtype=np.int32) * np.int32(step) - 3 + np.int32(500 * seed),
             "emb": (np.arange(EMB[0] * EMB[1], dtype=np.float32).reshape(EMB)
-                    - np.float32(7 * step)),
-            "key": np.asarray(jax.random.key_data(jax.random.key(step))),
-            "counts": np.arange(6, dtype=np.int64) * step,
+                    - np.float32(7 * step + 3 * seed)),
+            "key": np.asarray(jax.random.key_data(jax.random.key(step + 7919 * seed))),
+            "counts": np.arange(6, dtype=np.int64) * step + seed,
             "step": 10 * step,
             "data": {"global_next_index": 4 * step + 1},  # 5 at step 1, 9 at step 2
         }
 
-    def state(self, step: int) -> dict[str, Any]:
+    def state(self, step: int, seed: int = 0) -> dict[str, Any]:
         import jax
 
-        exp = self.expected(step)
+        exp = self.expected(step, seed)
         sh = self.shardings("saved")
         w = jax.make_array_from_callback(exp["w"].shape, sh["w"], lambda idx: exp["w"][idx])
         b = jax.make_array_from_callback(exp["b"].shape, sh["b"], lambda idx: exp["b"][idx])
         emb = jax.make_array_from_callback(EMB, sh["emb"], lambda idx: exp["emb"][idx])
-        key = jax.jit(lambda: jax.random.key(step), out_shardings=sh["key"])()
+        key = jax.jit(lambda: jax.random.key(step + 7919 * seed), out_shardings=sh["key"])()
         return {"params": {"w": w, "b": b, "emb": emb}, "rng": key, "counts": exp["counts"],
                 "step": exp["step"], "data": dict(exp["data"])}
 
@@ -235,13 +247,14 @@ class Worker:
         self.check(whole.shape == want.shape and np.array_equal(whole, want),
                    f"{label}: gathered array: {describe(whole, want)}")
 
-    def check_restored(self, label: str, got: Any, step: int, kind: str) -> None:
+    def check_restored(self, label: str, got: Any, step: int, kind: str,
+                       seed: int = 0) -> None:
         """Check a restored state; ``got`` is None when the restore raised (reported)."""
         import jax
         import numpy as np
         from jax.experimental import multihost_utils
 
-        exp = self.expected(step)
+        exp = self.expected(step, seed)
         sh = self.shardings(kind)
         try:
             arrays = [got["params"]["w"], got["params"]["b"], got["params"]["emb"], got["rng"]]
@@ -314,9 +327,12 @@ class Worker:
 
         addrs = tuple(a for a in self.args.replicators.split(",") if a) if replicators else ()
         token = Path(self.args.token_file).read_text().strip() if self.args.token_file else None
+        ranks = tuple(int(r) for r in self.args.replicator_ranks.split(",") if r)
+        # The layout is the default one: one process per host, its steps at the root
+        # of its RAM disk, where its replicator looks.
         return mtc.CheckpointManager(self.args.local_dir, mesh=self.mesh, options=mtc.Options(
-            max_to_keep=max_to_keep, host_subdirs=False,
-            hosts_per_slice=self.args.hosts_per_slice, replicators=addrs or None,
+            max_to_keep=max_to_keep, hosts_per_slice=self.args.hosts_per_slice,
+            replicators=addrs or None, replicator_ranks=ranks if addrs and ranks else None,
             replicator_token=token if addrs else None, restore_timeout_s=60.0))
 
     def fetched(self, mgr: Any) -> None:
@@ -326,7 +342,8 @@ class Worker:
         self.summary["fetched_files"] = sorted({f for _, _, f in peers.fetched}) if peers else []
         self.summary["fetched_from"] = sorted({o for _, o, _ in peers.fetched}) if peers else []
 
-    def restore_checked(self, label: str, mgr: Any, step: int, kind: str) -> None:
+    def restore_checked(self, label: str, mgr: Any, step: int, kind: str,
+                        seed: int = 0) -> None:
         import mtc
 
         got = None
@@ -334,7 +351,7 @@ class Worker:
             got = mgr.restore(step, target=self.target_from_structs(kind))
         except mtc.MtcError as e:
             self.check(False, f"{label}: restore({step}) onto {kind} failed: {e!r}")
-        self.check_restored(label, got, step, kind)
+        self.check_restored(label, got, step, kind, seed)
 
     def train(self) -> None:
         import jax
@@ -414,8 +431,6 @@ class Worker:
             mgr.close()
 
     def replaced(self) -> None:
-        import mtc
-
         mgr = self.manager()
         try:
             # The replaced host's RAM disk is empty: no step is on every host's.
@@ -423,14 +438,10 @@ class Worker:
             self.summary["steps_before"] = before
             self.check(before == [], f"all_steps() {before} with host {self.nproc - 1} "
                                      f"replaced empty, wanted []")
-            # Asked for step 3 before the replicators bring it back: every process
-            # fails together (the replaced host names itself), none restores alone.
-            try:
-                mgr.restore(3, target=self.target_from_structs("saved"))
-                self.check(False, f"restore(3) succeeded although host {self.nproc - 1} "
-                                  "has no step 3")
-            except mtc.MtcError as e:
-                self.summary["early_error"] = [type(e).__name__, e.host]
+            # Asked for step 3 before its replicator brings it back: the replaced
+            # host reads its regions from its peer's copy, through the replicators.
+            self.restore_checked("step 3 before the replicators prepared it", mgr, 3, "saved")
+            self.summary["early_tier"] = mgr.last_restore_tier
             latest = mgr.latest_step()
             self.summary["latest_step"] = latest
             self.summary["tier"] = mgr.last_restore_tier
