@@ -16,7 +16,6 @@ import sys
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import jax
@@ -39,7 +38,7 @@ from mtc.errors import (
 )
 from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
-from mtc.options import Options
+from mtc.options import Options, local_dir_path
 from mtc.replicas import ReplicatorTier, credentials, farthest
 from mtc.replicator_watch import ReplicatorWatch
 from mtc.restore.load import metrics_of
@@ -90,8 +89,10 @@ class CheckpointManager:
 
     Args:
       local_dir: the RAM disk (or, for simulated hosts, the folder holding one
-        ``host-<i>`` root per host). One manager at a time may use a host's
-        root: a second gets :class:`mtc.DirectoryLockedError`.
+        ``host-<i>`` root per host), an absolute local path: a URL (the backup
+        tier is the replicators' ``--backup``), a relative path or ``~`` is
+        refused with :class:`mtc.ConfigError`. One manager at a time may use a
+        host's root: a second gets :class:`mtc.DirectoryLockedError`.
       mesh: the mesh the state lives on; its devices define the hosts. Defaults
         to all devices.
       options: see :class:`mtc.Options`.
@@ -107,7 +108,7 @@ class CheckpointManager:
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
                  options: Options | None = None) -> None:
-        self.local_dir = Path(local_dir)
+        self.local_dir = local_dir_path(local_dir)
         self.options = options or Options()
         if not isinstance(self.options, Options):
             raise ConfigError(f"options must be mtc.Options, got {type(self.options).__name__}")
