@@ -104,6 +104,9 @@ class CheckpointManager:
       last_restore_tier: the farthest of those (None before any restore).
       last_restore_seconds: the last restore's ``prepare`` (saves finished, the
         replicators' agreement and fetches) and ``load`` seconds.
+      foreign_steps: per host served here, the step folders found at start that
+        are not mtc's (no mtc manifest: Orbax's, another tool's). mtc leaves them
+        alone: never listed, restored, replaced or deleted.
     """
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
@@ -151,6 +154,7 @@ class CheckpointManager:
             raise
         self._dispatch = dispatch
         try:
+            self.foreign_steps = self._note_foreign()
             self._watch = self._watch_replicators()
         except BaseException:
             dispatch.close()
@@ -177,6 +181,19 @@ class CheckpointManager:
         self.last_restore_tiers: dict[int, str] = {}
         self.last_restore_tier: str | None = None
         self.last_restore_seconds: dict[str, float] = {}
+
+    def _note_foreign(self) -> dict[int, list[int]]:
+        """Step folders on this process's hosts that are not mtc's (no manifest: an
+        Orbax checkpoint in the same folder): logged, and never listed, restored,
+        replaced or deleted (:func:`mtc.layout.is_mtc_step`)."""
+        found = {h: steps for h, steps in
+                 self._dispatch.foreign(self.topology.local_hosts).items() if steps}
+        if found:
+            log.warning("mtc: step folders that are not mtc's (no mtc manifest: Orbax's or "
+                        "another tool's) in %s: %s; mtc leaves them alone (never listed, "
+                        "restored, replaced or deleted)", self._roots_here(),
+                        "; ".join(f"host {h}: {steps}" for h, steps in sorted(found.items())))
+        return found
 
     def _network_tier(self) -> NetworkTier | None:
         """Multi-controller JAX with a RAM disk per process (no host subfolders): other
@@ -305,6 +322,7 @@ class CheckpointManager:
         elif state is None:
             raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
         step = layout.as_step(step)
+        self._refuse_foreign(step)
         # Through sidecar processes: requests overlap, and a step off the interval
         # costs no round trip.
         sidecars = self._dispatch if isinstance(self._dispatch, ProcessDispatch) else None
@@ -346,6 +364,17 @@ class CheckpointManager:
                                     len(self.topology.local_hosts)), self._hosts_here(),
                      time.perf_counter() - t0, self._roots_here())
         return staged
+
+    def _refuse_foreign(self, step: int) -> None:
+        """A step whose folder is another tool's is never replaced. Where this process
+        serves one host of many (multi-controller JAX) that host's write fails instead,
+        as any host's failed save does (a refusal here would be this process's alone)."""
+        held = [h for h, steps in self.foreign_steps.items() if step in steps]
+        if held and not self._inventory.sees_own_host_only:
+            raise StepExistsError("a step folder of this number that is not mtc's (no mtc "
+                                  "manifest: Orbax's or another tool's) is there; mtc leaves "
+                                  "it alone: save another step number, or move that folder",
+                                  step=step, host=held[0])
 
     def _hosts_here(self) -> str:
         hosts = self.topology.local_hosts

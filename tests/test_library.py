@@ -385,6 +385,8 @@ def test_status_reads_a_local_directory_and_fails_when_nodes_are_down(ramdisk: P
         mgr.save(2, {"w": sharded(mesh)})
     (ramdisk / "host-3" / "3.mtc-tmp-abc").mkdir()          # a crash's leftover
     (ramdisk / "host-3" / "3.mtc-tmp-abc" / "x.bin").write_bytes(b"12345")
+    (ramdisk / "host-3" / "7").mkdir()                      # another tool's step (no manifest)
+    (ramdisk / "host-3" / "7" / "_CHECKPOINT_METADATA").write_bytes(b"{}")
     r = cli("status", "--local-dir", str(ramdisk), "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
@@ -396,8 +398,11 @@ def test_status_reads_a_local_directory_and_fails_when_nodes_are_down(ramdisk: P
                               for s in ("1", "2")}
         assert all(b > 0 for b in h["steps"].values())
     assert got["hosts"][3]["leftovers"] == {"3.mtc-tmp-abc": 5}
+    assert got["hosts"][3]["foreign"] == {"7": 2}
+    assert all(h["foreign"] == {} for h in got["hosts"][:3])
     text = cli("status", "--local-dir", str(ramdisk))
     assert text.returncode == 0 and "3.mtc-tmp-abc" in text.stdout, text
+    assert "foreign step folder 7 (2 B)" in text.stdout, text.stdout
     # Replicators asked about and down (nothing listens there): not 0.
     addrs = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
     r = cli("status", "--nodes", addrs)

@@ -8,12 +8,17 @@ step folders, real mtc managers on simulated hosts.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import mtc
 from mtc.options import local_dir_path
@@ -78,3 +83,63 @@ def test_every_orbax_option_is_an_mtc_option_or_a_config_error_saying_what_to_us
     # The fields mtc has still take their values, positionally or by name.
     assert mtc.Options(5).save_interval_steps == 5
     assert mtc.Options(max_to_keep=3).max_to_keep == 3
+
+
+# -- steps mtc did not write -------------------------------------------------------------
+
+
+def files_of(path: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``path``: (mtime, bytes)."""
+    return {p.relative_to(path).as_posix(): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def orbax_steps(directory: Path, steps: list[int]) -> dict[int, np.ndarray]:
+    """Real Orbax steps written by Orbax's own CheckpointManager."""
+    values = {}
+    with ocp.CheckpointManager(directory) as mgr:
+        for s in steps:
+            values[s] = np.arange(16, dtype=np.float32) * s
+            mgr.save(s, args=ocp.args.StandardSave({"w": values[s]}))
+        mgr.wait_until_finished()
+    return values
+
+
+def test_an_orbax_step_in_local_dir_is_never_offered_replaced_or_deleted(
+        ramdisk: Path, mesh: Mesh, caplog: pytest.LogCaptureFixture) -> None:
+    """Steps directly in ``local_dir`` (the layout off CPU: one host per process):
+    Orbax's steps 3 and 10 there are foreign to mtc. They are logged, never listed
+    or restored, a save of their number is refused, retention and delete leave
+    them byte for byte, and Orbax still restores them afterwards."""
+    values = orbax_steps(ramdisk, [3, 10])
+    before = {s: files_of(ramdisk / str(s)) for s in (3, 10)}
+    assert all(before.values())
+    state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
+    options = mtc.Options(host_subdirs=False, dispatch="local", max_to_keep=1)
+    with caplog.at_level(logging.WARNING, logger="mtc.manager"), \
+            mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+        assert mgr.foreign_steps == {0: [3, 10]}
+        assert any("not mtc's" in r.getMessage() and "[3, 10]" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        assert mgr.latest_step() is None and mgr.all_steps() == []
+        with pytest.raises(mtc.StepNotFoundError):
+            mgr.restore()
+        with pytest.raises(mtc.StepNotFoundError, match="not committed"):
+            mgr.restore(10, state)  # not a ManifestError: no mtc step of that number
+        with pytest.raises(mtc.StepExistsError, match="not mtc's"):
+            mgr.save(10, state)
+        for s in (20, 30, 40):  # max_to_keep=1: each save's retention runs
+            assert mgr.save(s, state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [40] and mgr.latest_step() == 40
+        with pytest.raises(mtc.StepNotFoundError, match="not mtc's"):
+            mgr.delete(10)
+        np.testing.assert_array_equal(np.asarray(mgr.restore(40, state)["w"]),
+                                      np.asarray(state["w"]))
+    assert {s: files_of(ramdisk / str(s)) for s in (3, 10)} == before
+    assert sorted(n for n in os.listdir(ramdisk) if n.isdigit()) == ["10", "3", "40"]
+    with ocp.CheckpointManager(ramdisk, options=ocp.CheckpointManagerOptions(
+            read_only=True)) as orbax:
+        for s in (3, 10):
+            got = orbax.restore(s, args=ocp.args.StandardRestore({"w": values[s]}))
+            np.testing.assert_array_equal(got["w"], values[s])

@@ -34,6 +34,7 @@ class Dispatch(Protocol):
     def own_for(self, step: int) -> tuple[int, ...]: ...
     def network_bytes(self) -> int: ...
     def identify(self, hosts: Sequence[int], *, create: bool) -> dict[int, str]: ...
+    def foreign(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...
     def close(self) -> None: ...
 
 
@@ -86,6 +87,15 @@ class HostCalls:
         subfolders the roots beside them)."""
         out: dict[int, list[int]] = {}
         for reply in self._call("steps", hosts):
+            for h, steps in (reply or {}).items():
+                out[int(h)] = [int(s) for s in steps]
+        return out
+
+    def foreign(self, hosts: Sequence[int]) -> dict[int, list[int]]:
+        """Per host: step folders that are not mtc's (no manifest), which mtc leaves
+        alone (:func:`mtc.layout.is_mtc_step`)."""
+        out: dict[int, list[int]] = {}
+        for reply in self._call("foreign", hosts):
             for h, steps in (reply or {}).items():
                 out[int(h)] = [int(s) for s in steps]
         return out
