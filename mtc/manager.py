@@ -173,9 +173,17 @@ class CheckpointManager:
         # The run identity written into every manifest this manager saves (mtc.runs):
         # fixed now and again after each restore, the same in every process.
         self._run = "" if self.options.read_only else runs.shared_run_id()
+        if self.options.max_to_keep is None and not self.options.replicators \
+                and not self.options.read_only:
+            log.info("mtc: max_to_keep=None (Orbax's default): every step stays on the RAM "
+                     "disk until it is full (then saves fail with RamDiskFullError); "
+                     "Options(max_to_keep=N) keeps the newest N")
         # The step latest_step() answered: restoring it fences off newer steps.
         self._latest: int | None = None
+        # The newest step saved, restored or (learnt at the first save decision)
+        # complete on the hosts: saves of steps up to it return False, as Orbax's.
         self._last_saved: int | None = None
+        self._newest_learnt = False
         # A step the replicators prepared for latest_step(), not yet restored.
         self._prepared: Prepared | None = None
         self.last_restore_tiers: dict[int, str] = {}
@@ -251,13 +259,29 @@ class CheckpointManager:
 
     @_api
     def should_save(self, step: Any) -> bool:
-        """Whether ``save(step, ...)`` would write: on the save interval, or at a
-        preemption sync point, and after the last step saved or restored here (as
-        Orbax's). ``save`` of a step already committed raises StepExistsError."""
+        """Whether ``save(step, ...)`` would write, by Orbax's rules: ``step`` is newer
+        than the newest step saved, restored, or complete on the hosts, and it is
+        on the save interval, at a preemption sync point, or the job's first save
+        (no step yet: Orbax's initial save). False on a read-only manager.
+        Collective in multi-controller JAX the first time (the hosts' steps)."""
         step = layout.as_step(step)
-        if self._last_saved is not None and step <= self._last_saved:
+        return not self.options.read_only and self._decide(step)
+
+    def _decide(self, step: int) -> bool:
+        newest = self._newest()
+        if newest is not None and step <= newest:
             return False
-        return self._on_schedule(step)
+        return newest is None or self._on_schedule(step)
+
+    def _newest(self) -> int | None:
+        """The newest step saved or restored here, or complete on the hosts (asked of
+        them once: collective in multi-controller JAX, as the first save is)."""
+        if not self._newest_learnt:
+            steps = self._inventory.common()
+            if steps and (self._last_saved is None or steps[-1] > self._last_saved):
+                self._last_saved = steps[-1]
+            self._newest_learnt = True
+        return self._last_saved
 
     def _on_schedule(self, step: int) -> bool:
         return step % self.options.save_interval_steps == 0 or self.reached_preemption(step)
@@ -303,8 +327,10 @@ class CheckpointManager:
         JAX array). ``args=ocp.args.StandardSave(state)`` (or ``PyTreeSave``,
         ``JsonSave``, a ``Composite`` of them) may replace ``state``;
         ``metrics`` (scalars or plain values) are kept with the step
-        (:meth:`metrics`). Returns False when the step is off the save interval
-        and at no preemption sync point (and ``force`` is off), or when
+        (:meth:`metrics`). Returns False, unless ``force``, when
+        :meth:`should_save` says no (as Orbax's: a step not newer than the newest
+        saved, restored or on the hosts; off the save interval, at no preemption
+        sync point, and not the job's first save), or when
         ``Options.if_busy == "skip"`` and earlier saves still hold the staging
         budget. Errors of earlier background saves are raised here (through
         sidecar processes, a call off the interval asks the hosts at most once a
@@ -328,7 +354,7 @@ class CheckpointManager:
         sidecars = self._dispatch if isinstance(self._dispatch, ProcessDispatch) else None
         if sidecars is None:
             self._dispatch.raise_background_error()
-        if not (force or self._on_schedule(step)):
+        if not (force or self._decide(step)):
             if sidecars is not None:
                 sidecars.poll_if_due()
             return False
@@ -355,7 +381,7 @@ class CheckpointManager:
             self._make_room(held)
             staged = self._dispatch.stage(header, arrays)
         if staged:
-            self._last_saved = step
+            self._last_saved = max(step, self._last_saved or 0)
             # The manifests say this job's host count and this run: no host need be asked.
             self._inventory.saved(step, self._run, self.topology.local_hosts)
             log.info("mtc: save step %d: %d bytes of %s staged in %.3fs; writing to %s in the "
@@ -589,12 +615,24 @@ class CheckpointManager:
 
     @_api
     def delete(self, step: Any) -> None:
-        """Delete a committed step on every host this process serves."""
+        """Delete a committed step on every host this process serves; a step no host
+        holds raises :class:`StepNotFoundError` (Orbax: ``FileNotFoundError``).
+        Collective in multi-controller JAX."""
         self._writable("delete")
         step = layout.as_step(step)
         self.wait_until_finished()
+        held = self._inventory.held()
+        if not multihost.any_process(any(step in steps for steps in held.values())):
+            foreign = [h for h, steps in self.foreign_steps.items() if step in steps]
+            raise StepNotFoundError(
+                "no host holds this step, nothing deleted" + (
+                    f" (the folder of this number on host {foreign[0]} is not mtc's: no mtc "
+                    f"manifest, Orbax's or another tool's; mtc leaves it alone)"
+                    if foreign else ""), step=step)
         self._dispatch.delete(step, self.topology.local_hosts)
         self._inventory.forget(step)
+        if step == self._last_saved:  # its number may be saved again, as in Orbax
+            self._last_saved, self._newest_learnt = None, False
 
     # -- restore ----------------------------------------------------------------
 
@@ -699,7 +737,9 @@ class CheckpointManager:
         self.last_restore_tier = farthest(tiers)
         self.last_restore_seconds.update({"prepare": t_prepared - t0,
                                           "load": time.perf_counter() - t_prepared})
-        self._last_saved = max(step, self._last_saved or 0)
+        # Newer steps than this one (not fenced off: an older step restored on
+        # purpose) are asked of the hosts at the next save decision, as Orbax's.
+        self._last_saved, self._newest_learnt = step, False
         if newest and not self.options.replicators and not self.options.read_only:
             self._fence(step)
         self._latest = None

@@ -27,7 +27,9 @@ class Options:
         after each commit, and before a new step is written the oldest beyond
         ``max_to_keep - 1`` goes (never the newest complete step), so the RAM
         disk holds at most ``max(max_to_keep, 2)`` steps at any moment.
-        ``None`` keeps everything (a replicator owns cleanup).
+        ``None`` (the default, as Orbax's) keeps every step the RAM disk can hold:
+        a save that does not fit fails with :class:`mtc.RamDiskFullError`. With
+        replicators, retention is theirs either way.
       keep_period: steps that are multiples of this are never deleted by
         retention (Orbax's ``keep_period``); they add to the RAM disk's size.
       if_busy: what ``save`` does when the staging budget is used by saves still
@@ -111,7 +113,7 @@ class Options:
     """
 
     save_interval_steps: int = 1
-    max_to_keep: int | None = 2
+    max_to_keep: int | None = None
     keep_period: int | None = None
     if_busy: BusyPolicy = "wait"
     max_staged_bytes: int | None = None

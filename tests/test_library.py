@@ -336,10 +336,12 @@ def test_orbax_args_metrics_and_should_save(ramdisk: Path, mesh: Mesh) -> None:
     abstract = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding)}
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts(
             save_interval_steps=5, max_to_keep=None)) as mgr:
-        assert mgr.should_save(5) and not mgr.should_save(6)
+        # No step yet: any step is the job's first save (Orbax's initial save).
+        assert mgr.should_save(5) and mgr.should_save(6)
         assert mgr.save(5, args=ocp.args.StandardSave({"w": w}), metrics={"loss": jnp.float32(
             0.25), "acc": 0.5})
         assert not mgr.should_save(5)  # not again, as Orbax's
+        assert not mgr.should_save(6)  # off the interval, now that a step exists
         assert mgr.save(10, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave({"w": w * 2}), meta=ocp.args.JsonSave({"lr": 0.1})))
         assert not mgr.reached_preemption(10)  # one process: no preemption service

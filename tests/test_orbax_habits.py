@@ -143,3 +143,50 @@ def test_an_orbax_step_in_local_dir_is_never_offered_replaced_or_deleted(
         for s in (3, 10):
             got = orbax.restore(s, args=ocp.args.StandardRestore({"w": values[s]}))
             np.testing.assert_array_equal(got["w"], values[s])
+
+
+# -- step semantics, side by side with Orbax's own manager ------------------------------
+
+
+def test_save_decisions_defaults_and_delete_match_orbax(ramdisk: Path, tmp_path: Path,
+                                                        mesh: Mesh) -> None:
+    """The same calls on Orbax's CheckpointManager and on mtc's, with the options
+    an Orbax user has (``save_interval_steps=5``, ``max_to_keep`` left at its
+    default): the same saves happen, the same steps stay, and a missing step's
+    delete fails in both (mtc: StepNotFoundError, an MtcError)."""
+    state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
+    assert mtc.Options().max_to_keep is None is ocp.CheckpointManagerOptions().max_to_keep
+    # The first save of a job whatever its step (Orbax's initial save), the interval,
+    # steps not newer than the newest, force.
+    calls = [(3, False), (4, False), (5, False), (6, False), (10, False), (7, False),
+             (10, False), (15, False), (12, False), (13, True), (20, False), (22, False)]
+    orbax_dir = tmp_path / "orbax"
+    with ocp.CheckpointManager(orbax_dir, options=ocp.CheckpointManagerOptions(
+            save_interval_steps=5)) as orbax:
+        want = [orbax.save(s, args=ocp.args.StandardSave(state), force=f) for s, f in calls]
+        orbax.wait_until_finished()
+        want_steps = list(orbax.all_steps())
+        with pytest.raises(FileNotFoundError):
+            orbax.delete(99)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=mtc.Options(
+            save_interval_steps=5, simulated_hosts=4, dispatch="local")) as mgr:
+        got = [mgr.save(s, args=ocp.args.StandardSave(state), force=f) for s, f in calls]
+        mgr.wait_until_finished()
+        assert got == want, list(zip(calls, got, want, strict=True))
+        assert mgr.all_steps() == sorted(want_steps) == [3, 5, 10, 13, 15, 20]
+        with pytest.raises(mtc.StepNotFoundError, match="step 99"):
+            mgr.delete(99)
+    # A new manager over the same steps: a step not newer than the newest is not
+    # saved, nor one off the interval (no initial save: steps exist), in both.
+    later = [(18, False), (21, False), (25, False)]
+    with ocp.CheckpointManager(orbax_dir, options=ocp.CheckpointManagerOptions(
+            save_interval_steps=5)) as orbax:
+        want = [orbax.save(s, args=ocp.args.StandardSave(state), force=f) for s, f in later]
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=mtc.Options(
+            save_interval_steps=5, simulated_hosts=4, dispatch="local")) as mgr:
+        got = [mgr.save(s, args=ocp.args.StandardSave(state), force=f) for s, f in later]
+        mgr.wait_until_finished()
+        assert got == want == [False, False, True]
+        # Deleting the newest step lets its number be saved again, as in Orbax.
+        mgr.delete(25)
+        assert mgr.save(25, state) and mgr.save(30, state)
