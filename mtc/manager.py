@@ -15,12 +15,13 @@ import os
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import jax
 
-from mtc import layout, multihost, orbax_args, runs
+from mtc import layout, multihost, orbax_args, retention, runs, treepath
 from mtc.contract import AgentConfig
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, NetworkTier, ProcessDispatch
 from mtc.dispatch.process import find_sidecars
@@ -96,6 +97,9 @@ class CheckpointManager:
       mesh: the mesh the state lives on; its devices define the hosts. Defaults
         to all devices.
       options: see :class:`mtc.Options`.
+      item_names: Orbax's: the names of the items saved as an ``ocp.args.Composite``;
+        ``restore(step)`` without a target then returns every saved item as an
+        ``ocp.args.Composite``.
 
     Attributes:
       last_restore_tiers: per host served here, where its data of the last
@@ -110,8 +114,10 @@ class CheckpointManager:
     """
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
-                 options: Options | None = None) -> None:
+                 options: Options | None = None,
+                 item_names: Sequence[str] | None = None) -> None:
         self.local_dir = local_dir_path(local_dir)
+        self.item_names = orbax_args.check_item_names(item_names)
         self.options = options or Options()
         if not isinstance(self.options, Options):
             raise ConfigError(f"options must be mtc.Options, got {type(self.options).__name__}")
@@ -186,6 +192,7 @@ class CheckpointManager:
         self._newest_learnt = False
         # A step the replicators prepared for latest_step(), not yet restored.
         self._prepared: Prepared | None = None
+        self._metrics: dict[int, Any] = {}  # step -> its metrics (best_fn retention)
         self.last_restore_tiers: dict[int, str] = {}
         self.last_restore_tier: str | None = None
         self.last_restore_seconds: dict[str, float] = {}
@@ -320,7 +327,7 @@ class CheckpointManager:
 
     @_api
     def save(self, step: Any, state: Any = None, *, force: bool = False, metrics: Any = None,
-             args: Any = None) -> bool:
+             args: Any = None, custom_metadata: Any = None) -> bool:
         """Stage ``state`` for ``step``; returns once it is in host memory.
 
         ``step`` is a non-negative integer of any integer type (int, numpy, a 0-d
@@ -339,6 +346,9 @@ class CheckpointManager:
         committed everywhere).
         """
         self._writable("save")
+        if custom_metadata is not None:
+            raise ConfigError("save(custom_metadata=) is not kept by mtc: pass plain values in "
+                              "metrics= (read back by metrics(step)) or in the state")
         if orbax_args.is_orbax_args(state):
             raise ConfigError(orbax_args.positional_hint("save"))
         if args is not None:
@@ -470,10 +480,33 @@ class CheckpointManager:
         if not self._retains():
             return {}
         complete = self._inventory.common(held)
+        if self.options.best_fn is not None:
+            self._retain_best(complete)
+            return {}
         return self._dispatch.retain(self.topology.local_hosts, complete,
                                      max_to_keep=self.options.max_to_keep,
                                      keep_period=self.options.keep_period,
                                      before_write=before_write)
+
+    def _retain_best(self, complete: list[int]) -> None:
+        """Orbax's ``best_fn`` retention over the complete steps (their metrics read
+        once from a manifest each), applied as Orbax does after each commit: while
+        a step is written, ``max_to_keep`` others stay."""
+        metrics = {}
+        for s in complete:
+            if s not in self._metrics:
+                self._metrics[s] = metrics_of(self._reader.saved_step(s))
+            metrics[s] = self._metrics[s]
+        o = self.options
+        assert o.best_fn is not None
+        for s in retention.best_to_delete(complete, metrics, max_to_keep=o.max_to_keep,
+                                          keep_period=o.keep_period, best_fn=o.best_fn,
+                                          best_mode=o.best_mode,
+                                          keep_without_metrics=o.keep_checkpoints_without_metrics):
+            log.info("mtc: step %d deleted: not among the %s best by best_fn", s, o.max_to_keep)
+            self._dispatch.delete(s, self.topology.local_hosts)
+            self._inventory.forget(s)
+            self._metrics.pop(s, None)
 
     def _saves_in_flight(self) -> int:
         """Steps still being written (colocated: unknown, so assume one; sidecar
@@ -656,6 +689,8 @@ class CheckpointManager:
                 "ocp.args.StandardSave(state)", "ocp.args.StandardRestore(target)"))
         if args is not None and target is not None:
             raise ConfigError("restore() takes target or args=, not both")
+        if args is None and target is None and self.item_names:
+            args = orbax_args.composite_of({})  # every saved item, as Orbax's
         t0 = time.perf_counter()
         self.wait_until_finished()
         requested = None if step is None else layout.as_step(step)
@@ -798,6 +833,60 @@ class CheckpointManager:
         self.last_restore_tiers = self._tier.host_tiers(prepared)
         self.last_restore_tier = farthest(self.last_restore_tiers)
         return prepared
+
+    # -- Orbax's other calls ------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        """Orbax's ``directory``: ``local_dir``."""
+        return self.local_dir
+
+    @_api
+    def reload(self) -> None:
+        """Forget what this manager learnt of the hosts' steps (Orbax's ``reload``):
+        the next call asks them again. Steps are listed from the hosts at every
+        ``all_steps``/``latest_step`` anyway."""
+        self._inventory.relearn()
+        self._newest_learnt, self._latest, self._prepared = False, None, None
+        self._metrics.clear()
+
+    @_api
+    def check_for_errors(self) -> None:
+        """Raise the error of a background save that failed, if any (Orbax's)."""
+        self._dispatch.raise_background_error()
+
+    @_api
+    def best_step(self) -> int | None:
+        """The best complete step by ``Options.best_fn`` of its metrics (steps without
+        metrics are not ranked); without ``best_fn``, ``latest_step()``, as Orbax's."""
+        best_fn = self.options.best_fn
+        if best_fn is None:
+            return self.latest_step()
+        rated = [(s, m) for s in self.all_steps() if (m := self.metrics(s)) is not None]
+        if not rated:
+            return None
+        ranked = sorted(rated, key=lambda sm: best_fn(sm[1]),
+                        reverse=self.options.best_mode == "min")
+        return ranked[-1][0]
+
+    @_api
+    def item_metadata(self, step: Any) -> Any:
+        """The saved tree of ``step`` without reading its arrays: a
+        ``jax.ShapeDtypeStruct`` (shape, dtype; no sharding) per array leaf, plain
+        values as saved; a ``Composite`` of the items when ``item_names`` is given."""
+        saved = self._reader.saved_step(layout.as_step(step))
+        tree = treepath.unflatten_from_keys(
+            [(leaf.keys, treepath.decode_value(leaf.value) if leaf.kind == "value"
+              else jax.ShapeDtypeStruct(leaf.shape, jax.numpy.dtype(leaf.dtype)))
+             for leaf in saved.leaves if not leaf.path.startswith(treepath.METRICS_ROOT)])
+        return orbax_args.composite_of(tree) if self.item_names else tree
+
+    def metadata(self, step: Any = None) -> Any:
+        """Orbax's root and step metadata: mtc keeps none besides each step's metrics
+        and tree, so this is refused with what to use instead."""
+        raise ConfigError("mtc keeps no root or step metadata (custom_metadata): use "
+                          "metrics(step) for a step's metrics, item_metadata(step) for its "
+                          "tree's shapes and dtypes, all_steps() for the steps")
 
     # -- lifecycle --------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +33,14 @@ class Options:
         replicators, retention is theirs either way.
       keep_period: steps that are multiples of this are never deleted by
         retention (Orbax's ``keep_period``); they add to the RAM disk's size.
+      best_fn: keep steps by quality rather than recency (Orbax's ``best_fn``):
+        a function of a step's ``metrics`` (as ``save(..., metrics=)`` gave them)
+        returning a number; with ``max_to_keep`` the best ``max_to_keep`` complete
+        steps stay (and multiples of ``keep_period``). ``best_step()`` names the
+        best. Without replicators only.
+      best_mode: ``"max"`` (higher ``best_fn`` is better) or ``"min"``.
+      keep_checkpoints_without_metrics: with ``best_fn``, steps saved without
+        metrics are never deleted (Orbax's default); ``False``: they go first.
       if_busy: what ``save`` does when the staging budget is used by saves still
         being written: ``"wait"`` blocks until enough memory is free, ``"skip"``
         returns ``False`` without saving.
@@ -115,6 +124,9 @@ class Options:
     save_interval_steps: int = 1
     max_to_keep: int | None = None
     keep_period: int | None = None
+    best_fn: Callable[[Any], float] | None = None
+    best_mode: Literal["max", "min"] = "max"
+    keep_checkpoints_without_metrics: bool = True
     if_busy: BusyPolicy = "wait"
     max_staged_bytes: int | None = None
     writer_threads: int = 2
@@ -144,6 +156,15 @@ class Options:
             raise ConfigError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
         if self.keep_period is not None and self.keep_period < 1:
             raise ConfigError(f"keep_period must be >= 1 or None, got {self.keep_period}")
+        if self.best_fn is not None and not callable(self.best_fn):
+            raise ConfigError(f"best_fn is a function of a step's metrics, got "
+                              f"{type(self.best_fn).__name__}")
+        if self.best_mode not in ("max", "min"):
+            raise ConfigError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.best_fn is not None and self.replicators:
+            raise ConfigError("best_fn keeps steps by metrics on the RAM disk; with replicators "
+                              "retention is theirs (by recency): leave best_fn out, or the "
+                              "replicators")
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.max_staged_bytes is not None and self.max_staged_bytes <= 0:
@@ -180,10 +201,6 @@ class Options:
 # says so (never a TypeError from the dataclass).
 _ORBAX_ONLY = {
     "keep_time_interval": "keep_period (steps that are multiples of it are kept)",
-    "best_fn": "max_to_keep and keep_period (steps are kept by recency; "
-               "metrics(step) reads each step's metrics back)",
-    "best_mode": "max_to_keep and keep_period (steps are kept by recency)",
-    "keep_checkpoints_without_metrics": "max_to_keep and keep_period",
     "preservation_policy": "max_to_keep and keep_period",
     "save_on_steps": "save(step, state, force=True) at those steps",
     "should_save_fn": "save(step, state, force=True) where your function says so",

@@ -362,8 +362,11 @@ def test_orbax_args_metrics_and_should_save(ramdisk: Path, mesh: Mesh) -> None:
             mgr.save(15, ocp.args.StandardSave({"w": w}))
         with pytest.raises(mtc.ConfigError, match="pass it as args="):
             mgr.restore(5, ocp.args.StandardRestore(abstract))
-        with pytest.raises(mtc.ConfigError, match="restore_args is not supported"):
-            mgr.restore(5, args=ocp.args.PyTreeRestore(restore_args={"w": None}))
+        with pytest.raises(mtc.ConfigError, match="transforms is not supported"):
+            mgr.restore(5, args=ocp.args.PyTreeRestore(item=abstract, transforms={}))
+        with pytest.raises(mtc.ConfigError, match="no global_shape"):
+            mgr.restore(5, args=ocp.args.PyTreeRestore(restore_args={
+                "w": ocp.ArrayRestoreArgs(sharding=w.sharding)}))
         with pytest.raises(mtc.ConfigError, match="needs the state"):
             mgr.save(15)
         with pytest.raises(mtc.ConfigError, match="cannot save ArraySaveArgs"):

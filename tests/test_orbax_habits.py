@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -190,3 +191,104 @@ def test_save_decisions_defaults_and_delete_match_orbax(ramdisk: Path, tmp_path:
         # Deleting the newest step lets its number be saved again, as in Orbax.
         mgr.delete(25)
         assert mgr.save(25, state) and mgr.save(30, state)
+
+
+# -- Orbax's restore idioms and other calls ---------------------------------------------
+
+
+def test_orbax_restore_idioms_work(ramdisk: Path, mesh: Mesh) -> None:
+    """A Composite restore answers like Orbax's (attribute and item access), a
+    missing item is a typed error naming the saved ones, ``restore_args`` (from
+    ``construct_restore_args``), ``partial_restore=True`` and a dtype cast work,
+    and the manager's Orbax calls answer."""
+    sharding = NamedSharding(mesh, P("model"))
+    w = jax.device_put(jnp.arange(64.0, dtype=jnp.float32).reshape(16, 4), sharding)
+    b = jax.device_put(jnp.ones((8,), jnp.int32), NamedSharding(mesh, P()))
+    state = {"w": w, "b": b}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), state)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, item_names=("state", "meta"),
+                               options=mtc.Options(simulated_hosts=4,
+                                                   dispatch="local")) as mgr:
+        assert mgr.directory == ramdisk
+        assert mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     meta=ocp.args.JsonSave({"lr": 0.5})))
+        mgr.check_for_errors()
+        mgr.wait_until_finished()
+        got = mgr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                     meta=ocp.args.JsonRestore()))
+        assert isinstance(got, ocp.args.Composite)
+        assert got.meta == got["meta"] == {"lr": 0.5}
+        assert got.state["w"].sharding == sharding
+        np.testing.assert_array_equal(np.asarray(got.state["w"]), np.asarray(w))
+        # item_names: restore(step) gives every item, as Orbax's.
+        every = mgr.restore(1)
+        assert isinstance(every, ocp.args.Composite) and set(every.keys()) == {"state", "meta"}
+        with pytest.raises(mtc.TargetMismatchError,
+                           match=r"\['opt'\] were not saved .*\['meta', 'state'\]") as e:
+            mgr.restore(1, args=ocp.args.Composite(opt=ocp.args.StandardRestore(abstract)))
+        assert isinstance(e.value, mtc.MtcError) and not isinstance(e.value, KeyError)
+        # restore_args, as construct_restore_args makes them: with and without item=.
+        ra = ocp.checkpoint_utils.construct_restore_args(abstract)
+        for args in (ocp.args.PyTreeRestore(item=abstract, restore_args=ra),
+                     ocp.args.PyTreeRestore(restore_args=ra)):
+            r = mgr.restore(1, args=ocp.args.Composite(state=args))
+            assert r.state["w"].sharding == sharding and r.state["b"].dtype == jnp.int32
+            np.testing.assert_array_equal(np.asarray(r.state["b"]), np.asarray(b))
+        # A dtype cast (f32 saved, bf16 wanted), by target or by restore_args, and a
+        # subset of the tree with partial_restore=True.
+        bf16 = {"w": jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=sharding)}
+        for args in (ocp.args.PyTreeRestore(item=bf16, partial_restore=True),
+                     ocp.args.PyTreeRestore(restore_args={"w": ocp.ArrayRestoreArgs(
+                         dtype=jnp.bfloat16, sharding=sharding, global_shape=w.shape)},
+                         partial_restore=True)):
+            r = mgr.restore(1, args=ocp.args.Composite(state=args))
+            assert set(r.state) == {"w"} and r.state["w"].dtype == jnp.bfloat16
+            assert r.state["w"].sharding == sharding
+            np.testing.assert_array_equal(np.asarray(r.state["w"]),
+                                          np.asarray(w.astype(jnp.bfloat16)))
+        # Across kinds a cast would change values: refused, typed.
+        with pytest.raises(mtc.TargetMismatchError, match="casts a float to another float"):
+            mgr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore(
+                {"w": jax.ShapeDtypeStruct(w.shape, jnp.int32, sharding=sharding)})))
+        meta = mgr.item_metadata(1)
+        assert meta.state["w"] == jax.ShapeDtypeStruct((16, 4), jnp.float32)
+        assert meta.meta == {"lr": 0.5}
+        with pytest.raises(mtc.ConfigError, match=r"metrics\(step\).*item_metadata\(step\)"):
+            mgr.metadata()
+        with pytest.raises(mtc.ConfigError, match="item_metadata"):
+            mgr.metadata(1)
+        with pytest.raises(mtc.ConfigError, match="metrics="):
+            mgr.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
+                     custom_metadata={"lr": 1})
+        assert mgr.best_step() == mgr.latest_step() == 1  # no best_fn: the latest, as Orbax's
+        mgr.reload()
+        assert mgr.all_steps() == [1] and not mgr.save(1, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state)))
+    with pytest.raises(mtc.ConfigError, match="distinct item names"):
+        mtc.CheckpointManager(ramdisk, mesh=mesh, item_names="state")
+
+
+def test_best_fn_keeps_the_best_steps_as_orbax_does(ramdisk: Path, tmp_path: Path,
+                                                    mesh: Mesh) -> None:
+    state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
+    losses = {1: 0.9, 2: 0.3, 3: 0.8, 4: 0.1, 5: 0.7, 6: 0.2, 7: None, 8: 0.95, 9: 0.4,
+              10: 0.5}
+    for mode, keep_without in (("min", True), ("max", False)):
+        kw: dict[str, Any] = dict(max_to_keep=3, keep_period=5, best_fn=lambda m: m["loss"],
+                                  best_mode=mode, keep_checkpoints_without_metrics=keep_without)
+        orbax_dir, local = tmp_path / f"orbax-{mode}", ramdisk / mode
+        with ocp.CheckpointManager(orbax_dir, options=ocp.CheckpointManagerOptions(
+                **kw)) as orbax, mtc.CheckpointManager(local, mesh=mesh, options=mtc.Options(
+                    simulated_hosts=4, dispatch="local", **kw)) as mgr:
+            for s, loss in losses.items():
+                metrics = None if loss is None else {"loss": loss}
+                assert orbax.save(s, args=ocp.args.StandardSave(state), metrics=metrics)
+                assert mgr.save(s, args=ocp.args.StandardSave(state), metrics=metrics)
+            orbax.wait_until_finished()
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == list(orbax.all_steps()), mode
+            assert len(mgr.all_steps()) < len(losses)  # retention deleted steps
+            assert mgr.best_step() == orbax.best_step(), mode
+    with pytest.raises(mtc.ConfigError, match="best_mode"):
+        mtc.Options(best_fn=lambda m: m, best_mode="lowest")  # type: ignore[arg-type]
