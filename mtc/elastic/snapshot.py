@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from mtc.elastic.placement import Shards, SnapshotUnavailableError, place, readable
+from mtc.elastic.placement import Shards, SnapshotUnavailableError, covered, place, surviving
 
 if TYPE_CHECKING:
     from mtc.manager import CheckpointManager
@@ -131,22 +131,28 @@ class Snapshotter:
     def _settle(self, wait: bool = False) -> bool:
         """Promote the pending snapshot once its copy is done (``wait``: wait for
         it); True when no copy is in flight any more."""
-        if self._pending is None:
+        pending = self._pending
+        if pending is None:
             return True
-        try:
-            if wait:
-                jax.block_until_ready(self._pending_arrays)
-            elif not all(a.is_ready() for a in self._pending_arrays):  # type: ignore[attr-defined]
-                return False
-            ok = all(readable(a) for a in self._pending_arrays)
-        except (jax.errors.JaxRuntimeError, RuntimeError):
-            ok = False
-        if ok:
-            self._latest = self._pending
-        else:
-            log.error("the snapshot of step %d failed: keeping step %s", self._pending.step,
-                      self._latest.step if self._latest else None)
+        if not wait and not all(a.is_ready() for a in self._pending_arrays):  # type: ignore[attr-defined]
+            return False
         self._pending, self._pending_arrays = None, []
+        arrays = [leaf for leaf in pending.leaves if isinstance(leaf, Shards)]
+        try:
+            # Every device's piece, as load reads them: a device lost from here on
+            # makes its pieces unreadable (also once it is back, with empty memory).
+            jax.block_until_ready([p for a in arrays for _, p in a.pieces])
+            ok = True
+        except (jax.errors.JaxRuntimeError, RuntimeError):
+            # Some device failed before or during the copy: the snapshot still
+            # serves if the pieces that did land hold every shard.
+            ok = all(covered(a, by_index) for a, by_index in zip(
+                arrays, surviving(arrays), strict=True))
+        if ok:
+            self._latest = pending
+        else:
+            log.error("the snapshot of step %d lost some shard before it completed: keeping "
+                      "step %s", pending.step, self._latest.step if self._latest else None)
         return True
 
     def join(self) -> None:
