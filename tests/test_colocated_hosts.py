@@ -77,6 +77,18 @@ def test_save_restore_through_colocated_sidecars(hosts: Hosts, mesh: Mesh,
             assert list(h.root.iterdir()) == []
 
 
+def test_a_step_not_found_names_the_sidecars_not_a_controller_folder(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path) -> None:
+    # With sidecars the controller's local_dir holds nothing: the error names what
+    # the user configured.
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh,
+                               options=_opts(hosts)) as mgr:
+        with pytest.raises(mtc.StepNotFoundError) as err:
+            mgr.restore(123456, {"w": np.zeros(3)})
+    assert "sidecars" in str(err.value) and hosts.hosts[0].sidecar_address in str(err.value)
+    assert "controller" not in str(err.value)
+
+
 def test_each_host_sees_its_own_shards_on_devices_of_its_own(hosts: Hosts) -> None:
     """A worker's function reads only its addressable shards, on its own devices."""
 

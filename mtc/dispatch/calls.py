@@ -5,37 +5,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask, SaveHeader, task_to_json
+from mtc.dispatch.protocol import BeforeSend, Dispatch
 from mtc.errors import HostAgentError, ManifestError
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.shards import paste
 
-
-class Dispatch(Protocol):
-    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool: ...
-    def wait(self) -> None: ...
-    def raise_background_error(self) -> None: ...
-    def load(self, step: int, tasks: Sequence[ReadTask],
-             specs: dict[int, LeafSpec]) -> dict[int, jax.Array]: ...
-    def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...
-    def manifest(self, step: int, host: int) -> Manifest: ...
-    def read(self, step: int, host: int, tasks: Sequence[ReadTask]) -> list[np.ndarray]: ...
-    def delete(self, step: int, hosts: Sequence[int]) -> None: ...
-    def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]: ...
-    def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
-               keep_period: int | None, before_write: bool) -> dict[int, tuple[int, int]]: ...
-    def space(self, hosts: Sequence[int]) -> dict[int, tuple[int, int]]: ...
-    def settle(self, hosts: Sequence[int]) -> None: ...
-    def own_for(self, step: int) -> tuple[int, ...]: ...
-    def network_bytes(self) -> int: ...
-    def identify(self, hosts: Sequence[int], *, create: bool) -> dict[int, str]: ...
-    def foreign(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...
-    def close(self) -> None: ...
+__all__ = ["Dispatch", "HostCalls", "regions_of"]
 
 
 def regions_of(tasks: Sequence[ReadTask], reply: Any) -> list[np.ndarray]:
@@ -81,6 +62,29 @@ class HostCalls:
     def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
         """Every answering host process's decoded reply (typed errors raised)."""
         raise NotImplementedError
+
+    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
+        raise NotImplementedError
+
+    def raise_background_error(self) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+    def check_before_save(self, due: bool) -> None:
+        self.raise_background_error()
+
+    def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
+             hosts: Sequence[int], before_send: BeforeSend) -> bool:
+        before_send(self.steps(hosts))
+        return self.stage(header, arrays)
+
+    def saving(self) -> bool | None:
+        return None
+
+    def saves_in_flight(self, hosts: Sequence[int]) -> int:
+        return 1  # not reported by the hosts: assume the last save is still going
 
     def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]:
         """Committed steps of every host reachable (``hosts``, and with host

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from mtc import orbax_args, treepath
@@ -31,14 +30,15 @@ SavedHosts = Callable[[int, list[int], Callable[[int, int], Manifest]], int]
 
 class StepReader:
     """Reads a committed step into a target from the hosts ``dispatch`` reaches
-    (``network``: the replicators, for other hosts' files in multi-controller JAX)."""
+    (``network``: the replicators, for other hosts' files in multi-controller JAX);
+    ``where`` names, in errors, what the user configured (sidecars, a folder)."""
 
     def __init__(self, dispatch: Dispatch, topology: Topology, network: NetworkTier | None,
-                 local_dir: Path, saved_hosts: SavedHosts) -> None:
+                 where: str, saved_hosts: SavedHosts) -> None:
         self.dispatch = dispatch
         self.topology = topology
         self.network = network
-        self.local_dir = local_dir
+        self.where = where  # where the steps are, as the user configured it (for errors)
         self._saved_hosts = saved_hosts
 
     def load(self, step: int, target: Any, args: Any, *,
@@ -122,7 +122,7 @@ class StepReader:
             if h not in holders and h not in pending and not self.topology.subdirs:
                 raise StepNotFoundError("step is not committed", step=step, host=h)
         if not holders:
-            raise StepNotFoundError(f"step is not committed under {self.local_dir}", step=step)
+            raise StepNotFoundError(f"step is not committed on {self.where}", step=step)
         # Each host's manifest fetched and parsed once per restore, though read twice.
         fetched: dict[int, Manifest] = {}
 
