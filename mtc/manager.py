@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import jax
+import numpy as np
 
 from mtc import layout, multihost, orbax_args, treepath
 from mtc.contract import AgentConfig
@@ -132,14 +133,20 @@ class CheckpointManager:
             raise
         self._inventory = StepInventory(dispatch, self.topology)
         self._reader = StepReader(dispatch, self.topology, self._network, self._where,
-                                  self._inventory.saved_hosts)
+                                  self._inventory.saved_hosts,
+                                  mesh if mesh is not None else jax.sharding.Mesh(
+                                      np.array(devices), ("devices",)))
         self._saves = SaveFlow(dispatch, self.topology, self.options, self._inventory,
-                               self._watch, on_new_step=self._new_step_coming,
-                               where=self._roots_here(), foreign=self.foreign_steps,
-                               metrics_of_step=self._metrics_of_step)
+                               self._watch, where=self._roots_here(),
+                               foreign=self.foreign_steps)
         self._restores = RestoreFlow(dispatch, self.topology, self.options, self._inventory,
                                      self._reader, self._saves,
                                      local_only=self._network is None, where=self._where)
+        # The flows call each other, never the manager: a manager in a reference cycle
+        # is freed by the cycle collector, in whichever thread it runs (a writer's),
+        # and its finalizer would wait there for the saves that thread writes.
+        self._saves.on_new_step = self._restores.new_step_coming
+        self._saves.metrics_of_step = self._restores.metrics
         # What close() releases, apart from the manager, so that a manager never
         # closed is still finished at exit or when collected (mtc.lifecycle).
         self._held = Held(dispatch, str(self.local_dir))
@@ -157,12 +164,6 @@ class CheckpointManager:
                         if self.options.sidecars else None)
             return ColocatedDispatch(self._config, devices, sidecars)
         return LocalDispatch(self._config, self._network)
-
-    def _new_step_coming(self) -> None:
-        self._restores.new_step_coming()
-
-    def _metrics_of_step(self, step: int) -> Any:
-        return self._restores.metrics(step)
 
     def _note_foreign(self) -> dict[int, list[int]]:
         """Step folders on this process's hosts that are not mtc's (no manifest: an
@@ -350,7 +351,8 @@ class CheckpointManager:
     # -- restore ----------------------------------------------------------------
 
     @_api
-    def restore(self, step: Any = None, target: Any = None, *, args: Any = None) -> Any:
+    def restore(self, step: Any = None, target: Any = None, *, args: Any = None,
+                as_numpy: bool = False) -> Any:
         """Load ``step`` (default: the latest, from any configured tier) into
         ``target``'s shardings.
 
@@ -358,15 +360,19 @@ class CheckpointManager:
         ``jax.ShapeDtypeStruct`` leaves (a ``ShapeDtypeStruct`` must carry
         ``.sharding``: mtc never guesses where an array goes); numpy arrays or
         None ask for numpy; other leaves are placeholders for saved values.
-        Without a target, arrays come back as numpy arrays in nested dicts (of
-        the key types saved) and lists. ``args=ocp.args.StandardRestore(target)``
+        Without a target (also ``StandardRestore()``, a ``Composite`` item of
+        None), as Orbax's: arrays come back as ``jax.Array``s on the manager's mesh
+        (the partition spec saved where the mesh has those axes, else replicated),
+        in nested dicts with string keys and lists; with ``as_numpy=True`` as numpy
+        arrays with the key types saved (an int-keyed flax NNX pure dict stays
+        one). ``args=ocp.args.StandardRestore(target)``
         (or ``PyTreeRestore``, ``JsonRestore``, a ``Composite``) may replace
         ``target``. With replicators and no step, they agree on the step and
         bring each host's data local first (see ``latest_step``).
         """
         if args is None and target is None and self.item_names:
             args = orbax_args.composite_of({})  # every saved item, as Orbax's
-        return self._restores.restore(step, target, args)
+        return self._restores.restore(step, target, args, as_numpy=as_numpy)
 
     # -- Orbax's other calls ------------------------------------------------------
 

@@ -62,11 +62,13 @@ class _Branch(dict):
     """An inner node while rebuilding a tree: keys are (kind, key) pairs."""
 
 
-def unflatten_from_keys(items: Sequence[tuple[Sequence[Sequence[Any]], Any]]) -> Any:
+def unflatten_from_keys(items: Sequence[tuple[Sequence[Sequence[Any]], Any]], *,
+                        str_keys: bool = False) -> Any:
     """Rebuild nested dicts and lists from encoded key paths (restore without target).
 
     Sequence keys become lists; dict and attribute keys stay dict keys of the
-    type saved (an int-keyed dict, as flax NNX's pure dicts, stays a dict)."""
+    type saved (an int-keyed dict, as flax NNX's pure dicts, stays a dict), or
+    with ``str_keys`` become strings, as Orbax gives them."""
     if len(items) == 1 and not items[0][0]:
         return items[0][1]
     root = _Branch()
@@ -78,15 +80,15 @@ def unflatten_from_keys(items: Sequence[tuple[Sequence[Sequence[Any]], Any]]) ->
                 node[k] = value
             else:
                 node = node.setdefault(k, _Branch())
-    return _build(root)
+    return _build(root, str_keys)
 
 
-def _build(node: Any) -> Any:
+def _build(node: Any, str_keys: bool = False) -> Any:
     if not isinstance(node, _Branch):
         return node
     if node and all(kind == "i" for kind, _ in node):
-        return [_build(node[k]) for k in sorted(node, key=lambda k: k[1])]
-    return {key: _build(v) for (_, key), v in node.items()}
+        return [_build(node[k], str_keys) for k in sorted(node, key=lambda k: k[1])]
+    return {str(key) if str_keys else key: _build(v, str_keys) for (_, key), v in node.items()}
 
 
 def encode_value(x: Any, path: str) -> dict[str, Any]:

@@ -301,12 +301,21 @@ def test_target_without_sharding_is_refused_and_dict_keys_keep_their_type(
             w.shape, w.dtype, sharding=w.sharding)}, 1: {"kernel": np.zeros(w.shape, w.dtype)}}})
         assert isinstance(got["layers"][0]["kernel"], jax.Array)
         assert isinstance(got["layers"][1]["kernel"], np.ndarray)
-        raw = mgr.restore(1)
+        raw = mgr.restore(1, as_numpy=True)
+        orbax_like = mgr.restore(1)
+    # Without a target, as Orbax's: arrays on the manager's mesh as saved, string keys.
+    assert sorted(orbax_like["layers"]) == ["0", "1"]
+    kernel = orbax_like["layers"]["1"]["kernel"]
+    assert isinstance(kernel, jax.Array) and kernel.sharding == w.sharding
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(w) * 2)
+    assert isinstance(orbax_like["h"], np.ndarray)  # numpy saved, numpy back (as Orbax's)
+    # as_numpy=True: numpy, with the key types saved.
     assert set(raw) == {"layers", "seq", "pair", "h"}
     assert isinstance(raw["layers"], dict) and sorted(raw["layers"]) == [0, 1]
     assert all(type(k) is int for k in raw["layers"])
     np.testing.assert_array_equal(raw["layers"][1]["kernel"], np.asarray(w) * 2)
     assert isinstance(raw["seq"], list) and raw["seq"][1] == [3, 4]
+    assert isinstance(raw["seq"][0], np.ndarray)
     assert raw["pair"] == {"a": 1, "b": 2.5}
 
 

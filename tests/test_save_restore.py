@@ -120,9 +120,17 @@ def test_restore_without_target_gives_numpy_in_nested_containers(ramdisk: Path,
     state = make_state(mesh)
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options("local")) as mgr:
         mgr.save(4, state)
-        got = mgr.restore()
+        got = mgr.restore(as_numpy=True)
+        arrays = mgr.restore()
     np.testing.assert_array_equal(got["params"]["w"], np.asarray(state["params"]["w"]))
     assert isinstance(got["params"]["w"], np.ndarray)
+    # Without as_numpy, as Orbax's: jax.Arrays laid out as saved on the manager's mesh.
+    for name, saved in state["params"].items():
+        back = arrays["params"][name]
+        assert isinstance(back, jax.Array) and back.sharding == saved.sharding, name
+        assert back.dtype == saved.dtype
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(saved))
+    assert arrays["step"] == 11 and arrays["data"] == {"global_next_index": 1234}
     assert got["opt"][0] == 3 and got["data"] == {"global_next_index": 1234}
     assert got["step"] == 11 and got["nothing"] is None and got["name"] == "run-\u00e9"
     assert jax.random.key_data(got["rng"]).tolist() == jax.random.key_data(

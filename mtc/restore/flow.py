@@ -116,7 +116,7 @@ class RestoreFlow:
 
     # -- restore ------------------------------------------------------------------------
 
-    def restore(self, step: Any, target: Any, args: Any) -> Any:
+    def restore(self, step: Any, target: Any, args: Any, *, as_numpy: bool = False) -> Any:
         if orbax_args.is_orbax_args(target) or orbax_args.is_orbax_args(step):
             raise ConfigError(orbax_args.positional_hint("restore").replace(
                 "ocp.args.StandardSave(state)", "ocp.args.StandardRestore(target)"))
@@ -164,7 +164,7 @@ class RestoreFlow:
         self.last_restore_seconds = {}
         fetched_before = self.dispatch.network_bytes()
         try:
-            saved, result = self._load(step, target, args, prepared, run)
+            saved, result = self._load(step, target, args, prepared, run, as_numpy)
             nbytes = sum(m.nbytes for m in saved.manifests.values())
         except MtcError as e:
             error = e
@@ -185,7 +185,8 @@ class RestoreFlow:
                         raise StepNotFoundError(f"after healing, the replicators agree on "
                                                 f"step {healed}", step=requested)
                     step, error, tiers = healed, None, self.tier.host_tiers(prepared)
-                    saved, result = self._load(step, target, args, run=prepared.run)
+                    saved, result = self._load(step, target, args, run=prepared.run,
+                                               as_numpy=as_numpy)
                     nbytes = sum(m.nbytes for m in saved.manifests.values())
                 except MtcError as e:
                     error = e
@@ -213,17 +214,18 @@ class RestoreFlow:
                  ", ".join(f"{h}={t}" for h, t in sorted(tiers.items())))
         return result
 
-    def _load(self, step: int, target: Any, args: Any,
-              prepared: Prepared | None = None, run: str = "") -> tuple[SavedStep, Any]:
+    def _load(self, step: int, target: Any, args: Any, prepared: Prepared | None = None,
+              run: str = "", as_numpy: bool = False) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it (mtc.restore.step);
         the hosts whose data ``prepared`` says is on its way are waited for only
         where the other hosts' copies do not cover their regions."""
         if prepared is None or not prepared.pending:
-            return self.reader.load(step, target, args, run=run)
+            return self.reader.load(step, target, args, run=run, as_numpy=as_numpy)
         tier = self.tier
         return self.reader.load(step, target, args, pending=tier.pending_hosts(prepared),
                                 wait_pending=lambda: tier.wait_local(prepared),
-                                seconds=self.last_restore_seconds, run=run)
+                                seconds=self.last_restore_seconds, run=run,
+                                as_numpy=as_numpy)
 
     def _may_defer(self) -> bool:
         """Whether a restore may start before every host's data is local: this

@@ -78,10 +78,35 @@ def metrics_of(saved: SavedStep) -> Any:
     return treepath.unflatten_from_keys(items)[treepath.METRICS_ROOT] if items else None
 
 
+def saved_sharding(leaf: LeafEntry, mesh: jax.sharding.Mesh) -> NamedSharding:
+    """Where an array restored without a target goes on ``mesh``: the partition spec
+    it was saved with when ``mesh`` has those axes, of the sizes saved, and they
+    divide the array; else replicated over ``mesh``."""
+    s = leaf.sharding or {}
+    if s.get("type") == "named":
+        sizes = dict(zip(s.get("axes", ()), s.get("mesh_shape", ()), strict=False))
+        spec = [tuple(p) if isinstance(p, list) else p for p in s.get("spec", ())]
+        ok = len(spec) <= len(leaf.shape)
+        for dim, p in zip(leaf.shape, spec, strict=False):
+            names = () if p is None else p if isinstance(p, tuple) else (p,)
+            if any(mesh.shape.get(n) != sizes.get(n) for n in names):
+                ok = False
+                break
+            parts = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+            ok = ok and dim % parts == 0
+        if ok:
+            return NamedSharding(mesh, PartitionSpec(*spec))
+    return NamedSharding(mesh, PartitionSpec())
+
+
 def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Dispatch,
-                 *, prefix: tuple[str, Any] | None = None) -> Any:
+                 *, prefix: tuple[str, Any] | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> Any:
     """The step's leaves matched to ``target`` (or, without one, all of them, or
-    those under the top-level key ``prefix``, as nested dicts and lists)."""
+    those under the top-level key ``prefix``, as nested dicts and lists). Without
+    a target and with ``mesh``, arrays come back as Orbax gives them: sharded
+    ``jax.Array``s on ``mesh`` (:func:`saved_sharding`), dict keys as strings;
+    without ``mesh``, as numpy arrays with the key types saved."""
     step = saved.step
     leaves = saved.leaves
     by_path = {leaf.path: i for i, leaf in enumerate(leaves)}
@@ -90,7 +115,9 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
 
     if target is None:
         wanted: list[tuple[int, Any]] = [
-            (i, None) for i, leaf in enumerate(leaves)
+            (i, None if mesh is None or leaf.kind != "array" else jax.ShapeDtypeStruct(
+                leaf.shape, jax.numpy.dtype(leaf.dtype), sharding=saved_sharding(leaf, mesh)))
+            for i, leaf in enumerate(leaves)
             if not _is_metric(leaf) and (prefix is None or (
                 leaf.keys and tuple(leaf.keys[0]) == prefix))]
         flat_target = None
@@ -158,5 +185,6 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
                 and jax.numpy.dtype(want) != jax.numpy.dtype(leaves[i].dtype):
             results[i] = results[i].astype(want)
     if flat_target is None:
-        return treepath.unflatten_from_keys([(leaves[i].keys, results[i]) for i, _ in wanted])
+        return treepath.unflatten_from_keys([(leaves[i].keys, results[i]) for i, _ in wanted],
+                                            str_keys=mesh is not None)
     return jax.tree_util.tree_unflatten(treedef, [results[i] for i, _ in wanted])

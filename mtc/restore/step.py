@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from mtc import orbax_args, treepath
 from mtc.dispatch import Dispatch, NetworkTier
 from mtc.errors import ShardUnavailableError, StepNotFoundError, TargetMismatchError
@@ -34,8 +36,11 @@ class StepReader:
     ``where`` names, in errors, what the user configured (sidecars, a folder)."""
 
     def __init__(self, dispatch: Dispatch, topology: Topology, network: NetworkTier | None,
-                 where: str, saved_hosts: SavedHosts) -> None:
+                 where: str, saved_hosts: SavedHosts,
+                 mesh: jax.sharding.Mesh | None = None) -> None:
         self.dispatch = dispatch
+        # Where arrays restored without a target go (None: numpy, as saved).
+        self.mesh = mesh
         self.topology = topology
         self.network = network
         self.where = where  # where the steps are, as the user configured it (for errors)
@@ -44,8 +49,8 @@ class StepReader:
     def load(self, step: int, target: Any, args: Any, *,
              pending: frozenset[int] = frozenset(),
              wait_pending: Callable[[], None] | None = None,
-             seconds: dict[str, float] | None = None, run: str = ""
-             ) -> tuple[SavedStep, Any]:
+             seconds: dict[str, float] | None = None, run: str = "",
+             as_numpy: bool = False) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it.
 
         ``pending``: hosts whose data is still on its way (replaced hosts whose
@@ -65,7 +70,7 @@ class StepReader:
         if pending and wait_pending is not None:
             try:
                 saved = self.saved_step(step, pending=pending, run=run)
-                return saved, self.restore_from(saved, target, args)
+                return saved, self.restore_from(saved, target, args, as_numpy)
             except (ShardUnavailableError, StepNotFoundError) as e:
                 # Planned again from the start: nothing was placed on a device yet.
                 log.info("mtc: the other hosts' copies of step %d do not cover hosts %s (%s): "
@@ -76,20 +81,25 @@ class StepReader:
                 seconds["wait_pending"] = time.perf_counter() - t
         saved = self.saved_step(step, run=run)
         if self.network is None:
-            return saved, self.restore_from(saved, target, args)
+            return saved, self.restore_from(saved, target, args, as_numpy)
         try:
-            return saved, self.restore_from(saved, target, args)
+            return saved, self.restore_from(saved, target, args, as_numpy)
         except ShardUnavailableError:
             pass  # planned on this host's files alone: nothing was read from elsewhere
         log.info("mtc: restore of step %d needs regions other hosts saved: their manifests "
                  "and files come through the replicators", step)
         saved = self.saved_step(step, every_host=True, run=run)
-        return saved, self.restore_from(saved, target, args)
+        return saved, self.restore_from(saved, target, args, as_numpy)
 
-    def restore_from(self, saved: SavedStep, target: Any, args: Any) -> Any:
-        """``target`` (or Orbax ``args``' targets) loaded from ``saved``."""
+    def restore_from(self, saved: SavedStep, target: Any, args: Any,
+                     as_numpy: bool = False) -> Any:
+        """``target`` (or Orbax ``args``' targets) loaded from ``saved``; without a
+        target, arrays onto ``mesh`` unless ``as_numpy`` (:func:`restore_tree`)."""
+        mesh = None if as_numpy else self.mesh
+
         def load(t: Any, prefix: tuple[str, Any] | None = None) -> Any:
-            return restore_tree(saved, t, self.topology, self.dispatch, prefix=prefix)
+            return restore_tree(saved, t, self.topology, self.dispatch, prefix=prefix,
+                                mesh=mesh)
 
         if args is None:
             return load(target)

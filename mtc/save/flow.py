@@ -34,7 +34,7 @@ class SaveFlow:
 
     def __init__(self, dispatch: Dispatch, topology: Topology, options: Options,
                  inventory: StepInventory, watch: ReplicatorWatch | None, *,
-                 on_new_step: Callable[[], None], where: str,
+                 on_new_step: Callable[[], None] = lambda: None, where: str,
                  foreign: dict[int, list[int]] | None = None,
                  metrics_of_step: Callable[[int], Any] | None = None) -> None:
         self.dispatch = dispatch
@@ -42,7 +42,7 @@ class SaveFlow:
         self.options = options
         self.inventory = inventory
         self.watch = watch
-        self._on_new_step = on_new_step
+        self.on_new_step = on_new_step
         self._where = where
         # The run identity written into every manifest this manager saves (mtc.runs):
         # fixed now and again after each restore, the same in every process.
@@ -54,7 +54,7 @@ class SaveFlow:
         # Step folders found at start that are not mtc's (per host): never replaced.
         self.foreign = foreign or {}
         # best_fn retention: each step's metrics, read once from a manifest.
-        self._metrics_of_step = metrics_of_step
+        self.metrics_of_step = metrics_of_step
         self._metrics: dict[int, Any] = {}
         if options.max_to_keep is None and not options.replicators and not options.read_only:
             log.info("mtc: max_to_keep=None (Orbax's default): every step stays on the RAM "
@@ -143,7 +143,7 @@ class SaveFlow:
             # Nothing is sent to a host before this returned, and nothing at all
             # when it raised.
             held = self._replace_partial(step, held)
-            self._on_new_step()
+            self.on_new_step()
             self._make_room(held)
 
         hosts = self.topology.local_hosts
@@ -265,10 +265,10 @@ class SaveFlow:
         once from a manifest each), applied as Orbax does after each commit: while
         a step is written, ``max_to_keep`` others stay."""
         o = self.options
-        assert o.best_fn is not None and self._metrics_of_step is not None
+        assert o.best_fn is not None and self.metrics_of_step is not None
         for s in complete:
             if s not in self._metrics:
-                self._metrics[s] = self._metrics_of_step(s)
+                self._metrics[s] = self.metrics_of_step(s)
         for s in retention.best_to_delete(
                 complete, self._metrics, max_to_keep=o.max_to_keep, keep_period=o.keep_period,
                 best_fn=o.best_fn, best_mode=o.best_mode,

@@ -387,8 +387,8 @@ class Worker:
                 self.restore_checked(f"step 2 onto {kind}", mgr, 2, kind)
             self.restore_checked("step 1 onto saved sharding", mgr, 1, "saved")
 
-            # Without a target: whole numpy arrays, assembled from every host's files.
-            raw = mgr.restore(2)
+            # Without a target, as_numpy: whole numpy arrays, from every host's files.
+            raw = mgr.restore(2, as_numpy=True)
             exp = self.expected(2)
             for label, value, want in (("w", raw["params"]["w"], exp["w"]),
                                        ("b", raw["params"]["b"], exp["b"]),
