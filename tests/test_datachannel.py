@@ -109,8 +109,12 @@ def test_an_unknown_transfer_or_step_is_refused(rep: Replicator) -> None:
                                                    files=[0]))
     assert dc.status_code(st) == grpc.StatusCode.NOT_FOUND
     st = raw_request(rep.data_port, pb.DataRequest(
-        token="s3cret", fetch=pb.FetchRequest(step=7, origin_rank=0, path="a.bin")))
+        token="s3cret", fetch=pb.FetchRequest(step=7, origin_rank=1, path="a.bin")))
     assert dc.status_code(st) == grpc.StatusCode.NOT_FOUND
+    # Its own step it neither holds nor restores: the asker reads the backup itself.
+    st = raw_request(rep.data_port, pb.DataRequest(
+        token="s3cret", fetch=pb.FetchRequest(step=7, origin_rank=0, path="a.bin")))
+    assert dc.status_code(st) == grpc.StatusCode.FAILED_PRECONDITION
 
 
 @pytest.mark.parametrize("head", [

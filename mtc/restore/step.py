@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 # How many hosts saved a step, from one of its holders' manifests (the
 # manager's cache, shared with its save path).
 SavedHosts = Callable[[int, list[int], Callable[[int, int], Manifest]], int]
+PENDING_TIMEOUT_S = 120.0  # Options.restore_timeout_s default
+PENDING_POLL_S = 0.2
 
 
 class StepReader:
@@ -44,8 +46,8 @@ class StepReader:
     def load(self, step: int, target: Any, args: Any, *,
              pending: frozenset[int] = frozenset(),
              wait_pending: Callable[[], None] | None = None,
-             seconds: dict[str, float] | None = None, run: str = ""
-             ) -> tuple[SavedStep, Any]:
+             seconds: dict[str, float] | None = None, run: str = "",
+             pending_timeout_s: float = PENDING_TIMEOUT_S) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it.
 
         ``pending``: hosts whose data is still on its way (replaced hosts whose
@@ -61,7 +63,13 @@ class StepReader:
         manifests to restore where it saved). Only when the target needs a region
         another host saved are every saving host's manifests fetched and the plan
         made again. Every manifest read must name one run (``run``, when the
-        replicators agreed on one): else :class:`MixedRunError`."""
+        replicators agreed on one): else :class:`MixedRunError`.
+
+        A pending host's data was promised by the agreement: until
+        ``pending_timeout_s`` has passed since the wait began, a pending host that
+        does not list the step yet (its sidecar answering late, the data
+        committed a moment after its replicator answered) is asked again, never
+        reported as a step that is not committed."""
         if pending and wait_pending is not None:
             try:
                 saved = self.saved_step(step, pending=pending, run=run)
@@ -72,9 +80,11 @@ class StepReader:
                          "waiting for their data", step, sorted(pending), e)
             t = time.perf_counter()
             wait_pending()
+            saved = self._saved_once_listed(step, run, pending, t + pending_timeout_s)
             if seconds is not None:
                 seconds["wait_pending"] = time.perf_counter() - t
-        saved = self.saved_step(step, run=run)
+        else:
+            saved = self.saved_step(step, run=run)
         if self.network is None:
             return saved, self.restore_from(saved, target, args)
         try:
@@ -85,6 +95,20 @@ class StepReader:
                  "and files come through the replicators", step)
         saved = self.saved_step(step, every_host=True, run=run)
         return saved, self.restore_from(saved, target, args)
+
+    def _saved_once_listed(self, step: int, run: str, pending: frozenset[int],
+                           deadline: float) -> SavedStep:
+        """:meth:`saved_step` once every pending host lists ``step``, asked again
+        until ``deadline`` (``time.perf_counter``) while one does not."""
+        while True:
+            try:
+                return self.saved_step(step, run=run)
+            except StepNotFoundError as e:
+                if e.host not in pending or time.perf_counter() >= deadline:
+                    raise
+                log.info("mtc: host %d does not list step %d yet although its replicator "
+                         "made it local: asking again", e.host, step)
+            time.sleep(PENDING_POLL_S)
 
     def restore_from(self, saved: SavedStep, target: Any, args: Any) -> Any:
         """``target`` (or Orbax ``args``' targets) loaded from ``saved``."""

@@ -34,7 +34,13 @@ from typing import Any
 
 import grpc
 
-from mtc.errors import AgreementError, ConfigError, CorruptShardError, MtcError
+from mtc.errors import (
+    AgreementError,
+    ConfigError,
+    CorruptShardError,
+    MtcError,
+    StepNotFoundError,
+)
 from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.duties import BackupDuties
@@ -384,6 +390,24 @@ class Node(BackupDuties, RestoreDuties):
                     self.store.verify(*where, cached=False)
             raise
         self.metrics.bytes_sent.inc(sum(f.size for _, f in group))
+
+    def staged(self, step: int) -> tuple[Path, set[str]] | None:
+        """This host's files of ``step`` read so far for a restore in progress (its
+        folder, and the paths there verified), served to other restoring hosts;
+        None when it restores none of it. A restore answered and queued but not
+        started (its quiet time) starts now, and the asker is told to ask again
+        (:class:`StepNotFoundError`): it is about to hold what was asked."""
+        with self._lock:
+            staged = self.restoring.get(step)
+        if staged is not None:
+            return staged
+        with self._bg_lock:
+            queued = step in self._materializing
+        if queued:
+            self._bg_wake.set()
+            raise StepNotFoundError("this host's restore of the step is starting: not read "
+                                    "yet", step=step, host=self.rank)
+        return None
 
     def on_copy_received(self, origin: int, step: int) -> None:
         log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, origin, step)

@@ -42,6 +42,8 @@ class RestoreDuties:
     peers: dict[int, PeerClient]
     backup: BackupScheduler | None
     _pool: ThreadPoolExecutor
+    _lock: threading.Lock
+    restoring: dict[int, tuple[Path, set[str]]]
     _bg_pool: ThreadPoolExecutor  # one thread: data made local after answering
     _bg_lock: threading.Lock
     _materializing: dict[int, Future[str]]
@@ -219,6 +221,10 @@ class RestoreDuties:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            # Served from the committed copy from here on (_from_backup staged it).
+            with self._lock:
+                self.restoring.pop(step, None)
         return tier
 
     def _copies_elsewhere(self, step: int, invs: dict[int, pb.Inventory], run: str = ""
@@ -290,7 +296,7 @@ class RestoreDuties:
                 self.metrics.failures.labels("fetch").inc()
                 log.warning("rank %d: %s of step %d from rank %d (origin %d) failed: %s",
                             self.rank, f.path, step, holder, origin, e)
-                errors.append(f"rank {holder}: {e}")
+                errors.append(f"rank {holder}: {_bare(e)}")
         if self.backup is not None:
             try:
                 if self._file_from_backup(step, f, dest):
@@ -298,9 +304,17 @@ class RestoreDuties:
                 errors.append("backup: not backed up")
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels("fetch").inc()
-                errors.append(f"backup: {e}")
+                errors.append(f"backup: {_bare(e)}")
         raise CorruptShardError(f"no good copy on any holder ({'; '.join(errors) or 'none'})",
                                 step=step, host=self.rank, path=f.path)
+
+
+def _bare(e: BaseException) -> str:
+    """An error's message without its step/host/file suffix: the error it goes into
+    names them once ("(host 1) (host 0) (host 1)" otherwise)."""
+    if not isinstance(e, MtcError):
+        return str(e)
+    return e.message
 
 
 def fetch_batches(first: Sequence[tuple[int, int] | None], rank: int, streams: int

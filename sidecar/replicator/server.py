@@ -402,11 +402,11 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 yield from store.stream_verified(origin, step, r)
             return
         rel = rels[0]
-        staged = self.node.restoring.get(step)
         if (origin, step) in store.copies():
             # Checked as it is read: a file that fails is quarantined, never sent whole.
             yield from store.stream_verified(origin, step, rel, req.offset)
             return
+        staged = self.node.staged(step) if origin == self.node.rank else None
         if origin == self.node.rank and staged and rel in staged[1]:
             base = staged[0]  # verified, from a restore in progress
         elif origin == self.node.rank and staged:
