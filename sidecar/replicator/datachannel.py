@@ -55,8 +55,10 @@ MAX_REQUEST = 4 << 20    # a push of every file of an offer by index, a fetch's 
 MAX_STATUS = 64 << 10
 IO_TIMEOUT_S = 30.0      # one read or write; the Streams watchdog bounds the whole
 HANDSHAKE_S = 10.0       # connection set-up: TLS handshake and the request
-CHUNK = 4 << 20          # bytes per recv_into/CRC32C/write, and per send over TLS
 _LEN = struct.Struct("<I")
+# Bytes per receive: small enough that the CRC32C and the write read them from the
+# cache the receive just filled (a whole CHUNK would go out to memory and back).
+RECV_CHUNK = 256 << 10
 
 
 class Caller:
@@ -91,7 +93,7 @@ class Caller:
         """Receive ``size`` bytes into ``fd``: (bytes got, their CRC32C); short when
         the caller ended early."""
         if self._buf is None:
-            self._buf = memoryview(bytearray(CHUNK))
+            self._buf = memoryview(bytearray(RECV_CHUNK))
         return recv_into_fd(self.sock, fd, size, self._buf, progress)
 
     def send_file(self, f: BinaryIO, size: int) -> None:

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 from mtc import layout
 from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.files import copy_verified
 from mtc.sidecar.replicator.agreement import saving_ranks
-from mtc.sidecar.replicator.store import FileMeta, copy_verified, inside
+from mtc.sidecar.replicator.store import FileMeta, inside
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.schedule import BackupScheduler
