@@ -574,7 +574,7 @@ class LocalStore:
                        ) -> dict[str, tuple[Path, bool]]:
         """Per offered file, a file held here with the same size and CRC32C (a dedup
         candidate), and whether the manifests already say it is the same content:
-        a file of the same path in a copy of the same ``step`` (a data-parallel
+        a file of the same path in an mtc copy of the same ``step`` (a data-parallel
         twin's shard), which needs no second hash to confirm it. One pass over
         what is held, whatever the number offered."""
         wanted = {(m.size, m.crc32c) for m in metas}
@@ -583,6 +583,10 @@ class LocalStore:
         for origin, s in self.copies():
             try:
                 files = self.describe(origin, s)
+                # Only an mtc step's manifest identifies its files (a shard's path
+                # names its leaf and region, its CRC32C was taken as it was written);
+                # an opaque step's (Orbax's) are confirmed by hash.
+                manifested = s == step and self.summary(origin, s).num_hosts > 0
             except (OSError, ValueError):
                 continue
             for f in files:
@@ -590,7 +594,7 @@ class LocalStore:
                 if key not in wanted:
                     continue
                 held.setdefault(key, self.copy_dir(origin, s) / f.path)
-                if s == step:
+                if manifested:
                     same.setdefault((f.path, *key), self.copy_dir(origin, s) / f.path)
         out: dict[str, tuple[Path, bool]] = {}
         for m in metas:
