@@ -120,7 +120,6 @@ class Node(BackupDuties, RestoreDuties):
         self.config_error = ""
         self.replication = ReplicationClock(config.replication_warn_s)
         self.last_decision = pb.Decision()  # the newest one this node read
-        self._call = threading.local()  # per calling thread: restore id, decision read
         members = list(range(config.num_nodes))
         # Every node may decide: a job's decider is the lowest rank of the membership
         # it states, and a job that came back smaller may not include rank 0. One
@@ -618,20 +617,16 @@ class Node(BackupDuties, RestoreDuties):
                       self.rank, d.lost)
         return d
 
-    def agree(self, timeout_s: float | None = None, *, rid: str = ""
+    def agree(self, timeout_s: float | None = None, *, ask: RestoreAsk | None = None
               ) -> tuple[pb.Decision, dict[int, pb.Inventory]]:
         """The epoch's decision (its step and run), and inventories to find its data
         with (only this node's when its data is local: the decision itself costs
-        O(N) messages)."""
-        d = self.agree_epoch(timeout_s, rid or getattr(self._call, "rid", ""),
-                             getattr(self._call, "members", ()))
-        self._call.decision = d
+        O(N) messages). ``ask``: the restore this is for (its id and membership;
+        the decision read is recorded on it)."""
+        ask = ask if ask is not None else RestoreAsk()
+        d = self.agree_epoch(timeout_s, ask.rid, ask.members)
+        ask.decision = d
         return d, self._invs_for(d.step, d.run)
-
-    def use_restore_id(self, rid: str) -> None:
-        """The restore id :meth:`agree` asks with on this thread (a PrepareRestore's,
-        an Orbax request's): a re-issued request reads the same decision."""
-        self._call.rid = rid
 
     def _invs_for(self, step: int, run: str) -> dict[int, pb.Inventory]:
         """Only this node's inventory when its data of the step is here and whole
@@ -659,21 +654,27 @@ class Node(BackupDuties, RestoreDuties):
         and the decision it read."""
         self.refuse_if_misconfigured()
         check_members(members, self.config.num_nodes, self.rank)  # typed, before waiting
-        self.use_restore_id(rid)
-        self._call.members = tuple(members)
-        self._call.decision = pb.Decision()
-        try:
-            step, tier, seconds, pending = self.prepare_restore(timeout_s,
-                                                                background=background)
-            d: pb.Decision = self._call.decision
-        finally:
-            self.use_restore_id("")
-            self._call.members = ()
+        ask = RestoreAsk(rid, tuple(members))
+        step, tier, seconds, pending = self.prepare_restore(timeout_s, background=background,
+                                                            ask=ask)
+        d = ask.decision
         self.quiet_until = time.monotonic() + self.config.restore_quiet_s
         if d.step != step:  # the invariant, checked where it is cheap
             raise AgreementError(f"decided step {d.step}, prepared step {step}",
                                  host=self.rank)
         return d, tier, seconds, pending
+
+
+@dataclasses.dataclass
+class RestoreAsk:
+    """One restore, as the call that carries it (a PrepareRestore, an Orbax client's
+    request) hands it to the agreement: its restore id (a re-issued ask reads the
+    same decision) and the job's stated membership; the decision read is recorded
+    here for the caller. Passed explicitly; owned by that call's thread."""
+
+    rid: str = ""
+    members: tuple[int, ...] = ()
+    decision: pb.Decision = dataclasses.field(default_factory=pb.Decision)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
+    from mtc.sidecar.replicator.node import RestoreAsk
     from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
@@ -52,7 +53,7 @@ class RestoreDuties:
     _stop: threading.Event
 
     if TYPE_CHECKING:  # provided by Node and BackupDuties
-        def agree(self, timeout_s: float | None = None
+        def agree(self, timeout_s: float | None = None, *, ask: RestoreAsk | None = None
                   ) -> tuple[pb.Decision, dict[int, pb.Inventory]]: ...
 
         def holds_own(self, step: int, run: str) -> bool: ...
@@ -67,12 +68,14 @@ class RestoreDuties:
 
         def _file_from_backup(self, step: int, f: FileMeta, dest: Path) -> bool: ...
 
-    def restore_for_client(self, job: str) -> int:
+    def restore_for_client(self, job: str, ask: RestoreAsk | None = None) -> int:
         """Answer an Orbax client: agree, park every step folder out of its sight,
-        bring this host's data of the agreed step, and write the restore marker."""
+        bring this host's data of the agreed step, and write the restore marker.
+        ``ask``: the client's request (its restore id: re-served, it reads its
+        decision again)."""
         from mtc.sidecar.replicator import orbax
 
-        decision, invs = self.agree()
+        decision, invs = self.agree(ask=ask)
         step, run = decision.step, decision.run
         for name in os.listdir(self.store.root):  # a client's renamed markers: links
             if layout.step_of_name(name) is not None and \
@@ -88,8 +91,8 @@ class RestoreDuties:
                            self.store.copy_dir(self.rank, step))
         return step
 
-    def prepare_restore(self, timeout_s: float | None = None, *, background: bool = False
-                        ) -> tuple[int, str, float, bool]:
+    def prepare_restore(self, timeout_s: float | None = None, *, background: bool = False,
+                        ask: RestoreAsk | None = None) -> tuple[int, str, float, bool]:
         """Agree on the step and make this host's data for it local; returns the
         step, the tier the data came from, the seconds taken and whether it is
         still on its way.
@@ -99,7 +102,7 @@ class RestoreDuties:
         (``pending``); the controller reads the same regions from other hosts'
         copies meanwhile. A local copy is still checked (and healed) first."""
         t0 = time.monotonic()
-        decision, invs = self.agree(timeout_s)
+        decision, invs = self.agree(timeout_s, ask=ask)
         step, run = decision.step, decision.run
         if step < 0:
             return -1, "none", time.monotonic() - t0, False
