@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtc import layout, multihost, orbax_args
 from mtc.dispatch import Dispatch
+from mtc.dispatch.protocol import Survey
 from mtc.errors import (
     AgreementError,
     ConfigError,
@@ -119,7 +120,7 @@ class RestoreFlow:
         if args is not None and target is not None:
             raise ConfigError("restore() takes target or args=, not both")
         t0 = time.perf_counter()
-        self.saves.wait_until_finished()
+        self.saves.finish_for_restore()
         requested = None if step is None else layout.as_step(step)
         tiers = {h: "local" for h in self.topology.local_hosts}
         prepared: Prepared | None = None
@@ -144,8 +145,10 @@ class RestoreFlow:
         # again (the replicators fence their own hosts when they agree).
         newest = step is None or step == self._latest
         t_prepared = time.perf_counter()
+        survey = None
         if step is None:
             steps = self.inventory.common()
+            survey = self.inventory.last_survey  # the step's manifests, when newest
             if not steps:
                 self._nothing_restorable()
                 raise StepNotFoundError(f"no step is committed on every host of this job "
@@ -160,7 +163,7 @@ class RestoreFlow:
         self.last_restore_seconds = {}
         fetched_before = self.dispatch.network_bytes()
         try:
-            saved, result = self._load(step, target, args, prepared, run)
+            saved, result = self._load(step, target, args, prepared, run, survey)
             nbytes = sum(m.nbytes for m in saved.manifests.values())
         except MtcError as e:
             error = e
@@ -209,13 +212,13 @@ class RestoreFlow:
                  ", ".join(f"{h}={t}" for h, t in sorted(tiers.items())))
         return result
 
-    def _load(self, step: int, target: Any, args: Any,
-              prepared: Prepared | None = None, run: str = "") -> tuple[SavedStep, Any]:
+    def _load(self, step: int, target: Any, args: Any, prepared: Prepared | None = None,
+              run: str = "", survey: Survey | None = None) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it (mtc.restore.step);
         the hosts whose data ``prepared`` says is on its way are waited for only
         where the other hosts' copies do not cover their regions."""
         if prepared is None or not prepared.pending:
-            return self.reader.load(step, target, args, run=run)
+            return self.reader.load(step, target, args, run=run, survey=survey)
         tier = self.tier
         return self.reader.load(step, target, args, pending=tier.pending_hosts(prepared),
                                 wait_pending=lambda: tier.wait_local(prepared),

@@ -13,6 +13,7 @@ from typing import Any
 
 from mtc import layout, multihost, orbax_args, runs
 from mtc.dispatch import Dispatch
+from mtc.dispatch.protocol import Survey
 from mtc.errors import ConfigError, MtcError, StepExistsError
 from mtc.inventory import StepInventory
 from mtc.options import Options
@@ -49,6 +50,9 @@ class SaveFlow:
         # Hosts whose replicator did not answer the last check: their RAM disks are
         # kept within max_to_keep meanwhile.
         self.unreplicated: frozenset[int] = frozenset()
+        # Whether this manager saved since retention last ran (a restore applies it
+        # only then: a restarted job's restore asks the hosts nothing it needn't).
+        self._saved_since_retention = False
 
     # -- schedule -------------------------------------------------------------------
 
@@ -99,16 +103,18 @@ class SaveFlow:
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics, run=self.run, ranks=self._saved_ranks())
 
-        def before_send(held: dict[int, list[int]]) -> None:
+        def before_send(survey: Survey) -> None:
             # Nothing is sent to a host before this returned, and nothing at all
             # when it raised.
-            held = self._replace_partial(step, held)
+            self.inventory.learn(survey)
+            held = self._replace_partial(step, survey.held)
             self._on_new_step()
             self._make_room(held)
 
         hosts = self.topology.local_hosts
         staged = self.dispatch.save(header, arrays, hosts, before_send)
         if staged:
+            self._saved_since_retention = True
             self.last_saved = step
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
@@ -161,6 +167,13 @@ class SaveFlow:
         self.wait_saves()
         self._apply_retention()
 
+    def finish_for_restore(self) -> None:
+        """Before a restore: every save committed, and retention applied after them
+        (not at all when this manager saved nothing since it last ran)."""
+        self.wait_saves()
+        if self._saved_since_retention:
+            self._apply_retention()
+
     def wait_saves(self) -> None:
         error: BaseException | None = None
         try:
@@ -188,6 +201,8 @@ class SaveFlow:
         ``held``: the hosts' committed steps, when the caller has just listed them."""
         if not self._retains():
             return {}
+        if not before_write:
+            self._saved_since_retention = False
         complete = self.inventory.common(held)
         return self.dispatch.retain(self.topology.local_hosts, complete,
                                     max_to_keep=self.options.max_to_keep,
