@@ -129,15 +129,15 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
                 pos += -(-n // ALIGN) * ALIGN
             sizes[h] = pos
         cap = max(ALIGN, max(sizes.values()))
-        grid = [first[h] for h in holders]
+        buffer_devices = [first[h] for h in holders]
         holder_position = {h: k for k, h in enumerate(holders)}
-        mesh = jax.sharding.Mesh(np.array(grid, dtype=object), ("hosts",))
+        mesh = jax.sharding.Mesh(np.array(buffer_devices, dtype=object), ("hosts",))
         request["foreign"] = {"cap": cap, "pieces": entries,
-                              "out": {"mesh": {"shape": [len(grid)], "axes": ["hosts"],
-                                               "pos": [position[d] for d in grid]},
+                              "out": {"mesh": {"shape": [len(buffer_devices)], "axes": ["hosts"],
+                                               "pos": [position[d] for d in buffer_devices]},
                                       "spec": ["hosts"]}}
         out_specs.append(jax.ShapeDtypeStruct(
-            (cap * len(grid),), np.dtype(np.uint8),
+            (cap * len(buffer_devices),), np.dtype(np.uint8),
             sharding=NamedSharding(mesh, jax.sharding.PartitionSpec("hosts"))))
     return LoadPlan(request, out_specs, leaves, split, offsets, holder_position)
 
