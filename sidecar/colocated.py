@@ -201,6 +201,15 @@ class ColocatedAgent:
 
         return _answer(self._guarded(wait), ranks)
 
+    def close(self, ranks: jax.Array) -> jax.Array:
+        """The manager closed: every save finished, the writer's threads joined."""
+        def close() -> int:
+            self.agent.close()
+            self.ops.release_all()
+            return 1
+
+        return _answer(self._guarded(close), ranks)
+
     def poll(self, ranks: jax.Array) -> jax.Array:
         def poll() -> int:
             self.agent.raise_background_error()

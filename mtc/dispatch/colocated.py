@@ -106,12 +106,16 @@ class ColocatedDispatch(HostCalls):
         self._stage = remote.stage.specialize(out_specs_fn=lambda *_: staged)
         self._wait = remote.wait.specialize(out_specs_fn=lambda *_: answer)
         self._poll = remote.poll.specialize(out_specs_fn=lambda *_: answer)
+        self._close = remote.close.specialize(out_specs_fn=lambda *_: answer)
         self._ask = remote.ask.specialize(out_specs_fn=lambda *_: asked)
         self._remote = remote
         self._fetchers: dict[int, Any] = {}
         # The last save's stage answer, read at the next call (or at once for a
         # save that may be skipped); whether a save was staged since the last wait.
         self._staged: jax.Array | None = None
+        # The arrays the last save handed the workers: kept alive until they
+        # answered that they took them (Pathways does not keep them for us).
+        self._staged_inputs: list[jax.Array] = []
         self._unwaited = False
         self._polled = 0.0
         # While a save lists the hosts: retention requests ride on its stage call.
@@ -193,8 +197,11 @@ class ColocatedDispatch(HostCalls):
         """The last save's stage answer: a worker's refusal is raised here, on the call
         after the save, as a background write's error would be."""
         staged, self._staged = self._staged, None
-        if staged is not None:
-            self._unanimous(staged, "stage")
+        try:
+            if staged is not None:
+                self._unanimous(staged, "stage")
+        finally:
+            self._staged_inputs = []
 
     def check_before_save(self, due: bool) -> None:
         # A save that follows polls in its first call; off the interval, a save in
@@ -234,12 +241,12 @@ class ColocatedDispatch(HostCalls):
         header_arr = jax.device_put(np.frombuffer(header.to_bytes(), np.uint8), self._replicated)
         requests = jax.device_put(np.frombuffer(json.dumps(before).encode(), np.uint8),
                                   self._replicated)
-        ok = self._invoke(self._stage, header_arr, self._ranks,
-                          [self._to_cpu(a) for a in arrays], requests)
+        inputs = [self._to_cpu(a) for a in arrays]
+        ok = self._invoke(self._stage, header_arr, self._ranks, inputs, requests)
         self._unwaited = True
         if header.skip_if_busy:  # whether it was skipped is the save's answer
             return self._unanimous(ok, "stage")
-        self._staged = ok
+        self._staged, self._staged_inputs = ok, inputs
         return True
 
     def _to_cpu(self, x: jax.Array | np.ndarray) -> jax.Array:
@@ -257,7 +264,11 @@ class ColocatedDispatch(HostCalls):
             if list(cpu_mesh.devices.flat) == self.cpu_devices:
                 if cpu_mesh is s.mesh or list(s.mesh.devices.flat) == self.cpu_devices:
                     return x
-                return jax.device_put(x, NamedSharding(cpu_mesh, s.spec))
+                try:  # where the array lives (device, pinned host) goes with it
+                    cpu = NamedSharding(cpu_mesh, s.spec, memory_kind=s.memory_kind)
+                except ValueError:  # a kind the CPU devices do not have
+                    cpu = NamedSharding(cpu_mesh, s.spec)
+                return jax.device_put(x, cpu)
         return jax.device_put(x, self._replicated)
 
     def wait(self) -> None:
@@ -309,8 +320,12 @@ class ColocatedDispatch(HostCalls):
         return colocated_load.finish(plan, outputs, specs)
 
     def close(self) -> None:
+        """Every save finished, the workers' objects closed (their writer threads
+        joined), and on the local cluster the hosts told to drop this manager's
+        programs."""
         try:
             self.wait()
+            self._unanimous(self._invoke(self._close, self._small_ranks), "close")
         finally:
             if self._runtime is not None:
                 self._runtime.close()
