@@ -160,6 +160,10 @@ class ColocatedServer:
         finally:
             self._ready.set()
 
+    def wait_ready(self) -> None:
+        """Until JAX has started (or failed to: every call then says so)."""
+        self._ready.wait()
+
     @property
     def programs(self) -> int:
         """How many programs this host keeps."""

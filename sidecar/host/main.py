@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     server.start()
     bound = args.listen if args.listen.startswith("unix:") else (
         args.listen.rsplit(":", 1)[0] + f":{port}")
+    if colocated is not None:
+        # Ready when its colocated runtime is: a Pathways worker's sidecar serves
+        # programs from its start, and a restore must not wait for this one's JAX.
+        colocated.wait_ready()
     if args.ready_file:
         layout.write_atomic(args.ready_file, json.dumps(
             {"address": bound, "pid": os.getpid(), "area": str(args.area)}))
