@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from mtc.contract import LeafSpec, Piece, ReadTask, task_to_json
+from mtc.contract import LeafSpec, ReadTask, task_to_json
 from mtc.manifest import Index
 
 ALIGN = 64  # pieces in a holder's buffer start on this boundary
@@ -50,9 +50,10 @@ class LoadPlan:
     request: dict[str, Any]
     out_specs: list[jax.ShapeDtypeStruct]
     leaves: list[int]  # output k is leaf leaves[k]
-    # (leaf, target device id) -> (region index, pieces) assembled from holders' buffers
-    split: dict[tuple[int, int], tuple[Index, tuple[Piece, ...]]]
-    offsets: dict[tuple[int, Piece], int]  # a piece's place in its holder's buffer
+    # (leaf, target device id) -> (its region, the parts it is built from: (holder,
+    # part's region)), each part read by its holder into that holder's buffer
+    split: dict[tuple[int, int], tuple[Index, list[tuple[int, Index]]]]
+    offsets: dict[tuple[int, int, Index], int]  # (leaf, holder, part) -> place in buffer
     holder_position: dict[int, int]  # host -> position of its buffer's device
 
 
@@ -90,8 +91,8 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
         out_specs.append(jax.ShapeDtypeStruct(spec.shape, jax.numpy.dtype(spec.dtype),
                                               sharding=cpu_sharding))
     by_host: dict[int, list[dict[str, Any]]] = {}
-    split: dict[tuple[int, int], tuple[Index, tuple[Piece, ...]]] = {}
-    foreign: dict[int, list[tuple[int, Piece]]] = {}
+    split: dict[tuple[int, int], tuple[Index, list[tuple[int, Index]]]] = {}
+    foreign: dict[int, dict[tuple[int, Index], ReadTask]] = {}  # holder -> its parts
     for t in tasks:
         reader = host_of_device[t.device_ids[0]]
         if all(p.host == reader for p in t.pieces):
@@ -100,14 +101,22 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
                 {"task": task_to_json(plain), "out": out_of[t.leaf],
                  "pos": [position[cpu_of[d]] for d in t.device_ids]})
             continue
+        held_by = {p.host for p in t.pieces}
+        if len(held_by) == 1:  # one other host holds it all: it reads the whole region
+            h = held_by.pop()
+            parts = [(h, t.index)]
+            foreign.setdefault(h, {})[(t.leaf, t.index)] = ReadTask(
+                t.leaf, t.index, t.dtype, (), t.pieces)
+        else:  # each holder reads its pieces, placed on the target device
+            parts = [(p.host, p.entry.index) for p in t.pieces]
+            for p in t.pieces:
+                foreign.setdefault(p.host, {})[(t.leaf, p.entry.index)] = ReadTask(
+                    t.leaf, p.entry.index, t.dtype, (), (p,))
         for d in t.device_ids:
-            split[(t.leaf, d)] = (t.index, t.pieces)
-        for p in t.pieces:
-            if (t.leaf, p) not in (x for x in foreign.get(p.host, [])):
-                foreign.setdefault(p.host, []).append((t.leaf, p))
+            split[(t.leaf, d)] = (t.index, parts)
     request: dict[str, Any] = {"step": step, "outputs": outputs,
                                "tasks": {str(h): ts for h, ts in by_host.items()}}
-    offsets: dict[tuple[int, Piece], int] = {}
+    offsets: dict[tuple[int, int, Index], int] = {}
     holder_position: dict[int, int] = {}
     if foreign:
         # One CPU device per worker holds that worker's pieces, end to end.
@@ -119,13 +128,12 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
         entries: dict[str, list[dict[str, Any]]] = {}
         for h in holders:
             pos = 0
-            for leaf, p in foreign.get(h, []):
-                n = math.prod(b - a for a, b in p.entry.index) * jax.numpy.dtype(
+            for (leaf, index), part in foreign.get(h, {}).items():
+                n = math.prod(b - a for a, b in index) * jax.numpy.dtype(
                     specs[leaf].dtype).itemsize
-                offsets[(leaf, p)] = pos
-                entries.setdefault(str(h), []).append(
-                    {"task": task_to_json(ReadTask(leaf, p.entry.index, specs[leaf].dtype,
-                                                   (), (p,))), "offset": pos})
+                offsets[(leaf, h, index)] = pos
+                entries.setdefault(str(h), []).append({"task": task_to_json(part),
+                                                       "offset": pos})
                 pos += -(-n // ALIGN) * ALIGN
             sizes[h] = pos
         cap = max(ALIGN, max(sizes.values()))
@@ -146,10 +154,10 @@ def encode(plan_: LoadPlan) -> np.ndarray:
     return np.frombuffer(json.dumps(plan_.request).encode(), dtype=np.uint8)
 
 
-def _piece_array(buffer: jax.Array, offset: int, leaf_dtype: str, p: Piece) -> jax.Array:
-    """A piece, on its holder's device, out of that holder's buffer (device ops)."""
+def _part_array(buffer: jax.Array, offset: int, leaf_dtype: str, index: Index) -> jax.Array:
+    """A part, on its holder's device, out of that holder's buffer (device ops)."""
     dt = jax.numpy.dtype(leaf_dtype)
-    shape = tuple(b - a for a, b in p.entry.index)
+    shape = tuple(b - a for a, b in index)
     n = math.prod(shape) * dt.itemsize
     raw = buffer[offset:offset + n]
     if dt == np.bool_:
@@ -159,21 +167,26 @@ def _piece_array(buffer: jax.Array, offset: int, leaf_dtype: str, p: Piece) -> j
     return jax.lax.bitcast_convert_type(raw.reshape(-1, dt.itemsize), dt).reshape(shape)
 
 
-def _assemble(index: Index, pieces: tuple[Piece, ...], leaf: int, spec: LeafSpec,
+def _assemble(index: Index, parts: list[tuple[int, Index]], leaf: int, spec: LeafSpec,
               device: jax.Device, plan_: LoadPlan, buffers: dict[int, jax.Array]) -> jax.Array:
-    """The ``index`` region of a leaf on ``device``, placed from the holders' pieces."""
+    """The ``index`` region of a leaf on ``device``, placed from the holders' parts."""
+    def part_of(h: int, part: Index) -> jax.Array:
+        return _part_array(buffers[h], plan_.offsets[(leaf, h, part)], spec.dtype, part)
+
+    if len(parts) == 1 and parts[0][1] == index:  # one holder read the whole region
+        return jax.device_put(part_of(*parts[0]), device)
     shape = tuple(b - a for a, b in index)
     out = jnp.zeros(shape, jax.numpy.dtype(spec.dtype), device=device)
-    for p in pieces:
-        lo = [max(a, pa) for (a, _), (pa, _) in zip(index, p.entry.index, strict=True)]
-        hi = [min(b, pb) for (_, b), (_, pb) in zip(index, p.entry.index, strict=True)]
-        if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+    for h, part in parts:
+        lo = [max(a, pa) for (a, _), (pa, _) in zip(index, part, strict=True)]
+        hi = [min(b, pb) for (_, b), (_, pb) in zip(index, part, strict=True)]
+        if any(h_ <= lo_ for lo_, h_ in zip(lo, hi, strict=True)):
             continue
-        piece = _piece_array(buffers[p.host], plan_.offsets[(leaf, p)], spec.dtype, p)
-        part = piece[tuple(slice(a - pa, b - pa)
-                           for a, b, (pa, _) in zip(lo, hi, p.entry.index, strict=True))]
+        piece = part_of(h, part)
+        cut = piece[tuple(slice(a - pa, b - pa)
+                          for a, b, (pa, _) in zip(lo, hi, part, strict=True))]
         out = jax.lax.dynamic_update_slice(
-            out, jax.device_put(part, device),
+            out, jax.device_put(cut, device),
             tuple(a - ra for a, (ra, _) in zip(lo, index, strict=True)))
     return out
 
