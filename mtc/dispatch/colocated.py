@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -39,6 +40,7 @@ from mtc.dispatch.process import Sidecar
 from mtc.dispatch.protocol import BeforeSend, Survey
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import HostAgentError, MtcError
+from mtc.pool import ThreadPool
 
 # Between saves, how often a save in flight is polled for its background error.
 POLL_INTERVAL_S = 1.0
@@ -112,12 +114,17 @@ class ColocatedDispatch(HostCalls):
         self._fetchers: dict[int, Any] = {}
         # The last save's stage answer, read at the next call (or at once for a
         # save that may be skipped); whether a save was staged since the last wait.
-        self._staged: jax.Array | None = None
+        self._staged: jax.Array | Future[jax.Array] | None = None
         # The arrays the last save handed the workers: kept alive until they
         # answered that they took them (Pathways does not keep them for us).
         self._staged_inputs: list[jax.Array] = []
+        self._pinned: list[np.ndarray] = []
         self._unwaited = False
         self._polled = 0.0
+        # On the local cluster a stage call runs on this thread of its own, as a
+        # Pathways call returns before the workers answer (the save's stall is the
+        # dispatch, not the hosts' work); the next call waits for it first.
+        self._async = ThreadPool(1, "mtc-colocated-stage") if sidecars is not None else None
         # While a save lists the hosts: retention requests ride on its stage call.
         self._saving: Survey | None = None
         self._before_stage: list[dict[str, Any]] = []
@@ -198,10 +205,12 @@ class ColocatedDispatch(HostCalls):
         after the save, as a background write's error would be."""
         staged, self._staged = self._staged, None
         try:
+            if isinstance(staged, Future):
+                staged = staged.result()
             if staged is not None:
                 self._unanimous(staged, "stage")
         finally:
-            self._staged_inputs = []
+            self._staged_inputs, self._pinned = [], []
 
     def check_before_save(self, due: bool) -> None:
         # A save that follows polls in its first call; off the interval, a save in
@@ -242,11 +251,20 @@ class ColocatedDispatch(HostCalls):
         requests = jax.device_put(np.frombuffer(json.dumps(before).encode(), np.uint8),
                                   self._replicated)
         inputs = [self._to_cpu(a) for a in arrays]
-        ok = self._invoke(self._stage, header_arr, self._ranks, inputs, requests)
         self._unwaited = True
-        if header.skip_if_busy:  # whether it was skipped is the save's answer
-            return self._unanimous(ok, "stage")
-        self._staged, self._staged_inputs = ok, inputs
+        if self._async is None or header.skip_if_busy:
+            ok = self._invoke(self._stage, header_arr, self._ranks, inputs, requests)
+            if header.skip_if_busy:  # whether it was skipped is the save's answer
+                return self._unanimous(ok, "stage")
+            self._staged, self._staged_inputs = ok, inputs
+            return True
+        # The values of this moment: a host view of every shard (CPU devices: no
+        # copy) keeps a step that donates the state's buffers from changing them.
+        self._pinned = [np.asarray(s.data) for a in inputs for s in a.addressable_shards]
+        self.calls += 1
+        self._staged = self._async.submit(self._stage, header_arr, self._ranks, inputs,
+                                          requests)
+        self._staged_inputs = inputs
         return True
 
     def _to_cpu(self, x: jax.Array | np.ndarray) -> jax.Array:
@@ -327,5 +345,7 @@ class ColocatedDispatch(HostCalls):
             self.wait()
             self._unanimous(self._invoke(self._close, self._small_ranks), "close")
         finally:
+            if self._async is not None:
+                self._async.shutdown(wait=True)
             if self._runtime is not None:
                 self._runtime.close()
