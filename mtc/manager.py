@@ -14,28 +14,32 @@ knows the committed steps, :class:`~mtc.restore.flow.RestoreFlow` restores.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import jax
 
-from mtc import layout, multihost
+from mtc import layout, multihost, orbax_args, treepath
 from mtc.contract import AgentConfig
 from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, NetworkTier, ProcessDispatch
 from mtc.dispatch.process import find_sidecars
 from mtc.errors import ClosedError, ConfigError, StorageError
 from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
-from mtc.options import Options
+from mtc.options import Options, local_dir_path
 from mtc.replicas import credentials
 from mtc.replicator_watch import ReplicatorWatch
 from mtc.restore.flow import RestoreFlow
 from mtc.restore.step import StepReader
 from mtc.save.flow import SaveFlow
 from mtc.topology import Topology
+
+# The manager's log lines keep one logger name, the one users configure.
+log = logging.getLogger("mtc.manager")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -62,11 +66,16 @@ class CheckpointManager:
 
     Args:
       local_dir: the RAM disk (or, for simulated hosts, the folder holding one
-        ``host-<i>`` root per host). One manager at a time may use a host's
-        root: a second gets :class:`mtc.DirectoryLockedError`.
+        ``host-<i>`` root per host), an absolute local path: a URL (the backup
+        tier is the replicators' ``--backup``), a relative path or ``~`` is
+        refused with :class:`mtc.ConfigError`. One manager at a time may use a
+        host's root: a second gets :class:`mtc.DirectoryLockedError`.
       mesh: the mesh the state lives on; its devices define the hosts. Defaults
         to all devices.
       options: see :class:`mtc.Options`.
+      item_names: Orbax's: the names of the items saved as an ``ocp.args.Composite``;
+        ``restore(step)`` without a target then returns every saved item as an
+        ``ocp.args.Composite``.
 
     Attributes:
       last_restore_tiers: per host served here, where its data of the last
@@ -75,11 +84,16 @@ class CheckpointManager:
       last_restore_tier: the farthest of those (None before any restore).
       last_restore_seconds: the last restore's ``prepare`` (saves finished, the
         replicators' agreement and fetches) and ``load`` seconds.
+      foreign_steps: per host served here, the step folders found at start that
+        are not mtc's (no mtc manifest: Orbax's, another tool's). mtc leaves them
+        alone: never listed, restored, replaced or deleted.
     """
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
-                 options: Options | None = None) -> None:
-        self.local_dir = Path(local_dir)
+                 options: Options | None = None,
+                 item_names: Sequence[str] | None = None) -> None:
+        self.local_dir = local_dir_path(local_dir)
+        self.item_names = orbax_args.check_item_names(item_names)
         self.options = options or Options()
         if not isinstance(self.options, Options):
             raise ConfigError(f"options must be mtc.Options, got {type(self.options).__name__}")
@@ -111,6 +125,7 @@ class CheckpointManager:
             raise
         self._dispatch = dispatch
         try:
+            self.foreign_steps = self._note_foreign()
             self._watch = self._watch_replicators()
         except BaseException:
             dispatch.close()
@@ -120,7 +135,8 @@ class CheckpointManager:
                                   self._inventory.saved_hosts)
         self._saves = SaveFlow(dispatch, self.topology, self.options, self._inventory,
                                self._watch, on_new_step=self._new_step_coming,
-                               where=self._roots_here())
+                               where=self._roots_here(), foreign=self.foreign_steps,
+                               metrics_of_step=self._metrics_of_step)
         self._restores = RestoreFlow(dispatch, self.topology, self.options, self._inventory,
                                      self._reader, self._saves,
                                      local_only=self._network is None, where=self._where)
@@ -144,6 +160,22 @@ class CheckpointManager:
 
     def _new_step_coming(self) -> None:
         self._restores.new_step_coming()
+
+    def _metrics_of_step(self, step: int) -> Any:
+        return self._restores.metrics(step)
+
+    def _note_foreign(self) -> dict[int, list[int]]:
+        """Step folders on this process's hosts that are not mtc's (no manifest: an
+        Orbax checkpoint in the same folder): logged, and never listed, restored,
+        replaced or deleted (:func:`mtc.layout.is_mtc_step`)."""
+        found = {h: steps for h, steps in
+                 self._dispatch.foreign(self.topology.local_hosts).items() if steps}
+        if found:
+            log.warning("mtc: step folders that are not mtc's (no mtc manifest: Orbax's or "
+                        "another tool's) in %s: %s; mtc leaves them alone (never listed, "
+                        "restored, replaced or deleted)", self._roots_here(),
+                        "; ".join(f"host {h}: {steps}" for h, steps in sorted(found.items())))
+        return found
 
     def _network_tier(self) -> NetworkTier | None:
         """Multi-controller JAX with a RAM disk per process (no host subfolders): other
@@ -218,9 +250,11 @@ class CheckpointManager:
 
     @_api
     def should_save(self, step: Any) -> bool:
-        """Whether ``save(step, ...)`` would write: on the save interval, or at a
-        preemption sync point, and after the last step saved or restored here (as
-        Orbax's). ``save`` of a step already committed raises StepExistsError."""
+        """Whether ``save(step, ...)`` would write, by Orbax's rules: ``step`` is newer
+        than the newest step saved, restored, or complete on the hosts, and it is
+        on the save interval, at a preemption sync point, or the job's first save
+        (no step yet: Orbax's initial save). False on a read-only manager.
+        Collective in multi-controller JAX the first time (the hosts' steps)."""
         return self._saves.should_save(layout.as_step(step))
 
     @_api
@@ -244,15 +278,17 @@ class CheckpointManager:
 
     @_api
     def save(self, step: Any, state: Any = None, *, force: bool = False, metrics: Any = None,
-             args: Any = None) -> bool:
+             args: Any = None, custom_metadata: Any = None) -> bool:
         """Stage ``state`` for ``step``; returns once it is in host memory.
 
         ``step`` is a non-negative integer of any integer type (int, numpy, a 0-d
         JAX array). ``args=ocp.args.StandardSave(state)`` (or ``PyTreeSave``,
         ``JsonSave``, a ``Composite`` of them) may replace ``state``;
         ``metrics`` (scalars or plain values) are kept with the step
-        (:meth:`metrics`). Returns False when the step is off the save interval
-        and at no preemption sync point (and ``force`` is off), or when
+        (:meth:`metrics`). Returns False, unless ``force``, when
+        :meth:`should_save` says no (as Orbax's: a step not newer than the newest
+        saved, restored or on the hosts; off the save interval, at no preemption
+        sync point, and not the job's first save), or when
         ``Options.if_busy == "skip"`` and earlier saves still hold the staging
         budget. Errors of earlier background saves are raised here (through
         sidecar processes, a call off the interval asks the hosts at most once a
@@ -260,6 +296,9 @@ class CheckpointManager:
         every process calls it for the same steps (retention agrees on the steps
         committed everywhere).
         """
+        if custom_metadata is not None:
+            raise ConfigError("save(custom_metadata=) is not kept by mtc: pass plain values in "
+                              "metrics= (read back by metrics(step)) or in the state")
         return self._saves.save(step, state, force=force, metrics=metrics, args=args)
 
     @_api
@@ -303,7 +342,9 @@ class CheckpointManager:
 
     @_api
     def delete(self, step: Any) -> None:
-        """Delete a committed step on every host this process serves."""
+        """Delete a committed step on every host this process serves; a step no host
+        holds raises :class:`StepNotFoundError` (Orbax: ``FileNotFoundError``).
+        Collective in multi-controller JAX."""
         self._saves.delete(layout.as_step(step))
 
     # -- restore ----------------------------------------------------------------
@@ -323,7 +364,63 @@ class CheckpointManager:
         ``target``. With replicators and no step, they agree on the step and
         bring each host's data local first (see ``latest_step``).
         """
+        if args is None and target is None and self.item_names:
+            args = orbax_args.composite_of({})  # every saved item, as Orbax's
         return self._restores.restore(step, target, args)
+
+    # -- Orbax's other calls ------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        """Orbax's ``directory``: ``local_dir``."""
+        return self.local_dir
+
+    @_api
+    def reload(self) -> None:
+        """Forget what this manager learnt of the hosts' steps (Orbax's ``reload``):
+        the next call asks them again. Steps are listed from the hosts at every
+        ``all_steps``/``latest_step`` anyway."""
+        self._inventory.relearn()
+        self._saves.reload()
+        self._restores.reload()
+
+    @_api
+    def check_for_errors(self) -> None:
+        """Raise the error of a background save that failed, if any (Orbax's)."""
+        self._dispatch.raise_background_error()
+
+    @_api
+    def best_step(self) -> int | None:
+        """The best complete step by ``Options.best_fn`` of its metrics (steps without
+        metrics are not ranked); without ``best_fn``, ``latest_step()``, as Orbax's."""
+        best_fn = self.options.best_fn
+        if best_fn is None:
+            return self.latest_step()
+        rated = [(s, m) for s in self.all_steps() if (m := self.metrics(s)) is not None]
+        if not rated:
+            return None
+        ranked = sorted(rated, key=lambda sm: best_fn(sm[1]),
+                        reverse=self.options.best_mode == "min")
+        return ranked[-1][0]
+
+    @_api
+    def item_metadata(self, step: Any) -> Any:
+        """The saved tree of ``step`` without reading its arrays: a
+        ``jax.ShapeDtypeStruct`` (shape, dtype; no sharding) per array leaf, plain
+        values as saved; a ``Composite`` of the items when ``item_names`` is given."""
+        saved = self._reader.saved_step(layout.as_step(step))
+        tree = treepath.unflatten_from_keys(
+            [(leaf.keys, treepath.decode_value(leaf.value) if leaf.kind == "value"
+              else jax.ShapeDtypeStruct(leaf.shape, jax.numpy.dtype(leaf.dtype)))
+             for leaf in saved.leaves if not leaf.path.startswith(treepath.METRICS_ROOT)])
+        return orbax_args.composite_of(tree) if self.item_names else tree
+
+    def metadata(self, step: Any = None) -> Any:
+        """Orbax's root and step metadata: mtc keeps none besides each step's metrics
+        and tree, so this is refused with what to use instead."""
+        raise ConfigError("mtc keeps no root or step metadata (custom_metadata): use "
+                          "metrics(step) for a step's metrics, item_metadata(step) for its "
+                          "tree's shapes and dtypes, all_steps() for the steps")
 
     # -- lifecycle --------------------------------------------------------------
 

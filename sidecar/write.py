@@ -191,8 +191,12 @@ class Writer:
             try:
                 layout.commit(tmp, final)
             except FileExistsError as e:
-                raise StepExistsError("step is already committed", step=save.step,
-                                      host=save.host, path=str(final)) from e
+                what = ("step is already committed" if layout.is_mtc_step(save.root, save.step)
+                        else "a step folder of this number that is not mtc's (no mtc "
+                             "manifest: Orbax's or another tool's) is there; mtc leaves it "
+                             "alone: save another step number, or move that folder")
+                raise StepExistsError(what, step=save.step, host=save.host,
+                                      path=str(final)) from e
             committed = True
             return final
         finally:

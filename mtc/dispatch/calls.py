@@ -95,6 +95,15 @@ class HostCalls:
                 out[int(h)] = [int(s) for s in steps]
         return out
 
+    def foreign(self, hosts: Sequence[int]) -> dict[int, list[int]]:
+        """Per host: step folders that are not mtc's (no manifest), which mtc leaves
+        alone (:func:`mtc.layout.is_mtc_step`)."""
+        out: dict[int, list[int]] = {}
+        for reply in self._call("foreign", hosts):
+            for h, steps in (reply or {}).items():
+                out[int(h)] = [int(s) for s in steps]
+        return out
+
     def survey(self, hosts: Sequence[int], step: int | None, *,
                manifests: bool = True) -> Survey:
         args: dict[str, Any] = {"manifest": manifests}

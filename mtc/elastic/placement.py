@@ -13,7 +13,7 @@ Every piece of every array moves in one ``device_put``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -61,15 +61,17 @@ def readable(piece: jax.Array) -> bool:
         return False
 
 
-def surviving(arrays: Sequence[Shards]) -> list[dict[Index, list[jax.Array]]]:
-    """Per array, the readable shards by index (one list per distinct index)."""
+def surviving(arrays: Sequence[Shards], devices: Collection[int] | None = None
+              ) -> list[dict[Index, list[jax.Array]]]:
+    """Per array, the readable shards by index (one list per distinct index); only
+    shards on ``devices`` (ids) when given."""
     dead: set[int] = set()  # devices found lost: their other shards are not asked
     out = []
     for a in arrays:
         by_index: dict[Index, list[jax.Array]] = {}
         for idx, piece in a.pieces:
             dev = next(iter(piece.devices()))
-            if dev.id in dead:
+            if dev.id in dead or (devices is not None and dev.id not in devices):
                 continue
             if readable(piece):
                 by_index.setdefault(idx, []).append(piece)
@@ -86,11 +88,11 @@ def covered(a: Shards, by_index: dict[Index, list[jax.Array]]) -> bool:
 
 
 def place(arrays: Sequence[Shards], shardings: Sequence[jax.sharding.Sharding],
-          names: Sequence[str]) -> list[jax.Array]:
-    """Each array laid out per its sharding from its surviving shards; raises
-    :class:`SnapshotUnavailableError` (naming the leaf) when some part of an array
-    survives nowhere."""
-    alive = surviving(arrays)
+          names: Sequence[str], devices: Collection[int] | None = None) -> list[jax.Array]:
+    """Each array laid out per its sharding from its surviving shards (on
+    ``devices`` only, when given); raises :class:`SnapshotUnavailableError`
+    (naming the leaf) when some part of an array survives nowhere."""
+    alive = surviving(arrays, devices)
     for a, by_index, name in zip(arrays, alive, names, strict=True):
         if not covered(a, by_index):
             raise SnapshotUnavailableError(

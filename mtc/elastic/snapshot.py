@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -167,19 +168,34 @@ class Snapshotter:
 
     # -- loading -----------------------------------------------------------------------
 
-    def load(self, abstract_state: Any, *, reset_snapshot_state: bool = True) -> Any:
+    def covers(self, devices: Collection[jax.Device] | None = None) -> bool:
+        """Whether the newest snapshot can be loaded from memory: its shards that can
+        still be read (on ``devices`` only, when given) hold every array whole."""
+        self._settle()
+        snap = self._latest
+        if snap is None:
+            return False
+        arrays = [leaf for leaf in snap.leaves if isinstance(leaf, Shards)]
+        ids = None if devices is None else {d.id for d in devices}
+        return all(covered(a, by_index) for a, by_index in zip(
+            arrays, surviving(arrays, ids), strict=True))
+
+    def load(self, abstract_state: Any, *, reset_snapshot_state: bool = True,
+             devices: Collection[jax.Device] | None = None) -> Any:
         """The newest snapshot placed per ``abstract_state``'s shardings (arrays or
         ``ShapeDtypeStruct``s with ``.sharding``; other leaves are placeholders
         for the saved values). When the surviving devices lack some shard: with a
         manager, its newest restorable step; without, :class:`SnapshotUnavailableError`.
         ``reset_snapshot_state``: the loaded state becomes the snapshot, on the
-        new mesh (so a second failure before the next save still finds one)."""
+        new mesh (so a second failure before the next save still finds one).
+        ``devices`` (beyond Orbax's interface): read shards on these devices only
+        (those the caller knows healthy); by default, every shard that can be read."""
         self._settle()
         snap = self._latest
         try:
             if snap is None:
                 raise SnapshotUnavailableError("no snapshot available to restore from")
-            state = self._place(snap, abstract_state)
+            state = self._place(snap, abstract_state, devices)
             step, tier = snap.step, MEMORY
         except SnapshotUnavailableError as e:
             if self.manager is None:
@@ -193,7 +209,8 @@ class Snapshotter:
             self.save(step, state)
         return state
 
-    def _place(self, snap: Taken, abstract_state: Any) -> Any:
+    def _place(self, snap: Taken, abstract_state: Any,
+               devices: Collection[jax.Device] | None) -> Any:
         targets, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
         if treedef != snap.treedef:
             raise ValueError(f"abstract_state's tree differs from the snapshot's:\n"
@@ -208,7 +225,8 @@ class Snapshotter:
                 shardings.append(sharding)
                 names.append(jax.tree_util.keystr(path))
                 where.append(i)
-        placed = dict(zip(where, place(arrays, shardings, names), strict=True))
+        ids = None if devices is None else {d.id for d in devices}
+        placed = dict(zip(where, place(arrays, shardings, names, ids), strict=True))
         out = []
         for i, leaf in enumerate(snap.leaves):
             if i in placed:

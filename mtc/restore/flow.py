@@ -64,6 +64,10 @@ class RestoreFlow:
         self.last_restore_tier: str | None = None
         self.last_restore_seconds: dict[str, float] = {}
 
+    def reload(self) -> None:
+        """Forget the step ``latest_step`` answered and any step prepared for it."""
+        self._latest, self._prepared = None, None
+
     def new_step_coming(self) -> None:
         """A save is reaching the hosts: a step prepared by the replicators is stale."""
         self._prepared = None

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mtc import orbax_args
+from mtc import orbax_args, treepath
 from mtc.dispatch import Dispatch, NetworkTier
 from mtc.dispatch.protocol import Survey
-from mtc.errors import ShardUnavailableError, StepNotFoundError
+from mtc.errors import ShardUnavailableError, StepNotFoundError, TargetMismatchError
 from mtc.manifest import Manifest
 from mtc.restore.load import restore_tree
 from mtc.restore.plan import SavedStep, load_step
@@ -106,10 +106,18 @@ class StepReader:
         request = orbax_args.restore_targets(args)
         if isinstance(request, tuple):
             return load(request[1])
+        saved_items = sorted({str(leaf.keys[0][1]) for leaf in saved.leaves
+                              if leaf.keys and leaf.keys[0][0] == "d"
+                              and not leaf.path.startswith(treepath.METRICS_ROOT)})
+        request = request or {name: None for name in saved_items}  # Composite(): every item
+        unknown = [name for name in request if name not in saved_items]
+        if unknown:
+            raise TargetMismatchError(f"Composite items {unknown} were not saved with this "
+                                      f"step; its items: {saved_items}", step=saved.step)
         out = {}
         for name, t in request.items():
             out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
-        return out
+        return orbax_args.composite_result(args, out)
 
     def saved_step(self, step: int, *, every_host: bool = False,
                    pending: frozenset[int] = frozenset(), run: str = "",

@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mtc import layout, multihost, orbax_args, runs
+from mtc import layout, multihost, orbax_args, retention, runs
 from mtc.dispatch import Dispatch
 from mtc.dispatch.protocol import Survey
-from mtc.errors import ConfigError, MtcError, StepExistsError
+from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
 from mtc.inventory import StepInventory
 from mtc.options import Options
 from mtc.replicator_watch import ReplicatorWatch
@@ -23,6 +23,11 @@ from mtc.topology import Topology
 
 # The manager's log lines keep one logger name, the one users configure.
 log = logging.getLogger("mtc.manager")
+
+
+class _NotDue(Exception):
+    """A save decided from the hosts' answer to the save's own first call (the
+    job's first decision): the step is not due after all."""
 
 
 class SaveFlow:
@@ -35,7 +40,9 @@ class SaveFlow:
 
     def __init__(self, dispatch: Dispatch, topology: Topology, options: Options,
                  inventory: StepInventory, watch: ReplicatorWatch | None, *,
-                 on_new_step: Callable[[], None], where: str) -> None:
+                 on_new_step: Callable[[], None], where: str,
+                 foreign: dict[int, list[int]] | None = None,
+                 metrics_of_step: Callable[[int], Any] | None = None) -> None:
         self.dispatch = dispatch
         self.topology = topology
         self.options = options
@@ -46,7 +53,19 @@ class SaveFlow:
         # The run identity written into every manifest this manager saves (mtc.runs):
         # fixed now and again after each restore, the same in every process.
         self.run = "" if options.read_only else runs.shared_run_id()
+        # The newest step saved, restored or (learnt at the first save decision)
+        # complete on the hosts: saves of steps up to it return False, as Orbax's.
         self.last_saved: int | None = None
+        self._newest_learnt = False
+        # Step folders found at start that are not mtc's (per host): never replaced.
+        self.foreign = foreign or {}
+        # best_fn retention: each step's metrics, read once from a manifest.
+        self._metrics_of_step = metrics_of_step
+        self._metrics: dict[int, Any] = {}
+        if options.max_to_keep is None and not options.replicators and not options.read_only:
+            log.info("mtc: max_to_keep=None (Orbax's default): every step stays on the RAM "
+                     "disk until it is full (then saves fail with RamDiskFullError); "
+                     "Options(max_to_keep=N) keeps the newest N")
         # Hosts whose replicator did not answer the last check: their RAM disks are
         # kept within max_to_keep meanwhile.
         self.unreplicated: frozenset[int] = frozenset()
@@ -57,9 +76,35 @@ class SaveFlow:
     # -- schedule -------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        if self.last_saved is not None and step <= self.last_saved:
+        """Orbax's rules: ``step`` newer than the newest step saved, restored or
+        complete on the hosts, and on the interval, at a preemption sync point, or
+        the job's first save (no step yet: Orbax's initial save). Never when
+        read-only. Collective in multi-controller JAX the first time."""
+        return not self.options.read_only and self._decide(step)
+
+    def _decide(self, step: int) -> bool:
+        newest = self._newest()
+        if newest is not None and step <= newest:
             return False
-        return self.on_schedule(step)
+        return newest is None or self.on_schedule(step)
+
+    def _newest(self) -> int | None:
+        """The newest step saved or restored here, or complete on the hosts (asked of
+        them once: collective in multi-controller JAX, as the first save is)."""
+        if not self._newest_learnt:
+            self._learn_newest(None)
+        return self.last_saved
+
+    def _learn_newest(self, listed: dict[int, list[int]] | None) -> None:
+        steps = self.inventory.common(listed)
+        if steps and (self.last_saved is None or steps[-1] > self.last_saved):
+            self.last_saved = steps[-1]
+        self._newest_learnt = True
+
+    def reload(self) -> None:
+        """Forget what was learnt of the hosts' steps: asked again when next needed."""
+        self._newest_learnt = False
+        self._metrics.clear()
 
     def on_schedule(self, step: int) -> bool:
         return (step % self.options.save_interval_steps == 0
@@ -68,7 +113,9 @@ class SaveFlow:
     def restored(self, step: int) -> None:
         """``step`` was restored: saves from here on are another run's, so what this
         run saved after it (fenced, or never finished) can never mix with them."""
-        self.last_saved = max(step, self.last_saved or 0)
+        # Newer steps than this one (not fenced off: an older step restored on
+        # purpose) are asked of the hosts at the next save decision, as Orbax's.
+        self.last_saved, self._newest_learnt = step, False
         if not self.options.read_only:
             self.run = runs.shared_run_id()
 
@@ -93,7 +140,14 @@ class SaveFlow:
         elif state is None:
             raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
         step = layout.as_step(step)
-        due = force or self.on_schedule(step)
+        self._refuse_foreign(step)
+        # The job's first decision needs the hosts' newest step. One controller
+        # learns it from the save's own first call (a save stays two calls); the
+        # step is then dropped there if it was not due. Multi-controller JAX asks
+        # every process first (collective), as the first save always did.
+        deferred = (not force and not self.options.read_only and not self._newest_learnt
+                    and not self.inventory.sees_own_host_only)
+        due = force or deferred or self._decide(step)
         self.dispatch.check_before_save(due)
         if not due:
             return False
@@ -107,15 +161,22 @@ class SaveFlow:
             # Nothing is sent to a host before this returned, and nothing at all
             # when it raised.
             self.inventory.learn(survey)
+            if deferred:
+                self._learn_newest(survey.held)
+                if not self._decide(step):
+                    raise _NotDue
             held = self._replace_partial(step, survey.held)
             self._on_new_step()
             self._make_room(held)
 
         hosts = self.topology.local_hosts
-        staged = self.dispatch.save(header, arrays, hosts, before_send)
+        try:
+            staged = self.dispatch.save(header, arrays, hosts, before_send)
+        except _NotDue:
+            return False
         if staged:
             self._saved_since_retention = True
-            self.last_saved = step
+            self.last_saved = max(step, self.last_saved or 0)
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
             log.info("mtc: save step %d: %d bytes of %s staged in %.3fs; writing to %s in the "
@@ -124,6 +185,17 @@ class SaveFlow:
                      f"host {hosts[0]}" if len(hosts) == 1 else f"{len(hosts)} hosts",
                      time.perf_counter() - t0, self._where)
         return staged
+
+    def _refuse_foreign(self, step: int) -> None:
+        """A step whose folder is another tool's is never replaced. Where this process
+        serves one host of many (multi-controller JAX) that host's write fails instead,
+        as any host's failed save does (a refusal here would be this process's alone)."""
+        held = [h for h, steps in self.foreign.items() if step in steps]
+        if held and not self.inventory.sees_own_host_only:
+            raise StepExistsError("a step folder of this number that is not mtc's (no mtc "
+                                  "manifest: Orbax's or another tool's) is there; mtc leaves "
+                                  "it alone: save another step number, or move that folder",
+                                  step=step, host=held[0])
 
     def _saved_ranks(self) -> tuple[int, ...]:
         """Each host's replicator rank, for the manifests, when the job's hosts are not
@@ -155,11 +227,23 @@ class SaveFlow:
         return {h: [s for s in steps if s != step] for h, steps in held.items()}
 
     def delete(self, step: int) -> None:
-        """Delete a committed step on every host this process serves."""
+        """Delete a committed step on every host this process serves; a step no host
+        holds raises :class:`StepNotFoundError` (collective in multi-controller JAX)."""
         self.writable("delete")
         self.wait_until_finished()
+        held = self.inventory.held()
+        if not multihost.any_process(any(step in steps for steps in held.values())):
+            foreign = [h for h, steps in self.foreign.items() if step in steps]
+            raise StepNotFoundError(
+                "no host holds this step, nothing deleted" + (
+                    f" (the folder of this number on host {foreign[0]} is not mtc's: no mtc "
+                    f"manifest, Orbax's or another tool's; mtc leaves it alone)"
+                    if foreign else ""), step=step)
         self.dispatch.delete(step, self.topology.local_hosts)
         self.inventory.forget(step)
+        self._metrics.pop(step, None)
+        if step == self.last_saved:  # its number may be saved again, as in Orbax
+            self.last_saved, self._newest_learnt = None, False
 
     # -- finishing saves --------------------------------------------------------------
 
@@ -204,10 +288,31 @@ class SaveFlow:
         if not before_write:
             self._saved_since_retention = False
         complete = self.inventory.common(held)
+        if self.options.best_fn is not None:
+            self._retain_best(complete)
+            return {}
         return self.dispatch.retain(self.topology.local_hosts, complete,
                                     max_to_keep=self.options.max_to_keep,
                                     keep_period=self.options.keep_period,
                                     before_write=before_write)
+
+    def _retain_best(self, complete: list[int]) -> None:
+        """Orbax's ``best_fn`` retention over the complete steps (their metrics read
+        once from a manifest each), applied as Orbax does after each commit: while
+        a step is written, ``max_to_keep`` others stay."""
+        o = self.options
+        assert o.best_fn is not None and self._metrics_of_step is not None
+        for s in complete:
+            if s not in self._metrics:
+                self._metrics[s] = self._metrics_of_step(s)
+        for s in retention.best_to_delete(
+                complete, self._metrics, max_to_keep=o.max_to_keep, keep_period=o.keep_period,
+                best_fn=o.best_fn, best_mode=o.best_mode,
+                keep_without_metrics=o.keep_checkpoints_without_metrics):
+            log.info("mtc: step %d deleted: not among the %s best by best_fn", s, o.max_to_keep)
+            self.dispatch.delete(s, self.topology.local_hosts)
+            self.inventory.forget(s)
+            self._metrics.pop(s, None)
 
     def _saves_in_flight(self) -> int:
         return self.dispatch.saves_in_flight(self.topology.local_hosts)
