@@ -100,13 +100,28 @@ class Runtime:
         creds = next((s.creds for s in sidecars.values()), None)
         self._channels, self._stubs = channels(sidecars, METHOD, creds)
         self._pool = ThreadPool(max(1, len(sidecars)), "mtc-coloc")
+        self._programs: set[str] = set()  # every program compiled here
         _register(self)
 
     def close(self) -> None:
+        """Unregistered, and every host told to drop the programs (and with them
+        the worker objects they hold) compiled here: a controller that restarts
+        many times leaves nothing of its old ones in the sidecars."""
         _unregister(self)
+        if self._programs:
+            forget = {h: self._pool.submit(self._forget, h) for h in self.sidecars}
+            wait(forget.values())
         self._pool.shutdown(wait=True)
         for c in self._channels.values():
             c.close()
+
+    def _forget(self, h: int) -> None:
+        message = transfer.pack_message(self.sidecars[h].area,
+                                        {"forget": sorted(self._programs)}, [])
+        try:
+            self._stubs[h](message, timeout=self.deadline_s)
+        except grpc.RpcError:
+            pass  # a host gone takes its programs with it
 
     def compile(self, name: str, fun: Callable[..., Any], in_treedef: Any,
                 in_specs: tuple[Any, ...], out_treedef: Any, out_specs: tuple[Any, ...],
@@ -121,6 +136,7 @@ class Runtime:
         pickled = serialization._serialize(
             (fun, in_treedef, in_specs, out_treedef, out_specs, devices))
         pid = transfer.program_id(pickled)
+        self._programs.add(pid)
         ids = [d.id for d in devices]
         hosts = sorted({self.host_of_device[i] for i in ids})
         own = {h: [i for i in ids if self.host_of_device[i] == h] for h in hosts}

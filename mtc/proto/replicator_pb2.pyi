@@ -55,7 +55,7 @@ class NodeConfig(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[str]] = ..., nodes_per_slice: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision", "quarantined_files", "root_id", "config", "config_error", "unreplicated_step", "unreplicated_seconds", "replication_late")
+    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision", "quarantined_files", "root_id", "config", "config_error", "unreplicated_step", "unreplicated_seconds", "replication_late", "data_port")
     RANK_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NEWEST_BACKED_UP_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class Inventory(_message.Message):
     UNREPLICATED_STEP_FIELD_NUMBER: _ClassVar[int]
     UNREPLICATED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_LATE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     copies: _containers.RepeatedCompositeFieldContainer[StepCopy]
     newest_backed_up_step: int
@@ -80,7 +81,8 @@ class Inventory(_message.Message):
     unreplicated_step: int
     unreplicated_seconds: float
     replication_late: bool
-    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., quarantined_files: _Optional[int] = ..., root_id: _Optional[str] = ..., config: _Optional[_Union[NodeConfig, _Mapping]] = ..., config_error: _Optional[str] = ..., unreplicated_step: _Optional[int] = ..., unreplicated_seconds: _Optional[float] = ..., replication_late: _Optional[bool] = ...) -> None: ...
+    data_port: int
+    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., quarantined_files: _Optional[int] = ..., root_id: _Optional[str] = ..., config: _Optional[_Union[NodeConfig, _Mapping]] = ..., config_error: _Optional[str] = ..., unreplicated_step: _Optional[int] = ..., unreplicated_seconds: _Optional[float] = ..., replication_late: _Optional[bool] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("epoch", "step", "decided_at", "rank", "restore_id", "run", "lost")
@@ -107,7 +109,7 @@ class OfferRequest(_message.Message):
     def __init__(self, copy: _Optional[_Union[StepCopy, _Mapping]] = ...) -> None: ...
 
 class OfferReply(_message.Message):
-    __slots__ = ("candidates", "already_complete", "transfer_id")
+    __slots__ = ("candidates", "already_complete", "transfer_id", "data_port")
     class Candidate(_message.Message):
         __slots__ = ("path", "sha256")
         PATH_FIELD_NUMBER: _ClassVar[int]
@@ -118,10 +120,12 @@ class OfferReply(_message.Message):
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     ALREADY_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     candidates: _containers.RepeatedCompositeFieldContainer[OfferReply.Candidate]
     already_complete: bool
     transfer_id: str
-    def __init__(self, candidates: _Optional[_Iterable[_Union[OfferReply.Candidate, _Mapping]]] = ..., already_complete: _Optional[bool] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, candidates: _Optional[_Iterable[_Union[OfferReply.Candidate, _Mapping]]] = ..., already_complete: _Optional[bool] = ..., transfer_id: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("transfer_id", "paths")
@@ -269,15 +273,45 @@ class PushAck(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("step", "origin_rank", "path", "offset", "more_paths")
+    __slots__ = ("step", "origin_rank", "path", "offset", "more_paths", "reread")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MORE_PATHS_FIELD_NUMBER: _ClassVar[int]
+    REREAD_FIELD_NUMBER: _ClassVar[int]
     step: int
     origin_rank: int
     path: str
     offset: int
     more_paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., more_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    reread: bool
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., more_paths: _Optional[_Iterable[str]] = ..., reread: _Optional[bool] = ...) -> None: ...
+
+class DataRequest(_message.Message):
+    __slots__ = ("token", "transfer_id", "files", "fetch")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    transfer_id: str
+    files: _containers.RepeatedScalarFieldContainer[int]
+    fetch: FetchRequest
+    def __init__(self, token: _Optional[str] = ..., transfer_id: _Optional[str] = ..., files: _Optional[_Iterable[int]] = ..., fetch: _Optional[_Union[FetchRequest, _Mapping]] = ...) -> None: ...
+
+class DataStatus(_message.Message):
+    __slots__ = ("code", "message", "step", "host", "path", "size")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    step: int
+    host: int
+    path: str
+    size: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., host: _Optional[int] = ..., path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...

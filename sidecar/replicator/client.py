@@ -18,6 +18,7 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.confine import open_beneath
+from mtc.sidecar.replicator import datachannel as dc
 from mtc.sidecar.replicator.rank_names import PeerServerName
 from mtc.sidecar.replicator.security import Credentials, TlsWatch
 from mtc.sidecar.replicator.status import TRANSIENT, error_class, where_of
@@ -28,6 +29,7 @@ MAX_MESSAGE = 64 << 20
 PUSH = "/mtc.replicator.v1.Data/Push"
 FETCH = "/mtc.replicator.v1.Data/Fetch"
 _RETRYABLE = TRANSIENT  # the one map's: sidecar/replicator/status.py
+DATA_REASK_S = 30.0  # a peer without a data channel is asked again this long after
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -113,6 +115,13 @@ class PeerClient:
         self._lock = threading.Lock()
         self._retired: list[grpc.Channel] = []
         self._now = self._open()
+        # The peer's data channel (datachannel.py): its port, learnt from its identity
+        # or an Offer reply; None: not known (asked before the next transfer), 0: it
+        # has none (its bytes go over gRPC's Data service; asked again later).
+        self._data = dc.DataClient(creds, lambda: self._server_name.name
+                                   if self._server_name is not None else None)
+        self.data_port: int | None = None
+        self._data_asked = -DATA_REASK_S
 
     def _open(self) -> _Channel:
         channel = self._new_channel()
@@ -218,6 +227,137 @@ class PeerClient:
         err.code = code
         return err
 
+    # -- the data channel ------------------------------------------------------------
+
+    def data_address(self) -> tuple[str, int] | None:
+        """(host, port) of the peer's data channel, or None when it has none (or
+        does not answer): then the bytes go over gRPC."""
+        port = self.data_port
+        now = time.monotonic()
+        if port is None or (port == 0 and now - self._data_asked > DATA_REASK_S):
+            self._data_asked = now
+            try:
+                inv = self.call("GetInventory", pb.InventoryRequest(identify=True),
+                                deadline_s=min(self.deadline_s, 5.0), attempts=1)
+            except PeerError:
+                return None
+            port = self.data_port = int(inv.data_port)
+        if not port:
+            return None
+        return self.address.rsplit(":", 1)[0].strip("[]"), port
+
+    def _data_error(self, what: str, st: pb.DataStatus) -> PeerError:
+        code = dc.status_code(st)
+        err = PeerError(f"{what} to {self.address} failed: {code.name}: {st.message}",
+                        step=st.step if st.HasField("step") else None,
+                        host=st.host if st.HasField("host") else
+                        (self.rank if self.rank >= 0 else None),
+                        path=st.path if st.HasField("path") else None)
+        err.code = code
+        return err
+
+    def _data_lost(self, what: str, e: BaseException, **where: Any) -> PeerError:
+        """A data connection that failed (reset, timed out, refused)."""
+        err = PeerError(f"{what} to {self.address} failed: UNAVAILABLE: {e}",
+                        host=where.pop("host", self.rank if self.rank >= 0 else None), **where)
+        err.code = grpc.StatusCode.UNAVAILABLE
+        return err
+
+    def _data_connect(self, what: str, req: pb.DataRequest
+                      ) -> tuple[Any, pb.DataStatus] | None:
+        """A data connection that sent ``req`` and its first answer; None when the
+        peer's data channel cannot be reached (the caller goes over gRPC)."""
+        addr = self.data_address()
+        if addr is None:
+            return None
+        try:
+            return self._data.connect(*addr, req)
+        except (OSError, ValueError) as e:  # refused, reset, a TLS failure
+            self.data_port = None  # a restarted peer has another port: asked again
+            if self._server_name is not None:
+                self._server_name.stale()
+            raise self._data_lost(what, e) from e
+
+    def push_data(self, transfer_id: str, files: list[tuple[int, Path, int, int]]) -> int:
+        """Send several files of an offer (``(index in the offer, path, size,
+        crc32c)`` each) over one data connection; the peer writes and verifies
+        each, and answers how many bytes it took. A file the peer found
+        damaged raises :class:`PeerError` with DATA_LOSS (the caller checks its
+        own copy again). :class:`PeerError` UNAVAILABLE without a data channel."""
+        what = f"push of {len(files)} files"
+        got = self._data_connect(what, pb.DataRequest(transfer_id=transfer_id,
+                                                      files=[i for i, *_ in files]))
+        if got is None:
+            err = PeerError(f"{what} to {self.address}: no data channel")
+            err.code = grpc.StatusCode.UNAVAILABLE
+            raise err
+        sock, st = got
+        with sock:
+            if st.code:
+                raise self._data_error(what, st)
+            try:
+                for _, path, size, _ in files:
+                    with _open_own(path) as f:
+                        if os.fstat(f.fileno()).st_size != size:
+                            raise CorruptShardError(f"local file is not {size} bytes",
+                                                    path=str(path))
+                        dc.send_file(sock, f, size)
+                st = dc.recv_msg(sock, pb.DataStatus, dc.MAX_STATUS)
+            except (OSError, ValueError) as e:
+                # The peer may have refused a file and closed: its answer says why.
+                try:
+                    sock.settimeout(1.0)
+                    st = dc.recv_msg(sock, pb.DataStatus, dc.MAX_STATUS)
+                except (OSError, ValueError):
+                    raise self._data_lost(what, e) from e
+            if st.code:
+                raise self._data_error(what, st)
+            return int(st.size)
+
+    def _fetch_data(self, step: int, origin: int, files: list[FileMeta],
+                    sink: Callable[[Any, FileMeta], None], *, reread: bool = False) -> bool:
+        """Fetch ``files`` of ``origin``'s copy of ``step`` over one data connection,
+        handing the socket to ``sink`` for each file in turn (it reads the file's
+        bytes and verifies them); False when the peer has no data channel.
+
+        The holder sends a file its cache says is good without reading it; a file
+        whose bytes do not match is asked for once more, ``reread``: the holder
+        reads it against its checksum first, and quarantines and refuses it
+        (DATA_LOSS) when it fails there, else sends it again."""
+        req = pb.FetchRequest(step=step, origin_rank=origin, path=files[0].path,
+                              more_paths=[f.path for f in files[1:]], reread=reread)
+        what = f"fetch of {len(files)} files"
+        got = self._data_connect(what, pb.DataRequest(fetch=req))
+        if got is None:
+            return False
+        sock, st = got
+        with sock:
+            if st.code:
+                raise self._data_error(what, st)
+            for f in files:
+                try:
+                    st = dc.recv_msg(sock, pb.DataStatus, dc.MAX_STATUS)
+                    if st.code:
+                        raise self._data_error(f"fetch of {f.path}", st)
+                    if st.size != f.size:
+                        raise self._bad_copy(step, origin, f, st.size, 0)
+                    try:
+                        sink(sock, f)
+                    except CorruptShardError:
+                        if reread:
+                            raise
+                        self._fetch_data(step, origin, [f], sink, reread=True)
+                except (ConnectionError, TimeoutError, ValueError) as e:
+                    raise self._data_lost(what, e, step=step, path=f.path) from e
+        return True
+
+    def _bad_copy(self, step: int, origin: int, f: FileMeta, got: int, value: int
+                  ) -> CorruptShardError:
+        return CorruptShardError(
+            f"copy from rank {self.rank} does not match: {got} bytes crc32c {value:#010x}, "
+            f"expected {f.size} bytes crc32c {f.crc32c:#010x}", step=step, host=origin,
+            path=f.path)
+
     def push_file(self, transfer_id: str, rel: str, path: Path, size: int, crc: int,
                   *, deadline_s: float = 120.0) -> pb.PushAck:
         """Stream one file's raw bytes; the peer acknowledges only verified bytes.
@@ -294,8 +434,23 @@ class PeerClient:
 
     def _fetch_file(self, step: int, origin: int, rel: str, dest: Path, size: int, crc: int,
                     deadline_s: float) -> None:
-        req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
         dest.parent.mkdir(parents=True, exist_ok=True)
+        meta = FileMeta(rel, size, crc)
+
+        def sink(sock: Any, f: FileMeta) -> None:
+            with _create(dest) as out:
+                got, value = dc.recv_into_fd(sock, out.fileno(), size,
+                                             memoryview(bytearray(min(CHUNK, size) or 1)))
+            if got != size or value != crc:
+                raise self._bad_copy(step, origin, f, got, value)
+
+        try:
+            if self._fetch_data(step, origin, [meta], sink):
+                return
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
+        req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
         value = got = 0
         try:
             with _create(dest) as f:
@@ -325,9 +480,32 @@ class PeerClient:
         ended the stream early (None: all of them); a file cut short is removed."""
         if not files:
             return [], None
+        done: list[str] = []
+        buf = memoryview(bytearray(CHUNK))
+
+        def sink(sock: Any, f: FileMeta) -> None:
+            fd = open_beneath(dest, f.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                              makedirs=True)
+            try:
+                got, value = dc.recv_into_fd(sock, fd, f.size, buf)
+            except BaseException:
+                os.close(fd)
+                (dest / f.path).unlink(missing_ok=True)
+                raise
+            os.close(fd)
+            if got != f.size or value != f.crc32c:
+                (dest / f.path).unlink(missing_ok=True)
+                raise self._bad_copy(step, origin, f, got, value)
+            done.append(f.path)
+
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            if self._fetch_data(step, origin, files, sink):
+                return done, None
+        except MtcError as e:
+            return done, e
         req = pb.FetchRequest(step=step, origin_rank=origin, path=files[0].path,
                               more_paths=[f.path for f in files[1:]])
-        done: list[str] = []
         i = got = value = 0
         out: Any = None
 
@@ -399,8 +577,28 @@ class PeerClient:
 
     def _fetch_bytes(self, step: int, origin: int, rel: str, size: int, crc: int,
                      deadline_s: float) -> bytearray:
-        req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
         out = bytearray(size)  # filled in place: no growing, no join
+        view = memoryview(out)
+
+        def sink(sock: Any, f: FileMeta) -> None:
+            got = value = 0
+            while got < size:
+                n = sock.recv_into(view[got:], min(CHUNK, size - got))
+                if not n:
+                    break
+                value = crc32c(view[got:got + n], value)
+                got += n
+            if got != size or value != crc:
+                raise self._bad_copy(step, origin, f, got, value)
+
+        try:
+            if self._fetch_data(step, origin, [FileMeta(rel, size, crc)], sink):
+                view.release()
+                return out
+        except BaseException:
+            view.release()
+            raise
+        req = pb.FetchRequest(step=step, origin_rank=origin, path=rel)
         view = memoryview(out)
         got = value = 0
         try:

@@ -41,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "slices and restores a replaced host's data from them.")
     p.add_argument("--local-dir", required=True, help="this host's RAM disk")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve on (PORT 0: any)")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="port of the data channel (shard bytes between replicators, on the "
+                        "host of --listen; 0: any, peers learn it; -1: none, bytes go over "
+                        "gRPC)")
     p.add_argument("--nodes", required=True,
                    help="every node's replicator address, comma-separated, in rank order")
     p.add_argument("--rank", type=int, help="this node's rank (default: from replicator.yaml)")
@@ -195,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--stream-grace-seconds and --stream-min-rate must be positive")
         server, port, servicer, health_servicer = serve(
             node, args.listen, creds, workers=32 + 2 * len(nodes),
-            limits=Limits(grace_s=args.stream_grace_seconds, min_rate=args.stream_min_rate))
+            limits=Limits(grace_s=args.stream_grace_seconds, min_rate=args.stream_min_rate),
+            data_port=None if args.data_port < 0 else args.data_port)
     except (MtcError, OSError, ValueError) as e:
         print(f"mtc-replicator: {e}", file=sys.stderr)
         if framework == "orbax" or request is not None:

@@ -65,6 +65,7 @@ RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
 GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view at most this often
 BATCH_BYTES = 4 << 20  # small files travel together, up to this many bytes a call
 BATCH_FILES = 512  # and this many files (their indices ride in the call's metadata)
+PUSH_STREAMS = 4  # data-channel connections a step's push uses at once (the push pool's)
 
 
 class Node(BackupDuties, RestoreDuties):
@@ -107,6 +108,7 @@ class Node(BackupDuties, RestoreDuties):
         # served to other restoring hosts that share objects with this one.
         self.restoring: dict[int, tuple[Path, set[str]]] = {}
         self.heartbeat = time.monotonic()  # the replication loop's last pass (health)
+        self.data_port = 0  # the data channel's, once serving (server.serve)
         # How this node's flags disagree with a peer's (selfcheck.check_peers, at
         # start): while set, it refuses restores and copies nothing.
         self.config_error = ""
@@ -164,7 +166,7 @@ class Node(BackupDuties, RestoreDuties):
                                  nodes_per_slice=self.config.nodes_per_slice),
             config_error=self.config_error, unreplicated_step=step,
             unreplicated_seconds=waited, replication_late=late,
-            quarantined_files=self.store.quarantined_total)
+            quarantined_files=self.store.quarantined_total, data_port=self.data_port)
 
     def disagrees(self, problem: str) -> None:
         """A peer's configuration disagrees with this node's (selfcheck.check_peers)."""
@@ -326,9 +328,17 @@ class Node(BackupDuties, RestoreDuties):
                 peer.call("Link", pb.LinkRequest(transfer_id=reply.transfer_id, paths=same))
             linked = set(same)
             todo = [(i, f) for i, f in enumerate(files) if f.path not in linked]
+            if reply.data_port:
+                peer.data_port = reply.data_port
             try:
-                futs = [self._push_pool.submit(self._push_batch, peer, reply.transfer_id, src,
-                                               batch) for batch in _batches(todo)]
+                if reply.data_port and todo:
+                    # The data channel: a few connections, each files back to back.
+                    futs = [self._push_pool.submit(self._push_stream, peer, reply.transfer_id,
+                                                   src, group)
+                            for group in _streams(todo, PUSH_STREAMS)]
+                else:
+                    futs = [self._push_pool.submit(self._push_batch, peer, reply.transfer_id,
+                                                   src, batch) for batch in _batches(todo)]
                 for fut in futs:
                     fut.result()
                 peer.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
@@ -361,6 +371,19 @@ class Node(BackupDuties, RestoreDuties):
                 self.store.verify(*where, cached=False)
             raise
         self.metrics.bytes_sent.inc(sum(f.size for _, f in batch))
+
+    def _push_stream(self, peer: PeerClient, tid: str, src: Path,
+                     group: list[tuple[int, FileMeta]]) -> None:
+        try:
+            peer.push_data(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in group])
+        except (PeerError, CorruptShardError) as e:
+            if isinstance(e, CorruptShardError) or e.code == grpc.StatusCode.DATA_LOSS:
+                # The target found a file damaged: ours, read again, quarantined if so.
+                where = self.store.locate(src / group[0][1].path)
+                if where is not None:
+                    self.store.verify(*where, cached=False)
+            raise
+        self.metrics.bytes_sent.inc(sum(f.size for _, f in group))
 
     def on_copy_received(self, origin: int, step: int) -> None:
         log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, origin, step)
@@ -663,6 +686,18 @@ def gc_plan(x: GcInputs, complete: int | None) -> GcPlan:
         return GcPlan(needs_complete=True)
     return GcPlan(tuple(s for s in own if s != complete),
                   tuple((o, s) for o, s in reps if s != complete))
+
+
+def _streams(files: list[tuple[int, FileMeta]], n: int) -> list[list[tuple[int, FileMeta]]]:
+    """``files`` split into at most ``n`` groups of about equal bytes (largest first,
+    each to the lightest group), each group in offer order. Pure."""
+    groups: list[list[tuple[int, FileMeta]]] = [[] for _ in range(max(1, min(n, len(files))))]
+    loads = [0] * len(groups)
+    for i, f in sorted(files, key=lambda x: (-x[1].size, x[0])):
+        k = loads.index(min(loads))
+        groups[k].append((i, f))
+        loads[k] += f.size
+    return [sorted(g, key=lambda x: x[0]) for g in groups if g]
 
 
 def _batches(files: list[tuple[int, FileMeta]]) -> list[list[tuple[int, FileMeta]]]:

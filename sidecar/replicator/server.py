@@ -40,6 +40,8 @@ from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.confine import open_beneath
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, PUSH
+from mtc.sidecar.replicator.data_service import DataService
+from mtc.sidecar.replicator.datachannel import DataServer
 from mtc.sidecar.replicator.decode_guard import DecodeGuard
 from mtc.sidecar.replicator.limits import BoundedHealth, Gate, Limits, Streams, peer_of
 from mtc.sidecar.replicator.security import (
@@ -111,9 +113,16 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.transfers = Transfers(
             lambda: layout.room(node.store.root, DISK_RESERVE),
             max_files=checks.MAX_OPEN_FILES, idle_s=TRANSFER_IDLE_S)
+        self.data: DataServer | None = None  # the data channel, when serve() opened one
+
+    @property
+    def data_port(self) -> int:
+        return self.data.port if self.data is not None else 0
 
     def close(self) -> None:
-        """After the server stopped: the stream watchdog ends."""
+        """After the server stopped: the data channel and the stream watchdog end."""
+        if self.data is not None:
+            self.data.close()
         self.streams.close()
 
     def _transfer(self, tid: str, context: Any) -> Transfer:
@@ -154,7 +163,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         if (origin, step) in store.copies() and store.same_copy(origin, step, files):
             return pb.OfferReply(already_complete=True)
         t = Transfer(origin, step, Path(), files, fences)
-        reply = pb.OfferReply()
+        reply = pb.OfferReply(data_port=self.data_port)
         for path, local in store.find_identical(files).items():
             t.candidates[path] = local
             reply.candidates.add(path=path, sha256=store.sha256(local))
@@ -434,13 +443,15 @@ def _counted(chunks: Iterator[bytes], stream: Any) -> Iterator[bytes]:
 
 
 def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
-          limits: Limits | None = None
+          limits: Limits | None = None, data_port: int | None = 0
           ) -> tuple[grpc.Server, int, ReplicatorServicer, health.HealthServicer]:
     """Start the server; returns it, the bound port, the servicer (close it after the
     server stopped) and the health servicer (SERVING here; main lowers it when the
     loop stalls or at shutdown). ``workers``: main gives 32 + 2N, room for two
     Decide asks of every member, the restores and data streams :mod:`.limits`
-    allows, and calls that answer at once beside them."""
+    allows, and calls that answer at once beside them. ``data_port``: the data
+    channel's port on the host of ``listen`` (0: any; None: no data channel, the
+    bytes go over gRPC's Data service alone)."""
     check_listen_address(listen, creds)
     streams = Streams(limits or Limits(),
                       on_cancel=lambda kind: node.metrics.skipped.labels(
@@ -467,6 +478,12 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
                                   ("grpc.http2.max_pings_without_data", 0)],
                          maximum_concurrent_rpcs=workers * 4)
     servicer = ReplicatorServicer(node, Identity(tls=creds.tls), streams)
+    if data_port is not None and not listen.startswith("unix"):
+        host = listen.rsplit(":", 1)[0]
+        service = DataService(node, servicer.identity, streams, servicer.transfers)
+        servicer.data = DataServer(service, host, data_port, creds,
+                                   workers=streams.limits.max_streams + 8).start()
+        node.data_port = servicer.data.port
     pb_grpc.add_ReplicatorServicer_to_server(servicer, server)
     data = grpc.method_handlers_generic_handler("mtc.replicator.v1.Data", {
         "Push": grpc.stream_unary_rpc_method_handler(

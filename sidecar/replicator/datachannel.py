@@ -1,0 +1,400 @@
+"""The data channel: shard bytes between replicators on connections of their own.
+
+gRPC stays the control plane (offers, commits, inventories, agreement). A push or
+a fetch of shard bytes is one TCP connection (with mutual TLS, a TLS one) to the
+holder's data port, which its identity and its Offer replies name
+(``Inventory.data_port``): a few of them per peer at once carry a step. The
+sender hands the kernel whole files (``os.sendfile``: no byte passes through
+Python; over TLS, where the kernel cannot, plain reads), and the receiver makes
+one pass over each byte: ``recv_into`` a reused buffer, CRC32C, write.
+
+The wire (``proto/replicator.proto``, ``DataRequest``/``DataStatus``): the caller
+sends ``MAGIC``, a little-endian u32 length and a ``DataRequest``; the server
+answers a ``DataStatus`` framed the same way (an error ends the connection), then
+the bytes flow: a push's files back to back, answered by a last ``DataStatus``;
+a fetch's files, each after a ``DataStatus`` of its own (a file the holder finds
+damaged as it is about to send it is refused there, typed).
+
+Every connection authenticates before anything it asks is looked at: mutual TLS
+(the caller's certificate names its rank, read as gRPC's auth context is), the
+shared token in its request (compared in constant time), or both; without
+credentials the listener serves loopback only. A request is bounded
+(``MAX_REQUEST``), every read and write has a timeout, connections are bounded in
+number, and streams are counted and watched by the same
+:class:`~mtc.sidecar.replicator.limits.Streams` as the gRPC data streams.
+What a request names is checked by the handler (``server.py``) before any I/O.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import ssl
+import struct
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import BinaryIO, Protocol, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from mtc.errors import MtcError, UnauthorizedError
+from mtc.integrity import crc32c
+from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.security import Credentials, Stamp, check_listen_address
+from mtc.sidecar.replicator.status import to_status, wire_error
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+
+MAGIC = b"MTCD\x01"
+MAX_REQUEST = 4 << 20    # a push of every file of an offer by index, a fetch's paths
+MAX_STATUS = 64 << 10
+IO_TIMEOUT_S = 30.0      # one read or write; the Streams watchdog bounds the whole
+HANDSHAKE_S = 10.0       # connection set-up: TLS handshake and the request
+CHUNK = 4 << 20          # bytes per recv_into/CRC32C/write, and per send over TLS
+_LEN = struct.Struct("<I")
+
+
+class Caller:
+    """One accepted connection, as a handler sees its caller: who it is (the DNS
+    names of its certificate, read as gRPC's ``auth_context``), and the socket
+    the bytes come and go on. ``cancel`` (the stream watchdog's) ends it."""
+
+    def __init__(self, sock: socket.socket, address: tuple[str, int], names: list[str]
+                 ) -> None:
+        self.sock = sock
+        self.address = address
+        self.names = names
+        self._buf: memoryview | None = None
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {"peer_dns": [n.encode() for n in self.names]} if self.names else {}
+
+    def peer(self) -> str:
+        return f"ipv4:{self.address[0]}:{self.address[1]}"
+
+    def cancel(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def status(self, size: int = 0) -> None:
+        send_msg(self.sock, pb.DataStatus(code=0, size=size))
+
+    def recv_file(self, fd: int, size: int, progress: Callable[[int], None] | None = None
+                  ) -> tuple[int, int]:
+        """Receive ``size`` bytes into ``fd``: (bytes got, their CRC32C); short when
+        the caller ended early."""
+        if self._buf is None:
+            self._buf = memoryview(bytearray(CHUNK))
+        return recv_into_fd(self.sock, fd, size, self._buf, progress)
+
+    def send_file(self, f: BinaryIO, size: int) -> None:
+        send_file(self.sock, f, size)
+
+
+class Handler(Protocol):
+    """What the data channel serves (``server.py``'s servicer)."""
+
+    def data_push(self, caller: Caller, req: pb.DataRequest) -> int: ...
+
+    def data_fetch(self, caller: Caller, req: pb.FetchRequest) -> None: ...
+
+
+# -- framing ---------------------------------------------------------------------------
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError(f"connection ended after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def send_msg(sock: socket.socket, msg: Message) -> None:
+    data = msg.SerializeToString()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_msg(sock: socket.socket, cls: type[M], limit: int) -> M:
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if n > limit:
+        raise ValueError(f"a {cls.__name__} of {n} bytes (at most {limit})")
+    try:
+        return cls.FromString(recv_exact(sock, n))
+    except DecodeError as e:
+        raise ValueError(f"malformed {cls.__name__}: {e}") from e
+
+
+def error_status(e: BaseException) -> pb.DataStatus:
+    """A handler's error as it travels: the one map's code, the bare message, and
+    the step, host and file apart (as gRPC's trailing metadata has them)."""
+    code = to_status(e)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("internal error on the data channel", exc_info=e)
+        return pb.DataStatus(code=code.value[0],
+                             message=f"internal error ({type(e).__name__}; the "
+                                     f"replicator's log has it)")
+    message, _ = wire_error(e)
+    st = pb.DataStatus(code=code.value[0], message=message)
+    if isinstance(e, MtcError):
+        if e.step is not None:
+            st.step = int(e.step)
+        if e.host is not None:
+            st.host = int(e.host)
+        if e.path is not None:
+            st.path = str(e.path)[:4096]
+    return st
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_code(st: pb.DataStatus) -> grpc.StatusCode:
+    return _CODES.get(st.code, grpc.StatusCode.UNKNOWN)
+
+
+# -- the bytes -----------------------------------------------------------------------------
+
+
+def recv_into_fd(sock: socket.socket, fd: int, size: int, buf: memoryview,
+                 progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+    """One pass: ``recv_into`` ``buf``, CRC32C, write to ``fd``, until ``size`` bytes
+    or the end of the stream; (bytes got, CRC32C). ``progress``: told each part's
+    length (the stream watchdog's rate)."""
+    got = value = 0
+    while got < size:
+        n = sock.recv_into(buf, min(len(buf), size - got))
+        if not n:
+            break
+        part = buf[:n]
+        value = crc32c(part, value)
+        done = 0
+        while done < n:
+            done += os.write(fd, part[done:])
+        got += n
+        if progress is not None:
+            progress(n)
+    return got, value
+
+
+def send_file(sock: socket.socket, f: BinaryIO, size: int) -> None:
+    """``size`` bytes of ``f`` from its start: by ``sendfile`` on a plain socket (the
+    kernel copies, nothing passes through Python), by reads over TLS."""
+    if not size:
+        return
+    sent = sock.sendfile(f, 0, size)
+    if sent != size:
+        raise OSError(f"file ended after {sent} of {size} bytes")
+
+
+# -- TLS -------------------------------------------------------------------------------
+
+
+class _TlsContexts:
+    """An SSL context from the certificate files, made again when they change (a
+    rotation): new connections use the new files, open ones keep theirs."""
+
+    def __init__(self, creds: Credentials, make: Callable[[Credentials], ssl.SSLContext]
+                 ) -> None:
+        self._creds = creds
+        self._make = make
+        self._lock = threading.Lock()
+        self._stamp: Stamp | None = None
+        self._ctx: ssl.SSLContext | None = None
+
+    def get(self) -> ssl.SSLContext:
+        stamp = self._creds.tls_stamp()
+        with self._lock:
+            if self._ctx is None or stamp != self._stamp:
+                self._ctx, self._stamp = self._make(self._creds), stamp
+            return self._ctx
+
+
+def _server_context(creds: Credentials) -> ssl.SSLContext:
+    assert creds.tls_cert and creds.tls_key and creds.tls_ca
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.verify_mode = ssl.CERT_REQUIRED  # mutual: the caller's certificate names its rank
+    ctx.load_cert_chain(creds.tls_cert, creds.tls_key)
+    ctx.load_verify_locations(cafile=str(creds.tls_ca))
+    return ctx
+
+
+def _client_context(creds: Credentials, *, named: bool) -> ssl.SSLContext:
+    """``named``: the server's certificate must bear the name asked for (a peer's
+    rank, as gRPC checks it); else only the CA's signature is checked."""
+    assert creds.tls_cert and creds.tls_key and creds.tls_ca
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = named
+    ctx.load_cert_chain(creds.tls_cert, creds.tls_key)
+    ctx.load_verify_locations(cafile=str(creds.tls_ca))
+    return ctx
+
+
+def dns_names(sock: socket.socket) -> list[str]:
+    assert isinstance(sock, ssl.SSLSocket)
+    cert = sock.getpeercert() or {}
+    sans = cert.get("subjectAltName", ())
+    return [str(v) for k, v in sans if k == "DNS"] if isinstance(sans, tuple) else []
+
+
+# -- the server ----------------------------------------------------------------------------
+
+
+class DataServer:
+    """The data channel's listener: an accept thread and a pool of ``workers``
+    threads, one per connection; beyond ``workers`` connections at once, new ones
+    are closed at once. :meth:`close` joins them all."""
+
+    def __init__(self, handler: Handler, host: str, port: int, creds: Credentials, *,
+                 workers: int = 24) -> None:
+        check_listen_address(f"{host}:{port}", creds)
+        self._handler = handler
+        self._tls = _TlsContexts(creds, _server_context) if creds.tls else None
+        self._token = creds.token.encode() if creds.token else None
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        self._sock = socket.create_server((host.strip("[]"), port), family=family,
+                                          backlog=64)
+        self._sock.settimeout(0.25)  # the accept loop looks at _closed this often
+        self.port: int = self._sock.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(workers)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mtc-data")
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        # A daemon as well: a server nobody closed (a test) must not hold the interpreter.
+        self._thread = threading.Thread(target=self._accept, name="mtc-data-accept",
+                                        daemon=True)
+
+    def start(self) -> DataServer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """No new connections; the open ones are ended; every thread joined."""
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._sock.close()
+        with self._lock:
+            socks = list(self._open)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, addr = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self._closed.is_set():
+                    return
+                log.warning("data channel: accept failed: %s", e)
+                self._closed.wait(0.1)
+                continue
+            if not self._slots.acquire(blocking=False):
+                sock.close()  # every worker busy: the caller sees the connection end
+                continue
+            with self._lock:
+                self._open.add(sock)
+            try:
+                self._pool.submit(self._serve, sock, addr)
+            except RuntimeError:  # shut down meanwhile
+                self._done(sock)
+                return
+
+    def _done(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._open.discard(sock)
+        sock.close()
+        self._slots.release()
+
+    def _serve(self, raw: socket.socket, addr: tuple[str, int]) -> None:
+        sock: socket.socket = raw
+        try:
+            raw.settimeout(HANDSHAKE_S)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            names: list[str] = []
+            if self._tls is not None:
+                sock = self._tls.get().wrap_socket(raw, server_side=True)
+                names = dns_names(sock)
+            if recv_exact(sock, len(MAGIC)) != MAGIC:
+                return  # not our protocol: nothing is answered
+            req = recv_msg(sock, pb.DataRequest, MAX_REQUEST)
+            caller = Caller(sock, addr, names)
+            try:
+                if self._token is not None and not hmac.compare_digest(
+                        req.token.encode(), self._token):
+                    raise UnauthorizedError("missing or wrong replicator token")
+                sock.settimeout(IO_TIMEOUT_S)
+                if req.HasField("fetch"):
+                    self._handler.data_fetch(caller, req.fetch)
+                elif req.transfer_id:
+                    caller.status(self._handler.data_push(caller, req))
+                else:
+                    raise ValueError("a data request names neither a transfer nor a fetch")
+            except (ConnectionError, TimeoutError, ssl.SSLError):
+                raise  # the connection itself failed: nothing can be answered
+            except (MtcError, OSError, ValueError, KeyError) as e:
+                send_msg(sock, error_status(e))
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            log.debug("data channel connection from %s ended: %s", addr[0], e)
+        except Exception:
+            log.exception("data channel connection from %s", addr[0])
+        finally:
+            if sock is not raw:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+            self._done(raw)
+
+
+# -- the client -----------------------------------------------------------------------------
+
+
+class DataClient:
+    """Connections to one peer's data channel at ``host``:``port``."""
+
+    def __init__(self, creds: Credentials, server_name: Callable[[], str | None]) -> None:
+        self._creds = creds
+        self._server_name = server_name
+        self._named = _TlsContexts(creds, lambda c: _client_context(c, named=True))
+        self._unnamed = _TlsContexts(creds, lambda c: _client_context(c, named=False))
+
+    def connect(self, host: str, port: int, req: pb.DataRequest, *,
+                timeout_s: float = IO_TIMEOUT_S) -> tuple[socket.socket, pb.DataStatus]:
+        """A connection that sent ``req``, and the server's first answer (an error
+        answer is returned as it is: the caller raises it with its context)."""
+        if self._creds.token:
+            req.token = self._creds.token
+        raw = socket.create_connection((host, port), timeout=min(timeout_s, HANDSHAKE_S))
+        sock: socket.socket = raw
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._creds.tls:
+                name = self._server_name()
+                ctx = (self._named if name is not None else self._unnamed).get()
+                sock = ctx.wrap_socket(raw, server_hostname=name or host)
+            sock.settimeout(timeout_s)
+            data = req.SerializeToString()
+            sock.sendall(MAGIC + _LEN.pack(len(data)) + data)
+            return sock, recv_msg(sock, pb.DataStatus, MAX_STATUS)
+        except BaseException:
+            sock.close()
+            raise

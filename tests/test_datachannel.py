@@ -1,0 +1,227 @@
+"""The data channel (``sidecar/replicator/datachannel.py``): shard bytes on
+connections of their own, beside the gRPC control plane.
+
+A real replicator server in this process, on loopback, with a shared token or
+mutual TLS: the bytes of a fetch and of a push go over the data channel (the
+client learnt its port) and arrive verified; and the listener is hostile-network
+safe: a caller without the token, or whose certificate names another rank than
+the transfer's, is refused before anything it names is looked at; a path that
+leaves the copy, an unknown transfer, a request over the size bound and a
+stranger's protocol are refused; bytes that do not match the offer never count.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from replicators import commit_raw_step
+from tls_certs import issue, make_ca, mount_secret
+
+from mtc.errors import ConfigError
+from mtc.integrity import crc32c
+from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import datachannel as dc
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.server import serve
+
+FILES = {"a.bin": bytes(range(256)) * 4000, "empty.bin": b"", "d/b.bin": b"B" * 10,
+         "d/c.bin": zlib.compress(b"c" * 9000) * 300}
+
+
+class Replicator:
+    """Rank 0 of two, holding step 1 of its own, served on loopback."""
+
+    def __init__(self, base: Path, creds: Credentials) -> None:
+        cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
+                               nodes_per_slice=1, deadline_s=2.0, agreement_timeout_s=0.5)
+        self.root = base / "root"
+        self.node = Node(cfg, self.root, creds)
+        commit_raw_step(self.root, 1, FILES)
+        self.server, self.port, self.servicer, _ = serve(self.node, "127.0.0.1:0", creds)
+        self.data_port = self.servicer.data_port
+
+    def client(self, creds: Credentials, rank: int = 0) -> PeerClient:
+        return PeerClient(f"127.0.0.1:{self.port}", creds, rank=rank, as_peer=rank >= 0)
+
+    def close(self) -> None:
+        self.server.stop(0).wait()
+        self.servicer.close()
+        self.node.stop()
+        self.node.close()
+
+
+TOKEN = Credentials(token="s3cret")
+
+
+@pytest.fixture
+def rep(tmp_path: Path) -> Iterator[Replicator]:
+    r = Replicator(tmp_path, TOKEN)
+    yield r
+    r.close()
+
+
+def raw_request(port: int, req: pb.DataRequest) -> pb.DataStatus:
+    """One request on a bare connection, and the server's answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        data = req.SerializeToString()
+        s.sendall(dc.MAGIC + struct.pack("<I", len(data)) + data)
+        return dc.recv_msg(s, pb.DataStatus, dc.MAX_STATUS)
+
+
+def test_a_fetch_goes_over_the_data_channel_verified(rep: Replicator) -> None:
+    client = rep.client(TOKEN)
+    try:
+        data = client.fetch_bytes(1, 0, "d/c.bin", len(FILES["d/c.bin"]),
+                                  crc32c(FILES["d/c.bin"]))
+        assert bytes(data) == FILES["d/c.bin"]
+        assert rep.data_port and client.data_port == rep.data_port  # learnt, and used
+    finally:
+        client.close()
+
+
+def test_without_the_token_nothing_is_served(rep: Replicator) -> None:
+    for token in ("", "wrong"):
+        st = raw_request(rep.data_port, pb.DataRequest(
+            token=token, fetch=pb.FetchRequest(step=1, origin_rank=0, path="a.bin")))
+        assert dc.status_code(st) == grpc.StatusCode.PERMISSION_DENIED
+        assert "token" in st.message
+
+
+@pytest.mark.parametrize("path", ["../root/1/a.bin", "/etc/passwd", "d/../../x", ""])
+def test_a_path_that_leaves_the_copy_is_refused(rep: Replicator, path: str) -> None:
+    st = raw_request(rep.data_port, pb.DataRequest(
+        token="s3cret", fetch=pb.FetchRequest(step=1, origin_rank=0, path=path)))
+    assert dc.status_code(st) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_unknown_transfer_or_step_is_refused(rep: Replicator) -> None:
+    st = raw_request(rep.data_port, pb.DataRequest(token="s3cret", transfer_id="nope",
+                                                   files=[0]))
+    assert dc.status_code(st) == grpc.StatusCode.NOT_FOUND
+    st = raw_request(rep.data_port, pb.DataRequest(
+        token="s3cret", fetch=pb.FetchRequest(step=7, origin_rank=0, path="a.bin")))
+    assert dc.status_code(st) == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("head", [
+    dc.MAGIC + struct.pack("<I", dc.MAX_REQUEST + 1),  # a request over the bound
+    b"GET / HTTP/1.1\r\n\r\n",  # not this protocol
+])
+def test_a_stranger_gets_no_answer(rep: Replicator, head: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", rep.data_port), timeout=5) as s:
+        s.sendall(head)
+        try:
+            said = s.recv(100)
+        except ConnectionResetError:  # closed with bytes unread
+            said = b""
+        assert said == b""  # closed, nothing said
+
+
+def test_pushed_bytes_that_do_not_match_the_offer_never_count(rep: Replicator) -> None:
+    client = rep.client(TOKEN, rank=1)
+    files = [pb.FileInfo(path="x.bin", size=5, crc32c=crc32c(b"hello"))]
+    try:
+        reply = client.call("Offer", pb.OfferRequest(copy=pb.StepCopy(
+            step=3, origin_rank=1, files=files)))
+        assert reply.data_port == rep.data_port
+        bad = rep.root / "bad.bin"
+        bad.write_bytes(b"jello")
+        with pytest.raises(PeerError) as e:
+            client.push_data(reply.transfer_id, [(0, bad, 5, crc32c(b"hello"))])
+        assert e.value.code == grpc.StatusCode.DATA_LOSS and e.value.path == "x.bin"
+        with pytest.raises(PeerError):  # nothing verified: the copy cannot commit
+            client.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
+        good = rep.root / "good.bin"
+        good.write_bytes(b"hello")
+        assert client.push_data(reply.transfer_id, [(0, good, 5, crc32c(b"hello"))]) == 5
+        client.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
+        assert (rep.root / ".mtc-replica" / "1" / "3" / "x.bin").read_bytes() == b"hello"
+    finally:
+        client.close()
+
+
+def test_without_credentials_only_loopback_is_served(tmp_path: Path) -> None:
+    class Nothing:
+        def data_push(self, caller: object, req: object) -> int:
+            raise AssertionError("never called")
+
+        def data_fetch(self, caller: object, req: object) -> None:
+            raise AssertionError("never called")
+
+    with pytest.raises(ConfigError):
+        dc.DataServer(Nothing(), "0.0.0.0", 0, Credentials())
+
+
+def _tls(base: Path, ca: object, name: str, rank_dns: str) -> Credentials:
+    d = mount_secret(base / name, issue(ca, name, dns=(rank_dns,)))  # type: ignore[arg-type]
+    return Credentials(tls_cert=d / "tls.crt", tls_key=d / "tls.key", tls_ca=d / "ca.crt")
+
+
+def test_with_tls_a_push_is_taken_only_from_the_transfers_rank(tmp_path: Path) -> None:
+    ca = make_ca("test-ca")
+    server_creds = _tls(tmp_path, ca, "rank0", "mtc-rank-0")
+    rep = Replicator(tmp_path, server_creds)
+    rank1 = rep.client(_tls(tmp_path, ca, "rank1", "mtc-rank-1"), rank=0)
+    rank2 = rep.client(_tls(tmp_path, ca, "rank2", "mtc-rank-2"), rank=0)
+    try:
+        files = [pb.FileInfo(path="x.bin", size=5, crc32c=crc32c(b"hello"))]
+        reply = rank1.call("Offer", pb.OfferRequest(copy=pb.StepCopy(
+            step=3, origin_rank=1, files=files)))
+        src = tmp_path / "x.bin"
+        src.write_bytes(b"hello")
+        rank2.data_port = reply.data_port
+        with pytest.raises(PeerError) as e:  # the transfer is rank 1's
+            rank2.push_data(reply.transfer_id, [(0, src, 5, crc32c(b"hello"))])
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        rank1.data_port = reply.data_port
+        assert rank1.push_data(reply.transfer_id, [(0, src, 5, crc32c(b"hello"))]) == 5
+        # A fetch over TLS (no sendfile there): verified all the same.
+        data = rank1.fetch_bytes(1, 0, "a.bin", len(FILES["a.bin"]), crc32c(FILES["a.bin"]))
+        assert bytes(data) == FILES["a.bin"]
+    finally:
+        rank1.close()
+        rank2.close()
+        rep.close()
+
+
+def test_a_file_damaged_behind_the_cache_is_read_again_and_quarantined(
+        rep: Replicator, tmp_path: Path) -> None:
+    assert len(rep.node.inventory().copies) == 1  # checked, and remembered as good
+    p = rep.root / "1" / "d" / "c.bin"
+    st = p.stat()
+    data = bytearray(p.read_bytes())
+    data[100] ^= 0xFF
+    p.write_bytes(bytes(data))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # the cache cannot see it
+    client = rep.client(TOKEN)
+    try:
+        good = FILES["d/c.bin"]
+        with pytest.raises(PeerError) as e:
+            client.fetch_bytes(1, 0, "d/c.bin", len(good), crc32c(good))
+        assert e.value.code == grpc.StatusCode.DATA_LOSS and e.value.path == "d/c.bin"
+        assert not p.exists() and rep.node.store.quarantined_total == 1
+    finally:
+        client.close()
+
+
+def test_a_push_is_split_into_streams_of_about_equal_bytes() -> None:
+    from mtc.sidecar.replicator.node import _streams
+    from mtc.sidecar.replicator.store import FileMeta
+
+    files = [(i, FileMeta(f"f{i}", size, 0)) for i, size in enumerate([8, 1, 8, 1, 8, 8, 2])]
+    groups = _streams(files, 4)
+    assert sorted(i for g in groups for i, _ in g) == list(range(7))  # each file once
+    assert [sum(f.size for _, f in g) for g in groups] == [10, 9, 9, 8]
+    assert all([i for i, _ in g] == sorted(i for i, _ in g) for g in groups)
+    assert _streams(files[:2], 4) == [[files[0]], [files[1]]]
+    assert _streams([], 4) == []
