@@ -59,8 +59,8 @@ from bench._cpu import CpuSampler
 from bench._pin import Pinner, pinning
 from mtc.trainer.cluster import STATE, LocalCluster
 from mtc.trainer.demo import REPO, child_env
-from mtc.trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
 from mtc.trainer.policy import PAUSE_POLICIES
+from mtc.trainer.report import final_steps, goodput, ideal_seconds, recovery_by_kind
 
 TARGET_GOODPUT = 0.98
 TARGET_FAILURE_EVERY_S = 120.0

@@ -1,6 +1,7 @@
 """``mtc``: operator commands.
 
-    mtc status --local-dir DIR           committed steps, sizes and leftovers on a RAM disk
+    mtc status --local-dir DIR           committed steps, sizes, foreign step folders
+                                         (not mtc's) and leftovers on a RAM disk
     mtc status --nodes ADDR0,ADDR1,...   every host's steps on every tier (via replicators)
     mtc backup --node ADDR               back up the newest complete step now
 
@@ -48,13 +49,17 @@ def local_status(local_dir: Path, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"local_dir": str(local_dir), "on_every_host": complete, "hosts": [
             {"root": str(r.root), "steps": {str(s): b for s, b in r.steps.items()},
+             "foreign": {str(s): b for s, b in r.foreign.items()},
              "leftovers": r.leftovers} for r in reports]}, indent=2))
         return 0
     for r in reports:
         steps = ", ".join(f"{s} ({_size(b)})" for s, b in r.steps.items()) or "-"
         print(f"{r.root}: committed steps {steps}")
+        for s, b in r.foreign.items():
+            print(f"{r.root}: foreign step folder {s} ({_size(b)}): no mtc manifest "
+                  f"(Orbax's or another tool's); mtc leaves it alone")
         for name, b in r.leftovers.items():
-            print(f"{r.root}: uncommitted or foreign folder {name} ({_size(b)})")
+            print(f"{r.root}: uncommitted or unknown folder {name} ({_size(b)})")
     print(f"on every host: {complete if complete else '-'}")
     return 0
 

@@ -10,13 +10,18 @@ a manager uses one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 from mtc import multihost, runs
 from mtc.dispatch import Dispatch
-from mtc.errors import MixedRunError, MtcError
+from mtc.dispatch.protocol import Survey
+from mtc.errors import DataLossError, MixedRunError, MtcError
 from mtc.manifest import Manifest
 from mtc.topology import Topology
+
+# The manager's log lines keep one logger name, the one users configure.
+log = logging.getLogger("mtc.manager")
 
 ManifestOf = Callable[[int, int], Manifest]
 
@@ -33,6 +38,9 @@ class StepInventory:
         # Multi-controller JAX: the steps complete on every host, learnt collectively
         # (None: not yet, or not since the last restore; see :meth:`complete_everywhere`).
         self._everywhere: set[int] | None = None
+        # The answer of the last :meth:`held` (one controller): a restore that
+        # picked its step from it reads the step's manifests from it too.
+        self.last_survey: Survey | None = None
 
     @property
     def sees_own_host_only(self) -> bool:
@@ -44,8 +52,22 @@ class StepInventory:
 
     def held(self) -> dict[int, list[int]]:
         """Committed steps per host: the local hosts, and with host subfolders
-        every ``host-<i>`` beside them (a job restarted with other hosts)."""
-        return self.dispatch.steps(self.topology.local_hosts)
+        every ``host-<i>`` beside them (a job restarted with other hosts). One
+        controller asks every host once for its steps and what each step's
+        manifest says (:meth:`learn`), and keeps that answer as ``last_survey``."""
+        if self.sees_own_host_only:
+            return self.dispatch.steps(self.topology.local_hosts)
+        survey = self.dispatch.survey(self.topology.local_hosts, None)
+        self.learn(survey)
+        self.last_survey = survey
+        return survey.held
+
+    def learn(self, survey: Survey) -> None:
+        """What the hosts' manifests say of each step they hold (fresher than
+        anything kept: a step deleted and saved again may be another run's)."""
+        for (step, host), (num_hosts, run) in survey.facts.items():
+            self._num_hosts[step] = num_hosts
+            self._runs.setdefault(step, {})[host] = run
 
     def saved(self, step: int, run: str, hosts: Sequence[int]) -> None:
         """``step`` was just saved by ``run`` on ``hosts`` (of this job's size)."""
@@ -57,6 +79,7 @@ class StepInventory:
 
     def forget(self, step: int) -> None:
         """``step`` was deleted (or is about to be saved again)."""
+        self.last_survey = None
         self._num_hosts.pop(step, None)
         self._runs.pop(step, None)
         if self._everywhere is not None:
@@ -65,6 +88,7 @@ class StepInventory:
     def relearn(self) -> None:
         """The hosts' steps may have changed behind this manager (a restore: the
         replicators fenced or fetched): :meth:`complete_everywhere` asks again."""
+        self.last_survey = None
         self._everywhere = None
 
     def complete_everywhere(self, listed: dict[int, list[int]]) -> set[int]:
@@ -175,3 +199,42 @@ class StepInventory:
                 f"the processes' hosts hold copies of this step written by different runs "
                 f"(processes {' / '.join(str(p) for p in by_key.values())} each hold one "
                 f"run's): it is never restored", step=step)
+
+    # -- steps that cannot be restored ------------------------------------------------
+
+    def fence_after(self, step: int) -> None:
+        """Delete this job's hosts' steps newer than ``step`` (the newest complete
+        one, just restored): each is a save some host never finished."""
+        held = self.held()
+        for s in sorted({s for steps in held.values() for s in steps if s > step}):
+            hosts = [h for h in self.topology.local_hosts if s in held.get(h, ())]
+            if hosts:
+                log.info("mtc: step %d was committed on hosts %s only: deleted (fenced off "
+                         "after restoring step %d)", s, hosts, step)
+                self.dispatch.delete(s, hosts)
+                self.forget(s)
+
+    def nothing_restorable(self, lost: str = "", *, start_over: bool,
+                           read_only: bool) -> None:
+        """No step can be restored: fine when the hosts hold none (a new job); when
+        some do (another host's data of every step is gone), a
+        :class:`DataLossError` naming what is gone, or with ``start_over``
+        (``Options(if_data_lost="start_over")``) those steps deleted on this job's
+        hosts, so that it saves their numbers again from scratch."""
+        held = {h: steps for h, steps in self.held().items() if steps}
+        if not multihost.any_process(bool(held) or bool(lost)):
+            return
+        what = lost or "; ".join(f"host {h} holds steps {steps}" for h, steps in
+                                 sorted(held.items())) or "other processes' hosts hold steps"
+        if not start_over:
+            raise DataLossError(
+                f"no step can be restored: the data of some host of every step is gone, "
+                f"while others still hold steps ({what}). Bring the data back (restart the "
+                f"lost host's replicator, or restore its backup) and retry, or start from "
+                f"scratch with Options(if_data_lost='start_over')")
+        log.warning("mtc: no step can be restored (%s); starting over as asked "
+                    "(if_data_lost='start_over'): deleting this job's unrestorable steps", what)
+        if not read_only:
+            for step in sorted({s for steps in held.values() for s in steps}):
+                self.dispatch.delete(step, [h for h, steps in held.items() if step in steps])
+                self.forget(step)

@@ -5,7 +5,9 @@ is written into ``<step>.mtc-tmp-<nonce>/`` and becomes visible only through one
 atomic rename to ``<step>/``; deletion renames it to ``<step>.mtc-del-<nonce>/``
 first, so a crash never leaves a half-deleted folder that looks committed.
 Anything that is not a digits-only folder is never read, and mtc's own
-leftovers are removed by :func:`clean_uncommitted`.
+leftovers are removed by :func:`clean_uncommitted`. A digits-only folder without
+mtc's manifest (an Orbax step in the same folder) is foreign: never listed as a
+step, read, replaced or deleted (:func:`is_mtc_step`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mtc.errors import DirectoryLockedError, InvalidStepError, LocalDirError
+from mtc.manifest import MANIFEST_NAME
 from mtc.pool import ThreadPool
 from mtc.validate import MAX_STEP
 
@@ -125,6 +128,24 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(s for s in steps if s is not None and _is_real_dir(root / str(s)))
 
 
+def is_mtc_step(root: Path, step: int) -> bool:
+    """Whether the committed folder of ``step`` is mtc's: it holds mtc's manifest,
+    which mtc writes before the commit's rename. A step folder without one was
+    written by another tool (Orbax's steps in the same folder): it is foreign, and
+    mtc never offers, reads, replaces or deletes it."""
+    return os.path.lexists(step_dir(root, step) / MANIFEST_NAME)
+
+
+def mtc_steps(root: Path) -> list[int]:
+    """Committed steps under ``root`` that are mtc's (:func:`is_mtc_step`), oldest first."""
+    return [s for s in committed_steps(root) if is_mtc_step(root, s)]
+
+
+def foreign_steps(root: Path) -> list[int]:
+    """Step folders under ``root`` that are not mtc's (no manifest), oldest first."""
+    return [s for s in committed_steps(root) if not is_mtc_step(root, s)]
+
+
 def step_of_name(name: str) -> int | None:
     """The step a folder name is, written as :func:`step_dir` writes it (ASCII digits,
     no leading zero, in range); None for any other name."""
@@ -196,13 +217,32 @@ def remove_step(root: Path, step: int, *, background: bool = False) -> bool:
     return True
 
 
+# Temporary step folders a writer of this process is filling: a sidecar outlives
+# its trainer, and may still be writing a killed trainer's last save when the next
+# trainer's manager cleans up.
+_writing: set[Path] = set()
+_writing_lock = threading.Lock()
+
+
+def writing(tmp: Path, busy: bool) -> None:
+    """Mark ``tmp`` as being written by this process (``busy``), or no longer."""
+    with _writing_lock:
+        if busy:
+            _writing.add(tmp)
+        else:
+            _writing.discard(tmp)
+
+
 def clean_uncommitted(root: Path) -> list[str]:
-    """Remove mtc's temporary and half-deleted folders; returns their names."""
+    """Remove mtc's temporary and half-deleted folders; returns their names. A folder
+    a writer of this process is still filling is left to it (it commits or removes it)."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
-    removed = [n for n in names if TMP_MARK in n or DEL_MARK in n]
+    with _writing_lock:
+        busy = {p.name for p in _writing if p.parent == root}
+    removed = [n for n in names if (TMP_MARK in n or DEL_MARK in n) and n not in busy]
     for n in removed:
         shutil.rmtree(root / n, ignore_errors=True)
     return removed
@@ -303,20 +343,27 @@ class RootReport:
 
     root: Path
     steps: dict[int, int]        # committed step -> bytes
-    leftovers: dict[str, int]    # uncommitted or foreign folders -> bytes
+    leftovers: dict[str, int]    # uncommitted or unknown folders -> bytes
+    foreign: dict[int, int] = dataclasses.field(default_factory=dict)
+    # step folders without mtc's manifest (Orbax's, another tool's) -> bytes
 
 
 def inspect_root(root: Path) -> RootReport:
     steps: dict[int, int] = {}
+    foreign: dict[int, int] = {}
     leftovers: dict[str, int] = {}
     for name in sorted(os.listdir(root)):
         p = root / name
         if not p.is_dir() or p.is_symlink():
             continue
-        if name.isdigit():
-            steps[int(name)] = folder_bytes(p)
+        step = step_of_name(name)
+        if step is not None:
+            (steps if is_mtc_step(root, step) else foreign)[step] = folder_bytes(p)
+        elif name.isdigit():
+            leftovers[name] = folder_bytes(p)
         elif TMP_MARK in name or DEL_MARK in name or not (
                 name.startswith("host-") or name.startswith(".")):
             # (dot folders are the replicator's own: peer copies, staging)
             leftovers[name] = folder_bytes(p)
-    return RootReport(root, dict(sorted(steps.items())), leftovers)
+    return RootReport(root, dict(sorted(steps.items())), leftovers,
+                      dict(sorted(foreign.items())))

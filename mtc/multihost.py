@@ -75,3 +75,32 @@ def any_process(flag: bool) -> bool:
 
     flags = np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32)))
     return bool(flags.any())
+
+
+def on_pathways() -> bool:
+    """Whether JAX runs on Pathways (one controller; every device reports process 0)."""
+    import sys
+
+    # Pathways programs import pathwaysutils before they touch JAX; importing it
+    # here just to ask would cost every restart half a second.
+    if "pathwaysutils" not in sys.modules:
+        return False
+    try:
+        from pathwaysutils import is_pathways_backend_used
+    except ImportError:
+        return False
+    return bool(is_pathways_backend_used())
+
+
+def reached_preemption(step: int) -> bool:
+    """Whether every process reached the preemption sync point at ``step`` (JAX's
+    ``multihost_utils.reached_preemption_sync_point``); False without the
+    preemption service (a single process) and on Pathways."""
+    if on_pathways() or jax.process_count() == 1:
+        return False
+    from jax.experimental import multihost_utils
+
+    try:
+        return bool(multihost_utils.reached_preemption_sync_point(step))
+    except RuntimeError:  # the preemption service is off
+        return False

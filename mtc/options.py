@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import functools
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
 
 from mtc.errors import ConfigError
 
@@ -23,9 +28,19 @@ class Options:
         after each commit, and before a new step is written the oldest beyond
         ``max_to_keep - 1`` goes (never the newest complete step), so the RAM
         disk holds at most ``max(max_to_keep, 2)`` steps at any moment.
-        ``None`` keeps everything (a replicator owns cleanup).
+        ``None`` (the default, as Orbax's) keeps every step the RAM disk can hold:
+        a save that does not fit fails with :class:`mtc.RamDiskFullError`. With
+        replicators, retention is theirs either way.
       keep_period: steps that are multiples of this are never deleted by
         retention (Orbax's ``keep_period``); they add to the RAM disk's size.
+      best_fn: keep steps by quality rather than recency (Orbax's ``best_fn``):
+        a function of a step's ``metrics`` (as ``save(..., metrics=)`` gave them)
+        returning a number; with ``max_to_keep`` the best ``max_to_keep`` complete
+        steps stay (and multiples of ``keep_period``). ``best_step()`` names the
+        best. Without replicators only.
+      best_mode: ``"max"`` (higher ``best_fn`` is better) or ``"min"``.
+      keep_checkpoints_without_metrics: with ``best_fn``, steps saved without
+        metrics are never deleted (Orbax's default); ``False``: they go first.
       if_busy: what ``save`` does when the staging budget is used by saves still
         being written: ``"wait"`` blocks until enough memory is free, ``"skip"``
         returns ``False`` without saving.
@@ -107,8 +122,11 @@ class Options:
     """
 
     save_interval_steps: int = 1
-    max_to_keep: int | None = 2
+    max_to_keep: int | None = None
     keep_period: int | None = None
+    best_fn: Callable[[Any], float] | None = None
+    best_mode: Literal["max", "min"] = "max"
+    keep_checkpoints_without_metrics: bool = True
     if_busy: BusyPolicy = "wait"
     max_staged_bytes: int | None = None
     writer_threads: int = 2
@@ -138,6 +156,15 @@ class Options:
             raise ConfigError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
         if self.keep_period is not None and self.keep_period < 1:
             raise ConfigError(f"keep_period must be >= 1 or None, got {self.keep_period}")
+        if self.best_fn is not None and not callable(self.best_fn):
+            raise ConfigError(f"best_fn is a function of a step's metrics, got "
+                              f"{type(self.best_fn).__name__}")
+        if self.best_mode not in ("max", "min"):
+            raise ConfigError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.best_fn is not None and self.replicators:
+            raise ConfigError("best_fn keeps steps by metrics on the RAM disk; with replicators "
+                              "retention is theirs (by recency): leave best_fn out, or the "
+                              "replicators")
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.max_staged_bytes is not None and self.max_staged_bytes <= 0:
@@ -167,3 +194,95 @@ class Options:
                 len(self.replicator_tls) != 3 or not all(self.replicator_tls)):
             raise ConfigError("replicator_tls is (certificate, key, CA) files, got "
                               f"{self.replicator_tls!r}")
+
+
+# Orbax's ``CheckpointManagerOptions`` fields mtc has no field of the same name for,
+# and what to use instead: an Orbax user who passes one gets a ConfigError that
+# says so (never a TypeError from the dataclass).
+_ORBAX_ONLY = {
+    "keep_time_interval": "keep_period (steps that are multiples of it are kept)",
+    "preservation_policy": "max_to_keep and keep_period",
+    "save_on_steps": "save(step, state, force=True) at those steps",
+    "should_save_fn": "save(step, state, force=True) where your function says so",
+    "save_decision_policy": "save_interval_steps, or save(..., force=True)",
+    "step_prefix": "nothing: mtc names a step folder by its number",
+    "step_format_fixed_length": "nothing: mtc names a step folder by its number",
+    "step_name_format": "nothing: mtc names a step folder by its number",
+    "create": "nothing: mtc creates local_dir",
+    "cleanup_tmp_directories": "nothing: mtc always removes its own uncommitted folders",
+    "enable_async_checkpointing": "nothing: mtc saves in the background always "
+                                  "(wait_until_finished() waits)",
+    "async_options": "nothing: mtc saves in the background always",
+    "multiprocessing_options": "nothing: every process of the job calls the manager",
+    "enable_background_delete": "nothing: mtc deletes in the background always",
+    "todelete_subdir": "nothing: mtc deletes what retention drops",
+    "todelete_full_path": "nothing: mtc deletes what retention drops",
+    "single_host_load_and_broadcast": "nothing: each host reads its own shards",
+    "file_options": "nothing",
+    "atomicity_options": "nothing: a step is committed by one rename",
+    "temporary_path_class": "nothing: a step is committed by one rename",
+    "save_root_metadata": "nothing",
+    "prevent_write_metrics": "save(step, state) without metrics=",
+    "enable_should_save_is_saving_in_progress_check": "nothing",
+    "enable_per_process_directory_creation": "host_subdirs",
+    "lightweight_initialize": "nothing",
+    "num_deletion_threads": "nothing",
+}
+
+_dataclass_init = Options.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: Options, *args: Any, **kwargs: Any) -> None:
+    known = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        hints = "; ".join(f"{k}: use {_ORBAX_ONLY[k]}" if k in _ORBAX_ONLY
+                          else f"{k}: no such option" for k in unknown)
+        raise ConfigError(f"mtc.Options has no {', '.join(unknown)} ({hints}); "
+                          f"its fields: {', '.join(sorted(known))}")
+    if len(args) > len(known):
+        raise ConfigError(f"mtc.Options takes at most {len(known)} arguments")
+    _dataclass_init(self, *args, **kwargs)
+
+
+setattr(Options, "__init__", _init)  # noqa: B010 (the dataclass's own __init__, wrapped)
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_dir_path(local_dir: Any) -> Path:
+    """``local_dir`` as the manager uses it: an absolute local path, as given.
+
+    A URL is refused (a bucket is the backup tier, the replicators'), and so are
+    a relative path and one starting with ``~``: the folder is named on every
+    host, where this process's working directory and home mean nothing, and an
+    Orbax user's ``gs://`` or ``~/ckpt`` must not become a folder of that name
+    here."""
+    try:
+        raw = os.fspath(local_dir)
+    except TypeError:
+        raise ConfigError(f"local_dir is a path, got {type(local_dir).__name__}") from None
+    if isinstance(raw, bytes):
+        raw = os.fsdecode(raw)
+    if _SCHEME.match(raw):
+        raise ConfigError(
+            f"local_dir must be a local absolute path (the hosts' RAM disk, e.g. "
+            f"/dev/shm/mtc), got the URL {raw!r}. A bucket is mtc's backup tier: give it to "
+            f"each host's replicator, e.g. `mtc-replicator --local-dir /dev/shm/mtc "
+            f"--backup {raw} ...`, and Options(replicators=...) to the manager "
+            f"(README: The peer and backup tiers)")
+    if not raw:
+        raise ConfigError("local_dir is empty: give the hosts' RAM disk, e.g. /dev/shm/mtc")
+    if raw.startswith("~"):
+        raise ConfigError(
+            f"local_dir {raw!r} starts with '~', which mtc does not expand: the folder is "
+            f"named on every host, whose home is not this process's. Give an absolute path "
+            f"(e.g. /dev/shm/mtc), or os.path.expanduser({raw!r}) when the hosts are this "
+            f"machine")
+    if not os.path.isabs(raw):
+        raise ConfigError(
+            f"local_dir must be an absolute path, got {raw!r} (a relative path names a "
+            f"different folder on each host's working directory); e.g. "
+            f"os.path.abspath({raw!r}) if this machine's folder is meant")
+    return Path(raw)

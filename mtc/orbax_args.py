@@ -44,14 +44,55 @@ def _save_item(a: Any) -> Any:
 
 
 def _restore_item(a: Any) -> Any:
+    if a is None:  # Composite(state=None): the item as saved
+        return None
     name = type(a).__name__
     if name not in _RESTORE:
         raise ConfigError(f"mtc cannot restore {name}; it accepts {_ACCEPTED}")
-    if getattr(a, "restore_args", None) is not None:
-        raise ConfigError(f"{name}.restore_args is not supported by mtc: pass item= a tree of "
-                          "jax.ShapeDtypeStruct with .sharding (or arrays) instead")
-    _refuse_options(a, "transforms", "legacy_transform_fn", "partial_restore")
-    return getattr(a, "item", None)
+    # partial_restore=True: a target naming a subset of the saved tree is what mtc
+    # restores anyway (leaves are matched by key path).
+    _refuse_options(a, "transforms", "legacy_transform_fn")
+    item = getattr(a, "item", None)
+    restore_args = getattr(a, "restore_args", None)
+    return item if restore_args is None else with_restore_args(name, item, restore_args)
+
+
+def _is_restore_args(x: Any) -> bool:
+    return type(x).__name__ in ("ArrayRestoreArgs", "RestoreArgs")
+
+
+def with_restore_args(name: str, item: Any, restore_args: Any) -> Any:
+    """The target Orbax's ``restore_args`` (``ArrayRestoreArgs(sharding=, dtype=,
+    global_shape=)`` per leaf, as ``ocp.checkpoint_utils.construct_restore_args``
+    makes them) describe, over ``item`` when given: a ``jax.ShapeDtypeStruct``
+    per array leaf, with the shape, dtype (a cast) and sharding they state."""
+    import jax
+
+    def leaf(ra: Any, t: Any = None) -> Any:
+        if not _is_restore_args(ra):
+            return ra if t is None else t
+        if type(ra).__name__ == "RestoreArgs":  # a plain value: as saved (or item's)
+            return t
+        sharding = ra.sharding
+        if sharding is None and ra.mesh is not None and ra.mesh_axes is not None:
+            sharding = jax.sharding.NamedSharding(ra.mesh, ra.mesh_axes)
+        sharding = sharding if sharding is not None else getattr(t, "sharding", None)
+        shape = ra.global_shape if ra.global_shape is not None else getattr(t, "shape", None)
+        dtype = ra.dtype if ra.dtype is not None else getattr(t, "dtype", None)
+        if shape is None or dtype is None or sharding is None:
+            raise ConfigError(
+                f"{name}.restore_args: a leaf's ArrayRestoreArgs gives no "
+                f"{'global_shape' if shape is None else 'dtype' if dtype is None else 'sharding'}"
+                " and item= has none either; pass item= (the abstract state), or "
+                "restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)")
+        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+    if item is None:
+        return jax.tree_util.tree_map(leaf, restore_args, is_leaf=_is_restore_args)
+    try:
+        return jax.tree_util.tree_map(leaf, restore_args, item, is_leaf=_is_restore_args)
+    except ValueError as e:
+        raise ConfigError(f"{name}.restore_args and item= are not the same tree: {e}") from e
 
 
 def save_state(args: Any) -> Any:
@@ -59,6 +100,32 @@ def save_state(args: Any) -> Any:
     if _is_composite(args):
         return {k: _save_item(args[k]) for k in args.keys()}
     return _save_item(args)
+
+
+def check_item_names(names: Any) -> tuple[str, ...] | None:
+    """Orbax's ``item_names``: distinct non-empty strings (None: not given)."""
+    if names is None:
+        return None
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names) \
+            or len(set(names)) != len(list(names)):
+        raise ConfigError(f"item_names are distinct item names, got {names!r}")
+    return tuple(names)
+
+
+def composite_result(args: Any, items: dict[str, Any]) -> Any:
+    """The restored items as Orbax returns them: the ``Composite`` class the request
+    came in (attribute and item access: ``restored.state``, ``restored["state"]``)."""
+    return type(args)(**items)
+
+
+def composite_of(items: dict[str, Any]) -> Any:
+    """``items`` as an Orbax ``Composite`` (for a manager given ``item_names``, whose
+    user has Orbax); a dict where Orbax is not installed."""
+    try:
+        from orbax.checkpoint import args as ocp_args
+    except ImportError:
+        return items
+    return ocp_args.Composite(**items)
 
 
 def restore_targets(args: Any) -> dict[str, Any] | tuple[None, Any]:

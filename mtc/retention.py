@@ -9,7 +9,8 @@ multiples of ``keep_period`` are never deleted (Orbax's ``keep_period``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 
 def to_delete(complete: Sequence[int], held: Sequence[int], *, max_to_keep: int | None,
@@ -29,3 +30,26 @@ def to_delete(complete: Sequence[int], held: Sequence[int], *, max_to_keep: int 
     oldest_kept = ordered[-n]
     return [s for s in sorted(held)
             if s < oldest_kept and not (keep_period and s % keep_period == 0)]
+
+
+def best_to_delete(steps: Sequence[int], metrics: Mapping[int, Any], *,
+                   max_to_keep: int | None, keep_period: int | None,
+                   best_fn: Callable[[Any], float], best_mode: str = "max",
+                   keep_without_metrics: bool = True) -> list[int]:
+    """Steps to delete when steps are kept by quality (Orbax's ``best_fn``): of
+    ``steps`` (complete, committed), the ``max_to_keep`` best by ``best_fn`` of
+    their metrics stay (``best_mode`` "max": highest; "min": lowest; ties keep the
+    newer), and so do multiples of ``keep_period`` and, with
+    ``keep_without_metrics``, steps saved without metrics. Nothing goes while
+    there are at most ``max_to_keep`` steps, or with ``max_to_keep`` None."""
+    ordered = sorted(steps)
+    if max_to_keep is None or len(ordered) <= max_to_keep:
+        return []
+    rated = [s for s in ordered if metrics.get(s) is not None]
+    ranked = sorted(rated, key=lambda s: best_fn(metrics[s]), reverse=best_mode == "min")
+    keep = set(ranked[len(ranked) - max_to_keep:]) if max_to_keep else set()
+    if keep_without_metrics:
+        keep |= {s for s in ordered if metrics.get(s) is None}
+    if keep_period:
+        keep |= {s for s in ordered if s % keep_period == 0}
+    return [s for s in ordered if s not in keep]

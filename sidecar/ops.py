@@ -25,7 +25,14 @@ from mtc.contract import (
     encode_reply,
     task_from_json,
 )
-from mtc.errors import LocalDirError, ManifestError, MtcError, ProtocolError, StorageError
+from mtc.errors import (
+    LocalDirError,
+    ManifestError,
+    MtcError,
+    ProtocolError,
+    StepNotFoundError,
+    StorageError,
+)
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.sidecar.load import Remote, ShardLoader, check_tasks
 
@@ -58,7 +65,8 @@ class HostOps:
             "open": self._open, "release": self._release, "steps": self._steps,
             "manifest": self._manifest, "delete": self._delete, "retain": self._retain,
             "space": self._space, "settle": self._settle, "read": self._read,
-            "identify": self._identify}
+            "identify": self._identify, "survey": self._survey,
+            "foreign": self._foreign}
         self._locks: dict[int, int] = {}  # host -> descriptor holding its writer lock
         self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
         # step -> ((inode, mtime) of this host's manifest of it, saving host it names)
@@ -117,7 +125,42 @@ class HostOps:
         return sorted(found)
 
     def _steps(self, hosts: Sequence[int]) -> dict[str, list[int]]:
-        return {str(h): layout.committed_steps(self._root(h)) for h in self._reachable(hosts)}
+        """mtc's committed steps (foreign step folders are nobody's business here)."""
+        return {str(h): layout.mtc_steps(self._root(h)) for h in self._reachable(hosts)}
+
+    def _foreign(self, hosts: Sequence[int]) -> dict[str, list[int]]:
+        """Step folders without mtc's manifest (Orbax's, another tool's): left alone."""
+        return {str(h): layout.foreign_steps(self._root(h)) for h in hosts}
+
+    def _survey(self, hosts: Sequence[int], step: int | None = None, manifest: bool = True
+                ) -> dict[str, dict[str, Any]]:
+        """What a restore asks first, in one answer: each host's committed steps,
+        the run and host count of each (from its manifest's summary: a step
+        whose manifest is unreadable has none, and is never offered), and the
+        whole manifest of ``step`` (None: of its newest step) where it holds it
+        (unless not ``manifest``), and its space as :meth:`_space` says."""
+        out: dict[str, dict[str, Any]] = {}
+        for h in self._reachable(hosts):
+            steps = layout.mtc_steps(self._root(h))
+            facts: dict[str, list[Any]] = {}
+            for s in steps:
+                path = layout.step_dir(self._root(h), s) / MANIFEST_NAME
+                try:
+                    summary = Manifest.summary_of(path.read_bytes(), path=str(path))
+                except (OSError, ManifestError):
+                    continue
+                facts[str(s)] = [summary.num_hosts, summary.run]
+            want = step if step is not None else (steps[-1] if steps else None)
+            text = None
+            if manifest and want is not None and want in steps and h in hosts:
+                try:
+                    text = bytes(self._manifest([h], want)).decode()
+                except ManifestError:
+                    if step is not None:
+                        raise  # the step asked for: its error names the file
+            out[str(h)] = {"steps": steps, "facts": facts, "step": want, "manifest": text,
+                           "space": self._space([h])[str(h)] if h in hosts else None}
+        return out
 
     def _manifest(self, hosts: Sequence[int], step: int) -> bytes:
         host = hosts[0]
@@ -142,6 +185,12 @@ class HostOps:
         return data
 
     def _delete(self, hosts: Sequence[int], step: int) -> bool:
+        for h in hosts:
+            root = self._root(h)
+            if layout.step_dir(root, step).is_dir() and not layout.is_mtc_step(root, step):
+                raise StepNotFoundError("this step folder is not mtc's (no manifest: Orbax's "
+                                        "or another tool's); mtc never deletes it", step=step,
+                                        host=h, path=str(layout.step_dir(root, step)))
         return any([layout.remove_step(self._root(h), step) for h in hosts])
 
     def _open(self, hosts: Sequence[int], lock: bool, clean: bool) -> dict[str, list[str]]:
@@ -182,7 +231,7 @@ class HostOps:
         steps; answers with :meth:`_space`, saving the caller a round trip."""
         for h in hosts:
             root = self._root(h)
-            for s in retention.to_delete(complete, layout.committed_steps(root),
+            for s in retention.to_delete(complete, layout.mtc_steps(root),
                                          max_to_keep=max_to_keep, keep_period=keep_period,
                                          before_write=before_write):
                 layout.remove_step(root, s, background=True)
@@ -193,7 +242,7 @@ class HostOps:
         out = {}
         for h in hosts:
             root = self._root(h)
-            steps = layout.committed_steps(root)
+            steps = layout.mtc_steps(root)
             key = (h, steps[-1]) if steps else None
             if key is not None and key not in self._sizes:
                 self._sizes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))

@@ -157,6 +157,7 @@ class Writer:
         futures: list[tuple[StagedShard, Future[int]]] = []
         committed = drained = False
         save.go.wait()
+        layout.writing(tmp, True)
         try:
             try:
                 save.root.mkdir(parents=True, exist_ok=True)
@@ -190,8 +191,12 @@ class Writer:
             try:
                 layout.commit(tmp, final)
             except FileExistsError as e:
-                raise StepExistsError("step is already committed", step=save.step,
-                                      host=save.host, path=str(final)) from e
+                what = ("step is already committed" if layout.is_mtc_step(save.root, save.step)
+                        else "a step folder of this number that is not mtc's (no mtc "
+                             "manifest: Orbax's or another tool's) is there; mtc leaves it "
+                             "alone: save another step number, or move that folder")
+                raise StepExistsError(what, step=save.step, host=save.host,
+                                      path=str(final)) from e
             committed = True
             return final
         finally:
@@ -201,6 +206,7 @@ class Writer:
                 _drain(save)
             if not committed:
                 shutil.rmtree(tmp, ignore_errors=True)
+            layout.writing(tmp, False)
 
     @staticmethod
     def _write_one(tmp: Path, shard: StagedShard) -> int:

@@ -124,11 +124,19 @@ def test_leaf_that_cannot_be_saved(ramdisk: Path, mesh: Mesh) -> None:
 
 
 def test_saving_a_committed_step_again_is_refused(ramdisk: Path, mesh: Mesh) -> None:
+    """As Orbax's: a save of a step not newer than the newest returns False; forced,
+    a step already committed raises StepExistsError. A new manager knows the
+    hosts' steps too."""
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts()) as mgr:
         mgr.save(1, {"w": sharded(mesh)})
         mgr.wait_until_finished()
+        assert not mgr.save(1, {"w": sharded(mesh) * 2})
         with pytest.raises(mtc.StepExistsError):
-            mgr.save(1, {"w": sharded(mesh)})
+            mgr.save(1, {"w": sharded(mesh) * 2}, force=True)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts()) as mgr:
+        assert not mgr.should_save(1) and not mgr.save(1, {"w": sharded(mesh) * 2})
+        assert mgr.should_save(2)
+        np.testing.assert_array_equal(np.asarray(mgr.restore(1)["w"]), np.asarray(sharded(mesh)))
 
 
 @pytest.mark.process
@@ -209,5 +217,6 @@ def test_step_left_on_some_hosts_by_a_crash_is_saved_again(ramdisk: Path, mesh: 
         np.testing.assert_array_equal(np.asarray(mgr.restore(2, state)["w"]),
                                       np.asarray(doubled["w"]))
         assert mgr.last_restore_tiers == {0: "local", 1: "local", 2: "local", 3: "local"}
+        assert not mgr.save(2, state)  # complete now: not newer than the newest
         with pytest.raises(mtc.StepExistsError):
-            mgr.save(2, state)
+            mgr.save(2, state, force=True)

@@ -248,13 +248,12 @@ def test_a_host_is_lost_when_due_but_never_at_the_last_step(
     minutes passed lost the host after the final save; the run's final
     wait_until_finished then could not ask that host and the trainer exited)."""
     import time
-    import types
 
-    from mtc.trainer.elastic import ElasticRun
+    from mtc.trainer.schedule import FaultSchedule
 
-    run = types.SimpleNamespace(host_losses=losses, t_last_fault=time.time() - since_s,
-                                args=types.SimpleNamespace(steps=30, host_loss_every_s=every_s))
-    assert ElasticRun.host_loss_due(run, step) is due  # type: ignore[arg-type]
+    plan = FaultSchedule(host_loss_at=losses, host_loss_every_s=every_s, steps=30)
+    plan.t_last_fault = time.time() - since_s
+    assert plan.host_loss_due(step) is due
 
 
 @pytest.mark.parametrize("slice_down, resized, back", [
@@ -269,14 +268,12 @@ def test_only_a_slice_loss_brings_its_slice_back_after_the_slice_down_steps(
     over its host losses: the slice-down rule brought back every host of the
     replaced host's slice, and a second replicator for the live host 0 found its
     address taken while the first one was left running after the teardown."""
-    import types
+    from mtc.trainer.schedule import FaultSchedule
 
-    from mtc.trainer.elastic import ElasticRun
-
-    run = types.SimpleNamespace(slice_down=slice_down, resized_steps=resized,
-                                args=types.SimpleNamespace(slice_down_steps=25))
-    assert ElasticRun.slice_to_bring_back(run) == back  # type: ignore[arg-type]
+    plan = FaultSchedule(slice_down_steps=25, steps=1000)
+    plan.slice_down, plan.resized_steps = slice_down, resized
+    assert plan.slice_to_bring_back() == back
     # Brought back once: asked again, nothing; not yet: still the slice lost.
-    assert run.slice_down == (None if back is not None else slice_down)
+    assert plan.slice_down == (None if back is not None else slice_down)
     if back is not None:
-        assert ElasticRun.slice_to_bring_back(run) is None  # type: ignore[arg-type]
+        assert plan.slice_to_bring_back() is None

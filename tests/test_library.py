@@ -336,10 +336,12 @@ def test_orbax_args_metrics_and_should_save(ramdisk: Path, mesh: Mesh) -> None:
     abstract = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding)}
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts(
             save_interval_steps=5, max_to_keep=None)) as mgr:
-        assert mgr.should_save(5) and not mgr.should_save(6)
+        # No step yet: any step is the job's first save (Orbax's initial save).
+        assert mgr.should_save(5) and mgr.should_save(6)
         assert mgr.save(5, args=ocp.args.StandardSave({"w": w}), metrics={"loss": jnp.float32(
             0.25), "acc": 0.5})
         assert not mgr.should_save(5)  # not again, as Orbax's
+        assert not mgr.should_save(6)  # off the interval, now that a step exists
         assert mgr.save(10, args=ocp.args.Composite(
             state=ocp.args.PyTreeSave({"w": w * 2}), meta=ocp.args.JsonSave({"lr": 0.1})))
         assert not mgr.reached_preemption(10)  # one process: no preemption service
@@ -360,8 +362,11 @@ def test_orbax_args_metrics_and_should_save(ramdisk: Path, mesh: Mesh) -> None:
             mgr.save(15, ocp.args.StandardSave({"w": w}))
         with pytest.raises(mtc.ConfigError, match="pass it as args="):
             mgr.restore(5, ocp.args.StandardRestore(abstract))
-        with pytest.raises(mtc.ConfigError, match="restore_args is not supported"):
-            mgr.restore(5, args=ocp.args.PyTreeRestore(restore_args={"w": None}))
+        with pytest.raises(mtc.ConfigError, match="transforms is not supported"):
+            mgr.restore(5, args=ocp.args.PyTreeRestore(item=abstract, transforms={}))
+        with pytest.raises(mtc.ConfigError, match="no global_shape"):
+            mgr.restore(5, args=ocp.args.PyTreeRestore(restore_args={
+                "w": ocp.ArrayRestoreArgs(sharding=w.sharding)}))
         with pytest.raises(mtc.ConfigError, match="needs the state"):
             mgr.save(15)
         with pytest.raises(mtc.ConfigError, match="cannot save ArraySaveArgs"):
@@ -385,6 +390,8 @@ def test_status_reads_a_local_directory_and_fails_when_nodes_are_down(ramdisk: P
         mgr.save(2, {"w": sharded(mesh)})
     (ramdisk / "host-3" / "3.mtc-tmp-abc").mkdir()          # a crash's leftover
     (ramdisk / "host-3" / "3.mtc-tmp-abc" / "x.bin").write_bytes(b"12345")
+    (ramdisk / "host-3" / "7").mkdir()                      # another tool's step (no manifest)
+    (ramdisk / "host-3" / "7" / "_CHECKPOINT_METADATA").write_bytes(b"{}")
     r = cli("status", "--local-dir", str(ramdisk), "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
@@ -396,8 +403,11 @@ def test_status_reads_a_local_directory_and_fails_when_nodes_are_down(ramdisk: P
                               for s in ("1", "2")}
         assert all(b > 0 for b in h["steps"].values())
     assert got["hosts"][3]["leftovers"] == {"3.mtc-tmp-abc": 5}
+    assert got["hosts"][3]["foreign"] == {"7": 2}
+    assert all(h["foreign"] == {} for h in got["hosts"][:3])
     text = cli("status", "--local-dir", str(ramdisk))
     assert text.returncode == 0 and "3.mtc-tmp-abc" in text.stdout, text
+    assert "foreign step folder 7 (2 B)" in text.stdout, text.stdout
     # Replicators asked about and down (nothing listens there): not 0.
     addrs = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
     r = cli("status", "--nodes", addrs)

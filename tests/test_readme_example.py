@@ -72,7 +72,8 @@ def test_readme_loop_resumes_from_the_backup_after_a_wiped_ram_disk(
     cl.start_all()
     addrs = ",".join(cl.addrs)
 
-    # First run: nothing anywhere, so it starts at step 0, and saves 10, 20, 30.
+    # First run: nothing anywhere, so it starts at step 0, and saves 1 (the first
+    # save of a job, as Orbax's), 10, 20, 30.
     out = run_example(code, ramdisk / "job", 30, addrs)
     assert not any(line.startswith("resumed") for line in out), out
     deadline = time.monotonic() + 60

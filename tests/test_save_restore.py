@@ -175,11 +175,14 @@ def test_save_interval_force_and_retention(ramdisk: Path, mesh: Mesh) -> None:
     opts = options("local", save_interval_steps=5, max_to_keep=2)
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
         saved = [s for s in range(1, 21) if mgr.save(s, state)]
-        assert saved == [5, 10, 15, 20]
+        assert saved == [1, 5, 10, 15, 20]  # 1: the job's first save, as Orbax's
+        assert not mgr.save(19, state) and not mgr.save(20, state)  # not newer: as Orbax's
         assert mgr.save(21, state, force=True)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [20, 21]
         assert mgr.latest_step() == 21
+        with pytest.raises(mtc.StepExistsError):
+            mgr.save(21, state, force=True)
         for h in range(4):
             # Old steps are hidden at once and freed in the background; the
             # manager's writer lock (a dot file) is there while it is open.
@@ -188,6 +191,9 @@ def test_save_interval_force_and_retention(ramdisk: Path, mesh: Mesh) -> None:
             assert sorted(names) == ["20", "21"]
         mgr.delete(21)
         assert mgr.all_steps() == [20]
+        with pytest.raises(mtc.StepNotFoundError, match="no host holds this step"):
+            mgr.delete(21)
+        assert issubclass(mtc.StepNotFoundError, mtc.MtcError)
 
 
 def test_new_manager_sees_committed_steps_and_cleans_uncommitted(ramdisk: Path,

@@ -5,36 +5,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask, SaveHeader, task_to_json
+from mtc.dispatch.protocol import BeforeSend, Dispatch, Survey
 from mtc.errors import HostAgentError, ManifestError
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.shards import paste
 
-
-class Dispatch(Protocol):
-    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool: ...
-    def wait(self) -> None: ...
-    def raise_background_error(self) -> None: ...
-    def load(self, step: int, tasks: Sequence[ReadTask],
-             specs: dict[int, LeafSpec]) -> dict[int, jax.Array]: ...
-    def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...
-    def manifest(self, step: int, host: int) -> Manifest: ...
-    def read(self, step: int, host: int, tasks: Sequence[ReadTask]) -> list[np.ndarray]: ...
-    def delete(self, step: int, hosts: Sequence[int]) -> None: ...
-    def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]: ...
-    def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
-               keep_period: int | None, before_write: bool) -> dict[int, tuple[int, int]]: ...
-    def space(self, hosts: Sequence[int]) -> dict[int, tuple[int, int]]: ...
-    def settle(self, hosts: Sequence[int]) -> None: ...
-    def own_for(self, step: int) -> tuple[int, ...]: ...
-    def network_bytes(self) -> int: ...
-    def identify(self, hosts: Sequence[int], *, create: bool) -> dict[int, str]: ...
-    def close(self) -> None: ...
+__all__ = ["Dispatch", "HostCalls", "Survey", "regions_of"]
 
 
 def regions_of(tasks: Sequence[ReadTask], reply: Any) -> list[np.ndarray]:
@@ -81,6 +63,29 @@ class HostCalls:
         """Every answering host process's decoded reply (typed errors raised)."""
         raise NotImplementedError
 
+    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
+        raise NotImplementedError
+
+    def raise_background_error(self) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+    def check_before_save(self, due: bool) -> None:
+        self.raise_background_error()
+
+    def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
+             hosts: Sequence[int], before_send: BeforeSend) -> bool:
+        before_send(Survey(None, self.steps(hosts)))
+        return self.stage(header, arrays)
+
+    def saving(self) -> bool | None:
+        return None
+
+    def saves_in_flight(self, hosts: Sequence[int]) -> int:
+        return 1  # not reported by the hosts: assume the last save is still going
+
     def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]:
         """Committed steps of every host reachable (``hosts``, and with host
         subfolders the roots beside them)."""
@@ -90,6 +95,45 @@ class HostCalls:
                 out[int(h)] = [int(s) for s in steps]
         return out
 
+    def foreign(self, hosts: Sequence[int]) -> dict[int, list[int]]:
+        """Per host: step folders that are not mtc's (no manifest), which mtc leaves
+        alone (:func:`mtc.layout.is_mtc_step`)."""
+        out: dict[int, list[int]] = {}
+        for reply in self._call("foreign", hosts):
+            for h, steps in (reply or {}).items():
+                out[int(h)] = [int(s) for s in steps]
+        return out
+
+    def survey(self, hosts: Sequence[int], step: int | None, *,
+               manifests: bool = True) -> Survey:
+        args: dict[str, Any] = {"manifest": manifests}
+        if step is not None:
+            args["step"] = step
+        held: dict[int, list[int]] = {}
+        facts: dict[tuple[int, int], tuple[int, str]] = {}
+        found: dict[int, Manifest] = {}
+        space: dict[int, tuple[int, int]] = {}
+        for reply in self._call("survey", hosts, **args):
+            for key, got in (reply or {}).items():
+                h = int(key)
+                held[h] = [int(s) for s in got["steps"]]
+                for s, (num_hosts, run) in got["facts"].items():
+                    facts[(int(s), h)] = (int(num_hosts), str(run))
+                if got.get("manifest") is not None:
+                    found[h] = self._checked(got["manifest"].encode(), int(got["step"]), h)
+                if got.get("space") is not None:
+                    space[h] = (int(got["space"][0]), int(got["space"][1]))
+        return Survey(step, held, facts, found, space)
+
+    @staticmethod
+    def _checked(data: bytes, step: int, host: int) -> Manifest:
+        path = f"host {host}: {step}/{MANIFEST_NAME}"
+        m = Manifest.from_bytes(data, path=path)
+        if m.step != step or m.host != host:
+            raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
+                                host=host, path=path)
+        return m
+
     def _one(self, op: str, host: int, **args: Any) -> Any:
         found = [r for r in self._call(op, [host], **args) if r is not None]
         if len(found) != 1:
@@ -98,12 +142,7 @@ class HostCalls:
         return found[0]
 
     def manifest(self, step: int, host: int) -> Manifest:
-        path = f"host {host}: {step}/{MANIFEST_NAME}"
-        m = Manifest.from_bytes(bytes(self._one("manifest", host, step=step)), path=path)
-        if m.step != step or m.host != host:
-            raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
-                                host=host, path=path)
-        return m
+        return self._checked(bytes(self._one("manifest", host, step=step)), step, host)
 
     def read(self, step: int, host: int, tasks: Sequence[ReadTask]) -> list[np.ndarray]:
         """Regions of leaves from pieces ``host`` holds, verified there."""

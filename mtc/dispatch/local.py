@@ -58,6 +58,13 @@ class LocalDispatch(HostCalls):
     def raise_background_error(self) -> None:
         self.agent.raise_background_error()
 
+    def saving(self) -> bool | None:
+        return bool(self.agent.in_flight())
+
+    def saves_in_flight(self, hosts: Sequence[int]) -> int:
+        # The writer counts each host's part of a save.
+        return -(-int(self.agent.in_flight()) // max(1, len(hosts)))
+
     def load(self, step: int, tasks: Sequence[ReadTask],
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
         loader = ShardLoader(step, self.config.root,

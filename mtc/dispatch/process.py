@@ -38,6 +38,7 @@ from mtc.contract import (
     task_to_json,
 )
 from mtc.dispatch.calls import HostCalls
+from mtc.dispatch.protocol import BeforeSend, Survey
 from mtc.errors import ConfigError, MtcError, SaveInProgressError, ShardUnavailableError
 from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
@@ -220,7 +221,7 @@ class ProcessDispatch(HostCalls):
                 self._release(host, self._rpc(host, "wait"))
         return None
 
-    def saves_in_flight(self) -> int:
+    def saves_in_flight(self, hosts: Sequence[int] = ()) -> int:
         """Saves staged on some host and not yet reported written there (at most):
         each holds its host's slot until a poll or wait says it was written."""
         return max((sum(s.busy for s in slots) for slots in self._slots.values()), default=0)
@@ -252,6 +253,19 @@ class ProcessDispatch(HostCalls):
             for h, steps in (reply or {}).items():
                 out[int(h)] = [int(s) for s in steps]
         return out
+
+    def check_before_save(self, due: bool) -> None:
+        # A save that follows asks every host for earlier errors while its shards
+        # are copied (:meth:`save`); a call off the interval costs no round trip.
+        if not due:
+            self.poll_if_due()
+
+    def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
+             hosts: Sequence[int], before_send: BeforeSend) -> bool:
+        """:meth:`stage`, the hosts polled and listed while the copies run."""
+        return self.stage(header, arrays,
+                          before_send=lambda: before_send(
+                              Survey(None, self.poll_and_steps(hosts))))
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray], *,
               before_send: Callable[[], None] | None = None) -> bool:

@@ -152,6 +152,11 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
             results[i] = (jax.random.wrap_key_data(arr, impl=leaf.key_impl)
                           if leaf.kind == "prng_key" else arr)
 
+    for i, t in wanted:  # a target of another dtype of the same kind: cast, as Orbax's
+        want = getattr(t, "dtype", None)
+        if want is not None and leaves[i].kind in ("array", "numpy") \
+                and jax.numpy.dtype(want) != jax.numpy.dtype(leaves[i].dtype):
+            results[i] = results[i].astype(want)
     if flat_target is None:
         return treepath.unflatten_from_keys([(leaves[i].keys, results[i]) for i, _ in wanted])
     return jax.tree_util.tree_unflatten(treedef, [results[i] for i, _ in wanted])

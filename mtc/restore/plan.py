@@ -147,9 +147,24 @@ def check_leaf(step: int, leaf: LeafEntry, target: Any) -> tuple[tuple[int, ...]
     if shape != saved_shape:
         raise TargetMismatchError(f"{leaf.path}: target shape {shape}, saved {saved_shape}",
                                   step=step)
-    if str(jax.numpy.dtype(target.dtype)) != leaf.dtype:
+    want = jax.numpy.dtype(target.dtype)
+    if str(want) != leaf.dtype and _kind(want) != _kind(jax.numpy.dtype(leaf.dtype)):
+        # Within a kind the loaded array is cast to the target's dtype, as Orbax
+        # does (f32 saved, bf16 wanted); across kinds it would change values.
         raise TargetMismatchError(
-            f"{leaf.path}: target dtype {jax.numpy.dtype(target.dtype)}, saved {leaf.dtype}",
-            step=step)
+            f"{leaf.path}: target dtype {want}, saved {leaf.dtype} (mtc casts a float to "
+            f"another float, an integer to another integer)", step=step)
     return shape, leaf.dtype
+
+
+def _kind(dtype: Any) -> str:
+    """A dtype's family for casts on restore: 'f' (bfloat16 too), 'i' (signed and
+    unsigned), 'c', or the dtype itself (bool, anything else: never cast)."""
+    if jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        return "f"
+    if jax.numpy.issubdtype(dtype, jax.numpy.integer):
+        return "i"
+    if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
+        return "c"
+    return str(dtype)
 

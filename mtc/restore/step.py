@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from mtc import orbax_args
+from mtc import orbax_args, treepath
 from mtc.dispatch import Dispatch, NetworkTier
-from mtc.errors import ShardUnavailableError, StepNotFoundError
+from mtc.dispatch.protocol import Survey
+from mtc.errors import ShardUnavailableError, StepNotFoundError, TargetMismatchError
 from mtc.manifest import Manifest
 from mtc.restore.load import restore_tree
 from mtc.restore.plan import SavedStep, load_step
@@ -31,22 +31,31 @@ PENDING_TIMEOUT_S = 120.0  # Options.restore_timeout_s default
 PENDING_POLL_S = 0.2
 
 
+def _covers(survey: Survey, step: int) -> bool:
+    """Whether ``survey`` holds the manifest of ``step`` of every host holding it."""
+    holders = [h for h, steps in survey.held.items() if step in steps]
+    return bool(holders) and all(
+        h in survey.manifests and survey.manifests[h].step == step for h in holders)
+
+
 class StepReader:
     """Reads a committed step into a target from the hosts ``dispatch`` reaches
-    (``network``: the replicators, for other hosts' files in multi-controller JAX)."""
+    (``network``: the replicators, for other hosts' files in multi-controller JAX);
+    ``where`` names, in errors, what the user configured (sidecars, a folder)."""
 
     def __init__(self, dispatch: Dispatch, topology: Topology, network: NetworkTier | None,
-                 local_dir: Path, saved_hosts: SavedHosts) -> None:
+                 where: str, saved_hosts: SavedHosts) -> None:
         self.dispatch = dispatch
         self.topology = topology
         self.network = network
-        self.local_dir = local_dir
+        self.where = where  # where the steps are, as the user configured it (for errors)
         self._saved_hosts = saved_hosts
 
     def load(self, step: int, target: Any, args: Any, *,
              pending: frozenset[int] = frozenset(),
              wait_pending: Callable[[], None] | None = None,
              seconds: dict[str, float] | None = None, run: str = "",
+             survey: Survey | None = None,
              pending_timeout_s: float = PENDING_TIMEOUT_S) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it.
 
@@ -63,16 +72,19 @@ class StepReader:
         manifests to restore where it saved). Only when the target needs a region
         another host saved are every saving host's manifests fetched and the plan
         made again. Every manifest read must name one run (``run``, when the
-        replicators agreed on one): else :class:`MixedRunError`.
+        replicators agreed on one): else :class:`MixedRunError`. ``survey``: the
+        hosts' answer the step was picked from, read again only where it lacks
+        the step's manifests.
 
         A pending host's data was promised by the agreement: until
         ``pending_timeout_s`` has passed since the wait began, a pending host that
         does not list the step yet (its sidecar answering late, the data
         committed a moment after its replicator answered) is asked again, never
-        reported as a step that is not committed."""
+        reported as a step that is not committed. After the wait the hosts are
+        asked anew (the survey predates the pending hosts' data)."""
         if pending and wait_pending is not None:
             try:
-                saved = self.saved_step(step, pending=pending, run=run)
+                saved = self.saved_step(step, pending=pending, run=run, survey=survey)
                 return saved, self.restore_from(saved, target, args)
             except (ShardUnavailableError, StepNotFoundError) as e:
                 # Planned again from the start: nothing was placed on a device yet.
@@ -84,7 +96,7 @@ class StepReader:
             if seconds is not None:
                 seconds["wait_pending"] = time.perf_counter() - t
         else:
-            saved = self.saved_step(step, run=run)
+            saved = self.saved_step(step, run=run, survey=survey)
         if self.network is None:
             return saved, self.restore_from(saved, target, args)
         try:
@@ -120,27 +132,44 @@ class StepReader:
         request = orbax_args.restore_targets(args)
         if isinstance(request, tuple):
             return load(request[1])
+        saved_items = sorted({str(leaf.keys[0][1]) for leaf in saved.leaves
+                              if leaf.keys and leaf.keys[0][0] == "d"
+                              and not leaf.path.startswith(treepath.METRICS_ROOT)})
+        request = request or {name: None for name in saved_items}  # Composite(): every item
+        unknown = [name for name in request if name not in saved_items]
+        if unknown:
+            raise TargetMismatchError(f"Composite items {unknown} were not saved with this "
+                                      f"step; its items: {saved_items}", step=saved.step)
         out = {}
         for name, t in request.items():
             out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
-        return out
+        return orbax_args.composite_result(args, out)
 
     def saved_step(self, step: int, *, every_host: bool = False,
-                   pending: frozenset[int] = frozenset(), run: str = "") -> SavedStep:
+                   pending: frozenset[int] = frozenset(), run: str = "",
+                   survey: Survey | None = None) -> SavedStep:
         """Manifests of ``step``: of every host this process reaches (but the
         ``pending`` hosts, whose data is on its way); ``every_host``
-        (multi-controller JAX with the network tier) of every host that saved it."""
-        held = self.dispatch.steps(self.topology.local_hosts)
-        holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
+        (multi-controller JAX with the network tier) of every host that saved it.
+        One controller asks every host for its steps and its manifest of ``step``
+        at once (or reuses ``survey`` where it holds them)."""
         if self.network is not None:
+            held = self.dispatch.steps(self.topology.local_hosts)
+            holders = sorted(h for h, steps in held.items()
+                             if step in steps and h not in pending)
             return self._saved_over_network(step, holders, every_host, run)
+        if survey is None or not _covers(survey, step):
+            survey = self.dispatch.survey(self.topology.local_hosts, step)
+        held = survey.held
+        holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
         for h in self.topology.local_hosts:
             if h not in holders and h not in pending and not self.topology.subdirs:
                 raise StepNotFoundError("step is not committed", step=step, host=h)
         if not holders:
-            raise StepNotFoundError(f"step is not committed under {self.local_dir}", step=step)
+            raise StepNotFoundError(f"step is not committed on {self.where}", step=step)
         # Each host's manifest fetched and parsed once per restore, though read twice.
-        fetched: dict[int, Manifest] = {}
+        fetched: dict[int, Manifest] = {h: m for h, m in survey.manifests.items()
+                                        if m.step == step}
 
         def manifest_of(s: int, h: int) -> Manifest:
             if h not in fetched:

@@ -1,0 +1,226 @@
+"""Controller side of a colocated restore: one call, and no restored byte in this
+process.
+
+The request asks each worker for the target arrays laid out as their target
+shardings mapped onto the colocated CPU devices; each worker fills its own
+devices' shards from its own files (:mod:`mtc.sidecar.colocated_load`). The
+controller then moves them onto the target shardings with ``jax.device_put``
+(on Pathways a copy within each worker, from its CPU to its accelerators).
+
+A region whose pieces other hosts saved (a restore onto another mesh) is built
+on its target device from those pieces: each holder returns its pieces in one
+flat buffer on one of its own CPU devices, and JAX slices, reinterprets, moves
+and places them device to device. Only the plan (JSON) and the arrays' handles
+pass through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from mtc.contract import LeafSpec, ReadTask, task_to_json
+from mtc.manifest import Index
+
+ALIGN = 64  # pieces in a holder's buffer start on this boundary
+
+
+def supported(specs: dict[int, LeafSpec]) -> bool:
+    """Whether every target sharding maps onto colocated CPU devices here."""
+    return all(isinstance(s.sharding, (NamedSharding, SingleDeviceSharding))
+               for s in specs.values())
+
+
+def _spec_json(spec: Any) -> list[Any]:
+    return [list(p) if isinstance(p, tuple) else p for p in spec]
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    """One restore's request, and what the controller does with the answer."""
+
+    request: dict[str, Any]
+    out_specs: list[jax.ShapeDtypeStruct]
+    leaves: list[int]  # output k is leaf leaves[k]
+    # (leaf, target device id) -> (its region, the parts it is built from: (holder,
+    # part's region)), each part read by its holder into that holder's buffer
+    split: dict[tuple[int, int], tuple[Index, list[tuple[int, Index]]]]
+    offsets: dict[tuple[int, int, Index], int]  # (leaf, holder, part) -> place in buffer
+    holder_position: dict[int, int]  # host -> position of its buffer's device
+
+
+def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
+         host_of_device: dict[int, int], cpu_of: dict[int, jax.Device],
+         cpu_devices: Sequence[jax.Device], rank_of: dict[jax.Device, int]) -> LoadPlan:
+    """The request for ``tasks`` (planned per reading host) onto ``specs``.
+    ``cpu_of``: each target device's colocated CPU device; ``cpu_devices``: the
+    call's device list (what positions index); ``rank_of``: each CPU device's host."""
+    position = {d: k for k, d in enumerate(cpu_devices)}
+    leaves = sorted(specs)
+    out_of = {leaf: k for k, leaf in enumerate(leaves)}
+    outputs: list[dict[str, Any]] = []
+    out_specs: list[jax.ShapeDtypeStruct] = []
+    for leaf in leaves:
+        spec = specs[leaf]
+        s = spec.sharding
+        desc: dict[str, Any] = {"shape": list(spec.shape), "dtype": spec.dtype}
+        if isinstance(s, SingleDeviceSharding):
+            only: Any = next(iter(s.device_set))
+            cpu_dev = cpu_of[only.id]
+            cpu_sharding: jax.sharding.Sharding = SingleDeviceSharding(cpu_dev)
+            desc["single"] = position[cpu_dev]
+        else:
+            # Mapped through the whole job's list: JAX maps a subset of CPU devices
+            # (the emulation's) onto the first ones, which are other hosts'.
+            grid = np.array([cpu_of[d.id] for d in s.mesh.devices.flat], dtype=object)
+            cpu_mesh = jax.sharding.Mesh(grid.reshape(s.mesh.devices.shape), s.mesh.axis_names)
+            cpu_sharding = NamedSharding(cpu_mesh, s.spec)
+            desc["mesh"] = {"shape": list(cpu_mesh.devices.shape),
+                            "axes": list(cpu_mesh.axis_names),
+                            "pos": [position[d] for d in cpu_mesh.devices.flat]}
+            desc["spec"] = _spec_json(s.spec)
+        outputs.append(desc)
+        out_specs.append(jax.ShapeDtypeStruct(spec.shape, jax.numpy.dtype(spec.dtype),
+                                              sharding=cpu_sharding))
+    by_host: dict[int, list[dict[str, Any]]] = {}
+    split: dict[tuple[int, int], tuple[Index, list[tuple[int, Index]]]] = {}
+    foreign: dict[int, dict[tuple[int, Index], ReadTask]] = {}  # holder -> its parts
+    for t in tasks:
+        reader = host_of_device[t.device_ids[0]]
+        if all(p.host == reader for p in t.pieces):
+            plain = ReadTask(t.leaf, t.index, t.dtype, (), t.pieces)
+            by_host.setdefault(reader, []).append(
+                {"task": task_to_json(plain), "out": out_of[t.leaf],
+                 "pos": [position[cpu_of[d]] for d in t.device_ids]})
+            continue
+        held_by = {p.host for p in t.pieces}
+        if len(held_by) == 1:  # one other host holds it all: it reads the whole region
+            h = held_by.pop()
+            parts = [(h, t.index)]
+            foreign.setdefault(h, {})[(t.leaf, t.index)] = ReadTask(
+                t.leaf, t.index, t.dtype, (), t.pieces)
+        else:  # each holder reads its pieces, placed on the target device
+            parts = [(p.host, p.entry.index) for p in t.pieces]
+            for p in t.pieces:
+                foreign.setdefault(p.host, {})[(t.leaf, p.entry.index)] = ReadTask(
+                    t.leaf, p.entry.index, t.dtype, (), (p,))
+        for d in t.device_ids:
+            split[(t.leaf, d)] = (t.index, parts)
+    request: dict[str, Any] = {"step": step, "outputs": outputs,
+                               "tasks": {str(h): ts for h, ts in by_host.items()}}
+    offsets: dict[tuple[int, int, Index], int] = {}
+    holder_position: dict[int, int] = {}
+    if foreign:
+        # One CPU device per worker holds that worker's pieces, end to end.
+        first: dict[int, jax.Device] = {}
+        for d in cpu_devices:
+            first.setdefault(rank_of[d], d)
+        holders = sorted(first)
+        sizes = {}
+        entries: dict[str, list[dict[str, Any]]] = {}
+        for h in holders:
+            pos = 0
+            for (leaf, index), part in foreign.get(h, {}).items():
+                n = math.prod(b - a for a, b in index) * jax.numpy.dtype(
+                    specs[leaf].dtype).itemsize
+                offsets[(leaf, h, index)] = pos
+                entries.setdefault(str(h), []).append({"task": task_to_json(part),
+                                                       "offset": pos})
+                pos += -(-n // ALIGN) * ALIGN
+            sizes[h] = pos
+        cap = max(ALIGN, max(sizes.values()))
+        buffer_devices = [first[h] for h in holders]
+        holder_position = {h: k for k, h in enumerate(holders)}
+        mesh = jax.sharding.Mesh(np.array(buffer_devices, dtype=object), ("hosts",))
+        request["foreign"] = {"cap": cap, "pieces": entries,
+                              "out": {"mesh": {"shape": [len(buffer_devices)], "axes": ["hosts"],
+                                               "pos": [position[d] for d in buffer_devices]},
+                                      "spec": ["hosts"]}}
+        out_specs.append(jax.ShapeDtypeStruct(
+            (cap * len(buffer_devices),), np.dtype(np.uint8),
+            sharding=NamedSharding(mesh, jax.sharding.PartitionSpec("hosts"))))
+    return LoadPlan(request, out_specs, leaves, split, offsets, holder_position)
+
+
+def encode(plan_: LoadPlan) -> np.ndarray:
+    return np.frombuffer(json.dumps(plan_.request).encode(), dtype=np.uint8)
+
+
+def _part_array(buffer: jax.Array, offset: int, leaf_dtype: str, index: Index) -> jax.Array:
+    """A part, on its holder's device, out of that holder's buffer (device ops)."""
+    dt = jax.numpy.dtype(leaf_dtype)
+    shape = tuple(b - a for a, b in index)
+    n = math.prod(shape) * dt.itemsize
+    raw = buffer[offset:offset + n]
+    if dt == np.bool_:
+        return (raw != 0).reshape(shape)
+    if dt.itemsize == 1:
+        return jax.lax.bitcast_convert_type(raw, dt).reshape(shape)
+    return jax.lax.bitcast_convert_type(raw.reshape(-1, dt.itemsize), dt).reshape(shape)
+
+
+def _assemble(index: Index, parts: list[tuple[int, Index]], leaf: int, spec: LeafSpec,
+              device: jax.Device, plan_: LoadPlan, buffers: dict[int, jax.Array]) -> jax.Array:
+    """The ``index`` region of a leaf on ``device``, placed from the holders' parts."""
+    def part_of(h: int, part: Index) -> jax.Array:
+        return _part_array(buffers[h], plan_.offsets[(leaf, h, part)], spec.dtype, part)
+
+    if len(parts) == 1 and parts[0][1] == index:  # one holder read the whole region
+        return jax.device_put(part_of(*parts[0]), device)
+    shape = tuple(b - a for a, b in index)
+    out = jnp.zeros(shape, jax.numpy.dtype(spec.dtype), device=device)
+    for h, part in parts:
+        lo = [max(a, pa) for (a, _), (pa, _) in zip(index, part, strict=True)]
+        hi = [min(b, pb) for (_, b), (_, pb) in zip(index, part, strict=True)]
+        if any(h_ <= lo_ for lo_, h_ in zip(lo, hi, strict=True)):
+            continue
+        piece = part_of(h, part)
+        cut = piece[tuple(slice(a - pa, b - pa)
+                          for a, b, (pa, _) in zip(lo, hi, part, strict=True))]
+        out = jax.lax.dynamic_update_slice(
+            out, jax.device_put(cut, device),
+            tuple(a - ra for a, (ra, _) in zip(lo, index, strict=True)))
+    return out
+
+
+def finish(plan_: LoadPlan, outputs: Sequence[jax.Array], specs: dict[int, LeafSpec]
+           ) -> dict[int, jax.Array]:
+    """The workers' arrays onto the target shardings: a ``device_put`` each (in place
+    where the CPU devices are the targets), and split regions built device to device."""
+    buffers: dict[int, jax.Array] = {}
+    if len(outputs) > len(plan_.leaves):
+        by_device = {s.device: s.data for s in outputs[-1].addressable_shards}
+        mesh_devices = list(plan_.out_specs[-1].sharding.mesh.devices.flat)
+        for h, k in plan_.holder_position.items():
+            buffers[h] = by_device[mesh_devices[k]]
+    split_leaves = {leaf for leaf, _ in plan_.split}
+    whole = [k for k, leaf in enumerate(plan_.leaves) if leaf not in split_leaves]
+    placed = jax.device_put([outputs[k] for k in whole],
+                            [specs[plan_.leaves[k]].sharding for k in whole], may_alias=True)
+    arrays = {plan_.leaves[k]: a for k, a in zip(whole, placed, strict=True)}
+    for k, leaf in enumerate(plan_.leaves):
+        if leaf not in split_leaves:
+            continue
+        spec = specs[leaf]
+        cpu_shards = {s.device: s.data for s in outputs[k].addressable_shards}
+        cpu_sharding = plan_.out_specs[k].sharding
+        cpu_for = dict(zip(spec.sharding._device_assignment,
+                           cpu_sharding._device_assignment, strict=True))
+        shards = []
+        for d in spec.sharding.addressable_devices:
+            got = plan_.split.get((leaf, d.id))
+            if got is not None:
+                shards.append(_assemble(got[0], got[1], leaf, spec, d, plan_, buffers))
+            else:
+                shards.append(jax.device_put(cpu_shards[cpu_for[d]], d, may_alias=True))
+        arrays[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding,
+                                                                shards)
+    return arrays

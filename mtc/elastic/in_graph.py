@@ -1,0 +1,90 @@
+"""The in-graph snapshot: the compiled train step itself emits the snapshot copy.
+
+``Snapshotter.save(step, state)`` copies the state after the step, as a separate
+transfer the runtime schedules beside the next step (and skips while one is in
+flight). :class:`InGraphStep` instead compiles the copy into the step: the new
+state goes out once more, into host memory where the platform has it (a DMA
+inside the step on TPU and GPU; a copy on CPU), never donated, so it stays
+valid while the next step runs in place. No save is ever skipped and nothing
+more is dispatched per step; the cost is a second program (a step without the
+copy, for steps that take no snapshot) and the copy's bandwidth inside the step.
+
+Usage (``train_step(state, batch) -> (new_state, loss)``, ``state`` a pytree of
+arrays, PRNG keys included)::
+
+    step_fn = mtc.elastic.InGraphStep(train_step, snapshotter, state_shardings=shardings)
+    state, loss = step_fn(state, batch, snapshot_step=step if step % N == 0 else None,
+                          snapshot_extra={"data": iterator.get_state()})
+
+``snapshot_extra`` (a dict of plain values) joins the snapshot beside the new
+state (which must then be a dict): load it with an abstract state of that shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from mtc.elastic.snapshot import Snapshotter, is_key, to_host_sharding
+
+
+class InGraphStep:
+    """``fn`` jitted twice: as is, and also emitting a copy of its new state (its
+    first output) that ``snapshotter`` adopts as the snapshot of ``snapshot_step``.
+    ``jit_kwargs`` go to ``jax.jit`` (``donate_argnums`` defaults to the state)."""
+
+    def __init__(self, fn: Callable[..., Any], snapshotter: Snapshotter, *,
+                 state_shardings: Any, **jit_kwargs: Any) -> None:
+        self.snapshotter = snapshotter
+        jit_kwargs.setdefault("donate_argnums", 0)
+        self._plain = jax.jit(fn, **jit_kwargs)
+        host = jax.tree_util.tree_map(to_host_sharding, state_shardings)
+
+        def with_copy(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            new = out[0]
+            leaves = jax.tree_util.tree_leaves(new)
+            dests = jax.tree_util.tree_structure(new).flatten_up_to(host)  # type: ignore[attr-defined]
+            copies = [jax.device_put(jax.random.key_data(x) if is_key(x) else x, d)
+                      for x, d in zip(leaves, dests, strict=True)]
+            return (*out, copies)
+
+        self._with_copy = jax.jit(with_copy, **jit_kwargs)
+
+    @property
+    def jitted(self) -> tuple[Any, Any]:
+        """The two programs (without, with the copy): to compile ahead."""
+        return self._plain, self._with_copy
+
+    def __call__(self, *args: Any, snapshot_step: int | None = None,
+                 snapshot_extra: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        if snapshot_step is None:
+            return self._plain(*args, **kwargs)
+        *out, copies = self._with_copy(*args, **kwargs)
+        new = out[0]
+        if snapshot_extra:
+            if not isinstance(new, dict):
+                raise TypeError("snapshot_extra needs the step's new state to be a dict")
+            # Array leaves first (the copies' order), then the plain values.
+            self.snapshotter.adopt(snapshot_step, {**new, **snapshot_extra}, _reorder(
+                new, snapshot_extra, copies))
+        else:
+            self.snapshotter.adopt(snapshot_step, new, copies)
+        return tuple(out)
+
+
+def _reorder(new: dict[str, Any], extra: dict[str, Any], copies: list[Any]) -> list[Any]:
+    """``copies`` (in ``new``'s leaf order) in the leaf order of ``{**new, **extra}``
+    (dict keys are sorted when flattened, so the two orders may differ)."""
+    mine = iter(copies)
+    by_key = {k: [next(mine) for _ in jax.tree_util.tree_leaves(new[k])] for k in sorted(new)}
+    merged = {**new, **extra}
+    out: list[Any] = []
+    for k in sorted(merged):
+        if k in by_key and k not in extra:
+            out.extend(by_key[k])
+        else:
+            out.extend(x for x in jax.tree_util.tree_leaves(merged[k]) if isinstance(x, jax.Array))
+    return out

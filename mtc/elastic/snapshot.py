@@ -1,0 +1,266 @@
+"""The in-memory snapshot of a training state, with Orbax's ``Snapshotter`` interface.
+
+:class:`Snapshotter` keeps the newest state a training loop handed it in host
+memory (``pinned_host`` where the platform has it) on every device that held the
+state, so that after losing a slice or a host the loop reloads it onto whatever
+mesh is left. Its methods mean what ``ocp.v1.training.pathways.Snapshotter``'s
+do: ``save`` is asynchronous and skipped while a copy is in flight; ``load``
+reshards onto ``abstract_state``'s shardings; ``latest.step``; ``join``.
+
+What it adds: given an :class:`mtc.CheckpointManager` (``manager=``), ``load``
+falls back, when the surviving devices do not hold every shard, to the newest
+step that manager restores from any tier, and ``last_load_tier`` says from
+where (``"memory"``, ``"local"``, ``"peer"``, ``"backup"``). Without one it
+raises :class:`SnapshotUnavailableError`, a ``RuntimeError`` as Orbax raises.
+
+Threads: none of its own. A save's copy is dispatched and left to the runtime;
+the next ``save``, ``latest`` or ``join`` sees whether it is done. One thread
+(the training loop) calls every method.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from mtc.elastic.placement import Shards, SnapshotUnavailableError, covered, place, surviving
+
+if TYPE_CHECKING:
+    from mtc.manager import CheckpointManager
+
+log = logging.getLogger("mtc.elastic")
+
+MEMORY = "memory"
+
+
+@dataclasses.dataclass(frozen=True)
+class Latest:
+    """What ``Snapshotter.latest`` returns (Orbax: ``CheckpointMetadata``): the step."""
+
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """One snapshot: the state's tree, its leaves (a :class:`Shards` per array,
+    PRNG keys as their key data; other leaves as values), each key's impl."""
+
+    step: int
+    treedef: Any
+    leaves: tuple[Any, ...]
+    key_impls: tuple[Any, ...]  # None for a leaf that is not a PRNG key
+
+
+def host_memory_kind(devices: Any) -> str | None:
+    """``pinned_host`` where every device has it, else None (the device's own)."""
+    kinds = [{m.kind for m in d.addressable_memories()} for d in devices]
+    return "pinned_host" if kinds and all("pinned_host" in k for k in kinds) else None
+
+
+def is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_host_sharding(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    kind = host_memory_kind(s.device_set)
+    return s.with_memory_kind(kind) if kind is not None else s
+
+
+class Snapshotter:
+    """Keeps the newest training state in host memory across the devices; see the
+    module's documentation. ``manager`` may be replaced between loads (the
+    loop's mesh, and so its checkpoint manager, changes on every resize)."""
+
+    def __init__(self, *, replica_axis_index: int = 0,
+                 manager: CheckpointManager | None = None) -> None:
+        # Kept for Orbax's signature: shards are kept per device, so any replica
+        # of any axis serves, and the axis is never needed to find one.
+        self.replica_axis_index = replica_axis_index
+        self.manager = manager
+        self._latest: Taken | None = None
+        self._pending: Taken | None = None  # copied, maybe not yet done
+        self._pending_arrays: list[jax.Array] = []
+        self.last_load_tier: str | None = None
+        self.skipped = 0  # saves skipped while a copy was in flight
+
+    # -- saving ------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any) -> bool:
+        """Copy ``state`` to host memory without waiting for the copy; skipped (False)
+        while the previous save's copy is still in flight."""
+        if not self._settle():
+            self.skipped += 1
+            log.warning("snapshotter busy: skipping the snapshot of step %d", step)
+            return False
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        arrays = [jax.random.key_data(x) if is_key(x) else x
+                  for x in leaves if isinstance(x, jax.Array)]
+        copies = iter(jax.device_put(arrays, [to_host_sharding(a.sharding) for a in arrays],
+                                     may_alias=False))
+        self._hold(step, treedef, leaves, copies)
+        return True
+
+    def adopt(self, step: int, state: Any, copies: Any) -> None:
+        """Take as the snapshot of ``step`` the copies a compiled step already made
+        of ``state``'s arrays (:func:`mtc.elastic.in_graph`): ``copies`` is the
+        list of ``state``'s array leaves, in order, keys as key data."""
+        self._settle()
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        self._hold(step, treedef, leaves, iter(copies))
+
+    def _hold(self, step: int, treedef: Any, leaves: list[Any], copies: Any) -> None:
+        kept: list[Any] = []
+        impls: list[Any] = []
+        made: list[jax.Array] = []
+        for x in leaves:
+            if isinstance(x, jax.Array):
+                c = next(copies)
+                made.append(c)
+                kept.append(Shards.of(c))
+                impls.append(jax.random.key_impl(x) if is_key(x) else None)
+            else:
+                kept.append(copy.deepcopy(x))  # a later step may change a mutable value
+                impls.append(None)
+        self._pending = Taken(int(step), treedef, tuple(kept), tuple(impls))
+        self._pending_arrays = made
+
+    def _settle(self, wait: bool = False) -> bool:
+        """Promote the pending snapshot once its copy is done (``wait``: wait for
+        it); True when no copy is in flight any more."""
+        pending = self._pending
+        if pending is None:
+            return True
+        if not wait and not all(a.is_ready() for a in self._pending_arrays):  # type: ignore[attr-defined]
+            return False
+        self._pending, self._pending_arrays = None, []
+        arrays = [leaf for leaf in pending.leaves if isinstance(leaf, Shards)]
+        try:
+            # Every device's piece, as load reads them: a device lost from here on
+            # makes its pieces unreadable (also once it is back, with empty memory).
+            jax.block_until_ready([p for a in arrays for _, p in a.pieces])
+            ok = True
+        except (jax.errors.JaxRuntimeError, RuntimeError):
+            # Some device failed before or during the copy: the snapshot still
+            # serves if the pieces that did land hold every shard.
+            ok = all(covered(a, by_index) for a, by_index in zip(
+                arrays, surviving(arrays), strict=True))
+        if ok:
+            self._latest = pending
+        else:
+            log.error("the snapshot of step %d lost some shard before it completed: keeping "
+                      "step %s", pending.step, self._latest.step if self._latest else None)
+        return True
+
+    def join(self) -> None:
+        """Wait for the save in flight, if any."""
+        self._settle(wait=True)
+
+    @property
+    def latest(self) -> Latest | None:
+        """The step of the newest completed snapshot (None before the first)."""
+        self._settle()
+        return None if self._latest is None else Latest(self._latest.step)
+
+    # -- loading -----------------------------------------------------------------------
+
+    def covers(self, devices: Collection[jax.Device] | None = None) -> bool:
+        """Whether the newest snapshot can be loaded from memory: its shards that can
+        still be read (on ``devices`` only, when given) hold every array whole."""
+        self._settle()
+        snap = self._latest
+        if snap is None:
+            return False
+        arrays = [leaf for leaf in snap.leaves if isinstance(leaf, Shards)]
+        ids = None if devices is None else {d.id for d in devices}
+        return all(covered(a, by_index) for a, by_index in zip(
+            arrays, surviving(arrays, ids), strict=True))
+
+    def load(self, abstract_state: Any, *, reset_snapshot_state: bool = True,
+             devices: Collection[jax.Device] | None = None) -> Any:
+        """The newest snapshot placed per ``abstract_state``'s shardings (arrays or
+        ``ShapeDtypeStruct``s with ``.sharding``; other leaves are placeholders
+        for the saved values). When the surviving devices lack some shard: with a
+        manager, its newest restorable step; without, :class:`SnapshotUnavailableError`.
+        ``reset_snapshot_state``: the loaded state becomes the snapshot, on the
+        new mesh (so a second failure before the next save still finds one).
+        ``devices`` (beyond Orbax's interface): read shards on these devices only
+        (those the caller knows healthy); by default, every shard that can be read."""
+        self._settle()
+        snap = self._latest
+        try:
+            if snap is None:
+                raise SnapshotUnavailableError("no snapshot available to restore from")
+            state, kept = self._place(snap, abstract_state, devices)
+            step, tier = snap.step, MEMORY
+        except SnapshotUnavailableError as e:
+            if self.manager is None:
+                raise
+            log.warning("the snapshot cannot be loaded (%s): restoring through mtc", e)
+            step, state = self._from_manager(abstract_state)
+            kept = None
+            tier = self.manager.last_restore_tier or "local"
+        self.last_load_tier = tier
+        if reset_snapshot_state:
+            self._pending, self._pending_arrays = None, []
+            if kept is not None:  # the host-memory stage of the load is the new snapshot
+                self._latest = kept
+            else:
+                self.save(step, state)
+        return state
+
+    def _place(self, snap: Taken, abstract_state: Any,
+               devices: Collection[jax.Device] | None) -> tuple[Any, Taken | None]:
+        targets, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+        if treedef != snap.treedef:
+            raise ValueError(f"abstract_state's tree differs from the snapshot's:\n"
+                             f"{treedef}\nagainst\n{snap.treedef}")
+        arrays, shardings, names, where = [], [], [], []
+        for i, ((path, target), leaf) in enumerate(zip(targets, snap.leaves, strict=True)):
+            if isinstance(leaf, Shards):
+                sharding = getattr(target, "sharding", None)
+                if sharding is None:
+                    raise ValueError(f"abstract_state{jax.tree_util.keystr(path)}: no sharding")
+                arrays.append(leaf)
+                shardings.append(sharding)
+                names.append(jax.tree_util.keystr(path))
+                where.append(i)
+        ids = None if devices is None else {d.id for d in devices}
+        host = [to_host_sharding(x) for x in shardings]
+        staged: list[jax.Array] | None = None
+        if all(h.memory_kind != x.memory_kind for h, x in zip(host, shardings, strict=True)):
+            # Two stages, as Orbax's load: into host memory on the new mesh (no copy
+            # where a shard already is on its target device), which is the new
+            # snapshot, then one copy each into device memory, which steps donate.
+            staged = place(arrays, host, names, ids, may_alias=True)
+            loaded = jax.device_put(staged, shardings, may_alias=False)
+        else:
+            loaded = place(arrays, shardings, names, ids)
+        placed = dict(zip(where, loaded, strict=True))
+        out = []
+        for i, leaf in enumerate(snap.leaves):
+            if i in placed:
+                impl = snap.key_impls[i]
+                x = placed[i]
+                out.append(jax.random.wrap_key_data(x, impl=impl) if impl is not None else x)
+            else:
+                out.append(copy.deepcopy(leaf))
+        kept = None
+        if staged is not None:
+            by_leaf = dict(zip(where, staged, strict=True))
+            kept = Taken(snap.step, snap.treedef, tuple(
+                Shards.of(by_leaf[i]) if i in by_leaf else leaf
+                for i, leaf in enumerate(snap.leaves)), snap.key_impls)
+        return jax.tree_util.tree_unflatten(snap.treedef, out), kept
+
+    def _from_manager(self, abstract_state: Any) -> tuple[int, Any]:
+        assert self.manager is not None
+        step = self.manager.latest_step()
+        if step is None:
+            raise SnapshotUnavailableError("the snapshot cannot be loaded and mtc holds no "
+                                           "restorable step")
+        return step, self.manager.restore(step, abstract_state)

@@ -1,0 +1,369 @@
+"""Controller side of saving: the schedule, room on the RAM disks, retention, and
+handing a staged step to the hosts through the dispatcher.
+
+Only the controller's thread of a manager uses a :class:`SaveFlow`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mtc import layout, multihost, orbax_args, retention, runs
+from mtc.dispatch import Dispatch
+from mtc.dispatch.protocol import Survey
+from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
+from mtc.inventory import StepInventory
+from mtc.options import Options
+from mtc.replicator_watch import ReplicatorWatch
+from mtc.save.stage import bytes_on_hosts, prepare
+from mtc.topology import Topology
+
+# The manager's log lines keep one logger name, the one users configure.
+log = logging.getLogger("mtc.manager")
+
+
+class _NotDue(Exception):
+    """A save decided from the hosts' answer to the save's own first call (the
+    job's first decision): the step is not due after all."""
+
+
+class SaveFlow:
+    """Saves of one manager: what it last saved, the run its manifests name, and
+    the hosts whose replicators did not answer the last check.
+
+    ``on_new_step`` runs once a save is about to reach the hosts (a step the
+    replicators prepared for a restore is stale from then on); ``where`` names,
+    for logs, where the hosts served here keep their steps."""
+
+    def __init__(self, dispatch: Dispatch, topology: Topology, options: Options,
+                 inventory: StepInventory, watch: ReplicatorWatch | None, *,
+                 on_new_step: Callable[[], None], where: str,
+                 foreign: dict[int, list[int]] | None = None,
+                 metrics_of_step: Callable[[int], Any] | None = None) -> None:
+        self.dispatch = dispatch
+        self.topology = topology
+        self.options = options
+        self.inventory = inventory
+        self.watch = watch
+        self._on_new_step = on_new_step
+        self._where = where
+        # The run identity written into every manifest this manager saves (mtc.runs):
+        # fixed now and again after each restore, the same in every process.
+        self.run = "" if options.read_only else runs.shared_run_id()
+        # The newest step saved, restored or (learnt at the first save decision)
+        # complete on the hosts: saves of steps up to it return False, as Orbax's.
+        self.last_saved: int | None = None
+        self._newest_learnt = False
+        # Step folders found at start that are not mtc's (per host): never replaced.
+        self.foreign = foreign or {}
+        # best_fn retention: each step's metrics, read once from a manifest.
+        self._metrics_of_step = metrics_of_step
+        self._metrics: dict[int, Any] = {}
+        if options.max_to_keep is None and not options.replicators and not options.read_only:
+            log.info("mtc: max_to_keep=None (Orbax's default): every step stays on the RAM "
+                     "disk until it is full (then saves fail with RamDiskFullError); "
+                     "Options(max_to_keep=N) keeps the newest N")
+        # Hosts whose replicator did not answer the last check: their RAM disks are
+        # kept within max_to_keep meanwhile.
+        self.unreplicated: frozenset[int] = frozenset()
+        # Whether this manager saved since retention last ran (a restore applies it
+        # only then: a restarted job's restore asks the hosts nothing it needn't).
+        self._saved_since_retention = False
+
+    # -- schedule -------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Orbax's rules: ``step`` newer than the newest step saved, restored or
+        complete on the hosts, and on the interval, at a preemption sync point, or
+        the job's first save (no step yet: Orbax's initial save). Never when
+        read-only. Collective in multi-controller JAX the first time."""
+        return not self.options.read_only and self._decide(step)
+
+    def _decide(self, step: int) -> bool:
+        newest = self._newest()
+        if newest is not None and step <= newest:
+            return False
+        return newest is None or self.on_schedule(step)
+
+    def _newest(self) -> int | None:
+        """The newest step saved or restored here, or complete on the hosts (asked of
+        them once: collective in multi-controller JAX, as the first save is)."""
+        if not self._newest_learnt:
+            self._learn_newest(None)
+        return self.last_saved
+
+    def _learn_newest(self, listed: dict[int, list[int]] | None) -> None:
+        steps = self.inventory.common(listed)
+        if steps and (self.last_saved is None or steps[-1] > self.last_saved):
+            self.last_saved = steps[-1]
+        self._newest_learnt = True
+
+    def reload(self) -> None:
+        """Forget what was learnt of the hosts' steps: asked again when next needed."""
+        self._newest_learnt = False
+        self._metrics.clear()
+
+    def on_schedule(self, step: int) -> bool:
+        return (step % self.options.save_interval_steps == 0
+                or multihost.reached_preemption(step))
+
+    def restored(self, step: int) -> None:
+        """``step`` was restored: saves from here on are another run's, so what this
+        run saved after it (fenced, or never finished) can never mix with them."""
+        # Newer steps than this one (not fenced off: an older step restored on
+        # purpose) are asked of the hosts at the next save decision, as Orbax's.
+        self.last_saved, self._newest_learnt = step, False
+        if not self.options.read_only:
+            self.run = runs.shared_run_id()
+
+    def saving_in_progress(self) -> bool:
+        self.dispatch.raise_background_error()
+        saving = self.dispatch.saving()
+        if saving is not None:
+            return saving
+        self.wait_saves()
+        return False
+
+    # -- save -----------------------------------------------------------------------
+
+    def save(self, step: Any, state: Any, *, force: bool, metrics: Any, args: Any) -> bool:
+        self.writable("save")
+        if orbax_args.is_orbax_args(state):
+            raise ConfigError(orbax_args.positional_hint("save"))
+        if args is not None:
+            if state is not None:
+                raise ConfigError("save() takes the state or args=, not both")
+            state = orbax_args.save_state(args)
+        elif state is None:
+            raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
+        step = layout.as_step(step)
+        self._refuse_foreign(step)
+        # The job's first decision needs the hosts' newest step. One controller
+        # learns it from the save's own first call (a save stays two calls); the
+        # step is then dropped there if it was not due. Multi-controller JAX asks
+        # every process first (collective), as the first save always did.
+        deferred = (not force and not self.options.read_only and not self._newest_learnt
+                    and not self.inventory.sees_own_host_only)
+        due = force or deferred or self._decide(step)
+        self.dispatch.check_before_save(due)
+        if not due:
+            return False
+        if self.watch is not None:
+            self.unreplicated = self.watch.poll()
+        t0 = time.perf_counter()
+        header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
+                                 metrics=metrics, run=self.run, ranks=self._saved_ranks())
+
+        def before_send(survey: Survey) -> None:
+            # Nothing is sent to a host before this returned, and nothing at all
+            # when it raised.
+            self.inventory.learn(survey)
+            if deferred:
+                self._learn_newest(survey.held)
+                if not self._decide(step):
+                    raise _NotDue
+            held = self._replace_partial(step, survey.held)
+            self._on_new_step()
+            self._make_room(held)
+
+        hosts = self.topology.local_hosts
+        try:
+            staged = self.dispatch.save(header, arrays, hosts, before_send)
+        except _NotDue:
+            return False
+        if staged:
+            self._saved_since_retention = True
+            self.last_saved = max(step, self.last_saved or 0)
+            # The manifests say this job's host count and this run: no host need be asked.
+            self.inventory.saved(step, self.run, hosts)
+            log.info("mtc: save step %d: %d bytes of %s staged in %.3fs; writing to %s in the "
+                     "background", step,
+                     bytes_on_hosts(arrays, self.topology.host_of_device, len(hosts)),
+                     f"host {hosts[0]}" if len(hosts) == 1 else f"{len(hosts)} hosts",
+                     time.perf_counter() - t0, self._where)
+        return staged
+
+    def _refuse_foreign(self, step: int) -> None:
+        """A step whose folder is another tool's is never replaced. Where this process
+        serves one host of many (multi-controller JAX) that host's write fails instead,
+        as any host's failed save does (a refusal here would be this process's alone)."""
+        held = [h for h, steps in self.foreign.items() if step in steps]
+        if held and not self.inventory.sees_own_host_only:
+            raise StepExistsError("a step folder of this number that is not mtc's (no mtc "
+                                  "manifest: Orbax's or another tool's) is there; mtc leaves "
+                                  "it alone: save another step number, or move that folder",
+                                  step=step, host=held[0])
+
+    def _saved_ranks(self) -> tuple[int, ...]:
+        """Each host's replicator rank, for the manifests, when the job's hosts are not
+        ranks 0..n-1 (it came back on other hosts): where each host's data is kept."""
+        ranks = tuple(self.options.replicator_ranks or ())
+        if not self.options.replicators or not ranks or ranks == tuple(range(len(ranks))):
+            return ()
+        if len(ranks) != self.topology.num_hosts:
+            raise ConfigError(f"{len(ranks)} replicator ranks for {self.topology.num_hosts} "
+                              f"hosts")
+        return ranks
+
+    def _replace_partial(self, step: int, held: dict[int, list[int]]) -> dict[int, list[int]]:
+        """``held`` (the hosts' committed steps) once ``step`` may be saved: a step
+        committed on every host raises :class:`StepExistsError`; one that a crash
+        between hosts' commits left on some hosts only was never a checkpoint, and
+        is deleted so that saving it again replaces it."""
+        partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
+        if self.inventory.sees_own_host_only or partial:  # the first: collective
+            if step in self.inventory.complete_everywhere(held):
+                raise StepExistsError("step is already committed", step=step,
+                                      host=partial[0] if partial else None)
+        if not partial:
+            return held
+        log.warning("step %d was committed on hosts %s only (or by another run on some); "
+                    "replacing it", step, partial)
+        self.dispatch.delete(step, partial)
+        self.inventory.forget(step)
+        return {h: [s for s in steps if s != step] for h, steps in held.items()}
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step on every host this process serves; a step no host
+        holds raises :class:`StepNotFoundError` (collective in multi-controller JAX)."""
+        self.writable("delete")
+        self.wait_until_finished()
+        held = self.inventory.held()
+        if not multihost.any_process(any(step in steps for steps in held.values())):
+            foreign = [h for h, steps in self.foreign.items() if step in steps]
+            raise StepNotFoundError(
+                "no host holds this step, nothing deleted" + (
+                    f" (the folder of this number on host {foreign[0]} is not mtc's: no mtc "
+                    f"manifest, Orbax's or another tool's; mtc leaves it alone)"
+                    if foreign else ""), step=step)
+        self.dispatch.delete(step, self.topology.local_hosts)
+        self.inventory.forget(step)
+        self._metrics.pop(step, None)
+        if step == self.last_saved:  # its number may be saved again, as in Orbax
+            self.last_saved, self._newest_learnt = None, False
+
+    # -- finishing saves --------------------------------------------------------------
+
+    def wait_until_finished(self) -> None:
+        self.wait_saves()
+        self._apply_retention()
+
+    def finish_for_restore(self) -> None:
+        """Before a restore: every save committed, and retention applied after them
+        (not at all when this manager saved nothing since it last ran)."""
+        self.wait_saves()
+        if self._saved_since_retention:
+            self._apply_retention()
+
+    def wait_saves(self) -> None:
+        error: BaseException | None = None
+        try:
+            self.dispatch.wait()
+        except MtcError as e:
+            error = e
+        multihost.barrier("mtc.wait_until_finished")
+        if error is not None:
+            raise error
+
+    def writable(self, call: str) -> None:
+        if self.options.read_only:
+            raise ConfigError(f"{call}() on a read-only CheckpointManager of {self._where}")
+
+    # -- room and retention -----------------------------------------------------------
+
+    def _retains(self) -> bool:
+        return (self.options.max_to_keep is not None and not self.options.replicators
+                and not self.options.read_only)
+
+    def _apply_retention(self, *, before_write: bool = False,
+                         held: dict[int, list[int]] | None = None) -> dict[int, tuple[int, int]]:
+        """Delete what :func:`mtc.retention.to_delete` says, on every host served here;
+        returns each host's (free bytes, bytes of its newest step), as ``space``.
+        ``held``: the hosts' committed steps, when the caller has just listed them."""
+        if not self._retains():
+            return {}
+        if not before_write:
+            self._saved_since_retention = False
+        complete = self.inventory.common(held)
+        if self.options.best_fn is not None:
+            self._retain_best(complete)
+            return {}
+        return self.dispatch.retain(self.topology.local_hosts, complete,
+                                    max_to_keep=self.options.max_to_keep,
+                                    keep_period=self.options.keep_period,
+                                    before_write=before_write)
+
+    def _retain_best(self, complete: list[int]) -> None:
+        """Orbax's ``best_fn`` retention over the complete steps (their metrics read
+        once from a manifest each), applied as Orbax does after each commit: while
+        a step is written, ``max_to_keep`` others stay."""
+        o = self.options
+        assert o.best_fn is not None and self._metrics_of_step is not None
+        for s in complete:
+            if s not in self._metrics:
+                self._metrics[s] = self._metrics_of_step(s)
+        for s in retention.best_to_delete(
+                complete, self._metrics, max_to_keep=o.max_to_keep, keep_period=o.keep_period,
+                best_fn=o.best_fn, best_mode=o.best_mode,
+                keep_without_metrics=o.keep_checkpoints_without_metrics):
+            log.info("mtc: step %d deleted: not among the %s best by best_fn", s, o.max_to_keep)
+            self.dispatch.delete(s, self.topology.local_hosts)
+            self.inventory.forget(s)
+            self._metrics.pop(s, None)
+
+    def _saves_in_flight(self) -> int:
+        return self.dispatch.saves_in_flight(self.topology.local_hosts)
+
+    def _short_of_space(self, space: dict[int, tuple[int, int]] | None = None,
+                        steps_coming: int | None = None) -> bool:
+        """Whether some host's RAM disk has less room than its newest step takes,
+        for the new step and each one still being written.
+
+        The saves in flight are counted before the space is read (``steps_coming``
+        comes from before ``space``): a save committing in between then shows in
+        the space, and is never missed by both."""
+        if steps_coming is None:
+            steps_coming = 1 + self._saves_in_flight()
+        if space is None:
+            space = self.dispatch.space(self.topology.local_hosts)
+        return any(newest and free < newest * 1.05 * steps_coming
+                   for free, newest in space.values())
+
+    def _retain_unreplicated(self, held: dict[int, list[int]] | None) -> None:
+        """A host whose replicator does not answer has nobody cleaning its RAM disk:
+        before a step is written, its newest ``max_to_keep`` (2 when None) steps are
+        kept, from its own view (the others' progress is the replicators' to know;
+        saves go in step, so its newest steps are the job's)."""
+        hosts = [h for h in self.unreplicated if h in self.topology.local_hosts]
+        if not hosts or self.options.read_only:
+            return
+        held = held if held is not None else self.dispatch.steps(hosts)
+        keep = self.options.max_to_keep or 2
+        for h in hosts:
+            steps = held.get(h, [])
+            if len(steps) >= keep:
+                self.dispatch.retain([h], steps, max_to_keep=keep,
+                                     keep_period=self.options.keep_period, before_write=True)
+
+    def _make_room(self, held: dict[int, list[int]] | None = None) -> None:
+        """Before a step is written: free the oldest step beyond ``max_to_keep - 1``.
+
+        Freeing runs in the background; only when a RAM disk is short of room is
+        it waited for, and then for the saves still in flight, whose commit lets
+        retention free one more step (never the newest complete one)."""
+        self._retain_unreplicated(held)
+        if not self._retains():
+            return
+        coming = 1 + self._saves_in_flight()
+        space = self._apply_retention(before_write=True, held=held)
+        # Collective in multi-controller JAX: every process takes the same path.
+        if not multihost.any_process(self._short_of_space(space, coming)):
+            return
+        self.dispatch.settle(self.topology.local_hosts)
+        if multihost.any_process(self._short_of_space()):
+            self.wait_saves()
+            self._apply_retention(before_write=True)
+            self.dispatch.settle(self.topology.local_hosts)
