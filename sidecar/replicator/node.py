@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,11 @@ from mtc.sidecar.replicator.agreement import (
 )
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.gc import GcInputs as GcInputs
+from mtc.sidecar.replicator.gc import GcPlan as GcPlan
+from mtc.sidecar.replicator.gc import gc_plan
 from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.push_plan import PUSH_STREAMS, push_batches, push_streams
 from mtc.sidecar.replicator.restore import RestoreDuties
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import ReplicationClock
@@ -69,9 +73,6 @@ from mtc.sidecar.replicator.store import FileMeta, LocalStore, fingerprint_of
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
 GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view at most this often
-BATCH_BYTES = 4 << 20  # small files travel together, up to this many bytes a call
-BATCH_FILES = 512  # and this many files (their indices ride in the call's metadata)
-PUSH_STREAMS = 4  # data-channel connections a step's push uses at once (the push pool's)
 
 
 class Node(BackupDuties, RestoreDuties):
@@ -342,10 +343,10 @@ class Node(BackupDuties, RestoreDuties):
                     # The data channel: a few connections, each files back to back.
                     futs = [self._push_pool.submit(self._push_stream, peer, reply.transfer_id,
                                                    src, group)
-                            for group in _streams(todo, PUSH_STREAMS)]
+                            for group in push_streams(todo, PUSH_STREAMS)]
                 else:
                     futs = [self._push_pool.submit(self._push_batch, peer, reply.transfer_id,
-                                                   src, batch) for batch in _batches(todo)]
+                                                   src, batch) for batch in push_batches(todo)]
                 for fut in futs:
                     fut.result()
                 peer.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
@@ -675,73 +676,3 @@ class RestoreAsk:
     rid: str = ""
     members: tuple[int, ...] = ()
     decision: pb.Decision = dataclasses.field(default_factory=pb.Decision)
-
-
-@dataclasses.dataclass(frozen=True)
-class GcInputs:
-    own: tuple[int, ...]                     # own committed steps, oldest first
-    replicated: tuple[int, ...]              # those on every target
-    replicas: Mapping[int, tuple[int, ...]]  # origin -> copies held (own: parked steps)
-    keep: int
-    busy: frozenset[int]                     # being pushed or backed up
-    synced: bool                             # every target's holdings read since start
-    linked: frozenset[int]                   # parked own steps a client still links to
-    rank: int
-
-
-@dataclasses.dataclass(frozen=True)
-class GcPlan:
-    own: tuple[int, ...] = ()
-    replicas: tuple[tuple[int, int], ...] = ()
-    needs_complete: bool = False  # call again with the newest complete step
-
-
-def gc_plan(x: GcInputs, complete: int | None) -> GcPlan:
-    """What to delete: own steps beyond the newest ``keep``, except the newest fully
-    replicated one, busy ones (all, until every target was read once after a
-    start) and the newest complete step; copies beyond the newest ``keep`` per
-    origin, except the complete step. Anything to delete needs ``complete``."""
-    protected = set(x.own[-x.keep:]) | set(x.replicated[-1:]) | x.busy
-    if not x.synced:
-        protected |= set(x.own)  # the newest replicated step is not known yet
-    own = [s for s in x.own if s not in protected]
-    reps = [(o, s) for o, steps in x.replicas.items() for s in steps[:-x.keep]
-            if o != x.rank or (s not in x.linked and s not in protected)]
-    if not own and not reps:
-        return GcPlan()
-    if complete is None:
-        return GcPlan(needs_complete=True)
-    return GcPlan(tuple(s for s in own if s != complete),
-                  tuple((o, s) for o, s in reps if s != complete))
-
-
-def _streams(files: list[tuple[int, FileMeta]], n: int) -> list[list[tuple[int, FileMeta]]]:
-    """``files`` split into at most ``n`` groups of about equal bytes (largest first,
-    each to the lightest group), each group in offer order. Pure."""
-    groups: list[list[tuple[int, FileMeta]]] = [[] for _ in range(max(1, min(n, len(files))))]
-    loads = [0] * len(groups)
-    for i, f in sorted(files, key=lambda x: (-x[1].size, x[0])):
-        k = loads.index(min(loads))
-        groups[k].append((i, f))
-        loads[k] += f.size
-    return [sorted(g, key=lambda x: x[0]) for g in groups if g]
-
-
-def _batches(files: list[tuple[int, FileMeta]]) -> list[list[tuple[int, FileMeta]]]:
-    """Large files one per call (streamed, in parallel); small ones together, up to
-    BATCH_BYTES or BATCH_FILES a call (their index in the offer travels as metadata)."""
-    out: list[list[tuple[int, FileMeta]]] = []
-    batch: list[tuple[int, FileMeta]] = []
-    held = 0
-    for i, f in files:
-        if f.size >= BATCH_BYTES // 4:
-            out.append([(i, f)])
-            continue
-        if batch and (held + f.size > BATCH_BYTES or len(batch) == BATCH_FILES):
-            out.append(batch)
-            batch, held = [], 0
-        batch.append((i, f))
-        held += f.size
-    if batch:
-        out.append(batch)
-    return out
