@@ -79,8 +79,9 @@ def _open_own(path: Path) -> BinaryIO:
 
 
 def _create(dest: Path) -> BinaryIO:
-    """A file fetched into a restore's folder: a symlink in its place is not followed."""
-    return os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    """A file fetched into a restore's folder: a symlink in its place is not followed
+    (open for reading too: the data channel checks the bytes it wrote there)."""
+    return os.fdopen(os.open(dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
                              | os.O_CLOEXEC, 0o644), "wb", buffering=0)
 
 
@@ -485,7 +486,7 @@ class PeerClient:
         buf = memoryview(bytearray(dc.RECV_CHUNK))
 
         def sink(sock: Any, f: FileMeta) -> None:
-            fd = open_beneath(dest, f.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+            fd = open_beneath(dest, f.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
                               makedirs=True)
             try:
                 got, value = dc.recv_into_fd(sock, fd, f.size, buf)

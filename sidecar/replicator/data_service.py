@@ -59,7 +59,7 @@ class DataService:
             for meta in metas:
                 dst = inside(t.tmp, meta.path)
                 dst.unlink(missing_ok=True)
-                fd = open_beneath(t.tmp, meta.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                fd = open_beneath(t.tmp, meta.path, os.O_RDWR | os.O_CREAT | os.O_EXCL,
                                   makedirs=True)
                 try:
                     got, value = caller.recv_file(fd, meta.size, stream.add)

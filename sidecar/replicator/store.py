@@ -34,6 +34,7 @@ import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mtc import layout, validate
@@ -112,15 +113,29 @@ def fingerprint_of(files: Sequence[FileMeta]) -> int:
     return crc32c(text.encode())
 
 
+WALK_THREADS = 4  # an opaque step's files are checksummed this many at a time
+
+
 def _walk(step_dir: Path) -> list[FileMeta]:
-    out = []
+    """An opaque step's files, each read once for its CRC32C: a few at a time (the
+    checksum runs outside the GIL), on threads this call starts and joins."""
+    paths = []
     for dirpath, _, names in os.walk(step_dir):
         for n in sorted(names):
             p = Path(dirpath) / n
             if p.is_symlink():
                 continue  # never follow links out of a step
-            rel = p.relative_to(step_dir).as_posix()
-            out.append(FileMeta(rel, p.stat().st_size, file_crc(p)))
+            paths.append(p)
+
+    def meta(p: Path) -> FileMeta:
+        return FileMeta(p.relative_to(step_dir).as_posix(), p.stat().st_size, file_crc(p))
+
+    if len(paths) < 2:
+        out = [meta(p) for p in paths]
+    else:
+        with ThreadPoolExecutor(min(WALK_THREADS, len(paths)),
+                                thread_name_prefix="mtc-describe") as pool:
+            out = list(pool.map(meta, paths))
     return sorted(out, key=lambda m: m.path)
 
 
