@@ -37,11 +37,13 @@ class Shards:
     shape: tuple[int, ...]
     dtype: Any
     pieces: tuple[tuple[Index, jax.Array], ...]
+    whole: jax.Array | None = None  # the array the pieces are of: one probe for all
 
     @classmethod
     def of(cls, a: jax.Array) -> Shards:
         return cls(tuple(a.shape), a.dtype,
-                   tuple((index_of(s.index, a.shape), s.data) for s in a.addressable_shards))
+                   tuple((index_of(s.index, a.shape), s.data) for s in a.addressable_shards),
+                   a)
 
     @property
     def size(self) -> int:
@@ -69,6 +71,13 @@ def surviving(arrays: Sequence[Shards], devices: Collection[int] | None = None
     out = []
     for a in arrays:
         by_index: dict[Index, list[jax.Array]] = {}
+        if a.whole is not None and (devices is None or {
+                d.id for d in a.whole.devices()} <= set(devices)) and readable(a.whole):
+            # Every device of the array alive: no shard needs asking on its own.
+            for idx, piece in a.pieces:
+                by_index.setdefault(idx, []).append(piece)
+            out.append(by_index)
+            continue
         for idx, piece in a.pieces:
             dev = next(iter(piece.devices()))
             if dev.id in dead or (devices is not None and dev.id not in devices):

@@ -135,8 +135,11 @@ class Snapshotter:
         pending = self._pending
         if pending is None:
             return True
-        if not wait and not all(a.is_ready() for a in self._pending_arrays):  # type: ignore[attr-defined]
-            return False
+        try:
+            if not wait and not all(a.is_ready() for a in self._pending_arrays):  # type: ignore[attr-defined]
+                return False
+        except RuntimeError:  # a copy deleted under it (donated by the caller): failed
+            pass
         self._pending, self._pending_arrays = None, []
         arrays = [leaf for leaf in pending.leaves if isinstance(leaf, Shards)]
         try:
