@@ -18,6 +18,7 @@ pass through here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -160,17 +161,27 @@ def encode(plan_: LoadPlan) -> np.ndarray:
     return np.frombuffer(json.dumps(plan_.request).encode(), dtype=np.uint8)
 
 
+@functools.lru_cache(maxsize=256)
+def _extract(offset: int, dtype: str, shape: tuple[int, ...]) -> Any:
+    """A compiled cut of a part out of a holder's buffer: the slice, the
+    reinterpretation and the reshape fused into one copy on the holder's device."""
+    dt = jax.numpy.dtype(dtype)
+    n = math.prod(shape) * dt.itemsize
+
+    def cut(buffer: jax.Array) -> jax.Array:
+        raw = jax.lax.slice(buffer, (offset,), (offset + n,))
+        if dt == np.bool_:
+            return (raw != 0).reshape(shape)
+        if dt.itemsize == 1:
+            return jax.lax.bitcast_convert_type(raw, dt).reshape(shape)
+        return jax.lax.bitcast_convert_type(raw.reshape(-1, dt.itemsize), dt).reshape(shape)
+
+    return jax.jit(cut)
+
+
 def _part_array(buffer: jax.Array, offset: int, leaf_dtype: str, index: Index) -> jax.Array:
     """A part, on its holder's device, out of that holder's buffer (device ops)."""
-    dt = jax.numpy.dtype(leaf_dtype)
-    shape = tuple(b - a for a, b in index)
-    n = math.prod(shape) * dt.itemsize
-    raw = buffer[offset:offset + n]
-    if dt == np.bool_:
-        return (raw != 0).reshape(shape)
-    if dt.itemsize == 1:
-        return jax.lax.bitcast_convert_type(raw, dt).reshape(shape)
-    return jax.lax.bitcast_convert_type(raw.reshape(-1, dt.itemsize), dt).reshape(shape)
+    return _extract(offset, leaf_dtype, tuple(b - a for a, b in index))(buffer)
 
 
 def _assemble(index: Index, parts: list[tuple[int, Index]], leaf: int, spec: LeafSpec,
