@@ -45,13 +45,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _common as common
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter as OrbaxSnapshotter
 
-import bench._common as common
 from mtc.elastic import InGraphStep, Snapshotter
 from mtc.trainer.data import VOCAB, make_iterator
 from mtc.trainer.model import Config, Trainer

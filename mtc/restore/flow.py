@@ -226,7 +226,8 @@ class RestoreFlow:
         tier = self.tier
         return self.reader.load(step, target, args, pending=tier.pending_hosts(prepared),
                                 wait_pending=lambda: tier.wait_local(prepared),
-                                seconds=self.last_restore_seconds, run=run)
+                                seconds=self.last_restore_seconds, run=run,
+                                pending_timeout_s=self.options.restore_timeout_s)
 
     def _may_defer(self) -> bool:
         """Whether a restore may start before every host's data is local: this

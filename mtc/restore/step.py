@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 # How many hosts saved a step, from one of its holders' manifests (the
 # manager's cache, shared with its save path).
 SavedHosts = Callable[[int, list[int], Callable[[int, int], Manifest]], int]
+PENDING_TIMEOUT_S = 120.0  # Options.restore_timeout_s default
+PENDING_POLL_S = 0.2
 
 
 def _covers(survey: Survey, step: int) -> bool:
@@ -53,7 +55,8 @@ class StepReader:
              pending: frozenset[int] = frozenset(),
              wait_pending: Callable[[], None] | None = None,
              seconds: dict[str, float] | None = None, run: str = "",
-             survey: Survey | None = None) -> tuple[SavedStep, Any]:
+             survey: Survey | None = None,
+             pending_timeout_s: float = PENDING_TIMEOUT_S) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it.
 
         ``pending``: hosts whose data is still on its way (replaced hosts whose
@@ -71,7 +74,14 @@ class StepReader:
         made again. Every manifest read must name one run (``run``, when the
         replicators agreed on one): else :class:`MixedRunError`. ``survey``: the
         hosts' answer the step was picked from, read again only where it lacks
-        the step's manifests."""
+        the step's manifests.
+
+        A pending host's data was promised by the agreement: until
+        ``pending_timeout_s`` has passed since the wait began, a pending host that
+        does not list the step yet (its sidecar answering late, the data
+        committed a moment after its replicator answered) is asked again, never
+        reported as a step that is not committed. After the wait the hosts are
+        asked anew (the survey predates the pending hosts' data)."""
         if pending and wait_pending is not None:
             try:
                 saved = self.saved_step(step, pending=pending, run=run, survey=survey)
@@ -82,9 +92,11 @@ class StepReader:
                          "waiting for their data", step, sorted(pending), e)
             t = time.perf_counter()
             wait_pending()
+            saved = self._saved_once_listed(step, run, pending, t + pending_timeout_s)
             if seconds is not None:
                 seconds["wait_pending"] = time.perf_counter() - t
-        saved = self.saved_step(step, run=run, survey=survey)
+        else:
+            saved = self.saved_step(step, run=run, survey=survey)
         if self.network is None:
             return saved, self.restore_from(saved, target, args)
         try:
@@ -95,6 +107,20 @@ class StepReader:
                  "and files come through the replicators", step)
         saved = self.saved_step(step, every_host=True, run=run)
         return saved, self.restore_from(saved, target, args)
+
+    def _saved_once_listed(self, step: int, run: str, pending: frozenset[int],
+                           deadline: float) -> SavedStep:
+        """:meth:`saved_step` once every pending host lists ``step``, asked again
+        until ``deadline`` (``time.perf_counter``) while one does not."""
+        while True:
+            try:
+                return self.saved_step(step, run=run)
+            except StepNotFoundError as e:
+                if e.host not in pending or time.perf_counter() >= deadline:
+                    raise
+                log.info("mtc: host %d does not list step %d yet although its replicator "
+                         "made it local: asking again", e.host, step)
+            time.sleep(PENDING_POLL_S)
 
     def restore_from(self, saved: SavedStep, target: Any, args: Any) -> Any:
         """``target`` (or Orbax ``args``' targets) loaded from ``saved``."""
