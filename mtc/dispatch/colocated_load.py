@@ -7,16 +7,18 @@ devices' shards from its own files (:mod:`mtc.sidecar.colocated_load`). The
 controller then moves them onto the target shardings with ``jax.device_put``
 (on Pathways a copy within each worker, from its CPU to its accelerators).
 
-A region whose pieces other hosts saved (a restore onto another mesh) is built
-on its target device from those pieces: each holder returns its pieces in one
-flat buffer on one of its own CPU devices, and JAX slices, reinterprets, moves
-and places them device to device. Only the plan (JSON) and the arrays' handles
+A leaf with a region whose pieces other hosts saved (a restore onto another
+mesh) is built on its target devices instead: each holder returns the parts it
+reads (a whole region where it holds all of it, else its pieces) in one flat
+buffer on one of its own CPU devices, and JAX slices, reinterprets, moves and
+places them device to device. Only the plan (JSON) and the arrays' handles
 pass through here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -64,7 +66,12 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
     ``cpu_of``: each target device's colocated CPU device; ``cpu_devices``: the
     call's device list (what positions index); ``rank_of``: each CPU device's host."""
     position = {d: k for k, d in enumerate(cpu_devices)}
-    leaves = sorted(specs)
+    # A leaf with a region its reading host does not hold is built from parts on
+    # every device (no worker returns an array of it: it would carry placeholders
+    # for the regions built here).
+    built = {t.leaf for t in tasks
+             if any(p.host != host_of_device[t.device_ids[0]] for p in t.pieces)}
+    leaves = sorted(leaf for leaf in specs if leaf not in built)
     out_of = {leaf: k for k, leaf in enumerate(leaves)}
     outputs: list[dict[str, Any]] = []
     out_specs: list[jax.ShapeDtypeStruct] = []
@@ -95,14 +102,14 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
     foreign: dict[int, dict[tuple[int, Index], ReadTask]] = {}  # holder -> its parts
     for t in tasks:
         reader = host_of_device[t.device_ids[0]]
-        if all(p.host == reader for p in t.pieces):
+        if t.leaf not in built:
             plain = ReadTask(t.leaf, t.index, t.dtype, (), t.pieces)
             by_host.setdefault(reader, []).append(
                 {"task": task_to_json(plain), "out": out_of[t.leaf],
                  "pos": [position[cpu_of[d]] for d in t.device_ids]})
             continue
         held_by = {p.host for p in t.pieces}
-        if len(held_by) == 1:  # one other host holds it all: it reads the whole region
+        if len(held_by) == 1:  # one host holds it all: it reads the whole region
             h = held_by.pop()
             parts = [(h, t.index)]
             foreign.setdefault(h, {})[(t.leaf, t.index)] = ReadTask(
@@ -154,17 +161,27 @@ def encode(plan_: LoadPlan) -> np.ndarray:
     return np.frombuffer(json.dumps(plan_.request).encode(), dtype=np.uint8)
 
 
+@functools.lru_cache(maxsize=256)
+def _extract(offset: int, dtype: str, shape: tuple[int, ...]) -> Any:
+    """A compiled cut of a part out of a holder's buffer: the slice, the
+    reinterpretation and the reshape fused into one copy on the holder's device."""
+    dt = jax.numpy.dtype(dtype)
+    n = math.prod(shape) * dt.itemsize
+
+    def cut(buffer: jax.Array) -> jax.Array:
+        raw = jax.lax.slice(buffer, (offset,), (offset + n,))
+        if dt == np.bool_:
+            return (raw != 0).reshape(shape)
+        if dt.itemsize == 1:
+            return jax.lax.bitcast_convert_type(raw, dt).reshape(shape)
+        return jax.lax.bitcast_convert_type(raw.reshape(-1, dt.itemsize), dt).reshape(shape)
+
+    return jax.jit(cut)
+
+
 def _part_array(buffer: jax.Array, offset: int, leaf_dtype: str, index: Index) -> jax.Array:
     """A part, on its holder's device, out of that holder's buffer (device ops)."""
-    dt = jax.numpy.dtype(leaf_dtype)
-    shape = tuple(b - a for a, b in index)
-    n = math.prod(shape) * dt.itemsize
-    raw = buffer[offset:offset + n]
-    if dt == np.bool_:
-        return (raw != 0).reshape(shape)
-    if dt.itemsize == 1:
-        return jax.lax.bitcast_convert_type(raw, dt).reshape(shape)
-    return jax.lax.bitcast_convert_type(raw.reshape(-1, dt.itemsize), dt).reshape(shape)
+    return _extract(offset, leaf_dtype, tuple(b - a for a, b in index))(buffer)
 
 
 def _assemble(index: Index, parts: list[tuple[int, Index]], leaf: int, spec: LeafSpec,
@@ -193,34 +210,24 @@ def _assemble(index: Index, parts: list[tuple[int, Index]], leaf: int, spec: Lea
 
 def finish(plan_: LoadPlan, outputs: Sequence[jax.Array], specs: dict[int, LeafSpec]
            ) -> dict[int, jax.Array]:
-    """The workers' arrays onto the target shardings: a ``device_put`` each (in place
-    where the CPU devices are the targets), and split regions built device to device."""
+    """The workers' arrays onto the target shardings: one ``device_put`` (in place
+    where the CPU devices are the targets); the other leaves built device to device
+    from the parts their holders read."""
     buffers: dict[int, jax.Array] = {}
     if len(outputs) > len(plan_.leaves):
         by_device = {s.device: s.data for s in outputs[-1].addressable_shards}
         mesh_devices = list(plan_.out_specs[-1].sharding.mesh.devices.flat)
         for h, k in plan_.holder_position.items():
             buffers[h] = by_device[mesh_devices[k]]
-    split_leaves = {leaf for leaf, _ in plan_.split}
-    whole = [k for k, leaf in enumerate(plan_.leaves) if leaf not in split_leaves]
-    placed = jax.device_put([outputs[k] for k in whole],
-                            [specs[plan_.leaves[k]].sharding for k in whole], may_alias=True)
-    arrays = {plan_.leaves[k]: a for k, a in zip(whole, placed, strict=True)}
-    for k, leaf in enumerate(plan_.leaves):
-        if leaf not in split_leaves:
-            continue
+    placed = jax.device_put(list(outputs[:len(plan_.leaves)]),
+                            [specs[leaf].sharding for leaf in plan_.leaves], may_alias=True)
+    arrays = dict(zip(plan_.leaves, placed, strict=True))
+    for leaf in sorted({leaf for leaf, _ in plan_.split}):
         spec = specs[leaf]
-        cpu_shards = {s.device: s.data for s in outputs[k].addressable_shards}
-        cpu_sharding = plan_.out_specs[k].sharding
-        cpu_for = dict(zip(spec.sharding._device_assignment,
-                           cpu_sharding._device_assignment, strict=True))
         shards = []
         for d in spec.sharding.addressable_devices:
-            got = plan_.split.get((leaf, d.id))
-            if got is not None:
-                shards.append(_assemble(got[0], got[1], leaf, spec, d, plan_, buffers))
-            else:
-                shards.append(jax.device_put(cpu_shards[cpu_for[d]], d, may_alias=True))
+            index, parts = plan_.split[(leaf, d.id)]
+            shards.append(_assemble(index, parts, leaf, spec, d, plan_, buffers))
         arrays[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding,
                                                                 shards)
     return arrays
