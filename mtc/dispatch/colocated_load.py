@@ -162,14 +162,19 @@ def encode(plan_: LoadPlan) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _extract(offset: int, dtype: str, shape: tuple[int, ...]) -> Any:
+def _extract(dtype: str, shape: tuple[int, ...], static_offset: int | None) -> Any:
     """A compiled cut of a part out of a holder's buffer: the slice, the
-    reinterpretation and the reshape fused into one copy on the holder's device."""
+    reinterpretation and the reshape fused into one copy on the holder's device.
+    The offset is an argument, so that every part of one shape and dtype shares
+    one executable (a replaced host's restore cuts hundreds of parts, and each
+    compile costs tens of milliseconds); only a buffer past 2 GiB, whose offsets
+    an int32 cannot hold, compiles one per offset (``static_offset``)."""
     dt = jax.numpy.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
 
-    def cut(buffer: jax.Array) -> jax.Array:
-        raw = jax.lax.slice(buffer, (offset,), (offset + n,))
+    def cut(buffer: jax.Array, offset: Any) -> jax.Array:
+        raw = (jax.lax.slice(buffer, (static_offset,), (static_offset + n,))
+               if static_offset is not None else jax.lax.dynamic_slice(buffer, (offset,), (n,)))
         if dt == np.bool_:
             return (raw != 0).reshape(shape)
         if dt.itemsize == 1:
@@ -181,7 +186,10 @@ def _extract(offset: int, dtype: str, shape: tuple[int, ...]) -> Any:
 
 def _part_array(buffer: jax.Array, offset: int, leaf_dtype: str, index: Index) -> jax.Array:
     """A part, on its holder's device, out of that holder's buffer (device ops)."""
-    return _extract(offset, leaf_dtype, tuple(b - a for a, b in index))(buffer)
+    shape = tuple(b - a for a, b in index)
+    if buffer.size < 1 << 31:
+        return _extract(leaf_dtype, shape, None)(buffer, np.int32(offset))
+    return _extract(leaf_dtype, shape, offset)(buffer, np.int32(0))
 
 
 def _assemble(index: Index, parts: list[tuple[int, Index]], leaf: int, spec: LeafSpec,
