@@ -250,9 +250,9 @@ def finish(plan_: LoadPlan, outputs: Sequence[jax.Array], specs: dict[int, LeafS
         shards = []
         for d in spec.sharding.addressable_devices:
             index, parts = plan_.split[(leaf, d.id)]
-            k = plan_.whole.get((leaf, parts[0][0], index)) if len(parts) == 1 else None
-            if k is not None and parts[0][1] == index:  # read whole by its holder
-                shards.append(jax.device_put(outputs[k], d))
+            whole = plan_.whole.get((leaf, parts[0][0], index)) if len(parts) == 1 else None
+            if whole is not None and parts[0][1] == index:  # read whole by its holder
+                shards.append(jax.device_put(outputs[whole], d))
             else:
                 shards.append(_assemble(index, parts, leaf, spec, d, plan_, buffers))
         arrays[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding,
