@@ -84,6 +84,7 @@ bench: $(STAMP)
 	$(PY) bench/backup.py | tee out/bench/backup.json
 	$(PY) bench/recovery.py | tee out/bench/recovery.json
 	$(PY) bench/control_plane.py | tee out/bench/control_plane.json
+	$(PY) bench/snapshot.py | tee out/bench/snapshot.json
 
 # About twenty minutes: 1200 steps of elastic training losing a host every two minutes, then
 # the uninterrupted reference run (`bench/goodput.py --quick`: about five minutes, no reference).

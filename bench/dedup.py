@@ -25,7 +25,8 @@ from typing import Any
 import _common  # noqa: F401  (repository on sys.path)
 import numpy as np
 
-from mtc.sidecar.replicator.store import FICLONE, LocalStore, copy_verified, file_crc
+from mtc.sidecar.files import FICLONE, copy_verified
+from mtc.sidecar.replicator.store import LocalStore, file_crc
 
 
 def timed(fn: Any, samples: int) -> float:

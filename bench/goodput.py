@@ -30,11 +30,19 @@ a failure: waiting for the save to reach the peer), the figure to hold against
 the 98% target; per kind of failure the median and worst recovery and of each
 stage, and where each step's executable came from. ``--slice-loss-at`` adds
 replica resizes (and the scale-ups after them) to the mix.
+
+Where the machine has two or more cores, the run is made twice: first pinned as on
+a real host (a TPU host's CPUs are not its accelerators: the trainer, whose CPU
+devices stand in for the accelerators, on one core; the hosts' sidecars and
+replicators on the others), which gives the figures above, then unpinned (every
+process where the scheduler puts it, competing for the same cores), whose
+goodput figures are under ``unpinned``. ``--no-pin``: the unpinned run alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -48,10 +56,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._cpu import CpuSampler
+from bench._pin import Pinner, pinning
 from mtc.trainer.cluster import STATE, LocalCluster
 from mtc.trainer.demo import REPO, child_env
-from mtc.trainer.elastic_demo import final_steps, goodput, ideal_seconds, recovery_by_kind
 from mtc.trainer.policy import PAUSE_POLICIES
+from mtc.trainer.report import final_steps, goodput, ideal_seconds, recovery_by_kind
 
 TARGET_GOODPUT = 0.98
 TARGET_FAILURE_EVERY_S = 120.0
@@ -276,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                         "19 measures what that contention costs (a busy trainer then "
                         "starves the peer tier, whose lag grows: see steps_lost)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="one unpinned run only (default, with 2 or more cores: a run with the "
+                        "trainer on one core and the hosts' processes on the others, as on a "
+                        "real host, then the same run unpinned)")
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 480 if args.quick else 1200
@@ -283,9 +296,30 @@ def main(argv: list[str] | None = None) -> int:
         args.reference = False
     out = args.out or Path(tempfile.mkdtemp(prefix="mtc-goodput-"))
     out.mkdir(parents=True, exist_ok=True)
+    cores = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cores) >= 2:
+        # As on a real host: the trainer's devices on one core, the hosts' sidecars and
+        # replicators on the others; then the same run unpinned, for comparison.
+        result = run_once(args, out / "pinned", ({cores[0]}, set(cores[1:])))
+        unpinned = run_once(args, out / "unpinned", None)
+        result["unpinned"] = {k: v for k, v in unpinned.items() if k.startswith("goodput")
+                              and not k.endswith("definition")}
+    else:
+        result = run_once(args, out, None)
+    result["pause_policy"] = args.pause_policy
+    result["config"] = vars(args) | {"out": str(out), "cpus": os.cpu_count()}
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def run_once(args: argparse.Namespace, out: Path,
+             pin: tuple[set[int], set[int]] | None) -> dict[str, Any]:
+    """One run of the trainer against a fresh cluster; ``pin``: (the trainer's cores,
+    the hosts' processes' cores), or None to let the scheduler place everything."""
+    out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "elastic.jsonl"
     jsonl.unlink(missing_ok=True)
-    base = Path("/dev/shm") / f"mtc-cluster-goodput-{os.getpid()}"
+    base = Path("/dev/shm") / f"mtc-cluster-goodput-{os.getpid()}-{'pinned' if pin else 'free'}"
     cluster: LocalCluster | None = None
     proc: subprocess.Popen[bytes] | None = None
     try:
@@ -308,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd.append("--no-snapshot")
         if not args.reference:
             cmd.append("--no-reference")
-        log(" ".join(cmd[1:]))
+        log(" ".join(cmd[1:]) + (f" (pinned: trainer on cores {sorted(pin[0])}, hosts on "
+                                 f"{sorted(pin[1])})" if pin else " (unpinned)"))
 
         def pids() -> dict[str, list[int]]:
             hosts = json.loads((base / STATE).read_text())["machine"]["hosts"]
@@ -317,21 +352,24 @@ def main(argv: list[str] | None = None) -> int:
                                     if h.get("replicator_pid")],
                     "trainer": [proc.pid] if proc is not None else []}
 
+        def host_pids() -> list[int]:
+            got = pids()
+            return got["sidecars"] + got["replicators"]
+
         t_launch = time.time()  # as elastic_demo: just before the trainer starts
-        with (out / "elastic.log").open("wb") as f, CpuSampler(pids) as cpu:
+        with (out / "elastic.log").open("wb") as f, CpuSampler(pids) as cpu, \
+                (Pinner(host_pids, pin[1]) if pin else contextlib.nullcontext()):
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
-                                    cwd=REPO)
+                                    cwd=REPO, preexec_fn=pinning(pin[0]) if pin else None)
             rc = proc.wait()
         if rc != 0:
             tail = (out / "elastic.log").read_text(errors="replace").splitlines()[-25:]
             raise SystemExit(f"trainer exited {rc}:\n" + "\n".join(tail))
         (out / "t_launch.txt").write_text(f"{t_launch!r}\n")
         result = analyse(read_records(jsonl), t_launch, cpu)
-        result["pause_policy"] = args.pause_policy
-        result["config"] = vars(args) | {"out": str(out),
-                                         "cpus": os.cpu_count()}
-        print(json.dumps(result, indent=2))
-        return 0
+        result["pinned"] = ({"trainer_cores": sorted(pin[0]), "host_cores": sorted(pin[1])}
+                            if pin else None)
+        return result
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

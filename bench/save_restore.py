@@ -3,15 +3,19 @@
 Prints one JSON object to stdout (progress goes to stderr)::
 
     .venv/bin/python bench/save_restore.py [--gib 1.0] [--samples 5] [--warmup 1]
-        [--orbax-saves 3] [--hosts isolated|in-process]
+        [--orbax-saves 3] [--hosts colocated|isolated|in-process]
 
 The state is ``--gib`` GiB of float32 leaves of 64 MiB, each sharded along axis 0
 over a (2 slices, 4) mesh of 8 CPU devices: 16 shards of 8 MiB per GiB. mtc
 treats the 8 devices as 4 simulated hosts in 2 slices: by default isolated hosts
 (``trainer/isolation.py``: a sidecar process each, alone with its RAM disk, in
-namespaces of its own where root allows; bytes cross through each host's
-shared-memory area), or with ``--hosts in-process`` host-side code in this
-process, reading and writing the RAM disks itself. Every figure is measured
+namespaces of its own where root allows) that run the controller's colocated-Python
+programs as Pathways workers do (``--hosts colocated``, the path a Pathways job
+runs; each call costs the sidecars' ``--colocated-call-latency-ms``); with
+``--hosts isolated`` the same sidecars served by seam requests (the process
+dispatch, a test tool); with ``--hosts in-process`` host-side code in this
+process, reading and writing the RAM disks itself. The JSON's ``dispatch`` names
+the path measured. Every figure is measured
 in rounds: each round runs every measurement once, so drift in the machine hits
 all of them alike; the first ``--warmup`` rounds are discarded. Every ratio is
 taken between medians of the same run. Orbax's async save, whose end-to-end
@@ -267,6 +271,11 @@ def run(gib: float, samples: int, warmup: int, root: Path, hosts_mode: str,
         mtc_options = mtc.Options(max_to_keep=2, simulated_hosts=4, hosts_per_slice=2,
                                   dispatch="local")
     mgr = mtc.CheckpointManager(mtc_dir, mesh=full_mesh, options=mtc_options)
+    # Colocated calls of each operation (the last round's), where the dispatcher counts.
+    call_counts: dict[str, int] = {}
+
+    def calls_made() -> int:
+        return int(getattr(mgr._dispatch, "calls", 0))
     # Default options except retention, so the tmpfs does not fill (as for mtc).
     omgr = ocp.CheckpointManager(orbax_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
 
@@ -301,11 +310,14 @@ def run(gib: float, samples: int, warmup: int, root: Path, hosts_mode: str,
             # mtc save: stall, then end to end.
             step += 1
             gc.collect()
+            c0 = calls_made()
             t0 = time.perf_counter()
             ok = mgr.save(step, state, force=True)
             t1 = time.perf_counter()
+            c1 = calls_made()
             mgr.wait_until_finished()
             t2 = time.perf_counter()
+            call_counts["save"], call_counts["wait_until_finished"] = c1 - c0, calls_made() - c1
             if not ok:
                 raise AssertionError(f"mtc save of step {step} returned False")
             s.add("mtc_save_stall", t1 - t0)
@@ -315,7 +327,9 @@ def run(gib: float, samples: int, warmup: int, root: Path, hosts_mode: str,
             def mtc_restore(target: dict[str, jax.ShapeDtypeStruct], st: int = step) -> Any:
                 return jax.block_until_ready(mgr.restore(st, target))
 
+            c0 = calls_made()
             dt, out = timed(lambda: mtc_restore(full_target))
+            call_counts["restore"] = calls_made() - c0
             s.add("mtc_restore", dt)
             if first:
                 verify("mtc restore (same mesh)", out, host_copy, full)
@@ -413,6 +427,10 @@ def run(gib: float, samples: int, warmup: int, root: Path, hosts_mode: str,
         "restore_half_over_raw_read": gbps("mtc_restore_half") / gbps("raw_read"),
     }
     result["ratios"] = ratios
+    result["dispatch"] = {"colocated": "colocated", "isolated": "process",
+                          "in-process": "local"}[hosts_mode]
+    if hosts_mode == "colocated":
+        result["colocated_calls"] = call_counts
     osaves = s.kept("orbax_save")
     per_round = [statistics.median(osaves[i * orbax_saves:(i + 1) * orbax_saves]) / t
                  for i, t in enumerate(s.kept("mtc_save"))]
@@ -435,10 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--orbax-saves", type=int, default=3,
                    help="Orbax saves a round: the reference's median is of samples x this "
                         "(default 3)")
-    p.add_argument("--hosts", choices=("isolated", "in-process", "colocated"),
-                   default="isolated",
-                   help="sidecar processes with private RAM disks (default), the same running "
-                        "the controller's colocated-Python programs, or this process")
+    p.add_argument("--hosts", choices=("colocated", "isolated", "in-process"),
+                   default="colocated",
+                   help="sidecar processes with private RAM disks running the controller's "
+                        "colocated-Python programs (default: Pathways' path), the same "
+                        "served by seam requests (the process dispatch), or this process")
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 1 or args.gib <= 0 or args.orbax_saves < 1:
         p.error("--samples, --warmup and --orbax-saves must be >= 1 and --gib > 0")

@@ -161,7 +161,7 @@ def _nonneg(x: Any) -> int:
 
 HOST_OPS = ("open", "release", "steps", "manifest", "delete", "retain", "space", "settle",
             "identify", "foreign",
-            "read")
+            "read", "survey")
 # Colocated calls answer with one uint8 per worker; a worker whose call raised
 # answers FAILED and keeps its typed error for the request ERROR_REQUEST.
 FAILED = 255

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from mtc import multihost, runs
 from mtc.dispatch import Dispatch
+from mtc.dispatch.protocol import Survey
 from mtc.errors import DataLossError, MixedRunError, MtcError
 from mtc.manifest import Manifest
 from mtc.topology import Topology
@@ -37,6 +38,9 @@ class StepInventory:
         # Multi-controller JAX: the steps complete on every host, learnt collectively
         # (None: not yet, or not since the last restore; see :meth:`complete_everywhere`).
         self._everywhere: set[int] | None = None
+        # The answer of the last :meth:`held` (one controller): a restore that
+        # picked its step from it reads the step's manifests from it too.
+        self.last_survey: Survey | None = None
 
     @property
     def sees_own_host_only(self) -> bool:
@@ -48,8 +52,22 @@ class StepInventory:
 
     def held(self) -> dict[int, list[int]]:
         """Committed steps per host: the local hosts, and with host subfolders
-        every ``host-<i>`` beside them (a job restarted with other hosts)."""
-        return self.dispatch.steps(self.topology.local_hosts)
+        every ``host-<i>`` beside them (a job restarted with other hosts). One
+        controller asks every host once for its steps and what each step's
+        manifest says (:meth:`learn`), and keeps that answer as ``last_survey``."""
+        if self.sees_own_host_only:
+            return self.dispatch.steps(self.topology.local_hosts)
+        survey = self.dispatch.survey(self.topology.local_hosts, None)
+        self.learn(survey)
+        self.last_survey = survey
+        return survey.held
+
+    def learn(self, survey: Survey) -> None:
+        """What the hosts' manifests say of each step they hold (fresher than
+        anything kept: a step deleted and saved again may be another run's)."""
+        for (step, host), (num_hosts, run) in survey.facts.items():
+            self._num_hosts[step] = num_hosts
+            self._runs.setdefault(step, {})[host] = run
 
     def saved(self, step: int, run: str, hosts: Sequence[int]) -> None:
         """``step`` was just saved by ``run`` on ``hosts`` (of this job's size)."""
@@ -61,6 +79,7 @@ class StepInventory:
 
     def forget(self, step: int) -> None:
         """``step`` was deleted (or is about to be saved again)."""
+        self.last_survey = None
         self._num_hosts.pop(step, None)
         self._runs.pop(step, None)
         if self._everywhere is not None:
@@ -69,6 +88,7 @@ class StepInventory:
     def relearn(self) -> None:
         """The hosts' steps may have changed behind this manager (a restore: the
         replicators fenced or fetched): :meth:`complete_everywhere` asks again."""
+        self.last_survey = None
         self._everywhere = None
 
     def complete_everywhere(self, listed: dict[int, list[int]]) -> set[int]:

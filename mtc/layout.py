@@ -217,13 +217,32 @@ def remove_step(root: Path, step: int, *, background: bool = False) -> bool:
     return True
 
 
+# Temporary step folders a writer of this process is filling: a sidecar outlives
+# its trainer, and may still be writing a killed trainer's last save when the next
+# trainer's manager cleans up.
+_writing: set[Path] = set()
+_writing_lock = threading.Lock()
+
+
+def writing(tmp: Path, busy: bool) -> None:
+    """Mark ``tmp`` as being written by this process (``busy``), or no longer."""
+    with _writing_lock:
+        if busy:
+            _writing.add(tmp)
+        else:
+            _writing.discard(tmp)
+
+
 def clean_uncommitted(root: Path) -> list[str]:
-    """Remove mtc's temporary and half-deleted folders; returns their names."""
+    """Remove mtc's temporary and half-deleted folders; returns their names. A folder
+    a writer of this process is still filling is left to it (it commits or removes it)."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
-    removed = [n for n in names if TMP_MARK in n or DEL_MARK in n]
+    with _writing_lock:
+        busy = {p.name for p in _writing if p.parent == root}
+    removed = [n for n in names if (TMP_MARK in n or DEL_MARK in n) and n not in busy]
     for n in removed:
         shutil.rmtree(root / n, ignore_errors=True)
     return removed

@@ -12,6 +12,7 @@ is ever inside a call.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -25,11 +26,13 @@ from mtc.contract import (
     FAILED,
     AgentConfig,
     SaveHeader,
+    decode_reply,
     encode_error,
     encode_reply,
 )
 from mtc.errors import MtcError, StorageError
 from mtc.sidecar.agent import HostAgent
+from mtc.sidecar.colocated_load import load_regions
 from mtc.sidecar.ops import HostOps
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,13 @@ log = logging.getLogger(__name__)
 # (mtc.sidecar.host.colocated) keep each host's at a path of its own. On a real
 # worker every host mounts its RAM disk at the job's ``local_dir``: None.
 HOST_ROOT: Path | None = None
+
+# The size of a small answer per worker: a host request's reply comes back whole in
+# the call that asks it when it fits (the hosts' steps, a retention's space);
+# only a longer one (a large state's manifests) takes a second call.
+ANSWER_BYTES = 16 << 10
+# Requests that list the hosts' steps: a save's first call, which also polls.
+LISTING = (b'{"op": "steps"', b'{"op": "survey"')
 
 
 def install_cpu_id_patch() -> None:
@@ -102,22 +112,38 @@ class ColocatedAgent:
         return FAILED
 
     def ask(self, request: jax.Array, ranks: jax.Array) -> jax.Array:
-        """Answer a host request for this worker's host; returns the reply's length.
-        The reply itself is kept for :meth:`reply`. The request ``{"op": "error"}``
-        is answered with the typed error of the last call that failed here."""
+        """Answer a host request for this worker's host, in a fixed-size answer per
+        device of ``ranks``: the reply's length (8 bytes), then as much of the
+        reply as fits; the whole reply is kept for :meth:`reply`. Listing the
+        steps first raises an earlier save's background error, as a poll would.
+        The request ``{"op": "error"}`` is answered with the typed error of the
+        last call that failed here."""
         req = np.asarray(request.addressable_shards[0].data).tobytes()
         hosts = _hosts(ranks)
         if req == ERROR_REQUEST:
             err = encode_error(self._error) if self._error else encode_reply(None)
             by_host = {h: err for h in set(hosts.values())}
         else:
-            by_host = {h: self.ops.handle(req, serves=[h]) for h in set(hosts.values())}
+            by_host = {h: self._handle(req, h) for h in set(hosts.values())}
         self._replies = {d: by_host[h] for d, h in hosts.items()}
-        pieces = [jax.device_put(np.array([len(self._replies[s.device.id])], "<u8").view(np.uint8),
-                                 s.device)
-                  for s in ranks.addressable_shards]
-        return jax.make_array_from_single_device_arrays((8 * ranks.shape[0],), ranks.sharding,
-                                                        pieces)
+        pieces = []
+        for s in ranks.addressable_shards:
+            reply = self._replies[s.device.id]
+            buf = np.zeros(ANSWER_BYTES, np.uint8)
+            buf[:8] = np.array([len(reply)], "<u8").view(np.uint8)
+            head = memoryview(reply)[:ANSWER_BYTES - 8]
+            buf[8:8 + len(head)] = np.frombuffer(head, np.uint8)
+            pieces.append(jax.device_put(buf, s.device))
+        return jax.make_array_from_single_device_arrays((ANSWER_BYTES * ranks.shape[0],),
+                                                        ranks.sharding, pieces)
+
+    def _handle(self, req: bytes, host: int) -> bytes | bytearray:
+        if req.startswith(LISTING):
+            try:
+                self.agent.raise_background_error()
+            except MtcError as e:
+                return encode_error(e)
+        return self.ops.handle(req, serves=[host])
 
     def reply(self, ranks: jax.Array, cap: jax.Array) -> jax.Array:
         """The kept reply split across this worker's devices in mesh order, each part
@@ -136,12 +162,37 @@ class ColocatedAgent:
         return jax.make_array_from_single_device_arrays((ranks.shape[0] * n,), ranks.sharding,
                                                         pieces)
 
-    def stage(self, header: jax.Array, ranks: jax.Array, arrays: list[jax.Array]) -> jax.Array:
+    def stage(self, header: jax.Array, ranks: jax.Array, arrays: list[jax.Array],
+              before: jax.Array | None = None) -> jax.Array:
+        """Take this worker's shards of ``arrays`` for the save ``header`` names, after
+        the host requests ``before`` (retention the save's room asked for: JSON list)."""
         raw = np.asarray(header.addressable_shards[0].data).tobytes()
         header_ = SaveHeader.from_bytes(raw)
-        ok = self._guarded(lambda: int(self.agent.stage(header_, arrays,
-                                                        host_of_device=_hosts(ranks))))
-        return _answer(ok, ranks)
+        requests = (json.loads(np.asarray(before.addressable_shards[0].data).tobytes())
+                    if before is not None else [])
+        hosts = _hosts(ranks)
+
+        def stage() -> int:
+            for req in requests:
+                for h in set(hosts.values()):
+                    decode_reply(self.ops.handle(json.dumps(req).encode(), serves=[h]))
+            return int(self.agent.stage(header_, arrays, host_of_device=hosts))
+
+        return _answer(self._guarded(stage), ranks)
+
+    def load(self, request: jax.Array, ranks: jax.Array) -> list[jax.Array]:
+        """A restore's arrays, this worker's shards read from its own files
+        (:mod:`mtc.sidecar.colocated_load`). A failure is kept for the ``error``
+        request, as a worker's exception reaches the controller untyped."""
+        try:
+            req = json.loads(np.asarray(request.addressable_shards[0].data).tobytes())
+            return load_regions(req, ranks, self.ops.config.root)
+        except MtcError as e:
+            self._error = e
+            raise
+        except OSError as e:
+            self._error = StorageError(f"worker: {e.strerror or e}", path=e.filename)
+            raise self._error from e
 
     def wait(self, ranks: jax.Array) -> jax.Array:
         def wait() -> int:
@@ -149,6 +200,15 @@ class ColocatedAgent:
             return 1
 
         return _answer(self._guarded(wait), ranks)
+
+    def close(self, ranks: jax.Array) -> jax.Array:
+        """The manager closed: every save finished, the writer's threads joined."""
+        def close() -> int:
+            self.agent.close()
+            self.ops.release_all()
+            return 1
+
+        return _answer(self._guarded(close), ranks)
 
     def poll(self, ranks: jax.Array) -> jax.Array:
         def poll() -> int:

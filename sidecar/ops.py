@@ -65,7 +65,8 @@ class HostOps:
             "open": self._open, "release": self._release, "steps": self._steps,
             "manifest": self._manifest, "delete": self._delete, "retain": self._retain,
             "space": self._space, "settle": self._settle, "read": self._read,
-            "identify": self._identify, "foreign": self._foreign}
+            "identify": self._identify, "survey": self._survey,
+            "foreign": self._foreign}
         self._locks: dict[int, int] = {}  # host -> descriptor holding its writer lock
         self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
         # step -> ((inode, mtime) of this host's manifest of it, saving host it names)
@@ -130,6 +131,36 @@ class HostOps:
     def _foreign(self, hosts: Sequence[int]) -> dict[str, list[int]]:
         """Step folders without mtc's manifest (Orbax's, another tool's): left alone."""
         return {str(h): layout.foreign_steps(self._root(h)) for h in hosts}
+
+    def _survey(self, hosts: Sequence[int], step: int | None = None, manifest: bool = True
+                ) -> dict[str, dict[str, Any]]:
+        """What a restore asks first, in one answer: each host's committed steps,
+        the run and host count of each (from its manifest's summary: a step
+        whose manifest is unreadable has none, and is never offered), and the
+        whole manifest of ``step`` (None: of its newest step) where it holds it
+        (unless not ``manifest``), and its space as :meth:`_space` says."""
+        out: dict[str, dict[str, Any]] = {}
+        for h in self._reachable(hosts):
+            steps = layout.mtc_steps(self._root(h))
+            facts: dict[str, list[Any]] = {}
+            for s in steps:
+                path = layout.step_dir(self._root(h), s) / MANIFEST_NAME
+                try:
+                    summary = Manifest.summary_of(path.read_bytes(), path=str(path))
+                except (OSError, ManifestError):
+                    continue
+                facts[str(s)] = [summary.num_hosts, summary.run]
+            want = step if step is not None else (steps[-1] if steps else None)
+            text = None
+            if manifest and want is not None and want in steps and h in hosts:
+                try:
+                    text = bytes(self._manifest([h], want)).decode()
+                except ManifestError:
+                    if step is not None:
+                        raise  # the step asked for: its error names the file
+            out[str(h)] = {"steps": steps, "facts": facts, "step": want, "manifest": text,
+                           "space": self._space([h])[str(h)] if h in hosts else None}
+        return out
 
     def _manifest(self, hosts: Sequence[int], step: int) -> bytes:
         host = hosts[0]

@@ -157,6 +157,7 @@ class Writer:
         futures: list[tuple[StagedShard, Future[int]]] = []
         committed = drained = False
         save.go.wait()
+        layout.writing(tmp, True)
         try:
             try:
                 save.root.mkdir(parents=True, exist_ok=True)
@@ -205,6 +206,7 @@ class Writer:
                 _drain(save)
             if not committed:
                 shutil.rmtree(tmp, ignore_errors=True)
+            layout.writing(tmp, False)
 
     @staticmethod
     def _write_one(tmp: Path, shard: StagedShard) -> int:

@@ -30,8 +30,8 @@ from mtc.sidecar.replicator.agreement import (
     newest_complete,
 )
 from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
 from mtc.sidecar.replicator.main import healthy
-from mtc.sidecar.replicator.node import GcInputs, GcPlan, gc_plan
 from mtc.sidecar.replicator.status import error_class, is_retryable, to_status
 
 

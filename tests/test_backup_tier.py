@@ -33,6 +33,7 @@ from replicators import Cluster, assert_state_equal, commit_raw_step, env_with_r
 import mtc
 from mtc.errors import MtcError
 from mtc.proto import replicator_pb2 as pb
+from mtc.replicas import prepare_restore
 from mtc.sidecar.backup.job import MANIFEST
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.store import file_sha256
@@ -295,6 +296,45 @@ def test_requested_backups_then_whole_cluster_restore(ramdisk: Path, mesh: Mesh,
     print(f"restore refused: {err.value}")
     assert "DATA_LOSS" in str(err.value) and "CRC32C" in str(err.value), err.value
     assert not (cl.root(1) / "3").exists()
+
+
+def test_a_holder_slow_to_start_serves_what_it_is_about_to_read(
+        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
+    """The random-fault case: every host brings the step from the backup in the
+    background, and the hosts meant to read the objects their data-parallel twins
+    share (ranks 0 and 1) are slow to start (their quiet time). A twin asking one
+    for such an object is not refused ("rank 0 is not restoring step 1", then 3 s
+    of waiting and a read of its own): its ask starts the holder's restore, it
+    waits, and gets the object from it. Each object crosses from the bucket once,
+    and the controller's restore loads the step."""
+    bucket = ramdisk / "bucket"
+    backup = ("--backup", f"file://{bucket}", "--backup-interval-minutes", "60")
+    slow, prompt = ("--restore-quiet-seconds", "120"), ("--restore-quiet-seconds", "0")
+    cl = new_cluster(clusters, ramdisk, *backup,
+                     rank_args={0: slow, 1: slow, 2: prompt, 3: prompt})
+    s1 = make_state(mesh, 1.0)
+    save(cl, mesh, 1, s1)
+    cl.wait_replicated(1, timeout=20)
+    r = cli("backup", "--node", cl.addrs[0])
+    assert r.returncode == 0 and r.stdout.strip() == "backed up step 1", r
+
+    lose_everything(cl)
+    cl.start_all()
+    prepared = prepare_restore(cl.addrs, token=None, timeout_s=30, background=True)
+    assert prepared.step == 1 and set(prepared.pending) == set(cl.addrs), prepared
+    # The prompt twins finish first, with the shared objects from the slow holders.
+    wait_for("ranks 2 and 3 restored", lambda: all(
+        (cl.root(r) / "1").is_dir() for r in (2, 3)), timeout=60)
+    manifest = json.loads((bucket / "steps/1" / MANIFEST).read_text())
+    unique = {e["object"]: e["size"] for es in manifest["ranks"].values() for e in es}
+    needed = sum(e["size"] for es in manifest["ranks"].values() for e in es)
+    assert needed > sum(unique.values())  # some objects are shared
+    opts = cl.options(replicators=True, max_to_keep=None, restore_timeout_s=60)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as m:
+        assert_state_equal(m.restore(None, s1), s1)
+    read = sum(cl.scrape(r).get("mtc_backup_bytes_downloaded_total", 0) for r in range(4))
+    assert read == sum(unique.values()), (read, unique)
+    assert sum(failures(cl, r, "materialize") for r in range(4)) == 0
 
 
 # -- Google Cloud Storage: the emulator, an HNS bucket through Storage Control ---------

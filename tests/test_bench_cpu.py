@@ -3,6 +3,7 @@ processes spend is read from /proc of real processes, per kind, per window."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -51,3 +52,30 @@ def test_a_window_without_samples_counts_nothing() -> None:
     cpu = CpuSampler(lambda: {"x": [proc.pid]})
     cpu.sample()  # gone: nothing recorded
     assert cpu.seconds(0.0, time.time()) == {}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores")
+def test_pinning_moves_every_thread_and_the_trainer_starts_pinned() -> None:
+    from bench._pin import Pinner, pinning
+
+    cores = sorted(os.sched_getaffinity(0))
+    host, trainer = {cores[-1]}, {cores[0]}
+    threads = "import threading, time\n" \
+              "[threading.Thread(target=time.sleep, args=(5,)).start() for _ in range(3)]\n" \
+              "time.sleep(5)\n"
+    hostproc = subprocess.Popen([sys.executable, "-c", threads])
+    trainerproc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"],
+                                   preexec_fn=pinning(trainer))
+    try:
+        time.sleep(0.5)  # its threads started
+        with Pinner(lambda: [hostproc.pid], host, period_s=0.05) as p:
+            deadline = time.monotonic() + 5
+            while p.moved < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        tids = [int(t) for t in os.listdir(f"/proc/{hostproc.pid}/task")]
+        assert len(tids) == 4 and all(os.sched_getaffinity(t) == host for t in tids)
+        assert os.sched_getaffinity(trainerproc.pid) == trainer
+    finally:
+        for proc in (hostproc, trainerproc):
+            proc.kill()
+            proc.wait()

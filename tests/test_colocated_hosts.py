@@ -89,6 +89,55 @@ def test_a_step_not_found_names_the_sidecars_not_a_controller_folder(
     assert "controller" not in str(err.value)
 
 
+def test_a_closed_manager_leaves_no_program_in_the_sidecars(hosts: Hosts, mesh: Mesh,
+                                                            tmp_path: Path) -> None:
+    from mtc.contract import AgentConfig
+    from mtc.dispatch import ProcessDispatch
+
+    creds = Credentials(token=hosts.token())
+    sidecars = {i: Sidecar(h.sidecar_address, h.area, creds) for i, h in enumerate(hosts.hosts)}
+    config = AgentConfig(local_dir=str(tmp_path), host_of_device={},
+                         slice_of_host=dict(enumerate(SLICES)), subdirs=False,
+                         max_staged_bytes=None, writer_threads=1)
+    probe = ProcessDispatch(config, sidecars, creds=creds)
+
+    def programs() -> list[int]:
+        return [probe._rpc(h, "hello")["programs"] for h in sidecars]
+
+    try:
+        w = jax.device_put(np.ones((8, 16), np.float32),
+                           NamedSharding(mesh, PartitionSpec("replica", "model")))
+        with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh,
+                                   options=_opts(hosts)) as mgr:
+            mgr.save(77, {"w": w})  # the hosts are the module's: a step of its own
+            mgr.wait_until_finished()
+            assert all(n > 0 for n in programs())
+        assert programs() == [0] * len(sidecars)
+    finally:
+        probe._channels_close()
+
+
+def test_prng_keys_cross_a_call_as_jax_converts_them(hosts: Hosts) -> None:
+    """JAX's compile step sends a PRNG key array as its key data and wraps it back on
+    either side; the local runtime does the same instead of refusing it."""
+
+    @colocated_python.colocated_python
+    def split_first(k: jax.Array) -> jax.Array:
+        assert jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key)  # a key on the worker
+        return k
+
+    keys = jax.device_put(jax.random.split(jax.random.key(7), 8), _per_host())
+    out_spec = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=keys.sharding)
+    runtime = _runtime(hosts)
+    try:
+        got = split_first.specialize(out_specs_fn=lambda _: out_spec)(keys)
+    finally:
+        runtime.close()
+    assert jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(got)),
+                                  np.asarray(jax.random.key_data(keys)))
+
+
 def test_each_host_sees_its_own_shards_on_devices_of_its_own(hosts: Hosts) -> None:
     """A worker's function reads only its addressable shards, on its own devices."""
 

@@ -109,8 +109,12 @@ def test_an_unknown_transfer_or_step_is_refused(rep: Replicator) -> None:
                                                    files=[0]))
     assert dc.status_code(st) == grpc.StatusCode.NOT_FOUND
     st = raw_request(rep.data_port, pb.DataRequest(
-        token="s3cret", fetch=pb.FetchRequest(step=7, origin_rank=0, path="a.bin")))
+        token="s3cret", fetch=pb.FetchRequest(step=7, origin_rank=1, path="a.bin")))
     assert dc.status_code(st) == grpc.StatusCode.NOT_FOUND
+    # Its own step it neither holds nor restores: the asker reads the backup itself.
+    st = raw_request(rep.data_port, pb.DataRequest(
+        token="s3cret", fetch=pb.FetchRequest(step=7, origin_rank=0, path="a.bin")))
+    assert dc.status_code(st) == grpc.StatusCode.FAILED_PRECONDITION
 
 
 @pytest.mark.parametrize("head", [
@@ -215,7 +219,7 @@ def test_a_file_damaged_behind_the_cache_is_read_again_and_quarantined(
 
 
 def test_a_push_is_split_into_streams_of_about_equal_bytes() -> None:
-    from mtc.sidecar.replicator.node import _streams
+    from mtc.sidecar.replicator.push_plan import push_streams as _streams
     from mtc.sidecar.replicator.store import FileMeta
 
     files = [(i, FileMeta(f"f{i}", size, 0)) for i, size in enumerate([8, 1, 8, 1, 8, 8, 2])]

@@ -100,7 +100,7 @@ def test_cluster_backs_up_to_the_gcs_emulator(ramdisk: Path, mesh: Mesh) -> None
 def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
         tmp_path: Path, ramdisk: Path) -> None:
     out = tmp_path / "demo"
-    report = run_demo(out, ramdisk, "--steps", "60", "--host-loss-at", "15",
+    report = run_demo(out, ramdisk, "--steps", "100", "--host-loss-at", "15",
                       "--slice-loss-at", "30", "--slice-down-steps", "8")
 
     host, lost, up = report["failures"]
@@ -140,7 +140,7 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     # Pause-and-resume waited for the host to come back (1.5 s after its loss).
     assert host["seconds"]["detect"] + host["seconds"]["wait"] >= 1.5
 
-    assert report["steps_completed"] == 60
+    assert report["steps_completed"] == 100
     assert report["loss_matches_reference"] is True
     assert report["loss_max_abs_diff"] <= 1e-6
     assert report["loss_max_abs_diff_replayed_steps_first_run"] <= 1e-6
@@ -150,6 +150,7 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     status = (out / "cluster-status.txt").read_text()
     cluster = report["cluster"]
     assert cluster["isolation"] in ("namespaces", "processes")
+    assert cluster["dispatch"] == "colocated"  # the local cluster plays Pathways
     assert "DOWN" not in status
     assert all(status.count(h["address"]) >= 1 for h in cluster["hosts"])
     # Each host its own processes; host 1, then slice 1 (hosts 2, 3) were replaced:
@@ -173,7 +174,7 @@ def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
     a save interval lost); scaling up saves the last step first and reads it back
     as the survivors saved it (their manifests number only their hosts)."""
     out = tmp_path / "demo"
-    report = run_demo(out, ramdisk, "--steps", "60", "--host-loss-at", "15",
+    report = run_demo(out, ramdisk, "--steps", "100", "--host-loss-at", "15",
                       "--slice-loss-at", "30", "--slice-down-steps", "8", "--no-snapshot")
     host, lost, up = report["failures"]
     assert host["tier"] == "peer" and host["steps_lost"] == 0
@@ -182,7 +183,7 @@ def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
     # Before scaling up, the trainer saved its last step on the one slice.
     assert up["kind"] == "scale_up" and up["tier"] == "local" and up["steps_lost"] == 0
     assert up["resumed_from_step"] > 30
-    assert report["steps_completed"] == 60
+    assert report["steps_completed"] == 100
     assert report["loss_matches_reference"] is True
 
 
@@ -248,13 +249,12 @@ def test_a_host_is_lost_when_due_but_never_at_the_last_step(
     minutes passed lost the host after the final save; the run's final
     wait_until_finished then could not ask that host and the trainer exited)."""
     import time
-    import types
 
-    from mtc.trainer.elastic import ElasticRun
+    from mtc.trainer.schedule import FaultSchedule
 
-    run = types.SimpleNamespace(host_losses=losses, t_last_fault=time.time() - since_s,
-                                args=types.SimpleNamespace(steps=30, host_loss_every_s=every_s))
-    assert ElasticRun.host_loss_due(run, step) is due  # type: ignore[arg-type]
+    plan = FaultSchedule(host_loss_at=losses, host_loss_every_s=every_s, steps=30)
+    plan.t_last_fault = time.time() - since_s
+    assert plan.host_loss_due(step) is due
 
 
 @pytest.mark.parametrize("slice_down, resized, back", [
@@ -269,14 +269,12 @@ def test_only_a_slice_loss_brings_its_slice_back_after_the_slice_down_steps(
     over its host losses: the slice-down rule brought back every host of the
     replaced host's slice, and a second replicator for the live host 0 found its
     address taken while the first one was left running after the teardown."""
-    import types
+    from mtc.trainer.schedule import FaultSchedule
 
-    from mtc.trainer.elastic import ElasticRun
-
-    run = types.SimpleNamespace(slice_down=slice_down, resized_steps=resized,
-                                args=types.SimpleNamespace(slice_down_steps=25))
-    assert ElasticRun.slice_to_bring_back(run) == back  # type: ignore[arg-type]
+    plan = FaultSchedule(slice_down_steps=25, steps=1000)
+    plan.slice_down, plan.resized_steps = slice_down, resized
+    assert plan.slice_to_bring_back() == back
     # Brought back once: asked again, nothing; not yet: still the slice lost.
-    assert run.slice_down == (None if back is not None else slice_down)
+    assert plan.slice_down == (None if back is not None else slice_down)
     if back is not None:
-        assert ElasticRun.slice_to_bring_back(run) is None  # type: ignore[arg-type]
+        assert plan.slice_to_bring_back() is None

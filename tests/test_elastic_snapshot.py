@@ -228,3 +228,22 @@ def test_in_graph_snapshot_every_step_or_none(mesh: Mesh) -> None:
     for k in ("w", "b"):
         np.testing.assert_array_equal(np.asarray(back["params"][k]), want[k])
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(back["rng"])), want_rng)
+
+
+def test_a_loaded_state_donated_by_the_next_step_leaves_the_snapshot(mesh: Mesh) -> None:
+    """``load`` keeps the host-memory stage as the new snapshot (no second copy); the
+    device-memory state it returns is a copy the next step may donate."""
+    state = make_state(mesh, elastic_iterator())
+    want = np.asarray(state["params"]["w"])
+    snap = Snapshotter()
+    snap.save(7, state)
+    snap.join()
+    for target in (mesh, slice_mesh(mesh, 0), mesh):
+        back = snap.load(abstract(state, target))
+        assert back["params"]["w"].sharding.memory_kind == "device"
+        step = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x * 0, p), donate_argnums=0)
+        step(back["params"])
+        assert back["params"]["w"].is_deleted()
+        assert snap.latest is not None and snap.latest.step == 7
+    again = snap.load(abstract(state, mesh))
+    np.testing.assert_array_equal(np.asarray(again["params"]["w"]), want)

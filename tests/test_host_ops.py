@@ -100,3 +100,23 @@ def test_a_worker_answers_only_for_its_own_host(tmp_path: Path) -> None:
     assert decode_reply(ops.handle(encode_request("steps", [1]), serves=[0])) is None
     reply = decode_reply(ops.handle(encode_request("manifest", [1], step=5), serves=[1]))
     assert Manifest.from_bytes(bytes(np.frombuffer(reply, np.uint8))).host == 1  # type: ignore[arg-type]
+
+
+def test_a_new_managers_clean_up_leaves_a_step_this_process_is_still_writing(
+        tmp_path: Path) -> None:
+    """A sidecar outlives its trainer: the next trainer's manager cleans up while the
+    sidecar may still be writing the killed trainer's last save."""
+    from mtc import layout
+
+    root = tmp_path / "host-0"
+    root.mkdir()
+    busy, left = layout.new_tmp_dir(root, 7), layout.new_tmp_dir(root, 6)
+    busy.mkdir()
+    left.mkdir()
+    layout.writing(busy, True)
+    try:
+        assert layout.clean_uncommitted(root) == [left.name]
+        assert busy.is_dir() and not left.exists()
+    finally:
+        layout.writing(busy, False)
+    assert layout.clean_uncommitted(root) == [busy.name]

@@ -19,7 +19,7 @@ from mtc.integrity import crc32c
 from mtc.sidecar.backup import _io
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.schedule import BackupPolicy, BackupScheduler
-from mtc.sidecar.checksum import read_buffer
+from mtc.sidecar.files import read_buffer
 from mtc.sidecar.replicator import store
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
-"""The per-step snapshot the train step emits: what it holds, and reading it back
-from the devices that survived a failure."""
+"""The per-step snapshot the demo's train step emits, kept by mtc.elastic.Snapshotter:
+what it holds, and reading it back from the devices that survived a failure."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mtc.elastic import Snapshotter, SnapshotUnavailableError
 from mtc.trainer.data import VOCAB, make_iterator
 from mtc.trainer.model import Config, Trainer
-from mtc.trainer.snapshot import SnapshotLostError, place, take
+from mtc.trainer.snapshot import place
 
 
 def _trainer(devices: list[jax.Device], replicas: int) -> Trainer:
@@ -25,6 +26,23 @@ def _host(tree: dict) -> dict:
     return jax.tree_util.tree_map(np.asarray, tree)
 
 
+def take(state: dict, arrays: dict) -> Snapshotter:
+    """A snapshotter holding the step's own copy ``arrays`` of ``state``."""
+    snap = Snapshotter()
+    snap.adopt(state["step"], state, jax.tree_util.tree_leaves(arrays))
+    snap.join()
+    return snap
+
+
+def _on(devices: list[jax.Device], ids: set[int]) -> list[jax.Device]:
+    return [d for d in devices if d.id in ids]
+
+
+def _restore(snap: Snapshotter, trainer: Trainer, healthy: list[jax.Device]) -> dict:
+    return dict(snap.load(trainer.abstract_state(), reset_snapshot_state=False,
+                          devices=healthy))
+
+
 def test_snapshot_keeps_its_step_and_restores_from_one_surviving_slice() -> None:
     devices = sorted(jax.devices(), key=lambda d: d.id)
     full = _trainer(devices, 2)
@@ -35,7 +53,7 @@ def test_snapshot_keeps_its_step_and_restores_from_one_surviving_slice() -> None
     snap = take(state, arrays)
     want = _host({"params": state["params"], "opt_state": state["opt_state"],
                   "rng": jax.random.key_data(state["rng"])})
-    leaf = jax.tree_util.tree_leaves(snap.arrays)[0]
+    leaf = jax.tree_util.tree_leaves(arrays)[0]  # the copy the snapshotter keeps
     kinds = {m.kind for m in devices[0].addressable_memories()}
     assert leaf.sharding.memory_kind == ("pinned_host" if "pinned_host" in kinds else "device")
 
@@ -48,9 +66,9 @@ def test_snapshot_keeps_its_step_and_restores_from_one_surviving_slice() -> None
 
     # Slice 0 (devices 0-3) is lost: slice 1 alone holds every shard.
     survivors = {d.id for d in devices[4:]}
-    assert snap.complete_on(survivors)
+    assert snap.covers(_on(devices, survivors))
     small = _trainer(devices[4:], 1)
-    got = snap.restore(small, survivors)
+    got = _restore(snap, small, _on(devices, survivors))
     assert got["step"] == 1 and got["data"] == {"global_next_index": 8}
     got_host = _host({"params": got["params"], "opt_state": got["opt_state"],
                       "rng": jax.random.key_data(got["rng"])})
@@ -68,9 +86,10 @@ def test_snapshot_missing_every_replica_of_a_shard_is_refused_by_name() -> None:
     snap = take(state, arrays)
     # Devices 1 and 5 hold the same model shard in the two slices: both lost.
     healthy = {d.id for d in devices} - {1, 5}
-    assert not snap.complete_on(healthy)
-    with pytest.raises(SnapshotLostError, match=r"snapshot leaf \[.+\]: no surviving device"):
-        snap.restore(full, healthy)
+    assert not snap.covers(_on(devices, healthy))
+    with pytest.raises(SnapshotUnavailableError,
+                       match=r"snapshot leaf \[.+\]: no surviving device"):
+        _restore(snap, full, _on(devices, healthy))
 
 
 def test_snapshot_restores_shard_by_shard_onto_devices_and_regroups_other_layouts() -> None:
@@ -84,11 +103,11 @@ def test_snapshot_restores_shard_by_shard_onto_devices_and_regroups_other_layout
     state, _, arrays = full.step_with_snapshot(full.init(0), next(data))
     state["data"] = data.get_state()
     snap = take(state, arrays)
-    want = _host(snap.arrays)
-    survivors = {d.id for d in devices[:4]}  # slice 1 lost
+    want = _host(arrays)
+    survivors = _on(devices, {d.id for d in devices[:4]})  # slice 1 lost
     small = _trainer(devices[:4], 1)
     for target in (small, _trainer(devices[:4], 2), full):
-        got = snap.restore(target, survivors)
+        got = _restore(snap, target, survivors)
         got_host = _host({"params": got["params"], "opt_state": got["opt_state"],
                           "rng": jax.random.key_data(got["rng"])})
         for a, b in zip(jax.tree_util.tree_leaves(got_host), jax.tree_util.tree_leaves(want),
@@ -98,7 +117,7 @@ def test_snapshot_restores_shard_by_shard_onto_devices_and_regroups_other_layout
                             jax.tree_util.tree_leaves(target.shardings["params"]), strict=True):
             assert leaf.sharding == sh and leaf.sharding.memory_kind == "device"
     # The next step runs on what was restored (shardings match the compiled step).
-    got = snap.restore(small, survivors)
+    got = _restore(snap, small, survivors)
     _, loss, _ = small.step_with_snapshot(got, next(data))
     assert np.isfinite(float(loss))
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from mtc.trainer.isolation import Hosts
 from mtc.trainer.jsonlog import JsonTail
+from mtc.trainer.report import max_abs_diff, useful_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
@@ -202,21 +203,6 @@ def supervise(child: Child, progress: Progress, kill_at: int | None = None) -> K
 
 def losses(child: Child) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in child.steps}
-
-
-def max_abs_diff(a: dict[int, float], b: dict[int, float], steps: range) -> float | None:
-    """Largest loss difference over ``steps``; None when either run lacks one of them."""
-    if any(s not in a or s not in b for s in steps):
-        return None
-    return max((abs(a[s] - b[s]) for s in steps), default=0.0)
-
-
-def useful_seconds(steps: list[dict[str, Any]], keep: range, typical: float) -> float:
-    """Time of the steps that count towards the final model; a process's first
-    step (tracing and compiling) counts as a typical step."""
-    first = steps[0]["step"] if steps else None
-    return sum(typical if s["step"] == first else s["step_s"]
-               for s in steps if s["step"] in keep)
 
 
 def _wait_detail(resume: Child, kill: Kill) -> dict[str, float | None]:

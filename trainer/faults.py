@@ -107,6 +107,30 @@ class HostFaults:
         with self.changed:
             self.lost_slices.add(slice_)
 
+    def lose_host_after_save(self, h: int, step: int, when: str, return_s: float
+                             ) -> tuple[float, dict[str, Any]]:
+        """Lose host ``h`` once its save of ``step`` is on its peer (``when``
+        "replicated") or while its writer writes it ("mid-save"); it comes back,
+        empty, ``return_s`` later. Returns when it was lost and what was seen."""
+        s = h // self.cluster.hosts_per_slice
+        if when == "replicated":
+            waited = self.wait_on_peer(h, step)  # the restore shows the peer tier
+        else:
+            waited = self.wait_writing(h, step)  # not yet committed
+        seen = self.cluster.inspect(h) or {"writing": [], "committed": []}
+        in_flight, committed = step in seen["writing"], step in seen["committed"]
+        t = time.time()
+        self.will_replace(s)
+        self.lose([h], s)
+        detail = {"host": h, "slice": s, "save_step": step, "when": when,
+                  "save_committed_on_host_at_loss": committed,
+                  "save_in_flight_on_host_at_loss": bool(in_flight),
+                  # After the SIGKILL: a copy the dead sender had not committed never is.
+                  "save_on_peer_at_loss": self.peer_copy(h, step),
+                  "seconds_waited_before_loss": waited}
+        self.bring_back([h], s, return_s)
+        return t, detail
+
     def will_replace(self, slice_: int) -> None:
         """Say, before a loss, that the slice's hosts will be replaced: a trainer that
         notices the loss at once must already see the replacement on its way (it
@@ -124,14 +148,7 @@ class HostFaults:
 
         def run() -> None:
             time.sleep(delay)  # the replacement's own start (simulated)
-            for h in hosts:
-                self.cluster.start_sidecar(h, wait=False)
-            for h in hosts:
-                self.cluster.hosts.wait_sidecar(h)
-                self.cluster.launch(h)
-            self.cluster.save()
-            for h in hosts:
-                self.cluster.wait_serving(h)
+            self.cluster.start_hosts(hosts)
             sim = self.sim
             if sim is not None:
                 for h in hosts:

@@ -8,9 +8,9 @@ from typing import Any
 
 import jax
 
+from mtc.elastic import Snapshotter
 from mtc.trainer.data import make_iterator
 from mtc.trainer.model import Trainer
-from mtc.trainer.snapshot import Snapshot, take
 
 Slices = tuple[int, ...]
 
@@ -18,7 +18,7 @@ Slices = tuple[int, ...]
 def reference_losses(*, trainer_for: Callable[[Slices], Trainer],
                      default_device: Callable[[Slices], jax.Device],
                      schedule: Mapping[int, Slices], first: Slices, steps: int, seed: int,
-                     batch_size: int, snapshot: bool, devices: set[int]
+                     batch_size: int, snapshot: bool
                      ) -> tuple[dict[int, float], dict[int, float]]:
     """Losses and step times of steps 1..``steps`` from a fresh start, no failures,
     no checkpoints, each step on the mesh the recovered run used for it
@@ -34,12 +34,12 @@ def reference_losses(*, trainer_for: Callable[[Slices], Trainer],
         state = trainer.init(seed)
     ref: dict[int, float] = {}
     step_s: dict[int, float] = {}
-    snap: Snapshot | None = None
+    snapshotter = Snapshotter()
     for step in range(1, steps + 1):
         want = schedule.get(step, slices)
-        if want != slices and snap is not None:
+        if want != slices and snapshotter.latest is not None:
             slices, trainer = want, trainer_for(want)
-            state = snap.restore(trainer, devices)
+            state = dict(snapshotter.load(trainer.abstract_state(), reset_snapshot_state=False))
         with jax.default_device(default_device(slices)):
             t0 = time.perf_counter()
             batch = next(data)
@@ -52,7 +52,8 @@ def reference_losses(*, trainer_for: Callable[[Slices], Trainer],
         state["data"] = data.get_state()
         ref[step] = float(loss_arr)
         step_s[step] = time.perf_counter() - t0
-        snap = take(state, arrays)
+        if schedule.get(step + 1, slices) != slices:  # the next step moves: through memory
+            snapshotter.adopt(step, state, jax.tree_util.tree_leaves(arrays))
     return ref, step_s
 
 

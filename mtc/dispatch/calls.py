@@ -11,12 +11,12 @@ import jax
 import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask, SaveHeader, task_to_json
-from mtc.dispatch.protocol import BeforeSend, Dispatch
+from mtc.dispatch.protocol import BeforeSend, Dispatch, Survey
 from mtc.errors import HostAgentError, ManifestError
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.shards import paste
 
-__all__ = ["Dispatch", "HostCalls", "regions_of"]
+__all__ = ["Dispatch", "HostCalls", "Survey", "regions_of"]
 
 
 def regions_of(tasks: Sequence[ReadTask], reply: Any) -> list[np.ndarray]:
@@ -77,7 +77,7 @@ class HostCalls:
 
     def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
              hosts: Sequence[int], before_send: BeforeSend) -> bool:
-        before_send(self.steps(hosts))
+        before_send(Survey(None, self.steps(hosts)))
         return self.stage(header, arrays)
 
     def saving(self) -> bool | None:
@@ -104,6 +104,36 @@ class HostCalls:
                 out[int(h)] = [int(s) for s in steps]
         return out
 
+    def survey(self, hosts: Sequence[int], step: int | None, *,
+               manifests: bool = True) -> Survey:
+        args: dict[str, Any] = {"manifest": manifests}
+        if step is not None:
+            args["step"] = step
+        held: dict[int, list[int]] = {}
+        facts: dict[tuple[int, int], tuple[int, str]] = {}
+        found: dict[int, Manifest] = {}
+        space: dict[int, tuple[int, int]] = {}
+        for reply in self._call("survey", hosts, **args):
+            for key, got in (reply or {}).items():
+                h = int(key)
+                held[h] = [int(s) for s in got["steps"]]
+                for s, (num_hosts, run) in got["facts"].items():
+                    facts[(int(s), h)] = (int(num_hosts), str(run))
+                if got.get("manifest") is not None:
+                    found[h] = self._checked(got["manifest"].encode(), int(got["step"]), h)
+                if got.get("space") is not None:
+                    space[h] = (int(got["space"][0]), int(got["space"][1]))
+        return Survey(step, held, facts, found, space)
+
+    @staticmethod
+    def _checked(data: bytes, step: int, host: int) -> Manifest:
+        path = f"host {host}: {step}/{MANIFEST_NAME}"
+        m = Manifest.from_bytes(data, path=path)
+        if m.step != step or m.host != host:
+            raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
+                                host=host, path=path)
+        return m
+
     def _one(self, op: str, host: int, **args: Any) -> Any:
         found = [r for r in self._call(op, [host], **args) if r is not None]
         if len(found) != 1:
@@ -112,12 +142,7 @@ class HostCalls:
         return found[0]
 
     def manifest(self, step: int, host: int) -> Manifest:
-        path = f"host {host}: {step}/{MANIFEST_NAME}"
-        m = Manifest.from_bytes(bytes(self._one("manifest", host, step=step)), path=path)
-        if m.step != step or m.host != host:
-            raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
-                                host=host, path=path)
-        return m
+        return self._checked(bytes(self._one("manifest", host, step=step)), step, host)
 
     def read(self, step: int, host: int, tasks: Sequence[ReadTask]) -> list[np.ndarray]:
         """Regions of leaves from pieces ``host`` holds, verified there."""

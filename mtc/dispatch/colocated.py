@@ -1,10 +1,22 @@
 """Host-side code through ``jax.experimental.colocated_python`` (Pathways): the
 colocated-Python sidecar of each worker runs it; on the local cluster, each
-host's sidecar process does (:mod:`mtc.dispatch.remote_colocated`)."""
+host's sidecar process does (:mod:`mtc.dispatch.remote_colocated`).
+
+A fixed handful of calls, whatever the host count: a save is one call that polls
+and lists every host's steps, and one that stages (its answer read at the next
+call, as a background error is); a restore is one call for every host's steps
+and manifests (two when the manifests outgrow a small answer) and one that
+loads. Small answers have a fixed size, on one CPU device per worker. A restore
+returns arrays on the workers' own CPU devices (:mod:`.colocated_load`): no
+restored byte passes through this process.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -15,23 +27,32 @@ from mtc.contract import (
     ERROR_REQUEST,
     FAILED,
     AgentConfig,
+    LeafSpec,
     ReadTask,
     SaveHeader,
     decode_reply,
     encode_request,
     task_to_json,
 )
+from mtc.dispatch import colocated_load
 from mtc.dispatch.calls import HostCalls, regions_of
 from mtc.dispatch.process import Sidecar
+from mtc.dispatch.protocol import BeforeSend, Survey
 from mtc.dispatch.remote_colocated import Runtime
-from mtc.errors import HostAgentError
+from mtc.errors import HostAgentError, MtcError
+from mtc.pool import ThreadPool
+
+# Between saves, how often a save in flight is polled for its background error.
+POLL_INTERVAL_S = 1.0
 
 
 class ColocatedDispatch(HostCalls):
     """Host-side code runs through ``jax.experimental.colocated_python`` (Pathways).
 
     Workers take no writer lock: a JobSet runs one controller, and a sidecar that
-    outlived a crashed controller would keep its successor out."""
+    outlived a crashed controller would keep its successor out. Not thread-safe:
+    the manager's thread. ``calls`` counts the colocated calls made, and
+    ``answer_bytes`` the bytes of host answers read here (never a restored array's)."""
 
     host_side_lock = False
 
@@ -39,84 +60,129 @@ class ColocatedDispatch(HostCalls):
                  sidecars: dict[int, Sidecar] | None = None) -> None:
         from jax.experimental import colocated_python
 
-        from mtc.sidecar.colocated import RemoteAgent, install_cpu_id_patch
+        from mtc.sidecar.colocated import ANSWER_BYTES, RemoteAgent, install_cpu_id_patch
 
         install_cpu_id_patch()
 
         self.config = config
-        # One colocated CPU device per worker in the order of ``devices``; each
-        # worker learns which host it is from its own element of ``_ranks`` (ids
-        # of the controller's devices mean nothing on a worker).
+        self.calls = 0
+        self.answer_bytes = 0
+        self._answer_size = ANSWER_BYTES
+        # The colocated CPU devices of ``devices``, in their order; each worker learns
+        # which host it is from its own element of ``_ranks`` (ids of the
+        # controller's devices mean nothing on a worker).
         cpu = list(colocated_python.colocated_cpu_devices(tuple(devices)))
         rank_of: dict[Any, int] = {}
+        self._cpu_of: dict[int, jax.Device] = {}
         for d, c in zip(devices, cpu, strict=True):
             rank_of.setdefault(c, config.host_of_device[d.id])
+            self._cpu_of[d.id] = c
         self.cpu_devices = list(rank_of)
         self._rank_of = rank_of
-        self._devices_of = {r: sum(1 for x in rank_of.values() if x == r)
-                            for r in set(rank_of.values())}
         mesh = jax.sharding.Mesh(np.array(self.cpu_devices), ("hosts",))
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._per_host = NamedSharding(mesh, PartitionSpec("hosts"))
-        self._ranks = jax.make_array_from_single_device_arrays(
-            (len(self.cpu_devices),), self._per_host,
-            [jax.device_put(np.array([rank_of[c]], np.int32), c) for c in self.cpu_devices])
+        self._ranks = self._ranks_on(self.cpu_devices)
+        # Requests and small answers: one CPU device per worker.
+        first: dict[int, Any] = {}
+        for c in self.cpu_devices:
+            first.setdefault(rank_of[c], c)
+        self._workers = [first[r] for r in sorted(first)]
+        small = jax.sharding.Mesh(np.array(self._workers), ("hosts",))
+        self._small_replicated = NamedSharding(small, PartitionSpec())
+        self._small_per_host = NamedSharding(small, PartitionSpec("hosts"))
+        self._small_ranks = self._ranks_on(self._workers)
         # On the local cluster, the hosts' sidecars run the programs (as workers
         # do), instead of JAX's CPU fallback in this process.
         self._runtime = (Runtime(sidecars, {c.id: r for c, r in rank_of.items()})
                          if sidecars is not None else None)
-        self._answer_spec = jax.ShapeDtypeStruct((len(self.cpu_devices),), np.dtype(np.uint8),
-                                                 sharding=self._per_host)
         remote: Any = RemoteAgent(config.to_json())  # type: ignore[call-arg]
         # Specialized with their output specs, so that the first call does not
         # run synchronously to infer them.
-        answer = self._answer_spec
-        self._stage = remote.stage.specialize(out_specs_fn=lambda *_: answer)
+        staged = jax.ShapeDtypeStruct((len(self.cpu_devices),), np.dtype(np.uint8),
+                                      sharding=self._per_host)
+        answer = jax.ShapeDtypeStruct((len(self._workers),), np.dtype(np.uint8),
+                                      sharding=self._small_per_host)
+        asked = jax.ShapeDtypeStruct((len(self._workers) * ANSWER_BYTES,), np.dtype(np.uint8),
+                                     sharding=self._small_per_host)
+        self._stage = remote.stage.specialize(out_specs_fn=lambda *_: staged)
         self._wait = remote.wait.specialize(out_specs_fn=lambda *_: answer)
         self._poll = remote.poll.specialize(out_specs_fn=lambda *_: answer)
-        # 64-bit numbers as 8 bytes: without jax_enable_x64 a worker's int64 array
-        # would be int32, and the call refused for breaking its declared spec.
-        lengths = jax.ShapeDtypeStruct((8 * len(self.cpu_devices),), np.dtype(np.uint8),
-                                       sharding=self._per_host)
-        self._ask = remote.ask.specialize(out_specs_fn=lambda *_: lengths)
+        self._close = remote.close.specialize(out_specs_fn=lambda *_: answer)
+        self._ask = remote.ask.specialize(out_specs_fn=lambda *_: asked)
         self._remote = remote
         self._fetchers: dict[int, Any] = {}
+        # The last save's stage answer, read at the next call (or at once for a
+        # save that may be skipped); whether a save was staged since the last wait.
+        self._staged: jax.Array | Future[jax.Array] | None = None
+        # The arrays the last save handed the workers: kept alive until they
+        # answered that they took them (Pathways does not keep them for us).
+        self._staged_inputs: list[jax.Array] = []
+        self._pinned: list[np.ndarray] = []
+        self._unwaited = False
+        self._polled = 0.0
+        # On the local cluster a stage call runs on this thread of its own, as a
+        # Pathways call returns before the workers answer (the save's stall is the
+        # dispatch, not the hosts' work); the next call waits for it first.
+        self._async = ThreadPool(1, "mtc-colocated-stage") if sidecars is not None else None
+        # While a save lists the hosts: retention requests ride on its stage call.
+        self._saving: Survey | None = None
+        self._before_stage: list[dict[str, Any]] = []
+
+    def _ranks_on(self, devices: Sequence[Any]) -> jax.Array:
+        sharding = NamedSharding(jax.sharding.Mesh(np.array(devices), ("hosts",)),
+                                 PartitionSpec("hosts"))
+        return jax.make_array_from_single_device_arrays(
+            (len(devices),), sharding,
+            [jax.device_put(np.array([self._rank_of[c]], np.int32), c) for c in devices])
+
+    def _invoke(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self.calls += 1
+        return fn(*args)
+
+    # -- host requests ----------------------------------------------------------------
 
     def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
         """The request goes to every worker; each answers for its own host (null
-        when not asked about it). The reply's length comes first, then the reply
-        padded to a size class, so that each size class is one specialization."""
-        raw = np.frombuffer(encode_request(op, hosts, **args), dtype=np.uint8)
-        return self._exchange(jax.device_put(raw, self._replicated))
+        when not asked about it)."""
+        self._collect()
+        return self._exchange(encode_request(op, hosts, **args))
 
-    def _exchange(self, request: jax.Array) -> list[Any]:
-        """Each worker's reply to ``request``, in rank order. A worker's reply comes
-        back split across its devices (each carries a part, padded to a size class
+    def _exchange(self, request: bytes) -> list[Any]:
+        """Each worker's reply to ``request``, in rank order: whole in the fixed-size
+        answer when it fits, else fetched by a second call (padded to a size class
         shared by the call: one specialization per class)."""
-        lengths = self._ask(request, self._ranks)
+        raw = jax.device_put(np.frombuffer(request, np.uint8), self._small_replicated)
+        answers = self._invoke(self._ask, raw, self._small_ranks)
+        size = self._answer_size
+        whole: dict[int, bytes] = {}
         size_of: dict[int, int] = {}
-        for sh in lengths.addressable_shards:
-            size_of.setdefault(self._rank_of[sh.device], int(np.asarray(sh.data).view("<u8")[0]))
-        per_device = max(-(-n // self._devices_of[r]) for r, n in size_of.items())
-        cap = 1 << (max(per_device, 1) - 1).bit_length()
-        fetch = self._fetchers.get(cap)
-        if fetch is None:
-            spec = jax.ShapeDtypeStruct((len(self.cpu_devices) * cap,), np.dtype(np.uint8),
-                                        sharding=self._per_host)
-            fetch = self._fetchers[cap] = self._remote.reply.specialize(
-                out_specs_fn=lambda *_: spec)
-        padded = fetch(self._ranks, jax.device_put(np.array([cap], "<u8").view(np.uint8),
-                                                   self._replicated))
-        parts: dict[int, list[tuple[int, np.ndarray]]] = {}
-        for sh in padded.addressable_shards:
-            parts.setdefault(self._rank_of[sh.device], []).append(
-                (int(sh.index[0].start or 0), np.asarray(sh.data)))
-        replies: dict[int, Any] = {}
-        for rank, ps in parts.items():
-            ps.sort(key=lambda p: p[0])  # the worker's devices in mesh order
-            whole = ps[0][1] if len(ps) == 1 else np.concatenate([p for _, p in ps])
-            replies[rank] = decode_reply(whole[:size_of[rank]].data)
-        return [replies[r] for r in sorted(replies)]
+        for sh in answers.addressable_shards:
+            buf = np.asarray(sh.data)
+            n = int(buf[:8].view("<u8")[0])
+            rank = self._rank_of[sh.device]
+            size_of[rank] = n
+            self.answer_bytes += min(n, size - 8)
+            if n <= size - 8:
+                whole[rank] = buf[8:8 + n].tobytes()
+        longer = [r for r in size_of if r not in whole]
+        if longer:
+            cap = 1 << (max(size_of[r] for r in longer) - 1).bit_length()
+            fetch = self._fetchers.get(cap)
+            if fetch is None:
+                spec = jax.ShapeDtypeStruct((len(self._workers) * cap,), np.dtype(np.uint8),
+                                            sharding=self._small_per_host)
+                fetch = self._fetchers[cap] = self._remote.reply.specialize(
+                    out_specs_fn=lambda *_: spec)
+            got = self._invoke(fetch, self._small_ranks,
+                               jax.device_put(np.array([cap], "<u8").view(np.uint8),
+                                              self._small_replicated))
+            for sh in got.addressable_shards:
+                rank = self._rank_of[sh.device]
+                if rank in longer:
+                    whole[rank] = np.asarray(sh.data)[:size_of[rank]].tobytes()
+                    self.answer_bytes += size_of[rank]
+        return [decode_reply(whole[r]) for r in sorted(whole)]
 
     def _unanimous(self, answer: jax.Array, op: str) -> bool:
         """Every worker's answer, read from its own shard; they must agree. A worker
@@ -129,21 +195,77 @@ class ColocatedDispatch(HostCalls):
         return bool(values.pop())
 
     def _raise_worker_error(self, op: str) -> None:
-        raw = np.frombuffer(ERROR_REQUEST, dtype=np.uint8)
-        self._exchange(jax.device_put(raw, self._replicated))  # raises the typed error
+        self._exchange(ERROR_REQUEST)  # raises the typed error
         raise HostAgentError(f"{op}: a worker failed and kept no error")
 
-    def _fetch(self, step: int, by_host: dict[int, list[ReadTask]]
-               ) -> dict[int, list[np.ndarray]]:
-        """One request to every worker, each reading its own host's tasks: the hosts'
-        reads run side by side instead of a call per host."""
-        raw = np.frombuffer(encode_request(
-            "read", sorted(by_host), step=step,
-            tasks={str(h): [task_to_json(t) for t in ts] for h, ts in by_host.items()}),
-            dtype=np.uint8)
-        replies = dict(zip(sorted(set(self._rank_of.values())),
-                           self._exchange(jax.device_put(raw, self._replicated)), strict=True))
-        return {h: regions_of(ts, replies[h]) for h, ts in by_host.items()}
+    # -- save -------------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """The last save's stage answer: a worker's refusal is raised here, on the call
+        after the save, as a background write's error would be."""
+        staged, self._staged = self._staged, None
+        try:
+            if isinstance(staged, Future):
+                staged = staged.result()
+            if staged is not None:
+                self._unanimous(staged, "stage")
+        finally:
+            self._staged_inputs, self._pinned = [], []
+
+    def check_before_save(self, due: bool) -> None:
+        # A save that follows polls in its first call; off the interval, a save in
+        # flight is polled at most every POLL_INTERVAL_S.
+        if not due and self._unwaited and time.monotonic() - self._polled >= POLL_INTERVAL_S:
+            self.raise_background_error()
+
+    def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
+             hosts: Sequence[int], before_send: BeforeSend) -> bool:
+        survey = self.survey(hosts, None, manifests=False)  # polls the workers too
+        self._polled = time.monotonic()
+        self._saving, self._before_stage = survey, []
+        try:
+            before_send(survey)
+            return self._send(header, arrays, self._before_stage)
+        finally:
+            self._saving, self._before_stage = None, []
+
+    def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
+               keep_period: int | None, before_write: bool) -> dict[int, tuple[int, int]]:
+        if self._saving is None or not before_write:
+            return super().retain(hosts, complete, max_to_keep=max_to_keep,
+                                  keep_period=keep_period, before_write=before_write)
+        # Within a save: done by the workers as the save's stage call begins, and
+        # answered with the space they reported when the save listed their steps.
+        self._before_stage.append(json.loads(encode_request(
+            "retain", hosts, complete=list(complete), max_to_keep=max_to_keep,
+            keep_period=keep_period, before_write=before_write)))
+        return {h: self._saving.space[h] for h in hosts if h in self._saving.space}
+
+    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
+        self._collect()
+        return self._send(header, arrays, [])
+
+    def _send(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
+              before: list[dict[str, Any]]) -> bool:
+        header_arr = jax.device_put(np.frombuffer(header.to_bytes(), np.uint8), self._replicated)
+        requests = jax.device_put(np.frombuffer(json.dumps(before).encode(), np.uint8),
+                                  self._replicated)
+        inputs = [self._to_cpu(a) for a in arrays]
+        self._unwaited = True
+        if self._async is None or header.skip_if_busy:
+            ok = self._invoke(self._stage, header_arr, self._ranks, inputs, requests)
+            if header.skip_if_busy:  # whether it was skipped is the save's answer
+                return self._unanimous(ok, "stage")
+            self._staged, self._staged_inputs = ok, inputs
+            return True
+        # The values of this moment: a host view of every shard (CPU devices: no
+        # copy) keeps a step that donates the state's buffers from changing them.
+        self._pinned = [np.asarray(s.data) for a in inputs for s in a.addressable_shards]
+        self.calls += 1
+        self._staged = self._async.submit(self._stage, header_arr, self._ranks, inputs,
+                                          requests)
+        self._staged_inputs = inputs
+        return True
 
     def _to_cpu(self, x: jax.Array | np.ndarray) -> jax.Array:
         """The array on the colocated CPU devices, over the one device list that
@@ -160,24 +282,70 @@ class ColocatedDispatch(HostCalls):
             if list(cpu_mesh.devices.flat) == self.cpu_devices:
                 if cpu_mesh is s.mesh or list(s.mesh.devices.flat) == self.cpu_devices:
                     return x
-                return jax.device_put(x, NamedSharding(cpu_mesh, s.spec))
+                try:  # where the array lives (device, pinned host) goes with it
+                    cpu = NamedSharding(cpu_mesh, s.spec, memory_kind=s.memory_kind)
+                except ValueError:  # a kind the CPU devices do not have
+                    cpu = NamedSharding(cpu_mesh, s.spec)
+                return jax.device_put(x, cpu)
         return jax.device_put(x, self._replicated)
 
-    def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
-        raw = np.frombuffer(header.to_bytes(), dtype=np.uint8)
-        header_arr = jax.device_put(raw, self._replicated)
-        ok = self._stage(header_arr, self._ranks, [self._to_cpu(a) for a in arrays])
-        return self._unanimous(ok, "stage")
-
     def wait(self) -> None:
-        self._unanimous(self._wait(self._ranks), "wait")
+        self._collect()
+        if not self._unwaited:
+            return  # nothing staged since the last wait: nothing to wait for
+        self._unanimous(self._invoke(self._wait, self._small_ranks), "wait")
+        self._unwaited = False
 
     def raise_background_error(self) -> None:
-        self._unanimous(self._poll(self._ranks), "poll")
+        self._collect()
+        self._polled = time.monotonic()
+        self._unanimous(self._invoke(self._poll, self._small_ranks), "poll")
+
+    def saves_in_flight(self, hosts: Sequence[int]) -> int:
+        return 1 if self._unwaited else 0
+
+    # -- restore ----------------------------------------------------------------------
+
+    def _fetch(self, step: int, by_host: dict[int, list[ReadTask]]
+               ) -> dict[int, list[np.ndarray]]:
+        """Regions as numpy, for leaves the caller asked to get as numpy: one request
+        to every worker, each reading its own host's tasks."""
+        replies = dict(zip(sorted(set(self._rank_of.values())), self._call(
+            "read", sorted(by_host), step=step,
+            tasks={str(h): [task_to_json(t) for t in ts] for h, ts in by_host.items()}),
+            strict=True))
+        return {h: regions_of(ts, replies[h]) for h, ts in by_host.items()}
+
+    def load(self, step: int, tasks: Sequence[ReadTask],
+             specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
+        """One call: every worker returns its regions as arrays on its own CPU
+        devices, which ``device_put`` moves onto the target shardings."""
+        if not colocated_load.supported(specs):
+            return super().load(step, tasks, specs)
+        self._collect()
+        plan = colocated_load.plan(step, tasks, specs, self.config.host_of_device,
+                                   self._cpu_of, self.cpu_devices, self._rank_of)
+        out_specs = plan.out_specs
+        call = self._remote.load.specialize(out_specs_fn=lambda *_: out_specs)
+        request = jax.device_put(colocated_load.encode(plan), self._replicated)
+        try:
+            outputs = self._invoke(call, request, self._ranks)
+        except MtcError:
+            raise
+        except Exception as e:  # a worker's error reaches a real controller untyped
+            self._raise_worker_error(f"load: {e}")
+            raise
+        return colocated_load.finish(plan, outputs, specs)
 
     def close(self) -> None:
+        """Every save finished, the workers' objects closed (their writer threads
+        joined), and on the local cluster the hosts told to drop this manager's
+        programs."""
         try:
             self.wait()
+            self._unanimous(self._invoke(self._close, self._small_ranks), "close")
         finally:
+            if self._async is not None:
+                self._async.shutdown(wait=True)
             if self._runtime is not None:
                 self._runtime.close()

@@ -38,7 +38,7 @@ from mtc.contract import (
     task_to_json,
 )
 from mtc.dispatch.calls import HostCalls
-from mtc.dispatch.protocol import BeforeSend
+from mtc.dispatch.protocol import BeforeSend, Survey
 from mtc.errors import ConfigError, MtcError, SaveInProgressError, ShardUnavailableError
 from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
@@ -264,7 +264,8 @@ class ProcessDispatch(HostCalls):
              hosts: Sequence[int], before_send: BeforeSend) -> bool:
         """:meth:`stage`, the hosts polled and listed while the copies run."""
         return self.stage(header, arrays,
-                          before_send=lambda: before_send(self.poll_and_steps(hosts)))
+                          before_send=lambda: before_send(
+                              Survey(None, self.poll_and_steps(hosts))))
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray], *,
               before_send: Callable[[], None] | None = None) -> bool:

@@ -8,6 +8,7 @@ still being written), it says so in the value it returns (None, or a bound).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -17,9 +18,24 @@ import numpy as np
 from mtc.contract import LeafSpec, ReadTask, SaveHeader
 from mtc.manifest import Manifest
 
+
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """The hosts' committed steps and what their manifests say of each, as one
+    answer: ``held`` by host; ``facts[(step, host)]`` = (hosts that saved it, the
+    run that wrote it); ``manifests[host]``: that host's manifest of ``step``;
+    ``space[host]``: (bytes free on its RAM disk, bytes of its newest step)."""
+
+    step: int | None
+    held: dict[int, list[int]]
+    facts: dict[tuple[int, int], tuple[int, str]] = dataclasses.field(default_factory=dict)
+    manifests: dict[int, Manifest] = dataclasses.field(default_factory=dict)
+    space: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+
 # Runs once the hosts' committed steps are known and before a save is sent to any
 # host: it may delete steps and free room, or raise (and then nothing is sent).
-BeforeSend = Callable[[dict[int, list[int]]], None]
+BeforeSend = Callable[[Survey], None]
 
 
 class Dispatch(Protocol):
@@ -31,8 +47,8 @@ class Dispatch(Protocol):
 
     def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
              hosts: Sequence[int], before_send: BeforeSend) -> bool:
-        """Stage a save: the hosts' committed steps are listed, ``before_send(held)``
-        runs, then the arrays go to the hosts. False: skipped (``skip_if_busy``)."""
+        """Stage a save: the hosts' committed steps are listed, ``before_send`` runs
+        on them, then the arrays go to the hosts. False: skipped (``skip_if_busy``)."""
         ...
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool: ...
@@ -58,6 +74,13 @@ class Dispatch(Protocol):
 
     # -- the hosts' roots ---------------------------------------------------------
     def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...
+
+    def survey(self, hosts: Sequence[int], step: int | None, *,
+               manifests: bool = True) -> Survey:
+        """The hosts' steps, the facts of each, and (``manifests``) their manifests
+        of ``step`` (None: each host's newest), in one request to every host."""
+        ...
+
     def delete(self, step: int, hosts: Sequence[int]) -> None: ...
     def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]: ...
     def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,

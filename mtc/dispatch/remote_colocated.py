@@ -100,27 +100,56 @@ class Runtime:
         creds = next((s.creds for s in sidecars.values()), None)
         self._channels, self._stubs = channels(sidecars, METHOD, creds)
         self._pool = ThreadPool(max(1, len(sidecars)), "mtc-coloc")
+        self._programs: set[str] = set()  # every program compiled here
         _register(self)
 
     def close(self) -> None:
+        """Unregistered, and every host told to drop the programs (and with them
+        the worker objects they hold) compiled here: a controller that restarts
+        many times leaves nothing of its old ones in the sidecars."""
         _unregister(self)
+        if self._programs:
+            forget = {h: self._pool.submit(self._forget, h) for h in self.sidecars}
+            wait(forget.values())
         self._pool.shutdown(wait=True)
         for c in self._channels.values():
             c.close()
+
+    def _forget(self, h: int) -> None:
+        message = transfer.pack_message(self.sidecars[h].area,
+                                        {"forget": sorted(self._programs)}, [])
+        try:
+            self._stubs[h](message, timeout=self.deadline_s)
+        except grpc.RpcError:
+            pass  # a host gone takes its programs with it
 
     def compile(self, name: str, fun: Callable[..., Any], in_treedef: Any,
                 in_specs: tuple[Any, ...], out_treedef: Any, out_specs: tuple[Any, ...],
                 devices: Any) -> Callable[..., Any]:
         """What JAX calls for each input of a specialized function: the program,
         pickled once, sent to each host on its first call there."""
+        from jax.experimental.colocated_python import func as jax_func
         from jax.experimental.colocated_python import serialization
 
+        # PRNG keys cross as JAX's own compile step converts them: as their key
+        # data, wrapped back into keys on either side (JAX's helpers, where this
+        # version has them; refused below otherwise).
+        prng_in: dict[int, str] = {}
+        prng_out: dict[int, str] = {}
+        if hasattr(jax_func, "_make_prng_wrapped_fun"):
+            prng_in = jax_func._get_prng_key_info(in_specs)
+            prng_out = jax_func._get_prng_key_info(out_specs)
+            if prng_in or prng_out:
+                in_specs = jax_func._convert_inp_type_to_physical(in_specs, prng_in)
+                out_specs = jax_func._convert_inp_type_to_physical(out_specs, prng_out)
+                fun = jax_func._make_prng_wrapped_fun(fun, prng_in, prng_out)
         for s in (*in_specs, *out_specs):
             if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
                 raise ColocatedCallError(f"{name}: PRNG key arrays cannot cross here")
         pickled = serialization._serialize(
             (fun, in_treedef, in_specs, out_treedef, out_specs, devices))
         pid = transfer.program_id(pickled)
+        self._programs.add(pid)
         ids = [d.id for d in devices]
         hosts = sorted({self.host_of_device[i] for i in ids})
         own = {h: [i for i in ids if self.host_of_device[i] == h] for h in hosts}
@@ -157,6 +186,8 @@ class Runtime:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             leaves = tree_util.tree_leaves((args, kwargs))
+            if prng_in:
+                leaves = jax_func._unwrap_prng_keys(leaves, prng_in)
             inputs: dict[int, list[list[list[int]]]] = {h: [] for h in hosts}
             buffers: dict[int, list[np.ndarray]] = {h: [] for h in hosts}
             for x in leaves:
@@ -189,6 +220,8 @@ class Runtime:
                                              f"{sorted(pieces)}, declared {sorted(want)}")
                 results.append(jax.make_array_from_single_device_arrays(
                     spec.shape, spec.sharding, list(pieces.values())))
+            if prng_out:
+                results = jax_func._wrap_prng_keys(results, prng_out)
             return tree_util.tree_unflatten(out_treedef, results)
 
         return call

@@ -13,7 +13,7 @@ Every piece of every array moves in one ``device_put``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -37,11 +37,13 @@ class Shards:
     shape: tuple[int, ...]
     dtype: Any
     pieces: tuple[tuple[Index, jax.Array], ...]
+    whole: jax.Array | None = None  # the array the pieces are of: one probe for all
 
     @classmethod
     def of(cls, a: jax.Array) -> Shards:
         return cls(tuple(a.shape), a.dtype,
-                   tuple((index_of(s.index, a.shape), s.data) for s in a.addressable_shards))
+                   tuple((index_of(s.index, a.shape), s.data) for s in a.addressable_shards),
+                   a)
 
     @property
     def size(self) -> int:
@@ -61,15 +63,24 @@ def readable(piece: jax.Array) -> bool:
         return False
 
 
-def surviving(arrays: Sequence[Shards]) -> list[dict[Index, list[jax.Array]]]:
-    """Per array, the readable shards by index (one list per distinct index)."""
+def surviving(arrays: Sequence[Shards], devices: Collection[int] | None = None
+              ) -> list[dict[Index, list[jax.Array]]]:
+    """Per array, the readable shards by index (one list per distinct index); only
+    shards on ``devices`` (ids) when given."""
     dead: set[int] = set()  # devices found lost: their other shards are not asked
     out = []
     for a in arrays:
         by_index: dict[Index, list[jax.Array]] = {}
+        if a.whole is not None and (devices is None or {
+                d.id for d in a.whole.devices()} <= set(devices)) and readable(a.whole):
+            # Every device of the array alive: no shard needs asking on its own.
+            for idx, piece in a.pieces:
+                by_index.setdefault(idx, []).append(piece)
+            out.append(by_index)
+            continue
         for idx, piece in a.pieces:
             dev = next(iter(piece.devices()))
-            if dev.id in dead:
+            if dev.id in dead or (devices is not None and dev.id not in devices):
                 continue
             if readable(piece):
                 by_index.setdefault(idx, []).append(piece)
@@ -86,11 +97,14 @@ def covered(a: Shards, by_index: dict[Index, list[jax.Array]]) -> bool:
 
 
 def place(arrays: Sequence[Shards], shardings: Sequence[jax.sharding.Sharding],
-          names: Sequence[str]) -> list[jax.Array]:
-    """Each array laid out per its sharding from its surviving shards; raises
-    :class:`SnapshotUnavailableError` (naming the leaf) when some part of an array
-    survives nowhere."""
-    alive = surviving(arrays)
+          names: Sequence[str], devices: Collection[int] | None = None, *,
+          may_alias: bool = False) -> list[jax.Array]:
+    """Each array laid out per its sharding from its surviving shards (on
+    ``devices`` only, when given); raises :class:`SnapshotUnavailableError`
+    (naming the leaf) when some part of an array survives nowhere. ``may_alias``:
+    a shard already where its target is (device and memory) is used as it is,
+    not copied (only for targets no step donates)."""
+    alive = surviving(arrays, devices)
     for a, by_index, name in zip(arrays, alive, names, strict=True):
         if not covered(a, by_index):
             raise SnapshotUnavailableError(
@@ -104,9 +118,9 @@ def place(arrays: Sequence[Shards], shardings: Sequence[jax.sharding.Sharding],
         sources.extend(src for src, _ in pieces)
         dests.extend(dst for _, dst in pieces)
         counts.append(len(pieces))
-    # Copies, even onto the device a shard is on: the step after a load donates
-    # its input, and an alias would take the snapshot with it.
-    moved = jax.device_put(sources, dests, may_alias=False)
+    # Unless asked, copies even onto the device a shard is on: the step after a
+    # load donates its input, and an alias would take the snapshot with it.
+    moved = jax.device_put(sources, dests, may_alias=may_alias)
     out: list[jax.Array] = []
     start = 0
     for a, sharding, n in zip(arrays, shardings, counts, strict=True):

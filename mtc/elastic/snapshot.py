@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -134,8 +135,11 @@ class Snapshotter:
         pending = self._pending
         if pending is None:
             return True
-        if not wait and not all(a.is_ready() for a in self._pending_arrays):  # type: ignore[attr-defined]
-            return False
+        try:
+            if not wait and not all(a.is_ready() for a in self._pending_arrays):  # type: ignore[attr-defined]
+                return False
+        except RuntimeError:  # a copy deleted under it (donated by the caller): failed
+            pass
         self._pending, self._pending_arrays = None, []
         arrays = [leaf for leaf in pending.leaves if isinstance(leaf, Shards)]
         try:
@@ -167,33 +171,53 @@ class Snapshotter:
 
     # -- loading -----------------------------------------------------------------------
 
-    def load(self, abstract_state: Any, *, reset_snapshot_state: bool = True) -> Any:
+    def covers(self, devices: Collection[jax.Device] | None = None) -> bool:
+        """Whether the newest snapshot can be loaded from memory: its shards that can
+        still be read (on ``devices`` only, when given) hold every array whole."""
+        self._settle()
+        snap = self._latest
+        if snap is None:
+            return False
+        arrays = [leaf for leaf in snap.leaves if isinstance(leaf, Shards)]
+        ids = None if devices is None else {d.id for d in devices}
+        return all(covered(a, by_index) for a, by_index in zip(
+            arrays, surviving(arrays, ids), strict=True))
+
+    def load(self, abstract_state: Any, *, reset_snapshot_state: bool = True,
+             devices: Collection[jax.Device] | None = None) -> Any:
         """The newest snapshot placed per ``abstract_state``'s shardings (arrays or
         ``ShapeDtypeStruct``s with ``.sharding``; other leaves are placeholders
         for the saved values). When the surviving devices lack some shard: with a
         manager, its newest restorable step; without, :class:`SnapshotUnavailableError`.
         ``reset_snapshot_state``: the loaded state becomes the snapshot, on the
-        new mesh (so a second failure before the next save still finds one)."""
+        new mesh (so a second failure before the next save still finds one).
+        ``devices`` (beyond Orbax's interface): read shards on these devices only
+        (those the caller knows healthy); by default, every shard that can be read."""
         self._settle()
         snap = self._latest
         try:
             if snap is None:
                 raise SnapshotUnavailableError("no snapshot available to restore from")
-            state = self._place(snap, abstract_state)
+            state, kept = self._place(snap, abstract_state, devices)
             step, tier = snap.step, MEMORY
         except SnapshotUnavailableError as e:
             if self.manager is None:
                 raise
             log.warning("the snapshot cannot be loaded (%s): restoring through mtc", e)
             step, state = self._from_manager(abstract_state)
+            kept = None
             tier = self.manager.last_restore_tier or "local"
         self.last_load_tier = tier
         if reset_snapshot_state:
-            self._pending = None
-            self.save(step, state)
+            self._pending, self._pending_arrays = None, []
+            if kept is not None:  # the host-memory stage of the load is the new snapshot
+                self._latest = kept
+            else:
+                self.save(step, state)
         return state
 
-    def _place(self, snap: Taken, abstract_state: Any) -> Any:
+    def _place(self, snap: Taken, abstract_state: Any,
+               devices: Collection[jax.Device] | None) -> tuple[Any, Taken | None]:
         targets, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
         if treedef != snap.treedef:
             raise ValueError(f"abstract_state's tree differs from the snapshot's:\n"
@@ -208,7 +232,18 @@ class Snapshotter:
                 shardings.append(sharding)
                 names.append(jax.tree_util.keystr(path))
                 where.append(i)
-        placed = dict(zip(where, place(arrays, shardings, names), strict=True))
+        ids = None if devices is None else {d.id for d in devices}
+        host = [to_host_sharding(x) for x in shardings]
+        staged: list[jax.Array] | None = None
+        if all(h.memory_kind != x.memory_kind for h, x in zip(host, shardings, strict=True)):
+            # Two stages, as Orbax's load: into host memory on the new mesh (no copy
+            # where a shard already is on its target device), which is the new
+            # snapshot, then one copy each into device memory, which steps donate.
+            staged = place(arrays, host, names, ids, may_alias=True)
+            loaded = jax.device_put(staged, shardings, may_alias=False)
+        else:
+            loaded = place(arrays, shardings, names, ids)
+        placed = dict(zip(where, loaded, strict=True))
         out = []
         for i, leaf in enumerate(snap.leaves):
             if i in placed:
@@ -217,7 +252,13 @@ class Snapshotter:
                 out.append(jax.random.wrap_key_data(x, impl=impl) if impl is not None else x)
             else:
                 out.append(copy.deepcopy(leaf))
-        return jax.tree_util.tree_unflatten(snap.treedef, out)
+        kept = None
+        if staged is not None:
+            by_leaf = dict(zip(where, staged, strict=True))
+            kept = Taken(snap.step, snap.treedef, tuple(
+                Shards.of(by_leaf[i]) if i in by_leaf else leaf
+                for i, leaf in enumerate(snap.leaves)), snap.key_impls)
+        return jax.tree_util.tree_unflatten(snap.treedef, out), kept
 
     def _from_manager(self, abstract_state: Any) -> tuple[int, Any]:
         assert self.manager is not None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtc import layout, multihost, orbax_args
 from mtc.dispatch import Dispatch
+from mtc.dispatch.protocol import Survey
 from mtc.errors import (
     AgreementError,
     ConfigError,
@@ -123,7 +124,7 @@ class RestoreFlow:
         if args is not None and target is not None:
             raise ConfigError("restore() takes target or args=, not both")
         t0 = time.perf_counter()
-        self.saves.wait_until_finished()
+        self.saves.finish_for_restore()
         requested = None if step is None else layout.as_step(step)
         tiers = {h: "local" for h in self.topology.local_hosts}
         prepared: Prepared | None = None
@@ -148,8 +149,10 @@ class RestoreFlow:
         # again (the replicators fence their own hosts when they agree).
         newest = step is None or step == self._latest
         t_prepared = time.perf_counter()
+        survey = None
         if step is None:
             steps = self.inventory.common()
+            survey = self.inventory.last_survey  # the step's manifests, when newest
             if not steps:
                 self._nothing_restorable()
                 raise StepNotFoundError(f"no step is committed on every host of this job "
@@ -164,7 +167,8 @@ class RestoreFlow:
         self.last_restore_seconds = {}
         fetched_before = self.dispatch.network_bytes()
         try:
-            saved, result = self._load(step, target, args, prepared, run, as_numpy)
+            saved, result = self._load(step, target, args, prepared, run, survey,
+                                       as_numpy)
             nbytes = sum(m.nbytes for m in saved.manifests.values())
         except MtcError as e:
             error = e
@@ -215,16 +219,19 @@ class RestoreFlow:
         return result
 
     def _load(self, step: int, target: Any, args: Any, prepared: Prepared | None = None,
-              run: str = "", as_numpy: bool = False) -> tuple[SavedStep, Any]:
+              run: str = "", survey: Survey | None = None,
+              as_numpy: bool = False) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it (mtc.restore.step);
         the hosts whose data ``prepared`` says is on its way are waited for only
         where the other hosts' copies do not cover their regions."""
         if prepared is None or not prepared.pending:
-            return self.reader.load(step, target, args, run=run, as_numpy=as_numpy)
+            return self.reader.load(step, target, args, run=run, survey=survey,
+                                    as_numpy=as_numpy)
         tier = self.tier
         return self.reader.load(step, target, args, pending=tier.pending_hosts(prepared),
                                 wait_pending=lambda: tier.wait_local(prepared),
                                 seconds=self.last_restore_seconds, run=run,
+                                pending_timeout_s=self.options.restore_timeout_s,
                                 as_numpy=as_numpy)
 
     def _may_defer(self) -> bool:

@@ -17,6 +17,7 @@ import jax
 
 from mtc import orbax_args, treepath
 from mtc.dispatch import Dispatch, NetworkTier
+from mtc.dispatch.protocol import Survey
 from mtc.errors import ShardUnavailableError, StepNotFoundError, TargetMismatchError
 from mtc.manifest import Manifest
 from mtc.restore.load import restore_tree
@@ -28,6 +29,15 @@ log = logging.getLogger(__name__)
 # How many hosts saved a step, from one of its holders' manifests (the
 # manager's cache, shared with its save path).
 SavedHosts = Callable[[int, list[int], Callable[[int, int], Manifest]], int]
+PENDING_TIMEOUT_S = 120.0  # Options.restore_timeout_s default
+PENDING_POLL_S = 0.2
+
+
+def _covers(survey: Survey, step: int) -> bool:
+    """Whether ``survey`` holds the manifest of ``step`` of every host holding it."""
+    holders = [h for h, steps in survey.held.items() if step in steps]
+    return bool(holders) and all(
+        h in survey.manifests and survey.manifests[h].step == step for h in holders)
 
 
 class StepReader:
@@ -50,6 +60,8 @@ class StepReader:
              pending: frozenset[int] = frozenset(),
              wait_pending: Callable[[], None] | None = None,
              seconds: dict[str, float] | None = None, run: str = "",
+             survey: Survey | None = None,
+             pending_timeout_s: float = PENDING_TIMEOUT_S,
              as_numpy: bool = False) -> tuple[SavedStep, Any]:
         """The step's saved tree and ``target`` loaded from it.
 
@@ -66,10 +78,19 @@ class StepReader:
         manifests to restore where it saved). Only when the target needs a region
         another host saved are every saving host's manifests fetched and the plan
         made again. Every manifest read must name one run (``run``, when the
-        replicators agreed on one): else :class:`MixedRunError`."""
+        replicators agreed on one): else :class:`MixedRunError`. ``survey``: the
+        hosts' answer the step was picked from, read again only where it lacks
+        the step's manifests.
+
+        A pending host's data was promised by the agreement: until
+        ``pending_timeout_s`` has passed since the wait began, a pending host that
+        does not list the step yet (its sidecar answering late, the data
+        committed a moment after its replicator answered) is asked again, never
+        reported as a step that is not committed. After the wait the hosts are
+        asked anew (the survey predates the pending hosts' data)."""
         if pending and wait_pending is not None:
             try:
-                saved = self.saved_step(step, pending=pending, run=run)
+                saved = self.saved_step(step, pending=pending, run=run, survey=survey)
                 return saved, self.restore_from(saved, target, args, as_numpy)
             except (ShardUnavailableError, StepNotFoundError) as e:
                 # Planned again from the start: nothing was placed on a device yet.
@@ -77,9 +98,11 @@ class StepReader:
                          "waiting for their data", step, sorted(pending), e)
             t = time.perf_counter()
             wait_pending()
+            saved = self._saved_once_listed(step, run, pending, t + pending_timeout_s)
             if seconds is not None:
                 seconds["wait_pending"] = time.perf_counter() - t
-        saved = self.saved_step(step, run=run)
+        else:
+            saved = self.saved_step(step, run=run, survey=survey)
         if self.network is None:
             return saved, self.restore_from(saved, target, args, as_numpy)
         try:
@@ -90,6 +113,20 @@ class StepReader:
                  "and files come through the replicators", step)
         saved = self.saved_step(step, every_host=True, run=run)
         return saved, self.restore_from(saved, target, args, as_numpy)
+
+    def _saved_once_listed(self, step: int, run: str, pending: frozenset[int],
+                           deadline: float) -> SavedStep:
+        """:meth:`saved_step` once every pending host lists ``step``, asked again
+        until ``deadline`` (``time.perf_counter``) while one does not."""
+        while True:
+            try:
+                return self.saved_step(step, run=run)
+            except StepNotFoundError as e:
+                if e.host not in pending or time.perf_counter() >= deadline:
+                    raise
+                log.info("mtc: host %d does not list step %d yet although its replicator "
+                         "made it local: asking again", e.host, step)
+            time.sleep(PENDING_POLL_S)
 
     def restore_from(self, saved: SavedStep, target: Any, args: Any,
                      as_numpy: bool = False) -> Any:
@@ -120,21 +157,30 @@ class StepReader:
         return orbax_args.composite_result(args, out)
 
     def saved_step(self, step: int, *, every_host: bool = False,
-                   pending: frozenset[int] = frozenset(), run: str = "") -> SavedStep:
+                   pending: frozenset[int] = frozenset(), run: str = "",
+                   survey: Survey | None = None) -> SavedStep:
         """Manifests of ``step``: of every host this process reaches (but the
         ``pending`` hosts, whose data is on its way); ``every_host``
-        (multi-controller JAX with the network tier) of every host that saved it."""
-        held = self.dispatch.steps(self.topology.local_hosts)
-        holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
+        (multi-controller JAX with the network tier) of every host that saved it.
+        One controller asks every host for its steps and its manifest of ``step``
+        at once (or reuses ``survey`` where it holds them)."""
         if self.network is not None:
+            held = self.dispatch.steps(self.topology.local_hosts)
+            holders = sorted(h for h, steps in held.items()
+                             if step in steps and h not in pending)
             return self._saved_over_network(step, holders, every_host, run)
+        if survey is None or not _covers(survey, step):
+            survey = self.dispatch.survey(self.topology.local_hosts, step)
+        held = survey.held
+        holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
         for h in self.topology.local_hosts:
             if h not in holders and h not in pending and not self.topology.subdirs:
                 raise StepNotFoundError("step is not committed", step=step, host=h)
         if not holders:
             raise StepNotFoundError(f"step is not committed on {self.where}", step=step)
         # Each host's manifest fetched and parsed once per restore, though read twice.
-        fetched: dict[int, Manifest] = {}
+        fetched: dict[int, Manifest] = {h: m for h, m in survey.manifests.items()
+                                        if m.step == step}
 
         def manifest_of(s: int, h: int) -> Manifest:
             if h not in fetched:

@@ -13,6 +13,7 @@ from typing import Any
 
 from mtc import layout, multihost, orbax_args, retention, runs
 from mtc.dispatch import Dispatch
+from mtc.dispatch.protocol import Survey
 from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
 from mtc.inventory import StepInventory
 from mtc.options import Options
@@ -22,6 +23,11 @@ from mtc.topology import Topology
 
 # The manager's log lines keep one logger name, the one users configure.
 log = logging.getLogger("mtc.manager")
+
+
+class _NotDue(Exception):
+    """A save decided from the hosts' answer to the save's own first call (the
+    job's first decision): the step is not due after all."""
 
 
 class SaveFlow:
@@ -63,6 +69,9 @@ class SaveFlow:
         # Hosts whose replicator did not answer the last check: their RAM disks are
         # kept within max_to_keep meanwhile.
         self.unreplicated: frozenset[int] = frozenset()
+        # Whether this manager saved since retention last ran (a restore applies it
+        # only then: a restarted job's restore asks the hosts nothing it needn't).
+        self._saved_since_retention = False
 
     # -- schedule -------------------------------------------------------------------
 
@@ -83,11 +92,14 @@ class SaveFlow:
         """The newest step saved or restored here, or complete on the hosts (asked of
         them once: collective in multi-controller JAX, as the first save is)."""
         if not self._newest_learnt:
-            steps = self.inventory.common()
-            if steps and (self.last_saved is None or steps[-1] > self.last_saved):
-                self.last_saved = steps[-1]
-            self._newest_learnt = True
+            self._learn_newest(None)
         return self.last_saved
+
+    def _learn_newest(self, listed: dict[int, list[int]] | None) -> None:
+        steps = self.inventory.common(listed)
+        if steps and (self.last_saved is None or steps[-1] > self.last_saved):
+            self.last_saved = steps[-1]
+        self._newest_learnt = True
 
     def reload(self) -> None:
         """Forget what was learnt of the hosts' steps: asked again when next needed."""
@@ -129,7 +141,13 @@ class SaveFlow:
             raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
         step = layout.as_step(step)
         self._refuse_foreign(step)
-        due = force or self._decide(step)
+        # The job's first decision needs the hosts' newest step. One controller
+        # learns it from the save's own first call (a save stays two calls); the
+        # step is then dropped there if it was not due. Multi-controller JAX asks
+        # every process first (collective), as the first save always did.
+        deferred = (not force and not self.options.read_only and not self._newest_learnt
+                    and not self.inventory.sees_own_host_only)
+        due = force or deferred or self._decide(step)
         self.dispatch.check_before_save(due)
         if not due:
             return False
@@ -139,16 +157,25 @@ class SaveFlow:
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics, run=self.run, ranks=self._saved_ranks())
 
-        def before_send(held: dict[int, list[int]]) -> None:
+        def before_send(survey: Survey) -> None:
             # Nothing is sent to a host before this returned, and nothing at all
             # when it raised.
-            held = self._replace_partial(step, held)
+            self.inventory.learn(survey)
+            if deferred:
+                self._learn_newest(survey.held)
+                if not self._decide(step):
+                    raise _NotDue
+            held = self._replace_partial(step, survey.held)
             self.on_new_step()
             self._make_room(held)
 
         hosts = self.topology.local_hosts
-        staged = self.dispatch.save(header, arrays, hosts, before_send)
+        try:
+            staged = self.dispatch.save(header, arrays, hosts, before_send)
+        except _NotDue:
+            return False
         if staged:
+            self._saved_since_retention = True
             self.last_saved = max(step, self.last_saved or 0)
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
@@ -224,6 +251,13 @@ class SaveFlow:
         self.wait_saves()
         self._apply_retention()
 
+    def finish_for_restore(self) -> None:
+        """Before a restore: every save committed, and retention applied after them
+        (not at all when this manager saved nothing since it last ran)."""
+        self.wait_saves()
+        if self._saved_since_retention:
+            self._apply_retention()
+
     def wait_saves(self) -> None:
         error: BaseException | None = None
         try:
@@ -251,6 +285,8 @@ class SaveFlow:
         ``held``: the hosts' committed steps, when the caller has just listed them."""
         if not self._retains():
             return {}
+        if not before_write:
+            self._saved_since_retention = False
         complete = self.inventory.common(held)
         if self.options.best_fn is not None:
             self._retain_best(complete)

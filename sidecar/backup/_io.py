@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 from typing import IO, Any
 
 from mtc.integrity import crc32c
-from mtc.sidecar import checksum
-from mtc.sidecar.checksum import read_buffer
+from mtc.sidecar import files
+from mtc.sidecar.files import TMP_MARK as TMP_MARK
+from mtc.sidecar.files import is_tmp as is_tmp
+from mtc.sidecar.files import read_buffer
+from mtc.sidecar.files import tmp_name as tmp_name
 
-CHUNK = 8 << 20
-TMP_MARK = ".mtc-tmp-"
-
-
-def tmp_name(path: Path) -> Path:
-    """A unique hidden sibling of ``path`` to write before an ``os.replace``."""
-    return path.with_name(f".{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
-
-
-def is_tmp(name: str) -> bool:
-    return TMP_MARK in name
+CHUNK = 8 << 20  # a stream to or from a backup store: larger reads, fewer calls
 
 
 def copy_stream(src: IO[Any], dst: IO[Any], crc: int = 0) -> tuple[int, int]:
@@ -45,7 +37,7 @@ def _read_into(src: IO[Any], view: memoryview) -> int:
 
 def file_crc(path: Path) -> tuple[int, int]:
     """(size, CRC32C) of a file, read in chunks."""
-    return checksum.file_crc(path, CHUNK)
+    return files.file_crc(path, CHUNK)
 
 
 def fsync_dir(path: Path) -> None:

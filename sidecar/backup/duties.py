@@ -180,22 +180,21 @@ class BackupDuties:
             self.metrics.bytes_fetched.inc(e.size)
 
         shared = Shared(plan_shared(manifest, restoring), fetch)
+        # Served to the other restoring hosts from now until the caller (restore.py's
+        # materialize) has committed the folder or given it up: a file read and
+        # verified here is never refused to them meanwhile.
         with self._lock:
             self.restoring[step] = (tmp, shared.ready)
-        try:
-            return download_rank(self.backup.store, step, self.rank, tmp,
-                                 self.config.equivalent(self.rank), shared,
-                                 on_bytes=self.metrics.backup_bytes_downloaded.inc)
-        finally:
-            with self._lock:
-                self.restoring.pop(step, None)
+        return download_rank(self.backup.store, step, self.rank, tmp,
+                             self.config.equivalent(self.rank), shared,
+                             on_bytes=self.metrics.backup_bytes_downloaded.inc)
 
     def _file_from_backup(self, step: int, f: FileMeta, dest: Path) -> bool:
         """One file of this rank's ``step`` from the backup into ``dest``, checked
         against the backup manifest's size, CRC32C and SHA-256 and against ``f``;
         False when the backup does not have it."""
         from mtc.sidecar.backup.job import step_prefix
-        from mtc.sidecar.replicator.store import file_sha256
+        from mtc.sidecar.files import file_sha256
 
         assert self.backup is not None
         if step not in self.backup.refresh():

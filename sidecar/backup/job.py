@@ -31,7 +31,8 @@ from typing import Any
 from mtc.errors import ManifestError, MtcError, RetryableError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import Backend, CorruptBackupError
-from mtc.sidecar.replicator.store import FileMeta, file_sha256, safe_relpath
+from mtc.sidecar.files import file_sha256
+from mtc.sidecar.replicator.store import FileMeta, safe_relpath
 
 log = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -107,8 +108,10 @@ class ColocatedServer:
     (:mod:`.ghost`)."""
 
     def __init__(self, host: int, area: Path, root: Path, own_devices: int,
-                 job_devices: int) -> None:
+                 job_devices: int, *, latency_s: float = 0.0) -> None:
         self.host = host
+        # Every call's cost beyond its work: the hop through Pathways' proxy.
+        self.latency_s = latency_s
         self.area = area
         self.root = root
         self._own, self._others = own_devices, job_devices - own_devices
@@ -157,6 +160,15 @@ class ColocatedServer:
         finally:
             self._ready.set()
 
+    def wait_ready(self) -> None:
+        """Until JAX has started (or failed to: every call then says so)."""
+        self._ready.wait()
+
+    @property
+    def programs(self) -> int:
+        """How many programs this host keeps."""
+        return len(self._programs)
+
     def close(self) -> None:
         """Ends the other process (JAX takes SIGTERM as a preemption notice)."""
         self._warm.join()
@@ -177,6 +189,13 @@ class ColocatedServer:
             if self._warm_error is not None:
                 raise ColocatedCallError(f"JAX did not start: {self._warm_error!r}")
             header, buffers = transfer.unpack_message(self.area, message)
+            if "forget" in header:  # a controller that closed: its programs go
+                with self._run:
+                    for pid in header["forget"]:
+                        self._programs.pop(str(pid), None)
+                return transfer.pack_message(self.area, {"forgot": True}, [])
+            if self.latency_s:
+                time.sleep(self.latency_s)
             with self._run:
                 return self._execute(header, buffers)
         except MtcError as e:

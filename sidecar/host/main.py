@@ -41,10 +41,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="slice of every host, comma-separated (host order)")
     p.add_argument("--listen", required=True, help="address to serve (host:port or unix:PATH)")
     p.add_argument("--ready-file", type=Path, help="written with the bound address when serving")
+    p.add_argument("--started-file", type=Path,
+                   help="written at once, before the colocated runtime starts: the host's "
+                        "other processes may join its namespaces meanwhile")
     p.add_argument("--writer-threads", type=int, default=2)
     p.add_argument("--colocated-devices", type=int, default=0,
                    help="run colocated-Python programs on this many CPU devices of its own "
                         "(0: none; JAX is then never imported)")
+    p.add_argument("--colocated-call-latency-ms", type=float, default=3.0,
+                   help="what each colocated call costs beyond its work, as the hop through "
+                        "Pathways' proxy does (a few ms): call counts show in every timing")
     p.add_argument("--job-devices", type=int, default=0,
                    help="the CPU devices of the whole job, this host's among them")
     p.add_argument("--token-file", help="file holding the shared token every caller presents")
@@ -66,11 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     slices = [int(x) for x in args.slices.split(",")]
     args.root.mkdir(parents=True, exist_ok=True)
     args.area.mkdir(parents=True, exist_ok=True)
+    if args.started_file:
+        layout.write_atomic(args.started_file, json.dumps({"pid": os.getpid()}))
     config = AgentConfig(local_dir=str(args.root), host_of_device={},
                          slice_of_host=dict(enumerate(slices)), subdirs=False,
                          max_staged_bytes=None, writer_threads=args.writer_threads)
     colocated = (ColocatedServer(args.host, args.area, args.root, args.colocated_devices,
-                                 max(args.job_devices, args.colocated_devices))
+                                 max(args.job_devices, args.colocated_devices),
+                                 latency_s=max(0.0, args.colocated_call_latency_ms) / 1000)
                  if args.colocated_devices > 0 else None)
     service = HostService(config, args.host, args.area, colocated)
     pool = ThreadPoolExecutor(8, thread_name_prefix="mtc-sidecar-rpc")
@@ -89,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     server.start()
     bound = args.listen if args.listen.startswith("unix:") else (
         args.listen.rsplit(":", 1)[0] + f":{port}")
+    if colocated is not None:
+        # Ready when its colocated runtime is: a Pathways worker's sidecar serves
+        # programs from its start, and a restore must not wait for this one's JAX.
+        colocated.wait_ready()
     if args.ready_file:
         layout.write_atomic(args.ready_file, json.dumps(
             {"address": bound, "pid": os.getpid(), "area": str(args.area)}))

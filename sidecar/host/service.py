@@ -110,7 +110,8 @@ class HostService:
             return encode_error(ProtocolError(f"malformed {op} request: {e!r}", host=self.host))
 
     def _hello(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
-        return {"host": self.host, "rank": rank, "area": str(self.area)}
+        return {"host": self.host, "rank": rank, "area": str(self.area),
+                "programs": self.colocated.programs if self.colocated is not None else 0}
 
     def _inspect(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
         """What this host's RAM disk holds: committed steps, steps being written,

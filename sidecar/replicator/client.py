@@ -18,11 +18,12 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.confine import open_beneath
+from mtc.sidecar.files import CHUNK
 from mtc.sidecar.replicator import datachannel as dc
 from mtc.sidecar.replicator.rank_names import PeerServerName
 from mtc.sidecar.replicator.security import Credentials, TlsWatch
 from mtc.sidecar.replicator.status import TRANSIENT, error_class, where_of
-from mtc.sidecar.replicator.store import CHUNK, FileMeta
+from mtc.sidecar.replicator.store import FileMeta
 
 T = TypeVar("T")
 MAX_MESSAGE = 64 << 20
@@ -78,8 +79,9 @@ def _open_own(path: Path) -> BinaryIO:
 
 
 def _create(dest: Path) -> BinaryIO:
-    """A file fetched into a restore's folder: a symlink in its place is not followed."""
-    return os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    """A file fetched into a restore's folder: a symlink in its place is not followed
+    (open for reading too: the data channel checks the bytes it wrote there)."""
+    return os.fdopen(os.open(dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
                              | os.O_CLOEXEC, 0o644), "wb", buffering=0)
 
 
@@ -440,7 +442,7 @@ class PeerClient:
         def sink(sock: Any, f: FileMeta) -> None:
             with _create(dest) as out:
                 got, value = dc.recv_into_fd(sock, out.fileno(), size,
-                                             memoryview(bytearray(min(CHUNK, size) or 1)))
+                                             memoryview(bytearray(min(dc.RECV_CHUNK, size) or 1)))
             if got != size or value != crc:
                 raise self._bad_copy(step, origin, f, got, value)
 
@@ -481,10 +483,10 @@ class PeerClient:
         if not files:
             return [], None
         done: list[str] = []
-        buf = memoryview(bytearray(CHUNK))
+        buf = memoryview(bytearray(dc.RECV_CHUNK))
 
         def sink(sock: Any, f: FileMeta) -> None:
-            fd = open_beneath(dest, f.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+            fd = open_beneath(dest, f.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
                               makedirs=True)
             try:
                 got, value = dc.recv_into_fd(sock, fd, f.size, buf)

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtc.errors import CorruptShardError, StepNotFoundError
+from mtc.errors import ConfigError, CorruptShardError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath
 from mtc.sidecar.replicator import checks
@@ -59,7 +59,7 @@ class DataService:
             for meta in metas:
                 dst = inside(t.tmp, meta.path)
                 dst.unlink(missing_ok=True)
-                fd = open_beneath(t.tmp, meta.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                fd = open_beneath(t.tmp, meta.path, os.O_RDWR | os.O_CREAT | os.O_EXCL,
                                   makedirs=True)
                 try:
                     got, value = caller.recv_file(fd, meta.size, stream.add)
@@ -122,8 +122,8 @@ class DataService:
                     raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
                 out.append((folder, meta, True))
             return out
-        staged = self.node.restoring.get(step)
-        if origin == self.node.rank and staged is not None:
+        staged = self.node.staged(step) if origin == self.node.rank else None
+        if staged is not None:
             base, done = staged
             missing = [r for r in rels if r not in done]
             if missing:
@@ -131,6 +131,8 @@ class DataService:
                                         host=origin, path=missing[0])
             return [(base, FileMeta(r, os.stat(inside(base, r)).st_size, 0), False)
                     for r in rels]
+        if origin == self.node.rank:  # the asker reads the backup itself (HolderIdle)
+            raise ConfigError(f"rank {origin} is not restoring step {step}")
         raise StepNotFoundError("no complete copy here", step=step, host=origin)
 
 

@@ -27,9 +27,12 @@ What a request names is checked by the handler (``server.py``) before any I/O.
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import logging
+import mmap
 import os
+import select
 import socket
 import ssl
 import struct
@@ -55,8 +58,20 @@ MAX_REQUEST = 4 << 20    # a push of every file of an offer by index, a fetch's 
 MAX_STATUS = 64 << 10
 IO_TIMEOUT_S = 30.0      # one read or write; the Streams watchdog bounds the whole
 HANDSHAKE_S = 10.0       # connection set-up: TLS handshake and the request
-CHUNK = 4 << 20          # bytes per recv_into/CRC32C/write, and per send over TLS
+# A peer gone silent (a cut link: no reset ever comes) is found by the kernel, as
+# the control plane's gRPC keepalive finds it: probed after 2 s idle, every 1 s,
+# dropped when 5 s pass unanswered, or when sent bytes stay unacknowledged that
+# long. A live peer's kernel answers however slowly its process reads, so a
+# loaded host is not taken for a dead one; IO_TIMEOUT_S still bounds a peer that
+# answers probes and sends nothing.
+KEEPALIVE_IDLE_S = 2
+KEEPALIVE_INTERVAL_S = 1
+KEEPALIVE_PROBES = 3
+UNACKED_S = 5
 _LEN = struct.Struct("<I")
+# Bytes per receive: small enough that the CRC32C and the write read them from the
+# cache the receive just filled (a whole CHUNK would go out to memory and back).
+RECV_CHUNK = 256 << 10
 
 
 class Caller:
@@ -91,7 +106,7 @@ class Caller:
         """Receive ``size`` bytes into ``fd``: (bytes got, their CRC32C); short when
         the caller ended early."""
         if self._buf is None:
-            self._buf = memoryview(bytearray(CHUNK))
+            self._buf = memoryview(bytearray(RECV_CHUNK))
         return recv_into_fd(self.sock, fd, size, self._buf, progress)
 
     def send_file(self, f: BinaryIO, size: int) -> None:
@@ -107,6 +122,19 @@ class Handler(Protocol):
 
 
 # -- framing ---------------------------------------------------------------------------
+
+
+def watch_liveness(sock: socket.socket) -> None:
+    """TCP keepalive and an unacknowledged-data bound on ``sock`` (where the
+    platform has them: Linux does)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+                        ("TCP_USER_TIMEOUT", UNACKED_S * 1000)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -169,9 +197,16 @@ def status_code(st: pb.DataStatus) -> grpc.StatusCode:
 
 def recv_into_fd(sock: socket.socket, fd: int, size: int, buf: memoryview,
                  progress: Callable[[int], None] | None = None) -> tuple[int, int]:
-    """One pass: ``recv_into`` ``buf``, CRC32C, write to ``fd``, until ``size`` bytes
-    or the end of the stream; (bytes got, CRC32C). ``progress``: told each part's
-    length (the stream watchdog's rate)."""
+    """``size`` bytes of the stream (fewer when it ends early) into ``fd`` (opened for
+    reading and writing, at its start); (bytes got, their CRC32C). ``progress``: told
+    each part's length (the stream watchdog's rate).
+
+    On a plain socket the kernel moves the bytes into the file (``splice`` through a
+    pipe: no copy through Python), and the CRC32C is taken over the file's pages
+    once written; over TLS, one pass: ``recv_into`` ``buf``, CRC32C, write."""
+    if _SPLICE and not isinstance(sock, ssl.SSLSocket):
+        got = _splice_into_fd(sock, fd, size, progress)
+        return got, _crc_of_fd(fd, got, buf)
     got = value = 0
     while got < size:
         n = sock.recv_into(buf, min(len(buf), size - got))
@@ -186,6 +221,66 @@ def recv_into_fd(sock: socket.socket, fd: int, size: int, buf: memoryview,
         if progress is not None:
             progress(n)
     return got, value
+
+
+_SPLICE = hasattr(os, "splice")
+SPLICE_PIPE = 1 << 20  # the pipe's capacity asked for (the kernel's default is 64 KiB)
+_F_SETPIPE_SZ = 1031
+
+
+def _splice_into_fd(sock: socket.socket, fd: int, size: int,
+                    progress: Callable[[int], None] | None) -> int:
+    """Move up to ``size`` bytes from ``sock`` into ``fd`` through a pipe of its own;
+    the bytes moved. Waits for the socket at most its timeout each time."""
+    r, w = os.pipe()
+    try:
+        try:
+            cap = fcntl.fcntl(w, _F_SETPIPE_SZ, SPLICE_PIPE)
+        except OSError:
+            cap = 64 << 10
+        got = 0
+        while got < size:
+            try:
+                n = os.splice(sock.fileno(), w, min(cap, size - got))
+            except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+                if not select.select([sock], [], [], sock.gettimeout())[0]:
+                    raise TimeoutError(f"no bytes for {sock.gettimeout()}s") from None
+                continue
+            if not n:
+                break
+            moved = 0
+            while moved < n:
+                moved += os.splice(r, fd, n - moved)
+            got += n
+            if progress is not None:
+                progress(n)
+        return got
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _crc_of_fd(fd: int, size: int, buf: memoryview) -> int:
+    """CRC32C of the first ``size`` bytes of ``fd``: over its pages in place, or read
+    through ``buf`` where they cannot be mapped."""
+    if not size:
+        return 0
+    try:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+            view = memoryview(m)
+            try:
+                return crc32c(view)
+            finally:
+                view.release()
+    except (OSError, ValueError):
+        value = done = 0
+        while done < size:
+            n = os.preadv(fd, [buf[:min(len(buf), size - done)]], done)
+            if not n:
+                break
+            value = crc32c(buf[:n], value)
+            done += n
+        return value
 
 
 def send_file(sock: socket.socket, f: BinaryIO, size: int) -> None:
@@ -329,6 +424,7 @@ class DataServer:
         try:
             raw.settimeout(HANDSHAKE_S)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            watch_liveness(raw)
             names: list[str] = []
             if self._tls is not None:
                 sock = self._tls.get().wrap_socket(raw, server_side=True)
@@ -387,6 +483,7 @@ class DataClient:
         sock: socket.socket = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            watch_liveness(raw)
             if self._creds.tls:
                 name = self._server_name()
                 ctx = (self._named if name is not None else self._unnamed).get()

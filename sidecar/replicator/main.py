@@ -25,7 +25,7 @@ from mtc.sidecar.replicator import orbax
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.limits import Limits
-from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.node import Node, RestoreAsk
 from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import check_peers
@@ -339,9 +339,9 @@ def _answer(node: Node, root: Path, request: orbax.ClientRequest) -> None:
                                f"{request.nodes}; this replicator is rank {node.rank} of "
                                f"{node.config.num_nodes}", fatal=True)
             return
-        node.use_restore_id(request.restore_id)  # re-served, it reads its decision again
         try:
-            step = node.restore_for_client(request.job_name)
+            # Re-served (after a restart), it reads its decision again.
+            step = node.restore_for_client(request.job_name, RestoreAsk(request.restore_id))
             log.info("rank %d: told the client to restore step %d", node.rank, step)
         except (MtcError, OSError) as e:
             log.exception("restore for the client failed")

@@ -27,14 +27,20 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from mtc.errors import AgreementError, ConfigError, CorruptShardError, MtcError
+from mtc.errors import (
+    AgreementError,
+    ConfigError,
+    CorruptShardError,
+    MtcError,
+    StepNotFoundError,
+)
 from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.duties import BackupDuties
@@ -53,7 +59,11 @@ from mtc.sidecar.replicator.agreement import (
 )
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.gc import GcInputs as GcInputs
+from mtc.sidecar.replicator.gc import GcPlan as GcPlan
+from mtc.sidecar.replicator.gc import gc_plan
 from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.push_plan import PUSH_STREAMS, push_batches, push_streams
 from mtc.sidecar.replicator.restore import RestoreDuties
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import ReplicationClock
@@ -63,9 +73,6 @@ from mtc.sidecar.replicator.store import FileMeta, LocalStore, fingerprint_of
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
 GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view at most this often
-BATCH_BYTES = 4 << 20  # small files travel together, up to this many bytes a call
-BATCH_FILES = 512  # and this many files (their indices ride in the call's metadata)
-PUSH_STREAMS = 4  # data-channel connections a step's push uses at once (the push pool's)
 
 
 class Node(BackupDuties, RestoreDuties):
@@ -114,7 +121,6 @@ class Node(BackupDuties, RestoreDuties):
         self.config_error = ""
         self.replication = ReplicationClock(config.replication_warn_s)
         self.last_decision = pb.Decision()  # the newest one this node read
-        self._call = threading.local()  # per calling thread: restore id, decision read
         members = list(range(config.num_nodes))
         # Every node may decide: a job's decider is the lowest rank of the membership
         # it states, and a job that came back smaller may not include rank 0. One
@@ -322,8 +328,10 @@ class Node(BackupDuties, RestoreDuties):
                 self.replicated[step].add(target)
                 return
             src = self.store.copy_dir(self.rank, step)
+            # A candidate without a hash is the same path of the same step with the
+            # same size and CRC32C (a twin's shard): taken as the peer identified it.
             same = [c.path for c in reply.candidates
-                    if self.store.sha256(src / c.path) == c.sha256]
+                    if not c.sha256 or self.store.sha256(src / c.path) == c.sha256]
             if same:
                 peer.call("Link", pb.LinkRequest(transfer_id=reply.transfer_id, paths=same))
             linked = set(same)
@@ -335,10 +343,10 @@ class Node(BackupDuties, RestoreDuties):
                     # The data channel: a few connections, each files back to back.
                     futs = [self._push_pool.submit(self._push_stream, peer, reply.transfer_id,
                                                    src, group)
-                            for group in _streams(todo, PUSH_STREAMS)]
+                            for group in push_streams(todo, PUSH_STREAMS)]
                 else:
                     futs = [self._push_pool.submit(self._push_batch, peer, reply.transfer_id,
-                                                   src, batch) for batch in _batches(todo)]
+                                                   src, batch) for batch in push_batches(todo)]
                 for fut in futs:
                     fut.result()
                 peer.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
@@ -384,6 +392,24 @@ class Node(BackupDuties, RestoreDuties):
                     self.store.verify(*where, cached=False)
             raise
         self.metrics.bytes_sent.inc(sum(f.size for _, f in group))
+
+    def staged(self, step: int) -> tuple[Path, set[str]] | None:
+        """This host's files of ``step`` read so far for a restore in progress (its
+        folder, and the paths there verified), served to other restoring hosts;
+        None when it restores none of it. A restore answered and queued but not
+        started (its quiet time) starts now, and the asker is told to ask again
+        (:class:`StepNotFoundError`): it is about to hold what was asked."""
+        with self._lock:
+            staged = self.restoring.get(step)
+        if staged is not None:
+            return staged
+        with self._bg_lock:
+            queued = step in self._materializing
+        if queued:
+            self._bg_wake.set()
+            raise StepNotFoundError("this host's restore of the step is starting: not read "
+                                    "yet", step=step, host=self.rank)
+        return None
 
     def on_copy_received(self, origin: int, step: int) -> None:
         log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, origin, step)
@@ -592,20 +618,16 @@ class Node(BackupDuties, RestoreDuties):
                       self.rank, d.lost)
         return d
 
-    def agree(self, timeout_s: float | None = None, *, rid: str = ""
+    def agree(self, timeout_s: float | None = None, *, ask: RestoreAsk | None = None
               ) -> tuple[pb.Decision, dict[int, pb.Inventory]]:
         """The epoch's decision (its step and run), and inventories to find its data
         with (only this node's when its data is local: the decision itself costs
-        O(N) messages)."""
-        d = self.agree_epoch(timeout_s, rid or getattr(self._call, "rid", ""),
-                             getattr(self._call, "members", ()))
-        self._call.decision = d
+        O(N) messages). ``ask``: the restore this is for (its id and membership;
+        the decision read is recorded on it)."""
+        ask = ask if ask is not None else RestoreAsk()
+        d = self.agree_epoch(timeout_s, ask.rid, ask.members)
+        ask.decision = d
         return d, self._invs_for(d.step, d.run)
-
-    def use_restore_id(self, rid: str) -> None:
-        """The restore id :meth:`agree` asks with on this thread (a PrepareRestore's,
-        an Orbax request's): a re-issued request reads the same decision."""
-        self._call.rid = rid
 
     def _invs_for(self, step: int, run: str) -> dict[int, pb.Inventory]:
         """Only this node's inventory when its data of the step is here and whole
@@ -633,16 +655,10 @@ class Node(BackupDuties, RestoreDuties):
         and the decision it read."""
         self.refuse_if_misconfigured()
         check_members(members, self.config.num_nodes, self.rank)  # typed, before waiting
-        self.use_restore_id(rid)
-        self._call.members = tuple(members)
-        self._call.decision = pb.Decision()
-        try:
-            step, tier, seconds, pending = self.prepare_restore(timeout_s,
-                                                                background=background)
-            d: pb.Decision = self._call.decision
-        finally:
-            self.use_restore_id("")
-            self._call.members = ()
+        ask = RestoreAsk(rid, tuple(members))
+        step, tier, seconds, pending = self.prepare_restore(timeout_s, background=background,
+                                                            ask=ask)
+        d = ask.decision
         self.quiet_until = time.monotonic() + self.config.restore_quiet_s
         if d.step != step:  # the invariant, checked where it is cheap
             raise AgreementError(f"decided step {d.step}, prepared step {step}",
@@ -650,71 +666,13 @@ class Node(BackupDuties, RestoreDuties):
         return d, tier, seconds, pending
 
 
-@dataclasses.dataclass(frozen=True)
-class GcInputs:
-    own: tuple[int, ...]                     # own committed steps, oldest first
-    replicated: tuple[int, ...]              # those on every target
-    replicas: Mapping[int, tuple[int, ...]]  # origin -> copies held (own: parked steps)
-    keep: int
-    busy: frozenset[int]                     # being pushed or backed up
-    synced: bool                             # every target's holdings read since start
-    linked: frozenset[int]                   # parked own steps a client still links to
-    rank: int
+@dataclasses.dataclass
+class RestoreAsk:
+    """One restore, as the call that carries it (a PrepareRestore, an Orbax client's
+    request) hands it to the agreement: its restore id (a re-issued ask reads the
+    same decision) and the job's stated membership; the decision read is recorded
+    here for the caller. Passed explicitly; owned by that call's thread."""
 
-
-@dataclasses.dataclass(frozen=True)
-class GcPlan:
-    own: tuple[int, ...] = ()
-    replicas: tuple[tuple[int, int], ...] = ()
-    needs_complete: bool = False  # call again with the newest complete step
-
-
-def gc_plan(x: GcInputs, complete: int | None) -> GcPlan:
-    """What to delete: own steps beyond the newest ``keep``, except the newest fully
-    replicated one, busy ones (all, until every target was read once after a
-    start) and the newest complete step; copies beyond the newest ``keep`` per
-    origin, except the complete step. Anything to delete needs ``complete``."""
-    protected = set(x.own[-x.keep:]) | set(x.replicated[-1:]) | x.busy
-    if not x.synced:
-        protected |= set(x.own)  # the newest replicated step is not known yet
-    own = [s for s in x.own if s not in protected]
-    reps = [(o, s) for o, steps in x.replicas.items() for s in steps[:-x.keep]
-            if o != x.rank or (s not in x.linked and s not in protected)]
-    if not own and not reps:
-        return GcPlan()
-    if complete is None:
-        return GcPlan(needs_complete=True)
-    return GcPlan(tuple(s for s in own if s != complete),
-                  tuple((o, s) for o, s in reps if s != complete))
-
-
-def _streams(files: list[tuple[int, FileMeta]], n: int) -> list[list[tuple[int, FileMeta]]]:
-    """``files`` split into at most ``n`` groups of about equal bytes (largest first,
-    each to the lightest group), each group in offer order. Pure."""
-    groups: list[list[tuple[int, FileMeta]]] = [[] for _ in range(max(1, min(n, len(files))))]
-    loads = [0] * len(groups)
-    for i, f in sorted(files, key=lambda x: (-x[1].size, x[0])):
-        k = loads.index(min(loads))
-        groups[k].append((i, f))
-        loads[k] += f.size
-    return [sorted(g, key=lambda x: x[0]) for g in groups if g]
-
-
-def _batches(files: list[tuple[int, FileMeta]]) -> list[list[tuple[int, FileMeta]]]:
-    """Large files one per call (streamed, in parallel); small ones together, up to
-    BATCH_BYTES or BATCH_FILES a call (their index in the offer travels as metadata)."""
-    out: list[list[tuple[int, FileMeta]]] = []
-    batch: list[tuple[int, FileMeta]] = []
-    held = 0
-    for i, f in files:
-        if f.size >= BATCH_BYTES // 4:
-            out.append([(i, f)])
-            continue
-        if batch and (held + f.size > BATCH_BYTES or len(batch) == BATCH_FILES):
-            out.append(batch)
-            batch, held = [], 0
-        batch.append((i, f))
-        held += f.size
-    if batch:
-        out.append(batch)
-    return out
+    rid: str = ""
+    members: tuple[int, ...] = ()
+    decision: pb.Decision = dataclasses.field(default_factory=pb.Decision)

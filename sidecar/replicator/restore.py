@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 from mtc import layout
 from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.files import copy_verified
 from mtc.sidecar.replicator.agreement import saving_ranks
-from mtc.sidecar.replicator.store import FileMeta, copy_verified, inside
+from mtc.sidecar.replicator.store import FileMeta, inside
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.schedule import BackupScheduler
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
+    from mtc.sidecar.replicator.node import RestoreAsk
     from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
@@ -42,6 +44,8 @@ class RestoreDuties:
     peers: dict[int, PeerClient]
     backup: BackupScheduler | None
     _pool: ThreadPoolExecutor
+    _lock: threading.Lock
+    restoring: dict[int, tuple[Path, set[str]]]
     _bg_pool: ThreadPoolExecutor  # one thread: data made local after answering
     _bg_lock: threading.Lock
     _materializing: dict[int, Future[str]]
@@ -49,7 +53,7 @@ class RestoreDuties:
     _stop: threading.Event
 
     if TYPE_CHECKING:  # provided by Node and BackupDuties
-        def agree(self, timeout_s: float | None = None
+        def agree(self, timeout_s: float | None = None, *, ask: RestoreAsk | None = None
                   ) -> tuple[pb.Decision, dict[int, pb.Inventory]]: ...
 
         def holds_own(self, step: int, run: str) -> bool: ...
@@ -64,12 +68,14 @@ class RestoreDuties:
 
         def _file_from_backup(self, step: int, f: FileMeta, dest: Path) -> bool: ...
 
-    def restore_for_client(self, job: str) -> int:
+    def restore_for_client(self, job: str, ask: RestoreAsk | None = None) -> int:
         """Answer an Orbax client: agree, park every step folder out of its sight,
-        bring this host's data of the agreed step, and write the restore marker."""
+        bring this host's data of the agreed step, and write the restore marker.
+        ``ask``: the client's request (its restore id: re-served, it reads its
+        decision again)."""
         from mtc.sidecar.replicator import orbax
 
-        decision, invs = self.agree()
+        decision, invs = self.agree(ask=ask)
         step, run = decision.step, decision.run
         for name in os.listdir(self.store.root):  # a client's renamed markers: links
             if layout.step_of_name(name) is not None and \
@@ -85,8 +91,8 @@ class RestoreDuties:
                            self.store.copy_dir(self.rank, step))
         return step
 
-    def prepare_restore(self, timeout_s: float | None = None, *, background: bool = False
-                        ) -> tuple[int, str, float, bool]:
+    def prepare_restore(self, timeout_s: float | None = None, *, background: bool = False,
+                        ask: RestoreAsk | None = None) -> tuple[int, str, float, bool]:
         """Agree on the step and make this host's data for it local; returns the
         step, the tier the data came from, the seconds taken and whether it is
         still on its way.
@@ -96,7 +102,7 @@ class RestoreDuties:
         (``pending``); the controller reads the same regions from other hosts'
         copies meanwhile. A local copy is still checked (and healed) first."""
         t0 = time.monotonic()
-        decision, invs = self.agree(timeout_s)
+        decision, invs = self.agree(timeout_s, ask=ask)
         step, run = decision.step, decision.run
         if step < 0:
             return -1, "none", time.monotonic() - t0, False
@@ -219,6 +225,10 @@ class RestoreDuties:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            # Served from the committed copy from here on (_from_backup staged it).
+            with self._lock:
+                self.restoring.pop(step, None)
         return tier
 
     def _copies_elsewhere(self, step: int, invs: dict[int, pb.Inventory], run: str = ""
@@ -290,7 +300,7 @@ class RestoreDuties:
                 self.metrics.failures.labels("fetch").inc()
                 log.warning("rank %d: %s of step %d from rank %d (origin %d) failed: %s",
                             self.rank, f.path, step, holder, origin, e)
-                errors.append(f"rank {holder}: {e}")
+                errors.append(f"rank {holder}: {_bare(e)}")
         if self.backup is not None:
             try:
                 if self._file_from_backup(step, f, dest):
@@ -298,9 +308,17 @@ class RestoreDuties:
                 errors.append("backup: not backed up")
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels("fetch").inc()
-                errors.append(f"backup: {e}")
+                errors.append(f"backup: {_bare(e)}")
         raise CorruptShardError(f"no good copy on any holder ({'; '.join(errors) or 'none'})",
                                 step=step, host=self.rank, path=f.path)
+
+
+def _bare(e: BaseException) -> str:
+    """An error's message without its step/host/file suffix: the error it goes into
+    names them once ("(host 1) (host 0) (host 1)" otherwise)."""
+    if not isinstance(e, MtcError):
+        return str(e)
+    return e.message
 
 
 def fetch_batches(first: Sequence[tuple[int, int] | None], rank: int, streams: int

@@ -38,6 +38,7 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.confine import open_beneath
+from mtc.sidecar.files import CHUNK, copy_verified
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, PUSH
 from mtc.sidecar.replicator.data_service import DataService
@@ -51,13 +52,7 @@ from mtc.sidecar.replicator.security import (
     check_listen_address,
 )
 from mtc.sidecar.replicator.status import to_status, wire_error
-from mtc.sidecar.replicator.store import (
-    CHUNK,
-    FileMeta,
-    copy_verified,
-    inside,
-    safe_relpath,
-)
+from mtc.sidecar.replicator.store import FileMeta, inside, safe_relpath
 from mtc.sidecar.replicator.transfers import Transfer, Transfers
 
 if TYPE_CHECKING:
@@ -164,9 +159,11 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             return pb.OfferReply(already_complete=True)
         t = Transfer(origin, step, Path(), files, fences)
         reply = pb.OfferReply(data_port=self.data_port)
-        for path, local in store.find_identical(files).items():
+        for path, (local, identified) in store.find_identical(files, step).items():
             t.candidates[path] = local
-            reply.candidates.add(path=path, sha256=store.sha256(local))
+            # The same path of the same step with the same size and CRC32C: the
+            # manifests say it is the same shard; no hash pass on either side.
+            reply.candidates.add(path=path, sha256=b"" if identified else store.sha256(local))
         t.tmp = store.begin_incoming(origin, step)
         try:
             reply.transfer_id = self.transfers.open(t)
@@ -402,11 +399,11 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 yield from store.stream_verified(origin, step, r)
             return
         rel = rels[0]
-        staged = self.node.restoring.get(step)
         if (origin, step) in store.copies():
             # Checked as it is read: a file that fails is quarantined, never sent whole.
             yield from store.stream_verified(origin, step, rel, req.offset)
             return
+        staged = self.node.staged(step) if origin == self.node.rank else None
         if origin == self.node.rank and staged and rel in staged[1]:
             base = staged[0]  # verified, from a restore in progress
         elif origin == self.node.rank and staged:

@@ -26,7 +26,6 @@ links: bytes damaged in place must not damage a second copy.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -35,24 +34,22 @@ import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from mtc import layout, validate
 from mtc.errors import CorruptShardError, FatalError, MtcError, UnsafePathError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
-from mtc.sidecar import checksum
-from mtc.sidecar.checksum import read_buffer
+from mtc.sidecar import files
 from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
 from mtc.sidecar.quarantine import quarantine
 
 log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".mtc-replica"
-CHUNK = 4 << 20
+CHUNK = files.CHUNK
 CACHE_SWEEP = 50_000  # remembered checksums beyond which files gone are swept out
-FICLONE = 0x40049409  # ioctl: share a file's extents copy-on-write (btrfs, xfs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,46 +99,12 @@ def inside(base: Path, rel: str) -> Path:
 
 
 def file_crc(path: Path) -> int:
-    return checksum.file_crc(path, CHUNK)[1]
+    """The CRC32C of a file (:func:`mtc.sidecar.files.file_crc`, one pass)."""
+    return files.file_crc(path)[1]
 
 
-def file_sha256(path: Path) -> bytes:
-    """SHA-256 digest of a file: the proof that two files with equal CRC32C are the
-    same bytes."""
-    return checksum.file_sha256(path, CHUNK)
-
-
-def copy_verified(src: Path, dst: Path, size: int, crc: int) -> str:
-    """Copy ``src`` to a new file ``dst`` and check that the copy has ``size`` bytes
-    with CRC32C ``crc``; returns "reflink" or "copy". On a mismatch ``dst`` is
-    removed and :class:`CorruptShardError` raised."""
-    how = "copy"
-    try:
-        with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as fout:
-            try:
-                fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
-                how = "reflink"
-            except OSError:  # tmpfs and most file systems: no shared extents
-                got, value = _copy_with_crc(fin, fout)
-        if how == "reflink":  # the clone's bytes are the source's: check them once
-            got, value = os.path.getsize(dst), file_crc(dst)
-        if got != size or value != crc:
-            raise CorruptShardError(f"local file has {got} bytes crc32c {value:#010x}, "
-                                    f"expected {size} bytes {crc:#010x}", path=str(src))
-    except BaseException:
-        dst.unlink(missing_ok=True)
-        raise
-    return how
-
-
-def _copy_with_crc(fin: Any, fout: Any) -> tuple[int, int]:
-    view = read_buffer(fin, CHUNK)
-    value = got = 0
-    while n := fin.readinto(view):
-        value = crc32c(view[:n], value)
-        fout.write(view[:n])
-        got += n
-    return got, value
+file_sha256 = files.file_sha256
+copy_verified = files.copy_verified
 
 
 def fingerprint_of(files: Sequence[FileMeta]) -> int:
@@ -150,15 +113,29 @@ def fingerprint_of(files: Sequence[FileMeta]) -> int:
     return crc32c(text.encode())
 
 
+WALK_THREADS = 4  # an opaque step's files are checksummed this many at a time
+
+
 def _walk(step_dir: Path) -> list[FileMeta]:
-    out = []
+    """An opaque step's files, each read once for its CRC32C: a few at a time (the
+    checksum runs outside the GIL), on threads this call starts and joins."""
+    paths = []
     for dirpath, _, names in os.walk(step_dir):
         for n in sorted(names):
             p = Path(dirpath) / n
             if p.is_symlink():
                 continue  # never follow links out of a step
-            rel = p.relative_to(step_dir).as_posix()
-            out.append(FileMeta(rel, p.stat().st_size, file_crc(p)))
+            paths.append(p)
+
+    def meta(p: Path) -> FileMeta:
+        return FileMeta(p.relative_to(step_dir).as_posix(), p.stat().st_size, file_crc(p))
+
+    if len(paths) < 2:
+        out = [meta(p) for p in paths]
+    else:
+        with ThreadPoolExecutor(min(WALK_THREADS, len(paths)),
+                                thread_name_prefix="mtc-describe") as pool:
+            out = list(pool.map(meta, paths))
     return sorted(out, key=lambda m: m.path)
 
 
@@ -372,6 +349,30 @@ class LocalStore:
         with self._lock:
             self._crcs[str(path)] = ((st.st_ino, st.st_size, st.st_mtime_ns), meta.crc32c)
 
+    def _trust_written(self, folder: Path, files: list[FileMeta]) -> None:
+        """An mtc step's files were checksummed as they were written (its manifest's
+        CRC32Cs): remembered as checked, not read again, as long as each is as it
+        was when the manifest (written last) was (not modified after it: by inode,
+        size and mtime from here on). A file changed since is read when checked."""
+        try:
+            written = os.lstat(folder / MANIFEST_NAME).st_mtime_ns
+        except OSError:
+            return
+        fresh = []
+        for f in files:
+            name = os.fspath(folder / f.path)
+            try:
+                st = os.lstat(name)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_size == f.size and st.st_mtime_ns <= written:
+                fresh.append((name, (st.st_ino, st.st_size, st.st_mtime_ns), f.crc32c))
+        with self._lock:
+            for name, key, crc in fresh:
+                hit = self._crcs.get(name)
+                if hit is None or hit[0] != key:  # a result of a read of this file stands
+                    self._crcs[name] = (key, crc)
+
     def verify(self, origin: int, step: int, *, cached: bool = True) -> list[FileMeta]:
         """Check every file of a held copy against its description; quarantine
         the bad ones and return them (empty: the copy is good)."""
@@ -515,6 +516,8 @@ class LocalStore:
             if not (self.root / str(step) / MANIFEST_NAME).is_file():
                 for f in files:  # described by reading them: checked already
                     self.note_verified(self.root / str(step) / f.path, f)
+            else:
+                self._trust_written(self.root / str(step), files)
         else:
             raw = json.loads(self._descriptor(origin, step).read_text())
             files = [FileMeta(p, int(s), int(c)) for p, s, c in raw]
@@ -582,21 +585,40 @@ class LocalStore:
                 gone.append((origin, s))
         return gone
 
-    def find_identical(self, metas: Sequence[FileMeta]) -> dict[str, Path]:
+    def find_identical(self, metas: Sequence[FileMeta], step: int | None = None
+                       ) -> dict[str, tuple[Path, bool]]:
         """Per offered file, a file held here with the same size and CRC32C (a dedup
-        candidate): one pass over what is held, whatever the number offered."""
+        candidate), and whether the manifests already say it is the same content:
+        a file of the same path in an mtc copy of the same ``step`` (a data-parallel
+        twin's shard), which needs no second hash to confirm it. One pass over
+        what is held, whatever the number offered."""
         wanted = {(m.size, m.crc32c) for m in metas}
         held: dict[tuple[int, int], Path] = {}
-        for origin, step in self.copies():
+        same: dict[tuple[str, int, int], Path] = {}
+        for origin, s in self.copies():
             try:
-                files = self.describe(origin, step)
+                files = self.describe(origin, s)
+                # Only an mtc step's manifest identifies its files (a shard's path
+                # names its leaf and region, its CRC32C was taken as it was written);
+                # an opaque step's (Orbax's) are confirmed by hash.
+                manifested = s == step and self.summary(origin, s).num_hosts > 0
             except (OSError, ValueError):
                 continue
             for f in files:
                 key = (f.size, f.crc32c)
-                if key in wanted and key not in held:
-                    held[key] = self.copy_dir(origin, step) / f.path
-        return {m.path: held[(m.size, m.crc32c)] for m in metas if (m.size, m.crc32c) in held}
+                if key not in wanted:
+                    continue
+                held.setdefault(key, self.copy_dir(origin, s) / f.path)
+                if manifested:
+                    same.setdefault((f.path, *key), self.copy_dir(origin, s) / f.path)
+        out: dict[str, tuple[Path, bool]] = {}
+        for m in metas:
+            twin = same.get((m.path, m.size, m.crc32c))
+            if twin is not None:
+                out[m.path] = (twin, True)
+            elif (m.size, m.crc32c) in held:
+                out[m.path] = (held[(m.size, m.crc32c)], False)
+        return out
 
     # -- incoming copies ----------------------------------------------------
 

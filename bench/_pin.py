@@ -1,0 +1,70 @@
+"""Pinning processes to cores, as on a real host: a TPU host's CPUs are not its
+accelerators, so the trainer's CPU devices (standing in for accelerators here) get
+one core and the hosts' sidecars and replicators the other.
+
+The trainer is started pinned (``preexec``: its threads and children inherit the
+core); the hosts' processes are pinned by :class:`Pinner`, every thread of every
+process ``pids()`` names, again every ``period_s`` (a replaced host is a new
+process; a new thread inherits its creator's core). Whoever enters it joins its
+thread on exit."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+
+def pinning(cores: set[int]) -> Callable[[], None]:
+    """A ``preexec_fn`` that pins the child (and so everything it starts) to ``cores``."""
+    def pin() -> None:
+        os.sched_setaffinity(0, cores)
+    return pin
+
+
+def pin_process(pid: int, cores: set[int]) -> int:
+    """Pin every thread of ``pid`` to ``cores``; returns how many were moved."""
+    moved = 0
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return 0  # gone
+    for tid in tids:
+        try:
+            if os.sched_getaffinity(tid) != cores:
+                os.sched_setaffinity(tid, cores)
+                moved += 1
+        except OSError:
+            pass  # the thread ended meanwhile
+    return moved
+
+
+class Pinner:
+    """Keeps the processes ``pids()`` names on ``cores``."""
+
+    def __init__(self, pids: Callable[[], list[int]], cores: set[int],
+                 period_s: float = 0.5) -> None:
+        self._pids = pids
+        self.cores = cores
+        self._period = period_s
+        self.moved = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pinner", daemon=True)
+
+    def __enter__(self) -> Pinner:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                for pid in self._pids():
+                    self.moved += pin_process(pid, self.cores)
+            except (OSError, ValueError, KeyError):
+                pass  # the cluster's state file is being replaced: next time
+            if self._stop.wait(self._period):
+                return

@@ -1,0 +1,126 @@
+"""The colocated path's costs as Pathways would see them: how many colocated calls
+a save and a restore make (fixed, whatever the host count), and that restored
+bytes never become controller Python objects.
+
+The calls run on JAX's in-process CPU fallback here (the sidecar processes run
+the same programs in tests/test_colocated_hosts.py); what is counted and
+instrumented is the controller's side of the seam, ``ColocatedDispatch``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import mtc
+from mtc.dispatch import calls, colocated, colocated_load
+
+
+def _manager(ramdisk: Path, hosts: int) -> mtc.CheckpointManager:
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model"))
+    return mtc.CheckpointManager(ramdisk, mesh=mesh, options=mtc.Options(
+        simulated_hosts=hosts, hosts_per_slice=hosts // 2, dispatch="colocated"))
+
+
+def _state(mgr: mtc.CheckpointManager, rows: int = 8) -> dict[str, Any]:
+    assert mgr.mesh is not None
+    w = jax.device_put(np.arange(rows * 16, dtype=np.float32).reshape(rows, 16),
+                       NamedSharding(mgr.mesh, PartitionSpec("replica", "model")))
+    b = jax.device_put(np.arange(16, dtype=np.int32), NamedSharding(mgr.mesh, PartitionSpec()))
+    return {"w": w, "b": b, "step": 3}
+
+
+def _calls(mgr: mtc.CheckpointManager) -> int:
+    return int(mgr._dispatch.calls)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("hosts", [4, 8])
+def test_a_save_and_a_restore_make_a_fixed_handful_of_calls(ramdisk: Path, hosts: int) -> None:
+    with _manager(ramdisk, hosts) as mgr:
+        state = _state(mgr)
+        made = []
+        for step in (1, 2, 3):  # the first, and saves with retention riding along
+            before = _calls(mgr)
+            assert mgr.save(step, state)
+            made.append(_calls(mgr) - before)
+        assert made == [2, 2, 2]
+        mgr.wait_until_finished()
+    # A restarted job: a fresh manager restores the newest step, and a given one.
+    with _manager(ramdisk, hosts) as mgr:
+        before = _calls(mgr)
+        back = mgr.restore(None, _state(mgr))
+        newest = _calls(mgr) - before
+        before = _calls(mgr)
+        mgr.restore(2, _state(mgr))
+        given = _calls(mgr) - before
+    assert newest <= 3 and given <= 3, (newest, given)
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(128).reshape(8, 16))
+    np.testing.assert_array_equal(np.asarray(back["b"]), np.arange(16))
+
+
+def test_calls_do_not_grow_with_hosts(ramdisk: Path) -> None:
+    counts = {}
+    for hosts in (4, 8):
+        root = ramdisk / f"h{hosts}"
+        with _manager(root, hosts) as mgr:
+            state = _state(mgr)
+            before = _calls(mgr)
+            mgr.save(1, state)
+            mgr.wait_until_finished()
+            mgr.restore(1, state)
+            counts[hosts] = _calls(mgr) - before
+    assert counts[4] == counts[8], counts
+
+
+def test_restored_bytes_never_become_controller_objects(ramdisk: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seam where bytes would enter controller Python (a host's reply decoded
+    into regions, or a region read by host) refuses to run; every answer the
+    controller reads is counted, and is far smaller than the state."""
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("restored bytes passed through the controller")
+
+    with _manager(ramdisk, 4) as mgr:
+        state = _state(mgr, rows=1024)  # 64 KiB of w
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        monkeypatch.setattr(calls, "regions_of", refuse)
+        monkeypatch.setattr(colocated, "regions_of", refuse)
+        monkeypatch.setattr(colocated.ColocatedDispatch, "_fetch", refuse)
+        monkeypatch.setattr(calls.HostCalls, "_fetch", refuse)
+        dispatch: Any = mgr._dispatch
+        read_before = dispatch.answer_bytes
+        back = mgr.restore(1, state)
+        # Onto half the devices, in another layout: regions other hosts saved are
+        # built on their target devices from the holders' pieces.
+        half = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+        other = {"w": jax.ShapeDtypeStruct((1024, 16), np.float32,
+                                           sharding=NamedSharding(half, PartitionSpec("b", "a"))),
+                 "b": state["b"], "step": 0}
+        moved = mgr.restore(1, other)
+        read = dispatch.answer_bytes - read_before
+        # Onto the devices in reverse order: every region is one that another host
+        # saved whole; it comes back as an array of its own on that host and is
+        # moved onto its target device, nothing sliced or compiled here.
+        rev = Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("replica", "model"))
+        built: list[Any] = []
+        assemble = colocated_load._assemble
+        monkeypatch.setattr(colocated_load, "_assemble",
+                            lambda *a: built.append(a) or assemble(*a))
+        swapped = mgr.restore(1, {"w": jax.ShapeDtypeStruct(
+            (1024, 16), np.float32, sharding=NamedSharding(rev, PartitionSpec("replica", "model"))),
+            "b": state["b"], "step": 0})
+    want = np.arange(1024 * 16, dtype=np.float32).reshape(1024, 16)
+    np.testing.assert_array_equal(np.asarray(back["w"]), want)
+    np.testing.assert_array_equal(np.asarray(moved["w"]), want)
+    assert moved["w"].sharding == other["w"].sharding
+    np.testing.assert_array_equal(np.asarray(swapped["w"]), want)
+    assert swapped["w"].sharding.mesh == rev and built == []
+    np.testing.assert_array_equal(np.asarray(moved["b"]), np.arange(16))
+    # Two restores' answers (steps and manifests): a fraction of one copy of w.
+    assert 0 < read < want.nbytes // 4, read
