@@ -85,6 +85,23 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
             pieces.append(jax.device_put(region, d))
         outputs.append(jax.make_array_from_single_device_arrays(shape, sharding, pieces,
                                                                 dtype=dtype))
+    for entry in request.get("regions", []):  # a region one host reads whole for others
+        d = devices[int(entry["pos"])]
+        shape = tuple(int(n) for n in entry["shape"])
+        dtype = numpy_dtype(entry["dtype"])
+        pieces = []
+        if d in host_of:
+            t = task_from_json(entry["task"])
+            check_tasks([t], step=step, host=host_of[d])
+            if {p.host for p in t.pieces} != {host_of[d]}:
+                raise ProtocolError("asked to read pieces of another host", step=step,
+                                    host=host_of[d])
+            region = loader.read(t)
+            if region.shape != shape or region.dtype != dtype:
+                raise ProtocolError("a region is not the shape it was asked as", step=step)
+            pieces.append(jax.device_put(region, d))
+        outputs.append(jax.make_array_from_single_device_arrays(
+            shape, SingleDeviceSharding(d), pieces, dtype=dtype))
     foreign = request.get("foreign")
     if foreign is not None:
         sharding = sharding_from_json(foreign["out"], devices)

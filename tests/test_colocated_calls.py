@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mtc
-from mtc.dispatch import calls, colocated
+from mtc.dispatch import calls, colocated, colocated_load
 
 
 def _manager(ramdisk: Path, hosts: int) -> mtc.CheckpointManager:
@@ -104,10 +104,23 @@ def test_restored_bytes_never_become_controller_objects(ramdisk: Path,
                  "b": state["b"], "step": 0}
         moved = mgr.restore(1, other)
         read = dispatch.answer_bytes - read_before
+        # Onto the devices in reverse order: every region is one that another host
+        # saved whole; it comes back as an array of its own on that host and is
+        # moved onto its target device, nothing sliced or compiled here.
+        rev = Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("replica", "model"))
+        built: list[Any] = []
+        assemble = colocated_load._assemble
+        monkeypatch.setattr(colocated_load, "_assemble",
+                            lambda *a: built.append(a) or assemble(*a))
+        swapped = mgr.restore(1, {"w": jax.ShapeDtypeStruct(
+            (1024, 16), np.float32, sharding=NamedSharding(rev, PartitionSpec("replica", "model"))),
+            "b": state["b"], "step": 0})
     want = np.arange(1024 * 16, dtype=np.float32).reshape(1024, 16)
     np.testing.assert_array_equal(np.asarray(back["w"]), want)
     np.testing.assert_array_equal(np.asarray(moved["w"]), want)
     assert moved["w"].sharding == other["w"].sharding
+    np.testing.assert_array_equal(np.asarray(swapped["w"]), want)
+    assert swapped["w"].sharding.mesh == rev and built == []
     np.testing.assert_array_equal(np.asarray(moved["b"]), np.arange(16))
     # Two restores' answers (steps and manifests): a fraction of one copy of w.
     assert 0 < read < want.nbytes // 4, read

@@ -100,7 +100,7 @@ def test_cluster_backs_up_to_the_gcs_emulator(ramdisk: Path, mesh: Mesh) -> None
 def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
         tmp_path: Path, ramdisk: Path) -> None:
     out = tmp_path / "demo"
-    report = run_demo(out, ramdisk, "--steps", "80", "--host-loss-at", "15",
+    report = run_demo(out, ramdisk, "--steps", "100", "--host-loss-at", "15",
                       "--slice-loss-at", "30", "--slice-down-steps", "8")
 
     host, lost, up = report["failures"]
@@ -140,7 +140,7 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     # Pause-and-resume waited for the host to come back (1.5 s after its loss).
     assert host["seconds"]["detect"] + host["seconds"]["wait"] >= 1.5
 
-    assert report["steps_completed"] == 80
+    assert report["steps_completed"] == 100
     assert report["loss_matches_reference"] is True
     assert report["loss_max_abs_diff"] <= 1e-6
     assert report["loss_max_abs_diff_replayed_steps_first_run"] <= 1e-6
@@ -150,6 +150,7 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     status = (out / "cluster-status.txt").read_text()
     cluster = report["cluster"]
     assert cluster["isolation"] in ("namespaces", "processes")
+    assert cluster["dispatch"] == "colocated"  # the local cluster plays Pathways
     assert "DOWN" not in status
     assert all(status.count(h["address"]) >= 1 for h in cluster["hosts"])
     # Each host its own processes; host 1, then slice 1 (hosts 2, 3) were replaced:
@@ -173,7 +174,7 @@ def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
     a save interval lost); scaling up saves the last step first and reads it back
     as the survivors saved it (their manifests number only their hosts)."""
     out = tmp_path / "demo"
-    report = run_demo(out, ramdisk, "--steps", "80", "--host-loss-at", "15",
+    report = run_demo(out, ramdisk, "--steps", "100", "--host-loss-at", "15",
                       "--slice-loss-at", "30", "--slice-down-steps", "8", "--no-snapshot")
     host, lost, up = report["failures"]
     assert host["tier"] == "peer" and host["steps_lost"] == 0
@@ -182,7 +183,7 @@ def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
     # Before scaling up, the trainer saved its last step on the one slice.
     assert up["kind"] == "scale_up" and up["tier"] == "local" and up["steps_lost"] == 0
     assert up["resumed_from_step"] > 30
-    assert report["steps_completed"] == 80
+    assert report["steps_completed"] == 100
     assert report["loss_matches_reference"] is True
 
 

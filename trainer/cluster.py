@@ -185,6 +185,23 @@ class LocalCluster:
         self.hosts.start_sidecar(rank, self.slice_list(), env=self.env(), wait=wait)
         self.save()  # its pid: whoever takes the cluster down reads it from the file
 
+    def start_hosts(self, ranks: list[int]) -> None:
+        """Start the hosts ``ranks`` (all their processes gone) and wait until they
+        serve: each sidecar, then its replicator beside it as soon as the sidecar
+        has made the host's namespaces (while a colocated runtime still starts, as
+        a pod's containers start together), then every sidecar and replicator
+        serving."""
+        for r in ranks:
+            self.start_sidecar(r, wait=False)
+        for r in ranks:
+            self.hosts.wait_started(r)
+            self.launch(r)
+        for r in ranks:
+            self.hosts.wait_sidecar(r)
+        self.save()
+        for r in ranks:
+            self.wait_serving(r)
+
     def launch(self, rank: int) -> None:
         """Start ``rank``'s replicator in its host's namespaces (its own session: it
         outlives whoever started it)."""
@@ -316,14 +333,7 @@ class LocalCluster:
                           [hosts.replicator_address(r) for r in range(n)], hosts.to_json(),
                           backup, replicator_nice=replicator_nice, emulator=emulator,
                           _hosts=hosts)
-            for r in range(n):
-                cluster.start_sidecar(r, wait=False)
-            for r in range(n):
-                hosts.wait_sidecar(r)
-                cluster.launch(r)
-            cluster.save()
-            for r in range(n):
-                cluster.wait_serving(r)
+            cluster.start_hosts(list(range(n)))
             # Serving is not reaching: every host must reach every other (and this
             # namespace them), or the cluster says why now, not in a restore later.
             hosts.check_reach(lambda h: h.replicator_port)

@@ -349,9 +349,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "or train on the other slice meanwhile and scale back up (resize)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=1e-6)
-    p.add_argument("--dispatch", choices=("process", "colocated"), default="process",
-                   help="the trainer reaches the sidecars by seam requests, or by colocated "
-                        "Python programs they run as Pathways workers would")
+    p.add_argument("--dispatch", choices=("process", "colocated"), default="colocated",
+                   help="the trainer reaches the sidecars by colocated Python programs they "
+                        "run as Pathways workers would (the default: the path a Pathways job "
+                        "runs), or by seam requests (process: a test tool, docs/hosts.md)")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="no per-step in-memory snapshot")
     p.add_argument("--compile-ahead", type=int, default=1,

@@ -148,14 +148,7 @@ class HostFaults:
 
         def run() -> None:
             time.sleep(delay)  # the replacement's own start (simulated)
-            for h in hosts:
-                self.cluster.start_sidecar(h, wait=False)
-            for h in hosts:
-                self.cluster.hosts.wait_sidecar(h)
-                self.cluster.launch(h)
-            self.cluster.save()
-            for h in hosts:
-                self.cluster.wait_serving(h)
+            self.cluster.start_hosts(hosts)
             sim = self.sim
             if sim is not None:
                 for h in hosts:

@@ -251,11 +251,13 @@ class Hosts:
         h = self.hosts[i]
         ready = self.ready_file(i)
         ready.unlink(missing_ok=True)
+        self.started_file(i).unlink(missing_ok=True)
         listen = f"{h.address}:{h.sidecar_port}"
         cmd = [sys.executable, "-m", "mtc.sidecar.host.main", "--root", str(h.root),
                "--area", str(h.area), "--host", str(i), "--slices",
                ",".join(str(s) for s in slices), "--listen", listen,
-               "--ready-file", str(ready), "--writer-threads", str(writer_threads),
+               "--ready-file", str(ready), "--started-file", str(self.started_file(i)),
+               "--writer-threads", str(writer_threads),
                # Every caller presents the hosts' token (the replicators' too).
                "--token-file", str(self.token_file), *extra]
         if self.colocated_devices:
@@ -281,6 +283,21 @@ class Hosts:
 
     def ready_file(self, i: int) -> Path:
         return self.base / f"host-{i}" / "mtc.sidecar.ready"
+
+    def started_file(self, i: int) -> Path:
+        return self.base / f"host-{i}" / "mtc.sidecar.started"
+
+    def wait_started(self, i: int, timeout: float = READY_TIMEOUT_S) -> None:
+        """Until host ``i``'s sidecar runs in the host's namespaces (its RAM disk
+        mounted), before it serves: its replicator may start beside it while a
+        colocated runtime still starts."""
+        h, started = self.hosts[i], self.started_file(i)
+        deadline = time.monotonic() + timeout
+        while not started.exists() and not self.ready_file(i).exists():
+            if not _alive(h.sidecar_pid, h.sidecar) or time.monotonic() > deadline:
+                raise RuntimeError(f"sidecar of host {i} did not start: "
+                                   f"{self.log_tail(i, 'sidecar')}")
+            time.sleep(0.005)
 
     def wait_sidecar(self, i: int, timeout: float = READY_TIMEOUT_S) -> None:
         """Until host ``i``'s sidecar serves (it writes its ready file; a stat every

@@ -8,11 +8,13 @@ controller then moves them onto the target shardings with ``jax.device_put``
 (on Pathways a copy within each worker, from its CPU to its accelerators).
 
 A leaf with a region whose pieces other hosts saved (a restore onto another
-mesh) is built on its target devices instead: each holder returns the parts it
-reads (a whole region where it holds all of it, else its pieces) in one flat
-buffer on one of its own CPU devices, and JAX slices, reinterprets, moves and
-places them device to device. Only the plan (JSON) and the arrays' handles
-pass through here.
+mesh, or a replaced host's regions read from another slice's copies) is built on
+its target devices instead: a region one host holds whole comes back as an array
+of its own on one of that host's CPU devices, which ``device_put`` moves onto
+each target device that needs it (nothing is compiled); the pieces of a region
+several hosts hold come in one flat buffer per holder on one of its CPU
+devices, and JAX slices, reinterprets, moves and places them device to
+device. Only the plan (JSON) and the arrays' handles pass through here.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class LoadPlan:
     split: dict[tuple[int, int], tuple[Index, list[tuple[int, Index]]]]
     offsets: dict[tuple[int, int, Index], int]  # (leaf, holder, part) -> place in buffer
     holder_position: dict[int, int]  # host -> position of its buffer's device
+    # (leaf, holder, region) -> output k: a region its holder read whole, as an array
+    whole: dict[tuple[int, int, Index], int] = dataclasses.field(default_factory=dict)
 
 
 def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
@@ -100,6 +104,7 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
     by_host: dict[int, list[dict[str, Any]]] = {}
     split: dict[tuple[int, int], tuple[Index, list[tuple[int, Index]]]] = {}
     foreign: dict[int, dict[tuple[int, Index], ReadTask]] = {}  # holder -> its parts
+    whole: dict[tuple[int, int, Index], ReadTask] = {}  # regions read whole by a holder
     for t in tasks:
         reader = host_of_device[t.device_ids[0]]
         if t.leaf not in built:
@@ -112,8 +117,7 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
         if len(held_by) == 1:  # one host holds it all: it reads the whole region
             h = held_by.pop()
             parts = [(h, t.index)]
-            foreign.setdefault(h, {})[(t.leaf, t.index)] = ReadTask(
-                t.leaf, t.index, t.dtype, (), t.pieces)
+            whole[(t.leaf, h, t.index)] = ReadTask(t.leaf, t.index, t.dtype, (), t.pieces)
         else:  # each holder reads its pieces, placed on the target device
             parts = [(p.host, p.entry.index) for p in t.pieces]
             for p in t.pieces:
@@ -125,11 +129,22 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
                                "tasks": {str(h): ts for h, ts in by_host.items()}}
     offsets: dict[tuple[int, int, Index], int] = {}
     holder_position: dict[int, int] = {}
+    # One CPU device per worker holds what that worker reads for others.
+    first: dict[int, jax.Device] = {}
+    for d in cpu_devices:
+        first.setdefault(rank_of[d], d)
+    whole_out: dict[tuple[int, int, Index], int] = {}
+    regions: list[dict[str, Any]] = []
+    for (leaf, h, index), task in whole.items():
+        shape = tuple(b - a for a, b in index)
+        whole_out[(leaf, h, index)] = len(out_specs)
+        regions.append({"task": task_to_json(task), "pos": position[first[h]],
+                        "shape": list(shape), "dtype": specs[leaf].dtype})
+        out_specs.append(jax.ShapeDtypeStruct(shape, jax.numpy.dtype(specs[leaf].dtype),
+                                              sharding=SingleDeviceSharding(first[h])))
+    if regions:
+        request["regions"] = regions
     if foreign:
-        # One CPU device per worker holds that worker's pieces, end to end.
-        first: dict[int, jax.Device] = {}
-        for d in cpu_devices:
-            first.setdefault(rank_of[d], d)
         holders = sorted(first)
         sizes = {}
         entries: dict[str, list[dict[str, Any]]] = {}
@@ -154,7 +169,7 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
         out_specs.append(jax.ShapeDtypeStruct(
             (cap * len(buffer_devices),), np.dtype(np.uint8),
             sharding=NamedSharding(mesh, jax.sharding.PartitionSpec("hosts"))))
-    return LoadPlan(request, out_specs, leaves, split, offsets, holder_position)
+    return LoadPlan(request, out_specs, leaves, split, offsets, holder_position, whole_out)
 
 
 def encode(plan_: LoadPlan) -> np.ndarray:
@@ -162,14 +177,19 @@ def encode(plan_: LoadPlan) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _extract(offset: int, dtype: str, shape: tuple[int, ...]) -> Any:
+def _extract(dtype: str, shape: tuple[int, ...], static_offset: int | None) -> Any:
     """A compiled cut of a part out of a holder's buffer: the slice, the
-    reinterpretation and the reshape fused into one copy on the holder's device."""
+    reinterpretation and the reshape fused into one copy on the holder's device.
+    The offset is an argument, so that every part of one shape and dtype shares
+    one executable (a replaced host's restore cuts hundreds of parts, and each
+    compile costs tens of milliseconds); only a buffer past 2 GiB, whose offsets
+    an int32 cannot hold, compiles one per offset (``static_offset``)."""
     dt = jax.numpy.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
 
-    def cut(buffer: jax.Array) -> jax.Array:
-        raw = jax.lax.slice(buffer, (offset,), (offset + n,))
+    def cut(buffer: jax.Array, offset: Any) -> jax.Array:
+        raw = (jax.lax.slice(buffer, (static_offset,), (static_offset + n,))
+               if static_offset is not None else jax.lax.dynamic_slice(buffer, (offset,), (n,)))
         if dt == np.bool_:
             return (raw != 0).reshape(shape)
         if dt.itemsize == 1:
@@ -181,7 +201,10 @@ def _extract(offset: int, dtype: str, shape: tuple[int, ...]) -> Any:
 
 def _part_array(buffer: jax.Array, offset: int, leaf_dtype: str, index: Index) -> jax.Array:
     """A part, on its holder's device, out of that holder's buffer (device ops)."""
-    return _extract(offset, leaf_dtype, tuple(b - a for a, b in index))(buffer)
+    shape = tuple(b - a for a, b in index)
+    if buffer.size < 1 << 31:
+        return _extract(leaf_dtype, shape, None)(buffer, np.int32(offset))
+    return _extract(leaf_dtype, shape, offset)(buffer, np.int32(0))
 
 
 def _assemble(index: Index, parts: list[tuple[int, Index]], leaf: int, spec: LeafSpec,
@@ -214,7 +237,7 @@ def finish(plan_: LoadPlan, outputs: Sequence[jax.Array], specs: dict[int, LeafS
     where the CPU devices are the targets); the other leaves built device to device
     from the parts their holders read."""
     buffers: dict[int, jax.Array] = {}
-    if len(outputs) > len(plan_.leaves):
+    if "foreign" in plan_.request:
         by_device = {s.device: s.data for s in outputs[-1].addressable_shards}
         mesh_devices = list(plan_.out_specs[-1].sharding.mesh.devices.flat)
         for h, k in plan_.holder_position.items():
@@ -227,7 +250,11 @@ def finish(plan_: LoadPlan, outputs: Sequence[jax.Array], specs: dict[int, LeafS
         shards = []
         for d in spec.sharding.addressable_devices:
             index, parts = plan_.split[(leaf, d.id)]
-            shards.append(_assemble(index, parts, leaf, spec, d, plan_, buffers))
+            whole = plan_.whole.get((leaf, parts[0][0], index)) if len(parts) == 1 else None
+            if whole is not None and parts[0][1] == index:  # read whole by its holder
+                shards.append(jax.device_put(outputs[whole], d))
+            else:
+                shards.append(_assemble(index, parts, leaf, spec, d, plan_, buffers))
         arrays[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding,
                                                                 shards)
     return arrays

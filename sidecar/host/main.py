@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="slice of every host, comma-separated (host order)")
     p.add_argument("--listen", required=True, help="address to serve (host:port or unix:PATH)")
     p.add_argument("--ready-file", type=Path, help="written with the bound address when serving")
+    p.add_argument("--started-file", type=Path,
+                   help="written at once, before the colocated runtime starts: the host's "
+                        "other processes may join its namespaces meanwhile")
     p.add_argument("--writer-threads", type=int, default=2)
     p.add_argument("--colocated-devices", type=int, default=0,
                    help="run colocated-Python programs on this many CPU devices of its own "
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     slices = [int(x) for x in args.slices.split(",")]
     args.root.mkdir(parents=True, exist_ok=True)
     args.area.mkdir(parents=True, exist_ok=True)
+    if args.started_file:
+        layout.write_atomic(args.started_file, json.dumps({"pid": os.getpid()}))
     config = AgentConfig(local_dir=str(args.root), host_of_device={},
                          slice_of_host=dict(enumerate(slices)), subdirs=False,
                          max_staged_bytes=None, writer_threads=args.writer_threads)

@@ -58,6 +58,16 @@ MAX_REQUEST = 4 << 20    # a push of every file of an offer by index, a fetch's 
 MAX_STATUS = 64 << 10
 IO_TIMEOUT_S = 30.0      # one read or write; the Streams watchdog bounds the whole
 HANDSHAKE_S = 10.0       # connection set-up: TLS handshake and the request
+# A peer gone silent (a cut link: no reset ever comes) is found by the kernel, as
+# the control plane's gRPC keepalive finds it: probed after 2 s idle, every 1 s,
+# dropped when 5 s pass unanswered, or when sent bytes stay unacknowledged that
+# long. A live peer's kernel answers however slowly its process reads, so a
+# loaded host is not taken for a dead one; IO_TIMEOUT_S still bounds a peer that
+# answers probes and sends nothing.
+KEEPALIVE_IDLE_S = 2
+KEEPALIVE_INTERVAL_S = 1
+KEEPALIVE_PROBES = 3
+UNACKED_S = 5
 _LEN = struct.Struct("<I")
 # Bytes per receive: small enough that the CRC32C and the write read them from the
 # cache the receive just filled (a whole CHUNK would go out to memory and back).
@@ -112,6 +122,19 @@ class Handler(Protocol):
 
 
 # -- framing ---------------------------------------------------------------------------
+
+
+def watch_liveness(sock: socket.socket) -> None:
+    """TCP keepalive and an unacknowledged-data bound on ``sock`` (where the
+    platform has them: Linux does)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+                        ("TCP_USER_TIMEOUT", UNACKED_S * 1000)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -401,6 +424,7 @@ class DataServer:
         try:
             raw.settimeout(HANDSHAKE_S)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            watch_liveness(raw)
             names: list[str] = []
             if self._tls is not None:
                 sock = self._tls.get().wrap_socket(raw, server_side=True)
@@ -459,6 +483,7 @@ class DataClient:
         sock: socket.socket = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            watch_liveness(raw)
             if self._creds.tls:
                 name = self._server_name()
                 ctx = (self._named if name is not None else self._unnamed).get()
