@@ -83,3 +83,6 @@ class ThreadPool(Executor):
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
+            # An idle thread holds nothing of its last task (a buffer it wrote is
+            # reused once the last reference to it goes).
+            del item, fut, fn, args, kwargs

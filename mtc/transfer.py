@@ -22,9 +22,12 @@ import struct
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from mtc.slots import SlotMaps, SlotPool
 
 ALIGN = 4096
 
@@ -89,8 +92,9 @@ def new_reply_file(area: Path) -> Path:
 
 # A message of the colocated-Python runtime (mtc.dispatch.remote_colocated): a JSON
 # header, then buffers. Small buffers travel in the message; larger ones in a
-# fresh file of the area, which the receiver maps and unlinks, as a restore's
-# reply file (bytes cross through shared memory, never through the RAM disk).
+# reused slot of the area when one is free (mtc.slots), else in a fresh file of
+# the area, which the receiver maps and unlinks, as a restore's reply file
+# (bytes cross through shared memory, never through the RAM disk).
 INLINE_LIMIT = 1 << 20
 
 
@@ -116,12 +120,26 @@ def _write_file(path: Path, buffers: Sequence[np.ndarray], offsets: list[int],
         os.close(fd)
 
 
-def pack_message(area: Path, header: dict[str, Any], buffers: Sequence[np.ndarray]) -> bytes:
+def pack_message(area: Path, header: dict[str, Any], buffers: Sequence[np.ndarray],
+                 slots: SlotPool | None = None) -> bytes:
     """``header`` and ``buffers`` (uint8, contiguous) as one message; the header gains
-    ``offsets``, ``size`` and, when the buffers went to a file, its name ``file``."""
+    ``offsets``, ``size`` and, when the buffers went to a free slot of ``slots``, its
+    name ``slot`` and ``use``, or when they went to a fresh file, its name ``file``."""
     offsets, total = layout_regions([b.nbytes for b in buffers])
     header = {**header, "offsets": offsets, "size": total,
               "nbytes": [b.nbytes for b in buffers]}
+    slot = slots.take() if slots is not None and total > INLINE_LIMIT else None
+    if slot is not None:
+        try:  # one copy into memory touched before (the slot's mapping is kept)
+            view = slot.ensure(total)
+            for b, off in zip(buffers, offsets, strict=True):
+                np.copyto(view[off:off + b.nbytes], b)
+        except BaseException:
+            assert slots is not None
+            slots.unsent(slot)
+            raise
+        head = json.dumps({**header, "slot": slot.name, "use": slot.use}).encode()
+        return _LENGTH.pack(len(head)) + head
     if total > INLINE_LIMIT:
         path = area / f"call-{uuid.uuid4().hex[:16]}"
         _write_file(path, buffers, offsets, total)
@@ -137,9 +155,11 @@ def pack_message(area: Path, header: dict[str, Any], buffers: Sequence[np.ndarra
     return bytes(out)
 
 
-def unpack_message(area: Path, message: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
+def unpack_message(area: Path, message: bytes, slots: SlotMaps | None = None
+                   ) -> tuple[dict[str, Any], list[np.ndarray]]:
     """The header and the buffers (read-only uint8 views) of a :func:`pack_message`
-    message; a file it names is unlinked (its mapping lives on with the views).
+    message; a file it names is unlinked (its mapping lives on with the views); a
+    slot it names is mapped through ``slots``, busy while the views live.
     Raises ValueError on a malformed message."""
     if len(message) < _LENGTH.size:
         raise ValueError("message shorter than its length field")
@@ -150,7 +170,11 @@ def unpack_message(area: Path, message: bytes) -> tuple[dict[str, Any], list[np.
     size, offsets = int(header["size"]), [int(o) for o in header["offsets"]]
     sizes = [int(x) for x in header["nbytes"]]
     name = header.get("file")
-    if name is not None:
+    if "slot" in header:
+        if slots is None:
+            raise ValueError("message names a slot where none are kept")
+        data = slots.view(header["slot"], int(header["use"]), size)
+    elif name is not None:
         if not isinstance(name, str) or "/" in name or not name.startswith("call-"):
             raise ValueError(f"message names a bad file {name!r}")
         path = area / name

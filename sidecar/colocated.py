@@ -34,6 +34,7 @@ from mtc.errors import MtcError, StorageError
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.colocated_load import load_regions
 from mtc.sidecar.ops import HostOps
+from mtc.sidecar.write import clear_frames
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class ColocatedAgent:
             self._error = e
         except OSError as e:
             self._error = StorageError(f"worker: {e.strerror or e}", path=e.filename)
+        # The kept error holds no frame's arrays: a call's inputs (a reused slot of
+        # the host's area, on the local cluster) are free once it failed.
+        clear_frames(self._error)
         return FAILED
 
     def ask(self, request: jax.Array, ranks: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ import os
 import queue
 import shutil
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -111,6 +112,16 @@ def _write_file(path: Path, data: np.ndarray) -> int:
     return crc32c(data) if data.size else 0
 
 
+def clear_frames(e: BaseException | None) -> None:
+    """Drop the locals of the frames an error and its causes keep (their text
+    stays): a kept error must not keep staged bytes alive."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+
+
 def _drain(save: HostSave) -> None:
     """Release shards still being staged into a save that already failed."""
     if save.ended:
@@ -149,6 +160,9 @@ class Writer:
             try:
                 save.done.set_result(self._write(save))
             except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                # The error is kept until raised; the staged bytes its frames
+                # reference are not (a reused buffer is free once its write ended).
+                clear_frames(e)
                 save.done.set_exception(e)
 
     def _write(self, save: HostSave) -> Path:

@@ -11,6 +11,7 @@ see a step file.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +116,30 @@ def test_a_closed_manager_leaves_no_program_in_the_sidecars(hosts: Hosts, mesh: 
         assert programs() == [0] * len(sidecars)
     finally:
         probe._channels_close()
+
+
+def test_steady_state_saves_reuse_a_slot_of_each_area(hosts: Hosts, mesh: Mesh,
+                                                     tmp_path: Path) -> None:
+    """A save's shards cross into a reused slot of each host's area (as a worker
+    copies them into host buffers it reuses), never a fresh file per save; the
+    slot is refilled only once its save was written, and a closed manager takes
+    its slots away."""
+    sharding = NamedSharding(mesh, PartitionSpec("replica", "model"))
+    opts = dataclasses.replace(_opts(hosts), max_to_keep=2)
+    areas: list[list[list[str]]] = []
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh, options=opts) as mgr:
+        for step in range(100, 104):  # 4 MiB per host: more than a message carries
+            w = jax.device_put(np.full((8, 1 << 19), step, np.float32), sharding)
+            assert mgr.save(step, {"w": w})
+            mgr.wait_until_finished()
+            areas.append([sorted(p.name for p in h.area.iterdir()) for h in hosts.hosts])
+        back = mgr.restore(103, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype,
+                                                           sharding=sharding)})
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(w))
+    for files in areas[0]:
+        assert len(files) == 1 and files[0].startswith("slot-"), files
+    assert all(a == areas[0] for a in areas), areas  # the same slot, save after save
+    assert [sorted(p.name for p in h.area.iterdir()) for h in hosts.hosts] == [[]] * 4
 
 
 def test_prng_keys_cross_a_call_as_jax_converts_them(hosts: Hosts) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,37 @@ def test_a_step_already_committed_is_refused_and_left_alone(tmp_path: Path) -> N
         writer.close()
     assert (tmp_path / "7" / "keep").read_text() == "earlier"
     assert os.listdir(tmp_path) == ["7"]  # the temporary folder is gone
+
+
+class _Owner:
+    """Memory whose lifetime a test watches (as a reused area slot is watched)."""
+
+    def __init__(self, n: int) -> None:
+        self._buf = bytearray(n)
+
+    def __buffer__(self, flags: int) -> memoryview:
+        return memoryview(self._buf)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_written_or_failed_save_keeps_no_reference_to_its_bytes(tmp_path: Path,
+                                                                  fails: bool) -> None:
+    """Once a save ended, written or failed (its error kept to be raised later), no
+    thread or kept error refers to its staged bytes: a buffer reused once its last
+    reference goes (a colocated call's slot) is free."""
+    if fails:
+        (tmp_path / "7").mkdir()  # the commit's rename fails
+    owners = [_Owner(16) for _ in range(3)]
+    gone = [weakref.ref(o) for o in owners]
+    writer = Writer(2)
+    try:
+        save = save_of(tmp_path, 7, [np.frombuffer(o, np.float32) for o in owners])
+        del owners
+        writer.submit(save)
+        assert isinstance(save.done.exception(10), StepExistsError) == fails
+        assert [g() for g in gone] == [None] * 3
+    finally:
+        writer.close()
 
 
 @pytest.mark.process  # mounts a tmpfs

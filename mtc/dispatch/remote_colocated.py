@@ -12,7 +12,9 @@ assembled here on the declared shardings. A call succeeds only when every host
 does; a host's typed error comes back as itself.
 
 Input and output bytes cross through each host's shared-memory area
-(:func:`mtc.transfer.pack_message`), never through a RAM disk.
+(:func:`mtc.transfer.pack_message`), never through a RAM disk; large inputs (a
+save's shards) through a reused slot of it (:mod:`mtc.slots`), as a worker
+copies them into host buffers it reuses.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from mtc import errors, transfer
+from mtc import errors, slots, transfer
 from mtc.dispatch.process import Sidecar, channels
 from mtc.errors import ColocatedCallError, MtcError, ShardUnavailableError
 from mtc.pool import ThreadPool
@@ -101,23 +103,28 @@ class Runtime:
         self._channels, self._stubs = channels(sidecars, METHOD, creds)
         self._pool = ThreadPool(max(1, len(sidecars)), "mtc-coloc")
         self._programs: set[str] = set()  # every program compiled here
+        self._slots = {h: slots.SlotPool(s.area) for h, s in sidecars.items()}
         _register(self)
 
     def close(self) -> None:
         """Unregistered, and every host told to drop the programs (and with them
-        the worker objects they hold) compiled here: a controller that restarts
-        many times leaves nothing of its old ones in the sidecars."""
+        the worker objects they hold) compiled here and this runtime's slots, whose
+        files go: a controller that restarts many times leaves nothing of its old
+        ones in the sidecars."""
         _unregister(self)
         if self._programs:
             forget = {h: self._pool.submit(self._forget, h) for h in self.sidecars}
             wait(forget.values())
         self._pool.shutdown(wait=True)
+        for pool in self._slots.values():
+            pool.close()
         for c in self._channels.values():
             c.close()
 
     def _forget(self, h: int) -> None:
         message = transfer.pack_message(self.sidecars[h].area,
-                                        {"forget": sorted(self._programs)}, [])
+                                        {"forget": sorted(self._programs),
+                                         "slots": self._slots[h].names}, [])
         try:
             self._stubs[h](message, timeout=self.deadline_s)
         except grpc.RpcError:
@@ -166,14 +173,16 @@ class Runtime:
                 with lock:
                     first = h not in sent
                 parts = [*buffers, np.frombuffer(pickled, np.uint8)] if first else buffers
-                message = transfer.pack_message(area, {**header, "pickled": first}, parts)
+                message = transfer.pack_message(area, {**header, "pickled": first}, parts,
+                                                self._slots[h])
                 try:
                     reply = self._stubs[h](message, timeout=self.deadline_s)
-                except grpc.RpcError as e:
+                except grpc.RpcError as e:  # a slot it filled stays busy: the host may hold it
                     raise ShardUnavailableError(
                         f"{name}: sidecar unreachable: {e.code().name}: {e.details()}",
                         host=h) from None
                 got, data = transfer.unpack_message(area, reply)
+                self._slots[h].update(got)
                 if "error" in got:
                     _raise(h, got["error"])
                 if not got.get("unknown_program"):

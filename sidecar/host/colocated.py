@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mtc import transfer
+from mtc import slots, transfer
 from mtc.errors import ColocatedCallError, MtcError, ProtocolError
 from mtc.sidecar.host import ghost
 
@@ -83,10 +83,10 @@ class _Program:
              self.devices) = serialization._deserialize(pickled)
 
 
-def _error_message(host: int, area: Path, e: MtcError) -> bytes:
+def _error_message(host: int, area: Path, e: MtcError, **extra: Any) -> bytes:
     return transfer.pack_message(area, {"error": {
         "type": type(e).__name__, "message": e.message, "step": e.step,
-        "host": host if e.host is None else e.host, "path": e.path}}, [])
+        "host": host if e.host is None else e.host, "path": e.path}, **extra}, [])
 
 
 @contextmanager
@@ -118,6 +118,8 @@ class ColocatedServer:
         if self._own < 1 or self._others < 0:
             raise ValueError(f"{own_devices} devices of {job_devices}")
         self._programs: dict[str, _Program] = {}
+        # The controller's reused input slots, mapped once; every reply reports them.
+        self._slots = slots.SlotMaps(area)
         self._run = threading.Lock()
         self._ghost: subprocess.Popen[bytes] | None = None
         self._address = ""
@@ -182,27 +184,33 @@ class ColocatedServer:
         return _error_message(host, area, ColocatedCallError(
             "this sidecar runs no colocated Python (start it with --colocated-devices)"))
 
+    def _slot_state(self) -> dict[str, Any]:
+        """For every reply: which of the controller's slots this host still reads."""
+        return {"boot": self._slots.boot, "slots": self._slots.report()}
+
     def execute(self, message: bytes) -> bytes:
         """One call: the reply carries this host's output shards, or the error."""
         try:
             self._ready.wait()
             if self._warm_error is not None:
                 raise ColocatedCallError(f"JAX did not start: {self._warm_error!r}")
-            header, buffers = transfer.unpack_message(self.area, message)
+            header, buffers = transfer.unpack_message(self.area, message, self._slots)
             if "forget" in header:  # a controller that closed: its programs go
                 with self._run:
                     for pid in header["forget"]:
                         self._programs.pop(str(pid), None)
+                    self._slots.drop([str(n) for n in header.get("slots", [])])
                 return transfer.pack_message(self.area, {"forgot": True}, [])
             if self.latency_s:
                 time.sleep(self.latency_s)
             with self._run:
                 return self._execute(header, buffers)
         except MtcError as e:
-            return _error_message(self.host, self.area, e)
+            return _error_message(self.host, self.area, e, **self._slot_state())
         except (ValueError, KeyError, TypeError, IndexError) as e:
             return _error_message(self.host, self.area,
-                                  ProtocolError(f"malformed colocated call: {e!r}"))
+                                  ProtocolError(f"malformed colocated call: {e!r}"),
+                                  **self._slot_state())
 
     def _program(self, header: dict[str, Any], buffers: list[np.ndarray]) -> _Program | None:
         pid = str(header["program"])
@@ -228,7 +236,8 @@ class ColocatedServer:
 
         prog = self._program(header, buffers)
         if prog is None:  # this sidecar started after the controller sent it
-            return transfer.pack_message(self.area, {"unknown_program": True}, [])
+            return transfer.pack_message(self.area, {"unknown_program": True,
+                                                     **self._slot_state()}, [])
         name = str(header["name"])
         leaves: list[Any] = []
         inputs = header["inputs"]
@@ -267,7 +276,8 @@ class ColocatedServer:
                 ids.append([prog.id_of[s.device], len(data)])
                 data.append(np.ascontiguousarray(np.asarray(s.data)).reshape(-1).view(np.uint8))
             outputs.append(ids)
-        return transfer.pack_message(self.area, {"outputs": outputs}, data)
+        return transfer.pack_message(self.area, {"outputs": outputs, **self._slot_state()},
+                                     data)
 
 
 def _check(name: str, k: int, r: Any, spec: Any) -> None:

@@ -1,0 +1,192 @@
+"""Reused slots of a host's shared-memory area for colocated calls' inputs.
+
+A worker takes a save's shards with one device-to-host copy into host buffers
+it reuses; on the local cluster a reused slot of the host's area stands in for
+those buffers (memory this VM has not touched recently is several times slower
+to fill than memory reused, and a fresh file per call pays for it every save).
+
+Two halves, one per side of the area:
+
+- :class:`SlotPool` (controller, one per host): a few slots, each busy from the
+  call that fills it until the host reports that call's bytes released. A call
+  that finds none free goes through a fresh file, as before: the pool bounds
+  memory, never liveness.
+- :class:`SlotMaps` (the host's sidecar): maps each slot once and hands out
+  read-only views of one use of it; the use is busy while anything still refers
+  to those views (the program's arrays, the writer's staged shards) and released
+  when the last reference goes, so a slot is never reused while a write or its
+  checksum still reads it. Every reply reports each slot's last use and whether
+  it is released, with the sidecar's boot id: a sidecar that restarted holds
+  nothing of its predecessor's.
+
+Calls to one host are made in order (the colocated dispatcher waits for a call's
+answer before the next); the report of a reply covers every use sent before it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtc import transfer
+from mtc.errors import ProtocolError
+
+# Slots per host: one for the save being written, one for the next save's copy.
+SLOTS_PER_HOST = 2
+_NAME = re.compile(r"slot-[0-9a-f]{8}-\d{1,3}")
+
+
+class CallSlot(transfer.SaveSlot):
+    """A slot and its use count: the n-th call that filled it."""
+
+    def __init__(self, area: Path, name: str) -> None:
+        super().__init__(area, name)
+        self.use = 0
+
+
+class SlotPool:
+    """One host's slots, on the controller. Thread-safe."""
+
+    def __init__(self, area: Path, count: int = SLOTS_PER_HOST) -> None:
+        tag = uuid.uuid4().hex[:8]  # two managers at once never share a slot
+        self._slots = [CallSlot(area, f"slot-{tag}-{k}") for k in range(count)]
+        self._lock = threading.Lock()
+        self._boot: str | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self._slots]
+
+    def busy(self) -> int:
+        with self._lock:
+            return sum(s.busy for s in self._slots)
+
+    def take(self) -> CallSlot | None:
+        """A free slot, now busy with a new use; None when every slot is busy."""
+        with self._lock:
+            slot = next((s for s in self._slots if not s.busy), None)
+            if slot is not None:
+                slot.busy = True
+                slot.use += 1
+            return slot
+
+    def unsent(self, slot: CallSlot) -> None:
+        """``slot``'s call never reached the host: free again."""
+        with self._lock:
+            slot.busy = False
+
+    def update(self, header: dict[str, Any]) -> None:
+        """Free the slots a host's reply reports released (the use sent last)."""
+        boot, report = header.get("boot"), header.get("slots")
+        if not isinstance(boot, str) or not isinstance(report, dict):
+            return  # a sidecar that keeps no slots
+        with self._lock:
+            restarted = self._boot is not None and boot != self._boot
+            self._boot = boot
+            for s in self._slots:
+                got = report.get(s.name)
+                if got is None:
+                    # A new sidecar never received this use; its predecessor, which
+                    # did, is gone with its references.
+                    if restarted:
+                        s.busy = False
+                elif int(got[0]) == s.use and not got[1]:
+                    s.busy = False
+
+    def close(self) -> None:
+        """Every slot's file removed (a closed manager keeps nothing in the area)."""
+        with self._lock:
+            for s in self._slots:
+                s.view = np.zeros(0, np.uint8)
+                s.size = 0
+                s.busy = True  # never filled again
+                try:
+                    os.unlink(s.path)
+                except FileNotFoundError:
+                    pass
+
+
+class _Lease:
+    """One use of a slot: views of it keep it alive, and the slot busy."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+
+    def __buffer__(self, flags: int) -> memoryview:
+        return self._view
+
+
+class _Mapped:
+    def __init__(self, mm: mmap.mmap, size: int) -> None:
+        self.mm = mm
+        self.size = size
+        self.use = 0
+        self.busy = False
+
+
+class SlotMaps:
+    """The sidecar's mappings of the slots of its area. Thread-safe."""
+
+    def __init__(self, area: Path) -> None:
+        self.area = area
+        self.boot = uuid.uuid4().hex
+        self._maps: dict[str, _Mapped] = {}
+        # Reentrant: a lease may be released by the thread that holds it.
+        self._lock = threading.RLock()
+
+    def view(self, name: str, use: int, size: int) -> np.ndarray:
+        """A read-only uint8 view of ``size`` bytes of slot ``name``'s use ``use``.
+        ProtocolError for a bad name, or a slot whose last use is still held."""
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ProtocolError(f"message names a bad slot {name!r}")
+        with self._lock:
+            m = self._maps.get(name)
+            if m is not None and m.busy:
+                raise ProtocolError(f"slot {name} was refilled while use {m.use} of it "
+                                    "is still being written")
+            if m is None or m.size < size:
+                m = self._map(name, size, m)
+            m.use, m.busy = int(use), True
+            lease = _Lease(memoryview(m.mm)[:size])
+            weakref.finalize(lease, self._released, name, m.use)
+            return np.frombuffer(lease, np.uint8)
+
+    def _map(self, name: str, size: int, old: _Mapped | None) -> _Mapped:
+        fd = os.open(self.area / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            have = os.fstat(fd).st_size
+            if have < size:
+                raise ProtocolError(f"slot {name} has {have} bytes, {size} were named")
+            mm = mmap.mmap(fd, have, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        m = _Mapped(mm, have)
+        if old is not None:
+            m.use = old.use
+        self._maps[name] = m
+        return m
+
+    def _released(self, name: str, use: int) -> None:
+        with self._lock:
+            m = self._maps.get(name)
+            if m is not None and m.use == use:
+                m.busy = False
+
+    def report(self) -> dict[str, list[Any]]:
+        """Each slot's last use and whether it is still held."""
+        with self._lock:
+            return {n: [m.use, m.busy] for n, m in self._maps.items()}
+
+    def drop(self, names: list[str]) -> None:
+        """Forget slots (a manager closed); a mapping lives on while a view holds it."""
+        with self._lock:
+            for n in names:
+                self._maps.pop(str(n), None)
