@@ -25,6 +25,7 @@ answer before the next); the report of a reply covers every use sent before it.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -114,14 +115,17 @@ class SlotPool:
                     pass
 
 
-class _Lease:
-    """One use of a slot: views of it keep it alive, and the slot busy."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-
-    def __buffer__(self, flags: int) -> memoryview:
-        return self._view
+def _lease(view: memoryview) -> ctypes.Array[ctypes.c_uint8]:
+    """One use of a slot: an object exporting ``view``'s bytes that every numpy view
+    of them refers to (numpy keeps the exporter as their base), so a weak reference
+    to it says when the last view is gone. A ctypes array over the mapping's
+    address, holding ``view`` (the mapping stays exported while it lives): Python
+    3.11 has no ``__buffer__`` for a class of our own."""
+    address = np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
+    lease = (ctypes.c_uint8 * len(view)).from_address(address) if len(view) else \
+        (ctypes.c_uint8 * 0)()
+    lease._mtc_view = view  # type: ignore[attr-defined]
+    return lease
 
 
 class _Mapped:
@@ -155,9 +159,11 @@ class SlotMaps:
             if m is None or m.size < size:
                 m = self._map(name, size, m)
             m.use, m.busy = int(use), True
-            lease = _Lease(memoryview(m.mm)[:size])
+            lease = _lease(memoryview(m.mm)[:size])
             weakref.finalize(lease, self._released, name, m.use)
-            return np.frombuffer(lease, np.uint8)
+            out = np.frombuffer(lease, np.uint8)
+            out.flags.writeable = False  # the mapping is read-only: ctypes does not know
+            return out
 
     def _map(self, name: str, size: int, old: _Mapped | None) -> _Mapped:
         fd = os.open(self.area / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -4,6 +4,7 @@ rename that commits a step, and a failed save leaves nothing behind."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import weakref
@@ -120,14 +121,10 @@ def test_a_step_already_committed_is_refused_and_left_alone(tmp_path: Path) -> N
     assert os.listdir(tmp_path) == ["7"]  # the temporary folder is gone
 
 
-class _Owner:
-    """Memory whose lifetime a test watches (as a reused area slot is watched)."""
-
-    def __init__(self, n: int) -> None:
-        self._buf = bytearray(n)
-
-    def __buffer__(self, flags: int) -> memoryview:
-        return memoryview(self._buf)
+def _owner(n: int) -> ctypes.Array[ctypes.c_uint8]:
+    """Memory whose lifetime a test watches (as a reused area slot is watched): a
+    ctypes array exports its bytes and takes weak references on every Python."""
+    return (ctypes.c_uint8 * n)()
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -138,7 +135,7 @@ def test_a_written_or_failed_save_keeps_no_reference_to_its_bytes(tmp_path: Path
     reference goes (a colocated call's slot) is free."""
     if fails:
         (tmp_path / "7").mkdir()  # the commit's rename fails
-    owners = [_Owner(16) for _ in range(3)]
+    owners = [_owner(16) for _ in range(3)]
     gone = [weakref.ref(o) for o in owners]
     writer = Writer(2)
     try:
