@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Self
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -28,21 +29,16 @@ def process_cpu(pid: int) -> tuple[int, float] | None:
     return int(fields[19]), (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-class CpuSampler:
-    """Samples, every ``period_s``, the CPU of the processes ``pids()`` names by
-    kind (asked anew each time: replaced hosts get new processes). Whoever
-    enters it joins its thread on exit. A process counts from its first sample
-    to its last, so up to one period of its CPU at either end is missed."""
+class Periodic:
+    """A thread that calls :meth:`tick` every ``period_s`` while entered; whoever
+    enters it joins the thread on exit."""
 
-    def __init__(self, pids: Callable[[], dict[str, list[int]]], period_s: float = 0.5) -> None:
-        self._pids = pids
+    def __init__(self, name: str, period_s: float) -> None:
         self._period = period_s
-        # (pid, start time) -> (kind, [(wall time, CPU seconds)])
-        self.series: dict[tuple[int, int], tuple[str, list[tuple[float, float]]]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def __enter__(self) -> CpuSampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -52,9 +48,28 @@ class CpuSampler:
 
     def _run(self) -> None:
         while True:
-            self.sample()
+            self.tick()
             if self._stop.wait(self._period):
                 return
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+
+class CpuSampler(Periodic):
+    """Samples, every ``period_s``, the CPU of the processes ``pids()`` names by
+    kind (asked anew each time: replaced hosts get new processes). Whoever
+    enters it joins its thread on exit. A process counts from its first sample
+    to its last, so up to one period of its CPU at either end is missed."""
+
+    def __init__(self, pids: Callable[[], dict[str, list[int]]], period_s: float = 0.5) -> None:
+        super().__init__("cpu-sampler", period_s)
+        self._pids = pids
+        # (pid, start time) -> (kind, [(wall time, CPU seconds)])
+        self.series: dict[tuple[int, int], tuple[str, list[tuple[float, float]]]] = {}
+
+    def tick(self) -> None:
+        self.sample()
 
     def sample(self) -> None:
         now = time.time()

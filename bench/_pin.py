@@ -11,8 +11,9 @@ thread on exit."""
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
+
+from bench._cpu import Periodic
 
 
 def pinning(cores: set[int]) -> Callable[[], None]:
@@ -39,32 +40,19 @@ def pin_process(pid: int, cores: set[int]) -> int:
     return moved
 
 
-class Pinner:
+class Pinner(Periodic):
     """Keeps the processes ``pids()`` names on ``cores``."""
 
     def __init__(self, pids: Callable[[], list[int]], cores: set[int],
                  period_s: float = 0.5) -> None:
+        super().__init__("pinner", period_s)
         self._pids = pids
         self.cores = cores
-        self._period = period_s
         self.moved = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pinner", daemon=True)
 
-    def __enter__(self) -> Pinner:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                for pid in self._pids():
-                    self.moved += pin_process(pid, self.cores)
-            except (OSError, ValueError, KeyError):
-                pass  # the cluster's state file is being replaced: next time
-            if self._stop.wait(self._period):
-                return
+    def tick(self) -> None:
+        try:
+            for pid in self._pids():
+                self.moved += pin_process(pid, self.cores)
+        except (OSError, ValueError, KeyError):
+            pass  # the cluster's state file is being replaced: next time
