@@ -49,7 +49,7 @@ cluster-down: $(STAMP)
 
 # The whole suite on the newest stack, then the fast lane on the oldest pair.
 test: $(STAMP) lint typecheck
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 	$(MAKE) --no-print-directory test-oldest
 
 # Pure and in-process tests only: about a minute.

@@ -59,6 +59,7 @@ from bench._cpu import CpuSampler
 from bench._pin import Pinner, pinning
 from mtc.trainer.cluster import STATE, LocalCluster
 from mtc.trainer.demo import REPO, child_env
+from mtc.trainer.elastic_demo import DEVICES as TRAINER_DEVICES
 from mtc.trainer.policy import PAUSE_POLICIES
 from mtc.trainer.report import final_steps, goodput, ideal_seconds, recovery_by_kind
 
@@ -276,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the uninterrupted reference run (its step times are the ideal; "
                         "without it, the median step stands in)")
+    p.add_argument("--dispatch", choices=("colocated", "process"), default="colocated",
+                   help="how the trainer reaches the hosts: colocated Python (Pathways, the "
+                        "default, as make demo) or seam requests to their sidecars")
     p.add_argument("--no-snapshot", action="store_true",
                    help="pass --no-snapshot: no per-step host snapshot of the state")
     p.add_argument("--replicator-nice", type=int, default=0, metavar="N",
@@ -323,7 +327,9 @@ def run_once(args: argparse.Namespace, out: Path,
     cluster: LocalCluster | None = None
     proc: subprocess.Popen[bytes] | None = None
     try:
-        cluster = LocalCluster.up(base, replicator_nice=args.replicator_nice)
+        cluster = LocalCluster.up(
+            base, replicator_nice=args.replicator_nice,
+            colocated_devices=TRAINER_DEVICES if args.dispatch == "colocated" else 0)
         cmd = [sys.executable, "-m", "mtc.trainer.elastic", "--cluster", str(base),
                "--log", str(jsonl), "--steps", str(args.steps),
                "--save-interval", str(args.save_interval),
@@ -333,7 +339,7 @@ def run_once(args: argparse.Namespace, out: Path,
                "--host-loss-every-s", str(args.failure_every_s),
                "--host-loss-when", args.host_loss_when, "--model", args.model,
                "--host-return-s", str(args.host_return_s),
-               "--pause-policy", args.pause_policy,
+               "--pause-policy", args.pause_policy, "--dispatch", args.dispatch,
                "--compile-cache", str(out / "compile-cache")]
         if args.slice_loss_at:
             cmd += ["--slice-loss-at", args.slice_loss_at,

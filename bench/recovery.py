@@ -68,6 +68,7 @@ from save_restore import LEAF_COLS, LEAF_ROWS, make_state
 
 import mtc
 from mtc.contract import shard_index
+from mtc.options import Dispatch
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.security import Credentials
@@ -212,7 +213,8 @@ def timed_step(fn: Callable[[State], State], state: State) -> tuple[float, State
     return time.perf_counter() - t0, out
 
 
-def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, Any]:
+def run(gib: float, samples: int, steps_between: int, base: Path,
+        dispatch: Dispatch = "colocated") -> dict[str, Any]:
     t_start = time.perf_counter()
     devices = jax.devices()
     if len(devices) < NUM_DEVICES:
@@ -226,7 +228,10 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
               for i in range(num_leaves)}
 
     log(f"cluster of {SLICES * HOSTS_PER_SLICE} replicators under {base}")
-    cluster = LocalCluster.up(base, slices=SLICES, hosts_per_slice=HOSTS_PER_SLICE)
+    # Colocated (Pathways' path, the default): each host's sidecar runs this process's
+    # programs on its share of the 8 CPU devices and returns restored arrays there.
+    cluster = LocalCluster.up(base, slices=SLICES, hosts_per_slice=HOSTS_PER_SLICE,
+                              colocated_devices=NUM_DEVICES if dispatch == "colocated" else 0)
     mgr: mtc.CheckpointManager | None = None
     try:
         # Through the hosts' sidecars and replicators: this process never sees a RAM
@@ -235,6 +240,7 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
             base / "controller", mesh=mesh,
             options=mtc.Options(simulated_hosts=SLICES * HOSTS_PER_SLICE,
                                 hosts_per_slice=HOSTS_PER_SLICE, max_to_keep=2,
+                                dispatch=dispatch,
                                 sidecars=cluster.sidecars(), replicator_token=cluster.token(),
                                 replicators=tuple(cluster.addresses), restore_timeout_s=60.0))
         log(f"state: {num_leaves} leaves of 64 MiB ({state_bytes / MIB:.0f} MiB), spec {SPEC}")
@@ -385,7 +391,8 @@ def run(gib: float, samples: int, steps_between: int, base: Path) -> dict[str, A
         "state_bytes": state_bytes,
         "step_bytes_on_ramdisks": step_bytes,
         "devices": NUM_DEVICES, "mesh": {"replica": SLICES, "model": 4},
-        "hosts": SLICES * HOSTS_PER_SLICE, "slices": SLICES, "lost_host": LOST_HOST,
+        "dispatch": dispatch, "hosts": SLICES * HOSTS_PER_SLICE, "slices": SLICES,
+        "lost_host": LOST_HOST,
         "samples": samples,
         "median_seconds": {
             "detect": 0.0,
@@ -477,13 +484,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-ahead-pairs", type=int, default=3,
                    help="windows compiling the resized mesh's step ahead, interleaved with "
                         "as many without (bench/compile_ahead.py; 0: skip)")
+    p.add_argument("--dispatch", choices=("colocated", "process"), default="colocated",
+                   help="how the controller reaches the hosts: colocated Python (Pathways, "
+                        "the default) or seam requests to their sidecars")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     base = Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp") / \
         f"mtc-cluster-recovery-{os.getpid()}"
     # --samples 0: the slice loss alone (the host loss's RAM disks hold several
     # GiB: a machine short of memory may run the two cases apart).
-    result: dict[str, Any] = run(args.gib, args.samples, args.steps_between, base) \
+    result: dict[str, Any] = run(args.gib, args.samples, args.steps_between, base,
+                                 args.dispatch) \
         if args.samples > 0 else {"meets_target": True, "host_loss": "skipped (--samples 0)"}
     gc.collect()
     if args.slice_loss_samples > 0:

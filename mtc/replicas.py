@@ -133,8 +133,10 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
             if not is_retryable(e):  # the replicator's own error, named once
                 raise e.kind(e.message, step=e.step, host=e.host, path=e.path) from e
             if time.monotonic() + RETRY_S >= deadline:
-                raise AgreementError(f"did not answer the restore in time: {e.message}",
-                                     host=e.host) from e
+                # Named by rank, as the replicators' own agreement errors name it.
+                raise AgreementError(f"replicator rank {client.rank} ({client.address}) did "
+                                     f"not answer the restore in time: {e.message}",
+                                     host=client.rank) from e
             log.info("replicator %s unavailable (%s); asking again", client.address, e.code)
             cancelled.wait(RETRY_S)
 

@@ -32,13 +32,12 @@ from google.cloud.storage_control_v2 import types
 from google.longrunning import operations_pb2
 from google.protobuf import empty_pb2
 
+from mtc.sidecar.host.ports import free_ports
 from mtc.trainer import gcs_emulator
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def _die_with_parent() -> None:

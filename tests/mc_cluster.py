@@ -18,7 +18,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import grpc
 import pytest
 
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
@@ -49,16 +49,6 @@ HOSTS_PER_SLICE = 2
 REPLICATOR_PORT = 7000
 # A fresh one per job (no TIME_WAIT clash), clear of the hosts' own fixed ports.
 _coordinator_ports = itertools.count(7400)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _env() -> dict[str, str]:
@@ -84,7 +74,7 @@ class Cluster:
         self.env = _env()
         self.slices = [i // HOSTS_PER_SLICE for i in range(n)]
         ns = self.hosts.isolation == "namespaces"
-        ports = [REPLICATOR_PORT] * n if ns else _free_ports(n)
+        ports = [REPLICATOR_PORT] * n if ns else free_ports(n)
         self.addrs = ([self.hosts.replicator_address(i, ports[i]) for i in range(n)]
                       if replicators else [])
 
@@ -152,7 +142,7 @@ class Cluster:
         stated when ``on`` is not 0..k); every one must report and exit 0, but the
         processes ``killed``, which must die by SIGKILL (having reported)."""
         ns = self.hosts.isolation == "namespaces"
-        port = next(_coordinator_ports) if ns else _free_ports(1)[0]
+        port = next(_coordinator_ports) if ns else free_ports(1)[0]
         coordinator = f"{self.hosts.hosts[on[0]].address}:{port}"
         procs: list[subprocess.Popen[bytes]] = []
         outs: list[Path] = []

@@ -31,11 +31,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtc.integrity import crc32c
+from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
-from mtc.trainer.cluster import free_ports
 from mtc.trainer.isolation import Hosts
 
 if TYPE_CHECKING:
@@ -76,6 +78,15 @@ class Cluster:
 
     def root(self, rank: int) -> Path:
         return self.base / f"host-{rank}"
+
+    def commit(self, rank: int, step: int, files: dict[str, bytes]) -> dict[str, bytes]:
+        """Commit ``files`` as rank ``rank``'s step: with an mtc manifest naming it, or
+        opaque for Orbax's client (:attr:`orbax`). Returns every file committed."""
+        if self.orbax:
+            commit_raw_step(self.root(rank), step, files)
+            return dict(files)
+        return commit_mtc_step(self.root(rank), step, files, host=rank, num_hosts=self.n,
+                               slice_of_host=rank // self.per_slice)
 
     # -- sidecars: the controller's only way to a host's RAM disk ----------------------
 
@@ -272,8 +283,28 @@ def env_with_repo() -> dict[str, str]:
     return env
 
 
+def commit_mtc_step(root: Path, step: int, files: dict[str, bytes], *, host: int,
+                    num_hosts: int, slice_of_host: int = 0) -> dict[str, bytes]:
+    """Commit ``files`` as host ``host``'s step the way mtc's sidecar does: with a
+    manifest (each file one opaque uint8 leaf) that names the host, so that a replicator
+    started with ``--framework mtc`` takes the step as its own (a manifest-less folder
+    is not mtc's: it is left alone). Returns every file committed, the manifest too."""
+    leaves = []
+    for name, data in sorted(files.items()):
+        shard = ShardEntry(index=((0, len(data)),), file=name, nbytes=len(data),
+                           crc32c=crc32c(data))
+        leaves.append(LeafEntry(path=name, keys=(("d", name),), kind="numpy",
+                                shape=(len(data),), dtype="uint8", shards=(shard,)))
+    manifest = Manifest(step=step, host=host, slice=slice_of_host, num_hosts=num_hosts,
+                        leaves=tuple(leaves))
+    out = {**files, MANIFEST_NAME: manifest.to_bytes()}
+    commit_raw_step(root, step, out)
+    return out
+
+
 def commit_raw_step(root: Path, step: int, files: dict[str, bytes]) -> Path:
-    """Commit an opaque step (no manifest) the way a client does: write, then rename."""
+    """Commit an opaque step (no manifest: Orbax's) the way a client does: write, then
+    rename."""
     tmp = root / f"{step}.test-tmp"
     for rel, data in files.items():
         p = tmp / rel

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
-from replicators import Cluster, commit_raw_step, new_cluster
+from replicators import Cluster, new_cluster
 
 from mtc.errors import AgreementError, CorruptShardError
 from mtc.proto import replicator_pb2 as pb
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.process
 def commit_everywhere(cl: Cluster, steps: tuple[int, ...]) -> None:
     for r in range(cl.n):
         for s in steps:
-            commit_raw_step(cl.root(r), s, {"x.bin": os.urandom(256)})
+            cl.commit(r, s, {"x.bin": os.urandom(256)})
 
 
 def test_replicator_killed_and_restarted_during_a_restore(ramdisk: Path,
@@ -111,7 +111,7 @@ def test_a_member_down_fails_typed_within_the_deadline(ramdisk: Path,
 def test_sixteen_replicators_one_decision(ramdisk: Path, clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 16, 8, extra=("--poll-seconds", "0.5"))
     commit_everywhere(cl, (3, 4))
-    commit_raw_step(cl.root(5), 5, {"x.bin": b"only rank 5 has step 5"})
+    cl.commit(5, 5, {"x.bin": b"only rank 5 has step 5"})
     cl.start_all()
     prepared = prepare_restore(cl.addrs, token=None, timeout_s=60)
     assert prepared.step == 4  # step 5 exists on rank 5 alone
@@ -193,13 +193,13 @@ def test_health_not_serving_while_the_loop_stalls(ramdisk: Path,
     cl = new_cluster(clusters, ramdisk, 2, 1)
     cl.start(0)
     cl.start(1, "--stall-seconds", "1")
-    commit_raw_step(cl.root(1), 1, {"y.bin": os.urandom(256)})
+    cl.commit(1, 1, {"y.bin": os.urandom(256)})
     cl.wait_held({(0, 1, 1)})
     # Rank 0 hangs (SIGSTOP): rank 1's loop blocks on its calls to it for up to
     # their deadline, so rank 1 reports NOT_SERVING, then SERVING once rank 0 runs.
     cl.procs[0].send_signal(signal.SIGSTOP)
     try:
-        commit_raw_step(cl.root(1), 2, {"y.bin": os.urandom(256)})
+        cl.commit(1, 2, {"y.bin": os.urandom(256)})
         wait_health(cl, 1, "NOT_SERVING", 30)
     finally:
         cl.procs[0].send_signal(signal.SIGCONT)
@@ -215,7 +215,7 @@ def test_orbax_request_taken_before_a_sigkill_is_served_after_the_restart(
 
     cl = new_cluster(clusters, ramdisk, 2, 1, orbax=True)
     for r in range(2):
-        commit_raw_step(cl.root(r), 3, {"x.bin": os.urandom(256)})
+        cl.commit(r, 3, {"x.bin": os.urandom(256)})
         initialization._create_replicator_file(
             cl.root(r), run_name="job", num_nodes=2, data_parallelism=2, node_rank=r,
             peer_ranks=[1 - r], backup_interval_minutes=30, backup_interval_steps=None)

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from gcs_fakes import Emulator, FakeStorageControl, FaultProxy, free_port
 from jax.sharding import Mesh
-from replicators import Cluster, assert_state_equal, commit_raw_step, env_with_repo, make_state
+from replicators import Cluster, assert_state_equal, env_with_repo, make_state
 
 import mtc
 from mtc.errors import MtcError
@@ -402,7 +402,7 @@ def commit_everywhere(cl: Cluster, step: int, unique: int = 64 << 10,
                       shared: bytes = b"") -> None:
     """A raw step on every host: a file of its own, and one the same on every host."""
     for r in range(cl.n):
-        commit_raw_step(cl.root(r), step, {"own.bin": os.urandom(unique),
+        cl.commit(r, step, {"own.bin": os.urandom(unique),
                                            "shared.bin": shared or b"s" * 4096})
 
 

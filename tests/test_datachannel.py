@@ -34,7 +34,7 @@ from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import serve
 
-FILES = {"a.bin": bytes(range(256)) * 4000, "empty.bin": b"", "d/b.bin": b"B" * 10,
+FILES = {"a.bin": bytes(range(256)) * 4000, "empty.bin": b"", "d-b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 300}
 
 
@@ -42,8 +42,10 @@ class Replicator:
     """Rank 0 of two, holding step 1 of its own, served on loopback."""
 
     def __init__(self, base: Path, creds: Credentials) -> None:
+        # Orbax's framework: its steps are opaque folders of nested files, no manifest.
         cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
-                               nodes_per_slice=1, deadline_s=2.0, agreement_timeout_s=0.5)
+                               nodes_per_slice=1, deadline_s=2.0, agreement_timeout_s=0.5,
+                               framework="orbax")
         self.root = base / "root"
         self.node = Node(cfg, self.root, creds)
         commit_raw_step(self.root, 1, FILES)

@@ -539,6 +539,9 @@ def test_manifests_agree_with_themselves(
     port, health_port = int(renv["MTC_REPLICATOR_PORT"]), int(renv["MTC_HEALTH_PORT"])
     ports = {p["name"]: p["containerPort"] for p in rep["ports"]}
     assert ports["replicator"] == port and ports["health"] == health_port
+    # The data channel on a fixed, declared port (a strict NetworkPolicy names it).
+    assert arg(rep, "--data-port") == str(ports["replicator-data"])
+    assert len(set(ports.values())) == len(ports)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert rep[probe]["grpc"]["port"] == health_port, probe
 
@@ -576,6 +579,7 @@ def test_manifests_agree_with_themselves(
             assert not open_ports
         else:
             assert port not in open_ports and open_ports, rule
+            assert ports["replicator-data"] not in open_ports, rule
             assert open_ports <= {health_port, ports["metrics"]}
 
     trainer_pod = pod_of(job_of(js, "pathways-head")) if writer != "trainer" else pod
@@ -905,7 +909,7 @@ def test_alert_rules_are_one_set_with_runbooks(
 def test_alerts_read_what_a_replicator_exports(tmp_path: Path) -> None:
     """Every series the alert rules read is on a real replicator's metrics port, and
     the backup-age series move when a backup is committed."""
-    from replicators import Cluster, commit_raw_step
+    from replicators import Cluster
 
     rules = yaml.safe_load((DEPLOY / "components/monitoring-gmp/rules.yaml").read_text())
     exprs = " ".join(r["expr"] for g in rules["spec"]["groups"] for r in g["rules"])
@@ -924,7 +928,7 @@ def test_alerts_read_what_a_replicator_exports(tmp_path: Path) -> None:
         assert wanted <= names, wanted - names
         assert before["mtc_backup_interval_seconds"] == 1800
         assert before["mtc_backup_last_success_timestamp_seconds"] == 0
-        commit_raw_step(cl.root(0), 4, {"a.bin": b"x" * 1024})
+        cl.commit(0, 4, {"a.bin": b"x" * 1024})
         client = cl.client(0)
         try:
             from mtc.proto import replicator_pb2 as pb

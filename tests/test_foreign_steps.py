@@ -55,8 +55,11 @@ def test_store_tells_its_steps_from_another_ranks(tmp_path: Path) -> None:
     (root / "10").mkdir()
     (root / "10" / MANIFEST_NAME).write_bytes(b"{torn")
     store = LocalStore(root, rank=0)
-    assert store.own_steps() == [5, 9]
-    assert store.copies() == [(0, 5), (0, 9)]
+    # Beside mtc, the manifest-less folder is not mtc's: never offered (or deleted).
+    assert store.own_steps() == [5]
+    assert store.copies() == [(0, 5)]
+    # Serving Orbax's client, it is this host's step, as that client has it.
+    assert LocalStore(root, rank=0, orbax=True).own_steps() == [5, 9]
     # Rank 0's step 7 would be in the replica area, never the other rank's folder.
     assert store.copy_dir(0, 7) == root / ".mtc-replica" / "0" / "7"
     store.remove_copy(0, 7)
@@ -64,7 +67,7 @@ def test_store_tells_its_steps_from_another_ranks(tmp_path: Path) -> None:
     assert (root / "7" / "w.0").read_bytes() == bytes([2]) * 4096
     assert (root / "10" / MANIFEST_NAME).read_bytes() == b"{torn"
     # The same store on rank 1 sees step 7 as its own.
-    assert LocalStore(root, rank=1).own_steps() == [7, 9]
+    assert LocalStore(root, rank=1).own_steps() == [7]
 
 
 def test_a_step_of_a_job_back_on_other_ranks_is_the_rank_its_manifest_names(
@@ -93,9 +96,12 @@ def _wait(what: str, cond: Any, timeout: float = 60.0) -> None:
 def test_replicator_neither_serves_nor_deletes_another_ranks_steps(
         tmp_path: Path, clusters: list[Cluster]) -> None:
     """Two slices of one host. Host 0's RAM disk still holds rank 1's steps 3 and 7
-    from an earlier job; the job now saves steps 5 and 9 on both hosts, keeping one."""
+    from an earlier job, and an Orbax user's step 4 (no manifest); the job now saves
+    steps 5 and 9 on both hosts, keeping one."""
     cl = new_cluster(clusters, tmp_path, 2, 1, extra=("--replicas", "1", "--keep", "1"))
     foreign = {s: mtc_step(cl.root(0), s, host=1, num_hosts=2, fill=s) for s in (3, 7)}
+    foreign[4] = {"_CHECKPOINT_METADATA": b'{"step": 4}', "state/ocdbt.process_0/d": b"orbax"}
+    commit_raw_step(cl.root(0), 4, foreign[4])
     for rank in (0, 1):
         mtc_step(cl.root(rank), 5, host=rank, num_hosts=2, fill=50 + rank)
     cl.start_all()
@@ -113,8 +119,11 @@ def test_replicator_neither_serves_nor_deletes_another_ranks_steps(
             with pytest.raises(PeerError) as e:
                 client.fetch_bytes(7, origin, "w.0", 4096, crc32c(foreign[7]["w.0"]))
             assert e.value.code is not None and e.value.code.name == code, e.value
+        with pytest.raises(PeerError) as e:  # nor the Orbax step, as its own
+            client.fetch_bytes(4, 0, "_CHECKPOINT_METADATA", 11, crc32c(b'{"step": 4}'))
+        assert e.value.code is not None and e.value.code.name == "FAILED_PRECONDITION"
         prepared = client.call("GetInventory", pb.InventoryRequest(origins=[0, 1]))
-        assert all(c.step not in (3, 7) for c in prepared.copies)
+        assert all(c.step not in (3, 4, 7) for c in prepared.copies)
     finally:
         client.close()
 
@@ -126,6 +135,7 @@ def test_replicator_neither_serves_nor_deletes_another_ranks_steps(
     _wait("step 5 deleted by retention", lambda: not (cl.root(0) / "5").exists()
           and not (cl.root(1) / "5").exists())
     for s, files in foreign.items():
-        assert tree(cl.root(0) / str(s)) == files, f"rank 1's step {s} was changed"
+        assert tree(cl.root(0) / str(s)) == files, f"foreign step {s} was changed"
     assert "is not this host's step: its manifest is host 1's step 7" in cl.log_text(0)
+    assert "4 is not this host's step: it has no mtc manifest" in cl.log_text(0)
     assert cl.alive(0) and cl.alive(1)

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from replicators import commit_raw_step
+from replicators import commit_mtc_step
 
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -36,7 +36,7 @@ METHODS = {"GetInventory": pb.InventoryRequest, "Offer": pb.OfferRequest,
            "RequestBackup": pb.BackupRequest, "BackupPart": pb.BackupPartRequest}
 
 paths = st.one_of(
-    st.sampled_from(["a.bin", "d/b.bin", "../escape", "../../escape", "/etc/passwd", "",
+    st.sampled_from(["a.bin", "d-b.bin", "../escape", "../../escape", "/etc/passwd", "",
                      ".", "a/../../escape", "a//b", "x\x00y", "..\\escape", "sub/./c",
                      ".mtc-replica/0/1/a.bin", "a.bin/extra"]),
     st.text(max_size=12))
@@ -54,7 +54,8 @@ class Server:
         cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
                                nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=0.5)
         self.node = Node(cfg, self.root, Credentials())
-        commit_raw_step(self.root, 1, {"a.bin": b"A" * 5000, "d/b.bin": b"B" * 10})
+        commit_mtc_step(self.root, 1, {"a.bin": b"A" * 5000, "d-b.bin": b"B" * 10}, host=0,
+                        num_hosts=2)
         self.server, port, self.servicer, _ = serve(self.node, "127.0.0.1:0", Credentials())
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
 
@@ -183,7 +184,7 @@ def test_fetch(server: Server, payload: bytes) -> None:
         return
     req = pb.FetchRequest.FromString(payload)
     # Only bytes of files held here: from the offset asked, or several back to back.
-    held = {"a.bin": b"A" * 5000, "d/b.bin": b"B" * 10}
+    held = {"a.bin": b"A" * 5000, "d-b.bin": b"B" * 10}
     if req.more_paths:
         assert req.offset == 0
         assert got == b"".join(held[p] for p in [req.path, *req.more_paths])

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import seam_audit
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from replicators import Cluster, commit_raw_step, env_with_repo, free_ports
+from replicators import Cluster, env_with_repo, free_ports
 from test_replicator_security import make_ca, make_leaf, write_pem
 
 from mtc import errors, transfer
@@ -230,7 +230,7 @@ def net(base: Path) -> Iterator[Net]:
 def test_callers_without_the_token_get_nothing(net: Net) -> None:
     """Every replicator method, the raw data plane, and every sidecar operation refuse a
     caller without the token (or with a guessed one); health alone answers."""
-    commit_raw_step(net.root(0), 1, {"a.bin": os.urandom(4096)})
+    net.cluster.commit(0, 1, {"a.bin": os.urandom(4096)})
     net.cluster.wait_held({(1, 0, 1)})
     with net.health():
         for md in ((), WRONG):
@@ -267,8 +267,9 @@ def test_callers_without_the_token_get_nothing(net: Net) -> None:
             assert code_of(lambda c=sidecar, m=md: c.unary_unary("/mtc.Host/Execute")(
                 b"\0" * 64, timeout=5, metadata=m)) == grpc.StatusCode.UNAUTHENTICATED
     assert (net.root(0) / "1" / "a.bin").is_file()  # the step the attacker tried to delete
-    # With the token, the same sidecar answers (a step without mtc's manifest is foreign).
-    assert net.call(0, "foreign") == {"0": [1]}
+    # With the token, the same sidecar answers: the step is there, and mtc's.
+    assert net.call(0, "steps") == {"0": [1]}
+    assert net.call(0, "foreign") == {"0": []}
     net.assert_outside_intact()
 
 
@@ -491,7 +492,7 @@ def test_fetches_are_bounded_and_follow_no_symlink(net: Net) -> None:
     a fetch naming one file many times is refused before a byte is sent; a step folder
     that is a symlink is neither pushed nor served."""
     big = os.urandom(64 * MiB)
-    commit_raw_step(net.root(0), 10, {"big.bin": big, "s.bin": b"small"})
+    net.cluster.commit(0, 10, {"big.bin": big, "s.bin": b"small"})
     net.cluster.wait_held({(1, 0, 10)})
     pid = net.replicator_pid(1)
     ch = net.channel(1)
@@ -603,7 +604,7 @@ def test_a_damaged_peer_copy_is_quarantined_and_fetched_again(net: Net) -> None:
     when the quarantine was planted as a symlink to the outside) and a good copy takes
     its place, instead of being pushed over a folder that stays damaged."""
     files = {"a.bin": os.urandom(3000), "b.bin": os.urandom(5000)}
-    commit_raw_step(net.root(0), 20, files)
+    net.cluster.commit(0, 20, files)
     net.cluster.wait_held({(1, 0, 20)})
     qdir = net.root(1) / ".mtc-quarantine"
     if qdir.is_dir() and not qdir.is_symlink():
@@ -633,7 +634,7 @@ def test_committed_backup_objects_are_never_overwritten(net: Net) -> None:
     """BackupPart can write into a step's own uncommitted folder only: never into a
     committed backup, another step's folder, or a path twice."""
     for r in range(2):
-        commit_raw_step(net.root(r), 30, {"w.bin": os.urandom(2048)})
+        net.cluster.commit(r, 30, {"w.bin": os.urandom(2048)})
     net.cluster.wait_held({(1, 0, 30), (0, 1, 30)})
     stub0 = pb_grpc.ReplicatorStub(net.channel(0))
     assert stub0.RequestBackup(pb.BackupRequest(step=-1), timeout=60, metadata=AUTH).step == 30
@@ -797,7 +798,7 @@ def test_a_certificate_acts_only_for_the_rank_it_names(base: Path) -> None:
                             for r, (c, k) in certs.items()})
     try:
         cl.start_all()
-        commit_raw_step(cl.root(0), 1, {"a.bin": os.urandom(1024)})
+        cl.commit(0, 1, {"a.bin": os.urandom(1024)})
         cl.wait_held({(1, 0, 1)}, timeout=30)  # the genuine peers reach each other
         host1 = Credentials(tls_cert=certs[1][0], tls_key=certs[1][1], tls_ca=ca_pem)
         data = os.urandom(64)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from replicators import commit_raw_step, env_with_repo
+from replicators import commit_mtc_step, env_with_repo
 
 from mtc.errors import AgreementError
 from mtc.proto import replicator_pb2 as pb
@@ -119,7 +119,7 @@ def start(net: Net, ramdisk: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
     for i in range(N):
         root = ramdisk / f"host-{i}"
         for s in (1, 2):
-            commit_raw_step(root, s, {"x.bin": os.urandom(512)})
+            commit_mtc_step(root, s, {"x.bin": os.urandom(512)}, host=i, num_hosts=N)
         log = open(ramdisk / f"replicator-{i}.log", "wb")
         procs.append(subprocess.Popen(
             ["ip", "netns", "exec", net.ns[i], sys.executable, "-m",
@@ -211,7 +211,8 @@ def test_copy_over_a_cut_link_is_not_counted_then_completes_when_healed(
             assert time.monotonic() < deadline
             time.sleep(0.1)
         net.set_link(0, 1, up=False)
-        commit_raw_step(ramdisk / "host-0", 3, {"x.bin": os.urandom(1 << 20)})
+        commit_mtc_step(ramdisk / "host-0", 3, {"x.bin": os.urandom(1 << 20)}, host=0,
+                        num_hosts=N)
         # Every attempt over the cut link fails within its deadline; the step is not
         # counted as replicated, and no partial copy shows up at the target.
         log0 = ramdisk / "replicator-0.log"

@@ -45,6 +45,7 @@ from mtc.errors import MtcError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import BackupUnavailableError, open_backend
 from mtc.sidecar.backup.job import BackupStore, step_prefix
+from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
@@ -148,12 +149,6 @@ class Net:
         raise AssertionError(f"step {step} not replicated everywhere in {timeout_s}s")
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
-
-
 def _notable(log: str) -> list[str]:
     marks = ("WARNING", "ERROR", "Traceback", "Exception")
     return [ln[:400] for ln in log.splitlines() if any(m in ln for m in marks)][-60:]
@@ -168,7 +163,7 @@ def net() -> Iterator[Net]:
     emu: subprocess.Popen[bytes] | None = None
     try:
         bridge = f"{hosts.subnet}.1"
-        port = _free_port(bridge)
+        port = free_ports(1, bridge)[0]
         url = f"http://{bridge}:{port}"
         # The emulator listens on the bridge's address (its own namespace's), so the
         # hosts reach it over their links; its upload URLs name that address too.

@@ -39,9 +39,9 @@ import pytest
 from replicators import scrape
 
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.security import Credentials
-from mtc.trainer.cluster import free_ports
 from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here starts processes

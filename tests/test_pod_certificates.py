@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
-from replicators import Cluster, commit_raw_step, env_with_repo, free_ports, new_cluster
+from replicators import Cluster, env_with_repo, free_ports, new_cluster
 from tls_certs import issue, make_ca
 
 from mtc.proto import replicator_pb2 as pb
@@ -115,7 +115,7 @@ def test_replicators_with_pod_certificates(ramdisk: Path, clusters: list[Cluster
         cl.start_all()
         data = {r: os.urandom(4096) for r in range(cl.n)}
         for r in range(cl.n):
-            commit_raw_step(cl.root(r), 1, {"a.bin": data[r]})
+            cl.commit(r, 1, {"a.bin": data[r]})
         cl.wait_replicated(1, timeout=60)  # peers reach each other by their pods' names
 
         # Host 1 is replaced: a new pod (another name, another key), an empty RAM disk.

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 from jax.sharding import Mesh
-from replicators import Cluster, assert_state_equal, commit_raw_step, make_state, new_cluster
+from replicators import Cluster, assert_state_equal, make_state, new_cluster
 
 import mtc
 from mtc.manifest import MANIFEST_NAME, Manifest
@@ -135,7 +135,8 @@ def test_metrics_endpoint_serves_documented_names(ramdisk: Path,
                                                   clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 2, 1, metrics=True)
     cl.start_all()
-    commit_raw_step(cl.root(0), 3, {"a.bin": os.urandom(1000), "d/b.bin": os.urandom(10)})
+    files = cl.commit(0, 3, {"a.bin": os.urandom(1000), "d-b.bin": os.urandom(10)})
+    size = sum(map(len, files.values()))  # the manifest's bytes too
     cl.wait_held({(1, 0, 3)})
     m0, m1 = cl.scrape(0), cl.scrape(1)
     for m in (m0, m1):
@@ -144,8 +145,8 @@ def test_metrics_endpoint_serves_documented_names(ramdisk: Path,
                      "mtc_replication_lag_steps", "mtc_newest_step{state=committed}",
                      "mtc_newest_step{state=replicated}", "mtc_newest_step{state=backed_up}"):
             assert name in m, (name, sorted(m))
-    assert m0["mtc_replicated_bytes_sent_total"] == 1010
-    assert m1["mtc_replicated_bytes_received_total"] == 1010
+    assert m0["mtc_replicated_bytes_sent_total"] == size
+    assert m1["mtc_replicated_bytes_received_total"] == size
     assert m0["mtc_newest_step{state=committed}"] == 3
     assert m0["mtc_newest_step{state=replicated}"] == 3
     assert m1["mtc_newest_step{state=committed}"] == -1
@@ -279,13 +280,13 @@ def own_steps(root: Path) -> set[int]:
 def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "2"))
     cl.start_all()
-    commit_raw_step(cl.root(0), 1, {"x.bin": os.urandom(4096)})
-    commit_raw_step(cl.root(1), 1, {"y.bin": os.urandom(4096)})
+    cl.commit(0, 1, {"x.bin": os.urandom(4096)})
+    cl.commit(1, 1, {"y.bin": os.urandom(4096)})
     cl.wait_held({(1, 0, 1), (0, 1, 1)})
 
     cl.kill(1)  # the only peer: nothing newer gets fully replicated
     for step in (2, 3, 4, 5):
-        commit_raw_step(cl.root(0), step, {"x.bin": os.urandom(4096)})
+        cl.commit(0, step, {"x.bin": os.urandom(4096)})
         time.sleep(0.2)
     # The newest 2 plus step 1, the newest fully replicated one.
     deadline = time.monotonic() + 10
@@ -309,7 +310,7 @@ def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Clu
     time.sleep(1.5)
     assert 1 in own_steps(cl.root(0))
     # Once rank 1 commits step 5 as well, step 5 is complete and step 1 goes.
-    commit_raw_step(cl.root(1), 5, {"y.bin": os.urandom(4096)})
+    cl.commit(1, 5, {"y.bin": os.urandom(4096)})
     cl.wait_held({(0, 1, 5)}, timeout=30)
     deadline = time.monotonic() + 10
     while own_steps(cl.root(0)) != {4, 5}:
@@ -325,11 +326,11 @@ def test_gc_keeps_the_newest_step_every_rank_can_restore(ramdisk: Path,
     cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "1"))
     cl.start_all()
     for step in (1, 2):
-        commit_raw_step(cl.root(0), step, {"x.bin": os.urandom(4096)})
-        commit_raw_step(cl.root(1), step, {"y.bin": os.urandom(4096)})
+        cl.commit(0, step, {"x.bin": os.urandom(4096)})
+        cl.commit(1, step, {"y.bin": os.urandom(4096)})
     cl.wait_held({(1, 0, 2), (0, 1, 2)})
     # Rank 0 commits and replicates step 3; rank 1 never commits it (it crashed).
-    commit_raw_step(cl.root(0), 3, {"x.bin": os.urandom(4096)})
+    cl.commit(0, 3, {"x.bin": os.urandom(4096)})
     cl.wait_held({(1, 0, 3)})
     time.sleep(1.5)  # GC passes with --keep 1
     assert 2 in own_steps(cl.root(0)), "the newest step complete on every rank was deleted"

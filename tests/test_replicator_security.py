@@ -26,9 +26,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from replicators import Cluster, commit_raw_step, env_with_repo, free_ports, new_cluster
+from replicators import Cluster, env_with_repo, free_ports, new_cluster
 
 from mtc.integrity import crc32c
+from mtc.manifest import MANIFEST_NAME
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.client import FETCH, PUSH, PeerClient, PeerError
@@ -73,7 +74,7 @@ def test_token_required(ramdisk: Path, clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--token-file", str(token_file)),
                      creds=good)
     cl.start_all()
-    commit_raw_step(cl.root(0), 1, {"a.bin": os.urandom(2048)})
+    cl.commit(0, 1, {"a.bin": os.urandom(2048)})
     cl.wait_held({(1, 0, 1)})  # the peers themselves present the token
 
     for creds in (Credentials(), Credentials(token="wrong-token")):
@@ -197,7 +198,7 @@ def test_mutual_tls(ramdisk: Path, clusters: list[Cluster]) -> None:
 
     cl = tls_cluster(clusters, ramdisk, ca, ca_pem, pki, client_crt, client_key)
     cl.start_all()
-    commit_raw_step(cl.root(0), 1, {"a.bin": os.urandom(2048)})
+    cl.commit(0, 1, {"a.bin": os.urandom(2048)})
     cl.wait_held({(1, 0, 1)})  # peers authenticate each other
 
     # Another certificate from the same CA is accepted.
@@ -259,7 +260,7 @@ def test_paths_cannot_leave_the_root(ramdisk: Path, clusters: list[Cluster]) -> 
     secret.write_bytes(SECRET)
     cl = new_cluster(clusters, ramdisk, 2, 1)
     cl.start_all()
-    commit_raw_step(cl.root(0), 1, {"a.bin": os.urandom(2048)})
+    cl.commit(0, 1, {"a.bin": os.urandom(2048)})
     cl.wait_held({(1, 0, 1)})
     c = cl.client(1)
     ch = grpc.insecure_channel(cl.addrs[1])
@@ -306,7 +307,8 @@ def test_paths_cannot_leave_the_root(ramdisk: Path, clusters: list[Cluster]) -> 
         finally:
             ch0.close()
         # The symlinks never entered a description either.
-        assert {f.path for x in cl.inventory(1).copies for f in x.files} == {"a.bin"}
+        assert {f.path for x in cl.inventory(1).copies
+                for f in x.files} == {"a.bin", MANIFEST_NAME}
         # A real file still comes back whole.
         got = b"".join(fetch(pb.FetchRequest(step=1, origin_rank=0,
                                              path="a.bin").SerializeToString(), timeout=5))
@@ -425,7 +427,7 @@ def test_malformed_requests_get_errors_not_crashes(ramdisk: Path,
         # A file the receiver holds itself is linked, not copied; a later push to
         # that path must not write through the link into the receiver's own step.
         mine = os.urandom(4096)
-        commit_raw_step(cl.root(1), 8, {"mine.bin": mine})
+        cl.commit(1, 8, {"mine.bin": mine})
         offer = stub.Offer(pb.OfferRequest(copy=pb.StepCopy(step=8, origin_rank=0, files=[
             pb.FileInfo(path="same.bin", size=len(mine), crc32c=crc32c(mine))])), timeout=10)
         assert [x.path for x in offer.candidates] == ["same.bin"]

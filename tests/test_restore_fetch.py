@@ -32,7 +32,7 @@ from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import serve
 from mtc.sidecar.replicator.store import FileMeta
 
-FILES = {"a.bin": bytes(range(256)) * 40, "empty.bin": b"", "d/b.bin": b"B" * 10,
+FILES = {"a.bin": bytes(range(256)) * 40, "empty.bin": b"", "d-b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 3}
 
 
@@ -53,8 +53,10 @@ class Holder:
     """A real replicator (rank 0) holding step 1 of its own, served on loopback."""
 
     def __init__(self, base: Path) -> None:
+        # Orbax's framework: its steps are opaque folders of nested files, no manifest.
         cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
-                               nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=0.5)
+                               nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=0.5,
+                               framework="orbax")
         self.root = base / "root"
         self.node = Node(cfg, self.root, Credentials())
         commit_raw_step(self.root, 1, FILES)
@@ -92,8 +94,8 @@ def test_every_file_in_one_stream_verified(holder: Holder, tmp_path: Path) -> No
 def test_a_file_that_does_not_match_ends_the_stream(holder: Holder, tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     # What the inventory said of d/b.bin is not what the holder has.
-    got, err = holder.client.fetch_files(1, 0, metas({"d/b.bin": 0x1234}), dest)
-    assert isinstance(err, CorruptShardError) and err.path == "d/b.bin"
+    got, err = holder.client.fetch_files(1, 0, metas({"d-b.bin": 0x1234}), dest)
+    assert isinstance(err, CorruptShardError) and err.path == "d-b.bin"
     assert got == ["a.bin", "empty.bin"]  # the files before it arrived, verified
     assert (dest / "a.bin").read_bytes() == FILES["a.bin"]
     assert not (dest / "d" / "b.bin").exists() and not (dest / "d" / "c.bin").exists()
@@ -108,7 +110,7 @@ def test_a_damaged_held_file_is_never_sent_whole(holder: Holder, tmp_path: Path)
     dest = tmp_path / "dest"
     got, err = holder.client.fetch_files(1, 0, metas(), dest)
     assert isinstance(err, PeerError), err
-    assert got == ["a.bin", "empty.bin", "d/b.bin"]
+    assert got == ["a.bin", "empty.bin", "d-b.bin"]
     assert not (dest / "d" / "c.bin").exists()
 
 

@@ -42,9 +42,12 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mtc.trainer.cluster import REPO, LocalCluster, _env, default_base
+
+if TYPE_CHECKING:  # the driver itself imports no JAX
+    from mtc.options import Dispatch
 
 FAULTS = ("none", "kill_trainer", "kill_replicator", "kill_replicator_in_restore",
           "kill_sidecar", "wipe_host", "bit_flip", "silent_bit_flip", "truncate")
@@ -54,6 +57,7 @@ NET_FAULTS = ("cut_link", "cut_link_in_restore", "partition_in_restore")
 NET_WEIGHTS = (2, 2, 2)
 HEAL_AFTER_S = (0.5, 4.0)  # how long a network fault lasts (uniform)
 CYCLE_DEADLINE_S = 90.0
+TRAINER_DEVICES = 8  # the trainer's CPU devices: a 2x4 mesh (replica, model)
 
 
 # -- the trainer ------------------------------------------------------------------------
@@ -72,9 +76,11 @@ def state_of(step: int, mesh: Any) -> dict[str, Any]:
             "dp": jax.device_put(dp, NamedSharding(mesh, P("model"))), "step": step}
 
 
-def worker(base: Path) -> int:
-    """Serve the driver's commands on stdin: ``cycle`` restores, checks, saves two steps."""
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+def worker(base: Path, dispatch: Dispatch) -> int:
+    """Serve the driver's commands on stdin: ``cycle`` restores, checks, saves two steps;
+    ``dispatch``: colocated (Pathways' path: programs the hosts' sidecars run) or process."""
+    os.environ.setdefault("XLA_FLAGS",
+                          f"--xla_force_host_platform_device_count={TRAINER_DEVICES}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import faulthandler
 
@@ -89,7 +95,8 @@ def worker(base: Path) -> int:
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("replica", "model"))
     cluster = LocalCluster.load(base)  # the hosts keep their addresses when replaced
     opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, max_to_keep=None,
-                       sidecars=cluster.sidecars(), replicators=tuple(cluster.addresses),
+                       dispatch=dispatch, sidecars=cluster.sidecars(),
+                       replicators=tuple(cluster.addresses),
                        replicator_token=cluster.token(), restore_timeout_s=30)
     target = state_of(0, mesh)
 
@@ -128,11 +135,12 @@ def worker(base: Path) -> int:
 
 
 class Trainer:
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, dispatch: Dispatch) -> None:
         (base / "logs").mkdir(parents=True, exist_ok=True)
         self.log = (base / "logs" / "mtc.trainer.log").open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mtc.trainer.chaos", "--worker", "--base", str(base)],
+            [sys.executable, "-m", "mtc.trainer.chaos", "--worker", "--base", str(base),
+             "--dispatch", dispatch],
             cwd=REPO, env=_env(), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
         self._buf = b""
@@ -327,11 +335,15 @@ def cut(net: Network, f: NetFault) -> None:
 
 
 def run(cycles: int, seconds: float, seed: int, base: Path,
-        keep_logs: Path | None = None) -> dict[str, Any]:
+        keep_logs: Path | None = None, dispatch: Dispatch = "colocated") -> dict[str, Any]:
     rng = random.Random(seed)
     if base.exists():
         shutil.rmtree(base)
-    cluster = LocalCluster.up(base, slices=2, hosts_per_slice=2)
+    # Colocated: the sidecars run the trainer's programs on their share of its 8 CPU
+    # devices, as Pathways' workers do.
+    cluster = LocalCluster.up(base, slices=2, hosts_per_slice=2,
+                              colocated_devices=TRAINER_DEVICES if dispatch == "colocated"
+                              else 0)
     cluster.poll_seconds = 0.05
     net = network_of(cluster)
     kinds, weights = fault_kinds(net)
@@ -339,7 +351,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
     out: dict[str, Any] = {"cycles": 0, "ok": 0, "corrupt": 0, "divergent": 0, "stale": 0,
                            "errors": Counter(), "hangs": 0, "faults": Counter()}
     seconds_list: list[float] = []
-    trainer = Trainer(base)
+    trainer = Trainer(base, dispatch)
     start = time.monotonic()
     try:
         trainer.send("cycle")  # the first cycle saves steps 0 and 1 from nothing
@@ -372,7 +384,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
             if fault == "kill_trainer":
                 time.sleep(rng.uniform(0.0, 1.5))  # mid-restore or mid-save
                 trainer.kill()
-                trainer = Trainer(base)
+                trainer = Trainer(base, dispatch)
                 trainer.send("cycle")
             elif fault == "kill_replicator_in_restore":
                 time.sleep(rng.uniform(0.0, 0.3))
@@ -397,7 +409,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
                 print(f"cycle {out['cycles']} ({fault} host {host}): restore "
                       f"{'exited' if reply else 'hung'}", file=sys.stderr)
                 trainer.kill(stacks=True)
-                trainer = Trainer(base)
+                trainer = Trainer(base, dispatch)
                 continue
             if "error" in reply:
                 kind = reply["error"]
@@ -426,7 +438,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
                 print(f"cycle {out['cycles']} ({fault} host {host}): save hung",
                       file=sys.stderr)
                 trainer.kill(stacks=True)
-                trainer = Trainer(base)
+                trainer = Trainer(base, dispatch)
     finally:
         if net is not None:
             net.heal()
@@ -440,6 +452,7 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
                          "max": round(max(seconds_list), 3)} if seconds_list else None)
     out["seconds"] = round(time.monotonic() - start, 1)
     out["isolation"] = cluster.isolation
+    out["dispatch"] = dispatch
     if net is None:
         out["not_injected"] = ["link cuts and partitions (they need network namespaces: "
                                "root)"]
@@ -455,19 +468,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", type=Path,
                    help="cluster folder (default /dev/shm/mtc-cluster-chaos-<pid>)")
     p.add_argument("--keep-logs", type=Path, help="copy the cluster's logs here at the end")
+    p.add_argument("--dispatch", choices=("colocated", "process"), default="colocated",
+                   help="how the trainer reaches the hosts: colocated Python (Pathways, the "
+                        "default) or seam requests to their sidecars")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--damage", type=Path, help=argparse.SUPPRESS)  # a RAM disk, on its host
     p.add_argument("--how", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args.base)
+        return worker(args.base, args.dispatch)
     if args.damage:
         victim = damage_newest(args.damage, args.how, args.seed)
         print(victim or "")
         return 0
     base = args.base or default_base(f"chaos-{os.getpid()}")
-    print(json.dumps(run(args.cycles, args.seconds, args.seed, base, args.keep_logs)),
-          flush=True)
+    print(json.dumps(run(args.cycles, args.seconds, args.seed, base, args.keep_logs,
+                         args.dispatch)), flush=True)
     return 0
 
 

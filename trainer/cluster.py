@@ -39,8 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mtc.sidecar.host.ports import free_ports
 from mtc.trainer import gcs_emulator
-from mtc.trainer.isolation import Hosts, free_ports
+from mtc.trainer.isolation import Hosts
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = "cluster.json"

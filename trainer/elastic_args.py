@@ -63,8 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "<cluster>/compile-cache; 'none': off)")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="no per-step in-memory snapshot (resize restores from mtc)")
-    p.add_argument("--dispatch", choices=("process", "colocated"), default="process",
-                   help="how mtc reaches the hosts' sidecars: seam requests, or colocated "
-                        "Python programs they run (a cluster up with --colocated-devices)")
+    p.add_argument("--dispatch", choices=("colocated", "process"), default="colocated",
+                   help="how mtc reaches the hosts' sidecars: colocated Python programs "
+                        "they run (Pathways' path, the default: a cluster up with "
+                        "--colocated-devices), or seam requests")
     p.add_argument("--no-reference", dest="reference", action="store_false")
     return p.parse_args(argv)

@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mtc.sidecar.host.ports import free_ports
+
 READY_TIMEOUT_S = 60.0
 SIDECAR_PORT = 7100  # inside a host's namespace
 REPLICATOR_PORT = 7000
@@ -451,19 +453,6 @@ class Hosts:
         if self.isolation == "namespaces":
             for i in range(self.n):
                 self.link(i, True)
-
-def free_ports(n: int) -> list[int]:
-    """Loopback ports free right now (a server binding them later may still race)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
 
 def _state_of(pid: int) -> str:
     try:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +49,7 @@ import numpy as np
 from mtc import slots, transfer
 from mtc.errors import ColocatedCallError, MtcError, ProtocolError
 from mtc.sidecar.host import ghost
+from mtc.sidecar.host.ports import free_ports
 
 if TYPE_CHECKING:
     import jax
@@ -126,7 +126,7 @@ class ColocatedServer:
         if self._others:
             # Started from this thread, the process's main one: the other process
             # dies with the thread that started it (PR_SET_PDEATHSIG).
-            self._address = f"127.0.0.1:{_free_port()}"  # the host's own loopback
+            self._address = f"127.0.0.1:{free_ports(1)[0]}"  # the host's own loopback
             self._ghost = subprocess.Popen([sys.executable, "-m", "mtc.sidecar.host.ghost",
                                             self._address, str(self._others)])
         self._ready = threading.Event()
@@ -293,9 +293,3 @@ def _check(name: str, k: int, r: Any, spec: Any) -> None:
             {s.device for s in r.addressable_shards} != set(spec.sharding.addressable_devices)):
         raise ColocatedCallError(f"{name}: output {k} is not on its declared sharding "
                                  f"{spec.sharding.spec} over this host's devices")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -84,7 +84,7 @@ class Node(BackupDuties, RestoreDuties):
                  backup: BackupScheduler | None = None) -> None:
         self.config = config
         self.rank = config.rank
-        self.store = LocalStore(root, config.rank)
+        self.store = LocalStore(root, config.rank, orbax=config.framework == "orbax")
         self.metrics = Metrics()
         self.store.on_quarantine = self.metrics.quarantined.inc
         self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s,

@@ -157,9 +157,11 @@ def describe_own(step_dir: Path) -> list[FileMeta]:
 class LocalStore:
     """The host's own steps and the peer copies it keeps, with a content index."""
 
-    def __init__(self, root: Path, rank: int) -> None:
+    def __init__(self, root: Path, rank: int, *, orbax: bool = False) -> None:
         self.root = root
         self.rank = rank
+        # Serving Orbax's client (``--framework orbax``), whose steps carry no manifest.
+        self.orbax = orbax
         self.replicas = root / REPLICA_DIR
         self._lock = threading.Lock()
         # (origin, step) -> (inode of the copy's folder, its files): a folder saved
@@ -203,8 +205,10 @@ class LocalStore:
         another host, or another step, is not this host's, and neither is one whose
         manifest cannot be read (it cannot say whose it is). Those are never
         offered, served, backed up or deleted here. A step without a manifest
-        (Orbax's) says nothing of its host and counts as this host's, as Orbax's
-        client has it. Decided once per folder (by inode)."""
+        (Orbax's) says nothing of its host: it counts as this host's only for a
+        replicator that serves Orbax's client (``--framework orbax``), as that client
+        has it; beside mtc it is a folder mtc did not write (an Orbax user's step in
+        the same RAM disk), never to be deleted. Decided once per folder (by inode)."""
         d = self.root / str(step)
         try:
             st = os.lstat(d)  # a symlink named as a step is no step: never followed
@@ -221,6 +225,8 @@ class LocalStore:
             data = (d / MANIFEST_NAME).read_bytes()
         except FileNotFoundError:
             data = None
+            if not self.orbax:
+                why = "it has no mtc manifest (not written by mtc)"
         except OSError as e:
             why = f"its manifest cannot be read ({e.strerror})"
         if data is not None:
