@@ -26,7 +26,8 @@ import _common  # noqa: F401  (repository on sys.path)
 import numpy as np
 
 from mtc.sidecar.files import FICLONE, copy_verified
-from mtc.sidecar.replicator.store import LocalStore, file_crc
+from mtc.sidecar.replicator.step_files import file_crc
+from mtc.sidecar.replicator.store import LocalStore
 
 
 def timed(fn: Any, samples: int) -> float:

@@ -62,7 +62,8 @@ from _cpu import process_cpu
 from mtc.integrity import crc32c
 from mtc.layout import TMP_MARK
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.store import REPLICA_DIR, describe_own
+from mtc.sidecar.replicator.step_files import describe_own
+from mtc.sidecar.replicator.store import REPLICA_DIR
 
 replicators: Any = importlib.import_module("replicators")  # tests/replicators.py
 

@@ -30,6 +30,7 @@ def test_chaos_short_run() -> None:
     assert out["ok"] >= 1 and out["restore_s"]["max"] > 0
     assert sum(out["faults"].values()) == out["cycles"]
     assert out["isolation"] in ("namespaces", "processes")
+    assert out["dispatch"] == "colocated"  # Pathways' path, the default
     assert not base.exists()  # the cluster was taken down
     # ... with every process it started, restarted ones included.
     left = []

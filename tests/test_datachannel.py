@@ -222,7 +222,7 @@ def test_a_file_damaged_behind_the_cache_is_read_again_and_quarantined(
 
 def test_a_push_is_split_into_streams_of_about_equal_bytes() -> None:
     from mtc.sidecar.replicator.push_plan import push_streams as _streams
-    from mtc.sidecar.replicator.store import FileMeta
+    from mtc.sidecar.replicator.step_files import FileMeta
 
     files = [(i, FileMeta(f"f{i}", size, 0)) for i, size in enumerate([8, 1, 8, 1, 8, 8, 2])]
     groups = _streams(files, 4)

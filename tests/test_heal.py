@@ -29,7 +29,8 @@ from mtc import cli
 from mtc.errors import CorruptShardError
 from mtc.manifest import MANIFEST_NAME
 from mtc.sidecar.quarantine import QUARANTINE_DIR, quarantined
-from mtc.sidecar.replicator.store import REPLICA_DIR, file_crc
+from mtc.sidecar.replicator.step_files import file_crc
+from mtc.sidecar.replicator.store import REPLICA_DIR
 
 QUARANTINED = "mtc_quarantined_files_total"
 
@@ -259,7 +260,7 @@ def _inv(rank: int, copies: list[tuple[int, int, list[tuple[str, int, int]]]]) -
 
 def test_heal_sources_and_order() -> None:
     from mtc.sidecar.replicator.restore import fetch_order, heal_sources
-    from mtc.sidecar.replicator.store import FileMeta
+    from mtc.sidecar.replicator.step_files import FileMeta
 
     a, b = ("a.bin", 10, 1), ("b.bin", 20, 2)
     invs = {

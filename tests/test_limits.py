@@ -28,7 +28,7 @@ from mtc.sidecar.quarantine import QUARANTINE_DIR, quarantine
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.decode_guard import DecodeGuard
 from mtc.sidecar.replicator.limits import BoundedHealth, Gate, Limits, Streams, overdue
-from mtc.sidecar.replicator.store import FileMeta
+from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.replicator.transfers import Transfer, Transfers
 
 LIMITS = Limits(min_rate=1000.0, grace_s=2.0)

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 
+from mtc.errors import UnsafePathError
 from mtc.integrity import crc32c
 from mtc.sidecar.backup import _io
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.schedule import BackupPolicy, BackupScheduler
 from mtc.sidecar.files import read_buffer
-from mtc.sidecar.replicator import store
+from mtc.sidecar.replicator import checksums, step_files, store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,10 +76,10 @@ def test_checksums_and_copies_with_buffers_the_size_of_the_file(tmp_path: Path,
     src = tmp_path / "src"
     src.write_bytes(data)
     want = crc32c(data)
-    assert store.file_crc(src) == want
+    assert step_files.file_crc(src) == want
     assert _io.file_crc(src) == (size, want)
-    assert store.file_sha256(src) == hashlib.sha256(data).digest()
-    assert store.copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
+    assert step_files.file_sha256(src) == hashlib.sha256(data).digest()
+    assert step_files.copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
     assert (tmp_path / "copy").read_bytes() == data
     with src.open("rb", buffering=0) as f:
         assert len(read_buffer(f, store.CHUNK)) == max(1, min(size, store.CHUNK))
@@ -97,37 +98,39 @@ def test_a_digest_is_read_once_per_file_version_and_forgotten_with_its_step(
     """Deduplication asks a replicator for the SHA-256 of its own files twice per
     save (pushing its step, holding its twin's): the second answer comes from
     memory, a rewritten file is read again, and a removed step's entries go."""
-    s = store.LocalStore(tmp_path / "root", 0)
+    s = store.LocalStore(tmp_path / "root", 0, orbax=True)  # an opaque step is its own
     step = tmp_path / "root" / "5"
     step.mkdir()
     f = step / "a.bin"
     f.write_bytes(b"x" * 1000)
     reads: list[Path] = []
-    real = store.file_sha256
-    monkeypatch.setattr(store, "file_sha256", lambda p: reads.append(p) or real(p))
-    first = s.sha256(f)
-    assert s.sha256(f) == first == hashlib.sha256(b"x" * 1000).digest()
+    real = checksums.file_sha256
+    monkeypatch.setattr(checksums, "file_sha256", lambda p: reads.append(p) or real(p))
+    first = s.checksums.sha256(f)
+    assert s.checksums.sha256(f) == first == hashlib.sha256(b"x" * 1000).digest()
     assert reads == [f]
     f.unlink()
     f.write_bytes(b"y" * 1000)  # a new inode: another file under the same name
-    assert s.sha256(f) == hashlib.sha256(b"y" * 1000).digest()
+    assert s.checksums.sha256(f) == hashlib.sha256(b"y" * 1000).digest()
     assert len(reads) == 2
-    s.note_verified(f, store.FileMeta("a.bin", 1000, crc32c(b"y" * 1000)))
-    assert s._shas and s._crcs
+    s.checksums.note_verified(f, step_files.FileMeta("a.bin", 1000, crc32c(b"y" * 1000)))
+    assert s.checksums._shas and s.checksums._crcs
     s.remove_copy(0, 5)
-    assert not step.exists() and not s._shas and not s._crcs
+    assert not step.exists() and not s.checksums._shas and not s.checksums._crcs
 
 
 def test_a_cache_of_many_live_files_is_swept_once_per_doubling_not_per_removal(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store, "CACHE_SWEEP", 2)
+    monkeypatch.setattr(checksums, "CACHE_SWEEP", 2)
     s = store.LocalStore(tmp_path / "root", 0)
     live = tmp_path / "root" / "live"
     live.mkdir()
     for i in range(5):  # live files, still held
         (live / f"{i}.bin").write_bytes(b"x")
-        s.note_verified(live / f"{i}.bin", store.FileMeta(f"{i}.bin", 1, crc32c(b"x")))
-    s._crcs[str(tmp_path / "gone.bin")] = ((0, 1, 0), 0)  # removed behind the store's back
+        s.checksums.note_verified(live / f"{i}.bin",
+                                  step_files.FileMeta(f"{i}.bin", 1, crc32c(b"x")))
+    # Removed behind the store's back:
+    s.checksums._crcs[str(tmp_path / "gone.bin")] = ((0, 1, 0), 0)
     swept: list[str] = []
     real = os.path.lexists
     monkeypatch.setattr(os.path, "lexists", lambda p: swept.append(p) or real(p))
@@ -135,7 +138,7 @@ def test_a_cache_of_many_live_files_is_swept_once_per_doubling_not_per_removal(
         (tmp_path / "root" / str(step)).mkdir()
         s.remove_copy(0, step)
     assert len(swept) == 6  # one sweep of the 6 entries, then none until the cache doubles
-    assert sorted(s._crcs) == sorted(str(live / f"{i}.bin") for i in range(5))
+    assert sorted(s.checksums._crcs) == sorted(str(live / f"{i}.bin") for i in range(5))
 
 
 def test_inside_looks_only_at_the_parts_below_the_base_and_still_refuses_escapes(
@@ -155,17 +158,17 @@ def test_inside_looks_only_at_the_parts_below_the_base_and_still_refuses_escapes
     resolved: list[str] = []
     real = os.path.realpath
     monkeypatch.setattr(os.path, "realpath", lambda p: resolved.append(p) or real(p))
-    assert store.inside(base, "d/f.bin") == base / "d" / "f.bin"
-    assert store.inside(base, "d/new/g.bin") == base / "d" / "new" / "g.bin"
-    assert store.inside(base, "new/g.bin") == base / "new" / "g.bin"
+    assert step_files.inside(base, "d/f.bin") == base / "d" / "f.bin"
+    assert step_files.inside(base, "d/new/g.bin") == base / "d" / "new" / "g.bin"
+    assert step_files.inside(base, "new/g.bin") == base / "new" / "g.bin"
     assert resolved == []  # no link among the parts: nothing resolved
-    assert store.inside(base, "in-dir/f.bin") == base / "in-dir" / "f.bin"
+    assert step_files.inside(base, "in-dir/f.bin") == base / "in-dir" / "f.bin"
     for rel in ("out-dir/x", "out-file", "out-dir"):
-        with pytest.raises(store.UnsafePathError):
-            store.inside(base, rel)
+        with pytest.raises(UnsafePathError):
+            step_files.inside(base, rel)
     for rel in ("../x", "d/../../x", "/etc/passwd", "d//f.bin", ""):
-        with pytest.raises(store.UnsafePathError):
-            store.inside(base, rel)
+        with pytest.raises(UnsafePathError):
+            step_files.inside(base, rel)
 
 
 def test_the_host_count_is_read_without_building_the_manifest() -> None:

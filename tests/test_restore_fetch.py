@@ -30,7 +30,7 @@ from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.restore import fetch_batches
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import serve
-from mtc.sidecar.replicator.store import FileMeta
+from mtc.sidecar.replicator.step_files import FileMeta
 
 FILES = {"a.bin": bytes(range(256)) * 40, "empty.bin": b"", "d-b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 3}

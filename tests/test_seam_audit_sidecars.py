@@ -41,7 +41,7 @@ def test_in_process_host_side_is_a_leak_once_hosts_have_sidecars(tmp_path: Path)
     assert any("mtc/" in leak for leak in leaks), leaks[:5]
     # The harness plays the host: a test frame reading and damaging files is no leak,
     # nor host-side code the test calls (a checksum, say).
-    from mtc.sidecar.replicator.store import file_crc
+    from mtc.sidecar.replicator.step_files import file_crc
 
     seam_audit.watch(strict)
     seam_audit.sidecars_only(strict)

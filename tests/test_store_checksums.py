@@ -16,8 +16,9 @@ from replicators import commit_raw_step
 
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
-from mtc.sidecar.replicator import store as store_mod
-from mtc.sidecar.replicator.store import FileMeta, LocalStore
+from mtc.sidecar.replicator import checksums, step_files
+from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.store import LocalStore
 
 
 def mtc_step(root: Path, step: int, data: bytes, *, host: int = 0) -> None:
@@ -32,13 +33,14 @@ def mtc_step(root: Path, step: int, data: bytes, *, host: int = 0) -> None:
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
-    real = store_mod.file_crc
+    real = step_files.file_crc
 
     def counted(path: Path) -> int:
         seen.append(Path(path).name)
         return real(path)
 
-    monkeypatch.setattr(store_mod, "file_crc", counted)
+    for module in (checksums, step_files):  # checks, and walks of opaque steps
+        monkeypatch.setattr(module, "file_crc", counted)
     return seen
 
 

@@ -14,7 +14,7 @@ from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import CorruptBackupError
 from mtc.sidecar.replicator.client import PeerError
-from mtc.sidecar.replicator.store import FileMeta
+from mtc.sidecar.replicator.step_files import FileMeta
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.schedule import BackupScheduler

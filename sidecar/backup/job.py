@@ -32,7 +32,7 @@ from mtc.errors import ManifestError, MtcError, RetryableError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import Backend, CorruptBackupError
 from mtc.sidecar.files import file_sha256
-from mtc.sidecar.replicator.store import FileMeta, safe_relpath
+from mtc.sidecar.replicator.step_files import FileMeta, safe_relpath
 
 log = logging.getLogger(__name__)
 

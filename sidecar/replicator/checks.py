@@ -15,7 +15,7 @@ from mtc import validate
 from mtc.errors import ProtocolError
 from mtc.manifest import check_run
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.store import FileMeta
+from mtc.sidecar.replicator.step_files import FileMeta
 
 MAX_FILES = 100_000       # files of one copy: an Offer, a fetch of several, a backup part
 MAX_OPEN_FILES = 200_000  # files of every open incoming transfer together

@@ -23,7 +23,7 @@ from mtc.sidecar.replicator import datachannel as dc
 from mtc.sidecar.replicator.rank_names import PeerServerName
 from mtc.sidecar.replicator.security import Credentials, TlsWatch
 from mtc.sidecar.replicator.status import TRANSIENT, error_class, where_of
-from mtc.sidecar.replicator.store import FileMeta
+from mtc.sidecar.replicator.step_files import FileMeta
 
 T = TypeVar("T")
 MAX_MESSAGE = 64 << 20

@@ -24,7 +24,7 @@ from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.datachannel import Caller
 from mtc.sidecar.replicator.limits import Streams, peer_of
 from mtc.sidecar.replicator.security import Identity
-from mtc.sidecar.replicator.store import FileMeta, inside
+from mtc.sidecar.replicator.step_files import FileMeta, inside
 from mtc.sidecar.replicator.transfers import Transfer, Transfers
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class DataService:
         with self.streams.open("fetch", peer_of(caller), caller, total) as stream:
             caller.status(total)
             for base, meta, check in files:
-                why = (store.check_file(inside(base, meta.path), meta, cached=not req.reread)
+                why = (store.checksums.check(inside(base, meta.path), meta, cached=not req.reread)
                        if check else None)
                 if why is not None:
                     store.quarantine_file(base / meta.path, why, origin=origin, step=step)

@@ -68,7 +68,8 @@ from mtc.sidecar.replicator.restore import RestoreDuties
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import ReplicationClock
 from mtc.sidecar.replicator.status import is_retryable
-from mtc.sidecar.replicator.store import FileMeta, LocalStore, fingerprint_of
+from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
+from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
@@ -331,7 +332,7 @@ class Node(BackupDuties, RestoreDuties):
             # A candidate without a hash is the same path of the same step with the
             # same size and CRC32C (a twin's shard): taken as the peer identified it.
             same = [c.path for c in reply.candidates
-                    if not c.sha256 or self.store.sha256(src / c.path) == c.sha256]
+                    if not c.sha256 or self.store.checksums.sha256(src / c.path) == c.sha256]
             if same:
                 peer.call("Link", pb.LinkRequest(transfer_id=reply.transfer_id, paths=same))
             linked = set(same)

@@ -4,7 +4,7 @@ call and small ones batched (:func:`push_batches`)."""
 
 from __future__ import annotations
 
-from mtc.sidecar.replicator.store import FileMeta
+from mtc.sidecar.replicator.step_files import FileMeta
 
 BATCH_BYTES = 4 << 20  # small files travel together, up to this many bytes a call
 BATCH_FILES = 512  # and this many files (their indices ride in the call's metadata)

@@ -19,7 +19,7 @@ from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.files import copy_verified
 from mtc.sidecar.replicator.agreement import saving_ranks
-from mtc.sidecar.replicator.store import FileMeta, inside
+from mtc.sidecar.replicator.step_files import FileMeta, inside
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.schedule import BackupScheduler

@@ -52,7 +52,7 @@ from mtc.sidecar.replicator.security import (
     check_listen_address,
 )
 from mtc.sidecar.replicator.status import to_status, wire_error
-from mtc.sidecar.replicator.store import FileMeta, inside, safe_relpath
+from mtc.sidecar.replicator.step_files import FileMeta, inside, safe_relpath
 from mtc.sidecar.replicator.transfers import Transfer, Transfers
 
 if TYPE_CHECKING:
@@ -163,7 +163,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             t.candidates[path] = local
             # The same path of the same step with the same size and CRC32C: the
             # manifests say it is the same shard; no hash pass on either side.
-            reply.candidates.add(path=path, sha256=b"" if identified else store.sha256(local))
+            reply.candidates.add(path=path, sha256=b"" if identified
+                                 else store.checksums.sha256(local))
         t.tmp = store.begin_incoming(origin, step)
         try:
             reply.transfer_id = self.transfers.open(t)

@@ -2,10 +2,12 @@
 
 Layout under the host's root (the RAM disk):
 
-- ``<step>/``                                  the host's own committed steps (mtc or
-                                              Orbax: opaque file trees to the replicator);
-                                              an mtc step whose manifest names another
-                                              host or step is not (:meth:`LocalStore.owns`)
+- ``<step>/``                                  the host's own committed steps (mtc's, or
+                                              Orbax's opaque trees when serving Orbax's
+                                              client); an mtc step whose manifest names
+                                              another host or step is not, nor is a folder
+                                              without a manifest beside mtc
+                                              (:meth:`LocalStore.owns`)
 - ``.mtc-replica/<origin>/<step>/``            a verified copy of rank ``origin``'s step
 - ``.mtc-replica/<origin>/<step>.files.json``  its file list (path, size, CRC32C)
 - ``.mtc-replica/<origin>/<step>.mtc-tmp-*/``  a copy being received
@@ -25,7 +27,6 @@ links: bytes damaged in place must not damage a second copy.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -34,124 +35,22 @@ import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mtc import layout, validate
-from mtc.errors import CorruptShardError, FatalError, MtcError, UnsafePathError
+from mtc import layout
+from mtc.errors import CorruptShardError, MtcError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar import files
 from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
 from mtc.sidecar.quarantine import quarantine
+from mtc.sidecar.replicator.checksums import Checksums
+from mtc.sidecar.replicator.step_files import FileMeta, describe_own, fingerprint_of, inside
 
 log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".mtc-replica"
 CHUNK = files.CHUNK
-CACHE_SWEEP = 50_000  # remembered checksums beyond which files gone are swept out
-
-
-@dataclasses.dataclass(frozen=True)
-class FileMeta:
-    path: str
-    size: int
-    crc32c: int
-
-    def to_json(self) -> list[object]:
-        return [self.path, self.size, self.crc32c]
-
-
-def safe_relpath(path: str) -> str:
-    """Validate a '/'-separated relative path from a request (:func:`mtc.validate.relpath`)."""
-    return validate.relpath(path)
-
-
-def inside(base: Path, rel: str) -> Path:
-    """``base/rel``, refusing anything (symlinks included) that resolves outside ``base``.
-
-    ``rel`` is checked to have no ``..`` or empty part first, so only a symlink
-    among its own parts can lead out: those few are looked at (``lstat``), and the
-    whole path is resolved only when one is a link. Resolving every path (a
-    step's few hundred files, each some ten folders deep) was a third of a
-    replicator's CPU after each save."""
-    target = base / safe_relpath(rel)
-    path = os.fspath(base)
-    for part in rel.split("/"):
-        path = os.path.join(path, part)
-        try:
-            st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return target  # nothing below exists yet: nothing to follow
-        except OSError:
-            break  # unreadable: resolve it all, as below
-        if not stat.S_ISDIR(st.st_mode):
-            if stat.S_ISLNK(st.st_mode):
-                break
-            return target  # a file ends the walk (a part below it cannot exist)
-    else:
-        return target
-    real_base = os.path.realpath(base)
-    real = os.path.realpath(target)
-    if os.path.commonpath([real_base, real]) != real_base:
-        raise UnsafePathError(f"path {rel!r} escapes {base}")
-    return target
-
-
-def file_crc(path: Path) -> int:
-    """The CRC32C of a file (:func:`mtc.sidecar.files.file_crc`, one pass)."""
-    return files.file_crc(path)[1]
-
-
-file_sha256 = files.file_sha256
-copy_verified = files.copy_verified
-
-
-def fingerprint_of(files: Sequence[FileMeta]) -> int:
-    """CRC32C of a file list, in path order: identifies a copy's bytes."""
-    text = json.dumps(sorted(f.to_json() for f in files), separators=(",", ":"))
-    return crc32c(text.encode())
-
-
-WALK_THREADS = 4  # an opaque step's files are checksummed this many at a time
-
-
-def _walk(step_dir: Path) -> list[FileMeta]:
-    """An opaque step's files, each read once for its CRC32C: a few at a time (the
-    checksum runs outside the GIL), on threads this call starts and joins."""
-    paths = []
-    for dirpath, _, names in os.walk(step_dir):
-        for n in sorted(names):
-            p = Path(dirpath) / n
-            if p.is_symlink():
-                continue  # never follow links out of a step
-            paths.append(p)
-
-    def meta(p: Path) -> FileMeta:
-        return FileMeta(p.relative_to(step_dir).as_posix(), p.stat().st_size, file_crc(p))
-
-    if len(paths) < 2:
-        out = [meta(p) for p in paths]
-    else:
-        with ThreadPoolExecutor(min(WALK_THREADS, len(paths)),
-                                thread_name_prefix="mtc-describe") as pool:
-            out = list(pool.map(meta, paths))
-    return sorted(out, key=lambda m: m.path)
-
-
-def describe_own(step_dir: Path) -> list[FileMeta]:
-    """File list of a committed step; mtc steps take sizes and CRCs from their manifest."""
-    manifest = step_dir / MANIFEST_NAME
-    if manifest.is_file():
-        data = manifest.read_bytes()
-        try:
-            m = Manifest.from_bytes(data, path=str(manifest))
-        except FatalError:
-            return _walk(step_dir)
-        files = [FileMeta(e.file, e.nbytes, e.crc32c) for e in m.files.values()]
-        files.append(FileMeta(MANIFEST_NAME, len(data), crc32c(data)))
-        return sorted(files, key=lambda f: f.path)
-    return _walk(step_dir)
 
 
 class LocalStore:
@@ -169,12 +68,7 @@ class LocalStore:
         self._described: dict[tuple[int, int], tuple[int, list[FileMeta]]] = {}
         # Same key: (inode, (hosts that saved it, the run that wrote it)).
         self._summaries: dict[tuple[int, int], tuple[int, Summary]] = {}
-        # path -> ((inode, size, mtime_ns), crc32c): files already read and checked;
-        # and their SHA-256 once one was needed (deduplication asks twice per save:
-        # as the sender of a step and as the holder of its twin's identical files).
-        self._crcs: dict[str, tuple[tuple[int, int, int], int]] = {}
-        self._shas: dict[str, tuple[tuple[int, int, int], bytes]] = {}
-        self._sweep_at = CACHE_SWEEP  # cache size that triggers a sweep for files gone
+        self.checksums = Checksums()  # of files read and checked, or written so
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
         self._owned: dict[int, tuple[int, bool]] = {}  # step -> (inode of <root>/<step>, ours)
         # Fences so far, and the step of the newest (see :meth:`fence`): a copy offered
@@ -288,97 +182,6 @@ class LocalStore:
 
     # -- verification ---------------------------------------------------------
 
-    def check_file(self, path: Path | str, meta: FileMeta, *, cached: bool = True
-                   ) -> str | None:
-        """None when ``path`` holds ``meta``'s bytes, else what is wrong."""
-        # A string path: inventories check every held file several times a second.
-        name = os.fspath(path)
-        try:
-            st = os.lstat(name)
-        except FileNotFoundError:
-            return "missing"
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular file"
-        if st.st_size != meta.size:
-            return f"{st.st_size} bytes, expected {meta.size}"
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        with self._lock:
-            hit = self._crcs.get(name)
-        if cached and hit is not None and hit[0] == key:
-            value = hit[1]
-        else:
-            value = file_crc(Path(name))
-            with self._lock:
-                self._crcs[name] = (key, value)
-        if value != meta.crc32c:
-            return f"crc32c {value:#010x}, expected {meta.crc32c:#010x}"
-        return None
-
-    def sha256(self, path: Path) -> bytes:
-        """:func:`file_sha256` of ``path``, remembered while the file is unchanged."""
-        name = os.fspath(path)
-        st = os.lstat(name)
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        with self._lock:
-            hit = self._shas.get(name)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        digest = file_sha256(Path(name))
-        with self._lock:
-            self._shas[name] = (key, digest)
-        return digest
-
-    def _forget(self, folder: Path) -> None:
-        """Drop what is remembered of the files under ``folder`` (removed): every
-        save adds a few hundred paths, and a path that comes back is a new file
-        (its key differs), so without this the caches grow with every save.
-        Entries of folders removed behind this store's back (the sidecar's
-        retention) go once the caches pass a bound."""
-        prefix = os.fspath(folder) + os.sep
-        with self._lock:
-            for cache in (self._crcs, self._shas):
-                stale = [k for k in cache if k.startswith(prefix)]
-                if len(cache) - len(stale) > self._sweep_at:
-                    stale = [k for k in cache if not os.path.lexists(k)]
-                    # Many live files: the next sweep waits until the cache doubles
-                    # (not one per removal, an lstat of every entry after each save).
-                    self._sweep_at = max(CACHE_SWEEP, 2 * (len(cache) - len(stale)))
-                for k in stale:
-                    del cache[k]
-
-    def note_verified(self, path: Path, meta: FileMeta) -> None:
-        """Remember that ``path`` was just written and checked (no need to read it again)."""
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        with self._lock:
-            self._crcs[str(path)] = ((st.st_ino, st.st_size, st.st_mtime_ns), meta.crc32c)
-
-    def _trust_written(self, folder: Path, files: list[FileMeta]) -> None:
-        """An mtc step's files were checksummed as they were written (its manifest's
-        CRC32Cs): remembered as checked, not read again, as long as each is as it
-        was when the manifest (written last) was (not modified after it: by inode,
-        size and mtime from here on). A file changed since is read when checked."""
-        try:
-            written = os.lstat(folder / MANIFEST_NAME).st_mtime_ns
-        except OSError:
-            return
-        fresh = []
-        for f in files:
-            name = os.fspath(folder / f.path)
-            try:
-                st = os.lstat(name)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode) and st.st_size == f.size and st.st_mtime_ns <= written:
-                fresh.append((name, (st.st_ino, st.st_size, st.st_mtime_ns), f.crc32c))
-        with self._lock:
-            for name, key, crc in fresh:
-                hit = self._crcs.get(name)
-                if hit is None or hit[0] != key:  # a result of a read of this file stands
-                    self._crcs[name] = (key, crc)
-
     def verify(self, origin: int, step: int, *, cached: bool = True) -> list[FileMeta]:
         """Check every file of a held copy against its description; quarantine
         the bad ones and return them (empty: the copy is good)."""
@@ -386,7 +189,7 @@ class LocalStore:
         base = os.fspath(self.copy_dir(origin, step))
         bad = []
         for f in files:
-            why = self.check_file(f"{base}/{f.path}", f, cached=cached)
+            why = self.checksums.check(f"{base}/{f.path}", f, cached=cached)
             if why is None:
                 continue
             bad.append(f)
@@ -409,9 +212,9 @@ class LocalStore:
                 return
             origin, step = where
         moved = quarantine(self.root, path, f"rank {origin} step {step}: {why}")
+        self.checksums.drop(path)
         with self._lock:
             self._damaged.add((origin, step))
-            self._crcs.pop(str(path), None)
             if moved is not None:
                 self.quarantined_total += 1
         if moved is not None and self.on_quarantine is not None:
@@ -504,7 +307,7 @@ class LocalStore:
             dst = inside(base, rel)
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(src, dst)
-            self.note_verified(dst, metas[rel])
+            self.checksums.note_verified(dst, metas[rel])
         bad = self.verify(origin, step)
         if bad:
             raise CorruptShardError("copy still fails verification after repair", step=step,
@@ -521,9 +324,9 @@ class LocalStore:
             files = describe_own(self.root / str(step))
             if not (self.root / str(step) / MANIFEST_NAME).is_file():
                 for f in files:  # described by reading them: checked already
-                    self.note_verified(self.root / str(step) / f.path, f)
+                    self.checksums.note_verified(self.root / str(step) / f.path, f)
             else:
-                self._trust_written(self.root / str(step), files)
+                self.checksums.trust_written(self.root / str(step), files)
         else:
             raw = json.loads(self._descriptor(origin, step).read_text())
             files = [FileMeta(p, int(s), int(c)) for p, s, c in raw]
@@ -659,7 +462,7 @@ class LocalStore:
             self._described[(origin, step)] = (os.stat(final).st_ino, files)
             self._damaged.discard((origin, step))
         for f in files:  # every file was verified on arrival
-            self.note_verified(final / f.path, f)
+            self.checksums.note_verified(final / f.path, f)
 
     def _good(self, origin: int, step: int) -> bool:
         """Whether the held copy checks out now (read again, not from the cache)."""
@@ -676,7 +479,7 @@ class LocalStore:
         else:
             layout.remove_step(self.replicas / str(origin), step)
         self._descriptor(origin, step).unlink(missing_ok=True)
-        self._forget(final)
+        self.checksums.forget(final)
         with self._lock:
             self._described.pop((origin, step), None)
             self._summaries.pop((origin, step), None)
@@ -696,7 +499,7 @@ class LocalStore:
                     os.stat(self.root / str(step)).st_ino, files)
                 self._damaged.discard((self.rank, step))
             for f in files:
-                self.note_verified(self.root / str(step) / f.path, f)
+                self.checksums.note_verified(self.root / str(step) / f.path, f)
         else:
             self.commit_incoming(tmp, self.rank, step, files)
 
@@ -721,11 +524,11 @@ class LocalStore:
             in_root.unlink()  # a restored step: the link in the root, data in the replica area
         if origin == self.rank and self.owns(step):
             layout.remove_step(self.root, step)
-            self._forget(in_root)
+            self.checksums.forget(in_root)
         else:
             layout.remove_step(self.replicas / str(origin), step)
             self._descriptor(origin, step).unlink(missing_ok=True)
-            self._forget(self.replicas / str(origin) / str(step))
+            self.checksums.forget(self.replicas / str(origin) / str(step))
         with self._lock:
             self._described.pop((origin, step), None)
             self._summaries.pop((origin, step), None)

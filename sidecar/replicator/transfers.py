@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mtc.errors import BusyError
-from mtc.sidecar.replicator.store import FileMeta
+from mtc.sidecar.replicator.step_files import FileMeta
 
 
 class Transfer:
