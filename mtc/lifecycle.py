@@ -57,7 +57,43 @@ class Held:
             log.error("mtc: closing the CheckpointManager of %s failed: %s", self.where, e)
 
 
+# Threads finishing collected managers (see :func:`_collected`); joined at exit.
+_finishing: set[threading.Thread] = set()
+_finishing_lock = threading.Lock()
+
+
+def _collected(held: Held) -> None:
+    """A manager nobody closed was collected. The collector runs this on whatever
+    thread dropped the last reference, which may be one of that manager's own writer
+    threads: waiting there for its saves would wait for itself. The saves are
+    finished on a thread of their own, joined at interpreter exit."""
+    if held.closed:
+        return
+
+    def finish() -> None:
+        try:
+            held.release_unclosed("garbage collection")
+        finally:
+            with _finishing_lock:
+                _finishing.discard(threading.current_thread())
+
+    t = threading.Thread(target=finish, name="mtc-finish-unclosed", daemon=True)
+    with _finishing_lock:
+        _finishing.add(t)
+    t.start()
+
+
+def join_finishing(timeout: float | None = None) -> bool:
+    """Wait for collected managers' saves to be finished; whether all were."""
+    with _finishing_lock:
+        threads = list(_finishing)
+    for t in threads:
+        t.join(timeout)
+    return not any(t.is_alive() for t in threads)
+
+
 def _at_exit() -> None:
+    join_finishing()
     for held in list(_unreleased):
         held.release_unclosed("interpreter exit")
 
@@ -84,5 +120,5 @@ def track(owner: object, held: Held) -> None:
     """Finish ``held`` at exit, or when ``owner`` is collected, unless released first."""
     _install_hook()
     _unreleased.add(held)
-    finalizer = weakref.finalize(owner, held.release_unclosed, "garbage collection")
+    finalizer = weakref.finalize(owner, _collected, held)
     finalizer.atexit = False  # exit is the hook's: it runs while threads still work

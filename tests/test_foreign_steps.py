@@ -20,6 +20,7 @@ from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.step_files import not_ours
 from mtc.sidecar.replicator.store import LocalStore
 
 pytestmark = pytest.mark.process
@@ -139,3 +140,22 @@ def test_replicator_neither_serves_nor_deletes_another_ranks_steps(
     assert "is not this host's step: its manifest is host 1's step 7" in cl.log_text(0)
     assert "4 is not this host's step: it has no mtc manifest" in cl.log_text(0)
     assert cl.alive(0) and cl.alive(1)
+
+
+def test_whose_step_a_folder_is_decided_from_its_manifest_alone() -> None:
+    def manifest(step: int, host: int, ranks: tuple[int, ...] = ()) -> bytes:
+        return Manifest(step=step, host=host, slice=host, num_hosts=2, leaves=(),
+                        ranks=ranks).to_bytes()
+
+    assert not_ours(manifest(4, 1), "m", 1, 4, orbax=False) is None
+    assert not_ours(manifest(4, 1), "m", 1, 4, orbax=True) is None
+    assert not_ours(manifest(4, 1), "m", 0, 4, orbax=False) == "its manifest is host 1's step 4"
+    assert not_ours(manifest(3, 1), "m", 1, 4, orbax=False) == "its manifest is host 1's step 3"
+    # A job back on other ranks: host 0 of 2 is rank 2.
+    assert not_ours(manifest(4, 0, (2, 3)), "m", 2, 4, orbax=False) is None
+    assert not_ours(manifest(4, 0, (2, 3)), "m", 0, 4, orbax=False) == \
+        "its manifest is host 0's step 4 (rank 2)"
+    # No manifest: an Orbax step, this rank's only when serving Orbax's client.
+    assert not_ours(None, "", 0, 4, orbax=True) is None
+    assert "no mtc manifest" in str(not_ours(None, "", 0, 4, orbax=False))
+    assert "unreadable" in str(not_ours(b"{torn", "m", 0, 4, orbax=False))

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mtc import validate
-from mtc.errors import FatalError, UnsafePathError
+from mtc.errors import FatalError, MtcError, UnsafePathError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.sidecar import files
@@ -121,3 +121,25 @@ def describe_own(step_dir: Path) -> list[FileMeta]:
     return _walk(step_dir)
 
 
+
+
+def not_ours(manifest: bytes | None, path: str, rank: int, step: int, *,
+             orbax: bool) -> str | None:
+    """Why the step folder ``<root>/<step>`` of rank ``rank``'s RAM disk, whose
+    manifest is ``manifest`` (None: it has none), is not this rank's step; None when
+    it is. An mtc step is the rank's when its manifest names that rank's host and
+    that step; a manifest that cannot be read cannot say whose the step is. A folder
+    without a manifest (Orbax's) is the rank's only for a replicator serving Orbax's
+    client (``orbax``), as that client has it; beside mtc it is not mtc's."""
+    if manifest is None:
+        return None if orbax else "it has no mtc manifest (not written by mtc)"
+    try:
+        m = Manifest.from_bytes(manifest, path=path)
+    except MtcError as e:
+        return f"its manifest is unreadable ({e})"
+    # Host h of a job is rank h, unless its manifests name the ranks (a job that
+    # came back on other hosts: host 0 of 2 on rank 2).
+    if (m.rank_of(m.host), m.step) != (rank, step):
+        return (f"its manifest is host {m.host}'s step {m.step}"
+                + (f" (rank {m.rank_of(m.host)})" if m.ranks else ""))
+    return None

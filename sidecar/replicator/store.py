@@ -45,7 +45,13 @@ from mtc.sidecar import files
 from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
 from mtc.sidecar.quarantine import quarantine
 from mtc.sidecar.replicator.checksums import Checksums
-from mtc.sidecar.replicator.step_files import FileMeta, describe_own, fingerprint_of, inside
+from mtc.sidecar.replicator.step_files import (
+    FileMeta,
+    describe_own,
+    fingerprint_of,
+    inside,
+    not_ours,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,26 +120,13 @@ class LocalStore:
             hit = self._owned.get(step)
         if hit is not None and hit[0] == st.st_ino:
             return hit[1]
-        why = None
         try:
-            data = (d / MANIFEST_NAME).read_bytes()
+            data: bytes | None = (d / MANIFEST_NAME).read_bytes()
+            why = not_ours(data, str(d / MANIFEST_NAME), self.rank, step, orbax=self.orbax)
         except FileNotFoundError:
-            data = None
-            if not self.orbax:
-                why = "it has no mtc manifest (not written by mtc)"
+            why = not_ours(None, "", self.rank, step, orbax=self.orbax)
         except OSError as e:
             why = f"its manifest cannot be read ({e.strerror})"
-        if data is not None:
-            try:
-                m = Manifest.from_bytes(data, path=str(d / MANIFEST_NAME))
-            except MtcError as e:
-                why = f"its manifest is unreadable ({e})"
-            else:
-                # Host h of a job is rank h, unless its manifests name the ranks
-                # (a job that came back on other hosts: host 0 of 2 on rank 2).
-                if (m.rank_of(m.host), m.step) != (self.rank, step):
-                    why = (f"its manifest is host {m.host}'s step {m.step}"
-                           + (f" (rank {m.rank_of(m.host)})" if m.ranks else ""))
         if why is not None:
             log.warning("rank %d: %s is not this host's step: %s; it is left as it is "
                         "(neither offered, served nor deleted)", self.rank, d, why)
