@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.process
 def test_chaos_short_run() -> None:
     base = Path("/dev/shm") / f"mtc-cluster-chaos-test-{uuid.uuid4().hex[:8]}"
-    r = subprocess.run([sys.executable, "-m", "mtc.trainer.chaos", "--cycles", "5",
+    r = subprocess.run([sys.executable, "-m", "mtc.trainer.chaos", "--cycles", "3",
                         "--seconds", "45", "--seed", "3", "--base", str(base)],
                        cwd=REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -18,9 +18,11 @@ What a program is held to, as on a worker:
   per program (Pathways resolves them as backend-global ids; Orbax's patch
   teaches JAX that): this host's onto this process's devices, whose own ids
   (2048 and up) are none of the controller's; the others onto the other
-  process's. Code that looks a device up by a controller id finds one that is
-  not this host's, and an id outside the program's device list (a controller
-  device that leaked into a closure) does not resolve at all.
+  process's. This host's part of the map is Orbax's own parser's, run over its
+  devices shown as a Pathways worker shows them (:mod:`.pathways_ids`). Code that
+  looks a device up by a controller id finds one that is not this host's, and an
+  id outside the program's device list (a controller device that leaked into a
+  closure) does not resolve at all.
 - A result must have the declared tree, dtypes, shapes and sharding, with its
   addressable shards on exactly this host's devices of that sharding.
 
@@ -48,7 +50,7 @@ import numpy as np
 
 from mtc import slots, transfer
 from mtc.errors import ColocatedCallError, MtcError, ProtocolError
-from mtc.sidecar.host import ghost
+from mtc.sidecar.host import ghost, pathways_ids
 from mtc.sidecar.host.ports import free_ports
 
 if TYPE_CHECKING:
@@ -75,12 +77,18 @@ class _Program:
             raise ColocatedCallError(
                 f"the program spans {len(own)} devices of this host and {len(rest)} others; "
                 f"this host's runtime has {len(mine)} and {len(others)}")
-        self.device_of = {**dict(zip(own, mine, strict=False)),
-                          **dict(zip(rest, others, strict=False))}
+        with _DESERIALIZE:
+            # This host's devices: resolved by Orbax's own parser over them shown as
+            # a Pathways worker shows them (its global id in the repr), as Orbax's
+            # patch resolves them on a worker. The rest of the job's are the
+            # emulation's own (how a worker's runtime lists other hosts' devices is
+            # for a real Pathways cluster to show: docs/hosts.md).
+            self.device_of = {**pathways_ids.resolve(dict(zip(own, mine, strict=False))),
+                              **dict(zip(rest, others, strict=False))}
+            with _resolving(serialization, self.device_of):
+                (self.fun, self.in_treedef, self.in_specs, self.out_treedef,
+                 self.out_specs, self.devices) = serialization._deserialize(pickled)
         self.id_of = {d: c for c, d in self.device_of.items()}
-        with _DESERIALIZE, _resolving(serialization, self.device_of):
-            (self.fun, self.in_treedef, self.in_specs, self.out_treedef, self.out_specs,
-             self.devices) = serialization._deserialize(pickled)
 
 
 def _error_message(host: int, area: Path, e: MtcError, **extra: Any) -> bytes:
