@@ -58,7 +58,6 @@ class ColocatedDispatch(HostCalls):
 
     def __init__(self, config: AgentConfig, devices: Sequence[jax.Device],
                  sidecars: dict[int, Sidecar] | None = None) -> None:
-        from jax.experimental import colocated_python
 
         from mtc.sidecar.colocated import ANSWER_BYTES, RemoteAgent, install_cpu_id_patch
 
@@ -71,7 +70,7 @@ class ColocatedDispatch(HostCalls):
         # The colocated CPU devices of ``devices``, in their order; each worker learns
         # which host it is from its own element of ``_ranks`` (ids of the
         # controller's devices mean nothing on a worker).
-        cpu = list(colocated_python.colocated_cpu_devices(tuple(devices)))
+        cpu = colocated_cpu(devices)
         rank_of: dict[Any, int] = {}
         self._cpu_of: dict[int, jax.Device] = {}
         for d, c in zip(devices, cpu, strict=True):
@@ -271,14 +270,13 @@ class ColocatedDispatch(HostCalls):
         """The array on the colocated CPU devices, over the one device list that
         colocated calls require; arrays on another device list (a scalar on one
         device) are replicated onto it."""
-        from jax.experimental import colocated_python
 
         if isinstance(x, np.ndarray):  # as bytes: JAX would narrow 64-bit dtypes
             return jax.device_put(np.ascontiguousarray(x).reshape(-1).view(np.uint8),
                                   self._replicated)
         s = x.sharding
         if isinstance(s, NamedSharding):
-            cpu_mesh = colocated_python.colocated_cpu_devices(s.mesh)  # type: ignore[arg-type]
+            cpu_mesh = colocated_cpu_mesh(s.mesh)  # type: ignore[arg-type]
             if list(cpu_mesh.devices.flat) == self.cpu_devices:
                 if cpu_mesh is s.mesh or list(s.mesh.devices.flat) == self.cpu_devices:
                     return x
@@ -349,3 +347,25 @@ class ColocatedDispatch(HostCalls):
                 self._async.shutdown(wait=True)
             if self._runtime is not None:
                 self._runtime.close()
+
+
+def colocated_cpu(devices: Sequence[Any]) -> list[Any]:
+    """Each device's colocated CPU device, in order. Where the devices are CPU devices
+    (the local cluster and the tests play accelerators with them) each is its own:
+    JAX's CPU fallback would map any list onto the process's first CPU devices (a
+    mesh of devices 4 to 7 onto 0 to 3, other hosts' devices), where on Pathways
+    each device's colocated CPU device is its own host's."""
+    from jax.experimental import colocated_python
+
+    if all(d.platform == "cpu" for d in devices):
+        return list(devices)
+    return list(colocated_python.colocated_cpu_devices(tuple(devices)))
+
+
+def colocated_cpu_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """``mesh`` over its devices' colocated CPU devices (:func:`colocated_cpu`)."""
+    from jax.experimental import colocated_python
+
+    if all(d.platform == "cpu" for d in mesh.devices.flat):
+        return mesh
+    return colocated_python.colocated_cpu_devices(mesh)
