@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from replicators import Cluster, commit_raw_step, new_cluster
+from replicators import Cluster, commit_mtc_step, commit_raw_step, new_cluster
 
 from mtc.integrity import crc32c
-from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
+from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.step_files import not_ours
@@ -28,14 +28,8 @@ pytestmark = pytest.mark.process
 
 def mtc_step(root: Path, step: int, host: int, num_hosts: int, fill: int) -> dict[str, bytes]:
     """Commit an mtc step as ``host`` would: one shard file and its manifest."""
-    data = bytes([fill]) * 4096
-    shard = ShardEntry(index=((0, 1024),), file="w.0", nbytes=len(data), crc32c=crc32c(data))
-    leaf = LeafEntry(path="w", keys=(("d", "w"),), kind="numpy", shape=(1024,),
-                     dtype="float32", shards=(shard,))
-    manifest = Manifest(step=step, host=host, slice=host, num_hosts=num_hosts, leaves=(leaf,))
-    files = {"w.0": data, MANIFEST_NAME: manifest.to_bytes()}
-    commit_raw_step(root, step, files)
-    return files
+    return commit_mtc_step(root, step, {"w.0": bytes([fill]) * 4096}, host=host,
+                           num_hosts=num_hosts, slice_of_host=host)
 
 
 def tree(path: Path) -> dict[str, bytes]:

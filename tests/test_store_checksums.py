@@ -12,22 +12,18 @@ import os
 from pathlib import Path
 
 import pytest
-from replicators import commit_raw_step
+from replicators import commit_mtc_step
 
 from mtc.integrity import crc32c
-from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
+from mtc.manifest import MANIFEST_NAME
 from mtc.sidecar.replicator import checksums, step_files
 from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.replicator.store import LocalStore
 
 
 def mtc_step(root: Path, step: int, data: bytes, *, host: int = 0) -> None:
-    shard = ShardEntry(index=((0, len(data) // 4),), file="w.0", nbytes=len(data),
-                       crc32c=crc32c(data))
-    leaf = LeafEntry(path="w", keys=(("d", "w"),), kind="numpy", shape=(len(data) // 4,),
-                     dtype="float32", shards=(shard,))
-    manifest = Manifest(step=step, host=host, slice=host, num_hosts=host + 1, leaves=(leaf,))
-    commit_raw_step(root, step, {"w.0": data, MANIFEST_NAME: manifest.to_bytes()})
+    commit_mtc_step(root, step, {"w.0": data}, host=host, num_hosts=host + 1,
+                    slice_of_host=host)
 
 
 @pytest.fixture

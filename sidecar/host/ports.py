@@ -8,6 +8,7 @@ here come from below that range, where the kernel never puts an outgoing connect
 
 from __future__ import annotations
 
+import itertools
 import random
 import socket
 import threading
@@ -52,8 +53,9 @@ def free_ports(n: int, address: str = "127.0.0.1") -> list[int]:
         for _ in range(n):
             # Random tries, then every port in order: a crowded range still yields
             # whatever is free in it.
-            tries = [rng.randrange(low, high) for _ in range(64)] + list(range(low, high)) \
-                if high else [_kernel_pick(address) for _ in range(64)]
+            tries = (itertools.chain((rng.randrange(low, high) for _ in range(64)),
+                                     range(low, high)) if high
+                     else (_kernel_pick(address) for _ in range(64)))
             for port in tries:
                 if (address, port) not in _given and _bindable(address, port):
                     break
