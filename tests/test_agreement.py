@@ -1,5 +1,6 @@
 """Restore agreement's pure parts and its decider over an in-memory transport
-(no processes: these run in about a second). The protocol: docs/agreement.md."""
+(no processes: these run in about a second), and one real node's asks of a
+coordinator it cannot reach. The protocol: docs/agreement.md."""
 
 from __future__ import annotations
 
@@ -29,9 +30,13 @@ from mtc.sidecar.replicator.agreement import (
     missing_asks,
     newest_complete,
 )
+from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
 from mtc.sidecar.replicator.main import healthy
+from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.status import error_class, is_retryable, to_status
 
 
@@ -486,3 +491,31 @@ def test_fresh_runs_start_at_most_every_min_interval() -> None:
     assert f.get(5.0) == 1
     assert f.get(5.0) == 2  # a question after a run gets a newer run, never the old value
     assert starts[1] - starts[0] >= 0.2
+
+
+def test_an_older_restore_stops_asking_when_a_newer_one_starts_on_its_host(
+        tmp_path: Path) -> None:
+    """A real node (rank 1) whose coordinator (rank 0, a loopback port nothing
+    listens on) is unreachable: a restore that outlived its caller keeps asking
+    until its deadline. Once the coordinator is back, its late ask would replace
+    the newer restore's (one ask per rank) and fail that one instead of saying who
+    is missing. It stops as soon as the newer restore starts."""
+    port = free_ports(1)[0]
+    cfg = ReplicatorConfig(rank=1, nodes=(f"127.0.0.1:{port}", "127.0.0.1:1"),
+                           nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=20.0)
+    node = Node(cfg, tmp_path / "root", Credentials())
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            old = pool.submit(node.agree_epoch, 20.0, "old-restore")
+            time.sleep(0.5)  # asking, failing, asking again
+            assert not old.done()
+            t0 = time.monotonic()
+            new = pool.submit(node.agree_epoch, 1.5, "new-restore")
+            with pytest.raises(AgreementError, match="a newer restore on this host") as e:
+                old.result(timeout=5.0)
+            assert time.monotonic() - t0 < 2.0  # at its next try, not at its deadline
+            assert e.value.host == 1
+            with pytest.raises(AgreementError, match="no restore decision within"):
+                new.result(timeout=10.0)  # the newer one runs to its own deadline
+    finally:
+        node.stop()

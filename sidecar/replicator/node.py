@@ -122,6 +122,11 @@ class Node(BackupDuties, RestoreDuties):
         self.config_error = ""
         self.replication = ReplicationClock(config.replication_warn_s)
         self.last_decision = pb.Decision()  # the newest one this node read
+        # The restore id this node asks the coordinator for last: an older restore
+        # still retrying an unreachable coordinator stops when a newer one starts, or
+        # its late ask would replace the newer one's (the coordinator keeps one ask
+        # per rank, the newest to arrive).
+        self._asking_rid = ""
         members = list(range(config.num_nodes))
         # Every node may decide: a job's decider is the lowest rank of the membership
         # it states, and a job that came back smaller may not include rank 0. One
@@ -579,11 +584,16 @@ class Node(BackupDuties, RestoreDuties):
         deadline = time.monotonic() + timeout
         group = check_members(members, self.config.num_nodes, self.rank)
         c = group[0]
+        self._asking_rid = rid
         if c == self.rank:
             d = self.decide_for(self.rank, rid, timeout, group)
         else:
             while True:
                 left = deadline - time.monotonic()
+                if self._asking_rid != rid:
+                    raise AgreementError("a newer restore on this host replaced this one "
+                                         "while the coordinator was unreachable",
+                                         host=self.rank)
                 try:
                     # The coordinator answers a second before our deadline, so its
                     # typed "cannot decide" reaches us instead of our own timeout.
