@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from mtc.errors import AgreementError, ConfigError, CorruptShardError, StepNotFoundError
+from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.agreement import (
     Book,
     CannotDecide,
@@ -30,7 +31,6 @@ from mtc.sidecar.replicator.agreement import (
     missing_asks,
     newest_complete,
 )
-from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
