@@ -41,7 +41,8 @@ from mtc.sidecar.replicator.agreement import (  # noqa: E402
     Holding,
     newest_complete,
 )
-from mtc.sidecar.replicator.node import GC_VIEW_INTERVAL_S, GcInputs, gc_plan  # noqa: E402
+from mtc.sidecar.replicator.gc import GcInputs, gc_plan  # noqa: E402
+from mtc.sidecar.replicator.node_agreement import GC_VIEW_INTERVAL_S  # noqa: E402
 
 SIZES = (4, 16, 64, 256, 1024)
 SAVE_S = 10.0  # a save every 10 s

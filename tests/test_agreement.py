@@ -506,11 +506,11 @@ def test_an_older_restore_stops_asking_when_a_newer_one_starts_on_its_host(
     node = Node(cfg, tmp_path / "root", Credentials())
     try:
         with ThreadPoolExecutor(2) as pool:
-            old = pool.submit(node.agree_epoch, 20.0, "old-restore")
+            old = pool.submit(node.agreement.agree_epoch, 20.0, "old-restore")
             time.sleep(0.5)  # asking, failing, asking again
             assert not old.done()
             t0 = time.monotonic()
-            new = pool.submit(node.agree_epoch, 1.5, "new-restore")
+            new = pool.submit(node.agreement.agree_epoch, 1.5, "new-restore")
             with pytest.raises(AgreementError, match="a newer restore on this host") as e:
                 old.result(timeout=5.0)
             assert time.monotonic() - t0 < 2.0  # at its next try, not at its deadline

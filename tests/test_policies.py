@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mtc.retention import to_delete
-from mtc.sidecar.replicator.node import GcInputs, GcPlan, gc_plan
+from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
 
 # (name, complete, held, max_to_keep, keep_period, before_write, deleted)
 RETENTION = [

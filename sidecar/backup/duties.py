@@ -14,6 +14,7 @@ from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import CorruptBackupError
 from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.node_agreement import holders_of
 from mtc.sidecar.replicator.step_files import FileMeta
 
 if TYPE_CHECKING:
@@ -42,13 +43,6 @@ class BackupDuties:
 
     # Provided by Node.
     def gather(self) -> dict[int, pb.Inventory]:
-        raise NotImplementedError
-
-    def holders(self, invs: dict[int, pb.Inventory], run: str | None = None
-                ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]:
-        raise NotImplementedError
-
-    def newest_complete(self, invs: dict[int, pb.Inventory]) -> int:
         raise NotImplementedError
 
     def newest_complete_run(self, invs: dict[int, pb.Inventory]) -> tuple[int, str]:
@@ -96,7 +90,7 @@ class BackupDuties:
                        ) -> dict[int, list[tuple[int, int, list[FileMeta]]]]:
         """Per rank, the copies its data of ``step`` can be uploaded from: those
         ``run`` wrote (the step's complete run), never another run's."""
-        held = self.holders(invs, run or None)
+        held = holders_of(invs, run or None)
         out: dict[int, list[tuple[int, int, list[FileMeta]]]] = {}
         for r in range(self.config.num_nodes):
             copies = [(h, o, [FileMeta(f.path, f.size, f.crc32c) for f in c.files])
@@ -165,7 +159,7 @@ class BackupDuties:
         from mtc.sidecar.backup.job import HolderIdle, Shared, download_rank, plan_shared
 
         assert self.backup is not None
-        held = self.holders(invs)
+        held = holders_of(invs)
         restoring = [r for r in invs  # reachable hosts whose data no host holds
                      if not any((o, step) in held for o in self.config.equivalent(r))]
         manifest = self.backup.store.manifest(step)

@@ -1,19 +1,12 @@
-"""One host's replicator: replication loop, garbage collection, restore agreement
-(bringing the agreed step's data is ``sidecar/replicator/restore.py``).
+"""One host's replicator: the replication loop and garbage collection, composed
+with the restore agreement (``node_agreement.py``), the restore of the agreed
+step's data (``restore.py``) and the backup (``sidecar/backup/duties.py``).
 
 Replication: the newest committed step not yet on every target is offered to
 each target; files the target already holds identically are linked there, the
 rest are pushed and verified on receipt; the step counts as replicated only
 when the target commits the copy. Older unreplicated steps are skipped, so lag
 never grows beyond one step in flight.
-
-Restore (``docs/agreement.md``): every node of the job's stated membership asks
-its coordinator (the lowest member; rank 0 for a job of full size) which step to
-restore; the coordinator gathers every member's inventory and records
-the epoch's step once, only when every member answered; every node reads that
-record. When a member does not answer within the deadline nobody restores: a
-typed :class:`~mtc.errors.AgreementError`. A host missing its data fetches it
-file by file from the holders, spreading reads over them, verifying every byte.
 
 Threads: ``main.py`` starts and joins them all (:meth:`run`, the backup loop,
 the servers). Each duty has its own pool: pushes, inventory fan-out, restore
@@ -45,35 +38,23 @@ from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.duties import BackupDuties
 from mtc.sidecar.backup.schedule import BackupScheduler
-from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agreement import (
-    BOOK_NAME,
-    Book,
-    Coordinator,
-    Decision,
-    Fresh,
-    Holding,
     check_members,
-    newest_complete,
-    newest_complete_run,
 )
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.gc import GcInputs as GcInputs
-from mtc.sidecar.replicator.gc import GcPlan as GcPlan
-from mtc.sidecar.replicator.gc import gc_plan
+from mtc.sidecar.replicator.gc import GcInputs, gc_plan
 from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.push_plan import PUSH_STREAMS, push_batches, push_streams
 from mtc.sidecar.replicator.restore import RestoreDuties
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import ReplicationClock
-from mtc.sidecar.replicator.status import is_retryable
 from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
 from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
-GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view at most this often
 
 
 class Node(BackupDuties, RestoreDuties):
@@ -121,25 +102,11 @@ class Node(BackupDuties, RestoreDuties):
         # start): while set, it refuses restores and copies nothing.
         self.config_error = ""
         self.replication = ReplicationClock(config.replication_warn_s)
-        self.last_decision = pb.Decision()  # the newest one this node read
-        # The restore id this node asks the coordinator for last: an older restore
-        # still retrying an unreachable coordinator stops when a newer one starts, or
-        # its late ask would replace the newer one's (the coordinator keeps one ask
-        # per rank, the newest to arrive).
-        self._asking_rid = ""
-        members = list(range(config.num_nodes))
-        # Every node may decide: a job's decider is the lowest rank of the membership
-        # it states, and a job that came back smaller may not include rank 0. One
-        # book (epoch numbers past every one it or a member knows), one coordinator
-        # per membership stated, created on its first ask (``_coord_lock``).
-        self.book = Book(root / BOOK_NAME)
-        self._coord_lock = threading.Lock()
-        self._coordinators: dict[tuple[int, ...], Coordinator] = {}
-        self.coordinator = self.coordinator_of(tuple(members))
-        # The coordinator's newest-complete view for GC, shared by concurrent askers.
-        self.complete = Fresh(lambda: newest_complete(
-            self._gather_holdings(members, time.monotonic() + config.deadline_s),
-            config.num_nodes, config.equivalent), min_interval_s=GC_VIEW_INTERVAL_S)
+        # The restore agreement: deciding, asking, and the inventories both gather.
+        self.agreement = NodeAgreement(
+            config, root, self.store, self.peers, self.metrics,
+            inventory=lambda files: self.inventory(files=files),
+            refuse=self.refuse_if_misconfigured, stop=self._stop, pool=self._inv_pool)
 
     # -- inventory ----------------------------------------------------------------
 
@@ -150,7 +117,8 @@ class Node(BackupDuties, RestoreDuties):
         about 180 entries per copy, built, sent and parsed on every GC gather)."""
         backed = self.backup.backed_up_steps() if self.backup else []
         inv = pb.Inventory(rank=self.rank, newest_backed_up_step=backed[-1] if backed else -1,
-                           backed_up_steps=backed, last_decision=self.last_decision)
+                           backed_up_steps=backed,
+                           last_decision=self.agreement.last_decision)
         # Only copies whose bytes check out (cached per file): what agreement
         # decides on has been verified, not just listed.
         for origin, step, held in self.store.verified_copies(origins):
@@ -213,24 +181,20 @@ class Node(BackupDuties, RestoreDuties):
         if self.backup is not None:
             self._backup_loop()
 
-    def newest_complete(self, invs: dict[int, pb.Inventory]) -> int:
-        """The newest step whose data is held (on hosts, not in backup) for every rank."""
-        return self.newest_complete_run(invs)[0]
+    def gather(self) -> dict[int, pb.Inventory]:
+        """Every reachable node's inventory (the backup's question)."""
+        return self.agreement.gather()
 
     def newest_complete_run(self, invs: dict[int, pb.Inventory]) -> tuple[int, str]:
-        """:meth:`newest_complete` and the run whose copies make it."""
-        return newest_complete_run({r: self.holding(i) for r, i in invs.items()},
-                                   self.config.num_nodes, self.config.equivalent)
+        """The newest step held whole on hosts, and its run (the backup's question)."""
+        return self.agreement.newest_complete_run(invs)
 
     def stop(self) -> None:
         """Ask the loops and any restore waiting for its decision to end (main joins
         their threads)."""
         self._stop.set()
         self._bg_wake.set()
-        with self._coord_lock:
-            coordinators = list(self._coordinators.values())
-        for c in coordinators:
-            c.close()
+        self.agreement.close()
         for p in self.peers.values():
             p.close()  # cancels calls in flight (a Decide waiting for its epoch, a push)
 
@@ -440,7 +404,7 @@ class Node(BackupDuties, RestoreDuties):
             # Local rules cannot see that another host failed to commit or replicate a
             # newer step: never delete the newest step every rank can still be
             # restored from, as the coordinator sees it after this question.
-            complete = self.complete_step()
+            complete = self.agreement.complete_step()
             if complete is None:
                 self.metrics.skipped.labels("gc_no_complete_view").inc()
                 return
@@ -452,182 +416,7 @@ class Node(BackupDuties, RestoreDuties):
         for origin, s in plan.replicas:
             self.store.remove_copy(origin, s)
 
-    def complete_step(self) -> int | None:
-        """The newest complete step from inventories gathered after asking (the
-        coordinator's :class:`Fresh` view, shared by every node asking at once: one
-        message per node, not N); None when the coordinator does not answer."""
-        try:
-            if self.rank == self.coordinator_rank:
-                return self.complete.get(self.config.deadline_s * 2)
-            reply = self.peers[self.coordinator_rank].call(
-                "GetComplete", pb.CompleteRequest(), deadline_s=self.config.deadline_s * 2,
-                attempts=1)
-            return int(reply.step)
-        except (PeerError, AgreementError) as e:
-            log.debug("rank %d: no complete-step view: %s", self.rank, e)
-            return None
-
-    # -- restore agreement (docs/agreement.md) ---------------------------------------
-
-    @property
-    def coordinator_rank(self) -> int:
-        """The decider of the full membership (every node): rank 0."""
-        return 0
-
-    def coordinator_of(self, members: tuple[int, ...]) -> Coordinator:
-        """This node's coordinator of ``members`` (validated, sorted; this node its
-        lowest rank). Fixed per membership, never failed over: a decision needs every
-        member anyway, the decider included."""
-        with self._coord_lock:
-            c = self._coordinators.get(members)
-            if c is None:
-                c = Coordinator(
-                    list(members), self.config.equivalent,
-                    # Every member asked before the coordinator gathers: each one is up.
-                    lambda ranks, deadline: self._gather_holdings(ranks, deadline,
-                                                                  known_up=True),
-                    self.book, num_nodes=self.config.num_nodes)
-                self._coordinators[members] = c
-            return c
-
-    def holding(self, inv: pb.Inventory) -> Holding:
-        d = inv.last_decision
-        last = (Decision(d.epoch, d.step, d.decided_at, inv.rank, d.restore_id)
-                if d.epoch > 0 else None)
-        return Holding(frozenset((c.origin_rank, c.step) for c in inv.copies),
-                       frozenset(inv.backed_up_steps), last,
-                       frozenset((c.step, c.saved_hosts) for c in inv.copies
-                                 if c.saved_hosts and not c.run),
-                       frozenset((c.origin_rank, c.step, c.run, c.saved_hosts)
-                                 for c in inv.copies if c.run),
-                       frozenset((c.step, c.run, tuple(c.saving_ranks))
-                                 for c in inv.copies if c.saving_ranks))
-
-    def _gather_invs(self, ranks: Sequence[int], deadline: float, *,
-                     known_up: bool = False, files: bool = True) -> dict[int, pb.Inventory]:
-        """Inventories of those of ``ranks`` that answer before ``deadline``, asked at
-        once on the inventory pool (never behind a restore's file fetches).
-        ``known_up``: they are serving (see :meth:`PeerClient.call`); ``files``:
-        with the copies' file lists."""
-        out: dict[int, pb.Inventory] = {}
-        futs = {}
-        for r in ranks:
-            if r == self.rank:
-                out[r] = self.inventory(files=files)
-            else:
-                left = max(0.05, min(self.config.deadline_s, deadline - time.monotonic()))
-                futs[r] = self._inv_pool.submit(self.peers[r].call, "GetInventory",
-                                                pb.InventoryRequest(without_files=not files),
-                                                deadline_s=left, attempts=1, known_up=known_up)
-        for r, fut in futs.items():
-            try:
-                # Checked whole before anything in it is stored or acted on.
-                out[r] = checks.inventory(fut.result(), rank=r,
-                                          num_nodes=self.config.num_nodes)
-            except PeerError as e:
-                self.metrics.skipped.labels("inventory_unanswered").inc()
-                log.debug("rank %d: no inventory from rank %d: %s", self.rank, r, e)
-            except MtcError as e:
-                self.metrics.skipped.labels("inventory_refused").inc()
-                log.warning("rank %d: refused the inventory of rank %d: %s", self.rank, r, e)
-        return out
-
-    def _gather_holdings(self, ranks: Sequence[int], deadline: float, *,
-                         known_up: bool = False) -> dict[int, Holding]:
-        return {r: self.holding(inv)
-                for r, inv in self._gather_invs(ranks, deadline, known_up=known_up,
-                                                files=False).items()}
-
-    def gather(self) -> dict[int, pb.Inventory]:
-        """Every reachable node's inventory (best effort: the data's whereabouts, never
-        the decision, which only :meth:`agree` makes)."""
-        return self._gather_invs(range(self.config.num_nodes),
-                                 time.monotonic() + self.config.deadline_s)
-
-    def holders(self, invs: dict[int, pb.Inventory], run: str | None = None
-                ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]:
-        """(origin, step) -> [(holder rank, its copy)]; ``run``: copies written by
-        that run only (a copy of another run under the same number is another
-        checkpoint)."""
-        out: dict[tuple[int, int], list[tuple[int, pb.StepCopy]]] = defaultdict(list)
-        for holder, inv in invs.items():
-            for c in inv.copies:
-                if run is None or c.run == run:
-                    out[(c.origin_rank, c.step)].append((holder, c))
-        return out
-
-    def decide_for(self, rank: int, rid: str, timeout_s: float,
-                   members: Sequence[int] = ()) -> pb.Decision:
-        """The decider's side of ``Decide``: the recorded decision of the epoch of
-        ``members`` (empty: every node) that this ask belongs to."""
-        if not 0 <= rank < self.config.num_nodes:
-            raise ValueError(f"rank {rank} is not a member (0..{self.config.num_nodes - 1})")
-        self.refuse_if_misconfigured()
-        group = check_members(members, self.config.num_nodes, rank)
-        if self.rank != group[0]:
-            raise ConfigError(f"rank {self.rank} is not the agreement coordinator of "
-                              f"membership {list(group)} (rank {group[0]} is)")
-        rec = self.coordinator_of(group).decide_for(
-            rank, rid, min(timeout_s, self.config.agreement_timeout_s))
-        return pb.Decision(epoch=rec.epoch, step=rec.step, decided_at=rec.decided_at,
-                           rank=rank, restore_id=rid, run=rec.run, lost=rec.lost)
-
-    def agree_epoch(self, timeout_s: float | None = None, rid: str = "",
-                    members: Sequence[int] = ()) -> pb.Decision:
-        """Read this restore's decision from the decider of ``members`` (the job's
-        membership as it stated it; empty: every node), deciding it when this node
-        is that decider. Raises :class:`AgreementError` at the deadline."""
-        # The asker's deadline, never beyond --agreement-timeout-seconds: a member that
-        # does not ask fails the restore within that bound, whatever the asker allows.
-        timeout = min(timeout_s or self.config.agreement_timeout_s,
-                      self.config.agreement_timeout_s)
-        deadline = time.monotonic() + timeout
-        group = check_members(members, self.config.num_nodes, self.rank)
-        c = group[0]
-        self._asking_rid = rid
-        if c == self.rank:
-            d = self.decide_for(self.rank, rid, timeout, group)
-        else:
-            while True:
-                left = deadline - time.monotonic()
-                if self._asking_rid != rid:
-                    raise AgreementError("a newer restore on this host replaced this one "
-                                         "while the coordinator was unreachable",
-                                         host=self.rank)
-                try:
-                    # The coordinator answers a second before our deadline, so its
-                    # typed "cannot decide" reaches us instead of our own timeout.
-                    req = pb.DecideRequest(rank=self.rank, restore_id=rid,
-                                           timeout_seconds=max(0.1, left - 1.0),
-                                           members=group)
-                    d = checks.decision(self.peers[c].call(
-                        "Decide", req, deadline_s=max(0.1, left), attempts=1).decision, host=c)
-                    break
-                except PeerError as e:
-                    if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \
-                            time.monotonic() + 0.2 >= deadline or self._stop.is_set():
-                        raise AgreementError(f"no restore decision within {timeout:.1f}s: "
-                                             f"{e.message}", step=e.step,
-                                             host=self.rank if e.host is None else e.host
-                                             ) from e
-                    self.metrics.failures.labels("coordinator_unreachable").inc()
-                    self._stop.wait(0.2)  # the coordinator restarts: ask again
-        # Not a re-issued ask of a decision already read (same epoch, same restore id).
-        fresh = (d.epoch, d.restore_id) != (self.last_decision.epoch,
-                                            self.last_decision.restore_id) or not d.restore_id
-        self.last_decision = d
-        log.info("rank %d: restore step %d (epoch %d, decided by rank %d)",
-                 self.rank, d.step, d.epoch, c)
-        if d.step >= 0 and fresh:
-            gone = self.store.fence(d.step)
-            if gone:
-                log.info("rank %d: fenced off steps newer than the agreed step %d (copies "
-                         "of (rank, step) %s): they did not finish on every host, and the "
-                         "job saves those numbers again", self.rank, d.step, gone)
-        elif d.lost:
-            log.error("rank %d: no step can be restored although hosts hold data: %s",
-                      self.rank, d.lost)
-        return d
+    # -- restore: agree (node_agreement.py), then bring the data (restore.py) --------
 
     def agree(self, timeout_s: float | None = None, *, ask: RestoreAsk | None = None
               ) -> tuple[pb.Decision, dict[int, pb.Inventory]]:
@@ -636,7 +425,7 @@ class Node(BackupDuties, RestoreDuties):
         O(N) messages). ``ask``: the restore this is for (its id and membership;
         the decision read is recorded on it)."""
         ask = ask if ask is not None else RestoreAsk()
-        d = self.agree_epoch(timeout_s, ask.rid, ask.members)
+        d = self.agreement.agree_epoch(timeout_s, ask.rid, ask.members)
         ask.decision = d
         return d, self._invs_for(d.step, d.run)
 
@@ -645,7 +434,7 @@ class Node(BackupDuties, RestoreDuties):
         (nothing to fetch); else every node's (where to fetch from, or heal)."""
         if step < 0 or ((self.rank, step) in self.store.copies() and self.holds_own(step, run)):
             return {self.rank: self.inventory()}
-        return self.gather()
+        return self.agreement.gather()
 
     def holds_own(self, step: int, run: str) -> bool:
         """Whether this host holds its own data of ``step`` as ``run`` wrote it

@@ -19,11 +19,11 @@ from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.files import copy_verified
 from mtc.sidecar.replicator.agreement import saving_ranks
+from mtc.sidecar.replicator.node_agreement import holders_of, holding_of
 from mtc.sidecar.replicator.step_files import FileMeta, inside
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.schedule import BackupScheduler
-    from mtc.sidecar.replicator.agreement import Holding
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
@@ -57,11 +57,6 @@ class RestoreDuties:
                   ) -> tuple[pb.Decision, dict[int, pb.Inventory]]: ...
 
         def holds_own(self, step: int, run: str) -> bool: ...
-
-        def holding(self, inv: pb.Inventory) -> Holding: ...
-
-        def holders(self, invs: dict[int, pb.Inventory], run: str | None = None
-                    ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]: ...
 
         def _from_backup(self, step: int, invs: dict[int, pb.Inventory],
                          tmp: Path) -> list[FileMeta]: ...
@@ -110,7 +105,7 @@ class RestoreDuties:
         into_root = self.config.framework == "mtc"
         local = self.holds_own(step, run)
         if not local and into_root and self.rank not in saving_ranks(
-                step, {r: self.holding(i) for r, i in invs.items()}, self.config.num_nodes, run):
+                step, {r: holding_of(i) for r, i in invs.items()}, self.config.num_nodes, run):
             # A job grown onto this host: the step was saved by fewer hosts, none of
             # them this one. Its process reads every region from their copies.
             log.info("rank %d: step %d agreed in %.3fs; this host saved none of it (its "
@@ -236,7 +231,7 @@ class RestoreDuties:
         """Other hosts' copies this host's data of ``step`` (of ``run``) can come
         from: of its own data first, else of the first equivalent rank's that has
         some."""
-        held = self.holders(invs, run or None)
+        held = holders_of(invs, run or None)
         for origin in self.config.equivalent(self.rank):
             sources = [(h, c) for h, c in held.get((origin, step), []) if h != self.rank]
             if sources:

@@ -239,15 +239,16 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                       or self.node.config.agreement_timeout_s,
                       self.node.config.agreement_timeout_s * 10)
         with self.deciding.enter(request.rank):
-            return pb.DecideReply(decision=self.node.decide_for(
+            return pb.DecideReply(decision=self.node.agreement.decide_for(
                 request.rank, checks.restore_id(request.restore_id), timeout,
                 list(request.members)))
 
     @mapped
     def GetComplete(self, request: pb.CompleteRequest, context: Any) -> pb.CompleteReply:
-        if self.node.rank != self.node.coordinator_rank:
-            raise ConfigError(f"rank {self.node.rank} is not the coordinator")
-        return pb.CompleteReply(step=self.node.complete.get(self.node.config.deadline_s * 2))
+        agreement = self.node.agreement
+        if agreement.rank != agreement.coordinator_rank:
+            raise ConfigError(f"rank {agreement.rank} is not the coordinator")
+        return pb.CompleteReply(step=agreement.complete.get(agreement.config.deadline_s * 2))
 
     @mapped
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,

@@ -1,0 +1,286 @@
+"""A replicator's part in the restore agreement (``docs/agreement.md``; the
+protocol's pure parts and its decider are ``agreement.py``).
+
+Every node of the job's stated membership asks its coordinator (the lowest
+member; rank 0 for a job of full size) which step to restore; the coordinator
+gathers every member's holdings and records the epoch's step once, only when
+every member answered; every node reads that record and fences off its own
+steps newer than it. When a member does not answer within the deadline nobody
+restores: a typed :class:`~mtc.errors.AgreementError`.
+
+This module owns the book of decisions, the coordinators (one per membership
+stated), the newest decision read, and the inventory fan-out, on the pool its
+node hands it (never behind a restore's file fetches). It starts no thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from mtc.errors import AgreementError, ConfigError, MtcError
+from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import checks
+from mtc.sidecar.replicator.agreement import (
+    BOOK_NAME,
+    Book,
+    Coordinator,
+    Decision,
+    Fresh,
+    Holding,
+    check_members,
+    newest_complete,
+    newest_complete_run,
+)
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.status import is_retryable
+from mtc.sidecar.replicator.store import LocalStore
+
+log = logging.getLogger("mtc.sidecar.replicator.node")
+GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view at most this often
+Inventory = Callable[[bool], pb.Inventory]  # this node's own, with (True) or without files
+
+
+def holding_of(inv: pb.Inventory) -> Holding:
+    """What the agreement needs of an inventory (no file lists)."""
+    d = inv.last_decision
+    last = (Decision(d.epoch, d.step, d.decided_at, inv.rank, d.restore_id)
+            if d.epoch > 0 else None)
+    return Holding(frozenset((c.origin_rank, c.step) for c in inv.copies),
+                   frozenset(inv.backed_up_steps), last,
+                   frozenset((c.step, c.saved_hosts) for c in inv.copies
+                             if c.saved_hosts and not c.run),
+                   frozenset((c.origin_rank, c.step, c.run, c.saved_hosts)
+                             for c in inv.copies if c.run),
+                   frozenset((c.step, c.run, tuple(c.saving_ranks))
+                             for c in inv.copies if c.saving_ranks))
+
+
+def holders_of(invs: Mapping[int, pb.Inventory], run: str | None = None
+               ) -> dict[tuple[int, int], list[tuple[int, pb.StepCopy]]]:
+    """(origin, step) -> [(holder rank, its copy)]; ``run``: copies written by that
+    run only (a copy of another run under the same number is another checkpoint)."""
+    out: dict[tuple[int, int], list[tuple[int, pb.StepCopy]]] = defaultdict(list)
+    for holder, inv in invs.items():
+        for c in inv.copies:
+            if run is None or c.run == run:
+                out[(c.origin_rank, c.step)].append((holder, c))
+    return out
+
+
+class NodeAgreement:
+    """One node's agreement: deciding for the memberships it coordinates, asking
+    the coordinator of its own, and the inventories both gather. ``inventory``
+    is its node's own; ``refuse``: raises while the node's configuration
+    disagrees with a peer's; ``stop``: set when the node shuts down."""
+
+    def __init__(self, config: ReplicatorConfig, root: Path, store: LocalStore,
+                 peers: Mapping[int, PeerClient], metrics: Metrics, *,
+                 inventory: Inventory, refuse: Callable[[], None], stop: threading.Event,
+                 pool: ThreadPoolExecutor) -> None:
+        self.config = config
+        self.rank = config.rank
+        self.store = store
+        self.peers = peers
+        self.metrics = metrics
+        self._inventory = inventory
+        self._refuse = refuse
+        self._stop = stop
+        self._pool = pool
+        self.last_decision = pb.Decision()  # the newest one this node read
+        # The restore id this node asks the coordinator for last: an older restore
+        # still retrying an unreachable coordinator stops when a newer one starts, or
+        # its late ask would replace the newer one's (the coordinator keeps one ask
+        # per rank, the newest to arrive).
+        self._asking_rid = ""
+        # Every node may decide: a job's decider is the lowest rank of the membership
+        # it states, and a job that came back smaller may not include rank 0. One
+        # book (epoch numbers past every one it or a member knows), one coordinator
+        # per membership stated, created on its first ask (``_lock``).
+        self.book = Book(root / BOOK_NAME)
+        self._lock = threading.Lock()
+        self._coordinators: dict[tuple[int, ...], Coordinator] = {}
+        members = list(range(config.num_nodes))
+        self.coordinator = self.coordinator_of(tuple(members))
+        # The coordinator's newest-complete view for GC, shared by concurrent askers.
+        self.complete = Fresh(lambda: newest_complete(
+            self.gather_holdings(members, time.monotonic() + config.deadline_s),
+            config.num_nodes, config.equivalent), min_interval_s=GC_VIEW_INTERVAL_S)
+
+    def close(self) -> None:
+        """Every restore waiting for its decision ends now, typed."""
+        with self._lock:
+            coordinators = list(self._coordinators.values())
+        for c in coordinators:
+            c.close()
+
+    @property
+    def coordinator_rank(self) -> int:
+        """The decider of the full membership (every node): rank 0."""
+        return 0
+
+    def coordinator_of(self, members: tuple[int, ...]) -> Coordinator:
+        """This node's coordinator of ``members`` (validated, sorted; this node its
+        lowest rank). Fixed per membership, never failed over: a decision needs every
+        member anyway, the decider included."""
+        with self._lock:
+            c = self._coordinators.get(members)
+            if c is None:
+                c = Coordinator(
+                    list(members), self.config.equivalent,
+                    # Every member asked before the coordinator gathers: each one is up.
+                    lambda ranks, deadline: self.gather_holdings(ranks, deadline,
+                                                                 known_up=True),
+                    self.book, num_nodes=self.config.num_nodes)
+                self._coordinators[members] = c
+            return c
+
+    # -- inventories ------------------------------------------------------------------
+
+    def gather_invs(self, ranks: Sequence[int], deadline: float, *,
+                    known_up: bool = False, files: bool = True) -> dict[int, pb.Inventory]:
+        """Inventories of those of ``ranks`` that answer before ``deadline``, asked at
+        once. ``known_up``: they are serving (see :meth:`PeerClient.call`);
+        ``files``: with the copies' file lists."""
+        out: dict[int, pb.Inventory] = {}
+        futs = {}
+        for r in ranks:
+            if r == self.rank:
+                out[r] = self._inventory(files)
+            else:
+                left = max(0.05, min(self.config.deadline_s, deadline - time.monotonic()))
+                futs[r] = self._pool.submit(self.peers[r].call, "GetInventory",
+                                            pb.InventoryRequest(without_files=not files),
+                                            deadline_s=left, attempts=1, known_up=known_up)
+        for r, fut in futs.items():
+            try:
+                # Checked whole before anything in it is stored or acted on.
+                out[r] = checks.inventory(fut.result(), rank=r,
+                                          num_nodes=self.config.num_nodes)
+            except PeerError as e:
+                self.metrics.skipped.labels("inventory_unanswered").inc()
+                log.debug("rank %d: no inventory from rank %d: %s", self.rank, r, e)
+            except MtcError as e:
+                self.metrics.skipped.labels("inventory_refused").inc()
+                log.warning("rank %d: refused the inventory of rank %d: %s", self.rank, r, e)
+        return out
+
+    def gather_holdings(self, ranks: Sequence[int], deadline: float, *,
+                        known_up: bool = False) -> dict[int, Holding]:
+        return {r: holding_of(inv)
+                for r, inv in self.gather_invs(ranks, deadline, known_up=known_up,
+                                               files=False).items()}
+
+    def gather(self) -> dict[int, pb.Inventory]:
+        """Every reachable node's inventory (best effort: the data's whereabouts, never
+        the decision, which only :meth:`agree_epoch` reads)."""
+        return self.gather_invs(range(self.config.num_nodes),
+                                time.monotonic() + self.config.deadline_s)
+
+    def newest_complete_run(self, invs: Mapping[int, pb.Inventory]) -> tuple[int, str]:
+        """The newest step whose data is held (on hosts, not in backup) for every rank
+        that saved it, and the run whose copies make it."""
+        return newest_complete_run({r: holding_of(i) for r, i in invs.items()},
+                                   self.config.num_nodes, self.config.equivalent)
+
+    def complete_step(self) -> int | None:
+        """The newest complete step from inventories gathered after asking (the
+        coordinator's :class:`Fresh` view, shared by every node asking at once: one
+        message per node, not N); None when the coordinator does not answer."""
+        try:
+            if self.rank == self.coordinator_rank:
+                return self.complete.get(self.config.deadline_s * 2)
+            reply = self.peers[self.coordinator_rank].call(
+                "GetComplete", pb.CompleteRequest(), deadline_s=self.config.deadline_s * 2,
+                attempts=1)
+            return int(reply.step)
+        except (PeerError, AgreementError) as e:
+            log.debug("rank %d: no complete-step view: %s", self.rank, e)
+            return None
+
+    # -- deciding and asking ------------------------------------------------------------
+
+    def decide_for(self, rank: int, rid: str, timeout_s: float,
+                   members: Sequence[int] = ()) -> pb.Decision:
+        """The decider's side of ``Decide``: the recorded decision of the epoch of
+        ``members`` (empty: every node) that this ask belongs to."""
+        if not 0 <= rank < self.config.num_nodes:
+            raise ValueError(f"rank {rank} is not a member (0..{self.config.num_nodes - 1})")
+        self._refuse()
+        group = check_members(members, self.config.num_nodes, rank)
+        if self.rank != group[0]:
+            raise ConfigError(f"rank {self.rank} is not the agreement coordinator of "
+                              f"membership {list(group)} (rank {group[0]} is)")
+        rec = self.coordinator_of(group).decide_for(
+            rank, rid, min(timeout_s, self.config.agreement_timeout_s))
+        return pb.Decision(epoch=rec.epoch, step=rec.step, decided_at=rec.decided_at,
+                           rank=rank, restore_id=rid, run=rec.run, lost=rec.lost)
+
+    def agree_epoch(self, timeout_s: float | None = None, rid: str = "",
+                    members: Sequence[int] = ()) -> pb.Decision:
+        """Read this restore's decision from the decider of ``members`` (the job's
+        membership as it stated it; empty: every node), deciding it when this node
+        is that decider. Raises :class:`AgreementError` at the deadline."""
+        # The asker's deadline, never beyond --agreement-timeout-seconds: a member that
+        # does not ask fails the restore within that bound, whatever the asker allows.
+        timeout = min(timeout_s or self.config.agreement_timeout_s,
+                      self.config.agreement_timeout_s)
+        deadline = time.monotonic() + timeout
+        group = check_members(members, self.config.num_nodes, self.rank)
+        c = group[0]
+        self._asking_rid = rid
+        if c == self.rank:
+            d = self.decide_for(self.rank, rid, timeout, group)
+        else:
+            d = self._ask(c, rid, group, timeout, deadline)
+        # Not a re-issued ask of a decision already read (same epoch, same restore id).
+        fresh = (d.epoch, d.restore_id) != (self.last_decision.epoch,
+                                            self.last_decision.restore_id) or not d.restore_id
+        self.last_decision = d
+        log.info("rank %d: restore step %d (epoch %d, decided by rank %d)",
+                 self.rank, d.step, d.epoch, c)
+        if d.step >= 0 and fresh:
+            gone = self.store.fence(d.step)
+            if gone:
+                log.info("rank %d: fenced off steps newer than the agreed step %d (copies "
+                         "of (rank, step) %s): they did not finish on every host, and the "
+                         "job saves those numbers again", self.rank, d.step, gone)
+        elif d.lost:
+            log.error("rank %d: no step can be restored although hosts hold data: %s",
+                      self.rank, d.lost)
+        return d
+
+    def _ask(self, c: int, rid: str, group: Sequence[int], timeout: float,
+             deadline: float) -> pb.Decision:
+        """Ask coordinator ``c`` until it answers, the deadline passes, or a newer
+        restore on this node takes over."""
+        while True:
+            left = deadline - time.monotonic()
+            if self._asking_rid != rid:
+                raise AgreementError("a newer restore on this host replaced this one "
+                                     "while the coordinator was unreachable", host=self.rank)
+            try:
+                # The coordinator answers a second before our deadline, so its typed
+                # "cannot decide" reaches us instead of our own timeout.
+                req = pb.DecideRequest(rank=self.rank, restore_id=rid,
+                                       timeout_seconds=max(0.1, left - 1.0), members=group)
+                return checks.decision(self.peers[c].call(
+                    "Decide", req, deadline_s=max(0.1, left), attempts=1).decision, host=c)
+            except PeerError as e:
+                if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \
+                        time.monotonic() + 0.2 >= deadline or self._stop.is_set():
+                    raise AgreementError(f"no restore decision within {timeout:.1f}s: "
+                                         f"{e.message}", step=e.step,
+                                         host=self.rank if e.host is None else e.host
+                                         ) from e
+                self.metrics.failures.labels("coordinator_unreachable").inc()
+                self._stop.wait(0.2)  # the coordinator restarts: ask again
