@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,31 +23,64 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
+    from mtc.sidecar.replicator.node_agreement import NodeAgreement
     from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 
 
 class BackupDuties:
-    """Mixed into :class:`mtc.sidecar.replicator.node.Node`, whose state it uses."""
+    """One replicator's part in the backup tier. It owns the steps it is uploading
+    (``busy``: never garbage-collected meanwhile) and the steps it is restoring
+    from the backup (``staged``: served to other restoring hosts), under ``_lock``;
+    its loop runs on main's thread (:meth:`run`)."""
 
-    rank: int
-    config: ReplicatorConfig
-    store: LocalStore
-    metrics: Metrics
-    peers: dict[int, PeerClient]
-    backup: BackupScheduler | None
-    restoring: dict[int, tuple[Path, set[str]]]
-    _backing_up: set[int]
-    _lock: threading.Lock
-    _stop: threading.Event
+    def __init__(self, config: ReplicatorConfig, store: LocalStore,
+                 peers: Mapping[int, PeerClient], metrics: Metrics,
+                 scheduler: BackupScheduler | None, agreement: NodeAgreement,
+                 stop: threading.Event) -> None:
+        self.rank = config.rank
+        self.config = config
+        self.store = store
+        self.peers = peers
+        self.metrics = metrics
+        self.backup = scheduler
+        self._agreement = agreement
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._backing_up: set[int] = set()
+        # Steps being restored from the backup: their folder and verified files,
+        # served to other restoring hosts that share objects with this one.
+        self._restoring: dict[int, tuple[Path, set[str]]] = {}
 
-    # Provided by Node.
+    def busy(self) -> set[int]:
+        """Steps whose copies are being uploaded now."""
+        with self._lock:
+            return set(self._backing_up)
+
+    def staged(self, step: int) -> tuple[Path, set[str]] | None:
+        """This host's data of ``step`` being restored from the backup: its folder
+        and the paths there read and verified; None when it restores none."""
+        with self._lock:
+            return self._restoring.get(step)
+
+    def done_restoring(self, step: int) -> None:
+        """The restore of ``step`` committed or gave up its folder."""
+        with self._lock:
+            self._restoring.pop(step, None)
+
+    # The scheduler's questions (sidecar/backup/schedule.py).
     def gather(self) -> dict[int, pb.Inventory]:
-        raise NotImplementedError
+        return self._agreement.gather()
 
     def newest_complete_run(self, invs: dict[int, pb.Inventory]) -> tuple[int, str]:
-        raise NotImplementedError
+        return self._agreement.newest_complete_run(invs)
+
+    def run(self) -> None:
+        """The backup loop (its thread is main's); returns at once without a backup
+        store, else when the node stops."""
+        if self.backup is not None:
+            self._backup_loop()
 
     def _backup_loop(self) -> None:
         from mtc.sidecar.replicator.orbax import backup_requested
@@ -152,7 +186,7 @@ class BackupDuties:
                 continue
         return self.backup.run_once(self, force=True)
 
-    def _from_backup(self, step: int, invs: dict[int, pb.Inventory], tmp: Path
+    def from_backup(self, step: int, invs: dict[int, pb.Inventory], tmp: Path
                      ) -> list[FileMeta]:
         """This host's data from the backup; objects several restoring hosts share
         are read from the bucket by one of them and fetched from it by the rest."""
@@ -175,15 +209,15 @@ class BackupDuties:
 
         shared = Shared(plan_shared(manifest, restoring), fetch)
         # Served to the other restoring hosts from now until the caller (restore.py's
-        # materialize) has committed the folder or given it up: a file read and
-        # verified here is never refused to them meanwhile.
+        # materialize) has committed the folder or given it up (done_restoring): a
+        # file read and verified here is never refused to them meanwhile.
         with self._lock:
-            self.restoring[step] = (tmp, shared.ready)
+            self._restoring[step] = (tmp, shared.ready)
         return download_rank(self.backup.store, step, self.rank, tmp,
                              self.config.equivalent(self.rank), shared,
                              on_bytes=self.metrics.backup_bytes_downloaded.inc)
 
-    def _file_from_backup(self, step: int, f: FileMeta, dest: Path) -> bool:
+    def file_from_backup(self, step: int, f: FileMeta, dest: Path) -> bool:
         """One file of this rank's ``step`` from the backup into ``dest``, checked
         against the backup manifest's size, CRC32C and SHA-256 and against ``f``;
         False when the backup does not have it."""

@@ -7,7 +7,7 @@ from every member's holdings, or a typed "cannot decide"), :func:`newest_complet
 :func:`missing_asks` (whether an epoch can form) and :func:`find_record` (which
 recorded epoch answered an ask). The stateful
 parts take their transport as a function, so the same code runs over gRPC in
-``node.py`` and over an in-memory transport in ``bench/control_plane.py``:
+``node_agreement.py`` and over an in-memory transport in ``bench/control_plane.py``:
 :class:`Book` (the coordinator's records, persisted), :class:`Coordinator`
 (every member asks, gather every member, decide once) and :class:`Fresh` (a value computed by a
 gather that began after the caller asked, shared by every caller waiting).

@@ -122,7 +122,7 @@ class DataService:
                     raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
                 out.append((folder, meta, True))
             return out
-        staged = self.node.staged(step) if origin == self.node.rank else None
+        staged = self.node.restorer.staged(step) if origin == self.node.rank else None
         if staged is not None:
             base, done = staged
             missing = [r for r in rels if r not in done]

@@ -1,11 +1,17 @@
-"""Garbage collection's policy, pure: which own steps and peer copies a replicator
-deletes (:func:`gc_plan`); ``Node.collect_garbage`` gathers its inputs and acts on
-the plan."""
+"""Garbage collection: its policy, pure (:func:`gc_plan`: which own steps and peer
+copies a replicator deletes), and the pass that gathers its inputs and acts on
+the plan (:func:`collect_garbage`, on the replication loop's thread)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mtc.sidecar.replicator.metrics import Metrics
+    from mtc.sidecar.replicator.replication import Replication
+    from mtc.sidecar.replicator.store import LocalStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +50,36 @@ def gc_plan(x: GcInputs, complete: int | None) -> GcPlan:
         return GcPlan(needs_complete=True)
     return GcPlan(tuple(s for s in own if s != complete),
                   tuple((o, s) for o, s in reps if s != complete))
+
+
+def collect_garbage(store: LocalStore, replication: Replication, *, keep: int,
+                    busy: set[int], complete_step: Callable[[], int | None],
+                    metrics: Metrics) -> None:
+    """One pass: what :func:`gc_plan` says of this host's steps, removed.
+    ``busy``: steps being backed up; ``complete_step``: the coordinator's view
+    (asked only when something would be deleted)."""
+    rank = replication.rank
+    own = store.own_steps()
+    replicas = store.replica_steps()
+    args = GcInputs(
+        own=tuple(own), replicated=tuple(s for s in own if replication.fully_replicated(s)),
+        replicas={o: tuple(v) for o, v in replicas.items()}, keep=keep,
+        busy=frozenset(busy | replication.busy()), synced=replication.synced(),
+        linked=frozenset(s for s in replicas.get(rank, [])
+                         if (store.root / str(s)).is_symlink()),
+        rank=rank)
+    plan = gc_plan(args, None)
+    if plan.needs_complete:
+        # Local rules cannot see that another host failed to commit or replicate a
+        # newer step: never delete the newest step every rank can still be restored
+        # from, as the coordinator sees it after this question.
+        complete = complete_step()
+        if complete is None:
+            metrics.skipped.labels("gc_no_complete_view").inc()
+            return
+        plan = gc_plan(args, complete)
+    for s in plan.own:
+        store.remove_copy(rank, s)
+        replication.forget(s)
+    for origin, s in plan.replicas:
+        store.remove_copy(origin, s)

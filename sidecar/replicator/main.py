@@ -25,8 +25,9 @@ from mtc.sidecar.replicator import orbax
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.limits import Limits
-from mtc.sidecar.replicator.node import Node, RestoreAsk
+from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
+from mtc.sidecar.replicator.restore import RestoreAsk
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import check_peers
 from mtc.sidecar.replicator.server import ReplicatorServicer, serve, set_health
@@ -228,7 +229,7 @@ def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
     finish the calls in flight, join every thread."""
     client_q: queue.Queue[orbax.ClientRequest | None] = queue.Queue()
     threads = [threading.Thread(target=node.run, name="mtc-replicate"),
-               threading.Thread(target=node.backup_loop, name="mtc-backup"),
+               threading.Thread(target=node.backups.run, name="mtc-backup"),
                threading.Thread(target=_client_loop, args=(node, root, client_q),
                                 name="mtc-orbax-client"),
                threading.Thread(target=check_peers,
@@ -341,7 +342,8 @@ def _answer(node: Node, root: Path, request: orbax.ClientRequest) -> None:
             return
         try:
             # Re-served (after a restart), it reads its decision again.
-            step = node.restore_for_client(request.job_name, RestoreAsk(request.restore_id))
+            step = node.restorer.restore_for_client(request.job_name,
+                                                    RestoreAsk(request.restore_id))
             log.info("rank %d: told the client to restore step %d", node.rank, step)
         except (MtcError, OSError) as e:
             log.exception("restore for the client failed")

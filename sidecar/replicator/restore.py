@@ -1,67 +1,160 @@
-"""A replicator's part in restore after agreement: bring this host's data of the
-agreed step from its own RAM disk, a peer that holds a copy, or the backup, and
-answer Orbax's client with the restore marker. Every byte is verified on arrival."""
+"""A replicator's restores: agree on the step (``node_agreement.py``), then bring
+this host's data of it from its own RAM disk, a peer that holds a copy, or the
+backup, and answer Orbax's client with the restore marker. Every byte is
+verified on arrival."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtc import layout
-from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
+from mtc.errors import AgreementError, CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.files import copy_verified
-from mtc.sidecar.replicator.agreement import saving_ranks
+from mtc.sidecar.replicator.agreement import check_members, saving_ranks
 from mtc.sidecar.replicator.node_agreement import holders_of, holding_of
 from mtc.sidecar.replicator.step_files import FileMeta, inside
 
 if TYPE_CHECKING:
-    from mtc.sidecar.backup.schedule import BackupScheduler
+    from mtc.sidecar.backup.duties import BackupDuties
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
-    from mtc.sidecar.replicator.node import RestoreAsk
+    from mtc.sidecar.replicator.node_agreement import NodeAgreement
     from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
-FETCH_STREAMS = 4  # a restore's streams from one holder: the node's fetch pool is 4 threads
+FETCH_STREAMS = 4  # a restore's streams from one holder: the fetch pool's threads
 
 
-class RestoreDuties:
-    """Mixed into :class:`mtc.sidecar.replicator.node.Node`, whose state it uses."""
+@dataclasses.dataclass
+class RestoreAsk:
+    """One restore, as the call that carries it (a PrepareRestore, an Orbax client's
+    request) hands it to the agreement: its restore id (a re-issued ask reads the
+    same decision) and the job's stated membership; the decision read is recorded
+    here for the caller. Passed explicitly; owned by that call's thread."""
 
-    rank: int
-    config: ReplicatorConfig
-    store: LocalStore
-    metrics: Metrics
-    peers: dict[int, PeerClient]
-    backup: BackupScheduler | None
-    _pool: ThreadPoolExecutor
-    _lock: threading.Lock
-    restoring: dict[int, tuple[Path, set[str]]]
-    _bg_pool: ThreadPoolExecutor  # one thread: data made local after answering
-    _bg_lock: threading.Lock
-    _materializing: dict[int, Future[str]]
-    _bg_wake: threading.Event  # ends the background fetch's quiet time early
-    _stop: threading.Event
+    rid: str = ""
+    members: tuple[int, ...] = ()
+    decision: pb.Decision = dataclasses.field(default_factory=pb.Decision)
 
-    if TYPE_CHECKING:  # provided by Node and BackupDuties
-        def agree(self, timeout_s: float | None = None, *, ask: RestoreAsk | None = None
-                  ) -> tuple[pb.Decision, dict[int, pb.Inventory]]: ...
 
-        def holds_own(self, step: int, run: str) -> bool: ...
+class Restorer:
+    """One replicator's restores. It owns the fetch pool (``FETCH_STREAMS``
+    threads) and the background pool (one thread: data made local after the
+    answer), and the steps queued there (``_materializing``, under ``_bg_lock``).
+    ``inventory``: its node's own; ``refuse``: raises while the node's
+    configuration disagrees with a peer's."""
 
-        def _from_backup(self, step: int, invs: dict[int, pb.Inventory],
-                         tmp: Path) -> list[FileMeta]: ...
+    def __init__(self, config: ReplicatorConfig, store: LocalStore,
+                 peers: Mapping[int, PeerClient], metrics: Metrics, *,
+                 agreement: NodeAgreement, backups: BackupDuties,
+                 inventory: Callable[[], pb.Inventory], refuse: Callable[[], None],
+                 stop: threading.Event) -> None:
+        self.rank = config.rank
+        self.config = config
+        self.store = store
+        self.peers = peers
+        self.metrics = metrics
+        self.agreement = agreement
+        self.backups = backups
+        self.backup = backups.backup
+        self._inventory = inventory
+        self._refuse = refuse
+        self._stop = stop
+        self._pool = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="mtc-fetch")
+        self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="mtc-materialize")
+        self._bg_lock = threading.Lock()
+        self._materializing: dict[int, Future[str]] = {}
+        self._bg_wake = threading.Event()  # ends the background fetch's quiet time early
+        self.quiet_until = 0.0  # monotonic: copies that can wait wait until then
 
-        def _file_from_backup(self, step: int, f: FileMeta, dest: Path) -> bool: ...
+    def stop(self) -> None:
+        """A background fetch waiting out its quiet time starts (and finds the stop)."""
+        self._bg_wake.set()
+
+    def close(self) -> None:
+        """After the servers ended: the background restore first (it waits on the
+        fetch pool's calls), then the fetch pool."""
+        for pool in (self._bg_pool, self._pool):
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- agree --------------------------------------------------------------------------
+
+    def agree(self, timeout_s: float | None = None, *, ask: RestoreAsk | None = None
+              ) -> tuple[pb.Decision, dict[int, pb.Inventory]]:
+        """The epoch's decision (its step and run), and inventories to find its data
+        with (only this node's when its data is local: the decision itself costs
+        O(N) messages). ``ask``: the restore this is for (its id and membership;
+        the decision read is recorded on it)."""
+        ask = ask if ask is not None else RestoreAsk()
+        d = self.agreement.agree_epoch(timeout_s, ask.rid, ask.members)
+        ask.decision = d
+        return d, self._invs_for(d.step, d.run)
+
+    def _invs_for(self, step: int, run: str) -> dict[int, pb.Inventory]:
+        """Only this node's inventory when its data of the step is here and whole
+        (nothing to fetch); else every node's (where to fetch from, or heal)."""
+        if step < 0 or ((self.rank, step) in self.store.copies() and self.holds_own(step, run)):
+            return {self.rank: self._inventory()}
+        return self.agreement.gather()
+
+    def holds_own(self, step: int, run: str) -> bool:
+        """Whether this host holds its own data of ``step`` as ``run`` wrote it
+        (damaged files included: they are healed in place)."""
+        if (self.rank, step) not in self.store.copies() and \
+                not self.store.damaged(self.rank, step):
+            return False
+        try:
+            return not run or self.store.summary(self.rank, step)[1] == run
+        except OSError:
+            return False
+
+    # -- the calls that restore -----------------------------------------------------------
+
+    def prepare_restore_as(self, timeout_s: float | None, rid: str,
+                           members: Sequence[int] = (), *, background: bool = False
+                           ) -> tuple[pb.Decision, str, float, bool]:
+        """PrepareRestore with a restore id and the job's membership:
+        :meth:`prepare_restore` (agree, then make this host's data of the step
+        local), and the decision it read."""
+        self._refuse()
+        check_members(members, self.config.num_nodes, self.rank)  # typed, before waiting
+        ask = RestoreAsk(rid, tuple(members))
+        step, tier, seconds, pending = self.prepare_restore(timeout_s, background=background,
+                                                            ask=ask)
+        d = ask.decision
+        self.quiet_until = time.monotonic() + self.config.restore_quiet_s
+        if d.step != step:  # the invariant, checked where it is cheap
+            raise AgreementError(f"decided step {d.step}, prepared step {step}",
+                                 host=self.rank)
+        return d, tier, seconds, pending
+
+    def staged(self, step: int) -> tuple[Path, set[str]] | None:
+        """This host's files of ``step`` read so far for a restore in progress (its
+        folder, and the paths there verified), served to other restoring hosts;
+        None when it restores none of it. A restore answered and queued but not
+        started (its quiet time) starts now, and the asker is told to ask again
+        (:class:`StepNotFoundError`): it is about to hold what was asked."""
+        staged = self.backups.staged(step)
+        if staged is not None:
+            return staged
+        with self._bg_lock:
+            queued = step in self._materializing
+        if queued:
+            self._bg_wake.set()
+            raise StepNotFoundError("this host's restore of the step is starting: not read "
+                                    "yet", step=step, host=self.rank)
+        return None
 
     def restore_for_client(self, job: str, ask: RestoreAsk | None = None) -> int:
         """Answer an Orbax client: agree, park every step folder out of its sight,
@@ -211,7 +304,7 @@ class RestoreDuties:
                 tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp, run)
                 tier = "backup" if "backup" in tiers else "peer"
             elif self.backup is not None and step in self.backup.refresh():
-                files = self._from_backup(step, invs, tmp)
+                files = self.backups.from_backup(step, invs, tmp)
                 tier = "backup"
             else:
                 raise StepNotFoundError("no peer or backup holds this host's data", step=step,
@@ -221,9 +314,8 @@ class RestoreDuties:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         finally:
-            # Served from the committed copy from here on (_from_backup staged it).
-            with self._lock:
-                self.restoring.pop(step, None)
+            # Served from the committed copy from here on (from_backup staged it).
+            self.backups.done_restoring(step)
         return tier
 
     def _copies_elsewhere(self, step: int, invs: dict[int, pb.Inventory], run: str = ""
@@ -298,7 +390,7 @@ class RestoreDuties:
                 errors.append(f"rank {holder}: {_bare(e)}")
         if self.backup is not None:
             try:
-                if self._file_from_backup(step, f, dest):
+                if self.backups.file_from_backup(step, f, dest):
                     return "backup"
                 errors.append("backup: not backed up")
             except (MtcError, OSError) as e:

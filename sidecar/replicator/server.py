@@ -255,7 +255,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                        context: Any) -> pb.PrepareRestoreReply:
         t = _restore_timeout(request.timeout_seconds)
         with self.preparing.enter(None):
-            d, tier, seconds, pending = self.node.prepare_restore_as(
+            d, tier, seconds, pending = self.node.restorer.prepare_restore_as(
                 t or None, checks.restore_id(request.restore_id), list(request.members),
                 background=request.background)
         return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch,
@@ -263,13 +263,13 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def RequestBackup(self, request: pb.BackupRequest, context: Any) -> pb.BackupReply:
-        return pb.BackupReply(step=self.node.request_backup())
+        return pb.BackupReply(step=self.node.backups.request_backup())
 
     @mapped
     def BackupPart(self, request: pb.BackupPartRequest, context: Any) -> pb.BackupPartReply:
         self.identity.require_peer(context, "BackupPart")  # the backup leader
         checks.backup_part(request, num_nodes=self.node.config.num_nodes)
-        return self.node.backup_part(request)
+        return self.node.backups.backup_part(request)
 
     # -- data plane: raw bytes --------------------------------------------------
 
@@ -405,7 +405,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             # Checked as it is read: a file that fails is quarantined, never sent whole.
             yield from store.stream_verified(origin, step, rel, req.offset)
             return
-        staged = self.node.staged(step) if origin == self.node.rank else None
+        staged = self.node.restorer.staged(step) if origin == self.node.rank else None
         if origin == self.node.rank and staged and rel in staged[1]:
             base = staged[0]  # verified, from a restore in progress
         elif origin == self.node.rank and staged:

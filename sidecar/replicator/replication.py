@@ -1,0 +1,237 @@
+"""A replicator's copies of its own steps to its targets (the hosts of the other
+slices that hold this host's data, ``ReplicatorConfig.targets``).
+
+The newest committed step not yet on every target is offered to each target;
+files the target already holds identically are linked there, the rest are
+pushed (on the data channel, a few streams at once) and verified on receipt;
+the step counts as replicated only when the target commits the copy. Older
+unreplicated steps are skipped, so lag never grows beyond one step in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from mtc.errors import CorruptShardError, MtcError
+from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.push_plan import PUSH_STREAMS, push_batches, push_streams
+from mtc.sidecar.replicator.selfcheck import ReplicationClock
+from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.store import LocalStore
+
+log = logging.getLogger("mtc.sidecar.replicator.node")
+RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
+
+
+class Replication:
+    """Copies of own steps. ``replicated``/``_replicated_fp``/``_synced`` belong to
+    the replication loop's thread; ``_pushing`` is shared (:meth:`busy`), under
+    ``_lock``. It owns the push pool. ``quiet_until``: when copies that can wait
+    may start again (a restore was just answered)."""
+
+    def __init__(self, config: ReplicatorConfig, store: LocalStore,
+                 peers: Mapping[int, PeerClient], metrics: Metrics, *,
+                 quiet_until: Callable[[], float]) -> None:
+        self.rank = config.rank
+        self.config = config
+        self.store = store
+        self.peers = peers
+        self.metrics = metrics
+        self._quiet_until = quiet_until
+        self.clock = ReplicationClock(config.replication_warn_s)
+        self.replicated: dict[int, set[int]] = defaultdict(set)
+        # The fingerprint of each own step when ``replicated`` learnt its targets: a
+        # step saved again under its number (another run's) is replicated anew.
+        self._replicated_fp: dict[int, int] = {}
+        self._synced: dict[int, float] = {}  # target -> when its holdings were last read
+        self._lock = threading.Lock()
+        self._pushing: set[int] = set()
+        self._push_pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
+
+    def close(self) -> None:
+        self._push_pool.shutdown(wait=True, cancel_futures=True)
+
+    def busy(self) -> set[int]:
+        """Own steps being pushed now."""
+        with self._lock:
+            return set(self._pushing)
+
+    def synced(self) -> bool:
+        """Whether every target's holdings were read since the start."""
+        return all(t in self._synced for t in self.config.targets(self.rank))
+
+    def forget(self, step: int) -> None:
+        """An own step was removed (by garbage collection)."""
+        self.replicated.pop(step, None)
+        self._replicated_fp.pop(step, None)
+
+    def fully_replicated(self, step: int) -> bool:
+        return set(self.config.targets(self.rank)) <= self.replicated.get(step, set())
+
+    def sync_targets(self, own: list[int]) -> None:
+        """Learn which own steps each target really holds: once after a start (nothing
+        is remembered across restarts) and every few seconds after (a replaced
+        peer has lost its copies, which must be pushed again)."""
+        now = time.monotonic()
+        for t in self.config.targets(self.rank):
+            if now - self._synced.get(t, -RESYNC_S) < RESYNC_S:
+                continue
+            try:
+                inv = self.peers[t].call(
+                    "GetInventory", pb.InventoryRequest(origins=[self.rank], without_files=True),
+                    attempts=1)
+            except PeerError:
+                self.metrics.skipped.labels("target_unanswered").inc()
+                continue
+            # Held as saved here: a copy of an older save under the number is not.
+            held = {c.step for c in inv.copies if c.origin_rank == self.rank
+                    and c.fingerprint == self._own_fingerprint(c.step)}
+            for s in own:
+                if s in held:
+                    self.replicated[s].add(t)
+                else:
+                    self.replicated[s].discard(t)
+            self._synced[t] = now
+
+    def replicate_once(self) -> None:
+        """One pass: offer the newest own step to every target that lacks it."""
+        if time.monotonic() < self._quiet_until():
+            return  # a restore was just answered: its reads and steps go first
+        own = self.store.own_steps()
+        if not own:
+            self._note_replication(-1, True)
+            return
+        newest = own[-1]
+        fp = self._own_fingerprint(newest)
+        if self._replicated_fp.get(newest) != fp:  # saved (again) since it was replicated
+            self.replicated[newest] = set()
+            self._replicated_fp[newest] = fp
+        self.sync_targets(own)
+        self.metrics.newest.labels("committed").set(newest)
+        for target in self.config.targets(self.rank):
+            if target in self.replicated[newest]:
+                continue
+            try:
+                self.push_step(newest, target)
+            except (MtcError, OSError) as e:
+                if isinstance(e, PeerError):
+                    kind = "peer_unreachable" if e.unreachable else "peer_refused"
+                else:
+                    kind = type(e).__name__
+                self.metrics.failures.labels(kind).inc()
+                log.warning("rank %d: step %d not replicated to rank %d: %s",
+                            self.rank, newest, target, e)
+        done = [s for s in own if self.fully_replicated(s)]
+        self._note_replication(newest, self.fully_replicated(newest))
+        if done:
+            self.metrics.newest.labels("replicated").set(done[-1])
+        self.metrics.lag.set(sum(1 for s in own if not done or s > done[-1]))
+
+    def _note_replication(self, newest: int, replicated: bool) -> None:
+        self.clock.update(newest, replicated)
+        self.metrics.unreplicated.set(self.clock.state()[1])
+        warning = self.clock.warn_once()
+        if warning:
+            log.warning("rank %d: %s (targets: ranks %s)", self.rank, warning,
+                        self.config.targets(self.rank))
+
+    def _own_fingerprint(self, step: int) -> int:
+        try:
+            return self.store.fingerprint(self.rank, step)
+        except (OSError, ValueError):
+            return -1  # deleted meanwhile
+
+    def push_step(self, step: int, target: int) -> None:
+        """Copy one own step to ``target``; returns once the target committed it."""
+        peer = self.peers[target]
+        with self._lock:
+            self._pushing.add(step)
+        try:
+            files = self.store.describe(self.rank, step)
+            bad = self.store.verify(self.rank, step)  # never offer bytes that fail
+            if bad:
+                raise CorruptShardError("own copy fails verification; quarantined, not "
+                                        "offered", step=step, host=self.rank, path=bad[0].path)
+            offer = pb.OfferRequest(copy=pb.StepCopy(
+                step=step, origin_rank=self.rank,
+                files=[pb.FileInfo(path=f.path, size=f.size, crc32c=f.crc32c) for f in files]))
+            reply = peer.call("Offer", offer)
+            if reply.already_complete:
+                self.replicated[step].add(target)
+                return
+            src = self.store.copy_dir(self.rank, step)
+            # A candidate without a hash is the same path of the same step with the
+            # same size and CRC32C (a twin's shard): taken as the peer identified it.
+            same = [c.path for c in reply.candidates
+                    if not c.sha256 or self.store.checksums.sha256(src / c.path) == c.sha256]
+            if same:
+                peer.call("Link", pb.LinkRequest(transfer_id=reply.transfer_id, paths=same))
+            linked = set(same)
+            todo = [(i, f) for i, f in enumerate(files) if f.path not in linked]
+            if reply.data_port:
+                peer.data_port = reply.data_port
+            try:
+                if reply.data_port and todo:
+                    # The data channel: a few connections, each files back to back.
+                    futs = [self._push_pool.submit(self._push_stream, peer, reply.transfer_id,
+                                                   src, group)
+                            for group in push_streams(todo, PUSH_STREAMS)]
+                else:
+                    futs = [self._push_pool.submit(self._push_batch, peer, reply.transfer_id,
+                                                   src, batch) for batch in push_batches(todo)]
+                for fut in futs:
+                    fut.result()
+                peer.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
+            except BaseException:
+                try:
+                    peer.call("Abort", pb.AbortRequest(transfer_id=reply.transfer_id),
+                              attempts=1)
+                except PeerError:
+                    self.metrics.skipped.labels("abort_unanswered").inc()
+                raise
+            self.replicated[step].add(target)
+            log.info("rank %d: step %d replicated to rank %d (%d files linked, %d pushed)",
+                     self.rank, step, target, len(same), len(todo))
+        finally:
+            with self._lock:
+                self._pushing.discard(step)
+
+    def _push_batch(self, peer: PeerClient, tid: str, src: Path,
+                    batch: list[tuple[int, FileMeta]]) -> None:
+        try:
+            if len(batch) == 1:
+                f = batch[0][1]
+                peer.push_file(tid, f.path, src / f.path, f.size, f.crc32c)
+            else:
+                peer.push_files(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in batch])
+        except CorruptShardError:
+            # Damaged since it was last checked: read it again, quarantine what fails.
+            where = self.store.locate(src / batch[0][1].path)
+            if where is not None:
+                self.store.verify(*where, cached=False)
+            raise
+        self.metrics.bytes_sent.inc(sum(f.size for _, f in batch))
+
+    def _push_stream(self, peer: PeerClient, tid: str, src: Path,
+                     group: list[tuple[int, FileMeta]]) -> None:
+        try:
+            peer.push_data(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in group])
+        except (PeerError, CorruptShardError) as e:
+            if isinstance(e, CorruptShardError) or e.code == grpc.StatusCode.DATA_LOSS:
+                # The target found a file damaged: ours, read again, quarantined if so.
+                where = self.store.locate(src / group[0][1].path)
+                if where is not None:
+                    self.store.verify(*where, cached=False)
+            raise
+        self.metrics.bytes_sent.inc(sum(f.size for _, f in group))
