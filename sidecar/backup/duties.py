@@ -53,6 +53,11 @@ class BackupDuties:
         # served to other restoring hosts that share objects with this one.
         self._restoring: dict[int, tuple[Path, set[str]]] = {}
 
+    def close(self) -> None:
+        """After the loops and the servers ended: the scheduler's listing thread."""
+        if self.backup is not None:
+            self.backup.close()
+
     def busy(self) -> set[int]:
         """Steps whose copies are being uploaded now."""
         with self._lock:

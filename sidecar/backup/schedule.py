@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,12 @@ class BackupScheduler:
         self._listing_lock = threading.Lock()
         self._refreshing: Future[list[int]] | None = None
         self._list_failed = False
+        # The listing behind an inventory's back: one thread, joined by close().
+        self._lister = ThreadPoolExecutor(1, thread_name_prefix="mtc-backup-list")
+
+    def close(self) -> None:
+        """Wait for a listing in flight (bounded by the backend's own timeouts)."""
+        self._lister.shutdown(wait=True, cancel_futures=True)
 
     def request(self) -> None:
         self._requested.set()
@@ -77,8 +83,11 @@ class BackupScheduler:
             fut = self._refreshing
             if fut is None:
                 fut = self._refreshing = Future()
-                threading.Thread(target=self._refresh_into, args=(fut,), daemon=True,
-                                 name="mtc-backup-list").start()
+                try:
+                    self._lister.submit(self._refresh_into, fut)
+                except RuntimeError:  # closed: the last listing stands
+                    self._refreshing = None
+                    return steps
         try:
             return fut.result(timeout=wait_s)
         except FutureTimeout:

@@ -106,6 +106,7 @@ class Node:
         self.restorer.close()
         self.replication.close()
         self._inv_pool.shutdown(wait=True, cancel_futures=True)
+        self.backups.close()
 
     def on_copy_received(self, origin: int, step: int) -> None:
         log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, origin, step)
