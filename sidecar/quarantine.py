@@ -6,12 +6,19 @@ complete until a good copy takes the file's place. It lands in
 ``<root>/.mtc-quarantine/``: not a digits-only name, so no step listing (mtc's,
 the replicator's or Orbax's) ever sees it, and never cleaned as a leftover. Only
 the newest :data:`KEEP` are kept: a RAM disk must not fill with bad bytes.
+
+A file with other links under the root (a replicator's claim on bytes its host
+already held: one inode for a step's file and a peer's copy of it) takes them
+along: they are the same bytes, and whoever found them bad may be the only one
+that reads them (silent damage keeps size and mtime, so checksum caches still
+vouch for the other names).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -25,13 +32,54 @@ log = logging.getLogger(__name__)
 
 
 def quarantine(root: Path, path: Path, reason: str) -> Path | None:
-    """Move ``path`` (under ``root``) aside; None when it was already gone. A path
-    that does not lie under ``root`` (a symlink leading out on the way) is never
-    moved: only the RAM disk's own files are."""
+    """Move ``path`` (under ``root``) aside, and every other link to its bytes under
+    ``root`` (:func:`links_of`); None when it was already gone. A path that does
+    not lie under ``root`` (a symlink leading out on the way) is never moved: only
+    the RAM disk's own files are."""
     if not is_beneath(root, path.parent) and os.path.realpath(path.parent) != \
             os.path.realpath(root):
         log.error("not quarantining %s: it is not under %s (%s)", path, root, reason)
         return None
+    others = links_of(root, path)
+    dst = _move(root, path, reason)
+    for other in others:
+        _move(root, other, f"the same bytes as {path}: {reason}")
+    return dst
+
+
+def links_of(root: Path, path: Path) -> list[Path]:
+    """The other names of ``path``'s bytes under ``root`` (hard links: a claim on
+    them), found by walking the root without following links; [] for a file with
+    one name. Looked for only when a file is found bad."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return []
+    if st.st_nlink < 2 or not stat.S_ISREG(st.st_mode):
+        return []
+    want = (st.st_dev, st.st_ino)
+    out: list[Path] = []
+    todo = [os.fspath(root)]
+    while todo and len(out) < st.st_nlink - 1:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    if e.name != QUARANTINE_DIR:
+                        todo.append(e.path)
+                elif e.is_file(follow_symlinks=False) and e.inode() == st.st_ino:
+                    other = os.lstat(e.path)
+                    if (other.st_dev, other.st_ino) == want and e.path != os.fspath(path):
+                        out.append(Path(e.path))
+            except OSError:
+                continue
+    return out
+
+
+def _move(root: Path, path: Path, reason: str) -> Path | None:
     qdir = real_dir(root / QUARANTINE_DIR)
     try:
         rel = path.relative_to(root).as_posix()

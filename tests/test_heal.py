@@ -3,8 +3,9 @@
 A shard of the newest step damaged on its host (a bit flip, a truncation, or
 "silent" damage that keeps the file's size and mtime, as bad memory would) is
 quarantined and fetched again, verified, from another holder: the peer's copy,
-else the same shard saved by another data-parallel replica. Deduplicated copies
-are separate files, so damage to one does not reach the other. With no good
+else the same shard saved by another data-parallel replica. A peer's copy of
+bytes its holder saved itself is a claim on them (one file): damage found
+through either drops both, and both come back from other hosts. With no good
 copy anywhere the restore fails with a typed error naming the file.
 
 The controller reaches every host's RAM disk only through the host's sidecar
@@ -152,41 +153,48 @@ def test_healed_from_data_parallel_twin(ramdisk: Path, mesh: Mesh,
     name = shared[0]
     victim = shards(cl.root(0), 4)[name]
     good = victim.read_bytes()
-    # Host 0's file and the peer's copy of it are both damaged: only host 2's own
-    # file of the same shard (saved by the other data-parallel replica) is good.
+    # Host 0's file is damaged and the peer's copy of it is gone (its claim on
+    # host 2's own file removed): only host 2's own file of the same shard (saved
+    # by the other data-parallel replica) holds it.
     peer_copy = cl.root(2) / REPLICA_DIR / "0" / "4" / name
+    assert os.stat(peer_copy).st_ino == os.stat(shards(cl.root(2), 4)[name]).st_ino
     flip(victim, silent=True)
-    flip(peer_copy, silent=True)
+    peer_copy.unlink()
 
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options(cl)) as m:
         got = m.restore(None, states[4])
     assert_state_equal(got, states[4])
     assert victim.read_bytes() == good
-    # The peer refused to send its damaged copy and quarantined it.
-    assert cl.scrape(2)[QUARANTINED] == 1
-    assert not peer_copy.exists()
+    assert shards(cl.root(2), 4)[name].read_bytes() == good  # the twin was never harmed
+    assert cl.scrape(2)[QUARANTINED] == 0
 
 
 @pytest.mark.process
-def test_dedup_source_damage_does_not_reach_the_copy(ramdisk: Path, mesh: Mesh,
-                                                     clusters: list[Cluster]) -> None:
+def test_damage_through_a_claim_drops_both_copies_then_both_come_back(
+        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
     cl.start_all()
-    save_steps(ramdisk, mesh, cl, {5: 5.0})
+    states = save_steps(ramdisk, mesh, cl, {5: 5.0})
     assert cl.scrape(2)["mtc_deduplicated_files_total"] >= 1
     shared, _ = data_parallel(cl, 5, 0)
-    source = shards(cl.root(2), 5)[shared[0]]  # host 2's own file, the dedup source
-    copy = cl.root(2) / REPLICA_DIR / "0" / "5" / shared[0]  # its copy of host 0's
-    want = file_crc(copy)
-    assert os.stat(source).st_ino != os.stat(copy).st_ino
+    source = shards(cl.root(2), 5)[shared[0]]  # host 2's own file
+    copy = cl.root(2) / REPLICA_DIR / "0" / "5" / shared[0]  # its claim for host 0's copy
+    assert os.stat(source).st_ino == os.stat(copy).st_ino  # the bytes once
     flip(source)
-    assert file_crc(copy) == want == file_crc(shards(cl.root(0), 5)[shared[0]])
-    # The damaged source is found, quarantined, and no longer offered.
+    # Found, quarantined with its claim: neither copy is offered any more.
     inv = cl.inventory(2)
-    assert (2, 5) not in {(c.origin_rank, c.step) for c in inv.copies}
-    assert (0, 5) in {(c.origin_rank, c.step) for c in inv.copies}
-    assert inv.quarantined_files == 1
+    held = {(c.origin_rank, c.step) for c in inv.copies}
+    assert (2, 5) not in held and (0, 5) not in held, held
+    assert inv.quarantined_files == 2
     assert (cl.root(2) / QUARANTINE_DIR).is_dir()
+    # Host 0's data comes back to host 2 (its replication sees the copy gone), and a
+    # restore heals host 2's own step from its peer: the newest step, exact.
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options(cl)) as m:
+        got = m.restore(None, states[5])
+    assert_state_equal(got, states[5])
+    assert file_crc(source) == file_crc(shards(cl.root(0), 5)[shared[0]])
+    cl.wait_replicated(5, timeout=60)
+    assert (0, 5) in {(c.origin_rank, c.step) for c in cl.inventory(2).copies}
 
 
 @pytest.mark.process

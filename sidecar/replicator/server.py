@@ -38,7 +38,7 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.confine import open_beneath
-from mtc.sidecar.files import CHUNK, copy_verified
+from mtc.sidecar.files import CHUNK
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, PUSH
 from mtc.sidecar.replicator.data_service import DataService
@@ -185,13 +185,9 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             dst.parent.mkdir(parents=True, exist_ok=True)
             meta = t.files[rel]
             dst.unlink(missing_ok=True)
-            # A verified copy, not a hard link: one inode for two copies would let
-            # bytes damaged in place damage both.
-            try:
-                copy_verified(src, dst, meta.size, meta.crc32c)
-            except CorruptShardError as e:
-                self.node.store.quarantine_file(src, str(e))
-                raise
+            # A claim on the bytes this host holds (a link), not a second copy of
+            # them: damage found through either drops both (store.claim).
+            self.node.store.claim(src, dst, meta)
             with t.lock:
                 t.verified.add(rel)
             linked.append(rel)

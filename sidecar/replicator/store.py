@@ -27,6 +27,7 @@ links: bytes damaged in place must not damage a second copy.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar import files
 from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
-from mtc.sidecar.quarantine import quarantine
+from mtc.sidecar.quarantine import links_of, quarantine
 from mtc.sidecar.replicator.checksums import Checksums
 from mtc.sidecar.replicator.step_files import (
     FileMeta,
@@ -198,20 +199,50 @@ class LocalStore:
     def quarantine_file(self, path: Path, why: str, *, origin: int | None = None,
                         step: int | None = None) -> None:
         """Move a file that failed verification aside and count it; its copy (found
-        from the path when not given) no longer counts as held."""
+        from the path when not given) no longer counts as held. Every claim on the
+        same bytes (another copy's link to this file: :meth:`claim`) goes with it
+        (:func:`~mtc.sidecar.quarantine.quarantine`), and its copy is damaged too."""
         if origin is None or step is None:
             where = self.locate(path)
             if where is None:
                 return
             origin, step = where
+        others = [(p, self.locate(p)) for p in links_of(self.root, path)]
         moved = quarantine(self.root, path, f"rank {origin} step {step}: {why}")
-        self.checksums.drop(path)
+        gone = [(p, w) for p, w in others if not os.path.lexists(p)]
         with self._lock:
             self._damaged.add((origin, step))
+            self._damaged.update(w for _, w in gone if w is not None)
             if moved is not None:
-                self.quarantined_total += 1
+                self.quarantined_total += 1 + len(gone)
+        for p in [path, *(p for p, _ in gone)]:
+            self.checksums.drop(p)
         if moved is not None and self.on_quarantine is not None:
-            self.on_quarantine()
+            for _ in range(1 + len(gone)):
+                self.on_quarantine()
+
+    def claim(self, src: Path, dst: Path, meta: FileMeta) -> None:
+        """Hold ``meta``'s bytes at ``dst`` as a claim on ``src``, an identical file
+        held here: one inode for both, no second copy of bytes this host holds
+        (two slices' data-parallel shards). ``src`` is checked first (its checksum
+        as remembered while unchanged); one that fails is quarantined with every
+        claim on it and :class:`CorruptShardError` raised. The bytes stay while
+        any claim does; damage found through any claim drops them all."""
+        why = self.checksums.check(src, meta)
+        if why is not None:
+            if why != "missing":
+                self.quarantine_file(src, why)
+            raise CorruptShardError(f"the identical file held here fails: {why}",
+                                    path=meta.path)
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            # A file system without links here: a verified copy (a second copy of
+            # the bytes, as before claims).
+            files.copy_verified(src, dst, meta.size, meta.crc32c)
+        self.checksums.note_verified(dst, meta)
 
     def locate(self, path: Path) -> tuple[int, int] | None:
         """(origin, step) of the copy a file under the root belongs to."""
@@ -242,12 +273,33 @@ class LocalStore:
                 continue
             try:
                 files = self.describe(origin, step)
-                if self.verify(origin, step):
+                bad = self.verify(origin, step)
+                if bad and not self.reclaim(origin, step, bad):
                     continue
             except (OSError, ValueError, MtcError):
                 continue
             out.append((origin, step, files))
         return out
+
+    def reclaim(self, origin: int, step: int, bad: list[FileMeta]) -> bool:
+        """Put the bad (quarantined or missing) files of a held copy back as claims
+        on identical files held here, verified: the same path of another mtc copy
+        of the same step (a data-parallel twin's shard: its manifest says it is the
+        same content). True when the copy checks out again; False, leaving it
+        damaged, when some file has no such twin here."""
+        found = self.find_identical(bad, step)
+        base = self.copy_dir(origin, step)
+        if not all(f.path in found and found[f.path][1] for f in bad):
+            return False
+        for f in bad:
+            dst = inside(base, f.path)
+            if os.path.lexists(dst):
+                return False  # a bad file not moved aside: left to a heal from a peer
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            self.claim(found[f.path][0], dst, f)
+        log.info("rank %d: %d file(s) of rank %d step %d put back from identical files "
+                 "held here (%s, ...)", self.rank, len(bad), origin, step, bad[0].path)
+        return not self.verify(origin, step)
 
     def stream_verified(self, origin: int, step: int, rel: str, offset: int = 0
                         ) -> Iterator[bytes]:

@@ -1,0 +1,119 @@
+"""A peer's copy of bytes this host already holds is a claim on them, not a second
+file (``LocalStore.claim``): two slices' data-parallel shards take the RAM disk
+once per host. The bytes stay while any claim does; damage found through any
+claim drops every claim (each copy then counts as damaged, its other files
+intact) and the copies are healed from another host, as any damaged copy.
+
+Real files on a real store, in this process (the replicators' Link, which
+calls it, runs in tests/test_replicator.py and tests/test_heal.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from replicators import commit_mtc_step
+
+from mtc.errors import CorruptShardError
+from mtc.integrity import crc32c
+from mtc.sidecar.quarantine import quarantine, quarantined
+from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.store import REPLICA_DIR, LocalStore
+
+SHARED = bytes(range(256)) * 64  # a data-parallel shard: both hosts saved it
+STEP = 5
+
+
+def meta(name: str, data: bytes) -> FileMeta:
+    return FileMeta(name, len(data), crc32c(data))
+
+
+def holder_with_a_claimed_copy(tmp_path: Path) -> tuple[LocalStore, Path, Path]:
+    """Host 2 (its own step 5) holding host 0's step 5: the shared shard claimed,
+    the rest written. Returns the store and the own and claimed paths."""
+    origin = commit_mtc_step(tmp_path / "host-0", STEP, {"dp.0": SHARED, "own.0": b"zero" * 99},
+                             host=0, num_hosts=4)
+    root = tmp_path / "host-2"
+    commit_mtc_step(root, STEP, {"dp.0": SHARED, "own.2": b"two" * 99}, host=2,
+                    num_hosts=4, slice_of_host=1)
+    store = LocalStore(root, rank=2)
+    assert store.verify(2, STEP) == []
+    candidates = store.find_identical([meta(n, d) for n, d in origin.items()], STEP)
+    assert set(candidates) == {"dp.0"} and candidates["dp.0"][1]  # identified, no hash
+    tmp = store.begin_incoming(0, STEP)
+    for name, data in origin.items():
+        if name in candidates:
+            store.claim(candidates[name][0], tmp / name, meta(name, data))
+        else:
+            (tmp / name).write_bytes(data)
+    store.commit_incoming(tmp, 0, STEP, [meta(n, d) for n, d in origin.items()])
+    return store, root / str(STEP) / "dp.0", root / REPLICA_DIR / "0" / str(STEP) / "dp.0"
+
+
+def test_a_claimed_file_is_one_inode_and_both_copies_verify(tmp_path: Path) -> None:
+    store, own, claimed = holder_with_a_claimed_copy(tmp_path)
+    assert os.stat(own).st_ino == os.stat(claimed).st_ino
+    assert os.stat(own).st_nlink == 2  # the bytes once on the RAM disk
+    assert store.verify(0, STEP) == [] and store.verify(2, STEP) == []
+    assert {(0, STEP), (2, STEP)} <= set(store.copies())
+    # Retention removes the own step: the claim keeps the bytes.
+    store.remove_copy(2, STEP)
+    assert claimed.read_bytes() == SHARED and os.stat(claimed).st_nlink == 1
+    assert store.verify(0, STEP) == []
+
+
+@pytest.mark.parametrize("found_through", ["own", "claim"])
+def test_damage_found_through_any_claim_drops_every_claim(tmp_path: Path,
+                                                          found_through: str) -> None:
+    store, own, claimed = holder_with_a_claimed_copy(tmp_path)
+    # Damaged in place, silently (size and mtime kept): found only by a read.
+    st = os.stat(own)
+    with open(own, "r+b") as f:
+        f.seek(9)
+        f.write(bytes([SHARED[9] ^ 0xFF]))
+    os.utime(own, ns=(st.st_atime_ns, st.st_mtime_ns))
+    origin = 2 if found_through == "own" else 0
+    assert [f.path for f in store.verify(origin, STEP, cached=False)] == ["dp.0"]
+    assert not own.exists() and not claimed.exists()  # both quarantined
+    assert store.damaged(0, STEP) and store.damaged(2, STEP)
+    assert not {(0, STEP), (2, STEP)} & set(store.copies())
+    assert store.quarantined_total == 2
+    # The copies' other files are intact: a heal brings the one file back.
+    assert (claimed.parent / "own.0").read_bytes() == b"zero" * 99
+
+
+def test_a_damaged_file_is_never_claimed(tmp_path: Path) -> None:
+    store, own, _ = holder_with_a_claimed_copy(tmp_path)
+    own.write_bytes(SHARED[:-1] + b"x")  # changed (mtime too): read when checked
+    with pytest.raises(CorruptShardError, match="fails"):
+        store.claim(own, tmp_path / "elsewhere", meta("dp.0", SHARED))
+    assert not (tmp_path / "elsewhere").exists()
+    assert not own.exists() and store.damaged(2, STEP)
+
+
+def test_a_copy_missing_a_twins_file_is_put_back_from_the_twin_held_here(
+        tmp_path: Path) -> None:
+    store, own, claimed = holder_with_a_claimed_copy(tmp_path)
+    claimed.unlink()  # the claim gone (the twin's own file intact)
+    assert store.verify(0, STEP) and store.damaged(0, STEP)
+    held = {(o, s) for o, s, _ in store.verified_copies()}
+    assert (0, STEP) in held and not store.damaged(0, STEP)  # a claim again
+    assert os.stat(claimed).st_ino == os.stat(own).st_ino
+    # A file no copy here shares (host 0's own shard) is not put back.
+    (claimed.parent / "own.0").unlink()
+    assert (0, STEP) not in {(o, s) for o, s, _ in store.verified_copies()}
+    assert store.damaged(0, STEP)
+
+
+def test_the_sidecars_quarantine_takes_every_claim_along(tmp_path: Path) -> None:
+    """A load that finds silent damage quarantines the file it read (the sidecar's
+    side, sidecar/load.py): the replicator's claim on the same bytes goes too, or
+    the replicator, whose cache vouches for it, would serve or put back bad bytes."""
+    store, own, claimed = holder_with_a_claimed_copy(tmp_path)
+    assert store.verify(0, STEP) == []  # remembered as good
+    quarantine(store.root, own, "checksum mismatch on load")
+    assert not own.exists() and not claimed.exists()
+    assert len(quarantined(store.root)) == 2
+    assert (0, STEP) not in {(o, s) for o, s, _ in store.verified_copies()}
+    assert (2, STEP) not in {(o, s) for o, s, _ in store.verified_copies()}
