@@ -15,11 +15,13 @@ Measured in the same run, on this machine's loopback and RAM disk:
 - ``peer_copy``: two real replicator processes (2 slices x 1 host, ``--replicas 1
   --keep 1``). A step of ``--gib`` GiB (8 MiB files of distinct pseudo-random words,
   each step distinct too, so nothing is deduplicated) is written under a temporary
-  name in host 0's root and renamed into place; timed from the rename until host 1's
-  verified copy is committed (its folder renamed into ``.mtc-replica/0/<step>``).
-  Opaque steps are described by the sender (a CRC32C pass over every file) before
-  the copy starts: ``describe_pass`` times that same pass in-process
-  (``store.describe_own``), and host 1's replica folder is watched so the copy splits
+  name in host 0's root with its mtc manifest (sizes and CRC32Cs, taken as the
+  sidecar writes them: off the clock) and renamed into place; timed from the
+  rename until host 1's verified copy is committed (its folder renamed into
+  ``.mtc-replica/0/<step>``). The sender trusts the manifest's CRC32Cs (no pass
+  over the bytes before the copy): ``describe_pass`` times its description
+  in-process (``describe_own``: the manifest read), and host 1's replica folder is
+  watched so the copy splits
   into: until the Offer (the incoming folder appears), until the first pushed file
   appears, and the transfer (first file to commit; ``peer_transfer_over_raw_tcp``).
 - ``peer_restore``: host 0's root is wiped and its replicator restarted;
@@ -229,6 +231,8 @@ def write_step(root: Path, step: int, payload: memoryview, nfiles: int) -> Path:
                 done += os.write(fd, part[done:])
         finally:
             os.close(fd)
+    # An mtc step, as the sidecar writes it: its manifest (sizes and CRC32Cs) last.
+    replicators.write_mtc_manifest(tmp, step, host=0, num_hosts=2)
     return tmp
 
 
@@ -448,6 +452,7 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
         tiny = h1 / f"{last}.tmp"
         tiny.mkdir()
         write_all(tiny / "tiny.bin", memoryview(os.urandom(4096)))
+        replicators.write_mtc_manifest(tiny, last, host=1, num_hosts=2, slice_of_host=1)
         os.rename(tiny, h1 / str(last))
         wait_for(h0 / REPLICA_DIR / "1" / str(last), 60, "copy of host 1's step")
 

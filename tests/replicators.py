@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.files import file_crc
 from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.healthcheck import check
@@ -300,6 +301,24 @@ def commit_mtc_step(root: Path, step: int, files: dict[str, bytes], *, host: int
     out = {**files, MANIFEST_NAME: manifest.to_bytes()}
     commit_raw_step(root, step, out)
     return out
+
+
+def write_mtc_manifest(folder: Path, step: int, *, host: int, num_hosts: int,
+                       slice_of_host: int = 0) -> None:
+    """Write the mtc manifest of the files already in ``folder`` (each one opaque
+    uint8 leaf, its CRC32C read from it), last, as mtc's sidecar writes a step's:
+    a folder of large files committed as an mtc step without holding its bytes."""
+    leaves = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        size, value = file_crc(path)
+        leaves.append(LeafEntry(path=rel, keys=(("d", rel),), kind="numpy", shape=(size,),
+                                dtype="uint8",
+                                shards=(ShardEntry(index=((0, size),), file=rel, nbytes=size,
+                                                   crc32c=value),)))
+    manifest = Manifest(step=step, host=host, slice=slice_of_host, num_hosts=num_hosts,
+                        leaves=tuple(leaves))
+    (folder / MANIFEST_NAME).write_bytes(manifest.to_bytes())
 
 
 def commit_raw_step(root: Path, step: int, files: dict[str, bytes]) -> Path:
