@@ -84,13 +84,15 @@ def host_files(payload: np.ndarray, file_bytes: int, rank: int) -> list[tuple[st
             for i in range(rank * per_host, (rank + 1) * per_host)]
 
 
-def commit_step(root: Path, step: int, files: list[tuple[str, np.ndarray]]) -> None:
-    """Write a step under a temporary name and rename it into place (the commit)."""
+def commit_step(root: Path, step: int, files: list[tuple[str, np.ndarray]], rank: int) -> None:
+    """Write host ``rank``'s step under a temporary name, its mtc manifest last, and
+    rename it into place (the commit), as mtc's sidecar does."""
     tmp = root / f"{step}.bench-tmp"
     tmp.mkdir(parents=True)
     for rel, data in files:
         with open(tmp / rel, "wb", buffering=0) as f:
             f.write(data.data)
+    replicators.write_mtc_manifest(tmp, step, host=rank, num_hosts=HOSTS, slice_of_host=rank)
     os.rename(tmp, root / str(step))
 
 
@@ -214,7 +216,7 @@ def run(mib: int, file_mib: int, samples: int, warmup: int, base: Path) -> dict[
             tag = " (warm-up)" if k < warmup else ""
             ups = {t: raw_upload(bucket, ref_paths, f"ref-{t}", t) for t in ref_threads}
             for r in range(HOSTS):
-                commit_step(cl.root(r), step, host_files(payload, file_bytes, r))
+                commit_step(cl.root(r), step, host_files(payload, file_bytes, r), r)
             wait_replicated(cl, step)
             time.sleep(0.3)  # let the replicators idle
             took = backup_sample(cl, bucket, step)
