@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -147,10 +147,11 @@ class NodeAgreement:
     # -- inventories ------------------------------------------------------------------
 
     def gather_invs(self, ranks: Sequence[int], deadline: float, *,
-                    known_up: bool = False, files: bool = True) -> dict[int, pb.Inventory]:
+                    known_up: bool = False, up: Collection[int] = (),
+                    files: bool = True) -> dict[int, pb.Inventory]:
         """Inventories of those of ``ranks`` that answer before ``deadline``, asked at
-        once. ``known_up``: they are serving (see :meth:`PeerClient.call`);
-        ``files``: with the copies' file lists."""
+        once. ``known_up``: they are serving (see :meth:`PeerClient.call`); ``up``:
+        those of them that are; ``files``: with the copies' file lists."""
         out: dict[int, pb.Inventory] = {}
         futs = {}
         for r in ranks:
@@ -160,7 +161,8 @@ class NodeAgreement:
                 left = max(0.05, min(self.config.deadline_s, deadline - time.monotonic()))
                 futs[r] = self._pool.submit(self.peers[r].call, "GetInventory",
                                             pb.InventoryRequest(without_files=not files),
-                                            deadline_s=left, attempts=1, known_up=known_up)
+                                            deadline_s=left, attempts=1,
+                                            known_up=known_up or r in up)
         for r, fut in futs.items():
             try:
                 # Checked whole before anything in it is stored or acted on.
@@ -180,11 +182,14 @@ class NodeAgreement:
                 for r, inv in self.gather_invs(ranks, deadline, known_up=known_up,
                                                files=False).items()}
 
-    def gather(self) -> dict[int, pb.Inventory]:
+    def gather(self, up: Collection[int] = ()) -> dict[int, pb.Inventory]:
         """Every reachable node's inventory (best effort: the data's whereabouts, never
-        the decision, which only :meth:`agree_epoch` reads)."""
+        the decision, which only :meth:`agree_epoch` reads). ``up``: ranks known to
+        be serving (the members of an epoch just decided: each one asked), called
+        over a connection made now (never skipped for a shared channel's backoff
+        from a restart they have just come back from)."""
         return self.gather_invs(range(self.config.num_nodes),
-                                time.monotonic() + self.config.deadline_s)
+                                time.monotonic() + self.config.deadline_s, up=up)
 
     def newest_complete_run(self, invs: Mapping[int, pb.Inventory]) -> tuple[int, str]:
         """The newest step whose data is held (on hosts, not in backup) for every rank

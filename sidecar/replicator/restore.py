@@ -11,7 +11,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,14 +99,18 @@ class Restorer:
         ask = ask if ask is not None else RestoreAsk()
         d = self.agreement.agree_epoch(timeout_s, ask.rid, ask.members)
         ask.decision = d
-        return d, self._invs_for(d.step, d.run)
+        return d, self._invs_for(d.step, d.run, ask.members or range(self.config.num_nodes))
 
-    def _invs_for(self, step: int, run: str) -> dict[int, pb.Inventory]:
+    def _invs_for(self, step: int, run: str, members: Collection[int]
+                  ) -> dict[int, pb.Inventory]:
         """Only this node's inventory when its data of the step is here and whole
-        (nothing to fetch); else every node's (where to fetch from, or heal)."""
+        (nothing to fetch); else every node's (where to fetch from, or heal). The
+        epoch's ``members`` have just asked: each is up, asked over a connection
+        of its own (a member that came back a moment ago must not be skipped, or
+        hosts restoring from the backup plan who reads which object apart)."""
         if step < 0 or ((self.rank, step) in self.store.copies() and self.holds_own(step, run)):
             return {self.rank: self._inventory()}
-        return self.agreement.gather()
+        return self.agreement.gather(up=members)
 
     def holds_own(self, step: int, run: str) -> bool:
         """Whether this host holds its own data of ``step`` as ``run`` wrote it
