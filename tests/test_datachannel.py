@@ -231,3 +231,29 @@ def test_a_push_is_split_into_streams_of_about_equal_bytes() -> None:
     assert all([i for i, _ in g] == sorted(i for i, _ in g) for g in groups)
     assert _streams(files[:2], 4) == [[files[0]], [files[1]]]
     assert _streams([], 4) == []
+
+
+def test_a_receive_whose_socket_fails_is_a_connection_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel answered a splice from a cut link's socket with EINVAL (CI, a link
+    cut mid-push): the connection ended, never an internal error logged with a
+    traceback. The socket's side of the splice fails here on purpose (a real cut
+    cannot be had on loopback); the file's side is real."""
+    a, b = socket.socketpair()
+    real = os.splice
+
+    def failing(src: int, dst: int, count: int, *args: object) -> int:
+        if src == b.fileno():
+            raise OSError(22, "Invalid argument")
+        return real(src, dst, count, *args)
+
+    monkeypatch.setattr(dc.os, "splice", failing)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        a.sendall(b"x" * 10)
+        with pytest.raises(ConnectionError, match="receiving failed"):
+            dc.recv_into_fd(b, fd, 10, memoryview(bytearray(16)))
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()

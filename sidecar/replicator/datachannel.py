@@ -246,6 +246,13 @@ def _splice_into_fd(sock: socket.socket, fd: int, size: int,
                 if not select.select([sock], [], [], sock.gettimeout())[0]:
                     raise TimeoutError(f"no bytes for {sock.gettimeout()}s") from None
                 continue
+            except (ConnectionError, TimeoutError):
+                raise
+            except OSError as e:
+                # The socket's side failed (a link cut mid-stream, the stream
+                # watchdog's shutdown): the connection ended, nothing is answered.
+                # Seen as EINVAL from the kernel during a cut; never an internal error.
+                raise ConnectionError(e.errno, f"receiving failed: {e.strerror}") from e
             if not n:
                 break
             moved = 0
