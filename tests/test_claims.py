@@ -10,6 +10,7 @@ calls it, runs in tests/test_replicator.py and tests/test_heal.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,13 @@ def test_the_sidecars_quarantine_takes_every_claim_along(tmp_path: Path) -> None
     assert len(quarantined(store.root)) == 2
     assert (0, STEP) not in {(o, s) for o, s, _ in store.verified_copies()}
     assert (2, STEP) not in {(o, s) for o, s, _ in store.verified_copies()}
+
+
+def test_a_copy_removed_meanwhile_is_never_made_again_half(tmp_path: Path) -> None:
+    store, _, claimed = holder_with_a_claimed_copy(tmp_path)
+    bad = [meta("dp.0", SHARED)]
+    folder = claimed.parent
+    shutil.rmtree(folder)  # gone between its verification and the put-back
+    with pytest.raises(OSError):
+        store.reclaim(0, STEP, bad)
+    assert not folder.exists()

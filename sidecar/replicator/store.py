@@ -20,9 +20,10 @@ Bytes are checked, not trusted: a copy counts as held only while every file
 matches its description (size and CRC32C; results cached per file by inode, size
 and mtime, so a steady-state inventory costs one ``stat`` per file). A file that
 fails is quarantined (:mod:`mtc.sidecar.quarantine`) and its copy stops counting until
-:meth:`LocalStore.repair` puts a verified file in its place. Deduplicated files
-are verified copies (a reflink where the file system has them), never hard
-links: bytes damaged in place must not damage a second copy.
+:meth:`LocalStore.repair` puts a verified file in its place. A peer's copy of
+bytes this host already holds claims them (:meth:`LocalStore.claim`: a hard
+link, one inode for both names); damage found through any name quarantines every
+name, so no copy keeps bytes another one was found to have lost.
 """
 
 from __future__ import annotations
@@ -295,7 +296,10 @@ class LocalStore:
             dst = inside(base, f.path)
             if os.path.lexists(dst):
                 return False  # a bad file not moved aside: left to a heal from a peer
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            # Folders made beneath the copy's only: a copy removed meanwhile (the
+            # sidecar's retention) fails here and is never made again, half.
+            for d in reversed(dst.relative_to(base).parents[:-1]):
+                (base / d).mkdir(exist_ok=True)
             self.claim(found[f.path][0], dst, f)
         log.info("rank %d: %d file(s) of rank %d step %d put back from identical files "
                  "held here (%s, ...)", self.rank, len(bad), origin, step, bad[0].path)
