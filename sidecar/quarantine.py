@@ -31,16 +31,18 @@ KEEP = 32
 log = logging.getLogger(__name__)
 
 
-def quarantine(root: Path, path: Path, reason: str) -> Path | None:
+def quarantine(root: Path, path: Path, reason: str,
+               links: list[Path] | None = None) -> Path | None:
     """Move ``path`` (under ``root``) aside, and every other link to its bytes under
-    ``root`` (:func:`links_of`); None when it was already gone. A path that does
-    not lie under ``root`` (a symlink leading out on the way) is never moved: only
-    the RAM disk's own files are."""
+    ``root`` (``links``, when the caller found them already: :func:`links_of`);
+    None when it was already gone. A path that does not lie under ``root`` (a
+    symlink leading out on the way) is never moved: only the RAM disk's own
+    files are."""
     if not is_beneath(root, path.parent) and os.path.realpath(path.parent) != \
             os.path.realpath(root):
         log.error("not quarantining %s: it is not under %s (%s)", path, root, reason)
         return None
-    others = links_of(root, path)
+    others = links_of(root, path) if links is None else links
     dst = _move(root, path, reason)
     for other in others:
         _move(root, other, f"the same bytes as {path}: {reason}")

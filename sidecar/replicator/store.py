@@ -208,8 +208,9 @@ class LocalStore:
             if where is None:
                 return
             origin, step = where
-        others = [(p, self.locate(p)) for p in links_of(self.root, path)]
-        moved = quarantine(self.root, path, f"rank {origin} step {step}: {why}")
+        links = links_of(self.root, path)  # found once: the move takes them along
+        others = [(p, self.locate(p)) for p in links]
+        moved = quarantine(self.root, path, f"rank {origin} step {step}: {why}", links)
         gone = [(p, w) for p, w in others if not os.path.lexists(p)]
         with self._lock:
             self._damaged.add((origin, step))
