@@ -17,6 +17,7 @@ import pytest
 from mtc.errors import AgreementError, ConfigError, CorruptShardError, StepNotFoundError
 from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.agreement import (
+    Ask,
     Book,
     CannotDecide,
     Coordinator,
@@ -30,6 +31,7 @@ from mtc.sidecar.replicator.agreement import (
     find_record,
     missing_asks,
     newest_complete,
+    supersedes,
 )
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -259,6 +261,25 @@ def test_missing_asks(name: str, asks: dict[int, float], now: float,
     assert missing_asks(asks, [0, 1, 2], now) == want
 
 
+SUPERSEDE_CASES = [
+    # (name, new ask, held ask, whether the new one takes the rank's place); now = 10
+    ("nothing held", Ask("b", 20.0, 200), None, True),
+    ("a re-issued ask of the same restore", Ask("a", 20.0, 100), Ask("a", 15.0, 100), True),
+    ("a newer restore", Ask("b", 20.0, 200), Ask("a", 20.0, 100), True),
+    ("a late retry of an older restore", Ask("a", 20.0, 100), Ask("b", 20.0, 200), False),
+    ("an older restore after the newer's asker gave up", Ask("a", 20.0, 100),
+     Ask("b", 9.0, 200), True),
+    ("no start time: by arrival", Ask("a", 20.0, 0), Ask("b", 20.0, 200), True),
+    ("held without a start time: by arrival", Ask("a", 20.0, 100), Ask("b", 20.0, 0), True),
+]
+
+
+@pytest.mark.parametrize(("name", "new", "held", "want"), SUPERSEDE_CASES,
+                         ids=[c[0] for c in SUPERSEDE_CASES])
+def test_supersedes(name: str, new: Ask, held: Ask | None, want: bool) -> None:
+    assert supersedes(new, held, 10.0) is want
+
+
 def test_find_record_by_restore_id() -> None:
     recs = [EpochRecord(1, 4, 0.0, frozenset({"a", "b"})), EpochRecord(2, 5, 1.0,
                                                                       frozenset({"c"}))]
@@ -332,6 +353,25 @@ def test_a_member_down_is_a_typed_error_within_the_deadline_and_nothing_recorded
     assert book.records == []
     m.down.clear()  # it returns: the next restore succeeds
     assert {x.step for x in ask_all(c, range(4), rid="again")} == {1}  # type: ignore[union-attr]
+
+
+def test_a_late_ask_of_an_abandoned_restore_never_replaces_the_newer_one() -> None:
+    """Rank 2's retry of a restore it started first reaches the coordinator after
+    its newer restore's ask (held up by a partition that has just healed): it is
+    refused at once, and the newer restore still decides (CI failure of
+    test_slice_partition_fails_typed_within_the_deadline_then_restores)."""
+    m = Members({r: h((r, 1)) for r in range(3)})
+    c = coordinator(m)
+    t = time.time_ns()
+    with ThreadPoolExecutor(3) as ex:
+        newer = [ex.submit(c.decide_for, r, "new", 5.0, t) for r in (1, 2)]
+        time.sleep(0.2)  # both asks held, rank 0 not yet asking
+        with pytest.raises(AgreementError, match="older restore of this rank") as e:
+            c.decide_for(2, "old", 5.0, t - 10**9)
+        assert e.value.host == 2
+        newer.append(ex.submit(c.decide_for, 0, "new", 5.0, t))
+        assert {f.result(timeout=5.0).step for f in newer} == {1}
+    assert [sorted(r.rids) for r in c.book.records] == [["new"]]
 
 
 def test_a_member_that_never_asks_blocks_the_epoch() -> None:

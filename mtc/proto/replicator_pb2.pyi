@@ -166,16 +166,18 @@ class AbortReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DecideRequest(_message.Message):
-    __slots__ = ("rank", "restore_id", "timeout_seconds", "members")
+    __slots__ = ("rank", "restore_id", "timeout_seconds", "members", "started_ns")
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESTORE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_NS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     restore_id: str
     timeout_seconds: float
     members: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rank: _Optional[int] = ..., restore_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
+    started_ns: int
+    def __init__(self, rank: _Optional[int] = ..., restore_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., members: _Optional[_Iterable[int]] = ..., started_ns: _Optional[int] = ...) -> None: ...
 
 class DecideReply(_message.Message):
     __slots__ = ("decision",)

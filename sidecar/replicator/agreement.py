@@ -4,8 +4,9 @@ recorded once and only read afterwards (the protocol and its invariant:
 
 Pure parts, tested alone (``tests/test_agreement.py``): :func:`decide` (the step
 from every member's holdings, or a typed "cannot decide"), :func:`newest_complete`,
-:func:`missing_asks` (whether an epoch can form) and :func:`find_record` (which
-recorded epoch answered an ask). The stateful
+:func:`missing_asks` (whether an epoch can form), :func:`supersedes` (which of a
+rank's asks the coordinator keeps) and :func:`find_record` (which recorded epoch
+answered an ask). The stateful
 parts take their transport as a function, so the same code runs over gRPC in
 ``node_agreement.py`` and over an in-memory transport in ``bench/control_plane.py``:
 :class:`Book` (the coordinator's records, persisted), :class:`Coordinator`
@@ -24,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from mtc import layout
 from mtc.errors import AgreementError, ConfigError
@@ -217,6 +218,24 @@ def missing_asks(asks: Mapping[int, float], members: Collection[int], now: float
     return tuple(sorted(m for m in members if asks.get(m, -1.0) <= now))
 
 
+class Ask(NamedTuple):
+    """A rank's ask for a decision, as the coordinator holds it."""
+    rid: str
+    lease_end: float  # monotonic: the asker's deadline
+    started_ns: int = 0  # when the asker started this restore (its wall clock); 0: unknown
+
+
+def supersedes(new: Ask, held: Ask | None, now: float) -> bool:
+    """Whether ``new`` takes the place of its rank's ``held`` ask (one ask per rank).
+    It does unless ``held`` is live, of another restore, and started later: then
+    ``new`` is a retry of an abandoned restore that arrived late (held up by a
+    partition) and must not push the newer restore out. An ask without a start time
+    goes by arrival."""
+    if held is None or held.rid == new.rid or held.lease_end <= now:
+        return True
+    return not (new.started_ns and held.started_ns and new.started_ns < held.started_ns)
+
+
 def find_record(records: Sequence[EpochRecord], rid: str) -> EpochRecord | None:
     """The epoch that answered the ask with restore id ``rid``, if one did."""
     for rec in reversed(records):
@@ -330,7 +349,7 @@ class Coordinator:
         self.retry_s = retry_s
         self.clock = clock
         self._cond = threading.Condition()
-        self._asks: dict[int, tuple[str, float]] = {}  # rank -> (rid, lease end)
+        self._asks: dict[int, Ask] = {}  # rank -> its newest live ask
         self._deciding = False
         self._why = ""  # why the last attempt could not decide
         self._asked_at: dict[int, float] = {}  # rank -> its latest ask (for messages)
@@ -343,26 +362,33 @@ class Coordinator:
             self._cond.notify_all()
         self.waiting_for: tuple[int, ...] = ()
 
-    def decide_for(self, rank: int, rid: str, timeout_s: float) -> EpochRecord:
+    def decide_for(self, rank: int, rid: str, timeout_s: float,
+                   started_ns: int = 0) -> EpochRecord:
         """The decision of the epoch this ask belongs to; :class:`AgreementError` when
-        none is recorded before ``timeout_s``."""
+        none is recorded before ``timeout_s``, or at once when this rank's live ask is
+        of a restore it started later (``started_ns``, see :func:`supersedes`)."""
         deadline = time.monotonic() + timeout_s
         rid = rid or f"anon-{uuid.uuid4().hex}"
         with self._cond:
             rec = self._find(rid, rank)
             if rec is not None:
                 return rec  # a re-issued ask of a decided epoch
-            self._asks[rank] = (rid, deadline)  # replaces an older ask of this rank
+            ask = Ask(rid, deadline, started_ns)
+            if not supersedes(ask, self._asks.get(rank), time.monotonic()):
+                raise AgreementError("a late ask of an older restore of this rank: the "
+                                     "rank has since started a newer one", host=rank)
+            self._asks[rank] = ask
             self._asked_at[rank] = time.monotonic()
             while True:
                 rec = self._find(rid, rank)
                 if rec is not None:
                     return rec
-                if self._asks.get(rank, ("", 0.0))[0] != rid:
+                held = self._asks.get(rank)
+                if held is None or held.rid != rid:
                     raise AgreementError("a newer restore request of this rank replaced this "
                                          "one", host=rank)
                 now = time.monotonic()
-                waiting = missing_asks({r: a[1] for r, a in self._asks.items()},
+                waiting = missing_asks({r: a.lease_end for r, a in self._asks.items()},
                                        self.members, now)
                 if not waiting and not self._deciding:
                     self._decide(deadline)
@@ -370,7 +396,7 @@ class Coordinator:
                 if self._closed:
                     raise AgreementError("the coordinator is shutting down", host=rank)
                 if now >= deadline:
-                    if self._asks.get(rank) == (rid, deadline):
+                    if self._asks.get(rank) == ask:
                         del self._asks[rank]
                     # Who has not asked since the last decision, lately (asks withdrawn
                     # at their own deadline a moment ago still count as asked).
@@ -414,7 +440,7 @@ class Coordinator:
         if isinstance(result, CannotDecide):
             self._why = result.reason
         else:
-            rids = {a[0] for a in asks.values()} | {a[0] for a in self._asks.values()}
+            rids = {a.rid for a in asks.values()} | {a.rid for a in self._asks.values()}
             self.book.record(result.step, rids, self.clock(),
                              [h.last for h in holdings.values() if h.last is not None],
                              self.members, run=result.run, lost=result.lost)

@@ -215,7 +215,7 @@ class NodeAgreement:
     # -- deciding and asking ------------------------------------------------------------
 
     def decide_for(self, rank: int, rid: str, timeout_s: float,
-                   members: Sequence[int] = ()) -> pb.Decision:
+                   members: Sequence[int] = (), started_ns: int = 0) -> pb.Decision:
         """The decider's side of ``Decide``: the recorded decision of the epoch of
         ``members`` (empty: every node) that this ask belongs to."""
         if not 0 <= rank < self.config.num_nodes:
@@ -226,7 +226,7 @@ class NodeAgreement:
             raise ConfigError(f"rank {self.rank} is not the agreement coordinator of "
                               f"membership {list(group)} (rank {group[0]} is)")
         rec = self.coordinator_of(group).decide_for(
-            rank, rid, min(timeout_s, self.config.agreement_timeout_s))
+            rank, rid, min(timeout_s, self.config.agreement_timeout_s), started_ns)
         return pb.Decision(epoch=rec.epoch, step=rec.step, decided_at=rec.decided_at,
                            rank=rank, restore_id=rid, run=rec.run, lost=rec.lost)
 
@@ -240,13 +240,14 @@ class NodeAgreement:
         timeout = min(timeout_s or self.config.agreement_timeout_s,
                       self.config.agreement_timeout_s)
         deadline = time.monotonic() + timeout
+        started_ns = time.time_ns()
         group = check_members(members, self.config.num_nodes, self.rank)
         c = group[0]
         self._asking_rid = rid
         if c == self.rank:
-            d = self.decide_for(self.rank, rid, timeout, group)
+            d = self.decide_for(self.rank, rid, timeout, group, started_ns)
         else:
-            d = self._ask(c, rid, group, timeout, deadline)
+            d = self._ask(c, rid, group, timeout, deadline, started_ns)
         # Not a re-issued ask of a decision already read (same epoch, same restore id).
         fresh = (d.epoch, d.restore_id) != (self.last_decision.epoch,
                                             self.last_decision.restore_id) or not d.restore_id
@@ -265,9 +266,11 @@ class NodeAgreement:
         return d
 
     def _ask(self, c: int, rid: str, group: Sequence[int], timeout: float,
-             deadline: float) -> pb.Decision:
+             deadline: float, started_ns: int) -> pb.Decision:
         """Ask coordinator ``c`` until it answers, the deadline passes, or a newer
-        restore on this node takes over."""
+        restore on this node takes over. An ask already on its way when that happens
+        (queued on a channel still connecting) can reach the coordinator after the
+        newer restore's; ``started_ns`` lets the coordinator refuse it."""
         while True:
             left = deadline - time.monotonic()
             if self._asking_rid != rid:
@@ -277,7 +280,8 @@ class NodeAgreement:
                 # The coordinator answers a second before our deadline, so its typed
                 # "cannot decide" reaches us instead of our own timeout.
                 req = pb.DecideRequest(rank=self.rank, restore_id=rid,
-                                       timeout_seconds=max(0.1, left - 1.0), members=group)
+                                       timeout_seconds=max(0.1, left - 1.0), members=group,
+                                       started_ns=started_ns)
                 return checks.decision(self.peers[c].call(
                     "Decide", req, deadline_s=max(0.1, left), attempts=1).decision, host=c)
             except PeerError as e:
