@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from mtc.errors import AgreementError, ConfigError, CorruptShardError, StepNotFoundError
+from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.agreement import (
     Ask,
@@ -38,6 +39,7 @@ from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
 from mtc.sidecar.replicator.main import healthy
 from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.node_agreement import holding_of, repairable
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.status import error_class, is_retryable, to_status
 
@@ -278,6 +280,38 @@ SUPERSEDE_CASES = [
                          ids=[c[0] for c in SUPERSEDE_CASES])
 def test_supersedes(name: str, new: Ask, held: Ask | None, want: bool) -> None:
     assert supersedes(new, held, 10.0) is want
+
+
+def _copy(origin: int, step: int, run: str, *files: tuple[str, int, int]) -> pb.StepCopy:
+    return pb.StepCopy(origin_rank=origin, step=step, run=run, saved_hosts=3,
+                       files=[pb.FileInfo(path=p, size=n, crc32c=c) for p, n, c in files])
+
+
+def test_a_damaged_step_is_repairable_only_from_identical_bytes_of_its_step_and_run(
+        ) -> None:
+    twin = pb.Inventory(rank=2, copies=[_copy(2, 7, "r", ("dp", 8, 11), ("own2", 4, 5)),
+                                        _copy(2, 6, "r", ("dp6", 8, 12))])
+    cases = {
+        "held by the twin": (_copy(0, 7, "r", ("dp", 8, 11)), True),
+        "another crc": (_copy(0, 7, "r", ("dp", 8, 99)), False),
+        "another size": (_copy(0, 7, "r", ("dp", 9, 11)), False),
+        "another path": (_copy(0, 7, "r", ("dp2", 8, 11)), False),
+        "another step's file": (_copy(0, 7, "r", ("dp6", 8, 12)), False),
+        "another run's step": (_copy(0, 7, "q", ("dp", 8, 11)), False),
+        "one of two files": (_copy(0, 7, "r", ("dp", 8, 11), ("x", 1, 1)), False),
+        "no files named": (_copy(0, 7, "r"), False),
+    }
+    for name, (damaged, want) in cases.items():
+        own = pb.Inventory(rank=0, damaged=[damaged])
+        got = repairable({0: own, 2: twin})
+        assert (got == {0: [damaged]}) is want and (got == {}) is not want, name
+        held = holding_of(own, got.get(0, ()))
+        assert ((0, 7) in held.copies) is want, name
+        assert ((0, 7, damaged.run, 3) in held.runs) is want, name
+    # A damaged copy repairs nothing, its own included.
+    other = pb.Inventory(rank=1, damaged=[_copy(1, 7, "r", ("dp", 8, 11))])
+    assert repairable({0: pb.Inventory(rank=0, damaged=[_copy(0, 7, "r", ("dp", 8, 11))]),
+                       1: other}) == {}
 
 
 def test_find_record_by_restore_id() -> None:

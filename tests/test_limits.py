@@ -157,12 +157,16 @@ def test_offers_and_inventories_are_checked_whole() -> None:
             checks.offer(bad, rank=1, num_nodes=2)
     inv = pb.Inventory(rank=1, last_decision=pb.Decision(epoch=3, step=2))
     inv.copies.add(step=2, origin_rank=0, files=[pb.FileInfo(path="x", size=1)])
+    inv.damaged.add(step=2, origin_rank=1, files=[pb.FileInfo(path="y", size=1)])
     assert checks.inventory(inv, rank=1, num_nodes=2) is inv
     for mutate in (lambda i: setattr(i, "rank", 0),
                    lambda i: setattr(i.last_decision, "epoch", 2**63 - 1),
                    lambda i: i.backed_up_steps.append(-5),
                    lambda i: i.copies[0].files.add(path="/etc/x"),
-                   lambda i: setattr(i.copies[0], "origin_rank", 9)):
+                   lambda i: setattr(i.copies[0], "origin_rank", 9),
+                   lambda i: i.damaged[0].files.add(path="../y"),
+                   lambda i: setattr(i.damaged[0], "step", -3),
+                   lambda i: setattr(i.damaged[0], "origin_rank", 0)):  # not its own
         bad = pb.Inventory()
         bad.CopyFrom(inv)
         mutate(bad)

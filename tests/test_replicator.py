@@ -336,3 +336,50 @@ def test_gc_keeps_the_newest_step_every_rank_can_restore(ramdisk: Path,
     # A restore asks every member (agreement needs them all): step 2 everywhere.
     replies = prepare_all(cl, [0, 1], timeout=20)
     assert {r: x.step for r, x in replies.items()} == {0: 2, 1: 2}
+
+
+def test_a_damaged_step_a_member_can_repair_is_not_given_up(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Four slices of one host; hosts 0 and 2 saved one shard identically (a
+    data-parallel replica's), each host its own other files. Host 0's file of it
+    is found bad (moved aside) and its peer (host 1, which holds host 0's copy) is
+    lost: no member holds host 0's step 7 complete, yet host 2's own file holds the
+    missing bytes. The agreement counts the step as held, and host 0 restores it
+    healed from that file, not the older step 6 (tests/test_heal.py heals the same
+    way when the damage is found during the restore)."""
+    cl = new_cluster(clusters, ramdisk, 4, 1)
+    cl.start_all()
+    for step in (6, 7):
+        dp = os.urandom(8192)
+        for r in range(4):
+            cl.commit(r, step, {"dp.bin": dp if r in (0, 2) else os.urandom(8192),
+                                f"own-{r}.bin": os.urandom(4096)})
+        cl.wait_replicated(step)
+    victim = cl.root(0) / "7" / "dp.bin"
+    good = victim.read_bytes()
+    victim.write_bytes(bytes([good[0] ^ 1]) + good[1:])
+    inv = cl.inventory(0)  # found, quarantined: offered as damaged, with that file
+    assert (0, 7) not in {(c.origin_rank, c.step) for c in inv.copies}
+    assert [(d.step, [f.path for f in d.files]) for d in inv.damaged] == [(7, ["dp.bin"])]
+    assert not victim.exists()
+    cl.kill(1)
+    held = cl.held()
+    assert not any(o == 0 and s == 7 for _, o, s in held), held  # no complete copy left
+
+    members = [0, 2, 3]
+
+    def one(r: int) -> pb.PrepareRestoreReply:
+        c = cl.client(r)
+        try:
+            return c.call("PrepareRestore", pb.PrepareRestoreRequest(
+                timeout_seconds=20, members=members), deadline_s=30, attempts=1)
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(len(members)) as ex:
+        replies = dict(zip(members, ex.map(one, members), strict=True))
+    assert {r: x.step for r, x in replies.items()} == {0: 7, 2: 7, 3: 7}, replies
+    assert replies[0].tier == "peer"
+    assert victim.read_bytes() == good
+    assert (0, 7) in {(c.origin_rank, c.step) for c in cl.inventory(0).copies}
+    assert cl.inventory(0).damaged == []

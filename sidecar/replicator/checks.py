@@ -103,7 +103,11 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
     _steps([s for s in inv.backed_up_steps], rank)
     if inv.newest_backed_up_step != -1:
         validate.step(inv.newest_backed_up_step, what="backed-up step", host=rank)
-    for c in inv.copies:
+    for c in inv.damaged:
+        if c.origin_rank != rank:
+            raise ProtocolError(f"rank {rank} listed rank {c.origin_rank}'s step {c.step} "
+                                f"as its own damaged step", host=rank)
+    for c in [*inv.copies, *inv.damaged]:
         validate.count(c.origin_rank, "origin rank", num_nodes - 1)
         validate.step(c.step, host=rank)
         validate.count(c.saved_hosts, "saved hosts", num_nodes)

@@ -28,6 +28,7 @@ from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.duties import BackupDuties
 from mtc.sidecar.backup.schedule import BackupScheduler
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.gc import collect_garbage
@@ -133,8 +134,26 @@ class Node:
             if files:
                 for f in held:
                     c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
+        if origins is None or self.rank in origins:
+            self._offer_damaged(inv)
         inv.quarantined_files = self.store.quarantined_total
         return inv
+
+    def _offer_damaged(self, inv: pb.Inventory) -> None:
+        """List this node's own damaged steps and their bad files in ``inv``: the
+        agreement counts one as held when a member holds each of those files."""
+        for step, bad in self.store.damaged_own():
+            if len(bad) > checks.MAX_FILES:
+                continue
+            try:
+                summary = self.store.summary(self.rank, step)
+            except OSError:
+                continue
+            d = inv.damaged.add(step=step, origin_rank=self.rank,
+                                saved_hosts=summary.num_hosts, run=summary.run,
+                                saving_ranks=summary.ranks)
+            for f in bad:
+                d.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
 
     def identity(self) -> pb.Inventory:
         """Who this node is, without its copies: rank, configuration, the identity of

@@ -50,19 +50,40 @@ GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view 
 Inventory = Callable[[bool], pb.Inventory]  # this node's own, with (True) or without files
 
 
-def holding_of(inv: pb.Inventory) -> Holding:
-    """What the agreement needs of an inventory (no file lists)."""
+def holding_of(inv: pb.Inventory, repairable: Sequence[pb.StepCopy] = ()) -> Holding:
+    """What the agreement needs of an inventory (no file lists); ``repairable``: its
+    damaged own steps that count as held (see :func:`repairable`)."""
     d = inv.last_decision
     last = (Decision(d.epoch, d.step, d.decided_at, inv.rank, d.restore_id)
             if d.epoch > 0 else None)
-    return Holding(frozenset((c.origin_rank, c.step) for c in inv.copies),
+    copies = [*inv.copies, *repairable]
+    return Holding(frozenset((c.origin_rank, c.step) for c in copies),
                    frozenset(inv.backed_up_steps), last,
-                   frozenset((c.step, c.saved_hosts) for c in inv.copies
+                   frozenset((c.step, c.saved_hosts) for c in copies
                              if c.saved_hosts and not c.run),
                    frozenset((c.origin_rank, c.step, c.run, c.saved_hosts)
-                             for c in inv.copies if c.run),
+                             for c in copies if c.run),
                    frozenset((c.step, c.run, tuple(c.saving_ranks))
-                             for c in inv.copies if c.saving_ranks))
+                             for c in copies if c.saving_ranks))
+
+
+def repairable(invs: Mapping[int, pb.Inventory]) -> dict[int, list[pb.StepCopy]]:
+    """Per holder, its damaged own steps (``Inventory.damaged``) whose every bad file
+    some inventory's verified copy of the same step and run holds: the same path,
+    size and CRC32C (a data-parallel twin's shard, saved by another replica). A
+    restore heals those in place from it, so they count as held and a step is not
+    given up for them. ``invs`` with file lists. Pure."""
+    have: dict[tuple[int, str], set[tuple[str, int, int]]] = defaultdict(set)
+    for inv in invs.values():
+        for c in inv.copies:
+            have[(c.step, c.run)].update((f.path, f.size, f.crc32c) for f in c.files)
+    out: dict[int, list[pb.StepCopy]] = {}
+    for holder, inv in invs.items():
+        ok = [d for d in inv.damaged if d.files and all(
+            (f.path, f.size, f.crc32c) in have.get((d.step, d.run), ()) for f in d.files)]
+        if ok:
+            out[holder] = ok
+    return out
 
 
 def holders_of(invs: Mapping[int, pb.Inventory], run: str | None = None
@@ -138,8 +159,8 @@ class NodeAgreement:
                 c = Coordinator(
                     list(members), self.config.equivalent,
                     # Every member asked before the coordinator gathers: each one is up.
-                    lambda ranks, deadline: self.gather_holdings(ranks, deadline,
-                                                                 known_up=True),
+                    lambda ranks, deadline: self.gather_holdings(
+                        ranks, deadline, known_up=True, among=members),
                     self.book, num_nodes=self.config.num_nodes)
                 self._coordinators[members] = c
             return c
@@ -177,10 +198,20 @@ class NodeAgreement:
         return out
 
     def gather_holdings(self, ranks: Sequence[int], deadline: float, *,
-                        known_up: bool = False) -> dict[int, Holding]:
-        return {r: holding_of(inv)
-                for r, inv in self.gather_invs(ranks, deadline, known_up=known_up,
-                                               files=False).items()}
+                        known_up: bool = False, among: Sequence[int] = ()
+                        ) -> dict[int, Holding]:
+        """The holdings of those of ``ranks`` that answer before ``deadline``.
+        ``among``: the members whose files may repair a damaged step (a restore's
+        decision); without it a damaged step counts for nothing (GC's view keeps
+        the older steps until it is healed)."""
+        invs = self.gather_invs(ranks, deadline, known_up=known_up, files=False)
+        repairs: dict[int, list[pb.StepCopy]] = {}
+        if among and any(inv.damaged for inv in invs.values()):
+            # Rare (a file found bad with no identical one on its host): the members'
+            # file lists say which damaged steps a restore can heal.
+            full = self.gather_invs(among, deadline, known_up=known_up, files=True)
+            repairs = repairable({**invs, **full})
+        return {r: holding_of(inv, repairs.get(r, ())) for r, inv in invs.items()}
 
     def gather(self, up: Collection[int] = ()) -> dict[int, pb.Inventory]:
         """Every reachable node's inventory (best effort: the data's whereabouts, never

@@ -283,6 +283,24 @@ class LocalStore:
             out.append((origin, step, files))
         return out
 
+    def damaged_own(self) -> list[tuple[int, list[FileMeta]]]:
+        """This host's own steps with files found bad that no identical file here
+        replaced (:meth:`verified_copies` tries that first), each with those files:
+        what a heal must bring from another host."""
+        with self._lock:
+            steps = sorted(s for o, s in self._damaged if o == self.rank)
+        out = []
+        for step in steps:
+            if not self.copy_dir(self.rank, step).is_dir():
+                continue
+            try:
+                bad = self.verify(self.rank, step)
+            except (OSError, ValueError, MtcError):
+                continue
+            if bad:
+                out.append((step, bad))
+        return out
+
     def reclaim(self, origin: int, step: int, bad: list[FileMeta]) -> bool:
         """Put the bad (quarantined or missing) files of a held copy back as claims
         on identical files held here, verified: the same path of another mtc copy
