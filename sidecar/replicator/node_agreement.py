@@ -119,9 +119,9 @@ class NodeAgreement:
         self._pool = pool
         self.last_decision = pb.Decision()  # the newest one this node read
         # The restore id this node asks the coordinator for last: an older restore
-        # still retrying an unreachable coordinator stops when a newer one starts, or
-        # its late ask would replace the newer one's (the coordinator keeps one ask
-        # per rank, the newest to arrive).
+        # still retrying an unreachable coordinator stops when a newer one starts.
+        # An ask of it already on its way is refused by the coordinator, which keeps
+        # one ask per rank, the newest by when its restore started (``supersedes``).
         self._asking_rid = ""
         # Every node may decide: a job's decider is the lowest rank of the membership
         # it states, and a job that came back smaller may not include rank 0. One
