@@ -1,7 +1,7 @@
 """Deduplication and verification costs on the RAM disk; prints one JSON object.
 
 - dedup of a step's files already held: a claim (what mtc does: a hard link
-  after the held file's remembered checksum is checked, ``LocalStore.claim``),
+  after the held file's remembered checksum is checked, ``claims.claim``),
   a reflink (where the file system shares extents; tmpfs does not), and a
   verified copy (read, CRC32C, write: what mtc did before claims), against a
   plain kernel file copy (``copy_file_range``) in the same run;
@@ -32,6 +32,7 @@ import _common  # noqa: F401  (repository on sys.path)
 import numpy as np
 
 from mtc.sidecar.files import FICLONE, copy_verified
+from mtc.sidecar.replicator import claims
 from mtc.sidecar.replicator.step_files import FileMeta, file_crc
 from mtc.sidecar.replicator.store import LocalStore
 
@@ -85,7 +86,7 @@ def main() -> int:
         def claim() -> None:
             d = fresh()
             for f, n, c in files:
-                store.claim(f, d / f.name, FileMeta(f.name, n, c))
+                claims.claim(store, f, d / f.name, FileMeta(f.name, n, c))
 
         def verified() -> None:
             d = fresh()
@@ -116,11 +117,11 @@ def main() -> int:
         # as before claims), the rest pushed (a file of its own either way).
         k = round(args.dp_fraction * len(files))
 
-        def twin_copy(claims: bool) -> int:
+        def twin_copy(claimed: bool) -> int:
             d = fresh()
             for i, (f, n, c) in enumerate(files):
-                if claims and i < k:
-                    store.claim(f, d / f.name, FileMeta(f.name, n, c))
+                if claimed and i < k:
+                    claims.claim(store, f, d / f.name, FileMeta(f.name, n, c))
                 else:
                     copy_verified(f, d / f.name, n, c)
             inodes = {}

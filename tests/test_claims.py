@@ -19,6 +19,7 @@ from replicators import commit_mtc_step
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.sidecar.quarantine import quarantine, quarantined
+from mtc.sidecar.replicator import claims
 from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.replicator.store import REPLICA_DIR, LocalStore
 
@@ -40,12 +41,12 @@ def holder_with_a_claimed_copy(tmp_path: Path) -> tuple[LocalStore, Path, Path]:
                     num_hosts=4, slice_of_host=1)
     store = LocalStore(root, rank=2)
     assert store.verify(2, STEP) == []
-    candidates = store.find_identical([meta(n, d) for n, d in origin.items()], STEP)
+    candidates = claims.find_identical(store, [meta(n, d) for n, d in origin.items()], STEP)
     assert set(candidates) == {"dp.0"} and candidates["dp.0"][1]  # identified, no hash
     tmp = store.begin_incoming(0, STEP)
     for name, data in origin.items():
         if name in candidates:
-            store.claim(candidates[name][0], tmp / name, meta(name, data))
+            claims.claim(store, candidates[name][0], tmp / name, meta(name, data))
         else:
             (tmp / name).write_bytes(data)
     store.commit_incoming(tmp, 0, STEP, [meta(n, d) for n, d in origin.items()])
@@ -88,7 +89,7 @@ def test_a_damaged_file_is_never_claimed(tmp_path: Path) -> None:
     store, own, _ = holder_with_a_claimed_copy(tmp_path)
     own.write_bytes(SHARED[:-1] + b"x")  # changed (mtime too): read when checked
     with pytest.raises(CorruptShardError, match="fails"):
-        store.claim(own, tmp_path / "elsewhere", meta("dp.0", SHARED))
+        claims.claim(store, own, tmp_path / "elsewhere", meta("dp.0", SHARED))
     assert not (tmp_path / "elsewhere").exists()
     assert not own.exists() and store.damaged(2, STEP)
 
@@ -126,5 +127,5 @@ def test_a_copy_removed_meanwhile_is_never_made_again_half(tmp_path: Path) -> No
     folder = claimed.parent
     shutil.rmtree(folder)  # gone between its verification and the put-back
     with pytest.raises(OSError):
-        store.reclaim(0, STEP, bad)
+        claims.reclaim(store, 0, STEP, bad)
     assert not folder.exists()

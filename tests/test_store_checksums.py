@@ -16,7 +16,7 @@ from replicators import commit_mtc_step
 
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME
-from mtc.sidecar.replicator import checksums, step_files
+from mtc.sidecar.replicator import checksums, claims, step_files
 from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.replicator.store import LocalStore
 
@@ -76,7 +76,7 @@ def test_a_twins_shard_is_identified_without_a_hash(tmp_path: Path) -> None:
     mtc_step(root, 5, data, host=2)
     s = LocalStore(root, rank=2)
     twin = FileMeta("w.0", len(data), crc32c(data))
-    found = s.find_identical([twin, FileMeta("other.bin", len(data), crc32c(data))], 5)
+    found = claims.find_identical(s, [twin, FileMeta("other.bin", len(data), crc32c(data))], 5)
     assert found["w.0"] == (root / "5" / "w.0", True)  # same path, same step
     assert found["other.bin"] == (root / "5" / "w.0", False)  # a hash must confirm
-    assert s.find_identical([twin], 6)["w.0"][1] is False  # another step's
+    assert claims.find_identical(s, [twin], 6)["w.0"][1] is False  # another step's

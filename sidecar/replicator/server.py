@@ -39,7 +39,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.confine import open_beneath
 from mtc.sidecar.files import CHUNK
-from mtc.sidecar.replicator import checks
+from mtc.sidecar.replicator import checks, claims
 from mtc.sidecar.replicator.client import CHANNEL_OPTIONS, FETCH, PUSH
 from mtc.sidecar.replicator.data_service import DataService
 from mtc.sidecar.replicator.datachannel import DataServer
@@ -159,7 +159,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             return pb.OfferReply(already_complete=True)
         t = Transfer(origin, step, Path(), files, fences)
         reply = pb.OfferReply(data_port=self.data_port)
-        for path, (local, identified) in store.find_identical(files, step).items():
+        for path, (local, identified) in claims.find_identical(store, files, step).items():
             t.candidates[path] = local
             # The same path of the same step with the same size and CRC32C: the
             # manifests say it is the same shard; no hash pass on either side.
@@ -186,8 +186,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             meta = t.files[rel]
             dst.unlink(missing_ok=True)
             # A claim on the bytes this host holds (a link), not a second copy of
-            # them: damage found through either drops both (store.claim).
-            self.node.store.claim(src, dst, meta)
+            # them: damage found through either drops both (claims.claim).
+            claims.claim(self.node.store, src, dst, meta)
             with t.lock:
                 t.verified.add(rel)
             linked.append(rel)

@@ -21,14 +21,14 @@ matches its description (size and CRC32C; results cached per file by inode, size
 and mtime, so a steady-state inventory costs one ``stat`` per file). A file that
 fails is quarantined (:mod:`mtc.sidecar.quarantine`) and its copy stops counting until
 :meth:`LocalStore.repair` puts a verified file in its place. A peer's copy of
-bytes this host already holds claims them (:meth:`LocalStore.claim`: a hard
-link, one inode for both names); damage found through any name quarantines every
-name, so no copy keeps bytes another one was found to have lost.
+bytes this host already holds claims them (:mod:`.claims`: a hard link, one inode
+for both names); damage found through any name quarantines every name
+(:meth:`LocalStore.quarantine_file`), so no copy keeps bytes another one was
+found to have lost.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -46,6 +46,7 @@ from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar import files
 from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
 from mtc.sidecar.quarantine import links_of, quarantine
+from mtc.sidecar.replicator import claims
 from mtc.sidecar.replicator.checksums import Checksums
 from mtc.sidecar.replicator.step_files import (
     FileMeta,
@@ -201,7 +202,7 @@ class LocalStore:
                         step: int | None = None) -> None:
         """Move a file that failed verification aside and count it; its copy (found
         from the path when not given) no longer counts as held. Every claim on the
-        same bytes (another copy's link to this file: :meth:`claim`) goes with it
+        same bytes (another copy's link to this file: :func:`.claims.claim`) goes with it
         (:func:`~mtc.sidecar.quarantine.quarantine`), and its copy is damaged too."""
         if origin is None or step is None:
             where = self.locate(path)
@@ -222,29 +223,6 @@ class LocalStore:
         if moved is not None and self.on_quarantine is not None:
             for _ in range(1 + len(gone)):
                 self.on_quarantine()
-
-    def claim(self, src: Path, dst: Path, meta: FileMeta) -> None:
-        """Hold ``meta``'s bytes at ``dst`` as a claim on ``src``, an identical file
-        held here: one inode for both, no second copy of bytes this host holds
-        (two slices' data-parallel shards). ``src`` is checked first (its checksum
-        as remembered while unchanged); one that fails is quarantined with every
-        claim on it and :class:`CorruptShardError` raised. The bytes stay while
-        any claim does; damage found through any claim drops them all."""
-        why = self.checksums.check(src, meta)
-        if why is not None:
-            if why != "missing":
-                self.quarantine_file(src, why)
-            raise CorruptShardError(f"the identical file held here fails: {why}",
-                                    path=meta.path)
-        try:
-            os.link(src, dst, follow_symlinks=False)
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-                raise
-            # A file system without links here: a verified copy (a second copy of
-            # the bytes, as before claims).
-            files.copy_verified(src, dst, meta.size, meta.crc32c)
-        self.checksums.note_verified(dst, meta)
 
     def locate(self, path: Path) -> tuple[int, int] | None:
         """(origin, step) of the copy a file under the root belongs to."""
@@ -276,7 +254,7 @@ class LocalStore:
             try:
                 files = self.describe(origin, step)
                 bad = self.verify(origin, step)
-                if bad and not self.reclaim(origin, step, bad):
+                if bad and not claims.reclaim(self, origin, step, bad):
                     continue
             except (OSError, ValueError, MtcError):
                 continue
@@ -300,29 +278,6 @@ class LocalStore:
             if bad:
                 out.append((step, bad))
         return out
-
-    def reclaim(self, origin: int, step: int, bad: list[FileMeta]) -> bool:
-        """Put the bad (quarantined or missing) files of a held copy back as claims
-        on identical files held here, verified: the same path of another mtc copy
-        of the same step (a data-parallel twin's shard: its manifest says it is the
-        same content). True when the copy checks out again; False, leaving it
-        damaged, when some file has no such twin here."""
-        found = self.find_identical(bad, step)
-        base = self.copy_dir(origin, step)
-        if not all(f.path in found and found[f.path][1] for f in bad):
-            return False
-        for f in bad:
-            dst = inside(base, f.path)
-            if os.path.lexists(dst):
-                return False  # a bad file not moved aside: left to a heal from a peer
-            # Folders made beneath the copy's only: a copy removed meanwhile (the
-            # sidecar's retention) fails here and is never made again, half.
-            for d in reversed(dst.relative_to(base).parents[:-1]):
-                (base / d).mkdir(exist_ok=True)
-            self.claim(found[f.path][0], dst, f)
-        log.info("rank %d: %d file(s) of rank %d step %d put back from identical files "
-                 "held here (%s, ...)", self.rank, len(bad), origin, step, bad[0].path)
-        return not self.verify(origin, step)
 
     def stream_verified(self, origin: int, step: int, rel: str, offset: int = 0
                         ) -> Iterator[bytes]:
@@ -461,41 +416,6 @@ class LocalStore:
                 self.remove_copy(origin, s)
                 gone.append((origin, s))
         return gone
-
-    def find_identical(self, metas: Sequence[FileMeta], step: int | None = None
-                       ) -> dict[str, tuple[Path, bool]]:
-        """Per offered file, a file held here with the same size and CRC32C (a dedup
-        candidate), and whether the manifests already say it is the same content:
-        a file of the same path in an mtc copy of the same ``step`` (a data-parallel
-        twin's shard), which needs no second hash to confirm it. One pass over
-        what is held, whatever the number offered."""
-        wanted = {(m.size, m.crc32c) for m in metas}
-        held: dict[tuple[int, int], Path] = {}
-        same: dict[tuple[str, int, int], Path] = {}
-        for origin, s in self.copies():
-            try:
-                files = self.describe(origin, s)
-                # Only an mtc step's manifest identifies its files (a shard's path
-                # names its leaf and region, its CRC32C was taken as it was written);
-                # an opaque step's (Orbax's) are confirmed by hash.
-                manifested = s == step and self.summary(origin, s).num_hosts > 0
-            except (OSError, ValueError):
-                continue
-            for f in files:
-                key = (f.size, f.crc32c)
-                if key not in wanted:
-                    continue
-                held.setdefault(key, self.copy_dir(origin, s) / f.path)
-                if manifested:
-                    same.setdefault((f.path, *key), self.copy_dir(origin, s) / f.path)
-        out: dict[str, tuple[Path, bool]] = {}
-        for m in metas:
-            twin = same.get((m.path, m.size, m.crc32c))
-            if twin is not None:
-                out[m.path] = (twin, True)
-            elif (m.size, m.crc32c) in held:
-                out[m.path] = (held[(m.size, m.crc32c)], False)
-        return out
 
     # -- incoming copies ----------------------------------------------------
 

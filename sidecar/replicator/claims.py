@@ -1,0 +1,119 @@
+"""Identical bytes held once per host: a peer's copy of bytes this host already
+holds verified is a claim on them (a hard link: one inode for both names), not a
+second file. Two slices' data-parallel shards are the common case: the same path
+of the same step with the same size and CRC32C, which the manifests already
+identify as the same content.
+
+- :func:`find_identical`: per offered file, a file held here that may hold its bytes
+  (an Offer's dedup candidates);
+- :func:`claim`: hold a file's bytes as a claim on an identical file held here,
+  checked first (a Link, a reclaim);
+- :func:`reclaim`: put a damaged copy's missing files back as claims on a twin's
+  identical files held here (before the copy is given up).
+
+Damage found through any name quarantines every name
+(:meth:`LocalStore.quarantine_file`), so no copy keeps bytes another one was found
+to have lost; each copy then heals from another host as any damaged copy does.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mtc.errors import CorruptShardError
+from mtc.sidecar import files
+from mtc.sidecar.replicator.step_files import FileMeta, inside
+
+if TYPE_CHECKING:
+    from mtc.sidecar.replicator.store import LocalStore
+
+log = logging.getLogger(__name__)
+
+
+def find_identical(store: LocalStore, metas: Sequence[FileMeta], step: int | None = None
+                   ) -> dict[str, tuple[Path, bool]]:
+    """Per offered file, a file held in ``store`` with the same size and CRC32C (a
+    dedup candidate), and whether the manifests already say it is the same content:
+    a file of the same path in an mtc copy of the same ``step`` (a data-parallel
+    twin's shard), which needs no second hash to confirm it. One pass over what is
+    held, whatever the number offered."""
+    wanted = {(m.size, m.crc32c) for m in metas}
+    held: dict[tuple[int, int], Path] = {}
+    same: dict[tuple[str, int, int], Path] = {}
+    for origin, s in store.copies():
+        try:
+            described = store.describe(origin, s)
+            # Only an mtc step's manifest identifies its files (a shard's path names
+            # its leaf and region, its CRC32C was taken as it was written); an
+            # opaque step's (Orbax's) are confirmed by hash.
+            manifested = s == step and store.summary(origin, s).num_hosts > 0
+        except (OSError, ValueError):
+            continue
+        for f in described:
+            key = (f.size, f.crc32c)
+            if key not in wanted:
+                continue
+            held.setdefault(key, store.copy_dir(origin, s) / f.path)
+            if manifested:
+                same.setdefault((f.path, *key), store.copy_dir(origin, s) / f.path)
+    out: dict[str, tuple[Path, bool]] = {}
+    for m in metas:
+        twin = same.get((m.path, m.size, m.crc32c))
+        if twin is not None:
+            out[m.path] = (twin, True)
+        elif (m.size, m.crc32c) in held:
+            out[m.path] = (held[(m.size, m.crc32c)], False)
+    return out
+
+
+def claim(store: LocalStore, src: Path, dst: Path, meta: FileMeta) -> None:
+    """Hold ``meta``'s bytes at ``dst`` as a claim on ``src``, an identical file held
+    in ``store``: one inode for both, no second copy of bytes this host holds.
+    ``src`` is checked first (its checksum as remembered while unchanged); one that
+    fails is quarantined with every claim on it and :class:`CorruptShardError`
+    raised. The bytes stay while any claim does; damage found through any claim
+    drops them all."""
+    why = store.checksums.check(src, meta)
+    if why is not None:
+        if why != "missing":
+            store.quarantine_file(src, why)
+        raise CorruptShardError(f"the identical file held here fails: {why}",
+                                path=meta.path)
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        # A file system without links here: a verified copy (a second copy of the
+        # bytes, as before claims).
+        files.copy_verified(src, dst, meta.size, meta.crc32c)
+    store.checksums.note_verified(dst, meta)
+
+
+def reclaim(store: LocalStore, origin: int, step: int, bad: list[FileMeta]) -> bool:
+    """Put the bad (quarantined or missing) files of a copy held in ``store`` back as
+    claims on identical files held there, verified: the same path of another mtc
+    copy of the same step (a data-parallel twin's shard: its manifest says it is
+    the same content). True when the copy checks out again; False, leaving it
+    damaged, when some file has no such twin here."""
+    found = find_identical(store, bad, step)
+    base = store.copy_dir(origin, step)
+    if not all(f.path in found and found[f.path][1] for f in bad):
+        return False
+    for f in bad:
+        dst = inside(base, f.path)
+        if os.path.lexists(dst):
+            return False  # a bad file not moved aside: left to a heal from a peer
+        # Folders made beneath the copy's only: a copy removed meanwhile (the
+        # sidecar's retention) fails here and is never made again, half.
+        for d in reversed(dst.relative_to(base).parents[:-1]):
+            (base / d).mkdir(exist_ok=True)
+        claim(store, found[f.path][0], dst, f)
+    log.info("rank %d: %d file(s) of rank %d step %d put back from identical files "
+             "held here (%s, ...)", store.rank, len(bad), origin, step, bad[0].path)
+    return not store.verify(origin, step)
