@@ -37,7 +37,7 @@ from mtc.sidecar.replicator.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.replication import Replication
 from mtc.sidecar.replicator.restore import Restorer
 from mtc.sidecar.replicator.security import Credentials
-from mtc.sidecar.replicator.step_files import fingerprint_of
+from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
 from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,8 @@ class Node:
                            last_decision=self.agreement.last_decision)
         # Only copies whose bytes check out (cached per file): what agreement
         # decides on has been verified, not just listed.
-        for origin, step, held in self.store.verified_copies(origins):
+        damaged: list[tuple[int, list[FileMeta]]] = []
+        for origin, step, held in self.store.verified_copies(origins, damaged_own=damaged):
             try:
                 summary = self.store.summary(origin, step)
             except OSError:
@@ -134,15 +135,15 @@ class Node:
             if files:
                 for f in held:
                     c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
-        if origins is None or self.rank in origins:
-            self._offer_damaged(inv)
+        self._offer_damaged(inv, damaged)
         inv.quarantined_files = self.store.quarantined_total
         return inv
 
-    def _offer_damaged(self, inv: pb.Inventory) -> None:
+    def _offer_damaged(self, inv: pb.Inventory,
+                       damaged: list[tuple[int, list[FileMeta]]]) -> None:
         """List this node's own damaged steps and their bad files in ``inv``: the
         agreement counts one as held when a member holds each of those files."""
-        for step, bad in self.store.damaged_own():
+        for step, bad in damaged:
             if len(bad) > checks.MAX_FILES:
                 continue
             try:

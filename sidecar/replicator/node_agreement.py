@@ -50,13 +50,13 @@ GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view 
 Inventory = Callable[[bool], pb.Inventory]  # this node's own, with (True) or without files
 
 
-def holding_of(inv: pb.Inventory, repairable: Sequence[pb.StepCopy] = ()) -> Holding:
-    """What the agreement needs of an inventory (no file lists); ``repairable``: its
+def holding_of(inv: pb.Inventory, repaired: Sequence[pb.StepCopy] = ()) -> Holding:
+    """What the agreement needs of an inventory (no file lists); ``repaired``: its
     damaged own steps that count as held (see :func:`repairable`)."""
     d = inv.last_decision
     last = (Decision(d.epoch, d.step, d.decided_at, inv.rank, d.restore_id)
             if d.epoch > 0 else None)
-    copies = [*inv.copies, *repairable]
+    copies = [*inv.copies, *repaired]
     return Holding(frozenset((c.origin_rank, c.step) for c in copies),
                    frozenset(inv.backed_up_steps), last,
                    frozenset((c.step, c.saved_hosts) for c in copies

@@ -237,11 +237,15 @@ class LocalStore:
             return int(parts[1]), int(parts[2])
         return None
 
-    def verified_copies(self, origins: frozenset[int] | None = None
+    def verified_copies(self, origins: frozenset[int] | None = None, *,
+                        damaged_own: list[tuple[int, list[FileMeta]]] | None = None
                         ) -> list[tuple[int, int, list[FileMeta]]]:
         """Every copy held here (of ``origins`` only, when given) whose files all
         check out, with its file list: what an inventory may offer. Bad files found
-        on the way are quarantined."""
+        on the way are quarantined, and put back from identical files held here
+        where they can be (:func:`.claims.reclaim`). ``damaged_own``: appended to,
+        in the same pass, with this host's own steps that stay damaged and their
+        bad files (what a heal must bring from another host)."""
         out = []
         with self._lock:
             damaged = set(self._damaged)
@@ -255,28 +259,12 @@ class LocalStore:
                 files = self.describe(origin, step)
                 bad = self.verify(origin, step)
                 if bad and not claims.reclaim(self, origin, step, bad):
+                    if origin == self.rank and damaged_own is not None:
+                        damaged_own.append((step, bad))
                     continue
             except (OSError, ValueError, MtcError):
                 continue
             out.append((origin, step, files))
-        return out
-
-    def damaged_own(self) -> list[tuple[int, list[FileMeta]]]:
-        """This host's own steps with files found bad that no identical file here
-        replaced (:meth:`verified_copies` tries that first), each with those files:
-        what a heal must bring from another host."""
-        with self._lock:
-            steps = sorted(s for o, s in self._damaged if o == self.rank)
-        out = []
-        for step in steps:
-            if not self.copy_dir(self.rank, step).is_dir():
-                continue
-            try:
-                bad = self.verify(self.rank, step)
-            except (OSError, ValueError, MtcError):
-                continue
-            if bad:
-                out.append((step, bad))
         return out
 
     def stream_verified(self, origin: int, step: int, rel: str, offset: int = 0
