@@ -35,12 +35,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from mtc.sidecar.replicator.agreement import (  # noqa: E402
-    Book,
     Coordinator,
     Fresh,
     Holding,
     newest_complete,
 )
+from mtc.sidecar.replicator.book import Book  # noqa: E402
 from mtc.sidecar.replicator.gc import GcInputs, gc_plan  # noqa: E402
 from mtc.sidecar.replicator.node_agreement import GC_VIEW_INTERVAL_S  # noqa: E402
 

@@ -19,21 +19,18 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.agreement import (
     Ask,
-    Book,
     CannotDecide,
     Coordinator,
     Decided,
-    Decision,
-    EpochRecord,
     Fresh,
     Holding,
     check_members,
     decide,
-    find_record,
     missing_asks,
     newest_complete,
     supersedes,
 )
+from mtc.sidecar.replicator.book import Book, Decision, EpochRecord, find_record
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan

@@ -41,7 +41,7 @@ from mtc.contract import decode_reply, encode_request
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.agreement import BOOK_NAME
+from mtc.sidecar.replicator.book import BOOK_NAME
 from mtc.sidecar.replicator.client import FETCH, PUSH, PeerClient, PeerError
 from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
 from mtc.sidecar.replicator.store import REPLICA_DIR

@@ -4,37 +4,29 @@ recorded once and only read afterwards (the protocol and its invariant:
 
 Pure parts, tested alone (``tests/test_agreement.py``): :func:`decide` (the step
 from every member's holdings, or a typed "cannot decide"), :func:`newest_complete`,
-:func:`missing_asks` (whether an epoch can form), :func:`supersedes` (which of a
-rank's asks the coordinator keeps) and :func:`find_record` (which recorded epoch
-answered an ask). The stateful
-parts take their transport as a function, so the same code runs over gRPC in
-``node_agreement.py`` and over an in-memory transport in ``bench/control_plane.py``:
-:class:`Book` (the coordinator's records, persisted), :class:`Coordinator`
-(every member asks, gather every member, decide once) and :class:`Fresh` (a value computed by a
-gather that began after the caller asked, shared by every caller waiting).
+:func:`missing_asks` (whether an epoch can form) and :func:`supersedes` (which of
+a rank's asks the coordinator keeps). The stateful parts take their transport as
+a function, so the same code runs over gRPC in ``node_agreement.py`` and over an
+in-memory transport in ``bench/control_plane.py``: :class:`Coordinator` (every
+member asks, gather every member, decide once, recorded in a
+:class:`~mtc.sidecar.replicator.book.Book`) and :class:`Fresh` (a value computed
+by a gather that began after the caller asked, shared by every caller waiting).
 """
-
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
-from mtc import layout
 from mtc.errors import AgreementError, ConfigError
-from mtc.validate import MAX_EPOCH, MAX_STEP
+from mtc.sidecar.replicator.book import Book, Decision, EpochRecord
 
 log = logging.getLogger("mtc.sidecar.replicator.agreement")
 T = TypeVar("T")
-BOOK_NAME = ".mtc-agreement.json"
-KEEP_RECORDS = 16  # recorded epochs kept; older ones can no longer be joined anyway
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,18 +46,6 @@ class Holding:
     # (a job that came back on other hosts than 0..n-1 saved it): those ranks' data
     # makes the step, not ranks 0..n-1.
     saving: frozenset[tuple[int, str, tuple[int, ...]]] = frozenset()
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """An epoch's recorded step, as a member read it (reported back in inventories,
-    so a coordinator that lost its records rebuilds them before deciding again)."""
-
-    epoch: int
-    step: int
-    decided_at: float  # unix seconds
-    rank: int = -1  # the member that read it
-    rid: str = ""  # the restore id it asked with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,26 +170,6 @@ def check_members(members: Sequence[int], num_nodes: int, rank: int | None = Non
     return got
 
 
-# -- the coordinator's records --------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class EpochRecord:
-    """One decided epoch, immutable: the step, when, and the restore ids of every
-    ask it answers (a re-issued ask with one of them reads it again)."""
-
-    epoch: int
-    step: int
-    decided_at: float
-    rids: frozenset[str] = frozenset()
-    members: tuple[int, ...] = ()  # the membership it was decided for (): not recorded
-    run: str = ""  # the run whose bytes make the step (see Decided)
-    lost: str = ""  # step -1 while members hold data: whose data is gone
-
-    def decision(self, rank: int = -1, rid: str = "") -> Decision:
-        return Decision(self.epoch, self.step, self.decided_at, rank, rid)
-
-
 def missing_asks(asks: Mapping[int, float], members: Collection[int], now: float
                  ) -> tuple[int, ...]:
     """The members without a live ask (``asks``: rank -> when its ask's lease ends).
@@ -234,91 +194,6 @@ def supersedes(new: Ask, held: Ask | None, now: float) -> bool:
     if held is None or held.rid == new.rid or held.lease_end <= now:
         return True
     return not (new.started_ns and held.started_ns and new.started_ns < held.started_ns)
-
-
-def find_record(records: Sequence[EpochRecord], rid: str) -> EpochRecord | None:
-    """The epoch that answered the ask with restore id ``rid``, if one did."""
-    for rec in reversed(records):
-        if rid in rec.rids:
-            return rec
-    return None
-
-
-class Book:
-    """The coordinator's epoch records, written through to its RAM disk (a replicator
-    restart keeps them). The lock guards ``records``."""
-
-    def __init__(self, path: Path | None = None) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self.records: list[EpochRecord] = []
-        if path is not None:
-            self.records = _load(path)
-
-    def find(self, rid: str) -> EpochRecord | None:
-        with self._lock:
-            return find_record(self.records, rid)
-
-    def record(self, step: int, rids: Iterable[str], now: float,
-               reported: Iterable[Decision] = (), members: Sequence[int] = (), *,
-               run: str = "", lost: str = "") -> EpochRecord:
-        """Record a new epoch's decision: the only place a decision is made. Its
-        number is past every epoch this book or any member knows, so a wiped
-        coordinator never reuses one."""
-        with self._lock:
-            # An epoch out of range (a member's report that was never checked) counts
-            # for nothing: recorded, it would make every later record unwritable.
-            newest = max([r.epoch for r in self.records[-1:]] +
-                         [d.epoch for d in reported if 0 <= d.epoch < MAX_EPOCH], default=0)
-            if not 0 <= step <= MAX_STEP and step != -1:
-                raise AgreementError(f"refusing to record step {step}: out of range")
-            rec = EpochRecord(newest + 1, step, now, frozenset(rids), tuple(members), run,
-                              lost)
-            self.records = [*self.records, rec][-KEEP_RECORDS:]
-            self._save()
-            return rec
-
-    def _save(self) -> None:
-        if self.path is None:
-            return
-        data = [{"epoch": r.epoch, "step": r.step, "decided_at": r.decided_at,
-                 "rids": sorted(r.rids), "members": list(r.members), "run": r.run,
-                 "lost": r.lost} for r in self.records]
-        layout.write_atomic(self.path, json.dumps(data), durable=True)
-
-
-def _load(path: Path) -> list[EpochRecord]:
-    """The records kept at ``path``. A record out of range (an epoch near 2^63 that a
-    member once reported) is dropped; a file that cannot be read at all is moved
-    aside (``<name>.corrupt-<ns>``, kept for inspection) and the book starts empty:
-    its epoch numbers then continue past every one the members report, and a
-    restore whose record is gone is decided again, by every member, as a new one."""
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, list):
-            raise ValueError("not a list of records")
-    except FileNotFoundError:
-        return []
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        aside = path.with_name(f"{path.name}.corrupt-{time.time_ns()}")
-        os.replace(path, aside)
-        log.error("agreement records %s are unreadable (%s); moved to %s, starting anew",
-                  path, e, aside.name)
-        return []
-    out = []
-    for d in data:
-        try:
-            rec = EpochRecord(int(d["epoch"]), int(d["step"]), float(d["decided_at"]),
-                              frozenset(map(str, d["rids"])),
-                              tuple(int(m) for m in d.get("members", ())),
-                              str(d.get("run", "")), str(d.get("lost", "")))
-            if not (0 < rec.epoch <= MAX_EPOCH and -1 <= rec.step <= MAX_STEP):
-                raise ValueError(f"epoch {rec.epoch} step {rec.step} out of range")
-        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
-            log.error("dropping an agreement record of %s: %s", path, e)
-            continue
-        out.append(rec)
-    return out
 
 
 # -- the decider ----------------------------------------------------------------------

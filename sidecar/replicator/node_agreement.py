@@ -29,16 +29,14 @@ from mtc.errors import AgreementError, ConfigError, MtcError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agreement import (
-    BOOK_NAME,
-    Book,
     Coordinator,
-    Decision,
     Fresh,
     Holding,
     check_members,
     newest_complete,
     newest_complete_run,
 )
+from mtc.sidecar.replicator.book import BOOK_NAME, Book, Decision
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.metrics import Metrics
