@@ -129,3 +129,55 @@ def test_a_copy_removed_meanwhile_is_never_made_again_half(tmp_path: Path) -> No
     with pytest.raises(OSError):
         claims.reclaim(store, 0, STEP, bad)
     assert not folder.exists()
+
+
+def test_a_twins_copy_that_came_before_the_own_save_is_folded_into_claims(
+        tmp_path: Path) -> None:
+    """The other order: host 0's copy arrives whole before host 2 saves its own
+    step 5 (host 0's slice saved and pushed first). Once host 2's step is there,
+    the copy's identical files become claims on it: the bytes once either way."""
+    origin = commit_mtc_step(tmp_path / "host-0", STEP,
+                             {"dp.0": SHARED, "dp.1": SHARED[::-1], "own.0": b"zero" * 99},
+                             host=0, num_hosts=4)
+    root = tmp_path / "host-2"
+    root.mkdir()
+    store = LocalStore(root, rank=2)
+    tmp = store.begin_incoming(0, STEP)
+    for name, data in origin.items():
+        (tmp / name).write_bytes(data)
+    store.commit_incoming(tmp, 0, STEP, [meta(n, d) for n, d in origin.items()])
+    assert claims.fold(store, STEP) == 0  # nothing of its own yet
+    # dp.1 differs here (another run's bytes under the same path): never folded.
+    commit_mtc_step(root, STEP, {"dp.0": SHARED, "dp.1": SHARED, "own.2": b"two" * 99},
+                    host=2, num_hosts=4, slice_of_host=1)
+    copy = root / REPLICA_DIR / "0" / str(STEP)
+    own = root / str(STEP)
+    assert os.stat(copy / "dp.0").st_ino != os.stat(own / "dp.0").st_ino
+
+    assert claims.fold(store, STEP) == 1
+    assert os.stat(copy / "dp.0").st_ino == os.stat(own / "dp.0").st_ino
+    assert os.stat(copy / "dp.1").st_ino != os.stat(own / "dp.1").st_ino
+    assert (copy / "dp.1").read_bytes() == SHARED[::-1]
+    assert store.verify(0, STEP, cached=False) == [] and store.verify(2, STEP, cached=False) == []
+    assert claims.fold(store, STEP) == 0  # already one
+    assert sorted(p.name for p in (root / REPLICA_DIR / "0").iterdir()) == [
+        str(STEP), f"{STEP}.files.json"]  # no scratch left behind
+    # A claim like any other: damage found through it drops both names.
+    store.remove_copy(2, STEP)
+    assert (copy / "dp.0").read_bytes() == SHARED and store.verify(0, STEP) == []
+
+
+def test_a_damaged_own_file_is_never_folded_into(tmp_path: Path) -> None:
+    origin = commit_mtc_step(tmp_path / "host-0", STEP, {"dp.0": SHARED}, host=0, num_hosts=4)
+    root = tmp_path / "host-2"
+    root.mkdir()
+    store = LocalStore(root, rank=2)
+    tmp = store.begin_incoming(0, STEP)
+    (tmp / "dp.0").write_bytes(origin["dp.0"])
+    store.commit_incoming(tmp, 0, STEP, [meta("dp.0", SHARED)])
+    commit_mtc_step(root, STEP, {"dp.0": SHARED}, host=2, num_hosts=4, slice_of_host=1)
+    own = root / str(STEP) / "dp.0"
+    own.write_bytes(SHARED[:-1] + b"x")  # changed after its manifest: read when checked
+    assert claims.fold(store, STEP) == 0
+    copy = root / REPLICA_DIR / "0" / str(STEP) / "dp.0"
+    assert copy.read_bytes() == SHARED and os.stat(copy).st_nlink == 1

@@ -171,7 +171,9 @@ def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
     a save interval lost); scaling up saves the last step first and reads it back
     as the survivors saved it (their manifests number only their hosts)."""
     out = tmp_path / "demo"
-    report = run_demo(out, ramdisk, "--steps", "100", "--host-loss-at", "15",
+    # 50 steps: the replacement may start slower than the survivors train (a
+    # loaded machine); the last step then waits for it, so the scale-up is always here.
+    report = run_demo(out, ramdisk, "--steps", "50", "--host-loss-at", "15",
                       "--slice-loss-at", "30", "--slice-down-steps", "8", "--no-snapshot")
     host, lost, up = report["failures"]
     assert host["tier"] == "peer" and host["steps_lost"] == 0
@@ -180,7 +182,7 @@ def test_elastic_demo_without_snapshot_resumes_from_the_ramdisks(
     # Before scaling up, the trainer saved its last step on the one slice.
     assert up["kind"] == "scale_up" and up["tier"] == "local" and up["steps_lost"] == 0
     assert up["resumed_from_step"] > 30
-    assert report["steps_completed"] == 100
+    assert report["steps_completed"] == 50
     assert report["loss_matches_reference"] is True
 
 

@@ -50,6 +50,9 @@ from mtc.trainer.reference import compare, reference_losses
 from mtc.trainer.schedule import FaultSchedule
 
 log = logging.getLogger("mtc.elastic")
+# How long the last step waits for a slice on its way back (its hosts' processes
+# start in seconds; a minute is a replacement that failed, and the run ends resized).
+RETURN_WAIT_S = 60.0
 
 
 class ElasticRun:
@@ -298,6 +301,8 @@ class ElasticRun:
         ready = aot.Use(aot.READY, built.seconds, built.ahead, 0.0) if built else None
         step_end = time.time()  # when the last step here ended (wall clock)
         for step in range(state["step"] + 1, args.steps + 1):
+            if step == args.steps and len(slices) < total and self.pending is None:
+                self.wait_for_return(slices)
             # Not before this mesh's first step completed: that step closes the
             # recovery that brought training here (its report entry).
             if len(slices) < total and self.pending is None and self.scale_up_available(slices):
@@ -385,6 +390,20 @@ class ElasticRun:
             self.last_saved = state["step"]
         mgr.wait_until_finished()
         raise pw_manager.ScaleUpSignalError()
+
+    def wait_for_return(self, slices: Slices) -> None:
+        """Before the last step, wait (bounded) for slices on their way back: the run
+        ends on every slice it was given back, so the scale-up the fault schedule
+        asked for happens however long the replacement's processes take to start
+        (seconds on a loaded machine; the loop trains on meanwhile, as a real
+        trainer would, and only the last step waits)."""
+        on_way = self.faults.replacing_slices() - set(slices)
+        if not on_way:
+            return
+        t0 = time.perf_counter()
+        back = self.faults.wait_back(on_way, RETURN_WAIT_S)
+        self.log.write(event="waited_for_return", slices=sorted(on_way), back=back,
+                       seconds=time.perf_counter() - t0)
 
     def scale_up_available(self, slices: Slices) -> bool:
         """Whether inactive slices are healthy again: as pathwaysutils' monitor

@@ -9,7 +9,10 @@ identify as the same content.
 - :func:`claim`: hold a file's bytes as a claim on an identical file held here,
   checked first (a Link, a reclaim);
 - :func:`reclaim`: put a damaged copy's missing files back as claims on a twin's
-  identical files held here (before the copy is given up).
+  identical files held here (before the copy is given up);
+- :func:`fold`: make the files of a twin's copy that arrived before this host's own
+  save of the same step claims on the own step's files (the other order of the
+  two events a Link covers), so the bytes are held once whichever came first.
 
 Damage found through any name quarantines every name
 (:meth:`LocalStore.quarantine_file`), so no copy keeps bytes another one was found
@@ -21,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -117,3 +121,76 @@ def reclaim(store: LocalStore, origin: int, step: int, bad: list[FileMeta]) -> b
     log.info("rank %d: %d file(s) of rank %d step %d put back from identical files "
              "held here (%s, ...)", store.rank, len(bad), origin, step, bad[0].path)
     return not store.verify(origin, step)
+
+
+def fold(store: LocalStore, step: int, origins: Sequence[int] | None = None) -> int:
+    """Make the files of mtc copies of ``step`` held here (of ``origins``, else every
+    other host's) that are identical to this host's own files of ``step`` (the same
+    path, size and CRC32C: a data-parallel twin's shard) claims on the own files.
+    An Offer links a twin's copy to the own step when the own step was committed
+    first; when the twin's copy came first (its slice saved and pushed sooner),
+    this holds the bytes once all the same. Called as the own step is first seen
+    and as a copy is committed, so either order ends with one copy of the bytes.
+    Returns how many files were folded. A file that fails its check is left as it
+    is (the verifications that find it quarantine it)."""
+    held = store.copies()
+    if (store.rank, step) not in held:
+        return 0  # not committed, or damaged
+    try:
+        if store.summary(store.rank, step).num_hosts == 0:
+            return 0  # an opaque step (Orbax's): its manifest names no content
+        own = {f.path: f for f in store.describe(store.rank, step)}
+    except (OSError, ValueError):
+        return 0  # removed meanwhile
+    own_dir = store.copy_dir(store.rank, step)
+    folded = 0
+    for origin, s in held:
+        if s != step or origin == store.rank or (origins is not None and origin not in origins):
+            continue
+        try:
+            if store.summary(origin, s).num_hosts == 0:
+                continue
+            described = store.describe(origin, s)
+            base = store.copy_dir(origin, s)
+            folder = os.lstat(base).st_ino
+        except (OSError, ValueError):
+            continue
+        same = [f for f in described if (mine := own.get(f.path)) is not None
+                and (mine.size, mine.crc32c) == (f.size, f.crc32c)]
+        if same:
+            folded += _fold_copy(store, own_dir, base, folder, origin, step, same)
+    if folded:
+        log.info("rank %d: %d file(s) of copies of step %d now held once, as claims on "
+                 "this host's own identical files", store.rank, folded, step)
+    return folded
+
+
+def _fold_copy(store: LocalStore, own_dir: Path, base: Path, folder: int, origin: int,
+               step: int, same: list[FileMeta]) -> int:
+    scratch = store.begin_incoming(origin, step)  # same file system; cleaned at a start
+    folded = 0
+    try:
+        for f in same:
+            dst = inside(base, f.path)
+            src = own_dir / f.path
+            try:
+                if os.path.samefile(src, dst):
+                    continue  # already one (a Link, or an earlier fold)
+                if store.checksums.check(src, f) is not None:
+                    continue
+                tmp = scratch / str(folded)
+                os.link(src, tmp, follow_symlinks=False)
+                # The copy's folder is the one described (not replaced by a newer
+                # copy under the number since): only then its file is taken over.
+                if os.lstat(base).st_ino != folder:
+                    return folded
+                os.replace(tmp, dst)
+            except OSError as e:
+                if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                    return folded  # no links here: two copies of the bytes, as before
+                continue  # gone meanwhile (retention, a quarantine): nothing to fold
+            store.checksums.note_verified(dst, f)
+            folded += 1
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return folded

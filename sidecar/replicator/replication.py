@@ -22,6 +22,7 @@ import grpc
 
 from mtc.errors import CorruptShardError, MtcError
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import claims
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.metrics import Metrics
@@ -117,6 +118,9 @@ class Replication:
         if self._replicated_fp.get(newest) != fp:  # saved (again) since it was replicated
             self.replicated[newest] = set()
             self._replicated_fp[newest] = fp
+            # A twin's copy of the step that arrived before it was saved here: its
+            # identical files become claims on the own ones (held once).
+            self.metrics.deduplicated_files.inc(claims.fold(self.store, newest))
         self.sync_targets(own)
         self.metrics.newest.labels("committed").set(newest)
         for target in self.config.targets(self.rank):

@@ -216,6 +216,10 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             shutil.rmtree(t.tmp, ignore_errors=True)
             raise
         self.node.on_copy_received(t.origin, t.step)
+        # Saved here meanwhile (after the Offer found nothing to link): the copy's
+        # files identical to the own step's become claims on them (held once).
+        self.node.metrics.deduplicated_files.inc(
+            claims.fold(self.node.store, t.step, [t.origin]))
         return pb.CommitReply(step=t.step, origin_rank=t.origin)
 
     @mapped
