@@ -83,6 +83,10 @@ class ThreadPool(Executor):
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
+                # Not kept until the next task's result replaces it: a restore's
+                # result maps a reply file, whose unmapping would land, holding the
+                # GIL, in whatever call this thread runs next (a save's stall).
+                del result
             # An idle thread holds nothing of its last task (a buffer it wrote is
             # reused once the last reference to it goes).
             del item, fut, fn, args, kwargs

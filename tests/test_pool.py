@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+import weakref
 
 import pytest
 
@@ -31,6 +33,27 @@ def test_an_error_comes_back_through_the_future() -> None:
         with pytest.raises(ZeroDivisionError):
             pool.submit(lambda: 1 / 0).result(5)
         assert pool.submit(lambda: 7).result(5) == 7  # the thread survived it
+    finally:
+        pool.shutdown()
+
+
+class _Result:
+    """A task's result that can be watched for being freed (a reply file's mapping)."""
+
+
+def test_an_idle_thread_keeps_nothing_of_its_last_result() -> None:
+    """Once the caller drops a task's future, the result goes at once: an idle
+    thread that kept it would free it (a restore's mapping: an unmapping that holds
+    the GIL) inside whatever task it runs next."""
+    pool = ThreadPool(1, "t-pool")
+    try:
+        fut = pool.submit(_Result)
+        ref = weakref.ref(fut.result(5))
+        del fut
+        deadline = time.monotonic() + 5  # the thread lets go right after answering
+        while ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ref() is None, "the pool's thread still holds its last task's result"
     finally:
         pool.shutdown()
 

@@ -50,6 +50,7 @@ import numpy as np
 
 from mtc import slots, transfer
 from mtc.errors import ColocatedCallError, MtcError, ProtocolError
+from mtc.pool import ThreadPool
 from mtc.sidecar.host import ghost, pathways_ids
 from mtc.sidecar.host.ports import free_ports
 
@@ -129,6 +130,13 @@ class ColocatedServer:
         # The controller's reused input slots, mapped once; every reply reports them.
         self._slots = slots.SlotMaps(area)
         self._run = threading.Lock()
+        # A call's arrays are let go on this thread once its reply is built. JAX
+        # releases an array's host memory lazily, inside the next transfer to a
+        # device; a restore's outputs are mapped RAM-disk files whose unmapping
+        # (tens of ms per host) would otherwise land in the controller's next call
+        # (the next save's stall). A worker's runtime frees a call's buffers off the
+        # call path in the same way.
+        self._release = ThreadPool(1, "mtc-colocated-release")
         self._ghost: subprocess.Popen[bytes] | None = None
         self._address = ""
         if self._others:
@@ -182,6 +190,7 @@ class ColocatedServer:
     def close(self) -> None:
         """Ends the other process (JAX takes SIGTERM as a preemption notice)."""
         self._warm.join()
+        self._release.shutdown(wait=True)
         if self._ghost is not None:
             self._ghost.kill()
             self._ghost.wait()
@@ -212,7 +221,9 @@ class ColocatedServer:
             if self.latency_s:
                 time.sleep(self.latency_s)
             with self._run:
-                return self._execute(header, buffers)
+                reply, held = self._execute(header, buffers)
+            self._release.submit(_let_go, held)
+            return reply
         except MtcError as e:
             return _error_message(self.host, self.area, e, **self._slot_state())
         except (ValueError, KeyError, TypeError, IndexError) as e:
@@ -238,14 +249,16 @@ class ColocatedServer:
             self._programs[pid] = prog
         return prog
 
-    def _execute(self, header: dict[str, Any], buffers: list[np.ndarray]) -> bytes:
+    def _execute(self, header: dict[str, Any], buffers: list[np.ndarray]
+                 ) -> tuple[bytes, list[Any]]:
+        """The reply, and the call's arrays (its inputs and outputs) to let go."""
         import jax
         from jax import tree_util
 
         prog = self._program(header, buffers)
         if prog is None:  # this sidecar started after the controller sent it
             return transfer.pack_message(self.area, {"unknown_program": True,
-                                                     **self._slot_state()}, [])
+                                                     **self._slot_state()}, []), []
         name = str(header["name"])
         leaves: list[Any] = []
         inputs = header["inputs"]
@@ -284,8 +297,20 @@ class ColocatedServer:
                 ids.append([prog.id_of[s.device], len(data)])
                 data.append(np.ascontiguousarray(np.asarray(s.data)).reshape(-1).view(np.uint8))
             outputs.append(ids)
-        return transfer.pack_message(self.area, {"outputs": outputs, **self._slot_state()},
-                                     data)
+        reply = transfer.pack_message(self.area, {"outputs": outputs, **self._slot_state()},
+                                      data)
+        return reply, [*leaves, *out_leaves]
+
+
+def _let_go(held: list[Any]) -> None:
+    """Drop a call's arrays and have JAX release their host memory now (it does so
+    in a transfer to each of their devices), not in the next call's first one."""
+    import jax
+
+    devices = {d for x in held if isinstance(x, jax.Array) for d in x.devices()}
+    held.clear()
+    for d in devices:
+        jax.device_put(np.zeros(1, np.uint8), d).block_until_ready()
 
 
 def _check(name: str, k: int, r: Any, spec: Any) -> None:
