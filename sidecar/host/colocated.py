@@ -222,7 +222,10 @@ class ColocatedServer:
                 time.sleep(self.latency_s)
             with self._run:
                 reply, held = self._execute(header, buffers)
-            self._release.submit(_let_go, held)
+            try:
+                self._release.submit(_let_go, held)
+            except RuntimeError:  # closing: let go here
+                _let_go(held)
             return reply
         except MtcError as e:
             return _error_message(self.host, self.area, e, **self._slot_state())

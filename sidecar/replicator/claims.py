@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtc.errors import CorruptShardError
+from mtc.errors import CorruptShardError, UnsafePathError
 from mtc.sidecar import files
 from mtc.sidecar.replicator.step_files import FileMeta, inside
 
@@ -171,9 +171,8 @@ def _fold_copy(store: LocalStore, own_dir: Path, base: Path, folder: int, origin
     folded = 0
     try:
         for f in same:
-            dst = inside(base, f.path)
-            src = own_dir / f.path
             try:
+                dst, src = inside(base, f.path), inside(own_dir, f.path)
                 if os.path.samefile(src, dst):
                     continue  # already one (a Link, or an earlier fold)
                 if store.checksums.check(src, f) is not None:
@@ -185,6 +184,8 @@ def _fold_copy(store: LocalStore, own_dir: Path, base: Path, folder: int, origin
                 if os.lstat(base).st_ino != folder:
                     return folded
                 os.replace(tmp, dst)
+            except UnsafePathError:
+                continue  # a path through a link: never followed, never folded
             except OSError as e:
                 if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                     return folded  # no links here: two copies of the bytes, as before
