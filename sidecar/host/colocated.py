@@ -310,10 +310,16 @@ def _let_go(held: list[Any]) -> None:
     in a transfer to each of their devices), not in the next call's first one."""
     import jax
 
-    devices = {d for x in held if isinstance(x, jax.Array) for d in x.devices()}
+    # This host's devices only: a program's arrays span the job's, the rest's
+    # devices being another process's (no transfer to them from here).
+    devices = {s.device for x in held if isinstance(x, jax.Array)
+               for s in x.addressable_shards}
     held.clear()
-    for d in devices:
-        jax.device_put(np.zeros(1, np.uint8), d).block_until_ready()
+    try:
+        for d in devices:
+            jax.device_put(np.zeros(1, np.uint8), d).block_until_ready()
+    except Exception as e:  # noqa: BLE001 - the memory then goes at the next call
+        log.debug("releasing a call's arrays: %r", e)
 
 
 def _check(name: str, k: int, r: Any, spec: Any) -> None:
