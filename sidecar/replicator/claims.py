@@ -167,17 +167,19 @@ def fold(store: LocalStore, step: int, origins: Sequence[int] | None = None) -> 
 
 def _fold_copy(store: LocalStore, own_dir: Path, base: Path, folder: int, origin: int,
                step: int, same: list[FileMeta]) -> int:
-    scratch = store.begin_incoming(origin, step)  # same file system; cleaned at a start
+    scratch: Path | None = None  # made for the first file to fold: most calls find none
     folded = 0
     try:
-        for f in same:
+        for k, f in enumerate(same):
             try:
                 dst, src = inside(base, f.path), inside(own_dir, f.path)
                 if os.path.samefile(src, dst):
                     continue  # already one (a Link, or an earlier fold)
                 if store.checksums.check(src, f) is not None:
                     continue
-                tmp = scratch / str(folded)
+                if scratch is None:  # same file system; cleaned at a start
+                    scratch = store.begin_incoming(origin, step)
+                tmp = scratch / str(k)
                 os.link(src, tmp, follow_symlinks=False)
                 # The copy's folder is the one described (not replaced by a newer
                 # copy under the number since): only then its file is taken over.
@@ -193,5 +195,6 @@ def _fold_copy(store: LocalStore, own_dir: Path, base: Path, folder: int, origin
             store.checksums.note_verified(dst, f)
             folded += 1
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return folded
