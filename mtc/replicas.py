@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtc.errors import AgreementError, ConfigError
+from mtc.errors import AgreementError, ConfigError, MtcError
 
 if TYPE_CHECKING:
     from mtc.options import Options
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 RETRY_S = 0.2  # between tries to a replicator that is restarting
 MATERIALIZE_S = 30.0  # beyond the agreement deadline, for a host's data to arrive
+RESTORED_S = 2.0  # for a replicator to take the hint that the job's load is over
 # Where a host's data came from, nearest first; a restore reports the farthest.
 TIERS = ("local", "peer", "backup")
 
@@ -110,6 +111,39 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
                     rid, run, replies[0].lost)
 
 
+def tell_restored(addresses: Sequence[str], prepared: Prepared, *, creds: Credentials,
+                  deadline_s: float = RESTORED_S) -> int:
+    """Tell each replicator (concurrently) that the job has loaded ``prepared``'s
+    step: their quiet time ends, and a replaced host's background fetch starts
+    now instead of when the quiet time runs out. A hint: a replicator that does
+    not answer within ``deadline_s`` is logged and left to its quiet time. Returns
+    how many background fetches started."""
+    from mtc.proto import replicator_pb2 as pb
+    from mtc.sidecar.replicator.client import PeerClient
+
+    if prepared.step is None or not prepared.restore_id or not addresses:
+        return 0
+    request = pb.RestoredRequest(restore_id=prepared.restore_id, step=prepared.step)
+    clients = [PeerClient(a, creds, rank=i) for i, a in enumerate(addresses)]
+
+    def tell(c: PeerClient) -> bool:
+        try:
+            return bool(c.call("Restored", request, deadline_s=deadline_s,
+                               attempts=1).fetching)
+        except MtcError as e:  # a hint: the restore has succeeded whatever it meets
+            log.warning("replicator %s was not told the restore of step %d ended (%s); "
+                        "its quiet time ends on its own", c.address, prepared.step, e)
+            return False
+
+    pool = ThreadPoolExecutor(len(clients), thread_name_prefix="mtc-restored")
+    try:
+        return sum(pool.map(tell, clients))
+    finally:
+        pool.shutdown(wait=True)
+        for c in clients:
+            c.close()
+
+
 def _prepare_one(client: PeerClient, rid: str, deadline: float,
                  cancelled: threading.Event, members: tuple[int, ...],
                  background: bool) -> Any:
@@ -187,6 +221,15 @@ class ReplicatorTier:
         if again.step != prepared.step:
             raise AgreementError(f"asked again, the replicators say step {again.step}",
                                  step=prepared.step)
+
+    def restored(self, prepared: Prepared) -> None:
+        """The job has loaded ``prepared``'s step: each local host's replicator ends
+        its quiet time (a replaced host's data starts coming now)."""
+        fetching = tell_restored([self.addresses[h] for h in self.local_hosts], prepared,
+                                 creds=credentials(self.options))
+        if fetching:
+            log.info("mtc: %d host(s) fetch their data of step %d now", fetching,
+                     prepared.step)
 
     def host_tiers(self, prepared: Prepared) -> dict[int, str]:
         """Per local host, the tier its data of ``prepared`` comes from."""

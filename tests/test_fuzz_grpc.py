@@ -33,7 +33,8 @@ METHODS = {"GetInventory": pb.InventoryRequest, "Offer": pb.OfferRequest,
            "Link": pb.LinkRequest, "Commit": pb.CommitRequest, "Abort": pb.AbortRequest,
            "Decide": pb.DecideRequest, "GetComplete": pb.CompleteRequest,
            "PrepareRestore": pb.PrepareRestoreRequest,
-           "RequestBackup": pb.BackupRequest, "BackupPart": pb.BackupPartRequest}
+           "Restored": pb.RestoredRequest, "RequestBackup": pb.BackupRequest,
+           "BackupPart": pb.BackupPartRequest}
 
 paths = st.one_of(
     st.sampled_from(["a.bin", "d-b.bin", "../escape", "../../escape", "/etc/passwd", "",
@@ -115,6 +116,7 @@ def messages(draw: st.DrawFn) -> tuple[str, bytes]:
         "PrepareRestore": st.builds(pb.PrepareRestoreRequest, timeout_seconds=st.one_of(
             st.floats(0.01, 1.0), st.sampled_from([0.0, -1.0, float("nan"),
                                                    float("inf"), 1e300]))),
+        "Restored": st.builds(pb.RestoredRequest, restore_id=st.text(max_size=8), step=ints),
         "RequestBackup": st.builds(pb.BackupRequest, step=ints),
         "BackupPart": st.builds(pb.BackupPartRequest),
     }[method]

@@ -244,6 +244,7 @@ def test_callers_without_the_token_get_nothing(net: Net) -> None:
                     ("Decide", pb.DecideRequest(rank=1, timeout_seconds=1)),
                     ("GetComplete", pb.CompleteRequest()),
                     ("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=1)),
+                    ("Restored", pb.RestoredRequest(restore_id="r", step=1)),
                     ("RequestBackup", pb.BackupRequest()),
                     ("BackupPart", pb.BackupPartRequest(step=1, prefix="steps/1"))):
                 assert code_of(lambda n=name, r=req, s=stub, m=md: getattr(s, n)(

@@ -93,8 +93,9 @@ class Replicators:
     """A replicator per host, each in its host's namespaces (it sees its RAM disk
     only, and its peers over the bridge, with a token)."""
 
-    def __init__(self, hosts: Hosts) -> None:
+    def __init__(self, hosts: Hosts, *, quiet_s: float = 2.0) -> None:
         self.hosts = hosts
+        self.quiet_s = quiet_s  # --restore-quiet-seconds
         self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         ports = [7000] * 4 if hosts.isolation == "namespaces" else free_ports(4)
         self.addrs = [hosts.replicator_address(i, ports[i]) for i in range(4)]
@@ -105,7 +106,8 @@ class Replicators:
         proc = self.hosts.start_replicator(i, [
             "--local-dir", str(self.hosts.hosts[i].root), "--listen", self.addrs[i],
             "--nodes", ",".join(self.addrs), "--rank", str(i), "--nodes-per-slice", "2",
-            "--poll-seconds", "0.05", "--agreement-timeout-seconds", "30"], env=self.env)
+            "--poll-seconds", "0.05", "--agreement-timeout-seconds", "30",
+            "--restore-quiet-seconds", str(self.quiet_s)], env=self.env)
         wait_healthy(self.addrs[i], lambda: proc.poll() is None, Credentials(),
                      lambda: self.hosts.log_tail(i, "replicator"), 60.0)
 
@@ -188,7 +190,9 @@ def test_a_replaced_host_is_restored_from_its_replica_while_its_data_comes_back(
     """The state is replicated over the slices: host 3 holds the regions host 1's
     devices need. After host 1 is replaced empty, the restore reads nothing from
     it and does not wait for its peer fetch; its replicator makes its own data
-    local in the background, verified, and the next restore finds it there."""
+    local in the background, verified, and the next restore finds it there. The
+    fetch starts when the job says its load is over, not when the replicator's
+    quiet time (here far longer than the test) runs out."""
     from mtc.dispatch.process import ProcessDispatch
 
     real = ProcessDispatch._request
@@ -200,7 +204,7 @@ def test_a_replaced_host_is_restored_from_its_replica_while_its_data_comes_back(
             loads[host] = loads.get(host, 0) + 1
         return real(self, host, op, args, timeout)
 
-    reps = Replicators(hosts)
+    reps = Replicators(hosts, quiet_s=600.0)
     replicated = NamedSharding(mesh, PartitionSpec(None, "model"))
     state = {f"w{i}": jax.device_put(np.arange(i, i + 32 * 32, dtype=np.float32).reshape(
         32, 32), replicated) for i in range(4)}
@@ -219,8 +223,8 @@ def test_a_replaced_host_is_restored_from_its_replica_while_its_data_comes_back(
             for shard in back[k].addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data),
                                               np.asarray(a)[shard.index])
-        # Host 1's own copy arrives in the background (after the replicator's quiet
-        # time), committed and listed by its sidecar.
+        # Host 1's own copy arrives in the background (its replicator told the load
+        # is over, not waiting out its quiet time), committed and listed by its sidecar.
         deadline = time.monotonic() + 60
         while 4 not in mgr._inventory.held().get(1, []):
             assert time.monotonic() < deadline, hosts.log_tail(1, "replicator")
@@ -231,7 +235,9 @@ def test_a_replaced_host_is_restored_from_its_replica_while_its_data_comes_back(
         assert 1 in loads  # its own copy is read again
     for k, a in state.items():
         np.testing.assert_array_equal(np.asarray(again[k]), np.asarray(a))
-    assert "in the background" in hosts.log_tail(1, "replicator", 100000)
+    log1 = hosts.log_tail(1, "replicator", 100000)
+    assert "in the background" in log1
+    assert "the job loaded step 4; its background fetch starts" in log1
     reps.assert_no_tracebacks()
 
 

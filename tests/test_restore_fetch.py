@@ -12,8 +12,10 @@ anew instead of waiting out the shared channel's backoff from the peer's loss.
 from __future__ import annotations
 
 import socket
+import time
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,33 @@ def test_a_copy_not_held_sends_nothing(holder: Holder, tmp_path: Path) -> None:
     got, err = holder.client.fetch_files(7, 0, metas(), tmp_path / "dest")
     assert got == [] and isinstance(err, PeerError)
     assert not any((tmp_path / "dest").rglob("*.bin"))
+
+
+def test_only_the_last_restore_starts_the_background_fetch(holder: Holder) -> None:
+    """``Restored`` (the job's load is over) starts a background fetch queued
+    behind the quiet time, but only for the restore this replicator last
+    prepared: a late or replayed notice of another one, or of another step,
+    starts nothing. A malformed one is refused, typed. Pushes keep the quiet time."""
+    restorer = holder.node.restorer
+    # As a PrepareRestore of restore "r1" leaves them, its step 1 queued behind the
+    # quiet time (a real one needs rank 1, and a host that lost its data).
+    quiet = time.monotonic() + 600
+    restorer._last_rid, restorer.quiet_until = "r1", quiet
+    restorer._materializing[1] = Future()
+    for rid, step in (("r0", 1), ("", 1), ("r1", 2)):
+        reply = holder.client.call("Restored", pb.RestoredRequest(restore_id=rid, step=step),
+                                   attempts=1)
+        assert not reply.fetching and not restorer._bg_wake.is_set(), (rid, step)
+    with pytest.raises(PeerError) as e:
+        holder.client.call("Restored", pb.RestoredRequest(restore_id="r1", step=-2),
+                           attempts=1)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert not restorer._bg_wake.is_set()
+    reply = holder.client.call("Restored", pb.RestoredRequest(restore_id="r1", step=1),
+                               attempts=1)
+    assert reply.fetching and restorer._bg_wake.is_set()
+    assert restorer.quiet_until == quiet
+    del restorer._materializing[1]
 
 
 def test_a_peer_known_up_is_called_over_a_connection_of_its_own(

@@ -227,6 +227,20 @@ class PrepareRestoreReply(_message.Message):
     lost: str
     def __init__(self, step: _Optional[int] = ..., tier: _Optional[str] = ..., seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., pending: _Optional[bool] = ..., run: _Optional[str] = ..., lost: _Optional[str] = ...) -> None: ...
 
+class RestoredRequest(_message.Message):
+    __slots__ = ("restore_id", "step")
+    RESTORE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    restore_id: str
+    step: int
+    def __init__(self, restore_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class RestoredReply(_message.Message):
+    __slots__ = ("fetching",)
+    FETCHING_FIELD_NUMBER: _ClassVar[int]
+    fetching: bool
+    def __init__(self, fetching: _Optional[bool] = ...) -> None: ...
+
 class BackupRequest(_message.Message):
     __slots__ = ("step",)
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class ReplicatorStub:
                 request_serializer=replicator__pb2.PrepareRestoreRequest.SerializeToString,
                 response_deserializer=replicator__pb2.PrepareRestoreReply.FromString,
                 _registered_method=True)
+        self.Restored = channel.unary_unary(
+                '/mtc.replicator.v1.Replicator/Restored',
+                request_serializer=replicator__pb2.RestoredRequest.SerializeToString,
+                response_deserializer=replicator__pb2.RestoredReply.FromString,
+                _registered_method=True)
         self.RequestBackup = channel.unary_unary(
                 '/mtc.replicator.v1.Replicator/RequestBackup',
                 request_serializer=replicator__pb2.BackupRequest.SerializeToString,
@@ -137,6 +142,12 @@ class ReplicatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Restored(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RequestBackup(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -191,6 +202,11 @@ def add_ReplicatorServicer_to_server(servicer, server):
                     servicer.PrepareRestore,
                     request_deserializer=replicator__pb2.PrepareRestoreRequest.FromString,
                     response_serializer=replicator__pb2.PrepareRestoreReply.SerializeToString,
+            ),
+            'Restored': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restored,
+                    request_deserializer=replicator__pb2.RestoredRequest.FromString,
+                    response_serializer=replicator__pb2.RestoredReply.SerializeToString,
             ),
             'RequestBackup': grpc.unary_unary_rpc_method_handler(
                     servicer.RequestBackup,
@@ -419,6 +435,33 @@ class Replicator:
             '/mtc.replicator.v1.Replicator/PrepareRestore',
             replicator__pb2.PrepareRestoreRequest.SerializeToString,
             replicator__pb2.PrepareRestoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restored(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.replicator.v1.Replicator/Restored',
+            replicator__pb2.RestoredRequest.SerializeToString,
+            replicator__pb2.RestoredReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from mtc import layout, multihost, orbax_args
 from mtc.dispatch import Dispatch
 from mtc.dispatch.protocol import Survey
@@ -208,6 +210,12 @@ class RestoreFlow:
         self.last_restore_tier = farthest(tiers)
         self.last_restore_seconds.update({"prepare": t_prepared - t0,
                                           "load": time.perf_counter() - t_prepared})
+        if prepared is not None and prepared.step == step:
+            # Once the restored arrays are in place the load no longer needs the
+            # hosts' CPUs: their replicators' quiet time ends (a replaced host's own
+            # copy starts coming now, at the background's priority).
+            jax.block_until_ready(result)
+            self.tier.restored(prepared)
         if newest and not self.options.replicators and not self.options.read_only:
             self.inventory.fence_after(step)
         self._latest = None

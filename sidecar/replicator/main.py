@@ -88,10 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--agreement-timeout-seconds", type=float, default=60.0,
                    help="how long a restore waits for every member before failing (default 60)")
     p.add_argument("--restore-quiet-seconds", type=float, default=2.0,
-                   help="after answering a restore, pushes to peers and a replaced host's "
-                        "own data (fetched in the background) wait this long, so the "
-                        "restore's reads and the first train steps after it run first "
-                        "(default 2; 0: at once)")
+                   help="after answering a restore, pushes to peers wait this long, and "
+                        "a replaced host's own data (fetched in the background) until the "
+                        "job says it has loaded the step (Restored) or this long, so the "
+                        "restore's reads and the first train steps run first (default 2; "
+                        "0: at once)")
     p.add_argument("--replication-warn-seconds", type=float, default=120.0,
                    help="own steps not on every peer for this long: a WARNING here, "
                         "'late' in mtc status and in the trainers' logs, and "

@@ -34,6 +34,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 FETCH_STREAMS = 4  # a restore's streams from one holder: the fetch pool's threads
+# The nice of the threads that bring a replaced host's own copy after the restore
+# answered: the job's first steps (and its input pipeline) on the same host's
+# CPUs go first; the copy takes what they leave, and all of it while they wait.
+BACKGROUND_NICE = 19
+
+
+def _background_priority() -> None:
+    """A background thread's initializer: this thread (Linux: a thread's nice is
+    its own) at ``BACKGROUND_NICE``. Where that is refused, it runs as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError) as e:
+        log.warning("a background fetch thread keeps its priority: %s", e)
 
 
 @dataclasses.dataclass
@@ -72,11 +85,17 @@ class Restorer:
         self._refuse = refuse
         self._stop = stop
         self._pool = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="mtc-fetch")
-        self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="mtc-materialize")
+        # After the answer: the step made local (one thread) over streams of its own,
+        # every thread at the background's priority.
+        self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="mtc-materialize",
+                                           initializer=_background_priority)
+        self._bg_fetch = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="mtc-fetch-bg",
+                                            initializer=_background_priority)
         self._bg_lock = threading.Lock()
         self._materializing: dict[int, Future[str]] = {}
         self._bg_wake = threading.Event()  # ends the background fetch's quiet time early
         self.quiet_until = 0.0  # monotonic: copies that can wait wait until then
+        self._last_rid = ""  # the restore id of the last PrepareRestore (under _bg_lock)
 
     def stop(self) -> None:
         """A background fetch waiting out its quiet time starts (and finds the stop)."""
@@ -85,7 +104,7 @@ class Restorer:
     def close(self) -> None:
         """After the servers ended: the background restore first (it waits on the
         fetch pool's calls), then the fetch pool."""
-        for pool in (self._bg_pool, self._pool):
+        for pool in (self._bg_pool, self._bg_fetch, self._pool):
             pool.shutdown(wait=True, cancel_futures=True)
 
     # -- agree --------------------------------------------------------------------------
@@ -137,11 +156,31 @@ class Restorer:
         step, tier, seconds, pending = self.prepare_restore(timeout_s, background=background,
                                                             ask=ask)
         d = ask.decision
+        with self._bg_lock:
+            self._last_rid = rid
         self.quiet_until = time.monotonic() + self.config.restore_quiet_s
         if d.step != step:  # the invariant, checked where it is cheap
             raise AgreementError(f"decided step {d.step}, prepared step {step}",
                                  host=self.rank)
         return d, tier, seconds, pending
+
+    def restored(self, rid: str, step: int) -> bool:
+        """The job has loaded ``step``, restored as ``rid``: a background fetch of
+        the step waiting out the quiet time (kept so that the job's load had this
+        host's CPUs) starts now, at the background's priority. Returns whether one
+        does. Pushes to peers still wait out the quiet time: they are a second
+        copy's traffic, where this fetch is a lost host's only second copy. A
+        notice of another restore than the last one prepared here (late,
+        replayed) changes nothing."""
+        with self._bg_lock:
+            if not rid or rid != self._last_rid:
+                return False
+            fetching = step in self._materializing
+        if fetching:
+            self._bg_wake.set()
+            log.info("rank %d: the job loaded step %d; its background fetch starts",
+                     self.rank, step)
+        return fetching
 
     def staged(self, step: int) -> tuple[Path, set[str]] | None:
         """This host's files of ``step`` read so far for a restore in progress (its
@@ -256,7 +295,8 @@ class Restorer:
             self._bg_wake.wait(self.config.restore_quiet_s)
             if self._stop.is_set():
                 raise StepNotFoundError("the replicator is stopping", step=step, host=self.rank)
-            tier = self.materialize(step, invs, into_root=into_root, run=run)
+            tier = self.materialize(step, invs, into_root=into_root, run=run,
+                                    pool=self._bg_fetch)
         except Exception as e:
             self.metrics.failures.labels("materialize").inc()
             log.error("rank %d: step %d could not be made local in the background: %s",
@@ -270,7 +310,7 @@ class Restorer:
         return tier
 
     def materialize(self, step: int, invs: dict[int, pb.Inventory], *, into_root: bool,
-                    run: str = "") -> str:
+                    run: str = "", pool: ThreadPoolExecutor | None = None) -> str:
         """Make this host's data of ``step`` (as ``run`` wrote it; "": whatever run)
         local and verified; returns the tier it came from ("local", "peer" or
         "backup"). A copy held here of another run under the same number is another
@@ -280,7 +320,8 @@ class Restorer:
         read again: their reader checks nothing); a file that fails is quarantined
         and fetched again, verified, from another holder: the copies of this rank's
         data, then an identical file of another data-parallel replica, then the
-        backup. No good copy anywhere: CorruptShardError naming the file."""
+        backup. No good copy anywhere: CorruptShardError naming the file. ``pool``:
+        the threads that fetch (default: the restore's own)."""
         if not self.holds_own(step, run) and (self.store.copy_dir(self.rank, step).exists()):
             log.warning("rank %d: its copy of step %d was written by another run than the "
                         "agreed one (%s): replaced", self.rank, step, run)
@@ -293,7 +334,7 @@ class Restorer:
                         step, len(bad), bad[0].path)
             tmp = self.store.begin_incoming(self.rank, step)
             try:
-                tiers = self._fetch_all(step, self.rank, invs, bad, tmp, run)
+                tiers = self._fetch_all(step, self.rank, invs, bad, tmp, run, pool)
                 self.store.repair(self.rank, step, {f.path: tmp / f.path for f in bad})
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -305,7 +346,8 @@ class Restorer:
         try:
             if sources:
                 files = [FileMeta(f.path, f.size, f.crc32c) for f in sources[0][1].files]
-                tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp, run)
+                tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp,
+                                        run, pool)
                 tier = "backup" if "backup" in tiers else "peer"
             elif self.backup is not None and step in self.backup.refresh():
                 files = self.backups.from_backup(step, invs, tmp)
@@ -335,9 +377,12 @@ class Restorer:
         return []
 
     def _fetch_all(self, step: int, origin: int, invs: dict[int, pb.Inventory],
-                   files: list[FileMeta], tmp: Path, run: str = "") -> set[str]:
+                   files: list[FileMeta], tmp: Path, run: str = "",
+                   pool: ThreadPoolExecutor | None = None) -> set[str]:
         """Fetch ``files`` (of ``origin``'s copy of ``step``, this rank's data or a
-        stand-in for it, of ``run``) into ``tmp``; returns the tiers used."""
+        stand-in for it, of ``run``) into ``tmp`` on ``pool``'s threads (default:
+        the restore's); returns the tiers used."""
+        pool = pool or self._pool
         sources = heal_sources(self.rank, step, origin, files, invs, run)
         orders = [fetch_order(self.rank, *sources.get(f.path, ([], [])), i)
                   for i, f in enumerate(files)]
@@ -346,14 +391,14 @@ class Restorer:
         # is fetched file by file from every source, as before.
         batches = fetch_batches([o[0] if o else None for o in orders], self.rank,
                                 FETCH_STREAMS)
-        futs = {self._pool.submit(self._fetch_batch, holder, src_origin, step,
+        futs = {pool.submit(self._fetch_batch, holder, src_origin, step,
                                   [files[k] for k in ks], tmp): ks
                 for (holder, src_origin), ks in batches}
         done: set[int] = set()
         for fut, ks in futs.items():
             got = set(fut.result())
             done.update(k for k in ks if files[k].path in got)
-        rest = [self._pool.submit(self._fetch, orders[k], step, files[k], tmp)
+        rest = [pool.submit(self._fetch, orders[k], step, files[k], tmp)
                 for k in range(len(files)) if k not in done]
         tiers = {fut.result() for fut in rest}
         return tiers | {"peer"} if done else tiers

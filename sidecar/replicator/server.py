@@ -27,7 +27,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mtc import layout
+from mtc import layout, validate
 from mtc.errors import (
     ConfigError,
     CorruptShardError,
@@ -260,6 +260,12 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                 background=request.background)
         return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch,
                                       pending=pending, run=d.run, lost=d.lost)
+
+    @mapped
+    def Restored(self, request: pb.RestoredRequest, context: Any) -> pb.RestoredReply:
+        rid = checks.restore_id(request.restore_id)
+        step = validate.step(request.step)
+        return pb.RestoredReply(fetching=self.node.restorer.restored(rid, step))
 
     @mapped
     def RequestBackup(self, request: pb.BackupRequest, context: Any) -> pb.BackupReply:
