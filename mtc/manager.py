@@ -79,6 +79,8 @@ class CheckpointManager:
         ``ocp.args.Composite``.
 
     Attributes:
+      dispatch_mode: how host-side code is invoked: ``"local"``, ``"colocated"``
+        or ``"process"`` (``Options.dispatch``, ``"auto"`` resolved).
       last_restore_tiers: per host served here, where its data of the last
         restore (or of the step ``latest_step`` prepared) came from: ``"local"``,
         ``"peer"`` or ``"backup"``.
@@ -102,8 +104,8 @@ class CheckpointManager:
         devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
         pathways = multihost.on_pathways()
         mode = self.options.dispatch
-        if mode == "auto":
-            mode = "process" if self.options.sidecars else "colocated" if pathways else "local"
+        if mode == "auto" and not self.options.sidecars:
+            mode = "colocated" if pathways else "local"
         self.topology = Topology.detect(devices, self.options, pathways=pathways)
         self._config = AgentConfig(
             local_dir=str(self.local_dir),
@@ -115,7 +117,8 @@ class CheckpointManager:
         )
         self._where = self._describe_where()
         self._network = self._network_tier() if mode == "local" else None
-        dispatch = self._connect(mode, devices)
+        # What ``"auto"`` chose: "local", "colocated" or "process".
+        self.dispatch_mode, dispatch = self._connect(mode, devices)
         # Every RAM-disk operation from here on goes through the dispatcher: the host
         # side (sidecar/) alone touches a RAM disk, here as on separate machines.
         # A reader neither locks nor cleans: a writer may be at work.
@@ -152,18 +155,24 @@ class CheckpointManager:
         self._held = Held(dispatch, str(self.local_dir))
         track(self, self._held)
 
-    def _connect(self, mode: str, devices: list[jax.Device]) -> Dispatch:
-        """The dispatcher of ``mode``. The sidecars take the replicators' credentials
-        (a token, or this process's certificate)."""
+    def _connect(self, mode: str, devices: list[jax.Device]) -> tuple[str, Dispatch]:
+        """The dispatcher of ``mode``, and the mode. The sidecars take the
+        replicators' credentials (a token, or this process's certificate).
+        ``"auto"`` with sidecars: the colocated dispatch where every sidecar runs
+        colocated Python, as Pathways workers do, else the process dispatch."""
+        sidecars = (find_sidecars(self._config, self.options.sidecars,
+                                  creds=credentials(self.options))
+                    if self.options.sidecars and mode in ("auto", "process", "colocated")
+                    else None)
+        if mode == "auto":
+            mode = ("colocated" if sidecars and all(s.colocated for s in sidecars.values())
+                    else "process")
         if mode == "process":
-            return ProcessDispatch.connect(self._config, self.options.sidecars or (),
-                                           creds=credentials(self.options))
+            return mode, ProcessDispatch(self._config, sidecars or {},
+                                         creds=credentials(self.options))
         if mode == "colocated":
-            sidecars = (find_sidecars(self._config, self.options.sidecars,
-                                      creds=credentials(self.options))
-                        if self.options.sidecars else None)
-            return ColocatedDispatch(self._config, devices, sidecars)
-        return LocalDispatch(self._config, self._network)
+            return mode, ColocatedDispatch(self._config, devices, sidecars)
+        return mode, LocalDispatch(self._config, self._network)
 
     def _note_foreign(self) -> dict[int, list[int]]:
         """Step folders on this process's hosts that are not mtc's (no manifest: an

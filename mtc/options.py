@@ -55,8 +55,9 @@ class Options:
         (``sidecars``; the local cluster); ``"colocated"`` with ``sidecars``
         runs the colocated-Python programs in those sidecars, as Pathways
         workers would (the local cluster's hosts started with
-        ``--colocated-devices``); ``"auto"`` picks process when
-        ``sidecars`` are given, colocated on Pathways, local elsewhere.
+        ``--colocated-devices``); ``"auto"`` picks colocated on Pathways and
+        with ``sidecars`` that all run colocated Python, process with other
+        sidecars, local elsewhere (the manager's ``dispatch_mode`` says which).
       hosts_per_slice: hosts per slice when devices carry no ``slice_index``.
       simulated_hosts: group this process's devices into this many simulated
         hosts (one RAM-disk root each, under ``<local_dir>/host-<i>/``). ``None``

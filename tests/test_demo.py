@@ -27,6 +27,7 @@ def test_demo_recovers_from_a_crash_with_the_reference_loss_curve(tmp_path: Path
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
 
+    assert report["cluster"]["dispatch"] == "colocated"  # as on Pathways, chosen by "auto"
     assert len(report["failures"]) == 1
     f = report["failures"][0]
     assert f["kind"] == "process_crash" and f["tier"] == "local"

@@ -153,6 +153,7 @@ def test_replicators_in_host_namespaces_bring_a_lost_host_back(hosts: Hosts, mes
     reps = Replicators(hosts)
     state = _state(mesh)
     with mtc.CheckpointManager(tmp_path, mesh=mesh, options=reps.options()) as mgr:
+        assert mgr.dispatch_mode == "process"  # "auto": these sidecars run no colocated Python
         mgr.save(3, state)
         mgr.wait_until_finished()
     # Host 1's peer is host 3 (same position, other slice): wait until it holds the copy.

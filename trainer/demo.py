@@ -393,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        hosts = Hosts(ramdisk, 4)
+        # Each sidecar runs the job's colocated-Python programs on a quarter of
+        # its 8 CPU devices, as a Pathways worker would: the trainer's manager
+        # ("auto") takes the colocated dispatch.
+        hosts = Hosts(ramdisk, 4, colocated_devices=8)
         for i in range(4):
             hosts.start_sidecar(i, [0, 0, 1, 1], env=env, wait=False)
         for i in range(4):
@@ -431,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         report = build_report(args, crash, resume, ref, kill, init.get("params"))
         report["config"]["tolerance"] = args.tolerance
         report["cluster"] = hosts.describe()
+        ready = resume.event("ready")
+        report["cluster"]["dispatch"] = ready.get("dispatch") if ready else None
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         png = plot(out, crash, resume, ref, report)
         print_report(report, out, png, ramdisk)

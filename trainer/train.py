@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   if args.token_file else None),
                                 sidecars=tuple(args.sidecars.split(",")) if args.sidecars
                                 else None))
-    log.write(event="ready", compile_cache=cache)
+    log.write(event="ready", compile_cache=cache,
+              dispatch=mgr.dispatch_mode if mgr is not None else None)
 
     t0 = time.perf_counter()
     if args.resume:

@@ -58,11 +58,13 @@ POLL_INTERVAL_S = 1.0
 @dataclasses.dataclass(frozen=True)
 class Sidecar:
     """Where one host's sidecar listens, its shared-memory area (as the trainer sees it),
-    and the credentials it takes."""
+    the credentials it takes, and whether it runs colocated-Python programs (a
+    Pathways worker's, started with ``--colocated-devices``)."""
 
     address: str
     area: Path
     creds: Credentials | None = None
+    colocated: bool = False
 
 
 def channels(sidecars: dict[int, Sidecar], method: str, creds: Credentials | None = None
@@ -431,7 +433,8 @@ def find_sidecars(config: AgentConfig, addresses: Sequence[str], deadline_s: flo
             hello = probe._rpc(h, "hello")
             if hello.get("rank") != h:
                 raise ConfigError(f"sidecar at {addresses[h]} did not take rank {h}", host=h)
-            sidecars[h] = Sidecar(addresses[h], Path(hello["area"]), creds)
+            sidecars[h] = Sidecar(addresses[h], Path(hello["area"]), creds,
+                                  hello.get("colocated") is True)
     finally:
         probe._channels_close()
     return sidecars

@@ -111,6 +111,7 @@ class HostService:
 
     def _hello(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
         return {"host": self.host, "rank": rank, "area": str(self.area),
+                "colocated": self.colocated is not None,
                 "programs": self.colocated.programs if self.colocated is not None else 0}
 
     def _inspect(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
