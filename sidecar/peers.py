@@ -126,7 +126,7 @@ class PeerFiles:
                     continue
                 size, crc = files[rel]
                 try:
-                    data = client.fetch_bytes(step, origin, rel, size, crc,
+                    data = client.data.fetch_bytes(step, origin, rel, size, crc,
                                               deadline_s=self.deadline_s)
                 except (PeerError, CorruptShardError) as e:
                     errors.append(f"{client.address}: {e}")

@@ -83,7 +83,7 @@ def raw_request(port: int, req: pb.DataRequest) -> pb.DataStatus:
 def test_a_fetch_goes_over_the_data_channel_verified(rep: Replicator) -> None:
     client = rep.client(TOKEN)
     try:
-        data = client.fetch_bytes(1, 0, "d/c.bin", len(FILES["d/c.bin"]),
+        data = client.data.fetch_bytes(1, 0, "d/c.bin", len(FILES["d/c.bin"]),
                                   crc32c(FILES["d/c.bin"]))
         assert bytes(data) == FILES["d/c.bin"]
         assert rep.data_port and client.data_port == rep.data_port  # learnt, and used
@@ -143,13 +143,13 @@ def test_pushed_bytes_that_do_not_match_the_offer_never_count(rep: Replicator) -
         bad = rep.root / "bad.bin"
         bad.write_bytes(b"jello")
         with pytest.raises(PeerError) as e:
-            client.push_data(reply.transfer_id, [(0, bad, 5, crc32c(b"hello"))])
+            client.data.push_data(reply.transfer_id, [(0, bad, 5, crc32c(b"hello"))])
         assert e.value.code == grpc.StatusCode.DATA_LOSS and e.value.path == "x.bin"
         with pytest.raises(PeerError):  # nothing verified: the copy cannot commit
             client.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
         good = rep.root / "good.bin"
         good.write_bytes(b"hello")
-        assert client.push_data(reply.transfer_id, [(0, good, 5, crc32c(b"hello"))]) == 5
+        assert client.data.push_data(reply.transfer_id, [(0, good, 5, crc32c(b"hello"))]) == 5
         client.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
         assert (rep.root / ".mtc-replica" / "1" / "3" / "x.bin").read_bytes() == b"hello"
     finally:
@@ -187,12 +187,12 @@ def test_with_tls_a_push_is_taken_only_from_the_transfers_rank(tmp_path: Path) -
         src.write_bytes(b"hello")
         rank2.data_port = reply.data_port
         with pytest.raises(PeerError) as e:  # the transfer is rank 1's
-            rank2.push_data(reply.transfer_id, [(0, src, 5, crc32c(b"hello"))])
+            rank2.data.push_data(reply.transfer_id, [(0, src, 5, crc32c(b"hello"))])
         assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
         rank1.data_port = reply.data_port
-        assert rank1.push_data(reply.transfer_id, [(0, src, 5, crc32c(b"hello"))]) == 5
+        assert rank1.data.push_data(reply.transfer_id, [(0, src, 5, crc32c(b"hello"))]) == 5
         # A fetch over TLS (no sendfile there): verified all the same.
-        data = rank1.fetch_bytes(1, 0, "a.bin", len(FILES["a.bin"]), crc32c(FILES["a.bin"]))
+        data = rank1.data.fetch_bytes(1, 0, "a.bin", len(FILES["a.bin"]), crc32c(FILES["a.bin"]))
         assert bytes(data) == FILES["a.bin"]
     finally:
         rank1.close()
@@ -213,7 +213,7 @@ def test_a_file_damaged_behind_the_cache_is_read_again_and_quarantined(
     try:
         good = FILES["d/c.bin"]
         with pytest.raises(PeerError) as e:
-            client.fetch_bytes(1, 0, "d/c.bin", len(good), crc32c(good))
+            client.data.fetch_bytes(1, 0, "d/c.bin", len(good), crc32c(good))
         assert e.value.code == grpc.StatusCode.DATA_LOSS and e.value.path == "d/c.bin"
         assert not p.exists() and rep.node.store.quarantined_total == 1
     finally:

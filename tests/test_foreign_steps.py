@@ -112,10 +112,10 @@ def test_replicator_neither_serves_nor_deletes_another_ranks_steps(
         # (As its own rank's: "not restoring that step"; as rank 1's: "no copy here".)
         for origin, code in ((0, "FAILED_PRECONDITION"), (1, "NOT_FOUND")):
             with pytest.raises(PeerError) as e:
-                client.fetch_bytes(7, origin, "w.0", 4096, crc32c(foreign[7]["w.0"]))
+                client.data.fetch_bytes(7, origin, "w.0", 4096, crc32c(foreign[7]["w.0"]))
             assert e.value.code is not None and e.value.code.name == code, e.value
         with pytest.raises(PeerError) as e:  # nor the Orbax step, as its own
-            client.fetch_bytes(4, 0, "_CHECKPOINT_METADATA", 11, crc32c(b'{"step": 4}'))
+            client.data.fetch_bytes(4, 0, "_CHECKPOINT_METADATA", 11, crc32c(b'{"step": 4}'))
         assert e.value.code is not None and e.value.code.name == "FAILED_PRECONDITION"
         prepared = client.call("GetInventory", pb.InventoryRequest(origins=[0, 1]))
         assert all(c.step not in (3, 4, 7) for c in prepared.copies)

@@ -267,7 +267,7 @@ def _inv(rank: int, copies: list[tuple[int, int, list[tuple[str, int, int]]]]) -
 
 
 def test_heal_sources_and_order() -> None:
-    from mtc.sidecar.replicator.restore import fetch_order, heal_sources
+    from mtc.sidecar.replicator.fetch_plan import fetch_order, heal_sources
     from mtc.sidecar.replicator.step_files import FileMeta
 
     a, b = ("a.bin", 10, 1), ("b.bin", 20, 2)

@@ -28,8 +28,8 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.fetch_plan import fetch_batches
 from mtc.sidecar.replicator.node import Node
-from mtc.sidecar.replicator.restore import fetch_batches
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import serve
 from mtc.sidecar.replicator.step_files import FileMeta
@@ -86,7 +86,7 @@ def metas(wrong_crc: dict[str, int] | None = None) -> list[FileMeta]:
 
 def test_every_file_in_one_stream_verified(holder: Holder, tmp_path: Path) -> None:
     dest = tmp_path / "dest"
-    got, err = holder.client.fetch_files(1, 0, metas(), dest)
+    got, err = holder.client.data.fetch_files(1, 0, metas(), dest)
     assert err is None
     assert got == list(FILES)
     for p, b in FILES.items():
@@ -96,7 +96,7 @@ def test_every_file_in_one_stream_verified(holder: Holder, tmp_path: Path) -> No
 def test_a_file_that_does_not_match_ends_the_stream(holder: Holder, tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     # What the inventory said of d/b.bin is not what the holder has.
-    got, err = holder.client.fetch_files(1, 0, metas({"d-b.bin": 0x1234}), dest)
+    got, err = holder.client.data.fetch_files(1, 0, metas({"d-b.bin": 0x1234}), dest)
     assert isinstance(err, CorruptShardError) and err.path == "d-b.bin"
     assert got == ["a.bin", "empty.bin"]  # the files before it arrived, verified
     assert (dest / "a.bin").read_bytes() == FILES["a.bin"]
@@ -110,14 +110,14 @@ def test_a_damaged_held_file_is_never_sent_whole(holder: Holder, tmp_path: Path)
     data[-1] ^= 0xFF  # flipped after it was committed: the holder finds it as it reads
     p.write_bytes(bytes(data))
     dest = tmp_path / "dest"
-    got, err = holder.client.fetch_files(1, 0, metas(), dest)
+    got, err = holder.client.data.fetch_files(1, 0, metas(), dest)
     assert isinstance(err, PeerError), err
     assert got == ["a.bin", "empty.bin", "d-b.bin"]
     assert not (dest / "d" / "c.bin").exists()
 
 
 def test_a_copy_not_held_sends_nothing(holder: Holder, tmp_path: Path) -> None:
-    got, err = holder.client.fetch_files(7, 0, metas(), tmp_path / "dest")
+    got, err = holder.client.data.fetch_files(7, 0, metas(), tmp_path / "dest")
     assert got == [] and isinstance(err, PeerError)
     assert not any((tmp_path / "dest").rglob("*.bin"))
 

@@ -205,7 +205,7 @@ class BackupDuties:
 
         def fetch(holder: int, path: str, local: Path, e: Any) -> None:
             try:
-                self.peers[holder].fetch_file(step, holder, path, local, e.size, e.crc32c)
+                self.peers[holder].data.fetch_file(step, holder, path, local, e.size, e.crc32c)
             except PeerError as err:
                 if err.code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise HolderIdle(str(err), step=step, host=holder) from err

@@ -216,9 +216,9 @@ class Replication:
         try:
             if len(batch) == 1:
                 f = batch[0][1]
-                peer.push_file(tid, f.path, src / f.path, f.size, f.crc32c)
+                peer.data.push_file(tid, f.path, src / f.path, f.size, f.crc32c)
             else:
-                peer.push_files(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in batch])
+                peer.data.push_files(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in batch])
         except CorruptShardError:
             # Damaged since it was last checked: read it again, quarantine what fails.
             where = self.store.locate(src / batch[0][1].path)
@@ -230,7 +230,7 @@ class Replication:
     def _push_stream(self, peer: PeerClient, tid: str, src: Path,
                      group: list[tuple[int, FileMeta]]) -> None:
         try:
-            peer.push_data(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in group])
+            peer.data.push_data(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in group])
         except (PeerError, CorruptShardError) as e:
             if isinstance(e, CorruptShardError) or e.code == grpc.StatusCode.DATA_LOSS:
                 # The target found a file damaged: ours, read again, quarantined if so.

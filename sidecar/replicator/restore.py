@@ -21,6 +21,7 @@ from mtc.errors import AgreementError, CorruptShardError, MtcError, StepNotFound
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.files import copy_verified
 from mtc.sidecar.replicator.agreement import check_members, saving_ranks
+from mtc.sidecar.replicator.fetch_plan import fetch_batches, fetch_order, heal_sources
 from mtc.sidecar.replicator.node_agreement import holders_of, holding_of
 from mtc.sidecar.replicator.step_files import FileMeta, inside
 
@@ -407,7 +408,7 @@ class Restorer:
                      tmp: Path) -> list[str]:
         """Files of ``origin``'s copy of ``step`` from ``holder`` in one stream; the
         paths that arrived verified."""
-        got, err = self.peers[holder].fetch_files(step, origin, files, tmp)
+        got, err = self.peers[holder].data.fetch_files(step, origin, files, tmp)
         sizes = {f.path: f.size for f in files}
         self.metrics.bytes_fetched.inc(sum(sizes[p] for p in got))
         if err is not None:
@@ -428,7 +429,7 @@ class Restorer:
                     src = self.store.copy_dir(origin, step) / f.path
                     copy_verified(src, dest, f.size, f.crc32c)
                 else:
-                    self.peers[holder].fetch_file(step, origin, f.path, dest, f.size,
+                    self.peers[holder].data.fetch_file(step, origin, f.path, dest, f.size,
                                                   f.crc32c)
                     self.metrics.bytes_fetched.inc(f.size)
                 return "peer"
@@ -455,66 +456,3 @@ def _bare(e: BaseException) -> str:
     if not isinstance(e, MtcError):
         return str(e)
     return e.message
-
-
-def fetch_batches(first: Sequence[tuple[int, int] | None], rank: int, streams: int
-                  ) -> list[tuple[tuple[int, int], list[int]]]:
-    """Which files to fetch in one stream, and from where: per file (by index) its
-    first source ``(holder, origin)``; the files whose first source is another
-    host, grouped by it, each group split into up to ``streams`` streams of
-    consecutive files (taken in turn by the fetch pool). Pure."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for k, src in enumerate(first):
-        if src is not None and src[0] != rank:
-            groups.setdefault(src, []).append(k)
-    out: list[tuple[tuple[int, int], list[int]]] = []
-    for src, ks in groups.items():
-        n = max(1, min(streams, len(ks)))
-        size = -(-len(ks) // n)
-        out += [(src, ks[j:j + size]) for j in range(0, len(ks), size)]
-    return out
-
-
-def heal_sources(rank: int, step: int, origin: int, files: list[FileMeta],
-                 invs: dict[int, pb.Inventory], run: str = ""
-                 ) -> dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
-    """Per wanted file (of ``origin``'s copy of ``step``, which ``rank`` restores),
-    where to fetch it: ``(holder, origin)`` pairs, in two groups, of copies
-    holding a file with the same path, size and CRC32C. First the copies of
-    ``origin``'s data, except this host's own data (the copy being healed); then
-    "twins": copies of other ranks' data of the same step (the same shard of a
-    data-parallel leaf saved by another replica, or an Orbax peer's), tried only
-    when every copy of ``origin``'s has failed. Only copies ``run`` wrote (any,
-    when ""): the same path under the same step number in another run's copy is
-    another checkpoint's file. Pure."""
-    wanted = {f.path: (f.size, f.crc32c) for f in files}
-    own: dict[str, list[tuple[int, int]]] = {}
-    twins: dict[str, list[tuple[int, int]]] = {}
-    for holder, inv in sorted(invs.items()):
-        for c in inv.copies:
-            if c.step != step or (holder == rank and c.origin_rank == rank) or \
-                    (run and c.run != run):
-                continue
-            group = own if c.origin_rank == origin else twins
-            for f in c.files:
-                if wanted.get(f.path) == (f.size, f.crc32c):
-                    group.setdefault(f.path, []).append((holder, c.origin_rank))
-    return {p: (own.get(p, []), twins.get(p, [])) for p in wanted}
-
-
-def fetch_order(rank: int, own: list[tuple[int, int]], twins: list[tuple[int, int]],
-                i: int) -> list[tuple[int, int]]:
-    """The order one file's sources are tried: copies on this host first (no
-    network), then the other holders of this rank's data rotated by ``i`` (so
-    the files of a restore spread over them), then twins, local ones first."""
-    local = [s for s in own if s[0] == rank]
-    remote = [s for s in own if s[0] != rank]
-    twins = sorted(twins, key=lambda s: s[0] != rank)
-    return local + _rotate(remote, i) + twins
-
-
-def _rotate(sources: list[tuple[int, int]], i: int) -> list[tuple[int, int]]:
-    if not sources:
-        return []
-    k = i % len(sources)
-    return sources[k:] + sources[:k]
