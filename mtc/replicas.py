@@ -112,19 +112,21 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
 
 
 def tell_restored(addresses: Sequence[str], prepared: Prepared, *, creds: Credentials,
-                  deadline_s: float = RESTORED_S) -> int:
+                  ranks: Sequence[int] | None = None, deadline_s: float = RESTORED_S) -> int:
     """Tell each replicator (concurrently) that the job has loaded ``prepared``'s
-    step: their quiet time ends, and a replaced host's background fetch starts
-    now instead of when the quiet time runs out. A hint: a replicator that does
-    not answer within ``deadline_s`` is logged and left to its quiet time. Returns
-    how many background fetches started."""
+    step: a replaced host's background fetch starts now instead of when the
+    quiet time after the restore runs out. A hint: a replicator that does not
+    answer within ``deadline_s`` is logged and left to its quiet time. ``ranks``:
+    each address's replicator rank (default: its position). Returns how many
+    background fetches started."""
     from mtc.proto import replicator_pb2 as pb
     from mtc.sidecar.replicator.client import PeerClient
 
     if prepared.step is None or not prepared.restore_id or not addresses:
         return 0
     request = pb.RestoredRequest(restore_id=prepared.restore_id, step=prepared.step)
-    clients = [PeerClient(a, creds, rank=i) for i, a in enumerate(addresses)]
+    clients = [PeerClient(a, creds, rank=ranks[i] if ranks is not None else i)
+               for i, a in enumerate(addresses)]
 
     def tell(c: PeerClient) -> bool:
         try:
@@ -223,10 +225,11 @@ class ReplicatorTier:
                                  step=prepared.step)
 
     def restored(self, prepared: Prepared) -> None:
-        """The job has loaded ``prepared``'s step: each local host's replicator ends
-        its quiet time (a replaced host's data starts coming now)."""
+        """The job has loaded ``prepared``'s step: each local host's replicator is
+        told (a replaced host's data starts coming now)."""
         fetching = tell_restored([self.addresses[h] for h in self.local_hosts], prepared,
-                                 creds=credentials(self.options))
+                                 creds=credentials(self.options),
+                                 ranks=[self.ranks[h] for h in self.local_hosts])
         if fetching:
             log.info("mtc: %d host(s) fetch their data of step %d now", fetching,
                      prepared.step)

@@ -212,8 +212,8 @@ class RestoreFlow:
                                           "load": time.perf_counter() - t_prepared})
         if prepared is not None and prepared.step == step:
             # Once the restored arrays are in place the load no longer needs the
-            # hosts' CPUs: their replicators' quiet time ends (a replaced host's own
-            # copy starts coming now, at the background's priority).
+            # hosts' CPUs: a replaced host's own copy starts coming now (at the
+            # background's priority), not when its replicator's quiet time ends.
             jax.block_until_ready(result)
             self.tier.restored(prepared)
         if newest and not self.options.replicators and not self.options.read_only:
