@@ -1,7 +1,7 @@
 """What the data channel (:mod:`.datachannel`) serves: the bytes of a push into an
 open transfer, and the files of a copy held here, for a fetch.
 
-The same checks as the gRPC Data service's (``server.py``): a push names an open
+The same checks as the gRPC Data service's (``grpc_data.py``): a push names an open
 transfer of the caller's rank and files of its offer; a fetch names a rank, a
 step and paths, each validated (:mod:`.checks`) before any file is opened, and
 files are opened part by part without following a symlink. A push's bytes are

@@ -22,7 +22,7 @@ credentials the listener serves loopback only. A request is bounded
 (``MAX_REQUEST``), every read and write has a timeout, connections are bounded in
 number, and streams are counted and watched by the same
 :class:`~mtc.sidecar.replicator.limits.Streams` as the gRPC data streams.
-What a request names is checked by the handler (``server.py``) before any I/O.
+What a request names is checked by the handler (``data_service.py``) before any I/O.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Caller:
 
 
 class Handler(Protocol):
-    """What the data channel serves (``server.py``'s servicer)."""
+    """What the data channel serves (``data_service.py``'s DataService)."""
 
     def data_push(self, caller: Caller, req: pb.DataRequest) -> int: ...
 

@@ -1,7 +1,8 @@
 """The one map between domain errors and gRPC status codes, both ways, and the
 retry rule every loop uses (:func:`is_retryable`).
 
-Server side, :func:`to_status` turns what a handler raised into a code; client
+Server side, :func:`to_status` turns what a handler raised into a code (and
+:func:`answer` into the code and message a handler aborts with); client
 side, :func:`error_class` names the domain error a code stands for, and
 :func:`is_retryable` says whether the same call may succeed later: transport
 trouble (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) and retryable domain
@@ -10,6 +11,7 @@ errors yes; bad input, missing or corrupt data no.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import grpc
@@ -57,6 +59,7 @@ _BY_CODE: dict[grpc.StatusCode, type[MtcError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: RetryableError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: RetryableError,
 }
+log = logging.getLogger("mtc.sidecar.replicator.server")  # errors as the server's
 
 
 # An error's step, host and file travel beside its bare message, as trailing
@@ -129,3 +132,18 @@ def is_retryable(e: BaseException) -> bool:
     if isinstance(e, MtcError):
         return isinstance(e, RetryableError)
     return isinstance(e, OSError | TimeoutError)
+
+
+def answer(e: BaseException, context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
+    """What a handler that raised ``e`` answers, through the one map; an unmapped
+    error is a bug: logged (as the server's), and
+    answered without its message (which may name this server's own folders). A
+    mapped error's step, host and file go in the trailing metadata (``wire_error``),
+    its message bare."""
+    code = to_status(e)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in a replicator call", exc_info=e)
+        return code, f"internal error ({type(e).__name__}; the replicator's log has it)"
+    message, where = wire_error(e)
+    context.set_trailing_metadata(where)
+    return code, message
