@@ -11,7 +11,9 @@ anew instead of waiting out the shared channel's backoff from the peer's loss.
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -147,6 +149,28 @@ def test_only_the_last_restore_starts_the_background_fetch(holder: Holder) -> No
     assert reply.fetching and restorer._bg_wake.is_set()
     assert restorer.quiet_until == quiet
     del restorer._materializing[1]
+
+
+def test_the_background_fetch_runs_below_the_job() -> None:
+    """A replaced host's own copy, fetched after the restore answered, runs on
+    threads at nice 19 (each thread its own, on Linux): the job's threads on that
+    host go first. The fetch pool that a waiting restore uses keeps its priority."""
+    from mtc.sidecar.replicator.restore import BACKGROUND_NICE, _background_priority
+
+    seen: dict[str, int] = {}
+
+    def probe(name: str, init: bool) -> None:
+        if init:
+            _background_priority()
+        seen[name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    for name, init in (("background", True), ("foreground", False)):
+        t = threading.Thread(target=probe, args=(name, init))
+        t.start()
+        t.join()
+    assert seen == {"background": BACKGROUND_NICE, "foreground": base}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # this thread untouched
 
 
 def test_a_peer_known_up_is_called_over_a_connection_of_its_own(
