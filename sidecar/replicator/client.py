@@ -144,12 +144,13 @@ class PeerClient:
                 if cc else grpc.insecure_channel(self.address, options=opts))
 
     def push_stream(self, chunks: Iterator[bytes], deadline_s: float,
-                 metadata: list[tuple[str, str]]) -> pb.PushAck:
+                    metadata: list[tuple[str, str]]) -> pb.PushAck:
+        """One call of gRPC's Data service's Push (raw bytes; ``metadata`` names them)."""
         return self._current().push(chunks, timeout=deadline_s, metadata=metadata)
 
     def fetch_stream(self, req: pb.FetchRequest, deadline_s: float) -> Iterator[bytes]:
-        return self._current().fetch(req, timeout=deadline_s,
-                                     metadata=self.metadata)
+        """One call of gRPC's Data service's Fetch: the raw bytes ``req`` names."""
+        return self._current().fetch(req, timeout=deadline_s, metadata=self.metadata)
 
     def close(self) -> None:
         with self._lock:
@@ -173,7 +174,7 @@ class PeerClient:
             try:
                 once: Callable[..., Any] = getattr(pb_grpc.ReplicatorStub(channel), name)
                 return self.retry(lambda: once(request, timeout=deadline_s or self.deadline_s,
-                                                metadata=self.metadata), name, attempts)
+                                               metadata=self.metadata), name, attempts)
             finally:
                 channel.close()
         # The stub is looked up for each attempt: a renewed certificate or a peer's
@@ -183,6 +184,8 @@ class PeerClient:
             name, attempts)
 
     def retry(self, fn: Callable[[], T], what: str, attempts: int) -> T:
+        """``fn()`` (a call to this peer), sent again with backoff while it fails
+        transiently, at most ``attempts`` times; a failure as :class:`PeerError`."""
         delay = 0.1
         for attempt in range(attempts):
             try:

@@ -8,7 +8,7 @@ fetch names a rank, a step and paths, each checked before any file is opened."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -21,34 +21,25 @@ from mtc.sidecar.confine import open_beneath
 from mtc.sidecar.files import CHUNK
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.limits import Streams, peer_of
-from mtc.sidecar.replicator.security import Identity
 from mtc.sidecar.replicator.status import answer
 from mtc.sidecar.replicator.step_files import FileMeta, inside, safe_relpath
-from mtc.sidecar.replicator.transfers import Transfer, Transfers
+from mtc.sidecar.replicator.transfers import Transfer
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.node import Node
 
 
 class GrpcData:
-    """The Data service's two raw-bytes calls (``push``, ``fetch``) on ``node``:
-    ``transfers`` are the open incoming copies (shared with the servicer's
-    Offer/Commit), ``streams`` bound how many there are and how long they take."""
+    """The Data service's two raw-bytes calls (``push``, ``fetch``) on ``node``.
+    ``transfer``: an open incoming copy by its id, of the caller's (the servicer's,
+    whose Offer opened it); ``streams`` bound how many calls there are and how
+    long they take."""
 
-    def __init__(self, node: Node, identity: Identity, streams: Streams,
-                 transfers: Transfers) -> None:
+    def __init__(self, node: Node, streams: Streams,
+                 transfer: Callable[[str, Any], Transfer]) -> None:
         self.node = node
-        self.identity = identity
         self.streams = streams
-        self.transfers = transfers
-
-    def _transfer(self, tid: str, context: Any) -> Transfer:
-        """An open transfer, of this caller's (with TLS: the rank that offered it)."""
-        t = self.transfers.get(tid)
-        if t is None:
-            raise KeyError(f"unknown transfer {tid[:64]!r}")
-        self.identity.require(context, t.origin, "a transfer")
-        return t
+        self._transfer = transfer
 
     def push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushAck:
         try:

@@ -74,7 +74,7 @@ class PeerData:
             self._asked = now
             try:
                 inv = self.peer.call("GetInventory", pb.InventoryRequest(identify=True),
-                                deadline_s=min(self.peer.deadline_s, 5.0), attempts=1)
+                                     deadline_s=min(self.peer.deadline_s, 5.0), attempts=1)
             except PeerError:
                 return None
             port = self.peer.data_port = int(inv.data_port)
@@ -222,7 +222,7 @@ class PeerData:
               ("x-mtc-size", str(size)), ("x-mtc-crc32c", str(crc))]
         try:
             return self.peer.retry(lambda: self.peer.push_stream(chunks(), deadline_s, md),
-                               f"push of {rel}", 2)
+                                   f"push of {rel}", 2)
         except PeerError:
             if bad[0]:
                 raise CorruptShardError("local file does not match its checksum",
@@ -255,7 +255,7 @@ class PeerData:
               ("x-mtc-files", ",".join(str(i) for i, *_ in files))]
         try:
             return self.peer.retry(lambda: self.peer.push_stream(chunks(), deadline_s, md),
-                               f"push of {len(files)} files", 2)
+                                   f"push of {len(files)} files", 2)
         except PeerError:
             if bad:
                 raise CorruptShardError("local file does not match its checksum",

@@ -104,7 +104,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             self.data.close()
         self.streams.close()
 
-    def _transfer(self, tid: str, context: Any) -> Transfer:
+    def transfer(self, tid: str, context: Any) -> Transfer:
         """An open transfer, of this caller's (with TLS: the rank that offered it)."""
         t = self.transfers.get(tid)
         if t is None:
@@ -159,7 +159,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def Link(self, request: pb.LinkRequest, context: Any) -> pb.LinkReply:
-        t = self._transfer(request.transfer_id, context)
+        t = self.transfer(request.transfer_id, context)
         linked = []
         for rel in request.paths:
             src = t.candidates.get(rel)
@@ -180,7 +180,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
 
     @mapped
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:
-        self._transfer(request.transfer_id, context)
+        self.transfer(request.transfer_id, context)
         t = self.transfers.take(request.transfer_id)  # one commit: a replayed one finds none
         if t is None:
             raise KeyError(f"unknown transfer {request.transfer_id[:64]!r}")
@@ -317,7 +317,7 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
                                    workers=streams.limits.max_streams + 8).start()
         node.data_port = servicer.data.port
     pb_grpc.add_ReplicatorServicer_to_server(servicer, server)
-    raw = GrpcData(node, servicer.identity, streams, servicer.transfers)
+    raw = GrpcData(node, streams, servicer.transfer)
     data = grpc.method_handlers_generic_handler("mtc.replicator.v1.Data", {
         "Push": grpc.stream_unary_rpc_method_handler(
             raw.push, request_deserializer=_raw,
