@@ -66,12 +66,16 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
             for pos in a["pos"]:
                 region_of[(int(a["out"]), int(pos))] = t
     read: dict[int, np.ndarray] = {}  # id(task) -> its region, read once
-    outputs: list[jax.Array] = []
+    # Every shard read first, then onto its device in one device_put (hundreds of
+    # leaves: one call each cost more than their bytes), then made into its array.
+    regions: list[np.ndarray] = []
+    places: list[jax.Device] = []
+    made: list[tuple[tuple[int, ...], jax.sharding.Sharding, np.dtype[Any], int]] = []
     for k, out in enumerate(request["outputs"]):
         sharding = sharding_from_json(out, devices)
         shape = tuple(int(n) for n in out["shape"])
         dtype = numpy_dtype(out["dtype"])
-        pieces = []
+        n = 0
         for d in sharding.addressable_devices:
             if d not in host_of:
                 continue
@@ -82,14 +86,15 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
                 if id(task) not in read:
                     read[id(task)] = loader.read(task)
                 region = read[id(task)]
-            pieces.append(jax.device_put(region, d))
-        outputs.append(jax.make_array_from_single_device_arrays(shape, sharding, pieces,
-                                                                dtype=dtype))
+            regions.append(region)
+            places.append(d)
+            n += 1
+        made.append((shape, sharding, dtype, n))
     for entry in request.get("regions", []):  # a region one host reads whole for others
         d = devices[int(entry["pos"])]
         shape = tuple(int(n) for n in entry["shape"])
         dtype = numpy_dtype(entry["dtype"])
-        pieces = []
+        n = 0
         if d in host_of:
             t = task_from_json(entry["task"])
             check_tasks([t], step=step, host=host_of[d])
@@ -99,9 +104,15 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
             region = loader.read(t)
             if region.shape != shape or region.dtype != dtype:
                 raise ProtocolError("a region is not the shape it was asked as", step=step)
-            pieces.append(jax.device_put(region, d))
-        outputs.append(jax.make_array_from_single_device_arrays(
-            shape, SingleDeviceSharding(d), pieces, dtype=dtype))
+            regions.append(region)
+            places.append(d)
+            n = 1
+        made.append((shape, SingleDeviceSharding(d), dtype, n))
+    placed = iter(jax.device_put(regions, places) if regions else [])
+    outputs: list[jax.Array] = [
+        jax.make_array_from_single_device_arrays(shape, sharding,
+                                                 [next(placed) for _ in range(n)], dtype=dtype)
+        for shape, sharding, dtype, n in made]
     foreign = request.get("foreign")
     if foreign is not None:
         sharding = sharding_from_json(foreign["out"], devices)

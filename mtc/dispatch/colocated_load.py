@@ -245,16 +245,27 @@ def finish(plan_: LoadPlan, outputs: Sequence[jax.Array], specs: dict[int, LeafS
     placed = jax.device_put(list(outputs[:len(plan_.leaves)]),
                             [specs[leaf].sharding for leaf in plan_.leaves], may_alias=True)
     arrays = dict(zip(plan_.leaves, placed, strict=True))
-    for leaf in sorted({leaf for leaf, _ in plan_.split}):
+    # Every region a holder read whole moves onto its target device in one
+    # device_put of them all (a replaced host's restore moves hundreds: one call
+    # each cost more than their bytes); the others are assembled from their parts.
+    built = sorted({leaf for leaf, _ in plan_.split})
+    shards: dict[tuple[int, int], jax.Array] = {}
+    moves: list[tuple[tuple[int, int], int, jax.Device]] = []
+    for leaf in built:
         spec = specs[leaf]
-        shards = []
         for d in spec.sharding.addressable_devices:
             index, parts = plan_.split[(leaf, d.id)]
             whole = plan_.whole.get((leaf, parts[0][0], index)) if len(parts) == 1 else None
             if whole is not None and parts[0][1] == index:  # read whole by its holder
-                shards.append(jax.device_put(outputs[whole], d))
+                moves.append(((leaf, d.id), whole, d))
             else:
-                shards.append(_assemble(index, parts, leaf, spec, d, plan_, buffers))
-        arrays[leaf] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding,
-                                                                shards)
+                shards[(leaf, d.id)] = _assemble(index, parts, leaf, spec, d, plan_, buffers)
+    if moves:
+        moved = jax.device_put([outputs[k] for _, k, _ in moves], [d for *_, d in moves])
+        shards.update((key, a) for (key, _, _), a in zip(moves, moved, strict=True))
+    for leaf in built:
+        spec = specs[leaf]
+        arrays[leaf] = jax.make_array_from_single_device_arrays(
+            spec.shape, spec.sharding,
+            [shards[(leaf, d.id)] for d in spec.sharding.addressable_devices])
     return arrays

@@ -214,21 +214,29 @@ class Runtime:
             futures = {h: self._pool.submit(one, h, inputs[h], buffers[h]) for h in hosts}
             wait(futures.values())  # every host answered, whatever the first one raised
             replies = {h: f.result() for h, f in sorted(futures.items())}
-            results = []
+            # Every output shard onto its device in one device_put (a restore's
+            # answer is hundreds of shards: one call each cost more than the bytes).
+            views: list[np.ndarray] = []
+            places: list[jax.Device] = []
+            ids: list[list[int]] = []
             for k, spec in enumerate(out_specs):
                 dt = np.dtype(spec.dtype)
                 shard = spec.sharding.shard_shape(spec.shape)
-                pieces = {}
+                came = []
                 for got, out in replies.values():
                     for cid, b in got["outputs"][k]:
-                        pieces[int(cid)] = jax.device_put(
-                            out[int(b)].view(dt).reshape(shard), by_id[int(cid)])
+                        came.append(int(cid))
+                        views.append(out[int(b)].view(dt).reshape(shard))
+                        places.append(by_id[int(cid)])
                 want = {d.id for d in spec.sharding.addressable_devices}
-                if set(pieces) != want:
+                if len(came) != len(want) or set(came) != want:
                     raise ColocatedCallError(f"{name}: output {k} came back on devices "
-                                             f"{sorted(pieces)}, declared {sorted(want)}")
-                results.append(jax.make_array_from_single_device_arrays(
-                    spec.shape, spec.sharding, list(pieces.values())))
+                                             f"{sorted(came)}, declared {sorted(want)}")
+                ids.append(came)
+            placed = iter(jax.device_put(views, places) if views else [])
+            results = [jax.make_array_from_single_device_arrays(
+                spec.shape, spec.sharding, [next(placed) for _ in came])
+                for spec, came in zip(out_specs, ids, strict=True)]
             if prng_out:
                 results = jax_func._wrap_prng_keys(results, prng_out)
             return tree_util.tree_unflatten(out_treedef, results)
