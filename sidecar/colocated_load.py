@@ -75,7 +75,7 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
         sharding = sharding_from_json(out, devices)
         shape = tuple(int(n) for n in out["shape"])
         dtype = numpy_dtype(out["dtype"])
-        n = 0
+        count = 0
         for d in sharding.addressable_devices:
             if d not in host_of:
                 continue
@@ -88,13 +88,13 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
                 region = read[id(task)]
             regions.append(region)
             places.append(d)
-            n += 1
-        made.append((shape, sharding, dtype, n))
+            count += 1
+        made.append((shape, sharding, dtype, count))
     for entry in request.get("regions", []):  # a region one host reads whole for others
         d = devices[int(entry["pos"])]
         shape = tuple(int(n) for n in entry["shape"])
         dtype = numpy_dtype(entry["dtype"])
-        n = 0
+        count = 0
         if d in host_of:
             t = task_from_json(entry["task"])
             check_tasks([t], step=step, host=host_of[d])
@@ -106,13 +106,14 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
                 raise ProtocolError("a region is not the shape it was asked as", step=step)
             regions.append(region)
             places.append(d)
-            n = 1
-        made.append((shape, SingleDeviceSharding(d), dtype, n))
+            count = 1
+        made.append((shape, SingleDeviceSharding(d), dtype, count))
     placed = iter(jax.device_put(regions, places) if regions else [])
     outputs: list[jax.Array] = [
         jax.make_array_from_single_device_arrays(shape, sharding,
-                                                 [next(placed) for _ in range(n)], dtype=dtype)
-        for shape, sharding, dtype, n in made]
+                                                 [next(placed) for _ in range(count)],
+                                                 dtype=dtype)
+        for shape, sharding, dtype, count in made]
     foreign = request.get("foreign")
     if foreign is not None:
         sharding = sharding_from_json(foreign["out"], devices)
