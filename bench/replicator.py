@@ -9,9 +9,12 @@ Measured in the same run, on this machine's loopback and RAM disk:
 - ``raw_tcp``: a preallocated buffer sent over one loopback TCP connection in 4 MiB
   ``sendall`` calls to a receiver thread doing ``recv_into`` a preallocated 4 MiB
   buffer; timed to the receiver's one-byte acknowledgement.
-- ``raw_file_copy``: the ceiling for any copy between RAM disks on this machine: the
-  step's files ``sendfile``d over loopback TCP to a receiver thread that CRC32Cs each
-  4 MiB and writes it to a new file (``peer_copy_over_raw_file_copy``).
+- ``raw_file_copy``: a plain copy between RAM disks: the step's files ``sendfile``d
+  over loopback TCP to a receiver thread that CRC32Cs each 4 MiB and writes it to a
+  new file (``peer_copy_over_raw_file_copy``). A new tmpfs file's pages are
+  allocated and cleared as they are first written, which bounds it well below the
+  link; the replicator receives into blank files it set aside after the origin's
+  last copy (``sidecar/replicator/reserve.py``), so it can beat this reference.
 - ``peer_copy``: two real replicator processes (2 slices x 1 host, ``--replicas 1
   --keep 1``). A step of ``--gib`` GiB (8 MiB files of distinct pseudo-random words,
   each step distinct too, so nothing is deduplicated) is written under a temporary
@@ -24,6 +27,9 @@ Measured in the same run, on this machine's loopback and RAM disk:
   watched so the copy splits
   into: until the Offer (the incoming folder appears), until the first pushed file
   appears, and the transfer (first file to commit; ``peer_transfer_over_raw_tcp``).
+  Before each copy the bench waits until host 1 has set aside the last copy's
+  sizes (``mtc_reserve_bytes``; none before the warm-up copy), as it has between a
+  job's saves, minutes apart; ``--no-reserve`` measures without it.
 - ``peer_restore``: host 0's root is wiped and its replicator restarted;
   ``PrepareRestore`` is called on both replicators at once and host 0 fetches its step
   back from host 1. Timed from the calls to host 0's reply (agreement included; the
@@ -32,7 +38,8 @@ Measured in the same run, on this machine's loopback and RAM disk:
   preallocated, warmed buffers.
 - ``host_cpu_s_per_gb``: CPU seconds (from ``/proc``) both hosts' replicators spend
   per GB of a step, from its commit on host 0 until the copy is committed on host
-  1 and the sender has settled (the median sample).
+  1, the previous copy deleted, host 1's reserve refilled and the sender settled
+  (the median sample).
 
 Each measurement is interleaved with its reference, round by round (raw TCP, a peer
 copy, a raw file copy; a local read then a restore), so drift in the machine's load
@@ -307,6 +314,8 @@ class CopyTimes:
     commit: float  # the verified copy is committed
     describe: float  # the sender's describe pass, timed again in-process afterwards
     cpu: list[float]  # CPU seconds of each host's replicator, from the rename to settled
+    reserved_before: int  # host 1's blank bytes set aside when the copy started
+    refill: float  # seconds from the commit until host 1's reserve was full again
 
 
 def host_cpu(pids: list[int]) -> list[float]:
@@ -320,12 +329,26 @@ def host_cpu(pids: list[int]) -> list[float]:
     return out
 
 
-def copy_sample(h0: Path, h1: Path, step: int, payload: memoryview, nfiles: int,
-                pids: list[int]) -> CopyTimes:
-    """Commit a step on host 0 and watch host 1's replica folder until its copy commits."""
+def reserved(cl: Any, want: int, timeout: float) -> tuple[int, float]:
+    """(host 1's reserve in bytes, seconds waited): polled until it holds ``want``
+    bytes (the last copy's size; 0: whatever it holds) or ``timeout``."""
+    t0 = time.perf_counter()
+    while True:
+        held = int(cl.scrape(1).get("mtc_reserve_bytes", 0))
+        if held >= want or time.perf_counter() - t0 > timeout:
+            return held, time.perf_counter() - t0
+        time.sleep(0.01)
+
+
+def copy_sample(cl: Any, step: int, payload: memoryview, nfiles: int,
+                pids: list[int], reserve: int) -> CopyTimes:
+    """Commit a step on host 0 and watch host 1's replica folder until its copy
+    commits, then until host 1 has set aside ``reserve`` bytes for the next copy."""
+    h0, h1 = cl.root(0), cl.root(1)
     tmp = write_step(h0, step, payload, nfiles)
     time.sleep(0.3)  # let the writes settle and the replicators idle
     cpu0 = host_cpu(pids)
+    held_before, _ = reserved(cl, 0, 0)
     area = h1 / REPLICA_DIR / "0"
     final, prefix = str(step), f"{step}{TMP_MARK}"
     offer = first = 0.0
@@ -353,13 +376,16 @@ def copy_sample(h0: Path, h1: Path, step: int, payload: memoryview, nfiles: int,
         time.sleep(0.002)
     done = now
     time.sleep(0.5)  # garbage collection of the previous step, off the clock
-    # The sender's sync of the target's holdings included.
+    # The refill of host 1's reserve (its CPU counts here) and the sender's sync of
+    # the target's holdings included.
+    _, refill = reserved(cl, reserve, 60)
     cpu = [b - a for a, b in zip(cpu0, host_cpu(pids), strict=True)]
     t2 = time.perf_counter()
     describe_own(h0 / str(step))
     describe = time.perf_counter() - t2
     return CopyTimes(offer=(offer or done) - t0, first_file=(first or done) - t0,
-                     commit=done - t0, describe=describe, cpu=cpu)
+                     commit=done - t0, describe=describe, cpu=cpu,
+                     reserved_before=held_before, refill=0.5 + refill)
 
 
 def restore_sample(cl: Any, h0: Path, step: int) -> tuple[float, Any, Any, float]:
@@ -391,7 +417,8 @@ def restore_sample(cl: Any, h0: Path, step: int) -> tuple[float, Any, Any, float
     return done[0] - t0, r0, r1, restart
 
 
-def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
+def run(gib: float, samples: int, warmup: int, base: Path, *,
+        reserve: bool = True) -> dict[str, Any]:
     t_start = time.perf_counter()
     nfiles = max(1, round(gib * 1024 * MIB / FILE_BYTES))
     nbytes = nfiles * FILE_BYTES
@@ -415,7 +442,9 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
 
     raw = RawTcp(payload)
     rawcopy = RawFileCopy(base / "raw-copy")
-    cl = replicators.Cluster(base, 2, 1, extra=("--replicas", "1", "--keep", "1"))
+    cl = replicators.Cluster(base, 2, 1, extra=("--replicas", "1", "--keep", "1",
+                                              *(() if reserve else ("--no-reserve",))),
+                             metrics=True)
     h0, h1 = cl.root(0), cl.root(1)
     try:
         cl.start_all()
@@ -425,8 +454,8 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
         for r in range(rounds):
             step = 100 + r
             t_tcp = raw.sample()
-            c = copy_sample(h0, h1, step, payload, nfiles,
-                            [cl.procs[0].pid, cl.procs[1].pid])
+            c = copy_sample(cl, step, payload, nfiles, [cl.procs[0].pid, cl.procs[1].pid],
+                            nbytes if reserve else 0)
             paths = step_files(h0 / str(step))
             t_file = rawcopy.sample(paths)
             t0 = time.perf_counter()
@@ -436,7 +465,9 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
             log(f"raw TCP {gbps(nbytes, t_tcp)} GB/s; raw file copy {gbps(nbytes, t_file)} "
                 f"GB/s; copy of step {step}: {c.commit:.3f} s = "
                 f"{gbps(nbytes, c.commit)} GB/s (offer at {c.offer:.3f} s, first file at "
-                f"{c.first_file:.3f} s; describe pass {c.describe:.3f} s){tag}")
+                f"{c.first_file:.3f} s; describe pass {c.describe:.3f} s; "
+                f"{c.reserved_before / GB:.2f} GB set aside before it, refilled in "
+                f"{c.refill:.2f} s){tag}")
             if r >= warmup:
                 tcp_s.append(t_tcp)
                 file_s.append(t_file)
@@ -486,6 +517,7 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
         "load_average_1m": round(os.getloadavg()[0], 1),
         "samples": samples,
         "warmup": warmup,
+        "reserve": reserve,
         "raw_tcp": {**summary(nbytes, tcp_s), "chunk_mib": TCP_CHUNK // MIB},
         "raw_file_copy": summary(nbytes, file_s),
         "peer_copy": {
@@ -497,6 +529,10 @@ def run(gib: float, samples: int, warmup: int, base: Path) -> dict[str, Any]:
             "until_first_file_seconds": [round(c.first_file, 3) for c in copies],
             "transfer": summary(nbytes, data_s),
             "describe_pass": summary(nbytes, [c.describe for c in copies]),
+            # host 1's blank space set aside from the last copy's sizes (reserve.py;
+            # none before the first), and how long its refill took after the commit
+            "reserved_bytes_before": [c.reserved_before for c in copies],
+            "refill_seconds": [round(c.refill, 2) for c in copies],
             "crc_of_files_gbps": summary(nbytes, crc_s)["gbps_best"],
             "crc_in_memory_gbps": crc_mem_gbps,
         },
@@ -529,11 +565,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=1.0, help="step size in GiB (default 1)")
     p.add_argument("--samples", type=int, default=3, help="kept samples per figure")
     p.add_argument("--warmup", type=int, default=1, help="discarded samples per figure")
+    p.add_argument("--no-reserve", action="store_true",
+                   help="the replicators set no RAM-disk space aside (as before it existed)")
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 0:
         p.error("--samples must be >= 1 and --warmup >= 0")
     return run_in_scratch("mtc-bench-replicator-",
-                          lambda base: run(args.gib, args.samples, args.warmup, base))
+                          lambda base: run(args.gib, args.samples, args.warmup, base,
+                                           reserve=not args.no_reserve))
 
 
 if __name__ == "__main__":

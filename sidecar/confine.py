@@ -58,11 +58,13 @@ def real_dir(path: Path) -> Path:
 
 
 def open_beneath(base: Path | str, rel: str, flags: int = os.O_RDONLY, mode: int = 0o600,
-                 *, makedirs: bool = False) -> int:
+                 *, makedirs: bool = False, adopt: Path | None = None) -> int:
     """A descriptor of ``base/rel``, every part of ``rel`` opened with ``O_NOFOLLOW``
     from the one before (missing folders made with ``makedirs``). ``base`` is trusted
-    as it is. Raises :class:`UnsafePathError` when a part is a symlink (or a file where
-    a folder is needed), FileNotFoundError when one is missing."""
+    as it is. ``adopt``: a file of the same file system renamed to ``base/rel``
+    first (through the folder's descriptor, so a symlink planted meanwhile is never
+    followed), then opened. Raises :class:`UnsafePathError` when a part is a symlink
+    (or a file where a folder is needed), FileNotFoundError when one is missing."""
     parts = relpath(rel).split("/")
     fd = os.open(base, _DIR_FLAGS)
     try:
@@ -84,6 +86,8 @@ def open_beneath(base: Path | str, rel: str, flags: int = os.O_RDONLY, mode: int
                 raise
             os.close(fd)
             fd = nxt
+        if adopt is not None:
+            os.rename(adopt, parts[-1], dst_dir_fd=fd)
         try:
             return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
         except OSError as e:

@@ -99,9 +99,9 @@ class GrpcData:
             dst = inside(t.tmp, meta.path)
             dst.unlink(missing_ok=True)
             value = got = 0
-            # Created new, part by part without following a symlink (O_EXCL, O_NOFOLLOW).
-            fd = open_beneath(t.tmp, meta.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                              makedirs=True)
+            # New (or set aside for it, reserve.py), part by part without following
+            # a symlink.
+            fd = self.node.reserve.open_new(t.tmp, meta.path, meta.size, t.origin)
             with os.fdopen(fd, "wb", buffering=0) as f:
                 try:
                     while got < meta.size:

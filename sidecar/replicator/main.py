@@ -97,6 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="own steps not on every peer for this long: a WARNING here, "
                         "'late' in mtc status and in the trainers' logs, and "
                         "mtc_unreplicated_seconds (default 120)")
+    p.add_argument("--no-reserve", action="store_true",
+                   help="set no blank RAM-disk space aside for the next peer copy (by "
+                        "default the sizes of each origin's last copy are allocated "
+                        "ahead, at background priority, while the RAM disk keeps as "
+                        "much free beside them: copies then arrive about 2.5x faster)")
     p.add_argument("--stall-seconds", type=float, default=120.0,
                    help="health turns NOT_SERVING when the replication loop has not "
                         "passed for this long (default 120)")
@@ -165,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                                   poll_s=args.poll_seconds, framework=framework,
                                   agreement_timeout_s=args.agreement_timeout_seconds,
                                   restore_quiet_s=args.restore_quiet_seconds,
-                                  replication_warn_s=args.replication_warn_seconds)
+                                  replication_warn_s=args.replication_warn_seconds,
+                                  reserve=not args.no_reserve)
         if (args.tls_pod_prefix is None) != (args.tls_hosts_per_slice is None):
             raise ConfigError("--tls-pod-prefix and --tls-hosts-per-slice go together")
         if args.tls_pod_prefix is not None:
@@ -231,6 +237,7 @@ def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
     client_q: queue.Queue[orbax.ClientRequest | None] = queue.Queue()
     threads = [threading.Thread(target=node.run, name="mtc-replicate"),
                threading.Thread(target=node.backups.run, name="mtc-backup"),
+               threading.Thread(target=node.reserve.run, name="mtc-reserve"),
                threading.Thread(target=_client_loop, args=(node, root, client_q),
                                 name="mtc-orbax-client"),
                threading.Thread(target=check_peers,

@@ -38,6 +38,12 @@ class Metrics:
         self.unreplicated = Gauge("mtc_unreplicated_seconds",
                                   "How long this host's newest steps have waited to reach "
                                   "every peer (0: they are there)", registry=r)
+        self.reserve_bytes = Gauge("mtc_reserve_bytes",
+                                   "Blank RAM-disk bytes set aside for the next peer copies",
+                                   registry=r)
+        self.reserve_used = Counter("mtc_reserve_files_used",
+                                    "Received files written into space set aside for them",
+                                    registry=r)
         self.config_mismatch = Gauge("mtc_config_mismatch",
                                      "1 when this node's --nodes, --rank or --nodes-per-slice "
                                      "disagree with a peer's", registry=r)

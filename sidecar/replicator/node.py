@@ -5,6 +5,7 @@ services that act on them, each in a module of its own:
 - ``gc.py``: which steps and copies are deleted (a pure plan, and its pass);
 - ``node_agreement.py``: the restore agreement (deciding, asking);
 - ``restore.py``: bringing the agreed step's data, verified, and healing it;
+- ``reserve.py``: blank RAM-disk space set aside for the next peer copy;
 - ``sidecar/backup/duties.py``: the backup tier (leading, uploading, restoring).
 
 This module holds what they share: the inventory a peer is shown, the node's
@@ -35,6 +36,7 @@ from mtc.sidecar.replicator.gc import collect_garbage
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.replication import Replication
+from mtc.sidecar.replicator.reserve import Reserve, room
 from mtc.sidecar.replicator.restore import Restorer
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
@@ -75,6 +77,9 @@ class Node:
                                  stop=self._stop)
         self.replication = Replication(*shared,
                                        quiet_until=lambda: self.restorer.quiet_until)
+        self.reserve = Reserve(root, lambda: room(root), enabled=config.reserve,
+                               on_take=self.metrics.reserve_used.inc)
+        self.metrics.reserve_bytes.set_function(self.reserve.held_bytes)
 
     def run(self) -> None:
         """The replication loop (its thread is main's): a copy pass, then garbage
@@ -97,6 +102,7 @@ class Node:
         """Ask the loops and any restore waiting for its decision to end (main joins
         their threads)."""
         self._stop.set()
+        self.reserve.stop()
         self.restorer.stop()
         self.agreement.close()
         for p in self.peers.values():

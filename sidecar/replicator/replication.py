@@ -51,6 +51,9 @@ class Replication:
         self.metrics = metrics
         self._quiet_until = quiet_until
         self.clock = ReplicationClock(config.replication_warn_s)
+        # Read at each scrape, not at the last pass: a pass may be far behind.
+        self.metrics.unreplicated.set_function(lambda: self.clock.state()[1])
+        self._empty_passes = 0
         self.replicated: dict[int, set[int]] = defaultdict(set)
         # The fingerprint of each own step when ``replicated`` learnt its targets: a
         # step saved again under its number (another run's) is replicated anew.
@@ -111,8 +114,14 @@ class Replication:
             return  # a restore was just answered: its reads and steps go first
         own = self.store.own_steps()
         if not own:
-            self._note_replication(-1, True)
+            # Nothing of this host's is at risk, but one empty listing does not say
+            # so: a folder between two renames (a step saved again) or a listing
+            # racing retention reads as none. Only a second empty pass stops the clock.
+            self._empty_passes += 1
+            if self._empty_passes >= 2:
+                self._note_replication(-1, True)
             return
+        self._empty_passes = 0
         newest = own[-1]
         fp = self._own_fingerprint(newest)
         if self._replicated_fp.get(newest) != fp:  # saved (again) since it was replicated
@@ -144,7 +153,6 @@ class Replication:
 
     def _note_replication(self, newest: int, replicated: bool) -> None:
         self.clock.update(newest, replicated)
-        self.metrics.unreplicated.set(self.clock.state()[1])
         warning = self.clock.warn_once()
         if warning:
             log.warning("rank %d: %s (targets: ranks %s)", self.rank, warning,

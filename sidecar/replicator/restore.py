@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from mtc import layout
 from mtc.errors import AgreementError, CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.background import lower_this_thread
 from mtc.sidecar.files import copy_verified
 from mtc.sidecar.replicator.agreement import check_members, saving_ranks
 from mtc.sidecar.replicator.fetch_plan import fetch_batches, fetch_order, heal_sources
@@ -35,19 +36,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 FETCH_STREAMS = 4  # a restore's streams from one holder: the fetch pool's threads
-# The nice of the threads that bring a replaced host's own copy after the restore
-# answered: the job's first steps (and its input pipeline) on the same host's
-# CPUs go first; the copy takes what they leave, and all of it while they wait.
-BACKGROUND_NICE = 19
-
-
 def _background_priority() -> None:
-    """A background thread's initializer: this thread (Linux: a thread's nice is
-    its own) at ``BACKGROUND_NICE``. Where that is refused, it runs as it is."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except (AttributeError, OSError) as e:
-        log.warning("a background fetch thread keeps its priority: %s", e)
+    """The threads that bring a replaced host's own copy after the restore answered
+    run below the job's first steps (and its input pipeline) on the same CPUs: the
+    copy takes what they leave, and all of it while they wait."""
+    lower_this_thread("a background fetch thread")
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mtc import layout, validate
+from mtc import validate
 from mtc.errors import (
     ConfigError,
     CorruptShardError,
@@ -43,6 +43,7 @@ from mtc.sidecar.replicator.datachannel import DataServer
 from mtc.sidecar.replicator.decode_guard import DecodeGuard
 from mtc.sidecar.replicator.grpc_data import GrpcData
 from mtc.sidecar.replicator.limits import BoundedHealth, Gate, Limits, Streams
+from mtc.sidecar.replicator.reserve import room
 from mtc.sidecar.replicator.security import (
     Credentials,
     Identity,
@@ -64,7 +65,6 @@ MAX_RESTORE_TIMEOUT_S = 24 * 3600.0
 # 1 MiB each), an offer of MAX_FILES files a few MiB.
 MAX_REQUEST = 16 << 20
 # Free space an incoming copy leaves on the RAM disk beyond its own bytes.
-DISK_RESERVE = 64 << 20
 
 
 def mapped(fn: F) -> F:
@@ -90,7 +90,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.deciding = Gate(2, "Decide asks of this rank")
         self.preparing = Gate(8, "restores")
         self.transfers = Transfers(
-            lambda: layout.room(node.store.root, DISK_RESERVE),
+            # The reserve's blank files are room a copy fills (reserve.py).
+            lambda: room(node.store.root) + node.reserve.held_bytes(),
             max_files=checks.MAX_OPEN_FILES, idle_s=TRANSFER_IDLE_S)
         self.data: DataServer | None = None  # the data channel, when serve() opened one
 
@@ -174,6 +175,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             claims.claim(self.node.store, src, dst, meta)
             with t.lock:
                 t.verified.add(rel)
+                t.linked.add(rel)
             linked.append(rel)
         self.node.metrics.deduplicated_files.inc(len(linked))
         return pb.LinkReply(linked=linked)
@@ -200,6 +202,9 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             shutil.rmtree(t.tmp, ignore_errors=True)
             raise
         self.node.on_copy_received(t.origin, t.step)
+        # The next copy from this origin likely brings files of these sizes again.
+        self.node.reserve.want(t.origin, [m.size for p, m in t.files.items()
+                                          if p not in t.linked])
         # Saved here meanwhile (after the Offer found nothing to link): the copy's
         # files identical to the own step's become claims on them (held once).
         self.node.metrics.deduplicated_files.inc(

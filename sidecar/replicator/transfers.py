@@ -32,6 +32,7 @@ class Transfer:
         self.files = {f.path: f for f in files}
         self.nbytes = sum(f.size for f in files)
         self.verified: set[str] = set()
+        self.linked: set[str] = set()  # verified as claims on bytes held here (Link)
         self.candidates: dict[str, Path] = {}
         self.touched = time.monotonic()
         self.lock = threading.Lock()
