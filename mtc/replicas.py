@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,7 +73,6 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
     once it is agreed and brings the data in the background (``pending``); ask
     it again with the returned ``restore_id`` to wait for the data. ``ranks``: each
     address's replicator rank (default: its position), which errors name."""
-    from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.security import Credentials
 
     if creds is None:
@@ -80,22 +80,17 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
     rid = restore_id or uuid.uuid4().hex
     deadline = time.monotonic() + timeout_s
     cancelled = threading.Event()
-    clients = [PeerClient(a, creds, rank=ranks[i] if ranks is not None else i)
-               for i, a in enumerate(addresses)]
-    pool = ThreadPoolExecutor(len(clients), thread_name_prefix="mtc-prepare")
-    try:
-        futs = [pool.submit(_prepare_one, c, rid, deadline, cancelled, tuple(members),
-                            background) for c in clients]
-        done, _ = wait(futs, return_when=FIRST_EXCEPTION)
-        for f in futs:
-            if f in done and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
-        replies = [f.result() for f in futs]
-    finally:
-        cancelled.set()
-        for c in clients:
-            c.close()  # cancels calls still in flight
-        pool.shutdown(wait=False, cancel_futures=True)
+    with _each(addresses, creds, ranks, "mtc-prepare") as (clients, pool):
+        try:
+            futs = [pool.submit(_prepare_one, c, rid, deadline, cancelled, tuple(members),
+                                background) for c in clients]
+            done, _ = wait(futs, return_when=FIRST_EXCEPTION)
+            for f in futs:
+                if f in done and f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+            replies = [f.result() for f in futs]
+        finally:
+            cancelled.set()
     for a, r in zip(addresses, replies, strict=True):
         log.info("replicator %s: step %d (epoch %d) from the %s tier in %.2fs%s",
                  a, r.step, r.epoch, r.tier, r.seconds,
@@ -120,13 +115,10 @@ def tell_restored(addresses: Sequence[str], prepared: Prepared, *, creds: Creden
     each address's replicator rank (default: its position). Returns how many
     background fetches started."""
     from mtc.proto import replicator_pb2 as pb
-    from mtc.sidecar.replicator.client import PeerClient
 
     if prepared.step is None or not prepared.restore_id or not addresses:
         return 0
     request = pb.RestoredRequest(restore_id=prepared.restore_id, step=prepared.step)
-    clients = [PeerClient(a, creds, rank=ranks[i] if ranks is not None else i)
-               for i, a in enumerate(addresses)]
 
     def tell(c: PeerClient) -> bool:
         try:
@@ -137,13 +129,28 @@ def tell_restored(addresses: Sequence[str], prepared: Prepared, *, creds: Creden
                         "its quiet time ends on its own", c.address, prepared.step, e)
             return False
 
-    pool = ThreadPoolExecutor(len(clients), thread_name_prefix="mtc-restored")
-    try:
+    with _each(addresses, creds, ranks, "mtc-restored") as (clients, pool):
         return sum(pool.map(tell, clients))
+
+
+@contextlib.contextmanager
+def _each(addresses: Sequence[str], creds: Credentials, ranks: Sequence[int] | None,
+          name: str) -> Iterator[tuple[list[PeerClient], ThreadPoolExecutor]]:
+    """A client per replicator (``ranks``: each address's rank, default its
+    position) and a thread per client to ask them all at once. On the way out the
+    clients close first (cancelling calls still in flight), then the pool ends
+    without waiting for calls already cancelled."""
+    from mtc.sidecar.replicator.client import PeerClient
+
+    clients = [PeerClient(a, creds, rank=ranks[i] if ranks is not None else i)
+               for i, a in enumerate(addresses)]
+    pool = ThreadPoolExecutor(len(clients), thread_name_prefix=name)
+    try:
+        yield clients, pool
     finally:
-        pool.shutdown(wait=True)
         for c in clients:
             c.close()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _prepare_one(client: PeerClient, rid: str, deadline: float,

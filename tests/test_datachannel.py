@@ -28,11 +28,13 @@ from mtc.errors import ConfigError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import datachannel as dc
+from mtc.sidecar.replicator import socket_files
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import serve
+from mtc.sidecar.replicator.socket_files import recv_into_fd
 
 FILES = {"a.bin": bytes(range(256)) * 4000, "empty.bin": b"", "d-b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 300}
@@ -247,12 +249,12 @@ def test_a_receive_whose_socket_fails_is_a_connection_error(
             raise OSError(22, "Invalid argument")
         return real(src, dst, count, *args)
 
-    monkeypatch.setattr(dc.os, "splice", failing)
+    monkeypatch.setattr(socket_files.os, "splice", failing)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:
         a.sendall(b"x" * 10)
         with pytest.raises(ConnectionError, match="receiving failed"):
-            dc.recv_into_fd(b, fd, 10, memoryview(bytearray(16)))
+            recv_into_fd(b, fd, 10, memoryview(bytearray(16)))
     finally:
         os.close(fd)
         a.close()

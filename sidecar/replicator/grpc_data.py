@@ -27,6 +27,7 @@ from mtc.sidecar.replicator.transfers import Transfer
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.node import Node
+    from mtc.sidecar.replicator.store import LocalStore
 
 
 class GrpcData:
@@ -166,12 +167,12 @@ class GrpcData:
             if (origin, step) not in store.copies():
                 raise StepNotFoundError("no complete copy here", step=step, host=origin)
             for r in rels:
-                yield from store.stream_verified(origin, step, r)
+                yield from stream_verified(store, origin, step, r)
             return
         rel = rels[0]
         if (origin, step) in store.copies():
             # Checked as it is read: a file that fails is quarantined, never sent whole.
-            yield from store.stream_verified(origin, step, rel, req.offset)
+            yield from stream_verified(store, origin, step, rel, req.offset)
             return
         staged = self.node.restorer.staged(step) if origin == self.node.rank else None
         if origin == self.node.rank and staged and rel in staged[1]:
@@ -189,6 +190,50 @@ class GrpcData:
             f.seek(req.offset)
             while chunk := f.read(CHUNK):
                 yield chunk
+
+
+def stream_verified(store: LocalStore, origin: int, step: int, rel: str, offset: int = 0
+                    ) -> Iterator[bytes]:
+    """A file of a copy held in ``store``: its bytes from ``offset``, CRC32C checked
+    as they are read; the last chunk is held back until the check passes, so a
+    reader never gets a whole file that fails (the file is quarantined and
+    CorruptShardError raised)."""
+    meta = next((f for f in store.describe(origin, step) if f.path == rel), None)
+    if meta is None:
+        raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
+    if not 0 <= offset <= meta.size:
+        raise ValueError(f"offset {offset} outside {rel} ({meta.size} bytes)")
+    folder = store.copy_dir(origin, step)
+    path = folder / rel
+    value = 0
+    # Opened part by part without following a symlink: nothing outside the copy
+    # is ever sent, whatever was planted in it.
+    under = folder.relative_to(store.root).as_posix()
+    with os.fdopen(open_beneath(store.root, f"{under}/{rel}"), "rb", buffering=0) as f:
+        done = 0
+        while done < offset:  # the part before the offset, checked in chunks too
+            part = f.read(min(CHUNK, offset - done))
+            if not part:
+                break
+            value = crc32c(part, value)
+            done += len(part)
+        held = f.read(CHUNK)
+        while held:
+            value = crc32c(held, value)
+            nxt = f.read(CHUNK)
+            if not nxt:
+                break
+            yield held
+            held = nxt
+        size = f.tell()
+    if size != meta.size or value != meta.crc32c:
+        store.quarantine_file(path, f"{size} bytes crc32c {value:#010x} when sent, "
+                                   f"expected {meta.size} bytes {meta.crc32c:#010x}",
+                             origin=origin, step=step)
+        raise CorruptShardError("held copy failed its checksum; quarantined", step=step,
+                                host=origin, path=rel)
+    if held:
+        yield held
 
 
 def _counted(chunks: Iterator[bytes], stream: Any) -> Iterator[bytes]:

@@ -21,6 +21,7 @@ from mtc.sidecar.confine import open_beneath
 from mtc.sidecar.files import CHUNK
 from mtc.sidecar.replicator import datachannel as dc
 from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.socket_files import RECV_CHUNK, recv_into_fd, send_file
 from mtc.sidecar.replicator.step_files import FileMeta
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class PeerData:
                         if os.fstat(f.fileno()).st_size != size:
                             raise CorruptShardError(f"local file is not {size} bytes",
                                                     path=str(path))
-                        dc.send_file(sock, f, size)
+                        send_file(sock, f, size)
                 st = dc.recv_msg(sock, pb.DataStatus, dc.MAX_STATUS)
             except (OSError, ValueError) as e:
                 # The peer may have refused a file and closed: its answer says why.
@@ -275,8 +276,8 @@ class PeerData:
 
         def sink(sock: Any, f: FileMeta) -> None:
             with _create(dest) as out:
-                got, value = dc.recv_into_fd(sock, out.fileno(), size,
-                                             memoryview(bytearray(min(dc.RECV_CHUNK, size) or 1)))
+                got, value = recv_into_fd(sock, out.fileno(), size,
+                                             memoryview(bytearray(min(RECV_CHUNK, size) or 1)))
             if got != size or value != crc:
                 raise self._bad_copy(step, origin, f, got, value)
 
@@ -317,13 +318,13 @@ class PeerData:
         if not files:
             return [], None
         done: list[str] = []
-        buf = memoryview(bytearray(dc.RECV_CHUNK))
+        buf = memoryview(bytearray(RECV_CHUNK))
 
         def sink(sock: Any, f: FileMeta) -> None:
             fd = open_beneath(dest, f.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
                               makedirs=True)
             try:
-                got, value = dc.recv_into_fd(sock, fd, f.size, buf)
+                got, value = recv_into_fd(sock, fd, f.size, buf)
             except BaseException:
                 os.close(fd)
                 (dest / f.path).unlink(missing_ok=True)

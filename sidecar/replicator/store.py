@@ -36,15 +36,14 @@ import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mtc import layout
 from mtc.errors import CorruptShardError, MtcError
-from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar import files
-from mtc.sidecar.confine import is_real_dir, open_beneath, real_dir
+from mtc.sidecar.confine import is_real_dir, real_dir
 from mtc.sidecar.quarantine import links_of, quarantine
 from mtc.sidecar.replicator import claims
 from mtc.sidecar.replicator.checksums import Checksums
@@ -266,48 +265,6 @@ class LocalStore:
                 continue
             out.append((origin, step, files))
         return out
-
-    def stream_verified(self, origin: int, step: int, rel: str, offset: int = 0
-                        ) -> Iterator[bytes]:
-        """A held file's bytes from ``offset``, CRC32C checked as they are read; the
-        last chunk is held back until the check passes, so a reader never gets a
-        whole file that fails (the file is quarantined and CorruptShardError raised)."""
-        meta = next((f for f in self.describe(origin, step) if f.path == rel), None)
-        if meta is None:
-            raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
-        if not 0 <= offset <= meta.size:
-            raise ValueError(f"offset {offset} outside {rel} ({meta.size} bytes)")
-        folder = self.copy_dir(origin, step)
-        path = folder / rel
-        value = 0
-        # Opened part by part without following a symlink: nothing outside the copy
-        # is ever sent, whatever was planted in it.
-        under = folder.relative_to(self.root).as_posix()
-        with os.fdopen(open_beneath(self.root, f"{under}/{rel}"), "rb", buffering=0) as f:
-            done = 0
-            while done < offset:  # the part before the offset, checked in chunks too
-                part = f.read(min(CHUNK, offset - done))
-                if not part:
-                    break
-                value = crc32c(part, value)
-                done += len(part)
-            held = f.read(CHUNK)
-            while held:
-                value = crc32c(held, value)
-                nxt = f.read(CHUNK)
-                if not nxt:
-                    break
-                yield held
-                held = nxt
-            size = f.tell()
-        if size != meta.size or value != meta.crc32c:
-            self.quarantine_file(path, f"{size} bytes crc32c {value:#010x} when sent, "
-                                       f"expected {meta.size} bytes {meta.crc32c:#010x}",
-                                 origin=origin, step=step)
-            raise CorruptShardError("held copy failed its checksum; quarantined", step=step,
-                                    host=origin, path=rel)
-        if held:
-            yield held
 
     def repair(self, origin: int, step: int, fixed: dict[str, Path]) -> None:
         """Put verified files (``rel`` -> a file on this RAM disk) in the place of
