@@ -35,6 +35,7 @@ from mtc.errors import (
 )
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.sidecar.load import Remote, ShardLoader, check_tasks
+from mtc.sidecar.write import WRITER_RESERVE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,8 @@ class HostOps:
         return self._space(hosts)
 
     def _space(self, hosts: Sequence[int]) -> dict[str, list[int]]:
-        """Per host: bytes free on its RAM disk, and bytes of its newest step (0: none)."""
+        """Per host: bytes free on its RAM disk for the next save, and bytes of its
+        newest step (0: none)."""
         out = {}
         for h in hosts:
             root = self._root(h)
@@ -246,7 +248,9 @@ class HostOps:
             key = (h, steps[-1]) if steps else None
             if key is not None and key not in self._sizes:
                 self._sizes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))
-            out[str(h)] = [layout.free_bytes(root), self._sizes[key] if key else 0]
+            # Blank files set aside for the next save are room it fills (write.py).
+            free = layout.free_bytes(root) + layout.folder_bytes(root / WRITER_RESERVE_DIR)
+            out[str(h)] = [free, self._sizes[key] if key else 0]
         return out
 
     def _identify(self, hosts: Sequence[int], create: bool) -> dict[str, str]:

@@ -3,7 +3,9 @@
 A :class:`HostSave` is opened before its shards are staged and fed shard by
 shard, so a state larger than the staging budget streams through it. The
 :class:`Writer` runs saves in order on a background thread, writes files on a
-small thread pool, writes the manifest last and renames the folder into place.
+small thread pool (into blank RAM-disk files set aside after the last save,
+:mod:`mtc.sidecar.reserve`), writes the manifest last and renames the folder
+into place.
 A failed save removes its temporary folder: a step is visible only if every
 byte of it was written and checksummed.
 """
@@ -29,6 +31,11 @@ from mtc.errors import MtcError, RamDiskFullError, StepExistsError, StorageError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
 from mtc.pool import ThreadPool
+from mtc.sidecar.reserve import REFILL_S, Reserve
+
+# A host's blank files for its next save (mtc.sidecar.reserve), beside its steps.
+WRITER_RESERVE_DIR = ".mtc-reserve-writer"
+DISK_SPARE = 64 << 20  # the RAM disk's last bytes, never set aside
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +107,26 @@ def _io_error(e: OSError, save: HostSave, path: Path) -> MtcError:
                         path=str(path))
 
 
-def _write_file(path: Path, data: np.ndarray) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data.reshape(-1).view(np.uint8).data) if data.size else memoryview(b"")
-        written = 0
-        while written < len(view):
-            written += os.write(fd, view[written:])
-    finally:
-        os.close(fd)
+def _write_file(reserve: Reserve, tmp: Path, name: str, data: np.ndarray, host: int) -> int:
+    """``data`` as ``tmp/name`` (into space set aside for it where there is some);
+    its CRC32C."""
+    view = memoryview(data.reshape(-1).view(np.uint8).data) if data.size else memoryview(b"")
+    for attempt in range(2):
+        fd = reserve.open_new(tmp, name, len(view), host)
+        try:
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+            break
+        except OSError as e:
+            # Blank files set aside for the next save must never make this one fail:
+            # a RAM disk found full drops them, and the file is written again.
+            if e.errno != errno.ENOSPC or attempt or not reserve.held_bytes():
+                raise
+            reserve.drop_all()
+            os.unlink(tmp / name)
+        finally:
+            os.close(fd)
     return crc32c(data) if data.size else 0
 
 
@@ -136,13 +154,45 @@ def _drain(save: HostSave) -> None:
 class Writer:
     """Background writer: one save at a time, its files in parallel."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, *, reserve: bool = True) -> None:
         # Every thread starts now: a save finished at interpreter exit (mtc.lifecycle)
         # gets no new ones from Python 3.12 on.
         self._pool = ThreadPool(threads, "mtc-write", initializer=layout.lower_thread_priority)
         self._jobs: queue.SimpleQueue[HostSave | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mtc-commit", daemon=True)
         self._thread.start()
+        # Per root: blank files for its next save, all filled by one thread.
+        self._reserve = reserve
+        self._reserves: dict[Path, Reserve] = {}
+        self._reserves_lock = threading.Lock()
+        self._fill_wake = threading.Event()
+        self._closing = threading.Event()
+        self._filler = threading.Thread(target=self._fill, name="mtc-reserve-writer",
+                                        daemon=True)
+        self._filler.start()
+
+    def reserve_for(self, root: Path) -> Reserve:
+        """The blank files set aside for the next saves into ``root``."""
+        with self._reserves_lock:
+            r = self._reserves.get(root)
+            if r is None:
+                r = self._reserves[root] = Reserve(
+                    root, WRITER_RESERVE_DIR, lambda: layout.room(root, DISK_SPARE),
+                    enabled=self._reserve, mode=0o644, wake=self._fill_wake)
+            return r
+
+    def _fill(self) -> None:
+        layout.lower_thread_priority(19)  # behind the job's threads and this save's writes
+        while not self._closing.is_set():
+            self._fill_wake.wait(REFILL_S)
+            self._fill_wake.clear()
+            with self._reserves_lock:
+                reserves = list(self._reserves.values())
+            for r in reserves:
+                try:
+                    r.fill_once()
+                except OSError as e:
+                    log.warning("blank files for the next save are not set aside: %s", e)
 
     def submit(self, save: HostSave) -> None:
         self._jobs.put(save)
@@ -151,6 +201,12 @@ class Writer:
         self._jobs.put(None)
         self._thread.join()
         self._pool.shutdown()
+        with self._reserves_lock:
+            for r in self._reserves.values():
+                r.stop()
+        self._closing.set()
+        self._fill_wake.set()
+        self._filler.join()
 
     def _run(self) -> None:
         while True:
@@ -178,8 +234,10 @@ class Writer:
                 os.mkdir(tmp)
             except OSError as e:
                 raise _io_error(e, save, tmp) from e
+            reserve = self.reserve_for(save.root)
             for shard in save.shards():
-                futures.append((shard, self._pool.submit(self._write_one, tmp, shard)))
+                futures.append((shard, self._pool.submit(self._write_one, reserve, tmp,
+                                                         shard, save.host)))
             drained = True
             entries: dict[int, list[ShardEntry]] = {}
             first_error: BaseException | None = None
@@ -212,6 +270,8 @@ class Writer:
                 raise StepExistsError(what, step=save.step, host=save.host,
                                       path=str(final)) from e
             committed = True
+            # The next save of this host brings files of these sizes again.
+            reserve.want(save.host, [e.nbytes for es in entries.values() for e in es])
             return final
         finally:
             for _, fut in futures:
@@ -223,8 +283,8 @@ class Writer:
             layout.writing(tmp, False)
 
     @staticmethod
-    def _write_one(tmp: Path, shard: StagedShard) -> int:
+    def _write_one(reserve: Reserve, tmp: Path, shard: StagedShard, host: int) -> int:
         try:
-            return _write_file(tmp / shard.file, shard.data)
+            return _write_file(reserve, tmp, shard.file, shard.data, host)
         finally:
             shard.release()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from mtc.errors import RamDiskFullError, StepExistsError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest
 from mtc.sidecar.buffers import StagingPool
-from mtc.sidecar.write import HostSave, StagedShard, Writer
+from mtc.sidecar.write import WRITER_RESERVE_DIR, HostSave, StagedShard, Writer
 
 # -- the staging pool --------------------------------------------------------------------
 
@@ -160,6 +161,66 @@ def test_a_full_ram_disk_discards_the_step(tiny_tmpfs: Path) -> None:
         writer.close()
     assert os.listdir(tiny_tmpfs) == []  # nothing half-written stays
     assert save.released == [0]  # type: ignore[attr-defined]
+
+
+def until(what: str, cond: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.01)
+
+
+def test_the_next_save_is_written_into_blank_files_set_aside_after_the_last(
+        tmp_path: Path) -> None:
+    """After a save, blank files of its sizes are allocated ahead (the next save of
+    the same arrays writes into allocated pages: no page allocation on its time);
+    the next save's files are those, renamed into place, with its bytes and
+    readable as any step file."""
+    writer = Writer(1)
+    try:
+        first = save_of(tmp_path, 7, [np.arange(4, dtype=np.float32) + i for i in range(3)])
+        writer.submit(first)
+        first.done.result(10)
+        reserve = writer.reserve_for(tmp_path)
+        until("three blank files", lambda: reserve.held_bytes() == 3 * 16)
+        blank = {os.stat(p).st_ino for p in (tmp_path / WRITER_RESERVE_DIR).iterdir()}
+        assert len(blank) == 3
+        shards = [np.arange(4, dtype=np.float32) * 10 + i for i in range(3)]
+        second = save_of(tmp_path, 8, shards)
+        writer.submit(second)
+        final = second.done.result(10)
+    finally:
+        writer.close()
+    m = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
+    entries = [s for lf in m.leaves for s in lf.shards]
+    assert {os.stat(final / e.file).st_ino for e in entries} == blank
+    for i, e in enumerate(entries):
+        data = (final / e.file).read_bytes()
+        assert data == shards[i].tobytes() and e.crc32c == crc32c(data)
+        assert os.stat(final / e.file).st_mode & 0o044  # the replicator reads it too
+
+
+@pytest.mark.process  # mounts a tmpfs
+def test_blank_files_set_aside_never_make_a_save_fail_for_room(tiny_tmpfs: Path) -> None:
+    """A save of other sizes on a RAM disk that holds it only without the blank
+    files: they are dropped and the save is written."""
+    writer = Writer(1)
+    try:
+        first = save_of(tiny_tmpfs, 1, [np.ones(1 << 18, np.float32)])  # 1 MiB
+        writer.submit(first)
+        first.done.result(10)
+        reserve = writer.reserve_for(tiny_tmpfs)
+        until("1 MiB set aside", lambda: reserve.held_bytes() == 1 << 20)
+        big = np.full(5 << 17, 2, np.float32)  # 2.5 MiB: fits only without the 1 MiB
+        second = save_of(tiny_tmpfs, 2, [big])
+        writer.submit(second)
+        final = second.done.result(10)
+    finally:
+        writer.close()
+    m = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
+    assert (final / m.leaves[0].shards[0].file).read_bytes() == big.tobytes()
+    assert layout.committed_steps(tiny_tmpfs) == [1, 2]
 
 
 def test_a_save_aborted_while_staging_releases_its_shards(tmp_path: Path) -> None:

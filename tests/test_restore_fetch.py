@@ -155,7 +155,6 @@ def test_the_background_fetch_runs_below_the_job() -> None:
     """A replaced host's own copy, fetched after the restore answered, runs on
     threads at nice 19 (each thread its own, on Linux): the job's threads on that
     host go first. The fetch pool that a waiting restore uses keeps its priority."""
-    from mtc.sidecar.background import BACKGROUND_NICE
     from mtc.sidecar.replicator.restore import _background_priority
 
     seen: dict[str, int] = {}
@@ -170,7 +169,7 @@ def test_the_background_fetch_runs_below_the_job() -> None:
         t = threading.Thread(target=probe, args=(name, init))
         t.start()
         t.join()
-    assert seen == {"background": BACKGROUND_NICE, "foreground": base}
+    assert seen == {"background": 19, "foreground": base}
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # this thread untouched
 
 

@@ -32,7 +32,7 @@ class ReplicatorConfig:
     # Own steps not on every target for longer than this: a WARNING, the identity's
     # replication_late (mtc status, the managers' logs) and mtc_unreplicated_seconds.
     replication_warn_s: float = 120.0
-    # Blank RAM-disk files set aside for the next peer copy (reserve.py).
+    # Blank RAM-disk files set aside for the next peer copy (sidecar/reserve.py).
     reserve: bool = True
     framework: str = "mtc"           # "mtc" or "orbax" (from replicator.yaml)
     job_name: str = "mtc"

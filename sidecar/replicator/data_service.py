@@ -5,7 +5,7 @@ The same checks as the gRPC Data service's (``grpc_data.py``): a push names an o
 transfer of the caller's rank and files of its offer; a fetch names a rank, a
 step and paths, each validated (:mod:`.checks`) before any file is opened, and
 files are opened part by part without following a symlink. A push's bytes are
-written to new files (blank ones set aside for them, :mod:`.reserve`) and count
+written to new files (blank ones set aside for them, :mod:`mtc.sidecar.reserve`) and count
 only once their size and CRC32C match the offer.
 A fetch sends a held copy's files after their check (cached by inode, size and
 mtime: a file is read again only when it changed); the receiver checks every
@@ -60,7 +60,7 @@ class DataService:
             for meta in metas:
                 dst = inside(t.tmp, meta.path)
                 dst.unlink(missing_ok=True)
-                # Into space set aside for it where there is some (reserve.py).
+                # Into space set aside for it where there is some (mtc.sidecar.reserve).
                 fd = self.node.reserve.open_new(t.tmp, meta.path, meta.size, t.origin)
                 try:
                     got, value = caller.recv_file(fd, meta.size, stream.add)

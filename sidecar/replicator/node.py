@@ -5,7 +5,6 @@ services that act on them, each in a module of its own:
 - ``gc.py``: which steps and copies are deleted (a pure plan, and its pass);
 - ``node_agreement.py``: the restore agreement (deciding, asking);
 - ``restore.py``: bringing the agreed step's data, verified, and healing it;
-- ``reserve.py``: blank RAM-disk space set aside for the next peer copy;
 - ``sidecar/backup/duties.py``: the backup tier (leading, uploading, restoring).
 
 This module holds what they share: the inventory a peer is shown, the node's
@@ -36,11 +35,12 @@ from mtc.sidecar.replicator.gc import collect_garbage
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.replication import Replication
-from mtc.sidecar.replicator.reserve import Reserve, room
 from mtc.sidecar.replicator.restore import Restorer
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
 from mtc.sidecar.replicator.store import LocalStore
+from mtc.sidecar.replicator.transfers import RESERVE_DIR, room
+from mtc.sidecar.reserve import Reserve
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ class Node:
                                  stop=self._stop)
         self.replication = Replication(*shared,
                                        quiet_until=lambda: self.restorer.quiet_until)
-        self.reserve = Reserve(root, lambda: room(root), enabled=config.reserve,
+        # Blank files for the next peer copies (mtc.sidecar.reserve).
+        self.reserve = Reserve(root, RESERVE_DIR, lambda: room(root), enabled=config.reserve,
                                on_take=self.metrics.reserve_used.inc)
         self.metrics.reserve_bytes.set_function(self.reserve.held_bytes)
 

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 from mtc import layout
 from mtc.errors import AgreementError, CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.background import lower_this_thread
 from mtc.sidecar.files import copy_verified
 from mtc.sidecar.replicator.agreement import check_members, saving_ranks
 from mtc.sidecar.replicator.fetch_plan import fetch_batches, fetch_order, heal_sources
@@ -36,11 +35,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 FETCH_STREAMS = 4  # a restore's streams from one holder: the fetch pool's threads
+BACKGROUND_NICE = 19  # raised by this much (to at most 19)
+
+
 def _background_priority() -> None:
     """The threads that bring a replaced host's own copy after the restore answered
     run below the job's first steps (and its input pipeline) on the same CPUs: the
     copy takes what they leave, and all of it while they wait."""
-    lower_this_thread("a background fetch thread")
+    layout.lower_thread_priority(BACKGROUND_NICE)
 
 
 @dataclasses.dataclass

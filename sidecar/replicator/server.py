@@ -43,7 +43,6 @@ from mtc.sidecar.replicator.datachannel import DataServer
 from mtc.sidecar.replicator.decode_guard import DecodeGuard
 from mtc.sidecar.replicator.grpc_data import GrpcData
 from mtc.sidecar.replicator.limits import BoundedHealth, Gate, Limits, Streams
-from mtc.sidecar.replicator.reserve import room
 from mtc.sidecar.replicator.security import (
     Credentials,
     Identity,
@@ -52,7 +51,7 @@ from mtc.sidecar.replicator.security import (
 )
 from mtc.sidecar.replicator.status import answer
 from mtc.sidecar.replicator.step_files import inside
-from mtc.sidecar.replicator.transfers import Transfer, Transfers
+from mtc.sidecar.replicator.transfers import Transfer, Transfers, room
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.node import Node
@@ -90,7 +89,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.deciding = Gate(2, "Decide asks of this rank")
         self.preparing = Gate(8, "restores")
         self.transfers = Transfers(
-            # The reserve's blank files are room a copy fills (reserve.py).
+            # The reserve's blank files are room a copy fills (mtc.sidecar.reserve).
             lambda: room(node.store.root) + node.reserve.held_bytes(),
             max_files=checks.MAX_OPEN_FILES, idle_s=TRANSFER_IDLE_S)
         self.data: DataServer | None = None  # the data channel, when serve() opened one
@@ -150,6 +149,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             # manifests say it is the same shard; no hash pass on either side.
             reply.candidates.add(path=path, sha256=b"" if identified
                                  else store.checksums.sha256(local))
+        # Blank files this copy cannot fill make room for it now (sidecar/reserve.py).
+        self.node.reserve.begin(origin, [f.size for f in files])
         t.tmp = store.begin_incoming(origin, step)
         try:
             reply.transfer_id = self.transfers.open(t)
