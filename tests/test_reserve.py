@@ -71,6 +71,19 @@ def test_blank_files_of_the_wanted_sizes_are_set_aside_and_taken_once(tmp_path: 
                   if f != taken) == [MIB]
 
 
+def test_a_start_with_other_sizes_frees_what_it_cannot_fill_at_once(tmp_path: Path) -> None:
+    r = fill(tmp_path, 1 << 30)
+    r.want(0, [MIB, 3, 3])
+    r.fill_once()
+    r.begin(0, [MIB, 5])  # a copy of other shapes: the 3-byte files are of no use to it
+    assert r.held_bytes() == MIB
+    assert sorted(f.stat().st_size for f in (tmp_path / RESERVE_DIR).iterdir()) == [MIB]
+    r.fill_once()  # nothing made again while it runs
+    assert r.held_bytes() == MIB
+    r.drop_all()  # a write found the RAM disk full
+    assert r.held_bytes() == 0 and list((tmp_path / RESERVE_DIR).iterdir()) == []
+
+
 def test_the_reserve_leaves_as_much_free_beside_it_as_it_holds(tmp_path: Path) -> None:
     r = fill(tmp_path, 5 * MIB)  # room for the reserve (3 MiB) but not for as much again
     r.want(0, [MIB, MIB, MIB])
