@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="set no blank RAM-disk space aside for the next peer copy (by "
                         "default the sizes of each origin's last copy are allocated "
                         "ahead, at background priority, while the RAM disk keeps as "
-                        "much free beside them: copies then arrive about 2.5x faster)")
+                        "much free beside them: bench/replicator.py's copies then run "
+                        "about 1.7x faster)")
     p.add_argument("--stall-seconds", type=float, default=120.0,
                    help="health turns NOT_SERVING when the replication loop has not "
                         "passed for this long (default 120)")

@@ -63,7 +63,6 @@ MAX_RESTORE_TIMEOUT_S = 24 * 3600.0
 # A request's bytes: data chunks are 4 MiB (a few small files together, at most
 # 1 MiB each), an offer of MAX_FILES files a few MiB.
 MAX_REQUEST = 16 << 20
-# Free space an incoming copy leaves on the RAM disk beyond its own bytes.
 
 
 def mapped(fn: F) -> F:
