@@ -54,12 +54,9 @@ import concurrent.futures as cf
 import dataclasses
 import importlib
 import os
-import queue
 import shutil
-import socket
 import struct
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +64,7 @@ from typing import Any
 import numpy as np
 from _common import GB, gbps, log, run_in_scratch, summary  # also puts the repository on the path
 from _cpu import process_cpu
+from _loopback import TCP_CHUNK, RawFileCopy, RawTcp
 
 from mtc.integrity import crc32c
 from mtc.layout import TMP_MARK
@@ -78,136 +76,8 @@ replicators: Any = importlib.import_module("replicators")  # tests/replicators.p
 
 MIB = 1 << 20
 FILE_BYTES = 8 * MIB
-TCP_CHUNK = 4 * MIB
 TARGETS = {"peer_copy_over_raw_tcp": 0.6, "peer_restore_over_local_read": 0.5}
 CEILINGS = {"host_cpu_s_per_gb": 1.5}  # at most
-
-
-# -- raw loopback TCP -------------------------------------------------------------------
-
-
-class _Loopback:
-    """One loopback connection from the caller to a receiver thread (``_receive``),
-    which acknowledges each transfer with one byte."""
-
-    def __init__(self) -> None:
-        self.errors: list[OSError] = []
-        self._srv = socket.socket()
-        self._srv.bind(("127.0.0.1", 0))
-        self._srv.listen(1)
-        self._thread = threading.Thread(target=self._receive, name=type(self).__name__,
-                                        daemon=True)
-        self._thread.start()
-        self._sock = socket.create_connection(self._srv.getsockname())
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def _receive(self) -> None:
-        raise NotImplementedError
-
-    def _acknowledged(self, what: str) -> None:
-        if self._sock.recv(1) != b"k":
-            raise OSError(f"{what} receiver failed: {self.errors}")
-
-    def close(self) -> None:
-        self._sock.close()
-        self._thread.join(10)
-        self._srv.close()
-
-
-class RawTcp(_Loopback):
-    """Raw loopback TCP; :meth:`sample` times one transfer of the payload."""
-
-    def __init__(self, payload: memoryview) -> None:
-        self.payload = payload
-        super().__init__()
-
-    def _receive(self) -> None:
-        try:
-            conn, _ = self._srv.accept()
-            buf = bytearray(TCP_CHUNK)  # preallocated, reused
-            view = memoryview(buf)
-            with conn:
-                while True:
-                    left = len(self.payload)
-                    while left:
-                        n = conn.recv_into(view, min(left, TCP_CHUNK))
-                        if not n:
-                            return  # the sender closed
-                        left -= n
-                    conn.sendall(b"k")
-        except OSError as e:  # reported by the sender
-            self.errors.append(e)
-
-    def sample(self) -> float:
-        """Seconds to send the payload in 4 MiB ``sendall`` calls, until acknowledged."""
-        t0 = time.perf_counter()
-        for off in range(0, len(self.payload), TCP_CHUNK):
-            self._sock.sendall(self.payload[off:off + TCP_CHUNK])
-        self._acknowledged("raw TCP")
-        return time.perf_counter() - t0
-
-
-class RawFileCopy(_Loopback):
-    """The best a copy between RAM disks can do here, without gRPC or Python per-chunk
-    objects: each file ``sendfile``d over one loopback connection; the receiver thread
-    ``recv_into``s a preallocated 4 MiB buffer, CRC32Cs it and writes it to a new file."""
-
-    def __init__(self, dest: Path) -> None:
-        self.dest = dest
-        self._todo: queue.Queue[list[tuple[str, int]] | None] = queue.Queue()
-        super().__init__()
-
-    def _receive(self) -> None:
-        try:
-            conn, _ = self._srv.accept()
-            buf = bytearray(TCP_CHUNK)
-            view = memoryview(buf)
-            with conn:
-                while (files := self._todo.get()) is not None:
-                    for name, size in files:
-                        fd = os.open(self.dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                                     0o644)
-                        try:
-                            left, value = size, 0
-                            while left:
-                                n = conn.recv_into(view, min(left, TCP_CHUNK))
-                                if not n:
-                                    raise OSError("sender closed early")
-                                value = crc32c(view[:n], value)
-                                done = 0
-                                while done < n:
-                                    done += os.write(fd, view[done:n])
-                                left -= n
-                        finally:
-                            os.close(fd)
-                    conn.sendall(b"k")
-        except OSError as e:  # reported by the sender
-            self.errors.append(e)
-
-    def sample(self, paths: list[Path]) -> float:
-        """Seconds to copy ``paths`` into ``dest``, until the receiver acknowledges."""
-        shutil.rmtree(self.dest, ignore_errors=True)
-        self.dest.mkdir(parents=True)
-        sizes = [p.stat().st_size for p in paths]
-        self._todo.put([(p.name, n) for p, n in zip(paths, sizes, strict=True)])
-        out = self._sock.fileno()
-        t0 = time.perf_counter()
-        for p, size in zip(paths, sizes, strict=True):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                offset = 0
-                while offset < size:
-                    offset += os.sendfile(out, fd, offset, size - offset)
-            finally:
-                os.close(fd)
-        self._acknowledged("raw copy")
-        dt = time.perf_counter() - t0
-        shutil.rmtree(self.dest, ignore_errors=True)
-        return dt
-
-    def close(self) -> None:
-        self._todo.put(None)
-        super().close()
 
 
 # -- steps on the RAM disk ------------------------------------------------------------------
