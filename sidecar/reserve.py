@@ -58,6 +58,22 @@ def plan_reserve(wanted: Counter[int], held: Counter[int]) -> tuple[Counter[int]
     return drop, make
 
 
+def fill_while(stop: threading.Event, wake: threading.Event,
+               reserves: Callable[[], Iterable[Reserve]]) -> None:
+    """Fill ``reserves()`` (:meth:`Reserve.fill_once`) whenever ``wake`` is set (a
+    save or a copy was committed) and every ``REFILL_S`` (room may have come free),
+    at background priority, until ``stop``. The loop of a filling thread."""
+    layout.lower_thread_priority(19)  # behind the job's threads, the saves and copies
+    while not stop.is_set():
+        for r in reserves():
+            try:
+                r.fill_once()
+            except OSError as e:
+                log.warning("blank files in %s are not set aside: %s", r.folder, e)
+        wake.wait(REFILL_S)
+        wake.clear()
+
+
 class Reserve:
     """One process's blank files in one RAM disk (``root/name``), by size; each
     writer of files into it is a ``key`` (a host, an origin rank). :meth:`run`
@@ -75,7 +91,6 @@ class Reserve:
         self._lock = threading.Lock()
         self._wanted: dict[int, list[int]] = {}  # key -> sizes of its last files
         self._held: dict[int, list[Path]] = {}  # size -> blank files
-        self._held_bytes = 0
         # Set when there is filling to do: the owner's loop (run, or its own over
         # several reserves) waits on it.
         self._wake = wake or threading.Event()
@@ -118,7 +133,6 @@ class Reserve:
             if not files:
                 return None
             path = files.pop()
-            self._held_bytes -= size
         self._on_take()
         return path
 
@@ -145,39 +159,31 @@ class Reserve:
         """Remove every blank file now (a write found the RAM disk full); set aside
         again after the next :meth:`want`."""
         with self._lock:
-            dropped = [p for files in self._held.values() for p in files]
-            self._held.clear()
-            self._held_bytes = 0
             self._wanted.clear()
-        for path in dropped:
+        for path in self._release_all():
             path.unlink(missing_ok=True)
 
     def _forget(self) -> None:
-        with self._lock:
-            self._held.clear()
-            self._held_bytes = 0
+        """The blank files are gone already (a wiped RAM disk): made again."""
+        self._release_all()
         self._wake.set()
+
+    def _release_all(self) -> list[Path]:
+        with self._lock:
+            released = [p for files in self._held.values() for p in files]
+            self._held.clear()
+        return released
 
     def held_bytes(self) -> int:
         with self._lock:
-            return self._held_bytes
+            return sum(size * len(files) for size, files in self._held.items())
 
     # -- the filling thread -----------------------------------------------------------
 
     def run(self) -> None:
-        """The filling loop, on a thread of its owner's: a refill when a save or a
-        copy was committed, and every ``REFILL_S`` (room may have come free); ends
-        at :meth:`stop`."""
-        if not self.enabled:
-            return
-        layout.lower_thread_priority(19)  # behind the job's threads, and the copies
-        while not self._stop.is_set():
-            try:
-                self.fill_once()
-            except OSError as e:
-                log.warning("the RAM-disk reserve is not refilled: %s", e)
-            self._wake.wait(REFILL_S)
-            self._wake.clear()
+        """The filling loop, on a thread of its owner's (:func:`fill_while`)."""
+        if self.enabled:
+            fill_while(self._stop, self._wake, lambda: [self])
 
     def stop(self) -> None:
         self._stop.set()
@@ -203,7 +209,6 @@ class Reserve:
                 return
             with self._lock:
                 self._held.setdefault(size, []).append(made)
-                self._held_bytes += size
 
     def _all_wanted(self) -> Counter[int]:
         return Counter(s for sizes in self._wanted.values() for s in sizes)
@@ -215,9 +220,7 @@ class Reserve:
         """Under ``_lock``: forget the held files beyond what is wanted; returns them
         (the caller removes them outside the lock)."""
         drop, _ = plan_reserve(self._all_wanted(), self._held_sizes())
-        dropped = [self._held[s].pop() for s, n in drop.items() for _ in range(n)]
-        self._held_bytes -= sum(drop.elements())
-        return dropped
+        return [self._held[s].pop() for s, n in drop.items() for _ in range(n)]
 
     def _allocate(self, size: int) -> Path | None:
         real_dir(self.folder)

@@ -31,7 +31,7 @@ from mtc.errors import MtcError, RamDiskFullError, StepExistsError, StorageError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
 from mtc.pool import ThreadPool
-from mtc.sidecar.reserve import REFILL_S, Reserve
+from mtc.sidecar.reserve import Reserve, fill_while
 
 # A host's blank files for its next save (mtc.sidecar.reserve), beside its steps.
 WRITER_RESERVE_DIR = ".mtc-reserve-writer"
@@ -182,17 +182,10 @@ class Writer:
             return r
 
     def _fill(self) -> None:
-        layout.lower_thread_priority(19)  # behind the job's threads and this save's writes
-        while not self._closing.is_set():
-            self._fill_wake.wait(REFILL_S)
-            self._fill_wake.clear()
+        def reserves() -> list[Reserve]:
             with self._reserves_lock:
-                reserves = list(self._reserves.values())
-            for r in reserves:
-                try:
-                    r.fill_once()
-                except OSError as e:
-                    log.warning("blank files for the next save are not set aside: %s", e)
+                return list(self._reserves.values())
+        fill_while(self._closing, self._fill_wake, reserves)
 
     def submit(self, save: HostSave) -> None:
         self._jobs.put(save)

@@ -163,16 +163,16 @@ def rx(tmp_path: Path) -> Iterator[Receiver]:
     r.close()
 
 
-def copy_of(step: int, tag: bytes) -> dict[str, bytes]:
+def copy_of(tag: bytes) -> dict[str, bytes]:
     return {"a.bin": tag * MIB, "d/b.bin": os.urandom(MIB // 2) + tag, "small.bin": tag * 7}
 
 
 def test_the_next_copy_lands_in_the_space_set_aside_after_the_last(rx: Receiver) -> None:
-    rx.push(3, copy_of(3, b"3"))
+    rx.push(3, copy_of(b"3"))
     assert rx.used() == 0 and rx.node.reserve.held_bytes() == 0
     rx.node.reserve.fill_once()  # the reserve's loop, run here in the test's thread
     assert rx.node.reserve.held_bytes() == MIB + MIB // 2 + 1 + 7
-    second = copy_of(4, b"4")
+    second = copy_of(b"4")
     rx.push(4, second)
     assert rx.used() == 3  # every file of the second copy went into a reserved one
     held = rx.root / ".mtc-replica" / "1" / "4"
@@ -181,9 +181,9 @@ def test_the_next_copy_lands_in_the_space_set_aside_after_the_last(rx: Receiver)
 
 
 def test_a_push_that_ends_short_into_reserved_space_never_counts(rx: Receiver) -> None:
-    rx.push(3, copy_of(3, b"3"))
+    rx.push(3, copy_of(b"3"))
     rx.node.reserve.fill_once()
-    files = copy_of(4, b"4")
+    files = copy_of(b"4")
     metas = [pb.FileInfo(path=p, size=len(b), crc32c=crc32c(b)) for p, b in files.items()]
     reply = rx.client.call("Offer", pb.OfferRequest(copy=pb.StepCopy(
         step=4, origin_rank=1, files=metas)))
@@ -205,11 +205,11 @@ def test_a_push_that_ends_short_into_reserved_space_never_counts(rx: Receiver) -
 
 
 def test_a_wiped_reserve_is_forgotten_and_the_copy_goes_on(rx: Receiver) -> None:
-    rx.push(3, copy_of(3, b"3"))
+    rx.push(3, copy_of(b"3"))
     rx.node.reserve.fill_once()
     for f in (rx.root / RESERVE_DIR).iterdir():
         f.unlink()  # the RAM disk lost them
-    second = copy_of(4, b"4")
+    second = copy_of(b"4")
     rx.push(4, second)
     held = rx.root / ".mtc-replica" / "1" / "4"
     assert {p: (held / p).read_bytes() for p in second} == second
