@@ -23,8 +23,9 @@ def pinning(cores: set[int]) -> Callable[[], None]:
     return pin
 
 
-def pin_process(pid: int, cores: set[int]) -> int:
-    """Pin every thread of ``pid`` to ``cores``; returns how many were moved."""
+def pin_process(pid: int, cores: set[int], named: str | None = None) -> int:
+    """Pin every thread of ``pid`` (only those whose OS name is ``named``, if
+    given) to ``cores``; returns how many were moved."""
     moved = 0
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
@@ -32,6 +33,10 @@ def pin_process(pid: int, cores: set[int]) -> int:
         return 0  # gone
     for tid in tids:
         try:
+            if named is not None:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    if f.read().strip() != named:
+                        continue
             if os.sched_getaffinity(tid) != cores:
                 os.sched_setaffinity(tid, cores)
                 moved += 1
@@ -41,18 +46,20 @@ def pin_process(pid: int, cores: set[int]) -> int:
 
 
 class Pinner(Periodic):
-    """Keeps the processes ``pids()`` names on ``cores``."""
+    """Keeps the processes ``pids()`` names (only their threads of OS name
+    ``named``, if given) on ``cores``."""
 
     def __init__(self, pids: Callable[[], list[int]], cores: set[int],
-                 period_s: float = 0.5) -> None:
+                 period_s: float = 0.5, named: str | None = None) -> None:
         super().__init__("pinner", period_s)
         self._pids = pids
         self.cores = cores
+        self.named = named
         self.moved = 0
 
     def tick(self) -> None:
         try:
             for pid in self._pids():
-                self.moved += pin_process(pid, self.cores)
+                self.moved += pin_process(pid, self.cores, self.named)
         except (OSError, ValueError, KeyError):
             pass  # the cluster's state file is being replaced: next time

@@ -34,7 +34,9 @@ replica resizes (and the scale-ups after them) to the mix.
 Where the machine has two or more cores, the run is made twice: first pinned as on
 a real host (a TPU host's CPUs are not its accelerators: the trainer, whose CPU
 devices stand in for the accelerators, on one core; the hosts' sidecars and
-replicators on the others), which gives the figures above, then unpinned (every
+replicators on the others, and with them the trainer's compile-ahead thread, as a
+real job compiles on CPUs, never on its accelerators), which gives the figures
+above, then unpinned (every
 process where the scheduler puts it, competing for the same cores), whose
 goodput figures are under ``unpinned``. ``--no-pin``: the unpinned run alone.
 """
@@ -57,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._cpu import CpuSampler
 from bench._pin import Pinner, pinning
+from mtc.elastic.compile_ahead import COMPILE_THREAD
 from mtc.trainer.cluster import STATE, LocalCluster
 from mtc.trainer.demo import REPO, child_env
 from mtc.trainer.elastic_demo import DEVICES as TRAINER_DEVICES
@@ -363,8 +366,16 @@ def run_once(args: argparse.Namespace, out: Path,
             return got["sidecars"] + got["replicators"]
 
         t_launch = time.time()  # as elastic_demo: just before the trainer starts
+        def trainer_pid() -> list[int]:
+            return [proc.pid] if proc is not None else []
+
+        # Pinned, the trainer's compiles ahead run on the hosts' cores, not on its
+        # devices' core: a real job compiles on its hosts' CPUs (Pathways: on the
+        # controller's), never on the accelerators.
         with (out / "elastic.log").open("wb") as f, CpuSampler(pids) as cpu, \
-                (Pinner(host_pids, pin[1]) if pin else contextlib.nullcontext()):
+                (Pinner(host_pids, pin[1]) if pin else contextlib.nullcontext()), \
+                (Pinner(trainer_pid, pin[1], named=COMPILE_THREAD) if pin
+                 else contextlib.nullcontext()):
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
                                     cwd=REPO, preexec_fn=pinning(pin[0]) if pin else None)
             rc = proc.wait()
@@ -373,8 +384,8 @@ def run_once(args: argparse.Namespace, out: Path,
             raise SystemExit(f"trainer exited {rc}:\n" + "\n".join(tail))
         (out / "t_launch.txt").write_text(f"{t_launch!r}\n")
         result = analyse(read_records(jsonl), t_launch, cpu)
-        result["pinned"] = ({"trainer_cores": sorted(pin[0]), "host_cores": sorted(pin[1])}
-                            if pin else None)
+        result["pinned"] = ({"trainer_cores": sorted(pin[0]), "host_cores": sorted(pin[1]),
+                             "compile_ahead_cores": sorted(pin[1])} if pin else None)
         return result
     finally:
         if proc is not None and proc.poll() is None:

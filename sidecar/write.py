@@ -36,6 +36,9 @@ from mtc.sidecar.reserve import Reserve, fill_while
 # A host's blank files for its next save (mtc.sidecar.reserve), beside its steps.
 WRITER_RESERVE_DIR = ".mtc-reserve-writer"
 DISK_SPARE = 64 << 20  # the RAM disk's last bytes, never set aside
+# A shard is checksummed and written this much at a time: small enough that the
+# write finds the checksummed bytes still in the CPU cache.
+WRITE_CHUNK = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +112,20 @@ def _io_error(e: OSError, save: HostSave, path: Path) -> MtcError:
 
 def _write_file(reserve: Reserve, tmp: Path, name: str, data: np.ndarray, host: int) -> int:
     """``data`` as ``tmp/name`` (into space set aside for it where there is some);
-    its CRC32C."""
-    view = memoryview(data.reshape(-1).view(np.uint8).data) if data.size else memoryview(b"")
+    its CRC32C, taken chunk by chunk just before the chunk is written, so that the
+    write finds the bytes in the CPU's cache (one pass over memory, not two)."""
+    flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)
+    view = memoryview(flat.data)
     for attempt in range(2):
         fd = reserve.open_new(tmp, name, len(view), host)
         try:
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
+            crc = 0
+            for start in range(0, len(view), WRITE_CHUNK):
+                chunk = flat[start:start + WRITE_CHUNK]
+                crc = crc32c(chunk, crc)
+                written, end = start, start + len(chunk)
+                while written < end:
+                    written += os.write(fd, view[written:end])
             break
         except OSError as e:
             # Blank files set aside for the next save must never make this one fail:
@@ -127,7 +136,7 @@ def _write_file(reserve: Reserve, tmp: Path, name: str, data: np.ndarray, host: 
             os.unlink(tmp / name)
         finally:
             os.close(fd)
-    return crc32c(data) if data.size else 0
+    return crc
 
 
 def clear_frames(e: BaseException | None) -> None:

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtc.elastic import CACHED, COMPILED, READY, CompileAhead
+from mtc.elastic.compile_ahead import COMPILE_THREAD
 
 
 @pytest.fixture
@@ -66,10 +67,14 @@ def test_reached_meshes_are_ready_others_compiled_then_cached(mesh: Mesh,
 
 def test_compiles_at_lower_priority_on_its_own_thread(mesh: Mesh, cache: Path) -> None:
     seen: list[tuple[str, int]] = []
+    os_names: list[str] = []
     inner = builder(mesh, 2.5)
 
     def build_for(slices: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:
         seen.append((threading.current_thread().name, slices[0]))
+        # Named for the OS too, so a deployment can place it on its own cores.
+        os_names.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+                        .read_text().strip())
         return inner(slices)
 
     with CompileAhead(build_for, total_slices=2, nice=5, cache_dir=cache) as ahead:
@@ -78,3 +83,4 @@ def test_compiles_at_lower_priority_on_its_own_thread(mesh: Mesh, cache: Path) -
         ahead.executable((0,))
         assert ahead.report == {"1": READY, "0": READY}
     assert {name for name, _ in seen} == {"mtc-compile-ahead"}
+    assert set(os_names) == {COMPILE_THREAD}

@@ -19,7 +19,7 @@ from mtc.errors import RamDiskFullError, StepExistsError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest
 from mtc.sidecar.buffers import StagingPool
-from mtc.sidecar.write import WRITER_RESERVE_DIR, HostSave, StagedShard, Writer
+from mtc.sidecar.write import WRITE_CHUNK, WRITER_RESERVE_DIR, HostSave, StagedShard, Writer
 
 # -- the staging pool --------------------------------------------------------------------
 
@@ -105,6 +105,26 @@ def test_a_save_is_committed_with_checksums_manifest_last(tmp_path: Path) -> Non
         assert data == shards[i].tobytes() and entry.crc32c == crc32c(data)
     assert sorted(save.released) == [0, 1, 2]  # type: ignore[attr-defined]
     assert not [n for n in os.listdir(tmp_path) if layout.TMP_MARK in n]
+
+
+def test_a_shard_larger_than_a_write_chunk_is_checksummed_whole(tmp_path: Path) -> None:
+    # The checksum is taken chunk by chunk as the shard is written: it must be the
+    # whole file's, also across a chunk boundary and a short last chunk.
+    writer = Writer(1)
+    try:
+        big = np.random.default_rng(0).integers(0, 1 << 30, (5 * WRITE_CHUNK) // 8,
+                                                 dtype=np.int32)
+        save = save_of(tmp_path, 3, [big, np.arange(3, dtype=np.float32)])
+        writer.submit(save)
+        final = save.done.result(10)
+    finally:
+        writer.close()
+    m = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
+    entries = [s for lf in m.leaves for s in lf.shards]
+    assert entries[0].nbytes > 2 * WRITE_CHUNK and entries[0].nbytes % WRITE_CHUNK
+    for entry, data in zip(entries, (big, np.arange(3, dtype=np.float32)), strict=True):
+        assert (final / entry.file).read_bytes() == data.tobytes()
+        assert entry.crc32c == crc32c(data.tobytes())
 
 
 def test_a_step_already_committed_is_refused_and_left_alone(tmp_path: Path) -> None:

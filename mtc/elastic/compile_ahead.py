@@ -32,7 +32,12 @@ from typing import Any
 
 import jax
 
+from mtc.layout import name_native_thread
+
 log = logging.getLogger("mtc.elastic.compile_ahead")
+
+# The OS-level name of the background compiler's thread (``/proc/<pid>/task/*/comm``).
+COMPILE_THREAD = "mtc-compile"
 
 READY = "ready"  # built before the step needed it (ahead, or by an earlier use)
 CACHED = "cached"  # loaded from the persistent compilation cache when needed
@@ -248,6 +253,9 @@ class AheadCompiler:
             self._finished.notify_all()
 
     def _run(self) -> None:
+        # Seen from outside the process, so that a deployment (or bench/goodput.py)
+        # can run the compiles on other cores than the steps' devices.
+        name_native_thread(COMPILE_THREAD)
         while True:
             item = self._jobs.get()
             if item is None or self._stop.is_set():

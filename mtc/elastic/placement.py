@@ -13,6 +13,7 @@ Every piece of every array moves in one ``device_put``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -41,9 +42,10 @@ class Shards:
 
     @classmethod
     def of(cls, a: jax.Array) -> Shards:
-        return cls(tuple(a.shape), a.dtype,
-                   tuple((index_of(s.index, a.shape), s.data) for s in a.addressable_shards),
-                   a)
+        shape = tuple(a.shape)
+        where = _indices(a.sharding, shape)
+        return cls(shape, a.dtype,
+                   tuple((where[s.device], s.data) for s in a.addressable_shards), a)
 
     @property
     def size(self) -> int:
@@ -52,6 +54,15 @@ class Shards:
 
 def index_of(idx: Any, shape: Sequence[int]) -> Index:
     return tuple(sl.indices(n)[:2] for sl, n in zip(idx or (), shape, strict=True))
+
+
+@functools.lru_cache(maxsize=1024)
+def _indices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Any, Index]:
+    """Each addressable device's index of an array of ``shape`` laid out per
+    ``sharding``: the same for every step's snapshot, so worked out once (a
+    snapshot is taken every step, of every leaf)."""
+    return {d: index_of(idx, shape)
+            for d, idx in sharding.addressable_devices_indices_map(shape).items()}
 
 
 def readable(piece: jax.Array) -> bool:
