@@ -21,10 +21,13 @@ import numpy as np
 import pytest
 from jax.experimental import colocated_python
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from pathwaysutils.elastic import elastic as pw_elastic
+from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 from replicators import save_two_and_restore, sidecar_hosts
 
 import mtc
 from mtc.dispatch.process import Sidecar
+from mtc.dispatch.protocol import WorkerLostError
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import ColocatedCallError
 from mtc.sidecar.replicator.security import Credentials
@@ -266,3 +269,33 @@ def test_a_host_error_comes_back_typed_with_its_host(hosts: Hosts) -> None:
     finally:
         runtime.close()
     assert e.value.step == 3 and e.value.host in range(4) and e.value.path == "/x"
+
+
+def test_a_lost_hosts_answer_is_mtcs_error_and_the_runtimes_slice_down(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path) -> None:
+    # No device can fail on this machine: pathwaysutils' DeviceLossSimulator makes
+    # reading an array on a "lost" device raise DATA_LOSS, as Pathways does for a
+    # worker that died. A manager's call after the loss reads the workers' answers
+    # (and its inputs on them): what it raises names the host for a caller that
+    # decides by mtc's errors (an elastic loop closing the manager of the failed
+    # mesh), and is still the runtime's slice-down error, so that pathwaysutils'
+    # elastic_retry handles it as the same event, not as a second one.
+    w = jax.device_put(np.arange(8 * 16, dtype=np.float32).reshape(8, 16),
+                       NamedSharding(mesh, PartitionSpec("replica", "model")))
+    sim = DeviceLossSimulator()
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh,
+                               options=_opts(hosts)) as mgr:
+        assert mgr.save(1, {"w": w}, force=True)
+        mgr.wait_until_finished()
+        sim.start()
+        try:
+            for d in jax.devices()[2:4]:  # host 1's
+                sim.mark_device_lost(d)
+            with pytest.raises(WorkerLostError) as e:
+                mgr.all_steps()
+        finally:
+            sim.stop()
+        assert 1 in mgr.all_steps()  # the host was not really lost
+    assert isinstance(e.value, mtc.MtcError) and e.value.host == 1
+    assert isinstance(e.value, jax.errors.JaxRuntimeError)
+    assert pw_elastic.is_error_due_to_slice_down(e.value, log_traceback=False)

@@ -37,7 +37,7 @@ from mtc.contract import (
 from mtc.dispatch import colocated_load
 from mtc.dispatch.calls import HostCalls, regions_of
 from mtc.dispatch.process import Sidecar
-from mtc.dispatch.protocol import BeforeSend, Survey
+from mtc.dispatch.protocol import BeforeSend, Survey, WorkerLostError
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import HostAgentError, MtcError
 from mtc.pool import ThreadPool
@@ -147,6 +147,19 @@ class ColocatedDispatch(HostCalls):
         self._collect()
         return self._exchange(encode_request(op, hosts, **args))
 
+    def _answers(self, answer: jax.Array, op: str) -> list[tuple[int, np.ndarray]]:
+        """Each worker's shard of a call's answer, with its rank (host); a shard
+        whose worker was lost with its host raises :class:`WorkerLostError`."""
+        out = []
+        for s in answer.addressable_shards:
+            rank = self._rank_of[s.device]
+            try:
+                out.append((rank, np.asarray(s.data)))
+            except jax.errors.JaxRuntimeError as e:
+                raise WorkerLostError(f"{op}: the worker's answer cannot be read: {e}",
+                                      host=rank) from e
+        return out
+
     def _exchange(self, request: bytes) -> list[Any]:
         """Each worker's reply to ``request``, in rank order: whole in the fixed-size
         answer when it fits, else fetched by a second call (padded to a size class
@@ -156,10 +169,8 @@ class ColocatedDispatch(HostCalls):
         size = self._answer_size
         whole: dict[int, bytes] = {}
         size_of: dict[int, int] = {}
-        for sh in answers.addressable_shards:
-            buf = np.asarray(sh.data)
+        for rank, buf in self._answers(answers, "ask"):
             n = int(buf[:8].view("<u8")[0])
-            rank = self._rank_of[sh.device]
             size_of[rank] = n
             self.answer_bytes += min(n, size - 8)
             if n <= size - 8:
@@ -176,17 +187,16 @@ class ColocatedDispatch(HostCalls):
             got = self._invoke(fetch, self._small_ranks,
                                jax.device_put(np.array([cap], "<u8").view(np.uint8),
                                               self._small_replicated))
-            for sh in got.addressable_shards:
-                rank = self._rank_of[sh.device]
+            for rank, buf in self._answers(got, "reply"):
                 if rank in longer:
-                    whole[rank] = np.asarray(sh.data)[:size_of[rank]].tobytes()
+                    whole[rank] = buf[:size_of[rank]].tobytes()
                     self.answer_bytes += size_of[rank]
         return [decode_reply(whole[r]) for r in sorted(whole)]
 
     def _unanimous(self, answer: jax.Array, op: str) -> bool:
         """Every worker's answer, read from its own shard; they must agree. A worker
         that failed answers FAILED: its typed error (step, host, file) is fetched."""
-        values = {int(np.asarray(s.data).reshape(-1)[0]) for s in answer.addressable_shards}
+        values = {int(buf.reshape(-1)[0]) for _, buf in self._answers(answer, op)}
         if FAILED in values:
             self._raise_worker_error(op)
         if len(values) != 1:

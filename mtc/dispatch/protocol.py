@@ -16,7 +16,17 @@ import jax
 import numpy as np
 
 from mtc.contract import LeafSpec, ReadTask, SaveHeader
+from mtc.errors import HostAgentError
 from mtc.manifest import Manifest
+
+
+class WorkerLostError(HostAgentError, jax.errors.JaxRuntimeError):
+    """A host's worker is gone with its devices: a colocated call's input or answer
+    on them cannot be read (the runtime's ``DATA_LOSS``). mtc's error, naming the
+    host, for callers that decide by mtc's errors (a manager closing after a
+    failure); and still the runtime's error with its message, so that an elastic
+    loop (pathwaysutils' ``elastic_retry``) sees the slice-down event it is, not
+    an error of its own."""
 
 
 @dataclasses.dataclass(frozen=True)

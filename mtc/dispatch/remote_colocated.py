@@ -31,6 +31,7 @@ from jax import tree_util
 
 from mtc import errors, slots, transfer
 from mtc.dispatch.process import Sidecar, channels
+from mtc.dispatch.protocol import WorkerLostError
 from mtc.errors import ColocatedCallError, MtcError, ShardUnavailableError
 from mtc.pool import ThreadPool
 
@@ -208,8 +209,8 @@ class Runtime:
                     try:
                         data = np.asarray(s.data)
                     except jax.errors.JaxRuntimeError as e:  # a device lost with its host
-                        raise ShardUnavailableError(f"{name}: an input's shard on device "
-                                                    f"{s.device.id} is gone: {e}", host=h) from e
+                        raise WorkerLostError(f"{name}: an input's shard on device "
+                                              f"{s.device.id} is gone: {e}", host=h) from e
                     buffers[h].append(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
             futures = {h: self._pool.submit(one, h, inputs[h], buffers[h]) for h in hosts}
             wait(futures.values())  # every host answered, whatever the first one raised
