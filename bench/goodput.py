@@ -34,11 +34,11 @@ replica resizes (and the scale-ups after them) to the mix.
 Where the machine has two or more cores, the run is made twice: first pinned as on
 a real host (a TPU host's CPUs are not its accelerators: the trainer, whose CPU
 devices stand in for the accelerators, on one core; the hosts' sidecars and
-replicators on the others, and with them the trainer's compile-ahead thread, as a
-real job compiles on CPUs, never on its accelerators), which gives the figures
-above, then unpinned (every
-process where the scheduler puts it, competing for the same cores), whose
-goodput figures are under ``unpinned``. ``--no-pin``: the unpinned run alone.
+replicators on the others, and with them the trainer's compile-ahead thread, as
+a real job compiles on CPUs, never on its accelerators), which gives the figures
+above, then unpinned (every process where the scheduler puts it, competing for
+the same cores), whose goodput figures are under ``unpinned``. ``--no-pin``: the
+unpinned run alone.
 """
 
 from __future__ import annotations
@@ -365,10 +365,10 @@ def run_once(args: argparse.Namespace, out: Path,
             got = pids()
             return got["sidecars"] + got["replicators"]
 
-        t_launch = time.time()  # as elastic_demo: just before the trainer starts
         def trainer_pid() -> list[int]:
-            return [proc.pid] if proc is not None else []
+            return pids()["trainer"]
 
+        t_launch = time.time()  # as elastic_demo: just before the trainer starts
         # Pinned, the trainer's compiles ahead run on the hosts' cores, not on its
         # devices' core: a real job compiles on its hosts' CPUs (Pathways: on the
         # controller's), never on the accelerators.
