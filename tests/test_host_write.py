@@ -17,7 +17,7 @@ import pytest
 from mtc import layout
 from mtc.errors import RamDiskFullError, StepExistsError
 from mtc.integrity import crc32c
-from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest
+from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.sidecar.buffers import StagingPool
 from mtc.sidecar.write import WRITE_CHUNK, WRITER_RESERVE_DIR, HostSave, StagedShard, Writer
 
@@ -88,6 +88,12 @@ def save_of(root: Path, step: int, shards: list[np.ndarray], run: str = "r1") ->
     return save
 
 
+def shard_entries(final: Path) -> list[ShardEntry]:
+    """The shards a committed step's manifest lists, in order."""
+    m = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
+    return [s for lf in m.leaves for s in lf.shards]
+
+
 def test_a_save_is_committed_with_checksums_manifest_last(tmp_path: Path) -> None:
     writer = Writer(2)
     try:
@@ -119,8 +125,7 @@ def test_a_shard_larger_than_a_write_chunk_is_checksummed_whole(tmp_path: Path) 
         final = save.done.result(10)
     finally:
         writer.close()
-    m = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
-    entries = [s for lf in m.leaves for s in lf.shards]
+    entries = shard_entries(final)
     assert entries[0].nbytes > 2 * WRITE_CHUNK and entries[0].nbytes % WRITE_CHUNK
     for entry, data in zip(entries, (big, np.arange(3, dtype=np.float32)), strict=True):
         assert (final / entry.file).read_bytes() == data.tobytes()
@@ -212,8 +217,7 @@ def test_the_next_save_is_written_into_blank_files_set_aside_after_the_last(
         final = second.done.result(10)
     finally:
         writer.close()
-    m = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
-    entries = [s for lf in m.leaves for s in lf.shards]
+    entries = shard_entries(final)
     assert {os.stat(final / e.file).st_ino for e in entries} == blank
     for i, e in enumerate(entries):
         data = (final / e.file).read_bytes()
@@ -238,8 +242,7 @@ def test_blank_files_set_aside_never_make_a_save_fail_for_room(tiny_tmpfs: Path)
         final = second.done.result(10)
     finally:
         writer.close()
-    m = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
-    assert (final / m.leaves[0].shards[0].file).read_bytes() == big.tobytes()
+    assert (final / shard_entries(final)[0].file).read_bytes() == big.tobytes()
     assert layout.committed_steps(tiny_tmpfs) == [1, 2]
 
 
