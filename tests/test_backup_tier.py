@@ -165,8 +165,11 @@ def test_interval_backups_dedup_spread_and_retention(ramdisk: Path, mesh: Mesh,
     assert seen == {2, 4, 6, 8, 10}, seen
     # Retention (keep the newest 2, and every 4th): step 2 went once 6 came, 6 once
     # 10 came; 4 and 8 stay. Retention runs after the publish the loop saw: waited
-    # for, bounded (it failed under load when read at once).
-    wait_for("retention after step 10", lambda: local_committed(bucket) == [4, 8, 10])
+    # for, bounded (it failed under load when read at once), until the removed
+    # steps' data is gone too (their manifests go first, so that a half-deleted
+    # step never looks committed: under load a folder outlived its manifest here).
+    wait_for("retention after step 10", lambda: local_committed(bucket) == [4, 8, 10]
+             and sorted(os.listdir(bucket / "steps")) == ["10", "4", "8"])
     assert local_committed(bucket) == [4, 8, 10]
     # Nothing but committed steps: every step folder has its manifest; no staging left.
     assert sorted(os.listdir(bucket / "steps")) == ["10", "4", "8"]
