@@ -34,6 +34,9 @@ class ReplicatorConfig:
     replication_warn_s: float = 120.0
     # Blank RAM-disk files set aside for the next peer copy (sidecar/reserve.py).
     reserve: bool = True
+    # Held copies read again in the background (sidecar/replicator/scrub.py), at
+    # most this many bytes a second on average; 0: no scrub.
+    scrub_rate: float = 64 * 2**20
     framework: str = "mtc"           # "mtc" or "orbax" (from replicator.yaml)
     job_name: str = "mtc"
 
@@ -50,6 +53,8 @@ class ReplicatorConfig:
             raise ConfigError("keep must be >= 1")
         if self.restore_quiet_s < 0:
             raise ConfigError(f"restore_quiet_s must be >= 0, got {self.restore_quiet_s}")
+        if self.scrub_rate < 0:
+            raise ConfigError(f"scrub_rate must be >= 0, got {self.scrub_rate}")
 
     @property
     def num_nodes(self) -> int:

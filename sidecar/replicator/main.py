@@ -103,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ahead, at background priority, while the RAM disk keeps as "
                         "much free beside them: bench/replicator.py's copies then run "
                         "about 1.7x faster)")
+    p.add_argument("--scrub-mib-per-second", type=float, default=64.0, metavar="MIB",
+                   help="read every held copy again in the background at most this fast "
+                        "on average, so that damage that keeps a file's size and mtime "
+                        "(bad memory) is found and healed from another host before a "
+                        "restore needs the step (default 64; 0: no scrub)")
     p.add_argument("--stall-seconds", type=float, default=120.0,
                    help="health turns NOT_SERVING when the replication loop has not "
                         "passed for this long (default 120)")
@@ -172,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                                   agreement_timeout_s=args.agreement_timeout_seconds,
                                   restore_quiet_s=args.restore_quiet_seconds,
                                   replication_warn_s=args.replication_warn_seconds,
-                                  reserve=not args.no_reserve)
+                                  reserve=not args.no_reserve,
+                                  scrub_rate=args.scrub_mib_per_second * 2**20)
         if (args.tls_pod_prefix is None) != (args.tls_hosts_per_slice is None):
             raise ConfigError("--tls-pod-prefix and --tls-hosts-per-slice go together")
         if args.tls_pod_prefix is not None:
@@ -239,6 +245,7 @@ def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
     threads = [threading.Thread(target=node.run, name="mtc-replicate"),
                threading.Thread(target=node.backups.run, name="mtc-backup"),
                threading.Thread(target=node.reserve.run, name="mtc-reserve"),
+               threading.Thread(target=node.scrubber.run, name="mtc-scrub"),
                threading.Thread(target=_client_loop, args=(node, root, client_q),
                                 name="mtc-orbax-client"),
                threading.Thread(target=check_peers,

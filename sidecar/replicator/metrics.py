@@ -28,6 +28,12 @@ class Metrics:
         self.healed = Counter("mtc_healed_files",
                               "Bad files replaced by a verified copy from another holder",
                               registry=r)
+        self.scrub_bytes = Counter("mtc_scrub_bytes",
+                                   "Bytes of held copies read again by the background scrub",
+                                   registry=r)
+        self.scrub_damaged = Counter("mtc_scrub_damaged_files",
+                                     "Bad files the background scrub found (then quarantined)",
+                                     registry=r)
         self.newest = Gauge("mtc_newest_step", "Newest step by state", ["state"], registry=r)
         self.lag = Gauge("mtc_replication_lag_steps",
                          "Committed steps newer than the newest fully replicated one",

@@ -5,6 +5,7 @@ services that act on them, each in a module of its own:
 - ``gc.py``: which steps and copies are deleted (a pure plan, and its pass);
 - ``node_agreement.py``: the restore agreement (deciding, asking);
 - ``restore.py``: bringing the agreed step's data, verified, and healing it;
+- ``scrub.py``: every held copy read again in the background, damage healed;
 - ``sidecar/backup/duties.py``: the backup tier (leading, uploading, restoring).
 
 This module holds what they share: the inventory a peer is shown, the node's
@@ -36,6 +37,7 @@ from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.replication import Replication
 from mtc.sidecar.replicator.restore import Restorer
+from mtc.sidecar.replicator.scrub import Scrubber
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
 from mtc.sidecar.replicator.store import LocalStore
@@ -81,6 +83,10 @@ class Node:
         self.reserve = Reserve(root, RESERVE_DIR, lambda: room(root), enabled=config.reserve,
                                on_take=self.metrics.reserve_used.inc)
         self.metrics.reserve_bytes.set_function(self.reserve.held_bytes)
+        self.scrubber = Scrubber(self.store, self.metrics, rate=config.scrub_rate,
+                                 heal_own=self.heal_own,
+                                 quiet_until=lambda: self.restorer.quiet_until,
+                                 stop=self._stop)
 
     def run(self) -> None:
         """The replication loop (its thread is main's): a copy pass, then garbage
@@ -115,6 +121,12 @@ class Node:
         self.replication.close()
         self._inv_pool.shutdown(wait=True, cancel_futures=True)
         self.backups.close()
+
+    def heal_own(self, step: int) -> None:
+        """Make this host's damaged ``step`` whole again from other hosts' verified
+        copies of the same bytes, as a restore would (the scrub found damage)."""
+        run = self.store.summary(self.rank, step).run
+        self.restorer.materialize(step, self.agreement.gather(), into_root=False, run=run)
 
     def on_copy_received(self, origin: int, step: int) -> None:
         log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, origin, step)

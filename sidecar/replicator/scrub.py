@@ -1,0 +1,155 @@
+"""Scrubbing: every copy this host holds is read again, slowly, in the background,
+so that damage is found and healed while good copies still exist elsewhere, not
+when a restore needs the step.
+
+Checksums are trusted by inode, size and mtime (:mod:`.checksums`): damage that
+keeps them (a bit flipped by bad memory) is invisible to every check but one that
+reads the bytes. The scrubber reads one held copy at a time, in (origin, step)
+order and round again, at most ``rate`` bytes a second on average, at background
+priority, and never while a restore was just answered (its reads go first).
+
+A file that fails is checked once more, and quarantined only if its copy is still
+the one that was read (a copy replaced meanwhile, a step saved again, is not
+damage). Then:
+
+- an own step is healed at once, file by file, from another host's verified copy
+  of the same bytes (its peer's copy, a data-parallel twin's identical file, the
+  backup), exactly as a restore heals it (:meth:`.restore.Restorer.materialize`);
+- a peer's copy no longer counts as held: its origin, which re-reads its targets'
+  holdings every few seconds, pushes its newest step again.
+
+What a scrub finds is counted (``mtc_scrub_damaged_files_total``, besides the
+quarantine's and the heal's own counters); what it read, in
+``mtc_scrub_bytes_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from mtc import layout
+from mtc.errors import MtcError
+from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.store import LocalStore
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 5.0  # with nothing held, how often to look again
+# At least this long between two copies: a small state is not read over and over
+# (each pass lists, describes and opens every file of a copy).
+MIN_PAUSE_S = 1.0
+
+Copy = tuple[int, int]  # (origin rank, step)
+
+
+def next_copy(held: Sequence[Copy], last: Copy | None) -> Copy | None:
+    """The copy to scrub after ``last``: the first held one after it in (origin,
+    step) order, round again from the first; None when nothing is held."""
+    ordered = sorted(held)
+    if not ordered:
+        return None
+    if last is not None:
+        for c in ordered:
+            if c > last:
+                return c
+    return ordered[0]
+
+
+def pause_after(nbytes: int, took_s: float, rate: float) -> float:
+    """Seconds to wait after reading ``nbytes`` in ``took_s`` so that reading
+    averages at most ``rate`` bytes a second, and at least ``MIN_PAUSE_S``."""
+    if rate <= 0:
+        return MIN_PAUSE_S
+    return max(MIN_PAUSE_S, nbytes / rate - took_s)
+
+
+class Scrubber:
+    """One replicator's scrub: :meth:`run` is its thread's loop (started and joined
+    by ``main.py``), :meth:`scrub_once` one copy. ``heal_own(step)``: make an own
+    step whole again from other hosts' copies; ``quiet_until()``: monotonic time
+    until which a restore's reads go first."""
+
+    def __init__(self, store: LocalStore, metrics: Metrics, *, rate: float,
+                 heal_own: Callable[[int], None], quiet_until: Callable[[], float],
+                 stop: threading.Event) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.rate = rate  # bytes a second, on average; 0: off
+        self._heal_own = heal_own
+        self._quiet_until = quiet_until
+        self._stop = stop
+        self._last: Copy | None = None
+
+    def run(self) -> None:
+        if self.rate <= 0:
+            return
+        layout.lower_thread_priority(19)  # behind the job's threads, saves and copies
+        while not self._stop.is_set():
+            wait = self._quiet_until() - time.monotonic()
+            if wait > 0:
+                self._stop.wait(wait)
+                continue
+            t0 = time.monotonic()
+            try:
+                nbytes = self.scrub_once()
+            except Exception:  # the next copy is scrubbed all the same
+                log.exception("rank %d: scrubbing failed", self.store.rank)
+                self.metrics.failures.labels("scrub").inc()
+                nbytes = 0
+            took = time.monotonic() - t0
+            self._stop.wait(pause_after(nbytes, took, self.rate) if nbytes else IDLE_S)
+
+    def scrub_once(self) -> int:
+        """Read the next held copy again, every byte; quarantine what fails twice
+        and heal an own step. Returns the bytes read."""
+        copy = next_copy(self.store.copies(), self._last)
+        if copy is None:
+            return 0
+        self._last = copy
+        origin, step = copy
+        try:
+            folder = self.store.copy_dir(origin, step)
+            ino = os.stat(folder).st_ino
+            files = self.store.describe(origin, step)
+        except (OSError, ValueError, MtcError):
+            return 0  # removed (retention) or replaced since it was listed
+        base = os.fspath(folder)
+        suspects = []
+        nbytes = 0
+        for f in files:
+            if self._stop.is_set():
+                return nbytes
+            why = self.store.checksums.check(f"{base}/{f.path}", f, cached=False)
+            nbytes += f.size
+            if why is not None and why != "missing":
+                suspects.append(f)
+        self.metrics.scrub_bytes.inc(nbytes)
+        if not suspects or not self._same_copy(folder, ino):
+            return nbytes
+        bad = self.store.verify(origin, step, cached=False)  # quarantines what fails
+        if not bad:
+            return nbytes
+        self.metrics.scrub_damaged.inc(len(bad))
+        log.warning("rank %d: scrub found %d bad files in rank %d's step %d (%s, ...)",
+                    self.store.rank, len(bad), origin, step, bad[0].path)
+        if origin == self.store.rank:
+            try:
+                self._heal_own(step)
+                log.info("rank %d: step %d healed after the scrub", self.store.rank, step)
+            except (MtcError, OSError) as e:
+                self.metrics.failures.labels("scrub_heal").inc()
+                log.error("rank %d: step %d, damaged, could not be healed now (a restore "
+                          "tries again): %s", self.store.rank, step, e)
+        return nbytes
+
+    @staticmethod
+    def _same_copy(folder: os.PathLike[str], ino: int) -> bool:
+        """Whether ``folder`` is still the copy that was read (not one saved again)."""
+        try:
+            return os.stat(folder).st_ino == ino
+        except OSError:
+            return False

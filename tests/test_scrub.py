@@ -1,0 +1,186 @@
+"""The background scrub: every held copy read again, damage that no cache can see
+found before a restore needs the step, and healed from another host.
+
+The policy (which copy next, how long to pause) is pure; one copy's scrub runs on
+a real store in this process, its heal a recording stand-in (a heal needs other
+hosts); the last test runs real replicator processes, damages a host's own step
+and a peer's copy in place, silently (size and mtime kept, as bad memory would),
+and waits, without any restore, for both to be found and made good again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from jax.sharding import Mesh
+from replicators import (
+    Cluster,
+    assert_state_equal,
+    commit_mtc_step,
+    make_state,
+    new_cluster,
+)
+
+import mtc
+from mtc.integrity import crc32c
+from mtc.manifest import MANIFEST_NAME
+from mtc.sidecar.quarantine import quarantined
+from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.scrub import MIN_PAUSE_S, Scrubber, next_copy, pause_after
+from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.store import REPLICA_DIR, LocalStore
+
+STEP = 7
+MIB = 1 << 20
+
+
+def test_next_copy_goes_round_in_order() -> None:
+    held = [(2, 9), (0, 5), (2, 7)]
+    assert next_copy(held, None) == (0, 5)
+    assert next_copy(held, (0, 5)) == (2, 7)
+    assert next_copy(held, (2, 7)) == (2, 9)
+    assert next_copy(held, (2, 9)) == (0, 5)  # round again
+    assert next_copy(held, (1, 0)) == (2, 7)  # the last one scrubbed is gone: the next
+    assert next_copy([], (0, 5)) is None
+
+
+def test_pause_keeps_the_average_rate_and_a_floor() -> None:
+    # 640 MiB at 64 MiB/s is 10 s of budget; reading took 2 s: wait 8 more.
+    assert pause_after(640 * MIB, 2.0, 64 * MIB) == pytest.approx(8.0)
+    assert pause_after(640 * MIB, 20.0, 64 * MIB) == MIN_PAUSE_S  # slower already
+    assert pause_after(1000, 0.0, 64 * MIB) == MIN_PAUSE_S  # a tiny state is not re-read
+    assert pause_after(640 * MIB, 0.0, 0) == MIN_PAUSE_S
+
+
+def flip_silently(path: Path) -> None:
+    """One bit flipped in place, the mtime kept: no cache keyed on inode, size and
+    mtime can tell."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        b = f.read(1)[0]
+        f.seek(st.st_size // 2)
+        f.write(bytes([b ^ 0x04]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def a_host_with_a_peer_copy(tmp_path: Path) -> LocalStore:
+    """Host 2 with its own step 7 and a verified copy of host 0's step 7."""
+    root = tmp_path / "host-2"
+    commit_mtc_step(root, STEP, {"own.2": os.urandom(3 * 4096)}, host=2, num_hosts=4,
+                    slice_of_host=1)
+    origin = commit_mtc_step(tmp_path / "host-0", STEP, {"own.0": os.urandom(5 * 4096)},
+                             host=0, num_hosts=4)
+    store = LocalStore(root, rank=2)
+    tmp = store.begin_incoming(0, STEP)
+    for name, data in origin.items():
+        (tmp / name).write_bytes(data)
+    store.commit_incoming(tmp, 0, STEP, [FileMeta(n, len(d), crc32c(d))
+                                         for n, d in origin.items()])
+    # Both read and checked once: from now on the checksum cache vouches for them.
+    assert store.verify(2, STEP) == [] and store.verify(0, STEP) == []
+    return store
+
+
+def scrubber(store: LocalStore, healed: list[int]) -> Scrubber:
+    return Scrubber(store, Metrics(), rate=64 * MIB, heal_own=healed.append,
+                    quiet_until=lambda: 0.0, stop=threading.Event())
+
+
+def test_silent_damage_in_an_own_step_is_found_quarantined_and_healed(
+        tmp_path: Path) -> None:
+    store = a_host_with_a_peer_copy(tmp_path)
+    own = store.root / str(STEP) / "own.2"
+    flip_silently(own)
+    assert store.verify(2, STEP) == []  # the cache cannot see it
+    healed: list[int] = []
+    s = scrubber(store, healed)
+    step_bytes = sum(f.stat().st_size for f in (store.root / str(STEP)).iterdir())
+    assert s.scrub_once() > 0  # host 0's copy comes first: good
+    assert healed == [] and (0, STEP) in store.copies()
+    assert s.scrub_once() == step_bytes  # then the own step, every byte read
+    assert healed == [STEP]  # healed at once, from another host (here: recorded)
+    assert not own.exists() and store.damaged(2, STEP)
+    assert len(quarantined(store.root)) == 1
+    assert s.metrics.scrub_damaged._value.get() == 1
+
+
+def test_silent_damage_in_a_peer_copy_stops_it_counting_as_held(tmp_path: Path) -> None:
+    store = a_host_with_a_peer_copy(tmp_path)
+    copied = store.root / REPLICA_DIR / "0" / str(STEP) / "own.0"
+    flip_silently(copied)
+    healed: list[int] = []
+    s = scrubber(store, healed)
+    assert s.scrub_once() > 0  # host 0's copy: (0, 7) comes first
+    # Not this host's data: no heal here; its origin pushes it again once it sees
+    # the copy is no longer held.
+    assert healed == []
+    assert (0, STEP) not in store.copies() and store.damaged(0, STEP)
+    assert len(quarantined(store.root)) == 1
+    s.scrub_once()  # the own step: good, nothing more
+    assert healed == [] and (2, STEP) in store.copies()
+
+
+def test_a_good_store_is_read_and_left_alone(tmp_path: Path) -> None:
+    store = a_host_with_a_peer_copy(tmp_path)
+    healed: list[int] = []
+    s = scrubber(store, healed)
+    total = sum(s.scrub_once() for _ in range(2))
+    expected = sum(f.size for c in [(0, STEP), (2, STEP)] for f in store.describe(*c))
+    assert total == expected
+    assert healed == [] and quarantined(store.root) == []
+    assert s.metrics.scrub_bytes._value.get() == total
+
+
+def unique_files(cl: Cluster, step: int, host: int) -> list[str]:
+    """Files of ``host``'s ``step`` its data-parallel twin (the other slice's host
+    at the same place) does not hold identically."""
+    mine, twin = cl.root(host) / str(step), cl.root((host + 2) % 4) / str(step)
+    return sorted(p.name for p in mine.iterdir() if p.name != MANIFEST_NAME and not (
+        (twin / p.name).exists() and (twin / p.name).read_bytes() == p.read_bytes()))
+
+
+@pytest.mark.process
+def test_replicators_find_and_heal_silent_damage_before_any_restore(
+        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
+    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True, scrub=True)
+    cl.start_all()
+    state = make_state(mesh, 3.0)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
+        m.save(3, state)
+        m.wait_until_finished()
+    cl.wait_replicated(3, timeout=60)
+    # Host 0's own step, and host 3's copy of host 1's: a file only that host saved
+    # (a data-parallel one is a claim on the holder's own bytes, one inode for two).
+    own = cl.root(0) / "3" / unique_files(cl, 3, 0)[0]
+    peer_copy = cl.root(3) / REPLICA_DIR / "1" / "3" / unique_files(cl, 3, 1)[0]
+    good_own, good_copy = own.read_bytes(), peer_copy.read_bytes()
+    flip_silently(own)
+    flip_silently(peer_copy)
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = [cl.scrape(r).get("mtc_scrub_damaged_files_total", 0) for r in (0, 3)]
+        if found == [1, 1] and own.exists() and own.read_bytes() == good_own \
+                and peer_copy.exists() and peer_copy.read_bytes() == good_copy:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"damage not healed by the scrub: found {found}; logs:\n"
+                             + cl.log_text(0)[-2000:] + cl.log_text(3)[-2000:])
+    # Host 0 fetched its file from its peer (healed); host 3's copy came again from
+    # its origin. Both bad files were kept aside.
+    assert cl.scrape(0)["mtc_healed_files_total"] >= 1
+    assert len(quarantined(cl.root(0))) == 1 and len(quarantined(cl.root(3))) == 1
+    assert cl.scrape(0)["mtc_scrub_bytes_total"] > 0
+    # A restore now finds every host's data whole where it is: nothing to heal.
+    with mtc.CheckpointManager(ramdisk, mesh=mesh,
+                               options=cl.options(replicators=True, max_to_keep=None)) as m:
+        got = m.restore(None, state)
+        tiers = m.last_restore_tiers
+    assert_state_equal(got, state)
+    assert tiers == {0: "local", 1: "local", 2: "local", 3: "local"}, tiers
