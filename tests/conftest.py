@@ -96,3 +96,12 @@ def clusters() -> Iterator[list[Any]]:
             print(f"--- replicator {r} log tail ---\n{c.log_text(r)[-3000:]}")
             if c.sidecar_log(r):
                 print(f"--- sidecar {r} log tail ---\n{c.sidecar_log(r)}")
+
+
+@pytest.fixture(scope="session")
+def rendered() -> Any:
+    """Every deploy/ overlay and example job, rendered once a session
+    (tests/deploy_render.py): dict of case -> the objects."""
+    from deploy_render import render_cases
+
+    return render_cases()

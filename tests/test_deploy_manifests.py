@@ -1,0 +1,504 @@
+"""Deployment, the manifests (offline: no cluster). Every overlay, and jobs rendered
+by ``deploy/configure.py`` with values unlike the example's, render with ``kubectl
+kustomize``; core kinds and every replicated job's Job template pass
+``kubernetes-validate --strict`` at Kubernetes 1.32 and the newest version it
+knows; JobSets and the CheckpointConfiguration pass their strict schemas
+(``../shared/schemas/`` beside the clone, or ``$MTC_JOBSET_SCHEMA``,
+``$MTC_CPC_SCHEMA``); what docs/deploy.md promises of them holds (failure
+policies evaluated as JobSet and the Job controller would, memory, placement,
+ownership); values that must agree across the manifests do."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from deploy_render import (
+    CASES,
+    CORE_GROUPS,
+    OVERLAYS,
+    REPO,
+    arg,
+    containers,
+    env_of,
+    is_pathways,
+    job_of,
+    jobset_action,
+    jobsets,
+    lock,
+    mounts,
+    one,
+    pod_of,
+    quantity,
+    tool,
+    validator_versions,
+    worker_env,
+)
+
+from mtc.sidecar.replicator.k8s import (
+    JobSetPlace,
+    parse_args,
+    replicator_argv,
+)
+
+# Every test here renders the overlays (kubectl kustomize) or runs the images' tools.
+pytestmark = pytest.mark.process
+
+
+def test_overlays_exist() -> None:
+    assert {o.name for o in OVERLAYS} >= {"pathways", "pathways-gke-mtc", "multi-controller"}
+
+
+
+@pytest.mark.parametrize("version", validator_versions())
+@pytest.mark.parametrize("case", CASES)
+def test_core_kinds_and_job_templates_pass_kubernetes_validate(
+        case: str, version: str, rendered: dict[str, list[dict[str, Any]]],
+        tmp_path: Path) -> None:
+    docs = rendered[case]
+    core = [d for d in docs if d["apiVersion"] in CORE_GROUPS]
+    assert {d["kind"] for d in core} >= {"NetworkPolicy", "PriorityClass", "ServiceAccount",
+                                         "PodDisruptionBudget"}
+    # kubernetes-validate knows no JobSet; the pod templates inside are checked as Jobs.
+    for js in jobsets(docs):
+        for rj in js["spec"]["replicatedJobs"]:
+            core.append({"apiVersion": "batch/v1", "kind": "Job",
+                         "metadata": {"name": f"{js['metadata']['name']}-{rj['name']}"},
+                         "spec": rj["template"]["spec"]})
+    path = tmp_path / "core.yaml"
+    path.write_text(yaml.safe_dump_all(core))
+    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", version,
+                          str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "ERROR" not in out.stdout, out.stdout + out.stderr
+
+
+def shared_schema(name: str, env: str) -> Path | None:
+    override = os.environ.get(env)
+    if override:
+        if not Path(override).is_file():
+            pytest.fail(f"{env}={override} is not a file")
+        return Path(override)
+    path = REPO.parent / "shared" / "schemas" / name
+    return path if path.is_file() else None
+
+
+def check_schema(schema_name: str, env: str, objs: list[dict[str, Any]], tmp_path: Path) -> None:
+    schema = shared_schema(schema_name, env)
+    if schema is None:
+        pytest.skip(f"schema absent: no ../shared/schemas/{schema_name} beside the "
+                    f"repository and no {env}; nothing was validated against it")
+    assert objs
+    files = []
+    for i, obj in enumerate(objs):
+        files.append(tmp_path / f"obj-{i}.json")
+        files[-1].write_text(json.dumps(obj))
+    out = subprocess.run([tool("check-jsonschema"), "--schemafile", str(schema),
+                          *map(str, files)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_jobsets_pass_the_strict_jobset_schema(
+        case: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    check_schema("jobset-v1alpha2.strict.json", "MTC_JOBSET_SCHEMA",
+                 jobsets(rendered[case]), tmp_path)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("pathways-gke-mtc")])
+def test_gke_mtc_ships_its_checkpoint_configuration(
+        case: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """Without a CheckpointConfiguration GKE runs no driver and the pods never start."""
+    docs = rendered[case]
+    cpc = one(docs, "CheckpointConfiguration")
+    check_schema("checkpointconfiguration-v1.strict.json", "MTC_CPC_SCHEMA", [cpc], tmp_path)
+    (js,) = jobsets(docs)
+    worker = pod_of(job_of(js, "worker"))
+    volumes = {v["name"]: v for v in worker["volumes"]}
+    assert volumes["ramdisk"]["csi"]["driver"] == "multitier-checkpoint.csi.storage.gke.io"
+    # Its driver runs on this job's TPU nodes, tolerating their taint.
+    for k, v in cpc["spec"]["nodeSelector"].items():
+        assert worker["nodeSelector"][k] == v
+    assert any(t["key"] == "google.com/tpu" for t in cpc["spec"]["tolerations"])
+    # The backup tier's bucket, and the RAM disk the writers' memory is sized for.
+    rep = containers(worker)["replicator"]
+    assert arg(rep, "--backup") == f"gs://{cpc['spec']['cloudStorageBucketName']}/mtc-backup"
+    size = quantity(cpc["spec"]["inMemoryVolumeSize"])
+    assert quantity(rep["resources"]["limits"]["memory"]) > size
+    assert "metadata" in cpc and "namespace" not in cpc["metadata"]  # cluster-scoped
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_manifests_agree_with_themselves(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered[case]
+    (js,) = jobsets(docs)
+    name = js["metadata"]["name"]
+    assert js["spec"]["network"]["enableDNSHostnames"] is True
+    assert js["spec"]["network"]["publishNotReadyAddresses"] is True
+    assert "subdomain" not in js["spec"]["network"], "peer names assume subdomain = JobSet name"
+    worker = job_of(js, "worker")
+    slices, hosts = worker["replicas"], worker["template"]["spec"]["completions"]
+    assert worker["template"]["spec"]["parallelism"] == hosts
+    assert worker["template"]["spec"]["completionMode"] == "Indexed"
+    pod = pod_of(worker)
+    cs = containers(pod)
+    rep = cs["replicator"]
+    assert rep["restartPolicy"] == "Always"          # a native sidecar
+    renv = env_of(rep)
+    assert renv["MTC_HOSTS_PER_SLICE"] == str(hosts)
+    assert "replicatedjob-replicas" in renv["MTC_NUM_SLICES"]["fieldRef"]["fieldPath"]
+    port, health_port = int(renv["MTC_REPLICATOR_PORT"]), int(renv["MTC_HEALTH_PORT"])
+    ports = {p["name"]: p["containerPort"] for p in rep["ports"]}
+    assert ports["replicator"] == port and ports["health"] == health_port
+    # The data channel on a fixed, declared port (a strict NetworkPolicy names it).
+    assert arg(rep, "--data-port") == str(ports["replicator-data"])
+    assert len(set(ports.values())) == len(ports)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert rep[probe]["grpc"]["port"] == health_port, probe
+
+    # Peer TLS from the pod's certificate volume, mounted where the replicator's flags
+    # point (test_every_pod_gets_a_certificate_naming_its_rank: what it names).
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    tls_mount = mounts(rep)["replicator-tls"]
+    for flag, file in (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key"),
+                       ("--tls-ca", "ca.crt")):
+        assert arg(rep, flag) == f"{tls_mount}/{file}"
+    issuer = volumes["replicator-tls"]["csi"]["volumeAttributes"][
+        "csi.cert-manager.io/issuer-name"]
+
+    # The RAM disk: mounted at the replicator's --local-dir in the replicator and the writer.
+    local = arg(rep, "--local-dir")
+    ramdisk = volumes["ramdisk"]
+    assert ramdisk.get("emptyDir", {}).get("medium") == "Memory" or \
+        ramdisk.get("csi", {}).get("driver") == "multitier-checkpoint.csi.storage.gke.io"
+    writer = "colocated-python-sidecar" if "pathways-worker" in cs else "trainer"
+    for c in ("replicator", writer):
+        assert mounts(cs[c])["ramdisk"] == local
+
+    # Priority for hot swap, from a PriorityClass the overlay ships.
+    classes = {d["metadata"]["name"] for d in docs if d["kind"] == "PriorityClass"}
+    for rj in js["spec"]["replicatedJobs"]:
+        assert pod_of(rj)["priorityClassName"] in classes
+
+    # The NetworkPolicy: the replicator port only from this JobSet's pods.
+    np_ = one(docs, "NetworkPolicy")
+    label = "jobset.sigs.k8s.io/jobset-name"
+    assert np_["spec"]["podSelector"]["matchLabels"] == {label: name}
+    for rule in np_["spec"]["ingress"]:
+        open_ports = {p["port"] for p in rule.get("ports", [])}
+        if rule.get("from") == [{"podSelector": {"matchLabels": {label: name}}}]:
+            assert not open_ports
+        else:
+            assert port not in open_ports and open_ports, rule
+            assert ports["replicator-data"] not in open_ports, rule
+            assert open_ports <= {health_port, ports["metrics"]}
+
+    trainer_pod = pod_of(job_of(js, "pathways-head")) if writer != "trainer" else pod
+    trainer = containers(trainer_pod)["trainer"]
+    tenv = env_of(trainer)
+    assert tenv["MTC_HOSTS_PER_SLICE"] == str(hosts)
+    assert tenv["MTC_REPLICATOR_PORT"] == str(port)
+    assert arg(trainer, "--ramdisk") == local
+    tls_dir = mounts(trainer)["replicator-tls"]
+    assert tenv["MTC_TLS_DIR"] == tls_dir
+    assert {v["name"]: v for v in trainer_pod["volumes"]}["replicator-tls"]["csi"][
+        "volumeAttributes"]["csi.cert-manager.io/issuer-name"] == issuer
+
+    if writer == "trainer":                     # multi-controller
+        assert "--write-jax-init-info" in rep["args"]
+        coord = {p["name"]: p["containerPort"] for p in trainer["ports"]}["coordinator"]
+        assert env_of(rep)["MTC_COORDINATOR_PORT"] == str(coord)
+    else:                                       # Pathways
+        assert "--write-jax-init-info" not in rep["args"]
+        assert js["spec"]["coordinator"]["replicatedJob"] == "pathways-head"
+        assert tenv["MTC_NUM_SLICES"] == str(slices) and tenv["MTC_WORKER_JOB"] == "worker"
+        assert tenv["JAX_PLATFORMS"] == "proxy"
+        head = containers(trainer_pod)
+        assert arg(head["pathways-proxy"], "--num_elastic_slices") == str(slices)
+        assert arg(head["pathways-proxy"], "--sidecar_name") == "external"
+        assert arg(head["pathways-rm"], "--instance_count") == str(slices)
+        side = cs["colocated-python-sidecar"]
+        shm = env_of(side)["CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY"]
+        assert env_of(cs["pathways-worker"])["CLOUD_PATHWAYS_SIDECAR_SHM_DIRECTORY"] == shm
+        for c in ("pathways-worker", "colocated-python-sidecar"):
+            assert mounts(cs[c])["sidecar-shm"] == shm
+        assert volumes["sidecar-shm"]["emptyDir"]["medium"] == "Memory"
+        # The slice shape the resource manager expects is the worker job's.
+        instance = arg(head["pathways-rm"], "--instance_type")
+        assert instance is not None
+        topology = instance.split(":")[1]
+        assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == topology
+        chips = int(cs["pathways-worker"]["resources"]["limits"]["google.com/tpu"])
+        assert math.prod(int(d) for d in topology.split("x")) == chips * hosts
+        # Pathways' images serve one jax release: the images' lock's (the job file's
+        # images.pathways defaults to it).
+        for c in [*cs.values(), *head.values()]:
+            if "cloud-tpu-v2-images/pathways/" in c["image"]:
+                assert c["image"].endswith(f":jax-{lock()['jax']}"), c["image"]
+    # Every pod port in one pod is distinct (they share a network namespace).
+    for rj in js["spec"]["replicatedJobs"]:
+        all_ports = [p["containerPort"] for c in containers(pod_of(rj)).values()
+                     for p in c.get("ports", [])]
+        assert len(all_ports) == len(set(all_ports)), (rj["name"], all_ports)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_slice_is_one_node_pool(case: str,
+                                     rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Without JobSet's exclusive topology, only the accelerator and topology
+    selectors place the pods: one slice's pods could land in two node pools."""
+    (js,) = jobsets(rendered[case])
+    worker = job_of(js, "worker")
+    annotations = worker["template"].get("metadata", {}).get("annotations", {})
+    assert annotations.get("alpha.jobset.sigs.k8s.io/exclusive-topology") == \
+        "cloud.google.com/gke-nodepool"
+    if is_pathways(js):
+        head = job_of(js, "pathways-head")["template"]["metadata"]["annotations"]
+        assert head["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "kubernetes.io/hostname"
+
+
+def pod_failure_action(job_spec: dict[str, Any], *, condition: str | None = None,
+                       container: str | None = None, exit_code: int | None = None) -> str:
+    """What the Job does with a failed pod: the first podFailurePolicy rule that
+    matches, else Count (Kubernetes' Job controller)."""
+    for rule in job_spec.get("podFailurePolicy", {}).get("rules", []):
+        if condition and any(c["type"] == condition for c in rule.get("onPodConditions", [])):
+            return str(rule["action"])
+        codes = rule.get("onExitCodes")
+        if codes and exit_code is not None and codes.get("containerName") in (None, container) \
+                and (exit_code in codes["values"]) == (codes["operator"] == "In"):
+            return str(rule["action"])
+    return "Count"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_failed_slice_restarts_alone(case: str,
+                                       rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Recreating the whole JobSet empties every memory RAM disk: a worker failure
+    restarts its own slice's Job only; host maintenance does not count as a failure;
+    the pods have time to finish a save (and the replicator to send it on)."""
+    (js,) = jobsets(rendered[case])
+    policy = js["spec"]["failurePolicy"]
+    assert policy.get("restartStrategy", "Recreate") != "InPlaceRestart", \
+        "in-place restart needs JobSet's agent in every pod"
+    # What JobSet's admission webhook checks of the rules (v0.12.0).
+    names = [r["name"] for r in policy["rules"]]
+    assert len(names) == len(set(names))
+    jobs = {rj["name"] for rj in js["spec"]["replicatedJobs"]}
+    for r in policy["rules"]:
+        assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", r["name"]), r["name"]
+        assert set(r.get("targetReplicatedJobs", [])) <= jobs, r
+        assert set(r.get("onJobFailureReasons", [])) <= {
+            "BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes",
+            "MaxFailedIndexesExceeded", "PodFailurePolicy"}, r
+    assert policy["maxRestarts"] >= 1
+    assert jobset_action(js, "worker", "BackoffLimitExceeded") in (
+        "RestartJob", "RestartJobAndIgnoreMaxRestarts")
+    # A configuration error (a pod failure policy's FailJob) ends the JobSet at once.
+    assert jobset_action(js, "worker", "PodFailurePolicy") == "FailJobSet"
+    if is_pathways(js):
+        # Google's Pathways manifests: a failed head restarts everything.
+        assert jobset_action(js, "pathways-head", "BackoffLimitExceeded") == "RestartJobSet"
+    for rj in js["spec"]["replicatedJobs"]:
+        spec = rj["template"]["spec"]
+        pod = pod_of(rj)
+        # Maintenance, preemption, eviction: replaced, not counted as a failure.
+        assert pod_failure_action(spec, condition="DisruptionTarget") == "Ignore", rj["name"]
+        # The API server accepts a pod failure policy only with restartPolicy Never.
+        assert pod["restartPolicy"] == "Never", rj["name"]
+        assert pod["terminationGracePeriodSeconds"] >= 60, rj["name"]
+        if "trainer" in containers(pod):
+            assert pod_failure_action(spec, container="trainer", exit_code=2) == "FailJob"
+            assert pod_failure_action(spec, container="trainer", exit_code=1) == "Count"
+    assert job_of(js, "worker")["template"]["spec"]["backoffLimit"] == 0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ramdisk_memory_is_requested_and_limited(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """RAM-disk pages count against the memory of the container that writes them: the
+    pod's requests cover the disk (or the kubelet evicts it first under pressure),
+    and no writer's limit is below it (or a full disk OOM-kills the writer)."""
+    docs = rendered[case]
+    (js,) = jobsets(docs)
+    pod = pod_of(job_of(js, "worker"))
+    ramdisk = {v["name"]: v for v in pod["volumes"]}["ramdisk"]
+    if "emptyDir" in ramdisk:
+        size = quantity(ramdisk["emptyDir"]["sizeLimit"])
+    else:
+        size = quantity(one(docs, "CheckpointConfiguration")["spec"]["inMemoryVolumeSize"])
+    writers = [c for c in containers(pod).values() if "ramdisk" in mounts(c)]
+    assert {c["name"] for c in writers} >= {"replicator"} and len(writers) == 2
+    requests = [quantity(c["resources"]["requests"]["memory"]) for c in writers]
+    limits = [quantity(c["resources"]["limits"]["memory"]) for c in writers]
+    assert sum(requests) >= size + 2 * 2**30   # the disk and each one's working memory
+    for c, req, lim in zip(writers, requests, limits, strict=True):
+        assert lim >= size + 2**30, c["name"]
+        assert req <= lim, c["name"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "pathways" in c])
+def test_pathways_worker_head_and_restart_policy(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    (js,) = jobsets(rendered[case])
+    worker = containers(pod_of(job_of(js, "worker")))["pathways-worker"]
+    env = env_of(worker)
+    assert {k: env[k] for k in ("XCLOUD_ENVIRONMENT", "TPU_MIN_LOG_LEVEL",
+                                "TF_CPP_MIN_LOG_LEVEL", "MEGASCALE_GRPC_ENABLE_XOR_TRACER")} \
+        == {"XCLOUD_ENVIRONMENT": "GCP", "TPU_MIN_LOG_LEVEL": "0", "TF_CPP_MIN_LOG_LEVEL": "0",
+            "MEGASCALE_GRPC_ENABLE_XOR_TRACER": "false"}
+    downward = {"JOBSET_NAME": "metadata.annotations['jobset.sigs.k8s.io/jobset-name']",
+                "REPLICATED_JOB_NAME":
+                    "metadata.annotations['jobset.sigs.k8s.io/replicatedjob-name']",
+                "MEGASCALE_NUM_SLICES":
+                    "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']",
+                "MEGASCALE_SLICE_ID": "metadata.labels['jobset.sigs.k8s.io/job-index']",
+                "MEGASCALE_COORDINATOR_ADDRESS":
+                    "metadata.labels['jobset.sigs.k8s.io/coordinator']",
+                "PATHWAYS_HEAD": "metadata.labels['jobset.sigs.k8s.io/coordinator']"}
+    for k, path in downward.items():
+        assert env[k] == {"fieldRef": {"fieldPath": path}}, k
+    head_job = job_of(js, "pathways-head")
+    head = pod_of(head_job)
+    # On a CPU node pool, never a TPU node; no in-place restart; started first.
+    assert head["nodeSelector"].keys() == {"cloud.google.com/gke-nodepool"}
+    assert not any("google.com/tpu" in c.get("resources", {}).get("limits", {})
+                   for c in containers(head).values())
+    assert head["restartPolicy"] == "Never"
+    assert head_job["template"]["spec"]["backoffLimit"] == 0
+    assert js["spec"]["startupPolicy"]["startupPolicyOrder"] == "InOrder"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pods_run_as_the_service_account_granted_the_bucket(
+        case: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered[case]
+    sa = one(docs, "ServiceAccount")
+    (js,) = jobsets(docs)
+    for rj in js["spec"]["replicatedJobs"]:
+        assert pod_of(rj)["serviceAccountName"] == sa["metadata"]["name"], rj["name"]
+    assert sa["automountServiceAccountToken"] is False
+    assert sa["metadata"].get("namespace", "default") == js["metadata"].get("namespace",
+                                                                             "default")
+    # The guide's IAM binding names the namespace and this account, not "default".
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    assert "subject/ns/$NAMESPACE/sa/$KSA" in guide
+
+
+def effective_uid(c: dict[str, Any], pod: dict[str, Any]) -> int:
+    """The uid a container runs as; the manifests state it wherever volumes are shared."""
+    uid = c.get("securityContext", {}).get("runAsUser",
+                                           pod.get("securityContext", {}).get("runAsUser"))
+    assert uid is not None, f"{c['name']} does not state its user"
+    return int(uid)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_shared_folders_have_one_owner(case: str,
+                                       rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Containers that write one volume run as one user: each must write, rename and
+    delete what the other created, whatever umask created it (the root pathways-worker's
+    files in /tmp, the sidecar's steps the replicator deletes, GKE's root-owned volume)."""
+    (js,) = jobsets(rendered[case])
+    for rj in js["spec"]["replicatedJobs"]:
+        pod = pod_of(rj)
+        writers: dict[str, set[int]] = {}
+        for c in containers(pod).values():
+            for m in c.get("volumeMounts", []):
+                if not m.get("readOnly"):
+                    writers.setdefault(m["name"], set()).add(effective_uid(c, pod))
+        for volume, uids in writers.items():
+            assert len(uids) == 1, f"{rj['name']}: {volume} is written by users {uids}"
+    pod = pod_of(job_of(js, "worker"))
+    cs = containers(pod)
+    if "pathways-worker" in cs:
+        # /tmp shared by pathways-worker and the sidecar, as Google's manifests do (an
+        # emptyDir here, not the node's /tmp).
+        for c in ("pathways-worker", "colocated-python-sidecar"):
+            assert mounts(cs[c])["shared-tmp"] == "/tmp"
+        assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}["shared-tmp"]
+        for c in ("colocated-python-sidecar", "replicator"):
+            sc = cs[c]["securityContext"]
+            assert sc["capabilities"]["drop"] == ["ALL"] and \
+                sc["allowPrivilegeEscalation"] is False, c
+    else:
+        assert effective_uid(cs["replicator"], pod) == 10001
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_gives_the_manager_the_replicators_of_its_pods(
+        case: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mtc-train-k8s`` as the rendered pod starts it: the manager's ``replicators``
+    are exactly the replicators' own ``--nodes`` (same names, same rank order, so
+    host h is rank h), reached over mutual TLS with the files the replicators use."""
+    from mtc.trainer import k8s as train_k8s
+
+    (js,) = jobsets(rendered[case])
+    name = js["metadata"]["name"]
+    worker = job_of(js, "worker")
+    pod = pod_of(worker)
+    rep = containers(pod)["replicator"]
+    is_mc = "pathways-worker" not in containers(pod)
+    trainer_pod = pod if is_mc else pod_of(job_of(js, "pathways-head"))
+    trainer = containers(trainer_pod)["trainer"]
+    hosts = worker["template"]["spec"]["completions"]
+    # The downward API's values, as Kubernetes would fill them in for slice 1, host 0.
+    place_env = worker_env(JOBSET_NAME=name, JOB_INDEX="1",
+                           MTC_NUM_SLICES=str(worker["replicas"]),
+                           MTC_HOSTS_PER_SLICE=str(hosts))
+    plain = {k: v for k, v in env_of(trainer).items() if isinstance(v, str)}
+    for k, v in {**place_env, **plain}.items():
+        monkeypatch.setenv(k, v)
+    if not is_mc:
+        monkeypatch.delenv("JOB_INDEX")
+        monkeypatch.delenv("JOB_COMPLETION_INDEX")
+        monkeypatch.setenv("REPLICATED_JOB_NAME", "pathways-head")
+    args = train_k8s.parse_args([a for a in trainer.get("args", [])
+                                 if not a.startswith("--mode=")])
+    place = JobSetPlace.from_env(worker=is_mc)
+    opts = train_k8s.checkpoint_options(args, place)
+
+    rargs, rest = parse_args([*rep["args"]], env={k: v for k, v in env_of(rep).items()
+                                                   if isinstance(v, str)})
+    rargv = replicator_argv(rargs, rest, JobSetPlace.from_env(place_env))
+    ropts = dict(zip(rargv[::2], rargv[1::2], strict=False))
+    assert opts.replicators == tuple(ropts["--nodes"].split(","))
+    assert len(opts.replicators) == worker["replicas"] * hosts
+    assert opts.replicators[hosts + hosts - 1] == \
+        f"{name}-worker-1-{hosts - 1}.{name}:9470"
+    assert opts.replicator_tls == (arg(rep, "--tls-cert"), arg(rep, "--tls-key"),
+                                   arg(rep, "--tls-ca"))
+    assert opts.hosts_per_slice == hosts
+    # The certificate the replicators serve (*.<subdomain>) covers every address.
+    assert all(a.split(":")[0].endswith(f".{place.subdomain}") for a in opts.replicators)
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    off = train_k8s.checkpoint_options(train_k8s.parse_args(
+        ["--no-replicators", "--token-file", str(token)]), place)
+    assert off.replicators is None and off.replicator_tls is None \
+        and off.replicator_token is None
+    on = train_k8s.checkpoint_options(train_k8s.parse_args(["--token-file", str(token)]), place)
+    assert on.replicator_token == "s3cret"
+
+
+def test_gke_mtc_component_swaps_only_the_ramdisk(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    (plain,), (csi,) = jobsets(rendered["pathways"]), jobsets(rendered["pathways-gke-mtc"])
+    for js in (plain, csi):
+        for rj in js["spec"]["replicatedJobs"]:
+            if rj["name"] == "worker":
+                rj["template"]["spec"]["template"]["spec"]["volumes"] = [
+                    v for v in pod_of(rj)["volumes"] if v["name"] != "ramdisk"]
+    assert plain == csi
+    extra = [d["kind"] for d in rendered["pathways-gke-mtc"] if d["kind"] not in
+             {x["kind"] for x in rendered["pathways"]}]
+    assert extra == ["CheckpointConfiguration"]
