@@ -57,6 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import machine_state
 from bench._cpu import CpuSampler
 from bench._pin import Pinner, pinning
 from mtc.elastic.compile_ahead import COMPILE_THREAD
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="mtc-goodput-"))
     out.mkdir(parents=True, exist_ok=True)
     cores = sorted(os.sched_getaffinity(0))
+    before = machine_state()
     if args.pin and len(cores) >= 2:
         # As on a real host: the trainer's devices on one core, the hosts' sidecars and
         # replicators on the others; then the same run unpinned, for comparison.
@@ -314,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = run_once(args, out, None)
     result["pause_policy"] = args.pause_policy
+    result["machine"] = {"before": before, "after": machine_state()}
     result["config"] = vars(args) | {"out": str(out), "cpus": os.cpu_count()}
     print(json.dumps(result, indent=2, default=str))
     return 0

@@ -62,6 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import machine_state
 from compile_ahead import measure as compile_ahead_cost
 from recovery_slice import run_slice_loss
 from save_restore import LEAF_COLS, LEAF_ROWS, make_state
@@ -489,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the default) or seam requests to their sidecars")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    before = machine_state()
     base = Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp") / \
         f"mtc-cluster-recovery-{os.getpid()}"
     # --samples 0: the slice loss alone (the host loss's RAM disks hold several
@@ -505,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_ahead_pairs > 0:
         log("compile-ahead cost: the demo's step, compiling a one-slice mesh ahead or not")
         result["compile_ahead_cost"] = compile_ahead_cost(pairs=args.compile_ahead_pairs)
+    result["machine"] = {"before": before, "after": machine_state()}
     print(json.dumps(result, indent=2))
     return 0 if result["meets_target"] else 1
 

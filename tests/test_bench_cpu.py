@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,13 @@ def test_pinning_moves_every_thread_and_the_trainer_starts_pinned() -> None:
         for proc in (hostproc, trainerproc):
             proc.kill()
             proc.wait()
+
+
+def test_the_machine_probe_measures_memory_and_leaves_nothing(tmp_path: Path) -> None:
+    from bench._common import machine_state
+
+    got = machine_state(tmp_path)
+    assert set(got) == {"tmpfs_new_pages_gibps", "tmpfs_held_pages_gibps",
+                        "anonymous_new_pages_gibps", "load_1m"}
+    assert all(v > 0 for k, v in got.items() if k.endswith("gibps"))
+    assert list(tmp_path.iterdir()) == []  # its probe file and folder are gone
