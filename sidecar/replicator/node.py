@@ -123,10 +123,9 @@ class Node:
         self.backups.close()
 
     def heal_own(self, step: int) -> None:
-        """Make this host's damaged ``step`` whole again from other hosts' verified
-        copies of the same bytes, as a restore would (the scrub found damage)."""
-        run = self.store.summary(self.rank, step).run
-        self.restorer.materialize(step, self.agreement.gather(), into_root=False, run=run)
+        """Have this host's damaged ``step`` made whole again from other hosts'
+        verified copies of the same bytes, as a restore would (the scrub found damage)."""
+        self.restorer.heal_in_background(step, self.store.summary(self.rank, step).run)
 
     def on_copy_received(self, origin: int, step: int) -> None:
         log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, origin, step)

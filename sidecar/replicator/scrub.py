@@ -14,7 +14,9 @@ damage). Then:
 
 - an own step is healed at once, file by file, from another host's verified copy
   of the same bytes (its peer's copy, a data-parallel twin's identical file, the
-  backup), exactly as a restore heals it (:meth:`.restore.Restorer.materialize`);
+  backup), exactly as a restore heals it, queued as the step's background fetch
+  (:meth:`.restore.Restorer.heal_in_background`): a restore asking for the step
+  meanwhile waits for it;
 - a peer's copy no longer counts as held: its origin, which re-reads its targets'
   holdings every few seconds, pushes its newest step again.
 
@@ -138,8 +140,7 @@ class Scrubber:
                     self.store.rank, len(bad), origin, step, bad[0].path)
         if origin == self.store.rank:
             try:
-                self._heal_own(step)
-                log.info("rank %d: step %d healed after the scrub", self.store.rank, step)
+                self._heal_own(step)  # queued; its outcome is logged where it runs
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels("scrub_heal").inc()
                 log.error("rank %d: step %d, damaged, could not be healed now (a restore "
