@@ -201,7 +201,8 @@ def run(mib: int, file_mib: int, samples: int, warmup: int, base: Path) -> dict[
     cl = replicators.Cluster(
         base, HOSTS, 1, env={"STORAGE_EMULATOR_HOST": emulator.url},
         extra=("--replicas", "1", "--keep", "1", "--backup", f"gs://{bucket_name}/mtc",
-               "--backup-interval-minutes", "600", "--backup-keep", "1"))
+               "--backup-interval-minutes", "600", "--backup-keep", "1"),
+        scrub=True)  # scrubbing, as deployed
     up_s: dict[int, list[float]] = {t: [] for t in ref_threads}
     backup_s: list[float] = []
     down_threads = sorted({4, MTC_DOWNLOAD_THREADS * HOSTS})

@@ -314,7 +314,7 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
     rawcopy = RawFileCopy(base / "raw-copy")
     cl = replicators.Cluster(base, 2, 1, extra=("--replicas", "1", "--keep", "1",
                                               *(() if reserve else ("--no-reserve",))),
-                             metrics=True)
+                             metrics=True, scrub=True)  # scrubbing, as deployed
     h0, h1 = cl.root(0), cl.root(1)
     try:
         cl.start_all()
