@@ -48,12 +48,27 @@ def test_next_copy_goes_round_in_order() -> None:
     assert next_copy([], (0, 5)) is None
 
 
-def test_pause_keeps_the_average_rate_and_a_floor() -> None:
+def test_pause_keeps_the_average_rate() -> None:
     # 640 MiB at 64 MiB/s is 10 s of budget; reading took 2 s: wait 8 more.
     assert pause_after(640 * MIB, 2.0, 64 * MIB) == pytest.approx(8.0)
-    assert pause_after(640 * MIB, 20.0, 64 * MIB) == MIN_PAUSE_S  # slower already
-    assert pause_after(1000, 0.0, 64 * MIB) == MIN_PAUSE_S  # a tiny state is not re-read
-    assert pause_after(640 * MIB, 0.0, 0) == MIN_PAUSE_S
+    assert pause_after(640 * MIB, 20.0, 64 * MIB) == 0.0  # slower already
+    assert pause_after(0, 0.0, 64 * MIB) == 0.0  # the first file at once
+    assert pause_after(640 * MIB, 0.0, 0) == 0.0
+
+
+def test_a_copy_is_read_at_the_rate_file_by_file(tmp_path: Path) -> None:
+    store = a_host_with_a_peer_copy(tmp_path)
+    s = Scrubber(store, Metrics(), rate=16 * 1024, heal_own=lambda step: None,
+                 quiet_until=lambda: 0.0, stop=threading.Event())
+    t0 = time.monotonic()
+    read = s.scrub_once()  # host 0's copy (5 pages and a manifest) at 16 KiB/s
+    took = time.monotonic() - t0
+    # Paced before each file after the first: at least every file's but the last's
+    # worth of time (the last one's budget is spent between copies).
+    sizes = [f.size for f in store.describe(0, STEP)]
+    assert read == sum(sizes)
+    assert took >= (read - sizes[-1]) / (16 * 1024) * 0.9
+    assert MIN_PAUSE_S >= 1.0  # and a small state is not read over and over
 
 
 def flip_silently(path: Path) -> None:

@@ -5,8 +5,10 @@ when a restore needs the step.
 Checksums are trusted by inode, size and mtime (:mod:`.checksums`): damage that
 keeps them (a bit flipped by bad memory) is invisible to every check but one that
 reads the bytes. The scrubber reads one held copy at a time, in (origin, step)
-order and round again, at most ``rate`` bytes a second on average, at background
-priority, and never while a restore was just answered (its reads go first).
+order and round again, file by file at most ``rate`` bytes a second on average
+(a copy of many GB is never read in one burst), with at least ``MIN_PAUSE_S``
+between copies, at background priority, and never while a restore was just
+answered (its reads go first).
 
 A file that fails is checked once more, and quarantined only if its copy is still
 the one that was read (a copy replaced meanwhile, a step saved again, is not
@@ -63,10 +65,10 @@ def next_copy(held: Sequence[Copy], last: Copy | None) -> Copy | None:
 
 def pause_after(nbytes: int, took_s: float, rate: float) -> float:
     """Seconds to wait after reading ``nbytes`` in ``took_s`` so that reading
-    averages at most ``rate`` bytes a second, and at least ``MIN_PAUSE_S``."""
+    averages at most ``rate`` bytes a second (0: it is slower already, or no rate)."""
     if rate <= 0:
-        return MIN_PAUSE_S
-    return max(MIN_PAUSE_S, nbytes / rate - took_s)
+        return 0.0
+    return max(0.0, nbytes / rate - took_s)
 
 
 class Scrubber:
@@ -95,19 +97,18 @@ class Scrubber:
             if wait > 0:
                 self._stop.wait(wait)
                 continue
-            t0 = time.monotonic()
             try:
                 nbytes = self.scrub_once()
             except Exception:  # the next copy is scrubbed all the same
                 log.exception("rank %d: scrubbing failed", self.store.rank)
                 self.metrics.failures.labels("scrub").inc()
                 nbytes = 0
-            took = time.monotonic() - t0
-            self._stop.wait(pause_after(nbytes, took, self.rate) if nbytes else IDLE_S)
+            self._stop.wait(MIN_PAUSE_S if nbytes else IDLE_S)
 
     def scrub_once(self) -> int:
-        """Read the next held copy again, every byte; quarantine what fails twice
-        and heal an own step. Returns the bytes read."""
+        """Read the next held copy again, every byte, file by file at no more than
+        the rate (a copy of many GB is never read in one burst); quarantine what
+        fails twice and heal an own step. Returns the bytes read."""
         copy = next_copy(self.store.copies(), self._last)
         if copy is None:
             return 0
@@ -122,14 +123,17 @@ class Scrubber:
         base = os.fspath(folder)
         suspects = []
         nbytes = 0
+        t0 = time.monotonic()
         for f in files:
-            if self._stop.is_set():
-                return nbytes
+            if self._stop.wait(pause_after(nbytes, time.monotonic() - t0, self.rate)):
+                break
             why = self.store.checksums.check(f"{base}/{f.path}", f, cached=False)
             nbytes += f.size
+            self.metrics.scrub_bytes.inc(f.size)
             if why is not None and why != "missing":
                 suspects.append(f)
-        self.metrics.scrub_bytes.inc(nbytes)
+        if self._stop.is_set():
+            return nbytes
         if not suspects or not self._same_copy(folder, ino):
             return nbytes
         bad = self.store.verify(origin, step, cached=False)  # quarantines what fails
