@@ -286,12 +286,14 @@ class Restorer:
         """Heal this host's damaged ``step`` (found by the scrub) from other hosts'
         copies, queued as the step's background fetch: one at a time, and a restore
         that asks for the step meanwhile waits for it instead of healing it twice."""
-        invs = self.agreement.gather()
         with self._bg_lock:
             if step in self._materializing:
-                return  # a restore's fetch of the step is under way: it heals too
-            self._materializing[step] = self._bg_pool.submit(
-                self._materialize_logged, step, invs, self.config.framework == "mtc", run)
+                return  # a fetch of the step is under way: it heals too
+        invs = self.agreement.gather()  # where the good copies are (not under the lock)
+        with self._bg_lock:
+            if step not in self._materializing:
+                self._materializing[step] = self._bg_pool.submit(
+                    self._materialize_logged, step, invs, self.config.framework == "mtc", run)
 
     def _materialize_logged(self, step: int, invs: dict[int, pb.Inventory],
                             into_root: bool, run: str = "") -> str:
