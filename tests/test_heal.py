@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from replicators import Cluster, assert_state_equal, make_state, new_cluster
+from replicators import Cluster, assert_state_equal, flip, make_state, new_cluster
 
 import mtc
 from mtc import cli
@@ -62,18 +62,6 @@ def data_parallel(cl: Cluster, step: int, host: int) -> tuple[list[str], list[st
     shared = sorted(n for n in mine if n in twin and
                     mine[n].read_bytes() == twin[n].read_bytes())
     return shared, sorted(n for n in mine if n not in twin)
-
-
-def flip(path: Path, *, silent: bool = False) -> None:
-    """Flip one bit in place; ``silent`` keeps the mtime (damage no write explains)."""
-    st = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(st.st_size // 2)
-        b = f.read(1)[0]
-        f.seek(st.st_size // 2)
-        f.write(bytes([b ^ 0x10]))
-    if silent:
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def truncate(path: Path) -> None:

@@ -21,6 +21,7 @@ from replicators import (
     Cluster,
     assert_state_equal,
     commit_mtc_step,
+    flip,
     make_state,
     new_cluster,
 )
@@ -71,18 +72,6 @@ def test_a_copy_is_read_at_the_rate_file_by_file(tmp_path: Path) -> None:
     assert MIN_PAUSE_S >= 1.0  # and a small state is not read over and over
 
 
-def flip_silently(path: Path) -> None:
-    """One bit flipped in place, the mtime kept: no cache keyed on inode, size and
-    mtime can tell."""
-    st = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(st.st_size // 2)
-        b = f.read(1)[0]
-        f.seek(st.st_size // 2)
-        f.write(bytes([b ^ 0x04]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 def a_host_with_a_peer_copy(tmp_path: Path) -> LocalStore:
     """Host 2 with its own step 7 and a verified copy of host 0's step 7."""
     root = tmp_path / "host-2"
@@ -110,7 +99,7 @@ def test_silent_damage_in_an_own_step_is_found_quarantined_and_healed(
         tmp_path: Path) -> None:
     store = a_host_with_a_peer_copy(tmp_path)
     own = store.root / str(STEP) / "own.2"
-    flip_silently(own)
+    flip(own, silent=True)
     assert store.verify(2, STEP) == []  # the cache cannot see it
     healed: list[int] = []
     s = scrubber(store, healed)
@@ -127,7 +116,7 @@ def test_silent_damage_in_an_own_step_is_found_quarantined_and_healed(
 def test_silent_damage_in_a_peer_copy_stops_it_counting_as_held(tmp_path: Path) -> None:
     store = a_host_with_a_peer_copy(tmp_path)
     copied = store.root / REPLICA_DIR / "0" / str(STEP) / "own.0"
-    flip_silently(copied)
+    flip(copied, silent=True)
     healed: list[int] = []
     s = scrubber(store, healed)
     assert s.scrub_once() > 0  # host 0's copy: (0, 7) comes first
@@ -174,8 +163,8 @@ def test_replicators_find_and_heal_silent_damage_before_any_restore(
     own = cl.root(0) / "3" / unique_files(cl, 3, 0)[0]
     peer_copy = cl.root(3) / REPLICA_DIR / "1" / "3" / unique_files(cl, 3, 1)[0]
     good_own, good_copy = own.read_bytes(), peer_copy.read_bytes()
-    flip_silently(own)
-    flip_silently(peer_copy)
+    flip(own, silent=True)
+    flip(peer_copy, silent=True)
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
