@@ -10,6 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import shutil
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,7 +51,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 @pytest.fixture
 def ramdisk() -> Iterator[Path]:
     """A fresh folder on the machine's RAM disk (/dev/shm), watched by the seam audit:
-    the test fails if controller code (``mtc/``) touched anything under it directly."""
+    the test fails if controller code (``mtc/``) touched anything under it directly,
+    or if it left a host writer of this process running (its threads would go on
+    writing there: whoever starts a thread joins it)."""
+    writers = _writer_threads()
     path = Path("/dev/shm") / f"mtc-test-{uuid.uuid4().hex[:10]}"
     path.mkdir()
     seam_audit.watch(path)
@@ -58,8 +62,15 @@ def ramdisk() -> Iterator[Path]:
         yield path
     finally:
         leaks = seam_audit.unwatch(path)
+        left = _writer_threads() - writers
         shutil.rmtree(path, ignore_errors=True)
     assert not leaks, "controller code touched a RAM disk:\n" + "\n".join(leaks[:20])
+    assert not left, f"the test left {len(left)} host writer(s) running: close what it opened"
+
+
+def _writer_threads() -> set[threading.Thread]:
+    """This process's host writers (``mtc.sidecar.write.Writer``), by their commit thread."""
+    return {t for t in threading.enumerate() if t.name == "mtc-commit"}
 
 
 @pytest.fixture

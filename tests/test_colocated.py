@@ -80,9 +80,12 @@ def test_a_failing_worker_comes_back_as_its_typed_error(ramdisk: Path, mesh: Mes
     x = jax.device_put(np.zeros((8, 8), np.float32),
                        NamedSharding(mesh, PartitionSpec("replica", "model")))
     header, arrays = prepare(4, {"x": x}, skip_if_busy=False)
-    with pytest.raises(mtc.StorageError) as e:
-        disp.stage(header, list(arrays))
-        disp.wait()
+    try:
+        with pytest.raises(mtc.StorageError) as e:
+            disp.stage(header, list(arrays))
+            disp.wait()
+    finally:
+        disp.close()  # the hosts' writers, joined
     assert e.value.path is not None and e.value.path.endswith("host-1")
 
 
