@@ -57,8 +57,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import machine_state
 from bench._cpu import CpuSampler
+from bench._machine import machine_state
 from bench._pin import Pinner, pinning
 from mtc.elastic.compile_ahead import COMPILE_THREAD
 from mtc.trainer.cluster import STATE, LocalCluster

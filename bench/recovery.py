@@ -62,7 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import machine_state
+from _machine import machine_state
 from compile_ahead import measure as compile_ahead_cost
 from recovery_slice import run_slice_loss
 from save_restore import LEAF_COLS, LEAF_ROWS, make_state

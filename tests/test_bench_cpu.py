@@ -83,7 +83,7 @@ def test_pinning_moves_every_thread_and_the_trainer_starts_pinned() -> None:
 
 
 def test_the_machine_probe_measures_memory_and_leaves_nothing(tmp_path: Path) -> None:
-    from bench._common import machine_state
+    from bench._machine import machine_state
 
     got = machine_state(tmp_path)
     assert set(got) == {"tmpfs_new_pages_gibps", "tmpfs_held_pages_gibps",
