@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import re
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from deploy_render import (
     pod_of,
     worker_env,
 )
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tls_certs import health_server
 
 from mtc.sidecar.replicator import healthcheck
 from mtc.sidecar.replicator import main as replicator_main
@@ -207,21 +206,11 @@ def test_a_renewed_ca_keeps_its_key(rendered: dict[str, list[dict[str, Any]]],
                                    dns=("mtc-train-worker-0-0-abcde", "*.mtc-train")))
     renewed_pod = creds("renewed", issue((renewed, key), "mtc-train-worker-1-0-bcdef"))
     new_key_pod = creds("new-key", issue(make_ca("mtc-train-ca"), "mtc-train-worker-1-0-cdefg"))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.HealthServicer()
-    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    sc = served.server_credentials()
-    assert sc is not None
-    port = server.add_secure_port("127.0.0.1:0", sc)
-    server.start()
-    try:
+    with health_server(served) as (port, _):
         address, name = f"127.0.0.1:{port}", "mtc-train-worker-0-0.mtc-train"
         assert healthcheck.check(address, creds=renewed_pod, tls_name=name) == "SERVING"
         with pytest.raises(grpc.RpcError):  # a CA with another key is another CA
             healthcheck.check(address, creds=new_key_pod, tls_name=name, timeout_s=2)
-    finally:
-        server.stop(grace=None)
 
 
 def test_secret_certificates_are_refused() -> None:

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,9 @@ import pytest
 from deploy_render import (
     worker_env,
 )
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from replicators import env_with_repo, free_ports
+from tls_certs import health_server
 
 from mtc.errors import ConfigError
 from mtc.sidecar.replicator import healthcheck
@@ -230,18 +230,8 @@ def tls_health_server(tmp_path: Path) -> Iterator[tuple[int, health.HealthServic
     """A health service behind mutual TLS, as on the replicator's port."""
     f = _tls_files(tmp_path)
     creds = Credentials(tls_cert=f["tls.crt"], tls_key=f["tls.key"], tls_ca=f["ca.crt"])
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.HealthServicer()
-    servicer.set("mtc.replicator.v1.Replicator", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    sc = creds.server_credentials()
-    assert sc is not None
-    port = server.add_secure_port("127.0.0.1:0", sc)
-    server.start()
-    try:
+    with health_server(creds, "mtc.replicator.v1.Replicator") as (port, servicer):
         yield port, servicer, creds
-    finally:
-        server.stop(grace=None)
 
 
 def test_health_mirror_follows_a_tls_replicator(

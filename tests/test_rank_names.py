@@ -8,13 +8,12 @@ mutual TLS in this process.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from tls_certs import issue, make_ca
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tls_certs import health_server, issue, make_ca
 
 from mtc.errors import ConfigError
 from mtc.sidecar.replicator import rank_names
@@ -168,18 +167,8 @@ def pod_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         "mtc-train-worker-1-0-k9z2x", "*.mtc-train", "*.mtc-train.default.svc"), ips=()))
     caller = _files(tmp_path / "caller", issue(ca, "mtc-train-worker-0-0-b4b4b", dns=(
         "mtc-train-worker-0-0-b4b4b", "*.mtc-train"), ips=()))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.HealthServicer()
-    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    sc = served.server_credentials()
-    assert sc is not None
-    port = server.add_secure_port("127.0.0.1:0", sc)
-    server.start()
-    try:
+    with health_server(served) as (port, _):
         yield f"127.0.0.1:{port}", caller
-    finally:
-        server.stop(grace=None)
 
 
 def _check(address: str, creds: Credentials, name: str) -> int:

@@ -12,12 +12,19 @@ import datetime
 import ipaddress
 import os
 import uuid
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from mtc.sidecar.replicator.security import Credentials
 
 Pem = bytes
 
@@ -80,3 +87,22 @@ def mount_secret(folder: Path, files: dict[str, bytes]) -> Path:
         if not link.is_symlink():
             os.symlink(f"..data/{name}", link)
     return folder
+
+
+@contextmanager
+def health_server(creds: Credentials, service: str = ""
+                  ) -> Iterator[tuple[int, health.HealthServicer]]:
+    """A gRPC health service behind mutual TLS with ``creds`` on a loopback port,
+    ``service`` SERVING: its port and servicer, stopped on exit."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    sc = creds.server_credentials()
+    assert sc is not None
+    port = server.add_secure_port("127.0.0.1:0", sc)
+    server.start()
+    try:
+        yield port, servicer
+    finally:
+        server.stop(grace=None)
