@@ -7,8 +7,9 @@ credentials, then holding the shared token or a certificate of the cluster's CA
 (docs/security.md says what each may do), and asserts the refusal, that nothing
 outside the roots changed (checked on the file system), that the server's memory
 stayed bounded (its RSS, from /proc) and that its health check answered throughout.
-The one stand-in: a hostile peer replicator, played in this process by a gRPC
-server answering the inventory a real replicator asks it for.
+The network and its checks are ``tests/hostile_net.py``'s; a lying peer replicator,
+a colocated call without the token and certificates acting for other ranks are
+``tests/test_hostile_peers.py``'s.
 """
 
 from __future__ import annotations
@@ -16,200 +17,43 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import shutil
-import subprocess
-import sys
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
 
 import grpc
-import numpy as np
 import pytest
-import seam_audit
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from replicators import Cluster, env_with_repo, free_ports
-from test_replicator_security import make_ca, make_leaf, write_pem
+from hostile_net import (
+    AUTH,
+    WRONG,
+    MiB,
+    Net,
+    code_of,
+    details_of,
+    offer_of,
+    rss,
+    watched_root,
+)
 
-from mtc import errors, transfer
-from mtc.contract import decode_reply, encode_request
+from mtc import errors
+from mtc.contract import encode_request
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.book import BOOK_NAME
-from mtc.sidecar.replicator.client import FETCH, PUSH, PeerClient, PeerError
-from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.client import FETCH, PUSH
 from mtc.sidecar.replicator.store import REPLICA_DIR
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
-TOKEN = "hostile-network-test-token"
-AUTH = [(TOKEN_HEADER, TOKEN)]
-WRONG = [(TOKEN_HEADER, "guessed-token")]
-OUTSIDE_FILES = 40
-MiB = 1 << 20
-
-
-# -- the harness ----------------------------------------------------------------------
-
-
-def rss(pid: int) -> int:
-    """Resident bytes of a process, from /proc."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-class HealthWatch:
-    """Asks every address's health service every 0.2 s on a thread of its own (no
-    credentials, as a Kubernetes probe); each answer must be SERVING within 2 s."""
-
-    def __init__(self, addresses: list[str], creds: Credentials | None = None) -> None:
-        self.addresses = addresses
-        self.cc = creds.channel_credentials() if creds is not None else None
-        self.failures: list[str] = []
-        self.checks = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="health-watch")
-
-    def _run(self) -> None:
-        channels = [grpc.secure_channel(a, self.cc) if self.cc else grpc.insecure_channel(a)
-                    for a in self.addresses]
-        try:
-            while True:  # a round at once, then every 0.2 s, and a last one when stopped
-                stopping = self._stop.is_set()
-                for a, ch in zip(self.addresses, channels, strict=True):
-                    self._check(a, ch)
-                if stopping:
-                    return
-                self._stop.wait(0.2)
-        finally:
-            for ch in channels:
-                ch.close()
-
-    def _check(self, address: str, ch: grpc.Channel) -> None:
-        t0 = time.monotonic()
-        try:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                         timeout=2.0).status
-            if status != health_pb2.HealthCheckResponse.SERVING:
-                self.failures.append(f"{address}: status {status}")
-        except grpc.RpcError as e:
-            self.failures.append(f"{address}: {e.code().name} after "
-                                 f"{time.monotonic() - t0:.1f}s")
-        self.checks += 1
-
-    def __enter__(self) -> HealthWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        assert self.checks > 0
-        assert not self.failures, self.failures[:5]
-
-
-def code_of(fn: Callable[[], Any]) -> grpc.StatusCode:
-    """The status a call ends with (a stream drained); it must fail."""
-    with pytest.raises(grpc.RpcError) as ei:
-        r = fn()
-        if not isinstance(r, (bytes, pb.Inventory)) and hasattr(r, "__iter__"):
-            list(r)
-    return ei.value.code()
-
-
-def details_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as ei:
-        r = fn()
-        if hasattr(r, "__iter__") and not isinstance(r, bytes):
-            list(r)
-    return ei.value.code(), ei.value.details() or ""
-
-
-class Net:
-    """Two hosts (one per slice, peers of each other) on loopback: each a replicator and
-    a sidecar taking the shared token, backing up to a folder, streams held to a 1 s
-    grace; and files outside every root the attacks aim at."""
-
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        base.mkdir()
-        token_file = base / "token"
-        token_file.write_text(TOKEN + "\n")
-        self.backup = base / "backup"
-        self.backup.mkdir()
-        self.cluster = Cluster(base / "hosts", 2, 1, creds=Credentials(token=TOKEN), extra=(
-            "--token-file", str(token_file), "--stream-grace-seconds", "1",
-            "--stream-min-rate", str(64 << 10), "--backup", self.backup.as_uri(),
-            "--backup-interval-minutes", "600"))
-        self.outside = base / "outside"
-        self.outside.mkdir()
-        for i in range(OUTSIDE_FILES):
-            (self.outside / f"f{i}").write_text(f"outside file {i}\n")
-        self.cluster.start_all()
-        self.cluster.start_sidecars()
-        self.channels: list[grpc.Channel] = []
-
-    def root(self, rank: int) -> Path:
-        return self.cluster.root(rank)
-
-    def channel(self, rank: int, *, sidecar: bool = False) -> grpc.Channel:
-        addr = (self.cluster.hosts.hosts[rank].sidecar_address if sidecar
-                else self.cluster.addrs[rank])
-        ch = grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", -1),
-                                                  ("grpc.max_receive_message_length", -1)])
-        self.channels.append(ch)
-        return ch
-
-    def replicator_pid(self, rank: int) -> int:
-        return self.cluster.procs[rank].pid
-
-    def sidecar_pid(self, rank: int) -> int:
-        pid = self.cluster.hosts.hosts[rank].sidecar_pid
-        assert pid is not None
-        return pid
-
-    def health(self) -> HealthWatch:
-        return HealthWatch(list(self.cluster.addrs))
-
-    def assert_outside_intact(self) -> None:
-        """Nothing outside the hosts' roots was written, moved or deleted."""
-        names = sorted(os.listdir(self.outside))
-        assert names == sorted(f"f{i}" for i in range(OUTSIDE_FILES)), names
-        for i in range(OUTSIDE_FILES):
-            assert (self.outside / f"f{i}").read_text() == f"outside file {i}\n"
-        assert not list(self.base.rglob("*escape*")), list(self.base.rglob("*escape*"))
-
-    def call(self, rank: int, op: str, metadata: Any = AUTH, **args: Any) -> Any:
-        """One host operation on a sidecar, its reply decoded (a typed error raised)."""
-        stub = self.channel(rank, sidecar=True).unary_unary("/mtc.Host/Call")
-        return decode_reply(stub(encode_request(op, [rank], **args), timeout=10,
-                                 metadata=metadata))
-
-    def close(self) -> None:
-        for ch in self.channels:
-            ch.close()
-        self.cluster.stop_all()
-
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"mtc-hostile-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    seam_audit.watch(path)
-    try:
+    with watched_root("mtc-hostile") as path:
         yield path
-    finally:
-        leaks = seam_audit.unwatch(path)
-        shutil.rmtree(path, ignore_errors=True)
-    assert not leaks, leaks[:10]
 
 
 @pytest.fixture(scope="module")
@@ -272,67 +116,6 @@ def test_callers_without_the_token_get_nothing(net: Net) -> None:
     assert net.call(0, "steps") == {"0": [1]}
     assert net.call(0, "foreign") == {"0": []}
     net.assert_outside_intact()
-
-
-def _evil_program(marker: Path) -> bytes:
-    """A colocated call whose program, unpickled, runs a shell command."""
-
-    class Evil:
-        def __reduce__(self) -> tuple[Any, ...]:
-            return (os.system, (f"touch {marker}",))
-
-    pickled = pickle.dumps(Evil())
-    pid = transfer.program_id(pickled)
-    area = marker.parent
-    return transfer.pack_message(area, {"program": pid, "pickled": True, "name": "evil",
-                                        "devices": [0], "own": [0], "inputs": []},
-                                 [np.frombuffer(pickled, np.uint8)])
-
-
-def test_sidecar_needs_credentials_to_listen_and_to_run_code(base: Path) -> None:
-    """A sidecar without credentials serves loopback only and runs no colocated Python;
-    with them, a colocated call from a caller without the token is refused before its
-    program's bytes are unpickled (the program would create a file)."""
-    work = base / "coloc"
-    (work / "root").mkdir(parents=True)
-    (work / "area").mkdir()
-    port = free_ports(1)[0]
-    common = [sys.executable, "-m", "mtc.sidecar.host.main", "--root", str(work / "root"),
-              "--area", str(work / "area"), "--host", "0", "--slices", "0"]
-    for listen, extra in ((f"0.0.0.0:{port}", []),
-                          (f"127.0.0.1:{port}", ["--colocated-devices", "1"])):
-        r = subprocess.run([*common, "--listen", listen, *extra], capture_output=True,
-                           text=True, timeout=60, env=env_with_repo())
-        assert r.returncode == 2, r.stderr
-        assert "--token-file" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    (work / "token").write_text(TOKEN)
-    ready = work / "ready"
-    proc = subprocess.Popen([*common, "--listen", f"127.0.0.1:{port}", "--ready-file",
-                             str(ready), "--token-file", str(work / "token"),
-                             "--colocated-devices", "1", "--job-devices", "1"],
-                            env=env_with_repo(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
-        marker = work / "area" / "pwned"
-        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
-        try:
-            execute = ch.unary_unary("/mtc.Host/Execute")
-            for md in ((), WRONG):
-                assert code_of(lambda m=md: execute(_evil_program(marker), timeout=10,
-                                                    metadata=m)) == \
-                    grpc.StatusCode.UNAUTHENTICATED
-        finally:
-            ch.close()
-        time.sleep(0.2)
-        assert not marker.exists()
-        assert proc.poll() is None
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 # -- a token holder, at a host's sidecar ---------------------------------------------------------
@@ -414,10 +197,6 @@ def test_sidecar_reads_are_bounded_and_never_uninitialized(net: Net) -> None:
 # -- a token holder, at a replicator ---------------------------------------------------------------
 
 
-def _offer(step: int, files: list[pb.FileInfo], origin: int = 0) -> pb.OfferRequest:
-    return pb.OfferRequest(copy=pb.StepCopy(step=step, origin_rank=origin, files=files))
-
-
 def test_offers_are_bounded_and_checked(net: Net) -> None:
     """Offers of a million files, of step 2^63-1, of a 2^64-1 byte file, of a path of
     4,200 bytes, of more bytes than the RAM disk has: each refused at once, typed,
@@ -425,22 +204,22 @@ def test_offers_are_bounded_and_checked(net: Net) -> None:
     pid = net.replicator_pid(1)
     stub = pb_grpc.ReplicatorStub(net.channel(1))
     before = rss(pid)
-    million = _offer(9, [pb.FileInfo(path=f"{i}", size=1) for i in range(1_000_000)])
+    million = offer_of(9, [pb.FileInfo(path=f"{i}", size=1) for i in range(1_000_000)])
     with net.health():
         for _ in range(3):
             assert code_of(lambda: stub.Offer(million, timeout=60, metadata=AUTH)) == \
                 grpc.StatusCode.INVALID_ARGUMENT
         assert rss(pid) - before < 160 * MiB, (before, rss(pid))
-        for req in (_offer(2**63 - 1, [pb.FileInfo(path="a", size=1)]),
-                    _offer(2**53, [pb.FileInfo(path="a", size=1)]),
-                    _offer(9, [pb.FileInfo(path="a", size=2**64 - 1)]),
-                    _offer(9, [pb.FileInfo(path="a" * 4200, size=1)]),
-                    _offer(9, [pb.FileInfo(path="d/" + "b" * 300, size=1)])):
+        for req in (offer_of(2**63 - 1, [pb.FileInfo(path="a", size=1)]),
+                    offer_of(2**53, [pb.FileInfo(path="a", size=1)]),
+                    offer_of(9, [pb.FileInfo(path="a", size=2**64 - 1)]),
+                    offer_of(9, [pb.FileInfo(path="a" * 4200, size=1)]),
+                    offer_of(9, [pb.FileInfo(path="d/" + "b" * 300, size=1)])):
             code, details = details_of(lambda r=req: stub.Offer(r, timeout=10, metadata=AUTH))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, details
             assert str(net.base) not in details, details
         code, details = details_of(lambda: stub.Offer(
-            _offer(9, [pb.FileInfo(path="huge.bin", size=1 << 49)]), timeout=10,
+            offer_of(9, [pb.FileInfo(path="huge.bin", size=1 << 49)]), timeout=10,
             metadata=AUTH))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
     assert not [n for n in os.listdir(net.root(1) / REPLICA_DIR / "0") if "tmp" in n]
@@ -466,7 +245,7 @@ def test_replayed_offers_and_commits_open_no_second_transfer(net: Net) -> None:
     ch = net.channel(1)
     stub = pb_grpc.ReplicatorStub(ch)
     data = os.urandom(16 * MiB)
-    offer = _offer(40, [pb.FileInfo(path="big.bin", size=len(data), crc32c=crc32c(data))])
+    offer = offer_of(40, [pb.FileInfo(path="big.bin", size=len(data), crc32c=crc32c(data))])
     incoming = net.root(1) / REPLICA_DIR / "0"
     with net.health():
         first = stub.Offer(offer, timeout=10, metadata=AUTH).transfer_id
@@ -562,7 +341,7 @@ def test_streams_cannot_freeze_a_replicator(net: Net) -> None:
             w.cancel()
 
         data = os.urandom(64)
-        tid = stub.Offer(_offer(50, [pb.FileInfo(path=f"p{i}", size=len(data),
+        tid = stub.Offer(offer_of(50, [pb.FileInfo(path=f"p{i}", size=len(data),
                                                  crc32c=crc32c(data)) for i in range(36)]),
                          timeout=10, metadata=AUTH).transfer_id
         stop = threading.Event()
@@ -655,205 +434,3 @@ def test_committed_backup_objects_are_never_overwritten(net: Net) -> None:
         assert hashlib.sha256(data).hexdigest() == sha, obj
     assert not (net.backup / "steps" / "31").exists()
     net.assert_outside_intact()
-
-
-# -- a hostile peer --------------------------------------------------------------------------
-
-
-class HostilePeer(pb_grpc.ReplicatorServicer):
-    """Rank 1 as an attacker holding the token plays it: whatever inventory it is told."""
-
-    def __init__(self) -> None:
-        self.inventory = pb.Inventory(rank=1)
-
-    def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
-        return self.inventory
-
-
-def _restore(cl: Cluster, rid: str, timeout: float) -> tuple[str, Any]:
-    """PrepareRestore at rank 0, with rank 1's ask (the hostile peer's) sent alongside."""
-    c0 = PeerClient(cl.addrs[0], cl.creds, rank=0, deadline_s=timeout + 5)
-    try:
-        with futures.ThreadPoolExecutor(1) as pool:
-            ask = pool.submit(c0.call, "Decide", pb.DecideRequest(
-                rank=1, restore_id=rid, timeout_seconds=timeout), attempts=1)
-            try:
-                reply = c0.call("PrepareRestore", pb.PrepareRestoreRequest(
-                    timeout_seconds=timeout, restore_id=rid), attempts=1)
-                ask.result()
-                return "ok", reply
-            except PeerError as e:
-                return "refused", e
-            finally:
-                try:
-                    ask.result()
-                except PeerError:
-                    pass
-    finally:
-        c0.close()
-
-
-def _code(call: Callable[[], Any]) -> grpc.StatusCode | None:
-    try:
-        call()
-    except PeerError as e:
-        return e.code
-    return None
-
-
-def test_a_hostile_peers_inventory_is_refused(base: Path) -> None:
-    """An inventory naming paths outside the RAM disk, or an epoch of 2^63-1, is refused
-    whole: nothing is written, no epoch is recorded; once the peer is honest the hosts
-    agree again. A corrupt agreement record is moved aside, not fatal. Restores that
-    wait for ever take at most a few of the server's threads."""
-    work = base / "peer"
-    work.mkdir()
-    (work / "token").write_text(TOKEN)
-    cl = Cluster(work, 2, 1, creds=Credentials(token=TOKEN),
-                 extra=("--token-file", str(work / "token"),
-                        "--agreement-timeout-seconds", "3"))
-    peer = HostilePeer()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_ReplicatorServicer_to_server(peer, server)
-    server.add_insecure_port(cl.addrs[1])
-    server.start()
-    (work / "outside").mkdir()  # where the inventory's paths lead
-    try:
-        cl.start(0)
-        with HealthWatch([cl.addrs[0]]):
-            evil = pb.Inventory(rank=1)
-            for origin in (0, 1):
-                evil.copies.add(step=5, origin_rank=origin, files=[
-                    pb.FileInfo(path="../../../outside/escape", size=3, crc32c=0),
-                    pb.FileInfo(path="/tmp/escape-abs", size=3, crc32c=0)])
-            peer.inventory = evil
-            outcome, err = _restore(cl, "r-paths", 2.0)
-            assert outcome == "refused" and err.code == grpc.StatusCode.ABORTED, err
-            assert not list(work.rglob("*escape*")) and not Path("/tmp/escape-abs").exists()
-            assert "refused the inventory of rank 1" in cl.log_text(0)
-
-            poisoned = pb.Inventory(rank=1, last_decision=pb.Decision(
-                epoch=2**63 - 1, step=1, restore_id="x"))
-            peer.inventory = poisoned
-            outcome, err = _restore(cl, "r-epoch", 2.0)
-            assert outcome == "refused" and err.code == grpc.StatusCode.ABORTED, err
-            book = cl.root(0) / BOOK_NAME
-            assert not book.exists() or all(
-                r["epoch"] < 2**53 for r in json.loads(book.read_text()))
-
-            peer.inventory = pb.Inventory(rank=1)  # honest again
-            outcome, reply = _restore(cl, "r-honest", 3.0)
-            assert outcome == "ok", reply
-            assert reply.step == -1 and 0 < reply.epoch < 2**53
-        # A corrupt record file: moved aside at the next start, and agreement goes on.
-        cl.kill(0)
-        (cl.root(0) / BOOK_NAME).write_text('[{"epoch": 18446744073709551616, "step"')
-        cl.start(0)
-        outcome, reply = _restore(cl, "r-after-corrupt", 3.0)
-        assert outcome == "ok", reply
-        assert [n for n in os.listdir(cl.root(0)) if n.startswith(BOOK_NAME + ".corrupt-")]
-        # Restores asked with an hour's timeout that cannot be decided (rank 1 never
-        # asks): at most eight wait, holding a thread each; the rest are refused at once,
-        # and the replicator answers throughout.
-        with HealthWatch([cl.addrs[0]]):
-            c0 = PeerClient(cl.addrs[0], cl.creds, rank=0, deadline_s=3.0)
-            try:
-                with futures.ThreadPoolExecutor(12) as pool:
-                    held = list(pool.map(lambda i: _code(lambda: c0.call(
-                        "PrepareRestore", pb.PrepareRestoreRequest(
-                            timeout_seconds=3600, restore_id=f"hold-{i}"), attempts=1)),
-                        range(12)))
-                    t0 = time.monotonic()
-                    c0.call("GetInventory", pb.InventoryRequest(), attempts=1)
-                    assert time.monotonic() - t0 < 2
-            finally:
-                c0.close()
-        assert held.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 4, held
-        # The eight held end at the caller's deadline, or at the replicator's own
-        # --agreement-timeout-seconds (3 here, whatever the hour asked), typed.
-        assert held.count(grpc.StatusCode.DEADLINE_EXCEEDED) + \
-            held.count(grpc.StatusCode.ABORTED) == 8, held
-    finally:
-        server.stop(0).wait()
-        print(cl.log_text(0)[-3000:])
-        cl.stop_all()
-
-
-# -- certificate holders -----------------------------------------------------------------------
-
-
-def test_a_certificate_acts_only_for_the_rank_it_names(base: Path) -> None:
-    """With mutual TLS a certificate of the cluster's CA is not every rank: a copy, a
-    Decide or a backup part only for the rank the certificate names (none for a
-    controller's), and a replicator takes a peer's answers only from the rank it
-    asked; a replicator whose certificate names another rank does not start."""
-    pki = base / "pki"
-    pki.mkdir()
-    ca = make_ca("hostile test CA")
-    ca_pem = write_pem(ca[1], pki / "ca.crt")
-    certs = {r: make_leaf(ca, f"node{r}", pki, ranks=[r]) for r in range(2)}
-    ctl_crt, ctl_key = make_leaf(ca, "controller", pki)
-    controller = Credentials(tls_cert=ctl_crt, tls_key=ctl_key, tls_ca=ca_pem)
-    cl = Cluster(base / "tls", 2, 1, creds=controller, extra=("--tls-ca", str(ca_pem)),
-                 rank_args={r: ("--tls-cert", str(c), "--tls-key", str(k))
-                            for r, (c, k) in certs.items()})
-    try:
-        cl.start_all()
-        cl.commit(0, 1, {"a.bin": os.urandom(1024)})
-        cl.wait_held({(1, 0, 1)}, timeout=30)  # the genuine peers reach each other
-        host1 = Credentials(tls_cert=certs[1][0], tls_key=certs[1][1], tls_ca=ca_pem)
-        data = os.urandom(64)
-        fake = _offer(1_000_000, [pb.FileInfo(path="a.bin", size=64, crc32c=crc32c(data))])
-
-        def code(creds: Credentials, rank: int, name: str, req: Any) -> Any:
-            c = PeerClient(cl.addrs[rank], creds, rank=rank)
-            try:
-                return c.call(name, req, attempts=1)
-            except PeerError as e:
-                return e.code
-            finally:
-                c.close()
-
-        with HealthWatch(list(cl.addrs), controller):
-            denied = grpc.StatusCode.PERMISSION_DENIED
-            # Host 1's certificate, acting for rank 0.
-            assert code(host1, 1, "Offer", fake) == denied
-            assert code(host1, 0, "Decide", pb.DecideRequest(rank=0, timeout_seconds=1)) == \
-                denied
-            # Its own rank's copy it may offer (and then gives it up).
-            own = code(host1, 0, "Offer", _offer(7, [pb.FileInfo(path="a", size=1)], 1))
-            assert isinstance(own, pb.OfferReply) and own.transfer_id
-            assert code(controller, 0, "Abort", pb.AbortRequest(
-                transfer_id=own.transfer_id)) == denied  # not the controller's transfer
-            assert isinstance(code(host1, 0, "Abort", pb.AbortRequest(
-                transfer_id=own.transfer_id)), pb.AbortReply)
-            # The controller's certificate: reads and restores, never a peer's part.
-            assert code(controller, 1, "Offer", fake) == denied
-            assert code(controller, 0, "Decide", pb.DecideRequest(
-                rank=1, timeout_seconds=1)) == denied
-            assert code(controller, 1, "BackupPart", pb.BackupPartRequest(
-                step=1, origin_rank=0, prefix="steps/1", upload=["a.bin"])) == denied
-            inv = code(controller, 1, "GetInventory", pb.InventoryRequest())
-            assert (0, 1) in {(c.origin_rank, c.step) for c in inv.copies}
-            # A replicator asking rank 1 accepts only a server whose certificate names it.
-            impostor = PeerClient(cl.addrs[0], host1, rank=1, as_peer=True)
-            try:
-                with pytest.raises(PeerError) as ei:
-                    impostor.call("GetInventory", pb.InventoryRequest(), attempts=1)
-                assert ei.value.code == grpc.StatusCode.UNAVAILABLE
-            finally:
-                impostor.close()
-        assert 1_000_000 not in {c.step for c in cl.inventory(1).copies}
-        # A certificate naming another rank than the replicator's: it does not start.
-        port = free_ports(1)[0]
-        r = subprocess.run([sys.executable, "-m", "mtc.sidecar.replicator.main",
-                            "--local-dir", str(base / "tls" / "wrong"),
-                            "--listen", f"127.0.0.1:{port}", "--nodes", ",".join(cl.addrs),
-                            "--rank", "0", "--tls-cert", str(certs[1][0]), "--tls-key",
-                            str(certs[1][1]), "--tls-ca", str(ca_pem)],
-                           capture_output=True, text=True, timeout=60, env=env_with_repo())
-        assert r.returncode == 2 and "names rank(s) [1]" in r.stderr, r.stderr
-    finally:
-        for rank in range(2):
-            print(f"--- tls replicator {rank} ---\n{cl.log_text(rank)[-2000:]}")
-        cl.stop_all()

@@ -1,0 +1,193 @@
+"""What the hostile-network tests share: the two-host network they attack
+(:class:`Net`, real replicator and sidecar processes on loopback), a health watch
+that must answer throughout, the refusals' status codes, and the watched root
+every test's files live under (nothing may reach another host's RAM disk)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import seam_audit
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from replicators import Cluster
+
+from mtc.contract import decode_reply, encode_request
+from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+
+TOKEN = "hostile-network-test-token"
+AUTH = [(TOKEN_HEADER, TOKEN)]
+WRONG = [(TOKEN_HEADER, "guessed-token")]
+OUTSIDE_FILES = 40
+MiB = 1 << 20
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of a process, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+class HealthWatch:
+    """Asks every address's health service every 0.2 s on a thread of its own (no
+    credentials, as a Kubernetes probe); each answer must be SERVING within 2 s."""
+
+    def __init__(self, addresses: list[str], creds: Credentials | None = None) -> None:
+        self.addresses = addresses
+        self.cc = creds.channel_credentials() if creds is not None else None
+        self.failures: list[str] = []
+        self.checks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-watch")
+
+    def _run(self) -> None:
+        channels = [grpc.secure_channel(a, self.cc) if self.cc else grpc.insecure_channel(a)
+                    for a in self.addresses]
+        try:
+            while True:  # a round at once, then every 0.2 s, and a last one when stopped
+                stopping = self._stop.is_set()
+                for a, ch in zip(self.addresses, channels, strict=True):
+                    self._check(a, ch)
+                if stopping:
+                    return
+                self._stop.wait(0.2)
+        finally:
+            for ch in channels:
+                ch.close()
+
+    def _check(self, address: str, ch: grpc.Channel) -> None:
+        t0 = time.monotonic()
+        try:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=2.0).status
+            if status != health_pb2.HealthCheckResponse.SERVING:
+                self.failures.append(f"{address}: status {status}")
+        except grpc.RpcError as e:
+            self.failures.append(f"{address}: {e.code().name} after "
+                                 f"{time.monotonic() - t0:.1f}s")
+        self.checks += 1
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        assert self.checks > 0
+        assert not self.failures, self.failures[:5]
+
+
+def code_of(fn: Callable[[], Any]) -> grpc.StatusCode:
+    """The status a call ends with (a stream drained); it must fail."""
+    with pytest.raises(grpc.RpcError) as ei:
+        r = fn()
+        if not isinstance(r, (bytes, pb.Inventory)) and hasattr(r, "__iter__"):
+            list(r)
+    return ei.value.code()
+
+
+def details_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as ei:
+        r = fn()
+        if hasattr(r, "__iter__") and not isinstance(r, bytes):
+            list(r)
+    return ei.value.code(), ei.value.details() or ""
+
+
+def offer_of(step: int, files: list[pb.FileInfo], origin: int = 0) -> pb.OfferRequest:
+    """An offer of a copy of ``origin``'s ``step`` holding ``files``."""
+    return pb.OfferRequest(copy=pb.StepCopy(step=step, origin_rank=origin, files=files))
+
+
+class Net:
+    """Two hosts (one per slice, peers of each other) on loopback: each a replicator and
+    a sidecar taking the shared token, backing up to a folder, streams held to a 1 s
+    grace; and files outside every root the attacks aim at."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        base.mkdir()
+        token_file = base / "token"
+        token_file.write_text(TOKEN + "\n")
+        self.backup = base / "backup"
+        self.backup.mkdir()
+        self.cluster = Cluster(base / "hosts", 2, 1, creds=Credentials(token=TOKEN), extra=(
+            "--token-file", str(token_file), "--stream-grace-seconds", "1",
+            "--stream-min-rate", str(64 << 10), "--backup", self.backup.as_uri(),
+            "--backup-interval-minutes", "600"))
+        self.outside = base / "outside"
+        self.outside.mkdir()
+        for i in range(OUTSIDE_FILES):
+            (self.outside / f"f{i}").write_text(f"outside file {i}\n")
+        self.cluster.start_all()
+        self.cluster.start_sidecars()
+        self.channels: list[grpc.Channel] = []
+
+    def root(self, rank: int) -> Path:
+        return self.cluster.root(rank)
+
+    def channel(self, rank: int, *, sidecar: bool = False) -> grpc.Channel:
+        addr = (self.cluster.hosts.hosts[rank].sidecar_address if sidecar
+                else self.cluster.addrs[rank])
+        ch = grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", -1),
+                                                  ("grpc.max_receive_message_length", -1)])
+        self.channels.append(ch)
+        return ch
+
+    def replicator_pid(self, rank: int) -> int:
+        return self.cluster.procs[rank].pid
+
+    def sidecar_pid(self, rank: int) -> int:
+        pid = self.cluster.hosts.hosts[rank].sidecar_pid
+        assert pid is not None
+        return pid
+
+    def health(self) -> HealthWatch:
+        return HealthWatch(list(self.cluster.addrs))
+
+    def assert_outside_intact(self) -> None:
+        """Nothing outside the hosts' roots was written, moved or deleted."""
+        names = sorted(os.listdir(self.outside))
+        assert names == sorted(f"f{i}" for i in range(OUTSIDE_FILES)), names
+        for i in range(OUTSIDE_FILES):
+            assert (self.outside / f"f{i}").read_text() == f"outside file {i}\n"
+        assert not list(self.base.rglob("*escape*")), list(self.base.rglob("*escape*"))
+
+    def call(self, rank: int, op: str, metadata: Any = AUTH, **args: Any) -> Any:
+        """One host operation on a sidecar, its reply decoded (a typed error raised)."""
+        stub = self.channel(rank, sidecar=True).unary_unary("/mtc.Host/Call")
+        return decode_reply(stub(encode_request(op, [rank], **args), timeout=10,
+                                 metadata=metadata))
+
+    def close(self) -> None:
+        for ch in self.channels:
+            ch.close()
+        self.cluster.stop_all()
+
+
+@contextlib.contextmanager
+def watched_root(prefix: str) -> Iterator[Path]:
+    """A fresh folder in /dev/shm whose hosts' RAM disks the seam audit watches: a
+    process that opens another host's files there fails the test that made it."""
+    path = Path("/dev/shm") / f"{prefix}-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    seam_audit.watch(path)
+    try:
+        yield path
+    finally:
+        leaks = seam_audit.unwatch(path)
+        shutil.rmtree(path, ignore_errors=True)
+    assert not leaks, leaks[:10]
