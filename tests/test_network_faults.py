@@ -17,6 +17,10 @@ a backup in the bucket's listing) before it is complete and verified; every
 wait ends within its deadline with a typed error; no two hosts read different
 decisions; after healing, the copy, the backup and the restore complete, and
 every restored value is exact.
+
+The cluster, its states and the /proc probes are ``tests/fault_net.py``'s; a
+backup store that stalls or forgets an upload (no cluster) is
+``tests/test_backup_store_faults.py``'s.
 """
 
 from __future__ import annotations
@@ -24,129 +28,40 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
-import jax
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from fault_net import (
+    BUCKET,
+    SLACK_S,
+    SLICES,
+    TIMEOUT_S,
+    Net,
+    assert_exact,
+    big_state,
+    open_positions,
+    queued_to,
+    small_state,
+    wait_for,
+    when,
+)
+from jax.sharding import Mesh
 
 import mtc
 from mtc.errors import MtcError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.backup.backend import BackupUnavailableError, open_backend
-from mtc.sidecar.backup.job import BackupStore, step_prefix
+from mtc.sidecar.backup.job import step_prefix
 from mtc.sidecar.host.ports import free_ports
-from mtc.sidecar.replicator.client import PeerClient, PeerError
-from mtc.sidecar.replicator.healthcheck import check
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.client import PeerError
 from mtc.trainer import gcs_emulator
 from mtc.trainer.isolation import Hosts, namespaces_available
-
-SLICES = [0, 0, 1, 1]
-PORT = 7000  # inside namespaces this module made: nothing else listens there
-TIMEOUT_S = 6.0  # the restore's and the agreement's deadline
-SLACK_S = 15.0  # what a bounded wait may take beyond its deadline on a loaded machine
-BUCKET = "mtc-net"
-REPO = Path(__file__).resolve().parents[1]
-
-
-# -- the cluster ------------------------------------------------------------------------
-
-
-class Net:
-    """The hosts, their replicators' addresses, the emulator and the controller's options."""
-
-    def __init__(self, hosts: Hosts, emulator_url: str) -> None:
-        self.hosts = hosts
-        self.emulator_url = emulator_url
-        self.addrs = [hosts.replicator_address(i, PORT) for i in range(4)]
-        self.token = hosts.token()
-        self.env = {**os.environ, "PYTHONPATH": str(REPO),
-                    "STORAGE_EMULATOR_HOST": emulator_url}
-
-    def start_replicator(self, i: int) -> None:
-        h = self.hosts
-        h.start_replicator(i, [
-            "--local-dir", str(h.hosts[i].root), "--listen", self.addrs[i],
-            "--nodes", ",".join(self.addrs), "--rank", str(i), "--nodes-per-slice", "2",
-            "--poll-seconds", "0.05", "--agreement-timeout-seconds", str(TIMEOUT_S),
-            "--backup", f"gs://{BUCKET}/b", "--backup-interval-minutes", "100000",
-            "--backup-retry-seconds", "20"], env=self.env)
-
-    def wait_serving(self, i: int) -> None:
-        h, proc = self.hosts, self.hosts.hosts[i].replicator
-        assert proc is not None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, self.hosts.log_tail(i, "replicator")
-            try:
-                if check(self.addrs[i], timeout_s=1.0) == "SERVING":
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"replicator {i} not serving: {h.log_tail(i, 'replicator')}")
-
-    def options(self) -> mtc.Options:
-        return mtc.Options(simulated_hosts=4, hosts_per_slice=2,
-                           sidecars=tuple(h.sidecar_address for h in self.hosts.hosts),
-                           replicators=tuple(self.addrs), replicator_token=self.token,
-                           restore_timeout_s=TIMEOUT_S)
-
-    def client(self, i: int) -> PeerClient:
-        return PeerClient(self.addrs[i], Credentials(token=self.token), rank=i, deadline_s=5.0)
-
-    def inventory(self, i: int) -> pb.Inventory:
-        c = self.client(i)
-        try:
-            return c.call("GetInventory", pb.InventoryRequest(), attempts=1)
-        finally:
-            c.close()
-
-    def held(self, i: int) -> set[tuple[int, int]]:
-        return {(c.origin_rank, c.step) for c in self.inventory(i).copies}
-
-    def log(self, i: int) -> str:
-        return self.hosts.log_tail(i, "replicator", 1 << 22)
-
-    def pid(self, i: int) -> int:
-        p = self.hosts.hosts[i].replicator
-        assert p is not None
-        return p.pid
-
-    def backups(self) -> BackupStore:
-        """The bucket, read by this process (the emulator is in its namespace)."""
-        old = os.environ.get("STORAGE_EMULATOR_HOST")
-        os.environ["STORAGE_EMULATOR_HOST"] = self.emulator_url
-        try:
-            return BackupStore(open_backend(f"gs://{BUCKET}/b", retry_deadline_s=10))
-        finally:
-            if old is None:
-                del os.environ["STORAGE_EMULATOR_HOST"]
-            else:
-                os.environ["STORAGE_EMULATOR_HOST"] = old
-
-    def wait_replicated(self, step: int, timeout_s: float = 60.0) -> None:
-        """Until every host's data of ``step`` is on its peer (host i <-> i +- 2)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if all((o, step) in self.held((o + 2) % 4) for o in range(4)):
-                    return
-            except PeerError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"step {step} not replicated everywhere in {timeout_s}s")
 
 
 def _notable(log: str) -> list[str]:
@@ -207,98 +122,6 @@ def healed(net: Net) -> Iterator[Net]:
             if h.replicator is not None and h.replicator.poll() is None:
                 os.kill(h.replicator.pid, signal.SIGCONT)
         net.hosts.heal()
-
-
-def big_state(mesh: Mesh, step: int) -> dict[str, Any]:
-    """48 MiB a host (two 24 MiB shards, different on every host): copies and
-    uploads that take long enough to be cut midway."""
-    w = np.arange(24576 * 2048, dtype=np.float32).reshape(24576, 2048) + step
-    return {"w": jax.device_put(w, NamedSharding(mesh, PartitionSpec(("replica", "model")))),
-            "step": step}
-
-
-def small_state(mesh: Mesh, step: int) -> dict[str, Any]:
-    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) * (step + 1)
-    dp = np.arange(16, dtype=np.int32) + step
-    return {"w": jax.device_put(w, NamedSharding(mesh, PartitionSpec(("replica", "model")))),
-            "dp": jax.device_put(dp, NamedSharding(mesh, PartitionSpec())), "step": step}
-
-
-def assert_exact(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert int(got["step"]) == int(want["step"])
-    for k in want:
-        if k != "step":
-            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
-
-
-# -- what a process is doing, from /proc (this process is root) -----------------------
-
-
-def open_positions(pid: int, needle: str) -> list[int]:
-    """File offsets of ``pid``'s open files whose path contains ``needle``."""
-    out = []
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return out
-    for fd in fds:
-        try:
-            if needle not in os.readlink(f"/proc/{pid}/fd/{fd}"):
-                continue
-            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                out += [int(line.split()[1]) for line in f if line.startswith("pos:")]
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def queued_to(pid: int, address: str, port: int) -> int:
-    """Bytes ``pid``'s namespace has queued (sent, not acknowledged) on TCP
-    connections to ``address:port``."""
-    want = "".join(f"{int(b):02X}" for b in reversed(address.split("."))) + f":{port:04X}"
-    total = 0
-    try:
-        with open(f"/proc/{pid}/net/tcp") as f:
-            next(f)
-            for line in f:
-                cols = line.split()
-                if cols[2] == want:
-                    total += int(cols[4].split(":")[0], 16)
-    except (OSError, StopIteration, ValueError, IndexError):
-        return 0
-    return total
-
-
-def when(condition: Callable[[], bool], then: Callable[[], None], timeout_s: float
-         ) -> tuple[threading.Thread, threading.Event]:
-    """On a thread: poll ``condition`` (bounded by ``timeout_s``) and call ``then``
-    the moment it holds; the event is set once ``then`` ran. Joined by the caller."""
-    fired = threading.Event()
-
-    def watch() -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if condition():
-                then()
-                fired.set()
-                return
-            time.sleep(0.001)
-
-    t = threading.Thread(target=watch, name="fault-trigger")
-    t.start()
-    return t, fired
-
-
-def wait_for(what: str, condition: Callable[[], bool], timeout_s: float,
-             during: Callable[[], None] | None = None) -> float:
-    """Until ``condition`` (bounded); ``during`` is checked on every poll. Seconds taken."""
-    t0 = time.monotonic()
-    while not condition():
-        if during is not None:
-            during()
-        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s}s"
-        time.sleep(0.1)
-    return time.monotonic() - t0
 
 
 # -- 1. a link cut during a peer copy ----------------------------------------------------
@@ -440,82 +263,6 @@ def test_link_cut_during_backup_upload_lists_no_partial_backup(
                                    crc32c=e.crc32c)
     assert sum(e.size for es in manifest.values() for e in es) >= 4 * (48 << 20)
     wait_for("the leader's listing", lambda: step in net.inventory(0).backed_up_steps, 20.0)
-
-
-def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch
-                                                               ) -> None:
-    """A store that accepts the connection and then says nothing (a link cut
-    mid-request): one request's timeouts fit inside the retry deadline, so the
-    call fails, typed, soon after it; not after the default 60 s read timeout."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                accepted.append(server.accept()[0])  # and never answer
-            except TimeoutError:
-                continue
-
-    t = threading.Thread(target=accept)
-    t.start()
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.getsockname()[1]}")
-    try:
-        backend = open_backend("gs://stalled/b", retry_deadline_s=2.0)
-        t0 = time.monotonic()
-        with pytest.raises(BackupUnavailableError):
-            backend.put_bytes("steps/1/MANIFEST.json", b"{}")
-        took = time.monotonic() - t0
-    finally:
-        stop.set()
-        t.join()
-        for s in accepted:
-            s.close()
-        server.close()
-    assert took < 30.0, took  # one request alone used to wait 60 s, then retried
-
-
-def test_an_upload_the_store_does_not_know_is_retryable(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 404 answering an upload (fake-gcs-server's answer to a last chunk re-sent
-    after its answer timed out, seen in the cut-link test above; real GCS's for
-    an expired session) is a retryable BackupUnavailableError, not an untyped
-    error that ends the backup pass with a traceback."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class NotFound(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def answer(self) -> None:
-            n = int(self.headers.get("Content-Length") or 0)
-            self.rfile.read(n)
-            body = b'{"error": {"code": 404, "message": "Not Found"}}'
-            self.send_response(404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        do_GET = do_PUT = do_POST = answer
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
-    t = threading.Thread(target=server.serve_forever)
-    t.start()
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.server_address[1]}")
-    try:
-        backend = open_backend("gs://gone/b", retry_deadline_s=2.0)
-        with pytest.raises(BackupUnavailableError, match="not found"):
-            backend.put_bytes("steps/1/MANIFEST.json", b"{}")
-    finally:
-        server.shutdown()
-        t.join()
-        server.server_close()
 
 
 # -- 3. one slice partitioned from the other ------------------------------------------

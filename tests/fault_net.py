@@ -1,0 +1,217 @@
+"""What the network-fault tests share (``tests/test_network_faults.py``): the
+isolated cluster (:class:`Net`: four hosts in network namespaces, their
+replicators' addresses, the emulated bucket and the controller's options), the
+states they save and the exact check of a restore, what a process is doing read
+from /proc, and bounded waits and triggers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import mtc
+from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.backup.backend import open_backend
+from mtc.sidecar.backup.job import BackupStore
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.healthcheck import check
+from mtc.sidecar.replicator.security import Credentials
+from mtc.trainer.isolation import Hosts
+
+SLICES = [0, 0, 1, 1]
+PORT = 7000  # inside namespaces this module made: nothing else listens there
+TIMEOUT_S = 6.0  # the restore's and the agreement's deadline
+SLACK_S = 15.0  # what a bounded wait may take beyond its deadline on a loaded machine
+BUCKET = "mtc-net"
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- the cluster ------------------------------------------------------------------------
+
+
+class Net:
+    """The hosts, their replicators' addresses, the emulator and the controller's options."""
+
+    def __init__(self, hosts: Hosts, emulator_url: str) -> None:
+        self.hosts = hosts
+        self.emulator_url = emulator_url
+        self.addrs = [hosts.replicator_address(i, PORT) for i in range(4)]
+        self.token = hosts.token()
+        self.env = {**os.environ, "PYTHONPATH": str(REPO),
+                    "STORAGE_EMULATOR_HOST": emulator_url}
+
+    def start_replicator(self, i: int) -> None:
+        h = self.hosts
+        h.start_replicator(i, [
+            "--local-dir", str(h.hosts[i].root), "--listen", self.addrs[i],
+            "--nodes", ",".join(self.addrs), "--rank", str(i), "--nodes-per-slice", "2",
+            "--poll-seconds", "0.05", "--agreement-timeout-seconds", str(TIMEOUT_S),
+            "--backup", f"gs://{BUCKET}/b", "--backup-interval-minutes", "100000",
+            "--backup-retry-seconds", "20"], env=self.env)
+
+    def wait_serving(self, i: int) -> None:
+        h, proc = self.hosts, self.hosts.hosts[i].replicator
+        assert proc is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, self.hosts.log_tail(i, "replicator")
+            try:
+                if check(self.addrs[i], timeout_s=1.0) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"replicator {i} not serving: {h.log_tail(i, 'replicator')}")
+
+    def options(self) -> mtc.Options:
+        return mtc.Options(simulated_hosts=4, hosts_per_slice=2,
+                           sidecars=tuple(h.sidecar_address for h in self.hosts.hosts),
+                           replicators=tuple(self.addrs), replicator_token=self.token,
+                           restore_timeout_s=TIMEOUT_S)
+
+    def client(self, i: int) -> PeerClient:
+        return PeerClient(self.addrs[i], Credentials(token=self.token), rank=i, deadline_s=5.0)
+
+    def inventory(self, i: int) -> pb.Inventory:
+        c = self.client(i)
+        try:
+            return c.call("GetInventory", pb.InventoryRequest(), attempts=1)
+        finally:
+            c.close()
+
+    def held(self, i: int) -> set[tuple[int, int]]:
+        return {(c.origin_rank, c.step) for c in self.inventory(i).copies}
+
+    def log(self, i: int) -> str:
+        return self.hosts.log_tail(i, "replicator", 1 << 22)
+
+    def pid(self, i: int) -> int:
+        p = self.hosts.hosts[i].replicator
+        assert p is not None
+        return p.pid
+
+    def backups(self) -> BackupStore:
+        """The bucket, read by this process (the emulator is in its namespace)."""
+        old = os.environ.get("STORAGE_EMULATOR_HOST")
+        os.environ["STORAGE_EMULATOR_HOST"] = self.emulator_url
+        try:
+            return BackupStore(open_backend(f"gs://{BUCKET}/b", retry_deadline_s=10))
+        finally:
+            if old is None:
+                del os.environ["STORAGE_EMULATOR_HOST"]
+            else:
+                os.environ["STORAGE_EMULATOR_HOST"] = old
+
+    def wait_replicated(self, step: int, timeout_s: float = 60.0) -> None:
+        """Until every host's data of ``step`` is on its peer (host i <-> i +- 2)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if all((o, step) in self.held((o + 2) % 4) for o in range(4)):
+                    return
+            except PeerError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"step {step} not replicated everywhere in {timeout_s}s")
+
+
+def big_state(mesh: Mesh, step: int) -> dict[str, Any]:
+    """48 MiB a host (two 24 MiB shards, different on every host): copies and
+    uploads that take long enough to be cut midway."""
+    w = np.arange(24576 * 2048, dtype=np.float32).reshape(24576, 2048) + step
+    return {"w": jax.device_put(w, NamedSharding(mesh, PartitionSpec(("replica", "model")))),
+            "step": step}
+
+
+def small_state(mesh: Mesh, step: int) -> dict[str, Any]:
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) * (step + 1)
+    dp = np.arange(16, dtype=np.int32) + step
+    return {"w": jax.device_put(w, NamedSharding(mesh, PartitionSpec(("replica", "model")))),
+            "dp": jax.device_put(dp, NamedSharding(mesh, PartitionSpec())), "step": step}
+
+
+def assert_exact(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert int(got["step"]) == int(want["step"])
+    for k in want:
+        if k != "step":
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
+# -- what a process is doing, from /proc (this process is root) -----------------------
+
+
+def open_positions(pid: int, needle: str) -> list[int]:
+    """File offsets of ``pid``'s open files whose path contains ``needle``."""
+    out = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            if needle not in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                out += [int(line.split()[1]) for line in f if line.startswith("pos:")]
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def queued_to(pid: int, address: str, port: int) -> int:
+    """Bytes ``pid``'s namespace has queued (sent, not acknowledged) on TCP
+    connections to ``address:port``."""
+    want = "".join(f"{int(b):02X}" for b in reversed(address.split("."))) + f":{port:04X}"
+    total = 0
+    try:
+        with open(f"/proc/{pid}/net/tcp") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[2] == want:
+                    total += int(cols[4].split(":")[0], 16)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+    return total
+
+
+def when(condition: Callable[[], bool], then: Callable[[], None], timeout_s: float
+         ) -> tuple[threading.Thread, threading.Event]:
+    """On a thread: poll ``condition`` (bounded by ``timeout_s``) and call ``then``
+    the moment it holds; the event is set once ``then`` ran. Joined by the caller."""
+    fired = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if condition():
+                then()
+                fired.set()
+                return
+            time.sleep(0.001)
+
+    t = threading.Thread(target=watch, name="fault-trigger")
+    t.start()
+    return t, fired
+
+
+def wait_for(what: str, condition: Callable[[], bool], timeout_s: float,
+             during: Callable[[], None] | None = None) -> float:
+    """Until ``condition`` (bounded); ``during`` is checked on every poll. Seconds taken."""
+    t0 = time.monotonic()
+    while not condition():
+        if during is not None:
+            during()
+        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s}s"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
