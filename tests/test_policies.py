@@ -1,5 +1,7 @@
-"""The pure policies, tested alone: the manager's retention (mtc.retention) and the
-replicator's garbage-collection plan (gc_plan in mtc.sidecar.replicator.node)."""
+"""The pure policies, tested alone: the manager's retention (mtc.retention), the
+replicator's garbage-collection plan (gc_plan in mtc.sidecar.replicator.gc) and
+which older step it copies again to a peer (older_to_restore in
+mtc.sidecar.replicator.replication)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import pytest
 
 from mtc.retention import to_delete
 from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
+from mtc.sidecar.replicator.replication import older_to_restore
 
 # (name, complete, held, max_to_keep, keep_period, before_write, deleted)
 RETENTION = [
@@ -63,3 +66,23 @@ GC = [
 @pytest.mark.parametrize(("name", "inputs", "complete", "want"), GC, ids=[c[0] for c in GC])
 def test_gc_plan(name: str, inputs: GcInputs, complete: int | None, want: GcPlan) -> None:
     assert gc_plan(inputs, complete) == want
+
+
+# (name, own steps oldest first, keep, steps the target holds, step to push again)
+OLDER = [
+    ("the target holds every kept step", [3, 4], 2, {3, 4}, None),
+    ("a kept older copy lost: pushed again", [3, 4], 2, {4}, 3),
+    ("newest first", [2, 3, 4], 3, {4}, 3),
+    ("then the next", [2, 3, 4], 3, {3, 4}, 2),
+    ("never a step beyond keep (the target deletes it)", [1, 2, 3, 4], 2, {4}, 3),
+    ("nothing older beyond keep", [1, 2, 3, 4], 2, {3, 4}, None),
+    ("keep 1: only the newest, which is not this policy's", [3, 4], 1, {4}, None),
+    ("one own step", [4], 2, {4}, None),
+]
+
+
+@pytest.mark.parametrize(("name", "own", "keep", "held", "want"), OLDER,
+                         ids=[c[0] for c in OLDER])
+def test_older_to_restore(name: str, own: list[int], keep: int, held: set[int],
+                          want: int | None) -> None:
+    assert older_to_restore(own, keep, held) == want

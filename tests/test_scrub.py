@@ -3,9 +3,10 @@ found before a restore needs the step, and healed from another host.
 
 The policy (which copy next, how long to pause) is pure; one copy's scrub runs on
 a real store in this process, its heal a recording stand-in (a heal needs other
-hosts); the last test runs real replicator processes, damages a host's own step
-and a peer's copy in place, silently (size and mtime kept, as bad memory would),
-and waits, without any restore, for both to be found and made good again.
+hosts); the last test runs real replicator processes, damages a host's own step,
+a peer's copy of the newest step and one of an older step in place, silently
+(size and mtime kept, as bad memory would), and waits, without any restore, for
+all three to be found and made good again.
 """
 
 from __future__ import annotations
@@ -153,38 +154,51 @@ def test_replicators_find_and_heal_silent_damage_before_any_restore(
         ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True, scrub=True)
     cl.start_all()
-    state = make_state(mesh, 3.0)
+    # Other values in each step: identical files of two steps are one inode.
+    states = {step: make_state(mesh, float(step)) for step in (3, 4)}
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
-        m.save(3, state)
-        m.wait_until_finished()
-    cl.wait_replicated(3, timeout=60)
-    # Host 0's own step, and host 3's copy of host 1's: a file only that host saved
-    # (a data-parallel one is a claim on the holder's own bytes, one inode for two).
-    own = cl.root(0) / "3" / unique_files(cl, 3, 0)[0]
-    peer_copy = cl.root(3) / REPLICA_DIR / "1" / "3" / unique_files(cl, 3, 1)[0]
-    good_own, good_copy = own.read_bytes(), peer_copy.read_bytes()
-    flip(own, silent=True)
-    flip(peer_copy, silent=True)
+        for step, state in states.items():
+            m.save(step, state, force=True)
+            m.wait_until_finished()
+            cl.wait_replicated(step, timeout=60)
+    # Host 0's own newest step, host 3's copy of host 1's newest, and host 2's copy
+    # of host 0's older step (the replicators keep two): each a file only that host
+    # saved (a data-parallel one is a claim on the holder's own bytes, one inode for
+    # two).
+    own = cl.root(0) / "4" / unique_files(cl, 4, 0)[0]
+    peer_copy = cl.root(3) / REPLICA_DIR / "1" / "4" / unique_files(cl, 4, 1)[0]
+    older_copy = cl.root(2) / REPLICA_DIR / "0" / "3" / unique_files(cl, 3, 0)[0]
+    damaged = [own, peer_copy, older_copy]
+    good = [p.read_bytes() for p in damaged]
+    for p in damaged:
+        flip(p, silent=True)
 
-    deadline = time.monotonic() + 60
+    def whole() -> bool:
+        return all(p.exists() and p.read_bytes() == g for p, g in zip(damaged, good,
+                                                                        strict=True))
+
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        found = [cl.scrape(r).get("mtc_scrub_damaged_files_total", 0) for r in (0, 3)]
-        if found == [1, 1] and own.exists() and own.read_bytes() == good_own \
-                and peer_copy.exists() and peer_copy.read_bytes() == good_copy:
+        found = [cl.scrape(r).get("mtc_scrub_damaged_files_total", 0) for r in (0, 2, 3)]
+        if found == [1, 1, 1] and whole():
             break
         time.sleep(0.2)
     else:
         raise AssertionError(f"damage not healed by the scrub: found {found}; logs:\n"
-                             + cl.log_text(0)[-2000:] + cl.log_text(3)[-2000:])
-    # Host 0 fetched its file from its peer (healed); host 3's copy came again from
-    # its origin. Both bad files were kept aside.
+                             + "".join(cl.log_text(r)[-2000:] for r in (0, 2, 3)))
+    # Host 0 fetched its file from its peer (healed); host 3's copy of the newest
+    # step came again from its origin, and so did host 2's copy of the older one
+    # once the newest was on every peer. Every bad file was kept aside.
     assert cl.scrape(0)["mtc_healed_files_total"] >= 1
-    assert len(quarantined(cl.root(0))) == 1 and len(quarantined(cl.root(3))) == 1
+    assert cl.scrape(0)["mtc_steps_copied_again_total"] >= 1
+    assert [len(quarantined(cl.root(r))) for r in (0, 2, 3)] == [1, 1, 1]
     assert cl.scrape(0)["mtc_scrub_bytes_total"] > 0
-    # A restore now finds every host's data whole where it is: nothing to heal.
+    # A restore of either step now finds every host's data whole where it is:
+    # nothing to heal (the older one: as saved, not as damaged).
     with mtc.CheckpointManager(ramdisk, mesh=mesh,
                                options=cl.options(replicators=True, max_to_keep=None)) as m:
-        got = m.restore(None, state)
-        tiers = m.last_restore_tiers
-    assert_state_equal(got, state)
-    assert tiers == {0: "local", 1: "local", 2: "local", 3: "local"}, tiers
+        for step, state in states.items():
+            got = m.restore(step, state)
+            assert m.last_restore_tiers == {0: "local", 1: "local", 2: "local", 3: "local"}
+            assert_state_equal(got, state)
+    assert (2, 0, 3) in cl.held(), sorted(cl.held())

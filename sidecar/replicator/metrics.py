@@ -34,6 +34,9 @@ class Metrics:
         self.scrub_damaged = Counter("mtc_scrub_damaged_files",
                                      "Bad files the background scrub found (then quarantined)",
                                      registry=r)
+        self.copied_again = Counter(
+            "mtc_steps_copied_again",
+            "Older kept steps pushed again to a peer that no longer held them", registry=r)
         self.newest = Gauge("mtc_newest_step", "Newest step by state", ["state"], registry=r)
         self.lag = Gauge("mtc_replication_lag_steps",
                          "Committed steps newer than the newest fully replicated one",

@@ -6,6 +6,11 @@ files the target already holds identically are linked there, the rest are
 pushed (on the data channel, a few streams at once) and verified on receipt;
 the step counts as replicated only when the target commits the copy. Older
 unreplicated steps are skipped, so lag never grows beyond one step in flight.
+
+Once the newest step is on every target, a kept older step that a target does
+not hold (skipped while a newer one was in flight, found damaged by the target's
+scrub, lost with a target replaced empty) is pushed to it, one a pass, newest first
+(:func:`older_to_restore`): the redundancy the job had comes back without a new save.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +38,17 @@ from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
+
+
+def older_to_restore(own: Sequence[int], keep: int, held: Set[int]) -> int | None:
+    """The older own step to push to a target once the newest is on it: the newest
+    of the steps this host keeps (its newest ``keep``, oldest first in ``own``) but
+    the newest that the target does not hold (``held``), or None. Steps older than
+    those are the target's to delete, never pushed again."""
+    for s in reversed(own[-keep:][:-1]):
+        if s not in held:
+            return s
+    return None
 
 
 class Replication:
@@ -145,11 +161,33 @@ class Replication:
                 self.metrics.failures.labels(kind).inc()
                 log.warning("rank %d: step %d not replicated to rank %d: %s",
                             self.rank, newest, target, e)
+        if self.fully_replicated(newest):
+            self._restore_older(own)
         done = [s for s in own if self.fully_replicated(s)]
         self._note_replication(newest, self.fully_replicated(newest))
         if done:
             self.metrics.newest.labels("replicated").set(done[-1])
         self.metrics.lag.set(sum(1 for s in own if not done or s > done[-1]))
+
+    def _restore_older(self, own: list[int]) -> None:
+        """One older kept step pushed again to each target that lost its copy."""
+        for target in self.config.targets(self.rank):
+            if time.monotonic() < self._quiet_until():
+                return
+            held = {s for s in own if target in self.replicated.get(s, set())}
+            step = older_to_restore(own, self.config.keep, held)
+            if step is None:
+                continue
+            try:
+                self.push_step(step, target)
+            except (MtcError, OSError) as e:
+                self.metrics.failures.labels(type(e).__name__).inc()
+                log.warning("rank %d: older step %d not copied again to rank %d: %s",
+                            self.rank, step, target, e)
+                continue
+            self.metrics.copied_again.inc()
+            log.info("rank %d: step %d copied again to rank %d, which had lost it",
+                     self.rank, step, target)
 
     def _note_replication(self, newest: int, replicated: bool) -> None:
         self.clock.update(newest, replicated)

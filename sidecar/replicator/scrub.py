@@ -20,7 +20,8 @@ damage). Then:
   (:meth:`.restore.Restorer.heal_in_background`): a restore asking for the step
   meanwhile waits for it;
 - a peer's copy no longer counts as held: its origin, which re-reads its targets'
-  holdings every few seconds, pushes its newest step again.
+  holdings every few seconds, pushes it again (its newest step at once, an older
+  one it keeps once the newest is on every target: :mod:`.replication`).
 
 What a scrub finds is counted (``mtc_scrub_damaged_files_total``, besides the
 quarantine's and the heal's own counters); what it read, in
