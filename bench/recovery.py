@@ -63,29 +63,31 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _machine import machine_state
+from _recovery_checks import (
+    HOSTS_PER_SLICE,
+    NUM_DEVICES,
+    SLICES,
+    State,
+    raw_read,
+    reference_files,
+    verify,
+    wait_own_copy,
+    wait_replicated,
+)
 from compile_ahead import measure as compile_ahead_cost
 from recovery_slice import run_slice_loss
 from save_restore import LEAF_COLS, LEAF_ROWS, make_state
 
 import mtc
-from mtc.contract import shard_index
 from mtc.options import Dispatch
-from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.client import PeerClient
-from mtc.sidecar.replicator.security import Credentials
 from mtc.trainer.cluster import LocalCluster
 
 MIB = 1 << 20
-NUM_DEVICES = 8
 AXES = ("replica", "model")
 SPEC = PartitionSpec("model", None)
-SLICES = 2
-HOSTS_PER_SLICE = 2
 LOST_HOST = 1
 TARGET_TOTAL_S = 10.0
 TARGET_BEYOND_REPLACEMENT_S = 1.0  # issue 12: a host loss beyond the replacement's start
-
-State = dict[str, jax.Array]
 
 
 def log(msg: str) -> None:
@@ -107,97 +109,6 @@ def new_step() -> Any:
 
 def host_copy(state: State) -> dict[str, np.ndarray]:
     return {k: np.asarray(v).copy() for k, v in state.items()}
-
-
-def verify(label: str, restored: Any, want: dict[str, np.ndarray],
-           sharding: NamedSharding) -> None:
-    """Fail loudly unless ``restored`` holds exactly ``want`` on ``sharding``."""
-    if set(restored) != set(want):
-        raise AssertionError(f"{label}: restored keys differ from saved ones")
-    for name, arr in restored.items():
-        if not isinstance(arr, jax.Array):
-            raise AssertionError(f"{label}: {name} is a {type(arr).__name__}, not a jax.Array")
-        if not arr.sharding.is_equivalent_to(sharding, arr.ndim):
-            raise AssertionError(f"{label}: {name} has sharding {arr.sharding}, "
-                                 f"expected {sharding}")
-        got = np.asarray(arr)
-        w = want[name]
-        if got.shape != w.shape or got.dtype != w.dtype or \
-                not np.array_equal(got.view(np.uint32), w.view(np.uint32)):
-            raise AssertionError(f"{label}: {name} differs from the saved value")
-
-
-def inventory(addr: str, rank: int, token: str) -> set[tuple[int, int]]:
-    """(origin rank, step) of every complete peer copy ``rank``'s replicator holds."""
-    c = PeerClient(addr, Credentials(token=token), rank=rank)
-    try:
-        inv = c.call("GetInventory", pb.InventoryRequest())
-    finally:
-        c.close()
-    return {(cp.origin_rank, cp.step) for cp in inv.copies}
-
-
-def wait_own_copy(cluster: LocalCluster, host: int, step: int, timeout: float = 120.0
-                  ) -> float:
-    """Until ``host``'s replicator holds its own data of ``step`` (brought back in the
-    background after a restore that read its regions elsewhere); returns seconds."""
-    t0 = time.perf_counter()
-    while (host, step) not in inventory(cluster.addresses[host], host, cluster.token()):
-        if time.perf_counter() - t0 > timeout:
-            raise TimeoutError(f"host {host}'s step {step} not local again in {timeout}s")
-        time.sleep(0.05)
-    return time.perf_counter() - t0
-
-
-def wait_replicated(cluster: LocalCluster, step: int, timeout: float = 120.0) -> float:
-    """Until every host's ``step`` is held by its peer in the other slice; returns seconds."""
-    t0 = time.perf_counter()
-    n = cluster.num_hosts
-    while True:
-        missing = [o for o in range(n)
-                   if (o, step) not in inventory(cluster.addresses[(o + HOSTS_PER_SLICE) % n],
-                                                 (o + HOSTS_PER_SLICE) % n, cluster.token())]
-        if not missing:
-            return time.perf_counter() - t0
-        if time.perf_counter() - t0 > timeout:
-            raise TimeoutError(f"step {step} of hosts {missing} not replicated in {timeout}s")
-        time.sleep(0.05)
-
-
-def reference_files(folder: Path, state: State) -> list[Path]:
-    """The files the hosts hold of one step, written here (the hosts' RAM disks are
-    theirs alone): one per distinct shard of each host, as the raw-read reference."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths: list[Path] = []
-    for leaf, arr in state.items():
-        seen: set[Any] = set()
-        for shard in arr.addressable_shards:
-            key = (shard.device.id // (NUM_DEVICES // (SLICES * HOSTS_PER_SLICE)),
-                   shard_index(shard.index, arr.shape))
-            if key in seen:
-                continue
-            seen.add(key)
-            p = folder / f"{leaf}-{len(paths)}.bin"
-            p.write_bytes(np.asarray(shard.data).tobytes())
-            paths.append(p)
-    return paths
-
-
-def raw_read(paths: list[Path]) -> tuple[float, int]:
-    """Seconds to read ``paths`` into preallocated buffers, and the bytes read."""
-    sizes = [p.stat().st_size for p in paths]
-    bufs = [bytearray(s) for s in sizes]
-    t0 = time.perf_counter()
-    for p, b in zip(paths, bufs, strict=True):
-        with open(p, "rb", buffering=0) as f:
-            view = memoryview(b)
-            got = 0
-            while got < len(b):
-                k = f.readinto(view[got:])
-                if not k:
-                    break
-                got += k
-    return time.perf_counter() - t0, sum(sizes)
 
 
 def blocked(fn: Callable[[], Any]) -> tuple[float, Any]:
