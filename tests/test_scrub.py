@@ -2,7 +2,8 @@
 found before a restore needs the step, and healed from another host.
 
 The policy (which copy next, how long to pause) is pure; one copy's scrub runs on
-a real store in this process, its heal a recording stand-in (a heal needs other
+a real store in this process (mtc's steps, and Orbax's for a replicator serving
+Orbax's client), its heal a recording stand-in (a heal needs other
 hosts); the last test runs real replicator processes, damages a host's own step,
 a peer's copy of the newest step and one of an older step in place, silently
 (size and mtime kept, as bad memory would), and waits, without any restore, for
@@ -128,6 +129,42 @@ def test_silent_damage_in_a_peer_copy_stops_it_counting_as_held(tmp_path: Path) 
     assert len(quarantined(store.root)) == 1
     s.scrub_once()  # the own step: good, nothing more
     assert healed == [] and (2, STEP) in store.copies()
+
+
+def test_an_orbax_step_and_its_copy_are_scrubbed_as_mtc_steps_are(tmp_path: Path) -> None:
+    """Serving Orbax's client (its steps carry no manifest, files in subfolders): the
+    checksums an own step was described with when first listed, and a copy's from
+    its origin, are what the scrub reads against."""
+    root = tmp_path / "host-0"
+    own_files = {"_CHECKPOINT_METADATA": b"{}", "state/d/0.0": os.urandom(4 * 4096),
+                 "state/manifest.ocdbt": os.urandom(512)}
+    for name, data in own_files.items():
+        (root / str(STEP) / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / str(STEP) / name).write_bytes(data)
+    store = LocalStore(root, rank=0, orbax=True)
+    assert store.own_steps() == [STEP]
+    assert store.verify(0, STEP) == []  # described (read) once: the checksums to keep
+    peer_files = {"_CHECKPOINT_METADATA": b"{}", "state/d/0.1": os.urandom(3 * 4096)}
+    tmp = store.begin_incoming(1, STEP)
+    for name, data in peer_files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+    store.commit_incoming(tmp, 1, STEP, [FileMeta(n, len(d), crc32c(d))
+                                         for n, d in sorted(peer_files.items())])
+    assert sorted(store.copies()) == [(0, STEP), (1, STEP)]
+    own = root / str(STEP) / "state" / "d" / "0.0"
+    copied = store.copy_dir(1, STEP) / "state" / "d" / "0.1"
+    flip(own, silent=True)
+    flip(copied, silent=True)
+    assert store.verify(0, STEP) == [] and store.verify(1, STEP) == []  # cache: blind
+    healed: list[int] = []
+    s = scrubber(store, healed)
+    assert s.scrub_once() == sum(len(d) for d in own_files.values())
+    assert healed == [STEP] and not own.exists() and store.damaged(0, STEP)
+    assert s.scrub_once() == sum(len(d) for d in peer_files.values())
+    assert healed == [STEP] and (1, STEP) not in store.copies()
+    assert len(quarantined(root)) == 2
+    assert s.metrics.scrub_damaged._value.get() == 2
 
 
 def test_a_good_store_is_read_and_left_alone(tmp_path: Path) -> None:
