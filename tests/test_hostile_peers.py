@@ -33,8 +33,8 @@ from hostile_net import (
     offer_of,
     watched_root,
 )
+from replicator_certs import make_ca, make_leaf, write_pem
 from replicators import Cluster, env_with_repo, free_ports
-from test_replicator_security import make_ca, make_leaf, write_pem
 
 from mtc import transfer
 from mtc.integrity import crc32c
