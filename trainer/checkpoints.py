@@ -46,22 +46,29 @@ class MeshCheckpoints:
         which only its processes see, so this folder of the trainer's stays empty."""
         return self.cluster.base / "controller"
 
+    def retire(self) -> None:
+        """The current manager's saves finished (or failed with its hosts:
+        :attr:`failed_saves`) and it closed: called as soon as its mesh is known
+        lost (a host's replacement is then awaited without it), else by :meth:`open`."""
+        if self.mgr is None:
+            return
+        mgr, self.mgr = self.mgr, None
+        try:
+            mgr.wait_until_finished()
+        except (mtc.MtcError, OSError) as e:
+            # A save the failure cut short (a wiped host's writer): mtc will
+            # not offer that step, so a snapshot of it need not wait for mtc.
+            log.warning("a save did not complete before the failure: %s", e)
+            if isinstance(e, mtc.MtcError) and e.step is not None:
+                self.failed_saves.add(e.step)
+        try:
+            mgr.close()
+        except (mtc.MtcError, OSError) as e:
+            log.warning("closing the previous checkpoint manager: %s", e)
+
     def open(self, trainer: Trainer, slices: Slices) -> mtc.CheckpointManager:
-        """The manager for this mesh; the previous one's saves finished (or failed
-        with its hosts: :attr:`failed_saves`) and it is closed first."""
-        if self.mgr is not None:
-            try:
-                self.mgr.wait_until_finished()
-            except (mtc.MtcError, OSError) as e:
-                # A save the failure cut short (a wiped host's writer): mtc will
-                # not offer that step, so a snapshot of it need not wait for mtc.
-                log.warning("a save did not complete before the failure: %s", e)
-                if isinstance(e, mtc.MtcError) and e.step is not None:
-                    self.failed_saves.add(e.step)
-            try:
-                self.mgr.close()
-            except (mtc.MtcError, OSError) as e:
-                log.warning("closing the previous checkpoint manager: %s", e)
+        """The manager for this mesh; the previous one retired first (:meth:`retire`)."""
+        self.retire()
         full = len(slices) == self.cluster.slices
         self.mgr = mtc.CheckpointManager(
             self.local_dir(slices), mesh=trainer.mesh,

@@ -189,6 +189,9 @@ class ElasticRun:
             missing = set(range(total)) - active
             pause = pause_seconds(missing, self.faults.replacing_slices(),
                                   self.args.pause_timeout_s, self.args.pause_policy)
+            # The lost mesh's manager is done with: its last save is settled and its
+            # programs released in the hosts while the replacement starts, not after.
+            self.ckpt.retire()
             if pause > 0 and self.faults.wait_back(missing, pause):
                 # Back, says the cluster: one health check confirms it.
                 rec.t_replaced = self.faults.returned_t
