@@ -30,7 +30,6 @@ def worker_env(**over: str) -> dict[str, str]:
     return {k: v for k, v in env.items() if v != ""}
 
 
-
 def tool(name: str) -> str:
     found = shutil.which(name, path=str(BIN)) or shutil.which(name)
     if found is None:

@@ -55,7 +55,6 @@ def test_overlays_exist() -> None:
     assert {o.name for o in OVERLAYS} >= {"pathways", "pathways-gke-mtc", "multi-controller"}
 
 
-
 @pytest.mark.parametrize("version", validator_versions())
 @pytest.mark.parametrize("case", CASES)
 def test_core_kinds_and_job_templates_pass_kubernetes_validate(

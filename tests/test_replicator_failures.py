@@ -37,8 +37,6 @@ pytestmark = pytest.mark.process  # every test here starts processes
 MiB = 1 << 20
 
 
-
-
 def random_files(count: int, size: int, seed: int) -> dict[str, bytes]:
     rng = np.random.default_rng(seed)
     return {f"shard-{i:02d}.bin": rng.bytes(size) for i in range(count)}

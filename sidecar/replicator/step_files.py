@@ -121,8 +121,6 @@ def describe_own(step_dir: Path) -> list[FileMeta]:
     return _walk(step_dir)
 
 
-
-
 def not_ours(manifest: bytes | None, path: str, rank: int, step: int, *,
              orbax: bool) -> str | None:
     """Why the step folder ``<root>/<step>`` of rank ``rank``'s RAM disk, whose
