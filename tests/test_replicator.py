@@ -24,6 +24,7 @@ import mtc
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.replication import COPIES_AGAIN_MAX, RESYNC_S
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -321,6 +322,27 @@ def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Clu
     while (held := {c.step for c in cl.inventory(1).copies if c.origin_rank == 0}) != {4, 5}:
         assert time.monotonic() < deadline and len(held) <= 3, held
         time.sleep(0.05)
+
+
+def test_an_older_step_a_peer_keeps_deleting_is_pushed_again_a_bounded_number_of_times(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Rank 1 keeps one copy per origin (another --keep than rank 0's two): rank 0's
+    older step, pushed to it once the newest is there, is deleted again each time.
+    Rank 0 stops pushing it after COPIES_AGAIN_MAX times instead of for ever."""
+    cl = new_cluster(clusters, ramdisk, 2, 1, metrics=True,
+                     rank_args={0: ("--keep", "2"), 1: ("--keep", "1")})
+    cl.start_all()
+    for step in (1, 2):
+        cl.commit(1, step, {"y.bin": os.urandom(4096)})  # complete on both ranks
+        cl.commit(0, step, {"x.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 2), (0, 1, 2)})
+    deadline = time.monotonic() + 30
+    while cl.scrape(0).get("mtc_steps_copied_again_total", 0) < COPIES_AGAIN_MAX:
+        assert time.monotonic() < deadline, cl.log_text(0)[-2000:]
+        time.sleep(0.1)
+    time.sleep(3 * RESYNC_S)  # passes enough for more, were it unbounded
+    assert cl.scrape(0)["mtc_steps_copied_again_total"] == COPIES_AGAIN_MAX
+    assert {c.step for c in cl.inventory(1).copies if c.origin_rank == 0} <= {1, 2}
 
 
 def test_gc_keeps_the_newest_step_every_rank_can_restore(ramdisk: Path,

@@ -10,7 +10,8 @@ unreplicated steps are skipped, so lag never grows beyond one step in flight.
 Once the newest step is on every target, a kept older step that a target does
 not hold (skipped while a newer one was in flight, found damaged by the target's
 scrub, lost with a target replaced empty) is pushed to it, one a pass, newest first
-(:func:`older_to_restore`): the redundancy the job had comes back without a new save.
+(:func:`older_to_restore`), at most ``COPIES_AGAIN_MAX`` times: the redundancy the
+job had comes back without a new save.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
+# How often one older step is pushed again to one target: a target that keeps
+# fewer copies than this host keeps steps (another --keep) deletes it each time.
+COPIES_AGAIN_MAX = 3
 
 
 def older_to_restore(own: Sequence[int], keep: int, held: Set[int]) -> int | None:
@@ -77,6 +81,7 @@ class Replication:
         self._synced: dict[int, float] = {}  # target -> when its holdings were last read
         self._lock = threading.Lock()
         self._pushing: set[int] = set()
+        self._copied_again: dict[tuple[int, int], int] = defaultdict(int)  # (target, step)
         self._push_pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
 
     def close(self) -> None:
@@ -95,6 +100,8 @@ class Replication:
         """An own step was removed (by garbage collection)."""
         self.replicated.pop(step, None)
         self._replicated_fp.pop(step, None)
+        for key in [k for k in self._copied_again if k[1] == step]:
+            del self._copied_again[key]
 
     def fully_replicated(self, step: int) -> bool:
         return set(self.config.targets(self.rank)) <= self.replicated.get(step, set())
@@ -174,10 +181,12 @@ class Replication:
         for target in self.config.targets(self.rank):
             if time.monotonic() < self._quiet_until():
                 return
-            held = {s for s in own if target in self.replicated.get(s, set())}
+            held = {s for s in own if target in self.replicated.get(s, set())
+                    or self._copied_again[(target, s)] >= COPIES_AGAIN_MAX}
             step = older_to_restore(own, self.config.keep, held)
             if step is None:
                 continue
+            self._copied_again[(target, step)] += 1
             try:
                 self.push_step(step, target)
             except (MtcError, OSError) as e:
