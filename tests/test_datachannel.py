@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -259,3 +260,21 @@ def test_a_receive_whose_socket_fails_is_a_connection_error(
         os.close(fd)
         a.close()
         b.close()
+
+
+def test_a_received_files_size_and_crc_are_the_bytes_that_came(tmp_path: Path) -> None:
+    """A file of several pipe-fulls and a short tail, its stream ending before the
+    size asked for: the bytes that came, their CRC32C, and the file holds them."""
+    data = os.urandom(5 * (1 << 20) + 123)
+    a, b = socket.socketpair()
+    sender = threading.Thread(target=lambda: (a.sendall(data), a.close()))
+    sender.start()
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        got, value = recv_into_fd(b, fd, len(data) + 7, memoryview(bytearray(1 << 16)))
+    finally:
+        os.close(fd)
+        sender.join()
+        b.close()
+    assert (got, value) == (len(data), crc32c(data))
+    assert (tmp_path / "f").read_bytes() == data
