@@ -60,6 +60,11 @@ GC = [
      gc(replicas={1: (2, 3, 4), 2: (3, 4)}), 3, GcPlan(replicas=((1, 2),))),
     ("a parked own step a client still links to stays",
      gc(own=(), replicas={0: (1, 2, 3)}, linked=frozenset({1})), 9, GcPlan(replicas=((0, 2),))),
+    ("keep 2: nothing beyond it", gc(own=(4, 5), keep=2), None, GcPlan()),
+    ("keep 2: the newest two, the newest replicated and the complete step stay",
+     gc(own=(1, 2, 3, 4, 5), replicated=(1,), keep=2), 2, GcPlan(own=(3,))),
+    ("keep 2: a peer's old copies go, the complete one stays",
+     gc(own=(5,), replicas={1: (2, 3, 4, 5)}, keep=2), 2, GcPlan(replicas=((1, 3),))),
 ]
 
 

@@ -1,45 +1,16 @@
-"""The replicator's pure rules beside agreement (no processes): garbage
-collection's plan, the one map between mtc's errors and gRPC status codes (and
-which are retried), and the health rule of its loop."""
+"""The replicator's pure rules beside agreement and its policies (no processes):
+the one map between mtc's errors and gRPC status codes (and which are retried),
+and the health rule of its loop. Garbage collection's plan is tested with the
+other policies (tests/test_policies.py)."""
 
 from __future__ import annotations
 
 import grpc
-import pytest
 
 from mtc.errors import AgreementError, CorruptShardError, StepNotFoundError
 from mtc.sidecar.replicator.client import PeerError
-from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
 from mtc.sidecar.replicator.main import healthy
 from mtc.sidecar.replicator.status import error_class, is_retryable, to_status
-
-# -- garbage collection's plan ----------------------------------------------------------
-
-
-def gc_in(own: tuple[int, ...], replicated: tuple[int, ...] = (), keep: int = 2,
-          replicas: dict[int, tuple[int, ...]] | None = None, synced: bool = True,
-          busy: frozenset[int] = frozenset()) -> GcInputs:
-    return GcInputs(own=own, replicated=replicated, replicas=replicas or {}, keep=keep,
-                    busy=busy, synced=synced, linked=frozenset(), rank=0)
-
-
-GC_CASES = [
-    ("nothing to delete", gc_in((4, 5)), None, GcPlan()),
-    ("asks for the complete step first", gc_in((1, 2, 3, 4, 5), (1,)), None,
-     GcPlan(needs_complete=True)),
-    ("keeps newest, replicated, complete", gc_in((1, 2, 3, 4, 5), (1,)), 2, GcPlan((3,))),
-    ("not synced: keeps all own", gc_in((1, 2, 3), synced=False), 2, GcPlan()),
-    ("busy kept", gc_in((1, 2, 3, 4), busy=frozenset({1})), 3, GcPlan((2,))),
-    ("old copies of a peer go, complete kept", gc_in((5,), replicas={1: (2, 3, 4, 5)}), 2,
-     GcPlan((), ((1, 3),))),
-]
-
-
-@pytest.mark.parametrize(("name", "x", "complete", "want"), GC_CASES,
-                         ids=[c[0] for c in GC_CASES])
-def test_gc_plan(name: str, x: GcInputs, complete: int | None, want: GcPlan) -> None:
-    assert gc_plan(x, complete) == want
-
 
 # -- the one status map ---------------------------------------------------------------
 
