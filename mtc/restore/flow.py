@@ -26,6 +26,7 @@ from mtc.errors import (
 )
 from mtc.inventory import StepInventory
 from mtc.options import Options
+from mtc.pool import ThreadPool
 from mtc.replicas import ReplicatorTier, farthest
 from mtc.restore.load import metrics_of
 from mtc.restore.plan import SavedStep
@@ -130,6 +131,7 @@ class RestoreFlow:
         requested = None if step is None else layout.as_step(step)
         tiers = {h: "local" for h in self.topology.local_hosts}
         prepared: Prepared | None = None
+        survey: Survey | None = None  # the hosts' steps and manifests, when asked already
         if step is not None:
             step = layout.as_step(step)
             if self._prepared is not None and self._prepared.step == step:
@@ -137,8 +139,10 @@ class RestoreFlow:
                 tiers = self.tier.host_tiers(prepared)
         elif self.options.replicators:
             # A fresh agreement: hosts may have been lost since latest_step() asked.
-            prepared = self._prepared or self._prepare_with_replicators(
-                background=self._may_defer())
+            if self._prepared is not None:
+                prepared = self._prepared
+            else:
+                prepared, survey = self._prepare_surveying()
             step, tiers = prepared.step, self.tier.host_tiers(prepared)
             if step is None:
                 self._nothing_restorable(prepared.lost)
@@ -151,7 +155,6 @@ class RestoreFlow:
         # again (the replicators fence their own hosts when they agree).
         newest = step is None or step == self._latest
         t_prepared = time.perf_counter()
-        survey = None
         if step is None:
             steps = self.inventory.common()
             survey = self.inventory.last_survey  # the step's manifests, when newest
@@ -238,7 +241,7 @@ class RestoreFlow:
         tier = self.tier
         return self.reader.load(step, target, args, pending=tier.pending_hosts(prepared),
                                 wait_pending=lambda: tier.wait_local(prepared),
-                                seconds=self.last_restore_seconds, run=run,
+                                seconds=self.last_restore_seconds, run=run, survey=survey,
                                 pending_timeout_s=self.options.restore_timeout_s,
                                 as_numpy=as_numpy)
 
@@ -248,6 +251,48 @@ class RestoreFlow:
         replaced host's regions from other hosts' copies."""
         return (self.options.restore_while_fetching and self._local_only
                 and len(self.topology.local_hosts) == self.topology.num_hosts)
+
+    def _prepare_surveying(self) -> tuple[Prepared, Survey | None]:
+        """The replicators' agreement, and meanwhile (this process plans every host)
+        every host's steps with its newest step's manifest, asked of the hosts in
+        one call: the survey the load needs when the agreed step is each holder's
+        newest, the common case (else the load asks again, as it always did). The
+        agreement talks only to the replicators, on a thread of its own; the hosts
+        are asked from this one. A survey that fails is dropped: the load asks
+        again and raises what it finds."""
+        if not self._local_only:
+            return self._prepare_with_replicators(background=self._may_defer()), None
+        agreeing = ThreadPool(1, "mtc-agree")
+        try:
+            agreed = agreeing.submit(self.tier.prepare, None, background=self._may_defer())
+            try:
+                survey: Survey | None = self.dispatch.survey(self.topology.local_hosts, None)
+            except MtcError as e:
+                log.debug("mtc: the hosts' survey beside the agreement failed: %s", e)
+                survey = None
+            prepared = agreed.result()
+        finally:
+            agreeing.shutdown(wait=True)
+        if survey is not None and not self._still_true(survey, prepared):
+            survey = None
+        self.last_restore_tiers = self.tier.host_tiers(prepared)
+        self.last_restore_tier = farthest(self.last_restore_tiers)
+        return prepared, survey
+
+    def _still_true(self, survey: Survey, prepared: Prepared) -> bool:
+        """Whether a survey taken during the agreement says what the hosts hold
+        after it: every host lists the agreed step (or its data is on its way), as
+        the agreed run wrote it. An agreement that made a host's data local, or put
+        the agreed run's copy in place of another's, changed what the hosts hold."""
+        step = prepared.step
+        if step is None:
+            return False
+        pending = self.tier.pending_hosts(prepared)
+        if any(step not in survey.held.get(h, ()) for h in self.topology.local_hosts
+               if h not in pending):
+            return False
+        return not prepared.run or all(m.run == prepared.run for m in survey.manifests.values()
+                                       if m.step == step)
 
     def _prepare_with_replicators(self, timeout_s: float | None = None, *,
                                   background: bool = False) -> Prepared:
