@@ -273,13 +273,13 @@ class RestoreFlow:
             prepared = agreed.result()
         finally:
             agreeing.shutdown(wait=True)
-        if survey is not None and not self._still_true(survey, prepared):
+        if survey is not None and not self._survey_still_holds(survey, prepared):
             survey = None
         self.last_restore_tiers = self.tier.host_tiers(prepared)
         self.last_restore_tier = farthest(self.last_restore_tiers)
         return prepared, survey
 
-    def _still_true(self, survey: Survey, prepared: Prepared) -> bool:
+    def _survey_still_holds(self, survey: Survey, prepared: Prepared) -> bool:
         """Whether a survey taken during the agreement says what the hosts hold
         after it: every host lists the agreed step (or its data is on its way), as
         the agreed run wrote it. An agreement that made a host's data local, or put

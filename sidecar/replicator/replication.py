@@ -55,6 +55,14 @@ def older_to_restore(own: Sequence[int], keep: int, held: Set[int]) -> int | Non
     return None
 
 
+def failure_kind(e: Exception) -> str:
+    """A failed push's ``mtc_failures_total`` kind: a peer away or refusing, or the
+    error's type."""
+    if isinstance(e, PeerError):
+        return "peer_unreachable" if e.unreachable else "peer_refused"
+    return type(e).__name__
+
+
 class Replication:
     """Copies of own steps. ``replicated``/``_replicated_fp``/``_synced`` belong to
     the replication loop's thread; ``_pushing`` is shared (:meth:`busy`), under
@@ -161,11 +169,7 @@ class Replication:
             try:
                 self.push_step(newest, target)
             except (MtcError, OSError) as e:
-                if isinstance(e, PeerError):
-                    kind = "peer_unreachable" if e.unreachable else "peer_refused"
-                else:
-                    kind = type(e).__name__
-                self.metrics.failures.labels(kind).inc()
+                self.metrics.failures.labels(failure_kind(e)).inc()
                 log.warning("rank %d: step %d not replicated to rank %d: %s",
                             self.rank, newest, target, e)
         if self.fully_replicated(newest):
@@ -190,7 +194,7 @@ class Replication:
             try:
                 self.push_step(step, target)
             except (MtcError, OSError) as e:
-                self.metrics.failures.labels(type(e).__name__).inc()
+                self.metrics.failures.labels(failure_kind(e)).inc()
                 log.warning("rank %d: older step %d not copied again to rank %d: %s",
                             self.rank, step, target, e)
                 continue
