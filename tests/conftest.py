@@ -7,11 +7,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import shutil
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,16 +53,12 @@ def ramdisk() -> Iterator[Path]:
     or if it left a host writer of this process running (its threads would go on
     writing there: whoever starts a thread joins it)."""
     writers = _writer_threads()
-    path = Path("/dev/shm") / f"mtc-test-{uuid.uuid4().hex[:10]}"
-    path.mkdir()
-    seam_audit.watch(path)
-    try:
-        yield path
-    finally:
-        leaks = seam_audit.unwatch(path)
-        left = _writer_threads() - writers
-        shutil.rmtree(path, ignore_errors=True)
-    assert not leaks, "controller code touched a RAM disk:\n" + "\n".join(leaks[:20])
+    left: set[Any] = set()
+    with seam_audit.watched_root("mtc-test") as path:
+        try:
+            yield path
+        finally:
+            left = _writer_threads() - writers  # before the folder goes
     assert not left, f"the test left {len(left)} host writer(s) running: close what it opened"
 
 

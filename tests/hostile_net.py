@@ -5,19 +5,15 @@ every test's files live under (nothing may reach another host's RAM disk)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-import seam_audit
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from replicators import Cluster
 
@@ -177,17 +173,3 @@ class Net:
             ch.close()
         self.cluster.stop_all()
 
-
-@contextlib.contextmanager
-def watched_root(prefix: str) -> Iterator[Path]:
-    """A fresh folder in /dev/shm whose hosts' RAM disks the seam audit watches: a
-    process that opens another host's files there fails the test that made it."""
-    path = Path("/dev/shm") / f"{prefix}-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    seam_audit.watch(path)
-    try:
-        yield path
-    finally:
-        leaks = seam_audit.unwatch(path)
-        shutil.rmtree(path, ignore_errors=True)
-    assert not leaks, leaks[:10]

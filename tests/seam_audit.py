@@ -26,10 +26,14 @@ is checked is every open, listing, rename, removal, link and directory change.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import shutil
 import sys
 import threading
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +118,21 @@ def watch(root: Path) -> None:
         _installed = True
     with _lock:
         _roots.append(str(root.resolve()))
+
+
+@contextlib.contextmanager
+def watched_root(prefix: str) -> Iterator[Path]:
+    """A fresh folder ``/dev/shm/<prefix>-<random>``, watched while the block runs,
+    then removed; a leak seen meanwhile fails the test that made it."""
+    path = Path("/dev/shm") / f"{prefix}-{uuid.uuid4().hex[:10]}"
+    path.mkdir()
+    watch(path)
+    try:
+        yield path
+    finally:
+        leaks = unwatch(path)
+        shutil.rmtree(path, ignore_errors=True)
+    assert not leaks, "controller code touched a RAM disk:\n" + "\n".join(leaks[:20])
 
 
 def sidecars_only(root: Path) -> None:

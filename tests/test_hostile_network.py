@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import seam_audit
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hostile_net import (
     AUTH,
@@ -36,7 +37,6 @@ from hostile_net import (
     details_of,
     offer_of,
     rss,
-    watched_root,
 )
 
 from mtc import errors
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.process  # every test here starts processes
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[Path]:
-    with watched_root("mtc-hostile") as path:
+    with seam_audit.watched_root("mtc-hostile") as path:
         yield path
 
 

@@ -25,13 +25,13 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import seam_audit
 from hostile_net import (
     TOKEN,
     WRONG,
     HealthWatch,
     code_of,
     offer_of,
-    watched_root,
 )
 from replicator_certs import make_ca, make_leaf, write_pem
 from replicators import Cluster, env_with_repo, free_ports
@@ -49,7 +49,7 @@ pytestmark = pytest.mark.process  # every test here starts processes
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[Path]:
-    with watched_root("mtc-hostile-peers") as path:
+    with seam_audit.watched_root("mtc-hostile-peers") as path:
         yield path
 
 
