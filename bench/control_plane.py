@@ -2,7 +2,7 @@
 
 N simulated nodes (2 slices, ``replicas=1``) over an in-memory transport that
 counts every control RPC. Run for real: restore agreement (``Coordinator``,
-``Book``, ``decide``), the coordinator's newest-complete view for GC (``Fresh``,
+``Book``, ``decide``), the coordinator's view for GC (``gc_keeps`` in a ``Fresh``,
 asked by every node at once from a thread pool, as their GC passes do), GC's
 plan (``gc_plan``) and the backup plan's input (``newest_complete``). Counted by
 the rules the replicator follows (a fan-out's latency is modelled: a 1 ms
@@ -38,6 +38,7 @@ from mtc.sidecar.replicator.agreement import (  # noqa: E402
     Coordinator,
     Fresh,
     Holding,
+    gc_keeps,
     newest_complete,
 )
 from mtc.sidecar.replicator.book import Book  # noqa: E402
@@ -131,9 +132,9 @@ def steady_state(n: int) -> dict[str, Any]:
     members = list(range(n))
     gathers = [0]
 
-    def compute() -> int:
+    def compute() -> frozenset[int]:
         gathers[0] += 1
-        return newest_complete(t.gather(members, 0.0), n, own_only)
+        return gc_keeps(t.gather(members, 0.0), n, own_only)
 
     fresh = Fresh(compute, min_interval_s=GC_VIEW_INTERVAL_S)
     saves = int(SIM_S / SAVE_S)
@@ -149,7 +150,7 @@ def steady_state(n: int) -> dict[str, Any]:
         x = GcInputs(own=(step - 2, step - 1, step), replicated=(step - 2, step - 1, step),
                      replicas={}, keep=2, busy=frozenset(), synced=True,
                      linked=frozenset(), rank=1)
-        assert gc_plan(x, None).needs_complete
+        assert gc_plan(x, None).needs_coordinator
 
         t0 = time.monotonic()
 
@@ -157,8 +158,7 @@ def steady_state(n: int) -> dict[str, Any]:
             time.sleep(max(0.0, t0 + POLL_S * r / n - time.monotonic()))
             if r != 0:
                 t.count("GetComplete")
-            complete = fresh.get(30.0)
-            return len(gc_plan(x, complete).own)
+            return len(gc_plan(x, fresh.get(30.0)).own)
 
         with ThreadPoolExecutor(min(n, 256)) as ex:
             deleted = sum(ex.map(gc, range(n)))

@@ -20,6 +20,7 @@ from mtc.sidecar.replicator.agreement import (
     Holding,
     check_members,
     decide,
+    gc_keeps,
     missing_asks,
     newest_complete,
     supersedes,
@@ -58,6 +59,39 @@ def test_newest_complete_ignores_backup_and_needs_every_rank() -> None:
     assert newest_complete(hs, 3, own_only) == 1
     hs[1] = h((1, 1), (1, 2))
     assert newest_complete(hs, 3, own_only) == 2
+
+
+# (name, holdings, num_nodes, equivalent, the steps garbage collection leaves)
+GC_KEEPS_CASES = [
+    ("replicated everywhere: the newest step alone",
+     {0: h((0, 4), (0, 5), (1, 4), (1, 5)), 1: h((1, 4), (1, 5), (0, 4), (0, 5))}, 2,
+     own_only, {5}),
+    # What a random-fault run lost: rank 1 committed 5 and 6 and was wiped before
+    # they reached its peer; rank 0 had deleted its 4 (newer steps complete) and
+    # nothing was restorable. Step 4 is the newest that survives losing any host.
+    ("a host's newest steps on it alone: the newest step on two hosts as well",
+     {0: h((0, 4), (0, 5), (0, 6), (1, 4)), 1: h((1, 4), (1, 5), (1, 6), (0, 4), (0, 5),
+                                                 (0, 6))}, 2, own_only, {4, 6}),
+    ("no step on two hosts: the complete one only",
+     {0: h((0, 5)), 1: h((1, 5))}, 2, own_only, {5}),
+    ("nothing complete", {0: h((0, 5)), 1: h()}, 2, own_only, set()),
+    # Orbax's data-parallel twins hold the same data: the twin's own step is the
+    # second host of it.
+    ("a twin's own copy is the second host",
+     {0: h((0, 5)), 1: h((1, 5))}, 2, peer_group_of_2, {5}),
+    ("copies of two runs never make one step's two hosts",
+     {0: hr((0, 5, "a", 2), (1, 5, "b", 2), (0, 4, "a", 2), (1, 4, "a", 2)),
+      1: hr((1, 5, "a", 2), (0, 5, "b", 2), (1, 4, "a", 2), (0, 4, "a", 2))}, 2, own_only,
+     {4, 5}),
+]
+
+
+@pytest.mark.parametrize(("name", "holdings", "num_nodes", "equivalent", "want"),
+                         GC_KEEPS_CASES, ids=[c[0] for c in GC_KEEPS_CASES])
+def test_gc_keeps_the_newest_complete_step_and_the_newest_on_two_hosts(
+        name: str, holdings: dict[int, Holding], num_nodes: int, equivalent: object,
+        want: set[int]) -> None:
+    assert gc_keeps(holdings, num_nodes, equivalent) == want  # type: ignore[arg-type]
 
 
 # (name, holdings, members, num_nodes, expected): a job of fewer hosts than saved.

@@ -180,6 +180,11 @@ def test_offers_and_inventories_are_checked_whole() -> None:
             checks.backup_part(pb.BackupPartRequest(step=3, prefix=prefix), num_nodes=2)
     with pytest.raises(ProtocolError, match="twice"):
         checks.fetch(pb.FetchRequest(step=1, path="a", more_paths=["a"]), num_nodes=2)
+    # The coordinator's garbage-collection view: at most two valid steps.
+    assert checks.kept(pb.CompleteReply(kept=[4, 6]), host=0) == {4, 6}
+    for kept in ([-1], [2**63 - 1], [1, 2, 3]):
+        with pytest.raises((ProtocolError, InvalidStepError)):
+            checks.kept(pb.CompleteReply(kept=kept), host=0)
 
 
 def test_one_open_transfer_per_origin_sized_against_the_disk(tmp_path: Path) -> None:

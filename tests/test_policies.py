@@ -42,35 +42,44 @@ def gc(own: tuple[int, ...] = (), replicated: tuple[int, ...] = (),
     return GcInputs(own, replicated, replicas or {}, keep, busy, synced, linked, rank)
 
 
-# (name, inputs, newest complete step or None, plan)
+# (name, inputs, the coordinator's kept steps or None, plan)
 GC = [
     ("nothing beyond keep: nothing asked", gc(own=(5,)), None, GcPlan()),
-    ("something to delete asks for the complete step first",
-     gc(own=(4, 5), replicated=(4, 5)), None, GcPlan(needs_complete=True)),
-    ("old own steps go", gc(own=(3, 4, 5), replicated=(3, 4, 5)), 5, GcPlan(own=(3, 4))),
+    ("something to delete asks the coordinator first",
+     gc(own=(4, 5), replicated=(4, 5)), None, GcPlan(needs_coordinator=True)),
+    ("old own steps go", gc(own=(3, 4, 5), replicated=(3, 4, 5)), {5}, GcPlan(own=(3, 4))),
     ("the newest fully replicated step stays",
-     gc(own=(3, 4, 5), replicated=(3,)), 5, GcPlan(own=(4,))),
-    ("the complete step stays even when old", gc(own=(3, 4, 5), replicated=(5,)), 3,
+     gc(own=(3, 4, 5), replicated=(3,)), {5}, GcPlan(own=(4,))),
+    ("the complete step stays even when old", gc(own=(3, 4, 5), replicated=(5,)), {3},
      GcPlan(own=(4,))),
-    ("busy steps stay", gc(own=(3, 4, 5), replicated=(5,), busy=frozenset({3})), 5,
+    # Another host's step 5 is on that host alone (not replicated yet): 5 is
+    # complete, 4 the newest step that survives losing that host.
+    ("the newest step on two hosts stays too", gc(own=(3, 4, 5), replicated=(3, 4, 5)),
+     {4, 5}, GcPlan(own=(3,))),
+    ("busy steps stay", gc(own=(3, 4, 5), replicated=(5,), busy=frozenset({3})), {5},
      GcPlan(own=(4,))),
     ("before every target was read once, no own step goes",
-     gc(own=(3, 4, 5), synced=False), 5, GcPlan()),
+     gc(own=(3, 4, 5), synced=False), {5}, GcPlan()),
     ("copies beyond keep per origin go, not the complete step",
-     gc(replicas={1: (2, 3, 4), 2: (3, 4)}), 3, GcPlan(replicas=((1, 2),))),
+     gc(replicas={1: (2, 3, 4), 2: (3, 4)}), {3}, GcPlan(replicas=((1, 2),))),
+    ("nor a peer's copy of the newest step on two hosts",
+     gc(replicas={1: (2, 3, 4), 2: (3, 4)}), {2, 4}, GcPlan(replicas=((1, 3), (2, 3)))),
     ("a parked own step a client still links to stays",
-     gc(own=(), replicas={0: (1, 2, 3)}, linked=frozenset({1})), 9, GcPlan(replicas=((0, 2),))),
+     gc(own=(), replicas={0: (1, 2, 3)}, linked=frozenset({1})), {9},
+     GcPlan(replicas=((0, 2),))),
     ("keep 2: nothing beyond it", gc(own=(4, 5), keep=2), None, GcPlan()),
     ("keep 2: the newest two, the newest replicated and the complete step stay",
-     gc(own=(1, 2, 3, 4, 5), replicated=(1,), keep=2), 2, GcPlan(own=(3,))),
+     gc(own=(1, 2, 3, 4, 5), replicated=(1,), keep=2), {2}, GcPlan(own=(3,))),
     ("keep 2: a peer's old copies go, the complete one stays",
-     gc(own=(5,), replicas={1: (2, 3, 4, 5)}, keep=2), 2, GcPlan(replicas=((1, 3),))),
+     gc(own=(5,), replicas={1: (2, 3, 4, 5)}, keep=2), {2}, GcPlan(replicas=((1, 3),))),
+    ("nothing complete anywhere: the local rules alone",
+     gc(own=(3, 4, 5), replicated=(5,)), set(), GcPlan(own=(3, 4))),
 ]
 
 
-@pytest.mark.parametrize(("name", "inputs", "complete", "want"), GC, ids=[c[0] for c in GC])
-def test_gc_plan(name: str, inputs: GcInputs, complete: int | None, want: GcPlan) -> None:
-    assert gc_plan(inputs, complete) == want
+@pytest.mark.parametrize(("name", "inputs", "kept", "want"), GC, ids=[c[0] for c in GC])
+def test_gc_plan(name: str, inputs: GcInputs, kept: set[int] | None, want: GcPlan) -> None:
+    assert gc_plan(inputs, kept) == want
 
 
 # (name, own steps oldest first, keep, steps the target holds, step to push again)

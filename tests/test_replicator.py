@@ -23,6 +23,7 @@ from replicators import Cluster, assert_state_equal, make_state, new_cluster
 import mtc
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.replication import COPIES_AGAIN_MAX, RESYNC_S
 
@@ -369,6 +370,40 @@ def test_gc_keeps_the_newest_step_every_rank_can_restore(ramdisk: Path,
     # A restore asks every member (agreement needs them all): step 2 everywhere.
     replies = prepare_all(cl, [0, 1], timeout=20)
     assert {r: x.step for r, x in replies.items()} == {0: 2, 1: 2}
+
+
+def test_gc_keeps_the_newest_step_that_survives_losing_the_host_whose_copy_lags(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Rank 1 cannot reach rank 0 (a one-way partition: rank 0 reaches rank 1), so
+    its step 3 stays on host 1 alone while rank 0's step 3 reaches host 1. Step 3 is
+    complete, and rank 0's own rules (--keep 1, its newest replicated step 3) would
+    delete its step 2. Host 1 is then lost: its step 3 with it, and rank 0's step 2
+    must still be there, or no step is restorable at all (what a random-fault run
+    found: every step of a job lost with one host)."""
+    cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "1"))
+    cl.start_all()
+    saved = {}
+    for step in (1, 2):
+        cl.commit(0, step, {"x.bin": os.urandom(4096)})
+        saved[step] = cl.commit(1, step, {"y.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 2), (0, 1, 2)})
+
+    cl.kill(1)
+    dead = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens: rank 0 out of reach
+    cl.start(1, "--nodes", f"{dead},{cl.addrs[1]}")
+    cl.commit(1, 3, {"y.bin": os.urandom(4096)})
+    cl.commit(0, 3, {"x.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 3)})
+    time.sleep(1.5)  # GC passes with --keep 1
+    assert own_steps(cl.root(0)) == {2, 3}, "the newest step on two hosts was deleted"
+    assert (0, 1, 3) not in cl.held()  # rank 1's step 3 is on host 1 alone
+
+    wipe(cl, 1)
+    cl.start(1)  # the replaced host, on the job's true addresses
+    replies = prepare_all(cl, [0, 1], timeout=20)
+    assert {r: (x.step, x.tier) for r, x in replies.items()} == {0: (2, "local"),
+                                                                 1: (2, "peer")}
+    assert (cl.root(1) / "2" / "y.bin").read_bytes() == saved[2]["y.bin"]
 
 
 def test_a_damaged_step_a_member_can_repair_is_not_given_up(

@@ -445,6 +445,10 @@ def run(cycles: int, seconds: float, seed: int, base: Path,
         trainer.kill()
         if keep_logs is not None:
             shutil.copytree(base / "logs", keep_logs, dirs_exist_ok=True)
+            for i in range(cluster.num_hosts):  # the hosts' own logs, outside base/logs
+                for what in ("replicator", "sidecar"):
+                    if (p := cluster.hosts.log_path(i, what)).exists():
+                        shutil.copy(p, keep_logs / f"{what}-{i}.log")
         cluster.down_latest()
     out["errors"] = dict(out["errors"])
     out["faults"] = dict(out["faults"])
@@ -467,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--base", type=Path,
                    help="cluster folder (default /dev/shm/mtc-cluster-chaos-<pid>)")
-    p.add_argument("--keep-logs", type=Path, help="copy the cluster's logs here at the end")
+    p.add_argument("--keep-logs", type=Path,
+                   help="copy the cluster's logs (the trainer's, each host's replicator's "
+                        "and sidecar's) here at the end")
     p.add_argument("--dispatch", choices=("colocated", "process"), default="colocated",
                    help="how the trainer reaches the hosts: colocated Python (Pathways, the "
                         "default) or seam requests to their sidecars")

@@ -273,7 +273,7 @@ class Hosts:
                       f"'{h.root}' && exec \"$@\"")
             cmd = ["ip", "netns", "exec", h.netns, "unshare", "--mount",
                    "--propagation", "private", "--", "sh", "-c", script, "sh", *cmd]
-        log = open(self.base / f"host-{i}" / "sidecar.log", "ab")
+        log = open(self.log_path(i, "sidecar"), "ab")
         h.sidecar = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         log.close()
@@ -331,7 +331,7 @@ class Hosts:
             raise RuntimeError(f"host {i}: start its sidecar first (it owns the namespaces)")
         cmd = h.wrap([sys.executable, "-m", "mtc.sidecar.replicator.main", *argv,
                       "--token-file", str(self.token_file)])
-        log = open(self.base / f"host-{i}" / "replicator.log", "ab")
+        log = open(self.log_path(i, "replicator"), "ab")
         h.replicator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
         log.close()
@@ -360,8 +360,12 @@ class Hosts:
     def token(self) -> str:
         return self.token_file.read_text().strip()
 
+    def log_path(self, i: int, what: str) -> Path:
+        """Host ``i``'s log of ``what`` ("replicator", "sidecar")."""
+        return self.base / f"host-{i}" / f"{what}.log"
+
     def log_tail(self, i: int, what: str, n: int = 3000) -> str:
-        p = self.base / f"host-{i}" / f"{what}.log"
+        p = self.log_path(i, what)
         return p.read_text(errors="replace")[-n:] if p.exists() else ""
 
     def kill(self, i: int) -> None:

@@ -192,10 +192,10 @@ class CompleteRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CompleteReply(_message.Message):
-    __slots__ = ("step",)
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
+    __slots__ = ("kept",)
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    kept: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kept: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareRestoreRequest(_message.Message):
     __slots__ = ("timeout_seconds", "restore_id", "members", "background")

@@ -4,8 +4,9 @@ recorded once and only read afterwards (the protocol and its invariant:
 
 Pure parts, tested alone (``tests/test_agreement.py``): :func:`decide` (the step
 from every member's holdings, or a typed "cannot decide"), :func:`newest_complete`,
-:func:`missing_asks` (whether an epoch can form) and :func:`supersedes` (which of
-a rank's asks the coordinator keeps). The stateful parts take their transport as
+:func:`gc_keeps` (the steps garbage collection leaves), :func:`missing_asks`
+(whether an epoch can form) and :func:`supersedes` (which of a rank's asks the
+coordinator keeps). The stateful parts take their transport as
 a function, so the same code runs over gRPC in ``node_agreement.py`` and over an
 in-memory transport in ``bench/control_plane.py``: :class:`Coordinator` (every
 member asks, gather every member, decide once, recorded in a
@@ -61,14 +62,21 @@ class CannotDecide:
     missing: tuple[int, ...] = ()
 
 
-def _held_runs(holdings: Mapping[int, Holding]) -> dict[tuple[int, int], set[str]]:
-    """(origin, step) -> the runs of the copies of it that members hold."""
-    held: dict[tuple[int, int], set[str]] = {}
-    for h in holdings.values():
+def _held_runs(holdings: Mapping[int, Holding]) -> dict[tuple[int, int], dict[str, set[int]]]:
+    """(origin, step) -> run -> the members holding a copy of it of that run."""
+    held: dict[tuple[int, int], dict[str, set[int]]] = {}
+    for member, h in holdings.items():
         named = {(o, s): r for o, s, r, _ in h.runs}
         for c in h.copies:
-            held.setdefault(c, set()).add(named.get(c, ""))
+            held.setdefault(c, {}).setdefault(named.get(c, ""), set()).add(member)
     return held
+
+
+def _holders(held: Mapping[tuple[int, int], Mapping[str, set[int]]], step: int, run: str,
+             origins: Sequence[int]) -> set[int]:
+    """The members holding ``step`` of ``run`` of any of ``origins`` (a rank and the
+    ranks whose data stands in for it)."""
+    return {m for o in origins for m in held.get((o, step), {}).get(run, ())}
 
 
 def saving_ranks(step: int, holdings: Mapping[int, Holding], num_nodes: int,
@@ -88,24 +96,38 @@ def saving_ranks(step: int, holdings: Mapping[int, Holding], num_nodes: int,
 
 
 def newest_complete_run(holdings: Mapping[int, Holding], num_nodes: int,
-                        equivalent: Callable[[int], Sequence[int]]) -> tuple[int, str]:
+                        equivalent: Callable[[int], Sequence[int]], *,
+                        hosts: int = 1) -> tuple[int, str]:
     """The newest step, and its run, whose data of that one run is held (on hosts,
     not in backup) for every rank that saved it (``num_nodes`` ranks, or fewer when
-    a smaller job saved it); (-1, "") when none. Copies of one step written by
-    different runs never complete each other."""
+    a smaller job saved it), each rank's by at least ``hosts`` members (2: the step
+    survives losing any one host); (-1, "") when none. Copies of one step written
+    by different runs never complete each other."""
     held = _held_runs(holdings)
     for s in sorted({s for _, s in held}, reverse=True):
         for run in sorted({r for (_, t), rs in held.items() if t == s for r in rs}):
-            if all(any(run in held.get((o, s), ()) for o in equivalent(r))
+            if all(len(_holders(held, s, run, equivalent(r))) >= hosts
                    for r in saving_ranks(s, holdings, num_nodes, run)):
                 return s, run
     return -1, ""
 
 
 def newest_complete(holdings: Mapping[int, Holding], num_nodes: int,
-                    equivalent: Callable[[int], Sequence[int]]) -> int:
+                    equivalent: Callable[[int], Sequence[int]], *, hosts: int = 1) -> int:
     """The step of :func:`newest_complete_run`."""
-    return newest_complete_run(holdings, num_nodes, equivalent)[0]
+    return newest_complete_run(holdings, num_nodes, equivalent, hosts=hosts)[0]
+
+
+def gc_keeps(holdings: Mapping[int, Holding], num_nodes: int,
+             equivalent: Callable[[int], Sequence[int]]) -> frozenset[int]:
+    """The steps no replicator may delete, whatever its own retention says: the
+    newest complete one (a restore's choice now) and the newest one every rank's
+    data of which is on two hosts or more (the choice once any one host is lost:
+    a host whose newest step has not reached its peer yet leaves every other host's
+    newer steps incomplete without it)."""
+    steps = {newest_complete(holdings, num_nodes, equivalent),
+             newest_complete(holdings, num_nodes, equivalent, hosts=2)}
+    return frozenset(steps - {-1})
 
 
 def describe_loss(holdings: Mapping[int, Holding], num_nodes: int,

@@ -120,6 +120,13 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
     return inv
 
 
+def kept(reply: pb.CompleteReply, *, host: int) -> frozenset[int]:
+    """The coordinator's steps that garbage collection leaves, each a valid step."""
+    if len(reply.kept) > 2:
+        raise ProtocolError(f"{len(reply.kept)} steps kept, at most 2", host=host)
+    return frozenset(validate.step(s, what="step kept", host=host) for s in reply.kept)
+
+
 def _run(run: str, host: int) -> None:
     try:
         check_run(run)

@@ -5,7 +5,7 @@ the plan (:func:`collect_garbage`, on the replication loop's thread)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,14 +30,15 @@ class GcInputs:
 class GcPlan:
     own: tuple[int, ...] = ()
     replicas: tuple[tuple[int, int], ...] = ()
-    needs_complete: bool = False  # call again with the newest complete step
+    needs_coordinator: bool = False  # call again with the coordinator's kept steps
 
 
-def gc_plan(x: GcInputs, complete: int | None) -> GcPlan:
+def gc_plan(x: GcInputs, kept: Collection[int] | None) -> GcPlan:
     """What to delete: own steps beyond the newest ``keep``, except the newest fully
     replicated one, busy ones (all, until every target was read once after a
-    start) and the newest complete step; copies beyond the newest ``keep`` per
-    origin, except the complete step. Anything to delete needs ``complete``."""
+    start) and the steps the coordinator keeps (``kept``: agreement.gc_keeps, the
+    newest complete step and the newest one on two hosts); copies beyond the newest
+    ``keep`` per origin, except those steps. Anything to delete needs ``kept``."""
     protected = set(x.own[-x.keep:]) | set(x.replicated[-1:]) | x.busy
     if not x.synced:
         protected |= set(x.own)  # the newest replicated step is not known yet
@@ -46,17 +47,17 @@ def gc_plan(x: GcInputs, complete: int | None) -> GcPlan:
             if o != x.rank or (s not in x.linked and s not in protected)]
     if not own and not reps:
         return GcPlan()
-    if complete is None:
-        return GcPlan(needs_complete=True)
-    return GcPlan(tuple(s for s in own if s != complete),
-                  tuple((o, s) for o, s in reps if s != complete))
+    if kept is None:
+        return GcPlan(needs_coordinator=True)
+    return GcPlan(tuple(s for s in own if s not in kept),
+                  tuple((o, s) for o, s in reps if s not in kept))
 
 
 def collect_garbage(store: LocalStore, replication: Replication, *, keep: int,
-                    busy: set[int], complete_step: Callable[[], int | None],
+                    busy: set[int], coordinator_keeps: Callable[[], frozenset[int] | None],
                     metrics: Metrics) -> None:
     """One pass: what :func:`gc_plan` says of this host's steps, removed.
-    ``busy``: steps being backed up; ``complete_step``: the coordinator's view
+    ``busy``: steps being backed up; ``coordinator_keeps``: the coordinator's view
     (asked only when something would be deleted)."""
     rank = replication.rank
     own = store.own_steps()
@@ -69,15 +70,16 @@ def collect_garbage(store: LocalStore, replication: Replication, *, keep: int,
                          if (store.root / str(s)).is_symlink()),
         rank=rank)
     plan = gc_plan(args, None)
-    if plan.needs_complete:
+    if plan.needs_coordinator:
         # Local rules cannot see that another host failed to commit or replicate a
         # newer step: never delete the newest step every rank can still be restored
-        # from, as the coordinator sees it after this question.
-        complete = complete_step()
-        if complete is None:
+        # from, nor the newest one that survives losing any host, as the coordinator
+        # sees them after this question.
+        kept = coordinator_keeps()
+        if kept is None:
             metrics.skipped.labels("gc_no_complete_view").inc()
             return
-        plan = gc_plan(args, complete)
+        plan = gc_plan(args, kept)
     for s in plan.own:
         store.remove_copy(rank, s)
         replication.forget(s)

@@ -98,7 +98,7 @@ class Node:
                     self.replication.replicate_once()
                     collect_garbage(self.store, self.replication, keep=self.config.keep,
                                     busy=self.backups.busy(),
-                                    complete_step=self.agreement.complete_step,
+                                    coordinator_keeps=self.agreement.gc_keeps,
                                     metrics=self.metrics)
             except Exception:
                 log.exception("replication pass failed")

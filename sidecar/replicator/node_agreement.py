@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from mtc.errors import AgreementError, ConfigError, MtcError
+from mtc.errors import AgreementError, ConfigError, InvalidStepError, MtcError, ProtocolError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agreement import (
@@ -33,8 +33,10 @@ from mtc.sidecar.replicator.agreement import (
     Fresh,
     Holding,
     check_members,
-    newest_complete,
     newest_complete_run,
+)
+from mtc.sidecar.replicator.agreement import (
+    gc_keeps as keeps_of,
 )
 from mtc.sidecar.replicator.book import BOOK_NAME, Book, Decision
 from mtc.sidecar.replicator.client import PeerClient, PeerError
@@ -130,8 +132,8 @@ class NodeAgreement:
         self._coordinators: dict[tuple[int, ...], Coordinator] = {}
         members = list(range(config.num_nodes))
         self.coordinator = self.coordinator_of(tuple(members))
-        # The coordinator's newest-complete view for GC, shared by concurrent askers.
-        self.complete = Fresh(lambda: newest_complete(
+        # The coordinator's view for GC (the steps it keeps), shared by concurrent askers.
+        self.kept = Fresh(lambda: keeps_of(
             self.gather_holdings(members, time.monotonic() + config.deadline_s),
             config.num_nodes, config.equivalent), min_interval_s=GC_VIEW_INTERVAL_S)
 
@@ -226,19 +228,24 @@ class NodeAgreement:
         return newest_complete_run({r: holding_of(i) for r, i in invs.items()},
                                    self.config.num_nodes, self.config.equivalent)
 
-    def complete_step(self) -> int | None:
-        """The newest complete step from inventories gathered after asking (the
+    def gc_keeps(self) -> frozenset[int] | None:
+        """The steps no replicator deletes (``agreement.gc_keeps``: the newest complete
+        one, the newest one on two hosts) from inventories gathered after asking (the
         coordinator's :class:`Fresh` view, shared by every node asking at once: one
-        message per node, not N); None when the coordinator does not answer."""
+        message per node, not N); None when the coordinator does not answer, or
+        answers nonsense (nothing is deleted on it)."""
         try:
             if self.rank == self.coordinator_rank:
-                return self.complete.get(self.config.deadline_s * 2)
+                return self.kept.get(self.config.deadline_s * 2)
             reply = self.peers[self.coordinator_rank].call(
                 "GetComplete", pb.CompleteRequest(), deadline_s=self.config.deadline_s * 2,
                 attempts=1)
-            return int(reply.step)
+            return checks.kept(reply, host=self.coordinator_rank)
         except (PeerError, AgreementError) as e:
             log.debug("rank %d: no complete-step view: %s", self.rank, e)
+            return None
+        except (ProtocolError, InvalidStepError) as e:
+            log.warning("rank %d: the coordinator's garbage-collection view: %s", self.rank, e)
             return None
 
     # -- deciding and asking ------------------------------------------------------------

@@ -237,7 +237,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         agreement = self.node.agreement
         if agreement.rank != agreement.coordinator_rank:
             raise ConfigError(f"rank {agreement.rank} is not the coordinator")
-        return pb.CompleteReply(step=agreement.complete.get(agreement.config.deadline_s * 2))
+        return pb.CompleteReply(kept=sorted(agreement.kept.get(agreement.config.deadline_s * 2)))
 
     @mapped
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
