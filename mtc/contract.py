@@ -160,7 +160,6 @@ def _nonneg(x: Any) -> int:
 # byte and a payload: b"J" JSON, b"B" raw bytes (a region read), b"E" a typed error.
 
 HOST_OPS = ("open", "release", "steps", "manifest", "delete", "retain", "space", "settle",
-            "identify", "foreign",
             "read", "survey")
 # Colocated calls answer with one uint8 per worker; a worker whose call raised
 # answers FAILED and keeps its typed error for the request ERROR_REQUEST.

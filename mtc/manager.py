@@ -26,7 +26,14 @@ import numpy as np
 
 from mtc import layout, multihost, orbax_args, treepath
 from mtc.contract import AgentConfig
-from mtc.dispatch import ColocatedDispatch, Dispatch, LocalDispatch, NetworkTier, ProcessDispatch
+from mtc.dispatch import (
+    ColocatedDispatch,
+    Dispatch,
+    LocalDispatch,
+    NetworkTier,
+    Opened,
+    ProcessDispatch,
+)
 from mtc.dispatch.process import find_sidecars
 from mtc.errors import ClosedError, ConfigError, StorageError
 from mtc.inventory import StepInventory
@@ -121,16 +128,18 @@ class CheckpointManager:
         self.dispatch_mode, dispatch = self._connect(mode, devices)
         # Every RAM-disk operation from here on goes through the dispatcher: the host
         # side (sidecar/) alone touches a RAM disk, here as on separate machines.
-        # A reader neither locks nor cleans: a writer may be at work.
+        # A reader neither locks nor cleans: a writer may be at work. One request to
+        # every host answers all the open needs (what is there, whose it is).
         try:
-            dispatch.open(self.topology.local_hosts, read_only=self.options.read_only)
+            opened = dispatch.open(self.topology.local_hosts, read_only=self.options.read_only,
+                                   identify=self._watches_replicators())
         except BaseException:
             dispatch.close()
             raise
         self._dispatch = dispatch
         try:
-            self.foreign_steps = self._note_foreign()
-            self._watch = self._watch_replicators()
+            self.foreign_steps = self._note_foreign(opened)
+            self._watch = self._watch_replicators(opened)
         except BaseException:
             dispatch.close()
             raise
@@ -174,12 +183,11 @@ class CheckpointManager:
             return mode, ColocatedDispatch(self._config, devices, sidecars)
         return mode, LocalDispatch(self._config, self._network)
 
-    def _note_foreign(self) -> dict[int, list[int]]:
+    def _note_foreign(self, opened: dict[int, Opened]) -> dict[int, list[int]]:
         """Step folders on this process's hosts that are not mtc's (no manifest: an
         Orbax checkpoint in the same folder): logged, and never listed, restored,
         replaced or deleted (:func:`mtc.layout.is_mtc_step`)."""
-        found = {h: steps for h, steps in
-                 self._dispatch.foreign(self.topology.local_hosts).items() if steps}
+        found = {h: list(o.foreign) for h, o in opened.items() if o.foreign}
         if found:
             log.warning("mtc: step folders that are not mtc's (no mtc manifest: Orbax's or "
                         "another tool's) in %s: %s; mtc leaves them alone (never listed, "
@@ -199,21 +207,30 @@ class CheckpointManager:
                            self.topology.local_hosts,
                            ranks[host] if ranks and host < len(ranks) else host)
 
-    def _watch_replicators(self) -> ReplicatorWatch | None:
-        """With replicators, a writer checks that each of its hosts' replicators is the
-        rank the job states and serves that host's RAM disk (``ConfigError``), and
-        watches them at every save (:mod:`mtc.replicator_watch`)."""
+    def _watches_replicators(self) -> bool:
+        """Whether this manager watches its hosts' replicators: a writer with as many
+        replicators (and ranks) as hosts; else the first restore says what does not
+        match."""
         addrs = tuple(self.options.replicators or ())
         ranks = tuple(self.options.replicator_ranks or range(len(addrs)))
-        if self.options.read_only or not addrs or len(addrs) != self.topology.num_hosts \
-                or len(ranks) != len(addrs):
-            return None  # the first restore says what does not match
+        return not self.options.read_only and bool(addrs) and \
+            len(addrs) == self.topology.num_hosts and len(ranks) == len(addrs)
+
+    def _watch_replicators(self, opened: dict[int, Opened]) -> ReplicatorWatch | None:
+        """With replicators, a writer checks that each of its hosts' replicators is the
+        rank the job states and serves that host's RAM disk (``ConfigError``: the
+        identity the open read there), and watches them at every save
+        (:mod:`mtc.replicator_watch`)."""
+        if not self._watches_replicators():
+            return None
+        addrs = tuple(self.options.replicators or ())
+        ranks = tuple(self.options.replicator_ranks or range(len(addrs)))
         hosts = self.topology.local_hosts
         watch = ReplicatorWatch({h: addrs[h] for h in hosts}, {h: ranks[h] for h in hosts},
                                 credentials(self.options))
         try:
             watch.start({h: str(self._config.root(h)) for h in hosts},
-                        self._dispatch.identify(hosts, create=True),
+                        {h: opened[h].identity for h in hosts},
                         subdirs=self.topology.subdirs)
         except BaseException:
             watch.close()

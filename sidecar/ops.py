@@ -66,8 +66,7 @@ class HostOps:
             "open": self._open, "release": self._release, "steps": self._steps,
             "manifest": self._manifest, "delete": self._delete, "retain": self._retain,
             "space": self._space, "settle": self._settle, "read": self._read,
-            "identify": self._identify, "survey": self._survey,
-            "foreign": self._foreign}
+            "survey": self._survey}
         self._locks: dict[int, int] = {}  # host -> descriptor holding its writer lock
         self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
         # step -> ((inode, mtime) of this host's manifest of it, saving host it names)
@@ -128,10 +127,6 @@ class HostOps:
     def _steps(self, hosts: Sequence[int]) -> dict[str, list[int]]:
         """mtc's committed steps (foreign step folders are nobody's business here)."""
         return {str(h): layout.mtc_steps(self._root(h)) for h in self._reachable(hosts)}
-
-    def _foreign(self, hosts: Sequence[int]) -> dict[str, list[int]]:
-        """Step folders without mtc's manifest (Orbax's, another tool's): left alone."""
-        return {str(h): layout.foreign_steps(self._root(h)) for h in hosts}
 
     def _survey(self, hosts: Sequence[int], step: int | None = None, manifest: bool = True
                 ) -> dict[str, dict[str, Any]]:
@@ -194,24 +189,34 @@ class HostOps:
                                         host=h, path=str(layout.step_dir(root, step)))
         return any([layout.remove_step(self._root(h), step) for h in hosts])
 
-    def _open(self, hosts: Sequence[int], lock: bool, clean: bool) -> dict[str, list[str]]:
+    def _open(self, hosts: Sequence[int], lock: bool, clean: bool, identify: bool = False
+              ) -> dict[str, dict[str, Any]]:
         """Make each root usable: create it, take its writer lock (one manager per
-        root; the kernel drops it when the process dies), remove what a crash left."""
-        out: dict[str, list[str]] = {}
+        root; the kernel drops it when the process dies), remove what a crash left
+        (``clean``). Answers, per host, all a manager's open needs in one round trip:
+        the folders removed, the step folders without mtc's manifest (Orbax's,
+        another tool's: left alone) and (``identify``) the root's identity, written
+        now when it has none, which the replicator serving the same folder reports
+        back."""
+        out: dict[str, dict[str, Any]] = {}
         try:
             for h in hosts:
                 root = self._root(h)
                 layout.prepare_root(root)
                 if lock and h not in self._locks:
                     self._locks[h] = layout.lock_root(root)
-                if clean:
-                    try:
-                        out[str(h)] = layout.clean_uncommitted(root)
-                    except OSError as e:
-                        raise LocalDirError(f"cannot read the directory: {e.strerror}",
-                                            host=h, path=str(root)) from e
-                    if out[str(h)]:
-                        log.info("host %d: removed uncommitted folders %s", h, out[str(h)])
+                removed: list[str] = []
+                try:
+                    if clean:
+                        removed = layout.clean_uncommitted(root)
+                    foreign = layout.foreign_steps(root)
+                except OSError as e:
+                    raise LocalDirError(f"cannot read the directory: {e.strerror}",
+                                        host=h, path=str(root)) from e
+                if removed:
+                    log.info("host %d: removed uncommitted folders %s", h, removed)
+                out[str(h)] = {"removed": removed, "foreign": foreign, "identity":
+                               layout.root_identity(root, create=True) if identify else ""}
         except BaseException:
             self._release(hosts)
             raise
@@ -252,11 +257,6 @@ class HostOps:
             free = layout.free_bytes(root) + layout.folder_bytes(root / WRITER_RESERVE_DIR)
             out[str(h)] = [free, self._sizes[key] if key else 0]
         return out
-
-    def _identify(self, hosts: Sequence[int], create: bool) -> dict[str, str]:
-        """Per host: its root's identity (``create``: written now when it has none),
-        which the replicator serving the same folder reports back."""
-        return {str(h): layout.root_identity(self._root(h), create=create) for h in hosts}
 
     def _settle(self, hosts: Sequence[int]) -> None:
         """Wait until background deletions have freed their space."""

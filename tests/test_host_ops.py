@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mtc import errors
+from mtc import errors, layout
 from mtc.contract import AgentConfig, decode_reply, encode_request
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.sidecar.ops import HostOps
@@ -72,14 +72,37 @@ def test_delete_and_retain_remove_only_what_they_are_told(tmp_path: Path) -> Non
     assert free > 0 and newest > 0
 
 
+NOTHING = {"removed": [], "foreign": [], "identity": ""}
+
+
 def test_open_takes_one_writer_per_root(tmp_path: Path) -> None:
     first, second = HostOps(config(tmp_path)), HostOps(config(tmp_path))
-    assert ask(first, "open", [0], lock=True, clean=True) == {"0": []}
+    assert ask(first, "open", [0], lock=True, clean=True) == {"0": NOTHING}
     with pytest.raises(errors.DirectoryLockedError):
         ask(second, "open", [0], lock=True, clean=True)
     first.release_all()
-    assert ask(second, "open", [0], lock=True, clean=True) == {"0": []}
+    assert ask(second, "open", [0], lock=True, clean=True) == {"0": NOTHING}
     second.release_all()
+
+
+def test_open_answers_what_a_manager_needs_in_one_round_trip(tmp_path: Path) -> None:
+    """What a crash left is removed, a step folder without mtc's manifest (Orbax's)
+    is named and left alone, and the root's identity is written and answered."""
+    commit(tmp_path, 0, 5)
+    (tmp_path / "host-0" / "7").mkdir()  # another tool's step
+    (tmp_path / "host-0" / "6.mtc-tmp-0123456789ab").mkdir()  # a save a crash cut short
+    ops = HostOps(config(tmp_path))
+    got = ask(ops, "open", [0], lock=True, clean=True, identify=True)
+    ops.release_all()
+    assert got == {"0": {"removed": ["6.mtc-tmp-0123456789ab"], "foreign": [7],
+                         "identity": layout.root_identity(tmp_path / "host-0", create=False)}}
+    assert got["0"]["identity"]  # type: ignore[index]
+    assert (tmp_path / "host-0" / "7").is_dir() and (tmp_path / "host-0" / "5").is_dir()
+    assert not (tmp_path / "host-0" / "6.mtc-tmp-0123456789ab").exists()
+    # A reader: nothing removed, no identity written.
+    reader = HostOps(config(tmp_path))
+    assert ask(reader, "open", [1], lock=False, clean=False) == {"1": NOTHING}
+    assert layout.root_identity(tmp_path / "host-1", create=False) == ""
 
 
 @pytest.mark.parametrize("request_bytes, kind", [

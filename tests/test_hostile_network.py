@@ -114,7 +114,8 @@ def test_callers_without_the_token_get_nothing(net: Net) -> None:
     assert (net.root(0) / "1" / "a.bin").is_file()  # the step the attacker tried to delete
     # With the token, the same sidecar answers: the step is there, and mtc's.
     assert net.call(0, "steps") == {"0": [1]}
-    assert net.call(0, "foreign") == {"0": []}
+    assert net.call(0, "open", lock=False, clean=False) == {
+        "0": {"removed": [], "foreign": [], "identity": ""}}
     net.assert_outside_intact()
 
 

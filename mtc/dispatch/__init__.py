@@ -14,7 +14,7 @@ from mtc.dispatch.calls import Dispatch, HostCalls
 from mtc.dispatch.colocated import ColocatedDispatch
 from mtc.dispatch.local import LocalDispatch, NetworkTier
 from mtc.dispatch.process import ProcessDispatch, Sidecar
-from mtc.dispatch.protocol import WorkerLostError
+from mtc.dispatch.protocol import Opened, WorkerLostError
 
 __all__ = ["ColocatedDispatch", "Dispatch", "HostCalls", "LocalDispatch", "NetworkTier",
-           "ProcessDispatch", "Sidecar", "WorkerLostError"]
+           "Opened", "ProcessDispatch", "Sidecar", "WorkerLostError"]

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from mtc.contract import LeafSpec, Piece, ReadTask, SaveHeader, task_to_json
-from mtc.dispatch.protocol import BeforeSend, Dispatch, Survey
+from mtc.dispatch.protocol import BeforeSend, Dispatch, Opened, Survey
 from mtc.errors import HostAgentError, ManifestError
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.shards import paste
@@ -91,15 +91,6 @@ class HostCalls:
         subfolders the roots beside them)."""
         out: dict[int, list[int]] = {}
         for reply in self._call("steps", hosts):
-            for h, steps in (reply or {}).items():
-                out[int(h)] = [int(s) for s in steps]
-        return out
-
-    def foreign(self, hosts: Sequence[int]) -> dict[int, list[int]]:
-        """Per host: step folders that are not mtc's (no manifest), which mtc leaves
-        alone (:func:`mtc.layout.is_mtc_step`)."""
-        out: dict[int, list[int]] = {}
-        for reply in self._call("foreign", hosts):
             for h, steps in (reply or {}).items():
                 out[int(h)] = [int(s) for s in steps]
         return out
@@ -215,15 +206,19 @@ class HostCalls:
     def delete(self, step: int, hosts: Sequence[int]) -> None:
         self._call("delete", hosts, step=step)
 
-    def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]:
+    def open(self, hosts: Sequence[int], *, read_only: bool,
+             identify: bool = False) -> dict[int, Opened]:
         """Make the hosts' roots usable; unless ``read_only``, take each root's writer
         lock (a second manager gets DirectoryLockedError) and remove uncommitted
-        folders. Returns those folders' names by host."""
-        out: dict[int, list[str]] = {}
+        folders. Returns what each root holds (:class:`Opened`; ``identify``: with
+        its identity, written where none is yet), in one request to every host."""
+        out: dict[int, Opened] = {}
         for reply in self._call("open", hosts, lock=self.host_side_lock and not read_only,
-                                clean=not read_only):
-            for h, names in (reply or {}).items():
-                out[int(h)] = list(names)
+                                clean=not read_only, identify=identify):
+            for h, got in (reply or {}).items():
+                out[int(h)] = Opened(tuple(str(n) for n in got["removed"]),
+                                     tuple(int(s) for s in got["foreign"]),
+                                     str(got["identity"]))
         return out
 
     def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
@@ -249,15 +244,6 @@ class HostCalls:
     def settle(self, hosts: Sequence[int]) -> None:
         """Wait until the hosts' background deletions have freed their space."""
         self._call("settle", hosts)
-
-    def identify(self, hosts: Sequence[int], *, create: bool) -> dict[int, str]:
-        """Each host root's identity (``create``: written where none is yet), the token
-        its replicator reports back when it serves the same folder."""
-        out: dict[int, str] = {}
-        for reply in self._call("identify", hosts, create=create):
-            for h, ident in (reply or {}).items():
-                out[int(h)] = str(ident)
-        return out
 
     def own_for(self, step: int) -> tuple[int, ...]:
         """With the network tier (multi-controller JAX, this process alone with its

@@ -38,7 +38,7 @@ from mtc.contract import (
     task_to_json,
 )
 from mtc.dispatch.calls import HostCalls
-from mtc.dispatch.protocol import BeforeSend, Survey
+from mtc.dispatch.protocol import BeforeSend, Opened, Survey
 from mtc.errors import ConfigError, MtcError, SaveInProgressError, ShardUnavailableError
 from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
@@ -396,7 +396,8 @@ class ProcessDispatch(HostCalls):
             out[host] = regions
         return out
 
-    def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]:
+    def open(self, hosts: Sequence[int], *, read_only: bool,
+             identify: bool = False) -> dict[int, Opened]:
         if not read_only:
             try:
                 for h in hosts:
@@ -405,7 +406,7 @@ class ProcessDispatch(HostCalls):
             except BaseException:
                 self._unlock()
                 raise
-        return super().open(hosts, read_only=read_only)
+        return super().open(hosts, read_only=read_only, identify=identify)
 
     def _unlock(self) -> None:
         for h, fd in self._locks.items():

@@ -30,6 +30,18 @@ class WorkerLostError(HostAgentError, jax.errors.JaxRuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Opened:
+    """A host's root as a manager's open found it, in the open's one round trip:
+    the uncommitted folders it removed, the step folders that are not mtc's (no
+    manifest: Orbax's, another tool's; left alone) and, where asked, the root's
+    identity (the token its replicator reports back when it serves that folder)."""
+
+    removed: tuple[str, ...] = ()
+    foreign: tuple[int, ...] = ()
+    identity: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Survey:
     """The hosts' committed steps and what their manifests say of each, as one
     answer: ``held`` by host; ``facts[(step, host)]`` = (hosts that saved it, the
@@ -92,14 +104,11 @@ class Dispatch(Protocol):
         ...
 
     def delete(self, step: int, hosts: Sequence[int]) -> None: ...
-    def open(self, hosts: Sequence[int], *, read_only: bool) -> dict[int, list[str]]: ...
+    def open(self, hosts: Sequence[int], *, read_only: bool,
+             identify: bool = False) -> dict[int, Opened]: ...
     def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
                keep_period: int | None, before_write: bool) -> dict[int, tuple[int, int]]: ...
     def space(self, hosts: Sequence[int]) -> dict[int, tuple[int, int]]: ...
     def settle(self, hosts: Sequence[int]) -> None: ...
-    def identify(self, hosts: Sequence[int], *, create: bool) -> dict[int, str]: ...
-    def foreign(self, hosts: Sequence[int]) -> dict[int, list[int]]:
-        """Per host: step folders that are not mtc's (no manifest), left alone."""
-        ...
 
     def close(self) -> None: ...
