@@ -286,7 +286,7 @@ def own_steps(root: Path) -> set[int]:
 
 
 def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Cluster]) -> None:
-    cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "2"))
+    cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "2"), metrics=True)
     cl.start_all()
     cl.commit(0, 1, {"x.bin": os.urandom(4096)})
     cl.commit(1, 1, {"y.bin": os.urandom(4096)})
@@ -330,6 +330,10 @@ def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Clu
     while (held := {c.step for c in cl.inventory(1).copies if c.origin_rank == 0}) != {4, 5}:
         assert time.monotonic() < deadline and len(held) <= 3, held
         time.sleep(0.05)
+    # Step 4 never reached the peer before: late, not a lost copy pushed again.
+    got = cl.scrape(0)
+    assert got.get("mtc_steps_copied_again_total{why=late}") == 1, got
+    assert got.get("mtc_steps_copied_again_total{why=lost}", 0) == 0, got
 
 
 def test_an_older_step_a_peer_keeps_deleting_is_pushed_again_a_bounded_number_of_times(
@@ -344,12 +348,21 @@ def test_an_older_step_a_peer_keeps_deleting_is_pushed_again_a_bounded_number_of
         cl.commit(1, step, {"y.bin": os.urandom(4096)})  # complete on both ranks
         cl.commit(0, step, {"x.bin": os.urandom(4096)})
     cl.wait_held({(1, 0, 2), (0, 1, 2)})
+
+    def pushes() -> dict[str, float]:  # older steps pushed, by why: "lost", "late"
+        prefix = "mtc_steps_copied_again_total{why="
+        return {k[len(prefix):-1]: v for k, v in cl.scrape(0).items() if k.startswith(prefix)}
+
     deadline = time.monotonic() + 30
-    while cl.scrape(0).get("mtc_steps_copied_again_total", 0) < COPIES_AGAIN_MAX:
+    while sum(pushes().values()) < COPIES_AGAIN_MAX:
         assert time.monotonic() < deadline, cl.log_text(0)[-2000:]
         time.sleep(0.1)
     time.sleep(3 * RESYNC_S)  # passes enough for more, were it unbounded
-    assert cl.scrape(0)["mtc_steps_copied_again_total"] == COPIES_AGAIN_MAX
+    got = pushes()
+    assert sum(got.values()) == COPIES_AGAIN_MAX, got
+    # The first may be late (step 2 went ahead of step 1); the peer deleted every
+    # one after it had held it.
+    assert got.get("lost", 0) >= COPIES_AGAIN_MAX - 1, got
     assert {c.step for c in cl.inventory(1).copies if c.origin_rank == 0} <= {1, 2}
 
 

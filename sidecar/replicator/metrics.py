@@ -36,7 +36,8 @@ class Metrics:
                                      registry=r)
         self.copied_again = Counter(
             "mtc_steps_copied_again",
-            "Older kept steps pushed again to a peer that no longer held them", registry=r)
+            "Older kept steps pushed to a peer that lacked them, by why: it had lost its "
+            "copy (lost), or a newer step went first (late)", ["why"], registry=r)
         self.newest = Gauge("mtc_newest_step", "Newest step by state", ["state"], registry=r)
         self.lag = Gauge("mtc_replication_lag_steps",
                          "Committed steps newer than the newest fully replicated one",

@@ -90,6 +90,11 @@ class Replication:
         self._lock = threading.Lock()
         self._pushing: set[int] = set()
         self._copied_again: dict[tuple[int, int], int] = defaultdict(int)  # (target, step)
+        # Own step -> every target seen holding it since this start (``replicated``
+        # drops a target that lost its copy; this does not): an older step pushed
+        # to a target in it is a lost copy pushed again, else one a newer step
+        # went ahead of.
+        self._had: dict[int, set[int]] = defaultdict(set)
         self._push_pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
 
     def close(self) -> None:
@@ -104,9 +109,14 @@ class Replication:
         """Whether every target's holdings were read since the start."""
         return all(t in self._synced for t in self.config.targets(self.rank))
 
+    def _held(self, step: int, target: int) -> None:
+        self.replicated[step].add(target)
+        self._had[step].add(target)
+
     def forget(self, step: int) -> None:
         """An own step was removed (by garbage collection)."""
         self.replicated.pop(step, None)
+        self._had.pop(step, None)
         self._replicated_fp.pop(step, None)
         for key in [k for k in self._copied_again if k[1] == step]:
             del self._copied_again[key]
@@ -134,7 +144,7 @@ class Replication:
                     and c.fingerprint == self._own_fingerprint(c.step)}
             for s in own:
                 if s in held:
-                    self.replicated[s].add(t)
+                    self._held(s, t)
                 else:
                     self.replicated[s].discard(t)
             self._synced[t] = now
@@ -157,6 +167,7 @@ class Replication:
         fp = self._own_fingerprint(newest)
         if self._replicated_fp.get(newest) != fp:  # saved (again) since it was replicated
             self.replicated[newest] = set()
+            self._had.pop(newest, None)
             self._replicated_fp[newest] = fp
             # A twin's copy of the step that arrived before it was saved here: its
             # identical files become claims on the own ones (held once).
@@ -181,7 +192,8 @@ class Replication:
         self.metrics.lag.set(sum(1 for s in own if not done or s > done[-1]))
 
     def _restore_older(self, own: list[int]) -> None:
-        """One older kept step pushed again to each target that lost its copy."""
+        """One older kept step pushed to each target that lacks it: it lost its copy,
+        or a newer step went first (``mtc_steps_copied_again_total{why}``)."""
         for target in self.config.targets(self.rank):
             if time.monotonic() < self._quiet_until():
                 return
@@ -191,16 +203,21 @@ class Replication:
             if step is None:
                 continue
             self._copied_again[(target, step)] += 1
+            lost = target in self._had[step]
             try:
                 self.push_step(step, target)
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels(failure_kind(e)).inc()
-                log.warning("rank %d: older step %d not copied again to rank %d: %s",
+                log.warning("rank %d: older step %d not copied to rank %d: %s",
                             self.rank, step, target, e)
                 continue
-            self.metrics.copied_again.inc()
-            log.info("rank %d: step %d copied again to rank %d, which had lost it",
-                     self.rank, step, target)
+            self.metrics.copied_again.labels("lost" if lost else "late").inc()
+            if lost:
+                log.info("rank %d: step %d copied again to rank %d, which had lost it",
+                         self.rank, step, target)
+            else:
+                log.info("rank %d: step %d copied to rank %d after a newer step",
+                         self.rank, step, target)
 
     def _note_replication(self, newest: int, replicated: bool) -> None:
         self.clock.update(newest, replicated)
@@ -231,7 +248,7 @@ class Replication:
                 files=[pb.FileInfo(path=f.path, size=f.size, crc32c=f.crc32c) for f in files]))
             reply = peer.call("Offer", offer)
             if reply.already_complete:
-                self.replicated[step].add(target)
+                self._held(step, target)
                 return
             src = self.store.copy_dir(self.rank, step)
             # A candidate without a hash is the same path of the same step with the
@@ -263,7 +280,7 @@ class Replication:
                 except PeerError:
                     self.metrics.skipped.labels("abort_unanswered").inc()
                 raise
-            self.replicated[step].add(target)
+            self._held(step, target)
             log.info("rank %d: step %d replicated to rank %d (%d files linked, %d pushed)",
                      self.rank, step, target, len(same), len(todo))
         finally:
