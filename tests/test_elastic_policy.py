@@ -1,10 +1,13 @@
-"""The elastic trainer's choice of where to recover from (a pure function), and its
-fault schedule's life cycle."""
+"""The elastic trainer's choice of where to recover from (a pure function), its
+fault schedule's life cycle, and its clock of the garbage collector's time."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
+from mtc.trainer.collector import CollectorClock
 from mtc.trainer.policy import recovery_source
 from mtc.trainer.schedule import FaultSchedule
 
@@ -47,3 +50,17 @@ def test_fault_schedule_consumes_its_steps_in_order() -> None:
     assert plan.slice_to_bring_back() is None
     plan.resized_steps += 1
     assert plan.slice_to_bring_back() == 1 and plan.slice_to_bring_back() is None
+
+
+def test_collector_clock_counts_full_collections_and_their_time() -> None:
+    clock = CollectorClock()
+    try:
+        seconds, full = clock.seconds, clock.full
+        cycle: list[object] = []
+        cycle.append(cycle)  # something for the collector to find
+        del cycle
+        gc.collect()
+        assert clock.full == full + 1 and clock.seconds > seconds
+    finally:
+        clock.close()
+    assert clock._on not in gc.callbacks

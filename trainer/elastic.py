@@ -38,6 +38,7 @@ import mtc.elastic
 from mtc.elastic import compile_ahead as aot
 from mtc.trainer.checkpoints import MeshCheckpoints
 from mtc.trainer.cluster import LocalCluster
+from mtc.trainer.collector import CollectorClock
 from mtc.trainer.data import VOCAB, make_iterator
 from mtc.trainer.elastic_args import parse_args
 from mtc.trainer.faults import HostFaults
@@ -87,6 +88,7 @@ class ElasticRun:
         self.losses: dict[int, float] = {}
         self.first_losses: dict[int, float] = {}  # losses of steps later replayed
         self.gc_frozen = False
+        self.collector = CollectorClock()  # the collector's share of each restore
         self.returns_seen = 0  # HostFaults.returns already acted on
         self.restore_split: dict[str, float] = {}  # the last recovery's mtc restore, split
 
@@ -192,6 +194,10 @@ class ElasticRun:
             # The lost mesh's manager is done with: its last save is settled and its
             # programs released in the hosts while the replacement starts, not after.
             self.ckpt.retire()
+            if pause > 0:
+                # Idle until the replacement is back: the full collection a restore
+                # would otherwise run into (0.1 s here) is done now, for free.
+                gc.collect()
             if pause > 0 and self.faults.wait_back(missing, pause):
                 # Back, says the cluster: one health check confirms it.
                 rec.t_replaced = self.faults.returned_t
@@ -215,6 +221,7 @@ class ElasticRun:
         if rec is None and self.ahead is not None:
             self.ahead.release()  # no recovery to finish first (held by an elastic event)
         t0 = time.perf_counter()
+        collected_s, full = self.collector.seconds, self.collector.full
         trainer = self.trainer(slices)
         mgr = self.ckpt.open(trainer, slices)
         t_mgr = time.perf_counter()
@@ -227,7 +234,10 @@ class ElasticRun:
             # (the previous one's saves finished first), then the state itself.
             rec.detail["restore_detail"] = {"checkpoint_manager_s": t_mgr - t0,
                                             "state_s": time.perf_counter() - t_mgr,
-                                            **self.restore_split}
+                                            **self.restore_split,
+                                            # Within both: the garbage collector's.
+                                            "collector_s": self.collector.seconds - collected_s,
+                                            "full_collections": self.collector.full - full}
             rec.resumed_from_step = state["step"]
             self.log.write(event="restored", kind=rec.kind, step=state["step"], tier=rec.tier,
                            seconds=time.perf_counter() - t0, slices=list(slices))
