@@ -19,7 +19,7 @@ from agreement_holdings import h, hs, own_only
 
 from mtc.errors import AgreementError
 from mtc.sidecar.host.ports import free_ports
-from mtc.sidecar.replicator.agreement import Coordinator, Fresh, Holding
+from mtc.sidecar.replicator.agreement import ALIVE_CHECK_S, Coordinator, Fresh, Holding
 from mtc.sidecar.replicator.book import Book, Decision, EpochRecord
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.node import Node
@@ -75,6 +75,25 @@ def test_decides_as_soon_as_everyone_answered() -> None:
     took = time.monotonic() - t0
     assert {x.step for x in recs if isinstance(x, EpochRecord)} == {1}, recs
     assert took < 5.0, took  # far below the 10 s deadline: no fixed straggler wait
+
+
+def test_an_ask_whose_call_ended_keeps_its_place_and_is_answered_when_asked_again() -> None:
+    """Rank 1's call ends (its asker's per-call limit, or a cut link) before rank 0
+    asks: the waiting thread leaves at once, typed, but the ask stands until its
+    deadline, so rank 0's ask forms the epoch alone, and rank 1 asking again with
+    the same restore id reads that decision."""
+    m = Members({r: h((r, 2)) for r in range(2)})
+    c = coordinator(m)
+    t0 = time.monotonic()
+    with pytest.raises(AgreementError, match="stopped waiting"):
+        c.decide_for(1, "rid", 30.0, alive=lambda: time.monotonic() - t0 < 0.2)
+    assert time.monotonic() - t0 < 0.2 + ALIVE_CHECK_S + 0.5  # not the 30 s deadline
+    rec0 = c.decide_for(0, "rid", 5.0)  # rank 1's ask is still live: the epoch forms
+    assert rec0.step == 2
+    t1 = time.monotonic()
+    assert c.decide_for(1, "rid", 5.0) == rec0  # asked again: the recorded decision
+    assert time.monotonic() - t1 < 0.5
+    assert m.asked == 2  # one gather: the second ask read the book
 
 
 def test_a_member_down_is_a_typed_error_within_the_deadline_and_nothing_recorded() -> None:

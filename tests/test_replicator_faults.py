@@ -13,7 +13,8 @@ job whose hosts it serves would:
   ``ConfigError`` at once, and ``mtc status`` shows the disagreement;
 - a host whose steps do not reach its peer is late in the trainer's log, in
   ``mtc status`` and in ``mtc_unreplicated_seconds``; a member down fails the
-  restore within ``--agreement-timeout-seconds``, naming its host once.
+  restore within ``--agreement-timeout-seconds``, naming its host once;
+- a member that asks late, after one ``Decide`` call's time, is waited for.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import io
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ import mtc.replicator_watch
 from mtc import cli, layout
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import prepare_restore
+from mtc.sidecar.replicator.node_agreement import DECIDE_CALL_S
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -167,3 +170,33 @@ def test_steps_that_do_not_reach_the_peer_are_late_everywhere_and_a_member_down_
     # Within --agreement-timeout-seconds (2) and the calls' slack, not the 60 asked.
     assert time.monotonic() - t0 < 15
     assert str(err.value).count("(host") == 1
+
+
+def test_a_member_that_asks_late_is_waited_for_across_calls(tmp_path: Path,
+                                                           clusters: list[Cluster]) -> None:
+    """Rank 1 asks for a restore decision and rank 0 (the coordinator) only later
+    than one Decide call lasts: rank 1's ask goes again, holding its place, and
+    both restore the same step; a call's time running out is not counted as the
+    coordinator being unreachable."""
+    cl = new_cluster(clusters, tmp_path / "job", 2, 1, metrics=True)
+    cl.start_all()
+    for r in (0, 1):
+        cl.commit(r, 4, {f"x{r}.bin": b"x" * 4096})
+    cl.wait_held({(1, 0, 4), (0, 1, 4)})
+
+    def ask(rank: int) -> pb.PrepareRestoreReply:
+        c = cl.client(rank)
+        try:
+            return c.call("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=30),
+                          deadline_s=40, attempts=1)
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        early = pool.submit(ask, 1)
+        time.sleep(DECIDE_CALL_S + 2)
+        assert not early.done()
+        late = ask(0)
+        assert (early.result(timeout=30).step, late.step) == (4, 4)
+    failures = {k: v for k, v in cl.scrape(1).items() if k.startswith("mtc_failures_total")}
+    assert "mtc_failures_total{kind=coordinator_unreachable}" not in failures, failures

@@ -27,6 +27,8 @@ from mtc.errors import AgreementError, ConfigError
 from mtc.sidecar.replicator.book import Book, Decision, EpochRecord
 
 log = logging.getLogger("mtc.sidecar.replicator.agreement")
+# How soon an ask's waiting thread notices that its asker's call has ended.
+ALIVE_CHECK_S = 0.5
 T = TypeVar("T")
 
 
@@ -260,10 +262,15 @@ class Coordinator:
         self.waiting_for: tuple[int, ...] = ()
 
     def decide_for(self, rank: int, rid: str, timeout_s: float,
-                   started_ns: int = 0) -> EpochRecord:
+                   started_ns: int = 0, alive: Callable[[], bool] | None = None
+                   ) -> EpochRecord:
         """The decision of the epoch this ask belongs to; :class:`AgreementError` when
         none is recorded before ``timeout_s``, or at once when this rank's live ask is
-        of a restore it started later (``started_ns``, see :func:`supersedes`)."""
+        of a restore it started later (``started_ns``, see :func:`supersedes`).
+        ``alive``: whether the asker still waits for this answer (its call is open);
+        when it stops, this returns (typed) within ``ALIVE_CHECK_S``, and the ask
+        keeps its lease until ``timeout_s``: the asker asks again with the same
+        restore id, on a call of its own, and the epoch never missed it."""
         deadline = time.monotonic() + timeout_s
         rid = rid or f"anon-{uuid.uuid4().hex}"
         with self._cond:
@@ -292,6 +299,9 @@ class Coordinator:
                     continue
                 if self._closed:
                     raise AgreementError("the coordinator is shutting down", host=rank)
+                if alive is not None and not alive() and now < deadline:
+                    raise AgreementError("the asker stopped waiting; its ask stands until "
+                                         "its deadline", host=rank)
                 if now >= deadline:
                     if self._asks.get(rank) == ask:
                         del self._asks[rank]
@@ -308,7 +318,8 @@ class Coordinator:
                     raise AgreementError(f"cannot decide the step to restore within "
                                          f"{timeout_s:.1f}s: {why}; every member must ask "
                                          f"and answer", host=rank)
-                self._cond.wait(deadline - now)
+                self._cond.wait(deadline - now if alive is None
+                                else min(deadline - now, ALIVE_CHECK_S))
 
     def _find(self, rid: str, rank: int) -> EpochRecord | None:
         """The record that answered ``rid``, when it was decided for this membership;

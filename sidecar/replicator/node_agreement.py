@@ -47,6 +47,8 @@ from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view at most this often
+# The longest one Decide call lasts before the same ask goes again (``_ask``).
+DECIDE_CALL_S = 5.0
 Inventory = Callable[[bool], pb.Inventory]  # this node's own, with (True) or without files
 
 
@@ -251,9 +253,11 @@ class NodeAgreement:
     # -- deciding and asking ------------------------------------------------------------
 
     def decide_for(self, rank: int, rid: str, timeout_s: float,
-                   members: Sequence[int] = (), started_ns: int = 0) -> pb.Decision:
+                   members: Sequence[int] = (), started_ns: int = 0,
+                   alive: Callable[[], bool] | None = None) -> pb.Decision:
         """The decider's side of ``Decide``: the recorded decision of the epoch of
-        ``members`` (empty: every node) that this ask belongs to."""
+        ``members`` (empty: every node) that this ask belongs to (``alive``: whether
+        the asker's call is still open, ``Coordinator.decide_for``)."""
         if not 0 <= rank < self.config.num_nodes:
             raise ValueError(f"rank {rank} is not a member (0..{self.config.num_nodes - 1})")
         self._refuse()
@@ -262,7 +266,7 @@ class NodeAgreement:
             raise ConfigError(f"rank {self.rank} is not the agreement coordinator of "
                               f"membership {list(group)} (rank {group[0]} is)")
         rec = self.coordinator_of(group).decide_for(
-            rank, rid, min(timeout_s, self.config.agreement_timeout_s), started_ns)
+            rank, rid, min(timeout_s, self.config.agreement_timeout_s), started_ns, alive)
         return pb.Decision(epoch=rec.epoch, step=rec.step, decided_at=rec.decided_at,
                            rank=rank, restore_id=rid, run=rec.run, lost=rec.lost)
 
@@ -306,7 +310,12 @@ class NodeAgreement:
         """Ask coordinator ``c`` until it answers, the deadline passes, or a newer
         restore on this node takes over. An ask already on its way when that happens
         (queued on a channel still connecting) can reach the coordinator after the
-        newer restore's; ``started_ns`` lets the coordinator refuse it."""
+        newer restore's; ``started_ns`` lets the coordinator refuse it.
+
+        Each call lasts at most ``DECIDE_CALL_S``, then the same ask goes again: a
+        request or an answer that a cut link lost is asked for again within
+        seconds of the heal, not waited for until the deadline. The ask holds its
+        place in the epoch until the deadline whichever call carries it."""
         while True:
             left = deadline - time.monotonic()
             if self._asking_rid != rid:
@@ -318,8 +327,10 @@ class NodeAgreement:
                 req = pb.DecideRequest(rank=self.rank, restore_id=rid,
                                        timeout_seconds=max(0.1, left - 1.0), members=group,
                                        started_ns=started_ns)
+                call_s = max(0.1, min(left, DECIDE_CALL_S))
+                t_call = time.monotonic()
                 return checks.decision(self.peers[c].call(
-                    "Decide", req, deadline_s=max(0.1, left), attempts=1).decision, host=c)
+                    "Decide", req, deadline_s=call_s, attempts=1).decision, host=c)
             except PeerError as e:
                 if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \
                         time.monotonic() + 0.2 >= deadline or self._stop.is_set():
@@ -327,5 +338,8 @@ class NodeAgreement:
                                          f"{e.message}", step=e.step,
                                          host=self.rank if e.host is None else e.host
                                          ) from e
+                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and \
+                        time.monotonic() - t_call >= call_s:
+                    continue  # this call's time is up, not the ask's: asked again at once
                 self.metrics.failures.labels("coordinator_unreachable").inc()
                 self._stop.wait(0.2)  # the coordinator restarts: ask again

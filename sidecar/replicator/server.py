@@ -230,7 +230,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         with self.deciding.enter(request.rank):
             return pb.DecideReply(decision=self.node.agreement.decide_for(
                 request.rank, checks.restore_id(request.restore_id), timeout,
-                list(request.members), request.started_ns))
+                list(request.members), request.started_ns, alive=context.is_active))
 
     @mapped
     def GetComplete(self, request: pb.CompleteRequest, context: Any) -> pb.CompleteReply:
