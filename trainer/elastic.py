@@ -198,10 +198,11 @@ class ElasticRun:
                 # Idle until the replacement is back: the full collection a restore
                 # would otherwise run into (0.1 s here) is done now, for free.
                 gc.collect()
-            if pause > 0 and self.faults.wait_back(missing, pause):
-                # Back, says the cluster: one health check confirms it.
-                rec.t_replaced = self.faults.returned_t
-                active = set(pw_elastic.get_active_slice_indices(self.manager.slice_to_devices))
+                if self.faults.wait_back(missing, pause):
+                    # Back, says the cluster: one health check confirms it.
+                    rec.t_replaced = self.faults.returned_t
+                    active = set(pw_elastic.get_active_slice_indices(
+                        self.manager.slice_to_devices))
             rec.detail["pause_s_at_most"] = pause
             rec.detail["pause_policy"] = self.args.pause_policy
             self.manager.active_slice_indices = active

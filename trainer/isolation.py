@@ -360,8 +360,7 @@ class Hosts:
     def token(self) -> str:
         return self.token_file.read_text().strip()
 
-    def log_path(self, i: int, what: str) -> Path:
-        """Host ``i``'s log of ``what`` ("replicator", "sidecar")."""
+    def log_path(self, i: int, what: str) -> Path:  # what: "replicator", "sidecar"
         return self.base / f"host-{i}" / f"{what}.log"
 
     def log_tail(self, i: int, what: str, n: int = 3000) -> str:

@@ -212,12 +212,8 @@ class Replication:
                             self.rank, step, target, e)
                 continue
             self.metrics.copied_again.labels("lost" if lost else "late").inc()
-            if lost:
-                log.info("rank %d: step %d copied again to rank %d, which had lost it",
-                         self.rank, step, target)
-            else:
-                log.info("rank %d: step %d copied to rank %d after a newer step",
-                         self.rank, step, target)
+            log.info("rank %d: step %d copied to rank %d, %s", self.rank, step, target,
+                     "which had lost it" if lost else "after a newer step")
 
     def _note_replication(self, newest: int, replicated: bool) -> None:
         self.clock.update(newest, replicated)
