@@ -327,7 +327,12 @@ class NodeAgreement:
                 req = pb.DecideRequest(rank=self.rank, restore_id=rid,
                                        timeout_seconds=max(0.1, left - 1.0), members=group,
                                        started_ns=started_ns)
-                call_s = max(0.1, min(left, DECIDE_CALL_S))
+                # The ask's own wait ends a second before ``left``: a call that
+                # would end with it carries the whole wait, so that no call is
+                # asked again with a sliver left, after the other members' asks
+                # (same deadline) have lapsed and would be named as missing.
+                call_s = left if left - 1.0 <= DECIDE_CALL_S else DECIDE_CALL_S
+                call_s = max(0.1, call_s)
                 t_call = time.monotonic()
                 return checks.decision(self.peers[c].call(
                     "Decide", req, deadline_s=call_s, attempts=1).decision, host=c)
