@@ -476,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if run.ahead is not None:
             run.ahead.close()
+        run.collector.close()  # the reference run below is not a recovery's
     run.ckpt.close()
     if run.faults.returning is not None:
         run.faults.returning.join()
