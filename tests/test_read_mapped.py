@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import mmap
 from pathlib import Path
+from typing import Any
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import mtc
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.manifest import ShardEntry
@@ -53,3 +57,32 @@ def test_mapped_reads_verify_every_byte(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(CorruptShardError, match="checksum mismatch") as e:
         read.map_side_by_side(pieces, step=4, hosts=[1, 1, 2])
     assert e.value.host == 2
+
+
+def test_shards_go_to_devices_in_batches_and_restore_exactly(
+        ramdisk: Path, mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch is sent once its bytes reach PUT_BATCH_BYTES: with a bound of one
+    byte every read task is its own ``device_put``, and the values are the same."""
+    from mtc.sidecar import load
+
+    calls: list[int] = []
+    put = jax.device_put
+
+    def counting(x: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(x) if isinstance(x, list) else 1)
+        return put(x, *args, **kwargs)
+
+    sharded = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+    state = {f"w{i}": jax.device_put(np.arange(64 * 16, dtype=np.float32).reshape(64, 16) + i,
+                                     sharded) for i in range(3)}
+    options = mtc.Options(dispatch="local", simulated_hosts=4, hosts_per_slice=2)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+        mgr.save(1, state, force=True)
+        mgr.wait_until_finished()
+        monkeypatch.setattr(load, "PUT_BATCH_BYTES", 1)
+        monkeypatch.setattr(jax, "device_put", counting)
+        back = mgr.restore(1, state)
+    assert len(calls) >= 3 * len(mesh.devices.flat) and set(calls) == {1}, calls
+    for k, v in state.items():
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v))
+        assert back[k].sharding.is_equivalent_to(v.sharding, v.ndim)
