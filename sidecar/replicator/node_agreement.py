@@ -327,12 +327,11 @@ class NodeAgreement:
                 req = pb.DecideRequest(rank=self.rank, restore_id=rid,
                                        timeout_seconds=max(0.1, left - 1.0), members=group,
                                        started_ns=started_ns)
-                # The ask's own wait ends a second before ``left``: a call that
-                # would end with it carries the whole wait, so that no call is
-                # asked again with a sliver left, after the other members' asks
-                # (same deadline) have lapsed and would be named as missing.
-                call_s = left if left - 1.0 <= DECIDE_CALL_S else DECIDE_CALL_S
-                call_s = max(0.1, call_s)
+                # The ask's own wait ends a second before ``left``. A call is asked
+                # again only with more than a second of that wait still to come:
+                # else the other members' asks (about the same deadline) could lapse
+                # first and be named as missing. Near the end, one call carries it all.
+                call_s = max(0.1, left if left <= DECIDE_CALL_S + 2.0 else DECIDE_CALL_S)
                 t_call = time.monotonic()
                 return checks.decision(self.peers[c].call(
                     "Decide", req, deadline_s=call_s, attempts=1).decision, host=c)
