@@ -184,15 +184,16 @@ def queued_to(pid: int, address: str, port: int) -> int:
     return total
 
 
-def when(condition: Callable[[], bool], then: Callable[[], None], timeout_s: float
-         ) -> tuple[threading.Thread, threading.Event]:
-    """On a thread: poll ``condition`` (bounded by ``timeout_s``) and call ``then``
-    the moment it holds; the event is set once ``then`` ran. Joined by the caller."""
+def when(condition: Callable[[], bool], then: Callable[[], None], timeout_s: float,
+         stop: threading.Event | None = None) -> tuple[threading.Thread, threading.Event]:
+    """On a thread: poll ``condition`` (bounded by ``timeout_s``, or until ``stop`` is
+    set) and call ``then`` the moment it holds; the event is set once ``then`` ran.
+    Joined by the caller."""
     fired = threading.Event()
 
     def watch() -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             if condition():
                 then()
                 fired.set()

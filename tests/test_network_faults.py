@@ -135,21 +135,30 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
     # is writing it, the two lose each other: the copy is cut midway.
     incoming = "/.mtc-replica/1/{step}.mtc-tmp-"
     size = 24 << 20
-    for step in (10, 11, 12):  # a copy that finished before the cut landed: again
+    # A copy that finished before the cut landed, or faster than the watcher saw it
+    # midway (a few milliseconds on a quiet machine): again, with the next step.
+    for step in (10, 11, 12, 13, 14):
         needle = incoming.format(step=step)
         cut_at_s: list[float] = []
         # Hosts 1 and 3 lose each other (every packet between them dropped); the
         # controller still reaches both, as its requests may still be in flight.
+        done = threading.Event()
         trigger, fired = when(
             lambda n=needle: any(0 < p < size // 2 for p in open_positions(net.pid(3), n)),
-            lambda c=cut_at_s: (hosts.cut(1, 3), c.append(time.monotonic())), 60.0)
+            lambda c=cut_at_s: (hosts.cut(1, 3), c.append(time.monotonic())), 60.0, done)
         try:
             with mtc.CheckpointManager(tmp_path, mesh=mesh, options=net.options()) as mgr:
                 mgr.save(step, big_state(mesh, step), force=True)
                 mgr.wait_until_finished()
+            # Until the watcher cut the copy, or host 3 holds it whole (missed).
+            wait_for(f"step {step} on host 3, cut or whole",
+                     lambda s=step, f=fired: f.is_set() or (1, s) in net.held(3), 60.0)
         finally:
+            done.set()
             trigger.join()
-        assert fired.is_set(), f"host 3 never received step {step}"
+        if not fired.is_set():
+            print(f"step {step}: copied whole before the watcher saw it midway")
+            continue
         if (1, step) not in net.held(3):
             print(f"step {step}: cut at {open_positions(net.pid(3), needle)}")
             break
