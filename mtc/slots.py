@@ -1,26 +1,28 @@
-"""Reused slots of a host's shared-memory area for colocated calls' inputs.
+"""Reused slots of a host's shared-memory area for colocated calls' bytes.
 
 A worker takes a save's shards with one device-to-host copy into host buffers
 it reuses; on the local cluster a reused slot of the host's area stands in for
 those buffers (memory this VM has not touched recently is several times slower
 to fill than memory reused, and a fresh file per call pays for it every save).
+A restore's arrays come back the other way through slots the host fills.
 
-Two halves, one per side of the area:
+Two halves, one per side of the area, for either direction:
 
-- :class:`SlotPool` (controller, one per host): a few slots, each busy from the
-  call that fills it until the host reports that call's bytes released. A call
-  that finds none free goes through a fresh file, as before: the pool bounds
+- :class:`SlotPool` (the side that fills them: the controller for a call's
+  inputs, a host's sidecar for its replies): a few slots, each busy from the
+  message that fills it until the other side reports that use released. A
+  message that finds none free goes through a fresh file: the pool bounds
   memory, never liveness.
-- :class:`SlotMaps` (the host's sidecar): maps each slot once and hands out
-  read-only views of one use of it; the use is busy while anything still refers
-  to those views (the program's arrays, the writer's staged shards) and released
-  when the last reference goes, so a slot is never reused while a write or its
-  checksum still reads it. Every reply reports each slot's last use and whether
-  it is released, with the sidecar's boot id: a sidecar that restarted holds
-  nothing of its predecessor's.
+- :class:`SlotMaps` (the side that reads them): maps each slot once and hands
+  out read-only views of one use of it; the use is busy while anything still
+  refers to those views (a program's arrays, the writer's staged shards, a
+  restore's arrays adopting the mapping) and released when the last reference
+  goes, so a slot is never refilled while anything still reads it. Each message
+  back reports each slot's last use and whether it is released, with the
+  reader's boot id: a reader that restarted holds nothing of its predecessor's.
 
 Calls to one host are made in order (the colocated dispatcher waits for a call's
-answer before the next); the report of a reply covers every use sent before it.
+answer before the next); a report covers every use sent before it.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class CallSlot(transfer.SaveSlot):
 
 
 class SlotPool:
-    """One host's slots, on the controller. Thread-safe."""
+    """The slots one side fills (the controller's for one host, or a host's
+    replies to one controller). Thread-safe."""
 
     def __init__(self, area: Path, count: int = SLOTS_PER_HOST) -> None:
         tag = uuid.uuid4().hex[:8]  # two managers at once never share a slot
@@ -137,7 +140,7 @@ class _Mapped:
 
 
 class SlotMaps:
-    """The sidecar's mappings of the slots of its area. Thread-safe."""
+    """The reading side's mappings of the other side's slots. Thread-safe."""
 
     def __init__(self, area: Path) -> None:
         self.area = area
@@ -155,7 +158,7 @@ class SlotMaps:
             m = self._maps.get(name)
             if m is not None and m.busy:
                 raise ProtocolError(f"slot {name} was refilled while use {m.use} of it "
-                                    "is still being written")
+                                    "is still held")
             if m is None or m.size < size:
                 m = self._map(name, size, m)
             m.use, m.busy = int(use), True

@@ -5,8 +5,9 @@ container share a memory-backed folder (``/tmp/sidecar``) through which array
 bytes cross; on the local cluster each simulated host has such a folder of its
 own, beside (never inside) its RAM disk. Bytes for a save are copied into a
 *slot* the controller owns and reuses (memory this VM has not touched recently is
-slow to fill); bytes of a restore come back in a fresh file the sidecar writes
-and the controller maps, so that arrays adopting the mapping never see it reused.
+slow to fill); bytes of a restore come back through a slot the sidecar owns and
+refills only once the arrays here that adopted its mapping are gone
+(:mod:`mtc.slots`), or, where none is free, through a fresh file.
 
 Offsets are page-aligned: a page-aligned region becomes a CPU ``jax.Array``
 without a copy.

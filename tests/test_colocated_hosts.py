@@ -145,6 +145,38 @@ def test_steady_state_saves_reuse_a_slot_of_each_area(hosts: Hosts, mesh: Mesh,
     assert [sorted(p.name for p in h.area.iterdir()) for h in hosts.hosts] == [[]] * 4
 
 
+def test_a_restores_arrays_come_back_through_reply_slots_never_refilled_under_them(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path) -> None:
+    """A restore's arrays cross back through slots the hosts reuse, and adopt their
+    mapping here (no copy): a slot is refilled only once every array over it is
+    gone. Restores whose arrays are all still held keep their values, however
+    many follow; once they are dropped, the next restore reuses a slot."""
+    sharding = NamedSharding(mesh, PartitionSpec("replica", "model"))
+    target = {"w": jax.ShapeDtypeStruct((8, 1 << 19), np.float32, sharding=sharding)}
+
+    def names() -> set[str]:
+        return {p.name for h in hosts.hosts for p in h.area.iterdir()}
+
+    opts = dataclasses.replace(_opts(hosts), max_to_keep=2)
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh, options=opts) as mgr:
+        for step in (200, 201):  # 4 MiB per host: more than a message carries
+            assert mgr.save(step, {"w": jax.device_put(
+                np.full((8, 1 << 19), step, np.float32), sharding)})
+        mgr.wait_until_finished()
+        saved = names()
+        held = [(step, mgr.restore(step, target)["w"]) for step in (200, 201, 200, 201)]
+        for step, w in held:  # each restore's values, whatever came after it
+            assert np.all(np.asarray(w) == step), step
+        replies = names() - saved
+        assert replies and all(n.startswith("slot-") for n in replies), replies
+        assert len(replies) <= 2 * len(hosts.hosts)  # busy slots: fresh files instead
+        del held, w
+        for step in (201, 200):
+            assert np.all(np.asarray(mgr.restore(step, target)["w"]) == step)
+        assert names() - saved == replies  # refilled, not made anew
+    assert [sorted(p.name for p in h.area.iterdir()) for h in hosts.hosts] == [[]] * 4
+
+
 def test_prng_keys_cross_a_call_as_jax_converts_them(hosts: Hosts) -> None:
     """JAX's compile step sends a PRNG key array as its key data and wraps it back on
     either side; the local runtime does the same instead of refusing it."""

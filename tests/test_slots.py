@@ -91,7 +91,7 @@ def test_the_sidecar_refuses_a_refill_of_a_held_slot(tmp_path: Path) -> None:
     """A controller that ignored the report (or a forged message) is refused loudly."""
     pool, maps = SlotPool(tmp_path), SlotMaps(tmp_path)
     header, held = _call(tmp_path, pool, maps, 1)
-    with pytest.raises(ProtocolError, match="still being written"):
+    with pytest.raises(ProtocolError, match="still held"):
         maps.view(str(header["slot"]), int(str(header["use"])) + 1, SIZE)
     with pytest.raises(ProtocolError, match="bad slot"):
         maps.view("../ramdisk/1", 1, SIZE)
@@ -120,3 +120,13 @@ def test_close_removes_the_slots(tmp_path: Path) -> None:
     assert _files(tmp_path) == []
     assert maps.report() == {}
     assert pool.take() is None  # a closed pool fills nothing
+
+
+def test_a_hosts_reply_pool_is_named_by_a_well_formed_report_only() -> None:
+    from mtc.sidecar.host.colocated import _boot_of
+
+    assert _boot_of(None) is None and _boot_of({"slots": {}}) is None
+    assert _boot_of({"boot": "ab" * 16, "slots": {}}) == "ab" * 16
+    for bad in ("../x", "AB" * 16, 7, "a" * 33):
+        with pytest.raises(ProtocolError, match="reply-slot report"):
+            _boot_of({"boot": bad})

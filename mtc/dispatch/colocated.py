@@ -44,6 +44,9 @@ from mtc.pool import ThreadPool
 
 # Between saves, how often a save in flight is polled for its background error.
 POLL_INTERVAL_S = 1.0
+# Load functions kept specialized, by their outputs' specs (restores of one state's
+# shape reuse one; a resized mesh or another tree makes another).
+LOAD_CALLS_KEPT = 8
 
 
 class ColocatedDispatch(HostCalls):
@@ -111,6 +114,7 @@ class ColocatedDispatch(HostCalls):
         self._ask = remote.ask.specialize(out_specs_fn=lambda *_: asked)
         self._remote = remote
         self._fetchers: dict[int, Any] = {}
+        self._loaders: dict[tuple[jax.ShapeDtypeStruct, ...], Any] = {}
         # The last save's stage answer, read at the next call (or at once for a
         # save that may be skipped); whether a save was staged since the last wait.
         self._staged: jax.Array | Future[jax.Array] | None = None
@@ -333,8 +337,7 @@ class ColocatedDispatch(HostCalls):
         self._collect()
         plan = colocated_load.plan(step, tasks, specs, self.config.host_of_device,
                                    self._cpu_of, self.cpu_devices, self._rank_of)
-        out_specs = plan.out_specs
-        call = self._remote.load.specialize(out_specs_fn=lambda *_: out_specs)
+        call = self._load_call(plan.out_specs)
         request = jax.device_put(colocated_load.encode(plan), self._replicated)
         try:
             outputs = self._invoke(call, request, self._ranks)
@@ -344,6 +347,18 @@ class ColocatedDispatch(HostCalls):
             self._raise_worker_error(f"load: {e}")
             raise
         return colocated_load.finish(plan, outputs, specs)
+
+    def _load_call(self, out_specs: list[jax.ShapeDtypeStruct]) -> Any:
+        """The load function specialized for ``out_specs``, kept per specs: a new one
+        per restore would be pickled, sent and loaded by every worker again."""
+        key = tuple(out_specs)
+        call = self._loaders.pop(key, None)
+        if call is None:
+            call = self._remote.load.specialize(out_specs_fn=lambda *_: out_specs)
+        self._loaders[key] = call  # the newest last
+        while len(self._loaders) > LOAD_CALLS_KEPT:
+            del self._loaders[next(iter(self._loaders))]
+        return call
 
     def close(self) -> None:
         """Every save finished, the workers' objects closed (their writer threads

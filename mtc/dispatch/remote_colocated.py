@@ -12,9 +12,11 @@ assembled here on the declared shardings. A call succeeds only when every host
 does; a host's typed error comes back as itself.
 
 Input and output bytes cross through each host's shared-memory area
-(:func:`mtc.transfer.pack_message`), never through a RAM disk; large inputs (a
-save's shards) through a reused slot of it (:mod:`mtc.slots`), as a worker
-copies them into host buffers it reuses.
+(:func:`mtc.transfer.pack_message`), never through a RAM disk; large ones
+through reused slots of it (:mod:`mtc.slots`): a save's shards through the
+controller's, as a worker copies them into host buffers it reuses, and a
+restore's arrays through the host's, reused once the arrays that adopted them
+here are gone.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class Runtime:
         self._pool = ThreadPool(max(1, len(sidecars)), "mtc-coloc")
         self._programs: set[str] = set()  # every program compiled here
         self._slots = {h: slots.SlotPool(s.area) for h, s in sidecars.items()}
+        # Each host's reply slots, mapped once; every call reports which uses of
+        # them arrays here still hold (a restore's arrays adopt the mapping).
+        self._replies = {h: slots.SlotMaps(s.area) for h, s in sidecars.items()}
         _register(self)
 
     def close(self) -> None:
@@ -125,7 +130,8 @@ class Runtime:
     def _forget(self, h: int) -> None:
         message = transfer.pack_message(self.sidecars[h].area,
                                         {"forget": sorted(self._programs),
-                                         "slots": self._slots[h].names}, [])
+                                         "slots": self._slots[h].names,
+                                         "replies": {"boot": self._replies[h].boot}}, [])
         try:
             self._stubs[h](message, timeout=self.deadline_s)
         except grpc.RpcError:
@@ -174,15 +180,18 @@ class Runtime:
                 with lock:
                     first = h not in sent
                 parts = [*buffers, np.frombuffer(pickled, np.uint8)] if first else buffers
-                message = transfer.pack_message(area, {**header, "pickled": first}, parts,
-                                                self._slots[h])
+                replies = self._replies[h]
+                message = transfer.pack_message(
+                    area, {**header, "pickled": first,
+                           "replies": {"boot": replies.boot, "slots": replies.report()}},
+                    parts, self._slots[h])
                 try:
                     reply = self._stubs[h](message, timeout=self.deadline_s)
                 except grpc.RpcError as e:  # a slot it filled stays busy: the host may hold it
                     raise ShardUnavailableError(
                         f"{name}: sidecar unreachable: {e.code().name}: {e.details()}",
                         host=h) from None
-                got, data = transfer.unpack_message(area, reply)
+                got, data = transfer.unpack_message(area, reply, replies)
                 self._slots[h].update(got)
                 if "error" in got:
                     _raise(h, got["error"])

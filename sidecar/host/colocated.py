@@ -36,11 +36,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,6 +60,11 @@ if TYPE_CHECKING:
     import jax
 
 log = logging.getLogger(__name__)
+# Controllers whose reply slots a host keeps: one closing while the next starts.
+REPLY_POOLS = 2
+_BOOT = re.compile(r"[0-9a-f]{32}")
+# A call whose arrays hold more has them released off the call's path.
+RELEASE_OFF_CALL_BYTES = 1 << 20
 _DESERIALIZE = threading.Lock()  # JAX's deserializer keeps per-process state
 
 
@@ -129,6 +136,12 @@ class ColocatedServer:
         self._programs: dict[str, _Program] = {}
         # The controller's reused input slots, mapped once; every reply reports them.
         self._slots = slots.SlotMaps(area)
+        # Reply slots: a call's output shards (a restore's arrays) go back through
+        # slots of the area this host fills and reuses once the controller reports
+        # its arrays over them gone (fresh tmpfs pages cost about twice pages held).
+        # One pool per controller runtime (its report's boot id), the newest
+        # REPLY_POOLS kept: a killed controller's slots go when a new one comes.
+        self._replies: OrderedDict[str, slots.SlotPool] = OrderedDict()
         self._run = threading.Lock()
         # A call's arrays are let go on this thread once its reply is built. JAX
         # releases an array's host memory lazily, inside the next transfer to a
@@ -188,9 +201,13 @@ class ColocatedServer:
         return len(self._programs)
 
     def close(self) -> None:
-        """Ends the other process (JAX takes SIGTERM as a preemption notice)."""
+        """Ends the other process (JAX takes SIGTERM as a preemption notice); the
+        reply slots' files go (a controller's mappings keep their pages)."""
         self._warm.join()
         self._release.shutdown(wait=True)
+        with self._run:
+            while self._replies:
+                self._replies.popitem()[1].close()
         if self._ghost is not None:
             self._ghost.kill()
             self._ghost.wait()
@@ -217,11 +234,17 @@ class ColocatedServer:
                     for pid in header["forget"]:
                         self._programs.pop(str(pid), None)
                     self._slots.drop([str(n) for n in header.get("slots", [])])
+                    pool = self._replies.pop(_boot_of(header.get("replies")) or "", None)
+                    if pool is not None:
+                        pool.close()
                 return transfer.pack_message(self.area, {"forgot": True}, [])
             if self.latency_s:
                 time.sleep(self.latency_s)
             with self._run:
-                reply, held = self._execute(header, buffers)
+                reply, held = self._execute(header, buffers, self._reply_pool(header))
+            if _nbytes(held) < RELEASE_OFF_CALL_BYTES:
+                held.clear()  # a small call's memory: nothing worth a thread's wake-up
+                return reply
             try:
                 self._release.submit(_let_go, held)
             except RuntimeError:  # closing: let go here
@@ -233,6 +256,22 @@ class ColocatedServer:
             return _error_message(self.host, self.area,
                                   ProtocolError(f"malformed colocated call: {e!r}"),
                                   **self._slot_state())
+
+    def _reply_pool(self, header: dict[str, Any]) -> slots.SlotPool | None:
+        """The reply slots of the controller that sent ``header``, freed as its report
+        says (the uses it no longer maps); None for a caller that maps none."""
+        report = header.get("replies")
+        boot = _boot_of(report)
+        if boot is None or not isinstance(report, dict):
+            return None
+        pool = self._replies.get(boot)
+        if pool is None:
+            pool = self._replies[boot] = slots.SlotPool(self.area)
+            while len(self._replies) > REPLY_POOLS:  # the oldest controller's go
+                self._replies.popitem(last=False)[1].close()
+        self._replies.move_to_end(boot)
+        pool.update(report)
+        return pool
 
     def _program(self, header: dict[str, Any], buffers: list[np.ndarray]) -> _Program | None:
         pid = str(header["program"])
@@ -252,9 +291,10 @@ class ColocatedServer:
             self._programs[pid] = prog
         return prog
 
-    def _execute(self, header: dict[str, Any], buffers: list[np.ndarray]
-                 ) -> tuple[bytes, list[Any]]:
-        """The reply, and the call's arrays (its inputs and outputs) to let go."""
+    def _execute(self, header: dict[str, Any], buffers: list[np.ndarray],
+                 replies: slots.SlotPool | None) -> tuple[bytes, list[Any]]:
+        """The reply (its shards in a free slot of ``replies`` where one is), and the
+        call's arrays (its inputs and outputs) to let go."""
         import jax
         from jax import tree_util
 
@@ -267,19 +307,27 @@ class ColocatedServer:
         inputs = header["inputs"]
         if len(inputs) != len(prog.in_specs):
             raise ProtocolError(f"{name}: {len(inputs)} inputs for {len(prog.in_specs)} specs")
+        # Every input shard onto its device in one device_put (one each cost more
+        # than a small call's bytes), then made into its array.
+        views: list[np.ndarray] = []
+        places: list[jax.Device] = []
+        counts: list[int] = []
         for k, (spec, ids) in enumerate(zip(prog.in_specs, inputs, strict=True)):
             shard = spec.sharding.shard_shape(spec.shape)
             dt = np.dtype(spec.dtype)
             by_device = {prog.device_of[int(c)]: buffers[int(b)] for c, b in ids}
             if set(by_device) != set(spec.sharding.addressable_devices):
                 raise ProtocolError(f"{name}: input {k} came without this host's shards")
-            pieces = []
             for d, raw in by_device.items():
                 if raw.nbytes != math.prod(shard) * dt.itemsize:
                     raise ProtocolError(f"{name}: input {k}'s shard is {raw.nbytes} bytes")
-                pieces.append(jax.device_put(raw.view(dt).reshape(shard), d))
-            leaves.append(jax.make_array_from_single_device_arrays(spec.shape, spec.sharding,
-                                                                   pieces))
+                views.append(raw.view(dt).reshape(shard))
+                places.append(d)
+            counts.append(len(by_device))
+        placed = iter(jax.device_put(views, places) if views else [])
+        for spec, n in zip(prog.in_specs, counts, strict=True):
+            leaves.append(jax.make_array_from_single_device_arrays(
+                spec.shape, spec.sharding, [next(placed) for _ in range(n)]))
         args, kwargs = tree_util.tree_unflatten(prog.in_treedef, leaves)
         try:
             result = prog.fun(*args, **kwargs)
@@ -301,8 +349,22 @@ class ColocatedServer:
                 data.append(np.ascontiguousarray(np.asarray(s.data)).reshape(-1).view(np.uint8))
             outputs.append(ids)
         reply = transfer.pack_message(self.area, {"outputs": outputs, **self._slot_state()},
-                                      data)
+                                      data, replies)
         return reply, [*leaves, *out_leaves]
+
+
+def _boot_of(report: Any) -> str | None:
+    """The boot id of a controller's report of the reply slots it maps, checked."""
+    if not isinstance(report, dict) or report.get("boot") is None:
+        return None
+    boot = report["boot"]
+    if not isinstance(boot, str) or not _BOOT.fullmatch(boot):
+        raise ProtocolError(f"malformed reply-slot report {boot!r}")
+    return boot
+
+
+def _nbytes(held: list[Any]) -> int:
+    return sum(int(getattr(x, "nbytes", 0)) for x in held)
 
 
 def _let_go(held: list[Any]) -> None:
