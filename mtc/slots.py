@@ -44,7 +44,12 @@ from mtc.errors import ProtocolError
 
 # Slots per host: one for the save being written, one for the next save's copy.
 SLOTS_PER_HOST = 2
-_NAME = re.compile(r"slot-[0-9a-f]{8}-\d{1,3}")
+# A call's inputs cross through the controller's slots, a host's replies through
+# the host's: told apart by name, so that a restarted sidecar knows which files of
+# its area its predecessor left (REPLY_PREFIX) and removes them.
+INPUT_PREFIX = "slot-"
+REPLY_PREFIX = "out-slot-"
+_TAG = r"[0-9a-f]{8}-\d{1,3}"
 
 
 class CallSlot(transfer.SaveSlot):
@@ -59,9 +64,10 @@ class SlotPool:
     """The slots one side fills (the controller's for one host, or a host's
     replies to one controller). Thread-safe."""
 
-    def __init__(self, area: Path, count: int = SLOTS_PER_HOST) -> None:
+    def __init__(self, area: Path, count: int = SLOTS_PER_HOST, *,
+                 prefix: str = INPUT_PREFIX) -> None:
         tag = uuid.uuid4().hex[:8]  # two managers at once never share a slot
-        self._slots = [CallSlot(area, f"slot-{tag}-{k}") for k in range(count)]
+        self._slots = [CallSlot(area, f"{prefix}{tag}-{k}") for k in range(count)]
         self._lock = threading.Lock()
         self._boot: str | None = None
 
@@ -142,8 +148,9 @@ class _Mapped:
 class SlotMaps:
     """The reading side's mappings of the other side's slots. Thread-safe."""
 
-    def __init__(self, area: Path) -> None:
+    def __init__(self, area: Path, *, prefix: str = INPUT_PREFIX) -> None:
         self.area = area
+        self._name = re.compile(re.escape(prefix) + _TAG)
         self.boot = uuid.uuid4().hex
         self._maps: dict[str, _Mapped] = {}
         # Reentrant: a lease may be released by the thread that holds it.
@@ -152,7 +159,7 @@ class SlotMaps:
     def view(self, name: str, use: int, size: int) -> np.ndarray:
         """A read-only uint8 view of ``size`` bytes of slot ``name``'s use ``use``.
         ProtocolError for a bad name, or a slot whose last use is still held."""
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
+        if not isinstance(name, str) or not self._name.fullmatch(name):
             raise ProtocolError(f"message names a bad slot {name!r}")
         with self._lock:
             m = self._maps.get(name)
@@ -193,6 +200,13 @@ class SlotMaps:
         """Each slot's last use and whether it is still held."""
         with self._lock:
             return {n: [m.use, m.busy] for n, m in self._maps.items()}
+
+    def forget_idle(self) -> None:
+        """Forget every slot no view holds (their writer restarted: its new slots
+        have other names); a mapping lives on while a view holds it."""
+        with self._lock:
+            for n in [n for n, m in self._maps.items() if not m.busy]:
+                del self._maps[n]
 
     def drop(self, names: list[str]) -> None:
         """Forget slots (a manager closed); a mapping lives on while a view holds it."""

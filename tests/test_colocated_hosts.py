@@ -151,6 +151,8 @@ def test_a_restores_arrays_come_back_through_reply_slots_never_refilled_under_th
     mapping here (no copy): a slot is refilled only once every array over it is
     gone. Restores whose arrays are all still held keep their values, however
     many follow; once they are dropped, the next restore reuses a slot."""
+    from mtc.slots import REPLY_PREFIX
+
     sharding = NamedSharding(mesh, PartitionSpec("replica", "model"))
     target = {"w": jax.ShapeDtypeStruct((8, 1 << 19), np.float32, sharding=sharding)}
 
@@ -168,13 +170,36 @@ def test_a_restores_arrays_come_back_through_reply_slots_never_refilled_under_th
         for step, w in held:  # each restore's values, whatever came after it
             assert np.all(np.asarray(w) == step), step
         replies = names() - saved
-        assert replies and all(n.startswith("slot-") for n in replies), replies
+        assert replies and all(n.startswith(REPLY_PREFIX) for n in replies), replies
         assert len(replies) <= 2 * len(hosts.hosts)  # busy slots: fresh files instead
         del held, w
         for step in (201, 200):
             assert np.all(np.asarray(mgr.restore(step, target)["w"]) == step)
         assert names() - saved == replies  # refilled, not made anew
     assert [sorted(p.name for p in h.area.iterdir()) for h in hosts.hosts] == [[]] * 4
+
+
+def test_a_restarted_sidecar_removes_its_predecessors_reply_slots(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path) -> None:
+    """A killed sidecar's reply slots would hold area memory for ever: its
+    successor removes them as it starts, while a restore's arrays over them here
+    keep their values (the mapping outlives the file)."""
+    from mtc.slots import REPLY_PREFIX
+
+    sharding = NamedSharding(mesh, PartitionSpec("replica", "model"))
+    w = jax.device_put(np.full((8, 1 << 19), 7, np.float32), sharding)
+    area = hosts.hosts[0].area
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh, options=_opts(hosts)) as mgr:
+        assert mgr.save(300, {"w": w})
+        mgr.wait_until_finished()
+        back = mgr.restore(300, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype,
+                                                           sharding=sharding)})["w"]
+        left = {p.name for p in area.iterdir() if p.name.startswith(REPLY_PREFIX)}
+        assert left
+        hosts.kill_sidecar(0)
+        hosts.start_sidecar(0, SLICES)
+        assert not left & {p.name for p in area.iterdir()}
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(w))
 
 
 def test_prng_keys_cross_a_call_as_jax_converts_them(hosts: Hosts) -> None:

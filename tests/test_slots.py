@@ -130,3 +130,25 @@ def test_a_hosts_reply_pool_is_named_by_a_well_formed_report_only() -> None:
     for bad in ("../x", "AB" * 16, 7, "a" * 33):
         with pytest.raises(ProtocolError, match="reply-slot report"):
             _boot_of({"boot": bad})
+
+
+def test_reply_slots_are_named_apart_and_a_restarted_writers_are_forgotten(
+        tmp_path: Path) -> None:
+    """A host's reply slots have names of their own (its successor removes its
+    predecessor's by name); the reading side accepts only its kind, and forgets
+    the slots no view holds when their writer restarted."""
+    from mtc.slots import REPLY_PREFIX
+
+    pool = SlotPool(tmp_path, prefix=REPLY_PREFIX)
+    maps = SlotMaps(tmp_path, prefix=REPLY_PREFIX)
+    header, held = _call(tmp_path, pool, maps, 3)
+    assert str(header["slot"]).startswith(REPLY_PREFIX)
+    with pytest.raises(ProtocolError, match="bad slot"):  # not an input slot's reader
+        _call(tmp_path, pool, SlotMaps(tmp_path), 4)
+    pool2 = SlotPool(tmp_path, prefix=REPLY_PREFIX)  # a restarted host's pool
+    _, idle = _call(tmp_path, pool2, maps, 5)
+    del idle
+    gc.collect()
+    maps.forget_idle()
+    assert maps.report() == {header["slot"]: [1, True]}  # the held one stays mapped
+    assert np.all(held[0] == 3)

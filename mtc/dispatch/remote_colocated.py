@@ -109,7 +109,10 @@ class Runtime:
         self._slots = {h: slots.SlotPool(s.area) for h, s in sidecars.items()}
         # Each host's reply slots, mapped once; every call reports which uses of
         # them arrays here still hold (a restore's arrays adopt the mapping).
-        self._replies = {h: slots.SlotMaps(s.area) for h, s in sidecars.items()}
+        self._replies = {h: slots.SlotMaps(s.area, prefix=slots.REPLY_PREFIX)
+                         for h, s in sidecars.items()}
+        self._boots: dict[int, str] = {}  # each host's sidecar, as its replies name it
+        self._boots_lock = threading.Lock()
         _register(self)
 
     def close(self) -> None:
@@ -124,6 +127,8 @@ class Runtime:
         self._pool.shutdown(wait=True)
         for pool in self._slots.values():
             pool.close()
+        for maps in self._replies.values():
+            maps.forget_idle()
         for c in self._channels.values():
             c.close()
 
@@ -193,6 +198,12 @@ class Runtime:
                         host=h) from None
                 got, data = transfer.unpack_message(area, reply, replies)
                 self._slots[h].update(got)
+                boot = got.get("boot")
+                with self._boots_lock:
+                    if isinstance(boot, str) and self._boots.setdefault(h, boot) != boot:
+                        # A restarted sidecar: its predecessor's slots are gone.
+                        self._boots[h] = boot
+                        replies.forget_idle()
                 if "error" in got:
                     _raise(h, got["error"])
                 if not got.get("unknown_program"):

@@ -33,6 +33,7 @@ all of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -142,6 +143,13 @@ class ColocatedServer:
         # One pool per controller runtime (its report's boot id), the newest
         # REPLY_POOLS kept: a killed controller's slots go when a new one comes.
         self._replies: OrderedDict[str, slots.SlotPool] = OrderedDict()
+        # A predecessor's reply slots (this host's alone write them): a killed
+        # sidecar's go when its successor starts (a controller's mapping keeps its
+        # pages while its arrays live).
+        for name in os.listdir(area):
+            if name.startswith(slots.REPLY_PREFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(area / name)
         self._run = threading.Lock()
         # A call's arrays are let go on this thread once its reply is built. JAX
         # releases an array's host memory lazily, inside the next transfer to a
@@ -266,7 +274,7 @@ class ColocatedServer:
             return None
         pool = self._replies.get(boot)
         if pool is None:
-            pool = self._replies[boot] = slots.SlotPool(self.area)
+            pool = self._replies[boot] = slots.SlotPool(self.area, prefix=slots.REPLY_PREFIX)
             while len(self._replies) > REPLY_POOLS:  # the oldest controller's go
                 self._replies.popitem(last=False)[1].close()
         self._replies.move_to_end(boot)
