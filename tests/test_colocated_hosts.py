@@ -12,7 +12,9 @@ see a step file.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -200,6 +202,48 @@ def test_a_restarted_sidecar_removes_its_predecessors_reply_slots(
         hosts.start_sidecar(0, SLICES)
         assert not left & {p.name for p in area.iterdir()}
         np.testing.assert_array_equal(np.asarray(back), np.asarray(w))
+
+
+def test_a_poll_between_saves_never_holds_a_training_step(hosts: Hosts, mesh: Mesh,
+                                                         tmp_path: Path) -> None:
+    """While a save is in flight, ``save`` off the interval (every training step)
+    polls the hosts at most every POLL_INTERVAL_S in the background: a slow round
+    trip never holds the step, and what the poll raised comes out of a later
+    ``save``, typed and naming the host."""
+    from mtc.dispatch.colocated import POLL_INTERVAL_S
+    from mtc.errors import StorageError
+
+    w = jax.device_put(np.ones((8, 16), np.float32),
+                       NamedSharding(mesh, PartitionSpec("replica", "model")))
+    opts = dataclasses.replace(_opts(hosts), save_interval_steps=100)
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh, options=opts) as mgr:
+        dispatch = mgr._dispatch  # type: ignore[attr-defined]
+        real = dispatch._poll
+        polls: list[float] = []
+
+        def slow_poll(*args: object) -> object:  # a host's round trip of 0.5 s
+            polls.append(time.monotonic())
+            time.sleep(0.5)
+            if len(polls) == 3:
+                raise StorageError("the RAM disk failed", host=2)
+            return real(*args)
+
+        dispatch._poll = slow_poll
+        assert mgr.save(100, {"w": w})
+        longest = 0.0
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="RAM disk failed") as e:
+            for step in range(101, 400):  # bounded: 15 s at most
+                t = time.monotonic()
+                assert not mgr.save(step, {"w": w})
+                longest = max(longest, time.monotonic() - t)
+                time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert e.value.host == 2
+        assert longest < 0.25, longest  # no step waited for a 0.5 s poll
+        assert len(polls) == 3 and took < 4 * POLL_INTERVAL_S + 2, (polls, took)
+        assert all(b - a >= POLL_INTERVAL_S for a, b in itertools.pairwise(polls))
+        dispatch._poll = real
 
 
 def test_prng_keys_cross_a_call_as_jax_converts_them(hosts: Hosts) -> None:

@@ -124,6 +124,8 @@ class ColocatedDispatch(HostCalls):
         self._pinned: list[np.ndarray] = []
         self._unwaited = False
         self._polled = 0.0
+        # A poll between saves, made in the background (check_before_save).
+        self._polling: jax.Array | Future[jax.Array] | None = None
         # On the local cluster a stage call runs on this thread of its own, as a
         # Pathways call returns before the workers answer (the save's stall is the
         # dispatch, not the hosts' work); the next call waits for it first.
@@ -214,9 +216,12 @@ class ColocatedDispatch(HostCalls):
     # -- save -------------------------------------------------------------------------
 
     def _collect(self) -> None:
-        """The last save's stage answer: a worker's refusal is raised here, on the call
-        after the save, as a background write's error would be."""
+        """The last save's stage answer, and the answer of a poll in flight: a
+        worker's refusal is raised here, on the call after the save, as a
+        background write's error would be. Every call to the workers comes after
+        this, so calls to one host never overlap."""
         staged, self._staged = self._staged, None
+        polling, self._polling = self._polling, None
         try:
             if isinstance(staged, Future):
                 staged = staged.result()
@@ -224,12 +229,34 @@ class ColocatedDispatch(HostCalls):
                 self._unanimous(staged, "stage")
         finally:
             self._staged_inputs, self._pinned = [], []
+            if isinstance(polling, Future):
+                polling = polling.result()
+        if polling is not None:
+            self._unanimous(polling, "poll")
 
     def check_before_save(self, due: bool) -> None:
-        # A save that follows polls in its first call; off the interval, a save in
-        # flight is polled at most every POLL_INTERVAL_S.
-        if not due and self._unwaited and time.monotonic() - self._polled >= POLL_INTERVAL_S:
-            self.raise_background_error()
+        """A save that follows polls in its first call. Off the interval, a save in
+        flight is polled at most every POLL_INTERVAL_S, in the background: the
+        poll's answer is read at the first check after it came (or the next call),
+        so a training step never waits for the hosts' round trip."""
+        if due or not self._unwaited:
+            return
+        polling = self._polling
+        if polling is not None:
+            done = (polling.done() if isinstance(polling, Future)
+                    else polling.is_ready())  # type: ignore[attr-defined]
+            if not done:
+                return
+            self._collect()  # raises a background error the hosts reported
+        if time.monotonic() - self._polled < POLL_INTERVAL_S:
+            return
+        self._polled = time.monotonic()
+        if self._async is None:  # a Pathways call returns at once; its answer comes later
+            self._polling = self._invoke(self._poll, self._small_ranks)
+            return
+        # Behind a stage in flight, on the same thread: calls to a host stay in order.
+        self.calls += 1
+        self._polling = self._async.submit(self._poll, self._small_ranks)
 
     def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
              hosts: Sequence[int], before_send: BeforeSend) -> bool:
