@@ -2,7 +2,7 @@
 
 Prints one JSON object to stdout (progress goes to stderr)::
 
-    .venv/bin/python bench/restore_hosts.py [--samples 15] [--warmup 3]
+    .venv/bin/python bench/restore_hosts.py [--samples 31] [--warmup 3]
         [--call-latency-ms 3]
 
 The state is a few KiB: a restore's time is then its colocated calls (each costs
@@ -10,7 +10,9 @@ the sidecars' ``--colocated-call-latency-ms``, as the hop through Pathways' prox
 does) and its per-host work. Each host is an isolated sidecar running the
 controller's colocated-Python programs as a Pathways worker would. The figure is
 ``restore_8_over_4``: the median restore with 8 hosts over the median with 4
-(target at most 1.3: calls do not grow with hosts).
+(target at most 1.3: calls do not grow with hosts). Both clusters are up at
+once and their restores alternate round by round, so that drift in the
+machine's load hits both alike.
 """
 
 from __future__ import annotations
@@ -38,58 +40,85 @@ import mtc
 TARGET = 1.3
 
 
-def _one(root: Path, hosts_n: int, samples: int, warmup: int, latency_ms: float
-         ) -> dict[str, Any]:
-    from mtc.trainer.isolation import Hosts
+class _Cluster:
+    """``n`` isolated hosts, and a manager of a tiny state saved on them."""
 
-    hosts = Hosts(root / f"hosts-{hosts_n}", hosts_n, ramdisk_bytes=64 << 20,
-                  colocated_devices=len(jax.devices()))
-    slices = [i * 2 // hosts_n for i in range(hosts_n)]
-    try:
-        for i in range(hosts_n):
-            hosts.start_sidecar(i, slices, wait=False,
-                                extra=["--colocated-call-latency-ms", str(latency_ms)])
-        for i in range(hosts_n):
-            hosts.wait_sidecar(i)
+    def __init__(self, root: Path, n: int, latency_ms: float) -> None:
+        from mtc.trainer.isolation import Hosts
+
+        self.n = n
+        self.hosts = Hosts(root / f"hosts-{n}", n, ramdisk_bytes=64 << 20,
+                           colocated_devices=len(jax.devices()))
+        self.mgr: mtc.CheckpointManager | None = None
+        self.seconds: list[float] = []
+        self.calls: set[int] = set()
+        slices = [i * 2 // n for i in range(n)]
+        for i in range(n):
+            self.hosts.start_sidecar(i, slices, wait=False,
+                                     extra=["--colocated-call-latency-ms", str(latency_ms)])
+        for i in range(n):
+            self.hosts.wait_sidecar(i)
         mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("slice", "data"))
-        options = mtc.Options(simulated_hosts=hosts_n, hosts_per_slice=hosts_n // 2,
-                              sidecars=tuple(h.sidecar_address for h in hosts.hosts),
-                              replicator_token=hosts.token(), dispatch="colocated")
-        state = {"w": jax.device_put(np.arange(8 * 64, dtype=np.float32).reshape(8, 64),
-                                     NamedSharding(mesh, PartitionSpec(("slice", "data")))),
-                 "b": jax.device_put(np.ones(16, np.float32), NamedSharding(mesh, PartitionSpec())),
-                 "step": 1}
-        with mtc.CheckpointManager(root / f"controller-{hosts_n}", mesh=mesh,
-                                   options=options) as mgr:
-            mgr.save(1, state)
-            mgr.wait_until_finished()
-            seconds, calls = [], []
-            for k in range(warmup + samples):
-                c0 = mgr._dispatch.calls  # type: ignore[attr-defined]
-                t0 = time.perf_counter()
-                jax.block_until_ready(mgr.restore(1, state))
-                dt = time.perf_counter() - t0
-                if k >= warmup:
-                    seconds.append(dt)
-                    calls.append(mgr._dispatch.calls - c0)  # type: ignore[attr-defined]
-        return {"hosts": hosts_n, "median_s": statistics.median(seconds), "min_s": min(seconds),
-                "samples_s": seconds, "calls_per_restore": sorted(set(calls)),
-                "isolation": hosts.describe()}
-    finally:
-        hosts.down()
+        options = mtc.Options(simulated_hosts=n, hosts_per_slice=n // 2,
+                              sidecars=tuple(h.sidecar_address for h in self.hosts.hosts),
+                              replicator_token=self.hosts.token(), dispatch="colocated")
+        self.state = {
+            "w": jax.device_put(np.arange(8 * 64, dtype=np.float32).reshape(8, 64),
+                                NamedSharding(mesh, PartitionSpec(("slice", "data")))),
+            "b": jax.device_put(np.ones(16, np.float32), NamedSharding(mesh, PartitionSpec())),
+            "step": 1}
+        self.mgr = mtc.CheckpointManager(root / f"controller-{n}", mesh=mesh, options=options)
+        self.mgr.save(1, self.state)
+        self.mgr.wait_until_finished()
+
+    def restore(self, keep: bool) -> None:
+        assert self.mgr is not None
+        c0 = self.mgr._dispatch.calls  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.mgr.restore(1, self.state))
+        dt = time.perf_counter() - t0
+        if keep:
+            self.seconds.append(dt)
+            self.calls.add(self.mgr._dispatch.calls - c0)  # type: ignore[attr-defined]
+
+    def result(self) -> dict[str, Any]:
+        return {"hosts": self.n, "median_s": statistics.median(self.seconds),
+                "min_s": min(self.seconds), "samples_s": self.seconds,
+                "calls_per_restore": sorted(self.calls), "isolation": self.hosts.describe()}
+
+    def close(self) -> None:
+        try:
+            if self.mgr is not None:
+                self.mgr.close()
+        finally:
+            self.hosts.down()
 
 
 def run(root: Path, samples: int, warmup: int, latency_ms: float) -> dict[str, Any]:
+    """Both clusters up at once, their restores interleaved round by round, so that
+    drift in the machine's load hits both alike (the idle cluster's processes
+    wait on their sockets)."""
     t_start = time.perf_counter()
-    by_hosts = {}
-    for n in (4, 8):
-        log(f"{n} hosts")
-        by_hosts[n] = _one(root, n, samples, warmup, latency_ms)
+    clusters: dict[int, _Cluster] = {}
+    try:
+        for n in (4, 8):
+            log(f"{n} hosts")
+            clusters[n] = _Cluster(root, n, latency_ms)
+        log(f"{warmup} warm-up and {samples} timed rounds")
+        for k in range(warmup + samples):
+            order = (4, 8) if k % 2 == 0 else (8, 4)  # neither always follows the other
+            for n in order:
+                clusters[n].restore(keep=k >= warmup)
+        by_hosts = {n: c.result() for n, c in clusters.items()}
+    finally:
+        for c in clusters.values():
+            c.close()
     ratio = by_hosts[8]["median_s"] / by_hosts[4]["median_s"]
     return {"dispatch": "colocated",
             "config": {"samples": samples, "warmup": warmup,
                        "colocated_call_latency_ms": latency_ms, "devices": len(jax.devices()),
-                       "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0]},
+                       "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0],
+                       "rounds": "interleaved: one restore of each cluster a round"},
             "hosts_4": by_hosts[4], "hosts_8": by_hosts[8],
             "ratios": {"restore_8_over_4": ratio},
             "targets": {"restore_8_over_4": f"<= {TARGET}"},
@@ -99,7 +128,7 @@ def run(root: Path, samples: int, warmup: int, latency_ms: float) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--samples", type=int, default=31)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--call-latency-ms", type=float, default=3.0,
                    help="the sidecars' --colocated-call-latency-ms (default 3)")

@@ -246,6 +246,27 @@ def test_a_poll_between_saves_never_holds_a_training_step(hosts: Hosts, mesh: Me
         dispatch._poll = real
 
 
+def test_two_managers_over_the_same_devices_each_reach_their_own_hosts(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path) -> None:
+    """Two managers open at once over the same CPU devices, each with its own
+    sidecars (two clusters from one controller): a program JAX first compiles
+    for one of them (a restore's load, after the other opened) goes to that
+    manager's hosts, never to the newer manager's."""
+    sharding = NamedSharding(mesh, PartitionSpec("replica", "model"))
+    target = {"w": jax.ShapeDtypeStruct((8, 16), np.float32, sharding=sharding)}
+    with sidecar_hosts("coloc2", SLICES, ramdisk_bytes=64 << 20,
+                       colocated_devices=8) as other, \
+            mtc.CheckpointManager(tmp_path / "a", mesh=mesh, options=_opts(hosts)) as a:
+        assert a.save(500, {"w": jax.device_put(np.full((8, 16), 1, np.float32), sharding)})
+        a.wait_until_finished()
+        with mtc.CheckpointManager(tmp_path / "b", mesh=mesh, options=_opts(other)) as b:
+            assert b.save(500, {"w": jax.device_put(np.full((8, 16), 2, np.float32),
+                                                    sharding)})
+            b.wait_until_finished()
+            assert np.all(np.asarray(a.restore(500, target)["w"]) == 1)
+            assert np.all(np.asarray(b.restore(500, target)["w"]) == 2)
+
+
 def test_prng_keys_cross_a_call_as_jax_converts_them(hosts: Hosts) -> None:
     """JAX's compile step sends a PRNG key array as its key data and wraps it back on
     either side; the local runtime does the same instead of refusing it."""

@@ -143,7 +143,15 @@ class ColocatedDispatch(HostCalls):
 
     def _invoke(self, fn: Callable[..., Any], *args: Any) -> Any:
         self.calls += 1
-        return fn(*args)
+        return self._on_runtime(fn, *args)
+
+    def _on_runtime(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a program JAX compiles for it going to this dispatcher's
+        hosts (another manager's, over the same CPU devices, may be open)."""
+        if self._runtime is None:
+            return fn(*args)
+        with self._runtime.serving():
+            return fn(*args)
 
     # -- host requests ----------------------------------------------------------------
 
@@ -256,7 +264,7 @@ class ColocatedDispatch(HostCalls):
             return
         # Behind a stage in flight, on the same thread: calls to a host stay in order.
         self.calls += 1
-        self._polling = self._async.submit(self._poll, self._small_ranks)
+        self._polling = self._async.submit(self._on_runtime, self._poll, self._small_ranks)
 
     def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
              hosts: Sequence[int], before_send: BeforeSend) -> bool:
@@ -302,8 +310,8 @@ class ColocatedDispatch(HostCalls):
         # copy) keeps a step that donates the state's buffers from changing them.
         self._pinned = [np.asarray(s.data) for a in inputs for s in a.addressable_shards]
         self.calls += 1
-        self._staged = self._async.submit(self._stage, header_arr, self._ranks, inputs,
-                                          requests)
+        self._staged = self._async.submit(self._on_runtime, self._stage, header_arr,
+                                          self._ranks, inputs, requests)
         self._staged_inputs = inputs
         return True
 

@@ -21,8 +21,10 @@ here are gone.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import wait
 from typing import Any
 
@@ -41,17 +43,26 @@ METHOD = "/mtc.Host/Execute"
 
 _lock = threading.Lock()
 _runtimes: list[Runtime] = []
+# The runtime a dispatcher's call is being made through (JAX compiles a program
+# inside the call that first needs it): two managers over the same CPU devices
+# (two clusters, or a resized job's) each reach their own hosts.
+_serving: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar(
+    "mtc_colocated_runtime", default=None)
 _original: Callable[..., Any] | None = None  # JAX's own step, while one is registered
 
 
 def _compile(name: str, fun: Callable[..., Any], in_specs_treedef: Any,
              in_specs_leaves: tuple[Any, ...], out_specs_treedef: Any,
              out_specs_leaves: tuple[Any, ...], devices: Any) -> Callable[..., Any]:
-    """Stands in for ``colocated_python.func._compile_to_executable``."""
+    """Stands in for ``colocated_python.func._compile_to_executable``: the program
+    goes to the hosts of the runtime the calling dispatcher serves through
+    (:meth:`Runtime.serving`), else of the newest runtime over its devices."""
     ids = {d.id for d in devices}
+    current = _serving.get()
     with _lock:
         # The newest first: a manager made for a resized mesh before the old one closed.
-        runtime = next((r for r in reversed(_runtimes) if ids <= set(r.host_of_device)), None)
+        runtime = next((r for r in ([current] if current is not None else reversed(_runtimes))
+                        if ids <= set(r.host_of_device)), None)
     if runtime is None:  # not in-process either: that would check nothing
         raise ColocatedCallError(f"{name}: no host serves CPU devices {sorted(ids)}")
     return runtime.compile(name, fun, in_specs_treedef, in_specs_leaves, out_specs_treedef,
@@ -114,6 +125,15 @@ class Runtime:
         self._boots: dict[int, str] = {}  # each host's sidecar, as its replies name it
         self._boots_lock = threading.Lock()
         _register(self)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Programs JAX compiles meanwhile (on this thread) go to this runtime's hosts."""
+        token = _serving.set(self)
+        try:
+            yield
+        finally:
+            _serving.reset(token)
 
     def close(self) -> None:
         """Unregistered, and every host told to drop the programs (and with them
