@@ -153,6 +153,7 @@ class SlotMaps:
         self._name = re.compile(re.escape(prefix) + _TAG)
         self.boot = uuid.uuid4().hex
         self._maps: dict[str, _Mapped] = {}
+        self._stale: set[str] = set()  # forgotten once released (forget_all)
         # Reentrant: a lease may be released by the thread that holds it.
         self._lock = threading.RLock()
 
@@ -195,18 +196,25 @@ class SlotMaps:
             m = self._maps.get(name)
             if m is not None and m.use == use:
                 m.busy = False
+                if name in self._stale:
+                    self._stale.discard(name)
+                    del self._maps[name]
 
     def report(self) -> dict[str, list[Any]]:
         """Each slot's last use and whether it is still held."""
         with self._lock:
             return {n: [m.use, m.busy] for n, m in self._maps.items()}
 
-    def forget_idle(self) -> None:
-        """Forget every slot no view holds (their writer restarted: its new slots
-        have other names); a mapping lives on while a view holds it."""
+    def forget_all(self) -> None:
+        """Forget every slot (their writer restarted: its new slots have other
+        names): those no view holds now, the others once their last view goes (a
+        mapping lives on while a view holds it, and no longer)."""
         with self._lock:
-            for n in [n for n, m in self._maps.items() if not m.busy]:
-                del self._maps[n]
+            for n, m in list(self._maps.items()):
+                if m.busy:
+                    self._stale.add(n)
+                else:
+                    del self._maps[n]
 
     def drop(self, names: list[str]) -> None:
         """Forget slots (a manager closed); a mapping lives on while a view holds it."""

@@ -149,6 +149,9 @@ def test_reply_slots_are_named_apart_and_a_restarted_writers_are_forgotten(
     _, idle = _call(tmp_path, pool2, maps, 5)
     del idle
     gc.collect()
-    maps.forget_idle()
+    maps.forget_all()
     assert maps.report() == {header["slot"]: [1, True]}  # the held one stays mapped
     assert np.all(held[0] == 3)
+    del held
+    gc.collect()
+    assert maps.report() == {}  # and goes with its last view

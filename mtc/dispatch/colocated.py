@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
 
@@ -237,8 +238,10 @@ class ColocatedDispatch(HostCalls):
                 self._unanimous(staged, "stage")
         finally:
             self._staged_inputs, self._pinned = [], []
-            if isinstance(polling, Future):
-                polling = polling.result()
+            if isinstance(polling, Future):  # no call overlaps it, whatever was raised
+                futures.wait([polling])
+        if isinstance(polling, Future):
+            polling = polling.result()
         if polling is not None:
             self._unanimous(polling, "poll")
 

@@ -148,7 +148,7 @@ class Runtime:
         for pool in self._slots.values():
             pool.close()
         for maps in self._replies.values():
-            maps.forget_idle()
+            maps.forget_all()
         for c in self._channels.values():
             c.close()
 
@@ -223,7 +223,7 @@ class Runtime:
                     if isinstance(boot, str) and self._boots.setdefault(h, boot) != boot:
                         # A restarted sidecar: its predecessor's slots are gone.
                         self._boots[h] = boot
-                        replies.forget_idle()
+                        replies.forget_all()
                 if "error" in got:
                     _raise(h, got["error"])
                 if not got.get("unknown_program"):
