@@ -52,6 +52,14 @@ class _Cluster:
         self.mgr: mtc.CheckpointManager | None = None
         self.seconds: list[float] = []
         self.calls: set[int] = set()
+        try:
+            self._start(root, latency_ms)
+        except BaseException:
+            self.close()  # nothing of a cluster that did not start is left
+            raise
+
+    def _start(self, root: Path, latency_ms: float) -> None:
+        n = self.n
         slices = [i * 2 // n for i in range(n)]
         for i in range(n):
             self.hosts.start_sidecar(i, slices, wait=False,
