@@ -136,7 +136,8 @@ def test_reply_slots_are_named_apart_and_a_restarted_writers_are_forgotten(
         tmp_path: Path) -> None:
     """A host's reply slots have names of their own (its successor removes its
     predecessor's by name); the reading side accepts only its kind, and forgets
-    the slots no view holds when their writer restarted."""
+    a restarted writer's slots: at once those no view holds, the others with
+    their last view."""
     from mtc.slots import REPLY_PREFIX
 
     pool = SlotPool(tmp_path, prefix=REPLY_PREFIX)
