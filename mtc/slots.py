@@ -93,11 +93,12 @@ class SlotPool:
         with self._lock:
             slot.busy = False
 
-    def update(self, header: dict[str, Any]) -> None:
-        """Free the slots a host's reply reports released (the use sent last)."""
+    def update(self, header: dict[str, Any]) -> bool:
+        """Free the slots the reader's report in ``header`` says released (the use
+        sent last); True when the reader restarted since its last report."""
         boot, report = header.get("boot"), header.get("slots")
         if not isinstance(boot, str) or not isinstance(report, dict):
-            return  # a sidecar that keeps no slots
+            return False  # a sidecar that keeps no slots
         with self._lock:
             restarted = self._boot is not None and boot != self._boot
             self._boot = boot
@@ -110,6 +111,7 @@ class SlotPool:
                         s.busy = False
                 elif int(got[0]) == s.use and not got[1]:
                     s.busy = False
+        return restarted
 
     def close(self) -> None:
         """Every slot's file removed (a closed manager keeps nothing in the area)."""

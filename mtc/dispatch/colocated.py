@@ -146,6 +146,13 @@ class ColocatedDispatch(HostCalls):
         self.calls += 1
         return self._on_runtime(fn, *args)
 
+    def _invoke_later(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """``fn(*args)`` on the local cluster's call thread (a Pathways call returns
+        before the workers answer), after any call made there before it."""
+        assert self._async is not None
+        self.calls += 1
+        return self._async.submit(self._on_runtime, fn, *args)
+
     def _on_runtime(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, a program JAX compiles for it going to this dispatcher's
         hosts (another manager's, over the same CPU devices, may be open)."""
@@ -266,8 +273,7 @@ class ColocatedDispatch(HostCalls):
             self._polling = self._invoke(self._poll, self._small_ranks)
             return
         # Behind a stage in flight, on the same thread: calls to a host stay in order.
-        self.calls += 1
-        self._polling = self._async.submit(self._on_runtime, self._poll, self._small_ranks)
+        self._polling = self._invoke_later(self._poll, self._small_ranks)
 
     def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
              hosts: Sequence[int], before_send: BeforeSend) -> bool:
@@ -312,9 +318,8 @@ class ColocatedDispatch(HostCalls):
         # The values of this moment: a host view of every shard (CPU devices: no
         # copy) keeps a step that donates the state's buffers from changing them.
         self._pinned = [np.asarray(s.data) for a in inputs for s in a.addressable_shards]
-        self.calls += 1
-        self._staged = self._async.submit(self._on_runtime, self._stage, header_arr,
-                                          self._ranks, inputs, requests)
+        self._staged = self._invoke_later(self._stage, header_arr, self._ranks, inputs,
+                                          requests)
         self._staged_inputs = inputs
         return True
 

@@ -122,8 +122,6 @@ class Runtime:
         # them arrays here still hold (a restore's arrays adopt the mapping).
         self._replies = {h: slots.SlotMaps(s.area, prefix=slots.REPLY_PREFIX)
                          for h, s in sidecars.items()}
-        self._boots: dict[int, str] = {}  # each host's sidecar, as its replies name it
-        self._boots_lock = threading.Lock()
         _register(self)
 
     @contextlib.contextmanager
@@ -217,13 +215,8 @@ class Runtime:
                         f"{name}: sidecar unreachable: {e.code().name}: {e.details()}",
                         host=h) from None
                 got, data = transfer.unpack_message(area, reply, replies)
-                self._slots[h].update(got)
-                boot = got.get("boot")
-                with self._boots_lock:
-                    if isinstance(boot, str) and self._boots.setdefault(h, boot) != boot:
-                        # A restarted sidecar: its predecessor's slots are gone.
-                        self._boots[h] = boot
-                        replies.forget_all()
+                if self._slots[h].update(got):
+                    replies.forget_all()  # a restarted sidecar: its predecessor's are gone
                 if "error" in got:
                     _raise(h, got["error"])
                 if not got.get("unknown_program"):
