@@ -7,7 +7,8 @@ trainer's process sees an empty folder where the host's steps are. The bridge
 lives in a namespace of the cluster's own (the "switch"), joined to the caller's
 namespace by one link: traffic between hosts never crosses the caller's
 firewall (Docker's FORWARD DROP and bridge netfilter on a workstation), and the
-caller reaches the hosts as directly connected neighbours. The host's
+caller reaches the hosts as directly connected neighbours (the network is
+:mod:`mtc.trainer.netns`'s). The host's
 sidecar starts the namespaces; its replicator joins them (``nsenter``), as the
 containers of one pod share a volume. Without root, each host is separate
 processes with a private folder, through the same code paths.
@@ -31,7 +32,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from mtc.sidecar.host.ports import free_ports
+from mtc.trainer import netns
 
 READY_TIMEOUT_S = 60.0
 SIDECAR_PORT = 7100  # inside a host's namespace
@@ -51,12 +52,6 @@ def namespaces_available() -> bool:
     """Root, and the tools: ip (netns, veth, bridge), unshare, nsenter."""
     return (os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "unshare", "nsenter"))
             and os.environ.get("MTC_ISOLATION", "namespaces") != "processes")
-
-
-def _run(*cmd: str) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
 
 
 @dataclasses.dataclass
@@ -124,8 +119,9 @@ class Hosts:
         self.switch = f"mtc{self.tag}sw"  # the namespace the bridge lives in
         self.hosts: list[Host] = []
         base.mkdir(parents=True, exist_ok=True)
+        self._blackholes = netns.Blackholes()
         if self.isolation == "namespaces":
-            self._make_network()
+            netns.make_switch(self.tag, self.switch, self.bridge, self.subnet)
         for i in range(n):
             hd = base / f"host-{i}"
             ns = f"mtc{self.tag}h{i}" if self.isolation == "namespaces" else None
@@ -136,7 +132,7 @@ class Hosts:
             h.root.mkdir(parents=True, exist_ok=True)
             h.area.mkdir(parents=True, exist_ok=True)
             if ns:
-                self._add_host_network(h)
+                netns.add_host(self.tag, self.switch, self.bridge, i, ns, addr)
             self.hosts.append(h)
 
     # -- state ------------------------------------------------------------------------
@@ -157,36 +153,10 @@ class Hosts:
         self.bridge, self.switch = d["bridge"], d["switch"]
         self.colocated_devices = int(d.get("colocated_devices", 0))
         self.hosts = [Host.from_json(h) for h in d["hosts"]]
+        self._blackholes = netns.Blackholes()
         return self
 
     # -- network ----------------------------------------------------------------------
-
-    def _make_network(self) -> None:
-        """The switch: a namespace holding the bridge, and the uplink from this
-        namespace to it (this side ``<subnet>.1``, the hosts' gateway)."""
-        sw, up_here, up_there = self.switch, f"mtu{self.tag}a", f"mtu{self.tag}b"
-        _run("ip", "netns", "add", sw)
-        _run("ip", "-n", sw, "link", "set", "lo", "up")
-        _run("ip", "-n", sw, "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "-n", sw, "link", "set", self.bridge, "up")
-        _run("ip", "link", "add", up_here, "type", "veth", "peer", "name", up_there,
-             "netns", sw)
-        _run("ip", "-n", sw, "link", "set", up_there, "master", self.bridge)
-        _run("ip", "-n", sw, "link", "set", up_there, "up")
-        _run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", up_here)
-        _run("ip", "link", "set", up_here, "up")
-
-    def _add_host_network(self, h: Host) -> None:
-        assert h.netns is not None
-        outer, inner = f"mtv{self.tag}{h.index}a", f"mtv{self.tag}{h.index}b"
-        _run("ip", "netns", "add", h.netns)
-        _run("ip", "-n", self.switch, "link", "add", outer, "type", "veth", "peer", "name",
-             inner, "netns", h.netns)
-        _run("ip", "-n", self.switch, "link", "set", outer, "master", self.bridge)
-        _run("ip", "-n", self.switch, "link", "set", outer, "up")
-        for cmd in (("addr", "add", f"{h.address}/24", "dev", inner),
-                    ("link", "set", inner, "up"), ("link", "set", "lo", "up")):
-            _run("ip", "-n", h.netns, *cmd)
 
     @property
     def gateway(self) -> str:
@@ -196,47 +166,14 @@ class Hosts:
 
     def link(self, host: int, up: bool) -> None:
         """Cut or restore a host's link (its port on the switch's bridge)."""
-        _run("ip", "-n", self.switch, "link", "set", f"mtv{self.tag}{host}a",
-             "up" if up else "down")
+        netns.set_link(self.tag, self.switch, host, up)
 
     def check_reach(self, port_of: Callable[[Host], int], timeout_s: float = 2.0) -> None:
-        """Every host reaches every other at ``port_of(host)`` (a TCP connect from
-        inside its namespace), or a RuntimeError within seconds naming the hosts
-        that cannot and the likely cause; from the caller's namespace too."""
-        if self.isolation != "namespaces":
-            return
-        probe = ("import socket, sys\n"
-                 "bad = []\n"
-                 "for a in sys.argv[2:]:\n"
-                 "    h, p = a.rsplit(':', 1)\n"
-                 "    try:\n"
-                 "        socket.create_connection((h, int(p)), float(sys.argv[1])).close()\n"
-                 "    except OSError as e:\n"
-                 "        bad.append(f'{a} ({e})')\n"
-                 "print('; '.join(bad))\n")
-        targets = {h.index: f"{h.address}:{port_of(h)}" for h in self.hosts}
-        checks = {h.index: subprocess.Popen(
-            ["ip", "netns", "exec", h.netns or "", sys.executable, "-c", probe, str(timeout_s),
-             *[t for j, t in targets.items() if j != h.index]],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in self.hosts}
-        problems = []
-        for i, proc in checks.items():
-            out, err = proc.communicate(timeout=timeout_s * len(self.hosts) + 30)
-            if proc.returncode != 0 or out.strip():
-                problems.append(f"host {i} ({self.hosts[i].address}) cannot reach "
-                                f"{out.strip() or err.strip()[-300:]}")
-        for i, t in targets.items():
-            host, port = t.rsplit(":", 1)
-            try:
-                socket.create_connection((host, int(port)), timeout_s).close()
-            except OSError as e:
-                problems.append(f"this namespace cannot reach host {i} at {t} ({e})")
-        if problems:
-            raise RuntimeError(
-                "the local cluster's hosts cannot reach each other: " + "; ".join(problems)
-                + f". Their traffic crosses only the cluster's own namespaces ({self.switch} "
-                "and the hosts'): look for a firewall or route inside them, or a subnet "
-                f"({self.subnet}.0/24) that this machine already uses")
+        """Every host reaches every other at ``port_of(host)``, and this namespace
+        each, or a RuntimeError within seconds (:func:`netns.check_reach`)."""
+        if self.isolation == "namespaces":
+            netns.check_reach({h.index: (h.netns or "", f"{h.address}:{port_of(h)}")
+                               for h in self.hosts}, self.switch, self.subnet, timeout_s)
 
     # -- processes --------------------------------------------------------------------
 
@@ -397,15 +334,7 @@ class Hosts:
         for i in range(self.n):
             self.kill(i)
         if self.isolation == "namespaces":
-            for h in self.hosts:
-                if h.netns:
-                    subprocess.run(["ip", "netns", "del", h.netns], capture_output=True,
-                                   check=False)
-            # The switch takes the bridge and every port with it; the uplink goes too.
-            subprocess.run(["ip", "netns", "del", self.switch], capture_output=True,
-                           check=False)
-            subprocess.run(["ip", "link", "del", f"mtu{self.tag}a"], capture_output=True,
-                           check=False)
+            netns.remove(self.tag, self.switch, [h.netns for h in self.hosts if h.netns])
         shutil.rmtree(self.base, ignore_errors=True)
 
     # -- partitions (appended: network faults between hosts) --------------------------
@@ -421,41 +350,30 @@ class Hosts:
         if self.isolation != "namespaces":
             raise RuntimeError("partitions need network namespaces (root)")
         group_of = {h: g for g, members in enumerate(groups) for h in members}
-        cuts: list[tuple[str, str]] = getattr(self, "_cuts", [])
         for a in self.hosts:
             for b in self.hosts:
                 ga, gb = group_of.get(a.index), group_of.get(b.index)
-                if ga is None or gb is None or ga == gb or (a.netns, b.address) in cuts:
-                    continue
-                assert a.netns is not None
-                _run("ip", "-n", a.netns, "route", "add", "blackhole", f"{b.address}/32")
-                cuts.append((a.netns, b.address))
-        self._cuts = cuts
+                if ga is not None and gb is not None and ga != gb:
+                    assert a.netns is not None
+                    self._blackholes.add(a.netns, b.address)
 
     def cut(self, a: int, b: int) -> None:
         """Cut hosts ``a`` and ``b`` off each other only (a partial partition: each
         still reaches everyone else)."""
         if self.isolation != "namespaces":
             raise RuntimeError("partitions need network namespaces (root)")
-        cuts: list[tuple[str, str]] = getattr(self, "_cuts", [])
         for x, y in ((a, b), (b, a)):
-            ns, addr = self.hosts[x].netns, self.hosts[y].address
+            ns = self.hosts[x].netns
             assert ns is not None
-            if (ns, addr) not in cuts:
-                _run("ip", "-n", ns, "route", "add", "blackhole", f"{addr}/32")
-                cuts.append((ns, addr))
-        self._cuts = cuts
+            self._blackholes.add(ns, self.hosts[y].address)
 
     def heal(self) -> None:
         """Undo every :meth:`partition` and :meth:`cut`, and bring every link up."""
-        cuts: list[tuple[str, str]] = getattr(self, "_cuts", [])
-        while cuts:
-            ns, addr = cuts.pop()
-            subprocess.run(["ip", "-n", ns, "route", "del", "blackhole", f"{addr}/32"],
-                           capture_output=True, check=False)
+        self._blackholes.clear()
         if self.isolation == "namespaces":
             for i in range(self.n):
                 self.link(i, True)
+
 
 def _state_of(pid: int) -> str:
     try:
