@@ -346,8 +346,11 @@ def test_streams_cannot_freeze_a_replicator(net: Net) -> None:
                                                  crc32c=crc32c(data)) for i in range(36)]),
                          timeout=10, metadata=AUTH).transfer_id
         stop = threading.Event()
+        starts: list[float] = []
 
         def slow(i: int) -> str:
+            starts.append(time.monotonic())
+
             def drip() -> Iterator[bytes]:
                 for b in data:
                     if stop.wait(1.0):
@@ -373,7 +376,11 @@ def test_streams_cannot_freeze_a_replicator(net: Net) -> None:
             codes = [f.result(timeout=20) for f in results]
             took = time.monotonic() - t0
             stop.set()
-        assert codes.count("RESOURCE_EXHAUSTED") >= 36 - 8, codes
+        # At most 8 streams held at once: each admitted one is ended after its 1 s
+        # grace, so streams that arrive over a longer spread (a loaded machine) may
+        # find room again once a second.
+        generations = 1 + int((max(starts) - min(starts)) // 1.0)
+        assert codes.count("RESOURCE_EXHAUSTED") >= 36 - 8 * generations, (codes, generations)
         assert codes.count("CANCELLED") >= 1 and "OK" not in codes, codes
         assert took < 10, took  # ended by the server: 1 s grace, 64 KiB/s minimum rate
         stub.Abort(pb.AbortRequest(transfer_id=tid), timeout=5, metadata=AUTH)
