@@ -20,8 +20,10 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-# Below this a buffer's CRC32C costs less than handing the GIL over and back.
-NOGIL_MIN = 64 << 10
+# Below this a buffer's CRC32C costs less than handing the GIL over and back (a
+# thread that gave it away may wait a switch interval to take it back): the
+# threshold google_crc32c's extension uses for bytes.
+NOGIL_MIN = 1 << 20
 
 
 def _c_extend() -> Callable[[int, int, int], int] | None:
