@@ -185,8 +185,9 @@ class Manifest:
 
     @classmethod
     def summary_of(cls, data: bytes, *, path: str = "") -> Summary:
-        """The number of hosts that saved the step, the run that saved it and the
-        saving hosts' ranks, checked as :meth:`from_bytes` checks the manifest but
+        """The number of hosts that saved the step, the run that saved it, the
+        saving hosts' ranks, whose manifest it is and of which step, checked as
+        :meth:`from_bytes` checks the manifest but
         without building its leaves (a replicator asks this of every copy it
         lists; a manifest has thousands of shards)."""
         body = cls._body(data, path)
@@ -195,11 +196,12 @@ class Manifest:
             host = _int(body["host"], "host", 0)
             run = check_run(body.get("run", ""))
             ranks = _ranks(body)
+            step = _int(body["step"], "step", 0, STEP_MAX)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
         if host >= num_hosts:
             raise ManifestError(f"host {host} of {num_hosts}", path=path)
-        return Summary(num_hosts, run, ranks, host)
+        return Summary(num_hosts, run, ranks, host, step)
 
     @staticmethod
     def _body(data: bytes, path: str) -> dict[str, Any]:
@@ -236,6 +238,7 @@ class Summary(NamedTuple):
     run: str
     ranks: tuple[int, ...] = ()
     host: int = 0  # the saving host whose manifest it is
+    step: int = -1  # the step it describes
 
 
 STEP_MAX = 2**62  # a step number: an int64 everywhere, with room to spare

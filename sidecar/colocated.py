@@ -32,7 +32,7 @@ from mtc.contract import (
 )
 from mtc.errors import MtcError, StorageError
 from mtc.sidecar.agent import HostAgent
-from mtc.sidecar.colocated_load import load_regions
+from mtc.sidecar.colocated_load import load_regions, requests_of
 from mtc.sidecar.ops import HostOps
 from mtc.sidecar.write import clear_frames
 
@@ -189,8 +189,7 @@ class ColocatedAgent:
         (:mod:`mtc.sidecar.colocated_load`). A failure is kept for the ``error``
         request, as a worker's exception reaches the controller untyped."""
         try:
-            req = json.loads(np.asarray(request.addressable_shards[0].data).tobytes())
-            return load_regions(req, ranks, self.ops.config.root)
+            return load_regions(requests_of(request, ranks), ranks, self.ops.config.root)
         except MtcError as e:
             self._error = e
             raise

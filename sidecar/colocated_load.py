@@ -10,10 +10,15 @@ resharded restore whose pieces other hosts saved) is left to the controller,
 which assembles it on the target device from the holders' pieces: every holder
 returns its share of those pieces in one flat buffer on one of its CPU devices.
 No byte leaves a worker except as a shard of an array on its own devices.
+
+Each worker's devices carry its own part of the request (the outputs' layout
+and its own host's reads), so a worker parses what it does, whatever the number
+of hosts.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +32,36 @@ from mtc.contract import ReadTask, task_from_json
 from mtc.errors import ProtocolError
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.load import ShardLoader, check_tasks
+
+
+def requests_of(request: jax.Array, ranks: jax.Array) -> dict[int, dict[str, Any]]:
+    """Each host's part of a load request, read from its first device's shard:
+    the JSON's length (8 bytes, little-endian), then the JSON."""
+    host_of = {s.device: int(np.asarray(s.data).reshape(-1)[0]) for s in ranks.addressable_shards}
+    out: dict[int, dict[str, Any]] = {}
+    for s in request.addressable_shards:
+        h = host_of.get(s.device)
+        if h is None or h in out:
+            continue
+        raw = np.asarray(s.data).reshape(-1)
+        n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
+        if not 0 <= n <= raw.size - 8:
+            raise ProtocolError(f"a load request says {n} bytes in a part of {raw.size}",
+                                host=h)
+        try:
+            part = json.loads(raw[8:8 + n].tobytes())
+        except ValueError as e:
+            raise ProtocolError(f"a load request is not JSON: {e}", host=h) from None
+        if not isinstance(part, dict):
+            raise ProtocolError("a load request is not an object", host=h)
+        out[h] = part
+    try:
+        steps = {int(p["step"]) for p in out.values()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"a load request without its step: {e!r}") from None
+    if len(steps) > 1:
+        raise ProtocolError(f"a load request names steps {sorted(steps)}")
+    return out
 
 
 def spec_from_json(spec: Sequence[Any]) -> PartitionSpec:
@@ -43,21 +78,26 @@ def sharding_from_json(d: dict[str, Any], devices: Sequence[jax.Device]) -> jax.
     return NamedSharding(Mesh(grid, tuple(mesh["axes"])), spec_from_json(d["spec"]))
 
 
-def load_regions(request: dict[str, Any], ranks: jax.Array,
+def load_regions(requests: dict[int, dict[str, Any]], ranks: jax.Array,
                  root_of: Callable[[int], Path]) -> list[jax.Array]:
-    """The arrays ``request`` asks for, this worker's shards of them filled from its
-    own host's (or, in-process, hosts') files; ``ranks`` says which host each of
+    """The arrays the request asks for, this worker's shards of them filled from its
+    own host's (or, in-process, hosts') files; ``requests`` is each of those
+    hosts' part of it (:func:`requests_of`), ``ranks`` says which host each of
     this worker's devices is, and its device list is what positions index."""
+    host_of = {s.device: int(np.asarray(s.data).reshape(-1)[0]) for s in ranks.addressable_shards}
+    mine = set(host_of.values())
+    if set(requests) != mine:
+        raise ProtocolError(f"a load request for hosts {sorted(requests)} reached hosts "
+                            f"{sorted(mine)}")
+    request = requests[min(mine)]  # the outputs' layout: every host's part has it
     step = int(request["step"])
     devices = list(ranks.sharding.mesh.devices.flat)  # type: ignore[attr-defined]
     position = {d: k for k, d in enumerate(devices)}
-    host_of = {s.device: int(np.asarray(s.data).reshape(-1)[0]) for s in ranks.addressable_shards}
-    mine = set(host_of.values())
     loader = ShardLoader(step, root_of)
     # (output, device position) -> the task whose region that device's shard is
     region_of: dict[tuple[int, int], ReadTask] = {}
     for h in mine:
-        asked = request["tasks"].get(str(h), [])
+        asked = requests[h]["tasks"].get(str(h), [])
         tasks = [task_from_json(a["task"]) for a in asked]
         check_tasks(tasks, step=step, host=h)
         for a, t in zip(asked, tasks, strict=True):
@@ -71,8 +111,12 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
     regions: list[np.ndarray] = []
     places: list[jax.Device] = []
     made: list[tuple[tuple[int, ...], jax.sharding.Sharding, np.dtype[Any], int]] = []
+    shardings: dict[str, jax.sharding.Sharding] = {}  # most leaves share a few layouts
     for k, out in enumerate(request["outputs"]):
-        sharding = sharding_from_json(out, devices)
+        key = json.dumps([out.get("single"), out.get("mesh"), out.get("spec")])
+        sharding = shardings.get(key)
+        if sharding is None:
+            sharding = shardings[key] = sharding_from_json(out, devices)
         shape = tuple(int(n) for n in out["shape"])
         dtype = numpy_dtype(out["dtype"])
         count = 0
@@ -90,13 +134,18 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
             places.append(d)
             count += 1
         made.append((shape, sharding, dtype, count))
-    for entry in request.get("regions", []):  # a region one host reads whole for others
+    # A region one host reads whole for others: its task is in that host's part.
+    for k, entry in enumerate(request.get("regions", [])):
         d = devices[int(entry["pos"])]
         shape = tuple(int(n) for n in entry["shape"])
         dtype = numpy_dtype(entry["dtype"])
         count = 0
         if d in host_of:
-            t = task_from_json(entry["task"])
+            own = requests[host_of[d]].get("regions", [])
+            if k >= len(own) or "task" not in own[k]:
+                raise ProtocolError("a region of this host's came without its task",
+                                    step=step, host=host_of[d])
+            t = task_from_json(own[k]["task"])
             check_tasks([t], step=step, host=host_of[d])
             if {p.host for p in t.pieces} != {host_of[d]}:
                 raise ProtocolError("asked to read pieces of another host", step=step,
@@ -116,12 +165,13 @@ def load_regions(request: dict[str, Any], ranks: jax.Array,
         for shape, sharding, dtype, count in made]
     foreign = request.get("foreign")
     if foreign is not None:
+        pieces_of = {h: requests[h]["foreign"]["pieces"].get(str(h), []) for h in mine}
         sharding = sharding_from_json(foreign["out"], devices)
         cap = int(foreign["cap"])
         pieces = []
         for d in sharding.addressable_devices:
             buf = np.zeros(cap, np.uint8)
-            for entry in foreign["pieces"].get(str(host_of[d]), []):
+            for entry in pieces_of[host_of[d]]:
                 t = task_from_json(entry["task"])
                 check_tasks([t], step=step, host=host_of[d])
                 data = np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8)

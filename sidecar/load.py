@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,17 +66,19 @@ class ShardLoader:
         self.remote = remote
         self.own = frozenset(own)
         self._mapped: dict[tuple[int, str], np.ndarray] = {}
-        self._folders: dict[int, Path] = {}  # host -> its step folder, checked once
+        # host -> its step folder, checked once; a string, as a restore joins it
+        # with hundreds of file names (a Path costs several times a join)
+        self._folders: dict[int, str] = {}
 
-    def _path(self, p: Piece) -> Path:
+    def _path(self, p: Piece) -> str:
         folder = self._folders.get(p.host)
         if folder is None:
-            folder = self.root_of(p.host) / str(self.step)
-            if not is_real_dir(folder):  # a symlink named as the step leads elsewhere
+            path = self.root_of(p.host) / str(self.step)
+            if not is_real_dir(path):  # a symlink named as the step leads elsewhere
                 raise CorruptShardError("step folder is missing or not a folder",
-                                        step=self.step, host=p.host, path=str(folder))
-            self._folders[p.host] = folder
-        return folder / p.entry.file
+                                        step=self.step, host=p.host, path=str(path))
+            folder = self._folders[p.host] = f"{path}{os.sep}"
+        return folder + p.entry.file  # a manifest's file name has no separator
 
     def _is_remote(self, p: Piece) -> bool:
         return self.remote is not None and p.host not in self.own

@@ -57,7 +57,7 @@ def _proc_version() -> str:
 _PREFAULT = prefault_flag(_proc_version())
 
 
-def _check_size(fd: int, path: Path, entry: ShardEntry, step: int, host: int) -> None:
+def _check_size(fd: int, path: str | Path, entry: ShardEntry, step: int, host: int) -> None:
     size = os.fstat(fd).st_size
     if size != entry.nbytes:
         raise CorruptShardError(
@@ -65,7 +65,7 @@ def _check_size(fd: int, path: Path, entry: ShardEntry, step: int, host: int) ->
             step=step, host=host, path=str(path))
 
 
-def _verify(view: np.ndarray, path: Path, entry: ShardEntry, step: int, host: int) -> None:
+def _verify(view: np.ndarray, path: str | Path, entry: ShardEntry, step: int, host: int) -> None:
     got = crc32c(view) if entry.nbytes else 0
     if got != entry.crc32c:
         raise CorruptShardError(
@@ -73,7 +73,7 @@ def _verify(view: np.ndarray, path: Path, entry: ShardEntry, step: int, host: in
             step=step, host=host, path=str(path))
 
 
-def _open(path: Path, step: int, host: int) -> int:
+def _open(path: str | Path, step: int, host: int) -> int:
     try:
         # A shard file is never a symlink: one planted in a step leads out of it.
         return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -88,7 +88,7 @@ def _open(path: Path, step: int, host: int) -> int:
                            path=str(path)) from e
 
 
-def map_verified(path: Path, entry: ShardEntry, *, step: int, host: int) -> np.ndarray:
+def map_verified(path: str | Path, entry: ShardEntry, *, step: int, host: int) -> np.ndarray:
     """A writable (copy-on-write) uint8 view of a shard file, checksum verified."""
     fd = _open(path, step, host)
     try:
@@ -110,7 +110,7 @@ def can_map_side_by_side(entries: Sequence[ShardEntry]) -> bool:
         and entries[-1].nbytes > 0
 
 
-def map_side_by_side(pieces: Sequence[tuple[Path, ShardEntry]], *, step: int,
+def map_side_by_side(pieces: Sequence[tuple[str | Path, ShardEntry]], *, step: int,
                      hosts: Sequence[int]) -> np.ndarray:
     """Map several shard files into one contiguous region, each verified."""
     total = sum(e.nbytes for _, e in pieces)

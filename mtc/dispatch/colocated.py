@@ -381,7 +381,12 @@ class ColocatedDispatch(HostCalls):
         plan = colocated_load.plan(step, tasks, specs, self.config.host_of_device,
                                    self._cpu_of, self.cpu_devices, self._rank_of)
         call = self._load_call(plan.out_specs)
-        request = jax.device_put(colocated_load.encode(plan), self._replicated)
+        # Each worker gets its own part of the plan, on each of its CPU devices.
+        size, parts = colocated_load.encode(plan, sorted(set(self._rank_of.values())))
+        request = jax.make_array_from_single_device_arrays(
+            (size * len(self.cpu_devices),), self._per_host,
+            jax.device_put([parts[self._rank_of[c]] for c in self.cpu_devices],
+                           self.cpu_devices))
         try:
             outputs = self._invoke(call, request, self._ranks)
         except MtcError:

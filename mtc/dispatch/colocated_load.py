@@ -15,6 +15,10 @@ each target device that needs it (nothing is compiled); the pieces of a region
 several hosts hold come in one flat buffer per holder on one of its CPU
 devices, and JAX slices, reinterprets, moves and places them device to
 device. Only the plan (JSON) and the arrays' handles pass through here.
+
+Each worker gets its own part of the plan (:func:`encode`): the outputs' layout,
+which every worker needs, and the reads of its own host only, so that a worker
+parses what it does, not the whole job's plan (which grows with the hosts).
 """
 
 from __future__ import annotations
@@ -63,6 +67,25 @@ class LoadPlan:
     whole: dict[tuple[int, int, Index], int] = dataclasses.field(default_factory=dict)
 
 
+def _on_cpu(s: jax.sharding.Sharding, cpu_of: dict[int, jax.Device],
+            position: dict[jax.Device, int]) -> tuple[jax.sharding.Sharding, dict[str, Any]]:
+    """A target sharding mapped onto the colocated CPU devices, and its layout as a
+    worker reads it (positions in the call's device list)."""
+    if isinstance(s, SingleDeviceSharding):
+        only: Any = next(iter(s.device_set))
+        cpu_dev = cpu_of[only.id]
+        return SingleDeviceSharding(cpu_dev), {"single": position[cpu_dev]}
+    assert isinstance(s, NamedSharding)  # supported() admits these two
+    # Mapped through the whole job's list: JAX maps a subset of CPU devices (the
+    # emulation's) onto the first ones, which are other hosts'.
+    grid = np.array([cpu_of[d.id] for d in s.mesh.devices.flat], dtype=object)
+    cpu_mesh = jax.sharding.Mesh(grid.reshape(s.mesh.devices.shape), s.mesh.axis_names)
+    return NamedSharding(cpu_mesh, s.spec), {
+        "mesh": {"shape": list(cpu_mesh.devices.shape), "axes": list(cpu_mesh.axis_names),
+                 "pos": [position[d] for d in cpu_mesh.devices.flat]},
+        "spec": _spec_json(s.spec)}
+
+
 def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
          host_of_device: dict[int, int], cpu_of: dict[int, jax.Device],
          cpu_devices: Sequence[jax.Device], rank_of: dict[jax.Device, int]) -> LoadPlan:
@@ -79,26 +102,14 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
     out_of = {leaf: k for k, leaf in enumerate(leaves)}
     outputs: list[dict[str, Any]] = []
     out_specs: list[jax.ShapeDtypeStruct] = []
+    # A state's leaves share a few shardings: each mapped once.
+    mapped: dict[jax.sharding.Sharding, tuple[jax.sharding.Sharding, dict[str, Any]]] = {}
     for leaf in leaves:
         spec = specs[leaf]
-        s = spec.sharding
-        desc: dict[str, Any] = {"shape": list(spec.shape), "dtype": spec.dtype}
-        if isinstance(s, SingleDeviceSharding):
-            only: Any = next(iter(s.device_set))
-            cpu_dev = cpu_of[only.id]
-            cpu_sharding: jax.sharding.Sharding = SingleDeviceSharding(cpu_dev)
-            desc["single"] = position[cpu_dev]
-        else:
-            # Mapped through the whole job's list: JAX maps a subset of CPU devices
-            # (the emulation's) onto the first ones, which are other hosts'.
-            grid = np.array([cpu_of[d.id] for d in s.mesh.devices.flat], dtype=object)
-            cpu_mesh = jax.sharding.Mesh(grid.reshape(s.mesh.devices.shape), s.mesh.axis_names)
-            cpu_sharding = NamedSharding(cpu_mesh, s.spec)
-            desc["mesh"] = {"shape": list(cpu_mesh.devices.shape),
-                            "axes": list(cpu_mesh.axis_names),
-                            "pos": [position[d] for d in cpu_mesh.devices.flat]}
-            desc["spec"] = _spec_json(s.spec)
-        outputs.append(desc)
+        if spec.sharding not in mapped:
+            mapped[spec.sharding] = _on_cpu(spec.sharding, cpu_of, position)
+        cpu_sharding, layout = mapped[spec.sharding]
+        outputs.append({"shape": list(spec.shape), "dtype": spec.dtype, **layout})
         out_specs.append(jax.ShapeDtypeStruct(spec.shape, jax.numpy.dtype(spec.dtype),
                                               sharding=cpu_sharding))
     by_host: dict[int, list[dict[str, Any]]] = {}
@@ -139,7 +150,7 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
         shape = tuple(b - a for a, b in index)
         whole_out[(leaf, h, index)] = len(out_specs)
         regions.append({"task": task_to_json(task), "pos": position[first[h]],
-                        "shape": list(shape), "dtype": specs[leaf].dtype})
+                        "host": h, "shape": list(shape), "dtype": specs[leaf].dtype})
         out_specs.append(jax.ShapeDtypeStruct(shape, jax.numpy.dtype(specs[leaf].dtype),
                                               sharding=SingleDeviceSharding(first[h])))
     if regions:
@@ -172,8 +183,46 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
     return LoadPlan(request, out_specs, leaves, split, offsets, holder_position, whole_out)
 
 
-def encode(plan_: LoadPlan) -> np.ndarray:
-    return np.frombuffer(json.dumps(plan_.request).encode(), dtype=np.uint8)
+def request_for(plan_: LoadPlan, host: int) -> dict[str, Any]:
+    """The part of the plan worker ``host`` acts on: every output's layout (each
+    worker makes every output, with its own devices' shards), and the reads of its
+    own host: its tasks, the regions it reads whole for others (the rest named by
+    position only) and its pieces of regions several hosts hold."""
+    request = plan_.request
+    part: dict[str, Any] = {"step": request["step"], "outputs": request["outputs"],
+                            "tasks": {str(host): request["tasks"].get(str(host), [])}}
+    if "regions" in request:
+        part["regions"] = [r if r["host"] == host else
+                           {k: v for k, v in r.items() if k != "task"}
+                           for r in request["regions"]]
+    if "foreign" in request:
+        foreign = request["foreign"]
+        part["foreign"] = {**foreign,
+                           "pieces": {str(host): foreign["pieces"].get(str(host), [])}}
+    return part
+
+
+# A request's bytes per device are padded to a power of two, at least this: the
+# load function is specialized per input shape, and one specialization per size
+# class (not per byte count) keeps workers from loading it anew for every restore.
+MIN_REQUEST_BYTES = 4096
+
+
+def encode(plan_: LoadPlan, hosts: Sequence[int]) -> tuple[int, dict[int, np.ndarray]]:
+    """Each of ``hosts``' part of the plan (:func:`request_for`) as bytes: its JSON's
+    length (8 bytes, little-endian) then the JSON, zero-padded to one size shared
+    by all of them (returned first)."""
+    texts = {h: json.dumps(request_for(plan_, h), separators=(",", ":")).encode()
+             for h in hosts}
+    need = 8 + max((len(t) for t in texts.values()), default=0)
+    size = max(MIN_REQUEST_BYTES, 1 << (need - 1).bit_length())
+    out: dict[int, np.ndarray] = {}
+    for h, text in texts.items():
+        buf = np.zeros(size, np.uint8)
+        buf[:8] = np.array([len(text)], "<u8").view(np.uint8)
+        buf[8:8 + len(text)] = np.frombuffer(text, np.uint8)
+        out[h] = buf
+    return size, out
 
 
 @functools.lru_cache(maxsize=256)

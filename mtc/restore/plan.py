@@ -120,6 +120,8 @@ class Planner:
                          host: int) -> tuple[Piece, ...]:
         """The saved pieces ``host`` reads to cover ``index`` of one leaf."""
         holders = self.saved.holders[leaf_no]
+        if index in holders:  # a saved region itself (a restore onto the saved sharding)
+            return (Piece(*self._choose(host, holders[index])),)
         covering = sorted(i for i in holders if _overlap(i, index))
         covered = sum(_intersection(i, index) for i in covering)
         if covered != _volume(index):

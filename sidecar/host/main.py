@@ -12,6 +12,7 @@ colocated Python at all (a program is code it would run as sent).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -102,6 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         # Ready when its colocated runtime is: a Pathways worker's sidecar serves
         # programs from its start, and a restore must not wait for this one's JAX.
         colocated.wait_ready()
+    # What start-up built (JAX, its runtime, the server) lives as long as the process:
+    # kept out of every collection. A full collection walked it all, about 0.1 s
+    # here, and a restore's hundreds of read tasks set one off: a fifth of a host's
+    # CPU per restore (bench/restore_hosts.py, a 111-leaf state's restore).
+    gc.freeze()
     if args.ready_file:
         layout.write_atomic(args.ready_file, json.dumps(
             {"address": bound, "pid": os.getpid(), "area": str(args.area)}))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import logging
 import os
 import queue
@@ -227,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(port))
         tmp.replace(args.port_file)
+    # Start-up's objects live as long as the process: kept out of every collection
+    # (a full one walks them all, and a restore's inventories and plans set them off).
+    gc.freeze()
     log.info("rank %d serving on port %d, root %s", config.rank, port, args.local_dir)
     if request is None and config.framework == "orbax":
         request = _pending(root)
