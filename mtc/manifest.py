@@ -48,15 +48,30 @@ class ShardEntry:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardEntry:
-        d = _dict(d, "shard")
-        index = tuple(_pair(p) for p in _list(d["index"], "shard index"))
+        # Checks inlined: a restore parses every host's thousands of shards.
+        if type(d) is not dict:
+            raise ValueError("shard is not an object")
+        raw = d["index"]
+        if type(raw) is not list:
+            raise ValueError("shard index is not a list")
+        pairs = []
+        for p in raw:
+            # ``type(x) is int``: JSON has no other integer, and a bool is refused.
+            if type(p) is not list or len(p) != 2 or type(p[0]) is not int \
+                    or type(p[1]) is not int or p[0] < 0 or p[1] < 0:
+                _pair(p)  # raises, naming what is wrong
+            pairs.append((p[0], p[1]))
         name = d["file"]
         # A shard is a file of its step folder: never a path that leads elsewhere.
         if not isinstance(name, str) or name in ("", ".", "..") or "/" in name \
                 or "\\" in name or "\x00" in name:
             raise ValueError(f"bad shard file name {name!r}")
-        return cls(index, name, _int(d["nbytes"], "nbytes", 0),
-                   _int(d["crc32c"], "crc32c", 0, 2**32 - 1))
+        nbytes, crc = d["nbytes"], d["crc32c"]
+        if type(nbytes) is not int or nbytes < 0:
+            _int(nbytes, "nbytes", 0)
+        if type(crc) is not int or not 0 <= crc < 2**32:
+            _int(crc, "crc32c", 0, 2**32 - 1)
+        return cls(tuple(pairs), name, nbytes, crc)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,3 +136,71 @@ def test_a_mesh_of_some_devices_reaches_their_own_hosts_cpu_devices() -> None:
     assert [d.id for d in colocated_cpu(devices)] == [4, 5, 6, 7]
     mesh = Mesh(np.array(devices).reshape(2, 2), ("replica", "model"))
     assert colocated_cpu_mesh(mesh) is mesh
+
+
+def test_each_worker_gets_its_own_hosts_reads_only(ramdisk: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load request's part for a worker names that worker's host's reads and no
+    other's (every worker parses what it does): with twice the hosts, each part is
+    about half as long, where one request for all grew with the hosts."""
+    import json
+
+    sent: list[dict[int, dict[str, Any]]] = []
+    encode = colocated_load.encode
+
+    def keep(plan_: Any, hosts: Any) -> Any:
+        size, parts = encode(plan_, hosts)
+        sent.append({h: json.loads(p[8:8 + int(p[:8].view("<u8")[0])].tobytes())
+                     for h, p in parts.items()})
+        assert all(p.size == size for p in parts.values())
+        return size, parts
+
+    monkeypatch.setattr(colocated_load, "encode", keep)
+    longest = {}
+    for hosts in (4, 8):
+        with _manager(ramdisk / f"h{hosts}", hosts) as mgr:
+            state = _state(mgr, rows=64)
+            mgr.save(1, state)
+            mgr.wait_until_finished()
+            back = mgr.restore(1, state)
+            np.testing.assert_array_equal(np.asarray(back["w"]),
+                                          np.arange(64 * 16).reshape(64, 16))
+        parts = sent[-1]
+        assert sorted(parts) == list(range(hosts))
+        for h, part in parts.items():
+            assert list(part["tasks"]) == [str(h)]
+            read = {p["host"] for t in part["tasks"][str(h)] for p in t["task"]["pieces"]}
+            assert read == {h}, (h, read)
+            assert part["outputs"] == parts[0]["outputs"]
+        longest[hosts] = max(len(json.dumps(p["tasks"])) for p in parts.values())
+    assert longest[8] < 0.75 * longest[4], longest
+
+
+def test_a_load_request_part_that_lies_about_its_length_is_refused() -> None:
+    from mtc.errors import ProtocolError
+    from mtc.sidecar.colocated_load import requests_of
+
+    devices = jax.devices()[:2]
+    mesh = Mesh(np.array(devices), ("hosts",))
+    sharding = NamedSharding(mesh, PartitionSpec("hosts"))
+    ranks = jax.make_array_from_single_device_arrays(
+        (2,), sharding, [jax.device_put(np.array([h], np.int32), d)
+                         for h, d in enumerate(devices)])
+
+    def request(parts: list[bytes]) -> jax.Array:
+        return jax.make_array_from_single_device_arrays(
+            (64 * len(parts),), sharding,
+            [jax.device_put(np.frombuffer(p.ljust(64, b"\0"), np.uint8), d)
+             for p, d in zip(parts, devices, strict=True)])
+
+    def part(text: bytes, n: int | None = None) -> bytes:
+        return np.array([len(text) if n is None else n], "<u8").tobytes() + text
+
+    ok = requests_of(request([part(b'{"step": 3}'), part(b'{"step": 3}')]), ranks)
+    assert ok == {0: {"step": 3}, 1: {"step": 3}}
+    with pytest.raises(ProtocolError, match="says 1000 bytes"):
+        requests_of(request([part(b'{"step": 3}', 1000), part(b'{"step": 3}')]), ranks)
+    with pytest.raises(ProtocolError, match="not JSON"):
+        requests_of(request([part(b'{"step": 3'), part(b'{"step": 3}')]), ranks)
+    with pytest.raises(ProtocolError, match="names steps"):
+        requests_of(request([part(b'{"step": 3}'), part(b'{"step": 4}')]), ranks)
