@@ -146,13 +146,16 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
         first.setdefault(rank_of[d], d)
     whole_out: dict[tuple[int, int, Index], int] = {}
     regions: list[dict[str, Any]] = []
+    # One sharding object per holder: the load program's specs pickle each object
+    # once, and a replaced host's restore declares hundreds of these outputs.
+    on_first = {h: SingleDeviceSharding(d) for h, d in first.items()}
     for (leaf, h, index), task in whole.items():
         shape = tuple(b - a for a, b in index)
         whole_out[(leaf, h, index)] = len(out_specs)
         regions.append({"task": task_to_json(task), "pos": position[first[h]],
                         "host": h, "shape": list(shape), "dtype": specs[leaf].dtype})
         out_specs.append(jax.ShapeDtypeStruct(shape, jax.numpy.dtype(specs[leaf].dtype),
-                                              sharding=SingleDeviceSharding(first[h])))
+                                              sharding=on_first[h]))
     if regions:
         request["regions"] = regions
     if foreign:
