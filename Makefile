@@ -87,6 +87,7 @@ bench: $(STAMP)
 	mkdir -p out/bench
 	$(PY) bench/save_restore.py | tee out/bench/save_restore.json
 	$(PY) bench/save_stall.py | tee out/bench/save_stall.json
+	$(PY) bench/restore_hosts.py | tee out/bench/restore_hosts.json
 	$(PY) bench/replicator.py | tee out/bench/replicator.json
 	$(PY) bench/dedup.py | tee out/bench/dedup.json
 	$(PY) bench/backup.py | tee out/bench/backup.json
