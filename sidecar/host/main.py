@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         colocated.wait_ready()
     # What start-up built (JAX, its runtime, the server) lives as long as the process:
     # kept out of every collection. A full collection walked it all, about 0.1 s
-    # here, and a restore's hundreds of read tasks set one off: a fifth of a host's
-    # CPU per restore (bench/restore_hosts.py, a 111-leaf state's restore).
+    # here, and a restore's hundreds of read tasks set collections off: a fifth of
+    # a sidecar's CPU in restores of the demo model's 111 leaves.
     gc.freeze()
     if args.ready_file:
         layout.write_atomic(args.ready_file, json.dumps(
