@@ -176,7 +176,8 @@ def test_each_worker_gets_its_own_hosts_reads_only(ramdisk: Path,
     assert longest[8] < 0.75 * longest[4], longest
 
 
-def test_a_load_request_part_that_lies_about_its_length_is_refused() -> None:
+def test_a_malformed_load_request_part_is_refused() -> None:
+    """A length that overruns its part, a part that is not JSON, parts naming two steps."""
     from mtc.errors import ProtocolError
     from mtc.sidecar.colocated_load import requests_of
 
