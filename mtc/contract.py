@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,32 @@ HOST_OPS = ("open", "release", "steps", "manifest", "delete", "retain", "space",
 # answers FAILED and keeps its typed error for the request ERROR_REQUEST.
 FAILED = 255
 ERROR_REQUEST = b'{"op": "error"}'
+# A payload in a buffer of fixed size (a colocated call's answer, a worker's part
+# of a load request): its length, then as much of it as fits, zeros after.
+_LENGTH = struct.Struct("<Q")
+
+
+def frame(payload: bytes | bytearray | memoryview, size: int) -> bytearray:
+    """``size`` bytes: ``payload``'s length (8 bytes, little-endian), then as much of
+    it as fits, zero-padded. A reader learns the whole length even where the
+    payload was cut (and fetches the rest another way)."""
+    buf = bytearray(size)
+    _LENGTH.pack_into(buf, 0, len(payload))
+    head = memoryview(payload)[:max(0, size - _LENGTH.size)]
+    buf[_LENGTH.size:_LENGTH.size + len(head)] = head
+    return buf
+
+
+def unframe(buf: Any) -> tuple[int, bytes | None]:
+    """The length a framed buffer states and its payload; None where the stated
+    length is more than the buffer holds."""
+    view = memoryview(buf).cast("B")
+    if len(view) < _LENGTH.size:
+        raise ProtocolError(f"a framed buffer of {len(view)} bytes has no length")
+    (n,) = _LENGTH.unpack_from(view)
+    if n > len(view) - _LENGTH.size:
+        return n, None
+    return n, bytes(view[_LENGTH.size:_LENGTH.size + n])
 
 
 def encode_request(op: str, hosts: Sequence[int], **args: Any) -> bytes:

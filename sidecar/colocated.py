@@ -29,10 +29,11 @@ from mtc.contract import (
     decode_reply,
     encode_error,
     encode_reply,
+    frame,
 )
 from mtc.errors import MtcError, StorageError
 from mtc.sidecar.agent import HostAgent
-from mtc.sidecar.colocated_load import load_regions, requests_of
+from mtc.sidecar.colocated_load import load_regions
 from mtc.sidecar.ops import HostOps
 from mtc.sidecar.write import clear_frames
 
@@ -132,12 +133,8 @@ class ColocatedAgent:
         self._replies = {d: by_host[h] for d, h in hosts.items()}
         pieces = []
         for s in ranks.addressable_shards:
-            reply = self._replies[s.device.id]
-            buf = np.zeros(ANSWER_BYTES, np.uint8)
-            buf[:8] = np.array([len(reply)], "<u8").view(np.uint8)
-            head = memoryview(reply)[:ANSWER_BYTES - 8]
-            buf[8:8 + len(head)] = np.frombuffer(head, np.uint8)
-            pieces.append(jax.device_put(buf, s.device))
+            buf = frame(self._replies[s.device.id], ANSWER_BYTES)
+            pieces.append(jax.device_put(np.frombuffer(buf, np.uint8), s.device))
         return jax.make_array_from_single_device_arrays((ANSWER_BYTES * ranks.shape[0],),
                                                         ranks.sharding, pieces)
 
@@ -189,7 +186,7 @@ class ColocatedAgent:
         (:mod:`mtc.sidecar.colocated_load`). A failure is kept for the ``error``
         request, as a worker's exception reaches the controller untyped."""
         try:
-            return load_regions(requests_of(request, ranks), ranks, self.ops.config.root)
+            return load_regions(request, ranks, self.ops.config.root)
         except MtcError as e:
             self._error = e
             raise

@@ -28,28 +28,32 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mtc.contract import ReadTask, task_from_json
+from mtc.contract import ReadTask, task_from_json, unframe
 from mtc.errors import ProtocolError
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.load import ShardLoader, check_tasks
 
 
-def requests_of(request: jax.Array, ranks: jax.Array) -> dict[int, dict[str, Any]]:
-    """Each host's part of a load request, read from its first device's shard:
-    the JSON's length (8 bytes, little-endian), then the JSON."""
-    host_of = {s.device: int(np.asarray(s.data).reshape(-1)[0]) for s in ranks.addressable_shards}
+def hosts_of(ranks: jax.Array) -> dict[jax.Device, int]:
+    """Which host each of this worker's devices is (its element of ``ranks``)."""
+    return {s.device: int(np.asarray(s.data).reshape(-1)[0]) for s in ranks.addressable_shards}
+
+
+def requests_of(request: jax.Array, host_of: dict[jax.Device, int]) -> dict[int, dict[str, Any]]:
+    """Each host's part of a load request (:func:`mtc.contract.frame`d JSON), read
+    from the first of its devices' shards."""
     out: dict[int, dict[str, Any]] = {}
     for s in request.addressable_shards:
         h = host_of.get(s.device)
         if h is None or h in out:
             continue
         raw = np.asarray(s.data).reshape(-1)
-        n = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
-        if not 0 <= n <= raw.size - 8:
+        n, payload = unframe(raw)
+        if payload is None:
             raise ProtocolError(f"a load request says {n} bytes in a part of {raw.size}",
                                 host=h)
         try:
-            part = json.loads(raw[8:8 + n].tobytes())
+            part = json.loads(payload)
         except ValueError as e:
             raise ProtocolError(f"a load request is not JSON: {e}", host=h) from None
         if not isinstance(part, dict):
@@ -78,19 +82,20 @@ def sharding_from_json(d: dict[str, Any], devices: Sequence[jax.Device]) -> jax.
     return NamedSharding(Mesh(grid, tuple(mesh["axes"])), spec_from_json(d["spec"]))
 
 
-def load_regions(requests: dict[int, dict[str, Any]], ranks: jax.Array,
+def load_regions(request: jax.Array, ranks: jax.Array,
                  root_of: Callable[[int], Path]) -> list[jax.Array]:
-    """The arrays the request asks for, this worker's shards of them filled from its
-    own host's (or, in-process, hosts') files; ``requests`` is each of those
-    hosts' part of it (:func:`requests_of`), ``ranks`` says which host each of
-    this worker's devices is, and its device list is what positions index."""
-    host_of = {s.device: int(np.asarray(s.data).reshape(-1)[0]) for s in ranks.addressable_shards}
+    """The arrays ``request`` asks for, this worker's shards of them filled from its
+    own host's (or, in-process, hosts') files, each host reading its own part of
+    the request (:func:`requests_of`); ``ranks`` says which host each of this
+    worker's devices is, and its device list is what positions index."""
+    host_of = hosts_of(ranks)
     mine = set(host_of.values())
+    requests = requests_of(request, host_of)
     if set(requests) != mine:
         raise ProtocolError(f"a load request for hosts {sorted(requests)} reached hosts "
                             f"{sorted(mine)}")
-    request = requests[min(mine)]  # the outputs' layout: every host's part has it
-    step = int(request["step"])
+    common = requests[min(mine)]  # the outputs' layout: every host's part has it
+    step = int(common["step"])
     devices = list(ranks.sharding.mesh.devices.flat)  # type: ignore[attr-defined]
     position = {d: k for k, d in enumerate(devices)}
     loader = ShardLoader(step, root_of)
@@ -112,7 +117,7 @@ def load_regions(requests: dict[int, dict[str, Any]], ranks: jax.Array,
     places: list[jax.Device] = []
     made: list[tuple[tuple[int, ...], jax.sharding.Sharding, np.dtype[Any], int]] = []
     shardings: dict[str, jax.sharding.Sharding] = {}  # most leaves share a few layouts
-    for k, out in enumerate(request["outputs"]):
+    for k, out in enumerate(common["outputs"]):
         key = json.dumps([out.get("single"), out.get("mesh"), out.get("spec")])
         sharding = shardings.get(key)
         if sharding is None:
@@ -135,7 +140,7 @@ def load_regions(requests: dict[int, dict[str, Any]], ranks: jax.Array,
             count += 1
         made.append((shape, sharding, dtype, count))
     # A region one host reads whole for others: its task is in that host's part.
-    for k, entry in enumerate(request.get("regions", [])):
+    for k, entry in enumerate(common.get("regions", [])):
         d = devices[int(entry["pos"])]
         shape = tuple(int(n) for n in entry["shape"])
         dtype = numpy_dtype(entry["dtype"])
@@ -163,7 +168,7 @@ def load_regions(requests: dict[int, dict[str, Any]], ranks: jax.Array,
                                                  [next(placed) for _ in range(count)],
                                                  dtype=dtype)
         for shape, sharding, dtype, count in made]
-    foreign = request.get("foreign")
+    foreign = common.get("foreign")
     if foreign is not None:
         pieces_of = {h: requests[h]["foreign"]["pieces"].get(str(h), []) for h in mine}
         sharding = sharding_from_json(foreign["out"], devices)

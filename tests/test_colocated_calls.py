@@ -145,13 +145,14 @@ def test_each_worker_gets_its_own_hosts_reads_only(ramdisk: Path,
     about half as long, where one request for all grew with the hosts."""
     import json
 
+    from mtc.contract import unframe
+
     sent: list[dict[int, dict[str, Any]]] = []
     encode = colocated_load.encode
 
     def keep(plan_: Any, hosts: Any) -> Any:
         size, parts = encode(plan_, hosts)
-        sent.append({h: json.loads(p[8:8 + int(p[:8].view("<u8")[0])].tobytes())
-                     for h, p in parts.items()})
+        sent.append({h: json.loads(unframe(p)[1] or b"") for h, p in parts.items()})
         assert all(p.size == size for p in parts.values())
         return size, parts
 
@@ -179,14 +180,14 @@ def test_each_worker_gets_its_own_hosts_reads_only(ramdisk: Path,
 def test_a_malformed_load_request_part_is_refused() -> None:
     """A length that overruns its part, a part that is not JSON, parts naming two steps."""
     from mtc.errors import ProtocolError
-    from mtc.sidecar.colocated_load import requests_of
+    from mtc.sidecar.colocated_load import hosts_of, requests_of
 
     devices = jax.devices()[:2]
     mesh = Mesh(np.array(devices), ("hosts",))
     sharding = NamedSharding(mesh, PartitionSpec("hosts"))
-    ranks = jax.make_array_from_single_device_arrays(
+    host_of = hosts_of(jax.make_array_from_single_device_arrays(
         (2,), sharding, [jax.device_put(np.array([h], np.int32), d)
-                         for h, d in enumerate(devices)])
+                         for h, d in enumerate(devices)]))
 
     def request(parts: list[bytes]) -> jax.Array:
         return jax.make_array_from_single_device_arrays(
@@ -197,11 +198,28 @@ def test_a_malformed_load_request_part_is_refused() -> None:
     def part(text: bytes, n: int | None = None) -> bytes:
         return np.array([len(text) if n is None else n], "<u8").tobytes() + text
 
-    ok = requests_of(request([part(b'{"step": 3}'), part(b'{"step": 3}')]), ranks)
+    ok = requests_of(request([part(b'{"step": 3}'), part(b'{"step": 3}')]), host_of)
     assert ok == {0: {"step": 3}, 1: {"step": 3}}
     with pytest.raises(ProtocolError, match="says 1000 bytes"):
-        requests_of(request([part(b'{"step": 3}', 1000), part(b'{"step": 3}')]), ranks)
+        requests_of(request([part(b'{"step": 3}', 1000), part(b'{"step": 3}')]), host_of)
     with pytest.raises(ProtocolError, match="not JSON"):
-        requests_of(request([part(b'{"step": 3'), part(b'{"step": 3}')]), ranks)
+        requests_of(request([part(b'{"step": 3'), part(b'{"step": 3}')]), host_of)
     with pytest.raises(ProtocolError, match="names steps"):
-        requests_of(request([part(b'{"step": 3}'), part(b'{"step": 4}')]), ranks)
+        requests_of(request([part(b'{"step": 3}'), part(b'{"step": 4}')]), host_of)
+
+
+def test_a_framed_payload_states_its_whole_length_where_it_is_cut() -> None:
+    """A colocated call's answer: the length of the whole reply, as much of it as
+    fits; a reader takes it whole only where it fits."""
+    from mtc.contract import frame, unframe
+    from mtc.errors import ProtocolError
+
+    for size, payload in [(16, b""), (16, b"12345678"), (16, b"123456789"), (4096, b"x" * 100)]:
+        buf = frame(payload, size)
+        assert len(buf) == size
+        n, got = unframe(np.frombuffer(buf, np.uint8))
+        assert n == len(payload)
+        assert got == (payload if len(payload) <= size - 8 else None)
+    assert bytes(frame(b"123456789", 16)[8:]) == b"12345678"
+    with pytest.raises(ProtocolError, match="no length"):
+        unframe(b"1234")

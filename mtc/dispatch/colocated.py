@@ -34,6 +34,7 @@ from mtc.contract import (
     decode_reply,
     encode_request,
     task_to_json,
+    unframe,
 )
 from mtc.dispatch import colocated_load
 from mtc.dispatch.calls import HostCalls, regions_of
@@ -192,11 +193,11 @@ class ColocatedDispatch(HostCalls):
         whole: dict[int, bytes] = {}
         size_of: dict[int, int] = {}
         for rank, buf in self._answers(answers, "ask"):
-            n = int(buf[:8].view("<u8")[0])
+            n, payload = unframe(buf)
             size_of[rank] = n
             self.answer_bytes += min(n, size - 8)
-            if n <= size - 8:
-                whole[rank] = buf[8:8 + n].tobytes()
+            if payload is not None:
+                whole[rank] = payload
         longer = [r for r in size_of if r not in whole]
         if longer:
             cap = 1 << (max(size_of[r] for r in longer) - 1).bit_length()

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from mtc.contract import LeafSpec, ReadTask, task_to_json
+from mtc.contract import LeafSpec, ReadTask, frame, task_to_json
 from mtc.manifest import Index
 
 ALIGN = 64  # pieces in a holder's buffer start on this boundary
@@ -219,13 +219,7 @@ def encode(plan_: LoadPlan, hosts: Sequence[int]) -> tuple[int, dict[int, np.nda
              for h in hosts}
     need = 8 + max((len(t) for t in texts.values()), default=0)
     size = max(MIN_REQUEST_BYTES, 1 << (need - 1).bit_length())
-    out: dict[int, np.ndarray] = {}
-    for h, text in texts.items():
-        buf = np.zeros(size, np.uint8)
-        buf[:8] = np.array([len(text)], "<u8").view(np.uint8)
-        buf[8:8 + len(text)] = np.frombuffer(text, np.uint8)
-        out[h] = buf
-    return size, out
+    return size, {h: np.frombuffer(frame(text, size), np.uint8) for h, text in texts.items()}
 
 
 @functools.lru_cache(maxsize=256)
