@@ -187,13 +187,12 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
 
 
 def request_for(plan_: LoadPlan, host: int) -> dict[str, Any]:
-    """The part of the plan worker ``host`` acts on: every output's layout (each
-    worker makes every output, with its own devices' shards), and the reads of its
-    own host: its tasks, the regions it reads whole for others (the rest named by
-    position only) and its pieces of regions several hosts hold."""
+    """What worker ``host`` acts on beyond the outputs' layout (which every worker
+    needs: :func:`encode` adds it): the reads of its own host, its tasks, the
+    regions it reads whole for others (the rest named by position only) and its
+    pieces of regions several hosts hold."""
     request = plan_.request
-    part: dict[str, Any] = {"step": request["step"], "outputs": request["outputs"],
-                            "tasks": {str(host): request["tasks"].get(str(host), [])}}
+    part: dict[str, Any] = {"tasks": {str(host): request["tasks"].get(str(host), [])}}
     if "regions" in request:
         part["regions"] = [r if r["host"] == host else
                            {k: v for k, v in r.items() if k != "task"}
@@ -212,14 +211,19 @@ MIN_REQUEST_BYTES = 4096
 
 
 def encode(plan_: LoadPlan, hosts: Sequence[int]) -> tuple[int, dict[int, np.ndarray]]:
-    """Each of ``hosts``' part of the plan (:func:`request_for`) as bytes: its JSON's
-    length (8 bytes, little-endian) then the JSON, zero-padded to one size shared
-    by all of them (returned first)."""
-    texts = {h: json.dumps(request_for(plan_, h), separators=(",", ":")).encode()
-             for h in hosts}
+    """Each of ``hosts``' part of the plan as :func:`mtc.contract.frame`d JSON, one
+    size for all of them (returned first): the step and the outputs' layout, then
+    :func:`request_for` the host. The layout, alike for every host and as long as
+    the state has leaves, is encoded once and joined with each host's own object."""
+    common = _json({"step": plan_.request["step"], "outputs": plan_.request["outputs"]})
+    texts = {h: common[:-1] + b"," + _json(request_for(plan_, h))[1:] for h in hosts}
     need = 8 + max((len(t) for t in texts.values()), default=0)
     size = max(MIN_REQUEST_BYTES, 1 << (need - 1).bit_length())
     return size, {h: np.frombuffer(frame(text, size), np.uint8) for h, text in texts.items()}
+
+
+def _json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 @functools.lru_cache(maxsize=256)
