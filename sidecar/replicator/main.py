@@ -82,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "authentication; the pod's address to let Prometheus scrape them)")
     p.add_argument("--port-file", help="write the bound gRPC port here once serving")
     p.add_argument("--framework", choices=("mtc", "orbax"), default="mtc")
-    p.add_argument("--poll-seconds", type=float, default=0.2)
+    p.add_argument("--poll-seconds", type=float, default=0.2,
+                   help="how often the root is looked at anyway (default 0.2); a step "
+                        "renamed into it starts its copy at once where inotify works")
     p.add_argument("--straggler-wait-seconds", type=float, default=None,
                    help="ignored (kept for old command lines): a restore now waits for every "
                         "member, up to --agreement-timeout-seconds")

@@ -37,6 +37,7 @@ from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.replication import Replication
 from mtc.sidecar.replicator.restore import Restorer
+from mtc.sidecar.replicator.root_watch import RootWatch
 from mtc.sidecar.replicator.scrub import Scrubber
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
@@ -61,6 +62,8 @@ class Node:
                                     as_peer=True)
                       for r, a in enumerate(config.nodes) if r != config.rank}
         self._stop = threading.Event()
+        # A step renamed into the root wakes the loop at once (the poll stays).
+        self._watch = RootWatch(root)
         self.heartbeat = time.monotonic()  # the replication loop's last pass (health)
         self.data_port = 0  # the data channel's, once serving (server.serve)
         # How this node's flags disagree with a peer's (selfcheck.check_peers, at
@@ -103,12 +106,13 @@ class Node:
             except Exception:
                 log.exception("replication pass failed")
                 self.metrics.failures.labels("loop").inc()
-            self._stop.wait(self.config.poll_s)
+            self._watch.wait(self.config.poll_s)
 
     def stop(self) -> None:
         """Ask the loops and any restore waiting for its decision to end (main joins
         their threads)."""
         self._stop.set()
+        self._watch.wake()
         self.reserve.stop()
         self.restorer.stop()
         self.agreement.close()
@@ -121,6 +125,7 @@ class Node:
         self.replication.close()
         self._inv_pool.shutdown(wait=True, cancel_futures=True)
         self.backups.close()
+        self._watch.close()
 
     def heal_own(self, step: int) -> None:
         """Have this host's damaged ``step`` made whole again from other hosts'
