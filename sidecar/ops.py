@@ -33,7 +33,7 @@ from mtc.errors import (
     StepNotFoundError,
     StorageError,
 )
-from mtc.manifest import MANIFEST_NAME, Manifest
+from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar.load import Remote, ShardLoader, check_tasks
 from mtc.sidecar.write import WRITER_RESERVE_DIR
 
@@ -69,8 +69,8 @@ class HostOps:
             "survey": self._survey}
         self._locks: dict[int, int] = {}  # host -> descriptor holding its writer lock
         self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
-        # step -> ((inode, mtime) of this host's manifest of it, saving host it names)
-        self._own: dict[int, tuple[tuple[int, int], int]] = {}
+        # (host, step) -> (version of its manifest file, the summary read from it)
+        self._summaries: dict[tuple[int, int], tuple[tuple[int, int, int], Summary]] = {}
 
     def own_for(self, step: int) -> tuple[int, ...]:
         """The saving hosts whose data of ``step`` this process's RAM disks hold:
@@ -78,17 +78,38 @@ class HostOps:
         it holds no copy); else the hosts it serves."""
         if self.remote is None or len(self.own) != 1:
             return self.own
-        path = layout.step_dir(self._root(self.own[0]), step) / MANIFEST_NAME
         try:
-            st = os.stat(path)
-            key = (st.st_ino, st.st_mtime_ns)
-            hit = self._own.get(step)
-            if hit is None or hit[0] != key:
-                hit = (key, Manifest.summary_of(path.read_bytes(), path=str(path)).host)
-                self._own[step] = hit
+            return (self._summary(self.own[0], step)[1].host,)
         except (OSError, ManifestError):
             return ()  # no readable copy here: every host's data comes from the network
-        return (hit[1],)
+
+    def _summary(self, host: int, step: int, *, data: bool = False
+                 ) -> tuple[bytes, Summary]:
+        """``host``'s manifest of ``step`` (its bytes with ``data``, else maybe b"") and its
+        summary, checked as :meth:`Manifest.summary_of` checks it. Bytes read are
+        always checked; without ``data`` a summary is read once per version of
+        the file (inode, size, mtime): a committed manifest is replaced by a
+        rename, never rewritten in place, and the manifest of a step a caller
+        loads is read (``data``) and checked again. Raises OSError or
+        ManifestError (naming the file)."""
+        path = layout.step_dir(self._root(host), step) / MANIFEST_NAME
+        with open(path, "rb") as f:  # the version and the bytes of one and the same file
+            st = os.fstat(f.fileno())
+            version = (st.st_ino, st.st_size, st.st_mtime_ns)
+            hit = self._summaries.get((host, step))
+            if hit is not None and hit[0] == version and not data:
+                return b"", hit[1]
+            raw = f.read()
+        summary = Manifest.summary_of(raw, path=str(path))
+        self._summaries[(host, step)] = (version, summary)
+        return raw, summary
+
+    def _forget_gone(self, host: int, steps: Sequence[int]) -> None:
+        """Drop what is remembered of ``host``'s steps that are gone (kept: ``steps``)."""
+        kept = set(steps)
+        for cache in (self._summaries, self._sizes):
+            for key in [k for k in cache if k[0] == host and k[1] not in kept]:
+                del cache[key]
 
     def handle(self, request: bytes, serves: Sequence[int] | None = None
                ) -> bytes | bytearray:
@@ -131,50 +152,50 @@ class HostOps:
     def _survey(self, hosts: Sequence[int], step: int | None = None, manifest: bool = True
                 ) -> dict[str, dict[str, Any]]:
         """What a restore asks first, in one answer: each host's committed steps,
-        the run and host count of each (from its manifest's summary: a step
-        whose manifest is unreadable has none, and is never offered), and the
-        whole manifest of ``step`` (None: of its newest step) where it holds it
-        (unless not ``manifest``), and its space as :meth:`_space` says."""
+        the run and host count of each (from its manifest's summary, read once
+        per version of the file: a step whose manifest is unreadable has none,
+        and is never offered), and the whole manifest of ``step`` (None: of its
+        newest step) where it holds it (unless not ``manifest``), read and
+        checked now, and its space as :meth:`_space` says."""
         out: dict[str, dict[str, Any]] = {}
         for h in self._reachable(hosts):
             steps = layout.mtc_steps(self._root(h))
-            facts: dict[str, list[Any]] = {}
-            for s in steps:
-                path = layout.step_dir(self._root(h), s) / MANIFEST_NAME
-                try:
-                    summary = Manifest.summary_of(path.read_bytes(), path=str(path))
-                except (OSError, ManifestError):
-                    continue
-                facts[str(s)] = [summary.num_hosts, summary.run]
+            self._forget_gone(h, steps)
             want = step if step is not None else (steps[-1] if steps else None)
             text = None
             if manifest and want is not None and want in steps and h in hosts:
-                try:
+                try:  # first: the facts of ``want`` below are then of the bytes sent
                     text = bytes(self._manifest([h], want)).decode()
                 except ManifestError:
                     if step is not None:
                         raise  # the step asked for: its error names the file
+            facts: dict[str, list[Any]] = {}
+            for s in steps:
+                try:
+                    summary = self._summary(h, s)[1]
+                except (OSError, ManifestError):
+                    continue
+                facts[str(s)] = [summary.num_hosts, summary.run]
             out[str(h)] = {"steps": steps, "facts": facts, "step": want, "manifest": text,
-                           "space": self._space([h])[str(h)] if h in hosts else None}
+                           "space": self._space_of(h, steps) if h in hosts else None}
         return out
 
     def _manifest(self, hosts: Sequence[int], step: int) -> bytes:
         host = hosts[0]
         path = layout.step_dir(self._root(host), step) / MANIFEST_NAME
-        try:
-            if self.remote is not None and host not in self.own_for(step):
-                path = Path(f"host-{host}:{step}") / MANIFEST_NAME  # named, never opened
-                data = bytes(self.remote(step, host, MANIFEST_NAME))
-            else:
-                data = path.read_bytes()
-        except FileNotFoundError as e:
-            raise ManifestError("committed step has no manifest", step=step, host=host,
-                                path=str(path)) from e
         # Checked here, where the file is, so that an error names it: its checksum,
         # format and whose it is. Its leaves are the caller's to parse (once: a
         # model's manifest has thousands of shards).
         try:
-            m = Manifest.summary_of(data, path=str(path))
+            if self.remote is not None and host not in self.own_for(step):
+                path = Path(f"host-{host}:{step}") / MANIFEST_NAME  # named, never opened
+                data = bytes(self.remote(step, host, MANIFEST_NAME))
+                m = Manifest.summary_of(data, path=str(path))
+            else:
+                data, m = self._summary(host, step, data=True)
+        except FileNotFoundError as e:
+            raise ManifestError("committed step has no manifest", step=step, host=host,
+                                path=str(path)) from e
         except ManifestError as e:
             raise ManifestError(e.message, step=step, host=host, path=str(path)) from e
         if m.step != step or m.host != host:
@@ -248,17 +269,17 @@ class HostOps:
     def _space(self, hosts: Sequence[int]) -> dict[str, list[int]]:
         """Per host: bytes free on its RAM disk for the next save, and bytes of its
         newest step (0: none)."""
-        out = {}
-        for h in hosts:
-            root = self._root(h)
-            steps = layout.mtc_steps(root)
-            key = (h, steps[-1]) if steps else None
-            if key is not None and key not in self._sizes:
-                self._sizes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))
-            # Blank files set aside for the next save are room it fills (write.py).
-            free = layout.free_bytes(root) + layout.folder_bytes(root / WRITER_RESERVE_DIR)
-            out[str(h)] = [free, self._sizes[key] if key else 0]
-        return out
+        return {str(h): self._space_of(h, layout.mtc_steps(self._root(h))) for h in hosts}
+
+    def _space_of(self, host: int, steps: Sequence[int]) -> list[int]:
+        """:meth:`_space` of one host whose committed ``steps`` were just listed."""
+        root = self._root(host)
+        key = (host, steps[-1]) if steps else None
+        if key is not None and key not in self._sizes:
+            self._sizes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))
+        # Blank files set aside for the next save are room it fills (write.py).
+        free = layout.free_bytes(root) + layout.folder_bytes(root / WRITER_RESERVE_DIR)
+        return [free, self._sizes[key] if key else 0]
 
     def _settle(self, hosts: Sequence[int]) -> None:
         """Wait until background deletions have freed their space."""

@@ -143,3 +143,39 @@ def test_a_new_managers_clean_up_leaves_a_step_this_process_is_still_writing(
     finally:
         layout.writing(busy, False)
     assert layout.clean_uncommitted(root) == [busy.name]
+
+
+def test_a_survey_reads_an_unchanged_manifest_once_and_the_asked_one_every_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commit(tmp_path, 0, 5)
+    commit(tmp_path, 0, 6)
+    ops = HostOps(config(tmp_path))
+    parsed: list[int] = []
+    real = Manifest.summary_of
+
+    def counting(data: bytes, *, path: str = "") -> object:
+        parsed.append(int(Path(path).parent.name))
+        return real(data, path=path)
+
+    monkeypatch.setattr(Manifest, "summary_of", counting)
+    first = ask(ops, "survey", [0])
+    assert sorted(parsed) == [5, 6]  # step 6, sent whole, read and checked once
+    assert first["0"]["facts"] == {"5": [2, "r"], "6": [2, "r"]}  # type: ignore[index]
+    parsed.clear()
+    assert ask(ops, "survey", [0]) == first
+    assert parsed == [6]  # the step sent is checked again; step 5's summary is kept
+    # Replaced (another save under the number): read again, its new facts answered.
+    layout.remove_step(tmp_path / "host-0", 5)
+    d = tmp_path / "host-0" / "5"
+    d.mkdir()
+    (d / MANIFEST_NAME).write_bytes(Manifest(step=5, host=0, slice=0, num_hosts=1,
+                                             leaves=(), run="s").to_bytes())
+    parsed.clear()
+    again = ask(ops, "survey", [0])
+    assert sorted(parsed) == [5, 6]
+    assert again["0"]["facts"]["5"] == [1, "s"]  # type: ignore[index]
+    # The step sent is damaged: its error stays the host's, naming the file.
+    (tmp_path / "host-0" / "6" / MANIFEST_NAME).write_bytes(b"{}")
+    with pytest.raises(errors.ManifestError) as e:
+        ask(ops, "survey", [0], step=6)
+    assert (e.value.step, e.value.host) == (6, 0) and MANIFEST_NAME in str(e.value.path)
