@@ -1,9 +1,12 @@
-"""The references ``bench/replicator.py`` measures the replicator against, over one
-loopback connection each: raw TCP (a buffer sent and received) and a plain file
-copy between RAM disks."""
+"""The references ``bench/replicator.py`` measures the replicator against, over
+loopback: raw TCP (a buffer sent and received), a plain file copy between RAM
+disks (one connection each), and the floor of a fetch into an emptied RAM disk
+(a few connections at once)."""
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
 import queue
 import shutil
@@ -139,3 +142,91 @@ class RawFileCopy(_Loopback):
     def close(self) -> None:
         self._todo.put(None)
         super().close()
+
+
+class RawFetch:
+    """The floor of a replaced host's fetch: ``streams`` loopback connections at once,
+    each carrying a consecutive share of the files, ``sendfile``d by one thread and
+    received by another straight into new files of an emptied RAM-disk folder
+    (``splice`` through a pipe: no byte through Python), then CRC32C'd over the
+    written pages. The replicator's fetch moves bytes the same way, and adds its
+    agreement, protocol, checks and commit. New tmpfs pages are allocated and
+    cleared as they are first written: this is what bounds both here."""
+
+    def __init__(self, dest: Path, streams: int) -> None:
+        self.dest = dest
+        self.streams = streams
+
+    def sample(self, paths: list[Path]) -> float:
+        """Seconds to fetch ``paths`` into the emptied ``dest``, every stream done."""
+        shutil.rmtree(self.dest, ignore_errors=True)
+        self.dest.mkdir(parents=True)
+        sizes = [p.stat().st_size for p in paths]
+        share = -(-len(paths) // self.streams)
+        parts = [list(range(i, min(i + share, len(paths))))
+                 for i in range(0, len(paths), share)]
+        errors: list[BaseException] = []
+        with socket.socket() as srv:
+            srv.bind(("127.0.0.1", 0))
+            srv.listen(len(parts))
+
+            def send(ks: list[int]) -> None:
+                try:
+                    with socket.create_connection(srv.getsockname()) as s:
+                        for k in ks:
+                            with open(paths[k], "rb") as f:
+                                s.sendfile(f, 0, sizes[k])
+                        s.recv(1)
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            def receive(conn: socket.socket, ks: list[int]) -> None:
+                try:
+                    with conn:
+                        for k in ks:
+                            _splice_file(conn, self.dest / paths[k].name, sizes[k])
+                        conn.sendall(b"k")
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=send, args=(ks,)) for ks in parts]
+            for t in threads:
+                t.start()
+            for ks in parts:
+                conn, _ = srv.accept()
+                threads.append(threading.Thread(target=receive, args=(conn, ks)))
+                threads[-1].start()
+            for t in threads:
+                t.join()
+            dt = time.perf_counter() - t0
+        shutil.rmtree(self.dest, ignore_errors=True)
+        if errors:
+            raise OSError(f"raw fetch failed: {errors}")
+        return dt
+
+
+def _splice_file(conn: socket.socket, path: Path, size: int) -> None:
+    """``size`` bytes of ``conn`` into the new file ``path`` through a pipe, then their
+    CRC32C over the file's pages."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    r, w = os.pipe()
+    try:
+        fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ: a 1 MiB pipe
+        left = size
+        while left:
+            n = os.splice(conn.fileno(), w, min(left, 1 << 20))
+            if not n:
+                raise OSError("sender closed early")
+            moved = 0
+            while moved < n:
+                moved += os.splice(r, fd, n - moved)
+            left -= n
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+            view = memoryview(m)
+            crc32c(view)
+            view.release()
+    finally:
+        os.close(r)
+        os.close(w)
+        os.close(fd)

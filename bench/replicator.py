@@ -36,6 +36,11 @@ Measured in the same run, on this machine's loopback and RAM disk:
   process restart is reported apart).
 - ``local_read``: the same files read from the RAM disk with ``readinto`` into
   preallocated, warmed buffers.
+- ``raw_fetch``: the floor of that restore on this machine (``_loopback.RawFetch``):
+  the same files over as many loopback connections as a restore's fetch uses, each
+  ``sendfile``d and ``splice``d into a new file of an emptied folder, then CRC32C'd
+  (``peer_restore_over_raw_fetch``). New tmpfs pages are cleared as they are first
+  written, which bounds both well below a read of held pages.
 - ``host_cpu_s_per_gb``: CPU seconds (from ``/proc``) both hosts' replicators spend
   per GB of a step, from its commit on host 0 until the copy is committed on host
   1, the previous copy deleted, host 1's reserve refilled and the sender settled
@@ -64,11 +69,12 @@ from typing import Any
 import numpy as np
 from _common import GB, gbps, log, run_in_scratch, summary  # also puts the repository on the path
 from _cpu import process_cpu
-from _loopback import TCP_CHUNK, RawFileCopy, RawTcp
+from _loopback import TCP_CHUNK, RawFetch, RawFileCopy, RawTcp
 
 from mtc.integrity import crc32c
 from mtc.layout import TMP_MARK
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.restore import FETCH_STREAMS
 from mtc.sidecar.replicator.step_files import describe_own
 from mtc.sidecar.replicator.store import REPLICA_DIR
 
@@ -305,6 +311,7 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
     server_s: list[float] = []
     restart_s: list[float] = []
     read_s: list[float] = []
+    fetch_s: list[float] = []
     tiers: list[str] = []
     bufs = [np.empty(FILE_BYTES, np.uint8) for _ in range(nfiles)]
     for b in bufs:
@@ -312,6 +319,7 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
 
     raw = RawTcp(payload)
     rawcopy = RawFileCopy(base / "raw-copy")
+    rawfetch = RawFetch(base / "raw-fetch", FETCH_STREAMS)
     cl = replicators.Cluster(base, 2, 1, extra=("--replicas", "1", "--keep", "1",
                                               *(() if reserve else ("--no-reserve",))),
                              metrics=True, scrub=True)  # scrubbing, as deployed
@@ -361,10 +369,12 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
             t0 = time.perf_counter()  # host 0's own copy: as written, or as last restored
             read_files(step_files(h0 / str(last)), bufs)
             t_read = time.perf_counter() - t0
+            t_fetch = rawfetch.sample(step_files(h0 / str(last)))
             t_restore, r0, r1, restart = restore_sample(cl, h0, last)
             check_restored(h0 / str(last), last, payload, nfiles)
             tag = " (warm-up)" if r < warmup else ""
-            log(f"local read {gbps(nbytes, t_read)} GB/s; restore "
+            log(f"local read {gbps(nbytes, t_read)} GB/s; raw fetch {gbps(nbytes, t_fetch)} "
+                f"GB/s; restore "
                 f"{t_restore:.3f} s = {gbps(nbytes, t_restore)} GB/s (server {r0.seconds:.3f}"
                 f" s, host 1 {r1.tier} {r1.seconds:.3f} s; restart {restart:.2f} s){tag}")
             if r >= warmup:
@@ -373,6 +383,7 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
                 restart_s.append(restart)
                 tiers.append(f"{r0.tier}/{r1.tier}")
                 read_s.append(t_read)
+                fetch_s.append(t_fetch)
     finally:
         cl.stop_all()
         raw.close()
@@ -411,10 +422,12 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
                          "restart_seconds": [round(s, 2) for s in restart_s],
                          "tiers_host0_host1": tiers},
         "local_read": summary(nbytes, read_s),
+        "raw_fetch": {**summary(nbytes, fetch_s), "streams": FETCH_STREAMS},
         "peer_copy_over_raw_tcp": round(min(tcp_s) / min(copy_s), 3),
         "peer_transfer_over_raw_tcp": round(min(tcp_s) / min(data_s), 3),
         "peer_copy_over_raw_file_copy": round(min(file_s) / min(copy_s), 3),
         "peer_restore_over_local_read": round(min(read_s) / min(restore_s), 3),
+        "peer_restore_over_raw_fetch": round(min(fetch_s) / min(restore_s), 3),
         # Both hosts' replicators (the step is written by the bench, as Orbax writes
         # one: no sidecar), per GB of a step committed, copied and verified:
         # median over the samples.
