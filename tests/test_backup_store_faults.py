@@ -40,12 +40,17 @@ def test_a_stalled_request_fails_within_the_backup_retry_deadline(tmp_path: Path
     t = threading.Thread(target=accept)
     t.start()
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.getsockname()[1]}")
+    before = set(threading.enumerate())
     try:
         backend = open_backend("gs://stalled/b", retry_deadline_s=2.0)
         t0 = time.monotonic()
         with pytest.raises(BackupUnavailableError):
             backend.put_bytes("steps/1/MANIFEST.json", b"{}")
         took = time.monotonic() - t0
+        # Nothing the backend started goes on asking the store after the call failed
+        # (the storage client's own bucket-metadata thread, for one).
+        left = [th.name for th in set(threading.enumerate()) - before if th.is_alive()]
+        assert left == [], left
     finally:
         stop.set()
         t.join()

@@ -133,6 +133,7 @@ class GcsBackend(Backend):
             else:
                 client = storage.Client(project=project)
             _size_pool(client, pool_size)
+            _no_metadata_thread(client)
         self.client = client
         self.bucket = client.bucket(self.bucket_name)
         self.retry = (DEFAULT_RETRY.with_delay(initial=initial_backoff, maximum=max_backoff,
@@ -423,6 +424,20 @@ class GcsBackend(Backend):
                 raise StepExistsError(f"{final} already exists in {self.url}") from e
         log.info("published %s as %s in gs://%s", src, dst, self.bucket_name)
         return True
+
+
+def _no_metadata_thread(client: storage.Client) -> None:
+    """Keep the client from fetching bucket metadata behind our back.
+
+    google-cloud-storage 3.17 starts, at a bucket's first request, a daemon
+    thread that nobody joins to GET the bucket (for OpenTelemetry span
+    attributes, tracing on or off): a request mtc never asked for, needing
+    ``storage.buckets.get``, retried on its own schedule after a backup call has
+    failed and returned. Its switch is an environment variable read at each
+    request; the client's own cache, dropped here, is the per-client one.
+    Older releases have no such cache: nothing to do."""
+    if getattr(client, "_bucket_metadata_cache", None) is not None:
+        client._bucket_metadata_cache = None
 
 
 def _size_pool(client: storage.Client, size: int) -> None:
