@@ -246,7 +246,8 @@ def test_health_watches_hold_no_server_thread() -> None:
     Watch streams leave both threads free, so Check answers at once (gRPC's health
     Watch is non-blocking; an interceptor that rewraps it would make it hold one)."""
     streams = Streams()
-    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[DecodeGuard()])
+    pool = futures.ThreadPoolExecutor(2)
+    server = grpc.server(pool, interceptors=[DecodeGuard()])
     health = BoundedHealth(streams)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -270,3 +271,4 @@ def test_health_watches_hold_no_server_thread() -> None:
         ch.close()
         server.stop(0).wait()
         streams.close()
+        pool.shutdown(wait=True)

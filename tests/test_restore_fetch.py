@@ -64,13 +64,15 @@ class Holder:
         self.root = base / "root"
         self.node = Node(cfg, self.root, Credentials())
         commit_raw_step(self.root, 1, FILES)
-        self.server, port, _, _ = serve(self.node, "127.0.0.1:0", Credentials())
+        self.server, port, self.servicer, _ = serve(self.node, "127.0.0.1:0", Credentials())
         self.client = PeerClient(f"127.0.0.1:{port}", Credentials(), rank=0)
 
     def close(self) -> None:
         self.client.close()
         self.server.stop(0).wait()
+        self.servicer.close()
         self.node.stop()
+        self.node.close()
 
 
 @pytest.fixture
@@ -196,7 +198,7 @@ def test_a_peer_known_up_is_called_over_a_connection_of_its_own(
             client.call("GetInventory", pb.InventoryRequest(), attempts=1)
         assert lost.value.code == grpc.StatusCode.UNAVAILABLE
         # The replacement serves at the same address.
-        server, _, _, _ = serve(node, f"127.0.0.1:{port}", Credentials())
+        server, _, servicer, _ = serve(node, f"127.0.0.1:{port}", Credentials())
         try:
             inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1,
                               known_up=True)
@@ -204,6 +206,8 @@ def test_a_peer_known_up_is_called_over_a_connection_of_its_own(
             assert made == [True]  # over a channel of its own, closed again
         finally:
             server.stop(0).wait()
+            servicer.close()
     finally:
         client.close()
         node.stop()
+        node.close()

@@ -92,16 +92,21 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             lambda: room(node.store.root) + node.reserve.held_bytes(),
             max_files=checks.MAX_OPEN_FILES, idle_s=TRANSFER_IDLE_S)
         self.data: DataServer | None = None  # the data channel, when serve() opened one
+        self.workers: futures.ThreadPoolExecutor | None = None  # gRPC's, set by serve()
 
     @property
     def data_port(self) -> int:
         return self.data.port if self.data is not None else 0
 
     def close(self) -> None:
-        """After the server stopped: the data channel and the stream watchdog end."""
+        """After the server stopped: the data channel, the stream watchdog and gRPC's
+        worker threads end (gRPC never shuts down the pool it was given; a handler
+        still running, such as a Decide waiting for its epoch, ends with the node)."""
         if self.data is not None:
             self.data.close()
         self.streams.close()
+        if self.workers is not None:
+            self.workers.shutdown(wait=False, cancel_futures=True)
 
     def transfer(self, tid: str, context: Any) -> Transfer:
         """An open transfer, of this caller's (with TLS: the rank that offered it)."""
@@ -296,8 +301,8 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
     interceptors: list[grpc.ServerInterceptor] = (
         [TokenInterceptor(creds.token)] if creds.token else [])
     interceptors.append(DecodeGuard())  # malformed protobufs: INVALID_ARGUMENT
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                         interceptors=interceptors,
+    pool = futures.ThreadPoolExecutor(max_workers=workers)
+    server = grpc.server(pool, interceptors=interceptors,
                          options=[CHANNEL_OPTIONS[0],  # what it sends: as clients take
                                   ("grpc.max_receive_message_length", MAX_REQUEST),
                                   # Never share a port with another server silently.
@@ -315,6 +320,7 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
                                   ("grpc.http2.max_pings_without_data", 0)],
                          maximum_concurrent_rpcs=workers * 4)
     servicer = ReplicatorServicer(node, Identity(tls=creds.tls), streams)
+    servicer.workers = pool
     if data_port is not None and not listen.startswith("unix"):
         host = listen.rsplit(":", 1)[0]
         service = DataService(node, servicer.identity, streams, servicer.transfers)
