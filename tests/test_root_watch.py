@@ -82,6 +82,36 @@ def test_without_a_root_to_watch_the_timeout_still_bounds_the_wait(tmp_path: Pat
         watch.close()
 
 
+def test_a_watch_made_after_a_thousand_open_files_still_waits(tmp_path: Path) -> None:
+    """A replicator's descriptors (connections, files) can number past select()'s
+    1024; the watch's own then must still work."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} files at most")  # not counted as passing
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held: list[int] = []
+    try:
+        base = os.open(tmp_path, os.O_RDONLY)
+        held.append(base)
+        while held[-1] < 1100:
+            held.append(os.dup(base))
+        (tmp_path / "7.tmp").mkdir()
+        watch = RootWatch(tmp_path)
+        try:
+            took = waited(watch, LONG, later(
+                lambda: os.rename(tmp_path / "7.tmp", tmp_path / "7")))
+            assert took < LONG / 2
+            assert 0.15 <= waited(watch, 0.2) < LONG / 2
+        finally:
+            watch.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @pytest.mark.process
 def test_a_committed_step_is_copied_long_before_the_next_poll(
         ramdisk: Path, clusters: list[Cluster]) -> None:

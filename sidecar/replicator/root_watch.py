@@ -43,7 +43,9 @@ class RootWatch:
     comes first. Without inotify it is a plain timed wait."""
 
     def __init__(self, root: Path) -> None:
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_r, self._wake_w = os.pipe()  # not inherited by children (PEP 446)
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._fd = -1
         lib = _libc() if os.name == "posix" else None
         if lib is None:
@@ -67,13 +69,19 @@ class RootWatch:
 
     def wait(self, timeout: float) -> None:
         """Until ``timeout`` seconds pass, an entry is renamed into the root, or :meth:`wake`."""
-        fds = [self._wake_r] + ([self._fd] if self._fd >= 0 else [])
-        ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
-        for fd in ready:
+        # poll, not select: a replicator's descriptors (connections, files) may
+        # number past select's 1024.
+        waiter = select.poll()
+        for fd in (self._wake_r, self._fd):
+            if fd >= 0:
+                waiter.register(fd, select.POLLIN)
+        for fd, _ in waiter.poll(max(0.0, timeout) * 1000):
             self._drain(fd)
 
     def wake(self) -> None:
         """Ends the current (or the next) wait now; safe from any thread."""
+        if self._wake_w < 0:
+            return  # closed: nobody waits
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:
