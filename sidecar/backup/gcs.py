@@ -433,8 +433,9 @@ def _no_metadata_thread(client: storage.Client) -> None:
     thread that nobody joins to GET the bucket (for OpenTelemetry span
     attributes, tracing on or off): a request mtc never asked for, needing
     ``storage.buckets.get``, retried on its own schedule after a backup call has
-    failed and returned. Its switch is an environment variable read at each
-    request; the client's own cache, dropped here, is the per-client one.
+    failed and returned. The library's own switch is process-wide (the
+    environment variable DISABLE_GCS_PYTHON_CLIENT_OTEL_BUCKET_METADATA);
+    dropping the client's cache turns it off for the clients mtc makes alone.
     Older releases have no such cache: nothing to do."""
     if getattr(client, "_bucket_metadata_cache", None) is not None:
         client._bucket_metadata_cache = None
