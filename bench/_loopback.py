@@ -5,8 +5,6 @@ disks (one connection each), and the floor of a fetch into an emptied RAM disk
 
 from __future__ import annotations
 
-import fcntl
-import mmap
 import os
 import queue
 import shutil
@@ -16,6 +14,7 @@ import time
 from pathlib import Path
 
 from mtc.integrity import crc32c
+from mtc.sidecar.replicator.socket_files import RECV_CHUNK, recv_into_fd
 
 TCP_CHUNK = 4 << 20
 
@@ -147,10 +146,10 @@ class RawFileCopy(_Loopback):
 class RawFetch:
     """The floor of a replaced host's fetch: ``streams`` loopback connections at once,
     each carrying a consecutive share of the files, ``sendfile``d by one thread and
-    received by another straight into new files of an emptied RAM-disk folder
-    (``splice`` through a pipe: no byte through Python), then CRC32C'd over the
-    written pages. The replicator's fetch moves bytes the same way, and adds its
-    agreement, protocol, checks and commit. New tmpfs pages are allocated and
+    received by another into new files of an emptied RAM-disk folder with the
+    replicator's own byte mover (``socket_files.recv_into_fd``: ``splice``, then
+    a CRC32C over the written pages). The replicator's fetch adds its agreement,
+    protocol, checks and commit. New tmpfs pages are allocated and
     cleared as they are first written: this is what bounds both here."""
 
     def __init__(self, dest: Path, streams: int) -> None:
@@ -182,9 +181,17 @@ class RawFetch:
 
             def receive(conn: socket.socket, ks: list[int]) -> None:
                 try:
+                    buf = memoryview(bytearray(RECV_CHUNK))  # used only where splice is not
                     with conn:
                         for k in ks:
-                            _splice_file(conn, self.dest / paths[k].name, sizes[k])
+                            fd = os.open(self.dest / paths[k].name,
+                                         os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                            try:
+                                got, _ = recv_into_fd(conn, fd, sizes[k], buf)
+                            finally:
+                                os.close(fd)
+                            if got != sizes[k]:
+                                raise OSError(f"{got} of {sizes[k]} bytes arrived")
                         conn.sendall(b"k")
                 except BaseException as e:  # noqa: BLE001 - reported below
                     errors.append(e)
@@ -204,29 +211,3 @@ class RawFetch:
         if errors:
             raise OSError(f"raw fetch failed: {errors}")
         return dt
-
-
-def _splice_file(conn: socket.socket, path: Path, size: int) -> None:
-    """``size`` bytes of ``conn`` into the new file ``path`` through a pipe, then their
-    CRC32C over the file's pages."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    r, w = os.pipe()
-    try:
-        fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ: a 1 MiB pipe
-        left = size
-        while left:
-            n = os.splice(conn.fileno(), w, min(left, 1 << 20))
-            if not n:
-                raise OSError("sender closed early")
-            moved = 0
-            while moved < n:
-                moved += os.splice(r, fd, n - moved)
-            left -= n
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
-            view = memoryview(m)
-            crc32c(view)
-            view.release()
-    finally:
-        os.close(r)
-        os.close(w)
-        os.close(fd)

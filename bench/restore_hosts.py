@@ -147,7 +147,8 @@ def run(root: Path, samples: int, warmup: int, latency_ms: float) -> dict[str, A
             "config": {"samples": samples, "warmup": warmup,
                        "colocated_call_latency_ms": latency_ms, "devices": len(jax.devices()),
                        "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0],
-                       "rounds": "interleaved: one restore of each cluster a round"},
+                       "rounds": "interleaved: one restore and two no-op calls of each cluster "
+                                 "a round"},
             "hosts_4": by_hosts[4], "hosts_8": by_hosts[8],
             "ratios": {"restore_8_over_4": ratio,
                        # the reference: two no-op calls, 8 hosts over 4

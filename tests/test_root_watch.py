@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,10 +31,10 @@ def waited(watch: RootWatch, timeout: float, act: threading.Thread | None = None
     return time.monotonic() - t0
 
 
-def later(fn: object, delay: float = 0.1) -> threading.Thread:
+def later(fn: Callable[[], object], delay: float = 0.1) -> threading.Thread:
     def run() -> None:
         time.sleep(delay)
-        fn()  # type: ignore[operator]
+        fn()
     return threading.Thread(target=run)
 
 
