@@ -218,9 +218,16 @@ class Manifest:
             raise ManifestError(f"host {host} of {num_hosts}", path=path)
         return Summary(num_hosts, run, ranks, host, step)
 
+    @classmethod
+    def check_bytes(cls, data: bytes, *, path: str = "") -> None:
+        """Raise :class:`ManifestError` unless ``data`` is a manifest whose body
+        matches its checksum: what tells bytes already summarised (:meth:`summary_of`)
+        from bytes changed since, without parsing the body again."""
+        cls._text(data, path)
+
     @staticmethod
-    def _body(data: bytes, path: str) -> dict[str, Any]:
-        """The manifest's body, its checksum, format and version checked."""
+    def _text(data: bytes, path: str) -> str:
+        """The manifest's body text, its checksum checked."""
         try:
             outer = _dict(json.loads(data), "manifest")
             text = outer["body"]
@@ -228,11 +235,20 @@ class Manifest:
                 raise ValueError("body is not a string")
             if crc32c(text.encode()) != outer["crc32c"]:
                 raise ManifestError("manifest checksum mismatch", path=path)
-            body = _dict(json.loads(text), "manifest body")
         except ManifestError:
             raise
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             # RecursionError: JSON nested deeper than the parser's stack.
+            raise ManifestError(f"unreadable manifest: {e!r}"[:500], path=path) from e
+        return text
+
+    @classmethod
+    def _body(cls, data: bytes, path: str) -> dict[str, Any]:
+        """The manifest's body, its checksum, format and version checked."""
+        text = cls._text(data, path)
+        try:
+            body = _dict(json.loads(text), "manifest body")
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ManifestError(f"unreadable manifest: {e!r}"[:500], path=path) from e
         if body.get("format") != FORMAT:
             raise ManifestError(f"not an mtc manifest (format={body.get('format')!r})", path=path)

@@ -2,9 +2,10 @@
 
 A :class:`ReadTask` is one distinct target shard on one host: the region of a
 leaf that one or more of the host's devices need, and the saved pieces that
-cover it. A task whose region equals a saved shard maps that file; one whose
-region is saved shards stacked along the leading axis maps them side by side;
-anything else is assembled by copying the overlapping parts.
+cover it. A task whose region equals a saved shard maps that file (reads it
+when small: :mod:`mtc.sidecar.read`); one whose region is saved shards stacked
+along the leading axis maps them side by side; anything else is assembled by
+copying the overlapping parts.
 
 A piece another host saved is never read through a filesystem: with ``remote``
 (multi-controller JAX, each process its own host) its file comes over the
@@ -29,7 +30,7 @@ from mtc.shards import paste
 from mtc.sidecar.confine import is_real_dir
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.quarantine import quarantine
-from mtc.sidecar.read import can_map_side_by_side, map_side_by_side, map_verified
+from mtc.sidecar.read import can_map_side_by_side, load_verified, map_side_by_side
 from mtc.sidecar.replicator.store import REPLICA_DIR
 
 if TYPE_CHECKING:  # only the in-process paths put arrays on devices; a sidecar never does
@@ -90,7 +91,7 @@ class ShardLoader:
                 self._mapped[key] = self._fetch(p)
             else:
                 with self._quarantining():
-                    self._mapped[key] = map_verified(self._path(p), p.entry, step=self.step,
+                    self._mapped[key] = load_verified(self._path(p), p.entry, step=self.step,
                                                      host=p.host)
         return self._mapped[key]
 

@@ -35,6 +35,7 @@ from mtc.errors import (
 )
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar.load import Remote, ShardLoader, check_tasks
+from mtc.sidecar.reserve import reserved_bytes
 from mtc.sidecar.write import WRITER_RESERVE_DIR
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,14 @@ class HostOps:
     def _summary(self, host: int, step: int, *, data: bool = False
                  ) -> tuple[bytes, Summary]:
         """``host``'s manifest of ``step`` (its bytes with ``data``, else maybe b"") and its
-        summary, checked as :meth:`Manifest.summary_of` checks it. Bytes read are
-        always checked; without ``data`` a summary is read once per version of
-        the file (inode, size, mtime): a committed manifest is replaced by a
-        rename, never rewritten in place, and the manifest of a step a caller
-        loads is read (``data``) and checked again. Raises OSError or
-        ManifestError (naming the file)."""
+        summary, checked as :meth:`Manifest.summary_of` checks it. A summary is read
+        once per version of the file (inode, size, mtime): a committed manifest is
+        replaced by a rename, never rewritten in place. Bytes read are always
+        checked: those of a step a caller loads (``data``) are read again, and
+        when the version is the one summarised, their checksum says whether they
+        are still the bytes summarised (the body is not parsed again: a restore's
+        controller parses it, and a model's manifest has thousands of shards).
+        Raises OSError or ManifestError (naming the file)."""
         path = layout.step_dir(self._root(host), step) / MANIFEST_NAME
         with open(path, "rb") as f:  # the version and the bytes of one and the same file
             st = os.fstat(f.fileno())
@@ -100,6 +103,9 @@ class HostOps:
             if hit is not None and hit[0] == version and not data:
                 return b"", hit[1]
             raw = f.read()
+        if hit is not None and hit[0] == version:
+            Manifest.check_bytes(raw, path=str(path))
+            return raw, hit[1]
         summary = Manifest.summary_of(raw, path=str(path))
         self._summaries[(host, step)] = (version, summary)
         return raw, summary
@@ -258,13 +264,17 @@ class HostOps:
                 keep_period: int | None, before_write: bool) -> dict[str, list[int]]:
         """Delete (in the background) what the retention policy says of each host's
         steps; answers with :meth:`_space`, saving the caller a round trip."""
+        space: dict[str, list[int]] = {}
         for h in hosts:
             root = self._root(h)
-            for s in retention.to_delete(complete, layout.mtc_steps(root),
-                                         max_to_keep=max_to_keep, keep_period=keep_period,
-                                         before_write=before_write):
+            steps = layout.mtc_steps(root)
+            gone = retention.to_delete(complete, steps, max_to_keep=max_to_keep,
+                                       keep_period=keep_period, before_write=before_write)
+            for s in gone:
                 layout.remove_step(root, s, background=True)
-        return self._space(hosts)
+            # The steps left, without listing the root again (a save waits for this).
+            space[str(h)] = self._space_of(h, [s for s in steps if s not in gone])
+        return space
 
     def _space(self, hosts: Sequence[int]) -> dict[str, list[int]]:
         """Per host: bytes free on its RAM disk for the next save, and bytes of its
@@ -278,7 +288,7 @@ class HostOps:
         if key is not None and key not in self._sizes:
             self._sizes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))
         # Blank files set aside for the next save are room it fills (write.py).
-        free = layout.free_bytes(root) + layout.folder_bytes(root / WRITER_RESERVE_DIR)
+        free = layout.free_bytes(root) + reserved_bytes(root / WRITER_RESERVE_DIR)
         return [free, self._sizes[key] if key else 0]
 
     def _settle(self, hosts: Sequence[int]) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -48,6 +49,34 @@ from mtc.sidecar.confine import open_beneath, real_dir
 log = logging.getLogger(__name__)
 
 REFILL_S = 5.0  # a refill stopped by a full RAM disk tries again this often
+
+# A blank file whose allocation is complete: its size, then a random name. One
+# being allocated has a ``.new`` ending until it is complete.
+_BLANK = re.compile(r"(\d{1,19})\.[0-9a-f]{12}")
+
+
+def reserved_bytes(folder: Path) -> int:
+    """Bytes of the blank files in a reserve ``folder`` (0 when there is none), for
+    a host's free space. One listing: a complete file's size is its name's
+    (:meth:`Reserve._allocate` gives it that name once its allocation is done, and
+    a reserved file is never written), so only other names (one being allocated)
+    cost a ``stat`` each. A save's survey asked this of a hundred files one
+    ``lstat`` at a time: 1.8 ms under gVisor, against 0.12 for the listing."""
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    total = 0
+    for name in names:
+        blank = _BLANK.fullmatch(name)
+        if blank is not None:
+            total += int(blank[1])
+            continue
+        try:
+            total += os.lstat(os.path.join(folder, name)).st_size
+        except FileNotFoundError:
+            continue
+    return total
 
 
 def plan_reserve(wanted: Counter[int], held: Counter[int]) -> tuple[Counter[int], list[int]]:
@@ -225,12 +254,15 @@ class Reserve:
     def _allocate(self, size: int) -> Path | None:
         real_dir(self.folder)
         path = self.folder / f"{size}.{uuid.uuid4().hex[:12]}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        # Named by its size only once it has it (reserved_bytes counts by name).
+        new = path.with_name(path.name + ".new")
+        fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      self._mode)
         try:
             os.posix_fallocate(fd, 0, size)
+            os.rename(new, path)
         except OSError as e:
-            path.unlink(missing_ok=True)
+            new.unlink(missing_ok=True)
             if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                 log.info("this RAM disk's file system cannot allocate ahead (%s): no reserve",
                          e.strerror)

@@ -5,6 +5,7 @@ exception through the seam."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -145,25 +146,49 @@ def test_a_new_managers_clean_up_leaves_a_step_this_process_is_still_writing(
     assert layout.clean_uncommitted(root) == [busy.name]
 
 
-def test_a_survey_reads_an_unchanged_manifest_once_and_the_asked_one_every_time(
+def test_a_survey_parses_an_unchanged_manifest_once_and_checks_the_asked_one_every_time(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     commit(tmp_path, 0, 5)
     commit(tmp_path, 0, 6)
     ops = HostOps(config(tmp_path))
     parsed: list[int] = []
-    real = Manifest.summary_of
+    checked: list[int] = []
+    real, real_check = Manifest.summary_of, Manifest.check_bytes
 
     def counting(data: bytes, *, path: str = "") -> object:
         parsed.append(int(Path(path).parent.name))
         return real(data, path=path)
 
+    def counting_checks(data: bytes, *, path: str = "") -> None:
+        checked.append(int(Path(path).parent.name))
+        real_check(data, path=path)
+
     monkeypatch.setattr(Manifest, "summary_of", counting)
+    monkeypatch.setattr(Manifest, "check_bytes", counting_checks)
     first = ask(ops, "survey", [0])
-    assert sorted(parsed) == [5, 6]  # step 6, sent whole, read and checked once
+    assert sorted(parsed) == [5, 6] and checked == []  # step 6, sent whole, parsed once
     assert first["0"]["facts"] == {"5": [2, "r"], "6": [2, "r"]}  # type: ignore[index]
     parsed.clear()
     assert ask(ops, "survey", [0]) == first
-    assert parsed == [6]  # the step sent is checked again; step 5's summary is kept
+    # The step sent is read and its checksum checked again; nothing is parsed again.
+    assert parsed == [] and checked == [6]
+    # Its bytes damaged in place with the file's version kept (a bit flip): the
+    # checksum tells, and the error is the host's, naming the file.
+    path = tmp_path / "host-0" / "6" / MANIFEST_NAME
+    st = path.stat()
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b'\\"step\\":6')  # inside the body text
+    raw[at + 9] = ord("7")
+    with open(path, "r+b") as f:
+        f.write(raw)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_ino, path.stat().st_size, path.stat().st_mtime_ns) == \
+        (st.st_ino, st.st_size, st.st_mtime_ns)
+    with pytest.raises(errors.ManifestError, match="checksum") as bad:
+        ask(ops, "survey", [0], step=6)
+    assert (bad.value.step, bad.value.host) == (6, 0) and MANIFEST_NAME in str(bad.value.path)
+    layout.remove_step(tmp_path / "host-0", 6)
+    commit(tmp_path, 0, 6)  # a good copy back (healed): a new version of the file
     # Replaced (another save under the number): read again, its new facts answered.
     layout.remove_step(tmp_path / "host-0", 5)
     d = tmp_path / "host-0" / "5"

@@ -1,4 +1,5 @@
-"""Mapped shard reads: every byte verified, with or without prefaulting the mapping."""
+"""Shard reads, mapped or read: every byte and the size verified, with or without
+prefaulting a mapping."""
 
 from __future__ import annotations
 
@@ -57,6 +58,47 @@ def test_mapped_reads_verify_every_byte(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(CorruptShardError, match="checksum mismatch") as e:
         read.map_side_by_side(pieces, step=4, hosts=[1, 1, 2])
     assert e.value.host == 2
+
+
+def test_small_files_are_read_large_ones_mapped() -> None:
+    assert read.read_below("Linux version 6.18.44-fc-v1272 (gcc) #1 SMP\n") == 64 << 10
+    assert read.read_below(read.GVISOR_VERSION + "\n") > 4 << 20
+    assert read.read_below("") == 64 << 10
+
+
+def test_read_shards_verify_their_size_and_every_byte(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    data = np.arange(5000, dtype=np.uint8)
+    path = tmp_path / "s0"
+    data.tofile(path)
+    entry = entry_of(path, data)
+    monkeypatch.setattr(read, "READ_BELOW", 5001)
+    got = read.load_verified(path, entry, step=3, host=1)
+    assert isinstance(got.base, np.ndarray)  # read into memory of its own
+    np.testing.assert_array_equal(got, data)
+    got[0] = 7  # its own memory: the file keeps its bytes
+    assert np.fromfile(path, np.uint8)[0] == 0
+    monkeypatch.setattr(read, "READ_BELOW", 5000)
+    mapped = read.load_verified(path, entry, step=3, host=1)
+    assert isinstance(getattr(mapped.base, "obj", None), mmap.mmap)
+    np.testing.assert_array_equal(mapped, data)
+
+    monkeypatch.setattr(read, "READ_BELOW", 1 << 20)
+    np.concatenate([data, data[:1]]).tofile(path)  # one byte longer
+    with pytest.raises(CorruptShardError, match="5001 bytes, manifest says 5000") as e:
+        read.load_verified(path, entry, step=3, host=1)
+    assert (e.value.step, e.value.host) == (3, 1) and "s0" in str(e.value)
+    data[:-1].tofile(path)  # one byte short
+    with pytest.raises(CorruptShardError, match="4999 bytes, manifest says 5000"):
+        read.load_verified(path, entry, step=3, host=1)
+    damaged = data.copy()
+    damaged[100] ^= 1
+    damaged.tofile(path)
+    with pytest.raises(CorruptShardError, match="checksum mismatch"):
+        read.load_verified(path, entry, step=3, host=1)
+    path.unlink()
+    with pytest.raises(CorruptShardError, match="missing"):
+        read.load_verified(path, entry, step=3, host=1)
 
 
 def test_shards_go_to_devices_in_batches_and_restore_exactly(

@@ -29,7 +29,7 @@ from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import serve
 from mtc.sidecar.replicator.transfers import RESERVE_DIR
-from mtc.sidecar.reserve import Reserve, plan_reserve
+from mtc.sidecar.reserve import Reserve, plan_reserve, reserved_bytes
 
 MIB = 1 << 20
 
@@ -48,6 +48,30 @@ def fill(root: Path, room: int) -> Reserve:
         return room - sum(f.stat().st_size for f in folder.iterdir()) if folder.exists() \
             else room
     return Reserve(root, RESERVE_DIR, left)
+
+
+def test_the_reserved_bytes_are_counted_from_one_listing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A complete blank file's size is its name's; a file still being allocated
+    (``.new``) or of any other name is asked of the file system."""
+    r = fill(tmp_path, 1 << 30)
+    r.want(0, [MIB, MIB, 3])
+    r.fill_once()
+    folder = tmp_path / RESERVE_DIR
+    assert reserved_bytes(folder) == r.held_bytes() == 2 * MIB + 3
+    assert not [f for f in folder.iterdir() if f.name.endswith(".new")]
+    stats: list[str] = []
+    lstat = os.lstat
+
+    def counting(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        stats.append(str(path))
+        return lstat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "lstat", counting)
+    (folder / "5.0123456789ab.new").write_bytes(b"12")  # being allocated: 2 bytes so far
+    assert reserved_bytes(folder) == 2 * MIB + 3 + 2
+    assert [Path(p).name for p in stats] == ["5.0123456789ab.new"]
+    assert reserved_bytes(tmp_path / "none") == 0
 
 
 def test_blank_files_of_the_wanted_sizes_are_set_aside_and_taken_once(tmp_path: Path) -> None:
