@@ -98,70 +98,70 @@ def load_regions(request: jax.Array, ranks: jax.Array,
     step = int(common["step"])
     devices = list(ranks.sharding.mesh.devices.flat)  # type: ignore[attr-defined]
     position = {d: k for k, d in enumerate(devices)}
-    loader = ShardLoader(step, root_of)
-    # (output, device position) -> the task whose region that device's shard is
-    region_of: dict[tuple[int, int], ReadTask] = {}
-    for h in mine:
-        asked = requests[h]["tasks"].get(str(h), [])
-        tasks = [task_from_json(a["task"]) for a in asked]
-        check_tasks(tasks, step=step, host=h)
-        for a, t in zip(asked, tasks, strict=True):
-            if {p.host for p in t.pieces} != {h}:
-                raise ProtocolError("asked to read pieces of another host", step=step, host=h)
-            for pos in a["pos"]:
-                region_of[(int(a["out"]), int(pos))] = t
-    read: dict[int, np.ndarray] = {}  # id(task) -> its region, read once
-    # Every shard read first, then onto its device in one device_put (hundreds of
-    # leaves: one call each cost more than their bytes), then made into its array.
-    regions: list[np.ndarray] = []
-    places: list[jax.Device] = []
-    made: list[tuple[tuple[int, ...], jax.sharding.Sharding, np.dtype[Any], int]] = []
-    shardings: dict[str, jax.sharding.Sharding] = {}  # most leaves share a few layouts
-    for k, out in enumerate(common["outputs"]):
-        key = json.dumps([out.get("single"), out.get("mesh"), out.get("spec")])
-        sharding = shardings.get(key)
-        if sharding is None:
-            sharding = shardings[key] = sharding_from_json(out, devices)
-        shape = tuple(int(n) for n in out["shape"])
-        dtype = numpy_dtype(out["dtype"])
-        count = 0
-        for d in sharding.addressable_devices:
-            if d not in host_of:
-                continue
-            task = region_of.get((k, position[d]))
-            if task is None:  # the controller assembles it from other hosts' pieces
-                region = np.zeros(sharding.shard_shape(shape), dtype)
-            else:
-                if id(task) not in read:
-                    read[id(task)] = loader.read(task)
-                region = read[id(task)]
-            regions.append(region)
-            places.append(d)
-            count += 1
-        made.append((shape, sharding, dtype, count))
-    # A region one host reads whole for others: its task is in that host's part.
-    for k, entry in enumerate(common.get("regions", [])):
-        d = devices[int(entry["pos"])]
-        shape = tuple(int(n) for n in entry["shape"])
-        dtype = numpy_dtype(entry["dtype"])
-        count = 0
-        if d in host_of:
-            own = requests[host_of[d]].get("regions", [])
-            if k >= len(own) or "task" not in own[k]:
-                raise ProtocolError("a region of this host's came without its task",
-                                    step=step, host=host_of[d])
-            t = task_from_json(own[k]["task"])
-            check_tasks([t], step=step, host=host_of[d])
-            if {p.host for p in t.pieces} != {host_of[d]}:
-                raise ProtocolError("asked to read pieces of another host", step=step,
-                                    host=host_of[d])
-            region = loader.read(t)
-            if region.shape != shape or region.dtype != dtype:
-                raise ProtocolError("a region is not the shape it was asked as", step=step)
-            regions.append(region)
-            places.append(d)
-            count = 1
-        made.append((shape, SingleDeviceSharding(d), dtype, count))
+    with ShardLoader(step, root_of) as loader:  # its step folders closed after the reads
+        # (output, device position) -> the task whose region that device's shard is
+        region_of: dict[tuple[int, int], ReadTask] = {}
+        for h in mine:
+            asked = requests[h]["tasks"].get(str(h), [])
+            tasks = [task_from_json(a["task"]) for a in asked]
+            check_tasks(tasks, step=step, host=h)
+            for a, t in zip(asked, tasks, strict=True):
+                if {p.host for p in t.pieces} != {h}:
+                    raise ProtocolError("asked to read pieces of another host", step=step, host=h)
+                for pos in a["pos"]:
+                    region_of[(int(a["out"]), int(pos))] = t
+        read: dict[int, np.ndarray] = {}  # id(task) -> its region, read once
+        # Every shard read first, then onto its device in one device_put (hundreds of
+        # leaves: one call each cost more than their bytes), then made into its array.
+        regions: list[np.ndarray] = []
+        places: list[jax.Device] = []
+        made: list[tuple[tuple[int, ...], jax.sharding.Sharding, np.dtype[Any], int]] = []
+        shardings: dict[str, jax.sharding.Sharding] = {}  # most leaves share a few layouts
+        for k, out in enumerate(common["outputs"]):
+            key = json.dumps([out.get("single"), out.get("mesh"), out.get("spec")])
+            sharding = shardings.get(key)
+            if sharding is None:
+                sharding = shardings[key] = sharding_from_json(out, devices)
+            shape = tuple(int(n) for n in out["shape"])
+            dtype = numpy_dtype(out["dtype"])
+            count = 0
+            for d in sharding.addressable_devices:
+                if d not in host_of:
+                    continue
+                task = region_of.get((k, position[d]))
+                if task is None:  # the controller assembles it from other hosts' pieces
+                    region = np.zeros(sharding.shard_shape(shape), dtype)
+                else:
+                    if id(task) not in read:
+                        read[id(task)] = loader.read(task)
+                    region = read[id(task)]
+                regions.append(region)
+                places.append(d)
+                count += 1
+            made.append((shape, sharding, dtype, count))
+        # A region one host reads whole for others: its task is in that host's part.
+        for k, entry in enumerate(common.get("regions", [])):
+            d = devices[int(entry["pos"])]
+            shape = tuple(int(n) for n in entry["shape"])
+            dtype = numpy_dtype(entry["dtype"])
+            count = 0
+            if d in host_of:
+                own = requests[host_of[d]].get("regions", [])
+                if k >= len(own) or "task" not in own[k]:
+                    raise ProtocolError("a region of this host's came without its task",
+                                        step=step, host=host_of[d])
+                t = task_from_json(own[k]["task"])
+                check_tasks([t], step=step, host=host_of[d])
+                if {p.host for p in t.pieces} != {host_of[d]}:
+                    raise ProtocolError("asked to read pieces of another host", step=step,
+                                        host=host_of[d])
+                region = loader.read(t)
+                if region.shape != shape or region.dtype != dtype:
+                    raise ProtocolError("a region is not the shape it was asked as", step=step)
+                regions.append(region)
+                places.append(d)
+                count = 1
+            made.append((shape, SingleDeviceSharding(d), dtype, count))
     placed = iter(jax.device_put(regions, places) if regions else [])
     outputs: list[jax.Array] = [
         jax.make_array_from_single_device_arrays(shape, sharding,

@@ -27,10 +27,15 @@ from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.errors import CorruptShardError, ProtocolError
 from mtc.integrity import crc32c
 from mtc.shards import paste
-from mtc.sidecar.confine import is_real_dir
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.quarantine import quarantine
-from mtc.sidecar.read import can_map_side_by_side, load_verified, map_side_by_side
+from mtc.sidecar.read import (
+    At,
+    can_map_side_by_side,
+    load_verified,
+    map_side_by_side,
+    open_step_folder,
+)
 from mtc.sidecar.replicator.store import REPLICA_DIR
 
 if TYPE_CHECKING:  # only the in-process paths put arrays on devices; a sidecar never does
@@ -58,7 +63,9 @@ class ShardLoader:
     """Executes read tasks for one step; each file is verified at most once.
 
     ``remote``: where pieces of hosts other than ``own`` come from (the network
-    tier); without it every host's root is a folder here (simulated hosts)."""
+    tier); without it every host's root is a folder here (simulated hosts). Each
+    host's step folder is opened once and its files from there: :meth:`close` it
+    (or use it as a context manager); what it read stays valid after."""
 
     def __init__(self, step: int, root_of: Callable[[int], Path], *,
                  remote: Remote | None = None, own: Collection[int] = ()) -> None:
@@ -67,19 +74,34 @@ class ShardLoader:
         self.remote = remote
         self.own = frozenset(own)
         self._mapped: dict[tuple[int, str], np.ndarray] = {}
-        # host -> its step folder, checked once; a string, as a restore joins it
-        # with hundreds of file names (a Path costs several times a join)
-        self._folders: dict[int, str] = {}
+        # host -> (descriptor of its step folder, the folder's path): opened once; the
+        # path a string, as errors join it with hundreds of file names
+        self._folders: dict[int, tuple[int, str]] = {}
+
+    def __enter__(self) -> ShardLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        folders, self._folders = self._folders, {}
+        for fd, _ in folders.values():
+            os.close(fd)
+
+    def _folder(self, host: int) -> tuple[int, str]:
+        found = self._folders.get(host)
+        if found is None:
+            path = self.root_of(host) / str(self.step)
+            fd = open_step_folder(path, step=self.step, host=host)
+            found = self._folders[host] = (fd, f"{path}{os.sep}")
+        return found
 
     def _path(self, p: Piece) -> str:
-        folder = self._folders.get(p.host)
-        if folder is None:
-            path = self.root_of(p.host) / str(self.step)
-            if not is_real_dir(path):  # a symlink named as the step leads elsewhere
-                raise CorruptShardError("step folder is missing or not a folder",
-                                        step=self.step, host=p.host, path=str(path))
-            folder = self._folders[p.host] = f"{path}{os.sep}"
-        return folder + p.entry.file  # a manifest's file name has no separator
+        return self._folder(p.host)[1] + p.entry.file  # a manifest's file name has no separator
+
+    def _at(self, p: Piece) -> At:
+        return self._folder(p.host)[0], p.entry.file
 
     def _is_remote(self, p: Piece) -> bool:
         return self.remote is not None and p.host not in self.own
@@ -92,7 +114,7 @@ class ShardLoader:
             else:
                 with self._quarantining():
                     self._mapped[key] = load_verified(self._path(p), p.entry, step=self.step,
-                                                     host=p.host)
+                                                     host=p.host, at=self._at(p))
         return self._mapped[key]
 
     def _fetch(self, p: Piece) -> np.ndarray:
@@ -132,7 +154,8 @@ class ShardLoader:
                 and can_map_side_by_side([p.entry for p in pieces])):
             with self._quarantining():
                 region = map_side_by_side([(self._path(p), p.entry) for p in pieces],
-                                          step=self.step, hosts=[p.host for p in pieces])
+                                          step=self.step, hosts=[p.host for p in pieces],
+                                          at=[self._at(p) for p in pieces])
             return region.view(dtype).reshape(shape)
         # Zeroed, not empty: a region the pieces leave a gap in (a request's, not a
         # plan's) must not carry this process's old memory to whoever asked.

@@ -304,7 +304,6 @@ class HostOps:
                 raise ProtocolError(f"tasks by host read by one host, not {list(hosts)}",
                                     step=step)
             tasks = tasks.get(str(hosts[0]), [])
-        loader = ShardLoader(step, self._root, remote=self.remote, own=self.own_for(step))
         if not isinstance(tasks, list):
             raise ProtocolError("tasks is a list", step=step)
         parsed = [task_from_json(d) for d in tasks]
@@ -320,6 +319,8 @@ class HostOps:
             raise ProtocolError(f"a read of {total} bytes answers with more than "
                                 f"{self.max_reply_bytes}: ask for fewer regions at once",
                                 step=step, host=hosts[0] if hosts else None)
-        out = [np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8).data
-               for t in parsed]
+        with ShardLoader(step, self._root, remote=self.remote,
+                         own=self.own_for(step)) as loader:
+            out = [np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8).data
+                   for t in parsed]
         return Raw(out)  # joined once, into the reply itself

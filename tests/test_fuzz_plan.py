@@ -104,5 +104,6 @@ def test_plan_covers_every_region_exactly_once(tmp_path_factory: pytest.TempPath
             assert sum(_inter(p.entry.index, t.index) for p in t.pieces) == _vol(t.index)
             got = loader.read(t)
             np.testing.assert_array_equal(got, whole[tuple(slice(a, b) for a, b in t.index)])
+    loader.close()
     want = sharding.devices_indices_map(shape)
     assert set(planned) == {d.id for d in want}

@@ -57,13 +57,14 @@ def test_loader_asks_the_network_for_other_hosts_pieces_and_checks_them(tmp_path
         return served[rel]
 
     task = ReadTask(0, ((0, 8),), "float32", (0,), (Piece(0, e0), Piece(1, e1)))
-    loader = ShardLoader(5, lambda h: tmp_path, remote=remote, own=(0,))
-    np.testing.assert_array_equal(loader.read(task), np.arange(8, dtype=np.float32))
+    with ShardLoader(5, lambda h: tmp_path, remote=remote, own=(0,)) as loader:
+        np.testing.assert_array_equal(loader.read(task), np.arange(8, dtype=np.float32))
     assert asked == [(5, 1, "b.bin")]
 
     served["b.bin"] = bytearray(np.arange(4, dtype=np.float32).tobytes())  # wrong bytes
-    with pytest.raises(CorruptShardError) as e:
-        ShardLoader(5, lambda h: tmp_path, remote=remote, own=(0,)).read(task)
+    with pytest.raises(CorruptShardError) as e, \
+            ShardLoader(5, lambda h: tmp_path, remote=remote, own=(0,)) as loader:
+        loader.read(task)
     assert e.value.host == 1 and e.value.step == 5 and e.value.path == "b.bin"
 
 

@@ -4,6 +4,7 @@ prefaulting a mapping."""
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,41 @@ def test_read_shards_verify_their_size_and_every_byte(tmp_path: Path,
     path.unlink()
     with pytest.raises(CorruptShardError, match="missing"):
         read.load_verified(path, entry, step=3, host=1)
+
+
+def test_a_loader_opens_each_step_folder_once_from_its_descriptor(tmp_path: Path) -> None:
+    """Files are opened from the step folder's descriptor: a folder swapped for a
+    symlink after it was opened is not followed, one that is a symlink when it is
+    opened is refused, and closing the loader closes every descriptor."""
+    from mtc.contract import Piece, ReadTask
+    from mtc.sidecar.load import ShardLoader
+
+    root = tmp_path / "host-0"
+    (root / "3").mkdir(parents=True)
+    parts = [np.arange(10, dtype=np.float32) + i for i in range(2)]
+    entries = []
+    for i, data in enumerate(parts):
+        path = root / "3" / f"s{i}"
+        data.tofile(path)
+        entries.append(ShardEntry(file=path.name, index=((0, 10),), nbytes=int(data.nbytes),
+                                  crc32c=crc32c(data)))
+    tasks = [ReadTask(i, ((0, 10),), "float32", (0,), (Piece(0, e),))
+             for i, e in enumerate(entries)]
+    fds = len(os.listdir("/proc/self/fd"))
+    with ShardLoader(3, lambda h: root) as loader:
+        np.testing.assert_array_equal(loader.read(tasks[0]), parts[0])
+        # The folder moved away and a symlink to other bytes put in its place: the
+        # loader keeps reading the folder it opened (a path would now lead there).
+        (root / "3").rename(tmp_path / "moved")
+        (tmp_path / "evil").mkdir()
+        (tmp_path / "evil" / "s1").write_bytes(np.zeros(10, np.float32).tobytes())
+        (root / "3").symlink_to(tmp_path / "evil")
+        np.testing.assert_array_equal(loader.read(tasks[1]), parts[1])
+        assert len(os.listdir("/proc/self/fd")) == fds + 1
+    assert len(os.listdir("/proc/self/fd")) == fds
+    with pytest.raises(CorruptShardError, match="step folder is missing or not a folder"), \
+            ShardLoader(3, lambda h: root) as loader:
+        loader.read(tasks[0])
 
 
 def test_shards_go_to_devices_in_batches_and_restore_exactly(

@@ -67,10 +67,10 @@ class LocalDispatch(HostCalls):
 
     def load(self, step: int, tasks: Sequence[ReadTask],
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
-        loader = ShardLoader(step, self.config.root,
-                             remote=self.peers.read if self.peers else None,
-                             own=self.ops.own_for(step))
-        return load_leaves(loader, tasks, specs)
+        with ShardLoader(step, self.config.root,
+                         remote=self.peers.read if self.peers else None,
+                         own=self.ops.own_for(step)) as loader:
+            return load_leaves(loader, tasks, specs)
 
     def own_for(self, step: int) -> tuple[int, ...]:
         return self.ops.own_for(step) if self.peers is not None else ()

@@ -197,7 +197,7 @@ class HostService:
                                 f"area ({max(room, 0)} bytes free beyond the reserve)",
                                 step=step, host=self.host, path=str(self.area))
         self._remove_stale_replies()
-        loader = ShardLoader(step, self.config.root)
+        loader = ShardLoader(step, self.config.root)  # closed with the reply file
         itemsizes = [numpy_dtype(t.dtype).itemsize for t in tasks]
         offsets, total = transfer.layout_regions(
             [math.prod(t.shape) * k for t, k in zip(tasks, itemsizes, strict=True)])
@@ -219,6 +219,7 @@ class HostService:
             raise
         finally:
             os.close(fd)
+            loader.close()
         return {"file": path.name, "size": total, "offsets": offsets}
 
     def _remove_stale_replies(self) -> None:
