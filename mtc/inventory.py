@@ -50,16 +50,20 @@ class StepInventory:
 
         return not self.topology.subdirs and jax.process_count() > 1
 
-    def held(self) -> dict[int, list[int]]:
+    def held(self, *, manifests: bool = False) -> dict[int, list[int]]:
         """Committed steps per host: the local hosts, and with host subfolders
         every ``host-<i>`` beside them (a job restarted with other hosts). One
         controller asks every host once for its steps and what each step's
-        manifest says (:meth:`learn`), and keeps that answer as ``last_survey``."""
+        manifest says (:meth:`learn`); with ``manifests`` (a restore of the newest
+        step, which reads them next) also each host's manifest of its newest step,
+        and keeps that answer as ``last_survey``. Without, the controller has no
+        manifest to parse (a model's has thousands of shards per host): what
+        retention, fencing and listing steps need."""
         if self.sees_own_host_only:
             return self.dispatch.steps(self.topology.local_hosts)
-        survey = self.dispatch.survey(self.topology.local_hosts, None)
+        survey = self.dispatch.survey(self.topology.local_hosts, None, manifests=manifests)
         self.learn(survey)
-        self.last_survey = survey
+        self.last_survey = survey if manifests else None
         return survey.held
 
     def learn(self, survey: Survey) -> None:
@@ -130,13 +134,16 @@ class StepInventory:
         own = self.dispatch.own_for(step) if self.sees_own_host_only else ()
         return own[0] if own else host
 
-    def complete_here(self, listed: dict[int, list[int]] | None = None) -> list[int]:
+    def complete_here(self, listed: dict[int, list[int]] | None = None, *,
+                      manifests: bool = False) -> list[int]:
         """Steps complete as far as this process can see: with host subfolders,
         held by every host that saved them, all of one run; without (each process
         sees its own host only), held by this process's hosts, all of one run
         (:meth:`common` compares them across processes)."""
         by_step: dict[int, list[int]] = {}
-        for h, steps in (listed if listed is not None else self.held()).items():
+        if listed is None:
+            listed = self.held(manifests=manifests)
+        for h, steps in listed.items():
             for s in steps:
                 by_step.setdefault(s, []).append(h)
         complete = []
@@ -157,10 +164,12 @@ class StepInventory:
             complete.append(s)
         return complete
 
-    def common(self, listed: dict[int, list[int]] | None = None) -> list[int]:
+    def common(self, listed: dict[int, list[int]] | None = None, *,
+               manifests: bool = False) -> list[int]:
         """Steps complete on every host (collective in multi-controller JAX: each
-        process's complete steps, written by the same run everywhere)."""
-        complete = self.complete_here(listed)
+        process's complete steps, written by the same run everywhere); ``manifests``
+        as :meth:`held` says."""
+        complete = self.complete_here(listed, manifests=manifests)
         if self.topology.subdirs:
             return multihost.common_steps(complete)
         keys = {s: runs.run_key(runs.one_run(self.runs_of(s, self.topology.local_hosts)) or "")

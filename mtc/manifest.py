@@ -201,8 +201,8 @@ class Manifest:
     @classmethod
     def summary_of(cls, data: bytes, *, path: str = "") -> Summary:
         """The number of hosts that saved the step, the run that saved it, the
-        saving hosts' ranks, whose manifest it is and of which step, checked as
-        :meth:`from_bytes` checks the manifest but
+        saving hosts' ranks, whose manifest it is, of which step and the bytes of
+        the host's files of it, checked as :meth:`from_bytes` checks the manifest but
         without building its leaves (a replicator asks this of every copy it
         lists; a manifest has thousands of shards)."""
         body = cls._body(data, path)
@@ -212,11 +212,15 @@ class Manifest:
             run = check_run(body.get("run", ""))
             ranks = _ranks(body)
             step = _int(body["step"], "step", 0, STEP_MAX)
+            nbytes = len(data) + sum(_int(s["nbytes"], "nbytes", 0)
+                                     for leaf in _list(body["leaves"], "leaves")
+                                     for s in _list(_dict(leaf, "leaf").get("shards", []),
+                                                    "shards"))
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ManifestError(f"malformed manifest: {e!r}"[:500], path=path) from e
         if host >= num_hosts:
             raise ManifestError(f"host {host} of {num_hosts}", path=path)
-        return Summary(num_hosts, run, ranks, host, step)
+        return Summary(num_hosts, run, ranks, host, step, nbytes)
 
     @classmethod
     def check_bytes(cls, data: bytes, *, path: str = "") -> None:
@@ -270,6 +274,7 @@ class Summary(NamedTuple):
     ranks: tuple[int, ...] = ()
     host: int = 0  # the saving host whose manifest it is
     step: int = -1  # the step it describes
+    nbytes: int = 0  # its files' bytes: the shards' it names, and its own
 
 
 STEP_MAX = 2**62  # a step number: an int64 everywhere, with room to spare

@@ -13,7 +13,7 @@ import pytest
 
 from mtc import errors, layout
 from mtc.contract import AgentConfig, decode_reply, encode_request
-from mtc.manifest import MANIFEST_NAME, Manifest
+from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.sidecar.ops import HostOps
 
 
@@ -71,6 +71,37 @@ def test_delete_and_retain_remove_only_what_they_are_told(tmp_path: Path) -> Non
     assert ask(ops, "steps", [0]) == {"0": [3, 4]}
     free, newest = space["0"]  # type: ignore[index]
     assert free > 0 and newest > 0
+
+
+def test_the_newest_steps_bytes_are_its_manifests_sum_without_a_stat_per_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = tmp_path / "host-0" / "7"
+    d.mkdir(parents=True)
+    shards = []
+    for i, n in enumerate((100, 4096, 7)):
+        (d / f"s{i}").write_bytes(bytes(n))
+        shards.append(ShardEntry(file=f"s{i}", index=((0, n),), nbytes=n, crc32c=0))
+    leaf = LeafEntry(path="x", keys=(("d", "x"),), kind="array", shape=(4203,),
+                     dtype="uint8", shards=tuple(shards))
+    (d / MANIFEST_NAME).write_bytes(Manifest(step=7, host=0, slice=0, num_hosts=1,
+                                             leaves=(leaf,), run="r").to_bytes())
+    on_disk = layout.folder_bytes(d)
+    stats: list[str] = []
+    lstat = os.lstat
+
+    def counting(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        stats.append(str(path))
+        return lstat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "lstat", counting)
+    _, newest = ask(HostOps(config(tmp_path)), "space", [0])["0"]  # type: ignore[index]
+    assert newest == on_disk
+    # No shard file stat'd (the manifest's presence is: it makes the step mtc's).
+    assert [Path(p).name for p in stats if Path(p).parent == d] == [MANIFEST_NAME]
+    # An unreadable manifest: the folder is measured file by file instead.
+    (d / MANIFEST_NAME).write_bytes(b"{}")
+    _, newest = ask(HostOps(config(tmp_path)), "space", [0])["0"]  # type: ignore[index]
+    assert newest == layout.folder_bytes(d)
 
 
 NOTHING = {"removed": [], "foreign": [], "identity": ""}

@@ -125,7 +125,7 @@ def test_manifests_name_the_saving_hosts_ranks_only_when_they_are_not_0_to_n() -
     m = Manifest(step=4, host=0, slice=0, num_hosts=2, leaves=(), run="r", ranks=(2, 3))
     again = Manifest.from_bytes(m.to_bytes())
     assert again.ranks == (2, 3) and again.rank_of(1) == 3
-    assert Manifest.summary_of(m.to_bytes()) == (2, "r", (2, 3), 0, m.step)
+    assert Manifest.summary_of(m.to_bytes()) == (2, "r", (2, 3), 0, m.step, len(m.to_bytes()))
     plain = Manifest(step=4, host=1, slice=0, num_hosts=2, leaves=())
     assert b"ranks" not in plain.to_bytes()
     assert Manifest.from_bytes(plain.to_bytes()).rank_of(1) == 1

@@ -204,6 +204,32 @@ def test_save_interval_force_and_retention(ramdisk: Path, mesh: Mesh) -> None:
         assert issubclass(mtc.StepNotFoundError, mtc.MtcError)
 
 
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_retention_asks_the_hosts_for_steps_not_manifests(
+        ramdisk: Path, mesh: Mesh, dispatch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finishing a save applies retention from the hosts' steps: no host's manifest
+    comes to the controller to be parsed; a restore of the newest step after it
+    still reads them (and restores the values)."""
+    state = make_state(mesh)
+    parsed: list[int] = []
+    real = Manifest.from_bytes
+
+    def counting(data: bytes, *, path: str = "") -> Manifest:
+        m = real(data, path=path)
+        parsed.append(m.host)
+        return m
+
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options(dispatch, max_to_keep=2)
+                               ) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state, force=True)
+        monkeypatch.setattr(Manifest, "from_bytes", counting)
+        mgr.wait_until_finished()
+        assert parsed == [] and mgr.all_steps() == [2, 3]
+        assert_tree_equal(mgr.restore(None, target=state), state)
+        assert sorted(parsed) == [0, 1, 2, 3]  # the newest step's, once per host
+
+
 def test_new_manager_sees_committed_steps_and_cleans_uncommitted(ramdisk: Path,
                                                                  mesh: Mesh) -> None:
     state = {"w": jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("model")))}

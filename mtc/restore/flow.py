@@ -156,7 +156,7 @@ class RestoreFlow:
         newest = step is None or step == self._latest
         t_prepared = time.perf_counter()
         if step is None:
-            steps = self.inventory.common()
+            steps = self.inventory.common(manifests=True)
             survey = self.inventory.last_survey  # the step's manifests, when newest
             if not steps:
                 self._nothing_restorable()
