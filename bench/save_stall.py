@@ -3,6 +3,7 @@
 Prints one JSON object to stdout (progress goes to stderr)::
 
     .venv/bin/python bench/save_stall.py [--samples 20] [--warmup 3] [--model small]
+        [--dispatch colocated|process]
 
 ``bench/save_restore.py`` measures the stall of 1 GiB in 64 MiB leaves, where
 the copy decides it. A real model's state is hundreds of leaves, most of them
@@ -72,7 +73,7 @@ def host_value(x: Any) -> Any:
     return np.asarray(x) if isinstance(x, (jax.Array, np.ndarray)) else x
 
 
-def run(samples: int, warmup: int, model: str, root: Path) -> dict[str, Any]:
+def run(samples: int, warmup: int, model: str, dispatch: str, root: Path) -> dict[str, Any]:
     from mtc.trainer.data import VOCAB
     from mtc.trainer.isolation import Hosts
     from mtc.trainer.model import Config, Trainer
@@ -92,7 +93,8 @@ def run(samples: int, warmup: int, model: str, root: Path) -> dict[str, Any]:
     nbytes = sum(int(b.nbytes) for b in bufs)
     log(f"{leaves} array leaves, {len(srcs)} host shards, {nbytes / 1e6:.1f} MB to stage")
 
-    hosts = Hosts(root / "hosts", len(HOSTS_OF_SLICE), ramdisk_bytes=max(64 << 20, 8 * nbytes))
+    hosts = Hosts(root / "hosts", len(HOSTS_OF_SLICE), ramdisk_bytes=max(64 << 20, 8 * nbytes),
+                  colocated_devices=len(jax.devices()) if dispatch == "colocated" else 0)
     stall: list[float] = []
     copy: list[float] = []
     try:
@@ -100,8 +102,10 @@ def run(samples: int, warmup: int, model: str, root: Path) -> dict[str, Any]:
             hosts.start_sidecar(i, HOSTS_OF_SLICE)
         options = dataclasses.replace(
             base_options, sidecars=tuple(h.sidecar_address for h in hosts.hosts),
-            replicator_token=hosts.token())
+            replicator_token=hosts.token(), dispatch=dispatch)  # type: ignore[arg-type]
         with mtc.CheckpointManager(root / "controller", mesh=mesh, options=options) as mgr:
+            if mgr.dispatch_mode != dispatch:
+                raise AssertionError(f"measured {mgr.dispatch_mode}, not {dispatch}")
             for r in range(warmup + samples):
                 gc.collect()
                 t0 = time.perf_counter()
@@ -124,7 +128,8 @@ def run(samples: int, warmup: int, model: str, root: Path) -> dict[str, Any]:
         hosts.down()
     med_stall, med_copy = statistics.median(stall), statistics.median(copy)
     return {
-        "model": model, "array_leaves": leaves, "host_shards": len(srcs), "bytes": nbytes,
+        "dispatch": dispatch, "model": model, "array_leaves": leaves,
+        "host_shards": len(srcs), "bytes": nbytes,
         "hosts": len(HOSTS_OF_SLICE), "isolation": hosts.isolation, "samples": samples,
         "save_stall_s": {"median": med_stall, "min": min(stall), "max": max(stall)},
         "copy_to_host_s": {"median": med_copy, "min": min(copy), "max": max(copy)},
@@ -141,11 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=20, help="timed saves (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="discarded saves (default 3)")
     p.add_argument("--model", default="small", help="mtc.trainer.model preset (default small)")
+    p.add_argument("--dispatch", choices=("colocated", "process"), default="colocated",
+                   help="the hosts' path: colocated Python (default, as on Pathways) or the "
+                        "process dispatch's seam requests (a test tool)")
     args = p.parse_args(argv)
     if args.samples < 1 or args.warmup < 0:
         p.error("--samples must be >= 1 and --warmup >= 0")
     return run_in_scratch("mtc-bench-stall-",
-                          lambda root: run(args.samples, args.warmup, args.model, root))
+                          lambda root: run(args.samples, args.warmup, args.model,
+                                           args.dispatch, root))
 
 
 if __name__ == "__main__":
