@@ -68,6 +68,21 @@ def _writer_threads() -> set[threading.Thread]:
 
 
 @pytest.fixture
+def lstats(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every path ``os.lstat`` is asked about during the test (clear it before the
+    part measured): for code that must not stat every file it counts."""
+    seen: list[str] = []
+    real = os.lstat
+
+    def counting(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        seen.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", counting)
+    return seen
+
+
+@pytest.fixture
 def mesh() -> Mesh:
     """2 slices x 4 devices: axis 'replica' across slices, 'model' within a slice."""
     assert len(jax.devices()) == 8, "tests need XLA_FLAGS=--xla_force_host_platform_device_count=8"

@@ -74,7 +74,7 @@ def test_delete_and_retain_remove_only_what_they_are_told(tmp_path: Path) -> Non
 
 
 def test_the_newest_steps_bytes_are_its_manifests_sum_without_a_stat_per_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, lstats: list[str]) -> None:
     d = tmp_path / "host-0" / "7"
     d.mkdir(parents=True)
     shards = []
@@ -86,18 +86,11 @@ def test_the_newest_steps_bytes_are_its_manifests_sum_without_a_stat_per_file(
     (d / MANIFEST_NAME).write_bytes(Manifest(step=7, host=0, slice=0, num_hosts=1,
                                              leaves=(leaf,), run="r").to_bytes())
     on_disk = layout.folder_bytes(d)
-    stats: list[str] = []
-    lstat = os.lstat
-
-    def counting(path: object, *args: object, **kwargs: object) -> os.stat_result:
-        stats.append(str(path))
-        return lstat(path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "lstat", counting)
+    lstats.clear()
     _, newest = ask(HostOps(config(tmp_path)), "space", [0])["0"]  # type: ignore[index]
     assert newest == on_disk
     # No shard file stat'd (the manifest's presence is: it makes the step mtc's).
-    assert [Path(p).name for p in stats if Path(p).parent == d] == [MANIFEST_NAME]
+    assert [Path(p).name for p in lstats if Path(p).parent == d] == [MANIFEST_NAME]
     # An unreadable manifest: the folder is measured file by file instead.
     (d / MANIFEST_NAME).write_bytes(b"{}")
     _, newest = ask(HostOps(config(tmp_path)), "space", [0])["0"]  # type: ignore[index]

@@ -51,7 +51,7 @@ def fill(root: Path, room: int) -> Reserve:
 
 
 def test_the_reserved_bytes_are_counted_from_one_listing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, lstats: list[str]) -> None:
     """A complete blank file's size is its name's; a file still being allocated
     (``.new``) or of any other name is asked of the file system."""
     r = fill(tmp_path, 1 << 30)
@@ -60,17 +60,10 @@ def test_the_reserved_bytes_are_counted_from_one_listing(
     folder = tmp_path / RESERVE_DIR
     assert reserved_bytes(folder) == r.held_bytes() == 2 * MIB + 3
     assert not [f for f in folder.iterdir() if f.name.endswith(".new")]
-    stats: list[str] = []
-    lstat = os.lstat
-
-    def counting(path: object, *args: object, **kwargs: object) -> os.stat_result:
-        stats.append(str(path))
-        return lstat(path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(os, "lstat", counting)
+    lstats.clear()
     (folder / "5.0123456789ab.new").write_bytes(b"12")  # being allocated: 2 bytes so far
     assert reserved_bytes(folder) == 2 * MIB + 3 + 2
-    assert [Path(p).name for p in stats] == ["5.0123456789ab.new"]
+    assert [Path(p).name for p in lstats] == ["5.0123456789ab.new"]
     assert reserved_bytes(tmp_path / "none") == 0
 
 
