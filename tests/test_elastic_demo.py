@@ -226,8 +226,13 @@ def assert_mid_save_loss_resumed_from_the_snapshot(host: dict) -> None:
     assert host["tier"] == ("peer" if on_peer else "memory")
     if d["save_failed"]:  # the wiped host's writer failed: mtc is not asked
         assert not on_peer and "mtc_restored_step" not in d
-    elif not on_peer:  # mtc was asked first and had only the previous save
-        assert d["mtc_restored_step"] == 10
+    elif not on_peer:  # mtc was asked first and had at most the previous save
+        # Step 10 when its copy on the peer was finished (the common case); else an
+        # older step complete everywhere (never step 10 from part of the hosts).
+        if d["earlier_save_on_peer_before_restore"]:
+            assert d["mtc_restored_step"] == 10
+        else:
+            assert d["mtc_restored_step"] < 10
 
 
 @pytest.mark.parametrize("losses, every_s, since_s, step, due", [

@@ -267,6 +267,12 @@ class ElasticRun:
             t0 = time.perf_counter()
             rec.detail["save_on_peer_before_restore"] = self.faults.peer_copy(
                 rec.detail["host"], rec.detail["save_step"])
+            # And the save before it: the newest step mtc can restore when the lost
+            # save's copy never made it (copies are made after the commit, so a loss
+            # soon after one save may find that one's copy unfinished too).
+            earlier = rec.detail["save_step"] - self.args.save_interval
+            rec.detail["earlier_save_on_peer_before_restore"] = (
+                earlier >= 0 and self.faults.peer_copy(rec.detail["host"], earlier))
             rec.detail["save_failed"] = rec.detail["save_step"] in self.ckpt.failed_saves
             self.restore_split["peer_copy_check_s"] = time.perf_counter() - t0
         healthy = [d for d in self.meshes.devices_of_slices(slices)

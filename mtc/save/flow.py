@@ -179,11 +179,12 @@ class SaveFlow:
             self.last_saved = max(step, self.last_saved or 0)
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
-            log.info("mtc: save step %d: %d bytes of %s staged in %.3fs; writing to %s in the "
-                     "background", step,
-                     bytes_on_hosts(arrays, self.topology.host_of_device, len(hosts)),
-                     f"host {hosts[0]}" if len(hosts) == 1 else f"{len(hosts)} hosts",
-                     time.perf_counter() - t0, self._where)
+            if log.isEnabledFor(logging.INFO):  # its byte count walks every shard
+                log.info("mtc: save step %d: %d bytes of %s staged in %.3fs; writing to %s in "
+                         "the background", step,
+                         bytes_on_hosts(arrays, self.topology.host_of_device, len(hosts)),
+                         f"host {hosts[0]}" if len(hosts) == 1 else f"{len(hosts)} hosts",
+                         time.perf_counter() - t0, self._where)
         return staged
 
     def _refuse_foreign(self, step: int) -> None:
