@@ -76,6 +76,10 @@ def test_read_shards_verify_their_size_and_every_byte(tmp_path: Path,
     monkeypatch.setattr(read, "READ_BELOW", 5001)
     got = read.load_verified(path, entry, step=3, host=1)
     assert isinstance(got.base, np.ndarray)  # read into memory of its own
+    assert got.ctypes.data % read.ADOPT_ALIGN == 0
+    placed = jax.device_put(got, jax.devices()[0])  # a CPU device adopts it: no copy
+    assert placed.unsafe_buffer_pointer() == got.ctypes.data
+    del placed
     np.testing.assert_array_equal(got, data)
     got[0] = 7  # its own memory: the file keeps its bytes
     assert np.fromfile(path, np.uint8)[0] == 0
