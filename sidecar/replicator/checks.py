@@ -34,9 +34,31 @@ def offer(c: pb.StepCopy, *, rank: int, num_nodes: int) -> tuple[int, int, list[
                             step=step, host=origin)
     files = [FileMeta(validate.relpath(f.path), validate.file_size(f.size, path=f.path[:200]),
                       f.crc32c) for f in c.files]
-    if len({f.path for f in files}) != len(files):
-        raise ProtocolError("duplicate paths in offer", step=step, host=origin)
+    _distinct([f.path for f in files], "the offer", step=step, host=origin)
     return origin, step, files
+
+
+def _distinct(paths: list[str], what: str, *, step: int, host: int) -> None:
+    """Each file once, and no name both a file and a folder: such a step cannot
+    be written (its second file fails half-way through a transfer or a fetch)."""
+    names = set(paths)
+    if len(names) != len(paths):
+        raise ProtocolError(f"duplicate paths in {what}", step=step, host=host)
+    folder = next((d for d in _folders(names) if d in names), None)
+    if folder is not None:
+        raise ProtocolError(f"{what} names {folder[:200]!r} both as a file and as a folder",
+                            step=step, host=host)
+
+
+def _folders(paths: set[str]) -> set[str]:
+    """Every folder the relative ``paths`` lie in ("a/b/c": "a" and "a/b")."""
+    out: set[str] = set()
+    for p in paths:
+        i = p.find("/")
+        while i != -1:
+            out.add(p[:i])
+            i = p.find("/", i + 1)
+    return out
 
 
 def fetch(req: pb.FetchRequest, *, num_nodes: int) -> tuple[int, int, list[str]]:
@@ -117,6 +139,8 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
         for f in c.files:
             validate.relpath(f.path)
             validate.file_size(f.size, path=f.path[:200])
+        _distinct([f.path for f in c.files], f"rank {c.origin_rank}'s step {c.step}",
+                  step=c.step, host=rank)
     return inv
 
 
