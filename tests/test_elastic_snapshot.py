@@ -247,3 +247,79 @@ def test_a_loaded_state_donated_by_the_next_step_leaves_the_snapshot(mesh: Mesh)
         assert snap.latest is not None and snap.latest.step == 7
     again = snap.load(abstract(state, mesh))
     np.testing.assert_array_equal(np.asarray(again["params"]["w"]), want)
+
+
+@pytest.fixture
+def splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts ``addressable_shards`` taken of arrays (jax.Array's own property)."""
+    calls: list[int] = []
+    cls = type(jax.numpy.zeros(1))
+    orig = cls.__dict__["addressable_shards"]
+
+    def counted(arr: Any) -> Any:
+        calls.append(id(arr))
+        return orig.fget(arr)
+    monkeypatch.setattr(cls, "addressable_shards", property(counted))
+    return calls
+
+
+def test_a_snapshot_is_not_taken_apart_until_a_load_needs_its_shards(
+        mesh: Mesh, splits: list[int]) -> None:
+    """Taking a snapshot (``save``, the in-graph ``adopt``) costs nothing per device:
+    a snapshot is taken every step, and a split is a Python object per shard
+    (leaves x devices). Only a load takes the arrays apart, to ask which shards
+    survive."""
+    state = make_state(mesh, elastic_iterator())
+    snap = Snapshotter()
+    for step in range(3):
+        assert snap.save(step, state)
+        snap.join()
+    arrays = {k: state[k] for k in ("params", "rng")}
+    copies = jax.device_put([jax.random.key_data(x) if x.dtype == state["rng"].dtype else x
+                             for x in jax.tree_util.tree_leaves(arrays)])
+    snap.adopt(3, {**state, "step": 3}, copies)
+    assert snap.latest is not None and snap.latest.step == 3
+    assert splits == []
+    back = snap.load(abstract(state, slice_mesh(mesh, 0)))
+    assert splits  # the load asked for the shards
+    assert back["step"] == 3
+    np.testing.assert_array_equal(np.asarray(back["params"]["w"]),
+                                  np.asarray(state["params"]["w"]))
+
+
+def test_a_runtime_that_will_not_split_a_damaged_array_falls_back(
+        ramdisk: Path, mesh: Mesh, sim: SliceLossSimulator,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the runtime refuses to take apart an array with a failed device (what
+    Pathways does there is for a real cluster to show), no shard of it counts as
+    surviving: the load falls back to mtc's tiers, and without a manager raises
+    Orbax's error; it never fails with the runtime's own."""
+    state = make_state(mesh, elastic_iterator())
+    cls = type(state["params"]["w"])
+    orig = cls.__dict__["addressable_shards"]
+
+    def refusing(arr: Any) -> Any:
+        if sim.is_array_corrupted(arr):
+            raise jax.errors.JaxRuntimeError("DATA_LOSS: cannot disassemble")
+        return orig.fget(arr)
+    opts = mtc.Options(simulated_hosts=4, hosts_per_slice=2, dispatch="local")
+    with mtc.CheckpointManager(ramdisk / "local", mesh=mesh, options=opts) as mgr:
+        assert mgr.save(7, state, force=True)
+        mgr.wait_until_finished()
+        alone = Snapshotter()
+        snap = Snapshotter(manager=mgr)
+        for s in (alone, snap):
+            s.save(7, state)
+            s.join()
+        monkeypatch.setattr(cls, "addressable_shards", property(refusing))
+        for d in mesh.devices[1]:
+            sim.mark_device_lost(d)
+        with pytest.raises(SnapshotUnavailableError, match=r"\['params'\]\['b'\]"):
+            alone.load(abstract(state, slice_mesh(mesh, 0)))
+        back = snap.load(abstract(state, slice_mesh(mesh, 0)))
+        assert snap.last_load_tier == "local"
+        assert back["step"] == 7
+    for d in mesh.devices[1]:
+        sim.mark_device_connected(d)
+    np.testing.assert_array_equal(np.asarray(back["params"]["w"]),
+                                  np.asarray(make_state(mesh, elastic_iterator())["params"]["w"]))

@@ -64,6 +64,33 @@ class SliceLossSimulator(DeviceLossSimulator):
         self._fresh(arr)
         super().bind_array_to_devices(arr, devices)
 
+    def start(self) -> None:
+        """Also: a shard taken from an array (``addressable_shards``) is that
+        array's buffer on its device, so it shares the array's history. A device
+        lost after the array was made and back since holds nothing of it (the
+        simulator would otherwise date the shard from when it was taken)."""
+        if self._active:
+            return
+        super().start()
+        sim = self
+
+        def shards_factory(orig: Any) -> property:
+            def shards(arr: Any) -> Any:
+                out = orig.fget(arr)
+                gen = sim._array_generation.get(id(arr))
+                if gen is not None and not _deleted(arr):
+                    for s in out:
+                        sim._fresh(s.data)
+                        sim.track_array(s.data)
+                        sim._array_generation[id(s.data)] = min(
+                            gen, sim._array_generation[id(s.data)])
+                return out
+            return property(shards)
+
+        for cls in [jax.Array, *jax.Array.__subclasses__()]:
+            if isinstance(cls.__dict__.get("addressable_shards"), property):
+                self._patch(cls, "addressable_shards", shards_factory)
+
 
 def _deleted(arr: Any) -> bool:
     return (isinstance(arr, jax.Array) and not isinstance(arr, jax.core.Tracer)

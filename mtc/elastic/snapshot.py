@@ -143,9 +143,9 @@ class Snapshotter:
         self._pending, self._pending_arrays = None, []
         arrays = [leaf for leaf in pending.leaves if isinstance(leaf, Shards)]
         try:
-            # Every device's piece, as load reads them: a device lost from here on
-            # makes its pieces unreadable (also once it is back, with empty memory).
-            jax.block_until_ready([p for a in arrays for _, p in a.pieces])
+            # One wait per array: it raises when any device of the array failed
+            # before or during the copy (only then are its shards asked one by one).
+            jax.block_until_ready([a.whole for a in arrays])
             ok = True
         except (jax.errors.JaxRuntimeError, RuntimeError):
             # Some device failed before or during the copy: the snapshot still
