@@ -77,8 +77,11 @@ class SliceLossSimulator(DeviceLossSimulator):
         def shards_factory(orig: Any) -> property:
             def shards(arr: Any) -> Any:
                 out = orig.fget(arr)
+                if _deleted(arr):
+                    return out
+                sim._fresh(arr)  # not the history of a freed array with the same id
                 gen = sim._array_generation.get(id(arr))
-                if gen is not None and not _deleted(arr):
+                if gen is not None:
                     for s in out:
                         sim._fresh(s.data)
                         sim.track_array(s.data)
