@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import mtc
 from mtc.elastic import InGraphStep, Snapshotter, SnapshotUnavailableError
+from mtc.elastic.snapshot import is_key
 from mtc.trainer.faults import SliceLossSimulator
 
 
@@ -275,7 +276,7 @@ def test_a_snapshot_is_not_taken_apart_until_a_load_needs_its_shards(
         assert snap.save(step, state)
         snap.join()
     arrays = {k: state[k] for k in ("params", "rng")}
-    copies = jax.device_put([jax.random.key_data(x) if x.dtype == state["rng"].dtype else x
+    copies = jax.device_put([jax.random.key_data(x) if is_key(x) else x
                              for x in jax.tree_util.tree_leaves(arrays)])
     snap.adopt(3, {**state, "step": 3}, copies)
     assert snap.latest is not None and snap.latest.step == 3

@@ -83,8 +83,7 @@ class SliceLossSimulator(DeviceLossSimulator):
                 gen = sim._array_generation.get(id(arr))
                 if gen is not None:
                     for s in out:
-                        sim._fresh(s.data)
-                        sim.track_array(s.data)
+                        sim.track_array(s.data)  # forgets a freed array's id first
                         sim._array_generation[id(s.data)] = min(
                             gen, sim._array_generation[id(s.data)])
                 return out

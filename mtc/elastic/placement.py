@@ -91,30 +91,26 @@ def surviving(arrays: Sequence[Shards], devices: Collection[int] | None = None
     out = []
     for a in arrays:
         by_index: dict[Index, list[jax.Array]] = {}
-        if (devices is None or {
-                d.id for d in a.whole.devices()} <= set(devices)) and readable(a.whole):
-            # Every device of the array alive: no shard needs asking on its own.
-            for idx, piece in a.pieces:
-                by_index.setdefault(idx, []).append(piece)
-            out.append(by_index)
-            continue
+        out.append(by_index)
         try:
             pieces = a.pieces
         except (jax.errors.JaxRuntimeError, RuntimeError):
             # A runtime that will not take apart an array some of whose devices
             # failed: none of it counts as surviving (a load then falls back to
             # mtc's tiers, never reads a guess).
-            out.append(by_index)
             continue
+        # Every device of the array alive: no shard needs asking on its own.
+        whole_alive = (devices is None or {d.id for d in a.whole.devices()} <= set(devices)
+                       ) and readable(a.whole)
         for idx, piece in pieces:
-            dev = next(iter(piece.devices()))
-            if dev.id in dead or (devices is not None and dev.id not in devices):
-                continue
-            if readable(piece):
-                by_index.setdefault(idx, []).append(piece)
-            else:
-                dead.add(dev.id)
-        out.append(by_index)
+            if not whole_alive:
+                dev = next(iter(piece.devices()))
+                if dev.id in dead or (devices is not None and dev.id not in devices):
+                    continue
+                if not readable(piece):
+                    dead.add(dev.id)
+                    continue
+            by_index.setdefault(idx, []).append(piece)
     return out
 
 
