@@ -82,6 +82,80 @@ def test_pinning_moves_every_thread_and_the_trainer_starts_pinned() -> None:
             proc.wait()
 
 
+# A JAX process on CPU devices: it runs programs on 4 devices for about a second and
+# prints, per thread name, the CPU ticks its threads spent meanwhile; then it waits to
+# be pinned, and prints every thread's name and cores.
+JAX_DEVICES = """
+import json, os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp
+
+def ticks():
+    got = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            name = open(f"/proc/self/task/{t}/comm").read().strip()
+            fields = open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        got[name] = got.get(name, 0) + int(fields[11]) + int(fields[12])
+    return got
+
+mesh = jax.make_mesh((4,), ("d",))
+x = jax.device_put(jnp.ones((4, 512, 512)), jax.NamedSharding(mesh, jax.P("d")))
+step = jax.jit(lambda a: jnp.tanh(a @ a) / 512)
+x = step(x).block_until_ready()
+before, t = ticks(), time.monotonic()
+while time.monotonic() - t < 1.0:
+    x = step(x)
+x.block_until_ready()
+after = ticks()
+print(json.dumps({k: after[k] - before.get(k, 0) for k in after}), flush=True)
+sys.stdin.readline()
+tasks = {}
+for t in os.listdir("/proc/self/task"):
+    tasks[t] = [open(f"/proc/self/task/{t}/comm").read().strip(),
+                sorted(os.sched_getaffinity(int(t)))]
+print(json.dumps(tasks), flush=True)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores")
+def test_the_device_threads_run_jaxs_cpu_devices_and_only_they_move() -> None:
+    """The pinned goodput run moves only DEVICE_THREADS onto the devices' core: those
+    names must be where this JAX runs its CPU devices' programs, or the run would
+    measure devices that share the CPUs' core."""
+    import json
+
+    from bench._pin import DEVICE_THREADS, Pinner, pinning
+
+    cores = sorted(os.sched_getaffinity(0))
+    device, cpus = {cores[0]}, set(cores[1:])
+    proc = subprocess.Popen([sys.executable, "-c", JAX_DEVICES], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, preexec_fn=pinning(cpus))
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        spent = json.loads(proc.stdout.readline())
+        on_devices = sum(v for k, v in spent.items() if k in DEVICE_THREADS)
+        assert on_devices >= 0.8 * sum(spent.values()) > 0, spent
+        with Pinner(lambda: [proc.pid], device, period_s=0.05, named=DEVICE_THREADS) as p:
+            deadline = time.monotonic() + 5
+            while p.moved == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.2)  # another round: every such thread
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        tasks = json.loads(proc.stdout.readline())
+        names = {name for name, _ in tasks.values()}
+        assert DEVICE_THREADS <= names
+        for name, on in tasks.values():
+            assert set(on) == (device if name in DEVICE_THREADS else cpus), (name, on)
+        assert tasks[str(proc.pid)][1] == sorted(cpus)  # the main thread stays
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_the_machine_probe_measures_memory_and_leaves_nothing(tmp_path: Path) -> None:
     from bench._machine import machine_state
 
