@@ -150,17 +150,27 @@ class RawFetch:
     replicator's own byte mover (``socket_files.recv_into_fd``: ``splice``, then
     a CRC32C over the written pages). The replicator's fetch adds its agreement,
     protocol, checks and commit. New tmpfs pages are allocated and
-    cleared as they are first written: this is what bounds both here."""
+    cleared as they are first written, which bounds both here; ``held``: the files
+    are allocated (``posix_fallocate``) before the clock starts, as a replaced
+    host's replicator sets its restore's files aside before the restore comes."""
 
-    def __init__(self, dest: Path, streams: int) -> None:
+    def __init__(self, dest: Path, streams: int, *, held: bool = False) -> None:
         self.dest = dest
         self.streams = streams
+        self.held = held
 
     def sample(self, paths: list[Path]) -> float:
         """Seconds to fetch ``paths`` into the emptied ``dest``, every stream done."""
         shutil.rmtree(self.dest, ignore_errors=True)
         self.dest.mkdir(parents=True)
         sizes = [p.stat().st_size for p in paths]
+        if self.held:
+            for path, size in zip(paths, sizes, strict=True):
+                fd = os.open(self.dest / path.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                finally:
+                    os.close(fd)
         share = -(-len(paths) // self.streams)
         parts = [list(range(i, min(i + share, len(paths))))
                  for i in range(0, len(paths), share)]
@@ -184,8 +194,8 @@ class RawFetch:
                     buf = memoryview(bytearray(RECV_CHUNK))  # used only where splice is not
                     with conn:
                         for k in ks:
-                            fd = os.open(self.dest / paths[k].name,
-                                         os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                            fd = os.open(self.dest / paths[k].name, os.O_RDWR if self.held
+                                         else os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                             try:
                                 got, _ = recv_into_fd(conn, fd, sizes[k], buf)
                             finally:

@@ -30,17 +30,22 @@ Measured in the same run, on this machine's loopback and RAM disk:
   Before each copy the bench waits until host 1 has set aside the last copy's
   sizes (``mtc_reserve_bytes``; none before the warm-up copy), as it has between a
   job's saves, minutes apart; ``--no-reserve`` measures without it.
-- ``peer_restore``: host 0's root is wiped and its replicator restarted;
-  ``PrepareRestore`` is called on both replicators at once and host 0 fetches its step
-  back from host 1. Timed from the calls to host 0's reply (agreement included; the
-  process restart is reported apart).
+- ``peer_restore``: host 0's root is wiped and its replicator restarted; once it
+  has set aside RAM disk for the files host 1 holds of its data (it does so at
+  start, as a replaced host's replicator does while its job starts up: seconds to
+  minutes on a real cluster; ``reserve_ready_seconds``, here well under one),
+  ``PrepareRestore`` is called on both replicators at once and host 0 fetches its
+  step back from host 1. Timed from the calls to host 0's reply (agreement
+  included; the process restart is reported apart). ``--no-reserve``: into new
+  pages, as a restore that comes before the reserve is ready.
 - ``local_read``: the same files read from the RAM disk with ``readinto`` into
   preallocated, warmed buffers.
 - ``raw_fetch``: the floor of that restore on this machine (``_loopback.RawFetch``):
   the same files over as many loopback connections as a restore's fetch uses, each
   ``sendfile``d and ``splice``d into a new file of an emptied folder, then CRC32C'd
-  (``peer_restore_over_raw_fetch``). New tmpfs pages are cleared as they are first
-  written, which bounds both well below a read of held pages.
+  (``peer_restore_over_raw_fetch``), into files allocated before the clock starts
+  as the restore's are (``--no-reserve``: new pages, which the kernel clears as
+  they are first written: that bounds both well below a read of held pages).
 - ``host_cpu_s_per_gb``: CPU seconds (from ``/proc``) both hosts' replicators spend
   per GB of a step, from its commit on host 0 until the copy is committed on host
   1, the previous copy deleted, host 1's reserve refilled and the sender settled
@@ -205,12 +210,12 @@ def host_cpu(pids: list[int]) -> list[float]:
     return out
 
 
-def reserved(cl: Any, want: int, timeout: float) -> tuple[int, float]:
-    """(host 1's reserve in bytes, seconds waited): polled until it holds ``want``
+def reserved(cl: Any, want: int, timeout: float, host: int = 1) -> tuple[int, float]:
+    """(``host``'s reserve in bytes, seconds waited): polled until it holds ``want``
     bytes (the last copy's size; 0: whatever it holds) or ``timeout``."""
     t0 = time.perf_counter()
     while True:
-        held = int(cl.scrape(1).get("mtc_reserve_bytes", 0))
+        held = int(cl.scrape(host).get("mtc_reserve_bytes", 0))
         if held >= want or time.perf_counter() - t0 > timeout:
             return held, time.perf_counter() - t0
         time.sleep(0.01)
@@ -264,14 +269,24 @@ def copy_sample(cl: Any, step: int, payload: memoryview, nfiles: int,
                      reserved_before=held_before, refill=0.5 + refill)
 
 
-def restore_sample(cl: Any, h0: Path, step: int) -> tuple[float, Any, Any, float]:
-    """Replace host 0 (SIGKILL, wipe, restart), then PrepareRestore on both hosts at once.
-    Returns (seconds to host 0's reply, host 0's reply, host 1's reply, restart seconds)."""
+def restore_sample(cl: Any, h0: Path, step: int, reserve: int
+                   ) -> tuple[float, Any, Any, float, float]:
+    """Replace host 0 (SIGKILL, wipe, restart); wait until its replicator has set
+    ``reserve`` bytes aside for the restore (0: no wait), as it does while a real
+    job starts up; then PrepareRestore on both hosts at once. Returns (seconds to
+    host 0's reply, host 0's reply, host 1's reply, restart seconds, seconds from
+    the restart until the reserve was ready)."""
     cl.kill(0)
     shutil.rmtree(h0)
     t0 = time.perf_counter()
     cl.start(0)
     restart = time.perf_counter() - t0
+    ready = 0.0
+    if reserve:
+        held, ready = reserved(cl, reserve, 60, host=0)
+        if held < reserve:
+            raise AssertionError(f"host 0 set {held} of {reserve} bytes aside for its "
+                                 "restore in 60 s")
     clients = [cl.client(0), cl.client(1)]
     done: dict[int, float] = {}
 
@@ -290,7 +305,7 @@ def restore_sample(cl: Any, h0: Path, step: int) -> tuple[float, Any, Any, float
     if r0.step != step or r0.tier != "peer":
         raise AssertionError(f"host 0 restored step {r0.step} from {r0.tier!r}, "
                              f"expected {step} from 'peer'")
-    return done[0] - t0, r0, r1, restart
+    return done[0] - t0, r0, r1, restart, ready
 
 
 def run(gib: float, samples: int, warmup: int, base: Path, *,
@@ -310,6 +325,7 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
     restore_s: list[float] = []
     server_s: list[float] = []
     restart_s: list[float] = []
+    ready_s: list[float] = []
     read_s: list[float] = []
     fetch_s: list[float] = []
     tiers: list[str] = []
@@ -319,7 +335,7 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
 
     raw = RawTcp(payload)
     rawcopy = RawFileCopy(base / "raw-copy")
-    rawfetch = RawFetch(base / "raw-fetch", FETCH_STREAMS)
+    rawfetch = RawFetch(base / "raw-fetch", FETCH_STREAMS, held=reserve)
     cl = replicators.Cluster(base, 2, 1, extra=("--replicas", "1", "--keep", "1",
                                               *(() if reserve else ("--no-reserve",))),
                              metrics=True, scrub=True)  # scrubbing, as deployed
@@ -370,17 +386,20 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
             read_files(step_files(h0 / str(last)), bufs)
             t_read = time.perf_counter() - t0
             t_fetch = rawfetch.sample(step_files(h0 / str(last)))
-            t_restore, r0, r1, restart = restore_sample(cl, h0, last)
+            t_restore, r0, r1, restart, ready = restore_sample(cl, h0, last,
+                                                               nbytes if reserve else 0)
             check_restored(h0 / str(last), last, payload, nfiles)
             tag = " (warm-up)" if r < warmup else ""
             log(f"local read {gbps(nbytes, t_read)} GB/s; raw fetch {gbps(nbytes, t_fetch)} "
                 f"GB/s; restore "
                 f"{t_restore:.3f} s = {gbps(nbytes, t_restore)} GB/s (server {r0.seconds:.3f}"
-                f" s, host 1 {r1.tier} {r1.seconds:.3f} s; restart {restart:.2f} s){tag}")
+                f" s, host 1 {r1.tier} {r1.seconds:.3f} s; restart {restart:.2f} s, set "
+                f"aside {ready:.2f} s after it){tag}")
             if r >= warmup:
                 restore_s.append(t_restore)
                 server_s.append(r0.seconds)
                 restart_s.append(restart)
+                ready_s.append(ready)
                 tiers.append(f"{r0.tier}/{r1.tier}")
                 read_s.append(t_read)
                 fetch_s.append(t_fetch)
@@ -420,6 +439,9 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
         "peer_restore": {**summary(nbytes, restore_s),
                          "server_seconds": [round(s, 3) for s in server_s],
                          "restart_seconds": [round(s, 2) for s in restart_s],
+                         # from the restart until the replaced host had set the
+                         # restore's RAM disk aside (sidecar/reserve.py; 0: --no-reserve)
+                         "reserve_ready_seconds": [round(s, 2) for s in ready_s],
                          "tiers_host0_host1": tiers},
         "local_read": summary(nbytes, read_s),
         "raw_fetch": {**summary(nbytes, fetch_s), "streams": FETCH_STREAMS},

@@ -184,6 +184,21 @@ class Reserve:
         return open_beneath(base, rel, os.O_RDWR | os.O_CREAT | os.O_EXCL, self._mode,
                             makedirs=True)
 
+    def forget(self, key: int) -> None:
+        """``key`` will bring no files after all: its sizes are no longer wanted, and
+        the blank files set aside for them only are removed now."""
+        with self._lock:
+            if self._wanted.pop(key, None) is None:
+                return
+            dropped = self._drop_unwanted()
+        for path in dropped:
+            path.unlink(missing_ok=True)
+
+    def wants(self, key: int) -> bool:
+        """Whether files are set aside (or to be) for ``key``."""
+        with self._lock:
+            return bool(self._wanted.get(key))
+
     def drop_all(self) -> None:
         """Remove every blank file now (a write found the RAM disk full); set aside
         again after the next :meth:`want`."""

@@ -1,6 +1,8 @@
 """Where a restore's files come from, pure: per file the copies that hold it
-(:func:`heal_sources`), the order they are tried (:func:`fetch_order`), and which
-files travel together in one stream (:func:`fetch_batches`)."""
+(:func:`heal_sources`), the order they are tried (:func:`fetch_order`), which
+files travel together in one stream (:func:`fetch_batches`), and, before any
+restore is asked for, the sizes of the files a host without data of its own will
+likely fetch (:func:`likely_restore`)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,27 @@ def fetch_batches(first: Sequence[tuple[int, int] | None], rank: int, streams: i
         size = -(-len(ks) // n)
         out += [(src, ks[j:j + size]) for j in range(0, len(ks), size)]
     return out
+
+
+def likely_restore(rank: int, equivalents: Sequence[int], invs: dict[int, pb.Inventory]
+                   ) -> tuple[int, list[int]] | None:
+    """(step, file sizes) of the copy a host of ``rank`` holding no step of its own
+    (a replaced or wiped host) will most likely fetch when a restore comes: the
+    newest step other hosts hold of its data (of the first of ``equivalents``
+    that has one); None when no other host holds any. A guess for setting RAM disk
+    aside, never a decision: the restore's agreement decides the step. Pure."""
+    for origin in equivalents:
+        newest: pb.StepCopy | None = None
+        for holder, inv in sorted(invs.items()):
+            if holder == rank:
+                continue
+            for c in inv.copies:
+                if c.origin_rank == origin and c.files and \
+                        (newest is None or c.step > newest.step):
+                    newest = c
+        if newest is not None:
+            return newest.step, [f.size for f in newest.files]
+    return None
 
 
 def heal_sources(rank: int, step: int, origin: int, files: list[FileMeta],

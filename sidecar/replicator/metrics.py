@@ -49,7 +49,8 @@ class Metrics:
                                   "How long this host's newest steps have waited to reach "
                                   "every peer (0: they are there)", registry=r)
         self.reserve_bytes = Gauge("mtc_reserve_bytes",
-                                   "Blank RAM-disk bytes set aside for the next peer copies",
+                                   "Blank RAM-disk bytes set aside for the next peer copies "
+                                   "and a replaced host's restore",
                                    registry=r)
         self.reserve_used = Counter("mtc_reserve_files_used",
                                     "Received files written into space set aside for them",

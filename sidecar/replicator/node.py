@@ -32,6 +32,7 @@ from mtc.sidecar.backup.schedule import BackupScheduler
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.fetch_plan import likely_restore
 from mtc.sidecar.replicator.gc import collect_garbage
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.node_agreement import NodeAgreement
@@ -77,15 +78,16 @@ class Node:
             inventory=lambda files: self.inventory(files=files),
             refuse=self.refuse_if_misconfigured, stop=self._stop, pool=self._inv_pool)
         self.backups = BackupDuties(*shared, backup, self.agreement, self._stop)
-        self.restorer = Restorer(*shared, agreement=self.agreement, backups=self.backups,
-                                 inventory=self.inventory, refuse=self.refuse_if_misconfigured,
-                                 stop=self._stop)
-        self.replication = Replication(*shared,
-                                       quiet_until=lambda: self.restorer.quiet_until)
-        # Blank files for the next peer copies (mtc.sidecar.reserve).
+        # Blank files for the next peer copies and a replaced host's fetch
+        # (mtc.sidecar.reserve).
         self.reserve = Reserve(root, RESERVE_DIR, lambda: room(root), enabled=config.reserve,
                                on_take=self.metrics.reserve_used.inc)
         self.metrics.reserve_bytes.set_function(self.reserve.held_bytes)
+        self.restorer = Restorer(*shared, agreement=self.agreement, backups=self.backups,
+                                 inventory=self.inventory, refuse=self.refuse_if_misconfigured,
+                                 stop=self._stop, reserve=self.reserve)
+        self.replication = Replication(*shared,
+                                       quiet_until=lambda: self.restorer.quiet_until)
         self.scrubber = Scrubber(self.store, self.metrics, rate=config.scrub_rate,
                                  heal_own=self.heal_own,
                                  quiet_until=lambda: self.restorer.quiet_until,
@@ -93,9 +95,14 @@ class Node:
 
     def run(self) -> None:
         """The replication loop (its thread is main's): a copy pass, then garbage
-        collection; ends when :meth:`stop` is called."""
+        collection; ends when :meth:`stop` is called. First, on a host that holds
+        no step of its own, the RAM disk its restore will likely need is set aside."""
+        self.set_aside_for_restore()
         while not self._stop.is_set():
             self.heartbeat = time.monotonic()
+            if self.reserve.wants(self.rank) and self.store.own_steps():
+                # The job saved anew here without restoring: no fetch will come.
+                self.reserve.forget(self.rank)
             try:
                 if not self.config_error:  # copies to the wrong peers help nobody
                     self.replication.replicate_once()
@@ -107,6 +114,26 @@ class Node:
                 log.exception("replication pass failed")
                 self.metrics.failures.labels("loop").inc()
             self._watch.wait(self.config.poll_s)
+
+    def set_aside_for_restore(self) -> None:
+        """A replaced (or wiped) host holds no step of its own: its job's restore will
+        fetch its data from the hosts that hold copies, into new RAM-disk pages that
+        the kernel allocates on the fetch's time (less than half the speed of
+        written-over pages here). Set files of the sizes of the newest copy of its
+        data aside now, in the background, while the job starts up; the fetch takes
+        their places (Restorer). Best effort: peers that do not answer within the
+        deadline set nothing aside, and a restore then writes new files as before."""
+        if not self.reserve.enabled or self.store.own_steps():
+            return
+        invs = self.agreement.gather_invs(range(self.config.num_nodes),
+                                          time.monotonic() + min(2.0, self.config.deadline_s))
+        likely = likely_restore(self.rank, self.config.equivalent(self.rank), invs)
+        if likely is None:
+            return
+        step, sizes = likely
+        log.info("rank %d: holds no step of its own; %d files (%.1f MB) of step %d set aside "
+                 "for its restore", self.rank, len(sizes), sum(sizes) / 1e6, step)
+        self.reserve.want(self.rank, sizes)
 
     def stop(self) -> None:
         """Ask the loops and any restore waiting for its decision to end (main joins

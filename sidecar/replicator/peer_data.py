@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.security import Credentials
 
 T = TypeVar("T")
+# Opens a fetched file's descriptor for writing at its start: (folder, path, size).
+Opener = Callable[[Path, str, int], int]
 DATA_REASK_S = 30.0  # a peer without a data channel is asked again this long after
 
 
@@ -310,19 +312,23 @@ class PeerData:
                 f"expected {size} bytes crc32c {crc:#010x}", step=step, host=origin, path=rel)
 
     def fetch_files(self, step: int, origin: int, files: list[FileMeta], dest: Path,
-                    *, deadline_s: float = 120.0) -> tuple[list[str], MtcError | None]:
+                    *, deadline_s: float = 120.0, opener: Opener | None = None
+                    ) -> tuple[list[str], MtcError | None]:
         """Download several files of a peer's copy in one stream into ``dest``
         (each at ``dest / path``), each verified against its size and CRC32C as it
         ends. Returns the paths written and verified, in order, and the error that
-        ended the stream early (None: all of them); a file cut short is removed."""
+        ended the stream early (None: all of them); a file cut short is removed.
+        ``opener(dest, path, size)``: the new file's descriptor, open for writing at
+        its start (a blank file set aside for it, :meth:`Reserve.open_new`); default
+        a new empty file."""
         if not files:
             return [], None
         done: list[str] = []
         buf = memoryview(bytearray(RECV_CHUNK))
 
         def sink(sock: Any, f: FileMeta) -> None:
-            fd = open_beneath(dest, f.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
-                              makedirs=True)
+            fd = opener(dest, f.path, f.size) if opener is not None else open_beneath(
+                dest, f.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, makedirs=True)
             try:
                 got, value = recv_into_fd(sock, fd, f.size, buf)
             except BaseException:

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
     from mtc.sidecar.replicator.node_agreement import NodeAgreement
+    from mtc.sidecar.replicator.peer_data import Opener
     from mtc.sidecar.replicator.store import LocalStore
+    from mtc.sidecar.reserve import Reserve
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 FETCH_STREAMS = 4  # a restore's streams from one holder: the fetch pool's threads
@@ -68,8 +70,11 @@ class Restorer:
                  peers: Mapping[int, PeerClient], metrics: Metrics, *,
                  agreement: NodeAgreement, backups: BackupDuties,
                  inventory: Callable[[], pb.Inventory], refuse: Callable[[], None],
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, reserve: Reserve | None = None) -> None:
         self.rank = config.rank
+        # Blank files set aside for this host's own data (a replaced host's fetch:
+        # Node.set_aside_for_restore); fetched files take their places.
+        self._reserve = reserve
         self.config = config
         self.store = store
         self.peers = peers
@@ -372,6 +377,8 @@ class Restorer:
         finally:
             # Served from the committed copy from here on (from_backup staged it).
             self.backups.done_restoring(step)
+            if self._reserve is not None:  # what was set aside for it and not used
+                self._reserve.forget(self.rank)
         return tier
 
     def _copies_elsewhere(self, step: int, invs: dict[int, pb.Inventory], run: str = ""
@@ -417,7 +424,8 @@ class Restorer:
                      tmp: Path) -> list[str]:
         """Files of ``origin``'s copy of ``step`` from ``holder`` in one stream; the
         paths that arrived verified."""
-        got, err = self.peers[holder].data.fetch_files(step, origin, files, tmp)
+        got, err = self.peers[holder].data.fetch_files(step, origin, files, tmp,
+                                                       opener=self._opener())
         sizes = {f.path: f.size for f in files}
         self.metrics.bytes_fetched.inc(sum(sizes[p] for p in got))
         if err is not None:
@@ -426,6 +434,17 @@ class Restorer:
                         "stream; the rest one by one: %s", self.rank, len(got), len(files),
                         step, holder, origin, err)
         return got
+
+    def _opener(self) -> Opener | None:
+        """Fetched files of this host's data into the blank files set aside for it
+        (pages the RAM disk allocated ahead, written at the speed of memory)."""
+        reserve, key = self._reserve, self.rank
+        if reserve is None or not reserve.wants(key):
+            return None
+
+        def opener(base: Path, rel: str, size: int) -> int:
+            return reserve.open_new(base, rel, size, key)
+        return opener
 
     def _fetch(self, sources: list[tuple[int, int]], step: int, f: FileMeta, tmp: Path) -> str:
         """One file from ``sources`` (``(holder, origin)``, in order), then the backup."""

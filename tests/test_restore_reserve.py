@@ -1,0 +1,159 @@
+"""A replaced host's restore writes into RAM disk set aside while its job starts up.
+
+A host that comes up holding no step of its own (a replacement, a wiped RAM disk)
+asks the other hosts what they hold of its data and sets blank files of those sizes
+aside (``Node.set_aside_for_restore``, mtc.sidecar.reserve); the restore's fetch
+then writes into them instead of into new pages. The plan is a pure function;
+the processes are real replicators, the host loss a SIGKILL and a wiped root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from replicators import Cluster, new_cluster
+
+from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.fetch_plan import likely_restore
+from mtc.sidecar.replicator.transfers import RESERVE_DIR
+from mtc.sidecar.reserve import Reserve
+
+MIB = 1 << 20
+
+
+def inv(*copies: tuple[int, int, list[int]]) -> pb.Inventory:
+    """An inventory of copies (origin, step, file sizes)."""
+    return pb.Inventory(copies=[pb.StepCopy(
+        origin_rank=o, step=s, files=[pb.FileInfo(path=f"f{i}.bin", size=n, crc32c=1)
+                                      for i, n in enumerate(sizes)])
+        for o, s, sizes in copies])
+
+
+def test_the_newest_copy_of_the_hosts_data_elsewhere_is_what_it_will_fetch() -> None:
+    invs = {1: inv((0, 7, [5, 6]), (1, 9, [1])), 2: inv((0, 8, [3, 4, 4])),
+            0: inv((0, 99, [1]))}  # what rank 0 itself lists is not elsewhere
+    assert likely_restore(0, [0], invs) == (8, [3, 4, 4])
+
+
+def test_equivalent_ranks_stand_in_in_their_order() -> None:
+    invs = {1: inv((2, 5, [1, 2]), (3, 6, [7]))}
+    assert likely_restore(0, [0, 3, 2], invs) == (6, [7])  # Orbax's peer group
+    assert likely_restore(0, [0], invs) is None  # mtc: only its own data
+    assert likely_restore(0, [0], {}) is None  # nobody answered
+
+
+def test_a_copy_without_files_sets_nothing_aside() -> None:
+    assert likely_restore(0, [0], {1: pb.Inventory(copies=[pb.StepCopy(
+        origin_rank=0, step=3)])}) is None  # an inventory asked without file lists
+
+
+def test_forgetting_a_key_frees_its_files_only(tmp_path: Path) -> None:
+    r = Reserve(tmp_path, "reserve", lambda: 1 << 30)
+    r.want(0, [10, 20])
+    r.want(1, [30])
+    r.fill_once()
+    assert r.held_bytes() == 60 and r.wants(0)
+    r.forget(0)
+    assert r.held_bytes() == 30 and not r.wants(0) and r.wants(1)
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / "reserve").iterdir()) == ["30"]
+    r.forget(0)  # again: nothing to do
+    assert r.held_bytes() == 30
+
+
+# -- real replicators ------------------------------------------------------------------
+
+FILES = {"a.bin": os.urandom(3 * MIB), "b.bin": os.urandom(MIB + 7), "c.bin": b"x" * 11}
+
+
+def until(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (got := cond()):
+            return got
+        time.sleep(0.05)
+    raise TimeoutError(f"not within {timeout}s: {what}")
+
+
+def two_hosts(clusters: list[Cluster], ramdisk: Path) -> tuple[Cluster, dict[str, bytes]]:
+    """Two replicators in two slices, each one's step 5 replicated to the other;
+    and host 0's files of it (its manifest too)."""
+    cl = new_cluster(clusters, ramdisk, 2, 1, metrics=True)
+    cl.start_all()
+    files = cl.commit(0, 5, FILES)
+    cl.commit(1, 5, {"tiny.bin": b"t" * 64})
+    cl.wait_replicated(5)
+    return cl, files
+
+
+def replace_host_0(cl: Cluster) -> None:
+    cl.kill(0)
+    shutil.rmtree(cl.root(0))
+    cl.start(0)
+
+
+def reserve(cl: Cluster, rank: int) -> tuple[float, float]:
+    """(bytes set aside, files used from the reserve) on ``rank``'s replicator."""
+    got = cl.scrape(rank)
+    return got.get("mtc_reserve_bytes", 0.0), got.get("mtc_reserve_files_used_total", 0.0)
+
+
+@pytest.mark.process
+def test_a_replaced_host_fetches_its_step_into_space_set_aside_at_its_start(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    cl, files = two_hosts(clusters, ramdisk)
+    size = sum(len(b) for b in files.values())
+    replace_host_0(cl)
+    # Set aside at start, before any restore is asked for: the sizes of host 1's
+    # copy of host 0's step 5.
+    until("host 0 sets its restore's files aside", lambda: reserve(cl, 0)[0] >= size)
+    assert reserve(cl, 0) == (size, 0)
+    blank = sorted(int(p.name.split(".")[0]) for p in (cl.root(0) / RESERVE_DIR).iterdir())
+    assert blank == sorted(len(b) for b in files.values())
+
+    c0, c1 = cl.client(0), cl.client(1)
+    try:
+        with ThreadPoolExecutor(2) as ex:  # both at once, as a restarting job asks
+            r0, r1 = ex.map(lambda c: c.call(
+                "PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=20),
+                deadline_s=30, attempts=1), (c0, c1))
+    finally:
+        c0.close()
+        c1.close()
+    assert (r0.step, r0.tier) == (5, "peer") and (r1.step, r1.tier) == (5, "local")
+    step = cl.root(0) / "5"
+    assert {p: (step / p).read_bytes() for p in files} == files  # every byte, verified
+    # Every fetched file took a blank one's place; none is left set aside.
+    assert reserve(cl, 0) == (0, len(files))
+    assert list((cl.root(0) / RESERVE_DIR).iterdir()) == []
+
+
+@pytest.mark.process
+def test_a_host_that_saves_anew_without_a_restore_frees_what_it_set_aside(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    cl, files = two_hosts(clusters, ramdisk)
+    replace_host_0(cl)
+    until("host 0 sets its restore's files aside",
+          lambda: reserve(cl, 0)[0] >= sum(len(b) for b in files.values()))
+    cl.commit(0, 6, {"new.bin": b"n" * 100})  # the job went on without restoring here
+    until("the files set aside are freed", lambda: reserve(cl, 0)[0] == 0)
+    assert reserve(cl, 0)[1] == 0
+    until("the reserve's folder is empty",
+          lambda: not any((cl.root(0) / RESERVE_DIR).iterdir()))
+
+
+@pytest.mark.process
+def test_a_host_that_keeps_its_own_steps_sets_nothing_aside(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    cl, _ = two_hosts(clusters, ramdisk)
+    cl.kill(0)
+    cl.start(0)  # a restarted replicator, its RAM disk intact
+    time.sleep(1.0)  # its loop's first pass (where a replaced host sets space aside)
+    assert reserve(cl, 0) == (0, 0)
+    assert "set aside for its restore" not in cl.log_text(0)
