@@ -1,14 +1,15 @@
 """Pinning processes to cores, as on a real host: a TPU host's CPUs are not its
-accelerators, so the trainer's CPU devices (standing in for accelerators here) get
-one core, and everything that runs on a real job's CPUs the other: the hosts'
-sidecars and replicators, and the trainer's own Python, compiles and gRPC.
+accelerators, so the threads that run the trainer's CPU devices' programs
+(standing in for accelerators here) get a core of their own, and what runs on a
+real job's CPUs the others: the hosts' sidecars and replicators, the trainer's
+compiles.
 
-The trainer is started on the hosts' cores (``preexec``: its threads and children
-inherit them); :class:`Pinner` moves the threads that execute its devices' programs
-(:data:`DEVICE_THREADS`) onto the devices' core, and keeps the hosts' processes on
-theirs: every matching thread of every process ``pids()`` names, again every
-``period_s`` (a replaced host is a new process; a new thread inherits its creator's
-core). Whoever enters it joins its thread on exit."""
+A process is started on given cores (:func:`pinning`, a ``preexec``: its threads
+and children inherit them); :class:`Pinner` moves threads by name (the trainer's
+:data:`DEVICE_THREADS` onto the devices' core) or whole processes (the hosts'):
+every matching thread of every process ``pids()`` names, again every ``period_s``
+(a replaced host is a new process; a new thread inherits its creator's cores).
+Whoever enters it joins its thread on exit."""
 
 from __future__ import annotations
 

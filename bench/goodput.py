@@ -33,12 +33,13 @@ replica resizes (and the scale-ups after them) to the mix.
 
 Where the machine has two or more cores, the run is made twice: first pinned as on
 a real host (a TPU host's CPUs are not its accelerators: the threads that run the
-trainer's CPU devices' programs, standing in for the accelerators, on one core;
-everything a real job runs on CPUs on the others: the hosts' sidecars and
-replicators, and the trainer's own Python, compiles and gRPC), which gives the
-figures above, then unpinned (every process where the scheduler puts it, competing
-for the same cores), whose goodput figures are under ``unpinned``. ``--no-pin``:
-the unpinned run alone.
+trainer's CPU devices' programs, standing in for the accelerators, alone on one
+core; the hosts' sidecars and replicators and the trainer's compiles on the
+others; the rest of the trainer (its Python loop, gRPC) on any core, as a real
+host has cores to spare for it: in this synchronous loop it works while the
+devices wait), which gives the figures above, then unpinned (every process where
+the scheduler puts it, competing for the same cores), whose goodput figures are
+under ``unpinned``. ``--no-pin``: the unpinned run alone.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._cpu import CpuSampler
 from bench._machine import machine_state
 from bench._pin import DEVICE_THREADS, Pinner, pinning
+from mtc.elastic.compile_ahead import COMPILE_THREAD
 from mtc.trainer.cluster import STATE, LocalCluster
 from mtc.trainer.demo import REPO, child_env
 from mtc.trainer.elastic_demo import DEVICES as TRAINER_DEVICES
@@ -67,6 +69,10 @@ from mtc.trainer.policy import PAUSE_POLICIES
 from mtc.trainer.report import final_steps, goodput, ideal_seconds, recovery_by_kind
 
 TARGET_GOODPUT = 0.98
+# The trainer's compiles (XLA's pool, and the compile-ahead thread) run on the CPUs'
+# cores: a real job compiles on its hosts' CPUs (Pathways: on the controller's),
+# never on its accelerators.
+COMPILE_THREADS = frozenset({"tf_XLACompile", COMPILE_THREAD})
 TARGET_FAILURE_EVERY_S = 120.0
 
 
@@ -306,9 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = sorted(os.sched_getaffinity(0))
     before = machine_state()
     if args.pin and len(cores) >= 2:
-        # As on a real host: the trainer's devices on one core, the CPUs' work (hosts'
-        # sidecars and replicators, the trainer's Python) on the others; then the same
-        # run unpinned, for comparison.
+        # As on a real host: the trainer's devices alone on one core, the hosts'
+        # sidecars and replicators on the others; then the same run unpinned.
         result = run_once(args, out / "pinned", ({cores[0]}, set(cores[1:])))
         unpinned = run_once(args, out / "unpinned", None)
         result["unpinned"] = {k: v for k, v in unpinned.items() if k.startswith("goodput")
@@ -325,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_once(args: argparse.Namespace, out: Path,
              pin: tuple[set[int], set[int]] | None) -> dict[str, Any]:
     """One run of the trainer against a fresh cluster; ``pin``: (the cores of the
-    trainer's devices, the cores of the CPUs' work), or None to let the scheduler
-    place everything."""
+    trainer's devices, the hosts' cores), or None to let the scheduler place
+    everything."""
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "elastic.jsonl"
     jsonl.unlink(missing_ok=True)
@@ -356,8 +361,8 @@ def run_once(args: argparse.Namespace, out: Path,
         if not args.reference:
             cmd.append("--no-reference")
         log(" ".join(cmd[1:]) + (f" (pinned: the trainer's devices on cores {sorted(pin[0])}, "
-                                 f"hosts and the trainer's Python on {sorted(pin[1])})"
-                                 if pin else " (unpinned)"))
+                                 f"the hosts and the trainer's compiles on {sorted(pin[1])}, "
+                                 "the rest of the trainer on either)" if pin else " (unpinned)"))
 
         def pids() -> dict[str, list[int]]:
             hosts = json.loads((base / STATE).read_text())["machine"]["hosts"]
@@ -374,16 +379,21 @@ def run_once(args: argparse.Namespace, out: Path,
             return pids()["trainer"]
 
         t_launch = time.time()  # as elastic_demo: just before the trainer starts
-        # Pinned, the trainer starts on the CPUs' cores, and only the threads that run
-        # its devices' programs move to the devices' core: a real job's Python,
-        # compiles (Pathways: on the controller) and I/O run on CPUs, never on its
-        # accelerators, and wait for them only where the program waits.
+        # Pinned, the threads that run the trainer's devices' programs move to the
+        # devices' core, and its compiles to the hosts': a real job's Python, compiles
+        # (Pathways: on the controller) and I/O run on CPUs, never on its
+        # accelerators. Its other threads may run on either core, as a real host has
+        # CPUs to spare for its loop: on the devices' while they wait for it.
         devices = (Pinner(trainer_pid, pin[0], named=DEVICE_THREADS) if pin
                    else contextlib.nullcontext())
+        compiles = (Pinner(trainer_pid, pin[1], named=COMPILE_THREADS) if pin
+                    else contextlib.nullcontext())
         with (out / "elastic.log").open("wb") as f, CpuSampler(pids) as cpu, \
-                (Pinner(host_pids, pin[1]) if pin else contextlib.nullcontext()), devices:
+                (Pinner(host_pids, pin[1]) if pin else contextlib.nullcontext()), devices, \
+                compiles:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
-                                    cwd=REPO, preexec_fn=pinning(pin[1]) if pin else None)
+                                    cwd=REPO, preexec_fn=pinning(pin[0] | pin[1]) if pin
+                                    else None)
             rc = proc.wait()
         if rc != 0:
             tail = (out / "elastic.log").read_text(errors="replace").splitlines()[-25:]
@@ -393,9 +403,11 @@ def run_once(args: argparse.Namespace, out: Path,
                              "trainer; this JAX runs its CPU devices elsewhere")
         (out / "t_launch.txt").write_text(f"{t_launch!r}\n")
         result = analyse(read_records(jsonl), t_launch, cpu)
-        result["pinned"] = ({"device_cores": sorted(pin[0]), "cpu_cores": sorted(pin[1]),
+        result["pinned"] = ({"device_cores": sorted(pin[0]), "host_cores": sorted(pin[1]),
+                             "trainer_other_threads_cores": sorted(pin[0] | pin[1]),
                              "device_threads": sorted(DEVICE_THREADS),
-                             "device_threads_moved": devices.moved}
+                             "device_threads_moved": devices.moved,
+                             "compile_threads": sorted(COMPILE_THREADS)}
                             if pin and isinstance(devices, Pinner) else None)
         return result
     finally:
