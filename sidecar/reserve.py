@@ -222,6 +222,14 @@ class Reserve:
         with self._lock:
             return sum(size * len(files) for size, files in self._held.items())
 
+    def room_for_others(self, key: int) -> int:
+        """Held bytes a writer other than ``key`` may count as room: all of them but
+        as many as are set aside for ``key`` alone (a replaced host's restore keeps
+        its blank files while copies from other origins arrive)."""
+        with self._lock:
+            held = sum(size * len(files) for size, files in self._held.items())
+            return held - min(held, sum(self._wanted.get(key, ())))
+
     # -- the filling thread -----------------------------------------------------------
 
     def run(self) -> None:

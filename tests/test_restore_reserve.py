@@ -67,6 +67,19 @@ def test_forgetting_a_key_frees_its_files_only(tmp_path: Path) -> None:
     assert r.held_bytes() == 30
 
 
+def test_files_set_aside_for_a_restore_are_no_room_for_others(tmp_path: Path) -> None:
+    """A copy from another origin is offered room: the blank files set aside for this
+    host's own restore are not part of it (they stay for the restore)."""
+    r = Reserve(tmp_path, "reserve", lambda: 1 << 30)
+    r.want(0, [10, 20])  # this host's restore
+    r.want(1, [30])  # the next copy from origin 1
+    r.fill_once()
+    assert r.held_bytes() == 60 and r.room_for_others(0) == 30
+    r.forget(0)
+    assert r.room_for_others(0) == 30  # nothing set aside for it now
+    assert r.room_for_others(1) == 0  # origin 1's own: no room for the others
+
+
 # -- real replicators ------------------------------------------------------------------
 
 FILES = {"a.bin": os.urandom(3 * MIB), "b.bin": os.urandom(MIB + 7), "c.bin": b"x" * 11}

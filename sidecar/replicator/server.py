@@ -88,8 +88,9 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.deciding = Gate(2, "Decide asks of this rank")
         self.preparing = Gate(8, "restores")
         self.transfers = Transfers(
-            # The reserve's blank files are room a copy fills (mtc.sidecar.reserve).
-            lambda: room(node.store.root) + node.reserve.held_bytes(),
+            # The reserve's blank files are room a copy fills (mtc.sidecar.reserve),
+            # but for those set aside for this host's own restore.
+            lambda: room(node.store.root) + node.reserve.room_for_others(node.rank),
             max_files=checks.MAX_OPEN_FILES, idle_s=TRANSFER_IDLE_S)
         self.data: DataServer | None = None  # the data channel, when serve() opened one
         self.workers: futures.ThreadPoolExecutor | None = None  # gRPC's, set by serve()
