@@ -324,3 +324,40 @@ def test_a_runtime_that_will_not_split_a_damaged_array_falls_back(
         sim.mark_device_connected(d)
     np.testing.assert_array_equal(np.asarray(back["params"]["w"]),
                                   np.asarray(make_state(mesh, elastic_iterator())["params"]["w"]))
+
+
+def test_settle_releases_the_replaced_snapshot_without_waiting(mesh: Mesh) -> None:
+    """``settle`` (called by a loop right after dispatching its next step) promotes
+    the snapshot whose copy is done and releases the one it replaces there and then;
+    it never waits for a copy in flight."""
+    import weakref
+
+    state = {k: v for k, v in make_state(mesh, elastic_iterator()).items()
+             if k in ("params", "rng")}
+    snap = Snapshotter()
+
+    def copies(s: dict[str, Any]) -> list[jax.Array]:
+        return [jax.device_put(jax.random.key_data(x) if is_key(x) else x, x.sharding,
+                               may_alias=False) for x in jax.tree_util.tree_leaves(s)]
+
+    first = copies(state)
+    released = [weakref.ref(a) for a in first]
+    snap.adopt(1, state, first)
+    del first
+    second = copies(state)
+    jax.block_until_ready(second)
+    snap.adopt(2, state, second)  # step 1 becomes the newest; 2 is pending
+    del second
+    assert all(r() is not None for r in released)  # step 1's copies: the newest snapshot
+    snap.settle()  # step 2's copies are done: it is the newest, step 1's are released
+    assert all(r() is None for r in released)
+    assert snap.latest is not None and snap.latest.step == 2
+
+    class InFlight:  # a copy not done yet: settle leaves everything as it is
+        def is_ready(self) -> bool:
+            return False
+
+    snap._pending_arrays = [InFlight()]  # type: ignore[list-item]
+    pending = snap._pending = snap._latest
+    snap.settle()
+    assert snap._pending is pending

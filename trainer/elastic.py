@@ -343,6 +343,10 @@ class ElasticRun:
             else:
                 state, loss_arr = trainer.step(state, batch)
             state["data"] = self.data.get_state()
+            if snap_arrays is not None:
+                # The last step's snapshot becomes the newest, and the one before it
+                # is released, while the devices run this step.
+                self.snapshotter.settle()
             if slice_loss:
                 self.inject_slice_loss(step, waited)
             loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost

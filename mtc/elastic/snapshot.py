@@ -159,6 +159,15 @@ class Snapshotter:
                       "step %s", pending.step, self._latest.step if self._latest else None)
         return True
 
+    def settle(self) -> None:
+        """Promote the pending snapshot if its copy is done, releasing the one it
+        replaces; never waits. Every method does this first; a loop that takes its
+        snapshot after waiting for a step may call it right after dispatching the
+        next one, so that releasing the replaced snapshot's buffers (milliseconds
+        for a model of a hundred leaves on 8 devices) happens while the devices
+        compute, not between steps."""
+        self._settle()
+
     def join(self) -> None:
         """Wait for the save in flight, if any."""
         self._settle(wait=True)
