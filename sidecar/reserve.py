@@ -220,15 +220,19 @@ class Reserve:
 
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(size * len(files) for size, files in self._held.items())
+            return self._held_total()
 
     def room_for_others(self, key: int) -> int:
         """Held bytes a writer other than ``key`` may count as room: all of them but
         as many as are set aside for ``key`` alone (a replaced host's restore keeps
         its blank files while copies from other origins arrive)."""
         with self._lock:
-            held = sum(size * len(files) for size, files in self._held.items())
+            held = self._held_total()
             return held - min(held, sum(self._wanted.get(key, ())))
+
+    def _held_total(self) -> int:
+        """Under ``_lock``: the bytes of every blank file held."""
+        return sum(size * len(files) for size, files in self._held.items())
 
     # -- the filling thread -----------------------------------------------------------
 

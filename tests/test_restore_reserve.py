@@ -22,6 +22,7 @@ from replicators import Cluster, new_cluster
 
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.fetch_plan import likely_restore
+from mtc.sidecar.replicator.node_agreement import holders_of
 from mtc.sidecar.replicator.transfers import RESERVE_DIR
 from mtc.sidecar.reserve import Reserve
 
@@ -39,19 +40,19 @@ def inv(*copies: tuple[int, int, list[int]]) -> pb.Inventory:
 def test_the_newest_copy_of_the_hosts_data_elsewhere_is_what_it_will_fetch() -> None:
     invs = {1: inv((0, 7, [5, 6]), (1, 9, [1])), 2: inv((0, 8, [3, 4, 4])),
             0: inv((0, 99, [1]))}  # what rank 0 itself lists is not elsewhere
-    assert likely_restore(0, [0], invs) == (8, [3, 4, 4])
+    assert likely_restore(0, [0], holders_of(invs)) == (8, [3, 4, 4])
 
 
 def test_equivalent_ranks_stand_in_in_their_order() -> None:
     invs = {1: inv((2, 5, [1, 2]), (3, 6, [7]))}
-    assert likely_restore(0, [0, 3, 2], invs) == (6, [7])  # Orbax's peer group
-    assert likely_restore(0, [0], invs) is None  # mtc: only its own data
+    assert likely_restore(0, [0, 3, 2], holders_of(invs)) == (6, [7])  # Orbax's peer group
+    assert likely_restore(0, [0], holders_of(invs)) is None  # mtc: only its own data
     assert likely_restore(0, [0], {}) is None  # nobody answered
 
 
 def test_a_copy_without_files_sets_nothing_aside() -> None:
-    assert likely_restore(0, [0], {1: pb.Inventory(copies=[pb.StepCopy(
-        origin_rank=0, step=3)])}) is None  # an inventory asked without file lists
+    assert likely_restore(0, [0], holders_of({1: pb.Inventory(copies=[pb.StepCopy(
+        origin_rank=0, step=3)])})) is None  # an inventory asked without file lists
 
 
 def test_forgetting_a_key_frees_its_files_only(tmp_path: Path) -> None:

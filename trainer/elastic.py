@@ -47,7 +47,7 @@ from mtc.trainer.meshes import SliceMeshes, Slices
 from mtc.trainer.model import Config, State, Trainer, count_params
 from mtc.trainer.policy import pause_seconds, recovery_source
 from mtc.trainer.recovery import Recovery
-from mtc.trainer.reference import compare, reference_losses
+from mtc.trainer.reference import against_reference
 from mtc.trainer.schedule import FaultSchedule
 
 log = logging.getLogger("mtc.elastic")
@@ -454,18 +454,6 @@ class ElasticRun:
         self.recoveries.append(entry)
         self.log.write(event="recovered", **entry)
 
-    # -- the reference ---------------------------------------------------------------------
-
-    def reference(self) -> dict[str, Any]:
-        """The losses of an uninterrupted run on the same mesh at every step, compared."""
-        t0 = time.perf_counter()
-        ref, step_s = reference_losses(
-            trainer_for=self.trainer, default_device=self.meshes.default_device,
-            schedule=self.schedule, first=tuple(range(self.cluster.slices)),
-            steps=self.args.steps, seed=self.args.seed, batch_size=self.args.batch_size,
-            snapshot=self.args.snapshot)
-        return compare(self.losses, self.first_losses, ref, step_s, time.perf_counter() - t0)
-
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -493,7 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     jlog.write(event="trained", seconds=time.perf_counter() - t0,
                final_step=max(run.losses, default=0), recoveries=run.recoveries)
     if args.reference:
-        jlog.write(event="reference", **run.reference())
+        jlog.write(event="reference", **against_reference(
+            run.losses, run.first_losses, trainer_for=run.trainer,
+            default_device=run.meshes.default_device, schedule=run.schedule,
+            first=tuple(range(run.cluster.slices)), steps=args.steps, seed=args.seed,
+            batch_size=args.batch_size, snapshot=args.snapshot))
     jlog.write(event="done")
     jlog.close()
     return 0

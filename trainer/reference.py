@@ -72,3 +72,13 @@ def compare(losses: Mapping[int, float], first_losses: Mapping[int, float],
         "losses": [ref[s] for s in sorted(ref)],
         "step_s": [step_s[s] for s in sorted(step_s)],
     }
+
+
+def against_reference(losses: Mapping[int, float], first_losses: Mapping[int, float],
+                      **run: Any) -> dict[str, Any]:
+    """A trained run's losses (``first_losses``: of the first runs of steps later
+    replayed) against an uninterrupted run on the same meshes (``run``: the
+    arguments of :func:`reference_losses`), timed."""
+    t0 = time.perf_counter()
+    ref, step_s = reference_losses(**run)
+    return compare(losses, first_losses, ref, step_s, time.perf_counter() - t0)

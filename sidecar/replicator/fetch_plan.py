@@ -6,7 +6,7 @@ likely fetch (:func:`likely_restore`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.step_files import FileMeta
@@ -30,23 +30,21 @@ def fetch_batches(first: Sequence[tuple[int, int] | None], rank: int, streams: i
     return out
 
 
-def likely_restore(rank: int, equivalents: Sequence[int], invs: dict[int, pb.Inventory]
+def likely_restore(rank: int, equivalents: Sequence[int],
+                   held: Mapping[tuple[int, int], list[tuple[int, pb.StepCopy]]]
                    ) -> tuple[int, list[int]] | None:
     """(step, file sizes) of the copy a host of ``rank`` holding no step of its own
     (a replaced or wiped host) will most likely fetch when a restore comes: the
     newest step other hosts hold of its data (of the first of ``equivalents``
-    that has one); None when no other host holds any. A guess for setting RAM disk
-    aside, never a decision: the restore's agreement decides the step. Pure."""
+    that has one); None when no other host holds any. ``held``: the copies by
+    (origin, step), as :func:`node_agreement.holders_of` finds them. A guess for
+    setting RAM disk aside, never a decision: the restore's agreement decides the
+    step. Pure."""
     for origin in equivalents:
-        newest: pb.StepCopy | None = None
-        for holder, inv in sorted(invs.items()):
-            if holder == rank:
-                continue
-            for c in inv.copies:
-                if c.origin_rank == origin and c.files and \
-                        (newest is None or c.step > newest.step):
-                    newest = c
-        if newest is not None:
+        copies = [c for (o, _), holders in held.items() if o == origin
+                  for h, c in holders if h != rank and c.files]
+        if copies:
+            newest = max(copies, key=lambda c: c.step)
             return newest.step, [f.size for f in newest.files]
     return None
 

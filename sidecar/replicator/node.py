@@ -35,7 +35,7 @@ from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.fetch_plan import likely_restore
 from mtc.sidecar.replicator.gc import collect_garbage
 from mtc.sidecar.replicator.metrics import Metrics
-from mtc.sidecar.replicator.node_agreement import NodeAgreement
+from mtc.sidecar.replicator.node_agreement import NodeAgreement, holders_of
 from mtc.sidecar.replicator.replication import Replication
 from mtc.sidecar.replicator.restore import Restorer
 from mtc.sidecar.replicator.root_watch import RootWatch
@@ -127,7 +127,7 @@ class Node:
             return
         invs = self.agreement.gather_invs(range(self.config.num_nodes),
                                           time.monotonic() + min(2.0, self.config.deadline_s))
-        likely = likely_restore(self.rank, self.config.equivalent(self.rank), invs)
+        likely = likely_restore(self.rank, self.config.equivalent(self.rank), holders_of(invs))
         if likely is None:
             return
         step, sizes = likely

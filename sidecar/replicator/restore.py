@@ -70,7 +70,7 @@ class Restorer:
                  peers: Mapping[int, PeerClient], metrics: Metrics, *,
                  agreement: NodeAgreement, backups: BackupDuties,
                  inventory: Callable[[], pb.Inventory], refuse: Callable[[], None],
-                 stop: threading.Event, reserve: Reserve | None = None) -> None:
+                 stop: threading.Event, reserve: Reserve) -> None:
         self.rank = config.rank
         # Blank files set aside for this host's own data (a replaced host's fetch:
         # Node.set_aside_for_restore); fetched files take their places.
@@ -377,8 +377,7 @@ class Restorer:
         finally:
             # Served from the committed copy from here on (from_backup staged it).
             self.backups.done_restoring(step)
-            if self._reserve is not None:  # what was set aside for it and not used
-                self._reserve.forget(self.rank)
+            self._reserve.forget(self.rank)  # what was set aside for it and not used
         return tier
 
     def _copies_elsewhere(self, step: int, invs: dict[int, pb.Inventory], run: str = ""
@@ -439,7 +438,7 @@ class Restorer:
         """Fetched files of this host's data into the blank files set aside for it
         (pages the RAM disk allocated ahead, written at the speed of memory)."""
         reserve, key = self._reserve, self.rank
-        if reserve is None or not reserve.wants(key):
+        if not reserve.wants(key):
             return None
 
         def opener(base: Path, rel: str, size: int) -> int:
