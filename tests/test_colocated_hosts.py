@@ -83,6 +83,30 @@ def test_save_restore_through_colocated_sidecars(hosts: Hosts, mesh: Mesh,
             assert list(h.root.iterdir()) == []
 
 
+def test_a_state_in_pinned_host_memory_saves_and_restores(hosts: Hosts, mesh: Mesh,
+                                                         tmp_path: Path) -> None:
+    # A training step's own copy of its state, in host memory (as the elastic
+    # trainer's snapshot is, and saved from while the next step runs): its memory
+    # kind crosses to the workers with it. It once reached a sidecar as a
+    # pinned-host sharding over device buffers, and the save failed there.
+    sharding = NamedSharding(mesh, PartitionSpec("replica", "model"))
+    assert "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}
+    value = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    w = jax.device_put(value, sharding.with_memory_kind("pinned_host"))
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh,
+                               options=_opts(hosts)) as mgr:
+        assert mgr.save(3, {"w": w}, force=True)
+        mgr.wait_until_finished()
+        back = mgr.restore(3, {"w": jax.ShapeDtypeStruct((8, 16), np.float32,
+                                                         sharding=sharding)})
+        pinned = mgr.restore(3, {"w": jax.ShapeDtypeStruct((8, 16), np.float32,
+                                                           sharding=w.sharding)})
+    np.testing.assert_array_equal(np.asarray(back["w"]), value)
+    assert back["w"].sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(pinned["w"]), value)
+    assert pinned["w"].sharding.memory_kind == "pinned_host"
+
+
 def test_a_step_not_found_names_the_sidecars_not_a_controller_folder(
         hosts: Hosts, mesh: Mesh, tmp_path: Path) -> None:
     # With sidecars the controller's local_dir holds nothing: the error names what

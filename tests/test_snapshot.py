@@ -139,3 +139,34 @@ def test_placed_arrays_are_copies_that_a_donating_step_cannot_take_with_it() -> 
     assert not snap["w"].is_deleted()
     np.testing.assert_array_equal(np.asarray(snap["w"]), np.arange(64, dtype=np.float32))
     np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(64, dtype=np.float32) + 1)
+
+
+def test_a_state_saved_from_the_steps_copies_is_that_step_after_the_next_donates_it() -> None:
+    """The elastic trainer saves a step from the copies it made of its new state
+    while the next step runs in place: once that step donated the state, the
+    saveable state is still the step's, leaf for leaf, key as a key of the same
+    implementation, laid out as the state was (in host memory where there is one)."""
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    full = _trainer(devices, 2)
+    data = make_iterator(seq_len=full.cfg.seq_len, global_batch_size=8, seed=0)
+    state, _, copies = full.step_with_snapshot(full.init(0), next(data))
+    want = _host({"params": state["params"], "opt_state": state["opt_state"],
+                  "rng": jax.random.key_data(state["rng"])})
+    saveable = full.state_of_copies(state, copies)
+    impl = jax.random.key_impl(state["rng"])
+    nxt, _, _ = full.step_with_snapshot(state, next(data))  # donates ``state``
+    assert state["params"]["embed"].is_deleted()
+    assert saveable["step"] == 1 and nxt["step"] == 2
+    assert jax.random.key_impl(saveable["rng"]) == impl
+    got = _host({"params": saveable["params"], "opt_state": saveable["opt_state"],
+                 "rng": jax.random.key_data(saveable["rng"])})
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    for leaf, sh in zip(jax.tree_util.tree_leaves(saveable["params"]),
+                        jax.tree_util.tree_leaves(full.shardings["params"]), strict=True):
+        assert leaf.sharding.spec == sh.spec and leaf.sharding.mesh == sh.mesh
+    # The next step's own state differs: the copies are not its buffers.
+    assert not np.array_equal(np.asarray(jax.tree_util.tree_leaves(nxt["params"])[0]),
+                              jax.tree_util.tree_leaves(got["params"])[0])

@@ -8,8 +8,16 @@ checkpointing with mtc to the cluster's simulated hosts, and injects host and
 slice losses (``--help``). It is a user of :mod:`mtc.elastic`: the in-memory
 snapshot is an ``mtc.elastic.Snapshotter`` fed by the compiled step's own copy;
 ahead-of-time builds are ``mtc.elastic.compile_ahead``'s; pathwaysutils is patched
-for CPU slices by ``mtc.elastic.patched`` for the run and put back after. The
-demo's own parts: the fault schedule (:mod:`mtc.trainer.schedule`), the meshes
+for CPU slices by ``mtc.elastic.patched`` for the run and put back after.
+
+The loop waits for each step's loss, then dispatches the next step before doing
+the finished one's host side: its copy becomes the pending snapshot and, when
+due, mtc saves it from that copy (which no step donates), so snapshot and save
+run while the devices compute. A failure interrupts the step in flight, as
+before; the staged host loss follows its save before the next step is dispatched.
+
+The demo's own parts: the fault schedule (:mod:`mtc.trainer.schedule`) and its
+staging (:mod:`mtc.trainer.staging`), the meshes
 (:mod:`mtc.trainer.meshes`), where to recover from
 (:func:`mtc.trainer.policy.recovery_source`) and the report
 (:mod:`mtc.trainer.report`). What it does, failure by failure: docs/elastic-demo.md.
@@ -18,6 +26,7 @@ demo's own parts: the fault schedule (:mod:`mtc.trainer.schedule`), the meshes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -49,11 +58,23 @@ from mtc.trainer.policy import pause_seconds, recovery_source
 from mtc.trainer.recovery import Recovery
 from mtc.trainer.reference import against_reference
 from mtc.trainer.schedule import FaultSchedule
+from mtc.trainer.staging import StagedFaults
 
 log = logging.getLogger("mtc.elastic")
-# How long the last step waits for a slice on its way back (its hosts' processes
-# start in seconds; a minute is a replacement that failed, and the run ends resized).
-RETURN_WAIT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A completed step whose host side (snapshot, save, record) is still to do."""
+
+    step: int
+    loss: float
+    step_s: float
+    t: float  # when it ended (wall clock)
+    slices: Slices
+    state: State  # its arrays are the next step's to donate
+    copies: dict[str, Any] | None  # the step's own copy of them (``rng`` as key data)
+    saveable: State  # what is saved: the state, its arrays taken from the copies
 
 
 class ElasticRun:
@@ -74,13 +95,13 @@ class ElasticRun:
         self.ckpt = MeshCheckpoints(self.cluster, self.meshes, dispatch=args.dispatch,
                                     save_interval=args.save_interval)
         self.snapshotter = mtc.elastic.Snapshotter()
-        self.snapshot_lost: set[int] = set()  # devices lost since the snapshot was taken
         self.last_saved: int | None = None  # the newest step handed to mtc
         self.faults = HostFaults(self.cluster, self.devices, jlog)
         self.plan = FaultSchedule(host_loss_at=args.host_loss_at,
                                   host_loss_every_s=args.host_loss_every_s,
                                   slice_loss_at=args.slice_loss_at,
                                   slice_down_steps=args.slice_down_steps, steps=args.steps)
+        self.staged = StagedFaults(args, self.faults, self.plan, self.ahead, jlog)
         self.pending: Recovery | None = None
         self.recoveries: list[dict[str, Any]] = []
         self.step_times: dict[Slices, list[float]] = {}
@@ -89,7 +110,6 @@ class ElasticRun:
         self.first_losses: dict[int, float] = {}  # losses of steps later replayed
         self.gc_frozen = False
         self.collector = CollectorClock()  # the collector's share of each restore
-        self.returns_seen = 0  # HostFaults.returns already acted on
         self.restore_split: dict[str, float] = {}  # the last recovery's mtc restore, split
 
     @property
@@ -121,41 +141,6 @@ class ElasticRun:
                                        source=built.source, seconds=built.seconds,
                                        warm_up_s=warm)
             self.ahead.submit(name, job)
-
-    # -- failure injection -------------------------------------------------------------
-
-    def _lose(self, hosts: list[int], slice_: int) -> None:
-        self.faults.lose(hosts, slice_)
-        self.snapshot_lost.update(d.id for h in hosts for d in self.faults.devices_of(h))
-
-    def inject_host_loss(self, step: int) -> None:
-        h = self.args.lost_host
-        t, detail = self.faults.lose_host_after_save(h, step, self.args.host_loss_when,
-                                                     self.args.host_return_s)
-        self.snapshot_lost.update(d.id for d in self.faults.devices_of(h))
-        self.pending = Recovery("host_loss", step, t, detail)
-        self.log.write(event="fault", kind="host_loss", step=step, t=t, **detail)
-
-    def wait_compiled_ahead(self, slices: Slices, timeout: float = 300.0) -> float:
-        """Seconds waited until the compile-ahead job for ``slices`` has ended."""
-        if self.ahead is None or not slices:
-            return 0.0
-        t0 = time.perf_counter()
-        self.ahead.wait(aot.names([slices])[0], timeout)
-        waited = time.perf_counter() - t0
-        self.log.write(event="waited_for_compile_ahead", slices=list(slices), seconds=waited)
-        return waited
-
-    def inject_slice_loss(self, step: int, waited_for_compile_ahead: float = 0.0) -> None:
-        s = self.args.lost_slice
-        hosts = self.cluster.hosts_of_slice(s)
-        t = time.time()
-        self.plan.slice_lost(s)
-        self._lose(hosts, s)
-        detail = {"slice": s, "hosts": hosts, "in_flight_step": step,
-                  "seconds_waited_for_compile_ahead": waited_for_compile_ahead}
-        self.pending = Recovery("slice_loss", step - 1, t, detail)
-        self.log.write(event="fault", kind="slice_loss", step=step - 1, t=t, **detail)
 
     # -- the elastic loop ------------------------------------------------------------------
 
@@ -276,7 +261,7 @@ class ElasticRun:
             rec.detail["save_failed"] = rec.detail["save_step"] in self.ckpt.failed_saves
             self.restore_split["peer_copy_check_s"] = time.perf_counter() - t0
         healthy = [d for d in self.meshes.devices_of_slices(slices)
-                   if d.id not in self.snapshot_lost]
+                   if d.id not in self.staged.snapshot_lost]
         complete = latest is not None and self.snapshotter.covers(healthy)
         if latest is not None and not complete:
             rec.detail["snapshot_incomplete_on_survivors"] = True
@@ -320,83 +305,136 @@ class ElasticRun:
         # by an earlier run on this mesh); otherwise that step builds it.
         ready = aot.Use(aot.READY, built.seconds, built.ahead, 0.0) if built else None
         step_end = time.time()  # when the last step here ended (wall clock)
-        for step in range(state["step"] + 1, args.steps + 1):
-            if step == args.steps and len(slices) < total and self.pending is None:
-                self.wait_for_return(slices)
-            # Not before this mesh's first step completed: that step closes the
-            # recovery that brought training here (its report entry).
-            if len(slices) < total and self.pending is None and self.scale_up_available(slices):
-                self.signal_scale_up(mgr, state, step_end)
-            waited = 0.0
-            slice_loss = self.plan.slice_loss_due(step) and self.pending is None \
-                and not self.faults.lost_slices and len(slices) == total
-            if slice_loss:
-                # The demo loses the slice in steady state: once what the resize
-                # needs is compiled ahead (training waits for it here, logged).
-                waited = self.wait_compiled_ahead(
-                    tuple(s for s in slices if s != args.lost_slice))
-            t0 = time.perf_counter()
-            batch = next(self.data)
-            snap_arrays = None
-            if args.snapshot:
-                state, loss_arr, snap_arrays = trainer.step_with_snapshot(state, batch)
-            else:
-                state, loss_arr = trainer.step(state, batch)
-            state["data"] = self.data.get_state()
-            if snap_arrays is not None:
-                # The last step's snapshot becomes the newest, and the one before it
-                # is released, while the devices run this step.
-                self.snapshotter.settle()
-            if slice_loss:
-                self.inject_slice_loss(step, waited)
-            loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
-            t1 = time.perf_counter()
-            step_end = time.time()
-            if snap_arrays is not None:
-                # The step's own copy of its new state becomes the snapshot.
-                self.snapshotter.adopt(step, state, jax.tree_util.tree_leaves(snap_arrays))
-                self.snapshot_lost = set()
-            t2 = time.perf_counter()
-            saved = mgr.save(step, state)
-            if saved:
-                self.last_saved = step
-            t3 = time.perf_counter()
-            if step in self.losses:
-                self.first_losses.setdefault(step, self.losses[step])
-            self.losses[step] = loss
-            self.schedule[step] = slices
-            if not first:
-                times.append(t1 - t0)
-            self.log.write(step=step, loss=loss, step_s=t1 - t0, snapshot_s=t2 - t1,
-                           save_s=t3 - t2, saved=saved, slices=list(slices))
-            rec = self.pending
-            if rec is not None and rec.t_restore_end is not None:
-                self.finish_recovery(rec, t1 - t0, ready or trainer.uses.get(self.program))
-                self.pending = None
-                self.faults.stop_if_healthy()
-            if first:
-                if resave and not saved:
-                    saved = mgr.save(step, state, force=True)
-                    self.last_saved = step
-                # The mesh runs: build what the next resize (or the way back) needs.
-                self.compile_ahead(slices)
-            if first and not self.gc_frozen:
-                # Everything built so far (JAX, the model, the compiled steps) lives
-                # as long as the run: keep it out of the collector's full passes,
-                # which otherwise stall a step by 0.1 s every few saves.
-                gc.freeze()
-                self.gc_frozen = True
-            first = False
-            if len(slices) < total:
-                self.plan.resized_steps += 1
-                if (s := self.plan.slice_to_bring_back()) is not None:
-                    self.faults.bring_back(self.cluster.hosts_of_slice(s), s, 0.0)
-            self.plan.stepped()
-            if saved and self.pending is None and not self.faults.lost_slices \
-                    and self.plan.host_loss_due(step):
-                self.inject_host_loss(step)
-                self.plan.host_lost(step)
+        # The last step, its host side (snapshot, save, record) not done yet: with
+        # the per-step snapshot it is done while the next step runs on the devices.
+        done: Finished | None = None
+        try:
+            for step in range(state["step"] + 1, args.steps + 1):
+                if step == args.steps and len(slices) < total and self.pending is None:
+                    self.staged.wait_for_return(slices)
+                # Not before this mesh's first step completed: that step closes the
+                # recovery that brought training here (its report entry).
+                if len(slices) < total and self.pending is None \
+                        and self.staged.scale_up_available(self.manager, slices):
+                    self.finish_step(mgr, done)
+                    done = None
+                    self.signal_scale_up(mgr, state, step_end)
+                if done is not None and self.staged.host_loss_follows(
+                        done.step, recovering=self.pending is not None) \
+                        and mgr.should_save(done.step):
+                    # The staged host loss follows the save before the next step is
+                    # dispatched: that step is the one in flight it interrupts.
+                    self.finish_step(mgr, done)
+                    done = None
+                waited = 0.0
+                slice_loss = self.staged.slice_loss_due(step, recovering=self.pending is not None,
+                                                        slices=slices)
+                if slice_loss:
+                    # The demo loses the slice in steady state: once what the resize
+                    # needs is compiled ahead (training waits for it here, logged).
+                    waited = self.staged.wait_compiled_ahead(
+                        tuple(s for s in slices if s != args.lost_slice))
+                t0 = time.perf_counter()
+                batch = next(self.data)
+                snap_arrays = None
+                if args.snapshot:
+                    state, loss_arr, snap_arrays = trainer.step_with_snapshot(state, batch)
+                else:
+                    state, loss_arr = trainer.step(state, batch)
+                state["data"] = self.data.get_state()
+                if snap_arrays is not None:
+                    # The last step's snapshot becomes the newest, and the one before
+                    # it is released, while the devices run this step.
+                    self.snapshotter.settle()
+                # The last step's snapshot, save and record, while this one runs.
+                self.finish_step(mgr, done)
+                done = None
+                if slice_loss:
+                    self.pending = self.staged.lose_slice(step, waited)
+                loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
+                t1 = time.perf_counter()
+                step_end = time.time()
+                if step in self.losses:
+                    self.first_losses.setdefault(step, self.losses[step])
+                self.losses[step] = loss
+                self.schedule[step] = slices
+                if not first:
+                    times.append(t1 - t0)
+                done = Finished(step, loss, t1 - t0, step_end, slices, state, snap_arrays,
+                                state if snap_arrays is None
+                                else trainer.state_of_copies(state, snap_arrays))
+                rec = self.pending
+                if rec is not None and rec.t_restore_end is not None:
+                    self.finish_recovery(rec, t1 - t0, ready or trainer.uses.get(self.program))
+                    self.pending = None
+                    self.faults.stop_if_healthy()
+                if first or snap_arrays is None:
+                    # Without copies, the step's arrays are the next step's to
+                    # donate: saved now. So is a mesh's first step, which the
+                    # resave and the compiles ahead below follow.
+                    saved = self.finish_step(mgr, done)
+                    done = None
+                if first:
+                    if resave and not saved:
+                        mgr.save(step, state, force=True)
+                        self.last_saved = step
+                    # The mesh runs: build what the next resize (or the way back) needs.
+                    self.compile_ahead(slices)
+                if first and not self.gc_frozen:
+                    # Everything built so far (JAX, the model, the compiled steps) lives
+                    # as long as the run: keep it out of the collector's full passes,
+                    # which otherwise stall a step by 0.1 s every few saves.
+                    gc.freeze()
+                    self.gc_frozen = True
+                first = False
+                if len(slices) < total:
+                    self.plan.resized_steps += 1
+                    if (s := self.plan.slice_to_bring_back()) is not None:
+                        self.faults.bring_back(self.cluster.hosts_of_slice(s), s, 0.0)
+                self.plan.stepped()
+            self.finish_step(mgr, done)
+            done = None
+        except BaseException:
+            if done is not None:
+                # A step that completed stays in the report and in the snapshot
+                # (its copies are checked when a recovery loads them); unsaved.
+                # What failed is raised as itself: pathwaysutils recovers by its type.
+                try:
+                    self.finish_step(mgr, done, save=False)
+                except Exception:
+                    log.exception("step %d: its snapshot was not taken", done.step)
+            raise
         mgr.wait_until_finished()
+
+    def finish_step(self, mgr: mtc.CheckpointManager, done: Finished | None, *,
+                    save: bool = True) -> bool:
+        """The host side of a completed step: its copies become the pending
+        snapshot, it is saved when due (from those copies, which no later step
+        donates: on TPU they are already in host memory), and it is logged; the
+        demo's host loss follows a save when one is due. Returns whether it saved."""
+        if done is None:
+            return False
+        t0 = t1 = time.perf_counter()
+        saved = False
+        try:
+            if done.copies is not None:
+                self.snapshotter.adopt(done.step, done.state,
+                                       jax.tree_util.tree_leaves(done.copies))
+                self.staged.snapshot_taken()
+            t1 = time.perf_counter()
+            if save:
+                saved = mgr.save(done.step, done.saveable)
+                if saved:
+                    self.last_saved = done.step
+        finally:
+            t2 = time.perf_counter()
+            self.log.write(step=done.step, loss=done.loss, step_s=done.step_s,
+                           snapshot_s=t1 - t0, save_s=t2 - t1, saved=saved,
+                           slices=list(done.slices), t=done.t)
+        if saved and self.staged.host_loss_follows(done.step,
+                                                   recovering=self.pending is not None):
+            self.pending = self.staged.lose_host(done.step)
+        return saved
 
     def signal_scale_up(self, mgr: mtc.CheckpointManager, state: State,
                         step_end: float) -> None:
@@ -414,37 +452,6 @@ class ElasticRun:
             self.last_saved = state["step"]
         mgr.wait_until_finished()
         raise pw_manager.ScaleUpSignalError()
-
-    def wait_for_return(self, slices: Slices) -> None:
-        """Before the last step, wait (bounded) for slices on their way back: the run
-        ends on every slice it was given back, so the scale-up the fault schedule
-        asked for happens however long the replacement's processes take to start
-        (seconds on a loaded machine; the loop trains on meanwhile, as a real
-        trainer would, and only the last step waits)."""
-        on_way = self.faults.replacing_slices() - set(slices)
-        if not on_way:
-            return
-        t0 = time.perf_counter()
-        back = self.faults.wait_back(on_way, RETURN_WAIT_S)
-        self.log.write(event="waited_for_return", slices=sorted(on_way), back=back,
-                       seconds=time.perf_counter() - t0)
-
-    def scale_up_available(self, slices: Slices) -> bool:
-        """Whether inactive slices are healthy again: as pathwaysutils' monitor
-        thread found on its last poll, or, as soon as the cluster says lost
-        hosts are back, by one health check of the inactive slices right now."""
-        pw = self.manager
-        if pw.available_inactive_slices:
-            return True
-        if self.faults.returns == self.returns_seen:
-            return False
-        self.returns_seen = self.faults.returns
-        inactive = {i: pw.slice_to_devices[i]
-                    for i in range(self.cluster.slices) if i not in slices}
-        found = set(pw_elastic.get_active_slice_indices(inactive)) if inactive else set()
-        if found:
-            pw.available_inactive_slices = frozenset(found)
-        return bool(found)
 
     def finish_recovery(self, rec: Recovery, first_step_s: float, use: aot.Use | None) -> None:
         if self.ahead is not None:

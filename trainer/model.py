@@ -383,6 +383,13 @@ class Trainer:
         new, loss, snap = self.executable("snapshot")(arrays, self._batch(batch))
         return {**new, "step": state["step"] + 1, "data": state["data"]}, loss, snap
 
+    def state_of_copies(self, state: State, copies: dict[str, Any]) -> State:
+        """``state`` with its arrays taken from the copies :meth:`step_with_snapshot`
+        made of them, which no later step donates (in host memory where the
+        platform has it): what a save reads while the next step runs in place."""
+        rng = jax.random.wrap_key_data(copies["rng"], impl=jax.random.key_impl(state["rng"]))
+        return {**state, **{k: copies[k] for k in self.ARRAYS if k != "rng"}, "rng": rng}
+
 
 def _with_kind(shardings: Any, kind: str | None) -> Any:
     if kind is None:

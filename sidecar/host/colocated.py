@@ -318,11 +318,15 @@ class ColocatedServer:
         # Every input shard onto its device in one device_put (one each cost more
         # than a small call's bytes), then made into its array.
         views: list[np.ndarray] = []
-        places: list[jax.Device] = []
+        places: list[Any] = []
         counts: list[int] = []
         for k, (spec, ids) in enumerate(zip(prog.in_specs, inputs, strict=True)):
             shard = spec.sharding.shard_shape(spec.shape)
             dt = np.dtype(spec.dtype)
+            # Another memory than the CPU devices' default ("device"), pinned host
+            # memory say, stays that memory: its buffers must be placed there.
+            kind = spec.sharding.memory_kind
+            kind = None if kind == "device" else kind
             by_device = {prog.device_of[int(c)]: buffers[int(b)] for c, b in ids}
             if set(by_device) != set(spec.sharding.addressable_devices):
                 raise ProtocolError(f"{name}: input {k} came without this host's shards")
@@ -330,7 +334,8 @@ class ColocatedServer:
                 if raw.nbytes != math.prod(shard) * dt.itemsize:
                     raise ProtocolError(f"{name}: input {k}'s shard is {raw.nbytes} bytes")
                 views.append(raw.view(dt).reshape(shard))
-                places.append(d)
+                places.append(d if kind is None else
+                              jax.sharding.SingleDeviceSharding(d, memory_kind=kind))
             counts.append(len(by_device))
         placed = iter(jax.device_put(views, places) if views else [])
         for spec, n in zip(prog.in_specs, counts, strict=True):
