@@ -12,7 +12,11 @@ host), and saves two states:
 
 - ``big``: ``--gib`` GiB in 64 MiB float32 leaves, where the copy decides it;
 - ``model``: the demo's small model with its Adam moments (111 leaves, most of
-  them small), where the per-leaf work decides it.
+  them small), where the per-leaf work decides it;
+- each again, saved from its copy in pinned host memory (``*_from_host_copy``),
+  made by a program before the clock starts, as a training step emits its
+  snapshot: the elastic trainer saves that copy while the next step runs.
+  ``save_stall_over_saving_the_state`` compares the two stalls.
 
 Reference, in the same rounds, on arrays as fresh as the saved ones (JAX caches
 an array's host copy, so each round makes new ones): ``jax.device_get`` of every
@@ -68,7 +72,20 @@ def medians(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def bench(name: str, state: Any, root: Path, samples: int, warmup: int) -> dict[str, Any]:
+def host_copy_of(state: Any) -> Any:
+    """A program that copies ``state`` into pinned host memory, as a training step
+    emits its snapshot (``mtc.elastic.in_graph``); None where the device has none."""
+    leaf = jax.tree.leaves(state)[0]
+    if "pinned_host" not in {m.kind for m in leaf.devices().pop().addressable_memories()}:
+        return None
+    shardings = jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), state)
+    return jax.jit(lambda t: t, out_shardings=shardings)
+
+
+def bench(name: str, state: Any, root: Path, samples: int, warmup: int,
+          copy: Any = None) -> dict[str, Any]:
+    """``copy``: save each round's state from its copy in host memory (made by that
+    program before the clock starts, as the step's own copy is), not the state."""
     bump = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t))
     leaves = jax.tree.leaves(state)
     nbytes = sum(int(x.nbytes) for x in leaves)
@@ -79,14 +96,15 @@ def bench(name: str, state: Any, root: Path, samples: int, warmup: int) -> dict[
         for r in range(warmup + samples):
             fresh_ref = bump(state)
             state = bump(fresh_ref)
-            jax.block_until_ready((fresh_ref, state))
+            to_save = state if copy is None else copy(state)
+            jax.block_until_ready((fresh_ref, state, to_save))
             gc.collect()
             t0 = time.perf_counter()
             for x in jax.tree.leaves(fresh_ref):
                 x.copy_to_host_async()
             host = jax.device_get(fresh_ref)
             t1 = time.perf_counter()
-            if not mgr.save(r + 1, state, force=True):
+            if not mgr.save(r + 1, to_save, force=True):
                 raise AssertionError(f"save of step {r + 1} was skipped")
             t2 = time.perf_counter()
             mgr.wait_until_finished()
@@ -116,6 +134,7 @@ def bench(name: str, state: Any, root: Path, samples: int, warmup: int) -> dict[
         "save_stall_over_device_get": statistics.median(stall) / statistics.median(ref),
         "restore_over_device_put": statistics.median(load) / statistics.median(put),
         "values_checked": True,
+        "saved_from": "the state" if copy is None else "its copy in pinned host memory",
     }
 
 
@@ -132,6 +151,19 @@ def run(samples: int, warmup: int, gib: float, root: Path) -> dict[str, Any]:
     }
     out["big"] = bench("big", big_state(gib, device), root, samples, warmup)
     out["model"] = bench("model", model_state(device), root, samples, warmup)
+    # The elastic trainer saves a step from the copy the step made of its new state,
+    # in host memory where the device has one: what does the save stall then?
+    for name, make in (("big", lambda: big_state(gib, device)),
+                       ("model", lambda: model_state(device))):
+        state = make()
+        copy = host_copy_of(state)
+        if copy is None:
+            out[f"{name}_from_host_copy"] = "no pinned host memory on this device"
+            continue
+        got = out[f"{name}_from_host_copy"] = bench(f"{name}_from_host_copy", state, root,
+                                                    samples, warmup, copy)
+        got["save_stall_over_saving_the_state"] = (
+            got["save_stall_s"]["median"] / out[name]["save_stall_s"]["median"])
     return out
 
 

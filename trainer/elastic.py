@@ -410,7 +410,7 @@ class ElasticRun:
                     save: bool = True) -> bool:
         """The host side of a completed step: its copies become the pending
         snapshot, it is saved when due (from those copies, which no later step
-        donates: on TPU they are already in host memory), and it is logged; the
+        donates), and it is logged; the
         demo's host loss follows a save when one is due. Returns whether it saved."""
         if done is None:
             return False
