@@ -36,8 +36,8 @@ a real host (a TPU host's CPUs are not its accelerators: the threads that run th
 trainer's CPU devices' programs, standing in for the accelerators, alone on one
 core; the hosts' sidecars and replicators and the trainer's compiles on the
 others; the rest of the trainer (its Python loop, gRPC) on any core, as a real
-host has cores to spare for it: in this synchronous loop it works while the
-devices wait), which gives the figures above, then unpinned (every process where
+host has cores to spare for it: the loop does a step's snapshot and save while
+the next step runs), which gives the figures above, then unpinned (every process where
 the scheduler puts it, competing for the same cores), whose goodput figures are
 under ``unpinned``. ``--no-pin``: the unpinned run alone.
 """
