@@ -72,9 +72,9 @@ class Finished:
     step_s: float
     t: float  # when it ended (wall clock)
     slices: Slices
+    trainer: Trainer
     state: State  # its arrays are the next step's to donate
     copies: dict[str, Any] | None  # the step's own copy of them (``rng`` as key data)
-    saveable: State  # what is saved: the state, its arrays taken from the copies
 
 
 class ElasticRun:
@@ -111,6 +111,9 @@ class ElasticRun:
         self.gc_frozen = False
         self.collector = CollectorClock()  # the collector's share of each restore
         self.restore_split: dict[str, float] = {}  # the last recovery's mtc restore, split
+        # The last completed step, its host side (snapshot, save, record) not done
+        # yet: with the per-step snapshot it is done while the next step runs.
+        self.unfinished: Finished | None = None
 
     @property
     def manager(self) -> pw_manager.Manager:
@@ -305,9 +308,6 @@ class ElasticRun:
         # by an earlier run on this mesh); otherwise that step builds it.
         ready = aot.Use(aot.READY, built.seconds, built.ahead, 0.0) if built else None
         step_end = time.time()  # when the last step here ended (wall clock)
-        # The last step, its host side (snapshot, save, record) not done yet: with
-        # the per-step snapshot it is done while the next step runs on the devices.
-        done: Finished | None = None
         try:
             for step in range(state["step"] + 1, args.steps + 1):
                 if step == args.steps and len(slices) < total and self.pending is None:
@@ -316,16 +316,15 @@ class ElasticRun:
                 # recovery that brought training here (its report entry).
                 if len(slices) < total and self.pending is None \
                         and self.staged.scale_up_available(self.manager, slices):
-                    self.finish_step(mgr, done)
-                    done = None
+                    self.finish_step(mgr)
                     self.signal_scale_up(mgr, state, step_end)
-                if done is not None and self.staged.host_loss_follows(
-                        done.step, recovering=self.pending is not None) \
-                        and mgr.should_save(done.step):
+                last = self.unfinished
+                if last is not None and self.staged.host_loss_follows(
+                        last.step, recovering=self.pending is not None) \
+                        and mgr.should_save(last.step):
                     # The staged host loss follows the save before the next step is
                     # dispatched: that step is the one in flight it interrupts.
-                    self.finish_step(mgr, done)
-                    done = None
+                    self.finish_step(mgr)
                 waited = 0.0
                 slice_loss = self.staged.slice_loss_due(step, recovering=self.pending is not None,
                                                         slices=slices)
@@ -347,8 +346,7 @@ class ElasticRun:
                     # it is released, while the devices run this step.
                     self.snapshotter.settle()
                 # The last step's snapshot, save and record, while this one runs.
-                self.finish_step(mgr, done)
-                done = None
+                self.finish_step(mgr)
                 if slice_loss:
                     self.pending = self.staged.lose_slice(step, waited)
                 loss = float(loss_arr)  # waits for the step; DATA_LOSS if a device is lost
@@ -360,9 +358,8 @@ class ElasticRun:
                 self.schedule[step] = slices
                 if not first:
                     times.append(t1 - t0)
-                done = Finished(step, loss, t1 - t0, step_end, slices, state, snap_arrays,
-                                state if snap_arrays is None
-                                else trainer.state_of_copies(state, snap_arrays))
+                self.unfinished = Finished(step, loss, t1 - t0, step_end, slices, trainer,
+                                           state, snap_arrays)
                 rec = self.pending
                 if rec is not None and rec.t_restore_end is not None:
                     self.finish_recovery(rec, t1 - t0, ready or trainer.uses.get(self.program))
@@ -372,8 +369,7 @@ class ElasticRun:
                     # Without copies, the step's arrays are the next step's to
                     # donate: saved now. So is a mesh's first step, which the
                     # resave and the compiles ahead below follow.
-                    saved = self.finish_step(mgr, done)
-                    done = None
+                    saved = self.finish_step(mgr)
                 if first:
                     if resave and not saved:
                         mgr.save(step, state, force=True)
@@ -392,26 +388,24 @@ class ElasticRun:
                     if (s := self.plan.slice_to_bring_back()) is not None:
                         self.faults.bring_back(self.cluster.hosts_of_slice(s), s, 0.0)
                 self.plan.stepped()
-            self.finish_step(mgr, done)
-            done = None
+            self.finish_step(mgr)
         except BaseException:
-            if done is not None:
-                # A step that completed stays in the report and in the snapshot
-                # (its copies are checked when a recovery loads them); unsaved.
-                # What failed is raised as itself: pathwaysutils recovers by its type.
-                try:
-                    self.finish_step(mgr, done, save=False)
-                except Exception:
-                    log.exception("step %d: its snapshot was not taken", done.step)
+            # A step that completed stays in the report and in the snapshot (its
+            # copies are checked when a recovery loads them); unsaved. What failed
+            # is raised as itself: pathwaysutils recovers by its type.
+            try:
+                self.finish_step(mgr, save=False)
+            except Exception:
+                log.exception("the last completed step's snapshot was not taken")
             raise
         mgr.wait_until_finished()
 
-    def finish_step(self, mgr: mtc.CheckpointManager, done: Finished | None, *,
-                    save: bool = True) -> bool:
-        """The host side of a completed step: its copies become the pending
-        snapshot, it is saved when due (from those copies, which no later step
-        donates), and it is logged; the
-        demo's host loss follows a save when one is due. Returns whether it saved."""
+    def finish_step(self, mgr: mtc.CheckpointManager, *, save: bool = True) -> bool:
+        """The host side of the last completed step, if not done yet: its copies
+        become the pending snapshot, it is saved when due (from those copies,
+        which no later step donates), and it is logged; the demo's host loss
+        follows a save when one is due. Returns whether it saved."""
+        done, self.unfinished = self.unfinished, None
         if done is None:
             return False
         t0 = t1 = time.perf_counter()
@@ -423,7 +417,8 @@ class ElasticRun:
                 self.staged.snapshot_taken()
             t1 = time.perf_counter()
             if save:
-                saved = mgr.save(done.step, done.saveable)
+                saved = mgr.save(done.step, done.state if done.copies is None else
+                                 done.trainer.state_of_copies(done.state, done.copies))
                 if saved:
                     self.last_saved = done.step
         finally:
