@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -72,9 +73,16 @@ def install_cpu_id_patch() -> None:
 
 def _answer(value: int, ranks: jax.Array) -> jax.Array:
     """One answer per worker, on that worker's own devices (``ranks``' sharding)."""
-    pieces = [jax.device_put(np.array([value], np.uint8), s.device)
-              for s in ranks.addressable_shards]
-    return jax.make_array_from_single_device_arrays(ranks.shape, ranks.sharding, pieces)
+    # Made in one step: a call's fixed cost on a worker is mostly such steps.
+    shard = ranks.sharding.shard_shape(ranks.shape)
+    return jax.make_array_from_callback(ranks.shape, ranks.sharding,
+                                        lambda _: np.full(shard, value, np.uint8),
+                                        dtype=np.uint8)
+
+
+def _start(index: Any) -> int:
+    """Where a shard of a one-dimensional array starts (its index's first slice)."""
+    return int(index[0].start or 0)
 
 
 def _hosts(ranks: jax.Array) -> dict[int, int]:
@@ -131,12 +139,14 @@ class ColocatedAgent:
         else:
             by_host = {h: self._handle(req, h) for h in set(hosts.values())}
         self._replies = {d: by_host[h] for d, h in hosts.items()}
-        pieces = []
-        for s in ranks.addressable_shards:
-            buf = frame(self._replies[s.device.id], ANSWER_BYTES)
-            pieces.append(jax.device_put(np.frombuffer(buf, np.uint8), s.device))
-        return jax.make_array_from_single_device_arrays((ANSWER_BYTES * ranks.shape[0],),
-                                                        ranks.sharding, pieces)
+        # Each device's answer at its index, as the answer's sharding (``ranks``')
+        # lays the devices out: one array made in one step.
+        at = {_start(s.index): s.device.id for s in ranks.addressable_shards}
+        return jax.make_array_from_callback(
+            (ANSWER_BYTES * ranks.shape[0],), ranks.sharding,
+            lambda index: np.frombuffer(frame(
+                self._replies[at[_start(index) // ANSWER_BYTES]], ANSWER_BYTES), np.uint8),
+            dtype=np.uint8)
 
     def _handle(self, req: bytes, host: int) -> bytes | bytearray:
         if req.startswith(LISTING):
