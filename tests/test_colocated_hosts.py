@@ -339,6 +339,27 @@ def test_each_host_sees_its_own_shards_on_devices_of_its_own(hosts: Hosts) -> No
     assert all(got[i, 1] != i for i in range(8))  # worker ids are not the controller's
 
 
+def test_a_result_in_pinned_host_memory_comes_back_in_that_memory(hosts: Hosts) -> None:
+    """An output declared in pinned host memory is placed there on the controller,
+    as its input was on the workers (the runtime keeps a sharding's memory kind)."""
+
+    @colocated_python.colocated_python
+    def doubled(x: jax.Array) -> jax.Array:
+        return jax.device_put(x * 2, x.sharding)
+
+    sharding = _per_host().with_memory_kind("pinned_host")
+    x = jax.device_put(np.arange(8, dtype=np.int32), sharding)
+    spec = jax.ShapeDtypeStruct((8,), np.int32, sharding=sharding)
+    runtime = _runtime(hosts)
+    try:
+        got = doubled.specialize(out_specs_fn=lambda _: spec)(x)
+    finally:
+        runtime.close()
+    assert got.sharding.memory_kind == "pinned_host"
+    assert {s.data.sharding.memory_kind for s in got.addressable_shards} == {"pinned_host"}
+    np.testing.assert_array_equal(np.asarray(got), np.arange(8) * 2)
+
+
 def test_a_result_that_breaks_its_declared_spec_fails_the_call(hosts: Hosts) -> None:
     @colocated_python.colocated_python
     def wrong_dtype(x: jax.Array) -> jax.Array:

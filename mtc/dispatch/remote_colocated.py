@@ -251,17 +251,19 @@ class Runtime:
             # Every output shard onto its device in one device_put (a restore's
             # answer is hundreds of shards: one call each cost more than the bytes).
             views: list[np.ndarray] = []
-            places: list[jax.Device] = []
+            places: list[jax.sharding.Sharding] = []
             ids: list[list[int]] = []
             for k, spec in enumerate(out_specs):
                 dt = np.dtype(spec.dtype)
                 shard = spec.sharding.shard_shape(spec.shape)
+                kind = spec.sharding.memory_kind  # pinned host memory stays that memory
                 came = []
                 for got, out in replies.values():
                     for cid, b in got["outputs"][k]:
                         came.append(int(cid))
                         views.append(out[int(b)].view(dt).reshape(shard))
-                        places.append(by_id[int(cid)])
+                        places.append(jax.sharding.SingleDeviceSharding(by_id[int(cid)],
+                                                                        memory_kind=kind))
                 want = {d.id for d in spec.sharding.addressable_devices}
                 if len(came) != len(want) or set(came) != want:
                     raise ColocatedCallError(f"{name}: output {k} came back on devices "
