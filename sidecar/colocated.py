@@ -48,8 +48,11 @@ HOST_ROOT: Path | None = None
 
 # The size of a small answer per worker: a host request's reply comes back whole in
 # the call that asks it when it fits (the hosts' steps, a retention's space);
-# only a longer one (a large state's manifests) takes a second call.
+# only a longer one takes a second call. A restore's first call, which brings the
+# manifests, asks for an answer sized by them, up to MAX_ANSWER_BYTES per worker
+# (beyond it the rest comes in a second call).
 ANSWER_BYTES = 16 << 10
+MAX_ANSWER_BYTES = 4 << 20
 # Requests that list the hosts' steps: a save's first call, which also polls.
 LISTING = (b'{"op": "steps"', b'{"op": "survey"')
 
@@ -124,13 +127,17 @@ class ColocatedAgent:
         clear_frames(self._error)
         return FAILED
 
-    def ask(self, request: jax.Array, ranks: jax.Array) -> jax.Array:
+    def ask(self, request: jax.Array, ranks: jax.Array, size: jax.Array) -> jax.Array:
         """Answer a host request for this worker's host, in a fixed-size answer per
-        device of ``ranks``: the reply's length (8 bytes), then as much of the
-        reply as fits; the whole reply is kept for :meth:`reply`. Listing the
-        steps first raises an earlier save's background error, as a poll would.
-        The request ``{"op": "error"}`` is answered with the typed error of the
-        last call that failed here."""
+        device of ``ranks`` (``size`` bytes, a little-endian uint64, from
+        ANSWER_BYTES up to MAX_ANSWER_BYTES): the reply's length (8 bytes), then as
+        much of the reply as fits; the whole reply is kept for :meth:`reply`.
+        Listing the steps first raises an earlier save's background error, as a
+        poll would. The request ``{"op": "error"}`` is answered with the typed
+        error of the last call that failed here."""
+        n = int(np.asarray(size.addressable_shards[0].data).view("<u8")[0])
+        if not ANSWER_BYTES <= n <= MAX_ANSWER_BYTES or n % 8:
+            raise ValueError(f"an answer of {n} bytes asked for")
         req = np.asarray(request.addressable_shards[0].data).tobytes()
         hosts = _hosts(ranks)
         if req == ERROR_REQUEST:
@@ -143,10 +150,9 @@ class ColocatedAgent:
         # lays the devices out: one array made in one step.
         at = {_start(s.index): s.device.id for s in ranks.addressable_shards}
         return jax.make_array_from_callback(
-            (ANSWER_BYTES * ranks.shape[0],), ranks.sharding,
-            lambda index: np.frombuffer(frame(
-                self._replies[at[_start(index) // ANSWER_BYTES]], ANSWER_BYTES), np.uint8),
-            dtype=np.uint8)
+            (n * ranks.shape[0],), ranks.sharding,
+            lambda index: np.frombuffer(frame(self._replies[at[_start(index) // n]], n),
+                                        np.uint8), dtype=np.uint8)
 
     def _handle(self, req: bytes, host: int) -> bytes | bytearray:
         if req.startswith(LISTING):

@@ -226,7 +226,8 @@ class HostOps:
         the folders removed, the step folders without mtc's manifest (Orbax's,
         another tool's: left alone) and (``identify``) the root's identity, written
         now when it has none, which the replicator serving the same folder reports
-        back."""
+        back, and the size of the newest step's manifest (a restore's first call
+        brings the manifests: the controller sizes its answer by it)."""
         out: dict[str, dict[str, Any]] = {}
         try:
             for h in hosts:
@@ -245,7 +246,8 @@ class HostOps:
                 if removed:
                     log.info("host %d: removed uncommitted folders %s", h, removed)
                 out[str(h)] = {"removed": removed, "foreign": foreign, "identity":
-                               layout.root_identity(root, create=True) if identify else ""}
+                               layout.root_identity(root, create=True) if identify else "",
+                               "manifest_bytes": _newest_manifest_bytes(root)}
         except BaseException:
             self._release(hosts)
             raise
@@ -327,3 +329,14 @@ class HostOps:
             out = [np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8).data
                    for t in parsed]
         return Raw(out)  # joined once, into the reply itself
+
+
+def _newest_manifest_bytes(root: Path) -> int:
+    """The size of the newest committed step's manifest in ``root`` (0: none)."""
+    steps = layout.mtc_steps(root)
+    if not steps:
+        return 0
+    try:
+        return (layout.step_dir(root, steps[-1]) / MANIFEST_NAME).stat().st_size
+    except OSError:
+        return 0

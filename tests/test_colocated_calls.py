@@ -77,6 +77,41 @@ def test_calls_do_not_grow_with_hosts(ramdisk: Path) -> None:
     assert counts[4] == counts[8], counts
 
 
+def test_a_restore_brings_manifests_longer_than_the_fixed_answer_in_its_first_call(
+        ramdisk: Path) -> None:
+    """A state of many leaves: each host's manifest outgrows the small fixed-size
+    answer (a model's has thousands of shards). A restarted job's manager learns
+    at its open how long the newest manifest is, and its restore's first call
+    brings them all: 3 calls. A manager whose step outgrew what it last saw
+    fetches the rest in one more call, and asks for enough the next time."""
+    from mtc.sidecar.colocated import ANSWER_BYTES
+
+    def restore(mgr: mtc.CheckpointManager) -> int:
+        before = _calls(mgr)
+        back = mgr.restore(None, state)
+        for i in range(160):
+            np.testing.assert_array_equal(np.asarray(back[f"layer_{i:03d}"]),
+                                          np.full((8, 16), i, dtype=np.float32))
+        return _calls(mgr) - before
+
+    with _manager(ramdisk, 4) as mgr:
+        assert mgr.mesh is not None
+        sharding = NamedSharding(mgr.mesh, PartitionSpec("replica", "model"))
+        state = {f"layer_{i:03d}": jax.device_put(
+            np.full((8, 16), i, dtype=np.float32), sharding) for i in range(160)}
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        dispatch: Any = mgr._dispatch
+        # Opened on an empty RAM disk: the survey's answer is the small one.
+        assert restore(mgr) == 4 and dispatch._fetchers
+        assert restore(mgr) == 3  # sized to fit since
+    with _manager(ramdisk, 4) as mgr:  # a restarted job
+        dispatch = mgr._dispatch
+        assert restore(mgr) == 3
+        assert not dispatch._fetchers
+        assert dispatch.answer_bytes > 4 * ANSWER_BYTES  # each manifest outgrew it
+
+
 def test_restored_bytes_never_become_controller_objects(ramdisk: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The seam where bytes would enter controller Python (a host's reply decoded
@@ -223,3 +258,15 @@ def test_a_framed_payload_states_its_whole_length_where_it_is_cut() -> None:
     assert bytes(frame(b"123456789", 16)[8:]) == b"12345678"
     with pytest.raises(ProtocolError, match="no length"):
         unframe(b"1234")
+
+
+def test_a_surveys_answer_size_holds_the_manifest_within_bounds() -> None:
+    from mtc.sidecar.colocated import ANSWER_BYTES, MAX_ANSWER_BYTES
+
+    assert colocated.answer_size_for(0) == ANSWER_BYTES
+    for manifest in (20_000, 100_000, 1_000_000):
+        size = colocated.answer_size_for(manifest)
+        assert size & (size - 1) == 0 and size >= manifest * 3 // 2 + 4096
+    assert colocated.answer_size_for(100 << 20) == MAX_ANSWER_BYTES  # the rest: a second call
+    assert colocated.answer_size_for(ANSWER_BYTES - 8, framed=True) == ANSWER_BYTES
+    assert colocated.answer_size_for(ANSWER_BYTES - 7, framed=True) == 2 * ANSWER_BYTES

@@ -97,7 +97,7 @@ def test_the_newest_steps_bytes_are_its_manifests_sum_without_a_stat_per_file(
     assert newest == layout.folder_bytes(d)
 
 
-NOTHING = {"removed": [], "foreign": [], "identity": ""}
+NOTHING = {"removed": [], "foreign": [], "identity": "", "manifest_bytes": 0}
 
 
 def test_open_takes_one_writer_per_root(tmp_path: Path) -> None:
@@ -120,7 +120,10 @@ def test_open_answers_what_a_manager_needs_in_one_round_trip(tmp_path: Path) -> 
     got = ask(ops, "open", [0], lock=True, clean=True, identify=True)
     ops.release_all()
     assert got == {"0": {"removed": ["6.mtc-tmp-0123456789ab"], "foreign": [7],
-                         "identity": layout.root_identity(tmp_path / "host-0", create=False)}}
+                         "identity": layout.root_identity(tmp_path / "host-0", create=False),
+                         # the newest step's manifest: what a restore's survey brings
+                         "manifest_bytes": (tmp_path / "host-0" / "5" / MANIFEST_NAME
+                                            ).stat().st_size}}
     assert got["0"]["identity"]  # type: ignore[index]
     assert (tmp_path / "host-0" / "7").is_dir() and (tmp_path / "host-0" / "5").is_dir()
     assert not (tmp_path / "host-0" / "6.mtc-tmp-0123456789ab").exists()

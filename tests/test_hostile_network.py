@@ -42,6 +42,7 @@ from hostile_net import (
 from mtc import errors
 from mtc.contract import encode_request
 from mtc.integrity import crc32c
+from mtc.manifest import MANIFEST_NAME
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.client import FETCH, PUSH
@@ -115,7 +116,8 @@ def test_callers_without_the_token_get_nothing(net: Net) -> None:
     # With the token, the same sidecar answers: the step is there, and mtc's.
     assert net.call(0, "steps") == {"0": [1]}
     assert net.call(0, "open", lock=False, clean=False) == {
-        "0": {"removed": [], "foreign": [], "identity": ""}}
+        "0": {"removed": [], "foreign": [], "identity": "", "manifest_bytes":
+              (net.root(0) / "1" / MANIFEST_NAME).stat().st_size}}
     net.assert_outside_intact()
 
 

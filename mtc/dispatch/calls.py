@@ -218,7 +218,7 @@ class HostCalls:
             for h, got in (reply or {}).items():
                 out[int(h)] = Opened(tuple(str(n) for n in got["removed"]),
                                      tuple(int(s) for s in got["foreign"]),
-                                     str(got["identity"]))
+                                     str(got["identity"]), int(got.get("manifest_bytes", 0)))
         return out
 
     def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,

@@ -39,7 +39,7 @@ from mtc.contract import (
 from mtc.dispatch import colocated_load
 from mtc.dispatch.calls import HostCalls, regions_of
 from mtc.dispatch.process import Sidecar
-from mtc.dispatch.protocol import BeforeSend, Survey, WorkerLostError
+from mtc.dispatch.protocol import BeforeSend, Opened, Survey, WorkerLostError
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import HostAgentError, MtcError
 from mtc.pool import ThreadPool
@@ -107,14 +107,17 @@ class ColocatedDispatch(HostCalls):
                                       sharding=self._per_host)
         answer = jax.ShapeDtypeStruct((len(self._workers),), np.dtype(np.uint8),
                                       sharding=self._small_per_host)
-        asked = jax.ShapeDtypeStruct((len(self._workers) * ANSWER_BYTES,), np.dtype(np.uint8),
-                                     sharding=self._small_per_host)
         self._stage = remote.stage.specialize(out_specs_fn=lambda *_: staged)
         self._wait = remote.wait.specialize(out_specs_fn=lambda *_: answer)
         self._poll = remote.poll.specialize(out_specs_fn=lambda *_: answer)
         self._close = remote.close.specialize(out_specs_fn=lambda *_: answer)
-        self._ask = remote.ask.specialize(out_specs_fn=lambda *_: asked)
         self._remote = remote
+        # The ask function and its size argument per answer size (a size class:
+        # one specialization each); a restore's survey, which brings the manifests,
+        # asks for an answer sized by them (the open's answer says how long the
+        # newest is), so that they come in its one call.
+        self._askers: dict[int, tuple[Any, jax.Array]] = {}
+        self._survey_size = ANSWER_BYTES
         self._fetchers: dict[int, Any] = {}
         self._loaders: dict[tuple[jax.ShapeDtypeStruct, ...], Any] = {}
         # The last save's stage answer, read at the next call (or at once for a
@@ -168,7 +171,31 @@ class ColocatedDispatch(HostCalls):
         """The request goes to every worker; each answers for its own host (null
         when not asked about it)."""
         self._collect()
-        return self._exchange(encode_request(op, hosts, **args))
+        manifests = op == "survey" and args.get("manifest", True)
+        return self._exchange(encode_request(op, hosts, **args),
+                              self._survey_size if manifests else self._answer_size,
+                              learn=manifests)
+
+    def open(self, hosts: Sequence[int], *, read_only: bool,
+             identify: bool = False) -> dict[int, Opened]:
+        """:meth:`HostCalls.open`; a restore's survey then asks for an answer that
+        holds the newest step's manifest (:func:`answer_size_for`)."""
+        opened = super().open(hosts, read_only=read_only, identify=identify)
+        longest = max((o.manifest_bytes for o in opened.values()), default=0)
+        self._survey_size = answer_size_for(longest)
+        return opened
+
+    def _asker(self, size: int) -> tuple[Any, jax.Array]:
+        """The ask function specialized for answers of ``size`` bytes per worker, and
+        its size argument."""
+        got = self._askers.get(size)
+        if got is None:
+            spec = jax.ShapeDtypeStruct((len(self._workers) * size,), np.dtype(np.uint8),
+                                        sharding=self._small_per_host)
+            got = self._askers[size] = (
+                self._remote.ask.specialize(out_specs_fn=lambda *_: spec),
+                jax.device_put(np.array([size], "<u8").view(np.uint8), self._small_replicated))
+        return got
 
     def _answers(self, answer: jax.Array, op: str) -> list[tuple[int, np.ndarray]]:
         """Each worker's shard of a call's answer, with its rank (host); a shard
@@ -183,13 +210,16 @@ class ColocatedDispatch(HostCalls):
                                       host=rank) from e
         return out
 
-    def _exchange(self, request: bytes) -> list[Any]:
+    def _exchange(self, request: bytes, size: int | None = None, *,
+                  learn: bool = False) -> list[Any]:
         """Each worker's reply to ``request``, in rank order: whole in the fixed-size
-        answer when it fits, else fetched by a second call (padded to a size class
-        shared by the call: one specialization per class)."""
+        answer (``size`` bytes per worker) when it fits, else fetched by a second
+        call (padded to a size class shared by the call: one specialization per
+        class). ``learn``: a survey's, whose next answer is sized to fit."""
+        size = size or self._answer_size
+        ask, size_arg = self._asker(size)
         raw = jax.device_put(np.frombuffer(request, np.uint8), self._small_replicated)
-        answers = self._invoke(self._ask, raw, self._small_ranks)
-        size = self._answer_size
+        answers = self._invoke(ask, raw, self._small_ranks, size_arg)
         whole: dict[int, bytes] = {}
         size_of: dict[int, int] = {}
         for rank, buf in self._answers(answers, "ask"):
@@ -199,6 +229,8 @@ class ColocatedDispatch(HostCalls):
             if payload is not None:
                 whole[rank] = payload
         longer = [r for r in size_of if r not in whole]
+        if longer and learn:
+            self._survey_size = answer_size_for(max(size_of.values()), framed=True)
         if longer:
             cap = 1 << (max(size_of[r] for r in longer) - 1).bit_length()
             fetch = self._fetchers.get(cap)
@@ -421,6 +453,17 @@ class ColocatedDispatch(HostCalls):
                 self._async.shutdown(wait=True)
             if self._runtime is not None:
                 self._runtime.close()
+
+
+def answer_size_for(nbytes: int, *, framed: bool = False) -> int:
+    """The fixed-size answer (a power of two, ANSWER_BYTES to MAX_ANSWER_BYTES) that
+    holds a survey's reply: with ``framed``, a reply of ``nbytes``; else one that
+    carries a manifest of ``nbytes``, quoted once more inside the reply, beside
+    the host's steps, their facts and its space."""
+    from mtc.sidecar.colocated import ANSWER_BYTES, MAX_ANSWER_BYTES
+
+    need = nbytes + 8 if framed else nbytes * 3 // 2 + 4096
+    return max(ANSWER_BYTES, min(MAX_ANSWER_BYTES, 1 << (need - 1).bit_length()))
 
 
 def colocated_cpu(devices: Sequence[Any]) -> list[Any]:

@@ -34,11 +34,14 @@ class Opened:
     """A host's root as a manager's open found it, in the open's one round trip:
     the uncommitted folders it removed, the step folders that are not mtc's (no
     manifest: Orbax's, another tool's; left alone) and, where asked, the root's
-    identity (the token its replicator reports back when it serves that folder)."""
+    identity (the token its replicator reports back when it serves that folder),
+    and the size of its newest step's manifest (0: none), which a restore's first
+    call asks for."""
 
     removed: tuple[str, ...] = ()
     foreign: tuple[int, ...] = ()
     identity: str = ""
+    manifest_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
