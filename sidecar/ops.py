@@ -162,7 +162,9 @@ class HostOps:
         per version of the file: a step whose manifest is unreadable has none,
         and is never offered), and the whole manifest of ``step`` (None: of its
         newest step) where it holds it (unless not ``manifest``), read and
-        checked now, and its space as :meth:`_space` says."""
+        checked now, its space as :meth:`_space` says, and the size of its newest
+        step's manifest (a save's listing tells the controller how long a
+        restore's answer must be)."""
         out: dict[str, dict[str, Any]] = {}
         for h in self._reachable(hosts):
             steps = layout.mtc_steps(self._root(h))
@@ -183,7 +185,9 @@ class HostOps:
                     continue
                 facts[str(s)] = [summary.num_hosts, summary.run]
             out[str(h)] = {"steps": steps, "facts": facts, "step": want, "manifest": text,
-                           "space": self._space_of(h, steps) if h in hosts else None}
+                           "space": self._space_of(h, steps) if h in hosts else None,
+                           "manifest_bytes": (_newest_manifest_bytes(self._root(h), steps)
+                                              if h in hosts else 0)}
         return out
 
     def _manifest(self, hosts: Sequence[int], step: int) -> bytes:
@@ -247,7 +251,8 @@ class HostOps:
                     log.info("host %d: removed uncommitted folders %s", h, removed)
                 out[str(h)] = {"removed": removed, "foreign": foreign, "identity":
                                layout.root_identity(root, create=True) if identify else "",
-                               "manifest_bytes": _newest_manifest_bytes(root)}
+                               "manifest_bytes": _newest_manifest_bytes(
+                                   root, layout.mtc_steps(root))}
         except BaseException:
             self._release(hosts)
             raise
@@ -331,9 +336,8 @@ class HostOps:
         return Raw(out)  # joined once, into the reply itself
 
 
-def _newest_manifest_bytes(root: Path) -> int:
-    """The size of the newest committed step's manifest in ``root`` (0: none)."""
-    steps = layout.mtc_steps(root)
+def _newest_manifest_bytes(root: Path, steps: Sequence[int]) -> int:
+    """The size of the newest of ``steps``' manifests in ``root`` (0: none)."""
     if not steps:
         return 0
     try:

@@ -80,10 +80,12 @@ def test_calls_do_not_grow_with_hosts(ramdisk: Path) -> None:
 def test_a_restore_brings_manifests_longer_than_the_fixed_answer_in_its_first_call(
         ramdisk: Path) -> None:
     """A state of many leaves: each host's manifest outgrows the small fixed-size
-    answer (a model's has thousands of shards). A restarted job's manager learns
-    at its open how long the newest manifest is, and its restore's first call
-    brings them all: 3 calls. A manager whose step outgrew what it last saw
-    fetches the rest in one more call, and asks for enough the next time."""
+    answer (a model's has thousands of shards). The manager that saved it learns
+    how long the manifests are from its saves' listings (each sees the last
+    save's), a restarted job's from its open, and a restore's first call brings
+    them all: 3 calls. One that asked
+    for too little fetches the rest in one more call, and asks for enough the
+    next time."""
     from mtc.sidecar.colocated import ANSWER_BYTES
 
     def restore(mgr: mtc.CheckpointManager) -> int:
@@ -99,10 +101,13 @@ def test_a_restore_brings_manifests_longer_than_the_fixed_answer_in_its_first_ca
         sharding = NamedSharding(mgr.mesh, PartitionSpec("replica", "model"))
         state = {f"layer_{i:03d}": jax.device_put(
             np.full((8, 16), i, dtype=np.float32), sharding) for i in range(160)}
-        mgr.save(1, state)
-        mgr.wait_until_finished()
+        for step in (1, 2):  # minutes apart in a job: the first is written
+            mgr.save(step, state)
+            mgr.wait_until_finished()
         dispatch: Any = mgr._dispatch
-        # Opened on an empty RAM disk: the survey's answer is the small one.
+        # The second save's listing saw the first's manifests.
+        assert restore(mgr) == 3 and not dispatch._fetchers
+        dispatch._survey_size = ANSWER_BYTES  # as a manager that saw only small steps
         assert restore(mgr) == 4 and dispatch._fetchers
         assert restore(mgr) == 3  # sized to fit since
     with _manager(ramdisk, 4) as mgr:  # a restarted job

@@ -114,8 +114,8 @@ class ColocatedDispatch(HostCalls):
         self._remote = remote
         # The ask function and its size argument per answer size (a size class:
         # one specialization each); a restore's survey, which brings the manifests,
-        # asks for an answer sized by them (the open's answer says how long the
-        # newest is), so that they come in its one call.
+        # asks for an answer sized by them (the open's answer and every listing
+        # say how long the newest are), so that they come in its one call.
         self._askers: dict[int, tuple[Any, jax.Array]] = {}
         self._survey_size = ANSWER_BYTES
         self._fetchers: dict[int, Any] = {}
@@ -172,9 +172,15 @@ class ColocatedDispatch(HostCalls):
         when not asked about it)."""
         self._collect()
         manifests = op == "survey" and args.get("manifest", True)
-        return self._exchange(encode_request(op, hosts, **args),
-                              self._survey_size if manifests else self._answer_size,
-                              learn=manifests)
+        replies = self._exchange(encode_request(op, hosts, **args),
+                                 self._survey_size if manifests else self._answer_size,
+                                 learn=manifests)
+        if op == "survey":  # a save's listing too: how long the newest manifests are now
+            sizes = [int(got.get("manifest_bytes") or 0)
+                     for reply in replies for got in (reply or {}).values()]
+            if any(sizes):
+                self._survey_size = answer_size_for(max(sizes))
+        return replies
 
     def open(self, hosts: Sequence[int], *, read_only: bool,
              identify: bool = False) -> dict[int, Opened]:
