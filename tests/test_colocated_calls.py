@@ -83,9 +83,8 @@ def test_a_restore_brings_manifests_longer_than_the_fixed_answer_in_its_first_ca
     answer (a model's has thousands of shards). The manager that saved it learns
     how long the manifests are from its saves' listings (each sees the last
     save's), a restarted job's from its open, and a restore's first call brings
-    them all: 3 calls. One that asked
-    for too little fetches the rest in one more call, and asks for enough the
-    next time."""
+    them all: 3 calls. One that asked for too little fetches the rest in one
+    more call, and asks for enough the next time."""
     from mtc.sidecar.colocated import ANSWER_BYTES
 
     def restore(mgr: mtc.CheckpointManager) -> int:
