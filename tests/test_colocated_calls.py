@@ -272,5 +272,5 @@ def test_a_surveys_answer_size_holds_the_manifest_within_bounds() -> None:
         size = colocated.answer_size_for(manifest)
         assert size & (size - 1) == 0 and size >= manifest * 3 // 2 + 4096
     assert colocated.answer_size_for(100 << 20) == MAX_ANSWER_BYTES  # the rest: a second call
-    assert colocated.answer_size_for(ANSWER_BYTES - 8, framed=True) == ANSWER_BYTES
-    assert colocated.answer_size_for(ANSWER_BYTES - 7, framed=True) == 2 * ANSWER_BYTES
+    assert colocated.answer_size_for((ANSWER_BYTES - 4096) * 2 // 3) == ANSWER_BYTES
+    assert colocated.answer_size_for((ANSWER_BYTES - 4096) * 2 // 3 + 2) == 2 * ANSWER_BYTES

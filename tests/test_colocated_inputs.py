@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from mtc import shards
 from mtc.errors import ProtocolError
+from mtc.shards import ShardLayout
 from mtc.sidecar.host import colocated
 
 
@@ -40,10 +42,10 @@ def test_each_shard_lands_on_its_own_device(k: int, public: bool,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     sharding = _shardings()[k]
     # A JAX without the batched placement: the public calls instead.
-    monkeypatch.setattr(colocated, "JAX_BATCHED", not public)
+    monkeypatch.setattr(shards, "JAX_BATCHED", not public)
     value = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
     spec = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-    got = colocated._input("f", 0, colocated.InputLayout(spec), _raw(value, sharding))
+    got = colocated._input("f", 0, ShardLayout(spec), _raw(value, sharding))
     np.testing.assert_array_equal(np.asarray(got), value)
     assert got.sharding == sharding
     assert got.sharding.memory_kind == sharding.memory_kind
@@ -58,7 +60,7 @@ def test_a_missing_or_wrong_sized_shard_is_refused() -> None:
     raw = _raw(value, sharding)
     first = next(iter(raw))
     with pytest.raises(ProtocolError, match="without this host's shards"):
-        colocated._input("f", 2, colocated.InputLayout(spec),
+        colocated._input("f", 2, ShardLayout(spec),
                          {d: b for d, b in raw.items() if d != first})
     with pytest.raises(ProtocolError, match="input 2's shard is 8 bytes"):
-        colocated._input("f", 2, colocated.InputLayout(spec), {**raw, first: raw[first][:8]})
+        colocated._input("f", 2, ShardLayout(spec), {**raw, first: raw[first][:8]})

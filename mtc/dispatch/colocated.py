@@ -173,9 +173,10 @@ class ColocatedDispatch(HostCalls):
         self._collect()
         manifests = op == "survey" and args.get("manifest", True)
         replies = self._exchange(encode_request(op, hosts, **args),
-                                 self._survey_size if manifests else self._answer_size,
-                                 learn=manifests)
-        if op == "survey":  # a save's listing too: how long the newest manifests are now
+                                 self._survey_size if manifests else self._answer_size)
+        # Every survey (a save's listing too) says how long the newest manifests
+        # are now: the next restore's survey brings them in its one call.
+        if op == "survey":
             sizes = [int(got.get("manifest_bytes") or 0)
                      for reply in replies for got in (reply or {}).values()]
             if any(sizes):
@@ -216,12 +217,11 @@ class ColocatedDispatch(HostCalls):
                                       host=rank) from e
         return out
 
-    def _exchange(self, request: bytes, size: int | None = None, *,
-                  learn: bool = False) -> list[Any]:
+    def _exchange(self, request: bytes, size: int | None = None) -> list[Any]:
         """Each worker's reply to ``request``, in rank order: whole in the fixed-size
         answer (``size`` bytes per worker) when it fits, else fetched by a second
         call (padded to a size class shared by the call: one specialization per
-        class). ``learn``: a survey's, whose next answer is sized to fit."""
+        class)."""
         size = size or self._answer_size
         ask, size_arg = self._asker(size)
         raw = jax.device_put(np.frombuffer(request, np.uint8), self._small_replicated)
@@ -235,8 +235,6 @@ class ColocatedDispatch(HostCalls):
             if payload is not None:
                 whole[rank] = payload
         longer = [r for r in size_of if r not in whole]
-        if longer and learn:
-            self._survey_size = answer_size_for(max(size_of.values()), framed=True)
         if longer:
             cap = 1 << (max(size_of[r] for r in longer) - 1).bit_length()
             fetch = self._fetchers.get(cap)
@@ -461,14 +459,13 @@ class ColocatedDispatch(HostCalls):
                 self._runtime.close()
 
 
-def answer_size_for(nbytes: int, *, framed: bool = False) -> int:
+def answer_size_for(manifest_bytes: int) -> int:
     """The fixed-size answer (a power of two, ANSWER_BYTES to MAX_ANSWER_BYTES) that
-    holds a survey's reply: with ``framed``, a reply of ``nbytes``; else one that
-    carries a manifest of ``nbytes``, quoted once more inside the reply, beside
-    the host's steps, their facts and its space."""
+    holds a survey's reply carrying a manifest of ``manifest_bytes``, quoted once
+    more inside the reply, beside the host's steps, their facts and its space."""
     from mtc.sidecar.colocated import ANSWER_BYTES, MAX_ANSWER_BYTES
 
-    need = nbytes + 8 if framed else nbytes * 3 // 2 + 4096
+    need = manifest_bytes * 3 // 2 + 4096
     return max(ANSWER_BYTES, min(MAX_ANSWER_BYTES, 1 << (need - 1).bit_length()))
 
 

@@ -38,6 +38,7 @@ from mtc.dispatch.process import Sidecar, channels
 from mtc.dispatch.protocol import WorkerLostError
 from mtc.errors import ColocatedCallError, MtcError, ShardUnavailableError
 from mtc.pool import ThreadPool
+from mtc.shards import ShardLayout
 
 METHOD = "/mtc.Host/Execute"
 
@@ -191,6 +192,7 @@ class Runtime:
         hosts = sorted({self.host_of_device[i] for i in ids})
         own = {h: [i for i in ids if self.host_of_device[i] == h] for h in hosts}
         by_id = {d.id: d for d in devices}
+        out_layouts = [ShardLayout(spec) for spec in out_specs]  # worked out once
         sent: set[int] = set()
         lock = threading.Lock()
 
@@ -248,31 +250,18 @@ class Runtime:
             futures = {h: self._pool.submit(one, h, inputs[h], buffers[h]) for h in hosts}
             wait(futures.values())  # every host answered, whatever the first one raised
             replies = {h: f.result() for h, f in sorted(futures.items())}
-            # Every output shard onto its device in one device_put (a restore's
-            # answer is hundreds of shards: one call each cost more than the bytes).
-            views: list[np.ndarray] = []
-            places: list[jax.sharding.Sharding] = []
-            ids: list[list[int]] = []
-            for k, spec in enumerate(out_specs):
-                dt = np.dtype(spec.dtype)
-                shard = spec.sharding.shard_shape(spec.shape)
-                kind = spec.sharding.memory_kind  # pinned host memory stays that memory
-                came = []
-                for got, out in replies.values():
-                    for cid, b in got["outputs"][k]:
-                        came.append(int(cid))
-                        views.append(out[int(b)].view(dt).reshape(shard))
-                        places.append(jax.sharding.SingleDeviceSharding(by_id[int(cid)],
-                                                                        memory_kind=kind))
-                want = {d.id for d in spec.sharding.addressable_devices}
-                if len(came) != len(want) or set(came) != want:
+            # Each output made from every host's shards of it in one placement (a
+            # restore's answer is hundreds of shards: one call each cost more).
+            results = []
+            for k, layout in enumerate(out_layouts):
+                came = [(int(cid), out[int(b)]) for got, out in replies.values()
+                        for cid, b in got["outputs"][k]]
+                ids = sorted(c for c, _ in came)
+                want = sorted(d.id for d in layout.devices)
+                if ids != want:
                     raise ColocatedCallError(f"{name}: output {k} came back on devices "
-                                             f"{sorted(came)}, declared {sorted(want)}")
-                ids.append(came)
-            placed = iter(jax.device_put(views, places) if views else [])
-            results = [jax.make_array_from_single_device_arrays(
-                spec.shape, spec.sharding, [next(placed) for _ in came])
-                for spec, came in zip(out_specs, ids, strict=True)]
+                                             f"{ids}, declared {want}")
+                results.append(layout.array({by_id[c]: raw for c, raw in came}))
             if prng_out:
                 results = jax_func._wrap_prng_keys(results, prng_out)
             return tree_util.tree_unflatten(out_treedef, results)

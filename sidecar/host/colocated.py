@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import re
 import subprocess
@@ -44,7 +43,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +53,7 @@ import numpy as np
 from mtc import slots, transfer
 from mtc.errors import ColocatedCallError, MtcError, ProtocolError
 from mtc.pool import ThreadPool
+from mtc.shards import ShardLayout
 from mtc.sidecar.host import ghost, pathways_ids
 from mtc.sidecar.host.ports import free_ports
 
@@ -67,8 +67,6 @@ _BOOT = re.compile(r"[0-9a-f]{32}")
 # A call whose arrays hold more has them released off the call's path.
 RELEASE_OFF_CALL_BYTES = 1 << 20
 _DESERIALIZE = threading.Lock()  # JAX's deserializer keeps per-process state
-# Inputs placed through JAX's own batched placement where it has one (_place).
-JAX_BATCHED = True
 
 
 class _Program:
@@ -100,21 +98,7 @@ class _Program:
                 (self.fun, self.in_treedef, self.in_specs, self.out_treedef,
                  self.out_specs, self.devices) = serialization._deserialize(pickled)
         self.id_of = {d: c for c, d in self.device_of.items()}
-        self.inputs = [InputLayout(spec) for spec in self.in_specs]
-
-
-class InputLayout:
-    """How a program's input is made from this host's shards of it, worked out once
-    per program (a call's fixed cost is mostly such work): the devices in the
-    sharding's own order (a set's order would place shards on the wrong
-    devices), the shard's shape, dtype and size."""
-
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec
-        self.devices = list(spec.sharding.addressable_devices_indices_map(spec.shape))
-        self.shard = spec.sharding.shard_shape(spec.shape)
-        self.dtype = np.dtype(spec.dtype)
-        self.nbytes = math.prod(self.shard) * self.dtype.itemsize
+        self.inputs = [ShardLayout(spec) for spec in self.in_specs]
 
 
 def _error_message(host: int, area: Path, e: MtcError, **extra: Any) -> bytes:
@@ -392,50 +376,15 @@ def _let_go(held: list[Any]) -> None:
         log.debug("releasing a call's arrays: %r", e)
 
 
-def _input(name: str, k: int, layout: InputLayout, raw: dict[Any, np.ndarray]) -> Any:
+def _input(name: str, k: int, layout: ShardLayout, raw: dict[Any, np.ndarray]) -> Any:
     """Input ``k`` of a call, made from this host's shards of it (``raw``: its
-    bytes by device) on its declared sharding, in the sharding's memory kind
-    (pinned host memory stays pinned host memory)."""
+    bytes by device), checked against its declared layout."""
     if raw.keys() != set(layout.devices):
         raise ProtocolError(f"{name}: input {k} came without this host's shards")
-    views = []
-    for d in layout.devices:
-        if raw[d].nbytes != layout.nbytes:
-            raise ProtocolError(f"{name}: input {k}'s shard is {raw[d].nbytes} bytes")
-        views.append(raw[d].view(layout.dtype).reshape(layout.shard))
-    spec = layout.spec
-    return _place(spec.shape, layout.dtype, spec.sharding, views, layout.devices)
-
-
-def _place(shape: tuple[int, ...], dtype: np.dtype[Any], sharding: Any,
-           views: list[np.ndarray], devices: list[Any]) -> Any:
-    """One array of ``shape`` on ``sharding`` from each device's shard (``devices``
-    in the sharding's order), placed in one step as a worker's runtime makes a
-    call's input: through JAX's own batched placement, which its public calls wrap
-    in per-call work that a call of a few bytes otherwise spends most of its time
-    on (a tenth of a millisecond each, with eight hosts on two cores); through the
-    public calls where this JAX lacks it."""
-    import jax
-
-    put = _jax_batched_put() if JAX_BATCHED else None
-    if put is not None:
-        return put(shape, dtype, sharding, views, devices)
-    placed = jax.device_put(views, [jax.sharding.SingleDeviceSharding(
-        d, memory_kind=sharding.memory_kind) for d in devices])
-    return jax.make_array_from_single_device_arrays(shape, sharding, placed)
-
-
-def _jax_batched_put() -> Callable[..., Any] | None:
-    try:
-        from jax._src import core
-        from jax._src.interpreters import pxla
-    except ImportError:
-        return None
-    put, aval = getattr(pxla, "batched_device_put", None), getattr(core, "ShapedArray", None)
-    if put is None or aval is None:
-        return None
-    return lambda shape, dtype, sharding, views, devices: put(
-        aval(shape, dtype), sharding, views, devices)
+    for b in raw.values():
+        if b.nbytes != layout.nbytes:
+            raise ProtocolError(f"{name}: input {k}'s shard is {b.nbytes} bytes")
+    return layout.array(raw)
 
 
 def _check(name: str, k: int, r: Any, spec: Any) -> None:
