@@ -131,6 +131,31 @@ def test_silent_damage_in_a_peer_copy_stops_it_counting_as_held(tmp_path: Path) 
     assert healed == [] and (2, STEP) in store.copies()
 
 
+def test_damage_another_check_moves_aside_between_the_scrubs_two_reads_is_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scrub reads a suspect file twice; when another check of the copy (an
+    offer's, an inventory's) quarantined it in between, the scrub still counts
+    the damage it found (the copy is damaged either way), and it is moved aside once."""
+    store = a_host_with_a_peer_copy(tmp_path)
+    copied = store.root / REPLICA_DIR / "0" / str(STEP) / "own.0"
+    flip(copied, silent=True)
+    check = store.checksums.check
+    reads: list[str] = []
+
+    def racing(path: str, meta: FileMeta, *, cached: bool = True) -> str | None:
+        reads.append(path)
+        if path == os.fspath(copied) and reads.count(path) == 2:
+            assert store.verify(0, STEP, cached=False)  # the other check, in between
+        return check(path, meta, cached=cached)
+
+    monkeypatch.setattr(store.checksums, "check", racing)
+    s = scrubber(store, [])
+    s.scrub_once()
+    assert reads.count(os.fspath(copied)) == 3  # the scrub's two reads, the other check's
+    assert store.damaged(0, STEP) and len(quarantined(store.root)) == 1
+    assert s.metrics.scrub_damaged._value.get() == 1
+
+
 def test_an_orbax_step_and_its_copy_are_scrubbed_as_mtc_steps_are(tmp_path: Path) -> None:
     """Serving Orbax's client (its steps carry no manifest, files in subfolders): the
     checksums an own step was described with when first listed, and a copy's from

@@ -139,14 +139,17 @@ class Scrubber:
         if not suspects or not self._same_copy(folder, ino):
             return nbytes
         bad = []
+        raced = 0  # moved aside meanwhile by another check of the copy: found all the same
         for f in suspects:  # read once more: only what fails twice is moved aside
             why = self.store.checksums.check(f"{base}/{f.path}", f, cached=False)
             if why is not None and why != "missing":
                 self.store.quarantine_file(Path(base) / f.path, why, origin=origin, step=step)
                 bad.append(f)
+            elif why == "missing" and self.store.damaged(origin, step):
+                raced += 1
+        self.metrics.scrub_damaged.inc(len(bad) + raced)
         if not bad:
             return nbytes
-        self.metrics.scrub_damaged.inc(len(bad))
         log.warning("rank %d: scrub found %d bad files in rank %d's step %d (%s, ...)",
                     self.store.rank, len(bad), origin, step, bad[0].path)
         if origin == self.store.rank:
