@@ -211,10 +211,13 @@ class StepInventory:
 
     # -- steps that cannot be restored ------------------------------------------------
 
-    def fence_after(self, step: int) -> None:
+    def fence_after(self, step: int, listed: dict[int, list[int]] | None = None) -> None:
         """Delete this job's hosts' steps newer than ``step`` (the newest complete
-        one, just restored): each is a save some host never finished."""
-        held = self.held()
+        one, just restored): each is a save some host never finished. ``listed``:
+        the hosts' steps as the restore's own survey found them (else asked now).
+        Nothing commits on this job's hosts between that survey and now but a save
+        some host never finished, whose commit a listing made now could miss too."""
+        held = listed if listed is not None else self.held()
         for s in sorted({s for steps in held.values() for s in steps if s > step}):
             hosts = [h for h in self.topology.local_hosts if s in held.get(h, ())]
             if hosts:

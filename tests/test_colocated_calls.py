@@ -58,9 +58,32 @@ def test_a_save_and_a_restore_make_a_fixed_handful_of_calls(ramdisk: Path, hosts
         before = _calls(mgr)
         mgr.restore(2, _state(mgr))
         given = _calls(mgr) - before
-    assert newest <= 3 and given <= 3, (newest, given)
+    # The survey and the load: fencing the newest step off reuses the survey's
+    # listing (a delete call only where a newer, unfinished save is left).
+    assert (newest, given) == (2, 2)
     np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(128).reshape(8, 16))
     np.testing.assert_array_equal(np.asarray(back["b"]), np.arange(16))
+
+
+def test_a_restore_fences_an_unfinished_save_without_listing_again(ramdisk: Path) -> None:
+    """The survey's listing names the newer save some host never finished; the
+    restore of the newest complete step deletes it with one call (no listing
+    after the load), so the resumed run saves that number afresh. The survey
+    brought each host's newest manifest, of the unfinished save on three of
+    them, so the load asks for step 1's: survey, survey, load, delete."""
+    import shutil
+
+    with _manager(ramdisk, 4) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(mgr))
+        mgr.wait_until_finished()
+    shutil.rmtree(ramdisk / "host-3" / "2")  # its host died before it committed
+    with _manager(ramdisk, 4) as mgr:
+        before = _calls(mgr)
+        mgr.restore(None, _state(mgr))
+        assert _calls(mgr) - before == 4
+        assert not any((ramdisk / f"host-{h}" / "2").exists() for h in range(4))
+        assert mgr.all_steps() == [1]
 
 
 def test_calls_do_not_grow_with_hosts(ramdisk: Path) -> None:
@@ -83,8 +106,8 @@ def test_a_restore_brings_manifests_longer_than_the_fixed_answer_in_its_first_ca
     answer (a model's has thousands of shards). The manager that saved it learns
     how long the manifests are from its saves' listings (each sees the last
     save's), a restarted job's from its open, and a restore's first call brings
-    them all: 3 calls. One that asked for too little fetches the rest in one
-    more call, and asks for enough the next time."""
+    them all: 2 calls with the load. One that asked for too little fetches the
+    rest in one more call, and asks for enough the next time."""
     from mtc.sidecar.colocated import ANSWER_BYTES
 
     def restore(mgr: mtc.CheckpointManager) -> int:
@@ -105,13 +128,13 @@ def test_a_restore_brings_manifests_longer_than_the_fixed_answer_in_its_first_ca
             mgr.wait_until_finished()
         dispatch: Any = mgr._dispatch
         # The second save's listing saw the first's manifests.
-        assert restore(mgr) == 3 and not dispatch._fetchers
+        assert restore(mgr) == 2 and not dispatch._fetchers
         dispatch._survey_size = ANSWER_BYTES  # as a manager that saw only small steps
-        assert restore(mgr) == 4 and dispatch._fetchers
-        assert restore(mgr) == 3  # sized to fit since
+        assert restore(mgr) == 3 and dispatch._fetchers
+        assert restore(mgr) == 2  # sized to fit since
     with _manager(ramdisk, 4) as mgr:  # a restarted job
         dispatch = mgr._dispatch
-        assert restore(mgr) == 3
+        assert restore(mgr) == 2
         assert not dispatch._fetchers
         assert dispatch.answer_bytes > 4 * ANSWER_BYTES  # each manifest outgrew it
 

@@ -55,6 +55,10 @@ class StepReader:
         self.network = network
         self.where = where  # where the steps are, as the user configured it (for errors)
         self._saved_hosts = saved_hosts
+        # The hosts' committed steps as the last load planned from them (one
+        # controller's survey; None where it asked otherwise): what fencing after
+        # a restore of the newest step deletes, without asking the hosts again.
+        self.listed: dict[int, list[int]] | None = None
 
     def load(self, step: int, target: Any, args: Any, *,
              pending: frozenset[int] = frozenset(),
@@ -164,6 +168,7 @@ class StepReader:
         (multi-controller JAX with the network tier) of every host that saved it.
         One controller asks every host for its steps and its manifest of ``step``
         at once (or reuses ``survey`` where it holds them)."""
+        self.listed = None
         if self.network is not None:
             held = self.dispatch.steps(self.topology.local_hosts)
             holders = sorted(h for h, steps in held.items()
@@ -171,7 +176,7 @@ class StepReader:
             return self._saved_over_network(step, holders, every_host, run)
         if survey is None or not _covers(survey, step):
             survey = self.dispatch.survey(self.topology.local_hosts, step)
-        held = survey.held
+        held = self.listed = survey.held
         holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
         for h in self.topology.local_hosts:
             if h not in holders and h not in pending and not self.topology.subdirs:
