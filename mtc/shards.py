@@ -95,21 +95,30 @@ class ShardLayout:
         self.nbytes = math.prod(self.shard) * self.dtype.itemsize
 
     def array(self, by_device: Mapping[Any, np.ndarray]) -> jax.Array:
-        """The array from each device's shard (its bytes, contiguous), on the spec's
-        sharding and in its memory kind (pinned host memory stays that memory),
-        placed in one batched step: JAX's own, which its public calls wrap in
-        per-call work that a call of a few bytes otherwise spends most of its time
-        on; the public calls where this JAX lacks it."""
-        import jax
-
+        """The array from each device's shard (its bytes, contiguous), as
+        :func:`place` makes it."""
         views = [by_device[d].view(self.dtype).reshape(self.shard) for d in self.devices]
-        sharding = self.spec.sharding
-        put = _jax_batched_put() if JAX_BATCHED else None
-        if put is not None:
-            return put(self.spec.shape, self.dtype, sharding, views, self.devices)
-        placed = jax.device_put(views, [jax.sharding.SingleDeviceSharding(
-            d, memory_kind=sharding.memory_kind) for d in self.devices])
-        return jax.make_array_from_single_device_arrays(self.spec.shape, sharding, placed)
+        return place(self.spec.shape, self.dtype, self.spec.sharding, views, self.devices)
+
+
+def place(shape: tuple[int, ...], dtype: np.dtype[Any], sharding: jax.sharding.Sharding,
+          views: list[np.ndarray], devices: list[Any]) -> jax.Array:
+    """The array of ``shape`` on ``sharding`` whose shard on ``devices[i]`` is
+    ``views[i]`` (one per addressable device), in the sharding's memory kind (pinned
+    host memory stays that memory), placed in one batched step: JAX's own, which
+    its public calls wrap in per-call work that a small array otherwise spends most
+    of its time on; the public calls where this JAX lacks it. No ``views``: the
+    array of a process that holds none of its shards."""
+    import jax
+
+    if not views:
+        return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
+    put = _jax_batched_put() if JAX_BATCHED else None
+    if put is not None:
+        return put(shape, dtype, sharding, views, devices)
+    placed = jax.device_put(views, [jax.sharding.SingleDeviceSharding(
+        d, memory_kind=sharding.memory_kind) for d in devices])
+    return jax.make_array_from_single_device_arrays(shape, sharding, placed)
 
 
 @functools.cache

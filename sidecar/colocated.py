@@ -12,6 +12,7 @@ is ever inside a call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from mtc.contract import (
     frame,
 )
 from mtc.errors import MtcError, StorageError
+from mtc.shards import place
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.colocated_load import load_regions
 from mtc.sidecar.ops import HostOps
@@ -76,16 +78,18 @@ def install_cpu_id_patch() -> None:
 
 def _answer(value: int, ranks: jax.Array) -> jax.Array:
     """One answer per worker, on that worker's own devices (``ranks``' sharding)."""
-    # Made in one step: a call's fixed cost on a worker is mostly such steps.
+    order = _order(ranks.sharding, ranks.shape)
     shard = ranks.sharding.shard_shape(ranks.shape)
-    return jax.make_array_from_callback(ranks.shape, ranks.sharding,
-                                        lambda _: np.full(shard, value, np.uint8),
-                                        dtype=np.uint8)
+    return place(ranks.shape, np.dtype(np.uint8), ranks.sharding,
+                 [np.full(shard, value, np.uint8) for _ in order], list(order))
 
 
-def _start(index: Any) -> int:
-    """Where a shard of a one-dimensional array starts (its index's first slice)."""
-    return int(index[0].start or 0)
+@functools.lru_cache(maxsize=64)
+def _order(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """This worker's devices of ``sharding`` in its own order (what a placement of
+    one shard per device takes), worked out once per layout: an answer is a few
+    bytes, and working this out per call cost more than placing them."""
+    return tuple(sharding.addressable_devices_indices_map(shape))
 
 
 def _hosts(ranks: jax.Array) -> dict[int, int]:
@@ -146,13 +150,13 @@ class ColocatedAgent:
         else:
             by_host = {h: self._handle(req, h) for h in set(hosts.values())}
         self._replies = {d: by_host[h] for d, h in hosts.items()}
-        # Each device's answer at its index, as the answer's sharding (``ranks``')
-        # lays the devices out: one array made in one step.
-        at = {_start(s.index): s.device.id for s in ranks.addressable_shards}
-        return jax.make_array_from_callback(
-            (n * ranks.shape[0],), ranks.sharding,
-            lambda index: np.frombuffer(frame(self._replies[at[_start(index) // n]], n),
-                                        np.uint8), dtype=np.uint8)
+        # Each device's answer, in the order of the answer's sharding (``ranks``'),
+        # placed in one step.
+        shape = (n * ranks.shape[0],)
+        order = _order(ranks.sharding, shape)
+        return place(shape, np.dtype(np.uint8), ranks.sharding,
+                     [np.frombuffer(frame(self._replies[d.id], n), np.uint8) for d in order],
+                     list(order))
 
     def _handle(self, req: bytes, host: int) -> bytes | bytearray:
         if req.startswith(LISTING):
@@ -168,16 +172,17 @@ class ColocatedAgent:
         n = int(np.asarray(cap.addressable_shards[0].data).view("<u8")[0])
         shards = sorted(ranks.addressable_shards, key=lambda s: s.index[0].start or 0)
         part: dict[int, int] = {}  # host -> parts of its reply placed so far
-        pieces = []
+        buf_of: dict[Any, np.ndarray] = {}
         for s in shards:
             h = int(np.asarray(s.data).reshape(-1)[0])
             k = part[h] = part.get(h, -1) + 1
             data = memoryview(self._replies.get(s.device.id, b""))[k * n:(k + 1) * n]
-            buf = np.zeros(n, np.uint8)
+            buf = buf_of[s.device] = np.zeros(n, np.uint8)
             buf[:len(data)] = np.frombuffer(data, np.uint8)
-            pieces.append(jax.device_put(buf, s.device))
-        return jax.make_array_from_single_device_arrays((ranks.shape[0] * n,), ranks.sharding,
-                                                        pieces)
+        shape = (ranks.shape[0] * n,)
+        order = _order(ranks.sharding, shape)
+        return place(shape, np.dtype(np.uint8), ranks.sharding, [buf_of[d] for d in order],
+                     list(order))
 
     def stage(self, header: jax.Array, ranks: jax.Array, arrays: list[jax.Array],
               before: jax.Array | None = None) -> jax.Array:

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from mtc.contract import ReadTask, task_from_json, unframe
 from mtc.errors import ProtocolError
+from mtc.shards import place
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.load import ShardLoader, check_tasks
 
@@ -111,63 +112,57 @@ def load_regions(request: jax.Array, ranks: jax.Array,
                 for pos in a["pos"]:
                     region_of[(int(a["out"]), int(pos))] = t
         read: dict[int, np.ndarray] = {}  # id(task) -> its region, read once
-        # Every shard read first, then onto its device in one device_put (hundreds of
-        # leaves: one call each cost more than their bytes), then made into its array.
-        regions: list[np.ndarray] = []
-        places: list[jax.Device] = []
-        made: list[tuple[tuple[int, ...], jax.sharding.Sharding, np.dtype[Any], int]] = []
-        shardings: dict[str, jax.sharding.Sharding] = {}  # most leaves share a few layouts
+        # Each array made from its shards in one batched placement (hundreds of
+        # leaves: JAX's public calls cost more per leaf than their bytes); the
+        # devices in the sharding's own order, worked out once per layout.
+        outputs: list[jax.Array] = []
+        layouts: dict[tuple[str, tuple[int, ...]], tuple[Any, list[jax.Device],
+                                                         tuple[int, ...]]] = {}
         for k, out in enumerate(common["outputs"]):
-            key = json.dumps([out.get("single"), out.get("mesh"), out.get("spec")])
-            sharding = shardings.get(key)
-            if sharding is None:
-                sharding = shardings[key] = sharding_from_json(out, devices)
             shape = tuple(int(n) for n in out["shape"])
             dtype = numpy_dtype(out["dtype"])
-            count = 0
-            for d in sharding.addressable_devices:
-                if d not in host_of:
-                    continue
+            key = (json.dumps([out.get("single"), out.get("mesh"), out.get("spec")]), shape)
+            if key not in layouts:
+                sharding = sharding_from_json(out, devices)
+                layouts[key] = (sharding, [d for d in sharding.addressable_devices_indices_map(
+                    shape) if d in host_of], sharding.shard_shape(shape))
+            sharding, own, shard = layouts[key]
+            views: list[np.ndarray] = []
+            for d in own:
                 task = region_of.get((k, position[d]))
                 if task is None:  # the controller assembles it from other hosts' pieces
-                    region = np.zeros(sharding.shard_shape(shape), dtype)
-                else:
-                    if id(task) not in read:
-                        read[id(task)] = loader.read(task)
-                    region = read[id(task)]
-                regions.append(region)
-                places.append(d)
-                count += 1
-            made.append((shape, sharding, dtype, count))
+                    views.append(np.zeros(shard, dtype))
+                    continue
+                if id(task) not in read:
+                    read[id(task)] = loader.read(task)
+                region = read[id(task)]
+                if region.shape != shard or region.dtype != dtype:
+                    raise ProtocolError(f"output {k}: a region of shape {region.shape} "
+                                        f"{region.dtype} for a shard of {shard} {dtype}",
+                                        step=step, host=host_of[d])
+                views.append(region)
+            outputs.append(place(shape, dtype, sharding, views, own))
         # A region one host reads whole for others: its task is in that host's part.
         for k, entry in enumerate(common.get("regions", [])):
             d = devices[int(entry["pos"])]
             shape = tuple(int(n) for n in entry["shape"])
             dtype = numpy_dtype(entry["dtype"])
-            count = 0
-            if d in host_of:
-                own = requests[host_of[d]].get("regions", [])
-                if k >= len(own) or "task" not in own[k]:
-                    raise ProtocolError("a region of this host's came without its task",
-                                        step=step, host=host_of[d])
-                t = task_from_json(own[k]["task"])
-                check_tasks([t], step=step, host=host_of[d])
-                if {p.host for p in t.pieces} != {host_of[d]}:
-                    raise ProtocolError("asked to read pieces of another host", step=step,
-                                        host=host_of[d])
-                region = loader.read(t)
-                if region.shape != shape or region.dtype != dtype:
-                    raise ProtocolError("a region is not the shape it was asked as", step=step)
-                regions.append(region)
-                places.append(d)
-                count = 1
-            made.append((shape, SingleDeviceSharding(d), dtype, count))
-    placed = iter(jax.device_put(regions, places) if regions else [])
-    outputs: list[jax.Array] = [
-        jax.make_array_from_single_device_arrays(shape, sharding,
-                                                 [next(placed) for _ in range(count)],
-                                                 dtype=dtype)
-        for shape, sharding, dtype, count in made]
+            if d not in host_of:
+                outputs.append(place(shape, dtype, SingleDeviceSharding(d), [], []))
+                continue
+            own_regions = requests[host_of[d]].get("regions", [])
+            if k >= len(own_regions) or "task" not in own_regions[k]:
+                raise ProtocolError("a region of this host's came without its task",
+                                    step=step, host=host_of[d])
+            t = task_from_json(own_regions[k]["task"])
+            check_tasks([t], step=step, host=host_of[d])
+            if {p.host for p in t.pieces} != {host_of[d]}:
+                raise ProtocolError("asked to read pieces of another host", step=step,
+                                    host=host_of[d])
+            region = loader.read(t)
+            if region.shape != shape or region.dtype != dtype:
+                raise ProtocolError("a region is not the shape it was asked as", step=step)
+            outputs.append(place(shape, dtype, SingleDeviceSharding(d), [region], [d]))
     foreign = common.get("foreign")
     if foreign is not None:
         pieces_of = {h: requests[h]["foreign"]["pieces"].get(str(h), []) for h in mine}

@@ -239,6 +239,41 @@ def test_each_worker_gets_its_own_hosts_reads_only(ramdisk: Path,
     assert longest[8] < 0.75 * longest[4], longest
 
 
+def test_a_load_request_whose_output_disagrees_with_its_reads_is_refused(
+        ramdisk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker places the regions it read as the shards of the arrays the request
+    names; a request whose output shape disagrees with the regions its reads give
+    (a malformed or foreign request) is refused with the shapes named, before any
+    array is made of them."""
+    import json
+
+    from mtc.contract import frame, unframe
+    from mtc.errors import ProtocolError
+
+    encode = colocated_load.encode
+
+    def skew(plan_: Any, hosts: Any) -> Any:
+        size, parts = encode(plan_, hosts)
+        out = {}
+        for h, p in parts.items():
+            part = json.loads(unframe(p)[1] or b"")
+            for o in part["outputs"]:
+                if o["shape"] == [8, 16]:
+                    o["shape"] = [16, 16]
+            raw = json.dumps(part).encode()
+            out[h] = np.frombuffer(frame(raw, size + 64), np.uint8)
+        return size + 64, out
+
+    with _manager(ramdisk, 4) as mgr:
+        state = _state(mgr)
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        monkeypatch.setattr(colocated_load, "encode", skew)
+        with pytest.raises(ProtocolError, match=r"a region of shape \(4, 4\) float32 for a "
+                                                r"shard of \(8, 4\) float32 \(step 1, host"):
+            mgr.restore(1, state)
+
+
 def test_a_malformed_load_request_part_is_refused() -> None:
     """A length that overruns its part, a part that is not JSON, parts naming two steps."""
     from mtc.errors import ProtocolError
