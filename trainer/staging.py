@@ -30,6 +30,12 @@ RETURN_WAIT_S = 60.0
 
 
 class StagedFaults:
+    """The demo loop's fault points: whether a host or a slice is lost at this step
+    (by the schedule), losing it through :class:`HostFaults`, the recovery each
+    loss starts, a lost slice's return, and the devices that lost their part of
+    the newest in-memory snapshot since it was taken (a recovery resumes from the
+    snapshot only where the surviving devices still hold all of it)."""
+
     def __init__(self, args: argparse.Namespace, faults: HostFaults, plan: FaultSchedule,
                  ahead: aot.AheadCompiler | None, jlog: JsonLog) -> None:
         self.args = args
