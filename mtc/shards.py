@@ -89,7 +89,7 @@ class ShardLayout:
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec
-        self.devices = list(spec.sharding.addressable_devices_indices_map(spec.shape))
+        self.devices = list(device_order(spec.sharding, spec.shape))
         self.shard = spec.sharding.shard_shape(spec.shape)
         self.dtype = np.dtype(spec.dtype)
         self.nbytes = math.prod(self.shard) * self.dtype.itemsize
@@ -99,6 +99,14 @@ class ShardLayout:
         :func:`place` makes it."""
         views = [by_device[d].view(self.dtype).reshape(self.shard) for d in self.devices]
         return place(self.spec.shape, self.dtype, self.spec.sharding, views, self.devices)
+
+
+@functools.lru_cache(maxsize=256)
+def device_order(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """The addressable devices of ``sharding`` in its own order (what :func:`place`
+    takes; a set's order would place shards on the wrong devices), worked out once
+    per layout: for an array of a few bytes it costs more than the placement."""
+    return tuple(sharding.addressable_devices_indices_map(shape))
 
 
 def place(shape: tuple[int, ...], dtype: np.dtype[Any], sharding: jax.sharding.Sharding,

@@ -12,7 +12,6 @@ is ever inside a call.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from mtc.contract import (
     frame,
 )
 from mtc.errors import MtcError, StorageError
-from mtc.shards import place
+from mtc.shards import device_order, place
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.colocated_load import load_regions
 from mtc.sidecar.ops import HostOps
@@ -78,18 +77,10 @@ def install_cpu_id_patch() -> None:
 
 def _answer(value: int, ranks: jax.Array) -> jax.Array:
     """One answer per worker, on that worker's own devices (``ranks``' sharding)."""
-    order = _order(ranks.sharding, ranks.shape)
+    order = device_order(ranks.sharding, ranks.shape)
     shard = ranks.sharding.shard_shape(ranks.shape)
     return place(ranks.shape, np.dtype(np.uint8), ranks.sharding,
                  [np.full(shard, value, np.uint8) for _ in order], list(order))
-
-
-@functools.lru_cache(maxsize=64)
-def _order(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[Any, ...]:
-    """This worker's devices of ``sharding`` in its own order (what a placement of
-    one shard per device takes), worked out once per layout: an answer is a few
-    bytes, and working this out per call cost more than placing them."""
-    return tuple(sharding.addressable_devices_indices_map(shape))
 
 
 def _hosts(ranks: jax.Array) -> dict[int, int]:
@@ -153,7 +144,7 @@ class ColocatedAgent:
         # Each device's answer, in the order of the answer's sharding (``ranks``'),
         # placed in one step.
         shape = (n * ranks.shape[0],)
-        order = _order(ranks.sharding, shape)
+        order = device_order(ranks.sharding, shape)
         return place(shape, np.dtype(np.uint8), ranks.sharding,
                      [np.frombuffer(frame(self._replies[d.id], n), np.uint8) for d in order],
                      list(order))
@@ -180,7 +171,7 @@ class ColocatedAgent:
             buf = buf_of[s.device] = np.zeros(n, np.uint8)
             buf[:len(data)] = np.frombuffer(data, np.uint8)
         shape = (ranks.shape[0] * n,)
-        order = _order(ranks.sharding, shape)
+        order = device_order(ranks.sharding, shape)
         return place(shape, np.dtype(np.uint8), ranks.sharding, [buf_of[d] for d in order],
                      list(order))
 

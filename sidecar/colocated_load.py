@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from mtc.contract import ReadTask, task_from_json, unframe
 from mtc.errors import ProtocolError
-from mtc.shards import place
+from mtc.shards import device_order, place
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.load import ShardLoader, check_tasks
 
@@ -124,8 +124,8 @@ def load_regions(request: jax.Array, ranks: jax.Array,
             key = (json.dumps([out.get("single"), out.get("mesh"), out.get("spec")]), shape)
             if key not in layouts:
                 sharding = sharding_from_json(out, devices)
-                layouts[key] = (sharding, [d for d in sharding.addressable_devices_indices_map(
-                    shape) if d in host_of], sharding.shard_shape(shape))
+                layouts[key] = (sharding, [d for d in device_order(sharding, shape)
+                                           if d in host_of], sharding.shard_shape(shape))
             sharding, own, shard = layouts[key]
             views: list[np.ndarray] = []
             for d in own:

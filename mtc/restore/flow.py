@@ -220,7 +220,7 @@ class RestoreFlow:
             jax.block_until_ready(result)
             self.tier.restored(prepared)
         if newest and not self.options.replicators and not self.options.read_only:
-            self.inventory.fence_after(step, self.reader.listed)
+            self.inventory.fence_after(step, saved.listed)
         self._latest = None
         self.inventory.relearn()
         self.saves.restored(step)

@@ -32,6 +32,10 @@ class SavedStep:
     step: int
     manifests: dict[int, Manifest]
     holders: list[dict[Index, list[tuple[int, ShardEntry]]]]
+    # The hosts' committed steps as the plan found them (one controller's survey;
+    # None where it asked otherwise): what fencing after a restore of the newest
+    # step deletes, without asking the hosts again.
+    listed: dict[int, list[int]] | None = None
 
     @property
     def leaves(self) -> tuple[LeafEntry, ...]:

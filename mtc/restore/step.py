@@ -55,10 +55,6 @@ class StepReader:
         self.network = network
         self.where = where  # where the steps are, as the user configured it (for errors)
         self._saved_hosts = saved_hosts
-        # The hosts' committed steps as the last load planned from them (one
-        # controller's survey; None where it asked otherwise): what fencing after
-        # a restore of the newest step deletes, without asking the hosts again.
-        self.listed: dict[int, list[int]] | None = None
 
     def load(self, step: int, target: Any, args: Any, *,
              pending: frozenset[int] = frozenset(),
@@ -168,7 +164,6 @@ class StepReader:
         (multi-controller JAX with the network tier) of every host that saved it.
         One controller asks every host for its steps and its manifest of ``step``
         at once (or reuses ``survey`` where it holds them)."""
-        self.listed = None
         if self.network is not None:
             held = self.dispatch.steps(self.topology.local_hosts)
             holders = sorted(h for h, steps in held.items()
@@ -176,7 +171,7 @@ class StepReader:
             return self._saved_over_network(step, holders, every_host, run)
         if survey is None or not _covers(survey, step):
             survey = self.dispatch.survey(self.topology.local_hosts, step)
-        held = self.listed = survey.held
+        held = survey.held
         holders = sorted(h for h, steps in held.items() if step in steps and h not in pending)
         for h in self.topology.local_hosts:
             if h not in holders and h not in pending and not self.topology.subdirs:
@@ -196,7 +191,9 @@ class StepReader:
         missing = [h for h in range(n) if h not in holders and h in held and h not in pending]
         if missing and self.topology.subdirs:
             raise StepNotFoundError("step is not committed", step=step, host=missing[0])
-        return load_step(step, [h for h in holders if h < n], manifest_of, run=run)
+        saved = load_step(step, [h for h in holders if h < n], manifest_of, run=run)
+        saved.listed = held
+        return saved
 
     def _saved_over_network(self, step: int, holders: list[int], every_host: bool,
                             run: str) -> SavedStep:
