@@ -22,6 +22,7 @@ from grpc_health.v1 import health
 
 from mtc.errors import ConfigError, MtcError
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar import priority
 from mtc.sidecar.replicator import orbax
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -136,14 +137,9 @@ def lower_priority(nice: int) -> None:
     setsid) is also its own scheduling group where the kernel groups sessions
     (autogroup): groups share the cores equally whatever their members' nice, so
     the group's own nice is lowered too, or the trainer would not get its cores
-    back."""
+    back (:mod:`mtc.sidecar.priority`)."""
     os.nice(nice)
-    autogroup = Path("/proc/self/autogroup")
-    try:
-        current = int(autogroup.read_text().split("nice")[1])
-        autogroup.write_text(str(min(19, current + nice)))
-    except (OSError, IndexError, ValueError):
-        pass  # no autogroups here (or not ours to change): the nice alone counts
+    priority.lower_group_priority(nice)
 
 
 def main(argv: list[str] | None = None) -> int:

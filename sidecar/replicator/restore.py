@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from mtc import layout
 from mtc.errors import AgreementError, CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar import priority
 from mtc.sidecar.files import copy_verified
 from mtc.sidecar.replicator.agreement import check_members, saving_ranks
 from mtc.sidecar.replicator.fetch_plan import fetch_batches, fetch_order, heal_sources
@@ -43,7 +44,9 @@ BACKGROUND_NICE = 19  # raised by this much (to at most 19)
 def _background_priority() -> None:
     """The threads that bring a replaced host's own copy after the restore answered
     run below the job's first steps (and its input pipeline) on the same CPUs: the
-    copy takes what they leave, and all of it while they wait."""
+    copy takes what they leave, and all of it while they wait. Their nice orders
+    them within this process's scheduling group; :meth:`Restorer._materialize_logged`
+    has the group yield to the job's too (:mod:`mtc.sidecar.priority`)."""
     layout.lower_thread_priority(BACKGROUND_NICE)
 
 
@@ -310,8 +313,12 @@ class Restorer:
             self._bg_wake.wait(self.config.restore_quiet_s)
             if self._stop.is_set():
                 raise StepNotFoundError("the replicator is stopping", step=step, host=self.rank)
-            tier = self.materialize(step, invs, into_root=into_root, run=run,
-                                    pool=self._bg_fetch)
+            # The whole process yields while it fetches: the job's first steps go
+            # first (0.2 s of the first step after a host loss here, whose
+            # serving threads wait their turn meanwhile, bench/recovery.py).
+            with priority.group_yields(BACKGROUND_NICE):
+                tier = self.materialize(step, invs, into_root=into_root, run=run,
+                                        pool=self._bg_fetch)
         except Exception as e:
             self.metrics.failures.labels("materialize").inc()
             log.error("rank %d: step %d could not be made local in the background: %s",

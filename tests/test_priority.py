@@ -1,0 +1,118 @@
+"""mtc.sidecar.priority: a host process's background work yields the cores to the
+job's processes as a group (autogroup), and gets its share back after."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mtc.sidecar import priority
+
+REPO = Path(__file__).resolve().parents[1]
+
+_CHILD = textwrap.dedent("""
+    from mtc.sidecar import priority
+    before = priority.autogroup_nice()
+    with priority.group_yields(19) as changed:
+        during = priority.autogroup_nice()
+    print(before, changed, during, priority.autogroup_nice())
+""")
+
+
+def _run_child(own_session: bool) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+                         cwd=REPO, start_new_session=own_session, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
+def _autogroups() -> bool:
+    return priority.autogroup_nice() is not None
+
+
+@pytest.mark.process
+def test_a_session_leader_yields_while_the_block_runs_and_gets_its_nice_back() -> None:
+    if not _autogroups():
+        pytest.skip("this kernel shows no autogroups (/proc/self/autogroup)")
+    before, changed, during, after = _run_child(own_session=True)
+    assert int(before) < 19
+    assert changed == "True"
+    assert int(during) == 19
+    assert after == before
+
+
+@pytest.mark.process
+def test_a_process_in_anothers_session_leaves_the_group_alone() -> None:
+    """Its group is the session's (a shell's, a trainer's): not this process's to slow."""
+    if not _autogroups():
+        pytest.skip("this kernel shows no autogroups (/proc/self/autogroup)")
+    before, changed, during, after = _run_child(own_session=False)
+    assert changed == "False"
+    assert during == before == after
+
+
+class _Group:
+    """A stand-in for /proc/self/autogroup (a mock: the kernel's rate limit cannot
+    be provoked on purpose, and the real file is this test process's group)."""
+
+    def __init__(self, nice: int, refusals: int) -> None:
+        self.nice, self.refusals, self.writes = nice, refusals, 0
+
+    def read_text(self) -> str:
+        return f"/autogroup-7 nice {self.nice}\n"
+
+    def write_text(self, text: str) -> int:
+        self.writes += 1
+        if self.refusals:
+            self.refusals -= 1
+            raise OSError(errno.EAGAIN, "rate limited")
+        self.nice = int(text)
+        return len(text)
+
+
+def test_the_nice_comes_back_through_the_kernels_rate_limit(monkeypatch: Any) -> None:
+    group = _Group(nice=0, refusals=0)
+    monkeypatch.setattr(priority, "AUTOGROUP", group)
+    monkeypatch.setattr(priority, "_RETRY_S", 0.0)
+    monkeypatch.setattr(priority.os, "getsid", lambda pid: 4242)
+    monkeypatch.setattr(priority.os, "getpid", lambda: 4242)
+    with priority.group_yields(19) as changed:
+        assert changed and group.nice == 19
+        group.refusals = 3  # the change back is refused three times, then taken
+    assert group.nice == 0
+    assert group.writes == 1 + 4
+
+
+def test_a_refused_change_leaves_the_group_as_it_was(monkeypatch: Any) -> None:
+    group = _Group(nice=2, refusals=1)
+    monkeypatch.setattr(priority, "AUTOGROUP", group)
+    monkeypatch.setattr(priority.os, "getsid", lambda pid: 4242)
+    monkeypatch.setattr(priority.os, "getpid", lambda: 4242)
+    with priority.group_yields(19) as changed:
+        assert not changed and group.nice == 2
+    assert group.nice == 2
+    assert group.writes == 1  # nothing to give back
+
+
+def test_a_group_already_below_the_job_is_left_alone(monkeypatch: Any) -> None:
+    group = _Group(nice=19, refusals=0)
+    monkeypatch.setattr(priority, "AUTOGROUP", group)
+    monkeypatch.setattr(priority.os, "getsid", lambda pid: 4242)
+    monkeypatch.setattr(priority.os, "getpid", lambda: 4242)
+    with priority.group_yields(19) as changed:
+        assert not changed
+    assert group.writes == 0 and group.nice == 19
+
+
+def test_no_autogroups_no_change(monkeypatch: Any, tmp_path: Path) -> None:
+    monkeypatch.setattr(priority, "AUTOGROUP", tmp_path / "absent")
+    assert priority.autogroup_nice() is None
+    with priority.group_yields(19) as changed:
+        assert not changed
+    assert not (tmp_path / "absent").exists()
