@@ -59,10 +59,19 @@ def set_autogroup_nice(nice: int, *, retries: int = 0) -> bool:
     return False
 
 
+def _own_group_nice() -> int | None:
+    """This process's group's nice where the group is this process's alone to
+    change: it leads its own session. Another's group (a user's shell, with the
+    trainer started from it) holds processes that are not this one's to slow,
+    and there a process's and its threads' nice already order it against them."""
+    return autogroup_nice() if os.getsid(0) == os.getpid() else None
+
+
 def lower_group_priority(by: int) -> None:
-    """This process's group's nice raised by ``by`` for good (``--nice``); the
-    process's own nice is the caller's (its threads inherit it)."""
-    current = autogroup_nice()
+    """This process's group's nice raised by ``by`` for good (``--nice``), where
+    the group is its own; the process's own nice is the caller's (its threads
+    inherit it)."""
+    current = _own_group_nice()
     if current is not None:
         set_autogroup_nice(current + by)
 
@@ -71,11 +80,8 @@ def lower_group_priority(by: int) -> None:
 def group_yields(nice: int = 19) -> Iterator[bool]:
     """While the block runs, this process's group yields the cores to the job's
     (its nice at least ``nice``), then gets its own nice back; yields whether the
-    group's nice was changed. Only a process that leads its own session changes
-    it: another's group holds processes that are not this one's to slow (a
-    replicator started from a user's shell shares the shell's with the trainer,
-    whose threads its niced threads then yield to already)."""
-    old = autogroup_nice() if os.getsid(0) == os.getpid() else None
+    group's nice was changed (only where the group is the process's own)."""
+    old = _own_group_nice()
     changed = old is not None and old < nice and set_autogroup_nice(nice)
     try:
         yield changed

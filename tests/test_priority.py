@@ -116,3 +116,16 @@ def test_no_autogroups_no_change(monkeypatch: Any, tmp_path: Path) -> None:
     with priority.group_yields(19) as changed:
         assert not changed
     assert not (tmp_path / "absent").exists()
+
+
+@pytest.mark.process
+def test_nice_for_good_leaves_anothers_group_alone() -> None:
+    """``--nice`` from a user's shell: the shell's group (the trainer's too) stays."""
+    if not _autogroups():
+        pytest.skip("this kernel shows no autogroups (/proc/self/autogroup)")
+    code = ("from mtc.sidecar import priority\nbefore = priority.autogroup_nice()\n"
+            "priority.lower_group_priority(7)\nprint(before, priority.autogroup_nice())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=60, check=True)
+    before, after = out.stdout.split()
+    assert before == after

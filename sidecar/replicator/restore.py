@@ -313,9 +313,10 @@ class Restorer:
             self._bg_wake.wait(self.config.restore_quiet_s)
             if self._stop.is_set():
                 raise StepNotFoundError("the replicator is stopping", step=step, host=self.rank)
-            # The whole process yields while it fetches: the job's first steps go
-            # first (0.2 s of the first step after a host loss here, whose
-            # serving threads wait their turn meanwhile, bench/recovery.py).
+            # The whole process yields while it fetches (its threads that serve
+            # other hosts too): in a session of its own, its threads' nice does
+            # not reach past it, and the job's first step after a host loss took
+            # 0.2 s longer (bench/recovery.py).
             with priority.group_yields(BACKGROUND_NICE):
                 tier = self.materialize(step, invs, into_root=into_root, run=run,
                                         pool=self._bg_fetch)
