@@ -184,11 +184,12 @@ class HostOps:
                 except (OSError, ManifestError):
                     continue
                 facts[str(s)] = [summary.num_hosts, summary.run]
-            # The newest manifest's size: its version, just read for its facts.
+            # The newest manifest's size, from the version just read for its facts.
             newest = self._summaries.get((h, steps[-1])) if steps and h in hosts else None
+            _ino, manifest_bytes, _mtime = newest[0] if newest is not None else (0, 0, 0)
             out[str(h)] = {"steps": steps, "facts": facts, "step": want, "manifest": text,
                            "space": self._space_of(h, steps) if h in hosts else None,
-                           "manifest_bytes": newest[0][1] if newest is not None else 0}
+                           "manifest_bytes": manifest_bytes}
         return out
 
     def _manifest(self, hosts: Sequence[int], step: int) -> bytes:

@@ -76,12 +76,18 @@ class _Group:
         return len(text)
 
 
-def test_the_nice_comes_back_through_the_kernels_rate_limit(monkeypatch: Any) -> None:
-    group = _Group(nice=0, refusals=0)
+def _as_session_leader(monkeypatch: Any, group: Any) -> None:
+    """This process as one that leads its own session, with ``group`` as its
+    /proc/self/autogroup."""
     monkeypatch.setattr(priority, "AUTOGROUP", group)
     monkeypatch.setattr(priority, "_RETRY_S", 0.0)
     monkeypatch.setattr(priority.os, "getsid", lambda pid: 4242)
     monkeypatch.setattr(priority.os, "getpid", lambda: 4242)
+
+
+def test_the_nice_comes_back_through_the_kernels_rate_limit(monkeypatch: Any) -> None:
+    group = _Group(nice=0, refusals=0)
+    _as_session_leader(monkeypatch, group)
     with priority.group_yields(19) as changed:
         assert changed and group.nice == 19
         group.refusals = 3  # the change back is refused three times, then taken
@@ -91,9 +97,7 @@ def test_the_nice_comes_back_through_the_kernels_rate_limit(monkeypatch: Any) ->
 
 def test_a_refused_change_leaves_the_group_as_it_was(monkeypatch: Any) -> None:
     group = _Group(nice=2, refusals=1)
-    monkeypatch.setattr(priority, "AUTOGROUP", group)
-    monkeypatch.setattr(priority.os, "getsid", lambda pid: 4242)
-    monkeypatch.setattr(priority.os, "getpid", lambda: 4242)
+    _as_session_leader(monkeypatch, group)
     with priority.group_yields(19) as changed:
         assert not changed and group.nice == 2
     assert group.nice == 2
@@ -102,16 +106,14 @@ def test_a_refused_change_leaves_the_group_as_it_was(monkeypatch: Any) -> None:
 
 def test_a_group_already_below_the_job_is_left_alone(monkeypatch: Any) -> None:
     group = _Group(nice=19, refusals=0)
-    monkeypatch.setattr(priority, "AUTOGROUP", group)
-    monkeypatch.setattr(priority.os, "getsid", lambda pid: 4242)
-    monkeypatch.setattr(priority.os, "getpid", lambda: 4242)
+    _as_session_leader(monkeypatch, group)
     with priority.group_yields(19) as changed:
         assert not changed
     assert group.writes == 0 and group.nice == 19
 
 
 def test_no_autogroups_no_change(monkeypatch: Any, tmp_path: Path) -> None:
-    monkeypatch.setattr(priority, "AUTOGROUP", tmp_path / "absent")
+    _as_session_leader(monkeypatch, tmp_path / "absent")
     assert priority.autogroup_nice() is None
     with priority.group_yields(19) as changed:
         assert not changed
