@@ -487,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         victim = damage_newest(args.damage, args.how, args.seed)
         print(victim or "")
         return 0
+    # SIGTERM (a timeout, a CI's cancel) unwinds like Ctrl-C: run()'s clean-up ends
+    # the cluster it started, which would otherwise outlive the driver (its hosts
+    # run in sessions of their own).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     base = args.base or default_base(f"chaos-{os.getpid()}")
     print(json.dumps(run(args.cycles, args.seconds, args.seed, base, args.keep_logs,
                          args.dispatch)), flush=True)
