@@ -69,8 +69,9 @@ class Cluster:
     # The background scrub (on by default in a deployment) is off here unless asked
     # for: tests that damage a file check which reader finds it (a load, a copy's
     # offer), and a scrub finding it first would race them. tests/test_scrub.py
-    # runs it.
+    # runs it, each copy round again at once (``scrub_interval_s``).
     scrub: bool = False
+    scrub_interval_s: float | None = None  # None: the replicators' default
 
     def __post_init__(self) -> None:
         ports = free_ports(self.n * (2 if self.metrics else 1))
@@ -167,6 +168,8 @@ class Cluster:
                                         "--nodes-per-slice", str(self.per_slice))),
                "--poll-seconds", "0.05", *metrics,
                *(() if self.scrub else ("--scrub-mib-per-second", "0")),
+               *(() if self.scrub_interval_s is None
+                 else ("--scrub-interval-seconds", str(self.scrub_interval_s))),
                *self.extra, *self.rank_args.get(rank, ()), *more]
         self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             env={**os.environ, **self.env} if self.env else None)

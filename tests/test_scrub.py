@@ -12,6 +12,7 @@ all three to be found and made good again.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -29,11 +30,13 @@ from replicators import (
 )
 
 import mtc
+from mtc.errors import ConfigError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME
 from mtc.sidecar.quarantine import quarantined
+from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.metrics import Metrics
-from mtc.sidecar.replicator.scrub import MIN_PAUSE_S, Scrubber, next_copy, pause_after
+from mtc.sidecar.replicator.scrub import MIN_PAUSE_S, Scrubber, due, next_copy, pause_after
 from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.replicator.store import REPLICA_DIR, LocalStore
 
@@ -49,6 +52,22 @@ def test_next_copy_goes_round_in_order() -> None:
     assert next_copy(held, (2, 9)) == (0, 5)  # round again
     assert next_copy(held, (1, 0)) == (2, 7)  # the last one scrubbed is gone: the next
     assert next_copy([], (0, 5)) is None
+
+
+def test_a_copy_is_due_once_the_interval_has_passed_since_it_was_last_read() -> None:
+    read_at = {(2, 7): 350.0, (0, 5): 100.0, (1, 3): 90.0}
+    # At 400 with 300 s: those read at 100 and 90 are due (in order), (2, 7) in 250 s.
+    assert due(read_at, 400.0, 300.0) == ([(0, 5), (1, 3)], pytest.approx(250.0))
+    assert due(read_at, 400.0, 0.0) == ([(0, 5), (1, 3), (2, 7)], math.inf)
+    assert due({(0, 5): 399.0}, 400.0, 300.0) == ([], pytest.approx(299.0))
+    assert due({}, 400.0, 300.0) == ([], math.inf)
+
+
+@pytest.mark.parametrize("field", ["scrub_rate", "scrub_interval_s"])
+def test_a_negative_scrub_setting_is_refused(field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"), nodes_per_slice=1,
+                         **{field: -1.0})
 
 
 def test_pause_keeps_the_average_rate() -> None:
@@ -203,6 +222,25 @@ def test_a_good_store_is_read_and_left_alone(tmp_path: Path) -> None:
     assert s.metrics.scrub_bytes._value.get() == total
 
 
+def test_a_copy_is_read_again_only_once_the_interval_has_passed(tmp_path: Path) -> None:
+    """Bytes just written (a save checksums them, a peer copy is verified as it
+    arrives) or just scrubbed are not read again before ``interval`` seconds."""
+    store = a_host_with_a_peer_copy(tmp_path)
+    s = Scrubber(store, Metrics(), rate=64 * MIB, heal_own=lambda step: None,
+                 quiet_until=lambda: 0.0, stop=threading.Event(), interval=300.0)
+    assert s.scrub_once() == 0  # both copies were written just now
+    # Host 0's copy written 10 minutes ago: due, and read whole.
+    old = time.time() - 600
+    os.utime(store.copy_dir(0, STEP), (old, old))
+    peer = sum(f.size for f in store.describe(0, STEP))
+    assert s.scrub_once() == peer
+    assert s.scrub_once() == 0  # read just now: trusted for the interval
+    assert s.metrics.scrub_bytes._value.get() == peer
+    # Without the interval every copy is due again at once.
+    s.interval = 0.0
+    assert s.scrub_once() > 0
+
+
 def unique_files(cl: Cluster, step: int, host: int) -> list[str]:
     """Files of ``host``'s ``step`` its data-parallel twin (the other slice's host
     at the same place) does not hold identically."""
@@ -214,7 +252,9 @@ def unique_files(cl: Cluster, step: int, host: int) -> list[str]:
 @pytest.mark.process
 def test_replicators_find_and_heal_silent_damage_before_any_restore(
         ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
-    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True, scrub=True)
+    # Each copy read again as soon as the rate allows, not only once the default
+    # interval has passed since it was written (tests below hold that).
+    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True, scrub=True, scrub_interval_s=0)
     cl.start_all()
     # Other values in each step: identical files of two steps are one inode.
     states = {step: make_state(mesh, float(step)) for step in (3, 4)}

@@ -37,6 +37,9 @@ class ReplicatorConfig:
     # Held copies read again in the background (sidecar/replicator/scrub.py), at
     # most this many bytes a second on average; 0: no scrub.
     scrub_rate: float = 64 * 2**20
+    # ... each once this many seconds have passed since its bytes were last read
+    # whole (written, or scrubbed): a restore verifies what it reads in any case.
+    scrub_interval_s: float = 300.0
     framework: str = "mtc"           # "mtc" or "orbax" (from replicator.yaml)
     job_name: str = "mtc"
 
@@ -55,6 +58,8 @@ class ReplicatorConfig:
             raise ConfigError(f"restore_quiet_s must be >= 0, got {self.restore_quiet_s}")
         if self.scrub_rate < 0:
             raise ConfigError(f"scrub_rate must be >= 0, got {self.scrub_rate}")
+        if self.scrub_interval_s < 0:
+            raise ConfigError(f"scrub_interval_s must be >= 0, got {self.scrub_interval_s}")
 
     @property
     def num_nodes(self) -> int:

@@ -112,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on average, so that damage that keeps a file's size and mtime "
                         "(bad memory) is found and healed from another host before a "
                         "restore needs the step (default 64; 0: no scrub)")
+    p.add_argument("--scrub-interval-seconds", type=float, default=300.0, metavar="S",
+                   help="read a held copy again only once this long has passed since its "
+                        "bytes were last read whole: written (a save checksums what it "
+                        "writes, a peer copy is verified as it arrives) or scrubbed "
+                        "(default 300; 0: round again as soon as the rate allows)")
     p.add_argument("--stall-seconds", type=float, default=120.0,
                    help="health turns NOT_SERVING when the replication loop has not "
                         "passed for this long (default 120)")
@@ -177,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                                   restore_quiet_s=args.restore_quiet_seconds,
                                   replication_warn_s=args.replication_warn_seconds,
                                   reserve=not args.no_reserve,
-                                  scrub_rate=args.scrub_mib_per_second * 2**20)
+                                  scrub_rate=args.scrub_mib_per_second * 2**20,
+                                  scrub_interval_s=args.scrub_interval_seconds)
         if (args.tls_pod_prefix is None) != (args.tls_hosts_per_slice is None):
             raise ConfigError("--tls-pod-prefix and --tls-hosts-per-slice go together")
         if args.tls_pod_prefix is not None:

@@ -89,7 +89,7 @@ class Node:
         self.replication = Replication(*shared,
                                        quiet_until=lambda: self.restorer.quiet_until)
         self.scrubber = Scrubber(self.store, self.metrics, rate=config.scrub_rate,
-                                 heal_own=self.heal_own,
+                                 interval=config.scrub_interval_s, heal_own=self.heal_own,
                                  quiet_until=lambda: self.restorer.quiet_until,
                                  stop=self._stop)
 
