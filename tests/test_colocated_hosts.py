@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -226,6 +228,57 @@ def test_a_restarted_sidecar_removes_its_predecessors_reply_slots(
         hosts.start_sidecar(0, SLICES)
         assert not left & {p.name for p in area.iterdir()}
         np.testing.assert_array_equal(np.asarray(back), np.asarray(w))
+
+
+def test_a_restarted_sidecar_gets_the_programs_with_its_first_calls(
+        hosts: Hosts, mesh: Mesh, tmp_path: Path) -> None:
+    """A restarted sidecar has none of the controller's programs. Once the runtime
+    can tell (a reply from the new sidecar, a call that did not reach the host),
+    every program goes with its next call there, not after a round trip that only
+    learns that the program is unknown (a replaced host's restore pays each)."""
+    from mtc.dispatch.protocol import WorkerLostError
+    from mtc.errors import ShardUnavailableError
+
+    sharding = NamedSharding(mesh, PartitionSpec("replica", "model"))
+    w = jax.device_put(np.full((8, 64), 4, np.float32), sharding)
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)}
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh, options=_opts(hosts)) as mgr:
+        assert mgr.save(400, {"w": w})
+        mgr.wait_until_finished()
+        mgr.restore(400, target)  # every host has both of a restore's programs
+        runtime = mgr._dispatch._runtime  # type: ignore[attr-defined]
+        real = runtime._stubs[0]
+        unknown: list[bool] = []  # per call to host 0: whether it found the program unknown
+
+        def counted(message: bytes, timeout: float) -> bytes:
+            reply = real(message, timeout=timeout)
+            (n,) = struct.unpack_from("<Q", reply)
+            unknown.append(bool(json.loads(reply[8:8 + n]).get("unknown_program")))
+            return reply
+
+        runtime._stubs[0] = counted
+
+        def save_and_restore(step: int) -> None:  # four programs: survey, stage, wait, load
+            assert mgr.save(step, {"w": w}, force=True)
+            mgr.wait_until_finished()
+            np.testing.assert_array_equal(np.asarray(mgr.restore(step, target)["w"]), 4)
+
+        # Restarted unseen (its RAM disk with it): the first call learns it from the
+        # reply; every other program then goes with its first call.
+        hosts.kill_sidecar(0)
+        hosts.start_sidecar(0, SLICES)
+        save_and_restore(401)
+        assert unknown[0] and not any(unknown[1:]), unknown
+        # A call that did not reach the host: whoever answers next gets every program.
+        unknown.clear()
+        hosts.kill_sidecar(0)
+        with pytest.raises((ShardUnavailableError, WorkerLostError)):
+            mgr.restore(401, target)
+        hosts.start_sidecar(0, SLICES)
+        save_and_restore(402)
+        assert unknown and not any(unknown), unknown
+        for step in (400, 401, 402):  # the hosts as the other tests found them
+            mgr.delete(step)
 
 
 def test_a_poll_between_saves_never_holds_a_training_step(hosts: Hosts, mesh: Mesh,

@@ -118,6 +118,11 @@ class Runtime:
         self._channels, self._stubs = channels(sidecars, METHOD, creds)
         self._pool = ThreadPool(max(1, len(sidecars)), "mtc-coloc")
         self._programs: set[str] = set()  # every program compiled here
+        # Per host, how many times its sidecar may have restarted (a call that did not
+        # reach it, a reply from a new one): a program sent to it before is sent
+        # again with its next call, not after a round trip that finds it unknown.
+        self._epoch = dict.fromkeys(sidecars, 0)
+        self._epoch_lock = threading.Lock()
         self._slots = {h: slots.SlotPool(s.area) for h, s in sidecars.items()}
         # Each host's reply slots, mapped once; every call reports which uses of
         # them arrays here still hold (a restore's arrays adopt the mapping).
@@ -150,6 +155,10 @@ class Runtime:
             maps.forget_all()
         for c in self._channels.values():
             c.close()
+
+    def _restarted(self, h: int) -> None:
+        with self._epoch_lock:
+            self._epoch[h] += 1
 
     def _forget(self, h: int) -> None:
         message = transfer.pack_message(self.sidecars[h].area,
@@ -193,7 +202,7 @@ class Runtime:
         own = {h: [i for i in ids if self.host_of_device[i] == h] for h in hosts}
         by_id = {d.id: d for d in devices}
         out_layouts = [ShardLayout(spec) for spec in out_specs]  # worked out once
-        sent: set[int] = set()
+        sent: dict[int, int] = {}  # host -> the epoch of its sidecar the program went to
         lock = threading.Lock()
 
         def one(h: int, inputs: list[list[list[int]]], buffers: list[np.ndarray]
@@ -202,8 +211,8 @@ class Runtime:
                       "inputs": inputs}
             area = self.sidecars[h].area
             for _ in range(2):  # once more with the program, for a sidecar that lacks it
-                with lock:
-                    first = h not in sent
+                with lock, self._epoch_lock:
+                    first = sent.get(h) != self._epoch[h]
                 parts = [*buffers, np.frombuffer(pickled, np.uint8)] if first else buffers
                 replies = self._replies[h]
                 message = transfer.pack_message(
@@ -213,20 +222,22 @@ class Runtime:
                 try:
                     reply = self._stubs[h](message, timeout=self.deadline_s)
                 except grpc.RpcError as e:  # a slot it filled stays busy: the host may hold it
+                    self._restarted(h)  # whoever answers next may be a new sidecar
                     raise ShardUnavailableError(
                         f"{name}: sidecar unreachable: {e.code().name}: {e.details()}",
                         host=h) from None
                 got, data = transfer.unpack_message(area, reply, replies)
                 if self._slots[h].update(got):
                     replies.forget_all()  # a restarted sidecar: its predecessor's are gone
+                    self._restarted(h)  # and it has none of the programs sent before
                 if "error" in got:
                     _raise(h, got["error"])
                 if not got.get("unknown_program"):
-                    with lock:
-                        sent.add(h)
+                    with lock, self._epoch_lock:
+                        sent[h] = self._epoch[h]
                     return got, data
                 with lock:
-                    sent.discard(h)
+                    sent.pop(h, None)
             raise ColocatedCallError(f"{name}: the sidecar did not keep the program", host=h)
 
         def call(*args: Any, **kwargs: Any) -> Any:

@@ -285,8 +285,11 @@ class ColocatedServer:
     def _program(self, header: dict[str, Any], buffers: list[np.ndarray]) -> _Program | None:
         pid = str(header["program"])
         prog = self._programs.get(pid)
-        if prog is None and header.get("pickled"):
-            pickled = buffers.pop().tobytes()
+        # A controller that cannot tell whether this sidecar is the one it sent the
+        # program to (it restarted, or a call did not arrive) sends it again.
+        sent = buffers.pop() if header.get("pickled") else None
+        if prog is None and sent is not None:
+            pickled = sent.tobytes()
             if transfer.program_id(pickled) != pid:
                 raise ProtocolError(f"program {pid} arrived with other bytes")
             try:
