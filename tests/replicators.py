@@ -404,6 +404,16 @@ def sidecar_hosts(name: str, slices: list[int], **kw: Any) -> Iterator[Hosts]:
             print(f"--- sidecar {i} ---\n{t}")
 
 
+def colocated_options(hs: Hosts) -> mtc.Options:
+    """Options of a controller whose programs run in ``hs``' sidecars (4 hosts, 2 a
+    slice): colocated Python, as on Pathways."""
+    import mtc  # here: the process harness above does not need JAX
+
+    return mtc.Options(simulated_hosts=4, hosts_per_slice=2, dispatch="colocated",
+                       replicator_token=hs.token(),
+                       sidecars=tuple(h.sidecar_address for h in hs.hosts))
+
+
 def save_two_and_restore(mgr: Any, state: dict[str, Any]) -> tuple[Any, Any]:
     """Save ``state`` as steps 1 and 2, then restore step 2 onto its own layout and,
     with its ``w`` (8 x 16 float32), onto half the devices in another layout (pieces

@@ -69,26 +69,26 @@ def test_network_faults_are_drawn_only_on_isolated_hosts() -> None:
     import random
     import types
 
-    from mtc.trainer import chaos
+    from mtc.trainer import chaos, chaos_net
 
-    assert chaos.network_of(types.SimpleNamespace()) is None  # today's LocalCluster
-    assert chaos.network_of(types.SimpleNamespace(hosts=object())) is None
+    assert chaos_net.network_of(types.SimpleNamespace()) is None  # today's LocalCluster
+    assert chaos_net.network_of(types.SimpleNamespace(hosts=object())) is None
     processes = _Hosts()
     processes.isolation = "processes"  # no namespaces: nothing to cut
-    assert chaos.network_of(types.SimpleNamespace(hosts=processes)) is None
+    assert chaos_net.network_of(types.SimpleNamespace(hosts=processes)) is None
     hosts = _Hosts()
-    assert chaos.network_of(types.SimpleNamespace(hosts=hosts)) is hosts
+    assert chaos_net.network_of(types.SimpleNamespace(hosts=hosts)) is hosts
     assert chaos.fault_kinds(None) == (chaos.FAULTS, chaos.WEIGHTS)
     kinds, weights = chaos.fault_kinds(hosts)
-    assert set(chaos.NET_FAULTS) <= set(kinds) and len(kinds) == len(weights)
+    assert set(chaos_net.NET_FAULTS) <= set(kinds) and len(kinds) == len(weights)
     rng = random.Random(5)
     slices = [[0, 1], [2, 3]]
-    for kind in chaos.NET_FAULTS:
-        f = chaos.plan_net_fault(kind, 2, slices, rng)
-        assert chaos.HEAL_AFTER_S[0] <= f.heal_after_s <= chaos.HEAL_AFTER_S[1]
+    for kind in chaos_net.NET_FAULTS:
+        f = chaos_net.plan_net_fault(kind, 2, slices, rng)
+        assert chaos_net.HEAL_AFTER_S[0] <= f.heal_after_s <= chaos_net.HEAL_AFTER_S[1]
         assert f.during_restore == kind.endswith("_in_restore")
-        chaos.cut(hosts, f)
+        chaos_net.cut(hosts, f)
     assert hosts.calls == [("link", 2, False), ("link", 2, False),
                            ("partition", [[0, 1], [2, 3]])]
     with pytest.raises(ValueError):
-        chaos.plan_net_fault("bit_flip", 0, slices, rng)
+        chaos_net.plan_net_fault("bit_flip", 0, slices, rng)

@@ -375,7 +375,7 @@ def test_chaos_link_cuts_lose_nothing_and_never_diverge(
     decision."""
     import random
 
-    from mtc.trainer import chaos
+    from mtc.trainer import chaos_net
 
     net, rng = healed, random.Random(11)
     slices = [[0, 1], [2, 3]]
@@ -391,7 +391,7 @@ def test_chaos_link_cuts_lose_nothing_and_never_diverge(
             mgr.save(step, state, force=True)
             mgr.wait_until_finished()
             net.wait_replicated(step)
-            f = chaos.plan_net_fault(kind, rng.randrange(4), slices, rng)
+            f = chaos_net.plan_net_fault(kind, rng.randrange(4), slices, rng)
             got: list[Any] = []
 
             def restore(target: Any = state, got: list[Any] = got) -> None:
@@ -403,13 +403,13 @@ def test_chaos_link_cuts_lose_nothing_and_never_diverge(
                 got.append(time.monotonic() - t0)
 
             if not f.during_restore:
-                chaos.cut(net.hosts, f)
+                chaos_net.cut(net.hosts, f)
             t = threading.Thread(target=restore)
             t.start()
             try:
                 if f.during_restore:
                     time.sleep(f.start_delay_s)
-                    chaos.cut(net.hosts, f)
+                    chaos_net.cut(net.hosts, f)
                 time.sleep(f.heal_after_s)
             finally:
                 net.hosts.heal()

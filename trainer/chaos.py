@@ -29,7 +29,6 @@ within the cycle deadline), restore seconds (median, max), faults by kind.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -42,8 +41,9 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from mtc.trainer.chaos_net import NET_FAULTS, NET_WEIGHTS, Network, cut, network_of, plan_net_fault
 from mtc.trainer.cluster import REPO, LocalCluster, _env, default_base
 
 if TYPE_CHECKING:  # the driver itself imports no JAX
@@ -52,10 +52,6 @@ if TYPE_CHECKING:  # the driver itself imports no JAX
 FAULTS = ("none", "kill_trainer", "kill_replicator", "kill_replicator_in_restore",
           "kill_sidecar", "wipe_host", "bit_flip", "silent_bit_flip", "truncate")
 WEIGHTS = (1, 1, 2, 2, 1, 2, 3, 2, 2)
-# Injected only on isolated hosts (network_of): faults of the network between them.
-NET_FAULTS = ("cut_link", "cut_link_in_restore", "partition_in_restore")
-NET_WEIGHTS = (2, 2, 2)
-HEAL_AFTER_S = (0.5, 4.0)  # how long a network fault lasts (uniform)
 CYCLE_DEADLINE_S = 90.0
 TRAINER_DEVICES = 8  # the trainer's CPU devices: a 2x4 mesh (replica, model)
 
@@ -265,28 +261,7 @@ def wait_replicated(cluster: LocalCluster, step: int, timeout: float) -> int:
     return got
 
 
-# -- network faults (isolated hosts only) ---------------------------------------------
-
-
-class Network(Protocol):
-    """What network faults need of the hosts (``mtc.trainer.isolation.Hosts`` has it)."""
-
-    def link(self, host: int, up: bool) -> None: ...
-
-    def partition(self, groups: list[list[int]]) -> None: ...
-
-    def heal(self) -> None: ...
-
-
-def network_of(cluster: Any) -> Network | None:
-    """The network namespaces ``cluster``'s hosts run in (``LocalCluster.hosts``),
-    or None when they are only separate processes (no network faults then)."""
-    hosts = getattr(cluster, "hosts", None)
-    if hosts is None or getattr(hosts, "isolation", "namespaces") != "namespaces":
-        return None
-    if not all(callable(getattr(hosts, m, None)) for m in ("link", "partition", "heal")):
-        return None
-    return hosts
+# -- network faults (isolated hosts only: mtc.trainer.chaos_net) ----------------------
 
 
 def fault_kinds(net: Network | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -295,40 +270,6 @@ def fault_kinds(net: Network | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if net is None:
         return FAULTS, WEIGHTS
     return FAULTS + NET_FAULTS, WEIGHTS + NET_WEIGHTS
-
-
-@dataclasses.dataclass(frozen=True)
-class NetFault:
-    """One network fault: a host's link cut, or the slices partitioned (``groups``);
-    when it starts (``during_restore``: a moment after the restore began) and how
-    long until healed."""
-
-    kind: str
-    host: int | None
-    groups: tuple[tuple[int, ...], ...]
-    during_restore: bool
-    start_delay_s: float
-    heal_after_s: float
-
-
-def plan_net_fault(kind: str, host: int, slices: list[list[int]], rng: random.Random
-                   ) -> NetFault:
-    """Pure: what ``kind`` does this cycle. A partition separates the slices whole
-    (each slice's hosts still reach each other and the controller)."""
-    if kind not in NET_FAULTS:
-        raise ValueError(f"not a network fault: {kind}")
-    during = kind.endswith("_in_restore")
-    return NetFault(kind, None if kind.startswith("partition") else host,
-                    tuple(tuple(g) for g in slices) if kind.startswith("partition") else (),
-                    during, rng.uniform(0.0, 0.1) if during else 0.0,
-                    rng.uniform(*HEAL_AFTER_S))
-
-
-def cut(net: Network, f: NetFault) -> None:
-    if f.host is not None:
-        net.link(f.host, False)
-    else:
-        net.partition([list(g) for g in f.groups])
 
 
 # -- the driver -------------------------------------------------------------------------
