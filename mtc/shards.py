@@ -22,6 +22,24 @@ if TYPE_CHECKING:  # the sidecar process never imports JAX (it starts faster)
 JAX_BATCHED = True
 
 
+def single_device_sharding(device: jax.Device, memory_kind: str | None = None
+                           ) -> jax.sharding.Sharding:
+    """A sharding onto one device (jax 0.12.1 deprecates the class's own name)."""
+    import jax
+
+    return jax.sharding.make_single_device_sharding(device, memory_kind=memory_kind)
+
+
+def is_single_device_sharding(s: jax.sharding.Sharding) -> bool:
+    """Whether ``s`` is the one-device kind; jax before 0.12.1 has no predicate."""
+    import jax
+
+    check = getattr(jax.sharding, "is_single_device_sharding", None)
+    if check is not None:
+        return bool(check(s))
+    return isinstance(s, jax.sharding.SingleDeviceSharding)
+
+
 def distinct_shards(a: jax.Array, host_of: Mapping[int, int]
                     ) -> list[tuple[int, int, Index, tuple[int, ...]]]:
     """(position among the addressable shards, host, index, shape), one per index a host
@@ -124,8 +142,8 @@ def place(shape: tuple[int, ...], dtype: np.dtype[Any], sharding: jax.sharding.S
     put = _jax_batched_put() if JAX_BATCHED else None
     if put is not None:
         return put(shape, dtype, sharding, views, devices)
-    placed = jax.device_put(views, [jax.sharding.SingleDeviceSharding(
-        d, memory_kind=sharding.memory_kind) for d in devices])
+    placed = jax.device_put(views, [single_device_sharding(d, sharding.memory_kind)
+                                    for d in devices])
     return jax.make_array_from_single_device_arrays(shape, sharding, placed)
 
 

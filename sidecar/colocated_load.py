@@ -26,11 +26,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtc.contract import ReadTask, task_from_json, unframe
 from mtc.errors import ProtocolError
-from mtc.shards import device_order, place
+from mtc.shards import device_order, place, single_device_sharding
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.load import ShardLoader, check_tasks
 
@@ -76,7 +76,7 @@ def spec_from_json(spec: Sequence[Any]) -> PartitionSpec:
 def sharding_from_json(d: dict[str, Any], devices: Sequence[jax.Device]) -> jax.sharding.Sharding:
     """The output's sharding over ``devices`` (the call's device list, by position)."""
     if "single" in d:
-        return SingleDeviceSharding(devices[int(d["single"])])
+        return single_device_sharding(devices[int(d["single"])])
     mesh = d["mesh"]
     grid = np.array([devices[int(p)] for p in mesh["pos"]], dtype=object).reshape(
         tuple(int(n) for n in mesh["shape"]))
@@ -148,7 +148,7 @@ def load_regions(request: jax.Array, ranks: jax.Array,
             shape = tuple(int(n) for n in entry["shape"])
             dtype = numpy_dtype(entry["dtype"])
             if d not in host_of:
-                outputs.append(place(shape, dtype, SingleDeviceSharding(d), [], []))
+                outputs.append(place(shape, dtype, single_device_sharding(d), [], []))
                 continue
             own_regions = requests[host_of[d]].get("regions", [])
             if k >= len(own_regions) or "task" not in own_regions[k]:
@@ -162,7 +162,7 @@ def load_regions(request: jax.Array, ranks: jax.Array,
             region = loader.read(t)
             if region.shape != shape or region.dtype != dtype:
                 raise ProtocolError("a region is not the shape it was asked as", step=step)
-            outputs.append(place(shape, dtype, SingleDeviceSharding(d), [region], [d]))
+            outputs.append(place(shape, dtype, single_device_sharding(d), [region], [d]))
     foreign = common.get("foreign")
     if foreign is not None:
         pieces_of = {h: requests[h]["foreign"]["pieces"].get(str(h), []) for h in mine}

@@ -10,11 +10,11 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtc import shards
 from mtc.errors import ProtocolError
-from mtc.shards import ShardLayout
+from mtc.shards import ShardLayout, single_device_sharding
 from mtc.sidecar.host import colocated
 
 
@@ -27,7 +27,7 @@ def _shardings() -> list[Any]:
             NamedSharding(mesh, PartitionSpec("b")),  # replicated over "a"
             NamedSharding(mesh, PartitionSpec()),
             NamedSharding(mesh, PartitionSpec("a", "b")).with_memory_kind("pinned_host"),
-            SingleDeviceSharding(devs[3])]
+            single_device_sharding(devs[3])]
 
 
 def _raw(value: np.ndarray, sharding: Any) -> dict[Any, np.ndarray]:

@@ -118,23 +118,42 @@ def test_snapshot_holds_values_at_save_when_the_step_donates(mesh: Mesh) -> None
 def test_save_is_skipped_while_a_copy_is_in_flight(mesh: Mesh) -> None:
     """The loop never waits: a second save while the first copy waits on a step
     that has not finished is dropped, and the first one lands."""
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
 
-    def wait_for_gate(x: np.ndarray) -> np.ndarray:
-        assert gate.wait(30)
+    def hold(x: np.ndarray) -> np.ndarray:
+        entered.set()
+        gate.wait(30)  # bounded; the test opens it in any case
         return x
 
     sh = NamedSharding(mesh, P(None, "model"))
-    slow = jax.jit(lambda x: jax.pure_callback(
-        wait_for_gate, jax.ShapeDtypeStruct(x.shape, x.dtype), x), out_shardings=sh)
-    x = slow(jax.device_put(jnp.ones((8, 8)), sh))
-    snap = Snapshotter()
-    assert snap.save(1, {"x": x})
-    assert not snap.save(2, {"x": x}) and snap.skipped == 1
-    assert snap.latest is None  # not done yet
-    gate.set()
+    held = jax.jit(lambda x: jax.pure_callback(
+        hold, jax.ShapeDtypeStruct(x.shape, x.dtype), x), out_shardings=sh)
+    step = jax.jit(lambda x: x + 1, out_shardings=sh)
+    x0 = jax.device_put(jnp.ones((8, 8)), sh)
+    step(x0).block_until_ready()  # compiled before the devices are held
+    # Dispatched on a thread of its own: since jax 0.12.1 a program with a host
+    # callback runs on the calling thread until the callback returns. Before, the
+    # call returns at once, and its output is what is saved; since, a step
+    # dispatched after it waits behind it on the devices, which run their
+    # programs in order, and the step's output is saved.
+    out: list[jax.Array] = []
+    busy = threading.Thread(target=lambda: out.append(held(x0)))
+    busy.start()
+    try:
+        assert entered.wait(30)
+        busy.join(0.5)
+        x, want = (out[0], 1.0) if out else (step(x0), 2.0)
+        snap = Snapshotter()
+        assert snap.save(1, {"x": x})
+        assert not snap.save(2, {"x": x}) and snap.skipped == 1
+        assert snap.latest is None  # not done yet
+    finally:
+        gate.set()
+        busy.join()
     snap.join()
     assert snap.latest is not None and snap.latest.step == 1
+    back = snap.load(abstract({"x": x}, mesh))
+    np.testing.assert_array_equal(np.asarray(back["x"]), np.full((8, 8), want))
     assert snap.save(3, {"x": x})
 
 

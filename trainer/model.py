@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mtc.elastic.snapshot import step_copy_memory_kind
 from mtc.trainer import aot
 
 # Captured at import: a trainer built while pathwaysutils' fault simulator has
@@ -224,11 +225,9 @@ class Trainer:
             donate_argnums=0)
         # The snapshot the step emits: its new state once more, in host memory
         # where the platform has it (on TPU and GPU the copy is a DMA inside the
-        # step; on CPU it is a copy). Never donated, so it stays valid while the
-        # next step runs in place.
-        kind = "pinned_host" if all(
-            "pinned_host" in {m.kind for m in d.addressable_memories()}
-            for d in mesh.devices.flat) else None
+        # step; on CPU a second buffer in device memory, which is RAM too). Never
+        # donated, so it stays valid while the next step runs in place.
+        kind = step_copy_memory_kind(mesh.devices.flat)
         self.snapshot_shardings = {
             "params": _with_kind(self.shardings["params"], kind),
             "opt_state": _with_kind(self.shardings["opt_state"], kind),

@@ -352,9 +352,11 @@ class ColocatedDispatch(HostCalls):
                 return self._unanimous(ok, "stage")
             self._staged, self._staged_inputs = ok, inputs
             return True
-        # The values of this moment: a host view of every shard (CPU devices: no
-        # copy) keeps a step that donates the state's buffers from changing them.
-        self._pinned = [np.asarray(s.data) for a in inputs for s in a.addressable_shards]
+        # The values of this moment, in arrays of the call's own: remade over a host
+        # view of every shard (CPU devices: no copy), which a step that donates the
+        # state's buffers neither changes nor deletes (jax 0.12.1 marks a donated
+        # array deleted even where a view kept its buffer).
+        inputs, self._pinned = _detached(inputs)
         self._staged = self._invoke_later(self._stage, header_arr, self._ranks, inputs,
                                           requests)
         self._staged_inputs = inputs
@@ -489,3 +491,19 @@ def colocated_cpu_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     if all(d.platform == "cpu" for d in mesh.devices.flat):
         return mesh
     return colocated_python.colocated_cpu_devices(mesh)
+
+
+def _detached(inputs: list[jax.Array]) -> tuple[list[jax.Array], list[np.ndarray]]:
+    """``inputs`` remade over host views of their shards, and the views (which keep
+    the buffers alive). Local cluster only: on Pathways no controller reads a shard."""
+    shards = [list(a.addressable_shards) for a in inputs]
+    views = [np.asarray(s.data) for ss in shards for s in ss]
+    placed = jax.device_put(views, [s.data.sharding for ss in shards for s in ss],
+                            may_alias=True)
+    out: list[jax.Array] = []
+    k = 0
+    for a, ss in zip(inputs, shards, strict=True):
+        out.append(jax.make_array_from_single_device_arrays(a.shape, a.sharding,
+                                                            placed[k:k + len(ss)]))
+        k += len(ss)
+    return out, views

@@ -33,17 +33,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 
 from mtc.contract import LeafSpec, ReadTask, frame, task_to_json
 from mtc.manifest import Index
+from mtc.shards import is_single_device_sharding, single_device_sharding
 
 ALIGN = 64  # pieces in a holder's buffer start on this boundary
 
 
 def supported(specs: dict[int, LeafSpec]) -> bool:
     """Whether every target sharding maps onto colocated CPU devices here."""
-    return all(isinstance(s.sharding, (NamedSharding, SingleDeviceSharding))
+    return all(isinstance(s.sharding, NamedSharding) or is_single_device_sharding(s.sharding)
                for s in specs.values())
 
 
@@ -71,10 +72,10 @@ def _on_cpu(s: jax.sharding.Sharding, cpu_of: dict[int, jax.Device],
             position: dict[jax.Device, int]) -> tuple[jax.sharding.Sharding, dict[str, Any]]:
     """A target sharding mapped onto the colocated CPU devices, and its layout as a
     worker reads it (positions in the call's device list)."""
-    if isinstance(s, SingleDeviceSharding):
+    if is_single_device_sharding(s):
         only: Any = next(iter(s.device_set))
         cpu_dev = cpu_of[only.id]
-        return SingleDeviceSharding(cpu_dev), {"single": position[cpu_dev]}
+        return single_device_sharding(cpu_dev), {"single": position[cpu_dev]}
     assert isinstance(s, NamedSharding)  # supported() admits these two
     # Mapped through the whole job's list: JAX maps a subset of CPU devices (the
     # emulation's) onto the first ones, which are other hosts'.
@@ -148,7 +149,7 @@ def plan(step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec],
     regions: list[dict[str, Any]] = []
     # One sharding object per holder: the load program's specs pickle each object
     # once, and a replaced host's restore declares hundreds of these outputs.
-    on_first = {h: SingleDeviceSharding(d) for h, d in first.items()}
+    on_first = {h: single_device_sharding(d) for h, d in first.items()}
     for (leaf, h, index), task in whole.items():
         shape = tuple(b - a for a, b in index)
         whole_out[(leaf, h, index)] = len(out_specs)

@@ -4,10 +4,11 @@
 transfer the runtime schedules beside the next step (and skips while one is in
 flight). :class:`InGraphStep` instead compiles the copy into the step: the new
 state goes out once more, into host memory where the platform has it (a DMA
-inside the step on TPU and GPU; a copy on CPU), never donated, so it stays
-valid while the next step runs in place. No save is ever skipped and nothing
-more is dispatched per step; the cost is a second program (a step without the
-copy, for steps that take no snapshot) and the copy's bandwidth inside the step.
+inside the step on TPU and GPU; on CPU a second buffer in device memory, which
+is RAM too), never donated, so it stays valid while the next step runs in
+place. No save is ever skipped and nothing more is dispatched per step; the
+cost is a second program (a step without the copy, for steps that take no
+snapshot) and the copy's bandwidth inside the step.
 
 Usage (``train_step(state, batch) -> (new_state, loss)``, ``state`` a pytree of
 arrays, PRNG keys included)::
@@ -27,7 +28,7 @@ from typing import Any
 
 import jax
 
-from mtc.elastic.snapshot import Snapshotter, is_key, to_host_sharding
+from mtc.elastic.snapshot import Snapshotter, is_key, step_copy_memory_kind
 
 
 class InGraphStep:
@@ -40,7 +41,7 @@ class InGraphStep:
         self.snapshotter = snapshotter
         jit_kwargs.setdefault("donate_argnums", 0)
         self._plain = jax.jit(fn, **jit_kwargs)
-        host = jax.tree_util.tree_map(to_host_sharding, state_shardings)
+        host = jax.tree_util.tree_map(_copy_sharding, state_shardings)
 
         def with_copy(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
@@ -88,3 +89,8 @@ def _reorder(new: dict[str, Any], extra: dict[str, Any], copies: list[Any]) -> l
         else:
             out.extend(x for x in jax.tree_util.tree_leaves(merged[k]) if isinstance(x, jax.Array))
     return out
+
+
+def _copy_sharding(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    kind = step_copy_memory_kind(s.device_set)
+    return s.with_memory_kind(kind) if kind is not None else s

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from mtc.errors import MtcError
+from mtc.shards import single_device_sharding
 
 Index = tuple[tuple[int, int], ...]  # per dimension, [start, stop)
 
@@ -161,7 +162,7 @@ def _pieces(a: Shards, by_index: dict[Index, list[jax.Array]],
     pieces: list[tuple[Any, jax.sharding.Sharding]] = []
     for device, idx in sharding.addressable_devices_indices_map(a.shape).items():
         want = index_of(idx, a.shape)
-        dst = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+        dst = single_device_sharding(device, sharding.memory_kind)
         same = by_index.get(want)
         if same:
             src = next((s for s in same if next(iter(s.devices())) == device), same[0])

@@ -62,6 +62,20 @@ def host_memory_kind(devices: Any) -> str | None:
     return "pinned_host" if kinds and all("pinned_host" in k for k in kinds) else None
 
 
+def step_copy_memory_kind(devices: Any) -> str | None:
+    """The memory a compiled step's snapshot copy goes out into: as
+    :func:`host_memory_kind`, except on CPU devices, where it stays in device
+    memory (the same RAM, and still a buffer of its own, which the next step's
+    donation leaves alone)."""
+    devices = list(devices)
+    # jax 0.12.1's CPU client cannot copy a compiled program's output in a host
+    # memory kind (its layout carries the memory space: "Unsupported layout used
+    # for PjRt CPU buffers: {0:S(5)}"), and loading a snapshot copies it.
+    if devices and all(d.platform == "cpu" for d in devices):
+        return None
+    return host_memory_kind(devices)
+
+
 def is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 

@@ -20,7 +20,7 @@ from mtc.dispatch import Dispatch
 from mtc.errors import TargetMismatchError
 from mtc.manifest import Index, LeafEntry
 from mtc.restore.plan import Planner, SavedStep, check_leaf
-from mtc.shards import paste
+from mtc.shards import is_single_device_sharding, paste
 from mtc.topology import Topology
 
 
@@ -30,7 +30,7 @@ def _key_data_sharding(target: Any, extra: int) -> jax.sharding.Sharding:
     s = target.sharding
     if isinstance(s, NamedSharding):
         return NamedSharding(s.mesh, PartitionSpec(*s.spec, *([None] * extra)))
-    if isinstance(s, jax.sharding.SingleDeviceSharding):
+    if is_single_device_sharding(s):
         return s
     raise TargetMismatchError(f"PRNG key targets need a NamedSharding, got {type(s).__name__}")
 

@@ -18,6 +18,7 @@ from mtc import treepath
 from mtc.contract import SaveHeader
 from mtc.errors import UnsupportedLeafError
 from mtc.manifest import LeafEntry
+from mtc.shards import is_single_device_sharding
 
 
 def describe_sharding(s: jax.sharding.Sharding) -> dict[str, Any]:
@@ -28,7 +29,7 @@ def describe_sharding(s: jax.sharding.Sharding) -> dict[str, Any]:
                 "mesh_shape": [int(x) for x in s.mesh.devices.shape],
                 "device_ids": [int(d.id) for d in s.mesh.devices.flat],
                 "spec": [list(p) if isinstance(p, tuple) else p for p in s.spec]}
-    if isinstance(s, jax.sharding.SingleDeviceSharding):
+    if is_single_device_sharding(s):
         return {"type": "single", "device_ids": [int(next(iter(device_set)).id)]}
     return {"type": type(s).__name__, "device_ids": sorted(int(d.id) for d in device_set)}
 
