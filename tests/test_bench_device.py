@@ -1,5 +1,6 @@
-"""bench/save_stall_device.py keeps running where CI runs it (CPU devices); its
-figures mean something only on an accelerator (its JSON names the platform)."""
+"""bench/save_stall_device.py and bench/snapshot_device.py keep running where CI runs
+them (CPU devices); their figures mean something only on an accelerator (their JSON
+names the platform)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,19 @@ def test_device_stall_bench_runs_and_checks_the_restored_values() -> None:
         part = result[name]
         assert part["values_checked"] is True and part["leaves"] == leaves
         assert part["save_stall_over_device_get"] > 0 and part["restore_over_device_put"] > 0
+
+
+@pytest.mark.process
+def test_device_snapshot_bench_runs_and_checks_the_loaded_values() -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "snapshot_device.py"), "--mib", "16",
+         "--steps", "2", "--rounds", "1"],
+        env=env, capture_output=True, text=True, timeout=240, check=True)
+    result = json.loads(out.stdout)
+    assert result["platform"] == "cpu" and result["values_checked"] is True
+    assert result["bytes"] == 16 << 20 and result["saves"] == 2
+    assert set(result["step_s"]) == {"plain", "in_graph", "save"}
+    assert all(v > 0 for v in result["step_s"].values())
+    # On CPU the step's copy stays in device memory (the same RAM; docs/hosts.md).
+    assert result["snapshot_memory_kind"] == "device"
