@@ -40,7 +40,7 @@ from mtc.dispatch import colocated_load
 from mtc.dispatch.calls import HostCalls, regions_of
 from mtc.dispatch.process import Sidecar
 from mtc.dispatch.protocol import BeforeSend, Opened, Survey, WorkerLostError
-from mtc.dispatch.remote_colocated import Runtime
+from mtc.dispatch.remote_colocated import Held, Runtime, holding, host_views
 from mtc.errors import HostAgentError, MtcError
 from mtc.pool import ThreadPool
 
@@ -126,7 +126,7 @@ class ColocatedDispatch(HostCalls):
         # The arrays the last save handed the workers: kept alive until they
         # answered that they took them (Pathways does not keep them for us).
         self._staged_inputs: list[jax.Array] = []
-        self._pinned: list[np.ndarray] = []
+        self._pinned: Held = {}
         self._unwaited = False
         self._polled = 0.0
         # A poll between saves, made in the background (check_before_save).
@@ -150,19 +150,22 @@ class ColocatedDispatch(HostCalls):
         self.calls += 1
         return self._on_runtime(fn, *args)
 
-    def _invoke_later(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def _invoke_later(self, fn: Callable[..., Any], *args: Any,
+                      held: Held | None = None) -> Future[Any]:
         """``fn(*args)`` on the local cluster's call thread (a Pathways call returns
-        before the workers answer), after any call made there before it."""
+        before the workers answer), after any call made there before it; ``held``:
+        the inputs' host views, taken now."""
         assert self._async is not None
         self.calls += 1
-        return self._async.submit(self._on_runtime, fn, *args)
+        return self._async.submit(self._on_runtime, fn, *args, held=held)
 
-    def _on_runtime(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _on_runtime(self, fn: Callable[..., Any], *args: Any,
+                    held: Held | None = None) -> Any:
         """``fn(*args)``, a program JAX compiles for it going to this dispatcher's
         hosts (another manager's, over the same CPU devices, may be open)."""
         if self._runtime is None:
             return fn(*args)
-        with self._runtime.serving():
+        with self._runtime.serving(), holding(held):
             return fn(*args)
 
     # -- host requests ----------------------------------------------------------------
@@ -281,7 +284,7 @@ class ColocatedDispatch(HostCalls):
             if staged is not None:
                 self._unanimous(staged, "stage")
         finally:
-            self._staged_inputs, self._pinned = [], []
+            self._staged_inputs, self._pinned = [], {}
             if isinstance(polling, Future):  # no call overlaps it, whatever was raised
                 futures.wait([polling])
         if isinstance(polling, Future):
@@ -352,13 +355,12 @@ class ColocatedDispatch(HostCalls):
                 return self._unanimous(ok, "stage")
             self._staged, self._staged_inputs = ok, inputs
             return True
-        # The values of this moment, in arrays of the call's own: remade over a host
-        # view of every shard (CPU devices: no copy), which a step that donates the
-        # state's buffers neither changes nor deletes (jax 0.12.1 marks a donated
-        # array deleted even where a view kept its buffer).
-        inputs, self._pinned = _detached(inputs)
+        # The values of this moment: a host view of every shard (CPU devices: no
+        # copy), which a step that donates the state's buffers does not change, and
+        # which the call reads (jax 0.12.1 marks a donated array deleted all the same).
+        self._pinned = host_views(inputs)
         self._staged = self._invoke_later(self._stage, header_arr, self._ranks, inputs,
-                                          requests)
+                                          requests, held=self._pinned)
         self._staged_inputs = inputs
         return True
 
@@ -492,18 +494,3 @@ def colocated_cpu_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
         return mesh
     return colocated_python.colocated_cpu_devices(mesh)
 
-
-def _detached(inputs: list[jax.Array]) -> tuple[list[jax.Array], list[np.ndarray]]:
-    """``inputs`` remade over host views of their shards, and the views (which keep
-    the buffers alive). Local cluster only: on Pathways no controller reads a shard."""
-    shards = [list(a.addressable_shards) for a in inputs]
-    views = [np.asarray(s.data) for ss in shards for s in ss]
-    placed = jax.device_put(views, [s.data.sharding for ss in shards for s in ss],
-                            may_alias=True)
-    out: list[jax.Array] = []
-    k = 0
-    for a, ss in zip(inputs, shards, strict=True):
-        out.append(jax.make_array_from_single_device_arrays(a.shape, a.sharding,
-                                                            placed[k:k + len(ss)]))
-        k += len(ss)
-    return out, views

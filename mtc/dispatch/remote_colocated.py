@@ -50,6 +50,28 @@ _runtimes: list[Runtime] = []
 _serving: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar(
     "mtc_colocated_runtime", default=None)
 _original: Callable[..., Any] | None = None  # JAX's own step, while one is registered
+# Host views of a call's inputs taken when the call was made, by id of the input:
+# the call may run after the caller's next step donated them (jax 0.12.1 marks a
+# donated array deleted even where a view kept its buffer).
+Held = dict[int, list[tuple[int, np.ndarray]]]
+_held: contextvars.ContextVar[Held | None] = contextvars.ContextVar(
+    "mtc_colocated_held", default=None)
+
+
+def host_views(arrays: list[jax.Array]) -> Held:
+    """(device id, host view) of every shard of ``arrays`` (CPU devices: no copy)."""
+    return {id(a): [(s.device.id, np.asarray(s.data)) for s in a.addressable_shards]
+            for a in arrays}
+
+
+@contextlib.contextmanager
+def holding(held: Held | None) -> Iterator[None]:
+    """Calls made meanwhile (on this thread) read these inputs from ``held``."""
+    token = _held.set(held)
+    try:
+        yield
+    finally:
+        _held.reset(token)
 
 
 def _compile(name: str, fun: Callable[..., Any], in_specs_treedef: Any,
@@ -156,6 +178,18 @@ class Runtime:
         for c in self._channels.values():
             c.close()
 
+    def _read(self, name: str, x: jax.Array) -> list[tuple[int, np.ndarray]]:
+        """(device id, host view) of every shard of the input ``x``."""
+        out = []
+        for s in x.addressable_shards:
+            try:
+                out.append((s.device.id, np.asarray(s.data)))
+            except jax.errors.JaxRuntimeError as e:  # a device lost with its host
+                raise WorkerLostError(f"{name}: an input's shard on device {s.device.id} "
+                                      f"is gone: {e}",
+                                      host=self.host_of_device[s.device.id]) from e
+        return out
+
     def _restarted(self, h: int) -> None:
         with self._epoch_lock:
             self._epoch[h] += 1
@@ -246,17 +280,13 @@ class Runtime:
                 leaves = jax_func._unwrap_prng_keys(leaves, prng_in)
             inputs: dict[int, list[list[list[int]]]] = {h: [] for h in hosts}
             buffers: dict[int, list[np.ndarray]] = {h: [] for h in hosts}
+            held = _held.get() or {}
             for x in leaves:
                 for h in hosts:
                     inputs[h].append([])
-                for s in x.addressable_shards:
-                    h = self.host_of_device[s.device.id]
-                    inputs[h][-1].append([s.device.id, len(buffers[h])])
-                    try:
-                        data = np.asarray(s.data)
-                    except jax.errors.JaxRuntimeError as e:  # a device lost with its host
-                        raise WorkerLostError(f"{name}: an input's shard on device "
-                                              f"{s.device.id} is gone: {e}", host=h) from e
+                for device_id, data in held.get(id(x)) or self._read(name, x):
+                    h = self.host_of_device[device_id]
+                    inputs[h][-1].append([device_id, len(buffers[h])])
                     buffers[h].append(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
             futures = {h: self._pool.submit(one, h, inputs[h], buffers[h]) for h in hosts}
             wait(futures.values())  # every host answered, whatever the first one raised
