@@ -9,20 +9,24 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _bench(name: str, *args: str) -> Any:
+    """The benchmark's JSON, run on CPU devices."""
+    out = subprocess.run([sys.executable, str(REPO / "bench" / name), *args],
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                         text=True, timeout=240, check=True)
+    return json.loads(out.stdout)
+
+
 @pytest.mark.process
 def test_device_stall_bench_runs_and_checks_the_restored_values() -> None:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "save_stall_device.py"), "--samples", "1",
-         "--warmup", "0", "--gib", "0.01"],
-        env=env, capture_output=True, text=True, timeout=240, check=True)
-    result = json.loads(out.stdout)
+    result = _bench("save_stall_device.py", "--samples", "1", "--warmup", "0", "--gib", "0.01")
     assert result["platform"] == "cpu" and result["dispatch"] == "local"
     for name, leaves in (("big", 1), ("model", 109)):
         part = result[name]
@@ -32,12 +36,7 @@ def test_device_stall_bench_runs_and_checks_the_restored_values() -> None:
 
 @pytest.mark.process
 def test_device_snapshot_bench_runs_and_checks_the_loaded_values() -> None:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "snapshot_device.py"), "--mib", "16",
-         "--steps", "2", "--rounds", "1"],
-        env=env, capture_output=True, text=True, timeout=240, check=True)
-    result = json.loads(out.stdout)
+    result = _bench("snapshot_device.py", "--mib", "16", "--steps", "2", "--rounds", "1")
     assert result["platform"] == "cpu" and result["values_checked"] is True
     assert result["bytes"] == 16 << 20 and result["saves"] == 2
     assert set(result["step_s"]) == {"plain", "in_graph", "save"}
