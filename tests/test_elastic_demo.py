@@ -184,8 +184,15 @@ def test_without_snapshot_resumes_from_the_ramdisks_never_from_an_unfinished_sav
                       "--slice-loss-at", "30", "--slice-down-steps", "8", "--no-snapshot")
     host, lost, up = report["failures"]
     d = assert_lost_mid_save(host)
-    on_peer = d["save_on_peer_before_restore"]
-    assert host["resumed_from_step"] == (15 if on_peer else 10)
+    # The newest step whose copy of the dead host's files reached its peer: 15's, else
+    # 10's; a copy starts after its commit, and on a loaded machine step 10's may
+    # not have arrived either (then an older step, never one not copied).
+    if d["save_on_peer_before_restore"]:
+        assert host["resumed_from_step"] == 15
+    elif d["earlier_save_on_peer_before_restore"]:
+        assert host["resumed_from_step"] == 10
+    else:
+        assert host["resumed_from_step"] in (0, 5)
     assert host["steps_lost"] == host["step_at_failure"] - host["resumed_from_step"]
     assert host["tier"] == "peer"  # host 1 is empty: all its shards from its peer
     assert lost["kind"] == "slice_loss" and lost["tier"] == "local"
