@@ -493,4 +493,3 @@ def colocated_cpu_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     if all(d.platform == "cpu" for d in mesh.devices.flat):
         return mesh
     return colocated_python.colocated_cpu_devices(mesh)
-

@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from mtc.elastic.snapshot import Snapshotter, is_key, step_copy_memory_kind
+from mtc.elastic.snapshot import Snapshotter, is_key, step_copy_sharding
 
 
 class InGraphStep:
@@ -41,7 +41,7 @@ class InGraphStep:
         self.snapshotter = snapshotter
         jit_kwargs.setdefault("donate_argnums", 0)
         self._plain = jax.jit(fn, **jit_kwargs)
-        host = jax.tree_util.tree_map(_copy_sharding, state_shardings)
+        host = jax.tree_util.tree_map(step_copy_sharding, state_shardings)
 
         def with_copy(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
@@ -90,7 +90,3 @@ def _reorder(new: dict[str, Any], extra: dict[str, Any], copies: list[Any]) -> l
             out.extend(x for x in jax.tree_util.tree_leaves(merged[k]) if isinstance(x, jax.Array))
     return out
 
-
-def _copy_sharding(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
-    kind = step_copy_memory_kind(s.device_set)
-    return s.with_memory_kind(kind) if kind is not None else s

@@ -76,6 +76,12 @@ def step_copy_memory_kind(devices: Any) -> str | None:
     return host_memory_kind(devices)
 
 
+def step_copy_sharding(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """``s`` in the memory of a compiled step's snapshot copy (:func:`step_copy_memory_kind`)."""
+    kind = step_copy_memory_kind(s.device_set)
+    return s.with_memory_kind(kind) if kind is not None else s
+
+
 def is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
