@@ -4,6 +4,7 @@ Prints one JSON object to stdout (progress goes to stderr)::
 
     .venv/bin/python bench/goodput.py [--steps 1200] [--failure-every-s 120] [--out DIR]
     .venv/bin/python bench/goodput.py --quick   # 480 steps, no reference run (~5 min)
+    .venv/bin/python bench/goodput.py --quick --reference   # and this machine's noise floor
 
 It drives the demo's trainer, ``mtc.trainer.elastic``, the way ``make demo`` does (a
 :class:`LocalCluster` of 4 replicators in 2 slices, the 3.2M-parameter model,
@@ -113,6 +114,21 @@ def host_cpu(cpu: CpuSampler, records: list[dict[str, Any]], t0: float, t1: floa
                           "processes over wall time x cores"}
 
 
+def noise_floor(steady: list[dict[str, Any]], ref: dict[str, Any] | None) -> float | None:
+    """The uninterrupted reference run's steps numbered as ``steady`` (each on the
+    same mesh), scored by the run's median-step ideal: the ideal time of those
+    steps (each mesh's median step) over the time they took. A run that saved
+    nothing and lost nothing scores this, so the figure held against the target
+    cannot exceed it on this machine. None without a reference."""
+    if not ref or "step_s" not in ref:
+        return None
+    by_mesh: dict[str, list[float]] = {}
+    for r in steady:
+        by_mesh.setdefault(str(r["slices"]), []).append(ref["step_s"][r["step"] - 1])
+    took = sum(sum(v) for v in by_mesh.values())
+    return sum(len(v) * statistics.median(v) for v in by_mesh.values()) / took if took else None
+
+
 def analyse(records: list[dict[str, Any]], t_launch: float,
             cpu: CpuSampler | None = None) -> dict[str, Any]:
     ev: dict[str, dict[str, Any]] = {}
@@ -187,8 +203,15 @@ def analyse(records: list[dict[str, Any]], t_launch: float,
     # whose load changed meanwhile its steps are no ideal (a goodput above 1 says
     # so). The figure held against the target is the lower of the two ideals.
     ref_skew = ref_step / typical - 1.0 if ref_step else None
+    floor = noise_floor(steady, ref)
     return {
         "goodput_steady_state": min(by_ref, by_median),
+        # The reference's own steps (no failures, no checkpoints) scored as the run's
+        # are by the median-step ideal: what this machine's step-time jitter alone
+        # costs that figure. None without the reference (--quick: pass --reference).
+        "noise_floor": floor,
+        "goodput_steady_state_median_step_ideal_over_noise_floor":
+            None if floor is None else by_median / floor,
         "goodput_steady_state_reference_ideal": by_ref,
         "goodput_steady_state_median_step_ideal": by_median,
         "reference_step_over_run_median_step": None if ref_step is None else ref_step / typical,
@@ -283,9 +306,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also lose slice 1 at these steps (comma-separated), back after "
                         "--slice-down-steps: replica resize and scale-up in the mix")
     p.add_argument("--slice-down-steps", type=int, default=60)
-    p.add_argument("--no-reference", dest="reference", action="store_false",
+    p.add_argument("--no-reference", dest="reference", action="store_false", default=None,
                    help="skip the uninterrupted reference run (its step times are the ideal; "
                         "without it, the median step stands in)")
+    p.add_argument("--reference", dest="reference", action="store_true",
+                   help="run the reference with --quick too: its steps, scored as the run's "
+                        "are, give this machine's noise floor (see noise_floor)")
     p.add_argument("--dispatch", choices=("colocated", "process"), default="colocated",
                    help="how the trainer reaches the hosts: colocated Python (Pathways, the "
                         "default, as make demo) or seam requests to their sidecars")
@@ -305,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 480 if args.quick else 1200
-    if args.quick:
-        args.reference = False
+    if args.reference is None:
+        args.reference = not args.quick
     out = args.out or Path(tempfile.mkdtemp(prefix="mtc-goodput-"))
     out.mkdir(parents=True, exist_ok=True)
     cores = sorted(os.sched_getaffinity(0))
@@ -316,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         # sidecars and replicators on the others; then the same run unpinned.
         result = run_once(args, out / "pinned", ({cores[0]}, set(cores[1:])))
         unpinned = run_once(args, out / "unpinned", None)
-        result["unpinned"] = {k: v for k, v in unpinned.items() if k.startswith("goodput")
+        result["unpinned"] = {k: v for k, v in unpinned.items()
+                              if k.startswith(("goodput", "noise_floor"))
                               and not k.endswith("definition")}
     else:
         result = run_once(args, out, None)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import lane_parts
 import numpy as np
 import pytest
 import seam_audit
@@ -34,6 +35,31 @@ def _refuse_unmarked_spawn(event: str, args: tuple[Any, ...]) -> None:
 
 
 sys.addaudithook(_refuse_unmarked_spawn)
+
+
+# -- the process lane in parts that run at once (tests/lane_parts.py) ---------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run part K of N of the selected tests, split by file "
+                          "(tests/lane_parts.py)")
+    parser.addoption("--durations-out", default=None, type=Path, metavar="PATH",
+                     help="write the seconds each file's tests took to PATH (JSON, merged "
+                          "into what it holds): tests/process_durations.json splits --shard")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--durations-out")
+    if path is not None:
+        config.pluginmanager.register(lane_parts.Durations(path), "mtc-durations")
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    spec = config.getoption("--shard")
+    if spec is not None:
+        lane_parts.select(config, items, spec)
 
 
 @pytest.hookimpl(wrapper=True)
