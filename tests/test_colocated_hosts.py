@@ -376,6 +376,27 @@ def test_a_result_that_breaks_its_declared_spec_fails_the_call(hosts: Hosts) -> 
         runtime.close()
 
 
+def test_a_result_on_another_sharding_fails_the_call(hosts: Hosts) -> None:
+    """Right dtype and shape, but replicated where the spec splits it by device."""
+    @colocated_python.colocated_python
+    def replicated(x: jax.Array) -> jax.Array:
+        whole = NamedSharding(x.sharding.mesh, PartitionSpec())
+        pieces = [jax.device_put(np.arange(8, dtype=np.int32), s.device)
+                  for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(x.shape, whole, pieces)
+
+    sharding = _per_host()
+    x = jax.device_put(np.arange(8, dtype=np.int32), sharding)
+    spec = jax.ShapeDtypeStruct((8,), np.int32, sharding=sharding)
+    runtime = _runtime(hosts)
+    try:
+        with pytest.raises(ColocatedCallError,
+                           match=r"output 0 is not on its declared sharding"):
+            replicated.specialize(out_specs_fn=lambda _: spec)(x)
+    finally:
+        runtime.close()
+
+
 def test_a_controller_device_id_in_a_closure_fails_on_the_worker(hosts: Hosts) -> None:
     """Placing a result by a controller id lands on a device that is not the host's."""
     controller_ids = [d.id for d in jax.devices()]

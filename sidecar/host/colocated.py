@@ -337,9 +337,9 @@ class ColocatedServer:
         outputs: list[list[list[int]]] = []
         data: list[np.ndarray] = []
         for k, (r, spec) in enumerate(zip(out_leaves, prog.out_specs, strict=True)):
-            _check(name, k, r, spec)
+            shards = _check(name, k, r, spec)
             ids = []
-            for s in r.addressable_shards:
+            for s in shards:
                 ids.append([prog.id_of[s.device], len(data)])
                 data.append(np.ascontiguousarray(np.asarray(s.data)).reshape(-1).view(np.uint8))
             outputs.append(ids)
@@ -390,8 +390,9 @@ def _input(name: str, k: int, layout: ShardLayout, raw: dict[Any, np.ndarray]) -
     return layout.array(raw)
 
 
-def _check(name: str, k: int, r: Any, spec: Any) -> None:
-    """Output ``k`` against its declared spec, as the runtime holds it."""
+def _check(name: str, k: int, r: Any, spec: Any) -> list[Any]:
+    """Output ``k`` against its declared spec, as the runtime holds it; its
+    addressable shards (JAX makes them anew on every access)."""
     import jax
 
     if not isinstance(r, jax.Array):
@@ -399,7 +400,9 @@ def _check(name: str, k: int, r: Any, spec: Any) -> None:
     if r.dtype != spec.dtype or r.shape != spec.shape:
         raise ColocatedCallError(f"{name}: output {k} is {r.dtype}{list(r.shape)}, declared "
                                  f"{spec.dtype}{list(spec.shape)}")
+    shards = r.addressable_shards
     if not r.sharding.is_equivalent_to(spec.sharding, r.ndim) or (
-            {s.device for s in r.addressable_shards} != set(spec.sharding.addressable_devices)):
+            {s.device for s in shards} != set(spec.sharding.addressable_devices)):
         raise ColocatedCallError(f"{name}: output {k} is not on its declared sharding "
                                  f"{spec.sharding.spec} over this host's devices")
+    return shards
