@@ -359,40 +359,33 @@ def test_a_result_in_pinned_host_memory_comes_back_in_that_memory(hosts: Hosts) 
     np.testing.assert_array_equal(np.asarray(got), np.arange(8) * 2)
 
 
-def test_a_result_that_breaks_its_declared_spec_fails_the_call(hosts: Hosts) -> None:
+@pytest.mark.parametrize(("wrong", "error"), [
+    ("dtype", r"output 0 is float32\[8\], declared int32\[8\]"),
+    ("sharding", r"output 0 is not on its declared sharding")])
+def test_a_result_that_breaks_its_declared_spec_fails_the_call(hosts: Hosts, wrong: str,
+                                                               error: str) -> None:
+    # Defined here, not at module level: a sidecar cannot import this test module,
+    # so the function must travel by value.
     @colocated_python.colocated_python
     def wrong_dtype(x: jax.Array) -> jax.Array:
         return x.astype(np.float32)
 
-    sharding = _per_host()
-    x = jax.device_put(np.arange(8, dtype=np.int32), sharding)
-    spec = jax.ShapeDtypeStruct((8,), np.int32, sharding=sharding)
-    runtime = _runtime(hosts)
-    try:
-        with pytest.raises(ColocatedCallError,
-                           match=r"output 0 is float32\[8\], declared int32\[8\]"):
-            wrong_dtype.specialize(out_specs_fn=lambda _: spec)(x)
-    finally:
-        runtime.close()
-
-
-def test_a_result_on_another_sharding_fails_the_call(hosts: Hosts) -> None:
-    """Right dtype and shape, but replicated where the spec splits it by device."""
     @colocated_python.colocated_python
     def replicated(x: jax.Array) -> jax.Array:
+        """Right dtype and shape, but whole on every device where the spec splits it."""
         whole = NamedSharding(x.sharding.mesh, PartitionSpec())
         pieces = [jax.device_put(np.arange(8, dtype=np.int32), s.device)
                   for s in x.addressable_shards]
         return jax.make_array_from_single_device_arrays(x.shape, whole, pieces)
 
+    fun = wrong_dtype if wrong == "dtype" else replicated
     sharding = _per_host()
     x = jax.device_put(np.arange(8, dtype=np.int32), sharding)
     spec = jax.ShapeDtypeStruct((8,), np.int32, sharding=sharding)
     runtime = _runtime(hosts)
     try:
-        with pytest.raises(ColocatedCallError,
-                           match=r"output 0 is not on its declared sharding"):
-            replicated.specialize(out_specs_fn=lambda _: spec)(x)
+        with pytest.raises(ColocatedCallError, match=error):
+            fun.specialize(out_specs_fn=lambda _: spec)(x)
     finally:
         runtime.close()
 

@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -390,7 +390,7 @@ def _input(name: str, k: int, layout: ShardLayout, raw: dict[Any, np.ndarray]) -
     return layout.array(raw)
 
 
-def _check(name: str, k: int, r: Any, spec: Any) -> list[Any]:
+def _check(name: str, k: int, r: Any, spec: Any) -> Sequence[Any]:
     """Output ``k`` against its declared spec, as the runtime holds it; its
     addressable shards (JAX makes them anew on every access)."""
     import jax
