@@ -16,10 +16,13 @@ machine's load hits both alike.
 
 The reference, measured in the same rounds: two no-op colocated calls (the
 manager's poll of its workers, as many calls as a restore makes) on each
-cluster, ``calls_8_over_4``. Every host's sidecar shares this machine's cores,
-so a call's per-host work (the transport's, the sidecar's) adds up here where a
-real cluster's hosts would do theirs at once; the reference shows how much of
-the restore's ratio that alone makes.
+cluster, ``calls_8_over_4``. And its floor, ``bare_grpc_8_over_4``: two calls
+fanned out the same way to as many bare gRPC hosts (``bench/_grpc_echo.py``, a
+process each, the same latency per call and no other work). Every host's
+sidecar shares this machine's cores, so a call's per-host work (the
+transport's, the sidecar's) adds up here where a real cluster's hosts would do
+theirs at once; the reference shows how much of the restore's ratio that
+alone makes.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import secrets
+import select
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,11 +46,73 @@ from typing import Any
 import jax
 import numpy as np
 from _common import log, run_in_scratch
+from _grpc_echo import METHOD as ECHO
+from _grpc_echo import TOKEN_KEY
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mtc
 
 TARGET = 1.3
+
+
+class _BareHosts:
+    """``n`` bare gRPC hosts (``bench/_grpc_echo.py``, a process each), called as the
+    colocated runtime calls its hosts: one thread per host, every answer awaited."""
+
+    def __init__(self, n: int, latency_ms: float) -> None:
+        import grpc
+
+        from mtc.pool import ThreadPool
+
+        self.n = n
+        self.seconds: list[float] = []
+        token = secrets.token_hex(16)
+        self._metadata = ((TOKEN_KEY, token),)
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._channels: list[grpc.Channel] = []
+        self._pool = ThreadPool(n, f"bench-bare-{n}")
+        try:
+            for _ in range(n):
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, str(Path(__file__).with_name("_grpc_echo.py")),
+                     "--latency-ms", str(latency_ms)],
+                    stdout=subprocess.PIPE, env={**os.environ, "MTC_BENCH_TOKEN": token}))
+            ports = [_read_port(proc) for proc in self._procs]
+            self._channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for port in ports]
+            self._stubs = [c.unary_unary(ECHO) for c in self._channels]
+        except BaseException:
+            self.close()
+            raise
+
+    def two_calls(self, keep: bool) -> None:
+        message = bytes(256)  # about what a no-op call's header is
+        t0 = time.perf_counter()
+        for _ in range(2):
+            futures = [self._pool.submit(stub, message, timeout=10, metadata=self._metadata)
+                       for stub in self._stubs]
+            for f in futures:
+                f.result()
+        if keep:
+            self.seconds.append(time.perf_counter() - t0)
+
+    def close(self) -> None:
+        for c in self._channels:
+            c.close()
+        self._pool.shutdown(wait=True)
+        for proc in self._procs:  # ours, by pid
+            proc.kill()
+            proc.wait()
+
+
+def _read_port(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+    """The port a bare host printed, within ``timeout_s``."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else b""
+    if not line.strip().isdigit():
+        raise RuntimeError(f"a bare gRPC host did not start within {timeout_s} s "
+                           f"(exit {proc.poll()})")
+    return int(line)
 
 
 class _Cluster:
@@ -126,22 +194,31 @@ def run(root: Path, samples: int, warmup: int, latency_ms: float) -> dict[str, A
     wait on their sockets)."""
     t_start = time.perf_counter()
     clusters: dict[int, _Cluster] = {}
+    bare: dict[int, _BareHosts] = {}
     try:
         for n in (4, 8):
             log(f"{n} hosts")
             clusters[n] = _Cluster(root, n, latency_ms)
+            bare[n] = _BareHosts(n, latency_ms)
         log(f"{warmup} warm-up and {samples} timed rounds")
         for k in range(warmup + samples):
             order = (4, 8) if k % 2 == 0 else (8, 4)  # neither always follows the other
             for n in order:
                 clusters[n].restore(keep=k >= warmup)
                 clusters[n].two_calls(keep=k >= warmup)
-        by_hosts = {n: c.result() for n, c in clusters.items()}
+                bare[n].two_calls(keep=k >= warmup)
+        by_hosts = {n: c.result() | {"bare_grpc_two_calls_median_s":
+                                     statistics.median(bare[n].seconds)}
+                    for n, c in clusters.items()}
     finally:
         for c in clusters.values():
             c.close()
+        for b in bare.values():
+            b.close()
     ratio = by_hosts[8]["median_s"] / by_hosts[4]["median_s"]
     calls = by_hosts[8]["two_calls_median_s"] / by_hosts[4]["two_calls_median_s"]
+    floor = (by_hosts[8]["bare_grpc_two_calls_median_s"]
+             / by_hosts[4]["bare_grpc_two_calls_median_s"])
     beyond = {n: by_hosts[n]["median_s"] - by_hosts[n]["two_calls_median_s"] for n in (4, 8)}
     return {"dispatch": "colocated",
             "config": {"samples": samples, "warmup": warmup,
@@ -153,6 +230,9 @@ def run(root: Path, samples: int, warmup: int, latency_ms: float) -> dict[str, A
             "ratios": {"restore_8_over_4": ratio,
                        # the reference: two no-op calls, 8 hosts over 4
                        "calls_8_over_4": calls,
+                       # the floor: two calls to bare gRPC hosts (the same latency,
+                       # no work), 8 over 4: what gRPC and shared cores alone make
+                       "bare_grpc_8_over_4": floor,
                        # what a restore adds to its two calls, 8 hosts over 4
                        "beyond_calls_8_over_4": beyond[8] / beyond[4]},
             "targets": {"restore_8_over_4": f"<= {TARGET}"},
