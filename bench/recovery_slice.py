@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pathwaysutils.elastic import elastic as pw_elastic
 
-from mtc.elastic.snapshot import step_copy_memory_kind
+from mtc.elastic.snapshot import step_copy_sharding
 from mtc.trainer import health
 from mtc.trainer.faults import SliceLossSimulator
 from mtc.trainer.snapshot import place
@@ -78,9 +78,8 @@ def run_slice_loss(num_leaves: int, leaf_shape: tuple[int, int], samples: int,
 
     # The snapshot in host memory where the platform has it, as the trainer's step
     # emits it (a buffer of its own, which the next step's donation leaves alone).
-    kind = step_copy_memory_kind(devices)
-    step_full = jax.jit(_train_with_snapshot, out_shardings=(
-        full, full.with_memory_kind(kind) if kind else full), donate_argnums=0)
+    step_full = jax.jit(_train_with_snapshot, out_shardings=(full, step_copy_sharding(full)),
+                        donate_argnums=0)
     abstract = {f"layer_{i:03d}": jax.ShapeDtypeStruct(leaf_shape, np.float32, sharding=small)
                 for i in range(num_leaves)}
     t = time.perf_counter()

@@ -89,4 +89,3 @@ def _reorder(new: dict[str, Any], extra: dict[str, Any], copies: list[Any]) -> l
         else:
             out.extend(x for x in jax.tree_util.tree_leaves(merged[k]) if isinstance(x, jax.Array))
     return out
-
