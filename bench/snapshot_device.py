@@ -17,13 +17,19 @@ their count (median of ``--rounds`` interleaved rounds), for:
 - ``save``: the step, then ``Snapshotter.save`` every step (asynchronous; skipped
   while the last copy is in flight, ``save_skipped`` counts them).
 
-Reference, in the same run: ``jax.device_get`` of the state after
+References, in the same run: ``jax.device_get`` of the state after
 ``copy_to_host_async`` of every leaf, the device-to-host copy any snapshot needs
-(``device_get_gbps``). ``in_graph_copy_gbps`` is the state's bytes over what the
-copy adds to a step; ``in_graph_copy_over_device_get`` that time over the
-device_get's. A snapshot is loaded back after the next step donated the state,
-and checked against the values it was taken of. ``platform`` names the backend:
-on CPU the figures say nothing of an accelerator.
+(``device_get_gbps``); the host writing the state's bytes into fresh pages (a
+new numpy array, ``host_fresh_pages_gbps``) and into pages it holds (a copy
+between two numpy arrays, ``host_held_pages_gbps``). ``in_graph_copy_gbps`` is
+the state's bytes over what the copy adds to a step; ``in_graph_copy_over_device_get``
+and ``in_graph_copy_over_fresh_pages`` that time over the references'. A
+snapshot goes into fresh host buffers every step (XLA does not alias a host
+output to a donated input), so on a host that maps fresh pages slowly the
+copy runs at about the fresh-pages rate. A snapshot is loaded back after the
+next step donated the state, and checked against the values it was taken of.
+``platform`` names the backend: on CPU the figures say nothing of an
+accelerator.
 """
 
 from __future__ import annotations
@@ -92,6 +98,9 @@ def run(mib: int, steps: int, rounds: int, root: Path) -> dict[str, Any]:
     saver.skipped = 0
     per_step: dict[str, list[float]] = {"plain": [], "in_graph": [], "save": []}
     gets: list[float] = []
+    fresh, held = [], []
+    src = np.ones(nbytes // 4, np.float32)
+    dst = src.copy()  # its pages mapped and held before the first round
     for r in range(rounds):
         for kind in per_step:
             seconds, state = timed(kind, state)
@@ -102,6 +111,13 @@ def run(mib: int, steps: int, rounds: int, root: Path) -> dict[str, Any]:
             x.copy_to_host_async()
         jax.device_get(state)
         gets.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        new = np.full(nbytes // 4, r, np.float32)
+        fresh.append(time.perf_counter() - t0)
+        del new
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        held.append(time.perf_counter() - t0)
         log(f"round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in
                                             per_step.items()) + f", get {gets[-1] * 1e3:.1f} ms")
 
@@ -120,6 +136,7 @@ def run(mib: int, steps: int, rounds: int, root: Path) -> dict[str, Any]:
 
     med = {k: statistics.median(v) for k, v in per_step.items()}
     get = statistics.median(gets)
+    fresh_s, held_s = statistics.median(fresh), statistics.median(held)
     copy_s = med["in_graph"] - med["plain"]
     return {
         "platform": devices[0].platform, "device_kind": devices[0].device_kind,
@@ -131,6 +148,9 @@ def run(mib: int, steps: int, rounds: int, root: Path) -> dict[str, Any]:
         "device_get_s": round(get, 6), "device_get_gbps": round(nbytes / get / 1e9, 3),
         "in_graph_copy_gbps": round(nbytes / copy_s / 1e9, 3) if copy_s > 0 else None,
         "in_graph_copy_over_device_get": round(copy_s / get, 3),
+        "host_fresh_pages_gbps": round(nbytes / fresh_s / 1e9, 3),
+        "host_held_pages_gbps": round(nbytes / held_s / 1e9, 3),
+        "in_graph_copy_over_fresh_pages": round(copy_s / fresh_s, 3),
         "in_graph_over_plain": round(med["in_graph"] / med["plain"], 3),
         "save_over_plain": round(med["save"] / med["plain"], 3),
         "load_s": round(load_s, 6), "values_checked": True,

@@ -41,5 +41,9 @@ def test_device_snapshot_bench_runs_and_checks_the_loaded_values() -> None:
     assert result["bytes"] == 16 << 20 and result["saves"] == 2
     assert set(result["step_s"]) == {"plain", "in_graph", "save"}
     assert all(v > 0 for v in result["step_s"].values())
+    assert result["host_fresh_pages_gbps"] > 0 and result["host_held_pages_gbps"] > 0
+    assert result["in_graph_copy_over_fresh_pages"] == pytest.approx(
+        (result["step_s"]["in_graph"] - result["step_s"]["plain"])
+        * result["host_fresh_pages_gbps"] * 1e9 / result["bytes"], rel=0.05, abs=1e-3)
     # On CPU the step's copy stays in device memory (the same RAM; docs/hosts.md).
     assert result["snapshot_memory_kind"] == "device"
