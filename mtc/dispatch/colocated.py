@@ -98,8 +98,9 @@ class ColocatedDispatch(HostCalls):
         self._small_ranks = self._ranks_on(self._workers)
         # On the local cluster, the hosts' sidecars run the programs (as workers
         # do), instead of JAX's CPU fallback in this process.
-        self._runtime = (Runtime(sidecars, {c.id: r for c, r in rank_of.items()})
-                         if sidecars is not None else None)
+        self._host_of_cpu = {c.id: r for c, r in rank_of.items()}
+        self._runtime = (Runtime(sidecars, self._host_of_cpu) if sidecars is not None
+                         else None)
         remote: Any = RemoteAgent(config.to_json())  # type: ignore[call-arg]
         # Specialized with their output specs, so that the first call does not
         # run synchronously to infer them.
@@ -358,7 +359,7 @@ class ColocatedDispatch(HostCalls):
         # The values of this moment: a host view of every shard (CPU devices: no
         # copy), which a step that donates the state's buffers does not change, and
         # which the call reads (jax 0.12.1 marks a donated array deleted all the same).
-        self._pinned = host_views(inputs)
+        self._pinned = host_views("stage", inputs, self._host_of_cpu)
         self._staged = self._invoke_later(self._stage, header_arr, self._ranks, inputs,
                                           requests, held=self._pinned)
         self._staged_inputs = inputs

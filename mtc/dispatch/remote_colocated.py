@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import wait
 from typing import Any
 
@@ -58,10 +58,23 @@ _held: contextvars.ContextVar[Held | None] = contextvars.ContextVar(
     "mtc_colocated_held", default=None)
 
 
-def host_views(arrays: list[jax.Array]) -> Held:
-    """(device id, host view) of every shard of ``arrays`` (CPU devices: no copy)."""
-    return {id(a): [(s.device.id, np.asarray(s.data)) for s in a.addressable_shards]
-            for a in arrays}
+def host_views(name: str, arrays: list[jax.Array], host_of_device: Mapping[int, int]) -> Held:
+    """(device id, host view) of every shard of ``arrays`` (CPU devices: no copy),
+    by id of the array; a shard lost with its host raises :class:`WorkerLostError`
+    naming the host (``host_of_device``: CPU device id -> host)."""
+    return {id(a): _shard_views(name, a, host_of_device) for a in arrays}
+
+
+def _shard_views(name: str, x: jax.Array,
+                 host_of_device: Mapping[int, int]) -> list[tuple[int, np.ndarray]]:
+    out = []
+    for s in x.addressable_shards:
+        try:
+            out.append((s.device.id, np.asarray(s.data)))
+        except jax.errors.JaxRuntimeError as e:  # a device lost with its host
+            raise WorkerLostError(f"{name}: an input's shard on device {s.device.id} "
+                                  f"is gone: {e}", host=host_of_device.get(s.device.id)) from e
+    return out
 
 
 @contextlib.contextmanager
@@ -178,18 +191,6 @@ class Runtime:
         for c in self._channels.values():
             c.close()
 
-    def _read(self, name: str, x: jax.Array) -> list[tuple[int, np.ndarray]]:
-        """(device id, host view) of every shard of the input ``x``."""
-        out = []
-        for s in x.addressable_shards:
-            try:
-                out.append((s.device.id, np.asarray(s.data)))
-            except jax.errors.JaxRuntimeError as e:  # a device lost with its host
-                raise WorkerLostError(f"{name}: an input's shard on device {s.device.id} "
-                                      f"is gone: {e}",
-                                      host=self.host_of_device[s.device.id]) from e
-        return out
-
     def _restarted(self, h: int) -> None:
         with self._epoch_lock:
             self._epoch[h] += 1
@@ -284,7 +285,8 @@ class Runtime:
             for x in leaves:
                 for h in hosts:
                     inputs[h].append([])
-                for device_id, data in held.get(id(x)) or self._read(name, x):
+                views = held.get(id(x)) or _shard_views(name, x, self.host_of_device)
+                for device_id, data in views:
                     h = self.host_of_device[device_id]
                     inputs[h][-1].append([device_id, len(buffers[h])])
                     buffers[h].append(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
