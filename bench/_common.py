@@ -1,6 +1,6 @@
 """Shared by the benchmarks. Importing it lets a benchmark run as
-``python bench/<name>.py``: the repository and tests/ (its replicator harness) on
-sys.path, and the repository on PYTHONPATH for the replicator processes it starts
+``python bench/<name>.py``: the repository and tests/ (its replicator harness) at
+the end of sys.path, and the repository on PYTHONPATH for the replicator processes it starts
 with ``python -m``."""
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from _machine import machine_state
 
 REPO = Path(__file__).resolve().parent.parent
 
+# After the installed packages: an installed mtc (a wheel, as on an accelerator
+# host) is the one imported, not the checkout's folders, of which only an
+# install maps sidecar/ and trainer/ into mtc.
 for _p in (str(REPO), str(REPO / "tests")):
     if _p not in sys.path:
-        sys.path.insert(0, _p)
+        sys.path.append(_p)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
