@@ -1,7 +1,7 @@
 """Shared by the benchmarks. Importing it lets a benchmark run as
 ``python bench/<name>.py``: the repository and tests/ (its replicator harness) at
-the end of sys.path, and the repository on PYTHONPATH for the replicator processes it starts
-with ``python -m``."""
+the end of sys.path, and the repository on PYTHONPATH for the replicator
+processes it starts with ``python -m``."""
 
 from __future__ import annotations
 
