@@ -416,10 +416,9 @@ def run_once(args: argparse.Namespace, out: Path,
         # Pinned, the threads that run the trainer's devices' programs move to the
         # devices' core, and its compiles to the hosts': a real job's Python, compiles
         # (Pathways: on the controller) and I/O run on CPUs, never on its
-        # accelerators. Its other threads (the loop) run on the hosts' cores too: let
-        # onto the devices' core, the loop took it from them and the steps scattered
-        # (alone on a quiet machine, the 3.2M model's step by the median-step ideal:
-        # 0.95 with the loop on either core, 0.996 with it on the other core).
+        # accelerators. Its other threads (the loop) run on the hosts' cores too, as
+        # a real job's loop never runs on its accelerators (``--loop-cores either``:
+        # on any core; on this VM the two differ less than its drift: docs/elastic-demo.md).
         devices = (Pinner(trainer_pid, pin[0], named=DEVICE_THREADS) if pin
                    else contextlib.nullcontext())
         compiles = (Pinner(trainer_pid, pin[1], named=COMPILE_THREADS) if pin
