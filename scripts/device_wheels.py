@@ -23,14 +23,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 # What an accelerator host's JAX comes with (never installed over it).
 HOST_KEEPS = frozenset({"jax", "jaxlib", "numpy", "scipy", "ml-dtypes", "opt-einsum"})
-
-
-def normalized(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def closure(root: str, requires: Callable[[str], Iterable[str]],
@@ -38,9 +35,9 @@ def closure(root: str, requires: Callable[[str], Iterable[str]],
     """Every distribution ``root`` needs at run time (``requires`` gives one's
     requirement strings; no extras, markers as this Python evaluates them), less
     ``root``, ``keep`` and what only they need, sorted."""
-    kept = {normalized(k) for k in keep}
+    kept = {canonicalize_name(k) for k in keep}
     seen: set[str] = set()
-    todo = [normalized(root)]
+    todo = [canonicalize_name(root)]
     while todo:
         name = todo.pop()
         if name in seen or name in kept:
@@ -49,8 +46,8 @@ def closure(root: str, requires: Callable[[str], Iterable[str]],
         for line in requires(name):
             req = Requirement(line)
             if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(normalized(req.name))
-    return sorted(seen - {normalized(root)})
+                todo.append(canonicalize_name(req.name))
+    return sorted(seen - {canonicalize_name(root)})
 
 
 def _installed_requires(name: str) -> list[str]:

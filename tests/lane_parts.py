@@ -51,18 +51,19 @@ def deal(files: list[str], seconds: dict[str, float], n: int) -> list[list[str]]
     return parts
 
 
-def file_of(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+def file_of(nodeid: str) -> str:
+    """The test file a test's node id names."""
+    return nodeid.split("::", 1)[0]
 
 
 def select(config: pytest.Config, items: list[pytest.Item], spec: str) -> None:
     """Keep in ``items`` only the tests of part ``spec``; the rest are deselected."""
     k, n = parse(spec)
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    files = sorted({file_of(i) for i in items})
+    files = sorted({file_of(i.nodeid) for i in items})
     mine = set(deal(files, seconds, n)[k - 1])
-    kept = [i for i in items if file_of(i) in mine]
-    dropped = [i for i in items if file_of(i) not in mine]
+    kept = [i for i in items if file_of(i.nodeid) in mine]
+    dropped = [i for i in items if file_of(i.nodeid) not in mine]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = kept
@@ -78,7 +79,7 @@ class Durations:
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        f = report.nodeid.split("::", 1)[0]
+        f = file_of(report.nodeid)
         self.seconds[f] = self.seconds.get(f, 0.0) + report.duration
 
     @pytest.hookimpl
