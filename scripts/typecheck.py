@@ -19,7 +19,7 @@ from mypy.main import process_options
 from mypy.modulefinder import BuildSource
 
 REPO = Path(__file__).resolve().parents[1]
-EXTRA = {"bench": "bench"}  # checked, not installed
+EXTRA = {"bench": "bench", "scripts": "scripts"}  # checked, not installed
 
 
 def sources() -> list[BuildSource]:

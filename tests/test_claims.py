@@ -181,3 +181,28 @@ def test_a_damaged_own_file_is_never_folded_into(tmp_path: Path) -> None:
     assert claims.fold(store, STEP) == 0
     copy = root / REPLICA_DIR / "0" / str(STEP) / "dp.0"
     assert copy.read_bytes() == SHARED and os.stat(copy).st_nlink == 1
+
+
+def test_a_copy_held_once_already_is_not_looked_at_file_by_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save folds its step's copies; once a copy's files are one with the own
+    ones (a Link, an earlier fold) one listing of each folder says so, and no file
+    is checked on its own (with a model's hundreds of shards, that was most of a
+    replicator's work after each save)."""
+    store, own, claimed = holder_with_a_claimed_copy(tmp_path)
+    assert os.stat(own).st_ino == os.stat(claimed).st_ino
+    looked_at: list[str] = []
+    real_inside = claims.inside
+
+    def counting(base: Path, rel: str) -> Path:
+        looked_at.append(rel)
+        return real_inside(base, rel)
+
+    monkeypatch.setattr(claims, "inside", counting)
+    assert claims.fold(store, STEP) == 0
+    assert looked_at == []
+    # A file that is not one yet still is (the listing only skips what is one).
+    os.unlink(claimed)
+    claimed.write_bytes(SHARED)
+    assert claims.fold(store, STEP) == 1
+    assert set(looked_at) == {"dp.0"} and os.stat(own).st_ino == os.stat(claimed).st_ino

@@ -143,6 +143,7 @@ def fold(store: LocalStore, step: int, origins: Sequence[int] | None = None) -> 
     except (OSError, ValueError):
         return 0  # removed meanwhile
     own_dir = store.copy_dir(store.rank, step)
+    own_inodes = _inodes(own_dir)
     folded = 0
     for origin, s in held:
         if s != step or origin == store.rank or (origins is not None and origin not in origins):
@@ -155,14 +156,37 @@ def fold(store: LocalStore, step: int, origins: Sequence[int] | None = None) -> 
             folder = os.lstat(base).st_ino
         except (OSError, ValueError):
             continue
+        # Files already one (a Link, an earlier fold: after the first call, all of
+        # them) are told apart by one listing of each folder; only the rest are
+        # looked at one by one.
+        held_inodes = _inodes(base)
         same = [f for f in described if (mine := own.get(f.path)) is not None
-                and (mine.size, mine.crc32c) == (f.size, f.crc32c)]
+                and (mine.size, mine.crc32c) == (f.size, f.crc32c)
+                and not _one_file(own_inodes, held_inodes, f.path)]
         if same:
             folded += _fold_copy(store, own_dir, base, folder, origin, step, same)
     if folded:
         log.info("rank %d: %d file(s) of copies of step %d now held once, as claims on "
                  "this host's own identical files", store.rank, folded, step)
     return folded
+
+
+def _inodes(folder: Path) -> dict[str, int]:
+    """The inode of each regular file directly in ``folder``, from one listing (the
+    directory entries carry them); links and folders are left out."""
+    try:
+        with os.scandir(folder) as entries:
+            return {e.name: e.inode() for e in entries if e.is_file(follow_symlinks=False)}
+    except OSError:
+        return {}
+
+
+def _one_file(own: dict[str, int], held: dict[str, int], path: str) -> bool:
+    """Whether ``path`` names one inode in both listings (already one file). A path
+    in a subfolder is not in either listing: the one-by-one check decides it. A
+    wrong yes could only keep two copies of the bytes, never fold other bytes."""
+    ino = own.get(path)
+    return ino is not None and held.get(path) == ino
 
 
 def _fold_copy(store: LocalStore, own_dir: Path, base: Path, folder: int, origin: int,
