@@ -29,6 +29,22 @@ def process_cpu(pid: int) -> tuple[int, float] | None:
     return int(fields[19]), (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def core_ticks() -> dict[int, tuple[int, int]]:
+    """Per core: (steal, all) clock ticks since boot, from ``/proc/stat``. Steal is
+    the time a VM's core was ready to run and the hypervisor ran something else:
+    on a shared VM, what slows steps that nothing on the machine itself took."""
+    out: dict[int, tuple[int, int]] = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, _, rest = line.partition(" ")
+            if name.startswith("cpu") and name[3:].isdigit():
+                # user nice system idle iowait irq softirq steal (proc(5)); the guest
+                # fields after them are already counted in user and nice.
+                ticks = [int(v) for v in rest.split()[:8]]
+                out[int(name[3:])] = (ticks[7] if len(ticks) > 7 else 0, sum(ticks))
+    return out
+
+
 class Periodic:
     """A thread that calls :meth:`tick` every ``period_s`` while entered; whoever
     enters it joins the thread on exit."""
@@ -67,12 +83,17 @@ class CpuSampler(Periodic):
         self._pids = pids
         # (pid, start time) -> (kind, [(wall time, CPU seconds)])
         self.series: dict[tuple[int, int], tuple[str, list[tuple[float, float]]]] = {}
+        self.cores: list[tuple[float, dict[int, tuple[int, int]]]] = []  # core_ticks()
 
     def tick(self) -> None:
         self.sample()
 
     def sample(self) -> None:
         now = time.time()
+        try:
+            self.cores.append((now, core_ticks()))
+        except OSError:
+            pass  # no /proc/stat: no steal figures
         try:
             groups = self._pids()
         except (OSError, ValueError, KeyError):
@@ -90,3 +111,13 @@ class CpuSampler(Periodic):
             within = [cpu for t, cpu in points if t0 <= t <= t1]
             out[kind] = out.get(kind, 0.0) + (within[-1] - within[0] if within else 0.0)
         return out
+
+    def steal(self, t0: float, t1: float) -> dict[int, float]:
+        """Per core, the share of its time between wall times ``t0`` and ``t1`` that
+        the hypervisor gave to others (empty with fewer than two samples there)."""
+        within = [ticks for t, ticks in self.cores if t0 <= t <= t1]
+        if len(within) < 2:
+            return {}
+        a, b = within[0], within[-1]
+        return {k: (b[k][0] - a[k][0]) / (b[k][1] - a[k][1])
+                for k in sorted(b) if k in a and b[k][1] > a[k][1]}

@@ -29,8 +29,13 @@ the one-time compiles ahead of the one-slice meshes that start with the first
 step, and without the seconds the fault injector itself held training to stage
 a failure: waiting for the save to reach the peer), the figure to hold against
 the 98% target; per kind of failure the median and worst recovery and of each
-stage, and where each step's executable came from. ``--slice-loss-at`` adds
-replica resizes (and the scale-ups after them) to the mix.
+stage, and where each step's executable came from; the hosts' CPU per save
+(``cpu_in_steady_state``) and each core's steal (``steal_by_core``: the share
+of its time the hypervisor ran something else, in the steady state and while
+the reference ran). ``--slice-loss-at`` adds replica resizes (and the
+scale-ups after them) to the mix. ``--failure-every-s 0 --save-interval
+100000`` saves nothing and loses nothing: what the machine's step-time jitter
+alone makes of the figure.
 
 Where the machine has two or more cores, the run is made twice: first pinned as on
 a real host (a TPU host's CPUs are not its accelerators: the threads that run the
@@ -229,6 +234,13 @@ def analyse(records: list[dict[str, Any]], t_launch: float,
         "steady_steps_on_fewer_slices": resized_steps,
         "steady_state_window_s": steady_window,
         "cpu_in_steady_state": None if cpu is None else host_cpu(cpu, records, t_ready, t_end),
+        # The share of each core's time the hypervisor ran something else (steal):
+        # in the steady state, and while the reference run (the noise floor) ran.
+        "steal_by_core": None if cpu is None else {
+            "steady_state": cpu.steal(t_ready, t_end),
+            "reference": cpu.steal(ref["t"] - ref["seconds"], ref["t"]) if ref else None,
+            "definition": "steal clock ticks over all ticks of each core in /proc/stat, "
+                          "sampled every 0.5 s"},
         "injector_held_s": sum(held),
         "target": {"goodput_steady_state": (">=", TARGET_GOODPUT),
                    "failure_every_s": TARGET_FAILURE_EVERY_S},
