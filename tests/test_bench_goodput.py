@@ -1,10 +1,12 @@
 """The goodput benchmark's noise floor (bench/goodput.py): the uninterrupted
-reference run's steps, scored by the median-step ideal the run's figure uses."""
+reference run's steps, scored by the median-step ideal the run's figure uses;
+and each core's steal, the time the hypervisor gave to others (bench/_cpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench._cpu import CpuSampler, core_ticks
 from bench.goodput import noise_floor
 
 
@@ -31,3 +33,16 @@ def test_without_a_reference_there_is_no_floor() -> None:
     steady = _steps({1: [0, 1]})
     assert noise_floor(steady, None) is None
     assert noise_floor(steady, {"losses": [1.0]}) is None
+
+
+def test_steal_is_each_cores_share_of_its_ticks_within_the_window() -> None:
+    ticks = core_ticks()  # this machine's, read from /proc/stat (online cores only)
+    assert ticks and all(k >= 0 for k in ticks)
+    assert all(0 <= steal <= total for steal, total in ticks.values())
+    cpu = CpuSampler(lambda: {})
+    cpu.cores = [(1.0, {0: (10, 1000), 1: (0, 1000)}),
+                 (2.0, {0: (15, 1100), 1: (50, 1100)}),
+                 (3.0, {0: (35, 1200), 1: (50, 1200)})]
+    assert cpu.steal(1.5, 3.5) == {0: 0.2, 1: 0.0}  # core 0: 20 of 100 ticks
+    assert cpu.steal(0.0, 3.0) == {0: 0.125, 1: 0.25}
+    assert cpu.steal(2.5, 3.5) == {}  # one sample: no window
