@@ -69,6 +69,7 @@ from bench._pin import DEVICE_THREADS, Pinner, pinning
 from mtc.elastic.compile_ahead import COMPILE_THREAD
 from mtc.trainer.cluster import STATE, LocalCluster
 from mtc.trainer.demo import REPO, child_env
+from mtc.trainer.device_memory import MODES as DEVICE_MEMORY
 from mtc.trainer.elastic_demo import DEVICES as TRAINER_DEVICES
 from mtc.trainer.policy import PAUSE_POLICIES
 from mtc.trainer.report import final_steps, goodput, ideal_seconds, recovery_by_kind
@@ -234,6 +235,8 @@ def analyse(records: list[dict[str, Any]], t_launch: float,
         "steady_steps_on_fewer_slices": resized_steps,
         "steady_state_window_s": steady_window,
         "cpu_in_steady_state": None if cpu is None else host_cpu(cpu, records, t_ready, t_end),
+        # How the trainer's CPU devices' buffers were had (mtc.trainer.device_memory).
+        "device_memory": ev.get("ready", {}).get("device_memory"),
         # The share of each core's time the hypervisor ran something else (steal):
         # in the steady state, and while the reference run (the noise floor) ran.
         "steal_by_core": None if cpu is None else {
@@ -328,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                         "default, as make demo) or seam requests to their sidecars")
     p.add_argument("--no-snapshot", action="store_true",
                    help="pass --no-snapshot: no per-step host snapshot of the state")
+    p.add_argument("--device-memory", choices=DEVICE_MEMORY, default="pooled",
+                   help="the trainer's --device-memory: its CPU devices' buffers reused as "
+                        "an accelerator's pool reuses them (default), or mapped fresh for "
+                        "each as glibc does by default")
     p.add_argument("--replicator-nice", type=int, default=0, metavar="N",
                    help="the replicators' --nice (default 0, as the demo): on these 2 "
                         "cores the trainer's CPU devices stand in for accelerators, and "
@@ -400,6 +407,7 @@ def run_once(args: argparse.Namespace, out: Path,
                     "--slice-down-steps", str(args.slice_down_steps)]
         if args.no_snapshot:
             cmd.append("--no-snapshot")
+        cmd += ["--device-memory", args.device_memory]
         if not args.reference:
             cmd.append("--no-reference")
         # Pinned, the trainer's threads start on ``loop`` and those that run its

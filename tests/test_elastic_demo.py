@@ -107,6 +107,8 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
                       "--host-loss-when", "mid-save",
                       "--slice-loss-at", "30", "--slice-down-steps", "8")
 
+    # The CPU devices' buffers come from a pool, as an accelerator's do.
+    assert report["config"]["device_memory"] == "pooled"
     host, lost, up = report["failures"]
     assert host["kind"] == "host_loss"
     assert_mid_save_loss_resumed_from_the_snapshot(host)

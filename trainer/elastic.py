@@ -49,6 +49,7 @@ from mtc.trainer.checkpoints import MeshCheckpoints
 from mtc.trainer.cluster import LocalCluster
 from mtc.trainer.collector import CollectorClock
 from mtc.trainer.data import VOCAB, make_iterator
+from mtc.trainer.device_memory import configure as configure_device_memory
 from mtc.trainer.elastic_args import parse_args
 from mtc.trainer.faults import HostFaults
 from mtc.trainer.jsonlog import JsonLog
@@ -462,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.raiseExceptions = True  # as pathwaysutils recommends
+    # Before the first device buffer: every one after comes from the pool.
+    device_memory = configure_device_memory(args.device_memory)
     jlog = JsonLog(args.log)
     jlog.write(event="start", pid=os.getpid())
     cache = args.compile_cache or str(LocalCluster.load(args.cluster).compile_cache_dir())
@@ -469,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     run = ElasticRun(args, jlog)
     jlog.write(event="ready", slices=run.cluster.slices, devices=len(run.devices),
                compile_cache=cache_dir, compile_ahead=args.compile_ahead,
-               pause_policy=args.pause_policy)
+               pause_policy=args.pause_policy, device_memory=device_memory)
     t0 = time.perf_counter()
     try:
         run.run()

@@ -200,6 +200,8 @@ def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
                    "pause_timeout_s": args.pause_timeout_s,
                    "pause_policy": args.pause_policy, "seed": args.seed,
                    "params": ev.get("init", {}).get("params"),
+                   # the CPU devices' buffers (mtc.trainer.device_memory)
+                   "device_memory": ev.get("ready", {}).get("device_memory"),
                    "slices": 2, "hosts_per_slice": 2, "devices": 8,
                    "tolerance": args.tolerance},
     }
