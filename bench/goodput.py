@@ -8,9 +8,10 @@ Prints one JSON object to stdout (progress goes to stderr)::
 
 It drives the demo's trainer, ``mtc.trainer.elastic``, the way ``make demo`` does (a
 :class:`LocalCluster` of 4 replicators in 2 slices, the 3.2M-parameter model,
-the per-step snapshot), with host losses only and a save every 20 steps. What
-training does while the lost host is replaced (``--host-return-s``) is the
-trainer's ``--pause-policy``: by default ``resize``, as pathwaysutils' elastic
+the per-step snapshot, its CPU devices' buffers reused as an accelerator's pool
+reuses them: ``--device-memory``), with host losses only and a save every 20
+steps. What training does while the lost host is replaced (``--host-return-s``)
+is the trainer's ``--pause-policy``: by default ``resize``, as pathwaysutils' elastic
 model has it (go on at once on the surviving slice from the snapshot, scale back
 up from it when the host is back); ``replacement`` pauses for the host and
 restores through mtc from the peer tier. The JSON says which (``pause_policy``).
