@@ -70,7 +70,8 @@ from bench._pin import DEVICE_THREADS, Pinner, pinning
 from mtc.elastic.compile_ahead import COMPILE_THREAD
 from mtc.trainer.cluster import STATE, LocalCluster
 from mtc.trainer.demo import REPO, child_env
-from mtc.trainer.device_memory import MODES as DEVICE_MEMORY
+from mtc.trainer.device_memory import DEFAULT as DEVICE_MEMORY
+from mtc.trainer.device_memory import MODES as DEVICE_MEMORY_MODES
 from mtc.trainer.elastic_demo import DEVICES as TRAINER_DEVICES
 from mtc.trainer.policy import PAUSE_POLICIES
 from mtc.trainer.report import final_steps, goodput, ideal_seconds, recovery_by_kind
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                         "default, as make demo) or seam requests to their sidecars")
     p.add_argument("--no-snapshot", action="store_true",
                    help="pass --no-snapshot: no per-step host snapshot of the state")
-    p.add_argument("--device-memory", choices=DEVICE_MEMORY, default="pooled",
+    p.add_argument("--device-memory", choices=DEVICE_MEMORY_MODES, default=DEVICE_MEMORY,
                    help="the trainer's --device-memory: its CPU devices' buffers reused as "
                         "an accelerator's pool reuses them (default), or mapped fresh for "
                         "each as glibc does by default")

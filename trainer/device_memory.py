@@ -26,6 +26,7 @@ import logging
 log = logging.getLogger(__name__)
 
 MODES = ("pooled", "fresh")
+DEFAULT = "pooled"  # the trainer's and the goodput bench's
 # mallopt(3) parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mtc.trainer.device_memory import DEFAULT as DEVICE_MEMORY
 from mtc.trainer.device_memory import MODES
 from mtc.trainer.model import PRESETS
 from mtc.trainer.policy import PAUSE_POLICIES
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "they run (Pathways' path, the default: a cluster up with "
                         "--colocated-devices), or seam requests")
     p.add_argument("--no-reference", dest="reference", action="store_false")
-    p.add_argument("--device-memory", choices=MODES, default="pooled",
+    p.add_argument("--device-memory", choices=MODES, default=DEVICE_MEMORY,
                    help="the CPU devices' memory: reused as an accelerator's pool reuses "
                         "it (default), or mapped fresh for every buffer as glibc does by "
                         "default (mtc.trainer.device_memory)")
