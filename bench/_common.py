@@ -1,6 +1,6 @@
 """Shared by the benchmarks. Importing it lets a benchmark run as
 ``python bench/<name>.py``: the repository and tests/ (its replicator harness) at
-the end of sys.path, and the repository on PYTHONPATH for the replicator
+the end of sys.path, and the repository at the end of PYTHONPATH for the replicator
 processes it starts with ``python -m``."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ for _p in (str(REPO), str(REPO / "tests")):
     if _p not in sys.path:
         sys.path.append(_p)
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p)
 
 GB = 1e9
 

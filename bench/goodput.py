@@ -62,7 +62,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# After the installed packages (as bench/_common.py): an installed mtc (a wheel, on
+# a host with no index) is the one imported; the checkout gives ``bench``.
+if (_repo := str(Path(__file__).resolve().parents[1])) not in sys.path:
+    sys.path.append(_repo)
 
 from bench._cpu import CpuSampler
 from bench._machine import machine_state
@@ -188,6 +191,11 @@ def analyse(records: list[dict[str, Any]], t_launch: float,
     t_ready = max([first["t"], *(r["t"] for r in ahead)])
     t_ready = min([t_ready, *faults]) if faults else t_ready
     steady = [r for r in ordered if r["t"] - r["step_s"] >= t_ready]
+    if not steady:
+        raise SystemExit(
+            f"no step started in steady state: training ended {t_end - t_ready:+.1f} s after "
+            f"the start-up did (the first step and the compiles ahead it started, done "
+            f"{t_ready - t_launch:.1f} s after launch); train more steps (--steps)")
     # Training held by the fault injector to stage a failure (not recovery):
     # waiting for the save to reach the peer, or for a compile ahead to finish.
     held = [r.get("seconds_waited_before_loss", 0.0) for r in records

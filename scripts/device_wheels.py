@@ -31,23 +31,26 @@ HOST_KEEPS = frozenset({"jax", "jaxlib", "numpy", "scipy", "ml-dtypes", "opt-ein
 
 
 def closure(root: str, requires: Callable[[str], Iterable[str]],
-            keep: Iterable[str] = HOST_KEEPS) -> list[str]:
+            keep: Iterable[str] = HOST_KEEPS, extras: Iterable[str] = ()) -> list[str]:
     """Every distribution ``root`` needs at run time (``requires`` gives one's
-    requirement strings; no extras, markers as this Python evaluates them), less
-    ``root``, ``keep`` and what only they need, sorted."""
+    requirement strings; markers as this Python evaluates them; no extras but
+    ``root``'s own ``extras``), less ``root``, ``keep`` and what only they need,
+    sorted."""
     kept = {canonicalize_name(k) for k in keep}
+    root = canonicalize_name(root)
     seen: set[str] = set()
-    todo = [canonicalize_name(root)]
+    todo = [root]
     while todo:
         name = todo.pop()
         if name in seen or name in kept:
             continue
         seen.add(name)
+        wanted = ("", *extras) if name == root else ("",)
         for line in requires(name):
             req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in wanted):
                 todo.append(canonicalize_name(req.name))
-    return sorted(seen - {canonicalize_name(root)})
+    return sorted(seen - {root})
 
 
 def _installed_requires(name: str) -> list[str]:
@@ -60,10 +63,13 @@ def _installed_requires(name: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("folder", type=Path, help="where the wheels and CLOSURE.txt go")
+    p.add_argument("--extra", action="append", default=[], metavar="NAME",
+                   help="also mtc's extra NAME (trainer: what bench/goodput.py and "
+                        "bench/recovery.py run, the elastic trainer's optax)")
     args = p.parse_args(argv)
     args.folder.mkdir(parents=True, exist_ok=True)
     pins = []
-    for name in closure("mtc", _installed_requires):
+    for name in closure("mtc", _installed_requires, extras=args.extra):
         try:
             pins.append(f"{name}=={md.version(name)}")
         except md.PackageNotFoundError:

@@ -46,3 +46,17 @@ def test_steal_is_each_cores_share_of_its_ticks_within_the_window() -> None:
     assert cpu.steal(1.5, 3.5) == {0: 0.2, 1: 0.0}  # core 0: 20 of 100 ticks
     assert cpu.steal(0.0, 3.0) == {0: 0.125, 1: 0.25}
     assert cpu.steal(2.5, 3.5) == {}  # one sample: no window
+
+
+def test_a_run_that_ends_before_its_steady_state_says_so() -> None:
+    from bench.goodput import analyse
+
+    steps = [{"step": s, "loss": 1.0, "step_s": 0.5, "t": 100.0 + s, "slices": [0, 1],
+              "saved": False} for s in range(1, 6)]
+    records = [{"event": "start", "t": 99.0}, *steps,
+               # The compile ahead the first step started ends after the last step.
+               {"event": "compiled_ahead", "slices": [0], "program": "snapshot",
+                "source": "compiled", "seconds": 9.0, "t": 110.0},
+               {"event": "trained", "t": 105.5, "recoveries": []}]
+    with pytest.raises(SystemExit, match=r"no step started in steady state.*--steps"):
+        analyse(records, 98.0)

@@ -21,13 +21,14 @@ def _script() -> ModuleType:
 
 GRAPH = {
     "mtc": ["jax>=0.10", "Orbax_Checkpoint>=0.12", "grpcio", "pytest; extra == 'dev'",
-            "tomli; python_version < '3.0'"],
+            "optax; extra == 'trainer'", "tomli; python_version < '3.0'"],
     "jax": ["numpy", "jaxlib"],
     "orbax-checkpoint": ["jax", "tensorstore", "protobuf"],
     "tensorstore": ["numpy", "ml_dtypes"],
     "grpcio": ["protobuf"],
     "protobuf": [],
     "pytest": ["pluggy"],
+    "optax": ["jax", "absl-py"],
 }
 
 
@@ -37,6 +38,13 @@ def test_the_closure_follows_requirements_and_leaves_out_what_the_host_keeps() -
     # it brings left to the host; what another package needs (tensorstore, for
     # Orbax) shipped even where the host's JAX once had it.
     assert closure == ["grpcio", "orbax-checkpoint", "protobuf", "tensorstore"]
+
+
+def test_an_extra_of_mtc_adds_its_requirements_and_theirs_only() -> None:
+    closure = _script().closure("mtc", lambda n: GRAPH.get(n, []), extras=["trainer"])
+    # The trainer's optax and what it needs beyond the host's JAX; not dev's pytest.
+    assert closure == ["absl-py", "grpcio", "optax", "orbax-checkpoint", "protobuf",
+                       "tensorstore"]
 
 
 def test_the_closure_of_the_installed_mtc_has_its_runtime_dependencies_only() -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 from mtc.sidecar.host.ports import free_ports
 from mtc.trainer import gcs_emulator
-from mtc.trainer.isolation import Hosts
+from mtc.trainer.isolation import Hosts, with_checkout
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = "cluster.json"
@@ -58,9 +58,7 @@ def default_base(name: str) -> Path:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+    return with_checkout(dict(os.environ))
 
 
 @dataclasses.dataclass

@@ -39,7 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from mtc.trainer.isolation import Hosts
+from mtc.trainer.isolation import Hosts, with_checkout
 from mtc.trainer.jsonlog import JsonTail
 from mtc.trainer.report import max_abs_diff, useful_seconds
 
@@ -54,8 +54,7 @@ def child_env() -> dict[str, str]:
              if not f.startswith("--xla_force_host_platform_device_count")]
     os.environ["XLA_FLAGS"] = " ".join([*flags, DEVICE_FLAG])
     os.environ["JAX_PLATFORMS"] = "cpu"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env = with_checkout(dict(os.environ))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

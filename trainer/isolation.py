@@ -48,6 +48,19 @@ SIDECAR_PORT = 7100  # inside a host's namespace
 REPLICATOR_PORT = 7000
 
 
+def with_checkout(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for the ``python -m`` children of the local cluster and the demos: this
+    checkout at the end of ``PYTHONPATH``, and ``PYTHONSAFEPATH`` set, so that a
+    child started in the checkout does not put its working folder first either.
+    Where mtc is installed from a wheel (an accelerator host with no index), the
+    checkout's own folders would shadow it, and only an install maps ``sidecar/``
+    and ``trainer/`` into the package."""
+    checkout = str(Path(__file__).resolve().parents[1])
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return env | {"PYTHONPATH": os.pathsep.join(
+        [*parts, checkout] if checkout not in parts else parts), "PYTHONSAFEPATH": "1"}
+
+
 def namespaces_available() -> bool:
     """Root, and the tools: ip (netns, veth, bridge), unshare, nsenter."""
     return (os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "unshare", "nsenter"))
