@@ -9,12 +9,16 @@ and children inherit them); :class:`Pinner` moves threads by name (the trainer's
 :data:`DEVICE_THREADS` onto the devices' core) or whole processes (the hosts'):
 every matching thread of every process ``pids()`` names, again every ``period_s``
 (a replaced host is a new process; a new thread inherits its creator's cores).
-Whoever enters it joins its thread on exit."""
+Given a ``nice``, it also lowers the priority of those processes (:func:`lower`):
+on the hosts' cores the trainer's loop, which a real job runs elsewhere (on
+Pathways, on the controller), goes before them. Whoever enters it joins its
+thread on exit."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection
+from pathlib import Path
 
 from bench._cpu import Periodic
 
@@ -54,21 +58,65 @@ def pin_process(pid: int, cores: set[int], named: Collection[str] | None = None)
     return moved
 
 
+def _group(path: Path) -> tuple[str, int]:
+    """A process's autogroup, "/autogroup-123 nice 0", as (name, nice)."""
+    name, nice = path.read_text().split("nice")
+    return name.strip(), int(nice)
+
+
+def lower(pid: int, nice: int) -> bool:
+    """Every thread of ``pid`` at ``nice``, and so is the process's scheduling group
+    (its autogroup: one per session; the local cluster's host processes start
+    their own) unless it is this process's (whose children, the trainer among
+    them, share it): between groups the kernel shares a core by the groups' nice,
+    whatever their threads'. Returns whether the group's is set (or there is none
+    to set); False: to try again (without CAP_SYS_ADMIN the kernel takes one
+    change of any autogroup's nice per tenth of a second, machine-wide)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return True  # gone
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass  # the thread ended meanwhile
+    try:
+        group = Path(f"/proc/{pid}/autogroup")
+        name, now = _group(group)
+        if name == _group(Path("/proc/self/autogroup"))[0]:
+            return True  # this process's group, and the trainer's: not to slow
+        if now != nice:
+            group.write_text(str(nice))
+    except FileNotFoundError:
+        return True  # no autogroups in this kernel, or the process is gone
+    except (OSError, IndexError, ValueError):
+        return False
+    return True
+
+
 class Pinner(Periodic):
     """Keeps the processes ``pids()`` names (only their threads whose OS name is in
-    ``named``, if given) on ``cores``."""
+    ``named``, if given) on ``cores``, and (``nice``) at that nice."""
 
     def __init__(self, pids: Callable[[], list[int]], cores: set[int],
-                 period_s: float = 0.5, named: Collection[str] | None = None) -> None:
+                 period_s: float = 0.5, named: Collection[str] | None = None,
+                 nice: int | None = None) -> None:
         super().__init__("pinner", period_s)
         self._pids = pids
         self.cores = cores
         self.named = named
+        self.nice = nice
         self.moved = 0
 
     def tick(self) -> None:
         try:
             for pid in self._pids():
                 self.moved += pin_process(pid, self.cores, self.named)
+                if self.nice is not None:
+                    # Every time, as the pinning: threads started since, and a
+                    # group's change the kernel's rate limit refused.
+                    lower(pid, self.nice)
         except (OSError, ValueError, KeyError):
             pass  # the cluster's state file is being replaced: next time

@@ -45,7 +45,11 @@ core; the hosts' sidecars and replicators, the trainer's compiles and the rest
 of the trainer (its Python loop, gRPC, snapshots; ``--loop-cores either``: on
 any core) on the others), which gives the figures above, then unpinned (every process where
 the scheduler puts it, competing for the same cores), whose goodput figures are
-under ``unpinned``. ``--no-pin``: the unpinned run alone.
+under ``unpinned``. ``--no-pin``: the unpinned run alone. Pinned, the hosts'
+processes also run at nice 19 (``--host-nice``) below the trainer's loop that
+shares their cores: on Pathways the loop runs on the controller, another
+machine, and no host's work delays it; on a core of their own they keep every
+cycle the loop leaves (most: the loop's Python is light).
 """
 
 from __future__ import annotations
@@ -351,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
                         "the replicators' work after a save takes the cores from them; "
                         "19 measures what that contention costs (a busy trainer then "
                         "starves the peer tier, whose lag grows: see steps_lost)")
+    p.add_argument("--host-nice", type=int, default=19, metavar="N",
+                   help="pinned: the nice of the hosts' sidecars and replicators (their "
+                        "threads' and their scheduling groups'), below the trainer's loop "
+                        "that shares their cores: a real job's loop runs elsewhere "
+                        "(Pathways: on the controller) and never waits for them; they "
+                        "still have every cycle it leaves. 0: left as they start")
     p.add_argument("--loop-cores", choices=("hosts", "either"), default="hosts",
                    help="pinned: where the trainer's threads other than its devices' run "
                         "(its Python loop, gRPC, snapshots): on the hosts' cores (default: "
@@ -454,7 +464,8 @@ def run_once(args: argparse.Namespace, out: Path,
         compiles = (Pinner(trainer_pid, pin[1], named=COMPILE_THREADS) if pin
                     else contextlib.nullcontext())
         with (out / "elastic.log").open("wb") as f, CpuSampler(pids) as cpu, \
-                (Pinner(host_pids, pin[1]) if pin else contextlib.nullcontext()), devices, \
+                (Pinner(host_pids, pin[1], nice=args.host_nice or None) if pin
+                 else contextlib.nullcontext()), devices, \
                 compiles:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
                                     cwd=REPO, preexec_fn=pinning(loop) if pin else None)
@@ -471,6 +482,7 @@ def run_once(args: argparse.Namespace, out: Path,
                              "trainer_other_threads_cores": sorted(loop),
                              "device_threads": sorted(DEVICE_THREADS),
                              "device_threads_moved": devices.moved,
+                             "host_nice": args.host_nice,
                              "compile_threads": sorted(COMPILE_THREADS)}
                             if pin and isinstance(devices, Pinner) else None)
         return result

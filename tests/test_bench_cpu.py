@@ -164,3 +164,35 @@ def test_the_machine_probe_measures_memory_and_leaves_nothing(tmp_path: Path) ->
                         "anonymous_new_pages_gibps", "load_1m"}
     assert all(v > 0 for k, v in got.items() if k.endswith("gibps"))
     assert list(tmp_path.iterdir()) == []  # its probe file and folder are gone
+
+
+def test_lowering_a_host_sets_every_thread_and_its_own_group_never_ours() -> None:
+    from bench._pin import Pinner, lower
+
+    threads = "import threading, time\n" \
+              "[threading.Thread(target=time.sleep, args=(5,)).start() for _ in range(3)]\n" \
+              "time.sleep(5)\n"
+    # A host's process leads its own session (its own scheduling group), as the
+    # local cluster starts them; a trainer shares the bench's.
+    host = subprocess.Popen([sys.executable, "-c", threads], start_new_session=True)
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    ours = Path("/proc/self/autogroup")
+    before = ours.read_text() if ours.exists() else None
+    try:
+        time.sleep(0.5)  # its threads started
+        with Pinner(lambda: [host.pid], set(os.sched_getaffinity(0)), period_s=0.1, nice=7):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not lower(host.pid, 7):
+                time.sleep(0.1)  # the kernel's rate limit on group changes
+        tids = [int(t) for t in os.listdir(f"/proc/{host.pid}/task")]
+        assert len(tids) == 4
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {7}
+        if before is not None:
+            assert Path(f"/proc/{host.pid}/autogroup").read_text().split()[-1] == "7"
+            assert lower(trainer.pid, 7)  # in our group: its threads only
+            assert ours.read_text() == before
+            assert os.getpriority(os.PRIO_PROCESS, trainer.pid) == 7
+    finally:
+        for p in (host, trainer):
+            p.kill()
+            p.wait()
