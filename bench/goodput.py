@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         unpinned = run_once(args, out / "unpinned", None)
         result["unpinned"] = {k: v for k, v in unpinned.items()
                               if k.startswith(("goodput", "noise_floor"))
-                              and not k.endswith("definition")}
+                              and not k.endswith(("definition", "definition_text"))}
     else:
         result = run_once(args, out, None)
     result["pause_policy"] = args.pause_policy
