@@ -38,18 +38,19 @@ scale-ups after them) to the mix. ``--failure-every-s 0 --save-interval
 100000`` saves nothing and loses nothing: what the machine's step-time jitter
 alone makes of the figure.
 
-Where the machine has two or more cores, the run is made twice: first pinned as on
-a real host (a TPU host's CPUs are not its accelerators: the threads that run the
+Where the machine has two or more cores, the run is made twice: first pinned as on a
+real host (a TPU host's CPUs are not its accelerators: the threads that run the
 trainer's CPU devices' programs, standing in for the accelerators, alone on one
-core; the hosts' sidecars and replicators, the trainer's compiles and the rest
-of the trainer (its Python loop, gRPC, snapshots; ``--loop-cores either``: on
-any core) on the others), which gives the figures above, then unpinned (every process where
+core; the hosts' sidecars and replicators, the trainer's compiles and the rest of
+the trainer (its Python loop, gRPC, snapshots; ``--loop-cores either``: on any core)
+on the others), which gives the figures above, then unpinned (every process where
 the scheduler puts it, competing for the same cores), whose goodput figures are
-under ``unpinned``. ``--no-pin``: the unpinned run alone. Pinned, the hosts'
-processes also run at nice 19 (``--host-nice``) below the trainer's loop that
-shares their cores: on Pathways the loop runs on the controller, another
-machine, and no host's work delays it; on a core of their own they keep every
-cycle the loop leaves (most: the loop's Python is light).
+under ``unpinned`` (it loses a host after the same saves as the pinned run: its
+steps, on both cores, take less wall time). ``--no-pin``: the unpinned run alone.
+Pinned, the hosts' processes also run at nice 19 (``--host-nice``) below the
+trainer's loop that shares their cores: on Pathways the loop runs on the controller,
+another machine, and no host's work delays it; on a core of their own they keep
+every cycle the loop leaves (most: the loop's Python is light).
 """
 
 from __future__ import annotations
@@ -383,10 +384,17 @@ def main(argv: list[str] | None = None) -> int:
         # As on a real host: the trainer's devices alone on one core, the hosts'
         # sidecars and replicators on the others; then the same run unpinned.
         result = run_once(args, out / "pinned", ({cores[0]}, set(cores[1:])))
-        unpinned = run_once(args, out / "unpinned", None)
+        # Unpinned, the same steps take less wall time (both cores run them): lost
+        # every --failure-every-s seconds it could lose no host at all. It loses
+        # one after the same saves as the pinned run did instead.
+        at = [f["step_at_failure"] for f in result["failures"] if f["kind"] == "host_loss"]
+        unpinned = run_once(args, out / "unpinned", None,
+                            host_loss_at=at if args.failure_every_s > 0 else None)
         result["unpinned"] = {k: v for k, v in unpinned.items()
                               if k.startswith(("goodput", "noise_floor"))
                               and not k.endswith(("definition", "definition_text"))}
+        result["unpinned"]["host_losses_after_saves_of"] = [
+            f["step_at_failure"] for f in unpinned["failures"] if f["kind"] == "host_loss"]
     else:
         result = run_once(args, out, None)
     result["pause_policy"] = args.pause_policy
@@ -397,10 +405,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_once(args: argparse.Namespace, out: Path,
-             pin: tuple[set[int], set[int]] | None) -> dict[str, Any]:
+             pin: tuple[set[int], set[int]] | None,
+             host_loss_at: list[int] | None = None) -> dict[str, Any]:
     """One run of the trainer against a fresh cluster; ``pin``: (the cores of the
     trainer's devices, the hosts' cores), or None to let the scheduler place
-    everything."""
+    everything. ``host_loss_at``: lose a host after the saves of these steps
+    instead of every ``--failure-every-s`` seconds."""
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "elastic.jsonl"
     jsonl.unlink(missing_ok=True)
@@ -414,10 +424,12 @@ def run_once(args: argparse.Namespace, out: Path,
         cmd = [sys.executable, "-m", "mtc.trainer.elastic", "--cluster", str(base),
                "--log", str(jsonl), "--steps", str(args.steps),
                "--save-interval", str(args.save_interval),
-               "--host-loss-at", ",".join(str(s) for s in range(
-                   args.host_loss_every, args.steps, args.host_loss_every))
-               if args.host_loss_every > 0 else "",
-               "--host-loss-every-s", str(args.failure_every_s),
+               "--host-loss-at", ",".join(str(s) for s in sorted(
+                   {*(host_loss_at or ()), *(range(args.host_loss_every, args.steps,
+                                                   args.host_loss_every)
+                                             if args.host_loss_every > 0 else ())})),
+               "--host-loss-every-s", str(0.0 if host_loss_at is not None
+                                          else args.failure_every_s),
                "--host-loss-when", args.host_loss_when, "--model", args.model,
                "--host-return-s", str(args.host_return_s),
                "--pause-policy", args.pause_policy, "--dispatch", args.dispatch,
