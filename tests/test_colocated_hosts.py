@@ -268,6 +268,44 @@ def test_a_poll_between_saves_never_holds_a_training_step(hosts: Hosts, mesh: Me
         dispatch._poll = real
 
 
+def test_a_poll_that_waited_behind_a_stage_still_spaces_the_next(hosts: Hosts, mesh: Mesh,
+                                                                 tmp_path: Path) -> None:
+    """The interval between polls counts from when a poll starts: one that waited
+    on the call thread (behind a stage in flight there) is not followed by
+    another sooner than POLL_INTERVAL_S after it reached the hosts."""
+    from mtc.dispatch.colocated import POLL_INTERVAL_S
+
+    w = jax.device_put(np.ones((8, 16), np.float32),
+                       NamedSharding(mesh, PartitionSpec("replica", "model")))
+    opts = dataclasses.replace(colocated_options(hosts), save_interval_steps=400)
+    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh, options=opts) as mgr:
+        dispatch = mgr._dispatch  # type: ignore[attr-defined]
+        real = dispatch._poll
+        polls: list[float] = []
+
+        def timed_poll(*args: object) -> object:
+            polls.append(time.monotonic())
+            time.sleep(0.2)
+            return real(*args)
+
+        dispatch._poll = timed_poll
+        # Newer than the step the test before saves, older than the next test's.
+        assert mgr.save(400, {"w": w})  # in flight, unwaited: polled off the interval
+        t0 = time.monotonic()
+        # The call thread busy for 0.8 s from just before the first poll is due.
+        time.sleep(max(0.0, POLL_INTERVAL_S - 0.1 - (time.monotonic() - t0)))
+        busy = dispatch._async.submit(time.sleep, 0.8)
+        for step in range(401, 500):  # none due; bounded: 5 s at most
+            assert not mgr.save(step, {"w": w})
+            if len(polls) >= 2:
+                break
+            time.sleep(0.05)
+        busy.result()
+        dispatch._poll = real
+        assert len(polls) >= 2, polls
+        assert polls[1] - polls[0] >= POLL_INTERVAL_S, polls
+
+
 def test_two_managers_over_the_same_devices_each_reach_their_own_hosts(
         hosts: Hosts, mesh: Mesh, tmp_path: Path) -> None:
     """Two managers open at once over the same CPU devices, each with its own

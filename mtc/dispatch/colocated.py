@@ -314,7 +314,15 @@ class ColocatedDispatch(HostCalls):
             self._polling = self._invoke(self._poll, self._small_ranks)
             return
         # Behind a stage in flight, on the same thread: calls to a host stay in order.
-        self._polling = self._invoke_later(self._poll, self._small_ranks)
+        self._polling = self._invoke_later(self._poll_from_now, self._small_ranks)
+
+    def _poll_from_now(self, ranks: Any) -> Any:
+        """The background poll, on the call thread. It may start well after it was
+        asked for (behind a stage in flight there); the interval to the next one
+        counts from its start, so the hosts see polls at most every
+        POLL_INTERVAL_S."""
+        self._polled = time.monotonic()
+        return self._poll(ranks)
 
     def save(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
              hosts: Sequence[int], before_send: BeforeSend) -> bool:
