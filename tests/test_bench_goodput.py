@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench._cpu import CpuSampler, core_ticks
-from bench.goodput import noise_floor
+from bench._goodput_figures import noise_floor
 
 
 def _steps(meshes: dict[int, list[int]]) -> list[dict[str, object]]:
@@ -49,7 +49,7 @@ def test_steal_is_each_cores_share_of_its_ticks_within_the_window() -> None:
 
 
 def test_a_run_that_ends_before_its_steady_state_says_so() -> None:
-    from bench.goodput import analyse
+    from bench._goodput_figures import analyse
 
     steps = [{"step": s, "loss": 1.0, "step_s": 0.5, "t": 100.0 + s, "slices": [0, 1],
               "saved": False} for s in range(1, 6)]

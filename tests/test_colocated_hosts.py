@@ -12,9 +12,7 @@ see a step file.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,88 +220,6 @@ def test_a_restores_arrays_come_back_through_reply_slots_never_refilled_under_th
             assert np.all(np.asarray(mgr.restore(step, target)["w"]) == step)
         assert names() - saved == replies  # refilled, not made anew
     assert [sorted(p.name for p in h.area.iterdir()) for h in hosts.hosts] == [[]] * 4
-
-
-def test_a_poll_between_saves_never_holds_a_training_step(hosts: Hosts, mesh: Mesh,
-                                                         tmp_path: Path) -> None:
-    """While a save is in flight, ``save`` off the interval (every training step)
-    polls the hosts at most every POLL_INTERVAL_S in the background: a slow round
-    trip never holds the step, and what the poll raised comes out of a later
-    ``save``, typed and naming the host."""
-    from mtc.dispatch.colocated import POLL_INTERVAL_S
-    from mtc.errors import StorageError
-
-    w = jax.device_put(np.ones((8, 16), np.float32),
-                       NamedSharding(mesh, PartitionSpec("replica", "model")))
-    opts = dataclasses.replace(colocated_options(hosts), save_interval_steps=300)
-    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh, options=opts) as mgr:
-        dispatch = mgr._dispatch  # type: ignore[attr-defined]
-        real = dispatch._poll
-        polls: list[float] = []
-
-        def slow_poll(*args: object) -> object:  # a host's round trip of 0.5 s
-            polls.append(time.monotonic())
-            time.sleep(0.5)
-            if len(polls) == 3:
-                raise StorageError("the RAM disk failed", host=2)
-            return real(*args)
-
-        dispatch._poll = slow_poll
-        # Newer than every step the module's other tests left complete on its hosts,
-        # older than the one the next test saves: due on its own.
-        assert mgr.save(300, {"w": w})
-        longest = 0.0
-        t0 = time.monotonic()
-        with pytest.raises(StorageError, match="RAM disk failed") as e:
-            for step in range(301, 600):  # none due; bounded: 15 s at most
-                t = time.monotonic()
-                assert not mgr.save(step, {"w": w})
-                longest = max(longest, time.monotonic() - t)
-                time.sleep(0.05)
-        took = time.monotonic() - t0
-        assert e.value.host == 2
-        assert longest < 0.25, longest  # no step waited for a 0.5 s poll
-        assert len(polls) == 3 and took < 4 * POLL_INTERVAL_S + 2, (polls, took)
-        assert all(b - a >= POLL_INTERVAL_S for a, b in itertools.pairwise(polls))
-        dispatch._poll = real
-
-
-def test_a_poll_that_waited_behind_a_stage_still_spaces_the_next(hosts: Hosts, mesh: Mesh,
-                                                                 tmp_path: Path) -> None:
-    """The interval between polls counts from when a poll starts: one that waited
-    on the call thread (behind a stage in flight there) is not followed by
-    another sooner than POLL_INTERVAL_S after it reached the hosts."""
-    from mtc.dispatch.colocated import POLL_INTERVAL_S
-
-    w = jax.device_put(np.ones((8, 16), np.float32),
-                       NamedSharding(mesh, PartitionSpec("replica", "model")))
-    opts = dataclasses.replace(colocated_options(hosts), save_interval_steps=400)
-    with mtc.CheckpointManager(tmp_path / "controller", mesh=mesh, options=opts) as mgr:
-        dispatch = mgr._dispatch  # type: ignore[attr-defined]
-        real = dispatch._poll
-        polls: list[float] = []
-
-        def timed_poll(*args: object) -> object:
-            polls.append(time.monotonic())
-            time.sleep(0.2)
-            return real(*args)
-
-        dispatch._poll = timed_poll
-        # Newer than the step the test before saves, older than the next test's.
-        assert mgr.save(400, {"w": w})  # in flight, unwaited: polled off the interval
-        t0 = time.monotonic()
-        # The call thread busy for 0.8 s from just before the first poll is due.
-        time.sleep(max(0.0, POLL_INTERVAL_S - 0.1 - (time.monotonic() - t0)))
-        busy = dispatch._async.submit(time.sleep, 0.8)
-        for step in range(401, 500):  # none due; bounded: 5 s at most
-            assert not mgr.save(step, {"w": w})
-            if len(polls) >= 2:
-                break
-            time.sleep(0.05)
-        busy.result()
-        dispatch._poll = real
-        assert len(polls) >= 2, polls
-        assert polls[1] - polls[0] >= POLL_INTERVAL_S, polls
 
 
 def test_two_managers_over_the_same_devices_each_reach_their_own_hosts(

@@ -309,18 +309,14 @@ class ColocatedDispatch(HostCalls):
             self._collect()  # raises a background error the hosts reported
         if time.monotonic() - self._polled < POLL_INTERVAL_S:
             return
-        self._polled = time.monotonic()
-        if self._async is None:  # a Pathways call returns at once; its answer comes later
-            self._polling = self._invoke(self._poll, self._small_ranks)
-            return
-        # Behind a stage in flight, on the same thread: calls to a host stay in order.
-        self._polling = self._invoke_later(self._poll_from_now, self._small_ranks)
+        # A Pathways call returns at once (its answer comes later); the local cluster's
+        # goes behind a stage in flight, on the same thread: a host's calls stay in order.
+        invoke = self._invoke if self._async is None else self._invoke_later
+        self._polling = invoke(self._poll_from_now, self._small_ranks)
 
     def _poll_from_now(self, ranks: Any) -> Any:
-        """The background poll, on the call thread. It may start well after it was
-        asked for (behind a stage in flight there); the interval to the next one
-        counts from its start, so the hosts see polls at most every
-        POLL_INTERVAL_S."""
+        """A poll between saves; the interval counts from its start, which may wait
+        behind a stage on the call thread."""
         self._polled = time.monotonic()
         return self._poll(ranks)
 
