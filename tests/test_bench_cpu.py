@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,20 +56,35 @@ def test_a_window_without_samples_counts_nothing() -> None:
     assert cpu.seconds(0.0, time.time()) == {}
 
 
+# Three threads besides the main one, alive until stdin closes; it says when they run
+# (a loaded machine may take longer to start a process than any fixed wait: CI's did).
+THREADS = """
+import sys, threading
+done = threading.Event()
+[threading.Thread(target=done.wait).start() for _ in range(3)]
+print("running", flush=True)
+sys.stdin.read()
+done.set()
+"""
+
+
+def _threaded(**popen: Any) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", THREADS], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, **popen)
+    assert proc.stdout is not None and proc.stdout.readline() == "running\n"
+    return proc
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores")
 def test_pinning_moves_every_thread_and_the_trainer_starts_pinned() -> None:
     from bench._pin import Pinner, pinning
 
     cores = sorted(os.sched_getaffinity(0))
     host, trainer = {cores[-1]}, {cores[0]}
-    threads = "import threading, time\n" \
-              "[threading.Thread(target=time.sleep, args=(5,)).start() for _ in range(3)]\n" \
-              "time.sleep(5)\n"
-    hostproc = subprocess.Popen([sys.executable, "-c", threads])
-    trainerproc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"],
+    hostproc = _threaded()
+    trainerproc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                    preexec_fn=pinning(trainer))
     try:
-        time.sleep(0.5)  # its threads started
         with Pinner(lambda: [hostproc.pid], host, period_s=0.05) as p:
             deadline = time.monotonic() + 5
             while p.moved < 4 and time.monotonic() < deadline:
@@ -79,7 +95,7 @@ def test_pinning_moves_every_thread_and_the_trainer_starts_pinned() -> None:
     finally:
         for proc in (hostproc, trainerproc):
             proc.kill()
-            proc.wait()
+            proc.communicate()  # and closes its pipes
 
 
 # A JAX process on CPU devices: it runs programs on 4 devices for about a second and
@@ -169,17 +185,13 @@ def test_the_machine_probe_measures_memory_and_leaves_nothing(tmp_path: Path) ->
 def test_lowering_a_host_sets_every_thread_and_its_own_group_never_ours() -> None:
     from bench._pin import Pinner, lower
 
-    threads = "import threading, time\n" \
-              "[threading.Thread(target=time.sleep, args=(5,)).start() for _ in range(3)]\n" \
-              "time.sleep(5)\n"
     # A host's process leads its own session (its own scheduling group), as the
     # local cluster starts them; a trainer shares the bench's.
-    host = subprocess.Popen([sys.executable, "-c", threads], start_new_session=True)
-    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    host = _threaded(start_new_session=True)
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     ours = Path("/proc/self/autogroup")
     before = ours.read_text() if ours.exists() else None
     try:
-        time.sleep(0.5)  # its threads started
         with Pinner(lambda: [host.pid], set(os.sched_getaffinity(0)), period_s=0.1, nice=7):
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and not lower(host.pid, 7):
@@ -195,4 +207,4 @@ def test_lowering_a_host_sets_every_thread_and_its_own_group_never_ours() -> Non
     finally:
         for p in (host, trainer):
             p.kill()
-            p.wait()
+            p.communicate()  # and closes its pipes
