@@ -10,7 +10,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,14 +24,13 @@ from mtc.sidecar.backup.job import BackupStore
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
-from mtc.trainer.isolation import Hosts
+from mtc.trainer.isolation import Hosts, with_checkout
 
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there
 TIMEOUT_S = 6.0  # the restore's and the agreement's deadline
 SLACK_S = 15.0  # what a bounded wait may take beyond its deadline on a loaded machine
 BUCKET = "mtc-net"
-REPO = Path(__file__).resolve().parents[1]
 
 
 # -- the cluster ------------------------------------------------------------------------
@@ -46,8 +44,7 @@ class Net:
         self.emulator_url = emulator_url
         self.addrs = [hosts.replicator_address(i, PORT) for i in range(4)]
         self.token = hosts.token()
-        self.env = {**os.environ, "PYTHONPATH": str(REPO),
-                    "STORAGE_EMULATOR_HOST": emulator_url}
+        self.env = with_checkout(dict(os.environ)) | {"STORAGE_EMULATOR_HOST": emulator_url}
 
     def start_replicator(self, i: int) -> None:
         h = self.hosts

@@ -39,7 +39,7 @@ from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
-from mtc.trainer.isolation import Hosts
+from mtc.trainer.isolation import Hosts, with_checkout
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -287,10 +287,9 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def env_with_repo() -> dict[str, str]:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    """The environment for the harness's children: the checkout after whatever the
+    environment names (the local cluster's rule: an installed mtc wins)."""
+    return with_checkout(dict(os.environ))
 
 
 def commit_mtc_step(root: Path, step: int, files: dict[str, bytes], *, host: int,
@@ -392,7 +391,7 @@ def sidecar_hosts(name: str, slices: list[int], **kw: Any) -> Iterator[Hosts]:
     """Isolated hosts under /dev/shm with a sidecar each (``kw`` for :class:`Hosts`);
     taken down after, their sidecars' logs printed for a failure's report."""
     hs = Hosts(Path("/dev/shm") / f"mtc-{name}-{uuid.uuid4().hex[:8]}", len(slices), **kw)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = env_with_repo()
     try:
         for i in range(len(slices)):
             hs.start_sidecar(i, slices, env=env)

@@ -102,7 +102,7 @@ def test_a_bridge_in_that_namespace_drops_its_ports_traffic(docker_like: str) ->
 def test_the_local_cluster_comes_up_and_down_behind_that_firewall(docker_like: str) -> None:
     base = Path("/dev/shm") / f"mtc-fw-{uuid.uuid4().hex[:8]}"
     inside = ("ip", "netns", "exec", docker_like, sys.executable, "-m", "mtc.trainer.cluster")
-    before = set(sh("ip", "netns", "list").stdout.split())
+    tag = None
     try:
         up = sh(*inside, "up", "--base", str(base), "--slices", "2", "--hosts-per-slice", "1",
                 timeout=240)
@@ -111,7 +111,9 @@ def test_the_local_cluster_comes_up_and_down_behind_that_firewall(docker_like: s
         assert status.returncode == 0, status.stdout + status.stderr
         # Host to host, as replication and the agreement go: from host 0's
         # namespace to host 1's replicator, and back.
-        hosts = json.loads((base / "cluster.json").read_text())["machine"]["hosts"]
+        machine = json.loads((base / "cluster.json").read_text())["machine"]
+        hosts, tag = machine["hosts"], machine["tag"]
+        assert {f"mtc{tag}h0", f"mtc{tag}h1"} <= _netns_names()  # seen from out here
         for a, b in ((0, 1), (1, 0)):
             # Into the host's namespace through its sidecar (namespaces made under
             # `ip netns exec` are not mounted by name out here).
@@ -125,5 +127,12 @@ def test_the_local_cluster_comes_up_and_down_behind_that_firewall(docker_like: s
         down = sh(*inside, "down", "--base", str(base), check=False, timeout=120)
         shutil.rmtree(base, ignore_errors=True)
     assert down.returncode == 0, down.stderr
-    # The cluster's namespaces are gone with it.
-    assert set(sh("ip", "netns", "list").stdout.split()) <= before
+    # The cluster's namespaces are gone with it (only its own: the other lane's
+    # clusters come and go meanwhile).
+    assert tag is not None
+    assert {n for n in _netns_names() if n.startswith(f"mtc{tag}")} == set()
+
+
+def _netns_names() -> set[str]:
+    return {line.split()[0] for line in sh("ip", "netns", "list").stdout.splitlines()
+            if line.strip()}

@@ -25,7 +25,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.security import Credentials
-from mtc.trainer.isolation import Hosts
+from mtc.trainer.isolation import Hosts, with_checkout
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -76,9 +76,7 @@ def test_restore_after_host_lost_names_the_host(hosts: Hosts, mesh: Mesh,
         mgr.save(1, state)
         mgr.wait_until_finished()
     hosts.kill(2)  # its processes, and with namespaces its RAM disk
-    hosts.start_sidecar(2, SLICES,
-                        env={**os.environ,
-                             "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    hosts.start_sidecar(2, SLICES, env=with_checkout(dict(os.environ)))
     with mtc.CheckpointManager(tmp_path, mesh=mesh, options=_opts(hosts)) as mgr:
         if hosts.isolation == "namespaces":
             assert mgr.all_steps() == []  # host 2 came back empty
@@ -96,7 +94,7 @@ class Replicators:
     def __init__(self, hosts: Hosts, *, quiet_s: float = 2.0) -> None:
         self.hosts = hosts
         self.quiet_s = quiet_s  # --restore-quiet-seconds
-        self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        self.env = with_checkout(dict(os.environ))
         ports = [7000] * 4 if hosts.isolation == "namespaces" else free_ports(4)
         self.addrs = [hosts.replicator_address(i, ports[i]) for i in range(4)]
         for i in range(4):
