@@ -1,7 +1,7 @@
 """Shared by the benchmarks. Importing it lets a benchmark run as
 ``python bench/<name>.py``: the repository and tests/ (its replicator harness) at
 the end of sys.path, and the repository at the end of PYTHONPATH for the replicator
-processes it starts with ``python -m``."""
+processes it starts with ``python -m`` (``with_checkout``, as the local cluster)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from typing import Any
 
 from _machine import machine_state
 
+from mtc.trainer.isolation import with_checkout
+
 REPO = Path(__file__).resolve().parent.parent
 
 # After the installed packages: an installed mtc (a wheel, as on an accelerator
@@ -27,8 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 for _p in (str(REPO), str(REPO / "tests")):
     if _p not in sys.path:
         sys.path.append(_p)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p)
+# The replicator processes it starts with `python -m`: the local cluster's rule.
+os.environ.update(with_checkout(dict(os.environ)))
 
 GB = 1e9
 
