@@ -58,14 +58,14 @@ def pin_process(pid: int, cores: set[int], named: Collection[str] | None = None)
     return moved
 
 
-# Where this process's scheduling group shows (a module name: a test stands in for it).
+# Where this process's scheduling group shows (a module attribute: a test stands in).
 SELF_GROUP = Path("/proc/self/autogroup")
 
 
 def _group(path: Path) -> tuple[str, int] | None:
     """A process's autogroup, "/autogroup-123 nice 0", as (name, nice); None where
-    the file shows none: the kernel's root group, of processes whose session began
-    before autogroups did (CI's runner: its own, not the hosts')."""
+    the file reads empty: the kernel's root group, of a process no ancestor of which
+    started a session since boot (CI's runner; the hosts it starts lead their own)."""
     text = path.read_text()
     if not text.strip():
         return None
