@@ -64,8 +64,8 @@ SELF_GROUP = Path("/proc/self/autogroup")
 
 def _group(path: Path) -> tuple[str, int] | None:
     """A process's autogroup, "/autogroup-123 nice 0", as (name, nice); None where
-    the file reads empty: the kernel's root group, of a process no ancestor of which
-    started a session since boot (CI's runner; the hosts it starts lead their own)."""
+    the file reads empty: the process is in the kernel's root group, not one of its
+    session's own (CI's runner is; the hosts it starts lead their own sessions)."""
     text = path.read_text()
     if not text.strip():
         return None
