@@ -5,10 +5,12 @@ every test's files live under (nothing may reach another host's RAM disk)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,8 +153,19 @@ class Net:
         assert pid is not None
         return pid
 
-    def health(self) -> HealthWatch:
-        return HealthWatch(list(self.cluster.addrs))
+    def health(self, ranks: tuple[int, ...] = (0, 1)) -> HealthWatch:
+        return HealthWatch([self.cluster.addrs[r] for r in ranks])
+
+    @contextlib.contextmanager
+    def paused(self, rank: int) -> Iterator[None]:
+        """Rank ``rank``'s replicator stopped (SIGSTOP) for the block, resumed after:
+        a test of the other's bounds that must not meet this one's own traffic."""
+        pid = self.replicator_pid(rank)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def assert_outside_intact(self) -> None:
         """Nothing outside the hosts' roots was written, moved or deleted."""

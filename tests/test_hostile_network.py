@@ -318,11 +318,16 @@ def test_fetches_are_bounded_and_follow_no_symlink(net: Net) -> None:
 def test_streams_cannot_freeze_a_replicator(net: Net) -> None:
     """Forty health Watch streams (no credentials) and thirty-six pushes at one byte a
     second (with the token): health Check and inventories still answer; the streams
-    beyond their bound are refused at once; the slow pushes end at their deadline."""
+    beyond their bound are refused at once; the slow pushes end at their deadline.
+
+    Rank 0's replicator is paused meanwhile: it pushes its older step 1 to rank 1
+    again (rank 1 keeps two copies of rank 0's steps, 10 and the 40 of an earlier
+    test, and drops step 1), and its offer, of rank 0's as the test's, replaces the
+    one open transfer of that origin: the test's pushes then all found none (CI)."""
     ch1 = net.channel(1)
     stub = pb_grpc.ReplicatorStub(ch1)
     watches = []
-    with net.health():
+    with net.paused(0), net.health(ranks=(1,)):
         watch_ch = net.channel(1)
         for _ in range(40):
             call = health_pb2_grpc.HealthStub(watch_ch).Watch(health_pb2.HealthCheckRequest(),
