@@ -121,7 +121,11 @@ def test_a_late_ask_of_an_abandoned_restore_never_replaces_the_newer_one() -> No
     t = time.time_ns()
     with ThreadPoolExecutor(3) as ex:
         newer = [ex.submit(c.decide_for, r, "new", 5.0, t) for r in (1, 2)]
-        time.sleep(0.2)  # both asks held, rank 0 not yet asking
+        # Both asks held, rank 0 not yet asking: waited for, not a fixed time (a
+        # loaded machine may start the threads later; the old ask would come first).
+        deadline = time.monotonic() + 10
+        while not {1, 2} <= set(c._asks) and time.monotonic() < deadline:
+            time.sleep(0.01)
         with pytest.raises(AgreementError, match="older restore of this rank") as e:
             c.decide_for(2, "old", 5.0, t - 10**9)
         assert e.value.host == 2
