@@ -214,7 +214,7 @@ def test_lowering_a_host_sets_every_thread_and_its_own_group_never_ours() -> Non
         assert len(tids) == 4
         assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {7}
         if ours is not None:
-            assert _group_nice(host.pid) in ("7", None)  # None: no autogroups at all
+            assert _group_nice(host.pid) == "7"  # a session leader's group is its own
             assert _lowered(trainer.pid, 7)  # in our group: its threads only
             assert SELF_GROUP.read_text() == ours
             assert os.getpriority(os.PRIO_PROCESS, trainer.pid) == 7
@@ -233,7 +233,9 @@ def test_a_host_is_lowered_where_our_own_process_shows_no_group(
     if not Path("/proc/self/autogroup").exists():
         pytest.skip("this kernel has no autogroups")
     root = tmp_path / "autogroup"
-    root.write_text("")  # a stand-in for the root group's file: a mock, ours is not
+    # A stand-in for the root group's file (a mock: this process is not in the root
+    # group, and no process can join it).
+    root.write_text("")
     monkeypatch.setattr(pin, "SELF_GROUP", root)
     host = _threaded(start_new_session=True)
     try:

@@ -322,8 +322,9 @@ def test_streams_cannot_freeze_a_replicator(net: Net) -> None:
 
     Rank 0's replicator is paused meanwhile: it pushes its older step 1 to rank 1
     again (rank 1 keeps two copies of rank 0's steps, 10 and the 40 of an earlier
-    test, and drops step 1), and its offer, of rank 0's as the test's, replaces the
-    one open transfer of that origin: the test's pushes then all found none (CI)."""
+    test, and drops step 1), and its offer, from the same origin as the test's,
+    replaces the one open transfer of that origin: on CI the test's pushes then all
+    found none."""
     ch1 = net.channel(1)
     stub = pb_grpc.ReplicatorStub(ch1)
     watches = []
