@@ -16,6 +16,7 @@ import grpc
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from replicators import env_with_repo
 
 import mtc
 from mtc.proto import replicator_pb2 as pb
@@ -24,7 +25,7 @@ from mtc.sidecar.backup.job import BackupStore
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
-from mtc.trainer.isolation import Hosts, with_checkout
+from mtc.trainer.isolation import Hosts
 
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there
@@ -44,7 +45,7 @@ class Net:
         self.emulator_url = emulator_url
         self.addrs = [hosts.replicator_address(i, PORT) for i in range(4)]
         self.token = hosts.token()
-        self.env = with_checkout(dict(os.environ)) | {"STORAGE_EMULATOR_HOST": emulator_url}
+        self.env = env_with_repo() | {"STORAGE_EMULATOR_HOST": emulator_url}
 
     def start_replicator(self, i: int) -> None:
         h = self.hosts

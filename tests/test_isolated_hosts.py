@@ -8,7 +8,6 @@ work. The controller's arrays are on 8 CPU devices grouped into 4 hosts.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -18,14 +17,14 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import save_two_and_restore, sidecar_hosts, wait_healthy
+from replicators import env_with_repo, save_two_and_restore, sidecar_hosts, wait_healthy
 
 import mtc
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.security import Credentials
-from mtc.trainer.isolation import Hosts, with_checkout
+from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -76,7 +75,7 @@ def test_restore_after_host_lost_names_the_host(hosts: Hosts, mesh: Mesh,
         mgr.save(1, state)
         mgr.wait_until_finished()
     hosts.kill(2)  # its processes, and with namespaces its RAM disk
-    hosts.start_sidecar(2, SLICES, env=with_checkout(dict(os.environ)))
+    hosts.start_sidecar(2, SLICES, env=env_with_repo())
     with mtc.CheckpointManager(tmp_path, mesh=mesh, options=_opts(hosts)) as mgr:
         if hosts.isolation == "namespaces":
             assert mgr.all_steps() == []  # host 2 came back empty
@@ -94,7 +93,7 @@ class Replicators:
     def __init__(self, hosts: Hosts, *, quiet_s: float = 2.0) -> None:
         self.hosts = hosts
         self.quiet_s = quiet_s  # --restore-quiet-seconds
-        self.env = with_checkout(dict(os.environ))
+        self.env = env_with_repo()
         ports = [7000] * 4 if hosts.isolation == "namespaces" else free_ports(4)
         self.addrs = [hosts.replicator_address(i, ports[i]) for i in range(4)]
         for i in range(4):
