@@ -86,6 +86,9 @@ class LocalCluster:
     # measures both (--replicator-nice).
     replicator_nice: int = 0
     emulator: dict[str, Any] | None = None  # the GCS emulator backed up to: url, pid
+    # The replicators back up every this many steps (None: hourly, in effect only
+    # when asked: ``mtc backup``, a restore that needs the backup).
+    backup_every_steps: int | None = None
     _hosts: Hosts | None = dataclasses.field(default=None, repr=False, compare=False)
     _channels: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False,
                                                   compare=False)
@@ -210,7 +213,9 @@ class LocalCluster:
             "--local-dir", str(self.root(rank)), "--listen", self.addresses[rank],
             "--nodes", ",".join(self.addresses), "--rank", str(rank),
             "--nodes-per-slice", str(self.hosts_per_slice), "--replicas", "1",
-            "--backup", self.backup, "--backup-interval-minutes", "60",
+            "--backup", self.backup,
+            *(("--backup-interval-steps", str(self.backup_every_steps))
+              if self.backup_every_steps else ("--backup-interval-minutes", "60")),
             "--poll-seconds", str(self.poll_seconds),
             "--straggler-wait-seconds", str(self.straggler_wait_seconds),
             "--nice", str(self.replicator_nice),
@@ -306,11 +311,13 @@ class LocalCluster:
     @classmethod
     def up(cls, base: Path, *, slices: int = 2, hosts_per_slice: int = 2,
            backup: str | None = None, isolation: str | None = None,
-           colocated_devices: int = 0, replicator_nice: int = 0) -> LocalCluster:
+           colocated_devices: int = 0, replicator_nice: int = 0,
+           backup_every_steps: int | None = None) -> LocalCluster:
         """``colocated_devices``: the trainer's CPU devices, split among the hosts'
         sidecars, which then also run colocated-Python programs
         (``Options(dispatch="colocated")``); 0: they serve seam requests only.
-        ``replicator_nice``: the replicators' ``--nice`` (see the field)."""
+        ``replicator_nice``: the replicators' ``--nice``; ``backup_every_steps``:
+        theirs ``--backup-interval-steps`` (see the fields)."""
         if (base / STATE).exists():
             raise SystemExit(f"a cluster already runs in {base} (take it down first)")
         base.mkdir(parents=True, exist_ok=True)
@@ -331,7 +338,7 @@ class LocalCluster:
             cluster = cls(base, slices, hosts_per_slice,
                           [hosts.replicator_address(r) for r in range(n)], hosts.to_json(),
                           backup, replicator_nice=replicator_nice, emulator=emulator,
-                          _hosts=hosts)
+                          backup_every_steps=backup_every_steps, _hosts=hosts)
             cluster.start_hosts(list(range(n)))
             # Serving is not reaching: every host must reach every other (and this
             # namespace them), or the cluster says why now, not in a restore later.

@@ -1,0 +1,254 @@
+"""A local cluster for restore-after-failure tests: hosts as real processes, faults as calls.
+
+:class:`TestCluster` is :class:`mtc.trainer.cluster.LocalCluster` (the cluster
+``mtc-cluster up`` starts, and the demos run on) with the calls a test needs:
+``options()`` for the test's own ``CheckpointManager``, faults (SIGKILLs, an
+emptied RAM disk, a partition) and waits on what the replicators report. Every
+host is its own sidecar and replicator; the test's process reaches a host only
+through them (its RAM disk is the host's alone: a private tmpfs with root,
+else a folder only the host's processes use).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mtc.testing import replicas
+from mtc.trainer.cluster import LocalCluster, default_base
+
+if TYPE_CHECKING:
+    import mtc
+
+LOG_TAIL_CHARS = 3000  # of each host's logs, printed when a test fails on the cluster
+
+
+class ScriptError(subprocess.CalledProcessError):
+    """A training script :meth:`TestCluster.run_script` ran failed: the message ends
+    with its output's end."""
+
+    def __str__(self) -> str:
+        return (f"{super().__str__()}\n--- stdout ---\n{(self.stdout or '')[-LOG_TAIL_CHARS:]}"
+                f"\n--- stderr ---\n{(self.stderr or '')[-LOG_TAIL_CHARS:]}")
+
+
+class TestCluster:
+    """``slices`` x ``hosts_per_slice`` hosts, each a sidecar and a replicator; the
+    replicators keep one peer copy of each host's steps in another slice and back up
+    to ``backup`` (default a folder of the cluster's own).
+
+    Hosts are numbered ``0 .. num_hosts - 1``, slice by slice (host ``h`` is in
+    slice ``h // hosts_per_slice``), as :meth:`options` numbers them for mtc."""
+
+    __test__ = False  # a class named Test*: not a pytest test class
+
+    def __init__(self, local: LocalCluster) -> None:
+        self.local = local
+
+    @classmethod
+    def up(cls, *, slices: int = 2, hosts_per_slice: int = 2, base: Path | None = None,
+           backup: str | None = None, backup_every_steps: int | None = None) -> TestCluster:
+        """Start every host and wait until each serves. ``backup``: a URL
+        (``file://``, ``gs://`` with ``STORAGE_EMULATOR_HOST``) or ``"gcs-emulator"``
+        (needs ``mtc[dev]``: a fake-gcs-server of the cluster's own);
+        ``backup_every_steps``: the replicators back up every that many steps
+        (default: only when asked, :meth:`request_backup`)."""
+        base = base or default_base(f"testing-{uuid.uuid4().hex[:8]}")
+        return cls(LocalCluster.up(base, slices=slices, hosts_per_slice=hosts_per_slice,
+                                   backup=backup, backup_every_steps=backup_every_steps))
+
+    def down(self) -> None:
+        """SIGKILL every process of every host; remove the namespaces and the folders."""
+        self.local.down_latest()
+
+    # -- what a test's CheckpointManager needs ------------------------------------------
+
+    @property
+    def slices(self) -> int:
+        return self.local.slices
+
+    @property
+    def hosts_per_slice(self) -> int:
+        return self.local.hosts_per_slice
+
+    @property
+    def num_hosts(self) -> int:
+        return self.local.num_hosts
+
+    @property
+    def local_dir(self) -> Path:
+        """The ``CheckpointManager``'s directory: each host's steps are on its own RAM
+        disk, reached through its sidecar, so this folder of the test's stays empty."""
+        path = self.local.base / "controller"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def options(self, **kw: Any) -> mtc.Options:
+        """``mtc.Options`` of a controller of every host: ``kw`` as a training job's
+        (``save_interval_steps=10``, ...), plus the hosts' sidecars, the replicators
+        and their token. The job's devices are grouped into :attr:`num_hosts` hosts."""
+        import mtc  # here: starting a cluster needs no JAX
+
+        return mtc.Options(**{
+            "simulated_hosts": self.num_hosts, "hosts_per_slice": self.hosts_per_slice,
+            "sidecars": self.local.sidecars(), "replicators": tuple(self.local.addresses),
+            "replicator_token": self.local.token(), **kw})
+
+    def script_env(self) -> dict[str, str]:
+        """The environment a training script run on this cluster gets
+        (:meth:`run_script`): ``MTC_TESTING_CLUSTER``, which
+        :func:`mtc.testing.options_from_env` reads."""
+        return {**self.local.env(), "MTC_TESTING_CLUSTER": str(self.local.base)}
+
+    # -- faults ---------------------------------------------------------------------
+
+    def kill_host(self, host: int) -> None:
+        """The host is lost: its sidecar and replicator SIGKILLed, its RAM disk gone
+        with them. It stays down until :meth:`restart_host`."""
+        self.local.lose_host(host)
+
+    def lose_slice(self, slice_: int) -> None:
+        """Every host of slice ``slice_`` is lost (:meth:`kill_host`)."""
+        for h in self.local.hosts_of_slice(slice_):
+            self.kill_host(h)
+
+    def wipe_ram_disk(self, *hosts: int) -> None:
+        """The hosts' machines restart: their processes SIGKILLed and their RAM disks
+        gone, all of them before any comes back, then each serves again at its
+        address, empty (a replaced node). Returns when they serve."""
+        for h in hosts:
+            self.kill_host(h)
+        self._start_empty(list(hosts))
+
+    def _start_empty(self, hosts: list[int]) -> None:
+        for h in hosts:
+            self.local.root(h).mkdir(parents=True, exist_ok=True)  # without namespaces
+        self.local.start_hosts(hosts)
+
+    def restart_host(self, host: int) -> None:
+        """Start the host's processes again and wait until they serve. A host that
+        is down (:meth:`kill_host`) comes back empty. A running host's sidecar and
+        replicator are SIGKILLed and restarted one after the other, so its RAM disk
+        stays, as a pod's memory volume outlives its containers."""
+        h = self.local.hosts.hosts[host]
+        if h.sidecar_pid is None and h.replicator_pid is None:
+            self._start_empty([host])
+            return
+        self.local.hosts.kill_sidecar(host)  # the replicator keeps the RAM disk meanwhile
+        self.local.start_sidecar(host)
+        self.kill_replicator(host)  # the new sidecar keeps it now
+        self.start_replicator(host)
+
+    def kill_replicator(self, host: int) -> None:
+        """SIGKILL the host's replicator alone (its sidecar keeps the RAM disk)."""
+        self.local.kill(host)
+        self.local.save()
+
+    def start_replicator(self, host: int) -> None:
+        """Start the host's replicator again (after :meth:`kill_replicator`) and wait
+        until it serves."""
+        self.local.launch(host)
+        self.local.wait_serving(host)
+
+    def partition(self, *groups: Sequence[int]) -> None:
+        """Hosts reach only the hosts of their own group (a host in no group reaches
+        every host); this process still reaches every host. Needs root (network
+        namespaces): a RuntimeError otherwise. :meth:`heal` undoes it."""
+        self.local.hosts.partition(groups)
+
+    def heal(self) -> None:
+        """Undo every :meth:`partition`."""
+        self.local.hosts.heal()
+
+    # -- waits on what the replicators report -----------------------------------------
+
+    def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
+        """Until every host's data of ``step`` is held by a host of another slice
+        (a TimeoutError naming the hosts whose copy is missing after ``timeout``)."""
+        replicas.wait_replicated(self._ask, step, self.local.slice_list(), timeout)
+
+    def wait_backed_up(self, step: int, timeout: float = 60.0) -> None:
+        """Until ``step`` is complete in the backup (every host's data and the commit
+        marker, as the replicators list it)."""
+        replicas.wait_backed_up(self.backed_up, step, timeout)
+
+    def request_backup(self) -> int:
+        """Back up the newest step every host holds, now (as ``mtc backup``); returns
+        that step (-1: none)."""
+        return replicas.request_backup(self.local.addresses[0], self.local.token())
+
+    def held(self) -> dict[int, set[tuple[int, int]]]:
+        """Per running host, the (origin host, step) copies its replicator holds."""
+        return {h: got for h in range(self.num_hosts)
+                if (got := self._ask(h)) is not None}
+
+    def _ask(self, host: int) -> set[tuple[int, int]] | None:
+        if not self.local.alive(host):
+            return None
+        return replicas.held(self.local.addresses[host], host, self.local.token())
+
+    def backed_up(self) -> list[int]:
+        """The steps complete in the backup, as a running replicator lists them."""
+        for h in range(self.num_hosts):
+            if self.local.alive(h):
+                return replicas.backed_up(self.local.addresses[h], h, self.local.token())
+        return []
+
+    # -- a training script ------------------------------------------------------------
+
+    def run_script(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                   timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+        """Run ``python argv...`` (a training script) as a controller of this cluster,
+        with :meth:`script_env` and ``env``; its output captured. A script that exits
+        non-zero raises ``subprocess.CalledProcessError`` whose message carries the
+        end of its output."""
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                              timeout=timeout, env={**self.script_env(), **(env or {})},
+                              check=False)
+        if proc.returncode != 0:
+            raise ScriptError(proc.returncode, [sys.executable, *argv], proc.stdout,
+                              proc.stderr)
+        return proc
+
+    # -- reports --------------------------------------------------------------------
+
+    def log_tails(self, n: int = LOG_TAIL_CHARS) -> str:
+        """The end of every host's sidecar and replicator logs."""
+        out = []
+        for h in range(self.num_hosts):
+            for what in ("sidecar", "replicator"):
+                out.append(f"--- host {h} {what} ---\n{self.local.hosts.log_tail(h, what, n)}")
+        return "\n".join(out)
+
+
+@contextmanager
+def local_cluster(*, slices: int = 2, hosts_per_slice: int = 2, base: Path | None = None,
+                  backup: str | None = None, backup_every_steps: int | None = None
+                  ) -> Iterator[TestCluster]:
+    """:meth:`TestCluster.up`, taken down on leaving; when the block raises, the
+    hosts' log tails go to stderr first."""
+    cluster = TestCluster.up(slices=slices, hosts_per_slice=hosts_per_slice, base=base,
+                             backup=backup, backup_every_steps=backup_every_steps)
+    try:
+        yield cluster
+    except BaseException:
+        print(cluster.log_tails(), file=sys.stderr)
+        raise
+    finally:
+        cluster.down()
+
+
+def options_from_env(**kw: Any) -> mtc.Options:
+    """In a script :meth:`TestCluster.run_script` started: the cluster's
+    :meth:`TestCluster.options`."""
+    base = os.environ.get("MTC_TESTING_CLUSTER")
+    if not base:
+        raise RuntimeError("MTC_TESTING_CLUSTER is not set: run the script with "
+                           "TestCluster.run_script")
+    return TestCluster(LocalCluster.load(Path(base))).options(**kw)

@@ -1,0 +1,83 @@
+"""mtc.testing's cluster as a user's test drives it: the context manager, each fault,
+the waits, and the tier every host restores from after it (real sidecars and
+replicators, SIGKILLs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mtc
+from mtc.testing import (
+    TestCluster,
+    assert_same_values,
+    assert_tiers,
+    local_cluster,
+    record_restores,
+)
+
+pytestmark = pytest.mark.process  # every test here starts hosts
+
+
+def train(cluster: TestCluster, num_steps: int) -> dict[str, Any]:
+    """Resume from the newest step, train to ``num_steps``, saving every 10."""
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    w = jnp.arange(32 * 8, dtype=jnp.float32).reshape(32, 8)
+    state = {"w": jax.device_put(w, NamedSharding(mesh, P("data"))), "step": 0}
+    opts = cluster.options(save_interval_steps=10, restore_timeout_s=60)
+    with mtc.CheckpointManager(cluster.local_dir, mesh=mesh, options=opts) as mgr:
+        if (step := mgr.latest_step()) is not None:
+            state = mgr.restore(step, target=state)
+        for step in range(state["step"], num_steps):
+            state = {"w": jnp.cos(state["w"]) * 2 + step, "step": step + 1}
+            mgr.save(step + 1, state)
+    return state
+
+
+def restored_after(cluster: TestCluster, num_steps: int) -> tuple[dict[str, Any], dict[int, str]]:
+    with record_restores() as seen:
+        state = train(cluster, num_steps)
+    assert len(seen) == 1 and seen[0].step == num_steps, seen
+    return state, seen[0].tiers
+
+
+def test_each_fault_restores_from_the_tier_it_leaves(tmp_path: Path) -> None:
+    with local_cluster(slices=2, hosts_per_slice=2, base=Path("/dev/shm") / tmp_path.name
+                       ) as cluster:
+        at_20 = train(cluster, 20)
+        cluster.wait_replicated(20, timeout=30)
+        assert cluster.request_backup() == 20
+        cluster.wait_backed_up(20, timeout=30)
+        assert 20 in cluster.backed_up()
+
+        # Processes restarted, RAM disks kept: every host's own copy.
+        cluster.restart_host(2)
+        cluster.kill_replicator(0)
+        cluster.start_replicator(0)
+        assert (2, 20) in cluster.held()[2] and (0, 20) in cluster.held()[0]
+        got, tiers = restored_after(cluster, 20)
+        assert_tiers(tiers, "local")
+        assert_same_values(got, at_20)
+
+        # A slice lost and replaced empty: its hosts' data from the other slice.
+        cluster.lose_slice(1)
+        assert set(cluster.held()) == {0, 1}
+        cluster.restart_host(2)
+        cluster.restart_host(3)
+        got, tiers = restored_after(cluster, 20)
+        assert_tiers(tiers, {0: "local", 1: "local", 2: "peer", 3: "peer"})
+        assert_same_values(got, at_20)
+
+        # Every machine restarted: only the backup is left.
+        cluster.wipe_ram_disk(0, 1, 2, 3)
+        assert not any(cluster.held().values())
+        got, tiers = restored_after(cluster, 20)
+        assert_tiers(tiers, "backup")
+        assert_same_values(got, at_20)
