@@ -4,6 +4,12 @@
                                          (not mtc's) and leftovers on a RAM disk
     mtc status --nodes ADDR0,ADDR1,...   every host's steps on every tier (via replicators)
     mtc backup --node ADDR               back up the newest complete step now
+    mtc certs --out DIR --ranks N        a CA, a certificate per replicator rank and
+                                         the controller's, for mutual TLS
+
+``status --nodes`` and ``backup`` reach the replicators with ``--token-file``, with
+mutual TLS (``--tls-cert --tls-key --tls-ca``: a certificate of the job's CA that
+names no rank, as the controller's), or both.
 
 ``status`` exits 1 when a node it was asked about is down, or its configuration
 disagrees with its peers'.
@@ -25,10 +31,18 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.security import Credentials
 
 
-def _creds(token_file: str | None) -> Credentials:
+def _creds(args: argparse.Namespace) -> Credentials:
     from mtc.sidecar.replicator.security import Credentials
 
-    return Credentials.from_files(token_file, None, None, None)
+    return Credentials.from_files(args.token_file, args.tls_cert, args.tls_key, args.tls_ca)
+
+
+def _credential_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", help="file holding the replicators' shared token")
+    p.add_argument("--tls-cert", help="certificate for mutual TLS (PEM; the controller's: "
+                                      "one that names no rank)")
+    p.add_argument("--tls-key", help="its private key (PEM)")
+    p.add_argument("--tls-ca", help="the CA that signs the replicators' certificates (PEM)")
 
 
 def _roots(local_dir: Path) -> list[Path]:
@@ -75,14 +89,14 @@ def _size(n: int) -> str:
     return f"{x:.1f} {unit}"
 
 
-def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
+def status(nodes: list[str], creds: Credentials, as_json: bool) -> int:
     from mtc.proto import replicator_pb2 as pb
     from mtc.sidecar.replicator.client import PeerClient, PeerError
 
     rows: list[dict[str, Any]] = []
     backed: list[int] = []
     for rank, addr in enumerate(nodes):
-        client = PeerClient(addr, _creds(token_file), rank=rank, deadline_s=5.0)
+        client = PeerClient(addr, creds, rank=rank, deadline_s=5.0)
         try:
             inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
             ident = client.call("GetInventory", pb.InventoryRequest(identify=True), attempts=1)
@@ -137,17 +151,33 @@ def _replication(ident: Any) -> str:
     return f"{word}: step {ident.unreplicated_step} {ident.unreplicated_seconds:.0f}s"
 
 
-def backup(node: str, token_file: str | None) -> int:
+def backup(node: str, creds: Credentials) -> int:
     from mtc.proto import replicator_pb2 as pb
     from mtc.sidecar.replicator.client import PeerClient
 
-    client = PeerClient(node, _creds(token_file), rank=-1)
+    client = PeerClient(node, creds, rank=-1)
     try:
         reply = client.call("RequestBackup", pb.BackupRequest(step=-1), deadline_s=3600,
                             attempts=1)
     finally:
         client.close()
     print(f"backed up step {reply.step}" if reply.step >= 0 else "nothing to back up")
+    return 0
+
+
+def certs_doc() -> str:
+    from mtc import certs as mod
+
+    return mod.__doc__ or ""
+
+
+def certs(args: argparse.Namespace) -> int:
+    from mtc import certs as mod
+
+    hosts = [h for h in args.hosts.split(",") if h] if args.hosts else []
+    for path in mod.issue(Path(args.out), args.ranks, hosts=hosts,
+                          controller_name=args.controller_name, days=args.days):
+        print(path)
     return 0
 
 
@@ -160,18 +190,32 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--nodes", help="replicator addresses, in rank order")
     where.add_argument("--local-dir", help="a RAM disk (or the folder of host-<i> roots), "
                                             "read directly")
-    s.add_argument("--token-file")
+    _credential_flags(s)
     s.add_argument("--json", action="store_true")
     b = sub.add_parser("backup", help="back up the newest complete step now")
     b.add_argument("--node", required=True, help="any replicator's address")
-    b.add_argument("--token-file")
+    _credential_flags(b)
+    c = sub.add_parser("certs", help="a CA and certificates for mutual TLS (outside "
+                                     "Kubernetes)", description=certs_doc())
+    c.add_argument("--out", required=True, help="folder to write them to (files in it are "
+                                                 "never replaced)")
+    c.add_argument("--ranks", required=True, type=int, help="how many replicators")
+    c.add_argument("--hosts", help="the address (DNS name or IP) each rank's host is "
+                                   "dialled at, comma-separated in rank order (default: "
+                                   "loopback only)")
+    c.add_argument("--controller-name", default="mtc-controller",
+                   help="subject and DNS name of the controller's certificate, which names "
+                        "no rank (default mtc-controller)")
+    c.add_argument("--days", type=int, default=365, help="validity (default 365)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "status" and args.local_dir:
             return local_status(Path(args.local_dir), args.json)
         if args.cmd == "status":
-            return status(args.nodes.split(","), args.token_file, args.json)
-        return backup(args.node, args.token_file)
+            return status(args.nodes.split(","), _creds(args), args.json)
+        if args.cmd == "certs":
+            return certs(args)
+        return backup(args.node, _creds(args))
     except (MtcError, OSError) as e:
         print(f"mtc: {e}", file=sys.stderr)
         return 1

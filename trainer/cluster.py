@@ -417,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster {base}: hosts stopped, RAM disks removed")
         return 0
     from mtc.cli import status
+    from mtc.sidecar.replicator.security import Credentials
 
-    return status(c.addresses, str(c.token_file()), False)
+    return status(c.addresses, Credentials(token=c.token()), False)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "gRPC)")
     p.add_argument("--nodes", required=True,
                    help="every node's replicator address, comma-separated, in rank order")
-    p.add_argument("--rank", type=int, help="this node's rank (default: from replicator.yaml)")
-    p.add_argument("--nodes-per-slice", type=int, default=1, help="hosts per slice")
+    p.add_argument("--rank", type=int,
+                   help="this node's rank (without it: Orbax's client's, from its "
+                        "replicator.yaml, refused with --framework mtc or --nodes-per-slice)")
+    p.add_argument("--nodes-per-slice", type=int,
+                   help="hosts per slice (default 1: with one slice, every host a slice of "
+                        "its own, so that each host has a peer)")
     p.add_argument("--replicas", type=int, default=1,
                    help="peer copies of each step, in other slices (default 1)")
     p.add_argument("--keep", type=int, default=2, help="own steps kept (default 2)")
@@ -82,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="address the metrics are served on (default loopback: they carry no "
                         "authentication; the pod's address to let Prometheus scrape them)")
     p.add_argument("--port-file", help="write the bound gRPC port here once serving")
-    p.add_argument("--framework", choices=("mtc", "orbax"), default="mtc")
+    p.add_argument("--framework", choices=("mtc", "orbax"),
+                   help="whose steps: mtc's (default with --rank) or Orbax's client's "
+                        "(default without --rank)")
     p.add_argument("--poll-seconds", type=float, default=0.2,
                    help="how often the root is looked at anyway (default 0.2); a step "
                         "renamed into it starts its copy at once where inotify works")
@@ -147,6 +153,22 @@ def lower_priority(nice: int) -> None:
     priority.lower_group_priority(nice)
 
 
+def rankless_start(args: argparse.Namespace) -> None:
+    """Without ``--rank`` a replicator waits for Orbax's client's ``replicator.yaml``
+    to learn its rank. A command line that says mtc (``--framework mtc``, or
+    ``--nodes-per-slice``, which the yaml gives in Orbax's case) and forgot
+    ``--rank`` is refused, rather than waiting for a file mtc never writes."""
+    if args.rank is not None:
+        return
+    said = [f for f, given in (("--framework mtc", args.framework == "mtc"),
+                               ("--nodes-per-slice", args.nodes_per_slice is not None))
+            if given]
+    if said:
+        raise ConfigError(f"no --rank, but {' and '.join(said)}: give each host's replicator "
+                          "its --rank (without --rank a replicator serves Orbax's client, "
+                          "which names the rank in its replicator.yaml)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.nice:
@@ -159,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     nodes = tuple(args.nodes.split(","))
-    rank, per_slice, framework = args.rank, args.nodes_per_slice, args.framework
+    rank, per_slice = args.rank, args.nodes_per_slice or 1
+    framework = args.framework or "mtc"
     request = None
     try:
+        rankless_start(args)
         if rank is None:
             # Orbax's client tells us who we are through replicator.yaml (or a request
             # taken before a restart and not answered yet: serve it now).
