@@ -188,6 +188,18 @@ def test_colocated_image_keeps_the_bases_jax() -> None:
                for w, r in stages["colocated-python"])
 
 
+def test_the_example_bases_take_mtc() -> None:
+    """Every colocated-Python base tag Dockerfile.sidecar names as an example carries a
+    jax that pyproject allows, and the one it says to pick is the trainer image's."""
+    text = DOCKERFILES["sidecar"].read_text()
+    named = re.findall(r"jax_(\d+\.\d+\.\d+)", text)
+    assert named, "Dockerfile.sidecar names no example base"
+    allowed = requirement("jax").specifier
+    for v in named:
+        assert allowed.contains(v), f"example base with jax {v}: below mtc's {allowed}"
+    assert lock()["jax"] in named
+
+
 def test_images_run_as_non_root_with_health_checks() -> None:
     for df in DOCKERFILES.values():
         for stage, ins in final_stages(df).items():

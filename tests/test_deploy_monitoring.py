@@ -95,7 +95,7 @@ def test_alert_rules_are_one_set_with_runbooks(
     alerts = {r["alert"] for r in rules}
     # Replication lag, backup age, quarantined files, failures.
     assert alerts >= {"MtcReplicationLagging", "MtcBackupStale", "MtcNoBackup",
-                      "MtcFilesQuarantined", "MtcReplicatorFailing"}
+                      "MtcFilesQuarantined", "MtcReplicatorFailing", "MtcConfigMismatch"}
     runbook = (REPO / "docs" / "operations.md").read_text()
     headings = {re.sub(r"[^a-z0-9-]", "", h.strip().lower().replace(" ", "-"))
                 for h in re.findall(r"^#+ (.+)$", runbook, re.M)}
@@ -129,6 +129,14 @@ def test_alerts_read_what_a_replicator_exports(tmp_path: Path) -> None:
             families = list(text_string_to_metric_families(r.read().decode()))
         names = {f.name + ("_total" if f.type == "counter" else "") for f in families}
         assert wanted <= names, wanted - names
+        # docs/operations.md's metrics table has a row for every series mtc exports.
+        table = (REPO / "docs" / "operations.md").read_text().split("## Alerts")[0]
+        listed = set(re.findall(r"`(mtc_[a-z_]+)", table))
+        for full, tail in re.findall(r"`(mtc_[a-z_]+)`, `(_[a-z_]+)`", table):
+            listed.add(full.rsplit("_", 2)[0] + tail)  # `mtc_x_sent_total`, `_received_total`
+        # (A counter's ``_created`` series is the client library's, not a metric of its own.)
+        mtc_names = {n for n in names if n.startswith("mtc_") and not n.endswith("_created")}
+        assert mtc_names <= listed, f"not in docs/operations.md: {sorted(mtc_names - listed)}"
         assert before["mtc_backup_interval_seconds"] == 1800
         assert before["mtc_backup_last_success_timestamp_seconds"] == 0
         cl.commit(0, 4, {"a.bin": b"x" * 1024})
