@@ -39,6 +39,7 @@ from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
+from mtc.testing import replicas
 from mtc.trainer.isolation import Hosts, with_checkout
 
 if TYPE_CHECKING:
@@ -243,18 +244,15 @@ class Cluster:
         raise TimeoutError(f"missing after {timeout}s: {sorted(want - self.held())}")
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        """Until every rank's step is held by every rank's targets (replicas=1, 2 slices)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            held = set()
-            for r in range(self.n):
-                if r in self.procs:
-                    held |= {(r, c.origin_rank, c.step) for c in self.inventory(r).copies}
-            want = {((o + self.per_slice) % self.n, o, step) for o in range(self.n)}
-            if want <= held:
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"step {step} not replicated in {timeout}s")
+        """Until every rank's step is held by a rank of another slice (mtc.testing's
+        condition, the one users' tests wait on)."""
+        def ask(r: int) -> set[tuple[int, int]] | None:
+            if r not in self.procs:
+                return None
+            return {(c.origin_rank, c.step) for c in self.inventory(r).copies}
+
+        replicas.wait_replicated(ask, step, [r // self.per_slice for r in range(self.n)],
+                                 timeout)
 
 
 def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials,
