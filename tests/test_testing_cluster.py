@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import mtc
 from mtc.testing import (
+    ScriptError,
     TestCluster,
     assert_same_values,
     assert_tiers,
@@ -39,6 +40,27 @@ def train(cluster: TestCluster, num_steps: int) -> dict[str, Any]:
             state = {"w": jnp.cos(state["w"]) * 2 + step, "step": step + 1}
             mgr.save(step + 1, state)
     return state
+
+
+SCRIPT = """
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+import mtc
+from mtc.testing import TestCluster
+
+mesh = Mesh(np.array(jax.devices()), ("data",))
+cluster = TestCluster.from_env()  # the cluster that runs this script
+options = cluster.options(save_interval_steps=10)
+with mtc.CheckpointManager(cluster.local_dir, mesh=mesh, options=options) as mgr:
+    step = mgr.latest_step()
+    state = mgr.restore(step)
+    print("resumed", step, mgr.last_restore_tier)
+    assert mgr.save(int(sys.argv[1]), state)
+"""
 
 
 def restored_after(cluster: TestCluster, num_steps: int) -> tuple[dict[str, Any], dict[int, str]]:
@@ -81,3 +103,13 @@ def test_each_fault_restores_from_the_tier_it_leaves(tmp_path: Path) -> None:
         got, tiers = restored_after(cluster, 20)
         assert_tiers(tiers, "backup")
         assert_same_values(got, at_20)
+
+        # A training script run as the cluster's controller, on the same options.
+        script = tmp_path / "train.py"
+        script.write_text(SCRIPT)
+        out = cluster.run_script([str(script), "30"]).stdout.split()
+        assert out == ["resumed", "20", "local"], out
+        cluster.wait_replicated(30, timeout=30)
+        with pytest.raises(ScriptError, match=r"(?s)exit status 3.*--- stderr ---\n.*no such"):
+            cluster.run_script(["-c", "import sys; print('no such thing', file=sys.stderr); "
+                                      "sys.exit(3)"])

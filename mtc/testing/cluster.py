@@ -63,6 +63,16 @@ class TestCluster:
         return cls(LocalCluster.up(base, slices=slices, hosts_per_slice=hosts_per_slice,
                                    backup=backup, backup_every_steps=backup_every_steps))
 
+    @classmethod
+    def from_env(cls) -> TestCluster:
+        """In a script :meth:`run_script` started: the cluster that runs it (its
+        ``local_dir``, ``options()``, waits and faults)."""
+        base = os.environ.get("MTC_TESTING_CLUSTER")
+        if not base:
+            raise RuntimeError("MTC_TESTING_CLUSTER is not set: run the script with "
+                               "TestCluster.run_script")
+        return cls(LocalCluster.load(Path(base)))
+
     def down(self) -> None:
         """SIGKILL every process of every host; remove the namespaces and the folders."""
         self.local.down_latest()
@@ -102,8 +112,7 @@ class TestCluster:
 
     def script_env(self) -> dict[str, str]:
         """The environment a training script run on this cluster gets
-        (:meth:`run_script`): ``MTC_TESTING_CLUSTER``, which
-        :func:`mtc.testing.options_from_env` reads."""
+        (:meth:`run_script`): ``MTC_TESTING_CLUSTER``, which :meth:`from_env` reads."""
         return {**self.local.env(), "MTC_TESTING_CLUSTER": str(self.local.base)}
 
     # -- faults ---------------------------------------------------------------------
@@ -246,9 +255,5 @@ def local_cluster(*, slices: int = 2, hosts_per_slice: int = 2, base: Path | Non
 
 def options_from_env(**kw: Any) -> mtc.Options:
     """In a script :meth:`TestCluster.run_script` started: the cluster's
-    :meth:`TestCluster.options`."""
-    base = os.environ.get("MTC_TESTING_CLUSTER")
-    if not base:
-        raise RuntimeError("MTC_TESTING_CLUSTER is not set: run the script with "
-                           "TestCluster.run_script")
-    return TestCluster(LocalCluster.load(Path(base))).options(**kw)
+    :meth:`TestCluster.options` (``TestCluster.from_env().options(**kw)``)."""
+    return TestCluster.from_env().options(**kw)
