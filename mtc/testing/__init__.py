@@ -6,7 +6,10 @@ processes, a RAM disk of its own) that a test starts as a pytest fixture
 (:meth:`TestCluster.kill_host`, ``wipe_ram_disk``, ``kill_replicator``,
 ``lose_slice``, ``partition``, ``restart_host``); waits on what the replicators
 report (``wait_replicated``, ``wait_backed_up``); and the assertions such a test
-makes (:func:`assert_tiers`, :func:`assert_same_values`). docs/testing.md walks
+makes (:func:`assert_tiers`, :func:`assert_same_values`). The code under test runs
+in the test's process (the job's single controller), as a script
+(:meth:`TestCluster.run_script`), or as a multi-controller job of one process per
+host (:meth:`TestCluster.run_job`, :func:`join_job`). docs/testing.md walks
 through one test. Install with ``pip install 'mtc[testing]'``.
 """
 
@@ -18,6 +21,7 @@ from mtc.testing.checks import (
     use_cpu_devices,
 )
 from mtc.testing.cluster import ScriptError, TestCluster, local_cluster, options_from_env
+from mtc.testing.jobs import join_job
 
 __all__ = [
     "Restore",
@@ -25,6 +29,7 @@ __all__ = [
     "TestCluster",
     "assert_same_values",
     "assert_tiers",
+    "join_job",
     "local_cluster",
     "options_from_env",
     "record_restores",

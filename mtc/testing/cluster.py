@@ -225,6 +225,17 @@ class TestCluster:
                               proc.stderr)
         return proc
 
+    def run_job(self, argv: Sequence[str], *, hosts: Sequence[int] | None = None,
+                devices_per_process: int = 2, env: Mapping[str, str] | None = None,
+                reference: Path | None = None,
+                timeout: float = 300.0) -> list[subprocess.CompletedProcess[str]]:
+        """A multi-controller job: ``python argv...`` once per host, inside it
+        (:func:`mtc.testing.jobs.run_job`; in the script, :func:`mtc.testing.join_job`)."""
+        from mtc.testing.jobs import run_job
+
+        return run_job(self, argv, hosts=hosts, devices_per_process=devices_per_process,
+                       env=env, reference=reference, timeout=timeout)
+
     # -- reports --------------------------------------------------------------------
 
     def log_tails(self, n: int = LOG_TAIL_CHARS) -> str:

@@ -1,0 +1,143 @@
+"""A multi-controller job on a :class:`~mtc.testing.TestCluster`: one JAX process per
+host, each inside its host (its network and mount namespaces with root), its RAM
+disk its ``local_dir``, as on a TPU VM.
+
+The test calls :func:`run_job`; each process of the user's script calls
+:func:`join_job`, which starts ``jax.distributed`` and returns the process's
+``local_dir`` and ``mtc.Options``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mtc.sidecar.host.ports import free_ports
+from mtc.testing.cluster import LOG_TAIL_CHARS, ScriptError, TestCluster
+
+if TYPE_CHECKING:
+    import mtc
+
+FAILURE_GRACE_S = 10.0  # after one process fails, the others' time to finish (a collective
+# with a dead peer never returns: they are SIGKILLed, as JAX traps SIGTERM)
+POLL_S = 0.05
+# Each job's coordinator port inside the first host's namespace: nothing else listens
+# there, but a port just closed may linger (TIME_WAIT), so each job takes another.
+NS_COORDINATOR_PORTS = (7400, 7999)
+
+
+def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] | None = None,
+            devices_per_process: int = 2, env: Mapping[str, str] | None = None,
+            reference: Path | None = None,
+            timeout: float = 300.0) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``python argv...`` as process ``k`` of a job on host ``hosts[k]`` (default
+    every host, in order), each with ``devices_per_process`` CPU devices; until all
+    exit. Returns their outputs in process order. A process that exits non-zero
+    (or the job past ``timeout``) raises :class:`ScriptError` naming it, after the
+    others are given a few seconds and then SIGKILLed.
+
+    ``reference``: the same job as a reference run, sharing nothing with the
+    cluster's: :func:`join_job` gives each process a folder of its own under
+    ``reference`` and no replicators."""
+    local = cluster.local
+    on = list(range(cluster.num_hosts) if hosts is None else hosts)
+    namespaces = local.isolation == "namespaces"
+    port = (random.SystemRandom().randint(*NS_COORDINATOR_PORTS) if namespaces
+            else free_ports(1)[0])
+    coordinator = f"{local.hosts.hosts[on[0]].address}:{port}"
+    base_env = {**cluster.script_env(), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}",
+                "MTC_TESTING_JOB_HOSTS": ",".join(map(str, on)),
+                "MTC_TESTING_COORDINATOR": coordinator,
+                **({"MTC_TESTING_REFERENCE": str(reference)} if reference else {}),
+                **(env or {})}
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for k, i in enumerate(on):
+            h = local.hosts.hosts[i]
+            cmd = [sys.executable, *argv]
+            if namespaces:
+                # The host's name resolves to its address, as on a real host: JAX's CPU
+                # collectives find their peers by it.
+                cmd = ["unshare", "--uts", "--", "sh", "-c", f'hostname {h.address} && exec "$@"',
+                       "sh", *cmd]
+            procs.append(subprocess.Popen(h.wrap(cmd), env={**base_env, "MTC_TESTING_PROCESS":
+                                                              str(k)},
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          stdin=subprocess.DEVNULL, text=True))
+        outs = _wait(procs, timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    done = [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, outs, strict=True)]
+    for k, d in enumerate(done):
+        if d.returncode != 0:
+            others = "".join(f"\n--- process {j} (host {on[j]}) stderr ---\n"
+                             f"{(x.stderr or '')[-LOG_TAIL_CHARS // 2:]}"
+                             for j, x in enumerate(done) if j != k)
+            raise ScriptError(d.returncode, [f"process {k} on host {on[k]}", *argv],
+                              d.stdout, (d.stderr or "") + others)
+    return done
+
+
+def _wait(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
+    """Until every process exits, reading their output as it comes (a full pipe would
+    stall a process); SIGKILL whoever is left ``FAILURE_GRACE_S`` after one fails,
+    or at ``timeout``."""
+    outs: list[tuple[str, str]] = [("", "")] * len(procs)
+
+    def read(k: int) -> None:
+        outs[k] = procs[k].communicate()
+
+    readers = [threading.Thread(target=read, args=(k,), name=f"mtc-job-{k}")
+               for k in range(len(procs))]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        time.sleep(POLL_S)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for t in readers:
+        t.join()
+    return outs
+
+
+def join_job(**kw: Any) -> tuple[Path, mtc.Options]:
+    """In a process :func:`run_job` started: ``jax.distributed.initialize`` for this
+    job, then this process's ``local_dir`` (its host's RAM disk) and ``mtc.Options``
+    (``kw``, plus the job's replicators, their ranks and token)."""
+    import jax
+
+    import mtc
+
+    cluster = TestCluster.from_env()
+    hosts = [int(h) for h in os.environ["MTC_TESTING_JOB_HOSTS"].split(",")]
+    k = int(os.environ["MTC_TESTING_PROCESS"])
+    jax.distributed.initialize(coordinator_address=os.environ["MTC_TESTING_COORDINATOR"],
+                               num_processes=len(hosts), process_id=k,
+                               initialization_timeout=60)
+    reference = os.environ.get("MTC_TESTING_REFERENCE")
+    if reference:  # run_job(reference=...): nothing shared with the cluster
+        return Path(reference) / f"process-{k}", mtc.Options(
+            **{"hosts_per_slice": cluster.hosts_per_slice, **kw})
+    local = cluster.local
+    options = mtc.Options(**{
+        "hosts_per_slice": cluster.hosts_per_slice,
+        "replicators": tuple(local.addresses[h] for h in hosts),
+        "replicator_ranks": tuple(hosts) if hosts != list(range(len(hosts))) else None,
+        "replicator_token": local.token(), **kw})
+    return local.root(hosts[k]), options

@@ -1,0 +1,55 @@
+"""mtc.testing's multi-controller jobs: docs/testing.md's script as written, one JAX
+process per host inside the host, resumes after a host's RAM disk is wiped where an
+uninterrupted job ends."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mtc.testing import ScriptError, local_cluster
+
+pytestmark = pytest.mark.process  # hosts and JAX processes
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+
+
+def doc_script() -> str:
+    """docs/testing.md's multi-controller script, as written."""
+    text = DOC.read_text()
+    section = text[text.index("## One process per host"):]
+    m = re.search(r"```python\n(.*?)```", section, re.S)
+    assert m, "docs/testing.md: no python block under 'One process per host'"
+    return m.group(1)
+
+
+def said(out: str) -> list[str]:
+    """The script's own lines (JAX's gloo prints to stdout too)."""
+    return [line for line in out.splitlines() if line.startswith(("resumed ", "done "))]
+
+
+def test_a_job_resumes_after_a_wiped_host(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(doc_script())
+    with local_cluster(slices=2, hosts_per_slice=1, base=Path("/dev/shm") / tmp_path.name
+                       ) as cluster:
+        first = cluster.run_job([str(script), "20"])
+        assert [said(r.stdout)[0].split()[:2] for r in first] == [["done", "20"]] * 2
+        cluster.wait_replicated(20, timeout=30)
+        cluster.wipe_ram_disk(1)
+
+        second = [said(r.stdout) for r in cluster.run_job([str(script), "30"])]
+        assert second[0][0] == "resumed 20 [(0, 'local')]", second
+        assert second[1][0] == "resumed 20 [(1, 'peer')]", second
+        reference = cluster.run_job([str(script), "30"], reference=tmp_path / "reference")
+        assert second[0][-1] == second[1][-1] == said(reference[0].stdout)[-1]
+        assert second[0][-1].startswith("done 30 ")
+
+        failing = tmp_path / "fails.py"
+        failing.write_text("import os, sys\nprint('host', os.environ['MTC_TESTING_PROCESS'], "
+                           "file=sys.stderr)\nsys.exit(3 * (os.environ['MTC_TESTING_PROCESS'] "
+                           "== '1'))\n")
+        with pytest.raises(ScriptError, match=r"(?s)'process 1 on host 1'.*exit status 3"):
+            cluster.run_job([str(failing)])
