@@ -33,11 +33,12 @@ def said(out: str) -> list[str]:
 def test_a_job_resumes_after_a_wiped_host(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(doc_script())
-    with local_cluster(slices=2, hosts_per_slice=1, base=Path("/dev/shm") / tmp_path.name
-                       ) as cluster:
+    with local_cluster(slices=2, hosts_per_slice=1, base=Path("/dev/shm") / tmp_path.name,
+                       backup_every_steps=10) as cluster:
         first = cluster.run_job([str(script), "20"])
         assert [said(r.stdout)[0].split()[:2] for r in first] == [["done", "20"]] * 2
         cluster.wait_replicated(20, timeout=30)
+        cluster.wait_backed_up(20, timeout=30)  # every 10 steps, unasked
         cluster.wipe_ram_disk(1)
 
         second = [said(r.stdout) for r in cluster.run_job([str(script), "30"])]
