@@ -73,6 +73,12 @@ def restored_after(cluster: TestCluster, num_steps: int) -> tuple[dict[str, Any]
 def test_each_fault_restores_from_the_tier_it_leaves(tmp_path: Path) -> None:
     with local_cluster(slices=2, hosts_per_slice=2, base=Path("/dev/shm") / tmp_path.name
                        ) as cluster:
+        if cluster.local.isolation == "namespaces":  # partitions need root
+            cluster.partition([0, 1], [2, 3])
+            with pytest.raises(RuntimeError, match=r"host 0 \(\S+\) cannot reach .*:7000"):
+                cluster.local.hosts.check_reach(lambda h: h.replicator_port)
+            cluster.heal()
+            cluster.local.hosts.check_reach(lambda h: h.replicator_port)
         at_20 = train(cluster, 20)
         cluster.wait_replicated(20, timeout=30)
         assert cluster.request_backup() == 20
