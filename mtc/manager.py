@@ -43,6 +43,7 @@ from mtc.replicas import credentials
 from mtc.replicator_watch import ReplicatorWatch
 from mtc.restore.flow import RestoreFlow
 from mtc.restore.step import StepReader
+from mtc.save.device_copy import DeviceCopier
 from mtc.save.flow import SaveFlow
 from mtc.topology import Topology
 
@@ -179,9 +180,10 @@ class CheckpointManager:
         if mode == "process":
             return mode, ProcessDispatch(self._config, sidecars or {},
                                          creds=credentials(self.options))
+        copier = DeviceCopier(self.options.save_device_copy_bytes)
         if mode == "colocated":
-            return mode, ColocatedDispatch(self._config, devices, sidecars)
-        return mode, LocalDispatch(self._config, self._network)
+            return mode, ColocatedDispatch(self._config, devices, sidecars, copier=copier)
+        return mode, LocalDispatch(self._config, self._network, copier=copier)
 
     def _note_foreign(self, opened: dict[int, Opened]) -> dict[int, list[int]]:
         """Step folders on this process's hosts that are not mtc's (no manifest: an

@@ -48,6 +48,14 @@ class Options:
         written. ``None`` means twice the bytes of the first saved state, so one
         save can be staged while the previous one is written.
       writer_threads: threads per process writing and checksumming shard files.
+      save_device_copy_bytes: on an accelerator, ``save`` first copies the state
+        within device memory (milliseconds) and the device-to-host transfer reads
+        that copy while the next steps run, so a step that donates the state
+        never waits for the transfer. This bounds the copy, per device, in
+        bytes. ``None``: the device memory the job has never used at its peak
+        (less 5%); ``0``: never copy (``save`` blocks for the transfer, as it
+        also does, said once, when the state does not fit). CPU devices copy
+        nothing.
       dispatch: how host-side code is invoked. ``"local"`` calls it in this
         process (multi-controller JAX, simulated hosts); ``"colocated"`` goes
         through ``jax.experimental.colocated_python`` (Pathways);
@@ -131,6 +139,7 @@ class Options:
     if_busy: BusyPolicy = "wait"
     max_staged_bytes: int | None = None
     writer_threads: int = 2
+    save_device_copy_bytes: int | None = None
     dispatch: Dispatch = "auto"
     hosts_per_slice: int = 1
     simulated_hosts: int | None = None
@@ -170,6 +179,9 @@ class Options:
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.max_staged_bytes is not None and self.max_staged_bytes <= 0:
             raise ConfigError(f"max_staged_bytes must be positive, got {self.max_staged_bytes}")
+        if self.save_device_copy_bytes is not None and self.save_device_copy_bytes < 0:
+            raise ConfigError(f"save_device_copy_bytes must be >= 0 or None, got "
+                              f"{self.save_device_copy_bytes}")
         if self.writer_threads < 1:
             raise ConfigError(f"writer_threads must be >= 1, got {self.writer_threads}")
         if self.if_data_lost not in ("raise", "start_over"):
