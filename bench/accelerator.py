@@ -294,6 +294,8 @@ def snapshot_costs(nbytes: int, steps: int, root: Path, mesh: Mesh, train: Any,
     finally:
         mgr.close()
         omgr.close()
+        mine.close()
+        in_graph.snapshotter.close()
     mean = {k: statistics.mean(v) for k, v in times.items()}
     median = {k: med(v) for k, v in times.items()}
     plain_mean, plain_med = mean["plain"], median["plain"]

@@ -120,9 +120,10 @@ class HostAgent:
         reserved = self.pool.reserve(total)
         if not reserved and header.skip_if_busy and not self.pool.can_fit_now(total):
             return False
-        for src in (s for plan in plans.values() for *_, s in plan):
-            if _is_jax_array(src) and not _on_cpu(src):
-                src.copy_to_host_async()  # overlap device-to-host transfers
+        if not owned:  # the step waits for these: overlap them all
+            for src in (s for plan in plans.values() for *_, s in plan):
+                if _is_jax_array(src) and not _on_cpu(src):
+                    src.copy_to_host_async()
         opened: list[HostSave] = []
         later: list[tuple[HostSave, list[Later]]] = []  # owned device shards, per save
         handed = 0  # bytes of the reservation now owned by staged shards
@@ -178,12 +179,21 @@ class HostAgent:
 
     def _pull(self, later: list[tuple[HostSave, list[Later]]], reserved: bool) -> None:
         """Bring owned device shards to host memory, shard by shard, handing each to
-        its save's writer as it lands (the transfer thread)."""
+        its save's writer as it lands (the transfer thread). One shard's transfer
+        is under way beside the one waited for: the steps running meanwhile share
+        the device with the transfers, and a 4 GiB state's transfers issued at
+        once slowed a TPU v5e's next step from 0.08 s to 0.6."""
         left = [(save, list(xs)) for save, xs in later]
+        ahead = iter([x[4] for _, xs in left for x in xs][1:])
         try:
             for save, xs in left:
                 while xs:
                     leaf, index, shape, dtype, src = xs[0]
+                    src.copy_to_host_async()  # no-op when already issued
+                    nxt = next(ahead, None)
+                    if nxt is not None:
+                        nxt.copy_to_host_async()
+                    del nxt
                     nbytes = math.prod(shape) * dtype.itemsize
                     host = np.asarray(src)  # waits for this shard's transfer
                     if not reserved:

@@ -11,6 +11,7 @@ bench/accelerator.py on the chip.
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -179,8 +180,19 @@ def test_snapshots_move_to_host_memory_behind_the_step(monkeypatch: pytest.Monke
     kept = snap._latest.leaves[0].whole  # type: ignore[union-attr]
     assert kept.sharding.memory_kind == "pinned_host"
     abstract = {"w": jax.ShapeDtypeStruct((256, 8), jnp.float32, sharding=sharding)}
-    np.testing.assert_array_equal(np.asarray(snap.load(abstract)["w"]), np.full((256, 8), 1.0))
+    np.testing.assert_array_equal(
+        np.asarray(snap.load(abstract, reset_snapshot_state=False)["w"]), np.full((256, 8), 1.0))
     np.testing.assert_array_equal(np.asarray(state["w"]), np.full((256, 8), 2.0))
+    # The next snapshot replaces it; the replaced one's host buffers are dropped on
+    # the snapshotter's release thread, which close() joins.
+    first = weakref.ref(kept)
+    del kept
+    assert snap.save(2, state)
+    snap.join()
+    assert snap.latest is not None and snap.latest.step == 2
+    assert snap._releases is not None
+    snap.close()
+    assert snap._releases is None and first() is None
 
 
 def test_in_graph_step_takes_no_copy_while_the_last_is_on_its_way(

@@ -393,12 +393,15 @@ class ColocatedDispatch(HostCalls):
     def _stage_copies(self, header: jax.Array, requests: jax.Array,
                       copies: list[jax.Array | np.ndarray]) -> Any:
         """The stage call of a save's copies in device memory, on the call thread:
-        their move onto the workers' CPU devices runs here, not in the step's way.
+        their move onto the workers' CPU devices runs here, not in the step's way,
+        one array at a time (a transfer of them all at once slowed the steps
+        meanwhile: on a TPU v5e a 4 GiB state's next step took 0.64 s, not 0.08).
         The inputs stay referenced until the workers answered (collected)."""
+        inputs = []
         for c in copies:
+            inputs.append(self._to_cpu(c))
             if isinstance(c, jax.Array) and on_accelerator(c):
-                c.copy_to_host_async()
-        inputs = [self._to_cpu(c) for c in copies]
+                jax.block_until_ready(inputs[-1])
         del copies
         self._staged_inputs = inputs
         return self._stage(header, self._ranks, inputs, requests)
