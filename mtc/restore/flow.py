@@ -83,9 +83,19 @@ class RestoreFlow:
 
     # -- which step ---------------------------------------------------------------------
 
+    def steps(self) -> list[int]:
+        """The steps complete on every host, and those this manager is still saving:
+        listed once ``save`` returned, as Orbax's; a restore (or reading the step's
+        manifests) waits for its save to commit first, so nothing uncommitted is read.
+        A staged step not newer than the newest complete one has committed, and is
+        listed only while the hosts hold it (retention may have freed it since)."""
+        complete = self.inventory.common()
+        newest = complete[-1] if complete else -1
+        return sorted(set(complete) | {s for s in self.saves.staged if s > newest})
+
     def latest_step(self) -> int | None:
         if not self.options.replicators:
-            steps = self.inventory.common()
+            steps = self.steps()
             if not steps:
                 self._nothing_restorable()
             return steps[-1] if steps else None
@@ -111,7 +121,11 @@ class RestoreFlow:
             read_only=self.options.read_only)
 
     def metrics(self, step: int) -> Any:
-        return metrics_of(self.reader.saved_step(step))
+        try:
+            saved = self.reader.saved_step(step)
+        except StepNotFoundError:
+            return None  # as Orbax's metrics() of a step it does not have
+        return metrics_of(saved)
 
     # -- restore ------------------------------------------------------------------------
 

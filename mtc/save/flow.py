@@ -57,6 +57,11 @@ class SaveFlow:
         # complete on the hosts: saves of steps up to it return False, as Orbax's.
         self.last_saved: int | None = None
         self._newest_learnt = False
+        # Steps staged since the saves were last waited for: listed by all_steps()
+        # and latest_step() before they commit, as Orbax's are (a restore, and
+        # reading a step's manifests, wait for them first). The same in every
+        # process of a multi-controller job, which saves the same steps.
+        self.staged: set[int] = set()
         # Step folders found at start that are not mtc's (per host): never replaced.
         self.foreign = foreign or {}
         # best_fn retention: each step's metrics, read once from a manifest.
@@ -130,15 +135,19 @@ class SaveFlow:
     # -- save -----------------------------------------------------------------------
 
     def save(self, step: Any, state: Any, *, force: bool, metrics: Any, args: Any) -> bool:
-        self.writable("save")
+        if self.skipped_read_only("save"):
+            return False
         if orbax_args.is_orbax_args(state):
             raise ConfigError(orbax_args.positional_hint("save"))
         if args is not None:
             if state is not None:
                 raise ConfigError("save() takes the state or args=, not both")
             state = orbax_args.save_state(args)
+            items = orbax_args.composite_items(args)
         elif state is None:
             raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
+        else:
+            items = None
         step = layout.as_step(step)
         self._refuse_foreign(step)
         # The job's first decision needs the hosts' newest step. One controller
@@ -155,7 +164,8 @@ class SaveFlow:
             self.unreplicated = self.watch.poll()
         t0 = time.perf_counter()
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
-                                 metrics=metrics, run=self.run, ranks=self._saved_ranks())
+                                 metrics=metrics, run=self.run, ranks=self._saved_ranks(),
+                                 items=items)
 
         def before_send(survey: Survey) -> None:
             # Nothing is sent to a host before this returned, and nothing at all
@@ -177,6 +187,7 @@ class SaveFlow:
         if staged:
             self._saved_since_retention = True
             self.last_saved = max(step, self.last_saved or 0)
+            self.staged.add(step)
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
             if log.isEnabledFor(logging.INFO):  # its byte count walks every shard
@@ -230,7 +241,8 @@ class SaveFlow:
     def delete(self, step: int) -> None:
         """Delete a committed step on every host this process serves; a step no host
         holds raises :class:`StepNotFoundError` (collective in multi-controller JAX)."""
-        self.writable("delete")
+        if self.skipped_read_only("delete"):
+            return
         self.wait_until_finished()
         held = self.inventory.held()
         if not multihost.any_process(any(step in steps for steps in held.values())):
@@ -243,6 +255,7 @@ class SaveFlow:
         self.dispatch.delete(step, self.topology.local_hosts)
         self.inventory.forget(step)
         self._metrics.pop(step, None)
+        self.staged.discard(step)
         if step == self.last_saved:  # its number may be saved again, as in Orbax
             self.last_saved, self._newest_learnt = None, False
 
@@ -265,13 +278,30 @@ class SaveFlow:
             self.dispatch.wait()
         except MtcError as e:
             error = e
+        # Committed now, or failed (the error raised here): listed as the hosts say.
+        self.staged.clear()
         multihost.barrier("mtc.wait_until_finished")
         if error is not None:
             raise error
 
-    def writable(self, call: str) -> None:
+    def finish_step(self, step: int) -> None:
+        """Before ``step``'s manifests are read: its save committed on this process's
+        hosts, if this manager is still writing it (raises its error). Not a
+        collective: this process's own saves only."""
+        if step in self.staged:
+            try:
+                self.dispatch.wait()
+            except MtcError:
+                self.staged.discard(step)
+                raise
+
+    def skipped_read_only(self, call: str) -> bool:
+        """Whether ``call`` is skipped: on a read-only manager it logs a warning and
+        does nothing, as Orbax's (``save`` then returns False)."""
         if self.options.read_only:
-            raise ConfigError(f"{call}() on a read-only CheckpointManager of {self._where}")
+            log.warning("mtc: %s() skipped: the CheckpointManager of %s is read-only",
+                        call, self._where)
+        return self.options.read_only
 
     # -- room and retention -----------------------------------------------------------
 
