@@ -124,9 +124,57 @@ def save_rules(make: Make, mesh: Mesh) -> list[Any]:
         return [got, list(mgr.all_steps())]
 
 
+def retention_and_keep_period(make: Make, mesh: Mesh) -> list[Any]:
+    """max_to_keep with keep_period: the newest steps and the multiples stay."""
+    with make("a", max_to_keep=2, keep_period=4) as mgr:
+        for s in range(1, 11):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        mgr.wait_until_finished()
+        return [list(mgr.all_steps()), mgr.latest_step()]
+
+
+def reopened_manager(make: Make, mesh: Mesh) -> list[Any]:
+    """A reopened manager lists the steps, restores the latest without a step, and
+    does not save a step older than the newest (no initial save: steps exist)."""
+    with make("a", save_interval_steps=5) as mgr:
+        for s in (5, 10):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+    with make("a", save_interval_steps=5) as mgr:
+        back = mgr.restore(None, args=ocp.args.StandardRestore(state(mesh, 0)))
+        return [list(mgr.all_steps()), mgr.latest_step(), values(back),
+                mgr.should_save(7), mgr.should_save(15), mgr.is_saving_in_progress()]
+
+
+def delete_and_reload(make: Make, mesh: Mesh) -> list[Any]:
+    """delete() of a step and of a missing one (Orbax: FileNotFoundError, mtc:
+    StepNotFoundError, both read here as "not found"); reload() changes nothing."""
+    with make("a") as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        mgr.wait_until_finished()
+        mgr.delete(2)
+        try:
+            mgr.delete(7)
+            missing = "deleted"
+        except (FileNotFoundError, mtc.StepNotFoundError):
+            missing = "not found"
+        mgr.reload()
+        return [list(mgr.all_steps()), missing, mgr.latest_step()]
+
+
+def best_step(make: Make, mesh: Mesh) -> list[Any]:
+    """best_fn: the best step, and the steps kept."""
+    losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.3}
+    with make("a", max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min") as mgr:
+        for s, loss in losses.items():
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)), metrics={"loss": loss})
+        mgr.wait_until_finished()
+        return [mgr.best_step(), list(mgr.all_steps()), mgr.metrics(4)]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
-         save_rules]
+         save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step]
 
 
 # -- the two libraries ----------------------------------------------------------------
