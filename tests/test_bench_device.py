@@ -1,6 +1,6 @@
-"""bench/save_stall_device.py and bench/snapshot_device.py keep running where CI runs
-them (CPU devices); their figures mean something only on an accelerator (their JSON
-names the platform)."""
+"""bench/accelerator.py, bench/save_stall_device.py and bench/snapshot_device.py keep
+running where CI runs them (CPU devices); their figures mean something only on an
+accelerator (their JSON names the platform)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,23 @@ def test_device_snapshot_bench_runs_and_checks_the_loaded_values() -> None:
         * result["host_fresh_pages_gbps"] * 1e9 / result["bytes"], rel=0.05, abs=1e-3)
     # On CPU the step's copy stays in device memory (the same RAM; docs/hosts.md).
     assert result["snapshot_memory_kind"] == "device"
+
+
+@pytest.mark.process
+def test_accelerator_bench_smoke_has_every_figure_and_checks_values() -> None:
+    result = _bench("accelerator.py", "--smoke")
+    assert result["platform"] == "cpu" and result["device_kind"]
+    for dispatch in ("local", "colocated"):
+        (part,) = result["dispatch"][dispatch].values()
+        assert part["values_checked"] is True
+        for key in ("save_stall_over_device_get", "save_over_orbax",
+                    "restore_over_device_put", "restore_over_orbax"):
+            assert part[key] > 0, (dispatch, key)
+        # CPU devices: the state's buffers are host memory, nothing is copied.
+        assert part["saves_copied_in_device_memory"] == 0
+    snap = result["snapshot"]
+    assert snap["values_checked"] is True
+    for key in ("snapshot_every_step_median_over_plain", "snapshot_every_step_mean_over_plain",
+                "snapshot_every_step_mean_over_orbax", "snapshot_every_20_mean_over_plain",
+                "in_graph_mean_over_plain", "save_every_50_mean_over_plain"):
+        assert snap[key] > 0, key
