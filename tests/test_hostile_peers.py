@@ -249,7 +249,7 @@ def test_a_certificate_acts_only_for_the_rank_it_names(base: Path) -> None:
     ca = make_ca("hostile test CA")
     ca_pem = write_pem(ca[1], pki / "ca.crt")
     certs = {r: make_leaf(ca, f"node{r}", pki, ranks=[r]) for r in range(2)}
-    ctl_crt, ctl_key = make_leaf(ca, "controller", pki)
+    ctl_crt, ctl_key = make_leaf(ca, "controller", pki, controller=True)
     controller = Credentials(tls_cert=ctl_crt, tls_key=ctl_key, tls_ca=ca_pem)
     cl = Cluster(base / "tls", 2, 1, creds=controller, extra=("--tls-ca", str(ca_pem)),
                  rank_args={r: ("--tls-cert", str(c), "--tls-key", str(k))

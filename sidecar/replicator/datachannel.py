@@ -45,7 +45,12 @@ from google.protobuf.message import DecodeError, Message
 from mtc.errors import BusyError, MtcError, UnauthorizedError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.data_admission import Pending
-from mtc.sidecar.replicator.security import Credentials, Stamp, check_listen_address
+from mtc.sidecar.replicator.security import (
+    Credentials,
+    Stamp,
+    check_listen_address,
+    identity_of,
+)
 from mtc.sidecar.replicator.socket_files import RECV_CHUNK, recv_into_fd, send_file
 from mtc.sidecar.replicator.status import to_status, wire_error
 
@@ -360,6 +365,8 @@ class DataServer:
                 if self._token is not None and not hmac.compare_digest(
                         req.token.encode(), self._token):
                     raise UnauthorizedError("missing or wrong replicator token")
+                if self._tls is not None and identity_of(names) is None:
+                    raise UnauthorizedError("a certificate of no rank, not the controller's")
                 sock.settimeout(IO_TIMEOUT_S)
                 if not self._slots.acquire(blocking=False):
                     self.busy += 1
