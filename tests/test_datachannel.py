@@ -34,6 +34,7 @@ from mtc.sidecar.replicator import data_admission, socket_files
 from mtc.sidecar.replicator import datachannel as dc
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.limits import Limits
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import serve
@@ -47,7 +48,7 @@ class Replicator:
     """Rank 0 of two, holding step 1 of its own, served on loopback."""
 
     def __init__(self, base: Path, creds: Credentials,
-                 files: dict[str, bytes] | None = None) -> None:
+                 files: dict[str, bytes] | None = None, limits: Limits | None = None) -> None:
         # Orbax's framework: its steps are opaque folders of nested files, no manifest.
         cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
                                nodes_per_slice=1, deadline_s=2.0, agreement_timeout_s=0.5,
@@ -55,7 +56,8 @@ class Replicator:
         self.root = base / "root"
         self.node = Node(cfg, self.root, creds)
         commit_raw_step(self.root, 1, files or FILES)
-        self.server, self.port, self.servicer, _ = serve(self.node, "127.0.0.1:0", creds)
+        self.server, self.port, self.servicer, _ = serve(self.node, "127.0.0.1:0", creds,
+                                                         limits=limits)
         self.data_port = self.servicer.data_port
 
     def client(self, creds: Credentials, rank: int = 0) -> PeerClient:
@@ -423,4 +425,33 @@ def test_a_data_channel_that_cannot_be_had_sends_over_grpc(tmp_path: Path) -> No
         t.join()
         closing.close()
         client.close()
+        rep.close()
+
+
+def test_a_slow_but_steady_fetch_is_never_cut_off(tmp_path: Path) -> None:
+    """A fetch's progress is counted as its bytes go, not once per whole file: a
+    6 MiB file read at 2 MiB/s (8 times the minimum rate) arrives whole; counted
+    per file, the watchdog saw no byte sent once the 1 s grace was over and ended
+    it (a 128 MiB fetch at 4 MiB/s was cut off after 42 MiB)."""
+    data = os.urandom(6 << 20)
+    rep = Replicator(tmp_path, TOKEN, {"slow.bin": data},
+                     limits=Limits(grace_s=1.0, min_rate=256 << 10, sweep_s=0.1))
+    try:
+        with socket.create_connection(("127.0.0.1", rep.data_port), timeout=10) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            req = pb.DataRequest(token="s3cret", fetch=pb.FetchRequest(
+                step=1, origin_rank=0, path="slow.bin")).SerializeToString()
+            s.sendall(dc.MAGIC + struct.pack("<I", len(req)) + req)
+            assert dc.recv_msg(s, pb.DataStatus, dc.MAX_STATUS).size == len(data)
+            assert dc.recv_msg(s, pb.DataStatus, dc.MAX_STATUS).size == len(data)
+            got = bytearray()
+            t0 = time.monotonic()
+            while len(got) < len(data):  # 128 KiB every 1/16 s: 2 MiB/s, about 3 s
+                part = s.recv(min(128 << 10, len(data) - len(got)))
+                if not part:
+                    break
+                got += part
+                time.sleep(max(0.0, t0 + len(got) / (2 << 20) - time.monotonic()))
+        assert bytes(got) == data, f"cut off after {len(got)} of {len(data)} bytes"
+    finally:
         rep.close()

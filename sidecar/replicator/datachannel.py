@@ -110,8 +110,9 @@ class Caller:
             self._buf = memoryview(bytearray(RECV_CHUNK))
         return recv_into_fd(self.sock, fd, size, self._buf, progress)
 
-    def send_file(self, f: BinaryIO, size: int) -> None:
-        send_file(self.sock, f, size)
+    def send_file(self, f: BinaryIO, size: int,
+                  progress: Callable[[int], None] | None = None) -> None:
+        send_file(self.sock, f, size, progress)
 
 
 class Handler(Protocol):
