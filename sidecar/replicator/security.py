@@ -6,8 +6,11 @@ subject alternative name ``mtc-rank-<r>`` (:func:`rank_name`) or its JobSet pod'
 name (:mod:`~mtc.sidecar.replicator.rank_names`, the one place that maps names to
 ranks). A server acts for
 a caller only as the rank its certificate names (a copy's origin, a ``Decide``'s
-rank); a certificate naming no rank (the controller's) may read and ask for
-restores, never act as a peer; and a replicator reaching peer ``r`` accepts only
+rank); the controller's certificate (naming the role ``mtc-controller`` and no
+rank) may read and ask for restores, never act as a peer; a certificate of the CA
+naming neither is nobody's, refused at every call (:class:`IdentityGate`, which
+also keeps a sidecar to its own host and the controller); and a replicator
+reaching peer ``r`` accepts only
 a server whose certificate names ``r``. A shared token names nobody: its holder
 may act as any rank (docs/security.md).
 
