@@ -39,6 +39,7 @@ from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import serve
 from mtc.sidecar.replicator.socket_files import recv_into_fd
+from mtc.sidecar.replicator.step_files import FileMeta
 
 FILES = {"a.bin": bytes(range(256)) * 4000, "empty.bin": b"", "d-b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 300}
@@ -390,7 +391,8 @@ def test_forty_dripping_connections_leave_fetches_half_their_throughput(
 def test_a_data_channel_that_cannot_be_had_sends_over_grpc(tmp_path: Path) -> None:
     """A data port that closes every connection at once (a flood keeps it full) or
     answers busy: a fetch's bytes come over gRPC instead, verified, and a push
-    says so (the replicator then pushes over gRPC); it used to fail UNAVAILABLE."""
+    says so, and the replication then pushes over gRPC; it used to fail
+    UNAVAILABLE."""
     rep = Replicator(tmp_path, TOKEN)
     closing = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
@@ -420,6 +422,13 @@ def test_a_data_channel_that_cannot_be_had_sends_over_grpc(tmp_path: Path) -> No
         assert client.data.push_data(reply.transfer_id, [(0, src, 5, crc32c(b"hello"))]) \
             is None
         assert client.data.fallbacks == 2
+        # The replication's push of a group then goes over gRPC, file by file.
+        client.data_port = closing.getsockname()[1]
+        rep.node.replication._push_stream(client, reply.transfer_id, tmp_path,
+                                          [(0, FileMeta("x.bin", 5, crc32c(b"hello")))])
+        assert client.data.fallbacks == 3
+        client.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
+        assert (rep.root / ".mtc-replica" / "1" / "3" / "x.bin").read_bytes() == b"hello"
     finally:
         stop.set()
         t.join()
