@@ -106,25 +106,34 @@ class PeerData:
         err.code = grpc.StatusCode.UNAVAILABLE
         return err
 
+    def _forget_port(self) -> None:
+        """A restarted peer has another port and, a pod, another name: asked again."""
+        self.peer.data_port = None
+        if self.peer.server_name is not None:
+            self.peer.server_name.stale()
+
     def _data_connect(self, what: str, req: pb.DataRequest
                       ) -> tuple[Any, pb.DataStatus] | None:
         """A data connection that sent ``req`` and its first answer; None when the
         peer's data channel cannot be had now: none, refused, closed before it
-        answered (its pending connections full: a flood), or busy. The caller then
-        goes over gRPC, whose calls the flood does not reach."""
+        answered (a flood it makes room for), or busy. The caller then goes over
+        gRPC, whose calls a flood of the data port does not reach. A peer that does
+        not answer at all (a cut link: the connection times out) is its own error,
+        as before: gRPC would only wait for it again."""
         addr = self.data_address()
         if addr is None:
             return None
         try:
             sock, st = self._channel.connect(*addr, req)
-        except (OSError, ValueError) as e:  # refused, reset, a TLS failure
-            if isinstance(e, (ConnectionRefusedError, ssl.SSLError)):
-                self.peer.data_port = None  # a restarted peer has another port: asked again
-                if self.peer.server_name is not None:
-                    self.peer.server_name.stale()
+        except (ConnectionError, ssl.SSLEOFError) as e:  # refused, reset, closed
+            if isinstance(e, ConnectionRefusedError):
+                self._forget_port()
             log.info("%s to %s: data channel not had (%s); over gRPC", what, self.address, e)
             self.fallbacks += 1
             return None
+        except (OSError, ValueError) as e:  # timed out, a TLS failure
+            self._forget_port()
+            raise self._data_lost(what, e) from e
         if dc.status_code(st) == grpc.StatusCode.RESOURCE_EXHAUSTED:
             sock.close()
             self.fallbacks += 1
