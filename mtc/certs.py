@@ -5,10 +5,12 @@ In ``--out``: a CA of the job's own (``ca.crt``, ``ca.key``), one certificate pe
 replicator rank (``rank-<r>.crt``, ``rank-<r>.key``) naming ``mtc-rank-<r>`` as a
 DNS subject alternative name (the name a replicator must bear for its rank,
 :mod:`mtc.sidecar.replicator.rank_names`) and the addresses the host is dialled
-at, and the controller's (``controller.crt``, ``controller.key``), which names no
-rank: its subject and DNS name are ``--controller-name`` (default
-``mtc-controller``). Keys are ECDSA P-256, written readable by their owner only;
-nothing is overwritten. Every certificate allows both TLS server and client use.
+at, and the controller's (``controller.crt``, ``controller.key``), which names the
+controller's role, the DNS name ``mtc-controller``
+(:data:`~mtc.sidecar.replicator.security.CONTROLLER_NAME`), and no rank; its
+subject is ``--controller-name`` (default ``mtc-controller``: only the DNS name
+is read). Keys are ECDSA P-256, written readable by their owner only; nothing is
+overwritten. Every certificate allows both TLS server and client use.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mtc.errors import ConfigError
 from mtc.sidecar.replicator.rank_names import rank_name, ranks_named
+from mtc.sidecar.replicator.security import CONTROLLER_NAME
 
-CONTROLLER_NAME = "mtc-controller"
 LOOPBACK = ("localhost", "127.0.0.1")
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # valid a little before now: hosts' clocks differ
 
@@ -93,7 +95,8 @@ def rank_names(rank: int, host: str | None) -> list[str]:
 
 
 def check_controller_name(name: str) -> None:
-    """The controller's name must be no rank: a certificate naming one would act as it."""
+    """The controller's subject must not read as a rank (only its DNS names are
+    read today, but a name that says rank 3 would mislead whoever reads it)."""
     if not name or ranks_named([name]):
         raise ConfigError(f"--controller-name {name!r} names a replicator rank: the "
                           "controller's certificate must name none")
@@ -141,5 +144,5 @@ def issue(out: Path, ranks: int, *, hosts: Sequence[str] = (),
                                *make_leaf(ca, rank_name(r),
                                           rank_names(r, hosts[r] if hosts else None), days))
     written += _write_pair(out, "controller",
-                           *make_leaf(ca, controller_name, [controller_name], days))
+                           *make_leaf(ca, controller_name, [CONTROLLER_NAME], days))
     return written

@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "dialled at, comma-separated in rank order (default: "
                                    "loopback only)")
     c.add_argument("--controller-name", default="mtc-controller",
-                   help="subject and DNS name of the controller's certificate, which names "
-                        "no rank (default mtc-controller)")
+                   help="subject of the controller's certificate, which names the "
+                        "controller's role (the DNS name mtc-controller) and no rank "
+                        "(default mtc-controller)")
     c.add_argument("--days", type=int, default=365, help="validity (default 365)")
     args = p.parse_args(argv)
     try:

@@ -127,6 +127,7 @@ class HostAgent:
         opened: list[HostSave] = []
         later: list[tuple[HostSave, list[Later]]] = []  # owned device shards, per save
         handed = 0  # bytes of the reservation now owned by staged shards
+        deferred = 0  # bytes of it the transfer thread will own, once it starts
         try:
             for h in hosts:
                 self._clean_once(h)
@@ -142,7 +143,7 @@ class HostAgent:
                     for leaf, index, shape, dtype, src in plans[h]:
                         if owned and _is_jax_array(src) and not _on_cpu(src):
                             mine.append((header.array_leaves[leaf], index, shape, dtype, src))
-                            handed += math.prod(shape) * dtype.itemsize
+                            deferred += math.prod(shape) * dtype.itemsize
                             continue
                         if not reserved and not self.pool.can_fit_now(
                                 math.prod(shape) * dtype.itemsize):
@@ -160,11 +161,10 @@ class HostAgent:
                     later.append((save, mine))
                 else:
                     save.seal()
+            handed += deferred
         except BaseException as e:
-            for save, _ in later:
+            for save, _ in later:  # their shards left for the transfer thread never come
                 save.abort(e)
-            if reserved:  # the shards left for the transfer thread are not staged
-                handed -= sum(math.prod(x[2]) * x[3].itemsize for _, xs in later for x in xs)
             raise
         finally:
             if reserved and handed < total:  # staging failed part-way

@@ -18,7 +18,7 @@ from replicators import Cluster, env_with_repo, new_cluster
 from mtc import certs
 from mtc.errors import ConfigError
 from mtc.sidecar.replicator.rank_names import ranks_named
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.security import CONTROLLER, Credentials, identity_of
 
 
 def _load(path: Path) -> x509.Certificate:
@@ -45,8 +45,11 @@ def test_each_rank_is_named_and_the_controller_is_none(tmp_path: Path) -> None:
         assert host in _names(leaf) and "127.0.0.1" in _names(leaf)
     controller = _load(tmp_path / "controller.crt")
     controller.verify_directly_issued_by(ca)
-    assert ranks_named(_names(controller)) == set()
+    # The controller's role, whatever its subject; and each rank's certificate is that rank.
+    assert identity_of(_names(controller)) == CONTROLLER
     assert controller.subject.rfc4514_string() == "CN=job-7-controller"
+    for r in range(3):
+        assert identity_of(_names(_load(tmp_path / f"rank-{r}.crt"))) == r
     for p in files:  # private keys are their owner's alone
         mode = stat.S_IMODE(p.stat().st_mode)
         assert (mode & 0o077 == 0) if p.suffix == ".key" else mode == 0o644, (p, oct(mode))
