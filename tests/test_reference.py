@@ -1,6 +1,7 @@
 """docs/reference.md against the code: a row for every error and every
 ``mtc-replicator`` flag; and the README's and docs' links lead somewhere (a
-heading of the page, a file of the repository)."""
+heading of the page, a file of the repository). ``scripts/reference_tables.py
+--write`` writes the two tables again."""
 
 from __future__ import annotations
 
