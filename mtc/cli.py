@@ -5,8 +5,9 @@
     mtc status --nodes ADDR0,ADDR1,...   every host's steps on every tier (via replicators)
     mtc backup --node ADDR               back up the newest complete step now
 
-``status`` exits 1 when a node it was asked about is down, or its configuration
-disagrees with its peers'.
+``status`` exits 1 when a node it was asked about is down, its configuration
+disagrees with its peers', or it cannot reach a peer (a wrong address in its
+``--nodes``: nobody answers there).
 """
 
 from __future__ import annotations
@@ -101,8 +102,13 @@ def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
                      "peer_copies": {str(o): sorted(s) for o, s in sorted(peers.items())},
                      "quarantined": inv.quarantined_files,
                      "replication": _replication(ident),
-                     "config_error": ident.config_error})
-    down = 1 if any(not r["up"] or r["config_error"] for r in rows) else 0
+                     "config_error": ident.config_error,
+                     "unanswered_peers": [
+                         {"rank": p.rank, "address": p.address, "seconds": round(p.seconds, 1),
+                          "error": p.error, "target": p.target}
+                         for p in ident.unanswered_peers]})
+    down = 1 if any(not r["up"] or r["config_error"] or r["unanswered_peers"]
+                    for r in rows) else 0
     if as_json:
         print(json.dumps({"hosts": rows, "backup": backed}, indent=2))
         return down
@@ -118,15 +124,28 @@ def status(nodes: list[str], token_file: str | None, as_json: bool) -> int:
     for r in rows:
         if r.get("config_error"):
             print(f"rank {r['rank']}: CONFIGURATION DISAGREES: {r['config_error']}")
+        for p in r.get("unanswered_peers", ()):
+            print(f"rank {r['rank']}: PEER UNREACHABLE: {unreachable(p)}")
     print(f"backup: {backed if backed else '-'}")
     gone = sum(not r["up"] for r in rows)
     if gone:
         print(f"mtc: {gone} of {len(rows)} nodes are down", file=sys.stderr)
+    cut = sum(bool(r.get("unanswered_peers")) for r in rows)
+    if cut:
+        print(f"mtc: {cut} of {len(rows)} nodes cannot reach a peer", file=sys.stderr)
     wrong = sum(bool(r.get("config_error")) for r in rows)
     if wrong:
         print(f"mtc: {wrong} of {len(rows)} nodes disagree with a peer's configuration",
               file=sys.stderr)
     return down
+
+
+def unreachable(p: dict[str, Any]) -> str:
+    """One peer a node cannot reach, in words (``mtc status``)."""
+    why = ("its steps are not copied there" if p["target"]
+           else "it is not this node's copy target")
+    return (f"rank {p['rank']} at {p['address']} has not answered it for {p['seconds']:.0f}s "
+            f"({why}): {p['error']}; if that address is wrong, fix the node's --nodes")
 
 
 def _replication(ident: Any) -> str:
