@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from mtc.cli import lost_steps
 from mtc.retention import to_delete
 from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
 from mtc.sidecar.replicator.replication import older_to_restore
@@ -152,3 +153,26 @@ OLDER = [
 def test_older_to_restore(name: str, own: list[int], keep: int, held: set[int],
                           want: int | None) -> None:
     assert older_to_restore(own, keep, held) == want
+
+
+# (name, own steps by rank, copies by holder -> origin -> steps, lost)
+LOST = [
+    ("every host whole", {0: [4, 5], 1: [4, 5]}, {0: {1: [4, 5]}, 1: {0: [4, 5]}}, {}),
+    ("a wiped host: its peer's copies are newer than its nothing",
+     {0: [4, 5], 1: []}, {0: {1: [4, 5]}, 1: {}}, {1: {4: [0], 5: [0]}}),
+    ("a host that kept older steps only", {0: [5], 1: [2]}, {0: {1: [4, 5]}},
+     {1: {4: [0], 5: [0]}}),
+    ("copies older than the host's own: it saved on, nothing lost",
+     {0: [30], 1: [30]}, {1: {0: [20, 25]}}, {}),
+    ("a copy is never its holder's own loss", {0: []}, {0: {0: [3]}}, {}),
+    ("a rank that did not answer is not judged", {0: [5]}, {0: {1: [5]}}, {}),
+    ("several holders named", {0: [], 1: [5], 2: [5]}, {1: {0: [5]}, 2: {0: [5]}},
+     {0: {5: [1, 2]}}),
+]
+
+
+@pytest.mark.parametrize(("name", "own", "copies", "want"), LOST, ids=[c[0] for c in LOST])
+def test_lost_steps(name: str, own: dict[int, list[int]],
+                    copies: dict[int, dict[int, list[int]]],
+                    want: dict[int, dict[int, list[int]]]) -> None:
+    assert lost_steps(own, copies) == want
