@@ -72,14 +72,12 @@ GC = [
     # Issue 56, item 7: a target nobody answers (a wrong address) is never read, and
     # every step used to stay until the RAM disk was full.
     ("a target never read: keep and --keep-awaiting bound the steps",
-     gc(own=TEN, keep=2, synced=False), {10}, GcPlan(own=(1, 2, 3, 4, 5, 6),
-                                                    over=(1, 2, 3, 4, 5, 6))),
+     gc(own=TEN, keep=2, synced=False), {10}, GcPlan(own=(1, 2, 3, 4, 5, 6))),
     ("a target never read: the coordinator's step comes first",
-     gc(own=TEN, keep=2, synced=False), {4, 10}, GcPlan(own=(1, 2, 3, 5, 6, 7),
-                                                       over=(1, 2, 3, 5, 6, 7))),
+     gc(own=TEN, keep=2, synced=False), {4, 10}, GcPlan(own=(1, 2, 3, 5, 6, 7))),
     ("the coordinator unanswered: only the bound's steps go, and it is asked",
      gc(own=TEN, replicated=TEN, keep=2), None,
-     GcPlan(own=(1, 2, 3, 4, 5, 6), needs_coordinator=True, over=(1, 2, 3, 4, 5, 6))),
+     GcPlan(own=(1, 2, 3, 4, 5, 6), needs_coordinator=True)),
     ("the coordinator unanswered within the bound: nothing goes yet",
      gc(own=(7, 8, 9, 10), replicated=(7, 8, 9, 10), keep=2), None,
      GcPlan(needs_coordinator=True)),

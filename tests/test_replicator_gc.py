@@ -136,7 +136,6 @@ def test_a_peer_address_nobody_answers_never_fills_the_ram_disk_and_is_named(
             assert len(_own_steps(cl.root(h))) <= KEEP + 1
         rc, out = _status(cl, capsys)
         assert rc == 1 and f"rank 3: PEER UNREACHABLE: rank 1 at {dead}" in out, out
-        assert "steps" in cl.log_text(3) and "deleted beyond --keep" in cl.log_text(3)
     finally:
         cl.stop_all()
         subprocess.run(["umount", "-l", str(root3)], check=False)

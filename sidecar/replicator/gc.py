@@ -15,13 +15,17 @@ therefore never fills the RAM disk (issue 56, item 7): they used to keep every s
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
+
+from mtc import layout
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.metrics import Metrics
     from mtc.sidecar.replicator.replication import Replication
     from mtc.sidecar.replicator.store import LocalStore
+
 
 @dataclasses.dataclass(frozen=True)
 class GcInputs:
@@ -45,8 +49,10 @@ class GcPlan:
     own: tuple[int, ...] = ()
     replicas: tuple[tuple[int, int], ...] = ()
     needs_coordinator: bool = False  # call again with the coordinator's kept steps
-    # Of ``own`` and ``replicas``' steps, those the rules above would have kept, deleted
-    # for the bound or for room (logged: they are the price of a fault elsewhere).
+    # Of ``own`` and ``replicas``' steps, those the coordinator keeps or the newest fully
+    # replicated, deleted for the bound or for room (logged: the price of a fault
+    # elsewhere or of a small RAM disk; candidates standing in for an unknown view
+    # are not counted).
     over: tuple[int, ...] = ()
 
 
@@ -85,7 +91,9 @@ def _plan(x: GcInputs, kept: Collection[int] | None) -> GcPlan:
             else:
                 reps.append((o, s))
     reps.sort()
-    over = [s for s in wanted if s not in extra]
+    # What was wanted for sure (not a candidate standing in for an unknown) and goes.
+    sure = set(kept or ()) | set(x.replicated[-1:])
+    over = [s for s in wanted if s not in extra and s in sure]
     # Room for the next save and copies comes before older steps: the least
     # valuable goes first, never a busy one (its bytes stay held while it is read).
     freed = sum(x.sizes.get((x.rank, s), 0) for s in own) + \
@@ -101,7 +109,8 @@ def _plan(x: GcInputs, kept: Collection[int] | None) -> GcPlan:
             reps.append(c)
             freed += x.sizes.get(c, 0)
             s = c[1]
-        over.append(s)
+        if s in sure:
+            over.append(s)
     return GcPlan(tuple(sorted(own)), tuple(sorted(reps)), over=tuple(sorted(set(over))))
 
 
@@ -122,17 +131,19 @@ def gc_plan(x: GcInputs, kept: Collection[int] | None) -> GcPlan:
 def collect_garbage(store: LocalStore, replication: Replication, *, keep: int,
                     busy: set[int], coordinator_keeps: Callable[[], frozenset[int] | None],
                     metrics: Metrics, awaiting: int = 2,
-                    room: Callable[[], int] = lambda: 0) -> GcPlan:
+                    room: Callable[[], int] = lambda: 0,
+                    sizes_seen: dict[tuple[int, int], tuple[int, int]] | None = None) -> GcPlan:
     """One pass: what :func:`gc_plan` says of this host's steps, removed (the plan
     returned: the caller says what ``over`` cost).
     ``busy``: steps being backed up; ``coordinator_keeps``: the coordinator's view
     (asked only when something would be deleted); ``room``: the bytes the RAM disk
     may still take (the next save's and copies' need is the size of the newest own
-    step and of each origin's newest copy)."""
+    step and of each origin's newest copy); ``sizes_seen``: the caller's record of
+    the held folders' sizes, kept from pass to pass."""
     rank = replication.rank
     own = store.own_steps()
     replicas = store.replica_steps()
-    sizes = _sizes(store, rank, own, replicas)
+    sizes = _sizes(store, rank, own, replicas, {} if sizes_seen is None else sizes_seen)
     need = sizes.get((rank, own[-1]), 0) if own else 0
     need += sum(sizes.get((o, v[-1]), 0) for o, v in replicas.items() if o != rank and v)
     args = GcInputs(
@@ -162,14 +173,23 @@ def collect_garbage(store: LocalStore, replication: Replication, *, keep: int,
     return plan
 
 
-def _sizes(store: LocalStore, rank: int, own: list[int],
-           replicas: Mapping[int, list[int]]) -> dict[tuple[int, int], int]:
-    """Bytes of every held step and copy (their descriptions are cached)."""
+def _sizes(store: LocalStore, rank: int, own: list[int], replicas: Mapping[int, list[int]],
+           seen: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """Bytes of every held step and copy: their files' sizes (stat, never read),
+    found once per folder (``seen``: (origin, step) -> (inode, bytes), pruned to
+    what is held)."""
     out: dict[tuple[int, int], int] = {}
     for origin, steps in [(rank, own), *replicas.items()]:
         for s in steps:
+            folder = store.copy_dir(origin, s)
             try:
-                out[(origin, s)] = sum(f.size for f in store.describe(origin, s))
-            except (OSError, ValueError):
+                ino = os.stat(folder).st_ino
+            except OSError:
                 continue  # deleted meanwhile
+            hit = seen.get((origin, s))
+            if hit is None or hit[0] != ino:
+                hit = seen[(origin, s)] = (ino, layout.folder_bytes(folder))
+            out[(origin, s)] = hit[1]
+    for key in seen.keys() - out.keys():
+        del seen[key]
     return out

@@ -74,6 +74,7 @@ class Node:
         # start): while set, it refuses restores and copies nothing.
         self.config_error = ""
         self._gc_bounded = False  # the GC deleted a step only its bound made it delete
+        self._sizes_seen: dict[tuple[int, int], tuple[int, int]] = {}  # GC's, its thread's
         # The inventory fan-out has a pool of its own: never behind a restore's fetches.
         self._inv_pool = ThreadPoolExecutor(16, thread_name_prefix="mtc-inventory")
         shared = (config, self.store, self.peers, self.metrics)
@@ -120,7 +121,8 @@ class Node:
                     self.store, self.replication, keep=self.config.keep,
                     busy=self.backups.busy(),
                     coordinator_keeps=self.agreement.gc_keeps if trusted else lambda: None,
-                    metrics=self.metrics, awaiting=self.config.keep_awaiting, room=self.room))
+                    metrics=self.metrics, awaiting=self.config.keep_awaiting, room=self.room,
+                    sizes_seen=self._sizes_seen))
             except Exception:
                 log.exception("replication pass failed")
                 self.metrics.failures.labels("loop").inc()
