@@ -310,8 +310,10 @@ def _identify(node: Node, peer: int) -> pb.Inventory | None:
         reply: pb.Inventory = node.peers[peer].call(
             "GetInventory", pb.InventoryRequest(identify=True), attempts=1, deadline_s=5.0)
     except PeerError as e:
-        if e.unreachable:  # a refusal (a token it does not take) is an answer
+        if e.unreachable:
             node.reach.failed(peer, e.message)
+        else:
+            node.reach.answered(peer)  # a refusal (a token it does not take) is an answer
         return None
     node.reach.answered(peer)
     return reply

@@ -152,6 +152,8 @@ class Replication:
                 self.metrics.skipped.labels("target_unanswered").inc()
                 if e.unreachable:
                     self.reach.failed(t, e.message)
+                else:
+                    self.reach.answered(t)  # a refusal is an answer (the log names it)
                 continue
             self.reach.answered(t)
             self._away.pop(t, None)
