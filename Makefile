@@ -17,6 +17,7 @@ FAST := -m "not process"
 
 .PHONY: all venv venv-oldest demo demo-crash cluster-up cluster-down test test-fast test-oldest lint \
 	typecheck test-process test-process-1 test-process-2 test-durations proto bench bench-goodput \
+	bench-device \
 	fuzz chaos clean
 
 all: test
@@ -111,6 +112,18 @@ bench: $(STAMP)
 	$(PY) bench/recovery.py | tee out/bench/recovery.json
 	$(PY) bench/control_plane.py | tee out/bench/control_plane.json
 	$(PY) bench/snapshot.py | tee out/bench/snapshot.json
+
+# The accelerator's figures come from the accelerator (bench/accelerator.py, one
+# process on JAX's default backend; docs/hosts.md keeps the latest run's table).
+# This prints how to run it on a host with one (it runs nothing here: `--smoke`
+# is what CI runs on CPU).
+bench-device:
+	@echo "On this machine (a wheelhouse for the accelerator host's Python, 3.11 on TPU VMs):"
+	@echo "  make venv-oldest && .venv-oldest/bin/python scripts/device_wheels.py .tpu-wheels"
+	@echo "On the accelerator host, from a copy of this checkout with .tpu-wheels in it:"
+	@echo "  python3 -m pip install --isolated --no-index --no-deps --target /tmp/site .tpu-wheels/*.whl"
+	@echo "  PYTHONPATH=\$$PYTHONPATH:/tmp/site python3 bench/accelerator.py > accelerator.json"
+	@echo "(on CPU, as CI does: $(PY) bench/accelerator.py --smoke)"
 
 # About twenty minutes: 1200 steps of elastic training losing a host every two minutes, then
 # the uninterrupted reference run (`bench/goodput.py --quick`: about five minutes, no reference).

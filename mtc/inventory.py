@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from mtc import multihost, runs
+from mtc import fencing, multihost, runs
 from mtc.dispatch import Dispatch
 from mtc.dispatch.protocol import Survey
 from mtc.errors import DataLossError, MixedRunError, MtcError
@@ -211,20 +211,47 @@ class StepInventory:
 
     # -- steps that cannot be restored ------------------------------------------------
 
-    def fence_after(self, step: int, listed: dict[int, list[int]] | None = None) -> None:
-        """Delete this job's hosts' steps newer than ``step`` (the newest complete
-        one, just restored): each is a save some host never finished. ``listed``:
-        the hosts' steps as the restore's own survey found them (else asked now).
-        Nothing commits on this job's hosts between that survey and now but a save
-        some host never finished, whose commit a listing made now could miss too."""
+    def fence_after(self, step: int, this_run: str,
+                    listed: dict[int, list[int]] | None = None) -> None:
+        """After ``step`` was restored: delete this job's hosts' copies of newer steps
+        that an earlier run left incomplete (:func:`mtc.fencing.to_fence`: a step
+        every host that saved it holds is never deleted here), each step named in
+        one INFO line. ``listed``: the hosts' steps as the restore's own survey found
+        them (else asked now); ``this_run``: the run saving now. Collective in
+        multi-controller JAX (whether a step is complete is asked of every process)."""
         held = listed if listed is not None else self.held()
-        for s in sorted({s for steps in held.values() for s in steps if s > step}):
-            hosts = [h for h in self.topology.local_hosts if s in held.get(h, ())]
-            if hosts:
-                log.info("mtc: step %d was committed on hosts %s only: deleted (fenced off "
-                         "after restoring step %d)", s, hosts, step)
-                self.dispatch.delete(s, hosts)
-                self.forget(s)
+        complete: set[int] | None = None
+        if self.sees_own_host_only:
+            complete = set(self.common(held))  # every process calls it: restore is collective
+        newer = sorted({s for steps in held.values() for s in steps if s > step})
+        saved: dict[int, int] = {}
+        copies: dict[int, dict[int, str]] = {}
+        for s in newer:
+            holders = sorted(h for h, steps in held.items() if s in steps)
+            try:
+                if complete is None:
+                    saved[s] = self.saved_hosts(s, holders)
+                copies[s] = self._readable_runs(s, holders)
+            except MtcError as e:  # unsure what it is: never deleted
+                log.debug("mtc: step %d kept after restoring step %d: %s", s, step, e)
+        for f in fencing.to_fence(step, held, saved, copies, this_run, complete=complete):
+            hosts = [h for h in f.hosts if h in self.topology.local_hosts]
+            if not hosts:
+                continue
+            log.info("mtc: step %d deleted on hosts %s after restoring step %d: %s",
+                     f.step, hosts, step, f.why)
+            self.dispatch.delete(f.step, hosts)
+            self.forget(f.step)
+
+    def _readable_runs(self, step: int, hosts: Sequence[int]) -> dict[int, str]:
+        """The run of each of ``hosts``' copies of ``step`` whose manifest reads."""
+        found: dict[int, str] = {}
+        for h in hosts:
+            try:
+                found.update(self.runs_of(step, [h]))
+            except MtcError as e:
+                log.debug("mtc: host %d's manifest of step %d: %s", h, step, e)
+        return found
 
     def nothing_restorable(self, lost: str = "", *, start_over: bool,
                            read_only: bool) -> None:

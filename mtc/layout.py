@@ -326,7 +326,10 @@ def lock_root(root: Path) -> int:
                 os.close(fd)
             raise DirectoryLockedError(
                 f"another checkpoint manager (process {holder}) is using this directory; "
-                "close it first, or give each job its own local_dir", path=str(root)) from None
+                "close it first, or give each job its own local_dir. Processes of one job on "
+                "one machine sharing a local_dir (Orbax's multi-process habit) pass "
+                "mtc.Options(host_subdirs=True): each host then keeps its steps in its own "
+                "<local_dir>/host-<i>/", path=str(root)) from None
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:

@@ -24,7 +24,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import jax
 import numpy as np
 
-from mtc import layout, multihost, orbax_args, treepath
+from mtc import layout, multihost, orbax_args
 from mtc.contract import AgentConfig
 from mtc.dispatch import (
     ColocatedDispatch,
@@ -43,6 +43,7 @@ from mtc.replicas import credentials
 from mtc.replicator_watch import ReplicatorWatch
 from mtc.restore.flow import RestoreFlow
 from mtc.restore.step import StepReader
+from mtc.save.device_copy import DeviceCopier
 from mtc.save.flow import SaveFlow
 from mtc.topology import Topology
 
@@ -179,9 +180,10 @@ class CheckpointManager:
         if mode == "process":
             return mode, ProcessDispatch(self._config, sidecars or {},
                                          creds=credentials(self.options))
+        copier = DeviceCopier(self.options.save_device_copy_bytes)
         if mode == "colocated":
-            return mode, ColocatedDispatch(self._config, devices, sidecars)
-        return mode, LocalDispatch(self._config, self._network)
+            return mode, ColocatedDispatch(self._config, devices, sidecars, copier=copier)
+        return mode, LocalDispatch(self._config, self._network, copier=copier)
 
     def _note_foreign(self, opened: dict[int, Opened]) -> dict[int, list[int]]:
         """Step folders on this process's hosts that are not mtc's (no manifest: an
@@ -343,8 +345,9 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Steps committed on every host's RAM disk that saved them (collective in
         multi-controller JAX). Peer copies and backups are not listed here:
-        ``latest_step`` and ``restore`` reach them through the replicators."""
-        return self._inventory.common()
+        ``latest_step`` and ``restore`` reach them through the replicators. A step
+        is listed once ``save`` returned, as Orbax's; reading it waits for its save."""
+        return self._restores.steps()
 
     @_api
     def latest_step(self) -> int | None:
@@ -364,8 +367,11 @@ class CheckpointManager:
 
     @_api
     def metrics(self, step: Any) -> Any:
-        """The ``metrics`` saved with ``step`` (None when none were given)."""
-        return self._restores.metrics(layout.as_step(step))
+        """The ``metrics`` saved with ``step`` (None when none were given, or when no
+        host holds the step, as Orbax's)."""
+        step = layout.as_step(step)
+        self._saves.finish_step(step)
+        return self._restores.metrics(step)
 
     @_api
     def delete(self, step: Any) -> None:
@@ -438,14 +444,12 @@ class CheckpointManager:
     @_api
     def item_metadata(self, step: Any) -> Any:
         """The saved tree of ``step`` without reading its arrays: a
-        ``jax.ShapeDtypeStruct`` (shape, dtype; no sharding) per array leaf, plain
-        values as saved; a ``Composite`` of the items when ``item_names`` is given."""
-        saved = self._reader.saved_step(layout.as_step(step))
-        tree = treepath.unflatten_from_keys(
-            [(leaf.keys, treepath.decode_value(leaf.value) if leaf.kind == "value"
-              else jax.ShapeDtypeStruct(leaf.shape, jax.numpy.dtype(leaf.dtype)))
-             for leaf in saved.leaves if not leaf.path.startswith(treepath.METRICS_ROOT)])
-        return orbax_args.composite_of(tree) if self.item_names else tree
+        ``jax.ShapeDtypeStruct`` per array leaf with the sharding ``restore(step)``
+        gives it on this manager's mesh, plain values as saved; a ``Composite`` of
+        the items when saved as one (or ``item_names`` is given), as Orbax's."""
+        step = layout.as_step(step)
+        self._saves.finish_step(step)
+        return self._reader.item_metadata(step, composite=bool(self.item_names))
 
     def metadata(self, step: Any = None) -> Any:
         """Orbax's root and step metadata: mtc keeps none besides each step's metrics

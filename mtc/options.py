@@ -48,6 +48,14 @@ class Options:
         written. ``None`` means twice the bytes of the first saved state, so one
         save can be staged while the previous one is written.
       writer_threads: threads per process writing and checksumming shard files.
+      save_device_copy_bytes: on an accelerator, ``save`` first copies the state
+        within device memory (milliseconds) and the device-to-host transfer reads
+        that copy while the next steps run, so a step that donates the state
+        never waits for the transfer. This bounds the copy, per device, in
+        bytes. ``None``: the device memory the job has never used at its peak
+        (less 5%); ``0``: never copy (``save`` blocks for the transfer, as it
+        also does, said once, when the state does not fit). CPU devices copy
+        nothing.
       dispatch: how host-side code is invoked. ``"local"`` calls it in this
         process (multi-controller JAX, simulated hosts); ``"colocated"`` goes
         through ``jax.experimental.colocated_python`` (Pathways);
@@ -112,7 +120,24 @@ class Options:
         reached only through those processes, never from this one.
       read_only: the manager only reads (Orbax's ``read_only``): it takes no
         writer lock, so it may open a directory another manager writes to; it
-        removes nothing and ``save``/``delete`` raise ConfigError.
+        removes nothing; ``save`` returns False and ``delete`` does nothing, each
+        with a warning, as Orbax's.
+      preservation_policy: Orbax's retention object instead of ``max_to_keep``,
+        ``keep_period`` and ``best_fn`` (``LatestN``, ``EveryNSteps``,
+        ``EveryNStepsClosest``, ``EveryNSeconds``, ``LatestDuration``,
+        ``CustomSteps``, ``BestN``, ``PreserveAll``, ``AnyPreservationPolicy`` of
+        ``orbax.checkpoint.checkpoint_managers``), read as :mod:`mtc.policies`
+        says: the complete steps it does not keep are deleted, never the newest
+        one. A step's time is known for the steps this manager saved; a step of
+        unknown time is kept. Without replicators only.
+      save_decision_policy: Orbax's save schedule object instead of
+        ``save_interval_steps`` (``FixedIntervalPolicy``, ``SpecificStepsPolicy``,
+        ``ContinuousCheckpointingPolicy``, ``PreemptionCheckpointingPolicy``,
+        ``InitialSavePolicy``, ``AnySavePolicy``): ``save`` writes a step newer
+        than the newest when it says so. ``ContinuousCheckpointingPolicy`` saves
+        whenever no save is being written (and its ``minimum_interval_secs``
+        since this manager's last save passed). In multi-controller JAX process
+        0's decision is every process's.
       if_data_lost: what ``latest_step``/``restore`` do when no step can be
         restored although some hosts still hold steps (another host's data of
         every step is gone: its RAM disk, its peers' copies, the backup).
@@ -131,6 +156,7 @@ class Options:
     if_busy: BusyPolicy = "wait"
     max_staged_bytes: int | None = None
     writer_threads: int = 2
+    save_device_copy_bytes: int | None = None
     dispatch: Dispatch = "auto"
     hosts_per_slice: int = 1
     simulated_hosts: int | None = None
@@ -144,6 +170,8 @@ class Options:
     sidecars: tuple[str, ...] | None = None
     read_only: bool = False
     if_data_lost: LossPolicy = "raise"
+    preservation_policy: Any = None
+    save_decision_policy: Any = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -166,10 +194,14 @@ class Options:
             raise ConfigError("best_fn keeps steps by metrics on the RAM disk; with replicators "
                               "retention is theirs (by recency): leave best_fn out, or the "
                               "replicators")
+        self._check_policies()
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.max_staged_bytes is not None and self.max_staged_bytes <= 0:
             raise ConfigError(f"max_staged_bytes must be positive, got {self.max_staged_bytes}")
+        if self.save_device_copy_bytes is not None and self.save_device_copy_bytes < 0:
+            raise ConfigError(f"save_device_copy_bytes must be >= 0 or None, got "
+                              f"{self.save_device_copy_bytes}")
         if self.writer_threads < 1:
             raise ConfigError(f"writer_threads must be >= 1, got {self.writer_threads}")
         if self.if_data_lost not in ("raise", "start_over"):
@@ -196,16 +228,37 @@ class Options:
             raise ConfigError("replicator_tls is (certificate, key, CA) files, got "
                               f"{self.replicator_tls!r}")
 
+    def _check_policies(self) -> None:
+        """Orbax's policy objects: ones mtc reads, not beside the options they replace."""
+        from mtc import policies
+
+        if self.preservation_policy is not None:
+            policies.check(self.preservation_policy, policies.PRESERVATION,
+                           "preservation_policy")
+            beside = [n for n in ("max_to_keep", "keep_period", "best_fn")
+                      if getattr(self, n) is not None]
+            if beside:
+                raise ConfigError(f"preservation_policy replaces {', '.join(beside)}: give "
+                                  f"one or the other")
+            if self.replicators:
+                raise ConfigError("preservation_policy keeps steps on the RAM disk; with "
+                                  "replicators retention is theirs (--keep): leave it out, "
+                                  "or the replicators")
+        if self.save_decision_policy is not None:
+            policies.check(self.save_decision_policy, policies.SAVE_DECISION,
+                           "save_decision_policy")
+            if self.save_interval_steps != 1:
+                raise ConfigError("save_decision_policy replaces save_interval_steps: give one "
+                                  "or the other (FixedIntervalPolicy(n) is the interval)")
+
 
 # Orbax's ``CheckpointManagerOptions`` fields mtc has no field of the same name for,
 # and what to use instead: an Orbax user who passes one gets a ConfigError that
 # says so (never a TypeError from the dataclass).
 _ORBAX_ONLY = {
     "keep_time_interval": "keep_period (steps that are multiples of it are kept)",
-    "preservation_policy": "max_to_keep and keep_period",
     "save_on_steps": "save(step, state, force=True) at those steps",
     "should_save_fn": "save(step, state, force=True) where your function says so",
-    "save_decision_policy": "save_interval_steps, or save(..., force=True)",
     "step_prefix": "nothing: mtc names a step folder by its number",
     "step_format_fixed_length": "nothing: mtc names a step folder by its number",
     "step_name_format": "nothing: mtc names a step folder by its number",

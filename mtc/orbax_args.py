@@ -102,6 +102,11 @@ def save_state(args: Any) -> Any:
     return _save_item(args)
 
 
+def composite_items(args: Any) -> tuple[str, ...] | None:
+    """The item names of an ``ocp.args`` save request that is a Composite, else None."""
+    return tuple(str(k) for k in args.keys()) if _is_composite(args) else None
+
+
 def check_item_names(names: Any) -> tuple[str, ...] | None:
     """Orbax's ``item_names``: distinct non-empty strings (None: not given)."""
     if names is None:
@@ -118,14 +123,19 @@ def composite_result(args: Any, items: dict[str, Any]) -> Any:
     return type(args)(**items)
 
 
-def composite_of(items: dict[str, Any]) -> Any:
-    """``items`` as an Orbax ``Composite`` (for a manager given ``item_names``, whose
-    user has Orbax); a dict where Orbax is not installed."""
+def composite_of(items: dict[str, Any], *, metadata: bool = False) -> Any:
+    """``items`` as an Orbax ``Composite`` (for a manager given ``item_names``, or a
+    step saved as one: its user has Orbax); a dict where Orbax is not installed.
+    ``metadata``: the plain ``Composite`` Orbax's ``item_metadata`` answers (the
+    base class of ``ocp.args.Composite``, found by name: its module is private)."""
     try:
         from orbax.checkpoint import args as ocp_args
     except ImportError:
         return items
-    return ocp_args.Composite(**items)
+    cls = ocp_args.Composite
+    if metadata:
+        cls = next((c for c in cls.__mro__[1:] if c.__name__ == "Composite"), cls)
+    return cls(**items)
 
 
 def restore_targets(args: Any) -> dict[str, Any] | tuple[None, Any]:

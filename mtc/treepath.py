@@ -22,6 +22,14 @@ KeyPath = tuple[Any, ...]
 # Leaves of ``save(..., metrics=...)`` are kept in the step's manifest under this
 # path prefix; no pytree path starts with it (keystr paths start with '[' or '.').
 METRICS_ROOT = "@metrics"
+# The item names of a step saved as an Orbax ``Composite`` (one value leaf), so that
+# restoring it without a target gives a ``Composite`` back, as Orbax's does.
+ITEMS_ROOT = "@items"
+
+
+def is_own_leaf(path: str) -> bool:
+    """Whether a manifest leaf is mtc's own (metrics, item names), not the state's."""
+    return path.startswith("@")
 
 
 def _is_leaf(x: Any) -> bool:

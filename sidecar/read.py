@@ -42,7 +42,7 @@ def prefault_flag(proc_version: str) -> int:
     Under gVisor each page fault of a fresh mapping is a trip to its kernel in
     user space: a mapped 64 MiB shard verified at 0.6 GB/s, prefaulted at 8 GB/s
     (a TPU v5e host's sandbox; a 1 GiB restore 1.88 s against 0.23 s,
-    bench/save_stall_device.py). On Linux the kernel maps the pages around each
+    measured with the device benchmark then). On Linux the kernel maps the pages around each
     fault as the checksum walks the file, and prefaulting a private writable
     mapping copies every page (4x slower here): there it is left out."""
     return getattr(mmap, "MAP_POPULATE", 0) if proc_version.startswith(GVISOR_VERSION) else 0

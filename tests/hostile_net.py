@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -186,3 +187,74 @@ class Net:
             ch.close()
         self.cluster.stop_all()
 
+
+class Drip:
+    """``n`` connections to ``address`` that never finish their request: each sends
+    ``head`` at once, then one byte every ``every`` seconds (``head`` empty and
+    ``every`` 0: nothing at all, as a TLS caller that never says hello). One thread
+    keeps them all open, connecting again in place of each that ends, at most
+    ``max_connects`` connections in all; it stops when the block ends."""
+
+    def __init__(self, address: tuple[str, int], n: int = 40, *, head: bytes = b"",
+                 every: float = 0.5, source: str = "127.0.0.1",
+                 max_connects: int = 2000) -> None:
+        self.address, self.n, self.head, self.every = address, n, head, every
+        self.source = source
+        self.max_connects = max_connects
+        self.connects = 0
+        self.ended = 0  # connections the server ended (or refused)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="drip")
+
+    def _connect(self) -> socket.socket | None:
+        if self.connects >= self.max_connects:
+            return None
+        self.connects += 1
+        s = socket.socket()
+        try:
+            s.bind((self.source, 0))
+            s.settimeout(1.0)
+            s.connect(self.address)
+            s.sendall(self.head)
+            return s
+        except OSError:
+            s.close()
+            self.ended += 1
+            return None
+
+    def _run(self) -> None:
+        socks: list[socket.socket | None] = []
+        try:
+            socks = [self._connect() for _ in range(self.n)]
+            while not self._stop.wait(self.every or 0.5):
+                for i, s in enumerate(socks):
+                    if s is not None:
+                        try:
+                            if self.every:
+                                s.send(b"\0")
+                            else:  # sends nothing: ended when the server closed it
+                                s.setblocking(False)
+                                if s.recv(1) == b"":
+                                    raise ConnectionError("closed")
+                            continue
+                        except BlockingIOError:
+                            continue
+                        except OSError:
+                            s.close()
+                            self.ended += 1
+                    socks[i] = self._connect()
+        finally:
+            for s in socks:
+                if s is not None:
+                    s.close()
+
+    def __enter__(self) -> Drip:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while self.connects < self.n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from replicators import Cluster, new_cluster
 
-from mtc.sidecar.replicator.security import Credentials, rank_name
+from mtc.sidecar.replicator.security import CONTROLLER_NAME, Credentials, rank_name
 
 
 def _name(cn: str) -> x509.Name:
@@ -42,9 +42,12 @@ def make_ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 
 
 def make_leaf(ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], cn: str,
-              out: Path, *, ranks: Sequence[int] = ()) -> tuple[Path, Path]:
+              out: Path, *, ranks: Sequence[int] = (), controller: bool = False
+              ) -> tuple[Path, Path]:
     """A certificate of ``ca`` for loopback; with ``ranks``, naming those replicator
-    ranks (``mtc-rank-<r>``), as each host's must name its own."""
+    ranks (``mtc-rank-<r>``), as each host's must name its own; with ``controller``,
+    naming the controller's role (``mtc-controller``). Naming neither, it is
+    nobody's (a stranger's certificate from the cluster's CA)."""
     ca_key, ca_cert = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -54,6 +57,7 @@ def make_leaf(ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], cn: str,
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([
                 x509.DNSName("localhost"), *(x509.DNSName(rank_name(r)) for r in ranks),
+                *([x509.DNSName(CONTROLLER_NAME)] if controller else []),
                 x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                 critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
@@ -77,7 +81,7 @@ def tls_cluster(clusters: list[Cluster], base: Path,
                 ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], ca_pem: Path,
                 pki: Path, client_crt: Path, client_key: Path, n: int = 2) -> Cluster:
     """``n`` replicators over mutual TLS, each with a certificate naming its rank; the
-    harness calls them with ``client_crt`` (naming none, as a controller's)."""
+    harness calls them with ``client_crt`` (the controller's)."""
     certs = {r: make_leaf(ca, f"node{r}", pki, ranks=[r]) for r in range(n)}
     return new_cluster(clusters, base, n, 1,
                        creds=Credentials(tls_cert=client_crt, tls_key=client_key,

@@ -16,26 +16,30 @@ import os
 import socket
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from hostile_net import Drip
 from replicators import commit_raw_step
 from tls_certs import issue, make_ca, mount_secret
 
 from mtc.errors import ConfigError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import data_admission, socket_files
 from mtc.sidecar.replicator import datachannel as dc
-from mtc.sidecar.replicator import socket_files
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.limits import Limits
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.server import serve
 from mtc.sidecar.replicator.socket_files import recv_into_fd
+from mtc.sidecar.replicator.step_files import FileMeta
 
 FILES = {"a.bin": bytes(range(256)) * 4000, "empty.bin": b"", "d-b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 300}
@@ -44,15 +48,17 @@ FILES = {"a.bin": bytes(range(256)) * 4000, "empty.bin": b"", "d-b.bin": b"B" * 
 class Replicator:
     """Rank 0 of two, holding step 1 of its own, served on loopback."""
 
-    def __init__(self, base: Path, creds: Credentials) -> None:
+    def __init__(self, base: Path, creds: Credentials,
+                 files: dict[str, bytes] | None = None, limits: Limits | None = None) -> None:
         # Orbax's framework: its steps are opaque folders of nested files, no manifest.
         cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
                                nodes_per_slice=1, deadline_s=2.0, agreement_timeout_s=0.5,
                                framework="orbax")
         self.root = base / "root"
         self.node = Node(cfg, self.root, creds)
-        commit_raw_step(self.root, 1, FILES)
-        self.server, self.port, self.servicer, _ = serve(self.node, "127.0.0.1:0", creds)
+        commit_raw_step(self.root, 1, files or FILES)
+        self.server, self.port, self.servicer, _ = serve(self.node, "127.0.0.1:0", creds,
+                                                         limits=limits)
         self.data_port = self.servicer.data_port
 
     def client(self, creds: Credentials, rank: int = 0) -> PeerClient:
@@ -278,3 +284,183 @@ def test_a_received_files_size_and_crc_are_the_bytes_that_came(tmp_path: Path) -
         b.close()
     assert (got, value) == (len(data), crc32c(data))
     assert (tmp_path / "f").read_bytes() == data
+
+
+# -- a flood of connections that never authenticate (issue 57) ---------------------------
+
+
+@pytest.mark.parametrize("pending, source, evicted", [
+    ({}, "a", None),
+    ({"a": 15, "b": 40}, "a", None),
+    ({"a": 16}, "a", "a"),      # one address: its own share makes room
+    ({"a": 16}, "b", None),     # another address is not held back by it
+    ({"s0": 16, "s1": 16, "s2": 16, "s3": 16}, "b", "s0"),  # all places: the biggest
+    ({"a": 2, "b": 16, "c": 15, "d": 15, "e": 16}, "a", "b"),
+    ({"a": 16, "b": 48}, "c", "b"),
+    ({"a": 16, "b": 47}, "c", None),
+])
+def test_pending_connections_are_bounded_per_source_and_in_all(
+        pending: dict[str, int], source: str, evicted: str | None) -> None:
+    assert data_admission.make_room(pending, source, per_source=16, total=64) == evicted
+
+
+def test_a_request_dripped_in_is_ended_at_its_deadline_whatever_its_pace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline is the whole request's, not each read's: a caller that sends a
+    byte every 0.2 s (each read answered well within any per-read timeout) is
+    ended ``REQUEST_S`` after it connected (it once held a worker for 10 s a byte)."""
+    monkeypatch.setattr(data_admission, "REQUEST_S", 1.0)
+    rep = Replicator(tmp_path, TOKEN)
+    try:
+        with socket.create_connection(("127.0.0.1", rep.data_port), timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(dc.MAGIC + struct.pack("<I", 1000))
+            ended = None
+            for _ in range(50):  # at most 10 s
+                try:
+                    s.sendall(b"\0")
+                    time.sleep(0.2)
+                except OSError:
+                    ended = time.monotonic() - t0
+                    break
+        assert ended is not None and 0.9 < ended < 2.5, ended
+        assert rep.servicer.data is not None and rep.servicer.data.pending.expired >= 1
+    finally:
+        rep.close()
+
+
+BIG = {"big.bin": os.urandom(16 << 20)}
+
+
+def _best_fetch_s(client: PeerClient, rounds: int = 4) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        got = client.data.fetch_bytes(1, 0, "big.bin", len(BIG["big.bin"]),
+                                      crc32c(BIG["big.bin"]))
+        best = min(best, time.monotonic() - t0)
+        assert bytes(got) == BIG["big.bin"]
+    return best
+
+
+def _tls_replicator(tmp_path: Path) -> tuple[Replicator, Credentials]:
+    ca = make_ca("test-ca")
+    rep = Replicator(tmp_path, _tls(tmp_path, ca, "rank0", "mtc-rank-0"), BIG)
+    return rep, _tls(tmp_path, ca, "rank1", "mtc-rank-1")
+
+
+@pytest.mark.parametrize("auth", ["token", "tls"])
+@pytest.mark.parametrize("source", ["127.0.0.2", "127.0.0.1"])
+def test_forty_dripping_connections_leave_fetches_half_their_throughput(
+        tmp_path: Path, auth: str, source: str) -> None:
+    """Forty connections that never finish their request (with the token: the
+    header, then a byte every 0.5 s; with mutual TLS: a TLS record header, then
+    the same drip) hold no worker: a legitimate fetch still arrives over the data
+    channel, verified, at no less than half its speed without them (all 8
+    legitimate fetches were reset before), from another address as from the
+    attacker's own (there each new connection makes room by ending the oldest
+    pending one of that address: the attacker's)."""
+    if auth == "token":
+        rep, creds = Replicator(tmp_path, TOKEN, BIG), TOKEN
+        head = dc.MAGIC + struct.pack("<I", 1000)
+    else:
+        rep, creds = _tls_replicator(tmp_path)
+        head = b"\x16\x03\x01\x02\x00"  # a TLS handshake record of 512 bytes, to come
+    client = rep.client(creds)
+    server = rep.servicer.data
+    assert server is not None
+    try:
+        quiet = _best_fetch_s(client)
+        with Drip(("127.0.0.1", rep.data_port), 40, head=head, every=0.5,
+                  source=source) as drip:
+            # Bounded: 16 of its connections at once from one address, the rest ended.
+            for _ in range(100):
+                if drip.ended >= 40 - data_admission.PENDING_PER_SOURCE:
+                    break
+                time.sleep(0.05)
+            assert drip.ended >= 40 - data_admission.PENDING_PER_SOURCE
+            assert server.pending.evicted >= 24
+            flooded = _best_fetch_s(client)
+        assert flooded < 2 * quiet, (quiet, flooded)
+        assert client.data.fallbacks == 0  # the data channel's own speed
+    finally:
+        client.close()
+        rep.close()
+
+
+def test_a_data_channel_that_cannot_be_had_sends_over_grpc(tmp_path: Path) -> None:
+    """A data port that closes every connection at once (a flood keeps it full) or
+    answers busy: a fetch's bytes come over gRPC instead, verified, and a push
+    says so, and the replication then pushes over gRPC; it used to fail
+    UNAVAILABLE."""
+    rep = Replicator(tmp_path, TOKEN)
+    closing = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def close_all() -> None:
+        closing.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                closing.accept()[0].close()
+            except TimeoutError:
+                continue
+
+    t = threading.Thread(target=close_all)
+    t.start()
+    client = rep.client(TOKEN, rank=1)
+    try:
+        client.data_port = closing.getsockname()[1]
+        data = client.data.fetch_bytes(1, 0, "a.bin", len(FILES["a.bin"]),
+                                       crc32c(FILES["a.bin"]))
+        assert bytes(data) == FILES["a.bin"] and client.data.fallbacks == 1
+        files = [pb.FileInfo(path="x.bin", size=5, crc32c=crc32c(b"hello"))]
+        reply = client.call("Offer", pb.OfferRequest(copy=pb.StepCopy(
+            step=3, origin_rank=1, files=files)))
+        src = tmp_path / "x.bin"
+        src.write_bytes(b"hello")
+        client.data_port = closing.getsockname()[1]
+        assert client.data.push_data(reply.transfer_id, [(0, src, 5, crc32c(b"hello"))]) \
+            is None
+        assert client.data.fallbacks == 2
+        # The replication's push of a group then goes over gRPC, file by file.
+        client.data_port = closing.getsockname()[1]
+        rep.node.replication._push_stream(client, reply.transfer_id, tmp_path,
+                                          [(0, FileMeta("x.bin", 5, crc32c(b"hello")))])
+        assert client.data.fallbacks == 3
+        client.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
+        assert (rep.root / ".mtc-replica" / "1" / "3" / "x.bin").read_bytes() == b"hello"
+    finally:
+        stop.set()
+        t.join()
+        closing.close()
+        client.close()
+        rep.close()
+
+
+def test_a_slow_but_steady_fetch_is_never_cut_off(tmp_path: Path) -> None:
+    """A fetch's progress is counted as its bytes go, not once per whole file: a
+    6 MiB file read at 2 MiB/s (8 times the minimum rate) arrives whole; counted
+    per file, the watchdog saw no byte sent once the 1 s grace was over and ended
+    it (a 128 MiB fetch at 4 MiB/s was cut off after 42 MiB)."""
+    data = os.urandom(6 << 20)
+    rep = Replicator(tmp_path, TOKEN, {"slow.bin": data},
+                     limits=Limits(grace_s=1.0, min_rate=256 << 10, sweep_s=0.1))
+    try:
+        with socket.create_connection(("127.0.0.1", rep.data_port), timeout=10) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            req = pb.DataRequest(token="s3cret", fetch=pb.FetchRequest(
+                step=1, origin_rank=0, path="slow.bin")).SerializeToString()
+            s.sendall(dc.MAGIC + struct.pack("<I", len(req)) + req)
+            assert dc.recv_msg(s, pb.DataStatus, dc.MAX_STATUS).size == len(data)
+            assert dc.recv_msg(s, pb.DataStatus, dc.MAX_STATUS).size == len(data)
+            got = bytearray()
+            t0 = time.monotonic()
+            while len(got) < len(data):  # 128 KiB every 1/16 s: 2 MiB/s, about 3 s
+                part = s.recv(min(128 << 10, len(data) - len(got)))
+                if not part:
+                    break
+                got += part
+                time.sleep(max(0.0, t0 + len(got) / (2 << 20) - time.monotonic()))
+        assert bytes(got) == data, f"cut off after {len(got)} of {len(data)} bytes"
+    finally:
+        rep.close()

@@ -35,7 +35,7 @@ from mtc.sidecar.replicator.k8s import (
     replicator_argv,
 )
 from mtc.sidecar.replicator.rank_names import PodNames, ranks_named
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.security import CONTROLLER, Credentials, identity_of
 
 # Every test here renders the overlays (kubectl kustomize) or runs the images' tools.
 pytestmark = pytest.mark.process
@@ -89,7 +89,7 @@ def test_every_pod_gets_a_certificate_naming_its_rank(
     job's own CA, names that pod's rank the way its replicator reads names (with the
     flags mtc-replicator-k8s computes from the pod's environment: it refuses to
     start otherwise) and covers the name the controller dials; the controller's
-    certificate names no rank."""
+    certificate names no rank and the controller's role."""
     docs = rendered[case]
     (js,) = jobsets(docs)
     name = js["metadata"]["name"]
@@ -151,7 +151,8 @@ def test_every_pod_gets_a_certificate_naming_its_rank(
         hattrs = certificate_volume(head)
         assert hattrs[CSI + "issuer-name"] == attrs[CSI + "issuer-name"]
         names = dns_names(hattrs, pod_name(f"{name}-pathways-head-0", 0), ns)
-        assert ranks_named(names, pods) == set(), names   # the controller: no rank
+        assert ranks_named(names, pods) == set(), names   # the controller: no rank,
+        assert identity_of(names) == CONTROLLER, names    # but the controller's role
         assert "server auth" not in hattrs[CSI + "key-usages"]
         trainer = containers(head)["trainer"]
     else:

@@ -112,6 +112,11 @@ def test_callers_without_the_token_get_nothing(net: Net) -> None:
                     q, timeout=5, metadata=m)) == grpc.StatusCode.UNAUTHENTICATED, op
             assert code_of(lambda c=sidecar, m=md: c.unary_unary("/mtc.Host/Execute")(
                 b"\0" * 64, timeout=5, metadata=m)) == grpc.StatusCode.UNAUTHENTICATED
+    # With the token, a request that is not JSON (nested 100,000 deep) is a clear
+    # INVALID_ARGUMENT (it was UNKNOWN: a recursion error escaped the handler).
+    code, details = details_of(lambda: net.channel(0, sidecar=True).unary_unary(
+        "/mtc.Host/Call")(b"[" * 100_000, timeout=5, metadata=AUTH))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not JSON" in details, details
     assert (net.root(0) / "1" / "a.bin").is_file()  # the step the attacker tried to delete
     # With the token, the same sidecar answers: the step is there, and mtc's.
     assert net.call(0, "steps") == {"0": [1]}
@@ -213,7 +218,9 @@ def test_offers_are_bounded_and_checked(net: Net) -> None:
             assert code_of(lambda: stub.Offer(million, timeout=60, metadata=AUTH)) == \
                 grpc.StatusCode.INVALID_ARGUMENT
         assert rss(pid) - before < 160 * MiB, (before, rss(pid))
-        for req in (offer_of(2**63 - 1, [pb.FileInfo(path="a", size=1)]),
+        negative = offer_of(9, [pb.FileInfo(path="a", size=1)])
+        negative.copy.saved_hosts = -5  # accepted before issue 57
+        for req in (negative, offer_of(2**63 - 1, [pb.FileInfo(path="a", size=1)]),
                     offer_of(2**53, [pb.FileInfo(path="a", size=1)]),
                     offer_of(9, [pb.FileInfo(path="a", size=2**64 - 1)]),
                     offer_of(9, [pb.FileInfo(path="a" * 4200, size=1)]),

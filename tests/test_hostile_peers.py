@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import struct
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.book import BOOK_NAME
 from mtc.sidecar.replicator.client import PeerClient, PeerError
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -108,6 +109,21 @@ def test_sidecar_needs_credentials_to_listen_and_to_run_code(base: Path) -> None
             ch.close()
         time.sleep(0.2)
         assert not marker.exists()
+        # With the token: a call naming a payload file that is not there is refused,
+        # typed, without the server's folders in its answer (it was UNKNOWN, the
+        # server's path in its text).
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            head = json.dumps({"program": "p", "inputs": [], "file": "call-gone",
+                               "size": 99, "offsets": [0], "nbytes": [99]}).encode()
+            bogus = struct.pack("<Q", len(head)) + head  # transfer's framing
+            reply = ch.unary_unary("/mtc.Host/Execute")(bogus, timeout=10,
+                                                       metadata=[(TOKEN_HEADER, TOKEN)])
+        finally:
+            ch.close()
+        error = transfer.unpack_message(work / "area", reply)[0]["error"]
+        assert error["type"] == "ProtocolError", error
+        assert str(work) not in reply.decode(errors="replace"), error
         assert proc.poll() is None
     finally:
         proc.kill()
@@ -249,7 +265,7 @@ def test_a_certificate_acts_only_for_the_rank_it_names(base: Path) -> None:
     ca = make_ca("hostile test CA")
     ca_pem = write_pem(ca[1], pki / "ca.crt")
     certs = {r: make_leaf(ca, f"node{r}", pki, ranks=[r]) for r in range(2)}
-    ctl_crt, ctl_key = make_leaf(ca, "controller", pki)
+    ctl_crt, ctl_key = make_leaf(ca, "controller", pki, controller=True)
     controller = Credentials(tls_cert=ctl_crt, tls_key=ctl_key, tls_ca=ca_pem)
     cl = Cluster(base / "tls", 2, 1, creds=controller, extra=("--tls-ca", str(ca_pem)),
                  rank_args={r: ("--tls-cert", str(c), "--tls-key", str(k))

@@ -252,7 +252,7 @@ def test_orbax_restore_idioms_work(ramdisk: Path, mesh: Mesh) -> None:
             mgr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore(
                 {"w": jax.ShapeDtypeStruct(w.shape, jnp.int32, sharding=sharding)})))
         meta = mgr.item_metadata(1)
-        assert meta.state["w"] == jax.ShapeDtypeStruct((16, 4), jnp.float32)
+        assert meta.state["w"] == jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=sharding)
         assert meta.meta == {"lr": 0.5}
         with pytest.raises(mtc.ConfigError, match=r"metrics\(step\).*item_metadata\(step\)"):
             mgr.metadata()

@@ -30,7 +30,7 @@ from mtc.replicas import prepare_restore
 from mtc.sidecar.replicator import rank_names
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.rank_names import PodNames
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.security import CONTROLLER_NAME, Credentials
 
 pytestmark = pytest.mark.process  # replicator processes
 
@@ -54,18 +54,20 @@ class Pki:
         self.ca_file = base / "ca.crt"
         self.ca_file.write_bytes(self.ca[0])
 
-    def issue(self, name: str, *, ips: tuple[str, ...] = ("127.0.0.1",)) -> tuple[Path, Path]:
-        """A pod's certificate: its name, and the names peers and the controller dial."""
-        files = issue(self.ca, name, dns=(name, f"*.{JOBSET}", f"*.{JOBSET}.default.svc"),
-                      ips=ips)
+    def issue(self, name: str, *, ips: tuple[str, ...] = ("127.0.0.1",),
+              more: tuple[str, ...] = ()) -> tuple[Path, Path]:
+        """A pod's certificate: its name, and the names peers and the controller dial
+        (and ``more``: the controller's role)."""
+        files = issue(self.ca, name, dns=(name, f"*.{JOBSET}", f"*.{JOBSET}.default.svc",
+                                          *more), ips=ips)
         folder = self.base / name
         folder.mkdir()
         for n, data in files.items():
             (folder / n).write_bytes(data)
         return folder / "tls.crt", folder / "tls.key"
 
-    def creds(self, name: str) -> Credentials:
-        cert, key = self.issue(name, ips=())
+    def creds(self, name: str, *, controller: bool = False) -> Credentials:
+        cert, key = self.issue(name, ips=(), more=(CONTROLLER_NAME,) if controller else ())
         return Credentials(tls_cert=cert, tls_key=key, tls_ca=self.ca_file)
 
 
@@ -105,7 +107,7 @@ def test_replicators_with_pod_certificates(ramdisk: Path, clusters: list[Cluster
     pki = Pki(ramdisk / "pki")
     certs = {r: pki.issue(pod(r, f"a{r}a{r}a")) for r in range(2 * HOSTS)}
     # The controller: the Pathways head's pod, whose name is no worker's.
-    controller = pki.creds(f"{JOBSET}-pathways-head-0-0-h7h7h")
+    controller = pki.creds(f"{JOBSET}-pathways-head-0-0-h7h7h", controller=True)
     cl = new_cluster(clusters, ramdisk, 2 * HOSTS, HOSTS, creds=controller,
                      extra=("--tls-ca", str(pki.ca_file), "--tls-pod-prefix", PODS.prefix,
                             "--tls-hosts-per-slice", str(HOSTS)),

@@ -102,7 +102,7 @@ def test_mutual_tls(ramdisk: Path, clusters: list[Cluster]) -> None:
     pki.mkdir()
     ca, rogue_ca = make_ca("mtc test CA"), make_ca("someone else's CA")
     ca_pem = write_pem(ca[1], pki / "ca.crt")
-    client_crt, client_key = make_leaf(ca, "trainer", pki)
+    client_crt, client_key = make_leaf(ca, "trainer", pki, controller=True)
     rogue_crt, rogue_key = make_leaf(rogue_ca, "intruder", pki, ranks=[1])
 
     cl = tls_cluster(clusters, ramdisk, ca, ca_pem, pki, client_crt, client_key)
@@ -188,7 +188,7 @@ def test_manager_agrees_with_tls_replicators_through_its_certificate(
     pki = tmp_path  # the controller's files, not on any host's RAM disk
     ca = make_ca("mtc test CA")
     ca_pem = write_pem(ca[1], pki / "ca.crt")
-    trainer_crt, trainer_key = make_leaf(ca, "trainer", pki)
+    trainer_crt, trainer_key = make_leaf(ca, "trainer", pki, controller=True)
     cl = tls_cluster(clusters, ramdisk, ca, ca_pem, pki, trainer_crt, trainer_key)
     cl.start_all()
     tls = (str(trainer_crt), str(trainer_key), str(ca_pem))

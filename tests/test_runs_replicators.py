@@ -69,6 +69,35 @@ def test_a_save_no_host_finished_everywhere_is_fenced_and_saved_again_by_the_nex
         assert_state_equal(mgr.restore(25, target=make_state(mesh, 0.0)), resumed)
 
 
+def test_restoring_the_step_latest_step_agreed_on_keeps_the_newer_committed_one(
+        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
+    """Issue 56, item 1, through the replicators: latest_step() agrees on 3; 4 is
+    saved; restore(3) keeps 4 on every host and its peer copies, and the next
+    agreement (this manager's, then a reopened one's) is 4, fencing nothing."""
+    cl = new_cluster(clusters, ramdisk, 4, 2)
+    cl.start_all()
+    opts = cl.options(replicators=True, restore_timeout_s=30)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(mesh, float(s)))
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 3
+        mgr.save(4, make_state(mesh, 4.0))
+        mgr.wait_until_finished()
+        assert_state_equal(mgr.restore(3, target=make_state(mesh, 0.0)),
+                           make_state(mesh, 3.0))
+        assert all((cl.root(h) / "4").is_dir() for h in range(4))
+        assert mgr.latest_step() == 4
+    cl.wait_replicated(4, timeout=60)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
+        assert mgr.latest_step() == 4
+        assert_state_equal(mgr.restore(3, target=make_state(mesh, 0.0)),
+                           make_state(mesh, 3.0))
+        assert 4 in mgr.all_steps() and copies_of(cl, 4) == {
+            (h, o) for o in range(4) for h in (o, (o + cl.per_slice) % cl.n)}
+        assert_state_equal(mgr.restore(target=make_state(mesh, 0.0)), make_state(mesh, 4.0))
+
+
 def test_a_peer_copy_of_an_older_save_under_the_same_number_is_replaced(
         ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 4, 2)

@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from mtc.contract import LeafSpec, ReadTask, frame, task_to_json
+from mtc.dispatch.colocated_moves import move
 from mtc.manifest import Index
 from mtc.shards import is_single_device_sharding, single_device_sharding
 
@@ -293,8 +294,8 @@ def finish(plan_: LoadPlan, outputs: Sequence[jax.Array], specs: dict[int, LeafS
         mesh_devices = list(plan_.out_specs[-1].sharding.mesh.devices.flat)
         for h, k in plan_.holder_position.items():
             buffers[h] = by_device[mesh_devices[k]]
-    placed = jax.device_put(list(outputs[:len(plan_.leaves)]),
-                            [specs[leaf].sharding for leaf in plan_.leaves], may_alias=True)
+    placed = move(list(outputs[:len(plan_.leaves)]),
+                  [specs[leaf].sharding for leaf in plan_.leaves], may_alias=True)
     arrays = dict(zip(plan_.leaves, placed, strict=True))
     # Every region a holder read whole moves onto its target device in one
     # device_put of them all (a replaced host's restore moves hundreds: one call
@@ -312,7 +313,7 @@ def finish(plan_: LoadPlan, outputs: Sequence[jax.Array], specs: dict[int, LeafS
             else:
                 shards[(leaf, d.id)] = _assemble(index, parts, leaf, spec, d, plan_, buffers)
     if moves:
-        moved = jax.device_put([outputs[k] for _, k, _ in moves], [d for *_, d in moves])
+        moved = move([outputs[k] for _, k, _ in moves], [d for *_, d in moves])
         shards.update((key, a) for (key, _, _), a in zip(moves, moved, strict=True))
     for leaf in built:
         spec = specs[leaf]

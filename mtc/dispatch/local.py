@@ -12,6 +12,7 @@ import numpy as np
 
 from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, decode_reply, encode_request
 from mtc.dispatch.calls import HostCalls
+from mtc.save.device_copy import DeviceCopier
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.load import ShardLoader, load_leaves
 from mtc.sidecar.ops import HostOps
@@ -37,9 +38,11 @@ class LocalDispatch(HostCalls):
     With ``network`` (multi-controller JAX, each process alone with its RAM disk)
     other hosts' manifests and regions come through their replicators."""
 
-    def __init__(self, config: AgentConfig, network: NetworkTier | None = None) -> None:
+    def __init__(self, config: AgentConfig, network: NetworkTier | None = None, *,
+                 copier: DeviceCopier | None = None) -> None:
         self.config = config
         self.agent = HostAgent(config)
+        self.copier = copier or DeviceCopier(None)
         self.peers = (PeerFiles(network.addresses, network.creds, near=network.rank)
                       if network is not None else None)
         self.own = network.own if network is not None else ()
@@ -50,7 +53,13 @@ class LocalDispatch(HostCalls):
         return [decode_reply(self.ops.handle(encode_request(op, hosts, **args)))]
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
-        return self.agent.stage(header, arrays)
+        # The last save's device copy is in host memory before this one is made:
+        # one copy's worth of device memory at a time.
+        self.agent.finish_transfer()
+        copies = self.copier.copy(arrays)
+        if copies is None:
+            return self.agent.stage(header, arrays)
+        return self.agent.stage(header, copies, owned=True)
 
     def wait(self) -> None:
         self.agent.wait()

@@ -59,8 +59,6 @@ class RestoreFlow:
         self._local_only = local_only  # no network tier: this process plans every host
         self._where = where
         self._tier_: ReplicatorTier | None = None  # made when first asked (see tier)
-        # The step latest_step() answered: restoring it fences off newer steps.
-        self._latest: int | None = None
         # A step the replicators prepared for latest_step(), not yet restored.
         self._prepared: Prepared | None = None
         self.last_restore_tiers: dict[int, str] = {}
@@ -68,8 +66,8 @@ class RestoreFlow:
         self.last_restore_seconds: dict[str, float] = {}
 
     def reload(self) -> None:
-        """Forget the step ``latest_step`` answered and any step prepared for it."""
-        self._latest, self._prepared = None, None
+        """Forget any step the replicators prepared for ``latest_step``."""
+        self._prepared = None
 
     def new_step_coming(self) -> None:
         """A save is reaching the hosts: a step prepared by the replicators is stale."""
@@ -85,13 +83,22 @@ class RestoreFlow:
 
     # -- which step ---------------------------------------------------------------------
 
+    def steps(self) -> list[int]:
+        """The steps complete on every host, and those this manager is still saving:
+        listed once ``save`` returned, as Orbax's; a restore (or reading the step's
+        manifests) waits for its save to commit first, so nothing uncommitted is read.
+        A staged step not newer than the newest complete one has committed, and is
+        listed only while the hosts hold it (retention may have freed it since)."""
+        complete = self.inventory.common()
+        newest = complete[-1] if complete else -1
+        return sorted(set(complete) | {s for s in self.saves.staged if s > newest})
+
     def latest_step(self) -> int | None:
         if not self.options.replicators:
-            steps = self.inventory.common()
+            steps = self.steps()
             if not steps:
                 self._nothing_restorable()
-            self._latest = steps[-1] if steps else None
-            return self._latest
+            return steps[-1] if steps else None
         if self._prepared is None:
             self.saves.wait_saves()  # the replicators see what this job committed
             self._prepared = self._prepare_with_replicators(background=self._may_defer())
@@ -100,14 +107,12 @@ class RestoreFlow:
             if self._prepared.lost:
                 self._nothing_restorable(self._prepared.lost)
             steps = self.inventory.common()
-            self._latest = steps[-1] if steps else None
-            return self._latest
+            return steps[-1] if steps else None
         if multihost.common_steps([step]) != [step]:
             raise AgreementError("processes were told different steps by their replicators",
                                  step=step)
         log.info("mtc: latest step %d, agreed by every host (tier: %s)", step,
                  self.last_restore_tier)
-        self._latest = step
         return step
 
     def _nothing_restorable(self, lost: str = "") -> None:
@@ -116,7 +121,11 @@ class RestoreFlow:
             read_only=self.options.read_only)
 
     def metrics(self, step: int) -> Any:
-        return metrics_of(self.reader.saved_step(step))
+        try:
+            saved = self.reader.saved_step(step)
+        except StepNotFoundError:
+            return None  # as Orbax's metrics() of a step it does not have
+        return metrics_of(saved)
 
     # -- restore ------------------------------------------------------------------------
 
@@ -150,10 +159,6 @@ class RestoreFlow:
                                         "on this job's hosts (none was saved, or none "
                                         "completely)")
         self._prepared = None
-        # Restoring the newest step fences off newer ones: only saves that did not
-        # finish on every host can be newer, and the job will save their numbers
-        # again (the replicators fence their own hosts when they agree).
-        newest = step is None or step == self._latest
         t_prepared = time.perf_counter()
         if step is None:
             steps = self.inventory.common(manifests=True)
@@ -219,9 +224,11 @@ class RestoreFlow:
             # background's priority), not when its replicator's quiet time ends.
             jax.block_until_ready(result)
             self.tier.restored(prepared)
-        if newest and not self.options.replicators and not self.options.read_only:
-            self.inventory.fence_after(step, saved.listed)
-        self._latest = None
+        # Newer steps an earlier run left incomplete are deleted; a newer step every
+        # host committed stays, whichever step was restored (mtc.fencing). With
+        # replicators they fence their own hosts when they agree on the newest step.
+        if not self.options.replicators and not self.options.read_only:
+            self.inventory.fence_after(step, self.saves.run, saved.listed)
         self.inventory.relearn()
         self.saves.restored(step)
         log.info("mtc: restored step %d: %d bytes in %.3fs from the %s tier (hosts: %s)",

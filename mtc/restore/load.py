@@ -8,6 +8,7 @@ of the saved tree.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
@@ -71,6 +72,18 @@ def _is_metric(leaf: LeafEntry) -> bool:
     return leaf.path.startswith(treepath.METRICS_ROOT)
 
 
+def saved_items(saved: SavedStep) -> list[str] | None:
+    """The item names of a step saved as an Orbax ``Composite``, else None."""
+    for leaf in saved.leaves:
+        if leaf.path == treepath.ITEMS_ROOT and leaf.kind == "value":
+            try:
+                names = json.loads(treepath.decode_value(leaf.value))
+            except (TypeError, ValueError, KeyError):
+                return None  # not a list of names: a plain restore, as before
+            return [str(n) for n in names] if isinstance(names, list) else None
+    return None
+
+
 def metrics_of(saved: SavedStep) -> Any:
     """The ``metrics`` saved with the step, or None."""
     items = [(leaf.keys, treepath.decode_value(leaf.value))
@@ -118,7 +131,7 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
             (i, None if mesh is None or leaf.kind != "array" else jax.ShapeDtypeStruct(
                 leaf.shape, jax.numpy.dtype(leaf.dtype), sharding=saved_sharding(leaf, mesh)))
             for i, leaf in enumerate(leaves)
-            if not _is_metric(leaf) and (prefix is None or (
+            if not treepath.is_own_leaf(leaf.path) and (prefix is None or (
                 leaf.keys and tuple(leaf.keys[0]) == prefix))]
         flat_target = None
         treedef = None

@@ -20,7 +20,7 @@ from mtc.dispatch import Dispatch, NetworkTier
 from mtc.dispatch.protocol import Survey
 from mtc.errors import ShardUnavailableError, StepNotFoundError, TargetMismatchError
 from mtc.manifest import Manifest
-from mtc.restore.load import restore_tree
+from mtc.restore.load import restore_tree, saved_items, saved_sharding
 from mtc.restore.plan import SavedStep, load_step
 from mtc.topology import Topology
 
@@ -138,23 +138,49 @@ class StepReader:
             return restore_tree(saved, t, self.topology, self.dispatch, prefix=prefix,
                                 mesh=mesh)
 
+        if args is None and target is None and saved_items(saved) is not None:
+            # Saved as a Composite: every item, as a Composite, as Orbax's restore(step).
+            items = {name: load(None, ("d", name))[name] for name in saved_items(saved) or ()}
+            return orbax_args.composite_of(items)
         if args is None:
             return load(target)
         request = orbax_args.restore_targets(args)
         if isinstance(request, tuple):
             return load(request[1])
-        saved_items = sorted({str(leaf.keys[0][1]) for leaf in saved.leaves
-                              if leaf.keys and leaf.keys[0][0] == "d"
-                              and not leaf.path.startswith(treepath.METRICS_ROOT)})
-        request = request or {name: None for name in saved_items}  # Composite(): every item
-        unknown = [name for name in request if name not in saved_items]
+        names = sorted({str(leaf.keys[0][1]) for leaf in saved.leaves
+                        if leaf.keys and leaf.keys[0][0] == "d"
+                        and not treepath.is_own_leaf(leaf.path)})
+        request = request or {name: None for name in names}  # Composite(): every item
+        unknown = [name for name in request if name not in names]
         if unknown:
             raise TargetMismatchError(f"Composite items {unknown} were not saved with this "
-                                      f"step; its items: {saved_items}", step=saved.step)
+                                      f"step; its items: {names}", step=saved.step)
         out = {}
         for name, t in request.items():
             out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
         return orbax_args.composite_result(args, out)
+
+    def item_metadata(self, step: int, *, composite: bool) -> Any:
+        """The saved tree of ``step`` without its arrays: a ``jax.ShapeDtypeStruct``
+        per array leaf, with the sharding a restore without a target gives it on the
+        manager's mesh (:func:`saved_sharding`), plain values as saved; a
+        ``Composite`` of the items when saved as one or ``composite``."""
+        saved = self.saved_step(step)
+
+        def meta(leaf: Any) -> Any:
+            if leaf.kind == "value":
+                return treepath.decode_value(leaf.value)
+            dtype = jax.numpy.dtype(leaf.dtype)
+            if leaf.kind == "array" and self.mesh is not None:
+                return jax.ShapeDtypeStruct(leaf.shape, dtype,
+                                            sharding=saved_sharding(leaf, self.mesh))
+            return jax.ShapeDtypeStruct(leaf.shape, dtype)
+
+        tree = treepath.unflatten_from_keys([(leaf.keys, meta(leaf)) for leaf in saved.leaves
+                                             if not treepath.is_own_leaf(leaf.path)])
+        if composite or saved_items(saved) is not None:
+            return orbax_args.composite_of(tree or {}, metadata=True)
+        return tree
 
     def saved_step(self, step: int, *, every_host: bool = False,
                    pending: frozenset[int] = frozenset(), run: str = "",

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mtc import layout, multihost, orbax_args, retention, runs
+from mtc import layout, multihost, orbax_args, policies, retention, runs
 from mtc.dispatch import Dispatch
 from mtc.dispatch.protocol import Survey
 from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
@@ -57,6 +57,14 @@ class SaveFlow:
         # complete on the hosts: saves of steps up to it return False, as Orbax's.
         self.last_saved: int | None = None
         self._newest_learnt = False
+        # Steps staged since the saves were last waited for: listed by all_steps()
+        # and latest_step() before they commit, as Orbax's are (a restore, and
+        # reading a step's manifests, wait for them first). The same in every
+        # process of a multi-controller job, which saves the same steps.
+        self.staged: set[int] = set()
+        # When this manager saved each step (time.time()): what Orbax's time-based
+        # policies read (a step saved before this manager has no known time).
+        self._saved_at: dict[int, float] = {}
         # Step folders found at start that are not mtc's (per host): never replaced.
         self.foreign = foreign or {}
         # best_fn retention: each step's metrics, read once from a manifest.
@@ -86,7 +94,20 @@ class SaveFlow:
         newest = self._newest()
         if newest is not None and step <= newest:
             return False
+        if self.options.save_decision_policy is not None:
+            return self._policy_says(step, newest)
         return newest is None or self.on_schedule(step)
+
+    def _policy_says(self, step: int, newest: int | None) -> bool:
+        """``Options.save_decision_policy``'s answer (:func:`mtc.policies.save_due`),
+        process 0's in multi-controller JAX (collective: times and saves in flight
+        differ between processes)."""
+        previous = [] if newest is None else [
+            policies.StepInfo(newest, None, self._saved_at.get(newest))]
+        due = policies.save_due(
+            self.options.save_decision_policy, step, previous, now=time.time(),
+            saving=self._saves_in_flight() > 0, preempted=multihost.reached_preemption(step))
+        return bool(multihost.every_value(int(due))[0])
 
     def _newest(self) -> int | None:
         """The newest step saved or restored here, or complete on the hosts (asked of
@@ -130,15 +151,19 @@ class SaveFlow:
     # -- save -----------------------------------------------------------------------
 
     def save(self, step: Any, state: Any, *, force: bool, metrics: Any, args: Any) -> bool:
-        self.writable("save")
+        if self.skipped_read_only("save"):
+            return False
         if orbax_args.is_orbax_args(state):
             raise ConfigError(orbax_args.positional_hint("save"))
         if args is not None:
             if state is not None:
                 raise ConfigError("save() takes the state or args=, not both")
             state = orbax_args.save_state(args)
+            items = orbax_args.composite_items(args)
         elif state is None:
             raise ConfigError("save() needs the state (or args=ocp.args.StandardSave(state))")
+        else:
+            items = None
         step = layout.as_step(step)
         self._refuse_foreign(step)
         # The job's first decision needs the hosts' newest step. One controller
@@ -155,7 +180,8 @@ class SaveFlow:
             self.unreplicated = self.watch.poll()
         t0 = time.perf_counter()
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
-                                 metrics=metrics, run=self.run, ranks=self._saved_ranks())
+                                 metrics=metrics, run=self.run, ranks=self._saved_ranks(),
+                                 items=items)
 
         def before_send(survey: Survey) -> None:
             # Nothing is sent to a host before this returned, and nothing at all
@@ -177,6 +203,8 @@ class SaveFlow:
         if staged:
             self._saved_since_retention = True
             self.last_saved = max(step, self.last_saved or 0)
+            self.staged.add(step)
+            self._saved_at[step] = time.time()
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
             if log.isEnabledFor(logging.INFO):  # its byte count walks every shard
@@ -230,7 +258,8 @@ class SaveFlow:
     def delete(self, step: int) -> None:
         """Delete a committed step on every host this process serves; a step no host
         holds raises :class:`StepNotFoundError` (collective in multi-controller JAX)."""
-        self.writable("delete")
+        if self.skipped_read_only("delete"):
+            return
         self.wait_until_finished()
         held = self.inventory.held()
         if not multihost.any_process(any(step in steps for steps in held.values())):
@@ -243,6 +272,7 @@ class SaveFlow:
         self.dispatch.delete(step, self.topology.local_hosts)
         self.inventory.forget(step)
         self._metrics.pop(step, None)
+        self.staged.discard(step)
         if step == self.last_saved:  # its number may be saved again, as in Orbax
             self.last_saved, self._newest_learnt = None, False
 
@@ -265,19 +295,37 @@ class SaveFlow:
             self.dispatch.wait()
         except MtcError as e:
             error = e
+        # Committed now, or failed (the error raised here): listed as the hosts say.
+        self.staged.clear()
         multihost.barrier("mtc.wait_until_finished")
         if error is not None:
             raise error
 
-    def writable(self, call: str) -> None:
+    def finish_step(self, step: int) -> None:
+        """Before ``step``'s manifests are read: its save committed on this process's
+        hosts, if this manager is still writing it (raises its error). Not a
+        collective: this process's own saves only."""
+        if step in self.staged:
+            try:
+                self.dispatch.wait()
+            except MtcError:
+                self.staged.discard(step)
+                raise
+
+    def skipped_read_only(self, call: str) -> bool:
+        """Whether ``call`` is skipped: on a read-only manager it logs a warning and
+        does nothing, as Orbax's (``save`` then returns False)."""
         if self.options.read_only:
-            raise ConfigError(f"{call}() on a read-only CheckpointManager of {self._where}")
+            log.warning("mtc: %s() skipped: the CheckpointManager of %s is read-only",
+                        call, self._where)
+        return self.options.read_only
 
     # -- room and retention -----------------------------------------------------------
 
     def _retains(self) -> bool:
-        return (self.options.max_to_keep is not None and not self.options.replicators
-                and not self.options.read_only)
+        o = self.options
+        return ((o.max_to_keep is not None or o.preservation_policy is not None)
+                and not o.replicators and not o.read_only)
 
     def _apply_retention(self, *, before_write: bool = False,
                          held: dict[int, list[int]] | None = None) -> dict[int, tuple[int, int]]:
@@ -289,6 +337,9 @@ class SaveFlow:
         if not before_write:
             self._saved_since_retention = False
         complete = self.inventory.common(held)
+        if self.options.preservation_policy is not None:
+            self._retain_preserved(complete)
+            return {}
         if self.options.best_fn is not None:
             self._retain_best(complete)
             return {}
@@ -314,6 +365,28 @@ class SaveFlow:
             self.dispatch.delete(s, self.topology.local_hosts)
             self.inventory.forget(s)
             self._metrics.pop(s, None)
+
+    def _retain_preserved(self, complete: list[int]) -> None:
+        """Orbax's ``preservation_policy`` over the complete steps (metrics read once
+        per step where a ``BestN`` ranks them), deleting what it does not keep. In
+        multi-controller JAX a step goes only where every process's policy drops it
+        (collective: a step is never deleted on some hosts only)."""
+        policy = self.options.preservation_policy
+        ranks = policies.uses_metrics(policy)
+        if ranks and self.metrics_of_step is not None:
+            for s in complete:
+                if s not in self._metrics:
+                    self._metrics[s] = self.metrics_of_step(s)
+        infos = [policies.StepInfo(s, self._metrics.get(s), self._saved_at.get(s))
+                 for s in sorted(complete)]
+        gone = multihost.common_steps(policies.to_delete(policy, infos, now=time.time()))
+        for s in gone:
+            log.info("mtc: step %d deleted: not kept by the preservation_policy (%s)", s,
+                     type(policy).__name__)
+            self.dispatch.delete(s, self.topology.local_hosts)
+            self.inventory.forget(s)
+            self._metrics.pop(s, None)
+            self._saved_at.pop(s, None)
 
     def _saves_in_flight(self) -> int:
         return self.dispatch.saves_in_flight(self.topology.local_hosts)

@@ -7,6 +7,7 @@ host; everything else must be a plain value that the manifest stores inline.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,10 +55,12 @@ def _metric_leaves(metrics: Any) -> list[LeafEntry]:
 
 
 def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, run: str = "",
-            ranks: tuple[int, ...] = ()) -> tuple[SaveHeader, list[jax.Array | np.ndarray]]:
+            ranks: tuple[int, ...] = (), items: Sequence[str] | None = None
+            ) -> tuple[SaveHeader, list[jax.Array | np.ndarray]]:
     """The save header and the arrays, in header order, that hosts must write;
     ``run``: the manager's run identity, written into every host's manifest, as
-    ``ranks`` (each host's replicator rank, when host h is not rank h) is."""
+    ``ranks`` (each host's replicator rank, when host h is not rank h) is;
+    ``items``: the item names of an Orbax ``Composite`` save."""
     flat, _ = treepath.flatten(state)
     leaves: list[LeafEntry] = []
     arrays: list[jax.Array | np.ndarray] = []
@@ -87,6 +90,10 @@ def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, r
         array_leaves.append(i)
     if metrics is not None:
         leaves.extend(_metric_leaves(metrics))
+    if items is not None:
+        leaves.append(LeafEntry(treepath.ITEMS_ROOT, (("d", treepath.ITEMS_ROOT),), "value",
+                                value=treepath.encode_value(json.dumps(list(items)),
+                                                           treepath.ITEMS_ROOT)))
     return SaveHeader(step, tuple(leaves), tuple(array_leaves), skip_if_busy, run, ranks), arrays
 
 

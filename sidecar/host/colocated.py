@@ -261,9 +261,12 @@ class ColocatedServer:
             return reply
         except MtcError as e:
             return _error_message(self.host, self.area, e, **self._slot_state())
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError, OSError) as e:
+            # An OSError's text names the file (the server's area): only its reason.
+            what = (f"{type(e).__name__}: {e.strerror}" if isinstance(e, OSError)
+                    else repr(e)[:300])
             return _error_message(self.host, self.area,
-                                  ProtocolError(f"malformed colocated call: {e!r}"),
+                                  ProtocolError(f"malformed colocated call: {what}"),
                                   **self._slot_state())
 
     def _reply_pool(self, header: dict[str, Any]) -> slots.SlotPool | None:

@@ -28,9 +28,26 @@ from mtc.contract import AgentConfig
 from mtc.errors import ConfigError
 from mtc.sidecar.host.colocated import ColocatedServer
 from mtc.sidecar.host.service import MAX_MESSAGE, HostService, handler
-from mtc.sidecar.replicator.security import Credentials, TokenInterceptor, check_listen_address
+from mtc.sidecar.replicator.security import (
+    CONTROLLER,
+    Credentials,
+    IdentityGate,
+    TokenInterceptor,
+    check_listen_address,
+)
 
 log = logging.getLogger("mtc.sidecar.host")
+
+
+def _interceptors(creds: Credentials, host: int) -> list[grpc.ServerInterceptor]:
+    """The token, and with mutual TLS the identities a sidecar takes calls from: its
+    own host's certificate (``mtc-rank-<host>``) and the controller's, nobody
+    else's (another host's certificate ran code and deleted steps here)."""
+    out: list[grpc.ServerInterceptor] = [TokenInterceptor(creds.token)] if creds.token else []
+    if creds.tls:
+        out.append(IdentityGate(lambda who: who in (host, CONTROLLER),
+                                f"host {host}'s sidecar"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     server = grpc.server(pool, options=[("grpc.max_send_message_length", MAX_MESSAGE),
                                         ("grpc.max_receive_message_length", MAX_MESSAGE),
                                         ("grpc.so_reuseport", 0)],
-                         interceptors=[TokenInterceptor(creds.token)] if creds.token else [],
+                         interceptors=_interceptors(creds, args.host),
                          # Calls beyond these are refused at once, not queued behind
                          # the pool: a flood of them holds no memory here.
                          maximum_concurrent_rpcs=32)

@@ -84,11 +84,13 @@ class HostService:
             "wait": self._wait, "load": self._load, "inspect": self._inspect}
 
     def handle(self, request: bytes) -> bytes | bytearray:
+        """One request's reply (a typed error encoded in it); :class:`Undecodable`
+        when the request is not JSON at all."""
         try:
             d = json.loads(request)
-            op = d.get("op") if isinstance(d, dict) else None
-        except ValueError:
-            d = op = None
+        except (ValueError, RecursionError) as e:  # RecursionError: '[' 100,000 deep
+            raise Undecodable(f"malformed request: not JSON ({type(e).__name__})") from None
+        op = d.get("op") if isinstance(d, dict) else None
         try:
             ranks = d.get("hosts") if isinstance(d, dict) else None
             if not (isinstance(ranks, list) and len(ranks) == 1 and isinstance(ranks[0], int)
@@ -246,9 +248,18 @@ class HostService:
             self.colocated.close()
 
 
+class Undecodable(ValueError):
+    """A request that is not JSON: answered INVALID_ARGUMENT (it was UNKNOWN, a
+    recursion error escaping the handler)."""
+
+
 def handler(service: HostService) -> grpc.GenericRpcHandler:
     def call(request: bytes, context: grpc.ServicerContext) -> bytes:
-        return bytes(service.handle(request))  # gRPC sends bytes only
+        try:
+            return bytes(service.handle(request))  # gRPC sends bytes only
+        except Undecodable as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise AssertionError("unreachable") from e
 
     def execute(request: bytes, context: grpc.ServicerContext) -> bytes:
         return service.execute(request)

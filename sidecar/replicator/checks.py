@@ -29,6 +29,7 @@ def offer(c: pb.StepCopy, *, rank: int, num_nodes: int) -> tuple[int, int, list[
     if origin == rank:
         raise ProtocolError(f"origin rank {origin} is not a peer of rank {rank}")
     step = validate.step(c.step, host=origin)
+    validate.count(c.saved_hosts, "saved hosts", num_nodes)  # as an inventory's
     if len(c.files) > MAX_FILES:
         raise ProtocolError(f"an offer of {len(c.files)} files (at most {MAX_FILES})",
                             step=step, host=origin)

@@ -104,8 +104,7 @@ class DataService:
                         raise CorruptShardError("changed since it was described", step=step,
                                                 host=origin, path=meta.path)
                     caller.status(meta.size)
-                    caller.send_file(f, meta.size)
-                stream.add(meta.size)
+                    caller.send_file(f, meta.size, stream.add)  # counted as it goes
 
     def servable(self, origin: int, step: int, rels: list[str]
                  ) -> list[tuple[Path, FileMeta, bool]]:

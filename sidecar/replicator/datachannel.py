@@ -16,9 +16,13 @@ damaged as it is about to send it is refused there, typed).
 Every connection authenticates before anything it asks is looked at: mutual TLS
 (the caller's certificate names its rank, read as gRPC's auth context is), the
 shared token in its request (compared in constant time), or both; without
-credentials the listener serves loopback only. A request is bounded
-(``MAX_REQUEST``), every read and write has a timeout, connections are bounded in
-number, and streams are counted and watched by the same
+credentials the listener serves loopback only. A connection that has not yet
+authenticated holds no worker, and only for a while (:mod:`.data_admission`:
+its whole request within ``REQUEST_S``, bounded per source and in all). Only an
+authenticated request takes one of the ``workers``; when none is free it is
+answered RESOURCE_EXHAUSTED, and the caller sends its bytes over gRPC instead
+(``peer_data.py``). A request is bounded (``MAX_REQUEST``), every read and write
+has a timeout, and streams are counted and watched by the same
 :class:`~mtc.sidecar.replicator.limits.Streams` as the gRPC data streams.
 What a request names is checked by the handler (``data_service.py``) before any I/O.
 """
@@ -38,9 +42,15 @@ from typing import BinaryIO, Protocol, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from mtc.errors import MtcError, UnauthorizedError
+from mtc.errors import BusyError, MtcError, UnauthorizedError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.security import Credentials, Stamp, check_listen_address
+from mtc.sidecar.replicator.data_admission import Pending
+from mtc.sidecar.replicator.security import (
+    Credentials,
+    Stamp,
+    check_listen_address,
+    identity_of,
+)
 from mtc.sidecar.replicator.socket_files import RECV_CHUNK, recv_into_fd, send_file
 from mtc.sidecar.replicator.status import to_status, wire_error
 
@@ -51,7 +61,7 @@ MAGIC = b"MTCD\x01"
 MAX_REQUEST = 4 << 20    # a push of every file of an offer by index, a fetch's paths
 MAX_STATUS = 64 << 10
 IO_TIMEOUT_S = 30.0      # one read or write; the Streams watchdog bounds the whole
-HANDSHAKE_S = 10.0       # connection set-up: TLS handshake and the request
+HANDSHAKE_S = 10.0       # a client's connection set-up: connect, TLS handshake
 # A peer gone silent (a cut link: no reset ever comes) is found by the kernel, as
 # the control plane's gRPC keepalive finds it: probed after 2 s idle, every 1 s,
 # dropped when 5 s pass unanswered, or when sent bytes stay unacknowledged that
@@ -100,8 +110,9 @@ class Caller:
             self._buf = memoryview(bytearray(RECV_CHUNK))
         return recv_into_fd(self.sock, fd, size, self._buf, progress)
 
-    def send_file(self, f: BinaryIO, size: int) -> None:
-        send_file(self.sock, f, size)
+    def send_file(self, f: BinaryIO, size: int,
+                  progress: Callable[[int], None] | None = None) -> None:
+        send_file(self.sock, f, size, progress)
 
 
 class Handler(Protocol):
@@ -128,12 +139,22 @@ def watch_liveness(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, wait: Callable[[], float] | None = None
+               ) -> bytes:
+    """``n`` bytes. ``wait``: before each receive, how long it may wait (it raises
+    TimeoutError when the time is over); else the socket's timeout, each receive."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        if wait is not None:
+            sock.settimeout(wait())
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            if wait is None:
+                raise
+            continue  # wait() says whether there is time left
         if not k:
             raise ConnectionError(f"connection ended after {got} of {n} bytes")
         got += k
@@ -145,12 +166,13 @@ def send_msg(sock: socket.socket, msg: Message) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_msg(sock: socket.socket, cls: type[M], limit: int) -> M:
-    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+def recv_msg(sock: socket.socket, cls: type[M], limit: int,
+             wait: Callable[[], float] | None = None) -> M:
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size, wait))
     if n > limit:
         raise ValueError(f"a {cls.__name__} of {n} bytes (at most {limit})")
     try:
-        return cls.FromString(recv_exact(sock, n))
+        return cls.FromString(recv_exact(sock, n, wait))
     except DecodeError as e:
         raise ValueError(f"malformed {cls.__name__}: {e}") from e
 
@@ -237,12 +259,14 @@ def dns_names(sock: socket.socket) -> list[str]:
 
 
 class DataServer:
-    """The data channel's listener: an accept thread and a pool of ``workers``
-    threads, one per connection; beyond ``workers`` connections at once, new ones
-    are closed at once. :meth:`close` joins them all."""
+    """The data channel's listener: an accept thread, and a pool of threads, one
+    per connection. A connection is pending until its request has come and
+    authenticated (:class:`~.data_admission.Pending` bounds those, and their
+    life); then it takes one of ``workers`` places, or is answered
+    RESOURCE_EXHAUSTED. :meth:`close` joins every thread."""
 
     def __init__(self, handler: Handler, host: str, port: int, creds: Credentials, *,
-                 workers: int = 24) -> None:
+                 workers: int = 24, request_s: float | None = None) -> None:
         check_listen_address(f"{host}:{port}", creds)
         self._handler = handler
         self._tls = _TlsContexts(creds, _server_context) if creds.tls else None
@@ -252,11 +276,15 @@ class DataServer:
                                           backlog=64)
         self._sock.settimeout(0.25)  # the accept loop looks at _closed this often
         self.port: int = self._sock.getsockname()[1]
+        self.pending = Pending(request_s=request_s)
         self._slots = threading.BoundedSemaphore(workers)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mtc-data")
+        # Pending connections hold a thread each, authenticated ones a worker.
+        self._pool = ThreadPoolExecutor(workers + self.pending.total,
+                                        thread_name_prefix="mtc-data")
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        self.busy = 0  # authenticated requests answered busy (no worker free)
         # A daemon as well: a server nobody closed (a test) must not hold the interpreter.
         self._thread = threading.Thread(target=self._accept, name="mtc-data-accept",
                                         daemon=True)
@@ -282,6 +310,7 @@ class DataServer:
 
     def _accept(self) -> None:
         while not self._closed.is_set():
+            self.pending.expire()
             try:
                 sock, addr = self._sock.accept()
             except TimeoutError:
@@ -292,11 +321,9 @@ class DataServer:
                 log.warning("data channel: accept failed: %s", e)
                 self._closed.wait(0.1)
                 continue
-            if not self._slots.acquire(blocking=False):
-                sock.close()  # every worker busy: the caller sees the connection end
-                continue
             with self._lock:
                 self._open.add(sock)
+            self.pending.add(sock, addr[0])
             try:
                 self._pool.submit(self._serve, sock, addr)
             except RuntimeError:  # shut down meanwhile
@@ -304,36 +331,51 @@ class DataServer:
                 return
 
     def _done(self, sock: socket.socket) -> None:
+        self.pending.forget(sock)
         with self._lock:
             self._open.discard(sock)
         sock.close()
-        self._slots.release()
 
     def _serve(self, raw: socket.socket, addr: tuple[str, int]) -> None:
         sock: socket.socket = raw
         try:
-            raw.settimeout(HANDSHAKE_S)
+            wait = self.pending.waiter(raw)
+            raw.settimeout(wait())
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             watch_liveness(raw)
             names: list[str] = []
             if self._tls is not None:
-                sock = self._tls.get().wrap_socket(raw, server_side=True)
+                tls = self._tls.get().wrap_socket(raw, server_side=True,
+                                                  do_handshake_on_connect=False)
+                sock = tls
+                while True:
+                    tls.settimeout(wait())
+                    try:
+                        tls.do_handshake()
+                        break
+                    except TimeoutError:
+                        continue  # on from where it stopped, while time is left
                 names = dns_names(sock)
-            if recv_exact(sock, len(MAGIC)) != MAGIC:
+            if recv_exact(sock, len(MAGIC), wait) != MAGIC:
                 return  # not our protocol: nothing is answered
-            req = recv_msg(sock, pb.DataRequest, MAX_REQUEST)
+            req = recv_msg(sock, pb.DataRequest, MAX_REQUEST, wait)
+            if not self.pending.authenticated(raw):
+                return  # ended meanwhile
             caller = Caller(sock, addr, names)
             try:
                 if self._token is not None and not hmac.compare_digest(
                         req.token.encode(), self._token):
                     raise UnauthorizedError("missing or wrong replicator token")
+                if self._tls is not None and identity_of(names) is None:
+                    raise UnauthorizedError("a certificate of no rank, not the controller's")
                 sock.settimeout(IO_TIMEOUT_S)
-                if req.HasField("fetch"):
-                    self._handler.data_fetch(caller, req.fetch)
-                elif req.transfer_id:
-                    caller.status(self._handler.data_push(caller, req))
-                else:
-                    raise ValueError("a data request names neither a transfer nor a fetch")
+                if not self._slots.acquire(blocking=False):
+                    self.busy += 1
+                    raise BusyError("every data channel worker is busy; send over gRPC")
+                try:
+                    self._handle(caller, req)
+                finally:
+                    self._slots.release()
             except (ConnectionError, TimeoutError, ssl.SSLError):
                 raise  # the connection itself failed: nothing can be answered
             except (MtcError, OSError, ValueError, KeyError) as e:
@@ -349,6 +391,14 @@ class DataServer:
                 except OSError:
                     pass
             self._done(raw)
+
+    def _handle(self, caller: Caller, req: pb.DataRequest) -> None:
+        if req.HasField("fetch"):
+            self._handler.data_fetch(caller, req.fetch)
+        elif req.transfer_id:
+            caller.status(self._handler.data_push(caller, req))
+        else:
+            raise ValueError("a data request names neither a transfer nor a fetch")
 
 
 # -- the client -----------------------------------------------------------------------------

@@ -6,7 +6,9 @@ arrives; a file cut short is never left behind. Reached through
 
 from __future__ import annotations
 
+import logging
 import os
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.security import Credentials
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Opens a fetched file's descriptor for writing at its start: (folder, path, size).
 Opener = Callable[[Path, str, int], int]
@@ -59,6 +62,7 @@ class PeerData:
         self._channel = dc.DataClient(creds, lambda: peer.server_name.name
                                       if peer.server_name is not None else None)
         self._asked = -DATA_REASK_S
+        self.fallbacks = 0  # transfers sent over gRPC: the data channel could not be had
 
     @property
     def address(self) -> str:
@@ -102,34 +106,53 @@ class PeerData:
         err.code = grpc.StatusCode.UNAVAILABLE
         return err
 
+    def _forget_port(self) -> None:
+        """A restarted peer has another port and, a pod, another name: asked again."""
+        self.peer.data_port = None
+        if self.peer.server_name is not None:
+            self.peer.server_name.stale()
+
     def _data_connect(self, what: str, req: pb.DataRequest
                       ) -> tuple[Any, pb.DataStatus] | None:
         """A data connection that sent ``req`` and its first answer; None when the
-        peer's data channel cannot be reached (the caller goes over gRPC)."""
+        peer's data channel cannot be had now: none, refused, closed before it
+        answered (a flood it makes room for), or busy. The caller then goes over
+        gRPC, whose calls a flood of the data port does not reach. A peer that does
+        not answer at all (a cut link: the connection times out) is its own error,
+        as before: gRPC would only wait for it again."""
         addr = self.data_address()
         if addr is None:
             return None
         try:
-            return self._channel.connect(*addr, req)
-        except (OSError, ValueError) as e:  # refused, reset, a TLS failure
-            self.peer.data_port = None  # a restarted peer has another port: asked again
-            if self.peer.server_name is not None:
-                self.peer.server_name.stale()
+            sock, st = self._channel.connect(*addr, req)
+        except (ConnectionError, ssl.SSLEOFError) as e:  # refused, reset, closed
+            if isinstance(e, ConnectionRefusedError):
+                self._forget_port()
+            log.info("%s to %s: data channel not had (%s); over gRPC", what, self.address, e)
+            self.fallbacks += 1
+            return None
+        except (OSError, ValueError) as e:  # timed out, a TLS failure
+            self._forget_port()
             raise self._data_lost(what, e) from e
+        if dc.status_code(st) == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            sock.close()
+            self.fallbacks += 1
+            return None
+        return sock, st
 
-    def push_data(self, transfer_id: str, files: list[tuple[int, Path, int, int]]) -> int:
+    def push_data(self, transfer_id: str, files: list[tuple[int, Path, int, int]]
+                  ) -> int | None:
         """Send several files of an offer (``(index in the offer, path, size,
         crc32c)`` each) over one data connection; the peer writes and verifies
         each, and answers how many bytes it took. A file the peer found
         damaged raises :class:`PeerError` with DATA_LOSS (the caller checks its
-        own copy again). :class:`PeerError` UNAVAILABLE without a data channel."""
+        own copy again). None when the data channel cannot be had: the caller
+        pushes over gRPC."""
         what = f"push of {len(files)} files"
         got = self._data_connect(what, pb.DataRequest(transfer_id=transfer_id,
                                                       files=[i for i, *_ in files]))
         if got is None:
-            err = PeerError(f"{what} to {self.address}: no data channel")
-            err.code = grpc.StatusCode.UNAVAILABLE
-            raise err
+            return None
         sock, st = got
         with sock:
             if st.code:

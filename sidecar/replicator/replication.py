@@ -329,7 +329,12 @@ class Replication:
     def _push_stream(self, peer: PeerClient, tid: str, src: Path,
                      group: list[tuple[int, FileMeta]]) -> None:
         try:
-            peer.data.push_data(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in group])
+            sent = peer.data.push_data(tid, [(i, src / f.path, f.size, f.crc32c)
+                                             for i, f in group])
+            if sent is None:  # the data channel could not be had (busy, a flood): gRPC
+                for batch in push_batches(group):
+                    self._push_batch(peer, tid, src, batch)
+                return
         except (PeerError, CorruptShardError) as e:
             if isinstance(e, CorruptShardError) or e.code == grpc.StatusCode.DATA_LOSS:
                 # The target found a file damaged: ours, read again, quarantined if so.

@@ -6,8 +6,11 @@ subject alternative name ``mtc-rank-<r>`` (:func:`rank_name`) or its JobSet pod'
 name (:mod:`~mtc.sidecar.replicator.rank_names`, the one place that maps names to
 ranks). A server acts for
 a caller only as the rank its certificate names (a copy's origin, a ``Decide``'s
-rank); a certificate naming no rank (the controller's) may read and ask for
-restores, never act as a peer; and a replicator reaching peer ``r`` accepts only
+rank); the controller's certificate (naming the role ``mtc-controller`` and no
+rank) may read and ask for restores, never act as a peer; a certificate of the CA
+naming neither is nobody's, refused at every call (:class:`IdentityGate`, which
+also keeps a sidecar to its own host and the controller); and a replicator
+reaching peer ``r`` accepts only
 a server whose certificate names ``r``. A shared token names nobody: its holder
 may act as any rank (docs/security.md).
 
@@ -27,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -165,15 +168,81 @@ class Credentials:
                 + " (docs/security.md)")
 
 
-def caller_rank(context: grpc.ServicerContext) -> int | None:
-    """The one rank the caller's certificate names; None when it names none, several,
-    or the call came without TLS."""
+# The DNS name that makes a certificate the controller's: a role the certificate
+# names, as a host's names its rank (docs/deploy.md says how it is issued). A
+# certificate of the CA that names neither is nobody's.
+CONTROLLER_NAME = "mtc-controller"
+CONTROLLER = "controller"
+# Who a certificate is: a rank, CONTROLLER, or None (nobody).
+Who = int | str | None
+
+
+def identity_of(names: Iterable[str | bytes]) -> Who:
+    """Who a certificate with these DNS names is: the one rank it names, the
+    controller (it names ``CONTROLLER_NAME`` and no rank), or None: it names
+    neither, several ranks, or a rank and the controller (one certificate is one
+    identity)."""
+    texts = [n.decode("ascii", errors="replace") if isinstance(n, bytes) else n
+             for n in names]
+    ranks = ranks_named(texts)
+    controller = CONTROLLER_NAME in texts
+    if controller and not ranks:
+        return CONTROLLER
+    if len(ranks) == 1 and not controller:
+        return next(iter(ranks))
+    return None
+
+
+def caller_identity(context: Any) -> Who:
+    """Who the caller's certificate is (:func:`identity_of`); None without TLS."""
     try:
         auth = context.auth_context() or {}
     except (AttributeError, ValueError):
         return None
-    ranks = ranks_named(auth.get("peer_dns", ()))
-    return next(iter(ranks)) if len(ranks) == 1 else None
+    return identity_of(auth.get("peer_dns", ()))
+
+
+def caller_rank(context: grpc.ServicerContext) -> int | None:
+    """The one rank the caller's certificate names; None when it names none, several,
+    the controller, or the call came without TLS."""
+    who = caller_identity(context)
+    return who if isinstance(who, int) else None
+
+
+def describe(who: Who) -> str:
+    return (f"rank {who}" if isinstance(who, int) else "the controller" if who else
+            "no rank and not the controller")
+
+
+class IdentityGate(grpc.ServerInterceptor):
+    """With mutual TLS: every call but health's from a caller whose certificate is
+    not one ``allow`` admits (:func:`identity_of`) is refused PERMISSION_DENIED
+    before its handler runs. Whom a handler then acts for is its own check
+    (:class:`Identity`)."""
+
+    def __init__(self, allow: Callable[[Who], bool], where: str) -> None:
+        self._allow = allow
+        self._where = where
+
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          details: grpc.HandlerCallDetails) -> Any:
+        h = continuation(details)
+        if h is None or getattr(details, "method", "") in OPEN_METHODS:
+            return h  # health: untouched (Watch keeps its non-blocking mark)
+
+        def guard(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+            def checked(request: Any, context: Any) -> Any:
+                who = caller_identity(context)
+                if not self._allow(who):
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"{self._where} takes no call from a certificate of "
+                                  f"{describe(who)}")
+                return behavior(request, context)
+            return checked
+
+        kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        return h._replace(**{k: guard(getattr(h, k)) for k in kinds
+                             if getattr(h, k) is not None})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,7 @@ from mtc.sidecar.replicator.limits import BoundedHealth, Gate, Limits, Streams
 from mtc.sidecar.replicator.security import (
     Credentials,
     Identity,
+    IdentityGate,
     TokenInterceptor,
     check_listen_address,
 )
@@ -301,6 +302,8 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
                           f"{kind}_stream_ended").inc())
     interceptors: list[grpc.ServerInterceptor] = (
         [TokenInterceptor(creds.token)] if creds.token else [])
+    if creds.tls:  # a rank's certificate or the controller's; a stranger's is nobody
+        interceptors.append(IdentityGate(lambda who: who is not None, "a replicator"))
     interceptors.append(DecodeGuard())  # malformed protobufs: INVALID_ARGUMENT
     pool = futures.ThreadPoolExecutor(max_workers=workers)
     server = grpc.server(pool, interceptors=interceptors,

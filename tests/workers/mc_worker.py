@@ -24,7 +24,10 @@ replicators (``--replicators``), never from another host's RAM disk. Phases:
 - ``skew``: with ``max_to_keep=None`` and no replicators, process 0 runs a few
   seconds behind the others; ``save``, ``wait_until_finished`` and ``restore``
   of that step must still work on every process; a layout needing another
-  host's regions fails with ShardUnavailableError (no network tier to get them).
+  host's regions fails with ShardUnavailableError (no network tier to get them);
+- ``rollback``: no replicators; save 1, 2, 3, ``latest_step()``, save 4, then
+  restore 3 (the step ``latest_step`` answered), then again from a reopened
+  manager: every step stays (a step every host committed is never fenced off).
 
 Checks never stop at the first mismatch and never skip a collective (so every
 process stays in step); mismatches are collected and printed, with what was
@@ -94,7 +97,8 @@ def main(worker_class: type[Worker] | None = None) -> int:
 
 
 class Worker(MeshState):
-    PHASES: tuple[str, ...] = ("train", "restart", "replaced", "shrink", "shrunk", "skew")
+    PHASES: tuple[str, ...] = ("train", "restart", "replaced", "shrink", "shrunk", "skew",
+                               "rollback")
     RECOVERABLE: tuple[str, ...] = ()  # phases in which a process dies on purpose
 
     # -- phases --------------------------------------------------------------
@@ -301,6 +305,35 @@ class Worker(MeshState):
                 self.check(False, "restore onto cols succeeded without a network tier")
             except mtc.ShardUnavailableError as e:
                 self.summary["no_network_error"] = type(e).__name__
+        finally:
+            mgr.close()
+
+    def rollback(self) -> None:
+        def steps_here(label: str, mgr: Any) -> None:
+            steps = mgr.all_steps()
+            own = sorted(p.name for p in Path(self.args.local_dir).iterdir()
+                         if p.name.isdigit())
+            self.summary[label] = {"all_steps": steps, "own_files": own}
+            self.check(steps == [1, 2, 3, 4] and own == ["1", "2", "3", "4"],
+                       f"{label}: all_steps() {steps}, own step folders {own}")
+
+        mgr = self.manager(max_to_keep=None, replicators=False)
+        try:
+            for step in (1, 2, 3):
+                self.check(mgr.save(step, self.state(step)) is True, f"save({step}) False")
+            mgr.wait_until_finished()
+            self.summary["latest_step"] = latest = mgr.latest_step()
+            self.check(latest == 3, f"latest_step() {latest}, wanted 3")
+            self.check(mgr.save(4, self.state(4)) is True, "save(4) returned False")
+            mgr.wait_until_finished()
+            self.restore_checked("step 3 after saving 4", mgr, 3, "saved")
+            steps_here("after_restore", mgr)
+        finally:
+            mgr.close()
+        mgr = self.manager(max_to_keep=None, replicators=False)
+        try:
+            self.restore_checked("step 3 from a reopened manager", mgr, 3, "saved")
+            steps_here("after_reopen", mgr)
         finally:
             mgr.close()
 

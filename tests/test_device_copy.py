@@ -1,0 +1,217 @@
+"""mtc/save/device_copy.py: the save's copy in device memory, and the paths that use
+it (the agent's transfer thread, the colocated stage, the snapshotter).
+
+CI has no accelerator. Where a test needs arrays "on an accelerator" it says so and
+stands CPU arrays in for them (``on_accelerator`` patched): the copy, the budget,
+the transfer thread and the values are then the real code's; what the device's
+runtime does (a donation waiting for a transfer) is measured by
+bench/accelerator.py on the chip.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mtc
+from mtc.elastic import InGraphStep, Snapshotter
+from mtc.save.device_copy import DeviceCopier, bytes_per_device, free_at_peak, on_accelerator
+
+
+def _as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Treat this machine's CPU arrays (device memory) as an accelerator's: a stand-in,
+    CI has none. Host memory kinds stay host memory."""
+    def fake(x: Any) -> bool:
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+        return isinstance(x, jax.Array) and not (kind and "host" in kind)
+
+    for module in ("mtc.save.device_copy", "mtc.dispatch.colocated", "mtc.elastic.snapshot"):
+        monkeypatch.setattr(f"{module}.on_accelerator", fake)
+    monkeypatch.setattr("mtc.sidecar.agent._on_cpu", lambda x: False)
+
+
+def test_cpu_arrays_are_not_an_accelerator_and_are_never_copied(mesh: Mesh) -> None:
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("model")))
+    assert not on_accelerator(x) and not on_accelerator(np.ones(3))
+    copier = DeviceCopier(1 << 30)
+    assert copier.copy([x, np.ones(3)]) is None
+    assert (copier.copied, copier.blocked) == (0, 0)
+
+
+def test_bytes_per_device_count_each_device_its_shards(mesh: Mesh) -> None:
+    split = jax.device_put(jnp.ones((8, 4), jnp.float32), NamedSharding(mesh, P("model")))
+    whole = jax.device_put(jnp.ones((6,), jnp.int8), NamedSharding(mesh, P()))
+    got = bytes_per_device([split, whole])
+    assert set(got) == {d.id for d in mesh.devices.flat}
+    # 8x4 float32 over 4 devices of 'model' (replicated across 'replica'): 32 bytes each.
+    assert all(n == 32 + 6 for n in got.values())
+
+
+class _Device:
+    """A device's memory statistics, as a platform reports them (a stand-in: CPU
+    devices report none)."""
+
+    def __init__(self, stats: dict[str, int] | None) -> None:
+        self.stats = stats
+
+    def memory_stats(self) -> dict[str, int] | None:
+        return self.stats
+
+
+@pytest.mark.parametrize(("stats", "free"), [
+    (None, None),
+    ({"bytes_in_use": 5}, None),
+    ({"bytes_limit": 1000, "bytes_in_use": 100, "peak_bytes_in_use": 400}, 550),
+    ({"bytes_limit": 1000, "bytes_in_use": 100}, 850),
+    ({"bytes_limit": 1000, "peak_bytes_in_use": 990}, 0),
+])
+def test_free_at_peak_leaves_the_jobs_peak_and_headroom(stats: dict[str, int] | None,
+                                                         free: int | None) -> None:
+    assert free_at_peak(_Device(stats)) == free
+
+
+def test_a_copy_holds_the_values_of_its_moment_and_budget_decides(
+        monkeypatch: pytest.MonkeyPatch, mesh: Mesh, caplog: pytest.LogCaptureFixture) -> None:
+    _as_accelerator(monkeypatch)
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("model")))
+    copier = DeviceCopier(1 << 20)
+    got = copier.copy([x, np.ones(2)])
+    assert got is not None and copier.copied == 1
+    copy, kept = got
+    assert isinstance(kept, np.ndarray)  # numpy leaves are not the device's
+    assert copy.sharding == x.sharding
+    assert all(a.data.unsafe_buffer_pointer() != b.data.unsafe_buffer_pointer()
+               for a, b in zip(copy.addressable_shards, x.addressable_shards, strict=True))
+    x.delete()  # as a donating step does to the state
+    np.testing.assert_array_equal(np.asarray(copy), np.arange(32.0).reshape(8, 4))
+    # Too small a budget: nothing copied, said once.
+    small = DeviceCopier(8)
+    y = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("model")))
+    with caplog.at_level(logging.WARNING, "mtc.manager"):
+        assert small.copy([y]) is None and small.copy([y]) is None
+    assert small.blocked == 2
+    told = [r for r in caplog.records if "device memory needs 32 bytes" in r.getMessage()]
+    assert len(told) == 1 and "the budget is 8 bytes" in told[0].getMessage()
+    assert DeviceCopier(0).copy([y]) is None
+    # The automatic budget asks the device: CPU devices report no statistics.
+    auto = DeviceCopier(None)
+    assert auto.copy([y]) is None and auto.blocked == 1
+
+
+@pytest.mark.parametrize("dispatch", ["local", "colocated"])
+def test_a_save_from_its_copy_survives_donation_and_restores_exactly(
+        monkeypatch: pytest.MonkeyPatch, ramdisk: Path, mesh: Mesh, dispatch: str) -> None:
+    _as_accelerator(monkeypatch)
+    sharding = NamedSharding(mesh, P("model"))
+    donating = jax.jit(lambda a: a * 0 + 42, donate_argnums=0)
+    options = mtc.Options(simulated_hosts=4, hosts_per_slice=2, dispatch=dispatch,  # type: ignore[arg-type]
+                          save_device_copy_bytes=1 << 24)
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+        for step in (1, 2, 3):  # each save's transfer ends before the next copy
+            x = jax.device_put(jnp.full((1024, 64), step, jnp.float32), sharding)
+            assert mgr.save(step, {"x": x, "n": np.arange(3) + step})
+            y = donating(x)  # the state's buffers, donated right after save
+            assert x.is_deleted()
+        mgr.wait_until_finished()
+        copier = mgr._dispatch.copier  # type: ignore[attr-defined]
+        assert (copier.copied, copier.blocked) == (3, 0)
+        for step in (2, 3):
+            got = mgr.restore(step, {"x": jax.ShapeDtypeStruct((1024, 64), jnp.float32,
+                                                               sharding=sharding),
+                                     "n": np.zeros(3, np.int64)})
+            np.testing.assert_array_equal(np.asarray(got["x"]), np.full((1024, 64), step))
+            np.testing.assert_array_equal(got["n"], np.arange(3) + step)
+    np.testing.assert_array_equal(np.asarray(y), np.full((1024, 64), 42))
+
+
+def test_a_failed_transfer_fails_its_save_and_frees_the_budget(
+        monkeypatch: pytest.MonkeyPatch, ramdisk: Path, mesh: Mesh) -> None:
+    """A shard that cannot come to host memory (its device lost) fails that save,
+    reported at the next call; the staging budget it held is given back."""
+    _as_accelerator(monkeypatch)
+    sharding = NamedSharding(mesh, P("model"))
+    options = mtc.Options(simulated_hosts=4, hosts_per_slice=2, dispatch="local",
+                          save_device_copy_bytes=1 << 24)
+    real = np.asarray
+    calls = {"n": 0}
+
+    def lost_device(a: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(a, jax.Array):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise jax.errors.JaxRuntimeError("DATA_LOSS: the device is gone")
+        return real(a, *args, **kwargs)
+
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+        agent = mgr._dispatch.agent  # type: ignore[attr-defined]
+        monkeypatch.setattr("mtc.sidecar.agent.np.asarray", lost_device)
+        x = jax.device_put(jnp.ones((1024, 64), jnp.float32), sharding)
+        assert mgr.save(1, {"x": x})
+        with pytest.raises(jax.errors.JaxRuntimeError, match="DATA_LOSS"):
+            mgr.wait_until_finished()
+        monkeypatch.setattr("mtc.sidecar.agent.np.asarray", real)
+        assert agent.pool.held == 0
+        assert mgr.save(2, {"x": x})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2]
+
+
+def test_snapshots_move_to_host_memory_behind_the_step(monkeypatch: pytest.MonkeyPatch,
+                                                        mesh: Mesh) -> None:
+    _as_accelerator(monkeypatch)
+    sharding = NamedSharding(mesh, P("model"))
+    state = {"w": jax.device_put(jnp.full((256, 8), 1.0), sharding)}
+    step = jax.jit(lambda s: {"w": s["w"] + 1}, donate_argnums=0)
+    snap = Snapshotter(device_copy_bytes=1 << 24)
+    assert snap.save(1, state)
+    assert snap._copier.copied == 1
+    state = step(state)  # donates what was saved
+    snap.join()
+    assert snap.latest is not None and snap.latest.step == 1
+    kept = snap._latest.leaves[0].whole  # type: ignore[union-attr]
+    assert kept.sharding.memory_kind == "pinned_host"
+    abstract = {"w": jax.ShapeDtypeStruct((256, 8), jnp.float32, sharding=sharding)}
+    np.testing.assert_array_equal(
+        np.asarray(snap.load(abstract, reset_snapshot_state=False)["w"]), np.full((256, 8), 1.0))
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.full((256, 8), 2.0))
+    # The next snapshot replaces it; the replaced one's host buffers are dropped on
+    # the snapshotter's release thread, which close() joins.
+    first = weakref.ref(kept)
+    del kept
+    assert snap.save(2, state)
+    snap.join()
+    assert snap.latest is not None and snap.latest.step == 2
+    assert snap._releases is not None
+    snap.close()
+    assert snap._releases is None and first() is None
+
+
+def test_in_graph_step_takes_no_copy_while_the_last_is_on_its_way(
+        monkeypatch: pytest.MonkeyPatch, mesh: Mesh) -> None:
+    _as_accelerator(monkeypatch)
+    sharding = NamedSharding(mesh, P("model"))
+    snap = Snapshotter()
+    fn = InGraphStep(lambda s: ({"w": s["w"] * 2},), snap, state_shardings={"w": sharding})
+    state = {"w": jax.device_put(jnp.ones((64, 8)), sharding)}
+    (state,) = fn(state, snapshot_step=1)
+    assert snap._moving and snap._pending is not None
+    # The copy's own buffer, moving to host memory: the next step's donation
+    # leaves it alone.
+    monkeypatch.setattr(Snapshotter, "transferring", property(lambda self: True))
+    (state,) = fn(state, snapshot_step=2)
+    assert fn.skipped == 1
+    monkeypatch.setattr(Snapshotter, "transferring", property(lambda self: False))
+    (state,) = fn(state, snapshot_step=3)
+    snap.join()
+    assert fn.skipped == 1 and snap.latest is not None and snap.latest.step == 3
+    abstract = {"w": jax.ShapeDtypeStruct((64, 8), jnp.float32, sharding=sharding)}
+    np.testing.assert_array_equal(np.asarray(snap.load(abstract)["w"]), np.full((64, 8), 8.0))

@@ -1,0 +1,218 @@
+"""A hostile network, second round (issue 57): the data channel flooded by callers
+that never authenticate, and sidecars called with another host's certificate,
+against real replicator and sidecar processes on loopback
+(``tests/replicators.Cluster``), with the shared token and with mutual TLS.
+
+The first round's attacks are ``tests/test_hostile_network.py``'s; the data
+channel's listener alone, in this process, ``tests/test_datachannel.py``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from hostile_net import Drip
+from replicator_certs import make_ca, make_leaf, tls_cluster, write_pem
+from replicators import Cluster, new_cluster
+
+from mtc.contract import decode_reply, encode_request
+from mtc.integrity import crc32c
+from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import data_admission
+from mtc.sidecar.replicator import datachannel as dc
+from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+
+pytestmark = pytest.mark.process  # every test here starts processes
+
+MiB = 1 << 20
+
+
+def _cluster(auth: str, base: Path, clusters: list[Cluster]) -> tuple[Cluster, bytes]:
+    """Two replicators (one host per slice, peers of each other), and what a dripping
+    caller sends first: the data request's header, or a TLS record's."""
+    if auth == "token":
+        token_file = base / "token"
+        token_file.write_text("flood-test-token\n")
+        cl = new_cluster(clusters, base / "hosts", 2, 1,
+                         creds=Credentials(token="flood-test-token"),
+                         extra=("--token-file", str(token_file)))
+        return cl, dc.MAGIC + struct.pack("<I", 1000)
+    pki = base / "pki"
+    pki.mkdir()
+    ca = make_ca("mtc test CA")
+    ca_pem = write_pem(ca[1], pki / "ca.crt")
+    crt, key = make_leaf(ca, "trainer", pki, controller=True)
+    return (tls_cluster(clusters, base / "hosts", ca, ca_pem, pki, crt, key),
+            b"\x16\x03\x01\x02\x00")  # a TLS handshake record of 512 bytes, to come
+
+
+def _prepare(cl: Cluster, rank: int) -> pb.PrepareRestoreReply | PeerError:
+    c = cl.client(rank)
+    try:
+        return c.call("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=30),
+                      deadline_s=40, attempts=1)
+    except PeerError as e:
+        return e
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("auth", ["token", "tls"])
+def test_a_replaced_hosts_restore_succeeds_while_its_holders_data_port_is_flooded(
+        ramdisk: Path, clusters: list[Cluster], auth: str) -> None:
+    """Host 0 is replaced (its replicator killed, its RAM disk wiped); its step is
+    held by host 1, whose data port forty connections drip into meanwhile (the
+    request's header, or a TLS record's, then a byte every 0.5 s). Host 0 restores
+    its step from host 1, whole: it failed at once with DATA_LOSS ("no good copy
+    on any holder") while the drip held every worker of host 1's data channel."""
+    cl, head = _cluster(auth, ramdisk, clusters)
+    cl.start_all()
+    mine = cl.commit(0, 5, {"a.bin": os.urandom(8 * MiB), "b.bin": os.urandom(3 * MiB)})
+    cl.commit(1, 5, {"c.bin": os.urandom(MiB)})
+    cl.wait_held({(1, 0, 5), (0, 1, 5)})
+    c = cl.client(1)
+    try:
+        port = c.call("GetInventory", pb.InventoryRequest(identify=True)).data_port
+    finally:
+        c.close()
+    assert port
+    cl.kill(0)
+    shutil.rmtree(cl.root(0))
+    cl.start(0)
+    with Drip(("127.0.0.1", port), 40, head=head, every=0.5) as drip:
+        for _ in range(100):  # until the flood is at its bound (16 of one address)
+            if drip.ended >= 40 - data_admission.PENDING_PER_SOURCE:
+                break
+            time.sleep(0.05)
+        assert drip.ended >= 40 - data_admission.PENDING_PER_SOURCE, drip.ended
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda r: _prepare(cl, r), [0, 1]))
+    r0, r1 = replies
+    assert isinstance(r0, pb.PrepareRestoreReply), r0
+    assert isinstance(r1, pb.PrepareRestoreReply), r1
+    assert (r0.step, r0.tier, r1.step, r1.tier) == (5, "peer", 5, "local")
+    for name, data in mine.items():
+        assert (cl.root(0) / "5" / name).read_bytes() == data, name
+
+
+# -- the sidecar's identity -----------------------------------------------------------------
+
+SIDECAR_CALLS: list[tuple[str, dict[str, Any]]] = [
+    ("hello", {}), ("inspect", {}), ("steps", {}), ("manifest", {"step": 3}),
+    ("delete", {"step": 3}),
+    ("retain", {"complete": [], "max_to_keep": 1, "keep_period": None,
+                "before_write": False}),
+    ("read", {"step": 3, "tasks": []}), ("load", {"step": 3, "tasks": []}),
+    ("open", {"lock": False, "clean": True}), ("release", {}), ("space", {}),
+    ("settle", {}), ("survey", {}), ("poll", {})]
+
+
+def test_a_sidecar_takes_calls_from_its_own_host_and_the_controller_only(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Under mutual TLS, host 0's certificate at host 1's sidecar ran a pickled
+    program (``Execute``) and deleted host 1's steps; a certificate of the CA that
+    names nobody (``CN=evil``) was taken for the controller's. Now each of 15 calls
+    (every operation, and ``Execute``) from either is refused PERMISSION_DENIED,
+    even with the hosts' token beside it; host 1's own certificate and the
+    controller's (which names the controller's role) are answered."""
+    pki = ramdisk / "pki"
+    pki.mkdir()
+    ca = make_ca("mtc test CA")
+    ca_pem = write_pem(ca[1], pki / "ca.crt")
+    crt, key = make_leaf(ca, "trainer", pki, controller=True)
+    cl = tls_cluster(clusters, ramdisk / "hosts", ca, ca_pem, pki, crt, key)
+    cl.start_all()
+    cl.start_sidecars()
+    cl.commit(1, 3, {"a.bin": os.urandom(1024)})
+
+    def creds(name: str, **kw: Any) -> grpc.ChannelCredentials:
+        c, k = make_leaf(ca, name, pki, **kw)
+        return grpc.ssl_channel_credentials(ca_pem.read_bytes(), k.read_bytes(),
+                                            c.read_bytes())
+
+    md = [(TOKEN_HEADER, cl.hosts.token())]
+    address = cl.hosts.hosts[1].sidecar_address
+
+    def answers(cc: grpc.ChannelCredentials) -> list[str]:
+        """Each of the 15 calls' outcome at host 1's sidecar: OK or its code."""
+        out = []
+        with grpc.secure_channel(address, cc) as ch:
+            calls = [("/mtc.Host/Call", encode_request(op, [1], **args))
+                     for op, args in SIDECAR_CALLS]
+            for method, req in [*calls, ("/mtc.Host/Execute", pickle.dumps(("x", 1)))]:
+                try:
+                    ch.unary_unary(method)(req, timeout=10, metadata=md)
+                    out.append("OK")
+                except grpc.RpcError as e:
+                    out.append(e.code().name)
+        return out
+
+    assert len(SIDECAR_CALLS) + 1 == 15
+    for stranger in (creds("host0", ranks=[0]), creds("evil"),
+                     creds("both", ranks=[1], controller=True)):
+        assert answers(stranger) == ["PERMISSION_DENIED"] * 15
+    assert (cl.root(1) / "3" / "a.bin").is_file()  # not deleted
+    for own in (creds("host1", ranks=[1]), creds("controller", controller=True)):
+        with grpc.secure_channel(address, own) as ch:
+            reply = decode_reply(ch.unary_unary("/mtc.Host/Call")(
+                encode_request("steps", [1]), timeout=10, metadata=md))
+        assert reply == {"1": [3]}
+
+
+def test_a_certificate_naming_nobody_is_not_the_controller(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """A certificate of the cluster's CA naming no rank (``CN=evil``) was taken for
+    the controller's: it read copies and asked for restores and backups. Now every
+    replicator call from it, and its data channel requests, are refused
+    PERMISSION_DENIED; the controller's certificate (naming the role) is answered."""
+    pki = ramdisk / "pki"
+    pki.mkdir()
+    ca = make_ca("mtc test CA")
+    ca_pem = write_pem(ca[1], pki / "ca.crt")
+    crt, key = make_leaf(ca, "trainer", pki, controller=True)
+    cl = tls_cluster(clusters, ramdisk / "hosts", ca, ca_pem, pki, crt, key)
+    cl.start_all()
+    data = os.urandom(4096)
+    cl.commit(0, 2, {"a.bin": data})
+    cl.wait_held({(1, 0, 2)})
+    ecrt, ekey = make_leaf(ca, "evil", pki)
+    evil = Credentials(tls_cert=ecrt, tls_key=ekey, tls_ca=ca_pem)
+    c = PeerClient(cl.addrs[1], evil, rank=1)
+    try:
+        for name, req in (("GetInventory", pb.InventoryRequest()),
+                          ("PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=1)),
+                          ("Restored", pb.RestoredRequest(restore_id="r", step=2)),
+                          ("RequestBackup", pb.BackupRequest()),
+                          ("GetComplete", pb.CompleteRequest())):
+            with pytest.raises(PeerError) as ei:
+                c.call(name, req, attempts=1)
+            assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED, name
+        with pytest.raises(PeerError) as ei:  # its bytes, over gRPC
+            c.data.fetch_bytes(2, 0, "a.bin", len(data), crc32c(data))
+        assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED
+        # And over the data channel (its port as rank 1 names it to the controller).
+        ctl = cl.client(1)
+        try:
+            c.data_port = ctl.call("GetInventory", pb.InventoryRequest(identify=True)).data_port
+        finally:
+            ctl.close()
+        with pytest.raises(PeerError) as ei:
+            c.data.fetch_bytes(2, 0, "a.bin", len(data), crc32c(data))
+        assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        c.close()
+    ctl = cl.client(1)
+    try:
+        assert bytes(ctl.data.fetch_bytes(2, 0, "a.bin", len(data), crc32c(data))) == data
+    finally:
+        ctl.close()

@@ -1,0 +1,228 @@
+"""An Orbax user's habits, each run against both libraries in one test.
+
+Every case is one function of a manager factory: it makes the calls an Orbax
+user makes and returns what they saw (values and type names). The same case runs
+on a real ``ocp.CheckpointManager`` and on ``mtc.CheckpointManager`` (simulated
+hosts in this process), and the two answers must be equal: a difference is a
+failing test, not a surprise. Where mtc answers differently on purpose, the
+case says so and the README's Orbax table names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mtc
+
+# A factory: (subfolder, Orbax's option fields, item_names) -> a manager.
+Make = Callable[..., Any]
+
+
+def state(mesh: Mesh, seed: float) -> dict[str, Any]:
+    w = jnp.arange(64.0, dtype=jnp.float32).reshape(16, 4) + seed
+    return {"w": jax.device_put(w, NamedSharding(mesh, P("model")))}
+
+
+def values(tree: Any) -> Any:
+    """A restored tree as plain numbers, for comparing across the libraries."""
+    return jax.tree.map(lambda x: np.asarray(x).tolist(), tree)
+
+
+def kind(x: Any) -> str:
+    return type(x).__name__
+
+
+# -- the cases ------------------------------------------------------------------------
+
+
+def rollback(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 56, item 1: restoring the step latest_step() answered, after a newer
+    save, keeps every step."""
+    with make("a") as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        mgr.wait_until_finished()
+        latest = mgr.latest_step()
+        mgr.save(4, args=ocp.args.StandardSave(state(mesh, 4)))
+        mgr.wait_until_finished()
+        back = mgr.restore(3, args=ocp.args.StandardRestore(state(mesh, 0)))
+        return [latest, kind(latest), values(back), list(mgr.all_steps())]
+
+
+def composite_without_args(make: Make, mesh: Mesh) -> list[Any]:
+    """Item 2: restore(step) of a step saved as a Composite gives a Composite."""
+    with make("a") as mgr:
+        mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 1)),
+                                            meta=ocp.args.JsonSave({"lr": 0.5})))
+        mgr.wait_until_finished()
+        r = mgr.restore(1)
+        return [kind(r), sorted(r.keys()), values(r.state), r.meta, kind(r.state["w"])]
+
+
+def steps_right_after_an_async_save(make: Make, mesh: Mesh) -> list[Any]:
+    """Item 3: a step is listed as soon as save() returned; restoring it then
+    reads the committed step (mtc waits for the save first)."""
+    with make("a") as mgr:
+        assert mgr.save(1, args=ocp.args.StandardSave(state(mesh, 1)))
+        seen = [mgr.latest_step(), list(mgr.all_steps())]
+        back = mgr.restore(1, args=ocp.args.StandardRestore(state(mesh, 0)))
+        mgr.wait_until_finished()
+        return [*seen, values(back), list(mgr.all_steps())]
+
+
+def item_metadata_of_a_composite(make: Make, mesh: Mesh) -> list[Any]:
+    """Item 4: item_metadata of a Composite step is a Composite; each array's shape,
+    dtype and sharding are there (Orbax: its ArrayMetadata; mtc: a ShapeDtypeStruct
+    with the sharding restore(step) uses, as the README says)."""
+    with make("a") as mgr:
+        mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 1))))
+        mgr.wait_until_finished()
+        md = mgr.item_metadata(1)
+        w = md.state["w"]
+        return [kind(md), sorted(md.keys()), tuple(w.shape), np.dtype(w.dtype).name,
+                w.sharding is not None]
+
+
+def metrics_of_a_missing_step(make: Make, mesh: Mesh) -> list[Any]:
+    """Item 4: metrics() of a step never saved is None; of one saved, its metrics
+    (Orbax keeps them with ``best_fn`` only; mtc always, as the README says)."""
+    with make("a", best_fn=lambda m: m["loss"], best_mode="min") as mgr:
+        mgr.save(1, args=ocp.args.StandardSave(state(mesh, 1)), metrics={"loss": 0.25})
+        mgr.wait_until_finished()
+        return [mgr.metrics(7), mgr.metrics(1)]
+
+
+def read_only_save_and_delete(make: Make, mesh: Mesh) -> list[Any]:
+    """Item 4: on a read-only manager save returns False and delete is skipped."""
+    with make("a") as mgr:
+        mgr.save(1, args=ocp.args.StandardSave(state(mesh, 1)))
+        mgr.wait_until_finished()
+    with make("a", read_only=True) as reader:
+        saved = reader.save(2, args=ocp.args.StandardSave(state(mesh, 2)))
+        deleted = reader.delete(1)
+        return [saved, deleted, list(reader.all_steps())]
+
+
+def save_rules(make: Make, mesh: Mesh) -> list[Any]:
+    """Orbax's save decisions: interval, not newer than the newest, force."""
+    with make("a", save_interval_steps=2) as mgr:
+        got = [mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)), force=f)
+               for s, f in ((1, False), (2, False), (3, False), (2, False), (5, True))]
+        mgr.wait_until_finished()
+        return [got, list(mgr.all_steps())]
+
+
+def retention_and_keep_period(make: Make, mesh: Mesh) -> list[Any]:
+    """max_to_keep with keep_period: the newest steps and the multiples stay."""
+    with make("a", max_to_keep=2, keep_period=4) as mgr:
+        for s in range(1, 11):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        mgr.wait_until_finished()
+        return [list(mgr.all_steps()), mgr.latest_step()]
+
+
+def reopened_manager(make: Make, mesh: Mesh) -> list[Any]:
+    """A reopened manager lists the steps, restores the latest without a step, and
+    does not save a step older than the newest (no initial save: steps exist)."""
+    with make("a", save_interval_steps=5) as mgr:
+        for s in (5, 10):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+    with make("a", save_interval_steps=5) as mgr:
+        back = mgr.restore(None, args=ocp.args.StandardRestore(state(mesh, 0)))
+        return [list(mgr.all_steps()), mgr.latest_step(), values(back),
+                mgr.should_save(7), mgr.should_save(15), mgr.is_saving_in_progress()]
+
+
+def delete_and_reload(make: Make, mesh: Mesh) -> list[Any]:
+    """delete() of a step and of a missing one (Orbax: FileNotFoundError, mtc:
+    StepNotFoundError, both read here as "not found"); reload() changes nothing."""
+    with make("a") as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        mgr.wait_until_finished()
+        mgr.delete(2)
+        try:
+            mgr.delete(7)
+            missing = "deleted"
+        except (FileNotFoundError, mtc.StepNotFoundError):
+            missing = "not found"
+        mgr.reload()
+        return [list(mgr.all_steps()), missing, mgr.latest_step()]
+
+
+def best_step(make: Make, mesh: Mesh) -> list[Any]:
+    """best_fn: the best step, and the steps kept."""
+    losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.3}
+    with make("a", max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min") as mgr:
+        for s, loss in losses.items():
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)), metrics={"loss": loss})
+        mgr.wait_until_finished()
+        return [mgr.best_step(), list(mgr.all_steps()), mgr.metrics(4)]
+
+
+CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
+         item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
+         save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step]
+
+
+# -- the two libraries ----------------------------------------------------------------
+
+
+def orbax_maker(base: Path) -> Make:
+    def make(sub: str, item_names: tuple[str, ...] | None = None, **kw: Any) -> Any:
+        return ocp.CheckpointManager(base / sub, item_names=item_names,
+                                     options=ocp.CheckpointManagerOptions(**kw))
+    return make
+
+
+def mtc_maker(base: Path, mesh: Mesh) -> Make:
+    def make(sub: str, item_names: tuple[str, ...] | None = None, **kw: Any) -> Any:
+        return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=item_names,
+                                     options=mtc.Options(simulated_hosts=4, dispatch="local",
+                                                         **kw))
+    return make
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
+def test_mtc_answers_as_orbax_does(case: Callable[[Make, Mesh], list[Any]], tmp_path: Path,
+                                   ramdisk: Path, mesh: Mesh) -> None:
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's per-save INFO lines
+    want = case(orbax_maker(tmp_path), mesh)
+    got = case(mtc_maker(ramdisk, mesh), mesh)
+    assert got == want, f"{case.__name__}: mtc {got} != Orbax {want}"
+
+
+def test_a_step_retention_freed_before_the_saves_were_waited_for_is_not_listed(
+        ramdisk: Path, mesh: Mesh) -> None:
+    """Listed from save() on, a step is still listed only while the hosts hold it:
+    with max_to_keep=1 the save of 3 frees 1 (committed, never waited for)."""
+    deadline = time.monotonic() + 30
+
+    def committed(step: int) -> None:
+        while not all((ramdisk / "a" / f"host-{h}" / str(step)).is_dir() for h in range(4)):
+            assert time.monotonic() < deadline, f"step {step} never committed"
+            time.sleep(0.01)
+
+    with mtc_maker(ramdisk, mesh)("a", max_to_keep=1) as mgr:
+        for s in (1, 2):
+            assert mgr.save(s, state(mesh, s))
+            committed(s)
+        assert mgr.save(3, state(mesh, 3))
+        assert mgr.latest_step() == 3
+        while mgr.all_steps() != [2, 3]:  # 1 is freed in the background
+            assert time.monotonic() < deadline, mgr.all_steps()
+            time.sleep(0.01)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3]
