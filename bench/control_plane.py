@@ -36,12 +36,12 @@ if str(REPO) not in sys.path:
 
 from mtc.sidecar.replicator.agreement import (  # noqa: E402
     Coordinator,
-    Fresh,
     Holding,
     gc_keeps,
     newest_complete,
 )
 from mtc.sidecar.replicator.book import Book  # noqa: E402
+from mtc.sidecar.replicator.fresh import Fresh  # noqa: E402
 from mtc.sidecar.replicator.gc import GcInputs, gc_plan  # noqa: E402
 from mtc.sidecar.replicator.node_agreement import GC_VIEW_INTERVAL_S  # noqa: E402
 

@@ -11,8 +11,10 @@
 mutual TLS (``--tls-cert --tls-key --tls-ca``: a certificate of the job's CA that
 names no rank, as the controller's), or both.
 
-``status`` exits 1 when a node it was asked about is down, or its configuration
-disagrees with its peers'.
+``status`` exits 1 when a node it was asked about is down, its configuration
+disagrees with its peers', it cannot reach a peer (a wrong address in its
+``--nodes``: nobody answers there), or it lost steps its peers hold copies of
+(a wiped RAM disk, a replaced host).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,34 +92,62 @@ def _size(n: int) -> str:
     return f"{x:.1f} {unit}"
 
 
-def status(nodes: list[str], creds: Credentials, as_json: bool) -> int:
+def _row(rank: int, addr: str, creds: Credentials) -> tuple[dict[str, Any], list[int]]:
+    """One node as ``mtc status`` shows it, and its backed-up steps."""
     from mtc.proto import replicator_pb2 as pb
     from mtc.sidecar.replicator.client import PeerClient, PeerError
 
+    client = PeerClient(addr, creds, rank=rank, deadline_s=5.0)
+    try:
+        inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
+        ident = client.call("GetInventory", pb.InventoryRequest(identify=True), attempts=1)
+    except PeerError as e:
+        return {"rank": rank, "address": addr, "up": False, "error": str(e)}, []
+    finally:
+        client.close()
+    own = sorted(c.step for c in inv.copies if c.origin_rank == rank)
+    peers: dict[int, list[int]] = defaultdict(list)
+    for c in inv.copies:
+        if c.origin_rank != rank:
+            peers[c.origin_rank].append(c.step)
+    return {"rank": rank, "address": addr, "up": True, "local": own,
+            "peer_copies": {str(o): sorted(s) for o, s in sorted(peers.items())},
+            "quarantined": inv.quarantined_files,
+            "replication": _replication(ident),
+            "config_error": ident.config_error,
+            "unanswered_peers": [
+                {"rank": p.rank, "address": p.address, "seconds": round(p.seconds, 1),
+                 "error": p.error, "target": p.target}
+                for p in ident.unanswered_peers]}, sorted(inv.backed_up_steps)
+
+
+def _lost(rows: list[dict[str, Any]]) -> dict[int, dict[int, list[int]]]:
+    return lost_steps({r["rank"]: r["local"] for r in rows if r["up"]},
+                      {r["rank"]: {int(o): s for o, s in r["peer_copies"].items()}
+                       for r in rows if r["up"]})
+
+
+def status(nodes: list[str], creds: Credentials, as_json: bool) -> int:
     rows: list[dict[str, Any]] = []
     backed: list[int] = []
     for rank, addr in enumerate(nodes):
-        client = PeerClient(addr, creds, rank=rank, deadline_s=5.0)
-        try:
-            inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
-            ident = client.call("GetInventory", pb.InventoryRequest(identify=True), attempts=1)
-        except PeerError as e:
-            rows.append({"rank": rank, "address": addr, "up": False, "error": str(e)})
-            continue
-        finally:
-            client.close()
-        own = sorted(c.step for c in inv.copies if c.origin_rank == rank)
-        peers: dict[int, list[int]] = defaultdict(list)
-        for c in inv.copies:
-            if c.origin_rank != rank:
-                peers[c.origin_rank].append(c.step)
-        backed = sorted(inv.backed_up_steps) or backed
-        rows.append({"rank": rank, "address": addr, "up": True, "local": own,
-                     "peer_copies": {str(o): sorted(s) for o, s in sorted(peers.items())},
-                     "quarantined": inv.quarantined_files,
-                     "replication": _replication(ident),
-                     "config_error": ident.config_error})
-    down = 1 if any(not r["up"] or r["config_error"] for r in rows) else 0
+        row, steps = _row(rank, addr, creds)
+        rows.append(row)
+        backed = steps or backed
+    lost = _lost(rows)
+    if lost:
+        # Read one after another: a step saved and copied meanwhile is newer than
+        # its origin's listing. A lost one is still missing when its origin is read
+        # again.
+        for rank in lost:
+            rows[rank] = _row(rank, nodes[rank], creds)[0]
+        lost = _lost(rows)
+    for r in rows:
+        if r["rank"] in lost:
+            r["lost"] = {str(s): h for s, h in lost[r["rank"]].items()}
+            r["replication"] = "LOST its data"
+    down = 1 if any(not r["up"] or r["config_error"] or r["unanswered_peers"] or r.get("lost")
+                    for r in rows) else 0
     if as_json:
         print(json.dumps({"hosts": rows, "backup": backed}, indent=2))
         return down
@@ -132,15 +163,59 @@ def status(nodes: list[str], creds: Credentials, as_json: bool) -> int:
     for r in rows:
         if r.get("config_error"):
             print(f"rank {r['rank']}: CONFIGURATION DISAGREES: {r['config_error']}")
+        for p in r.get("unanswered_peers", ()):
+            print(f"rank {r['rank']}: PEER UNREACHABLE: {unreachable(p)}")
+        if r.get("lost"):
+            steps = sorted(int(k) for k in r["lost"])
+            holders = sorted({h for hs in r["lost"].values() for h in hs})
+            has = f"its own steps {r['local']}" if r["local"] else "none of its own steps"
+            print(f"rank {r['rank']}: LOST DATA: it holds {has} while rank(s) {holders} "
+                  f"hold copies of its step(s) {steps}: its RAM disk was wiped or the host "
+                  f"replaced; the job's next restore brings them back from there")
     print(f"backup: {backed if backed else '-'}")
     gone = sum(not r["up"] for r in rows)
     if gone:
         print(f"mtc: {gone} of {len(rows)} nodes are down", file=sys.stderr)
+    cut = sum(bool(r.get("unanswered_peers")) for r in rows)
+    if cut:
+        print(f"mtc: {cut} of {len(rows)} nodes cannot reach a peer", file=sys.stderr)
+    wiped = sum(bool(r.get("lost")) for r in rows)
+    if wiped:
+        print(f"mtc: {wiped} of {len(rows)} nodes lost their data", file=sys.stderr)
     wrong = sum(bool(r.get("config_error")) for r in rows)
     if wrong:
         print(f"mtc: {wrong} of {len(rows)} nodes disagree with a peer's configuration",
               file=sys.stderr)
     return down
+
+
+def lost_steps(own: Mapping[int, Sequence[int]],
+               copies: Mapping[int, Mapping[int, Sequence[int]]]
+               ) -> dict[int, dict[int, list[int]]]:
+    """The steps each rank lost: rank -> {step: the ranks holding a copy of it} for
+    the copies of its data other nodes hold of steps newer than its own newest (a
+    copy is made only of a step committed on its origin, and retention deletes the
+    oldest first: a newer copy means the origin lost its steps, wiped or
+    replaced). ``own``: each answering rank's own steps; ``copies``: holder ->
+    origin -> steps. Pure."""
+    out: dict[int, dict[int, list[int]]] = {}
+    for holder, held in copies.items():
+        for origin, steps in held.items():
+            if origin == holder or origin not in own:
+                continue
+            newest = max(own[origin], default=-1)
+            for s in steps:
+                if s > newest:
+                    out.setdefault(origin, {}).setdefault(s, []).append(holder)
+    return {o: {s: sorted(h) for s, h in sorted(v.items())} for o, v in sorted(out.items())}
+
+
+def unreachable(p: dict[str, Any]) -> str:
+    """One peer a node cannot reach, in words (``mtc status``)."""
+    why = ("its steps are not copied there" if p["target"]
+           else "it is not this node's copy target")
+    return (f"rank {p['rank']} at {p['address']} has not answered it for {p['seconds']:.0f}s "
+            f"({why}): {p['error']}; if that address is wrong, fix the node's --nodes")
 
 
 def _replication(ident: Any) -> str:

@@ -9,10 +9,11 @@ start is waited for by the restore, and saves go on.
 
 At each save (:meth:`ReplicatorWatch.poll`): a check in the background when
 one is due (never on the save's path: a dead replicator's address may take a
-deadline to fail). A host whose replicator stopped answering, or whose steps
-have not reached its peers for longer than the replicator's
-``--replication-warn-seconds``, is a WARNING in this log as soon as the check
-finds it; the hosts without a live replicator are returned by the next save's
+deadline to fail). A host whose replicator stopped answering, cannot reach a
+peer (nobody answers at an address of its ``--nodes``: at once, not when
+replication is late), or whose steps have not reached its peers for longer than
+the replicator's ``--replication-warn-seconds``, is a WARNING in this log as soon
+as the check finds it; the hosts without a live replicator are returned by the next save's
 poll, and the manager keeps their RAM disks within ``max_to_keep`` itself
 (nobody else cleans them meanwhile).
 
@@ -88,8 +89,9 @@ class ReplicatorWatch:
         self._pending: Future[None] | None = None
         self._last = time.monotonic()
         self.down: frozenset[int] = frozenset()
-        self._late_warned: dict[int, int] = {}  # host -> the step last warned of
+        self._late_warned: dict[int, int] = {}  # host -> the step warned of, while late
         self._config_warned: dict[int, str] = {}  # host -> the disagreement last warned of
+        self._peers_warned: dict[int, frozenset[int]] = {}  # host -> peers last warned of
 
     def start(self, roots: Mapping[int, str], root_ids: Mapping[int, str], *,
               subdirs: bool) -> None:
@@ -159,8 +161,36 @@ class ReplicatorWatch:
             self._config_warned[s.host] = ident.config_error
             log.warning("mtc: host %d's replicator at %s refuses to work: %s", s.host,
                         s.address, ident.config_error)
-        if ident.replication_late and self._late_warned.get(s.host) != ident.unreplicated_step:
+        self._note_peers(s)
+        # Once while it stays late (a job saving on while nothing reaches the peer
+        # changes the step waiting at every save), again once it caught up.
+        if not ident.replication_late:
+            self._late_warned.pop(s.host, None)
+        elif s.host not in self._late_warned:
             self._late_warned[s.host] = ident.unreplicated_step
             log.warning("mtc: host %d's steps are not replicated: step %d has waited %.0fs for "
                         "its peers (replicator at %s); losing this host now loses them",
                         s.host, ident.unreplicated_step, ident.unreplicated_seconds, s.address)
+
+    def _note_peers(self, s: Seen) -> None:
+        """A WARNING when a host's replicator cannot reach a peer (a wrong address in
+        its --nodes: nobody answers there), once per set of such peers; INFO when it
+        reaches them all again."""
+        ident = s.identity
+        assert ident is not None
+        faults = list(ident.unanswered_peers)
+        cut = frozenset(p.rank for p in faults)
+        if cut == self._peers_warned.get(s.host, frozenset()):
+            return
+        self._peers_warned[s.host] = cut
+        if not cut:
+            log.info("mtc: host %d's replicator at %s reaches every peer again", s.host,
+                     s.address)
+            return
+        for p in faults:
+            log.warning("mtc: host %d's replicator at %s cannot reach rank %d at %s (no answer "
+                        "for %.0fs: %s)%s; if that address is wrong, fix its --nodes (mtc "
+                        "status names it too)", s.host, s.address, p.rank, p.address,
+                        p.seconds, p.error,
+                        ": this host's steps are not copied to a peer, a loss of this host "
+                        "loses them" if p.target else "")

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,8 @@ class Cluster:
 
     def __init__(self, base: Path, n: int, *, replicators: bool) -> None:
         self.hosts = Hosts(base, n, ramdisk_bytes=64 << 20)
+        # Arguments added to one host's replicator (the last of a repeated flag wins).
+        self.replicator_args: dict[int, list[str]] = {}
         self.n = n
         self.env = _env()
         self.slices = [i // HOSTS_PER_SLICE for i in range(n)]
@@ -82,7 +84,8 @@ class Cluster:
         return ["--local-dir", str(self.hosts.hosts[i].root), "--listen", self.addrs[i],
                 "--nodes", ",".join(self.addrs), "--rank", str(i),
                 "--nodes-per-slice", str(HOSTS_PER_SLICE), "--keep", "3",
-                "--poll-seconds", "0.05", "--agreement-timeout-seconds", "30"]
+                "--poll-seconds", "0.05", "--agreement-timeout-seconds", "30",
+                *self.replicator_args.get(i, [])]
 
     def start(self, hosts: Sequence[int] | None = None) -> None:
         """Start the hosts' sidecars (each owns its host's namespaces and RAM disk),
@@ -238,9 +241,15 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(n: int, *, replicators: bool) -> Iterator[Cluster]:
+def cluster(n: int, *, replicators: bool,
+            replicator_args: Callable[[list[str]], dict[int, list[str]]] | None = None
+            ) -> Iterator[Cluster]:
+    """Started hosts; ``replicator_args(addresses)``: more arguments of some hosts'
+    replicators, by host."""
     c = Cluster(Path("/dev/shm") / f"mtc-mc-{uuid.uuid4().hex[:8]}", n,
                 replicators=replicators)
+    if replicator_args is not None:
+        c.replicator_args = replicator_args(c.addrs)
     try:
         c.start()
         yield c

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from agreement_holdings import h, hs, own_only
 
-from mtc.errors import AgreementError
+from mtc.errors import AgreementError, ConfigError
 from mtc.sidecar.host.ports import free_ports
-from mtc.sidecar.replicator.agreement import ALIVE_CHECK_S, Coordinator, Fresh, Holding
+from mtc.sidecar.replicator.agreement import ALIVE_CHECK_S, PROBE_S, Coordinator, Holding
 from mtc.sidecar.replicator.book import Book, Decision, EpochRecord
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.fresh import Fresh
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.security import Credentials
 
@@ -139,6 +140,43 @@ def test_a_member_that_never_asks_blocks_the_epoch() -> None:
     errors = ask_all(coordinator(m), [0, 1], timeout=0.3)
     assert all(isinstance(e, AgreementError) and "request yet from rank(s) [2]" in str(e)
                for e in errors), errors
+
+
+def test_a_member_that_refuses_for_its_configuration_fails_every_ask_at_once_naming_it(
+        ) -> None:
+    """Issue 56, item 8: a member whose flags disagree with a peer's refuses and never
+    asks; the others learn why within a probe, not at their deadline."""
+    m = Members({r: h((r, 1)) for r in range(4)})
+    probed: list[list[int]] = []
+
+    def faults(ranks: Sequence[int]) -> str:
+        probed.append(list(ranks))
+        return "rank 2's replicator refuses: the node at b:1 says it is rank 1" \
+            if 2 in ranks else ""
+
+    c = Coordinator(sorted(m.holdings), own_only, m.gather, Book(), retry_s=0.01,
+                    faults=faults)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(c.decide_for, r, "rid", 30.0) for r in (0, 1, 3)]
+        errors = []
+        for f in futs:
+            with pytest.raises(ConfigError, match=r"disagree on their configuration.*rank 2's "
+                               r"replicator refuses: the node at b:1 says it is rank 1") as e:
+                f.result()
+            errors.append(e.value)
+    took = time.monotonic() - t0
+    assert took < PROBE_S + 3, took  # a probe after an ask waited PROBE_S, not 30 s
+    assert [2] in probed and all(p == [2] for p in probed[-1:]), probed
+    assert len(probed) <= 3, probed  # one asker probes at a time, at most every PROBE_S
+    assert c.book.find("rid") is None  # nothing decided
+
+
+def test_a_member_late_without_a_fault_is_waited_for() -> None:
+    m = Members({r: h((r, 1)) for r in range(2)})
+    c = Coordinator([0, 1], own_only, m.gather, Book(), retry_s=0.01, faults=lambda _: "")
+    threading.Timer(PROBE_S + 0.5, lambda: c.decide_for(1, "rid", 10.0)).start()
+    assert c.decide_for(0, "rid", 10.0).step == 1
 
 
 def test_a_late_or_restarted_asker_reads_the_same_record_not_a_newer_view() -> None:

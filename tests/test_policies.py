@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from mtc.cli import lost_steps
 from mtc.retention import to_delete
 from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
 from mtc.sidecar.replicator.replication import older_to_restore
@@ -38,8 +39,16 @@ def test_retention(name: str, complete: list[int], held: list[int], keep: int | 
 def gc(own: tuple[int, ...] = (), replicated: tuple[int, ...] = (),
        replicas: dict[int, tuple[int, ...]] | None = None, keep: int = 1,
        busy: frozenset[int] = frozenset(), synced: bool = True,
-       linked: frozenset[int] = frozenset(), rank: int = 0) -> GcInputs:
-    return GcInputs(own, replicated, replicas or {}, keep, busy, synced, linked, rank)
+       linked: frozenset[int] = frozenset(), rank: int = 0, awaiting: int = 2,
+       room: int = 0, need: int = 0, size: int = 10) -> GcInputs:
+    """Inputs of one pass; every held step and copy ``size`` bytes."""
+    sizes = {(rank, s): size for s in own}
+    sizes |= {(o, s): size for o, steps in (replicas or {}).items() for s in steps}
+    return GcInputs(own, replicated, replicas or {}, keep, busy, synced, linked, rank,
+                    awaiting=awaiting, room=room, need=need, sizes=sizes)
+
+
+TEN = tuple(range(1, 11))
 
 
 # (name, inputs, the coordinator's kept steps or None, plan)
@@ -58,8 +67,50 @@ GC = [
      {4, 5}, GcPlan(own=(3,))),
     ("busy steps stay", gc(own=(3, 4, 5), replicated=(5,), busy=frozenset({3})), {5},
      GcPlan(own=(4,))),
-    ("before every target was read once, no own step goes",
-     gc(own=(3, 4, 5), synced=False), {5}, GcPlan()),
+    ("before every target was read once, the newest older steps stay (one may be "
+     "the newest on the target)", gc(own=(3, 4, 5), synced=False), {5}, GcPlan()),
+    # Issue 56, item 7: a target nobody answers (a wrong address) is never read, and
+    # every step used to stay until the RAM disk was full.
+    ("a target never read: keep and --keep-awaiting bound the steps",
+     gc(own=TEN, keep=2, synced=False), {10}, GcPlan(own=(1, 2, 3, 4, 5, 6))),
+    ("a target never read: the coordinator's step comes first",
+     gc(own=TEN, keep=2, synced=False), {4, 10}, GcPlan(own=(1, 2, 3, 5, 6, 7))),
+    ("the coordinator unanswered: only the bound's steps go, and it is asked",
+     gc(own=TEN, replicated=TEN, keep=2), None,
+     GcPlan(own=(1, 2, 3, 4, 5, 6), needs_coordinator=True)),
+    ("the coordinator unanswered within the bound: nothing goes yet",
+     gc(own=(7, 8, 9, 10), replicated=(7, 8, 9, 10), keep=2), None,
+     GcPlan(needs_coordinator=True)),
+    ("--keep-awaiting 0: the newest keep only",
+     gc(own=TEN, replicated=(3,), keep=2, awaiting=0), {5},
+     GcPlan(own=(1, 2, 3, 4, 5, 6, 7, 8), over=(3, 5))),
+    ("busy steps stay beyond the bound, and count in it",
+     gc(own=TEN, replicated=(4,), keep=2, busy=frozenset({1, 2})), {5},
+     GcPlan(own=(3, 4, 5, 6, 7, 8), over=(4, 5))),
+    ("the coordinator's steps before the newest replicated",
+     gc(own=TEN, replicated=(2,), keep=2, awaiting=1), {5},
+     GcPlan(own=(1, 2, 3, 4, 6, 7, 8), over=(2,))),
+    # Room for the next save and copies before older steps: the least valuable first.
+    ("short of room: the newest replicated goes before the complete step",
+     gc(own=(1, 2, 3, 4), replicated=(2,), keep=2, room=5, need=15), {1},
+     GcPlan(own=(2,), over=(2,))),
+    ("short of room: both go when one is not enough",
+     gc(own=(1, 2, 3, 4), replicated=(2,), keep=2, room=5, need=25), {1},
+     GcPlan(own=(1, 2), over=(1, 2))),
+    ("short of room: steps going anyway count first",
+     gc(own=(1, 2, 3, 4, 5), replicated=(3,), keep=2, room=5, need=15, awaiting=1), {1},
+     GcPlan(own=(2, 3), over=(3,))),
+    ("short of room: never a busy step nor the newest keep",
+     gc(own=(1, 2, 3), keep=1, busy=frozenset({1}), room=0, need=100), {2},
+     GcPlan(own=(2,), over=(2,))),
+    ("short of room: then the copies kept for the coordinator",
+     gc(own=(6,), replicas={1: (4, 5, 6)}, keep=1, room=0, need=15), {4},
+     GcPlan(replicas=((1, 4), (1, 5)), over=(4,))),
+    ("room enough: nothing more goes",
+     gc(own=(1, 2, 3, 4), replicated=(2,), keep=2, room=100, need=15), {1}, GcPlan()),
+    ("the coordinator unanswered: copies beyond keep and the bound go",
+     gc(own=(10,), replicas={1: TEN}, keep=2), None,
+     GcPlan(replicas=tuple((1, s) for s in range(1, 7)), needs_coordinator=True)),
     ("copies beyond keep per origin go, not the complete step",
      gc(replicas={1: (2, 3, 4), 2: (3, 4)}), {3}, GcPlan(replicas=((1, 2),))),
     ("nor a peer's copy of the newest step on two hosts",
@@ -100,3 +151,26 @@ OLDER = [
 def test_older_to_restore(name: str, own: list[int], keep: int, held: set[int],
                           want: int | None) -> None:
     assert older_to_restore(own, keep, held) == want
+
+
+# (name, own steps by rank, copies by holder -> origin -> steps, lost)
+LOST = [
+    ("every host whole", {0: [4, 5], 1: [4, 5]}, {0: {1: [4, 5]}, 1: {0: [4, 5]}}, {}),
+    ("a wiped host: its peer's copies are newer than its nothing",
+     {0: [4, 5], 1: []}, {0: {1: [4, 5]}, 1: {}}, {1: {4: [0], 5: [0]}}),
+    ("a host that kept older steps only", {0: [5], 1: [2]}, {0: {1: [4, 5]}},
+     {1: {4: [0], 5: [0]}}),
+    ("copies older than the host's own: it saved on, nothing lost",
+     {0: [30], 1: [30]}, {1: {0: [20, 25]}}, {}),
+    ("a copy is never its holder's own loss", {0: []}, {0: {0: [3]}}, {}),
+    ("a rank that did not answer is not judged", {0: [5]}, {0: {1: [5]}}, {}),
+    ("several holders named", {0: [], 1: [5], 2: [5]}, {1: {0: [5]}, 2: {0: [5]}},
+     {0: {5: [1, 2]}}),
+]
+
+
+@pytest.mark.parametrize(("name", "own", "copies", "want"), LOST, ids=[c[0] for c in LOST])
+def test_lost_steps(name: str, own: dict[int, list[int]],
+                    copies: dict[int, dict[int, list[int]]],
+                    want: dict[int, dict[int, list[int]]]) -> None:
+    assert lost_steps(own, copies) == want

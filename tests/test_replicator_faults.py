@@ -135,6 +135,60 @@ def test_replicators_whose_flags_disagree_refuse_restores_and_status_shows_it(
     assert rc == 1 and f"rank 1: CONFIGURATION DISAGREES: {said}" in out, out
 
 
+def test_every_member_of_a_job_with_swapped_nodes_learns_the_fault_within_seconds(
+        tmp_path: Path, clusters: list[Cluster]) -> None:
+    """Issue 56, item 8: only rank 2's --nodes is wrong (ranks 0 and 1 swapped): it
+    refuses, and never asks for the restore; the others used to wait the whole
+    agreement timeout for an AgreementError naming rank 2 without saying why. The
+    coordinator asks a member that has not asked whether it refuses, and every
+    asker gets ConfigError naming rank 2's disagreement."""
+    cl = new_cluster(clusters, tmp_path / "job", 4, 2,
+                     extra=("--agreement-timeout-seconds", "60"))
+    swapped = [cl.addrs[1], cl.addrs[0], cl.addrs[2], cl.addrs[3]]
+    cl.rank_args[2] = ("--nodes", ",".join(swapped))  # the last --nodes wins
+    cl.start_all()
+    until("rank 2 sees the disagreement", lambda: bool(identity(cl, 2).config_error))
+    said = f"the node at {cl.addrs[1]} (rank 0 in this node's --nodes) says it is rank 1"
+
+    def ask(rank: int) -> tuple[BaseException | None, float]:
+        t0 = time.monotonic()
+        try:
+            prepare_restore([cl.addrs[rank]], token=None, timeout_s=60, ranks=[rank])
+        except mtc.MtcError as e:
+            return e, time.monotonic() - t0
+        return None, time.monotonic() - t0
+
+    with ThreadPoolExecutor(4) as ex:
+        answers = list(ex.map(ask, range(4)))
+    for rank, (err, took) in enumerate(answers):
+        assert isinstance(err, mtc.ConfigError), (rank, err)
+        assert said in str(err), (rank, err)
+        if rank != 2:  # the others name whose configuration is wrong
+            assert "rank 2's replicator refuses" in str(err), (rank, err)
+        assert took < 15, (rank, took)  # seconds, not the 60 s agreement timeout
+
+
+def test_status_names_a_host_that_lost_its_data(tmp_path: Path,
+                                                clusters: list[Cluster]) -> None:
+    """Issue 56, item 8: a wiped host used to show "up to date" with no steps."""
+    cl = new_cluster(clusters, tmp_path / "job", 4, 2)
+    cl.start_all()
+    for step in (4, 5):
+        for r in range(4):
+            cl.commit(r, step, {f"x{r}.bin": bytes([r, step]) * 2048})
+        cl.wait_replicated(step, timeout=30)
+    rc, out = status(cl)
+    assert rc == 0 and "LOST" not in out, out
+    cl.lose_host(1)  # its RAM disk wiped; its peer (rank 3) holds its steps
+    cl.start(1)
+    rc, out = status(cl)
+    assert rc == 1, out
+    assert ("rank 1: LOST DATA: it holds none of its own steps while rank(s) [3] hold "
+            "copies of its step(s) [4, 5]") in out, out
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["1"])
+    assert "LOST its data" in row and "up to date" not in row, row
+
+
 def test_steps_that_do_not_reach_the_peer_are_late_everywhere_and_a_member_down_is_bounded(
         tmp_path: Path, clusters: list[Cluster], mesh: Mesh, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:

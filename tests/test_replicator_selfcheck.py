@@ -15,7 +15,12 @@ from mtc.manifest import Manifest
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicator_watch import Seen, mismatch
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.selfcheck import ReplicationClock, check_peers, disagreement
+from mtc.sidecar.replicator.selfcheck import (
+    PeerReach,
+    ReplicationClock,
+    check_peers,
+    disagreement,
+)
 from mtc.sidecar.replicator.status import where_of, wire_error
 
 NODES = ("a:1", "b:1", "c:1", "d:1")
@@ -131,3 +136,18 @@ def test_manifests_name_the_saving_hosts_ranks_only_when_they_are_not_0_to_n() -
     assert Manifest.from_bytes(plain.to_bytes()).rank_of(1) == 1
     with pytest.raises(ValueError, match="are not 2 distinct ranks"):
         Manifest(step=4, host=0, slice=0, num_hosts=2, leaves=(), ranks=(2, 2)).to_bytes()
+
+
+def test_a_peer_unanswered_beyond_the_grace_is_a_fault_until_it_answers() -> None:
+    now = [0.0]
+    reach = PeerReach(clock=lambda: now[0])
+    reach.failed(1, "refused")
+    now[0] = 2.0
+    reach.failed(1, "refused again")  # the clock runs from the first unanswered ask
+    reach.failed(2, "timeout")
+    assert reach.faults(grace_s=3.0) == []  # a peer starting a moment late is no fault
+    now[0] = 3.5
+    assert reach.faults(grace_s=3.0) == [(1, 3.5, "refused again")]
+    reach.answered(1)
+    now[0] = 5.5
+    assert reach.faults(grace_s=3.0) == [(2, 3.5, "timeout")]

@@ -55,7 +55,7 @@ class NodeConfig(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[str]] = ..., nodes_per_slice: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision", "quarantined_files", "root_id", "config", "config_error", "unreplicated_step", "unreplicated_seconds", "replication_late", "data_port", "damaged")
+    __slots__ = ("rank", "copies", "newest_backed_up_step", "backed_up_steps", "last_decision", "quarantined_files", "root_id", "config", "config_error", "unreplicated_step", "unreplicated_seconds", "replication_late", "data_port", "damaged", "unanswered_peers")
     RANK_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NEWEST_BACKED_UP_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class Inventory(_message.Message):
     REPLICATION_LATE_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_PEERS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     copies: _containers.RepeatedCompositeFieldContainer[StepCopy]
     newest_backed_up_step: int
@@ -84,7 +85,22 @@ class Inventory(_message.Message):
     replication_late: bool
     data_port: int
     damaged: _containers.RepeatedCompositeFieldContainer[StepCopy]
-    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., quarantined_files: _Optional[int] = ..., root_id: _Optional[str] = ..., config: _Optional[_Union[NodeConfig, _Mapping]] = ..., config_error: _Optional[str] = ..., unreplicated_step: _Optional[int] = ..., unreplicated_seconds: _Optional[float] = ..., replication_late: _Optional[bool] = ..., data_port: _Optional[int] = ..., damaged: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ...) -> None: ...
+    unanswered_peers: _containers.RepeatedCompositeFieldContainer[PeerFault]
+    def __init__(self, rank: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., newest_backed_up_step: _Optional[int] = ..., backed_up_steps: _Optional[_Iterable[int]] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., quarantined_files: _Optional[int] = ..., root_id: _Optional[str] = ..., config: _Optional[_Union[NodeConfig, _Mapping]] = ..., config_error: _Optional[str] = ..., unreplicated_step: _Optional[int] = ..., unreplicated_seconds: _Optional[float] = ..., replication_late: _Optional[bool] = ..., data_port: _Optional[int] = ..., damaged: _Optional[_Iterable[_Union[StepCopy, _Mapping]]] = ..., unanswered_peers: _Optional[_Iterable[_Union[PeerFault, _Mapping]]] = ...) -> None: ...
+
+class PeerFault(_message.Message):
+    __slots__ = ("rank", "address", "seconds", "error", "target")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    address: str
+    seconds: float
+    error: str
+    target: bool
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., target: _Optional[bool] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("epoch", "step", "decided_at", "rank", "restore_id", "run", "lost")

@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Generic, NamedTuple, TypeVar
+from typing import NamedTuple
 
 from mtc.errors import AgreementError, ConfigError
 from mtc.sidecar.replicator.book import Book, Decision, EpochRecord
@@ -29,7 +29,10 @@ from mtc.sidecar.replicator.book import Book, Decision, EpochRecord
 log = logging.getLogger("mtc.sidecar.replicator.agreement")
 # How soon an ask's waiting thread notices that its asker's call has ended.
 ALIVE_CHECK_S = 0.5
-T = TypeVar("T")
+# An ask waiting this long for members that have not asked has them asked whether
+# their configuration disagrees with a peer's (a refusing member never asks), and
+# again at most this often while it waits.
+PROBE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +241,8 @@ class Coordinator:
 
     def __init__(self, members: Sequence[int], equivalent: Callable[[int], Sequence[int]],
                  gather: Gather, book: Book, *, retry_s: float = 0.05,
-                 clock: Callable[[], float] = time.time, num_nodes: int | None = None) -> None:
+                 clock: Callable[[], float] = time.time, num_nodes: int | None = None,
+                 faults: Callable[[Sequence[int]], str] | None = None) -> None:
         self.members = list(members)
         # Ranks that may have saved: every node, when the membership is a smaller job's.
         self.num_nodes = len(self.members) if num_nodes is None else num_nodes
@@ -253,6 +257,12 @@ class Coordinator:
         self._why = ""  # why the last attempt could not decide
         self._asked_at: dict[int, float] = {}  # rank -> its latest ask (for messages)
         self._closed = False
+        # ``faults(ranks)``: how those members say their configuration is wrong ("" when
+        # none does); its last answer, and when it may be asked next (one at a time).
+        self.faults = faults
+        self._fault = ""
+        self._probe_next = 0.0
+        self._probing = False
 
     def close(self) -> None:
         """Shutting down: every waiting ask ends now, typed."""
@@ -302,6 +312,14 @@ class Coordinator:
                 if alive is not None and not alive() and now < deadline:
                     raise AgreementError("the asker stopped waiting; its ask stands until "
                                          "its deadline", host=rank)
+                fault = self._probe(waiting, now - self._asked_at[rank] >= PROBE_S)
+                if fault:
+                    if self._asks.get(rank) == ask:
+                        del self._asks[rank]
+                    raise ConfigError(f"the job's replicators disagree on their configuration, "
+                                      f"so no step can be agreed: {fault}; every replicator "
+                                      f"must run with the same --nodes (in rank order) and "
+                                      f"--nodes-per-slice, and its own --rank", host=rank)
                 if now >= deadline:
                     if self._asks.get(rank) == ask:
                         del self._asks[rank]
@@ -318,8 +336,28 @@ class Coordinator:
                     raise AgreementError(f"cannot decide the step to restore within "
                                          f"{timeout_s:.1f}s: {why}; every member must ask "
                                          f"and answer", host=rank)
-                self._cond.wait(deadline - now if alive is None
-                                else min(deadline - now, ALIVE_CHECK_S))
+                wait = deadline - now if alive is None else min(deadline - now, ALIVE_CHECK_S)
+                # Woken to probe members that have not asked (none notifies for them).
+                self._cond.wait(min(wait, PROBE_S) if self.faults and waiting else wait)
+
+    def _probe(self, waiting: Sequence[int], due: bool) -> str:
+        """Called with ``_cond`` held: whether members that have not asked say their
+        configuration is wrong (such a member refuses, and never asks), asked when
+        ``due``, at most every ``PROBE_S``, by one asker, without the lock."""
+        if self.faults is None or not waiting:
+            return ""
+        now = time.monotonic()
+        if due and not self._probing and now >= self._probe_next:
+            self._probing, self._probe_next = True, now + PROBE_S
+            self._cond.release()
+            try:
+                fault = self.faults(list(waiting))
+            finally:
+                self._cond.acquire()
+                self._probing = False
+            self._fault = fault
+            self._cond.notify_all()
+        return self._fault
 
     def _find(self, rid: str, rank: int) -> EpochRecord | None:
         """The record that answered ``rid``, when it was decided for this membership;
@@ -372,59 +410,3 @@ class Coordinator:
                 self.waiting_for = tuple(r for r in self.members if r not in got)
                 return got
             time.sleep(min(self.retry_s, max(0.0, deadline - time.monotonic())))
-
-
-class Fresh(Generic[T]):
-    """A value (the newest complete step) computed by a run of ``compute`` that began
-    after the caller asked: never older than the question, and every caller waiting
-    at once shares the next run, so N askers cost about two runs, not N; and runs
-    start at most every ``min_interval_s``, which bounds their cost whatever N is."""
-
-    def __init__(self, compute: Callable[[], T], *, min_interval_s: float = 0.0) -> None:
-        self._compute = compute
-        self._min_interval_s = min_interval_s  # runs start at most this often
-        self._last_start = -1e18
-        self._cond = threading.Condition()
-        self._started = 0
-        self._done = 0
-        self._running = False
-        self._value: T | None = None
-        self._error: BaseException | None = None
-
-    def get(self, timeout_s: float) -> T:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            need = self._started + 1
-            while self._done < need:
-                if not self._running:
-                    self._running = True
-                    wait_s = self._last_start + self._min_interval_s - time.monotonic()
-                    if wait_s > 0:
-                        # Askers arriving meanwhile still count toward this run: it
-                        # has not started (``_started`` moves when it does).
-                        self._cond.release()
-                        try:
-                            time.sleep(wait_s)
-                        finally:
-                            self._cond.acquire()
-                    self._started += 1
-                    gen = self._started
-                    self._last_start = time.monotonic()
-                    self._cond.release()
-                    try:
-                        value, error = self._compute(), None
-                    except Exception as e:  # noqa: BLE001 - handed to every waiter
-                        value, error = None, e
-                    finally:
-                        self._cond.acquire()
-                    self._value, self._error = value, error
-                    self._done, self._running = gen, False
-                    self._cond.notify_all()
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AgreementError(f"no fresh view within {timeout_s:.1f}s")
-                self._cond.wait(left)
-            if self._error is not None:
-                raise self._error
-            return self._value  # type: ignore[return-value]

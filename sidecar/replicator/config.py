@@ -21,7 +21,10 @@ class ReplicatorConfig:
     nodes: tuple[str, ...]           # every node's replicator address, in rank order
     nodes_per_slice: int
     replicas: int = 1                # copies of each step on peers
-    keep: int = 2                    # own steps kept; the newest fully replicated one always
+    keep: int = 2                    # own steps kept (the newest ones)
+    # Older own steps kept beyond ``keep`` at most, while replication or the
+    # coordinator's view wants them (gc.py): a target nobody answers never fills the disk.
+    keep_awaiting: int = 2
     poll_s: float = 0.2
     deadline_s: float = 10.0
     agreement_timeout_s: float = 60.0  # a restore's decision, or AgreementError
@@ -54,6 +57,8 @@ class ReplicatorConfig:
                               f"{self.num_slices} slices, got {self.replicas}")
         if self.keep < 1:
             raise ConfigError("keep must be >= 1")
+        if self.keep_awaiting < 0:
+            raise ConfigError(f"keep_awaiting must be >= 0, got {self.keep_awaiting}")
         if self.restore_quiet_s < 0:
             raise ConfigError(f"restore_quiet_s must be >= 0, got {self.restore_quiet_s}")
         if self.scrub_rate < 0:

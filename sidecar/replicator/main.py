@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1,
                    help="peer copies of each step, in other slices (default 1)")
     p.add_argument("--keep", type=int, default=2, help="own steps kept (default 2)")
+    p.add_argument("--keep-awaiting", type=int, default=2, metavar="N",
+                   help="older own steps kept beyond --keep at most, while replication or "
+                        "a restore still wants them (being copied or backed up, the newest "
+                        "complete or fully replicated step); fewer when the RAM disk would "
+                        "lack room for the next save (default 2)")
     p.add_argument("--backup", help="backup URL (file:///path, gs://bucket/prefix, any fsspec)")
     p.add_argument("--backup-interval-minutes", type=float,
                    help="back up every N minutes (default 30 unless steps are given)")
@@ -201,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                                   f"lists {len(nodes)}")
         config = ReplicatorConfig(rank=rank, nodes=nodes, nodes_per_slice=per_slice,
                                   replicas=args.replicas, keep=args.keep,
+                                  keep_awaiting=args.keep_awaiting,
                                   poll_s=args.poll_seconds, framework=framework,
                                   agreement_timeout_s=args.agreement_timeout_seconds,
                                   restore_quiet_s=args.restore_quiet_seconds,
@@ -327,9 +333,14 @@ def _identify(node: Node, peer: int) -> pb.Inventory | None:
     try:
         reply: pb.Inventory = node.peers[peer].call(
             "GetInventory", pb.InventoryRequest(identify=True), attempts=1, deadline_s=5.0)
-        return reply
-    except PeerError:
+    except PeerError as e:
+        if e.unreachable:
+            node.reach.failed(peer, e.message)
+        else:
+            node.reach.answered(peer)  # a refusal (a token it does not take) is an answer
         return None
+    node.reach.answered(peer)
+    return reply
 
 
 def healthy(heartbeat: float, now: float, stall_s: float) -> bool:

@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from mtc import layout
 from mtc.errors import ConfigError
 from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
@@ -33,7 +34,7 @@ from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.fetch_plan import likely_restore
-from mtc.sidecar.replicator.gc import collect_garbage
+from mtc.sidecar.replicator.gc import GcPlan, collect_garbage
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.node_agreement import NodeAgreement, holders_of
 from mtc.sidecar.replicator.replication import Replication
@@ -41,10 +42,12 @@ from mtc.sidecar.replicator.restore import Restorer
 from mtc.sidecar.replicator.root_watch import RootWatch
 from mtc.sidecar.replicator.scrub import Scrubber
 from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.selfcheck import PEER_GRACE_S, PeerReach
 from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
 from mtc.sidecar.replicator.store import LocalStore
-from mtc.sidecar.replicator.transfers import RESERVE_DIR, room
-from mtc.sidecar.reserve import Reserve
+from mtc.sidecar.replicator.transfers import DISK_SPARE, RESERVE_DIR, room
+from mtc.sidecar.reserve import Reserve, reserved_bytes
+from mtc.sidecar.write import WRITER_RESERVE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ class Node:
         # How this node's flags disagree with a peer's (selfcheck.check_peers, at
         # start): while set, it refuses restores and copies nothing.
         self.config_error = ""
+        self._gc_bounded = False  # the GC deleted a step only its bound made it delete
+        self._sizes_seen: dict[tuple[int, int], tuple[int, int]] = {}  # GC's, its thread's
         # The inventory fan-out has a pool of its own: never behind a restore's fetches.
         self._inv_pool = ThreadPoolExecutor(16, thread_name_prefix="mtc-inventory")
         shared = (config, self.store, self.peers, self.metrics)
@@ -86,8 +91,11 @@ class Node:
         self.restorer = Restorer(*shared, agreement=self.agreement, backups=self.backups,
                                  inventory=self.inventory, refuse=self.refuse_if_misconfigured,
                                  stop=self._stop, reserve=self.reserve)
+        # Peers that do not answer (the start-up check's asks, replication's).
+        self.reach = PeerReach()
         self.replication = Replication(*shared,
-                                       quiet_until=lambda: self.restorer.quiet_until)
+                                       quiet_until=lambda: self.restorer.quiet_until,
+                                       reach=self.reach)
         self.scrubber = Scrubber(self.store, self.metrics, rate=config.scrub_rate,
                                  interval=config.scrub_interval_s, heal_own=self.heal_own,
                                  quiet_until=lambda: self.restorer.quiet_until,
@@ -104,16 +112,39 @@ class Node:
                 # The job saved anew here without restoring: no fetch will come.
                 self.reserve.forget(self.rank)
             try:
-                if not self.config_error:  # copies to the wrong peers help nobody
+                trusted = not self.config_error
+                if trusted:  # copies to the wrong peers help nobody
                     self.replication.replicate_once()
-                    collect_garbage(self.store, self.replication, keep=self.config.keep,
-                                    busy=self.backups.busy(),
-                                    coordinator_keeps=self.agreement.gc_keeps,
-                                    metrics=self.metrics)
+                # Misconfigured, its peers' views are not asked: only what the bound
+                # and the room force goes (its saves still come).
+                self._note_gc(collect_garbage(
+                    self.store, self.replication, keep=self.config.keep,
+                    busy=self.backups.busy(),
+                    coordinator_keeps=self.agreement.gc_keeps if trusted else lambda: None,
+                    metrics=self.metrics, awaiting=self.config.keep_awaiting, room=self.room,
+                    sizes_seen=self._sizes_seen))
             except Exception:
                 log.exception("replication pass failed")
                 self.metrics.failures.labels("loop").inc()
             self._watch.wait(self.config.poll_s)
+
+    def room(self) -> int:
+        """Bytes the RAM disk may still take: free (but its last bytes) and the blank
+        files set aside for the next save and copies, which those fill."""
+        return (layout.room(self.store.root, DISK_SPARE) + self.reserve.held_bytes()
+                + reserved_bytes(self.store.root / WRITER_RESERVE_DIR))
+
+    def _note_gc(self, plan: GcPlan) -> None:
+        """Say once (then at INFO) that steps retention would keep went for the bound."""
+        if not plan.over:
+            return
+        level = logging.INFO if self._gc_bounded else logging.WARNING
+        self._gc_bounded = True
+        log.log(level, "rank %d: steps %s deleted beyond --keep %d though replication or a "
+                "restore still wanted them: at most %d more are kept (--keep-awaiting), never "
+                "at the cost of the room the next save needs (a target or the coordinator "
+                "does not answer, or the RAM disk is small)", self.rank, list(plan.over),
+                self.config.keep, self.config.keep_awaiting)
 
     def set_aside_for_restore(self) -> None:
         """A replaced (or wiped) host holds no step of its own: its job's restore will
@@ -217,7 +248,11 @@ class Node:
                                  nodes_per_slice=self.config.nodes_per_slice),
             config_error=self.config_error, unreplicated_step=step,
             unreplicated_seconds=waited, replication_late=late,
-            quarantined_files=self.store.quarantined_total, data_port=self.data_port)
+            quarantined_files=self.store.quarantined_total, data_port=self.data_port,
+            unanswered_peers=[
+                pb.PeerFault(rank=p, address=self.config.nodes[p], seconds=waited,
+                             error=error, target=p in self.config.targets(self.rank))
+                for p, waited, error in self.reach.faults(PEER_GRACE_S)])
 
     def disagrees(self, problem: str) -> None:
         """A peer's configuration disagrees with this node's (selfcheck.check_peers)."""

@@ -30,7 +30,6 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agreement import (
     Coordinator,
-    Fresh,
     Holding,
     check_members,
     newest_complete_run,
@@ -41,6 +40,7 @@ from mtc.sidecar.replicator.agreement import (
 from mtc.sidecar.replicator.book import BOOK_NAME, Book, Decision
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.fresh import Fresh
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.status import is_retryable
 from mtc.sidecar.replicator.store import LocalStore
@@ -163,9 +163,26 @@ class NodeAgreement:
                     # Every member asked before the coordinator gathers: each one is up.
                     lambda ranks, deadline: self.gather_holdings(
                         ranks, deadline, known_up=True, among=members),
-                    self.book, num_nodes=self.config.num_nodes)
+                    self.book, num_nodes=self.config.num_nodes, faults=self.config_faults)
                 self._coordinators[members] = c
             return c
+
+    def config_faults(self, ranks: Sequence[int]) -> str:
+        """How those of ``ranks`` that answer say their configuration disagrees with a
+        peer's (their identity's ``config_error``), each named; "" when none does."""
+        futs = {r: self._pool.submit(self.peers[r].call, "GetInventory",
+                                     pb.InventoryRequest(identify=True),
+                                     deadline_s=min(2.0, self.config.deadline_s), attempts=1)
+                for r in ranks if r in self.peers}
+        faults = []
+        for r, fut in futs.items():
+            try:
+                error = str(fut.result().config_error)[:1000]  # a peer's text: bounded
+            except PeerError:
+                continue  # not answering is the agreement's own "no request yet"
+            if error:
+                faults.append(f"rank {r}'s replicator refuses: {error}")
+        return "; ".join(faults)
 
     # -- inventories ------------------------------------------------------------------
 
@@ -336,6 +353,9 @@ class NodeAgreement:
                 return checks.decision(self.peers[c].call(
                     "Decide", req, deadline_s=call_s, attempts=1).decision, host=c)
             except PeerError as e:
+                if e.code == grpc.StatusCode.FAILED_PRECONDITION:  # a configuration fault
+                    raise ConfigError(e.message, step=e.step,
+                                      host=c if e.host is None else e.host) from e
                 if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \
                         time.monotonic() + 0.2 >= deadline or self._stop.is_set():
                     raise AgreementError(f"no restore decision within {timeout:.1f}s: "

@@ -33,7 +33,7 @@ from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.push_plan import PUSH_STREAMS, push_batches, push_streams
-from mtc.sidecar.replicator.selfcheck import ReplicationClock
+from mtc.sidecar.replicator.selfcheck import PeerReach, ReplicationClock
 from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.replicator.store import LocalStore
 
@@ -71,13 +71,15 @@ class Replication:
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
                  peers: Mapping[int, PeerClient], metrics: Metrics, *,
-                 quiet_until: Callable[[], float]) -> None:
+                 quiet_until: Callable[[], float], reach: PeerReach | None = None) -> None:
         self.rank = config.rank
         self.config = config
         self.store = store
         self.peers = peers
         self.metrics = metrics
         self._quiet_until = quiet_until
+        # Which targets answer (the node's, shown in its identity).
+        self.reach = reach if reach is not None else PeerReach()
         self.clock = ReplicationClock(config.replication_warn_s)
         # Read at each scrape, not at the last pass: a pass may be far behind.
         self.metrics.unreplicated.set_function(lambda: self.clock.state()[1])
@@ -96,6 +98,12 @@ class Replication:
         # went ahead of.
         self._had: dict[int, set[int]] = defaultdict(set)
         self._push_pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
+        self._failing: dict[int, str] = {}  # target -> the kind of its pushes' last failure
+        # Target -> until when it is not called: one whose push found nobody there is
+        # tried again after RESYNC_S, not at every pass (a call to an address where
+        # nobody listens takes its retries' backoff, and the pass's garbage
+        # collection waits for it).
+        self._away: dict[int, float] = {}
 
     def close(self) -> None:
         self._push_pool.shutdown(wait=True, cancel_futures=True)
@@ -108,6 +116,10 @@ class Replication:
     def synced(self) -> bool:
         """Whether every target's holdings were read since the start."""
         return all(t in self._synced for t in self.config.targets(self.rank))
+
+    def away(self, target: int) -> bool:
+        """Whether ``target`` did not answer a moment ago (it is not called meanwhile)."""
+        return time.monotonic() < self._away.get(target, 0.0)
 
     def _held(self, step: int, target: int) -> None:
         self.replicated[step].add(target)
@@ -130,15 +142,21 @@ class Replication:
         peer has lost its copies, which must be pushed again)."""
         now = time.monotonic()
         for t in self.config.targets(self.rank):
-            if now - self._synced.get(t, -RESYNC_S) < RESYNC_S:
+            if now - self._synced.get(t, -RESYNC_S) < RESYNC_S or self.away(t):
                 continue
             try:
                 inv = self.peers[t].call(
                     "GetInventory", pb.InventoryRequest(origins=[self.rank], without_files=True),
                     attempts=1)
-            except PeerError:
+            except PeerError as e:
                 self.metrics.skipped.labels("target_unanswered").inc()
+                if e.unreachable:
+                    self.reach.failed(t, e.message)
+                else:
+                    self.reach.answered(t)  # a refusal is an answer (the log names it)
                 continue
+            self.reach.answered(t)
+            self._away.pop(t, None)
             # Held as saved here: a copy of an older save under the number is not.
             held = {c.step for c in inv.copies if c.origin_rank == self.rank
                     and c.fingerprint == self._own_fingerprint(c.step)}
@@ -175,14 +193,23 @@ class Replication:
         self.sync_targets(own)
         self.metrics.newest.labels("committed").set(newest)
         for target in self.config.targets(self.rank):
-            if target in self.replicated[newest]:
+            if target in self.replicated[newest] or self.away(target):
                 continue
             try:
                 self.push_step(newest, target)
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels(failure_kind(e)).inc()
-                log.warning("rank %d: step %d not replicated to rank %d: %s",
-                            self.rank, newest, target, e)
+                if isinstance(e, PeerError) and e.unreachable:
+                    self._away[target] = time.monotonic() + RESYNC_S
+                # A WARNING when a target starts failing, not at every step while it
+                # stays away (the identity names it, mtc_failures_total counts).
+                kind = failure_kind(e)
+                level = logging.INFO if self._failing.get(target) == kind else logging.WARNING
+                self._failing[target] = kind
+                log.log(level, "rank %d: step %d not replicated to rank %d: %s",
+                        self.rank, newest, target, e)
+            else:
+                self._failing.pop(target, None)
         if self.fully_replicated(newest):
             self._restore_older(own)
         done = [s for s in own if self.fully_replicated(s)]
@@ -200,7 +227,7 @@ class Replication:
             held = {s for s in own if target in self.replicated.get(s, set())
                     or self._copied_again[(target, s)] >= COPIES_AGAIN_MAX}
             step = older_to_restore(own, self.config.keep, held)
-            if step is None:
+            if step is None or self.away(target):
                 continue
             self._copied_again[(target, step)] += 1
             lost = target in self._had[step]

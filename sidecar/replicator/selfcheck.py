@@ -1,8 +1,10 @@
 """What a replicator checks of itself and says about it: that its configuration
 agrees with its peers' (:func:`disagreement`, asked of every peer once at start
-by :func:`check_peers`), and how long its newest own step has waited to reach
-every target (:class:`ReplicationClock`). Both show in its identity
-(``GetInventory(identify=true)``), which ``mtc status`` and the managers read.
+by :func:`check_peers`), which peers do not answer it (:class:`PeerReach`: a
+wrong address in ``--nodes``, where nobody listens, shows at once), and how long
+its newest own step has waited to reach every target (:class:`ReplicationClock`).
+All show in its identity (``GetInventory(identify=true)``), which ``mtc status``
+and the managers read.
 
 A node whose configuration disagrees with a peer's (the node at a place of its
 ``--nodes`` is another rank: a wrong ``--rank``, lists in another order; another
@@ -26,6 +28,9 @@ from mtc.sidecar.replicator.config import ReplicatorConfig
 
 log = logging.getLogger("mtc.replicator")
 RETRY_S = 1.0  # between asks of a peer that has not answered yet
+# A peer unanswered this long is a fault in the identity (mtc status, the managers'
+# logs): a few asks, so that peers started a moment apart are not one.
+PEER_GRACE_S = 3.0
 
 
 def disagreement(config: ReplicatorConfig, peer: int, reply: pb.Inventory) -> str:
@@ -86,6 +91,37 @@ class ReplicationClock:
         self._warned = step
         return (f"step {step} is not on every peer: this host's steps have not reached "
                 f"them for {waited:.0f}s, and a loss of this host now loses them")
+
+
+class PeerReach:
+    """The peers that have not answered this node since they last did: since when
+    and why. Written by the start-up check (every peer, until each answered once)
+    and by replication (its targets, every few seconds); read for the identity.
+    Threads: any, under one lock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._since: dict[int, float] = {}
+        self._error: dict[int, str] = {}
+
+    def failed(self, peer: int, error: str) -> None:
+        with self._lock:
+            self._since.setdefault(peer, self._clock())
+            self._error[peer] = error[:500]  # a peer's message: bounded like any other
+
+    def answered(self, peer: int) -> None:
+        with self._lock:
+            self._since.pop(peer, None)
+            self._error.pop(peer, None)
+
+    def faults(self, grace_s: float) -> list[tuple[int, float, str]]:
+        """(peer, seconds unanswered, last error) of each peer unanswered for longer
+        than ``grace_s`` (a peer starting a moment after this node is not a fault)."""
+        now = self._clock()
+        with self._lock:
+            return [(p, now - t, self._error[p]) for p, t in sorted(self._since.items())
+                    if now - t >= grace_s]
 
 
 class Asks(Protocol):
