@@ -110,6 +110,7 @@ class Node:
                                     busy=self.backups.busy(),
                                     coordinator_keeps=self.agreement.gc_keeps,
                                     metrics=self.metrics)
+                    self.metrics.passes.labels("replication").inc()
             except Exception:
                 log.exception("replication pass failed")
                 self.metrics.failures.labels("loop").inc()
