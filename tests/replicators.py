@@ -40,6 +40,7 @@ from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
 from mtc.trainer.isolation import Hosts, with_checkout
+from mtc.trainer.replicated import wait_replicated
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -266,17 +267,9 @@ class Cluster:
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
         """Until every rank's step is held by every rank's targets (replicas=1, 2 slices)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            held = set()
-            for r in range(self.n):
-                if r in self.procs:
-                    held |= {(r, c.origin_rank, c.step) for c in self.inventory(r).copies}
-            want = {((o + self.per_slice) % self.n, o, step) for o in range(self.n)}
-            if want <= held:
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"step {step} not replicated in {timeout}s")
+        wait_replicated(lambda: {(r, c.origin_rank, c.step) for r in range(self.n)
+                                 if r in self.procs for c in self.inventory(r).copies},
+                        step, self.n, self.per_slice, timeout)
 
 
 def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials,
