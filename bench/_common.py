@@ -12,11 +12,11 @@ import signal
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _log import log as log  # the benchmarks import it from here
 from _machine import machine_state
 
 from mtc.trainer.isolation import with_checkout
@@ -33,10 +33,6 @@ for _p in (str(REPO), str(REPO / "tests")):
 os.environ.update(with_checkout(dict(os.environ)))
 
 GB = 1e9
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

@@ -67,19 +67,11 @@ def wait_own_copy(cluster: LocalCluster, host: int, step: int, timeout: float = 
     return time.perf_counter() - t0
 
 
-def wait_replicated(cluster: LocalCluster, step: int, timeout: float = 120.0) -> float:
-    """Until every host's ``step`` is held by its peer in the other slice; returns seconds."""
-    t0 = time.perf_counter()
-    n = cluster.num_hosts
-    while True:
-        missing = [o for o in range(n)
-                   if (o, step) not in inventory(cluster.addresses[(o + HOSTS_PER_SLICE) % n],
-                                                 (o + HOSTS_PER_SLICE) % n, cluster.token())]
-        if not missing:
-            return time.perf_counter() - t0
-        if time.perf_counter() - t0 > timeout:
-            raise TimeoutError(f"step {step} of hosts {missing} not replicated in {timeout}s")
-        time.sleep(0.05)
+def held(cluster: LocalCluster) -> set[tuple[int, int, int]]:
+    """(holder, origin, step) of every complete peer copy the cluster's replicators hold
+    (for mtc.trainer.replicated.wait_replicated)."""
+    return {(r, o, s) for r, addr in enumerate(cluster.addresses)
+            for o, s in inventory(addr, r, cluster.token())}
 
 
 def reference_files(folder: Path, state: State) -> list[Path]:

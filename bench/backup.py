@@ -122,10 +122,6 @@ def raw_download(bucket: Any, names: list[str], dest: Path, threads: int) -> flo
     return took
 
 
-def wait_replicated(cl: Any, step: int, timeout: float = 120.0) -> None:
-    cl.wait_held({(1, 0, step), (0, 1, step)}, timeout=timeout)
-
-
 def backup_sample(cl: Any, bucket: Any, step: int) -> float:
     c = cl.client(0)
     try:
@@ -218,7 +214,7 @@ def run(mib: int, file_mib: int, samples: int, warmup: int, base: Path) -> dict[
             ups = {t: raw_upload(bucket, ref_paths, f"ref-{t}", t) for t in ref_threads}
             for r in range(HOSTS):
                 commit_step(cl.root(r), step, host_files(payload, file_bytes, r), r)
-            wait_replicated(cl, step)
+            cl.wait_replicated(step, timeout=120.0)
             time.sleep(0.3)  # let the replicators idle
             took = backup_sample(cl, bucket, step)
             log("raw upload " + ", ".join(f"{t} threads {gbps(nbytes, s)} GB/s"

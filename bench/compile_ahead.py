@@ -44,13 +44,13 @@ from jax.sharding import Mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _log import logger
+
 from mtc.trainer import aot
 from mtc.trainer.data import VOCAB, make_iterator
 from mtc.trainer.model import Config, Trainer
 
-
-def log(msg: str) -> None:
-    print(f"[compile-ahead {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("compile-ahead")
 
 
 def measure(model: str = "small", pairs: int = 3, warm_steps: int = 10, nice: int = 10,

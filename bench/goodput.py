@@ -73,6 +73,7 @@ if (_repo := str(Path(__file__).resolve().parents[1])) not in sys.path:
 
 from bench._cpu import CpuSampler
 from bench._goodput_figures import TARGET_FAILURE_EVERY_S, analyse, read_records
+from bench._log import logger
 from bench._machine import machine_state
 from bench._pin import DEVICE_THREADS, Pinner, pinning
 from mtc.elastic.compile_ahead import COMPILE_THREAD
@@ -89,8 +90,7 @@ from mtc.trainer.policy import PAUSE_POLICIES
 COMPILE_THREADS = frozenset({"tf_XLACompile", COMPILE_THREAD})
 
 
-def log(msg: str) -> None:
-    print(f"[goodput {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("goodput")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,17 +62,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _log import logger
 from _machine import machine_state
 from _recovery_checks import (
     HOSTS_PER_SLICE,
     NUM_DEVICES,
     SLICES,
     State,
+    held,
     raw_read,
     reference_files,
     verify,
     wait_own_copy,
-    wait_replicated,
 )
 from compile_ahead import measure as compile_ahead_cost
 from recovery_slice import run_slice_loss
@@ -81,6 +82,7 @@ from save_restore import LEAF_COLS, LEAF_ROWS, make_state
 import mtc
 from mtc.options import Dispatch
 from mtc.trainer.cluster import LocalCluster
+from mtc.trainer.replicated import wait_replicated
 
 MIB = 1 << 20
 AXES = ("replica", "model")
@@ -90,8 +92,7 @@ TARGET_TOTAL_S = 10.0
 TARGET_BEYOND_REPLACEMENT_S = 1.0  # issue 12: a host loss beyond the replacement's start
 
 
-def log(msg: str) -> None:
-    print(f"[recovery {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("recovery")
 
 
 def train_fn(state: State) -> State:
@@ -176,7 +177,8 @@ def run(gib: float, samples: int, steps_between: int, base: Path,
             t = time.perf_counter()
             mgr.wait_until_finished()
             commit_s = time.perf_counter() - t
-            repl_s = wait_replicated(cluster, saved_step)
+            repl_s = wait_replicated(lambda: held(cluster), saved_step, cluster.num_hosts,
+                                     HOSTS_PER_SLICE, 120.0, poll_s=0.05)
             log(f"sample {i}: step {saved_step} saved (blocked {save_block_s:.2f}s), committed "
                 f"+{commit_s:.2f}s, replicated +{repl_s:.2f}s")
 

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import run_in_scratch
+from _common import log, run_in_scratch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mtc
@@ -70,10 +70,6 @@ TARGETS: dict[str, tuple[str, float]] = {
 }
 
 State = dict[str, jax.Array]
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # -- the state ------------------------------------------------------------------------

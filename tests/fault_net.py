@@ -26,6 +26,7 @@ from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
 from mtc.trainer.isolation import Hosts
+from mtc.trainer.replicated import wait_replicated
 
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there
@@ -111,15 +112,13 @@ class Net:
 
     def wait_replicated(self, step: int, timeout_s: float = 60.0) -> None:
         """Until every host's data of ``step`` is on its peer (host i <-> i +- 2)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def held() -> set[tuple[int, int, int]]:
             try:
-                if all((o, step) in self.held((o + 2) % 4) for o in range(4)):
-                    return
-            except PeerError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"step {step} not replicated everywhere in {timeout_s}s")
+                return {(h, o, s) for h in range(4) for o, s in self.held(h)}
+            except PeerError:  # a host cut off or restarting: asked again
+                return set()
+
+        wait_replicated(held, step, 4, 2, timeout_s)
 
 
 def big_state(mesh: Mesh, step: int) -> dict[str, Any]:

@@ -126,7 +126,7 @@ class Net:
         self.cluster = Cluster(base / "hosts", 2, 1, creds=Credentials(token=TOKEN), extra=(
             "--token-file", str(token_file), "--stream-grace-seconds", "1",
             "--stream-min-rate", str(64 << 10), "--backup", self.backup.as_uri(),
-            "--backup-interval-minutes", "600"))
+            "--backup-interval-minutes", "600"), metrics=True)
         self.outside = base / "outside"
         self.outside.mkdir()
         for i in range(OUTSIDE_FILES):

@@ -198,6 +198,28 @@ class Cluster:
         """Rank's Prometheus samples: ``name`` or ``name{label=value,...}`` -> value."""
         return scrape(f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics")
 
+    def passes(self, rank: int, loop: str = "replication") -> int:
+        """How many passes rank's ``loop`` (replication, backup) has finished without
+        failing since its replicator started (needs ``metrics``)."""
+        assert self.metrics, "Cluster(metrics=True) serves the loop-pass counter"
+        return int(self.scrape(rank).get(f"mtc_loop_passes_total{{loop={loop}}}", 0))
+
+    def wait_passes(self, *ranks: int, loop: str = "replication", more: int = 2,
+                    timeout: float = 30.0) -> None:
+        """Until each of ``ranks``' ``loop`` has finished ``more`` passes after this
+        call. With two, at least one whole pass began after it (the first may have
+        been under way): what a test waits on before asserting that the loop did
+        *not* do something, instead of sleeping for a time a loaded machine may not
+        honour."""
+        want = {r: self.passes(r, loop) + more for r in ranks}
+        deadline = time.monotonic() + timeout
+        for r, n in want.items():
+            while (got := self.passes(r, loop)) < n:
+                assert time.monotonic() < deadline, (
+                    f"rank {r}'s {loop} loop passed {got} times, not {n}, in {timeout}s: "
+                    f"{self.log_text(r)[-2000:]}")
+                time.sleep(0.05)
+
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         wait_healthy(self.addrs[rank], lambda: self.procs[rank].poll() is None, self.creds,
                      lambda: (self.logs / f"replicator-{rank}.log").read_text()[-2000:],

@@ -324,7 +324,15 @@ def test_an_older_restore_stops_asking_when_a_newer_one_starts_on_its_host(
     try:
         with ThreadPoolExecutor(2) as pool:
             old = pool.submit(node.agreement.agree_epoch, 20.0, "old-restore")
-            time.sleep(0.5)  # asking, failing, asking again
+
+            def unreachable() -> float:
+                return node.metrics.registry.get_sample_value(
+                    "mtc_failures_total", {"kind": "coordinator_unreachable"}) or 0.0
+
+            deadline = time.monotonic() + 10
+            while unreachable() < 2:  # asking, failing, asking again, failing again
+                assert time.monotonic() < deadline and not old.done(), old
+                time.sleep(0.01)
             assert not old.done()
             t0 = time.monotonic()
             new = pool.submit(node.agreement.agree_epoch, 1.5, "new-restore")

@@ -57,15 +57,16 @@ def test_pause_policy_is_checked() -> None:
 
 def test_ahead_compiler_runs_in_order_skips_retargeted_and_joins() -> None:
     ran: list[str] = []
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     c = aot.AheadCompiler()
     try:
-        assert c.submit("a", lambda: (gate.wait(10), ran.append("a")))
+        assert c.submit("a", lambda: (started.set(), gate.wait(10), ran.append("a")))
         assert not c.submit("a", lambda: ran.append("again"))  # queued already
         assert c.submit("b", lambda: ran.append("b"))
         assert c.submit("c", lambda: ran.append("c"))
         c.retarget(["a", "c"])  # b is no longer reachable
-        assert not c.wait("c", 0.05)  # still behind a
+        assert started.wait(10)  # a runs, held at its gate: c is behind it
+        assert not c.wait("c", 0)
         assert c.wait("never-submitted", 0.0)
         gate.set()
         assert c.wait("c", 10) and c.wait("b", 10)
@@ -147,16 +148,32 @@ def test_recovery_record_splits_out_the_replacement_and_the_step_in_flight(
     assert up.entry(0.5, 0.5)["steps_lost"] == 0
 
 
+class _SeenBlocking(threading.Event):
+    """The compiler's "released" event, telling the test when a wait on it blocks
+    (the compiler is held)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocked = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.is_set():
+            self.blocked.set()
+        return super().wait(timeout)
+
+
 def test_ahead_compiler_starts_nothing_while_held() -> None:
     """A recovery holds the compiler: no job starts (and a running one waits at
     wait_released) until it is released."""
     ran: list[str] = []
     c = aot.AheadCompiler()
+    c._released = released = _SeenBlocking()  # before any job: none waited on the old one
+    released.set()
     try:
         c.hold()
         assert c.submit("a", lambda: ran.append("a"))
-        assert not c.wait("a", 0.3)  # held: not started
-        assert ran == []
+        assert released.blocked.wait(10)  # the thread took a, and waits: not started
+        assert not c.wait("a", 0) and ran == []
         c.release()
         assert c.wait("a", 10)
         assert ran == ["a"]
@@ -169,10 +186,11 @@ def test_ahead_compiler_starts_nothing_while_held() -> None:
             steps.append("warmed up")
 
         c.release()
+        released.blocked.clear()
         assert c.submit("b", job)
         c.hold()  # may land before or during the job: either way it waits
-        assert not c.wait("b", 0.3)
-        assert "warmed up" not in steps
+        assert released.blocked.wait(10)
+        assert not c.wait("b", 0) and "warmed up" not in steps
         c.release()
         assert c.wait("b", 10)
         assert steps == ["compiled", "warmed up"]

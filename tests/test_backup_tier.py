@@ -159,7 +159,7 @@ def test_interval_backups_dedup_spread_and_retention(ramdisk: Path, mesh: Mesh,
             wait_for(f"backup of step {step}", lambda s=step: s in local_committed(bucket))
         seen |= set(local_committed(bucket))
         if step == 5:  # not due: 5 - 4 < 2
-            time.sleep(1.0)
+            cl.wait_passes(0, loop="backup")  # the leader's, which would back it up
             seen |= set(local_committed(bucket))
     # Only due steps were ever backed up; an odd step was never due.
     assert seen == {2, 4, 6, 8, 10}, seen
@@ -215,7 +215,7 @@ def test_interval_backups_dedup_spread_and_retention(ramdisk: Path, mesh: Mesh,
         assert c.call("RequestBackup", pb.BackupRequest(step=-1), deadline_s=30).step == 10
     finally:
         c.close()
-    time.sleep(1.0)
+    cl.wait_passes(0, loop="backup")  # the leader's schedule saw step 12 on three hosts
     assert local_committed(bucket) == [4, 8, 10]
 
 
@@ -250,10 +250,10 @@ def test_requested_backups_then_whole_cluster_restore(ramdisk: Path, mesh: Mesh,
     save(cl, mesh, 3, s3)
     (cl.root(0) / "3" / "_BACKUP_REQUESTED").touch()
     wait_for("backup of step 3", lambda: 3 in local_committed(bucket))
-    time.sleep(0.6)  # a backup pass or more sees the file again
+    cl.wait_passes(0, 1, loop="backup")  # passes that see the files again
     save(cl, mesh, 4, make_state(mesh, 4.0))
     cl.wait_replicated(4, timeout=20)
-    time.sleep(1.0)
+    cl.wait_passes(0, 1, loop="backup")  # would ask for (and lead) step 4's backup
     assert local_committed(bucket) == [1, 2, 3]
 
     # Everything is lost: every replicator and every RAM disk. Step 4 was never backed

@@ -80,11 +80,16 @@ def test_a_bridge_in_that_namespace_drops_its_ports_traffic(docker_like: str) ->
             sh("ip", "-n", n, "link", "set", f"w{tag}{i}", "up")
         listener = subprocess.Popen(["ip", "netns", "exec", b, sys.executable, "-c",
                                      "import socket,time; s=socket.socket(); "
-                                     "s.bind(('10.254.77.3', 7999)); s.listen(); time.sleep(20)"])
+                                     "s.bind(('10.254.77.3', 7999)); s.listen(); "
+                                     "print('listening', flush=True); time.sleep(20)"],
+                                    stdout=subprocess.PIPE)
         try:
+            # Listening before the probe: else a refused connection would pass for a
+            # dropped one.
+            assert listener.stdout is not None
+            assert listener.stdout.readline() == b"listening\n"
             probe = sh("ip", "netns", "exec", a, sys.executable, "-c",
-                       "import socket,time\n"
-                       "time.sleep(0.5)\n"
+                       "import socket\n"
                        "try:\n"
                        "    socket.create_connection(('10.254.77.3', 7999), 2).close()\n"
                        "    print('reached')\n"

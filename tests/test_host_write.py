@@ -45,14 +45,27 @@ def test_a_buffer_larger_than_the_budget_is_allowed_alone() -> None:
     assert pool.acquire(1, block=False) is not None
 
 
+class _SeenWaiting(threading.Condition):
+    """The pool's condition, telling the test that an acquire waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
 def test_a_blocked_acquire_wakes_when_memory_is_released() -> None:
     pool = StagingPool(100)
+    pool._cv = cv = _SeenWaiting()  # nothing waits on it yet
     first = pool.acquire(80)
     got: list[np.ndarray | None] = []
     t = threading.Thread(target=lambda: got.append(pool.acquire(50)))
     t.start()
-    t.join(0.2)
-    assert t.is_alive() and not got  # waiting for room
+    assert cv.waiting.wait(5)  # waiting for room (the release below must wake it)
+    assert t.is_alive() and not got
     pool.release(80, first)
     t.join(5)
     assert got and got[0] is not None and pool.held == 50

@@ -307,7 +307,7 @@ def test_fetches_are_bounded_and_follow_no_symlink(net: Net) -> None:
         # A step folder that is a symlink to the outside.
         (net.root(0) / "77").symlink_to(net.outside)
         try:
-            time.sleep(0.5)  # several replication passes
+            net.cluster.wait_passes(0)  # a replication pass that saw it
             req = pb.FetchRequest(step=77, origin_rank=0, path="f0").SerializeToString()
             received = []
             assert code_of(lambda got=received: got.extend(net.channel(0).unary_stream(FETCH)(

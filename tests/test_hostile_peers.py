@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import seam_audit
 from hostile_net import (
+    AUTH,
     TOKEN,
     WRONG,
     HealthWatch,
@@ -105,9 +106,17 @@ def test_sidecar_needs_credentials_to_listen_and_to_run_code(base: Path) -> None
                 assert code_of(lambda m=md: execute(_evil_program(marker), timeout=10,
                                                     metadata=m)) == \
                     grpc.StatusCode.UNAUTHENTICATED
+            # The control: from a caller with the token, the same program's bytes are
+            # unpickled on the call's own thread, before it answers (the file appears
+            # by then). So the refusals' answers prove that nothing of theirs ran.
+            control = work / "area" / "control"
+            try:
+                execute(_evil_program(control), timeout=30, metadata=AUTH)
+            except grpc.RpcError:
+                pass  # not a program JAX can run: unpickled all the same
+            assert control.exists()
         finally:
             ch.close()
-        time.sleep(0.2)
         assert not marker.exists()
         # With the token: a call naming a payload file that is not there is refused,
         # typed, without the server's folders in its answer (it was UNKNOWN, the

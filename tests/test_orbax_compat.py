@@ -43,6 +43,7 @@ from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.security import Credentials
 from mtc.trainer.isolation import Hosts
+from mtc.trainer.replicated import wait_replicated
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -165,15 +166,9 @@ class OrbaxHosts:
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
         """Until every host's ``step`` is held by its peer in the other slice."""
-        deadline = time.monotonic() + timeout
-        want = {((o + PER_SLICE) % HOSTS, o, step) for o in range(HOSTS)}
-        while time.monotonic() < deadline:
-            held = {(r, c.origin_rank, c.step) for r in range(HOSTS)
-                    for c in self.inventory(r).copies}
-            if want <= held:
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"step {step} not replicated in {timeout}s")
+        wait_replicated(lambda: {(r, c.origin_rank, c.step) for r in range(HOSTS)
+                                 for c in self.inventory(r).copies},
+                        step, HOSTS, PER_SLICE, timeout)
 
 
 def run_job(phase: str, cluster: OrbaxHosts, logs: Path) -> list[dict[str, Any]]:

@@ -301,21 +301,21 @@ def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Clu
     while own_steps(cl.root(0)) != {1, 4, 5}:
         assert time.monotonic() < deadline, own_steps(cl.root(0))
         time.sleep(0.05)
-    time.sleep(0.5)  # many GC passes later, still there
+    cl.wait_passes(0, more=3)  # GC passes later, still there
     assert own_steps(cl.root(0)) == {1, 4, 5}
 
     # The origin's replicator restarting while its peer is still down must not
     # forget which step is the newest replicated one.
     cl.kill(0)
     cl.start(0)
-    time.sleep(0.5)
+    cl.wait_passes(0)  # a whole pass, GC included, of the new process
     assert 1 in own_steps(cl.root(0))
 
     # The peer returns: step 5 is replicated, but step 1 is still the newest
     # step that every rank can be restored from (rank 1 has nothing newer).
     cl.start(1)
     cl.wait_held({(1, 0, 5)}, timeout=30)
-    time.sleep(1.5)
+    cl.wait_passes(0, more=3)  # GC passes that saw step 5 on the peer
     assert 1 in own_steps(cl.root(0))
     # Once rank 1 commits step 5 as well, step 5 is complete and step 1 goes.
     cl.commit(1, 5, {"y.bin": os.urandom(4096)})
@@ -357,7 +357,12 @@ def test_an_older_step_a_peer_keeps_deleting_is_pushed_again_a_bounded_number_of
     while sum(pushes().values()) < COPIES_AGAIN_MAX:
         assert time.monotonic() < deadline, cl.log_text(0)[-2000:]
         time.sleep(0.1)
-    time.sleep(3 * RESYNC_S)  # passes enough for more, were it unbounded
+    # Were it unbounded, a resync (every RESYNC_S) would push it again: rank 0's
+    # loop passes through three resyncs' time, and once more after it.
+    end = time.monotonic() + 3 * RESYNC_S
+    while time.monotonic() < end:
+        cl.wait_passes(0)
+    cl.wait_passes(0)
     got = pushes()
     assert sum(got.values()) == COPIES_AGAIN_MAX, got
     # The first may be late (step 2 went ahead of step 1); the peer deleted every
@@ -369,7 +374,7 @@ def test_an_older_step_a_peer_keeps_deleting_is_pushed_again_a_bounded_number_of
 def test_gc_keeps_the_newest_step_every_rank_can_restore(ramdisk: Path,
                                                          clusters: list[Cluster]) -> None:
     """A host whose newer step failed elsewhere must not delete the last complete one."""
-    cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "1"))
+    cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "1"), metrics=True)
     cl.start_all()
     for step in (1, 2):
         cl.commit(0, step, {"x.bin": os.urandom(4096)})
@@ -378,7 +383,7 @@ def test_gc_keeps_the_newest_step_every_rank_can_restore(ramdisk: Path,
     # Rank 0 commits and replicates step 3; rank 1 never commits it (it crashed).
     cl.commit(0, 3, {"x.bin": os.urandom(4096)})
     cl.wait_held({(1, 0, 3)})
-    time.sleep(1.5)  # GC passes with --keep 1
+    cl.wait_passes(0, more=3)  # GC passes with --keep 1 that saw step 3 on the peer
     assert 2 in own_steps(cl.root(0)), "the newest step complete on every rank was deleted"
     # A restore asks every member (agreement needs them all): step 2 everywhere.
     replies = prepare_all(cl, [0, 1], timeout=20)
@@ -393,7 +398,7 @@ def test_gc_keeps_the_newest_step_that_survives_losing_the_host_whose_copy_lags(
     delete its step 2. Host 1 is then lost: its step 3 with it, and rank 0's step 2
     must still be there, or no step is restorable at all (what a random-fault run
     found: every step of a job lost with one host)."""
-    cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "1"))
+    cl = new_cluster(clusters, ramdisk, 2, 1, extra=("--keep", "1"), metrics=True)
     cl.start_all()
     saved = {}
     for step in (1, 2):
@@ -407,7 +412,7 @@ def test_gc_keeps_the_newest_step_that_survives_losing_the_host_whose_copy_lags(
     cl.commit(1, 3, {"y.bin": os.urandom(4096)})
     cl.commit(0, 3, {"x.bin": os.urandom(4096)})
     cl.wait_held({(1, 0, 3)})
-    time.sleep(1.5)  # GC passes with --keep 1
+    cl.wait_passes(0, more=3)  # GC passes with --keep 1 that saw step 3 on the peer
     assert own_steps(cl.root(0)) == {2, 3}, "the newest step on two hosts was deleted"
     assert (0, 1, 3) not in cl.held()  # rank 1's step 3 is on host 1 alone
 

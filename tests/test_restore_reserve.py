@@ -168,6 +168,7 @@ def test_a_host_that_keeps_its_own_steps_sets_nothing_aside(
     cl, _ = two_hosts(clusters, ramdisk)
     cl.kill(0)
     cl.start(0)  # a restarted replicator, its RAM disk intact
-    time.sleep(1.0)  # its loop's first pass (where a replaced host sets space aside)
+    # Its loop has passed: a replaced host sets space aside before the first pass.
+    cl.wait_passes(0)
     assert reserve(cl, 0) == (0, 0)
     assert "set aside for its restore" not in cl.log_text(0)

@@ -104,6 +104,7 @@ class BackupDuties:
                             self.request_backup()
                         answered = s
                 self.backup.run_once(self)
+                self.metrics.passes.labels("backup").inc()
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels("backup").inc()
                 log.warning("rank %d: backup failed: %s", self.rank, e)

@@ -71,6 +71,10 @@ class Metrics:
         self.stalled = Gauge("mtc_loop_stalled",
                              "1 while the replication loop has not passed for too long",
                              registry=r)
+        # What tests wait on before asserting that a pass did not do something.
+        self.passes = Counter("mtc_loop_passes",
+                              "Passes a loop finished without failing, by loop "
+                              "(replication, backup)", ["loop"], registry=r)
         for state in ("committed", "replicated", "backed_up"):
             self.newest.labels(state).set(-1)
 

@@ -123,6 +123,8 @@ class Node:
                     coordinator_keeps=self.agreement.gc_keeps if trusted else lambda: None,
                     metrics=self.metrics, awaiting=self.config.keep_awaiting, room=self.room,
                     sizes_seen=self._sizes_seen))
+                if trusted:
+                    self.metrics.passes.labels("replication").inc()
             except Exception:
                 log.exception("replication pass failed")
                 self.metrics.failures.labels("loop").inc()
