@@ -196,7 +196,12 @@ def test_a_survey_parses_an_unchanged_manifest_once_and_checks_the_asked_one_eve
     assert sorted(parsed) == [5, 6] and checked == []  # step 6, sent whole, parsed once
     assert first["0"]["facts"] == {"5": [2, "r"], "6": [2, "r"]}  # type: ignore[index]
     parsed.clear()
-    assert ask(ops, "survey", [0]) == first
+    # The disk's free space is the machine's (other tests write beside it): the rest
+    # of the answer is the same.
+    again = ask(ops, "survey", [0])
+    for answer in (again, first):
+        answer["0"].pop("space")  # type: ignore[union-attr]
+    assert again == first
     # The step sent is read and its checksum checked again; nothing is parsed again.
     assert parsed == [] and checked == [6]
     # Its bytes damaged in place with the file's version kept (a bit flip): the
