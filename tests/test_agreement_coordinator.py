@@ -149,7 +149,7 @@ def test_a_member_that_refuses_for_its_configuration_fails_every_ask_at_once_nam
     m = Members({r: h((r, 1)) for r in range(4)})
     probed: list[list[int]] = []
 
-    def faults(ranks: Sequence[int]) -> str:
+    def faults(ranks: Sequence[int], within_s: float) -> str:
         probed.append(list(ranks))
         return "rank 2's replicator refuses: the node at b:1 says it is rank 1" \
             if 2 in ranks else ""
@@ -172,9 +172,32 @@ def test_a_member_that_refuses_for_its_configuration_fails_every_ask_at_once_nam
     assert c.book.find("rid") is None  # nothing decided
 
 
+def test_a_probe_of_a_cut_off_member_ends_before_the_askers_deadline() -> None:
+    """A member cut off from the coordinator never answers the probe: its call runs
+    to the time it is given. The askers' typed error naming it still comes by their
+    deadline (a probe given its own 2 s made the asks' calls time out first)."""
+    m = Members({r: h((r, 1)) for r in range(3)})
+    given: list[float] = []
+
+    def faults(ranks: Sequence[int], within_s: float) -> str:
+        given.append(within_s)
+        time.sleep(min(2.0, within_s))  # a call to a cut-off member, to its deadline
+        return ""
+
+    c = Coordinator(sorted(m.holdings), own_only, m.gather, Book(), retry_s=0.01,
+                    faults=faults)
+    t0 = time.monotonic()
+    errors = ask_all(c, [0, 1], timeout=2.0)
+    took = time.monotonic() - t0
+    assert all(isinstance(e, AgreementError) and "request yet from rank(s) [2]" in str(e)
+               for e in errors), errors
+    assert given and all(g <= 2.0 - PROBE_S for g in given), given
+    assert took < 2.0 + 0.3, took
+
+
 def test_a_member_late_without_a_fault_is_waited_for() -> None:
     m = Members({r: h((r, 1)) for r in range(2)})
-    c = Coordinator([0, 1], own_only, m.gather, Book(), retry_s=0.01, faults=lambda _: "")
+    c = Coordinator([0, 1], own_only, m.gather, Book(), retry_s=0.01, faults=lambda *_: "")
     threading.Timer(PROBE_S + 0.5, lambda: c.decide_for(1, "rid", 10.0)).start()
     assert c.decide_for(0, "rid", 10.0).step == 1
 

@@ -33,6 +33,8 @@ ALIVE_CHECK_S = 0.5
 # their configuration disagrees with a peer's (a refusing member never asks), and
 # again at most this often while it waits.
 PROBE_S = 1.0
+# A probe ends this long before its asker's deadline at the latest.
+PROBE_MARGIN_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +244,7 @@ class Coordinator:
     def __init__(self, members: Sequence[int], equivalent: Callable[[int], Sequence[int]],
                  gather: Gather, book: Book, *, retry_s: float = 0.05,
                  clock: Callable[[], float] = time.time, num_nodes: int | None = None,
-                 faults: Callable[[Sequence[int]], str] | None = None) -> None:
+                 faults: Callable[[Sequence[int], float], str] | None = None) -> None:
         self.members = list(members)
         # Ranks that may have saved: every node, when the membership is a smaller job's.
         self.num_nodes = len(self.members) if num_nodes is None else num_nodes
@@ -257,8 +259,9 @@ class Coordinator:
         self._why = ""  # why the last attempt could not decide
         self._asked_at: dict[int, float] = {}  # rank -> its latest ask (for messages)
         self._closed = False
-        # ``faults(ranks)``: how those members say their configuration is wrong ("" when
-        # none does); its last answer, and when it may be asked next (one at a time).
+        # ``faults(ranks, seconds)``: how those members say, within the seconds, that
+        # their configuration is wrong ("" when none does); its last answer, and
+        # when it may be asked next (one at a time).
         self.faults = faults
         self._fault = ""
         self._probe_next = 0.0
@@ -312,7 +315,8 @@ class Coordinator:
                 if alive is not None and not alive() and now < deadline:
                     raise AgreementError("the asker stopped waiting; its ask stands until "
                                          "its deadline", host=rank)
-                fault = self._probe(waiting, now - self._asked_at[rank] >= PROBE_S)
+                fault = self._probe(waiting, now - self._asked_at[rank] >= PROBE_S,
+                                    deadline - now - PROBE_MARGIN_S)
                 if fault:
                     if self._asks.get(rank) == ask:
                         del self._asks[rank]
@@ -320,6 +324,7 @@ class Coordinator:
                                       f"so no step can be agreed: {fault}; every replicator "
                                       f"must run with the same --nodes (in rank order) and "
                                       f"--nodes-per-slice, and its own --rank", host=rank)
+                now = time.monotonic()  # a probe ran without the lock: time moved on
                 if now >= deadline:
                     if self._asks.get(rank) == ask:
                         del self._asks[rank]
@@ -340,18 +345,21 @@ class Coordinator:
                 # Woken to probe members that have not asked (none notifies for them).
                 self._cond.wait(min(wait, PROBE_S) if self.faults and waiting else wait)
 
-    def _probe(self, waiting: Sequence[int], due: bool) -> str:
+    def _probe(self, waiting: Sequence[int], due: bool, left_s: float) -> str:
         """Called with ``_cond`` held: whether members that have not asked say their
         configuration is wrong (such a member refuses, and never asks), asked when
-        ``due``, at most every ``PROBE_S``, by one asker, without the lock."""
+        ``due``, at most every ``PROBE_S``, by one asker, without the lock, within
+        ``left_s`` (an asker busy probing past its deadline would answer its caller
+        late: a member cut off from the coordinator made an ask's own call time out
+        before the typed error naming that member came)."""
         if self.faults is None or not waiting:
             return ""
         now = time.monotonic()
-        if due and not self._probing and now >= self._probe_next:
+        if due and left_s > 0 and not self._probing and now >= self._probe_next:
             self._probing, self._probe_next = True, now + PROBE_S
             self._cond.release()
             try:
-                fault = self.faults(list(waiting))
+                fault = self.faults(list(waiting), left_s)
             finally:
                 self._cond.acquire()
                 self._probing = False

@@ -167,12 +167,13 @@ class NodeAgreement:
                 self._coordinators[members] = c
             return c
 
-    def config_faults(self, ranks: Sequence[int]) -> str:
+    def config_faults(self, ranks: Sequence[int], within_s: float) -> str:
         """How those of ``ranks`` that answer say their configuration disagrees with a
         peer's (their identity's ``config_error``), each named; "" when none does."""
         futs = {r: self._pool.submit(self.peers[r].call, "GetInventory",
                                      pb.InventoryRequest(identify=True),
-                                     deadline_s=min(2.0, self.config.deadline_s), attempts=1)
+                                     deadline_s=min(2.0, self.config.deadline_s, within_s),
+                                     attempts=1)
                 for r in ranks if r in self.peers}
         faults = []
         for r, fut in futs.items():
