@@ -192,7 +192,7 @@ def test_a_mesh_of_some_devices_reaches_their_own_hosts_cpu_devices() -> None:
     """A job resized onto slice 1 (devices 4 to 7) asks slice 1's hosts. JAX's CPU
     fallback maps any device list onto the process's first CPU devices (slice 0's:
     a lost host's devices, whose arrays raise DATA_LOSS); each device is its own."""
-    from mtc.dispatch.colocated import colocated_cpu, colocated_cpu_mesh
+    from mtc.dispatch.colocated_moves import colocated_cpu, colocated_cpu_mesh
 
     devices = jax.devices()[4:8]
     assert [d.id for d in colocated_cpu(devices)] == [4, 5, 6, 7]

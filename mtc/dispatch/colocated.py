@@ -38,7 +38,7 @@ from mtc.contract import (
 )
 from mtc.dispatch import colocated_load
 from mtc.dispatch.calls import HostCalls, regions_of
-from mtc.dispatch.colocated_moves import move
+from mtc.dispatch.colocated_moves import colocated_cpu, to_workers
 from mtc.dispatch.process import Sidecar
 from mtc.dispatch.protocol import BeforeSend, Opened, Survey, WorkerLostError
 from mtc.dispatch.remote_colocated import Held, Runtime, holding, host_views
@@ -407,25 +407,7 @@ class ColocatedDispatch(HostCalls):
         return self._stage(header, self._ranks, inputs, requests)
 
     def _to_cpu(self, x: jax.Array | np.ndarray) -> jax.Array:
-        """The array on the colocated CPU devices, over the one device list that
-        colocated calls require; arrays on another device list (a scalar on one
-        device) are replicated onto it."""
-
-        if isinstance(x, np.ndarray):  # as bytes: JAX would narrow 64-bit dtypes
-            return jax.device_put(np.ascontiguousarray(x).reshape(-1).view(np.uint8),
-                                  self._replicated)
-        s = x.sharding
-        if isinstance(s, NamedSharding):
-            cpu_mesh = colocated_cpu_mesh(s.mesh)  # type: ignore[arg-type]
-            if list(cpu_mesh.devices.flat) == self.cpu_devices:
-                if cpu_mesh is s.mesh or list(s.mesh.devices.flat) == self.cpu_devices:
-                    return x
-                try:  # where the array lives (device, pinned host) goes with it
-                    cpu = NamedSharding(cpu_mesh, s.spec, memory_kind=s.memory_kind)
-                except ValueError:  # a kind the CPU devices do not have
-                    cpu = NamedSharding(cpu_mesh, s.spec)
-                return move([x], [cpu])[0]
-        return move([x], [self._replicated])[0]
+        return to_workers(x, self.cpu_devices, self._replicated)
 
     def wait(self) -> None:
         self._collect()
@@ -514,24 +496,3 @@ def answer_size_for(manifest_bytes: int) -> int:
     need = manifest_bytes * 3 // 2 + 4096
     return max(ANSWER_BYTES, min(MAX_ANSWER_BYTES, 1 << (need - 1).bit_length()))
 
-
-def colocated_cpu(devices: Sequence[Any]) -> list[Any]:
-    """Each device's colocated CPU device, in order. Where the devices are CPU devices
-    (the local cluster and the tests play accelerators with them) each is its own:
-    JAX's CPU fallback would map any list onto the process's first CPU devices (a
-    mesh of devices 4 to 7 onto 0 to 3, other hosts' devices), where on Pathways
-    each device's colocated CPU device is its own host's."""
-    from jax.experimental import colocated_python
-
-    if all(d.platform == "cpu" for d in devices):
-        return list(devices)
-    return list(colocated_python.colocated_cpu_devices(tuple(devices)))
-
-
-def colocated_cpu_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-    """``mesh`` over its devices' colocated CPU devices (:func:`colocated_cpu`)."""
-    from jax.experimental import colocated_python
-
-    if all(d.platform == "cpu" for d in mesh.devices.flat):
-        return mesh
-    return colocated_python.colocated_cpu_devices(mesh)

@@ -1,4 +1,5 @@
-"""Moving arrays between an accelerator and its colocated CPU devices.
+"""Moving arrays between an accelerator and its colocated CPU devices, and which CPU
+devices those are.
 
 On Pathways the runtime moves a restore's outputs from the worker's CPU devices
 onto the accelerator, on the worker: no byte passes through the controller.
@@ -20,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from mtc import multihost
 
@@ -50,3 +52,46 @@ def move(sources: Sequence[jax.Array], dests: Sequence[Any], *,
     if not _via_host(sources, dests):
         return list(jax.device_put(list(sources), list(dests), may_alias=may_alias))
     return list(jax.device_put([np.asarray(a) for a in sources], list(dests)))
+
+
+def to_workers(x: jax.Array | np.ndarray, cpu_devices: Sequence[Any],
+               replicated: NamedSharding) -> jax.Array:
+    """``x`` on the colocated CPU devices, over the one device list (``cpu_devices``)
+    that colocated calls require; an array on another device list (a scalar on one
+    device) is replicated onto it (``replicated``), a numpy array goes as its bytes."""
+    if isinstance(x, np.ndarray):  # as bytes: JAX would narrow 64-bit dtypes
+        return jax.device_put(np.ascontiguousarray(x).reshape(-1).view(np.uint8), replicated)
+    s = x.sharding
+    if isinstance(s, NamedSharding):
+        cpu_mesh = colocated_cpu_mesh(s.mesh)  # type: ignore[arg-type]
+        if list(cpu_mesh.devices.flat) == list(cpu_devices):
+            if cpu_mesh is s.mesh or list(s.mesh.devices.flat) == list(cpu_devices):
+                return x
+            try:  # where the array lives (device, pinned host) goes with it
+                cpu = NamedSharding(cpu_mesh, s.spec, memory_kind=s.memory_kind)
+            except ValueError:  # a kind the CPU devices do not have
+                cpu = NamedSharding(cpu_mesh, s.spec)
+            return move([x], [cpu])[0]
+    return move([x], [replicated])[0]
+
+
+def colocated_cpu(devices: Sequence[Any]) -> list[Any]:
+    """Each device's colocated CPU device, in order. Where the devices are CPU devices
+    (the local cluster and the tests play accelerators with them) each is its own:
+    JAX's CPU fallback would map any list onto the process's first CPU devices (a
+    mesh of devices 4 to 7 onto 0 to 3, other hosts' devices), where on Pathways
+    each device's colocated CPU device is its own host's."""
+    from jax.experimental import colocated_python
+
+    if all(d.platform == "cpu" for d in devices):
+        return list(devices)
+    return list(colocated_python.colocated_cpu_devices(tuple(devices)))
+
+
+def colocated_cpu_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """``mesh`` over its devices' colocated CPU devices (:func:`colocated_cpu`)."""
+    from jax.experimental import colocated_python
+
+    if all(d.platform == "cpu" for d in mesh.devices.flat):
+        return mesh
+    return colocated_python.colocated_cpu_devices(mesh)
