@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from replicators import Cluster, new_cluster
 
+from mtc import certs
 from mtc.sidecar.replicator.security import CONTROLLER_NAME, Credentials, rank_name
 
 
@@ -25,20 +26,8 @@ def _name(cn: str) -> x509.Name:
 
 
 def make_ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn))
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
-                                         crl_sign=True, content_commitment=False,
-                                         key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False,
-                                         decipher_only=False), critical=True)
-            .sign(key, hashes.SHA256()))
-    return key, cert
+    """A CA for one test run (a day's validity), as ``mtc certs`` makes one."""
+    return certs.make_ca(cn, days=1)
 
 
 def make_leaf(ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], cn: str,
