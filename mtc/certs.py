@@ -27,8 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mtc.errors import ConfigError
-from mtc.sidecar.replicator.rank_names import rank_name, ranks_named
-from mtc.sidecar.replicator.security import CONTROLLER_NAME
+from mtc.sidecar.replicator.security import CONTROLLER_NAME, rank_name, ranks_named
 
 LOOPBACK = ("localhost", "127.0.0.1")
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # valid a little before now: hosts' clocks differ

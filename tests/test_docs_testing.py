@@ -10,20 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from doc_blocks import python_block
 from replicators import env_with_repo
 
 pytestmark = pytest.mark.process  # it starts pytest, which starts hosts
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 MAX_USER_LINES = 40  # the page's promise: a test of one's own loop in under 40 lines
 
 
 def doc_test() -> str:
-    text = DOC.read_text()
-    section = text[text.index("## One test, start to end"):]
-    m = re.search(r"```python\n(.*?)```", section, re.S)
-    assert m, "docs/testing.md: no python block under 'One test, start to end'"
-    return m.group(1)
+    return python_block("docs/testing.md", "## One test, start to end")
 
 
 def test_the_page_says_under_40_lines() -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from doc_blocks import python_block
 from jax.sharding import Mesh
 from pathwaysutils.elastic import elastic as pw_elastic
 
@@ -41,11 +42,7 @@ STEPS = 36
 
 
 def readme_loop() -> str:
-    text = README.read_text()
-    section = text[text.index("## Elastic training: the Pathways guide's loop"):]
-    m = re.search(r"```python\n(.*?)```", section, re.S)
-    assert m, "README.md: no python block under 'Elastic training'"
-    return m.group(1)
+    return python_block("README.md", "## Elastic training: the Pathways guide's loop")
 
 
 class MemoryLoss(SliceLossSimulator):

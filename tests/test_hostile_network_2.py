@@ -37,6 +37,17 @@ pytestmark = pytest.mark.process  # every test here starts processes
 MiB = 1 << 20
 
 
+def _tls_hosts(base: Path, clusters: list[Cluster]) -> tuple[Path, Any, Path, Cluster]:
+    """A CA, the controller's certificate (naming its role), and hosts under mutual
+    TLS with them: (the certificates' folder, the CA, its PEM, the cluster)."""
+    pki = base / "pki"
+    pki.mkdir()
+    ca = make_ca("mtc test CA")
+    ca_pem = write_pem(ca[1], pki / "ca.crt")
+    crt, key = make_leaf(ca, "trainer", pki, controller=True)
+    return pki, ca, ca_pem, tls_cluster(clusters, base / "hosts", ca, ca_pem, pki, crt, key)
+
+
 def _cluster(auth: str, base: Path, clusters: list[Cluster]) -> tuple[Cluster, bytes]:
     """Two replicators (one host per slice, peers of each other), and what a dripping
     caller sends first: the data request's header, or a TLS record's."""
@@ -47,12 +58,7 @@ def _cluster(auth: str, base: Path, clusters: list[Cluster]) -> tuple[Cluster, b
                          creds=Credentials(token="flood-test-token"),
                          extra=("--token-file", str(token_file)))
         return cl, dc.MAGIC + struct.pack("<I", 1000)
-    pki = base / "pki"
-    pki.mkdir()
-    ca = make_ca("mtc test CA")
-    ca_pem = write_pem(ca[1], pki / "ca.crt")
-    crt, key = make_leaf(ca, "trainer", pki, controller=True)
-    return (tls_cluster(clusters, base / "hosts", ca, ca_pem, pki, crt, key),
+    return (_tls_hosts(base, clusters)[3],
             b"\x16\x03\x01\x02\x00")  # a TLS handshake record of 512 bytes, to come
 
 
@@ -125,12 +131,7 @@ def test_a_sidecar_takes_calls_from_its_own_host_and_the_controller_only(
     (every operation, and ``Execute``) from either is refused PERMISSION_DENIED,
     even with the hosts' token beside it; host 1's own certificate and the
     controller's (which names the controller's role) are answered."""
-    pki = ramdisk / "pki"
-    pki.mkdir()
-    ca = make_ca("mtc test CA")
-    ca_pem = write_pem(ca[1], pki / "ca.crt")
-    crt, key = make_leaf(ca, "trainer", pki, controller=True)
-    cl = tls_cluster(clusters, ramdisk / "hosts", ca, ca_pem, pki, crt, key)
+    pki, ca, ca_pem, cl = _tls_hosts(ramdisk, clusters)
     cl.start_all()
     cl.start_sidecars()
     cl.commit(1, 3, {"a.bin": os.urandom(1024)})
@@ -175,12 +176,7 @@ def test_a_certificate_naming_nobody_is_not_the_controller(
     the controller's: it read copies and asked for restores and backups. Now every
     replicator call from it, and its data channel requests, are refused
     PERMISSION_DENIED; the controller's certificate (naming the role) is answered."""
-    pki = ramdisk / "pki"
-    pki.mkdir()
-    ca = make_ca("mtc test CA")
-    ca_pem = write_pem(ca[1], pki / "ca.crt")
-    crt, key = make_leaf(ca, "trainer", pki, controller=True)
-    cl = tls_cluster(clusters, ramdisk / "hosts", ca, ca_pem, pki, crt, key)
+    pki, ca, ca_pem, cl = _tls_hosts(ramdisk, clusters)
     cl.start_all()
     data = os.urandom(4096)
     cl.commit(0, 2, {"a.bin": data})

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from doc_blocks import python_block
 from jax.sharding import Mesh
 from replicators import Cluster, assert_state_equal, env_with_repo, make_state, new_cluster
 
@@ -35,11 +35,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def readme_example() -> str:
-    text = README.read_text()
-    section = text[text.index("## Use it in a training loop"):]
-    m = re.search(r"```python\n(.*?)```", section, re.S)
-    assert m, "README.md: no python block under 'Use it in a training loop'"
-    return m.group(1)
+    return python_block("README.md", "## Use it in a training loop")
 
 
 def run_example(code: Path, local_dir: Path, steps: int, replicators: str | None

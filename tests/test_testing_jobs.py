@@ -4,25 +4,20 @@ uninterrupted job ends."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
+from doc_blocks import python_block
 
 from mtc.testing import ScriptError, local_cluster
 
 pytestmark = pytest.mark.process  # hosts and JAX processes
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 
 
 def doc_script() -> str:
     """docs/testing.md's multi-controller script, as written."""
-    text = DOC.read_text()
-    section = text[text.index("## One process per host"):]
-    m = re.search(r"```python\n(.*?)```", section, re.S)
-    assert m, "docs/testing.md: no python block under 'One process per host'"
-    return m.group(1)
+    return python_block("docs/testing.md", "## One process per host")
 
 
 def said(out: str) -> list[str]:
