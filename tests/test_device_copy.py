@@ -203,7 +203,7 @@ def test_in_graph_step_takes_no_copy_while_the_last_is_on_its_way(
     fn = InGraphStep(lambda s: ({"w": s["w"] * 2},), snap, state_shardings={"w": sharding})
     state = {"w": jax.device_put(jnp.ones((64, 8)), sharding)}
     (state,) = fn(state, snapshot_step=1)
-    assert snap._moving and snap._pending is not None
+    assert snap._pending is not None and snap._pending.moved
     # The copy's own buffer, moving to host memory: the next step's donation
     # leaves it alone.
     monkeypatch.setattr(Snapshotter, "transferring", property(lambda self: True))

@@ -115,7 +115,6 @@ class Snapshotter:
         self._latest: Taken | None = None
         self._pending: Taken | None = None  # copied, maybe not yet done
         self._pending_arrays: list[jax.Array] = []
-        self._moving = False  # the pending copy goes from an accelerator to host memory
         self._releases: ThreadPool | None = None  # see the module's documentation
         self.last_load_tier: str | None = None
         self.skipped = 0  # saves skipped while a copy was in flight
@@ -147,7 +146,8 @@ class Snapshotter:
     def transferring(self) -> bool:
         """Whether the pending snapshot is still on its way from an accelerator's
         memory to host memory (``InGraphStep`` takes no copy meanwhile)."""
-        return self._moving and not self._settle()
+        pending = self._pending
+        return pending is not None and pending.moved and not self._settle()
 
     def adopt(self, step: int, state: Any, copies: Any) -> None:
         """Take as the snapshot of ``step`` the copies a compiled step already made
@@ -180,7 +180,6 @@ class Snapshotter:
                 impls.append(None)
         self._pending = Taken(int(step), treedef, tuple(kept), tuple(impls), moved)
         self._pending_arrays = made
-        self._moving = moved
 
     def _settle(self, wait: bool = False) -> bool:
         """Promote the pending snapshot once its copy is done (``wait``: wait for
