@@ -68,8 +68,8 @@ def _config(local_dir: Path) -> AgentConfig:
 def test_workers_that_disagree_fail_the_call(ramdisk: Path) -> None:
     disp = ColocatedDispatch(_config(ramdisk), jax.devices())
     with pytest.raises(HostAgentError, match="stage"):
-        disp._unanimous(_ranks([1, 1, 1, 0, 1, 1, 1, 1]), "stage")
-    assert disp._unanimous(_ranks([1] * 8), "stage") is True
+        disp.answers.unanimous(_ranks([1, 1, 1, 0, 1, 1, 1, 1]), "stage")
+    assert disp.answers.unanimous(_ranks([1] * 8), "stage") is True
 
 
 def test_a_failing_worker_comes_back_as_its_typed_error(ramdisk: Path, mesh: Mesh) -> None:

@@ -128,15 +128,15 @@ def test_a_restore_brings_manifests_longer_than_the_fixed_answer_in_its_first_ca
             mgr.wait_until_finished()
         dispatch: Any = mgr._dispatch
         # The second save's listing saw the first's manifests.
-        assert restore(mgr) == 2 and not dispatch._fetchers
+        assert restore(mgr) == 2 and not dispatch.answers.fetchers
         dispatch._survey_size = ANSWER_BYTES  # as a manager that saw only small steps
-        assert restore(mgr) == 3 and dispatch._fetchers
+        assert restore(mgr) == 3 and dispatch.answers.fetchers
         assert restore(mgr) == 2  # sized to fit since
     with _manager(ramdisk, 4) as mgr:  # a restarted job
         dispatch = mgr._dispatch
         assert restore(mgr) == 2
-        assert not dispatch._fetchers
-        assert dispatch.answer_bytes > 4 * ANSWER_BYTES  # each manifest outgrew it
+        assert not dispatch.answers.fetchers
+        assert dispatch.answers.read_bytes > 4 * ANSWER_BYTES  # each manifest outgrew it
 
 
 def test_restored_bytes_never_become_controller_objects(ramdisk: Path,
@@ -156,7 +156,7 @@ def test_restored_bytes_never_become_controller_objects(ramdisk: Path,
         monkeypatch.setattr(colocated.ColocatedDispatch, "_fetch", refuse)
         monkeypatch.setattr(calls.HostCalls, "_fetch", refuse)
         dispatch: Any = mgr._dispatch
-        read_before = dispatch.answer_bytes
+        read_before = dispatch.answers.read_bytes
         back = mgr.restore(1, state)
         # Onto half the devices, in another layout: regions other hosts saved are
         # built on their target devices from the holders' pieces.
@@ -165,7 +165,7 @@ def test_restored_bytes_never_become_controller_objects(ramdisk: Path,
                                            sharding=NamedSharding(half, PartitionSpec("b", "a"))),
                  "b": state["b"], "step": 0}
         moved = mgr.restore(1, other)
-        read = dispatch.answer_bytes - read_before
+        read = dispatch.answers.read_bytes - read_before
         # Onto the devices in reverse order: every region is one that another host
         # saved whole; it comes back as an array of its own on that host and is
         # moved onto its target device, nothing sliced or compiled here.
@@ -332,3 +332,42 @@ def test_a_surveys_answer_size_holds_the_manifest_within_bounds() -> None:
     assert colocated.answer_size_for(100 << 20) == MAX_ANSWER_BYTES  # the rest: a second call
     assert colocated.answer_size_for((ANSWER_BYTES - 4096) * 2 // 3) == ANSWER_BYTES
     assert colocated.answer_size_for((ANSWER_BYTES - 4096) * 2 // 3 + 2) == 2 * ANSWER_BYTES
+
+
+def test_a_large_restore_loads_in_groups_of_leaves_each_exact(ramdisk: Path) -> None:
+    """Onto an accelerator a restore loads in calls of LOAD_CALL_BYTES or more, each
+    group moving while the next is read; here the threshold is lowered so that the
+    CPU devices take the same path: one call per group, every value exact."""
+    with _manager(ramdisk, 4) as mgr:
+        state = _state(mgr)
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        dispatch = mgr._dispatch  # type: ignore[attr-defined]
+        before = _calls(mgr)
+        whole = mgr.restore(1, _state(mgr))
+        one_call = _calls(mgr) - before
+        dispatch.load_call_bytes = 64  # w (512 bytes) and b (64 bytes): two groups
+        before = _calls(mgr)
+        back = mgr.restore(1, _state(mgr))
+        assert _calls(mgr) - before == one_call + 1
+    for got in (whole, back):
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(128).reshape(8, 16))
+        np.testing.assert_array_equal(np.asarray(got["b"]), np.arange(16))
+        assert got["w"].sharding == state["w"].sharding
+
+
+@pytest.mark.parametrize(("sizes", "call_bytes", "max_calls", "groups"), [
+    ([100] * 4, None, 4, [[0, 1, 2, 3]]),  # no threshold: one call
+    ([100] * 4, 300, 4, [[0, 1, 2, 3]]),  # under twice the threshold: one call
+    ([100] * 4, 100, 4, [[0], [1], [2], [3]]),
+    ([100] * 8, 100, 4, [[0, 1], [2, 3], [4, 5], [6, 7]]),  # at most max_calls
+    ([400, 10, 10, 10], 100, 4, [[0], [1, 2, 3]]),  # a large leaf fills a group alone
+    ([10, 10, 10, 400], 20, 2, [[0, 1, 2], [3]]),
+    ([100] * 4, 100, 1, [[0, 1, 2, 3]]),
+])
+def test_call_groups_cut_the_leaves_in_order(sizes: list[int], call_bytes: int | None,
+                                             max_calls: int, groups: list[list[int]]) -> None:
+    from mtc.contract import LeafSpec
+
+    specs = {k: LeafSpec((n,), "uint8", None) for k, n in enumerate(sizes)}
+    assert colocated_load.call_groups(specs, call_bytes, max_calls) == groups

@@ -25,24 +25,21 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mtc.contract import (
-    ERROR_REQUEST,
-    FAILED,
     AgentConfig,
     LeafSpec,
     ReadTask,
     SaveHeader,
-    decode_reply,
     encode_request,
     task_to_json,
-    unframe,
 )
 from mtc.dispatch import colocated_load
 from mtc.dispatch.calls import HostCalls, regions_of
+from mtc.dispatch.colocated_answers import Answers
 from mtc.dispatch.colocated_moves import colocated_cpu, to_workers
 from mtc.dispatch.process import Sidecar
-from mtc.dispatch.protocol import BeforeSend, Opened, Survey, WorkerLostError
+from mtc.dispatch.protocol import BeforeSend, Opened, Survey
 from mtc.dispatch.remote_colocated import Held, Runtime, holding, host_views
-from mtc.errors import HostAgentError, MtcError
+from mtc.errors import MtcError
 from mtc.pool import ThreadPool
 from mtc.save.device_copy import DeviceCopier, on_accelerator
 
@@ -51,6 +48,10 @@ POLL_INTERVAL_S = 1.0
 # Load functions kept specialized, by their outputs' specs (restores of one state's
 # shape reuse one; a resized mesh or another tree makes another).
 LOAD_CALLS_KEPT = 8
+# A restore onto an accelerator loads in calls of at least this many bytes, at most
+# MAX_LOAD_CALLS of them (colocated_load.call_groups).
+LOAD_CALL_BYTES = 256 << 20
+MAX_LOAD_CALLS = 4
 
 
 class ColocatedDispatch(HostCalls):
@@ -59,7 +60,8 @@ class ColocatedDispatch(HostCalls):
     Workers take no writer lock: a JobSet runs one controller, and a sidecar that
     outlived a crashed controller would keep its successor out. Not thread-safe:
     the manager's thread. ``calls`` counts the colocated calls made, and
-    ``answer_bytes`` the bytes of host answers read here (never a restored array's)."""
+    ``answers.read_bytes`` the bytes of host answers read here (never a restored
+    array's)."""
 
     host_side_lock = False
 
@@ -73,8 +75,6 @@ class ColocatedDispatch(HostCalls):
 
         self.config = config
         self.calls = 0
-        self.answer_bytes = 0
-        self._answer_size = ANSWER_BYTES
         # The colocated CPU devices of ``devices``, in their order; each worker learns
         # which host it is from its own element of ``_ranks`` (ids of the
         # controller's devices mean nothing on a worker).
@@ -116,13 +116,11 @@ class ColocatedDispatch(HostCalls):
         self._poll = remote.poll.specialize(out_specs_fn=lambda *_: answer)
         self._close = remote.close.specialize(out_specs_fn=lambda *_: answer)
         self._remote = remote
-        # The ask function and its size argument per answer size (a size class:
-        # one specialization each); a restore's survey, which brings the manifests,
-        # asks for an answer sized by them (the open's answer and every listing
-        # say how long the newest are), so that they come in its one call.
-        self._askers: dict[int, tuple[Any, jax.Array]] = {}
+        self.answers = Answers(remote, self._small_ranks, rank_of, self._invoke)
+        # A restore's survey, which brings the manifests, asks for an answer sized
+        # by them (the open's answer and every listing say how long the newest
+        # are), so that they come in its one call.
         self._survey_size = ANSWER_BYTES
-        self._fetchers: dict[int, Any] = {}
         self._loaders: dict[tuple[jax.ShapeDtypeStruct, ...], Any] = {}
         # The last save's stage answer, read at the next call (or at once for a
         # save that may be skipped); whether a save was staged since the last wait.
@@ -145,6 +143,7 @@ class ColocatedDispatch(HostCalls):
         self._async = (ThreadPool(1, "mtc-colocated-stage")
                        if sidecars is not None or on_device else None)
         self.copier = copier or DeviceCopier(None)
+        self.load_call_bytes: int | None = LOAD_CALL_BYTES if on_device else None
         # While a save lists the hosts: retention requests ride on its stage call.
         self._saving: Survey | None = None
         self._before_stage: list[dict[str, Any]] = []
@@ -185,8 +184,8 @@ class ColocatedDispatch(HostCalls):
         when not asked about it)."""
         self._collect()
         manifests = op == "survey" and args.get("manifest", True)
-        replies = self._exchange(encode_request(op, hosts, **args),
-                                 self._survey_size if manifests else self._answer_size)
+        replies = self.answers.exchange(encode_request(op, hosts, **args),
+                                        self._survey_size if manifests else None)
         # Every survey (a save's listing too) says how long the newest manifests
         # are now: the next restore's survey brings them in its one call.
         if op == "survey":
@@ -205,80 +204,6 @@ class ColocatedDispatch(HostCalls):
         self._survey_size = answer_size_for(longest)
         return opened
 
-    def _asker(self, size: int) -> tuple[Any, jax.Array]:
-        """The ask function specialized for answers of ``size`` bytes per worker, and
-        its size argument."""
-        got = self._askers.get(size)
-        if got is None:
-            spec = jax.ShapeDtypeStruct((len(self._workers) * size,), np.dtype(np.uint8),
-                                        sharding=self._small_per_host)
-            got = self._askers[size] = (
-                self._remote.ask.specialize(out_specs_fn=lambda *_: spec),
-                jax.device_put(np.array([size], "<u8").view(np.uint8), self._small_replicated))
-        return got
-
-    def _answers(self, answer: jax.Array, op: str) -> list[tuple[int, np.ndarray]]:
-        """Each worker's shard of a call's answer, with its rank (host); a shard
-        whose worker was lost with its host raises :class:`WorkerLostError`."""
-        out = []
-        for s in answer.addressable_shards:
-            rank = self._rank_of[s.device]
-            try:
-                out.append((rank, np.asarray(s.data)))
-            except jax.errors.JaxRuntimeError as e:
-                raise WorkerLostError(f"{op}: the worker's answer cannot be read: {e}",
-                                      host=rank) from e
-        return out
-
-    def _exchange(self, request: bytes, size: int | None = None) -> list[Any]:
-        """Each worker's reply to ``request``, in rank order: whole in the fixed-size
-        answer (``size`` bytes per worker) when it fits, else fetched by a second
-        call (padded to a size class shared by the call: one specialization per
-        class)."""
-        size = size or self._answer_size
-        ask, size_arg = self._asker(size)
-        raw = jax.device_put(np.frombuffer(request, np.uint8), self._small_replicated)
-        answers = self._invoke(ask, raw, self._small_ranks, size_arg)
-        whole: dict[int, bytes] = {}
-        size_of: dict[int, int] = {}
-        for rank, buf in self._answers(answers, "ask"):
-            n, payload = unframe(buf)
-            size_of[rank] = n
-            self.answer_bytes += min(n, size - 8)
-            if payload is not None:
-                whole[rank] = payload
-        longer = [r for r in size_of if r not in whole]
-        if longer:
-            cap = 1 << (max(size_of[r] for r in longer) - 1).bit_length()
-            fetch = self._fetchers.get(cap)
-            if fetch is None:
-                spec = jax.ShapeDtypeStruct((len(self._workers) * cap,), np.dtype(np.uint8),
-                                            sharding=self._small_per_host)
-                fetch = self._fetchers[cap] = self._remote.reply.specialize(
-                    out_specs_fn=lambda *_: spec)
-            got = self._invoke(fetch, self._small_ranks,
-                               jax.device_put(np.array([cap], "<u8").view(np.uint8),
-                                              self._small_replicated))
-            for rank, buf in self._answers(got, "reply"):
-                if rank in longer:
-                    whole[rank] = buf[:size_of[rank]].tobytes()
-                    self.answer_bytes += size_of[rank]
-        return [decode_reply(whole[r]) for r in sorted(whole)]
-
-    def _unanimous(self, answer: jax.Array, op: str) -> bool:
-        """Every worker's answer, read from its own shard; they must agree. A worker
-        that failed answers FAILED: its typed error (step, host, file) is fetched."""
-        values = {int(buf.reshape(-1)[0]) for _, buf in self._answers(answer, op)}
-        if FAILED in values:
-            self._raise_worker_error(op)
-        if len(values) != 1:
-            raise HostAgentError(f"{op}: workers answered differently: {sorted(values)}")
-        return bool(values.pop())
-
-    def _raise_worker_error(self, op: str) -> None:
-        self._exchange(ERROR_REQUEST)  # raises the typed error
-        raise HostAgentError(f"{op}: a worker failed and kept no error")
-
     # -- save -------------------------------------------------------------------------
 
     def _collect(self) -> None:
@@ -292,7 +217,7 @@ class ColocatedDispatch(HostCalls):
             if isinstance(staged, Future):
                 staged = staged.result()
             if staged is not None:
-                self._unanimous(staged, "stage")
+                self.answers.unanimous(staged, "stage")
         finally:
             self._staged_inputs, self._pinned = [], {}
             if isinstance(polling, Future):  # no call overlaps it, whatever was raised
@@ -300,7 +225,7 @@ class ColocatedDispatch(HostCalls):
         if isinstance(polling, Future):
             polling = polling.result()
         if polling is not None:
-            self._unanimous(polling, "poll")
+            self.answers.unanimous(polling, "poll")
 
     def check_before_save(self, due: bool) -> None:
         """A save that follows polls in its first call. Off the interval, a save in
@@ -375,7 +300,7 @@ class ColocatedDispatch(HostCalls):
         if self._async is None or header.skip_if_busy:
             ok = self._invoke(self._stage, header_arr, self._ranks, inputs, requests)
             if header.skip_if_busy:  # whether it was skipped is the save's answer
-                return self._unanimous(ok, "stage")
+                return self.answers.unanimous(ok, "stage")
             self._staged, self._staged_inputs = ok, inputs
             return True
         # The values of this moment: a host view of every shard (CPU devices: no
@@ -413,13 +338,13 @@ class ColocatedDispatch(HostCalls):
         self._collect()
         if not self._unwaited:
             return  # nothing staged since the last wait: nothing to wait for
-        self._unanimous(self._invoke(self._wait, self._small_ranks), "wait")
+        self.answers.unanimous(self._invoke(self._wait, self._small_ranks), "wait")
         self._unwaited = False
 
     def raise_background_error(self) -> None:
         self._collect()
         self._polled = time.monotonic()
-        self._unanimous(self._invoke(self._poll, self._small_ranks), "poll")
+        self.answers.unanimous(self._invoke(self._poll, self._small_ranks), "poll")
 
     def saves_in_flight(self, hosts: Sequence[int]) -> int:
         return 1 if self._unwaited else 0
@@ -438,11 +363,32 @@ class ColocatedDispatch(HostCalls):
 
     def load(self, step: int, tasks: Sequence[ReadTask],
              specs: dict[int, LeafSpec]) -> dict[int, jax.Array]:
-        """One call: every worker returns its regions as arrays on its own CPU
-        devices, which ``device_put`` moves onto the target shardings."""
+        """A call per group of leaves (:func:`colocated_load.call_groups`): every
+        worker returns its regions as arrays on its own CPU devices, which
+        ``device_put`` moves onto the target shardings (on the call thread, where
+        there is one, while the next group's call reads)."""
         if not colocated_load.supported(specs):
             return super().load(step, tasks, specs)
         self._collect()
+        moved: list[Future[dict[int, jax.Array]]] = []
+        try:
+            for leaves in colocated_load.call_groups(specs, self.load_call_bytes,
+                                                     MAX_LOAD_CALLS):
+                group = {leaf: specs[leaf] for leaf in leaves}
+                plan, outputs = self._load_group(
+                    step, [t for t in tasks if t.leaf in group], group)
+                if self._async is None:
+                    moved.append(futures.Future())
+                    moved[-1].set_result(colocated_load.finish(plan, outputs, group))
+                else:
+                    moved.append(self._async.submit(colocated_load.finish, plan, outputs,
+                                                    group))
+        finally:
+            futures.wait(moved)  # none left moving behind an error
+        return {leaf: a for m in moved for leaf, a in m.result().items()}
+
+    def _load_group(self, step: int, tasks: Sequence[ReadTask], specs: dict[int, LeafSpec]
+                    ) -> tuple[colocated_load.LoadPlan, list[jax.Array]]:
         plan = colocated_load.plan(step, tasks, specs, self.config.host_of_device,
                                    self._cpu_of, self.cpu_devices, self._rank_of)
         call = self._load_call(plan.out_specs)
@@ -453,13 +399,12 @@ class ColocatedDispatch(HostCalls):
             jax.device_put([parts[self._rank_of[c]] for c in self.cpu_devices],
                            self.cpu_devices))
         try:
-            outputs = self._invoke(call, request, self._ranks)
+            return plan, list(self._invoke(call, request, self._ranks))
         except MtcError:
             raise
         except Exception as e:  # a worker's error reaches a real controller untyped
-            self._raise_worker_error(f"load: {e}")
+            self.answers.raise_worker_error(f"load: {e}")
             raise
-        return colocated_load.finish(plan, outputs, specs)
 
     def _load_call(self, out_specs: list[jax.ShapeDtypeStruct]) -> Any:
         """The load function specialized for ``out_specs``, kept per specs: a new one
@@ -479,7 +424,7 @@ class ColocatedDispatch(HostCalls):
         programs."""
         try:
             self.wait()
-            self._unanimous(self._invoke(self._close, self._small_ranks), "close")
+            self.answers.unanimous(self._invoke(self._close, self._small_ranks), "close")
         finally:
             if self._async is not None:
                 self._async.shutdown(wait=True)
