@@ -18,6 +18,7 @@ of hosts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -111,7 +112,10 @@ def load_regions(request: jax.Array, ranks: jax.Array,
                     raise ProtocolError("asked to read pieces of another host", step=step, host=h)
                 for pos in a["pos"]:
                     region_of[(int(a["out"]), int(pos))] = t
-        read: dict[int, np.ndarray] = {}  # id(task) -> its region, read once
+        # id(task) -> its region: each read once, several at once (read_all).
+        order = list({id(t): t for t in region_of.values()}.values())
+        with contextlib.closing(loader.read_all(order)) as regions:
+            read = {id(t): r for t, r in zip(order, regions, strict=True)}
         # Each array made from its shards in one batched placement (hundreds of
         # leaves: JAX's public calls cost more per leaf than their bytes); the
         # devices in the sharding's own order, worked out once per layout.
@@ -133,8 +137,6 @@ def load_regions(request: jax.Array, ranks: jax.Array,
                 if task is None:  # the controller assembles it from other hosts' pieces
                     views.append(np.zeros(shard, dtype))
                     continue
-                if id(task) not in read:
-                    read[id(task)] = loader.read(task)
                 region = read[id(task)]
                 if region.shape != shard or region.dtype != dtype:
                     raise ProtocolError(f"output {k}: a region of shape {region.shape} "

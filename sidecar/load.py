@@ -14,10 +14,12 @@ network tier (:mod:`mtc.sidecar.peers`) and is checked against the manifest here
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ import numpy as np
 from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.errors import CorruptShardError, ProtocolError
 from mtc.integrity import crc32c
+from mtc.pool import ThreadPool
 from mtc.shards import paste
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.quarantine import quarantine
@@ -57,6 +60,12 @@ def _stacked_on_leading_axis(task: ReadTask) -> bool:
 
 # (step, saving host, file relative to the step folder) -> the file's bytes
 Remote = Callable[[int, int, str], bytearray]
+
+# A restore's regions are read and verified by this many threads, this many bytes
+# ahead of the one being sent (ShardLoader.read_all). On a TPU v5e host, 1 GiB read
+# and verified in one thread, then sent in batches, took 2.1x the transfer alone.
+READ_THREADS = min(4, os.cpu_count() or 1)
+READ_AHEAD_BYTES = 256 << 20
 
 
 class ShardLoader:
@@ -143,6 +152,41 @@ class ShardLoader:
                 if (root / REPLICA_DIR).is_dir() and Path(e.path).is_file():
                     quarantine(root, Path(e.path), str(e))
             raise
+
+    def read_all(self, tasks: Sequence[ReadTask], *, threads: int | None = None,
+                 window: int | None = None) -> Generator[np.ndarray, None, None]:
+        """Each task's region, in order, read and verified by ``threads`` threads at
+        most ``window`` bytes ahead of the region taken (one task at least): the
+        caller sends one while the next are read, and the checksums of several
+        run at once (the GIL released). Pieces from the network tier are read
+        one at a time. Defaults: READ_THREADS, READ_AHEAD_BYTES. Close the
+        iterator (``contextlib.closing``) to join the threads where it is not run
+        to its end."""
+        threads = READ_THREADS if threads is None else threads
+        window = READ_AHEAD_BYTES if window is None else window
+        if threads < 2 or len(tasks) < 2 or any(self._is_remote(p)
+                                                for t in tasks for p in t.pieces):
+            for t in tasks:
+                yield self.read(t)
+            return
+        for t in tasks:  # opened here, not raced by the readers
+            for p in t.pieces:
+                self._folder(p.host)
+        sizes = [_volume(t.index) * numpy_dtype(t.dtype).itemsize for t in tasks]
+        pool = ThreadPool(min(threads, len(tasks)), "mtc-read")
+        pending: collections.deque[Future[np.ndarray]] = collections.deque()
+        nxt = ahead = 0
+        try:
+            for k in range(len(tasks)):
+                while nxt < len(tasks) and (nxt == k or ahead + sizes[nxt] <= window):
+                    pending.append(pool.submit(self.read, tasks[nxt]))
+                    ahead += sizes[nxt]
+                    nxt += 1
+                region = pending.popleft().result()
+                ahead -= sizes[k]
+                yield region
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def read(self, task: ReadTask) -> np.ndarray:
         dtype = numpy_dtype(task.dtype)
@@ -248,14 +292,14 @@ def load_tasks(loader: ShardLoader, tasks: Sequence[ReadTask],
         hosts.clear()
         pending = 0
 
-    for task in tasks:
-        host = loader.read(task)
-        for dev_id in task.device_ids:
-            keys.append((task.leaf, dev_id))
-            hosts.append(host)
-            pending += host.nbytes
-        if pending >= PUT_BATCH_BYTES:
-            send()
+    with contextlib.closing(loader.read_all(tasks)) as regions:
+        for task, host in zip(tasks, regions, strict=True):
+            for dev_id in task.device_ids:
+                keys.append((task.leaf, dev_id))
+                hosts.append(host)
+                pending += host.nbytes
+            if pending >= PUT_BATCH_BYTES:
+                send()
     if keys:
         send()
     return out

@@ -168,3 +168,83 @@ def test_shards_go_to_devices_in_batches_and_restore_exactly(
     for k, v in state.items():
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v))
         assert back[k].sharding.is_equivalent_to(v.sharding, v.ndim)
+
+
+def _tasks_on_disk(root: Path, n: int) -> tuple[list[Any], list[np.ndarray]]:
+    from mtc.contract import Piece, ReadTask
+
+    (root / "3").mkdir(parents=True)
+    parts = [np.arange(256, dtype=np.float32) * (i + 1) for i in range(n)]
+    tasks = []
+    for i, data in enumerate(parts):
+        (root / "3" / f"s{i}").write_bytes(data.tobytes())
+        entry = ShardEntry(file=f"s{i}", index=((0, 256),), nbytes=int(data.nbytes),
+                           crc32c=crc32c(data))
+        tasks.append(ReadTask(i, ((0, 256),), "float32", (0,), (Piece(0, entry),)))
+    return tasks, parts
+
+
+@pytest.mark.parametrize(("threads", "window"), [(1, 1 << 20), (4, 1), (4, 1 << 20), (3, 2048)])
+def test_regions_read_by_several_threads_come_in_order_within_the_window(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int, window: int) -> None:
+    """``read_all`` yields each task's region in the tasks' order, whatever order the
+    readers finish in, and never starts a read more than ``window`` bytes ahead
+    of the region taken (one task at least)."""
+    import threading
+
+    from mtc.sidecar.load import ShardLoader
+
+    tasks, parts = _tasks_on_disk(tmp_path, 8)
+    started: list[int] = []
+    lock = threading.Lock()
+    with ShardLoader(3, lambda h: tmp_path) as loader:
+        plain = loader.read
+
+        def read(task: Any) -> np.ndarray:
+            with lock:
+                started.append(task.leaf)
+            return plain(task)
+
+        monkeypatch.setattr(loader, "read", read)
+        regions = loader.read_all(tasks, threads=threads, window=window)
+        for k, region in enumerate(regions):
+            np.testing.assert_array_equal(region, parts[k])
+            # Started so far: at most the taken one and those within the window.
+            assert len(started) <= k + 1 + max(1, window // 1024), (k, started)
+    assert sorted(started) == list(range(8))
+    if threads > 1 and window == 1:
+        assert started == list(range(8))  # one at a time: each a whole window
+
+
+def test_a_corrupt_region_read_ahead_fails_its_own_task_and_the_readers_end(
+        tmp_path: Path) -> None:
+    import threading
+
+    from mtc.sidecar.load import ShardLoader
+
+    tasks, parts = _tasks_on_disk(tmp_path, 6)
+    (tmp_path / "3" / "s4").write_bytes(b"\0" * parts[4].nbytes)
+    before = threading.active_count()
+    got = []
+    with ShardLoader(3, lambda h: tmp_path) as loader, \
+            pytest.raises(CorruptShardError, match="checksum mismatch") as e:
+        for region in loader.read_all(tasks, threads=4, window=1 << 20):
+            got.append(region)
+    assert len(got) == 4 and e.value.step == 3 and "s4" in str(e.value)
+    assert threading.active_count() == before  # the readers were joined
+
+
+@pytest.mark.parametrize(("sizes", "budget", "under_way"), [
+    ([], 100, 0),
+    ([64], 100, 1),  # the one waited for
+    ([64, 64], 0, 2),  # and the next, whatever the budget
+    ([64] * 8, 256, 5),  # and those beside it within the budget
+    ([256] * 8, 256, 2),
+    ([256] * 8, 512, 3),
+    ([64, 300, 64], 256, 2),  # the next one alone exceeds the budget
+])
+def test_transfers_under_way_stay_within_the_budget(sizes: list[int], budget: int,
+                                                   under_way: int) -> None:
+    from mtc.sidecar.agent import transfers_under_way
+
+    assert transfers_under_way(sizes, budget) == under_way
