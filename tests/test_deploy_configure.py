@@ -174,6 +174,30 @@ def test_bad_job_files_are_named(change: dict[str, Any], match: str) -> None:
         configure.Job(data, "job.yaml")
 
 
+def test_the_example_job_file_shows_every_key() -> None:
+    """Every key configure.py knows, at the top and in each mapping, is in
+    deploy/job.example.yaml (set, or shown in a comment): the keys are read from
+    configure.py's own refusal of an unknown one."""
+    configure = configure_module()
+    example = (DEPLOY / "job.example.yaml").read_text()
+
+    def known(data: dict[str, Any]) -> list[str]:
+        with pytest.raises(configure.JobFileError) as e:
+            configure.Job({"project": "acme-ml-123", "bucket": "acme-ckpt", **data}, "j")
+        m = re.search(r"\(known: ([^)]*)\)", str(e.value))
+        assert m, str(e.value)
+        return m.group(1).split(", ")
+
+    top = known({"zzz": 1})
+    assert {"replicator", "trainer", "ramDisk"} <= set(top)
+    for key in top:
+        assert re.search(rf"^{key}:", example, re.M), f"job.example.yaml lacks {key}"
+    for section in ("images", "tpu", "memory", "replicator", "trainer"):
+        for key in known({section: {"zzz": 1}}):
+            assert re.search(rf"^  (# )?{key}:", example, re.M), \
+                f"job.example.yaml lacks {section}.{key}"
+
+
 def test_configure_prints_the_manifests_of_the_example_job(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(DEPLOY / "configure.py"),
                           str(DEPLOY / "job.example.yaml")], capture_output=True, text=True,
