@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import math
 import os
 import re
@@ -35,6 +36,19 @@ from typing import Any
 import yaml
 
 DEPLOY = Path(__file__).resolve().parent
+
+def _sibling(name: str) -> Any:
+    """A module of deploy/, however this file was loaded (a script, or imported by
+    the tests with deploy/ on the path for a moment)."""
+    spec = importlib.util.spec_from_file_location(f"mtc_deploy_{name}", DEPLOY / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+job_knobs = _sibling("job_knobs")
+
 MODES = ("pathways", "pathways-gke-mtc", "multi-controller")
 MONITORING = {"gmp": (), "prometheus-operator": ("monitoring-prometheus",), "none": ()}
 # Every overlay lists components/cert-manager (the job's CA); the pods' own certificates
@@ -99,7 +113,8 @@ class Job:
             raise JobFileError(f"{path}: not a mapping of keys to values")
         known = {"name", "namespace", "mode", "project", "bucket", "serviceAccount", "images",
                  "tpu", "ramDisk", "memory", "headNodePool", "monitoring",
-                 "monitoringNamespace", "certificates", "maxRestarts", "restartFailedSliceOnly"}
+                 "monitoringNamespace", "certificates", "maxRestarts", "restartFailedSliceOnly",
+                 "replicator", "trainer"}
         for k in data:
             if k not in known:
                 raise JobFileError(f"{path}: unknown key {k!r} (known: {', '.join(sorted(known))})")
@@ -173,6 +188,10 @@ class Job:
         if not isinstance(only, bool):
             raise JobFileError(f"{path}: restartFailedSliceOnly: {only!r} is not true or false")
         self.restart_slice_only = only
+        try:
+            self.knobs = job_knobs.read(data)
+        except job_knobs.KnobError as e:
+            raise JobFileError(f"{path}: {e}") from None
         longest = f"{self.name}-worker-{self.slices - 1}-{self.hosts - 1}-"
         if len(longest) > MAX_GENERATED_PREFIX:
             raise JobFileError(f"{path}: name: pods named {longest}xxxxx are longer than "
@@ -325,7 +344,8 @@ def configure_jobset(js: dict[str, Any], job: Job) -> None:
             if v.get("csi", {}).get("driver") == CSI_CERT_DRIVER:
                 configure_certificate_volume(v, job)
         cs = containers(pod)
-        for c in cs.values():
+        for name, c in cs.items():
+            job_knobs.apply(name, c, job.knobs)
             set_env(c, "MTC_HOSTS_PER_SLICE", str(job.hosts))
             set_env(c, "MTC_NUM_SLICES", str(job.slices))
             set_arg(c, "--instance_count", job.slices)

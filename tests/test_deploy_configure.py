@@ -100,6 +100,37 @@ def test_whole_jobset_restarts_where_jobset_lacks_restart_job() -> None:
     assert jobset_action(js, "worker", "PodFailurePolicy") == "FailJobSet"
 
 
+@pytest.mark.parametrize("mode", ["multi-controller", "pathways"])
+def test_job_file_sets_the_replicators_and_an_own_trainer(mode: str) -> None:
+    """The job file's replicator and trainer keys reach the containers: the
+    replicators' flags in place of the base's, the trainer's image, command and
+    arguments in place of the demo's (on Pathways, the head's trainer)."""
+    configure = configure_module()
+    image = "europe-docker.pkg.dev/acme-ml-123/team/own-trainer:7.1"
+    data = {**JOBS["job-multi-controller"], "mode": mode,
+            "replicator": {"keep": 3, "replicas": 0, "backupIntervalSteps": 500,
+                           "backupKeep": 5},
+            "trainer": {"image": image, "command": ["python", "-m", "team.train"],
+                        "args": ["--steps=7"]}}
+    (js,) = jobsets(configure.render(configure.Job(data, "job.yaml")))
+    rep = containers(pod_of(job_of(js, "worker")))["replicator"]
+    flags = [a for a in rep["args"] if a.startswith(("--keep", "--replicas", "--backup-"))]
+    assert sorted(flags) == ["--backup-interval-steps=500", "--backup-keep=5", "--keep=3",
+                             "--replicas=0"]
+    trainer_job = "worker" if mode == "multi-controller" else "pathways-head"
+    trainer = containers(pod_of(job_of(js, trainer_job)))["trainer"]
+    assert (trainer["image"], trainer["command"], trainer["args"]) == \
+        (image, ["python", "-m", "team.train"], ["--steps=7"])
+    # Without the keys: the base's flags and the demo trainer, as before.
+    plain = {k: v for k, v in data.items() if k not in ("replicator", "trainer")}
+    (js,) = jobsets(configure.render(configure.Job(plain, "job.yaml")))
+    rep = containers(pod_of(job_of(js, "worker")))["replicator"]
+    assert {"--keep=1", "--replicas=1", "--backup-interval-minutes=30"} <= set(rep["args"])
+    trainer = containers(pod_of(job_of(js, trainer_job)))["trainer"]
+    assert "command" not in trainer and trainer["image"].endswith(":1.0.0")
+    assert trainer["args"][0] == f"--mode={mode}"
+
+
 def test_configured_memory_adds_the_ramdisk(rendered: dict[str, list[dict[str, Any]]]) -> None:
     (js,) = jobsets(rendered["job-pathways"])
     cs = containers(pod_of(job_of(js, "worker")))
@@ -124,6 +155,12 @@ def test_configured_memory_adds_the_ramdisk(rendered: dict[str, list[dict[str, A
     ({"slices": 2}, r"unknown key 'slices'"),
     ({"restartFailedSliceOnly": "yes"}, r"restartFailedSliceOnly: 'yes' is not true or false"),
     ({"images": {"tags": "1"}}, r"images\.tags: unknown key"),
+    ({"replicator": {"kept": 1}}, r"replicator\.kept: unknown key"),
+    ({"replicator": {"keep": 0}}, r"replicator\.keep: 0 is not an integer >= 1"),
+    ({"replicator": {"backupIntervalMinutes": 10, "backupIntervalSteps": 5}},
+     r"backupIntervalMinutes and backupIntervalSteps exclude each other"),
+    ({"trainer": {"image": "my trainer"}}, r"trainer\.image: 'my trainer' is not an image"),
+    ({"trainer": {"args": "--steps=1"}}, r"trainer\.args: not a list of strings"),
     # Pod names longer than Kubernetes keeps whole would lose the indices (the rank):
     # the longest name with the most slices, and hosts beyond any slice built today.
     ({"name": "a" * 40, "tpu": {"type": "v5p", "topology": "50x50x160", "slices": 1024}},
@@ -135,6 +172,30 @@ def test_bad_job_files_are_named(change: dict[str, Any], match: str) -> None:
     data = {k: v for k, v in data.items() if v is not None}
     with pytest.raises(configure.JobFileError, match=match):
         configure.Job(data, "job.yaml")
+
+
+def test_the_example_job_file_shows_every_key() -> None:
+    """Every key configure.py knows, at the top and in each mapping, is in
+    deploy/job.example.yaml (set, or shown in a comment): the keys are read from
+    configure.py's own refusal of an unknown one."""
+    configure = configure_module()
+    example = (DEPLOY / "job.example.yaml").read_text()
+
+    def known(data: dict[str, Any]) -> list[str]:
+        with pytest.raises(configure.JobFileError) as e:
+            configure.Job({"project": "acme-ml-123", "bucket": "acme-ckpt", **data}, "j")
+        m = re.search(r"\(known: ([^)]*)\)", str(e.value))
+        assert m, str(e.value)
+        return m.group(1).split(", ")
+
+    top = known({"zzz": 1})
+    assert {"replicator", "trainer", "ramDisk"} <= set(top)
+    for key in top:
+        assert re.search(rf"^{key}:", example, re.M), f"job.example.yaml lacks {key}"
+    for section in ("images", "tpu", "memory", "replicator", "trainer"):
+        for key in known({section: {"zzz": 1}}):
+            assert re.search(rf"^  (# )?{key}:", example, re.M), \
+                f"job.example.yaml lacks {section}.{key}"
 
 
 def test_configure_prints_the_manifests_of_the_example_job(tmp_path: Path) -> None:

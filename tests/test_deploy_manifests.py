@@ -11,11 +11,13 @@ the pods they make (failure policies, memory, placement, ownership):
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from deploy_render import (
     one,
     pod_of,
     quantity,
+    render,
     tool,
     validator_versions,
     worker_env,
@@ -319,3 +322,64 @@ def test_gke_mtc_component_swaps_only_the_ramdisk(
     extra = [d["kind"] for d in rendered["pathways-gke-mtc"] if d["kind"] not in
              {x["kind"] for x in rendered["pathways"]}]
     assert extra == ["CheckpointConfiguration"]
+
+
+OWN_TRAINER = REPO / "deploy" / "examples" / "own-trainer"
+
+
+def test_own_trainer_example_swaps_only_the_trainer(
+        rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """deploy/examples/own-trainer renders with its own image, command and arguments
+    in the trainer container, and is otherwise the multi-controller overlay: the
+    replicator, the RAM disk, the certificate and the environment stay."""
+    docs = render(OWN_TRAINER)
+    check_schema("jobset-v1alpha2.strict.json", "MTC_JOBSET_SCHEMA", jobsets(docs), tmp_path)
+    (js,), (mc,) = jobsets(docs), copy.deepcopy(jobsets(rendered["multi-controller"]))
+    trainer = containers(pod_of(job_of(js, "worker")))["trainer"]
+    assert trainer["image"] == "us-docker.pkg.dev/PROJECT/my-team/my-trainer:2026-12-07"
+    assert trainer["command"] == ["python", "-m", "my_team.train"]
+    assert trainer["args"][0] == "--local-dir=/local"
+    assert mounts(trainer)["ramdisk"] == "/local"
+    assert mounts(trainer)["replicator-tls"] == "/etc/mtc/tls"
+    demo = containers(pod_of(job_of(mc, "worker")))["trainer"]
+    demo.update(image=trainer["image"], command=trainer["command"], args=trainer["args"])
+    assert js == mc
+    assert [d for d in docs if d["kind"] != "JobSet"] == \
+        [d for d in rendered["multi-controller"] if d["kind"] != "JobSet"]
+
+
+def test_own_trainer_block_of_the_deploy_guide_runs_in_a_pod_environment(
+        rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """docs/deploy.md's block for one's own trainer, as written, in the environment the
+    rendered worker pod gives (one slice of one host, so that one real
+    ``jax.distributed`` process makes the job): its replicators are the rendered
+    replicator's own ``--nodes`` and its TLS files the pod's certificate volume."""
+    from doc_blocks import python_block
+
+    from mtc.sidecar.host.ports import free_ports
+    from mtc.sidecar.replicator.k8s import write_jax_init_info
+
+    (js,) = jobsets(rendered["multi-controller"])
+    pod = pod_of(job_of(js, "worker"))
+    trainer, rep = containers(pod)["trainer"], containers(pod)["replicator"]
+    place_env = worker_env(JOB_INDEX="0", MTC_NUM_SLICES="1", MTC_HOSTS_PER_SLICE="1")
+    env = {**{k: v for k, v in env_of(trainer).items() if isinstance(v, str)}, **place_env,
+           "MTC_LOCAL_DIR": str(tmp_path)}
+    (port,) = free_ports(1)
+    write_jax_init_info(tmp_path, 0, f"127.0.0.1:{port}")  # as the replicator does
+    program = tmp_path / "own.py"
+    program.write_text(python_block("docs/deploy.md", "## Your own trainer") +
+                       "print(repr((options.replicators, options.replicator_tls)))\n"
+                       "jax.distributed.shutdown()\n")
+    from replicators import env_with_repo
+
+    out = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
+                         timeout=120, env={**env_with_repo(), "JAX_PLATFORMS": "cpu", **env})
+    assert out.returncode == 0, out.stderr[-4000:]
+    replicators, tls = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    rargs, rest = parse_args([*rep["args"]], env={k: v for k, v in env_of(rep).items()
+                                                   if isinstance(v, str)})
+    rargv = replicator_argv(rargs, rest, JobSetPlace.from_env(place_env))
+    assert replicators == tuple(dict(zip(rargv[::2], rargv[1::2], strict=False))["--nodes"]
+                                .split(","))
+    assert tls == (arg(rep, "--tls-cert"), arg(rep, "--tls-key"), arg(rep, "--tls-ca"))
