@@ -24,26 +24,14 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import jax
 import numpy as np
 
-from mtc import layout, multihost, orbax_args
+from mtc import connect, layout, multihost, orbax_args
 from mtc.contract import AgentConfig
-from mtc.dispatch import (
-    ColocatedDispatch,
-    Dispatch,
-    LocalDispatch,
-    NetworkTier,
-    Opened,
-    ProcessDispatch,
-)
-from mtc.dispatch.process import find_sidecars
 from mtc.errors import ClosedError, ConfigError, StorageError
 from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
 from mtc.options import Options, local_dir_path
-from mtc.replicas import credentials
-from mtc.replicator_watch import ReplicatorWatch
 from mtc.restore.flow import RestoreFlow
 from mtc.restore.step import StepReader
-from mtc.save.device_copy import DeviceCopier
 from mtc.save.flow import SaveFlow
 from mtc.topology import Topology
 
@@ -123,24 +111,28 @@ class CheckpointManager:
             max_staged_bytes=self.options.max_staged_bytes,
             writer_threads=self.options.writer_threads,
         )
-        self._where = self._describe_where()
-        self._network = self._network_tier() if mode == "local" else None
+        self._where = connect.where(self.options, self.topology, self.local_dir)
+        self._network = (connect.network_tier(self.options, self.topology) if mode == "local"
+                         else None)
         # What ``"auto"`` chose: "local", "colocated" or "process".
-        self.dispatch_mode, dispatch = self._connect(mode, devices)
+        self.dispatch_mode, dispatch = connect.dispatch(mode, self._config, self.options,
+                                                        devices, self._network)
         # Every RAM-disk operation from here on goes through the dispatcher: the host
         # side (sidecar/) alone touches a RAM disk, here as on separate machines.
         # A reader neither locks nor cleans: a writer may be at work. One request to
         # every host answers all the open needs (what is there, whose it is).
         try:
             opened = dispatch.open(self.topology.local_hosts, read_only=self.options.read_only,
-                                   identify=self._watches_replicators())
+                                   identify=connect.watches_replicators(self.options,
+                                                                        self.topology))
         except BaseException:
             dispatch.close()
             raise
         self._dispatch = dispatch
         try:
-            self.foreign_steps = self._note_foreign(opened)
-            self._watch = self._watch_replicators(opened)
+            self.foreign_steps = connect.note_foreign(opened, self._roots_here())
+            self._watch = connect.watch_replicators(self.options, self.topology,
+                                                    self._config, opened)
         except BaseException:
             dispatch.close()
             raise
@@ -165,101 +157,8 @@ class CheckpointManager:
         self._held = Held(dispatch, str(self.local_dir))
         track(self, self._held)
 
-    def _connect(self, mode: str, devices: list[jax.Device]) -> tuple[str, Dispatch]:
-        """The dispatcher of ``mode``, and the mode. The sidecars take the
-        replicators' credentials (a token, or this process's certificate).
-        ``"auto"`` with sidecars: the colocated dispatch where every sidecar runs
-        colocated Python, as Pathways workers do, else the process dispatch."""
-        sidecars = (find_sidecars(self._config, self.options.sidecars,
-                                  creds=credentials(self.options))
-                    if self.options.sidecars and mode in ("auto", "process", "colocated")
-                    else None)
-        if mode == "auto":
-            mode = ("colocated" if sidecars and all(s.colocated for s in sidecars.values())
-                    else "process")
-        if mode == "process":
-            return mode, ProcessDispatch(self._config, sidecars or {},
-                                         creds=credentials(self.options))
-        copier = DeviceCopier(self.options.save_device_copy_bytes)
-        if mode == "colocated":
-            return mode, ColocatedDispatch(self._config, devices, sidecars, copier=copier)
-        return mode, LocalDispatch(self._config, self._network, copier=copier)
-
-    def _note_foreign(self, opened: dict[int, Opened]) -> dict[int, list[int]]:
-        """Step folders on this process's hosts that are not mtc's (no manifest: an
-        Orbax checkpoint in the same folder): logged, and never listed, restored,
-        replaced or deleted (:func:`mtc.layout.is_mtc_step`)."""
-        found = {h: list(o.foreign) for h, o in opened.items() if o.foreign}
-        if found:
-            log.warning("mtc: step folders that are not mtc's (no mtc manifest: Orbax's or "
-                        "another tool's) in %s: %s; mtc leaves them alone (never listed, "
-                        "restored, replaced or deleted)", self._roots_here(),
-                        "; ".join(f"host {h}: {steps}" for h, steps in sorted(found.items())))
-        return found
-
-    def _network_tier(self) -> NetworkTier | None:
-        """Multi-controller JAX with a RAM disk per process (no host subfolders): other
-        hosts' files are reachable only through the replicators, when there are some."""
-        if self.topology.subdirs or not self.options.replicators \
-                or self.options.simulated_hosts is not None:
-            return None
-        host = self.topology.local_hosts[0]
-        ranks = self.options.replicator_ranks
-        return NetworkTier(tuple(self.options.replicators), credentials(self.options),
-                           self.topology.local_hosts,
-                           ranks[host] if ranks and host < len(ranks) else host)
-
-    def _watches_replicators(self) -> bool:
-        """Whether this manager watches its hosts' replicators: a writer with as many
-        replicators (and ranks) as hosts; else the first restore says what does not
-        match."""
-        addrs = tuple(self.options.replicators or ())
-        ranks = tuple(self.options.replicator_ranks or range(len(addrs)))
-        return not self.options.read_only and bool(addrs) and \
-            len(addrs) == self.topology.num_hosts and len(ranks) == len(addrs)
-
-    def _watch_replicators(self, opened: dict[int, Opened]) -> ReplicatorWatch | None:
-        """With replicators, a writer checks that each of its hosts' replicators is the
-        rank the job states and serves that host's RAM disk (``ConfigError``: the
-        identity the open read there), and watches them at every save
-        (:mod:`mtc.replicator_watch`)."""
-        if not self._watches_replicators():
-            return None
-        addrs = tuple(self.options.replicators or ())
-        ranks = tuple(self.options.replicator_ranks or range(len(addrs)))
-        hosts = self.topology.local_hosts
-        watch = ReplicatorWatch({h: addrs[h] for h in hosts}, {h: ranks[h] for h in hosts},
-                                credentials(self.options))
-        try:
-            watch.start({h: str(self._config.root(h)) for h in hosts},
-                        {h: opened[h].identity for h in hosts},
-                        subdirs=self.topology.subdirs)
-        except BaseException:
-            watch.close()
-            raise
-        return watch
-
-    def _describe_where(self) -> str:
-        """Where this manager's steps are, as the user configured it: the sidecars,
-        or the RAM disk folder (never a folder of the controller's own)."""
-        if self.options.sidecars:
-            return f"the RAM disks behind sidecars {', '.join(self.options.sidecars)}"
-        hosts = self.topology.local_hosts
-        if len(hosts) > 1 and not self.topology.subdirs:
-            return f"the RAM disk {self.local_dir} of each of {len(hosts)} hosts"
-        return str(self.local_dir)
-
     def _roots_here(self) -> str:
-        """Where the hosts this process serves keep their steps, as this process names
-        them (a sidecar's or a worker's RAM disk is named, never opened, here)."""
-        hosts = self.topology.local_hosts
-        if self.options.sidecars:
-            return self._where
-        if len(hosts) == 1:
-            return str(self._config.root(hosts[0]))
-        if self.topology.subdirs:
-            return f"{self.local_dir}/host-{{{hosts[0]}..{hosts[-1]}}}"
-        return f"the RAM disk ({self.local_dir}) of each of {len(hosts)} hosts"
+        return connect.roots_here(self.options, self.topology, self._config, self._where)
 
     # -- what the last restore did ---------------------------------------------------
 
