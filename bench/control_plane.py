@@ -34,13 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mtc.sidecar.replicator.agreement import (  # noqa: E402
-    Coordinator,
-    Holding,
-    gc_keeps,
-    newest_complete,
-)
+from mtc.sidecar.replicator.agreement import Coordinator  # noqa: E402
 from mtc.sidecar.replicator.book import Book  # noqa: E402
+from mtc.sidecar.replicator.decision import Holding, gc_keeps, newest_complete  # noqa: E402
 from mtc.sidecar.replicator.fresh import Fresh  # noqa: E402
 from mtc.sidecar.replicator.gc import GcInputs, gc_plan  # noqa: E402
 from mtc.sidecar.replicator.node_agreement import GC_VIEW_INTERVAL_S  # noqa: E402

@@ -28,18 +28,12 @@ import grpc
 from mtc.errors import AgreementError, ConfigError, InvalidStepError, MtcError, ProtocolError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import checks
-from mtc.sidecar.replicator.agreement import (
-    Coordinator,
-    Holding,
-    check_members,
-    newest_complete_run,
-)
-from mtc.sidecar.replicator.agreement import (
-    gc_keeps as keeps_of,
-)
+from mtc.sidecar.replicator.agreement import Coordinator
 from mtc.sidecar.replicator.book import BOOK_NAME, Book, Decision
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.decision import Holding, check_members, newest_complete_run
+from mtc.sidecar.replicator.decision import gc_keeps as keeps_of
 from mtc.sidecar.replicator.fresh import Fresh
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.status import is_retryable

@@ -21,7 +21,7 @@ from mtc.errors import AgreementError, CorruptShardError, MtcError, StepNotFound
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar import priority
 from mtc.sidecar.files import copy_verified
-from mtc.sidecar.replicator.agreement import check_members, saving_ranks
+from mtc.sidecar.replicator.decision import check_members, saving_ranks
 from mtc.sidecar.replicator.fetch_plan import fetch_batches, fetch_order, heal_sources
 from mtc.sidecar.replicator.node_agreement import holders_of, holding_of
 from mtc.sidecar.replicator.step_files import FileMeta, inside
