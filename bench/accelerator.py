@@ -211,7 +211,10 @@ def loop(steps: int, state: State, one: Callable[[int, State], State]) -> tuple[
 
 
 def snapshot_costs(nbytes: int, steps: int, root: Path, mesh: Mesh, train: Any,
-                   passes: int) -> dict[str, Any]:
+                   passes: int, save_steps: int = 100) -> dict[str, Any]:
+    """The loop's step times per case; the saves every 50 steps are timed over
+    ``max(steps, save_steps)`` steps (100: two saves in the window; 50, the least
+    that holds one, for ``--smoke``)."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint.experimental.v1.training.pathways import (
         Snapshotter as OrbaxSnapshotter,
@@ -269,7 +272,7 @@ def snapshot_costs(nbytes: int, steps: int, root: Path, mesh: Mesh, train: Any,
     times: dict[str, list[float]] = {}
     try:
         for name, one in cases.items():
-            n = max(steps, 100) if "every_50" in name else steps
+            n = max(steps, save_steps) if "every_50" in name else steps
             skipped = (mine.skipped, in_graph.skipped)
             times[name], state = loop(n, state, one)
             counts[name] = (mine.skipped - skipped[0]) + (in_graph.skipped - skipped[1])
@@ -321,7 +324,7 @@ def snapshot_costs(nbytes: int, steps: int, root: Path, mesh: Mesh, train: Any,
 
 
 def run(sizes: list[float], rounds: int, steps: int, passes: int, snapshot_gib: float,
-        root: Path) -> dict[str, Any]:
+        root: Path, save_steps: int = 100) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -362,7 +365,8 @@ def run(sizes: list[float], rounds: int, steps: int, passes: int, snapshot_gib: 
     log("the per-step snapshot")
     out["snapshot"] = {"bytes": int(snapshot_gib * (1 << 30)), "passes": passes,
                        "dispatch": "local", **snapshot_costs(
-                           int(snapshot_gib * (1 << 30)), steps, root, mesh, train, passes)}
+                           int(snapshot_gib * (1 << 30)), steps, root, mesh, train, passes,
+                           save_steps)}
     return out
 
 
@@ -377,14 +381,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=6,
                    help="memory passes of the train step over its state (default 6)")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes, 1 round, 10 steps: that it runs (CI, on CPU)")
+                   help="tiny sizes, 1 round, 10 steps (50 for the saves every 50): "
+                        "that it runs (CI, on CPU)")
     args = p.parse_args(argv)
+    save_steps = 100
     if args.smoke:
         args.gib, args.snapshot_gib, args.rounds, args.steps = [1 / 64], 1 / 64, 1, 10
+        save_steps = 50  # one save in the timed window, not two: half the loop
     if args.rounds < 1 or args.steps < 1 or args.passes < 1 or min(args.gib) <= 0:
         p.error("--rounds, --steps and --passes must be >= 1, sizes > 0")
     return run_in_scratch("mtc-bench-accelerator-", lambda root: run(
-        args.gib, args.rounds, args.steps, args.passes, args.snapshot_gib, root))
+        args.gib, args.rounds, args.steps, args.passes, args.snapshot_gib, root, save_steps))
 
 
 if __name__ == "__main__":
