@@ -14,6 +14,8 @@ import dataclasses
 
 from mtc.errors import ConfigError
 
+GC_VIEW_INTERVAL_S = 1.0  # gc_view_interval_s's default (--gc-view-interval-seconds)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReplicatorConfig:
@@ -26,6 +28,10 @@ class ReplicatorConfig:
     # coordinator's view wants them (gc.py): a target nobody answers never fills the disk.
     keep_awaiting: int = 2
     poll_s: float = 0.2
+    # The coordinator gathers every member's inventory for GC's view of the steps no
+    # node may delete (``GetComplete``) at most this often: its cost stays bounded
+    # whatever the number of nodes (docs/agreement.md).
+    gc_view_interval_s: float = GC_VIEW_INTERVAL_S
     deadline_s: float = 10.0
     agreement_timeout_s: float = 60.0  # a restore's decision, or AgreementError
     # After answering a restore, copies that can wait (pushes to peers, a replaced
@@ -59,6 +65,8 @@ class ReplicatorConfig:
             raise ConfigError("keep must be >= 1")
         if self.keep_awaiting < 0:
             raise ConfigError(f"keep_awaiting must be >= 0, got {self.keep_awaiting}")
+        if self.gc_view_interval_s < 0:
+            raise ConfigError(f"gc_view_interval_s must be >= 0, got {self.gc_view_interval_s}")
         if self.restore_quiet_s < 0:
             raise ConfigError(f"restore_quiet_s must be >= 0, got {self.restore_quiet_s}")
         if self.scrub_rate < 0:

@@ -25,7 +25,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar import priority
 from mtc.sidecar.replicator import orbax
 from mtc.sidecar.replicator.client import PeerError
-from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.config import GC_VIEW_INTERVAL_S, ReplicatorConfig
 from mtc.sidecar.replicator.limits import Limits
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
@@ -100,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--straggler-wait-seconds", type=float, default=None,
                    help="ignored (kept for old command lines): a restore now waits for every "
                         "member, up to --agreement-timeout-seconds")
+    p.add_argument("--gc-view-interval-seconds", type=float, default=GC_VIEW_INTERVAL_S,
+                   metavar="S",
+                   help="the coordinator gathers every member's inventory for garbage "
+                        "collection's view of the steps no node may delete at most this "
+                        "often (default 1)")
     p.add_argument("--agreement-timeout-seconds", type=float, default=60.0,
                    help="how long a restore waits for every member before failing (default 60)")
     p.add_argument("--restore-quiet-seconds", type=float, default=2.0,
@@ -208,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                                   replicas=args.replicas, keep=args.keep,
                                   keep_awaiting=args.keep_awaiting,
                                   poll_s=args.poll_seconds, framework=framework,
+                                  gc_view_interval_s=args.gc_view_interval_seconds,
                                   agreement_timeout_s=args.agreement_timeout_seconds,
                                   restore_quiet_s=args.restore_quiet_seconds,
                                   replication_warn_s=args.replication_warn_seconds,

@@ -40,7 +40,6 @@ from mtc.sidecar.replicator.status import is_retryable
 from mtc.sidecar.replicator.store import LocalStore
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
-GC_VIEW_INTERVAL_S = 1.0  # the coordinator gathers for GC's complete-step view at most this often
 # The longest one Decide call lasts before the same ask goes again (``_ask``).
 DECIDE_CALL_S = 5.0
 Inventory = Callable[[bool], pb.Inventory]  # this node's own, with (True) or without files
@@ -131,7 +130,7 @@ class NodeAgreement:
         # The coordinator's view for GC (the steps it keeps), shared by concurrent askers.
         self.kept = Fresh(lambda: keeps_of(
             self.gather_holdings(members, time.monotonic() + config.deadline_s),
-            config.num_nodes, config.equivalent), min_interval_s=GC_VIEW_INTERVAL_S)
+            config.num_nodes, config.equivalent), min_interval_s=config.gc_view_interval_s)
 
     def close(self) -> None:
         """Every restore waiting for its decision ends now, typed."""
