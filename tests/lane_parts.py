@@ -5,7 +5,8 @@ of such a test's time is waiting (for processes to start, for a deadline, for a
 peer), so two run in about two thirds of the time of one after the other. A part
 is a set of whole files, so that a module's fixtures are set up once. Files are
 dealt out by the seconds they took (``tests/process_durations.json``, written by
-``--durations-out``; a file not listed counts as the median of those listed),
+``--durations-out``; a file not listed counts as the median of those listed, and
+the part's run names it at the end),
 the longest first, each to the part with the least so far: the same files go to
 the same part on every machine, whatever order the collection found them in.
 
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 DURATIONS = Path(__file__).with_name("process_durations.json")
+UNLISTED = pytest.StashKey[list[str]]()  # this run's files without a figure (select)
 
 
 def parse(spec: str) -> tuple[int, int]:
@@ -51,6 +54,12 @@ def deal(files: list[str], seconds: dict[str, float], n: int) -> list[list[str]]
     return parts
 
 
+def unlisted(files: list[str], seconds: dict[str, float]) -> list[str]:
+    """The files ``deal`` counts as the median: without a figure of their own (a new
+    file, or one split off another), they are said at the end of the part's run."""
+    return sorted(f for f in set(files) if f not in seconds)
+
+
 def file_of(nodeid: str) -> str:
     """The test file a test's node id names."""
     return nodeid.split("::", 1)[0]
@@ -61,12 +70,23 @@ def select(config: pytest.Config, items: list[pytest.Item], spec: str) -> None:
     k, n = parse(spec)
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     files = sorted({file_of(i.nodeid) for i in items})
+    config.stash[UNLISTED] = unlisted(files, seconds)
     mine = set(deal(files, seconds, n)[k - 1])
     kept = [i for i in items if file_of(i.nodeid) in mine]
     dropped = [i for i in items if file_of(i.nodeid) not in mine]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = kept
+
+
+def summary(config: pytest.Config, write: Callable[[str], object]) -> None:
+    """At the end of a part's run: the files it dealt out without a figure, and how
+    to record them (else the parts drift apart as files come and go)."""
+    missing = config.stash.get(UNLISTED, [])
+    if missing:
+        write(f"lane_parts: {len(missing)} file(s) not in {DURATIONS.name}, each counted "
+              f"as the median: {', '.join(missing)} (record them: pytest -m process "
+              f"--durations-out {DURATIONS.relative_to(DURATIONS.parents[1])} FILE...)")
 
 
 class Durations:

@@ -30,6 +30,17 @@ def test_a_file_without_a_figure_counts_as_the_median() -> None:
     assert parts == [["b.py", "a.py"], ["c.py", "new.py"]]  # new.py as 50 s
 
 
+@pytest.mark.parametrize("files, seconds, missing", [
+    (["a.py", "b.py"], {"a.py": 1.0, "b.py": 2.0}, []),
+    (["b.py", "new.py", "a.py"], {"a.py": 1.0}, ["b.py", "new.py"]),
+    (["a.py"], {"a.py": 1.0, "gone.py": 9.0}, []),  # a figure of a file gone: unused
+    (["a.py"], {}, ["a.py"]),
+])
+def test_the_files_without_a_figure_are_named(files: list[str], seconds: dict[str, float],
+                                              missing: list[str]) -> None:
+    assert lane_parts.unlisted(files, seconds) == missing
+
+
 @pytest.mark.parametrize("spec", ["1", "0/2", "3/2", "a/b", "1/2/3"])
 def test_a_bad_shard_is_refused(spec: str) -> None:
     with pytest.raises(pytest.UsageError):
