@@ -20,8 +20,8 @@ from mtc.integrity import crc32c
 from mtc.sidecar.backup import _io
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.schedule import BackupPolicy, BackupScheduler
-from mtc.sidecar.files import read_buffer
 from mtc.sidecar.replicator import checksums, step_files, store
+from mtc.sidecar.storage.checksum import copy_verified, file_crc, file_sha256, read_buffer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,10 +76,9 @@ def test_checksums_and_copies_with_buffers_the_size_of_the_file(tmp_path: Path,
     src = tmp_path / "src"
     src.write_bytes(data)
     want = crc32c(data)
-    assert step_files.file_crc(src) == want
-    assert _io.file_crc(src) == (size, want)
-    assert step_files.file_sha256(src) == hashlib.sha256(data).digest()
-    assert step_files.copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
+    assert file_crc(src) == file_crc(src, _io.CHUNK) == (size, want)
+    assert file_sha256(src) == hashlib.sha256(data).digest()
+    assert copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
     assert (tmp_path / "copy").read_bytes() == data
     with src.open("rb", buffering=0) as f:
         assert len(read_buffer(f, store.CHUNK)) == max(1, min(size, store.CHUNK))

@@ -1,17 +1,12 @@
-"""File helpers the backends share: copying with a running CRC32C, temporary names."""
+"""Copying a stream to or from a backup store with a running CRC32C (a file's own
+checksums, renames and temporary names are :mod:`mtc.sidecar.storage`'s)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import IO, Any
 
 from mtc.integrity import crc32c
-from mtc.sidecar import files
-from mtc.sidecar.files import TMP_MARK as TMP_MARK
-from mtc.sidecar.files import is_tmp as is_tmp
-from mtc.sidecar.files import read_buffer
-from mtc.sidecar.files import tmp_name as tmp_name
+from mtc.sidecar.storage.checksum import read_buffer
 
 CHUNK = 8 << 20  # a stream to or from a backup store: larger reads, fewer calls
 
@@ -34,20 +29,3 @@ def _read_into(src: IO[Any], view: memoryview) -> int:
     view[: len(data)] = data
     return len(data)
 
-
-def file_crc(path: Path) -> tuple[int, int]:
-    """(size, CRC32C) of a file, read in chunks."""
-    return files.file_crc(path, CHUNK)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def partial_name(local: Path) -> Path:
-    """Where a download of ``local`` accumulates until it is verified."""
-    return local.with_name(local.name + ".part")

@@ -8,16 +8,18 @@ and the caller's commit marker, written last, is the commit.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import fsspec
 
-from mtc.sidecar.backup._io import copy_stream, file_crc, partial_name
+from mtc.sidecar.backup._io import copy_stream
 from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
 from mtc.sidecar.backup.local import check_key
+from mtc.sidecar.storage.checksum import file_crc
+from mtc.sidecar.storage.names import partial_name
+from mtc.sidecar.storage.publish import replace
 
 
 @contextmanager
@@ -71,7 +73,7 @@ class FsspecBackend(Backend):
                 except FileNotFoundError as e:
                     raise CorruptBackupError("backup object is missing", path=key) from e
             if (offset + n, crc) == (size, crc32c):
-                os.replace(part, local)
+                replace(part, local)
                 return
             part.unlink(missing_ok=True)
             if offset == 0 or attempt:
