@@ -244,10 +244,8 @@ class HostService:
         return self.colocated.execute(message)
 
     def close(self) -> None:
-        try:
-            self.agent.close()
-        finally:
-            self.ops.close()
+        self.agent.close()
+        self.ops.close()  # the deletions under way finish, their thread joined
         if self.colocated is not None:
             self.colocated.close()
 

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from mtc.errors import ConfigError
+from mtc.layout import TMP_MARK
 from mtc.sidecar.storage.deleter import remove_step
 from mtc.sidecar.storage.names import tmp_name
 from mtc.sidecar.storage.publish import publish, replace, write_atomic
@@ -154,7 +155,9 @@ def marker_name(job: str, step: int, rank: int) -> str:
 
 
 def clear_markers(root: Path) -> None:
-    for p in root.glob("*.restore"):
+    """Remove the restore markers, and any a crash left half made (hidden, named
+    by :func:`~mtc.sidecar.storage.names.tmp_name`: never ``*.restore``)."""
+    for p in [*root.glob("*.restore"), *root.glob(f".*.restore{TMP_MARK}*")]:
         p.unlink(missing_ok=True)
 
 
