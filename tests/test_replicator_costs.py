@@ -21,7 +21,13 @@ from mtc.sidecar.backup import _io
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.schedule import BackupPolicy, BackupScheduler
 from mtc.sidecar.replicator import checksums, step_files, store
-from mtc.sidecar.storage.checksum import copy_verified, file_crc, file_sha256, read_buffer
+from mtc.sidecar.storage.checksum import (
+    CHUNK,
+    copy_verified,
+    file_crc,
+    file_sha256,
+    read_buffer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +72,7 @@ def test_backup_pass_asks_nobody_until_a_backup_can_be_due(
     assert node.asked[-2:] == ["leads", "gather"]  # a request is always acted on
 
 
-SIZES = [0, 1, 4097, store.CHUNK - 1, store.CHUNK, store.CHUNK + 1, 2 * _io.CHUNK + 5]
+SIZES = [0, 1, 4097, CHUNK - 1, CHUNK, CHUNK + 1, 2 * _io.CHUNK + 5]
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -81,7 +87,7 @@ def test_checksums_and_copies_with_buffers_the_size_of_the_file(tmp_path: Path,
     assert copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
     assert (tmp_path / "copy").read_bytes() == data
     with src.open("rb", buffering=0) as f:
-        assert len(read_buffer(f, store.CHUNK)) == max(1, min(size, store.CHUNK))
+        assert len(read_buffer(f, CHUNK)) == max(1, min(size, CHUNK))
     out = io.BytesIO()
     with src.open("rb") as f:
         assert _io.copy_stream(f, out) == (size, want)

@@ -52,7 +52,6 @@ from mtc.sidecar.replicator.step_files import (
     inside,
     not_ours,
 )
-from mtc.sidecar.storage import checksum
 from mtc.sidecar.storage.deleter import clean_uncommitted, remove_step
 from mtc.sidecar.storage.names import tmp_dir
 from mtc.sidecar.storage.publish import publish, replace, write_atomic
@@ -60,7 +59,6 @@ from mtc.sidecar.storage.publish import publish, replace, write_atomic
 log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".mtc-replica"
-CHUNK = checksum.CHUNK
 
 
 class LocalStore:
