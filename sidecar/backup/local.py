@@ -14,8 +14,8 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
 
 from mtc.errors import MtcError, StepExistsError
-from mtc.sidecar.backup._io import copy_stream
 from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
+from mtc.sidecar.storage.checksum import STREAM_CHUNK, copy_stream
 from mtc.sidecar.storage.names import is_tmp, tmp_name
 from mtc.sidecar.storage.publish import publish, replace
 
@@ -56,7 +56,7 @@ class LocalBackend(Backend):
                 tmp = tmp_name(dst)
                 try:
                     with open(tmp, "wb", buffering=0) as out:
-                        n, crc = copy_stream(src, out)
+                        n, crc = copy_stream(src, out, 0, STREAM_CHUNK)
                         os.fsync(out.fileno())
                     if (n, crc) != (size, crc32c):
                         raise CorruptBackupError(
@@ -73,7 +73,7 @@ class LocalBackend(Backend):
         tmp = tmp_name(local)
         try:
             with open(src_path, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as out:
-                n, crc = copy_stream(src, out)
+                n, crc = copy_stream(src, out, 0, STREAM_CHUNK)
             if (n, crc) != (size, crc32c):
                 raise CorruptBackupError(
                     f"backup object has {n} bytes, CRC32C {crc:#010x}; expected {size} bytes, "

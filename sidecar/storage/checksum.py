@@ -5,7 +5,8 @@ the backups and the host side all take these from here.
 
 - :data:`CHUNK`: bytes per read (and per receive) of a shard file;
 - :func:`file_crc`, :func:`file_sha256`: a file's checksums, one pass;
-- :func:`copy_verified`: a new file with another's bytes, checked as copied.
+- :func:`copy_verified`: a new file with another's bytes, checked as copied;
+  :func:`copy_stream`: a copy with a running CRC32C (a backup store's too).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import hashlib
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 
 CHUNK = 4 << 20
+# A stream to or from a backup store: larger reads, fewer calls.
+STREAM_CHUNK = 8 << 20
 FICLONE = 0x40049409  # ioctl: share a file's extents copy-on-write (btrfs, xfs)
 
 
@@ -73,7 +76,7 @@ def copy_verified(src: Path, dst: Path, size: int, crc: int) -> str:
                 fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
                 how = "reflink"
             except OSError:  # tmpfs and most file systems: no shared extents
-                got, value = _copy_with_crc(fin, fout)
+                got, value = copy_stream(fin, fout)
         if how == "reflink":  # the clone's bytes are the source's: check them once
             got, value = file_crc(dst)
         if got != size or value != crc:
@@ -85,11 +88,23 @@ def copy_verified(src: Path, dst: Path, size: int, crc: int) -> str:
     return how
 
 
-def _copy_with_crc(fin: Any, fout: Any) -> tuple[int, int]:
-    view = read_buffer(fin, CHUNK)
-    value = got = 0
-    while n := fin.readinto(view):
-        value = crc32c(view[:n], value)
-        fout.write(view[:n])
-        got += n
-    return got, value
+def copy_stream(src: IO[Any], dst: IO[Any], crc: int = 0,
+                chunk: int = CHUNK) -> tuple[int, int]:
+    """Copy ``src`` to its end into ``dst``, ``chunk`` bytes at a time; returns
+    (bytes copied, running CRC32C from ``crc``). ``src`` may be a file or any
+    stream with ``read`` (a backup store's)."""
+    view = read_buffer(src, chunk)
+    n = 0
+    while k := _read_into(src, view):
+        crc = crc32c(view[:k], crc)
+        dst.write(view[:k])
+        n += k
+    return n, crc
+
+
+def _read_into(src: IO[Any], view: memoryview) -> int:
+    if hasattr(src, "readinto"):
+        return src.readinto(view) or 0
+    data = src.read(len(view))
+    view[: len(data)] = data
+    return len(data)
