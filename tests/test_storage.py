@@ -294,3 +294,37 @@ def test_close_waits_for_the_removals_under_way(tmp_path: Path) -> None:
             _step(tmp_path, s)
             remove_step(tmp_path, s, deleter)
     assert os.listdir(tmp_path) == []
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _renames_and_crcs(path: Path) -> list[str]:
+    """Where ``path`` renames a file itself, or defines a file checksum of its own."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.FunctionDef) and "crc" in node.name and "file" in node.name:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno} def {node.name}")
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = node.func.value.id if isinstance(node.func.value, ast.Name) else ""
+        name = node.func.attr
+        if (owner in ("os", "shutil") and name in ("rename", "replace", "renames", "move")) \
+                or name == "rename" \
+                or (name == "replace" and len(node.args) == 1 and not node.keywords):
+            # (str.replace takes two arguments; Path.replace one)
+            found.append(f"{path.relative_to(REPO)}:{node.lineno} {owner or '...'}.{name}")
+    return found
+
+
+def test_library_code_renames_and_checksums_files_only_through_storage() -> None:
+    storage = REPO / "sidecar" / "storage"
+    found = [f for top in ("mtc", "sidecar") for p in sorted((REPO / top).rglob("*.py"))
+             if storage not in p.parents and "_pb2" not in p.name
+             for f in _renames_and_crcs(p)]
+    assert found == []
+    # The check finds what it looks for.
+    assert len(_renames_and_crcs(storage / "publish.py")) == 2  # os.rename, os.replace
+    assert [f.split()[-1] for f in _renames_and_crcs(storage / "checksum.py")] == ["file_crc"]
