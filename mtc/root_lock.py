@@ -5,8 +5,9 @@ A manager holds an exclusive ``flock`` on :data:`~mtc.layout.LOCK_NAME` in the
 root while it is open; the kernel drops it when the process dies, so a crash
 leaves nothing to clean up. Replicators never take it (they write peer copies
 and restored steps beside the manager, by design). The host side takes it on its
-root (:mod:`mtc.sidecar.ops`); the process dispatcher on a simulated host's
-shared area, which stands for the host there.
+root (:mod:`mtc.sidecar.ops`); the process dispatcher on each simulated host's
+shared-memory area too (the one folder of that host it may touch), so that a
+second controller on the same hosts is refused before it reaches them.
 """
 
 from __future__ import annotations
