@@ -31,10 +31,10 @@ from typing import Any
 import _common  # noqa: F401  (repository on sys.path)
 import numpy as np
 
-from mtc.sidecar.files import FICLONE, copy_verified
 from mtc.sidecar.replicator import claims
-from mtc.sidecar.replicator.step_files import FileMeta, file_crc
+from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.replicator.store import LocalStore
+from mtc.sidecar.storage.checksum import FICLONE, copy_verified, file_crc
 
 
 def timed(fn: Any, samples: int) -> float:
@@ -64,7 +64,7 @@ def main() -> int:
         for i in range(args.files):
             f = src / f"{i:04d}.bin"
             f.write_bytes(rng.bytes(size))
-            files.append((f, size, file_crc(f)))
+            files.append((f, size, file_crc(f)[1]))
         total = size * args.files
 
         def fresh() -> Path:

@@ -1,4 +1,4 @@
-"""A thread pool whose threads all start with it.
+"""A thread pool whose threads all start with it; a thread's priority and name.
 
 ``concurrent.futures.ThreadPoolExecutor`` starts its threads as work arrives.
 From Python 3.12 the interpreter refuses new threads once it is exiting, so a
@@ -12,6 +12,8 @@ joins them with :meth:`ThreadPool.shutdown`.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -90,3 +92,28 @@ class ThreadPool(Executor):
             # An idle thread holds nothing of its last task (a buffer it wrote is
             # reused once the last reference to it goes).
             del item, fut, fn, args, kwargs
+
+
+def lower_thread_priority(by: int = 10) -> None:
+    """The calling thread yields the CPU to the training loop and to the requests
+    it waits on (Linux: a thread's own nice value, raised by ``by`` over what it
+    has, so it holds under a process started with ``nice`` too). Background work
+    (host-side writes, deletions) runs at full speed when nothing else wants the CPU."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except (OSError, AttributeError):
+        pass
+
+
+def name_native_thread(name: str) -> None:
+    """Give the calling thread ``name`` where the OS shows threads (Linux: its
+    ``comm``, 15 bytes, as ``top -H`` and ``/proc/<pid>/task/<tid>/comm`` show it):
+    Python's thread names stay inside Python, and an operator or a benchmark that
+    places or watches threads needs to tell them apart from outside."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_name = 15
+        libc.prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

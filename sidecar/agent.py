@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mtc import layout
 from mtc.contract import AgentConfig, SaveHeader
 from mtc.errors import MtcError
 from mtc.manifest import Index, LeafEntry
 from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
 from mtc.sidecar.buffers import StagingPool
+from mtc.sidecar.storage.deleter import clean_uncommitted
 from mtc.sidecar.write import HostSave, StagedShard, Writer
 
 # The bytes of device shards whose transfers to host memory are under way beside
@@ -314,7 +314,7 @@ class HostAgent:
 
     def _clean_once(self, host: int) -> None:
         if host not in self._cleaned:
-            removed = layout.clean_uncommitted(self.config.root(host))
+            removed = clean_uncommitted(self.config.root(host))
             if removed:
                 log.info("host %d: removed uncommitted folders %s", host, removed)
             self._cleaned.add(host)

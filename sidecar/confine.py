@@ -19,6 +19,7 @@ import stat
 from pathlib import Path
 
 from mtc.errors import LocalDirError, UnsafePathError
+from mtc.sidecar.storage.publish import replace
 from mtc.validate import relpath
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def open_beneath(base: Path | str, rel: str, flags: int = os.O_RDONLY, mode: int
             os.close(fd)
             fd = nxt
         if adopt is not None:
-            os.rename(adopt, parts[-1], dst_dir_fd=fd)
+            replace(adopt, parts[-1], dst_dir_fd=fd)
         try:
             return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
         except OSError as e:

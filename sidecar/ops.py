@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mtc import layout, retention
+from mtc import layout, retention, root_lock
 from mtc.contract import (
     AgentConfig,
     Raw,
@@ -36,6 +37,9 @@ from mtc.errors import (
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar.load import Remote, ShardLoader, check_tasks
 from mtc.sidecar.reserve import reserved_bytes
+from mtc.sidecar.storage import spare
+from mtc.sidecar.storage.deleter import Deleter, clean_uncommitted, remove_step
+from mtc.sidecar.storage.publish import write_atomic
 from mtc.sidecar.write import WRITER_RESERVE_DIR
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,8 @@ class HostOps:
         self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
         # (host, step) -> (version of its manifest file, the summary read from it)
         self._summaries: dict[tuple[int, int], tuple[tuple[int, int, int], Summary]] = {}
+        # Removes the steps retention drops, behind the saves (:meth:`close` joins it).
+        self._deleter = Deleter()
 
     def own_for(self, step: int) -> tuple[int, ...]:
         """The saving hosts whose data of ``step`` this process's RAM disks hold:
@@ -222,7 +228,7 @@ class HostOps:
                 raise StepNotFoundError("this step folder is not mtc's (no manifest: Orbax's "
                                         "or another tool's); mtc never deletes it", step=step,
                                         host=h, path=str(layout.step_dir(root, step)))
-        return any([layout.remove_step(self._root(h), step) for h in hosts])
+        return any([remove_step(self._root(h), step) for h in hosts])
 
     def _open(self, hosts: Sequence[int], lock: bool, clean: bool, identify: bool = False
               ) -> dict[str, dict[str, Any]]:
@@ -238,13 +244,13 @@ class HostOps:
         try:
             for h in hosts:
                 root = self._root(h)
-                layout.prepare_root(root)
+                root_lock.prepare_root(root)
                 if lock and h not in self._locks:
-                    self._locks[h] = layout.lock_root(root)
+                    self._locks[h] = root_lock.lock_root(root)
                 removed: list[str] = []
                 try:
                     if clean:
-                        removed = layout.clean_uncommitted(root)
+                        removed = clean_uncommitted(root)
                     foreign = layout.foreign_steps(root)
                 except OSError as e:
                     raise LocalDirError(f"cannot read the directory: {e.strerror}",
@@ -252,7 +258,7 @@ class HostOps:
                 if removed:
                     log.info("host %d: removed uncommitted folders %s", h, removed)
                 out[str(h)] = {"removed": removed, "foreign": foreign, "identity":
-                               layout.root_identity(root, create=True) if identify else "",
+                               ensure_root_identity(root) if identify else "",
                                "manifest_bytes": _newest_manifest_bytes(
                                    root, layout.mtc_steps(root))}
         except BaseException:
@@ -264,10 +270,17 @@ class HostOps:
         for h in hosts:
             fd = self._locks.pop(h, None)
             if fd is not None:
-                layout.unlock_root(fd, self._root(h))
+                root_lock.unlock_root(fd, self._root(h))
 
     def release_all(self) -> None:
         self._release(list(self._locks))
+
+    def close(self) -> None:
+        """Let go of every root, finish the deletions under way and join their thread."""
+        try:
+            self.release_all()
+        finally:
+            self._deleter.close()
 
     def _retain(self, hosts: Sequence[int], complete: list[int], max_to_keep: int | None,
                 keep_period: int | None, before_write: bool) -> dict[str, list[int]]:
@@ -280,7 +293,7 @@ class HostOps:
             gone = retention.to_delete(complete, steps, max_to_keep=max_to_keep,
                                        keep_period=keep_period, before_write=before_write)
             for s in gone:
-                layout.remove_step(root, s, background=True)
+                remove_step(root, s, self._deleter)
             # The steps left, without listing the root again (a save waits for this).
             space[str(h)] = self._space_of(h, [s for s in steps if s not in gone])
         return space
@@ -300,12 +313,12 @@ class HostOps:
             except (OSError, ManifestError):
                 self._sizes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))
         # Blank files set aside for the next save are room it fills (write.py).
-        free = layout.free_bytes(root) + reserved_bytes(root / WRITER_RESERVE_DIR)
+        free = spare.free_bytes(root) + reserved_bytes(root / WRITER_RESERVE_DIR)
         return [free, self._sizes[key] if key else 0]
 
     def _settle(self, hosts: Sequence[int]) -> None:
         """Wait until background deletions have freed their space."""
-        layout.finish_deletions()
+        self._deleter.settle()
 
     def _read(self, hosts: Sequence[int], step: int,
               tasks: list[dict[str, Any]] | dict[str, list[dict[str, Any]]]) -> Raw:
@@ -336,6 +349,18 @@ class HostOps:
             out = [np.ascontiguousarray(loader.read(t)).reshape(-1).view(np.uint8).data
                    for t in parsed]
         return Raw(out)  # joined once, into the reply itself
+
+
+def ensure_root_identity(root: Path) -> str:
+    """The identity of host root ``root`` (:func:`mtc.layout.root_identity`), written
+    now when it has none (a manager's open: the replicator serving the same folder
+    reports it back)."""
+    found = layout.root_identity(root)
+    if found:
+        return found
+    new = uuid.uuid4().hex
+    write_atomic(root / layout.ROOT_ID_NAME, new)
+    return layout.root_identity(root) or new
 
 
 def _newest_manifest_bytes(root: Path, steps: Sequence[int]) -> int:

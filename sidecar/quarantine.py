@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 from mtc.sidecar.confine import is_beneath, is_real_dir, real_dir
+from mtc.sidecar.storage.publish import publish
 
 QUARANTINE_DIR = ".mtc-quarantine"
 KEEP = 32
@@ -90,7 +91,7 @@ def _move(root: Path, path: Path, reason: str) -> Path | None:
     name = f"{time.time_ns()}-{uuid.uuid4().hex[:6]}-{rel.replace('/', '__')}"[:200]
     dst = qdir / name
     try:
-        os.rename(path, dst)  # moves a symlink itself, never what it points to
+        publish(path, dst)  # moves a symlink itself, never what it points to
     except FileNotFoundError:
         return None
     log.warning("quarantined %s as %s: %s", path, dst.name, reason)

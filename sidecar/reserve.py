@@ -43,15 +43,17 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from mtc import layout
+from mtc.pool import lower_thread_priority
 from mtc.sidecar.confine import open_beneath, real_dir
+from mtc.sidecar.storage.names import tmp_name
+from mtc.sidecar.storage.publish import publish
 
 log = logging.getLogger(__name__)
 
 REFILL_S = 5.0  # a refill stopped by a full RAM disk tries again this often
 
 # A blank file whose allocation is complete: its size, then a random name. One
-# being allocated has a ``.new`` ending until it is complete.
+# being allocated has a temporary name until it is complete.
 _BLANK = re.compile(r"(\d{1,19})\.[0-9a-f]{12}")
 
 
@@ -92,7 +94,7 @@ def fill_while(stop: threading.Event, wake: threading.Event,
     """Fill ``reserves()`` (:meth:`Reserve.fill_once`) whenever ``wake`` is set (a
     save or a copy was committed) and every ``REFILL_S`` (room may have come free),
     at background priority, until ``stop``. The loop of a filling thread."""
-    layout.lower_thread_priority(19)  # behind the job's threads, the saves and copies
+    lower_thread_priority(19)  # behind the job's threads, the saves and copies
     while not stop.is_set():
         for r in reserves():
             try:
@@ -282,12 +284,12 @@ class Reserve:
         real_dir(self.folder)
         path = self.folder / f"{size}.{uuid.uuid4().hex[:12]}"
         # Named by its size only once it has it (reserved_bytes counts by name).
-        new = path.with_name(path.name + ".new")
+        new = tmp_name(path)
         fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      self._mode)
         try:
             os.posix_fallocate(fd, 0, size)
-            os.rename(new, path)
+            publish(new, path)
         except OSError as e:
             new.unlink(missing_ok=True)
             if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):

@@ -30,12 +30,15 @@ from mtc import layout
 from mtc.errors import MtcError, RamDiskFullError, StepExistsError, StorageError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
-from mtc.pool import ThreadPool
+from mtc.pool import ThreadPool, lower_thread_priority
 from mtc.sidecar.reserve import Reserve, fill_while
+from mtc.sidecar.storage import spare
+from mtc.sidecar.storage.deleter import writing
+from mtc.sidecar.storage.names import tmp_dir
+from mtc.sidecar.storage.publish import publish
 
 # A host's blank files for its next save (mtc.sidecar.reserve), beside its steps.
 WRITER_RESERVE_DIR = ".mtc-reserve-writer"
-DISK_SPARE = 64 << 20  # the RAM disk's last bytes, never set aside
 # A shard is checksummed and written this much at a time: small enough that the
 # write finds the checksummed bytes still in the CPU cache.
 WRITE_CHUNK = 1 << 20
@@ -166,7 +169,7 @@ class Writer:
     def __init__(self, threads: int, *, reserve: bool = True) -> None:
         # Every thread starts now: a save finished at interpreter exit (mtc.lifecycle)
         # gets no new ones from Python 3.12 on.
-        self._pool = ThreadPool(threads, "mtc-write", initializer=layout.lower_thread_priority)
+        self._pool = ThreadPool(threads, "mtc-write", initializer=lower_thread_priority)
         self._jobs: queue.SimpleQueue[HostSave | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mtc-commit", daemon=True)
         self._thread.start()
@@ -186,7 +189,7 @@ class Writer:
             r = self._reserves.get(root)
             if r is None:
                 r = self._reserves[root] = Reserve(
-                    root, WRITER_RESERVE_DIR, lambda: layout.room(root, DISK_SPARE),
+                    root, WRITER_RESERVE_DIR, lambda: spare.room(root),
                     enabled=self._reserve, mode=0o644, wake=self._fill_wake)
             return r
 
@@ -225,11 +228,11 @@ class Writer:
 
     def _write(self, save: HostSave) -> Path:
         final = layout.step_dir(save.root, save.step)
-        tmp = layout.new_tmp_dir(save.root, save.step)
+        tmp = tmp_dir(save.root, save.step)
         futures: list[tuple[StagedShard, Future[int]]] = []
         committed = drained = False
         save.go.wait()
-        layout.writing(tmp, True)
+        writing(tmp, True)
         try:
             try:
                 save.root.mkdir(parents=True, exist_ok=True)
@@ -263,7 +266,7 @@ class Writer:
             except OSError as e:
                 raise _io_error(e, save, tmp / MANIFEST_NAME) from e
             try:
-                layout.commit(tmp, final)
+                publish(tmp, final)
             except FileExistsError as e:
                 what = ("step is already committed" if layout.is_mtc_step(save.root, save.step)
                         else "a step folder of this number that is not mtc's (no mtc "
@@ -282,7 +285,7 @@ class Writer:
                 _drain(save)
             if not committed:
                 shutil.rmtree(tmp, ignore_errors=True)
-            layout.writing(tmp, False)
+            writing(tmp, False)
 
     @staticmethod
     def _write_one(reserve: Reserve, tmp: Path, shard: StagedShard, host: int) -> int:

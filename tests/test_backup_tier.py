@@ -36,7 +36,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import prepare_restore
 from mtc.sidecar.backup.job import MANIFEST
 from mtc.sidecar.replicator.client import PeerError
-from mtc.sidecar.replicator.step_files import file_sha256
+from mtc.sidecar.storage.checksum import file_sha256
 
 MiB = 1 << 20
 # The emulator is started with a preexec_fn (to die with the tests), so Python forks

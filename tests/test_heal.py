@@ -30,8 +30,8 @@ from mtc import cli
 from mtc.errors import CorruptShardError
 from mtc.manifest import MANIFEST_NAME
 from mtc.sidecar.quarantine import QUARANTINE_DIR, quarantined
-from mtc.sidecar.replicator.step_files import file_crc
 from mtc.sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.storage.checksum import file_crc
 
 QUARANTINED = "mtc_quarantined_files_total"
 

@@ -15,6 +15,7 @@ from mtc import errors, layout
 from mtc.contract import AgentConfig, decode_reply, encode_request
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.sidecar.ops import HostOps
+from mtc.sidecar.storage.deleter import remove_step
 
 
 def config(root: Path) -> AgentConfig:
@@ -120,7 +121,7 @@ def test_open_answers_what_a_manager_needs_in_one_round_trip(tmp_path: Path) -> 
     got = ask(ops, "open", [0], lock=True, clean=True, identify=True)
     ops.release_all()
     assert got == {"0": {"removed": ["6.mtc-tmp-0123456789ab"], "foreign": [7],
-                         "identity": layout.root_identity(tmp_path / "host-0", create=False),
+                         "identity": layout.root_identity(tmp_path / "host-0"),
                          # the newest step's manifest: what a restore's survey brings
                          "manifest_bytes": (tmp_path / "host-0" / "5" / MANIFEST_NAME
                                             ).stat().st_size}}
@@ -130,7 +131,7 @@ def test_open_answers_what_a_manager_needs_in_one_round_trip(tmp_path: Path) -> 
     # A reader: nothing removed, no identity written.
     reader = HostOps(config(tmp_path))
     assert ask(reader, "open", [1], lock=False, clean=False) == {"1": NOTHING}
-    assert layout.root_identity(tmp_path / "host-1", create=False) == ""
+    assert layout.root_identity(tmp_path / "host-1") == ""
 
 
 @pytest.mark.parametrize("request_bytes, kind", [
@@ -157,20 +158,21 @@ def test_a_new_managers_clean_up_leaves_a_step_this_process_is_still_writing(
         tmp_path: Path) -> None:
     """A sidecar outlives its trainer: the next trainer's manager cleans up while the
     sidecar may still be writing the killed trainer's last save."""
-    from mtc import layout
+    from mtc.sidecar.storage.deleter import clean_uncommitted, writing
+    from mtc.sidecar.storage.names import tmp_dir
 
     root = tmp_path / "host-0"
     root.mkdir()
-    busy, left = layout.new_tmp_dir(root, 7), layout.new_tmp_dir(root, 6)
+    busy, left = tmp_dir(root, 7), tmp_dir(root, 6)
     busy.mkdir()
     left.mkdir()
-    layout.writing(busy, True)
+    writing(busy, True)
     try:
-        assert layout.clean_uncommitted(root) == [left.name]
+        assert clean_uncommitted(root) == [left.name]
         assert busy.is_dir() and not left.exists()
     finally:
-        layout.writing(busy, False)
-    assert layout.clean_uncommitted(root) == [busy.name]
+        writing(busy, False)
+    assert clean_uncommitted(root) == [busy.name]
 
 
 def test_a_survey_parses_an_unchanged_manifest_once_and_checks_the_asked_one_every_time(
@@ -219,10 +221,10 @@ def test_a_survey_parses_an_unchanged_manifest_once_and_checks_the_asked_one_eve
     with pytest.raises(errors.ManifestError, match="checksum") as bad:
         ask(ops, "survey", [0], step=6)
     assert (bad.value.step, bad.value.host) == (6, 0) and MANIFEST_NAME in str(bad.value.path)
-    layout.remove_step(tmp_path / "host-0", 6)
+    remove_step(tmp_path / "host-0", 6)
     commit(tmp_path, 0, 6)  # a good copy back (healed): a new version of the file
     # Replaced (another save under the number): read again, its new facts answered.
-    layout.remove_step(tmp_path / "host-0", 5)
+    remove_step(tmp_path / "host-0", 5)
     d = tmp_path / "host-0" / "5"
     d.mkdir()
     (d / MANIFEST_NAME).write_bytes(Manifest(step=5, host=0, slice=0, num_hosts=1,

@@ -17,11 +17,18 @@ import pytest
 
 from mtc.errors import UnsafePathError
 from mtc.integrity import crc32c
-from mtc.sidecar.backup import _io
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.schedule import BackupPolicy, BackupScheduler
-from mtc.sidecar.files import read_buffer
 from mtc.sidecar.replicator import checksums, step_files, store
+from mtc.sidecar.storage.checksum import (
+    CHUNK,
+    STREAM_CHUNK,
+    copy_stream,
+    copy_verified,
+    file_crc,
+    file_sha256,
+    read_buffer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +73,7 @@ def test_backup_pass_asks_nobody_until_a_backup_can_be_due(
     assert node.asked[-2:] == ["leads", "gather"]  # a request is always acted on
 
 
-SIZES = [0, 1, 4097, store.CHUNK - 1, store.CHUNK, store.CHUNK + 1, 2 * _io.CHUNK + 5]
+SIZES = [0, 1, 4097, CHUNK - 1, CHUNK, CHUNK + 1, 2 * STREAM_CHUNK + 5]
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -76,20 +83,19 @@ def test_checksums_and_copies_with_buffers_the_size_of_the_file(tmp_path: Path,
     src = tmp_path / "src"
     src.write_bytes(data)
     want = crc32c(data)
-    assert step_files.file_crc(src) == want
-    assert _io.file_crc(src) == (size, want)
-    assert step_files.file_sha256(src) == hashlib.sha256(data).digest()
-    assert step_files.copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
+    assert file_crc(src) == file_crc(src, STREAM_CHUNK) == (size, want)
+    assert file_sha256(src) == hashlib.sha256(data).digest()
+    assert copy_verified(src, tmp_path / "copy", size, want) in ("copy", "reflink")
     assert (tmp_path / "copy").read_bytes() == data
     with src.open("rb", buffering=0) as f:
-        assert len(read_buffer(f, store.CHUNK)) == max(1, min(size, store.CHUNK))
+        assert len(read_buffer(f, CHUNK)) == max(1, min(size, CHUNK))
     out = io.BytesIO()
     with src.open("rb") as f:
-        assert _io.copy_stream(f, out) == (size, want)
+        assert copy_stream(f, out) == (size, want)
     assert out.getvalue() == data
     # A stream of unknown length (no file behind it) is read in whole chunks.
     out = io.BytesIO()
-    assert _io.copy_stream(io.BytesIO(data), out, 0) == (size, want)
+    assert copy_stream(io.BytesIO(data), out, 0) == (size, want)
     assert out.getvalue() == data
 
 
@@ -210,7 +216,7 @@ def test_copy_from_a_pipe_is_not_read_a_byte_at_a_time(tmp_path: Path) -> None:
                 return fr.fileno()
 
         out = io.BytesIO()
-        assert _io.copy_stream(Counting(), out) == (len(data), crc32c(data))
+        assert copy_stream(Counting(), out) == (len(data), crc32c(data))
     assert writer.wait(30) == 0
     assert out.getvalue() == data
     assert len(reads) < 1000  # 3 MiB through a pipe: its buffer's size per read, not 1 byte

@@ -19,6 +19,7 @@ from mtc.manifest import MANIFEST_NAME
 from mtc.sidecar.replicator import checksums, claims, step_files
 from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.replicator.store import LocalStore
+from mtc.sidecar.storage import checksum
 
 
 def mtc_step(root: Path, step: int, data: bytes, *, host: int = 0) -> None:
@@ -29,9 +30,9 @@ def mtc_step(root: Path, step: int, data: bytes, *, host: int = 0) -> None:
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
-    real = step_files.file_crc
+    real = checksum.file_crc
 
-    def counted(path: Path) -> int:
+    def counted(path: Path) -> tuple[int, int]:
         seen.append(Path(path).name)
         return real(path)
 

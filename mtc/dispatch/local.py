@@ -91,6 +91,6 @@ class LocalDispatch(HostCalls):
         try:
             self.agent.close()
         finally:
-            self.ops.release_all()
+            self.ops.close()
             if self.peers is not None:
                 self.peers.close()

@@ -28,7 +28,7 @@ import grpc
 import jax
 import numpy as np
 
-from mtc import layout, transfer
+from mtc import root_lock, transfer
 from mtc.contract import (
     AgentConfig,
     ReadTask,
@@ -402,7 +402,7 @@ class ProcessDispatch(HostCalls):
             try:
                 for h in hosts:
                     if h not in self._locks:
-                        self._locks[h] = layout.lock_root(self.sidecars[h].area)
+                        self._locks[h] = root_lock.lock_root(self.sidecars[h].area)
             except BaseException:
                 self._unlock()
                 raise
@@ -410,7 +410,7 @@ class ProcessDispatch(HostCalls):
 
     def _unlock(self) -> None:
         for h, fd in self._locks.items():
-            layout.unlock_root(fd, self.sidecars[h].area)
+            root_lock.unlock_root(fd, self.sidecars[h].area)
         self._locks.clear()
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from mtc.layout import name_native_thread
+from mtc.pool import name_native_thread
 
 log = logging.getLogger("mtc.elastic.compile_ahead")
 

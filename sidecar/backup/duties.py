@@ -228,7 +228,7 @@ class BackupDuties:
         against the backup manifest's size, CRC32C and SHA-256 and against ``f``;
         False when the backup does not have it."""
         from mtc.sidecar.backup.job import step_prefix
-        from mtc.sidecar.files import file_sha256
+        from mtc.sidecar.storage.checksum import file_sha256
 
         assert self.backup is not None
         if step not in self.backup.refresh():

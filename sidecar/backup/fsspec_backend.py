@@ -8,16 +8,17 @@ and the caller's commit marker, written last, is the commit.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import fsspec
 
-from mtc.sidecar.backup._io import copy_stream, file_crc, partial_name
 from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
 from mtc.sidecar.backup.local import check_key
+from mtc.sidecar.storage.checksum import STREAM_CHUNK, copy_stream, file_crc
+from mtc.sidecar.storage.names import partial_name
+from mtc.sidecar.storage.publish import replace
 
 
 @contextmanager
@@ -46,7 +47,7 @@ class FsspecBackend(Backend):
         with open(local, "rb", buffering=0) as src, _unavailable("upload", key):
             self.fs.makedirs(self.fs._parent(path), exist_ok=True)
             with self.fs.open(path, "wb") as out:
-                n, crc = copy_stream(src, out)
+                n, crc = copy_stream(src, out, 0, STREAM_CHUNK)
             if (n, crc) != (size, crc32c):
                 self.fs.rm_file(path)
                 raise CorruptBackupError(
@@ -67,11 +68,11 @@ class FsspecBackend(Backend):
                     with self.fs.open(path, "rb") as src, open(part, mode) as out:
                         if offset:
                             src.seek(offset)
-                        n, crc = copy_stream(src, out, crc)
+                        n, crc = copy_stream(src, out, crc, STREAM_CHUNK)
                 except FileNotFoundError as e:
                     raise CorruptBackupError("backup object is missing", path=key) from e
             if (offset + n, crc) == (size, crc32c):
-                os.replace(part, local)
+                replace(part, local)
                 return
             part.unlink(missing_ok=True)
             if offset == 0 or attempt:

@@ -52,9 +52,11 @@ from google.cloud.storage import exceptions as storage_exc
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from mtc.errors import MtcError, StepExistsError
-from mtc.sidecar.backup._io import file_crc, partial_name
 from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
 from mtc.sidecar.backup.local import check_key
+from mtc.sidecar.storage.checksum import file_crc
+from mtc.sidecar.storage.names import partial_name
+from mtc.sidecar.storage.publish import replace
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +227,7 @@ class GcsBackend(Backend):
         part = partial_name(local)
         offset = part.stat().st_size if part.exists() else 0
         if offset == size and size and file_crc(part) == (size, crc32c):
-            os.replace(part, local)  # fetched and verified before, not yet renamed
+            replace(part, local)  # fetched and verified before, not yet renamed
             return
         for attempt in range(2):
             if offset >= size:  # nothing left to fetch, or too long: start over
@@ -250,7 +252,7 @@ class GcsBackend(Backend):
                     in_transit = True
             got_size, got_crc = file_crc(part)
             if (got_size, got_crc) == (size, crc32c):
-                os.replace(part, local)
+                replace(part, local)
                 return
             part.unlink(missing_ok=True)
             if attempt or not (offset or in_transit):

@@ -2,7 +2,8 @@
 
 Every file is written under a hidden temporary name and renamed into place, so a key
 either holds its whole verified content or does not exist; :meth:`LocalBackend.publish`
-renames a whole staging folder in one ``rename(2)``, which a file system does atomically.
+renames a whole staging folder in one ``rename(2)``, which a file system does atomically
+(refused where anything holds the name: :func:`mtc.sidecar.storage.publish.publish`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
 
 from mtc.errors import MtcError, StepExistsError
-from mtc.sidecar.backup._io import copy_stream, fsync_dir, is_tmp, tmp_name
 from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
+from mtc.sidecar.storage.checksum import STREAM_CHUNK, copy_stream
+from mtc.sidecar.storage.names import is_tmp, tmp_name
+from mtc.sidecar.storage.publish import publish, replace
 
 
 def _root_of(url: str) -> Path:
@@ -53,13 +56,13 @@ class LocalBackend(Backend):
                 tmp = tmp_name(dst)
                 try:
                     with open(tmp, "wb", buffering=0) as out:
-                        n, crc = copy_stream(src, out)
+                        n, crc = copy_stream(src, out, 0, STREAM_CHUNK)
                         os.fsync(out.fileno())
                     if (n, crc) != (size, crc32c):
                         raise CorruptBackupError(
                             f"local file has {n} bytes, CRC32C {crc:#010x}; expected {size} "
                             f"bytes, CRC32C {crc32c:#010x}", path=str(local))
-                    os.replace(tmp, dst)
+                    replace(tmp, dst)
                 finally:
                     tmp.unlink(missing_ok=True)
             except OSError as e:
@@ -70,12 +73,12 @@ class LocalBackend(Backend):
         tmp = tmp_name(local)
         try:
             with open(src_path, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as out:
-                n, crc = copy_stream(src, out)
+                n, crc = copy_stream(src, out, 0, STREAM_CHUNK)
             if (n, crc) != (size, crc32c):
                 raise CorruptBackupError(
                     f"backup object has {n} bytes, CRC32C {crc:#010x}; expected {size} bytes, "
                     f"CRC32C {crc32c:#010x}", path=key)
-            os.replace(tmp, local)
+            replace(tmp, local)
         except FileNotFoundError as e:
             if not src_path.exists():
                 raise CorruptBackupError("backup object is missing", path=key) from e
@@ -92,7 +95,7 @@ class LocalBackend(Backend):
                 with open(tmp, "wb", buffering=0) as out:
                     out.write(data)
                     os.fsync(out.fileno())
-                os.replace(tmp, dst)
+                replace(tmp, dst)
             finally:
                 tmp.unlink(missing_ok=True)
         except OSError as e:
@@ -149,10 +152,7 @@ class LocalBackend(Backend):
             raise MtcError(f"staging folder {staging} does not exist in {self.url}")
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(src, dst)  # atomic; refuses a non-empty destination
-            fsync_dir(dst.parent)
-            if src.parent != dst.parent:
-                fsync_dir(src.parent)
+            publish(src, dst, durable=True)  # atomic; refuses anything there
         except OSError as e:
             if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise StepExistsError(f"{final} already exists in {self.url}") from e

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import grpc
 
-from mtc import layout
 from mtc.contract import AgentConfig
 from mtc.errors import ConfigError
 from mtc.sidecar.host.colocated import ColocatedServer
@@ -35,6 +34,7 @@ from mtc.sidecar.replicator.security import (
     TokenInterceptor,
     check_listen_address,
 )
+from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.sidecar.host")
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     args.root.mkdir(parents=True, exist_ok=True)
     args.area.mkdir(parents=True, exist_ok=True)
     if args.started_file:
-        layout.write_atomic(args.started_file, json.dumps({"pid": os.getpid()}))
+        write_atomic(args.started_file, json.dumps({"pid": os.getpid()}))
     config = AgentConfig(local_dir=str(args.root), host_of_device={},
                          slice_of_host=dict(enumerate(slices)), subdirs=False,
                          max_staged_bytes=None, writer_threads=args.writer_threads)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     # a sidecar's CPU in restores of the demo model's 111 leaves.
     gc.freeze()
     if args.ready_file:
-        layout.write_atomic(args.ready_file, json.dumps(
+        write_atomic(args.ready_file, json.dumps(
             {"address": bound, "pid": os.getpid(), "area": str(args.area)}))
     log.info("host %d: serving %s on %s", args.host, args.root, bound)
 

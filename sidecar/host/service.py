@@ -52,6 +52,8 @@ from mtc.sidecar.host.colocated import ColocatedServer
 from mtc.sidecar.load import ShardLoader, check_tasks
 from mtc.sidecar.ops import HostOps
 from mtc.sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.storage import spare
+from mtc.sidecar.storage.names import tmp_step
 
 log = logging.getLogger(__name__)
 SERVICE = "mtc.Host"
@@ -121,8 +123,7 @@ class HostService:
         and per origin rank the peer copies committed here."""
         root = self.config.root(rank)
         names = [p.name for p in root.iterdir()] if root.is_dir() else []
-        writing = sorted({int(n.split(layout.TMP_MARK)[0]) for n in names
-                          if layout.TMP_MARK in n and n.split(layout.TMP_MARK)[0].isdigit()})
+        writing = sorted({s for s in map(tmp_step, names) if s is not None})
         replicas: dict[str, list[int]] = {}
         held = root / REPLICA_DIR
         for origin in sorted(held.iterdir()) if held.is_dir() else []:
@@ -193,7 +194,7 @@ class HostService:
                 raise ProtocolError("asked to read another host's pieces", step=step,
                                     host=self.host)
         asked = check_tasks(tasks, step=step, host=self.host)
-        room = layout.room(self.area, AREA_RESERVE)
+        room = spare.room(self.area, AREA_RESERVE)
         if asked > room:
             raise ProtocolError(f"a load of {asked} bytes does not fit in the shared-memory "
                                 f"area ({max(room, 0)} bytes free beyond the reserve)",
@@ -244,6 +245,7 @@ class HostService:
 
     def close(self) -> None:
         self.agent.close()
+        self.ops.close()  # the deletions under way finish, their thread joined
         if self.colocated is not None:
             self.colocated.close()
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from mtc import layout
 from mtc.errors import AgreementError
+from mtc.sidecar.storage.names import aside_name
+from mtc.sidecar.storage.publish import replace, write_atomic
 from mtc.validate import MAX_EPOCH, MAX_STEP
 
 log = logging.getLogger("mtc.sidecar.replicator.agreement")  # the agreement's log, as before
@@ -106,7 +105,7 @@ class Book:
         data = [{"epoch": r.epoch, "step": r.step, "decided_at": r.decided_at,
                  "rids": sorted(r.rids), "members": list(r.members), "run": r.run,
                  "lost": r.lost} for r in self.records]
-        layout.write_atomic(self.path, json.dumps(data), durable=True)
+        write_atomic(self.path, json.dumps(data), durable=True)
 
 
 def _load(path: Path) -> list[EpochRecord]:
@@ -122,8 +121,8 @@ def _load(path: Path) -> list[EpochRecord]:
     except FileNotFoundError:
         return []
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        aside = path.with_name(f"{path.name}.corrupt-{time.time_ns()}")
-        os.replace(path, aside)
+        aside = aside_name(path, "corrupt")
+        replace(path, aside)
         log.error("agreement records %s are unreadable (%s); moved to %s, starting anew",
                   path, e, aside.name)
         return []

@@ -12,7 +12,8 @@ import threading
 from pathlib import Path
 
 from mtc.manifest import MANIFEST_NAME
-from mtc.sidecar.replicator.step_files import FileMeta, file_crc, file_sha256
+from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.storage.checksum import file_crc, file_sha256
 
 CACHE_SWEEP = 50_000  # remembered checksums beyond which files gone are swept out
 
@@ -54,7 +55,7 @@ class Checksums:
         if cached and hit is not None and hit[0] == key:
             value = hit[1]
         else:
-            value = file_crc(Path(name))
+            value = file_crc(Path(name))[1]
             with self._lock:
                 self._crcs[name] = (key, value)
         if value != meta.crc32c:

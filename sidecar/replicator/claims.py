@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtc.errors import CorruptShardError, UnsafePathError
-from mtc.sidecar import files
 from mtc.sidecar.replicator.step_files import FileMeta, inside
+from mtc.sidecar.storage.checksum import copy_verified
+from mtc.sidecar.storage.publish import replace
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.store import LocalStore
@@ -95,7 +96,7 @@ def claim(store: LocalStore, src: Path, dst: Path, meta: FileMeta) -> None:
             raise
         # A file system without links here: a verified copy (a second copy of the
         # bytes, as before claims).
-        files.copy_verified(src, dst, meta.size, meta.crc32c)
+        copy_verified(src, dst, meta.size, meta.crc32c)
     store.checksums.note_verified(dst, meta)
 
 
@@ -209,7 +210,7 @@ def _fold_copy(store: LocalStore, own_dir: Path, base: Path, folder: int, origin
                 # copy under the number since): only then its file is taken over.
                 if os.lstat(base).st_ino != folder:
                     return folded
-                os.replace(tmp, dst)
+                replace(tmp, dst)
             except UnsafePathError:
                 continue  # a path through a link: never followed, never folded
             except OSError as e:

@@ -18,12 +18,12 @@ from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath
-from mtc.sidecar.files import CHUNK
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.limits import Streams, peer_of
 from mtc.sidecar.replicator.status import answer
 from mtc.sidecar.replicator.step_files import FileMeta, inside, safe_relpath
 from mtc.sidecar.replicator.transfers import Transfer
+from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.node import Node

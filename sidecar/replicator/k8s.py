@@ -55,9 +55,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mtc import layout
 from mtc.errors import ConfigError, MtcError
 from mtc.sidecar.replicator.security import Credentials, TlsWatch
+from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.replicator.k8s")
 
@@ -176,7 +176,7 @@ def write_jax_init_info(local_dir: Path, process_id: int, coordinator: str) -> P
     """Write ``jax-init-info.txt`` (process id, coordinator address) atomically."""
     local_dir.mkdir(parents=True, exist_ok=True)
     path = local_dir / JAX_INIT_INFO
-    layout.write_atomic(path, f"{process_id}\n{coordinator}\n", durable=True)
+    write_atomic(path, f"{process_id}\n{coordinator}\n", durable=True)
     return path
 
 

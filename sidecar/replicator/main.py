@@ -33,6 +33,7 @@ from mtc.sidecar.replicator.restore import RestoreAsk
 from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import check_peers
 from mtc.sidecar.replicator.server import ReplicatorServicer, serve, set_health
+from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.replicator")
 
@@ -265,9 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port:
         node.metrics.serve(args.metrics_port, args.metrics_address)
     if args.port_file:
-        tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(str(port))
-        tmp.replace(args.port_file)
+        write_atomic(Path(args.port_file), str(port))
     # Start-up's objects live as long as the process: kept out of every collection
     # (a full one walks them all, and a restore's inventories and plans set them off).
     gc.freeze()

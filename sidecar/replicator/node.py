@@ -24,7 +24,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mtc import layout
 from mtc.errors import ConfigError
 from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
@@ -45,8 +44,9 @@ from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import PEER_GRACE_S, PeerReach
 from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
 from mtc.sidecar.replicator.store import LocalStore
-from mtc.sidecar.replicator.transfers import DISK_SPARE, RESERVE_DIR, room
+from mtc.sidecar.replicator.transfers import RESERVE_DIR
 from mtc.sidecar.reserve import Reserve, reserved_bytes
+from mtc.sidecar.storage import spare
 from mtc.sidecar.write import WRITER_RESERVE_DIR
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Node:
         self.backups = BackupDuties(*shared, backup, self.agreement, self._stop)
         # Blank files for the next peer copies and a replaced host's fetch
         # (mtc.sidecar.reserve).
-        self.reserve = Reserve(root, RESERVE_DIR, lambda: room(root), enabled=config.reserve,
+        self.reserve = Reserve(root, RESERVE_DIR, lambda: spare.room(root), enabled=config.reserve,
                                on_take=self.metrics.reserve_used.inc)
         self.metrics.reserve_bytes.set_function(self.reserve.held_bytes)
         self.restorer = Restorer(*shared, agreement=self.agreement, backups=self.backups,
@@ -133,7 +133,7 @@ class Node:
     def room(self) -> int:
         """Bytes the RAM disk may still take: free (but its last bytes) and the blank
         files set aside for the next save and copies, which those fill."""
-        return (layout.room(self.store.root, DISK_SPARE) + self.reserve.held_bytes()
+        return (spare.room(self.store.root) + self.reserve.held_bytes()
                 + reserved_bytes(self.store.root / WRITER_RESERVE_DIR))
 
     def _note_gc(self, plan: GcPlan) -> None:
@@ -245,7 +245,7 @@ class Node:
         and how its replication is doing (``GetInventory(identify=true)``)."""
         step, waited, late = self.replication.clock.state()
         return pb.Inventory(
-            rank=self.rank, root_id=root_identity(self.store.root, create=False),
+            rank=self.rank, root_id=root_identity(self.store.root),
             config=pb.NodeConfig(nodes=self.config.nodes,
                                  nodes_per_slice=self.config.nodes_per_slice),
             config_error=self.config_error, unreplicated_step=step,

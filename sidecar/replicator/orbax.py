@@ -24,8 +24,11 @@ from typing import Any
 
 import yaml
 
-from mtc import layout
 from mtc.errors import ConfigError
+from mtc.layout import TMP_MARK
+from mtc.sidecar.storage.deleter import remove_step
+from mtc.sidecar.storage.names import tmp_name
+from mtc.sidecar.storage.publish import publish, replace, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +114,7 @@ def take_request(root: Path) -> ClientRequest | None:
         path.unlink(missing_ok=True)
         raise
     rid = uuid.uuid4().hex
-    layout.write_atomic(root / PENDING_NAME, f"{text.rstrip()}\n{RID_COMMENT} {rid}\n")
+    write_atomic(root / PENDING_NAME, f"{text.rstrip()}\n{RID_COMMENT} {rid}\n")
     path.unlink(missing_ok=True)  # consumed: the client goes on to wait for the marker
     return dataclasses.replace(req, restore_id=rid)
 
@@ -152,7 +155,9 @@ def marker_name(job: str, step: int, rank: int) -> str:
 
 
 def clear_markers(root: Path) -> None:
-    for p in root.glob("*.restore"):
+    """Remove the restore markers, and any a crash left half made (hidden, named
+    by :func:`~mtc.sidecar.storage.names.tmp_name`: never ``*.restore``)."""
+    for p in [*root.glob("*.restore"), *root.glob(f".*.restore{TMP_MARK}*")]:
         p.unlink(missing_ok=True)
 
 
@@ -160,14 +165,17 @@ def write_marker(root: Path, job: str, step: int, rank: int, target: Path | None
     """The restore marker: a symlink to ``target``, or an empty step-0 file for none."""
     clear_markers(root)
     final = root / marker_name(job, 0 if target is None else step, rank)
-    tmp = root / f".{final.name}.tmp"
-    tmp.unlink(missing_ok=True)
+    tmp = tmp_name(final)
     if target is None:
         tmp.touch()
     else:
         # Relative, so it resolves inside the RAM disk wherever it is mounted.
         os.symlink(os.path.relpath(target, root), tmp)
-    os.replace(tmp, final)  # the client polls: it must never see a half-made marker
+    try:
+        replace(tmp, final)  # the client polls: it must never see a half-made marker
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return final
 
 
@@ -188,9 +196,9 @@ def hide_step_folders(root: Path, keep_in: Path) -> list[int]:
         if p.is_dir():
             dst = keep_in / name
             if dst.exists():
-                layout.remove_step(root, int(name))
+                remove_step(root, int(name))
             else:
-                os.rename(p, dst)
+                publish(p, dst)
                 moved.append(int(name))
     return moved
 

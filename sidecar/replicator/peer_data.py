@@ -20,11 +20,11 @@ from mtc.errors import CorruptShardError, MtcError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath
-from mtc.sidecar.files import CHUNK
 from mtc.sidecar.replicator import datachannel as dc
 from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.socket_files import RECV_CHUNK, recv_into_fd, send_file
 from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.client import PeerClient

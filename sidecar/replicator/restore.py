@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 
 from mtc import layout
 from mtc.errors import AgreementError, CorruptShardError, MtcError, StepNotFoundError
+from mtc.pool import lower_thread_priority
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar import priority
-from mtc.sidecar.files import copy_verified
 from mtc.sidecar.replicator.decision import check_members, saving_ranks
 from mtc.sidecar.replicator.fetch_plan import fetch_batches, fetch_order, heal_sources
 from mtc.sidecar.replicator.node_agreement import holders_of, holding_of
 from mtc.sidecar.replicator.step_files import FileMeta, inside
+from mtc.sidecar.storage.checksum import copy_verified
+from mtc.sidecar.storage.names import tmp_dir
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.duties import BackupDuties
@@ -47,7 +49,7 @@ def _background_priority() -> None:
     copy takes what they leave, and all of it while they wait. Their nice orders
     them within this process's scheduling group; :meth:`Restorer._materialize_logged`
     has the group yield to the job's too (:mod:`mtc.sidecar.priority`)."""
-    layout.lower_thread_priority(BACKGROUND_NICE)
+    lower_thread_priority(BACKGROUND_NICE)
 
 
 @dataclasses.dataclass
@@ -364,7 +366,7 @@ class Restorer:
             self.metrics.healed.inc(len(bad))
             return "backup" if "backup" in tiers else "peer"
         sources = self._copies_elsewhere(step, invs, run)
-        tmp = (layout.new_tmp_dir(self.store.root, step) if into_root
+        tmp = (tmp_dir(self.store.root, step) if into_root
                else self.store.begin_incoming(self.rank, step))
         try:
             if sources:

@@ -46,8 +46,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from mtc import layout
 from mtc.errors import MtcError
+from mtc.pool import lower_thread_priority
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.store import LocalStore
 
@@ -121,7 +121,7 @@ class Scrubber:
     def run(self) -> None:
         if self.rate <= 0:
             return
-        layout.lower_thread_priority(19)  # behind the job's threads, saves and copies
+        lower_thread_priority(19)  # behind the job's threads, saves and copies
         while not self._stop.is_set():
             wait = self._quiet_until() - time.monotonic()
             if wait > 0:

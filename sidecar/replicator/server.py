@@ -52,7 +52,8 @@ from mtc.sidecar.replicator.security import (
 )
 from mtc.sidecar.replicator.status import answer
 from mtc.sidecar.replicator.step_files import inside
-from mtc.sidecar.replicator.transfers import Transfer, Transfers, room
+from mtc.sidecar.replicator.transfers import Transfer, Transfers
+from mtc.sidecar.storage.spare import room
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.node import Node

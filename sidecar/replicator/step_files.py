@@ -16,7 +16,7 @@ from mtc import validate
 from mtc.errors import FatalError, MtcError, UnsafePathError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest
-from mtc.sidecar import files
+from mtc.sidecar.storage.checksum import file_crc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,15 +65,6 @@ def inside(base: Path, rel: str) -> Path:
     return target
 
 
-def file_crc(path: Path) -> int:
-    """The CRC32C of a file (:func:`mtc.sidecar.files.file_crc`, one pass)."""
-    return files.file_crc(path)[1]
-
-
-file_sha256 = files.file_sha256
-copy_verified = files.copy_verified
-
-
 def fingerprint_of(files: Sequence[FileMeta]) -> int:
     """CRC32C of a file list, in path order: identifies a copy's bytes."""
     text = json.dumps(sorted(f.to_json() for f in files), separators=(",", ":"))
@@ -95,7 +86,7 @@ def _walk(step_dir: Path) -> list[FileMeta]:
             paths.append(p)
 
     def meta(p: Path) -> FileMeta:
-        return FileMeta(p.relative_to(step_dir).as_posix(), p.stat().st_size, file_crc(p))
+        return FileMeta(p.relative_to(step_dir).as_posix(), p.stat().st_size, file_crc(p)[1])
 
     if len(paths) < 2:
         out = [meta(p) for p in paths]

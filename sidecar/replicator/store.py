@@ -35,14 +35,12 @@ import os
 import shutil
 import stat
 import threading
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mtc import layout
 from mtc.errors import CorruptShardError, MtcError
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
-from mtc.sidecar import files
 from mtc.sidecar.confine import is_real_dir, real_dir
 from mtc.sidecar.quarantine import links_of, quarantine
 from mtc.sidecar.replicator import claims
@@ -54,11 +52,13 @@ from mtc.sidecar.replicator.step_files import (
     inside,
     not_ours,
 )
+from mtc.sidecar.storage.deleter import clean_uncommitted, remove_step
+from mtc.sidecar.storage.names import tmp_dir
+from mtc.sidecar.storage.publish import publish, replace, write_atomic
 
 log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".mtc-replica"
-CHUNK = files.CHUNK
 
 
 class LocalStore:
@@ -89,7 +89,7 @@ class LocalStore:
         real_dir(self.replicas)
         for origin_dir in self.replicas.iterdir():
             if is_real_dir(origin_dir):
-                layout.clean_uncommitted(origin_dir)
+                clean_uncommitted(origin_dir)
 
     # -- paths --------------------------------------------------------------
 
@@ -274,7 +274,7 @@ class LocalStore:
         for rel, src in fixed.items():
             dst = inside(base, rel)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
+            replace(src, dst)
             self.checksums.note_verified(dst, metas[rel])
         bad = self.verify(origin, step)
         if bad:
@@ -367,7 +367,7 @@ class LocalStore:
     def begin_incoming(self, origin: int, step: int) -> Path:
         real_dir(self.replicas)
         d = real_dir(self.replicas / str(origin))
-        tmp = d / f"{step}{layout.TMP_MARK}{uuid.uuid4().hex[:12]}"
+        tmp = tmp_dir(d, step)
         tmp.mkdir()
         return tmp
 
@@ -389,8 +389,8 @@ class LocalStore:
             # and again), or is not a folder: the verified one received takes its place.
             self._replace_held(origin, step)
         desc = self._descriptor(origin, step)
-        layout.write_atomic(desc, json.dumps([f.to_json() for f in files]))
-        os.rename(tmp, final)
+        write_atomic(desc, json.dumps([f.to_json() for f in files]))
+        publish(tmp, final)
         with self._lock:
             self._described[(origin, step)] = (os.stat(final).st_ino, files)
             self._damaged.discard((origin, step))
@@ -410,7 +410,7 @@ class LocalStore:
         if os.path.islink(final) or not os.path.isdir(final):
             os.unlink(final)
         else:
-            layout.remove_step(self.replicas / str(origin), step)
+            remove_step(self.replicas / str(origin), step)
         self._descriptor(origin, step).unlink(missing_ok=True)
         self.checksums.forget(final)
         with self._lock:
@@ -426,7 +426,7 @@ class LocalStore:
                 if not p.is_file() or p.stat().st_size != f.size:
                     raise CorruptShardError("restored copy is incomplete", step=step,
                                             host=self.rank, path=str(p))
-            layout.commit(tmp, self.root / str(step))
+            publish(tmp, self.root / str(step))
             with self._lock:
                 self._described[(self.rank, step)] = (
                     os.stat(self.root / str(step)).st_ino, files)
@@ -443,11 +443,11 @@ class LocalStore:
         real_dir(self.replicas)
         d = real_dir(self.replicas / str(self.rank))
         if (d / str(step)).exists():
-            layout.remove_step(self.root, step)
+            remove_step(self.root, step)
             return
         desc = self._descriptor(self.rank, step)
-        layout.write_atomic(desc, json.dumps([f.to_json() for f in files]))
-        os.rename(src, d / str(step))
+        write_atomic(desc, json.dumps([f.to_json() for f in files]))
+        publish(src, d / str(step))
         with self._lock:
             self._described[(self.rank, step)] = (os.stat(d / str(step)).st_ino, files)
 
@@ -456,10 +456,10 @@ class LocalStore:
         if origin == self.rank and in_root.is_symlink() and self.owns(step):
             in_root.unlink()  # a restored step: the link in the root, data in the replica area
         if origin == self.rank and self.owns(step):
-            layout.remove_step(self.root, step)
+            remove_step(self.root, step)
             self.checksums.forget(in_root)
         else:
-            layout.remove_step(self.replicas / str(origin), step)
+            remove_step(self.replicas / str(origin), step)
             self._descriptor(origin, step).unlink(missing_ok=True)
             self.checksums.forget(self.replicas / str(origin) / str(step))
         with self._lock:

@@ -16,17 +16,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from mtc import layout
 from mtc.errors import BusyError
 from mtc.sidecar.replicator.step_files import FileMeta
 
-DISK_SPARE = 64 << 20  # the RAM disk's last bytes, never promised to copies
 RESERVE_DIR = ".mtc-reserve"  # the replicator's blank files (mtc.sidecar.reserve)
-
-
-def room(root: Path) -> int:
-    """Bytes of ``root``'s RAM disk that copies may still take."""
-    return layout.room(root, DISK_SPARE)
 
 
 class Transfer:

@@ -70,16 +70,16 @@ class Restarts(Worker):
     def hold_commit(step: int) -> None:
         """This process's host never commits ``step``: its writer waits at the commit
         (until the process is killed)."""
-        from mtc import layout
+        from mtc.sidecar import write
 
-        commit = layout.commit
+        commit = write.publish
 
         def held(tmp: Path, final: Path) -> None:
             if final.name == str(step):
                 threading.Event().wait()
             commit(tmp, final)
 
-        layout.commit = held  # type: ignore[assignment]
+        write.publish = held  # type: ignore[assignment]
 
     def kill(self) -> None:
         from jax.experimental import multihost_utils

@@ -1,13 +1,12 @@
-"""Host files: the one place a host's processes checksum, copy and write files on
-their RAM disk (only a host's own processes touch it), and the chunk size and
-temporary names they use. The replicator's store, its data channel, the backups
-and the host side all take these from here.
+"""A file's checksums on a host, and a copy checked as it is made: the one place a
+host's processes checksum a file (a buffer's CRC32C is :func:`mtc.integrity.crc32c`,
+a pure function the controller uses too). The replicator's store, its data channel,
+the backups and the host side all take these from here.
 
 - :data:`CHUNK`: bytes per read (and per receive) of a shard file;
-- :data:`TMP_MARK`, :func:`tmp_name`: a name being written (never read as a step
-  or an object); :func:`write_atomic`: a file whole or not at all;
 - :func:`file_crc`, :func:`file_sha256`: a file's checksums, one pass;
-- :func:`copy_verified`: a new file with another's bytes, checked as copied.
+- :func:`copy_verified`: a new file with another's bytes, checked as copied;
+  :func:`copy_stream`: a copy with a running CRC32C (a backup store's too).
 """
 
 from __future__ import annotations
@@ -16,26 +15,16 @@ import fcntl
 import hashlib
 import os
 import stat
-import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
-from mtc.layout import TMP_MARK as TMP_MARK
-from mtc.layout import write_atomic as write_atomic
 
 CHUNK = 4 << 20
+# A stream to or from a backup store: larger reads, fewer calls.
+STREAM_CHUNK = 8 << 20
 FICLONE = 0x40049409  # ioctl: share a file's extents copy-on-write (btrfs, xfs)
-
-
-def tmp_name(path: Path) -> Path:
-    """A unique hidden sibling of ``path`` to write before an ``os.replace``."""
-    return path.with_name(f".{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
-
-
-def is_tmp(name: str) -> bool:
-    return TMP_MARK in name
 
 
 def read_buffer(f: Any, chunk: int = CHUNK) -> memoryview:
@@ -65,7 +54,8 @@ def file_sha256(path: str | os.PathLike[str], chunk: int = CHUNK) -> bytes:
 
 
 def file_crc(path: str | os.PathLike[str], chunk: int = CHUNK) -> tuple[int, int]:
-    """(size, CRC32C) of a file, read ``chunk`` bytes at a time."""
+    """(size, CRC32C) of a file, read ``chunk`` bytes at a time (through a buffer no
+    bigger than the file): what a copy's description states, both checked."""
     crc = n = 0
     with open(path, "rb", buffering=0) as f:
         view = read_buffer(f, chunk)
@@ -86,7 +76,7 @@ def copy_verified(src: Path, dst: Path, size: int, crc: int) -> str:
                 fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
                 how = "reflink"
             except OSError:  # tmpfs and most file systems: no shared extents
-                got, value = _copy_with_crc(fin, fout)
+                got, value = copy_stream(fin, fout)
         if how == "reflink":  # the clone's bytes are the source's: check them once
             got, value = file_crc(dst)
         if got != size or value != crc:
@@ -98,11 +88,23 @@ def copy_verified(src: Path, dst: Path, size: int, crc: int) -> str:
     return how
 
 
-def _copy_with_crc(fin: Any, fout: Any) -> tuple[int, int]:
-    view = read_buffer(fin, CHUNK)
-    value = got = 0
-    while n := fin.readinto(view):
-        value = crc32c(view[:n], value)
-        fout.write(view[:n])
-        got += n
-    return got, value
+def copy_stream(src: IO[Any], dst: IO[Any], crc: int = 0,
+                chunk: int = CHUNK) -> tuple[int, int]:
+    """Copy ``src`` to its end into ``dst``, ``chunk`` bytes at a time; returns
+    (bytes copied, running CRC32C from ``crc``). ``src`` may be a file or any
+    stream with ``read`` (a backup store's)."""
+    view = read_buffer(src, chunk)
+    n = 0
+    while k := _read_into(src, view):
+        crc = crc32c(view[:k], crc)
+        dst.write(view[:k])
+        n += k
+    return n, crc
+
+
+def _read_into(src: IO[Any], view: memoryview) -> int:
+    if hasattr(src, "readinto"):
+        return src.readinto(view) or 0
+    data = src.read(len(view))
+    view[: len(data)] = data
+    return len(data)
