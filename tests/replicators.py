@@ -286,15 +286,9 @@ class Cluster:
         raise TimeoutError(f"missing after {timeout}s: {sorted(want - self.held())}")
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        """Until every rank's step is held by a rank of another slice (mtc.testing's
-        condition, the one users' tests wait on)."""
-        def ask(r: int) -> set[tuple[int, int]] | None:
-            if r not in self.procs:
-                return None
-            return {(c.origin_rank, c.step) for c in self.inventory(r).copies}
-
-        replicas.wait_replicated(ask, step, [r // self.per_slice for r in range(self.n)],
-                                 timeout)
+        """Until every rank's step is held by its peer (mtc.testing's condition, the
+        one users' tests wait on)."""
+        replicas.wait_replicated(self.held, step, self.n, self.per_slice, timeout)
 
 
 def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials,
