@@ -107,7 +107,8 @@ def test_a_step_some_hosts_hold_does_not_count_as_the_newest() -> None:
     """Host 1 lost step 10 (never complete): 10 is due again, the first decision made
     from the save's own listing of the hosts."""
     d, flow, _ = flows(2, save_interval_steps=5)
-    d.commit(0, 5), d.commit(1, 5), d.commit(0, 10)
+    for h, s in ((0, 5), (1, 5), (0, 10)):
+        d.commit(h, s)
     assert save(flow, 10)
     assert d.ops("delete") == [(10, (0,))]
 
