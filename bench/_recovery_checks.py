@@ -69,7 +69,7 @@ def wait_own_copy(cluster: LocalCluster, host: int, step: int, timeout: float = 
 
 def held(cluster: LocalCluster) -> set[tuple[int, int, int]]:
     """(holder, origin, step) of every complete peer copy the cluster's replicators hold
-    (for mtc.trainer.replicated.wait_replicated)."""
+    (for mtc.testing.replicas.wait_replicated)."""
     return {(r, o, s) for r, addr in enumerate(cluster.addresses)
             for o, s in inventory(addr, r, cluster.token())}
 

@@ -81,8 +81,8 @@ from save_restore import LEAF_COLS, LEAF_ROWS, make_state
 
 import mtc
 from mtc.options import Dispatch
+from mtc.testing.replicas import wait_replicated
 from mtc.trainer.cluster import LocalCluster
-from mtc.trainer.replicated import wait_replicated
 
 MIB = 1 << 20
 AXES = ("replica", "model")

@@ -25,8 +25,8 @@ from mtc.sidecar.backup.job import BackupStore
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.security import Credentials
+from mtc.testing.replicas import wait_replicated
 from mtc.trainer.isolation import Hosts
-from mtc.trainer.replicated import wait_replicated
 
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there

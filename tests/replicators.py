@@ -14,6 +14,7 @@ roots stay plain folders this process can see (no private mount namespaces).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -220,6 +221,25 @@ class Cluster:
                     f"{self.log_text(r)[-2000:]}")
                 time.sleep(0.05)
 
+    def wait_sample(self, rank: int, sample: str, at_least: float,
+                    timeout: float = 30.0) -> None:
+        """Until rank's Prometheus ``sample`` (as :meth:`scrape` names it) is at least
+        ``at_least`` (needs ``metrics``; a replicator not serving them yet counts as
+        below): e.g. ``mtc_restores_waiting`` 1, a restore it serves waits for its
+        coordinator's decision."""
+        assert self.metrics, "Cluster(metrics=True) serves the samples"
+        deadline = time.monotonic() + timeout
+        got = None
+        while True:
+            with contextlib.suppress(OSError):
+                got = self.scrape(rank).get(sample)
+            if got is not None and got >= at_least:
+                return
+            assert time.monotonic() < deadline, (
+                f"rank {rank}'s {sample} is {got}, not {at_least}, after {timeout}s: "
+                f"{self.log_text(rank)[-2000:]}")
+            time.sleep(0.05)
+
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         wait_healthy(self.addrs[rank], lambda: self.procs[rank].poll() is None, self.creds,
                      lambda: (self.logs / f"replicator-{rank}.log").read_text()[-2000:],
@@ -266,15 +286,9 @@ class Cluster:
         raise TimeoutError(f"missing after {timeout}s: {sorted(want - self.held())}")
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        """Until every rank's step is held by a rank of another slice (mtc.testing's
-        condition, the one users' tests wait on)."""
-        def ask(r: int) -> set[tuple[int, int]] | None:
-            if r not in self.procs:
-                return None
-            return {(c.origin_rank, c.step) for c in self.inventory(r).copies}
-
-        replicas.wait_replicated(ask, step, [r // self.per_slice for r in range(self.n)],
-                                 timeout)
+        """Until every rank's step is held by its peer (mtc.testing's condition, the
+        one users' tests wait on)."""
+        replicas.wait_replicated(self.held, step, self.n, self.per_slice, timeout)
 
 
 def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials,

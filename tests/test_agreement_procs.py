@@ -34,7 +34,7 @@ def commit_everywhere(cl: Cluster, steps: tuple[int, ...]) -> None:
 
 def test_replicator_killed_and_restarted_during_a_restore(ramdisk: Path,
                                                           clusters: list[Cluster]) -> None:
-    cl = new_cluster(clusters, ramdisk, 4, 2)
+    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
     commit_everywhere(cl, (1, 2))
     for r in (0, 1, 3):
         cl.launch(r)
@@ -54,7 +54,7 @@ def test_replicator_killed_and_restarted_during_a_restore(ramdisk: Path,
 
     t = threading.Thread(target=restore)
     t.start()
-    time.sleep(1.5)
+    cl.wait_sample(1, "mtc_decide_calls_total", 1)  # rank 1 asks the coordinator
     assert t.is_alive(), result
     cl.kill(1)
     cl.start(1)
@@ -143,7 +143,7 @@ def test_orbax_yaml_to_a_replicator_started_for_mtc_fails_at_once(
 
 def test_sigterm_shuts_down_gracefully_even_during_a_restore(
         ramdisk: Path, clusters: list[Cluster]) -> None:
-    cl = new_cluster(clusters, ramdisk, 2, 1)
+    cl = new_cluster(clusters, ramdisk, 2, 1, metrics=True)
     cl.start_all()
     # Rank 1 waits for a decision that cannot come (rank 0 never asks) ...
     errors: list[Exception] = []
@@ -160,7 +160,7 @@ def test_sigterm_shuts_down_gracefully_even_during_a_restore(
 
     t = threading.Thread(target=ask)
     t.start()
-    time.sleep(1.0)
+    cl.wait_sample(1, "mtc_decide_calls_total", 1)
     proc = cl.procs[1]
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)  # ... and is told to stop: it ends the wait and exits
@@ -213,7 +213,7 @@ def test_orbax_request_taken_before_a_sigkill_is_served_after_the_restart(
         initialization,
     )
 
-    cl = new_cluster(clusters, ramdisk, 2, 1, orbax=True)
+    cl = new_cluster(clusters, ramdisk, 2, 1, orbax=True, metrics=True)
     for r in range(2):
         cl.commit(r, 3, {"x.bin": os.urandom(256)})
         initialization._create_replicator_file(
@@ -224,7 +224,8 @@ def test_orbax_request_taken_before_a_sigkill_is_served_after_the_restart(
     while (cl.root(0) / orbax.YAML_NAME).exists():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(0.5)
+    # Rank 0 (the coordinator) waits for rank 1's ask when it is killed.
+    cl.wait_sample(0, "mtc_restores_waiting", 1)
     cl.kill(0)  # the client saw its yaml consumed; the request must not be lost
     cl.launch(0)
     cl.launch(1)

@@ -382,7 +382,12 @@ def test_streams_cannot_freeze_a_replicator(net: Net) -> None:
         with futures.ThreadPoolExecutor(36) as pool:
             t0 = time.monotonic()
             results = [pool.submit(slow, i) for i in range(36)]
-            time.sleep(0.5)
+            # Every stream started and the server already refusing some: the flood is
+            # there before the probes (not a sleep a loaded machine may not honour).
+            deadline = time.monotonic() + 10
+            while len(starts) < 36 or not any(f.done() for f in results):
+                assert time.monotonic() < deadline, (len(starts), "none refused")
+                time.sleep(0.01)
             for _ in range(5):  # the server answers while they drip
                 t1 = time.monotonic()
                 stub.GetInventory(pb.InventoryRequest(), timeout=2, metadata=AUTH)

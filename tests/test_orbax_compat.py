@@ -42,8 +42,8 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.host.ports import free_ports
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.security import Credentials
+from mtc.testing.replicas import wait_replicated
 from mtc.trainer.isolation import Hosts
-from mtc.trainer.replicated import wait_replicated
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

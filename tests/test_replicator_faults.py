@@ -248,7 +248,8 @@ def test_a_member_that_asks_late_is_waited_for_across_calls(tmp_path: Path,
 
     with ThreadPoolExecutor(1) as pool:
         early = pool.submit(ask, 1)
-        time.sleep(DECIDE_CALL_S + 2)
+        # Rank 1's first Decide call ran out (after DECIDE_CALL_S) and the ask went again.
+        cl.wait_sample(1, "mtc_decide_calls_total", 2, timeout=DECIDE_CALL_S + 20)
         assert not early.done()
         late = ask(0)
         assert (early.result(timeout=30).step, late.step) == (4, 4)

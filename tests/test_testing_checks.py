@@ -8,23 +8,6 @@ import pytest
 
 from mtc.testing import Restore, assert_same_values, assert_tiers
 from mtc.testing.checks import tier_problems, value_problems
-from mtc.testing.replicas import unreplicated
-
-SLICES_2x2 = [0, 0, 1, 1]
-
-
-@pytest.mark.parametrize(("held", "missing"), [
-    ({}, [0, 1, 2, 3]),
-    # each host's own copy does not count: a copy must be in another slice
-    ({h: {(h, 5)} for h in range(4)}, [0, 1, 2, 3]),
-    ({0: {(2, 5)}, 1: {(3, 5)}, 2: {(0, 5)}, 3: {(1, 5)}}, []),
-    # host 1 holds host 0's step: the same slice, it does not count
-    ({1: {(0, 5)}, 3: {(1, 5)}}, [0, 2, 3]),
-    ({1: {(0, 5)}, 2: {(0, 5), (1, 5)}, 3: {(1, 5)}}, [2, 3]),
-    ({0: {(2, 4), (3, 5)}, 2: {(0, 5), (1, 5)}}, [2]),  # another step is not this one
-])
-def test_unreplicated(held: dict[int, set[tuple[int, int]]], missing: list[int]) -> None:
-    assert unreplicated(held, 5, SLICES_2x2) == missing
 
 
 @pytest.mark.parametrize(("got", "want", "problems"), [

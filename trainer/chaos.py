@@ -228,32 +228,25 @@ def damage(path: Path, how: str) -> None:
 
 def replicated_everywhere(cluster: LocalCluster) -> int:
     """Newest step every host committed and its peer holds (-1: none)."""
-    from mtc.proto import replicator_pb2 as pb
-    from mtc.sidecar.replicator.client import PeerClient, PeerError
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.testing import replicas
 
     n, per = cluster.num_hosts, cluster.hosts_per_slice
-    held: dict[int, set[tuple[int, int]]] = {}
-    creds = Credentials(token=cluster.token())
+    copies: set[replicas.Copy] = set()
     for r, a in enumerate(cluster.addresses):
-        c = PeerClient(a, creds, rank=r, deadline_s=5.0)
-        try:
-            held[r] = {(x.origin_rank, x.step) for x in
-                       c.call("GetInventory", pb.InventoryRequest(), attempts=1).copies}
-        except PeerError:
+        got = replicas.held(a, r, cluster.token())
+        if got is None:
             return -1
-        finally:
-            c.close()
-    steps = {s for _, s in held[0] if _ == 0}
-    good = [s for s in steps
-            if all((o, s) in held[o] and (o, s) in held[(o + per) % n] for o in range(n))]
+        copies |= {(r, o, s) for o, s in got}
+    steps = {s for h, o, s in copies if h == o == 0}
+    good = [s for s in steps if all((o, o, s) in copies for o in range(n))
+            and not replicas.unreplicated(copies, s, n, per)]
     return max(good, default=-1)
 
 
 def newest_replicated(cluster: LocalCluster, step: int, timeout: float) -> int:
     """:func:`replicated_everywhere` once it reaches ``step``, or what it is after
     ``timeout`` seconds (a fault may have kept ``step`` from its peer): never fails,
-    unlike mtc.trainer.replicated.wait_replicated."""
+    unlike mtc.testing.replicas.wait_replicated."""
     deadline = time.monotonic() + timeout
     got = -1
     while time.monotonic() < deadline:

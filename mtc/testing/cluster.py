@@ -178,9 +178,12 @@ class TestCluster:
     # -- waits on what the replicators report -----------------------------------------
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        """Until every host's data of ``step`` is held by a host of another slice
-        (a TimeoutError naming the hosts whose copy is missing after ``timeout``)."""
-        replicas.wait_replicated(self._ask, step, self.local.slice_list(), timeout)
+        """Until every host's data of ``step`` is held by its peer, the host of the
+        next slice with its in-slice index (a TimeoutError naming the hosts whose
+        copy is missing after ``timeout``)."""
+        replicas.wait_replicated(
+            lambda: {(h, o, s) for h, got in self.held().items() for o, s in got},
+            step, self.num_hosts, self.local.hosts_per_slice, timeout)
 
     def wait_backed_up(self, step: int, timeout: float = 60.0) -> None:
         """Until ``step`` is complete in the backup (every host's data and the commit

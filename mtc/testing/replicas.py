@@ -1,44 +1,61 @@
 """What the replicators report, and waits on it: a test waits on a condition, never a sleep.
 
 The conditions are pure functions of the replicators' inventories
-(:func:`unreplicated`, :func:`missing_backup`); the waits ask every running
-replicator (``GetInventory``, as ``mtc status`` does) until they hold.
+(:func:`unreplicated`); the waits ask every running replicator (``GetInventory``,
+as ``mtc status`` does) until they hold. One definition of a replicated step for
+mtc.testing, the benchmarks, the chaos run and the tests' harnesses: every host's
+data of it held on each host its replicator copies it to (``targets``: its peer
+in the next slice, the same in-slice index, with ``--replicas 1``, the local
+cluster's), the copy a restore of that host falls back on. Any host of another
+slice is not enough: only the peer group can stand in for a host on restore.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection
 
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.config import targets
 from mtc.sidecar.replicator.security import Credentials
 
 POLL_S = 0.05  # between two rounds of inventories: a few small RPCs per host
 
-# Per host, the (origin host, step) copies its replicator holds; None: it does not run.
-Ask = Callable[[int], set[tuple[int, int]] | None]
+Copy = tuple[int, int, int]  # (holder, origin host, step)
 
 
-def unreplicated(held: Mapping[int, set[tuple[int, int]]], step: int,
-                 slice_of: Sequence[int]) -> list[int]:
-    """The hosts whose data of ``step`` no host of another slice holds."""
-    return [o for o in range(len(slice_of))
-            if not any((o, step) in copies for h, copies in held.items()
-                       if slice_of[h] != slice_of[o])]
+def peer_copies(step: int, num_hosts: int, hosts_per_slice: int,
+                replicas: int = 1) -> set[Copy]:
+    """The copies that make ``step`` replicated: each host's on each of its targets."""
+    return {(t, o, step) for o in range(num_hosts)
+            for t in targets(o, num_hosts, hosts_per_slice, replicas)}
 
 
-def wait_replicated(ask: Ask, step: int, slice_of: Sequence[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+def unreplicated(held: Collection[Copy], step: int, num_hosts: int,
+                 hosts_per_slice: int) -> list[int]:
+    """The hosts whose data of ``step`` is missing on one of their targets (``held``:
+    the (holder, origin, step) copies the replicators hold)."""
+    missing = peer_copies(step, num_hosts, hosts_per_slice) - set(held)
+    return sorted({o for _, o, _ in missing})
+
+
+def wait_replicated(held: Callable[[], Collection[Copy]], step: int, num_hosts: int,
+                    hosts_per_slice: int, timeout: float, poll_s: float = POLL_S) -> float:
+    """Until ``held()`` (the (holder, origin, step) copies the replicators hold now)
+    has every host's peer copy of ``step``; returns the seconds waited. TimeoutError,
+    naming the copies missing, after ``timeout`` seconds."""
+    want = peer_copies(step, num_hosts, hosts_per_slice)
+    t0 = time.monotonic()
     while True:
-        held = {h: got for h in range(len(slice_of)) if (got := ask(h)) is not None}
-        missing = unreplicated(held, step, slice_of)
+        missing = want - set(held())
         if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"step {step} of hosts {missing} has no copy in another "
-                               f"slice after {timeout}s")
-        time.sleep(POLL_S)
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"step {step} of hosts {sorted({o for _, o, _ in missing})} "
+                               f"is not on its peer after {timeout}s: missing (holder, "
+                               f"origin, step) {sorted(missing)}")
+        time.sleep(poll_s)
 
 
 def wait_backed_up(ask_backup: Callable[[], list[int]], step: int, timeout: float) -> None:

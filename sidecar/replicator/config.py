@@ -87,13 +87,11 @@ class ReplicatorConfig:
 
     def peer_group(self, rank: int) -> list[int]:
         """Ranks with ``rank``'s in-slice index, ``rank`` first, then slice by slice after it."""
-        i, s = rank % self.nodes_per_slice, self.slice_of(rank)
-        return [((s + k) % self.num_slices) * self.nodes_per_slice + i
-                for k in range(self.num_slices)]
+        return peer_group(rank, self.num_nodes, self.nodes_per_slice)
 
     def targets(self, rank: int) -> list[int]:
         """Where ``rank``'s steps are copied."""
-        return self.peer_group(rank)[1:1 + self.replicas]
+        return targets(rank, self.num_nodes, self.nodes_per_slice, self.replicas)
 
     def equivalent(self, rank: int) -> list[int]:
         """Ranks whose data can stand in for ``rank``'s on restore.
@@ -102,3 +100,17 @@ class ReplicatorConfig:
         a host from any member of its peer group.
         """
         return self.peer_group(rank) if self.framework == "orbax" else [rank]
+
+
+def peer_group(rank: int, num_nodes: int, nodes_per_slice: int) -> list[int]:
+    """Ranks with ``rank``'s in-slice index, ``rank`` first, then slice by slice after it."""
+    i, s = rank % nodes_per_slice, rank // nodes_per_slice
+    num_slices = num_nodes // nodes_per_slice
+    return [((s + k) % num_slices) * nodes_per_slice + i for k in range(num_slices)]
+
+
+def targets(rank: int, num_nodes: int, nodes_per_slice: int, replicas: int = 1) -> list[int]:
+    """Where ``rank``'s steps are copied: the next ``replicas`` members of its peer
+    group. A step is replicated when it is on every one of them (what the
+    replicator reports, and what mtc.testing's wait_replicated waits for)."""
+    return peer_group(rank, num_nodes, nodes_per_slice)[1:1 + replicas]

@@ -75,6 +75,13 @@ class Metrics:
         self.passes = Counter("mtc_loop_passes",
                               "Passes a loop finished without failing, by loop "
                               "(replication, backup)", ["loop"], registry=r)
+        # What tests wait on before acting on a restore that waits for its decision.
+        self.restores_waiting = Gauge("mtc_restores_waiting",
+                                      "Restores on this node waiting for their "
+                                      "coordinator's decision", registry=r)
+        self.decide_calls = Counter("mtc_decide_calls",
+                                    "Decide calls this node made to its coordinator (a long "
+                                    "wait takes several)", registry=r)
         for state in ("committed", "replicated", "backed_up"):
             self.newest.labels(state).set(-1)
 

@@ -295,10 +295,11 @@ class NodeAgreement:
         group = check_members(members, self.config.num_nodes, self.rank)
         c = group[0]
         self._asking_rid = rid
-        if c == self.rank:
-            d = self.decide_for(self.rank, rid, timeout, group, started_ns)
-        else:
-            d = self._ask(c, rid, group, timeout, deadline, started_ns)
+        with self.metrics.restores_waiting.track_inprogress():
+            if c == self.rank:
+                d = self.decide_for(self.rank, rid, timeout, group, started_ns)
+            else:
+                d = self._ask(c, rid, group, timeout, deadline, started_ns)
         # Not a re-issued ask of a decision already read (same epoch, same restore id).
         fresh = (d.epoch, d.restore_id) != (self.last_decision.epoch,
                                             self.last_decision.restore_id) or not d.restore_id
@@ -344,6 +345,7 @@ class NodeAgreement:
                 # first and be named as missing. Near the end, one call carries it all.
                 call_s = max(0.1, left if left <= DECIDE_CALL_S + 2.0 else DECIDE_CALL_S)
                 t_call = time.monotonic()
+                self.metrics.decide_calls.inc()
                 return checks.decision(self.peers[c].call(
                     "Decide", req, deadline_s=call_s, attempts=1).decision, host=c)
             except PeerError as e:

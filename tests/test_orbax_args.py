@@ -1,0 +1,106 @@
+"""mtc.orbax_args alone: which ``ocp.args`` requests mtc takes, the state or targets
+each names, and the typed refusals (Orbax's own classes; no manager, no process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mtc import orbax_args
+from mtc.errors import ConfigError
+
+STATE = {"w": np.arange(4.0), "step": 3}
+# ids= wherever a Composite is a parameter: pytest reads its __name__, which a
+# Composite answers with KeyError.
+
+
+@pytest.mark.parametrize(("x", "want"), [
+    (ocp.args.StandardSave(STATE), True),
+    (ocp.args.Composite(state=ocp.args.StandardSave(STATE)), True),
+    (ocp.args.StandardRestore(), True),
+    (STATE, False),
+    (None, False),
+], ids=["save", "composite", "restore", "a pytree", "none"])
+def test_is_orbax_args(x: Any, want: bool) -> None:
+    assert orbax_args.is_orbax_args(x) is want
+
+
+@pytest.mark.parametrize(("args", "state", "items"), [
+    (ocp.args.StandardSave(STATE), STATE, None),
+    (ocp.args.PyTreeSave(STATE), STATE, None),
+    (ocp.args.JsonSave({"lr": 0.1}), {"lr": 0.1}, None),
+    (ocp.args.Composite(state=ocp.args.StandardSave(STATE),
+                        meta=ocp.args.JsonSave({"lr": 0.1})),
+     {"state": STATE, "meta": {"lr": 0.1}}, ("state", "meta")),
+], ids=["standard", "pytree", "json", "composite"])
+def test_the_state_a_save_request_names(args: Any, state: Any,
+                                        items: tuple[str, ...] | None) -> None:
+    assert orbax_args.save_state(args) == state
+    assert orbax_args.composite_items(args) == items
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (ocp.args.PyTreeSave(STATE, save_args={"w": ocp.SaveArgs()}), "save_args is not"),
+    (ocp.args.StandardRestore(STATE), "cannot save StandardRestoreArgs"),
+    (ocp.args.Composite(state=ocp.args.ArraySave(np.zeros(2))), "cannot save"),
+], ids=["save_args", "a restore request", "an array item"])
+def test_a_save_request_mtc_cannot_honour_is_refused(args: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        orbax_args.save_state(args)
+
+
+def test_restore_targets() -> None:
+    assert orbax_args.restore_targets(ocp.args.StandardRestore(STATE)) == (None, STATE)
+    assert orbax_args.restore_targets(ocp.args.Composite(
+        state=ocp.args.StandardRestore(STATE), meta=None)) == {"state": STATE, "meta": None}
+    with pytest.raises(ConfigError, match="transforms is not supported"):
+        orbax_args.restore_targets(ocp.args.PyTreeRestore(STATE, transforms={}))
+    with pytest.raises(ConfigError, match="cannot restore StandardSaveArgs"):
+        orbax_args.restore_targets(ocp.args.StandardSave(STATE))
+
+
+def test_restore_args_describe_the_target() -> None:
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec("x"))
+    ra = {"w": ocp.ArrayRestoreArgs(sharding=sharding, dtype=np.float32, global_shape=(4,)),
+          "step": ocp.RestoreArgs()}
+    got = orbax_args.restore_targets(ocp.args.PyTreeRestore(restore_args=ra))
+    assert got == (None, {"w": jax.ShapeDtypeStruct((4,), np.float32, sharding=sharding),
+                          "step": None})
+    # What restore_args leave out comes from item=; with neither, a typed refusal.
+    item = {"w": jax.ShapeDtypeStruct((4,), np.float64), "step": 3}
+    no_dtype = {"w": ocp.ArrayRestoreArgs(sharding=sharding, global_shape=(4,)),
+                "step": ocp.RestoreArgs()}
+    assert orbax_args.restore_targets(ocp.args.PyTreeRestore(item, restore_args=no_dtype)) == (
+        None, {"w": jax.ShapeDtypeStruct((4,), np.float64, sharding=sharding), "step": 3})
+    with pytest.raises(ConfigError, match="gives no dtype"):
+        orbax_args.restore_targets(ocp.args.PyTreeRestore(restore_args=no_dtype))
+
+
+@pytest.mark.parametrize(("names", "want"), [
+    (None, None),
+    (["state", "meta"], ("state", "meta")),
+    (("state",), ("state",)),
+    ("state", ConfigError),  # a string is not a list of names
+    (["state", "state"], ConfigError),
+    (["state", ""], ConfigError),
+    ([1], ConfigError),
+])
+def test_check_item_names(names: Any, want: Any) -> None:
+    if want is ConfigError:
+        with pytest.raises(ConfigError, match="distinct item names"):
+            orbax_args.check_item_names(names)
+    else:
+        assert orbax_args.check_item_names(names) == want
+
+
+def test_the_restored_composite_is_the_requests_class() -> None:
+    request = ocp.args.Composite(state=ocp.args.StandardRestore())
+    got = orbax_args.composite_result(request, {"state": STATE})
+    assert type(got) is type(request)
+    assert got.state is STATE and got["state"] is STATE

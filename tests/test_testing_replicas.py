@@ -1,0 +1,66 @@
+"""mtc.testing.replicas: which copies make a step replicated (the replicators'
+own placement, ``ReplicatorConfig.targets``), and the bounded wait on them
+(``held`` here is a list of answers, as the harnesses' inventories give)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.testing.replicas import peer_copies, unreplicated, wait_replicated
+
+Copy = tuple[int, int, int]
+
+
+@pytest.mark.parametrize(("hosts", "per_slice", "want"), [
+    (2, 1, {(1, 0, 7), (0, 1, 7)}),
+    (4, 2, {(2, 0, 7), (3, 1, 7), (0, 2, 7), (1, 3, 7)}),
+    (6, 3, {(3, 0, 7), (4, 1, 7), (5, 2, 7), (0, 3, 7), (1, 4, 7), (2, 5, 7)}),
+    # three slices: each host's copy is in the next slice, the last slice's in the first
+    (6, 2, {(2, 0, 7), (3, 1, 7), (4, 2, 7), (5, 3, 7), (0, 4, 7), (1, 5, 7)}),
+])
+def test_each_hosts_copy_is_on_the_host_a_slice_on(hosts: int, per_slice: int,
+                                                   want: set[Copy]) -> None:
+    assert peer_copies(7, hosts, per_slice) == want
+
+
+@pytest.mark.parametrize(("hosts", "per_slice", "replicas"),
+                         [(2, 1, 1), (4, 2, 1), (6, 2, 1), (6, 2, 2), (8, 2, 3), (4, 1, 2)])
+def test_the_copies_are_where_the_replicators_push(hosts: int, per_slice: int,
+                                                   replicas: int) -> None:
+    nodes = tuple(f"h{r}:1" for r in range(hosts))
+    pushed = {(t, r, 3) for r in range(hosts)
+              for t in ReplicatorConfig(r, nodes, per_slice, replicas=replicas).targets(r)}
+    assert peer_copies(3, hosts, per_slice, replicas) == pushed
+
+
+@pytest.mark.parametrize(("held", "missing"), [
+    (set(), [0, 1, 2, 3]),
+    # each host's own copy does not count
+    ({(h, h, 5) for h in range(4)}, [0, 1, 2, 3]),
+    ({(2, 0, 5), (3, 1, 5), (0, 2, 5), (1, 3, 5)}, []),
+    # host 1 holds host 0's step: the same slice, it does not count
+    ({(1, 0, 5), (3, 1, 5)}, [0, 2, 3]),
+    # host 3 holds host 0's step: another slice, but not host 0's peer (host 2)
+    ({(3, 0, 5), (3, 1, 5), (0, 2, 5), (1, 3, 5)}, [0]),
+    ({(0, 2, 4), (0, 3, 5), (2, 0, 5), (3, 1, 5)}, [2, 3]),  # another step is not this one
+])
+def test_unreplicated(held: set[Copy], missing: list[int]) -> None:
+    assert unreplicated(held, 5, 4, 2) == missing
+
+
+def test_the_wait_ends_once_every_copy_is_held() -> None:
+    answers: list[set[Copy]] = [set(), {(1, 0, 7)}, {(1, 0, 7), (0, 1, 7), (0, 1, 6)}]
+    asked: list[int] = []
+
+    def held() -> set[Copy]:
+        asked.append(1)
+        return answers[min(len(asked), len(answers)) - 1]
+
+    assert wait_replicated(held, 7, 2, 1, timeout=5.0, poll_s=0.001) >= 0
+    assert len(asked) == 3  # not before the last copy came
+
+
+def test_a_copy_that_never_comes_is_named_after_the_timeout() -> None:
+    with pytest.raises(TimeoutError, match=r"step 7 of hosts \[1\] .*\[\(0, 1, 7\)\]"):
+        wait_replicated(lambda: {(1, 0, 7), (0, 1, 6)}, 7, 2, 1, timeout=0.05, poll_s=0.01)
