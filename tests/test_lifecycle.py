@@ -1,5 +1,7 @@
-"""A manager nobody closed: its saves are finished when it is collected, never on the
-thread that dropped it (which may be one its saves need)."""
+"""mtc.lifecycle: a manager nobody closed has its saves finished when it is collected,
+never on the thread that dropped it (which may be one its saves need); services are
+started in order with one thread group, stopped and closed in reverse with every
+thread joined between, and a thread that fails says so."""
 
 from __future__ import annotations
 

@@ -14,14 +14,16 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from mtc.errors import ConfigError, MtcError
-from mtc.lifecycle import Services, Threads
+from mtc.lifecycle import Service, Services, Threads
 from mtc.sidecar import priority
 from mtc.sidecar.replicator import orbax
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.limits import Limits
+from mtc.sidecar.replicator.metrics import MetricsServer
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.orbax_client import OrbaxClient
 from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
@@ -251,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         if framework == "orbax" or request is not None:
             orbax.report(root, f"mtc-replicator cannot start: {e}", fatal=True)
         return 2
+    extra: list[Service] = []
     if args.metrics_port:
-        node.metrics.serve(args.metrics_port, args.metrics_address)
+        extra.append(MetricsServer(node.metrics, args.metrics_port, args.metrics_address))
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(port))
@@ -264,20 +267,21 @@ def main(argv: list[str] | None = None) -> int:
     if request is None and config.framework == "orbax":
         request = _pending(root)
     return run(node, Serving(server, servicer, health_servicer), root, request, stop,
-               stall_s=args.stall_seconds, threads=threads)
+               stall_s=args.stall_seconds, threads=threads, extra=extra)
 
 
 def run(node: Node, serving: Serving, root: Path, request: orbax.ClientRequest | None,
-        stop: threading.Event, *, stall_s: float, threads: Threads | None = None) -> int:
+        stop: threading.Event, *, stall_s: float, threads: Threads | None = None,
+        extra: Sequence[Service] = ()) -> int:
     """The composition root's life: start every service (``threads``: the group the
-    server's threads started in), watch the loop's health, and on ``stop`` (SIGTERM)
-    or a service's thread failing, shut down gracefully: NOT_SERVING, stop
-    accepting, finish the calls in flight, join every thread. Returns 1 when a
-    thread failed (its error logged), else 0."""
+    server's threads started in; ``extra``: the metrics server), watch the loop's
+    health, and on ``stop`` (SIGTERM) or a service's thread failing, shut down
+    gracefully: NOT_SERVING, stop accepting, finish the calls in flight, join
+    every thread. Returns 1 when a thread failed (its error logged), else 0."""
     client = OrbaxClient(root, node.rank, node.config.num_nodes, node.restorer)
     # Stopped in the reverse order: the Orbax answers, then the server (no new
     # calls), then the node's services (the calls in flight waiting on them end).
-    services = Services("mtc-replicator", [node, serving, client], threads=threads)
+    services = Services("mtc-replicator", [node, serving, client, *extra], threads=threads)
     services.start()
     if request is not None:
         client.put(request)
