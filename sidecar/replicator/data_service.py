@@ -38,12 +38,7 @@ class DataService:
 
     def __init__(self, parts: Parts, identity: Identity, streams: Streams,
                  transfers: Transfers) -> None:
-        self.rank = parts.rank
-        self.num_nodes = parts.config.num_nodes
-        self.store = parts.store
-        self.metrics = parts.metrics
-        self.blanks = parts.blanks
-        self.restores = parts.restores
+        self.parts = parts
         self.identity = identity
         self.streams = streams
         self.transfers = transfers
@@ -67,7 +62,7 @@ class DataService:
                 dst = inside(t.tmp, meta.path)
                 dst.unlink(missing_ok=True)
                 # Into space set aside for it where there is some (mtc.sidecar.reserve).
-                fd = self.blanks.open_new(t.tmp, meta.path, meta.size, t.origin)
+                fd = self.parts.blanks.open_new(t.tmp, meta.path, meta.size, t.origin)
                 try:
                     got, value = caller.recv_file(fd, meta.size, stream.add)
                 finally:
@@ -81,7 +76,7 @@ class DataService:
                 with t.lock:
                     t.verified.add(meta.path)
                 total += got
-        self.metrics.bytes_received.inc(total)
+        self.parts.metrics.bytes_received.inc(total)
         return total
 
     # -- fetch ------------------------------------------------------------------------
@@ -90,12 +85,12 @@ class DataService:
         """A fetch's files back to back, each after a frame of its own: a file
         found damaged as it is about to be sent is quarantined and refused in its
         frame (the files before it count), never sent whole."""
-        origin, step, rels = checks.fetch(req, num_nodes=self.num_nodes)
+        origin, step, rels = checks.fetch(req, num_nodes=self.parts.config.num_nodes)
         if req.offset:
             raise ValueError("the data channel sends whole files (no offset)")
         files = self.servable(origin, step, rels)
         total = sum(m.size for _, m, _ in files)
-        store = self.store
+        store = self.parts.store
         with self.streams.open("fetch", peer_of(caller), caller, total) as stream:
             caller.status(total)
             for base, meta, check in files:
@@ -117,7 +112,7 @@ class DataService:
         """Per path, the folder it is read from, its description and whether it is
         checked before it is sent: a file of a copy held here (checked), or one this
         host has fetched, verified, for a restore in progress."""
-        store = self.store
+        store = self.parts.store
         if (origin, step) in store.copies():
             described = {f.path: f for f in store.describe(origin, step)}
             folder = store.copy_dir(origin, step)
@@ -128,7 +123,7 @@ class DataService:
                     raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
                 out.append((folder, meta, True))
             return out
-        staged = self.restores.staged(step) if origin == self.rank else None
+        staged = self.parts.restores.staged(step) if origin == self.parts.rank else None
         if staged is not None:
             base, done = staged
             missing = [r for r in rels if r not in done]
@@ -137,7 +132,7 @@ class DataService:
                                         host=origin, path=missing[0])
             return [(base, FileMeta(r, os.stat(inside(base, r)).st_size, 0), False)
                     for r in rels]
-        if origin == self.rank:  # the asker reads the backup itself (HolderIdle)
+        if origin == self.parts.rank:  # the asker reads the backup itself (HolderIdle)
             raise ConfigError(f"rank {origin} is not restoring step {step}")
         raise StepNotFoundError("no complete copy here", step=step, host=origin)
 
