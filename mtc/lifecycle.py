@@ -1,4 +1,11 @@
-"""What a checkpoint manager holds until ``close()``, and finishing it when nobody did.
+"""Lifecycles: the threads a process part starts and joins, and what a checkpoint
+manager holds until ``close()``.
+
+A long-lived process (the replicator) is a list of :class:`Service` s, each started
+with one :class:`Threads` group, the only place its threads are started; at shutdown
+every service is asked to stop, every thread of the group is joined, and then every
+service closes (:class:`Services`). A thread that raises ends the process part loudly:
+the group's ``failed`` is set, and :meth:`Threads.join` raises the error.
 
 A process that exits (or drops its manager) without ``close()`` would lose the
 saves still being written: the writer's threads die with the interpreter. Each
@@ -11,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +66,140 @@ class Held:
             log.error("mtc: closing the CheckpointManager of %s failed: %s", self.where, e)
 
 
+class Threads:
+    """One thread group: every thread of its owner is started by :meth:`start` and
+    joined by :meth:`join` (raft's ``goFunc`` into one WaitGroup). A thread whose
+    target raises is logged, its error kept, and ``failed`` set, so that the owner
+    ends rather than going on with a part missing; :meth:`join` raises the first
+    error once every thread ended. Finished threads are forgotten as new ones start
+    (a group may start many short ones)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.failed = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._errors: list[tuple[str, BaseException]] = []
+        self._joining = False
+
+    def start(self, target: Callable[..., object], name: str, *args: Any,
+              daemon: bool = False) -> threading.Thread:
+        """Run ``target(*args)`` on a new thread of this group. Refused (RuntimeError)
+        once :meth:`join` began: a thread started then would never be joined.
+        ``daemon``: for a group whose owner may never join it (nobody closed it), so
+        that its thread does not hold the interpreter at exit."""
+        def body() -> None:
+            try:
+                target(*args)
+            except BaseException as e:
+                log.exception("%s: thread %s failed", self.name, name)
+                with self._lock:
+                    self._errors.append((name, e))
+                self.failed.set()
+
+        t = threading.Thread(target=body, name=name, daemon=daemon)
+        with self._lock:
+            if self._joining:
+                raise RuntimeError(f"{self.name} is shutting down: {name} not started")
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+            t.start()
+        return t
+
+    def alive(self) -> list[str]:
+        """The names of the threads still running."""
+        with self._lock:
+            return [t.name for t in self._threads if t.is_alive()]
+
+    def errors(self) -> list[tuple[str, BaseException]]:
+        """The threads that raised, by name, and what."""
+        with self._lock:
+            return list(self._errors)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the threads started so far (``timeout``: in all; more may start
+        meanwhile); whether they all ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            threads = [t for t in self._threads if t is not threading.current_thread()]
+        for t in threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
+
+    def join(self, timeout: float | None = None, *, reraise: bool = True) -> bool:
+        """Start nothing more, and wait for every thread (``timeout``: in all);
+        whether all ended. ``reraise``: then raise the first thread's error."""
+        with self._lock:
+            self._joining = True
+        done = self.wait(timeout)
+        errors = self.errors()
+        if reraise and errors:
+            raise errors[0][1]
+        return done
+
+
+class Service(Protocol):
+    """A part of a long-lived process. ``start`` starts its threads in ``threads``
+    (none of its own elsewhere); ``stop`` asks them to end and returns at once;
+    ``close``, called once every thread of the group ended, lets go of what it
+    holds (pools, sockets, files). ``stop`` and ``close`` may come without a
+    ``start`` (another service failed to start) and run once each."""
+
+    def start(self, threads: Threads) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Services:
+    """Services started in order with one thread group (``threads``: one that
+    threads started in before, such as a server's, else a new one), stopped and
+    closed in the reverse order (what started last depends on what started before
+    it)."""
+
+    def __init__(self, name: str, services: Sequence[Service], *,
+                 threads: Threads | None = None) -> None:
+        self.threads = threads or Threads(name)
+        self.services = list(services)
+        self._started: list[Service] = []
+
+    def start(self) -> None:
+        """Start each service; when one fails, those started are shut down again
+        and its error raised."""
+        for s in self.services:
+            try:
+                s.start(self.threads)
+            except BaseException:
+                self._started.append(s)  # its half-started threads are joined too
+                self.shutdown(reraise=False)
+                raise
+            self._started.append(s)
+
+    def shutdown(self, timeout: float | None = None, *, reraise: bool = True) -> bool:
+        """Stop every started service, join the group, close them; whether every
+        thread ended within ``timeout``. Raises a thread's error (``reraise``) once
+        every service is closed."""
+        started, self._started = self._started[::-1], []
+        for s in started:
+            try:
+                s.stop()
+            except Exception:  # the others still stop
+                log.exception("%s: stopping %r failed", self.threads.name, s)
+        done = self.threads.join(timeout, reraise=False)
+        for s in started:
+            try:
+                s.close()
+            except Exception:
+                log.exception("%s: closing %r failed", self.threads.name, s)
+        errors = self.threads.errors()
+        if reraise and errors:
+            raise errors[0][1]
+        return done
+
+
 # Threads finishing collected managers (see :func:`_collected`); joined at exit.
-_finishing: set[threading.Thread] = set()
-_finishing_lock = threading.Lock()
+_finishing = Threads("mtc-finish-unclosed")
 
 
 def _collected(held: Held) -> None:
@@ -70,26 +210,13 @@ def _collected(held: Held) -> None:
     if held.closed:
         return
 
-    def finish() -> None:
-        try:
-            held.release_unclosed("garbage collection")
-        finally:
-            with _finishing_lock:
-                _finishing.discard(threading.current_thread())
-
-    t = threading.Thread(target=finish, name="mtc-finish-unclosed", daemon=True)
-    with _finishing_lock:
-        _finishing.add(t)
-    t.start()
+    _finishing.start(held.release_unclosed, "mtc-finish-unclosed", "garbage collection",
+                     daemon=True)
 
 
 def join_finishing(timeout: float | None = None) -> bool:
     """Wait for collected managers' saves to be finished; whether all were."""
-    with _finishing_lock:
-        threads = list(_finishing)
-    for t in threads:
-        t.join(timeout)
-    return not any(t.is_alive() for t in threads)
+    return _finishing.wait(timeout)
 
 
 def _at_exit() -> None:

@@ -43,6 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from mtc.lifecycle import Threads
 from mtc.pool import lower_thread_priority
 from mtc.sidecar.confine import open_beneath, real_dir
 from mtc.sidecar.storage.names import tmp_name
@@ -238,6 +239,12 @@ class Reserve:
 
     # -- the filling thread -----------------------------------------------------------
 
+    def start(self, threads: Threads) -> None:
+        """As a service (:class:`mtc.lifecycle.Service`): :meth:`run` on a thread of
+        ``threads``."""
+        if self.enabled:
+            threads.start(self.run, "mtc-reserve")
+
     def run(self) -> None:
         """The filling loop, on a thread of its owner's (:func:`fill_while`)."""
         if self.enabled:
@@ -246,6 +253,9 @@ class Reserve:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+
+    def close(self) -> None:
+        pass  # the blank files stay: the next process's start removes them
 
     def fill_once(self) -> None:
         """Drop the blank files no longer wanted, then allocate the missing ones

@@ -211,7 +211,7 @@ def test_with_tls_a_push_is_taken_only_from_the_transfers_rank(tmp_path: Path) -
 
 def test_a_file_damaged_behind_the_cache_is_read_again_and_quarantined(
         rep: Replicator, tmp_path: Path) -> None:
-    assert len(rep.node.inventory().copies) == 1  # checked, and remembered as good
+    assert len(rep.node.shown.inventory().copies) == 1  # checked, and remembered as good
     p = rep.root / "1" / "d" / "c.bin"
     st = p.stat()
     data = bytearray(p.read_bytes())

@@ -1,10 +1,14 @@
-"""A manager nobody closed: its saves are finished when it is collected, never on the
-thread that dropped it (which may be one its saves need)."""
+"""mtc.lifecycle: a manager nobody closed has its saves finished when it is collected,
+never on the thread that dropped it (which may be one its saves need); services are
+started in order with one thread group, stopped and closed in reverse with every
+thread joined between, and a thread that fails says so."""
 
 from __future__ import annotations
 
 import gc
 import threading
+
+import pytest
 
 from mtc import lifecycle
 
@@ -60,3 +64,95 @@ def test_a_released_manager_is_not_finished_again() -> None:
     gc.collect()
     assert lifecycle.join_finishing(10)
     assert not d.closed and d.waited_on is None
+
+
+# -- the thread group and the service lifecycle --------------------------------------------
+
+
+class Looping:
+    """A service with one thread that runs until stopped; records its calls in ``log``."""
+
+    def __init__(self, name: str, log: list[str], *, fail_in_thread: bool = False,
+                 fail_start: bool = False) -> None:
+        self.name = name
+        self.log = log
+        self.fail_in_thread = fail_in_thread
+        self.fail_start = fail_start
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.ran = threading.Event()
+
+    def _run(self) -> None:
+        self.ran.set()
+        if self.fail_in_thread:
+            raise ValueError(f"{self.name} broke")
+        self._stop.wait(30)
+        self.log.append(f"{self.name} ended")
+
+    def start(self, threads: lifecycle.Threads) -> None:
+        self.log.append(f"start {self.name}")
+        self.thread = threads.start(self._run, f"test-{self.name}")
+        if self.fail_start:
+            raise OSError(f"{self.name} cannot listen")
+
+    def stop(self) -> None:
+        self.log.append(f"stop {self.name}")
+        self._stop.set()
+
+    def close(self) -> None:
+        # Closed only once every thread of the group ended.
+        assert self.thread is not None and not self.thread.is_alive()
+        self.log.append(f"close {self.name}")
+
+
+def test_services_start_in_order_stop_and_close_in_reverse_and_every_thread_is_joined(
+        ) -> None:
+    log: list[str] = []
+    a, b = Looping("a", log), Looping("b", log)
+    services = lifecycle.Services("test", [a, b])
+    services.start()
+    assert a.ran.wait(10) and b.ran.wait(10)
+    assert sorted(services.threads.alive()) == ["test-a", "test-b"]
+    assert services.shutdown(10) is True
+    assert log[:2] == ["start a", "start b"]
+    assert log[2:4] == ["stop b", "stop a"]
+    assert sorted(log[4:6]) == ["a ended", "b ended"]  # joined before any close
+    assert log[6:] == ["close b", "close a"]
+    assert services.threads.alive() == []
+    with pytest.raises(RuntimeError, match="shutting down"):  # nothing starts unjoined
+        services.threads.start(lambda: None, "late")
+
+
+def test_a_failing_thread_sets_failed_and_its_error_surfaces_at_shutdown() -> None:
+    log: list[str] = []
+    ok, bad = Looping("ok", log), Looping("bad", log, fail_in_thread=True)
+    services = lifecycle.Services("test", [ok, bad])
+    services.start()
+    assert services.threads.failed.wait(10)  # the owner learns at once, not at exit
+    assert [n for n, _ in services.threads.errors()] == ["test-bad"]
+    with pytest.raises(ValueError, match="bad broke"):
+        services.shutdown(10)
+    # Everything was still stopped, joined and closed before the error was raised.
+    assert "ok ended" in log and log[-2:] == ["close bad", "close ok"]
+
+
+def test_a_service_that_fails_to_start_shuts_down_those_started_before_it() -> None:
+    log: list[str] = []
+    a, b, c = Looping("a", log), Looping("b", log, fail_start=True), Looping("c", log)
+    services = lifecycle.Services("test", [a, b, c])
+    with pytest.raises(OSError, match="b cannot listen"):
+        services.start()
+    assert "start c" not in log
+    assert log[-2:] == ["close b", "close a"]  # b's thread (started) was joined too
+    assert services.threads.alive() == []
+
+
+def test_join_waits_for_every_thread_within_its_timeout() -> None:
+    group = lifecycle.Threads("test")
+    release = threading.Event()
+    for i in range(3):
+        group.start(release.wait, f"test-w{i}", 30)
+    assert group.join(0.05, reraise=False) is False  # still running: said, not hidden
+    assert len(group.alive()) == 3
+    release.set()
+    assert group.join(10) is True and group.alive() == []

@@ -2,7 +2,7 @@
 
 A host that comes up holding no step of its own (a replacement, a wiped RAM disk)
 asks the other hosts what they hold of its data and sets blank files of those sizes
-aside (``Node.set_aside_for_restore``, mtc.sidecar.reserve); the restore's fetch
+aside (``ReplicationLoop.set_aside_for_restore``, mtc.sidecar.reserve); the restore's fetch
 then writes into them instead of into new pages. The plan is a pure function;
 the processes are real replicators, the host loss a SIGKILL and a wiped root.
 """

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -81,7 +80,7 @@ def test_pause_keeps_the_average_rate() -> None:
 def test_a_copy_is_read_at_the_rate_file_by_file(tmp_path: Path) -> None:
     store = a_host_with_a_peer_copy(tmp_path)
     s = Scrubber(store, Metrics(), rate=16 * 1024, heal_own=lambda step: None,
-                 quiet_until=lambda: 0.0, stop=threading.Event())
+                 quiet_until=lambda: 0.0)
     t0 = time.monotonic()
     read = s.scrub_once()  # host 0's copy (5 pages and a manifest) at 16 KiB/s
     took = time.monotonic() - t0
@@ -113,7 +112,7 @@ def a_host_with_a_peer_copy(tmp_path: Path) -> LocalStore:
 
 def scrubber(store: LocalStore, healed: list[int]) -> Scrubber:
     return Scrubber(store, Metrics(), rate=64 * MIB, heal_own=healed.append,
-                    quiet_until=lambda: 0.0, stop=threading.Event())
+                    quiet_until=lambda: 0.0)
 
 
 def test_silent_damage_in_an_own_step_is_found_quarantined_and_healed(
@@ -227,7 +226,7 @@ def test_a_copy_is_read_again_only_once_the_interval_has_passed(tmp_path: Path) 
     arrives) or just scrubbed are not read again before ``interval`` seconds."""
     store = a_host_with_a_peer_copy(tmp_path)
     s = Scrubber(store, Metrics(), rate=64 * MIB, heal_own=lambda step: None,
-                 quiet_until=lambda: 0.0, stop=threading.Event(), interval=300.0)
+                 quiet_until=lambda: 0.0, interval=300.0)
     assert s.scrub_once() == 0  # both copies were written just now
     # Host 0's copy written 10 minutes ago: due, and read whole.
     old = time.time() - 600

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
+from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import CorruptBackupError
 from mtc.sidecar.replicator.client import PeerError
@@ -32,13 +33,13 @@ log = logging.getLogger("mtc.sidecar.replicator.node")
 class BackupDuties:
     """One replicator's part in the backup tier. It owns the steps it is uploading
     (``busy``: never garbage-collected meanwhile) and the steps it is restoring
-    from the backup (``staged``: served to other restoring hosts), under ``_lock``;
-    its loop runs on main's thread (:meth:`run`)."""
+    from the backup (``staged``: served to other restoring hosts), under ``_lock``.
+    A service (:class:`mtc.lifecycle.Service`): its loop (:meth:`run`) has a thread
+    when there is a backup store."""
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
                  peers: Mapping[int, PeerClient], metrics: Metrics,
-                 scheduler: BackupScheduler | None, agreement: NodeAgreement,
-                 stop: threading.Event) -> None:
+                 scheduler: BackupScheduler | None, agreement: NodeAgreement) -> None:
         self.rank = config.rank
         self.config = config
         self.store = store
@@ -46,12 +47,19 @@ class BackupDuties:
         self.metrics = metrics
         self.backup = scheduler
         self._agreement = agreement
-        self._stop = stop
+        self._stop = threading.Event()
         self._lock = threading.Lock()
         self._backing_up: set[int] = set()
         # Steps being restored from the backup: their folder and verified files,
         # served to other restoring hosts that share objects with this one.
         self._restoring: dict[int, tuple[Path, set[str]]] = {}
+
+    def start(self, threads: Threads) -> None:
+        if self.backup is not None:
+            threads.start(self.run, "mtc-backup")
+
+    def stop(self) -> None:
+        self._stop.set()
 
     def close(self) -> None:
         """After the loops and the servers ended: the scheduler's listing thread."""
@@ -82,8 +90,8 @@ class BackupDuties:
         return self._agreement.newest_complete_run(invs)
 
     def run(self) -> None:
-        """The backup loop (its thread is main's); returns at once without a backup
-        store, else when the node stops."""
+        """The backup loop; returns at once without a backup store, else when
+        stopped."""
         if self.backup is not None:
             self._backup_loop()
 

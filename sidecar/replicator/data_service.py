@@ -29,15 +29,16 @@ from mtc.sidecar.replicator.step_files import FileMeta, inside
 from mtc.sidecar.replicator.transfers import Transfer, Transfers
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.node import Node
+    from mtc.sidecar.replicator.parts import Parts
 
 
 class DataService:
-    """The data channel's handler of one replicator (threads: the data server's)."""
+    """The data channel's handler of one replicator's ``parts`` (the store, the blank
+    files, the restores in progress; threads: the data server's)."""
 
-    def __init__(self, node: Node, identity: Identity, streams: Streams,
+    def __init__(self, parts: Parts, identity: Identity, streams: Streams,
                  transfers: Transfers) -> None:
-        self.node = node
+        self.parts = parts
         self.identity = identity
         self.streams = streams
         self.transfers = transfers
@@ -61,7 +62,7 @@ class DataService:
                 dst = inside(t.tmp, meta.path)
                 dst.unlink(missing_ok=True)
                 # Into space set aside for it where there is some (mtc.sidecar.reserve).
-                fd = self.node.reserve.open_new(t.tmp, meta.path, meta.size, t.origin)
+                fd = self.parts.blanks.open_new(t.tmp, meta.path, meta.size, t.origin)
                 try:
                     got, value = caller.recv_file(fd, meta.size, stream.add)
                 finally:
@@ -75,7 +76,7 @@ class DataService:
                 with t.lock:
                     t.verified.add(meta.path)
                 total += got
-        self.node.metrics.bytes_received.inc(total)
+        self.parts.metrics.bytes_received.inc(total)
         return total
 
     # -- fetch ------------------------------------------------------------------------
@@ -84,12 +85,12 @@ class DataService:
         """A fetch's files back to back, each after a frame of its own: a file
         found damaged as it is about to be sent is quarantined and refused in its
         frame (the files before it count), never sent whole."""
-        origin, step, rels = checks.fetch(req, num_nodes=self.node.config.num_nodes)
+        origin, step, rels = checks.fetch(req, num_nodes=self.parts.config.num_nodes)
         if req.offset:
             raise ValueError("the data channel sends whole files (no offset)")
         files = self.servable(origin, step, rels)
         total = sum(m.size for _, m, _ in files)
-        store = self.node.store
+        store = self.parts.store
         with self.streams.open("fetch", peer_of(caller), caller, total) as stream:
             caller.status(total)
             for base, meta, check in files:
@@ -111,7 +112,7 @@ class DataService:
         """Per path, the folder it is read from, its description and whether it is
         checked before it is sent: a file of a copy held here (checked), or one this
         host has fetched, verified, for a restore in progress."""
-        store = self.node.store
+        store = self.parts.store
         if (origin, step) in store.copies():
             described = {f.path: f for f in store.describe(origin, step)}
             folder = store.copy_dir(origin, step)
@@ -122,7 +123,7 @@ class DataService:
                     raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
                 out.append((folder, meta, True))
             return out
-        staged = self.node.restorer.staged(step) if origin == self.node.rank else None
+        staged = self.parts.restores.staged(step) if origin == self.parts.rank else None
         if staged is not None:
             base, done = staged
             missing = [r for r in rels if r not in done]
@@ -131,7 +132,7 @@ class DataService:
                                         host=origin, path=missing[0])
             return [(base, FileMeta(r, os.stat(inside(base, r)).st_size, 0), False)
                     for r in rels]
-        if origin == self.node.rank:  # the asker reads the backup itself (HolderIdle)
+        if origin == self.parts.rank:  # the asker reads the backup itself (HolderIdle)
             raise ConfigError(f"rank {origin} is not restoring step {step}")
         raise StepNotFoundError("no complete copy here", step=step, host=origin)
 

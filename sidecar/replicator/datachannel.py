@@ -43,6 +43,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from mtc.errors import BusyError, MtcError, UnauthorizedError
+from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.data_admission import Pending
 from mtc.sidecar.replicator.security import (
@@ -285,18 +286,24 @@ class DataServer:
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self.busy = 0  # authenticated requests answered busy (no worker free)
-        # A daemon as well: a server nobody closed (a test) must not hold the interpreter.
-        self._thread = threading.Thread(target=self._accept, name="mtc-data-accept",
-                                        daemon=True)
+        self._thread: threading.Thread | None = None
 
-    def start(self) -> DataServer:
-        self._thread.start()
+    def start(self, threads: Threads | None = None) -> DataServer:
+        """Accept connections on a thread of ``threads`` (the process's group; else
+        one of its own). A daemon as well: a server nobody closed (a test) must not
+        hold the interpreter."""
+        group = threads or Threads("mtc-data")
+        self._thread = group.start(self._accept, "mtc-data-accept", daemon=True)
         return self
+
+    def stop(self) -> None:
+        """No new connections (the accept thread ends within its timeout)."""
+        self._closed.set()
 
     def close(self) -> None:
         """No new connections; the open ones are ended; every thread joined."""
         self._closed.set()
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join()
         self._sock.close()
         with self._lock:

@@ -26,19 +26,20 @@ from mtc.sidecar.replicator.transfers import Transfer
 from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.node import Node
+    from mtc.sidecar.replicator.parts import Parts
     from mtc.sidecar.replicator.store import LocalStore
 
 
 class GrpcData:
-    """The Data service's two raw-bytes calls (``push``, ``fetch``) on ``node``.
+    """The Data service's two raw-bytes calls (``push``, ``fetch``) on ``parts``
+    (the store, the blank files, the restores in progress).
     ``transfer``: an open incoming copy by its id, of the caller's (the servicer's,
     whose Offer opened it); ``streams`` bound how many calls there are and how
     long they take."""
 
-    def __init__(self, node: Node, streams: Streams,
+    def __init__(self, parts: Parts, streams: Streams,
                  transfer: Callable[[str, Any], Transfer]) -> None:
-        self.node = node
+        self.parts = parts
         self.streams = streams
         self._transfer = transfer
 
@@ -56,7 +57,7 @@ class GrpcData:
                 with t.lock:
                     t.verified.difference_update(m.path for m in metas)
                 got = self._receive(t, metas, _counted(chunks, stream))
-            self.node.metrics.bytes_received.inc(got)
+            self.parts.metrics.bytes_received.inc(got)
             return pb.PushAck(path=metas[0].path if len(metas) == 1 else "", size=got)
         except (MtcError, OSError, ValueError, KeyError) as e:
             code, msg = answer(e, context)
@@ -102,7 +103,7 @@ class GrpcData:
             value = got = 0
             # New (or set aside for it, mtc.sidecar.reserve), part by part without following
             # a symlink.
-            fd = self.node.reserve.open_new(t.tmp, meta.path, meta.size, t.origin)
+            fd = self.parts.blanks.open_new(t.tmp, meta.path, meta.size, t.origin)
             with os.fdopen(fd, "wb", buffering=0) as f:
                 try:
                     while got < meta.size:
@@ -141,7 +142,7 @@ class GrpcData:
                 req = pb.FetchRequest.FromString(request)
             except DecodeError as e:
                 raise ValueError(f"malformed FetchRequest: {e}") from e
-            origin, step, rels = checks.fetch(req, num_nodes=self.node.config.num_nodes)
+            origin, step, rels = checks.fetch(req, num_nodes=self.parts.config.num_nodes)
             with self.streams.open("fetch", peer_of(context), context,
                                    self._fetch_size(origin, step, rels, req.offset)) as stream:
                 for chunk in self._fetch_chunks(req, origin, step, rels, context):
@@ -154,14 +155,14 @@ class GrpcData:
     def _fetch_size(self, origin: int, step: int, rels: list[str], offset: int) -> int:
         """The bytes a fetch sends (its deadline), as far as they are known here."""
         try:
-            sizes = {f.path: f.size for f in self.node.store.describe(origin, step)}
+            sizes = {f.path: f.size for f in self.parts.store.describe(origin, step)}
         except (OSError, ValueError, MtcError):
             return 0
         return max(0, sum(sizes.get(r, 0) for r in rels) - offset)
 
     def _fetch_chunks(self, req: pb.FetchRequest, origin: int, step: int, rels: list[str],
                       context: grpc.ServicerContext) -> Iterator[bytes]:
-        store = self.node.store
+        store = self.parts.store
         if len(rels) > 1:
             # Several files of a held copy back to back, each checked as read.
             if (origin, step) not in store.copies():
@@ -174,15 +175,16 @@ class GrpcData:
             # Checked as it is read: a file that fails is quarantined, never sent whole.
             yield from stream_verified(store, origin, step, rel, req.offset)
             return
-        staged = self.node.restorer.staged(step) if origin == self.node.rank else None
-        if origin == self.node.rank and staged and rel in staged[1]:
+        own = origin == self.parts.rank
+        staged = self.parts.restores.staged(step) if own else None
+        if own and staged and rel in staged[1]:
             base = staged[0]  # verified, from a restore in progress
-        elif origin == self.node.rank and staged:
+        elif own and staged:
             raise StepNotFoundError("not read from the backup yet", step=step, host=origin,
                                     path=rel)
-        elif origin == self.node.rank:
+        elif own:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"rank {self.node.rank} is not restoring step {step}")
+                          f"rank {origin} is not restoring step {step}")
             return
         else:
             raise StepNotFoundError("no complete copy here", step=step, host=origin)

@@ -56,6 +56,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtc.errors import ConfigError, MtcError
+from mtc.lifecycle import Threads
 from mtc.sidecar.replicator.security import Credentials, TlsWatch
 from mtc.sidecar.storage.publish import write_atomic
 
@@ -194,7 +195,8 @@ def read_jax_init_info(local_dir: Path) -> tuple[int, str]:
 
 
 class HealthMirror:
-    """A plaintext health-only gRPC server reporting the replicator's own health."""
+    """A plaintext health-only gRPC server reporting the replicator's own health; its
+    poll runs on a thread of its group, joined by :meth:`stop`."""
 
     def __init__(self, target: str, creds: Credentials, *, tls_name: str | None = None,
                  poll_s: float = 2.0, timeout_s: float = 2.0) -> None:
@@ -211,7 +213,7 @@ class HealthMirror:
             self.servicer.set(s, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server: grpc.Server | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads = Threads("mtc-health-mirror")
 
     def _connect(self, cc: grpc.ChannelCredentials | None
                  ) -> tuple[grpc.Channel, health_pb2_grpc.HealthStub]:
@@ -248,8 +250,7 @@ class HealthMirror:
             raise OSError(f"cannot listen on {listen}")
         server.start()
         self._server = server
-        self._thread = threading.Thread(target=self._run, name="mtc-health-mirror", daemon=True)
-        self._thread.start()
+        self._threads.start(self._run, "mtc-health-mirror")
         return port
 
     def _run(self) -> None:
@@ -258,7 +259,9 @@ class HealthMirror:
             self._stop.wait(self.poll_s)
 
     def stop(self) -> None:
+        """Stop polling (its thread joined), say NOT_SERVING, stop serving."""
         self._stop.set()
+        self._threads.join(reraise=False)
         for s in SERVICES:
             self.servicer.set(s, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._server is not None:

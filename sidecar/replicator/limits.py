@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health
 
 from mtc.errors import BusyError
+from mtc.lifecycle import Threads
 from mtc.sidecar.replicator.security import caller_rank
 
 log = logging.getLogger(__name__)
@@ -76,14 +77,17 @@ class Stream:
 class Streams:
     """The open streams of one server, and the watchdog that ends overdue ones.
     ``_lock`` guards ``_open`` and ``_thread``: the watchdog runs while any stream is
-    open (started by the first), and :meth:`close` joins it."""
+    open (started by the first, in ``threads``: the process's group, else one of
+    its own), and :meth:`close` joins it."""
 
     def __init__(self, limits: Limits = Limits(), *,
                  on_cancel: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 threads: Threads | None = None) -> None:
         self.limits = limits
         self.clock = clock
         self.on_cancel = on_cancel
+        self._threads = threads or Threads("mtc-streams")
         self._open: list[Stream] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -107,8 +111,11 @@ class Streams:
             self._open.append(s)
             if self._thread is None and not self._stop.is_set():
                 # Runs while streams are open: an idle server has no watchdog thread.
-                self._thread = threading.Thread(target=self._run, name="mtc-stream-watchdog")
-                self._thread.start()
+                # (Refused once the group is shutting down, as stop() is then near.)
+                try:
+                    self._thread = self._threads.start(self._run, "mtc-stream-watchdog")
+                except RuntimeError:
+                    pass
         return s
 
     @contextmanager
@@ -161,6 +168,10 @@ class Streams:
                 if not self._open:
                     self._thread = None
                     return
+
+    def stop(self) -> None:
+        """The watchdog ends at its next sweep (:meth:`close` joins it)."""
+        self._stop.set()
 
     def close(self) -> None:
         """Stop the watchdog (after the server stopped) and join it."""

@@ -1,7 +1,7 @@
 """``mtc-replicator``: the per-host replicator process, and its composition root:
-:func:`run` starts every thread (replication loop, backup loop, Orbax client
-answers; the gRPC server's own), watches the loop's health, and joins them all
-on shutdown."""
+:func:`run` starts every service (the node's, the server's, the Orbax client's
+answers) with one thread group (:class:`mtc.lifecycle.Services`), watches the
+loop's health, and on shutdown stops them, joins every thread and closes them."""
 
 from __future__ import annotations
 
@@ -10,29 +10,25 @@ import ctypes
 import gc
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health
-
 from mtc.errors import ConfigError, MtcError
-from mtc.proto import replicator_pb2 as pb
+from mtc.lifecycle import Service, Services, Threads
 from mtc.sidecar import priority
 from mtc.sidecar.replicator import orbax
-from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import GC_VIEW_INTERVAL_S, ReplicatorConfig
 from mtc.sidecar.replicator.limits import Limits
+from mtc.sidecar.replicator.metrics import MetricsServer
 from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.orbax_client import OrbaxClient
 from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
-from mtc.sidecar.replicator.restore import RestoreAsk
 from mtc.sidecar.replicator.security import Credentials
-from mtc.sidecar.replicator.selfcheck import check_peers
-from mtc.sidecar.replicator.server import ReplicatorServicer, serve, set_health
+from mtc.sidecar.replicator.server import Serving, serve, set_health
 from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.replicator")
@@ -254,17 +250,19 @@ def main(argv: list[str] | None = None) -> int:
         # epoch forms: two threads per member (an ask and its re-issue), plus 32.
         if not (args.stream_grace_seconds > 0 and args.stream_min_rate > 0):
             raise ConfigError("--stream-grace-seconds and --stream-min-rate must be positive")
+        threads = Threads("mtc-replicator")
         server, port, servicer, health_servicer = serve(
             node, args.listen, creds, workers=32 + 2 * len(nodes),
             limits=Limits(grace_s=args.stream_grace_seconds, min_rate=args.stream_min_rate),
-            data_port=None if args.data_port < 0 else args.data_port)
+            data_port=None if args.data_port < 0 else args.data_port, threads=threads)
     except (MtcError, OSError, ValueError) as e:
         print(f"mtc-replicator: {e}", file=sys.stderr)
         if framework == "orbax" or request is not None:
             orbax.report(root, f"mtc-replicator cannot start: {e}", fatal=True)
         return 2
+    extra: list[Service] = []
     if args.metrics_port:
-        node.metrics.serve(args.metrics_port, args.metrics_address)
+        extra.append(MetricsServer(node.metrics, args.metrics_port, args.metrics_address))
     if args.port_file:
         write_atomic(Path(args.port_file), str(port))
     # Start-up's objects live as long as the process: kept out of every collection
@@ -273,79 +271,54 @@ def main(argv: list[str] | None = None) -> int:
     log.info("rank %d serving on port %d, root %s", config.rank, port, args.local_dir)
     if request is None and config.framework == "orbax":
         request = _pending(root)
-    return run(node, server, servicer, health_servicer, root, request, stop,
-               stall_s=args.stall_seconds)
+    return run(node, Serving(server, servicer, health_servicer), root, request, stop,
+               stall_s=args.stall_seconds, threads=threads, extra=extra)
 
 
-def run(node: Node, server: grpc.Server, servicer: ReplicatorServicer,
-        health_servicer: health.HealthServicer, root: Path,
-        request: orbax.ClientRequest | None, stop: threading.Event, *,
-        stall_s: float) -> int:
-    """The composition root's life: start every thread, watch the loop's health,
-    and on ``stop`` (SIGTERM) shut down gracefully: NOT_SERVING, stop accepting,
-    finish the calls in flight, join every thread."""
-    client_q: queue.Queue[orbax.ClientRequest | None] = queue.Queue()
-    threads = [threading.Thread(target=node.run, name="mtc-replicate"),
-               threading.Thread(target=node.backups.run, name="mtc-backup"),
-               threading.Thread(target=node.reserve.run, name="mtc-reserve"),
-               threading.Thread(target=node.scrubber.run, name="mtc-scrub"),
-               threading.Thread(target=_client_loop, args=(node, root, client_q),
-                                name="mtc-orbax-client"),
-               threading.Thread(target=check_peers,
-                                args=(node.config, lambda peer: _identify(node, peer),
-                                      node.disagrees, stop), name="mtc-config-check")]
-    for t in threads:
-        t.start()
+def run(node: Node, serving: Serving, root: Path, request: orbax.ClientRequest | None,
+        stop: threading.Event, *, stall_s: float, threads: Threads | None = None,
+        extra: Sequence[Service] = ()) -> int:
+    """The composition root's life: start every service (``threads``: the group the
+    server's threads started in; ``extra``: the metrics server), watch the loop's
+    health, and on ``stop`` (SIGTERM) or a service's thread failing, shut down
+    gracefully: NOT_SERVING, stop accepting, finish the calls in flight, join
+    every thread. Returns 1 when a thread failed (its error logged), else 0."""
+    client = OrbaxClient(root, node.rank, node.config.num_nodes, node.restorer)
+    # Stopped in the reverse order: the Orbax answers, then the server (no new
+    # calls), then the node's services (the calls in flight waiting on them end).
+    services = Services("mtc-replicator", [node, serving, client, *extra], threads=threads)
+    services.start()
     if request is not None:
-        client_q.put(request)
-    poll = node.config.poll_s
+        client.put(request)
+    config = node.config
     last_expiry = time.monotonic()
-    serving = True
+    serving_ok = True
     try:
-        while not stop.wait(poll):
-            if node.config.framework == "orbax":
+        while not stop.wait(config.poll_s) and not services.threads.failed.is_set():
+            if config.framework == "orbax":
                 req = _take(root)
                 if req is not None:
-                    client_q.put(req)
+                    client.put(req)
             elif (root / orbax.YAML_NAME).exists():
-                _refuse(root, node)
+                _refuse(root, node.rank, config.framework)
             if time.monotonic() - last_expiry > 5.0:
-                servicer.expire_transfers()
+                serving.servicer.expire_transfers()
                 last_expiry = time.monotonic()
-            ok = healthy(node.heartbeat, time.monotonic(), stall_s)
-            if ok != serving:
+            ok = healthy(node.loop.heartbeat, time.monotonic(), stall_s)
+            if ok != serving_ok:
                 log.warning("rank %d: replication loop %s", node.rank,
                             "passes again" if ok else f"stalled for over {stall_s:.0f}s")
-                set_health(health_servicer, ok)
+                set_health(serving.health, ok)
                 node.metrics.stalled.set(0 if ok else 1)
-                serving = ok
+                serving_ok = ok
     finally:
         log.info("rank %d: shutting down", node.rank)
-        stop.set()  # the threads waiting on it (the configuration check) end
-        health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING from now on
-        node.stop()
-        client_q.put(None)
-        server.stop(grace=5).wait()  # no new calls; the ones in flight finish
-        servicer.close()
-        for t in threads:
-            t.join()
-        node.close()
-    return 0
-
-
-def _identify(node: Node, peer: int) -> pb.Inventory | None:
-    """Peer ``peer``'s identity, or None while it does not answer."""
-    try:
-        reply: pb.Inventory = node.peers[peer].call(
-            "GetInventory", pb.InventoryRequest(identify=True), attempts=1, deadline_s=5.0)
-    except PeerError as e:
-        if e.unreachable:
-            node.reach.failed(peer, e.message)
-        else:
-            node.reach.answered(peer)  # a refusal (a token it does not take) is an answer
-        return None
-    node.reach.answered(peer)
-    return reply
+        stop.set()
+        services.shutdown(reraise=False)
+    failed = services.threads.errors()
+    if failed:  # each logged with its traceback as it happened
+        log.error("rank %d: ended because thread %s failed: %r", node.rank, *failed[0])
+    return 1 if failed else 0
 
 
 def healthy(heartbeat: float, now: float, stall_s: float) -> bool:
@@ -379,41 +352,14 @@ def _pending(root: Path) -> orbax.ClientRequest | None:
         return None
 
 
-def _refuse(root: Path, node: Node) -> None:
+def _refuse(root: Path, rank: int, framework: str) -> None:
     """A replicator.yaml reached a replicator started for mtc (``--rank``,
     ``--framework mtc``): tell the client at once why nobody will answer it."""
     orbax.refuse_request(root, (
-        f"this replicator (rank {node.rank}) was started with --rank and --framework "
-        f"{node.config.framework}, so it does not serve Orbax's {orbax.YAML_NAME}: start "
+        f"this replicator (rank {rank}) was started with --rank and --framework "
+        f"{framework}, so it does not serve Orbax's {orbax.YAML_NAME}: start "
         f"mtc-replicator without --rank (it learns its rank from {orbax.YAML_NAME}) or "
         f"with --framework orbax"))
-
-
-def _client_loop(node: Node, root: Path, q: queue.Queue[orbax.ClientRequest | None]) -> None:
-    """Orbax client starts, one at a time, on a thread of main's (an agreement may
-    take up to its deadline; the main loop keeps watching health meanwhile)."""
-    while (request := q.get()) is not None:
-        _answer(node, root, request)
-
-
-def _answer(node: Node, root: Path, request: orbax.ClientRequest) -> None:
-    """Serve one Orbax client start: agree on a step and write the restore marker."""
-    try:
-        if request.rank != node.rank or request.nodes != node.config.num_nodes:
-            orbax.report(root, f"{orbax.YAML_NAME} names rank {request.rank} of "
-                               f"{request.nodes}; this replicator is rank {node.rank} of "
-                               f"{node.config.num_nodes}", fatal=True)
-            return
-        try:
-            # Re-served (after a restart), it reads its decision again.
-            step = node.restorer.restore_for_client(request.job_name,
-                                                    RestoreAsk(request.restore_id))
-            log.info("rank %d: told the client to restore step %d", node.rank, step)
-        except (MtcError, OSError) as e:
-            log.exception("restore for the client failed")
-            orbax.report(root, f"restore failed: {e}", fatal=True)
-    finally:
-        orbax.done_request(root)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,15 @@
-"""Prometheus metrics of one replicator."""
+"""Prometheus metrics of one replicator, and the HTTP server its scrapes reach."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import socket
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+
+from mtc.lifecycle import Threads
 
 
 class Metrics:
@@ -85,5 +92,39 @@ class Metrics:
         for state in ("committed", "replicated", "backed_up"):
             self.newest.labels(state).set(-1)
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+
+
+class _Scrapes(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape (its own short thread) never holds the shutdown
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every few seconds is not news
+
+
+class MetricsServer:
+    """``metrics`` served on ``addr:port`` for Prometheus, a service
+    (:class:`mtc.lifecycle.Service`): bound at once (a port taken fails before
+    anything serves), its accept loop on a thread of the process's group (each
+    scrape on a short thread of socketserver's, as prometheus_client's own)."""
+
+    def __init__(self, metrics: Metrics, port: int, addr: str = "127.0.0.1") -> None:
+        server = type("Scrapes", (_Scrapes,), {
+            "address_family": socket.AF_INET6 if ":" in addr else socket.AF_INET})
+        self._httpd: WSGIServer = make_server(addr.strip("[]"), port,
+                                              make_wsgi_app(metrics.registry), server,
+                                              handler_class=_Quiet)
+        self.port: int = self._httpd.server_address[1]
+        self._serving = False
+
+    def start(self, threads: Threads) -> None:
+        threads.start(self._httpd.serve_forever, "mtc-metrics", 0.2)
+        self._serving = True
+
+    def stop(self) -> None:
+        if self._serving:
+            self._httpd.shutdown()  # serve_forever returns within its 0.2 s poll
+
+    def close(self) -> None:
+        self._httpd.server_close()

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from mtc.errors import AgreementError, ConfigError, InvalidStepError, MtcError, ProtocolError
+from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agreement import Coordinator
@@ -97,12 +98,13 @@ class NodeAgreement:
     """One node's agreement: deciding for the memberships it coordinates, asking
     the coordinator of its own, and the inventories both gather. ``inventory``
     is its node's own; ``refuse``: raises while the node's configuration
-    disagrees with a peer's; ``stop``: set when the node shuts down."""
+    disagrees with a peer's. A service (:class:`mtc.lifecycle.Service`): no thread
+    of its own; it owns the inventory fan-out's pool, which never waits behind a
+    restore's fetches."""
 
     def __init__(self, config: ReplicatorConfig, root: Path, store: LocalStore,
                  peers: Mapping[int, PeerClient], metrics: Metrics, *,
-                 inventory: Inventory, refuse: Callable[[], None], stop: threading.Event,
-                 pool: ThreadPoolExecutor) -> None:
+                 inventory: Inventory, refuse: Callable[[], None]) -> None:
         self.config = config
         self.rank = config.rank
         self.store = store
@@ -110,8 +112,8 @@ class NodeAgreement:
         self.metrics = metrics
         self._inventory = inventory
         self._refuse = refuse
-        self._stop = stop
-        self._pool = pool
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(16, thread_name_prefix="mtc-inventory")
         self.last_decision = pb.Decision()  # the newest one this node read
         # The restore id this node asks the coordinator for last: an older restore
         # still retrying an unreachable coordinator stops when a newer one starts.
@@ -132,12 +134,20 @@ class NodeAgreement:
             self.gather_holdings(members, time.monotonic() + config.deadline_s),
             config.num_nodes, config.equivalent), min_interval_s=config.gc_view_interval_s)
 
-    def close(self) -> None:
-        """Every restore waiting for its decision ends now, typed."""
+    def start(self, threads: Threads) -> None:
+        pass  # no thread: its calls run on its callers' and its pool's
+
+    def stop(self) -> None:
+        """Every restore waiting for its decision ends now, typed; asks end."""
+        self._stop.set()
         with self._lock:
             coordinators = list(self._coordinators.values())
         for c in coordinators:
             c.close()
+
+    def close(self) -> None:
+        """After the servers ended: the inventory pool."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     @property
     def coordinator_rank(self) -> int:
@@ -260,6 +270,12 @@ class NodeAgreement:
         except (ProtocolError, InvalidStepError) as e:
             log.warning("rank %d: the coordinator's garbage-collection view: %s", self.rank, e)
             return None
+
+    def complete_steps(self) -> list[int]:
+        """The coordinator's answer to ``GetComplete``: the steps it keeps."""
+        if self.rank != self.coordinator_rank:
+            raise ConfigError(f"rank {self.rank} is not the coordinator")
+        return sorted(self.kept.get(self.config.deadline_s * 2))
 
     # -- deciding and asking ------------------------------------------------------------
 

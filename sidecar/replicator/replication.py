@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 
 from mtc.errors import CorruptShardError, MtcError
+from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import claims
 from mtc.sidecar.replicator.client import PeerClient, PeerError
@@ -104,6 +105,12 @@ class Replication:
         # nobody listens takes its retries' backoff, and the pass's garbage
         # collection waits for it).
         self._away: dict[int, float] = {}
+
+    def start(self, threads: Threads) -> None:
+        pass  # no thread of its own: it runs on the loop's, and its push pool
+
+    def stop(self) -> None:
+        pass  # its pushes end with the peers' calls (Node.stop closes them)
 
     def close(self) -> None:
         self._push_pool.shutdown(wait=True, cancel_futures=True)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from mtc import layout
 from mtc.errors import AgreementError, CorruptShardError, MtcError, StepNotFoundError
+from mtc.lifecycle import Threads
 from mtc.pool import lower_thread_priority
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar import priority
@@ -75,10 +76,10 @@ class Restorer:
                  peers: Mapping[int, PeerClient], metrics: Metrics, *,
                  agreement: NodeAgreement, backups: BackupDuties,
                  inventory: Callable[[], pb.Inventory], refuse: Callable[[], None],
-                 stop: threading.Event, reserve: Reserve) -> None:
+                 reserve: Reserve) -> None:
         self.rank = config.rank
         # Blank files set aside for this host's own data (a replaced host's fetch:
-        # Node.set_aside_for_restore); fetched files take their places.
+        # ReplicationLoop.set_aside_for_restore); fetched files take their places.
         self._reserve = reserve
         self.config = config
         self.store = store
@@ -89,7 +90,7 @@ class Restorer:
         self.backup = backups.backup
         self._inventory = inventory
         self._refuse = refuse
-        self._stop = stop
+        self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="mtc-fetch")
         # After the answer: the step made local (one thread) over streams of its own,
         # every thread at the background's priority.
@@ -103,8 +104,12 @@ class Restorer:
         self.quiet_until = 0.0  # monotonic: copies that can wait wait until then
         self._last_rid = ""  # the restore id of the last PrepareRestore (under _bg_lock)
 
+    def start(self, threads: Threads) -> None:
+        pass  # no thread of its own: its pools', and its callers'
+
     def stop(self) -> None:
         """A background fetch waiting out its quiet time starts (and finds the stop)."""
+        self._stop.set()
         self._bg_wake.set()
 
     def close(self) -> None:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from mtc.errors import MtcError
+from mtc.lifecycle import Threads
 from mtc.pool import lower_thread_priority
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.store import LocalStore
@@ -99,24 +100,34 @@ def pause_after(nbytes: int, took_s: float, rate: float) -> float:
 
 
 class Scrubber:
-    """One replicator's scrub: :meth:`run` is its thread's loop (started and joined
-    by ``main.py``), :meth:`scrub_once` one copy. ``heal_own(step)``: make an own
+    """One replicator's scrub, a service (:class:`mtc.lifecycle.Service`): :meth:`run`
+    is its thread's loop, :meth:`scrub_once` one copy. ``heal_own(step)``: make an own
     step whole again from other hosts' copies; ``quiet_until()``: monotonic time
     until which a restore's reads go first."""
 
     def __init__(self, store: LocalStore, metrics: Metrics, *, rate: float,
                  heal_own: Callable[[int], None], quiet_until: Callable[[], float],
-                 stop: threading.Event, interval: float = 0.0) -> None:
+                 interval: float = 0.0) -> None:
         self.store = store
         self.metrics = metrics
         self.rate = rate  # bytes a second, on average; 0: off
         self.interval = interval  # seconds a copy's bytes stay trusted once read whole
         self._heal_own = heal_own
         self._quiet_until = quiet_until
-        self._stop = stop
+        self._stop = threading.Event()
         self._last: Copy | None = None
         # When each copy's bytes were last read whole here (wall clock, as mtimes are).
         self._read_at: dict[Copy, float] = {}
+
+    def start(self, threads: Threads) -> None:
+        if self.rate > 0:
+            threads.start(self.run, "mtc-scrub")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        pass
 
     def run(self) -> None:
         if self.rate <= 0:

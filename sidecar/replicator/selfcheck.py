@@ -23,7 +23,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from mtc.errors import ConfigError
+from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
 
 log = logging.getLogger("mtc.replicator")
@@ -132,7 +135,7 @@ def check_peers(config: ReplicatorConfig, ask: Asks, report: Callable[[str], Non
                 stop: threading.Event, peers: Sequence[int] | None = None) -> None:
     """Ask every peer for its identity (``ask(peer)``: None while it does not
     answer) until each has answered once, or ``stop``; ``report`` what disagrees
-    (once per peer that does). Runs on a thread of main's."""
+    (once per peer that does). Runs on :class:`ConfigCheck`'s thread."""
     waiting = list(range(config.num_nodes) if peers is None else peers)
     waiting = [p for p in waiting if p != config.rank]
     while waiting and not stop.is_set():
@@ -146,3 +149,57 @@ def check_peers(config: ReplicatorConfig, ask: Asks, report: Callable[[str], Non
                 report(problem)
         if waiting:
             stop.wait(RETRY_S)
+
+
+def identify(client: PeerClient, reach: PeerReach, peer: int) -> pb.Inventory | None:
+    """Peer ``peer``'s identity, or None while it does not answer (noted in ``reach``)."""
+    try:
+        reply: pb.Inventory = client.call("GetInventory", pb.InventoryRequest(identify=True),
+                                          attempts=1, deadline_s=5.0)
+    except PeerError as e:
+        if e.unreachable:
+            reach.failed(peer, e.message)
+        else:
+            reach.answered(peer)  # a refusal (a token it does not take) is an answer
+        return None
+    reach.answered(peer)
+    return reply
+
+
+class ConfigCheck:
+    """Whether this node's configuration disagrees with a peer's, and the start-up
+    check that finds out (:func:`check_peers` on a thread of its own), a service
+    (:class:`mtc.lifecycle.Service`). ``error``: what disagrees, "" while nothing
+    does; while set, the node refuses restores and copies nothing."""
+
+    def __init__(self, config: ReplicatorConfig, ask: Asks,
+                 on_mismatch: Callable[[], None] = lambda: None) -> None:
+        self.config = config
+        self.error = ""
+        self._ask = ask
+        self._on_mismatch = on_mismatch
+        self._stop = threading.Event()
+
+    def disagrees(self, problem: str) -> None:
+        """A peer's configuration disagrees with this node's."""
+        self.error = "; ".join(filter(None, [self.error, problem]))
+        self._on_mismatch()
+        log.error("rank %d: configuration disagrees with a peer's (%s): this node refuses "
+                  "restores and copies nothing until every replicator runs with the same "
+                  "--nodes and --nodes-per-slice and its own --rank", self.config.rank,
+                  problem)
+
+    def refuse_if_misconfigured(self) -> None:
+        if self.error:
+            raise ConfigError(f"replicator configuration disagrees with a peer's: "
+                              f"{self.error}", host=self.config.rank)
+
+    def start(self, threads: Threads) -> None:
+        threads.start(check_peers, "mtc-config-check", self.config, self._ask,
+                      self.disagrees, self._stop)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        pass

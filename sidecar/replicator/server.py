@@ -1,4 +1,5 @@
-"""The replicator's gRPC server: thin servicers over :class:`~mtc.sidecar.replicator.node.Node`.
+"""The replicator's gRPC server: thin servicers over the replicator's parts, each
+given as a narrow view (:mod:`.parts`), never the node that composes them.
 
 Domain errors become status codes in one place (:func:`.status.answer`). Shard
 bytes use raw-bytes handlers (no protobuf copy): the data channel's
@@ -19,6 +20,7 @@ import functools
 import logging
 import math
 import shutil
+import threading
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -29,11 +31,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtc import validate
 from mtc.errors import (
-    ConfigError,
     CorruptShardError,
     MtcError,
     StepNotFoundError,
 )
+from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator import checks, claims
@@ -56,7 +58,7 @@ from mtc.sidecar.replicator.transfers import Transfer, Transfers
 from mtc.sidecar.storage.spare import room
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.node import Node
+    from mtc.sidecar.replicator.parts import Composed, Parts
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -80,9 +82,17 @@ def mapped(fn: F) -> F:
 
 
 class ReplicatorServicer(pb_grpc.ReplicatorServicer):
-    def __init__(self, node: Node, identity: Identity | None = None,
+    def __init__(self, parts: Parts, identity: Identity | None = None,
                  streams: Streams | None = None) -> None:
-        self.node = node
+        self.rank = parts.rank
+        self.config = parts.config
+        self.store = parts.store
+        self.metrics = parts.metrics
+        self.shown = parts.shown
+        self.agreement = parts.agreement
+        self.restores = parts.restores
+        self.backups = parts.backups
+        self.blanks = parts.blanks
         self.identity = identity or Identity(tls=False)
         self.streams = streams or Streams()
         # A rank's ask waits at the coordinator; a restarted replicator asks again
@@ -92,7 +102,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.transfers = Transfers(
             # The reserve's blank files are room a copy fills (mtc.sidecar.reserve),
             # but for those set aside for this host's own restore.
-            lambda: room(node.store.root) + node.reserve.room_for_others(node.rank),
+            lambda: room(parts.store.root) + parts.blanks.room_for_others(parts.rank),
             max_files=checks.MAX_OPEN_FILES, idle_s=TRANSFER_IDLE_S)
         self.data: DataServer | None = None  # the data channel, when serve() opened one
         self.workers: futures.ThreadPoolExecutor | None = None  # gRPC's, set by serve()
@@ -100,6 +110,13 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     @property
     def data_port(self) -> int:
         return self.data.port if self.data is not None else 0
+
+    def stop(self) -> None:
+        """No new data-channel connections; the stream watchdog ends (both joined
+        by :meth:`close`, and by the process's thread group)."""
+        if self.data is not None:
+            self.data.stop()
+        self.streams.stop()
 
     def close(self) -> None:
         """After the server stopped: the data channel, the stream watchdog and gRPC's
@@ -122,7 +139,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def expire_transfers(self) -> None:
         dropped = self.transfers.expire()
         if dropped:
-            self.node.metrics.skipped.labels("transfer_expired").inc(dropped)
+            self.metrics.skipped.labels("transfer_expired").inc(dropped)
 
     def incoming(self) -> set[tuple[int, int]]:
         return self.transfers.incoming()
@@ -130,19 +147,19 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     @mapped
     def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
         if request.rank_only:
-            return pb.Inventory(rank=self.node.rank)
+            return pb.Inventory(rank=self.rank)
         if request.identify:
-            return self.node.identity()
-        return self.node.inventory(frozenset(request.origins) or None,
-                                   files=not request.without_files)
+            return self.shown.identity()
+        return self.shown.inventory(frozenset(request.origins) or None,
+                                    files=not request.without_files)
 
     @mapped
     def Offer(self, request: pb.OfferRequest, context: Any) -> pb.OfferReply:
-        origin, step, files = checks.offer(request.copy, rank=self.node.rank,
-                                           num_nodes=self.node.config.num_nodes)
+        origin, step, files = checks.offer(request.copy, rank=self.rank,
+                                           num_nodes=self.config.num_nodes)
         self.identity.require_peer(context, "Offer")
         self.identity.require(context, origin, "a copy")
-        store = self.node.store
+        store = self.store
         fences = store.fences
         # Complete only when it is this very copy: a copy held of an older save under
         # the same number (saved again after a restore) is replaced at the commit.
@@ -157,7 +174,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             reply.candidates.add(path=path, sha256=b"" if identified
                                  else store.checksums.sha256(local))
         # Blank files this copy cannot fill make room for it now (sidecar/reserve.py).
-        self.node.reserve.begin(origin, [f.size for f in files])
+        self.blanks.begin(origin, [f.size for f in files])
         t.tmp = store.begin_incoming(origin, step)
         try:
             reply.transfer_id = self.transfers.open(t)
@@ -180,12 +197,12 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             dst.unlink(missing_ok=True)
             # A claim on the bytes this host holds (a link), not a second copy of
             # them: damage found through either drops both (claims.claim).
-            claims.claim(self.node.store, src, dst, meta)
+            claims.claim(self.store, src, dst, meta)
             with t.lock:
                 t.verified.add(rel)
                 t.linked.add(rel)
             linked.append(rel)
-        self.node.metrics.deduplicated_files.inc(len(linked))
+        self.metrics.deduplicated_files.inc(len(linked))
         return pb.LinkReply(linked=linked)
 
     @mapped
@@ -199,24 +216,24 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             self.transfers.put_back(request.transfer_id, t)
             raise CorruptShardError(f"{len(missing)} files not received or not verified, e.g. "
                                     f"{sorted(missing)[0]}", step=t.step, host=t.origin)
-        if self.node.store.fenced_since(t.fences, t.step):
+        if self.store.fenced_since(t.fences, t.step):
             shutil.rmtree(t.tmp, ignore_errors=True)
             raise StepNotFoundError("a restore of an older step was agreed while this copy "
                                     "was on its way: the step is fenced off", step=t.step,
                                     host=t.origin)
         try:
-            self.node.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()))
+            self.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()))
         except BaseException:
             shutil.rmtree(t.tmp, ignore_errors=True)
             raise
-        self.node.on_copy_received(t.origin, t.step)
+        log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, t.origin,
+                 t.step)
         # The next copy from this origin likely brings files of these sizes again.
-        self.node.reserve.want(t.origin, [m.size for p, m in t.files.items()
+        self.blanks.want(t.origin, [m.size for p, m in t.files.items()
                                           if p not in t.linked])
         # Saved here meanwhile (after the Offer found nothing to link): the copy's
         # files identical to the own step's become claims on them (held once).
-        self.node.metrics.deduplicated_files.inc(
-            claims.fold(self.node.store, t.step, [t.origin]))
+        self.metrics.deduplicated_files.inc(claims.fold(self.store, t.step, [t.origin]))
         return pb.CommitReply(step=t.step, origin_rank=t.origin)
 
     @mapped
@@ -233,26 +250,23 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.identity.require_peer(context, "Decide")
         self.identity.require(context, request.rank, "Decide")
         timeout = min(_restore_timeout(request.timeout_seconds)
-                      or self.node.config.agreement_timeout_s,
-                      self.node.config.agreement_timeout_s * 10)
+                      or self.config.agreement_timeout_s,
+                      self.config.agreement_timeout_s * 10)
         with self.deciding.enter(request.rank):
-            return pb.DecideReply(decision=self.node.agreement.decide_for(
+            return pb.DecideReply(decision=self.agreement.decide_for(
                 request.rank, checks.restore_id(request.restore_id), timeout,
                 list(request.members), request.started_ns, alive=context.is_active))
 
     @mapped
     def GetComplete(self, request: pb.CompleteRequest, context: Any) -> pb.CompleteReply:
-        agreement = self.node.agreement
-        if agreement.rank != agreement.coordinator_rank:
-            raise ConfigError(f"rank {agreement.rank} is not the coordinator")
-        return pb.CompleteReply(kept=sorted(agreement.kept.get(agreement.config.deadline_s * 2)))
+        return pb.CompleteReply(kept=self.agreement.complete_steps())
 
     @mapped
     def PrepareRestore(self, request: pb.PrepareRestoreRequest,
                        context: Any) -> pb.PrepareRestoreReply:
         t = _restore_timeout(request.timeout_seconds)
         with self.preparing.enter(None):
-            d, tier, seconds, pending = self.node.restorer.prepare_restore_as(
+            d, tier, seconds, pending = self.restores.prepare_restore_as(
                 t or None, checks.restore_id(request.restore_id), list(request.members),
                 background=request.background)
         return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds, epoch=d.epoch,
@@ -262,17 +276,17 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
     def Restored(self, request: pb.RestoredRequest, context: Any) -> pb.RestoredReply:
         rid = checks.restore_id(request.restore_id)
         step = validate.step(request.step)
-        return pb.RestoredReply(fetching=self.node.restorer.restored(rid, step))
+        return pb.RestoredReply(fetching=self.restores.restored(rid, step))
 
     @mapped
     def RequestBackup(self, request: pb.BackupRequest, context: Any) -> pb.BackupReply:
-        return pb.BackupReply(step=self.node.backups.request_backup())
+        return pb.BackupReply(step=self.backups.request_backup())
 
     @mapped
     def BackupPart(self, request: pb.BackupPartRequest, context: Any) -> pb.BackupPartReply:
         self.identity.require_peer(context, "BackupPart")  # the backup leader
-        checks.backup_part(request, num_nodes=self.node.config.num_nodes)
-        return self.node.backups.backup_part(request)
+        checks.backup_part(request, num_nodes=self.config.num_nodes)
+        return self.backups.backup_part(request)
 
 
 def _restore_timeout(t: float) -> float:
@@ -287,8 +301,9 @@ def _raw(b: bytes) -> bytes:
     return b
 
 
-def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
-          limits: Limits | None = None, data_port: int | None = 0
+def serve(node: Composed, listen: str, creds: Credentials, *, workers: int = 32,
+          limits: Limits | None = None, data_port: int | None = 0,
+          threads: Threads | None = None
           ) -> tuple[grpc.Server, int, ReplicatorServicer, health.HealthServicer]:
     """Start the server; returns it, the bound port, the servicer (close it after the
     server stopped) and the health servicer (SERVING here; main lowers it when the
@@ -296,11 +311,13 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
     Decide asks of every member, the restores and data streams :mod:`.limits`
     allows, and calls that answer at once beside them. ``data_port``: the data
     channel's port on the host of ``listen`` (0: any; None: no data channel, the
-    bytes go over gRPC's Data service alone)."""
+    bytes go over gRPC's Data service alone). ``threads``: the group the data
+    channel's and the stream watchdog's threads start in (main's; else their own)."""
     check_listen_address(listen, creds)
+    parts = node.parts
     streams = Streams(limits or Limits(),
-                      on_cancel=lambda kind: node.metrics.skipped.labels(
-                          f"{kind}_stream_ended").inc())
+                      on_cancel=lambda kind: parts.metrics.skipped.labels(
+                          f"{kind}_stream_ended").inc(), threads=threads)
     interceptors: list[grpc.ServerInterceptor] = (
         [TokenInterceptor(creds.token)] if creds.token else [])
     if creds.tls:  # a rank's certificate or the controller's; a stranger's is nobody
@@ -324,16 +341,16 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
                                   # and by default stops pinging after two pings.
                                   ("grpc.http2.max_pings_without_data", 0)],
                          maximum_concurrent_rpcs=workers * 4)
-    servicer = ReplicatorServicer(node, Identity(tls=creds.tls), streams)
+    servicer = ReplicatorServicer(parts, Identity(tls=creds.tls), streams)
     servicer.workers = pool
     if data_port is not None and not listen.startswith("unix"):
         host = listen.rsplit(":", 1)[0]
-        service = DataService(node, servicer.identity, streams, servicer.transfers)
+        service = DataService(parts, servicer.identity, streams, servicer.transfers)
         servicer.data = DataServer(service, host, data_port, creds,
-                                   workers=streams.limits.max_streams + 8).start()
-        node.data_port = servicer.data.port
+                                   workers=streams.limits.max_streams + 8).start(threads)
+        parts.shown.data_port = servicer.data.port
     pb_grpc.add_ReplicatorServicer_to_server(servicer, server)
-    raw = GrpcData(node, streams, servicer.transfer)
+    raw = GrpcData(parts, streams, servicer.transfer)
     data = grpc.method_handlers_generic_handler("mtc.replicator.v1.Data", {
         "Push": grpc.stream_unary_rpc_method_handler(
             raw.push, request_deserializer=_raw,
@@ -356,6 +373,35 @@ def serve(node: Node, listen: str, creds: Credentials, *, workers: int = 32,
 
 
 SERVICES = ("", "mtc.replicator.v1.Replicator")
+
+
+class Serving:
+    """What :func:`serve` started, as a service (:class:`mtc.lifecycle.Service`):
+    serving before anything else starts (its port is written and shown first),
+    its data channel's threads in the group ``serve`` was given. ``stop``: health
+    says NOT_SERVING, no new calls, the data channel accepts no more; ``close``:
+    the calls in flight finished (``grace_s`` at most), every thread and pool ended."""
+
+    def __init__(self, server: grpc.Server, servicer: ReplicatorServicer,
+                 health_servicer: health.HealthServicer, *, grace_s: float = 5.0) -> None:
+        self.server = server
+        self.servicer = servicer
+        self.health = health_servicer
+        self.grace_s = grace_s
+        self._stopped: threading.Event | None = None
+
+    def start(self, threads: Threads) -> None:
+        pass  # serve() started it
+
+    def stop(self) -> None:
+        self.health.enter_graceful_shutdown()  # probes see NOT_SERVING from now on
+        self._stopped = self.server.stop(grace=self.grace_s)
+        self.servicer.stop()
+
+    def close(self) -> None:
+        if self._stopped is not None:
+            self._stopped.wait()
+        self.servicer.close()
 
 
 def set_health(health_servicer: health.HealthServicer, serving: bool) -> None:
