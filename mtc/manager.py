@@ -207,7 +207,8 @@ class CheckpointManager:
         ranks = self.options.replicator_ranks
         return NetworkTier(tuple(self.options.replicators), credentials(self.options),
                            self.topology.local_hosts,
-                           ranks[host] if ranks and host < len(ranks) else host)
+                           ranks[host] if ranks and host < len(ranks) else host,
+                           tuple(ranks or ()))
 
     def _watches_replicators(self) -> bool:
         """Whether this manager watches its hosts' replicators: a writer with as many

@@ -33,10 +33,12 @@ from mtc.sidecar.backup.schedule import BackupScheduler
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.copy_proofs import put_proof
 from mtc.sidecar.replicator.fetch_plan import likely_restore
 from mtc.sidecar.replicator.gc import GcPlan, collect_garbage
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.node_agreement import NodeAgreement, holders_of
+from mtc.sidecar.replicator.provenance import ProofCheck, Signer
 from mtc.sidecar.replicator.replication import Replication
 from mtc.sidecar.replicator.restore import Restorer
 from mtc.sidecar.replicator.root_watch import RootWatch
@@ -81,7 +83,9 @@ class Node:
         self.agreement = NodeAgreement(
             config, root, self.store, self.peers, self.metrics,
             inventory=lambda files: self.inventory(files=files),
-            refuse=self.refuse_if_misconfigured, stop=self._stop, pool=self._inv_pool)
+            refuse=self.refuse_if_misconfigured, stop=self._stop, pool=self._inv_pool,
+            proofs=ProofCheck.of(creds))
+        self.proofs = self.agreement.proofs  # None without mutual TLS (provenance.py)
         self.backups = BackupDuties(*shared, backup, self.agreement, self._stop)
         # Blank files for the next peer copies and a replaced host's fetch
         # (mtc.sidecar.reserve).
@@ -95,7 +99,7 @@ class Node:
         self.reach = PeerReach()
         self.replication = Replication(*shared,
                                        quiet_until=lambda: self.restorer.quiet_until,
-                                       reach=self.reach)
+                                       reach=self.reach, signer=Signer.of(creds))
         self.scrubber = Scrubber(self.store, self.metrics, rate=config.scrub_rate,
                                  interval=config.scrub_interval_s, heal_own=self.heal_own,
                                  quiet_until=lambda: self.restorer.quiet_until,
@@ -218,9 +222,20 @@ class Node:
             if files:
                 for f in held:
                     c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
+            self._attach_proof(c)
         self._offer_damaged(inv, damaged)
         inv.quarantined_files = self.store.quarantined_total
         return inv
+
+    def _attach_proof(self, c: pb.StepCopy) -> None:
+        """Put the origin's proof (and its files' SHA-256s) on a listed copy: kept
+        with a peer's copy; an own step's when it was offered signed already."""
+        folder = self.store.copy_dir(c.origin_rank, c.step)
+        if c.origin_rank != self.rank:
+            self.store.proofs.attach(c, folder)
+            return
+        own = self.replication.own_proofs
+        put_proof(c, own.cached(c.step, folder) if own is not None else None)
 
     def _offer_damaged(self, inv: pb.Inventory,
                        damaged: list[tuple[int, list[FileMeta]]]) -> None:

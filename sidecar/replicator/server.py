@@ -33,6 +33,7 @@ from mtc.errors import (
     CorruptShardError,
     MtcError,
     StepNotFoundError,
+    UnauthorizedError,
 )
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
@@ -141,13 +142,17 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                                            num_nodes=self.node.config.num_nodes)
         self.identity.require_peer(context, "Offer")
         self.identity.require(context, origin, "a copy")
+        proof = self._proof(request.copy)
         store = self.node.store
         fences = store.fences
         # Complete only when it is this very copy: a copy held of an older save under
         # the same number (saved again after a restore) is replaced at the commit.
-        if (origin, step) in store.copies() and store.same_copy(origin, step, files):
+        # (With a proof: once the one held has its proof too.)
+        if (origin, step) in store.copies() and store.same_copy(origin, step, files) and \
+                (not proof or store.proofs.of(origin, step, store.copy_dir(origin, step))):
             return pb.OfferReply(already_complete=True)
         t = Transfer(origin, step, Path(), files, fences)
+        t.proof = proof
         reply = pb.OfferReply(data_port=self.data_port)
         for path, (local, identified) in claims.find_identical(store, files, step).items():
             t.candidates[path] = local
@@ -164,6 +169,19 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             shutil.rmtree(t.tmp, ignore_errors=True)
             raise
         return reply
+
+    def _proof(self, c: pb.StepCopy) -> bytes:
+        """With mutual TLS, the offered entry, to keep with the copy, once its proof
+        is found good (:mod:`.provenance`): an offer without it is refused (a
+        copy nobody could use). Without TLS: nothing to keep."""
+        proofs = self.node.proofs
+        if proofs is None:
+            return b""
+        why = proofs.why_not(c)
+        if why is not None:
+            self.node.metrics.unproven.inc()
+            raise UnauthorizedError(f"an offer of rank {c.origin_rank}'s step {c.step}: {why}")
+        return c.SerializeToString()
 
     @mapped
     def Link(self, request: pb.LinkRequest, context: Any) -> pb.LinkReply:
@@ -204,7 +222,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                                     "was on its way: the step is fenced off", step=t.step,
                                     host=t.origin)
         try:
-            self.node.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()))
+            self.node.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()),
+                                            t.proof)
         except BaseException:
             shutil.rmtree(t.tmp, ignore_errors=True)
             raise
