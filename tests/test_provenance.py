@@ -78,16 +78,16 @@ def _no_signature(c: pb.StepCopy) -> None:
 CASES: list[tuple[str, Callable[[pb.StepCopy], None] | None, str, int, str | None]] = [
     ("as signed", None, "rank0", 0, None),
     ("signed by the rank it names", None, "rank1", 1, None),
-    ("wrong rank in the certificate", None, "rank1", 0, "rank 1's, not rank 0's"),
-    ("a certificate naming two ranks", None, "both", 0, "not rank 0's"),
-    ("the controller's certificate", None, "controller", 0, "not rank 0's"),
+    ("wrong rank in the certificate", None, "rank1", 0, "names rank 1, not rank 0"),
+    ("a certificate naming two ranks", None, "both", 0, "not rank 0"),
+    ("the controller's certificate", None, "controller", 0, "names the controller"),
     ("another CA's certificate naming the rank", None, "stranger0", 0,
      "does not chain to the cluster's CA"),
     ("no proof", _no_proof, "rank0", 0, "no proof"),
     ("no signature", _no_signature, "rank0", 0, "no proof"),
     ("another step", _set("step", 778), "rank0", 0, "signature does not match"),
     ("another run", _set("run", "run-b"), "rank0", 0, "signature does not match"),
-    ("another origin", _set("origin_rank", 1), "rank0", 0, "rank 0's, not rank 1's"),
+    ("another origin", _set("origin_rank", 1), "rank0", 0, "names rank 0, not rank 1"),
     ("other saving hosts", _set("saved_hosts", 1), "rank0", 0, "signature does not match"),
     ("another fingerprint", _set("fingerprint", 5), "rank0", 0, "signature does not match"),
     ("a file's CRC32C altered", _file(0, "crc32c", 1), "rank0", 0, "not the ones signed"),
@@ -148,7 +148,7 @@ def test_a_peer_inventory_keeps_its_own_steps_and_proven_copies_only(
     inv.copies.add(step=9, origin_rank=0)            # rank 0's, no proof
     gone = check.drop_unproven(inv)
     assert [(c.origin_rank, c.step) for c in inv.copies] == [(1, 3), (0, 777)]
-    assert len(gone) == 2 and "rank 1's, not rank 0's" in gone[0] and "no proof" in gone[1]
+    assert len(gone) == 2 and "names rank 1, not rank 0" in gone[0] and "no proof" in gone[1]
     # Remembered after one check, the files are still checked each time.
     again = _entry(pki)
     again.files[0].crc32c ^= 1

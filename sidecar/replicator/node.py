@@ -230,6 +230,8 @@ class Node:
     def _attach_proof(self, c: pb.StepCopy) -> None:
         """Put the origin's proof (and its files' SHA-256s) on a listed copy: kept
         with a peer's copy; an own step's when it was offered signed already."""
+        if self.proofs is None:
+            return  # without mutual TLS nothing is signed
         folder = self.store.copy_dir(c.origin_rank, c.step)
         if c.origin_rank != self.rank:
             self.store.proofs.attach(c, folder)

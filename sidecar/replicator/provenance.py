@@ -53,7 +53,7 @@ from cryptography.x509.verification import (
 
 from mtc.errors import ConfigError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.security import Credentials, identity_of
+from mtc.sidecar.replicator.security import Credentials, describe, identity_of
 from mtc.sidecar.replicator.step_files import FileMeta, file_sha256, fingerprint_of, inside
 
 log = logging.getLogger(__name__)
@@ -173,8 +173,7 @@ def why_chain_not(chain: Sequence[bytes], origin: int, cas: Sequence[x509.Certif
         return f"its certificate does not chain to the cluster's CA ({e})", None
     who = identity_of(_dns_names(certs[0]))
     if who != origin:
-        return f"its certificate is {'rank ' + str(who) if isinstance(who, int) else who}'s, " \
-               f"not rank {origin}'s", None
+        return f"its certificate names {describe(who)}, not rank {origin}", None
     return None, certs[0].public_key()
 
 
