@@ -263,7 +263,8 @@ def test_a_peer_cannot_make_another_rank_restore_bytes_it_forged(
     mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
     cl.commit(1, 5, {"c.bin": os.urandom(4096)})
     cl.wait_held({(1, 0, 5), (0, 1, 5)})
-    assert cl.inventory(1).copies[0].proof.signature  # rank 0's proof, kept by rank 1
+    held = {c.origin_rank: c for c in cl.inventory(1).copies if c.step == 5}
+    assert held[0].proof.signature  # rank 0's proof of its copy, kept by rank 1
     cl.commit(1, 777, {"c.bin": os.urandom(4096)})
     forged = b"rank 1 made this up" * 1000
     _plant_forged_copy(cl, pki, holder=1, origin=0, step=777, data=forged)

@@ -373,7 +373,8 @@ class Restorer:
                 tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp,
                                         run, pool)
                 # Its origin's signed SHA-256s, before the step is placed (provenance).
-                forged = not_signed(tmp, sources[0][1], (pool or self._pool).map)
+                forged = (not_signed(tmp, sources[0][1], (pool or self._pool).map)
+                          if self.agreement.proofs is not None else None)
                 if forged is not None:
                     self.metrics.unproven.inc()
                     raise CorruptShardError(f"fetched bytes are not the ones rank "
