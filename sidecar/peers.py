@@ -8,9 +8,10 @@ when it keeps a peer copy of it (``.mtc-replica/<rank>``), else the saving
 host's, else any other listing one, as the replicators' inventories say. Each
 file arrives checked against the size and CRC32C its holder lists (the reader
 checks it against the manifest again); no host ever opens another host's RAM
-disk through a filesystem. With mutual TLS a replicator's copy of another
-rank's data is read only when proven that rank's (:mod:`.replicator.provenance`),
-and each file of it is checked against the SHA-256 its origin signed.
+disk through a filesystem. With mutual TLS and certificates naming
+``mtc-rank-<r>``, a replicator's copy of another rank's data is read only when
+proven that rank's (:mod:`.replicator.provenance`), and each file of it is
+checked against the SHA-256 its origin signed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from mtc.errors import ConfigError, CorruptShardError, ShardUnavailableError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.client import PeerClient, PeerError
-from mtc.sidecar.replicator.provenance import ProofCheck
+from mtc.sidecar.replicator.provenance import ProofCheck, names_read_here
 from mtc.sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
@@ -71,17 +72,21 @@ class PeerFiles:
         self.addresses = list(addresses)
         self.near = near
         self.deadline_s = deadline_s
-        # ``ranks``: the replicator rank at each address (default: its position). With
-        # mutual TLS its certificate must name that rank: what it lists as its own
-        # data is then that rank's.
+        # Copies are proven (provenance.py) under mutual TLS where this process reads
+        # the ranks certificates name: ``mtc-rank-<r>`` (mtc certs). A pod's own
+        # certificate names its pod, which only a replicator told the job's pod names
+        # reads as a rank (docs/security.md): there the replicators' checks stand alone.
+        self._proofs = ProofCheck.of(creds) if names_read_here(creds) else None
+        # ``ranks``: the replicator rank at each address (default: its position). When
+        # proofs are checked, its certificate must name that rank: what it lists as
+        # its own data is then that rank's.
         ranks = list(ranks) or list(range(len(self.addresses)))
         if len(ranks) != len(self.addresses):
             raise ConfigError(f"{len(ranks)} replicator ranks for {len(self.addresses)} "
                               "replicators")
         self._clients = [PeerClient(a, creds, rank=r, deadline_s=INVENTORY_DEADLINE_S,
-                                    as_peer=True)
+                                    as_peer=self._proofs is not None)
                          for a, r in zip(self.addresses, ranks, strict=True)]
-        self._proofs = ProofCheck.of(creds)  # None without mutual TLS
         self.unproven = 0  # copies of other ranks' data listed without a valid proof
         self._lock = threading.Lock()
         self._inventories: dict[int, tuple[float, Holders, Origins]] = {}
@@ -99,18 +104,19 @@ class PeerFiles:
         except PeerError as e:  # a lost host's replicator: its copies are elsewhere
             log.info("replicator %s did not answer its inventory: %s", client.address, e)
             return None
-        if inv.rank != client.rank:
+        if self._proofs is None:
+            return inv  # nobody's rank is proven here: as before
+        if inv.rank != client.rank:  # its certificate names client.rank (as_peer)
             log.warning("replicator %s, asked as rank %d, answers as rank %d: not read",
                         client.address, client.rank, inv.rank)
             return None
-        if self._proofs is not None:
-            gone = self._proofs.drop_unproven(inv)
-            if gone:
-                with self._lock:
-                    self.unproven += len(gone)
-                log.warning("ignored %d copies replicator %s (rank %d) lists without a valid "
-                            "proof that their origin made them: %s", len(gone), client.address,
-                            inv.rank, "; ".join(gone[:3])[:2000])
+        gone = self._proofs.drop_unproven(inv)
+        if gone:
+            with self._lock:
+                self.unproven += len(gone)
+            log.warning("ignored %d copies replicator %s (rank %d) lists without a valid "
+                        "proof that their origin made them: %s", len(gone), client.address,
+                        inv.rank, "; ".join(gone[:3])[:2000])
         return inv
 
     def _holders(self, step: int, *, fresh: bool) -> tuple[Holders, Origins]:

@@ -207,3 +207,22 @@ def test_own_proofs_sign_a_step_with_the_ranks_key_and_the_holder_lists_it(
     other = pb.StepCopy(fingerprint=c.fingerprint ^ 1)
     put_proof(other, c)  # another save under the number: its proof is not this one
     assert not other.proof.signature
+
+
+def test_a_trainer_checks_proofs_where_it_reads_the_names_certificates_give(
+        pki: dict[str, object]) -> None:
+    """The trainer's peer reads check proofs when its own certificate names a rank or
+    the controller's role as this process reads them (``mtc certs``); a pod's own
+    certificate (its pod's name, read as a rank only by a replicator told the job's
+    pod names) leaves the checks to the replicators; without TLS there are none."""
+    d = pki["dir"]
+    assert isinstance(d, Path)
+    ca = _ca_file(pki, d)
+
+    def creds(name: str) -> Credentials:
+        crt, key = pki[name + "_files"]  # type: ignore[misc]
+        return Credentials(tls_cert=crt, tls_key=key, tls_ca=ca)
+
+    assert pv.names_read_here(creds("rank0")) and pv.names_read_here(creds("controller"))
+    assert not pv.names_read_here(creds("both"))  # names nobody here
+    assert not pv.names_read_here(Credentials(token="t")) and not pv.names_read_here(None)

@@ -221,6 +221,21 @@ def not_signed(folder: Path, c: pb.StepCopy,
     return next((p for (p, sha), d in zip(want, got, strict=True) if d != sha), None)
 
 
+def names_read_here(creds: Credentials | None) -> bool:
+    """Whether, under mutual TLS, this process reads whom its own certificate names
+    (a rank or the controller's role): then it reads its peers' names too. A pod's
+    certificate names its pod, a rank only where the job's pod names were given
+    (:func:`~.rank_names.use_pod_names`, a replicator's flags)."""
+    if creds is None or not creds.tls:
+        return False
+    assert creds.tls_cert is not None
+    try:
+        cert = x509.load_pem_x509_certificate(creds.tls_cert.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return identity_of(_dns_names(cert)) is not None
+
+
 class ProofCheck:
     """Proofs checked against the cluster's CA (``--tls-ca``, read again when the
     file changes), a checked one remembered for :data:`VERIFIED_TTL_S`. Thread-safe."""
