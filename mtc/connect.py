@@ -60,7 +60,7 @@ def network_tier(options: Options, topology: Topology) -> NetworkTier | None:
     host = topology.local_hosts[0]
     ranks = options.replicator_ranks
     return NetworkTier(tuple(options.replicators), credentials(options), topology.local_hosts,
-                       ranks[host] if ranks and host < len(ranks) else host)
+                       ranks[host] if ranks and host < len(ranks) else host, tuple(ranks or ()))
 
 
 def watches_replicators(options: Options, topology: Topology) -> bool:

@@ -8,11 +8,15 @@ when it keeps a peer copy of it (``.mtc-replica/<rank>``), else the saving
 host's, else any other listing one, as the replicators' inventories say. Each
 file arrives checked against the size and CRC32C its holder lists (the reader
 checks it against the manifest again); no host ever opens another host's RAM
-disk through a filesystem.
+disk through a filesystem. With mutual TLS and certificates naming
+``mtc-rank-<r>``, a replicator's copy of another rank's data is read only when
+proven that rank's (:mod:`.replicator.provenance`), and each file of it is
+checked against the SHA-256 its origin signed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -20,9 +24,10 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from mtc.errors import CorruptShardError, ShardUnavailableError
+from mtc.errors import ConfigError, CorruptShardError, ShardUnavailableError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc.sidecar.replicator.provenance import ProofCheck, names_read_here
 from mtc.sidecar.replicator.security import Credentials
 
 log = logging.getLogger(__name__)
@@ -32,8 +37,9 @@ INVENTORY_DEADLINE_S = 5.0
 # restore (manifests, then regions) one round serves; a miss asks again at once.
 INVENTORY_TTL_S = 10.0
 
-# origin rank -> holders, nearest first: (client, path -> (size, crc32c))
-Holders = dict[int, list[tuple[PeerClient, dict[str, tuple[int, int]]]]]
+# origin rank -> holders, nearest first: (client, path -> (size, crc32c, SHA-256 its
+# origin signed, b"" when its copy carries no proof))
+Holders = dict[int, list[tuple[PeerClient, dict[str, tuple[int, int, bytes]]]]]
 # saving host -> the origin rank its data of a step is kept under (its copies'
 # saving_ranks; a host absent here is its own rank)
 Origins = dict[int, int]
@@ -59,14 +65,29 @@ class PeerFiles:
     """
 
     def __init__(self, addresses: Sequence[str], creds: Credentials | str | None, *,
-                 near: int | None, deadline_s: float = 60.0) -> None:
+                 near: int | None, deadline_s: float = 60.0,
+                 ranks: Sequence[int] = ()) -> None:
         if not isinstance(creds, Credentials):  # a shared token, or nothing
             creds = Credentials(token=creds)
         self.addresses = list(addresses)
         self.near = near
         self.deadline_s = deadline_s
-        self._clients = [PeerClient(a, creds, rank=i, deadline_s=INVENTORY_DEADLINE_S)
-                         for i, a in enumerate(self.addresses)]
+        # Copies are proven (provenance.py) under mutual TLS where this process reads
+        # the ranks certificates name: ``mtc-rank-<r>`` (mtc certs). A pod's own
+        # certificate names its pod, which only a replicator told the job's pod names
+        # reads as a rank (docs/security.md): there the replicators' checks stand alone.
+        self._proofs = ProofCheck.of(creds) if names_read_here(creds) else None
+        # ``ranks``: the replicator rank at each address (default: its position). When
+        # proofs are checked, its certificate must name that rank: what it lists as
+        # its own data is then that rank's.
+        ranks = list(ranks) or list(range(len(self.addresses)))
+        if len(ranks) != len(self.addresses):
+            raise ConfigError(f"{len(ranks)} replicator ranks for {len(self.addresses)} "
+                              "replicators")
+        self._clients = [PeerClient(a, creds, rank=r, deadline_s=INVENTORY_DEADLINE_S,
+                                    as_peer=self._proofs is not None)
+                         for a, r in zip(self.addresses, ranks, strict=True)]
+        self.unproven = 0  # copies of other ranks' data listed without a valid proof
         self._lock = threading.Lock()
         self._inventories: dict[int, tuple[float, Holders, Origins]] = {}
         # What came over the network tier (for logs and tests): bytes, newest files.
@@ -79,10 +100,24 @@ class PeerFiles:
 
     def _ask(self, client: PeerClient) -> pb.Inventory | None:
         try:
-            return client.call("GetInventory", pb.InventoryRequest(), attempts=1)
+            inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
         except PeerError as e:  # a lost host's replicator: its copies are elsewhere
             log.info("replicator %s did not answer its inventory: %s", client.address, e)
             return None
+        if self._proofs is None:
+            return inv  # nobody's rank is proven here: as before
+        if inv.rank != client.rank:  # its certificate names client.rank (as_peer)
+            log.warning("replicator %s, asked as rank %d, answers as rank %d: not read",
+                        client.address, client.rank, inv.rank)
+            return None
+        gone = self._proofs.drop_unproven(inv)
+        if gone:
+            with self._lock:
+                self.unproven += len(gone)
+            log.warning("ignored %d copies replicator %s (rank %d) lists without a valid "
+                        "proof that their origin made them: %s", len(gone), client.address,
+                        inv.rank, "; ".join(gone[:3])[:2000])
+        return inv
 
     def _holders(self, step: int, *, fresh: bool) -> tuple[Holders, Origins]:
         with self._lock:
@@ -105,7 +140,8 @@ class PeerFiles:
                 copy = next((c for c in inv.copies if c.step == step
                              and c.origin_rank == origin), None) if inv is not None else None
                 if copy is not None:
-                    files = {f.path: (int(f.size), int(f.crc32c)) for f in copy.files}
+                    files = {f.path: (int(f.size), int(f.crc32c), bytes(f.sha256))
+                             for f in copy.files}
                     holders.setdefault(origin, []).append((self._clients[i], files))
         with self._lock:
             self._inventories = {step: (time.monotonic(), holders, origins)}
@@ -124,10 +160,14 @@ class PeerFiles:
             for client, files in holders.get(origin, []):
                 if rel not in files:
                     continue
-                size, crc = files[rel]
+                size, crc, sha = files[rel]
                 try:
                     data = client.data.fetch_bytes(step, origin, rel, size, crc,
                                               deadline_s=self.deadline_s)
+                    if sha and self._proofs is not None and \
+                            hashlib.sha256(data).digest() != sha:
+                        raise CorruptShardError(f"not the bytes rank {origin} signed",
+                                                step=step, host=host, path=rel)
                 except (PeerError, CorruptShardError) as e:
                     errors.append(f"{client.address}: {e}")
                     continue

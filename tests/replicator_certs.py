@@ -10,6 +10,7 @@ import datetime
 import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -68,13 +69,15 @@ def write_pem(cert: x509.Certificate, path: Path) -> Path:
 
 def tls_cluster(clusters: list[Cluster], base: Path,
                 ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], ca_pem: Path,
-                pki: Path, client_crt: Path, client_key: Path, n: int = 2) -> Cluster:
-    """``n`` replicators over mutual TLS, each with a certificate naming its rank; the
-    harness calls them with ``client_crt`` (the controller's)."""
+                pki: Path, client_crt: Path, client_key: Path, n: int = 2,
+                **kw: Any) -> Cluster:
+    """``n`` replicators over mutual TLS, each with a certificate naming its rank
+    (``node<r>.crt`` in ``pki``); the harness calls them with ``client_crt`` (the
+    controller's). ``kw``: more of :class:`Cluster`'s fields."""
     certs = {r: make_leaf(ca, f"node{r}", pki, ranks=[r]) for r in range(n)}
     return new_cluster(clusters, base, n, 1,
                        creds=Credentials(tls_cert=client_crt, tls_key=client_key,
                                          tls_ca=ca_pem),
                        extra=("--tls-ca", str(ca_pem)),
                        rank_args={r: ("--tls-cert", str(c), "--tls-key", str(k))
-                                  for r, (c, k) in certs.items()})
+                                  for r, (c, k) in certs.items()}, **kw)

@@ -19,6 +19,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
+from hashlib import sha256
 from pathlib import Path
 
 import grpc
@@ -30,7 +31,7 @@ from tls_certs import issue, make_ca, mount_secret
 from mtc.errors import ConfigError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator import data_admission, socket_files
+from mtc.sidecar.replicator import data_admission, provenance, socket_files
 from mtc.sidecar.replicator import datachannel as dc
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -186,12 +187,15 @@ def test_with_tls_a_push_is_taken_only_from_the_transfers_rank(tmp_path: Path) -
     ca = make_ca("test-ca")
     server_creds = _tls(tmp_path, ca, "rank0", "mtc-rank-0")
     rep = Replicator(tmp_path, server_creds)
-    rank1 = rep.client(_tls(tmp_path, ca, "rank1", "mtc-rank-1"), rank=0)
+    rank1_creds = _tls(tmp_path, ca, "rank1", "mtc-rank-1")
+    rank1 = rep.client(rank1_creds, rank=0)
     rank2 = rep.client(_tls(tmp_path, ca, "rank2", "mtc-rank-2"), rank=0)
     try:
         files = [pb.FileInfo(path="x.bin", size=5, crc32c=crc32c(b"hello"))]
-        reply = rank1.call("Offer", pb.OfferRequest(copy=pb.StepCopy(
-            step=3, origin_rank=1, files=files)))
+        offer = pb.OfferRequest(copy=pb.StepCopy(step=3, origin_rank=1, files=files))
+        # Signed with rank 1's key, as its replicator offers its steps (provenance.py).
+        provenance.Signer(rank1_creds).sign(offer.copy, {"x.bin": sha256(b"hello").digest()})
+        reply = rank1.call("Offer", offer)
         src = tmp_path / "x.bin"
         src.write_bytes(b"hello")
         rank2.data_port = reply.data_port

@@ -9,6 +9,8 @@ channel's listener alone, in this process, ``tests/test_datachannel.py``'s.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
 import shutil
@@ -20,32 +22,40 @@ from typing import Any
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from hostile_net import Drip
 from replicator_certs import make_ca, make_leaf, tls_cluster, write_pem
-from replicators import Cluster, new_cluster
+from replicators import Cluster, commit_mtc_step, new_cluster
 
 from mtc.contract import decode_reply, encode_request
+from mtc.errors import ShardUnavailableError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator import data_admission
+from mtc.sidecar.peers import PeerFiles
+from mtc.sidecar.replicator import data_admission, provenance
 from mtc.sidecar.replicator import datachannel as dc
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.step_files import FileMeta
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
 MiB = 1 << 20
 
 
-def _tls_hosts(base: Path, clusters: list[Cluster]) -> tuple[Path, Any, Path, Cluster]:
+def _tls_hosts(base: Path, clusters: list[Cluster], **kw: Any
+               ) -> tuple[Path, Any, Path, Cluster]:
     """A CA, the controller's certificate (naming its role), and hosts under mutual
-    TLS with them: (the certificates' folder, the CA, its PEM, the cluster)."""
+    TLS with them: (the certificates' folder, the CA, its PEM, the cluster; ``kw``:
+    more of its fields)."""
     pki = base / "pki"
     pki.mkdir()
     ca = make_ca("mtc test CA")
     ca_pem = write_pem(ca[1], pki / "ca.crt")
     crt, key = make_leaf(ca, "trainer", pki, controller=True)
-    return pki, ca, ca_pem, tls_cluster(clusters, base / "hosts", ca, ca_pem, pki, crt, key)
+    return pki, ca, ca_pem, tls_cluster(clusters, base / "hosts", ca, ca_pem, pki, crt, key,
+                                        **kw)
 
 
 def _cluster(auth: str, base: Path, clusters: list[Cluster]) -> tuple[Cluster, bytes]:
@@ -212,3 +222,122 @@ def test_a_certificate_naming_nobody_is_not_the_controller(
         assert bytes(ctl.data.fetch_bytes(2, 0, "a.bin", len(data), crc32c(data))) == data
     finally:
         ctl.close()
+
+
+# -- a copy of another rank's data, forged by a peer with its own certificate --------------
+
+def _plant_forged_copy(cl: Cluster, pki: Path, *, holder: int, origin: int, step: int,
+                       data: bytes) -> None:
+    """What a host holding only its own valid certificate (``holder``'s) can make: on
+    its own RAM disk, a "copy" of ``origin``'s ``step`` of bytes it made up, listed
+    with their own CRC32Cs (a manifest naming ``origin``'s host), and a proof of it
+    signed with its own key. Its replicator (real, running) then lists it and serves
+    it, as a modified one would."""
+    scratch = cl.base / "forge"
+    scratch.mkdir()
+    files = commit_mtc_step(scratch, step, {"a.bin": data}, host=origin, num_hosts=cl.n)
+    metas = [FileMeta(p, len(b), crc32c(b)) for p, b in sorted(files.items())]
+    entry = pb.StepCopy(step=step, origin_rank=origin, saved_hosts=cl.n,
+                        files=[pb.FileInfo(path=m.path, size=m.size, crc32c=m.crc32c)
+                               for m in metas])
+    key = serialization.load_pem_private_key((pki / f"node{holder}.key").read_bytes(), None)
+    der = x509.load_pem_x509_certificate((pki / f"node{holder}.crt").read_bytes()).public_bytes(
+        serialization.Encoding.DER)
+    provenance.sign(entry, {p: hashlib.sha256(b).digest() for p, b in files.items()}, key, [der])
+    replicas = cl.root(holder) / ".mtc-replica" / str(origin)
+    replicas.mkdir(parents=True, exist_ok=True)
+    (replicas / f"{step}.files.json").write_text(json.dumps([m.to_json() for m in metas]))
+    (replicas / f"{step}.proof").write_bytes(entry.SerializeToString())
+    os.rename(scratch / str(step), replicas / str(step))
+
+
+def test_a_peer_cannot_make_another_rank_restore_bytes_it_forged(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Under mutual TLS, rank 1 (its own real certificate) listed a copy of rank 0's
+    step 777 made of its own bytes, and rank 0 restored step 777, its ``a.bin``
+    holding them. Now rank 0's agreement ignores that copy (its proof is signed by
+    rank 1, not rank 0) and counts it, the controller's peer reads refuse it, and
+    both hosts restore step 5, rank 0's own bytes."""
+    pki, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True)
+    cl.start_all()
+    mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
+    cl.commit(1, 5, {"c.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 5), (0, 1, 5)})
+    held = {c.origin_rank: c for c in cl.inventory(1).copies if c.step == 5}
+    assert held[0].proof.signature  # rank 0's proof of its copy, kept by rank 1
+    cl.commit(1, 777, {"c.bin": os.urandom(4096)})
+    forged = b"rank 1 made this up" * 1000
+    _plant_forged_copy(cl, pki, holder=1, origin=0, step=777, data=forged)
+    assert (1, 0, 777) in cl.held()  # listed, and served, by rank 1's replicator
+
+    # The controller's reads of other hosts' files (multi-controller, sidecar/peers.py).
+    peers = PeerFiles(cl.addrs, cl.creds, near=None, deadline_s=10.0)
+    try:
+        with pytest.raises(ShardUnavailableError):
+            peers.read(777, 0, "a.bin")
+        assert peers.unproven >= 1
+        assert bytes(peers.read(5, 0, "a.bin")) == mine["a.bin"]  # proven: read
+    finally:
+        peers.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        r0, r1 = pool.map(lambda r: _prepare(cl, r), [0, 1])
+    assert isinstance(r0, pb.PrepareRestoreReply), r0
+    assert isinstance(r1, pb.PrepareRestoreReply), r1
+    assert (r0.step, r0.tier, r1.step) == (5, "local", 5)
+    assert (cl.root(0) / "5" / "a.bin").read_bytes() == mine["a.bin"]
+    assert not (cl.root(0) / "777").exists()
+    assert cl.scrape(0).get("mtc_unproven_copies_total", 0) >= 1
+
+
+def _same_crc(data: bytes, target: int) -> bytes:
+    """``data`` with its last 4 bytes changed so that its CRC32C is ``target``: what
+    any forger can do (CRC32C is affine over GF(2): the 32 bits of the patch are
+    solved for)."""
+    head, base = data[:-4], crc32c(data[:-4] + bytes(4))
+    basis: dict[int, tuple[int, int]] = {}  # pivot bit -> (CRC change, patch bits)
+    for i in range(32):
+        v, m = crc32c(head + (1 << i).to_bytes(4, "little")) ^ base, 1 << i
+        for b in reversed(range(32)):
+            if (v >> b) & 1:
+                if b not in basis:
+                    basis[b] = (v, m)
+                    break
+                v, m = v ^ basis[b][0], m ^ basis[b][1]
+    v, x = target ^ base, 0
+    for b in reversed(range(32)):
+        if (v >> b) & 1:
+            v, x = v ^ basis[b][0], x ^ basis[b][1]
+    assert v == 0
+    return head + x.to_bytes(4, "little")
+
+
+def test_a_holder_serving_other_bytes_with_the_same_crc_fails_the_restore(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Rank 1 holds rank 0's real, proven copy of step 5, and swaps its ``a.bin``
+    for bytes of its own with the same size and CRC32C (every check a fetch makes on
+    the way passes). Rank 0, replaced empty, restores step 5 from it: the SHA-256
+    rank 0 signed refuses those bytes before the step is placed (a typed
+    ``DATA_LOSS`` naming the file, nothing in rank 0's root), and it is counted."""
+    _, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True)
+    cl.start_all()
+    mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
+    cl.commit(1, 5, {"c.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 5), (0, 1, 5)})
+    held = cl.root(1) / ".mtc-replica" / "0" / "5" / "a.bin"
+    forged = _same_crc(b"rank 1 made this up".ljust(len(mine["a.bin"]), b"!"),
+                       crc32c(mine["a.bin"]))
+    assert forged != mine["a.bin"] and crc32c(forged) == crc32c(mine["a.bin"])
+    (held.parent / "a.tmp").write_bytes(forged)
+    os.replace(held.parent / "a.tmp", held)
+    assert (1, 0, 5) in cl.held()  # it checks out by CRC32C: still listed
+    cl.kill(0)
+    shutil.rmtree(cl.root(0))
+    cl.start(0)
+    with ThreadPoolExecutor(2) as pool:
+        r0, r1 = pool.map(lambda r: _prepare(cl, r), [0, 1])
+    assert isinstance(r1, pb.PrepareRestoreReply) and r1.step == 5, r1
+    assert isinstance(r0, PeerError), r0
+    assert r0.code == grpc.StatusCode.DATA_LOSS and "signed" in str(r0), r0
+    assert not (cl.root(0) / "5").exists()
+    assert cl.scrape(0).get("mtc_unproven_copies_total", 0) >= 1

@@ -42,6 +42,7 @@ from mtc import transfer
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
+from mtc.sidecar.replicator import provenance
 from mtc.sidecar.replicator.book import BOOK_NAME
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
@@ -302,8 +303,12 @@ def test_a_certificate_acts_only_for_the_rank_it_names(base: Path) -> None:
             assert code(host1, 1, "Offer", fake) == denied
             assert code(host1, 0, "Decide", pb.DecideRequest(rank=0, timeout_seconds=1)) == \
                 denied
-            # Its own rank's copy it may offer (and then gives it up).
-            own = code(host1, 0, "Offer", offer_of(7, [pb.FileInfo(path="a", size=1)], 1))
+            # Its own rank's copy it may offer, signed with its key (an unsigned offer
+            # proves nothing: provenance.py), and then gives it up.
+            mine = offer_of(7, [pb.FileInfo(path="a", size=1)], 1)
+            assert code(host1, 0, "Offer", mine) == denied
+            provenance.Signer(host1).sign(mine.copy, {"a": bytes(32)})
+            own = code(host1, 0, "Offer", mine)
             assert isinstance(own, pb.OfferReply) and own.transfer_id
             assert code(controller, 0, "Abort", pb.AbortRequest(
                 transfer_id=own.transfer_id)) == denied  # not the controller's transfer

@@ -164,7 +164,8 @@ def test_offers_and_inventories_are_checked_whole() -> None:
     fine = pb.StepCopy(step=3, files=[pb.FileInfo(path=f) for f in ("a", "ab/c", "a.b/c")])
     assert len(checks.offer(fine, rank=1, num_nodes=2)[2]) == 3
     inv = pb.Inventory(rank=1, last_decision=pb.Decision(epoch=3, step=2))
-    inv.copies.add(step=2, origin_rank=0, files=[pb.FileInfo(path="x", size=1)])
+    inv.copies.add(step=2, origin_rank=0, files=[pb.FileInfo(path="x", size=1,
+                                                             sha256=bytes(32))])
     inv.damaged.add(step=2, origin_rank=1, files=[pb.FileInfo(path="y", size=1)])
     assert checks.inventory(inv, rank=1, num_nodes=2) is inv
     for mutate in (lambda i: setattr(i, "rank", 0),
@@ -176,7 +177,8 @@ def test_offers_and_inventories_are_checked_whole() -> None:
                    lambda i: setattr(i.damaged[0], "step", -3),
                    lambda i: setattr(i.damaged[0], "origin_rank", 0),  # not its own
                    lambda i: i.copies[0].files.add(path="x/y"),  # "x" a file and a folder
-                   lambda i: i.copies[0].files.add(path="x")):  # twice
+                   lambda i: i.copies[0].files.add(path="x"),  # twice
+                   lambda i: setattr(i.copies[0].files[0], "sha256", bytes(33))):
         bad = pb.Inventory()
         bad.CopyFrom(inv)
         mutate(bad)

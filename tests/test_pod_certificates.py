@@ -27,7 +27,7 @@ from tls_certs import issue, make_ca
 
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import prepare_restore
-from mtc.sidecar.replicator import rank_names
+from mtc.sidecar.replicator import provenance, rank_names
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.rank_names import PodNames
 from mtc.sidecar.replicator.security import CONTROLLER_NAME, Credentials
@@ -141,7 +141,11 @@ def test_replicators_with_pod_certificates(ramdisk: Path, clusters: list[Cluster
         assert code(host1, cl.addrs[0], 0, "Offer", offer(3, 7)) == denied
         assert code(host1, cl.addrs[0], 0, "Decide",
                     pb.DecideRequest(rank=0, timeout_seconds=1)) == denied
-        own = code(host1, cl.addrs[3], 3, "Offer", offer(1, 7))
+        # Its own copy: offered signed with its key (an unsigned offer proves nothing).
+        assert code(host1, cl.addrs[3], 3, "Offer", offer(1, 7)) == denied
+        signed = offer(1, 7)
+        provenance.Signer(host1).sign(signed.copy, {"a.bin": bytes(32)})
+        own = code(host1, cl.addrs[3], 3, "Offer", signed)
         assert isinstance(own, pb.OfferReply) and own.transfer_id
         code(host1, cl.addrs[3], 3, "Abort", pb.AbortRequest(transfer_id=own.transfer_id))
         # Host index 2 of 2 would be slice 1's host 0 by arithmetic: it is no rank.

@@ -24,12 +24,15 @@ from mtc.sidecar.replicator.security import Credentials
 class NetworkTier:
     """Where a process of a multi-controller job gets other hosts' files: the
     replicators (``addresses`` in host order, reached with ``creds``); ``own``: its
-    hosts; ``rank``: its host's replicator's rank (asked first: it may hold a copy)."""
+    hosts; ``rank``: its host's replicator's rank (asked first: it may hold a copy);
+    ``ranks``: the replicator rank at each address (empty: its position), the rank
+    its certificate must name under mutual TLS."""
 
     addresses: tuple[str, ...]
     creds: Credentials
     own: tuple[int, ...]
     rank: int | None = None
+    ranks: tuple[int, ...] = ()
 
 
 class LocalDispatch(HostCalls):
@@ -43,7 +46,8 @@ class LocalDispatch(HostCalls):
         self.config = config
         self.agent = HostAgent(config)
         self.copier = copier or DeviceCopier(None)
-        self.peers = (PeerFiles(network.addresses, network.creds, near=network.rank)
+        self.peers = (PeerFiles(network.addresses, network.creds, near=network.rank,
+                                ranks=network.ranks)
                       if network is not None else None)
         self.own = network.own if network is not None else ()
         self.ops = HostOps(config, remote=self.peers.read if self.peers else None,

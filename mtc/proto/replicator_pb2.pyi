@@ -7,17 +7,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FileInfo(_message.Message):
-    __slots__ = ("path", "size", "crc32c")
+    __slots__ = ("path", "size", "crc32c", "sha256")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
     crc32c: int
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    sha256: bytes
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class CopyProof(_message.Message):
+    __slots__ = ("digest", "signature", "chain")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    signature: bytes
+    chain: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., chain: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepCopy(_message.Message):
-    __slots__ = ("step", "origin_rank", "files", "saved_hosts", "run", "fingerprint", "saving_ranks")
+    __slots__ = ("step", "origin_rank", "files", "saved_hosts", "run", "fingerprint", "saving_ranks", "proof")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_RANK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +37,7 @@ class StepCopy(_message.Message):
     RUN_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SAVING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     step: int
     origin_rank: int
     files: _containers.RepeatedCompositeFieldContainer[FileInfo]
@@ -32,7 +45,8 @@ class StepCopy(_message.Message):
     run: str
     fingerprint: int
     saving_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., saved_hosts: _Optional[int] = ..., run: _Optional[str] = ..., fingerprint: _Optional[int] = ..., saving_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    proof: CopyProof
+    def __init__(self, step: _Optional[int] = ..., origin_rank: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., saved_hosts: _Optional[int] = ..., run: _Optional[str] = ..., fingerprint: _Optional[int] = ..., saving_ranks: _Optional[_Iterable[int]] = ..., proof: _Optional[_Union[CopyProof, _Mapping]] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ("rank_only", "origins", "without_files", "identify")

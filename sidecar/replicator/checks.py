@@ -140,6 +140,9 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
         for f in c.files:
             validate.relpath(f.path)
             validate.file_size(f.size, path=f.path[:200])
+            if len(f.sha256) not in (0, 32):
+                raise ProtocolError(f"a SHA-256 of {len(f.sha256)} bytes", step=c.step,
+                                    host=rank)
         _distinct([f.path for f in c.files], f"rank {c.origin_rank}'s step {c.step}",
                   step=c.step, host=rank)
     return inv

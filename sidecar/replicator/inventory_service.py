@@ -12,6 +12,8 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.schedule import BackupScheduler
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.copy_proofs import OwnProofs, put_proof
+from mtc.sidecar.replicator.provenance import ProofCheck
 from mtc.sidecar.replicator.selfcheck import (
     PEER_GRACE_S,
     ConfigCheck,
@@ -29,7 +31,9 @@ class InventoryService:
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore, *,
                  backup: BackupScheduler | None, last_decision: Callable[[], pb.Decision],
-                 clock: ReplicationClock, reach: PeerReach, check: ConfigCheck) -> None:
+                 clock: ReplicationClock, reach: PeerReach, check: ConfigCheck,
+                 proofs: ProofCheck | None = None,
+                 own_proofs: Callable[[], OwnProofs | None] = lambda: None) -> None:
         self.config = config
         self.rank = config.rank
         self.store = store
@@ -38,6 +42,8 @@ class InventoryService:
         self._clock = clock
         self._reach = reach
         self._check = check
+        self._proofs = proofs
+        self._own_proofs = own_proofs
         self.data_port = 0
 
     def inventory(self, origins: frozenset[int] | None = None, *,
@@ -62,9 +68,22 @@ class InventoryService:
             if files:
                 for f in held:
                     c.files.add(path=f.path, size=f.size, crc32c=f.crc32c)
+            self._attach_proof(c)
         self._offer_damaged(inv, damaged)
         inv.quarantined_files = self.store.quarantined_total
         return inv
+
+    def _attach_proof(self, c: pb.StepCopy) -> None:
+        """Put the origin's proof (and its files' SHA-256s) on a listed copy: kept
+        with a peer's copy; an own step's when it was offered signed already."""
+        if self._proofs is None:
+            return  # without mutual TLS nothing is signed
+        folder = self.store.copy_dir(c.origin_rank, c.step)
+        if c.origin_rank != self.rank:
+            self.store.proofs.attach(c, folder)
+            return
+        own = self._own_proofs()
+        put_proof(c, own.cached(c.step, folder) if own is not None else None)
 
     def _offer_damaged(self, inv: pb.Inventory,
                        damaged: list[tuple[int, list[FileMeta]]]) -> None:

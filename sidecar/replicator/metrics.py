@@ -45,6 +45,10 @@ class Metrics:
             "mtc_steps_copied_again",
             "Older kept steps pushed to a peer that lacked them, by why: it had lost its "
             "copy (lost), or a newer step went first (late)", ["why"], registry=r)
+        self.unproven = Counter(
+            "mtc_unproven_copies",
+            "Copies of another rank's data a peer listed or offered without a valid proof "
+            "that rank made them (mutual TLS): ignored", registry=r)
         self.newest = Gauge("mtc_newest_step", "Newest step by state", ["state"], registry=r)
         self.lag = Gauge("mtc_replication_lag_steps",
                          "Committed steps newer than the newest fully replicated one",

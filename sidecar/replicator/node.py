@@ -35,6 +35,7 @@ from mtc.sidecar.replicator.loop import ReplicationLoop
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.parts import Parts
+from mtc.sidecar.replicator.provenance import ProofCheck, Signer
 from mtc.sidecar.replicator.replication import Replication
 from mtc.sidecar.replicator.restore import Restorer
 from mtc.sidecar.replicator.scrub import Scrubber
@@ -71,7 +72,8 @@ class Node:
         self.agreement = NodeAgreement(
             config, root, self.store, self.peers, self.metrics,
             inventory=lambda files: self.shown.inventory(files=files),
-            refuse=self.check.refuse_if_misconfigured)
+            refuse=self.check.refuse_if_misconfigured, proofs=ProofCheck.of(creds))
+        self.proofs = self.agreement.proofs  # None without mutual TLS (provenance.py)
         self.backups = BackupDuties(*shared, backup, self.agreement)
         # Blank files for the next peer copies and a replaced host's fetch
         # (mtc.sidecar.reserve).
@@ -84,11 +86,12 @@ class Node:
                                  reserve=self.reserve)
         self.replication = Replication(*shared,
                                        quiet_until=lambda: self.restorer.quiet_until,
-                                       reach=self.reach)
+                                       reach=self.reach, signer=Signer.of(creds))
         self.shown = InventoryService(
             config, self.store, backup=backup,
             last_decision=lambda: self.agreement.last_decision,
-            clock=self.replication.clock, reach=self.reach, check=self.check)
+            clock=self.replication.clock, reach=self.reach, check=self.check,
+            proofs=self.proofs, own_proofs=lambda: self.replication.own_proofs)
         self.scrubber = Scrubber(self.store, self.metrics, rate=config.scrub_rate,
                                  interval=config.scrub_interval_s, heal_own=self.heal_own,
                                  quiet_until=lambda: self.restorer.quiet_until)
@@ -98,7 +101,8 @@ class Node:
                                     trusted=lambda: not self.check.error)
         self.parts = Parts(config=config, store=self.store, metrics=self.metrics,
                            shown=self.shown, agreement=self.agreement,
-                           restores=self.restorer, backups=self.backups, blanks=self.reserve)
+                           restores=self.restorer, backups=self.backups, blanks=self.reserve,
+                           proofs=self.proofs)
         # Start order; stopped and closed in the reverse one (a restore's fetches
         # end before the agreement's pool, the loop before what it calls).
         self.services: tuple[Service, ...] = (

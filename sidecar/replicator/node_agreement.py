@@ -37,6 +37,7 @@ from mtc.sidecar.replicator.decision import Holding, check_members, newest_compl
 from mtc.sidecar.replicator.decision import gc_keeps as keeps_of
 from mtc.sidecar.replicator.fresh import Fresh
 from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.provenance import ProofCheck
 from mtc.sidecar.replicator.status import is_retryable
 from mtc.sidecar.replicator.store import LocalStore
 
@@ -104,8 +105,12 @@ class NodeAgreement:
 
     def __init__(self, config: ReplicatorConfig, root: Path, store: LocalStore,
                  peers: Mapping[int, PeerClient], metrics: Metrics, *,
-                 inventory: Inventory, refuse: Callable[[], None]) -> None:
+                 inventory: Inventory, refuse: Callable[[], None],
+                 proofs: ProofCheck | None = None) -> None:
         self.config = config
+        # With mutual TLS: a peer's copies of other ranks' data count only proven.
+        self.proofs = proofs
+        self._unproven_told: set[str] = set()  # what was logged (once each)
         self.rank = config.rank
         self.store = store
         self.peers = peers
@@ -212,6 +217,7 @@ class NodeAgreement:
                 # Checked whole before anything in it is stored or acted on.
                 out[r] = checks.inventory(fut.result(), rank=r,
                                           num_nodes=self.config.num_nodes)
+                self._drop_unproven(out[r])
             except PeerError as e:
                 self.metrics.skipped.labels("inventory_unanswered").inc()
                 log.debug("rank %d: no inventory from rank %d: %s", self.rank, r, e)
@@ -219,6 +225,20 @@ class NodeAgreement:
                 self.metrics.skipped.labels("inventory_refused").inc()
                 log.warning("rank %d: refused the inventory of rank %d: %s", self.rank, r, e)
         return out
+
+    def _drop_unproven(self, inv: pb.Inventory) -> None:
+        """Ignore, count and log the copies of other ranks' data ``inv`` lists unproven."""
+        gone = self.proofs.drop_unproven(inv) if self.proofs is not None else []
+        if gone:
+            self.metrics.unproven.inc(len(gone))
+            new = set(gone) - self._unproven_told
+            # Each said once at WARNING (a gather runs every pass); the set bounded.
+            self._unproven_told = (self._unproven_told | new
+                                   if len(self._unproven_told) < 1000 else new)
+            log.log(logging.WARNING if new else logging.DEBUG,
+                    "rank %d: ignored %d copies rank %d lists without a valid proof that "
+                    "their origin made them: %s", self.rank, len(gone), inv.rank,
+                    "; ".join(gone[:3])[:2000])
 
     def gather_holdings(self, ranks: Sequence[int], deadline: float, *,
                         known_up: bool = False, among: Sequence[int] = ()

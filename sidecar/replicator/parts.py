@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from mtc.proto import replicator_pb2 as pb
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
+    from mtc.sidecar.replicator.provenance import ProofCheck
     from mtc.sidecar.replicator.store import LocalStore
 
 
@@ -92,6 +93,8 @@ class Parts:
     restores: Restores
     backups: Backups
     blanks: Blanks
+    # With mutual TLS, what proves a copy its origin's (.provenance); None without.
+    proofs: ProofCheck | None = None
 
     @property
     def rank(self) -> int:

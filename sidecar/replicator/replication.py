@@ -32,7 +32,9 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import claims
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.copy_proofs import OwnProofs
 from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.provenance import Signer
 from mtc.sidecar.replicator.push_plan import PUSH_STREAMS, push_batches, push_streams
 from mtc.sidecar.replicator.selfcheck import PeerReach, ReplicationClock
 from mtc.sidecar.replicator.step_files import FileMeta
@@ -72,7 +74,8 @@ class Replication:
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
                  peers: Mapping[int, PeerClient], metrics: Metrics, *,
-                 quiet_until: Callable[[], float], reach: PeerReach | None = None) -> None:
+                 quiet_until: Callable[[], float], reach: PeerReach | None = None,
+                 signer: Signer | None = None) -> None:
         self.rank = config.rank
         self.config = config
         self.store = store
@@ -99,6 +102,8 @@ class Replication:
         # went ahead of.
         self._had: dict[int, set[int]] = defaultdict(set)
         self._push_pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
+        # With mutual TLS: each own step offered with this rank's signed proof.
+        self.own_proofs = OwnProofs(self.rank, signer) if signer is not None else None
         self._failing: dict[int, str] = {}  # target -> the kind of its pushes' last failure
         # Target -> until when it is not called: one whose push found nobody there is
         # tried again after RESYNC_S, not at every pass (a call to an address where
@@ -114,6 +119,8 @@ class Replication:
 
     def close(self) -> None:
         self._push_pool.shutdown(wait=True, cancel_futures=True)
+        if self.own_proofs is not None:
+            self.own_proofs.close()
 
     def busy(self) -> set[int]:
         """Own steps being pushed now."""
@@ -273,9 +280,7 @@ class Replication:
             if bad:
                 raise CorruptShardError("own copy fails verification; quarantined, not "
                                         "offered", step=step, host=self.rank, path=bad[0].path)
-            offer = pb.OfferRequest(copy=pb.StepCopy(
-                step=step, origin_rank=self.rank,
-                files=[pb.FileInfo(path=f.path, size=f.size, crc32c=f.crc32c) for f in files]))
+            offer = pb.OfferRequest(copy=self.entry(step, files))
             reply = peer.call("Offer", offer)
             if reply.already_complete:
                 self._held(step, target)
@@ -316,6 +321,17 @@ class Replication:
         finally:
             with self._lock:
                 self._pushing.discard(step)
+
+    def entry(self, step: int, files: list[FileMeta]) -> pb.StepCopy:
+        """Own ``step``'s entry as offered: with mutual TLS, signed (:mod:`.provenance`)."""
+        if self.own_proofs is None:
+            return pb.StepCopy(step=step, origin_rank=self.rank, files=[
+                pb.FileInfo(path=f.path, size=f.size, crc32c=f.crc32c) for f in files])
+        s = self.store.summary(self.rank, step)
+        return self.own_proofs.entry(step, self.store.copy_dir(self.rank, step), files,
+                                     run=s.run, saved_hosts=s.num_hosts,
+                                     saving_ranks=list(s.ranks),
+                                     sha256=self.store.checksums.sha256)
 
     def _push_batch(self, peer: PeerClient, tid: str, src: Path,
                     batch: list[tuple[int, FileMeta]]) -> None:

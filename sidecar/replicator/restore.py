@@ -25,6 +25,7 @@ from mtc.sidecar import priority
 from mtc.sidecar.replicator.decision import check_members, saving_ranks
 from mtc.sidecar.replicator.fetch_plan import fetch_batches, fetch_order, heal_sources
 from mtc.sidecar.replicator.node_agreement import holders_of, holding_of
+from mtc.sidecar.replicator.provenance import not_signed
 from mtc.sidecar.replicator.step_files import FileMeta, inside
 from mtc.sidecar.storage.checksum import copy_verified
 from mtc.sidecar.storage.names import tmp_dir
@@ -378,6 +379,14 @@ class Restorer:
                 files = [FileMeta(f.path, f.size, f.crc32c) for f in sources[0][1].files]
                 tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp,
                                         run, pool)
+                # Its origin's signed SHA-256s, before the step is placed (provenance).
+                forged = (not_signed(tmp, sources[0][1], (pool or self._pool).map)
+                          if self.agreement.proofs is not None else None)
+                if forged is not None:
+                    self.metrics.unproven.inc()
+                    raise CorruptShardError(f"fetched bytes are not the ones rank "
+                                            f"{sources[0][1].origin_rank} signed", step=step,
+                                            host=self.rank, path=forged)
                 tier = "backup" if "backup" in tiers else "peer"
             elif self.backup is not None and step in self.backup.refresh():
                 files = self.backups.from_backup(step, invs, tmp)

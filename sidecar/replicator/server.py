@@ -34,6 +34,7 @@ from mtc.errors import (
     CorruptShardError,
     MtcError,
     StepNotFoundError,
+    UnauthorizedError,
 )
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
@@ -93,6 +94,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.restores = parts.restores
         self.backups = parts.backups
         self.blanks = parts.blanks
+        self.proofs = parts.proofs
         self.identity = identity or Identity(tls=False)
         self.streams = streams or Streams()
         # A rank's ask waits at the coordinator; a restarted replicator asks again
@@ -159,13 +161,17 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                                            num_nodes=self.config.num_nodes)
         self.identity.require_peer(context, "Offer")
         self.identity.require(context, origin, "a copy")
+        proof = self._proof(request.copy)
         store = self.store
         fences = store.fences
         # Complete only when it is this very copy: a copy held of an older save under
         # the same number (saved again after a restore) is replaced at the commit.
-        if (origin, step) in store.copies() and store.same_copy(origin, step, files):
+        # (With a proof: once the one held has its proof too.)
+        if (origin, step) in store.copies() and store.same_copy(origin, step, files) and \
+                (not proof or store.proofs.of(origin, step, store.copy_dir(origin, step))):
             return pb.OfferReply(already_complete=True)
         t = Transfer(origin, step, Path(), files, fences)
+        t.proof = proof
         reply = pb.OfferReply(data_port=self.data_port)
         for path, (local, identified) in claims.find_identical(store, files, step).items():
             t.candidates[path] = local
@@ -182,6 +188,19 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             shutil.rmtree(t.tmp, ignore_errors=True)
             raise
         return reply
+
+    def _proof(self, c: pb.StepCopy) -> bytes:
+        """With mutual TLS, the offered entry, to keep with the copy, once its proof
+        is found good (:mod:`.provenance`): an offer without it is refused (a
+        copy nobody could use). Without TLS: nothing to keep."""
+        proofs = self.proofs
+        if proofs is None:
+            return b""
+        why = proofs.why_not(c)
+        if why is not None:
+            self.metrics.unproven.inc()
+            raise UnauthorizedError(f"an offer of rank {c.origin_rank}'s step {c.step}: {why}")
+        return c.SerializeToString()
 
     @mapped
     def Link(self, request: pb.LinkRequest, context: Any) -> pb.LinkReply:
@@ -222,7 +241,8 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                                     "was on its way: the step is fenced off", step=t.step,
                                     host=t.origin)
         try:
-            self.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()))
+            self.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()),
+                                       t.proof)
         except BaseException:
             shutil.rmtree(t.tmp, ignore_errors=True)
             raise

@@ -10,6 +10,8 @@ Layout under the host's root (the RAM disk):
                                               (:meth:`LocalStore.owns`)
 - ``.mtc-replica/<origin>/<step>/``            a verified copy of rank ``origin``'s step
 - ``.mtc-replica/<origin>/<step>.files.json``  its file list (path, size, CRC32C)
+- ``.mtc-replica/<origin>/<step>.proof``       the origin's signed entry of it, with
+                                              mutual TLS (:mod:`.copy_proofs`)
 - ``.mtc-replica/<origin>/<step>.mtc-tmp-*/``  a copy being received
 
 A peer copy is committed like a step: its file list is written, then its folder
@@ -45,6 +47,7 @@ from mtc.sidecar.confine import is_real_dir, real_dir
 from mtc.sidecar.quarantine import links_of, quarantine
 from mtc.sidecar.replicator import claims
 from mtc.sidecar.replicator.checksums import Checksums
+from mtc.sidecar.replicator.copy_proofs import HeldProofs, proof_path
 from mtc.sidecar.replicator.step_files import (
     FileMeta,
     describe_own,
@@ -77,6 +80,7 @@ class LocalStore:
         # Same key: (inode, (hosts that saved it, the run that wrote it)).
         self._summaries: dict[tuple[int, int], tuple[int, Summary]] = {}
         self.checksums = Checksums()  # of files read and checked, or written so
+        self.proofs = HeldProofs(self.replicas)  # origins' signed entries of copies
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
         self._owned: dict[int, tuple[int, bool]] = {}  # step -> (inode of <root>/<step>, ours)
         # Fences so far, and the step of the newest (see :meth:`fence`): a copy offered
@@ -371,7 +375,10 @@ class LocalStore:
         tmp.mkdir()
         return tmp
 
-    def commit_incoming(self, tmp: Path, origin: int, step: int, files: list[FileMeta]) -> None:
+    def commit_incoming(self, tmp: Path, origin: int, step: int, files: list[FileMeta],
+                        proof: bytes = b"") -> None:
+        """Publish a verified incoming copy, with ``proof`` (its origin's signed
+        entry, written before the folder's rename; none: the copy is unproven)."""
         for f in files:
             p = inside(tmp, f.path)
             if not p.is_file() or p.stat().st_size != f.size:
@@ -382,6 +389,8 @@ class LocalStore:
             if is_real_dir(final) and self.same_copy(origin, step, files) and \
                     self._good(origin, step):
                 shutil.rmtree(tmp, ignore_errors=True)  # an earlier good copy; keep it
+                if proof:  # with the proof it lacked (Offer sent it again for that)
+                    write_atomic(proof_path(self.replicas, origin, step), proof)
                 return
             # The copy held is an older checkpoint under the same number (the origin
             # saved the step again after a restore), failed verification (its bad
@@ -390,6 +399,10 @@ class LocalStore:
             self._replace_held(origin, step)
         desc = self._descriptor(origin, step)
         write_atomic(desc, json.dumps([f.to_json() for f in files]))
+        if proof:
+            write_atomic(proof_path(self.replicas, origin, step), proof)
+        else:
+            proof_path(self.replicas, origin, step).unlink(missing_ok=True)
         publish(tmp, final)
         with self._lock:
             self._described[(origin, step)] = (os.stat(final).st_ino, files)
@@ -412,6 +425,7 @@ class LocalStore:
         else:
             remove_step(self.replicas / str(origin), step)
         self._descriptor(origin, step).unlink(missing_ok=True)
+        proof_path(self.replicas, origin, step).unlink(missing_ok=True)
         self.checksums.forget(final)
         with self._lock:
             self._described.pop((origin, step), None)
@@ -461,6 +475,7 @@ class LocalStore:
         else:
             remove_step(self.replicas / str(origin), step)
             self._descriptor(origin, step).unlink(missing_ok=True)
+            proof_path(self.replicas, origin, step).unlink(missing_ok=True)
             self.checksums.forget(self.replicas / str(origin) / str(step))
         with self._lock:
             self._described.pop((origin, step), None)

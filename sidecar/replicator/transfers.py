@@ -36,6 +36,7 @@ class Transfer:
         self.verified: set[str] = set()
         self.linked: set[str] = set()  # verified as claims on bytes held here (Link)
         self.candidates: dict[str, Path] = {}
+        self.proof = b""  # the origin's signed entry (with mutual TLS), kept with the copy
         self.touched = time.monotonic()
         self.lock = threading.Lock()
 
