@@ -135,18 +135,28 @@ class BackupDuties:
         return True
 
     def backup_sources(self, step: int, invs: dict[int, pb.Inventory], run: str = ""
-                       ) -> dict[int, list[tuple[int, int, list[FileMeta]]]]:
+                       ) -> tuple[dict[int, list[tuple[int, int, list[FileMeta]]]],
+                                  dict[tuple[int, str], str]]:
         """Per rank, the copies its data of ``step`` can be uploaded from: those
-        ``run`` wrote (the step's complete run), never another run's."""
+        ``run`` wrote (the step's complete run), never another run's; and the
+        SHA-256 (hex) of each file (origin, path) its origin signed, where the
+        copies came with proofs (mutual TLS: the gather dropped copies of other
+        ranks without one), which every upload must match."""
         held = holders_of(invs, run or None)
         out: dict[int, list[tuple[int, int, list[FileMeta]]]] = {}
+        proven: dict[tuple[int, str], str] = {}
         for r in range(self.config.num_nodes):
-            copies = [(h, o, [FileMeta(f.path, f.size, f.crc32c) for f in c.files])
-                      for o in self.config.equivalent(r) for h, c in held.get((o, step), [])]
+            copies = []
+            for o in self.config.equivalent(r):
+                for h, c in held.get((o, step), []):
+                    copies.append((h, o, [FileMeta(f.path, f.size, f.crc32c) for f in c.files]))
+                    if c.HasField("proof"):
+                        proven.update(((o, f.path), f.sha256.hex()) for f in c.files
+                                      if f.sha256)
             if not copies:
                 raise StepNotFoundError("no host holds this rank's data", step=step, host=r)
             out[r] = copies
-        return out
+        return out, proven
 
     def call_backup_part(self, holder: int, req: pb.BackupPartRequest) -> pb.BackupPartReply:
         if holder == self.rank:

@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -161,9 +161,11 @@ Caller = Callable[[int, pb.BackupPartRequest], pb.BackupPartReply]
 
 def back_up_step(store: BackupStore, step: int,
                  sources: dict[int, list[tuple[int, int, list[FileMeta]]]],
-                 call: Caller) -> None:
+                 call: Caller, *, proven: Mapping[tuple[int, str], str] | None = None) -> None:
     """Leader side. ``sources[r]``: (holder, origin, files) copies of rank r's data;
-    ``call(holder, request)`` runs a part on that node."""
+    ``call(holder, request)`` runs a part on that node. ``proven``: the SHA-256
+    (hex) the origin signed of a file (origin, path): a holder's upload that
+    hashes otherwise is another rank's bytes forged, and nothing is committed."""
     atomic = store.backend.can_publish()
     prefix = f"staging/{step}-{uuid.uuid4().hex[:8]}" if atomic else step_prefix(step)
     # Group every rank's files by content key; the first copy of each group uploads.
@@ -205,6 +207,7 @@ def back_up_step(store: BackupStore, step: int,
     replies = run({k: (upload.get(k, []), hashing.get(k, [])) for k in keys})
     digests = {(k[1], e.path): (e.sha256.hex(), e.uploaded) for k, r in replies.items()
                for e in r.entries}
+    check_proven(digests, proven or {}, {o: h for h, o in keys}, step)
     entries: dict[int, list[BackupEntry]] = {}
     redo: dict[tuple[int, int], tuple[list[str], list[str]]] = {}
     for members in groups.values():
@@ -236,6 +239,21 @@ def back_up_step(store: BackupStore, step: int,
     if atomic and not store.backend.publish(prefix, step_prefix(step)):
         raise MtcError("backup store refused the atomic publish", step=step)
     log.info("backed up step %d: %d objects for %d ranks", step, len(groups), len(entries))
+
+
+def check_proven(digests: Mapping[tuple[int, str], tuple[str, bool]],
+                 proven: Mapping[tuple[int, str], str], holder_of: Mapping[int, int],
+                 step: int) -> None:
+    """Every file hashed by a holder whose origin signed its SHA-256 hashes so:
+    else :class:`CorruptBackupError` naming the holder (a holder may upload
+    another rank's data, never make it up)."""
+    for (origin, path), (sha, _) in sorted(digests.items()):
+        want = proven.get((origin, path))
+        if want is not None and sha != want:
+            raise CorruptBackupError(
+                f"the upload of rank {origin}'s file differs from the SHA-256 its origin "
+                f"signed: not committed", step=step, host=holder_of.get(origin, origin),
+                path=path)
 
 
 class HolderIdle(RetryableError):

@@ -144,9 +144,9 @@ class BackupScheduler:
                 self._requested.clear()
                 return step
             self._requested.clear()
-            sources = node.backup_sources(step, invs, run)
+            sources, proven = node.backup_sources(step, invs, run)
             try:
-                back_up_step(self.store, step, sources, node.call_backup_part)
+                back_up_step(self.store, step, sources, node.call_backup_part, proven=proven)
             except MtcError:
                 self._requested.set()  # try again on the next pass
                 raise
