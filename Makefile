@@ -58,7 +58,7 @@ cluster-down: $(STAMP)
 # virtualenvs are made side by side first (a minute, not two, on a fresh machine);
 # then the checks and both fast lanes, two at a time (each is one busy process, and
 # a test here starts none: about two minutes, not four); then the tests that start
-# processes, in two parts side by side (test-process).
+# processes, in two parts side by side that take files as they go (test-process).
 test:
 	$(MAKE) --no-print-directory -j2 venv venv-oldest
 	$(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck test-fast test-oldest
@@ -66,14 +66,20 @@ test:
 
 # The tests that start processes, in two parts at once: most of such a test's time is
 # waiting on its processes, so two parts take about two thirds of the time of one
-# lane (the parts: whole files, dealt out by tests/process_durations.json: see
-# tests/lane_parts.py). `make test-durations` runs them one after the other and records
-# what each file took.
+# lane. The parts take whole files as they go, the longest first (by
+# tests/process_durations.json), each claiming the next file no part has claimed in a
+# folder made for this run (--claims: see tests/lane_parts.py), so a file that ran
+# long leaves the other part the rest. `make test-process-1` alone (no LANE_CLAIMS) runs
+# part 1 of the fixed deal instead (--shard 1/2). `make test-durations` runs them one
+# after the other and records what each file took.
 test-process: $(STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-process-1 test-process-2
+	claims=$$(mktemp -d -t mtc-claims.XXXXXX) && trap 'rm -rf "$$claims"' EXIT && \
+	$(MAKE) --no-print-directory -j2 --output-sync=target LANE_CLAIMS="$$claims" \
+	  test-process-1 test-process-2
 
 test-process-1 test-process-2: test-process-%: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m process --shard $*/2 --durations=10
+	$(PY) -m pytest -q -p no:cacheprovider -m process \
+	  $(if $(LANE_CLAIMS),--claims $(LANE_CLAIMS),--shard $*/2) --durations=10
 
 test-durations: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m process --durations-out tests/process_durations.json

@@ -41,29 +41,11 @@ sys.addaudithook(_refuse_unmarked_spawn)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--shard", default=None, metavar="K/N",
-                     help="run part K of N of the selected tests, split by file "
-                          "(tests/lane_parts.py)")
-    parser.addoption("--durations-out", default=None, type=Path, metavar="PATH",
-                     help="write the seconds each file's tests took to PATH (JSON, merged "
-                          "into what it holds): tests/process_durations.json splits --shard")
+    lane_parts.addoption(parser)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    path = config.getoption("--durations-out")
-    if path is not None:
-        config.pluginmanager.register(lane_parts.Durations(path), "mtc-durations")
-
-
-@pytest.hookimpl(trylast=True)  # after -m has deselected
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    spec = config.getoption("--shard")
-    if spec is not None:
-        lane_parts.select(config, items, spec)
-
-
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    lane_parts.summary(config, terminalreporter.write_line)
+    lane_parts.configure(config)
 
 
 @pytest.hookimpl(wrapper=True)
