@@ -79,7 +79,7 @@ test-process: $(STAMP)
 
 test-process-1 test-process-2: test-process-%: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m process \
-	  $(if $(LANE_CLAIMS),--claims $(LANE_CLAIMS),--shard $*/2) --durations=10
+	  $(if $(LANE_CLAIMS),--claims=$(LANE_CLAIMS),--shard $*/2) --durations=10
 
 test-durations: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m process --durations-out tests/process_durations.json
