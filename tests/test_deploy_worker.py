@@ -128,7 +128,7 @@ def test_jax_init_info_is_written_atomically(tmp_path: Path,
     assert sorted(p.name for p in (tmp_path / "local").iterdir()) == [JAX_INIT_INFO]
 
     # A write that fails before the rename leaves the old file whole.
-    def fail(src: Any, dst: Any) -> None:
+    def fail(src: Any, dst: Any, **kw: Any) -> None:
         raise OSError("disk gone")
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError, match="disk gone"):

@@ -180,10 +180,10 @@ class VmHosts:
             client.close()
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        slice_of = [r // HOSTS_PER_SLICE for r in range(len(EXAMPLE_HOSTS))]
         deadline = time.monotonic() + timeout
-        while missing := unreplicated({r: h for r in self.procs if (h := self.held(r))},
-                                      step, slice_of):
+        while missing := unreplicated(
+                {(r, o, s) for r in self.procs for o, s in (self.held(r) or ())},
+                step, len(EXAMPLE_HOSTS), HOSTS_PER_SLICE):
             assert time.monotonic() < deadline, f"step {step} of hosts {missing} not copied"
             time.sleep(0.1)
 
