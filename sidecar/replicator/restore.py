@@ -208,7 +208,7 @@ class Restorer:
             if layout.step_of_name(name) is not None and \
                     os.path.islink(self.store.root / name):
                 (self.store.root / name).unlink()
-        for s in self.store.own_steps():
+        for s in self.store.own.steps():
             self.store.adopt_own(s)
         if step < 0:
             orbax.write_marker(self.store.root, job, 0, self.rank, None)
