@@ -179,7 +179,7 @@ def test_own_proofs_sign_a_step_with_the_ranks_key_and_the_holder_lists_it(
     for p, b in FILES.items():
         (step_dir / p).parent.mkdir(parents=True, exist_ok=True)
         (step_dir / p).write_bytes(b)
-    metas = [FileMeta(p, len(b), file_crc(step_dir / p)) for p, b in sorted(FILES.items())]
+    metas = [FileMeta(p, len(b), file_crc(step_dir / p)[1]) for p, b in sorted(FILES.items())]
     signer = pv.Signer.of(creds)
     assert signer is not None
     own = OwnProofs(0, signer)
