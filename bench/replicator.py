@@ -79,7 +79,7 @@ from _loopback import TCP_CHUNK, RawFetch, RawFileCopy, RawTcp
 from mtc.integrity import crc32c
 from mtc.layout import TMP_MARK
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.restore import FETCH_STREAMS
+from mtc.sidecar.replicator.materialize import FETCH_STREAMS
 from mtc.sidecar.replicator.step_files import describe_own
 from mtc.sidecar.replicator.store import REPLICA_DIR
 

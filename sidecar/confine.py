@@ -17,6 +17,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from mtc.errors import LocalDirError, UnsafePathError
 from mtc.sidecar.storage.publish import replace
@@ -104,3 +105,17 @@ def is_beneath(base: Path, path: Path) -> bool:
     real_base = os.path.realpath(base)
     real = os.path.realpath(path)
     return real != real_base and os.path.commonpath([real_base, real]) == real_base
+
+
+def open_own(path: Path) -> BinaryIO:
+    """A file of this host's own copy, to send: never through a symlink planted in
+    its place (its last part; the folders above are the store's own)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb",
+                     buffering=0)
+
+
+def create_fetched(dest: Path) -> BinaryIO:
+    """A file fetched into a restore's folder: a symlink in its place is not followed
+    (open for reading too: the data channel checks the bytes it wrote there)."""
+    return os.fdopen(os.open(dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o644), "wb", buffering=0)

@@ -386,7 +386,7 @@ def test_forty_dripping_connections_leave_fetches_half_their_throughput(
             assert server.pending.evicted >= 24
             flooded = _best_fetch_s(client)
         assert flooded < 2 * quiet, (quiet, flooded)
-        assert client.data.fallbacks == 0  # the data channel's own speed
+        assert client.data.link.fallbacks == 0  # the data channel's own speed
     finally:
         client.close()
         rep.close()
@@ -416,7 +416,7 @@ def test_a_data_channel_that_cannot_be_had_sends_over_grpc(tmp_path: Path) -> No
         client.data_port = closing.getsockname()[1]
         data = client.data.fetch_bytes(1, 0, "a.bin", len(FILES["a.bin"]),
                                        crc32c(FILES["a.bin"]))
-        assert bytes(data) == FILES["a.bin"] and client.data.fallbacks == 1
+        assert bytes(data) == FILES["a.bin"] and client.data.link.fallbacks == 1
         files = [pb.FileInfo(path="x.bin", size=5, crc32c=crc32c(b"hello"))]
         reply = client.call("Offer", pb.OfferRequest(copy=pb.StepCopy(
             step=3, origin_rank=1, files=files)))
@@ -425,12 +425,12 @@ def test_a_data_channel_that_cannot_be_had_sends_over_grpc(tmp_path: Path) -> No
         client.data_port = closing.getsockname()[1]
         assert client.data.push_data(reply.transfer_id, [(0, src, 5, crc32c(b"hello"))]) \
             is None
-        assert client.data.fallbacks == 2
+        assert client.data.link.fallbacks == 2
         # The replication's push of a group then goes over gRPC, file by file.
         client.data_port = closing.getsockname()[1]
         rep.node.replication._push_stream(client, reply.transfer_id, tmp_path,
                                           [(0, FileMeta("x.bin", 5, crc32c(b"hello")))])
-        assert client.data.fallbacks == 3
+        assert client.data.link.fallbacks == 3
         client.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
         assert (rep.root / ".mtc-replica" / "1" / "3" / "x.bin").read_bytes() == b"hello"
     finally:

@@ -51,10 +51,10 @@ def test_store_tells_its_steps_from_another_ranks(tmp_path: Path) -> None:
     (root / "10" / MANIFEST_NAME).write_bytes(b"{torn")
     store = LocalStore(root, rank=0)
     # Beside mtc, the manifest-less folder is not mtc's: never offered (or deleted).
-    assert store.own_steps() == [5]
+    assert store.own.steps() == [5]
     assert store.copies() == [(0, 5)]
     # Serving Orbax's client, it is this host's step, as that client has it.
-    assert LocalStore(root, rank=0, orbax=True).own_steps() == [5, 9]
+    assert LocalStore(root, rank=0, orbax=True).own.steps() == [5, 9]
     # Rank 0's step 7 would be in the replica area, never the other rank's folder.
     assert store.copy_dir(0, 7) == root / ".mtc-replica" / "0" / "7"
     store.remove_copy(0, 7)
@@ -62,7 +62,7 @@ def test_store_tells_its_steps_from_another_ranks(tmp_path: Path) -> None:
     assert (root / "7" / "w.0").read_bytes() == bytes([2]) * 4096
     assert (root / "10" / MANIFEST_NAME).read_bytes() == b"{torn"
     # The same store on rank 1 sees step 7 as its own.
-    assert LocalStore(root, rank=1).own_steps() == [7]
+    assert LocalStore(root, rank=1).own.steps() == [7]
 
 
 def test_a_step_of_a_job_back_on_other_ranks_is_the_rank_its_manifest_names(
@@ -75,8 +75,8 @@ def test_a_step_of_a_job_back_on_other_ranks_is_the_rank_its_manifest_names(
     (root / "4" / MANIFEST_NAME).write_bytes(
         Manifest(step=4, host=0, slice=0, num_hosts=2, leaves=m.leaves,
                  ranks=(2, 3)).to_bytes())
-    assert LocalStore(root, rank=2).own_steps() == [4]
-    assert LocalStore(root, rank=0).own_steps() == []  # host 0 of that job is rank 2
+    assert LocalStore(root, rank=2).own.steps() == [4]
+    assert LocalStore(root, rank=0).own.steps() == []  # host 0 of that job is rank 2
 
 
 def _wait(what: str, cond: Any, timeout: float = 60.0) -> None:

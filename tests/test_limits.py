@@ -103,6 +103,34 @@ def test_validate_steps_and_paths() -> None:
             validate.relpath(bad)  # type: ignore[arg-type]
 
 
+
+OFFERED = [FileMeta("a", 3, 7), FileMeta("b", 0, 0), FileMeta("c/d", 5, 9)]
+
+
+@pytest.mark.parametrize("idx, named", [
+    ([0], ["a"]), ([2, 0], ["c/d", "a"]), ([1], ["b"]),
+    ([], None), ([3], None), ([-1], None), ([0, 0], None), ([0, 1, 2, 0], None),
+])
+def test_a_push_names_offered_files_each_once(idx: list[int], named: list[str] | None
+                                              ) -> None:
+    """The one check of both transports (the data channel's request, gRPC's x-mtc-files)."""
+    if named is None:
+        with pytest.raises(ValueError, match="outside the offer of 3, or twice"):
+            checks.pushed(OFFERED, idx)
+    else:
+        assert [f.path for f in checks.pushed(OFFERED, idx)] == named
+
+
+@pytest.mark.parametrize("got, value, bad", [
+    (3, 7, False), (2, 7, True), (4, 7, True), (3, 8, True), (0, 0, True),
+])
+def test_a_pushed_file_counts_only_as_offered(got: int, value: int, bad: bool) -> None:
+    err = checks.not_as_offered(OFFERED[0], got, value, step=4, origin=1)
+    assert (err is not None) == bad
+    if err is not None:
+        assert (err.step, err.host, err.path) == (4, 1, "a")
+        assert f"received {got} bytes" in str(err)
+
 def test_host_requests_name_steps_as_integers() -> None:
     op, hosts, args = decode_request(encode_request("delete", [0], step=5))
     assert (op, hosts, args) == ("delete", [0], {"step": 5})

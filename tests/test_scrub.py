@@ -185,7 +185,7 @@ def test_an_orbax_step_and_its_copy_are_scrubbed_as_mtc_steps_are(tmp_path: Path
         (root / str(STEP) / name).parent.mkdir(parents=True, exist_ok=True)
         (root / str(STEP) / name).write_bytes(data)
     store = LocalStore(root, rank=0, orbax=True)
-    assert store.own_steps() == [STEP]
+    assert store.own.steps() == [STEP]
     assert store.verify(0, STEP) == []  # described (read) once: the checksums to keep
     peer_files = {"_CHECKPOINT_METADATA": b"{}", "state/d/0.1": os.urandom(3 * 4096)}
     tmp = store.begin_incoming(1, STEP)

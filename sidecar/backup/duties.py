@@ -102,7 +102,7 @@ class BackupDuties:
         answered = -1  # the newest step whose _BACKUP_REQUESTED file was acted on
         while not self._stop.wait(max(self.config.poll_s, 0.5)):
             try:
-                for s in self.store.own_steps()[-1:]:
+                for s in self.store.own.steps()[-1:]:
                     # An Orbax client's request, on any host: once per step (the file
                     # stays), passed to the leader when this host does not lead.
                     if s > answered and backup_requested(self.store.copy_dir(self.rank, s)):

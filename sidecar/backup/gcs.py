@@ -17,7 +17,8 @@
   :class:`CorruptBackupError`.
 - HNS: on a bucket with hierarchical namespace, :meth:`GcsBackend.publish` renames a
   folder with the Storage Control API's ``RenameFolder`` (atomic, metadata-only, a
-  long-running operation it waits for). On a flat bucket it returns False.
+  long-running operation it waits for: :mod:`.gcs_folders`). On a flat bucket it
+  returns False.
 
 With ``STORAGE_EMULATOR_HOST`` set (tests, fake-gcs-server), the client uses anonymous
 credentials and a placeholder project, and the Storage Control API is used only when an
@@ -32,8 +33,6 @@ import http.client
 import logging
 import os
 import struct
-import threading
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -44,15 +43,15 @@ from typing import Any
 import requests
 import urllib3
 from google.api_core import exceptions as gexc
-from google.api_core import retry as gretry
 from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from google.cloud.storage import exceptions as storage_exc
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from mtc.errors import MtcError, StepExistsError
+from mtc.errors import MtcError
 from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
+from mtc.sidecar.backup.gcs_folders import GcsFolders
 from mtc.sidecar.backup.local import check_key
 from mtc.sidecar.storage.checksum import file_crc
 from mtc.sidecar.storage.names import partial_name
@@ -77,10 +76,6 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     urllib3.exceptions.HTTPError, http.client.HTTPException, auth_exc.TransportError,
     ConnectionError, TimeoutError, FutureTimeout,
 )
-
-# Storage Control (gRPC) errors worth another try.
-_CONTROL_RETRY_TYPES = (gexc.ServiceUnavailable, gexc.DeadlineExceeded,
-                        gexc.InternalServerError, gexc.TooManyRequests)
 
 
 def crc_b64(value: int) -> str:
@@ -126,9 +121,9 @@ class GcsBackend(Backend):
         self.chunk_size = chunk_size
         self.deadline = deadline
         self.timeout = timeout
-        self._emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        self.emulator = os.environ.get("STORAGE_EMULATOR_HOST")
         if client is None:
-            if self._emulator:
+            if self.emulator:
                 client = storage.Client(
                     project=project or os.environ.get("GOOGLE_CLOUD_PROJECT", EMULATOR_PROJECT),
                     credentials=AnonymousCredentials())
@@ -140,13 +135,10 @@ class GcsBackend(Backend):
         self.bucket = client.bucket(self.bucket_name)
         self.retry = (DEFAULT_RETRY.with_delay(initial=initial_backoff, maximum=max_backoff,
                                                multiplier=2.0).with_timeout(deadline))
-        self.control_retry = gretry.Retry(
-            predicate=gretry.if_exception_type(*_CONTROL_RETRY_TYPES), initial=initial_backoff,
-            maximum=max_backoff, multiplier=2.0, timeout=deadline)
-        self._control = control_client
-        self._control_endpoint = control_endpoint or os.environ.get(CONTROL_ENDPOINT_ENV)
-        self._control_lock = threading.Lock()
-        self._hns: bool | None = None
+        self.folders = GcsFolders(
+            self, control_client=control_client,
+            control_endpoint=control_endpoint or os.environ.get(CONTROL_ENDPOINT_ENV),
+            initial_backoff=initial_backoff, max_backoff=max_backoff)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -157,7 +149,7 @@ class GcsBackend(Backend):
         return self.bucket.blob(self._name(key), **kw)
 
     @contextmanager
-    def _errors(self, what: str, key: str) -> Iterator[None]:
+    def errors(self, what: str, key: str) -> Iterator[None]:
         """Translate client-library errors into the backend's two kinds."""
         try:
             yield
@@ -200,7 +192,7 @@ class GcsBackend(Backend):
         blob = self._blob(key, chunk_size=self.chunk_size)
         # Sent with the object's metadata (both upload kinds): GCS refuses other bytes.
         blob.crc32c = crc_b64(crc32c)
-        with self._errors("upload", key):
+        with self.errors("upload", key):
             blob.upload_from_filename(
                 str(local),
                 content_type="application/octet-stream",
@@ -234,7 +226,7 @@ class GcsBackend(Backend):
                 offset = 0
             blob = self._blob(key)  # no chunk_size: one streamed request, resumed on error
             in_transit = False
-            with self._errors("download", key), open(part, "ab" if offset else "wb") as f:
+            with self.errors("download", key), open(part, "ab" if offset else "wb") as f:
                 try:
                     blob.download_to_file(
                         f, start=offset or None,
@@ -264,13 +256,13 @@ class GcsBackend(Backend):
             offset = 0
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        with self._errors("upload", key):
+        with self.errors("upload", key):
             self._blob(key).upload_from_string(
                 data, content_type="application/octet-stream", checksum="crc32c",
                 retry=self.retry, timeout=self.timeout)
 
     def get_bytes(self, key: str) -> bytes | None:
-        with self._errors("download", key):
+        with self.errors("download", key):
             try:
                 return bytes(self._blob(key).download_as_bytes(
                     checksum="crc32c", retry=self.retry, timeout=self.timeout))
@@ -279,7 +271,7 @@ class GcsBackend(Backend):
 
     def list(self, prefix: str) -> list[str]:
         check_key(prefix)
-        with self._errors("list", prefix):
+        with self.errors("list", prefix):
             blobs = self.client.list_blobs(self.bucket, prefix=self.root + prefix,
                                            retry=self.retry, timeout=self.timeout)
             return sorted(b.name[len(self.root):] for b in blobs)
@@ -288,7 +280,7 @@ class GcsBackend(Backend):
         keys = self.list(prefix)
 
         def one(key: str) -> None:
-            with self._errors("delete", key):
+            with self.errors("delete", key):
                 try:
                     self._blob(key).delete(retry=self.retry, timeout=self.timeout)
                 except gexc.NotFound:
@@ -300,133 +292,18 @@ class GcsBackend(Backend):
         if (not prefix or prefix.endswith("/")) and self.can_publish():
             # HNS keeps folders after their objects go; a leftover empty folder would
             # make a later rename onto the same name fail.
-            self._delete_folders(self.root + prefix)
+            self.folders.delete_folders(self.root + prefix)
 
     # -- HNS -------------------------------------------------------------------
 
-    def _control_client(self) -> Any:
-        with self._control_lock:
-            if self._control is None:
-                from google.cloud import storage_control_v2
-
-                client_class = storage_control_v2.StorageControlClient
-                if self._control_endpoint and self._emulator:
-                    import grpc
-
-                    # A local test server: plain gRPC, no credentials.
-                    transport = client_class.get_transport_class("grpc")(
-                        channel=grpc.insecure_channel(self._control_endpoint))
-                    self._control = client_class(transport=transport)
-                elif self._control_endpoint:
-                    self._control = client_class(
-                        client_options={"api_endpoint": self._control_endpoint})
-                elif self._emulator:
-                    return None  # emulators have no Storage Control API: a flat bucket
-                else:
-                    self._control = client_class()
-            return self._control
-
-    def _bucket_path(self) -> str:
-        return f"projects/_/buckets/{self.bucket_name}"
-
-    def _folder_path(self, folder_id: str) -> str:
-        return f"{self._bucket_path()}/folders/{folder_id}"
-
     def can_publish(self) -> bool:
-        """Whether the bucket has hierarchical namespace (asked once, then cached)."""
-        if self._hns is not None:
-            return self._hns
-        control = self._control_client()
-        if control is None:
-            self._hns = False
-            return False
-        with self._errors("storage layout", ""):
-            try:
-                layout = control.get_storage_layout(
-                    name=f"{self._bucket_path()}/storageLayout", retry=self.control_retry,
-                    timeout=self._rpc_timeout())
-                self._hns = bool(layout.hierarchical_namespace.enabled)
-            except (gexc.PermissionDenied, gexc.NotFound, gexc.MethodNotImplemented,
-                    gexc.InvalidArgument) as e:
-                log.warning("cannot read the storage layout of %s (%s): treating it as a "
-                            "flat bucket", self.bucket_name, e)
-                self._hns = False
-        return self._hns
-
-    def _rpc_timeout(self) -> float:
-        return self.timeout[1] if isinstance(self.timeout, tuple) else self.timeout
-
-    def _objects_under(self, name_prefix: str) -> bool:
-        it = self.client.list_blobs(self.bucket, prefix=name_prefix, max_results=1,
-                                    retry=self.retry, timeout=self.timeout)
-        return any(True for _ in it)
-
-    def _delete_folders(self, folder_prefix: str) -> None:
-        control = self._control_client()
-        with self._errors("delete folders", folder_prefix[len(self.root):]):
-            from google.cloud import storage_control_v2
-
-            listing = control.list_folders(
-                request=storage_control_v2.ListFoldersRequest(
-                    parent=self._bucket_path(), prefix=folder_prefix),
-                retry=self.control_retry, timeout=self._rpc_timeout())
-            folders = {f.name.split("/folders/", 1)[1] for f in listing
-                       if "/folders/" in f.name}
-            if folder_prefix:
-                folders.add(folder_prefix)
-            folders.discard(self.root)
-            for folder_id in sorted(folders, key=lambda f: (-f.count("/"), f)):
-                try:
-                    control.delete_folder(name=self._folder_path(folder_id),
-                                          retry=self.control_retry,
-                                          timeout=self._rpc_timeout())
-                except (gexc.NotFound, gexc.FailedPrecondition):
-                    pass  # gone already, or written to meanwhile: leave it
+        """Whether the bucket has hierarchical namespace (:mod:`.gcs_folders`)."""
+        return self.folders.can_publish()
 
     def publish(self, staging: str, final: str) -> bool:
         """Rename the folder ``staging`` to ``final`` in one atomic, metadata-only
         operation (HNS); False on a flat bucket."""
-        if not self.can_publish():
-            return False
-        control = self._control_client()
-        src = self.root + check_key(staging.strip("/")) + "/"
-        dst = self.root + check_key(final.strip("/")) + "/"
-        from google.cloud import storage_control_v2
-
-        with self._errors("publish", final):
-            # Objects create their folders; the destination's parent may not exist yet.
-            parent = dst[: dst.rstrip("/").rfind("/") + 1]
-            if parent and parent != self.root and parent != src[: src.rstrip("/").rfind("/") + 1]:
-                try:
-                    control.create_folder(
-                        request=storage_control_v2.CreateFolderRequest(
-                            parent=self._bucket_path(), folder_id=parent, recursive=True),
-                        retry=self.control_retry, timeout=self._rpc_timeout())
-                except gexc.AlreadyExists:
-                    pass
-            try:
-                control.get_folder(name=self._folder_path(dst), retry=self.control_retry,
-                                   timeout=self._rpc_timeout())
-                exists = True
-            except gexc.NotFound:
-                exists = False
-            if exists:
-                if self._objects_under(dst):
-                    raise StepExistsError(f"{final} already exists in {self.url}")
-                self._delete_folders(dst)  # an empty leftover folder: replace it
-            try:
-                # request_id makes the client's retries of this call idempotent.
-                operation = control.rename_folder(
-                    request=storage_control_v2.RenameFolderRequest(
-                        name=self._folder_path(src), destination_folder_id=dst,
-                        request_id=str(uuid.uuid4())),
-                    retry=self.control_retry, timeout=self._rpc_timeout())
-                operation.result(timeout=self.deadline)
-            except gexc.AlreadyExists as e:  # someone published the same step meanwhile
-                raise StepExistsError(f"{final} already exists in {self.url}") from e
-        log.info("published %s as %s in gs://%s", src, dst, self.bucket_name)
-        return True
-
+        return self.folders.publish(staging, final)
 
 def _no_metadata_thread(client: storage.Client) -> None:
     """Keep the client from fetching bucket metadata behind our back.

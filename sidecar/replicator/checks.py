@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 
 from mtc import validate
-from mtc.errors import ProtocolError
+from mtc.errors import CorruptShardError, ProtocolError
 from mtc.manifest import check_run
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.step_files import FileMeta
@@ -60,6 +60,27 @@ def _folders(paths: set[str]) -> set[str]:
             out.add(p[:i])
             i = p.find("/", i + 1)
     return out
+
+
+def pushed(offered: Sequence[FileMeta], idx: Sequence[int]) -> list[FileMeta]:
+    """The offered files a push names by index into the offer's file list
+    (``offered``), each once: the data channel's request, gRPC's ``x-mtc-files``.
+    ValueError (``INVALID_ARGUMENT``) as the push's other bad input."""
+    if not idx or len(idx) > MAX_FILES or any(not 0 <= i < len(offered) for i in idx) \
+            or len(set(idx)) != len(idx):
+        raise ValueError(f"a push names files outside the offer of {len(offered)}, or twice")
+    return [offered[i] for i in idx]
+
+
+def not_as_offered(meta: FileMeta, got: int, value: int, *, step: int, origin: int
+                   ) -> CorruptShardError | None:
+    """The error of a pushed file received as ``got`` bytes with CRC32C ``value``
+    when its offer said otherwise (the caller removes the file), else None."""
+    if got == meta.size and value == meta.crc32c:
+        return None
+    return CorruptShardError(f"received {got} bytes with crc32c {value:#010x}, offer said "
+                             f"{meta.size} bytes {meta.crc32c:#010x}", step=step, host=origin,
+                             path=meta.path)
 
 
 def fetch(req: pb.FetchRequest, *, num_nodes: int) -> tuple[int, int, list[str]]:

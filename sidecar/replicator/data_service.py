@@ -1,12 +1,13 @@
 """What the data channel (:mod:`.datachannel`) serves: the bytes of a push into an
 open transfer, and the files of a copy held here, for a fetch.
 
-The same checks as the gRPC Data service's (``grpc_data.py``): a push names an open
-transfer of the caller's rank and files of its offer; a fetch names a rank, a
-step and paths, each validated (:mod:`.checks`) before any file is opened, and
-files are opened part by part without following a symlink. A push's bytes are
-written to new files (blank ones set aside for them, :mod:`mtc.sidecar.reserve`) and count
-only once their size and CRC32C match the offer.
+The same checks as the gRPC Data service's (``grpc_data.py``), one function each
+in :mod:`.checks`: a push names an open transfer of the caller's rank and files of
+its offer; a fetch names a rank, a step and paths, each validated before any file
+is opened, and files are opened part by part without following a symlink. A
+push's bytes are written to new files (blank ones set aside for them,
+:mod:`mtc.sidecar.reserve`) and count only once their size and CRC32C match the
+offer.
 A fetch sends a held copy's files after their check (cached by inode, size and
 mtime: a file is read again only when it changed); the receiver checks every
 byte again.
@@ -26,7 +27,7 @@ from mtc.sidecar.replicator.datachannel import Caller
 from mtc.sidecar.replicator.limits import Streams, peer_of
 from mtc.sidecar.replicator.security import Identity
 from mtc.sidecar.replicator.step_files import FileMeta, inside
-from mtc.sidecar.replicator.transfers import Transfer, Transfers
+from mtc.sidecar.replicator.transfers import Transfers
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.parts import Parts
@@ -50,7 +51,7 @@ class DataService:
         if t is None:
             raise KeyError(f"unknown transfer {req.transfer_id[:64]!r}")
         self.identity.require(caller, t.origin, "a transfer")
-        metas = _offered(t, list(req.files))
+        metas = checks.pushed(list(t.files.values()), list(req.files))
         total = 0
         with self.streams.open("push", peer_of(caller), caller,
                                sum(m.size for m in metas)) as stream:
@@ -67,12 +68,10 @@ class DataService:
                     got, value = caller.recv_file(fd, meta.size, stream.add)
                 finally:
                     os.close(fd)
-                if got != meta.size or value != meta.crc32c:
+                bad = checks.not_as_offered(meta, got, value, step=t.step, origin=t.origin)
+                if bad is not None:
                     dst.unlink(missing_ok=True)
-                    raise CorruptShardError(
-                        f"received {got} bytes with crc32c {value:#010x}, offer said "
-                        f"{meta.size} bytes {meta.crc32c:#010x}",
-                        step=t.step, host=t.origin, path=meta.path)
+                    raise bad
                 with t.lock:
                     t.verified.add(meta.path)
                 total += got
@@ -135,12 +134,3 @@ class DataService:
         if origin == self.parts.rank:  # the asker reads the backup itself (HolderIdle)
             raise ConfigError(f"rank {origin} is not restoring step {step}")
         raise StepNotFoundError("no complete copy here", step=step, host=origin)
-
-
-def _offered(t: Transfer, idx: list[int]) -> list[FileMeta]:
-    """The offered files a push names by index, each once."""
-    offered = list(t.files.values())
-    if not idx or len(idx) > checks.MAX_FILES or any(not 0 <= i < len(offered) for i in idx) \
-            or len(set(idx)) != len(idx):
-        raise ValueError(f"a push names files outside the offer of {len(offered)}, or twice")
-    return [offered[i] for i in idx]

@@ -21,9 +21,10 @@ authenticated holds no worker, and only for a while (:mod:`.data_admission`:
 its whole request within ``REQUEST_S``, bounded per source and in all). Only an
 authenticated request takes one of the ``workers``; when none is free it is
 answered RESOURCE_EXHAUSTED, and the caller sends its bytes over gRPC instead
-(``peer_data.py``). A request is bounded (``MAX_REQUEST``), every read and write
-has a timeout, and streams are counted and watched by the same
-:class:`~mtc.sidecar.replicator.limits.Streams` as the gRPC data streams.
+(``peer_data.py``; the channel's client: ``data_link.py``). A request is bounded
+(``MAX_REQUEST``), every read and write has a timeout, and streams are counted
+and watched by the same :class:`~mtc.sidecar.replicator.limits.Streams` as the
+gRPC data streams.
 What a request names is checked by the handler (``data_service.py``) before any I/O.
 """
 

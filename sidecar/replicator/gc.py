@@ -141,7 +141,7 @@ def collect_garbage(store: LocalStore, replication: Replication, *, keep: int,
     step and of each origin's newest copy); ``sizes_seen``: the caller's record of
     the held folders' sizes, kept from pass to pass."""
     rank = replication.rank
-    own = store.own_steps()
+    own = store.own.steps()
     replicas = store.replica_steps()
     sizes = _sizes(store, rank, own, replicas, {} if sizes_seen is None else sizes_seen)
     need = sizes.get((rank, own[-1]), 0) if own else 0

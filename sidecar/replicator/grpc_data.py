@@ -73,15 +73,11 @@ class GrpcData:
         and CRC32C, which must match the offer), or x-mtc-files, indices into the
         offer's file list, sent back to back."""
         if "x-mtc-files" in md:
-            offered = list(t.files.values())
             try:
                 idx = [int(x) for x in str(md["x-mtc-files"]).split(",")]
             except ValueError as e:
                 raise ValueError(f"malformed x-mtc-files {md['x-mtc-files']!r}") from e
-            if not idx or any(not 0 <= i < len(offered) for i in idx) or len(set(idx)) != len(idx):
-                raise ValueError(f"x-mtc-files names files outside the offer of "
-                                 f"{len(offered)}, or twice")
-            return [offered[i] for i in idx]
+            return checks.pushed(list(t.files.values()), idx)
         rel = safe_relpath(str(md.get("x-mtc-path", "")))
         meta = t.files.get(rel)
         if meta is None:
@@ -117,11 +113,10 @@ class GrpcData:
                         got += len(part)
                         value = crc32c(part, value)
                         f.write(part)
-                    if got != meta.size or value != meta.crc32c:
-                        raise CorruptShardError(
-                            f"received {got} bytes with crc32c {value:#010x}, offer said "
-                            f"{meta.size} bytes {meta.crc32c:#010x}",
-                            step=t.step, host=t.origin, path=meta.path)
+                    bad = checks.not_as_offered(meta, got, value, step=t.step,
+                                                origin=t.origin)
+                    if bad is not None:
+                        raise bad
                 except BaseException:
                     dst.unlink(missing_ok=True)
                     raise

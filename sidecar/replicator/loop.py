@@ -69,7 +69,7 @@ class ReplicationLoop:
         self.set_aside_for_restore()
         while not self._stop.is_set():
             self.heartbeat = time.monotonic()
-            if self.reserve.wants(self.rank) and self.store.own_steps():
+            if self.reserve.wants(self.rank) and self.store.own.steps():
                 # The job saved anew here without restoring: no fetch will come.
                 self.reserve.forget(self.rank)
             try:
@@ -117,7 +117,7 @@ class ReplicationLoop:
         data aside now, in the background, while the job starts up; the fetch takes
         their places (Restorer). Best effort: peers that do not answer within the
         deadline set nothing aside, and a restore then writes new files as before."""
-        if not self.reserve.enabled or self.store.own_steps():
+        if not self.reserve.enabled or self.store.own.steps():
             return
         invs = self.agreement.gather_invs(range(self.config.num_nodes),
                                           time.monotonic() + min(2.0, self.config.deadline_s))

@@ -5,7 +5,8 @@ services that act on them, each in a module of its own:
 - ``replication.py``: copies of this host's steps to its targets;
 - ``gc.py``: which steps and copies are deleted (a pure plan, and its pass);
 - ``node_agreement.py``: the restore agreement (deciding, asking);
-- ``restore.py``: bringing the agreed step's data, verified, and healing it;
+- ``restore.py``: asking for the agreed step's data, now or in the background,
+  over ``materialize.py``: bringing it, verified, and healing it;
 - ``scrub.py``: every held copy read again in the background, damage healed;
 - ``inventory_service.py``: what this node shows a peer (inventory, identity);
 - ``selfcheck.py``: whether its configuration disagrees with a peer's;

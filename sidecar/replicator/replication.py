@@ -185,7 +185,7 @@ class Replication:
         """One pass: offer the newest own step to every target that lacks it."""
         if time.monotonic() < self._quiet_until():
             return  # a restore was just answered: its reads and steps go first
-        own = self.store.own_steps()
+        own = self.store.own.steps()
         if not own:
             # Nothing of this host's is at risk, but one empty listing does not say
             # so: a folder between two renames (a step saved again) or a listing

@@ -7,7 +7,7 @@ Layout under the host's root (the RAM disk):
                                               client); an mtc step whose manifest names
                                               another host or step is not, nor is a folder
                                               without a manifest beside mtc
-                                              (:meth:`LocalStore.owns`)
+                                              (:mod:`.own_steps`)
 - ``.mtc-replica/<origin>/<step>/``            a verified copy of rank ``origin``'s step
 - ``.mtc-replica/<origin>/<step>.files.json``  its file list (path, size, CRC32C)
 - ``.mtc-replica/<origin>/<step>.proof``       the origin's signed entry of it, with
@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,12 +47,12 @@ from mtc.sidecar.quarantine import links_of, quarantine
 from mtc.sidecar.replicator import claims
 from mtc.sidecar.replicator.checksums import Checksums
 from mtc.sidecar.replicator.copy_proofs import HeldProofs, proof_path
+from mtc.sidecar.replicator.own_steps import OwnSteps
 from mtc.sidecar.replicator.step_files import (
     FileMeta,
     describe_own,
     fingerprint_of,
     inside,
-    not_ours,
 )
 from mtc.sidecar.storage.deleter import clean_uncommitted, remove_step
 from mtc.sidecar.storage.names import tmp_dir
@@ -70,8 +69,9 @@ class LocalStore:
     def __init__(self, root: Path, rank: int, *, orbax: bool = False) -> None:
         self.root = root
         self.rank = rank
-        # Serving Orbax's client (``--framework orbax``), whose steps carry no manifest.
-        self.orbax = orbax
+        # Which of the root's step folders are this host's (Orbax's client's too, with
+        # ``orbax``: its steps carry no manifest).
+        self.own = OwnSteps(root, rank, orbax=orbax)
         self.replicas = root / REPLICA_DIR
         self._lock = threading.Lock()
         # (origin, step) -> (inode of the copy's folder, its files): a folder saved
@@ -82,7 +82,6 @@ class LocalStore:
         self.checksums = Checksums()  # of files read and checked, or written so
         self.proofs = HeldProofs(self.replicas)  # origins' signed entries of copies
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
-        self._owned: dict[int, tuple[int, bool]] = {}  # step -> (inode of <root>/<step>, ours)
         # Fences so far, and the step of the newest (see :meth:`fence`): a copy offered
         # before a fence of a step beyond it is refused at its commit.
         self.fences = 0
@@ -100,57 +99,14 @@ class LocalStore:
     def copy_dir(self, origin: int, step: int) -> Path:
         """Where a copy lives. A host's own step is in its root, or in the replica
         area once restored for a client that must not see step folders in the root."""
-        if origin == self.rank and self.owns(step):
+        if origin == self.rank and self.own.owns(step):
             return self.root / str(step)
         return self.replicas / str(origin) / str(step)
-
-    def owns(self, step: int) -> bool:
-        """Whether ``<root>/<step>/`` is a step of this host's. A RAM disk that outlives
-        its job (GKE's multi-tier checkpointing volume stays with the node) may hold
-        another rank's steps under the same names: an mtc step whose manifest names
-        another host, or another step, is not this host's, and neither is one whose
-        manifest cannot be read (it cannot say whose it is). Those are never
-        offered, served, backed up or deleted here. A step without a manifest
-        (Orbax's) says nothing of its host: it counts as this host's only for a
-        replicator that serves Orbax's client (``--framework orbax``), as that client
-        has it; beside mtc it is a folder mtc did not write (an Orbax user's step in
-        the same RAM disk), never to be deleted. Decided once per folder (by inode)."""
-        d = self.root / str(step)
-        try:
-            st = os.lstat(d)  # a symlink named as a step is no step: never followed
-        except OSError:
-            return False
-        if not stat.S_ISDIR(st.st_mode):
-            return False
-        with self._lock:
-            hit = self._owned.get(step)
-        if hit is not None and hit[0] == st.st_ino:
-            return hit[1]
-        try:
-            data: bytes | None = (d / MANIFEST_NAME).read_bytes()
-            why = not_ours(data, str(d / MANIFEST_NAME), self.rank, step, orbax=self.orbax)
-        except FileNotFoundError:
-            why = not_ours(None, "", self.rank, step, orbax=self.orbax)
-        except OSError as e:
-            why = f"its manifest cannot be read ({e.strerror})"
-        if why is not None:
-            log.warning("rank %d: %s is not this host's step: %s; it is left as it is "
-                        "(neither offered, served nor deleted)", self.rank, d, why)
-        with self._lock:
-            self._owned[step] = (st.st_ino, why is None)
-        return why is None
 
     def _descriptor(self, origin: int, step: int) -> Path:
         return self.replicas / str(origin) / f"{step}.files.json"
 
     # -- inventory ----------------------------------------------------------
-
-    def own_steps(self) -> list[int]:
-        present = layout.committed_steps(self.root)
-        with self._lock:  # forget folders gone (the sidecar's retention removes them too)
-            for gone in self._owned.keys() - set(present):
-                del self._owned[gone]
-        return [s for s in present if self.owns(s)]
 
     def replica_steps(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
@@ -168,7 +124,7 @@ class LocalStore:
     def copies(self) -> list[tuple[int, int]]:
         """Every (origin, step) held complete here, own steps included (less those
         with a file found bad and not yet repaired)."""
-        held = {(self.rank, s) for s in self.own_steps()}
+        held = {(self.rank, s) for s in self.own.steps()}
         held |= {(o, s) for o, steps in self.replica_steps().items() for s in steps}
         with self._lock:
             held -= self._damaged
@@ -292,7 +248,7 @@ class LocalStore:
             hit = self._described.get(key)
             if hit is not None and hit[0] == ino:
                 return hit[1]
-        if origin == self.rank and self.owns(step):
+        if origin == self.rank and self.own.owns(step):
             files = describe_own(self.root / str(step))
             if not (self.root / str(step) / MANIFEST_NAME).is_file():
                 for f in files:  # described by reading them: checked already
@@ -358,7 +314,7 @@ class LocalStore:
         with self._lock:
             self.fences += 1
             self._fenced_at = step
-        held = {(self.rank, s) for s in self.own_steps()}
+        held = {(self.rank, s) for s in self.own.steps()}
         held |= {(o, s) for o, steps in self.replica_steps().items() for s in steps}
         for origin, s in sorted(held):
             if s > step:
@@ -467,9 +423,9 @@ class LocalStore:
 
     def remove_copy(self, origin: int, step: int) -> None:
         in_root = self.root / str(step)
-        if origin == self.rank and in_root.is_symlink() and self.owns(step):
+        if origin == self.rank and in_root.is_symlink() and self.own.owns(step):
             in_root.unlink()  # a restored step: the link in the root, data in the replica area
-        if origin == self.rank and self.owns(step):
+        if origin == self.rank and self.own.owns(step):
             remove_step(self.root, step)
             self.checksums.forget(in_root)
         else:
