@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
-    from mtc.sidecar.replicator.node_agreement import NodeAgreement
     from mtc.sidecar.replicator.peer_data import Opener
+    from mtc.sidecar.replicator.provenance import ProofCheck
     from mtc.sidecar.replicator.store import LocalStore
     from mtc.sidecar.reserve import Reserve
 
@@ -45,7 +45,8 @@ class Materializer:
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
                  peers: Mapping[int, PeerClient], metrics: Metrics, *,
-                 agreement: NodeAgreement, backups: BackupDuties, reserve: Reserve) -> None:
+                 proofs: ProofCheck | None, backups: BackupDuties,
+                 reserve: Reserve) -> None:
         self.rank = config.rank
         # Blank files set aside for this host's own data (a replaced host's fetch:
         # ReplicationLoop.set_aside_for_restore); fetched files take their places.
@@ -54,7 +55,8 @@ class Materializer:
         self.store = store
         self.peers = peers
         self.metrics = metrics
-        self.agreement = agreement
+        # With mutual TLS, what proves fetched bytes their origin's; None without.
+        self.proofs = proofs
         self.backups = backups
         self.backup = backups.backup
         self._pool = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="mtc-fetch")
@@ -116,7 +118,7 @@ class Materializer:
                                         run, pool)
                 # Its origin's signed SHA-256s, before the step is placed (provenance).
                 forged = (not_signed(tmp, sources[0][1], (pool or self._pool).map)
-                          if self.agreement.proofs is not None else None)
+                          if self.proofs is not None else None)
                 if forged is not None:
                     self.metrics.unproven.inc()
                     raise CorruptShardError(f"fetched bytes are not the ones rank "

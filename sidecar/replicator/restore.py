@@ -75,7 +75,6 @@ class Restorer:
         self.rank = config.rank
         self.config = config
         self.store = store
-        self.peers = peers
         self.metrics = metrics
         self.agreement = agreement
         self.backups = backups
@@ -83,7 +82,7 @@ class Restorer:
         self._inventory = inventory
         self._refuse = refuse
         self._stop = threading.Event()
-        self._place = Materializer(config, store, peers, metrics, agreement=agreement,
+        self._place = Materializer(config, store, peers, metrics, proofs=agreement.proofs,
                                    backups=backups, reserve=reserve)
         # After the answer: the step made local (one thread) over streams of its own,
         # every thread at the background's priority.
