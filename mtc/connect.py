@@ -23,6 +23,7 @@ from mtc.dispatch import (
     ProcessDispatch,
 )
 from mtc.dispatch.process import find_sidecars
+from mtc.errors import ConfigError
 from mtc.options import Options
 from mtc.replicas import credentials
 from mtc.replicator_watch import ReplicatorWatch
@@ -50,6 +51,28 @@ def dispatch(mode: str, config: AgentConfig, options: Options, devices: list[jax
     if mode == "colocated":
         return mode, ColocatedDispatch(config, devices, sidecars, copier=copier)
     return mode, LocalDispatch(config, network, copier=copier)
+
+
+def read_pod_names(options: Options) -> None:
+    """With ``replicator_pod_names``: from now on this process reads a certificate
+    naming one of the job's worker pods as that pod's rank, as the replicators do
+    (process-wide; ``ConfigError`` when told another scheme before). Its own
+    certificate must then name a rank or the controller's role: else it could
+    prove no copy it reads (``ConfigError`` now, not copies read unproven later)."""
+    names = options.replicator_pod_names
+    if names is None:
+        return
+    from mtc.sidecar.replicator.provenance import names_read_here
+    from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
+
+    use_pod_names(PodNames(*names))
+    creds = credentials(options)
+    if not names_read_here(creds):
+        raise ConfigError(
+            f"certificate {creds.tls_cert} names no worker pod of replicator_pod_names "
+            f"{names!r} (<prefix><slice>-<host>-xxxxx), no mtc-rank-<r> and not the "
+            "controller's role: give this process its pod's own certificate, or the prefix "
+            "its replicators take (--tls-pod-prefix)")
 
 
 def network_tier(options: Options, topology: Topology) -> NetworkTier | None:

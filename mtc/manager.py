@@ -112,6 +112,7 @@ class CheckpointManager:
             writer_threads=self.options.writer_threads,
         )
         self._where = connect.where(self.options, self.topology, self.local_dir)
+        connect.read_pod_names(self.options)  # before any certificate is read
         self._network = (connect.network_tier(self.options, self.topology) if mode == "local"
                          else None)
         # What ``"auto"`` chose: "local", "colocated" or "process".

@@ -102,6 +102,15 @@ class Options:
         cert-manager's CSI driver mounts) and the sidecars. A Pathways controller's
         certificate names no rank; a multi-controller trainer's is its pod's,
         naming that host's rank (docs/security.md).
+      replicator_pod_names: ``(pod prefix, hosts per slice)``: with
+        ``replicator_tls`` on Kubernetes, how the job's worker pods are named, so
+        that this process reads a certificate naming pod
+        ``<prefix><slice>-<host>-xxxxx`` as rank ``slice * hosts + host``, as the
+        replicators do (their ``--tls-pod-prefix``, ``--tls-hosts-per-slice``; in a
+        JobSet ``mtc.jobset.JobSetPlace.from_env().pod_names``). A multi-controller
+        process then reads another replicator's copy of a rank's data only when it
+        is proven that rank's, as the replicators do. Process-wide: every manager
+        of a process reads pod names one way.
       restore_timeout_s: how long a restore waits for the replicators (a member
         that does not ask fails their agreement sooner, at their
         ``--agreement-timeout-seconds``; this bound holds for this process's own
@@ -165,6 +174,7 @@ class Options:
     replicator_ranks: tuple[int, ...] | None = None
     replicator_token: str | None = None
     replicator_tls: tuple[str, str, str] | None = None
+    replicator_pod_names: tuple[str, int] | None = None
     restore_timeout_s: float = 120.0
     restore_while_fetching: bool = True
     sidecars: tuple[str, ...] | None = None
@@ -227,6 +237,21 @@ class Options:
                 len(self.replicator_tls) != 3 or not all(self.replicator_tls)):
             raise ConfigError("replicator_tls is (certificate, key, CA) files, got "
                               f"{self.replicator_tls!r}")
+        if self.replicator_pod_names is not None:
+            self._check_pod_names()
+
+    def _check_pod_names(self) -> None:
+        from mtc.sidecar.replicator.rank_names import PodNames
+
+        names = self.replicator_pod_names
+        if not (isinstance(names, tuple) and len(names) == 2 and isinstance(names[0], str)
+                and isinstance(names[1], int) and not isinstance(names[1], bool)):
+            raise ConfigError("replicator_pod_names is (pod prefix, hosts per slice), got "
+                              f"{names!r}")
+        PodNames(*names)  # ConfigError when no JobSet names its pods so
+        if self.replicator_tls is None:
+            raise ConfigError("replicator_pod_names says how certificates name ranks: it goes "
+                              "with replicator_tls")
 
     def _check_policies(self) -> None:
         """Orbax's policy objects: ones mtc reads, not beside the options they replace."""

@@ -8,10 +8,12 @@ when it keeps a peer copy of it (``.mtc-replica/<rank>``), else the saving
 host's, else any other listing one, as the replicators' inventories say. Each
 file arrives checked against the size and CRC32C its holder lists (the reader
 checks it against the manifest again); no host ever opens another host's RAM
-disk through a filesystem. With mutual TLS and certificates naming
-``mtc-rank-<r>``, a replicator's copy of another rank's data is read only when
-proven that rank's (:mod:`.replicator.provenance`), and each file of it is
-checked against the SHA-256 its origin signed.
+disk through a filesystem. With mutual TLS and certificates this process reads
+as ranks (``mtc-rank-<r>``, or a JobSet pod's name once the manager was told how
+the job names its pods: ``Options.replicator_pod_names``), a replicator's copy
+of another rank's data is read only when proven that rank's
+(:mod:`.replicator.provenance`), and each file of it is checked against the
+SHA-256 its origin signed.
 """
 
 from __future__ import annotations
@@ -73,10 +75,15 @@ class PeerFiles:
         self.near = near
         self.deadline_s = deadline_s
         # Copies are proven (provenance.py) under mutual TLS where this process reads
-        # the ranks certificates name: ``mtc-rank-<r>`` (mtc certs). A pod's own
-        # certificate names its pod, which only a replicator told the job's pod names
-        # reads as a rank (docs/security.md): there the replicators' checks stand alone.
+        # the ranks certificates name: ``mtc-rank-<r>`` (mtc certs), or a JobSet pod's
+        # name once this process was told the job's pod names (the manager does it,
+        # from Options.replicator_pod_names, before this is made).
         self._proofs = ProofCheck.of(creds) if names_read_here(creds) else None
+        if self._proofs is None and creds.tls:
+            log.warning("copies other replicators list are read unproven here: this "
+                        "process's certificate %s names no rank it reads (a pod's name: "
+                        "give Options(replicator_pod_names=JobSetPlace.pod_names))",
+                        creds.tls_cert)
         # ``ranks``: the replicator rank at each address (default: its position). When
         # proofs are checked, its certificate must name that rank: what it lists as
         # its own data is then that rank's.

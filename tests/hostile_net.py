@@ -1,11 +1,15 @@
 """What the hostile-network tests share: the two-host network they attack
 (:class:`Net`, real replicator and sidecar processes on loopback), a health watch
-that must answer throughout, the refusals' status codes, and the watched root
-every test's files live under (nothing may reach another host's RAM disk)."""
+that must answer throughout, the refusals' status codes, the watched root
+every test's files live under (nothing may reach another host's RAM disk), and
+a copy of another rank's data forged by a host with its own certificate
+(:func:`plant_forged_copy`)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import signal
 import socket
@@ -17,12 +21,17 @@ from typing import Any
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from replicators import Cluster
+from replicators import Cluster, commit_mtc_step
 
 from mtc.contract import decode_reply, encode_request
+from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import provenance
 from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.step_files import FileMeta
 
 TOKEN = "hostile-network-test-token"
 AUTH = [(TOKEN_HEADER, TOKEN)]
@@ -258,3 +267,29 @@ class Drip:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def plant_forged_copy(cl: Cluster, key_file: Path, cert_file: Path, *, holder: int,
+                      origin: int, step: int, data: bytes) -> None:
+    """What a host holding only its own valid certificate (``holder``'s: its
+    ``key_file`` and ``cert_file``) can make: on its own RAM disk, a "copy" of
+    ``origin``'s ``step`` of bytes it made up, listed with their own CRC32Cs (a
+    manifest naming ``origin``'s host), and a proof of it signed with its own key.
+    Its replicator (real, running) then lists it and serves it, as a modified one
+    would."""
+    scratch = cl.base / "forge"
+    scratch.mkdir()
+    files = commit_mtc_step(scratch, step, {"a.bin": data}, host=origin, num_hosts=cl.n)
+    metas = [FileMeta(p, len(b), crc32c(b)) for p, b in sorted(files.items())]
+    entry = pb.StepCopy(step=step, origin_rank=origin, saved_hosts=cl.n,
+                        files=[pb.FileInfo(path=m.path, size=m.size, crc32c=m.crc32c)
+                               for m in metas])
+    key = serialization.load_pem_private_key(key_file.read_bytes(), None)
+    der = x509.load_pem_x509_certificate(cert_file.read_bytes()).public_bytes(
+        serialization.Encoding.DER)
+    provenance.sign(entry, {p: hashlib.sha256(b).digest() for p, b in files.items()}, key, [der])
+    replicas = cl.root(holder) / ".mtc-replica" / str(origin)
+    replicas.mkdir(parents=True, exist_ok=True)
+    (replicas / f"{step}.files.json").write_text(json.dumps([m.to_json() for m in metas]))
+    (replicas / f"{step}.proof").write_bytes(entry.SerializeToString())
+    os.rename(scratch / str(step), replicas / str(step))

@@ -369,17 +369,22 @@ def test_own_trainer_block_of_the_deploy_guide_runs_in_a_pod_environment(
     write_jax_init_info(tmp_path, 0, f"127.0.0.1:{port}")  # as the replicator does
     program = tmp_path / "own.py"
     program.write_text(python_block("docs/deploy.md", "## Your own trainer") +
-                       "print(repr((options.replicators, options.replicator_tls)))\n"
+                       "print(repr((options.replicators, options.replicator_tls, "
+                       "options.replicator_pod_names)))\n"
                        "jax.distributed.shutdown()\n")
     from replicators import env_with_repo
 
     out = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
                          timeout=120, env={**env_with_repo(), "JAX_PLATFORMS": "cpu", **env})
     assert out.returncode == 0, out.stderr[-4000:]
-    replicators, tls = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    replicators, tls, pod_names = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     rargs, rest = parse_args([*rep["args"]], env={k: v for k, v in env_of(rep).items()
                                                    if isinstance(v, str)})
     rargv = replicator_argv(rargs, rest, JobSetPlace.from_env(place_env))
     assert replicators == tuple(dict(zip(rargv[::2], rargv[1::2], strict=False))["--nodes"]
                                 .split(","))
     assert tls == (arg(rep, "--tls-cert"), arg(rep, "--tls-key"), arg(rep, "--tls-ca"))
+    # Its certificates' pod names read as ranks as its replicator reads them: the copies
+    # it reads are proven their origins' (docs/security.md).
+    opts = dict(zip(rargv[::2], rargv[1::2], strict=False))
+    assert pod_names == (opts["--tls-pod-prefix"], int(opts["--tls-hosts-per-slice"]))

@@ -101,6 +101,8 @@ def test_replicator_command_line() -> None:
     # A pod's certificate names the pod: how the replicator reads such a name.
     assert opts["--tls-pod-prefix"] == "mtc-train-worker-"
     assert opts["--tls-hosts-per-slice"] == "3"
+    # ... the description a trainer in the same pod gives its manager (mtc.jobset).
+    assert JobSetPlace.from_env(worker_env()).pod_names == ("mtc-train-worker-", 3)
     assert argv[-1] == "--keep=3"
     from mtc.sidecar.replicator import main as replicator
     parsed = replicator.parse_args(argv)       # mtc-replicator accepts what we pass

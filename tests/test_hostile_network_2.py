@@ -9,8 +9,6 @@ channel's listener alone, in this process, ``tests/test_datachannel.py``'s.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickle
 import shutil
@@ -22,22 +20,19 @@ from typing import Any
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from hostile_net import Drip
+from hostile_net import Drip, plant_forged_copy
 from replicator_certs import make_ca, make_leaf, tls_cluster, write_pem
-from replicators import Cluster, commit_mtc_step, new_cluster
+from replicators import Cluster, new_cluster
 
 from mtc.contract import decode_reply, encode_request
 from mtc.errors import ShardUnavailableError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.peers import PeerFiles
-from mtc.sidecar.replicator import data_admission, provenance
+from mtc.sidecar.replicator import data_admission
 from mtc.sidecar.replicator import datachannel as dc
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
-from mtc.sidecar.replicator.step_files import FileMeta
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -226,31 +221,6 @@ def test_a_certificate_naming_nobody_is_not_the_controller(
 
 # -- a copy of another rank's data, forged by a peer with its own certificate --------------
 
-def _plant_forged_copy(cl: Cluster, pki: Path, *, holder: int, origin: int, step: int,
-                       data: bytes) -> None:
-    """What a host holding only its own valid certificate (``holder``'s) can make: on
-    its own RAM disk, a "copy" of ``origin``'s ``step`` of bytes it made up, listed
-    with their own CRC32Cs (a manifest naming ``origin``'s host), and a proof of it
-    signed with its own key. Its replicator (real, running) then lists it and serves
-    it, as a modified one would."""
-    scratch = cl.base / "forge"
-    scratch.mkdir()
-    files = commit_mtc_step(scratch, step, {"a.bin": data}, host=origin, num_hosts=cl.n)
-    metas = [FileMeta(p, len(b), crc32c(b)) for p, b in sorted(files.items())]
-    entry = pb.StepCopy(step=step, origin_rank=origin, saved_hosts=cl.n,
-                        files=[pb.FileInfo(path=m.path, size=m.size, crc32c=m.crc32c)
-                               for m in metas])
-    key = serialization.load_pem_private_key((pki / f"node{holder}.key").read_bytes(), None)
-    der = x509.load_pem_x509_certificate((pki / f"node{holder}.crt").read_bytes()).public_bytes(
-        serialization.Encoding.DER)
-    provenance.sign(entry, {p: hashlib.sha256(b).digest() for p, b in files.items()}, key, [der])
-    replicas = cl.root(holder) / ".mtc-replica" / str(origin)
-    replicas.mkdir(parents=True, exist_ok=True)
-    (replicas / f"{step}.files.json").write_text(json.dumps([m.to_json() for m in metas]))
-    (replicas / f"{step}.proof").write_bytes(entry.SerializeToString())
-    os.rename(scratch / str(step), replicas / str(step))
-
-
 def test_a_peer_cannot_make_another_rank_restore_bytes_it_forged(
         ramdisk: Path, clusters: list[Cluster]) -> None:
     """Under mutual TLS, rank 1 (its own real certificate) listed a copy of rank 0's
@@ -267,7 +237,8 @@ def test_a_peer_cannot_make_another_rank_restore_bytes_it_forged(
     assert held[0].proof.signature  # rank 0's proof of its copy, kept by rank 1
     cl.commit(1, 777, {"c.bin": os.urandom(4096)})
     forged = b"rank 1 made this up" * 1000
-    _plant_forged_copy(cl, pki, holder=1, origin=0, step=777, data=forged)
+    plant_forged_copy(cl, pki / "node1.key", pki / "node1.crt", holder=1, origin=0, step=777,
+                      data=forged)
     assert (1, 0, 777) in cl.held()  # listed, and served, by rank 1's replicator
 
     # The controller's reads of other hosts' files (multi-controller, sidecar/peers.py).

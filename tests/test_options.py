@@ -15,6 +15,16 @@ import mtc
     ({"replicator_ranks": (-1, 1)}, "distinct ranks"),
     ({"replicator_tls": ("c", "k")}, r"\(certificate, key, CA\)"),
     ({"replicator_tls": ("c", "", "a")}, r"\(certificate, key, CA\)"),
+    # How a pod's certificate names its rank: a JobSet's prefix and hosts, with TLS.
+    ({"replicator_pod_names": ("mtc-train-worker-", 2)}, "goes with replicator_tls"),
+    ({"replicator_pod_names": ("mtc-train-worker", 2), "replicator_tls": ("c", "k", "a")},
+     "is not <jobset>-<replicated job>-"),
+    ({"replicator_pod_names": ("mtc-train-worker-", 0), "replicator_tls": ("c", "k", "a")},
+     "hosts per slice 0"),
+    ({"replicator_pod_names": ("mtc-train-worker-",), "replicator_tls": ("c", "k", "a")},
+     r"\(pod prefix, hosts per slice\)"),
+    ({"replicator_pod_names": ("mtc-train-worker-", "2"), "replicator_tls": ("c", "k", "a")},
+     r"\(pod prefix, hosts per slice\)"),
 ])
 def test_bad_replicator_options_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(mtc.ConfigError, match=match):

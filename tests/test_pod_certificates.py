@@ -9,7 +9,8 @@ issued here as the driver would (plus 127.0.0.1, the address this harness, playi
 the controller, dials; in a cluster the controller dials ``<host>.<jobset>``,
 which ``*.<jobset>`` covers). They replicate, agree on a restore after a host is
 replaced by a pod of another name, and refuse a pod's certificate as any other
-rank than its own.
+rank than its own. A trainer in those pods, told the same pod names, reads
+another replicator's copy of a rank's data only when proven that rank's.
 """
 
 from __future__ import annotations
@@ -22,15 +23,22 @@ from typing import Any
 
 import grpc
 import pytest
+from hostile_net import plant_forged_copy
 from replicators import Cluster, env_with_repo, free_ports, new_cluster
 from tls_certs import issue, make_ca
 
+import mtc
+from mtc import connect
+from mtc.contract import AgentConfig
+from mtc.dispatch import LocalDispatch
+from mtc.errors import ConfigError, ShardUnavailableError
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import prepare_restore
 from mtc.sidecar.replicator import provenance, rank_names
 from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.rank_names import PodNames
 from mtc.sidecar.replicator.security import CONTROLLER_NAME, Credentials
+from mtc.topology import Topology
 
 pytestmark = pytest.mark.process  # replicator processes
 
@@ -184,3 +192,68 @@ def test_replicators_with_pod_certificates(ramdisk: Path, clusters: list[Cluster
     finally:
         for rank in range(cl.n):
             print(f"--- replicator {rank} ---\n{cl.log_text(rank)[-2000:]}")
+
+
+def test_a_trainer_with_its_pods_certificate_reads_only_proven_copies(
+        ramdisk: Path, clusters: list[Cluster], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 57 on Kubernetes: a multi-controller trainer's own peer reads (the
+    network tier of ``mtc/dispatch/local.py``, built as the manager builds it),
+    with its pod's certificate. Rank 1, holding only its own real pod certificate,
+    lists a copy of rank 0's step 777 made of its own bytes, signed with its own
+    key. A trainer that cannot read pod names as ranks takes those bytes (as every
+    GKE trainer did: it proved nothing); one told the job's pod names
+    (``Options.replicator_pod_names``, ``JobSetPlace.pod_names`` in mtc-train-k8s
+    and docs/deploy.md) refuses the copy, counts it, and still reads rank 1's
+    proven copy of step 5 through rank 0's replicator."""
+    pods = PodNames(f"{JOBSET}-worker-", 1)  # two slices of one host
+    pki = Pki(ramdisk / "pki")
+    certs = {r: pki.issue(f"{pods.prefix}{r}-0-t{r}t{r}t") for r in range(2)}
+    cl = new_cluster(clusters, ramdisk / "hosts", 2, 1,
+                     creds=pki.creds(f"{JOBSET}-pathways-head-0-0-h7h7h", controller=True),
+                     extra=("--tls-ca", str(pki.ca_file), "--tls-pod-prefix", pods.prefix,
+                            "--tls-hosts-per-slice", "1"),
+                     rank_args={r: ("--tls-cert", str(c), "--tls-key", str(k))
+                                for r, (c, k) in certs.items()})
+    cl.start_all()
+    cl.commit(0, 5, {"a.bin": os.urandom(4096)})
+    theirs = cl.commit(1, 5, {"c.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 5), (0, 1, 5)})
+    forged = b"rank 1 made this up" * 200
+    plant_forged_copy(cl, certs[1][1], certs[1][0], holder=1, origin=0, step=777, data=forged)
+    assert (1, 0, 777) in cl.held()  # listed, and served, by rank 1's replicator
+
+    # Host 0's trainer: its pod's certificate, every replicator, its own first.
+    topology = Topology({0: 0, 1: 1}, {0: 0, 1: 1}, (0,), False)
+    config = AgentConfig(str(ramdisk / "trainer-0"), topology.host_of_device,
+                         topology.slice_of_host, False, None, 1)
+    tls = (str(certs[0][0]), str(certs[0][1]), str(pki.ca_file))
+
+    def peer_reads(**kw: Any) -> LocalDispatch:
+        options = mtc.Options(replicators=tuple(cl.addrs), replicator_tls=tls, **kw)
+        connect.read_pod_names(options)  # what the manager does first
+        return LocalDispatch(config, connect.network_tier(options, topology))
+
+    monkeypatch.setattr(rank_names, "_pods", None)
+    unchecked = peer_reads()  # no pod names: the attack as it was
+    try:
+        assert unchecked.peers is not None
+        assert bytes(unchecked.peers.read(777, 0, "a.bin")) == forged
+    finally:
+        unchecked.close()
+
+    checked = peer_reads(replicator_pod_names=(pods.prefix, pods.hosts_per_slice))
+    try:
+        assert checked.peers is not None
+        with pytest.raises(ShardUnavailableError):
+            checked.peers.read(777, 0, "a.bin")
+        assert checked.peers.unproven >= 1  # rank 1's forgery, counted
+        assert bytes(checked.peers.read(5, 1, "c.bin")) == theirs["c.bin"]  # proven: read
+    finally:
+        checked.close()
+
+    # A certificate that names none of the job's pods proves nothing: refused at start.
+    stranger = pki.issue("other-worker-0-0-s5s5s", ips=())
+    with pytest.raises(ConfigError, match="names no worker pod"):
+        connect.read_pod_names(mtc.Options(
+            replicators=tuple(cl.addrs), replicator_pod_names=(pods.prefix, 1),
+            replicator_tls=(str(stranger[0]), str(stranger[1]), str(pki.ca_file))))

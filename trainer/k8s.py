@@ -15,7 +15,7 @@ lacks from its peers), or initializes from ``--seed``.
   with the process count from the JobSet environment.
 
 The workers' replicator addresses come from the JobSet environment (see
-``mtc.sidecar.replicator.k8s``). Progress goes to stdout as JSON lines; each step
+``mtc.jobset``). Progress goes to stdout as JSON lines; each step
 touches ``--heartbeat`` for the image's HEALTHCHECK.
 """
 
@@ -75,7 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def wait_for_init_info(local_dir: Path, timeout_s: float) -> tuple[int, str]:
-    from mtc.sidecar.replicator.k8s import JAX_INIT_INFO, read_jax_init_info
+    from mtc.jobset import JAX_INIT_INFO, read_jax_init_info
 
     deadline = time.monotonic() + timeout_s
     while not (local_dir / JAX_INIT_INFO).exists():
@@ -98,7 +98,7 @@ def init_jax(args: argparse.Namespace) -> str:
         return mode
     import jax
 
-    from mtc.sidecar.replicator.k8s import JobSetPlace
+    from mtc.jobset import JobSetPlace
 
     place = JobSetPlace.from_env()
     process_id, coordinator = wait_for_init_info(args.ramdisk, args.init_timeout)
@@ -136,7 +136,10 @@ def checkpoint_options(args: argparse.Namespace, place: Any) -> Any:
     step to restore, gets a replaced host's data from its peer or the backup, and
     (multi-controller) fetches the regions other hosts saved when the mesh changed.
     Each pod's replicator is a container of the pod itself, its name the pod's in
-    the JobSet's headless service, which the ``*.<subdomain>`` certificate covers."""
+    the JobSet's headless service, which the ``*.<subdomain>`` certificate covers.
+    The pod's certificate names the pod: the manager reads such names as ranks as
+    the replicators do (``place.pod_names``), so that a copy another replicator
+    lists of a rank's data is read only when proven that rank's."""
     import mtc
 
     tls = args.tls_dir
@@ -148,7 +151,8 @@ def checkpoint_options(args: argparse.Namespace, place: Any) -> Any:
         replicators=tuple(place.addresses(args.replicator_port)) if with_replicators else None,
         replicator_token=token if with_replicators else None,
         replicator_tls=(str(tls / "tls.crt"), str(tls / "tls.key"), str(tls / "ca.crt"))
-        if tls and with_replicators else None)
+        if tls and with_replicators else None,
+        replicator_pod_names=place.pod_names if tls and with_replicators else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     import mtc
-    from mtc.sidecar.replicator.k8s import JobSetPlace
+    from mtc.jobset import JobSetPlace
     from mtc.trainer import aot
     from mtc.trainer.data import VOCAB, make_iterator
     from mtc.trainer.model import Config, Trainer, count_params

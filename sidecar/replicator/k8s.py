@@ -4,27 +4,9 @@ The replicator needs every node's address in rank order, its own rank, the
 hosts per slice, and how the job names its pods (a pod's certificate, which
 cert-manager's CSI driver issues for ``${POD_NAME}``, names its rank by that
 name: :mod:`~mtc.sidecar.replicator.rank_names`). In a JobSet these follow from
-the pod's place in it: the worker replicated job has one Job per slice
-(``JOB_INDEX``) and one pod per host of that slice (``JOB_COMPLETION_INDEX``),
-and every pod is reachable through the JobSet's headless service as
-``<jobset>-<replicated job>-<job index>-<pod index>.<subdomain>``. Rank ``r`` is
-host ``r % hosts`` of slice ``r // hosts``, the order
-:class:`~mtc.sidecar.replicator.config.ReplicatorConfig` expects.
-
-Environment (JobSet sets the first two as annotations, the manifests in
-``deploy/`` copy them and the labels into the environment with the downward
-API; Kubernetes sets ``JOB_COMPLETION_INDEX`` in every Indexed Job pod):
-
-| variable | meaning |
-|---|---|
-| ``JOBSET_NAME`` | the JobSet's name |
-| ``REPLICATED_JOB_NAME`` | this pod's replicated job (the workers) |
-| ``JOB_INDEX`` | this pod's Job within it: the slice |
-| ``JOB_COMPLETION_INDEX`` | this pod's index within its Job: the host in the slice |
-| ``MTC_NUM_SLICES`` | Jobs in the replicated job (its ``replicas``) |
-| ``MTC_HOSTS_PER_SLICE`` | pods per Job (its ``completions``) |
-| ``MTC_SUBDOMAIN`` | the headless service; default: the JobSet's name, as JobSet does |
-| ``MTC_WORKER_JOB`` | the workers' replicated job, for a pod of another one (the controller) |
+the pod's place in it, read from its environment by :class:`mtc.jobset.JobSetPlace`
+(which says which variables), the same description a trainer in the same pods
+reads.
 
 With ``--write-jax-init-info`` it also writes ``<local-dir>/jax-init-info.txt``
 (line 1: this host's JAX process id, its rank; line 2: the coordinator address,
@@ -42,7 +24,6 @@ port carries no data and no credentials.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import shlex
@@ -55,14 +36,17 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mtc.errors import ConfigError, MtcError
+from mtc.errors import MtcError
+from mtc.jobset import JAX_INIT_INFO as JAX_INIT_INFO
+from mtc.jobset import JobSetPlace as JobSetPlace
+from mtc.jobset import env_int
+from mtc.jobset import read_jax_init_info as read_jax_init_info
 from mtc.lifecycle import Threads
 from mtc.sidecar.replicator.security import Credentials, TlsWatch
 from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.replicator.k8s")
 
-JAX_INIT_INFO = "jax-init-info.txt"
 DEFAULT_PORT = 9470
 DEFAULT_COORDINATOR_PORT = 8476
 SERVICES = ("", "mtc.replicator.v1.Replicator")
@@ -71,127 +55,12 @@ _COMPUTED = ("--nodes", "--rank", "--nodes-per-slice", "--listen", "--tls-pod-pr
              "--tls-hosts-per-slice")
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        if default is None:
-            raise ConfigError(f"environment variable {name} is not set")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
-def _str(env: Mapping[str, str], name: str, default: str | None = None) -> str:
-    value = env.get(name) or default
-    if not value:
-        raise ConfigError(f"environment variable {name} is not set")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class JobSetPlace:
-    """Where the worker hosts of a JobSet are, and (for a worker pod) which one this is."""
-
-    jobset: str
-    worker_job: str
-    num_slices: int
-    hosts_per_slice: int
-    subdomain: str
-    slice_index: int | None = None     # None: this pod is not a worker (the controller)
-    host_index: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_slices < 1:
-            raise ConfigError(f"MTC_NUM_SLICES must be >= 1, got {self.num_slices}")
-        if self.hosts_per_slice < 1:
-            raise ConfigError(f"MTC_HOSTS_PER_SLICE must be >= 1, got {self.hosts_per_slice}")
-        if self.slice_index is not None and not 0 <= self.slice_index < self.num_slices:
-            raise ConfigError(f"JOB_INDEX {self.slice_index} is not in 0..{self.num_slices - 1} "
-                              f"(MTC_NUM_SLICES={self.num_slices})")
-        if self.host_index is not None and not 0 <= self.host_index < self.hosts_per_slice:
-            raise ConfigError(f"JOB_COMPLETION_INDEX {self.host_index} is not in "
-                              f"0..{self.hosts_per_slice - 1} "
-                              f"(MTC_HOSTS_PER_SLICE={self.hosts_per_slice})")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, *, worker: bool = True
-                 ) -> JobSetPlace:
-        """Read the place from the environment; ``worker=False`` for a pod of another
-        replicated job, which needs only the workers' addresses."""
-        env = os.environ if env is None else env
-        jobset = _str(env, "JOBSET_NAME")
-        own_job = env.get("REPLICATED_JOB_NAME", "")
-        worker_job = env.get("MTC_WORKER_JOB") or own_job
-        if not worker_job:
-            raise ConfigError("environment variable REPLICATED_JOB_NAME (or MTC_WORKER_JOB) "
-                              "is not set")
-        if worker and own_job and own_job != worker_job:
-            raise ConfigError(f"this pod belongs to replicated job {own_job!r}, "
-                              f"not to the workers ({worker_job!r})")
-        return cls(
-            jobset=jobset,
-            worker_job=worker_job,
-            num_slices=_int(env, "MTC_NUM_SLICES"),
-            hosts_per_slice=_int(env, "MTC_HOSTS_PER_SLICE"),
-            subdomain=_str(env, "MTC_SUBDOMAIN", jobset),
-            slice_index=_int(env, "JOB_INDEX") if worker else None,
-            host_index=_int(env, "JOB_COMPLETION_INDEX") if worker else None,
-        )
-
-    @property
-    def num_nodes(self) -> int:
-        return self.num_slices * self.hosts_per_slice
-
-    @property
-    def rank(self) -> int:
-        if self.slice_index is None or self.host_index is None:
-            raise ConfigError("this pod is not a worker: it has no rank")
-        return self.slice_index * self.hosts_per_slice + self.host_index
-
-    def hostname(self, rank: int) -> str:
-        """The pod's DNS name in the headless service (resolvable in its namespace)."""
-        if not 0 <= rank < self.num_nodes:
-            raise ConfigError(f"rank {rank} is not in 0..{self.num_nodes - 1}")
-        s, h = divmod(rank, self.hosts_per_slice)
-        return f"{self.jobset}-{self.worker_job}-{s}-{h}.{self.subdomain}"
-
-    @property
-    def pod_prefix(self) -> str:
-        """What every worker pod's name starts with: Kubernetes names the pods of Job
-        ``<jobset>-<replicated job>-<slice>`` ``<job>-<host>-xxxxx``, and
-        cert-manager's CSI driver puts that name in the pod's certificate."""
-        return f"{self.jobset}-{self.worker_job}-"
-
-    def addresses(self, port: int) -> list[str]:
-        """Every worker's ``host:port``, in rank order."""
-        return [f"{self.hostname(r)}:{port}" for r in range(self.num_nodes)]
-
-    def coordinator_address(self, port: int) -> str:
-        """JAX's coordinator: process 0, rank 0's pod."""
-        return f"{self.hostname(0)}:{port}"
-
-
 def write_jax_init_info(local_dir: Path, process_id: int, coordinator: str) -> Path:
     """Write ``jax-init-info.txt`` (process id, coordinator address) atomically."""
     local_dir.mkdir(parents=True, exist_ok=True)
     path = local_dir / JAX_INIT_INFO
     write_atomic(path, f"{process_id}\n{coordinator}\n", durable=True)
     return path
-
-
-def read_jax_init_info(local_dir: Path) -> tuple[int, str]:
-    """The process id and coordinator address of ``jax-init-info.txt``."""
-    lines = (local_dir / JAX_INIT_INFO).read_text().split("\n")
-    if len(lines) < 2 or not lines[0].strip() or not lines[1].strip():
-        raise ConfigError(f"{local_dir / JAX_INIT_INFO} needs a process id and a coordinator "
-                          f"address on its first two lines, has {lines[:2]!r}")
-    try:
-        return int(lines[0]), lines[1].strip()
-    except ValueError:
-        raise ConfigError(f"{local_dir / JAX_INIT_INFO}: process id {lines[0]!r} is not an "
-                          "integer") from None
 
 
 class HealthMirror:
@@ -281,10 +150,10 @@ def parse_args(argv: Sequence[str] | None = None,
                     "mtc-replicator (see mtc-replicator --help).")
     p.add_argument("--local-dir", required=True, help="this host's RAM disk")
     p.add_argument("--port", type=int,
-                   default=_int(env, "MTC_REPLICATOR_PORT", DEFAULT_PORT),
+                   default=env_int(env, "MTC_REPLICATOR_PORT", DEFAULT_PORT),
                    help="replicator port, the same on every node (env MTC_REPLICATOR_PORT, "
                         f"default {DEFAULT_PORT})")
-    p.add_argument("--health-port", type=int, default=_int(env, "MTC_HEALTH_PORT", 0),
+    p.add_argument("--health-port", type=int, default=env_int(env, "MTC_HEALTH_PORT", 0),
                    help="serve a plaintext grpc.health.v1 mirror of the replicator's health "
                         "here, for Kubernetes probes (env MTC_HEALTH_PORT; 0: off)")
     p.add_argument("--write-jax-init-info", action="store_true",
@@ -292,7 +161,7 @@ def parse_args(argv: Sequence[str] | None = None,
                    help=f"write <local-dir>/{JAX_INIT_INFO} (JAX process id, coordinator "
                         "address) for multi-controller JAX (env MTC_WRITE_JAX_INIT_INFO=1)")
     p.add_argument("--coordinator-port", type=int,
-                   default=_int(env, "MTC_COORDINATOR_PORT", DEFAULT_COORDINATOR_PORT),
+                   default=env_int(env, "MTC_COORDINATOR_PORT", DEFAULT_COORDINATOR_PORT),
                    help="JAX coordinator port on rank 0's pod (env MTC_COORDINATOR_PORT, "
                         f"default {DEFAULT_COORDINATOR_PORT})")
     p.add_argument("--token-file", help="passed on; also used by the health mirror")
@@ -316,9 +185,10 @@ def replicator_argv(args: argparse.Namespace, rest: Sequence[str], place: JobSet
             "--nodes", ",".join(place.addresses(args.port)),
             "--rank", str(place.rank),
             "--nodes-per-slice", str(place.hosts_per_slice),
-            # A worker pod's certificate names the pod: that name is its rank.
-            "--tls-pod-prefix", place.pod_prefix,
-            "--tls-hosts-per-slice", str(place.hosts_per_slice)]
+            # A worker pod's certificate names the pod: that name is its rank (read
+            # as a trainer in the same pods reads it: JobSetPlace.pod_names).
+            "--tls-pod-prefix", place.pod_names[0],
+            "--tls-hosts-per-slice", str(place.pod_names[1])]
     for flag in ("token_file", "tls_cert", "tls_key", "tls_ca"):
         value = getattr(args, flag)
         if value:
