@@ -9,6 +9,7 @@ calls it, runs in tests/test_replicator.py and tests/test_heal.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -18,8 +19,10 @@ from replicators import commit_mtc_step
 
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
+from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.quarantine import quarantine, quarantined
 from mtc.sidecar.replicator import claims
+from mtc.sidecar.replicator.copy_proofs import proof_path
 from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.replicator.store import REPLICA_DIR, LocalStore
 
@@ -205,3 +208,54 @@ def test_a_copy_held_once_already_is_not_looked_at_file_by_file(
     claimed.write_bytes(SHARED)
     assert claims.fold(store, STEP) == 1
     assert set(looked_at) == {"dp.0"} and os.stat(own).st_ino == os.stat(claimed).st_ino
+
+
+def _keep_proof(store: LocalStore, origin: int, shas: dict[str, bytes],
+                files: dict[str, bytes]) -> None:
+    """The entry ``origin`` signed of its step, kept beside the copy as an Offer
+    keeps it (only its files' SHA-256s are read back here)."""
+    entry = pb.StepCopy(step=STEP, origin_rank=origin, files=[
+        pb.FileInfo(path=n, size=len(d), crc32c=crc32c(d), sha256=shas[n])
+        for n, d in sorted(files.items())])
+    path = proof_path(store.replicas, origin, STEP)
+    (path.parent / "proof.tmp").write_bytes(entry.SerializeToString())
+    os.replace(path.parent / "proof.tmp", path)
+
+
+def test_under_mutual_tls_a_twin_puts_back_only_the_bytes_the_origin_signed(
+        tmp_path: Path) -> None:
+    """A twin's file of the same path, size and CRC32C is what a forger can make
+    (CRC32C is chosen at will): under mutual TLS a copy's missing file is put back
+    from it only when its SHA-256 is the one the copy's origin signed."""
+    store, own, claimed = holder_with_a_claimed_copy(tmp_path)
+    store.signed_only = True
+    files = {"dp.0": SHARED, "own.0": b"zero" * 99}
+    claimed.unlink()
+
+    def held() -> set[tuple[int, int]]:
+        return {(o, s) for o, s, _ in store.verified_copies()}
+
+    assert (0, STEP) not in held()  # no proof kept with the copy: nothing to check against
+    _keep_proof(store, 0, {"dp.0": hashlib.sha256(b"other bytes").digest(),
+                           "own.0": hashlib.sha256(files["own.0"]).digest()}, files)
+    assert (0, STEP) not in held() and not claimed.exists()  # signed for other bytes
+    _keep_proof(store, 0, {n: hashlib.sha256(d).digest() for n, d in files.items()}, files)
+    assert (0, STEP) in held() and not store.damaged(0, STEP)
+    assert os.stat(claimed).st_ino == os.stat(own).st_ino
+
+
+@pytest.mark.parametrize("signed_only", [False, True])
+def test_under_mutual_tls_an_own_step_is_never_put_back_from_a_twin(
+        tmp_path: Path, signed_only: bool) -> None:
+    """Host 2's own file lost, host 0's identical one held here: without TLS it is
+    put back from it; under mutual TLS the own step stays damaged, for a heal from
+    another host checked against host 2's own signature (materialize.py)."""
+    store, own, _ = holder_with_a_claimed_copy(tmp_path)
+    store.signed_only = signed_only
+    own.unlink()
+    damaged: list[tuple[int, list[FileMeta]]] = []
+    held = {(o, s) for o, s, _ in store.verified_copies(damaged_own=damaged)}
+    assert ((2, STEP) in held) is not signed_only
+    assert [(s, [f.path for f in bad]) for s, bad in damaged] == \
+        ([(STEP, ["dp.0"])] if signed_only else [])
+    assert own.exists() is not signed_only

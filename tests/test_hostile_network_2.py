@@ -22,7 +22,7 @@ import grpc
 import pytest
 from hostile_net import Drip, plant_forged_copy
 from replicator_certs import make_ca, make_leaf, tls_cluster, write_pem
-from replicators import Cluster, new_cluster
+from replicators import Cluster, flip, new_cluster
 
 from mtc.contract import decode_reply, encode_request
 from mtc.errors import ShardUnavailableError
@@ -311,4 +311,38 @@ def test_a_holder_serving_other_bytes_with_the_same_crc_fails_the_restore(
     assert isinstance(r0, PeerError), r0
     assert r0.code == grpc.StatusCode.DATA_LOSS and "signed" in str(r0), r0
     assert not (cl.root(0) / "5").exists()
+    assert cl.scrape(0).get("mtc_unproven_copies_total", 0) >= 1
+
+
+def test_healing_an_own_file_takes_only_the_bytes_its_host_signed(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Rank 1 holds rank 0's real, proven copy of step 5 and swaps its ``a.bin``
+    for bytes of its own with the same size and CRC32C; then rank 0's own ``a.bin``
+    is damaged. Healing it, as a restore does, took rank 1's bytes (checked by
+    CRC32C only) into rank 0's own step. Now they must hash as rank 0 signed them
+    (the SHA-256 listed with rank 1's proven copy of its data): the restore fails
+    with a typed ``DATA_LOSS``, no forged byte is placed, and it is counted."""
+    _, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True)
+    cl.start_all()
+    mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
+    cl.commit(1, 5, {"c.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 5), (0, 1, 5)})
+    held = cl.root(1) / ".mtc-replica" / "0" / "5" / "a.bin"
+    forged = _same_crc(b"rank 1 made this up".ljust(len(mine["a.bin"]), b"!"),
+                       crc32c(mine["a.bin"]))
+    (held.parent / "a.tmp").write_bytes(forged)
+    os.replace(held.parent / "a.tmp", held)
+    assert (1, 0, 5) in cl.held()  # it checks out by CRC32C: still listed
+    own = cl.root(0) / "5" / "a.bin"
+    flip(own)
+    deadline = time.monotonic() + 30  # rank 0 finds its step damaged (its next check)
+    while 5 not in {d.step for d in cl.inventory(0).damaged}:
+        assert time.monotonic() < deadline, "rank 0 never found its a.bin damaged"
+        time.sleep(0.1)
+    with ThreadPoolExecutor(2) as pool:
+        r0, r1 = pool.map(lambda r: _prepare(cl, r), [0, 1])
+    assert isinstance(r1, pb.PrepareRestoreReply) and r1.step == 5, r1
+    assert isinstance(r0, PeerError), r0
+    assert r0.code == grpc.StatusCode.DATA_LOSS and "signed" in str(r0), r0
+    assert not own.exists() or own.read_bytes() != forged
     assert cl.scrape(0).get("mtc_unproven_copies_total", 0) >= 1

@@ -227,3 +227,53 @@ def test_a_trainer_checks_proofs_where_it_reads_the_names_certificates_give(
     assert pv.names_read_here(creds("rank0")) and pv.names_read_here(creds("controller"))
     assert not pv.names_read_here(creds("both"))  # names nobody here
     assert not pv.names_read_here(Credentials(token="t")) and not pv.names_read_here(None)
+
+
+def _own_files() -> list[FileMeta]:
+    return [FileMeta(p, len(b), len(b) * 7) for p, b in sorted(FILES.items())]
+
+
+def _holding(*copies: pb.StepCopy, holder: int = 1) -> dict[int, pb.Inventory]:
+    inv = pb.Inventory(rank=holder)
+    inv.copies.extend(copies)
+    return {holder: inv}
+
+
+def _entry_with(pki: dict[str, object], change: Callable[[pb.StepCopy], None]) -> pb.StepCopy:
+    c = _entry(pki)
+    change(c)
+    return c
+
+
+SIGNED = {p: hashlib.sha256(b).digest() for p, b in FILES.items()}
+
+
+@pytest.mark.parametrize(("name", "invs", "run", "want"), [
+    ("a holder's proven copy of its data", lambda k: _holding(_entry(k)), "", SIGNED),
+    ("of the agreed run", lambda k: _holding(_entry(k)), "run-a", SIGNED),
+    ("of another run", lambda k: _holding(_entry(k)), "run-b", None),
+    ("of another step", lambda k: _holding(_entry_with(k, _set("step", 778))), "", None),
+    ("of another rank's data", lambda k: _holding(_entry(k, "rank1", 1)), "", None),
+    ("listed by the rank itself", lambda k: _holding(_entry(k), holder=0), "", None),
+    ("without a proof", lambda k: _holding(_entry_with(k, _no_proof)), "", None),
+    ("without its files' SHA-256s", lambda k: _holding(_entry_with(k, _file(0, "sha256", b""))),
+     "", None),
+    ("of other files", lambda k: _holding(_entry_with(k, _file(0, "size", 1))), "", None),
+    ("with a file less", lambda k: _holding(_entry_with(k, lambda c: c.files.pop())), "", None),
+    ("none listed", lambda k: {}, "", None),
+])
+def test_what_healing_an_own_step_checks_against(
+        pki: dict[str, object], name: str,
+        invs: Callable[[dict[str, object]], dict[int, pb.Inventory]], run: str,
+        want: dict[str, bytes] | None) -> None:
+    """``own_signed``: the SHA-256s rank 0 signed for its own step 777, taken from a
+    copy of its data another host lists with its proof, of exactly its files."""
+    assert pv.own_signed(0, 777, _own_files(), invs(pki), run) == want, name
+
+
+def test_healing_takes_no_list_whose_proof_fails(pki: dict[str, object]) -> None:
+    """A listed proof the check refuses (here: every one) gives no list to check
+    healed bytes against, whatever the entry says; nor do no files."""
+    assert pv.own_signed(0, 777, _own_files(), _holding(_entry(pki)),
+                         proven=lambda c: False) is None
+    assert pv.own_signed(0, 777, [], _holding(_entry(pki))) is None

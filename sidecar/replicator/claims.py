@@ -9,7 +9,8 @@ identify as the same content.
 - :func:`claim`: hold a file's bytes as a claim on an identical file held here,
   checked first (a Link, a reclaim);
 - :func:`reclaim`: put a damaged copy's missing files back as claims on a twin's
-  identical files held here (before the copy is given up);
+  identical files held here (before the copy is given up); under mutual TLS only
+  where the twin's bytes hash as the copy's origin signed, never into an own step;
 - :func:`fold`: make the files of a twin's copy that arrived before this host's own
   save of the same step claims on the own step's files (the other order of the
   two events a Link covers), so the bytes are held once whichever came first.
@@ -110,6 +111,8 @@ def reclaim(store: LocalStore, origin: int, step: int, bad: list[FileMeta]) -> b
     base = store.copy_dir(origin, step)
     if not all(f.path in found and found[f.path][1] for f in bad):
         return False
+    if store.signed_only and not _as_signed(store, origin, step, bad, found):
+        return False
     for f in bad:
         dst = inside(base, f.path)
         if os.path.lexists(dst):
@@ -122,6 +125,26 @@ def reclaim(store: LocalStore, origin: int, step: int, bad: list[FileMeta]) -> b
     log.info("rank %d: %d file(s) of rank %d step %d put back from identical files "
              "held here (%s, ...)", store.rank, len(bad), origin, step, bad[0].path)
     return not store.verify(origin, step)
+
+
+def _as_signed(store: LocalStore, origin: int, step: int, bad: list[FileMeta],
+               found: dict[str, tuple[Path, bool]]) -> bool:
+    """Under mutual TLS, whether each twin file ``found`` for ``bad`` holds the bytes
+    ``origin`` signed for that path. A twin's own proof says only that its origin
+    made it, and size and CRC32C are what a forger matches at will, so its SHA-256
+    must be the one kept with this copy (``<step>.proof``, checked at its Offer).
+    An own step keeps no signed list here: it is healed from another host instead,
+    checked against this rank's signature (:meth:`.materialize.Materializer`)."""
+    if origin == store.rank:
+        return False
+    entry = store.proofs.of(origin, step, store.copy_dir(origin, step))
+    signed = {(f.path, f.size, f.crc32c): bytes(f.sha256)
+              for f in (entry.files if entry is not None else ()) if len(f.sha256) == 32}
+    try:
+        return all((sha := signed.get((f.path, f.size, f.crc32c))) is not None
+                   and store.checksums.sha256(found[f.path][0]) == sha for f in bad)
+    except OSError:
+        return False  # gone meanwhile: left to a heal from a peer
 
 
 def fold(store: LocalStore, step: int, origins: Sequence[int] | None = None) -> int:

@@ -16,7 +16,7 @@ from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.fetch_plan import fetch_batches, fetch_order, heal_sources
 from mtc.sidecar.replicator.node_agreement import holders_of
-from mtc.sidecar.replicator.provenance import not_signed
+from mtc.sidecar.replicator.provenance import not_signed, own_signed
 from mtc.sidecar.replicator.step_files import FileMeta, inside
 from mtc.sidecar.storage.checksum import copy_verified
 from mtc.sidecar.storage.names import tmp_dir
@@ -102,7 +102,15 @@ class Materializer:
                         step, len(bad), bad[0].path)
             tmp = self.store.begin_incoming(self.rank, step)
             try:
+                signed, invs = self._heal_proof(step, invs, run)
                 tiers = self._fetch_all(step, self.rank, invs, bad, tmp, run, pool)
+                forged = not_signed(tmp, pb.StepCopy(files=[
+                    pb.FileInfo(path=f.path, sha256=signed[f.path]) for f in bad]),
+                    (pool or self._pool).map) if signed is not None else None
+                if forged is not None:
+                    self.metrics.unproven.inc()
+                    raise CorruptShardError(f"healing bytes are not the ones rank {self.rank} "
+                                            "signed", step=step, host=self.rank, path=forged)
                 self.store.repair(self.rank, step, {f.path: tmp / f.path for f in bad})
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -140,6 +148,27 @@ class Materializer:
             self.backups.done_restoring(step)
             self._reserve.forget(self.rank)  # what was set aside for it and not used
         return tier
+
+    def _heal_proof(self, step: int, invs: dict[int, pb.Inventory], run: str
+                    ) -> tuple[dict[str, bytes] | None, dict[int, pb.Inventory]]:
+        """What healing own ``step`` must check, and where from. With mutual TLS a
+        healed file must hash as this rank signed it (another rank's identical file,
+        or a holder's copy, proves only its CRC32C, which a forger matches at will):
+        the SHA-256s come from a proven copy of this rank's data another host lists
+        (:func:`own_signed`). With none listed (the step never replicated, its
+        holders gone) nothing can prove another host's bytes: only the backup
+        heals. Without TLS: nothing is signed, every copy counts (None, ``invs``)."""
+        if self.proofs is None:
+            return None, invs
+        files = self.store.describe(self.rank, step)
+        proofs = self.proofs
+        signed = own_signed(self.rank, step, files, invs, run,
+                            proven=lambda c: proofs.why_not(c) is None)
+        if signed is not None:
+            return signed, invs
+        log.warning("rank %d: no host lists a proven copy of its step %d: its damaged "
+                    "files heal from the backup only", self.rank, step)
+        return None, {}
 
     def copies_elsewhere(self, step: int, invs: dict[int, pb.Inventory], run: str = ""
                           ) -> list[tuple[int, pb.StepCopy]]:

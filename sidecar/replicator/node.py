@@ -60,6 +60,7 @@ class Node:
         self.store = LocalStore(root, config.rank, orbax=config.framework == "orbax")
         self.metrics = Metrics()
         self.store.on_quarantine = self.metrics.quarantined.inc
+        self.store.signed_only = creds.tls  # copies are proven (provenance.py)
         self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s,
                                     as_peer=True)
                       for r, a in enumerate(config.nodes) if r != config.rank}

@@ -36,7 +36,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -220,6 +220,30 @@ def not_signed(folder: Path, c: pb.StepCopy,
     want = [(f.path, bytes(f.sha256)) for f in c.files if f.sha256]
     got = map_(lambda p: file_sha256(inside(folder, p)), [p for p, _ in want])
     return next((p for (p, sha), d in zip(want, got, strict=True) if d != sha), None)
+
+
+def own_signed(rank: int, step: int, files: Sequence[FileMeta],
+               invs: Mapping[int, pb.Inventory], run: str = "",
+               proven: Callable[[pb.StepCopy], bool] = lambda c: True
+               ) -> dict[str, bytes] | None:
+    """The SHA-256 rank ``rank`` signed for each of ``files`` (its own ``step``, of
+    ``run`` when given), from a copy of its data another host lists with its proof
+    (``proven`` says the proof holds; the gathering checked it already): what a
+    healed own file must hash to, whichever host's bytes it came from (CRC32C finds
+    damage, not bytes made to match it). Only a copy of exactly these files (path,
+    size, CRC32C) counts; None when no host lists one. Pure."""
+    want = sorted((f.path, f.size, f.crc32c) for f in files)
+    if not want:
+        return None
+    for holder, inv in sorted(invs.items()):
+        for c in inv.copies if holder != rank else ():
+            if c.step != step or c.origin_rank != rank or (run and c.run != run) or \
+                    not c.proof.signature or any(len(f.sha256) != 32 for f in c.files) or \
+                    sorted((f.path, f.size, f.crc32c) for f in c.files) != want:
+                continue
+            if proven(c):
+                return {f.path: bytes(f.sha256) for f in c.files}
+    return None
 
 
 def names_read_here(creds: Credentials | None) -> bool:

@@ -81,6 +81,9 @@ class LocalStore:
         self._summaries: dict[tuple[int, int], tuple[int, Summary]] = {}
         self.checksums = Checksums()  # of files read and checked, or written so
         self.proofs = HeldProofs(self.replicas)  # origins' signed entries of copies
+        # Under mutual TLS (set by the node): identical bytes are taken only as signed
+        # (claims.reclaim), never by size and CRC32C alone.
+        self.signed_only = False
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
         # Fences so far, and the step of the newest (see :meth:`fence`): a copy offered
         # before a fence of a step beyond it is refused at its commit.
