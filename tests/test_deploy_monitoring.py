@@ -109,17 +109,33 @@ def test_alert_rules_are_one_set_with_runbooks(
         assert alert_groups(rendered[case]) == gmp["spec"]["groups"], case
 
 
-def test_alerts_read_what_a_replicator_exports(tmp_path: Path) -> None:
-    """Every series the alert rules read is on a real replicator's metrics port, and
+def test_backup_alerts_count_the_interval_they_are_given() -> None:
+    """A backup interval is in minutes or in steps (``backupIntervalSteps``): each
+    backup alert reads both, so that neither interval leaves it silent (with steps
+    only, ``mtc_backup_interval_seconds`` is 0 and its clause never holds)."""
+    rules = yaml.safe_load((DEPLOY / "components/monitoring-gmp/rules.yaml").read_text())
+    by_name = {r["alert"]: r["expr"] for g in rules["spec"]["groups"] for r in g["rules"]}
+    for name in ("MtcBackupStale", "MtcNoBackup"):
+        assert "mtc_backup_interval_seconds" in by_name[name], name
+        assert "mtc_backup_interval_steps" in by_name[name], name
+        assert "or" in by_name[name].split(), name  # either interval makes it hold
+    assert 'mtc_newest_step{state="backed_up"}' in by_name["MtcBackupStale"]
+
+
+@pytest.mark.parametrize("interval", ["minutes", "steps"])
+def test_alerts_read_what_a_replicator_exports(tmp_path: Path, interval: str) -> None:
+    """Every series the alert rules read is on a real replicator's metrics port, the
+    interval the alerts compare with is the one it was given (minutes or steps), and
     the backup-age series move when a backup is committed."""
     from replicators import Cluster
 
     rules = yaml.safe_load((DEPLOY / "components/monitoring-gmp/rules.yaml").read_text())
     exprs = " ".join(r["expr"] for g in rules["spec"]["groups"] for r in g["rules"])
     wanted = set(re.findall(r"\bmtc_[a-z_]+", exprs))
+    given = ("--backup-interval-minutes", "30") if interval == "minutes" else \
+        ("--backup-interval-steps", "2")
     cl = Cluster(tmp_path, 1, 1, metrics=True,
-                 extra=("--replicas", "0", "--backup", (tmp_path / "bucket").as_uri(),
-                        "--backup-interval-minutes", "30"))
+                 extra=("--replicas", "0", "--backup", (tmp_path / "bucket").as_uri(), *given))
     try:
         cl.start_all()
         before = cl.scrape(0)
@@ -137,7 +153,8 @@ def test_alerts_read_what_a_replicator_exports(tmp_path: Path) -> None:
         # (A counter's ``_created`` series is the client library's, not a metric of its own.)
         mtc_names = {n for n in names if n.startswith("mtc_") and not n.endswith("_created")}
         assert mtc_names <= listed, f"not in docs/operations.md: {sorted(mtc_names - listed)}"
-        assert before["mtc_backup_interval_seconds"] == 1800
+        assert (before["mtc_backup_interval_seconds"], before["mtc_backup_interval_steps"]) \
+            == ((1800, 0) if interval == "minutes" else (0, 2))
         assert before["mtc_backup_last_success_timestamp_seconds"] == 0
         cl.commit(0, 4, {"a.bin": b"x" * 1024})
         client = cl.client(0)

@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         node = Node(config, root, creds, backup)
         if backup is not None:
             node.metrics.backup_interval.set(60 * (backup.policy.interval_minutes or 0))
+            node.metrics.backup_interval_steps.set(backup.policy.interval_steps or 0)
         # Every member's Decide waits on a server thread of the coordinator until the
         # epoch forms: two threads per member (an ask and its re-issue), plus 32.
         if not (args.stream_grace_seconds > 0 and args.stream_min_rate > 0):

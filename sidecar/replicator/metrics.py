@@ -79,6 +79,11 @@ class Metrics:
             "mtc_backup_interval_seconds",
             "The time between backups this node was given (0: by steps only, or no backup)",
             registry=r)
+        # The alerts on backup age read one or the other (deploy/components/*/rules).
+        self.backup_interval_steps = Gauge(
+            "mtc_backup_interval_steps",
+            "The steps between backups this node was given (0: by time only, or no backup)",
+            registry=r)
         self.stalled = Gauge("mtc_loop_stalled",
                              "1 while the replication loop has not passed for too long",
                              registry=r)
