@@ -346,3 +346,36 @@ def test_healing_an_own_file_takes_only_the_bytes_its_host_signed(
     assert r0.code == grpc.StatusCode.DATA_LOSS and "signed" in str(r0), r0
     assert not own.exists() or own.read_bytes() != forged
     assert cl.scrape(0).get("mtc_unproven_copies_total", 0) >= 1
+
+
+def test_another_ranks_identical_file_does_not_make_a_damaged_step_restorable(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Under mutual TLS a damaged own file heals only with bytes that hash as its
+    host signed them, known from a proven copy of its data elsewhere. Rank 0's own
+    ``dp.0`` of step 5 is damaged and no other host holds a copy of its step 5,
+    but rank 1 saved an identical ``dp.0`` (a data-parallel shard). That file used
+    to count step 5 as restorable for rank 0, whose heal then could prove nothing
+    (a typed DATA_LOSS for the job); now it counts for nothing, and both hosts
+    restore step 3, the newest step they can."""
+    _, _, _, cl = _tls_hosts(ramdisk, clusters)
+    cl.start_all()
+    shared = os.urandom(32 << 10)
+    for step in (3, 5):
+        cl.commit(0, step, {"dp.0": shared, "a.bin": os.urandom(4096)})
+        cl.commit(1, step, {"dp.0": shared, "c.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 3), (0, 1, 3), (1, 0, 5), (0, 1, 5)})
+    flip(cl.root(0) / "5" / "dp.0")
+    deadline = time.monotonic() + 30  # rank 0 finds its step damaged (its next check)
+    while 5 not in {d.step for d in cl.inventory(0).damaged}:
+        assert time.monotonic() < deadline, "rank 0 never found its dp.0 damaged"
+        time.sleep(0.1)
+    replicas = cl.root(1) / ".mtc-replica" / "0"
+    shutil.rmtree(replicas / "5")  # rank 1's copy of rank 0's step 5, gone
+    for name in ("5.files.json", "5.proof"):
+        (replicas / name).unlink(missing_ok=True)
+    assert (1, 0, 5) not in cl.held()
+    with ThreadPoolExecutor(2) as pool:
+        r0, r1 = pool.map(lambda r: _prepare(cl, r), [0, 1])
+    assert isinstance(r0, pb.PrepareRestoreReply), r0
+    assert isinstance(r1, pb.PrepareRestoreReply), r1
+    assert (r0.step, r1.step, r0.tier) == (3, 3, "local")

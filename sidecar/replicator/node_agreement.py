@@ -249,7 +249,10 @@ class NodeAgreement:
         the older steps until it is healed)."""
         invs = self.gather_invs(ranks, deadline, known_up=known_up, files=False)
         repairs: dict[int, list[pb.StepCopy]] = {}
-        if among and any(inv.damaged for inv in invs.values()):
+        # Under mutual TLS a heal takes only bytes that hash as their host signed
+        # them, listed with a proven copy of its data elsewhere, which counts as
+        # held by itself: another rank's identical files repair nothing then.
+        if among and self.proofs is None and any(inv.damaged for inv in invs.values()):
             # Rare (a file found bad with no identical one on its host): the members'
             # file lists say which damaged steps a restore can heal.
             full = self.gather_invs(among, deadline, known_up=known_up, files=True)
