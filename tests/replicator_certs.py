@@ -78,6 +78,6 @@ def tls_cluster(clusters: list[Cluster], base: Path,
     return new_cluster(clusters, base, n, 1,
                        creds=Credentials(tls_cert=client_crt, tls_key=client_key,
                                          tls_ca=ca_pem),
-                       extra=("--tls-ca", str(ca_pem)),
+                       extra=("--tls-ca", str(ca_pem), *kw.pop("extra", ())),
                        rank_args={r: ("--tls-cert", str(c), "--tls-key", str(k))
                                   for r, (c, k) in certs.items()}, **kw)

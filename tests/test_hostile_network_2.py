@@ -379,3 +379,24 @@ def test_another_ranks_identical_file_does_not_make_a_damaged_step_restorable(
     assert isinstance(r0, pb.PrepareRestoreReply), r0
     assert isinstance(r1, pb.PrepareRestoreReply), r1
     assert (r0.step, r1.step, r0.tier) == (3, 3, "local")
+
+
+def test_a_twin_made_to_match_is_never_linked_into_another_ranks_copy(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Deduplication under mutual TLS. Rank 1 saves, as its own data-parallel
+    shard, bytes with the path, size and CRC32C of rank 0's ``a.bin`` (which any
+    rank reads in an inventory, and matches at will). A holder of rank 1's bytes
+    took them for rank 0's file when rank 0 offered its step (the same shard by the
+    manifests: no hash), so its copy of rank 0's data held rank 1's bytes and a
+    restore from it failed. Now a file held stands for an offered one only with
+    the SHA-256 its origin signed: the holders' copies hold rank 0's bytes."""
+    _, _, _, cl = _tls_hosts(ramdisk, clusters, n=3, extra=("--replicas", "2"))
+    cl.start_all()
+    mine = os.urandom(64 << 10)
+    forged = _same_crc(b"rank 1's shard".ljust(len(mine), b"!"), crc32c(mine))
+    cl.commit(1, 5, {"a.bin": forged})
+    cl.wait_held({(2, 1, 5), (0, 1, 5)})
+    cl.commit(0, 5, {"a.bin": mine})
+    cl.wait_held({(2, 0, 5), (1, 0, 5)})
+    for holder in (1, 2):
+        assert (cl.root(holder) / ".mtc-replica" / "0" / "5" / "a.bin").read_bytes() == mine

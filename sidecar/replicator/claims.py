@@ -13,7 +13,8 @@ identify as the same content.
   where the twin's bytes hash as the copy's origin signed, never into an own step;
 - :func:`fold`: make the files of a twin's copy that arrived before this host's own
   save of the same step claims on the own step's files (the other order of the
-  two events a Link covers), so the bytes are held once whichever came first.
+  two events a Link covers), so the bytes are held once whichever came first
+  (under mutual TLS only own files that hash as the copy's origin signed).
 
 Damage found through any name quarantines every name
 (:meth:`LocalStore.quarantine_file`), so no copy keeps bytes another one was found
@@ -129,12 +130,13 @@ def reclaim(store: LocalStore, origin: int, step: int, bad: list[FileMeta]) -> b
 
 def _as_signed(store: LocalStore, origin: int, step: int, bad: list[FileMeta],
                found: dict[str, tuple[Path, bool]]) -> bool:
-    """Under mutual TLS, whether each twin file ``found`` for ``bad`` holds the bytes
-    ``origin`` signed for that path. A twin's own proof says only that its origin
-    made it, and size and CRC32C are what a forger matches at will, so its SHA-256
-    must be the one kept with this copy (``<step>.proof``, checked at its Offer).
-    An own step keeps no signed list here: it is healed from another host instead,
-    checked against this rank's signature (:meth:`.materialize.Materializer`)."""
+    """Under mutual TLS, whether each twin file ``found`` for ``bad`` (or, folding,
+    this host's own file) holds the bytes ``origin`` signed for that path. A
+    twin's own proof says only that its origin made it, and size and CRC32C are
+    what a forger matches at will, so its SHA-256 must be the one kept with this
+    copy (``<step>.proof``, checked at its Offer). An own step keeps no signed
+    list here: it is healed from another host instead, checked against this
+    rank's signature (:meth:`.materialize.Materializer`)."""
     if origin == store.rank:
         return False
     entry = store.proofs.of(origin, step, store.copy_dir(origin, step))
@@ -187,6 +189,9 @@ def fold(store: LocalStore, step: int, origins: Sequence[int] | None = None) -> 
         same = [f for f in described if (mine := own.get(f.path)) is not None
                 and (mine.size, mine.crc32c) == (f.size, f.crc32c)
                 and not _one_file(own_inodes, held_inodes, f.path)]
+        if same and store.signed_only:  # only own bytes that hash as the copy's origin signed
+            same = [f for f in same
+                    if _as_signed(store, origin, s, [f], {f.path: (own_dir / f.path, True)})]
         if same:
             folded += _fold_copy(store, own_dir, base, folder, origin, step, same)
     if folded:

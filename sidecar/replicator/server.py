@@ -173,11 +173,21 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         t = Transfer(origin, step, Path(), files, fences)
         t.proof = proof
         reply = pb.OfferReply(data_port=self.data_port)
+        signed = {f.path: bytes(f.sha256) for f in request.copy.files} if proof else {}
         for path, (local, identified) in claims.find_identical(store, files, step).items():
+            # Under mutual TLS a file held here stands for the offered one only with
+            # the SHA-256 its origin signed: another rank's twin of the same path,
+            # size and CRC32C may be bytes made to match (then the copy is pushed).
+            try:
+                if signed and store.checksums.sha256(local) != signed.get(path):
+                    continue
+            except OSError:
+                continue  # gone meanwhile: pushed
             t.candidates[path] = local
             # The same path of the same step with the same size and CRC32C: the
-            # manifests say it is the same shard; no hash pass on either side.
-            reply.candidates.add(path=path, sha256=b"" if identified
+            # manifests say it is the same shard; no hash pass on either side
+            # (under TLS: checked here against the signed list).
+            reply.candidates.add(path=path, sha256=b"" if identified or signed
                                  else store.checksums.sha256(local))
         # Blank files this copy cannot fill make room for it now (sidecar/reserve.py).
         self.blanks.begin(origin, [f.size for f in files])
