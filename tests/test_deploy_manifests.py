@@ -295,6 +295,9 @@ def test_trainer_gives_the_manager_the_replicators_of_its_pods(
     assert opts.replicator_tls == (arg(rep, "--tls-cert"), arg(rep, "--tls-key"),
                                    arg(rep, "--tls-ca"))
     assert opts.hosts_per_slice == hosts
+    # Its pods' certificates read as ranks as the replicators read them (proofs checked).
+    assert opts.replicator_pod_names == (ropts["--tls-pod-prefix"],
+                                         int(ropts["--tls-hosts-per-slice"]))
     # The certificate the replicators serve (*.<subdomain>) covers every address.
     assert all(a.split(":")[0].endswith(f".{place.subdomain}") for a in opts.replicators)
 
@@ -303,7 +306,7 @@ def test_trainer_gives_the_manager_the_replicators_of_its_pods(
     off = train_k8s.checkpoint_options(train_k8s.parse_args(
         ["--no-replicators", "--token-file", str(token)]), place)
     assert off.replicators is None and off.replicator_tls is None \
-        and off.replicator_token is None
+        and off.replicator_token is None and off.replicator_pod_names is None
     on = train_k8s.checkpoint_options(train_k8s.parse_args(["--token-file", str(token)]), place)
     assert on.replicator_token == "s3cret"
 
