@@ -21,7 +21,11 @@ from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.step_files import FileMeta
 from mtc.sidecar.storage.checksum import file_crc, file_sha256
 
-NOW = datetime.datetime.now(datetime.UTC)
+# When the pure checks take place: an hour after this module is imported. The test
+# certificates are made when the first test asks for them, valid from 5 minutes
+# before that for a day; "now" at import was before them once collection and the
+# first test were more than 5 minutes apart (a long session).
+NOW = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
 FILES = {"a.bin": b"alpha" * 100, "d/b.bin": b"beta" * 50}
 
 
