@@ -1,5 +1,7 @@
 """The controller's side of the peer tier: asking replicators to prepare a restore
-(:func:`prepare_restore`), as a job's hosts see them (:class:`ReplicatorTier`)."""
+(:func:`prepare_restore`), as a job's hosts see them (:class:`ReplicatorTier`), and
+what they report (:func:`inventory`) or are asked for (:func:`request_backup`) by
+``mtc status``, ``mtc backup`` and mtc.testing."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from mtc.errors import AgreementError, ConfigError, MtcError
 
 if TYPE_CHECKING:
     from mtc.options import Options
+    from mtc.proto import replicator_pb2 as pb
     from mtc.sidecar.replicator.client import PeerClient
     from mtc.sidecar.replicator.security import Credentials
     from mtc.topology import Topology
@@ -182,6 +185,49 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
                                      host=client.rank) from e
             log.info("replicator %s unavailable (%s); asking again", client.address, e.code)
             cancelled.wait(RETRY_S)
+
+
+def inventory(address: str, *, token: str = "", creds: Credentials | None = None,
+              rank: int = -1, identify: bool = False, deadline_s: float = 5.0
+              ) -> pb.Inventory:
+    """What the replicator at ``address`` holds (``identify``: and its identity,
+    configuration and replication state), asked once. One that cannot be reached,
+    or refuses, raises a :class:`~mtc.errors.RetryableError` (the client's
+    ``PeerError``). ``creds`` (mutual TLS, token) replaces ``token`` when given;
+    ``rank``: the replicator's, which errors name (-1: unknown)."""
+    from mtc.proto import replicator_pb2 as pb
+
+    with _client(address, token, creds, rank, deadline_s) as client:
+        inv: pb.Inventory = client.call("GetInventory", pb.InventoryRequest(identify=identify),
+                                        attempts=1)
+    return inv
+
+
+def request_backup(address: str, *, token: str = "", creds: Credentials | None = None,
+                   timeout_s: float = 3600.0) -> int:
+    """Have the replicator at ``address`` back up the job's newest complete step now
+    (``mtc backup``); returns the step (-1: none to back up)."""
+    from mtc.proto import replicator_pb2 as pb
+
+    with _client(address, token, creds, -1, timeout_s) as client:
+        reply = client.call("RequestBackup", pb.BackupRequest(step=-1), deadline_s=timeout_s,
+                            attempts=1)
+    return int(reply.step)
+
+
+@contextlib.contextmanager
+def _client(address: str, token: str, creds: Credentials | None, rank: int,
+            deadline_s: float) -> Iterator[PeerClient]:
+    """A client of one replicator, closed on the way out."""
+    from mtc.sidecar.replicator.client import PeerClient
+    from mtc.sidecar.replicator.security import Credentials
+
+    client = PeerClient(address, creds or Credentials(token=token), rank=rank,
+                        deadline_s=deadline_s)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 class ReplicatorTier:

@@ -18,7 +18,7 @@ import pytest
 from agreement_holdings import h, hs, own_only
 
 from mtc.errors import AgreementError, ConfigError
-from mtc.sidecar.host.ports import free_ports
+from mtc.ports import free_ports
 from mtc.sidecar.replicator.agreement import ALIVE_CHECK_S, PROBE_S, Coordinator
 from mtc.sidecar.replicator.book import Book, Decision, EpochRecord
 from mtc.sidecar.replicator.config import ReplicatorConfig

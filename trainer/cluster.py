@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mtc.sidecar.host.ports import free_ports
+from mtc.ports import free_ports
 from mtc.trainer import gcs_emulator
 from mtc.trainer.isolation import Hosts, with_checkout
 

@@ -1,4 +1,5 @@
-"""Ports for processes one host (or the local cluster) starts on its own addresses.
+"""Ports for processes one host (or the local cluster) starts on its own addresses:
+a host's sidecar, the local cluster and mtc.testing's jobs take theirs here.
 
 A port taken from the kernel's ephemeral range (``bind(0)``) and released is free only
 for a moment: any outgoing connection on the machine may take it as its source port

@@ -1,5 +1,6 @@
 """Placing a pytree of arrays onto other shardings from the shards on healthy devices:
-:mod:`mtc.elastic.placement` for a pytree (the benchmarks place whole states)."""
+:mod:`mtc.elastic.placement` for a pytree (the benchmarks place whole states, and a
+test of the snapshot the placed arrays). Not the wheel's: no user of mtc needs it."""
 
 from __future__ import annotations
 
