@@ -31,11 +31,11 @@ from mtc import layout
 from mtc.errors import LocalDirError, MtcError
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.wire.security import Credentials
 
 
 def _creds(args: argparse.Namespace) -> Credentials:
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.wire.security import Credentials
 
     return Credentials.from_files(args.token_file, args.tls_cert, args.tls_key, args.tls_ca)
 
@@ -95,7 +95,7 @@ def _size(n: int) -> str:
 def _row(rank: int, addr: str, creds: Credentials) -> tuple[dict[str, Any], list[int]]:
     """One node as ``mtc status`` shows it, and its backed-up steps."""
     from mtc.proto import replicator_pb2 as pb
-    from mtc.sidecar.replicator.client import PeerClient, PeerError
+    from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
 
     client = PeerClient(addr, creds, rank=rank, deadline_s=5.0)
     try:
@@ -228,7 +228,7 @@ def _replication(ident: Any) -> str:
 
 def backup(node: str, creds: Credentials) -> int:
     from mtc.proto import replicator_pb2 as pb
-    from mtc.sidecar.replicator.client import PeerClient
+    from mtc.sidecar.replicator.wire.client import PeerClient
 
     client = PeerClient(node, creds, rank=-1)
     try:

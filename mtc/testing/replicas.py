@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Collection
 
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import targets
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.security import Credentials
 
 POLL_S = 0.05  # between two rounds of inventories: a few small RPCs per host
 
