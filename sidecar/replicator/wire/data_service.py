@@ -3,8 +3,9 @@ open transfer, and the files of a copy held here, for a fetch.
 
 The same checks as the gRPC Data service's (``grpc_data.py``), one function each
 in :mod:`.checks`: a push names an open transfer of the caller's rank and files of
-its offer; a fetch names a rank, a step and paths, each validated before any file
-is opened, and files are opened part by part without following a symlink. A
+its offer; a fetch names a rank, a step and paths, each validated, and what of them
+this host may serve decided (:mod:`~mtc.sidecar.replicator.copies.servable`), before
+any file is opened; files are opened part by part without following a symlink. A
 push's bytes are written to new files (blank ones set aside for them,
 :mod:`mtc.sidecar.reserve`) and count only once their size and CRC32C match the
 offer.
@@ -19,9 +20,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtc.errors import ConfigError, CorruptShardError, StepNotFoundError
+from mtc.errors import CorruptShardError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath
+from mtc.sidecar.replicator.copies.servable import HELD, serving
 from mtc.sidecar.replicator.copies.transfers import Transfers
 from mtc.sidecar.replicator.store.step_files import FileMeta, inside
 from mtc.sidecar.replicator.wire import checks
@@ -110,27 +112,11 @@ class DataService:
                  ) -> list[tuple[Path, FileMeta, bool]]:
         """Per path, the folder it is read from, its description and whether it is
         checked before it is sent: a file of a copy held here (checked), or one this
-        host has fetched, verified, for a restore in progress."""
-        store = self.parts.store
-        if (origin, step) in store.copies():
-            described = {f.path: f for f in store.describe(origin, step)}
-            folder = store.copy_dir(origin, step)
-            out = []
-            for rel in rels:
-                meta = described.get(rel)
-                if meta is None:
-                    raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
-                out.append((folder, meta, True))
-            return out
-        staged = self.parts.restores.staged(step) if origin == self.parts.rank else None
-        if staged is not None:
-            base, done = staged
-            missing = [r for r in rels if r not in done]
-            if missing:
-                raise StepNotFoundError("not read from the backup yet", step=step,
-                                        host=origin, path=missing[0])
-            return [(base, FileMeta(r, os.stat(inside(base, r)).st_size, 0), False)
-                    for r in rels]
-        if origin == self.parts.rank:  # the asker reads the backup itself (HolderIdle)
-            raise ConfigError(f"rank {origin} is not restoring step {step}")
-        raise StepNotFoundError("no complete copy here", step=step, host=origin)
+        host has fetched, verified, for a restore in progress (the rule:
+        :func:`~mtc.sidecar.replicator.copies.servable.servable`)."""
+        plan, base = serving(self.parts.store, self.parts.restores.staged, self.parts.rank,
+                             origin, step, rels)
+        if plan.source == HELD:
+            return [(base, meta, True) for meta in plan.files]
+        return [(base, FileMeta(r, os.stat(inside(base, r)).st_size, 0), False)
+                for r in rels]

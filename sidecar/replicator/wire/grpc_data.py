@@ -3,7 +3,9 @@ fetch out of a copy held here (or a restore in progress), for peers without the
 data channel (:mod:`.datachannel`, whose twin is :mod:`.data_service`). The same
 checks: a push names an open transfer of the caller's rank and files of its
 offer, each file written new and counted only once its size and CRC32C match; a
-fetch names a rank, a step and paths, each checked before any file is opened."""
+fetch names a rank, a step and paths, each checked, and what of them this host may
+serve decided (:mod:`~mtc.sidecar.replicator.copies.servable`, the data channel's
+rule too), before any file is opened."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
+from mtc.errors import CorruptShardError, MtcError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath
+from mtc.sidecar.replicator.copies.servable import HELD, Serving, serving
 from mtc.sidecar.replicator.copies.transfers import Transfer
 from mtc.sidecar.replicator.store.step_files import FileMeta, inside, safe_relpath
 from mtc.sidecar.replicator.wire import checks
@@ -26,6 +29,8 @@ from mtc.sidecar.replicator.wire.status import answer
 from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from mtc.sidecar.replicator.store.store import LocalStore
     from mtc.sidecar.replicator.wire.parts import Parts
 
@@ -138,66 +143,42 @@ class GrpcData:
             except DecodeError as e:
                 raise ValueError(f"malformed FetchRequest: {e}") from e
             origin, step, rels = checks.fetch(req, num_nodes=self.parts.config.num_nodes)
-            with self.streams.open("fetch", peer_of(context), context,
-                                   self._fetch_size(origin, step, rels, req.offset)) as stream:
-                for chunk in self._fetch_chunks(req, origin, step, rels, context):
+            # Every path decided before the first byte: a request is refused whole.
+            plan, base = serving(self.parts.store, self.parts.restores.staged,
+                                 self.parts.rank, origin, step, rels)
+            # The bytes it sends (its deadline), as far as they are known here.
+            size = max(0, sum(m.size for m in plan.files) - req.offset)
+            with self.streams.open("fetch", peer_of(context), context, size) as stream:
+                for chunk in self._fetch_chunks(plan, base, origin, step, rels, req.offset):
                     stream.add(len(chunk))
                     yield chunk
         except (MtcError, OSError, ValueError, KeyError) as e:
             code, msg = answer(e, context)
             context.abort(code, msg)
 
-    def _fetch_size(self, origin: int, step: int, rels: list[str], offset: int) -> int:
-        """The bytes a fetch sends (its deadline), as far as they are known here."""
-        try:
-            sizes = {f.path: f.size for f in self.parts.store.describe(origin, step)}
-        except (OSError, ValueError, MtcError):
-            return 0
-        return max(0, sum(sizes.get(r, 0) for r in rels) - offset)
-
-    def _fetch_chunks(self, req: pb.FetchRequest, origin: int, step: int, rels: list[str],
-                      context: grpc.ServicerContext) -> Iterator[bytes]:
-        store = self.parts.store
-        if len(rels) > 1:
-            # Several files of a held copy back to back, each checked as read.
-            if (origin, step) not in store.copies():
-                raise StepNotFoundError("no complete copy here", step=step, host=origin)
-            for r in rels:
-                yield from stream_verified(store, origin, step, r)
+    def _fetch_chunks(self, plan: Serving, base: Path, origin: int, step: int,
+                      rels: list[str], offset: int) -> Iterator[bytes]:
+        """The files back to back (an offset only in a fetch of one file): of a held
+        copy, each checked as it is read (a file that fails is quarantined, never
+        sent whole); of a restore in progress, as verified when read from the backup."""
+        if plan.source == HELD:
+            for meta in plan.files:
+                yield from stream_verified(self.parts.store, origin, step, meta, offset)
             return
-        rel = rels[0]
-        if (origin, step) in store.copies():
-            # Checked as it is read: a file that fails is quarantined, never sent whole.
-            yield from stream_verified(store, origin, step, rel, req.offset)
-            return
-        own = origin == self.parts.rank
-        staged = self.parts.restores.staged(step) if own else None
-        if own and staged and rel in staged[1]:
-            base = staged[0]  # verified, from a restore in progress
-        elif own and staged:
-            raise StepNotFoundError("not read from the backup yet", step=step, host=origin,
-                                    path=rel)
-        elif own:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"rank {origin} is not restoring step {step}")
-            return
-        else:
-            raise StepNotFoundError("no complete copy here", step=step, host=origin)
-        with os.fdopen(open_beneath(base, rel), "rb", buffering=0) as f:
-            f.seek(req.offset)
-            while chunk := f.read(CHUNK):
-                yield chunk
+        for rel in rels:
+            with os.fdopen(open_beneath(base, rel), "rb", buffering=0) as f:
+                f.seek(offset)
+                while chunk := f.read(CHUNK):
+                    yield chunk
 
 
-def stream_verified(store: LocalStore, origin: int, step: int, rel: str, offset: int = 0
-                    ) -> Iterator[bytes]:
-    """A file of a copy held in ``store``: its bytes from ``offset``, CRC32C checked
-    as they are read; the last chunk is held back until the check passes, so a
-    reader never gets a whole file that fails (the file is quarantined and
-    CorruptShardError raised)."""
-    meta = next((f for f in store.describe(origin, step) if f.path == rel), None)
-    if meta is None:
-        raise FileNotFoundError(f"{rel} is not part of rank {origin} step {step}")
+def stream_verified(store: LocalStore, origin: int, step: int, meta: FileMeta,
+                    offset: int = 0) -> Iterator[bytes]:
+    """A file of a copy held in ``store`` (``meta``: as the copy describes it): its
+    bytes from ``offset``, CRC32C checked as they are read; the last chunk is held
+    back until the check passes, so a reader never gets a whole file that fails (the
+    file is quarantined and CorruptShardError raised)."""
+    rel = meta.path
     if not 0 <= offset <= meta.size:
         raise ValueError(f"offset {offset} outside {rel} ({meta.size} bytes)")
     folder = store.copy_dir(origin, step)
