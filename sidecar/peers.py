@@ -10,7 +10,7 @@ file arrives checked against the size and CRC32C its holder lists (the reader
 checks it against the manifest again); no host ever opens another host's RAM
 disk through a filesystem. With mutual TLS and certificates naming
 ``mtc-rank-<r>``, a replicator's copy of another rank's data is read only when
-proven that rank's (:mod:`.replicator.provenance`), and each file of it is
+proven that rank's (:mod:`.replicator.copies.provenance`), and each file of it is
 checked against the SHA-256 its origin signed.
 """
 
@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mtc.errors import ConfigError, CorruptShardError, ShardUnavailableError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.client import PeerClient, PeerError
-from mtc.sidecar.replicator.provenance import ProofCheck, names_read_here
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.copies.provenance import ProofCheck, names_read_here
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.security import Credentials
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from replicators import Cluster
 
 from mtc.contract import decode_reply, encode_request
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
 
 TOKEN = "hostile-network-test-token"
 AUTH = [(TOKEN_HEADER, TOKEN)]

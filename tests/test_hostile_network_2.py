@@ -33,11 +33,12 @@ from mtc.errors import ShardUnavailableError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.peers import PeerFiles
-from mtc.sidecar.replicator import data_admission, provenance
-from mtc.sidecar.replicator import datachannel as dc
-from mtc.sidecar.replicator.client import PeerClient, PeerError
-from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
-from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.copies import provenance
+from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.replicator.wire import data_admission
+from mtc.sidecar.replicator.wire import datachannel as dc
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

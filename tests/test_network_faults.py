@@ -59,7 +59,7 @@ from mtc.errors import MtcError
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.job import step_prefix
-from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.wire.client import PeerError
 from mtc.trainer import gcs_emulator
 from mtc.trainer.isolation import Hosts, namespaces_available
 

@@ -3,7 +3,7 @@
 The replicator needs every node's address in rank order, its own rank, the
 hosts per slice, and how the job names its pods (a pod's certificate, which
 cert-manager's CSI driver issues for ``${POD_NAME}``, names its rank by that
-name: :mod:`~mtc.sidecar.replicator.rank_names`). In a JobSet these follow from
+name: :mod:`~mtc.sidecar.replicator.wire.rank_names`). In a JobSet these follow from
 the pod's place in it: the worker replicated job has one Job per slice
 (``JOB_INDEX``) and one pod per host of that slice (``JOB_COMPLETION_INDEX``),
 and every pod is reachable through the JobSet's headless service as
@@ -57,7 +57,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtc.errors import ConfigError, MtcError
 from mtc.lifecycle import Threads
-from mtc.sidecar.replicator.security import Credentials, TlsWatch
+from mtc.sidecar.replicator.wire.security import Credentials, TlsWatch
 from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.replicator.k8s")
