@@ -53,6 +53,7 @@ class Periodic:
         self._period = period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.ticks = 0  # ticks done: what a test waits on for a whole round more
 
     def __enter__(self) -> Self:
         self._thread.start()
@@ -65,6 +66,7 @@ class Periodic:
     def _run(self) -> None:
         while True:
             self.tick()
+            self.ticks += 1
             if self._stop.wait(self._period):
                 return
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from mtc.integrity import crc32c
-from mtc.sidecar.replicator.socket_files import RECV_CHUNK, recv_into_fd
+from mtc.sidecar.replicator.wire.socket_files import RECV_CHUNK, recv_into_fd
 
 TCP_CHUNK = 4 << 20
 

@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding
 
 from mtc.contract import shard_index
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.client import PeerClient
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.trainer.cluster import LocalCluster
 
 NUM_DEVICES = 8

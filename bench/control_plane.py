@@ -34,12 +34,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mtc.sidecar.replicator.agreement import Coordinator  # noqa: E402
-from mtc.sidecar.replicator.book import Book  # noqa: E402
+from mtc.sidecar.replicator.agree.agreement import Coordinator  # noqa: E402
+from mtc.sidecar.replicator.agree.book import Book  # noqa: E402
+from mtc.sidecar.replicator.agree.decision import Holding, gc_keeps, newest_complete  # noqa: E402
+from mtc.sidecar.replicator.agree.fresh import Fresh  # noqa: E402
 from mtc.sidecar.replicator.config import GC_VIEW_INTERVAL_S  # noqa: E402
-from mtc.sidecar.replicator.decision import Holding, gc_keeps, newest_complete  # noqa: E402
-from mtc.sidecar.replicator.fresh import Fresh  # noqa: E402
-from mtc.sidecar.replicator.gc import GcInputs, gc_plan  # noqa: E402
+from mtc.sidecar.replicator.copies.gc import GcInputs, gc_plan  # noqa: E402
 
 SIZES = (4, 16, 64, 256, 1024)
 SAVE_S = 10.0  # a save every 10 s

@@ -5,14 +5,14 @@ completed step on the surviving slice. Part of ``bench/recovery.py``'s JSON
 The path is the elastic trainer's (``mtc.trainer.elastic``), its parts real:
 
 * every train step on the full mesh also emits a copy of its new state (the
-  per-step snapshot, never donated; ``mtc.trainer.snapshot``);
+  per-step snapshot, never donated; ``bench/_placing.py``);
 * the surviving slice's step is compiled ahead, before the loss (timed apart);
 * t0: while a step runs, slice 1's devices are marked lost in pathwaysutils'
   ``DeviceLossSimulator`` (``mtc.trainer.faults.SliceLossSimulator``); reading
   the step's output raises ``DATA_LOSS`` (``detect``), classified by
   ``is_error_due_to_slice_down``;
 * ``wait``: pathwaysutils' slice health check (``get_active_slice_indices``,
-  the executables kept by ``mtc.trainer.health``) finds slice 0 alone; on this
+  the executables kept by ``mtc.elastic.pathways_patch``) finds slice 0 alone; on this
   CPU it runs behind the interrupted step, which XLA cannot cancel;
 * ``restore``: the snapshot of the last completed step, read only from slice
   0's devices, placed onto the one-slice mesh (``snapshot.place``);
@@ -33,13 +33,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from _placing import place  # bench/, beside this file
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pathwaysutils.elastic import elastic as pw_elastic
 
+from mtc.elastic import pathways_patch
 from mtc.elastic.snapshot import step_copy_sharding
-from mtc.trainer import health
 from mtc.trainer.faults import SliceLossSimulator
-from mtc.trainer.snapshot import place
 
 AXES = ("replica", "model")
 SPEC = PartitionSpec("model", None)
@@ -72,7 +72,7 @@ def run_slice_loss(num_leaves: int, leaf_shape: tuple[int, int], samples: int,
     small = NamedSharding(Mesh(np.array(devices[:per_slice]).reshape(1, per_slice), AXES), SPEC)
     slices = {0: devices[:per_slice], 1: devices[per_slice:]}
     survivors = {d.id for d in slices[0]}
-    health.install()
+    pathways_patch.install()
     state_bytes = num_leaves * leaf_shape[0] * leaf_shape[1] * 4
     log(f"slice loss: {num_leaves} leaves ({state_bytes / (1 << 20):.0f} MiB)")
 

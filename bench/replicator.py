@@ -79,9 +79,9 @@ from _loopback import TCP_CHUNK, RawFetch, RawFileCopy, RawTcp
 from mtc.integrity import crc32c
 from mtc.layout import TMP_MARK
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.materialize import FETCH_STREAMS
-from mtc.sidecar.replicator.step_files import describe_own
-from mtc.sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.replicator.fetch.materialize import FETCH_STREAMS
+from mtc.sidecar.replicator.store.step_files import describe_own
+from mtc.sidecar.replicator.store.store import REPLICA_DIR
 
 replicators: Any = importlib.import_module("replicators")  # tests/replicators.py
 

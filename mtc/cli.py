@@ -31,11 +31,11 @@ from mtc import layout
 from mtc.errors import LocalDirError, MtcError
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.wire.security import Credentials
 
 
 def _creds(args: argparse.Namespace) -> Credentials:
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.wire.security import Credentials
 
     return Credentials.from_files(args.token_file, args.tls_cert, args.tls_key, args.tls_ca)
 
@@ -94,17 +94,13 @@ def _size(n: int) -> str:
 
 def _row(rank: int, addr: str, creds: Credentials) -> tuple[dict[str, Any], list[int]]:
     """One node as ``mtc status`` shows it, and its backed-up steps."""
-    from mtc.proto import replicator_pb2 as pb
-    from mtc.sidecar.replicator.client import PeerClient, PeerError
+    from mtc.replicas import inventory
 
-    client = PeerClient(addr, creds, rank=rank, deadline_s=5.0)
     try:
-        inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
-        ident = client.call("GetInventory", pb.InventoryRequest(identify=True), attempts=1)
-    except PeerError as e:
+        inv = inventory(addr, creds=creds, rank=rank)
+        ident = inventory(addr, creds=creds, rank=rank, identify=True)
+    except MtcError as e:  # unreachable, or refused (the client's PeerError)
         return {"rank": rank, "address": addr, "up": False, "error": str(e)}, []
-    finally:
-        client.close()
     own = sorted(c.step for c in inv.copies if c.origin_rank == rank)
     peers: dict[int, list[int]] = defaultdict(list)
     for c in inv.copies:
@@ -227,16 +223,10 @@ def _replication(ident: Any) -> str:
 
 
 def backup(node: str, creds: Credentials) -> int:
-    from mtc.proto import replicator_pb2 as pb
-    from mtc.sidecar.replicator.client import PeerClient
+    from mtc.replicas import request_backup
 
-    client = PeerClient(node, creds, rank=-1)
-    try:
-        reply = client.call("RequestBackup", pb.BackupRequest(step=-1), deadline_s=3600,
-                            attempts=1)
-    finally:
-        client.close()
-    print(f"backed up step {reply.step}" if reply.step >= 0 else "nothing to back up")
+    step = request_backup(node, creds=creds, timeout_s=3600)
+    print(f"backed up step {step}" if step >= 0 else "nothing to back up")
     return 0
 
 

@@ -62,8 +62,8 @@ def read_pod_names(options: Options) -> None:
     names = options.replicator_pod_names
     if names is None:
         return
-    from mtc.sidecar.replicator.provenance import names_read_here
-    from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
+    from mtc.sidecar.replicator.copies.provenance import names_read_here
+    from mtc.sidecar.replicator.wire.rank_names import PodNames, use_pod_names
 
     use_pod_names(PodNames(*names))
     creds = credentials(options)

@@ -1,5 +1,7 @@
 """The controller's side of the peer tier: asking replicators to prepare a restore
-(:func:`prepare_restore`), as a job's hosts see them (:class:`ReplicatorTier`)."""
+(:func:`prepare_restore`), as a job's hosts see them (:class:`ReplicatorTier`), and
+what they report (:func:`inventory`) or are asked for (:func:`request_backup`) by
+``mtc status``, ``mtc backup`` and mtc.testing."""
 
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from mtc.errors import AgreementError, ConfigError, MtcError
 
 if TYPE_CHECKING:
     from mtc.options import Options
-    from mtc.sidecar.replicator.client import PeerClient
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.proto import replicator_pb2 as pb
+    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.wire.security import Credentials
     from mtc.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -73,7 +76,7 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
     once it is agreed and brings the data in the background (``pending``); ask
     it again with the returned ``restore_id`` to wait for the data. ``ranks``: each
     address's replicator rank (default: its position), which errors name."""
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.wire.security import Credentials
 
     if creds is None:
         creds = Credentials(token=token)
@@ -140,7 +143,7 @@ def _each(addresses: Sequence[str], creds: Credentials, ranks: Sequence[int] | N
     position) and a thread per client to ask them all at once. On the way out the
     clients close first (cancelling calls still in flight), then the pool ends
     without waiting for calls already cancelled."""
-    from mtc.sidecar.replicator.client import PeerClient
+    from mtc.sidecar.replicator.wire.client import PeerClient
 
     clients = [PeerClient(a, creds, rank=ranks[i] if ranks is not None else i)
                for i, a in enumerate(addresses)]
@@ -159,8 +162,8 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
     """PrepareRestore on one replicator, sent again while it is unreachable
     (restarting) and time is left; any other error is raised as its domain type."""
     from mtc.proto import replicator_pb2 as pb
-    from mtc.sidecar.replicator.client import PeerError
-    from mtc.sidecar.replicator.status import is_retryable
+    from mtc.sidecar.replicator.wire.client import PeerError
+    from mtc.sidecar.replicator.wire.status import is_retryable
 
     while True:
         left = deadline - time.monotonic()
@@ -182,6 +185,49 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
                                      host=client.rank) from e
             log.info("replicator %s unavailable (%s); asking again", client.address, e.code)
             cancelled.wait(RETRY_S)
+
+
+def inventory(address: str, *, token: str = "", creds: Credentials | None = None,
+              rank: int = -1, identify: bool = False, deadline_s: float = 5.0
+              ) -> pb.Inventory:
+    """What the replicator at ``address`` holds (``identify``: and its identity,
+    configuration and replication state), asked once. One that cannot be reached,
+    or refuses, raises a :class:`~mtc.errors.RetryableError` (the client's
+    ``PeerError``). ``creds`` (mutual TLS, token) replaces ``token`` when given;
+    ``rank``: the replicator's, which errors name (-1: unknown)."""
+    from mtc.proto import replicator_pb2 as pb
+
+    with _client(address, token, creds, rank, deadline_s) as client:
+        inv: pb.Inventory = client.call("GetInventory", pb.InventoryRequest(identify=identify),
+                                        attempts=1)
+    return inv
+
+
+def request_backup(address: str, *, token: str = "", creds: Credentials | None = None,
+                   timeout_s: float = 3600.0) -> int:
+    """Have the replicator at ``address`` back up the job's newest complete step now
+    (``mtc backup``); returns the step (-1: none to back up)."""
+    from mtc.proto import replicator_pb2 as pb
+
+    with _client(address, token, creds, -1, timeout_s) as client:
+        reply = client.call("RequestBackup", pb.BackupRequest(step=-1), deadline_s=timeout_s,
+                            attempts=1)
+    return int(reply.step)
+
+
+@contextlib.contextmanager
+def _client(address: str, token: str, creds: Credentials | None, rank: int,
+            deadline_s: float) -> Iterator[PeerClient]:
+    """A client of one replicator, closed on the way out."""
+    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.wire.security import Credentials
+
+    client = PeerClient(address, creds or Credentials(token=token), rank=rank,
+                        deadline_s=deadline_s)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 class ReplicatorTier:
@@ -255,7 +301,7 @@ class ReplicatorTier:
 def credentials(options: Options) -> Credentials:
     """The replicators' shared token and, with ``replicator_tls``, this process's
     certificate (mutual TLS)."""
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.wire.security import Credentials
 
     tls = options.replicator_tls
     cert, key, ca = (Path(p) for p in tls) if tls else (None, None, None)

@@ -35,8 +35,8 @@ from mtc.errors import ConfigError
 
 if TYPE_CHECKING:
     from mtc.proto import replicator_pb2 as pb
-    from mtc.sidecar.replicator.client import PeerClient
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.wire.security import Credentials
 
 log = logging.getLogger("mtc.manager")
 ASK_DEADLINE_S = 2.0  # a replicator on its own host answers its identity in ms
@@ -80,7 +80,7 @@ class ReplicatorWatch:
 
     def __init__(self, addresses: Mapping[int, str], ranks: Mapping[int, int],
                  creds: Credentials) -> None:
-        from mtc.sidecar.replicator.client import PeerClient
+        from mtc.sidecar.replicator.wire.client import PeerClient
 
         self._clients: dict[int, PeerClient] = {
             h: PeerClient(a, creds, rank=ranks[h], deadline_s=ASK_DEADLINE_S)
@@ -131,7 +131,7 @@ class ReplicatorWatch:
 
     def _ask(self, host: int) -> Seen:
         from mtc.proto import replicator_pb2 as pb
-        from mtc.sidecar.replicator.client import PeerError
+        from mtc.sidecar.replicator.wire.client import PeerError
 
         c = self._clients[host]
         try:

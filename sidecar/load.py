@@ -39,7 +39,7 @@ from mtc.sidecar.read import (
     map_side_by_side,
     open_step_folder,
 )
-from mtc.sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.replicator.store.store import REPLICA_DIR
 
 if TYPE_CHECKING:  # only the in-process paths put arrays on devices; a sidecar never does
     import jax

@@ -12,8 +12,8 @@ disk through a filesystem. With mutual TLS and certificates this process reads
 as ranks (``mtc-rank-<r>``, or a JobSet pod's name once the manager was told how
 the job names its pods: ``Options.replicator_pod_names``), a replicator's copy
 of another rank's data is read only when proven that rank's
-(:mod:`.replicator.provenance`), and each file of it is checked against the
-SHA-256 its origin signed.
+(:mod:`.replicator.copies.provenance`), and each file of it is checked against
+the SHA-256 its origin signed.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mtc.errors import ConfigError, CorruptShardError, ShardUnavailableError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.client import PeerClient, PeerError
-from mtc.sidecar.replicator.provenance import ProofCheck, names_read_here
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.copies.provenance import ProofCheck, names_read_here
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.security import Credentials
 
 log = logging.getLogger(__name__)
 

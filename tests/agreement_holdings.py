@@ -6,7 +6,7 @@ a job that saved on other ranks."""
 
 from __future__ import annotations
 
-from mtc.sidecar.replicator.decision import Holding
+from mtc.sidecar.replicator.agree.decision import Holding
 
 
 def own_only(r: int) -> list[int]:

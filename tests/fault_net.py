@@ -22,9 +22,9 @@ import mtc
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.job import BackupStore
-from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.healthcheck import check
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.testing.replicas import wait_replicated
 from mtc.trainer.isolation import Hosts
 

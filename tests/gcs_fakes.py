@@ -32,7 +32,7 @@ from google.cloud.storage_control_v2 import types
 from google.longrunning import operations_pb2
 from google.protobuf import empty_pb2
 
-from mtc.sidecar.host.ports import free_ports
+from mtc.ports import free_ports
 from mtc.trainer import gcs_emulator
 
 

@@ -34,11 +34,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
+from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.host.ports import free_ports
-from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.healthcheck import check
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.storage.checksum import file_crc
 from mtc.testing import replicas
 from mtc.trainer.isolation import Hosts, with_checkout

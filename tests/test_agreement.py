@@ -13,8 +13,8 @@ from agreement_holdings import h, hk, hr, hs, own_only, peer_group_of_2
 
 from mtc.errors import ConfigError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.book import EpochRecord, find_record
-from mtc.sidecar.replicator.decision import (
+from mtc.sidecar.replicator.agree.book import EpochRecord, find_record
+from mtc.sidecar.replicator.agree.decision import (
     Ask,
     CannotDecide,
     Decided,
@@ -26,7 +26,7 @@ from mtc.sidecar.replicator.decision import (
     newest_complete,
     supersedes,
 )
-from mtc.sidecar.replicator.node_agreement import holding_of, repairable
+from mtc.sidecar.replicator.agree.node_agreement import holding_of, repairable
 
 # -- decide: the step from every member's holdings ------------------------------------
 

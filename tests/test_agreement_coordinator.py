@@ -18,14 +18,14 @@ import pytest
 from agreement_holdings import h, hs, own_only
 
 from mtc.errors import AgreementError, ConfigError
-from mtc.sidecar.host.ports import free_ports
-from mtc.sidecar.replicator.agreement import ALIVE_CHECK_S, PROBE_S, Coordinator
-from mtc.sidecar.replicator.book import Book, Decision, EpochRecord
+from mtc.ports import free_ports
+from mtc.sidecar.replicator.agree.agreement import ALIVE_CHECK_S, PROBE_S, Coordinator
+from mtc.sidecar.replicator.agree.book import Book, Decision, EpochRecord
+from mtc.sidecar.replicator.agree.decision import Holding
+from mtc.sidecar.replicator.agree.fresh import Fresh
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.decision import Holding
-from mtc.sidecar.replicator.fresh import Fresh
 from mtc.sidecar.replicator.node import Node
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.security import Credentials
 
 # -- the coordinator over an in-memory transport ----------------------------------------
 

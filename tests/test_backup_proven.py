@@ -1,6 +1,6 @@
 """The backup leader commits a step only where each holder's upload hashes as the
 origin signed: a holder with a valid certificate may upload another rank's data,
-never make it up (mutual TLS; the copies' proofs: sidecar/replicator/provenance.py).
+never make it up (mutual TLS; the copies' proofs: sidecar/replicator/copies/provenance.py).
 
 Real parts: the local backend in a folder, the node side's ``upload_part`` reading
 real files; the call to the holder is a function here (its gRPC is tested in the
@@ -18,7 +18,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import CorruptBackupError
 from mtc.sidecar.backup.job import BackupStore, back_up_step, check_proven, upload_part
 from mtc.sidecar.backup.local import LocalBackend
-from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.store.step_files import FileMeta
 
 STEP = 7
 

@@ -35,7 +35,7 @@ from mtc.errors import MtcError
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import prepare_restore
 from mtc.sidecar.backup.job import MANIFEST
-from mtc.sidecar.replicator.client import PeerError
+from mtc.sidecar.replicator.wire.client import PeerError
 from mtc.sidecar.storage.checksum import file_sha256
 
 MiB = 1 << 20

@@ -158,7 +158,11 @@ def test_the_device_threads_run_jaxs_cpu_devices_and_only_they_move() -> None:
             deadline = time.monotonic() + 5
             while p.moved == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.2)  # another round: every such thread
+            # Two more rounds: one that began after every such thread was there.
+            rounds = p.ticks + 2
+            while p.ticks < rounds and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert p.moved and p.ticks >= rounds, (p.moved, p.ticks)
         proc.stdin.write("\n")
         proc.stdin.flush()
         tasks = json.loads(proc.stdout.readline())

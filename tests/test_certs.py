@@ -17,8 +17,8 @@ from replicators import Cluster, env_with_repo, new_cluster
 
 from mtc import certs
 from mtc.errors import ConfigError
-from mtc.sidecar.replicator.rank_names import ranks_named
-from mtc.sidecar.replicator.security import CONTROLLER, Credentials, identity_of
+from mtc.sidecar.replicator.wire.rank_names import ranks_named
+from mtc.sidecar.replicator.wire.security import CONTROLLER, Credentials, identity_of
 
 
 def _load(path: Path) -> x509.Certificate:

@@ -21,10 +21,10 @@ from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.quarantine import quarantine, quarantined
-from mtc.sidecar.replicator import claims
-from mtc.sidecar.replicator.copy_proofs import proof_path
-from mtc.sidecar.replicator.step_files import FileMeta
-from mtc.sidecar.replicator.store import REPLICA_DIR, LocalStore
+from mtc.sidecar.replicator.copies import claims
+from mtc.sidecar.replicator.copies.copy_proofs import proof_path
+from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.replicator.store.store import REPLICA_DIR, LocalStore
 
 SHARED = bytes(range(256)) * 64  # a data-parallel shard: both hosts saved it
 STEP = 5

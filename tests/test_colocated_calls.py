@@ -359,8 +359,11 @@ def test_a_large_restore_loads_in_groups_of_leaves_each_exact(ramdisk: Path) -> 
 @pytest.mark.parametrize(("sizes", "call_bytes", "max_calls", "groups"), [
     ([100] * 4, None, 4, [[0, 1, 2, 3]]),  # no threshold: one call
     ([100] * 4, 300, 4, [[0, 1, 2, 3]]),  # under twice the threshold: one call
-    ([100] * 4, 100, 4, [[0], [1], [2], [3]]),
-    ([100] * 8, 100, 4, [[0, 1], [2, 3], [4, 5], [6, 7]]),  # at most max_calls
+    ([100] * 4, 100, 4, [[0], [1, 2], [3]]),  # shrinking towards the end
+    ([100] * 8, 100, 4, [[0, 1], [2, 3, 4], [5, 6], [7]]),  # at most max_calls
+    ([256] * 16, 256, 6, [list(range(6)), [6, 7, 8, 9], [10, 11, 12], [13, 14], [15]]),
+    ([100] * 5, 100, 8, [[0, 1], [2, 3], [4]]),  # fewer than max_calls suffice
+    ([50, 400, 100], 100, 3, [[0, 1], [2]]),  # a first group under call_bytes: merged
     ([400, 10, 10, 10], 100, 4, [[0], [1, 2, 3]]),  # a large leaf fills a group alone
     ([10, 10, 10, 400], 20, 2, [[0, 1, 2], [3]]),
     ([100] * 4, 100, 1, [[0, 1, 2, 3]]),

@@ -30,7 +30,7 @@ from mtc.dispatch.process import Sidecar
 from mtc.dispatch.protocol import WorkerLostError
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import ColocatedCallError
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here runs on the sidecar processes

@@ -1,4 +1,4 @@
-"""The data channel (``sidecar/replicator/datachannel.py``): shard bytes on
+"""The data channel (``sidecar/replicator/wire/datachannel.py``): shard bytes on
 connections of their own, beside the gRPC control plane.
 
 A real replicator server in this process, on loopback, with a shared token or
@@ -31,16 +31,17 @@ from tls_certs import issue, make_ca, mount_secret
 from mtc.errors import ConfigError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator import data_admission, provenance, socket_files
-from mtc.sidecar.replicator import datachannel as dc
-from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.limits import Limits
+from mtc.sidecar.replicator.copies import provenance
 from mtc.sidecar.replicator.node import Node
-from mtc.sidecar.replicator.security import Credentials
-from mtc.sidecar.replicator.server import serve
-from mtc.sidecar.replicator.socket_files import recv_into_fd
-from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.replicator.wire import data_admission, socket_files
+from mtc.sidecar.replicator.wire import datachannel as dc
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.limits import Limits
+from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.server import serve
+from mtc.sidecar.replicator.wire.socket_files import recv_into_fd
 
 FILES = {"a.bin": bytes(range(256)) * 4000, "empty.bin": b"", "d-b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 300}
@@ -234,8 +235,8 @@ def test_a_file_damaged_behind_the_cache_is_read_again_and_quarantined(
 
 
 def test_a_push_is_split_into_streams_of_about_equal_bytes() -> None:
-    from mtc.sidecar.replicator.push_plan import push_streams as _streams
-    from mtc.sidecar.replicator.step_files import FileMeta
+    from mtc.sidecar.replicator.copies.push_plan import push_streams as _streams
+    from mtc.sidecar.replicator.store.step_files import FileMeta
 
     files = [(i, FileMeta(f"f{i}", size, 0)) for i, size in enumerate([8, 1, 8, 1, 8, 8, 2])]
     groups = _streams(files, 4)

@@ -34,8 +34,8 @@ from mtc.sidecar.replicator.k8s import (
     parse_args,
     replicator_argv,
 )
-from mtc.sidecar.replicator.rank_names import PodNames, ranks_named
-from mtc.sidecar.replicator.security import CONTROLLER, Credentials, identity_of
+from mtc.sidecar.replicator.wire.rank_names import PodNames, ranks_named
+from mtc.sidecar.replicator.wire.security import CONTROLLER, Credentials, identity_of
 
 # Every test here renders the overlays (kubectl kustomize) or runs the images' tools.
 pytestmark = pytest.mark.process

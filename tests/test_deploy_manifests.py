@@ -359,7 +359,7 @@ def test_own_trainer_block_of_the_deploy_guide_runs_in_a_pod_environment(
     replicator's own ``--nodes`` and its TLS files the pod's certificate volume."""
     from doc_blocks import python_block
 
-    from mtc.sidecar.host.ports import free_ports
+    from mtc.ports import free_ports
     from mtc.sidecar.replicator.k8s import write_jax_init_info
 
     (js,) = jobsets(rendered["multi-controller"])

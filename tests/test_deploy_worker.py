@@ -35,7 +35,7 @@ from mtc.sidecar.replicator.k8s import (
     replicator_argv,
     write_jax_init_info,
 )
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.security import Credentials
 
 # Every test here runs the wrapper's tools or servers of its own.
 pytestmark = pytest.mark.process

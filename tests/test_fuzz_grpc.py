@@ -23,8 +23,8 @@ from replicators import commit_mtc_step
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.node import Node
-from mtc.sidecar.replicator.security import Credentials
-from mtc.sidecar.replicator.server import serve
+from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.server import serve
 
 UNTYPED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
            grpc.StatusCode.DEADLINE_EXCEEDED}

@@ -30,7 +30,7 @@ from mtc import cli
 from mtc.errors import CorruptShardError
 from mtc.manifest import MANIFEST_NAME
 from mtc.sidecar.quarantine import QUARANTINE_DIR, quarantined
-from mtc.sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.replicator.store.store import REPLICA_DIR
 from mtc.sidecar.storage.checksum import file_crc
 
 QUARANTINED = "mtc_quarantined_files_total"
@@ -255,8 +255,8 @@ def _inv(rank: int, copies: list[tuple[int, int, list[tuple[str, int, int]]]]) -
 
 
 def test_heal_sources_and_order() -> None:
-    from mtc.sidecar.replicator.fetch_plan import fetch_order, heal_sources
-    from mtc.sidecar.replicator.step_files import FileMeta
+    from mtc.sidecar.replicator.fetch.fetch_plan import fetch_order, heal_sources
+    from mtc.sidecar.replicator.store.step_files import FileMeta
 
     a, b = ("a.bin", 10, 1), ("b.bin", 20, 2)
     invs = {

@@ -1,5 +1,5 @@
 """The slice health check pathwaysutils runs on every poll and elastic attempt:
-with :mod:`mtc.trainer.health` installed it still finds lost slices (through the
+with :mod:`mtc.elastic.pathways_patch` installed it still finds lost slices (through the
 real ``DeviceLossSimulator``) and compiles its programs once, not on every check."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jax
 import pytest
 from pathwaysutils.elastic import elastic as pw_elastic
 
-from mtc.trainer import health
+from mtc.elastic import pathways_patch
 from mtc.trainer.faults import SliceLossSimulator
 
 _COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -34,7 +34,7 @@ def compiled() -> int:
 @pytest.fixture
 def cached_checker() -> Iterator[None]:
     default = pw_elastic.DefaultSliceHealthChecker
-    health.install()
+    pathways_patch.install()
     try:
         yield
     finally:

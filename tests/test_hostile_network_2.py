@@ -29,10 +29,10 @@ from mtc.errors import ShardUnavailableError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.peers import PeerFiles
-from mtc.sidecar.replicator import data_admission
-from mtc.sidecar.replicator import datachannel as dc
-from mtc.sidecar.replicator.client import PeerClient, PeerError
-from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.wire import data_admission
+from mtc.sidecar.replicator.wire import datachannel as dc
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

@@ -42,10 +42,10 @@ from mtc import transfer
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator import provenance
-from mtc.sidecar.replicator.book import BOOK_NAME
-from mtc.sidecar.replicator.client import PeerClient, PeerError
-from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.agree.book import BOOK_NAME
+from mtc.sidecar.replicator.copies import provenance
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

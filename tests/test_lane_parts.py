@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,8 +10,6 @@ from pathlib import Path
 
 import lane_parts
 import pytest
-
-DURATIONS = Path(__file__).parent / "process_durations.json"
 
 FILES = ["a.py", "b.py", "c.py", "d.py", "e.py"]
 
@@ -96,15 +93,25 @@ def test_a_bad_shard_is_refused(spec: str) -> None:
 
 
 @pytest.mark.process
-def test_the_parts_together_run_every_test_once() -> None:
-    """Collected by pytest itself, over six of the process lane's files (the whole
-    lane took three collections of half a minute each): the two parts are disjoint
-    and together the lane (the three collections at once)."""
-    files = sorted(json.loads(DURATIONS.read_text()))[:6]
+def test_the_parts_together_run_every_test_once(tmp_path: Path) -> None:
+    """Collected by pytest itself, over a tiny folder of six files with the lane's
+    plugin (the lane's own files took half a minute a collection, all of it their
+    imports): the two --shard parts are disjoint and together the whole."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    process: x\n")
+    (tmp_path / "conftest.py").write_text(
+        "import lane_parts\n\n\ndef pytest_addoption(parser):\n"
+        "    lane_parts.addoption(parser)\n\n\ndef pytest_configure(config):\n"
+        "    lane_parts.configure(config)\n")
+    for x in "abcdef":
+        (tmp_path / f"test_{x}.py").write_text(
+            "import pytest\n\n\n@pytest.mark.process\ndef test_one():\n    pass\n\n\n"
+            "@pytest.mark.process\ndef test_two():\n    pass\n")
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(tmp_path)])}
     runs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              "--collect-only", "-m", "process", *extra, *files],
+                              "--collect-only", "-m", "process", *extra, "."],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             cwd=Path(__file__).parent.parent)
+                             cwd=tmp_path, env=env)
             for extra in ((), ("--shard", "1/2"), ("--shard", "2/2"))]
     found = []
     for r in runs:
@@ -112,7 +119,7 @@ def test_the_parts_together_run_every_test_once() -> None:
         assert r.returncode == 0, out
         found.append({line for line in out.splitlines() if "::" in line})
     whole, one, two = found
-    assert whole and one and two
+    assert len(whole) == 12 and one and two
     assert not one & two
     assert one | two == whole
 

@@ -32,7 +32,7 @@ from replicators import env_with_repo
 
 import mtc
 from mtc import retention
-from mtc.sidecar.host.ports import free_ports
+from mtc.ports import free_ports
 
 MiB = 1 << 20
 

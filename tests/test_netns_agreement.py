@@ -26,8 +26,8 @@ from replicators import commit_mtc_step, env_with_repo
 from mtc.errors import AgreementError
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import Prepared, prepare_restore
-from mtc.sidecar.replicator.client import PeerClient
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.wire.security import Credentials
 
 pytestmark = pytest.mark.process
 N = 3

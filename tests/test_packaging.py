@@ -33,7 +33,7 @@ def test_every_file_imports_under_one_name() -> None:
         assert not (REPO / link).exists(), link
     code = textwrap.dedent("""
         import importlib, importlib.util, sys
-        from mtc.sidecar.replicator import client
+        from mtc.sidecar.replicator.wire import client
         from mtc.trainer import isolation
         print(client.__file__, isolation.__file__)
         for name in ("mtc_sidecar", "mtc_trainer", "sidecar", "trainer"):
@@ -43,7 +43,7 @@ def test_every_file_imports_under_one_name() -> None:
                        timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     client, isolation = r.stdout.split()
-    assert client == str(REPO / "sidecar" / "replicator" / "client.py")
+    assert client == str(REPO / "sidecar" / "replicator" / "wire" / "client.py")
     assert isolation == str(REPO / "trainer" / "isolation.py")
 
 

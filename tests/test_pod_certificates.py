@@ -34,10 +34,11 @@ from mtc.dispatch import LocalDispatch
 from mtc.errors import ConfigError, ShardUnavailableError
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import prepare_restore
-from mtc.sidecar.replicator import provenance, rank_names
-from mtc.sidecar.replicator.client import PeerClient, PeerError
-from mtc.sidecar.replicator.rank_names import PodNames
-from mtc.sidecar.replicator.security import CONTROLLER_NAME, Credentials
+from mtc.sidecar.replicator.copies import provenance
+from mtc.sidecar.replicator.wire import rank_names
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.rank_names import PodNames
+from mtc.sidecar.replicator.wire.security import CONTROLLER_NAME, Credentials
 from mtc.topology import Topology
 
 pytestmark = pytest.mark.process  # replicator processes

@@ -1,7 +1,7 @@
 """The pure policies, tested alone: the manager's retention (mtc.retention), the
-replicator's garbage-collection plan (gc_plan in mtc.sidecar.replicator.gc) and
+replicator's garbage-collection plan (gc_plan in mtc.sidecar.replicator.copies.gc) and
 which older step it copies again to a peer (older_to_restore in
-mtc.sidecar.replicator.replication)."""
+mtc.sidecar.replicator.copies.replication)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from mtc.cli import lost_steps
 from mtc.retention import to_delete
-from mtc.sidecar.replicator.gc import GcInputs, GcPlan, gc_plan
-from mtc.sidecar.replicator.replication import older_to_restore
+from mtc.sidecar.replicator.copies.gc import GcInputs, GcPlan, gc_plan
+from mtc.sidecar.replicator.copies.replication import older_to_restore
 
 # (name, complete, held, max_to_keep, keep_period, before_write, deleted)
 RETENTION = [

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from mtc.sidecar.host import ports
+from mtc import ports
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:

@@ -1,4 +1,4 @@
-"""A copy's proof that its origin made it (sidecar/replicator/provenance.py): signed
+"""A copy's proof that its origin made it (sidecar/replicator/copies/provenance.py): signed
 with a rank's certificate key, checked against the cluster's CA, the rank the
 certificate names, and what the entry states; pure, in this process."""
 
@@ -15,10 +15,10 @@ from cryptography.hazmat.primitives import serialization
 from replicator_certs import make_ca, make_leaf
 
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator import provenance as pv
-from mtc.sidecar.replicator.copy_proofs import HeldProofs, OwnProofs, proof_path, put_proof
-from mtc.sidecar.replicator.security import Credentials
-from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.copies import provenance as pv
+from mtc.sidecar.replicator.copies.copy_proofs import HeldProofs, OwnProofs, proof_path, put_proof
+from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.storage.checksum import file_crc, file_sha256
 
 # When the pure checks take place: an hour after this module is imported. The test

@@ -69,3 +69,19 @@ def test_links_lead_somewhere(page: str) -> None:
             assert (path.parent / file).exists(), f"{page}: {target} is no file"
         elif anchor:
             assert anchor in anchors, f"{page}: no heading #{anchor}"
+
+
+# A path of the repository named in backquotes: `sidecar/replicator/copies/`, `mtc/save/stage.py`.
+REPO_PATH = re.compile(r"`((?:mtc|sidecar|tests|bench|trainer|deploy|scripts|docs|proto)/"
+                       r"[\w./-]*)`")
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(
+    f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))])
+def test_paths_named_exist(page: str) -> None:
+    """Every folder and file of the repository a page names is there (the README's
+    stages of the data path among them): a module moved leaves no stale name."""
+    named = REPO_PATH.findall((REPO / page).read_text())
+    assert [p for p in named if not (REPO / p).exists()] == []
+    if page == "README.md":  # the check finds what it looks for
+        assert "sidecar/replicator/copies/" in named

@@ -19,7 +19,7 @@ from mtc.errors import UnsafePathError
 from mtc.integrity import crc32c
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.schedule import BackupPolicy, BackupScheduler
-from mtc.sidecar.replicator import checksums, step_files, store
+from mtc.sidecar.replicator.store import checksums, step_files, store
 from mtc.sidecar.storage.checksum import (
     CHUNK,
     STREAM_CHUNK,

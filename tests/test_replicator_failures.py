@@ -28,9 +28,9 @@ from replicators import Cluster, new_cluster
 import mtc
 from mtc.manifest import MANIFEST_NAME
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.client import PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.replicator.store.store import REPLICA_DIR
+from mtc.sidecar.replicator.wire.client import PeerError
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

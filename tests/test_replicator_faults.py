@@ -39,7 +39,7 @@ import mtc.replicator_watch
 from mtc import cli, layout
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import prepare_restore
-from mtc.sidecar.replicator.node_agreement import DECIDE_CALL_S
+from mtc.sidecar.replicator.agree.node_agreement import DECIDE_CALL_S
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

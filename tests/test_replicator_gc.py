@@ -27,7 +27,7 @@ from replicators import Cluster, new_cluster
 
 import mtc
 from mtc import cli
-from mtc.sidecar.host.ports import free_ports
+from mtc.ports import free_ports
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

@@ -13,12 +13,12 @@ from pathlib import Path
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import main
-from mtc.sidecar.replicator.client import PeerClient
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.metrics import MetricsServer
 from mtc.sidecar.replicator.node import Node
-from mtc.sidecar.replicator.security import Credentials
-from mtc.sidecar.replicator.server import Serving, serve
+from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.server import Serving, serve
 
 # The threads main's group starts (the scrub's, with a rate; the reserve's, enabled).
 GROUP = {"mtc-replicate", "mtc-scrub", "mtc-reserve", "mtc-config-check",

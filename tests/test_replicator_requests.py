@@ -23,8 +23,8 @@ from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.client import FETCH, PUSH, PeerError
-from mtc.sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.replicator.store.store import REPLICA_DIR
+from mtc.sidecar.replicator.wire.client import FETCH, PUSH, PeerError
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

@@ -25,8 +25,8 @@ from replicators import Cluster, env_with_repo, free_ports, new_cluster
 
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.client import FETCH, PUSH, PeerClient, PeerError
-from mtc.sidecar.replicator.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.wire.client import FETCH, PUSH, PeerClient, PeerError
+from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

@@ -21,7 +21,7 @@ from mtc.sidecar.replicator.selfcheck import (
     check_peers,
     disagreement,
 )
-from mtc.sidecar.replicator.status import where_of, wire_error
+from mtc.sidecar.replicator.wire.status import where_of, wire_error
 
 NODES = ("a:1", "b:1", "c:1", "d:1")
 ME = ReplicatorConfig(rank=0, nodes=NODES, nodes_per_slice=2)

@@ -28,13 +28,13 @@ from replicators import commit_raw_step
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.client import PeerClient, PeerError
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.fetch_plan import fetch_batches
+from mtc.sidecar.replicator.fetch.fetch_plan import fetch_batches
 from mtc.sidecar.replicator.node import Node
-from mtc.sidecar.replicator.security import Credentials
-from mtc.sidecar.replicator.server import serve
-from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.server import serve
 
 FILES = {"a.bin": bytes(range(256)) * 40, "empty.bin": b"", "d-b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 3}
@@ -157,7 +157,7 @@ def test_the_background_fetch_runs_below_the_job() -> None:
     """A replaced host's own copy, fetched after the restore answered, runs on
     threads at nice 19 (each thread its own, on Linux): the job's threads on that
     host go first. The fetch pool that a waiting restore uses keeps its priority."""
-    from mtc.sidecar.replicator.restore import _background_priority
+    from mtc.sidecar.replicator.fetch.restore import _background_priority
 
     seen: dict[str, int] = {}
 

@@ -21,9 +21,9 @@ import pytest
 from replicators import Cluster, new_cluster
 
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.fetch_plan import likely_restore
-from mtc.sidecar.replicator.node_agreement import holders_of
-from mtc.sidecar.replicator.transfers import RESERVE_DIR
+from mtc.sidecar.replicator.agree.node_agreement import holders_of
+from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
+from mtc.sidecar.replicator.fetch.fetch_plan import likely_restore
 from mtc.sidecar.reserve import Reserve
 
 MIB = 1 << 20

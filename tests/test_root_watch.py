@@ -1,4 +1,4 @@
-"""The replication loop's wake-up (``sidecar/replicator/root_watch.py``): a step
+"""The replication loop's wake-up (``sidecar/replicator/store/root_watch.py``): a step
 renamed into the root ends the loop's wait at once; so does ``wake``; the timeout
 still bounds every wait, with or without a watch. The last test runs real
 replicators whose poll is a minute: only the watch can start the copy in time."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from replicators import Cluster, new_cluster
 
-from mtc.sidecar.replicator.root_watch import RootWatch
+from mtc.sidecar.replicator.store.root_watch import RootWatch
 
 LONG = 30.0  # a wait that must be cut short; a test that takes it has failed
 

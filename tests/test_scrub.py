@@ -34,10 +34,10 @@ from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME
 from mtc.sidecar.quarantine import quarantined
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.copies.scrub import MIN_PAUSE_S, Scrubber, due, next_copy, pause_after
 from mtc.sidecar.replicator.metrics import Metrics
-from mtc.sidecar.replicator.scrub import MIN_PAUSE_S, Scrubber, due, next_copy, pause_after
-from mtc.sidecar.replicator.step_files import FileMeta
-from mtc.sidecar.replicator.store import REPLICA_DIR, LocalStore
+from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.replicator.store.store import REPLICA_DIR, LocalStore
 
 STEP = 7
 MIB = 1 << 20
@@ -240,6 +240,13 @@ def test_a_copy_is_read_again_only_once_the_interval_has_passed(tmp_path: Path) 
     assert s.scrub_once() > 0
 
 
+def held_bytes(root: Path) -> int:
+    """The bytes of every file under a host's root: at least what a round of its
+    scrub reads (its own steps and the copies it holds, a file linked twice counted
+    twice, as the scrub reads it twice)."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
 def unique_files(cl: Cluster, step: int, host: int) -> list[str]:
     """Files of ``host``'s ``step`` its data-parallel twin (the other slice's host
     at the same place) does not hold identically."""
@@ -271,6 +278,12 @@ def test_replicators_find_and_heal_silent_damage_before_any_restore(
     older_copy = cl.root(2) / REPLICA_DIR / "0" / "3" / unique_files(cl, 3, 0)[0]
     damaged = [own, peer_copy, older_copy]
     good = [p.read_bytes() for p in damaged]
+    scrubbers = (0, 2, 3)
+    # What each scrub has read so far, and what it must read at most to have read
+    # every copy its host holds whole after the damage: a round of the copies in
+    # order (what a scrub in progress reads first counts too, hence twice over).
+    read_by = {r: cl.scrape(r).get("mtc_scrub_bytes_total", 0.0)
+               + 2 * held_bytes(cl.root(r)) for r in scrubbers}
     for p in damaged:
         flip(p, silent=True)
 
@@ -278,15 +291,26 @@ def test_replicators_find_and_heal_silent_damage_before_any_restore(
         return all(p.exists() and p.read_bytes() == g for p, g in zip(damaged, good,
                                                                         strict=True))
 
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        found = [cl.scrape(r).get("mtc_scrub_damaged_files_total", 0) for r in (0, 2, 3)]
+    # Wait on the scrubs' progress, not on the clock: the scrub runs at background
+    # priority, and a loaded machine may hold it back for minutes. A scrub that has
+    # read all its host holds without finding the damage fails the test at once;
+    # the deadline only bounds a scrub (or a heal) that does not run at all.
+    deadline = time.monotonic() + 200
+    while True:
+        samples = [cl.scrape(r) for r in scrubbers]
+        found = [int(s.get("mtc_scrub_damaged_files_total", 0)) for s in samples]
+        read = [s.get("mtc_scrub_bytes_total", 0.0) for s in samples]
         if found == [1, 1, 1] and whole():
             break
+        blind = [r for r, f, n in zip(scrubbers, found, read, strict=True)
+                 if f == 0 and n >= read_by[r]]
+        if blind or time.monotonic() > deadline:
+            why = (f"the scrubs of hosts {blind} read all they hold and found nothing"
+                   if blind else "not found and healed by the scrub in 200 s")
+            raise AssertionError(
+                f"damage {why}: found {found}, whole {whole()}, read {read} (of "
+                f"{read_by}); logs:\n" + "".join(cl.log_text(r)[-2000:] for r in scrubbers))
         time.sleep(0.2)
-    else:
-        raise AssertionError(f"damage not healed by the scrub: found {found}; logs:\n"
-                             + "".join(cl.log_text(r)[-2000:] for r in (0, 2, 3)))
     # Host 0 fetched its file from its peer (healed); host 3's copy of the newest
     # step came again from its origin, and so did host 2's copy of the older one
     # once the newest was on every peer. Every bad file was kept aside.

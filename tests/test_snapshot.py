@@ -9,11 +9,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bench._placing import place  # the benchmarks' helper: not the wheel's
 from mtc.elastic import Snapshotter, SnapshotUnavailableError
 from mtc.elastic.snapshot import step_copy_memory_kind
 from mtc.trainer.data import VOCAB, make_iterator
 from mtc.trainer.model import Config, Trainer
-from mtc.trainer.snapshot import place
 
 
 def _trainer(devices: list[jax.Device], replicas: int) -> Trainer:

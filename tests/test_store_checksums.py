@@ -1,4 +1,4 @@
-"""A byte's checksum computed once (``sidecar/replicator/store.py``): an mtc step's
+"""A byte's checksum computed once (``sidecar/replicator/store/store.py``): an mtc step's
 files are trusted as their manifest's CRC32Cs say, as written, and read again only
 once they changed; a data-parallel twin's shard (same path, same step, same size
 and CRC32C) is identified as a dedup candidate without a hash pass.
@@ -16,9 +16,10 @@ from replicators import commit_mtc_step
 
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME
-from mtc.sidecar.replicator import checksums, claims, step_files
-from mtc.sidecar.replicator.step_files import FileMeta
-from mtc.sidecar.replicator.store import LocalStore
+from mtc.sidecar.replicator.copies import claims
+from mtc.sidecar.replicator.store import checksums, step_files
+from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.storage import checksum
 
 

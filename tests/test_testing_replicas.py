@@ -64,3 +64,24 @@ def test_the_wait_ends_once_every_copy_is_held() -> None:
 def test_a_copy_that_never_comes_is_named_after_the_timeout() -> None:
     with pytest.raises(TimeoutError, match=r"step 7 of hosts \[1\] .*\[\(0, 1, 7\)\]"):
         wait_replicated(lambda: {(1, 0, 7), (0, 1, 6)}, 7, 2, 1, timeout=0.05, poll_s=0.01)
+
+
+def test_mtc_testing_reaches_the_hosts_through_mtc_not_the_sidecars_modules() -> None:
+    """mtc.testing runs in the test's process, the controller's side: it asks the
+    replicators over the network (mtc.replicas) and takes shared definitions from
+    mtc/. The one exception, until the replicator's shared definitions move to mtc/:
+    the placement rule, ``targets``."""
+    import ast
+    from pathlib import Path
+
+    import mtc.testing
+
+    allowed = {("mtc.sidecar.replicator.config", "targets")}
+    found = set()
+    for path in Path(mtc.testing.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mtc.sidecar"):
+                found |= {(node.module, a.name) for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {(a.name, "") for a in node.names if a.name.startswith("mtc.sidecar")}
+    assert found <= allowed, sorted(found - allowed)

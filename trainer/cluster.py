@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mtc.sidecar.host.ports import free_ports
+from mtc.ports import free_ports
 from mtc.trainer import gcs_emulator
 from mtc.trainer.isolation import Hosts, with_checkout
 
@@ -284,7 +284,7 @@ class LocalCluster:
 
         from mtc.contract import decode_reply, encode_request
         from mtc.errors import MtcError
-        from mtc.sidecar.replicator.security import TOKEN_HEADER
+        from mtc.sidecar.replicator.wire.security import TOKEN_HEADER
 
         if self.hosts.hosts[rank].sidecar_pid is None:
             return None
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster {base}: hosts stopped, RAM disks removed")
         return 0
     from mtc.cli import status
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.wire.security import Credentials
 
     return status(c.addresses, Credentials(token=c.token()), False)
 

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtc.sidecar.host.ports import free_ports
+from mtc.ports import free_ports
 from mtc.trainer import netns
 
 READY_TIMEOUT_S = 60.0

@@ -48,10 +48,10 @@ POLL_INTERVAL_S = 1.0
 # Load functions kept specialized, by their outputs' specs (restores of one state's
 # shape reuse one; a resized mesh or another tree makes another).
 LOAD_CALLS_KEPT = 8
-# A restore onto an accelerator loads in calls of at least this many bytes, at most
-# MAX_LOAD_CALLS of them (colocated_load.call_groups).
+# A restore onto an accelerator loads in calls that shrink towards the end, the last
+# about this many bytes, at most MAX_LOAD_CALLS of them (colocated_load.call_groups).
 LOAD_CALL_BYTES = 256 << 20
-MAX_LOAD_CALLS = 4
+MAX_LOAD_CALLS = 6
 
 
 class ColocatedDispatch(HostCalls):

@@ -49,29 +49,50 @@ def supported(specs: dict[int, LeafSpec]) -> bool:
                for s in specs.values())
 
 
+# Each group of a restore's load calls is this many times the size of the group
+# after it (call_groups): the next group's read hides this group's transfer when the
+# transfer is at least this much faster than reading and verifying (a TPU v5e host:
+# about 12 GB/s onto the chip against 7 GB/s read and verified).
+GROWTH = 1.5
+
+
 def call_groups(specs: dict[int, LeafSpec], call_bytes: int | None,
-                max_calls: int) -> list[list[int]]:
+                max_calls: int, growth: float = GROWTH) -> list[list[int]]:
     """The leaves, in order, cut into the load calls of one restore: each group's
     call reads while the group before it moves onto the accelerator (read and
     verified, then sent, 1 GiB took a TPU v5e host about twice its transfer).
-    Groups of at least ``call_bytes`` (None: one call), at most ``max_calls`` of
-    them: each call costs Pathways a round trip to every worker."""
+
+    Reading is the slower half, so a restore takes about its whole read plus the
+    transfer of its last group, which nothing overlaps: the groups shrink towards
+    the end, the last about ``call_bytes``, each earlier one ``growth`` times the
+    one after it (so that its transfer still hides behind the next read), the
+    first taking the rest. At most ``max_calls`` groups (each call costs Pathways
+    a round trip to every worker); None or a state under twice ``call_bytes``:
+    one call."""
     leaves = sorted(specs)
     sizes = [math.prod(specs[leaf].shape) * jnp.dtype(specs[leaf].dtype).itemsize
              for leaf in leaves]
-    total = sum(sizes)
-    if call_bytes is None or total < 2 * call_bytes or max_calls < 2:
+    if call_bytes is None or sum(sizes) < 2 * call_bytes or max_calls < 2:
         return [leaves]
-    target = max(call_bytes, -(-total // max_calls))
-    groups: list[list[int]] = [[]]
-    filled = 0
-    for leaf, size in zip(leaves, sizes, strict=True):
-        if groups[-1] and filled + size > target and len(groups) < max_calls:
-            groups.append([])
-            filled = 0
-        groups[-1].append(leaf)
-        filled += size
-    return groups
+    backwards: list[list[int]] = []
+    end, target = len(leaves), float(call_bytes)
+    while end > 0 and len(backwards) < max_calls - 1:
+        start, filled = end, 0
+        # Up to its target, and never past ``growth`` times it for the sake of one
+        # large leaf (that leaf starts the group before).
+        while start > 0 and filled < target and (
+                not filled or filled + sizes[start - 1] <= target * growth):
+            start -= 1
+            filled += sizes[start]
+        backwards.append(leaves[start:end])
+        end, target = start, target * growth
+    if end > 0:
+        first = leaves[:end]
+        if sum(sizes[:end]) < call_bytes:  # a call too small to be worth its round trip
+            backwards[-1] = first + backwards[-1]
+        else:
+            backwards.append(first)
+    return backwards[::-1]
 
 
 def _spec_json(spec: Any) -> list[Any]:

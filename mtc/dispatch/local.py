@@ -17,7 +17,7 @@ from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.load import ShardLoader, load_leaves
 from mtc.sidecar.ops import HostOps
 from mtc.sidecar.peers import PeerFiles
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.security import Credentials
 
 
 @dataclasses.dataclass(frozen=True)

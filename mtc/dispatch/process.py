@@ -44,7 +44,7 @@ from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.security import Credentials
+    from mtc.sidecar.replicator.wire.security import Credentials
 
 METHOD = "/mtc.Host/Call"
 MAX_MESSAGE = 256 << 20

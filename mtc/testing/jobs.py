@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtc.sidecar.host.ports import free_ports
+from mtc.ports import free_ports
 from mtc.testing.cluster import LOG_TAIL_CHARS, ScriptError, TestCluster
 
 if TYPE_CHECKING:

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
 
-from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.client import PeerClient, PeerError
+from mtc import replicas as tier
+from mtc.errors import MtcError
+
+# Where a host's steps are copied: one rule, the replicators' own. Its home is the
+# replicator's configuration until the definitions both sides share move to mtc/.
 from mtc.sidecar.replicator.config import targets
-from mtc.sidecar.replicator.security import Credentials
+
+if TYPE_CHECKING:
+    from mtc.proto import replicator_pb2 as pb
 
 POLL_S = 0.05  # between two rounds of inventories: a few small RPCs per host
 
@@ -68,14 +74,10 @@ def wait_backed_up(ask_backup: Callable[[], list[int]], step: int, timeout: floa
 
 
 def _inventory(address: str, rank: int, token: str) -> pb.Inventory | None:
-    client = PeerClient(address, Credentials(token=token), rank=rank, deadline_s=5.0)
     try:
-        inv: pb.Inventory = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
-        return inv
-    except PeerError:
+        return tier.inventory(address, token=token, rank=rank)
+    except MtcError:
         return None  # down, or not serving yet: the wait asks again
-    finally:
-        client.close()
 
 
 def held(address: str, rank: int, token: str) -> set[tuple[int, int]] | None:
@@ -92,10 +94,4 @@ def backed_up(address: str, rank: int, token: str) -> list[int]:
 
 def request_backup(address: str, token: str, timeout: float = 600.0) -> int:
     """Back up the newest complete step now (``mtc backup``); returns it (-1: none)."""
-    client = PeerClient(address, Credentials(token=token), rank=-1)
-    try:
-        reply = client.call("RequestBackup", pb.BackupRequest(step=-1), deadline_s=timeout,
-                            attempts=1)
-    finally:
-        client.close()
-    return int(reply.step)
+    return tier.request_backup(address, token=token, timeout_s=timeout)

@@ -15,17 +15,17 @@ from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import CorruptBackupError
-from mtc.sidecar.replicator.client import PeerError
-from mtc.sidecar.replicator.node_agreement import holders_of
-from mtc.sidecar.replicator.step_files import FileMeta
+from mtc.sidecar.replicator.agree.node_agreement import holders_of
+from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.replicator.wire.client import PeerError
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.schedule import BackupScheduler
-    from mtc.sidecar.replicator.client import PeerClient
+    from mtc.sidecar.replicator.agree.node_agreement import NodeAgreement
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
-    from mtc.sidecar.replicator.node_agreement import NodeAgreement
-    from mtc.sidecar.replicator.store import LocalStore
+    from mtc.sidecar.replicator.store.store import LocalStore
+    from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 

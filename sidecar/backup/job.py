@@ -31,7 +31,7 @@ from typing import Any
 from mtc.errors import ManifestError, MtcError, RetryableError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import Backend, CorruptBackupError
-from mtc.sidecar.replicator.step_files import FileMeta, safe_relpath
+from mtc.sidecar.replicator.store.step_files import FileMeta, safe_relpath
 from mtc.sidecar.storage.checksum import file_sha256
 
 log = logging.getLogger(__name__)

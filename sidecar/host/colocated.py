@@ -53,9 +53,9 @@ import numpy as np
 from mtc import slots, transfer
 from mtc.errors import ColocatedCallError, MtcError, ProtocolError
 from mtc.pool import ThreadPool
+from mtc.ports import free_ports
 from mtc.shards import ShardLayout
 from mtc.sidecar.host import ghost, pathways_ids
-from mtc.sidecar.host.ports import free_ports
 
 if TYPE_CHECKING:
     import jax

@@ -27,7 +27,7 @@ from mtc.contract import AgentConfig
 from mtc.errors import ConfigError
 from mtc.sidecar.host.colocated import ColocatedServer
 from mtc.sidecar.host.service import MAX_MESSAGE, HostService, handler
-from mtc.sidecar.replicator.security import (
+from mtc.sidecar.replicator.wire.security import (
     CONTROLLER,
     Credentials,
     IdentityGate,

@@ -51,7 +51,7 @@ from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.host.colocated import ColocatedServer
 from mtc.sidecar.load import ShardLoader, check_tasks
 from mtc.sidecar.ops import HostOps
-from mtc.sidecar.replicator.store import REPLICA_DIR
+from mtc.sidecar.replicator.store.store import REPLICA_DIR
 from mtc.sidecar.storage import spare
 from mtc.sidecar.storage.names import tmp_step
 

@@ -43,7 +43,7 @@ class ReplicatorConfig:
     replication_warn_s: float = 120.0
     # Blank RAM-disk files set aside for the next peer copy (sidecar/reserve.py).
     reserve: bool = True
-    # Held copies read again in the background (sidecar/replicator/scrub.py), at
+    # Held copies read again in the background (sidecar/replicator/copies/scrub.py), at
     # most this many bytes a second on average; 0: no scrub.
     scrub_rate: float = 64 * 2**20
     # ... each once this many seconds have passed since its bytes were last read

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mtc.errors import MtcError
-from mtc.sidecar.replicator.security import Credentials
+from mtc.sidecar.replicator.wire.security import Credentials
 
 
 def check(address: str, service: str = "", *, creds: Credentials | None = None,

@@ -1,7 +1,7 @@
 """What a replicator shows of itself: its inventory (the copies it holds, verified,
 and its own damaged steps) and its identity (rank, configuration, RAM disk, how its
 replication is doing), as ``GetInventory`` answers them and the agreement gathers
-them (:class:`~mtc.sidecar.replicator.parts.Shown`)."""
+them (:class:`~mtc.sidecar.replicator.wire.parts.Shown`)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from collections.abc import Callable
 from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.schedule import BackupScheduler
-from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.copy_proofs import OwnProofs, put_proof
-from mtc.sidecar.replicator.provenance import ProofCheck
+from mtc.sidecar.replicator.copies.copy_proofs import OwnProofs, put_proof
+from mtc.sidecar.replicator.copies.provenance import ProofCheck
 from mtc.sidecar.replicator.selfcheck import (
     PEER_GRACE_S,
     ConfigCheck,
     PeerReach,
     ReplicationClock,
 )
-from mtc.sidecar.replicator.step_files import FileMeta, fingerprint_of
-from mtc.sidecar.replicator.store import LocalStore
+from mtc.sidecar.replicator.store.step_files import FileMeta, fingerprint_of
+from mtc.sidecar.replicator.store.store import LocalStore
+from mtc.sidecar.replicator.wire import checks
 
 
 class InventoryService:

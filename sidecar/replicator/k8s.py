@@ -3,7 +3,7 @@
 The replicator needs every node's address in rank order, its own rank, the
 hosts per slice, and how the job names its pods (a pod's certificate, which
 cert-manager's CSI driver issues for ``${POD_NAME}``, names its rank by that
-name: :mod:`~mtc.sidecar.replicator.rank_names`). In a JobSet these follow from
+name: :mod:`~mtc.sidecar.replicator.wire.rank_names`). In a JobSet these follow from
 the pod's place in it, read from its environment by :class:`mtc.jobset.JobSetPlace`
 (which says which variables), the same description a trainer in the same pods
 reads.
@@ -42,7 +42,7 @@ from mtc.jobset import JobSetPlace as JobSetPlace
 from mtc.jobset import env_int
 from mtc.jobset import read_jax_init_info as read_jax_init_info
 from mtc.lifecycle import Threads
-from mtc.sidecar.replicator.security import Credentials, TlsWatch
+from mtc.sidecar.replicator.wire.security import Credentials, TlsWatch
 from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.replicator.k8s")

@@ -22,13 +22,13 @@ from mtc.lifecycle import Service, Services, Threads
 from mtc.sidecar import priority
 from mtc.sidecar.replicator import orbax
 from mtc.sidecar.replicator.config import GC_VIEW_INTERVAL_S, ReplicatorConfig
-from mtc.sidecar.replicator.limits import Limits
 from mtc.sidecar.replicator.metrics import MetricsServer
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.orbax_client import OrbaxClient
-from mtc.sidecar.replicator.rank_names import PodNames, use_pod_names
-from mtc.sidecar.replicator.security import Credentials
-from mtc.sidecar.replicator.server import Serving, serve, set_health
+from mtc.sidecar.replicator.wire.limits import Limits
+from mtc.sidecar.replicator.wire.rank_names import PodNames, use_pod_names
+from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.server import Serving, serve, set_health
 from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.replicator")

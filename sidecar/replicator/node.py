@@ -29,21 +29,21 @@ from pathlib import Path
 from mtc.lifecycle import Service, Threads
 from mtc.sidecar.backup.duties import BackupDuties
 from mtc.sidecar.backup.schedule import BackupScheduler
-from mtc.sidecar.replicator.client import PeerClient
+from mtc.sidecar.replicator.agree.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.config import ReplicatorConfig
+from mtc.sidecar.replicator.copies.loop import ReplicationLoop
+from mtc.sidecar.replicator.copies.provenance import ProofCheck, Signer
+from mtc.sidecar.replicator.copies.replication import Replication
+from mtc.sidecar.replicator.copies.scrub import Scrubber
+from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
+from mtc.sidecar.replicator.fetch.restore import Restorer
 from mtc.sidecar.replicator.inventory_service import InventoryService
-from mtc.sidecar.replicator.loop import ReplicationLoop
 from mtc.sidecar.replicator.metrics import Metrics
-from mtc.sidecar.replicator.node_agreement import NodeAgreement
-from mtc.sidecar.replicator.parts import Parts
-from mtc.sidecar.replicator.provenance import ProofCheck, Signer
-from mtc.sidecar.replicator.replication import Replication
-from mtc.sidecar.replicator.restore import Restorer
-from mtc.sidecar.replicator.scrub import Scrubber
-from mtc.sidecar.replicator.security import Credentials
 from mtc.sidecar.replicator.selfcheck import ConfigCheck, PeerReach, identify
-from mtc.sidecar.replicator.store import LocalStore
-from mtc.sidecar.replicator.transfers import RESERVE_DIR
+from mtc.sidecar.replicator.store.store import LocalStore
+from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.wire.parts import Parts
+from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.reserve import Reserve
 from mtc.sidecar.storage import spare
 

@@ -13,14 +13,14 @@ from typing import Protocol
 from mtc.errors import MtcError
 from mtc.lifecycle import Threads
 from mtc.sidecar.replicator import orbax
-from mtc.sidecar.replicator.restore import RestoreAsk
+from mtc.sidecar.replicator.fetch.restore import RestoreAsk
 
 log = logging.getLogger("mtc.replicator")
 
 
 class RestoresForClient(Protocol):
     """The restore an Orbax client start asks for
-    (:meth:`~mtc.sidecar.replicator.restore.Restorer.restore_for_client`)."""
+    (:meth:`~mtc.sidecar.replicator.fetch.restore.Restorer.restore_for_client`)."""
 
     def restore_for_client(self, job: str, ask: RestoreAsk | None = None) -> int: ...
 

@@ -1,0 +1,3 @@
+"""What this host holds on its RAM disk: its own steps and peers' copies
+(:mod:`.store`), their files and checksums, and the watch that sees a step
+committed. Runs in the replicator process (the host sidecar reads its layout)."""
