@@ -24,14 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtc.contract import (
-    AgentConfig,
-    LeafSpec,
-    ReadTask,
-    SaveHeader,
-    encode_request,
-    task_to_json,
-)
+from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, encode_request
 from mtc.dispatch import colocated_load
 from mtc.dispatch.calls import HostCalls, regions_of
 from mtc.dispatch.colocated_answers import Answers
@@ -40,6 +33,7 @@ from mtc.dispatch.process import Sidecar
 from mtc.dispatch.protocol import BeforeSend, Opened, Survey
 from mtc.dispatch.remote_colocated import Held, Runtime, holding, host_views
 from mtc.errors import MtcError
+from mtc.operations import READ, RETAIN, SURVEY, ReadRequest, RetainRequest
 from mtc.pool import ThreadPool
 from mtc.save.device_copy import DeviceCopier, on_accelerator
 
@@ -183,12 +177,12 @@ class ColocatedDispatch(HostCalls):
         """The request goes to every worker; each answers for its own host (null
         when not asked about it)."""
         self._collect()
-        manifests = op == "survey" and args.get("manifest", True)
+        manifests = op == SURVEY.name and args.get("manifest", True)
         replies = self.answers.exchange(encode_request(op, hosts, **args),
                                         self._survey_size if manifests else None)
         # Every survey (a save's listing too) says how long the newest manifests
         # are now: the next restore's survey brings them in its one call.
-        if op == "survey":
+        if op == SURVEY.name:
             sizes = [int(got.get("manifest_bytes") or 0)
                      for reply in replies for got in (reply or {}).values()]
             if any(sizes):
@@ -272,9 +266,8 @@ class ColocatedDispatch(HostCalls):
                                   keep_period=keep_period, before_write=before_write)
         # Within a save: done by the workers as the save's stage call begins, and
         # answered with the space they reported when the save listed their steps.
-        self._before_stage.append(json.loads(encode_request(
-            "retain", hosts, complete=list(complete), max_to_keep=max_to_keep,
-            keep_period=keep_period, before_write=before_write)))
+        self._before_stage.append(json.loads(RETAIN.encode(hosts, RetainRequest(
+            list(complete), max_to_keep, keep_period, before_write))))
         return {h: self._saving.space[h] for h in hosts if h in self._saving.space}
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
@@ -355,10 +348,8 @@ class ColocatedDispatch(HostCalls):
                ) -> dict[int, list[np.ndarray]]:
         """Regions as numpy, for leaves the caller asked to get as numpy: one request
         to every worker, each reading its own host's tasks."""
-        replies = dict(zip(sorted(set(self._rank_of.values())), self._call(
-            "read", sorted(by_host), step=step,
-            tasks={str(h): [task_to_json(t) for t in ts] for h, ts in by_host.items()}),
-            strict=True))
+        replies = dict(zip(sorted(set(self._rank_of.values())), self.ask(
+            READ, sorted(by_host), ReadRequest(step, by_host)), strict=True))
         return {h: regions_of(ts, replies[h]) for h, ts in by_host.items()}
 
     def load(self, step: int, tasks: Sequence[ReadTask],

@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from mtc import layout, transfer, validate
+from mtc import layout, operations, transfer, validate
 from mtc.contract import (
     AgentConfig,
     SaveHeader,
@@ -46,6 +46,7 @@ from mtc.contract import (
     task_from_json,
 )
 from mtc.errors import MtcError, ProtocolError, StorageError
+from mtc.operations import Side
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.host.colocated import ColocatedServer
@@ -58,7 +59,6 @@ from mtc.sidecar.storage.names import tmp_step
 log = logging.getLogger(__name__)
 SERVICE = "mtc.Host"
 METHOD = f"/{SERVICE}/Call"
-TRANSFER_OPS = ("hello", "stage", "poll", "wait", "load", "inspect")
 MAX_MESSAGE = 256 << 20  # a request's or reply's bytes (a read's regions travel in replies)
 # Room a load leaves free in the shared-memory area: its reply file must not fill
 # the area the trainer copies its saves into.
@@ -81,9 +81,11 @@ class HostService:
         self.ops = HostOps(config, max_reply_bytes=MAX_MESSAGE - 4096)
         self._written: list[str] = []
         self._lock = threading.Lock()
+        # A save's and a restore's operations and the process's own (mtc.operations),
+        # by their methods here; the rest are HostOps'.
         self._ops: dict[str, Callable[[int, dict[str, Any]], Any]] = {
-            "hello": self._hello, "stage": self._stage, "poll": self._poll,
-            "wait": self._wait, "load": self._load, "inspect": self._inspect}
+            name: getattr(self, f"_{name}")
+            for name in operations.names([Side.SAVES, Side.SIDECAR])}
 
     def handle(self, request: bytes) -> bytes | bytearray:
         """One request's reply (a typed error encoded in it); :class:`Undecodable`
@@ -99,7 +101,7 @@ class HostService:
                     and not isinstance(ranks[0], bool) and ranks[0] >= 0):
                 raise ProtocolError(f"a request names the one rank it asks (got {ranks!r})",
                                     host=self.host)
-            if op not in TRANSFER_OPS:
+            if op not in self._ops:
                 return self.ops.handle(request)
             args = d.get("args")
             if not isinstance(args, dict):
