@@ -269,6 +269,9 @@ class HostCalls:
         holds (:meth:`mtc.sidecar.ops.HostOps.own_for`). () elsewhere."""
         return ()
 
+    def networked(self) -> bool:
+        return False
+
     def network_bytes(self) -> int:
         """Bytes of other hosts' files this process has read over the network tier
         (multi-controller JAX; 0 elsewhere, where no host reads another's files)."""

@@ -88,6 +88,9 @@ class LocalDispatch(HostCalls):
     def own_for(self, step: int) -> tuple[int, ...]:
         return self.ops.own_for(step) if self.peers is not None else ()
 
+    def networked(self) -> bool:
+        return self.peers is not None
+
     def network_bytes(self) -> int:
         return self.peers.fetched_bytes if self.peers is not None else 0
 

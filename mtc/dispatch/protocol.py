@@ -85,6 +85,13 @@ class Dispatch(Protocol):
     def own_for(self, step: int) -> tuple[int, ...]: ...
     def network_bytes(self) -> int: ...
 
+    def networked(self) -> bool:
+        """Whether this process sees its own host's RAM disk only and gets other
+        hosts' manifests and regions over the network tier (multi-controller JAX
+        with replicators): a restore then plans on its own host's files first, and
+        no one process plans every host."""
+        ...
+
     # -- the hosts' roots ---------------------------------------------------------
     def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...
 
