@@ -33,6 +33,7 @@ from mtc.contract import (
     frame,
 )
 from mtc.errors import MtcError, StorageError
+from mtc.operations import STEPS, SURVEY
 from mtc.shards import device_order, place
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.colocated_load import load_regions
@@ -54,8 +55,9 @@ HOST_ROOT: Path | None = None
 # (beyond it the rest comes in a second call).
 ANSWER_BYTES = 16 << 10
 MAX_ANSWER_BYTES = 4 << 20
-# Requests that list the hosts' steps: a save's first call, which also polls.
-LISTING = (b'{"op": "steps"', b'{"op": "survey"')
+# Requests that list the hosts' steps: a save's first call, which also polls. Told
+# by their first bytes (mtc.contract.encode_request), without parsing the request.
+LISTING = tuple(f'{{"op": "{op.name}"'.encode() for op in (STEPS, SURVEY))
 
 
 def install_cpu_id_patch() -> None:

@@ -37,7 +37,12 @@ from mtc.operations import (
 )
 from mtc.shards import paste
 
-__all__ = ["Dispatch", "HostCalls", "Survey", "merged", "regions_of"]
+__all__ = ["POLL_INTERVAL_S", "Dispatch", "HostCalls", "Survey", "merged", "regions_of"]
+
+# Between saves, how often a save in flight is polled for its background error (by
+# the dispatchers whose hosts answer late: a round trip to every host at every
+# step cost the demo's steps 2.5%, 7 ms of 0.27 s, through sidecar processes).
+POLL_INTERVAL_S = 1.0
 
 T = TypeVar("T")
 Q = TypeVar("Q", bound=Request)

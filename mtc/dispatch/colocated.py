@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, encode_request
 from mtc.dispatch import colocated_load
-from mtc.dispatch.calls import HostCalls, regions_of
+from mtc.dispatch.calls import POLL_INTERVAL_S, HostCalls, regions_of
 from mtc.dispatch.colocated_answers import Answers
 from mtc.dispatch.colocated_moves import colocated_cpu, to_workers
 from mtc.dispatch.process import Sidecar
@@ -37,8 +37,6 @@ from mtc.operations import READ, RETAIN, SURVEY, ReadRequest, RetainRequest
 from mtc.pool import ThreadPool
 from mtc.save.device_copy import DeviceCopier, on_accelerator
 
-# Between saves, how often a save in flight is polled for its background error.
-POLL_INTERVAL_S = 1.0
 # Load functions kept specialized, by their outputs' specs (restores of one state's
 # shape reuse one; a resized mesh or another tree makes another).
 LOAD_CALLS_KEPT = 8
