@@ -1,7 +1,8 @@
 """What every dispatcher offers (:class:`Dispatch`), and the host-call layer the three
 dispatchers share (:class:`HostCalls`): each host operation of :mod:`mtc.operations`
 as a typed call, over the one request/reply channel a dispatcher provides
-(:meth:`HostCalls._call`: how a request reaches the hosts)."""
+(:meth:`HostCalls._call`: how a request reaches the hosts). Every request is made
+from the table's typed entry; no dispatcher names an operation by a string."""
 
 from __future__ import annotations
 
@@ -99,14 +100,15 @@ class HostCalls:
     # outlives its trainer, so there the trainer locks its side of the host.
     host_side_lock = True
 
-    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
+    def _call(self, op: Operation[Any, Any], hosts: Sequence[int], request: Request
+              ) -> list[Any]:
         """The transport: every answering host process's decoded reply (typed errors
-        raised) to the request ``op`` about ``hosts`` with ``args``."""
+        raised) to ``op``'s ``request`` about ``hosts`` (:meth:`Operation.encode`)."""
         raise NotImplementedError
 
     def ask(self, op: Operation[Q, R], hosts: Sequence[int], request: Q) -> list[R]:
         """Every answering host process's typed reply to ``request``."""
-        return [op.reply(r) for r in self._call(op.name, hosts, **request.args())]
+        return [op.reply(r) for r in self._call(op, hosts, request)]
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
         raise NotImplementedError
@@ -164,7 +166,7 @@ class HostCalls:
         return m
 
     def _one(self, op: Operation[Q, R], host: int, request: Q) -> R:
-        found = [r for r in self._call(op.name, [host], **request.args()) if r is not None]
+        found = [r for r in self._call(op, [host], request) if r is not None]
         if len(found) != 1:
             raise HostAgentError(f"{op.name}: {len(found)} host processes answered for one "
                                  "host", host=host)

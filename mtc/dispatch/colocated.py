@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, encode_request
+from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader
 from mtc.dispatch import colocated_load
 from mtc.dispatch.calls import POLL_INTERVAL_S, HostCalls, regions_of
 from mtc.dispatch.colocated_answers import Answers
@@ -33,7 +33,19 @@ from mtc.dispatch.process import Sidecar
 from mtc.dispatch.protocol import BeforeSend, Opened, Survey
 from mtc.dispatch.remote_colocated import Held, Runtime, holding, host_views
 from mtc.errors import MtcError
-from mtc.operations import READ, RETAIN, SURVEY, ReadRequest, RetainRequest
+from mtc.operations import (
+    POLL,
+    READ,
+    RETAIN,
+    STAGE,
+    SURVEY,
+    WAIT,
+    Operation,
+    ReadRequest,
+    Request,
+    RetainRequest,
+    SurveyRequest,
+)
 from mtc.pool import ThreadPool
 from mtc.save.device_copy import DeviceCopier, on_accelerator
 
@@ -171,16 +183,17 @@ class ColocatedDispatch(HostCalls):
 
     # -- host requests ----------------------------------------------------------------
 
-    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
+    def _call(self, op: Operation[Any, Any], hosts: Sequence[int], request: Request
+              ) -> list[Any]:
         """The request goes to every worker; each answers for its own host (null
         when not asked about it)."""
         self._collect()
-        manifests = op == SURVEY.name and args.get("manifest", True)
-        replies = self.answers.exchange(encode_request(op, hosts, **args),
+        manifests = isinstance(request, SurveyRequest) and request.manifest
+        replies = self.answers.exchange(op.encode(hosts, request),
                                         self._survey_size if manifests else None)
         # Every survey (a save's listing too) says how long the newest manifests
         # are now: the next restore's survey brings them in its one call.
-        if op == SURVEY.name:
+        if op is SURVEY:
             sizes = [int(got.get("manifest_bytes") or 0)
                      for reply in replies for got in (reply or {}).values()]
             if any(sizes):
@@ -209,7 +222,7 @@ class ColocatedDispatch(HostCalls):
             if isinstance(staged, Future):
                 staged = staged.result()
             if staged is not None:
-                self.answers.unanimous(staged, "stage")
+                self.answers.unanimous(staged, STAGE.name)
         finally:
             self._staged_inputs, self._pinned = [], {}
             if isinstance(polling, Future):  # no call overlaps it, whatever was raised
@@ -217,7 +230,7 @@ class ColocatedDispatch(HostCalls):
         if isinstance(polling, Future):
             polling = polling.result()
         if polling is not None:
-            self.answers.unanimous(polling, "poll")
+            self.answers.unanimous(polling, POLL.name)
 
     def check_before_save(self, due: bool) -> None:
         """A save that follows polls in its first call. Off the interval, a save in
@@ -291,7 +304,7 @@ class ColocatedDispatch(HostCalls):
         if self._async is None or header.skip_if_busy:
             ok = self._invoke(self._stage, header_arr, self._ranks, inputs, requests)
             if header.skip_if_busy:  # whether it was skipped is the save's answer
-                return self.answers.unanimous(ok, "stage")
+                return self.answers.unanimous(ok, STAGE.name)
             self._staged, self._staged_inputs = ok, inputs
             return True
         # The values of this moment: a host view of every shard (CPU devices: no
@@ -300,7 +313,7 @@ class ColocatedDispatch(HostCalls):
         # Inputs moved here from an accelerator are new buffers of this save's own:
         # nothing to hold (a view would wait for their transfer here).
         moved = any(on_accelerator(a) for a in arrays)
-        self._pinned = {} if moved else host_views("stage", inputs, self._host_of_cpu)
+        self._pinned = {} if moved else host_views(STAGE.name, inputs, self._host_of_cpu)
         self._staged = self._invoke_later(self._stage, header_arr, self._ranks, inputs,
                                           requests, held=self._pinned)
         self._staged_inputs = inputs
@@ -329,13 +342,13 @@ class ColocatedDispatch(HostCalls):
         self._collect()
         if not self._unwaited:
             return  # nothing staged since the last wait: nothing to wait for
-        self.answers.unanimous(self._invoke(self._wait, self._small_ranks), "wait")
+        self.answers.unanimous(self._invoke(self._wait, self._small_ranks), WAIT.name)
         self._unwaited = False
 
     def raise_background_error(self) -> None:
         self._collect()
         self._polled = time.monotonic()
-        self.answers.unanimous(self._invoke(self._poll, self._small_ranks), "poll")
+        self.answers.unanimous(self._invoke(self._poll, self._small_ranks), POLL.name)
 
     def saves_in_flight(self, hosts: Sequence[int]) -> int:
         return 1 if self._unwaited else 0

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.security import Credentials
 
 METHOD = "/mtc.Host/Call"
+Call = tuple[Operation[Any, Any], Request]  # a request to one host: its operation, arguments
 MAX_MESSAGE = 256 << 20
 SLOTS_PER_HOST = 2
 WAIT_DEADLINE_S = 600.0  # a host's writes of its part of one save, at the slowest
@@ -145,7 +146,7 @@ class ProcessDispatch(HostCalls):
 
     def _rpc(self, host: int, op: Operation[Any, Any], request: Request) -> Any:
         """``op``'s typed reply from one host."""
-        return op.reply(self._all({host: (op.name, request.args())})[host])
+        return op.reply(self._all({host: (op, request)})[host])
 
     def _join_staging(self) -> None:
         """Wait for the last save's stage requests. A host that refused (or did not
@@ -165,7 +166,7 @@ class ProcessDispatch(HostCalls):
         if error is not None:
             raise error
 
-    def _fan_out(self, calls: dict[int, tuple[str, dict[str, Any]]], timeout: float | None
+    def _fan_out(self, calls: dict[int, Call], timeout: float | None
                  ) -> tuple[dict[int, Any], MtcError | None]:
         """Requests to several hosts at once (``timeout`` seconds each, None: no limit);
         every reply awaited. Returns the replies of the hosts that answered, and the
@@ -176,11 +177,13 @@ class ProcessDispatch(HostCalls):
         # reported at once, as unavailable, instead of when the deadline ends.
         # Blocking calls on a pool of this object's own: a gRPC future starts a
         # thread per call (about 3 ms each here, a tenth of a save's stall).
-        futures = {h: self._pool.submit(self._request, h, op, args, timeout)
-                   for h, (op, args) in calls.items()}
+        futures = {h: self._pool.submit(self._request, h, op.name, request.args(), timeout)
+                   for h, (op, request) in calls.items()}
         return self._gather(futures)
 
     def _request(self, host: int, op: str, args: dict[str, Any], timeout: float | None) -> Any:
+        """The wire: one host's decoded reply to the request ``op`` with ``args`` (the
+        typed ``request.args()`` of a table entry), which names the one host it asks."""
         return decode_reply(self._stubs[host](encode_request(op, [host], **args),
                                               timeout=timeout))
 
@@ -199,14 +202,15 @@ class ProcessDispatch(HostCalls):
                 first = first or e
         return out, first
 
-    def _all(self, calls: dict[int, tuple[str, dict[str, Any]]]) -> dict[int, Any]:
+    def _all(self, calls: dict[int, Call]) -> dict[int, Any]:
         out, error = self._fan_out(calls, self.deadline_s)
         if error is not None:
             raise error
         return out
 
-    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
-        replies = self._all({h: (op, args) for h in hosts if h in self.sidecars})
+    def _call(self, op: Operation[Any, Any], hosts: Sequence[int], request: Request
+              ) -> list[Any]:
+        replies = self._all({h: (op, request) for h in hosts if h in self.sidecars})
         return [replies[h] for h in sorted(replies)]
 
     # -- save -----------------------------------------------------------------------
@@ -343,7 +347,7 @@ class ProcessDispatch(HostCalls):
         (those of the hosts that answered, even when another one failed)."""
         # A wait lasts as long as the writes, but not forever: a host whose link is
         # gone never answers (no reset crosses a dead link).
-        written, error = self._fan_out({h: (op.name, {}) for h in self.sidecars},
+        written, error = self._fan_out({h: (op, NoArgs()) for h in self.sidecars},
                                        max(WAIT_DEADLINE_S, self.deadline_s) if op is WAIT
                                        else self.deadline_s)
         self._polled = time.monotonic()
@@ -374,8 +378,7 @@ class ProcessDispatch(HostCalls):
     def _fetch(self, step: int, by_host: dict[int, list[ReadTask]]
                ) -> dict[int, list[np.ndarray]]:
         """Regions each host reads from its own pieces, mapped from its reply file."""
-        replies = self._all({h: (LOAD.name, ReadRequest(step, ts).args())
-                             for h, ts in by_host.items()})
+        replies = self._all({h: (LOAD, ReadRequest(step, ts)) for h, ts in by_host.items()})
         out: dict[int, list[np.ndarray]] = {}
         for host, raw in replies.items():
             reply = LOAD.reply(raw)
