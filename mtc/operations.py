@@ -14,12 +14,12 @@ colocated     a colocated-Python call to      the call's inputs and outputs,
               every worker at once            on the workers' CPU devices
 ============  ==============================  ==================================
 
-The operations on a host's root (:data:`ROOT`) travel as one request and one
+The operations on a host's root (``Side.ROOT``) travel as one request and one
 reply of bytes on every dispatcher (:func:`mtc.contract.encode_request`). A
-save's and a restore's (:data:`SAVES`) carry arrays: the local dispatcher calls
-the host side directly, the process dispatcher sends the request with the
-bytes in the host's area, the colocated dispatcher calls the worker's method of
-the same name. :data:`SIDECAR` operations exist only where a host is a process
+save's and a restore's (``Side.SAVES``, ``Side.LOADS``) carry arrays: the local
+dispatcher calls the host side directly, the process dispatcher sends the
+request with the bytes in the host's area, the colocated dispatcher calls the
+worker's method of the same name. ``Side.SIDECAR`` operations exist only where a host is a process
 of its own. A manager's close closes the host side in this process or a
 colocated worker's objects (``close``); a sidecar process outlives its
 controller. A colocated worker that failed keeps its typed error for the
@@ -43,7 +43,8 @@ class Side(enum.Enum):
     """The part of a host's side that answers an operation."""
 
     ROOT = "mtc.sidecar.ops.HostOps"  # lists, reads, deletes under the RAM disk
-    SAVES = "mtc.sidecar.agent.HostAgent"  # stages and writes saves (loads: mtc.sidecar.load)
+    SAVES = "mtc.sidecar.agent.HostAgent"  # stages and writes saves
+    LOADS = "mtc.sidecar.load.ShardLoader"  # reads a restore's regions, verified
     SIDECAR = "mtc.sidecar.host.service.HostService"  # the sidecar process itself
 
 
@@ -266,7 +267,7 @@ SETTLE = Operation("settle", Side.ROOT, NoArgs, _none)
 STAGE = Operation("stage", Side.SAVES, StageRequest, bool)
 POLL = Operation("poll", Side.SAVES, NoArgs, _written)
 WAIT = Operation("wait", Side.SAVES, NoArgs, _written)
-LOAD = Operation("load", Side.SAVES, ReadRequest, _loaded)
+LOAD = Operation("load", Side.LOADS, ReadRequest, _loaded)
 # A host that is a process of its own: where its area is, and (the local cluster's
 # fault injector) what its RAM disk holds.
 HELLO = Operation("hello", Side.SIDECAR, NoArgs, _hello)

@@ -66,10 +66,11 @@ def test_the_host_sides_serve_exactly_their_sides_operations(tmp_path: Path) -> 
     service = HostService(_config(tmp_path), 0, tmp_path)
     try:
         assert set(ops._ops) == set(operations.names([Side.ROOT]))
-        assert set(service._ops) == set(operations.names([Side.SAVES, Side.SIDECAR]))
+        assert set(service._ops) == set(operations.names([Side.SAVES, Side.LOADS,
+                                                          Side.SIDECAR]))
         # A worker answers a save's and a restore's by methods of the same names.
         assert all(callable(getattr(ColocatedAgent, n, None))
-                   for n in operations.names([Side.SAVES]))
+                   for n in operations.names([Side.SAVES, Side.LOADS]))
         # Another side's operation sent to the root's handler is refused, typed.
         with pytest.raises(errors.ProtocolError, match="unknown host operation"):
             decode_reply(ops.handle(STAGE.encode([0], StageRequest("{}", "save-0", 0, [],

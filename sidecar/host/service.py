@@ -85,7 +85,7 @@ class HostService:
         # by their methods here; the rest are HostOps'.
         self._ops: dict[str, Callable[[int, dict[str, Any]], Any]] = {
             name: getattr(self, f"_{name}")
-            for name in operations.names([Side.SAVES, Side.SIDECAR])}
+            for name in operations.names([Side.SAVES, Side.LOADS, Side.SIDECAR])}
 
     def handle(self, request: bytes) -> bytes | bytearray:
         """One request's reply (a typed error encoded in it); :class:`Undecodable`
