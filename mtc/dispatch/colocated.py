@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader
 from mtc.dispatch import colocated_load
-from mtc.dispatch.calls import POLL_INTERVAL_S, HostCalls, regions_of
+from mtc.dispatch.calls import POLL_INTERVAL_S as POLL_INTERVAL_S  # its name here too
+from mtc.dispatch.calls import HostCalls, poll_due, regions_of
 from mtc.dispatch.colocated_answers import Answers
 from mtc.dispatch.colocated_moves import colocated_cpu, to_workers
 from mtc.dispatch.process import Sidecar
@@ -246,7 +247,7 @@ class ColocatedDispatch(HostCalls):
             if not done:
                 return
             self._collect()  # raises a background error the hosts reported
-        if time.monotonic() - self._polled < POLL_INTERVAL_S:
+        if not poll_due(self._unwaited, self._polled, time.monotonic()):
             return
         # A Pathways call returns at once (its answer comes later); the local cluster's
         # goes behind a stage in flight, on the same thread: a host's calls stay in order.

@@ -30,7 +30,8 @@ import numpy as np
 
 from mtc import root_lock, transfer
 from mtc.contract import AgentConfig, ReadTask, SaveHeader, decode_reply, encode_request
-from mtc.dispatch.calls import POLL_INTERVAL_S, HostCalls, merged
+from mtc.dispatch.calls import POLL_INTERVAL_S as POLL_INTERVAL_S  # its name here too
+from mtc.dispatch.calls import HostCalls, merged, poll_due
 from mtc.dispatch.protocol import BeforeSend, Opened, Survey
 from mtc.errors import ConfigError, MtcError, SaveInProgressError, ShardUnavailableError
 from mtc.operations import (
@@ -368,9 +369,8 @@ class ProcessDispatch(HostCalls):
         nothing more: a failed write keeps its slot until the poll that raises it),
         and at most every ``POLL_INTERVAL_S``. So its error comes within about a
         second of the write failing, instead of at the very next step."""
-        if not self._staging and not self.saves_in_flight():
-            return
-        if time.monotonic() - self._polled >= POLL_INTERVAL_S:
+        if poll_due(bool(self._staging) or self.saves_in_flight() > 0, self._polled,
+                    time.monotonic()):
             self._each(POLL)
 
     # -- restore --------------------------------------------------------------------
