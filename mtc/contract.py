@@ -258,6 +258,19 @@ def error_from(d: dict[str, Any], *, default: type[MtcError] = MtcError,
                host=host if d.get("host") is None else d["host"], path=d.get("path"))
 
 
+def typed_error(e: Exception, *, storage: str, request: str = "host",
+                host: int | None = None) -> MtcError:
+    """What a host side answers for ``e``, raised while it served a request: mtc's
+    own error as itself; a failed system call as a StorageError naming its file
+    (``storage``: who failed); anything else, a request's wrong arguments, as a
+    ProtocolError naming the ``request``. ``host``: the answering host's rank."""
+    if isinstance(e, MtcError):
+        return e
+    if isinstance(e, OSError):
+        return errors.StorageError(f"{storage}: {e.strerror or e}", host=host, path=e.filename)
+    return ProtocolError(f"malformed {request} request: {e!r}", host=host)
+
+
 def encode_error(e: MtcError) -> bytes:
     return b"E" + json.dumps(error_fields(e)).encode()
 

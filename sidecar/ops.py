@@ -25,6 +25,7 @@ from mtc.contract import (
     encode_error,
     encode_reply,
     task_from_json,
+    typed_error,
 )
 from mtc.errors import (
     LocalDirError,
@@ -32,7 +33,6 @@ from mtc.errors import (
     MtcError,
     ProtocolError,
     StepNotFoundError,
-    StorageError,
 )
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.operations import Side
@@ -138,13 +138,9 @@ class HostOps:
                 if not hosts:
                     return encode_reply(None)
             return encode_reply(self._ops[op](hosts, **args))
-        except MtcError as e:
-            return encode_error(e)
-        except OSError as e:
-            return encode_error(StorageError(f"host operation failed: {e.strerror or e}",
-                                             path=e.filename))
-        except (TypeError, KeyError, ValueError, IndexError) as e:  # wrong arguments
-            return encode_error(ProtocolError(f"malformed host request: {e!r}"))
+        except (MtcError, OSError, TypeError, KeyError, ValueError, IndexError) as e:
+            # The last four: wrong arguments.
+            return encode_error(typed_error(e, storage="host operation failed"))
 
     def _root(self, host: int) -> Path:
         return self.config.root(host)

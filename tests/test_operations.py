@@ -19,6 +19,7 @@ from mtc.contract import (
     decode_request,
     error_fields,
     error_from,
+    typed_error,
 )
 from mtc.manifest import ShardEntry
 from mtc.operations import (
@@ -156,3 +157,19 @@ def test_a_typed_error_crosses_as_itself() -> None:
 
 def test_a_step_request_carries_its_step() -> None:
     assert StepRequest(7).args() == {"step": 7}
+
+
+@pytest.mark.parametrize(("raised", "kind", "message"), [
+    (errors.ManifestError("bad", step=2), errors.ManifestError, "bad"),
+    (FileNotFoundError(2, "No such file", "/r/2/x"), errors.StorageError,
+     "sidecar: No such file"),
+    (KeyError("slot"), errors.ProtocolError, "malformed stage request: KeyError('slot')"),
+])
+def test_a_host_side_answers_what_it_raised_as_a_typed_error(
+        raised: Exception, kind: type[errors.MtcError], message: str) -> None:
+    got = typed_error(raised, storage="sidecar", request="stage", host=3)
+    assert type(got) is kind and got.message == message
+    if not isinstance(raised, errors.MtcError):  # mtc's own error keeps what it names
+        assert got.host == 3
+    if isinstance(raised, OSError):
+        assert got.path == "/r/2/x"

@@ -44,8 +44,9 @@ from mtc.contract import (
     encode_error,
     encode_reply,
     task_from_json,
+    typed_error,
 )
-from mtc.errors import MtcError, ProtocolError, StorageError
+from mtc.errors import MtcError, ProtocolError
 from mtc.operations import Side
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.dtypes import numpy_dtype
@@ -107,13 +108,9 @@ class HostService:
             if not isinstance(args, dict):
                 raise ProtocolError(f"malformed {op} request: no arguments", host=self.host)
             return encode_reply(self._ops[op](ranks[0], args))
-        except MtcError as e:
-            return encode_error(e)
-        except OSError as e:
-            return encode_error(StorageError(f"sidecar: {e.strerror or e}", host=self.host,
-                                             path=e.filename))
-        except (TypeError, KeyError, ValueError, IndexError) as e:
-            return encode_error(ProtocolError(f"malformed {op} request: {e!r}", host=self.host))
+        except (MtcError, OSError, TypeError, KeyError, ValueError, IndexError) as e:
+            return encode_error(typed_error(e, storage="sidecar", request=str(op),
+                                            host=self.host))
 
     def _hello(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
         return {"host": self.host, "rank": rank, "area": str(self.area),
