@@ -35,11 +35,13 @@ log = logging.getLogger("mtc.manager")
 
 
 def dispatch(mode: str, config: AgentConfig, options: Options, devices: list[jax.Device],
-             network: NetworkTier | None) -> tuple[str, Dispatch]:
+             topology: Topology) -> tuple[str, Dispatch]:
     """The dispatcher of ``mode``, and the mode. The sidecars take the replicators'
     credentials (a token, or this process's certificate). ``"auto"`` with
     sidecars: the colocated dispatch where every sidecar runs colocated Python,
-    as Pathways workers do, else the process dispatch."""
+    as Pathways workers do, else the process dispatch. The local dispatcher of a
+    multi-controller process with replicators reaches other hosts' files over
+    them (:func:`network_tier`; :meth:`Dispatch.networked`)."""
     sidecars = (find_sidecars(config, options.sidecars, creds=credentials(options))
                 if options.sidecars and mode in ("auto", "process", "colocated") else None)
     if mode == "auto":
@@ -50,7 +52,7 @@ def dispatch(mode: str, config: AgentConfig, options: Options, devices: list[jax
     copier = DeviceCopier(options.save_device_copy_bytes)
     if mode == "colocated":
         return mode, ColocatedDispatch(config, devices, sidecars, copier=copier)
-    return mode, LocalDispatch(config, network, copier=copier)
+    return mode, LocalDispatch(config, network_tier(options, topology), copier=copier)
 
 
 def read_pod_names(options: Options) -> None:

@@ -155,13 +155,10 @@ def _nonneg(x: Any) -> int:
 
 # -- host operations on the wire ---------------------------------------------------------
 #
-# Every host operation other than stage/wait/load is one request and one reply of
-# bytes, whichever way they travel (a direct call, a colocated-Python call, a
+# A host request (the operations are mtc.operations') is one request and one reply
+# of bytes, whichever way they travel (a direct call, a colocated-Python call, a
 # sidecar process). A request is JSON {"op", "hosts", "args"}; a reply is a kind
 # byte and a payload: b"J" JSON, b"B" raw bytes (a region read), b"E" a typed error.
-
-HOST_OPS = ("open", "release", "steps", "manifest", "delete", "retain", "space", "settle",
-            "read", "survey")
 # Colocated calls answer with one uint8 per worker; a worker whose call raised
 # answers FAILED and keeps its typed error for the request ERROR_REQUEST.
 FAILED = 255
@@ -201,14 +198,15 @@ def encode_request(op: str, hosts: Sequence[int], **args: Any) -> bytes:
 def decode_request(data: bytes) -> tuple[str, list[int], dict[str, Any]]:
     """A request's operation, hosts and arguments, checked before anything runs: every
     host a non-negative integer, every step (``step``, ``complete``) an integer in
-    range (a string would name a folder anywhere)."""
+    range (a string would name a folder anywhere). Whether the operation is one
+    the receiver serves is the receiver's check."""
     try:
         d = json.loads(data)
         op, hosts, args = d["op"], list(d["hosts"]), dict(d["args"])
     except (ValueError, KeyError, TypeError) as e:
         raise ProtocolError(f"malformed host request: {e}") from e
-    if op not in HOST_OPS:
-        raise ProtocolError(f"unknown host operation {op!r}"[:120])
+    if not isinstance(op, str):
+        raise ProtocolError("a host request's op is a name")
     hosts = [_nonneg(h) for h in hosts]
     if "step" in args:
         args["step"] = validate.step(args["step"])
@@ -243,9 +241,38 @@ def encode_reply(value: Any) -> bytes | bytearray:
     return b"J" + json.dumps(value).encode()
 
 
+def error_fields(e: MtcError) -> dict[str, Any]:
+    """A typed error as it crosses: its class's name, message, step, host and file."""
+    return {"type": type(e).__name__, "message": e.message, "step": e.step, "host": e.host,
+            "path": e.path}
+
+
+def error_from(d: dict[str, Any], *, default: type[MtcError] = MtcError,
+               host: int | None = None) -> MtcError:
+    """The typed error :func:`error_fields` described, as itself (``default``: for a
+    class mtc does not have; ``host``: for an error that names none)."""
+    cls = getattr(errors, str(d.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, MtcError)):
+        cls = default
+    return cls(str(d.get("message")), step=d.get("step"),
+               host=host if d.get("host") is None else d["host"], path=d.get("path"))
+
+
+def typed_error(e: Exception, *, storage: str, request: str = "host",
+                host: int | None = None) -> MtcError:
+    """What a host side answers for ``e``, raised while it served a request: mtc's
+    own error as itself; a failed system call as a StorageError naming its file
+    (``storage``: who failed); anything else, a request's wrong arguments, as a
+    ProtocolError naming the ``request``. ``host``: the answering host's rank."""
+    if isinstance(e, MtcError):
+        return e
+    if isinstance(e, OSError):
+        return errors.StorageError(f"{storage}: {e.strerror or e}", host=host, path=e.filename)
+    return ProtocolError(f"malformed {request} request: {e!r}", host=host)
+
+
 def encode_error(e: MtcError) -> bytes:
-    return b"E" + json.dumps({"type": type(e).__name__, "message": e.message,
-                              "step": e.step, "host": e.host, "path": e.path}).encode()
+    return b"E" + json.dumps(error_fields(e)).encode()
 
 
 def decode_reply(data: bytes | bytearray | memoryview) -> Any:
@@ -258,9 +285,5 @@ def decode_reply(data: bytes | bytearray | memoryview) -> Any:
     if kind == b"J":
         return json.loads(payload)
     if kind == b"E":
-        d = json.loads(payload)
-        cls = getattr(errors, d["type"], None)
-        if not (isinstance(cls, type) and issubclass(cls, MtcError)):
-            cls = MtcError
-        raise cls(d["message"], step=d["step"], host=d["host"], path=d["path"])
+        raise error_from(json.loads(payload))
     raise ProtocolError(f"malformed host reply (kind {kind!r})")

@@ -113,11 +113,9 @@ class CheckpointManager:
         )
         self._where = connect.where(self.options, self.topology, self.local_dir)
         connect.read_pod_names(self.options)  # before any certificate is read
-        self._network = (connect.network_tier(self.options, self.topology) if mode == "local"
-                         else None)
         # What ``"auto"`` chose: "local", "colocated" or "process".
         self.dispatch_mode, dispatch = connect.dispatch(mode, self._config, self.options,
-                                                        devices, self._network)
+                                                        devices, self.topology)
         # Every RAM-disk operation from here on goes through the dispatcher: the host
         # side (sidecar/) alone touches a RAM disk, here as on separate machines.
         # A reader neither locks nor cleans: a writer may be at work. One request to
@@ -138,7 +136,7 @@ class CheckpointManager:
             dispatch.close()
             raise
         self._inventory = StepInventory(dispatch, self.topology)
-        self._reader = StepReader(dispatch, self.topology, self._network, self._where,
+        self._reader = StepReader(dispatch, self.topology, self._where,
                                   self._inventory.saved_hosts,
                                   mesh if mesh is not None else jax.sharding.Mesh(
                                       np.array(devices), ("devices",)))
@@ -146,8 +144,7 @@ class CheckpointManager:
                                self._watch, where=self._roots_here(),
                                foreign=self.foreign_steps)
         self._restores = RestoreFlow(dispatch, self.topology, self.options, self._inventory,
-                                     self._reader, self._saves,
-                                     local_only=self._network is None, where=self._where)
+                                     self._reader, self._saves, where=self._where)
         # The flows call each other, never the manager: a manager in a reference cycle
         # is freed by the cycle collector, in whichever thread it runs (a writer's),
         # and its finalizer would wait there for the saves that thread writes.

@@ -31,8 +31,10 @@ from mtc.contract import (
     encode_error,
     encode_reply,
     frame,
+    typed_error,
 )
-from mtc.errors import MtcError, StorageError
+from mtc.errors import MtcError
+from mtc.operations import STEPS, SURVEY
 from mtc.shards import device_order, place
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.colocated_load import load_regions
@@ -54,8 +56,9 @@ HOST_ROOT: Path | None = None
 # (beyond it the rest comes in a second call).
 ANSWER_BYTES = 16 << 10
 MAX_ANSWER_BYTES = 4 << 20
-# Requests that list the hosts' steps: a save's first call, which also polls.
-LISTING = (b'{"op": "steps"', b'{"op": "survey"')
+# Requests that list the hosts' steps: a save's first call, which also polls. Told
+# by their first bytes (mtc.contract.encode_request), without parsing the request.
+LISTING = tuple(f'{{"op": "{op.name}"'.encode() for op in (STEPS, SURVEY))
 
 
 def install_cpu_id_patch() -> None:
@@ -113,10 +116,8 @@ class ColocatedAgent:
         (an exception would reach the controller as an untyped runtime error)."""
         try:
             return fn()
-        except MtcError as e:
-            self._error = e
-        except OSError as e:
-            self._error = StorageError(f"worker: {e.strerror or e}", path=e.filename)
+        except (MtcError, OSError) as e:
+            self._error = typed_error(e, storage="worker")
         # The kept error holds no frame's arrays: a call's inputs (a reused slot of
         # the host's area, on the local cluster) are free once it failed.
         clear_frames(self._error)
@@ -203,7 +204,7 @@ class ColocatedAgent:
             self._error = e
             raise
         except OSError as e:
-            self._error = StorageError(f"worker: {e.strerror or e}", path=e.filename)
+            self._error = typed_error(e, storage="worker")
             raise self._error from e
 
     def wait(self, ranks: jax.Array) -> jax.Array:

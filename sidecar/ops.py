@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mtc import layout, retention, root_lock
+from mtc import layout, operations, retention, root_lock
 from mtc.contract import (
     AgentConfig,
     Raw,
@@ -25,6 +25,7 @@ from mtc.contract import (
     encode_error,
     encode_reply,
     task_from_json,
+    typed_error,
 )
 from mtc.errors import (
     LocalDirError,
@@ -32,9 +33,9 @@ from mtc.errors import (
     MtcError,
     ProtocolError,
     StepNotFoundError,
-    StorageError,
 )
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
+from mtc.operations import Side
 from mtc.sidecar.load import Remote, ShardLoader, check_tasks
 from mtc.sidecar.reserve import reserved_bytes
 from mtc.sidecar.storage import spare
@@ -67,11 +68,9 @@ class HostOps:
         self.own = tuple(own)
         # The most a ``read`` may answer with (a process whose replies have a size limit).
         self.max_reply_bytes = max_reply_bytes
+        # Every operation on a host's root (mtc.operations), by its method here.
         self._ops: dict[str, Callable[..., Any]] = {
-            "open": self._open, "release": self._release, "steps": self._steps,
-            "manifest": self._manifest, "delete": self._delete, "retain": self._retain,
-            "space": self._space, "settle": self._settle, "read": self._read,
-            "survey": self._survey}
+            name: getattr(self, f"_{name}") for name in operations.names([Side.ROOT])}
         self._locks: dict[int, int] = {}  # host -> descriptor holding its writer lock
         self._sizes: dict[tuple[int, int], int] = {}  # (host, step) -> bytes on disk
         # (host, step) -> (version of its manifest file, the summary read from it)
@@ -132,18 +131,16 @@ class HostOps:
         """
         try:
             op, hosts, args = decode_request(request)
+            if op not in self._ops:
+                raise ProtocolError(f"unknown host operation {op!r}"[:120])
             if serves is not None:
                 hosts = [h for h in hosts if h in serves]
                 if not hosts:
                     return encode_reply(None)
             return encode_reply(self._ops[op](hosts, **args))
-        except MtcError as e:
-            return encode_error(e)
-        except OSError as e:
-            return encode_error(StorageError(f"host operation failed: {e.strerror or e}",
-                                             path=e.filename))
-        except (TypeError, KeyError, ValueError, IndexError) as e:  # wrong arguments
-            return encode_error(ProtocolError(f"malformed host request: {e!r}"))
+        except (MtcError, OSError, TypeError, KeyError, ValueError, IndexError) as e:
+            # The last four: wrong arguments.
+            return encode_error(typed_error(e, storage="host operation failed"))
 
     def _root(self, host: int) -> Path:
         return self.config.root(host)

@@ -144,6 +144,9 @@ class FakeDispatch:
     def network_bytes(self) -> int:
         return 0
 
+    def networked(self) -> bool:
+        return False  # one controller serving every host: no network tier
+
     # -- the hosts' roots -------------------------------------------------------------------
 
     def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]:

@@ -30,6 +30,7 @@ from mtc.dispatch.process import Sidecar
 from mtc.dispatch.protocol import WorkerLostError
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import ColocatedCallError
+from mtc.operations import HELLO, NoArgs
 from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.trainer.isolation import Hosts
 
@@ -124,7 +125,7 @@ def test_a_closed_manager_leaves_no_program_in_the_sidecars(hosts: Hosts, mesh: 
     probe = ProcessDispatch(config, sidecars, creds=creds)
 
     def programs() -> list[int]:
-        return [probe._rpc(h, "hello")["programs"] for h in sidecars]
+        return [probe._rpc(h, HELLO, NoArgs()).programs for h in sidecars]
 
     try:
         w = jax.device_put(np.ones((8, 16), np.float32),

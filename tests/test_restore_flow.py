@@ -29,9 +29,8 @@ def job(copies: Copies, n: int = 2, **options: Any) -> tuple[FakeDispatch, Resto
     opts = Options(**options)
     inv = StepInventory(d, topo)
     saves = SaveFlow(d, topo, opts, inv, None, where="the test's hosts")
-    reader = StepReader(d, topo, None, "the test's hosts", inv.saved_hosts)
-    return d, RestoreFlow(d, topo, opts, inv, reader, saves, local_only=True,
-                          where="the test's hosts")
+    reader = StepReader(d, topo, "the test's hosts", inv.saved_hosts)
+    return d, RestoreFlow(d, topo, opts, inv, reader, saves, where="the test's hosts")
 
 
 def restore(flow: RestoreFlow, step: int | None = None) -> Any:

@@ -22,7 +22,7 @@ from mtc.restore.step import StepReader
 
 def reader(answers: list[Any], monkeypatch: pytest.MonkeyPatch) -> tuple[StepReader, list[int]]:
     """A reader whose ``saved_step`` gives ``answers`` in turn (an exception is raised)."""
-    r = StepReader(None, None, None, Path("/nonexistent"), lambda *a: 0)  # type: ignore[arg-type]
+    r = StepReader(None, None, Path("/nonexistent"), lambda *a: 0)  # type: ignore[arg-type]
     calls: list[int] = []
 
     def saved_step(step: int, **kw: Any) -> Any:

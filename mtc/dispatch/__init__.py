@@ -7,7 +7,10 @@ The controller never opens, lists or deletes anything under a RAM disk itself.
 Three dispatchers drive the same host-side code (``sidecar/``): in this process
 (multi-controller JAX, where each process is its own host), through colocated
 Python (Pathways), or in a sidecar process per host over gRPC (the local
-cluster); they differ only in how requests and bytes travel.
+cluster); they differ only in how requests and bytes travel. Each operation is
+defined once (:mod:`mtc.operations`) and made a typed call once (:class:`HostCalls`);
+a dispatcher adds its transport: how a request reaches the hosts (``_call``)
+and how a save's and a restore's arrays move.
 """
 
 from mtc.dispatch.calls import Dispatch, HostCalls

@@ -24,27 +24,32 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtc.contract import (
-    AgentConfig,
-    LeafSpec,
-    ReadTask,
-    SaveHeader,
-    encode_request,
-    task_to_json,
-)
+from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader
 from mtc.dispatch import colocated_load
-from mtc.dispatch.calls import HostCalls, regions_of
+from mtc.dispatch.calls import POLL_INTERVAL_S as POLL_INTERVAL_S  # its name here too
+from mtc.dispatch.calls import HostCalls, poll_due, regions_of
 from mtc.dispatch.colocated_answers import Answers
 from mtc.dispatch.colocated_moves import colocated_cpu, to_workers
 from mtc.dispatch.process import Sidecar
 from mtc.dispatch.protocol import BeforeSend, Opened, Survey
 from mtc.dispatch.remote_colocated import Held, Runtime, holding, host_views
 from mtc.errors import MtcError
+from mtc.operations import (
+    POLL,
+    READ,
+    RETAIN,
+    STAGE,
+    SURVEY,
+    WAIT,
+    Operation,
+    ReadRequest,
+    Request,
+    RetainRequest,
+    SurveyRequest,
+)
 from mtc.pool import ThreadPool
 from mtc.save.device_copy import DeviceCopier, on_accelerator
 
-# Between saves, how often a save in flight is polled for its background error.
-POLL_INTERVAL_S = 1.0
 # Load functions kept specialized, by their outputs' specs (restores of one state's
 # shape reuse one; a resized mesh or another tree makes another).
 LOAD_CALLS_KEPT = 8
@@ -179,16 +184,17 @@ class ColocatedDispatch(HostCalls):
 
     # -- host requests ----------------------------------------------------------------
 
-    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
+    def _call(self, op: Operation[Any, Any], hosts: Sequence[int], request: Request
+              ) -> list[Any]:
         """The request goes to every worker; each answers for its own host (null
         when not asked about it)."""
         self._collect()
-        manifests = op == "survey" and args.get("manifest", True)
-        replies = self.answers.exchange(encode_request(op, hosts, **args),
+        manifests = isinstance(request, SurveyRequest) and request.manifest
+        replies = self.answers.exchange(op.encode(hosts, request),
                                         self._survey_size if manifests else None)
         # Every survey (a save's listing too) says how long the newest manifests
         # are now: the next restore's survey brings them in its one call.
-        if op == "survey":
+        if op is SURVEY:
             sizes = [int(got.get("manifest_bytes") or 0)
                      for reply in replies for got in (reply or {}).values()]
             if any(sizes):
@@ -217,7 +223,7 @@ class ColocatedDispatch(HostCalls):
             if isinstance(staged, Future):
                 staged = staged.result()
             if staged is not None:
-                self.answers.unanimous(staged, "stage")
+                self.answers.unanimous(staged, STAGE.name)
         finally:
             self._staged_inputs, self._pinned = [], {}
             if isinstance(polling, Future):  # no call overlaps it, whatever was raised
@@ -225,7 +231,7 @@ class ColocatedDispatch(HostCalls):
         if isinstance(polling, Future):
             polling = polling.result()
         if polling is not None:
-            self.answers.unanimous(polling, "poll")
+            self.answers.unanimous(polling, POLL.name)
 
     def check_before_save(self, due: bool) -> None:
         """A save that follows polls in its first call. Off the interval, a save in
@@ -241,7 +247,7 @@ class ColocatedDispatch(HostCalls):
             if not done:
                 return
             self._collect()  # raises a background error the hosts reported
-        if time.monotonic() - self._polled < POLL_INTERVAL_S:
+        if not poll_due(self._unwaited, self._polled, time.monotonic()):
             return
         # A Pathways call returns at once (its answer comes later); the local cluster's
         # goes behind a stage in flight, on the same thread: a host's calls stay in order.
@@ -272,9 +278,8 @@ class ColocatedDispatch(HostCalls):
                                   keep_period=keep_period, before_write=before_write)
         # Within a save: done by the workers as the save's stage call begins, and
         # answered with the space they reported when the save listed their steps.
-        self._before_stage.append(json.loads(encode_request(
-            "retain", hosts, complete=list(complete), max_to_keep=max_to_keep,
-            keep_period=keep_period, before_write=before_write)))
+        self._before_stage.append(json.loads(RETAIN.encode(hosts, RetainRequest(
+            list(complete), max_to_keep, keep_period, before_write))))
         return {h: self._saving.space[h] for h in hosts if h in self._saving.space}
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
@@ -300,7 +305,7 @@ class ColocatedDispatch(HostCalls):
         if self._async is None or header.skip_if_busy:
             ok = self._invoke(self._stage, header_arr, self._ranks, inputs, requests)
             if header.skip_if_busy:  # whether it was skipped is the save's answer
-                return self.answers.unanimous(ok, "stage")
+                return self.answers.unanimous(ok, STAGE.name)
             self._staged, self._staged_inputs = ok, inputs
             return True
         # The values of this moment: a host view of every shard (CPU devices: no
@@ -309,7 +314,7 @@ class ColocatedDispatch(HostCalls):
         # Inputs moved here from an accelerator are new buffers of this save's own:
         # nothing to hold (a view would wait for their transfer here).
         moved = any(on_accelerator(a) for a in arrays)
-        self._pinned = {} if moved else host_views("stage", inputs, self._host_of_cpu)
+        self._pinned = {} if moved else host_views(STAGE.name, inputs, self._host_of_cpu)
         self._staged = self._invoke_later(self._stage, header_arr, self._ranks, inputs,
                                           requests, held=self._pinned)
         self._staged_inputs = inputs
@@ -338,13 +343,13 @@ class ColocatedDispatch(HostCalls):
         self._collect()
         if not self._unwaited:
             return  # nothing staged since the last wait: nothing to wait for
-        self.answers.unanimous(self._invoke(self._wait, self._small_ranks), "wait")
+        self.answers.unanimous(self._invoke(self._wait, self._small_ranks), WAIT.name)
         self._unwaited = False
 
     def raise_background_error(self) -> None:
         self._collect()
         self._polled = time.monotonic()
-        self.answers.unanimous(self._invoke(self._poll, self._small_ranks), "poll")
+        self.answers.unanimous(self._invoke(self._poll, self._small_ranks), POLL.name)
 
     def saves_in_flight(self, hosts: Sequence[int]) -> int:
         return 1 if self._unwaited else 0
@@ -355,10 +360,8 @@ class ColocatedDispatch(HostCalls):
                ) -> dict[int, list[np.ndarray]]:
         """Regions as numpy, for leaves the caller asked to get as numpy: one request
         to every worker, each reading its own host's tasks."""
-        replies = dict(zip(sorted(set(self._rank_of.values())), self._call(
-            "read", sorted(by_host), step=step,
-            tasks={str(h): [task_to_json(t) for t in ts] for h, ts in by_host.items()}),
-            strict=True))
+        replies = dict(zip(sorted(set(self._rank_of.values())), self.ask(
+            READ, sorted(by_host), ReadRequest(step, by_host)), strict=True))
         return {h: regions_of(ts, replies[h]) for h, ts in by_host.items()}
 
     def load(self, step: int, tasks: Sequence[ReadTask],

@@ -10,8 +10,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, decode_reply, encode_request
+from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, decode_reply
 from mtc.dispatch.calls import HostCalls
+from mtc.operations import Operation, Request
 from mtc.save.device_copy import DeviceCopier
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.load import ShardLoader, load_leaves
@@ -53,8 +54,9 @@ class LocalDispatch(HostCalls):
         self.ops = HostOps(config, remote=self.peers.read if self.peers else None,
                            own=self.own)
 
-    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
-        return [decode_reply(self.ops.handle(encode_request(op, hosts, **args)))]
+    def _call(self, op: Operation[Any, Any], hosts: Sequence[int], request: Request
+              ) -> list[Any]:
+        return [decode_reply(self.ops.handle(op.encode(hosts, request)))]
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
         # The last save's device copy is in host memory before this one is made:
@@ -87,6 +89,9 @@ class LocalDispatch(HostCalls):
 
     def own_for(self, step: int) -> tuple[int, ...]:
         return self.ops.own_for(step) if self.peers is not None else ()
+
+    def networked(self) -> bool:
+        return self.peers is not None
 
     def network_bytes(self) -> int:
         return self.peers.fetched_bytes if self.peers is not None else 0

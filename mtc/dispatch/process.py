@@ -29,17 +29,24 @@ import jax
 import numpy as np
 
 from mtc import root_lock, transfer
-from mtc.contract import (
-    AgentConfig,
-    ReadTask,
-    SaveHeader,
-    decode_reply,
-    encode_request,
-    task_to_json,
-)
-from mtc.dispatch.calls import HostCalls
+from mtc.contract import AgentConfig, ReadTask, SaveHeader, decode_reply, encode_request
+from mtc.dispatch.calls import POLL_INTERVAL_S as POLL_INTERVAL_S  # its name here too
+from mtc.dispatch.calls import HostCalls, merged, poll_due
 from mtc.dispatch.protocol import BeforeSend, Opened, Survey
 from mtc.errors import ConfigError, MtcError, SaveInProgressError, ShardUnavailableError
+from mtc.operations import (
+    HELLO,
+    LOAD,
+    POLL,
+    STAGE,
+    STEPS,
+    WAIT,
+    NoArgs,
+    Operation,
+    ReadRequest,
+    Request,
+    StageRequest,
+)
 from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
 
@@ -47,12 +54,10 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.wire.security import Credentials
 
 METHOD = "/mtc.Host/Call"
+Call = tuple[Operation[Any, Any], Request]  # a request to one host: its operation, arguments
 MAX_MESSAGE = 256 << 20
 SLOTS_PER_HOST = 2
 WAIT_DEADLINE_S = 600.0  # a host's writes of its part of one save, at the slowest
-# Between saves, how often a save in flight is polled for its background error: a
-# round trip to every host at every step cost the demo's steps 2.5% (7 ms of 0.27 s).
-POLL_INTERVAL_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +145,9 @@ class ProcessDispatch(HostCalls):
 
     # -- requests -------------------------------------------------------------------
 
-    def _rpc(self, host: int, op: str, **args: Any) -> Any:
-        return self._all({host: (op, args)})[host]
+    def _rpc(self, host: int, op: Operation[Any, Any], request: Request) -> Any:
+        """``op``'s typed reply from one host."""
+        return op.reply(self._all({host: (op, request)})[host])
 
     def _join_staging(self) -> None:
         """Wait for the last save's stage requests. A host that refused (or did not
@@ -161,7 +167,7 @@ class ProcessDispatch(HostCalls):
         if error is not None:
             raise error
 
-    def _fan_out(self, calls: dict[int, tuple[str, dict[str, Any]]], timeout: float | None
+    def _fan_out(self, calls: dict[int, Call], timeout: float | None
                  ) -> tuple[dict[int, Any], MtcError | None]:
         """Requests to several hosts at once (``timeout`` seconds each, None: no limit);
         every reply awaited. Returns the replies of the hosts that answered, and the
@@ -172,11 +178,13 @@ class ProcessDispatch(HostCalls):
         # reported at once, as unavailable, instead of when the deadline ends.
         # Blocking calls on a pool of this object's own: a gRPC future starts a
         # thread per call (about 3 ms each here, a tenth of a save's stall).
-        futures = {h: self._pool.submit(self._request, h, op, args, timeout)
-                   for h, (op, args) in calls.items()}
+        futures = {h: self._pool.submit(self._request, h, op.name, request.args(), timeout)
+                   for h, (op, request) in calls.items()}
         return self._gather(futures)
 
     def _request(self, host: int, op: str, args: dict[str, Any], timeout: float | None) -> Any:
+        """The wire: one host's decoded reply to the request ``op`` with ``args`` (the
+        typed ``request.args()`` of a table entry), which names the one host it asks."""
         return decode_reply(self._stubs[host](encode_request(op, [host], **args),
                                               timeout=timeout))
 
@@ -195,14 +203,15 @@ class ProcessDispatch(HostCalls):
                 first = first or e
         return out, first
 
-    def _all(self, calls: dict[int, tuple[str, dict[str, Any]]]) -> dict[int, Any]:
+    def _all(self, calls: dict[int, Call]) -> dict[int, Any]:
         out, error = self._fan_out(calls, self.deadline_s)
         if error is not None:
             raise error
         return out
 
-    def _call(self, op: str, hosts: Sequence[int], **args: Any) -> list[Any]:
-        replies = self._all({h: (op, args) for h in hosts if h in self.sidecars})
+    def _call(self, op: Operation[Any, Any], hosts: Sequence[int], request: Request
+              ) -> list[Any]:
+        replies = self._all({h: (op, request) for h in hosts if h in self.sidecars})
         return [replies[h] for h in sorted(replies)]
 
     # -- save -----------------------------------------------------------------------
@@ -217,10 +226,7 @@ class ProcessDispatch(HostCalls):
             free = [s for s in self._slots[host] if not s.busy]
             if free:
                 return free[0]
-            if not block:
-                self._release(host, self._rpc(host, "poll"))
-            else:
-                self._release(host, self._rpc(host, "wait"))
+            self._release(host, self._rpc(host, WAIT if block else POLL, NoArgs()))
         return None
 
     def saves_in_flight(self, hosts: Sequence[int] = ()) -> int:
@@ -233,28 +239,24 @@ class ProcessDispatch(HostCalls):
         requests to every host at once. A background error is raised first, as
         if the poll had come alone; slots reported written are free again."""
         self._join_staging()
-        calls = [(h, "poll") for h in self.sidecars] + [(h, "steps") for h in hosts
-                                                        if h in self.sidecars]
-        futures = [self._pool.submit(self._request, h, op, {}, self.deadline_s)
+        calls = [(h, POLL) for h in self.sidecars] + [(h, STEPS) for h in hosts
+                                                      if h in self.sidecars]
+        futures = [self._pool.submit(self._request, h, op.name, {}, self.deadline_s)
                    for h, op in calls]
         polled, poll_error = self._gather({h: f for (h, op), f in zip(calls, futures,
                                                                       strict=True)
-                                           if op == "poll"})
+                                           if op is POLL})
         listed, list_error = self._gather({h: f for (h, op), f in zip(calls, futures,
                                                                       strict=True)
-                                           if op == "steps"})
+                                           if op is STEPS})
         self._polled = time.monotonic()
         for h, names in polled.items():
-            self._release(h, names)
+            self._release(h, POLL.reply(names))
         if poll_error is not None:
             raise poll_error
         if list_error is not None:
             raise list_error
-        out: dict[int, list[int]] = {}
-        for reply in (listed[h] for h in sorted(listed)):
-            for h, steps in (reply or {}).items():
-                out[int(h)] = [int(s) for s in steps]
-        return out
+        return merged([STEPS.reply(listed[h]) for h in sorted(listed)])
 
     def check_before_save(self, due: bool) -> None:
         # A save that follows asks every host for earlier errors while its shards
@@ -307,7 +309,7 @@ class ProcessDispatch(HostCalls):
             slots[h] = slot
         encoded = header.to_bytes().decode()
 
-        def copy(h: int, items: list[Any]) -> dict[str, Any]:
+        def copy(h: int, items: list[Any]) -> StageRequest:
             # One host's shards into its slot (numpy copies without the GIL: the
             # hosts' copies run side by side).
             sizes = [int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -320,9 +322,8 @@ class ProcessDispatch(HostCalls):
                 dst = view[off:off + n].view(dt).reshape(shape)
                 np.copyto(dst, np.asarray(src), casting="no")
                 table.append([leaf, [list(p) for p in index], dt.str, list(shape), off])
-            return {"header": encoded, "slot": slot.name, "size": slot.size, "shards": table,
-                    "slice": self.config.slice_of_host[h],
-                    "num_hosts": len(self.config.slice_of_host)}
+            return StageRequest(encoded, slot.name, slot.size, table,
+                                self.config.slice_of_host[h], len(self.config.slice_of_host))
 
         staged = {h: items for h, items in per_host.items() if items}
         copies = {h: self._copy_pool.submit(copy, h, items) for h, items in staged.items()}
@@ -337,29 +338,30 @@ class ProcessDispatch(HostCalls):
         for h in staged:
             slots[h].busy = True
         self._staging_slots = {h: slots[h] for h in staged}
-        self._staging = {h: self._pool.submit(self._request, h, "stage", args, self.deadline_s)
-                         for h, args in requests.items()}
+        self._staging = {h: self._pool.submit(self._request, h, STAGE.name, req.args(),
+                                              self.deadline_s)
+                         for h, req in requests.items()}
         return True
 
-    def _each(self, op: str) -> None:
+    def _each(self, op: Operation[NoArgs, list[str]]) -> None:
         """``poll`` or ``wait`` on every host; slots they report written are free again
         (those of the hosts that answered, even when another one failed)."""
         # A wait lasts as long as the writes, but not forever: a host whose link is
         # gone never answers (no reset crosses a dead link).
-        written, error = self._fan_out({h: (op, {}) for h in self.sidecars},
-                                       max(WAIT_DEADLINE_S, self.deadline_s) if op == "wait"
+        written, error = self._fan_out({h: (op, NoArgs()) for h in self.sidecars},
+                                       max(WAIT_DEADLINE_S, self.deadline_s) if op is WAIT
                                        else self.deadline_s)
         self._polled = time.monotonic()
         for h, names in written.items():
-            self._release(h, names)
+            self._release(h, op.reply(names))
         if error is not None:
             raise error
 
     def wait(self) -> None:
-        self._each("wait")
+        self._each(WAIT)
 
     def raise_background_error(self) -> None:
-        self._each("poll")
+        self._each(POLL)
 
     def poll_if_due(self) -> None:
         """:meth:`raise_background_error` for a call between saves: only while a
@@ -367,29 +369,27 @@ class ProcessDispatch(HostCalls):
         nothing more: a failed write keeps its slot until the poll that raises it),
         and at most every ``POLL_INTERVAL_S``. So its error comes within about a
         second of the write failing, instead of at the very next step."""
-        if not self._staging and not self.saves_in_flight():
-            return
-        if time.monotonic() - self._polled >= POLL_INTERVAL_S:
-            self._each("poll")
+        if poll_due(bool(self._staging) or self.saves_in_flight() > 0, self._polled,
+                    time.monotonic()):
+            self._each(POLL)
 
     # -- restore --------------------------------------------------------------------
 
     def _fetch(self, step: int, by_host: dict[int, list[ReadTask]]
                ) -> dict[int, list[np.ndarray]]:
         """Regions each host reads from its own pieces, mapped from its reply file."""
-        replies = self._all({h: ("load", {"step": step,
-                                              "tasks": [task_to_json(t) for t in ts]})
-                                 for h, ts in by_host.items()})
+        replies = self._all({h: (LOAD, ReadRequest(step, ts)) for h, ts in by_host.items()})
         out: dict[int, list[np.ndarray]] = {}
-        for host, reply in replies.items():
-            name = reply["file"]
+        for host, raw in replies.items():
+            reply = LOAD.reply(raw)
+            name = reply.file
             if "/" in name or not name.startswith("reply-"):
                 raise MtcError(f"sidecar named a bad reply file {name!r}", host=host)
             path = self.sidecars[host].area / name
-            view = transfer.map_file(path, int(reply["size"]), writable=False)
+            view = transfer.map_file(path, reply.size, writable=False)
             os.unlink(path)  # the mapping lives on as long as arrays use it
             regions = []
-            for t, off in zip(by_host[host], reply["offsets"], strict=True):
+            for t, off in zip(by_host[host], reply.offsets, strict=True):
                 dt = jax.numpy.dtype(t.dtype)
                 n = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize
                 regions.append(view[off:off + n].view(dt).reshape(t.shape))
@@ -431,11 +431,10 @@ def find_sidecars(config: AgentConfig, addresses: Sequence[str], deadline_s: flo
     probe = ProcessDispatch(config, sidecars, deadline_s=deadline_s, creds=creds)
     try:
         for h in sidecars:
-            hello = probe._rpc(h, "hello")
-            if hello.get("rank") != h:
+            hello = probe._rpc(h, HELLO, NoArgs())
+            if hello.rank != h:
                 raise ConfigError(f"sidecar at {addresses[h]} did not take rank {h}", host=h)
-            sidecars[h] = Sidecar(addresses[h], Path(hello["area"]), creds,
-                                  hello.get("colocated") is True)
+            sidecars[h] = Sidecar(addresses[h], Path(hello.area), creds, hello.colocated)
     finally:
         probe._channels_close()
     return sidecars

@@ -18,6 +18,9 @@ import numpy as np
 from mtc.contract import LeafSpec, ReadTask, SaveHeader
 from mtc.errors import HostAgentError
 from mtc.manifest import Manifest
+from mtc.operations import Opened
+
+__all__ = ["BeforeSend", "Dispatch", "Opened", "Survey", "WorkerLostError"]
 
 
 class WorkerLostError(HostAgentError, jax.errors.JaxRuntimeError):
@@ -27,21 +30,6 @@ class WorkerLostError(HostAgentError, jax.errors.JaxRuntimeError):
     failure); and still the runtime's error with its message, so that an elastic
     loop (pathwaysutils' ``elastic_retry``) sees the slice-down event it is, not
     an error of its own."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Opened:
-    """A host's root as a manager's open found it, in the open's one round trip:
-    the uncommitted folders it removed, the step folders that are not mtc's (no
-    manifest: Orbax's, another tool's; left alone) and, where asked, the root's
-    identity (the token its replicator reports back when it serves that folder),
-    and the size of its newest step's manifest (0: none), which a restore's first
-    call asks for."""
-
-    removed: tuple[str, ...] = ()
-    foreign: tuple[int, ...] = ()
-    identity: str = ""
-    manifest_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +84,13 @@ class Dispatch(Protocol):
     def read(self, step: int, host: int, tasks: Sequence[ReadTask]) -> list[np.ndarray]: ...
     def own_for(self, step: int) -> tuple[int, ...]: ...
     def network_bytes(self) -> int: ...
+
+    def networked(self) -> bool:
+        """Whether this process sees its own host's RAM disk only and gets other
+        hosts' manifests and regions over the network tier (multi-controller JAX
+        with replicators): a restore then plans on its own host's files first, and
+        no one process plans every host."""
+        ...
 
     # -- the hosts' roots ---------------------------------------------------------
     def steps(self, hosts: Sequence[int]) -> dict[int, list[int]]: ...

@@ -34,9 +34,10 @@ import numpy as np
 from jax import tree_util
 
 from mtc import errors, slots, transfer
+from mtc.contract import error_from
 from mtc.dispatch.process import Sidecar, channels
 from mtc.dispatch.protocol import WorkerLostError
-from mtc.errors import ColocatedCallError, MtcError, ShardUnavailableError
+from mtc.errors import ColocatedCallError, ShardUnavailableError
 from mtc.pool import ThreadPool
 from mtc.shards import ShardLayout
 
@@ -126,14 +127,6 @@ def _unregister(runtime: Runtime) -> None:
         if not _runtimes and _original is not None:
             func._compile_to_executable = _original
             _original = None
-
-
-def _raise(host: int, d: dict[str, Any]) -> None:
-    cls = getattr(errors, str(d.get("type")), None)
-    if not (isinstance(cls, type) and issubclass(cls, MtcError)):
-        cls = ColocatedCallError
-    raise cls(str(d.get("message")), step=d.get("step"),
-              host=host if d.get("host") is None else d["host"], path=d.get("path"))
 
 
 class Runtime:
@@ -266,7 +259,7 @@ class Runtime:
                     replies.forget_all()  # a restarted sidecar: its predecessor's are gone
                     self._restarted(h)  # and it has none of the programs sent before
                 if "error" in got:
-                    _raise(h, got["error"])
+                    raise error_from(got["error"], default=ColocatedCallError, host=h)
                 if not got.get("unknown_program"):
                     with lock, self._epoch_lock:
                         sent[h] = self._epoch[h]

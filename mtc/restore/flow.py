@@ -49,14 +49,15 @@ class RestoreFlow:
 
     def __init__(self, dispatch: Dispatch, topology: Topology, options: Options,
                  inventory: StepInventory, reader: StepReader, saves: SaveFlow, *,
-                 local_only: bool, where: str) -> None:
+                 where: str) -> None:
         self.dispatch = dispatch
         self.topology = topology
         self.options = options
         self.inventory = inventory
         self.reader = reader
         self.saves = saves
-        self._local_only = local_only  # no network tier: this process plans every host
+        # No network tier: this process plans every host.
+        self._local_only = not dispatch.networked()
         self._where = where
         self._tier_: ReplicatorTier | None = None  # made when first asked (see tier)
         # A step the replicators prepared for latest_step(), not yet restored.

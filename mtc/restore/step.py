@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from mtc import orbax_args, treepath
-from mtc.dispatch import Dispatch, NetworkTier
+from mtc.dispatch import Dispatch
 from mtc.dispatch.protocol import Survey
 from mtc.errors import ShardUnavailableError, StepNotFoundError, TargetMismatchError
 from mtc.manifest import Manifest
@@ -42,17 +42,17 @@ def _covers(survey: Survey, step: int) -> bool:
 
 class StepReader:
     """Reads a committed step into a target from the hosts ``dispatch`` reaches
-    (``network``: the replicators, for other hosts' files in multi-controller JAX);
-    ``where`` names, in errors, what the user configured (sidecars, a folder)."""
+    (:meth:`Dispatch.networked`: other hosts' files come over the replicators, in
+    multi-controller JAX); ``where`` names, in errors, what the user configured
+    (sidecars, a folder)."""
 
-    def __init__(self, dispatch: Dispatch, topology: Topology, network: NetworkTier | None,
-                 where: str, saved_hosts: SavedHosts,
+    def __init__(self, dispatch: Dispatch, topology: Topology, where: str,
+                 saved_hosts: SavedHosts,
                  mesh: jax.sharding.Mesh | None = None) -> None:
         self.dispatch = dispatch
         # Where arrays restored without a target go (None: numpy, as saved).
         self.mesh = mesh
         self.topology = topology
-        self.network = network
         self.where = where  # where the steps are, as the user configured it (for errors)
         self._saved_hosts = saved_hosts
 
@@ -103,7 +103,7 @@ class StepReader:
                 seconds["wait_pending"] = time.perf_counter() - t
         else:
             saved = self.saved_step(step, run=run, survey=survey)
-        if self.network is None:
+        if not self.dispatch.networked():
             return saved, self.restore_from(saved, target, args, as_numpy)
         try:
             return saved, self.restore_from(saved, target, args, as_numpy)
@@ -190,7 +190,7 @@ class StepReader:
         (multi-controller JAX with the network tier) of every host that saved it.
         One controller asks every host for its steps and its manifest of ``step``
         at once (or reuses ``survey`` where it holds them)."""
-        if self.network is not None:
+        if self.dispatch.networked():
             held = self.dispatch.steps(self.topology.local_hosts)
             holders = sorted(h for h, steps in held.items()
                              if step in steps and h not in pending)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mtc import slots, transfer
+from mtc.contract import error_fields
 from mtc.errors import ColocatedCallError, MtcError, ProtocolError
 from mtc.pool import ThreadPool
 from mtc.ports import free_ports
@@ -103,8 +104,7 @@ class _Program:
 
 def _error_message(host: int, area: Path, e: MtcError, **extra: Any) -> bytes:
     return transfer.pack_message(area, {"error": {
-        "type": type(e).__name__, "message": e.message, "step": e.step,
-        "host": host if e.host is None else e.host, "path": e.path}, **extra}, [])
+        **error_fields(e), "host": host if e.host is None else e.host}, **extra}, [])
 
 
 @contextmanager

@@ -37,15 +37,17 @@ from typing import Any
 import grpc
 import numpy as np
 
-from mtc import layout, transfer, validate
+from mtc import layout, operations, transfer, validate
 from mtc.contract import (
     AgentConfig,
     SaveHeader,
     encode_error,
     encode_reply,
     task_from_json,
+    typed_error,
 )
-from mtc.errors import MtcError, ProtocolError, StorageError
+from mtc.errors import MtcError, ProtocolError
+from mtc.operations import Side
 from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.host.colocated import ColocatedServer
@@ -58,7 +60,6 @@ from mtc.sidecar.storage.names import tmp_step
 log = logging.getLogger(__name__)
 SERVICE = "mtc.Host"
 METHOD = f"/{SERVICE}/Call"
-TRANSFER_OPS = ("hello", "stage", "poll", "wait", "load", "inspect")
 MAX_MESSAGE = 256 << 20  # a request's or reply's bytes (a read's regions travel in replies)
 # Room a load leaves free in the shared-memory area: its reply file must not fill
 # the area the trainer copies its saves into.
@@ -81,9 +82,11 @@ class HostService:
         self.ops = HostOps(config, max_reply_bytes=MAX_MESSAGE - 4096)
         self._written: list[str] = []
         self._lock = threading.Lock()
+        # A save's and a restore's operations and the process's own (mtc.operations),
+        # by their methods here; the rest are HostOps'.
         self._ops: dict[str, Callable[[int, dict[str, Any]], Any]] = {
-            "hello": self._hello, "stage": self._stage, "poll": self._poll,
-            "wait": self._wait, "load": self._load, "inspect": self._inspect}
+            name: getattr(self, f"_{name}")
+            for name in operations.names([Side.SAVES, Side.LOADS, Side.SIDECAR])}
 
     def handle(self, request: bytes) -> bytes | bytearray:
         """One request's reply (a typed error encoded in it); :class:`Undecodable`
@@ -99,19 +102,15 @@ class HostService:
                     and not isinstance(ranks[0], bool) and ranks[0] >= 0):
                 raise ProtocolError(f"a request names the one rank it asks (got {ranks!r})",
                                     host=self.host)
-            if op not in TRANSFER_OPS:
+            if op not in self._ops:
                 return self.ops.handle(request)
             args = d.get("args")
             if not isinstance(args, dict):
                 raise ProtocolError(f"malformed {op} request: no arguments", host=self.host)
             return encode_reply(self._ops[op](ranks[0], args))
-        except MtcError as e:
-            return encode_error(e)
-        except OSError as e:
-            return encode_error(StorageError(f"sidecar: {e.strerror or e}", host=self.host,
-                                             path=e.filename))
-        except (TypeError, KeyError, ValueError, IndexError) as e:
-            return encode_error(ProtocolError(f"malformed {op} request: {e!r}", host=self.host))
+        except (MtcError, OSError, TypeError, KeyError, ValueError, IndexError) as e:
+            return encode_error(typed_error(e, storage="sidecar", request=str(op),
+                                            host=self.host))
 
     def _hello(self, rank: int, args: dict[str, Any]) -> dict[str, Any]:
         return {"host": self.host, "rank": rank, "area": str(self.area),
