@@ -481,8 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             run.ahead.close()
         run.collector.close()  # the reference run below is not a recovery's
     run.ckpt.close()
-    if run.faults.returning is not None:
-        run.faults.returning.join()
+    run.faults.close()
     jlog.write(event="trained", seconds=time.perf_counter() - t0,
                final_step=max(run.losses, default=0), recoveries=run.recoveries)
     if args.reference:
