@@ -6,8 +6,11 @@ save still being written at exit (finished by :mod:`mtc.lifecycle`) could not
 get the writer threads it needed, and was lost. This pool's threads exist from
 the start: work submitted during interpreter exit runs like any other.
 
-Its threads are daemons (an unclosed pool never holds up exit); the owner
-joins them with :meth:`ThreadPool.shutdown`.
+A pool is a lifecycle primitive of its own: its threads are started through a
+:class:`~mtc.lifecycle.Threads` group it owns, and :meth:`ThreadPool.shutdown`
+joins them (raising a thread's own error, such as its initializer's, as
+:meth:`~mtc.lifecycle.Threads.join` does). Whoever creates a pool shuts it down.
+Its threads are daemons: an unclosed pool never holds up exit.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, ParamSpec, TypeVar
 
+from mtc.lifecycle import Threads
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -27,7 +32,8 @@ _STOP = object()
 
 
 class ThreadPool(Executor):
-    """``threads`` worker threads, started now; ``initializer`` runs in each first."""
+    """``threads`` worker threads, started now; ``initializer`` runs in each first.
+    :meth:`shutdown` (``wait``, the default) joins them; its creator calls it."""
 
     def __init__(self, threads: int, name: str,
                  initializer: Callable[[], None] | None = None) -> None:
@@ -37,10 +43,12 @@ class ThreadPool(Executor):
         self._closed = False
         self._lock = threading.Lock()
         self._initializer = initializer
-        self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True)
-                         for i in range(threads)]
-        for t in self._threads:
-            t.start()
+        self._size = threads
+        self._threads = Threads(name)
+        for i in range(threads):
+            # A daemon: a pool nobody shut down must not hold the interpreter at exit
+            # (a manager's is finished and shut down by mtc.lifecycle's exit hook).
+            self._threads.start(self._run, f"{name}_{i}", daemon=True)
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         fut: Future[T] = Future()
@@ -62,12 +70,11 @@ class ThreadPool(Executor):
                     except queue.Empty:
                         break
                     item[0].cancel()
-            for _ in self._threads:
+            for _ in range(self._size):
                 self._work.put(_STOP)
         if wait:
-            for t in self._threads:
-                if t is not threading.current_thread():
-                    t.join()
+            # Not the calling thread when it is one of the pool's (Threads.wait skips it).
+            self._threads.join()
 
     def _run(self) -> None:
         if self._initializer is not None:

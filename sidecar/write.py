@@ -29,6 +29,7 @@ import numpy as np
 from mtc import layout
 from mtc.errors import MtcError, RamDiskFullError, StepExistsError, StorageError
 from mtc.integrity import crc32c
+from mtc.lifecycle import Threads
 from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
 from mtc.pool import ThreadPool, lower_thread_priority
 from mtc.sidecar.reserve import Reserve, fill_while
@@ -171,17 +172,19 @@ class Writer:
         # gets no new ones from Python 3.12 on.
         self._pool = ThreadPool(threads, "mtc-write", initializer=lower_thread_priority)
         self._jobs: queue.SimpleQueue[HostSave | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="mtc-commit", daemon=True)
-        self._thread.start()
         # Per root: blank files for its next save, all filled by one thread.
         self._reserve = reserve
         self._reserves: dict[Path, Reserve] = {}
         self._reserves_lock = threading.Lock()
         self._fill_wake = threading.Event()
         self._closing = threading.Event()
-        self._filler = threading.Thread(target=self._fill, name="mtc-reserve-writer",
-                                        daemon=True)
-        self._filler.start()
+        # The commit thread and the reserve's filler, joined by close(). Daemons: the
+        # saves of a writer nobody closed are finished at exit by mtc.lifecycle's
+        # hook (which closes it); one that hook never reaches must not hold the
+        # interpreter up forever.
+        self._threads = Threads("mtc-writer")
+        self._commit = self._threads.start(self._run, "mtc-commit", daemon=True)
+        self._threads.start(self._fill, "mtc-reserve-writer", daemon=True)
 
     def reserve_for(self, root: Path) -> Reserve:
         """The blank files set aside for the next saves into ``root``."""
@@ -203,15 +206,17 @@ class Writer:
         self._jobs.put(save)
 
     def close(self) -> None:
+        """Finish the saves submitted, then join every thread of the writer; a
+        thread's own error (not a save's: that goes to its future) is raised."""
         self._jobs.put(None)
-        self._thread.join()
+        self._commit.join()  # its last save still writes on the pool and the reserve
         self._pool.shutdown()
         with self._reserves_lock:
             for r in self._reserves.values():
                 r.stop()
         self._closing.set()
         self._fill_wake.set()
-        self._filler.join()
+        self._threads.join()
 
     def _run(self) -> None:
         while True:

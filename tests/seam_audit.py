@@ -42,9 +42,10 @@ _EVENTS = {"open", "os.listdir", "os.scandir", "os.rename", "os.remove", "os.rmd
            "shutil.rmtree", "shutil.copyfile", "shutil.move"}
 _PKG = Path(__file__).resolve().parents[1]
 _CONTROLLER = str(_PKG / "mtc") + os.sep
-# A thread runner, like concurrent.futures' (which sits outside mtc/): it runs what it
-# is handed, and who handed it is not on its thread's stack.
-_RUNNERS = (str(_PKG / "mtc" / "pool.py"),)
+# Thread runners, like concurrent.futures' (which sits outside mtc/): they run what
+# they are handed, and who handed it is not on their thread's stack. A pool's threads
+# start in mtc.lifecycle's thread group, which touches no file itself.
+_RUNNERS = (str(_PKG / "mtc" / "pool.py"), str(_PKG / "mtc" / "lifecycle.py"))
 # Host-side code: sidecar/, imported as mtc.sidecar.
 _HOST = (str(_PKG / "sidecar") + os.sep,)
 

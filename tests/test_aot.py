@@ -81,8 +81,31 @@ def test_ahead_compiler_runs_in_order_skips_retargeted_and_joins() -> None:
         assert c.submit("d", lambda: 1 / 0)
         assert c.wait("d", 10) and c.failed == ["d"]
     finally:
-        c.close(timeout=10)
+        assert c.close(timeout=10) is True
     assert not c._thread.is_alive()
+
+
+class _Interrupt(BaseException):
+    """Not an ``Exception``: a job's failure the compiler does not drop."""
+
+
+def test_the_compiler_thread_is_joined_at_close_and_its_error_raised() -> None:
+    c = aot.AheadCompiler(name="t-compile-ahead")
+    assert c.submit("a", lambda: None) and c.wait("a", 10)
+    assert c.close(10) is True
+    assert "t-compile-ahead" not in {t.name for t in threading.enumerate()}
+
+    broken = aot.AheadCompiler(name="t-compile-ahead-broken")
+    started = threading.Event()
+
+    def interrupted() -> None:
+        started.set()
+        raise _Interrupt("compile interrupted")
+
+    assert broken.submit("a", interrupted) and started.wait(10)  # else close skips it
+    with pytest.raises(_Interrupt, match="compile interrupted"):  # not lost with its thread
+        broken.close(10)
+    assert "t-compile-ahead-broken" not in {t.name for t in threading.enumerate()}
 
 
 def test_lowered_priority_puts_the_thread_back() -> None:

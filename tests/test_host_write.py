@@ -272,3 +272,37 @@ def test_a_save_aborted_while_staging_releases_its_shards(tmp_path: Path) -> Non
     finally:
         writer.close()
     assert os.listdir(tmp_path) == [] and released == [0]
+
+
+# -- the writer's threads ------------------------------------------------------------------
+
+
+def test_close_joins_every_thread_the_writer_started(tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+    writer = Writer(2)
+    started = set(threading.enumerate()) - before
+    assert sorted(t.name for t in started) == ["mtc-commit", "mtc-reserve-writer",
+                                               "mtc-write_0", "mtc-write_1"]
+    try:
+        save = save_of(tmp_path, 1, [np.arange(4, dtype=np.float32)])
+        writer.submit(save)
+        save.done.result(10)
+    finally:
+        writer.close()
+    assert [t.name for t in started if t.is_alive()] == []
+
+
+def test_a_writer_thread_that_failed_raises_its_error_at_close(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The filler's loop catches the OSErrors filling can meet; no real fault makes
+    # it raise, so the loop itself is replaced by one that does.
+    def broken(*args: object) -> None:
+        raise RuntimeError("filler broke")
+
+    monkeypatch.setattr("mtc.sidecar.write.fill_while", broken)
+    before = set(threading.enumerate())
+    writer = Writer(1)
+    started = set(threading.enumerate()) - before
+    with pytest.raises(RuntimeError, match="filler broke"):
+        writer.close()
+    assert [t.name for t in started if t.is_alive()] == []  # joined before it was raised

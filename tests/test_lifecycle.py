@@ -1,12 +1,15 @@
 """mtc.lifecycle: a manager nobody closed has its saves finished when it is collected,
 never on the thread that dropped it (which may be one its saves need); services are
 started in order with one thread group, stopped and closed in reverse with every
-thread joined between, and a thread that fails says so."""
+thread joined between, and a thread that fails says so; library code starts no
+thread outside a group."""
 
 from __future__ import annotations
 
+import ast
 import gc
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -156,3 +159,40 @@ def test_join_waits_for_every_thread_within_its_timeout() -> None:
     assert len(group.alive()) == 3
     release.set()
     assert group.join(10) is True and group.alive() == []
+
+
+# -- no thread started outside the lifecycle ------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+# Where a thread may still be made by hand: the group itself, and (until it is moved
+# onto a group, with the host side's colocated server) the colocated warm-up thread.
+STARTS_THREADS = {"mtc/lifecycle.py", "sidecar/host/colocated.py"}
+
+
+def _threads_made(path: Path) -> list[str]:
+    """Where ``path`` makes a thread itself: ``threading.Thread(...)`` or ``Timer``,
+    however imported, or a class of its own derived from them."""
+    made = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            targets = [node.func]
+        elif isinstance(node, ast.ClassDef):
+            targets = list(node.bases)
+        else:
+            continue
+        for f in targets:
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) \
+                else ""
+            if name in ("Thread", "Timer"):
+                made.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
+    return made
+
+
+def test_library_threads_are_started_only_through_a_thread_group() -> None:
+    found = [f for top in ("mtc", "sidecar", "trainer")
+             for p in sorted((REPO / top).rglob("*.py"))
+             if str(p.relative_to(REPO)) not in STARTS_THREADS and "_pb2" not in p.name
+             for f in _threads_made(p)]
+    assert found == [], "start these through mtc.lifecycle.Threads (joined by their owner)"
+    # The check finds what it looks for.
+    assert [f.split()[-1] for f in _threads_made(REPO / "mtc" / "lifecycle.py")] == ["Thread"]

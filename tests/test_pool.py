@@ -89,3 +89,19 @@ def test_work_submitted_at_interpreter_exit_runs() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "40"
+
+
+def test_shutdown_joins_the_threads_and_raises_an_initializer_error() -> None:
+    def broken() -> None:
+        raise OSError("no such priority")
+
+    pool = ThreadPool(2, "t-pool-init")
+    names = {"t-pool-init_0", "t-pool-init_1"}
+    assert names <= {t.name for t in threading.enumerate()}
+    pool.shutdown()
+    assert not names & {t.name for t in threading.enumerate()}
+
+    bad = ThreadPool(1, "t-pool-bad", initializer=broken)
+    with pytest.raises(OSError, match="no such priority"):  # not lost with its thread
+        bad.shutdown()
+    assert "t-pool-bad_0" not in {t.name for t in threading.enumerate()}

@@ -1,15 +1,19 @@
 """mtc.testing's multi-controller jobs: docs/testing.md's script as written, one JAX
 process per host inside the host, resumes after a host's RAM disk is wiped where an
-uninterrupted job ends."""
+uninterrupted job ends; the job's output readers are joined."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 from doc_blocks import python_block
 
 from mtc.testing import ScriptError, local_cluster
+from mtc.testing.jobs import _wait
 
 pytestmark = pytest.mark.process  # hosts and JAX processes
 
@@ -49,3 +53,19 @@ def test_a_job_resumes_after_a_wiped_host(tmp_path: Path) -> None:
                            "== '1'))\n")
         with pytest.raises(ScriptError, match=r"(?s)'process 1 on host 1'.*exit status 3"):
             cluster.run_job([str(failing)])
+
+
+def test_the_output_readers_are_joined_and_a_reader_error_is_raised() -> None:
+    threads = {t.name for t in threading.enumerate()}
+    say = [subprocess.Popen([sys.executable, "-c", f"print({k})"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+           for k in range(2)]
+    assert _wait(say, 60) == [("0\n", ""), ("1\n", "")]
+    assert {t.name for t in threading.enumerate()} <= threads  # no mtc-job-* reader left
+    # Output that is not text (run_job reads it as text): its reader fails, loudly.
+    garbled = [subprocess.Popen([sys.executable, "-c", "import sys; sys.stdout.buffer."
+                                 "write(bytes([255]))"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)]
+    with pytest.raises(UnicodeDecodeError):
+        _wait(garbled, 60)
+    assert {t.name for t in threading.enumerate()} <= threads

@@ -7,7 +7,8 @@ of :mod:`mtc.trainer.model` on 8 CPU devices (``replica`` axis across slices,
 checkpointing with mtc to the cluster's simulated hosts, and injects host and
 slice losses (``--help``). It is a user of :mod:`mtc.elastic`: the in-memory
 snapshot is an ``mtc.elastic.Snapshotter`` fed by the compiled step's own copy;
-ahead-of-time builds are ``mtc.elastic.compile_ahead``'s; pathwaysutils is patched
+ahead-of-time builds are ``mtc.elastic.compile_ahead``'s (queued by
+:mod:`mtc.trainer.ahead`); pathwaysutils is patched
 for CPU slices by ``mtc.elastic.patched`` for the run and put back after.
 
 The loop waits for each step's loss, then dispatches the next step before doing
@@ -19,7 +20,8 @@ before; the staged host loss follows its save before the next step is dispatched
 The demo's own parts: the fault schedule (:mod:`mtc.trainer.schedule`) and its
 staging (:mod:`mtc.trainer.staging`), the meshes
 (:mod:`mtc.trainer.meshes`), where to recover from
-(:func:`mtc.trainer.policy.recovery_source`) and the report
+(:func:`mtc.trainer.policy.recovery_source`, taken by :mod:`mtc.trainer.resume`)
+and the report
 (:mod:`mtc.trainer.report`). What it does, failure by failure: docs/elastic-demo.md.
 """
 
@@ -45,6 +47,7 @@ from pathwaysutils.elastic import manager as pw_manager
 import mtc
 import mtc.elastic
 from mtc.elastic import compile_ahead as aot
+from mtc.trainer.ahead import queue_ahead
 from mtc.trainer.checkpoints import MeshCheckpoints
 from mtc.trainer.cluster import LocalCluster
 from mtc.trainer.collector import CollectorClock
@@ -55,9 +58,10 @@ from mtc.trainer.faults import HostFaults
 from mtc.trainer.jsonlog import JsonLog
 from mtc.trainer.meshes import SliceMeshes, Slices
 from mtc.trainer.model import Config, State, Trainer, count_params
-from mtc.trainer.policy import pause_seconds, recovery_source
+from mtc.trainer.policy import pause_seconds
 from mtc.trainer.recovery import Recovery
 from mtc.trainer.reference import against_reference
+from mtc.trainer.resume import StateSources
 from mtc.trainer.schedule import FaultSchedule
 from mtc.trainer.staging import StagedFaults
 
@@ -109,9 +113,12 @@ class ElasticRun:
         self.schedule: dict[int, Slices] = {}  # the mesh each step ran on
         self.losses: dict[int, float] = {}
         self.first_losses: dict[int, float] = {}  # losses of steps later replayed
+        self.sources = StateSources(args, total_slices=self.cluster.slices, meshes=self.meshes,
+                                    ckpt=self.ckpt, snapshotter=self.snapshotter,
+                                    faults=self.faults, staged=self.staged,
+                                    schedule=self.schedule)
         self.gc_frozen = False
         self.collector = CollectorClock()  # the collector's share of each restore
-        self.restore_split: dict[str, float] = {}  # the last recovery's mtc restore, split
         # The last completed step, its host side (snapshot, save, record) not done
         # yet: with the per-step snapshot it is done while the next step runs.
         self.unfinished: Finished | None = None
@@ -125,26 +132,11 @@ class ElasticRun:
         return self.meshes.trainer(slices)
 
     def compile_ahead(self, slices: Slices) -> None:
-        """Queue the programs of every mesh replica resize can reach from ``slices``
-        (and back up) on the background compiler; drop queued ones no longer wanted."""
-        if self.ahead is None:
-            return
-        targets = aot.ahead_meshes(slices, self.cluster.slices, self.args.compile_ahead)
-        names = aot.names(targets)
-        self.ahead.retarget(names)
-        for m, name in zip(targets, names, strict=True):
-            def job(m: Slices = m) -> None:
-                t = self.trainer(m)
-                for program in (self.program, "wrap_rng"):
-                    if not t.ready(program):
-                        built = t.prepare(program, ahead=True, nice=self.args.compile_ahead_nice)
-                        assert self.ahead is not None
-                        self.ahead.wait_released()  # no warm-up while a recovery runs
-                        warm = t.warm_up(program) if program != "wrap_rng" else 0.0
-                        self.log.write(event="compiled_ahead", slices=list(m), program=program,
-                                       source=built.source, seconds=built.seconds,
-                                       warm_up_s=warm)
-            self.ahead.submit(name, job)
+        """Queue what replica resize can reach from ``slices`` (:mod:`mtc.trainer.ahead`)."""
+        if self.ahead is not None:
+            queue_ahead(self.ahead, self.meshes, slices, total=self.cluster.slices,
+                        depth=self.args.compile_ahead, program=self.program,
+                        nice=self.args.compile_ahead_nice, log=self.log)
 
     # -- the elastic loop ------------------------------------------------------------------
 
@@ -224,7 +216,7 @@ class ElasticRun:
             # (the previous one's saves finished first), then the state itself.
             rec.detail["restore_detail"] = {"checkpoint_manager_s": t_mgr - t0,
                                             "state_s": time.perf_counter() - t_mgr,
-                                            **self.restore_split,
+                                            **self.sources.restore_split,
                                             # Within both: the garbage collector's.
                                             "collector_s": self.collector.seconds - collected_s,
                                             "full_collections": self.collector.full - full}
@@ -241,62 +233,16 @@ class ElasticRun:
 
     def recover(self, trainer: Trainer, mgr: mtc.CheckpointManager, rec: Recovery | None,
                 slices: Slices) -> State:
-        """The state to continue from, from the source
-        :func:`~mtc.trainer.policy.recovery_source` picks."""
-        latest = self.snapshotter.latest
-        if rec is None and latest is None:
+        """The state to continue from: a new one at the start, else from the source
+        :func:`~mtc.trainer.policy.recovery_source` picks (:mod:`mtc.trainer.resume`)."""
+        if rec is None and self.snapshotter.latest is None:
             state = trainer.init(self.args.seed)
             self.log.write(event="init", params=count_params(state["params"]))
             mgr.save(0, state, force=True)
             self.last_saved = 0
             return state
         assert rec is not None
-        self.restore_split = {}
-        if rec.kind == "host_loss":  # the sender is dead: what its peer holds is final
-            t0 = time.perf_counter()
-            rec.detail["save_on_peer_before_restore"] = self.faults.peer_copy(
-                rec.detail["host"], rec.detail["save_step"])
-            # And the save before it: the newest step mtc can restore when the lost
-            # save's copy never made it (copies are made after the commit, so a loss
-            # soon after one save may find that one's copy unfinished too).
-            earlier = rec.detail["save_step"] - self.args.save_interval
-            rec.detail["earlier_save_on_peer_before_restore"] = (
-                earlier >= 0 and self.faults.peer_copy(rec.detail["host"], earlier))
-            rec.detail["save_failed"] = rec.detail["save_step"] in self.ckpt.failed_saves
-            self.restore_split["peer_copy_check_s"] = time.perf_counter() - t0
-        healthy = [d for d in self.meshes.devices_of_slices(slices)
-                   if d.id not in self.staged.snapshot_lost]
-        complete = latest is not None and self.snapshotter.covers(healthy)
-        if latest is not None and not complete:
-            rec.detail["snapshot_incomplete_on_survivors"] = True
-        snapshot_step = latest.step if complete and latest is not None else None
-        source = recovery_source(full=len(slices) == self.cluster.slices,
-                                 scale_up=rec.kind == "scale_up", snapshot_step=snapshot_step,
-                                 last_saved=self.last_saved, failed_saves=self.ckpt.failed_saves)
-        if source == "mtc":
-            t0 = time.perf_counter()
-            state = dict(mgr.restore(None, trainer.abstract_state()))
-            self.restore_split.update(
-                {f"mtc_{k}_s": v for k, v in mgr.last_restore_seconds.items()})
-            self.restore_split["mtc_restore_s"] = time.perf_counter() - t0
-            tiers = sorted(set(mgr.last_restore_tiers.values()))
-            rec.tier = next((t for t in ("backup", "peer", "local") if t in tiers), "local")
-            rec.detail["host_tiers"] = {str(self.meshes.hosts_of(slices)[h]): t
-                                        for h, t in mgr.last_restore_tiers.items()}
-            if snapshot_step is None or state["step"] >= snapshot_step:
-                return state
-            # The save of the snapshot's step did not survive the failure.
-            rec.detail["mtc_restored_step"] = state["step"]
-            source = "snapshot"
-        if source == "snapshot":
-            rec.tier = "memory"
-            return dict(self.snapshotter.load(trainer.abstract_state(),
-                                              reset_snapshot_state=False, devices=healthy))
-        # No snapshot, resized: the newest step on every surviving host's RAM disk;
-        # scaled up: the newest the slices that kept training saved, resharded.
-        rec.tier = "local"
-        src = self.schedule[rec.step_at_failure] if rec.kind == "scale_up" else slices
-        return self.ckpt.restore_from_ramdisks(src, trainer)
+        return self.sources.restore(trainer, mgr, rec, slices, self.last_saved)
 
     def train(self, trainer: Trainer, mgr: mtc.CheckpointManager, state: State,
               slices: Slices, resave: bool = False) -> None:
@@ -481,8 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             run.ahead.close()
         run.collector.close()  # the reference run below is not a recovery's
     run.ckpt.close()
-    if run.faults.returning is not None:
-        run.faults.returning.join()
+    run.faults.close()
     jlog.write(event="trained", seconds=time.perf_counter() - t0,
                final_step=max(run.losses, default=0), recoveries=run.recoveries)
     if args.reference:

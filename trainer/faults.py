@@ -14,6 +14,7 @@ from typing import Any
 import jax
 from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
+from mtc.lifecycle import Threads
 from mtc.trainer.cluster import LocalCluster
 from mtc.trainer.jsonlog import JsonLog
 
@@ -115,7 +116,8 @@ class HostFaults:
         self.sim: SliceLossSimulator | None = None
         self.lost_slices: set[int] = set()
         self.returned_t: float | None = None  # when the last lost hosts were back
-        self.returning: threading.Thread | None = None
+        # The returns of lost hosts (bring_back), joined by close().
+        self.threads = Threads("host-faults")
         # Guards lost_slices, replacing and returns; notified when hosts are back.
         self.changed = threading.Condition()
         self.replacing: set[int] = set()  # slices whose hosts are being replaced
@@ -191,8 +193,13 @@ class HostFaults:
                 self.changed.notify_all()
             self.log.write(event="returned", hosts=hosts, slice=slice_)
 
-        self.returning = threading.Thread(target=run, name="host-return", daemon=True)
-        self.returning.start()
+        # A daemon: a trainer that fails exits without waiting for its hosts to return.
+        self.threads.start(run, "host-return", daemon=True)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait for the hosts on their way back (:meth:`bring_back`); whether they all
+        returned within ``timeout``. A return that failed raises its error."""
+        return self.threads.join(timeout)
 
     def replacing_slices(self) -> set[int]:
         with self.changed:

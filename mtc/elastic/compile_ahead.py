@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 
+from mtc.lifecycle import Threads
 from mtc.pool import name_native_thread
 
 log = logging.getLogger("mtc.elastic.compile_ahead")
@@ -199,8 +200,10 @@ class AheadCompiler:
         # from the restore and the first step, the critical path).
         self._released = threading.Event()
         self._released.set()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        # A daemon: XLA's compile cannot be interrupted, and ``close(timeout)`` may
+        # return with one still running; it must not hold the interpreter at exit.
+        self._threads = Threads(name)
+        self._thread = self._threads.start(self._run, name, daemon=True)
 
     def submit(self, name: str, job: Callable[[], Any]) -> bool:
         """Queue ``job`` unless a job of this name is queued, or ran and succeeded."""
@@ -240,12 +243,14 @@ class AheadCompiler:
         warm-up): returns once nothing holds the compiler, or it is closing."""
         self._released.wait()  # close() sets it too
 
-    def close(self, timeout: float | None = None) -> None:
-        """Drop the jobs not started, wait for the one running."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Drop the jobs not started, join the thread (``timeout``: waiting for the
+        job running at most that long); whether it ended. The thread's own error
+        (a job's is logged and dropped) is raised."""
         self._stop.set()
         self._released.set()
         self._jobs.put(None)
-        self._thread.join(timeout)
+        return self._threads.join(timeout)
 
     def _end(self, name: str) -> None:
         with self._finished:

@@ -13,12 +13,12 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mtc.lifecycle import Threads
 from mtc.ports import free_ports
 from mtc.testing.cluster import LOG_TAIL_CHARS, ScriptError, TestCluster
 
@@ -99,10 +99,9 @@ def _wait(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str,
     def read(k: int) -> None:
         outs[k] = procs[k].communicate()
 
-    readers = [threading.Thread(target=read, args=(k,), name=f"mtc-job-{k}")
-               for k in range(len(procs))]
-    for t in readers:
-        t.start()
+    readers = Threads("mtc-job-readers")  # joined below, once every process exited
+    for k in range(len(procs)):
+        readers.start(read, f"mtc-job-{k}", k)
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if any(p.returncode not in (None, 0) for p in procs):
@@ -111,8 +110,7 @@ def _wait(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str,
     for p in procs:
         if p.poll() is None:
             p.kill()
-    for t in readers:
-        t.join()
+    readers.join()  # a reader's own error is raised
     return outs
 
 
