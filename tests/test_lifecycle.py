@@ -164,9 +164,8 @@ def test_join_waits_for_every_thread_within_its_timeout() -> None:
 # -- no thread started outside the lifecycle ------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-# Where a thread may still be made by hand: the group itself, and (until it is moved
-# onto a group, with the host side's colocated server) the colocated warm-up thread.
-STARTS_THREADS = {"mtc/lifecycle.py", "sidecar/host/colocated.py"}
+# Where a thread may be made by hand: the group itself.
+STARTS_THREADS = {"mtc/lifecycle.py"}
 
 
 def _threads_made(path: Path) -> list[str]:

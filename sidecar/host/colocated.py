@@ -53,6 +53,7 @@ import numpy as np
 from mtc import slots, transfer
 from mtc.contract import error_fields
 from mtc.errors import ColocatedCallError, MtcError, ProtocolError
+from mtc.lifecycle import Threads
 from mtc.pool import ThreadPool
 from mtc.ports import free_ports
 from mtc.shards import ShardLayout
@@ -169,9 +170,10 @@ class ColocatedServer:
                                             self._address, str(self._others)])
         self._ready = threading.Event()
         self._warm_error: BaseException | None = None
-        self._warm = threading.Thread(target=self._start_jax, name="mtc-colocated-warm",
-                                      daemon=True)
-        self._warm.start()
+        # A daemon: JAX's start may hang on a peer that never comes (the ghost), and
+        # a sidecar that is told to exit must not wait for it.
+        self._threads = Threads("mtc-colocated")
+        self._threads.start(self._start_jax, "mtc-colocated-warm", daemon=True)
 
     def _start_jax(self) -> None:
         try:
@@ -212,7 +214,7 @@ class ColocatedServer:
     def close(self) -> None:
         """Ends the other process (JAX takes SIGTERM as a preemption notice); the
         reply slots' files go (a controller's mappings keep their pages)."""
-        self._warm.join()
+        self._threads.join(reraise=False)  # its error is every call's answer (execute)
         self._release.shutdown(wait=True)
         with self._run:
             while self._replies:
