@@ -41,7 +41,7 @@ class ReplicatorConfig:
     # Own steps not on every target for longer than this: a WARNING, the identity's
     # replication_late (mtc status, the managers' logs) and mtc_unreplicated_seconds.
     replication_warn_s: float = 120.0
-    # Blank RAM-disk files set aside for the next peer copy (sidecar/reserve.py).
+    # Blank RAM-disk files set aside for the next peer copy (sidecar/storage/reserve.py).
     reserve: bool = True
     # Held copies read again in the background (sidecar/replicator/copies/scrub.py), at
     # most this many bytes a second on average; 0: no scrub.

@@ -70,7 +70,7 @@ class Restarts(Worker):
     def hold_commit(step: int) -> None:
         """This process's host never commits ``step``: its writer waits at the commit
         (until the process is killed)."""
-        from mtc.sidecar import write
+        from mtc.sidecar.save import write
 
         commit = write.publish
 

@@ -102,7 +102,7 @@ class GrpcData:
             dst = inside(t.tmp, meta.path)
             dst.unlink(missing_ok=True)
             value = got = 0
-            # New (or set aside for it, mtc.sidecar.reserve), part by part without following
+            # New (or set aside for it, mtc.sidecar.storage.reserve), part by part without following
             # a symlink.
             fd = self.parts.blanks.open_new(t.tmp, meta.path, meta.size, t.origin)
             with os.fdopen(fd, "wb", buffering=0) as f:

@@ -12,7 +12,7 @@ disk through a filesystem. With mutual TLS and certificates this process reads
 as ranks (``mtc-rank-<r>``, or a JobSet pod's name once the manager was told how
 the job names its pods: ``Options.replicator_pod_names``), a replicator's copy
 of another rank's data is read only when proven that rank's
-(:mod:`.replicator.copies.provenance`), and each file of it is checked against
+(:mod:`..replicator.copies.provenance`), and each file of it is checked against
 the SHA-256 its origin signed.
 """
 
