@@ -25,13 +25,14 @@ from replicator_certs import make_ca, make_leaf, tls_cluster, write_pem
 from replicators import Cluster, flip, new_cluster
 
 from mtc.contract import decode_reply, encode_request
+from mtc.credentials import TOKEN_HEADER, Credentials
 from mtc.errors import ShardUnavailableError
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire import data_admission
 from mtc.sidecar.replicator.wire import datachannel as dc
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.restore.peers import PeerFiles
 
 pytestmark = pytest.mark.process  # every test here starts processes

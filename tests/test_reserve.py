@@ -20,15 +20,16 @@ from pathlib import Path
 import pytest
 from replicators import commit_raw_step
 
+from mtc.credentials import Credentials
 from mtc.errors import UnsafePathError
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.wire import datachannel as dc
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.replicator.wire.server import serve
 from mtc.sidecar.storage.reserve import Reserve, plan_reserve, reserved_bytes
 

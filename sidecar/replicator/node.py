@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from mtc.credentials import Credentials
 from mtc.lifecycle import Service, Threads
 from mtc.sidecar.backup.duties import BackupDuties
 from mtc.sidecar.backup.schedule import BackupScheduler
@@ -43,7 +44,6 @@ from mtc.sidecar.replicator.selfcheck import ConfigCheck, PeerReach, identify
 from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.replicator.wire.parts import Parts
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.storage import spare
 from mtc.sidecar.storage.reserve import Reserve
 

@@ -26,11 +26,12 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from mtc.credentials import Credentials, names_read_here
 from mtc.errors import ConfigError, CorruptShardError, ShardUnavailableError
+from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.copies.provenance import ProofCheck, names_read_here
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.copies.provenance import ProofCheck
+from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtc import validate
+from mtc.credentials import Credentials
 from mtc.errors import (
     CorruptShardError,
     MtcError,
     StepNotFoundError,
     UnauthorizedError,
 )
+from mtc.grpc_errors import answer
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
@@ -50,13 +52,11 @@ from mtc.sidecar.replicator.wire.decode_guard import DecodeGuard
 from mtc.sidecar.replicator.wire.grpc_data import GrpcData
 from mtc.sidecar.replicator.wire.limits import BoundedHealth, Gate, Limits, Streams
 from mtc.sidecar.replicator.wire.security import (
-    Credentials,
     Identity,
     IdentityGate,
     TokenInterceptor,
     check_listen_address,
 )
-from mtc.sidecar.replicator.wire.status import answer
 from mtc.sidecar.storage.spare import room
 
 if TYPE_CHECKING:
