@@ -15,9 +15,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from mtc.contract import shard_index
+from mtc.credentials import Credentials
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.trainer.cluster import LocalCluster
 
 NUM_DEVICES = 8

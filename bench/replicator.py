@@ -14,7 +14,7 @@ Measured in the same run, on this machine's loopback and RAM disk:
   new file (``peer_copy_over_raw_file_copy``). A new tmpfs file's pages are
   allocated and cleared as they are first written, which bounds it well below the
   link; the replicator receives into blank files it set aside after the origin's
-  last copy (``sidecar/reserve.py``), so it can beat this reference.
+  last copy (``sidecar/storage/reserve.py``), so it can beat this reference.
 - ``peer_copy``: two real replicator processes (2 slices x 1 host, ``--replicas 1
   --keep 1``). A step of ``--gib`` GiB (8 MiB files of distinct pseudo-random words,
   each step distinct too, so nothing is deduplicated) is written under a temporary
@@ -429,7 +429,7 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
             "until_first_file_seconds": [round(c.first_file, 3) for c in copies],
             "transfer": summary(nbytes, data_s),
             "describe_pass": summary(nbytes, [c.describe for c in copies]),
-            # host 1's blank space set aside from the last copy's sizes (sidecar/reserve.py;
+            # host 1's blank space set aside from the last copy's sizes (sidecar/storage/reserve.py;
             # none before the first), and how long its refill took after the commit
             "reserved_bytes_before": [c.reserved_before for c in copies],
             "refill_seconds": [round(c.refill, 2) for c in copies],
@@ -440,7 +440,7 @@ def run(gib: float, samples: int, warmup: int, base: Path, *,
                          "server_seconds": [round(s, 3) for s in server_s],
                          "restart_seconds": [round(s, 2) for s in restart_s],
                          # from the restart until the replaced host had set the
-                         # restore's RAM disk aside (sidecar/reserve.py; 0: --no-reserve)
+                         # restore's RAM disk aside (sidecar/storage/reserve.py; 0: --no-reserve)
                          "reserve_ready_seconds": [round(s, 2) for s in ready_s],
                          "tiers_host0_host1": tiers},
         "local_read": summary(nbytes, read_s),

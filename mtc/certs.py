@@ -4,10 +4,10 @@ needs, outside Kubernetes (where cert-manager issues them, docs/deploy.md).
 In ``--out``: a CA of the job's own (``ca.crt``, ``ca.key``), one certificate per
 replicator rank (``rank-<r>.crt``, ``rank-<r>.key``) naming ``mtc-rank-<r>`` as a
 DNS subject alternative name (the name a replicator must bear for its rank,
-:mod:`mtc.sidecar.replicator.wire.rank_names`) and the addresses the host is dialled
+:mod:`mtc.rank_names`) and the addresses the host is dialled
 at, and the controller's (``controller.crt``, ``controller.key``), which names the
 controller's role, the DNS name ``mtc-controller``
-(:data:`~mtc.sidecar.replicator.wire.security.CONTROLLER_NAME`), and no rank; its
+(:data:`~mtc.rank_names.CONTROLLER_NAME`), and no rank; its
 subject is ``--controller-name`` (default ``mtc-controller``: only the DNS name
 is read). Keys are ECDSA P-256, written readable by their owner only; nothing is
 overwritten. Every certificate allows both TLS server and client use.
@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mtc.errors import ConfigError
-from mtc.sidecar.replicator.wire.security import CONTROLLER_NAME, rank_name, ranks_named
+from mtc.rank_names import CONTROLLER_NAME, rank_name, ranks_named
 
 LOOPBACK = ("localhost", "127.0.0.1")
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # valid a little before now: hosts' clocks differ

@@ -31,11 +31,11 @@ from mtc import layout
 from mtc.errors import LocalDirError, MtcError
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.wire.security import Credentials
+    from mtc.credentials import Credentials
 
 
 def _creds(args: argparse.Namespace) -> Credentials:
-    from mtc.sidecar.replicator.wire.security import Credentials
+    from mtc.credentials import Credentials
 
     return Credentials.from_files(args.token_file, args.tls_cert, args.tls_key, args.tls_ca)
 

@@ -64,8 +64,8 @@ def read_pod_names(options: Options) -> None:
     names = options.replicator_pod_names
     if names is None:
         return
-    from mtc.sidecar.replicator.copies.provenance import names_read_here
-    from mtc.sidecar.replicator.wire.rank_names import PodNames, use_pod_names
+    from mtc.credentials import names_read_here
+    from mtc.rank_names import PodNames, use_pod_names
 
     use_pod_names(PodNames(*names))
     creds = credentials(options)

@@ -43,8 +43,8 @@ class Side(enum.Enum):
     """The part of a host's side that answers an operation."""
 
     ROOT = "mtc.sidecar.ops.HostOps"  # lists, reads, deletes under the RAM disk
-    SAVES = "mtc.sidecar.agent.HostAgent"  # stages and writes saves
-    LOADS = "mtc.sidecar.load.ShardLoader"  # reads a restore's regions, verified
+    SAVES = "mtc.sidecar.save.agent.HostAgent"  # stages and writes saves
+    LOADS = "mtc.sidecar.restore.load.ShardLoader"  # reads a restore's regions, verified
     SIDECAR = "mtc.sidecar.host.service.HostService"  # the sidecar process itself
 
 

@@ -241,7 +241,7 @@ class Options:
             self._check_pod_names()
 
     def _check_pod_names(self) -> None:
-        from mtc.sidecar.replicator.wire.rank_names import PodNames
+        from mtc.rank_names import PodNames
 
         names = self.replicator_pod_names
         if not (isinstance(names, tuple) and len(names) == 2 and isinstance(names[0], str)

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 from mtc.errors import AgreementError, ConfigError, MtcError
 
 if TYPE_CHECKING:
+    from mtc.credentials import Credentials
     from mtc.options import Options
     from mtc.proto import replicator_pb2 as pb
     from mtc.sidecar.replicator.wire.client import PeerClient
-    from mtc.sidecar.replicator.wire.security import Credentials
     from mtc.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def prepare_restore(addresses: Sequence[str], *, token: str | None,
     once it is agreed and brings the data in the background (``pending``); ask
     it again with the returned ``restore_id`` to wait for the data. ``ranks``: each
     address's replicator rank (default: its position), which errors name."""
-    from mtc.sidecar.replicator.wire.security import Credentials
+    from mtc.credentials import Credentials
 
     if creds is None:
         creds = Credentials(token=token)
@@ -161,9 +161,8 @@ def _prepare_one(client: PeerClient, rid: str, deadline: float,
                  background: bool) -> Any:
     """PrepareRestore on one replicator, sent again while it is unreachable
     (restarting) and time is left; any other error is raised as its domain type."""
+    from mtc.grpc_errors import PeerError, is_retryable
     from mtc.proto import replicator_pb2 as pb
-    from mtc.sidecar.replicator.wire.client import PeerError
-    from mtc.sidecar.replicator.wire.status import is_retryable
 
     while True:
         left = deadline - time.monotonic()
@@ -219,8 +218,8 @@ def request_backup(address: str, *, token: str = "", creds: Credentials | None =
 def _client(address: str, token: str, creds: Credentials | None, rank: int,
             deadline_s: float) -> Iterator[PeerClient]:
     """A client of one replicator, closed on the way out."""
+    from mtc.credentials import Credentials
     from mtc.sidecar.replicator.wire.client import PeerClient
-    from mtc.sidecar.replicator.wire.security import Credentials
 
     client = PeerClient(address, creds or Credentials(token=token), rank=rank,
                         deadline_s=deadline_s)
@@ -301,7 +300,7 @@ class ReplicatorTier:
 def credentials(options: Options) -> Credentials:
     """The replicators' shared token and, with ``replicator_tls``, this process's
     certificate (mutual TLS)."""
-    from mtc.sidecar.replicator.wire.security import Credentials
+    from mtc.credentials import Credentials
 
     tls = options.replicator_tls
     cert, key, ca = (Path(p) for p in tls) if tls else (None, None, None)

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 from mtc.errors import ConfigError
 
 if TYPE_CHECKING:
+    from mtc.credentials import Credentials
     from mtc.proto import replicator_pb2 as pb
     from mtc.sidecar.replicator.wire.client import PeerClient
-    from mtc.sidecar.replicator.wire.security import Credentials
 
 log = logging.getLogger("mtc.manager")
 ASK_DEADLINE_S = 2.0  # a replicator on its own host answers its identity in ms
@@ -130,8 +130,8 @@ class ReplicatorWatch:
             return list(pool.map(self._ask, hosts))
 
     def _ask(self, host: int) -> Seen:
+        from mtc.grpc_errors import PeerError
         from mtc.proto import replicator_pb2 as pb
-        from mtc.sidecar.replicator.wire.client import PeerError
 
         c = self._clients[host]
         try:

@@ -2,7 +2,7 @@
 
 pyproject.toml's ``package-dir`` installs the design card's folders ``sidecar/``
 and ``trainer/`` as ``mtc.sidecar`` and ``mtc.trainer``. mypy names a file by the
-folders above it (``sidecar/agent.py`` would be ``sidecar.agent``) and cannot
+folders above it (``sidecar/save/agent.py`` would be ``sidecar.save.agent``) and cannot
 follow an editable install's import hook, so this script hands it every file
 with the module name the installed package gives it: mypy, ruff and Python see
 the same modules under the same names.

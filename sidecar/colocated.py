@@ -36,10 +36,10 @@ from mtc.contract import (
 from mtc.errors import MtcError
 from mtc.operations import STEPS, SURVEY
 from mtc.shards import device_order, place
-from mtc.sidecar.agent import HostAgent
-from mtc.sidecar.colocated_load import load_regions
 from mtc.sidecar.ops import HostOps
-from mtc.sidecar.write import clear_frames
+from mtc.sidecar.restore.colocated_load import load_regions
+from mtc.sidecar.save.agent import HostAgent
+from mtc.sidecar.save.write import clear_frames
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class ColocatedAgent:
 
     def load(self, request: jax.Array, ranks: jax.Array) -> list[jax.Array]:
         """A restore's arrays, this worker's shards read from its own files
-        (:mod:`mtc.sidecar.colocated_load`). A failure is kept for the ``error``
+        (:mod:`mtc.sidecar.restore.colocated_load`). A failure is kept for the ``error``
         request, as a worker's exception reaches the controller untyped."""
         try:
             return load_regions(request, ranks, self.ops.config.root)

@@ -36,12 +36,12 @@ from mtc.errors import (
 )
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.operations import Side
-from mtc.sidecar.load import Remote, ShardLoader, check_tasks
-from mtc.sidecar.reserve import reserved_bytes
+from mtc.sidecar.restore.load import Remote, ShardLoader, check_tasks
+from mtc.sidecar.save.write import WRITER_RESERVE_DIR
 from mtc.sidecar.storage import spare
 from mtc.sidecar.storage.deleter import Deleter, clean_uncommitted, remove_step
 from mtc.sidecar.storage.publish import write_atomic
-from mtc.sidecar.write import WRITER_RESERVE_DIR
+from mtc.sidecar.storage.reserve import reserved_bytes
 
 log = logging.getLogger(__name__)
 

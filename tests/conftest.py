@@ -75,7 +75,7 @@ def ramdisk() -> Iterator[Path]:
 
 
 def _writer_threads() -> set[threading.Thread]:
-    """This process's host writers (``mtc.sidecar.write.Writer``), by their commit thread."""
+    """This process's host writers (``mtc.sidecar.save.write.Writer``), by their commit thread."""
     return {t for t in threading.enumerate() if t.name == "mtc-commit"}
 
 

@@ -19,12 +19,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from replicators import env_with_repo
 
 import mtc
+from mtc.credentials import Credentials
+from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.job import BackupStore
 from mtc.sidecar.replicator.healthcheck import check
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.testing.replicas import wait_replicated
 from mtc.trainer.isolation import Hosts
 

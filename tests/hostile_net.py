@@ -27,11 +27,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from replicators import Cluster, commit_mtc_step
 
 from mtc.contract import decode_reply, encode_request
+from mtc.credentials import TOKEN_HEADER, Credentials
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.copies import provenance
 from mtc.sidecar.replicator.store.step_files import FileMeta
-from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
 
 TOKEN = "hostile-network-test-token"
 AUTH = [(TOKEN_HEADER, TOKEN)]

@@ -29,11 +29,11 @@ from typing import Any
 import grpc
 import pytest
 
+from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.trainer.isolation import Hosts
 
 REPO = Path(__file__).resolve().parents[1]

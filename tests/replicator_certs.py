@@ -19,7 +19,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from replicators import Cluster, new_cluster
 
 from mtc import certs
-from mtc.sidecar.replicator.wire.security import CONTROLLER_NAME, Credentials, rank_name
+from mtc.credentials import Credentials
+from mtc.rank_names import CONTROLLER_NAME, rank_name
 
 
 def _name(cn: str) -> x509.Name:

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtc.credentials import Credentials
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.storage.checksum import file_crc
 from mtc.testing import replicas
 from mtc.trainer.isolation import Hosts, with_checkout

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from agreement_holdings import h, hs, own_only
 
+from mtc.credentials import Credentials
 from mtc.errors import AgreementError, ConfigError
 from mtc.ports import free_ports
 from mtc.sidecar.replicator.agree.agreement import ALIVE_CHECK_S, PROBE_S, Coordinator
@@ -25,7 +26,6 @@ from mtc.sidecar.replicator.agree.decision import Holding
 from mtc.sidecar.replicator.agree.fresh import Fresh
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.node import Node
-from mtc.sidecar.replicator.wire.security import Credentials
 
 # -- the coordinator over an in-memory transport ----------------------------------------
 

@@ -32,10 +32,10 @@ from replicators import Cluster, assert_state_equal, env_with_repo, make_state
 
 import mtc
 from mtc.errors import MtcError
+from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import prepare_restore
 from mtc.sidecar.backup.job import MANIFEST
-from mtc.sidecar.replicator.wire.client import PeerError
 from mtc.sidecar.storage.checksum import file_sha256
 
 MiB = 1 << 20

@@ -17,10 +17,12 @@ import pytest
 from replicators import Cluster, new_cluster
 from tls_certs import issue, make_ca, mount_secret
 
+from mtc.credentials import CERT_CHECK_S, Credentials
+from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
+from mtc.rank_names import rank_name
 from mtc.sidecar.replicator.healthcheck import check
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import CERT_CHECK_S, Credentials, rank_name
+from mtc.sidecar.replicator.wire.client import PeerClient
 
 pytestmark = pytest.mark.process
 
@@ -126,7 +128,7 @@ def test_a_client_that_keeps_old_certificates_is_refused(tmp_path: Path,
 
 
 def test_client_credentials_follow_the_files_and_skip_bad_ones(tmp_path: Path) -> None:
-    from mtc.sidecar.replicator.wire.security import TlsWatch
+    from mtc.credentials import TlsWatch
 
     secret = mount_secret(tmp_path / "secret", host0(make_ca("mtc-ca-1")))
     watch = TlsWatch(creds_of(secret), check_s=0.0)

@@ -16,9 +16,9 @@ from cryptography import x509
 from replicators import Cluster, env_with_repo, new_cluster
 
 from mtc import certs
+from mtc.credentials import Credentials
 from mtc.errors import ConfigError
-from mtc.sidecar.replicator.wire.rank_names import ranks_named
-from mtc.sidecar.replicator.wire.security import CONTROLLER, Credentials, identity_of
+from mtc.rank_names import CONTROLLER, identity_of, ranks_named
 
 
 def _load(path: Path) -> x509.Certificate:

@@ -20,11 +20,11 @@ from replicators import commit_mtc_step
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.quarantine import quarantine, quarantined
 from mtc.sidecar.replicator.copies import claims
 from mtc.sidecar.replicator.copies.copy_proofs import proof_path
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import REPLICA_DIR, LocalStore
+from mtc.sidecar.storage.quarantine import quarantine, quarantined
 
 SHARED = bytes(range(256)) * 64  # a data-parallel shard: both hosts saved it
 STEP = 5
@@ -113,7 +113,7 @@ def test_a_copy_missing_a_twins_file_is_put_back_from_the_twin_held_here(
 
 def test_the_sidecars_quarantine_takes_every_claim_along(tmp_path: Path) -> None:
     """A load that finds silent damage quarantines the file it read (the sidecar's
-    side, sidecar/load.py): the replicator's claim on the same bytes goes too, or
+    side, sidecar/restore/load.py): the replicator's claim on the same bytes goes too, or
     the replicator, whose cache vouches for it, would serve or put back bad bytes."""
     store, own, claimed = holder_with_a_claimed_copy(tmp_path)
     assert store.verify(0, STEP) == []  # remembered as good

@@ -277,7 +277,7 @@ def test_a_load_request_whose_output_disagrees_with_its_reads_is_refused(
 def test_a_malformed_load_request_part_is_refused() -> None:
     """A length that overruns its part, a part that is not JSON, parts naming two steps."""
     from mtc.errors import ProtocolError
-    from mtc.sidecar.colocated_load import hosts_of, requests_of
+    from mtc.sidecar.restore.colocated_load import hosts_of, requests_of
 
     devices = jax.devices()[:2]
     mesh = Mesh(np.array(devices), ("hosts",))

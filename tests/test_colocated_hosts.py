@@ -26,12 +26,12 @@ from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 from replicators import colocated_options, save_two_and_restore, sidecar_hosts
 
 import mtc
+from mtc.credentials import Credentials
 from mtc.dispatch.process import Sidecar
 from mtc.dispatch.protocol import WorkerLostError
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import ColocatedCallError
 from mtc.operations import HELLO, NoArgs
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here runs on the sidecar processes

@@ -28,7 +28,9 @@ from hostile_net import Drip
 from replicators import commit_raw_step
 from tls_certs import issue, make_ca, mount_secret
 
+from mtc.credentials import Credentials
 from mtc.errors import ConfigError
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -37,9 +39,8 @@ from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.wire import data_admission, socket_files
 from mtc.sidecar.replicator.wire import datachannel as dc
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.replicator.wire.limits import Limits
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.replicator.wire.server import serve
 from mtc.sidecar.replicator.wire.socket_files import recv_into_fd
 

@@ -27,6 +27,8 @@ from deploy_render import (
 )
 from tls_certs import health_server
 
+from mtc.credentials import Credentials
+from mtc.rank_names import CONTROLLER, PodNames, identity_of, ranks_named
 from mtc.sidecar.replicator import healthcheck
 from mtc.sidecar.replicator import main as replicator_main
 from mtc.sidecar.replicator.k8s import (
@@ -34,8 +36,6 @@ from mtc.sidecar.replicator.k8s import (
     parse_args,
     replicator_argv,
 )
-from mtc.sidecar.replicator.wire.rank_names import PodNames, ranks_named
-from mtc.sidecar.replicator.wire.security import CONTROLLER, Credentials, identity_of
 
 # Every test here renders the overlays (kubectl kustomize) or runs the images' tools.
 pytestmark = pytest.mark.process

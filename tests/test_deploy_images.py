@@ -253,7 +253,7 @@ def test_image_modules_import() -> None:
     modules = ["mtc.trainer.k8s", "mtc.trainer.model", "mtc.trainer.data", "mtc", "mtc.replicas",
                "mtc.sidecar.replicator.k8s", "mtc.sidecar.replicator.main",
                "mtc.sidecar.replicator.healthcheck",
-               "mtc.sidecar.agent", "mtc.sidecar.colocated"]
+               "mtc.sidecar.save.agent", "mtc.sidecar.colocated"]
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
     out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True,
                          timeout=120, env={**env_with_repo(), "JAX_PLATFORMS": "cpu"}, cwd=REPO)

@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2
 from replicators import env_with_repo, free_ports
 from tls_certs import health_server
 
+from mtc.credentials import Credentials
 from mtc.errors import ConfigError
 from mtc.sidecar.replicator import healthcheck
 from mtc.sidecar.replicator.k8s import (
@@ -35,7 +36,6 @@ from mtc.sidecar.replicator.k8s import (
     replicator_argv,
     write_jax_init_info,
 )
-from mtc.sidecar.replicator.wire.security import Credentials
 
 # Every test here runs the wrapper's tools or servers of its own.
 pytestmark = pytest.mark.process

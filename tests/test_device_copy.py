@@ -36,7 +36,7 @@ def _as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for module in ("mtc.save.device_copy", "mtc.dispatch.colocated", "mtc.elastic.snapshot"):
         monkeypatch.setattr(f"{module}.on_accelerator", fake)
-    monkeypatch.setattr("mtc.sidecar.agent._on_cpu", lambda x: False)
+    monkeypatch.setattr("mtc.sidecar.save.agent._on_cpu", lambda x: False)
 
 
 def test_cpu_arrays_are_not_an_accelerator_and_are_never_copied(mesh: Mesh) -> None:
@@ -153,12 +153,12 @@ def test_a_failed_transfer_fails_its_save_and_frees_the_budget(
 
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
         agent = mgr._dispatch.agent  # type: ignore[attr-defined]
-        monkeypatch.setattr("mtc.sidecar.agent.np.asarray", lost_device)
+        monkeypatch.setattr("mtc.sidecar.save.agent.np.asarray", lost_device)
         x = jax.device_put(jnp.ones((1024, 64), jnp.float32), sharding)
         assert mgr.save(1, {"x": x})
         with pytest.raises(jax.errors.JaxRuntimeError, match="DATA_LOSS"):
             mgr.wait_until_finished()
-        monkeypatch.setattr("mtc.sidecar.agent.np.asarray", real)
+        monkeypatch.setattr("mtc.sidecar.save.agent.np.asarray", real)
         assert agent.pool.held == 0
         assert mgr.save(2, {"x": x})
         mgr.wait_until_finished()

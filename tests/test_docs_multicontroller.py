@@ -28,11 +28,12 @@ import pytest
 from doc_blocks import python_block
 from replicators import env_with_repo, wait_healthy
 
+from mtc.credentials import Credentials
+from mtc.grpc_errors import PeerError
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.main import parse_args
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.testing.replicas import unreplicated
 
 REPO = Path(__file__).resolve().parents[1]

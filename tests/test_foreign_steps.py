@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from replicators import Cluster, commit_mtc_step, commit_raw_step, new_cluster
 
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.store.step_files import not_ours
 from mtc.sidecar.replicator.store.store import LocalStore
-from mtc.sidecar.replicator.wire.client import PeerError
 
 pytestmark = pytest.mark.process
 

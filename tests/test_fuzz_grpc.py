@@ -20,10 +20,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from replicators import commit_mtc_step
 
+from mtc.credentials import Credentials
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.node import Node
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.replicator.wire.server import serve
 
 UNTYPED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,

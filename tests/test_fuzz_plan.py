@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from mtc.integrity import crc32c
 from mtc.manifest import Index, LeafEntry, ShardEntry
 from mtc.restore.plan import Planner, SavedStep
-from mtc.sidecar.load import ShardLoader
+from mtc.sidecar.restore.load import ShardLoader
 from mtc.topology import Topology
 
 MESHES = [((8,), ("a",)), ((2, 4), ("a", "b")), ((4, 2), ("a", "b")), ((2, 2, 2), ("a", "b", "c"))]

@@ -29,9 +29,9 @@ import mtc
 from mtc import cli
 from mtc.errors import CorruptShardError
 from mtc.manifest import MANIFEST_NAME
-from mtc.sidecar.quarantine import QUARANTINE_DIR, quarantined
 from mtc.sidecar.replicator.store.store import REPLICA_DIR
 from mtc.sidecar.storage.checksum import file_crc
+from mtc.sidecar.storage.quarantine import QUARANTINE_DIR, quarantined
 
 QUARANTINED = "mtc_quarantined_files_total"
 

@@ -1,5 +1,5 @@
-"""The host side's write path, module by module: the staging pool (sidecar/buffers.py)
-and the writer (sidecar/write.py): every byte written and checksummed before the
+"""The host side's write path, module by module: the staging pool (sidecar/save/buffers.py)
+and the writer (sidecar/save/write.py): every byte written and checksummed before the
 rename that commits a step, and a failed save leaves nothing behind."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from mtc import layout
 from mtc.errors import RamDiskFullError, StepExistsError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
-from mtc.sidecar.buffers import StagingPool
-from mtc.sidecar.write import WRITE_CHUNK, WRITER_RESERVE_DIR, HostSave, StagedShard, Writer
+from mtc.sidecar.save.buffers import StagingPool
+from mtc.sidecar.save.write import WRITE_CHUNK, WRITER_RESERVE_DIR, HostSave, StagedShard, Writer
 
 # -- the staging pool --------------------------------------------------------------------
 
@@ -299,7 +299,7 @@ def test_a_writer_thread_that_failed_raises_its_error_at_close(
     def broken(*args: object) -> None:
         raise RuntimeError("filler broke")
 
-    monkeypatch.setattr("mtc.sidecar.write.fill_while", broken)
+    monkeypatch.setattr("mtc.sidecar.save.write.fill_while", broken)
     before = set(threading.enumerate())
     writer = Writer(1)
     started = set(threading.enumerate()) - before

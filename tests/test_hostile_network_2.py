@@ -25,14 +25,15 @@ from replicator_certs import make_ca, make_leaf, tls_cluster, write_pem
 from replicators import Cluster, flip, new_cluster
 
 from mtc.contract import decode_reply, encode_request
+from mtc.credentials import TOKEN_HEADER, Credentials
 from mtc.errors import ShardUnavailableError
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.peers import PeerFiles
 from mtc.sidecar.replicator.wire import data_admission
 from mtc.sidecar.replicator.wire import datachannel as dc
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.restore.peers import PeerFiles
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -241,7 +242,7 @@ def test_a_peer_cannot_make_another_rank_restore_bytes_it_forged(
                       data=forged)
     assert (1, 0, 777) in cl.held()  # listed, and served, by rank 1's replicator
 
-    # The controller's reads of other hosts' files (multi-controller, sidecar/peers.py).
+    # The controller's reads of other hosts' files (multi-controller, sidecar/restore/peers.py).
     peers = PeerFiles(cl.addrs, cl.creds, near=None, deadline_s=10.0)
     try:
         with pytest.raises(ShardUnavailableError):

@@ -39,13 +39,14 @@ from replicator_certs import make_ca, make_leaf, write_pem
 from replicators import Cluster, env_with_repo, free_ports
 
 from mtc import transfer
+from mtc.credentials import TOKEN_HEADER, Credentials
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.agree.book import BOOK_NAME
 from mtc.sidecar.replicator.copies import provenance
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

@@ -20,10 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from replicators import env_with_repo, save_two_and_restore, sidecar_hosts, wait_healthy
 
 import mtc
+from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here starts processes

@@ -23,13 +23,13 @@ from mtc.errors import BusyError, InvalidStepError, ProtocolError, UnsafePathErr
 from mtc.manifest import ShardEntry
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath, real_dir
-from mtc.sidecar.load import check_tasks
-from mtc.sidecar.quarantine import QUARANTINE_DIR, quarantine
 from mtc.sidecar.replicator.copies.transfers import Transfer, Transfers
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.wire import checks
 from mtc.sidecar.replicator.wire.decode_guard import DecodeGuard
 from mtc.sidecar.replicator.wire.limits import BoundedHealth, Gate, Limits, Streams, overdue
+from mtc.sidecar.restore.load import check_tasks
+from mtc.sidecar.storage.quarantine import QUARANTINE_DIR, quarantine
 
 LIMITS = Limits(min_rate=1000.0, grace_s=2.0)
 

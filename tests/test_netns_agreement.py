@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 from replicators import commit_mtc_step, env_with_repo
 
+from mtc.credentials import Credentials
 from mtc.errors import AgreementError
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import Prepared, prepare_restore
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.sidecar.replicator.wire.security import Credentials
 
 pytestmark = pytest.mark.process
 N = 3

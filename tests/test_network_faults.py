@@ -56,10 +56,10 @@ from jax.sharding import Mesh
 
 import mtc
 from mtc.errors import MtcError
+from mtc.grpc_errors import PeerError
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.job import step_prefix
-from mtc.sidecar.replicator.wire.client import PeerError
 from mtc.trainer import gcs_emulator
 from mtc.trainer.isolation import Hosts, namespaces_available
 

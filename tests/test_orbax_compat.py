@@ -38,10 +38,10 @@ import numpy as np
 import pytest
 from replicators import scrape
 
+from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.testing.replicas import wait_replicated
 from mtc.trainer.isolation import Hosts
 

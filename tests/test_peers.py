@@ -1,4 +1,4 @@
-"""The network tier's reader (``sidecar/peers.py``) and how a host's loader uses it.
+"""The network tier's reader (``sidecar/restore/peers.py``) and how a host's loader uses it.
 
 Fast tests: which replicator is asked first, that a region of another host is
 never looked for on this host's RAM disk but asked of the network tier and
@@ -19,8 +19,8 @@ from mtc.contract import Piece, ReadTask
 from mtc.errors import CorruptShardError, ShardUnavailableError
 from mtc.integrity import crc32c
 from mtc.manifest import ShardEntry
-from mtc.sidecar.load import ShardLoader
-from mtc.sidecar.peers import PeerFiles, order_holders
+from mtc.sidecar.restore.load import ShardLoader
+from mtc.sidecar.restore.peers import PeerFiles, order_holders
 
 
 @pytest.mark.parametrize(("origin", "near", "ranks", "want"), [

@@ -28,17 +28,17 @@ from replicators import Cluster, env_with_repo, free_ports, new_cluster
 from tls_certs import issue, make_ca
 
 import mtc
-from mtc import connect
+from mtc import connect, rank_names
 from mtc.contract import AgentConfig
+from mtc.credentials import Credentials
 from mtc.dispatch import LocalDispatch
 from mtc.errors import ConfigError, ShardUnavailableError
+from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
+from mtc.rank_names import CONTROLLER_NAME, PodNames
 from mtc.replicas import prepare_restore
 from mtc.sidecar.replicator.copies import provenance
-from mtc.sidecar.replicator.wire import rank_names
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.rank_names import PodNames
-from mtc.sidecar.replicator.wire.security import CONTROLLER_NAME, Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.topology import Topology
 
 pytestmark = pytest.mark.process  # replicator processes

@@ -14,11 +14,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from replicator_certs import make_ca, make_leaf
 
+from mtc.credentials import Credentials, names_read_here
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.copies import provenance as pv
 from mtc.sidecar.replicator.copies.copy_proofs import HeldProofs, OwnProofs, proof_path, put_proof
 from mtc.sidecar.replicator.store.step_files import FileMeta
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.storage.checksum import file_crc, file_sha256
 
 # When the pure checks take place: an hour after this module is imported. The test
@@ -228,9 +228,9 @@ def test_a_trainer_checks_proofs_where_it_reads_the_names_certificates_give(
         crt, key = pki[name + "_files"]  # type: ignore[misc]
         return Credentials(tls_cert=crt, tls_key=key, tls_ca=ca)
 
-    assert pv.names_read_here(creds("rank0")) and pv.names_read_here(creds("controller"))
-    assert not pv.names_read_here(creds("both"))  # names nobody here
-    assert not pv.names_read_here(Credentials(token="t")) and not pv.names_read_here(None)
+    assert names_read_here(creds("rank0")) and names_read_here(creds("controller"))
+    assert not names_read_here(creds("both"))  # names nobody here
+    assert not names_read_here(Credentials(token="t")) and not names_read_here(None)
 
 
 def _own_files() -> list[FileMeta]:

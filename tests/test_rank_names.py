@@ -1,6 +1,6 @@
 """Which rank a certificate name is: ``mtc-rank-<r>`` and JobSet pod names, parsed strictly.
 
-Pure tests of :mod:`mtc.sidecar.replicator.wire.rank_names`, and one of how a replicator
+Pure tests of :mod:`mtc.rank_names`, and one of how a replicator
 learns a peer's pod name from its certificate, against a real gRPC server behind
 mutual TLS in this process.
 """
@@ -15,9 +15,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_certs import health_server, issue, make_ca
 
+from mtc import rank_names
+from mtc.credentials import Credentials
 from mtc.errors import ConfigError
-from mtc.sidecar.replicator.wire import rank_names
-from mtc.sidecar.replicator.wire.rank_names import (
+from mtc.rank_names import (
     PeerServerName,
     PodNames,
     name_for_rank,
@@ -27,7 +28,6 @@ from mtc.sidecar.replicator.wire.rank_names import (
     server_names,
     use_pod_names,
 )
-from mtc.sidecar.replicator.wire.security import Credentials
 
 PODS = PodNames("mtc-train-worker-", 2)  # 2 hosts per slice
 

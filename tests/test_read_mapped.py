@@ -17,7 +17,7 @@ import mtc
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.manifest import ShardEntry
-from mtc.sidecar import read
+from mtc.sidecar.restore import read
 
 
 def entry_of(path: Path, data: np.ndarray) -> ShardEntry:
@@ -111,7 +111,7 @@ def test_a_loader_opens_each_step_folder_once_from_its_descriptor(tmp_path: Path
     symlink after it was opened is not followed, one that is a symlink when it is
     opened is refused, and closing the loader closes every descriptor."""
     from mtc.contract import Piece, ReadTask
-    from mtc.sidecar.load import ShardLoader
+    from mtc.sidecar.restore.load import ShardLoader
 
     root = tmp_path / "host-0"
     (root / "3").mkdir(parents=True)
@@ -157,7 +157,7 @@ def test_shards_go_to_devices_in_batches_and_restore_exactly(
         ramdisk: Path, mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch is sent once its bytes reach PUT_BATCH_BYTES: with a bound of one
     byte every read task is its own ``device_put``, and the values are the same."""
-    from mtc.sidecar import load
+    from mtc.sidecar.restore import load
 
     calls: list[int] = []
     put = jax.device_put
@@ -204,7 +204,7 @@ def test_regions_read_by_several_threads_come_in_order_within_the_window(
     of the region taken (one task at least)."""
     import threading
 
-    from mtc.sidecar.load import ShardLoader
+    from mtc.sidecar.restore.load import ShardLoader
 
     tasks, parts = _tasks_on_disk(tmp_path, 8)
     started: list[int] = []
@@ -232,7 +232,7 @@ def test_a_corrupt_region_read_ahead_fails_its_own_task_and_the_readers_end(
         tmp_path: Path) -> None:
     import threading
 
-    from mtc.sidecar.load import ShardLoader
+    from mtc.sidecar.restore.load import ShardLoader
 
     tasks, parts = _tasks_on_disk(tmp_path, 6)
     (tmp_path / "3" / "s4").write_bytes(b"\0" * parts[4].nbytes)
@@ -257,6 +257,6 @@ def test_a_corrupt_region_read_ahead_fails_its_own_task_and_the_readers_end(
 ])
 def test_transfers_under_way_stay_within_the_budget(sizes: list[int], budget: int,
                                                    under_way: int) -> None:
-    from mtc.sidecar.agent import transfers_under_way
+    from mtc.sidecar.save.agent import transfers_under_way
 
     assert transfers_under_way(sizes, budget) == under_way

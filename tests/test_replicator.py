@@ -21,11 +21,11 @@ from jax.sharding import Mesh
 from replicators import Cluster, assert_state_equal, make_state, new_cluster
 
 import mtc
+from mtc.grpc_errors import PeerError
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.copies.replication import COPIES_AGAIN_MAX, RESYNC_S
-from mtc.sidecar.replicator.wire.client import PeerError
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

@@ -26,11 +26,11 @@ from jax.sharding import PartitionSpec as P
 from replicators import Cluster, new_cluster
 
 import mtc
+from mtc.grpc_errors import PeerError
 from mtc.manifest import MANIFEST_NAME
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.store.store import REPLICA_DIR
-from mtc.sidecar.replicator.wire.client import PeerError
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

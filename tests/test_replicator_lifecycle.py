@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+from mtc.credentials import Credentials
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import main
@@ -17,7 +18,6 @@ from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.metrics import MetricsServer
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.replicator.wire.server import Serving, serve
 
 # The threads main's group starts (the scrub's, with a rate; the reserve's, enabled).

@@ -19,12 +19,13 @@ from google.protobuf.message import Message
 from replicator_refusals import assert_serving, code_of
 from replicators import Cluster, new_cluster
 
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.store.store import REPLICA_DIR
-from mtc.sidecar.replicator.wire.client import FETCH, PUSH, PeerError
+from mtc.sidecar.replicator.wire.client import FETCH, PUSH
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 import grpc
 
 from mtc.errors import AgreementError, CorruptShardError, StepNotFoundError
+from mtc.grpc_errors import PeerError, error_class, is_retryable, to_status
 from mtc.sidecar.replicator.main import healthy
-from mtc.sidecar.replicator.wire.client import PeerError
-from mtc.sidecar.replicator.wire.status import error_class, is_retryable, to_status
 
 # -- the one status map ---------------------------------------------------------------
 

@@ -23,10 +23,11 @@ from replicator_certs import make_ca, make_leaf, tls_cluster, write_pem
 from replicator_refusals import assert_serving, code_of
 from replicators import Cluster, env_with_repo, free_ports, new_cluster
 
+from mtc.credentials import TOKEN_HEADER, Credentials
+from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.wire.client import FETCH, PUSH, PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
+from mtc.sidecar.replicator.wire.client import FETCH, PUSH, PeerClient
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

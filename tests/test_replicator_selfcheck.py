@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from mtc.errors import AgreementError
+from mtc.grpc_errors import where_of, wire_error
 from mtc.manifest import Manifest
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicator_watch import Seen, mismatch
@@ -21,7 +22,6 @@ from mtc.sidecar.replicator.selfcheck import (
     check_peers,
     disagreement,
 )
-from mtc.sidecar.replicator.wire.status import where_of, wire_error
 
 NODES = ("a:1", "b:1", "c:1", "d:1")
 ME = ReplicatorConfig(rank=0, nodes=NODES, nodes_per_slice=2)

@@ -1,4 +1,5 @@
-"""Blank RAM-disk space set aside for the next files of known sizes (``sidecar/reserve.py``).
+"""Blank RAM-disk space set aside for the next files of known sizes
+(``sidecar/storage/reserve.py``).
 
 The plan is a pure function; the reserve is exercised on a real folder (its
 files allocated with ``posix_fallocate``), and through a real replicator server
@@ -19,17 +20,18 @@ from pathlib import Path
 import pytest
 from replicators import commit_raw_step
 
+from mtc.credentials import Credentials
 from mtc.errors import UnsafePathError
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.wire import datachannel as dc
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.replicator.wire.server import serve
-from mtc.sidecar.reserve import Reserve, plan_reserve, reserved_bytes
+from mtc.sidecar.storage.reserve import Reserve, plan_reserve, reserved_bytes
 
 MIB = 1 << 20
 

@@ -25,15 +25,16 @@ import grpc
 import pytest
 from replicators import commit_raw_step
 
+from mtc.credentials import Credentials
 from mtc.errors import CorruptShardError
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.fetch.fetch_plan import fetch_batches
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.store.step_files import FileMeta
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.replicator.wire.server import serve
 
 FILES = {"a.bin": bytes(range(256)) * 40, "empty.bin": b"", "d-b.bin": b"B" * 10,

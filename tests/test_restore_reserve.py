@@ -2,7 +2,7 @@
 
 A host that comes up holding no step of its own (a replacement, a wiped RAM disk)
 asks the other hosts what they hold of its data and sets blank files of those sizes
-aside (``ReplicationLoop.set_aside_for_restore``, mtc.sidecar.reserve); the restore's fetch
+aside (``ReplicationLoop.set_aside_for_restore``, mtc.sidecar.storage.reserve); the restore's fetch
 then writes into them instead of into new pages. The plan is a pure function;
 the processes are real replicators, the host loss a SIGKILL and a wiped root.
 """
@@ -24,7 +24,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.agree.node_agreement import holders_of
 from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
 from mtc.sidecar.replicator.fetch.fetch_plan import likely_restore
-from mtc.sidecar.reserve import Reserve
+from mtc.sidecar.storage.reserve import Reserve
 
 MIB = 1 << 20
 

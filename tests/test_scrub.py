@@ -32,12 +32,12 @@ import mtc
 from mtc.errors import ConfigError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME
-from mtc.sidecar.quarantine import quarantined
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies.scrub import MIN_PAUSE_S, Scrubber, due, next_copy, pause_after
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import REPLICA_DIR, LocalStore
+from mtc.sidecar.storage.quarantine import quarantined
 
 STEP = 7
 MIB = 1 << 20

@@ -17,6 +17,7 @@ import grpc
 import pytest
 from replicators import commit_raw_step
 
+from mtc.credentials import TOKEN_HEADER, Credentials
 from mtc.errors import ConfigError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -25,7 +26,6 @@ from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.wire import datachannel as dc
 from mtc.sidecar.replicator.wire.client import FETCH
-from mtc.sidecar.replicator.wire.security import TOKEN_HEADER, Credentials
 from mtc.sidecar.replicator.wire.server import serve
 
 A, B = FileMeta("a.bin", 3, 7), FileMeta("d/b.bin", 5, 9)

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.credentials import Credentials
 
 Pem = bytes
 

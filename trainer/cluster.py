@@ -283,8 +283,8 @@ class LocalCluster:
         import grpc
 
         from mtc.contract import decode_reply, encode_request
+        from mtc.credentials import TOKEN_HEADER
         from mtc.errors import MtcError
-        from mtc.sidecar.replicator.wire.security import TOKEN_HEADER
 
         if self.hosts.hosts[rank].sidecar_pid is None:
             return None
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster {base}: hosts stopped, RAM disks removed")
         return 0
     from mtc.cli import status
-    from mtc.sidecar.replicator.wire.security import Credentials
+    from mtc.credentials import Credentials
 
     return status(c.addresses, Credentials(token=c.token()), False)
 

@@ -3,7 +3,7 @@ process.
 
 The request asks each worker for the target arrays laid out as their target
 shardings mapped onto the colocated CPU devices; each worker fills its own
-devices' shards from its own files (:mod:`mtc.sidecar.colocated_load`). The
+devices' shards from its own files (:mod:`mtc.sidecar.restore.colocated_load`). The
 controller then moves them onto the target shardings with ``jax.device_put``
 (on Pathways a copy within each worker, from its CPU to its accelerators).
 

@@ -11,14 +11,14 @@ import jax
 import numpy as np
 
 from mtc.contract import AgentConfig, LeafSpec, ReadTask, SaveHeader, decode_reply
+from mtc.credentials import Credentials
 from mtc.dispatch.calls import HostCalls
 from mtc.operations import Operation, Request
 from mtc.save.device_copy import DeviceCopier
-from mtc.sidecar.agent import HostAgent
-from mtc.sidecar.load import ShardLoader, load_leaves
 from mtc.sidecar.ops import HostOps
-from mtc.sidecar.peers import PeerFiles
-from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.restore.load import ShardLoader, load_leaves
+from mtc.sidecar.restore.peers import PeerFiles
+from mtc.sidecar.save.agent import HostAgent
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,7 @@ from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.wire.security import Credentials
+    from mtc.credentials import Credentials
 
 METHOD = "/mtc.Host/Call"
 Call = tuple[Operation[Any, Any], Request]  # a request to one host: its operation, arguments

@@ -2,7 +2,7 @@
 
 The planner reads every host's manifest of the step, checks the target against
 the saved tree (structure, shapes, dtypes), and turns each target sharding into
-:class:`~mtc.sidecar.load.ReadTask` s: one per distinct region per host, so a
+:class:`~mtc.sidecar.restore.load.ReadTask` s: one per distinct region per host, so a
 replicated leaf is read once per host. Among the hosts holding a saved shard it
 prefers the reading host, then a host of the same slice, then spreads reads
 over the rest.

@@ -15,7 +15,7 @@ transfer has ended). Where the state does not fit, the save copies from the
 state itself and blocks for the transfer, as before; said once per manager.
 
 On CPU devices nothing is copied here: a shard's host view is its buffer, which
-a donating step leaves alone (:mod:`mtc.sidecar.agent`).
+a donating step leaves alone (:mod:`mtc.sidecar.save.agent`).
 """
 
 from __future__ import annotations

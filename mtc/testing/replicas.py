@@ -21,7 +21,7 @@ from mtc.errors import MtcError
 
 # Where a host's steps are copied: one rule, the replicators' own. Its home is the
 # replicator's configuration until the definitions both sides share move to mtc/.
-from mtc.sidecar.replicator.config import targets
+from mtc.placement import targets
 
 if TYPE_CHECKING:
     from mtc.proto import replicator_pb2 as pb

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
+from mtc.grpc_errors import PeerError
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import CorruptBackupError
 from mtc.sidecar.replicator.agree.node_agreement import holders_of
 from mtc.sidecar.replicator.store.step_files import FileMeta
-from mtc.sidecar.replicator.wire.client import PeerError
 
 if TYPE_CHECKING:
     from mtc.sidecar.backup.schedule import BackupScheduler

@@ -24,12 +24,12 @@ from pathlib import Path
 import grpc
 
 from mtc.contract import AgentConfig
+from mtc.credentials import Credentials
 from mtc.errors import ConfigError
+from mtc.rank_names import CONTROLLER
 from mtc.sidecar.host.colocated import ColocatedServer
 from mtc.sidecar.host.service import MAX_MESSAGE, HostService, handler
 from mtc.sidecar.replicator.wire.security import (
-    CONTROLLER,
-    Credentials,
     IdentityGate,
     TokenInterceptor,
     check_listen_address,

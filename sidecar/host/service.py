@@ -48,12 +48,12 @@ from mtc.contract import (
 )
 from mtc.errors import MtcError, ProtocolError
 from mtc.operations import Side
-from mtc.sidecar.agent import HostAgent
 from mtc.sidecar.dtypes import numpy_dtype
 from mtc.sidecar.host.colocated import ColocatedServer
-from mtc.sidecar.load import ShardLoader, check_tasks
 from mtc.sidecar.ops import HostOps
 from mtc.sidecar.replicator.store.store import REPLICA_DIR
+from mtc.sidecar.restore.load import ShardLoader, check_tasks
+from mtc.sidecar.save.agent import HostAgent
 from mtc.sidecar.storage import spare
 from mtc.sidecar.storage.names import tmp_step
 

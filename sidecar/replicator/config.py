@@ -1,18 +1,12 @@
-"""Who the replicator is and who its peers are.
-
-Ranks are ordered slice by slice: rank ``r`` is host ``r % nodes_per_slice`` of
-slice ``r // nodes_per_slice``. A host's peer group is the hosts with the same
-in-slice index in every other slice (the hosts holding the same data-parallel
-shards). Each step is copied to the next ``replicas`` members of the peer group,
-going round the slices: with 2 slices and ``replicas=1``, host i of slice 0 and
-host i of slice 1 hold each other's steps.
-"""
+"""Who the replicator is and who its peers are (the placement rule:
+:mod:`mtc.placement`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from mtc.errors import ConfigError
+from mtc.placement import peer_group, targets
 
 GC_VIEW_INTERVAL_S = 1.0  # gc_view_interval_s's default (--gc-view-interval-seconds)
 
@@ -41,7 +35,7 @@ class ReplicatorConfig:
     # Own steps not on every target for longer than this: a WARNING, the identity's
     # replication_late (mtc status, the managers' logs) and mtc_unreplicated_seconds.
     replication_warn_s: float = 120.0
-    # Blank RAM-disk files set aside for the next peer copy (sidecar/reserve.py).
+    # Blank RAM-disk files set aside for the next peer copy (sidecar/storage/reserve.py).
     reserve: bool = True
     # Held copies read again in the background (sidecar/replicator/copies/scrub.py), at
     # most this many bytes a second on average; 0: no scrub.
@@ -101,16 +95,3 @@ class ReplicatorConfig:
         """
         return self.peer_group(rank) if self.framework == "orbax" else [rank]
 
-
-def peer_group(rank: int, num_nodes: int, nodes_per_slice: int) -> list[int]:
-    """Ranks with ``rank``'s in-slice index, ``rank`` first, then slice by slice after it."""
-    i, s = rank % nodes_per_slice, rank // nodes_per_slice
-    num_slices = num_nodes // nodes_per_slice
-    return [((s + k) % num_slices) * nodes_per_slice + i for k in range(num_slices)]
-
-
-def targets(rank: int, num_nodes: int, nodes_per_slice: int, replicas: int = 1) -> list[int]:
-    """Where ``rank``'s steps are copied: the next ``replicas`` members of its peer
-    group. A step is replicated when it is on every one of them (what the
-    replicator reports, and what mtc.testing's wait_replicated waits for)."""
-    return peer_group(rank, num_nodes, nodes_per_slice)[1:1 + replicas]

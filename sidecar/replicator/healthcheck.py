@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mtc.credentials import Credentials
 from mtc.errors import MtcError
-from mtc.sidecar.replicator.wire.security import Credentials
 
 
 def check(address: str, service: str = "", *, creds: Credentials | None = None,

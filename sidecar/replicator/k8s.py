@@ -3,7 +3,7 @@
 The replicator needs every node's address in rank order, its own rank, the
 hosts per slice, and how the job names its pods (a pod's certificate, which
 cert-manager's CSI driver issues for ``${POD_NAME}``, names its rank by that
-name: :mod:`~mtc.sidecar.replicator.wire.rank_names`). In a JobSet these follow from
+name: :mod:`~mtc.rank_names`). In a JobSet these follow from
 the pod's place in it, read from its environment by :class:`mtc.jobset.JobSetPlace`
 (which says which variables), the same description a trainer in the same pods
 reads.
@@ -36,13 +36,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mtc.credentials import Credentials, TlsWatch
 from mtc.errors import MtcError
 from mtc.jobset import JAX_INIT_INFO as JAX_INIT_INFO
 from mtc.jobset import JobSetPlace as JobSetPlace
 from mtc.jobset import env_int
 from mtc.jobset import read_jax_init_info as read_jax_init_info
 from mtc.lifecycle import Threads
-from mtc.sidecar.replicator.wire.security import Credentials, TlsWatch
 from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.replicator.k8s")
@@ -74,7 +74,7 @@ class HealthMirror:
         self.timeout_s = timeout_s
         self._tls_name = tls_name
         # A certificate rotation makes a new channel (the replicator serves the new
-        # files to new connections; see security.py).
+        # files to new connections; see mtc/credentials.py).
         self._tls = TlsWatch(creds)
         self._channel, self._stub = self._connect(self._tls.credentials)
         self.servicer = health.HealthServicer()

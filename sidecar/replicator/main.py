@@ -17,8 +17,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from mtc.credentials import Credentials
 from mtc.errors import ConfigError, MtcError
 from mtc.lifecycle import Service, Services, Threads
+from mtc.rank_names import PodNames, use_pod_names
 from mtc.sidecar import priority
 from mtc.sidecar.replicator import orbax
 from mtc.sidecar.replicator.config import GC_VIEW_INTERVAL_S, ReplicatorConfig
@@ -26,8 +28,6 @@ from mtc.sidecar.replicator.metrics import MetricsServer
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.orbax_client import OrbaxClient
 from mtc.sidecar.replicator.wire.limits import Limits
-from mtc.sidecar.replicator.wire.rank_names import PodNames, use_pod_names
-from mtc.sidecar.replicator.wire.security import Credentials
 from mtc.sidecar.replicator.wire.server import Serving, serve, set_health
 from mtc.sidecar.storage.publish import write_atomic
 

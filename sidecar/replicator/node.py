@@ -11,7 +11,7 @@ services that act on them, each in a module of its own:
 - ``inventory_service.py``: what this node shows a peer (inventory, identity);
 - ``selfcheck.py``: whether its configuration disagrees with a peer's;
 - ``sidecar/backup/duties.py``: the backup tier (leading, uploading, restoring);
-- ``sidecar/reserve.py``: blank files set aside for the next copies.
+- ``sidecar/storage/reserve.py``: blank files set aside for the next copies.
 
 The node only composes: it builds them, hands the servicers their narrow views
 (:attr:`Node.parts`, :mod:`.parts`), and is itself a service
@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from mtc.credentials import Credentials
 from mtc.lifecycle import Service, Threads
 from mtc.sidecar.backup.duties import BackupDuties
 from mtc.sidecar.backup.schedule import BackupScheduler
@@ -43,9 +44,8 @@ from mtc.sidecar.replicator.selfcheck import ConfigCheck, PeerReach, identify
 from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.replicator.wire.parts import Parts
-from mtc.sidecar.replicator.wire.security import Credentials
-from mtc.sidecar.reserve import Reserve
 from mtc.sidecar.storage import spare
+from mtc.sidecar.storage.reserve import Reserve
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Node:
         self.proofs = self.agreement.proofs  # None without mutual TLS (provenance.py)
         self.backups = BackupDuties(*shared, backup, self.agreement)
         # Blank files for the next peer copies and a replaced host's fetch
-        # (mtc.sidecar.reserve).
+        # (mtc.sidecar.storage.reserve).
         self.reserve = Reserve(root, RESERVE_DIR, lambda: spare.room(root), enabled=config.reserve,
                                on_take=self.metrics.reserve_used.inc)
         self.metrics.reserve_bytes.set_function(self.reserve.held_bytes)

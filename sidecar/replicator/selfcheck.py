@@ -24,10 +24,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from mtc.errors import ConfigError
+from mtc.grpc_errors import PeerError
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger("mtc.replicator")
 RETRY_S = 1.0  # between asks of a peer that has not answered yet

@@ -10,5 +10,9 @@ replicator, the backups) rename, checksum, copy and delete files on their RAM di
 - :mod:`.checksum`: a file's CRC32C and SHA-256 in one pass, a verified copy;
 - :mod:`.spare`: the RAM disk's last bytes, never promised to anyone;
 - :mod:`.deleter`: a step hidden first, then removed (in the background by a
-  :class:`~.deleter.Deleter` its owner closes), and leftovers cleaned.
+  :class:`~.deleter.Deleter` its owner closes), and leftovers cleaned;
+- :mod:`.reserve`: blank RAM-disk files set aside for the next save's or peer
+  copy's files of known sizes;
+- :mod:`.quarantine`: files that failed verification, moved out of every step
+  (by a restore's reader and by the replicator's scrub).
 """

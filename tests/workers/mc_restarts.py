@@ -49,9 +49,9 @@ class Restarts(Worker):
 
     def copies_held(self, step: int) -> list[list[int]]:
         """(holder, origin) of the copies of ``step`` this host's replicator lists."""
+        from mtc.credentials import Credentials
         from mtc.proto import replicator_pb2 as pb
         from mtc.sidecar.replicator.wire.client import PeerClient
-        from mtc.sidecar.replicator.wire.security import Credentials
 
         token = Path(self.args.token_file).read_text().strip()
         rank = self.pid
@@ -70,7 +70,7 @@ class Restarts(Worker):
     def hold_commit(step: int) -> None:
         """This process's host never commits ``step``: its writer waits at the commit
         (until the process is killed)."""
-        from mtc.sidecar import write
+        from mtc.sidecar.save import write
 
         commit = write.publish
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from mtc.errors import AgreementError, ConfigError, InvalidStepError, MtcError, ProtocolError
+from mtc.grpc_errors import PeerError, is_retryable
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.agree.agreement import Coordinator
@@ -38,8 +39,7 @@ from mtc.sidecar.replicator.copies.provenance import ProofCheck
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.replicator.wire import checks
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.status import is_retryable
+from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 # The longest one Decide call lasts before the same ask goes again (``_ask``).

@@ -23,9 +23,9 @@ from mtc.sidecar.replicator.fetch.fetch_plan import likely_restore
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.store.root_watch import RootWatch
 from mtc.sidecar.replicator.store.store import LocalStore
-from mtc.sidecar.reserve import Reserve, reserved_bytes
+from mtc.sidecar.save.write import WRITER_RESERVE_DIR
 from mtc.sidecar.storage import spare
-from mtc.sidecar.write import WRITER_RESERVE_DIR
+from mtc.sidecar.storage.reserve import Reserve, reserved_bytes
 
 log = logging.getLogger(__name__)
 

@@ -51,10 +51,11 @@ from cryptography.x509.verification import (
     VerificationError,
 )
 
+from mtc.credentials import Credentials
 from mtc.errors import ConfigError
 from mtc.proto import replicator_pb2 as pb
+from mtc.rank_names import describe, identity_of
 from mtc.sidecar.replicator.store.step_files import FileMeta, fingerprint_of, inside
-from mtc.sidecar.replicator.wire.security import Credentials, describe, identity_of
 from mtc.sidecar.storage.checksum import file_sha256
 
 log = logging.getLogger(__name__)
@@ -244,21 +245,6 @@ def own_signed(rank: int, step: int, files: Sequence[FileMeta],
             if proven(c):
                 return {f.path: bytes(f.sha256) for f in c.files}
     return None
-
-
-def names_read_here(creds: Credentials | None) -> bool:
-    """Whether, under mutual TLS, this process reads whom its own certificate names
-    (a rank or the controller's role): then it reads its peers' names too. A pod's
-    certificate names its pod, a rank only where the job's pod names were given
-    (:func:`~.rank_names.use_pod_names`, a replicator's flags)."""
-    if creds is None or not creds.tls:
-        return False
-    assert creds.tls_cert is not None
-    try:
-        cert = x509.load_pem_x509_certificate(creds.tls_cert.read_bytes())
-    except (OSError, ValueError):
-        return False
-    return identity_of(_dns_names(cert)) is not None
 
 
 class ProofCheck:

@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 
 from mtc.errors import CorruptShardError, MtcError
+from mtc.grpc_errors import PeerError
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -38,7 +39,7 @@ from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.selfcheck import PeerReach, ReplicationClock
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import LocalStore
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
+from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read

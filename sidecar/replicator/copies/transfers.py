@@ -19,7 +19,7 @@ from pathlib import Path
 from mtc.errors import BusyError
 from mtc.sidecar.replicator.store.step_files import FileMeta
 
-RESERVE_DIR = ".mtc-reserve"  # the replicator's blank files (mtc.sidecar.reserve)
+RESERVE_DIR = ".mtc-reserve"  # the replicator's blank files (mtc.sidecar.storage.reserve)
 
 
 class Transfer:

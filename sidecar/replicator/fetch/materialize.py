@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.store.store import LocalStore
     from mtc.sidecar.replicator.wire.client import PeerClient
     from mtc.sidecar.replicator.wire.peer_data import Opener
-    from mtc.sidecar.reserve import Reserve
+    from mtc.sidecar.storage.reserve import Reserve
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 FETCH_STREAMS = 4  # a restore's streams from one holder: the fetch pool's threads

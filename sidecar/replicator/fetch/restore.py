@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.metrics import Metrics
     from mtc.sidecar.replicator.store.store import LocalStore
     from mtc.sidecar.replicator.wire.client import PeerClient
-    from mtc.sidecar.reserve import Reserve
+    from mtc.sidecar.storage.reserve import Reserve
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
 BACKGROUND_NICE = 19  # raised by this much (to at most 19)

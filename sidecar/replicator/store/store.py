@@ -21,7 +21,7 @@ their descriptions are computed once.
 Bytes are checked, not trusted: a copy counts as held only while every file
 matches its description (size and CRC32C; results cached per file by inode, size
 and mtime, so a steady-state inventory costs one ``stat`` per file). A file that
-fails is quarantined (:mod:`mtc.sidecar.quarantine`) and its copy stops counting until
+fails is quarantined (:mod:`mtc.sidecar.storage.quarantine`) and its copy stops counting until
 :meth:`LocalStore.repair` puts a verified file in its place. A peer's copy of
 bytes this host already holds claims them (:mod:`.claims`: a hard link, one inode
 for both names); damage found through any name quarantines every name
@@ -43,7 +43,6 @@ from mtc import layout
 from mtc.errors import CorruptShardError, MtcError
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar.confine import is_real_dir, real_dir
-from mtc.sidecar.quarantine import links_of, quarantine
 from mtc.sidecar.replicator.copies import claims
 from mtc.sidecar.replicator.copies.copy_proofs import HeldProofs, proof_path
 from mtc.sidecar.replicator.store.checksums import Checksums
@@ -57,6 +56,7 @@ from mtc.sidecar.replicator.store.step_files import (
 from mtc.sidecar.storage.deleter import clean_uncommitted, remove_step
 from mtc.sidecar.storage.names import tmp_dir
 from mtc.sidecar.storage.publish import publish, replace, write_atomic
+from mtc.sidecar.storage.quarantine import links_of, quarantine
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class LocalStore:
         """Move a file that failed verification aside and count it; its copy (found
         from the path when not given) no longer counts as held. Every claim on the
         same bytes (another copy's link to this file: :func:`.claims.claim`) goes with it
-        (:func:`~mtc.sidecar.quarantine.quarantine`), and its copy is damaged too."""
+        (:func:`~mtc.sidecar.storage.quarantine.quarantine`), and its copy is damaged too."""
         if origin is None or step is None:
             where = self.locate(path)
             if where is None:

@@ -1,4 +1,6 @@
 """Between replicators: the gRPC server and client and the data channel, which move
-bytes and requests only, and who may call (:mod:`.security`, :mod:`.rank_names`),
-with what (:mod:`.checks`, :mod:`.limits`). Runs in the replicator process; the
-controller and the host sidecar use its client and credentials."""
+bytes and requests only, and who may call (:mod:`.security`), with what
+(:mod:`.checks`, :mod:`.limits`). Runs in the replicator process; the controller
+and the host sidecar use its client (:mod:`.client`). What both sides share lives
+in ``mtc/``: the credentials (:mod:`mtc.credentials`), the certificates' names as
+ranks (:mod:`mtc.rank_names`), errors as gRPC statuses (:mod:`mtc.grpc_errors`)."""

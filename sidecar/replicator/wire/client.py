@@ -13,18 +13,17 @@ from typing import Any, TypeVar
 
 import grpc
 
-from mtc.errors import MtcError, RetryableError
+from mtc.credentials import Credentials, TlsWatch
+from mtc.grpc_errors import TRANSIENT, PeerError, where_of
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.wire.rank_names import PeerServerName
-from mtc.sidecar.replicator.wire.security import Credentials, TlsWatch
-from mtc.sidecar.replicator.wire.status import TRANSIENT, error_class, where_of
+from mtc.rank_names import PeerServerName
 
 T = TypeVar("T")
 MAX_MESSAGE = 64 << 20
 PUSH = "/mtc.replicator.v1.Data/Push"
 FETCH = "/mtc.replicator.v1.Data/Fetch"
-_RETRYABLE = TRANSIENT  # the one map's: sidecar/replicator/wire/status.py
+_RETRYABLE = TRANSIENT  # the one map's: mtc/grpc_errors.py
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -43,23 +42,6 @@ CHANNEL_OPTIONS = [
                         "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
     }]})),
 ]
-
-
-class PeerError(RetryableError):
-    """A peer could not be reached or refused a call; ``code`` is the gRPC status.
-    Whether sending it again can help is :func:`~mtc.sidecar.replicator.wire.status.is_retryable`
-    (a refusal such as INVALID_ARGUMENT or DATA_LOSS is not), and ``kind`` is the
-    domain error the code stands for, from the same map the server used."""
-
-    code: grpc.StatusCode | None = None
-
-    @property
-    def unreachable(self) -> bool:
-        return self.code in _RETRYABLE or self.code is None
-
-    @property
-    def kind(self) -> type[MtcError]:
-        return error_class(self.code)
 
 
 def _identity(b: bytes) -> bytes:
@@ -92,7 +74,7 @@ class PeerClient:
         self.metadata = creds.call_metadata()
         self._tls = TlsWatch(creds)
         self._options = list(CHANNEL_OPTIONS)
-        # The name the server's certificate must bear: rank ``rank``'s (rank_names.py).
+        # The name the server's certificate must bear: rank ``rank``'s (mtc/rank_names.py).
         self.server_name = PeerServerName(address, creds, rank) if as_peer and creds.tls \
             else None
         self._lock = threading.Lock()

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from mtc.errors import CorruptShardError
+from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_own
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.wire import datachannel as dc
-from mtc.sidecar.replicator.wire.client import PeerError
 from mtc.sidecar.replicator.wire.socket_files import send_file
 
 if TYPE_CHECKING:
+    from mtc.credentials import Credentials
     from mtc.sidecar.replicator.wire.client import PeerClient
-    from mtc.sidecar.replicator.wire.security import Credentials
 
 log = logging.getLogger(__name__)
 DATA_REASK_S = 30.0  # a peer without a data channel is asked again this long after

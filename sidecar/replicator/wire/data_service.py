@@ -7,7 +7,7 @@ its offer; a fetch names a rank, a step and paths, each validated, and what of t
 this host may serve decided (:mod:`~mtc.sidecar.replicator.copies.servable`), before
 any file is opened; files are opened part by part without following a symlink. A
 push's bytes are written to new files (blank ones set aside for them,
-:mod:`mtc.sidecar.reserve`) and count only once their size and CRC32C match the
+:mod:`mtc.sidecar.storage.reserve`) and count only once their size and CRC32C match the
 offer.
 A fetch sends a held copy's files after their check (cached by inode, size and
 mtime: a file is read again only when it changed); the receiver checks every
@@ -64,7 +64,7 @@ class DataService:
             for meta in metas:
                 dst = inside(t.tmp, meta.path)
                 dst.unlink(missing_ok=True)
-                # Into space set aside for it where there is some (mtc.sidecar.reserve).
+                # Into space set aside for it where there is some (mtc.sidecar.storage.reserve).
                 fd = self.parts.blanks.open_new(t.tmp, meta.path, meta.size, t.origin)
                 try:
                     got, value = caller.recv_file(fd, meta.size, stream.add)

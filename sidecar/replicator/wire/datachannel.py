@@ -43,18 +43,15 @@ from typing import BinaryIO, Protocol, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from mtc.credentials import Credentials, Stamp
 from mtc.errors import BusyError, MtcError, UnauthorizedError
+from mtc.grpc_errors import to_status, wire_error
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
+from mtc.rank_names import identity_of
 from mtc.sidecar.replicator.wire.data_admission import Pending
-from mtc.sidecar.replicator.wire.security import (
-    Credentials,
-    Stamp,
-    check_listen_address,
-    identity_of,
-)
+from mtc.sidecar.replicator.wire.security import check_listen_address
 from mtc.sidecar.replicator.wire.socket_files import RECV_CHUNK, recv_into_fd, send_file
-from mtc.sidecar.replicator.wire.status import to_status, wire_error
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)

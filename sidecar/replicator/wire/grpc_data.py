@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from mtc.errors import CorruptShardError, MtcError
+from mtc.grpc_errors import answer
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath
@@ -25,7 +26,6 @@ from mtc.sidecar.replicator.copies.transfers import Transfer
 from mtc.sidecar.replicator.store.step_files import FileMeta, inside, safe_relpath
 from mtc.sidecar.replicator.wire import checks
 from mtc.sidecar.replicator.wire.limits import Streams, peer_of
-from mtc.sidecar.replicator.wire.status import answer
 from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class GrpcData:
             dst = inside(t.tmp, meta.path)
             dst.unlink(missing_ok=True)
             value = got = 0
-            # New (or set aside for it, mtc.sidecar.reserve), part by part without following
+            # New (or set aside for it, mtc.sidecar.storage.reserve), part by part without following
             # a symlink.
             fd = self.parts.blanks.open_new(t.tmp, meta.path, meta.size, t.origin)
             with os.fdopen(fd, "wb", buffering=0) as f:

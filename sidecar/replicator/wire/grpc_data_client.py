@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from mtc.errors import CorruptShardError, MtcError
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import create_fetched, open_beneath, open_own
 from mtc.sidecar.replicator.store.step_files import FileMeta
-from mtc.sidecar.replicator.wire.client import PeerError
 from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:

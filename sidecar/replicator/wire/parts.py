@@ -70,7 +70,7 @@ class Backups(Protocol):
 
 class Blanks(Protocol):
     """Blank RAM-disk files set aside for incoming copies
-    (:class:`~mtc.sidecar.reserve.Reserve`), keyed by origin rank."""
+    (:class:`~mtc.sidecar.storage.reserve.Reserve`), keyed by origin rank."""
 
     def begin(self, key: int, sizes: Iterable[int]) -> None: ...
 

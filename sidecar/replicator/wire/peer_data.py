@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from mtc.errors import MtcError
+from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import create_fetched, open_beneath
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.wire import grpc_data_client
-from mtc.sidecar.replicator.wire.client import PeerError
 from mtc.sidecar.replicator.wire.data_link import DataLink
 from mtc.sidecar.replicator.wire.socket_files import RECV_CHUNK, recv_into_fd
 from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
+    from mtc.credentials import Credentials
     from mtc.sidecar.replicator.wire.client import PeerClient
-    from mtc.sidecar.replicator.wire.security import Credentials
 
 T = TypeVar("T")
 # Opens a fetched file's descriptor for writing at its start: (folder, path, size).

@@ -30,12 +30,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mtc import validate
+from mtc.credentials import Credentials
 from mtc.errors import (
     CorruptShardError,
     MtcError,
     StepNotFoundError,
     UnauthorizedError,
 )
+from mtc.grpc_errors import answer
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
@@ -50,13 +52,11 @@ from mtc.sidecar.replicator.wire.decode_guard import DecodeGuard
 from mtc.sidecar.replicator.wire.grpc_data import GrpcData
 from mtc.sidecar.replicator.wire.limits import BoundedHealth, Gate, Limits, Streams
 from mtc.sidecar.replicator.wire.security import (
-    Credentials,
     Identity,
     IdentityGate,
     TokenInterceptor,
     check_listen_address,
 )
-from mtc.sidecar.replicator.wire.status import answer
 from mtc.sidecar.storage.spare import room
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.deciding = Gate(2, "Decide asks of this rank")
         self.preparing = Gate(8, "restores")
         self.transfers = Transfers(
-            # The reserve's blank files are room a copy fills (mtc.sidecar.reserve),
+            # The reserve's blank files are room a copy fills (mtc.sidecar.storage.reserve),
             # but for those set aside for this host's own restore.
             lambda: room(parts.store.root) + parts.blanks.room_for_others(parts.rank),
             max_files=checks.MAX_OPEN_FILES, idle_s=TRANSFER_IDLE_S)
@@ -190,7 +190,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
             # (under TLS: checked here against the signed list).
             reply.candidates.add(path=path, sha256=b"" if identified or signed
                                  else store.checksums.sha256(local))
-        # Blank files this copy cannot fill make room for it now (sidecar/reserve.py).
+        # Blank files this copy cannot fill make room for it now (sidecar/storage/reserve.py).
         self.blanks.begin(origin, [f.size for f in files])
         t.tmp = store.begin_incoming(origin, step)
         try:

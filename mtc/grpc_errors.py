@@ -7,6 +7,10 @@ side, :func:`error_class` names the domain error a code stands for, and
 :func:`is_retryable` says whether the same call may succeed later: transport
 trouble (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) and retryable domain
 errors yes; bad input, missing or corrupt data no.
+A call that failed is a :class:`PeerError` to its caller.
+
+Shared by the replicator (its servers and clients) and the controller, which
+calls replicators from another machine and retries by :func:`is_retryable`.
 """
 
 from __future__ import annotations
@@ -147,3 +151,20 @@ def answer(e: BaseException, context: grpc.ServicerContext) -> tuple[grpc.Status
     message, where = wire_error(e)
     context.set_trailing_metadata(where)
     return code, message
+
+
+class PeerError(RetryableError):
+    """A peer could not be reached or refused a call; ``code`` is the gRPC status.
+    Whether sending it again can help is :func:`is_retryable`
+    (a refusal such as INVALID_ARGUMENT or DATA_LOSS is not), and ``kind`` is the
+    domain error the code stands for, from the same map the server used."""
+
+    code: grpc.StatusCode | None = None
+
+    @property
+    def unreachable(self) -> bool:
+        return self.code in TRANSIENT or self.code is None
+
+    @property
+    def kind(self) -> type[MtcError]:
+        return error_class(self.code)

@@ -3,13 +3,13 @@
 A :class:`ReadTask` is one distinct target shard on one host: the region of a
 leaf that one or more of the host's devices need, and the saved pieces that
 cover it. A task whose region equals a saved shard maps that file (reads it
-when small: :mod:`mtc.sidecar.read`); one whose region is saved shards stacked
+when small: :mod:`mtc.sidecar.restore.read`); one whose region is saved shards stacked
 along the leading axis maps them side by side; anything else is assembled by
 copying the overlapping parts.
 
 A piece another host saved is never read through a filesystem: with ``remote``
 (multi-controller JAX, each process its own host) its file comes over the
-network tier (:mod:`mtc.sidecar.peers`) and is checked against the manifest here.
+network tier (:mod:`mtc.sidecar.restore.peers`) and is checked against the manifest here.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from mtc.integrity import crc32c
 from mtc.pool import ThreadPool
 from mtc.shards import paste
 from mtc.sidecar.dtypes import numpy_dtype
-from mtc.sidecar.quarantine import quarantine
-from mtc.sidecar.read import (
+from mtc.sidecar.replicator.store.store import REPLICA_DIR
+from mtc.sidecar.restore.read import (
     At,
     can_map_side_by_side,
     load_verified,
     map_side_by_side,
     open_step_folder,
 )
-from mtc.sidecar.replicator.store.store import REPLICA_DIR
+from mtc.sidecar.storage.quarantine import quarantine
 
 if TYPE_CHECKING:  # only the in-process paths put arrays on devices; a sidecar never does
     import jax

@@ -4,7 +4,7 @@ A :class:`HostSave` is opened before its shards are staged and fed shard by
 shard, so a state larger than the staging budget streams through it. The
 :class:`Writer` runs saves in order on a background thread, writes files on a
 small thread pool (into blank RAM-disk files set aside after the last save,
-:mod:`mtc.sidecar.reserve`), writes the manifest last and renames the folder
+:mod:`mtc.sidecar.storage.reserve`), writes the manifest last and renames the folder
 into place.
 A failed save removes its temporary folder: a step is visible only if every
 byte of it was written and checksummed.
@@ -32,13 +32,13 @@ from mtc.integrity import crc32c
 from mtc.lifecycle import Threads
 from mtc.manifest import MANIFEST_NAME, Index, LeafEntry, Manifest, ShardEntry
 from mtc.pool import ThreadPool, lower_thread_priority
-from mtc.sidecar.reserve import Reserve, fill_while
 from mtc.sidecar.storage import spare
 from mtc.sidecar.storage.deleter import writing
 from mtc.sidecar.storage.names import tmp_dir
 from mtc.sidecar.storage.publish import publish
+from mtc.sidecar.storage.reserve import Reserve, fill_while
 
-# A host's blank files for its next save (mtc.sidecar.reserve), beside its steps.
+# A host's blank files for its next save (mtc.sidecar.storage.reserve), beside its steps.
 WRITER_RESERVE_DIR = ".mtc-reserve-writer"
 # A shard is checksummed and written this much at a time: small enough that the
 # write finds the checksummed bytes still in the CPU cache.

@@ -1,5 +1,9 @@
 """Which replicator rank a certificate's DNS name is: the one place that maps names to ranks.
 
+Shared by the replicators, the host sidecars and the controller (``mtc certs``,
+``mtc.connect``), which read and write the same names in certificates; the
+controller's own role name is here too (:data:`CONTROLLER_NAME`).
+
 Two kinds of name are a rank:
 
 - ``mtc-rank-<r>`` (:func:`rank_name`), in certificates made by hand;
@@ -40,11 +44,14 @@ from typing import TYPE_CHECKING
 from mtc.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.wire.security import Credentials
+    from mtc.credentials import Credentials
 
 log = logging.getLogger(__name__)
 
 RANK_PREFIX = "mtc-rank-"
+# The DNS name that makes a certificate the controller's: a role the certificate
+# names, as a host's names its rank (docs/deploy.md says how it is issued).
+CONTROLLER_NAME = "mtc-controller"
 _RANK_DIGITS = re.compile(r"0|[1-9][0-9]{0,8}", re.ASCII)
 # After the prefix: <job index>-<completion index>-<generated suffix>. Kubernetes
 # generates 5 characters of [bcdfghjklmnpqrstvwxz2456789]; any 5 of [a-z0-9] are read.
@@ -217,3 +224,31 @@ class PeerServerName:
             return changed
         finally:
             self._lock.release()
+
+
+# A certificate of the CA that names neither a rank nor the controller's role
+# (:data:`CONTROLLER_NAME`) is nobody's.
+CONTROLLER = "controller"
+# Who a certificate is: a rank, CONTROLLER, or None (nobody).
+Who = int | str | None
+
+
+def identity_of(names: Iterable[str | bytes]) -> Who:
+    """Who a certificate with these DNS names is: the one rank it names, the
+    controller (it names ``CONTROLLER_NAME`` and no rank), or None: it names
+    neither, several ranks, or a rank and the controller (one certificate is one
+    identity)."""
+    texts = [n.decode("ascii", errors="replace") if isinstance(n, bytes) else n
+             for n in names]
+    ranks = ranks_named(texts)
+    controller = CONTROLLER_NAME in texts
+    if controller and not ranks:
+        return CONTROLLER
+    if len(ranks) == 1 and not controller:
+        return next(iter(ranks))
+    return None
+
+
+def describe(who: Who) -> str:
+    return (f"rank {who}" if isinstance(who, int) else "the controller" if who else
+            "no rank and not the controller")

@@ -33,7 +33,7 @@ from mtc.contract import ReadTask, task_from_json, unframe
 from mtc.errors import ProtocolError
 from mtc.shards import device_order, place, single_device_sharding
 from mtc.sidecar.dtypes import numpy_dtype
-from mtc.sidecar.load import ShardLoader, check_tasks
+from mtc.sidecar.restore.load import ShardLoader, check_tasks
 
 
 def hosts_of(ranks: jax.Array) -> dict[jax.Device, int]:

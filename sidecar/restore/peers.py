@@ -12,7 +12,7 @@ disk through a filesystem. With mutual TLS and certificates this process reads
 as ranks (``mtc-rank-<r>``, or a JobSet pod's name once the manager was told how
 the job names its pods: ``Options.replicator_pod_names``), a replicator's copy
 of another rank's data is read only when proven that rank's
-(:mod:`.replicator.copies.provenance`), and each file of it is checked against
+(:mod:`..replicator.copies.provenance`), and each file of it is checked against
 the SHA-256 its origin signed.
 """
 
@@ -26,11 +26,12 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from mtc.credentials import Credentials, names_read_here
 from mtc.errors import ConfigError, CorruptShardError, ShardUnavailableError
+from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.copies.provenance import ProofCheck, names_read_here
-from mtc.sidecar.replicator.wire.client import PeerClient, PeerError
-from mtc.sidecar.replicator.wire.security import Credentials
+from mtc.sidecar.replicator.copies.provenance import ProofCheck
+from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger(__name__)
 

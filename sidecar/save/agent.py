@@ -26,9 +26,9 @@ from mtc.errors import MtcError
 from mtc.manifest import Index, LeafEntry
 from mtc.pool import ThreadPool
 from mtc.shards import ShardPlans
-from mtc.sidecar.buffers import StagingPool
+from mtc.sidecar.save.buffers import StagingPool
+from mtc.sidecar.save.write import HostSave, StagedShard, Writer
 from mtc.sidecar.storage.deleter import clean_uncommitted
-from mtc.sidecar.write import HostSave, StagedShard, Writer
 
 # The bytes of device shards whose transfers to host memory are under way beside
 # the one the transfer thread waits for (one shard at least). The steps running

@@ -1,0 +1,76 @@
+"""The controller's package (all of mtc/) imports nothing of the replicator's.
+
+The controller runs on another machine than the replicators; what both sides use
+lives in ``mtc/``: the credentials (``mtc/credentials.py``), the certificates' names
+as ranks (``mtc/rank_names.py``), errors as gRPC statuses and ``PeerError``
+(``mtc/grpc_errors.py``), the placement rule (``mtc/placement.py``). The host seam
+(``mtc/dispatch/``) is held to it too: it runs the host side in the controller's
+process (``LocalDispatch``) through the host side's own modules (``mtc.sidecar.save``,
+``mtc.sidecar.restore``), never the replicator's directly. The uses left are listed with why;
+a new one fails, and so does a listed one no longer there. Imports only (a module
+named in a string is not read).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import mtc
+
+ROOT = Path(mtc.__file__).parent
+REPLICATOR = "mtc.sidecar.replicator"
+_CLIENT = "mtc.sidecar.replicator.wire.client"
+# (file under mtc/, module it imports): why it still does.
+ALLOWED = {
+    # PeerClient opens the replicator's data channel to a peer (wire/peer_data.py and
+    # what it uses) as it opens its gRPC channel: the controller's calls use the gRPC
+    # part only, and the two come apart only with the client's data path.
+    ("replicas.py", _CLIENT): "PeerClient",
+    ("replicator_watch.py", _CLIENT): "PeerClient",
+}
+
+
+def replicator_imports(source: str) -> set[str]:
+    """The replicator's modules ``source`` imports, anywhere in it (lazy imports and
+    ``TYPE_CHECKING`` ones too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        ours = [n for n in names if n == REPLICATOR or n.startswith(REPLICATOR + ".")]
+        if ours:  # the module imported from, not the name taken from it
+            found.add(min(ours, key=len))
+    return found
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("from mtc.credentials import Credentials", set()),
+    ("import mtc.sidecar.replicator.node", {"mtc.sidecar.replicator.node"}),
+    ("from mtc.sidecar.replicator.wire.client import PeerClient", {_CLIENT}),
+    ("from mtc.sidecar.replicator.wire import client", {"mtc.sidecar.replicator.wire"}),
+    ("from mtc.sidecar import replicator", {"mtc.sidecar.replicator"}),
+    ("from mtc.sidecar.restore.load import ShardLoader", set()),
+    ("def f():\n    from mtc.sidecar.replicator.config import targets\n",
+     {"mtc.sidecar.replicator.config"}),
+    ("if TYPE_CHECKING:\n    import mtc.sidecar.replicator.wire.security as s\n",
+     {"mtc.sidecar.replicator.wire.security"}),
+])
+def test_replicator_imports_reads_every_form(source: str, expected: set[str]) -> None:
+    assert replicator_imports(source) == expected
+
+
+def test_controller_imports_nothing_of_the_replicator() -> None:
+    seen: set[tuple[str, str]] = set()
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        for module in replicator_imports(path.read_text()):
+            seen.add((rel.as_posix(), module))
+    assert seen - ALLOWED.keys() == set(), "the controller imports the replicator's modules"
+    assert ALLOWED.keys() - seen == set(), "listed uses no longer there: remove them"
