@@ -338,7 +338,9 @@ def test_a_request_dripped_in_is_ended_at_its_deadline_whatever_its_pace(
 BIG = {"big.bin": os.urandom(16 << 20)}
 
 
-def _best_fetch_s(client: PeerClient, rounds: int = 4) -> float:
+def _best_fetch_s(client: PeerClient, rounds: int = 8) -> float:
+    """The fastest of ``rounds`` fetches of 16 MiB: on a loaded 2-core machine one
+    fetch in four could still meet other work, on either side of the comparison."""
     best = float("inf")
     for _ in range(rounds):
         t0 = time.monotonic()
