@@ -26,6 +26,7 @@ import grpc
 import pytest
 from hostile_net import Drip
 from replicators import commit_raw_step
+from served_node import ServedNode
 from tls_certs import issue, make_ca, mount_secret
 
 from mtc.credentials import Credentials
@@ -33,45 +34,30 @@ from mtc.errors import ConfigError
 from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies import provenance
-from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.wire import data_admission, socket_files
 from mtc.sidecar.replicator.wire import datachannel as dc
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.replicator.wire.limits import Limits
-from mtc.sidecar.replicator.wire.server import serve
 from mtc.sidecar.replicator.wire.socket_files import recv_into_fd
 
 FILES = {"a.bin": bytes(range(256)) * 4000, "empty.bin": b"", "d-b.bin": b"B" * 10,
          "d/c.bin": zlib.compress(b"c" * 9000) * 300}
 
 
-class Replicator:
+class Replicator(ServedNode):
     """Rank 0 of two, holding step 1 of its own, served on loopback."""
 
     def __init__(self, base: Path, creds: Credentials,
                  files: dict[str, bytes] | None = None, limits: Limits | None = None) -> None:
         # Orbax's framework: its steps are opaque folders of nested files, no manifest.
-        cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
-                               nodes_per_slice=1, deadline_s=2.0, agreement_timeout_s=0.5,
-                               framework="orbax")
-        self.root = base / "root"
-        self.node = Node(cfg, self.root, creds)
-        commit_raw_step(self.root, 1, files or FILES)
-        self.server, self.port, self.servicer, _ = serve(self.node, "127.0.0.1:0", creds,
-                                                         limits=limits)
-        self.data_port = self.servicer.data_port
+        super().__init__(base / "root", creds,
+                         lambda root: commit_raw_step(root, 1, files or FILES),
+                         serving={"limits": limits}, framework="orbax")
 
     def client(self, creds: Credentials, rank: int = 0) -> PeerClient:
         return PeerClient(f"127.0.0.1:{self.port}", creds, rank=rank, as_peer=rank >= 0)
-
-    def close(self) -> None:
-        self.server.stop(0).wait()
-        self.servicer.close()
-        self.node.stop()
-        self.node.close()
 
 
 TOKEN = Credentials(token="s3cret")

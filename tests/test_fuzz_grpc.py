@@ -19,12 +19,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from replicators import commit_mtc_step
+from served_node import ServedNode
 
 from mtc.credentials import Credentials
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.node import Node
-from mtc.sidecar.replicator.wire.server import serve
 
 UNTYPED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
            grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -46,24 +44,19 @@ u32 = st.integers(0, 2**32 - 1)
 u64 = st.one_of(st.integers(0, 70), st.integers(0, 2**64 - 1))
 
 
-class Server:
+class Server(ServedNode):
     def __init__(self, base: Path) -> None:
         self.base = base
-        self.root = base / "root"
         (base / "sentinel").mkdir()
         (base / "sentinel" / "keep").write_text("x")
-        cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
-                               nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=0.5)
-        self.node = Node(cfg, self.root, Credentials())
-        commit_mtc_step(self.root, 1, {"a.bin": b"A" * 5000, "d-b.bin": b"B" * 10}, host=0,
-                        num_hosts=2)
-        self.server, port, self.servicer, _ = serve(self.node, "127.0.0.1:0", Credentials())
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        super().__init__(base / "root", Credentials(), lambda root: commit_mtc_step(
+            root, 1, {"a.bin": b"A" * 5000, "d-b.bin": b"B" * 10}, host=0, num_hosts=2),
+            deadline_s=0.5)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
 
     def close(self) -> None:
         self.channel.close()
-        self.server.stop(0).wait()
-        self.node.stop()
+        super().close()
 
     def outside(self) -> list[str]:
         """Anything under the base folder that is not the root or the sentinel."""

@@ -284,13 +284,11 @@ def _same_crc(data: bytes, target: int) -> bytes:
     return head + x.to_bytes(4, "little")
 
 
-def test_a_holder_serving_other_bytes_with_the_same_crc_fails_the_restore(
-        ramdisk: Path, clusters: list[Cluster]) -> None:
-    """Rank 1 holds rank 0's real, proven copy of step 5, and swaps its ``a.bin``
-    for bytes of its own with the same size and CRC32C (every check a fetch makes on
-    the way passes). Rank 0, replaced empty, restores step 5 from it: the SHA-256
-    rank 0 signed refuses those bytes before the step is placed (a typed
-    ``DATA_LOSS`` naming the file, nothing in rank 0's root), and it is counted."""
+def _forged_held_copy(ramdisk: Path, clusters: list[Cluster]) -> tuple[Cluster, bytes]:
+    """Two TLS hosts holding each other's step 5; then rank 1 swaps its copy of rank
+    0's ``a.bin`` for bytes of its own with the same size and CRC32C, which every
+    check but the SHA-256 rank 0 signed passes (the copy stays listed). The cluster,
+    and the forged bytes."""
     _, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True)
     cl.start_all()
     mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
@@ -303,6 +301,17 @@ def test_a_holder_serving_other_bytes_with_the_same_crc_fails_the_restore(
     (held.parent / "a.tmp").write_bytes(forged)
     os.replace(held.parent / "a.tmp", held)
     assert (1, 0, 5) in cl.held()  # it checks out by CRC32C: still listed
+    return cl, forged
+
+
+def test_a_holder_serving_other_bytes_with_the_same_crc_fails_the_restore(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Rank 1 holds rank 0's real, proven copy of step 5, and swaps its ``a.bin``
+    for bytes of its own with the same size and CRC32C (every check a fetch makes on
+    the way passes). Rank 0, replaced empty, restores step 5 from it: the SHA-256
+    rank 0 signed refuses those bytes before the step is placed (a typed
+    ``DATA_LOSS`` naming the file, nothing in rank 0's root), and it is counted."""
+    cl, _ = _forged_held_copy(ramdisk, clusters)
     cl.kill(0)
     shutil.rmtree(cl.root(0))
     cl.start(0)
@@ -323,17 +332,7 @@ def test_healing_an_own_file_takes_only_the_bytes_its_host_signed(
     CRC32C only) into rank 0's own step. Now they must hash as rank 0 signed them
     (the SHA-256 listed with rank 1's proven copy of its data): the restore fails
     with a typed ``DATA_LOSS``, no forged byte is placed, and it is counted."""
-    _, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True)
-    cl.start_all()
-    mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
-    cl.commit(1, 5, {"c.bin": os.urandom(4096)})
-    cl.wait_held({(1, 0, 5), (0, 1, 5)})
-    held = cl.root(1) / ".mtc-replica" / "0" / "5" / "a.bin"
-    forged = _same_crc(b"rank 1 made this up".ljust(len(mine["a.bin"]), b"!"),
-                       crc32c(mine["a.bin"]))
-    (held.parent / "a.tmp").write_bytes(forged)
-    os.replace(held.parent / "a.tmp", held)
-    assert (1, 0, 5) in cl.held()  # it checks out by CRC32C: still listed
+    cl, forged = _forged_held_copy(ramdisk, clusters)
     own = cl.root(0) / "5" / "a.bin"
     flip(own)
     deadline = time.monotonic() + 30  # rank 0 finds its step damaged (its next check)

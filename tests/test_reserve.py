@@ -19,18 +19,16 @@ from pathlib import Path
 
 import pytest
 from replicators import commit_raw_step
+from served_node import ServedNode
 
 from mtc.credentials import Credentials
 from mtc.errors import UnsafePathError
 from mtc.grpc_errors import PeerError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
-from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.wire import datachannel as dc
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.sidecar.replicator.wire.server import serve
 from mtc.sidecar.storage.reserve import Reserve, plan_reserve, reserved_bytes
 
 MIB = 1 << 20
@@ -136,17 +134,13 @@ def test_a_taken_file_is_placed_without_following_a_symlink(tmp_path: Path) -> N
     assert (base / "e" / "x.bin").stat().st_size == 0
 
 
-class Receiver:
+class Receiver(ServedNode):
     """Rank 0 of two, served on loopback; rank 1 pushes copies to it."""
 
     def __init__(self, base: Path) -> None:
-        cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
-                               nodes_per_slice=1, deadline_s=2.0, agreement_timeout_s=0.5)
-        self.root = base / "root"
-        self.node = Node(cfg, self.root, Credentials())
-        commit_raw_step(self.root, 1, {"own.bin": b"o"})
-        self.server, port, self.servicer, _ = serve(self.node, "127.0.0.1:0", Credentials())
-        self.client = PeerClient(f"127.0.0.1:{port}", Credentials(), rank=1, as_peer=True)
+        super().__init__(base / "root", Credentials(),
+                         lambda root: commit_raw_step(root, 1, {"own.bin": b"o"}))
+        self.client = PeerClient(f"127.0.0.1:{self.port}", Credentials(), rank=1, as_peer=True)
         self.src = base / "src"
         self.src.mkdir()
 
@@ -169,10 +163,7 @@ class Receiver:
 
     def close(self) -> None:
         self.client.close()
-        self.server.stop(0).wait()
-        self.servicer.close()
-        self.node.stop()
-        self.node.close()
+        super().close()
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 from replicators import commit_raw_step
+from served_node import ServedNode
 
 from mtc.credentials import Credentials
 from mtc.errors import CorruptShardError
@@ -54,26 +55,19 @@ def test_fetch_batches(first: list[tuple[int, int] | None], streams: int,
     assert fetch_batches(first, 0, streams) == want
 
 
-class Holder:
+class Holder(ServedNode):
     """A real replicator (rank 0) holding step 1 of its own, served on loopback."""
 
     def __init__(self, base: Path) -> None:
         # Orbax's framework: its steps are opaque folders of nested files, no manifest.
-        cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
-                               nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=0.5,
-                               framework="orbax")
-        self.root = base / "root"
-        self.node = Node(cfg, self.root, Credentials())
-        commit_raw_step(self.root, 1, FILES)
-        self.server, port, self.servicer, _ = serve(self.node, "127.0.0.1:0", Credentials())
-        self.client = PeerClient(f"127.0.0.1:{port}", Credentials(), rank=0)
+        super().__init__(base / "root", Credentials(),
+                         lambda root: commit_raw_step(root, 1, FILES), framework="orbax",
+                         deadline_s=0.5)
+        self.client = PeerClient(f"127.0.0.1:{self.port}", Credentials(), rank=0)
 
     def close(self) -> None:
         self.client.close()
-        self.server.stop(0).wait()
-        self.servicer.close()
-        self.node.stop()
-        self.node.close()
+        super().close()
 
 
 @pytest.fixture

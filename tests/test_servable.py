@@ -16,17 +16,15 @@ from pathlib import Path
 import grpc
 import pytest
 from replicators import commit_raw_step
+from served_node import ServedNode
 
 from mtc.credentials import TOKEN_HEADER, Credentials
 from mtc.errors import ConfigError, StepNotFoundError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies.servable import HELD, STAGED, Serving, servable
-from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.wire import datachannel as dc
 from mtc.sidecar.replicator.wire.client import FETCH
-from mtc.sidecar.replicator.wire.server import serve
 
 A, B = FileMeta("a.bin", 3, 7), FileMeta("d/b.bin", 5, 9)
 COPY = [A, B]
@@ -69,18 +67,13 @@ TOKEN = "s3cret"
 FILES = {"a.bin": b"A" * 4096, "d/b.bin": b"B" * 10}
 
 
-class Holder:
+class Holder(ServedNode):
     """Rank 0 of two, holding step 1 of its own, served on loopback."""
 
     def __init__(self, base: Path) -> None:
-        creds = Credentials(token=TOKEN)
-        cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:0", "127.0.0.1:1"),
-                               nodes_per_slice=1, deadline_s=2.0, agreement_timeout_s=0.5,
-                               framework="orbax")
-        self.node = Node(cfg, base / "root", creds)
-        commit_raw_step(base / "root", 1, FILES)
-        self.server, port, self.servicer, _ = serve(self.node, "127.0.0.1:0", creds)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        super().__init__(base / "root", Credentials(token=TOKEN),
+                         lambda root: commit_raw_step(root, 1, FILES), framework="orbax")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
 
     def over_data_channel(self, req: pb.FetchRequest) -> tuple[grpc.StatusCode | None, str]:
         """The data channel's first answer to ``req``: its code (None: the files follow)."""
@@ -103,10 +96,7 @@ class Holder:
 
     def close(self) -> None:
         self.channel.close()
-        self.server.stop(0).wait()
-        self.servicer.close()
-        self.node.stop()
-        self.node.close()
+        super().close()
 
 
 @pytest.fixture
