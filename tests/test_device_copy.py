@@ -24,7 +24,14 @@ from jax.sharding import PartitionSpec as P
 
 import mtc
 from mtc.elastic import InGraphStep, Snapshotter
-from mtc.save.device_copy import DeviceCopier, bytes_per_device, free_at_peak, on_accelerator
+from mtc.save.device_copy import (
+    DeviceCopier,
+    bytes_per_device,
+    fits,
+    free_at_peak,
+    on_accelerator,
+    step_peak,
+)
 
 
 def _as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,8 +92,8 @@ def test_a_copy_holds_the_values_of_its_moment_and_budget_decides(
     x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("model")))
     copier = DeviceCopier(1 << 20)
     got = copier.copy([x, np.ones(2)])
-    assert got is not None and copier.copied == 1
-    copy, kept = got
+    assert got is not None and copier.copied == 1 and got.owned == {0}
+    copy, kept = got.arrays
     assert isinstance(kept, np.ndarray)  # numpy leaves are not the device's
     assert copy.sharding == x.sharding
     assert all(a.data.unsafe_buffer_pointer() != b.data.unsafe_buffer_pointer()
@@ -99,38 +106,96 @@ def test_a_copy_holds_the_values_of_its_moment_and_budget_decides(
     with caplog.at_level(logging.WARNING, "mtc.manager"):
         assert small.copy([y]) is None and small.copy([y]) is None
     assert small.blocked == 2
-    told = [r for r in caplog.records if "device memory needs 32 bytes" in r.getMessage()]
-    assert len(told) == 1 and "the budget is 8 bytes" in told[0].getMessage()
+    told = [r for r in caplog.records if "256 of 256 bytes" in r.getMessage()]
+    assert len(told) == 1 and "The budget is 8 bytes" in told[0].getMessage()
     assert DeviceCopier(0).copy([y]) is None
     # The automatic budget asks the device: CPU devices report no statistics.
     auto = DeviceCopier(None)
     assert auto.copy([y]) is None and auto.blocked == 1
 
 
+@pytest.mark.parametrize(("sizes", "budget", "taken"), [
+    ([], {0: 10}, set()),
+    ([{0: 4}, {0: 4}, {0: 4}], {0: 10}, {0, 1}),  # never all or nothing
+    ([{0: 2}, {0: 8}, {0: 3}], {0: 10}, {0, 1}),  # the largest first, then what fits
+    ([{0: 2}, {0: 9}, {0: 3}], {0: 10}, {1}),
+    ([{0: 11}, {0: 3}], {0: 10}, {1}),  # one too large: the others still copied
+    ([{0: 5, 1: 5}, {1: 6}], {0: 10, 1: 10}, {0}),  # must fit every device it is on
+    ([{0: 5, 1: 5}, {0: 5}], {0: 10, 1: 4}, {1}),
+    ([{0: 1}], {}, set()),  # a device with no room
+    ([{0: 0}], {0: 0}, {0}),
+])
+def test_fits_copies_the_largest_that_fit_every_device(
+        sizes: list[dict[int, int]], budget: dict[int, int], taken: set[int]) -> None:
+    assert fits(sizes, budget) == taken
+
+
+@pytest.mark.parametrize(("peak", "last", "want"), [
+    (100, None, 100),  # no copy yet: the reported peak is the job's
+    (130, (100, 30), 100),  # the copy lived beside the step's peak: it is the copy's
+    (120, (100, 30), 100),
+    (131, (100, 30), 131),  # more than the copy: the job grew, all of it counts
+    (100, (100, 0), 100),
+    (101, (100, 0), 101),
+])
+def test_step_peak_takes_a_rise_up_to_the_last_copy_as_the_copys(
+        peak: int, last: tuple[int, int] | None, want: int) -> None:
+    assert step_peak(peak, last) == want
+
+
+def test_a_save_too_large_for_the_budget_copies_what_fits(
+        monkeypatch: pytest.MonkeyPatch, mesh: Mesh, caplog: pytest.LogCaptureFixture) -> None:
+    _as_accelerator(monkeypatch)
+    sharding = NamedSharding(mesh, P("model"))
+    big = jax.device_put(jnp.arange(1024.0).reshape(256, 4), sharding)  # 1 KiB a device
+    small = jax.device_put(jnp.ones((8, 4)), sharding)  # 32 bytes a device
+    copier = DeviceCopier(1080)  # room for the big one and one small one
+    with caplog.at_level(logging.WARNING, "mtc.manager"):
+        got = copier.copy([small, big, small])
+    assert got is not None and got.owned == {0, 1}
+    assert got.arrays[2] is small and got.arrays[1] is not big
+    assert (copier.copied, copier.blocked) == (1, 1)
+    n = len(mesh.devices.flat)
+    assert copier.copied_bytes == (1024 + 32) * n and copier.direct_bytes == 32 * n
+    assert any("32" in r.getMessage() and "read from the state itself" in r.getMessage()
+               for r in caplog.records)
+    big.delete()  # as a donating step does
+    np.testing.assert_array_equal(np.asarray(got.arrays[1]), np.arange(1024.0).reshape(256, 4))
+
+
+@pytest.mark.parametrize("budget", [1 << 24, 5000])
 @pytest.mark.parametrize("dispatch", ["local", "colocated"])
 def test_a_save_from_its_copy_survives_donation_and_restores_exactly(
-        monkeypatch: pytest.MonkeyPatch, ramdisk: Path, mesh: Mesh, dispatch: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, ramdisk: Path, mesh: Mesh, dispatch: str,
+        budget: int) -> None:
+    """With room for the whole state, and (5000 bytes) for "x" but not "y": the
+    part copied comes to host memory behind the step, the rest before save returns."""
     _as_accelerator(monkeypatch)
     sharding = NamedSharding(mesh, P("model"))
     donating = jax.jit(lambda a: a * 0 + 42, donate_argnums=0)
     options = mtc.Options(simulated_hosts=4, hosts_per_slice=2, dispatch=dispatch,  # type: ignore[arg-type]
-                          save_device_copy_bytes=1 << 24)
+                          save_device_copy_bytes=budget)
     with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
         for step in (1, 2, 3):  # each save's transfer ends before the next copy
-            x = jax.device_put(jnp.full((1024, 64), step, jnp.float32), sharding)
-            assert mgr.save(step, {"x": x, "n": np.arange(3) + step})
-            y = donating(x)  # the state's buffers, donated right after save
-            assert x.is_deleted()
+            x = jax.device_put(jnp.full((16, 64), step, jnp.float32), sharding)  # 1 KiB a device
+            z = jax.device_put(jnp.full((64, 64), -step, jnp.float32), sharding)  # 4 KiB
+            assert mgr.save(step, {"x": x, "z": z, "n": np.arange(3) + step})
+            y, w = donating(x), donating(z)  # the state's buffers, donated right after save
+            assert x.is_deleted() and z.is_deleted()
         mgr.wait_until_finished()
         copier = mgr._dispatch.copier  # type: ignore[attr-defined]
-        assert (copier.copied, copier.blocked) == (3, 0)
+        assert (copier.copied, copier.blocked) == ((3, 0) if budget > 5000 else (3, 3))
         for step in (2, 3):
-            got = mgr.restore(step, {"x": jax.ShapeDtypeStruct((1024, 64), jnp.float32,
+            got = mgr.restore(step, {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32,
+                                                               sharding=sharding),
+                                     "z": jax.ShapeDtypeStruct((64, 64), jnp.float32,
                                                                sharding=sharding),
                                      "n": np.zeros(3, np.int64)})
-            np.testing.assert_array_equal(np.asarray(got["x"]), np.full((1024, 64), step))
+            np.testing.assert_array_equal(np.asarray(got["x"]), np.full((16, 64), step))
+            np.testing.assert_array_equal(np.asarray(got["z"]), np.full((64, 64), -step))
             np.testing.assert_array_equal(got["n"], np.arange(3) + step)
-    np.testing.assert_array_equal(np.asarray(y), np.full((1024, 64), 42))
+    np.testing.assert_array_equal(np.asarray(w), np.full((64, 64), 42))
+    np.testing.assert_array_equal(np.asarray(y), np.full((16, 64), 42))
 
 
 def test_a_failed_transfer_fails_its_save_and_frees_the_budget(

@@ -295,13 +295,20 @@ class ColocatedDispatch(HostCalls):
         # which read the last one, was collected before this save listed the
         # hosts), which the transfer to the workers' CPU devices reads while the
         # next steps run; a step donating the state waits for the copy only.
-        copies = self.copier.copy(arrays)
+        # What does not fit the device-memory budget moves onto the workers' CPU
+        # devices now, from the state itself (the step waits for it); the copies
+        # move on the call thread.
+        copied = self.copier.copy(arrays)
         self._unwaited = True
-        if copies is not None and self._async is not None and not header.skip_if_busy:
-            self._staged = self._invoke_later(self._stage_copies, header_arr, requests, copies)
+        if copied is not None and self._async is not None and not header.skip_if_busy:
+            mixed = [a if i in copied.owned else self._to_cpu(a)
+                     for i, a in enumerate(copied.arrays)]
+            jax.block_until_ready([m for i, m in enumerate(mixed) if i not in copied.owned
+                                   and isinstance(m, jax.Array)])
+            self._staged = self._invoke_later(self._stage_copies, header_arr, requests, mixed)
             return True
-        inputs = [self._to_cpu(a) for a in (arrays if copies is None else copies)]
-        del copies  # the transfers hold what they read
+        inputs = [self._to_cpu(a) for a in (arrays if copied is None else copied.arrays)]
+        del copied  # the transfers hold what they read
         if self._async is None or header.skip_if_busy:
             ok = self._invoke(self._stage, header_arr, self._ranks, inputs, requests)
             if header.skip_if_busy:  # whether it was skipped is the save's answer

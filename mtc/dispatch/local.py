@@ -62,10 +62,10 @@ class LocalDispatch(HostCalls):
         # The last save's device copy is in host memory before this one is made:
         # one copy's worth of device memory at a time.
         self.agent.finish_transfer()
-        copies = self.copier.copy(arrays)
-        if copies is None:
+        copied = self.copier.copy(arrays)
+        if copied is None:
             return self.agent.stage(header, arrays)
-        return self.agent.stage(header, copies, owned=True)
+        return self.agent.stage(header, copied.arrays, owned=copied.owned)
 
     def wait(self) -> None:
         self.agent.wait()

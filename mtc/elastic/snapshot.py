@@ -136,7 +136,8 @@ class Snapshotter:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         arrays = [jax.random.key_data(x) if is_key(x) else x
                   for x in leaves if isinstance(x, jax.Array)]
-        source = self._copier.copy(arrays) or arrays
+        copied = self._copier.copy(arrays)
+        source = arrays if copied is None else copied.arrays
         copies = iter(jax.device_put(source, [to_host_sharding(a.sharding) for a in arrays],
                                      may_alias=False))
         self._hold(step, treedef, leaves, copies, moved=any(on_accelerator(a) for a in arrays))

@@ -11,8 +11,10 @@ while the next steps run, and the copy is dropped once it is in host memory.
 The copy costs device memory for as long as the transfer runs: at most
 ``budget`` bytes per device (``Options.save_device_copy_bytes``), one save's
 copy at a time (the dispatchers make the next copy only once the previous
-transfer has ended). Where the state does not fit, the save copies from the
-state itself and blocks for the transfer, as before; said once per manager.
+transfer has ended). A real job fills the chip, so the copy is never all or
+nothing: the arrays that fit the budget are copied (the largest first), and
+only the rest is read from the state itself, which the save waits for
+(:func:`fits`, pure). Said once per manager when part of a save does not fit.
 
 On CPU devices nothing is copied here: a shard's host view is its buffer, which
 a donating step leaves alone (:mod:`mtc.sidecar.save.agent`).
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,19 +61,43 @@ def bytes_per_device(arrays: Sequence[jax.Array]) -> dict[int, int]:
     return out
 
 
-def free_at_peak(device: Any) -> int | None:
-    """Device memory the job has never used, less :data:`HEADROOM`: a copy of that
-    size fits beside the largest step this job has run. None where the platform
-    reports no memory statistics."""
+def memory_of(device: Any) -> tuple[int, int] | None:
+    """(bytes_limit, the job's peak use) as the platform reports them; None where
+    it reports no statistics."""
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - platforms without statistics raise anything
         return None
     if not stats or "bytes_limit" not in stats:
         return None
-    limit = int(stats["bytes_limit"])
-    peak = int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
+    return (int(stats["bytes_limit"]),
+            int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))))
+
+
+def free_at_peak(device: Any) -> int | None:
+    """Device memory the job has never used, less :data:`HEADROOM`: a copy of that
+    size fits beside the largest step this job has run. None where the platform
+    reports no memory statistics."""
+    got = memory_of(device)
+    return None if got is None else room_beside(*got)
+
+
+def room_beside(limit: int, peak: int) -> int:
     return max(0, limit - peak - int(HEADROOM * limit))
+
+
+def step_peak(peak: int, last: tuple[int, int] | None) -> int:
+    """The job's own peak use on a device, without this copier's copies, from the
+    peak the platform reports (which never goes down) and ``last``: (the job's peak
+    before the last copy, that copy's bytes on the device). A copy lives while the
+    next steps run, so the reported peak may count it: a rise of at most the copy's
+    size since it was made is the copy's, and the job's peak is as it was; a larger
+    rise is the job's own, all of it (the safe reading: never a copy the step has
+    no room for)."""
+    if last is None:
+        return peak
+    before, copied = last
+    return before if peak - before <= copied else peak
 
 
 @jax.jit
@@ -86,6 +112,29 @@ def copy_in_device_memory(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     return _copy(list(arrays))
 
 
+def fits(sizes: Sequence[dict[int, int]], budget: dict[int, int]) -> frozenset[int]:
+    """Which arrays to copy in device memory: ``sizes[i]`` is array i's bytes per
+    device, ``budget`` each device's room. The largest first (fewest bytes left for
+    the save to wait on), each taken while it fits on every device it is on;
+    smaller ones fill what is left."""
+    left = dict(budget)
+    taken: set[int] = set()
+    for i in sorted(range(len(sizes)), key=lambda i: (-sum(sizes[i].values()), i)):
+        if all(n <= left.get(d, 0) for d, n in sizes[i].items()):
+            for d, n in sizes[i].items():
+                left[d] = left.get(d, 0) - n
+            taken.add(i)
+    return frozenset(taken)
+
+
+class Copied(NamedTuple):
+    """A save's arrays with those copied in device memory replaced by their copies
+    (``owned``: their positions; the others are the caller's own arrays)."""
+
+    arrays: list[Any]
+    owned: frozenset[int]
+
+
 class DeviceCopier:
     """Copies a save's accelerator arrays within device memory, within a budget per
     device (``budget``: bytes; None: what :func:`free_at_peak` leaves; 0: never)."""
@@ -94,45 +143,62 @@ class DeviceCopier:
                  setting: str = "Options(save_device_copy_bytes=...)") -> None:
         self.budget = budget
         self.setting = setting  # what sets the budget, for the warning
-        self.copied = 0  # saves whose arrays were copied
-        self.blocked = 0  # saves that copied from the state itself (no room)
+        self.copied = 0  # saves of which some array was copied
+        self.blocked = 0  # saves of which some array was read from the state itself
+        self.copied_bytes = 0  # bytes copied in device memory, all saves
+        self.direct_bytes = 0  # accelerator bytes read from the state itself, all saves
         self._told = False
+        # Per device: the job's peak use without this copier's copies (step_peak),
+        # and (that peak, the bytes copied there) at the last copy.
+        self._peaks: dict[int, int] = {}
+        self._last: dict[int, tuple[int, int]] = {}
 
-    def copy(self, arrays: Sequence[jax.Array | np.ndarray]) -> list[Any] | None:
-        """``arrays`` with each accelerator array replaced by a copy of it in device
-        memory (dispatched, not waited for), or None when none is on an accelerator
-        or the copy does not fit the budget."""
-        device = [a for a in arrays if isinstance(a, jax.Array) and on_accelerator(a)]
-        if not device:
+    def copy(self, arrays: Sequence[jax.Array | np.ndarray]) -> Copied | None:
+        """``arrays`` with each accelerator array that fits the budget replaced by a
+        copy of it in device memory (dispatched, not waited for), or None when none
+        is on an accelerator or none fits."""
+        where = [i for i, a in enumerate(arrays) if isinstance(a, jax.Array)
+                 and on_accelerator(a)]
+        if not where:
             return None
-        need = bytes_per_device(device)
-        short = self._short(need)
-        if short is not None:
+        sizes = [bytes_per_device([arrays[i]]) for i in where]  # type: ignore[list-item]
+        room, why = self._room({d for s in sizes for d in s})
+        chosen = fits(sizes, room)
+        owned = frozenset(where[k] for k in chosen)
+        direct = sum(sum(sizes[k].values()) for k in range(len(where)) if k not in chosen)
+        self.direct_bytes += direct
+        self.copied_bytes += sum(sum(sizes[k].values()) for k in chosen)
+        if direct:
             self.blocked += 1
             if not self._told:
                 self._told = True
                 log.warning(
-                    "mtc: copying from the state itself: the next step that donates it "
-                    "waits for the device-to-host transfer. A copy in device memory needs "
-                    "%d bytes on device %d, where %s (%s sets the budget); said once",
-                    need[short[0]], short[0], short[1], self.setting)
+                    "mtc: %d of %d bytes of this save are read from the state itself: the "
+                    "next step that donates it waits for their device-to-host transfer "
+                    "(the rest is copied in device memory first). %s (%s sets the budget); "
+                    "said once", direct, direct + sum(sum(sizes[k].values()) for k in chosen),
+                    why, self.setting)
+        if not owned:
             return None
-        copies = iter(copy_in_device_memory(device))
         self.copied += 1
-        return [next(copies) if on_accelerator(a) else a for a in arrays]
+        if self.budget is None:
+            for d in self._peaks:
+                self._last[d] = (self._peaks[d], sum(sizes[k].get(d, 0) for k in chosen))
+        copies = iter(copy_in_device_memory([arrays[i] for i in sorted(owned)]))  # type: ignore[misc]
+        return Copied([next(copies) if i in owned else a for i, a in enumerate(arrays)], owned)
 
-    def _short(self, need: dict[int, int]) -> tuple[int, str] | None:
-        """The first device the copy does not fit on, and why; None when it fits."""
+    def _room(self, devices: set[int]) -> tuple[dict[int, int], str]:
+        """Each device's room for copies, and what sets it (for the warning)."""
         if self.budget is not None:
-            for d, n in need.items():
-                if n > self.budget:
-                    return d, f"the budget is {self.budget} bytes"
-            return None
+            return {d: self.budget for d in devices}, f"The budget is {self.budget} bytes"
         by_id = {d.id: d for d in jax.devices()}
-        for d, n in need.items():
-            free = free_at_peak(by_id[d]) if d in by_id else None
-            if free is None:
-                return d, "the device reports no memory statistics"
-            if n > free:
-                return d, f"{free} bytes are free beside the job's peak use"
-        return None
+        room: dict[int, int] = {}
+        for d in devices:
+            got = memory_of(by_id[d]) if d in by_id else None
+            if got is None:
+                return {d: 0 for d in devices}, "The device reports no memory statistics"
+            limit, peak = got
+            self._peaks[d] = step_peak(peak, self._last.get(d))
+            room[d] = room_beside(limit, self._peaks[d])
+        return room, (f"{min(room.values())} bytes are free beside the job's peak use "
+                      f"on the fullest device")

@@ -14,7 +14,7 @@ import logging
 import math
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
@@ -110,17 +110,19 @@ class HostAgent:
 
     def stage(self, header: SaveHeader, arrays: Sequence[jax.Array | np.ndarray],
               hosts: Sequence[int] | None = None, *,
-              host_of_device: dict[int, int] | None = None, owned: bool = False) -> bool:
+              host_of_device: dict[int, int] | None = None,
+              owned: bool | Collection[int] = False) -> bool:
         """Take this host's shards into host memory and queue them for writing.
 
         Returns once every shard is staged (the state may change afterwards),
         or False, having staged nothing, when ``skip_if_busy`` and the staging
         budget cannot hold the state now. ``host_of_device`` maps the ids of the
         devices the arrays are on here (a colocated worker's own CPU devices);
-        by default the controller's map in the config. ``owned``: the arrays are
-        buffers no one else holds (a copy in device memory made for this save):
-        their shards on an accelerator come to host memory on the agent's
-        transfer thread after this returns, and are written as they come.
+        by default the controller's map in the config. ``owned``: the arrays (True:
+        all; else the positions of those) that are buffers no one else holds (a
+        copy in device memory made for this save): their shards on an accelerator
+        come to host memory on the agent's transfer thread after this returns,
+        and are written as they come; the others are in host memory when it returns.
         """
         self.raise_background_error()
         # One save's device copy at a time: the next is made once this one is in
@@ -141,10 +143,11 @@ class HostAgent:
         reserved = self.pool.reserve(total)
         if not reserved and header.skip_if_busy and not self.pool.can_fit_now(total):
             return False
-        if not owned:  # the step waits for these: overlap them all
-            for src in (s for plan in plans.values() for *_, s in plan):
-                if _is_jax_array(src) and not _on_cpu(src):
-                    src.copy_to_host_async()
+        mine_all = set(range(len(arrays))) if owned is True else set(owned or ())
+        # The step waits for the transfers of the arrays not owned: overlap them all.
+        for leaf, *_, src in (x for plan in plans.values() for x in plan):
+            if leaf not in mine_all and _is_jax_array(src) and not _on_cpu(src):
+                src.copy_to_host_async()
         opened: list[HostSave] = []
         later: list[tuple[HostSave, list[Later]]] = []  # owned device shards, per save
         handed = 0  # bytes of the reservation now owned by staged shards
@@ -162,7 +165,7 @@ class HostAgent:
                 mine: list[Later] = []
                 try:
                     for leaf, index, shape, dtype, src in plans[h]:
-                        if owned and _is_jax_array(src) and not _on_cpu(src):
+                        if leaf in mine_all and _is_jax_array(src) and not _on_cpu(src):
                             mine.append((header.array_leaves[leaf], index, shape, dtype, src))
                             deferred += math.prod(shape) * dtype.itemsize
                             continue
