@@ -157,7 +157,8 @@ def test_a_save_too_large_for_the_budget_copies_what_fits(
     assert (copier.copied, copier.blocked) == (1, 1)
     n = len(mesh.devices.flat)
     assert copier.copied_bytes == (1024 + 32) * n and copier.direct_bytes == 32 * n
-    assert any("32" in r.getMessage() and "read from the state itself" in r.getMessage()
+    assert any(f"{32 * n} of {(1024 + 64) * n} bytes" in r.getMessage()
+               and "read from the state itself" in r.getMessage()
                for r in caplog.records)
     big.delete()  # as a donating step does
     np.testing.assert_array_equal(np.asarray(got.arrays[1]), np.arange(1024.0).reshape(256, 4))
