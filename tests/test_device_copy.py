@@ -237,7 +237,7 @@ def test_snapshots_move_to_host_memory_behind_the_step(monkeypatch: pytest.Monke
     sharding = NamedSharding(mesh, P("model"))
     state = {"w": jax.device_put(jnp.full((256, 8), 1.0), sharding)}
     step = jax.jit(lambda s: {"w": s["w"] + 1}, donate_argnums=0)
-    snap = Snapshotter(device_copy_bytes=1 << 24)
+    snap = Snapshotter(device_copy_bytes=1 << 24, loop_budget=1.0)  # no pacing here
     assert snap.save(1, state)
     assert snap._copier.copied == 1
     state = step(state)  # donates what was saved
@@ -265,11 +265,11 @@ def test_in_graph_step_takes_no_copy_while_the_last_is_on_its_way(
         monkeypatch: pytest.MonkeyPatch, mesh: Mesh) -> None:
     _as_accelerator(monkeypatch)
     sharding = NamedSharding(mesh, P("model"))
-    snap = Snapshotter()
+    snap = Snapshotter(device_copy_bytes=1 << 24, loop_budget=1.0)  # room, no pacing
     fn = InGraphStep(lambda s: ({"w": s["w"] * 2},), snap, state_shardings={"w": sharding})
     state = {"w": jax.device_put(jnp.ones((64, 8)), sharding)}
     (state,) = fn(state, snapshot_step=1)
-    assert snap._pending is not None and snap._pending.moved
+    assert snap._pending is not None and snap._pending.moved and fn.outside == 0
     # The copy's own buffer, moving to host memory: the next step's donation
     # leaves it alone.
     monkeypatch.setattr(Snapshotter, "transferring", property(lambda self: True))
@@ -281,3 +281,50 @@ def test_in_graph_step_takes_no_copy_while_the_last_is_on_its_way(
     assert fn.skipped == 1 and snap.latest is not None and snap.latest.step == 3
     abstract = {"w": jax.ShapeDtypeStruct((64, 8), jnp.float32, sharding=sharding)}
     np.testing.assert_array_equal(np.asarray(snap.load(abstract)["w"]), np.full((64, 8), 8.0))
+
+
+def test_in_graph_step_on_a_full_device_snapshots_after_the_step(
+        monkeypatch: pytest.MonkeyPatch, mesh: Mesh) -> None:
+    """No room for a second copy of the state beside the step (a full chip): the
+    step runs without the copy and the snapshot is taken of its new state after it."""
+    _as_accelerator(monkeypatch)
+    sharding = NamedSharding(mesh, P("model"))
+    snap = Snapshotter(device_copy_bytes=64, loop_budget=1.0)  # 256 bytes a device needed
+    fn = InGraphStep(lambda s: ({"w": s["w"] * 2},), snap, state_shardings={"w": sharding})
+    state = {"w": jax.device_put(jnp.ones((64, 8)), sharding)}
+    (state,) = fn(state, snapshot_step=1)
+    assert fn.outside == 1 and snap._copier.direct_bytes > 0
+    (state,) = fn(state, snapshot_step=None)  # donates the state the snapshot read
+    snap.join()
+    age = fn.age
+    assert snap.latest is not None and snap.latest.step == 1 and age is not None
+    abstract = {"w": jax.ShapeDtypeStruct((64, 8), jnp.float32, sharding=sharding)}
+    np.testing.assert_array_equal(np.asarray(snap.load(abstract)["w"]), np.full((64, 8), 2.0))
+
+
+def test_snapshots_from_an_accelerator_are_paced_to_the_loops_budget(
+        monkeypatch: pytest.MonkeyPatch, mesh: Mesh) -> None:
+    """Asked every step, the snapshotter takes the first, then waits for a quiet
+    interval to value its cost, then takes one whenever the cost so far is within
+    the budget of the loop's time (the clock stands in for the loop's steps)."""
+    _as_accelerator(monkeypatch)
+    sharding = NamedSharding(mesh, P("model"))
+    clock = {"t": 0.0}
+    monkeypatch.setattr("mtc.elastic.snapshot.time.monotonic", lambda: clock["t"])
+    snap = Snapshotter(device_copy_bytes=1 << 24, loop_budget=0.05)
+    state = {"w": jax.device_put(jnp.ones((64, 8)), sharding)}
+    taken = []
+    for step in range(60):
+        busy = snap._busy
+        # A step takes 1 s; with a snapshot in flight at its start, 2 s (1 s of cost).
+        clock["t"] += 2.0 if busy and step else 1.0
+        if snap.save(step, state):
+            taken.append(step)
+            snap.join()
+    assert taken[0] == 0 and snap.paced > 0
+    # One snapshot costs 1 s: within 5% of the loop's time, about one every 20 s.
+    assert 2 <= len(taken) <= 5, taken
+    assert snap.pacer.cost_s <= 0.05 * snap.pacer.loop_s + 1.0
+    age = snap.age
+    assert age is not None and age.steps == 59 - taken[-1]
+    assert age.seconds == pytest.approx(clock["t"] - snap._latest.at)  # type: ignore[union-attr]

@@ -45,7 +45,8 @@ class InGraphStep:
     def __init__(self, fn: Callable[..., Any], snapshotter: Snapshotter, *,
                  state_shardings: Any, **jit_kwargs: Any) -> None:
         self.snapshotter = snapshotter
-        self.skipped = 0  # snapshots asked for while the last was on its way to host memory
+        self.skipped = 0  # snapshots asked for and not taken (in flight, or paced)
+        self.outside = 0  # snapshots taken after the step, for want of room in it
         jit_kwargs.setdefault("donate_argnums", 0)
         self._plain = jax.jit(fn, **jit_kwargs)
         host = jax.tree_util.tree_map(step_copy_sharding, state_shardings)
@@ -64,15 +65,32 @@ class InGraphStep:
         self._with_copy = jax.jit(with_copy, **jit_kwargs)
 
     @property
+    def age(self) -> Any:
+        """The newest complete snapshot's age (:attr:`Snapshotter.age`)."""
+        return self.snapshotter.age
+
+    @property
     def jitted(self) -> tuple[Any, Any]:
         """The two programs (without, with the copy): to compile ahead."""
         return self._plain, self._with_copy
 
     def __call__(self, *args: Any, snapshot_step: int | None = None,
                  snapshot_extra: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        if snapshot_step is not None and self.snapshotter.transferring:
-            self.skipped += 1  # the link still carries the last one: no copy this step
+        if snapshot_step is not None and not self.snapshotter.wants(snapshot_step,
+                                                                    in_graph=True):
+            # The link still carries the last one, or the loop's budget is spent.
+            self.skipped += 1
             snapshot_step = None
+        if snapshot_step is not None and args and not self.snapshotter.room_for(args[0]):
+            # No room on the device for a second copy of the state beside the step
+            # (a full chip): the snapshot is taken from the new state after the step,
+            # the part that fits copied in device memory, the rest read from it.
+            out = self._plain(*args, **kwargs)
+            new = out[0]
+            self.snapshotter.take(snapshot_step, {**new, **snapshot_extra} if snapshot_extra
+                                  else new)
+            self.outside += 1
+            return out
         if snapshot_step is None:
             return self._plain(*args, **kwargs)
         *out, copies = self._with_copy(*args, **kwargs)

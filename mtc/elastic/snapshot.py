@@ -26,11 +26,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import jax
 
+from mtc.elastic.pace import DEFAULT_BUDGET, Pacer
 from mtc.elastic.placement import Shards, SnapshotUnavailableError, covered, place, surviving
 from mtc.pool import ThreadPool
 from mtc.save.device_copy import DeviceCopier, on_accelerator
@@ -51,6 +53,33 @@ class Latest:
 
 
 @dataclasses.dataclass(frozen=True)
+class Age:
+    """How old the newest complete snapshot is: in steps (the newest step asked for,
+    less the snapshot's) and in seconds (since it was asked for). A slice lost now
+    costs the loop about ``steps`` steps of recomputation."""
+
+    steps: int
+    seconds: float
+
+
+_GAUGES: Any = None
+
+
+def _age_gauges() -> Any:
+    """The process's Prometheus gauges of the newest snapshot's age (made once, in
+    prometheus_client's default registry, which the application exports)."""
+    global _GAUGES
+    if _GAUGES is None:
+        from prometheus_client import Gauge
+        _GAUGES = (Gauge("mtc_snapshot_age_seconds",
+                         "Seconds since the newest complete in-memory snapshot was asked for"),
+                   Gauge("mtc_snapshot_age_steps",
+                         "Steps between the newest step asked for and the newest complete "
+                         "in-memory snapshot"))
+    return _GAUGES
+
+
+@dataclasses.dataclass(frozen=True)
 class Taken:
     """One snapshot: the state's tree, its leaves (a :class:`Shards` per array,
     PRNG keys as their key data; other leaves as values), each key's impl."""
@@ -60,6 +89,7 @@ class Taken:
     leaves: tuple[Any, ...]
     key_impls: tuple[Any, ...]  # None for a leaf that is not a PRNG key
     moved: bool = False  # its copies came from an accelerator's memory
+    at: float = 0.0  # time.monotonic() when it was asked for
 
 
 def host_memory_kind(devices: Any) -> str | None:
@@ -103,7 +133,8 @@ class Snapshotter:
 
     def __init__(self, *, replica_axis_index: int = 0,
                  manager: CheckpointManager | None = None,
-                 device_copy_bytes: int | None = None) -> None:
+                 device_copy_bytes: int | None = None,
+                 loop_budget: float = DEFAULT_BUDGET) -> None:
         # Kept for Orbax's signature: shards are kept per device, so any replica
         # of any axis serves, and the axis is never needed to find one.
         self.replica_axis_index = replica_axis_index
@@ -118,13 +149,30 @@ class Snapshotter:
         self._releases: ThreadPool | None = None  # see the module's documentation
         self.last_load_tier: str | None = None
         self.skipped = 0  # saves skipped while a copy was in flight
+        # From an accelerator, snapshots asked for every step are taken as often as
+        # they cost the loop at most ``loop_budget`` of its time (mtc.elastic.pace);
+        # ``paced`` counts those left out for it. On CPU devices every one is taken.
+        self.pacer = Pacer(loop_budget)
+        self.paced = 0
+        self._asked: tuple[int, float] | None = None  # the newest ask: step, time
+        self._busy = False  # a snapshot was in flight at the newest ask
 
     # -- saving ------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any) -> bool:
-        """Copy ``state`` to host memory without waiting for the copy; skipped (False)
-        while the previous save's copy is still in flight."""
-        if not self._settle():
+    def wants(self, step: int, *, in_graph: bool = False) -> bool:
+        """Whether a snapshot of ``step``, asked for now, is taken: not while the last
+        one is in flight (``in_graph``: on its way from an accelerator; a compiled
+        step's copy on CPU is the snapshot already), and (from an accelerator) not
+        beyond the loop's budget. Every ask counts towards the loop's time and the
+        snapshot's age."""
+        now = time.monotonic()
+        if self._asked is not None:
+            self.pacer.observe(now - self._asked[1], self._busy)
+        self._asked = (int(step), now)
+        in_flight = self.transferring if in_graph else not self._settle()
+        self._busy = in_flight
+        self._report_age()
+        if in_flight:
             self.skipped += 1
             # Asked every step on an accelerator, most are skipped: a line each
             # would drown the log (``skipped`` counts them).
@@ -133,6 +181,43 @@ class Snapshotter:
                     "every later one while a copy is in flight; Snapshotter.skipped "
                     "counts them)", step)
             return False
+        latest = self._latest
+        if latest is not None and latest.moved and not self.pacer.due(True):
+            self.paced += 1
+            return False
+        self._busy = True  # the caller takes it now
+        return True
+
+    @property
+    def age(self) -> Age | None:
+        """The newest complete snapshot's :class:`Age` (None before the first)."""
+        self._settle()
+        latest, asked = self._latest, self._asked
+        if latest is None:
+            return None
+        newest = max(latest.step, asked[0]) if asked is not None else latest.step
+        return Age(newest - latest.step, max(0.0, time.monotonic() - latest.at))
+
+    def _report_age(self) -> None:
+        age = self.age
+        if age is not None:
+            seconds, steps = _age_gauges()
+            seconds.set(age.seconds)
+            steps.set(age.steps)
+
+    def save(self, step: int, state: Any) -> bool:
+        """Copy ``state`` to host memory without waiting for the copy; skipped (False)
+        while the previous save's copy is still in flight, or (from an accelerator)
+        while snapshots would cost the loop more than its budget (:meth:`wants`)."""
+        if not self.wants(step):
+            return False
+        self.take(step, state)
+        return True
+
+    def take(self, step: int, state: Any) -> None:
+        """Copy ``state`` to host memory now (what :meth:`save` does once
+        :meth:`wants` said yes): the arrays that fit the device-memory budget are
+        copied there first, the rest read from the state itself."""
         leaves, treedef = jax.tree_util.tree_flatten(state)
         arrays = [jax.random.key_data(x) if is_key(x) else x
                   for x in leaves if isinstance(x, jax.Array)]
@@ -141,7 +226,13 @@ class Snapshotter:
         copies = iter(jax.device_put(source, [to_host_sharding(a.sharding) for a in arrays],
                                      may_alias=False))
         self._hold(step, treedef, leaves, copies, moved=any(on_accelerator(a) for a in arrays))
-        return True
+
+    def room_for(self, state: Any) -> bool:
+        """Whether a second copy of ``state``'s accelerator arrays fits the
+        device-memory budget (an in-graph copy needs one; none on CPU)."""
+        arrays = [jax.random.key_data(x) if is_key(x) else x
+                  for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+        return self._copier.fits_whole(arrays)
 
     @property
     def transferring(self) -> bool:
@@ -179,7 +270,9 @@ class Snapshotter:
             else:
                 kept.append(copy.deepcopy(x))  # a later step may change a mutable value
                 impls.append(None)
-        self._pending = Taken(int(step), treedef, tuple(kept), tuple(impls), moved)
+        at = self._asked[1] if self._asked is not None and self._asked[0] == int(step) \
+            else time.monotonic()
+        self._pending = Taken(int(step), treedef, tuple(kept), tuple(impls), moved, at)
         self._pending_arrays = made
 
     def _settle(self, wait: bool = False) -> bool:
@@ -334,7 +427,7 @@ class Snapshotter:
             by_leaf = dict(zip(where, staged, strict=True))
             kept = Taken(snap.step, snap.treedef, tuple(
                 Shards.of(by_leaf[i]) if i in by_leaf else leaf
-                for i, leaf in enumerate(snap.leaves)), snap.key_impls)
+                for i, leaf in enumerate(snap.leaves)), snap.key_impls, at=snap.at)
         return jax.tree_util.tree_unflatten(snap.treedef, out), kept
 
     def _from_manager(self, abstract_state: Any) -> tuple[int, Any]:

@@ -187,6 +187,15 @@ class DeviceCopier:
         copies = iter(copy_in_device_memory([arrays[i] for i in sorted(owned)]))  # type: ignore[misc]
         return Copied([next(copies) if i in owned else a for i, a in enumerate(arrays)], owned)
 
+    def fits_whole(self, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
+        """Whether a copy of every accelerator array of ``arrays`` fits the budget."""
+        device = [a for a in arrays if isinstance(a, jax.Array) and on_accelerator(a)]
+        if not device:
+            return True
+        need = bytes_per_device(device)
+        room, _ = self._room(set(need))
+        return all(n <= room[d] for d, n in need.items())
+
     def _room(self, devices: set[int]) -> tuple[dict[int, int], str]:
         """Each device's room for copies, and what sets it (for the warning)."""
         if self.budget is not None:
