@@ -49,7 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import model_step
 from _common import log, run_in_scratch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -61,9 +63,11 @@ State = dict[str, jax.Array]
 
 
 def make_state(nbytes: int, sharding: NamedSharding) -> State:
+    """Random normal values: weights do not compress, and Orbax writes compressed
+    chunks by default (a constant state made its save twice as fast)."""
     n = max(1024, nbytes // LEAVES // 4)
-    return {f"w{i:02d}": jax.device_put(np.full(n, i, np.float32), sharding)
-            for i in range(LEAVES)}
+    return {f"w{i:02d}": jax.device_put(jax.random.normal(jax.random.key(i), (n,), jnp.float32),
+                                        sharding) for i in range(LEAVES)}
 
 
 def steps_of(passes: int) -> tuple[Callable[[State], State], Callable[[State], State]]:
@@ -324,7 +328,8 @@ def snapshot_costs(nbytes: int, steps: int, root: Path, mesh: Mesh, train: Any,
 
 
 def run(sizes: list[float], rounds: int, steps: int, passes: int, snapshot_gib: float,
-        root: Path, save_steps: int = 100) -> dict[str, Any]:
+        root: Path, save_steps: int = 100, model: dict[str, Any] | None = None,
+        only_model: bool = False) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -347,6 +352,11 @@ def run(sizes: list[float], rounds: int, steps: int, passes: int, snapshot_gib: 
             "restore_over_orbax": "Orbax restore / mtc restore",
             "*_over_plain": "loop iteration time with it / the plain step's"},
     }
+    if model is not None:
+        log("the model step")
+        out["model_step"] = model_step.run(root=root / "model", **model)
+    if only_model:
+        return out
     by_dispatch: dict[str, dict[str, Any]] = {"local": {}, "colocated": {}}
     for gib in sizes:
         nbytes = int(gib * (1 << 30))
@@ -383,15 +393,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, 1 round, 10 steps (50 for the saves every 50): "
                         "that it runs (CI, on CPU)")
+    p.add_argument("--model", type=int, nargs=3, default=[8, 4096, 4096],
+                   metavar=("LAYERS", "DIM", "BATCH"),
+                   help="the model step: layers, width, microbatch rows (default 8 4096 4096)")
+    p.add_argument("--fills", type=float, nargs="*", default=[0.88, 0.5],
+                   help="shares of the chip's memory in use at the step's peak, besides a "
+                        "case with room (default 0.88 0.5)")
+    p.add_argument("--model-steps", type=int, default=12, help="timed steps per model case")
+    p.add_argument("--no-room", action="store_true",
+                   help="the model step on the --fills alone, not also with room")
+    p.add_argument("--no-model", action="store_true", help="skip the model step")
+    p.add_argument("--only-model", action="store_true", help="the model step alone")
     args = p.parse_args(argv)
     save_steps = 100
     if args.smoke:
         args.gib, args.snapshot_gib, args.rounds, args.steps = [1 / 64], 1 / 64, 1, 10
         save_steps = 50  # one save in the timed window, not two: half the loop
+        args.model, args.fills, args.model_steps = [2, 64, 16], [], 3
+    model = None if args.no_model else {
+        "layers": args.model[0], "dim": args.model[1], "batch": args.model[2],
+        "fills": [*args.fills, *([] if args.no_room else [None])], "steps": args.model_steps}
     if args.rounds < 1 or args.steps < 1 or args.passes < 1 or min(args.gib) <= 0:
         p.error("--rounds, --steps and --passes must be >= 1, sizes > 0")
     return run_in_scratch("mtc-bench-accelerator-", lambda root: run(
-        args.gib, args.rounds, args.steps, args.passes, args.snapshot_gib, root, save_steps))
+        args.gib, args.rounds, args.steps, args.passes, args.snapshot_gib, root, save_steps,
+        model, args.only_model))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,257 @@
+"""A real training step for bench/accelerator.py: what a save and a snapshot cost
+a loop whose step is matmul layers with an Adam state, the loss fetched every
+step, on a chip as full as a real job keeps it.
+
+The model: ``layers`` dense layers of ``dim`` x ``dim`` float32 (tanh between),
+Adam's moments and count beside them (written out: the same state optax's
+``adam`` keeps), gradients accumulated over microbatches of ``batch`` rows
+drawn on the device, so one step takes at least the state's device-to-host
+time (as a real model's step over a real batch does). The step comes two ways:
+
+- ``fused``: one jitted program that donates the state (most loops);
+- ``split``: the gradient (reads the state), then the update (donates it): a
+  save or snapshot called between the two reads the state while the device
+  computes the gradient, so the update, not the loop, waits for what remains.
+
+Other live buffers (``filler``) stand in for the rest of a real job's memory:
+they take the chip to ``fill`` of its memory at the step's peak (``fill`` in the
+output: (the step's peak + filler) / bytes_limit).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _common import log
+
+import mtc
+from mtc.elastic import InGraphStep, Snapshotter
+
+State = dict[str, Any]
+
+
+def model(layers: int, dim: int, batch: int) -> tuple[Callable[..., Any], ...]:
+    def loss_fn(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        h = x
+        for i in range(layers):
+            h = jnp.tanh(h @ params[f"w{i:02d}"])
+        return jnp.mean(h * h)
+
+    def grads(params: dict[str, jax.Array], key: jax.Array, k: int) -> Any:
+        def body(carry: Any, kk: jax.Array) -> Any:
+            g, total = carry
+            x = jax.random.normal(kk, (batch, dim), jnp.float32)
+            li, gi = jax.value_and_grad(loss_fn)(params, x)
+            return (jax.tree.map(jnp.add, g, gi), total + li), None
+        zero = jax.tree.map(jnp.zeros_like, params)
+        (g, total), _ = jax.lax.scan(body, (zero, jnp.float32(0)), jax.random.split(key, k))
+        return g, total / k
+
+    def update(state: State, g: Any) -> State:
+        t = state["count"] + 1
+        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state["mu"], g)
+        v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, state["nu"], g)
+        p = jax.tree.map(lambda p, m, v: p - 1e-4 * m / (jnp.sqrt(v) + 1e-8),
+                         state["params"], m, v)
+        return {"params": p, "mu": m, "nu": v, "count": t}
+
+    def init(key: jax.Array) -> State:
+        ks = jax.random.split(key, 3 * layers)
+        p = {f"w{i:02d}": jax.random.normal(ks[i], (dim, dim), jnp.float32) / math.sqrt(dim)
+             for i in range(layers)}
+        mu = {k: 1e-3 * jax.random.normal(ks[layers + i], v.shape, jnp.float32)
+              for i, (k, v) in enumerate(p.items())}
+        nu = {k: 1e-6 * jnp.abs(jax.random.normal(ks[2 * layers + i], v.shape, jnp.float32))
+              for i, (k, v) in enumerate(p.items())}
+        return {"params": p, "mu": mu, "nu": nu, "count": jnp.int32(0)}
+
+    return grads, update, init
+
+
+def _ready(x: Any) -> Any:
+    return jax.block_until_ready(x)
+
+
+def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int,
+        root: Path) -> dict[str, Any]:
+    device = jax.devices()[0]
+    grads, update, init = model(layers, dim, batch)
+
+    def fused(s: State, key: jax.Array, k: int) -> tuple[State, jax.Array]:
+        g, loss = grads(s["params"], key, k)
+        return update(s, g), loss
+
+    # A mesh of the one device (Orbax's Snapshotter wants named shardings).
+    named = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([device]), ("data",)),
+                                       jax.sharding.PartitionSpec())
+    state = _ready(jax.device_put(init(jax.random.key(0)), named))
+    shardings = jax.tree.map(lambda _: named, state)
+    fused_j = jax.jit(fused, donate_argnums=0, static_argnums=2,
+                      out_shardings=(shardings, named))
+    grads_j = jax.jit(grads, static_argnums=2)
+    update_j = jax.jit(update, donate_argnums=(0, 1), out_shardings=shardings)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+
+    def device_get_s() -> float:
+        fresh = _ready(jax.tree.map(lambda x: x + 0, state))
+        t0 = time.perf_counter()
+        for x in jax.tree.leaves(fresh):
+            x.copy_to_host_async()
+        jax.device_get(fresh)
+        return time.perf_counter() - t0
+
+    in_graph = InGraphStep(fused, Snapshotter(), state_shardings=shardings, static_argnums=2)
+
+    def step(kind: str, s: State, i: int, k: int, between: Callable[[State], Any] | None
+             ) -> State:
+        key = jax.random.key(i)
+        if kind == "in_graph":  # asked for a snapshot every step
+            s, loss = in_graph(s, key, k, snapshot_step=i)
+        elif kind == "fused":
+            if between is not None:
+                between(s)
+            s, loss = fused_j(s, key, k)
+        else:
+            g, loss = grads_j(s["params"], key, k)
+            if between is not None:
+                between(s)  # reads the state while the device computes the gradient
+            s = update_j(s, g)
+        float(loss)  # the loop logs its loss every step
+        return s
+
+    for kind in ("fused", "split"):
+        state = step(kind, state, 0, 1, None)
+    t0 = time.perf_counter()
+    state = step("fused", state, 1, 1, None)
+    micro = time.perf_counter() - t0
+    get = statistics.median(device_get_s() for _ in range(3))
+    k_long = max(2, math.ceil(1.2 * get / micro))
+    for kind in ("fused", "split"):
+        state = step(kind, state, 2, k_long, None)
+    stats = device.memory_stats() or {}
+    limit = int(stats.get("bytes_limit", 0))
+    peak = int(stats.get("peak_bytes_in_use", 0))
+    out: dict[str, Any] = {
+        "state_bytes": nbytes, "layers": layers, "dim": dim, "batch": batch,
+        "device_get_s": round(get, 6), "microbatch_step_s": round(micro, 6),
+        "microbatches_long": k_long, "bytes_limit": limit, "step_peak_bytes": peak,
+        "by_fill": {}}
+    filler: list[jax.Array] = []
+    for fill in fills:
+        filler.clear()
+        gc.collect()
+        if fill is not None and limit:
+            extra = int(fill * limit) - peak
+            while extra > 0:
+                n = min(256 << 20, extra)
+                filler.append(jax.device_put(np.zeros(n // 4, np.float32), device))
+                extra -= n
+            _ready(filler)
+        got_fill = (peak + sum(f.nbytes for f in filler)) / limit if limit else 0.0
+        label = "room" if fill is None else f"fill_{fill:g}"
+        log(f"model step, {label}: fill {got_fill:.3f}")
+        cases, state = _cases(step, state, k_long, steps, root / label, get, in_graph)
+        out["by_fill"][label] = {"fill": round(got_fill, 3), **cases}
+    filler.clear()
+    return out
+
+
+def _cases(step: Callable[..., State], state: State, k_long: int, steps: int, root: Path,
+           get: float, in_graph: InGraphStep) -> tuple[dict[str, Any], State]:
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint.experimental.v1.training.pathways import (
+        Snapshotter as OrbaxSnapshotter,
+    )
+
+    res: dict[str, Any] = {}
+    for length, k in (("long", k_long), ("short", 1)):
+        times: dict[str, list[float]] = {}
+        stalls: dict[str, list[float]] = {}
+        ages: dict[str, list[float]] = {}
+        taken: dict[str, int] = {}
+
+        def loop(name: str, kind: str, n: int, act: Callable[[int, State], Any] | None,
+                 age_of: Callable[[], Any] | None = None) -> None:
+            nonlocal state
+            ts, st, ag = [], [], []
+            for i in range(n + 2):
+                t0 = time.perf_counter()
+
+                def between(s: State, i: int = i) -> None:
+                    if act is not None:
+                        t = time.perf_counter()
+                        if act(i, s):
+                            st.append(time.perf_counter() - t)
+                state = step(kind, state, i, k, between)
+                if i >= 2:
+                    ts.append(time.perf_counter() - t0)
+                    a = age_of() if age_of is not None else None
+                    if a is not None:
+                        ag.append(a.seconds)
+            times[name], stalls[name], ages[name], taken[name] = ts, st, ag, len(st)
+            log(f"  {length} {name}: mean {statistics.mean(ts) * 1e3:.1f} ms")
+
+        with mtc.CheckpointManager(root / f"mtc-{length}", options=mtc.Options(
+                dispatch="local", max_to_keep=2)) as mgr:
+            omgr = ocp.CheckpointManager(root / f"orbax-{length}",
+                                         options=ocp.CheckpointManagerOptions(max_to_keep=2))
+            base = 10_000_000 * (length == "short")
+            try:
+                for kind in ("fused", "split"):
+                    loop(f"plain_{kind}", kind, steps, None)
+                    loop(f"mtc_save_every_50_{kind}", kind, 50, lambda i, s: i % 50 == 1 and
+                         mgr.save(base + 1000 * len(times) + i, s, force=True))
+                    mgr.wait_until_finished()
+                    loop(f"mtc_save_at_link_rate_{kind}", kind, steps, lambda i, s: (
+                        not mgr.is_saving_in_progress()) and mgr.save(
+                            base + 1000 * len(times) + i, s, force=True))
+                    mgr.wait_until_finished()
+                    # Long enough for the pacing to settle: 40 steps at least.
+                    for every in (1, 20):
+                        snap = Snapshotter()
+                        loop(f"mtc_snapshot_every_{'step' if every == 1 else every}_{kind}",
+                             kind, max(steps, 40), lambda i, s, snap=snap, every=every: (
+                                 i % every == 0 and snap.save(i, s)),
+                             lambda snap=snap: snap.age)
+                        snap.join()
+                        snap.close()
+                loop("orbax_save_every_50_fused", "fused", 50, lambda i, s: i % 50 == 1 and
+                     omgr.save(base + 1000 * len(times) + i, args=ocp.args.StandardSave(s),
+                               force=True))
+                omgr.wait_until_finished()
+                theirs = OrbaxSnapshotter()
+                loop("orbax_snapshot_every_step_fused", "fused", min(steps, 10),
+                     lambda i, s: theirs.save(i, s))
+                theirs.join()
+                # Last: its outputs' shardings are the compiler's, not named ones.
+                snap = in_graph.snapshotter
+                loop("mtc_in_graph_every_step_fused", "in_graph", max(steps, 40), None,
+                     lambda snap=snap: snap.age)
+                snap.join()
+            finally:
+                omgr.close()
+        plain = {kind: statistics.mean(times[f"plain_{kind}"]) for kind in ("fused", "split")}
+        r: dict[str, Any] = {"step_s": {n: round(statistics.mean(v), 6)
+                                        for n, v in times.items()},
+                             "saves_or_snapshots_taken": {n: v for n, v in taken.items() if v}}
+        for name, ts in times.items():
+            kind = "split" if name.endswith("split") else "fused"  # in_graph: fused
+            if not name.startswith("plain"):
+                r[f"{name}_mean_over_plain"] = round(statistics.mean(ts) / plain[kind], 3)
+            if stalls[name]:
+                r[f"{name}_stall_over_device_get"] = round(
+                    statistics.median(stalls[name]) / get, 3)
+            if ages[name]:
+                r[f"{name}_age_over_device_get"] = round(statistics.median(ages[name]) / get, 3)
+        res[length] = r
+        log(f"  {length}: {r}")
+    return res, state
