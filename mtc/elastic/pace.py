@@ -34,6 +34,8 @@ class Pacer:
     last_cost_s: float = 0.0  # what the newest finished snapshot cost
     _unvalued: list[float] = dataclasses.field(default_factory=list)
     _current: float = 0.0  # the cost of the snapshot in flight so far
+    finished: int = 0  # snapshots whose cost has been valued (the first is not charged)
+    _open: bool = False  # a snapshot's cost is being counted
 
     def observe(self, interval: float, busy: bool) -> None:
         """One interval between two asks; ``busy``: a snapshot was in flight at its
@@ -41,24 +43,30 @@ class Pacer:
         interval = max(0.0, interval)
         self.loop_s += interval
         if busy:
+            self._open = True
             if self.quiet_s is None:
                 self._unvalued.append(interval)  # valued once a quiet one is seen
             else:
                 self._charge(interval - self.quiet_s)
             return
-        if self._current:
-            self.last_cost_s, self._current = self._current, 0.0
         self.quiet_s = interval if self.quiet_s is None else (
             (1 - QUIET_WEIGHT) * self.quiet_s + QUIET_WEIGHT * interval)
-        if self._unvalued:
-            for x in self._unvalued:
-                self._charge(x - self.quiet_s)
-            self._unvalued.clear()
-            self.last_cost_s, self._current = self._current, 0.0
+        for x in self._unvalued:
+            self._charge(x - self.quiet_s)
+        self._unvalued.clear()
+        if self._open:
+            self._finish()
         # No credit is saved up: after a quiet spell the next snapshot is due at
         # once, and the one after it once the loop has paid for it.
         if 0 < self.budget < 1 and self.budget * self.loop_s > self.cost_s:
             self.loop_s = self.cost_s / self.budget
+
+    def _finish(self) -> None:
+        """The snapshot in flight is done: its cost is known."""
+        self.last_cost_s, self._current, self._open = self._current, 0.0, False
+        self.finished += 1
+        if self.finished == 1:  # the warm-up: compiled and first touched, not charged
+            self.cost_s -= self.last_cost_s
 
     def _charge(self, extra: float) -> None:
         extra = max(0.0, extra)
