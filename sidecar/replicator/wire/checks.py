@@ -30,6 +30,7 @@ def offer(c: pb.StepCopy, *, rank: int, num_nodes: int) -> tuple[int, int, list[
         raise ProtocolError(f"origin rank {origin} is not a peer of rank {rank}")
     step = validate.step(c.step, host=origin)
     validate.count(c.saved_hosts, "saved hosts", num_nodes)  # as an inventory's
+    saving(c, host=origin, num_nodes=num_nodes)
     if len(c.files) > MAX_FILES:
         raise ProtocolError(f"an offer of {len(c.files)} files (at most {MAX_FILES})",
                             step=step, host=origin)
@@ -37,6 +38,16 @@ def offer(c: pb.StepCopy, *, rank: int, num_nodes: int) -> tuple[int, int, list[
                       f.crc32c) for f in c.files]
     _distinct([f.path for f in files], "the offer", step=step, host=origin)
     return origin, step, files
+
+
+def saving(c: pb.StepCopy, *, host: int, num_nodes: int) -> None:
+    """A copy's saving ranks, when it states them: one distinct node's rank per
+    saving host (``[1, 1]`` would have two saving hosts read as one rank's data)."""
+    r = list(c.saving_ranks)
+    if r and (len(r) != c.saved_hosts or len(set(r)) != len(r)
+              or any(not 0 <= x < num_nodes for x in r)):
+        raise ProtocolError(f"saving ranks {r[:16]} are not {c.saved_hosts} distinct ranks "
+                            f"of the {num_nodes} nodes", step=c.step, host=host)
 
 
 def _distinct(paths: list[str], what: str, *, step: int, host: int) -> None:
@@ -155,6 +166,7 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
         validate.count(c.origin_rank, "origin rank", num_nodes - 1)
         validate.step(c.step, host=rank)
         validate.count(c.saved_hosts, "saved hosts", num_nodes)
+        saving(c, host=rank, num_nodes=num_nodes)
         _run(c.run, rank)
         if len(c.files) > MAX_FILES:
             raise ProtocolError(f"a copy of {len(c.files)} files", step=c.step, host=rank)

@@ -1,0 +1,85 @@
+"""A hostile network, third round (issue 66), against real replicator processes on
+loopback under mutual TLS (``tests/replicators.Cluster``), the attacker holding one
+host's real certificate (it runs that host's replicator and owns its RAM disk).
+
+- who saved a step, and how many hosts, is a claim each saving host makes for
+  itself: one host's word never has another host restore a step, nor a trainer
+  read its bytes as another host's.
+
+The second round's attacks are ``tests/test_hostile_network_2.py``'s.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from replicators import Cluster, commit_mtc_step
+from test_hostile_network_2 import _prepare, _tls_hosts
+
+from mtc.errors import ShardUnavailableError
+from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.restore.peers import PeerFiles
+
+pytestmark = pytest.mark.process  # every test here starts processes
+
+
+def _genuine_step_5(ramdisk: Path, clusters: list[Cluster]) -> tuple[Cluster, dict[str, bytes]]:
+    """Two TLS hosts that saved step 5 together and hold each other's copy of it;
+    the cluster and rank 0's files."""
+    _, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True)
+    cl.start_all()
+    mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
+    cl.commit(1, 5, {"c.bin": os.urandom(4096)})
+    cl.wait_held({(1, 0, 5), (0, 1, 5)})
+    return cl, mine
+
+
+def test_one_host_saying_it_alone_saved_a_step_has_no_other_host_restore_it(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Rank 1 (its own real certificate, its own RAM disk) commits "its" step 900
+    with a manifest saying that one host saved it, rank 1 (``saving_ranks=[1]``,
+    ``saved_hosts=1``). Its replicator lists it as its own step and signs its copy
+    with its own key. The coordinator decided step 900 over step 5, which both hosts
+    saved, and rank 0 took rank 1's bytes for its state "from the host that saved
+    it". Rank 0 never said it was left out of step 900: the step counts for rank 0
+    only on rank 0's word, so both hosts restore step 5, rank 0 its own bytes."""
+    cl, mine = _genuine_step_5(ramdisk, clusters)
+    commit_mtc_step(cl.root(1), 900, {"c.bin": b"rank 1's state for everyone" * 100},
+                    host=0, num_hosts=1, ranks=(1,))
+    cl.wait_held({(1, 1, 900)})  # listed by rank 1's replicator as its own step
+    with ThreadPoolExecutor(2) as pool:
+        r0, r1 = pool.map(lambda r: _prepare(cl, r), [0, 1])
+    assert isinstance(r0, pb.PrepareRestoreReply), r0
+    assert isinstance(r1, pb.PrepareRestoreReply), r1
+    assert (r0.step, r1.step, r0.tier) == (5, 5, "local")
+    assert (cl.root(0) / "5" / "a.bin").read_bytes() == mine["a.bin"]
+
+
+def test_one_host_saying_it_saved_another_hosts_part_is_not_read_as_that_host(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Both hosts saved step 777, rank 0 as host 0. Rank 1 commits its own step 777
+    with a manifest saying host 0's data is kept by rank 1 (``saving_ranks=[1,0]``),
+    its ``a.bin`` made up. A multi-controller trainer's read of host 0's ``a.bin``
+    (``PeerFiles.read(777, 0, ...)``) took the saving ranks from any copy that listed
+    them, asked rank 1 for its own data (which needs no proof) and returned rank
+    1's bytes. Now a saving host's rank counts only when every saving host says the
+    same: the read never returns the made-up bytes."""
+    cl, _ = _genuine_step_5(ramdisk, clusters)
+    mine = cl.commit(0, 777, {"a.bin": os.urandom(32 << 10)})
+    forged = b"rank 1 says this is host 0's" * 100
+    commit_mtc_step(cl.root(1), 777, {"a.bin": forged}, host=0, num_hosts=2, ranks=(1, 0))
+    cl.wait_held({(1, 1, 777), (0, 0, 777)})
+    peers = PeerFiles(cl.addrs, cl.creds, near=None, deadline_s=10.0)
+    try:
+        try:
+            got = bytes(peers.read(777, 0, "a.bin"))
+        except ShardUnavailableError as e:
+            assert "disagree" in str(e) or "say" in str(e), e
+        else:
+            assert got == mine["a.bin"]
+        assert bytes(peers.read(5, 0, "a.bin")) != forged  # an agreed step reads as before
+    finally:
+        peers.close()
