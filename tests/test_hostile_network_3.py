@@ -4,7 +4,9 @@ host's real certificate (it runs that host's replicator and owns its RAM disk).
 
 - who saved a step, and how many hosts, is a claim each saving host makes for
   itself: one host's word never has another host restore a step, nor a trainer
-  read its bytes as another host's.
+  read its bytes as another host's;
+- a bad copy, however it is found bad, is skipped for the next holder, then the
+  backup, and no error names a folder of a host's RAM disk.
 
 The second round's attacks are ``tests/test_hostile_network_2.py``'s.
 """
@@ -12,15 +14,19 @@ The second round's attacks are ``tests/test_hostile_network_2.py``'s.
 from __future__ import annotations
 
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from replicators import Cluster, commit_mtc_step
-from test_hostile_network_2 import _prepare, _tls_hosts
+from test_hostile_network_2 import _forged_held_copy, _prepare, _tls_hosts
 
-from mtc.errors import ShardUnavailableError
+from mtc.errors import CorruptShardError, ShardUnavailableError
+from mtc.grpc_errors import wire_error
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.fetch.materialize import Materializer
 from mtc.sidecar.restore.peers import PeerFiles
 
 pytestmark = pytest.mark.process  # every test here starts processes
@@ -83,3 +89,63 @@ def test_one_host_saying_it_saved_another_hosts_part_is_not_read_as_that_host(
         assert bytes(peers.read(5, 0, "a.bin")) != forged  # an agreed step reads as before
     finally:
         peers.close()
+
+
+# -- a bad copy is skipped for the next holder, then the backup ---------------------------
+
+def test_a_holder_serving_other_bytes_with_the_same_crc_is_skipped_for_the_backup(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Step 5 is backed up; then rank 1 swaps its copy of rank 0's ``a.bin`` for
+    bytes of its own with the same size and CRC32C. Rank 0, replaced empty,
+    restored nothing: the SHA-256 rank 0 signed refused the bytes and the restore
+    failed ``DATA_LOSS`` without trying the backup (a wrong CRC32C did fall back).
+    Now a file that does not hash as signed is a bad copy like any other: rank 0
+    restores step 5 from the backup, its own bytes, and the forgery is counted."""
+    bucket = ramdisk / "bucket"
+    bucket.mkdir()
+
+    def back_up(cl: Cluster) -> None:
+        c = cl.client(0)
+        try:
+            assert c.call("RequestBackup", pb.BackupRequest(step=-1), deadline_s=60).step == 5
+        finally:
+            c.close()
+
+    cl, forged = _forged_held_copy(
+        ramdisk, clusters, before=back_up,
+        extra=("--backup", bucket.as_uri(), "--backup-interval-minutes", "60"))
+    mine = (cl.root(0) / "5" / "a.bin").read_bytes()
+    cl.kill(0)
+    shutil.rmtree(cl.root(0))
+    cl.start(0)
+    with ThreadPoolExecutor(2) as pool:
+        r0, r1 = pool.map(lambda r: _prepare(cl, r), [0, 1])
+    assert isinstance(r0, pb.PrepareRestoreReply), r0
+    assert isinstance(r1, pb.PrepareRestoreReply), r1
+    assert (r0.step, r0.tier, r1.step) == (5, "backup", 5)
+    assert (cl.root(0) / "5" / "a.bin").read_bytes() == mine != forged
+    assert cl.scrape(0).get("mtc_unproven_copies_total", 0) >= 1
+
+
+def test_a_listing_without_files_is_no_source() -> None:
+    """A holder listing rank 0's step 5 with its genuine proof but no files (the
+    signed statement names the files' digest, not the files) was the restore's
+    first source: nothing was fetched, and the restore failed ``NOT_FOUND`` naming
+    the RAM disk's folder. Now such a listing is no source: the next holder is."""
+    full = pb.StepCopy(step=5, origin_rank=0, files=[pb.FileInfo(path="a.bin", size=3)])
+    empty = pb.StepCopy(step=5, origin_rank=0, fingerprint=full.fingerprint)
+    invs = {1: pb.Inventory(rank=1, copies=[empty]), 2: pb.Inventory(rank=2, copies=[full])}
+    me = SimpleNamespace(rank=0, config=SimpleNamespace(equivalent=lambda r: [r]))
+    assert [h for h, _ in Materializer.copies_elsewhere(me, 5, invs)] == [2]  # type: ignore[arg-type]
+    assert Materializer.copies_elsewhere(me, 5, {1: invs[1]}) == []  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("error", [
+    FileNotFoundError(2, "No such file or directory", "/dev/shm/job/host-0/5.tmp-x"),
+    CorruptShardError("restored copy is incomplete", step=5, host=0,
+                      path="/dev/shm/job/host-0/5.tmp-x/a.bin"),
+])
+def test_no_error_a_caller_is_told_names_a_folder_of_the_host(error: Exception) -> None:
+    message, where = wire_error(error)
+    told = message + " ".join(str(v) for _, v in where)
+    assert "/dev/shm" not in told and "host-0" not in told, told
