@@ -31,6 +31,7 @@ S01, S1 = {(0, 1)}, {(1,)}
     ({1: {(1, 2)}, 2: {(1, 2)}}, [0, 1, 2], True),  # rank 0 grown in, on two hosts' word
     ({0: S01}, [0], True),                       # a smaller job: rank 0 its own word
     ({0: S01, 1: S01 | S1}, [0, 1], False),     # one origin saying two things
+    ({1: {(1, 1)}}, [1], False),                # a rank twice
 ])
 def test_a_saving_set_counts_on_the_saving_hosts_own_words(
         said: dict[int, set[tuple[int, ...]]], members: list[int], counts: bool) -> None:
@@ -50,6 +51,7 @@ def test_unattested_groups_by_step_and_run() -> None:
     ([_c(1, 7, (1, 0)), _c(0, 7, hosts=2)], 0, None),       # they disagree
     ([_c(0, 7, hosts=2)], 1, 1),                            # rank 1's data lost: 1 is 1
     ([_c(0, 8, (1, 0))], 0, 0),                             # another step says nothing
+    ([_c(1, 7, (1, 1))], 0, None),                          # a rank twice
 ])
 def test_a_trainer_reads_a_host_as_the_rank_every_saving_host_names(
         copies: list[pb.StepCopy], host: int, want: int | None) -> None:

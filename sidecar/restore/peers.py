@@ -27,11 +27,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from mtc.credentials import Credentials, names_read_here
-from mtc.errors import ConfigError, CorruptShardError, ShardUnavailableError
+from mtc.errors import ConfigError, CorruptShardError, ProtocolError, ShardUnavailableError
 from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.agree.attest import origin_of
 from mtc.sidecar.replicator.copies.provenance import ProofCheck
+from mtc.sidecar.replicator.wire import checks
 from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,11 @@ class PeerFiles:
             inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
         except PeerError as e:  # a lost host's replicator: its copies are elsewhere
             log.info("replicator %s did not answer its inventory: %s", client.address, e)
+            return None
+        try:
+            checks.bounded(inv, client.rank)  # counted before any proof is checked
+        except ProtocolError as e:
+            log.warning("replicator %s's inventory is refused: %s", client.address, e)
             return None
         if self._proofs is None:
             return inv  # nobody's rank is proven here: as before

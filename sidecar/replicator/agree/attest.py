@@ -68,6 +68,8 @@ def agreed(said: Mapping[int, set[Saving]]) -> tuple[Saving | None, str]:
     if len(sets) != 1:
         return None, f"the hosts that saved it disagree on who did ({sorted(sets)[:4]})"
     (s,) = sets
+    if len(set(s)) != len(s):  # [1, 1]: two saving hosts read as one rank's data
+        return None, f"its saving ranks {list(s)[:16]} name a rank twice"
     outside = sorted(o for o in said if o not in s)
     if outside:
         return None, f"rank(s) {outside} say ranks {list(s)} saved it, without themselves"
