@@ -163,8 +163,9 @@ def test_a_replicator_with_its_own_certificate_expired_does_not_start(
     """A replicator started with its own certificate expired ran without a word (every
     peer refused it). Now it refuses to start, naming the certificate and when it
     expired; a token without mutual TLS is warned about at start."""
-    from mtc.ports import free_ports
     from replicator_certs import make_ca, make_leaf, write_pem
+
+    from mtc.ports import free_ports
 
     ca = make_ca("expiry CA")
     ca_pem = write_pem(ca[1], tmp_path / "ca.crt")

@@ -23,8 +23,8 @@ from mtc.sidecar.replicator.agree.decision import (
     CannotDecide,
     Holding,
     decide,
-    refused,
     missing_asks,
+    refused,
     supersedes,
 )
 
