@@ -138,7 +138,7 @@ class Credentials:
         """With mutual TLS: a :class:`ConfigError` when this process's own certificate
         has expired (every peer refuses it: a process that starts with it serves
         nobody, silently); a warning's text when it is not valid yet or expires
-        within a day; "" otherwise."""
+        within six hours; "" otherwise."""
         if not self.tls:
             return ""
         assert self.tls_cert is not None
@@ -156,7 +156,7 @@ class Credentials:
         if now < before:
             return (f"certificate {self.tls_cert} is not valid before "
                     f"{before:%Y-%m-%d %H:%M} UTC (this host's clock, or the CA's?)")
-        if after - now < datetime.timedelta(days=1):
+        if after - now < datetime.timedelta(hours=6):
             return f"certificate {self.tls_cert} expires at {after:%Y-%m-%d %H:%M} UTC"
         return ""
 

@@ -15,18 +15,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import pytest
 from replicators import Cluster, commit_mtc_step
 from test_hostile_network_2 import _forged_held_copy, _prepare, _tls_hosts
 
+from mtc.credentials import Credentials
 from mtc.errors import CorruptShardError, ShardUnavailableError
 from mtc.grpc_errors import wire_error
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.fetch.materialize import Materializer
+from mtc.sidecar.replicator.wire.client import FETCH
 from mtc.sidecar.restore.peers import PeerFiles
 
 pytestmark = pytest.mark.process  # every test here starts processes
@@ -149,3 +154,97 @@ def test_no_error_a_caller_is_told_names_a_folder_of_the_host(error: Exception) 
     message, where = wire_error(error)
     told = message + " ".join(str(v) for _, v in where)
     assert "/dev/shm" not in told and "host-0" not in told, told
+
+
+# -- a reader cannot hold the data path ---------------------------------------------------
+
+def _reader(address: str, creds: Credentials, rank: int) -> grpc.Channel:
+    """A reader's channel to replicator ``rank``: with a flow-control window of its
+    own (no BDP probing), so that the holder's stream lasts as long as the reader
+    reads, as a reader on a real network makes it."""
+    return grpc.secure_channel(address, creds.channel_credentials(), options=[
+        ("grpc.http2.bdp_probe", 0), ("grpc.ssl_target_name_override", f"mtc-rank-{rank}"),
+        ("grpc.use_local_subchannel_pool", 1)])
+
+
+def _slow_reader(channel: grpc.Channel, req: pb.FetchRequest, rate: float,
+                 stop: threading.Event) -> int:
+    """Read ``req``'s bytes at ``rate`` bytes a second (above the minimum the holder
+    asks) until ``stop``; the bytes read."""
+    got, t0 = 0, time.monotonic()
+    call = channel.unary_stream(FETCH, request_serializer=pb.FetchRequest.SerializeToString,
+                                response_deserializer=lambda b: b)(req, timeout=600.0)
+    try:
+        for chunk in call:
+            got += len(chunk)
+            while got / rate > time.monotonic() - t0:
+                if stop.wait(0.05):
+                    return got
+            if stop.is_set():
+                return got
+    except grpc.RpcError:
+        pass  # ended by the holder (for a restore, or its deadline)
+    finally:
+        call.cancel()
+    return got
+
+
+def test_a_reader_flood_leaves_a_replaced_hosts_restore_its_streams(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    """Sixteen fetches of rank 1's own step read from it just above the minimum rate
+    (300 KiB/s), eight with the controller's certificate and eight with rank 2's:
+    every data stream rank 1 had was taken for minutes, and rank 0, replaced empty,
+    failed to restore its step from rank 1 (``RESOURCE_EXHAUSTED``, then
+    ``DATA_LOSS``). Now readers take 12 places at most and a restore of a host's own
+    data ends the slowest of them when it needs to: rank 0 restores its step, whole,
+    in about the time it takes without the flood, and a new step of rank 0 reaches
+    rank 1 within 5 s, the flood going on."""
+    pki, _, _, cl = _tls_hosts(ramdisk, clusters, n=3)
+    cl.start_all()
+    mine = cl.commit(0, 5, {"a.bin": os.urandom(16 << 20)})
+    cl.commit(1, 5, {"c.bin": os.urandom(32 << 20)})
+    cl.commit(2, 5, {"e.bin": os.urandom(1 << 20)})
+    cl.wait_held({(1, 0, 5)})  # rank 0's copy, on rank 1
+
+    def replaced_restore() -> float:
+        cl.kill(0)
+        shutil.rmtree(cl.root(0))
+        cl.start(0)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda r: _prepare(cl, r), [0, 1, 2]))
+        took = time.monotonic() - t0
+        for r in replies:
+            assert isinstance(r, pb.PrepareRestoreReply) and r.step == 5, r
+        assert replies[0].tier == "peer", replies[0]
+        assert (cl.root(0) / "5" / "a.bin").read_bytes() == mine["a.bin"]
+        return took
+
+    quiet = replaced_restore()
+    rank2 = Credentials(tls_cert=pki / "node2.crt", tls_key=pki / "node2.key",
+                        tls_ca=pki / "ca.crt")
+    readers = [_reader(cl.addrs[1], creds, 1) for creds in (cl.creds, rank2)]
+    req = pb.FetchRequest(step=5, origin_rank=1, path="c.bin")
+    stop = threading.Event()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            flood = [pool.submit(_slow_reader, readers[i % 2], req, 300 << 10, stop)
+                     for i in range(16)]
+            try:
+                time.sleep(3.0)  # the readers settle (before: all 16 held every place)
+                assert sum(not f.done() for f in flood) >= 12
+                flooded = replaced_restore()
+                # Replication into the flooded host goes on: pushes have places of their own.
+                cl.commit(0, 6, {"a.bin": os.urandom(4 << 20)})
+                t0 = time.monotonic()
+                cl.wait_held({(1, 0, 6)}, timeout=30)
+                replicated = time.monotonic() - t0
+            finally:
+                stop.set()
+    finally:
+        for c in readers:
+            c.close()
+    print(f"replaced host's restore of 16 MiB: {quiet:.2f}s quiet, {flooded:.2f}s flooded; "
+          f"a new step replicated into the flooded host in {replicated:.2f}s")
+    assert flooded < max(2 * quiet, quiet + 3.0), (quiet, flooded)
+    assert replicated < 5.0, replicated
