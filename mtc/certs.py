@@ -101,8 +101,23 @@ def check_controller_name(name: str) -> None:
                           "controller's certificate must name none")
 
 
+def check_hosts(hosts: Sequence[str]) -> None:
+    """A host's address must name no identity: a host named ``mtc-controller`` or
+    ``mtc-rank-<r>`` would give its rank's certificate the controller's role, or a
+    second rank (a certificate naming two identities is nobody's: it fails closed,
+    but only once a replicator refuses it). DNS names compare without case."""
+    for h in hosts:
+        low = h.lower()
+        if low == CONTROLLER_NAME or ranks_named([low]):
+            raise ConfigError(f"--hosts {h!r} names an identity ({CONTROLLER_NAME} or "
+                              "mtc-rank-<r>), not a host's address")
+    if len({h.lower() for h in hosts}) != len(hosts):
+        raise ConfigError("--hosts names one address twice: each rank's host is its own")
+
+
 def _write(path: Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    # O_NOFOLLOW with O_EXCL: a link planted in the folder is never written through.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
 
@@ -130,9 +145,19 @@ def issue(out: Path, ranks: int, *, hosts: Sequence[str] = (),
     if days < 1:
         raise ConfigError(f"--days {days}: at least one day")
     check_controller_name(controller_name)
+    check_hosts(hosts)
     stems = ["ca", *(f"rank-{r}" for r in range(ranks)), "controller"]
-    out.mkdir(parents=True, exist_ok=True)
-    there = [p for s in stems for p in (out / f"{s}.crt", out / f"{s}.key") if p.exists()]
+    if out.is_symlink():
+        raise ConfigError(f"{out} is a symbolic link: mtc certs writes keys into a real "
+                          "folder only")
+    if not out.exists():
+        out.mkdir(parents=True)
+        # Whatever the umask (000 left it 0777): the CA's key is written here.
+        os.chmod(out, 0o755)
+    # Before anything is written: a name taken (a link planted, even one leading
+    # nowhere, counts) stops it with nothing written, never half a set.
+    there = [p for s in stems for p in (out / f"{s}.crt", out / f"{s}.key")
+             if os.path.lexists(p)]
     if there:
         raise ConfigError(f"{there[0]} exists: mtc certs never replaces a file (a new CA "
                           "needs every certificate again)")

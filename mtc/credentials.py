@@ -13,6 +13,7 @@ Connections already open keep the certificates they were made with.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import threading
@@ -132,6 +133,32 @@ class Credentials:
     def own_ranks(self) -> set[int]:
         """The ranks this process's certificate names (none without TLS)."""
         return ranks_named(self.own_names())
+
+    def check_valid_now(self, now: datetime.datetime | None = None) -> str:
+        """With mutual TLS: a :class:`ConfigError` when this process's own certificate
+        has expired (every peer refuses it: a process that starts with it serves
+        nobody, silently); a warning's text when it is not valid yet or expires
+        within six hours; "" otherwise."""
+        if not self.tls:
+            return ""
+        assert self.tls_cert is not None
+        from cryptography import x509
+
+        try:
+            cert = x509.load_pem_x509_certificate(self.tls_cert.read_bytes())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"unreadable certificate {self.tls_cert}: {e}") from e
+        now = now or datetime.datetime.now(datetime.UTC)
+        after, before = cert.not_valid_after_utc, cert.not_valid_before_utc
+        if now > after:
+            raise ConfigError(f"certificate {self.tls_cert} expired at {after:%Y-%m-%d %H:%M} "
+                              "UTC: every peer refuses it; issue a new one (docs/security.md)")
+        if now < before:
+            return (f"certificate {self.tls_cert} is not valid before "
+                    f"{before:%Y-%m-%d %H:%M} UTC (this host's clock, or the CA's?)")
+        if after - now < datetime.timedelta(hours=6):
+            return f"certificate {self.tls_cert} expires at {after:%Y-%m-%d %H:%M} UTC"
+        return ""
 
     def check_names_rank(self, rank: int) -> None:
         """With mutual TLS, this replicator's certificate must name its rank and no

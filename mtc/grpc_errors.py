@@ -16,6 +16,7 @@ calls replicators from another machine and retries by :func:`is_retryable`.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import grpc
@@ -78,12 +79,19 @@ _WHERE_MAX = 4096  # a path from the network, bounded like every other field
 def wire_error(e: BaseException) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
     """A handler's error as it travels: its message without the where-suffix, and
     its step, host and file as trailing metadata."""
+    if isinstance(e, OSError) and not isinstance(e, MtcError):
+        # Its text names the file by this host's own path (its RAM disk's): a caller
+        # on the network is told the error and the file's name only.
+        name = f" ({os.path.basename(str(e.filename))})" if e.filename else ""
+        return f"{type(e).__name__}: {e.strerror or 'failed'}{name}", ()
     if not isinstance(e, MtcError):
         return str(e), ()
     where: list[tuple[str, str | bytes]] = []
     for attr, key in _WHERE:
         value = getattr(e, attr)
         if value is not None:
+            if attr == "path" and os.path.isabs(str(value)):
+                value = os.path.basename(str(value))  # never a folder of this host's
             where.append((key, str(value).encode()[:_WHERE_MAX] if attr == "path"
                           else str(int(value))))
     return e.message, tuple(where)

@@ -33,15 +33,17 @@ def make_ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 
 
 def make_leaf(ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], cn: str,
-              out: Path, *, ranks: Sequence[int] = (), controller: bool = False
-              ) -> tuple[Path, Path]:
+              out: Path, *, ranks: Sequence[int] = (), controller: bool = False,
+              expired: bool = False) -> tuple[Path, Path]:
     """A certificate of ``ca`` for loopback; with ``ranks``, naming those replicator
     ranks (``mtc-rank-<r>``), as each host's must name its own; with ``controller``,
     naming the controller's role (``mtc-controller``). Naming neither, it is
-    nobody's (a stranger's certificate from the cluster's CA)."""
+    nobody's (a stranger's certificate from the cluster's CA). ``expired``: valid
+    until a minute ago."""
     ca_key, ca_cert = ca
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.UTC) - (datetime.timedelta(days=1, minutes=1)
+                                                 if expired else datetime.timedelta(0))
     cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))

@@ -327,11 +327,14 @@ def env_with_repo() -> dict[str, str]:
 
 
 def commit_mtc_step(root: Path, step: int, files: dict[str, bytes], *, host: int,
-                    num_hosts: int, slice_of_host: int = 0) -> dict[str, bytes]:
+                    num_hosts: int, slice_of_host: int = 0,
+                    ranks: tuple[int, ...] = ()) -> dict[str, bytes]:
     """Commit ``files`` as host ``host``'s step the way mtc's sidecar does: with a
     manifest (each file one opaque uint8 leaf) that names the host, so that a replicator
     started with ``--framework mtc`` takes the step as its own (a manifest-less folder
-    is not mtc's: it is left alone). Returns every file committed, the manifest too."""
+    is not mtc's: it is left alone). ``ranks``: the saving hosts' replicator ranks,
+    as the manifest states them (empty: host h is rank h). Returns every file
+    committed, the manifest too."""
     leaves = []
     for name, data in sorted(files.items()):
         shard = ShardEntry(index=((0, len(data)),), file=name, nbytes=len(data),
@@ -339,7 +342,7 @@ def commit_mtc_step(root: Path, step: int, files: dict[str, bytes], *, host: int
         leaves.append(LeafEntry(path=name, keys=(("d", name),), kind="numpy",
                                 shape=(len(data),), dtype="uint8", shards=(shard,)))
     manifest = Manifest(step=step, host=host, slice=slice_of_host, num_hosts=num_hosts,
-                        leaves=tuple(leaves))
+                        leaves=tuple(leaves), ranks=ranks)
     out = {**files, MANIFEST_NAME: manifest.to_bytes()}
     commit_raw_step(root, step, out)
     return out

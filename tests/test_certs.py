@@ -4,6 +4,7 @@ controller's certificate."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import stat
@@ -66,6 +67,11 @@ def test_each_rank_is_named_and_the_controller_is_none(tmp_path: Path) -> None:
     ({"ranks": 2, "hosts": ["a"]}, "1 addresses for 2 ranks"),
     ({"ranks": 2, "controller_name": "mtc-rank-1"}, "names a replicator rank"),
     ({"ranks": 2, "days": 0}, "at least one day"),
+    # A host named as an identity would give its rank's certificate a second one.
+    ({"ranks": 2, "hosts": ["mtc-controller", "10.0.0.2"]}, "names an identity"),
+    ({"ranks": 2, "hosts": ["10.0.0.1", "mtc-rank-0"]}, "names an identity"),
+    ({"ranks": 2, "hosts": ["MTC-Rank-1", "10.0.0.2"]}, "names an identity"),
+    ({"ranks": 2, "hosts": ["h.example", "H.example"]}, "one address twice"),
 ])
 def test_refused(tmp_path: Path, kw: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -120,3 +126,73 @@ def test_a_cluster_runs_on_them_and_the_cli_reaches_it(ramdisk: Path,
     r = _cli("status", "--nodes", nodes, "--json")
     assert r.returncode == 1
     assert not any(h["up"] for h in json.loads(r.stdout)["hosts"])
+
+
+def test_the_folder_is_not_left_open_whatever_the_umask(tmp_path: Path) -> None:
+    """Under umask 000 the folder holding the CA's key was left 0777."""
+    old = os.umask(0)
+    try:
+        certs.issue(tmp_path / "out", 1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "out" / "ca.key").stat().st_mode) == 0o600
+
+
+def test_a_planted_link_stops_it_before_anything_is_written(tmp_path: Path) -> None:
+    """A link planted where a key goes (even one leading nowhere, which ``exists``
+    does not see) stopped ``mtc certs`` half-way, leaving a partial set; now it is
+    found before anything is written, and nothing is written through it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rank-1.key").symlink_to(tmp_path / "elsewhere.key")
+    with pytest.raises(ConfigError, match="exists"):
+        certs.issue(out, 2)
+    assert sorted(p.name for p in out.iterdir()) == ["rank-1.key"]
+    assert not (tmp_path / "elsewhere.key").exists()
+    link = tmp_path / "linked"
+    link.symlink_to(tmp_path / "real", target_is_directory=True)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        certs.issue(link, 1)
+    assert not (tmp_path / "real").exists()
+
+
+@pytest.mark.process
+def test_a_replicator_with_its_own_certificate_expired_does_not_start(
+        tmp_path: Path) -> None:
+    """A replicator started with its own certificate expired ran without a word (every
+    peer refused it). Now it refuses to start, naming the certificate and when it
+    expired; a token without mutual TLS is warned about at start."""
+    from replicator_certs import make_ca, make_leaf, write_pem
+
+    from mtc.ports import free_ports
+
+    ca = make_ca("expiry CA")
+    ca_pem = write_pem(ca[1], tmp_path / "ca.crt")
+    crt, key = make_leaf(ca, "node0", tmp_path, ranks=[0], expired=True)
+    ports = free_ports(2)
+    base = [sys.executable, "-m", "mtc.sidecar.replicator.main", "--listen",
+            f"127.0.0.1:{ports[0]}", "--nodes", f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+            "--rank", "0"]
+    r = subprocess.run([*base, "--local-dir", str(tmp_path / "root"), "--tls-cert", str(crt),
+                        "--tls-key", str(key), "--tls-ca", str(ca_pem)],
+                       capture_output=True, text=True, timeout=60, env=env_with_repo())
+    assert r.returncode == 2 and "expired at" in r.stderr and str(crt) in r.stderr, r.stderr
+    creds = Credentials(tls_cert=crt, tls_key=key, tls_ca=ca_pem)
+    leaf = _load(crt)
+    assert creds.check_valid_now(leaf.not_valid_before_utc + datetime.timedelta(minutes=1)) == ""
+    assert "expires at" in creds.check_valid_now(leaf.not_valid_after_utc
+                                                 - datetime.timedelta(hours=1))
+    assert "not valid before" in creds.check_valid_now(leaf.not_valid_before_utc
+                                                       - datetime.timedelta(hours=1))
+
+
+@pytest.mark.process
+def test_a_replicator_on_a_token_alone_says_it_is_unprotected(
+        ramdisk: Path, clusters: list[Cluster]) -> None:
+    token = ramdisk / "token"
+    token.write_text("a-token\n")
+    cl = new_cluster(clusters, ramdisk / "hosts", 2, 1, creds=Credentials(token="a-token"),
+                     extra=("--token-file", str(token)))
+    cl.start(0)
+    assert "without mutual TLS" in cl.log_text(0) and "forged" not in cl.log_text(0)

@@ -14,6 +14,7 @@ import pickle
 import shutil
 import struct
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -284,16 +285,20 @@ def _same_crc(data: bytes, target: int) -> bytes:
     return head + x.to_bytes(4, "little")
 
 
-def _forged_held_copy(ramdisk: Path, clusters: list[Cluster]) -> tuple[Cluster, bytes]:
-    """Two TLS hosts holding each other's step 5; then rank 1 swaps its copy of rank
-    0's ``a.bin`` for bytes of its own with the same size and CRC32C, which every
-    check but the SHA-256 rank 0 signed passes (the copy stays listed). The cluster,
-    and the forged bytes."""
-    _, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True)
+def _forged_held_copy(ramdisk: Path, clusters: list[Cluster],
+                      before: Callable[[Cluster], None] = lambda cl: None, **kw: Any
+                      ) -> tuple[Cluster, bytes]:
+    """Two TLS hosts holding each other's step 5; then (after ``before``) rank 1
+    swaps its copy of rank 0's ``a.bin`` for bytes of its own with the same size and
+    CRC32C, which every check but the SHA-256 rank 0 signed passes (the copy stays
+    listed). The cluster, and the forged bytes. ``kw``: more of the cluster's
+    fields."""
+    _, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True, **kw)
     cl.start_all()
     mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
     cl.commit(1, 5, {"c.bin": os.urandom(4096)})
     cl.wait_held({(1, 0, 5), (0, 1, 5)})
+    before(cl)
     held = cl.root(1) / ".mtc-replica" / "0" / "5" / "a.bin"
     forged = _same_crc(b"rank 1 made this up".ljust(len(mine["a.bin"]), b"!"),
                        crc32c(mine["a.bin"]))

@@ -58,7 +58,7 @@ class _Context:
 def test_streams_are_bounded_per_caller_and_overdue_ones_cancelled() -> None:
     now = [0.0]
     streams = Streams(Limits(max_streams=3, max_per_peer=2, max_watches=1, min_rate=10,
-                             grace_s=1.0), clock=lambda: now[0])
+                             grace_s=1.0, reserved=0, settle_s=100.0), clock=lambda: now[0])
     ctx = [_Context() for _ in range(5)]
     a = streams.acquire("push", "p1", ctx[0])
     b = streams.acquire("fetch", "p1", ctx[1])
@@ -78,6 +78,38 @@ def test_streams_are_bounded_per_caller_and_overdue_ones_cancelled() -> None:
     streams.release(a)
     streams.release(b)
     assert streams.count("push") == 0 and streams.count("watch") == 1
+    streams.close()
+
+
+def test_a_reader_flood_leaves_places_to_restores_and_replication() -> None:
+    """Issue 66: 16 fetches, each just above the minimum rate, held every data stream
+    for minutes, and a replaced host's restore failed ``RESOURCE_EXHAUSTED``. Now
+    readers take at most 12 places, a caller's share is one whatever its addresses
+    (``peer_of``), and a restore or a push finding no place ends the slowest
+    settled reader; a reader of a good rate is never ended for it."""
+    now = [0.0]
+    lim = Limits(min_rate=10, grace_s=1.0)
+    streams = Streams(lim, clock=lambda: now[0])
+    readers = []
+    for i in range(lim.max_streams - lim.reserved):  # from many addresses
+        readers.append(streams.acquire("fetch", f"addr{i // 4}", _Context()))
+    with pytest.raises(BusyError, match="data streams are open"):  # no reader settled yet
+        streams.acquire("fetch", "addr9", _Context())
+    pushes = [streams.acquire("push", "rank 1", _Context(), priority=True)
+              for _ in range(lim.reserved)]  # the reserved places: replication's
+    now[0] = 5.0
+    for r in readers:
+        r.add(5 * 300 * 1024)  # 300 KiB/s: above the minimum, below evict_below
+    readers[3].add(5 * 64 * 1024 * 1024)  # one reads at 64 MiB/s: never ended
+    restore = [streams.acquire("fetch", "rank 0", _Context(), priority=True)
+               for _ in range(4)]  # a replaced host's 4 streams, all full: readers end
+    assert streams.count() == lim.max_streams and len(restore) == 4
+    ended = [r for r in readers if r.context.cancelled]
+    assert len(ended) == 4 and not readers[3].context.cancelled and \
+        not any(p.context.cancelled for p in pushes)
+    # A settled reader's place can go to another reader too (it is the slowest).
+    streams.acquire("fetch", "addr9", _Context())
+    assert sum(r.context.cancelled for r in readers) == 5
     streams.close()
 
 

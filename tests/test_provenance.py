@@ -281,3 +281,52 @@ def test_healing_takes_no_list_whose_proof_fails(pki: dict[str, object]) -> None
     assert pv.own_signed(0, 777, _own_files(), _holding(_entry(pki)),
                          proven=lambda c: False) is None
     assert pv.own_signed(0, 777, [], _holding(_entry(pki))) is None
+
+
+def _bogus(pki: dict[str, object], n: int, seed: int) -> pb.Inventory:
+    """Rank 1's inventory listing ``n`` made-up copies of "rank 0's data": each with
+    rank 0's real certificate and a random signature (issue 66, finding 4)."""
+    import os
+
+    real = _entry(pki)
+    inv = pb.Inventory(rank=1)
+    for i in range(n):
+        c = inv.copies.add(step=1000 + i, origin_rank=0, saved_hosts=2, saving_ranks=[0, 1],
+                           fingerprint=real.fingerprint)
+        c.proof.CopyFrom(real.proof)
+        c.proof.signature = os.urandom(70) + seed.to_bytes(2, "big")
+    return inv
+
+
+def test_made_up_copies_cost_the_gatherer_little(pki: dict[str, object]) -> None:
+    """60,000 made-up copies of rank 0's data in one member's inventory (rank 0's
+    real certificate, random signatures) had every gather check each one's chain and
+    signature: the coordinator's CPU went to them and restores waited. Now an
+    inventory listing more than 256 steps of one origin is refused whole, counted
+    before any proof is checked; one within the bound costs at most 64 new proof
+    checks per gather, the chain checked once; and a good proof is still taken."""
+    import time
+
+    from mtc.errors import ProtocolError
+    from mtc.sidecar.replicator.wire import checks
+
+    d = pki["dir"]
+    assert isinstance(d, Path)
+    crt, key = pki["rank1_files"]  # type: ignore[misc]
+    check = pv.ProofCheck(Credentials(tls_cert=crt, tls_key=key, tls_ca=_ca_file(pki, d)))
+    flood = _bogus(pki, 60_000, 0)
+    t0 = time.process_time()
+    with pytest.raises(ProtocolError, match="more than 256"):
+        checks.inventory(flood, rank=1, num_nodes=2)
+    assert time.process_time() - t0 < 0.5
+    for seed in range(1, 4):  # new signatures at every gather: nothing remembered helps
+        inv = _bogus(pki, checks.MAX_STEPS_PER_ORIGIN, seed)
+        checks.inventory(inv, rank=1, num_nodes=2)
+        t0 = time.process_time()
+        gone = check.drop_unproven(inv)
+        spent = time.process_time() - t0
+        assert not inv.copies and len(gone) == checks.MAX_STEPS_PER_ORIGIN
+        assert sum("signature does not match" in g for g in gone) == pv.NEW_CHECKS_PER_INVENTORY
+        assert spent < 0.25, spent  # about 64 signature checks; the chain's once
+    good = pb.Inventory(rank=1, copies=[_entry(pki)])
+    assert check.drop_unproven(good) == [] and len(good.copies) == 1

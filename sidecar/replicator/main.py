@@ -225,6 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key,
                                        args.tls_ca)
         creds.check_names_rank(rank)  # with mutual TLS: peers take us for this rank only
+        soon = creds.check_valid_now()  # an expired certificate: refused here, not silently
+        if soon:
+            log.warning("rank %d: %s", rank, soon)
+        if creds.token and not creds.tls:
+            log.warning("rank %d: a shared token, without mutual TLS: whoever holds the token "
+                        "can act as any rank, and offer or list copies of any rank's data "
+                        "made of bytes it chose (checked by CRC32C only, not proven whose "
+                        "they are); use mutual TLS off a single machine (docs/security.md)",
+                        rank)
         backup = None
         if args.backup:
             from mtc.sidecar.backup.backend import open_backend

@@ -27,10 +27,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from mtc.credentials import Credentials, names_read_here
-from mtc.errors import ConfigError, CorruptShardError, ShardUnavailableError
+from mtc.errors import ConfigError, CorruptShardError, ProtocolError, ShardUnavailableError
 from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.agree.attest import origin_of
 from mtc.sidecar.replicator.copies.provenance import ProofCheck
+from mtc.sidecar.replicator.wire import checks
 from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger(__name__)
@@ -43,9 +45,8 @@ INVENTORY_TTL_S = 10.0
 # origin rank -> holders, nearest first: (client, path -> (size, crc32c, SHA-256 its
 # origin signed, b"" when its copy carries no proof))
 Holders = dict[int, list[tuple[PeerClient, dict[str, tuple[int, int, bytes]]]]]
-# saving host -> the origin rank its data of a step is kept under (its copies'
-# saving_ranks; a host absent here is its own rank)
-Origins = dict[int, int]
+# the entries listed of a step (what says which rank keeps each saving host's data)
+Origins = list[pb.StepCopy]
 
 
 def order_holders(origin: int, near: int | None, ranks: Sequence[int]) -> list[int]:
@@ -112,6 +113,11 @@ class PeerFiles:
         except PeerError as e:  # a lost host's replicator: its copies are elsewhere
             log.info("replicator %s did not answer its inventory: %s", client.address, e)
             return None
+        try:
+            checks.bounded(inv, client.rank)  # counted before any proof is checked
+        except ProtocolError as e:
+            log.warning("replicator %s's inventory is refused: %s", client.address, e)
+            return None
         if self._proofs is None:
             return inv  # nobody's rank is proven here: as before
         if inv.rank != client.rank:  # its certificate names client.rank (as_peer)
@@ -135,11 +141,8 @@ class PeerFiles:
         with ThreadPoolExecutor(len(self._clients), thread_name_prefix="mtc-inventory") as pool:
             invs = list(pool.map(self._ask, self._clients))
         ranks = [inv.rank if inv is not None else -1 for inv in invs]
-        origins: Origins = {}
-        for inv in invs:
-            for c in inv.copies if inv is not None else ():
-                if c.step == step and c.saving_ranks:
-                    origins = dict(enumerate(c.saving_ranks))
+        origins: Origins = [c for inv in invs if inv is not None for c in inv.copies
+                            if c.step == step]
         holders: Holders = {}
         for origin in sorted({c.origin_rank for inv in invs if inv is not None
                               for c in inv.copies if c.step == step}):
@@ -155,16 +158,32 @@ class PeerFiles:
             self._inventories = {step: (time.monotonic(), holders, origins)}
         return holders, origins
 
+    def _origin(self, entries: Origins, step: int, host: int) -> tuple[int | None, str]:
+        """The rank keeping saving host ``host``'s data of ``step``, as ``entries``
+        say (its copies' saving ranks; host ``h`` is rank ``h`` unless they say
+        otherwise), and ""; None and why not. Where proofs are checked, every
+        saving host must say the same (:func:`.attest.origin_of`): one host saying
+        "host 0's data is mine" is no reason to read its bytes as host 0's."""
+        if self._proofs is not None:
+            return origin_of(entries, step, host)
+        for c in entries:
+            if c.saving_ranks:
+                return dict(enumerate(c.saving_ranks)).get(host, host), ""
+        return host, ""
+
     def read(self, step: int, host: int, rel: str) -> bytearray:
         """File ``rel`` of saving host ``host``'s data of ``step`` (kept by the
         replicators as its rank's: host ``h`` is rank ``h`` unless the copies say
         otherwise), verified on arrival. Raises ShardUnavailableError when no
         replicator serves a good copy."""
         errors: list[str] = []
-        origin = host
+        origin: int | None = host
         for fresh in (False, True):
             holders, origins = self._holders(step, fresh=fresh)
-            origin = origins.get(host, host)
+            origin, why = self._origin(origins, step, host)
+            if origin is None:
+                errors.append(why)
+                continue
             for client, files in holders.get(origin, []):
                 if rel not in files:
                     continue
@@ -183,6 +202,7 @@ class PeerFiles:
                 self.fetched.append((step, origin, rel))
                 return data
         raise ShardUnavailableError(
-            f"no replicator serves {rel} of host {host}'s data (rank {origin}'s copy; asked "
+            f"no replicator serves {rel} of host {host}'s data ("
+            f"{f'rank {origin}' if origin is not None else 'no rank'}'s copy; asked "
             f"{', '.join(self.addresses)}{': ' + '; '.join(errors) if errors else ''})",
             step=step, host=host, path=rel)

@@ -24,6 +24,7 @@ from mtc.sidecar.replicator.agree.decision import (
     Holding,
     decide,
     missing_asks,
+    refused,
     supersedes,
 )
 
@@ -57,8 +58,12 @@ class Coordinator:
     def __init__(self, members: Sequence[int], equivalent: Callable[[int], Sequence[int]],
                  gather: Gather, book: Book, *, retry_s: float = 0.05,
                  clock: Callable[[], float] = time.time, num_nodes: int | None = None,
-                 faults: Callable[[Sequence[int], float], str] | None = None) -> None:
+                 faults: Callable[[Sequence[int], float], str] | None = None,
+                 signed: bool = False) -> None:
         self.members = list(members)
+        # Mutual TLS: a step counts only as far as its saving hosts' own words carry
+        # it (``decision.refused``).
+        self.signed = signed
         # Ranks that may have saved: every node, when the membership is a smaller job's.
         self.num_nodes = len(self.members) if num_nodes is None else num_nodes
         self.equivalent = equivalent
@@ -203,7 +208,16 @@ class Coordinator:
             self._cond.acquire()
             self._deciding = False
         t_gathered = time.monotonic()
-        result = decide(holdings, self.members, self.equivalent, self.num_nodes)
+        result = decide(holdings, self.members, self.equivalent, self.num_nodes,
+                        signed=self.signed)
+        if self.signed:
+            newer = {k: why for k, why in refused(holdings, self.members).items()
+                     if isinstance(result, CannotDecide) or k[0] > result.step}
+            if newer:
+                log.warning("steps not counted, their saving hosts' own words do not "
+                            "carry them for members %s: %s", self.members,
+                            "; ".join(f"step {s}: {why}" for (s, _), why in
+                                      sorted(newer.items(), reverse=True)[:3])[:2000])
         if isinstance(result, CannotDecide):
             self._why = result.reason
         else:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from mtc.errors import ConfigError
+from mtc.sidecar.replicator.agree.attest import Said, unattested
 from mtc.sidecar.replicator.agree.book import Decision
 
 
@@ -35,6 +36,9 @@ class Holding:
     # (a job that came back on other hosts than 0..n-1 saved it): those ranks' data
     # makes the step, not ranks 0..n-1.
     saving: frozenset[tuple[int, str, tuple[int, ...]]] = frozenset()
+    # Who said which hosts saved which step (:mod:`.attest`): under mutual TLS a
+    # step counts only as far as the saving hosts' own words carry it.
+    said: frozenset[Said] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,38 +87,52 @@ def saving_ranks(step: int, holdings: Mapping[int, Holding], num_nodes: int,
     return range(max(stated) if stated else num_nodes)
 
 
+def refused(holdings: Mapping[int, Holding], members: Collection[int]
+            ) -> dict[tuple[int, str], str]:
+    """(step, run) -> why, for the steps whose saving set the saving hosts' own
+    words do not carry for ``members`` (:func:`.attest.unattested`): under mutual
+    TLS, a step never restorable on one host's word."""
+    return unattested((x for h in holdings.values() for x in h.said), members)
+
+
 def newest_complete_run(holdings: Mapping[int, Holding], num_nodes: int,
                         equivalent: Callable[[int], Sequence[int]], *,
-                        hosts: int = 1) -> tuple[int, str]:
+                        hosts: int = 1, skip: Collection[tuple[int, str]] = ()
+                        ) -> tuple[int, str]:
     """The newest step, and its run, whose data of that one run is held (on hosts,
     not in backup) for every rank that saved it (``num_nodes`` ranks, or fewer when
     a smaller job saved it), each rank's by at least ``hosts`` members (2: the step
     survives losing any one host); (-1, "") when none. Copies of one step written
-    by different runs never complete each other."""
+    by different runs never complete each other. ``skip``: (step, run) that do not
+    count (:func:`refused`)."""
     held = _held_runs(holdings)
     for s in sorted({s for _, s in held}, reverse=True):
         for run in sorted({r for (_, t), rs in held.items() if t == s for r in rs}):
-            if all(len(_holders(held, s, run, equivalent(r))) >= hosts
+            if (s, run) not in skip and all(len(_holders(held, s, run, equivalent(r))) >= hosts
                    for r in saving_ranks(s, holdings, num_nodes, run)):
                 return s, run
     return -1, ""
 
 
 def newest_complete(holdings: Mapping[int, Holding], num_nodes: int,
-                    equivalent: Callable[[int], Sequence[int]], *, hosts: int = 1) -> int:
+                    equivalent: Callable[[int], Sequence[int]], *, hosts: int = 1,
+                    skip: Collection[tuple[int, str]] = ()) -> int:
     """The step of :func:`newest_complete_run`."""
-    return newest_complete_run(holdings, num_nodes, equivalent, hosts=hosts)[0]
+    return newest_complete_run(holdings, num_nodes, equivalent, hosts=hosts, skip=skip)[0]
 
 
 def gc_keeps(holdings: Mapping[int, Holding], num_nodes: int,
-             equivalent: Callable[[int], Sequence[int]]) -> frozenset[int]:
+             equivalent: Callable[[int], Sequence[int]], *, signed: bool = False
+             ) -> frozenset[int]:
     """The steps no replicator may delete, whatever its own retention says: the
     newest complete one (a restore's choice now) and the newest one every rank's
     data of which is on two hosts or more (the choice once any one host is lost:
     a host whose newest step has not reached its peer yet leaves every other host's
-    newer steps incomplete without it)."""
-    steps = {newest_complete(holdings, num_nodes, equivalent),
-             newest_complete(holdings, num_nodes, equivalent, hosts=2)}
+    newer steps incomplete without it). ``signed`` (mutual TLS): only steps the
+    saving hosts' words carry for every node (:func:`refused`) count."""
+    skip = refused(holdings, range(num_nodes)) if signed else {}
+    steps = {newest_complete(holdings, num_nodes, equivalent, skip=skip),
+             newest_complete(holdings, num_nodes, equivalent, hosts=2, skip=skip)}
     return frozenset(steps - {-1})
 
 
@@ -138,13 +156,15 @@ def describe_loss(holdings: Mapping[int, Holding], num_nodes: int,
 
 def decide(holdings: Mapping[int, Holding], members: Collection[int],
            equivalent: Callable[[int], Sequence[int]],
-           num_nodes: int | None = None) -> Decided | CannotDecide:
+           num_nodes: int | None = None, *, signed: bool = False) -> Decided | CannotDecide:
     """The step every member restores: the newest one each saving rank's data
     exists for (held by a member, or in the backup). ``members`` is the job's
     membership as the job stated it, possibly fewer than the ``num_nodes`` that
     saved (a job that came back smaller: the data of the ranks gone must then be
     held by members). Never on a partial view: every member must have answered,
-    or the answer is :class:`CannotDecide` naming who is missing."""
+    or the answer is :class:`CannotDecide` naming who is missing. ``signed``
+    (mutual TLS): a step counts only as far as its saving hosts' own words carry
+    it for every member (:func:`refused`): never on one host's word."""
     missing = tuple(sorted(set(members) - set(holdings)))
     if missing:
         return CannotDecide(f"no inventory from rank(s) {list(missing)}", missing)
@@ -153,7 +173,8 @@ def decide(holdings: Mapping[int, Holding], members: Collection[int],
         return CannotDecide(f"inventory from rank(s) {extra} outside the membership")
     backed = max((s for h in holdings.values() for s in h.backed_up), default=-1)
     n = len(members) if num_nodes is None else num_nodes
-    step, run = newest_complete_run(holdings, n, equivalent)
+    skip = refused(holdings, members) if signed else {}
+    step, run = newest_complete_run(holdings, n, equivalent, skip=skip)
     if backed > step:
         return Decided(backed)  # the backup's run: its hosts' manifests say (checked on load)
     if step < 0:

@@ -30,8 +30,14 @@ from mtc.grpc_errors import PeerError, is_retryable
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.agree.agreement import Coordinator
+from mtc.sidecar.replicator.agree.attest import said_of
 from mtc.sidecar.replicator.agree.book import BOOK_NAME, Book, Decision
-from mtc.sidecar.replicator.agree.decision import Holding, check_members, newest_complete_run
+from mtc.sidecar.replicator.agree.decision import (
+    Holding,
+    check_members,
+    newest_complete_run,
+    refused,
+)
 from mtc.sidecar.replicator.agree.decision import gc_keeps as keeps_of
 from mtc.sidecar.replicator.agree.fresh import Fresh
 from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -61,7 +67,8 @@ def holding_of(inv: pb.Inventory, repaired: Sequence[pb.StepCopy] = ()) -> Holdi
                    frozenset((c.origin_rank, c.step, c.run, c.saved_hosts)
                              for c in copies if c.run),
                    frozenset((c.step, c.run, tuple(c.saving_ranks))
-                             for c in copies if c.saving_ranks))
+                             for c in copies if c.saving_ranks),
+                   said_of(copies))
 
 
 def repairable(invs: Mapping[int, pb.Inventory]) -> dict[int, list[pb.StepCopy]]:
@@ -137,7 +144,8 @@ class NodeAgreement:
         # The coordinator's view for GC (the steps it keeps), shared by concurrent askers.
         self.kept = Fresh(lambda: keeps_of(
             self.gather_holdings(members, time.monotonic() + config.deadline_s),
-            config.num_nodes, config.equivalent), min_interval_s=config.gc_view_interval_s)
+            config.num_nodes, config.equivalent, signed=proofs is not None),
+            min_interval_s=config.gc_view_interval_s)
 
     def start(self, threads: Threads) -> None:
         pass  # no thread: its calls run on its callers' and its pool's
@@ -171,7 +179,8 @@ class NodeAgreement:
                     # Every member asked before the coordinator gathers: each one is up.
                     lambda ranks, deadline: self.gather_holdings(
                         ranks, deadline, known_up=True, among=members),
-                    self.book, num_nodes=self.config.num_nodes, faults=self.config_faults)
+                    self.book, num_nodes=self.config.num_nodes, faults=self.config_faults,
+                    signed=self.proofs is not None)
                 self._coordinators[members] = c
             return c
 
@@ -271,8 +280,13 @@ class NodeAgreement:
     def newest_complete_run(self, invs: Mapping[int, pb.Inventory]) -> tuple[int, str]:
         """The newest step whose data is held (on hosts, not in backup) for every rank
         that saved it, and the run whose copies make it."""
-        return newest_complete_run({r: holding_of(i) for r, i in invs.items()},
-                                   self.config.num_nodes, self.config.equivalent)
+        holdings = {r: holding_of(i) for r, i in invs.items()}
+        # Under mutual TLS only a step its saving hosts' words carry for every node
+        # (a step one host says it saved alone is not backed up as the job's).
+        skip = (refused(holdings, range(self.config.num_nodes))
+                if self.proofs is not None else {})
+        return newest_complete_run(holdings, self.config.num_nodes, self.config.equivalent,
+                                   skip=skip)
 
     def gc_keeps(self) -> frozenset[int] | None:
         """The steps no replicator deletes (``agreement.gc_keeps``: the newest complete

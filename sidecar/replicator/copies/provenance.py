@@ -66,6 +66,12 @@ MAX_CERT_BYTES = 16 << 10   # each
 MAX_SIGNATURE_BYTES = 1024  # RSA-4096's is 512
 VERIFIED_CACHE = 4096       # proofs remembered as checked (an inventory lists the same ones)
 VERIFIED_TTL_S = 60.0       # a certificate expired or a CA rotated counts within this
+CHAINS_CACHE = 256          # certificate chains remembered as checked (one per rank, in use)
+# Proofs not remembered that one inventory may have checked at once: a holder lists a
+# few copies per origin (its replicas' kept steps), each checked once a minute; a
+# member listing thousands of made-up ones costs a signature check each (issue 66),
+# so beyond this the rest wait for a later gather, unchecked and not counted.
+NEW_CHECKS_PER_INVENTORY = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +198,13 @@ def why_unproven(c: pb.StepCopy, cas: Sequence[x509.Certificate],
     why, public = why_chain_not(p.chain, c.origin_rank, cas, now)
     if why is not None:
         return why
-    if not _signed(public, bytes(p.signature), statement_of(c).to_bytes()):
+    return why_signature_not(c, public)
+
+
+def why_signature_not(c: pb.StepCopy, public: object) -> str | None:
+    """Why ``c``'s signature, by the holder of ``public`` (its chain checked), is not
+    of what ``c`` states, or its files not the ones signed (None: they are)."""
+    if not _signed(public, bytes(c.proof.signature), statement_of(c).to_bytes()):
         return "its signature does not match what it states"
     return why_files_not(c)
 
@@ -258,6 +270,10 @@ class ProofCheck:
         self._stamp: tuple[int, int] | None = None
         self._cas: list[x509.Certificate] = []
         self._seen: OrderedDict[bytes, tuple[float, str | None]] = OrderedDict()
+        # (origin, the chain's bytes) -> (when, why not, its leaf's public key): a
+        # chain's path to the CA is the costly part of a check (about 2 ms), and
+        # every proof of one rank carries the same chain.
+        self._chains: OrderedDict[bytes, tuple[float, str | None, object]] = OrderedDict()
 
     @classmethod
     def of(cls, creds: Credentials | None) -> ProofCheck | None:
@@ -275,10 +291,21 @@ class ProofCheck:
         with self._lock:
             self._stamp, self._cas = stamp, cas
             self._seen.clear()
+            self._chains.clear()
         return cas
 
-    def why_not(self, c: pb.StepCopy) -> str | None:
-        """:func:`why_unproven` of ``c`` now."""
+    def why_not(self, c: pb.StepCopy, *, fresh: list[int] | None = None) -> str | None:
+        """:func:`why_unproven` of ``c`` now. ``fresh``: a budget of checks not
+        remembered (its one element, decremented by each): with none left, ``c`` is
+        not checked and counts as unproven (without being remembered so)."""
+        # Cheap things first: a proof's shape, before anything is parsed or hashed.
+        p = c.proof
+        if not p.signature or not p.chain:
+            return "it carries no proof"
+        if len(p.signature) > MAX_SIGNATURE_BYTES or len(p.digest) != 32 or \
+                not 0 < len(p.chain) <= MAX_CHAIN or any(len(x) > MAX_CERT_BYTES
+                                                        for x in p.chain):
+            return "its proof is malformed"
         try:
             cas = self._ca()
         except (OSError, ValueError) as e:
@@ -293,20 +320,46 @@ class ProofCheck:
             hit = self._seen.get(key)
         if hit is not None and now.timestamp() - hit[0] < VERIFIED_TTL_S:
             why = hit[1]
+        elif fresh is not None and fresh[0] <= 0:
+            return "not checked: this inventory lists more new proofs than are checked at once"
         else:
-            why = why_unproven(head, cas, now)
+            if fresh is not None:
+                fresh[0] -= 1
+            why, public = self._chain(c, cas, now)
+            if why is None:
+                why = why_signature_not(head, public)
             with self._lock:
                 self._seen[key] = (now.timestamp(), why)
                 while len(self._seen) > VERIFIED_CACHE:
                     self._seen.popitem(last=False)
         return why if why is not None else why_files_not(c)
 
+    def _chain(self, c: pb.StepCopy, cas: Sequence[x509.Certificate], now: datetime.datetime
+               ) -> tuple[str | None, object]:
+        """:func:`why_chain_not` of ``c``'s chain for its origin, remembered a while."""
+        h = hashlib.sha256(str(c.origin_rank).encode())
+        for der in c.proof.chain:
+            h.update(len(der).to_bytes(4, "big") + der)
+        key = h.digest()
+        with self._lock:
+            hit = self._chains.get(key)
+        if hit is not None and now.timestamp() - hit[0] < VERIFIED_TTL_S:
+            return hit[1], hit[2]
+        why, public = why_chain_not(c.proof.chain, c.origin_rank, cas, now)
+        with self._lock:
+            self._chains[key] = (now.timestamp(), why, public)
+            while len(self._chains) > CHAINS_CACHE:
+                self._chains.popitem(last=False)
+        return why, public
+
     def drop_unproven(self, inv: pb.Inventory) -> list[str]:
         """Remove from a peer's inventory every copy of another rank's data that is
-        not proven that rank's; returns why each went."""
+        not proven that rank's; returns why each went. At most
+        :data:`NEW_CHECKS_PER_INVENTORY` proofs not remembered are checked."""
         keep, gone = [], []
+        fresh = [NEW_CHECKS_PER_INVENTORY]
         for c in inv.copies:
-            why = None if c.origin_rank == inv.rank else self.why_not(c)
+            why = None if c.origin_rank == inv.rank else self.why_not(c, fresh=fresh)
             if why is None:
                 keep.append(c)
             else:

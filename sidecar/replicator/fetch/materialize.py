@@ -18,11 +18,11 @@ from mtc.sidecar.replicator.agree.node_agreement import holders_of
 from mtc.sidecar.replicator.copies.provenance import not_signed, own_signed
 from mtc.sidecar.replicator.fetch.fetch_plan import fetch_batches, fetch_order, heal_sources
 from mtc.sidecar.replicator.store.step_files import FileMeta, inside
-from mtc.sidecar.storage.checksum import copy_verified
+from mtc.sidecar.storage.checksum import copy_verified, file_sha256
 from mtc.sidecar.storage.names import tmp_dir
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from mtc.sidecar.backup.duties import BackupDuties
     from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -103,7 +103,8 @@ class Materializer:
             tmp = self.store.begin_incoming(self.rank, step)
             try:
                 signed, invs = self._heal_proof(step, invs, run)
-                tiers = self._fetch_all(step, self.rank, invs, bad, tmp, run, pool)
+                tiers = self._fetch_all(step, self.rank, invs, bad, tmp, run, pool,
+                                        want=signed)
                 forged = not_signed(tmp, pb.StepCopy(files=[
                     pb.FileInfo(path=f.path, sha256=signed[f.path]) for f in bad]),
                     (pool or self._pool).map) if signed is not None else None
@@ -122,8 +123,13 @@ class Materializer:
         try:
             if sources:
                 files = [FileMeta(f.path, f.size, f.crc32c) for f in sources[0][1].files]
+                # Under mutual TLS each file must hash as its origin signed it: one that
+                # does not is a bad copy like any other, fetched again from the next
+                # holder, then the backup.
+                want = ({f.path: bytes(f.sha256) for f in sources[0][1].files if f.sha256}
+                        if self.proofs is not None else None)
                 tiers = self._fetch_all(step, sources[0][1].origin_rank, invs, files, tmp,
-                                        run, pool)
+                                        run, pool, want=want)
                 # Its origin's signed SHA-256s, before the step is placed (provenance).
                 forged = (not_signed(tmp, sources[0][1], (pool or self._pool).map)
                           if self.proofs is not None else None)
@@ -177,17 +183,23 @@ class Materializer:
         some."""
         held = holders_of(invs, run or None)
         for origin in self.config.equivalent(self.rank):
-            sources = [(h, c) for h, c in held.get((origin, step), []) if h != self.rank]
+            # A listing without files (its proof may be genuine: the signed statement
+            # names the files' digest, not the files) brings nothing: not a source.
+            sources = [(h, c) for h, c in held.get((origin, step), [])
+                       if h != self.rank and c.files]
             if sources:
                 return sources
         return []
 
     def _fetch_all(self, step: int, origin: int, invs: dict[int, pb.Inventory],
                    files: list[FileMeta], tmp: Path, run: str = "",
-                   pool: ThreadPoolExecutor | None = None) -> set[str]:
+                   pool: ThreadPoolExecutor | None = None,
+                   want: Mapping[str, bytes] | None = None) -> set[str]:
         """Fetch ``files`` (of ``origin``'s copy of ``step``, this rank's data or a
         stand-in for it, of ``run``) into ``tmp`` on ``pool``'s threads (default:
-        the restore's); returns the tiers used."""
+        the restore's); returns the tiers used. ``want``: the SHA-256 each file must
+        have (its origin signed it): a file fetched otherwise is a bad copy, and
+        the next source is tried."""
         pool = pool or self._pool
         sources = heal_sources(self.rank, step, origin, files, invs, run)
         orders = [fetch_order(self.rank, *sources.get(f.path, ([], [])), i)
@@ -204,7 +216,17 @@ class Materializer:
         for fut, ks in futs.items():
             got = set(fut.result())
             done.update(k for k in ks if files[k].path in got)
-        rest = [pool.submit(self._fetch, orders[k], step, files[k], tmp)
+        # A file a stream brought that its origin did not sign: fetched again from
+        # the other sources (that holder's copy is bad: it is not asked again).
+        refused: dict[int, list[str]] = {}
+        for (holder, src_origin), ks in batches:
+            for k in ks:
+                if k in done and self._unsigned(want, files[k], tmp, step, holder):
+                    done.discard(k)
+                    orders[k] = [o for o in orders[k] if o[0] != holder]
+                    refused[k] = [f"rank {holder}: not the bytes rank {src_origin} signed"]
+        rest = [pool.submit(self._fetch, orders[k], step, files[k], tmp, want,
+                            refused.get(k, []))
                 for k in range(len(files)) if k not in done]
         tiers = {fut.result() for fut in rest}
         return tiers | {"peer"} if done else tiers
@@ -235,9 +257,33 @@ class Materializer:
             return reserve.open_new(base, rel, size, key)
         return opener
 
-    def _fetch(self, sources: list[tuple[int, int]], step: int, f: FileMeta, tmp: Path) -> str:
-        """One file from ``sources`` (``(holder, origin)``, in order), then the backup."""
-        errors: list[str] = []
+    def _unsigned(self, want: Mapping[str, bytes] | None, f: FileMeta, tmp: Path, step: int,
+                  source: int | str) -> bool:
+        """Whether ``f``, fetched into ``tmp`` from ``source`` (a holder's rank, or
+        "the backup"), fails the SHA-256 ``want`` names for it; such a file is
+        removed, counted and logged."""
+        sha = want.get(f.path) if want is not None else None
+        if not sha:
+            return False
+        dest = inside(tmp, f.path)
+        try:
+            if file_sha256(dest) == sha:
+                return False
+        except OSError:
+            pass
+        dest.unlink(missing_ok=True)
+        self.metrics.unproven.inc()
+        log.warning("rank %d: %s of step %d from %s is not the bytes its origin signed "
+                    "(size and CRC32C match): trying the next source", self.rank, f.path,
+                    step, source if isinstance(source, str) else f"rank {source}")
+        return True
+
+    def _fetch(self, sources: list[tuple[int, int]], step: int, f: FileMeta, tmp: Path,
+               want: Mapping[str, bytes] | None = None, tried: Sequence[str] = ()) -> str:
+        """One file from ``sources`` (``(holder, origin)``, in order), then the backup;
+        a file that does not hash as ``want`` says counts as not fetched. ``tried``:
+        why the sources tried already failed (the error names them too)."""
+        errors: list[str] = list(tried)
         dest = inside(tmp, f.path)  # a holder's path: checked before anything is written
         dest.parent.mkdir(parents=True, exist_ok=True)
         for holder, origin in sources:
@@ -249,6 +295,9 @@ class Materializer:
                     self.peers[holder].data.fetch_file(step, origin, f.path, dest, f.size,
                                                   f.crc32c)
                     self.metrics.bytes_fetched.inc(f.size)
+                if self._unsigned(want, f, tmp, step, holder):
+                    errors.append(f"rank {holder}: not the bytes rank {origin} signed")
+                    continue
                 return "peer"
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels("fetch").inc()
@@ -258,8 +307,11 @@ class Materializer:
         if self.backup is not None:
             try:
                 if self.backups.file_from_backup(step, f, dest):
-                    return "backup"
-                errors.append("backup: not backed up")
+                    if not self._unsigned(want, f, tmp, step, "the backup"):
+                        return "backup"
+                    errors.append("backup: not the bytes signed")
+                else:
+                    errors.append("backup: not backed up")
             except (MtcError, OSError) as e:
                 self.metrics.failures.labels("fetch").inc()
                 errors.append(f"backup: {_bare(e)}")

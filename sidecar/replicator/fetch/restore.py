@@ -21,7 +21,7 @@ from mtc.lifecycle import Threads
 from mtc.pool import lower_thread_priority
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar import priority
-from mtc.sidecar.replicator.agree.decision import check_members, saving_ranks
+from mtc.sidecar.replicator.agree.decision import check_members, refused, saving_ranks
 from mtc.sidecar.replicator.agree.node_agreement import holding_of
 from mtc.sidecar.replicator.fetch.materialize import FETCH_STREAMS, Materializer
 
@@ -235,8 +235,13 @@ class Restorer:
         t_agreed = time.monotonic()
         into_root = self.config.framework == "mtc"
         local = self._place.holds_own(step, run)
+        holdings = {r: holding_of(i) for r, i in invs.items()}
+        # Under mutual TLS this host is left out of the step only on the saving hosts'
+        # own words (never one host's): else it must find its own data of it.
         if not local and into_root and self.rank not in saving_ranks(
-                step, {r: holding_of(i) for r, i in invs.items()}, self.config.num_nodes, run):
+                step, holdings, self.config.num_nodes, run) and (
+                self.agreement.proofs is None
+                or (step, run) not in refused(holdings, [self.rank])):
             # A job grown onto this host: the step was saved by fewer hosts, none of
             # them this one. Its process reads every region from their copies.
             log.info("rank %d: step %d agreed in %.3fs; this host saved none of it (its "

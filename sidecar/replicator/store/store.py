@@ -342,7 +342,7 @@ class LocalStore:
             p = inside(tmp, f.path)
             if not p.is_file() or p.stat().st_size != f.size:
                 raise CorruptShardError("incoming copy is incomplete", step=step, host=origin,
-                                        path=str(p))
+                                        path=f.path)
         final = self.replicas / str(origin) / str(step)
         if os.path.lexists(final):
             if is_real_dir(final) and self.same_copy(origin, step, files) and \
@@ -393,12 +393,15 @@ class LocalStore:
     def commit_restored(self, tmp: Path, step: int, files: list[FileMeta], *,
                         into_root: bool) -> None:
         """Publish this host's data of ``step`` fetched from peers."""
+        if not files:  # a holder's listing without files: nothing to place
+            raise CorruptShardError("the copy fetched lists no files", step=step,
+                                    host=self.rank)
         if into_root:
             for f in files:
                 p = inside(tmp, f.path)
                 if not p.is_file() or p.stat().st_size != f.size:
                     raise CorruptShardError("restored copy is incomplete", step=step,
-                                            host=self.rank, path=str(p))
+                                            host=self.rank, path=f.path)
             publish(tmp, self.root / str(step))
             with self._lock:
                 self._described[(self.rank, step)] = (

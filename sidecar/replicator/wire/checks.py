@@ -20,6 +20,10 @@ from mtc.sidecar.replicator.store.step_files import FileMeta
 MAX_FILES = 100_000       # files of one copy: an Offer, a fetch of several, a backup part
 MAX_OPEN_FILES = 200_000  # files of every open incoming transfer together
 MAX_LOST_CHARS = 1 << 16  # a decision's account of the data gone
+# Steps of one origin an inventory lists (copies, or damaged own steps): a host keeps
+# a few of each (``--keep`` and those waiting for replication or a backup); tens of
+# thousands made up would each cost the gatherer a proof check (issue 66).
+MAX_STEPS_PER_ORIGIN = 256
 _STAGING = re.compile(r"staging/(\d+)-[0-9a-f]{8}")
 
 
@@ -30,6 +34,7 @@ def offer(c: pb.StepCopy, *, rank: int, num_nodes: int) -> tuple[int, int, list[
         raise ProtocolError(f"origin rank {origin} is not a peer of rank {rank}")
     step = validate.step(c.step, host=origin)
     validate.count(c.saved_hosts, "saved hosts", num_nodes)  # as an inventory's
+    saving(c, host=origin, num_nodes=num_nodes)
     if len(c.files) > MAX_FILES:
         raise ProtocolError(f"an offer of {len(c.files)} files (at most {MAX_FILES})",
                             step=step, host=origin)
@@ -37,6 +42,16 @@ def offer(c: pb.StepCopy, *, rank: int, num_nodes: int) -> tuple[int, int, list[
                       f.crc32c) for f in c.files]
     _distinct([f.path for f in files], "the offer", step=step, host=origin)
     return origin, step, files
+
+
+def saving(c: pb.StepCopy, *, host: int, num_nodes: int) -> None:
+    """A copy's saving ranks, when it states them: one distinct node's rank per
+    saving host (``[1, 1]`` would have two saving hosts read as one rank's data)."""
+    r = list(c.saving_ranks)
+    if r and (len(r) != c.saved_hosts or len(set(r)) != len(r)
+              or any(not 0 <= x < num_nodes for x in r)):
+        raise ProtocolError(f"saving ranks {r[:16]} are not {c.saved_hosts} distinct ranks "
+                            f"of the {num_nodes} nodes", step=c.step, host=host)
 
 
 def _distinct(paths: list[str], what: str, *, step: int, host: int) -> None:
@@ -147,6 +162,7 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
     _steps([s for s in inv.backed_up_steps], rank)
     if inv.newest_backed_up_step != -1:
         validate.step(inv.newest_backed_up_step, what="backed-up step", host=rank)
+    bounded(inv, rank)
     for c in inv.damaged:
         if c.origin_rank != rank:
             raise ProtocolError(f"rank {rank} listed rank {c.origin_rank}'s step {c.step} "
@@ -155,6 +171,7 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
         validate.count(c.origin_rank, "origin rank", num_nodes - 1)
         validate.step(c.step, host=rank)
         validate.count(c.saved_hosts, "saved hosts", num_nodes)
+        saving(c, host=rank, num_nodes=num_nodes)
         _run(c.run, rank)
         if len(c.files) > MAX_FILES:
             raise ProtocolError(f"a copy of {len(c.files)} files", step=c.step, host=rank)
@@ -167,6 +184,24 @@ def inventory(inv: pb.Inventory, *, rank: int, num_nodes: int) -> pb.Inventory:
         _distinct([f.path for f in c.files], f"rank {c.origin_rank}'s step {c.step}",
                   step=c.step, host=rank)
     return inv
+
+
+def bounded(inv: pb.Inventory, rank: int) -> None:
+    """At most :data:`MAX_STEPS_PER_ORIGIN` entries of one origin, each (origin, step)
+    once: counted before anything in the inventory is checked further (a proof
+    costs far more than a count)."""
+    for what, entries in (("copies", inv.copies), ("damaged steps", inv.damaged)):
+        per: dict[int, int] = {}
+        seen: set[tuple[int, int]] = set()
+        for c in entries:
+            n = per[c.origin_rank] = per.get(c.origin_rank, 0) + 1
+            if n > MAX_STEPS_PER_ORIGIN:
+                raise ProtocolError(f"more than {MAX_STEPS_PER_ORIGIN} {what} of rank "
+                                    f"{c.origin_rank}'s data listed", host=rank)
+            if (c.origin_rank, c.step) in seen:
+                raise ProtocolError(f"rank {c.origin_rank}'s step {c.step} listed twice "
+                                    f"in {what}", step=c.step, host=rank)
+            seen.add((c.origin_rank, c.step))
 
 
 def kept(reply: pb.CompleteReply, *, host: int) -> frozenset[int]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -192,8 +193,9 @@ def error_status(e: BaseException) -> pb.DataStatus:
             st.step = int(e.step)
         if e.host is not None:
             st.host = int(e.host)
-        if e.path is not None:
-            st.path = str(e.path)[:4096]
+        if e.path is not None:  # never a folder of this host's (wire_error's rule)
+            st.path = (os.path.basename(str(e.path)) if os.path.isabs(str(e.path))
+                       else str(e.path))[:4096]
     return st
 
 
