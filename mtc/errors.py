@@ -92,6 +92,12 @@ class ShardUnavailableError(FatalError):
     """No readable copy covers part of an array the restore target needs."""
 
 
+class SaveError(FatalError):
+    """A save could not be written on every host: a host's sidecar did not answer
+    (the host, or its process, was lost or restarted). The step is not committed
+    there; the message names the step, the host and this process."""
+
+
 class TargetMismatchError(FatalError):
     """The restore target disagrees with the saved tree (shape, dtype or structure)."""
 

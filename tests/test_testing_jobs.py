@@ -13,6 +13,7 @@ import pytest
 from doc_blocks import python_block
 
 from mtc.testing import ScriptError, local_cluster
+from mtc.testing import jobs
 from mtc.testing.jobs import _wait
 
 pytestmark = pytest.mark.process  # hosts and JAX processes
@@ -69,3 +70,37 @@ def test_the_output_readers_are_joined_and_a_reader_error_is_raised() -> None:
     with pytest.raises(UnicodeDecodeError):
         _wait(garbled, 60)
     assert {t.name for t in threading.enumerate()} <= threads
+
+
+def test_a_failed_job_names_the_first_process_to_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Process 2 exits 3; process 0 fails later waiting on it (a collective's timeout),
+    process 1 would wait forever and is SIGKILLed by the harness: the error blames
+    process 2, its host and its exit status, not process 0's -9 or 1."""
+    monkeypatch.setattr(jobs, "FAILURE_GRACE_S", 2.0)
+    codes = ["import time; time.sleep(0.8); raise SystemExit(1)",
+             "import time; time.sleep(60)",
+             "import sys, time; time.sleep(0.2); print('boom', file=sys.stderr); "
+             "raise SystemExit(3)",
+             "pass"]
+    procs = [subprocess.Popen([sys.executable, "-c", c], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+             for c in codes]
+    failed: list[int] = []
+    outs = _wait(procs, 60, failed)
+    assert failed == [2, 0]
+    done = [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, outs, strict=True)]
+    assert [d.returncode for d in done] == [1, -9, 3, 0]
+    where = [f"host {h} (10.0.0.{h + 1})" for h in range(4)]
+    error = jobs.job_error(done, failed, where, ["train.py"], 60)
+    assert error is not None and error.returncode == 3
+    message = str(error)
+    assert message.startswith("process 2 on host 2 (10.0.0.3) failed first, with exit "
+                              "status 3; then processes [0, 1] stopped"), message
+    assert "boom" in message
+    assert jobs.job_error(done[3:], [], where[3:], ["train.py"], 60) is None
+    # Past the job's timeout with nothing failed: every process still running is named.
+    late = jobs.job_error([subprocess.CompletedProcess([], -9, "", ""),
+                           subprocess.CompletedProcess([], 0, "", "")], [], where[:2],
+                          ["train.py"], 5)
+    assert late is not None and "timeout (5s): processes [0] (host 0 (10.0.0.1))" in str(late)
