@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from doc_blocks import python_block
 
-from mtc.testing import ScriptError, local_cluster
-from mtc.testing import jobs
+from mtc.testing import ScriptError, jobs, local_cluster
 from mtc.testing.jobs import _wait
 
 pytestmark = pytest.mark.process  # hosts and JAX processes

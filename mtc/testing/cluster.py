@@ -42,7 +42,8 @@ class ScriptError(subprocess.CalledProcessError):
 
     def __str__(self) -> str:
         head = f"{self.note}\n" if self.note else ""
-        return (f"{head}{super().__str__()}\n--- stdout ---\n{(self.stdout or '')[-LOG_TAIL_CHARS:]}"
+        return (f"{head}{super().__str__()}"
+                f"\n--- stdout ---\n{(self.stdout or '')[-LOG_TAIL_CHARS:]}"
                 f"\n--- stderr ---\n{(self.stderr or '')[-LOG_TAIL_CHARS:]}")
 
 
