@@ -120,3 +120,6 @@ def test_a_cluster_runs_on_them_and_the_cli_reaches_it(ramdisk: Path,
     r = _cli("status", "--nodes", nodes, "--json")
     assert r.returncode == 1
     assert not any(h["up"] for h in json.loads(r.stdout)["hosts"])
+    # ... and says why: they are up, and require a certificate (not "down").
+    assert all("requires mutual TLS and no certificate was given" in h["refused"]
+               for h in json.loads(r.stdout)["hosts"]), r.stdout
