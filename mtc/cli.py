@@ -4,6 +4,7 @@
                                          (not mtc's) and leftovers on a RAM disk
     mtc status --nodes ADDR0,ADDR1,...   every host's steps on every tier (via replicators)
     mtc backup --node ADDR               back up the newest complete step now
+    mtc backup --nodes ADDR0,ADDR1,...   the same, asking the first that answers
     mtc certs --out DIR --ranks N        a CA, a certificate per replicator rank and
                                          the controller's, for mutual TLS
 
@@ -347,12 +348,23 @@ def _replication(ident: Any) -> str:
     return f"{word}: step {ident.unreplicated_step} {ident.unreplicated_seconds:.0f}s"
 
 
-def backup(node: str, creds: Credentials) -> int:
+def backup(nodes: Sequence[str], creds: Credentials) -> int:
+    """Ask the first of ``nodes`` that answers (any replicator of the job: the one
+    asked has the others upload their data of the step) to back up now."""
+    from mtc.grpc_errors import PeerError
     from mtc.replicas import request_backup
 
-    step = request_backup(node, creds=creds, timeout_s=3600)
-    print(f"backed up step {step}" if step >= 0 else "nothing to back up")
-    return 0
+    for i, node in enumerate(nodes):
+        try:
+            step = request_backup(node, creds=creds, timeout_s=3600)
+        except PeerError as e:
+            if i + 1 == len(nodes) or not e.unreachable:
+                raise
+            print(f"mtc: {node} did not answer ({e}); asking {nodes[i + 1]}", file=sys.stderr)
+            continue
+        print(f"backed up step {step}" if step >= 0 else "nothing to back up")
+        return 0
+    return 1
 
 
 def certs_doc() -> str:
@@ -383,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     _credential_flags(s)
     s.add_argument("--json", action="store_true")
     b = sub.add_parser("backup", help="back up the newest complete step now")
-    b.add_argument("--node", required=True, help="any replicator's address")
+    which = b.add_mutually_exclusive_group(required=True)
+    which.add_argument("--node", help="any replicator's address")
+    which.add_argument("--nodes", help="the replicators' addresses, as status takes them: "
+                                       "the first that answers is asked")
     _credential_flags(b)
     c = sub.add_parser("certs", help="a CA and certificates for mutual TLS (outside "
                                      "Kubernetes)", description=certs_doc())
@@ -406,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             return status(args.nodes.split(","), _creds(args), args.json)
         if args.cmd == "certs":
             return certs(args)
-        return backup(args.node, _creds(args))
+        return backup([args.node] if args.node else args.nodes.split(","), _creds(args))
     except (MtcError, OSError) as e:
         print(f"mtc: {e}", file=sys.stderr)
         return 1

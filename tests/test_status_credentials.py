@@ -72,3 +72,32 @@ def test_a_wiped_rank_whose_steps_never_reached_a_peer_is_not_up_to_date(
     assert "rank 1: MISSING STEPS: it holds none of its own steps while every other rank " \
            "holds step(s) [10, 20]" in out, out
     assert "1 of 2 nodes miss steps the others hold" in err, err
+
+
+def test_backup_takes_the_nodes_flag_of_status_and_asks_the_first_that_answers(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/multi-controller.md: "``mtc backup`` with the same flags" as ``mtc status
+    --nodes ...``: it takes them, and a node down is passed over."""
+    import grpc
+
+    from mtc import replicas
+    from mtc.grpc_errors import PeerError
+
+    asked: list[str] = []
+
+    def request_backup(address: str, **_: object) -> int:
+        asked.append(address)
+        if address == "a:1":
+            e = PeerError(f"RequestBackup to {address} failed: UNAVAILABLE")
+            e.code = grpc.StatusCode.UNAVAILABLE
+            raise e
+        return 20
+
+    monkeypatch.setattr(replicas, "request_backup", request_backup)
+    assert main(["backup", "--nodes", "a:1,b:1,c:1"]) == 0
+    assert asked == ["a:1", "b:1"]
+    out, err = capsys.readouterr()
+    assert out.strip() == "backed up step 20" and "a:1 did not answer" in err, (out, err)
+    assert main(["backup", "--node", "b:1"]) == 0
+    with pytest.raises(SystemExit):
+        main(["backup", "--node", "b:1", "--nodes", "b:1"])  # one or the other
