@@ -103,3 +103,22 @@ def test_a_failed_job_names_the_first_process_to_fail(monkeypatch: pytest.Monkey
                            subprocess.CompletedProcess([], 0, "", "")], [], where[:2],
                           ["train.py"], 5)
     assert late is not None and "timeout (5s): processes [0] (host 0 (10.0.0.1))" in str(late)
+
+
+def test_a_job_comes_back_on_fewer_hosts_as_the_page_says(tmp_path: Path) -> None:
+    """docs/testing.md: a lost slice not replaced; the job comes back on the host left
+    (run_job(hosts=[1])), one process restoring onto its smaller mesh, the lost
+    host's data from the copy host 1 held, and ends where a reference run ends."""
+    script = tmp_path / "job.py"
+    script.write_text(doc_script())
+    with local_cluster(slices=2, hosts_per_slice=1,
+                       base=Path("/dev/shm") / tmp_path.name) as cluster:
+        first = cluster.run_job([str(script), "20"])
+        assert [said(r.stdout)[-1].split()[:2] for r in first] == [["done", "20"]] * 2
+        cluster.wait_replicated(20, timeout=30)
+        cluster.lose_slice(0)
+        (back,) = [said(r.stdout) for r in cluster.run_job([str(script), "30"], hosts=[1])]
+        assert back[0] == "resumed 20 [(0, 'peer')]", back
+        (reference,) = cluster.run_job([str(script), "30"], hosts=[1],
+                                       reference=tmp_path / "reference")
+        assert back[-1] == said(reference.stdout)[-1] and back[-1].startswith("done 30 ")

@@ -171,6 +171,10 @@ def join_job(**kw: Any) -> tuple[Path, mtc.Options]:
             **{"hosts_per_slice": cluster.hosts_per_slice, **kw})
     local = cluster.local
     options = mtc.Options(**{
+        # The host's RAM disk is this process's local_dir, its replicator's folder,
+        # also when the job is one process (a job come back on one host), which
+        # mtc would otherwise take for one machine playing every host.
+        "host_subdirs": False,
         "hosts_per_slice": cluster.hosts_per_slice,
         "replicators": tuple(local.addresses[h] for h in hosts),
         "replicator_ranks": tuple(hosts) if hosts != list(range(len(hosts))) else None,
