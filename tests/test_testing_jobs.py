@@ -51,7 +51,8 @@ def test_a_job_resumes_after_a_wiped_host(tmp_path: Path) -> None:
         failing.write_text("import os, sys\nprint('host', os.environ['MTC_TESTING_PROCESS'], "
                            "file=sys.stderr)\nsys.exit(3 * (os.environ['MTC_TESTING_PROCESS'] "
                            "== '1'))\n")
-        with pytest.raises(ScriptError, match=r"(?s)'process 1 on host 1'.*exit status 3"):
+        with pytest.raises(ScriptError, match=r"^process 1 on host 1 \(\S+\) failed first, "
+                           r"with exit status 3\n"):
             cluster.run_job([str(failing)])
 
 

@@ -284,7 +284,7 @@ class TestCluster:
 def _is_index(i: object, n: int) -> bool:
     # bool is an int, but True is no host; numpy's integers are fine
     return (not isinstance(i, bool) and hasattr(i, "__index__")
-            and 0 <= i.__index__() < n)  # type: ignore[attr-defined]
+            and 0 <= i.__index__() < n)
 
 
 @contextmanager

@@ -100,8 +100,11 @@ def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence
     ran past ``timeout`` with no process failed names every process still running."""
     if all(d.returncode == 0 for d in done):
         return None
-    tails = "".join(f"\n--- process {j} on {where[j]} stderr ---\n"
-                    f"{(x.stderr or '')[-LOG_TAIL_CHARS // 2:]}" for j, x in enumerate(done))
+    def tails(but: int = -1) -> str:
+        return "".join(f"\n--- process {j} on {where[j]} stderr ---\n"
+                       f"{(x.stderr or '')[-LOG_TAIL_CHARS // 2:]}"
+                       for j, x in enumerate(done) if j != but)
+
     if failed:
         k = failed[0]
         after = [j for j, d in enumerate(done) if j != k and d.returncode != 0]
@@ -111,11 +114,11 @@ def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence
                    f"{[done[j].returncode for j in after]}: killed by the harness "
                    f"{FAILURE_GRACE_S:g}s after it, or failed waiting on it)" if after else ""))
         return ScriptError(done[k].returncode, [f"process {k} on {where[k]}", *argv],
-                           done[k].stdout, (done[k].stderr or "") + tails, note=note)
+                           done[k].stdout, (done[k].stderr or "") + tails(k), note=note)
     late = [j for j, d in enumerate(done) if d.returncode != 0]
     note = (f"the job ran past its timeout ({timeout:g}s): processes {late} "
             f"({', '.join(where[j] for j in late)}) were still running and were SIGKILLed")
-    return ScriptError(done[late[0]].returncode, [f"processes {late}", *argv], "", tails,
+    return ScriptError(done[late[0]].returncode, [f"processes {late}", *argv], "", tails(),
                        note=note)
 
 
