@@ -123,3 +123,35 @@ def test_a_job_comes_back_on_fewer_hosts_as_the_page_says(tmp_path: Path) -> Non
         (reference,) = cluster.run_job([str(script), "30"], hosts=[1],
                                        reference=tmp_path / "reference")
         assert back[-1] == said(reference.stdout)[-1] and back[-1].startswith("done 30 ")
+
+
+def test_a_job_restarted_with_a_replicator_dead_names_it_in_every_process(
+        tmp_path: Path) -> None:
+    """Issue 68, item 6: 4 processes, rank 1's replicator dead at the restart. Every
+    process fails with a typed AgreementError naming rank 1's replicator and its
+    address; none names rank 0, which asked."""
+    import re
+
+    script = tmp_path / "job.py"
+    script.write_text(doc_script().replace("join_job(save_interval_steps=10)",
+                                           "join_job(save_interval_steps=10, "
+                                           "restore_timeout_s=20)"))
+    with local_cluster(slices=2, hosts_per_slice=2,
+                       base=Path("/dev/shm") / tmp_path.name) as cluster:
+        cluster.run_job([str(script), "20"])
+        cluster.wait_replicated(20, timeout=30)
+        cluster.kill_replicator(1)
+        dead = cluster.local.addresses[1]
+        with pytest.raises(ScriptError) as raised:
+            cluster.run_job([str(script), "30"])
+    error = raised.value
+    first = int(re.match(r"process (\d+) ", error.note).group(1))  # type: ignore[union-attr]
+    parts = re.split(r"\n--- process (\d+) on [^\n]* stderr ---\n", error.stderr)
+    stderr = {first: parts[0], **{int(k): v for k, v in zip(parts[1::2], parts[2::2],
+                                                            strict=True)}}
+    assert sorted(stderr) == [0, 1, 2, 3], error.note
+    for k, text in stderr.items():
+        last = [x for x in text.splitlines() if x.startswith("mtc.errors.")][-1:]
+        assert last and last[0].startswith("mtc.errors.AgreementError: "), (k, text[-2000:])
+        assert dead in last[0] and "rank 1" in last[0], (k, last)
+        assert "[0, 1]" not in last[0], (k, last)

@@ -36,15 +36,19 @@ class ScriptError(subprocess.CalledProcessError):
     job's first failed process, its host and exit status)."""
 
     def __init__(self, returncode: int, cmd: Any, output: str | None = None,
-                 stderr: str | None = None, note: str = "") -> None:
+                 stderr: str | None = None, note: str = "",
+                 tail_chars: int = LOG_TAIL_CHARS) -> None:
         super().__init__(returncode, cmd, output, stderr)
         self.note = note
+        # How much of stderr the message shows: a job's holds each process's own
+        # tail, already cut, the failed process's first, all of it shown.
+        self.tail_chars = tail_chars
 
     def __str__(self) -> str:
         head = f"{self.note}\n" if self.note else ""
         return (f"{head}{super().__str__()}"
                 f"\n--- stdout ---\n{(self.stdout or '')[-LOG_TAIL_CHARS:]}"
-                f"\n--- stderr ---\n{(self.stderr or '')[-LOG_TAIL_CHARS:]}")
+                f"\n--- stderr ---\n{(self.stderr or '')[-self.tail_chars:]}")
 
 
 class TestCluster:

@@ -113,13 +113,15 @@ def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence
                 + (f"; then processes {after} stopped (exit statuses "
                    f"{[done[j].returncode for j in after]}: killed by the harness "
                    f"{FAILURE_GRACE_S:g}s after it, or failed waiting on it)" if after else ""))
+        stderr = (done[k].stderr or "")[-LOG_TAIL_CHARS:] + tails(k)
         return ScriptError(done[k].returncode, [f"process {k} on {where[k]}", *argv],
-                           done[k].stdout, (done[k].stderr or "") + tails(k), note=note)
+                           done[k].stdout, stderr, note=note, tail_chars=len(stderr))
     late = [j for j, d in enumerate(done) if d.returncode != 0]
     note = (f"the job ran past its timeout ({timeout:g}s): processes {late} "
             f"({', '.join(where[j] for j in late)}) were still running and were SIGKILLed")
-    return ScriptError(done[late[0]].returncode, [f"processes {late}", *argv], "", tails(),
-                       note=note)
+    stderr = tails()
+    return ScriptError(done[late[0]].returncode, [f"processes {late}", *argv], "", stderr,
+                       note=note, tail_chars=len(stderr))
 
 
 def _wait(procs: list[subprocess.Popen[str]], timeout: float,
