@@ -1,7 +1,9 @@
 """``mtc status`` tells a node that refuses its certificate from a node that is down
 (issue 68, item 7): no certificate where the node requires mutual TLS, or one of
-another CA, is said as such; nothing listening is still DOWN. A node in-process
-(a gRPC server behind mutual TLS on loopback): no process is started."""
+another CA, is said as such; nothing listening is still DOWN; a rank wiped before
+its steps reached a peer is not "up to date". And ``mtc backup`` takes status's
+``--nodes`` (item 8). A node in-process (a gRPC server behind mutual TLS on
+loopback), or none: no process is started."""
 
 from __future__ import annotations
 
