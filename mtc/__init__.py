@@ -19,6 +19,7 @@ from mtc.errors import (
     MtcError,
     RamDiskFullError,
     RetryableError,
+    SaveError,
     SaveInProgressError,
     ShardUnavailableError,
     StepExistsError,
@@ -38,7 +39,7 @@ __all__ = [
     "AgreementError", "CheckpointManager", "ClosedError", "ConfigError", "CorruptShardError",
     "DataLossError", "DirectoryLockedError", "FatalError", "InvalidStepError", "LocalDirError",
     "ManifestError", "MixedRunError", "MtcError", "Options", "RamDiskFullError",
-    "RetryableError", "SaveInProgressError",
+    "RetryableError", "SaveError", "SaveInProgressError",
     "ShardUnavailableError", "StepExistsError", "StepNotFoundError", "StorageError",
     "TargetMismatchError", "UnsupportedLeafError", "__version__",
 ]

@@ -89,7 +89,17 @@ class DataLossError(FatalError):
 
 
 class ShardUnavailableError(FatalError):
-    """No readable copy covers part of an array the restore target needs."""
+    """A restore (``restore``, ``latest_step``) found no readable copy of part of an
+    array the target needs, or a host's sidecar did not answer a call that is not a
+    save (``all_steps``, ``delete``, ``metrics``, a restore's reads); a save raises
+    ``SaveError`` instead."""
+
+
+class SaveError(FatalError):
+    """A save (``save``, ``wait_until_finished``) could not reach a host's sidecar:
+    the host, or its process, was lost or restarted, and the step is not committed
+    there. The message names the step, the host and this process; the dispatch's
+    :class:`ShardUnavailableError` is its ``__cause__``."""
 
 
 class TargetMismatchError(FatalError):

@@ -81,6 +81,7 @@ class CheckpointManager:
         restore (or of the step ``latest_step`` prepared) came from: ``"local"``,
         ``"peer"`` or ``"backup"``.
       last_restore_tier: the farthest of those (None before any restore).
+      last_restore_step: the step the last ``restore`` loaded (None before any).
       last_restore_seconds: the last restore's ``prepare`` (saves finished, the
         replicators' agreement and fetches) and ``load`` seconds.
       foreign_steps: per host served here, the step folders found at start that
@@ -167,6 +168,10 @@ class CheckpointManager:
     @property
     def last_restore_tier(self) -> str | None:
         return self._restores.last_restore_tier
+
+    @property
+    def last_restore_step(self) -> int | None:
+        return self._restores.last_restore_step
 
     @property
     def last_restore_seconds(self) -> dict[str, float]:
@@ -370,4 +375,14 @@ class CheckpointManager:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: types.TracebackType | None) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        # The block's error is the one to see: closing after it (saves finishing on
+        # a host that is gone) often fails for the same cause, and would mask it.
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - noted on the block's error, not raised
+            log.warning("mtc: closing the CheckpointManager after an error failed too: %s", e)
+            exc.add_note(f"mtc: closing the CheckpointManager then failed too: "
+                         f"{type(e).__name__}: {e}")

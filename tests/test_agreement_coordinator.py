@@ -196,6 +196,39 @@ def test_a_probe_of_a_cut_off_member_ends_before_the_askers_deadline() -> None:
     assert took < 2.0 + 0.3, took
 
 
+def test_a_member_that_asked_once_at_the_start_is_not_named_as_absent() -> None:
+    """Issue 68, item 6: the coordinator's own ask is made once, with the whole
+    deadline; another member's last call carries only its last second. Only the
+    member that never asked is named (not ``[0, 1]``, rank 0 having asked)."""
+    m = Members({r: h((r, 1)) for r in range(3)})
+    c = coordinator(m)
+    with ThreadPoolExecutor(1) as ex:
+        first = ex.submit(c.decide_for, 0, "rid", 3.0)
+        for timeout in (1.2, 0.6):  # rank 2's calls, each with the time it has left
+            with pytest.raises(AgreementError) as e:
+                c.decide_for(2, "rid", timeout)
+        assert "no restore request yet from rank(s) [1];" in str(e.value), e.value
+        with pytest.raises(AgreementError, match=r"rank\(s\) \[1\];"):
+            first.result(timeout=10.0)
+
+
+def test_the_member_that_never_asks_is_named_with_its_address(tmp_path: Path) -> None:
+    """A real coordinator node (rank 0) whose member rank 1 is down (a loopback port
+    nothing listens on): its ask's error names rank 1's replicator and address, as
+    the probe found it."""
+    down = free_ports(1)[0]
+    cfg = ReplicatorConfig(rank=0, nodes=("127.0.0.1:1", f"127.0.0.1:{down}"),
+                           nodes_per_slice=1, deadline_s=0.5, agreement_timeout_s=20.0)
+    node = Node(cfg, tmp_path / "root", Credentials())
+    try:
+        with pytest.raises(AgreementError, match=rf"no restore request yet from rank\(s\) "
+                           rf"\[1\] \(rank 1's replicator at 127.0.0.1:{down} does not "
+                           rf"answer: UNAVAILABLE"):
+            node.agreement.agree_epoch(PROBE_S + 1.5, "rid")
+    finally:
+        node.stop()
+
+
 def test_a_member_late_without_a_fault_is_waited_for() -> None:
     m = Members({r: h((r, 1)) for r in range(2)})
     c = Coordinator([0, 1], own_only, m.gather, Book(), retry_s=0.01, faults=lambda *_: "")
@@ -364,7 +397,9 @@ def test_an_older_restore_stops_asking_when_a_newer_one_starts_on_its_host(
                 old.result(timeout=5.0)
             assert time.monotonic() - t0 < 2.0  # at its next try, not at its deadline
             assert e.value.host == 1
-            with pytest.raises(AgreementError, match="no restore decision within"):
+            with pytest.raises(AgreementError, match=rf"no restore decision within .*the "
+                               rf"coordinator, rank 0's replicator at 127.0.0.1:{port}, "
+                               rf"does not answer"):
                 new.result(timeout=10.0)  # the newer one runs to its own deadline
     finally:
         node.stop()

@@ -126,6 +126,9 @@ def test_a_cluster_runs_on_them_and_the_cli_reaches_it(ramdisk: Path,
     r = _cli("status", "--nodes", nodes, "--json")
     assert r.returncode == 1
     assert not any(h["up"] for h in json.loads(r.stdout)["hosts"])
+    # ... and says why: they are up, and require a certificate (not "down").
+    assert all("requires mutual TLS and no certificate was given" in h["refused"]
+               for h in json.loads(r.stdout)["hosts"]), r.stdout
 
 
 def test_the_folder_is_not_left_open_whatever_the_umask(tmp_path: Path) -> None:

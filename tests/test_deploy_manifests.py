@@ -16,6 +16,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -349,6 +350,19 @@ def test_own_trainer_example_swaps_only_the_trainer(
     assert js == mc
     assert [d for d in docs if d["kind"] != "JobSet"] == \
         [d for d in rendered["multi-controller"] if d["kind"] != "JobSet"]
+
+
+def test_own_trainer_example_names_every_placeholder_left_to_fill_in() -> None:
+    """Issue 68, item 9: with kustomize alone, what is left to fill in by hand is
+    said: every placeholder of the render (``PROJECT``, ``BUCKET``) and every name
+    of the job's own objects (``mtc-train*``) is in the example's comment."""
+    text = yaml.safe_dump_all(render(OWN_TRAINER))
+    left = set(re.findall(r"\b(PROJECT|BUCKET)\b", text)) | set(
+        re.findall(r"\bmtc-train[a-z0-9-]*", text))
+    assert {"PROJECT", "BUCKET", "mtc-train", "mtc-train-ca"} <= left, left
+    said = (OWN_TRAINER / "kustomization.yaml").read_text()
+    comment = "\n".join(x for x in said.splitlines() if x.startswith("#"))
+    assert sorted(n for n in left if not re.search(rf"\b{re.escape(n)}\b", comment)) == []
 
 
 def test_own_trainer_block_of_the_deploy_guide_runs_in_a_pod_environment(

@@ -261,6 +261,10 @@ def test_the_recipe_runs_and_a_rebooted_host_resumes_from_its_peer(hosts: VmHost
     r = subprocess.run(status, shell=True, cwd=hosts.base, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+    backup = on_loopback(sh_block("## 5. Check it", "mtc backup"), hosts)
+    r = subprocess.run(backup, shell=True, cwd=hosts.base, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert (r.returncode, r.stdout.strip()) == (0, "backed up step 20"), r.stdout + r.stderr
 
     hosts.stop(1)  # host 1 reboots: its RAM disk empties, systemd starts its replicator
     shutil.rmtree(hosts.ram_disk(1))

@@ -6,7 +6,6 @@ import pytest
 
 from mtc.elastic.pace import Pacer
 
-
 # The first snapshot (the warm-up: it compiles the copy) is not charged.
 WARM = [(9.0, True), (1.0, False)]
 

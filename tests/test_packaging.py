@@ -84,3 +84,25 @@ def test_the_oldest_lane_installs_the_stated_lower_bounds() -> None:
     for name, version in pins.items():
         lower = [s.version for s in deps[name].specifier if s.operator == ">="]
         assert lower == [version], (name, deps[name].specifier, version)
+
+
+def test_configure_py_declares_pyyaml_and_says_so_when_it_is_missing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/configure.py needs PyYAML, which ``pip install mtc`` does not bring: an
+    extra of its own declares it, the page that runs the script installs it, and
+    without it the script says which to install instead of a bare ImportError."""
+    import importlib.util
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert any(d.startswith("PyYAML") for d in extras["deploy"]), extras
+    assert "mtc[deploy]" in extras["dev"]
+    page = (REPO / "docs" / "deploy.md").read_text()
+    assert page.index("pip install 'mtc[deploy]'") < page.index("python deploy/configure.py")
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml fails
+    spec = importlib.util.spec_from_file_location("configure_without_yaml",
+                                                  REPO / "deploy" / "configure.py")
+    assert spec is not None and spec.loader is not None
+    with pytest.raises(SystemExit, match=r"needs PyYAML: pip install 'mtc\[deploy\]'"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtc.cli import lost_steps
+from mtc.cli import lost_steps, missing_steps
 from mtc.retention import to_delete
 from mtc.sidecar.replicator.copies.gc import GcInputs, GcPlan, gc_plan
 from mtc.sidecar.replicator.copies.replication import older_to_restore
@@ -174,3 +174,25 @@ def test_lost_steps(name: str, own: dict[int, list[int]],
                     copies: dict[int, dict[int, list[int]]],
                     want: dict[int, dict[int, list[int]]]) -> None:
     assert lost_steps(own, copies) == want
+
+
+# (name, own steps by rank, copies by holder -> origin -> steps, missing)
+MISSING = [
+    ("every host whole", {0: [4, 5], 1: [4, 5]}, {0: {1: [4, 5]}, 1: {0: [4, 5]}}, {}),
+    ("wiped before its steps reached a peer: nobody holds a copy", {0: [4, 5], 1: []},
+     {0: {}, 1: {}}, {1: [4, 5]}),
+    ("a copy elsewhere: lost_steps names it, not this", {0: [4, 5], 1: []},
+     {0: {1: [4, 5]}}, {}),
+    ("only the steps every other rank holds", {0: [4, 5], 1: [5], 2: [3]}, {},
+     {2: [5]}),
+    ("newer steps than its newest only", {0: [4], 1: [6]}, {}, {0: [6]}),
+    ("a job of one rank misses nothing", {0: []}, {}, {}),
+]
+
+
+@pytest.mark.parametrize(("name", "own", "copies", "want"), MISSING,
+                         ids=[c[0] for c in MISSING])
+def test_missing_steps(name: str, own: dict[int, list[int]],
+                       copies: dict[int, dict[int, list[int]]],
+                       want: dict[int, list[int]]) -> None:
+    assert missing_steps(own, copies) == want

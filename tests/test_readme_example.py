@@ -142,3 +142,30 @@ def test_latest_step_reaches_the_peer_tier_and_says_so(
     assert any("waiting for their data" in m for m in lines), lines
     restored = [m for m in lines if m.startswith("mtc: restored step 2:")]
     assert len(restored) == 1 and "from the peer tier" in restored[0] and "1=peer" in restored[0]
+
+
+def test_the_first_screens_example_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """The README's first example (before anything else), as written but for its
+    folder and its step count: a second run restores the first's newest step."""
+    block = python_block("README.md", "# mtc — multi-tier checkpointing for JAX")
+    assert README.read_text().index(block) < README.read_text().index("## Install")
+    assert len(block.strip().splitlines()) <= 11, block  # ten lines and a blank
+    code = tmp_path / "first.py"
+    code.write_text("from mtc.testing import record_restores\n"
+                    "recording = record_restores()\nseen = recording.__enter__()\n"
+                    + block.replace('"/dev/shm/mtc"', repr(str(tmp_path / "ram")))
+                    .replace("1000", "int(__import__('sys').argv[1])")
+                    + 'print("at", state["step"], float(state["w"][0, 0]), '
+                      '[r.step for r in seen])\n')
+    env = {**env_with_repo(), "JAX_PLATFORMS": "cpu"}
+
+    def run(steps: int) -> str:
+        r = subprocess.run([sys.executable, str(code), str(steps)], capture_output=True,
+                           text=True, timeout=180, env=env)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return r.stdout.strip().splitlines()[-1]
+
+    assert run(200) == "at 200 200.0 []"
+    assert run(300) == "at 300 300.0 [200]"  # restored the first run's newest step
+    assert sorted(int(p.name) for p in (tmp_path / "ram").rglob("*")
+                  if p.is_dir() and p.name.isdigit()) == [1, 100, 200, 300]

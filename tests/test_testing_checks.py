@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtc.testing import Restore, assert_same_values, assert_tiers
-from mtc.testing.checks import tier_problems, value_problems
+from mtc.errors import ConfigError
+from mtc.testing import Restore, TestCluster, assert_same_values, assert_tiers
+from mtc.testing.checks import record_restores, tier_problems, value_problems
 
 
 @pytest.mark.parametrize(("got", "want", "problems"), [
@@ -40,7 +45,88 @@ def test_value_problems_name_the_leaf() -> None:
         "['w']: 1 of 6 elements differ"]
     assert value_problems(a, {**a, "w": a["w"].astype(jnp.int32)}) == [
         "['w']: float32[2, 3] != int32[2, 3]"]
-    assert value_problems(a, {**a, "step": 4}) == ["['step']: 1 of 1 elements differ"]
+    assert value_problems(a, {**a, "step": 4}) == ["['step']: 3 != 4"]
     assert value_problems(a, {"w": a["w"]})[0].startswith("tree structure differs")
     with pytest.raises(AssertionError, match=r"\['step'\]"):
         assert_same_values(a, {**a, "step": 4})
+
+
+class _NoHosts:
+    """A LocalCluster of 2 slices x 2 hosts that refuses to be touched: a fault call
+    with a bad host index must be refused before it reaches any host."""
+
+    slices, hosts_per_slice, num_hosts = 2, 2, 4
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"a fault with a bad host reached the cluster ({name})")
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.kill_host(-1), lambda c: c.kill_host(4), lambda c: c.kill_host(7),
+    lambda c: c.kill_host(True), lambda c: c.kill_host(1.0),
+    lambda c: c.wipe_ram_disk(0, 9), lambda c: c.restart_host(-2),
+    lambda c: c.kill_replicator(4), lambda c: c.start_replicator(-1),
+    lambda c: c.partition([0, 9]), lambda c: c.partition([0, 1], [1, 2]),
+])
+def test_a_fault_on_no_host_is_refused_naming_the_range(call: Callable[[TestCluster], None]
+                                                        ) -> None:
+    with pytest.raises(ConfigError, match=r"host .*(hosts are 0 \.\. 3|two groups)"):
+        call(TestCluster(_NoHosts()))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("slice_", [-1, 2, 9])
+def test_losing_no_slice_is_refused_naming_the_range(slice_: int) -> None:
+    with pytest.raises(ConfigError, match=rf"slice {slice_}: this cluster's slices are 0 \.\. 1"):
+        TestCluster(_NoHosts()).lose_slice(slice_)  # type: ignore[arg-type]
+
+
+def _nan(payload: int) -> np.float32:
+    return np.array([0x7FC00000 | payload], np.uint32).view(np.float32)[0]
+
+
+@pytest.mark.parametrize(("got", "want", "problem"), [
+    (0.0, -0.0, "0.0 != -0.0 (bits 0000000000000000 != 0000000000000080)"),
+    (np.zeros(3, np.float32), -np.zeros(3, np.float32), "3 of 3 elements differ"),
+    (jnp.zeros(2).at[1].set(-0.0), jnp.zeros(2), "1 of 2 elements differ"),
+    (np.array([_nan(1)]), np.array([_nan(2)]), "1 of 1 elements differ"),
+    (_nan(1), _nan(2), "nan != nan (bits 0100c07f != 0200c07f)"),
+    (5, np.int64(5), "int != numpy.int64"),
+    (0.1, np.float64(0.1), "float != numpy.float64"),
+    (np.float32(1), np.float64(1), "numpy.float32 != numpy.float64"),
+    (True, 1, "bool != int"),
+    (np.arange(3), np.arange(3, dtype=np.int32), "int64[3] != int32[3]"),
+])
+def test_values_are_compared_bit_for_bit(got: object, want: object, problem: str) -> None:
+    assert value_problems({"x": got}, {"x": want}) == [f"['x']: {problem}"]
+    with pytest.raises(AssertionError, match="values differ"):
+        assert_same_values({"x": got}, {"x": want})
+
+
+@pytest.mark.parametrize("same", [
+    np.array([_nan(3), 1.0], np.float32), _nan(3), 0.1, -0.0, 5, np.int64(5), "s", b"b",
+    None, jnp.arange(4.0), jax.random.key(3), jax.random.PRNGKey(3),
+    np.array(["a", "bc"]), 10**30,
+])
+def test_equal_bits_are_the_same_values(same: object) -> None:
+    assert value_problems({"x": same}, {"x": same}) == []
+
+
+def test_record_restores_names_the_step_a_restore_without_one_loaded(tmp_path: Path) -> None:
+    import mtc
+
+    options = mtc.Options(simulated_hosts=2, hosts_per_slice=1, dispatch="local")
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    state = {"w": jax.device_put(jnp.arange(8.0 * len(jax.devices())),
+                                 NamedSharding(mesh, P("d")))}
+    with mtc.CheckpointManager(tmp_path, mesh=mesh, options=options) as mgr:
+        for step in (5, 10):
+            mgr.save(step, state, force=True)
+        mgr.wait_until_finished()
+        with record_restores() as seen:
+            mgr.restore(target=state)
+            mgr.restore(5, target=state)
+        assert mgr.last_restore_step == 5
+    assert seen == [Restore(10, {0: "local", 1: "local"}), Restore(5, {0: "local", 1: "local"})]

@@ -119,3 +119,38 @@ def test_each_fault_restores_from_the_tier_it_leaves(tmp_path: Path) -> None:
         with pytest.raises(ScriptError, match=r"(?s)exit status 3.*--- stderr ---\n.*no such"):
             cluster.run_script(["-c", "import sys; print('no such thing', file=sys.stderr); "
                                       "sys.exit(3)"])
+
+
+def test_a_host_lost_mid_run_fails_the_next_save_once_naming_it(tmp_path: Path) -> None:
+    """kill_host of a host a job is running on: the job's next save raises one
+    SaveError naming the step, the host and the process (not a restore's
+    ShardUnavailableError), and leaving the manager's block raises nothing over it.
+    restart_host of a running host: the saves after it reach its new sidecar."""
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    state = {"w": jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("data")))}
+    with local_cluster(slices=2, hosts_per_slice=1,
+                       base=Path("/dev/shm") / tmp_path.name) as cluster:
+        with pytest.raises(mtc.SaveError) as raised:
+            with mtc.CheckpointManager(cluster.local_dir, mesh=mesh,
+                                       options=cluster.options()) as mgr:
+                mgr.save(1, state, force=True)
+                mgr.wait_until_finished()
+                cluster.kill_host(1)
+                mgr.save(2, state, force=True)
+                mgr.wait_until_finished()
+        error = raised.value
+        assert (error.step, error.host) == (2, 1), error
+        assert "save failed in process 0: host 1 did not answer" in str(error), error
+        assert isinstance(error.__cause__, mtc.ShardUnavailableError)
+        assert "closing the CheckpointManager then failed too" in "".join(
+            getattr(error, "__notes__", []))
+
+        cluster.restart_host(1)  # down: back empty
+        with mtc.CheckpointManager(cluster.local_dir, mesh=mesh,
+                                   options=cluster.options()) as mgr:
+            mgr.save(11, state, force=True)
+            mgr.wait_until_finished()
+            cluster.restart_host(1)  # running: its sidecar and replicator restart
+            mgr.save(12, state, force=True)
+            mgr.wait_until_finished()
+            assert 12 in mgr.all_steps()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from doc_blocks import python_block
 
-from mtc.testing import ScriptError, local_cluster
+from mtc.testing import ScriptError, jobs, local_cluster
 from mtc.testing.jobs import _wait
 
 pytestmark = pytest.mark.process  # hosts and JAX processes
@@ -51,7 +51,8 @@ def test_a_job_resumes_after_a_wiped_host(tmp_path: Path) -> None:
         failing.write_text("import os, sys\nprint('host', os.environ['MTC_TESTING_PROCESS'], "
                            "file=sys.stderr)\nsys.exit(3 * (os.environ['MTC_TESTING_PROCESS'] "
                            "== '1'))\n")
-        with pytest.raises(ScriptError, match=r"(?s)'process 1 on host 1'.*exit status 3"):
+        with pytest.raises(ScriptError, match=r"^process 1 on host 1 \(\S+\) failed first, "
+                           r"with exit status 3\n"):
             cluster.run_job([str(failing)])
 
 
@@ -69,3 +70,88 @@ def test_the_output_readers_are_joined_and_a_reader_error_is_raised() -> None:
     with pytest.raises(UnicodeDecodeError):
         _wait(garbled, 60)
     assert {t.name for t in threading.enumerate()} <= threads
+
+
+def test_a_failed_job_names_the_first_process_to_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Process 2 exits 3; process 0 fails later waiting on it (a collective's timeout),
+    process 1 would wait forever and is SIGKILLed by the harness: the error blames
+    process 2, its host and its exit status, not process 0's -9 or 1."""
+    monkeypatch.setattr(jobs, "FAILURE_GRACE_S", 2.0)
+    codes = ["import time; time.sleep(0.8); raise SystemExit(1)",
+             "import time; time.sleep(60)",
+             "import sys, time; time.sleep(0.2); print('boom', file=sys.stderr); "
+             "raise SystemExit(3)",
+             "pass"]
+    procs = [subprocess.Popen([sys.executable, "-c", c], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+             for c in codes]
+    failed: list[int] = []
+    outs = _wait(procs, 60, failed)
+    assert failed == [2, 0]
+    done = [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, outs, strict=True)]
+    assert [d.returncode for d in done] == [1, -9, 3, 0]
+    where = [f"host {h} (10.0.0.{h + 1})" for h in range(4)]
+    error = jobs.job_error(done, failed, where, ["train.py"], 60)
+    assert error is not None and error.returncode == 3
+    message = str(error)
+    assert message.startswith("process 2 on host 2 (10.0.0.3) failed first, with exit "
+                              "status 3; then processes [0, 1] stopped"), message
+    assert "boom" in message
+    assert jobs.job_error(done[3:], [], where[3:], ["train.py"], 60) is None
+    # Past the job's timeout with nothing failed: every process still running is named.
+    late = jobs.job_error([subprocess.CompletedProcess([], -9, "", ""),
+                           subprocess.CompletedProcess([], 0, "", "")], [], where[:2],
+                          ["train.py"], 5)
+    assert late is not None and "timeout (5s): processes [0] (host 0 (10.0.0.1))" in str(late)
+
+
+def test_a_job_comes_back_on_fewer_hosts_as_the_page_says(tmp_path: Path) -> None:
+    """docs/testing.md: a lost slice not replaced; the job comes back on the host left
+    (run_job(hosts=[1])), one process restoring onto its smaller mesh, the lost
+    host's data from the copy host 1 held, and ends where a reference run ends."""
+    script = tmp_path / "job.py"
+    script.write_text(doc_script())
+    with local_cluster(slices=2, hosts_per_slice=1,
+                       base=Path("/dev/shm") / tmp_path.name) as cluster:
+        first = cluster.run_job([str(script), "20"])
+        assert [said(r.stdout)[-1].split()[:2] for r in first] == [["done", "20"]] * 2
+        cluster.wait_replicated(20, timeout=30)
+        cluster.lose_slice(0)
+        (back,) = [said(r.stdout) for r in cluster.run_job([str(script), "30"], hosts=[1])]
+        assert back[0] == "resumed 20 [(0, 'peer')]", back
+        (reference,) = cluster.run_job([str(script), "30"], hosts=[1],
+                                       reference=tmp_path / "reference")
+        assert back[-1] == said(reference.stdout)[-1] and back[-1].startswith("done 30 ")
+
+
+def test_a_job_restarted_with_a_replicator_dead_names_it_in_every_process(
+        tmp_path: Path) -> None:
+    """Issue 68, item 6: 4 processes, rank 1's replicator dead at the restart. Every
+    process fails with a typed AgreementError naming rank 1's replicator and its
+    address; none names rank 0, which asked."""
+    import re
+
+    script = tmp_path / "job.py"
+    script.write_text(doc_script().replace("join_job(save_interval_steps=10)",
+                                           "join_job(save_interval_steps=10, "
+                                           "restore_timeout_s=20)"))
+    with local_cluster(slices=2, hosts_per_slice=2,
+                       base=Path("/dev/shm") / tmp_path.name) as cluster:
+        cluster.run_job([str(script), "20"])
+        cluster.wait_replicated(20, timeout=30)
+        cluster.kill_replicator(1)
+        dead = cluster.local.addresses[1]
+        with pytest.raises(ScriptError) as raised:
+            cluster.run_job([str(script), "30"])
+    error = raised.value
+    first = int(re.match(r"process (\d+) ", error.note).group(1))  # type: ignore[union-attr]
+    parts = re.split(r"\n--- process (\d+) on [^\n]* stderr ---\n", error.stderr)
+    stderr = {first: parts[0], **{int(k): v for k, v in zip(parts[1::2], parts[2::2],
+                                                            strict=True)}}
+    assert sorted(stderr) == [0, 1, 2, 3], error.note
+    for k, text in stderr.items():
+        last = [x for x in text.splitlines() if x.startswith("mtc.errors.")][-1:]
+        assert last and last[0].startswith("mtc.errors.AgreementError: "), (k, text[-2000:])
+        assert dead in last[0] and "rank 1" in last[0], (k, last)
+        assert "[0, 1]" not in last[0], (k, last)

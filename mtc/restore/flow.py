@@ -65,6 +65,7 @@ class RestoreFlow:
         self.last_restore_tiers: dict[int, str] = {}
         self.last_restore_tier: str | None = None
         self.last_restore_seconds: dict[str, float] = {}
+        self.last_restore_step: int | None = None  # the step the last restore loaded
 
     def reload(self) -> None:
         """Forget any step the replicators prepared for ``latest_step``."""
@@ -217,6 +218,7 @@ class RestoreFlow:
             tiers = {h: farthest({0: t, 1: "peer"}) for h, t in tiers.items()}
         self.last_restore_tiers = tiers
         self.last_restore_tier = farthest(tiers)
+        self.last_restore_step = step
         self.last_restore_seconds.update({"prepare": t_prepared - t0,
                                           "load": time.perf_counter() - t_prepared})
         if prepared is not None and prepared.step == step:

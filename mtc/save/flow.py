@@ -14,7 +14,14 @@ from typing import Any
 from mtc import layout, multihost, orbax_args, policies, retention, runs
 from mtc.dispatch import Dispatch
 from mtc.dispatch.protocol import Survey
-from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
+from mtc.errors import (
+    ConfigError,
+    MtcError,
+    SaveError,
+    ShardUnavailableError,
+    StepExistsError,
+    StepNotFoundError,
+)
 from mtc.inventory import StepInventory
 from mtc.options import Options
 from mtc.replicator_watch import ReplicatorWatch
@@ -173,7 +180,10 @@ class SaveFlow:
         deferred = (not force and not self.options.read_only and not self._newest_learnt
                     and not self.inventory.sees_own_host_only)
         due = force or deferred or self._decide(step)
-        self.dispatch.check_before_save(due)
+        try:
+            self.dispatch.check_before_save(due)
+        except ShardUnavailableError as e:
+            raise _save_error(e, step) from e
         if not due:
             return False
         if self.watch is not None:
@@ -200,6 +210,8 @@ class SaveFlow:
             staged = self.dispatch.save(header, arrays, hosts, before_send)
         except _NotDue:
             return False
+        except ShardUnavailableError as e:
+            raise _save_error(e, step) from e
         if staged:
             self._saved_since_retention = True
             self.last_saved = max(step, self.last_saved or 0)
@@ -293,6 +305,9 @@ class SaveFlow:
         error: BaseException | None = None
         try:
             self.dispatch.wait()
+        except ShardUnavailableError as e:
+            error = _save_error(e, max(self.staged, default=None))
+            error.__cause__ = e
         except MtcError as e:
             error = e
         # Committed now, or failed (the error raised here): listed as the hosts say.
@@ -441,3 +456,15 @@ class SaveFlow:
             self.wait_saves()
             self._apply_retention(before_write=True)
             self.dispatch.settle(self.topology.local_hosts)
+
+
+def _save_error(e: ShardUnavailableError, step: int | None) -> SaveError:
+    """A host the save needed did not answer (the dispatch's "unreachable", a restore's
+    word): a save error, naming the step, the host and this process. Steps staged on
+    that host since it last answered are not committed there."""
+    import jax
+
+    return SaveError(f"save failed in process {jax.process_index()}: host {e.host} did not "
+                     f"answer ({e.message}); the step is not committed there (the host, or "
+                     f"its sidecar, was lost or restarted: restore to go on)",
+                     step=step, host=e.host)

@@ -21,10 +21,11 @@ TIERS = ("local", "peer", "backup")
 
 @dataclasses.dataclass(frozen=True)
 class Restore:
-    """One ``CheckpointManager.restore``: the step asked for (None: the newest) and,
-    per host, the tier its data came from (``last_restore_tiers``)."""
+    """One ``CheckpointManager.restore``: the step it restored (the newest one when
+    none was asked for) and, per host, the tier its data came from
+    (``last_restore_tiers``)."""
 
-    step: int | None
+    step: int
     tiers: dict[int, str]
 
 
@@ -39,7 +40,9 @@ def record_restores() -> Iterator[list[Restore]]:
 
     def restore(self: mtc.CheckpointManager, step: Any = None, *args: Any, **kw: Any) -> Any:
         out = real(self, step, *args, **kw)
-        seen.append(Restore(None if step is None else int(step), dict(self.last_restore_tiers)))
+        restored = self.last_restore_step
+        assert restored is not None  # set by every restore that returns
+        seen.append(Restore(restored, dict(self.last_restore_tiers)))
         return out
 
     mtc.CheckpointManager.restore = restore  # type: ignore[method-assign]
@@ -68,10 +71,11 @@ def assert_tiers(restore: Restore | Mapping[int, str], want: Mapping[int, str] |
 
 
 def value_problems(got: Any, want: Any, limit: int = 10) -> list[str]:
-    """Leaves that differ (by key path): structure, dtype, shape, or any element,
-    bit for bit (NaNs equal to NaNs)."""
+    """Leaves that differ (by key path): structure, kind of leaf (a Python ``int`` is
+    not a ``numpy.int64``, nor a ``float`` a ``numpy.float64``), dtype, shape, or any
+    element's bits (``0.0`` is not ``-0.0``; a NaN equals only a NaN of the same
+    payload)."""
     import jax
-    import numpy as np
 
     g, gdef = jax.tree_util.tree_flatten_with_path(got)
     w, wdef = jax.tree_util.tree_flatten_with_path(want)
@@ -79,19 +83,67 @@ def value_problems(got: Any, want: Any, limit: int = 10) -> list[str]:
         return [f"tree structure differs: {gdef} != {wdef}"]
     out = []
     for (path, a), (_, b) in zip(g, w, strict=True):
-        name = jax.tree_util.keystr(path) or "<root>"
-        x, y = np.asarray(a), np.asarray(b)
-        if x.dtype != y.dtype or x.shape != y.shape:
-            out.append(f"{name}: {x.dtype}{list(x.shape)} != {y.dtype}{list(y.shape)}")
-        elif not np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"):
-            bad = int(np.sum(x != y))
-            out.append(f"{name}: {bad} of {x.size} elements differ")
+        problem = leaf_problem(a, b)
+        if problem:
+            out.append(f"{jax.tree_util.keystr(path) or '<root>'}: {problem}")
     return out[:limit]
+
+
+_PYTHON_LEAVES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _kind(x: Any) -> str:
+    import numpy as np
+
+    if isinstance(x, np.generic):  # before Python's: a numpy.float64 is a float
+        return f"numpy.{type(x).__name__}"
+    if isinstance(x, _PYTHON_LEAVES):
+        return type(x).__name__
+    return "array"  # numpy's or JAX's: what counts is the dtype, shape and bits
+
+
+def _bits(x: Any) -> Any:
+    """``x`` as a numpy array whose bytes are its value (a PRNG key: its key data)."""
+    import jax
+    import numpy as np
+
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def leaf_problem(a: Any, b: Any) -> str:
+    """How one leaf differs from another ("": it does not), bit for bit."""
+    import numpy as np
+
+    ka, kb = _kind(a), _kind(b)
+    if ka != kb:
+        return f"{ka} != {kb}"
+    if ka in ("bool", "int", "str", "bytes", "NoneType"):
+        return "" if a == b else f"{a!r} != {b!r}"
+    x, y = _bits(a), _bits(b)
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return f"{x.dtype}{list(x.shape)} != {y.dtype}{list(y.shape)}"
+    if x.dtype.hasobject:  # no bits to compare: Python's equality, element by element
+        bad = int(np.sum(x != y))
+    else:
+        n = x.dtype.itemsize
+        xb = x.reshape(-1).view(np.uint8).reshape(x.size, n)
+        yb = y.reshape(-1).view(np.uint8).reshape(y.size, n)
+        bad = int(np.sum(np.any(xb != yb, axis=1)))
+    if bad == 0:
+        return ""
+    if x.ndim == 0:
+        return f"{x.item()!r} != {y.item()!r} (bits {x.tobytes().hex()} != {y.tobytes().hex()})"
+    return f"{bad} of {x.size} elements differ"
 
 
 def assert_same_values(got: Any, want: Any) -> None:
     """``got`` (a restored or resumed state) equals ``want`` (a reference run's) leaf
-    for leaf, bit for bit: the same tree, dtypes, shapes and values."""
+    for leaf, bit for bit: the same tree, the same kind of leaf (a Python ``int`` is
+    not a ``numpy.int64``), dtypes, shapes and bits (``-0.0`` differs from ``0.0``,
+    NaNs differ by payload). Equal values do not prove a restore happened: assert
+    that too (:func:`record_restores`, or the ``mtc_restores`` fixture)."""
     problems = value_problems(got, want)
     assert not problems, "values differ from the reference:\n  " + "\n  ".join(problems)
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mtc.errors import ConfigError
 from mtc.testing import replicas
 from mtc.trainer.cluster import LocalCluster, default_base
 
@@ -31,11 +32,23 @@ LOG_TAIL_CHARS = 3000  # of each host's logs, printed when a test fails on the c
 
 class ScriptError(subprocess.CalledProcessError):
     """A training script :meth:`TestCluster.run_script` ran failed: the message ends
-    with its output's end."""
+    with its output's end. ``note``: what failed, in words, first in the message (a
+    job's first failed process, its host and exit status)."""
+
+    def __init__(self, returncode: int, cmd: Any, output: str | None = None,
+                 stderr: str | None = None, note: str = "",
+                 tail_chars: int = LOG_TAIL_CHARS) -> None:
+        super().__init__(returncode, cmd, output, stderr)
+        self.note = note
+        # How much of stderr the message shows: a job's holds each process's own
+        # tail, already cut, the failed process's first, all of it shown.
+        self.tail_chars = tail_chars
 
     def __str__(self) -> str:
-        return (f"{super().__str__()}\n--- stdout ---\n{(self.stdout or '')[-LOG_TAIL_CHARS:]}"
-                f"\n--- stderr ---\n{(self.stderr or '')[-LOG_TAIL_CHARS:]}")
+        head = f"{self.note}\n" if self.note else ""
+        return (f"{head}{super().__str__()}"
+                f"\n--- stdout ---\n{(self.stdout or '')[-LOG_TAIL_CHARS:]}"
+                f"\n--- stderr ---\n{(self.stderr or '')[-self.tail_chars:]}")
 
 
 class TestCluster:
@@ -117,13 +130,25 @@ class TestCluster:
 
     # -- faults ---------------------------------------------------------------------
 
+    def host(self, host: int) -> int:
+        """``host``, checked: an index of this cluster's hosts (a ConfigError naming
+        the valid range otherwise: ``-1`` is no host, not the last)."""
+        if not _is_index(host, self.num_hosts):
+            raise ConfigError(f"host {host!r}: this cluster's hosts are 0 .. "
+                              f"{self.num_hosts - 1}")
+        return int(host)
+
     def kill_host(self, host: int) -> None:
         """The host is lost: its sidecar and replicator SIGKILLed, its RAM disk gone
         with them. It stays down until :meth:`restart_host`."""
+        host = self.host(host)
         self.local.lose_host(host)
 
     def lose_slice(self, slice_: int) -> None:
         """Every host of slice ``slice_`` is lost (:meth:`kill_host`)."""
+        if not _is_index(slice_, self.slices):
+            raise ConfigError(f"slice {slice_!r}: this cluster's slices are 0 .. "
+                              f"{self.slices - 1}")
         for h in self.local.hosts_of_slice(slice_):
             self.kill_host(h)
 
@@ -131,6 +156,7 @@ class TestCluster:
         """The hosts' machines restart: their processes SIGKILLed and their RAM disks
         gone, all of them before any comes back, then each serves again at its
         address, empty (a replaced node). Returns when they serve."""
+        hosts = tuple(self.host(h) for h in hosts)
         for h in hosts:
             self.kill_host(h)
         self._start_empty(list(hosts))
@@ -145,6 +171,7 @@ class TestCluster:
         is down (:meth:`kill_host`) comes back empty. A running host's sidecar and
         replicator are SIGKILLed and restarted one after the other, so its RAM disk
         stays, as a pod's memory volume outlives its containers."""
+        host = self.host(host)
         h = self.local.hosts.hosts[host]
         if h.sidecar_pid is None and h.replicator_pid is None:
             self._start_empty([host])
@@ -156,12 +183,14 @@ class TestCluster:
 
     def kill_replicator(self, host: int) -> None:
         """SIGKILL the host's replicator alone (its sidecar keeps the RAM disk)."""
+        host = self.host(host)
         self.local.kill(host)
         self.local.save()
 
     def start_replicator(self, host: int) -> None:
         """Start the host's replicator again (after :meth:`kill_replicator`) and wait
         until it serves."""
+        host = self.host(host)
         self.local.launch(host)
         self.local.wait_serving(host)
 
@@ -169,6 +198,12 @@ class TestCluster:
         """Hosts reach only the hosts of their own group (a host in no group reaches
         every host); this process still reaches every host. Needs root (network
         namespaces): a RuntimeError otherwise. :meth:`heal` undoes it."""
+        seen: set[int] = set()
+        for group in groups:
+            for h in group:
+                if self.host(h) in seen:
+                    raise ConfigError(f"host {h} is in two groups of the partition {groups}")
+                seen.add(h)
         self.local.hosts.partition(groups)
 
     def heal(self) -> None:
@@ -248,6 +283,12 @@ class TestCluster:
             for what in ("sidecar", "replicator"):
                 out.append(f"--- host {h} {what} ---\n{self.local.hosts.log_tail(h, what, n)}")
         return "\n".join(out)
+
+
+def _is_index(i: object, n: int) -> bool:
+    # bool is an int, but True is no host; numpy's integers are fine
+    return (not isinstance(i, bool) and hasattr(i, "__index__")
+            and 0 <= i.__index__() < n)
 
 
 @contextmanager

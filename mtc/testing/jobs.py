@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mtc.errors import ConfigError
 from mtc.lifecycle import Threads
 from mtc.ports import free_ports
 from mtc.testing.cluster import LOG_TAIL_CHARS, ScriptError, TestCluster
@@ -47,7 +48,9 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
     cluster's: :func:`join_job` gives each process a folder of its own under
     ``reference`` and no replicators."""
     local = cluster.local
-    on = list(range(cluster.num_hosts) if hosts is None else hosts)
+    on = list(range(cluster.num_hosts) if hosts is None else map(cluster.host, hosts))
+    if len(set(on)) != len(on):
+        raise ConfigError(f"hosts {list(on)}: one process per host, each host once")
     namespaces = local.isolation == "namespaces"
     port = (random.SystemRandom().randint(*NS_COORDINATOR_PORTS) if namespaces
             else free_ports(1)[0])
@@ -59,6 +62,7 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
                 **({"MTC_TESTING_REFERENCE": str(reference)} if reference else {}),
                 **(env or {})}
     procs: list[subprocess.Popen[str]] = []
+    failed: list[int] = []  # the processes that exited non-zero, in the order they did
     try:
         for k, i in enumerate(on):
             h = local.hosts.hosts[i]
@@ -72,7 +76,7 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
                                                               str(k)},
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           stdin=subprocess.DEVNULL, text=True))
-        outs = _wait(procs, timeout)
+        outs = _wait(procs, timeout, failed)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -80,20 +84,53 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
                 p.wait(timeout=30)
     done = [subprocess.CompletedProcess(p.args, p.returncode, o, e)
             for p, (o, e) in zip(procs, outs, strict=True)]
-    for k, d in enumerate(done):
-        if d.returncode != 0:
-            others = "".join(f"\n--- process {j} (host {on[j]}) stderr ---\n"
-                             f"{(x.stderr or '')[-LOG_TAIL_CHARS // 2:]}"
-                             for j, x in enumerate(done) if j != k)
-            raise ScriptError(d.returncode, [f"process {k} on host {on[k]}", *argv],
-                              d.stdout, (d.stderr or "") + others)
+    error = job_error(done, failed, [f"host {i} ({local.hosts.hosts[i].address})" for i in on],
+                      argv, timeout)
+    if error is not None:
+        raise error
     return done
 
 
-def _wait(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
+def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence[int],
+              where: Sequence[str], argv: Sequence[str], timeout: float) -> ScriptError | None:
+    """The error a job's end makes (None: every process exited 0). It names the first
+    process that failed (``failed``: those that exited non-zero, in order), its host
+    (``where[k]``) and its exit status; those the harness SIGKILLed after it, or that
+    failed later waiting on it (a collective's timeout), are only listed. A job that
+    ran past ``timeout`` with no process failed names every process still running."""
+    if all(d.returncode == 0 for d in done):
+        return None
+    def tails(but: int = -1) -> str:
+        return "".join(f"\n--- process {j} on {where[j]} stderr ---\n"
+                       f"{(x.stderr or '')[-LOG_TAIL_CHARS // 2:]}"
+                       for j, x in enumerate(done) if j != but)
+
+    if failed:
+        k = failed[0]
+        after = [j for j, d in enumerate(done) if j != k and d.returncode != 0]
+        note = (f"process {k} on {where[k]} failed first, with exit status "
+                f"{done[k].returncode}"
+                + (f"; then processes {after} stopped (exit statuses "
+                   f"{[done[j].returncode for j in after]}: killed by the harness "
+                   f"{FAILURE_GRACE_S:g}s after it, or failed waiting on it)" if after else ""))
+        stderr = (done[k].stderr or "")[-LOG_TAIL_CHARS:] + tails(k)
+        return ScriptError(done[k].returncode, [f"process {k} on {where[k]}", *argv],
+                           done[k].stdout, stderr, note=note, tail_chars=len(stderr))
+    late = [j for j, d in enumerate(done) if d.returncode != 0]
+    note = (f"the job ran past its timeout ({timeout:g}s): processes {late} "
+            f"({', '.join(where[j] for j in late)}) were still running and were SIGKILLed")
+    stderr = tails()
+    return ScriptError(done[late[0]].returncode, [f"processes {late}", *argv], "", stderr,
+                       note=note, tail_chars=len(stderr))
+
+
+def _wait(procs: list[subprocess.Popen[str]], timeout: float,
+          failed: list[int] | None = None) -> list[tuple[str, str]]:
     """Until every process exits, reading their output as it comes (a full pipe would
     stall a process); SIGKILL whoever is left ``FAILURE_GRACE_S`` after one fails,
-    or at ``timeout``."""
+    or at ``timeout``. ``failed`` gets the processes that exit non-zero before that,
+    in the order they do (those SIGKILLed here are not in it)."""
+    failed = [] if failed is None else failed
     outs: list[tuple[str, str]] = [("", "")] * len(procs)
 
     def read(k: int) -> None:
@@ -103,9 +140,14 @@ def _wait(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str,
     for k in range(len(procs)):
         readers.start(read, f"mtc-job-{k}", k)
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.returncode not in (None, 0) for p in procs):
-            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    while time.monotonic() < deadline:
+        running = [p.poll() is None for p in procs]  # poll each: note who failed when
+        for k, p in enumerate(procs):
+            if p.returncode not in (None, 0) and k not in failed:
+                failed.append(k)
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        if not any(running):
+            break
         time.sleep(POLL_S)
     for p in procs:
         if p.poll() is None:
@@ -134,6 +176,10 @@ def join_job(**kw: Any) -> tuple[Path, mtc.Options]:
             **{"hosts_per_slice": cluster.hosts_per_slice, **kw})
     local = cluster.local
     options = mtc.Options(**{
+        # The host's RAM disk is this process's local_dir, its replicator's folder,
+        # also when the job is one process (a job come back on one host), which
+        # mtc would otherwise take for one machine playing every host.
+        "host_subdirs": False,
         "hosts_per_slice": cluster.hosts_per_slice,
         "replicators": tuple(local.addresses[h] for h in hosts),
         "replicator_ranks": tuple(hosts) if hosts != list(range(len(hosts))) else None,

@@ -37,6 +37,11 @@ ALIVE_CHECK_S = 0.5
 PROBE_S = 1.0
 # A probe ends this long before its asker's deadline at the latest.
 PROBE_MARGIN_S = 0.5
+# A member whose ask's lease ended longer ago than this (or that never asked since
+# the last decision) is named as not asking. Not the ask's own time left: an asker's
+# last call carries only its last seconds, and the coordinator's own ask, made once
+# at the start, would then count as never made.
+ASKED_LATELY_S = 10.0
 
 
 # -- the decider ----------------------------------------------------------------------
@@ -59,7 +64,8 @@ class Coordinator:
                  gather: Gather, book: Book, *, retry_s: float = 0.05,
                  clock: Callable[[], float] = time.time, num_nodes: int | None = None,
                  faults: Callable[[Sequence[int], float], str] | None = None,
-                 signed: bool = False) -> None:
+                 signed: bool = False,
+                 silent: Callable[[Sequence[int]], str] | None = None) -> None:
         self.members = list(members)
         # Mutual TLS: a step counts only as far as its saving hosts' own words carry
         # it (``decision.refused``).
@@ -76,6 +82,7 @@ class Coordinator:
         self._deciding = False
         self._why = ""  # why the last attempt could not decide
         self._asked_at: dict[int, float] = {}  # rank -> its latest ask (for messages)
+        self._lease_end: dict[int, float] = {}  # rank -> its latest ask's lease end (idem)
         self._closed = False
         # ``faults(ranks, seconds)``: how those members say, within the seconds, that
         # their configuration is wrong ("" when none does); its last answer, and
@@ -84,6 +91,9 @@ class Coordinator:
         self._fault = ""
         self._probe_next = 0.0
         self._probing = False
+        # ``silent(ranks)``: what is known of those members not answering (the last
+        # probe's: "rank 1's replicator at a:1 does not answer ..."), for messages.
+        self.silent = silent
 
     def close(self) -> None:
         """Shutting down: every waiting ask ends now, typed."""
@@ -114,6 +124,7 @@ class Coordinator:
                                      "rank has since started a newer one", host=rank)
             self._asks[rank] = ask
             self._asked_at[rank] = time.monotonic()
+            self._lease_end[rank] = deadline
             while True:
                 rec = self._find(rid, rank)
                 if rec is not None:
@@ -149,9 +160,12 @@ class Coordinator:
                     # Who has not asked since the last decision, lately (asks withdrawn
                     # at their own deadline a moment ago still count as asked).
                     absent = [m for m in self.members
-                              if self._asked_at.get(m, -1e18) < deadline - 2 * timeout_s]
+                              if self._lease_end.get(m, -1e18) < now - ASKED_LATELY_S]
                     if absent:
                         why = f"no restore request yet from rank(s) {absent}"
+                        said = self.silent(absent) if self.silent is not None else ""
+                        if said:
+                            why += f" ({said})"
                     elif self._deciding:
                         why = f"no inventory yet from rank(s) {list(self.waiting_for)}"
                     else:
@@ -226,7 +240,8 @@ class Coordinator:
                              [h.last for h in holdings.values() if h.last is not None],
                              self.members, run=result.run, lost=result.lost)
             self._asks.clear()
-            self._asked_at.clear()  # those asks are answered: they count for no later epoch
+            self._asked_at.clear()
+            self._lease_end.clear()  # those asks are answered: they count for no later epoch
             self._why = ""
             log.info("step %d decided: every member asked over %.3fs, holdings gathered in "
                      "%.3fs, recorded in %.3fs", result.step, t0 - first_ask,

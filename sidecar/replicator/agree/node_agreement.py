@@ -139,6 +139,9 @@ class NodeAgreement:
         self.book = Book(root / BOOK_NAME)
         self._lock = threading.Lock()
         self._coordinators: dict[tuple[int, ...], Coordinator] = {}
+        # Members that did not answer the last probe (rank -> why), for the askers'
+        # errors: the member that never asks is named with its address.
+        self._silent: dict[int, str] = {}
         members = list(range(config.num_nodes))
         self.coordinator = self.coordinator_of(tuple(members))
         # The coordinator's view for GC (the steps it keeps), shared by concurrent askers.
@@ -180,7 +183,8 @@ class NodeAgreement:
                     lambda ranks, deadline: self.gather_holdings(
                         ranks, deadline, known_up=True, among=members),
                     self.book, num_nodes=self.config.num_nodes, faults=self.config_faults,
-                    signed=self.proofs is not None)
+                    signed=self.proofs is not None,
+                    silent=self.silent)
                 self._coordinators[members] = c
             return c
 
@@ -196,11 +200,20 @@ class NodeAgreement:
         for r, fut in futs.items():
             try:
                 error = str(fut.result().config_error)[:1000]  # a peer's text: bounded
-            except PeerError:
-                continue  # not answering is the agreement's own "no request yet"
+            except PeerError as e:
+                # Not answering is the agreement's own "no request yet": said with it.
+                self._silent[r] = (f"rank {r}'s replicator at {self.peers[r].address} does "
+                                   f"not answer: {e.code.name if e.code else 'no code'}: "
+                                   f"{e.message[:300]}")
+                continue
+            self._silent.pop(r, None)
             if error:
                 faults.append(f"rank {r}'s replicator refuses: {error}")
         return "; ".join(faults)
+
+    def silent(self, ranks: Sequence[int]) -> str:
+        """What the last probe found of those members not answering ("": nothing)."""
+        return "; ".join(self._silent[r] for r in ranks if r in self._silent)
 
     # -- inventories ------------------------------------------------------------------
 
@@ -407,8 +420,13 @@ class NodeAgreement:
                                       host=c if e.host is None else e.host) from e
                 if not is_retryable(e) or e.code == grpc.StatusCode.ABORTED or \
                         time.monotonic() + 0.2 >= deadline or self._stop.is_set():
+                    said = e.message
+                    if e.code in (grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED):
+                        said = (f"the coordinator, rank {c}'s replicator at "
+                                f"{self.peers[c].address}, does not answer: {e.message}")
                     raise AgreementError(f"no restore decision within {timeout:.1f}s: "
-                                         f"{e.message}", step=e.step,
+                                         f"{said}", step=e.step,
                                          host=self.rank if e.host is None else e.host
                                          ) from e
                 if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and \
