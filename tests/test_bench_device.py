@@ -41,3 +41,34 @@ def test_accelerator_bench_smoke_has_every_figure_and_checks_values() -> None:
                 "snapshot_every_step_mean_over_orbax", "snapshot_every_20_mean_over_plain",
                 "in_graph_mean_over_plain", "save_every_50_mean_over_plain"):
         assert snap[key] > 0, key
+    # The model step (tiny on CPU): every case, fused and split, named per step length.
+    model = result["model_step"]
+    (case,) = model["by_fill"].values()
+    for length in ("long", "short"):
+        got = case[length]
+        for kind in ("fused", "split"):
+            for key in (f"mtc_save_every_50_{kind}_mean_over_plain",
+                        f"mtc_save_at_link_rate_{kind}_mean_over_plain",
+                        f"mtc_snapshot_every_step_{kind}_mean_over_plain",
+                        f"mtc_snapshot_every_step_{kind}_age_over_device_get",
+                        f"mtc_snapshot_every_20_{kind}_mean_over_plain"):
+                assert got[key] > 0, (length, key)
+        for key in ("orbax_save_every_50_fused_mean_over_plain",
+                    "orbax_snapshot_every_step_fused_mean_over_plain",
+                    "mtc_in_graph_every_step_fused_mean_over_plain"):
+            assert got[key] > 0, (length, key)
+        # CPU devices: every snapshot asked for is taken (no pacing off an accelerator).
+        assert got["saves_or_snapshots_taken"]["mtc_snapshot_every_step_fused"] >= 40
+
+
+@pytest.mark.process
+def test_restore_in_a_new_process_checks_values_against_device_put_and_orbax(
+        tmp_path: Path) -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, str(REPO / "bench" / "restore_fresh.py"), "save",
+                    str(tmp_path), "--gib", "0.002"], env=env, capture_output=True,
+                   timeout=240, check=True)
+    got = _bench("restore_fresh.py", "restore", str(tmp_path), "--dispatch", "local")
+    assert got["restore_new_process_over_device_put_local"] > 0
+    assert got["restore_new_process_over_orbax_local"] > 0
+    assert set(got["seconds"]) == {"local", "device_put", "orbax"}
