@@ -37,6 +37,7 @@ from mtc.sidecar.replicator.agree.fresh import Fresh
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies.provenance import ProofCheck
 from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.store.fence import fences_on
 from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.replicator.wire import checks
 from mtc.sidecar.replicator.wire.client import PeerClient
@@ -345,7 +346,7 @@ class NodeAgreement:
         self.last_decision = d
         log.info("rank %d: restore step %d (epoch %d, decided by rank %d)",
                  self.rank, d.step, d.epoch, c)
-        if d.step >= 0 and fresh:
+        if fences_on(d.step, fresh):
             gone = self.store.fence(d.step)
             if gone:
                 log.info("rank %d: fenced off steps newer than the agreed step %d (copies "
