@@ -17,7 +17,7 @@ from replicator_certs import make_ca, make_leaf
 from mtc.credentials import Credentials, names_read_here
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.copies import provenance as pv
-from mtc.sidecar.replicator.copies.copy_proofs import HeldProofs, OwnProofs, proof_path, put_proof
+from mtc.sidecar.replicator.store.copy_proofs import HeldProofs, OwnProofs, proof_path, put_proof
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.storage.checksum import file_crc, file_sha256
 

@@ -32,13 +32,13 @@ from mtc.sidecar.backup.duties import BackupDuties
 from mtc.sidecar.backup.schedule import BackupScheduler
 from mtc.sidecar.replicator.agree.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.copies.loop import ReplicationLoop
 from mtc.sidecar.replicator.copies.provenance import ProofCheck, Signer
 from mtc.sidecar.replicator.copies.replication import Replication
 from mtc.sidecar.replicator.copies.scrub import Scrubber
 from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
 from mtc.sidecar.replicator.fetch.restore import Restorer
 from mtc.sidecar.replicator.inventory_service import InventoryService
+from mtc.sidecar.replicator.loop import ReplicationLoop
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.selfcheck import ConfigCheck, PeerReach, identify
 from mtc.sidecar.replicator.store.store import LocalStore

@@ -31,12 +31,12 @@ from mtc.grpc_errors import PeerError
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.copies import claims
-from mtc.sidecar.replicator.copies.copy_proofs import OwnProofs
 from mtc.sidecar.replicator.copies.provenance import Signer
 from mtc.sidecar.replicator.copies.push_plan import PUSH_STREAMS, push_batches, push_streams
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.selfcheck import PeerReach, ReplicationClock
+from mtc.sidecar.replicator.store import claims
+from mtc.sidecar.replicator.store.copy_proofs import OwnProofs
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.replicator.wire.client import PeerClient

@@ -44,10 +44,10 @@ from mtc import layout
 from mtc.errors import CorruptShardError, MtcError
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar.confine import is_real_dir, real_dir
-from mtc.sidecar.replicator.copies import claims
-from mtc.sidecar.replicator.copies.copy_proofs import HeldProofs, proof_path
+from mtc.sidecar.replicator.store import claims
 from mtc.sidecar.replicator.store import fence as fencing
 from mtc.sidecar.replicator.store.checksums import Checksums
+from mtc.sidecar.replicator.store.copy_proofs import HeldProofs, proof_path
 from mtc.sidecar.replicator.store.own_steps import OwnSteps
 from mtc.sidecar.replicator.store.step_files import (
     FileMeta,

@@ -27,7 +27,7 @@ from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
     from mtc.credentials import Credentials
-    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.wire.peer_calls import PeerCalls
 
 T = TypeVar("T")
 # Opens a fetched file's descriptor for writing at its start: (folder, path, size).
@@ -39,7 +39,7 @@ class PeerData:
     rank, and the data port it said it has): over ``link``, its data channel,
     where it can be had; else over gRPC's Data service."""
 
-    def __init__(self, peer: PeerClient, creds: Credentials) -> None:
+    def __init__(self, peer: PeerCalls, creds: Credentials) -> None:
         self.peer = peer
         self.link = DataLink(peer, creds)
 
