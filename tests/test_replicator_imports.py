@@ -23,17 +23,6 @@ ROOT = Path(replicator.__file__).parent
 PKG = "mtc.sidecar.replicator"
 FOLDERS = ("store", "copies", "agree", "fetch", "wire")
 LOGIC = ("store", "copies", "agree", "fetch")  # what may not import wire/
-_W = f"{PKG}.wire"
-# (module, wire module it imports): the uses left until the transport interface
-# takes them; a new one fails, and so does a listed one no longer there.
-ALLOWED_WIRE: dict[tuple[str, str], str] = {
-    (f"{PKG}.agree.node_agreement", f"{_W}.checks"): "a decision's check",
-    (f"{PKG}.agree.node_agreement", f"{_W}.client"): "Decide, GetInventory",
-    (f"{PKG}.copies.replication", f"{_W}.client"): "Offer, Link, push, Commit, Abort",
-    (f"{PKG}.fetch.materialize", f"{_W}.client"): "fetches",
-    (f"{PKG}.fetch.materialize", f"{_W}.peer_data"): "Opener",
-    (f"{PKG}.fetch.restore", f"{_W}.client"): "the peers",
-}
 
 
 def imports_of(source: str, module: str, is_package: bool = False) -> set[str]:
@@ -148,8 +137,6 @@ def test_no_circle_between_the_replicators_folders() -> None:
         a = folder_of(m)
         for d in deps:
             b = folder_of(d)
-            if (m, d) in ALLOWED_WIRE:
-                continue  # the logic's uses of wire/ left (below): wire/ is below it
             if a and b and a != b:
                 between.setdefault(a, set()).add(b)
     assert circles(between) == []
@@ -162,5 +149,4 @@ def test_no_circle_between_the_replicators_modules() -> None:
 def test_the_replicators_logic_never_imports_wire() -> None:
     direct = sorted((m, d) for m, deps in graph().items() if folder_of(m) in LOGIC
                     for d in deps if folder_of(d) == "wire")
-    assert set(direct) - ALLOWED_WIRE.keys() == set(), "the logic imports wire/ directly"
-    assert ALLOWED_WIRE.keys() - set(direct) == set(), "listed uses no longer there"
+    assert direct == [], "the logic reaches its peers through transport.py, not wire/"

@@ -18,13 +18,16 @@ messages (``mtc.proto``), not any transport's.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from mtc.errors import CorruptShardError, StepNotFoundError, UnauthorizedError
+from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.copies.provenance import ProofCheck
 from mtc.sidecar.replicator.copies.transfers import Transfer, Transfers
 from mtc.sidecar.replicator.metrics import Metrics
@@ -46,6 +49,8 @@ class Blanks(Protocol):
     def want(self, key: int, sizes: Iterable[int]) -> None: ...
 
     def room_for_others(self, key: int) -> int: ...
+
+    def open_new(self, base: Path, rel: str, size: int, key: int) -> int: ...
 
 
 class Receiver:
@@ -153,6 +158,50 @@ class Receiver:
             linked.append(rel)
         self.metrics.deduplicated_files.inc(len(linked))
         return pb.LinkReply(linked=linked)
+
+    def receive(self, t: Transfer, metas: list[FileMeta], chunks: Iterator[bytes]) -> int:
+        """Write ``metas``' bytes from the stream, each file verified (size, CRC32C)
+        before it counts; a file cut short or with extra bytes is removed."""
+        stream = iter(chunks)
+        pending = memoryview(b"")
+        total = 0
+        for meta in metas:
+            dst = inside(t.tmp, meta.path)
+            dst.unlink(missing_ok=True)
+            value = got = 0
+            # New (or set aside for it, mtc.sidecar.storage.reserve), part by part without following
+            # a symlink.
+            fd = self.blanks.open_new(t.tmp, meta.path, meta.size, t.origin)
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                try:
+                    while got < meta.size:
+                        if not pending:
+                            nxt = next(stream, None)
+                            if nxt is None:
+                                break
+                            pending = memoryview(nxt)
+                        part = pending[:meta.size - got]
+                        pending = pending[len(part):]
+                        got += len(part)
+                        value = crc32c(part, value)
+                        f.write(part)
+                    bad = checks.not_as_offered(meta, got, value, step=t.step,
+                                                origin=t.origin)
+                    if bad is not None:
+                        raise bad
+                except BaseException:
+                    dst.unlink(missing_ok=True)
+                    raise
+            with t.lock:
+                t.verified.add(meta.path)
+            total += got
+        if pending or next(stream, None) is not None:
+            with t.lock:
+                t.verified.discard(metas[-1].path)
+            inside(t.tmp, metas[-1].path).unlink(missing_ok=True)
+            raise CorruptShardError(f"peer sent more than the {total} bytes offered",
+                                    step=t.step, host=t.origin, path=metas[-1].path)
+        return total
 
     def commit(self, tid: str) -> pb.CommitReply:
         """Publish transfer ``tid``'s copy once every file is verified, unless a fence

@@ -29,8 +29,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.copies.provenance import ProofCheck
     from mtc.sidecar.replicator.metrics import Metrics
     from mtc.sidecar.replicator.store.store import LocalStore
-    from mtc.sidecar.replicator.wire.client import PeerClient
-    from mtc.sidecar.replicator.wire.peer_data import Opener
+    from mtc.sidecar.replicator.transport import Opener, Peer
     from mtc.sidecar.storage.reserve import Reserve
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
@@ -44,7 +43,7 @@ class Materializer:
     proven their origin's."""
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
-                 peers: Mapping[int, PeerClient], metrics: Metrics, *,
+                 peers: Mapping[int, Peer], metrics: Metrics, *,
                  proofs: ProofCheck | None, backups: BackupDuties,
                  reserve: Reserve) -> None:
         self.rank = config.rank
@@ -213,8 +212,8 @@ class Materializer:
                      tmp: Path) -> list[str]:
         """Files of ``origin``'s copy of ``step`` from ``holder`` in one stream; the
         paths that arrived verified."""
-        got, err = self.peers[holder].data.fetch_files(step, origin, files, tmp,
-                                                       opener=self._opener())
+        got, err = self.peers[holder].fetch_many(step, origin, files, tmp,
+                                                 opener=self._opener())
         sizes = {f.path: f.size for f in files}
         self.metrics.bytes_fetched.inc(sum(sizes[p] for p in got))
         if err is not None:
@@ -246,8 +245,7 @@ class Materializer:
                     src = self.store.copy_dir(origin, step) / f.path
                     copy_verified(src, dest, f.size, f.crc32c)
                 else:
-                    self.peers[holder].data.fetch_file(step, origin, f.path, dest, f.size,
-                                                  f.crc32c)
+                    self.peers[holder].fetch(step, origin, f.path, dest, f.size, f.crc32c)
                     self.metrics.bytes_fetched.inc(f.size)
                 return "peer"
             except (MtcError, OSError) as e:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
     from mtc.sidecar.replicator.store.store import LocalStore
-    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.transport import Peer
     from mtc.sidecar.storage.reserve import Reserve
 
 log = logging.getLogger("mtc.sidecar.replicator.node")
@@ -68,7 +68,7 @@ class Restorer:
     configuration disagrees with a peer's."""
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
-                 peers: Mapping[int, PeerClient], metrics: Metrics, *,
+                 peers: Mapping[int, Peer], metrics: Metrics, *,
                  agreement: NodeAgreement, backups: BackupDuties,
                  inventory: Callable[[], pb.Inventory], refuse: Callable[[], None],
                  reserve: Reserve) -> None:

@@ -6,7 +6,7 @@ bytes use raw-bytes handlers (no protobuf copy): the data channel's
 (:mod:`.data_service`) and gRPC's Data service (:mod:`.grpc_data`); control
 messages are protobuf.
 
-Everything a request names is checked on arrival (:mod:`.checks`); who may act for
+Everything a request names is checked on arrival (:mod:`..checks`); who may act for
 which rank is :class:`~mtc.sidecar.replicator.wire.security.Identity`'s; how many
 streams a caller holds, and for how long, :mod:`.limits`'. An incoming copy is
 one open transfer per origin rank: a new offer from the same origin (a retry, a
@@ -36,9 +36,8 @@ from mtc.grpc_errors import answer
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.copies.receive import TRANSFER_IDLE_S, Receiver
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.copies.transfers import Transfer
-from mtc.sidecar.replicator.wire import checks
 from mtc.sidecar.replicator.wire.client import CHANNEL_OPTIONS, FETCH, PUSH
 from mtc.sidecar.replicator.wire.data_service import DataService
 from mtc.sidecar.replicator.wire.datachannel import DataServer
@@ -95,10 +94,10 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.deciding = Gate(2, "Decide asks of this rank")
         self.preparing = Gate(8, "restores")
         # The copy protocol's receiving side (copies/receive.py): this servicer
-        # checks who calls, the receiver what is received.
-        self.receiver = Receiver(parts.rank, parts.store, parts.metrics, parts.blanks,
-                                 parts.proofs, max_files=checks.MAX_OPEN_FILES,
-                                 idle_s=TRANSFER_IDLE_S, data_port=lambda: self.data_port)
+        # checks who calls, the receiver what is received (its offers' replies name
+        # this server's data channel).
+        self.receiver = parts.receiver
+        self.receiver.data_port = lambda: self.data_port
         self.transfers = self.receiver.transfers
         self.data: DataServer | None = None  # the data channel, when serve() opened one
         self.workers: futures.ThreadPoolExecutor | None = None  # gRPC's, set by serve()
@@ -278,7 +277,7 @@ def serve(node: Composed, listen: str, creds: Credentials, *, workers: int = 32,
                                    workers=streams.limits.max_streams + 8).start(threads)
         parts.shown.data_port = servicer.data.port
     pb_grpc.add_ReplicatorServicer_to_server(servicer, server)
-    raw = GrpcData(parts, streams, servicer.transfer)
+    raw = GrpcData(parts, streams, servicer.transfer, servicer.receiver.receive)
     data = grpc.method_handlers_generic_handler("mtc.replicator.v1.Data", {
         "Push": grpc.stream_unary_rpc_method_handler(
             raw.push, request_deserializer=_raw,
