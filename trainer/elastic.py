@@ -177,7 +177,7 @@ class ElasticRun:
             self.ckpt.retire()
             if pause > 0:
                 # Idle until the replacement is back: the full collection a restore
-                # would otherwise run into (0.1 s here) is done now, for free.
+                # would otherwise run into (a walk of every object) is done now, for free.
                 gc.collect()
                 if self.faults.wait_back(missing, pause):
                     # Back, says the cluster: one health check confirms it.

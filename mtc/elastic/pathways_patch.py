@@ -21,7 +21,8 @@ runs on fewer slices the compiles take a steady share of the CPU, and they sit
 on the way to every recovery. :class:`CachedSliceHealthChecker` runs the same
 computation (``x + 1`` on every device of the slice, expected 100) with one
 pmapped function per slice, built once, always run under no default device:
-JAX then compiles it once and reuses the executable (0.5 ms a check here).
+JAX then compiles it once and reuses the executable: a check costs a dispatch,
+not a compile.
 
 :func:`install` makes it the checker pathwaysutils builds when none is passed
 (its Manager passes none), as the trainer already replaces

@@ -21,15 +21,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtc.errors import MtcError
+from mtc.errors import SnapshotUnavailableError as SnapshotUnavailableError
 from mtc.shards import single_device_sharding
 
 Index = tuple[tuple[int, int], ...]  # per dimension, [start, stop)
-
-
-class SnapshotUnavailableError(MtcError, RuntimeError):
-    """No snapshot can be loaded: none was taken, or no surviving device holds some
-    shard of it. A ``RuntimeError``, as Orbax's ``Snapshotter.load`` raises."""
 
 
 @dataclasses.dataclass(frozen=True)

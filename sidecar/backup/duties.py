@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.store.store import LocalStore
     from mtc.sidecar.replicator.wire.client import PeerClient
 
-log = logging.getLogger("mtc.sidecar.replicator.node")
+log = logging.getLogger(__name__)
 
 
 class BackupDuties:

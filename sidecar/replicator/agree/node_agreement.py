@@ -20,7 +20,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -28,6 +27,7 @@ import grpc
 from mtc.errors import AgreementError, ConfigError, InvalidStepError, MtcError, ProtocolError
 from mtc.grpc_errors import PeerError, is_retryable
 from mtc.lifecycle import Threads
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agree.agreement import Coordinator
@@ -42,7 +42,7 @@ from mtc.sidecar.replicator.store.fence import fences_on
 from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.replicator.transport import Peer
 
-log = logging.getLogger("mtc.sidecar.replicator.node")
+log = logging.getLogger(__name__)
 # The longest one Decide call lasts before the same ask goes again (``_ask``).
 DECIDE_CALL_S = 5.0
 Inventory = Callable[[bool], pb.Inventory]  # this node's own, with (True) or without files
@@ -119,7 +119,7 @@ class NodeAgreement:
         self._inventory = inventory
         self._refuse = refuse
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(16, thread_name_prefix="mtc-inventory")
+        self._pool = ThreadPool(16, "mtc-inventory", lazy=True)
         self.last_decision = pb.Decision()  # the newest one this node read
         # The restore id this node asks the coordinator for last: an older restore
         # still retrying an unreachable coordinator stops when a newer one starts.

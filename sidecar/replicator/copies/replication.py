@@ -21,7 +21,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence, Set
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -29,6 +28,7 @@ import grpc
 from mtc.errors import CorruptShardError, MtcError
 from mtc.grpc_errors import PeerError
 from mtc.lifecycle import Threads
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies.provenance import Signer
@@ -41,7 +41,7 @@ from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.replicator.transport import Peer
 
-log = logging.getLogger("mtc.sidecar.replicator.node")
+log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
 # How often one older step is pushed again to one target: a target that keeps
 # fewer copies than this host keeps steps (another --keep) deletes it each time.
@@ -102,7 +102,7 @@ class Replication:
         # to a target in it is a lost copy pushed again, else one a newer step
         # went ahead of.
         self._had: dict[int, set[int]] = defaultdict(set)
-        self._push_pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
+        self._push_pool = ThreadPool(4, "mtc-push", lazy=True)
         # With mutual TLS: each own step offered with this rank's signed proof.
         self.own_proofs = OwnProofs(self.rank, signer) if signer is not None else None
         self._failing: dict[int, str] = {}  # target -> the kind of its pushes' last failure

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.agree.node_agreement import holders_of
 from mtc.sidecar.replicator.copies.provenance import not_signed, own_signed
@@ -23,6 +23,7 @@ from mtc.sidecar.storage.names import tmp_dir
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
+    from concurrent.futures import Executor
 
     from mtc.sidecar.backup.duties import BackupDuties
     from mtc.sidecar.replicator.config import ReplicatorConfig
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.transport import Opener, Peer
     from mtc.sidecar.storage.reserve import Reserve
 
-log = logging.getLogger("mtc.sidecar.replicator.node")
+log = logging.getLogger(__name__)
 FETCH_STREAMS = 4  # a restore's streams from one holder: the fetch pool's threads
 
 
@@ -58,7 +59,7 @@ class Materializer:
         self.proofs = proofs
         self.backups = backups
         self.backup = backups.backup
-        self._pool = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="mtc-fetch")
+        self._pool = ThreadPool(FETCH_STREAMS, "mtc-fetch", lazy=True)
 
     def close(self) -> None:
         """After the background restore: the fetch pool."""
@@ -77,7 +78,7 @@ class Materializer:
 
 
     def materialize(self, step: int, invs: dict[int, pb.Inventory], *, into_root: bool,
-                    run: str = "", pool: ThreadPoolExecutor | None = None) -> str:
+                    run: str = "", pool: Executor | None = None) -> str:
         """Make this host's data of ``step`` (as ``run`` wrote it; "": whatever run)
         local and verified; returns the tier it came from ("local", "peer" or
         "backup"). A copy held here of another run under the same number is another
@@ -183,7 +184,7 @@ class Materializer:
 
     def _fetch_all(self, step: int, origin: int, invs: dict[int, pb.Inventory],
                    files: list[FileMeta], tmp: Path, run: str = "",
-                   pool: ThreadPoolExecutor | None = None) -> set[str]:
+                   pool: Executor | None = None) -> set[str]:
         """Fetch ``files`` (of ``origin``'s copy of ``step``, this rank's data or a
         stand-in for it, of ``run``) into ``tmp`` on ``pool``'s threads (default:
         the restore's); returns the tiers used."""

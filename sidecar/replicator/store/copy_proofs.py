@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.store.step_files import FileMeta
 
@@ -48,7 +48,7 @@ class OwnProofs:
         self._signer = signer
         self._lock = threading.Lock()
         self._made: dict[int, tuple[int, pb.StepCopy]] = {}
-        self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="mtc-sha256")
+        self._pool = ThreadPool(HASH_THREADS, "mtc-sha256", lazy=True)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -21,7 +21,6 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from concurrent import futures
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -34,6 +33,7 @@ from mtc.errors import (
 )
 from mtc.grpc_errors import answer
 from mtc.lifecycle import Threads
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator import checks
@@ -100,7 +100,7 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         self.receiver.data_port = lambda: self.data_port
         self.transfers = self.receiver.transfers
         self.data: DataServer | None = None  # the data channel, when serve() opened one
-        self.workers: futures.ThreadPoolExecutor | None = None  # gRPC's, set by serve()
+        self.workers: ThreadPool | None = None  # gRPC's, set by serve()
 
     @property
     def data_port(self) -> int:
@@ -250,7 +250,7 @@ def serve(node: Composed, listen: str, creds: Credentials, *, workers: int = 32,
     if creds.tls:  # a rank's certificate or the controller's; a stranger's is nobody
         interceptors.append(IdentityGate(lambda who: who is not None, "a replicator"))
     interceptors.append(DecodeGuard())  # malformed protobufs: INVALID_ARGUMENT
-    pool = futures.ThreadPoolExecutor(max_workers=workers)
+    pool = ThreadPool(workers, "mtc-grpc", lazy=True)
     server = grpc.server(pool, interceptors=interceptors,
                          options=[CHANNEL_OPTIONS[0],  # what it sends: as clients take
                                   ("grpc.max_receive_message_length", MAX_REQUEST),
