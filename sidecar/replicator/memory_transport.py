@@ -146,6 +146,13 @@ class Endpoint:
                 while chunk := f.read(CHUNK):
                     yield None, chunk
 
+    def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply:
+        checks.backup_part(req, num_nodes=self.parts.config.num_nodes)
+        return self.parts.backups.backup_part(req)
+
+    def request_backup(self) -> pb.BackupReply:
+        return pb.BackupReply(step=self.parts.backups.request_backup())
+
     def _transfer(self, tid: str) -> Any:
         t = self.receiver.transfers.get(tid)
         if t is None:
@@ -364,6 +371,13 @@ class MemoryPeer:
         except MtcError as e:
             return done, e
         return done, None
+
+    def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply:
+        return self._call("BackupPart", lambda ep, _: ep.backup_part(req), deadline_s=3600.0)
+
+    def request_backup(self) -> pb.BackupReply:
+        return self._call("RequestBackup", lambda ep, _: ep.request_backup(),
+                          deadline_s=3600.0)
 
     def _fetch_one(self, step: int, origin: int, f: FileMeta, target: Path) -> None:
         def one(ep: Endpoint, _: Callable[[], bool]) -> None:

@@ -66,10 +66,10 @@ class Node:
         self.metrics = Metrics()
         self.store.on_quarantine = self.metrics.quarantined.inc
         self.store.signed_only = creds.tls  # copies are proven (provenance.py)
-        # Its peers' calls over gRPC (the backup tier's too); the replicator's own
-        # logic reaches them through the transport seam (transport.py): over
+        # Its peers' gRPC clients; every part of the replicator (and its backup
+        # tier) reaches them through the transport seam (transport.py): over
         # these, or in memory when a test hands its own ``peers``
-        # (memory_transport.py: no gRPC client then, and no backup tier).
+        # (memory_transport.py: no gRPC client then).
         self.clients = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s,
                                       as_peer=True)
                         for r, a in enumerate(config.nodes)
@@ -88,8 +88,7 @@ class Node:
             inventory=lambda files: self.shown.inventory(files=files),
             refuse=self.check.refuse_if_misconfigured, proofs=ProofCheck.of(creds))
         self.proofs = self.agreement.proofs  # None without mutual TLS (provenance.py)
-        self.backups = BackupDuties(config, self.store, self.clients, self.metrics, backup,
-                                    self.agreement)
+        self.backups = BackupDuties(*shared, backup, self.agreement)
         # Blank files for the next peer copies and a replaced host's fetch
         # (mtc.sidecar.storage.reserve).
         self.reserve = Reserve(root, RESERVE_DIR, lambda: spare.room(root), enabled=config.reserve,

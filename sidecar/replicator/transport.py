@@ -3,8 +3,9 @@
 The replicator's logic (``store/``, ``copies/``, ``agree/``, ``fetch/``) calls a
 peer only through :class:`Peer`: its inventory, the restore agreement's decision
 (``decide``) and garbage collection's view (``complete``), the copy protocol
-(``offer``, ``link``, ``push``, ``commit``, ``abort``) and a fetch's bytes
-(``fetch``). Two implementations:
+(``offer``, ``link``, ``push``, ``commit``, ``abort``), a fetch's bytes
+(``fetch``), and the backup tier's calls (``backup_part``, ``request_backup``:
+``sidecar/backup/duties.py``). Two implementations:
 
 - ``wire/grpc_peer.py`` (:class:`~mtc.sidecar.replicator.wire.grpc_peer.GrpcPeer`):
   gRPC for the calls and the data channel (or gRPC's Data service) for the bytes;
@@ -92,6 +93,14 @@ class Peer(Protocol):
                    opener: Opener | None = None) -> tuple[list[str], MtcError | None]:
         """Several files in one stream into ``dest``: the paths that arrived
         verified, in order, and the error that ended it early (None: all did)."""
+        ...
+
+    def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply:
+        """Have it upload its part of a step's backup (once; up to an hour)."""
+        ...
+
+    def request_backup(self) -> pb.BackupReply:
+        """Ask it (the backup leader) to back up now (once; up to an hour)."""
         ...
 
 

@@ -76,6 +76,16 @@ class GrpcPeer:
                    opener: Opener | None = None) -> tuple[list[str], MtcError | None]:
         return self.client.data.fetch_files(step, origin, files, dest, opener=opener)
 
+    def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply:
+        reply: pb.BackupPartReply = self.client.call("BackupPart", req, deadline_s=3600,
+                                                     attempts=1)
+        return reply
+
+    def request_backup(self) -> pb.BackupReply:
+        reply: pb.BackupReply = self.client.call("RequestBackup", pb.BackupRequest(step=-1),
+                                                 deadline_s=3600, attempts=1)
+        return reply
+
 
 
 if TYPE_CHECKING:
