@@ -247,3 +247,22 @@ def test_a_replaced_host_restores_its_step_from_its_peers_copy(
     for name, data in files.items():
         assert (new.store.root / "5" / name).read_bytes() == data
     assert c.net.calls[("Fetch", 0, 1)] >= 1
+
+
+def test_a_commit_whose_answer_is_lost_leaves_the_copy_held_and_offered_again_complete(
+        cluster: Callable[..., Cluster]) -> None:
+    """The commit ran, its answer never came: the origin's retry finds no transfer
+    (one commit per transfer), its push fails; the target holds the copy, verified,
+    and the next offer of it is answered complete, nothing pushed again."""
+    c = cluster(2)
+    save(c, 0, 5)
+    c.net.lose_answers("Commit", src=0, dst=1)
+    with pytest.raises(PeerError) as e:
+        c.nodes[0].replication.push_step(5, 1)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND  # the retried commit: none open
+    assert c.net.dropped[("Commit", 0, 1)] == 1
+    assert (0, 5) in c.nodes[1].store.copies() and c.nodes[1].store.verify(0, 5) == []
+    pushes = c.net.calls[("Push", 0, 1)]
+    c.nodes[0].replication.push_step(5, 1)
+    assert c.net.calls[("Push", 0, 1)] == pushes  # offered: already complete
+    assert c.nodes[0].replication.fully_replicated(5)

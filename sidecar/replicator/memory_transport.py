@@ -20,6 +20,7 @@ authenticated here: who may call is ``wire/security.py``'s, tested over gRPC.
         net.serve(r, Endpoint.of(n))
     net.partition({0, 1}, {2})   # cut every link between the two groups
     net.drop("Commit", times=1)  # the next Commit sent anywhere is lost
+    net.lose_answers("Commit")   # the next one is done, and its answer lost
     net.heal()
 """
 
@@ -170,6 +171,7 @@ class _Fault:
     dst: int | None
     times: int | None = None
     delay_s: float = 0.0
+    answer: bool = False  # the call runs; its answer is what is lost
 
     def matches(self, call: str, src: int, dst: int) -> bool:
         return (self.call in (None, call) and self.src in (None, src)
@@ -221,6 +223,13 @@ class Network:
         with self._lock:
             self._faults.append(_Fault(call, src, dst, times))
 
+    def lose_answers(self, call: str | None = None, *, src: int | None = None,
+                     dst: int | None = None, times: int | None = 1) -> None:
+        """The next ``times`` matching calls reach the receiver and run, and their
+        answers are lost: the caller gets ``UNAVAILABLE`` for what was done."""
+        with self._lock:
+            self._faults.append(_Fault(call, src, dst, times, answer=True))
+
     def delay(self, seconds: float, call: str | None = None, *, src: int | None = None,
               dst: int | None = None) -> None:
         """Hold matching calls ``seconds`` before they reach the receiver (one longer
@@ -240,7 +249,8 @@ class Network:
             delay = sum(f.delay_s for f in self._faults
                         if f.delay_s and f.matches(call, src, dst))
             for f in self._faults:
-                if not f.delay_s and f.matches(call, src, dst) and f.times != 0:
+                if not f.delay_s and not f.answer and f.matches(call, src, dst) and \
+                        f.times != 0:
                     if f.times is not None:
                         f.times -= 1
                     self.dropped[(call, src, dst)] += 1
@@ -254,9 +264,18 @@ class Network:
             self.calls[(call, src, dst)] += 1
             return endpoint, "", delay
 
-    def reachable(self, src: int, dst: int) -> bool:
+    def answered(self, call: str, src: int, dst: int) -> bool:
+        """Whether the answer of a call that ran reaches its caller."""
         with self._lock:
-            return frozenset((src, dst)) not in self._cut and dst in self._served
+            if frozenset((src, dst)) in self._cut or dst not in self._served:
+                return False
+            for f in self._faults:
+                if f.answer and f.matches(call, src, dst) and f.times != 0:
+                    if f.times is not None:
+                        f.times -= 1
+                    self.dropped[(call, src, dst)] += 1
+                    return False
+            return True
 
 
 class MemoryPeer:
@@ -302,9 +321,8 @@ class MemoryPeer:
         if time.monotonic() >= deadline:
             raise self._error(name, grpc.StatusCode.DEADLINE_EXCEEDED, "answered after "
                               "its deadline")
-        if not self._net.reachable(self._src, self.rank):
-            raise self._error(name, grpc.StatusCode.UNAVAILABLE, "the answer was lost (the "
-                              "link was cut meanwhile)")
+        if not self._net.answered(name, self._src, self.rank):
+            raise self._error(name, grpc.StatusCode.UNAVAILABLE, "the answer was lost")
         return out
 
     def _error(self, name: str, code: grpc.StatusCode, why: str, **where: Any) -> PeerError:
