@@ -326,7 +326,7 @@ class ElasticRun:
                 if first and not self.gc_frozen:
                     # Everything built so far (JAX, the model, the compiled steps) lives
                     # as long as the run: keep it out of the collector's full passes,
-                    # which otherwise stall a step by 0.1 s every few saves.
+                    # which otherwise walk all of it and stall a step every few saves.
                     gc.freeze()
                     self.gc_frozen = True
                 first = False

@@ -14,8 +14,8 @@ pathwaysutils' slice health check, with its executables kept between checks:
 
 ``pathwaysutils.elastic.elastic.DefaultSliceHealthChecker`` runs ``jax.pmap``
 of a bound method of a checker it builds anew for every check, so no JAX cache
-ever hits: each check traces and compiles one program per slice (about 70 ms a
-slice here). The Manager's monitor thread checks the inactive slices every
+ever hits: each check traces and compiles one program per slice (a compile,
+each time). The Manager's monitor thread checks the inactive slices every
 poll interval, and every elastic attempt checks them all, so while training
 runs on fewer slices the compiles take a steady share of the CPU, and they sit
 on the way to every recovery. :class:`CachedSliceHealthChecker` runs the same

@@ -33,8 +33,8 @@ class Shards:
     Each device's shard, as a single-device array of its own, is taken from it
     only when a load asks which shards survive (:attr:`pieces`), never when the
     snapshot is taken: that split costs a Python object per device and leaf,
-    and a snapshot is taken every step (12 ms a step for the demo's 113 leaves
-    on 8 devices, in the loop's stall; on a real mesh, leaves x devices)."""
+    and a snapshot is taken every step, in the loop's stall (leaves x devices
+    objects: on a real mesh, many)."""
 
     shape: tuple[int, ...]
     dtype: Any

@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         # programs from its start, and a restore must not wait for this one's JAX.
         colocated.wait_ready()
     # What start-up built (JAX, its runtime, the server) lives as long as the process:
-    # kept out of every collection. A full collection walked it all, about 0.1 s
-    # here, and a restore's hundreds of read tasks set collections off: a fifth of
-    # a sidecar's CPU in restores of the demo model's 111 leaves.
+    # kept out of every collection. A full collection walked it all, and a
+    # restore's hundreds of read tasks set collections off: the walks took much
+    # of a sidecar's CPU in restores.
     gc.freeze()
     if args.ready_file:
         write_atomic(args.ready_file, json.dumps(
