@@ -31,7 +31,7 @@ from typing import Any
 import _common  # noqa: F401  (repository on sys.path)
 import numpy as np
 
-from mtc.sidecar.replicator.copies import claims
+from mtc.sidecar.replicator.store import claims
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.storage.checksum import FICLONE, copy_verified, file_crc

@@ -9,6 +9,11 @@ they are known, so an operator can act on the message alone.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
 
 class MtcError(Exception):
     """Base of every error raised by mtc."""
@@ -157,3 +162,43 @@ class UnauthorizedError(FatalError):
 class BusyError(RetryableError):
     """A server has no room for this call now (streams, transfers or RAM disk space
     are at their bound); the same call may succeed later."""
+
+
+class SnapshotUnavailableError(MtcError, RuntimeError):
+    """No snapshot can be loaded: none was taken, or no surviving device holds some
+    shard of it. A ``RuntimeError``, as Orbax's ``Snapshotter.load`` raises."""
+
+
+class BackupUnavailableError(RetryableError):
+    """The backup store could not be reached or answered with a transient error."""
+
+
+class CorruptBackupError(CorruptShardError):
+    """An object's bytes do not match their recorded CRC32C or size."""
+
+
+class HolderIdle(RetryableError):
+    """The host meant to read a shared object from the backup for the others is not
+    restoring this step (any more): the others read it from the store themselves."""
+
+
+class PeerError(RetryableError):
+    """A peer could not be reached or refused a call; ``code`` is the gRPC status.
+    Whether sending it again can help is :func:`~mtc.grpc_errors.is_retryable`
+    (a refusal such as INVALID_ARGUMENT or DATA_LOSS is not), and ``kind`` is the
+    domain error the code stands for, from the same map the server used
+    (``mtc/grpc_errors.py``, imported only when asked: this module imports nothing)."""
+
+    code: grpc.StatusCode | None = None
+
+    @property
+    def unreachable(self) -> bool:
+        from mtc.grpc_errors import TRANSIENT
+
+        return self.code in TRANSIENT or self.code is None
+
+    @property
+    def kind(self) -> type[MtcError]:
+        from mtc.grpc_errors import error_class
+
+        return error_class(self.code)

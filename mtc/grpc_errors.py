@@ -32,6 +32,7 @@ from mtc.errors import (
     StepNotFoundError,
     UnauthorizedError,
 )
+from mtc.errors import PeerError as PeerError  # defined with every error; imported from here
 
 # Ordered: the first class a raised error is an instance of decides its code.
 # (UnsafePathError and other FatalErrors that are bad input fall to INVALID_ARGUMENT.)
@@ -159,20 +160,3 @@ def answer(e: BaseException, context: grpc.ServicerContext) -> tuple[grpc.Status
     message, where = wire_error(e)
     context.set_trailing_metadata(where)
     return code, message
-
-
-class PeerError(RetryableError):
-    """A peer could not be reached or refused a call; ``code`` is the gRPC status.
-    Whether sending it again can help is :func:`is_retryable`
-    (a refusal such as INVALID_ARGUMENT or DATA_LOSS is not), and ``kind`` is the
-    domain error the code stands for, from the same map the server used."""
-
-    code: grpc.StatusCode | None = None
-
-    @property
-    def unreachable(self) -> bool:
-        return self.code in TRANSIENT or self.code is None
-
-    @property
-    def kind(self) -> type[MtcError]:
-        return error_class(self.code)

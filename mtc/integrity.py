@@ -3,7 +3,7 @@
 A large buffer's CRC32C is taken with the GIL released. google_crc32c's own
 extension releases it only for ``bytes`` (immutable), and every buffer mtc
 checksums is something else (a mapping of a file, a numpy view of a received
-chunk, a reused buffer): holding the GIL there for the 1-2 ms a shard file takes
+chunk, a reused buffer): holding the GIL there for the whole of a shard file
 stopped every other thread of the process, so a replicator's streams and a
 sidecar's readers and writers verified one at a time whatever the cores. The
 same C function of the same library, called through ``ctypes`` (which releases

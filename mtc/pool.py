@@ -11,6 +11,12 @@ A pool is a lifecycle primitive of its own: its threads are started through a
 joins them (raising a thread's own error, such as its initializer's, as
 :meth:`~mtc.lifecycle.Threads.join` does). Whoever creates a pool shuts it down.
 Its threads are daemons: an unclosed pool never holds up exit.
+
+Every pool of library code is one of these (``tests/test_lifecycle.py`` forbids
+``ThreadPoolExecutor`` elsewhere). ``lazy``: a thread is started when work finds
+none idle, up to ``threads`` (as ``ThreadPoolExecutor`` does): for pools sized for
+the worst case that rarely comes (a server's workers, a fan-out to every peer),
+whose threads would otherwise all exist from the start.
 """
 
 from __future__ import annotations
@@ -32,11 +38,12 @@ _STOP = object()
 
 
 class ThreadPool(Executor):
-    """``threads`` worker threads, started now; ``initializer`` runs in each first.
-    :meth:`shutdown` (``wait``, the default) joins them; its creator calls it."""
+    """``threads`` worker threads, started now (``lazy``: as work needs them);
+    ``initializer`` runs in each first. :meth:`shutdown` (``wait``, the default)
+    joins them; its creator calls it."""
 
     def __init__(self, threads: int, name: str,
-                 initializer: Callable[[], None] | None = None) -> None:
+                 initializer: Callable[[], None] | None = None, *, lazy: bool = False) -> None:
         if threads < 1:
             raise ValueError(f"a pool needs at least one thread, got {threads}")
         self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -44,11 +51,23 @@ class ThreadPool(Executor):
         self._lock = threading.Lock()
         self._initializer = initializer
         self._size = threads
+        self._name = name
+        self._started = 0
+        # Released by a thread each time it finishes a task (lazy pools): work that
+        # can take one does not start another thread.
+        self._idle = threading.Semaphore(0)
+        self._lazy = lazy
         self._threads = Threads(name)
-        for i in range(threads):
-            # A daemon: a pool nobody shut down must not hold the interpreter at exit
-            # (a manager's is finished and shut down by mtc.lifecycle's exit hook).
-            self._threads.start(self._run, f"{name}_{i}", daemon=True)
+        if not lazy:
+            for _ in range(threads):
+                self._start_one()
+
+    def _start_one(self) -> None:
+        i = self._started
+        self._started += 1
+        # A daemon: a pool nobody shut down must not hold the interpreter at exit
+        # (a manager's is finished and shut down by mtc.lifecycle's exit hook).
+        self._threads.start(self._run, f"{self._name}_{i}", daemon=True)
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         fut: Future[T] = Future()
@@ -56,6 +75,9 @@ class ThreadPool(Executor):
             if self._closed:
                 raise RuntimeError("submit() on a pool that was shut down")
             self._work.put((fut, fn, args, kwargs))
+            if self._lazy and not self._idle.acquire(blocking=False) and \
+                    self._started < self._size:
+                self._start_one()
         return fut
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -70,7 +92,7 @@ class ThreadPool(Executor):
                     except queue.Empty:
                         break
                     item[0].cancel()
-            for _ in range(self._size):
+            for _ in range(self._started):
                 self._work.put(_STOP)
         if wait:
             # Not the calling thread when it is one of the pool's (Threads.wait skips it).
@@ -99,6 +121,8 @@ class ThreadPool(Executor):
             # An idle thread holds nothing of its last task (a buffer it wrote is
             # reused once the last reference to it goes).
             del item, fut, fn, args, kwargs
+            if self._lazy:
+                self._idle.release()
 
 
 def lower_thread_priority(by: int = 10) -> None:

@@ -12,11 +12,12 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtc.errors import AgreementError, ConfigError, MtcError
+from mtc.pool import ThreadPool
 
 if TYPE_CHECKING:
     from mtc.credentials import Credentials
@@ -138,7 +139,7 @@ def tell_restored(addresses: Sequence[str], prepared: Prepared, *, creds: Creden
 
 @contextlib.contextmanager
 def _each(addresses: Sequence[str], creds: Credentials, ranks: Sequence[int] | None,
-          name: str) -> Iterator[tuple[list[PeerClient], ThreadPoolExecutor]]:
+          name: str) -> Iterator[tuple[list[PeerClient], ThreadPool]]:
     """A client per replicator (``ranks``: each address's rank, default its
     position) and a thread per client to ask them all at once. On the way out the
     clients close first (cancelling calls still in flight), then the pool ends
@@ -147,7 +148,7 @@ def _each(addresses: Sequence[str], creds: Credentials, ranks: Sequence[int] | N
 
     clients = [PeerClient(a, creds, rank=ranks[i] if ranks is not None else i)
                for i, a in enumerate(addresses)]
-    pool = ThreadPoolExecutor(len(clients), thread_name_prefix=name)
+    pool = ThreadPool(len(clients), name, lazy=True)
     try:
         yield clients, pool
     finally:

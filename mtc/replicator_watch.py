@@ -28,10 +28,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from mtc.errors import ConfigError
+from mtc.pool import ThreadPool
 
 if TYPE_CHECKING:
     from mtc.credentials import Credentials
@@ -85,7 +86,7 @@ class ReplicatorWatch:
         self._clients: dict[int, PeerClient] = {
             h: PeerClient(a, creds, rank=ranks[h], deadline_s=ASK_DEADLINE_S)
             for h, a in addresses.items()}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mtc-replicator-watch")
+        self._pool = ThreadPool(1, "mtc-replicator-watch", lazy=True)
         self._pending: Future[None] | None = None
         self._last = time.monotonic()
         self.down: frozenset[int] = frozenset()
@@ -126,7 +127,7 @@ class ReplicatorWatch:
         if len(hosts) <= 4:  # one process per host, or a few simulated ones
             return [self._ask(h) for h in hosts]
         # One controller serving many hosts (Pathways): a bounded fan-out.
-        with ThreadPoolExecutor(min(16, len(hosts)), thread_name_prefix="mtc-ask") as pool:
+        with ThreadPool(min(16, len(hosts)), "mtc-ask", lazy=True) as pool:
             return list(pool.map(self._ask, hosts))
 
     def _ask(self, host: int) -> Seen:

@@ -1,8 +1,8 @@
 """numpy dtypes from the names that cross the seam, JAX's extra ones included.
 
 JAX's dtypes that numpy lacks (bfloat16, float8_*, int4, ...) come from
-``ml_dtypes``, which registers them with numpy when imported. Importing it costs
-about 0.8 s of CPU, most of a sidecar's start-up, while most steps hold float32
+``ml_dtypes``, which registers them with numpy when imported. Importing it is
+most of a sidecar's start-up CPU, while most steps hold float32
 and int32 only: it is imported the first time a name numpy does not know comes.
 """
 

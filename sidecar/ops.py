@@ -305,7 +305,7 @@ class HostOps:
         root = self._root(host)
         key = (host, steps[-1]) if steps else None
         if key is not None and key not in self._sizes:
-            try:  # its manifest's sum: a stat of every file costs 20 us each under gVisor
+            try:  # its manifest's sum: a stat of every file is a system call (slow in gVisor)
                 self._sizes[key] = self._summary(host, steps[-1])[1].nbytes
             except (OSError, ManifestError):
                 self._sizes[key] = layout.folder_bytes(layout.step_dir(root, steps[-1]))

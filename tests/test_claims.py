@@ -20,8 +20,8 @@ from replicators import commit_mtc_step
 from mtc.errors import CorruptShardError
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.copies import claims
-from mtc.sidecar.replicator.copies.copy_proofs import proof_path
+from mtc.sidecar.replicator.store import claims
+from mtc.sidecar.replicator.store.copy_proofs import proof_path
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import REPLICA_DIR, LocalStore
 from mtc.sidecar.storage.quarantine import quarantine, quarantined

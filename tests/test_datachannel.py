@@ -39,6 +39,7 @@ from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.wire import data_admission, socket_files
 from mtc.sidecar.replicator.wire import datachannel as dc
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.wire.grpc_peer import GrpcPeer
 from mtc.sidecar.replicator.wire.limits import Limits
 from mtc.sidecar.replicator.wire.socket_files import recv_into_fd
 
@@ -418,7 +419,7 @@ def test_a_data_channel_that_cannot_be_had_sends_over_grpc(tmp_path: Path) -> No
         assert client.data.link.fallbacks == 2
         # The replication's push of a group then goes over gRPC, file by file.
         client.data_port = closing.getsockname()[1]
-        rep.node.replication._push_stream(client, reply.transfer_id, tmp_path,
+        rep.node.replication._push_stream(GrpcPeer(client), reply.transfer_id, tmp_path,
                                           [(0, FileMeta("x.bin", 5, crc32c(b"hello")))])
         assert client.data.link.fallbacks == 3
         client.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))

@@ -187,6 +187,37 @@ def _threads_made(path: Path) -> list[str]:
     return made
 
 
+def _executors_made(source: str) -> list[int]:
+    """The lines where ``source`` makes a ``ThreadPoolExecutor`` (its threads start
+    outside any group, and only the interpreter's exit joins them), however imported,
+    or derives a class from it."""
+    made = []
+    for node in ast.walk(ast.parse(source)):
+        targets = [node.func] if isinstance(node, ast.Call) else \
+            list(node.bases) if isinstance(node, ast.ClassDef) else []
+        for f in targets:
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) \
+                else ""
+            if name == "ThreadPoolExecutor":
+                made.append(node.lineno)
+    return made
+
+
+def test_library_pools_are_mtc_pools() -> None:
+    """Every pool of library code is :class:`mtc.pool.ThreadPool`: its threads in a
+    group, joined by its shutdown (``lazy`` where it is sized for a rare worst case)."""
+    found = [f"{p.relative_to(REPO)}:{line}" for top in ("mtc", "sidecar", "trainer")
+             for p in sorted((REPO / top).rglob("*.py")) if "_pb2" not in p.name
+             for line in _executors_made(p.read_text())]
+    assert found == [], "make these mtc.pool.ThreadPool"
+    # The check finds what it looks for, in every form.
+    assert _executors_made("from concurrent import futures\n"
+                           "pool = futures.ThreadPoolExecutor(2)\n") == [2]
+    assert _executors_made("from concurrent.futures import ThreadPoolExecutor as T\n"
+                           "with ThreadPoolExecutor(1) as p:\n    pass\n") == [2]
+    assert _executors_made("class P(ThreadPoolExecutor):\n    pass\n") == [1]
+
+
 def test_library_threads_are_started_only_through_a_thread_group() -> None:
     found = [f for top in ("mtc", "sidecar", "trainer")
              for p in sorted((REPO / top).rglob("*.py"))

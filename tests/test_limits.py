@@ -1,5 +1,5 @@
 """The bounds a caller meets, alone: stream deadlines and rates (:func:`overdue`), the
-checks of what requests and peers name (``mtc.validate``, ``replicator/wire/checks.py``,
+checks of what requests and peers name (``mtc.validate``, ``replicator/checks.py``,
 ``sidecar/load.check_tasks``), the paths opened without following a symlink
 (``sidecar/confine.py``), and a real in-process gRPC server whose health watches
 hold none of its two threads.
@@ -23,9 +23,9 @@ from mtc.errors import BusyError, InvalidStepError, ProtocolError, UnsafePathErr
 from mtc.manifest import ShardEntry
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath, real_dir
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.copies.transfers import Transfer, Transfers
 from mtc.sidecar.replicator.store.step_files import FileMeta
-from mtc.sidecar.replicator.wire import checks
 from mtc.sidecar.replicator.wire.decode_guard import DecodeGuard
 from mtc.sidecar.replicator.wire.limits import BoundedHealth, Gate, Limits, Streams, overdue
 from mtc.sidecar.restore.load import check_tasks

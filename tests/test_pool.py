@@ -105,3 +105,29 @@ def test_shutdown_joins_the_threads_and_raises_an_initializer_error() -> None:
     with pytest.raises(OSError, match="no such priority"):  # not lost with its thread
         bad.shutdown()
     assert "t-pool-bad_0" not in {t.name for t in threading.enumerate()}
+
+
+def test_a_lazy_pool_starts_a_thread_only_when_work_finds_none_idle() -> None:
+    before = threading.active_count()
+    pool = ThreadPool(8, "t-lazy", lazy=True)
+    try:
+        assert threading.active_count() == before  # nothing asked yet: no thread
+        for i in range(5):  # one at a time: the one thread, idle again, takes each
+            assert pool.submit(pow, 2, i).result(5) == 2 ** i
+        assert threading.active_count() == before + 1
+        release = threading.Event()
+        started = threading.Semaphore(0)
+
+        def hold() -> None:
+            started.release()
+            release.wait(10)
+        held = [pool.submit(hold) for _ in range(3)]  # three at once: three threads
+        for _ in range(3):
+            assert started.acquire(timeout=5)
+        assert threading.active_count() == before + 3
+        release.set()
+        for f in held:
+            f.result(5)
+    finally:
+        pool.shutdown()
+    assert threading.active_count() == before  # every thread it started, joined

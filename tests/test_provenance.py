@@ -17,7 +17,7 @@ from replicator_certs import make_ca, make_leaf
 from mtc.credentials import Credentials, names_read_here
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.copies import provenance as pv
-from mtc.sidecar.replicator.copies.copy_proofs import HeldProofs, OwnProofs, proof_path, put_proof
+from mtc.sidecar.replicator.store.copy_proofs import HeldProofs, OwnProofs, proof_path, put_proof
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.storage.checksum import file_crc, file_sha256
 
@@ -308,7 +308,7 @@ def test_made_up_copies_cost_the_gatherer_little(pki: dict[str, object]) -> None
     import time
 
     from mtc.errors import ProtocolError
-    from mtc.sidecar.replicator.wire import checks
+    from mtc.sidecar.replicator import checks
 
     d = pki["dir"]
     assert isinstance(d, Path)

@@ -16,8 +16,7 @@ from replicators import commit_mtc_step
 
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME
-from mtc.sidecar.replicator.copies import claims
-from mtc.sidecar.replicator.store import checksums, step_files
+from mtc.sidecar.replicator.store import checksums, claims, step_files
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import LocalStore
 from mtc.sidecar.storage import checksum

@@ -78,8 +78,8 @@ class LocalCluster:
     straggler_wait_seconds: float = 2.0
     # The replicators' --nice. The simulated hosts share this machine's cores with
     # the trainer, whose CPU devices stand in for accelerators: the replicators'
-    # work after each save (checks, dedup, copies) slows the next step (0.26 to
-    # 0.59 s in the demo), which on a real host has CPUs the accelerator does not
+    # work after each save (checks, dedup, copies) slows the next step, which on
+    # a real host has CPUs the accelerator does not
     # need. Niced (19) it runs in the trainer's gaps instead, but a busy trainer
     # then starves it: a save reaches its peer late, and a host lost meanwhile
     # loses more steps. 0 keeps the peer tier's lag honest; bench/goodput.py

@@ -1,8 +1,8 @@
 """The garbage collector's share of a trainer's time (:class:`CollectorClock`).
 
 A full collection walks every object the process tracks; in a trainer that is
-JAX's, the model's and the compiled steps' Python objects, about 0.1 s here each
-time. The elastic trainer freezes what it built before its first step (they live
+JAX's, the model's and the compiled steps' Python objects, a pause of a step's
+order each time. The elastic trainer freezes what it built before its first step (they live
 as long as the run) and runs a full collection while it waits for a replacement
 host, when it has nothing else to do, so that the restore after the wait does
 not pay for one. The clock says what the collector took of a stretch (a

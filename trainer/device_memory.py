@@ -6,9 +6,9 @@ outputs land in memory the previous steps freed); XLA's CPU client takes them
 from glibc's malloc, which by default maps large blocks fresh from the kernel
 and unmaps them when freed, so every step's new buffers (the per-step
 snapshot's copy above all: a state-sized buffer a step, never donated) are
-first-touch page faults, paid on the devices' threads. On this project's
-2-core VM that cost about 5% of the demo model's step and came in runs of
-slow steps (docs/elastic-demo.md); no accelerator pays it for device memory.
+first-touch page faults, paid on the devices' threads: a cost in every step,
+coming in runs of slow steps (docs/elastic-demo.md), that no accelerator pays
+for device memory.
 :func:`pool` has glibc keep freed blocks up to its largest mmap threshold
 (32 MiB on 64-bit) for reuse, as a device pool would. ``fresh``: glibc's
 default, kept for comparison (``--device-memory fresh``).

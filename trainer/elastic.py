@@ -177,7 +177,7 @@ class ElasticRun:
             self.ckpt.retire()
             if pause > 0:
                 # Idle until the replacement is back: the full collection a restore
-                # would otherwise run into (0.1 s here) is done now, for free.
+                # would otherwise run into (a walk of every object) is done now, for free.
                 gc.collect()
                 if self.faults.wait_back(missing, pause):
                     # Back, says the cluster: one health check confirms it.
@@ -326,7 +326,7 @@ class ElasticRun:
                 if first and not self.gc_frozen:
                     # Everything built so far (JAX, the model, the compiled steps) lives
                     # as long as the run: keep it out of the collector's full passes,
-                    # which otherwise stall a step by 0.1 s every few saves.
+                    # which otherwise walk all of it and stall a step every few saves.
                     gc.freeze()
                     self.gc_frozen = True
                 first = False

@@ -177,7 +177,7 @@ class ProcessDispatch(HostCalls):
         # Not wait_for_ready: a host whose sidecar is gone (connection refused) is
         # reported at once, as unavailable, instead of when the deadline ends.
         # Blocking calls on a pool of this object's own: a gRPC future starts a
-        # thread per call (about 3 ms each here, a tenth of a save's stall).
+        # thread per call, a cost paid again on every save's stall.
         futures = {h: self._pool.submit(self._request, h, op.name, request.args(), timeout)
                    for h, (op, request) in calls.items()}
         return self._gather(futures)

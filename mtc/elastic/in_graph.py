@@ -3,9 +3,9 @@
 ``Snapshotter.save(step, state)`` copies the state after the step, as separate
 programs the runtime schedules beside the next step (and skips while one is in
 flight). :class:`InGraphStep` instead compiles the copy into the step: the new
-state goes out once more, into a second buffer in device memory (milliseconds:
-1 GiB in 4.4 ms on a TPU v5e), never donated, so it stays valid while the next
-step runs in place. On an accelerator the snapshotter then moves that copy to
+state goes out once more, into a second buffer in device memory (at the
+device's memory bandwidth: a small part of a step), never donated, so it stays
+valid while the next step runs in place. On an accelerator the snapshotter then moves that copy to
 host memory while the next steps run; a step asked for a snapshot while the
 last one is still on its way runs without the copy (``skipped`` counts them):
 snapshots are taken as often as the device-to-host link carries them, and no

@@ -14,14 +14,15 @@ pathwaysutils' slice health check, with its executables kept between checks:
 
 ``pathwaysutils.elastic.elastic.DefaultSliceHealthChecker`` runs ``jax.pmap``
 of a bound method of a checker it builds anew for every check, so no JAX cache
-ever hits: each check traces and compiles one program per slice (about 70 ms a
-slice here). The Manager's monitor thread checks the inactive slices every
+ever hits: each check traces and compiles one program per slice (a compile,
+each time). The Manager's monitor thread checks the inactive slices every
 poll interval, and every elastic attempt checks them all, so while training
 runs on fewer slices the compiles take a steady share of the CPU, and they sit
 on the way to every recovery. :class:`CachedSliceHealthChecker` runs the same
 computation (``x + 1`` on every device of the slice, expected 100) with one
 pmapped function per slice, built once, always run under no default device:
-JAX then compiles it once and reuses the executable (0.5 ms a check here).
+JAX then compiles it once and reuses the executable: a check costs a dispatch,
+not a compile.
 
 :func:`install` makes it the checker pathwaysutils builds when none is passed
 (its Manager passes none), as the trainer already replaces

@@ -21,15 +21,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtc.errors import MtcError
+from mtc.errors import SnapshotUnavailableError as SnapshotUnavailableError
 from mtc.shards import single_device_sharding
 
 Index = tuple[tuple[int, int], ...]  # per dimension, [start, stop)
-
-
-class SnapshotUnavailableError(MtcError, RuntimeError):
-    """No snapshot can be loaded: none was taken, or no surviving device holds some
-    shard of it. A ``RuntimeError``, as Orbax's ``Snapshotter.load`` raises."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +33,8 @@ class Shards:
     Each device's shard, as a single-device array of its own, is taken from it
     only when a load asks which shards survive (:attr:`pieces`), never when the
     snapshot is taken: that split costs a Python object per device and leaf,
-    and a snapshot is taken every step (12 ms a step for the demo's 113 leaves
-    on 8 devices, in the loop's stall; on a real mesh, leaves x devices)."""
+    and a snapshot is taken every step, in the loop's stall (leaves x devices
+    objects: on a real mesh, many)."""
 
     shape: tuple[int, ...]
     dtype: Any

@@ -100,10 +100,11 @@ def host_memory_kind(devices: Any) -> str | None:
 
 def step_copy_memory_kind(devices: Any) -> str | None:
     """The memory a compiled step's snapshot copy goes out into: the devices' own
-    (None), on every platform. A copy within device memory costs the step
-    milliseconds (1 GiB in 4.4 ms on a TPU v5e); the step that went out into
+    (None), on every platform. A copy within device memory runs at the device's
+    memory bandwidth, a small part of a step; a step whose copy went out into
     ``pinned_host`` itself waited for the device-to-host transfer into fresh host
-    pages (0.3 to 2 s per GiB there). :meth:`Snapshotter.adopt` moves the copy to
+    pages, orders of magnitude slower (measured on a TPU host when this was chosen).
+    :meth:`Snapshotter.adopt` moves the copy to
     host memory after the step, while the next steps run. (On CPU, host memory
     kinds were never used: jax 0.12.1's CPU client cannot copy a compiled
     program's output in one, "Unsupported layout used for PjRt CPU buffers".)"""

@@ -11,15 +11,9 @@ from __future__ import annotations
 import abc
 from pathlib import Path
 
-from mtc.errors import CorruptShardError, RetryableError
-
-
-class BackupUnavailableError(RetryableError):
-    """The backup store could not be reached or answered with a transient error."""
-
-
-class CorruptBackupError(CorruptShardError):
-    """An object's bytes do not match their recorded CRC32C or size."""
+# Defined with every error (mtc/errors.py), imported from here by the backends.
+from mtc.errors import BackupUnavailableError as BackupUnavailableError
+from mtc.errors import CorruptBackupError as CorruptBackupError
 
 
 class Backend(abc.ABC):

@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
     from mtc.sidecar.replicator.store.store import LocalStore
-    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.transport import Peer
 
-log = logging.getLogger("mtc.sidecar.replicator.node")
+log = logging.getLogger(__name__)
 
 
 class BackupDuties:
@@ -38,7 +38,7 @@ class BackupDuties:
     when there is a backup store."""
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
-                 peers: Mapping[int, PeerClient], metrics: Metrics,
+                 peers: Mapping[int, Peer], metrics: Metrics,
                  scheduler: BackupScheduler | None, agreement: NodeAgreement) -> None:
         self.rank = config.rank
         self.config = config
@@ -127,8 +127,8 @@ class BackupDuties:
                 # Generous: a busy leader that answers late must not get a rival.
                 # Rank only: every node asks this twice a second, and a whole
                 # inventory checks every file the leader holds.
-                self.peers[r].call("GetInventory", pb.InventoryRequest(rank_only=True),
-                                   deadline_s=5.0, attempts=1)
+                self.peers[r].inventory(pb.InventoryRequest(rank_only=True), deadline_s=5.0,
+                                        attempts=1)
                 return False
             except PeerError:
                 continue
@@ -161,7 +161,7 @@ class BackupDuties:
     def call_backup_part(self, holder: int, req: pb.BackupPartRequest) -> pb.BackupPartReply:
         if holder == self.rank:
             return self.backup_part(req)
-        return self.peers[holder].call("BackupPart", req, deadline_s=3600, attempts=1)
+        return self.peers[holder].backup_part(req)
 
     def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply:
         from mtc.sidecar.backup.job import MANIFEST, step_prefix, upload_part
@@ -204,8 +204,7 @@ class BackupDuties:
                 raise
         for r in range(self.rank):
             try:
-                return int(self.peers[r].call("RequestBackup", pb.BackupRequest(step=-1),
-                                              deadline_s=3600, attempts=1).step)
+                return int(self.peers[r].request_backup().step)
             except PeerError:
                 continue
         return self.backup.run_once(self, force=True)
@@ -224,7 +223,7 @@ class BackupDuties:
 
         def fetch(holder: int, path: str, local: Path, e: Any) -> None:
             try:
-                self.peers[holder].data.fetch_file(step, holder, path, local, e.size, e.crc32c)
+                self.peers[holder].fetch(step, holder, path, local, e.size, e.crc32c)
             except PeerError as err:
                 if err.code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise HolderIdle(str(err), step=step, host=holder) from err

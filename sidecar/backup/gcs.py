@@ -34,7 +34,6 @@ import logging
 import os
 import struct
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,6 +49,7 @@ from google.cloud.storage import exceptions as storage_exc
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from mtc.errors import MtcError
+from mtc.pool import ThreadPool
 from mtc.sidecar.backup.backend import Backend, BackupUnavailableError, CorruptBackupError
 from mtc.sidecar.backup.gcs_folders import GcsFolders
 from mtc.sidecar.backup.local import check_key
@@ -287,7 +287,7 @@ class GcsBackend(Backend):
                     pass
 
         if keys:
-            with ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="mtc-gcs-rm") as pool:
+            with ThreadPool(min(16, len(keys)), "mtc-gcs-rm", lazy=True) as pool:
                 list(pool.map(one, keys))
         if (not prefix or prefix.endswith("/")) and self.can_publish():
             # HNS keeps folders after their objects go; a leftover empty folder would

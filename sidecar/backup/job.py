@@ -24,11 +24,12 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mtc.errors import ManifestError, MtcError, RetryableError
+from mtc.errors import HolderIdle as HolderIdle
+from mtc.errors import ManifestError, MtcError
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import Backend, CorruptBackupError
 from mtc.sidecar.replicator.store.step_files import FileMeta, safe_relpath
@@ -150,7 +151,7 @@ def upload_part(backend: Backend, step_dir: Path, files: dict[str, FileMeta],
         return rel, file_sha256(local), upload
 
     jobs = [(p, True) for p in req.upload] + [(p, False) for p in req.hash]
-    with ThreadPoolExecutor(4, thread_name_prefix="mtc-backup") as pool:
+    with ThreadPool(4, "mtc-backup", lazy=True) as pool:
         for rel, digest, uploaded in pool.map(lambda j: one(*j), jobs):
             reply.entries.add(path=rel, sha256=digest, uploaded=uploaded)
     return reply
@@ -197,7 +198,7 @@ def back_up_step(store: BackupStore, step: int,
 
     def run(parts: dict[tuple[int, int], tuple[list[str], list[str]]]
             ) -> dict[tuple[int, int], pb.BackupPartReply]:
-        with ThreadPoolExecutor(max(1, len(parts))) as pool:
+        with ThreadPool(max(1, len(parts)), "mtc-backup-parts", lazy=True) as pool:
             futs = {key: pool.submit(call, key[0], pb.BackupPartRequest(
                 step=step, origin_rank=key[1], prefix=prefix, upload=up, hash=hs))
                 for key, (up, hs) in parts.items()}
@@ -254,10 +255,6 @@ def check_proven(digests: Mapping[tuple[int, str], tuple[str, bool]],
                 f"the upload of rank {origin}'s file differs from the SHA-256 its origin "
                 f"signed: not committed", step=step, host=holder_of.get(origin, origin),
                 path=path)
-
-
-class HolderIdle(RetryableError):
-    """The host meant to read a shared object is not restoring this step (any more)."""
 
 
 @dataclasses.dataclass
@@ -339,6 +336,6 @@ def download_rank(store: BackupStore, step: int, rank: int, dest: Path,
     # Own objects first, so the hosts waiting for them are served early.
     mine_first = sorted(entries, key=lambda e: shared is not None and
                         shared.downloader.get(e.object, (rank, ""))[0] != rank)
-    with ThreadPoolExecutor(8, thread_name_prefix="mtc-restore") as pool:
+    with ThreadPool(8, "mtc-restore", lazy=True) as pool:
         list(pool.map(one, mine_first))
     return [FileMeta(e.path, e.size, e.crc32c) for e in entries]

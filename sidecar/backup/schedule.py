@@ -13,11 +13,12 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 from mtc.errors import MtcError
+from mtc.pool import ThreadPool
 from mtc.sidecar.backup.backend import Backend
 from mtc.sidecar.backup.job import BackupStore, back_up_step
 
@@ -49,7 +50,7 @@ class BackupScheduler:
         self._refreshing: Future[list[int]] | None = None
         self._list_failed = False
         # The listing behind an inventory's back: one thread, joined by close().
-        self._lister = ThreadPoolExecutor(1, thread_name_prefix="mtc-backup-list")
+        self._lister = ThreadPool(1, "mtc-backup-list", lazy=True)
 
     def close(self) -> None:
         """Wait for a listing in flight (bounded by the backend's own timeouts)."""

@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -26,6 +25,7 @@ import grpc
 from mtc.contract import AgentConfig
 from mtc.credentials import Credentials
 from mtc.errors import ConfigError
+from mtc.pool import ThreadPool
 from mtc.rank_names import CONTROLLER
 from mtc.sidecar.host.colocated import ColocatedServer
 from mtc.sidecar.host.service import MAX_MESSAGE, HostService, handler
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                                  latency_s=max(0.0, args.colocated_call_latency_ms) / 1000)
                  if args.colocated_devices > 0 else None)
     service = HostService(config, args.host, args.area, colocated)
-    pool = ThreadPoolExecutor(8, thread_name_prefix="mtc-sidecar-rpc")
+    pool = ThreadPool(8, "mtc-sidecar-rpc", lazy=True)
     server = grpc.server(pool, options=[("grpc.max_send_message_length", MAX_MESSAGE),
                                         ("grpc.max_receive_message_length", MAX_MESSAGE),
                                         ("grpc.so_reuseport", 0)],
@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         # programs from its start, and a restore must not wait for this one's JAX.
         colocated.wait_ready()
     # What start-up built (JAX, its runtime, the server) lives as long as the process:
-    # kept out of every collection. A full collection walked it all, about 0.1 s
-    # here, and a restore's hundreds of read tasks set collections off: a fifth of
-    # a sidecar's CPU in restores of the demo model's 111 leaves.
+    # kept out of every collection. A full collection walked it all, and a
+    # restore's hundreds of read tasks set collections off: the walks took much
+    # of a sidecar's CPU in restores.
     gc.freeze()
     if args.ready_file:
         write_atomic(args.ready_file, json.dumps(

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from mtc.layout import root_identity
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.schedule import BackupScheduler
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.copies.copy_proofs import OwnProofs, put_proof
 from mtc.sidecar.replicator.copies.provenance import ProofCheck
 from mtc.sidecar.replicator.selfcheck import (
     PEER_GRACE_S,
@@ -19,9 +19,9 @@ from mtc.sidecar.replicator.selfcheck import (
     PeerReach,
     ReplicationClock,
 )
+from mtc.sidecar.replicator.store.copy_proofs import OwnProofs, put_proof
 from mtc.sidecar.replicator.store.step_files import FileMeta, fingerprint_of
 from mtc.sidecar.replicator.store.store import LocalStore
-from mtc.sidecar.replicator.wire import checks
 
 
 class InventoryService:

@@ -30,7 +30,6 @@ import shlex
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -43,6 +42,7 @@ from mtc.jobset import JobSetPlace as JobSetPlace
 from mtc.jobset import env_int
 from mtc.jobset import read_jax_init_info as read_jax_init_info
 from mtc.lifecycle import Threads
+from mtc.pool import ThreadPool
 from mtc.sidecar.storage.publish import write_atomic
 
 log = logging.getLogger("mtc.replicator.k8s")
@@ -83,6 +83,7 @@ class HealthMirror:
         self._server: grpc.Server | None = None
         self._stop = threading.Event()
         self._threads = Threads("mtc-health-mirror")
+        self._pool = ThreadPool(2, "mtc-health-rpc", lazy=True)  # the server's handlers
 
     def _connect(self, cc: grpc.ChannelCredentials | None
                  ) -> tuple[grpc.Channel, health_pb2_grpc.HealthStub]:
@@ -112,7 +113,7 @@ class HealthMirror:
         return statuses
 
     def start(self, listen: str) -> int:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        server = grpc.server(self._pool)
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         port = server.add_insecure_port(listen)
         if port == 0:
@@ -135,6 +136,7 @@ class HealthMirror:
             self.servicer.set(s, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._server is not None:
             self._server.stop(grace=1).wait()
+        self._pool.shutdown(wait=False, cancel_futures=True)  # gRPC never shuts it down
         self._channel.close()
 
 

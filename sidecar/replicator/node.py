@@ -30,19 +30,23 @@ from mtc.credentials import Credentials
 from mtc.lifecycle import Service, Threads
 from mtc.sidecar.backup.duties import BackupDuties
 from mtc.sidecar.backup.schedule import BackupScheduler
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agree.node_agreement import NodeAgreement
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.copies.loop import ReplicationLoop
 from mtc.sidecar.replicator.copies.provenance import ProofCheck, Signer
+from mtc.sidecar.replicator.copies.receive import Receiver
 from mtc.sidecar.replicator.copies.replication import Replication
 from mtc.sidecar.replicator.copies.scrub import Scrubber
 from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
 from mtc.sidecar.replicator.fetch.restore import Restorer
 from mtc.sidecar.replicator.inventory_service import InventoryService
+from mtc.sidecar.replicator.loop import ReplicationLoop
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.selfcheck import ConfigCheck, PeerReach, identify
 from mtc.sidecar.replicator.store.store import LocalStore
+from mtc.sidecar.replicator.transport import Peers
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.wire.grpc_peer import GrpcPeer
 from mtc.sidecar.replicator.wire.parts import Parts
 from mtc.sidecar.storage import spare
 from mtc.sidecar.storage.reserve import Reserve
@@ -54,16 +58,24 @@ class Node:
     """One replicator: the composition root of its services."""
 
     def __init__(self, config: ReplicatorConfig, root: Path, creds: Credentials,
-                 backup: BackupScheduler | None = None) -> None:
+                 backup: BackupScheduler | None = None, *,
+                 peers: Peers | None = None) -> None:
         self.config = config
         self.rank = config.rank
         self.store = LocalStore(root, config.rank, orbax=config.framework == "orbax")
         self.metrics = Metrics()
         self.store.on_quarantine = self.metrics.quarantined.inc
         self.store.signed_only = creds.tls  # copies are proven (provenance.py)
-        self.peers = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s,
-                                    as_peer=True)
-                      for r, a in enumerate(config.nodes) if r != config.rank}
+        # Its peers' gRPC clients; every part of the replicator (and its backup
+        # tier) reaches them through the transport seam (transport.py): over
+        # these, or in memory when a test hands its own ``peers``
+        # (memory_transport.py: no gRPC client then).
+        self.clients = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s,
+                                      as_peer=True)
+                        for r, a in enumerate(config.nodes)
+                        if r != config.rank and peers is None}
+        self.peers: Peers = peers if peers is not None else {
+            r: GrpcPeer(c) for r, c in self.clients.items()}
         # Peers that do not answer (the start-up check's asks, replication's).
         self.reach = PeerReach()
         # How this node's flags disagree with a peer's (asked at start): while they
@@ -101,10 +113,13 @@ class Node:
                                     replication=self.replication, agreement=self.agreement,
                                     backups=self.backups, reserve=self.reserve,
                                     trusted=lambda: not self.check.error)
+        # The copy protocol's receiving side, whichever transport brings a copy.
+        self.receiver = Receiver(config.rank, self.store, self.metrics, self.reserve,
+                                 self.proofs, max_files=checks.MAX_OPEN_FILES)
         self.parts = Parts(config=config, store=self.store, metrics=self.metrics,
                            shown=self.shown, agreement=self.agreement,
                            restores=self.restorer, backups=self.backups, blanks=self.reserve,
-                           proofs=self.proofs)
+                           receiver=self.receiver, proofs=self.proofs)
         # Start order; stopped and closed in the reverse one (a restore's fetches
         # end before the agreement's pool, the loop before what it calls).
         self.services: tuple[Service, ...] = (
@@ -121,7 +136,7 @@ class Node:
         calls to peers in flight (a Decide waiting for its epoch, a push)."""
         for s in reversed(self.services):
             s.stop()
-        for p in self.peers.values():
+        for p in self.clients.values():
             p.close()
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from mtc.grpc_errors import PeerError
 from mtc.lifecycle import Threads
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.transport import Peer
 
 log = logging.getLogger("mtc.replicator")
 RETRY_S = 1.0  # between asks of a peer that has not answered yet
@@ -152,11 +152,11 @@ def check_peers(config: ReplicatorConfig, ask: Asks, report: Callable[[str], Non
             stop.wait(RETRY_S)
 
 
-def identify(client: PeerClient, reach: PeerReach, peer: int) -> pb.Inventory | None:
+def identify(client: Peer, reach: PeerReach, peer: int) -> pb.Inventory | None:
     """Peer ``peer``'s identity, or None while it does not answer (noted in ``reach``)."""
     try:
-        reply: pb.Inventory = client.call("GetInventory", pb.InventoryRequest(identify=True),
-                                          attempts=1, deadline_s=5.0)
+        reply = client.inventory(pb.InventoryRequest(identify=True), attempts=1,
+                                 deadline_s=5.0)
     except PeerError as e:
         if e.unreachable:
             reach.failed(peer, e.message)

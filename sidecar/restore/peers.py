@@ -24,15 +24,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from mtc.credentials import Credentials, names_read_here
 from mtc.errors import ConfigError, CorruptShardError, ProtocolError, ShardUnavailableError
 from mtc.grpc_errors import PeerError
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.agree.attest import origin_of
 from mtc.sidecar.replicator.copies.provenance import ProofCheck
-from mtc.sidecar.replicator.wire import checks
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class PeerFiles:
             cached = self._inventories.get(step)
         if cached is not None and not fresh and time.monotonic() - cached[0] < INVENTORY_TTL_S:
             return cached[1], cached[2]
-        with ThreadPoolExecutor(len(self._clients), thread_name_prefix="mtc-inventory") as pool:
+        with ThreadPool(len(self._clients), "mtc-inventory", lazy=True) as pool:
             invs = list(pool.map(self._ask, self._clients))
         ranks = [inv.rank if inv is not None else -1 for inv in invs]
         origins: Origins = [c for inv in invs if inv is not None for c in inv.copies

@@ -20,7 +20,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -28,7 +27,9 @@ import grpc
 from mtc.errors import AgreementError, ConfigError, InvalidStepError, MtcError, ProtocolError
 from mtc.grpc_errors import PeerError, is_retryable
 from mtc.lifecycle import Threads
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agree.agreement import Coordinator
 from mtc.sidecar.replicator.agree.attest import said_of
 from mtc.sidecar.replicator.agree.book import BOOK_NAME, Book, Decision
@@ -43,11 +44,11 @@ from mtc.sidecar.replicator.agree.fresh import Fresh
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies.provenance import ProofCheck
 from mtc.sidecar.replicator.metrics import Metrics
+from mtc.sidecar.replicator.store.fence import fences_on
 from mtc.sidecar.replicator.store.store import LocalStore
-from mtc.sidecar.replicator.wire import checks
-from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.transport import Peer
 
-log = logging.getLogger("mtc.sidecar.replicator.node")
+log = logging.getLogger(__name__)
 # The longest one Decide call lasts before the same ask goes again (``_ask``).
 DECIDE_CALL_S = 5.0
 Inventory = Callable[[bool], pb.Inventory]  # this node's own, with (True) or without files
@@ -111,7 +112,7 @@ class NodeAgreement:
     restore's fetches."""
 
     def __init__(self, config: ReplicatorConfig, root: Path, store: LocalStore,
-                 peers: Mapping[int, PeerClient], metrics: Metrics, *,
+                 peers: Mapping[int, Peer], metrics: Metrics, *,
                  inventory: Inventory, refuse: Callable[[], None],
                  proofs: ProofCheck | None = None) -> None:
         self.config = config
@@ -125,7 +126,7 @@ class NodeAgreement:
         self._inventory = inventory
         self._refuse = refuse
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(16, thread_name_prefix="mtc-inventory")
+        self._pool = ThreadPool(16, "mtc-inventory", lazy=True)
         self.last_decision = pb.Decision()  # the newest one this node read
         # The restore id this node asks the coordinator for last: an older restore
         # still retrying an unreachable coordinator stops when a newer one starts.
@@ -191,7 +192,7 @@ class NodeAgreement:
     def config_faults(self, ranks: Sequence[int], within_s: float) -> str:
         """How those of ``ranks`` that answer say their configuration disagrees with a
         peer's (their identity's ``config_error``), each named; "" when none does."""
-        futs = {r: self._pool.submit(self.peers[r].call, "GetInventory",
+        futs = {r: self._pool.submit(self.peers[r].inventory,
                                      pb.InventoryRequest(identify=True),
                                      deadline_s=min(2.0, self.config.deadline_s, within_s),
                                      attempts=1)
@@ -221,7 +222,7 @@ class NodeAgreement:
                     known_up: bool = False, up: Collection[int] = (),
                     files: bool = True) -> dict[int, pb.Inventory]:
         """Inventories of those of ``ranks`` that answer before ``deadline``, asked at
-        once. ``known_up``: they are serving (see :meth:`PeerClient.call`); ``up``:
+        once. ``known_up``: they are serving (see :meth:`.transport.Peer.inventory`); ``up``:
         those of them that are; ``files``: with the copies' file lists."""
         out: dict[int, pb.Inventory] = {}
         futs = {}
@@ -230,7 +231,7 @@ class NodeAgreement:
                 out[r] = self._inventory(files)
             else:
                 left = max(0.05, min(self.config.deadline_s, deadline - time.monotonic()))
-                futs[r] = self._pool.submit(self.peers[r].call, "GetInventory",
+                futs[r] = self._pool.submit(self.peers[r].inventory,
                                             pb.InventoryRequest(without_files=not files),
                                             deadline_s=left, attempts=1,
                                             known_up=known_up or r in up)
@@ -310,9 +311,8 @@ class NodeAgreement:
         try:
             if self.rank == self.coordinator_rank:
                 return self.kept.get(self.config.deadline_s * 2)
-            reply = self.peers[self.coordinator_rank].call(
-                "GetComplete", pb.CompleteRequest(), deadline_s=self.config.deadline_s * 2,
-                attempts=1)
+            reply = self.peers[self.coordinator_rank].complete(
+                deadline_s=self.config.deadline_s * 2)
             return checks.kept(reply, host=self.coordinator_rank)
         except (PeerError, AgreementError) as e:
             log.debug("rank %d: no complete-step view: %s", self.rank, e)
@@ -372,7 +372,7 @@ class NodeAgreement:
         self.last_decision = d
         log.info("rank %d: restore step %d (epoch %d, decided by rank %d)",
                  self.rank, d.step, d.epoch, c)
-        if d.step >= 0 and fresh:
+        if fences_on(d.step, fresh):
             gone = self.store.fence(d.step)
             if gone:
                 log.info("rank %d: fenced off steps newer than the agreed step %d (copies "
@@ -412,8 +412,8 @@ class NodeAgreement:
                 call_s = max(0.1, left if left <= DECIDE_CALL_S + 2.0 else DECIDE_CALL_S)
                 t_call = time.monotonic()
                 self.metrics.decide_calls.inc()
-                return checks.decision(self.peers[c].call(
-                    "Decide", req, deadline_s=call_s, attempts=1).decision, host=c)
+                return checks.decision(self.peers[c].decide(req, deadline_s=call_s).decision,
+                                       host=c)
             except PeerError as e:
                 if e.code == grpc.StatusCode.FAILED_PRECONDITION:  # a configuration fault
                     raise ConfigError(e.message, step=e.step,

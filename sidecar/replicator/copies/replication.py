@@ -21,7 +21,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence, Set
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -29,19 +28,20 @@ import grpc
 from mtc.errors import CorruptShardError, MtcError
 from mtc.grpc_errors import PeerError
 from mtc.lifecycle import Threads
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.copies import claims
-from mtc.sidecar.replicator.copies.copy_proofs import OwnProofs
 from mtc.sidecar.replicator.copies.provenance import Signer
 from mtc.sidecar.replicator.copies.push_plan import PUSH_STREAMS, push_batches, push_streams
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.selfcheck import PeerReach, ReplicationClock
+from mtc.sidecar.replicator.store import claims
+from mtc.sidecar.replicator.store.copy_proofs import OwnProofs
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import LocalStore
-from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.sidecar.replicator.transport import Peer
 
-log = logging.getLogger("mtc.sidecar.replicator.node")
+log = logging.getLogger(__name__)
 RESYNC_S = 2.0  # how often a target's holdings of our steps are re-read
 # How often one older step is pushed again to one target: a target that keeps
 # fewer copies than this host keeps steps (another --keep) deletes it each time.
@@ -74,7 +74,7 @@ class Replication:
     may start again (a restore was just answered)."""
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
-                 peers: Mapping[int, PeerClient], metrics: Metrics, *,
+                 peers: Mapping[int, Peer], metrics: Metrics, *,
                  quiet_until: Callable[[], float], reach: PeerReach | None = None,
                  signer: Signer | None = None) -> None:
         self.rank = config.rank
@@ -102,7 +102,7 @@ class Replication:
         # to a target in it is a lost copy pushed again, else one a newer step
         # went ahead of.
         self._had: dict[int, set[int]] = defaultdict(set)
-        self._push_pool = ThreadPoolExecutor(4, thread_name_prefix="mtc-push")
+        self._push_pool = ThreadPool(4, "mtc-push", lazy=True)
         # With mutual TLS: each own step offered with this rank's signed proof.
         self.own_proofs = OwnProofs(self.rank, signer) if signer is not None else None
         self._failing: dict[int, str] = {}  # target -> the kind of its pushes' last failure
@@ -160,9 +160,8 @@ class Replication:
             if now - self._synced.get(t, -RESYNC_S) < RESYNC_S or self.away(t):
                 continue
             try:
-                inv = self.peers[t].call(
-                    "GetInventory", pb.InventoryRequest(origins=[self.rank], without_files=True),
-                    attempts=1)
+                inv = self.peers[t].inventory(
+                    pb.InventoryRequest(origins=[self.rank], without_files=True), attempts=1)
             except PeerError as e:
                 self.metrics.skipped.labels("target_unanswered").inc()
                 if e.unreachable:
@@ -282,7 +281,7 @@ class Replication:
                 raise CorruptShardError("own copy fails verification; quarantined, not "
                                         "offered", step=step, host=self.rank, path=bad[0].path)
             offer = pb.OfferRequest(copy=self.entry(step, files))
-            reply = peer.call("Offer", offer)
+            reply = peer.offer(offer)
             if reply.already_complete:
                 self._held(step, target)
                 return
@@ -292,11 +291,9 @@ class Replication:
             same = [c.path for c in reply.candidates
                     if not c.sha256 or self.store.checksums.sha256(src / c.path) == c.sha256]
             if same:
-                peer.call("Link", pb.LinkRequest(transfer_id=reply.transfer_id, paths=same))
+                peer.link(reply.transfer_id, same)
             linked = set(same)
             todo = [(i, f) for i, f in enumerate(files) if f.path not in linked]
-            if reply.data_port:
-                peer.data_port = reply.data_port
             try:
                 if reply.data_port and todo:
                     # The data channel: a few connections, each files back to back.
@@ -308,11 +305,10 @@ class Replication:
                                                    src, batch) for batch in push_batches(todo)]
                 for fut in futs:
                     fut.result()
-                peer.call("Commit", pb.CommitRequest(transfer_id=reply.transfer_id))
+                peer.commit(reply.transfer_id)
             except BaseException:
                 try:
-                    peer.call("Abort", pb.AbortRequest(transfer_id=reply.transfer_id),
-                              attempts=1)
+                    peer.abort(reply.transfer_id)
                 except PeerError:
                     self.metrics.skipped.labels("abort_unanswered").inc()
                 raise
@@ -334,14 +330,11 @@ class Replication:
                                      saving_ranks=list(s.ranks),
                                      sha256=self.store.checksums.sha256)
 
-    def _push_batch(self, peer: PeerClient, tid: str, src: Path,
+    def _push_batch(self, peer: Peer, tid: str, src: Path,
                     batch: list[tuple[int, FileMeta]]) -> None:
         try:
-            if len(batch) == 1:
-                f = batch[0][1]
-                peer.data.push_file(tid, f.path, src / f.path, f.size, f.crc32c)
-            else:
-                peer.data.push_files(tid, [(i, src / f.path, f.size, f.crc32c) for i, f in batch])
+            peer.push_batch(tid, [(i, f.path, src / f.path, f.size, f.crc32c)
+                                  for i, f in batch])
         except CorruptShardError:
             # Damaged since it was last checked: read it again, quarantine what fails.
             where = self.store.locate(src / batch[0][1].path)
@@ -350,11 +343,11 @@ class Replication:
             raise
         self.metrics.bytes_sent.inc(sum(f.size for _, f in batch))
 
-    def _push_stream(self, peer: PeerClient, tid: str, src: Path,
+    def _push_stream(self, peer: Peer, tid: str, src: Path,
                      group: list[tuple[int, FileMeta]]) -> None:
         try:
-            sent = peer.data.push_data(tid, [(i, src / f.path, f.size, f.crc32c)
-                                             for i, f in group])
+            sent = peer.push(tid, [(i, f.path, src / f.path, f.size, f.crc32c)
+                                   for i, f in group])
             if sent is None:  # the data channel could not be had (busy, a flood): gRPC
                 for batch in push_batches(group):
                     self._push_batch(peer, tid, src, batch)

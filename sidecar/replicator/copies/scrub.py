@@ -16,7 +16,7 @@ a save checksums every byte it writes, a peer copy is verified as it arrives).
 Damage builds up with the time bytes sit in memory, and a restore verifies every
 byte it reads in any case; without the interval a small state's copies, saved
 every few seconds, were read again the moment after they were written, over and
-over (on the local cluster's 2 cores, 4 replicators' scrubs took 7% of a core).
+over: CPU taken from the job for bytes just checked.
 
 A file that fails is checked once more, and quarantined only if its copy is still
 the one that was read (a copy replaced meanwhile, a step saved again, is not

@@ -20,12 +20,16 @@ part of it was sent.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Sequence
+import os
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtc.errors import ConfigError, StepNotFoundError
+from mtc.errors import ConfigError, CorruptShardError, StepNotFoundError
+from mtc.integrity import crc32c
+from mtc.sidecar.confine import open_beneath
 from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.store.store import LocalStore
@@ -80,3 +84,45 @@ def serving(store: LocalStore, staged: Callable[[int], tuple[Path, set[str]] | N
                     staged=None if restoring is None else restoring[1])
     assert restoring is not None  # servable refuses a step neither held nor staged
     return plan, restoring[0]
+
+
+def stream_verified(store: LocalStore, origin: int, step: int, meta: FileMeta,
+                    offset: int = 0) -> Iterator[bytes]:
+    """A file of a copy held in ``store`` (``meta``: as the copy describes it): its
+    bytes from ``offset``, CRC32C checked as they are read; the last chunk is held
+    back until the check passes, so a reader never gets a whole file that fails (the
+    file is quarantined and CorruptShardError raised)."""
+    rel = meta.path
+    if not 0 <= offset <= meta.size:
+        raise ValueError(f"offset {offset} outside {rel} ({meta.size} bytes)")
+    folder = store.copy_dir(origin, step)
+    path = folder / rel
+    value = 0
+    # Opened part by part without following a symlink: nothing outside the copy
+    # is ever sent, whatever was planted in it.
+    under = folder.relative_to(store.root).as_posix()
+    with os.fdopen(open_beneath(store.root, f"{under}/{rel}"), "rb", buffering=0) as f:
+        done = 0
+        while done < offset:  # the part before the offset, checked in chunks too
+            part = f.read(min(CHUNK, offset - done))
+            if not part:
+                break
+            value = crc32c(part, value)
+            done += len(part)
+        held = f.read(CHUNK)
+        while held:
+            value = crc32c(held, value)
+            nxt = f.read(CHUNK)
+            if not nxt:
+                break
+            yield held
+            held = nxt
+        size = f.tell()
+    if size != meta.size or value != meta.crc32c:
+        store.quarantine_file(path, f"{size} bytes crc32c {value:#010x} when sent, "
+                                   f"expected {meta.size} bytes {meta.crc32c:#010x}",
+                             origin=origin, step=step)
+        raise CorruptShardError("held copy failed its checksum; quarantined", step=step,
+                                host=origin, path=rel)
+    if held:
+        yield held

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtc.errors import CorruptShardError, MtcError, StepNotFoundError
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.agree.node_agreement import holders_of
 from mtc.sidecar.replicator.copies.provenance import not_signed, own_signed
@@ -23,17 +23,17 @@ from mtc.sidecar.storage.names import tmp_dir
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
+    from concurrent.futures import Executor
 
     from mtc.sidecar.backup.duties import BackupDuties
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.copies.provenance import ProofCheck
     from mtc.sidecar.replicator.metrics import Metrics
     from mtc.sidecar.replicator.store.store import LocalStore
-    from mtc.sidecar.replicator.wire.client import PeerClient
-    from mtc.sidecar.replicator.wire.peer_data import Opener
+    from mtc.sidecar.replicator.transport import Opener, Peer
     from mtc.sidecar.storage.reserve import Reserve
 
-log = logging.getLogger("mtc.sidecar.replicator.node")
+log = logging.getLogger(__name__)
 FETCH_STREAMS = 4  # a restore's streams from one holder: the fetch pool's threads
 
 
@@ -44,7 +44,7 @@ class Materializer:
     proven their origin's."""
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
-                 peers: Mapping[int, PeerClient], metrics: Metrics, *,
+                 peers: Mapping[int, Peer], metrics: Metrics, *,
                  proofs: ProofCheck | None, backups: BackupDuties,
                  reserve: Reserve) -> None:
         self.rank = config.rank
@@ -59,7 +59,7 @@ class Materializer:
         self.proofs = proofs
         self.backups = backups
         self.backup = backups.backup
-        self._pool = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="mtc-fetch")
+        self._pool = ThreadPool(FETCH_STREAMS, "mtc-fetch", lazy=True)
 
     def close(self) -> None:
         """After the background restore: the fetch pool."""
@@ -78,7 +78,7 @@ class Materializer:
 
 
     def materialize(self, step: int, invs: dict[int, pb.Inventory], *, into_root: bool,
-                    run: str = "", pool: ThreadPoolExecutor | None = None) -> str:
+                    run: str = "", pool: Executor | None = None) -> str:
         """Make this host's data of ``step`` (as ``run`` wrote it; "": whatever run)
         local and verified; returns the tier it came from ("local", "peer" or
         "backup"). A copy held here of another run under the same number is another
@@ -193,7 +193,7 @@ class Materializer:
 
     def _fetch_all(self, step: int, origin: int, invs: dict[int, pb.Inventory],
                    files: list[FileMeta], tmp: Path, run: str = "",
-                   pool: ThreadPoolExecutor | None = None,
+                   pool: Executor | None = None,
                    want: Mapping[str, bytes] | None = None) -> set[str]:
         """Fetch ``files`` (of ``origin``'s copy of ``step``, this rank's data or a
         stand-in for it, of ``run``) into ``tmp`` on ``pool``'s threads (default:
@@ -235,8 +235,8 @@ class Materializer:
                      tmp: Path) -> list[str]:
         """Files of ``origin``'s copy of ``step`` from ``holder`` in one stream; the
         paths that arrived verified."""
-        got, err = self.peers[holder].data.fetch_files(step, origin, files, tmp,
-                                                       opener=self._opener())
+        got, err = self.peers[holder].fetch_many(step, origin, files, tmp,
+                                                 opener=self._opener())
         sizes = {f.path: f.size for f in files}
         self.metrics.bytes_fetched.inc(sum(sizes[p] for p in got))
         if err is not None:
@@ -292,8 +292,7 @@ class Materializer:
                     src = self.store.copy_dir(origin, step) / f.path
                     copy_verified(src, dest, f.size, f.crc32c)
                 else:
-                    self.peers[holder].data.fetch_file(step, origin, f.path, dest, f.size,
-                                                  f.crc32c)
+                    self.peers[holder].fetch(step, origin, f.path, dest, f.size, f.crc32c)
                     self.metrics.bytes_fetched.inc(f.size)
                 if self._unsigned(want, f, tmp, step, holder):
                     errors.append(f"rank {holder}: not the bytes rank {origin} signed")

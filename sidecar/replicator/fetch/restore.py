@@ -11,14 +11,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtc import layout
 from mtc.errors import AgreementError, MtcError, StepNotFoundError
 from mtc.lifecycle import Threads
-from mtc.pool import lower_thread_priority
+from mtc.pool import ThreadPool, lower_thread_priority
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar import priority
 from mtc.sidecar.replicator.agree.decision import check_members, refused, saving_ranks
@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.metrics import Metrics
     from mtc.sidecar.replicator.store.store import LocalStore
-    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.transport import Peer
     from mtc.sidecar.storage.reserve import Reserve
 
-log = logging.getLogger("mtc.sidecar.replicator.node")
+log = logging.getLogger(__name__)
 BACKGROUND_NICE = 19  # raised by this much (to at most 19)
 
 
@@ -68,7 +68,7 @@ class Restorer:
     configuration disagrees with a peer's."""
 
     def __init__(self, config: ReplicatorConfig, store: LocalStore,
-                 peers: Mapping[int, PeerClient], metrics: Metrics, *,
+                 peers: Mapping[int, Peer], metrics: Metrics, *,
                  agreement: NodeAgreement, backups: BackupDuties,
                  inventory: Callable[[], pb.Inventory], refuse: Callable[[], None],
                  reserve: Reserve) -> None:
@@ -86,9 +86,8 @@ class Restorer:
                                    backups=backups, reserve=reserve)
         # After the answer: the step made local (one thread) over streams of its own,
         # every thread at the background's priority.
-        self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="mtc-materialize",
-                                           initializer=_background_priority)
-        self._bg_fetch = ThreadPoolExecutor(FETCH_STREAMS, thread_name_prefix="mtc-fetch-bg",
+        self._bg_pool = ThreadPool(1, "mtc-materialize", _background_priority, lazy=True)
+        self._bg_fetch = ThreadPool(FETCH_STREAMS, "mtc-fetch-bg", lazy=True,
                                             initializer=_background_priority)
         self._bg_lock = threading.Lock()
         self._materializing: dict[int, Future[str]] = {}
@@ -163,9 +162,10 @@ class Restorer:
         the step waiting out the quiet time (kept so that the job's load had this
         host's CPUs) starts now, at the background's priority. Returns whether one
         does. Pushes to peers still wait out the quiet time: every host's pushes
-        going at once too (the replaced host held copies of others' steps) cost
-        the job's first step after a host loss about 0.4 s here (bench/recovery.py,
-        two cores). A notice of another restore than the last one prepared here
+        going at once too (the replaced host held copies of others' steps) would
+        compete with the job's first step after a host loss for the host's CPUs
+        (bench/recovery.py measures that step). A notice of another restore than
+        the last one prepared here
         (late, replayed) changes nothing."""
         with self._bg_lock:
             if not rid or rid != self._last_rid:
@@ -310,8 +310,8 @@ class Restorer:
                 raise StepNotFoundError("the replicator is stopping", step=step, host=self.rank)
             # The whole process yields while it fetches (its threads that serve
             # other hosts too): in a session of its own, its threads' nice does
-            # not reach past it, and the job's first step after a host loss took
-            # 0.2 s longer (bench/recovery.py).
+            # not reach past it, and the fetch slowed the job's first step after a
+            # host loss (bench/recovery.py).
             with priority.group_yields(BACKGROUND_NICE):
                 tier = self._place.materialize(step, invs, into_root=into_root, run=run,
                                         pool=self._bg_fetch)

@@ -9,13 +9,13 @@ import json
 import os
 import stat
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mtc import validate
 from mtc.errors import FatalError, MtcError, UnsafePathError
 from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, Manifest
+from mtc.pool import ThreadPool
 from mtc.sidecar.storage.checksum import file_crc
 
 
@@ -91,8 +91,7 @@ def _walk(step_dir: Path) -> list[FileMeta]:
     if len(paths) < 2:
         out = [meta(p) for p in paths]
     else:
-        with ThreadPoolExecutor(min(WALK_THREADS, len(paths)),
-                                thread_name_prefix="mtc-describe") as pool:
+        with ThreadPool(min(WALK_THREADS, len(paths)), "mtc-describe", lazy=True) as pool:
             out = list(pool.map(meta, paths))
     return sorted(out, key=lambda m: m.path)
 

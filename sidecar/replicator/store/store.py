@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -43,9 +44,10 @@ from mtc import layout
 from mtc.errors import CorruptShardError, MtcError
 from mtc.manifest import MANIFEST_NAME, Manifest, Summary
 from mtc.sidecar.confine import is_real_dir, real_dir
-from mtc.sidecar.replicator.copies import claims
-from mtc.sidecar.replicator.copies.copy_proofs import HeldProofs, proof_path
+from mtc.sidecar.replicator.store import claims
+from mtc.sidecar.replicator.store import fence as fencing
 from mtc.sidecar.replicator.store.checksums import Checksums
+from mtc.sidecar.replicator.store.copy_proofs import HeldProofs, proof_path
 from mtc.sidecar.replicator.store.own_steps import OwnSteps
 from mtc.sidecar.replicator.store.step_files import (
     FileMeta,
@@ -61,6 +63,9 @@ from mtc.sidecar.storage.quarantine import links_of, quarantine
 log = logging.getLogger(__name__)
 
 REPLICA_DIR = ".mtc-replica"
+# Fences remembered for commits of copies offered before them (one per restore
+# agreed; a copy offered before more than these is refused, and offered again).
+MAX_FENCES_KEPT = 64
 
 
 class LocalStore:
@@ -85,10 +90,10 @@ class LocalStore:
         # (claims.reclaim), never by size and CRC32C alone.
         self.signed_only = False
         self._damaged: set[tuple[int, int]] = set()  # copies with a quarantined file
-        # Fences so far, and the step of the newest (see :meth:`fence`): a copy offered
-        # before a fence of a step beyond it is refused at its commit.
+        # Fences so far, and the steps of the newest ones (see :meth:`fence`): a copy
+        # offered before a fence of a step below it is refused at its commit.
         self.fences = 0
-        self._fenced_at = -1
+        self._fenced: deque[int] = deque(maxlen=MAX_FENCES_KEPT)
         self.quarantined_total = 0
         self.on_quarantine: Callable[[], None] | None = None  # counts in metrics
         root.mkdir(parents=True, exist_ok=True)
@@ -292,7 +297,10 @@ class LocalStore:
         """Whether a copy of ``step`` offered when :attr:`fences` was ``fences`` has
         been fenced off since (a push that was on its way when a restore was agreed)."""
         with self._lock:
-            return self.fences != fences and step > self._fenced_at
+            n = self.fences - fences
+            since = list(self._fenced)[len(self._fenced) - n:] if n <= len(self._fenced) \
+                else None
+        return fencing.refused_at_commit(step, since if n > 0 else [])
 
     def fingerprint(self, origin: int, step: int) -> int:
         """CRC32C of a held copy's file list: the same for any copy of the same bytes
@@ -313,16 +321,14 @@ class LocalStore:
         steps and its peers' alike: after a restore of ``step`` is agreed, a newer
         step can only be a save that did not finish on every host, and the job
         will save that number again; its bytes must never meet the new ones."""
-        gone = []
         with self._lock:
             self.fences += 1
-            self._fenced_at = step
+            self._fenced.append(step)
         held = {(self.rank, s) for s in self.own.steps()}
         held |= {(o, s) for o, steps in self.replica_steps().items() for s in steps}
-        for origin, s in sorted(held):
-            if s > step:
-                self.remove_copy(origin, s)
-                gone.append((origin, s))
+        gone = fencing.to_fence(step, held)  # the rule: store/fence.py
+        for origin, s in gone:
+            self.remove_copy(origin, s)
         return gone
 
     # -- incoming copies ----------------------------------------------------

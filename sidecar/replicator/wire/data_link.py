@@ -27,7 +27,7 @@ from mtc.sidecar.replicator.wire.socket_files import send_file
 
 if TYPE_CHECKING:
     from mtc.credentials import Credentials
-    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.wire.peer_calls import PeerCalls
 
 log = logging.getLogger(__name__)
 DATA_REASK_S = 30.0  # a peer without a data channel is asked again this long after
@@ -39,7 +39,7 @@ class DataLink:
     asked before the next transfer; 0: it has none, asked again ``DATA_REASK_S``
     later)."""
 
-    def __init__(self, peer: PeerClient, creds: Credentials) -> None:
+    def __init__(self, peer: PeerCalls, creds: Credentials) -> None:
         self.peer = peer
         self._channel = dc.DataClient(creds, lambda: peer.server_name.name
                                       if peer.server_name is not None else None)

@@ -2,7 +2,7 @@
 open transfer, and the files of a copy held here, for a fetch.
 
 The same checks as the gRPC Data service's (``grpc_data.py``), one function each
-in :mod:`.checks`: a push names an open transfer of the caller's rank and files of
+in :mod:`..checks`: a push names an open transfer of the caller's rank and files of
 its offer; a fetch names a rank, a step and paths, each validated, and what of them
 this host may serve decided (:mod:`~mtc.sidecar.replicator.copies.servable`), before
 any file is opened; files are opened part by part without following a symlink. A
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 from mtc.errors import CorruptShardError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.copies.servable import HELD, serving
 from mtc.sidecar.replicator.copies.transfers import Transfers
 from mtc.sidecar.replicator.store.step_files import FileMeta, inside
-from mtc.sidecar.replicator.wire import checks
 from mtc.sidecar.replicator.wire.datachannel import Caller
 from mtc.sidecar.replicator.wire.limits import Streams, own_data, peer_of
 from mtc.sidecar.replicator.wire.security import Identity

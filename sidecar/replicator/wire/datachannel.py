@@ -38,7 +38,6 @@ import ssl
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Protocol, TypeVar
 
 import grpc
@@ -48,6 +47,7 @@ from mtc.credentials import Credentials, Stamp
 from mtc.errors import BusyError, MtcError, UnauthorizedError
 from mtc.grpc_errors import to_status, wire_error
 from mtc.lifecycle import Threads
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.rank_names import identity_of
 from mtc.sidecar.replicator.wire.data_admission import Pending
@@ -280,8 +280,7 @@ class DataServer:
         self.pending = Pending(request_s=request_s)
         self._slots = threading.BoundedSemaphore(workers)
         # Pending connections hold a thread each, authenticated ones a worker.
-        self._pool = ThreadPoolExecutor(workers + self.pending.total,
-                                        thread_name_prefix="mtc-data")
+        self._pool = ThreadPool(workers + self.pending.total, "mtc-data", lazy=True)
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()

@@ -16,22 +16,20 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from mtc.errors import CorruptShardError, MtcError
+from mtc.errors import MtcError
 from mtc.grpc_errors import answer
-from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import open_beneath
-from mtc.sidecar.replicator.copies.servable import HELD, Serving, serving
+from mtc.sidecar.replicator import checks
+from mtc.sidecar.replicator.copies.servable import HELD, Serving, serving, stream_verified
 from mtc.sidecar.replicator.copies.transfers import Transfer
-from mtc.sidecar.replicator.store.step_files import FileMeta, inside, safe_relpath
-from mtc.sidecar.replicator.wire import checks
+from mtc.sidecar.replicator.store.step_files import FileMeta, safe_relpath
 from mtc.sidecar.replicator.wire.limits import Streams, own_data, peer_of
 from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from mtc.sidecar.replicator.store.store import LocalStore
     from mtc.sidecar.replicator.wire.parts import Parts
 
 
@@ -43,10 +41,12 @@ class GrpcData:
     long they take."""
 
     def __init__(self, parts: Parts, streams: Streams,
-                 transfer: Callable[[str, Any], Transfer]) -> None:
+                 transfer: Callable[[str, Any], Transfer],
+                 receive: Callable[[Transfer, list[FileMeta], Iterator[bytes]], int]) -> None:
         self.parts = parts
         self.streams = streams
         self._transfer = transfer
+        self._receive = receive  # the receiving side's (copies/receive.py)
 
     def push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushAck:
         try:
@@ -61,7 +61,7 @@ class GrpcData:
                 # committed step of ours.
                 with t.lock:
                     t.verified.difference_update(m.path for m in metas)
-                got = self._receive(t, metas, _counted(chunks, stream))
+                got = self._receive(t, metas, _counted(chunks, stream))  # copies/receive.py
             self.parts.metrics.bytes_received.inc(got)
             return pb.PushAck(path=metas[0].path if len(metas) == 1 else "", size=got)
         except (MtcError, OSError, ValueError, KeyError) as e:
@@ -91,50 +91,6 @@ class GrpcData:
                 str(md.get("x-mtc-crc32c")) != str(meta.crc32c):
             raise ValueError(f"{rel!r}: size or checksum differ from the offer")
         return [meta]
-
-    def _receive(self, t: Transfer, metas: list[FileMeta], chunks: Iterator[bytes]) -> int:
-        """Write ``metas``' bytes from the stream, each file verified (size, CRC32C)
-        before it counts; a file cut short or with extra bytes is removed."""
-        stream = iter(chunks)
-        pending = memoryview(b"")
-        total = 0
-        for meta in metas:
-            dst = inside(t.tmp, meta.path)
-            dst.unlink(missing_ok=True)
-            value = got = 0
-            # New (or set aside for it, mtc.sidecar.storage.reserve), part by part without following
-            # a symlink.
-            fd = self.parts.blanks.open_new(t.tmp, meta.path, meta.size, t.origin)
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                try:
-                    while got < meta.size:
-                        if not pending:
-                            nxt = next(stream, None)
-                            if nxt is None:
-                                break
-                            pending = memoryview(nxt)
-                        part = pending[:meta.size - got]
-                        pending = pending[len(part):]
-                        got += len(part)
-                        value = crc32c(part, value)
-                        f.write(part)
-                    bad = checks.not_as_offered(meta, got, value, step=t.step,
-                                                origin=t.origin)
-                    if bad is not None:
-                        raise bad
-                except BaseException:
-                    dst.unlink(missing_ok=True)
-                    raise
-            with t.lock:
-                t.verified.add(meta.path)
-            total += got
-        if pending or next(stream, None) is not None:
-            with t.lock:
-                t.verified.discard(metas[-1].path)
-            inside(t.tmp, metas[-1].path).unlink(missing_ok=True)
-            raise CorruptShardError(f"peer sent more than the {total} bytes offered",
-                                    step=t.step, host=t.origin, path=metas[-1].path)
-        return total
 
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
@@ -171,48 +127,6 @@ class GrpcData:
                 f.seek(offset)
                 while chunk := f.read(CHUNK):
                     yield chunk
-
-
-def stream_verified(store: LocalStore, origin: int, step: int, meta: FileMeta,
-                    offset: int = 0) -> Iterator[bytes]:
-    """A file of a copy held in ``store`` (``meta``: as the copy describes it): its
-    bytes from ``offset``, CRC32C checked as they are read; the last chunk is held
-    back until the check passes, so a reader never gets a whole file that fails (the
-    file is quarantined and CorruptShardError raised)."""
-    rel = meta.path
-    if not 0 <= offset <= meta.size:
-        raise ValueError(f"offset {offset} outside {rel} ({meta.size} bytes)")
-    folder = store.copy_dir(origin, step)
-    path = folder / rel
-    value = 0
-    # Opened part by part without following a symlink: nothing outside the copy
-    # is ever sent, whatever was planted in it.
-    under = folder.relative_to(store.root).as_posix()
-    with os.fdopen(open_beneath(store.root, f"{under}/{rel}"), "rb", buffering=0) as f:
-        done = 0
-        while done < offset:  # the part before the offset, checked in chunks too
-            part = f.read(min(CHUNK, offset - done))
-            if not part:
-                break
-            value = crc32c(part, value)
-            done += len(part)
-        held = f.read(CHUNK)
-        while held:
-            value = crc32c(held, value)
-            nxt = f.read(CHUNK)
-            if not nxt:
-                break
-            yield held
-            held = nxt
-        size = f.tell()
-    if size != meta.size or value != meta.crc32c:
-        store.quarantine_file(path, f"{size} bytes crc32c {value:#010x} when sent, "
-                                   f"expected {meta.size} bytes {meta.crc32c:#010x}",
-                             origin=origin, step=step)
-        raise CorruptShardError("held copy failed its checksum; quarantined", step=step,
-                                host=origin, path=rel)
-    if held:
-        yield held
 
 
 def _counted(chunks: Iterator[bytes], stream: Any) -> Iterator[bytes]:

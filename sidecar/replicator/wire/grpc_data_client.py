@@ -22,10 +22,10 @@ from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.wire.peer_calls import PeerCalls
 
 
-def push_file(peer: PeerClient, transfer_id: str, rel: str, path: Path, size: int, crc: int,
+def push_file(peer: PeerCalls, transfer_id: str, rel: str, path: Path, size: int, crc: int,
               *, deadline_s: float = 120.0) -> pb.PushAck:
     """Stream one file's raw bytes; the peer acknowledges only verified bytes.
 
@@ -61,7 +61,7 @@ def push_file(peer: PeerClient, transfer_id: str, rel: str, path: Path, size: in
         raise
 
 
-def push_files(peer: PeerClient, transfer_id: str, files: list[tuple[int, Path, int, int]],
+def push_files(peer: PeerCalls, transfer_id: str, files: list[tuple[int, Path, int, int]],
                *, deadline_s: float = 120.0) -> pb.PushAck:
     """Stream several small files back to back in one call: ``(index in the
     offer, path, size, crc32c)`` each. One call per file costs more CPU than
@@ -95,7 +95,7 @@ def push_files(peer: PeerClient, transfer_id: str, files: list[tuple[int, Path, 
         raise
 
 
-def fetch_file(peer: PeerClient, step: int, origin: int, rel: str, dest: Path, size: int,
+def fetch_file(peer: PeerCalls, step: int, origin: int, rel: str, dest: Path, size: int,
                crc: int, deadline_s: float) -> None:
     """One file of ``peer``'s copy into ``dest`` (created), verified against its size
     and CRC32C; removed when it is not."""
@@ -122,7 +122,7 @@ def fetch_file(peer: PeerClient, step: int, origin: int, rel: str, dest: Path, s
             f"expected {size} bytes crc32c {crc:#010x}", step=step, host=origin, path=rel)
 
 
-def fetch_files(peer: PeerClient, step: int, origin: int, files: list[FileMeta],
+def fetch_files(peer: PeerCalls, step: int, origin: int, files: list[FileMeta],
                 dest: Path, deadline_s: float, done: list[str]
                 ) -> tuple[list[str], MtcError | None]:
     """Several files of ``peer``'s copy in one stream into ``dest`` (each at ``dest /
@@ -194,7 +194,7 @@ def fetch_files(peer: PeerClient, step: int, origin: int, files: list[FileMeta],
             (dest / files[i].path).unlink(missing_ok=True)
 
 
-def fetch_bytes(peer: PeerClient, step: int, origin: int, rel: str, crc: int,
+def fetch_bytes(peer: PeerCalls, step: int, origin: int, rel: str, crc: int,
                 out: bytearray, deadline_s: float) -> None:
     """One file of ``peer``'s copy into ``out`` (its size), verified against its size
     and ``crc``."""

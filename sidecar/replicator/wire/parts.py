@@ -11,7 +11,7 @@ own services (:meth:`Node.parts`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from mtc.proto import replicator_pb2 as pb
     from mtc.sidecar.replicator.config import ReplicatorConfig
     from mtc.sidecar.replicator.copies.provenance import ProofCheck
+    from mtc.sidecar.replicator.copies.receive import Blanks, Receiver
     from mtc.sidecar.replicator.metrics import Metrics
     from mtc.sidecar.replicator.store.store import LocalStore
 
@@ -68,19 +69,6 @@ class Backups(Protocol):
     def backup_part(self, req: pb.BackupPartRequest) -> pb.BackupPartReply: ...
 
 
-class Blanks(Protocol):
-    """Blank RAM-disk files set aside for incoming copies
-    (:class:`~mtc.sidecar.storage.reserve.Reserve`), keyed by origin rank."""
-
-    def begin(self, key: int, sizes: Iterable[int]) -> None: ...
-
-    def want(self, key: int, sizes: Iterable[int]) -> None: ...
-
-    def room_for_others(self, key: int) -> int: ...
-
-    def open_new(self, base: Path, rel: str, size: int, key: int) -> int: ...
-
-
 @dataclasses.dataclass(frozen=True)
 class Parts:
     """Everything a servicer may reach of its replicator."""
@@ -93,6 +81,9 @@ class Parts:
     restores: Restores
     backups: Backups
     blanks: Blanks
+    # The copy protocol's receiving side (copies/receive.py), one per replicator:
+    # whichever transport brings a copy, it is received here.
+    receiver: Receiver
     # With mutual TLS, what proves a copy its origin's (.provenance); None without.
     proofs: ProofCheck | None = None
 

@@ -20,6 +20,7 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.confine import create_fetched, open_beneath
 from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.sidecar.replicator.transport import Opener
 from mtc.sidecar.replicator.wire import grpc_data_client
 from mtc.sidecar.replicator.wire.data_link import DataLink
 from mtc.sidecar.replicator.wire.socket_files import RECV_CHUNK, recv_into_fd
@@ -27,11 +28,9 @@ from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
     from mtc.credentials import Credentials
-    from mtc.sidecar.replicator.wire.client import PeerClient
+    from mtc.sidecar.replicator.wire.peer_calls import PeerCalls
 
 T = TypeVar("T")
-# Opens a fetched file's descriptor for writing at its start: (folder, path, size).
-Opener = Callable[[Path, str, int], int]
 
 
 class PeerData:
@@ -39,7 +38,7 @@ class PeerData:
     rank, and the data port it said it has): over ``link``, its data channel,
     where it can be had; else over gRPC's Data service."""
 
-    def __init__(self, peer: PeerClient, creds: Credentials) -> None:
+    def __init__(self, peer: PeerCalls, creds: Credentials) -> None:
         self.peer = peer
         self.link = DataLink(peer, creds)
 

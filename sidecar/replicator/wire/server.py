@@ -6,7 +6,7 @@ bytes use raw-bytes handlers (no protobuf copy): the data channel's
 (:mod:`.data_service`) and gRPC's Data service (:mod:`.grpc_data`); control
 messages are protobuf.
 
-Everything a request names is checked on arrival (:mod:`.checks`); who may act for
+Everything a request names is checked on arrival (:mod:`..checks`); who may act for
 which rank is :class:`~mtc.sidecar.replicator.wire.security.Identity`'s; how many
 streams a caller holds, and for how long, :mod:`.limits`'. An incoming copy is
 one open transfer per origin rank: a new offer from the same origin (a retry, a
@@ -19,11 +19,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import shutil
 import threading
 from collections.abc import Callable
-from concurrent import futures
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -32,19 +29,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mtc import validate
 from mtc.credentials import Credentials
 from mtc.errors import (
-    CorruptShardError,
     MtcError,
-    StepNotFoundError,
-    UnauthorizedError,
 )
 from mtc.grpc_errors import answer
 from mtc.lifecycle import Threads
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
-from mtc.sidecar.replicator.copies import claims
-from mtc.sidecar.replicator.copies.transfers import Transfer, Transfers
-from mtc.sidecar.replicator.store.step_files import inside
-from mtc.sidecar.replicator.wire import checks
+from mtc.sidecar.replicator import checks
+from mtc.sidecar.replicator.copies.transfers import Transfer
 from mtc.sidecar.replicator.wire.client import CHANNEL_OPTIONS, FETCH, PUSH
 from mtc.sidecar.replicator.wire.data_service import DataService
 from mtc.sidecar.replicator.wire.datachannel import DataServer
@@ -57,14 +50,12 @@ from mtc.sidecar.replicator.wire.security import (
     TokenInterceptor,
     check_listen_address,
 )
-from mtc.sidecar.storage.spare import room
 
 if TYPE_CHECKING:
     from mtc.sidecar.replicator.wire.parts import Composed, Parts
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
-TRANSFER_IDLE_S = 300.0
 MAX_RESTORE_TIMEOUT_S = 24 * 3600.0
 # A request's bytes: data chunks are 4 MiB (a few small files together, at most
 # 1 MiB each), an offer of MAX_FILES files a few MiB.
@@ -102,13 +93,14 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         # before its old call ends. A few restores at once per replicator.
         self.deciding = Gate(2, "Decide asks of this rank")
         self.preparing = Gate(8, "restores")
-        self.transfers = Transfers(
-            # The reserve's blank files are room a copy fills (mtc.sidecar.storage.reserve),
-            # but for those set aside for this host's own restore.
-            lambda: room(parts.store.root) + parts.blanks.room_for_others(parts.rank),
-            max_files=checks.MAX_OPEN_FILES, idle_s=TRANSFER_IDLE_S)
+        # The copy protocol's receiving side (copies/receive.py): this servicer
+        # checks who calls, the receiver what is received (its offers' replies name
+        # this server's data channel).
+        self.receiver = parts.receiver
+        self.receiver.data_port = lambda: self.data_port
+        self.transfers = self.receiver.transfers
         self.data: DataServer | None = None  # the data channel, when serve() opened one
-        self.workers: futures.ThreadPoolExecutor | None = None  # gRPC's, set by serve()
+        self.workers: ThreadPool | None = None  # gRPC's, set by serve()
 
     @property
     def data_port(self) -> int:
@@ -140,12 +132,10 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
         return t
 
     def expire_transfers(self) -> None:
-        dropped = self.transfers.expire()
-        if dropped:
-            self.metrics.skipped.labels("transfer_expired").inc(dropped)
+        self.receiver.expire()
 
     def incoming(self) -> set[tuple[int, int]]:
-        return self.transfers.incoming()
+        return self.receiver.incoming()
 
     @mapped
     def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
@@ -162,118 +152,24 @@ class ReplicatorServicer(pb_grpc.ReplicatorServicer):
                                            num_nodes=self.config.num_nodes)
         self.identity.require_peer(context, "Offer")
         self.identity.require(context, origin, "a copy")
-        proof = self._proof(request.copy)
-        store = self.store
-        fences = store.fences
-        # Complete only when it is this very copy: a copy held of an older save under
-        # the same number (saved again after a restore) is replaced at the commit.
-        # (With a proof: once the one held has its proof too.)
-        if (origin, step) in store.copies() and store.same_copy(origin, step, files) and \
-                (not proof or store.proofs.of(origin, step, store.copy_dir(origin, step))):
-            return pb.OfferReply(already_complete=True)
-        t = Transfer(origin, step, Path(), files, fences)
-        t.proof = proof
-        reply = pb.OfferReply(data_port=self.data_port)
-        signed = {f.path: bytes(f.sha256) for f in request.copy.files} if proof else {}
-        for path, (local, identified) in claims.find_identical(store, files, step).items():
-            # Under mutual TLS a file held here stands for the offered one only with
-            # the SHA-256 its origin signed: another rank's twin of the same path,
-            # size and CRC32C may be bytes made to match (then the copy is pushed).
-            try:
-                if signed and store.checksums.sha256(local) != signed.get(path):
-                    continue
-            except OSError:
-                continue  # gone meanwhile: pushed
-            t.candidates[path] = local
-            # The same path of the same step with the same size and CRC32C: the
-            # manifests say it is the same shard; no hash pass on either side
-            # (under TLS: checked here against the signed list).
-            reply.candidates.add(path=path, sha256=b"" if identified or signed
-                                 else store.checksums.sha256(local))
-        # Blank files this copy cannot fill make room for it now (sidecar/storage/reserve.py).
-        self.blanks.begin(origin, [f.size for f in files])
-        t.tmp = store.begin_incoming(origin, step)
-        try:
-            reply.transfer_id = self.transfers.open(t)
-        except BaseException:
-            shutil.rmtree(t.tmp, ignore_errors=True)
-            raise
-        return reply
-
-    def _proof(self, c: pb.StepCopy) -> bytes:
-        """With mutual TLS, the offered entry, to keep with the copy, once its proof
-        is found good (:mod:`.provenance`): an offer without it is refused (a
-        copy nobody could use). Without TLS: nothing to keep."""
-        proofs = self.proofs
-        if proofs is None:
-            return b""
-        why = proofs.why_not(c)
-        if why is not None:
-            self.metrics.unproven.inc()
-            raise UnauthorizedError(f"an offer of rank {c.origin_rank}'s step {c.step}: {why}")
-        return c.SerializeToString()
+        return self.receiver.offer(request.copy, origin, step, files)
 
     @mapped
     def Link(self, request: pb.LinkRequest, context: Any) -> pb.LinkReply:
         t = self.transfer(request.transfer_id, context)
-        linked = []
-        for rel in request.paths:
-            src = t.candidates.get(rel)
-            if src is None:
-                raise ValueError(f"{rel!r} was not offered as a candidate")
-            dst = inside(t.tmp, rel)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            meta = t.files[rel]
-            dst.unlink(missing_ok=True)
-            # A claim on the bytes this host holds (a link), not a second copy of
-            # them: damage found through either drops both (claims.claim).
-            claims.claim(self.store, src, dst, meta)
-            with t.lock:
-                t.verified.add(rel)
-                t.linked.add(rel)
-            linked.append(rel)
-        self.metrics.deduplicated_files.inc(len(linked))
-        return pb.LinkReply(linked=linked)
+        return self.receiver.link(t, list(request.paths))
 
     @mapped
     def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:
         self.transfer(request.transfer_id, context)
-        t = self.transfers.take(request.transfer_id)  # one commit: a replayed one finds none
-        if t is None:
-            raise KeyError(f"unknown transfer {request.transfer_id[:64]!r}")
-        missing = set(t.files) - t.verified
-        if missing:
-            self.transfers.put_back(request.transfer_id, t)
-            raise CorruptShardError(f"{len(missing)} files not received or not verified, e.g. "
-                                    f"{sorted(missing)[0]}", step=t.step, host=t.origin)
-        if self.store.fenced_since(t.fences, t.step):
-            shutil.rmtree(t.tmp, ignore_errors=True)
-            raise StepNotFoundError("a restore of an older step was agreed while this copy "
-                                    "was on its way: the step is fenced off", step=t.step,
-                                    host=t.origin)
-        try:
-            self.store.commit_incoming(t.tmp, t.origin, t.step, list(t.files.values()),
-                                       t.proof)
-        except BaseException:
-            shutil.rmtree(t.tmp, ignore_errors=True)
-            raise
-        log.info("rank %d: holds a verified copy of rank %d step %d", self.rank, t.origin,
-                 t.step)
-        # The next copy from this origin likely brings files of these sizes again.
-        self.blanks.want(t.origin, [m.size for p, m in t.files.items()
-                                          if p not in t.linked])
-        # Saved here meanwhile (after the Offer found nothing to link): the copy's
-        # files identical to the own step's become claims on them (held once).
-        self.metrics.deduplicated_files.inc(claims.fold(self.store, t.step, [t.origin]))
-        return pb.CommitReply(step=t.step, origin_rank=t.origin)
+        return self.receiver.commit(request.transfer_id)
 
     @mapped
     def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
         t = self.transfers.get(request.transfer_id)
         if t is not None:
             self.identity.require(context, t.origin, "Abort")
-            self.transfers.take(request.transfer_id)
-            shutil.rmtree(t.tmp, ignore_errors=True)
+            self.receiver.abort(request.transfer_id)
         return pb.AbortReply()
 
     @mapped
@@ -354,7 +250,7 @@ def serve(node: Composed, listen: str, creds: Credentials, *, workers: int = 32,
     if creds.tls:  # a rank's certificate or the controller's; a stranger's is nobody
         interceptors.append(IdentityGate(lambda who: who is not None, "a replicator"))
     interceptors.append(DecodeGuard())  # malformed protobufs: INVALID_ARGUMENT
-    pool = futures.ThreadPoolExecutor(max_workers=workers)
+    pool = ThreadPool(workers, "mtc-grpc", lazy=True)
     server = grpc.server(pool, interceptors=interceptors,
                          options=[CHANNEL_OPTIONS[0],  # what it sends: as clients take
                                   ("grpc.max_receive_message_length", MAX_REQUEST),
@@ -381,7 +277,7 @@ def serve(node: Composed, listen: str, creds: Credentials, *, workers: int = 32,
                                    workers=streams.limits.max_streams + 8).start(threads)
         parts.shown.data_port = servicer.data.port
     pb_grpc.add_ReplicatorServicer_to_server(servicer, server)
-    raw = GrpcData(parts, streams, servicer.transfer)
+    raw = GrpcData(parts, streams, servicer.transfer, servicer.receiver.receive)
     data = grpc.method_handlers_generic_handler("mtc.replicator.v1.Data", {
         "Push": grpc.stream_unary_rpc_method_handler(
             raw.push, request_deserializer=_raw,

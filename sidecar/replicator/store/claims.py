@@ -37,7 +37,8 @@ from mtc.sidecar.storage.checksum import copy_verified
 from mtc.sidecar.storage.publish import replace
 
 if TYPE_CHECKING:
-    from mtc.sidecar.replicator.store.store import LocalStore
+    # store.py imports this module: the store is named by what claims use of it.
+    from mtc.sidecar.replicator.store.holding import Holding as LocalStore
 
 log = logging.getLogger(__name__)
 

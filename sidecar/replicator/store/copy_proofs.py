@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
+from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.copies.provenance import Signer
 from mtc.sidecar.replicator.store.step_files import FileMeta
 
 HASH_THREADS = 4
@@ -26,6 +26,13 @@ MAX_PROOF_BYTES = 64 << 20  # a proof file read back (our own, written by this s
 PROOF_SUFFIX = ".proof"
 MAX_REMEMBERED = 1024     # held copies' entries remembered (beyond: read again)
 MAX_REMEMBERED_OWN = 16   # own steps' signed entries (a host keeps a few steps)
+
+
+class Signer(Protocol):
+    """What signs an own step's entry (``copies/provenance.py``'s ``Signer``; typed
+    here by what it does, so the store does not import the copies it holds)."""
+
+    def sign(self, c: pb.StepCopy, sha256: dict[str, bytes]) -> None: ...
 
 
 def proof_path(replicas: Path, origin: int, step: int) -> Path:
@@ -41,7 +48,7 @@ class OwnProofs:
         self._signer = signer
         self._lock = threading.Lock()
         self._made: dict[int, tuple[int, pb.StepCopy]] = {}
-        self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="mtc-sha256")
+        self._pool = ThreadPool(HASH_THREADS, "mtc-sha256", lazy=True)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
