@@ -7,9 +7,9 @@ import pytest
 
 from mtc.errors import ProtocolError
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agree.attest import origin_of, unattested, why_not_for
 from mtc.sidecar.replicator.agree.decision import Decided, Holding, decide
-from mtc.sidecar.replicator import checks
 
 
 def _c(origin: int, step: int, saving: tuple[int, ...] = (), hosts: int = 0,

@@ -30,9 +30,9 @@ from mtc.errors import ConfigError, CorruptShardError, ProtocolError, ShardUnava
 from mtc.grpc_errors import PeerError
 from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.agree.attest import origin_of
 from mtc.sidecar.replicator.copies.provenance import ProofCheck
-from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.wire.client import PeerClient
 
 log = logging.getLogger(__name__)
