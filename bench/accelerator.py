@@ -50,8 +50,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import model_step
+import numpy as np
 from _common import log, run_in_scratch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

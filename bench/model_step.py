@@ -77,6 +77,10 @@ def model(layers: int, dim: int, batch: int) -> tuple[Callable[..., Any], ...]:
     return grads, update, init
 
 
+def snap_age(snap: Snapshotter) -> Callable[[], Any]:
+    return lambda: snap.age
+
+
 def _ready(x: Any) -> Any:
     return jax.block_until_ready(x)
 
@@ -167,91 +171,98 @@ def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int
 
 def _cases(step: Callable[..., State], state: State, k_long: int, steps: int, root: Path,
            get: float, in_graph: InGraphStep) -> tuple[dict[str, Any], State]:
+    res: dict[str, Any] = {}
+    for length, k in (("long", k_long), ("short", 1)):
+        res[length], state = _one_length(step, state, length, k, steps, root, get, in_graph)
+        log(f"  {length}: {res[length]}")
+    return res, state
+
+
+def _one_length(step: Callable[..., State], state: State, length: str, k: int, steps: int,
+                root: Path, get: float, in_graph: InGraphStep) -> tuple[dict[str, Any], State]:
     import orbax.checkpoint as ocp
     from orbax.checkpoint.experimental.v1.training.pathways import (
         Snapshotter as OrbaxSnapshotter,
     )
 
-    res: dict[str, Any] = {}
-    for length, k in (("long", k_long), ("short", 1)):
-        times: dict[str, list[float]] = {}
-        stalls: dict[str, list[float]] = {}
-        ages: dict[str, list[float]] = {}
-        taken: dict[str, int] = {}
+    times: dict[str, list[float]] = {}
+    stalls: dict[str, list[float]] = {}
+    ages: dict[str, list[float]] = {}
+    taken: dict[str, int] = {}
 
-        def loop(name: str, kind: str, n: int, act: Callable[[int, State], Any] | None,
-                 age_of: Callable[[], Any] | None = None) -> None:
-            nonlocal state
-            ts, st, ag = [], [], []
-            for i in range(n + 2):
-                t0 = time.perf_counter()
+    def loop(name: str, kind: str, n: int, act: Callable[[int, State], Any] | None,
+             age_of: Callable[[], Any] | None = None) -> None:
+        nonlocal state
+        ts, st, ag = [], [], []
+        for i in range(n + 2):
+            t0 = time.perf_counter()
 
-                def between(s: State, i: int = i) -> None:
-                    if act is not None:
-                        t = time.perf_counter()
-                        if act(i, s):
-                            st.append(time.perf_counter() - t)
-                state = step(kind, state, i, k, between)
-                if i >= 2:
-                    ts.append(time.perf_counter() - t0)
-                    a = age_of() if age_of is not None else None
-                    if a is not None:
-                        ag.append(a.seconds)
-            times[name], stalls[name], ages[name], taken[name] = ts, st, ag, len(st)
-            log(f"  {length} {name}: mean {statistics.mean(ts) * 1e3:.1f} ms")
+            def between(s: State, i: int = i) -> None:
+                if act is not None:
+                    t = time.perf_counter()
+                    if act(i, s):
+                        st.append(time.perf_counter() - t)
+            state = step(kind, state, i, k, between)
+            if i >= 2:
+                ts.append(time.perf_counter() - t0)
+                a = age_of() if age_of is not None else None
+                if a is not None:
+                    ag.append(a.seconds)
+        times[name], stalls[name], ages[name], taken[name] = ts, st, ag, len(st)
+        log(f"  {length} {name}: mean {statistics.mean(ts) * 1e3:.1f} ms")
 
-        with mtc.CheckpointManager(root / f"mtc-{length}", options=mtc.Options(
-                dispatch="local", max_to_keep=2)) as mgr:
-            omgr = ocp.CheckpointManager(root / f"orbax-{length}",
-                                         options=ocp.CheckpointManagerOptions(max_to_keep=2))
-            base = 10_000_000 * (length == "short")
-            try:
-                for kind in ("fused", "split"):
-                    loop(f"plain_{kind}", kind, steps, None)
-                    loop(f"mtc_save_every_50_{kind}", kind, 50, lambda i, s: i % 50 == 1 and
-                         mgr.save(base + 1000 * len(times) + i, s, force=True))
-                    mgr.wait_until_finished()
-                    loop(f"mtc_save_at_link_rate_{kind}", kind, steps, lambda i, s: (
-                        not mgr.is_saving_in_progress()) and mgr.save(
-                            base + 1000 * len(times) + i, s, force=True))
-                    mgr.wait_until_finished()
-                    # Long enough for the pacing to settle: 40 steps at least.
-                    for every in (1, 20):
-                        snap = Snapshotter()
-                        loop(f"mtc_snapshot_every_{'step' if every == 1 else every}_{kind}",
-                             kind, max(steps, 40), lambda i, s, snap=snap, every=every: (
-                                 i % every == 0 and snap.save(i, s)),
-                             lambda snap=snap: snap.age)
-                        snap.join()
-                        snap.close()
-                loop("orbax_save_every_50_fused", "fused", 50, lambda i, s: i % 50 == 1 and
-                     omgr.save(base + 1000 * len(times) + i, args=ocp.args.StandardSave(s),
-                               force=True))
-                omgr.wait_until_finished()
-                theirs = OrbaxSnapshotter()
-                loop("orbax_snapshot_every_step_fused", "fused", min(steps, 10),
-                     lambda i, s: theirs.save(i, s))
-                theirs.join()
-                # Last: its outputs' shardings are the compiler's, not named ones.
-                snap = in_graph.snapshotter
-                loop("mtc_in_graph_every_step_fused", "in_graph", max(steps, 40), None,
-                     lambda snap=snap: snap.age)
-                snap.join()
-            finally:
-                omgr.close()
-        plain = {kind: statistics.mean(times[f"plain_{kind}"]) for kind in ("fused", "split")}
-        r: dict[str, Any] = {"step_s": {n: round(statistics.mean(v), 6)
-                                        for n, v in times.items()},
-                             "saves_or_snapshots_taken": {n: v for n, v in taken.items() if v}}
-        for name, ts in times.items():
-            kind = "split" if name.endswith("split") else "fused"  # in_graph: fused
-            if not name.startswith("plain"):
-                r[f"{name}_mean_over_plain"] = round(statistics.mean(ts) / plain[kind], 3)
-            if stalls[name]:
-                r[f"{name}_stall_over_device_get"] = round(
-                    statistics.median(stalls[name]) / get, 3)
-            if ages[name]:
-                r[f"{name}_age_over_device_get"] = round(statistics.median(ages[name]) / get, 3)
-        res[length] = r
-        log(f"  {length}: {r}")
-    return res, state
+    with mtc.CheckpointManager(root / f"mtc-{length}", options=mtc.Options(
+            dispatch="local", max_to_keep=2)) as mgr:
+        omgr = ocp.CheckpointManager(root / f"orbax-{length}",
+                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
+        base = 10_000_000 * (length == "short")
+        try:
+            for kind in ("fused", "split"):
+                loop(f"plain_{kind}", kind, steps, None)
+                loop(f"mtc_save_every_50_{kind}", kind, 50, lambda i, s: i % 50 == 1 and
+                     mgr.save(base + 1000 * len(times) + i, s, force=True))
+                mgr.wait_until_finished()
+                loop(f"mtc_save_at_link_rate_{kind}", kind, steps, lambda i, s: (
+                    not mgr.is_saving_in_progress()) and mgr.save(
+                        base + 1000 * len(times) + i, s, force=True))
+                mgr.wait_until_finished()
+                # Long enough for the pacing to settle: 40 steps at least.
+                for every in (1, 20):
+                    snap = Snapshotter()
+
+                    def ask(i: int, s: State, snap: Snapshotter = snap,
+                            every: int = every) -> bool:
+                        return i % every == 0 and snap.save(i, s)
+
+                    loop(f"mtc_snapshot_every_{'step' if every == 1 else every}_{kind}",
+                         kind, max(steps, 40), ask, snap_age(snap))
+                    snap.join()
+                    snap.close()
+            loop("orbax_save_every_50_fused", "fused", 50, lambda i, s: i % 50 == 1 and
+                 omgr.save(base + 1000 * len(times) + i, args=ocp.args.StandardSave(s),
+                           force=True))
+            omgr.wait_until_finished()
+            theirs = OrbaxSnapshotter()
+            loop("orbax_snapshot_every_step_fused", "fused", min(steps, 10),
+                 lambda i, s: theirs.save(i, s))
+            theirs.join()
+            # Last: its outputs' shardings are the compiler's, not named ones.
+            loop("mtc_in_graph_every_step_fused", "in_graph", max(steps, 40), None,
+                 snap_age(in_graph.snapshotter))
+            in_graph.snapshotter.join()
+        finally:
+            omgr.close()
+    plain = {kind: statistics.mean(times[f"plain_{kind}"]) for kind in ("fused", "split")}
+    r: dict[str, Any] = {"step_s": {n: round(statistics.mean(v), 6)
+                                    for n, v in times.items()},
+                         "saves_or_snapshots_taken": {n: v for n, v in taken.items() if v}}
+    for name, ts in times.items():
+        kind = "split" if name.endswith("split") else "fused"  # in_graph: fused
+        if not name.startswith("plain"):
+            r[f"{name}_mean_over_plain"] = round(statistics.mean(ts) / plain[kind], 3)
+        if stalls[name]:
+            r[f"{name}_stall_over_device_get"] = round(
+                statistics.median(stalls[name]) / get, 3)
+        if ages[name]:
+            r[f"{name}_age_over_device_get"] = round(statistics.median(ages[name]) / get, 3)
+    return r, state

@@ -31,13 +31,13 @@ def model(L: int, D: int, B: int) -> tuple[Any, Any, Any, Any]:
 
     def grads_of(params: dict, key: jax.Array, K: int) -> tuple[dict, jax.Array]:
         def body(carry: Any, k: jax.Array) -> Any:
-            g, l = carry
+            g, lv = carry
             x = jax.random.normal(k, (B, D), jnp.float32)
             li, gi = jax.value_and_grad(loss_fn)(params, x)
-            return (jax.tree.map(jnp.add, g, gi), l + li), None
+            return (jax.tree.map(jnp.add, g, gi), lv + li), None
         zero = jax.tree.map(jnp.zeros_like, params)
-        (g, l), _ = jax.lax.scan(body, (zero, jnp.float32(0)), jax.random.split(key, K))
-        return g, l / K
+        (g, lv), _ = jax.lax.scan(body, (zero, jnp.float32(0)), jax.random.split(key, K))
+        return g, lv / K
 
     def update(state: dict, g: dict) -> dict:
         t = state["t"] + 1
@@ -73,8 +73,8 @@ def main() -> int:
     _, grads_of, update, init = model(a.layers, a.dim, a.batch)
 
     def fused(state: dict, key: jax.Array, K: int) -> tuple[dict, jax.Array]:
-        g, l = grads_of(state["p"], key, K)
-        return update(state, g), l
+        g, lv = grads_of(state["p"], key, K)
+        return update(state, g), lv
 
     fused_j = jax.jit(fused, donate_argnums=0, static_argnums=2)
     grad_j = jax.jit(grads_of, static_argnums=2)
@@ -95,11 +95,11 @@ def main() -> int:
     def run_step(kind: str, st: dict, i: int, K: int) -> tuple[dict, float]:
         key = jax.random.key(i)
         if kind == "fused":
-            st, l = fused_j(st, key, K)
+            st, lv = fused_j(st, key, K)
         else:
-            g, l = grad_j(st["p"], key, K)
+            g, lv = grad_j(st["p"], key, K)
             st = upd_j(st, g)
-        return st, float(l)
+        return st, float(lv)
 
     # Step times and the peak.
     t_get = statistics.median([fresh_get() for _ in range(3)])
@@ -169,7 +169,7 @@ def main() -> int:
         x0.copy_to_host_async()
         shard.copy_to_host_async()
         s2, _ = run_step("fused", s2, 5, 1)
-        res = {}
+        res: dict[str, Any] = {}
         for nm, arr in (("array", x0), ("shard", shard)):
             try:
                 res[nm] = float(np.asarray(arr).sum()) - want
@@ -236,14 +236,14 @@ def main() -> int:
             for cap in ("dput_host", "donated_host"):
                 for every in (1,):
                     try:
-                        r = loop(kind, Kx, cap, every, a.steps)
+                        got = loop(kind, Kx, cap, every, a.steps)
                     except Exception as e:  # noqa: BLE001
                         emit(case="loop", step=label, kind=kind, capture=cap,
                              error=repr(e)[:300])
                         continue
                     emit(case="loop", step=label, kind=kind, capture=cap, every=every,
-                         over_plain=r["mean"] / plain["mean"],
-                         age_over_get=(r["age_median"] or 0) / t_get, **r)
+                         over_plain=got["mean"] / plain["mean"],
+                         age_over_get=(got["age_median"] or 0) / t_get, **got)
     return 0
 
 

@@ -285,6 +285,7 @@ class MemoryPeer:
         self._net = net
         self._src = src
         self.rank = dst
+        self.address = f"memory:rank-{dst}"
 
     def _call(self, name: str, fn: Callable[[Endpoint, Callable[[], bool]], T], *,
               deadline_s: float | None = None, attempts: int = 1) -> T:

@@ -44,6 +44,7 @@ class Peer(Protocol):
     """Another replicator, rank :attr:`rank`, as this one's logic calls it."""
 
     rank: int
+    address: str  # where it is reached, for errors that name it
 
     def inventory(self, req: pb.InventoryRequest, *, deadline_s: float | None = None,
                   attempts: int = 3, known_up: bool = False) -> pb.Inventory:

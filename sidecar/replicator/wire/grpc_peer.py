@@ -22,6 +22,7 @@ class GrpcPeer:
     def __init__(self, client: PeerClient) -> None:
         self.client = client
         self.rank = client.rank
+        self.address = client.address
 
     def inventory(self, req: pb.InventoryRequest, *, deadline_s: float | None = None,
                   attempts: int = 3, known_up: bool = False) -> pb.Inventory:
