@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from unittest import mock
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import mtc
@@ -172,9 +174,22 @@ def best_step(make: Make, mesh: Mesh) -> list[Any]:
         return [mgr.best_step(), list(mgr.all_steps()), mgr.metrics(4)]
 
 
+def save_on_preemption(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 4: one process asks JAX's preemption sync point (under
+    ``jax.distributed`` a one-host job gets SIGTERM too) and saves the step it names."""
+    with mock.patch.object(multihost_utils, "reached_preemption_sync_point",
+                           side_effect=lambda step: step == 2), make("a",
+                                                                   save_interval_steps=4) as mgr:
+        for s in range(10):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        mgr.wait_until_finished()
+        return [list(mgr.all_steps())]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
-         save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step]
+         save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
+         save_on_preemption]
 
 
 # -- the two libraries ----------------------------------------------------------------
