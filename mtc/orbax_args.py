@@ -61,15 +61,47 @@ def _is_restore_args(x: Any) -> bool:
     return type(x).__name__ in ("ArrayRestoreArgs", "RestoreArgs")
 
 
+def is_placeholder(x: Any) -> bool:
+    """Orbax's ``PLACEHOLDER`` (``...``): a leaf of the target left out of the restore
+    and given back as it is."""
+    return x is Ellipsis
+
+
+class OnSharding:
+    """A restore target leaf whose shape (and dtype, unless ``dtype``) are the
+    checkpoint's, placed on ``sharding``: Orbax's ``ArrayRestoreArgs(sharding=...)``
+    without ``global_shape``, read as Orbax reads it (the manifest has the rest)."""
+
+    __slots__ = ("sharding", "dtype")
+
+    def __init__(self, sharding: Any, dtype: Any = None) -> None:
+        self.sharding = sharding
+        self.dtype = dtype
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, OnSharding) and other.sharding == self.sharding
+                and other.dtype == self.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.sharding, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"OnSharding({self.sharding!r}, dtype={self.dtype!r})"
+
+
 def with_restore_args(name: str, item: Any, restore_args: Any) -> Any:
     """The target Orbax's ``restore_args`` (``ArrayRestoreArgs(sharding=, dtype=,
     global_shape=)`` per leaf, as ``ocp.checkpoint_utils.construct_restore_args``
     makes them) describe, over ``item`` when given: a ``jax.ShapeDtypeStruct``
-    per array leaf, with the shape, dtype (a cast) and sharding they state."""
+    per array leaf with the shape, dtype (a cast) and sharding they state; where
+    they and ``item`` state no shape or dtype, an :class:`OnSharding` (the
+    checkpoint's). ``item``'s placeholders (``...``) stay; ``restore_args`` may
+    cover more of the tree than ``item`` (Orbax's ``partial_restore``): only
+    ``item``'s leaves are restored."""
     import jax
 
     def leaf(ra: Any, t: Any = None) -> Any:
-        if not _is_restore_args(ra):
+        if is_placeholder(t) or not _is_restore_args(ra):
             return ra if t is None else t
         if type(ra).__name__ == "RestoreArgs":  # a plain value: as saved (or item's)
             return t
@@ -79,20 +111,25 @@ def with_restore_args(name: str, item: Any, restore_args: Any) -> Any:
         sharding = sharding if sharding is not None else getattr(t, "sharding", None)
         shape = ra.global_shape if ra.global_shape is not None else getattr(t, "shape", None)
         dtype = ra.dtype if ra.dtype is not None else getattr(t, "dtype", None)
-        if shape is None or dtype is None or sharding is None:
+        if sharding is None:
             raise ConfigError(
-                f"{name}.restore_args: a leaf's ArrayRestoreArgs gives no "
-                f"{'global_shape' if shape is None else 'dtype' if dtype is None else 'sharding'}"
-                " and item= has none either; pass item= (the abstract state), or "
-                "restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)")
+                f"{name}.restore_args: a leaf's ArrayRestoreArgs gives no sharding and item= "
+                "has none either; pass sharding= (where the array goes), or item= (the "
+                "abstract state)")
+        if shape is None or dtype is None:
+            return OnSharding(sharding, dtype)
         return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
     if item is None:
         return jax.tree_util.tree_map(leaf, restore_args, is_leaf=_is_restore_args)
-    try:
-        return jax.tree_util.tree_map(leaf, restore_args, item, is_leaf=_is_restore_args)
-    except ValueError as e:
-        raise ConfigError(f"{name}.restore_args and item= are not the same tree: {e}") from e
+    from mtc import treepath
+
+    by_path = {treepath.path_str(p): ra for p, ra in jax.tree_util.tree_flatten_with_path(
+        restore_args, is_leaf=_is_restore_args)[0]}
+    flat, treedef = treepath.flatten(item)
+    return jax.tree_util.tree_unflatten(treedef, [
+        leaf(by_path[treepath.path_str(p)], t) if treepath.path_str(p) in by_path else t
+        for p, t in flat])
 
 
 def save_state(args: Any) -> Any:

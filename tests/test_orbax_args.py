@@ -78,8 +78,12 @@ def test_restore_args_describe_the_target() -> None:
                 "step": ocp.RestoreArgs()}
     assert orbax_args.restore_targets(ocp.args.PyTreeRestore(item, restore_args=no_dtype)) == (
         None, {"w": jax.ShapeDtypeStruct((4,), np.float64, sharding=sharding), "step": 3})
-    with pytest.raises(ConfigError, match="gives no dtype"):
-        orbax_args.restore_targets(ocp.args.PyTreeRestore(restore_args=no_dtype))
+    # Neither says the dtype: the checkpoint's, placed on the sharding given.
+    assert orbax_args.restore_targets(ocp.args.PyTreeRestore(restore_args=no_dtype)) == (
+        None, {"w": orbax_args.OnSharding(sharding), "step": None})
+    with pytest.raises(ConfigError, match="gives no sharding"):
+        orbax_args.restore_targets(ocp.args.PyTreeRestore(restore_args={
+            "w": ocp.ArrayRestoreArgs(global_shape=(4,), dtype=np.float32)}))
 
 
 @pytest.mark.parametrize(("names", "want"), [

@@ -186,10 +186,35 @@ def save_on_preemption(make: Make, mesh: Mesh) -> list[Any]:
         return [list(mgr.all_steps())]
 
 
+def restore_args_without_an_item(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 1: ``PyTreeRestore(restore_args=...)`` with shardings and no item:
+    shapes and dtypes come from the checkpoint, arrays land on the given shardings;
+    a placeholder (``...``) leaf is left out and given back; restore_args covering
+    more than the item (``partial_restore``) restore the item's leaves."""
+    tree = {"a": state(mesh, 1)["w"], "b": jnp.arange(8, dtype=jnp.int32),
+            "c": {"d": state(mesh, 2)["w"] * 2, "e": jnp.ones((4,), jnp.float32)}}
+    on = {"a": NamedSharding(mesh, P("model")), "b": NamedSharding(mesh, P()),
+          "c": {"d": NamedSharding(mesh, P(None, "model")), "e": NamedSharding(mesh, P())}}
+    ra = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s), on)
+    with make("a", item_names=("params",)) as mgr:
+        mgr.save(0, args=ocp.args.Composite(params=ocp.args.PyTreeSave(tree)))
+        mgr.wait_until_finished()
+        got = mgr.restore(0, args=ocp.args.Composite(
+            params=ocp.args.PyTreeRestore(restore_args=ra))).params
+        placed = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), got, on)
+    with make("b") as mgr:
+        mgr.save(0, args=ocp.args.PyTreeSave(tree))
+        mgr.wait_until_finished()
+        partial = mgr.restore(0, args=ocp.args.PyTreeRestore(
+            {"a": 0, "c": {"d": 0}}, restore_args=ra, partial_restore=True))
+    return [values(got), jax.tree.map(lambda x: np.dtype(x.dtype).name, got), placed,
+            values(partial)]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
-         save_on_preemption]
+         save_on_preemption, restore_args_without_an_item]
 
 
 # -- the two libraries ----------------------------------------------------------------

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtc import treepath
+from mtc import orbax_args, treepath
 from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.dispatch import Dispatch
 from mtc.errors import TargetMismatchError
@@ -137,12 +137,16 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
         treedef = None
     else:
         flat_target, treedef = treepath.flatten(target)
+        _check_placeholders(step, flat_target, by_path)
+        # Placeholders (Orbax's ``...``) are left out and given back as they are.
+        flat_target = [(p, t) for p, t in flat_target if not orbax_args.is_placeholder(t)]
         missing = [treepath.path_str(p) for p, _ in flat_target
                    if treepath.path_str(p) not in by_path]
         if missing:
             raise TargetMismatchError(f"target leaves not in the checkpoint: {missing}",
                                       step=step)
-        wanted = [(by_path[treepath.path_str(p)], t) for p, t in flat_target]
+        wanted = [(by_path[treepath.path_str(p)], _as_saved(leaves[by_path[
+            treepath.path_str(p)]], t)) for p, t in flat_target]
 
     results: dict[int, Any] = {}
     tasks: list[ReadTask] = []
@@ -200,4 +204,29 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
     if flat_target is None:
         return treepath.unflatten_from_keys([(leaves[i].keys, results[i]) for i, _ in wanted],
                                             str_keys=mesh is not None)
-    return jax.tree_util.tree_unflatten(treedef, [results[i] for i, _ in wanted])
+    out = iter([results[i] for i, _ in wanted])
+    return jax.tree_util.tree_unflatten(treedef, [
+        t if orbax_args.is_placeholder(t) else next(out) for _, t in treepath.flatten(target)[0]])
+
+
+def _as_saved(leaf: LeafEntry, t: Any) -> Any:
+    """An :class:`~mtc.orbax_args.OnSharding` target as the array the checkpoint holds
+    (its shape; its dtype unless one was given), on the sharding given."""
+    if not isinstance(t, orbax_args.OnSharding):
+        return t
+    if leaf.kind == "value":
+        return None  # a plain value: as saved, as Orbax's restore_args leave it
+    dtype = t.dtype if t.dtype is not None else jax.numpy.dtype(leaf.dtype)
+    return jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=t.sharding)
+
+
+def _check_placeholders(step: int, flat: list[tuple[Any, Any]], by_path: dict[str, int]) -> None:
+    """A placeholder stands for one saved leaf, as Orbax's: one standing for a subtree
+    is refused (a typo in a partial restore would otherwise drop a whole subtree)."""
+    for p, t in flat:
+        where = treepath.path_str(p)
+        if orbax_args.is_placeholder(t) and where not in by_path:
+            kind = ("a subtree" if any(k.startswith(where + "[") or k.startswith(where + ".")
+                                       for k in by_path) else "nothing saved")
+            raise TargetMismatchError(f"the placeholder at {where} stands for {kind}: a "
+                                      "placeholder (...) stands for one saved leaf", step=step)
