@@ -225,7 +225,10 @@ class CheckpointManager:
         if custom_metadata is not None:
             raise ConfigError("save(custom_metadata=) is not kept by mtc: pass plain values in "
                               "metrics= (read back by metrics(step)) or in the state")
-        return self._saves.save(step, state, force=force, metrics=metrics, args=args)
+        saved = self._saves.save(step, state, force=force, metrics=metrics, args=args)
+        if saved and not self.options.enable_async_checkpointing:
+            self._saves.wait_until_finished()  # Orbax's synchronous save: committed on return
+        return saved
 
     @_api
     def wait_until_finished(self) -> None:

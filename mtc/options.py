@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -23,7 +24,16 @@ class Options:
 
     Attributes:
       save_interval_steps: ``save(step, ...)`` writes only when ``step`` is a
-        multiple of this (or ``force=True``).
+        multiple of this (or ``force=True``); ``0``: at no interval (Orbax sets
+        it so on a read-only manager). Beside ``save_decision_policy`` it is
+        ignored (logged), as Orbax's.
+      save_on_steps: steps ``save`` also writes, besides the interval (Orbax's).
+      should_save_fn: Orbax's ``should_save_fn(step, latest_step) -> bool``: when
+        given, it alone decides (with the preemption sync point), replacing
+        ``save_interval_steps``, ``save_on_steps`` and the job's first save.
+      enable_async_checkpointing: ``False``: ``save`` returns once the step is
+        committed on every host (Orbax's synchronous saves); ``True`` (the
+        default) writes in the background.
       max_to_keep: committed steps kept on the local tier; older ones are deleted
         after each commit, and before a new step is written the oldest beyond
         ``max_to_keep - 1`` goes (never the newest complete step), so the RAM
@@ -157,6 +167,9 @@ class Options:
     """
 
     save_interval_steps: int = 1
+    save_on_steps: frozenset[int] | None = None
+    should_save_fn: Callable[[int, int | None], bool] | None = None
+    enable_async_checkpointing: bool = True
     max_to_keep: int | None = None
     keep_period: int | None = None
     best_fn: Callable[[Any], float] | None = None
@@ -189,8 +202,17 @@ class Options:
             want_int = f.type in ("int", "int | None")
             if want_int and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(f"{f.name} must be an integer, got {type(v).__name__} {v!r}")
-        if self.save_interval_steps < 1:
-            raise ConfigError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
+        if self.save_interval_steps < 0:
+            raise ConfigError(f"save_interval_steps must be >= 0, got {self.save_interval_steps}")
+        if self.save_on_steps is not None:
+            steps = self.save_on_steps
+            if isinstance(steps, (str, bytes)) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in steps):
+                raise ConfigError(f"save_on_steps are step numbers (ints >= 0), got {steps!r}")
+            object.__setattr__(self, "save_on_steps", frozenset(steps))
+        if self.should_save_fn is not None and not callable(self.should_save_fn):
+            raise ConfigError("should_save_fn is a function (step, latest_step) -> bool, got "
+                              f"{type(self.should_save_fn).__name__}")
         if self.max_to_keep is not None and self.max_to_keep < 1:
             raise ConfigError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
         if self.keep_period is not None and self.keep_period < 1:
@@ -273,8 +295,11 @@ class Options:
             policies.check(self.save_decision_policy, policies.SAVE_DECISION,
                            "save_decision_policy")
             if self.save_interval_steps != 1:
-                raise ConfigError("save_decision_policy replaces save_interval_steps: give one "
-                                  "or the other (FixedIntervalPolicy(n) is the interval)")
+                # Orbax ignores the interval beside a policy; a user switching keeps both.
+                logging.getLogger("mtc.manager").warning(
+                    "mtc: save_decision_policy replaces save_interval_steps=%d: the interval "
+                    "is ignored (FixedIntervalPolicy(n) is the interval)",
+                    self.save_interval_steps)
 
 
 # Orbax's ``CheckpointManagerOptions`` fields mtc has no field of the same name for,
@@ -282,15 +307,11 @@ class Options:
 # says so (never a TypeError from the dataclass).
 _ORBAX_ONLY = {
     "keep_time_interval": "keep_period (steps that are multiples of it are kept)",
-    "save_on_steps": "save(step, state, force=True) at those steps",
-    "should_save_fn": "save(step, state, force=True) where your function says so",
     "step_prefix": "nothing: mtc names a step folder by its number",
     "step_format_fixed_length": "nothing: mtc names a step folder by its number",
     "step_name_format": "nothing: mtc names a step folder by its number",
     "create": "nothing: mtc creates local_dir",
     "cleanup_tmp_directories": "nothing: mtc always removes its own uncommitted folders",
-    "enable_async_checkpointing": "nothing: mtc saves in the background always "
-                                  "(wait_until_finished() waits)",
     "async_options": "nothing: mtc saves in the background always",
     "multiprocessing_options": "nothing: every process of the job calls the manager",
     "enable_background_delete": "nothing: mtc deletes in the background always",

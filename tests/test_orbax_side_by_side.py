@@ -211,10 +211,33 @@ def restore_args_without_an_item(make: Make, mesh: Mesh) -> list[Any]:
             values(partial)]
 
 
+def save_schedule_options(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 7 and the schedule options: ``save_on_steps`` beside the interval;
+    ``should_save_fn`` alone decides (no first save of its own); a
+    ``save_decision_policy`` beside ``save_interval_steps`` other than 1 ignores the
+    interval; ``enable_async_checkpointing=False`` commits before ``save`` returns;
+    ``save_interval_steps=0`` on a read-only manager (Orbax sets it so itself)."""
+    out: list[Any] = []
+    with make("a", save_interval_steps=10000, save_on_steps=frozenset({1, 3})) as mgr:
+        out.append([mgr.save(s, args=ocp.args.StandardSave(state(mesh, s))) for s in range(5)])
+        mgr.wait_until_finished()
+        out.append(list(mgr.all_steps()))
+    with make("b", should_save_fn=lambda step, latest: step % 3 == 2) as mgr:
+        out.append([mgr.should_save(s) for s in range(6)])
+    with make("c", save_interval_steps=5, enable_async_checkpointing=False,
+              save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(2)) as mgr:
+        out.append([mgr.save(s, args=ocp.args.StandardSave(state(mesh, s))) for s in range(5)])
+        out.append(mgr.is_saving_in_progress())
+    with make("a", save_interval_steps=0, read_only=True) as reader:
+        out.append([reader.should_save(7), list(reader.all_steps())])
+    return out
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
-         save_on_preemption, restore_args_without_an_item]
+         save_on_preemption, restore_args_without_an_item,
+         save_schedule_options]
 
 
 # -- the two libraries ----------------------------------------------------------------

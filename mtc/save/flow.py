@@ -96,6 +96,9 @@ class SaveFlow:
             return False
         if self.options.save_decision_policy is not None:
             return self._policy_says(step, newest)
+        if self.options.should_save_fn is not None:  # it alone decides, as Orbax's
+            return (bool(self.options.should_save_fn(step, newest))
+                    or multihost.reached_preemption(step))
         return newest is None or self.on_schedule(step)
 
     def _policy_says(self, step: int, newest: int | None) -> bool:
@@ -128,7 +131,9 @@ class SaveFlow:
         self._metrics.clear()
 
     def on_schedule(self, step: int) -> bool:
-        return (step % self.options.save_interval_steps == 0
+        interval = self.options.save_interval_steps
+        return ((interval > 0 and step % interval == 0)
+                or step in (self.options.save_on_steps or ())
                 or multihost.reached_preemption(step))
 
     def restored(self, step: int) -> None:
