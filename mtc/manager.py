@@ -65,8 +65,11 @@ class CheckpointManager:
       local_dir: the RAM disk (or, for simulated hosts, the folder holding one
         ``host-<i>`` root per host), an absolute local path: a URL (the backup
         tier is the replicators' ``--backup``), a relative path or ``~`` is
-        refused with :class:`mtc.ConfigError`. One manager at a time may use a
-        host's root: a second gets :class:`mtc.DirectoryLockedError`.
+        refused with :class:`mtc.ConfigError`. One process at a time may write to a
+        host's root: a second process's manager gets
+        :class:`mtc.DirectoryLockedError`. Managers of one process share it
+        (Orbax's habits: a new manager beside one not closed); a save is refused
+        with that error only while another of them has a save there in flight.
       mesh: the mesh the state lives on; its devices define the hosts. Defaults
         to all devices.
       options: see :class:`mtc.Options`.
@@ -142,7 +145,7 @@ class CheckpointManager:
                                       np.array(devices), ("devices",)))
         self._saves = SaveFlow(dispatch, self.topology, self.options, self._inventory,
                                self._watch, where=self._roots_here(),
-                               foreign=self.foreign_steps)
+                               foreign=self.foreign_steps, directory=str(self.local_dir))
         self._restores = RestoreFlow(dispatch, self.topology, self.options, self._inventory,
                                      self._reader, self._saves, where=self._where)
         # The flows call each other, never the manager: a manager in a reference cycle
@@ -365,6 +368,7 @@ class CheckpointManager:
         try:
             self._held.release()
         finally:
+            self._saves.leave()
             if self._watch is not None:
                 self._watch.close()
 

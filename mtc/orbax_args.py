@@ -72,7 +72,7 @@ class OnSharding:
     checkpoint's, placed on ``sharding``: Orbax's ``ArrayRestoreArgs(sharding=...)``
     without ``global_shape``, read as Orbax reads it (the manifest has the rest)."""
 
-    __slots__ = ("sharding", "dtype")
+    __slots__ = ("dtype", "sharding")
 
     def __init__(self, sharding: Any, dtype: Any = None) -> None:
         self.sharding = sharding

@@ -242,11 +242,14 @@ class HostOps:
             for h in hosts:
                 root = self._root(h)
                 root_lock.prepare_root(root)
+                # A manager of this process holding the root already may be writing:
+                # what looks left by a crash may be its save in flight.
+                first = not root_lock.held_here(root)
                 if lock and h not in self._locks:
                     self._locks[h] = root_lock.lock_root(root)
                 removed: list[str] = []
                 try:
-                    if clean:
+                    if clean and first:
                         removed = clean_uncommitted(root)
                     foreign = layout.foreign_steps(root)
                 except OSError as e:

@@ -101,14 +101,26 @@ def test_the_newest_steps_bytes_are_its_manifests_sum_without_a_stat_per_file(
 NOTHING = {"removed": [], "foreign": [], "identity": "", "manifest_bytes": 0}
 
 
-def test_open_takes_one_writer_per_root(tmp_path: Path) -> None:
+def test_open_shares_the_writer_lock_in_a_process_and_only_the_first_cleans(
+        tmp_path: Path) -> None:
+    """Managers of one process share a root's kernel lock (mtc.root_lock); only the
+    first cleans what a crash left: a later one may find the first one writing."""
+    from mtc import root_lock
+
+    root = tmp_path / "host-0"
     first, second = HostOps(config(tmp_path)), HostOps(config(tmp_path))
     assert ask(first, "open", [0], lock=True, clean=True) == {"0": NOTHING}
-    with pytest.raises(errors.DirectoryLockedError):
-        ask(second, "open", [0], lock=True, clean=True)
-    first.release_all()
+    inflight = root / "6.mtc-tmp-0123456789ab"
+    inflight.mkdir()
     assert ask(second, "open", [0], lock=True, clean=True) == {"0": NOTHING}
+    assert inflight.is_dir() and root_lock.held_here(root)
+    first.release_all()
+    assert root_lock.held_here(root) and (root / layout.LOCK_NAME).exists()  # second holds it
     second.release_all()
+    assert not root_lock.held_here(root) and not (root / layout.LOCK_NAME).exists()
+    third = HostOps(config(tmp_path))
+    assert ask(third, "open", [0], lock=True, clean=True)["0"]["removed"] == [inflight.name]
+    third.release_all()
 
 
 def test_open_answers_what_a_manager_needs_in_one_round_trip(tmp_path: Path) -> None:

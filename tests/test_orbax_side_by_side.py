@@ -13,17 +13,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from unittest import mock
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mtc
@@ -233,11 +233,31 @@ def save_schedule_options(make: Make, mesh: Mesh) -> list[Any]:
     return out
 
 
+def second_manager_in_process(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 2: a new manager on the directory of one not closed (Orbax's
+    restart in process) reads and, the first being idle, writes; the first then
+    sees its steps after ``reload()``, and closing it spoils nothing."""
+    with make("a", max_to_keep=2) as first:
+        for s in (1, 2):
+            first.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        first.wait_until_finished()
+        second = make("a", max_to_keep=2)
+        seen = [list(second.all_steps()), second.latest_step()]
+        for s in (3, 4):
+            second.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        second.wait_until_finished()
+        first.reload()
+        seen.append(list(first.all_steps()))
+    back = second.restore(4, args=ocp.args.StandardRestore(state(mesh, 0)))
+    second.close()
+    return [*seen, values(back)]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
          save_on_preemption, restore_args_without_an_item,
-         save_schedule_options]
+         save_schedule_options, second_manager_in_process]
 
 
 # -- the two libraries ----------------------------------------------------------------

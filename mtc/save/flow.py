@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mtc import layout, multihost, orbax_args, policies, retention, runs
+from mtc import layout, multihost, orbax_args, policies, retention, root_lock, runs
 from mtc.dispatch import Dispatch
 from mtc.dispatch.protocol import Survey
 from mtc.errors import ConfigError, MtcError, StepExistsError, StepNotFoundError
@@ -42,8 +42,13 @@ class SaveFlow:
                  inventory: StepInventory, watch: ReplicatorWatch | None, *,
                  on_new_step: Callable[[], None] = lambda: None, where: str,
                  foreign: dict[int, list[int]] | None = None,
-                 metrics_of_step: Callable[[int], Any] | None = None) -> None:
+                 metrics_of_step: Callable[[int], Any] | None = None,
+                 directory: str | None = None) -> None:
         self.dispatch = dispatch
+        # The directory other managers of this process may write too (mtc.root_lock).
+        self.directory = directory
+        if directory is not None and not options.read_only:
+            root_lock.Writers.join(directory, self, self._saves_in_flight)
         self.topology = topology
         self.options = options
         self.inventory = inventory
@@ -201,6 +206,8 @@ class SaveFlow:
             self._make_room(held)
 
         hosts = self.topology.local_hosts
+        if self.directory is not None:
+            root_lock.Writers.refuse_concurrent(self.directory, self)
         try:
             staged = self.dispatch.save(header, arrays, hosts, before_send)
         except _NotDue:
@@ -280,6 +287,11 @@ class SaveFlow:
         self.staged.discard(step)
         if step == self.last_saved:  # its number may be saved again, as in Orbax
             self.last_saved, self._newest_learnt = None, False
+
+    def leave(self) -> None:
+        """The manager closes: no longer one of its directory's writers."""
+        if self.directory is not None:
+            root_lock.Writers.leave(self.directory, self)
 
     # -- finishing saves --------------------------------------------------------------
 
