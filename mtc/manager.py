@@ -13,6 +13,7 @@ knows the committed steps, :class:`~mtc.restore.flow.RestoreFlow` restores.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -26,7 +27,7 @@ import numpy as np
 
 from mtc import connect, layout, multihost, orbax_args
 from mtc.contract import AgentConfig
-from mtc.errors import ClosedError, ConfigError, StorageError
+from mtc.errors import ClosedError, ConfigError, MtcError, StorageError
 from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
 from mtc.options import Options, local_dir_path
@@ -52,6 +53,8 @@ def _api(fn: Callable[Concatenate[CheckpointManager, P], R]
                               f"{self._where}; create a new one")
         try:
             return fn(self, *args, **kwargs)
+        except MtcError:
+            raise  # mtc's own (StepNotFoundError is also a FileNotFoundError)
         except OSError as e:
             raise StorageError(f"{fn.__name__}(): {e.strerror or e}",
                                path=str(e.filename) if e.filename else None) from e
@@ -96,6 +99,9 @@ class CheckpointManager:
                  item_names: Sequence[str] | None = None) -> None:
         self.local_dir = local_dir_path(local_dir)
         self.item_names = orbax_args.check_item_names(item_names)
+        # Orbax's two modes: items of a Composite (item_names, or a first save of one)
+        # or one item; None until the first save says which.
+        self._composite: bool | None = True if self.item_names else None
         self.options = options or Options()
         if not isinstance(self.options, Options):
             raise ConfigError(f"options must be mtc.Options, got {type(self.options).__name__}")
@@ -228,10 +234,36 @@ class CheckpointManager:
         if custom_metadata is not None:
             raise ConfigError("save(custom_metadata=) is not kept by mtc: pass plain values in "
                               "metrics= (read back by metrics(step)) or in the state")
+        composite = self._check_mode(args, "save")
         saved = self._saves.save(step, state, force=force, metrics=metrics, args=args)
+        if composite is not None and self._composite is None:
+            self._composite = composite
         if saved and not self.options.enable_async_checkpointing:
             self._saves.wait_until_finished()  # Orbax's synchronous save: committed on return
         return saved
+
+    def _check_mode(self, args: Any, call: str) -> bool | None:
+        """Whether Orbax ``args`` are a Composite (None: not Orbax's args), refused with
+        a ConfigError (a ValueError, as Orbax's) where they do not fit the manager's
+        mode, or (saving) name an item outside ``item_names``."""
+        if args is None or not orbax_args.is_orbax_args(args):
+            return None
+        composite = orbax_args.composite_items(args) is not None
+        if self._composite is not None and composite != self._composite:
+            raise ConfigError(
+                f"{call}(): Must provide `args` of type `Composite` when dealing with multiple "
+                f"checkpointable objects (this manager's items: "
+                f"{', '.join(self.item_names) if self.item_names else 'its first save'})"
+                if self._composite else
+                f"{call}(): this manager saves one item (its first save was not a Composite): "
+                f"pass that item's args, not a Composite, or give item_names")
+        if call == "save" and composite and self.item_names:
+            unknown = [str(k) for k in args.keys() if k not in self.item_names]
+            if unknown:
+                raise ConfigError(f"save(): Composite item {unknown[0]!r} does not match with "
+                                  f"any registered handler: item_names are "
+                                  f"{list(self.item_names)}")
+        return composite
 
     @_api
     def wait_until_finished(self) -> None:
@@ -287,7 +319,8 @@ class CheckpointManager:
 
     @_api
     def restore(self, step: Any = None, target: Any = None, *, args: Any = None,
-                as_numpy: bool = False) -> Any:
+                as_numpy: bool = False,
+                directory: str | os.PathLike[str] | None = None) -> Any:
         """Load ``step`` (default: the latest, from any configured tier) into
         ``target``'s shardings.
 
@@ -303,8 +336,18 @@ class CheckpointManager:
         one). ``args=ocp.args.StandardRestore(target)``
         (or ``PyTreeRestore``, ``JsonRestore``, a ``Composite``) may replace
         ``target``. With replicators and no step, they agree on the step and
-        bring each host's data local first (see ``latest_step``).
+        bring each host's data local first (see ``latest_step``). ``directory``:
+        Orbax's restore from another manager's directory (a pretrained checkpoint),
+        read through a read-only manager of it with this one's mesh and options.
         """
+        if directory is not None and Path(os.fspath(directory)) != self.local_dir:
+            # Orbax's restore from another directory (a pretrained checkpoint): read
+            # through a read-only manager of it, on this one's mesh and options.
+            with CheckpointManager(directory, mesh=self.mesh, item_names=self.item_names,
+                                   options=dataclasses.replace(self.options, read_only=True)
+                                   ) as other:
+                return other.restore(step, target, args=args, as_numpy=as_numpy)
+        self._check_mode(args, "restore")
         if args is None and target is None and self.item_names:
             args = orbax_args.composite_of({})  # every saved item, as Orbax's
         return self._restores.restore(step, target, args, as_numpy=as_numpy)

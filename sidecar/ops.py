@@ -208,11 +208,13 @@ class HostOps:
                 m = Manifest.summary_of(data, path=str(path))
             else:
                 data, m = self._summary(host, step, data=True)
+        except ManifestError as e:
+            raise ManifestError(e.message, step=step, host=host, path=str(path)) from e
+        except MtcError:
+            raise  # the network tier's own answer (a StepNotFoundError is a FileNotFoundError)
         except FileNotFoundError as e:
             raise ManifestError("committed step has no manifest", step=step, host=host,
                                 path=str(path)) from e
-        except ManifestError as e:
-            raise ManifestError(e.message, step=step, host=host, path=str(path)) from e
         if m.step != step or m.host != host:
             raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
                                 host=host, path=str(path))

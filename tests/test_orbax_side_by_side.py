@@ -253,11 +253,51 @@ def second_manager_in_process(make: Make, mesh: Mesh) -> list[Any]:
     return [*seen, values(back)]
 
 
+def refusals_as_orbax_raises_them(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, items 3, 5 and 8: what Orbax refuses is refused at once with the
+    built-in exception Orbax raises there (mtc's errors subclass it): a forced save
+    of a step in flight (ValueError), a single item on a Composite manager and the
+    reverse, an item outside item_names (ValueError), a missing step
+    (FileNotFoundError); ``restore(directory=)`` reads another manager's folder."""
+    def refused(call: Callable[[], Any]) -> str:
+        try:
+            call()
+        except ValueError:
+            return "ValueError"
+        except FileNotFoundError:
+            return "FileNotFoundError"
+        return "accepted"
+
+    one = ocp.args.StandardSave(state(mesh, 1))
+    out: list[Any] = []
+    with make("a", item_names=("params",)) as mgr:
+        mgr.save(0, args=ocp.args.Composite(params=one))
+        out.append(refused(lambda: mgr.save(0, args=ocp.args.Composite(params=one),
+                                            force=True)))
+        out.append(refused(lambda: mgr.save(1, args=one)))
+        out.append(refused(lambda: mgr.save(2, args=ocp.args.Composite(other=one))))
+        out.append(refused(lambda: mgr.restore(7, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(state(mesh, 0))))))
+        mgr.wait_until_finished()
+    with make("b") as mgr:
+        mgr.save(0, args=one)
+        mgr.wait_until_finished()
+        out.append(refused(lambda: mgr.save(1, args=ocp.args.Composite(params=one))))
+        out.append(refused(lambda: mgr.restore(0, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(state(mesh, 0))))))
+    with make("c", item_names=("params",)) as mgr:
+        back = mgr.restore(0, args=ocp.args.Composite(params=ocp.args.StandardRestore(
+            state(mesh, 0))), directory=Path(mgr.directory).parent / "a")
+        out.append(values(back.params))
+    return out
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
          save_on_preemption, restore_args_without_an_item,
-         save_schedule_options, second_manager_in_process]
+         save_schedule_options, second_manager_in_process,
+         refusals_as_orbax_raises_them]
 
 
 # -- the two libraries ----------------------------------------------------------------

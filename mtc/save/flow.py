@@ -176,6 +176,10 @@ class SaveFlow:
             items = None
         step = layout.as_step(step)
         self._refuse_foreign(step)
+        if force and step in self.staged:
+            # At once, as Orbax's StepAlreadyExistsError: not later from a commit.
+            raise StepExistsError("save(force=True) of a step this manager is already "
+                                  "saving (or saved): force never overwrites", step=step)
         # The job's first decision needs the hosts' newest step. One controller
         # learns it from the save's own first call (a save stays two calls); the
         # step is then dropped there if it was not due. Multi-controller JAX asks
