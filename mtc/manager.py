@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import types
@@ -79,6 +80,9 @@ class CheckpointManager:
       item_names: Orbax's: the names of the items saved as an ``ocp.args.Composite``;
         ``restore(step)`` without a target then returns every saved item as an
         ``ocp.args.Composite``.
+      metadata: Orbax's root metadata (plain values, kept as JSON on every host
+        root): the first writing manager's stays, a later one's is ignored, a
+        read-only manager's is answered but not kept (``metadata()``).
 
     Attributes:
       dispatch_mode: how host-side code is invoked: ``"local"``, ``"colocated"``
@@ -96,7 +100,7 @@ class CheckpointManager:
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
                  options: Options | None = None,
-                 item_names: Sequence[str] | None = None) -> None:
+                 item_names: Sequence[str] | None = None, metadata: Any = None) -> None:
         self.local_dir = local_dir_path(local_dir)
         self.item_names = orbax_args.check_item_names(item_names)
         # Orbax's two modes: items of a Composite (item_names, or a first save of one)
@@ -132,11 +136,17 @@ class CheckpointManager:
         try:
             opened = dispatch.open(self.topology.local_hosts, read_only=self.options.read_only,
                                    identify=connect.watches_replicators(self.options,
-                                                                        self.topology))
+                                                                        self.topology),
+                                   metadata=_json_of(metadata, "metadata"))
         except BaseException:
             dispatch.close()
             raise
         self._dispatch = dispatch
+        # Orbax's root metadata: the first writer's stays; a reader's is its own
+        # until a writer keeps one.
+        kept = next((o.metadata for _, o in sorted(opened.items()) if o.metadata), "")
+        self._root_metadata = (json.loads(kept) if kept
+                               else metadata if metadata is not None else {})
         try:
             self.foreign_steps = connect.note_foreign(opened, self._roots_here())
             self._watch = connect.watch_replicators(self.options, self.topology,
@@ -220,7 +230,8 @@ class CheckpointManager:
         JAX array). ``args=ocp.args.StandardSave(state)`` (or ``PyTreeSave``,
         ``JsonSave``, a ``Composite`` of them) may replace ``state``;
         ``metrics`` (scalars or plain values) are kept with the step
-        (:meth:`metrics`). Returns False, unless ``force``, when
+        (:meth:`metrics`), and so is Orbax's ``custom_metadata`` (plain values:
+        ``metadata(step).custom_metadata``). Returns False, unless ``force``, when
         :meth:`should_save` says no (as Orbax's: a step not newer than the newest
         saved, restored or on the hosts; off the save interval, at no preemption
         sync point, and not the job's first save), or when
@@ -231,11 +242,9 @@ class CheckpointManager:
         every process calls it for the same steps (retention agrees on the steps
         committed everywhere).
         """
-        if custom_metadata is not None:
-            raise ConfigError("save(custom_metadata=) is not kept by mtc: pass plain values in "
-                              "metrics= (read back by metrics(step)) or in the state")
         composite = self._check_mode(args, "save")
-        saved = self._saves.save(step, state, force=force, metrics=metrics, args=args)
+        saved = self._saves.save(step, state, force=force, metrics=metrics, args=args,
+                                 custom=_json_of(custom_metadata, "custom_metadata"))
         if composite is not None and self._composite is None:
             self._composite = composite
         if saved and not self.options.enable_async_checkpointing:
@@ -397,12 +406,20 @@ class CheckpointManager:
         self._saves.finish_step(step)
         return self._reader.item_metadata(step, composite=bool(self.item_names))
 
+    @_api
     def metadata(self, step: Any = None) -> Any:
-        """Orbax's root and step metadata: mtc keeps none besides each step's metrics
-        and tree, so this is refused with what to use instead."""
-        raise ConfigError("mtc keeps no root or step metadata (custom_metadata): use "
-                          "metrics(step) for a step's metrics, item_metadata(step) for its "
-                          "tree's shapes and dtypes, all_steps() for the steps")
+        """Orbax's metadata: without a step the root's (``custom_metadata``: what the
+        first writing manager of the directory was given as ``metadata=``); of a
+        step, its ``item_metadata`` (:meth:`item_metadata`), ``metrics`` ({}: none)
+        and the ``custom_metadata`` saved with it. Orbax's classes where Orbax is
+        installed (``ocp.metadata.RootMetadata``, ``StepMetadata``)."""
+        if step is None:
+            return orbax_args.root_metadata(self._root_metadata)
+        step = layout.as_step(step)
+        self._saves.finish_step(step)
+        return orbax_args.step_metadata(
+            self._reader.item_metadata(step, composite=bool(self.item_names)),
+            self._restores.metrics(step) or {}, self._restores.custom_metadata(step))
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -421,3 +438,14 @@ class CheckpointManager:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: types.TracebackType | None) -> None:
         self.close()
+
+
+def _json_of(value: Any, name: str) -> str | None:
+    """Orbax's metadata (``metadata=``, ``custom_metadata=``) as the JSON text mtc keeps."""
+    if value is None:
+        return None
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name} is kept as JSON: plain values (dicts, lists, numbers, "
+                          f"strings), got {e}") from e

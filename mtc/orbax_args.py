@@ -186,3 +186,25 @@ def positional_hint(call: str) -> str:
     return (f"{call} got an Orbax ocp.args object as the state; pass it as args=..., "
             f"e.g. mgr.{call}(step, args=ocp.args.StandardSave(state)), or pass the "
             "pytree itself")
+
+
+def root_metadata(custom: Any) -> Any:
+    """Orbax's ``metadata()`` answer: its ``RootMetadata`` (``custom_metadata``) where
+    Orbax is installed, else a dict of the same field."""
+    try:
+        from orbax.checkpoint import metadata as ocp_metadata
+    except ImportError:
+        return {"custom_metadata": custom}
+    return ocp_metadata.RootMetadata(custom_metadata=custom)
+
+
+def step_metadata(item_metadata: Any, metrics: Any, custom: Any) -> Any:
+    """Orbax's ``metadata(step)`` answer: its ``StepMetadata`` (the fields mtc keeps:
+    ``item_metadata``, ``metrics``, ``custom_metadata``) where Orbax is installed,
+    else a dict of them."""
+    try:
+        from orbax.checkpoint import metadata as ocp_metadata
+    except ImportError:
+        return {"item_metadata": item_metadata, "metrics": metrics, "custom_metadata": custom}
+    return ocp_metadata.StepMetadata(item_metadata=item_metadata, metrics=metrics,
+                                     custom_metadata=custom)

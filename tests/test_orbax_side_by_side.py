@@ -292,27 +292,49 @@ def refusals_as_orbax_raises_them(make: Make, mesh: Mesh) -> list[Any]:
     return out
 
 
+def root_and_step_metadata(make: Make, mesh: Mesh) -> list[Any]:
+    """Root metadata (the first writer's stays; a reader's is answered, not kept) and
+    a step's metadata: its items, metrics and custom_metadata."""
+    with make("a", metadata={"version": 1}) as mgr:
+        mgr.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 1))),
+                 custom_metadata={"lr": 0.5})
+        mgr.wait_until_finished()
+        first = mgr.metadata().custom_metadata
+    with make("a", metadata={"version": 2}) as mgr:
+        again = mgr.metadata().custom_metadata
+        step = mgr.metadata(0)
+        seen = [sorted(step.item_metadata), step.metrics, step.custom_metadata]
+    with make("b", metadata={"version": 3}, read_only=True) as reader:
+        read_only = reader.metadata().custom_metadata
+    with make("b") as mgr:
+        after_reader = mgr.metadata().custom_metadata
+    return [first, again, *seen, read_only, after_reader]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
          save_on_preemption, restore_args_without_an_item,
          save_schedule_options, second_manager_in_process,
-         refusals_as_orbax_raises_them]
+         refusals_as_orbax_raises_them, root_and_step_metadata]
 
 
 # -- the two libraries ----------------------------------------------------------------
 
 
 def orbax_maker(base: Path) -> Make:
-    def make(sub: str, item_names: tuple[str, ...] | None = None, **kw: Any) -> Any:
-        return ocp.CheckpointManager(base / sub, item_names=item_names,
+    def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
+             **kw: Any) -> Any:
+        return ocp.CheckpointManager(base / sub, item_names=item_names, metadata=metadata,
                                      options=ocp.CheckpointManagerOptions(**kw))
     return make
 
 
 def mtc_maker(base: Path, mesh: Mesh) -> Make:
-    def make(sub: str, item_names: tuple[str, ...] | None = None, **kw: Any) -> Any:
+    def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
+             **kw: Any) -> Any:
         return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=item_names,
+                                     metadata=metadata,
                                      options=mtc.Options(simulated_hosts=4, dispatch="local",
                                                          **kw))
     return make

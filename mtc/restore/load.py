@@ -84,6 +84,17 @@ def saved_items(saved: SavedStep) -> list[str] | None:
     return None
 
 
+def custom_of(saved: SavedStep) -> Any:
+    """Orbax's ``custom_metadata`` saved with the step ({} when none was)."""
+    for leaf in saved.leaves:
+        if leaf.path == treepath.CUSTOM_ROOT and leaf.kind == "value":
+            try:
+                return json.loads(treepath.decode_value(leaf.value))
+            except (TypeError, ValueError):
+                return {}
+    return {}
+
+
 def metrics_of(saved: SavedStep) -> Any:
     """The ``metrics`` saved with the step, or None."""
     items = [(leaf.keys, treepath.decode_value(leaf.value))

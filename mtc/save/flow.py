@@ -160,7 +160,8 @@ class SaveFlow:
 
     # -- save -----------------------------------------------------------------------
 
-    def save(self, step: Any, state: Any, *, force: bool, metrics: Any, args: Any) -> bool:
+    def save(self, step: Any, state: Any, *, force: bool, metrics: Any, args: Any,
+             custom: str | None = None) -> bool:
         if self.skipped_read_only("save"):
             return False
         if orbax_args.is_orbax_args(state):
@@ -195,7 +196,7 @@ class SaveFlow:
         t0 = time.perf_counter()
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics, run=self.run, ranks=self._saved_ranks(),
-                                 items=items)
+                                 items=items, custom=custom)
 
         def before_send(survey: Survey) -> None:
             # Nothing is sent to a host before this returned, and nothing at all
