@@ -338,8 +338,9 @@ class CheckpointManager:
         ``.sharding``: mtc never guesses where an array goes); numpy arrays or
         None ask for numpy; other leaves are placeholders for saved values.
         Without a target (also ``StandardRestore()``, a ``Composite`` item of
-        None), as Orbax's: arrays come back as ``jax.Array``s on the manager's mesh
-        (the partition spec saved where the mesh has those axes, else replicated),
+        None), as Orbax's: arrays come back as ``jax.Array``s with the sharding they
+        were saved with where its devices exist, else on the manager's mesh (the
+        partition spec saved where the mesh has those axes, else replicated),
         in nested dicts with string keys and lists; with ``as_numpy=True`` as numpy
         arrays with the key types saved (an int-keyed flax NNX pure dict stays
         one). ``args=ocp.args.StandardRestore(target)``
@@ -400,7 +401,7 @@ class CheckpointManager:
     def item_metadata(self, step: Any) -> Any:
         """The saved tree of ``step`` without reading its arrays: a
         ``jax.ShapeDtypeStruct`` per array leaf with the sharding ``restore(step)``
-        gives it on this manager's mesh, plain values as saved; a ``Composite`` of
+        gives it (:func:`mtc.restore.load.saved_sharding`), plain values as saved; a ``Composite`` of
         the items when saved as one (or ``item_names`` is given), as Orbax's."""
         step = layout.as_step(step)
         self._saves.finish_step(step)

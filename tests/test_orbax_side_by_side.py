@@ -311,12 +311,27 @@ def root_and_step_metadata(make: Make, mesh: Mesh) -> list[Any]:
     return [first, again, *seen, read_only, after_reader]
 
 
+def restore_without_target_keeps_the_saved_sharding(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 6: a restore with no target comes back with the sharding it was
+    saved with (its devices exist here), not replicated on the manager's mesh."""
+    half = Mesh(np.array(jax.devices()[:4]), ("x",))
+    on = {"a": NamedSharding(half, P("x")), "b": NamedSharding(mesh, P(None, "model"))}
+    tree = {"a": jax.device_put(jnp.arange(32.0).reshape(8, 4), on["a"]),
+            "b": jax.device_put(jnp.ones((8, 4)), on["b"])}
+    with make("a") as mgr:
+        mgr.save(0, args=ocp.args.StandardSave(tree))
+        mgr.wait_until_finished()
+        back = mgr.restore(0)
+    return [values(back), {k: back[k].sharding.is_equivalent_to(on[k], 2) for k in on}]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
          save_on_preemption, restore_args_without_an_item,
          save_schedule_options, second_manager_in_process,
-         refusals_as_orbax_raises_them, root_and_step_metadata]
+         refusals_as_orbax_raises_them, root_and_step_metadata,
+         restore_without_target_keeps_the_saved_sharding]
 
 
 # -- the two libraries ----------------------------------------------------------------
