@@ -401,8 +401,9 @@ class CheckpointManager:
     def item_metadata(self, step: Any) -> Any:
         """The saved tree of ``step`` without reading its arrays: a
         ``jax.ShapeDtypeStruct`` per array leaf with the sharding ``restore(step)``
-        gives it (:func:`mtc.restore.load.saved_sharding`), plain values as saved; a ``Composite`` of
-        the items when saved as one (or ``item_names`` is given), as Orbax's."""
+        gives it (:func:`mtc.restore.load.saved_sharding`), plain values as saved;
+        a ``Composite`` of the items when saved as one (or ``item_names`` is given),
+        as Orbax's."""
         step = layout.as_step(step)
         self._saves.finish_step(step)
         return self._reader.item_metadata(step, composite=bool(self.item_names))
