@@ -12,10 +12,13 @@ from typing import Any
 
 from mtc.errors import ConfigError
 
-_SAVE = ("StandardSaveArgs", "PyTreeSaveArgs", "JsonSaveArgs")
-_RESTORE = ("StandardRestoreArgs", "PyTreeRestoreArgs", "JsonRestoreArgs")
-_ACCEPTED = ("ocp.args.StandardSave, PyTreeSave, JsonSave (restore: StandardRestore, "
-             "PyTreeRestore, JsonRestore), or a Composite of them")
+_SAVE = ("StandardSaveArgs", "PyTreeSaveArgs", "JsonSaveArgs", "ArraySaveArgs")
+# ``ocp.args.ArrayRestore``'s class is named as the per-leaf ``ocp.ArrayRestoreArgs``
+# too: told apart by being Orbax's ``CheckpointArgs`` (:func:`is_orbax_args`).
+_RESTORE = ("StandardRestoreArgs", "PyTreeRestoreArgs", "JsonRestoreArgs", "ArrayRestoreArgs")
+_ACCEPTED = ("ocp.args.StandardSave, PyTreeSave, JsonSave, ArraySave (restore: "
+             "StandardRestore, PyTreeRestore, JsonRestore, ArrayRestore), or a Composite "
+             "of them")
 
 
 def is_orbax_args(x: Any) -> bool:
@@ -47,7 +50,7 @@ def _restore_item(a: Any) -> Any:
     if a is None:  # Composite(state=None): the item as saved
         return None
     name = type(a).__name__
-    if name not in _RESTORE:
+    if name not in _RESTORE or not is_orbax_args(a):
         raise ConfigError(f"mtc cannot restore {name}; it accepts {_ACCEPTED}")
     # partial_restore=True: a target naming a subset of the saved tree is what mtc
     # restores anyway (leaves are matched by key path).

@@ -47,8 +47,8 @@ def test_the_state_a_save_request_names(args: Any, state: Any,
 @pytest.mark.parametrize(("args", "match"), [
     (ocp.args.PyTreeSave(STATE, save_args={"w": ocp.SaveArgs()}), "save_args is not"),
     (ocp.args.StandardRestore(STATE), "cannot save StandardRestoreArgs"),
-    (ocp.args.Composite(state=ocp.args.ArraySave(np.zeros(2))), "cannot save"),
-], ids=["save_args", "a restore request", "an array item"])
+    (ocp.args.Composite(state=ocp.args.NumpyRandomKeySave(np.zeros(2))), "cannot save"),
+], ids=["save_args", "a restore request", "a numpy random key item"])
 def test_a_save_request_mtc_cannot_honour_is_refused(args: Any, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         orbax_args.save_state(args)

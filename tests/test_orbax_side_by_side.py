@@ -325,13 +325,27 @@ def restore_without_target_keeps_the_saved_sharding(make: Make, mesh: Mesh) -> l
     return [values(back), {k: back[k].sharding.is_equivalent_to(on[k], 2) for k in on}]
 
 
+def array_items(make: Make, mesh: Mesh) -> list[Any]:
+    """``ArraySave``/``ArrayRestore`` items beside a pytree and JSON (Orbax's own
+    multi-item habit)."""
+    with make("a", item_names=("params", "arr", "meta")) as mgr:
+        mgr.save(0, args=ocp.args.Composite(params=ocp.args.PyTreeSave(state(mesh, 1)),
+                                            arr=ocp.args.ArraySave(np.arange(16)),
+                                            meta=ocp.args.JsonSave({"v": 2})))
+        mgr.wait_until_finished()
+        back = mgr.restore(0, args=ocp.args.Composite(
+            params=ocp.args.PyTreeRestore(state(mesh, 0)), arr=ocp.args.ArrayRestore(),
+            meta=ocp.args.JsonRestore()))
+        return [values(back.params), np.asarray(back.arr).tolist(), back.meta]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
          save_on_preemption, restore_args_without_an_item,
          save_schedule_options, second_manager_in_process,
          refusals_as_orbax_raises_them, root_and_step_metadata,
-         restore_without_target_keeps_the_saved_sharding]
+         restore_without_target_keeps_the_saved_sharding, array_items]
 
 
 # -- the two libraries ----------------------------------------------------------------
