@@ -28,7 +28,7 @@ from mtc.sidecar.replicator.copies.transfers import Transfers
 from mtc.sidecar.replicator.store.step_files import FileMeta, inside
 from mtc.sidecar.replicator.wire import checks
 from mtc.sidecar.replicator.wire.datachannel import Caller
-from mtc.sidecar.replicator.wire.limits import Streams, own_data, peer_of
+from mtc.sidecar.replicator.wire.limits import Streams, peer_of
 from mtc.sidecar.replicator.wire.security import Identity
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class DataService:
         metas = checks.pushed(list(t.files.values()), list(req.files))
         total = 0
         with self.streams.open("push", peer_of(caller), caller,
-                               sum(m.size for m in metas), priority=True) as stream:
+                               sum(m.size for m in metas)) as stream:
             # Whatever was there no longer counts (a retried push).
             with t.lock:
                 t.verified.difference_update(m.path for m in metas)
@@ -92,8 +92,7 @@ class DataService:
         files = self.servable(origin, step, rels)
         total = sum(m.size for _, m, _ in files)
         store = self.parts.store
-        with self.streams.open("fetch", peer_of(caller), caller, total,
-                               priority=own_data(caller, origin)) as stream:
+        with self.streams.open("fetch", peer_of(caller), caller, total) as stream:
             caller.status(total)
             for base, meta, check in files:
                 why = (store.checksums.check(inside(base, meta.path), meta, cached=not req.reread)

@@ -25,7 +25,7 @@ from mtc.sidecar.replicator.copies.servable import HELD, Serving, serving
 from mtc.sidecar.replicator.copies.transfers import Transfer
 from mtc.sidecar.replicator.store.step_files import FileMeta, inside, safe_relpath
 from mtc.sidecar.replicator.wire import checks
-from mtc.sidecar.replicator.wire.limits import Streams, own_data, peer_of
+from mtc.sidecar.replicator.wire.limits import Streams, peer_of
 from mtc.sidecar.storage.checksum import CHUNK
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class GrpcData:
             metas = self._pushed_files(t, md)
             # A place among the streams, and a deadline and a minimum rate for this one.
             with self.streams.open("push", peer_of(context), context,
-                                   sum(m.size for m in metas), priority=True) as stream:
+                                   sum(m.size for m in metas)) as stream:
                 # Whatever was there no longer counts, and is unlinked rather than
                 # overwritten: a linked (deduplicated) file shares its bytes with a
                 # committed step of ours.
@@ -148,8 +148,7 @@ class GrpcData:
                                  self.parts.rank, origin, step, rels)
             # The bytes it sends (its deadline), as far as they are known here.
             size = max(0, sum(m.size for m in plan.files) - req.offset)
-            with self.streams.open("fetch", peer_of(context), context, size,
-                                   priority=own_data(context, origin)) as stream:
+            with self.streams.open("fetch", peer_of(context), context, size) as stream:
                 for chunk in self._fetch_chunks(plan, base, origin, step, rels, req.offset):
                     stream.add(len(chunk))
                     yield chunk

@@ -8,18 +8,7 @@ cancels the ones that do not. Health ``Watch`` streams occupy no thread (gRPC's
 health servicer is non-blocking) but count against the server's concurrent
 calls: they are bounded in number and live at most ``watch_s``.
 
-A reader cannot hold the data path (issue 66): 16 fetches read just above the
-minimum rate filled every stream for minutes, and a replaced host's restore, and
-replication, failed ``RESOURCE_EXHAUSTED`` meanwhile. So the streams that restore a
-host or copy a step (``priority``: a push, whose origin the transfer checked; a
-fetch by the rank whose data it is, which its certificate names) have places no
-reader can take (``reserved``), one caller is one share whatever its addresses
-(the controller's certificate is one caller), and a stream that finds no place
-ends the slowest reader that has run a while (``settle_s``) and reads below
-``evict_below`` before it waits or fails (a restore reads far faster; the
-reader it ends may come back, and is the slowest again).
-
-:func:`overdue` and :func:`victim` are the policy, pure; :class:`Streams` applies it.
+:func:`overdue` is the policy, pure; :class:`Streams` applies it.
 """
 
 from __future__ import annotations
@@ -37,8 +26,7 @@ from grpc_health.v1 import health
 
 from mtc.errors import BusyError
 from mtc.lifecycle import Threads
-from mtc.rank_names import CONTROLLER
-from mtc.sidecar.replicator.wire.security import caller_identity, caller_rank
+from mtc.sidecar.replicator.wire.security import caller_rank
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +34,12 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Limits:
     max_streams: int = 16        # pushes and fetches at once (each holds a server thread)
-    max_per_peer: int = 8        # of those, from one caller (an identity, else an address)
+    max_per_peer: int = 8        # of those, from one caller
     max_watches: int = 16        # health Watch streams at once
     min_rate: float = 256 << 10  # bytes a second a stream averages once its grace is over
     grace_s: float = 10.0        # a stream's first seconds, before its rate counts
     watch_s: float = 600.0       # a Watch stream's longest life
     sweep_s: float = 0.5         # how often the watchdog looks
-    reserved: int = 4            # of max_streams, for pushes and fetches of the caller's own data
-    settle_s: float = 2.0        # a reader's first seconds, before it may be ended for another
-    evict_below: float = 4 << 20  # bytes a second under which a settled reader may be ended
 
 
 def overdue(sent: int, expected: int, elapsed: float, limits: Limits) -> str | None:
@@ -74,34 +59,16 @@ def overdue(sent: int, expected: int, elapsed: float, limits: Limits) -> str | N
     return None
 
 
-def victim(streams: list[Stream], now: float, limits: Limits, priority: bool = False
-           ) -> Stream | None:
-    """The stream to end so that one finding no place gets one: the slowest of the
-    data streams that have run ``settle_s`` and moved below ``evict_below`` on
-    average, a reader's (not ``priority``) first; for a ``priority`` newcomer, a
-    priority one's when no reader is (a token holder's slow pushes must not hold
-    every place either). None when there is none."""
-    def rate(s: Stream) -> float:
-        return s.sent / max(now - s.started, 1e-9)
-    slow = [s for s in streams if s.kind != "watch"
-            and now - s.started >= limits.settle_s and rate(s) < limits.evict_below]
-    readers = [s for s in slow if not s.priority]
-    return min(readers or (slow if priority else []), key=rate, default=None)
-
-
 class Stream:
-    """One open stream: its caller, its progress (the serving thread adds to ``sent``),
-    and whether it restores a host or copies a step (``priority``)."""
+    """One open stream: its caller, its progress (the serving thread adds to ``sent``)."""
 
-    def __init__(self, kind: str, peer: str, context: Any, expected: int, now: float,
-                 priority: bool = False) -> None:
+    def __init__(self, kind: str, peer: str, context: Any, expected: int, now: float) -> None:
         self.kind = kind
         self.peer = peer
         self.context = context
         self.expected = expected
         self.started = now
         self.sent = 0
-        self.priority = priority
 
     def add(self, n: int) -> None:
         self.sent += n
@@ -126,32 +93,21 @@ class Streams:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def acquire(self, kind: str, peer: str, context: Any, expected: int = 0, *,
-                priority: bool = False) -> Stream:
+    def acquire(self, kind: str, peer: str, context: Any, expected: int = 0) -> Stream:
         """A place for a stream (:meth:`release` it when it ends); :class:`BusyError`
-        when there is none (all taken, or this caller's share). ``priority``: a push,
-        or a fetch of the caller's own data (see the module's doc): it may take the
-        reserved places. A stream finding no place ends the slowest settled reader
-        (:func:`victim`) and takes its place."""
-        s = Stream(kind, peer, context, expected, self.clock(), priority)
-        ended: Stream | None = None
+        when there is none (all taken, or this caller's share)."""
+        s = Stream(kind, peer, context, expected, self.clock())
         with self._lock:
             if kind == "watch":
                 if sum(1 for x in self._open if x.kind == "watch") >= self.limits.max_watches:
                     raise BusyError(f"{self.limits.max_watches} health watches are open")
             else:
                 data = [x for x in self._open if x.kind != "watch"]
+                if len(data) >= self.limits.max_streams:
+                    raise BusyError(f"{len(data)} data streams are open; try again later")
                 if sum(1 for x in data if x.peer == peer) >= self.limits.max_per_peer:
                     raise BusyError(f"{self.limits.max_per_peer} data streams of this caller "
                                     f"are open")
-                readers = sum(1 for x in data if not x.priority)
-                full = len(data) >= self.limits.max_streams or (
-                    not priority and readers >= self.limits.max_streams - self.limits.reserved)
-                if full:
-                    ended = victim(data, s.started, self.limits, priority)
-                    if ended is None:
-                        raise BusyError(f"{len(data)} data streams are open; try again later")
-                    self._open.remove(ended)
             self._open.append(s)
             if self._thread is None and not self._stop.is_set():
                 # Runs while streams are open: an idle server has no watchdog thread.
@@ -160,20 +116,12 @@ class Streams:
                     self._thread = self._threads.start(self._run, "mtc-stream-watchdog")
                 except RuntimeError:
                     pass
-        if ended is not None:
-            log.warning("ending a %s stream from %s (%d bytes in %.0fs) for a %s stream from "
-                        "%s: every place was taken", ended.kind, ended.peer, ended.sent,
-                        s.started - ended.started, kind, peer)
-            ended.context.cancel()
-            if self.on_cancel is not None:
-                self.on_cancel(ended.kind)
         return s
 
     @contextmanager
-    def open(self, kind: str, peer: str, context: Any, expected: int = 0, *,
-             priority: bool = False) -> Iterator[Stream]:
+    def open(self, kind: str, peer: str, context: Any, expected: int = 0) -> Iterator[Stream]:
         """:meth:`acquire` for the length of the block."""
-        s = self.acquire(kind, peer, context, expected, priority=priority)
+        s = self.acquire(kind, peer, context, expected)
         try:
             yield s
         finally:
@@ -235,21 +183,13 @@ class Streams:
 
 
 def peer_of(context: Any) -> str:
-    """Who calls, for per-caller bounds: the rank its certificate names, the
-    controller (one caller from every address), else its address without the port."""
-    who = caller_identity(context)
-    if isinstance(who, int):
-        return f"rank {who}"
-    if who == CONTROLLER:
-        return "the controller"
+    """Who calls, for per-caller bounds: the rank its certificate names, else its
+    address without the port."""
+    rank = caller_rank(context)
+    if rank is not None:
+        return f"rank {rank}"
     peer = str(context.peer() or "")
     return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
-
-
-def own_data(context: Any, origin: int) -> bool:
-    """Whether the caller fetches its own data (a replaced host restoring it): its
-    certificate names ``origin``. Never without TLS (a token names nobody)."""
-    return caller_rank(context) == origin
 
 
 class BoundedHealth(health.HealthServicer):
