@@ -102,11 +102,16 @@ def metrics_of(saved: SavedStep) -> Any:
     return treepath.unflatten_from_keys(items)[treepath.METRICS_ROOT] if items else None
 
 
-def saved_sharding(leaf: LeafEntry, mesh: jax.sharding.Mesh) -> NamedSharding:
-    """Where an array restored without a target goes on ``mesh``: the partition spec
-    it was saved with when ``mesh`` has those axes, of the sizes saved, and they
-    divide the array; else replicated over ``mesh``."""
+def saved_sharding(leaf: LeafEntry, mesh: jax.sharding.Mesh) -> jax.sharding.Sharding:
+    """Where an array restored without a target goes: the sharding it was saved with
+    where its devices exist (as Orbax's: a large model comes back as laid out, not
+    replicated); else on ``mesh``, the partition spec it was saved with when
+    ``mesh`` has those axes, of the sizes saved, and they divide the array; else
+    replicated over ``mesh``."""
     s = leaf.sharding or {}
+    same = _as_saved_sharding(s)
+    if same is not None:
+        return same
     if s.get("type") == "named":
         sizes = dict(zip(s.get("axes", ()), s.get("mesh_shape", ()), strict=False))
         spec = [tuple(p) if isinstance(p, list) else p for p in s.get("spec", ())]
@@ -121,6 +126,31 @@ def saved_sharding(leaf: LeafEntry, mesh: jax.sharding.Mesh) -> NamedSharding:
         if ok:
             return NamedSharding(mesh, PartitionSpec(*spec))
     return NamedSharding(mesh, PartitionSpec())
+
+
+def _as_saved_sharding(s: dict[str, Any]) -> jax.sharding.Sharding | None:
+    """The sharding a manifest describes (:func:`mtc.save.stage.describe_sharding`),
+    when every device it names exists here; None otherwise."""
+    ids = s.get("device_ids")
+    if not isinstance(ids, list) or not ids:
+        return None
+    devices = {d.id: d for d in jax.devices()}
+    if not all(isinstance(i, int) and i in devices for i in ids):
+        return None
+    if s.get("type") == "single" and len(ids) == 1:
+        return jax.sharding.SingleDeviceSharding(devices[ids[0]])
+    if s.get("type") != "named":
+        return None
+    shape, axes = s.get("mesh_shape"), s.get("axes")
+    if not isinstance(shape, list) or not isinstance(axes, list) or len(shape) != len(axes) \
+            or int(np.prod(shape)) != len(ids) or len(set(ids)) != len(ids):
+        return None
+    spec = [tuple(p) if isinstance(p, list) else p for p in s.get("spec", ())]
+    try:
+        mesh = jax.sharding.Mesh(np.array([devices[i] for i in ids]).reshape(shape), tuple(axes))
+        return NamedSharding(mesh, PartitionSpec(*spec))
+    except (TypeError, ValueError):
+        return None  # a description this JAX cannot rebuild: placed on the manager's mesh
 
 
 def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Dispatch,
