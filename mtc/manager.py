@@ -329,7 +329,8 @@ class CheckpointManager:
     @_api
     def restore(self, step: Any = None, target: Any = None, *, args: Any = None,
                 as_numpy: bool = False,
-                directory: str | os.PathLike[str] | None = None) -> Any:
+                directory: str | os.PathLike[str] | None = None,
+                restore_kwargs: dict[str, Any] | None = None) -> Any:
         """Load ``step`` (default: the latest, from any configured tier) into
         ``target``'s shardings.
 
@@ -349,7 +350,15 @@ class CheckpointManager:
         bring each host's data local first (see ``latest_step``). ``directory``:
         Orbax's restore from another manager's directory (a pretrained checkpoint),
         read through a read-only manager of it with this one's mesh and options.
+        ``restore_kwargs``: Orbax's legacy form, ``{item: {"restore_args": ...}}``
+        beside a ``target`` dict of items (each as ``PyTreeRestore(target[item],
+        restore_args)``).
         """
+        if restore_kwargs is not None:
+            if args is not None:
+                raise ConfigError("restore() takes restore_kwargs= (Orbax's legacy form) or "
+                                  "args=, not both")
+            args, target = orbax_args.legacy_restore(target, restore_kwargs), None
         if directory is not None and Path(os.fspath(directory)) != self.local_dir:
             # Orbax's restore from another directory (a pretrained checkpoint): read
             # through a read-only manager of it, on this one's mesh and options.

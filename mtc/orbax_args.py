@@ -211,3 +211,25 @@ def step_metadata(item_metadata: Any, metrics: Any, custom: Any) -> Any:
         return {"item_metadata": item_metadata, "metrics": metrics, "custom_metadata": custom}
     return ocp_metadata.StepMetadata(item_metadata=item_metadata, metrics=metrics,
                                      custom_metadata=custom)
+
+
+def legacy_restore(items: Any, restore_kwargs: Any) -> Any:
+    """Orbax's legacy ``restore(step, items, restore_kwargs={item: {"restore_args":
+    ...}})`` as the ``Composite`` of ``PyTreeRestore`` it means (an item without a
+    target or restore_args: as saved)."""
+    if not isinstance(restore_kwargs, dict) or not all(
+            isinstance(v, dict) for v in restore_kwargs.values()):
+        raise ConfigError("restore_kwargs is Orbax's {item: {'restore_args': ...}}, got "
+                          f"{type(restore_kwargs).__name__}")
+    if items is not None and not isinstance(items, dict):
+        raise ConfigError("with restore_kwargs, the target is a dict of items")
+    from orbax.checkpoint import args as ocp_args  # its user has Orbax: its legacy form
+
+    names = list(items or {}) + [k for k in restore_kwargs if k not in (items or {})]
+    out: dict[str, Any] = {}
+    for name in names:
+        item = (items or {}).get(name)
+        ra = restore_kwargs.get(name, {}).get("restore_args")
+        out[name] = (None if item is None and ra is None
+                     else ocp_args.PyTreeRestore(item=item, restore_args=ra))
+    return ocp_args.Composite(**out)

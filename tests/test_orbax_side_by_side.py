@@ -339,13 +339,27 @@ def array_items(make: Make, mesh: Mesh) -> list[Any]:
         return [values(back.params), np.asarray(back.arr).tolist(), back.meta]
 
 
+def legacy_items_and_restore_kwargs(make: Make, mesh: Mesh) -> list[Any]:
+    """Orbax's legacy form: ``save(step, {item: tree})`` and ``restore(step, {item:
+    target}, restore_kwargs={item: {"restore_args": ...}})`` (mtc: with item_names,
+    the names Orbax's legacy checkpointers dict gives)."""
+    ra = {"w": ocp.ArrayRestoreArgs(sharding=NamedSharding(mesh, P("model")))}
+    with make("a", legacy=("params", "meta")) as mgr:
+        mgr.save(0, {"params": state(mesh, 1), "meta": {"lr": 0.5}})
+        mgr.wait_until_finished()
+        back = mgr.restore(0, {"params": {"w": 0}, "meta": None},
+                           restore_kwargs={"params": {"restore_args": ra}})
+        return [values(back["params"]), back["meta"]]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
          save_on_preemption, restore_args_without_an_item,
          save_schedule_options, second_manager_in_process,
          refusals_as_orbax_raises_them, root_and_step_metadata,
-         restore_without_target_keeps_the_saved_sharding, array_items]
+         restore_without_target_keeps_the_saved_sharding, array_items,
+         legacy_items_and_restore_kwargs]
 
 
 # -- the two libraries ----------------------------------------------------------------
@@ -353,7 +367,11 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
 
 def orbax_maker(base: Path) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
-             **kw: Any) -> Any:
+             legacy: tuple[str, ...] | None = None, **kw: Any) -> Any:
+        if legacy is not None:  # Orbax's legacy form: a checkpointer per item
+            return ocp.CheckpointManager(base / sub, {
+                n: ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) for n in legacy},
+                options=ocp.CheckpointManagerOptions(**kw))
         return ocp.CheckpointManager(base / sub, item_names=item_names, metadata=metadata,
                                      options=ocp.CheckpointManagerOptions(**kw))
     return make
@@ -361,8 +379,9 @@ def orbax_maker(base: Path) -> Make:
 
 def mtc_maker(base: Path, mesh: Mesh) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
-             **kw: Any) -> Any:
-        return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=item_names,
+             legacy: tuple[str, ...] | None = None, **kw: Any) -> Any:
+        # Orbax's legacy checkpointers name the items: mtc is given the names.
+        return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=legacy or item_names,
                                      metadata=metadata,
                                      options=mtc.Options(simulated_hosts=4, dispatch="local",
                                                          **kw))
