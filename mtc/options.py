@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import logging
 import os
@@ -43,6 +44,10 @@ class Options:
         replicators, retention is theirs either way.
       keep_period: steps that are multiples of this are never deleted by
         retention (Orbax's ``keep_period``); they add to the RAM disk's size.
+      keep_time_interval: Orbax's: a step saved at least this long (a
+        ``datetime.timedelta`` or seconds) after the last one kept so is never
+        deleted by retention; the time is when this manager saved it (a step of
+        unknown time, saved before, is kept). Without replicators only.
       best_fn: keep steps by quality rather than recency (Orbax's ``best_fn``):
         a function of a step's ``metrics`` (as ``save(..., metrics=)`` gave them)
         returning a number; with ``max_to_keep`` the best ``max_to_keep`` complete
@@ -172,6 +177,7 @@ class Options:
     enable_async_checkpointing: bool = True
     max_to_keep: int | None = None
     keep_period: int | None = None
+    keep_time_interval: datetime.timedelta | float | None = None
     best_fn: Callable[[Any], float] | None = None
     best_mode: Literal["max", "min"] = "max"
     keep_checkpoints_without_metrics: bool = True
@@ -217,6 +223,16 @@ class Options:
             raise ConfigError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
         if self.keep_period is not None and self.keep_period < 1:
             raise ConfigError(f"keep_period must be >= 1 or None, got {self.keep_period}")
+        if self.keep_time_interval is not None:
+            t = self.keep_time_interval
+            secs = t.total_seconds() if isinstance(t, datetime.timedelta) else t
+            if not isinstance(secs, (int, float)) or isinstance(secs, bool) or secs <= 0:
+                raise ConfigError("keep_time_interval is a positive datetime.timedelta or "
+                                  f"seconds, got {t!r}")
+            if self.replicators:
+                raise ConfigError("keep_time_interval keeps steps on the RAM disk; with "
+                                  "replicators retention is theirs (--keep): leave it out, "
+                                  "or the replicators")
         if self.best_fn is not None and not callable(self.best_fn):
             raise ConfigError(f"best_fn is a function of a step's metrics, got "
                               f"{type(self.best_fn).__name__}")
@@ -282,7 +298,7 @@ class Options:
         if self.preservation_policy is not None:
             policies.check(self.preservation_policy, policies.PRESERVATION,
                            "preservation_policy")
-            beside = [n for n in ("max_to_keep", "keep_period", "best_fn")
+            beside = [n for n in ("max_to_keep", "keep_period", "keep_time_interval", "best_fn")
                       if getattr(self, n) is not None]
             if beside:
                 raise ConfigError(f"preservation_policy replaces {', '.join(beside)}: give "
@@ -306,7 +322,6 @@ class Options:
 # and what to use instead: an Orbax user who passes one gets a ConfigError that
 # says so (never a TypeError from the dataclass).
 _ORBAX_ONLY = {
-    "keep_time_interval": "keep_period (steps that are multiples of it are kept)",
     "step_prefix": "nothing: mtc names a step folder by its number",
     "step_format_fixed_length": "nothing: mtc names a step folder by its number",
     "step_name_format": "nothing: mtc names a step folder by its number",

@@ -6,6 +6,7 @@ Only the controller's thread of a manager uses a :class:`SaveFlow`.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -346,8 +347,23 @@ class SaveFlow:
 
     def _retains(self) -> bool:
         o = self.options
-        return ((o.max_to_keep is not None or o.preservation_policy is not None)
+        return ((o.max_to_keep is not None or o.preservation_policy is not None
+                 or o.keep_time_interval is not None)
                 and not o.replicators and not o.read_only)
+
+    def _policy(self) -> Any:
+        """The preservation policy retention applies: the user's, or Orbax's reading of
+        its options where ``keep_time_interval`` needs the steps' times; else None
+        (the hosts apply ``max_to_keep``/``keep_period`` by step numbers alone)."""
+        o = self.options
+        if o.preservation_policy is not None or o.keep_time_interval is None:
+            return o.preservation_policy
+        t = o.keep_time_interval
+        return policies.from_options(
+            max_to_keep=o.max_to_keep, keep_period=o.keep_period,
+            keep_time_interval_s=t.total_seconds() if isinstance(t, datetime.timedelta)
+            else float(t), best_fn=o.best_fn, best_mode=o.best_mode,
+            keep_without_metrics=o.keep_checkpoints_without_metrics)
 
     def _apply_retention(self, *, before_write: bool = False,
                          held: dict[int, list[int]] | None = None) -> dict[int, tuple[int, int]]:
@@ -359,8 +375,9 @@ class SaveFlow:
         if not before_write:
             self._saved_since_retention = False
         complete = self.inventory.common(held)
-        if self.options.preservation_policy is not None:
-            self._retain_preserved(complete)
+        policy = self._policy()
+        if policy is not None:
+            self._retain_preserved(complete, policy)
             return {}
         if self.options.best_fn is not None:
             self._retain_best(complete)
@@ -388,12 +405,11 @@ class SaveFlow:
             self.inventory.forget(s)
             self._metrics.pop(s, None)
 
-    def _retain_preserved(self, complete: list[int]) -> None:
+    def _retain_preserved(self, complete: list[int], policy: Any) -> None:
         """Orbax's ``preservation_policy`` over the complete steps (metrics read once
         per step where a ``BestN`` ranks them), deleting what it does not keep. In
         multi-controller JAX a step goes only where every process's policy drops it
         (collective: a step is never deleted on some hosts only)."""
-        policy = self.options.preservation_policy
         ranks = policies.uses_metrics(policy)
         if ranks and self.metrics_of_step is not None:
             for s in complete:
