@@ -419,3 +419,51 @@ def test_a_step_retention_freed_before_the_saves_were_waited_for_is_not_listed(
             time.sleep(0.01)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [3]
+
+
+# -- where mtc answers otherwise on purpose (docs/reference.md: Orbax's own tests) ----------
+
+
+def test_what_orbax_refuses_or_hides_that_mtc_answers(ramdisk: Path, mesh: Mesh) -> None:
+    """Each a failing case of Orbax's checkpoint_manager_test, pinned: mtc lists the
+    hosts' steps at every call (no reload() needed to see another manager's save);
+    a fresh manager knows a step's items (metadata and Composite(item=None) restores
+    need no restore first); a target naming part of the tree restores that part
+    without partial_restore; a placeholder standing for a subtree is a ValueError."""
+    make = mtc_maker(ramdisk, mesh)
+    with make("a", item_names=("state", "extra")) as first:
+        first.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 1)),
+                                              extra=ocp.args.JsonSave({"n": 1})))
+        first.wait_until_finished()
+        with make("a", item_names=("state", "extra")) as second:
+            second.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 2)),
+                                                   extra=ocp.args.JsonSave({"n": 2})))
+            second.wait_until_finished()
+            assert first.all_steps() == [0, 1]  # Orbax: [0] until first.reload()
+    with make("a") as fresh:
+        assert sorted(fresh.metadata(0).item_metadata) == ["extra", "state"]  # Orbax: None
+        only = fresh.restore(0, args=ocp.args.Composite(extra=None))  # Orbax: ValueError
+        assert only.extra == {"n": 1} and "state" not in only
+    with make("b") as mgr:
+        tree = {"a": state(mesh, 1)["w"], "c": {"d": state(mesh, 2)["w"]}}
+        mgr.save(0, args=ocp.args.PyTreeSave(tree))
+        mgr.wait_until_finished()
+        part = mgr.restore(0, args=ocp.args.PyTreeRestore({"a": state(mesh, 0)["w"]}))
+        assert values(part) == values({"a": tree["a"]})  # Orbax: ValueError
+        with pytest.raises(ValueError, match="User-provided restore item and on-disk value"):
+            mgr.restore(0, args=ocp.args.PyTreeRestore({"a": ..., "c": ...}))
+
+
+def test_what_mtc_refuses_that_orbax_takes(ramdisk: Path, mesh: Mesh) -> None:
+    """max_to_keep=0 (keep nothing) is refused: mtc never deletes the newest complete
+    step, the one a restore after a failure needs; a forced save of a step in flight
+    raises mtc's StepExistsError, a ValueError, not Orbax's own class."""
+    with pytest.raises(mtc.ConfigError, match="max_to_keep must be >= 1"):
+        mtc.Options(max_to_keep=0)
+    with mtc_maker(ramdisk, mesh)("a") as mgr:
+        mgr.save(0, args=ocp.args.StandardSave(state(mesh, 1)))
+        with pytest.raises(mtc.StepExistsError) as e:
+            mgr.save(0, args=ocp.args.StandardSave(state(mesh, 1)), force=True)
+        assert isinstance(e.value, ValueError)
+        assert not isinstance(e.value, ocp.checkpoint_manager.StepAlreadyExistsError)
+        mgr.wait_until_finished()

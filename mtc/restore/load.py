@@ -269,5 +269,6 @@ def _check_placeholders(step: int, flat: list[tuple[Any, Any]], by_path: dict[st
         if orbax_args.is_placeholder(t) and where not in by_path:
             kind = ("a subtree" if any(k.startswith(where + "[") or k.startswith(where + ".")
                                        for k in by_path) else "nothing saved")
-            raise TargetMismatchError(f"the placeholder at {where} stands for {kind}: a "
+            raise TargetMismatchError(f"User-provided restore item and on-disk value differ: "
+                                      f"the placeholder at {where} stands for {kind}, and a "
                                       "placeholder (...) stands for one saved leaf", step=step)
