@@ -39,6 +39,9 @@ class Options:
         after each commit, and before a new step is written the oldest beyond
         ``max_to_keep - 1`` goes (never the newest complete step), so the RAM
         disk holds at most ``max(max_to_keep, 2)`` steps at any moment.
+        ``0`` (Orbax's "keep none" beside ``keep_period``/``keep_time_interval``):
+        only those and the newest complete step, which mtc never deletes (the
+        step a restore after a failure needs).
         ``None`` (the default, as Orbax's) keeps every step the RAM disk can hold:
         a save that does not fit fails with :class:`mtc.RamDiskFullError`. With
         replicators, retention is theirs either way.
@@ -219,8 +222,8 @@ class Options:
         if self.should_save_fn is not None and not callable(self.should_save_fn):
             raise ConfigError("should_save_fn is a function (step, latest_step) -> bool, got "
                               f"{type(self.should_save_fn).__name__}")
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise ConfigError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+        if self.max_to_keep is not None and self.max_to_keep < 0:
+            raise ConfigError(f"max_to_keep must be >= 0 or None, got {self.max_to_keep}")
         if self.keep_period is not None and self.keep_period < 1:
             raise ConfigError(f"keep_period must be >= 1 or None, got {self.keep_period}")
         if self.keep_time_interval is not None:

@@ -454,12 +454,16 @@ def test_what_orbax_refuses_or_hides_that_mtc_answers(ramdisk: Path, mesh: Mesh)
             mgr.restore(0, args=ocp.args.PyTreeRestore({"a": ..., "c": ...}))
 
 
-def test_what_mtc_refuses_that_orbax_takes(ramdisk: Path, mesh: Mesh) -> None:
-    """max_to_keep=0 (keep nothing) is refused: mtc never deletes the newest complete
-    step, the one a restore after a failure needs; a forced save of a step in flight
-    raises mtc's StepExistsError, a ValueError, not Orbax's own class."""
-    with pytest.raises(mtc.ConfigError, match="max_to_keep must be >= 1"):
-        mtc.Options(max_to_keep=0)
+def test_what_mtc_keeps_or_raises_otherwise_than_orbax(ramdisk: Path, mesh: Mesh) -> None:
+    """max_to_keep=0 keeps what keep_period keeps and the newest complete step, which
+    mtc never deletes (the one a restore after a failure needs; Orbax keeps none);
+    a forced save of a step in flight raises mtc's StepExistsError, a ValueError, not
+    Orbax's own class."""
+    with mtc_maker(ramdisk, mesh)("zero", max_to_keep=0, keep_period=3) as mgr:
+        for s in range(8):
+            assert mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 3, 6, 7]  # Orbax: [0, 3, 6]
     with mtc_maker(ramdisk, mesh)("a") as mgr:
         mgr.save(0, args=ocp.args.StandardSave(state(mesh, 1)))
         with pytest.raises(mtc.StepExistsError) as e:

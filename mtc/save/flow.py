@@ -353,17 +353,19 @@ class SaveFlow:
 
     def _policy(self) -> Any:
         """The preservation policy retention applies: the user's, or Orbax's reading of
-        its options where ``keep_time_interval`` needs the steps' times; else None
+        its options where ``keep_time_interval`` needs the steps' times or
+        ``max_to_keep=0`` keeps only what the others keep (and the newest); else None
         (the hosts apply ``max_to_keep``/``keep_period`` by step numbers alone)."""
         o = self.options
-        if o.preservation_policy is not None or o.keep_time_interval is None:
+        if o.preservation_policy is not None or (o.keep_time_interval is None
+                                                 and o.max_to_keep != 0):
             return o.preservation_policy
         t = o.keep_time_interval
         return policies.from_options(
             max_to_keep=o.max_to_keep, keep_period=o.keep_period,
-            keep_time_interval_s=t.total_seconds() if isinstance(t, datetime.timedelta)
-            else float(t), best_fn=o.best_fn, best_mode=o.best_mode,
-            keep_without_metrics=o.keep_checkpoints_without_metrics)
+            keep_time_interval_s=None if t is None else t.total_seconds()
+            if isinstance(t, datetime.timedelta) else float(t), best_fn=o.best_fn,
+            best_mode=o.best_mode, keep_without_metrics=o.keep_checkpoints_without_metrics)
 
     def _apply_retention(self, *, before_write: bool = False,
                          held: dict[int, list[int]] | None = None) -> dict[int, tuple[int, int]]:
