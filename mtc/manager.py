@@ -145,8 +145,13 @@ class CheckpointManager:
         # Orbax's root metadata: the first writer's stays; a reader's is its own
         # until a writer keeps one.
         kept = next((o.metadata for _, o in sorted(opened.items()) if o.metadata), "")
-        self._root_metadata = (json.loads(kept) if kept
-                               else metadata if metadata is not None else {})
+        self._root_metadata = metadata if metadata is not None else {}
+        if kept:
+            try:
+                self._root_metadata = json.loads(kept)
+            except ValueError:  # a damaged file must not keep the directory from opening
+                log.warning("mtc: the root metadata kept in %s is not JSON: ignored",
+                            self._where)
         try:
             self.foreign_steps = connect.note_foreign(opened, self._roots_here())
             self._watch = connect.watch_replicators(self.options, self.topology,
