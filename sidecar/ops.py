@@ -241,6 +241,8 @@ class HostOps:
         brings the manifests: the controller sizes its answer by it). ``metadata``:
         Orbax's root metadata (JSON) a writer keeps where none is kept yet (the
         first one stays, as Orbax's); every open answers what is kept."""
+        if metadata is not None and not isinstance(metadata, str):
+            raise ProtocolError(f"root metadata is JSON text, got {type(metadata).__name__}")
         if metadata is not None and len(metadata.encode()) > layout.ROOT_METADATA_MAX:
             raise ProtocolError(f"root metadata of {len(metadata.encode())} bytes: at most "
                                 f"{layout.ROOT_METADATA_MAX}")

@@ -250,3 +250,16 @@ def test_a_survey_parses_an_unchanged_manifest_once_and_checks_the_asked_one_eve
     with pytest.raises(errors.ManifestError) as e:
         ask(ops, "survey", [0], step=6)
     assert (e.value.step, e.value.host) == (6, 0) and MANIFEST_NAME in str(e.value.path)
+
+
+def test_open_keeps_the_first_root_metadata_and_refuses_what_is_not_json_text(
+        tmp_path: Path) -> None:
+    ops = HostOps(config(tmp_path))
+    assert ask(ops, "open", [0], lock=True, clean=True, metadata='{"v": 1}')["0"][
+        "metadata"] == '{"v": 1}'
+    assert ask(ops, "open", [0], lock=True, clean=True, metadata='{"v": 2}')["0"][
+        "metadata"] == '{"v": 1}'  # the first stays, as Orbax's
+    for bad in (5, "x" * (layout.ROOT_METADATA_MAX + 1)):
+        with pytest.raises(errors.ProtocolError, match="root metadata"):
+            ask(ops, "open", [0], lock=True, clean=True, metadata=bad)
+    ops.release_all()
