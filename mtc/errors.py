@@ -72,12 +72,14 @@ class ManifestError(FatalError):
     """A manifest is missing, unreadable, or of an unsupported version."""
 
 
-class StepNotFoundError(FatalError):
-    """The requested step is not committed on every host that needs it."""
+class StepNotFoundError(FatalError, FileNotFoundError):
+    """The requested step is not committed on every host that needs it (also a
+    ``FileNotFoundError``, what Orbax raises there: users' ``except`` clauses hold)."""
 
 
-class StepExistsError(FatalError):
-    """A step with this number is already committed."""
+class StepExistsError(FatalError, ValueError):
+    """A step with this number is already committed or being written (also a
+    ``ValueError``, as Orbax's ``StepAlreadyExistsError``)."""
 
 
 class MixedRunError(FatalError):
@@ -107,20 +109,22 @@ class SaveError(FatalError):
     :class:`ShardUnavailableError` is its ``__cause__``."""
 
 
-class TargetMismatchError(FatalError):
-    """The restore target disagrees with the saved tree (shape, dtype or structure)."""
+class TargetMismatchError(FatalError, ValueError):
+    """The restore target disagrees with the saved tree (shape, dtype or structure);
+    also a ``ValueError``, as Orbax raises there."""
 
 
 class UnsupportedLeafError(FatalError):
     """A leaf of the state has a type mtc cannot save."""
 
 
-class ConfigError(FatalError):
-    """Options or topology are inconsistent, or a call's arguments are not usable."""
+class ConfigError(FatalError, ValueError):
+    """Options or topology are inconsistent, or a call's arguments are not usable
+    (also a ``ValueError``, as Orbax raises for misuse)."""
 
 
-class InvalidStepError(FatalError):
-    """A step number is not a non-negative integer."""
+class InvalidStepError(FatalError, ValueError):
+    """A step number is not a non-negative integer (also a ``ValueError``)."""
 
 
 class ClosedError(FatalError):
@@ -128,7 +132,8 @@ class ClosedError(FatalError):
 
 
 class DirectoryLockedError(FatalError):
-    """Another checkpoint manager is writing to this host's directory."""
+    """A checkpoint manager of another process holds this host's directory, or (at
+    ``save``) another manager of this process has a save of it in flight."""
 
 
 class LocalDirError(FatalError):

@@ -40,6 +40,23 @@ ROOT_ID_NAME = ".mtc-root-id"
 ROOT_ID_MAX = 64
 
 
+# Orbax's root metadata (``CheckpointManager(metadata=...)``), as JSON text: kept by
+# the first writer that gives it, never replaced (as Orbax's); bounded, being read
+# into every open's answer.
+ROOT_METADATA_NAME = ".mtc-root-metadata.json"
+ROOT_METADATA_MAX = 1 << 20
+
+
+def root_metadata(root: Path) -> str:
+    """The root metadata kept at ``root`` as JSON text ("" when none is kept)."""
+    try:
+        with open(root / ROOT_METADATA_NAME, "rb") as f:
+            data = f.read(ROOT_METADATA_MAX + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+    return data.decode("utf-8", "replace") if len(data) <= ROOT_METADATA_MAX else ""
+
+
 def root_identity(root: Path) -> str:
     """The identity written at ``root`` ("" when none is there, or not one of ours);
     the host side writes one when a manager opens the root

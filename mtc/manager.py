@@ -13,7 +13,9 @@ knows the committed steps, :class:`~mtc.restore.flow.RestoreFlow` restores.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import os
 import types
@@ -26,7 +28,7 @@ import numpy as np
 
 from mtc import connect, layout, multihost, orbax_args
 from mtc.contract import AgentConfig
-from mtc.errors import ClosedError, ConfigError, StorageError
+from mtc.errors import ClosedError, ConfigError, MtcError, StorageError
 from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
 from mtc.options import Options, local_dir_path
@@ -52,6 +54,8 @@ def _api(fn: Callable[Concatenate[CheckpointManager, P], R]
                               f"{self._where}; create a new one")
         try:
             return fn(self, *args, **kwargs)
+        except MtcError:
+            raise  # mtc's own (StepNotFoundError is also a FileNotFoundError)
         except OSError as e:
             raise StorageError(f"{fn.__name__}(): {e.strerror or e}",
                                path=str(e.filename) if e.filename else None) from e
@@ -65,14 +69,20 @@ class CheckpointManager:
       local_dir: the RAM disk (or, for simulated hosts, the folder holding one
         ``host-<i>`` root per host), an absolute local path: a URL (the backup
         tier is the replicators' ``--backup``), a relative path or ``~`` is
-        refused with :class:`mtc.ConfigError`. One manager at a time may use a
-        host's root: a second gets :class:`mtc.DirectoryLockedError`.
+        refused with :class:`mtc.ConfigError`. One process at a time may write to a
+        host's root: a second process's manager gets
+        :class:`mtc.DirectoryLockedError`. Managers of one process share it
+        (Orbax's habits: a new manager beside one not closed); a save is refused
+        with that error only while another of them has a save there in flight.
       mesh: the mesh the state lives on; its devices define the hosts. Defaults
         to all devices.
       options: see :class:`mtc.Options`.
       item_names: Orbax's: the names of the items saved as an ``ocp.args.Composite``;
         ``restore(step)`` without a target then returns every saved item as an
         ``ocp.args.Composite``.
+      metadata: Orbax's root metadata (plain values, kept as JSON on every host
+        root): the first writing manager's stays, a later one's is ignored, a
+        read-only manager's is answered but not kept (``metadata()``).
 
     Attributes:
       dispatch_mode: how host-side code is invoked: ``"local"``, ``"colocated"``
@@ -91,9 +101,12 @@ class CheckpointManager:
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
                  options: Options | None = None,
-                 item_names: Sequence[str] | None = None) -> None:
+                 item_names: Sequence[str] | None = None, metadata: Any = None) -> None:
         self.local_dir = local_dir_path(local_dir)
         self.item_names = orbax_args.check_item_names(item_names)
+        # Orbax's two modes: items of a Composite (item_names, or a first save of one)
+        # or one item; None until the first save says which.
+        self._composite: bool | None = True if self.item_names else None
         self.options = options or Options()
         if not isinstance(self.options, Options):
             raise ConfigError(f"options must be mtc.Options, got {type(self.options).__name__}")
@@ -124,11 +137,22 @@ class CheckpointManager:
         try:
             opened = dispatch.open(self.topology.local_hosts, read_only=self.options.read_only,
                                    identify=connect.watches_replicators(self.options,
-                                                                        self.topology))
+                                                                        self.topology),
+                                   metadata=_json_of(metadata, "metadata"))
         except BaseException:
             dispatch.close()
             raise
         self._dispatch = dispatch
+        # Orbax's root metadata: the first writer's stays; a reader's is its own
+        # until a writer keeps one.
+        kept = next((o.metadata for _, o in sorted(opened.items()) if o.metadata), "")
+        self._root_metadata = metadata if metadata is not None else {}
+        if kept:
+            try:
+                self._root_metadata = json.loads(kept)
+            except ValueError:  # a damaged file must not keep the directory from opening
+                log.warning("mtc: the root metadata kept in %s is not JSON: ignored",
+                            self._where)
         try:
             self.foreign_steps = connect.note_foreign(opened, self._roots_here())
             self._watch = connect.watch_replicators(self.options, self.topology,
@@ -143,7 +167,7 @@ class CheckpointManager:
                                       np.array(devices), ("devices",)))
         self._saves = SaveFlow(dispatch, self.topology, self.options, self._inventory,
                                self._watch, where=self._roots_here(),
-                               foreign=self.foreign_steps)
+                               foreign=self.foreign_steps, directory=str(self.local_dir))
         self._restores = RestoreFlow(dispatch, self.topology, self.options, self._inventory,
                                      self._reader, self._saves, where=self._where)
         # The flows call each other, never the manager: a manager in a reference cycle
@@ -216,7 +240,8 @@ class CheckpointManager:
         JAX array). ``args=ocp.args.StandardSave(state)`` (or ``PyTreeSave``,
         ``JsonSave``, a ``Composite`` of them) may replace ``state``;
         ``metrics`` (scalars or plain values) are kept with the step
-        (:meth:`metrics`). Returns False, unless ``force``, when
+        (:meth:`metrics`), and so is Orbax's ``custom_metadata`` (plain values:
+        ``metadata(step).custom_metadata``). Returns False, unless ``force``, when
         :meth:`should_save` says no (as Orbax's: a step not newer than the newest
         saved, restored or on the hosts; off the save interval, at no preemption
         sync point, and not the job's first save), or when
@@ -227,10 +252,37 @@ class CheckpointManager:
         every process calls it for the same steps (retention agrees on the steps
         committed everywhere).
         """
-        if custom_metadata is not None:
-            raise ConfigError("save(custom_metadata=) is not kept by mtc: pass plain values in "
-                              "metrics= (read back by metrics(step)) or in the state")
-        return self._saves.save(step, state, force=force, metrics=metrics, args=args)
+        composite = self._check_mode(args, "save")
+        saved = self._saves.save(step, state, force=force, metrics=metrics, args=args,
+                                 custom=_json_of(custom_metadata, "custom_metadata"))
+        if composite is not None and self._composite is None:
+            self._composite = composite
+        if saved and not self.options.enable_async_checkpointing:
+            self._saves.wait_until_finished()  # Orbax's synchronous save: committed on return
+        return saved
+
+    def _check_mode(self, args: Any, call: str) -> bool | None:
+        """Whether Orbax ``args`` are a Composite (None: not Orbax's args), refused with
+        a ConfigError (a ValueError, as Orbax's) where they do not fit the manager's
+        mode, or (saving) name an item outside ``item_names``."""
+        if args is None or not orbax_args.is_orbax_args(args):
+            return None
+        composite = orbax_args.composite_items(args) is not None
+        if self._composite is not None and composite != self._composite:
+            raise ConfigError(
+                f"{call}(): Must provide `args` of type `Composite` when dealing with multiple "
+                f"checkpointable objects (this manager's items: "
+                f"{', '.join(self.item_names) if self.item_names else 'its first save'})"
+                if self._composite else
+                f"{call}(): this manager saves one item (its first save was not a Composite): "
+                f"pass that item's args, not a Composite, or give item_names")
+        if call == "save" and composite and self.item_names:
+            unknown = [str(k) for k in args.keys() if k not in self.item_names]
+            if unknown:
+                raise ConfigError(f"save(): Composite item {unknown[0]!r} does not match with "
+                                  f"any registered handler: item_names are "
+                                  f"{list(self.item_names)}")
+        return composite
 
     @_api
     def wait_until_finished(self) -> None:
@@ -286,7 +338,9 @@ class CheckpointManager:
 
     @_api
     def restore(self, step: Any = None, target: Any = None, *, args: Any = None,
-                as_numpy: bool = False) -> Any:
+                as_numpy: bool = False,
+                directory: str | os.PathLike[str] | None = None,
+                restore_kwargs: dict[str, Any] | None = None) -> Any:
         """Load ``step`` (default: the latest, from any configured tier) into
         ``target``'s shardings.
 
@@ -295,15 +349,34 @@ class CheckpointManager:
         ``.sharding``: mtc never guesses where an array goes); numpy arrays or
         None ask for numpy; other leaves are placeholders for saved values.
         Without a target (also ``StandardRestore()``, a ``Composite`` item of
-        None), as Orbax's: arrays come back as ``jax.Array``s on the manager's mesh
-        (the partition spec saved where the mesh has those axes, else replicated),
+        None), as Orbax's: arrays come back as ``jax.Array``s with the sharding they
+        were saved with where its devices exist, else on the manager's mesh (the
+        partition spec saved where the mesh has those axes, else replicated),
         in nested dicts with string keys and lists; with ``as_numpy=True`` as numpy
         arrays with the key types saved (an int-keyed flax NNX pure dict stays
         one). ``args=ocp.args.StandardRestore(target)``
         (or ``PyTreeRestore``, ``JsonRestore``, a ``Composite``) may replace
         ``target``. With replicators and no step, they agree on the step and
-        bring each host's data local first (see ``latest_step``).
+        bring each host's data local first (see ``latest_step``). ``directory``:
+        Orbax's restore from another manager's directory (a pretrained checkpoint),
+        read through a read-only manager of it with this one's mesh and options.
+        ``restore_kwargs``: Orbax's legacy form, ``{item: {"restore_args": ...}}``
+        beside a ``target`` dict of items (each as ``PyTreeRestore(target[item],
+        restore_args)``).
         """
+        if restore_kwargs is not None:
+            if args is not None:
+                raise ConfigError("restore() takes restore_kwargs= (Orbax's legacy form) or "
+                                  "args=, not both")
+            args, target = orbax_args.legacy_restore(target, restore_kwargs), None
+        if directory is not None and Path(os.fspath(directory)) != self.local_dir:
+            # Orbax's restore from another directory (a pretrained checkpoint): read
+            # through a read-only manager of it, on this one's mesh and options.
+            with CheckpointManager(directory, mesh=self.mesh, item_names=self.item_names,
+                                   options=dataclasses.replace(self.options, read_only=True)
+                                   ) as other:
+                return other.restore(step, target, args=args, as_numpy=as_numpy)
+        self._check_mode(args, "restore")
         if args is None and target is None and self.item_names:
             args = orbax_args.composite_of({})  # every saved item, as Orbax's
         return self._restores.restore(step, target, args, as_numpy=as_numpy)
@@ -347,18 +420,27 @@ class CheckpointManager:
     def item_metadata(self, step: Any) -> Any:
         """The saved tree of ``step`` without reading its arrays: a
         ``jax.ShapeDtypeStruct`` per array leaf with the sharding ``restore(step)``
-        gives it on this manager's mesh, plain values as saved; a ``Composite`` of
-        the items when saved as one (or ``item_names`` is given), as Orbax's."""
+        gives it (:func:`mtc.restore.load.saved_sharding`), plain values as saved;
+        a ``Composite`` of the items when saved as one (or ``item_names`` is given),
+        as Orbax's."""
         step = layout.as_step(step)
         self._saves.finish_step(step)
         return self._reader.item_metadata(step, composite=bool(self.item_names))
 
+    @_api
     def metadata(self, step: Any = None) -> Any:
-        """Orbax's root and step metadata: mtc keeps none besides each step's metrics
-        and tree, so this is refused with what to use instead."""
-        raise ConfigError("mtc keeps no root or step metadata (custom_metadata): use "
-                          "metrics(step) for a step's metrics, item_metadata(step) for its "
-                          "tree's shapes and dtypes, all_steps() for the steps")
+        """Orbax's metadata: without a step the root's (``custom_metadata``: what the
+        first writing manager of the directory was given as ``metadata=``); of a
+        step, its ``item_metadata`` (:meth:`item_metadata`), ``metrics`` ({}: none)
+        and the ``custom_metadata`` saved with it. Orbax's classes where Orbax is
+        installed (``ocp.metadata.RootMetadata``, ``StepMetadata``)."""
+        if step is None:
+            return orbax_args.root_metadata(self._root_metadata)
+        step = layout.as_step(step)
+        self._saves.finish_step(step)
+        return orbax_args.step_metadata(
+            self._reader.item_metadata(step, composite=bool(self.item_names)),
+            self._restores.metrics(step) or {}, self._restores.custom_metadata(step))
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -367,6 +449,7 @@ class CheckpointManager:
         try:
             self._held.release()
         finally:
+            self._saves.leave()
             if self._watch is not None:
                 self._watch.close()
 
@@ -386,3 +469,14 @@ class CheckpointManager:
             log.warning("mtc: closing the CheckpointManager after an error failed too: %s", e)
             exc.add_note(f"mtc: closing the CheckpointManager then failed too: "
                          f"{type(e).__name__}: {e}")
+
+
+def _json_of(value: Any, name: str) -> str | None:
+    """Orbax's metadata (``metadata=``, ``custom_metadata=``) as the JSON text mtc keeps."""
+    if value is None:
+        return None
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name} is kept as JSON: plain values (dicts, lists, numbers, "
+                          f"strings), got {e}") from e

@@ -95,8 +95,13 @@ def on_pathways() -> bool:
 def reached_preemption(step: int) -> bool:
     """Whether every process reached the preemption sync point at ``step`` (JAX's
     ``multihost_utils.reached_preemption_sync_point``); False without the
-    preemption service (a single process) and on Pathways."""
-    if on_pathways() or jax.process_count() == 1:
+    preemption service (JAX answers False when ``jax.distributed`` was never
+    started) and on Pathways.
+
+    A single process is asked too, as Orbax asks: one process under
+    ``jax.distributed`` (a one-host TPU VM, a one-pod JobSet) gets SIGTERM like
+    any other, and answering False there would lose the step Orbax saves."""
+    if on_pathways():
         return False
     from jax.experimental import multihost_utils
 

@@ -68,6 +68,13 @@ class OpenRequest(Request):
     lock: bool
     clean: bool
     identify: bool = False
+    metadata: str | None = None  # root metadata (JSON) to keep where none is (not sent: None)
+
+    def args(self) -> dict[str, Any]:
+        out = super().args()
+        if self.metadata is None:
+            del out["metadata"]
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +145,7 @@ class Opened:
     foreign: tuple[int, ...] = ()
     identity: str = ""
     manifest_bytes: int = 0
+    metadata: str = ""  # the root metadata kept there (JSON; "": none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +204,8 @@ def _space(v: Any) -> tuple[int, int]:
 
 def _opened(v: Any) -> Opened:
     return Opened(tuple(str(n) for n in v["removed"]), tuple(int(s) for s in v["foreign"]),
-                  str(v["identity"]), int(v.get("manifest_bytes", 0)))
+                  str(v["identity"]), int(v.get("manifest_bytes", 0)),
+                  str(v.get("metadata", "")))
 
 
 def _surveyed(v: Any) -> Surveyed:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -23,16 +25,32 @@ class Options:
 
     Attributes:
       save_interval_steps: ``save(step, ...)`` writes only when ``step`` is a
-        multiple of this (or ``force=True``).
+        multiple of this (or ``force=True``); ``0``: at no interval (Orbax sets
+        it so on a read-only manager). Beside ``save_decision_policy`` it is
+        ignored (logged), as Orbax's.
+      save_on_steps: steps ``save`` also writes, besides the interval (Orbax's).
+      should_save_fn: Orbax's ``should_save_fn(step, latest_step) -> bool``: when
+        given, it alone decides (with the preemption sync point), replacing
+        ``save_interval_steps``, ``save_on_steps`` and the job's first save.
+      enable_async_checkpointing: ``False``: ``save`` returns once the step is
+        committed on every host (Orbax's synchronous saves); ``True`` (the
+        default) writes in the background.
       max_to_keep: committed steps kept on the local tier; older ones are deleted
         after each commit, and before a new step is written the oldest beyond
         ``max_to_keep - 1`` goes (never the newest complete step), so the RAM
         disk holds at most ``max(max_to_keep, 2)`` steps at any moment.
+        ``0`` (Orbax's "keep none" beside ``keep_period``/``keep_time_interval``):
+        only those and the newest complete step, which mtc never deletes (the
+        step a restore after a failure needs).
         ``None`` (the default, as Orbax's) keeps every step the RAM disk can hold:
         a save that does not fit fails with :class:`mtc.RamDiskFullError`. With
         replicators, retention is theirs either way.
       keep_period: steps that are multiples of this are never deleted by
         retention (Orbax's ``keep_period``); they add to the RAM disk's size.
+      keep_time_interval: Orbax's: a step saved at least this long (a
+        ``datetime.timedelta`` or seconds) after the last one kept so is never
+        deleted by retention; the time is when this manager saved it (a step of
+        unknown time, saved before, is kept). Without replicators only.
       best_fn: keep steps by quality rather than recency (Orbax's ``best_fn``):
         a function of a step's ``metrics`` (as ``save(..., metrics=)`` gave them)
         returning a number; with ``max_to_keep`` the best ``max_to_keep`` complete
@@ -157,8 +175,12 @@ class Options:
     """
 
     save_interval_steps: int = 1
+    save_on_steps: frozenset[int] | None = None
+    should_save_fn: Callable[[int, int | None], bool] | None = None
+    enable_async_checkpointing: bool = True
     max_to_keep: int | None = None
     keep_period: int | None = None
+    keep_time_interval: datetime.timedelta | float | None = None
     best_fn: Callable[[Any], float] | None = None
     best_mode: Literal["max", "min"] = "max"
     keep_checkpoints_without_metrics: bool = True
@@ -189,12 +211,31 @@ class Options:
             want_int = f.type in ("int", "int | None")
             if want_int and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(f"{f.name} must be an integer, got {type(v).__name__} {v!r}")
-        if self.save_interval_steps < 1:
-            raise ConfigError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise ConfigError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+        if self.save_interval_steps < 0:
+            raise ConfigError(f"save_interval_steps must be >= 0, got {self.save_interval_steps}")
+        if self.save_on_steps is not None:
+            steps = self.save_on_steps
+            if isinstance(steps, (str, bytes)) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in steps):
+                raise ConfigError(f"save_on_steps are step numbers (ints >= 0), got {steps!r}")
+            object.__setattr__(self, "save_on_steps", frozenset(steps))
+        if self.should_save_fn is not None and not callable(self.should_save_fn):
+            raise ConfigError("should_save_fn is a function (step, latest_step) -> bool, got "
+                              f"{type(self.should_save_fn).__name__}")
+        if self.max_to_keep is not None and self.max_to_keep < 0:
+            raise ConfigError(f"max_to_keep must be >= 0 or None, got {self.max_to_keep}")
         if self.keep_period is not None and self.keep_period < 1:
             raise ConfigError(f"keep_period must be >= 1 or None, got {self.keep_period}")
+        if self.keep_time_interval is not None:
+            t = self.keep_time_interval
+            secs = t.total_seconds() if isinstance(t, datetime.timedelta) else t
+            if not isinstance(secs, (int, float)) or isinstance(secs, bool) or secs <= 0:
+                raise ConfigError("keep_time_interval is a positive datetime.timedelta or "
+                                  f"seconds, got {t!r}")
+            if self.replicators:
+                raise ConfigError("keep_time_interval keeps steps on the RAM disk; with "
+                                  "replicators retention is theirs (--keep): leave it out, "
+                                  "or the replicators")
         if self.best_fn is not None and not callable(self.best_fn):
             raise ConfigError(f"best_fn is a function of a step's metrics, got "
                               f"{type(self.best_fn).__name__}")
@@ -260,7 +301,7 @@ class Options:
         if self.preservation_policy is not None:
             policies.check(self.preservation_policy, policies.PRESERVATION,
                            "preservation_policy")
-            beside = [n for n in ("max_to_keep", "keep_period", "best_fn")
+            beside = [n for n in ("max_to_keep", "keep_period", "keep_time_interval", "best_fn")
                       if getattr(self, n) is not None]
             if beside:
                 raise ConfigError(f"preservation_policy replaces {', '.join(beside)}: give "
@@ -273,24 +314,22 @@ class Options:
             policies.check(self.save_decision_policy, policies.SAVE_DECISION,
                            "save_decision_policy")
             if self.save_interval_steps != 1:
-                raise ConfigError("save_decision_policy replaces save_interval_steps: give one "
-                                  "or the other (FixedIntervalPolicy(n) is the interval)")
+                # Orbax ignores the interval beside a policy; a user switching keeps both.
+                logging.getLogger("mtc.manager").warning(
+                    "mtc: save_decision_policy replaces save_interval_steps=%d: the interval "
+                    "is ignored (FixedIntervalPolicy(n) is the interval)",
+                    self.save_interval_steps)
 
 
 # Orbax's ``CheckpointManagerOptions`` fields mtc has no field of the same name for,
 # and what to use instead: an Orbax user who passes one gets a ConfigError that
 # says so (never a TypeError from the dataclass).
 _ORBAX_ONLY = {
-    "keep_time_interval": "keep_period (steps that are multiples of it are kept)",
-    "save_on_steps": "save(step, state, force=True) at those steps",
-    "should_save_fn": "save(step, state, force=True) where your function says so",
     "step_prefix": "nothing: mtc names a step folder by its number",
     "step_format_fixed_length": "nothing: mtc names a step folder by its number",
     "step_name_format": "nothing: mtc names a step folder by its number",
     "create": "nothing: mtc creates local_dir",
     "cleanup_tmp_directories": "nothing: mtc always removes its own uncommitted folders",
-    "enable_async_checkpointing": "nothing: mtc saves in the background always "
-                                  "(wait_until_finished() waits)",
     "async_options": "nothing: mtc saves in the background always",
     "multiprocessing_options": "nothing: every process of the job calls the manager",
     "enable_background_delete": "nothing: mtc deletes in the background always",

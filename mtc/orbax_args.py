@@ -12,10 +12,13 @@ from typing import Any
 
 from mtc.errors import ConfigError
 
-_SAVE = ("StandardSaveArgs", "PyTreeSaveArgs", "JsonSaveArgs")
-_RESTORE = ("StandardRestoreArgs", "PyTreeRestoreArgs", "JsonRestoreArgs")
-_ACCEPTED = ("ocp.args.StandardSave, PyTreeSave, JsonSave (restore: StandardRestore, "
-             "PyTreeRestore, JsonRestore), or a Composite of them")
+_SAVE = ("StandardSaveArgs", "PyTreeSaveArgs", "JsonSaveArgs", "ArraySaveArgs")
+# ``ocp.args.ArrayRestore``'s class is named as the per-leaf ``ocp.ArrayRestoreArgs``
+# too: told apart by being Orbax's ``CheckpointArgs`` (:func:`is_orbax_args`).
+_RESTORE = ("StandardRestoreArgs", "PyTreeRestoreArgs", "JsonRestoreArgs", "ArrayRestoreArgs")
+_ACCEPTED = ("ocp.args.StandardSave, PyTreeSave, JsonSave, ArraySave (restore: "
+             "StandardRestore, PyTreeRestore, JsonRestore, ArrayRestore), or a Composite "
+             "of them")
 
 
 def is_orbax_args(x: Any) -> bool:
@@ -47,7 +50,7 @@ def _restore_item(a: Any) -> Any:
     if a is None:  # Composite(state=None): the item as saved
         return None
     name = type(a).__name__
-    if name not in _RESTORE:
+    if name not in _RESTORE or not is_orbax_args(a):
         raise ConfigError(f"mtc cannot restore {name}; it accepts {_ACCEPTED}")
     # partial_restore=True: a target naming a subset of the saved tree is what mtc
     # restores anyway (leaves are matched by key path).
@@ -61,15 +64,47 @@ def _is_restore_args(x: Any) -> bool:
     return type(x).__name__ in ("ArrayRestoreArgs", "RestoreArgs")
 
 
+def is_placeholder(x: Any) -> bool:
+    """Orbax's ``PLACEHOLDER`` (``...``): a leaf of the target left out of the restore
+    and given back as it is."""
+    return x is Ellipsis
+
+
+class OnSharding:
+    """A restore target leaf whose shape (and dtype, unless ``dtype``) are the
+    checkpoint's, placed on ``sharding``: Orbax's ``ArrayRestoreArgs(sharding=...)``
+    without ``global_shape``, read as Orbax reads it (the manifest has the rest)."""
+
+    __slots__ = ("dtype", "sharding")
+
+    def __init__(self, sharding: Any, dtype: Any = None) -> None:
+        self.sharding = sharding
+        self.dtype = dtype
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, OnSharding) and other.sharding == self.sharding
+                and other.dtype == self.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.sharding, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"OnSharding({self.sharding!r}, dtype={self.dtype!r})"
+
+
 def with_restore_args(name: str, item: Any, restore_args: Any) -> Any:
     """The target Orbax's ``restore_args`` (``ArrayRestoreArgs(sharding=, dtype=,
     global_shape=)`` per leaf, as ``ocp.checkpoint_utils.construct_restore_args``
     makes them) describe, over ``item`` when given: a ``jax.ShapeDtypeStruct``
-    per array leaf, with the shape, dtype (a cast) and sharding they state."""
+    per array leaf with the shape, dtype (a cast) and sharding they state; where
+    they and ``item`` state no shape or dtype, an :class:`OnSharding` (the
+    checkpoint's). ``item``'s placeholders (``...``) stay; ``restore_args`` may
+    cover more of the tree than ``item`` (Orbax's ``partial_restore``): only
+    ``item``'s leaves are restored."""
     import jax
 
     def leaf(ra: Any, t: Any = None) -> Any:
-        if not _is_restore_args(ra):
+        if is_placeholder(t) or not _is_restore_args(ra):
             return ra if t is None else t
         if type(ra).__name__ == "RestoreArgs":  # a plain value: as saved (or item's)
             return t
@@ -79,20 +114,25 @@ def with_restore_args(name: str, item: Any, restore_args: Any) -> Any:
         sharding = sharding if sharding is not None else getattr(t, "sharding", None)
         shape = ra.global_shape if ra.global_shape is not None else getattr(t, "shape", None)
         dtype = ra.dtype if ra.dtype is not None else getattr(t, "dtype", None)
-        if shape is None or dtype is None or sharding is None:
+        if sharding is None:
             raise ConfigError(
-                f"{name}.restore_args: a leaf's ArrayRestoreArgs gives no "
-                f"{'global_shape' if shape is None else 'dtype' if dtype is None else 'sharding'}"
-                " and item= has none either; pass item= (the abstract state), or "
-                "restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)")
+                f"{name}.restore_args: a leaf's ArrayRestoreArgs gives no sharding and item= "
+                "has none either; pass sharding= (where the array goes), or item= (the "
+                "abstract state)")
+        if shape is None or dtype is None:
+            return OnSharding(sharding, dtype)
         return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
     if item is None:
         return jax.tree_util.tree_map(leaf, restore_args, is_leaf=_is_restore_args)
-    try:
-        return jax.tree_util.tree_map(leaf, restore_args, item, is_leaf=_is_restore_args)
-    except ValueError as e:
-        raise ConfigError(f"{name}.restore_args and item= are not the same tree: {e}") from e
+    from mtc import treepath
+
+    by_path = {treepath.path_str(p): ra for p, ra in jax.tree_util.tree_flatten_with_path(
+        restore_args, is_leaf=_is_restore_args)[0]}
+    flat, treedef = treepath.flatten(item)
+    return jax.tree_util.tree_unflatten(treedef, [
+        leaf(by_path[treepath.path_str(p)], t) if treepath.path_str(p) in by_path else t
+        for p, t in flat])
 
 
 def save_state(args: Any) -> Any:
@@ -149,3 +189,47 @@ def positional_hint(call: str) -> str:
     return (f"{call} got an Orbax ocp.args object as the state; pass it as args=..., "
             f"e.g. mgr.{call}(step, args=ocp.args.StandardSave(state)), or pass the "
             "pytree itself")
+
+
+def root_metadata(custom: Any) -> Any:
+    """Orbax's ``metadata()`` answer: its ``RootMetadata`` (``custom_metadata``) where
+    Orbax is installed, else a dict of the same field."""
+    try:
+        from orbax.checkpoint import metadata as ocp_metadata
+    except ImportError:
+        return {"custom_metadata": custom}
+    return ocp_metadata.RootMetadata(custom_metadata=custom)
+
+
+def step_metadata(item_metadata: Any, metrics: Any, custom: Any) -> Any:
+    """Orbax's ``metadata(step)`` answer: its ``StepMetadata`` (the fields mtc keeps:
+    ``item_metadata``, ``metrics``, ``custom_metadata``) where Orbax is installed,
+    else a dict of them."""
+    try:
+        from orbax.checkpoint import metadata as ocp_metadata
+    except ImportError:
+        return {"item_metadata": item_metadata, "metrics": metrics, "custom_metadata": custom}
+    return ocp_metadata.StepMetadata(item_metadata=item_metadata, metrics=metrics,
+                                     custom_metadata=custom)
+
+
+def legacy_restore(items: Any, restore_kwargs: Any) -> Any:
+    """Orbax's legacy ``restore(step, items, restore_kwargs={item: {"restore_args":
+    ...}})`` as the ``Composite`` of ``PyTreeRestore`` it means (an item without a
+    target or restore_args: as saved)."""
+    if not isinstance(restore_kwargs, dict) or not all(
+            isinstance(v, dict) for v in restore_kwargs.values()):
+        raise ConfigError("restore_kwargs is Orbax's {item: {'restore_args': ...}}, got "
+                          f"{type(restore_kwargs).__name__}")
+    if items is not None and not isinstance(items, dict):
+        raise ConfigError("with restore_kwargs, the target is a dict of items")
+    from orbax.checkpoint import args as ocp_args  # its user has Orbax: its legacy form
+
+    names = list(items or {}) + [k for k in restore_kwargs if k not in (items or {})]
+    out: dict[str, Any] = {}
+    for name in names:
+        item = (items or {}).get(name)
+        ra = restore_kwargs.get(name, {}).get("restore_args")
+        out[name] = (None if item is None and ra is None
+                     else ocp_args.PyTreeRestore(item=item, restore_args=ra))
+    return ocp_args.Composite(**out)

@@ -186,3 +186,56 @@ def save_due(policy: Any, step: int, previous: Sequence[StepInfo], *, now: float
         return any(save_due(p, step, previous, now=now, saving=saving, preempted=preempted)
                    for p in policy.policies)
     raise ConfigError(f"save_decision_policy {name} is not one mtc reads")
+
+
+# -- Orbax's retention options as the policy Orbax makes of them ----------------------
+# mtc's own objects of the names :func:`preserved` reads (Orbax's own need not be
+# installed).
+
+
+@dataclasses.dataclass(frozen=True)
+class LatestN:
+    n: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryNSteps:
+    interval_steps: int
+    exact_interval: bool = True
+    max_to_keep: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryNSeconds:
+    interval_secs: float
+
+
+@dataclasses.dataclass(frozen=True)
+class BestN:
+    get_metric_fn: Any
+    reverse: bool
+    n: int | None
+    keep_checkpoints_without_metrics: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class AnyPreservationPolicy:
+    policies: tuple[Any, ...]
+
+
+def from_options(*, max_to_keep: int | None, keep_period: int | None,
+                 keep_time_interval_s: float | None, best_fn: Any = None,
+                 best_mode: str = "max", keep_without_metrics: bool = True) -> Any:
+    """The policy Orbax makes of its retention options (``max_to_keep``,
+    ``keep_period``, ``keep_time_interval``, ``best_fn``): a step stays when any of
+    them keeps it."""
+    kept: list[Any] = []
+    if keep_period is not None:
+        kept.append(EveryNSteps(keep_period))
+    if keep_time_interval_s is not None:
+        kept.append(EveryNSeconds(keep_time_interval_s))
+    if best_fn is not None:
+        kept.append(BestN(best_fn, best_mode == "min", max_to_keep, keep_without_metrics))
+    else:
+        kept.append(LatestN(max_to_keep))
+    return AnyPreservationPolicy(tuple(kept))

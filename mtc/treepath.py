@@ -25,6 +25,9 @@ METRICS_ROOT = "@metrics"
 # The item names of a step saved as an Orbax ``Composite`` (one value leaf), so that
 # restoring it without a target gives a ``Composite`` back, as Orbax's does.
 ITEMS_ROOT = "@items"
+# Orbax's ``save(custom_metadata=)`` of a step (one value leaf, JSON text), read back by
+# ``metadata(step).custom_metadata``.
+CUSTOM_ROOT = "@custom"
 
 
 def is_own_leaf(path: str) -> bool:

@@ -208,11 +208,13 @@ class HostOps:
                 m = Manifest.summary_of(data, path=str(path))
             else:
                 data, m = self._summary(host, step, data=True)
+        except ManifestError as e:
+            raise ManifestError(e.message, step=step, host=host, path=str(path)) from e
+        except MtcError:
+            raise  # the network tier's own answer (a StepNotFoundError is a FileNotFoundError)
         except FileNotFoundError as e:
             raise ManifestError("committed step has no manifest", step=step, host=host,
                                 path=str(path)) from e
-        except ManifestError as e:
-            raise ManifestError(e.message, step=step, host=host, path=str(path)) from e
         if m.step != step or m.host != host:
             raise ManifestError(f"manifest belongs to step {m.step} host {m.host}", step=step,
                                 host=host, path=str(path))
@@ -227,8 +229,8 @@ class HostOps:
                                         host=h, path=str(layout.step_dir(root, step)))
         return any([remove_step(self._root(h), step) for h in hosts])
 
-    def _open(self, hosts: Sequence[int], lock: bool, clean: bool, identify: bool = False
-              ) -> dict[str, dict[str, Any]]:
+    def _open(self, hosts: Sequence[int], lock: bool, clean: bool, identify: bool = False,
+              metadata: str | None = None) -> dict[str, dict[str, Any]]:
         """Make each root usable: create it, take its writer lock (one manager per
         root; the kernel drops it when the process dies), remove what a crash left
         (``clean``). Answers, per host, all a manager's open needs in one round trip:
@@ -236,17 +238,27 @@ class HostOps:
         another tool's: left alone) and (``identify``) the root's identity, written
         now when it has none, which the replicator serving the same folder reports
         back, and the size of the newest step's manifest (a restore's first call
-        brings the manifests: the controller sizes its answer by it)."""
+        brings the manifests: the controller sizes its answer by it). ``metadata``:
+        Orbax's root metadata (JSON) a writer keeps where none is kept yet (the
+        first one stays, as Orbax's); every open answers what is kept."""
+        if metadata is not None and not isinstance(metadata, str):
+            raise ProtocolError(f"root metadata is JSON text, got {type(metadata).__name__}")
+        if metadata is not None and len(metadata.encode()) > layout.ROOT_METADATA_MAX:
+            raise ProtocolError(f"root metadata of {len(metadata.encode())} bytes: at most "
+                                f"{layout.ROOT_METADATA_MAX}")
         out: dict[str, dict[str, Any]] = {}
         try:
             for h in hosts:
                 root = self._root(h)
                 root_lock.prepare_root(root)
+                # A manager of this process holding the root already may be writing:
+                # what looks left by a crash may be its save in flight.
+                first = not root_lock.held_here(root)
                 if lock and h not in self._locks:
                     self._locks[h] = root_lock.lock_root(root)
                 removed: list[str] = []
                 try:
-                    if clean:
+                    if clean and first:
                         removed = clean_uncommitted(root)
                     foreign = layout.foreign_steps(root)
                 except OSError as e:
@@ -254,10 +266,16 @@ class HostOps:
                                         host=h, path=str(root)) from e
                 if removed:
                     log.info("host %d: removed uncommitted folders %s", h, removed)
+                kept = layout.root_metadata(root)
+                if metadata is not None and not kept:
+                    write_atomic(root / layout.ROOT_METADATA_NAME, metadata)
+                    kept = metadata
                 out[str(h)] = {"removed": removed, "foreign": foreign, "identity":
                                ensure_root_identity(root) if identify else "",
                                "manifest_bytes": _newest_manifest_bytes(
                                    root, layout.mtc_steps(root))}
+                if kept:
+                    out[str(h)]["metadata"] = kept
         except BaseException:
             self._release(hosts)
             raise

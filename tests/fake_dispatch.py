@@ -173,7 +173,7 @@ class FakeDispatch:
             self.roots[h].pop(step, None)
 
     def open(self, hosts: Sequence[int], *, read_only: bool,
-             identify: bool = False) -> dict[int, Opened]:
+             identify: bool = False, metadata: str | None = None) -> dict[int, Opened]:
         return {h: Opened() for h in hosts}
 
     def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,

@@ -101,14 +101,26 @@ def test_the_newest_steps_bytes_are_its_manifests_sum_without_a_stat_per_file(
 NOTHING = {"removed": [], "foreign": [], "identity": "", "manifest_bytes": 0}
 
 
-def test_open_takes_one_writer_per_root(tmp_path: Path) -> None:
+def test_open_shares_the_writer_lock_in_a_process_and_only_the_first_cleans(
+        tmp_path: Path) -> None:
+    """Managers of one process share a root's kernel lock (mtc.root_lock); only the
+    first cleans what a crash left: a later one may find the first one writing."""
+    from mtc import root_lock
+
+    root = tmp_path / "host-0"
     first, second = HostOps(config(tmp_path)), HostOps(config(tmp_path))
     assert ask(first, "open", [0], lock=True, clean=True) == {"0": NOTHING}
-    with pytest.raises(errors.DirectoryLockedError):
-        ask(second, "open", [0], lock=True, clean=True)
-    first.release_all()
+    inflight = root / "6.mtc-tmp-0123456789ab"
+    inflight.mkdir()
     assert ask(second, "open", [0], lock=True, clean=True) == {"0": NOTHING}
+    assert inflight.is_dir() and root_lock.held_here(root)
+    first.release_all()
+    assert root_lock.held_here(root) and (root / layout.LOCK_NAME).exists()  # second holds it
     second.release_all()
+    assert not root_lock.held_here(root) and not (root / layout.LOCK_NAME).exists()
+    third = HostOps(config(tmp_path))
+    assert ask(third, "open", [0], lock=True, clean=True)["0"]["removed"] == [inflight.name]
+    third.release_all()
 
 
 def test_open_answers_what_a_manager_needs_in_one_round_trip(tmp_path: Path) -> None:
@@ -238,3 +250,16 @@ def test_a_survey_parses_an_unchanged_manifest_once_and_checks_the_asked_one_eve
     with pytest.raises(errors.ManifestError) as e:
         ask(ops, "survey", [0], step=6)
     assert (e.value.step, e.value.host) == (6, 0) and MANIFEST_NAME in str(e.value.path)
+
+
+def test_open_keeps_the_first_root_metadata_and_refuses_what_is_not_json_text(
+        tmp_path: Path) -> None:
+    ops = HostOps(config(tmp_path))
+    assert ask(ops, "open", [0], lock=True, clean=True, metadata='{"v": 1}')["0"][
+        "metadata"] == '{"v": 1}'
+    assert ask(ops, "open", [0], lock=True, clean=True, metadata='{"v": 2}')["0"][
+        "metadata"] == '{"v": 1}'  # the first stays, as Orbax's
+    for bad in (5, "x" * (layout.ROOT_METADATA_MAX + 1)):
+        with pytest.raises(errors.ProtocolError, match="root metadata"):
+            ask(ops, "open", [0], lock=True, clean=True, metadata=bad)
+    ops.release_all()

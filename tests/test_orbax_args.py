@@ -47,8 +47,8 @@ def test_the_state_a_save_request_names(args: Any, state: Any,
 @pytest.mark.parametrize(("args", "match"), [
     (ocp.args.PyTreeSave(STATE, save_args={"w": ocp.SaveArgs()}), "save_args is not"),
     (ocp.args.StandardRestore(STATE), "cannot save StandardRestoreArgs"),
-    (ocp.args.Composite(state=ocp.args.ArraySave(np.zeros(2))), "cannot save"),
-], ids=["save_args", "a restore request", "an array item"])
+    (ocp.args.Composite(state=ocp.args.NumpyRandomKeySave(np.zeros(2))), "cannot save"),
+], ids=["save_args", "a restore request", "a numpy random key item"])
 def test_a_save_request_mtc_cannot_honour_is_refused(args: Any, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         orbax_args.save_state(args)
@@ -78,8 +78,12 @@ def test_restore_args_describe_the_target() -> None:
                 "step": ocp.RestoreArgs()}
     assert orbax_args.restore_targets(ocp.args.PyTreeRestore(item, restore_args=no_dtype)) == (
         None, {"w": jax.ShapeDtypeStruct((4,), np.float64, sharding=sharding), "step": 3})
-    with pytest.raises(ConfigError, match="gives no dtype"):
-        orbax_args.restore_targets(ocp.args.PyTreeRestore(restore_args=no_dtype))
+    # Neither says the dtype: the checkpoint's, placed on the sharding given.
+    assert orbax_args.restore_targets(ocp.args.PyTreeRestore(restore_args=no_dtype)) == (
+        None, {"w": orbax_args.OnSharding(sharding), "step": None})
+    with pytest.raises(ConfigError, match="gives no sharding"):
+        orbax_args.restore_targets(ocp.args.PyTreeRestore(restore_args={
+            "w": ocp.ArrayRestoreArgs(global_shape=(4,), dtype=np.float32)}))
 
 
 @pytest.mark.parametrize(("names", "want"), [

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -161,8 +163,9 @@ def test_other_policies_are_refused_naming_what_is_read() -> None:
         mtc.Options(save_decision_policy=cm.LatestN(2))
     with pytest.raises(mtc.ConfigError, match="preservation_policy"):
         mtc.Options(preservation_policy=cm.LatestN(2), max_to_keep=3)
-    with pytest.raises(mtc.ConfigError, match="save_decision_policy"):
-        mtc.Options(save_decision_policy=cm.FixedIntervalPolicy(2), save_interval_steps=3)
+    # Beside a save_decision_policy the interval is ignored, as Orbax ignores it.
+    assert mtc.Options(save_decision_policy=cm.FixedIntervalPolicy(2),
+                       save_interval_steps=3).save_decision_policy == cm.FixedIntervalPolicy(2)
     with pytest.raises(mtc.ConfigError, match="replicators"):
         mtc.Options(preservation_policy=cm.LatestN(2), replicators=("localhost:1",))
 
@@ -210,3 +213,35 @@ def test_continuous_checkpointing_saves_once_the_last_save_is_done_and_the_gap_p
         mgr.wait_until_finished()
         assert not mgr.save(2, state)  # an hour has not passed since step 1's save
         assert mgr.save(3, state, force=True)
+
+
+def test_keep_time_interval_keeps_as_orbax_test_expects(ramdisk: Path, mesh: Mesh,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Orbax's own case (checkpoint_manager_test's time interval test): one save an
+    hour, max_to_keep=2, keep_time_interval=3h keeps [0, 3, 6, 8, 9]. The hours pass on
+    a clock of the save flow's own."""
+    from mtc.save import flow
+
+    clock = [1e9]
+    monkeypatch.setattr(flow, "time", types.SimpleNamespace(
+        time=lambda: clock[0], perf_counter=time.perf_counter))
+    state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
+    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=mtc.Options(
+            simulated_hosts=4, dispatch="local", max_to_keep=2,
+            keep_time_interval=datetime.timedelta(hours=3))) as mgr:
+        for s in range(10):
+            assert mgr.save(s, args=ocp.args.StandardSave(state))
+            clock[0] += 3600
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 3, 6, 8, 9]
+
+
+def test_orbax_retention_options_as_the_policy_orbax_makes_of_them() -> None:
+    policy = policies.from_options(max_to_keep=0, keep_period=3, keep_time_interval_s=5 * 3600)
+    infos = [StepInfo(s, None, s * 3600.0) for s in range(9)]
+    # Orbax's max_to_keep=0 case keeps [0, 3, 5, 6]; mtc never deletes the newest (8).
+    assert policies.to_delete(policy, infos, now=9 * 3600.0) == [1, 2, 4, 7]
+    with pytest.raises(mtc.ConfigError, match="preservation_policy replaces"):
+        mtc.Options(preservation_policy=cm.LatestN(2), keep_time_interval=60)
+    with pytest.raises(mtc.ConfigError, match="keep_time_interval is a positive"):
+        mtc.Options(keep_time_interval=0)

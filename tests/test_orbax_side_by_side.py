@@ -15,12 +15,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -172,24 +174,215 @@ def best_step(make: Make, mesh: Mesh) -> list[Any]:
         return [mgr.best_step(), list(mgr.all_steps()), mgr.metrics(4)]
 
 
+def save_on_preemption(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 4: one process asks JAX's preemption sync point (under
+    ``jax.distributed`` a one-host job gets SIGTERM too) and saves the step it names."""
+    with mock.patch.object(multihost_utils, "reached_preemption_sync_point",
+                           side_effect=lambda step: step == 2), make("a",
+                                                                   save_interval_steps=4) as mgr:
+        for s in range(10):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        mgr.wait_until_finished()
+        return [list(mgr.all_steps())]
+
+
+def restore_args_without_an_item(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 1: ``PyTreeRestore(restore_args=...)`` with shardings and no item:
+    shapes and dtypes come from the checkpoint, arrays land on the given shardings;
+    a placeholder (``...``) leaf is left out and given back; restore_args covering
+    more than the item (``partial_restore``) restore the item's leaves."""
+    tree = {"a": state(mesh, 1)["w"], "b": jnp.arange(8, dtype=jnp.int32),
+            "c": {"d": state(mesh, 2)["w"] * 2, "e": jnp.ones((4,), jnp.float32)}}
+    on = {"a": NamedSharding(mesh, P("model")), "b": NamedSharding(mesh, P()),
+          "c": {"d": NamedSharding(mesh, P(None, "model")), "e": NamedSharding(mesh, P())}}
+    ra = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s), on)
+    with make("a", item_names=("params",)) as mgr:
+        mgr.save(0, args=ocp.args.Composite(params=ocp.args.PyTreeSave(tree)))
+        mgr.wait_until_finished()
+        got = mgr.restore(0, args=ocp.args.Composite(
+            params=ocp.args.PyTreeRestore(restore_args=ra))).params
+        placed = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), got, on)
+    with make("b") as mgr:
+        mgr.save(0, args=ocp.args.PyTreeSave(tree))
+        mgr.wait_until_finished()
+        partial = mgr.restore(0, args=ocp.args.PyTreeRestore(
+            {"a": 0, "c": {"d": 0}}, restore_args=ra, partial_restore=True))
+    return [values(got), jax.tree.map(lambda x: np.dtype(x.dtype).name, got), placed,
+            values(partial)]
+
+
+def save_schedule_options(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 7 and the schedule options: ``save_on_steps`` beside the interval;
+    ``should_save_fn`` alone decides (no first save of its own); a
+    ``save_decision_policy`` beside ``save_interval_steps`` other than 1 ignores the
+    interval; ``enable_async_checkpointing=False`` commits before ``save`` returns;
+    ``save_interval_steps=0`` on a read-only manager (Orbax sets it so itself)."""
+    out: list[Any] = []
+    with make("a", save_interval_steps=10000, save_on_steps=frozenset({1, 3})) as mgr:
+        out.append([mgr.save(s, args=ocp.args.StandardSave(state(mesh, s))) for s in range(5)])
+        mgr.wait_until_finished()
+        out.append(list(mgr.all_steps()))
+    with make("b", should_save_fn=lambda step, latest: step % 3 == 2) as mgr:
+        out.append([mgr.should_save(s) for s in range(6)])
+    with make("c", save_interval_steps=5, enable_async_checkpointing=False,
+              save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(2)) as mgr:
+        out.append([mgr.save(s, args=ocp.args.StandardSave(state(mesh, s))) for s in range(5)])
+        out.append(mgr.is_saving_in_progress())
+    with make("a", save_interval_steps=0, read_only=True) as reader:
+        out.append([reader.should_save(7), list(reader.all_steps())])
+    return out
+
+
+def second_manager_in_process(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 2: a new manager on the directory of one not closed (Orbax's
+    restart in process) reads and, the first being idle, writes; the first then
+    sees its steps after ``reload()``, and closing it spoils nothing."""
+    with make("a", max_to_keep=2) as first:
+        for s in (1, 2):
+            first.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        first.wait_until_finished()
+        second = make("a", max_to_keep=2)
+        seen = [list(second.all_steps()), second.latest_step()]
+        for s in (3, 4):
+            second.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        second.wait_until_finished()
+        first.reload()
+        seen.append(list(first.all_steps()))
+    back = second.restore(4, args=ocp.args.StandardRestore(state(mesh, 0)))
+    second.close()
+    return [*seen, values(back)]
+
+
+def refusals_as_orbax_raises_them(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, items 3, 5 and 8: what Orbax refuses is refused at once with the
+    built-in exception Orbax raises there (mtc's errors subclass it): a forced save
+    of a step in flight (ValueError), a single item on a Composite manager and the
+    reverse, an item outside item_names (ValueError), a missing step
+    (FileNotFoundError); ``restore(directory=)`` reads another manager's folder."""
+    def refused(call: Callable[[], Any]) -> str:
+        try:
+            call()
+        except ValueError:
+            return "ValueError"
+        except FileNotFoundError:
+            return "FileNotFoundError"
+        return "accepted"
+
+    one = ocp.args.StandardSave(state(mesh, 1))
+    out: list[Any] = []
+    with make("a", item_names=("params",)) as mgr:
+        mgr.save(0, args=ocp.args.Composite(params=one))
+        out.append(refused(lambda: mgr.save(0, args=ocp.args.Composite(params=one),
+                                            force=True)))
+        out.append(refused(lambda: mgr.save(1, args=one)))
+        out.append(refused(lambda: mgr.save(2, args=ocp.args.Composite(other=one))))
+        out.append(refused(lambda: mgr.restore(7, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(state(mesh, 0))))))
+        mgr.wait_until_finished()
+    with make("b") as mgr:
+        mgr.save(0, args=one)
+        mgr.wait_until_finished()
+        out.append(refused(lambda: mgr.save(1, args=ocp.args.Composite(params=one))))
+        out.append(refused(lambda: mgr.restore(0, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(state(mesh, 0))))))
+    with make("c", item_names=("params",)) as mgr:
+        back = mgr.restore(0, args=ocp.args.Composite(params=ocp.args.StandardRestore(
+            state(mesh, 0))), directory=Path(mgr.directory).parent / "a")
+        out.append(values(back.params))
+    return out
+
+
+def root_and_step_metadata(make: Make, mesh: Mesh) -> list[Any]:
+    """Root metadata (the first writer's stays; a reader's is answered, not kept) and
+    a step's metadata: its items, metrics and custom_metadata."""
+    with make("a", metadata={"version": 1}) as mgr:
+        mgr.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 1))),
+                 custom_metadata={"lr": 0.5})
+        mgr.wait_until_finished()
+        first = mgr.metadata().custom_metadata
+    with make("a", metadata={"version": 2}) as mgr:
+        again = mgr.metadata().custom_metadata
+        step = mgr.metadata(0)
+        seen = [sorted(step.item_metadata), step.metrics, step.custom_metadata]
+    with make("b", metadata={"version": 3}, read_only=True) as reader:
+        read_only = reader.metadata().custom_metadata
+    with make("b") as mgr:
+        after_reader = mgr.metadata().custom_metadata
+    return [first, again, *seen, read_only, after_reader]
+
+
+def restore_without_target_keeps_the_saved_sharding(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, item 6: a restore with no target comes back with the sharding it was
+    saved with (its devices exist here), not replicated on the manager's mesh."""
+    half = Mesh(np.array(jax.devices()[:4]), ("x",))
+    on = {"a": NamedSharding(half, P("x")), "b": NamedSharding(mesh, P(None, "model"))}
+    tree = {"a": jax.device_put(jnp.arange(32.0).reshape(8, 4), on["a"]),
+            "b": jax.device_put(jnp.ones((8, 4)), on["b"])}
+    with make("a") as mgr:
+        mgr.save(0, args=ocp.args.StandardSave(tree))
+        mgr.wait_until_finished()
+        back = mgr.restore(0)
+    return [values(back), {k: back[k].sharding.is_equivalent_to(on[k], 2) for k in on}]
+
+
+def array_items(make: Make, mesh: Mesh) -> list[Any]:
+    """``ArraySave``/``ArrayRestore`` items beside a pytree and JSON (Orbax's own
+    multi-item habit)."""
+    with make("a", item_names=("params", "arr", "meta")) as mgr:
+        mgr.save(0, args=ocp.args.Composite(params=ocp.args.PyTreeSave(state(mesh, 1)),
+                                            arr=ocp.args.ArraySave(np.arange(16)),
+                                            meta=ocp.args.JsonSave({"v": 2})))
+        mgr.wait_until_finished()
+        back = mgr.restore(0, args=ocp.args.Composite(
+            params=ocp.args.PyTreeRestore(state(mesh, 0)), arr=ocp.args.ArrayRestore(),
+            meta=ocp.args.JsonRestore()))
+        return [values(back.params), np.asarray(back.arr).tolist(), back.meta]
+
+
+def legacy_items_and_restore_kwargs(make: Make, mesh: Mesh) -> list[Any]:
+    """Orbax's legacy form: ``save(step, {item: tree})`` and ``restore(step, {item:
+    target}, restore_kwargs={item: {"restore_args": ...}})`` (mtc: with item_names,
+    the names Orbax's legacy checkpointers dict gives)."""
+    ra = {"w": ocp.ArrayRestoreArgs(sharding=NamedSharding(mesh, P("model")))}
+    with make("a", legacy=("params", "meta")) as mgr:
+        mgr.save(0, {"params": state(mesh, 1), "meta": {"lr": 0.5}})
+        mgr.wait_until_finished()
+        back = mgr.restore(0, {"params": {"w": 0}, "meta": None},
+                           restore_kwargs={"params": {"restore_args": ra}})
+        return [values(back["params"]), back["meta"]]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
-         save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step]
+         save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
+         save_on_preemption, restore_args_without_an_item,
+         save_schedule_options, second_manager_in_process,
+         refusals_as_orbax_raises_them, root_and_step_metadata,
+         restore_without_target_keeps_the_saved_sharding, array_items,
+         legacy_items_and_restore_kwargs]
 
 
 # -- the two libraries ----------------------------------------------------------------
 
 
 def orbax_maker(base: Path) -> Make:
-    def make(sub: str, item_names: tuple[str, ...] | None = None, **kw: Any) -> Any:
-        return ocp.CheckpointManager(base / sub, item_names=item_names,
+    def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
+             legacy: tuple[str, ...] | None = None, **kw: Any) -> Any:
+        if legacy is not None:  # Orbax's legacy form: a checkpointer per item
+            return ocp.CheckpointManager(base / sub, {
+                n: ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) for n in legacy},
+                options=ocp.CheckpointManagerOptions(**kw))
+        return ocp.CheckpointManager(base / sub, item_names=item_names, metadata=metadata,
                                      options=ocp.CheckpointManagerOptions(**kw))
     return make
 
 
 def mtc_maker(base: Path, mesh: Mesh) -> Make:
-    def make(sub: str, item_names: tuple[str, ...] | None = None, **kw: Any) -> Any:
-        return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=item_names,
+    def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
+             legacy: tuple[str, ...] | None = None, **kw: Any) -> Any:
+        # Orbax's legacy checkpointers name the items: mtc is given the names.
+        return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=legacy or item_names,
+                                     metadata=metadata,
                                      options=mtc.Options(simulated_hosts=4, dispatch="local",
                                                          **kw))
     return make
@@ -226,3 +419,55 @@ def test_a_step_retention_freed_before_the_saves_were_waited_for_is_not_listed(
             time.sleep(0.01)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [3]
+
+
+# -- where mtc answers otherwise on purpose (docs/reference.md: Orbax's own tests) ----------
+
+
+def test_what_orbax_refuses_or_hides_that_mtc_answers(ramdisk: Path, mesh: Mesh) -> None:
+    """Each a failing case of Orbax's checkpoint_manager_test, pinned: mtc lists the
+    hosts' steps at every call (no reload() needed to see another manager's save);
+    a fresh manager knows a step's items (metadata and Composite(item=None) restores
+    need no restore first); a target naming part of the tree restores that part
+    without partial_restore; a placeholder standing for a subtree is a ValueError."""
+    make = mtc_maker(ramdisk, mesh)
+    with make("a", item_names=("state", "extra")) as first:
+        first.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 1)),
+                                              extra=ocp.args.JsonSave({"n": 1})))
+        first.wait_until_finished()
+        with make("a", item_names=("state", "extra")) as second:
+            second.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 2)),
+                                                   extra=ocp.args.JsonSave({"n": 2})))
+            second.wait_until_finished()
+            assert first.all_steps() == [0, 1]  # Orbax: [0] until first.reload()
+    with make("a") as fresh:
+        assert sorted(fresh.metadata(0).item_metadata) == ["extra", "state"]  # Orbax: None
+        only = fresh.restore(0, args=ocp.args.Composite(extra=None))  # Orbax: ValueError
+        assert only.extra == {"n": 1} and "state" not in only
+    with make("b") as mgr:
+        tree = {"a": state(mesh, 1)["w"], "c": {"d": state(mesh, 2)["w"]}}
+        mgr.save(0, args=ocp.args.PyTreeSave(tree))
+        mgr.wait_until_finished()
+        part = mgr.restore(0, args=ocp.args.PyTreeRestore({"a": state(mesh, 0)["w"]}))
+        assert values(part) == values({"a": tree["a"]})  # Orbax: ValueError
+        with pytest.raises(ValueError, match="User-provided restore item and on-disk value"):
+            mgr.restore(0, args=ocp.args.PyTreeRestore({"a": ..., "c": ...}))
+
+
+def test_what_mtc_keeps_or_raises_otherwise_than_orbax(ramdisk: Path, mesh: Mesh) -> None:
+    """max_to_keep=0 keeps what keep_period keeps and the newest complete step, which
+    mtc never deletes (the one a restore after a failure needs; Orbax keeps none);
+    a forced save of a step in flight raises mtc's StepExistsError, a ValueError, not
+    Orbax's own class."""
+    with mtc_maker(ramdisk, mesh)("zero", max_to_keep=0, keep_period=3) as mgr:
+        for s in range(8):
+            assert mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 3, 6, 7]  # Orbax: [0, 3, 6]
+    with mtc_maker(ramdisk, mesh)("a") as mgr:
+        mgr.save(0, args=ocp.args.StandardSave(state(mesh, 1)))
+        with pytest.raises(mtc.StepExistsError) as e:
+            mgr.save(0, args=ocp.args.StandardSave(state(mesh, 1)), force=True)
+        assert isinstance(e.value, ValueError)
+        assert not isinstance(e.value, ocp.checkpoint_manager.StepAlreadyExistsError)
+        mgr.wait_until_finished()

@@ -258,14 +258,16 @@ class HostCalls:
         self.ask(DELETE, hosts, StepRequest(step))
 
     def open(self, hosts: Sequence[int], *, read_only: bool,
-             identify: bool = False) -> dict[int, Opened]:
+             identify: bool = False, metadata: str | None = None) -> dict[int, Opened]:
         """Make the hosts' roots usable; unless ``read_only``, take each root's writer
-        lock (a second manager gets DirectoryLockedError) and remove uncommitted
-        folders. Returns what each root holds (:class:`Opened`; ``identify``: with
-        its identity, written where none is yet), in one request to every host."""
+        lock (another process's manager gets DirectoryLockedError) and remove
+        uncommitted folders. Returns what each root holds (:class:`Opened`;
+        ``identify``: with its identity, written where none is yet), in one request
+        to every host. ``metadata``: root metadata (JSON) to keep where none is kept
+        (a writer's only)."""
         return merged(self.ask(OPEN, hosts, OpenRequest(
             lock=self.host_side_lock and not read_only, clean=not read_only,
-            identify=identify)))
+            identify=identify, metadata=None if read_only else metadata)))
 
     def retain(self, hosts: Sequence[int], complete: Sequence[int], *, max_to_keep: int | None,
                keep_period: int | None, before_write: bool) -> dict[int, tuple[int, int]]:

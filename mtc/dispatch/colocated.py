@@ -202,10 +202,11 @@ class ColocatedDispatch(HostCalls):
         return replies
 
     def open(self, hosts: Sequence[int], *, read_only: bool,
-             identify: bool = False) -> dict[int, Opened]:
+             identify: bool = False, metadata: str | None = None) -> dict[int, Opened]:
         """:meth:`HostCalls.open`; a restore's survey then asks for an answer that
         holds the newest step's manifest (:func:`answer_size_for`)."""
-        opened = super().open(hosts, read_only=read_only, identify=identify)
+        opened = super().open(hosts, read_only=read_only, identify=identify,
+                              metadata=metadata)
         longest = max((o.manifest_bytes for o in opened.values()), default=0)
         self._survey_size = answer_size_for(longest)
         return opened

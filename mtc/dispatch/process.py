@@ -397,7 +397,7 @@ class ProcessDispatch(HostCalls):
         return out
 
     def open(self, hosts: Sequence[int], *, read_only: bool,
-             identify: bool = False) -> dict[int, Opened]:
+             identify: bool = False, metadata: str | None = None) -> dict[int, Opened]:
         if not read_only:
             try:
                 for h in hosts:
@@ -406,7 +406,7 @@ class ProcessDispatch(HostCalls):
             except BaseException:
                 self._unlock()
                 raise
-        return super().open(hosts, read_only=read_only, identify=identify)
+        return super().open(hosts, read_only=read_only, identify=identify, metadata=metadata)
 
     def _unlock(self) -> None:
         for h, fd in self._locks.items():

@@ -28,7 +28,7 @@ from mtc.inventory import StepInventory
 from mtc.options import Options
 from mtc.pool import ThreadPool
 from mtc.replicas import ReplicatorTier, farthest
-from mtc.restore.load import metrics_of
+from mtc.restore.load import custom_of, metrics_of
 from mtc.restore.plan import SavedStep
 from mtc.restore.step import StepReader
 from mtc.save.flow import SaveFlow
@@ -128,6 +128,10 @@ class RestoreFlow:
         except StepNotFoundError:
             return None  # as Orbax's metrics() of a step it does not have
         return metrics_of(saved)
+
+    def custom_metadata(self, step: int) -> Any:
+        """Orbax's ``custom_metadata`` saved with ``step`` ({}: none)."""
+        return custom_of(self.reader.saved_step(step))
 
     # -- restore ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtc import treepath
+from mtc import orbax_args, treepath
 from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.dispatch import Dispatch
 from mtc.errors import TargetMismatchError
@@ -84,6 +84,17 @@ def saved_items(saved: SavedStep) -> list[str] | None:
     return None
 
 
+def custom_of(saved: SavedStep) -> Any:
+    """Orbax's ``custom_metadata`` saved with the step ({} when none was)."""
+    for leaf in saved.leaves:
+        if leaf.path == treepath.CUSTOM_ROOT and leaf.kind == "value":
+            try:
+                return json.loads(treepath.decode_value(leaf.value))
+            except (TypeError, ValueError):
+                return {}
+    return {}
+
+
 def metrics_of(saved: SavedStep) -> Any:
     """The ``metrics`` saved with the step, or None."""
     items = [(leaf.keys, treepath.decode_value(leaf.value))
@@ -91,11 +102,16 @@ def metrics_of(saved: SavedStep) -> Any:
     return treepath.unflatten_from_keys(items)[treepath.METRICS_ROOT] if items else None
 
 
-def saved_sharding(leaf: LeafEntry, mesh: jax.sharding.Mesh) -> NamedSharding:
-    """Where an array restored without a target goes on ``mesh``: the partition spec
-    it was saved with when ``mesh`` has those axes, of the sizes saved, and they
-    divide the array; else replicated over ``mesh``."""
+def saved_sharding(leaf: LeafEntry, mesh: jax.sharding.Mesh) -> jax.sharding.Sharding:
+    """Where an array restored without a target goes: the sharding it was saved with
+    where its devices exist (as Orbax's: a large model comes back as laid out, not
+    replicated); else on ``mesh``, the partition spec it was saved with when
+    ``mesh`` has those axes, of the sizes saved, and they divide the array; else
+    replicated over ``mesh``."""
     s = leaf.sharding or {}
+    same = _as_saved_sharding(s)
+    if same is not None:
+        return same
     if s.get("type") == "named":
         sizes = dict(zip(s.get("axes", ()), s.get("mesh_shape", ()), strict=False))
         spec = [tuple(p) if isinstance(p, list) else p for p in s.get("spec", ())]
@@ -110,6 +126,31 @@ def saved_sharding(leaf: LeafEntry, mesh: jax.sharding.Mesh) -> NamedSharding:
         if ok:
             return NamedSharding(mesh, PartitionSpec(*spec))
     return NamedSharding(mesh, PartitionSpec())
+
+
+def _as_saved_sharding(s: dict[str, Any]) -> jax.sharding.Sharding | None:
+    """The sharding a manifest describes (:func:`mtc.save.stage.describe_sharding`),
+    when every device it names exists here; None otherwise."""
+    ids = s.get("device_ids")
+    if not isinstance(ids, list) or not ids:
+        return None
+    devices = {d.id: d for d in jax.devices()}
+    if not all(isinstance(i, int) and i in devices for i in ids):
+        return None
+    if s.get("type") == "single" and len(ids) == 1:
+        return jax.sharding.SingleDeviceSharding(devices[ids[0]])
+    if s.get("type") != "named":
+        return None
+    shape, axes = s.get("mesh_shape"), s.get("axes")
+    if not isinstance(shape, list) or not isinstance(axes, list) or len(shape) != len(axes) \
+            or int(np.prod(shape)) != len(ids) or len(set(ids)) != len(ids):
+        return None
+    spec = [tuple(p) if isinstance(p, list) else p for p in s.get("spec", ())]
+    try:
+        mesh = jax.sharding.Mesh(np.array([devices[i] for i in ids]).reshape(shape), tuple(axes))
+        return NamedSharding(mesh, PartitionSpec(*spec))
+    except (TypeError, ValueError):
+        return None  # a description this JAX cannot rebuild: placed on the manager's mesh
 
 
 def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Dispatch,
@@ -137,12 +178,16 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
         treedef = None
     else:
         flat_target, treedef = treepath.flatten(target)
+        _check_placeholders(step, flat_target, by_path)
+        # Placeholders (Orbax's ``...``) are left out and given back as they are.
+        flat_target = [(p, t) for p, t in flat_target if not orbax_args.is_placeholder(t)]
         missing = [treepath.path_str(p) for p, _ in flat_target
                    if treepath.path_str(p) not in by_path]
         if missing:
             raise TargetMismatchError(f"target leaves not in the checkpoint: {missing}",
                                       step=step)
-        wanted = [(by_path[treepath.path_str(p)], t) for p, t in flat_target]
+        wanted = [(by_path[treepath.path_str(p)], _as_saved(leaves[by_path[
+            treepath.path_str(p)]], t)) for p, t in flat_target]
 
     results: dict[int, Any] = {}
     tasks: list[ReadTask] = []
@@ -200,4 +245,30 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
     if flat_target is None:
         return treepath.unflatten_from_keys([(leaves[i].keys, results[i]) for i, _ in wanted],
                                             str_keys=mesh is not None)
-    return jax.tree_util.tree_unflatten(treedef, [results[i] for i, _ in wanted])
+    out = iter([results[i] for i, _ in wanted])
+    return jax.tree_util.tree_unflatten(treedef, [
+        t if orbax_args.is_placeholder(t) else next(out) for _, t in treepath.flatten(target)[0]])
+
+
+def _as_saved(leaf: LeafEntry, t: Any) -> Any:
+    """An :class:`~mtc.orbax_args.OnSharding` target as the array the checkpoint holds
+    (its shape; its dtype unless one was given), on the sharding given."""
+    if not isinstance(t, orbax_args.OnSharding):
+        return t
+    if leaf.kind == "value":
+        return None  # a plain value: as saved, as Orbax's restore_args leave it
+    dtype = t.dtype if t.dtype is not None else jax.numpy.dtype(leaf.dtype)
+    return jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=t.sharding)
+
+
+def _check_placeholders(step: int, flat: list[tuple[Any, Any]], by_path: dict[str, int]) -> None:
+    """A placeholder stands for one saved leaf, as Orbax's: one standing for a subtree
+    is refused (a typo in a partial restore would otherwise drop a whole subtree)."""
+    for p, t in flat:
+        where = treepath.path_str(p)
+        if orbax_args.is_placeholder(t) and where not in by_path:
+            kind = ("a subtree" if any(k.startswith(where + "[") or k.startswith(where + ".")
+                                       for k in by_path) else "nothing saved")
+            raise TargetMismatchError(f"User-provided restore item and on-disk value differ: "
+                                      f"the placeholder at {where} stands for {kind}, and a "
+                                      "placeholder (...) stands for one saved leaf", step=step)

@@ -6,12 +6,13 @@ Only the controller's thread of a manager uses a :class:`SaveFlow`.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from mtc import layout, multihost, orbax_args, policies, retention, runs
+from mtc import layout, multihost, orbax_args, policies, retention, root_lock, runs
 from mtc.dispatch import Dispatch
 from mtc.dispatch.protocol import Survey
 from mtc.errors import (
@@ -49,8 +50,13 @@ class SaveFlow:
                  inventory: StepInventory, watch: ReplicatorWatch | None, *,
                  on_new_step: Callable[[], None] = lambda: None, where: str,
                  foreign: dict[int, list[int]] | None = None,
-                 metrics_of_step: Callable[[int], Any] | None = None) -> None:
+                 metrics_of_step: Callable[[int], Any] | None = None,
+                 directory: str | None = None) -> None:
         self.dispatch = dispatch
+        # The directory other managers of this process may write too (mtc.root_lock).
+        self.directory = directory
+        if directory is not None and not options.read_only:
+            root_lock.Writers.join(directory, self, self._saves_in_flight)
         self.topology = topology
         self.options = options
         self.inventory = inventory
@@ -103,6 +109,9 @@ class SaveFlow:
             return False
         if self.options.save_decision_policy is not None:
             return self._policy_says(step, newest)
+        if self.options.should_save_fn is not None:  # it alone decides, as Orbax's
+            return (bool(self.options.should_save_fn(step, newest))
+                    or multihost.reached_preemption(step))
         return newest is None or self.on_schedule(step)
 
     def _policy_says(self, step: int, newest: int | None) -> bool:
@@ -135,7 +144,9 @@ class SaveFlow:
         self._metrics.clear()
 
     def on_schedule(self, step: int) -> bool:
-        return (step % self.options.save_interval_steps == 0
+        interval = self.options.save_interval_steps
+        return ((interval > 0 and step % interval == 0)
+                or step in (self.options.save_on_steps or ())
                 or multihost.reached_preemption(step))
 
     def restored(self, step: int) -> None:
@@ -157,7 +168,8 @@ class SaveFlow:
 
     # -- save -----------------------------------------------------------------------
 
-    def save(self, step: Any, state: Any, *, force: bool, metrics: Any, args: Any) -> bool:
+    def save(self, step: Any, state: Any, *, force: bool, metrics: Any, args: Any,
+             custom: str | None = None) -> bool:
         if self.skipped_read_only("save"):
             return False
         if orbax_args.is_orbax_args(state):
@@ -173,6 +185,10 @@ class SaveFlow:
             items = None
         step = layout.as_step(step)
         self._refuse_foreign(step)
+        if force and step in self.staged:
+            # At once, as Orbax's StepAlreadyExistsError: not later from a commit.
+            raise StepExistsError("save(force=True) of a step this manager is already "
+                                  "saving (or saved): force never overwrites", step=step)
         # The job's first decision needs the hosts' newest step. One controller
         # learns it from the save's own first call (a save stays two calls); the
         # step is then dropped there if it was not due. Multi-controller JAX asks
@@ -191,7 +207,7 @@ class SaveFlow:
         t0 = time.perf_counter()
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics, run=self.run, ranks=self._saved_ranks(),
-                                 items=items)
+                                 items=items, custom=custom)
 
         def before_send(survey: Survey) -> None:
             # Nothing is sent to a host before this returned, and nothing at all
@@ -206,6 +222,8 @@ class SaveFlow:
             self._make_room(held)
 
         hosts = self.topology.local_hosts
+        if self.directory is not None:
+            root_lock.Writers.refuse_concurrent(self.directory, self)
         try:
             staged = self.dispatch.save(header, arrays, hosts, before_send)
         except _NotDue:
@@ -288,6 +306,11 @@ class SaveFlow:
         if step == self.last_saved:  # its number may be saved again, as in Orbax
             self.last_saved, self._newest_learnt = None, False
 
+    def leave(self) -> None:
+        """The manager closes: no longer one of its directory's writers."""
+        if self.directory is not None:
+            root_lock.Writers.leave(self.directory, self)
+
     # -- finishing saves --------------------------------------------------------------
 
     def wait_until_finished(self) -> None:
@@ -339,8 +362,25 @@ class SaveFlow:
 
     def _retains(self) -> bool:
         o = self.options
-        return ((o.max_to_keep is not None or o.preservation_policy is not None)
+        return ((o.max_to_keep is not None or o.preservation_policy is not None
+                 or o.keep_time_interval is not None)
                 and not o.replicators and not o.read_only)
+
+    def _policy(self) -> Any:
+        """The preservation policy retention applies: the user's, or Orbax's reading of
+        its options where ``keep_time_interval`` needs the steps' times or
+        ``max_to_keep=0`` keeps only what the others keep (and the newest); else None
+        (the hosts apply ``max_to_keep``/``keep_period`` by step numbers alone)."""
+        o = self.options
+        if o.preservation_policy is not None or (o.keep_time_interval is None
+                                                 and o.max_to_keep != 0):
+            return o.preservation_policy
+        t = o.keep_time_interval
+        return policies.from_options(
+            max_to_keep=o.max_to_keep, keep_period=o.keep_period,
+            keep_time_interval_s=None if t is None else t.total_seconds()
+            if isinstance(t, datetime.timedelta) else float(t), best_fn=o.best_fn,
+            best_mode=o.best_mode, keep_without_metrics=o.keep_checkpoints_without_metrics)
 
     def _apply_retention(self, *, before_write: bool = False,
                          held: dict[int, list[int]] | None = None) -> dict[int, tuple[int, int]]:
@@ -352,8 +392,9 @@ class SaveFlow:
         if not before_write:
             self._saved_since_retention = False
         complete = self.inventory.common(held)
-        if self.options.preservation_policy is not None:
-            self._retain_preserved(complete)
+        policy = self._policy()
+        if policy is not None:
+            self._retain_preserved(complete, policy)
             return {}
         if self.options.best_fn is not None:
             self._retain_best(complete)
@@ -381,12 +422,11 @@ class SaveFlow:
             self.inventory.forget(s)
             self._metrics.pop(s, None)
 
-    def _retain_preserved(self, complete: list[int]) -> None:
+    def _retain_preserved(self, complete: list[int], policy: Any) -> None:
         """Orbax's ``preservation_policy`` over the complete steps (metrics read once
         per step where a ``BestN`` ranks them), deleting what it does not keep. In
         multi-controller JAX a step goes only where every process's policy drops it
         (collective: a step is never deleted on some hosts only)."""
-        policy = self.options.preservation_policy
         ranks = policies.uses_metrics(policy)
         if ranks and self.metrics_of_step is not None:
             for s in complete:
