@@ -22,6 +22,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.replicas import prepare_restore
 from mtc.sidecar.replicator import orbax
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process
 
@@ -175,17 +176,18 @@ def test_sigterm_shuts_down_gracefully_even_during_a_restore(
 def wait_health(cl: Cluster, rank: int, want: str, timeout: float) -> None:
     from mtc.sidecar.replicator.healthcheck import check
 
-    deadline = time.monotonic() + timeout
     got = ""
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
+        nonlocal got
         try:
             got = check(cl.addrs[rank], timeout_s=1.0)
         except grpc.RpcError as e:
             got = str(e.code())
-        if got == want:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"rank {rank} health {got!r}, wanted {want!r} within {timeout}s")
+        return got == want
+
+    wait_until(f"rank {rank} health {want!r}", healthy, timeout,
+               detail=lambda: f"it is {got!r}")
 
 
 def test_health_not_serving_while_the_loop_stalls(ramdisk: Path,

@@ -19,7 +19,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +33,7 @@ from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.main import parse_args
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.testing.replicas import unreplicated
+from mtc.testing.replicas import wait_replicated
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = "docs/multi-controller.md"
@@ -181,12 +180,8 @@ class VmHosts:
             client.close()
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while missing := unreplicated(
-                {(r, o, s) for r in self.procs for o, s in (self.held(r) or ())},
-                step, len(EXAMPLE_HOSTS), HOSTS_PER_SLICE):
-            assert time.monotonic() < deadline, f"step {step} of hosts {missing} not copied"
-            time.sleep(0.1)
+        wait_replicated(lambda: {(r, o, s) for r in self.procs for o, s in (self.held(r) or ())},
+                        step, len(EXAMPLE_HOSTS), HOSTS_PER_SLICE, timeout)
 
     def run_job(self, program: Path, steps: int) -> list[list[str]]:
         """The page's program on every host, process r on host r; each one's own lines."""

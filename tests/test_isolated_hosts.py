@@ -24,6 +24,7 @@ from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.waits import wait_until
 from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here starts processes
@@ -117,16 +118,12 @@ class Replicators:
         client = PeerClient(self.addrs[holder], Credentials(token=self.hosts.token()),
                             rank=-1, deadline_s=5.0)
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
-                if any(c.origin_rank == origin and c.step == step for c in inv.copies):
-                    return
-                time.sleep(0.1)
+            wait_until(f"host {origin}'s step {step} on host {holder}", lambda: any(
+                c.origin_rank == origin and c.step == step
+                for c in client.call("GetInventory", pb.InventoryRequest(), attempts=1).copies),
+                60.0, detail=lambda: self.hosts.log_tail(holder, "replicator"))
         finally:
             client.close()
-        raise AssertionError(f"host {origin}'s step {step} never reached host {holder}: "
-                             f"{self.hosts.log_tail(holder, 'replicator')}")
 
     def replace(self, i: int) -> None:
         """Lose host ``i`` (SIGKILL) and start it again with an empty RAM disk."""

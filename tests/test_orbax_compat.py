@@ -43,6 +43,7 @@ from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.testing.replicas import wait_replicated
+from mtc.testing.waits import wait_until
 from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here starts processes
@@ -230,13 +231,9 @@ def descriptor(cluster: OrbaxHosts, holder: int, origin: int, step: int) -> list
 def wait_holds(cluster: OrbaxHosts, holders: list[int], origin: int, step: int,
                timeout: float = 30.0) -> None:
     """Until each of ``holders`` (serving replicators) holds ``origin``'s ``step``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(any((c.origin_rank, c.step) == (origin, step)
-                   for c in cluster.inventory(h).copies) for h in holders):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{holders} do not hold step {step} of rank {origin} after {timeout}s")
+    wait_until(f"{holders} holding step {step} of rank {origin}", lambda: all(
+        any((c.origin_rank, c.step) == (origin, step) for c in cluster.inventory(h).copies)
+        for h in holders), timeout)
 
 
 @pytest.mark.timeout(240)
