@@ -364,7 +364,7 @@ def test_forty_dripping_connections_leave_fetches_half_their_throughput(
     server = rep.servicer.data
     assert server is not None
     try:
-        quiet = _best_fetch_s(client)
+        before = _best_fetch_s(client)
         with Drip(("127.0.0.1", rep.data_port), 40, head=head, every=0.5,
                   source=source) as drip:
             # Bounded: 16 of its connections at once from one address, the rest ended.
@@ -375,7 +375,12 @@ def test_forty_dripping_connections_leave_fetches_half_their_throughput(
             assert drip.ended >= 40 - data_admission.PENDING_PER_SOURCE
             assert server.pending.evicted >= 24
             flooded = _best_fetch_s(client)
-        assert flooded < 2 * quiet, (quiet, flooded)
+        # Quiet measured on both sides of the flood, the slower one counted: the
+        # machine's other work (a second suite, other tests' processes) changes
+        # over the seconds the flood lasts, and a comparison with a moment before
+        # it alone failed under load where the flood cost nothing.
+        quiet = max(before, _best_fetch_s(client))
+        assert flooded < 2 * quiet, (before, quiet, flooded)
         assert client.data.link.fallbacks == 0  # the data channel's own speed
     finally:
         client.close()
