@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -39,10 +38,7 @@ pytestmark = pytest.mark.process  # every test here runs on the sidecar processe
 SLICES = [0, 0, 1, 1]
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    with sidecar_hosts("coloc", SLICES, ramdisk_bytes=64 << 20, colocated_devices=8) as hs:
-        yield hs
+COLOCATED_HOSTS = True  # the module's hosts: tests/conftest.py
 
 
 def _runtime(hs: Hosts) -> Runtime:

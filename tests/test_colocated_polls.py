@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import colocated_options, sidecar_hosts
+from replicators import colocated_options
 
 import mtc
 from mtc.dispatch.colocated import POLL_INTERVAL_S
@@ -29,11 +29,7 @@ pytestmark = pytest.mark.process  # the hosts are sidecar processes
 # Each test saves a step newer than the ones before it on the module's hosts.
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    with sidecar_hosts("colocpoll", [0, 0, 1, 1], ramdisk_bytes=64 << 20,
-                       colocated_devices=8) as hs:
-        yield hs
+COLOCATED_HOSTS = True  # the module's hosts: tests/conftest.py
 
 
 def _saving(hosts: Hosts, mesh: Mesh, tmp_path: Path, interval: int

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import env_with_repo, save_two_and_restore, sidecar_hosts, wait_healthy
+from replicators import env_with_repo, save_two_and_restore, wait_healthy
 
 import mtc
 from mtc.credentials import Credentials
@@ -31,11 +30,6 @@ pytestmark = pytest.mark.process  # every test here starts processes
 
 SLICES = [0, 0, 1, 1]
 
-
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
-    with sidecar_hosts("iso", SLICES, ramdisk_bytes=64 << 20) as hs:
-        yield hs
 
 
 def _opts(hs: Hosts, **kw: object) -> mtc.Options:
