@@ -152,7 +152,7 @@ def _colocated_hosts(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 @pytest.fixture
 def hosts(_colocated_hosts: Any) -> Iterator[Any]:
-    """Four isolated hosts (``mtc.trainer.isolation.Hosts``, slices ``HOST_SLICES``),
+    """Four isolated hosts (``mtc.testing.isolation.Hosts``, slices ``HOST_SLICES``),
     a sidecar each on a 64 MiB RAM disk: fresh for each test, or the module's
     colocated ones (``COLOCATED_HOSTS``)."""
     if _colocated_hosts is not None:

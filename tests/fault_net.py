@@ -24,8 +24,8 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.job import BackupStore
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.isolation import Hosts
 from mtc.testing.replicas import wait_replicated
-from mtc.trainer.isolation import Hosts
 
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there

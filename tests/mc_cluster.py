@@ -2,7 +2,7 @@
 replicator, and jobs of one real ``jax.distributed`` process per chosen host
 (``tests/workers/mc_worker.py`` and the workers built on it).
 
-Every JAX process runs on a host of its own (``mtc.trainer.isolation.Hosts``):
+Every JAX process runs on a host of its own (``mtc.testing.isolation.Hosts``):
 with root, inside that host's network and mount namespaces (nsenter into the
 host's sidecar, which owns them), its RAM disk a private tmpfs no other host
 sees, its address on a bridge, ``jax.distributed`` and the collectives over that
@@ -33,8 +33,8 @@ from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.isolation import Hosts
 from mtc.testing.waits import wait_until
-from mtc.trainer.isolation import Hosts
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"

@@ -3,7 +3,7 @@ restart.
 
 Each simulated host of a :class:`Cluster` is its own processes: its replicator
 and, once a test asks for :meth:`Cluster.options`, its sidecar (``python -m
-mtc.sidecar.host.main``, started through :class:`mtc.trainer.isolation.Hosts` in
+mtc.sidecar.host.main``, started through :class:`mtc.testing.isolation.Hosts` in
 ``"processes"`` mode), the one process through which a controller's
 ``CheckpointManager`` reaches the host's RAM disk. The controller never reads a
 host's root (the ``ramdisk`` fixture's seam audit checks it). The test harness
@@ -41,8 +41,8 @@ from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.storage.checksum import file_crc
 from mtc.testing import replicas
+from mtc.testing.isolation import Hosts, with_checkout
 from mtc.testing.waits import wait_until
-from mtc.trainer.isolation import Hosts, with_checkout
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh

@@ -8,7 +8,7 @@ controller package (``mtc/``) on the stack and no host-side frame is a leak.
 Test code and the standard library (a test corrupting a file on purpose, a
 background ``rmtree`` the host side started) are neither and pass.
 
-A host's shared-memory area (``host-<i>/area`` of :mod:`mtc.trainer.isolation`,
+A host's shared-memory area (``host-<i>/area`` of :mod:`mtc.testing.isolation`,
 the part ``/tmp/sidecar`` plays between ``pathways-worker`` and its sidecar) is
 where the trainer is meant to hand bytes over; it is not a RAM disk and is exempt.
 

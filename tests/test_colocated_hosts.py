@@ -31,7 +31,7 @@ from mtc.dispatch.protocol import WorkerLostError
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import ColocatedCallError
 from mtc.operations import HELLO, NoArgs
-from mtc.trainer.isolation import Hosts
+from mtc.testing.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here runs on the sidecar processes
 

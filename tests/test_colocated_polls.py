@@ -22,7 +22,7 @@ from replicators import colocated_options
 import mtc
 from mtc.dispatch.colocated import POLL_INTERVAL_S
 from mtc.errors import StorageError
-from mtc.trainer.isolation import Hosts
+from mtc.testing.isolation import Hosts
 
 pytestmark = pytest.mark.process  # the hosts are sidecar processes
 

@@ -23,8 +23,8 @@ from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.isolation import Hosts
 from mtc.testing.waits import wait_until
-from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here starts processes
 

@@ -3,7 +3,7 @@ a backup upload, one slice partitioned from the other, a peer slower than the
 deadline; then heal.
 
 Four hosts (2 slices x 2), each a network namespace with an address on a bridge
-this module creates (``trainer/isolation.py``), a private RAM disk, a sidecar
+this module creates (``mtc/testing/isolation.py``), a private RAM disk, a sidecar
 and a replicator; the real fake-gcs-server in this namespace, at the bridge's
 address, as the backup store. This process is the controller
 (``mtc.CheckpointManager`` over the sidecars and replicators). Faults: a host's
@@ -59,9 +59,9 @@ from mtc.grpc_errors import PeerError
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.job import step_prefix
+from mtc.testing import gcs_emulator
+from mtc.testing.isolation import Hosts, namespaces_available
 from mtc.testing.waits import timed_wait
-from mtc.trainer import gcs_emulator
-from mtc.trainer.isolation import Hosts, namespaces_available
 
 
 def _notable(log: str) -> list[str]:

@@ -1,7 +1,7 @@
 """Orbax's own multi-tier client, unmodified, against mtc's real replicator, on
 hosts that share nothing.
 
-Four isolated hosts (``mtc.trainer.isolation``: with root each its own network
+Four isolated hosts (``mtc.testing.isolation``: with root each its own network
 namespace, an address on a bridge, and a private tmpfs RAM disk; otherwise
 separate processes over private folders), 2 slices x 2 hosts. On each host, a
 JAX process (2 CPU devices) runs ``tests/workers/orbax_worker.py``: Orbax's
@@ -42,9 +42,9 @@ from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.isolation import Hosts
 from mtc.testing.replicas import wait_replicated
 from mtc.testing.waits import wait_until
-from mtc.trainer.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
