@@ -315,7 +315,10 @@ def test_a_request_dripped_in_is_ended_at_its_deadline_whatever_its_pace(
                 except OSError:
                     ended = time.monotonic() - t0
                     break
-        assert ended is not None and 0.9 < ended < 2.5, ended
+        # Ended near REQUEST_S, not never (a per-read timeout would let the drip go on
+        # for the whole 10 s): the upper bound leaves a loaded machine's sweeper and
+        # the kernel's reset a few seconds, still half the drip's length.
+        assert ended is not None and 0.9 < ended < 5.0, ended
         assert rep.servicer.data is not None and rep.servicer.data.pending.expired >= 1
     finally:
         rep.close()
