@@ -50,6 +50,11 @@ _RUNNERS = (str(_PKG / "mtc" / "pool.py"), str(_PKG / "mtc" / "lifecycle.py"))
 # configuration names them; tests keep them beside their roots): read by the module
 # both the controller and the hosts use, never a host's data.
 _CREDENTIALS = str(_PKG / "mtc" / "credentials.py")
+# The test harness users get (mtc.testing: the local cluster, its isolated hosts):
+# it plays the machine the hosts run on (it makes their folders, writes the cluster's
+# state and tokens beside them), as the tests' own harness does; neither controller
+# nor host code, so its frames decide nothing (controller code it calls still does).
+_HARNESS = str(_PKG / "mtc" / "testing") + os.sep
 # Host-side code: sidecar/, imported as mtc.sidecar.
 _HOST = (str(_PKG / "sidecar") + os.sep,)
 
@@ -94,7 +99,7 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
         name = frame.f_code.co_filename
         if name == _CREDENTIALS:
             return
-        if name in _RUNNERS:
+        if name in _RUNNERS or name.startswith(_HARNESS):
             pass
         elif name.startswith(_HOST):
             if not strict:
