@@ -214,10 +214,8 @@ def test_a_replaced_host_is_restored_from_its_replica_while_its_data_comes_back(
                                               np.asarray(a)[shard.index])
         # Host 1's own copy arrives in the background (its replicator told the load
         # is over, not waiting out its quiet time), committed and listed by its sidecar.
-        deadline = time.monotonic() + 60
-        while 4 not in mgr._inventory.held().get(1, []):
-            assert time.monotonic() < deadline, hosts.log_tail(1, "replicator")
-            time.sleep(0.2)
+        wait_until("host 1 holding step 4 again", lambda: 4 in mgr._inventory.held().get(1, []),
+                   60, detail=lambda: hosts.log_tail(1, "replicator"))
         loads.clear()
         again = mgr.restore(None, target=state)
         assert mgr.last_restore_tiers == {h: "local" for h in range(4)}
