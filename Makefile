@@ -56,13 +56,16 @@ cluster-down: $(STAMP)
 
 # The whole suite on the newest stack and the fast lane on the oldest pair. Both
 # virtualenvs are made side by side first (a minute, not two, on a fresh machine);
-# then the checks and both fast lanes, two at a time (each is one busy process, and
-# a test here starts none: about two minutes, not four); then the tests that start
-# processes, in two parts side by side that take files as they go (test-process).
+# then every lane, two at a time, with no barrier between them: both fast lanes, the
+# checks, and the two parts of the tests that start processes (test-process), each
+# part starting as soon as a slot is free. The parts take files as they go (the
+# longest first), so a part that starts late takes fewer and both end within a file
+# of each other: no core waits for the slower fast lane before the process lane starts.
 test:
 	$(MAKE) --no-print-directory -j2 venv venv-oldest
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck test-fast test-oldest
-	$(MAKE) --no-print-directory test-process
+	claims=$$(mktemp -d -t mtc-claims.XXXXXX) && trap 'rm -rf "$$claims"' EXIT && \
+	$(MAKE) --no-print-directory -j2 --output-sync=target LANE_CLAIMS="$$claims" \
+	  test-fast test-oldest lint typecheck test-process-1 test-process-2
 
 # The tests that start processes, in two parts at once: most of such a test's time is
 # waiting on its processes, so two parts take about two thirds of the time of one

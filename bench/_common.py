@@ -19,7 +19,7 @@ from typing import Any
 from _log import log as log  # the benchmarks import it from here
 from _machine import machine_state
 
-from mtc.trainer.isolation import with_checkout
+from mtc.testing.isolation import with_checkout
 
 REPO = Path(__file__).resolve().parent.parent
 

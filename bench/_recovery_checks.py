@@ -18,7 +18,7 @@ from mtc.contract import shard_index
 from mtc.credentials import Credentials
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.trainer.cluster import LocalCluster
+from mtc.testing.local_cluster import LocalCluster
 
 NUM_DEVICES = 8
 SLICES = 2

@@ -77,7 +77,7 @@ from bench._log import logger
 from bench._machine import machine_state
 from bench._pin import DEVICE_THREADS, Pinner, pinning
 from mtc.elastic.compile_ahead import COMPILE_THREAD
-from mtc.trainer.cluster import STATE, LocalCluster
+from mtc.testing.local_cluster import STATE, LocalCluster
 from mtc.trainer.demo import REPO, child_env
 from mtc.trainer.device_memory import DEFAULT as DEVICE_MEMORY
 from mtc.trainer.device_memory import MODES as DEVICE_MEMORY_MODES

@@ -7,7 +7,7 @@ Prints one JSON object to stdout (progress goes to stderr)::
 The state is ``--gib`` GiB of float32 leaves of 64 MiB on a ('replica', 'model')
 = (2, 4) mesh of 8 CPU devices, each leaf sharded along axis 0 over 'model', so
 the two slices hold data-parallel replicas. mtc treats the 8 devices as 4
-simulated hosts in 2 slices; a :class:`mtc.trainer.cluster.LocalCluster` runs one
+simulated hosts in 2 slices; a :class:`mtc.testing.local_cluster.LocalCluster` runs one
 real ``mtc-replicator`` process per host (peer copies in the other slice).
 
 Each sample saves a step, waits until every host's step is held by its peer in
@@ -81,8 +81,8 @@ from save_restore import LEAF_COLS, LEAF_ROWS, make_state
 
 import mtc
 from mtc.options import Dispatch
+from mtc.testing.local_cluster import LocalCluster
 from mtc.testing.replicas import wait_replicated
-from mtc.trainer.cluster import LocalCluster
 
 MIB = 1 << 20
 AXES = ("replica", "model")

@@ -119,7 +119,7 @@ class _Cluster:
     """``n`` isolated hosts, and a manager of a tiny state saved on them."""
 
     def __init__(self, root: Path, n: int, latency_ms: float) -> None:
-        from mtc.trainer.isolation import Hosts
+        from mtc.testing.isolation import Hosts
 
         self.n = n
         self.hosts = Hosts(root / f"hosts-{n}", n, ramdisk_bytes=64 << 20,

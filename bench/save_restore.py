@@ -8,7 +8,7 @@ Prints one JSON object to stdout (progress goes to stderr)::
 The state is ``--gib`` GiB of float32 leaves of 64 MiB, each sharded along axis 0
 over a (2 slices, 4) mesh of 8 CPU devices: 16 shards of 8 MiB per GiB. mtc
 treats the 8 devices as 4 simulated hosts in 2 slices: by default isolated hosts
-(``trainer/isolation.py``: a sidecar process each, alone with its RAM disk, in
+(``mtc/testing/isolation.py``: a sidecar process each, alone with its RAM disk, in
 namespaces of its own where root allows) that run the controller's colocated-Python
 programs as Pathways workers do (``--hosts colocated``, the path a Pathways job
 runs; each call costs the sidecars' ``--colocated-call-latency-ms``); with
@@ -251,7 +251,7 @@ def run(gib: float, samples: int, warmup: int, root: Path, hosts_mode: str,
 
     hosts = None
     if hosts_mode in ("isolated", "colocated"):
-        from mtc.trainer.isolation import Hosts
+        from mtc.testing.isolation import Hosts
 
         # Room for the steps retention keeps, plus the one being written.
         hosts = Hosts(root / "hosts", 4, ramdisk_bytes=int(total_bytes / 4 * 3.5),

@@ -11,7 +11,7 @@ small (biases, norms and their optimizer moments), and there the per-leaf and
 per-host work around the copy decides it: this benchmark saves the demo's own
 state (``mtc.trainer.model``, the ``--model`` preset with its Adam moments: the
 small preset is 111 array leaves, 180 shards of them on each of 4 simulated
-hosts) through isolated hosts' sidecars (``trainer/isolation.py``), as
+hosts) through isolated hosts' sidecars (``mtc/testing/isolation.py``), as
 ``make demo`` does, the save interval's worth of writing finished between
 samples.
 
@@ -74,8 +74,8 @@ def host_value(x: Any) -> Any:
 
 
 def run(samples: int, warmup: int, model: str, dispatch: str, root: Path) -> dict[str, Any]:
+    from mtc.testing.isolation import Hosts
     from mtc.trainer.data import VOCAB
-    from mtc.trainer.isolation import Hosts
     from mtc.trainer.model import Config, Trainer
 
     cfg = Config.preset(model, vocab_size=len(VOCAB), total_steps=samples + warmup)

@@ -130,6 +130,40 @@ def clusters() -> Iterator[list[Any]]:
                 print(f"--- sidecar {r} log tail ---\n{c.sidecar_log(r)}")
 
 
+# -- four isolated hosts with a sidecar each (tests/replicators.sidecar_hosts) -----------
+
+HOST_SLICES = [0, 0, 1, 1]  # 2 slices of 2 hosts, as the 8 CPU devices are grouped
+
+
+@pytest.fixture(scope="module")
+def _colocated_hosts(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The module's hosts, where it says ``COLOCATED_HOSTS = True``: their sidecars
+    also run colocated Python on the 8 CPU devices (each starts JAX: seconds), so
+    they are started once for the module's tests, which restart what they stop."""
+    if not getattr(request.module, "COLOCATED_HOSTS", False):
+        yield None
+        return
+    from replicators import sidecar_hosts
+
+    name = Path(str(request.module.__file__)).stem.removeprefix("test_").replace("_", "-")
+    with sidecar_hosts(name, HOST_SLICES, ramdisk_bytes=64 << 20, colocated_devices=8) as hs:
+        yield hs
+
+
+@pytest.fixture
+def hosts(_colocated_hosts: Any) -> Iterator[Any]:
+    """Four isolated hosts (``mtc.testing.isolation.Hosts``, slices ``HOST_SLICES``),
+    a sidecar each on a 64 MiB RAM disk: fresh for each test, or the module's
+    colocated ones (``COLOCATED_HOSTS``)."""
+    if _colocated_hosts is not None:
+        yield _colocated_hosts
+        return
+    from replicators import sidecar_hosts
+
+    with sidecar_hosts("iso", HOST_SLICES, ramdisk_bytes=64 << 20) as hs:
+        yield hs
+
+
 @pytest.fixture(scope="session")
 def rendered() -> Any:
     """Every deploy/ overlay and example job, rendered once a session

@@ -12,11 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import env_with_repo
+from replicators import env_with_repo, wait_healthy
 
 import mtc
 from mtc.credentials import Credentials
@@ -24,10 +23,9 @@ from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.job import BackupStore
-from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.isolation import Hosts
 from mtc.testing.replicas import wait_replicated
-from mtc.trainer.isolation import Hosts
 
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there
@@ -61,16 +59,8 @@ class Net:
     def wait_serving(self, i: int) -> None:
         h, proc = self.hosts, self.hosts.hosts[i].replicator
         assert proc is not None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, self.hosts.log_tail(i, "replicator")
-            try:
-                if check(self.addrs[i], timeout_s=1.0) == "SERVING":
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"replicator {i} not serving: {h.log_tail(i, 'replicator')}")
+        wait_healthy(self.addrs[i], lambda: proc.poll() is None, None,
+                     lambda: h.log_tail(i, "replicator"), 60.0)
 
     def options(self) -> mtc.Options:
         return mtc.Options(simulated_hosts=4, hosts_per_slice=2,
@@ -201,16 +191,3 @@ def when(condition: Callable[[], bool], then: Callable[[], None], timeout_s: flo
     t = threading.Thread(target=watch, name="fault-trigger")
     t.start()
     return t, fired
-
-
-def wait_for(what: str, condition: Callable[[], bool], timeout_s: float,
-             during: Callable[[], None] | None = None) -> float:
-    """Until ``condition`` (bounded); ``during`` is checked on every poll. Seconds taken."""
-    t0 = time.monotonic()
-    while not condition():
-        if during is not None:
-            during()
-        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s}s"
-        time.sleep(0.1)
-    return time.monotonic() - t0
-

@@ -33,7 +33,7 @@ from google.longrunning import operations_pb2
 from google.protobuf import empty_pb2
 
 from mtc.ports import free_ports
-from mtc.trainer import gcs_emulator
+from mtc.testing import gcs_emulator
 
 
 def free_port() -> int:

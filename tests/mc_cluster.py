@@ -2,7 +2,7 @@
 replicator, and jobs of one real ``jax.distributed`` process per chosen host
 (``tests/workers/mc_worker.py`` and the workers built on it).
 
-Every JAX process runs on a host of its own (``mtc.trainer.isolation.Hosts``):
+Every JAX process runs on a host of its own (``mtc.testing.isolation.Hosts``):
 with root, inside that host's network and mount namespaces (nsenter into the
 host's sidecar, which owns them), its RAM disk a private tmpfs no other host
 sees, its address on a bridge, ``jax.distributed`` and the collectives over that
@@ -26,15 +26,15 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
+from replicators import wait_healthy
 
 from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.trainer.isolation import Hosts
+from mtc.testing.isolation import Hosts
+from mtc.testing.waits import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -100,15 +100,8 @@ class Cluster:
                 self._serving(i, p)
 
     def _serving(self, i: int, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, \
-                f"replicator {i} exited: {self.hosts.log_tail(i, 'replicator')}"
-            with contextlib.suppress(grpc.RpcError):
-                if check(self.addrs[i], timeout_s=1.0) == "SERVING":
-                    return
-            time.sleep(0.05)
-        raise AssertionError(f"replicator {i} not serving after {timeout_s}s")
+        wait_healthy(self.addrs[i], lambda: proc.poll() is None, None,
+                     lambda: self.hosts.log_tail(i, "replicator"), timeout_s)
 
     def wait_copies(self, holder: int, wanted: set[tuple[int, int]],
                     timeout_s: float = 60.0) -> None:
@@ -116,17 +109,17 @@ class Cluster:
         client = PeerClient(self.addrs[holder], Credentials(token=self.hosts.token()),
                             rank=-1, deadline_s=5.0)
         try:
-            deadline = time.monotonic() + timeout_s
             held: set[tuple[int, int]] = set()
-            while time.monotonic() < deadline:
+
+            def holds() -> bool:
+                nonlocal held
                 inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
                 held = {(c.origin_rank, c.step) for c in inv.copies}
-                if wanted <= held:
-                    return
-                time.sleep(0.1)
-            raise AssertionError(f"replicator {holder} holds {sorted(held)}, never "
-                                 f"{sorted(wanted - held)}: "
-                                 f"{self.hosts.log_tail(holder, 'replicator')}")
+                return wanted <= held
+
+            wait_until(f"replicator {holder} holding {sorted(wanted)}", holds, timeout_s,
+                       detail=lambda: f"it holds {sorted(held)}, not {sorted(wanted - held)}: "
+                                      f"{self.hosts.log_tail(holder, 'replicator')}")
         finally:
             client.close()
 

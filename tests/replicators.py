@@ -3,7 +3,7 @@ restart.
 
 Each simulated host of a :class:`Cluster` is its own processes: its replicator
 and, once a test asks for :meth:`Cluster.options`, its sidecar (``python -m
-mtc.sidecar.host.main``, started through :class:`mtc.trainer.isolation.Hosts` in
+mtc.sidecar.host.main``, started through :class:`mtc.testing.isolation.Hosts` in
 ``"processes"`` mode), the one process through which a controller's
 ``CheckpointManager`` reaches the host's RAM disk. The controller never reads a
 host's root (the ``ramdisk`` fixture's seam audit checks it). The test harness
@@ -41,7 +41,8 @@ from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.storage.checksum import file_crc
 from mtc.testing import replicas
-from mtc.trainer.isolation import Hosts, with_checkout
+from mtc.testing.isolation import Hosts, with_checkout
+from mtc.testing.waits import wait_until
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -215,11 +216,11 @@ class Cluster:
         want = {r: self.passes(r, loop) + more for r in ranks}
         deadline = time.monotonic() + timeout
         for r, n in want.items():
-            while (got := self.passes(r, loop)) < n:
-                assert time.monotonic() < deadline, (
-                    f"rank {r}'s {loop} loop passed {got} times, not {n}, in {timeout}s: "
-                    f"{self.log_text(r)[-2000:]}")
-                time.sleep(0.05)
+            wait_until(f"rank {r}'s {loop} loop passing {n} times",
+                       lambda r=r, n=n: self.passes(r, loop) >= n,
+                       max(0.0, deadline - time.monotonic()),
+                       detail=lambda r=r: f"{self.passes(r, loop)} passes: "
+                                          f"{self.log_text(r)[-2000:]}")
 
     def wait_sample(self, rank: int, sample: str, at_least: float,
                     timeout: float = 30.0) -> None:
@@ -228,17 +229,15 @@ class Cluster:
         below): e.g. ``mtc_restores_waiting`` 1, a restore it serves waits for its
         coordinator's decision."""
         assert self.metrics, "Cluster(metrics=True) serves the samples"
-        deadline = time.monotonic() + timeout
-        got = None
-        while True:
+        got: list[float | None] = [None]
+
+        def reached() -> bool:
             with contextlib.suppress(OSError):
-                got = self.scrape(rank).get(sample)
-            if got is not None and got >= at_least:
-                return
-            assert time.monotonic() < deadline, (
-                f"rank {rank}'s {sample} is {got}, not {at_least}, after {timeout}s: "
-                f"{self.log_text(rank)[-2000:]}")
-            time.sleep(0.05)
+                got[0] = self.scrape(rank).get(sample)
+            return got[0] is not None and got[0] >= at_least
+
+        wait_until(f"rank {rank}'s {sample} at least {at_least}", reached, timeout,
+                   detail=lambda: f"it is {got[0]}: {self.log_text(rank)[-2000:]}")
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         wait_healthy(self.addrs[rank], lambda: self.procs[rank].poll() is None, self.creds,
@@ -278,12 +277,8 @@ class Cluster:
 
     def wait_held(self, want: set[tuple[int, int, int]], timeout: float = 60.0) -> None:
         """Until every (holder, origin, step) in ``want`` is held."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if want <= self.held():
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"missing after {timeout}s: {sorted(want - self.held())}")
+        wait_until("copies held", lambda: want <= self.held(), timeout,
+                   detail=lambda: f"missing {sorted(want - self.held())}")
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
         """Until every rank's step is held by its peer (mtc.testing's condition, the
@@ -291,21 +286,20 @@ class Cluster:
         replicas.wait_replicated(self.held, step, self.n, self.per_slice, timeout)
 
 
-def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials,
+def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials | None,
                  log: Callable[[], str], timeout: float = 30.0) -> None:
     """Until the replicator at ``address`` answers its health check SERVING; a
     RuntimeError with its ``log`` as soon as it is not ``alive``, TimeoutError
     after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def serving() -> bool:
         if not alive():
             raise RuntimeError(f"replicator at {address} exited: {log()}")
         try:
-            if check(address, creds=creds, timeout_s=1.0) == "SERVING":
-                return
+            return check(address, creds=creds, timeout_s=1.0) == "SERVING"
         except grpc.RpcError:
-            time.sleep(0.1)
-    raise TimeoutError(f"replicator at {address} not serving after {timeout}s: {log()}")
+            return False
+
+    wait_until(f"replicator at {address} serving", serving, timeout, detail=log)
 
 
 def scrape(url: str) -> dict[str, float]:

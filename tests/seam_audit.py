@@ -8,7 +8,7 @@ controller package (``mtc/``) on the stack and no host-side frame is a leak.
 Test code and the standard library (a test corrupting a file on purpose, a
 background ``rmtree`` the host side started) are neither and pass.
 
-A host's shared-memory area (``host-<i>/area`` of :mod:`mtc.trainer.isolation`,
+A host's shared-memory area (``host-<i>/area`` of :mod:`mtc.testing.isolation`,
 the part ``/tmp/sidecar`` plays between ``pathways-worker`` and its sidecar) is
 where the trainer is meant to hand bytes over; it is not a RAM disk and is exempt.
 
@@ -50,6 +50,11 @@ _RUNNERS = (str(_PKG / "mtc" / "pool.py"), str(_PKG / "mtc" / "lifecycle.py"))
 # configuration names them; tests keep them beside their roots): read by the module
 # both the controller and the hosts use, never a host's data.
 _CREDENTIALS = str(_PKG / "mtc" / "credentials.py")
+# The test harness users get (mtc.testing: the local cluster, its isolated hosts):
+# it plays the machine the hosts run on (it makes their folders, writes the cluster's
+# state and tokens beside them), as the tests' own harness does; neither controller
+# nor host code, so its frames decide nothing (controller code it calls still does).
+_HARNESS = str(_PKG / "mtc" / "testing") + os.sep
 # Host-side code: sidecar/, imported as mtc.sidecar.
 _HOST = (str(_PKG / "sidecar") + os.sep,)
 
@@ -94,7 +99,7 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
         name = frame.f_code.co_filename
         if name == _CREDENTIALS:
             return
-        if name in _RUNNERS:
+        if name in _RUNNERS or name.startswith(_HARNESS):
             pass
         elif name.startswith(_HOST):
             if not strict:

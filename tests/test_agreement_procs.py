@@ -22,6 +22,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.replicas import prepare_restore
 from mtc.sidecar.replicator import orbax
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process
 
@@ -175,17 +176,18 @@ def test_sigterm_shuts_down_gracefully_even_during_a_restore(
 def wait_health(cl: Cluster, rank: int, want: str, timeout: float) -> None:
     from mtc.sidecar.replicator.healthcheck import check
 
-    deadline = time.monotonic() + timeout
     got = ""
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
+        nonlocal got
         try:
             got = check(cl.addrs[rank], timeout_s=1.0)
         except grpc.RpcError as e:
             got = str(e.code())
-        if got == want:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"rank {rank} health {got!r}, wanted {want!r} within {timeout}s")
+        return got == want
+
+    wait_until(f"rank {rank} health {want!r}", healthy, timeout,
+               detail=lambda: f"it is {got!r}")
 
 
 def test_health_not_serving_while_the_loop_stalls(ramdisk: Path,
@@ -220,19 +222,18 @@ def test_orbax_request_taken_before_a_sigkill_is_served_after_the_restart(
             cl.root(r), run_name="job", num_nodes=2, data_parallelism=2, node_rank=r,
             peer_ranks=[1 - r], backup_interval_minutes=30, backup_interval_steps=None)
     cl.launch(0)  # rank 1 is not up: rank 0 takes its yaml and waits for the decision
-    deadline = time.monotonic() + 30
-    while (cl.root(0) / orbax.YAML_NAME).exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until("rank 0 taking its yaml", lambda: not (cl.root(0) / orbax.YAML_NAME).exists(), 30)
     # Rank 0 (the coordinator) waits for rank 1's ask when it is killed.
     cl.wait_sample(0, "mtc_restores_waiting", 1)
     cl.kill(0)  # the client saw its yaml consumed; the request must not be lost
     cl.launch(0)
     cl.launch(1)
     want = {r: cl.root(r) / f"job-s3-n{r}-w0.restore" for r in range(2)}
-    while not all(p.is_symlink() for p in want.values()):
-        assert time.monotonic() < deadline + 30, [p for p in want.values()]
+
+    def not_failed() -> None:
         assert not (cl.root(0) / orbax.FAILED_NAME).exists(), \
             (cl.root(0) / orbax.FAILED_NAME).read_text()
-        time.sleep(0.1)
+
+    wait_until("both ranks' restore links", lambda: all(p.is_symlink() for p in want.values()),
+               60, during=not_failed, detail=lambda: list(want.values()))
     assert not (cl.root(0) / orbax.PENDING_NAME).exists()

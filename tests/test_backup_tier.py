@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import prepare_restore
 from mtc.sidecar.backup.job import MANIFEST
 from mtc.sidecar.storage.checksum import file_sha256
+from mtc.testing.waits import wait_until
 
 MiB = 1 << 20
 # The emulator is started with a preexec_fn (to die with the tests), so Python forks
@@ -96,17 +97,6 @@ def local_committed(bucket: Path) -> list[int]:
         if d.is_dir() else []
 
 
-def wait_for(what: str, cond: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout}s")
-        time.sleep(0.05)
-
-
 def prepare_all(cl: Cluster, timeout: float = 30.0) -> dict[int, Any]:
     """PrepareRestore on every rank at once, as a restarting job does; a failed call's
     error is its value."""
@@ -156,7 +146,7 @@ def test_interval_backups_dedup_spread_and_retention(ramdisk: Path, mesh: Mesh,
         states[step] = make_state(mesh, float(step))
         save(cl, mesh, step, states[step])
         if step % 2 == 0:  # every 2 steps: due as soon as every host committed it
-            wait_for(f"backup of step {step}", lambda s=step: s in local_committed(bucket))
+            wait_until(f"backup of step {step}", lambda s=step: s in local_committed(bucket))
         seen |= set(local_committed(bucket))
         if step == 5:  # not due: 5 - 4 < 2
             cl.wait_passes(0, loop="backup")  # the leader's, which would back it up
@@ -168,7 +158,7 @@ def test_interval_backups_dedup_spread_and_retention(ramdisk: Path, mesh: Mesh,
     # for, bounded (it failed under load when read at once), until the removed
     # steps' data is gone too (their manifests go first, so that a half-deleted
     # step never looks committed: under load a folder outlived its manifest here).
-    wait_for("retention after step 10", lambda: local_committed(bucket) == [4, 8, 10]
+    wait_until("retention after step 10", lambda: local_committed(bucket) == [4, 8, 10]
              and sorted(os.listdir(bucket / "steps")) == ["10", "4", "8"])
     assert local_committed(bucket) == [4, 8, 10]
     # Nothing but committed steps: every step folder has its manifest; no staging left.
@@ -246,10 +236,10 @@ def test_requested_backups_then_whole_cluster_restore(ramdisk: Path, mesh: Mesh,
     # once: the file stays, and the next step is not backed up because of it.
     save(cl, mesh, 2, s2)
     (cl.root(1) / "2" / "_BACKUP_REQUESTED").touch()
-    wait_for("backup of step 2", lambda: 2 in local_committed(bucket))
+    wait_until("backup of step 2", lambda: 2 in local_committed(bucket))
     save(cl, mesh, 3, s3)
     (cl.root(0) / "3" / "_BACKUP_REQUESTED").touch()
-    wait_for("backup of step 3", lambda: 3 in local_committed(bucket))
+    wait_until("backup of step 3", lambda: 3 in local_committed(bucket))
     cl.wait_passes(0, 1, loop="backup")  # passes that see the files again
     save(cl, mesh, 4, make_state(mesh, 4.0))
     cl.wait_replicated(4, timeout=20)
@@ -326,8 +316,8 @@ def test_a_holder_slow_to_start_serves_what_it_is_about_to_read(
     prepared = prepare_restore(cl.addrs, token=None, timeout_s=30, background=True)
     assert prepared.step == 1 and set(prepared.pending) == set(cl.addrs), prepared
     # The prompt twins finish first, with the shared objects from the slow holders.
-    wait_for("ranks 2 and 3 restored", lambda: all(
-        (cl.root(r) / "1").is_dir() for r in (2, 3)), timeout=60)
+    wait_until("ranks 2 and 3 restored", lambda: all(
+        (cl.root(r) / "1").is_dir() for r in (2, 3)), timeout_s=60)
     manifest = json.loads((bucket / "steps/1" / MANIFEST).read_text())
     unique = {e["object"]: e["size"] for es in manifest["ranks"].values() for e in es}
     needed = sum(e["size"] for es in manifest["ranks"].values() for e in es)
@@ -363,10 +353,10 @@ def test_gcs_hns_backup_and_restore(ramdisk: Path, mesh: Mesh, emulator: Emulato
                          "--backup-interval-steps", "1", "--backup-keep", "1", env=env)
         s1, s2 = make_state(mesh, 1.0), make_state(mesh, 2.0)
         save(cl, mesh, 1, s1)
-        wait_for("backup of step 1", lambda: gcs_committed(emulator, bucket, "ckpt") == [1])
+        wait_until("backup of step 1", lambda: gcs_committed(emulator, bucket, "ckpt") == [1])
         save(cl, mesh, 2, s2)
-        wait_for("backup of step 2", lambda: gcs_committed(emulator, bucket, "ckpt") == [2])
-        wait_for("step 1 deleted", lambda: not bucket_keys(emulator, bucket, "ckpt/steps/1/")
+        wait_until("backup of step 2", lambda: gcs_committed(emulator, bucket, "ckpt") == [2])
+        wait_until("step 1 deleted", lambda: not bucket_keys(emulator, bucket, "ckpt/steps/1/")
                  and not any(f.startswith("ckpt/steps/1/") for f in control.folders[bucket]))
 
         # Each step was uploaded into a staging folder and published by one RenameFolder;
@@ -419,7 +409,7 @@ def test_bucket_unreachable_then_5xx_then_back(ramdisk: Path, emulator: Emulator
     commit_everywhere(cl, 1)
     # Replication goes on; the leader counts failed backups; nothing crashes.
     cl.wait_held({((r + 2) % 4, r, 1) for r in range(4)}, timeout=20)
-    wait_for("a failed backup", lambda: failures(cl, 0, "backup") >= 1)
+    wait_until("a failed backup", lambda: failures(cl, 0, "backup") >= 1)
     commit_everywhere(cl, 2)
     cl.wait_held({((r + 2) % 4, r, 2) for r in range(4)}, timeout=20)
     # A restore still agrees, promptly, from the hosts alone.
@@ -436,13 +426,13 @@ def test_bucket_unreachable_then_5xx_then_back(ramdisk: Path, emulator: Emulator
     try:
         proxy.fail_always = True
         before = failures(cl, 0, "backup")
-        wait_for("503s", lambda: proxy.failed > 0 and failures(cl, 0, "backup") > before)
+        wait_until("503s", lambda: proxy.failed > 0 and failures(cl, 0, "backup") > before)
         assert gcs_committed(emulator, bucket, "x") == []
         # Healthy again: the newest step is backed up without anyone asking.
         proxy.fail_always = False
-        wait_for("backup after recovery", lambda: gcs_committed(emulator, bucket, "x") == [2])
+        wait_until("backup after recovery", lambda: gcs_committed(emulator, bucket, "x") == [2])
         assert all(cl.alive(r) for r in range(4))
-        wait_for("the gauge", lambda: cl.scrape(0)["mtc_newest_step{state=backed_up}"] == 2)
+        wait_until("the gauge", lambda: cl.scrape(0)["mtc_newest_step{state=backed_up}"] == 2)
         # One leader all along: the others never tried.
         assert [failures(cl, r, "backup") for r in (1, 2, 3)] == [0, 0, 0]
     finally:
@@ -466,15 +456,15 @@ def test_leader_killed_mid_upload_leftovers_cleaned(ramdisk: Path, emulator: Emu
         proxy.release.clear()
         asked = threading.Thread(target=lambda: cli("backup", "--node", cl.addrs[0]))
         asked.start()
-        wait_for("uploads in flight", lambda: proxy.held >= 4)
+        wait_until("uploads in flight", lambda: proxy.held >= 4)
         cl.kill(0)
         asked.join(30)
         # The other hosts' parts finish into the uncommitted step folder (a flat bucket:
         # no staging, the manifest is the commit); that step does not exist.
         proxy.release.set()
-        wait_for("the other hosts' uploads", lambda: all(
+        wait_until("the other hosts' uploads", lambda: all(
             cl.scrape(r).get("mtc_backup_bytes_uploaded_total", 0) >= size for r in (1, 2, 3)),
-            timeout=30)
+            timeout_s=30)
         left = bucket_keys(emulator, bucket, "x/steps/1/")
         assert left and f"x/steps/1/{MANIFEST}" not in left, left
         assert gcs_committed(emulator, bucket, "x") == []

@@ -23,6 +23,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.rank_names import rank_name
 from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process
 
@@ -44,15 +45,6 @@ def connects(addr: str, folder: Path) -> bool:
         return check(addr, creds=creds_of(folder), timeout_s=3.0) == "SERVING"
     except grpc.RpcError:
         return False
-
-
-def eventually(what: str, cond: object, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(cond) and cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def test_replicator_serves_rotated_certificates_without_restart(
@@ -78,7 +70,7 @@ def test_replicator_serves_rotated_certificates_without_restart(
 
         # cert-manager issued a new CA and certificate; the kubelet swapped the files.
         mount_secret(secret, second)
-        eventually("a client with the new CA connects", lambda: connects(addr, clients["v2"]))
+        wait_until("a client with the new CA connects", lambda: connects(addr, clients["v2"]))
         assert not connects(addr, clients["v1"]), "the old CA is still trusted"
         assert cl.procs[0].pid == pid and cl.alive(0), "the replicator restarted"
 
@@ -87,10 +79,10 @@ def test_replicator_serves_rotated_certificates_without_restart(
         assert connects(addr, clients["v2"])
         # That connection's handshake read the junk (the server looks at its files
         # on each new connection) and refused it.
-        eventually("the junk is read and refused",
+        wait_until("the junk is read and refused",
                    lambda: "TLS certificate files not reloaded" in cl.log_text(0))
         mount_secret(secret, third)
-        eventually("the next rotation is served", lambda: connects(addr, clients["v3"]))
+        wait_until("the next rotation is served", lambda: connects(addr, clients["v3"]))
 
         # The peer's client sees its files changed and makes a new channel. Its old
         # connection would still work, so the replicator is restarted: a client that

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from mtc.testing.isolation import with_checkout
 from mtc.trainer.demo import child_env
-from mtc.trainer.isolation import with_checkout
 
 CHECKOUT = str(Path(__file__).resolve().parents[1])
 

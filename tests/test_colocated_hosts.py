@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -32,17 +31,14 @@ from mtc.dispatch.protocol import WorkerLostError
 from mtc.dispatch.remote_colocated import Runtime
 from mtc.errors import ColocatedCallError
 from mtc.operations import HELLO, NoArgs
-from mtc.trainer.isolation import Hosts
+from mtc.testing.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here runs on the sidecar processes
 
 SLICES = [0, 0, 1, 1]
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    with sidecar_hosts("coloc", SLICES, ramdisk_bytes=64 << 20, colocated_devices=8) as hs:
-        yield hs
+COLOCATED_HOSTS = True  # the module's hosts: tests/conftest.py
 
 
 def _runtime(hs: Hosts) -> Runtime:

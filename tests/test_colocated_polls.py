@@ -10,30 +10,26 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import colocated_options, sidecar_hosts
+from replicators import colocated_options
 
 import mtc
 from mtc.dispatch.colocated import POLL_INTERVAL_S
 from mtc.errors import StorageError
-from mtc.trainer.isolation import Hosts
+from mtc.testing.isolation import Hosts
 
 pytestmark = pytest.mark.process  # the hosts are sidecar processes
 
 # Each test saves a step newer than the ones before it on the module's hosts.
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    with sidecar_hosts("colocpoll", [0, 0, 1, 1], ramdisk_bytes=64 << 20,
-                       colocated_devices=8) as hs:
-        yield hs
+COLOCATED_HOSTS = True  # the module's hosts: tests/conftest.py
 
 
 def _saving(hosts: Hosts, mesh: Mesh, tmp_path: Path, interval: int

@@ -7,28 +7,23 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import colocated_options, sidecar_hosts
+from replicators import colocated_options
 
 import mtc
-from mtc.trainer.isolation import Hosts
+from mtc.testing.isolation import Hosts
 
 pytestmark = pytest.mark.process  # every test here runs on the sidecar processes
 
 SLICES = [0, 0, 1, 1]
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    with sidecar_hosts("coloc-restart", SLICES, ramdisk_bytes=64 << 20,
-                       colocated_devices=8) as hs:
-        yield hs
+COLOCATED_HOSTS = True  # the module's hosts: tests/conftest.py
 
 
 def test_a_restarted_sidecar_removes_its_predecessors_reply_slots(

@@ -74,3 +74,21 @@ def test_controller_imports_nothing_of_the_replicator() -> None:
             seen.add((rel.as_posix(), module))
     assert seen - ALLOWED.keys() == set(), "the controller imports the replicator's modules"
     assert ALLOWED.keys() - seen == set(), "listed uses no longer there: remove them"
+
+
+def test_mtc_testing_imports_nothing_of_the_demo_package() -> None:
+    """mtc.testing (the local cluster, its hosts, the waits) is a user's test harness:
+    it depends on mtc, never on the demo trainers (``mtc.trainer``), whose extras a
+    user's tests need not install."""
+    found = set()
+    for path in sorted((ROOT / "testing").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            found |= {(path.name, n) for n in names
+                      if n == "mtc.trainer" or n.startswith("mtc.trainer.")}
+    assert found == set(), found

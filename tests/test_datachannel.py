@@ -316,7 +316,10 @@ def test_a_request_dripped_in_is_ended_at_its_deadline_whatever_its_pace(
                 except OSError:
                     ended = time.monotonic() - t0
                     break
-        assert ended is not None and 0.9 < ended < 2.5, ended
+        # Ended near REQUEST_S, not never (a per-read timeout would let the drip go on
+        # for the whole 10 s): the upper bound leaves a loaded machine's sweeper and
+        # the kernel's reset a few seconds, still half the drip's length.
+        assert ended is not None and 0.9 < ended < 5.0, ended
         assert rep.servicer.data is not None and rep.servicer.data.pending.expired >= 1
     finally:
         rep.close()
@@ -365,7 +368,7 @@ def test_forty_dripping_connections_leave_fetches_half_their_throughput(
     server = rep.servicer.data
     assert server is not None
     try:
-        quiet = _best_fetch_s(client)
+        before = _best_fetch_s(client)
         with Drip(("127.0.0.1", rep.data_port), 40, head=head, every=0.5,
                   source=source) as drip:
             # Bounded: 16 of its connections at once from one address, the rest ended.
@@ -376,7 +379,12 @@ def test_forty_dripping_connections_leave_fetches_half_their_throughput(
             assert drip.ended >= 40 - data_admission.PENDING_PER_SOURCE
             assert server.pending.evicted >= 24
             flooded = _best_fetch_s(client)
-        assert flooded < 2 * quiet, (quiet, flooded)
+        # Quiet measured on both sides of the flood, the slower one counted: the
+        # machine's other work (a second suite, other tests' processes) changes
+        # over the seconds the flood lasts, and a comparison with a moment before
+        # it alone failed under load where the flood cost nothing.
+        quiet = max(before, _best_fetch_s(client))
+        assert flooded < 2 * quiet, (before, quiet, flooded)
         assert client.data.link.fallbacks == 0  # the data channel's own speed
     finally:
         client.close()

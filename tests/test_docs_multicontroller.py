@@ -19,7 +19,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +33,7 @@ from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.main import parse_args
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.testing.replicas import unreplicated
+from mtc.testing.replicas import wait_replicated
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = "docs/multi-controller.md"
@@ -181,12 +180,8 @@ class VmHosts:
             client.close()
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while missing := unreplicated(
-                {(r, o, s) for r in self.procs for o, s in (self.held(r) or ())},
-                step, len(EXAMPLE_HOSTS), HOSTS_PER_SLICE):
-            assert time.monotonic() < deadline, f"step {step} of hosts {missing} not copied"
-            time.sleep(0.1)
+        wait_replicated(lambda: {(r, o, s) for r in self.procs for o, s in (self.held(r) or ())},
+                        step, len(EXAMPLE_HOSTS), HOSTS_PER_SLICE, timeout)
 
     def run_job(self, program: Path, steps: int) -> list[list[str]]:
         """The page's program on every host, process r on host r; each one's own lines."""
@@ -222,7 +217,7 @@ class VmHosts:
 
 
 @pytest.fixture
-def hosts() -> Iterator[VmHosts]:
+def vm() -> Iterator[VmHosts]:
     base = Path("/dev/shm") / f"mtc-vm-recipe-{uuid.uuid4().hex[:8]}"  # a tmpfs, as on a VM
     base.mkdir()
     h = VmHosts(base)
@@ -242,34 +237,34 @@ def on_loopback(command: str, vm: VmHosts) -> str:
 
 @pytest.mark.process
 @pytest.mark.timeout(JOB_TIMEOUT_S * 3)
-def test_the_recipe_runs_and_a_rebooted_host_resumes_from_its_peer(hosts: VmHosts) -> None:
+def test_the_recipe_runs_and_a_rebooted_host_resumes_from_its_peer(vm: VmHosts) -> None:
     env = {**env_with_repo(), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     certs = sh_block("## 1. Credentials", "mtc certs")
-    r = subprocess.run(certs, shell=True, cwd=hosts.base, env=env, capture_output=True,
+    r = subprocess.run(certs, shell=True, cwd=vm.base, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert {"ca.crt", "rank-3.key", "controller.crt"} <= {p.name for p in hosts.pki.iterdir()}
+    assert {"ca.crt", "rank-3.key", "controller.crt"} <= {p.name for p in vm.pki.iterdir()}
     for rank in range(len(EXAMPLE_HOSTS)):
-        hosts.start(rank)
-    program = hosts.base / "train.py"
+        vm.start(rank)
+    program = vm.base / "train.py"
     program.write_text(python_block(PAGE, "## 4. The training program"))
 
-    first = hosts.run_job(program, 20)
+    first = vm.run_job(program, 20)
     assert [o[-1].split()[:2] for o in first] == [["done", "20"]] * 4, first
-    hosts.wait_replicated(20)
-    status = on_loopback(sh_block("## 5. Check it", "mtc status"), hosts)
-    r = subprocess.run(status, shell=True, cwd=hosts.base, env=env, capture_output=True,
+    vm.wait_replicated(20)
+    status = on_loopback(sh_block("## 5. Check it", "mtc status"), vm)
+    r = subprocess.run(status, shell=True, cwd=vm.base, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    backup = on_loopback(sh_block("## 5. Check it", "mtc backup"), hosts)
-    r = subprocess.run(backup, shell=True, cwd=hosts.base, env=env, capture_output=True,
+    backup = on_loopback(sh_block("## 5. Check it", "mtc backup"), vm)
+    r = subprocess.run(backup, shell=True, cwd=vm.base, env=env, capture_output=True,
                        text=True, timeout=300)
     assert (r.returncode, r.stdout.strip()) == (0, "backed up step 20"), r.stdout + r.stderr
 
-    hosts.stop(1)  # host 1 reboots: its RAM disk empties, systemd starts its replicator
-    shutil.rmtree(hosts.ram_disk(1))
-    hosts.start(1)
-    second = hosts.run_job(program, 30)
+    vm.stop(1)  # host 1 reboots: its RAM disk empties, systemd starts its replicator
+    shutil.rmtree(vm.ram_disk(1))
+    vm.start(1)
+    second = vm.run_job(program, 30)
     assert [o[0] for o in second] == ["resumed 20 local", "resumed 20 peer",
                                       "resumed 20 local", "resumed 20 local"], second
     assert len({o[-1] for o in second}) == 1 and second[0][-1].startswith("done 30 "), second

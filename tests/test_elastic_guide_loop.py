@@ -32,7 +32,7 @@ from doc_blocks import python_block
 from jax.sharding import Mesh
 from pathwaysutils.elastic import elastic as pw_elastic
 
-from mtc.trainer.cluster import LocalCluster
+from mtc.testing.local_cluster import LocalCluster
 from mtc.trainer.faults import SliceLossSimulator
 
 pytestmark = pytest.mark.process  # the cluster's hosts are processes

@@ -9,9 +9,7 @@ as its own copy, nor delete it by its retention. Real replicator processes.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from replicators import Cluster, commit_mtc_step, commit_raw_step, new_cluster
@@ -22,6 +20,7 @@ from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.store.step_files import not_ours
 from mtc.sidecar.replicator.store.store import LocalStore
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process
 
@@ -79,15 +78,6 @@ def test_a_step_of_a_job_back_on_other_ranks_is_the_rank_its_manifest_names(
     assert LocalStore(root, rank=0).own.steps() == []  # host 0 of that job is rank 2
 
 
-def _wait(what: str, cond: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{what}: not within {timeout}s")
-
-
 def test_replicator_neither_serves_nor_deletes_another_ranks_steps(
         tmp_path: Path, clusters: list[Cluster]) -> None:
     """Two slices of one host. Host 0's RAM disk still holds rank 1's steps 3 and 7
@@ -127,7 +117,7 @@ def test_replicator_neither_serves_nor_deletes_another_ranks_steps(
     for rank in (0, 1):
         mtc_step(cl.root(rank), 9, host=rank, num_hosts=2, fill=90 + rank)
     cl.wait_replicated(9)
-    _wait("step 5 deleted by retention", lambda: not (cl.root(0) / "5").exists()
+    wait_until("step 5 deleted by retention", lambda: not (cl.root(0) / "5").exists()
           and not (cl.root(1) / "5").exists())
     for s, files in foreign.items():
         assert tree(cl.root(0) / str(s)) == files, f"foreign step {s} was changed"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.sidecar.save.buffers import StagingPool
 from mtc.sidecar.save.write import WRITE_CHUNK, WRITER_RESERVE_DIR, HostSave, StagedShard, Writer
+from mtc.testing.waits import wait_until
 
 # -- the staging pool --------------------------------------------------------------------
 
@@ -201,14 +201,6 @@ def test_a_full_ram_disk_discards_the_step(tiny_tmpfs: Path) -> None:
     assert save.released == [0]  # type: ignore[attr-defined]
 
 
-def until(what: str, cond: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.01)
-
-
 def test_the_next_save_is_written_into_blank_files_set_aside_after_the_last(
         tmp_path: Path) -> None:
     """After a save, blank files of its sizes are allocated ahead (the next save of
@@ -221,7 +213,7 @@ def test_the_next_save_is_written_into_blank_files_set_aside_after_the_last(
         writer.submit(first)
         first.done.result(10)
         reserve = writer.reserve_for(tmp_path)
-        until("three blank files", lambda: reserve.held_bytes() == 3 * 16)
+        wait_until("three blank files", lambda: reserve.held_bytes() == 3 * 16)
         blank = {os.stat(p).st_ino for p in (tmp_path / WRITER_RESERVE_DIR).iterdir()}
         assert len(blank) == 3
         shards = [np.arange(4, dtype=np.float32) * 10 + i for i in range(3)]
@@ -248,7 +240,7 @@ def test_blank_files_set_aside_never_make_a_save_fail_for_room(tiny_tmpfs: Path)
         writer.submit(first)
         first.done.result(10)
         reserve = writer.reserve_for(tiny_tmpfs)
-        until("1 MiB set aside", lambda: reserve.held_bytes() == 1 << 20)
+        wait_until("1 MiB set aside", lambda: reserve.held_bytes() == 1 << 20)
         big = np.full(5 << 17, 2, np.float32)  # 2.5 MiB: fits only without the 1 MiB
         second = save_of(tiny_tmpfs, 2, [big])
         writer.submit(second)

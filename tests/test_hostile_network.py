@@ -47,6 +47,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.store.store import REPLICA_DIR
 from mtc.sidecar.replicator.wire.client import FETCH, PUSH
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -384,10 +385,10 @@ def test_streams_cannot_freeze_a_replicator(net: Net) -> None:
             results = [pool.submit(slow, i) for i in range(36)]
             # Every stream started and the server already refusing some: the flood is
             # there before the probes (not a sleep a loaded machine may not honour).
-            deadline = time.monotonic() + 10
-            while len(starts) < 36 or not any(f.done() for f in results):
-                assert time.monotonic() < deadline, (len(starts), "none refused")
-                time.sleep(0.01)
+            wait_until("every stream started and one refused", lambda: len(starts) >= 36 and any(
+                f.done() for f in results), 10, poll_s=0.01,
+                detail=lambda: f"{len(starts)} started, refused: "
+                               f"{any(f.done() for f in results)}")
             for _ in range(5):  # the server answers while they drip
                 t1 = time.monotonic()
                 stub.GetInventory(pb.InventoryRequest(), timeout=2, metadata=AUTH)

@@ -47,6 +47,7 @@ from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.agree.book import BOOK_NAME
 from mtc.sidecar.replicator.copies import provenance
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -96,10 +97,10 @@ def test_sidecar_needs_credentials_to_listen_and_to_run_code(base: Path) -> None
                             env=env_with_repo(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
+        def alive() -> None:
+            assert proc.poll() is None
+
+        wait_until("the sidecar ready", ready.exists, 30, during=alive)
         marker = work / "area" / "pwned"
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         try:

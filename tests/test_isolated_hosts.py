@@ -10,31 +10,26 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import env_with_repo, save_two_and_restore, sidecar_hosts, wait_healthy
+from replicators import env_with_repo, save_two_and_restore, wait_healthy
 
 import mtc
 from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.trainer.isolation import Hosts
+from mtc.testing.isolation import Hosts
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
 SLICES = [0, 0, 1, 1]
 
-
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
-    with sidecar_hosts("iso", SLICES, ramdisk_bytes=64 << 20) as hs:
-        yield hs
 
 
 def _opts(hs: Hosts, **kw: object) -> mtc.Options:
@@ -117,16 +112,12 @@ class Replicators:
         client = PeerClient(self.addrs[holder], Credentials(token=self.hosts.token()),
                             rank=-1, deadline_s=5.0)
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
-                if any(c.origin_rank == origin and c.step == step for c in inv.copies):
-                    return
-                time.sleep(0.1)
+            wait_until(f"host {origin}'s step {step} on host {holder}", lambda: any(
+                c.origin_rank == origin and c.step == step
+                for c in client.call("GetInventory", pb.InventoryRequest(), attempts=1).copies),
+                60.0, detail=lambda: self.hosts.log_tail(holder, "replicator"))
         finally:
             client.close()
-        raise AssertionError(f"host {origin}'s step {step} never reached host {holder}: "
-                             f"{self.hosts.log_tail(holder, 'replicator')}")
 
     def replace(self, i: int) -> None:
         """Lose host ``i`` (SIGKILL) and start it again with an empty RAM disk."""
@@ -223,10 +214,8 @@ def test_a_replaced_host_is_restored_from_its_replica_while_its_data_comes_back(
                                               np.asarray(a)[shard.index])
         # Host 1's own copy arrives in the background (its replicator told the load
         # is over, not waiting out its quiet time), committed and listed by its sidecar.
-        deadline = time.monotonic() + 60
-        while 4 not in mgr._inventory.held().get(1, []):
-            assert time.monotonic() < deadline, hosts.log_tail(1, "replicator")
-            time.sleep(0.2)
+        wait_until("host 1 holding step 4 again", lambda: 4 in mgr._inventory.held().get(1, []),
+                   60, detail=lambda: hosts.log_tail(1, "replicator"))
         loads.clear()
         again = mgr.restore(None, target=state)
         assert mgr.last_restore_tiers == {h: "local" for h in range(4)}

@@ -1,4 +1,4 @@
-"""The local cluster (``mtc.trainer.cluster.LocalCluster``, what ``make demo`` and the
+"""The local cluster (``mtc.testing.local_cluster.LocalCluster``, what ``make demo`` and the
 elastic tests run on): up, lose a host, restart it, down; backups to the GCS emulator.
 
 (Apart from tests/test_elastic_demo.py, whose two demo runs take most of a minute
@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mtc
-from mtc.trainer.cluster import LocalCluster
+from mtc.testing.local_cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Multi-controller JAX on hosts that share nothing: real OS processes, one per host.
 
-Every JAX process runs on a host of its own (``mtc.trainer.isolation.Hosts``):
+Every JAX process runs on a host of its own (``mtc.testing.isolation.Hosts``):
 with root, inside that host's network and mount namespaces (nsenter into the
 host's sidecar, which owns them), its RAM disk a private tmpfs no other host
 sees, its address on a bridge, ``jax.distributed`` and the collectives over that

@@ -28,6 +28,7 @@ from mtc.errors import AgreementError
 from mtc.proto import replicator_pb2 as pb
 from mtc.replicas import Prepared, prepare_restore
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process
 N = 3
@@ -130,11 +131,11 @@ def start(net: Net, ramdisk: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
              "--port-file", str(ramdisk / f"port-{i}")],
             stdout=log, stderr=subprocess.STDOUT, env=env_with_repo()))
         log.close()
-    deadline = time.monotonic() + 60
-    while not all((ramdisk / f"port-{i}").exists() for i in range(N)):
-        assert time.monotonic() < deadline, "replicators did not start"
+    def exited() -> None:
         assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
-        time.sleep(0.1)
+
+    wait_until("every replicator started", lambda: all(
+        (ramdisk / f"port-{i}").exists() for i in range(N)), 60, during=exited)
     return procs, token.read_text()
 
 
@@ -206,25 +207,19 @@ def test_copy_over_a_cut_link_is_not_counted_then_completes_when_healed(
         net: Net, ramdisk: Path) -> None:
     procs, token = start(net, ramdisk)
     try:
-        deadline = time.monotonic() + 30
-        while (0, 2) not in held_by(net, token, 1):  # rank 0's steps go to rank 1
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        # Rank 0's steps go to rank 1.
+        wait_until("rank 1 holding rank 0's step 2", lambda: (0, 2) in held_by(net, token, 1), 30)
         net.set_link(0, 1, up=False)
         commit_mtc_step(ramdisk / "host-0", 3, {"x.bin": os.urandom(1 << 20)}, host=0,
                         num_hosts=N)
         # Every attempt over the cut link fails within its deadline; the step is not
         # counted as replicated, and no partial copy shows up at the target.
         log0 = ramdisk / "replicator-0.log"
-        deadline = time.monotonic() + 40
-        while "step 3 not replicated to rank 1" not in log0.read_text(errors="replace"):
-            assert time.monotonic() < deadline, "no bounded failure over the cut link"
-            time.sleep(0.2)
+        wait_until("a bounded failure over the cut link", lambda: "step 3 not replicated to "
+                   "rank 1" in log0.read_text(errors="replace"), 40)
         assert (0, 3) not in held_by(net, token, 1)
         net.set_link(0, 1, up=True)
-        deadline = time.monotonic() + 40
-        while (0, 3) not in held_by(net, token, 1):
-            assert time.monotonic() < deadline, "not replicated after the link came back"
-            time.sleep(0.2)
+        wait_until("step 3 replicated after the link came back",
+                   lambda: (0, 3) in held_by(net, token, 1), 40)
     finally:
         stop(procs, ramdisk)

@@ -3,7 +3,7 @@ a backup upload, one slice partitioned from the other, a peer slower than the
 deadline; then heal.
 
 Four hosts (2 slices x 2), each a network namespace with an address on a bridge
-this module creates (``trainer/isolation.py``), a private RAM disk, a sidecar
+this module creates (``mtc/testing/isolation.py``), a private RAM disk, a sidecar
 and a replicator; the real fake-gcs-server in this namespace, at the bridge's
 address, as the backup store. This process is the controller
 (``mtc.CheckpointManager`` over the sidecars and replicators). Faults: a host's
@@ -49,7 +49,6 @@ from fault_net import (
     open_positions,
     queued_to,
     small_state,
-    wait_for,
     when,
 )
 from jax.sharding import Mesh
@@ -60,8 +59,9 @@ from mtc.grpc_errors import PeerError
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.job import step_prefix
-from mtc.trainer import gcs_emulator
-from mtc.trainer.isolation import Hosts, namespaces_available
+from mtc.testing import gcs_emulator
+from mtc.testing.isolation import Hosts, namespaces_available
+from mtc.testing.waits import timed_wait
 
 
 def _notable(log: str) -> list[str]:
@@ -151,7 +151,7 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
                 mgr.save(step, big_state(mesh, step), force=True)
                 mgr.wait_until_finished()
             # Until the watcher cut the copy, or host 3 holds it whole (missed).
-            wait_for(f"step {step} on host 3, cut or whole",
+            timed_wait(f"step {step} on host 3, cut or whole",
                      lambda s=step, f=fired: f.is_set() or (1, s) in net.held(3), 60.0)
         finally:
             done.set()
@@ -174,7 +174,7 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
     # sender gone: pinged every 2 s, unanswered for 3 s), not when TCP gives up
     # (20 s) or at the push's 120 s deadline: a link that flaps must not pin server
     # threads and RAM disk. Meanwhile the receiver never lists the copy.
-    wait_for("the receiver dropping the cut stream",
+    timed_wait("the receiver dropping the cut stream",
              lambda: not open_positions(net.pid(3), needle), 60.0, during=never_counted)
     dropped = time.monotonic() - cut_at_s[0]
     print(f"the receiver dropped the cut stream {dropped:.1f}s after the cut")
@@ -183,13 +183,13 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
     # no reset comes over a dead link), typed. (Timed apart from the receiver: a
     # sender held by flow control when the link went finds out only by pinging.)
     failed = f"rank 1: step {step} not replicated to rank 3"
-    waited = wait_for("the cut copy's failure", lambda: failed in net.log(1)[cut_at:], 60.0,
+    waited = timed_wait("the cut copy's failure", lambda: failed in net.log(1)[cut_at:], 60.0,
                       during=never_counted)
     print(f"the sender's push failed {dropped + waited:.1f}s after the cut")
     never_counted()
     assert f"step {step} replicated to rank 3" not in net.log(1)[cut_at:]
     hosts.heal()
-    wait_for("the copy after the heal", lambda: (1, step) in net.held(3), 60.0)
+    timed_wait("the copy after the heal", lambda: (1, step) in net.held(3), 60.0)
     inv = net.inventory(3)
     copy = next(c for c in inv.copies if (c.origin_rank, c.step) == (1, step))
     assert sum(f.size for f in copy.files) >= 48 << 20  # the whole step, verified
@@ -255,11 +255,11 @@ def test_link_cut_during_backup_upload_lists_no_partial_backup(
 
     # The leader retries (from the peer copy of host 1's data, or after the heal);
     # whatever the bucket lists meanwhile is complete.
-    wait_for("a backup failure", lambda: "backup failed" in net.log(0), 60.0,
+    timed_wait("a backup failure", lambda: "backup failed" in net.log(0), 60.0,
              during=no_partial_backup)
     no_partial_backup()
     hosts.link(1, True)
-    wait_for("the backup after the heal", lambda: step in store.committed_steps(), 60.0,
+    timed_wait("the backup after the heal", lambda: step in store.committed_steps(), 60.0,
              during=no_partial_backup)
     manifest = store.manifest(step)
     assert sorted(manifest) == [0, 1, 2, 3]
@@ -271,7 +271,7 @@ def test_link_cut_during_backup_upload_lists_no_partial_backup(
             store.backend.get_file(f"{step_prefix(step)}/{e.object}", local, size=e.size,
                                    crc32c=e.crc32c)
     assert sum(e.size for es in manifest.values() for e in es) >= 4 * (48 << 20)
-    wait_for("the leader's listing", lambda: step in net.inventory(0).backed_up_steps, 20.0)
+    timed_wait("the leader's listing", lambda: step in net.inventory(0).backed_up_steps, 20.0)
 
 
 # -- 3. one slice partitioned from the other ------------------------------------------

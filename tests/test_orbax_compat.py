@@ -1,7 +1,7 @@
 """Orbax's own multi-tier client, unmodified, against mtc's real replicator, on
 hosts that share nothing.
 
-Four isolated hosts (``mtc.trainer.isolation``: with root each its own network
+Four isolated hosts (``mtc.testing.isolation``: with root each its own network
 namespace, an address on a bridge, and a private tmpfs RAM disk; otherwise
 separate processes over private folders), 2 slices x 2 hosts. On each host, a
 JAX process (2 CPU devices) runs ``tests/workers/orbax_worker.py``: Orbax's
@@ -42,8 +42,9 @@ from mtc.credentials import Credentials
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
+from mtc.testing.isolation import Hosts
 from mtc.testing.replicas import wait_replicated
-from mtc.trainer.isolation import Hosts
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -230,13 +231,9 @@ def descriptor(cluster: OrbaxHosts, holder: int, origin: int, step: int) -> list
 def wait_holds(cluster: OrbaxHosts, holders: list[int], origin: int, step: int,
                timeout: float = 30.0) -> None:
     """Until each of ``holders`` (serving replicators) holds ``origin``'s ``step``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(any((c.origin_rank, c.step) == (origin, step)
-                   for c in cluster.inventory(h).copies) for h in holders):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{holders} do not hold step {step} of rank {origin} after {timeout}s")
+    wait_until(f"{holders} holding step {step} of rank {origin}", lambda: all(
+        any((c.origin_rank, c.step) == (origin, step) for c in cluster.inventory(h).copies)
+        for h in holders), timeout)
 
 
 @pytest.mark.timeout(240)

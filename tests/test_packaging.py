@@ -34,17 +34,17 @@ def test_every_file_imports_under_one_name() -> None:
     code = textwrap.dedent("""
         import importlib, importlib.util, sys
         from mtc.sidecar.replicator.wire import client
-        from mtc.trainer import isolation
-        print(client.__file__, isolation.__file__)
+        from mtc.trainer import cluster
+        print(client.__file__, cluster.__file__)
         for name in ("mtc_sidecar", "mtc_trainer", "sidecar", "trainer"):
             assert importlib.util.find_spec(name) is None, name
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
-    client, isolation = r.stdout.split()
+    client, cluster = r.stdout.split()
     assert client == str(REPO / "sidecar" / "replicator" / "wire" / "client.py")
-    assert isolation == str(REPO / "trainer" / "isolation.py")
+    assert cluster == str(REPO / "trainer" / "cluster.py")
 
 
 @pytest.mark.process

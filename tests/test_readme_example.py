@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import mtc
 import mtc.replicas
 from mtc.replicas import prepare_restore
 from mtc.sidecar.backup.job import MANIFEST
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -72,10 +72,8 @@ def test_readme_loop_resumes_from_the_backup_after_a_wiped_ram_disk(
     # save of a job, as Orbax's), 10, 20, 30.
     out = run_example(code, ramdisk / "job", 30, addrs)
     assert not any(line.startswith("resumed") for line in out), out
-    deadline = time.monotonic() + 60
-    while 30 not in backed_up(bucket):
-        assert time.monotonic() < deadline, f"step 30 not backed up: {backed_up(bucket)}"
-        time.sleep(0.1)
+    wait_until("step 30 backed up", lambda: 30 in backed_up(bucket), 60,
+               detail=lambda: f"the backup holds {backed_up(bucket)}")
 
     # The host loses its RAM disk (and its replicator with it), and comes back empty.
     cl.stop_all()

@@ -26,6 +26,7 @@ from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.copies.replication import COPIES_AGAIN_MAX, RESYNC_S
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -236,10 +237,8 @@ def test_peer_unreachable_then_back(ramdisk: Path, mesh: Mesh, clusters: list[Cl
     save(cl, mesh, {2: make_state(mesh, 2.0)})
     # Hosts 1 and 3 are unaffected.
     cl.wait_held({(3, 1, 2), (1, 3, 2)}, timeout=30)
-    deadline = time.monotonic() + 20
-    while cl.scrape(0).get("mtc_failures_total{kind=peer_unreachable}", 0) < 2:
-        assert time.monotonic() < deadline, cl.scrape(0)
-        time.sleep(0.1)
+    wait_until("rank 0 counting its peer unreachable twice", lambda: cl.scrape(0).get(
+        "mtc_failures_total{kind=peer_unreachable}", 0) >= 2, 20, detail=lambda: cl.scrape(0))
     m0 = cl.scrape(0)
     assert m0["mtc_newest_step{state=committed}"] == 2
     assert m0["mtc_newest_step{state=replicated}"] == 1
@@ -266,10 +265,8 @@ def test_peer_unreachable_then_back(ramdisk: Path, mesh: Mesh, clusters: list[Cl
     took = time.monotonic() - t0
     print(f"replication completed {took:.1f}s after the restart")
     assert took < 10  # reconnect backoff stays short
-    deadline = time.monotonic() + 10
-    while cl.scrape(0)["mtc_newest_step{state=replicated}"] != 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until("rank 0's newest replicated step 2",
+               lambda: cl.scrape(0)["mtc_newest_step{state=replicated}"] == 2, 10)
     assert cl.scrape(0)["mtc_replication_lag_steps"] == 0
     # With every member back, the same restore succeeds, on the newest step.
     replies = prepare_all(cl, [0, 1, 2, 3])
@@ -297,10 +294,8 @@ def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Clu
         cl.commit(0, step, {"x.bin": os.urandom(4096)})
         time.sleep(0.2)
     # The newest 2 plus step 1, the newest fully replicated one.
-    deadline = time.monotonic() + 10
-    while own_steps(cl.root(0)) != {1, 4, 5}:
-        assert time.monotonic() < deadline, own_steps(cl.root(0))
-        time.sleep(0.05)
+    wait_until("rank 0 keeping steps 1, 4, 5", lambda: own_steps(cl.root(0)) == {1, 4, 5}, 10,
+               detail=lambda: own_steps(cl.root(0)))
     cl.wait_passes(0, more=3)  # GC passes later, still there
     assert own_steps(cl.root(0)) == {1, 4, 5}
 
@@ -320,10 +315,8 @@ def test_gc_keeps_newest_fully_replicated_step(ramdisk: Path, clusters: list[Clu
     # Once rank 1 commits step 5 as well, step 5 is complete and step 1 goes.
     cl.commit(1, 5, {"y.bin": os.urandom(4096)})
     cl.wait_held({(0, 1, 5)}, timeout=30)
-    deadline = time.monotonic() + 10
-    while own_steps(cl.root(0)) != {4, 5}:
-        assert time.monotonic() < deadline, own_steps(cl.root(0))
-        time.sleep(0.05)
+    wait_until("rank 0 keeping steps 4, 5", lambda: own_steps(cl.root(0)) == {4, 5}, 10,
+               detail=lambda: own_steps(cl.root(0)))
     # The peer keeps at most --keep copies per origin: the origin's two (step 4,
     # skipped while the peer was down, pushed once step 5 was on it), step 1 gone.
     deadline = time.monotonic() + 15
@@ -353,10 +346,9 @@ def test_an_older_step_a_peer_keeps_deleting_is_pushed_again_a_bounded_number_of
         prefix = "mtc_steps_copied_again_total{why="
         return {k[len(prefix):-1]: v for k, v in cl.scrape(0).items() if k.startswith(prefix)}
 
-    deadline = time.monotonic() + 30
-    while sum(pushes().values()) < COPIES_AGAIN_MAX:
-        assert time.monotonic() < deadline, cl.log_text(0)[-2000:]
-        time.sleep(0.1)
+    wait_until(f"{COPIES_AGAIN_MAX} older steps pushed again",
+               lambda: sum(pushes().values()) >= COPIES_AGAIN_MAX, 30,
+               detail=lambda: cl.log_text(0)[-2000:])
     # Were it unbounded, a resync (every RESYNC_S) would push it again: rank 0's
     # loop passes through three resyncs' time, and once more after it.
     end = time.monotonic() + 3 * RESYNC_S

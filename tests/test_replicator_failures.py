@@ -31,6 +31,7 @@ from mtc.manifest import MANIFEST_NAME
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.store.store import REPLICA_DIR
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -260,10 +261,9 @@ def test_corrupted_own_file_not_replicated(ramdisk: Path, clusters: list[Cluster
 
     cl.start_all()
     cl.wait_held({(0, 1, 3)}, timeout=30)  # the healthy direction works
-    deadline = time.monotonic() + 15
-    while sum(v for k, v in cl.scrape(0).items() if k.startswith("mtc_failures_total")) < 3:
-        assert time.monotonic() < deadline, cl.scrape(0)
-        time.sleep(0.05)
+    wait_until("three failures counted", lambda: sum(
+        v for k, v in cl.scrape(0).items() if k.startswith("mtc_failures_total")) >= 3, 15,
+        detail=lambda: cl.scrape(0))
     assert (1, 0, 3) not in cl.held()
     assert not (cl.root(1) / REPLICA_DIR / "0" / "3").exists()
     m0 = cl.scrape(0)

@@ -7,7 +7,6 @@ loopback (its one peer's address is a port nothing listens on)."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 from mtc.credentials import Credentials
@@ -19,6 +18,7 @@ from mtc.sidecar.replicator.metrics import MetricsServer
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.replicator.wire.server import Serving, serve
+from mtc.testing.waits import wait_until
 
 # The threads main's group starts (the scrub's, with a rate; the reserve's, enabled).
 GROUP = {"mtc-replicate", "mtc-scrub", "mtc-reserve", "mtc-config-check",
@@ -78,10 +78,11 @@ def test_every_thread_of_the_replicator_is_started_in_its_group_and_joined_at_sh
         extra=[metrics])))
     runner.start()
     try:
-        deadline = time.monotonic() + 20
-        while passes(node) < 2:  # the loop ran twice: everything is up
-            assert time.monotonic() < deadline and runner.is_alive()
-            time.sleep(0.02)
+        def running() -> None:
+            assert runner.is_alive()
+
+        # The loop ran twice: everything is up.
+        wait_until("two passes of the loop", lambda: passes(node) >= 2, 20, during=running)
         assert set(threads.alive()) >= GROUP - {"mtc-config-check"}  # it may be done
         client = PeerClient(f"127.0.0.1:{port}", Credentials(), rank=0)
         try:  # and it serves
@@ -106,10 +107,10 @@ def test_a_service_whose_thread_fails_ends_the_replicator_with_its_error(
         node, serving, tmp_path / "root", None, threading.Event(), stall_s=60,
         threads=threads, extra=[breaks])))
     runner.start()
-    deadline = time.monotonic() + 20
-    while passes(node) < 1:
-        assert time.monotonic() < deadline and runner.is_alive()
-        time.sleep(0.02)
+    def running() -> None:
+        assert runner.is_alive()
+
+    wait_until("a pass of the loop", lambda: passes(node) >= 1, 20, during=running)
     breaks.go.set()  # its thread raises: nobody asked the replicator to stop
     runner.join(30)
     assert not runner.is_alive() and result == [1]

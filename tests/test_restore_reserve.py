@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 from replicators import Cluster, new_cluster
@@ -25,6 +22,7 @@ from mtc.sidecar.replicator.agree.node_agreement import holders_of
 from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
 from mtc.sidecar.replicator.fetch.fetch_plan import likely_restore
 from mtc.sidecar.storage.reserve import Reserve
+from mtc.testing.waits import wait_until
 
 MIB = 1 << 20
 
@@ -86,15 +84,6 @@ def test_files_set_aside_for_a_restore_are_no_room_for_others(tmp_path: Path) ->
 FILES = {"a.bin": os.urandom(3 * MIB), "b.bin": os.urandom(MIB + 7), "c.bin": b"x" * 11}
 
 
-def until(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (got := cond()):
-            return got
-        time.sleep(0.05)
-    raise TimeoutError(f"not within {timeout}s: {what}")
-
-
 def two_hosts(clusters: list[Cluster], ramdisk: Path) -> tuple[Cluster, dict[str, bytes]]:
     """Two replicators in two slices, each one's step 5 replicated to the other;
     and host 0's files of it (its manifest too)."""
@@ -126,7 +115,7 @@ def test_a_replaced_host_fetches_its_step_into_space_set_aside_at_its_start(
     replace_host_0(cl)
     # Set aside at start, before any restore is asked for: the sizes of host 1's
     # copy of host 0's step 5.
-    until("host 0 sets its restore's files aside", lambda: reserve(cl, 0)[0] >= size)
+    wait_until("host 0 sets its restore's files aside", lambda: reserve(cl, 0)[0] >= size)
     assert reserve(cl, 0) == (size, 0)
     blank = sorted(int(p.name.split(".")[0]) for p in (cl.root(0) / RESERVE_DIR).iterdir())
     assert blank == sorted(len(b) for b in files.values())
@@ -153,12 +142,12 @@ def test_a_host_that_saves_anew_without_a_restore_frees_what_it_set_aside(
         ramdisk: Path, clusters: list[Cluster]) -> None:
     cl, files = two_hosts(clusters, ramdisk)
     replace_host_0(cl)
-    until("host 0 sets its restore's files aside",
+    wait_until("host 0 sets its restore's files aside",
           lambda: reserve(cl, 0)[0] >= sum(len(b) for b in files.values()))
     cl.commit(0, 6, {"new.bin": b"n" * 100})  # the job went on without restoring here
-    until("the files set aside are freed", lambda: reserve(cl, 0)[0] == 0)
+    wait_until("the files set aside are freed", lambda: reserve(cl, 0)[0] == 0)
     assert reserve(cl, 0)[1] == 0
-    until("the reserve's folder is empty",
+    wait_until("the reserve's folder is empty",
           lambda: not any((cl.root(0) / RESERVE_DIR).iterdir()))
 
 

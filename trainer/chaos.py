@@ -43,8 +43,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mtc.testing.local_cluster import REPO, LocalCluster, _env, default_base
 from mtc.trainer.chaos_net import NET_FAULTS, NET_WEIGHTS, Network, cut, network_of, plan_net_fault
-from mtc.trainer.cluster import REPO, LocalCluster, _env, default_base
 
 if TYPE_CHECKING:  # the driver itself imports no JAX
     from mtc.options import Dispatch

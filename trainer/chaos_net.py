@@ -15,7 +15,7 @@ HEAL_AFTER_S = (0.5, 4.0)  # how long a network fault lasts (uniform)
 
 
 class Network(Protocol):
-    """What network faults need of the hosts (``mtc.trainer.isolation.Hosts`` has it)."""
+    """What network faults need of the hosts (``mtc.testing.isolation.Hosts`` has it)."""
 
     def link(self, host: int, up: bool) -> None: ...
 

@@ -11,7 +11,7 @@ import jax
 
 import mtc
 from mtc.options import Dispatch
-from mtc.trainer.cluster import LocalCluster
+from mtc.testing.local_cluster import LocalCluster
 from mtc.trainer.meshes import SliceMeshes, Slices
 from mtc.trainer.model import State, Trainer
 

@@ -3,7 +3,7 @@
 Run as ``python -m mtc.trainer.demo --out out/demo``. The demo itself never imports
 JAX; it supervises three training processes (``mtc.trainer.train``), each on 8 CPU
 devices as 2 slices x 4 devices, checkpointing to 4 simulated hosts (2 per
-slice) that share nothing (:mod:`mtc.trainer.isolation`: each its own sidecar
+slice) that share nothing (:mod:`mtc.testing.isolation`: each its own sidecar
 process and RAM disk, with root a network namespace and a private tmpfs) under
 ``/dev/shm/mtc-demo-<pid>``; the training processes reach them only through the
 sidecars, which outlive a crashed trainer as a host outlives its program:
@@ -37,8 +37,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from mtc.testing.isolation import Hosts, with_checkout
 from mtc.trainer.demo_report import build_report, plot, print_report
-from mtc.trainer.isolation import Hosts, with_checkout
 from mtc.trainer.supervise import REPO, Child, ChildFailed, Progress, launch, supervise
 
 __all__ = ["REPO", "ChildFailed", "child_env", "main"]

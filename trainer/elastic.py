@@ -47,9 +47,9 @@ from pathwaysutils.elastic import manager as pw_manager
 import mtc
 import mtc.elastic
 from mtc.elastic import compile_ahead as aot
+from mtc.testing.local_cluster import LocalCluster
 from mtc.trainer.ahead import queue_ahead
 from mtc.trainer.checkpoints import MeshCheckpoints
-from mtc.trainer.cluster import LocalCluster
 from mtc.trainer.collector import CollectorClock
 from mtc.trainer.data import VOCAB, make_iterator
 from mtc.trainer.device_memory import configure as configure_device_memory

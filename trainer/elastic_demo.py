@@ -51,7 +51,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from mtc.trainer.cluster import LocalCluster
+from mtc.testing.local_cluster import LocalCluster
 from mtc.trainer.demo import child_env
 from mtc.trainer.elastic_demo_report import build_report, plot, print_report
 from mtc.trainer.jsonlog import JsonTail

@@ -15,7 +15,7 @@ import jax
 from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
 from mtc.lifecycle import Threads
-from mtc.trainer.cluster import LocalCluster
+from mtc.testing.local_cluster import LocalCluster
 from mtc.trainer.jsonlog import JsonLog
 
 

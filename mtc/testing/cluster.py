@@ -1,6 +1,6 @@
 """A local cluster for restore-after-failure tests: hosts as real processes, faults as calls.
 
-:class:`TestCluster` is :class:`mtc.trainer.cluster.LocalCluster` (the cluster
+:class:`TestCluster` is :class:`mtc.testing.local_cluster.LocalCluster` (the cluster
 ``mtc-cluster up`` starts, and the demos run on) with the calls a test needs:
 ``options()`` for the test's own ``CheckpointManager``, faults (SIGKILLs, an
 emptied RAM disk, a partition) and waits on what the replicators report. Every
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtc.errors import ConfigError
 from mtc.testing import replicas
-from mtc.trainer.cluster import LocalCluster, default_base
+from mtc.testing.local_cluster import LocalCluster, default_base
 
 if TYPE_CHECKING:
     import mtc

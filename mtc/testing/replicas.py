@@ -12,7 +12,6 @@ slice is not enough: only the peer group can stand in for a host on restore.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
@@ -22,11 +21,10 @@ from mtc.errors import MtcError
 # Where a host's steps are copied: one rule, the replicators' own. Its home is the
 # replicator's configuration until the definitions both sides share move to mtc/.
 from mtc.placement import targets
+from mtc.testing.waits import POLL_S, timed_wait, wait_until
 
 if TYPE_CHECKING:
     from mtc.proto import replicator_pb2 as pb
-
-POLL_S = 0.05  # between two rounds of inventories: a few small RPCs per host
 
 Copy = tuple[int, int, int]  # (holder, origin host, step)
 
@@ -52,25 +50,29 @@ def wait_replicated(held: Callable[[], Collection[Copy]], step: int, num_hosts: 
     has every host's peer copy of ``step``; returns the seconds waited. TimeoutError,
     naming the copies missing, after ``timeout`` seconds."""
     want = peer_copies(step, num_hosts, hosts_per_slice)
-    t0 = time.monotonic()
-    while True:
+    missing = want
+
+    def replicated() -> bool:
+        nonlocal missing
         missing = want - set(held())
-        if not missing:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"step {step} of hosts {sorted({o for _, o, _ in missing})} "
-                               f"is not on its peer after {timeout}s: missing (holder, "
-                               f"origin, step) {sorted(missing)}")
-        time.sleep(poll_s)
+        return not missing
+
+    return timed_wait(f"step {step} on every host's peer", replicated, timeout, poll_s=poll_s,
+                      detail=lambda: f"step {step} of hosts {sorted({o for _, o, _ in missing})} "
+                                     f"is not on its peer: missing (holder, origin, step) "
+                                     f"{sorted(missing)}")
 
 
 def wait_backed_up(ask_backup: Callable[[], list[int]], step: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while step not in (listed := ask_backup()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"step {step} not in the backup after {timeout}s "
-                               f"(it holds {listed})")
-        time.sleep(POLL_S)
+    listed: list[int] = []
+
+    def backed_up() -> bool:
+        nonlocal listed
+        listed = ask_backup()
+        return step in listed
+
+    wait_until(f"step {step} in the backup", backed_up, timeout,
+               detail=lambda: f"it holds {listed}")
 
 
 def _inventory(address: str, rank: int, token: str) -> pb.Inventory | None:

@@ -5,7 +5,7 @@ caller's namespace by one link (this side ``<subnet>.1``, the hosts' gateway), s
 traffic between hosts never crosses the caller's firewall. Each host's namespace
 has one port on the bridge; a link cut takes that port down, a partition adds
 blackhole routes inside the hosts' namespaces. Only the cluster's own private
-/24 is ever addressed. Names come from :class:`mtc.trainer.isolation.Hosts`
+/24 is ever addressed. Names come from :class:`mtc.testing.isolation.Hosts`
 (one tag per cluster), and :func:`remove` takes everything away.
 """
 

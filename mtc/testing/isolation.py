@@ -8,7 +8,7 @@ lives in a namespace of the cluster's own (the "switch"), joined to the caller's
 namespace by one link: traffic between hosts never crosses the caller's
 firewall (Docker's FORWARD DROP and bridge netfilter on a workstation), and the
 caller reaches the hosts as directly connected neighbours (the network is
-:mod:`mtc.trainer.netns`'s). The host's
+:mod:`mtc.testing.netns`'s). The host's
 sidecar starts the namespaces; its replicator joins them (``nsenter``), as the
 containers of one pod share a volume. Without root, each host is separate
 processes with a private folder, through the same code paths.
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from mtc.ports import free_ports
-from mtc.trainer import netns
+from mtc.testing import netns
 
 READY_TIMEOUT_S = 60.0
 SIDECAR_PORT = 7100  # inside a host's namespace
@@ -55,7 +55,7 @@ def with_checkout(env: dict[str, str]) -> dict[str, str]:
     Where mtc is installed from a wheel (an accelerator host with no index), the
     checkout's own folders would shadow it, and only an install maps ``sidecar/``
     and ``trainer/`` into the package."""
-    checkout = str(Path(__file__).resolve().parents[1])
+    checkout = str(Path(__file__).resolve().parents[2])
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     return env | {"PYTHONPATH": os.pathsep.join(
         [*parts, checkout] if checkout not in parts else parts), "PYTHONSAFEPATH": "1"}
