@@ -165,9 +165,10 @@ class DeviceCopier:
         room, why = self._room({d for s in sizes for d in s})
         chosen = fits(sizes, room)
         owned = frozenset(where[k] for k in chosen)
-        direct = sum(sum(sizes[k].values()) for k in range(len(where)) if k not in chosen)
+        total = [sum(s.values()) for s in sizes]
+        direct = sum(n for k, n in enumerate(total) if k not in chosen)
         self.direct_bytes += direct
-        self.copied_bytes += sum(sum(sizes[k].values()) for k in chosen)
+        self.copied_bytes += sum(total) - direct
         if direct:
             self.blocked += 1
             if not self._told:
@@ -176,8 +177,7 @@ class DeviceCopier:
                     "mtc: %d of %d bytes of this save are read from the state itself: the "
                     "next step that donates it waits for their device-to-host transfer "
                     "(the rest is copied in device memory first). %s (%s sets the budget); "
-                    "said once", direct, direct + sum(sum(sizes[k].values()) for k in chosen),
-                    why, self.setting)
+                    "said once", direct, sum(total), why, self.setting)
         if not owned:
             return None
         self.copied += 1
