@@ -1,4 +1,5 @@
-"""Probe (not a benchmark): candidate ways to capture a training state on a full chip.
+"""Probe (not a benchmark): candidate ways to capture a training state on a full chip
+(bench/model_step.py's model; docs/hosts.md keeps what it found).
 
 Prints JSON lines to stdout. A model of L matmul layers (D x D float32) with an
 Adam state, gradient accumulation over K microbatches, the loss fetched every
@@ -15,46 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import model_step
 import numpy as np
 
 
 def emit(**kw: Any) -> None:
     print(json.dumps(kw), flush=True)
-
-
-def model(L: int, D: int, B: int) -> tuple[Any, Any, Any, Any]:
-    def loss_fn(params: dict, x: jax.Array) -> jax.Array:
-        h = x
-        for i in range(L):
-            h = jnp.tanh(h @ params[f"w{i:02d}"])
-        return jnp.mean(h * h)
-
-    def grads_of(params: dict, key: jax.Array, K: int) -> tuple[dict, jax.Array]:
-        def body(carry: Any, k: jax.Array) -> Any:
-            g, lv = carry
-            x = jax.random.normal(k, (B, D), jnp.float32)
-            li, gi = jax.value_and_grad(loss_fn)(params, x)
-            return (jax.tree.map(jnp.add, g, gi), lv + li), None
-        zero = jax.tree.map(jnp.zeros_like, params)
-        (g, lv), _ = jax.lax.scan(body, (zero, jnp.float32(0)), jax.random.split(key, K))
-        return g, lv / K
-
-    def update(state: dict, g: dict) -> dict:
-        t = state["t"] + 1
-        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state["m"], g)
-        v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, state["v"], g)
-        p = jax.tree.map(lambda p, m, v: p - 1e-4 * m / (jnp.sqrt(v) + 1e-8),
-                         state["p"], m, v)
-        return {"p": p, "m": m, "v": v, "t": t}
-
-    def init(key: jax.Array) -> dict:
-        ks = jax.random.split(key, L)
-        p = {f"w{i:02d}": jax.random.normal(ks[i], (D, D), jnp.float32) / np.sqrt(D)
-             for i in range(L)}
-        return {"p": p, "m": jax.tree.map(jnp.zeros_like, p),
-                "v": jax.tree.map(lambda x: jnp.full_like(x, 1e-3), p), "t": jnp.int32(0)}
-
-    return loss_fn, grads_of, update, init
 
 
 def main() -> int:
@@ -70,10 +37,10 @@ def main() -> int:
     dev = jax.devices()[0]
     emit(device=str(dev.device_kind), jax=jax.__version__, platform=dev.platform)
     host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    _, grads_of, update, init = model(a.layers, a.dim, a.batch)
+    grads_of, update, init = model_step.model(a.layers, a.dim, a.batch)
 
     def fused(state: dict, key: jax.Array, K: int) -> tuple[dict, jax.Array]:
-        g, lv = grads_of(state["p"], key, K)
+        g, lv = grads_of(state["params"], key, K)
         return update(state, g), lv
 
     fused_j = jax.jit(fused, donate_argnums=0, static_argnums=2)
@@ -97,7 +64,7 @@ def main() -> int:
         if kind == "fused":
             st, lv = fused_j(st, key, K)
         else:
-            g, lv = grad_j(st["p"], key, K)
+            g, lv = grad_j(st["params"], key, K)
             st = upd_j(st, g)
         return st, float(lv)
 
@@ -154,8 +121,8 @@ def main() -> int:
             dst = out
             if name == "donated_host" and r == 3:
                 emit(donated_reused=bool(len(out) and True),
-                     same_value=bool(np.asarray(out[0])[0, 0] == np.asarray(
-                         jax.tree.leaves(s2)[0])[0, 0]))
+                     same_value=bool(np.asarray(out[-1])[0, 0] == np.asarray(
+                         jax.tree.leaves(s2)[-1])[0, 0]))
             del s2
         emit(case="standalone", capture=name, times=ts)
     del dst, out
@@ -163,7 +130,7 @@ def main() -> int:
     # copy_to_host_async then donate: can the host copy still be read?
     try:
         s2 = jax.block_until_ready(jax.tree.map(lambda x: x + 0, state))
-        x0 = jax.tree.leaves(s2)[0]
+        x0 = jax.tree.leaves(s2)[-1]
         shard = x0.addressable_shards[0].data
         want = float(jnp.sum(x0))
         x0.copy_to_host_async()
