@@ -169,8 +169,9 @@ def test_a_save_too_large_for_the_budget_copies_what_fits(
 def test_a_save_from_its_copy_survives_donation_and_restores_exactly(
         monkeypatch: pytest.MonkeyPatch, ramdisk: Path, mesh: Mesh, dispatch: str,
         budget: int) -> None:
-    """With room for the whole state, and (5000 bytes) for "x" but not "y": the
-    part copied comes to host memory behind the step, the rest before save returns."""
+    """With room for the whole state, and (5000 bytes a device) for "z" but not "x"
+    beside it: the part copied comes to host memory behind the step, the rest
+    before save returns."""
     _as_accelerator(monkeypatch)
     sharding = NamedSharding(mesh, P("model"))
     donating = jax.jit(lambda a: a * 0 + 42, donate_argnums=0)
@@ -182,7 +183,9 @@ def test_a_save_from_its_copy_survives_donation_and_restores_exactly(
             z = jax.device_put(jnp.full((64, 64), -step, jnp.float32), sharding)  # 4 KiB
             assert mgr.save(step, {"x": x, "z": z, "n": np.arange(3) + step})
             y, w = donating(x), donating(z)  # the state's buffers, donated right after save
-            assert x.is_deleted() and z.is_deleted()
+            # (x, read from the state on CPU devices standing in for an accelerator, is
+            # a host view there: jax 0.10 then does not donate it, 0.12 does.)
+            assert z.is_deleted() and (budget == 5000 or x.is_deleted())
         mgr.wait_until_finished()
         copier = mgr._dispatch.copier  # type: ignore[attr-defined]
         assert (copier.copied, copier.blocked) == ((3, 0) if budget > 5000 else (3, 3))
