@@ -91,6 +91,18 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
     return done
 
 
+def raised(stderr: str, limit: int = 1000) -> str:
+    """The exception a Python process's ``stderr`` ends on: the first line of the last
+    traceback's exception ("" when there is none: a signal, ``os._exit``)."""
+    _, header, trace = stderr.rpartition("Traceback (most recent call last):\n")
+    if not header:
+        return ""
+    for line in trace.splitlines():
+        if line and not line[0].isspace():
+            return line[:limit]
+    return ""
+
+
 def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence[int],
               where: Sequence[str], argv: Sequence[str], timeout: float) -> ScriptError | None:
     """The error a job's end makes (None: every process exited 0). It names the first
@@ -113,6 +125,10 @@ def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence
                 + (f"; then processes {after} stopped (exit statuses "
                    f"{[done[j].returncode for j in after]}: killed by the harness "
                    f"{FAILURE_GRACE_S:g}s after it, or failed waiting on it)" if after else ""))
+        if line := raised(done[k].stderr or ""):
+            # What it raised says what failed (another host's replicator, say): it
+            # is read first, not after thousands of characters of traceback.
+            note += f"\nprocess {k} raised {line}"
         stderr = (done[k].stderr or "")[-LOG_TAIL_CHARS:] + tails(k)
         return ScriptError(done[k].returncode, [f"process {k} on {where[k]}", *argv],
                            done[k].stdout, stderr, note=note, tail_chars=len(stderr))
