@@ -80,6 +80,15 @@ def test_losing_no_slice_is_refused_naming_the_range(slice_: int) -> None:
         TestCluster(_NoHosts()).lose_slice(slice_)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("step", [-5, -1, True, 2.0, "20"])
+@pytest.mark.parametrize("wait", ["wait_replicated", "wait_backed_up"])
+def test_waiting_on_no_step_is_refused_at_once(wait: str, step: object) -> None:
+    """The second newcomer trial: ``wait_replicated(-5)`` polled the hosts for its
+    whole timeout (60 s), then a TimeoutError said step -5 was not on its peer."""
+    with pytest.raises(ConfigError, match=rf"step {step!r}: a step is an integer >= 0"):
+        getattr(TestCluster(_NoHosts()), wait)(step)  # type: ignore[arg-type]
+
+
 def _nan(payload: int) -> np.float32:
     return np.array([0x7FC00000 | payload], np.uint32).view(np.float32)[0]
 

@@ -216,6 +216,7 @@ class TestCluster:
         """Until every host's data of ``step`` is held by its peer, the host of the
         next slice with its in-slice index (a TimeoutError naming the hosts whose
         copy is missing after ``timeout``)."""
+        step = _step(step)
         replicas.wait_replicated(
             lambda: {(h, o, s) for h, got in self.held().items() for o, s in got},
             step, self.num_hosts, self.local.hosts_per_slice, timeout)
@@ -223,7 +224,7 @@ class TestCluster:
     def wait_backed_up(self, step: int, timeout: float = 60.0) -> None:
         """Until ``step`` is complete in the backup (every host's data and the commit
         marker, as the replicators list it)."""
-        replicas.wait_backed_up(self.backed_up, step, timeout)
+        replicas.wait_backed_up(self.backed_up, _step(step), timeout)
 
     def request_backup(self) -> int:
         """Back up the newest step every host holds, now (as ``mtc backup``); returns
@@ -283,6 +284,13 @@ class TestCluster:
             for what in ("sidecar", "replicator"):
                 out.append(f"--- host {h} {what} ---\n{self.local.hosts.log_tail(h, what, n)}")
         return "\n".join(out)
+
+
+def _step(step: object) -> int:
+    """``step``, checked: a step no save can have is refused now, not waited for."""
+    if isinstance(step, bool) or not hasattr(step, "__index__") or step.__index__() < 0:
+        raise ConfigError(f"step {step!r}: a step is an integer >= 0")
+    return int(step.__index__())
 
 
 def _is_index(i: object, n: int) -> bool:
