@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,31 @@ def test_waiting_on_no_step_is_refused_at_once(wait: str, step: object) -> None:
     whole timeout (60 s), then a TimeoutError said step -5 was not on its peer."""
     with pytest.raises(ConfigError, match=rf"step {step!r}: a step is an integer >= 0"):
         getattr(TestCluster(_NoHosts()), wait)(step)  # type: ignore[arg-type]
+
+
+class _Host3Down(_NoHosts):
+    """Hosts 0..2 up, host 3 lost (``kill_host(3)``: no sidecar, no replicator)."""
+
+    def __init__(self) -> None:
+        up, down = (SimpleNamespace(sidecar_pid=p, replicator_pid=p) for p in (1, None))
+        self.hosts = SimpleNamespace(hosts=[up, up, up, down])
+
+
+def test_a_job_on_a_host_that_is_down_or_on_no_host_is_refused() -> None:
+    """The second newcomer trial: ``run_job`` after ``kill_host(3)`` ran process 3
+    outside any host, where it never joined; after the job's whole timeout (300 s)
+    every process was named as still running. And ``hosts=[]`` was an IndexError."""
+    cluster = TestCluster(_Host3Down())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"host 3 is down .*restart_host\(3\)"):
+        cluster.run_job(["job.py"])
+    with pytest.raises(ConfigError, match=r"host 3 is down"):
+        cluster.run_job(["job.py"], hosts=[3, 1])
+    with pytest.raises(ConfigError, match=r"hosts \[\]: a job runs on one host or more"):
+        cluster.run_job(["job.py"], hosts=[])
+    # The hosts that are up are not refused: the job goes on to start (here, the
+    # stand-in cluster refuses to be touched further).
+    with pytest.raises(AssertionError, match="reached the cluster"):
+        cluster.run_job(["job.py"], hosts=[0, 1, 2])
 
 
 def _nan(payload: int) -> np.float32:

@@ -49,8 +49,18 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
     ``reference`` and no replicators."""
     local = cluster.local
     on = list(range(cluster.num_hosts) if hosts is None else map(cluster.host, hosts))
+    if not on:
+        raise ConfigError("hosts []: a job runs on one host or more")
     if len(set(on)) != len(on):
         raise ConfigError(f"hosts {list(on)}: one process per host, each host once")
+    for i in on:
+        h = local.hosts.hosts[i]
+        if h.sidecar_pid is None and h.replicator_pid is None:
+            # Nothing of the host runs: its process would run outside any host, never
+            # join the job, and the others would wait for it until the job's timeout.
+            raise ConfigError(f"host {i} is down (lost: kill_host, lose_slice): "
+                              f"restart_host({i}) brings it back empty, or leave it out "
+                              f"of hosts=[...]")
     namespaces = local.isolation == "namespaces"
     port = (random.SystemRandom().randint(*NS_COORDINATOR_PORTS) if namespaces
             else free_ports(1)[0])
