@@ -219,7 +219,8 @@ class TestCluster:
         step = _step(step)
         replicas.wait_replicated(
             lambda: {(h, o, s) for h, got in self.held().items() for o, s in got},
-            step, self.num_hosts, self.local.hosts_per_slice, timeout)
+            step, self.num_hosts, self.local.hosts_per_slice, timeout,
+            silent=lambda: [h for h in range(self.num_hosts) if self._ask(h) is None])
 
     def wait_backed_up(self, step: int, timeout: float = 60.0) -> None:
         """Until ``step`` is complete in the backup (every host's data and the commit

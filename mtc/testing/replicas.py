@@ -47,10 +47,12 @@ def unreplicated(held: Collection[Copy], step: int, num_hosts: int,
 
 
 def wait_replicated(held: Callable[[], Collection[Copy]], step: int, num_hosts: int,
-                    hosts_per_slice: int, timeout: float, poll_s: float = POLL_S) -> float:
+                    hosts_per_slice: int, timeout: float, poll_s: float = POLL_S,
+                    silent: Callable[[], Collection[int]] | None = None) -> float:
     """Until ``held()`` (the (holder, origin, step) copies the replicators hold now)
     has every host's peer copy of ``step``; returns the seconds waited. TimeoutError,
-    naming the copies missing, after ``timeout`` seconds."""
+    naming the copies missing, after ``timeout`` seconds (and ``silent()``: the hosts
+    whose replicator does not answer, the likely cause)."""
     want = peer_copies(step, num_hosts, hosts_per_slice)
     t0 = time.monotonic()
     while True:
@@ -60,7 +62,10 @@ def wait_replicated(held: Callable[[], Collection[Copy]], step: int, num_hosts: 
         if time.monotonic() - t0 > timeout:
             raise TimeoutError(f"step {step} of hosts {sorted({o for _, o, _ in missing})} "
                                f"is not on its peer after {timeout}s: missing (holder, "
-                               f"origin, step) {sorted(missing)}")
+                               f"origin, step) {sorted(missing)}"
+                               + (f"; host(s) {down} answer nothing: down, or their "
+                                  f"replicator is" if silent is not None
+                                  and (down := sorted(silent())) else ""))
         time.sleep(poll_s)
 
 
