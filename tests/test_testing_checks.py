@@ -1,7 +1,10 @@
-"""mtc.testing's conditions and assertions, alone (table tests: no process, no cluster)."""
+"""mtc.testing's conditions and assertions, alone (table tests: no cluster; one test starts
+processes of its own, standing in for a job's)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 
 from mtc.errors import ConfigError
-from mtc.testing import Restore, TestCluster, assert_same_values, assert_tiers
+from mtc.testing import Restore, TestCluster, assert_same_values, assert_tiers, jobs
 from mtc.testing.checks import record_restores, tier_problems, value_problems
 
 
@@ -113,6 +116,46 @@ def test_a_job_on_a_host_that_is_down_or_on_no_host_is_refused() -> None:
     # stand-in cluster refuses to be touched further).
     with pytest.raises(AssertionError, match="reached the cluster"):
         cluster.run_job(["job.py"], hosts=[0, 1, 2])
+
+
+class _Lost(_NoHosts):
+    """A cluster whose hosts are lost without touching anything (``lose_host``)."""
+
+    def __init__(self) -> None:
+        self.lost: list[int] = []
+
+    def lose_host(self, host: int) -> None:
+        self.lost.append(host)
+
+
+@pytest.mark.process
+def test_a_host_lost_during_a_job_takes_its_job_process_with_it() -> None:
+    """The second newcomer trial: ``kill_host(3)`` while ``run_job`` ran left the
+    job's process on host 3 running (it holds the host's namespaces, and its RAM
+    disk with them): the job ended with no error at all. A lost host's job process
+    is SIGKILLed with the host's sidecar and replicator; the job's error names it."""
+    local = _Lost()
+    cluster = TestCluster(local)  # type: ignore[arg-type]
+    procs = {h: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for h in (2, 3)}
+    try:
+        for h, p in procs.items():
+            cluster.job_started(h, p)
+        cluster.kill_host(3)
+        assert procs[3].wait(timeout=10) == -9
+        assert local.lost == [3] and procs[2].poll() is None
+        assert cluster.lost_during_job(3) and not cluster.lost_during_job(2)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    done = [subprocess.CompletedProcess([], 1, "", ""), subprocess.CompletedProcess([], -9, "", "")]
+    error = jobs.job_error(done, [1, 0], ["host 2 (10.0.0.3)", "host 3 (10.0.0.4)"],
+                           ["job.py"], 60, lost=[1])
+    assert error is not None
+    assert str(error).startswith("process 1 on host 3 (10.0.0.4) failed first, with exit "
+                                 "status -9 (SIGKILLed: its host was lost while it ran)"
+                                 ), str(error)
 
 
 def _nan(payload: int) -> np.float32:

@@ -63,6 +63,24 @@ class TestCluster:
 
     def __init__(self, local: LocalCluster) -> None:
         self.local = local
+        # A running job's process per host (run_job's): a lost host takes it along,
+        # as a machine that dies takes its training process. And the hosts lost
+        # while one ran, which its error names as the cause.
+        self._job_processes: dict[int, subprocess.Popen[str]] = {}
+        self._lost_in_job: set[int] = set()
+
+    def job_started(self, host: int, process: subprocess.Popen[str]) -> None:
+        """``process`` is a job's process on ``host`` (:meth:`run_job`'s) until
+        :meth:`job_ended`; :meth:`kill_host` of ``host`` SIGKILLs it."""
+        self._job_processes[host] = process
+        self._lost_in_job.discard(host)
+
+    def job_ended(self, host: int) -> None:
+        self._job_processes.pop(host, None)
+
+    def lost_during_job(self, host: int) -> bool:
+        """Whether ``host`` was lost while a job's process ran on it."""
+        return host in self._lost_in_job
 
     @classmethod
     def up(cls, *, slices: int = 2, hosts_per_slice: int = 2, base: Path | None = None,
@@ -142,6 +160,9 @@ class TestCluster:
         """The host is lost: its sidecar and replicator SIGKILLed, its RAM disk gone
         with them. It stays down until :meth:`restart_host`."""
         host = self.host(host)
+        if (p := self._job_processes.get(host)) is not None and p.poll() is None:
+            self._lost_in_job.add(host)
+            p.kill()
         self.local.lose_host(host)
 
     def lose_slice(self, slice_: int) -> None:

@@ -86,8 +86,11 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
                                                               str(k)},
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           stdin=subprocess.DEVNULL, text=True))
+            cluster.job_started(i, procs[-1])
         outs = _wait(procs, timeout, failed)
     finally:
+        for i in on:
+            cluster.job_ended(i)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -95,7 +98,8 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
     done = [subprocess.CompletedProcess(p.args, p.returncode, o, e)
             for p, (o, e) in zip(procs, outs, strict=True)]
     error = job_error(done, failed, [f"host {i} ({local.hosts.hosts[i].address})" for i in on],
-                      argv, timeout)
+                      argv, timeout,
+                      lost=[k for k, i in enumerate(on) if cluster.lost_during_job(i)])
     if error is not None:
         raise error
     return done
@@ -114,12 +118,15 @@ def raised(stderr: str, limit: int = 1000) -> str:
 
 
 def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence[int],
-              where: Sequence[str], argv: Sequence[str], timeout: float) -> ScriptError | None:
+              where: Sequence[str], argv: Sequence[str], timeout: float,
+              lost: Sequence[int] = ()) -> ScriptError | None:
     """The error a job's end makes (None: every process exited 0). It names the first
     process that failed (``failed``: those that exited non-zero, in order), its host
     (``where[k]``) and its exit status; those the harness SIGKILLed after it, or that
     failed later waiting on it (a collective's timeout), are only listed. A job that
-    ran past ``timeout`` with no process failed names every process still running."""
+    ran past ``timeout`` with no process failed names every process still running.
+    ``lost``: the processes whose host was lost while the job ran (a fault
+    SIGKILLed them with it)."""
     if all(d.returncode == 0 for d in done):
         return None
     def tails(but: int = -1) -> str:
@@ -132,6 +139,7 @@ def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence
         after = [j for j, d in enumerate(done) if j != k and d.returncode != 0]
         note = (f"process {k} on {where[k]} failed first, with exit status "
                 f"{done[k].returncode}"
+                + (" (SIGKILLed: its host was lost while it ran)" if k in lost else "")
                 + (f"; then processes {after} stopped (exit statuses "
                    f"{[done[j].returncode for j in after]}: killed by the harness "
                    f"{FAILURE_GRACE_S:g}s after it, or failed waiting on it)" if after else ""))
