@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 def _creds(args: argparse.Namespace) -> Credentials:
     from mtc.credentials import Credentials
 
-    return Credentials.from_files(args.token_file, args.tls_cert, args.tls_key, args.tls_ca)
+    creds = Credentials.from_files(args.token_file, args.tls_cert, args.tls_key, args.tls_ca)
+    creds.check_files()
+    return creds
 
 
 def _credential_flags(p: argparse.ArgumentParser) -> None:

@@ -63,6 +63,28 @@ class Credentials:
         return cls(token, Path(cert) if cert else None, Path(key) if key else None,
                    Path(ca) if ca else None)
 
+    def check_files(self) -> None:
+        """A ConfigError naming the flag and file when the TLS files are not a
+        certificate, its own key and a CA (a command's flags, checked before any
+        call: gRPC would otherwise fail every call alike, as if every node were down,
+        and ``ssl`` names no file)."""
+        if not self.tls:
+            return
+        import ssl
+
+        cert, key, ca = self._tls_paths()
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            ctx.load_verify_locations(cafile=str(ca))
+        except ssl.SSLError as e:
+            raise ConfigError(f"--tls-ca {ca}: not a CA certificate (PEM): "
+                              f"{e.reason or e}") from e
+        try:
+            ctx.load_cert_chain(str(cert), str(key))
+        except ssl.SSLError as e:
+            raise ConfigError(f"--tls-cert {cert} and --tls-key {key} are not a certificate "
+                              f"and its key: {e.reason or e}") from e
+
     def _tls_paths(self) -> tuple[Path, Path, Path]:
         assert self.tls_cert and self.tls_key and self.tls_ca
         return self.tls_cert, self.tls_key, self.tls_ca

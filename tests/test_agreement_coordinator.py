@@ -212,6 +212,28 @@ def test_a_member_that_asked_once_at_the_start_is_not_named_as_absent() -> None:
             first.result(timeout=10.0)
 
 
+def test_the_error_names_the_absent_member_as_its_host_not_the_asker() -> None:
+    """The second newcomer trial: a job restarted with replicator 1 dead got
+    ``... no restore request yet from rank(s) [1] ... (host 2)``: the error's host
+    was the member that asked (healthy), so a user read host 2 as the failed one.
+    The host is the member that did not ask (the first, when several did not)."""
+    m = Members({r: h((r, 1)) for r in range(4)})
+    c = coordinator(m)
+    with pytest.raises(AgreementError) as e:
+        c.decide_for(2, "rid", 0.5)
+    assert "no restore request yet from rank(s) [0, 1, 3]" in str(e.value), e.value
+    assert e.value.host == 0, e.value
+    with ThreadPoolExecutor(3) as ex:
+        errs = [ex.submit(c.decide_for, r, "rid2", 1.0) for r in (0, 2, 3)]
+        got = []
+        for f in errs:
+            with pytest.raises(AgreementError) as e:
+                f.result(timeout=10.0)
+            got.append(e.value)
+    assert {x.host for x in got} == {1}, [str(x) for x in got]
+    assert all(str(x).endswith("(host 1)") for x in got), [str(x) for x in got]
+
+
 def test_the_member_that_never_asks_is_named_with_its_address(tmp_path: Path) -> None:
     """A real coordinator node (rank 0) whose member rank 1 is down (a loopback port
     nothing listens on): its ask's error names rank 1's replicator and address, as

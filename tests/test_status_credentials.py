@@ -55,6 +55,28 @@ def test_status_says_a_certificate_it_cannot_use_not_every_node_down(
             "the TLS handshake failed" in out, out
 
 
+@pytest.mark.parametrize("cmd", [["status", "--nodes", "127.0.0.1:1"],
+                                 ["backup", "--nodes", "127.0.0.1:1"]])
+def test_a_key_of_another_certificate_names_the_flags_files(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], cmd: list[str]) -> None:
+    """The second newcomer trial: ``--tls-key`` of another certificate printed
+    ``mtc: [X509: KEY_VALUES_MISMATCH] key values mismatch (_ssl.c:3917)``, no file
+    named; a CA file that is no certificate the same. Each names its flag's file."""
+    certs.issue(tmp_path, 1)
+    wrong_key = ["--tls-cert", str(tmp_path / "controller.crt"), "--tls-key",
+                 str(tmp_path / "rank-0.key"), "--tls-ca", str(tmp_path / "ca.crt")]
+    assert main([*cmd, *wrong_key]) == 1
+    err = capsys.readouterr().err
+    assert (f"--tls-cert {tmp_path / 'controller.crt'} and --tls-key "
+            f"{tmp_path / 'rank-0.key'}") in err, err
+    assert "not a certificate and its key" in err, err
+
+    bad_ca = [*tls_flags(tmp_path)[:4], "--tls-ca", str(tmp_path / "rank-0.key")]
+    assert main([*cmd, *bad_ca]) == 1
+    err = capsys.readouterr().err
+    assert f"--tls-ca {tmp_path / 'rank-0.key'}" in err, err
+
+
 def test_a_wiped_rank_whose_steps_never_reached_a_peer_is_not_up_to_date(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Rank 1's RAM disk was wiped before its steps 10 and 20 reached rank 0: no copy

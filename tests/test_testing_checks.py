@@ -1,9 +1,13 @@
-"""mtc.testing's conditions and assertions, alone (table tests: no process, no cluster)."""
+"""mtc.testing's conditions and assertions, alone (table tests: no cluster; one test starts
+processes of its own, standing in for a job's)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +15,7 @@ import numpy as np
 import pytest
 
 from mtc.errors import ConfigError
-from mtc.testing import Restore, TestCluster, assert_same_values, assert_tiers
+from mtc.testing import Restore, TestCluster, assert_same_values, assert_tiers, jobs
 from mtc.testing.checks import record_restores, tier_problems, value_problems
 
 
@@ -78,6 +82,80 @@ def test_a_fault_on_no_host_is_refused_naming_the_range(call: Callable[[TestClus
 def test_losing_no_slice_is_refused_naming_the_range(slice_: int) -> None:
     with pytest.raises(ConfigError, match=rf"slice {slice_}: this cluster's slices are 0 \.\. 1"):
         TestCluster(_NoHosts()).lose_slice(slice_)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("step", [-5, -1, True, 2.0, "20"])
+@pytest.mark.parametrize("wait", ["wait_replicated", "wait_backed_up"])
+def test_waiting_on_no_step_is_refused_at_once(wait: str, step: object) -> None:
+    """The second newcomer trial: ``wait_replicated(-5)`` polled the hosts for its
+    whole timeout (60 s), then a TimeoutError said step -5 was not on its peer."""
+    with pytest.raises(ConfigError, match=rf"step {step!r}: a step is an integer >= 0"):
+        getattr(TestCluster(_NoHosts()), wait)(step)  # type: ignore[arg-type]
+
+
+class _Host3Down(_NoHosts):
+    """Hosts 0..2 up, host 3 lost (``kill_host(3)``: no sidecar, no replicator)."""
+
+    def __init__(self) -> None:
+        up, down = (SimpleNamespace(sidecar_pid=p, replicator_pid=p) for p in (1, None))
+        self.hosts = SimpleNamespace(hosts=[up, up, up, down])
+
+
+def test_a_job_on_a_host_that_is_down_or_on_no_host_is_refused() -> None:
+    """The second newcomer trial: ``run_job`` after ``kill_host(3)`` ran process 3
+    outside any host, where it never joined; after the job's whole timeout (300 s)
+    every process was named as still running. And ``hosts=[]`` was an IndexError."""
+    cluster = TestCluster(_Host3Down())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"host 3 is down .*restart_host\(3\)"):
+        cluster.run_job(["job.py"])
+    with pytest.raises(ConfigError, match=r"host 3 is down"):
+        cluster.run_job(["job.py"], hosts=[3, 1])
+    with pytest.raises(ConfigError, match=r"hosts \[\]: a job runs on one host or more"):
+        cluster.run_job(["job.py"], hosts=[])
+    # The hosts that are up are not refused: the job goes on to start (here, the
+    # stand-in cluster refuses to be touched further).
+    with pytest.raises(AssertionError, match="reached the cluster"):
+        cluster.run_job(["job.py"], hosts=[0, 1, 2])
+
+
+class _Lost(_NoHosts):
+    """A cluster whose hosts are lost without touching anything (``lose_host``)."""
+
+    def __init__(self) -> None:
+        self.lost: list[int] = []
+
+    def lose_host(self, host: int) -> None:
+        self.lost.append(host)
+
+
+@pytest.mark.process
+def test_a_host_lost_during_a_job_takes_its_job_process_with_it() -> None:
+    """The second newcomer trial: ``kill_host(3)`` while ``run_job`` ran left the
+    job's process on host 3 running (it holds the host's namespaces, and its RAM
+    disk with them): the job ended with no error at all. A lost host's job process
+    is SIGKILLed with the host's sidecar and replicator; the job's error names it."""
+    local = _Lost()
+    cluster = TestCluster(local)  # type: ignore[arg-type]
+    procs = {h: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for h in (2, 3)}
+    try:
+        for h, p in procs.items():
+            cluster.job_started(h, p)
+        cluster.kill_host(3)
+        assert procs[3].wait(timeout=10) == -9
+        assert local.lost == [3] and procs[2].poll() is None
+        assert cluster.lost_during_job(3) and not cluster.lost_during_job(2)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    done = [subprocess.CompletedProcess([], 1, "", ""), subprocess.CompletedProcess([], -9, "", "")]
+    error = jobs.job_error(done, [1, 0], ["host 2 (10.0.0.3)", "host 3 (10.0.0.4)"],
+                           ["job.py"], 60, lost=[1])
+    assert error is not None
+    assert str(error).startswith("process 1 on host 3 (10.0.0.4) failed first, with exit "
+                                 "status -9 (SIGKILLed: its host was lost while it ran)"
+                                 ), str(error)
 
 
 def _nan(payload: int) -> np.float32:

@@ -106,6 +106,34 @@ def test_a_failed_job_names_the_first_process_to_fail(monkeypatch: pytest.Monkey
     assert late is not None and "timeout (5s): processes [0] (host 0 (10.0.0.1))" in str(late)
 
 
+def test_the_failed_process_s_exception_is_in_the_first_lines() -> None:
+    """The second newcomer trial: a job restarted with replicator 1 dead failed with
+    ``process 2 on host 2 (...) failed first, with exit status 1`` first; what it
+    raised (an AgreementError naming rank 1 and host 1) only thousands of characters
+    below, behind its traceback. The exception's line comes second, after the
+    process's name; the last one raised (a chain's), its first line."""
+    trace = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+             "    f()\nmtc.errors.PeerError: PrepareRestore failed (host 2)\n\n"
+             "The above exception was the direct cause of the following exception:\n\n"
+             "Traceback (most recent call last):\n  File \"job.py\", line 16, in <module>\n"
+             "    mgr.latest_step()\nmtc.errors.AgreementError: no restore request yet "
+             "from rank(s) [1] (host 1)\nsecond line of its message\n")
+    done = [subprocess.CompletedProcess([], 1, "", "x" * 9000),
+            subprocess.CompletedProcess([], 1, "", "[Gloo] noise\n" + trace + "x" * 9000)]
+    where = ["host 0 (10.0.0.1)", "host 1 (10.0.0.2)"]
+    error = jobs.job_error(done, [1, 0], where, ["job.py"], 60)
+    assert error is not None
+    first, second = str(error).splitlines()[:2]
+    assert first.startswith("process 1 on host 1 (10.0.0.2) failed first, with exit "
+                            "status 1; then processes [0] stopped"), first
+    assert second == ("process 1 raised mtc.errors.AgreementError: no restore request "
+                      "yet from rank(s) [1] (host 1)"), second
+    # No traceback (os._exit, a signal): nothing is made up.
+    plain = [subprocess.CompletedProcess([], 3, "", "boom\n")]
+    error = jobs.job_error(plain, [0], where[:1], ["job.py"], 60)
+    assert error is not None and "raised" not in str(error).splitlines()[1], str(error)
+
+
 def test_a_job_comes_back_on_fewer_hosts_as_the_page_says(tmp_path: Path) -> None:
     """docs/testing.md: a lost slice not replaced; the job comes back on the host left
     (run_job(hosts=[1])), one process restoring onto its smaller mesh, the lost

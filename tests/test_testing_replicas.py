@@ -66,6 +66,19 @@ def test_a_copy_that_never_comes_is_named_after_the_timeout() -> None:
         wait_replicated(lambda: {(1, 0, 7), (0, 1, 6)}, 7, 2, 1, timeout=0.05, poll_s=0.01)
 
 
+def test_the_timeout_names_the_hosts_that_answer_nothing() -> None:
+    """The second newcomer trial: with host 3's replicator killed, ``wait_replicated``
+    said ``step 20 of hosts [1, 3] is not on its peer`` and nothing of host 3 being
+    the one down. The hosts whose replicator did not answer are named apart."""
+    held = {(0, 2, 20), (2, 0, 20)}  # host 3's replicator down: nothing of 1 or 3
+    with pytest.raises(TimeoutError) as e:
+        wait_replicated(lambda: held, 20, 4, 2, timeout=0.05, poll_s=0.01,
+                        silent=lambda: [3])
+    assert "step 20 of hosts [1, 3] is not on its peer" in str(e.value), e.value
+    assert str(e.value).endswith("; host(s) [3] answer nothing: down, or their "
+                                 "replicator is"), e.value
+
+
 def test_mtc_testing_reaches_the_hosts_through_mtc_not_the_sidecars_modules() -> None:
     """mtc.testing runs in the test's process, the controller's side: it asks the
     replicators over the network (mtc.replicas) and takes shared definitions from

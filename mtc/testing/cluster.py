@@ -63,6 +63,24 @@ class TestCluster:
 
     def __init__(self, local: LocalCluster) -> None:
         self.local = local
+        # A running job's process per host (run_job's): a lost host takes it along,
+        # as a machine that dies takes its training process. And the hosts lost
+        # while one ran, which its error names as the cause.
+        self._job_processes: dict[int, subprocess.Popen[str]] = {}
+        self._lost_in_job: set[int] = set()
+
+    def job_started(self, host: int, process: subprocess.Popen[str]) -> None:
+        """``process`` is a job's process on ``host`` (:meth:`run_job`'s) until
+        :meth:`job_ended`; :meth:`kill_host` of ``host`` SIGKILLs it."""
+        self._job_processes[host] = process
+        self._lost_in_job.discard(host)
+
+    def job_ended(self, host: int) -> None:
+        self._job_processes.pop(host, None)
+
+    def lost_during_job(self, host: int) -> bool:
+        """Whether ``host`` was lost while a job's process ran on it."""
+        return host in self._lost_in_job
 
     @classmethod
     def up(cls, *, slices: int = 2, hosts_per_slice: int = 2, base: Path | None = None,
@@ -142,6 +160,9 @@ class TestCluster:
         """The host is lost: its sidecar and replicator SIGKILLed, its RAM disk gone
         with them. It stays down until :meth:`restart_host`."""
         host = self.host(host)
+        if (p := self._job_processes.get(host)) is not None and p.poll() is None:
+            self._lost_in_job.add(host)
+            p.kill()
         self.local.lose_host(host)
 
     def lose_slice(self, slice_: int) -> None:
@@ -216,14 +237,16 @@ class TestCluster:
         """Until every host's data of ``step`` is held by its peer, the host of the
         next slice with its in-slice index (a TimeoutError naming the hosts whose
         copy is missing after ``timeout``)."""
+        step = _step(step)
         replicas.wait_replicated(
             lambda: {(h, o, s) for h, got in self.held().items() for o, s in got},
-            step, self.num_hosts, self.local.hosts_per_slice, timeout)
+            step, self.num_hosts, self.local.hosts_per_slice, timeout,
+            silent=lambda: [h for h in range(self.num_hosts) if self._ask(h) is None])
 
     def wait_backed_up(self, step: int, timeout: float = 60.0) -> None:
         """Until ``step`` is complete in the backup (every host's data and the commit
         marker, as the replicators list it)."""
-        replicas.wait_backed_up(self.backed_up, step, timeout)
+        replicas.wait_backed_up(self.backed_up, _step(step), timeout)
 
     def request_backup(self) -> int:
         """Back up the newest step every host holds, now (as ``mtc backup``); returns
@@ -283,6 +306,13 @@ class TestCluster:
             for what in ("sidecar", "replicator"):
                 out.append(f"--- host {h} {what} ---\n{self.local.hosts.log_tail(h, what, n)}")
         return "\n".join(out)
+
+
+def _step(step: object) -> int:
+    """``step``, checked: a step no save can have is refused now, not waited for."""
+    if isinstance(step, bool) or not hasattr(step, "__index__") or step.__index__() < 0:
+        raise ConfigError(f"step {step!r}: a step is an integer >= 0")
+    return int(step.__index__())
 
 
 def _is_index(i: object, n: int) -> bool:

@@ -49,8 +49,18 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
     ``reference`` and no replicators."""
     local = cluster.local
     on = list(range(cluster.num_hosts) if hosts is None else map(cluster.host, hosts))
+    if not on:
+        raise ConfigError("hosts []: a job runs on one host or more")
     if len(set(on)) != len(on):
         raise ConfigError(f"hosts {list(on)}: one process per host, each host once")
+    for i in on:
+        h = local.hosts.hosts[i]
+        if h.sidecar_pid is None and h.replicator_pid is None:
+            # Nothing of the host runs: its process would run outside any host, never
+            # join the job, and the others would wait for it until the job's timeout.
+            raise ConfigError(f"host {i} is down (lost: kill_host, lose_slice): "
+                              f"restart_host({i}) brings it back empty, or leave it out "
+                              f"of hosts=[...]")
     namespaces = local.isolation == "namespaces"
     port = (random.SystemRandom().randint(*NS_COORDINATOR_PORTS) if namespaces
             else free_ports(1)[0])
@@ -76,8 +86,11 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
                                                               str(k)},
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           stdin=subprocess.DEVNULL, text=True))
+            cluster.job_started(i, procs[-1])
         outs = _wait(procs, timeout, failed)
     finally:
+        for i in on:
+            cluster.job_ended(i)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -85,19 +98,35 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
     done = [subprocess.CompletedProcess(p.args, p.returncode, o, e)
             for p, (o, e) in zip(procs, outs, strict=True)]
     error = job_error(done, failed, [f"host {i} ({local.hosts.hosts[i].address})" for i in on],
-                      argv, timeout)
+                      argv, timeout,
+                      lost=[k for k, i in enumerate(on) if cluster.lost_during_job(i)])
     if error is not None:
         raise error
     return done
 
 
+def raised(stderr: str, limit: int = 1000) -> str:
+    """The exception a Python process's ``stderr`` ends on: the first line of the last
+    traceback's exception ("" when there is none: a signal, ``os._exit``)."""
+    _, header, trace = stderr.rpartition("Traceback (most recent call last):\n")
+    if not header:
+        return ""
+    for line in trace.splitlines():
+        if line and not line[0].isspace():
+            return line[:limit]
+    return ""
+
+
 def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence[int],
-              where: Sequence[str], argv: Sequence[str], timeout: float) -> ScriptError | None:
+              where: Sequence[str], argv: Sequence[str], timeout: float,
+              lost: Sequence[int] = ()) -> ScriptError | None:
     """The error a job's end makes (None: every process exited 0). It names the first
     process that failed (``failed``: those that exited non-zero, in order), its host
     (``where[k]``) and its exit status; those the harness SIGKILLed after it, or that
     failed later waiting on it (a collective's timeout), are only listed. A job that
-    ran past ``timeout`` with no process failed names every process still running."""
+    ran past ``timeout`` with no process failed names every process still running.
+    ``lost``: the processes whose host was lost while the job ran (a fault
+    SIGKILLed them with it)."""
     if all(d.returncode == 0 for d in done):
         return None
     def tails(but: int = -1) -> str:
@@ -110,9 +139,14 @@ def job_error(done: Sequence[subprocess.CompletedProcess[str]], failed: Sequence
         after = [j for j, d in enumerate(done) if j != k and d.returncode != 0]
         note = (f"process {k} on {where[k]} failed first, with exit status "
                 f"{done[k].returncode}"
+                + (" (SIGKILLed: its host was lost while it ran)" if k in lost else "")
                 + (f"; then processes {after} stopped (exit statuses "
                    f"{[done[j].returncode for j in after]}: killed by the harness "
                    f"{FAILURE_GRACE_S:g}s after it, or failed waiting on it)" if after else ""))
+        if line := raised(done[k].stderr or ""):
+            # What it raised says what failed (another host's replicator, say): it
+            # is read first, not after thousands of characters of traceback.
+            note += f"\nprocess {k} raised {line}"
         stderr = (done[k].stderr or "")[-LOG_TAIL_CHARS:] + tails(k)
         return ScriptError(done[k].returncode, [f"process {k} on {where[k]}", *argv],
                            done[k].stdout, stderr, note=note, tail_chars=len(stderr))

@@ -45,10 +45,12 @@ def unreplicated(held: Collection[Copy], step: int, num_hosts: int,
 
 
 def wait_replicated(held: Callable[[], Collection[Copy]], step: int, num_hosts: int,
-                    hosts_per_slice: int, timeout: float, poll_s: float = POLL_S) -> float:
+                    hosts_per_slice: int, timeout: float, poll_s: float = POLL_S,
+                    silent: Callable[[], Collection[int]] | None = None) -> float:
     """Until ``held()`` (the (holder, origin, step) copies the replicators hold now)
     has every host's peer copy of ``step``; returns the seconds waited. TimeoutError,
-    naming the copies missing, after ``timeout`` seconds."""
+    naming the copies missing, after ``timeout`` seconds (and ``silent()``: the hosts
+    whose replicator does not answer, the likely cause)."""
     want = peer_copies(step, num_hosts, hosts_per_slice)
     missing = want
 
@@ -57,10 +59,15 @@ def wait_replicated(held: Callable[[], Collection[Copy]], step: int, num_hosts: 
         missing = want - set(held())
         return not missing
 
+    def detail() -> str:
+        down = sorted(silent()) if silent is not None else []
+        return (f"step {step} of hosts {sorted({o for _, o, _ in missing})} is not on its "
+                f"peer: missing (holder, origin, step) {sorted(missing)}"
+                + (f"; host(s) {down} answer nothing: down, or their replicator is"
+                   if down else ""))
+
     return timed_wait(f"step {step} on every host's peer", replicated, timeout, poll_s=poll_s,
-                      detail=lambda: f"step {step} of hosts {sorted({o for _, o, _ in missing})} "
-                                     f"is not on its peer: missing (holder, origin, step) "
-                                     f"{sorted(missing)}")
+                      detail=detail)
 
 
 def wait_backed_up(ask_backup: Callable[[], list[int]], step: int, timeout: float) -> None:

@@ -161,18 +161,24 @@ class Coordinator:
                     # at their own deadline a moment ago still count as asked).
                     absent = [m for m in self.members
                               if self._lease_end.get(m, -1e18) < now - ASKED_LATELY_S]
+                    # The error names as its host a member that failed to take part,
+                    # not this asker: the asker is healthy, and a user reads the
+                    # host as the one to look at (all of them are in the text).
+                    failed = rank
                     if absent:
+                        failed = absent[0]
                         why = f"no restore request yet from rank(s) {absent}"
                         said = self.silent(absent) if self.silent is not None else ""
                         if said:
                             why += f" ({said})"
                     elif self._deciding:
                         why = f"no inventory yet from rank(s) {list(self.waiting_for)}"
+                        failed = self.waiting_for[0] if self.waiting_for else rank
                     else:
                         why = self._why or "the coordinator could not decide"
                     raise AgreementError(f"cannot decide the step to restore within "
                                          f"{timeout_s:.1f}s: {why}; every member must ask "
-                                         f"and answer", host=rank)
+                                         f"and answer", host=failed)
                 wait = deadline - now if alive is None else min(deadline - now, ALIVE_CHECK_S)
                 # Woken to probe members that have not asked (none notifies for them).
                 self._cond.wait(min(wait, PROBE_S) if self.faults and waiting else wait)
