@@ -33,6 +33,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.fetch.materialize import Materializer
 from mtc.sidecar.replicator.wire.client import FETCH
 from mtc.sidecar.restore.peers import PeerFiles
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -168,14 +169,17 @@ def _reader(address: str, creds: Credentials, rank: int) -> grpc.Channel:
 
 
 def _slow_reader(channel: grpc.Channel, req: pb.FetchRequest, rate: float,
-                 stop: threading.Event) -> int:
+                 stop: threading.Event, reading: list[int] | None = None) -> int:
     """Read ``req``'s bytes at ``rate`` bytes a second (above the minimum the holder
-    asks) until ``stop``; the bytes read."""
+    asks) until ``stop``; the bytes read. ``reading`` gets an entry once the first
+    bytes came (the stream holds a place)."""
     got, t0 = 0, time.monotonic()
     call = channel.unary_stream(FETCH, request_serializer=pb.FetchRequest.SerializeToString,
                                 response_deserializer=lambda b: b)(req, timeout=600.0)
     try:
         for chunk in call:
+            if not got and reading is not None:
+                reading.append(1)
             got += len(chunk)
             while got / rate > time.monotonic() - t0:
                 if stop.wait(0.05):
@@ -228,10 +232,12 @@ def test_a_reader_flood_leaves_a_replaced_hosts_restore_its_streams(
     stop = threading.Event()
     try:
         with ThreadPoolExecutor(16) as pool:
-            flood = [pool.submit(_slow_reader, readers[i % 2], req, 300 << 10, stop)
+            reading: list[int] = []
+            flood = [pool.submit(_slow_reader, readers[i % 2], req, 300 << 10, stop, reading)
                      for i in range(16)]
             try:
-                time.sleep(3.0)  # the readers settle (before: all 16 held every place)
+                # The readers hold their places (before: all 16 held every place).
+                wait_until("12 readers reading", lambda: len(reading) >= 12, 30)
                 assert sum(not f.done() for f in flood) >= 12
                 flooded = replaced_restore()
                 # Replication into the flooded host goes on: pushes have places of their own.
