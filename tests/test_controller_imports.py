@@ -33,17 +33,23 @@ ALLOWED = {
 }
 
 
-def replicator_imports(source: str) -> set[str]:
-    """The replicator's modules ``source`` imports, anywhere in it (lazy imports and
-    ``TYPE_CHECKING`` ones too)."""
-    found: set[str] = set()
+def imports_of(source: str) -> list[list[str]]:
+    """Per import statement anywhere in ``source`` (lazy imports and ``TYPE_CHECKING``
+    ones too), the names it may import: modules, and ``module.name`` for each name
+    taken from a module (which may be a module itself)."""
+    out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            out.append([a.name for a in node.names])
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        else:
-            continue
+            out.append([node.module] + [f"{node.module}.{a.name}" for a in node.names])
+    return out
+
+
+def replicator_imports(source: str) -> set[str]:
+    """The replicator's modules ``source`` imports, anywhere in it."""
+    found: set[str] = set()
+    for names in imports_of(source):
         ours = [n for n in names if n == REPLICATOR or n.startswith(REPLICATOR + ".")]
         if ours:  # the module imported from, not the name taken from it
             found.add(min(ours, key=len))
@@ -82,13 +88,7 @@ def test_mtc_testing_imports_nothing_of_the_demo_package() -> None:
     user's tests need not install."""
     found = set()
     for path in sorted((ROOT / "testing").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            else:
-                continue
+        for names in imports_of(path.read_text()):
             found |= {(path.name, n) for n in names
                       if n == "mtc.trainer" or n.startswith("mtc.trainer.")}
     assert found == set(), found
