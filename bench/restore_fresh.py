@@ -16,9 +16,12 @@ copies of the same leaves, and Orbax's restore.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
 import json
 import logging
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -60,7 +63,8 @@ def save(root: Path, gib: float) -> dict[str, Any]:
     return meta
 
 
-def restore(root: Path, dispatches: tuple[str, ...] = DISPATCHES) -> dict[str, Any]:
+def restore(root: Path, dispatches: tuple[str, ...] = DISPATCHES,
+            profile: Path | None = None) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     meta = json.loads((root / "meta.json").read_text())
@@ -75,9 +79,19 @@ def restore(root: Path, dispatches: tuple[str, ...] = DISPATCHES) -> dict[str, A
     host = None
     for d in dispatches:
         with mtc.CheckpointManager(root / d, options=mtc.Options(dispatch=d)) as mgr:  # type: ignore[arg-type]
+            prof = cProfile.Profile() if profile is not None else None
             t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
             got = jax.block_until_ready(mgr.restore(1, abstract))
             seconds[d] = time.perf_counter() - t0
+            if prof is not None and profile is not None:
+                prof.disable()
+                text = io.StringIO()
+                stats = pstats.Stats(prof, stream=text)
+                stats.sort_stats("cumulative").print_stats(40)
+                stats.sort_stats("tottime").print_stats(25)
+                profile.write_text(text.getvalue())
         for k, v in got.items():
             if abs(float(jnp.sum(v)) - meta["sums"][k]) > 1e-3 * max(1.0, abs(meta["sums"][k])):
                 raise AssertionError(f"{d}: leaf {k} restored other values")
@@ -112,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--dispatch", choices=DISPATCHES, nargs="+", default=list(DISPATCHES),
                    help="restore: whose restore is timed (one a process: the first)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="restore: write the timed restore's profile (cProfile, text) here")
     a = p.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)
     a.dir.mkdir(parents=True, exist_ok=True)
-    got = save(a.dir, a.gib) if a.phase == "save" else restore(a.dir, tuple(a.dispatch))
+    got = save(a.dir, a.gib) if a.phase == "save" else restore(a.dir, tuple(a.dispatch), a.profile)
     print(json.dumps(got if a.phase == "restore" else {"saved": str(a.dir)}, indent=2))
     return 0
 

@@ -57,6 +57,13 @@ def test_accelerator_bench_smoke_has_every_figure_and_checks_values() -> None:
                     "orbax_snapshot_every_step_fused_mean_over_plain",
                     "mtc_in_graph_every_step_fused_mean_over_plain"):
             assert got[key] > 0, (length, key)
+        # The loop's time lost per save, beside the call's own time; the manager's
+        # first save (its warm-up) apart; what the saves copied and read directly.
+        for key in ("mtc_save_every_50_fused_held_over_device_get",
+                    "mtc_save_at_link_rate_split_held_over_device_get",
+                    "mtc_save_every_50_fused_first_stall_over_device_get"):
+            assert got[key] >= 0, (length, key)
+        assert got["save_copied_bytes"] == got["save_direct_bytes"] == 0  # CPU: no copy
         # CPU devices: every snapshot asked for is taken (no pacing off an accelerator).
         assert got["saves_or_snapshots_taken"]["mtc_snapshot_every_step_fused"] >= 40
 
