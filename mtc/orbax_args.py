@@ -8,9 +8,10 @@ recognised by name, so mtc works without it installed.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from mtc.errors import ConfigError
+from mtc.errors import ConfigError, StepExistsError
 
 _SAVE = ("StandardSaveArgs", "PyTreeSaveArgs", "JsonSaveArgs", "ArraySaveArgs")
 # ``ocp.args.ArrayRestore``'s class is named as the per-leaf ``ocp.ArrayRestoreArgs``
@@ -233,3 +234,29 @@ def legacy_restore(items: Any, restore_kwargs: Any) -> Any:
         out[name] = (None if item is None and ra is None
                      else ocp_args.PyTreeRestore(item=item, restore_args=ra))
     return ocp_args.Composite(**out)
+
+
+# Orbax's ``StepAlreadyExistsError`` class -> mtc's StepExistsError made also one of it.
+_ORBAX_STEP_EXISTS: dict[type, type] = {}
+
+
+def step_exists(message: str, *, step: int, host: int | None = None) -> StepExistsError:
+    """A :class:`StepExistsError`, which is also Orbax's own
+    ``checkpoint_manager.StepAlreadyExistsError`` where the process has Orbax loaded:
+    a switching user's ``except StepAlreadyExistsError`` clause still catches what
+    Orbax raised in the same place. Orbax is never imported for this (a user who
+    names its class has imported it; one who has not needs only the ``ValueError``)."""
+    module = sys.modules.get("orbax.checkpoint.checkpoint_manager")
+    orbax_cls = getattr(module, "StepAlreadyExistsError", None)
+    if not (isinstance(orbax_cls, type) and issubclass(orbax_cls, ValueError)):
+        return StepExistsError(message, step=step, host=host)
+    cls = _ORBAX_STEP_EXISTS.get(orbax_cls)
+    if cls is None:
+        cls = type("StepExistsError", (StepExistsError, orbax_cls),
+                   {"__module__": StepExistsError.__module__,
+                    "__qualname__": StepExistsError.__qualname__,
+                    "__doc__": StepExistsError.__doc__})
+        _ORBAX_STEP_EXISTS[orbax_cls] = cls
+    err = cls(message, step=step, host=host)
+    assert isinstance(err, StepExistsError)
+    return err

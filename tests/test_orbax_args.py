@@ -108,3 +108,22 @@ def test_the_restored_composite_is_the_requests_class() -> None:
     got = orbax_args.composite_result(request, {"state": STATE})
     assert type(got) is type(request)
     assert got.state is STATE and got["state"] is STATE
+
+
+def test_step_exists_is_orbax_step_already_exists_error_where_orbax_is_loaded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switching user's ``except StepAlreadyExistsError`` catches mtc's refusal of
+    a step that exists; without Orbax loaded it is mtc's StepExistsError alone."""
+    from mtc.errors import FatalError, StepExistsError
+
+    err = orbax_args.step_exists("step is already committed", step=4, host=1)
+    assert isinstance(err, ocp.checkpoint_manager.StepAlreadyExistsError)
+    assert isinstance(err, StepExistsError) and isinstance(err, FatalError)
+    assert (err.step, err.host) == (4, 1) and "step 4, host 1" in str(err)
+    assert type(err) is type(orbax_args.step_exists("again", step=5))  # one class
+    with pytest.raises(ocp.checkpoint_manager.StepAlreadyExistsError):
+        raise err
+
+    monkeypatch.delitem(__import__("sys").modules, "orbax.checkpoint.checkpoint_manager")
+    plain = orbax_args.step_exists("step is already committed", step=4)
+    assert type(plain) is StepExistsError and isinstance(plain, ValueError)

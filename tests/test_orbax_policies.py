@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
-import types
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -215,25 +215,30 @@ def test_continuous_checkpointing_saves_once_the_last_save_is_done_and_the_gap_p
         assert mgr.save(3, state, force=True)
 
 
+@pytest.mark.parametrize(("best", "kept"), [
+    (False, [0, 3, 6, 8, 9]),  # max_to_keep=2: the newest two and one each 3 hours
+    (True, [0, 1, 2, 3, 6, 9]),  # max_to_keep=3 best by the lowest loss, and 3-hourly
+], ids=["newest", "best_fn"])
 def test_keep_time_interval_keeps_as_orbax_test_expects(ramdisk: Path, mesh: Mesh,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Orbax's own case (checkpoint_manager_test's time interval test): one save an
-    hour, max_to_keep=2, keep_time_interval=3h keeps [0, 3, 6, 8, 9]. The hours pass on
-    a clock of the save flow's own."""
-    from mtc.save import flow
-
-    clock = [1e9]
-    monkeypatch.setattr(flow, "time", types.SimpleNamespace(
-        time=lambda: clock[0], perf_counter=time.perf_counter))
+                                                       best: bool, kept: list[int]) -> None:
+    """Orbax's own cases (checkpoint_manager_test's time interval tests): one save an
+    hour, keep_time_interval=3h. The hours pass on the clock Orbax reads and its
+    tests fake, ``datetime.datetime`` (mtc reads the time of a save there too)."""
     state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=mtc.Options(
-            simulated_hosts=4, dispatch="local", max_to_keep=2,
-            keep_time_interval=datetime.timedelta(hours=3))) as mgr:
+    now = datetime.datetime.now(tz=datetime.timezone.utc)
+    extra: dict[str, Any] = ({"max_to_keep": 3, "best_fn": lambda m: m["loss"],
+                              "best_mode": "min"} if best else {"max_to_keep": 2})
+    with mock.patch("datetime.datetime", autospec=True) as dt, mtc.CheckpointManager(
+            ramdisk, mesh=mesh, options=mtc.Options(
+                simulated_hosts=4, dispatch="local",
+                keep_time_interval=datetime.timedelta(hours=3), **extra)) as mgr:
         for s in range(10):
-            assert mgr.save(s, args=ocp.args.StandardSave(state))
-            clock[0] += 3600
+            dt.now.return_value = now
+            assert mgr.save(s, args=ocp.args.StandardSave(state),
+                            metrics={"loss": s} if best else None)
+            now += datetime.timedelta(hours=1)
         mgr.wait_until_finished()
-        assert mgr.all_steps() == [0, 3, 6, 8, 9]
+        assert mgr.all_steps() == kept
 
 
 def test_orbax_retention_options_as_the_policy_orbax_makes_of_them() -> None:

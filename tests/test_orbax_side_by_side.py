@@ -10,6 +10,7 @@ case says so and docs/reference.md's Orbax table names it.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -256,12 +257,15 @@ def second_manager_in_process(make: Make, mesh: Mesh) -> list[Any]:
 def refusals_as_orbax_raises_them(make: Make, mesh: Mesh) -> list[Any]:
     """Issue 67, items 3, 5 and 8: what Orbax refuses is refused at once with the
     built-in exception Orbax raises there (mtc's errors subclass it): a forced save
-    of a step in flight (ValueError), a single item on a Composite manager and the
+    of a step in flight or committed (Orbax's own StepAlreadyExistsError, which mtc's
+    StepExistsError is too where Orbax is loaded), a single item on a Composite manager and the
     reverse, an item outside item_names (ValueError), a missing step
     (FileNotFoundError); ``restore(directory=)`` reads another manager's folder."""
     def refused(call: Callable[[], Any]) -> str:
         try:
             call()
+        except ocp.checkpoint_manager.StepAlreadyExistsError:  # a ValueError: first
+            return "StepAlreadyExistsError"
         except ValueError:
             return "ValueError"
         except FileNotFoundError:
@@ -279,6 +283,8 @@ def refusals_as_orbax_raises_them(make: Make, mesh: Mesh) -> list[Any]:
         out.append(refused(lambda: mgr.restore(7, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(state(mesh, 0))))))
         mgr.wait_until_finished()
+        out.append(refused(lambda: mgr.save(0, args=ocp.args.Composite(params=one),
+                                            force=True)))  # committed now
     with make("b") as mgr:
         mgr.save(0, args=one)
         mgr.wait_until_finished()
@@ -352,6 +358,27 @@ def legacy_items_and_restore_kwargs(make: Make, mesh: Mesh) -> list[Any]:
         return [values(back["params"]), back["meta"]]
 
 
+def keep_time_interval_on_the_clock_orbax_reads(make: Make, mesh: Mesh) -> list[Any]:
+    """keep_time_interval beside max_to_keep and beside best_fn, one save an hour on
+    the clock Orbax reads and its users' tests fake (``datetime.datetime``)."""
+    out: list[Any] = []
+    now = datetime.datetime.now(tz=datetime.timezone.utc)
+    hours3 = datetime.timedelta(hours=3)
+    for sub, kw in (("a", {"max_to_keep": 2}),
+                    ("b", {"max_to_keep": 3, "best_fn": lambda m: m["loss"],
+                           "best_mode": "min"})):
+        with mock.patch("datetime.datetime", autospec=True) as dt, make(
+                sub, item_names=("params",), keep_time_interval=hours3, **kw) as mgr:
+            for s in range(10):
+                dt.now.return_value = now
+                mgr.save(s, args=ocp.args.Composite(params=ocp.args.StandardSave(
+                    state(mesh, s))), metrics={"loss": s})
+                now += datetime.timedelta(hours=1)
+            mgr.wait_until_finished()
+            out.append(list(mgr.all_steps()))
+    return out
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
@@ -359,7 +386,7 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          save_schedule_options, second_manager_in_process,
          refusals_as_orbax_raises_them, root_and_step_metadata,
          restore_without_target_keeps_the_saved_sharding, array_items,
-         legacy_items_and_restore_kwargs]
+         legacy_items_and_restore_kwargs, keep_time_interval_on_the_clock_orbax_reads]
 
 
 # -- the two libraries ----------------------------------------------------------------
@@ -457,8 +484,8 @@ def test_what_orbax_refuses_or_hides_that_mtc_answers(ramdisk: Path, mesh: Mesh)
 def test_what_mtc_keeps_or_raises_otherwise_than_orbax(ramdisk: Path, mesh: Mesh) -> None:
     """max_to_keep=0 keeps what keep_period keeps and the newest complete step, which
     mtc never deletes (the one a restore after a failure needs; Orbax keeps none);
-    a forced save of a step in flight raises mtc's StepExistsError, a ValueError, not
-    Orbax's own class."""
+    a forced save of a step in flight raises mtc's StepExistsError, a ValueError and,
+    Orbax being loaded, Orbax's own StepAlreadyExistsError too."""
     with mtc_maker(ramdisk, mesh)("zero", max_to_keep=0, keep_period=3) as mgr:
         for s in range(8):
             assert mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
@@ -469,5 +496,6 @@ def test_what_mtc_keeps_or_raises_otherwise_than_orbax(ramdisk: Path, mesh: Mesh
         with pytest.raises(mtc.StepExistsError) as e:
             mgr.save(0, args=ocp.args.StandardSave(state(mesh, 1)), force=True)
         assert isinstance(e.value, ValueError)
-        assert not isinstance(e.value, ocp.checkpoint_manager.StepAlreadyExistsError)
+        assert isinstance(e.value, ocp.checkpoint_manager.StepAlreadyExistsError)
+        assert e.value.step == 0 and "step 0" in str(e.value)
         mgr.wait_until_finished()

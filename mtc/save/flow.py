@@ -20,7 +20,6 @@ from mtc.errors import (
     MtcError,
     SaveError,
     ShardUnavailableError,
-    StepExistsError,
     StepNotFoundError,
 )
 from mtc.inventory import StepInventory
@@ -31,6 +30,15 @@ from mtc.topology import Topology
 
 # The manager's log lines keep one logger name, the one users configure.
 log = logging.getLogger("mtc.manager")
+
+
+def _wall_clock() -> float:
+    """Seconds since the epoch, read as Orbax reads the time of a save
+    (``datetime.datetime.now(tz=utc)``, looked up at each call): the time-based
+    policies (``keep_time_interval``, ``EveryNSeconds``, ``minimum_interval_secs``)
+    then see the clock a user's test fakes for Orbax (``mock.patch("datetime.datetime")``)
+    as Orbax's would, and a step's time is wall time, as Orbax's."""
+    return datetime.datetime.now(datetime.timezone.utc).timestamp()
 
 
 class _NotDue(Exception):
@@ -75,7 +83,7 @@ class SaveFlow:
         # reading a step's manifests, wait for them first). The same in every
         # process of a multi-controller job, which saves the same steps.
         self.staged: set[int] = set()
-        # When this manager saved each step (time.time()): what Orbax's time-based
+        # When this manager saved each step (_wall_clock()): what Orbax's time-based
         # policies read (a step saved before this manager has no known time).
         self._saved_at: dict[int, float] = {}
         # Step folders found at start that are not mtc's (per host): never replaced.
@@ -121,7 +129,7 @@ class SaveFlow:
         previous = [] if newest is None else [
             policies.StepInfo(newest, None, self._saved_at.get(newest))]
         due = policies.save_due(
-            self.options.save_decision_policy, step, previous, now=time.time(),
+            self.options.save_decision_policy, step, previous, now=_wall_clock(),
             saving=self._saves_in_flight() > 0, preempted=multihost.reached_preemption(step))
         return bool(multihost.every_value(int(due))[0])
 
@@ -187,7 +195,7 @@ class SaveFlow:
         self._refuse_foreign(step)
         if force and step in self.staged:
             # At once, as Orbax's StepAlreadyExistsError: not later from a commit.
-            raise StepExistsError("save(force=True) of a step this manager is already "
+            raise orbax_args.step_exists("save(force=True) of a step this manager is already "
                                   "saving (or saved): force never overwrites", step=step)
         # The job's first decision needs the hosts' newest step. One controller
         # learns it from the save's own first call (a save stays two calls); the
@@ -234,7 +242,7 @@ class SaveFlow:
             self._saved_since_retention = True
             self.last_saved = max(step, self.last_saved or 0)
             self.staged.add(step)
-            self._saved_at[step] = time.time()
+            self._saved_at[step] = _wall_clock()
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
             if log.isEnabledFor(logging.INFO):  # its byte count walks every shard
@@ -251,7 +259,7 @@ class SaveFlow:
         as any host's failed save does (a refusal here would be this process's alone)."""
         held = [h for h, steps in self.foreign.items() if step in steps]
         if held and not self.inventory.sees_own_host_only:
-            raise StepExistsError("a step folder of this number that is not mtc's (no mtc "
+            raise orbax_args.step_exists("a step folder of this number that is not mtc's (no mtc "
                                   "manifest: Orbax's or another tool's) is there; mtc leaves "
                                   "it alone: save another step number, or move that folder",
                                   step=step, host=held[0])
@@ -275,7 +283,7 @@ class SaveFlow:
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
         if self.inventory.sees_own_host_only or partial:  # the first: collective
             if step in self.inventory.complete_everywhere(held):
-                raise StepExistsError("step is already committed", step=step,
+                raise orbax_args.step_exists("step is already committed", step=step,
                                       host=partial[0] if partial else None)
         if not partial:
             return held
@@ -434,7 +442,7 @@ class SaveFlow:
                     self._metrics[s] = self.metrics_of_step(s)
         infos = [policies.StepInfo(s, self._metrics.get(s), self._saved_at.get(s))
                  for s in sorted(complete)]
-        gone = multihost.common_steps(policies.to_delete(policy, infos, now=time.time()))
+        gone = multihost.common_steps(policies.to_delete(policy, infos, now=_wall_clock()))
         for s in gone:
             log.info("mtc: step %d deleted: not kept by the preservation_policy (%s)", s,
                      type(policy).__name__)
