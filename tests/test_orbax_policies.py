@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -225,7 +224,7 @@ def test_keep_time_interval_keeps_as_orbax_test_expects(ramdisk: Path, mesh: Mes
     hour, keep_time_interval=3h. The hours pass on the clock Orbax reads and its
     tests fake, ``datetime.datetime`` (mtc reads the time of a save there too)."""
     state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
-    now = datetime.datetime.now(tz=datetime.timezone.utc)
+    now = datetime.datetime.now(tz=datetime.UTC)
     extra: dict[str, Any] = ({"max_to_keep": 3, "best_fn": lambda m: m["loss"],
                               "best_mode": "min"} if best else {"max_to_keep": 2})
     with mock.patch("datetime.datetime", autospec=True) as dt, mtc.CheckpointManager(

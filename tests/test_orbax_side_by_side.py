@@ -362,7 +362,7 @@ def keep_time_interval_on_the_clock_orbax_reads(make: Make, mesh: Mesh) -> list[
     """keep_time_interval beside max_to_keep and beside best_fn, one save an hour on
     the clock Orbax reads and its users' tests fake (``datetime.datetime``)."""
     out: list[Any] = []
-    now = datetime.datetime.now(tz=datetime.timezone.utc)
+    now = datetime.datetime.now(tz=datetime.UTC)
     hours3 = datetime.timedelta(hours=3)
     for sub, kw in (("a", {"max_to_keep": 2}),
                     ("b", {"max_to_keep": 3, "best_fn": lambda m: m["loss"],

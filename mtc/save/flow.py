@@ -38,7 +38,7 @@ def _wall_clock() -> float:
     policies (``keep_time_interval``, ``EveryNSeconds``, ``minimum_interval_secs``)
     then see the clock a user's test fakes for Orbax (``mock.patch("datetime.datetime")``)
     as Orbax's would, and a step's time is wall time, as Orbax's."""
-    return datetime.datetime.now(datetime.timezone.utc).timestamp()
+    return datetime.datetime.now(datetime.UTC).timestamp()
 
 
 class _NotDue(Exception):
