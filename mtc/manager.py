@@ -26,7 +26,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import jax
 import numpy as np
 
-from mtc import connect, layout, multihost, orbax_args
+from mtc import connect, layout, multihost, orbax_args, orbax_handlers
 from mtc.contract import AgentConfig
 from mtc.errors import ClosedError, ConfigError, MtcError, StorageError
 from mtc.inventory import StepInventory
@@ -83,6 +83,10 @@ class CheckpointManager:
       metadata: Orbax's root metadata (plain values, kept as JSON on every host
         root): the first writing manager's stays, a later one's is ignored, a
         read-only manager's is answered but not kept (``metadata()``).
+      item_handlers: Orbax's, read by :mod:`mtc.orbax_handlers` (none is run): a
+        dict of Orbax handlers by item name adds them to ``item_names``, one handler
+        makes a single-item manager (not beside ``item_names``); args an item's
+        handler does not take are refused with :class:`mtc.ConfigError`.
 
     Attributes:
       dispatch_mode: how host-side code is invoked: ``"local"``, ``"colocated"``
@@ -101,12 +105,18 @@ class CheckpointManager:
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
                  options: Options | None = None,
-                 item_names: Sequence[str] | None = None, metadata: Any = None) -> None:
+                 item_names: Sequence[str] | None = None, metadata: Any = None,
+                 item_handlers: Any = None) -> None:
         self.local_dir = local_dir_path(local_dir)
-        self.item_names = orbax_args.check_item_names(item_names)
+        # Orbax's item_handlers (mtc.orbax_handlers): they name the items and the args
+        # each takes; mtc runs none of them.
+        self._handlers, names = orbax_handlers.read(
+            item_handlers, orbax_args.check_item_names(item_names))
+        self.item_names = orbax_args.check_item_names(names)
         # Orbax's two modes: items of a Composite (item_names, or a first save of one)
-        # or one item; None until the first save says which.
-        self._composite: bool | None = True if self.item_names else None
+        # or one item (one handler given); None until the first save says which.
+        self._composite: bool | None = (True if self.item_names else
+                                        False if self._handlers else None)
         self.options = options or Options()
         if not isinstance(self.options, Options):
             raise ConfigError(f"options must be mtc.Options, got {type(self.options).__name__}")
@@ -268,6 +278,7 @@ class CheckpointManager:
         if args is None or not orbax_args.is_orbax_args(args):
             return None
         composite = orbax_args.composite_items(args) is not None
+        orbax_handlers.check(self._handlers, args, call)
         if self._composite is not None and composite != self._composite:
             raise ConfigError(
                 f"{call}(): Must provide `args` of type `Composite` when dealing with multiple "
