@@ -358,6 +358,38 @@ def legacy_items_and_restore_kwargs(make: Make, mesh: Mesh) -> list[Any]:
         return [values(back["params"]), back["meta"]]
 
 
+def item_handlers_name_the_items_and_their_args(make: Make, mesh: Mesh) -> list[Any]:
+    """Orbax's ``item_handlers``: a dict names the items, one handler makes a
+    single-item manager; args an item's handler does not take are a ValueError, and
+    so is one handler beside item_names."""
+    def refused(call: Callable[[], Any]) -> str:
+        try:
+            call()
+        except ValueError:
+            return "ValueError"
+        return "accepted"
+
+    out: list[Any] = []
+    with make("a", item_handlers={"params": ocp.StandardCheckpointHandler(),
+                                  "meta": ocp.JsonCheckpointHandler()}) as mgr:
+        mgr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(state(mesh, 1)),
+                                            meta=ocp.args.JsonSave({"lr": 0.5})))
+        mgr.wait_until_finished()
+        out.append(refused(lambda: mgr.save(1, args=ocp.args.Composite(
+            params=ocp.args.PyTreeSave(state(mesh, 1))))))
+        back = mgr.restore(0, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(state(mesh, 0)), meta=ocp.args.JsonRestore()))
+        out += [values(back.params), back.meta]
+    with make("b", item_handlers=ocp.PyTreeCheckpointHandler()) as mgr:
+        out.append(refused(lambda: mgr.save(0, args=ocp.args.StandardSave(state(mesh, 2)))))
+        mgr.save(0, args=ocp.args.PyTreeSave(state(mesh, 2)))
+        mgr.wait_until_finished()
+        out.append(values(mgr.restore(0, args=ocp.args.PyTreeRestore(state(mesh, 0)))))
+    out.append(refused(lambda: make("c", item_names=("x",),
+                                    item_handlers=ocp.StandardCheckpointHandler())))
+    return out
+
+
 def keep_time_interval_on_the_clock_orbax_reads(make: Make, mesh: Mesh) -> list[Any]:
     """keep_time_interval beside max_to_keep and beside best_fn, one save an hour on
     the clock Orbax reads and its users' tests fake (``datetime.datetime``)."""
@@ -386,7 +418,8 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          save_schedule_options, second_manager_in_process,
          refusals_as_orbax_raises_them, root_and_step_metadata,
          restore_without_target_keeps_the_saved_sharding, array_items,
-         legacy_items_and_restore_kwargs, keep_time_interval_on_the_clock_orbax_reads]
+         legacy_items_and_restore_kwargs, keep_time_interval_on_the_clock_orbax_reads,
+         item_handlers_name_the_items_and_their_args]
 
 
 # -- the two libraries ----------------------------------------------------------------
@@ -394,22 +427,25 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
 
 def orbax_maker(base: Path) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
-             legacy: tuple[str, ...] | None = None, **kw: Any) -> Any:
+             legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
+             **kw: Any) -> Any:
         if legacy is not None:  # Orbax's legacy form: a checkpointer per item
             return ocp.CheckpointManager(base / sub, {
                 n: ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) for n in legacy},
                 options=ocp.CheckpointManagerOptions(**kw))
         return ocp.CheckpointManager(base / sub, item_names=item_names, metadata=metadata,
+                                     item_handlers=item_handlers,
                                      options=ocp.CheckpointManagerOptions(**kw))
     return make
 
 
 def mtc_maker(base: Path, mesh: Mesh) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
-             legacy: tuple[str, ...] | None = None, **kw: Any) -> Any:
+             legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
+             **kw: Any) -> Any:
         # Orbax's legacy checkpointers name the items: mtc is given the names.
         return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=legacy or item_names,
-                                     metadata=metadata,
+                                     metadata=metadata, item_handlers=item_handlers,
                                      options=mtc.Options(simulated_hosts=4, dispatch="local",
                                                          **kw))
     return make
