@@ -55,7 +55,7 @@ def test_args_an_items_handler_does_not_take_are_refused() -> None:
     one, _ = orbax_handlers.read(ocp.PyTreeCheckpointHandler(), None)
     orbax_handlers.check(one, ocp.args.PyTreeSave(STATE), "save")
     orbax_handlers.check(one, ocp.args.PyTreeRestore(), "restore")
-    with pytest.raises(ConfigError, match="args StandardSaveArgs does not match with any "
+    with pytest.raises(ConfigError, match=r"args StandardSaveArgs does not match with any "
                                           "registered handler.*PyTreeCheckpointHandler"):
         orbax_handlers.check(one, ocp.args.StandardSave(STATE), "save")
     by_item, _ = orbax_handlers.read({"params": ocp.StandardCheckpointHandler(),
