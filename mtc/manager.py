@@ -185,6 +185,7 @@ class CheckpointManager:
         # and its finalizer would wait there for the saves that thread writes.
         self._saves.on_new_step = self._restores.new_step_coming
         self._saves.metrics_of_step = self._restores.metrics
+        self._saves.time_of_step = self._restores.saved_at
         # What close() releases, apart from the manager, so that a manager never
         # closed is still finished at exit or when collected (mtc.lifecycle).
         self._held = Held(dispatch, str(self.local_dir))

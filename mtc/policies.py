@@ -153,6 +153,12 @@ def uses_metrics(policy: Any) -> bool:
         uses_metrics(p) for p in getattr(policy, "policies", None) or ())
 
 
+def uses_time(policy: Any) -> bool:
+    """Whether ``policy`` (or one it combines) keeps steps by when they were saved."""
+    return _name(policy) in ("EveryNSeconds", "LatestDuration") or any(
+        uses_time(p) for p in getattr(policy, "policies", None) or ())
+
+
 def to_delete(policy: Any, steps: Sequence[StepInfo], *, now: float) -> list[int]:
     """The committed steps retention deletes under ``policy``: those it does not
     keep, but never the newest one (the step a restore loads now)."""

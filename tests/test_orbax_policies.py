@@ -240,6 +240,29 @@ def test_keep_time_interval_keeps_as_orbax_test_expects(ramdisk: Path, mesh: Mes
         assert mgr.all_steps() == kept
 
 
+def test_keep_time_interval_knows_the_times_of_steps_saved_before_a_restart(
+        ramdisk: Path, mesh: Mesh) -> None:
+    """Orbax's restart case (checkpoint_manager_test's time interval test, whose new
+    manager Orbax is told the earlier steps' times): mtc's new manager reads them from
+    the steps' manifests, so retention goes on as if the job never stopped; a step
+    of unknown time would stay for ever (8 here), filling the RAM disk restart by
+    restart."""
+    state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
+    now = datetime.datetime.now(tz=datetime.UTC)
+    options = mtc.Options(simulated_hosts=4, dispatch="local", max_to_keep=2,
+                          keep_time_interval=datetime.timedelta(hours=3))
+    with mock.patch("datetime.datetime", autospec=True) as dt:
+        for first, steps, kept in ((True, range(10), [0, 3, 6, 8, 9]),
+                                   (False, range(10, 20), [0, 3, 6, 9, 12, 15, 18, 19])):
+            with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+                for s in steps:
+                    dt.now.return_value = now
+                    assert mgr.save(s, args=ocp.args.StandardSave(state))
+                    now += datetime.timedelta(hours=1)
+                mgr.wait_until_finished()
+                assert mgr.all_steps() == kept, "first run" if first else "after the restart"
+
+
 def test_orbax_retention_options_as_the_policy_orbax_makes_of_them() -> None:
     policy = policies.from_options(max_to_keep=0, keep_period=3, keep_time_interval_s=5 * 3600)
     infos = [StepInfo(s, None, s * 3600.0) for s in range(9)]

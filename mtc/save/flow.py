@@ -83,13 +83,17 @@ class SaveFlow:
         # reading a step's manifests, wait for them first). The same in every
         # process of a multi-controller job, which saves the same steps.
         self.staged: set[int] = set()
-        # When this manager saved each step (_wall_clock()): what Orbax's time-based
-        # policies read (a step saved before this manager has no known time).
+        # When each step's save began (_wall_clock()): what Orbax's time-based policies
+        # read; a step saved before this manager: from its manifest (``_time_of``).
         self._saved_at: dict[int, float] = {}
         # Step folders found at start that are not mtc's (per host): never replaced.
         self.foreign = foreign or {}
         # best_fn retention: each step's metrics, read once from a manifest.
         self.metrics_of_step = metrics_of_step
+        # A step's save time from its manifest (a step saved before this manager):
+        # read once per step, only by the time-based policies.
+        self.time_of_step: Callable[[int], float | None] | None = None
+        self._times_read: set[int] = set()
         self._metrics: dict[int, Any] = {}
         if options.max_to_keep is None and not options.replicators and not options.read_only:
             log.info("mtc: max_to_keep=None (Orbax's default): every step stays on the RAM "
@@ -127,7 +131,7 @@ class SaveFlow:
         process 0's in multi-controller JAX (collective: times and saves in flight
         differ between processes)."""
         previous = [] if newest is None else [
-            policies.StepInfo(newest, None, self._saved_at.get(newest))]
+            policies.StepInfo(newest, None, self._time_of(newest))]
         due = policies.save_due(
             self.options.save_decision_policy, step, previous, now=_wall_clock(),
             saving=self._saves_in_flight() > 0, preempted=multihost.reached_preemption(step))
@@ -213,9 +217,10 @@ class SaveFlow:
         if self.watch is not None:
             self.unreplicated = self.watch.poll()
         t0 = time.perf_counter()
+        began = _wall_clock()  # the step's time, as Orbax's: when its save began
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics, run=self.run, ranks=self._saved_ranks(),
-                                 items=items, custom=custom)
+                                 items=items, custom=custom, saved_at=began)
 
         def before_send(survey: Survey) -> None:
             # Nothing is sent to a host before this returned, and nothing at all
@@ -242,7 +247,7 @@ class SaveFlow:
             self._saved_since_retention = True
             self.last_saved = max(step, self.last_saved or 0)
             self.staged.add(step)
-            self._saved_at[step] = _wall_clock()
+            self._saved_at[step] = began
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
             if log.isEnabledFor(logging.INFO):  # its byte count walks every shard
@@ -440,7 +445,9 @@ class SaveFlow:
             for s in complete:
                 if s not in self._metrics:
                     self._metrics[s] = self.metrics_of_step(s)
-        infos = [policies.StepInfo(s, self._metrics.get(s), self._saved_at.get(s))
+        timed = policies.uses_time(policy)
+        infos = [policies.StepInfo(s, self._metrics.get(s),
+                                   self._time_of(s) if timed else self._saved_at.get(s))
                  for s in sorted(complete)]
         gone = multihost.common_steps(policies.to_delete(policy, infos, now=_wall_clock()))
         for s in gone:
@@ -450,6 +457,19 @@ class SaveFlow:
             self.inventory.forget(s)
             self._metrics.pop(s, None)
             self._saved_at.pop(s, None)
+            self._times_read.discard(s)
+
+    def _time_of(self, step: int) -> float | None:
+        """When ``step``'s save began: this manager's record, else (a step saved before
+        it) its manifest's, read once; None where neither says (a step saved by an mtc
+        that did not record it: time-based policies keep it)."""
+        if step not in self._saved_at and step not in self._times_read \
+                and self.time_of_step is not None and step not in self.staged:
+            self._times_read.add(step)
+            t = self.time_of_step(step)
+            if t is not None:
+                self._saved_at[step] = t
+        return self._saved_at.get(step)
 
     def _saves_in_flight(self) -> int:
         return self.dispatch.saves_in_flight(self.topology.local_hosts)
