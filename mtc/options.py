@@ -49,8 +49,10 @@ class Options:
         retention (Orbax's ``keep_period``); they add to the RAM disk's size.
       keep_time_interval: Orbax's: a step saved at least this long (a
         ``datetime.timedelta`` or seconds) after the last one kept so is never
-        deleted by retention; the time is when this manager saved it (a step of
-        unknown time, saved before, is kept). Without replicators only.
+        deleted by retention; a step's time is when its save began, on Orbax's
+        clock (``datetime.datetime.now``), kept in its manifest so that a restarted
+        job goes on from it (a step of unknown time is kept). Without replicators
+        only.
       best_fn: keep steps by quality rather than recency (Orbax's ``best_fn``):
         a function of a step's ``metrics`` (as ``save(..., metrics=)`` gave them)
         returning a number; with ``max_to_keep`` the best ``max_to_keep`` complete
