@@ -148,7 +148,8 @@ class CheckpointManager:
             opened = dispatch.open(self.topology.local_hosts, read_only=self.options.read_only,
                                    identify=connect.watches_replicators(self.options,
                                                                         self.topology),
-                                   metadata=_json_of(metadata, "metadata"))
+                                   metadata=_json_of(metadata, "metadata")
+                                   if self.options.save_root_metadata else None)
         except BaseException:
             dispatch.close()
             raise
@@ -156,7 +157,8 @@ class CheckpointManager:
         # Orbax's root metadata: the first writer's stays; a reader's is its own
         # until a writer keeps one.
         kept = next((o.metadata for _, o in sorted(opened.items()) if o.metadata), "")
-        self._root_metadata = metadata if metadata is not None else {}
+        self._root_metadata = (metadata if metadata is not None
+                               and self.options.save_root_metadata else {})
         if kept:
             try:
                 self._root_metadata = json.loads(kept)

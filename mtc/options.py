@@ -151,6 +151,9 @@ class Options:
         writer lock, so it may open a directory another manager writes to; it
         removes nothing; ``save`` returns False and ``delete`` does nothing, each
         with a warning, as Orbax's.
+      save_root_metadata: Orbax's: ``False`` keeps no root metadata (the
+        manager's ``metadata=`` is neither kept nor answered); ``metadata()``
+        answers one an earlier manager kept, else ``{}``.
       preservation_policy: Orbax's retention object instead of ``max_to_keep``,
         ``keep_period`` and ``best_fn`` (``LatestN``, ``EveryNSteps``,
         ``EveryNStepsClosest``, ``EveryNSeconds``, ``LatestDuration``,
@@ -206,6 +209,7 @@ class Options:
     if_data_lost: LossPolicy = "raise"
     preservation_policy: Any = None
     save_decision_policy: Any = None
+    save_root_metadata: bool = True  # last: the fields' positions stay
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -341,7 +345,6 @@ _ORBAX_ONLY = {
     "file_options": "nothing",
     "atomicity_options": "nothing: a step is committed by one rename",
     "temporary_path_class": "nothing: a step is committed by one rename",
-    "save_root_metadata": "nothing",
     "prevent_write_metrics": "save(step, state) without metrics=",
     "enable_should_save_is_saving_in_progress_check": "nothing",
     "enable_per_process_directory_creation": "host_subdirs",

@@ -390,6 +390,16 @@ def item_handlers_name_the_items_and_their_args(make: Make, mesh: Mesh) -> list[
     return out
 
 
+def root_metadata_not_kept(make: Make, mesh: Mesh) -> list[Any]:
+    """``save_root_metadata=False``: the manager's ``metadata=`` is neither kept nor
+    answered; one an earlier manager kept is still answered."""
+    out: list[Any] = []
+    for v, keep in ((1, False), (2, True), (3, False)):
+        with make("a", metadata={"v": v}, save_root_metadata=keep) as mgr:
+            out.append(mgr.metadata().custom_metadata)
+    return out
+
+
 def keep_time_interval_on_the_clock_orbax_reads(make: Make, mesh: Mesh) -> list[Any]:
     """keep_time_interval beside max_to_keep and beside best_fn, one save an hour on
     the clock Orbax reads and its users' tests fake (``datetime.datetime``)."""
@@ -419,7 +429,7 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          refusals_as_orbax_raises_them, root_and_step_metadata,
          restore_without_target_keeps_the_saved_sharding, array_items,
          legacy_items_and_restore_kwargs, keep_time_interval_on_the_clock_orbax_reads,
-         item_handlers_name_the_items_and_their_args]
+         item_handlers_name_the_items_and_their_args, root_metadata_not_kept]
 
 
 # -- the two libraries ----------------------------------------------------------------
