@@ -288,8 +288,10 @@ class CheckpointManager:
                 f"checkpointable objects (this manager's items: "
                 f"{', '.join(self.item_names) if self.item_names else 'its first save'})"
                 if self._composite else
-                f"{call}(): this manager saves one item (its first save was not a Composite): "
-                f"pass that item's args, not a Composite, or give item_names")
+                f"{call}(): Cannot provide `args` of type `Composite` when dealing with a "
+                f"single, unnamed (default) checkpointable object (this manager saves one "
+                f"item: {'its handler' if self._handlers else 'its first save'}): pass that "
+                f"item's args, not a Composite, or give item_names")
         if call == "save" and composite and self.item_names:
             unknown = [str(k) for k in args.keys() if k not in self.item_names]
             if unknown:
@@ -382,7 +384,13 @@ class CheckpointManager:
             if args is not None:
                 raise ConfigError("restore() takes restore_kwargs= (Orbax's legacy form) or "
                                   "args=, not both")
-            args, target = orbax_args.legacy_restore(target, restore_kwargs), None
+            # One item's kwargs on a single-item manager (as its saves were, or, before
+            # any, as the kwargs read); else {item: kwargs}, as Orbax's legacy form.
+            single = self._composite is False or (
+                self._composite is None and not self.item_names
+                and orbax_args.is_single_item_kwargs(restore_kwargs))
+            args, target = (orbax_args.legacy_restore_one(target, restore_kwargs) if single
+                            else orbax_args.legacy_restore(target, restore_kwargs)), None
         if directory is not None and Path(os.fspath(directory)) != self.local_dir:
             # Orbax's restore from another directory (a pretrained checkpoint): read
             # through a read-only manager of it, on this one's mesh and options.

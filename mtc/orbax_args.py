@@ -214,6 +214,36 @@ def step_metadata(item_metadata: Any, metrics: Any, custom: Any) -> Any:
                                      custom_metadata=custom)
 
 
+# The keys of Orbax's per-item legacy restore kwargs.
+_ITEM_KWARGS = frozenset({"restore_args", "transforms", "transforms_default_to_original",
+                          "legacy_transform_fn", "partial_restore"})
+
+
+def is_single_item_kwargs(restore_kwargs: Any) -> bool:
+    """Whether legacy ``restore_kwargs`` are one item's (``{"restore_args": tree}``, a
+    single-item manager's form) rather than ``{item: {"restore_args": ...}}``."""
+    return (isinstance(restore_kwargs, dict) and bool(restore_kwargs)
+            and set(restore_kwargs) <= _ITEM_KWARGS)
+
+
+def legacy_restore_one(item: Any, restore_kwargs: Any) -> Any:
+    """Orbax's legacy single-item ``restore(step, item, restore_kwargs={"restore_args":
+    ...})`` as the ``PyTreeRestore`` it means (None: as saved)."""
+    if not isinstance(restore_kwargs, dict):
+        raise ConfigError("restore_kwargs is Orbax's {'restore_args': ...} (one item) or "
+                          f"{{item: {{'restore_args': ...}}}}, got {type(restore_kwargs).__name__}")
+    other = sorted(set(restore_kwargs) - {"restore_args"})
+    if other:
+        raise ConfigError(f"restore_kwargs {other} are not supported by mtc: every leaf is "
+                          "restored into the target's shardings (give restore_args or a target)")
+    ra = restore_kwargs.get("restore_args")
+    if item is None and ra is None:
+        return None
+    from orbax.checkpoint import args as ocp_args  # its user has Orbax: its legacy form
+
+    return ocp_args.PyTreeRestore(item=item, restore_args=ra)
+
+
 def legacy_restore(items: Any, restore_kwargs: Any) -> Any:
     """Orbax's legacy ``restore(step, items, restore_kwargs={item: {"restore_args":
     ...}})`` as the ``Composite`` of ``PyTreeRestore`` it means (an item without a

@@ -127,3 +127,28 @@ def test_step_exists_is_orbax_step_already_exists_error_where_orbax_is_loaded(
     monkeypatch.delitem(__import__("sys").modules, "orbax.checkpoint.checkpoint_manager")
     plain = orbax_args.step_exists("step is already committed", step=4)
     assert type(plain) is StepExistsError and isinstance(plain, ValueError)
+
+
+@pytest.mark.parametrize(("kwargs", "single"), [
+    ({"restore_args": {"w": ocp.RestoreArgs()}}, True),
+    ({"restore_args": None}, True),
+    ({"params": {"restore_args": None}}, False),
+    ({"params": {"restore_args": None}, "meta": {}}, False),
+    ({}, False),
+    (None, False),
+], ids=["one item's", "one item's, none", "per item", "per item, two", "empty", "none"])
+def test_legacy_restore_kwargs_of_one_item_or_per_item(kwargs: Any, single: bool) -> None:
+    assert orbax_args.is_single_item_kwargs(kwargs) is single
+
+
+def test_legacy_single_item_restore_kwargs_as_the_pytree_restore_they_mean() -> None:
+    ra = {"w": ocp.RestoreArgs()}
+    got = orbax_args.legacy_restore_one(None, {"restore_args": ra})
+    assert isinstance(got, ocp.args.PyTreeRestore) and got.restore_args is ra
+    assert got.item is None
+    assert orbax_args.legacy_restore_one(None, {"restore_args": None}) is None  # as saved
+    assert orbax_args.legacy_restore_one(STATE, {}).item is STATE
+    with pytest.raises(ConfigError, match=r"restore_kwargs \['transforms'\] are not supported"):
+        orbax_args.legacy_restore_one(None, {"restore_args": ra, "transforms": {}})
+    with pytest.raises(ConfigError, match="restore_kwargs is Orbax's"):
+        orbax_args.legacy_restore_one(None, [ra])

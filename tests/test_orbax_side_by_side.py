@@ -400,6 +400,22 @@ def root_metadata_not_kept(make: Make, mesh: Mesh) -> list[Any]:
     return out
 
 
+def legacy_single_item_restore_kwargs(make: Make, mesh: Mesh) -> list[Any]:
+    """Orbax's legacy single-item form: ``CheckpointManager(directory, checkpointer)``,
+    ``save(step, tree)``, ``restore(step, restore_kwargs={"restore_args": ...})`` (the
+    one item's kwargs, not ``{item: kwargs}``), on the saving manager and a fresh one."""
+    ra = {"w": ocp.ArrayRestoreArgs(sharding=NamedSharding(mesh, P("model")))}
+    out: list[Any] = []
+    with make("a", legacy_one=True) as mgr:
+        mgr.save(0, state(mesh, 1))
+        mgr.wait_until_finished()
+        back = mgr.restore(0, restore_kwargs={"restore_args": ra})
+        out += [values(back), kind(back["w"]), str(back["w"].sharding.spec)]
+    with make("a", legacy_one=True) as mgr:
+        out.append(values(mgr.restore(0, restore_kwargs={"restore_args": ra})))
+    return out
+
+
 def keep_time_interval_on_the_clock_orbax_reads(make: Make, mesh: Mesh) -> list[Any]:
     """keep_time_interval beside max_to_keep and beside best_fn, one save an hour on
     the clock Orbax reads and its users' tests fake (``datetime.datetime``)."""
@@ -429,7 +445,8 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          refusals_as_orbax_raises_them, root_and_step_metadata,
          restore_without_target_keeps_the_saved_sharding, array_items,
          legacy_items_and_restore_kwargs, keep_time_interval_on_the_clock_orbax_reads,
-         item_handlers_name_the_items_and_their_args, root_metadata_not_kept]
+         item_handlers_name_the_items_and_their_args, root_metadata_not_kept,
+         legacy_single_item_restore_kwargs]
 
 
 # -- the two libraries ----------------------------------------------------------------
@@ -438,7 +455,10 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
 def orbax_maker(base: Path) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
              legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
-             **kw: Any) -> Any:
+             legacy_one: bool = False, **kw: Any) -> Any:
+        if legacy_one:  # Orbax's legacy single-item form: one checkpointer
+            return ocp.CheckpointManager(base / sub, ocp.Checkpointer(
+                ocp.PyTreeCheckpointHandler()), options=ocp.CheckpointManagerOptions(**kw))
         if legacy is not None:  # Orbax's legacy form: a checkpointer per item
             return ocp.CheckpointManager(base / sub, {
                 n: ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) for n in legacy},
@@ -452,8 +472,9 @@ def orbax_maker(base: Path) -> Make:
 def mtc_maker(base: Path, mesh: Mesh) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
              legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
-             **kw: Any) -> Any:
-        # Orbax's legacy checkpointers name the items: mtc is given the names.
+             legacy_one: bool = False, **kw: Any) -> Any:
+        # Orbax's legacy checkpointers name the items: mtc is given the names (one
+        # checkpointer, legacy_one: nothing).
         return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=legacy or item_names,
                                      metadata=metadata, item_handlers=item_handlers,
                                      options=mtc.Options(simulated_hosts=4, dispatch="local",
