@@ -200,7 +200,8 @@ class SaveFlow:
         if force and step in self.staged:
             # At once, as Orbax's StepAlreadyExistsError: not later from a commit.
             raise orbax_args.step_exists("save(force=True) of a step this manager is already "
-                                  "saving (or saved): force never overwrites", step=step)
+                                         "saving (or saved): force never overwrites",
+                                         step=step)
         # The job's first decision needs the hosts' newest step. One controller
         # learns it from the save's own first call (a save stays two calls); the
         # step is then dropped there if it was not due. Multi-controller JAX asks
@@ -264,10 +265,10 @@ class SaveFlow:
         as any host's failed save does (a refusal here would be this process's alone)."""
         held = [h for h, steps in self.foreign.items() if step in steps]
         if held and not self.inventory.sees_own_host_only:
-            raise orbax_args.step_exists("a step folder of this number that is not mtc's (no mtc "
-                                  "manifest: Orbax's or another tool's) is there; mtc leaves "
-                                  "it alone: save another step number, or move that folder",
-                                  step=step, host=held[0])
+            raise orbax_args.step_exists(
+                "a step folder of this number that is not mtc's (no mtc manifest: Orbax's or "
+                "another tool's) is there; mtc leaves it alone: save another step number, or "
+                "move that folder", step=step, host=held[0])
 
     def _saved_ranks(self) -> tuple[int, ...]:
         """Each host's replicator rank, for the manifests, when the job's hosts are not
@@ -289,7 +290,7 @@ class SaveFlow:
         if self.inventory.sees_own_host_only or partial:  # the first: collective
             if step in self.inventory.complete_everywhere(held):
                 raise orbax_args.step_exists("step is already committed", step=step,
-                                      host=partial[0] if partial else None)
+                                             host=partial[0] if partial else None)
         if not partial:
             return held
         log.warning("step %d was committed on hosts %s only (or by another run on some); "
@@ -462,11 +463,16 @@ class SaveFlow:
     def _time_of(self, step: int) -> float | None:
         """When ``step``'s save began: this manager's record, else (a step saved before
         it) its manifest's, read once; None where neither says (a step saved by an mtc
-        that did not record it: time-based policies keep it)."""
+        that did not record it: time-based policies keep it, and a schedule takes it
+        as long ago). A manifest no host can give now is asked for again next time."""
         if step not in self._saved_at and step not in self._times_read \
                 and self.time_of_step is not None and step not in self.staged:
+            try:
+                t = self.time_of_step(step)
+            except MtcError as e:
+                log.debug("mtc: the save time of step %d is not known yet: %s", step, e)
+                return None
             self._times_read.add(step)
-            t = self.time_of_step(step)
             if t is not None:
                 self._saved_at[step] = t
         return self._saved_at.get(step)
