@@ -263,6 +263,49 @@ def test_keep_time_interval_knows_the_times_of_steps_saved_before_a_restart(
                 assert mgr.all_steps() == kept, "first run" if first else "after the restart"
 
 
+def test_a_minimum_interval_counts_from_a_save_made_before_a_restart(
+        ramdisk: Path, mesh: Mesh) -> None:
+    """ContinuousCheckpointingPolicy(minimum_interval_secs): a restarted job's manager
+    reads when the newest step was saved from its manifest, so the interval holds
+    across the restart (Orbax reads it from its step metadata)."""
+    state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
+    now = datetime.datetime.now(tz=datetime.UTC)
+    options = mtc.Options(simulated_hosts=4, dispatch="local", save_decision_policy=(
+        cm.ContinuousCheckpointingPolicy(minimum_interval_secs=3600)))
+    with mock.patch("datetime.datetime", autospec=True) as dt:
+        dt.now.return_value = now
+        with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+            assert mgr.save(1, state)
+        dt.now.return_value = now + datetime.timedelta(minutes=10)
+        with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+            assert not mgr.save(2, state)  # 10 minutes after step 1's save
+            dt.now.return_value = now + datetime.timedelta(hours=2)
+            assert mgr.save(3, state)
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [1, 3]
+
+
+@pytest.mark.parametrize(("policy", "keeps_by_time", "schedule_by_time"), [
+    (cm.LatestN(2), False, False),
+    (cm.EveryNSeconds(60), True, False),
+    (cm.LatestDuration(datetime.timedelta(hours=1)), True, False),
+    (cm.AnyPreservationPolicy([cm.LatestN(2), cm.EveryNSeconds(60)]), True, False),
+    (policies.from_options(max_to_keep=2, keep_period=None, keep_time_interval_s=60.0),
+     True, False),
+    (cm.ContinuousCheckpointingPolicy(), False, False),
+    (cm.ContinuousCheckpointingPolicy(minimum_interval_secs=5), False, True),
+    (cm.AnySavePolicy([cm.FixedIntervalPolicy(3),
+                       cm.ContinuousCheckpointingPolicy(minimum_interval_secs=5)]), False, True),
+], ids=["LatestN", "EveryNSeconds", "LatestDuration", "Any of them", "keep_time_interval",
+        "continuous", "continuous, a minimum interval", "Any save policy"])
+def test_which_policies_read_the_steps_save_times(policy: Any, keeps_by_time: bool,
+                                                  schedule_by_time: bool) -> None:
+    """Only these read a step's save time (from its manifest, for a step saved before
+    the manager): the others never read a manifest for it."""
+    assert policies.uses_time(policy) is keeps_by_time
+    assert policies.schedule_uses_time(policy) is schedule_by_time
+
+
 def test_orbax_retention_options_as_the_policy_orbax_makes_of_them() -> None:
     policy = policies.from_options(max_to_keep=0, keep_period=3, keep_time_interval_s=5 * 3600)
     infos = [StepInfo(s, None, s * 3600.0) for s in range(9)]

@@ -130,10 +130,12 @@ class SaveFlow:
         """``Options.save_decision_policy``'s answer (:func:`mtc.policies.save_due`),
         process 0's in multi-controller JAX (collective: times and saves in flight
         differ between processes)."""
-        previous = [] if newest is None else [
-            policies.StepInfo(newest, None, self._time_of(newest))]
+        policy = self.options.save_decision_policy
+        previous = [] if newest is None else [policies.StepInfo(
+            newest, None, self._time_of(newest) if policies.schedule_uses_time(policy)
+            else self._saved_at.get(newest))]
         due = policies.save_due(
-            self.options.save_decision_policy, step, previous, now=_wall_clock(),
+            policy, step, previous, now=_wall_clock(),
             saving=self._saves_in_flight() > 0, preempted=multihost.reached_preemption(step))
         return bool(multihost.every_value(int(due))[0])
 
