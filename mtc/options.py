@@ -168,7 +168,8 @@ class Options:
         ``InitialSavePolicy``, ``AnySavePolicy``): ``save`` writes a step newer
         than the newest when it says so. ``ContinuousCheckpointingPolicy`` saves
         whenever no save is being written (and its ``minimum_interval_secs``
-        since this manager's last save passed). In multi-controller JAX process
+        since the newest step's save began passed: after a restart, the time its
+        manifest records). In multi-controller JAX process
         0's decision is every process's.
       if_data_lost: what ``latest_step``/``restore`` do when no step can be
         restored although some hosts still hold steps (another host's data of
