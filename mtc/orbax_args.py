@@ -285,8 +285,14 @@ def step_exists(message: str, *, step: int, host: int | None = None) -> StepExis
         cls = type("StepExistsError", (StepExistsError, orbax_cls),
                    {"__module__": StepExistsError.__module__,
                     "__qualname__": StepExistsError.__qualname__,
-                    "__doc__": StepExistsError.__doc__})
+                    "__doc__": StepExistsError.__doc__,
+                    # Pickled (a user's multiprocessing), it is made again by name.
+                    "__reduce__": lambda e: (_step_exists_again, (e.message, e.step, e.host))})
         _ORBAX_STEP_EXISTS[orbax_cls] = cls
     err = cls(message, step=step, host=host)
     assert isinstance(err, StepExistsError)
     return err
+
+
+def _step_exists_again(message: str, step: int, host: int | None) -> StepExistsError:
+    return step_exists(message, step=step, host=host)

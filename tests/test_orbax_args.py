@@ -3,6 +3,7 @@ each names, and the typed refusals (Orbax's own classes; no manager, no process)
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import jax
@@ -123,6 +124,9 @@ def test_step_exists_is_orbax_step_already_exists_error_where_orbax_is_loaded(
     assert type(err) is type(orbax_args.step_exists("again", step=5))  # one class
     with pytest.raises(ocp.checkpoint_manager.StepAlreadyExistsError):
         raise err
+    again = pickle.loads(pickle.dumps(err))  # a user's multiprocessing pickles it
+    assert type(again) is type(err) and (again.step, again.host) == (4, 1)
+    assert str(again) == str(err)
 
     monkeypatch.delitem(__import__("sys").modules, "orbax.checkpoint.checkpoint_manager")
     plain = orbax_args.step_exists("step is already committed", step=4)
