@@ -78,8 +78,9 @@ class StepNotFoundError(FatalError, FileNotFoundError):
 
 
 class StepExistsError(FatalError, ValueError):
-    """A step with this number is already committed or being written (also a
-    ``ValueError``, as Orbax's ``StepAlreadyExistsError``)."""
+    """A step with this number is already committed or being written (a
+    ``ValueError``, and where Orbax is loaded its ``StepAlreadyExistsError`` itself:
+    ``mtc.orbax_args.step_exists``)."""
 
 
 class MixedRunError(FatalError):

@@ -26,7 +26,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import jax
 import numpy as np
 
-from mtc import connect, layout, multihost, orbax_args
+from mtc import connect, layout, multihost, orbax_args, orbax_handlers
 from mtc.contract import AgentConfig
 from mtc.errors import ClosedError, ConfigError, MtcError, StorageError
 from mtc.inventory import StepInventory
@@ -83,6 +83,10 @@ class CheckpointManager:
       metadata: Orbax's root metadata (plain values, kept as JSON on every host
         root): the first writing manager's stays, a later one's is ignored, a
         read-only manager's is answered but not kept (``metadata()``).
+      item_handlers: Orbax's, read by :mod:`mtc.orbax_handlers` (none is run): a
+        dict of Orbax handlers by item name adds them to ``item_names``, one handler
+        makes a single-item manager (not beside ``item_names``); args an item's
+        handler does not take are refused with :class:`mtc.ConfigError`.
 
     Attributes:
       dispatch_mode: how host-side code is invoked: ``"local"``, ``"colocated"``
@@ -101,12 +105,18 @@ class CheckpointManager:
 
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
                  options: Options | None = None,
-                 item_names: Sequence[str] | None = None, metadata: Any = None) -> None:
+                 item_names: Sequence[str] | None = None, metadata: Any = None,
+                 item_handlers: Any = None) -> None:
         self.local_dir = local_dir_path(local_dir)
-        self.item_names = orbax_args.check_item_names(item_names)
+        # Orbax's item_handlers (mtc.orbax_handlers): they name the items and the args
+        # each takes; mtc runs none of them.
+        self._handlers, names = orbax_handlers.read(
+            item_handlers, orbax_args.check_item_names(item_names))
+        self.item_names = orbax_args.check_item_names(names)
         # Orbax's two modes: items of a Composite (item_names, or a first save of one)
-        # or one item; None until the first save says which.
-        self._composite: bool | None = True if self.item_names else None
+        # or one item (one handler given); None until the first save says which.
+        self._composite: bool | None = (True if self.item_names else
+                                        False if self._handlers else None)
         self.options = options or Options()
         if not isinstance(self.options, Options):
             raise ConfigError(f"options must be mtc.Options, got {type(self.options).__name__}")
@@ -138,7 +148,8 @@ class CheckpointManager:
             opened = dispatch.open(self.topology.local_hosts, read_only=self.options.read_only,
                                    identify=connect.watches_replicators(self.options,
                                                                         self.topology),
-                                   metadata=_json_of(metadata, "metadata"))
+                                   metadata=_json_of(metadata, "metadata")
+                                   if self.options.save_root_metadata else None)
         except BaseException:
             dispatch.close()
             raise
@@ -146,7 +157,8 @@ class CheckpointManager:
         # Orbax's root metadata: the first writer's stays; a reader's is its own
         # until a writer keeps one.
         kept = next((o.metadata for _, o in sorted(opened.items()) if o.metadata), "")
-        self._root_metadata = metadata if metadata is not None else {}
+        self._root_metadata = (metadata if metadata is not None
+                               and self.options.save_root_metadata else {})
         if kept:
             try:
                 self._root_metadata = json.loads(kept)
@@ -175,6 +187,7 @@ class CheckpointManager:
         # and its finalizer would wait there for the saves that thread writes.
         self._saves.on_new_step = self._restores.new_step_coming
         self._saves.metrics_of_step = self._restores.metrics
+        self._saves.time_of_step = self._restores.saved_at
         # What close() releases, apart from the manager, so that a manager never
         # closed is still finished at exit or when collected (mtc.lifecycle).
         self._held = Held(dispatch, str(self.local_dir))
@@ -268,14 +281,17 @@ class CheckpointManager:
         if args is None or not orbax_args.is_orbax_args(args):
             return None
         composite = orbax_args.composite_items(args) is not None
+        orbax_handlers.check(self._handlers, args, call)
         if self._composite is not None and composite != self._composite:
             raise ConfigError(
                 f"{call}(): Must provide `args` of type `Composite` when dealing with multiple "
                 f"checkpointable objects (this manager's items: "
                 f"{', '.join(self.item_names) if self.item_names else 'its first save'})"
                 if self._composite else
-                f"{call}(): this manager saves one item (its first save was not a Composite): "
-                f"pass that item's args, not a Composite, or give item_names")
+                f"{call}(): Cannot provide `args` of type `Composite` when dealing with a "
+                f"single, unnamed (default) checkpointable object (this manager saves one "
+                f"item: {'its handler' if self._handlers else 'its first save'}): pass that "
+                f"item's args, not a Composite, or give item_names")
         if call == "save" and composite and self.item_names:
             unknown = [str(k) for k in args.keys() if k not in self.item_names]
             if unknown:
@@ -368,7 +384,13 @@ class CheckpointManager:
             if args is not None:
                 raise ConfigError("restore() takes restore_kwargs= (Orbax's legacy form) or "
                                   "args=, not both")
-            args, target = orbax_args.legacy_restore(target, restore_kwargs), None
+            # One item's kwargs on a single-item manager (as its saves were, or, before
+            # any, as the kwargs read); else {item: kwargs}, as Orbax's legacy form.
+            single = self._composite is False or (
+                self._composite is None and not self.item_names
+                and orbax_args.is_single_item_kwargs(restore_kwargs))
+            args, target = (orbax_args.legacy_restore_one(target, restore_kwargs) if single
+                            else orbax_args.legacy_restore(target, restore_kwargs)), None
         if directory is not None and Path(os.fspath(directory)) != self.local_dir:
             # Orbax's restore from another directory (a pretrained checkpoint): read
             # through a read-only manager of it, on this one's mesh and options.

@@ -49,8 +49,10 @@ class Options:
         retention (Orbax's ``keep_period``); they add to the RAM disk's size.
       keep_time_interval: Orbax's: a step saved at least this long (a
         ``datetime.timedelta`` or seconds) after the last one kept so is never
-        deleted by retention; the time is when this manager saved it (a step of
-        unknown time, saved before, is kept). Without replicators only.
+        deleted by retention; a step's time is when its save began, on Orbax's
+        clock (``datetime.datetime.now``), kept in its manifest so that a restarted
+        job goes on from it (a step of unknown time is kept). Without replicators
+        only.
       best_fn: keep steps by quality rather than recency (Orbax's ``best_fn``):
         a function of a step's ``metrics`` (as ``save(..., metrics=)`` gave them)
         returning a number; with ``max_to_keep`` the best ``max_to_keep`` complete
@@ -149,6 +151,9 @@ class Options:
         writer lock, so it may open a directory another manager writes to; it
         removes nothing; ``save`` returns False and ``delete`` does nothing, each
         with a warning, as Orbax's.
+      save_root_metadata: Orbax's: ``False`` keeps no root metadata (the
+        manager's ``metadata=`` is neither kept nor answered); ``metadata()``
+        answers one an earlier manager kept, else ``{}``.
       preservation_policy: Orbax's retention object instead of ``max_to_keep``,
         ``keep_period`` and ``best_fn`` (``LatestN``, ``EveryNSteps``,
         ``EveryNStepsClosest``, ``EveryNSeconds``, ``LatestDuration``,
@@ -163,7 +168,8 @@ class Options:
         ``InitialSavePolicy``, ``AnySavePolicy``): ``save`` writes a step newer
         than the newest when it says so. ``ContinuousCheckpointingPolicy`` saves
         whenever no save is being written (and its ``minimum_interval_secs``
-        since this manager's last save passed). In multi-controller JAX process
+        since the newest step's save began passed: after a restart, the time its
+        manifest records). In multi-controller JAX process
         0's decision is every process's.
       if_data_lost: what ``latest_step``/``restore`` do when no step can be
         restored although some hosts still hold steps (another host's data of
@@ -204,6 +210,7 @@ class Options:
     if_data_lost: LossPolicy = "raise"
     preservation_policy: Any = None
     save_decision_policy: Any = None
+    save_root_metadata: bool = True  # last: the fields' positions stay
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -339,7 +346,6 @@ _ORBAX_ONLY = {
     "file_options": "nothing",
     "atomicity_options": "nothing: a step is committed by one rename",
     "temporary_path_class": "nothing: a step is committed by one rename",
-    "save_root_metadata": "nothing",
     "prevent_write_metrics": "save(step, state) without metrics=",
     "enable_should_save_is_saving_in_progress_check": "nothing",
     "enable_per_process_directory_creation": "host_subdirs",

@@ -8,9 +8,10 @@ recognised by name, so mtc works without it installed.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from mtc.errors import ConfigError
+from mtc.errors import ConfigError, StepExistsError
 
 _SAVE = ("StandardSaveArgs", "PyTreeSaveArgs", "JsonSaveArgs", "ArraySaveArgs")
 # ``ocp.args.ArrayRestore``'s class is named as the per-leaf ``ocp.ArrayRestoreArgs``
@@ -213,6 +214,36 @@ def step_metadata(item_metadata: Any, metrics: Any, custom: Any) -> Any:
                                      custom_metadata=custom)
 
 
+# The keys of Orbax's per-item legacy restore kwargs.
+_ITEM_KWARGS = frozenset({"restore_args", "transforms", "transforms_default_to_original",
+                          "legacy_transform_fn", "partial_restore"})
+
+
+def is_single_item_kwargs(restore_kwargs: Any) -> bool:
+    """Whether legacy ``restore_kwargs`` are one item's (``{"restore_args": tree}``, a
+    single-item manager's form) rather than ``{item: {"restore_args": ...}}``."""
+    return (isinstance(restore_kwargs, dict) and bool(restore_kwargs)
+            and set(restore_kwargs) <= _ITEM_KWARGS)
+
+
+def legacy_restore_one(item: Any, restore_kwargs: Any) -> Any:
+    """Orbax's legacy single-item ``restore(step, item, restore_kwargs={"restore_args":
+    ...})`` as the ``PyTreeRestore`` it means (None: as saved)."""
+    if not isinstance(restore_kwargs, dict):
+        raise ConfigError("restore_kwargs is Orbax's {'restore_args': ...} (one item) or "
+                          f"{{item: {{'restore_args': ...}}}}, got {type(restore_kwargs).__name__}")
+    other = sorted(set(restore_kwargs) - {"restore_args"})
+    if other:
+        raise ConfigError(f"restore_kwargs {other} are not supported by mtc: every leaf is "
+                          "restored into the target's shardings (give restore_args or a target)")
+    ra = restore_kwargs.get("restore_args")
+    if item is None and ra is None:
+        return None
+    from orbax.checkpoint import args as ocp_args  # its user has Orbax: its legacy form
+
+    return ocp_args.PyTreeRestore(item=item, restore_args=ra)
+
+
 def legacy_restore(items: Any, restore_kwargs: Any) -> Any:
     """Orbax's legacy ``restore(step, items, restore_kwargs={item: {"restore_args":
     ...}})`` as the ``Composite`` of ``PyTreeRestore`` it means (an item without a
@@ -233,3 +264,35 @@ def legacy_restore(items: Any, restore_kwargs: Any) -> Any:
         out[name] = (None if item is None and ra is None
                      else ocp_args.PyTreeRestore(item=item, restore_args=ra))
     return ocp_args.Composite(**out)
+
+
+# Orbax's ``StepAlreadyExistsError`` class -> mtc's StepExistsError made also one of it.
+_ORBAX_STEP_EXISTS: dict[type, type] = {}
+
+
+def step_exists(message: str, *, step: int, host: int | None = None) -> StepExistsError:
+    """A :class:`StepExistsError`, which is also Orbax's own
+    ``checkpoint_manager.StepAlreadyExistsError`` where the process has Orbax loaded:
+    a switching user's ``except StepAlreadyExistsError`` clause still catches what
+    Orbax raised in the same place. Orbax is never imported for this (a user who
+    names its class has imported it; one who has not needs only the ``ValueError``)."""
+    module = sys.modules.get("orbax.checkpoint.checkpoint_manager")
+    orbax_cls = getattr(module, "StepAlreadyExistsError", None)
+    if not (isinstance(orbax_cls, type) and issubclass(orbax_cls, ValueError)):
+        return StepExistsError(message, step=step, host=host)
+    cls = _ORBAX_STEP_EXISTS.get(orbax_cls)
+    if cls is None:
+        cls = type("StepExistsError", (StepExistsError, orbax_cls),
+                   {"__module__": StepExistsError.__module__,
+                    "__qualname__": StepExistsError.__qualname__,
+                    "__doc__": StepExistsError.__doc__,
+                    # Pickled (a user's multiprocessing), it is made again by name.
+                    "__reduce__": lambda e: (_step_exists_again, (e.message, e.step, e.host))})
+        _ORBAX_STEP_EXISTS[orbax_cls] = cls
+    err = cls(message, step=step, host=host)
+    assert isinstance(err, StepExistsError)
+    return err
+
+
+def _step_exists_again(message: str, step: int, host: int | None) -> StepExistsError:
+    return step_exists(message, step=step, host=host)

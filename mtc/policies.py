@@ -153,6 +153,20 @@ def uses_metrics(policy: Any) -> bool:
         uses_metrics(p) for p in getattr(policy, "policies", None) or ())
 
 
+def uses_time(policy: Any) -> bool:
+    """Whether ``policy`` (or one it combines) keeps steps by when they were saved."""
+    return _name(policy) in ("EveryNSeconds", "LatestDuration") or any(
+        uses_time(p) for p in getattr(policy, "policies", None) or ())
+
+
+def schedule_uses_time(policy: Any) -> bool:
+    """Whether the save schedule ``policy`` (or one it combines) asks when the newest
+    step was saved (a ``ContinuousCheckpointingPolicy`` with a minimum interval)."""
+    return (_name(policy) == "ContinuousCheckpointingPolicy"
+            and getattr(policy, "minimum_interval_secs", None) is not None) or any(
+        schedule_uses_time(p) for p in getattr(policy, "policies", None) or ())
+
+
 def to_delete(policy: Any, steps: Sequence[StepInfo], *, now: float) -> list[int]:
     """The committed steps retention deletes under ``policy``: those it does not
     keep, but never the newest one (the step a restore loads now)."""

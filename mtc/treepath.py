@@ -28,6 +28,10 @@ ITEMS_ROOT = "@items"
 # Orbax's ``save(custom_metadata=)`` of a step (one value leaf, JSON text), read back by
 # ``metadata(step).custom_metadata``.
 CUSTOM_ROOT = "@custom"
+# When the step's save began (seconds since the epoch, on the clock Orbax reads): what
+# keep_time_interval and Orbax's time-based policies need of a step saved before this
+# manager (a restarted job), one value leaf.
+SAVED_AT_ROOT = "@saved_at"
 
 
 def is_own_leaf(path: str) -> bool:

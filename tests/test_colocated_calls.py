@@ -184,8 +184,10 @@ def test_restored_bytes_never_become_controller_objects(ramdisk: Path,
     np.testing.assert_array_equal(np.asarray(swapped["w"]), want)
     assert swapped["w"].sharding.mesh == rev and built == []
     np.testing.assert_array_equal(np.asarray(moved["b"]), np.arange(16))
-    # Two restores' answers (steps and manifests): a fraction of one copy of w.
-    assert 0 < read < want.nbytes // 4, read
+    # Two restores' answers (steps and manifests): a fraction of one copy of w (the
+    # manifests' own leaves, such as a step's save time, are a constant per host:
+    # 15.5 KB of them here, 17 KB once the save time was kept, against 64 KB of w).
+    assert 0 < read < want.nbytes // 3, read
 
 
 def test_a_mesh_of_some_devices_reaches_their_own_hosts_cpu_devices() -> None:

@@ -374,7 +374,7 @@ def test_orbax_args_metrics_and_should_save(ramdisk: Path, mesh: Mesh) -> None:
         assert not mgr.should_save(6)  # off the interval, now that a step exists
         # Orbax's two modes: this manager saves one item; a Composite is refused (a
         # ValueError, as Orbax's), and the reverse below.
-        with pytest.raises(ValueError, match="saves one item"):
+        with pytest.raises(ValueError, match=r"single, unnamed \(default\) checkpointable"):
             mgr.save(10, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"w": w * 2})))
         assert mgr.save(10, args=ocp.args.PyTreeSave({"w": w * 2}))
         assert not mgr.reached_preemption(10)  # one process: no preemption service

@@ -3,6 +3,7 @@ each names, and the typed refusals (Orbax's own classes; no manager, no process)
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import jax
@@ -108,3 +109,50 @@ def test_the_restored_composite_is_the_requests_class() -> None:
     got = orbax_args.composite_result(request, {"state": STATE})
     assert type(got) is type(request)
     assert got.state is STATE and got["state"] is STATE
+
+
+def test_step_exists_is_orbax_step_already_exists_error_where_orbax_is_loaded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switching user's ``except StepAlreadyExistsError`` catches mtc's refusal of
+    a step that exists; without Orbax loaded it is mtc's StepExistsError alone."""
+    from mtc.errors import FatalError, StepExistsError
+
+    err = orbax_args.step_exists("step is already committed", step=4, host=1)
+    assert isinstance(err, ocp.checkpoint_manager.StepAlreadyExistsError)
+    assert isinstance(err, StepExistsError) and isinstance(err, FatalError)
+    assert (err.step, err.host) == (4, 1) and "step 4, host 1" in str(err)
+    assert type(err) is type(orbax_args.step_exists("again", step=5))  # one class
+    with pytest.raises(ocp.checkpoint_manager.StepAlreadyExistsError):
+        raise err
+    again = pickle.loads(pickle.dumps(err))  # a user's multiprocessing pickles it
+    assert type(again) is type(err) and (again.step, again.host) == (4, 1)
+    assert str(again) == str(err)
+
+    monkeypatch.delitem(__import__("sys").modules, "orbax.checkpoint.checkpoint_manager")
+    plain = orbax_args.step_exists("step is already committed", step=4)
+    assert type(plain) is StepExistsError and isinstance(plain, ValueError)
+
+
+@pytest.mark.parametrize(("kwargs", "single"), [
+    ({"restore_args": {"w": ocp.RestoreArgs()}}, True),
+    ({"restore_args": None}, True),
+    ({"params": {"restore_args": None}}, False),
+    ({"params": {"restore_args": None}, "meta": {}}, False),
+    ({}, False),
+    (None, False),
+], ids=["one item's", "one item's, none", "per item", "per item, two", "empty", "none"])
+def test_legacy_restore_kwargs_of_one_item_or_per_item(kwargs: Any, single: bool) -> None:
+    assert orbax_args.is_single_item_kwargs(kwargs) is single
+
+
+def test_legacy_single_item_restore_kwargs_as_the_pytree_restore_they_mean() -> None:
+    ra = {"w": ocp.RestoreArgs()}
+    got = orbax_args.legacy_restore_one(None, {"restore_args": ra})
+    assert isinstance(got, ocp.args.PyTreeRestore) and got.restore_args is ra
+    assert got.item is None
+    assert orbax_args.legacy_restore_one(None, {"restore_args": None}) is None  # as saved
+    assert orbax_args.legacy_restore_one(STATE, {}).item is STATE
+    with pytest.raises(ConfigError, match=r"restore_kwargs \['transforms'\] are not supported"):
+        orbax_args.legacy_restore_one(None, {"restore_args": ra, "transforms": {}})
+    with pytest.raises(ConfigError, match="restore_kwargs is Orbax's"):
+        orbax_args.legacy_restore_one(None, [ra])

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import time
-import types
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -215,25 +214,96 @@ def test_continuous_checkpointing_saves_once_the_last_save_is_done_and_the_gap_p
         assert mgr.save(3, state, force=True)
 
 
+@pytest.mark.parametrize(("best", "kept"), [
+    (False, [0, 3, 6, 8, 9]),  # max_to_keep=2: the newest two and one each 3 hours
+    (True, [0, 1, 2, 3, 6, 9]),  # max_to_keep=3 best by the lowest loss, and 3-hourly
+], ids=["newest", "best_fn"])
 def test_keep_time_interval_keeps_as_orbax_test_expects(ramdisk: Path, mesh: Mesh,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Orbax's own case (checkpoint_manager_test's time interval test): one save an
-    hour, max_to_keep=2, keep_time_interval=3h keeps [0, 3, 6, 8, 9]. The hours pass on
-    a clock of the save flow's own."""
-    from mtc.save import flow
-
-    clock = [1e9]
-    monkeypatch.setattr(flow, "time", types.SimpleNamespace(
-        time=lambda: clock[0], perf_counter=time.perf_counter))
+                                                       best: bool, kept: list[int]) -> None:
+    """Orbax's own cases (checkpoint_manager_test's time interval tests): one save an
+    hour, keep_time_interval=3h. The hours pass on the clock Orbax reads and its
+    tests fake, ``datetime.datetime`` (mtc reads the time of a save there too)."""
     state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=mtc.Options(
-            simulated_hosts=4, dispatch="local", max_to_keep=2,
-            keep_time_interval=datetime.timedelta(hours=3))) as mgr:
+    now = datetime.datetime.now(tz=datetime.UTC)
+    extra: dict[str, Any] = ({"max_to_keep": 3, "best_fn": lambda m: m["loss"],
+                              "best_mode": "min"} if best else {"max_to_keep": 2})
+    with mock.patch("datetime.datetime", autospec=True) as dt, mtc.CheckpointManager(
+            ramdisk, mesh=mesh, options=mtc.Options(
+                simulated_hosts=4, dispatch="local",
+                keep_time_interval=datetime.timedelta(hours=3), **extra)) as mgr:
         for s in range(10):
-            assert mgr.save(s, args=ocp.args.StandardSave(state))
-            clock[0] += 3600
+            dt.now.return_value = now
+            assert mgr.save(s, args=ocp.args.StandardSave(state),
+                            metrics={"loss": s} if best else None)
+            now += datetime.timedelta(hours=1)
         mgr.wait_until_finished()
-        assert mgr.all_steps() == [0, 3, 6, 8, 9]
+        assert mgr.all_steps() == kept
+
+
+def test_keep_time_interval_knows_the_times_of_steps_saved_before_a_restart(
+        ramdisk: Path, mesh: Mesh) -> None:
+    """Orbax's restart case (checkpoint_manager_test's time interval test, whose new
+    manager Orbax is told the earlier steps' times): mtc's new manager reads them from
+    the steps' manifests, so retention goes on as if the job never stopped; a step
+    of unknown time would stay for ever (8 here), filling the RAM disk restart by
+    restart."""
+    state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
+    now = datetime.datetime.now(tz=datetime.UTC)
+    options = mtc.Options(simulated_hosts=4, dispatch="local", max_to_keep=2,
+                          keep_time_interval=datetime.timedelta(hours=3))
+    with mock.patch("datetime.datetime", autospec=True) as dt:
+        for first, steps, kept in ((True, range(10), [0, 3, 6, 8, 9]),
+                                   (False, range(10, 20), [0, 3, 6, 9, 12, 15, 18, 19])):
+            with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+                for s in steps:
+                    dt.now.return_value = now
+                    assert mgr.save(s, args=ocp.args.StandardSave(state))
+                    now += datetime.timedelta(hours=1)
+                mgr.wait_until_finished()
+                assert mgr.all_steps() == kept, "first run" if first else "after the restart"
+
+
+def test_a_minimum_interval_counts_from_a_save_made_before_a_restart(
+        ramdisk: Path, mesh: Mesh) -> None:
+    """ContinuousCheckpointingPolicy(minimum_interval_secs): a restarted job's manager
+    reads when the newest step was saved from its manifest, so the interval holds
+    across the restart (Orbax reads it from its step metadata)."""
+    state = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("model")))}
+    now = datetime.datetime.now(tz=datetime.UTC)
+    options = mtc.Options(simulated_hosts=4, dispatch="local", save_decision_policy=(
+        cm.ContinuousCheckpointingPolicy(minimum_interval_secs=3600)))
+    with mock.patch("datetime.datetime", autospec=True) as dt:
+        dt.now.return_value = now
+        with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+            assert mgr.save(1, state)
+        dt.now.return_value = now + datetime.timedelta(minutes=10)
+        with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options) as mgr:
+            assert not mgr.save(2, state)  # 10 minutes after step 1's save
+            dt.now.return_value = now + datetime.timedelta(hours=2)
+            assert mgr.save(3, state)
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [1, 3]
+
+
+@pytest.mark.parametrize(("policy", "keeps_by_time", "schedule_by_time"), [
+    (cm.LatestN(2), False, False),
+    (cm.EveryNSeconds(60), True, False),
+    (cm.LatestDuration(datetime.timedelta(hours=1)), True, False),
+    (cm.AnyPreservationPolicy([cm.LatestN(2), cm.EveryNSeconds(60)]), True, False),
+    (policies.from_options(max_to_keep=2, keep_period=None, keep_time_interval_s=60.0),
+     True, False),
+    (cm.ContinuousCheckpointingPolicy(), False, False),
+    (cm.ContinuousCheckpointingPolicy(minimum_interval_secs=5), False, True),
+    (cm.AnySavePolicy([cm.FixedIntervalPolicy(3),
+                       cm.ContinuousCheckpointingPolicy(minimum_interval_secs=5)]), False, True),
+], ids=["LatestN", "EveryNSeconds", "LatestDuration", "Any of them", "keep_time_interval",
+        "continuous", "continuous, a minimum interval", "Any save policy"])
+def test_which_policies_read_the_steps_save_times(policy: Any, keeps_by_time: bool,
+                                                  schedule_by_time: bool) -> None:
+    """Only these read a step's save time (from its manifest, for a step saved before
+    the manager): the others never read a manifest for it."""
+    assert policies.uses_time(policy) is keeps_by_time
+    assert policies.schedule_uses_time(policy) is schedule_by_time
 
 
 def test_orbax_retention_options_as_the_policy_orbax_makes_of_them() -> None:

@@ -10,6 +10,7 @@ case says so and docs/reference.md's Orbax table names it.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -256,12 +257,15 @@ def second_manager_in_process(make: Make, mesh: Mesh) -> list[Any]:
 def refusals_as_orbax_raises_them(make: Make, mesh: Mesh) -> list[Any]:
     """Issue 67, items 3, 5 and 8: what Orbax refuses is refused at once with the
     built-in exception Orbax raises there (mtc's errors subclass it): a forced save
-    of a step in flight (ValueError), a single item on a Composite manager and the
+    of a step in flight or committed (Orbax's own StepAlreadyExistsError, which mtc's
+    StepExistsError is too where Orbax is loaded), a single item on a Composite manager and the
     reverse, an item outside item_names (ValueError), a missing step
     (FileNotFoundError); ``restore(directory=)`` reads another manager's folder."""
     def refused(call: Callable[[], Any]) -> str:
         try:
             call()
+        except ocp.checkpoint_manager.StepAlreadyExistsError:  # a ValueError: first
+            return "StepAlreadyExistsError"
         except ValueError:
             return "ValueError"
         except FileNotFoundError:
@@ -279,6 +283,8 @@ def refusals_as_orbax_raises_them(make: Make, mesh: Mesh) -> list[Any]:
         out.append(refused(lambda: mgr.restore(7, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(state(mesh, 0))))))
         mgr.wait_until_finished()
+        out.append(refused(lambda: mgr.save(0, args=ocp.args.Composite(params=one),
+                                            force=True)))  # committed now
     with make("b") as mgr:
         mgr.save(0, args=one)
         mgr.wait_until_finished()
@@ -352,6 +358,85 @@ def legacy_items_and_restore_kwargs(make: Make, mesh: Mesh) -> list[Any]:
         return [values(back["params"]), back["meta"]]
 
 
+def item_handlers_name_the_items_and_their_args(make: Make, mesh: Mesh) -> list[Any]:
+    """Orbax's ``item_handlers``: a dict names the items, one handler makes a
+    single-item manager; args an item's handler does not take are a ValueError, and
+    so is one handler beside item_names."""
+    def refused(call: Callable[[], Any]) -> str:
+        try:
+            call()
+        except ValueError:
+            return "ValueError"
+        return "accepted"
+
+    out: list[Any] = []
+    with make("a", item_handlers={"params": ocp.StandardCheckpointHandler(),
+                                  "meta": ocp.JsonCheckpointHandler()}) as mgr:
+        mgr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(state(mesh, 1)),
+                                            meta=ocp.args.JsonSave({"lr": 0.5})))
+        mgr.wait_until_finished()
+        out.append(refused(lambda: mgr.save(1, args=ocp.args.Composite(
+            params=ocp.args.PyTreeSave(state(mesh, 1))))))
+        back = mgr.restore(0, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(state(mesh, 0)), meta=ocp.args.JsonRestore()))
+        out += [values(back.params), back.meta]
+    with make("b", item_handlers=ocp.PyTreeCheckpointHandler()) as mgr:
+        out.append(refused(lambda: mgr.save(0, args=ocp.args.StandardSave(state(mesh, 2)))))
+        mgr.save(0, args=ocp.args.PyTreeSave(state(mesh, 2)))
+        mgr.wait_until_finished()
+        out.append(values(mgr.restore(0, args=ocp.args.PyTreeRestore(state(mesh, 0)))))
+    out.append(refused(lambda: make("c", item_names=("x",),
+                                    item_handlers=ocp.StandardCheckpointHandler())))
+    return out
+
+
+def root_metadata_not_kept(make: Make, mesh: Mesh) -> list[Any]:
+    """``save_root_metadata=False``: the manager's ``metadata=`` is neither kept nor
+    answered; one an earlier manager kept is still answered."""
+    out: list[Any] = []
+    for v, keep in ((1, False), (2, True), (3, False)):
+        with make("a", metadata={"v": v}, save_root_metadata=keep) as mgr:
+            out.append(mgr.metadata().custom_metadata)
+    return out
+
+
+def legacy_single_item_restore_kwargs(make: Make, mesh: Mesh) -> list[Any]:
+    """Orbax's legacy single-item form: ``CheckpointManager(directory, checkpointer)``,
+    ``save(step, tree)``, ``restore(step, restore_kwargs={"restore_args": ...})`` (the
+    one item's kwargs, not ``{item: kwargs}``), on the saving manager and a fresh one."""
+    ra = {"w": ocp.ArrayRestoreArgs(sharding=NamedSharding(mesh, P("model")))}
+    out: list[Any] = []
+    with make("a", legacy_one=True) as mgr:
+        mgr.save(0, state(mesh, 1))
+        mgr.wait_until_finished()
+        back = mgr.restore(0, restore_kwargs={"restore_args": ra})
+        out += [values(back), kind(back["w"]), str(back["w"].sharding.spec)]
+    with make("a", legacy_one=True) as mgr:
+        out.append(values(mgr.restore(0, restore_kwargs={"restore_args": ra})))
+    return out
+
+
+def keep_time_interval_on_the_clock_orbax_reads(make: Make, mesh: Mesh) -> list[Any]:
+    """keep_time_interval beside max_to_keep and beside best_fn, one save an hour on
+    the clock Orbax reads and its users' tests fake (``datetime.datetime``)."""
+    out: list[Any] = []
+    now = datetime.datetime.now(tz=datetime.UTC)
+    hours3 = datetime.timedelta(hours=3)
+    for sub, kw in (("a", {"max_to_keep": 2}),
+                    ("b", {"max_to_keep": 3, "best_fn": lambda m: m["loss"],
+                           "best_mode": "min"})):
+        with mock.patch("datetime.datetime", autospec=True) as dt, make(
+                sub, item_names=("params",), keep_time_interval=hours3, **kw) as mgr:
+            for s in range(10):
+                dt.now.return_value = now
+                mgr.save(s, args=ocp.args.Composite(params=ocp.args.StandardSave(
+                    state(mesh, s))), metrics={"loss": s})
+                now += datetime.timedelta(hours=1)
+            mgr.wait_until_finished()
+            out.append(list(mgr.all_steps()))
+    return out
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
@@ -359,7 +444,9 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          save_schedule_options, second_manager_in_process,
          refusals_as_orbax_raises_them, root_and_step_metadata,
          restore_without_target_keeps_the_saved_sharding, array_items,
-         legacy_items_and_restore_kwargs]
+         legacy_items_and_restore_kwargs, keep_time_interval_on_the_clock_orbax_reads,
+         item_handlers_name_the_items_and_their_args, root_metadata_not_kept,
+         legacy_single_item_restore_kwargs]
 
 
 # -- the two libraries ----------------------------------------------------------------
@@ -367,22 +454,29 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
 
 def orbax_maker(base: Path) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
-             legacy: tuple[str, ...] | None = None, **kw: Any) -> Any:
+             legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
+             legacy_one: bool = False, **kw: Any) -> Any:
+        if legacy_one:  # Orbax's legacy single-item form: one checkpointer
+            return ocp.CheckpointManager(base / sub, ocp.Checkpointer(
+                ocp.PyTreeCheckpointHandler()), options=ocp.CheckpointManagerOptions(**kw))
         if legacy is not None:  # Orbax's legacy form: a checkpointer per item
             return ocp.CheckpointManager(base / sub, {
                 n: ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) for n in legacy},
                 options=ocp.CheckpointManagerOptions(**kw))
         return ocp.CheckpointManager(base / sub, item_names=item_names, metadata=metadata,
+                                     item_handlers=item_handlers,
                                      options=ocp.CheckpointManagerOptions(**kw))
     return make
 
 
 def mtc_maker(base: Path, mesh: Mesh) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
-             legacy: tuple[str, ...] | None = None, **kw: Any) -> Any:
-        # Orbax's legacy checkpointers name the items: mtc is given the names.
+             legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
+             legacy_one: bool = False, **kw: Any) -> Any:
+        # Orbax's legacy checkpointers name the items: mtc is given the names (one
+        # checkpointer, legacy_one: nothing).
         return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=legacy or item_names,
-                                     metadata=metadata,
+                                     metadata=metadata, item_handlers=item_handlers,
                                      options=mtc.Options(simulated_hosts=4, dispatch="local",
                                                          **kw))
     return make
@@ -457,8 +551,8 @@ def test_what_orbax_refuses_or_hides_that_mtc_answers(ramdisk: Path, mesh: Mesh)
 def test_what_mtc_keeps_or_raises_otherwise_than_orbax(ramdisk: Path, mesh: Mesh) -> None:
     """max_to_keep=0 keeps what keep_period keeps and the newest complete step, which
     mtc never deletes (the one a restore after a failure needs; Orbax keeps none);
-    a forced save of a step in flight raises mtc's StepExistsError, a ValueError, not
-    Orbax's own class."""
+    a forced save of a step in flight raises mtc's StepExistsError, a ValueError and,
+    Orbax being loaded, Orbax's own StepAlreadyExistsError too."""
     with mtc_maker(ramdisk, mesh)("zero", max_to_keep=0, keep_period=3) as mgr:
         for s in range(8):
             assert mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
@@ -469,5 +563,6 @@ def test_what_mtc_keeps_or_raises_otherwise_than_orbax(ramdisk: Path, mesh: Mesh
         with pytest.raises(mtc.StepExistsError) as e:
             mgr.save(0, args=ocp.args.StandardSave(state(mesh, 1)), force=True)
         assert isinstance(e.value, ValueError)
-        assert not isinstance(e.value, ocp.checkpoint_manager.StepAlreadyExistsError)
+        assert isinstance(e.value, ocp.checkpoint_manager.StepAlreadyExistsError)
+        assert e.value.step == 0 and "step 0" in str(e.value)
         mgr.wait_until_finished()

@@ -127,3 +127,31 @@ def test_retention_keeps_the_newest(keep: int | None, period: int | None,
         flow.wait_until_finished()
     assert d.held() == {0: left, 1: left}
     assert inv.common() == left
+
+
+def test_a_step_saved_before_gets_its_time_from_its_manifest_once_one_can_be_read() -> None:
+    """keep_time_interval after a restart: a step this manager did not save has the
+    time its manifest records, read once; a read that fails now (no host answers)
+    leaves it unknown and is made again; a manifest without a time leaves it
+    unknown for good (the time-based policies keep such a step)."""
+    from mtc.errors import ShardUnavailableError
+
+    _, flow, _ = flows(2)
+    asked: list[int] = []
+    answers: dict[int, Any] = {3: ShardUnavailableError("no host answers", step=3),
+                               4: None}
+
+    def time_of_step(step: int) -> float | None:
+        asked.append(step)
+        a = answers.get(step, 100.0 * step)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    flow.time_of_step = time_of_step
+    assert flow._time_of(2) == 200.0 and flow._time_of(2) == 200.0
+    assert flow._time_of(3) is None
+    answers[3] = 300.0  # the host answers again
+    assert flow._time_of(3) == 300.0
+    assert flow._time_of(4) is None and flow._time_of(4) is None
+    assert asked == [2, 3, 3, 4]

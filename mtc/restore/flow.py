@@ -20,6 +20,7 @@ from mtc.errors import (
     AgreementError,
     ConfigError,
     CorruptShardError,
+    ManifestError,
     MtcError,
     ShardUnavailableError,
     StepNotFoundError,
@@ -28,7 +29,7 @@ from mtc.inventory import StepInventory
 from mtc.options import Options
 from mtc.pool import ThreadPool
 from mtc.replicas import ReplicatorTier, farthest
-from mtc.restore.load import custom_of, metrics_of
+from mtc.restore.load import custom_of, metrics_of, saved_at_of
 from mtc.restore.plan import SavedStep
 from mtc.restore.step import StepReader
 from mtc.save.flow import SaveFlow
@@ -128,6 +129,14 @@ class RestoreFlow:
         except StepNotFoundError:
             return None  # as Orbax's metrics() of a step it does not have
         return metrics_of(saved)
+
+    def saved_at(self, step: int) -> float | None:
+        """When ``step``'s save began (seconds since the epoch), from its manifest;
+        None where the step is gone or its manifest does not say."""
+        try:
+            return saved_at_of(self.reader.saved_step(step))
+        except (StepNotFoundError, ManifestError):
+            return None  # no time known: the time-based policies keep the step
 
     def custom_metadata(self, step: int) -> Any:
         """Orbax's ``custom_metadata`` saved with ``step`` ({}: none)."""

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mtc import orbax_args, treepath
 from mtc.contract import LeafSpec, Piece, ReadTask
 from mtc.dispatch import Dispatch
-from mtc.errors import TargetMismatchError
+from mtc.errors import ManifestError, TargetMismatchError
 from mtc.manifest import Index, LeafEntry
 from mtc.restore.plan import Planner, SavedStep, check_leaf
 from mtc.shards import is_single_device_sharding, paste
@@ -93,6 +93,19 @@ def custom_of(saved: SavedStep) -> Any:
             except (TypeError, ValueError):
                 return {}
     return {}
+
+
+def saved_at_of(saved: SavedStep) -> float | None:
+    """When the step's save began (seconds since the epoch), or None (a step saved
+    by an mtc that did not keep it)."""
+    for leaf in saved.leaves:
+        if leaf.path == treepath.SAVED_AT_ROOT and leaf.kind == "value":
+            try:
+                t = treepath.decode_value(leaf.value)
+            except (TypeError, ValueError, ManifestError):
+                return None
+            return float(t) if isinstance(t, float) else None
+    return None
 
 
 def metrics_of(saved: SavedStep) -> Any:

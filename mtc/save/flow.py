@@ -20,7 +20,6 @@ from mtc.errors import (
     MtcError,
     SaveError,
     ShardUnavailableError,
-    StepExistsError,
     StepNotFoundError,
 )
 from mtc.inventory import StepInventory
@@ -31,6 +30,15 @@ from mtc.topology import Topology
 
 # The manager's log lines keep one logger name, the one users configure.
 log = logging.getLogger("mtc.manager")
+
+
+def _wall_clock() -> float:
+    """Seconds since the epoch, read as Orbax reads the time of a save
+    (``datetime.datetime.now(tz=utc)``, looked up at each call): the time-based
+    policies (``keep_time_interval``, ``EveryNSeconds``, ``minimum_interval_secs``)
+    then see the clock a user's test fakes for Orbax (``mock.patch("datetime.datetime")``)
+    as Orbax's would, and a step's time is wall time, as Orbax's."""
+    return datetime.datetime.now(datetime.UTC).timestamp()
 
 
 class _NotDue(Exception):
@@ -75,13 +83,17 @@ class SaveFlow:
         # reading a step's manifests, wait for them first). The same in every
         # process of a multi-controller job, which saves the same steps.
         self.staged: set[int] = set()
-        # When this manager saved each step (time.time()): what Orbax's time-based
-        # policies read (a step saved before this manager has no known time).
+        # When each step's save began (_wall_clock()): what Orbax's time-based policies
+        # read; a step saved before this manager: from its manifest (``_time_of``).
         self._saved_at: dict[int, float] = {}
         # Step folders found at start that are not mtc's (per host): never replaced.
         self.foreign = foreign or {}
         # best_fn retention: each step's metrics, read once from a manifest.
         self.metrics_of_step = metrics_of_step
+        # A step's save time from its manifest (a step saved before this manager):
+        # read once per step, only by the time-based policies.
+        self.time_of_step: Callable[[int], float | None] | None = None
+        self._times_read: set[int] = set()
         self._metrics: dict[int, Any] = {}
         if options.max_to_keep is None and not options.replicators and not options.read_only:
             log.info("mtc: max_to_keep=None (Orbax's default): every step stays on the RAM "
@@ -118,10 +130,12 @@ class SaveFlow:
         """``Options.save_decision_policy``'s answer (:func:`mtc.policies.save_due`),
         process 0's in multi-controller JAX (collective: times and saves in flight
         differ between processes)."""
-        previous = [] if newest is None else [
-            policies.StepInfo(newest, None, self._saved_at.get(newest))]
+        policy = self.options.save_decision_policy
+        previous = [] if newest is None else [policies.StepInfo(
+            newest, None, self._time_of(newest) if policies.schedule_uses_time(policy)
+            else self._saved_at.get(newest))]
         due = policies.save_due(
-            self.options.save_decision_policy, step, previous, now=time.time(),
+            policy, step, previous, now=_wall_clock(),
             saving=self._saves_in_flight() > 0, preempted=multihost.reached_preemption(step))
         return bool(multihost.every_value(int(due))[0])
 
@@ -187,8 +201,9 @@ class SaveFlow:
         self._refuse_foreign(step)
         if force and step in self.staged:
             # At once, as Orbax's StepAlreadyExistsError: not later from a commit.
-            raise StepExistsError("save(force=True) of a step this manager is already "
-                                  "saving (or saved): force never overwrites", step=step)
+            raise orbax_args.step_exists("save(force=True) of a step this manager is already "
+                                         "saving (or saved): force never overwrites",
+                                         step=step)
         # The job's first decision needs the hosts' newest step. One controller
         # learns it from the save's own first call (a save stays two calls); the
         # step is then dropped there if it was not due. Multi-controller JAX asks
@@ -205,9 +220,10 @@ class SaveFlow:
         if self.watch is not None:
             self.unreplicated = self.watch.poll()
         t0 = time.perf_counter()
+        began = _wall_clock()  # the step's time, as Orbax's: when its save began
         header, arrays = prepare(step, state, skip_if_busy=self.options.if_busy == "skip",
                                  metrics=metrics, run=self.run, ranks=self._saved_ranks(),
-                                 items=items, custom=custom)
+                                 items=items, custom=custom, saved_at=began)
 
         def before_send(survey: Survey) -> None:
             # Nothing is sent to a host before this returned, and nothing at all
@@ -234,7 +250,7 @@ class SaveFlow:
             self._saved_since_retention = True
             self.last_saved = max(step, self.last_saved or 0)
             self.staged.add(step)
-            self._saved_at[step] = time.time()
+            self._saved_at[step] = began
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
             if log.isEnabledFor(logging.INFO):  # its byte count walks every shard
@@ -251,10 +267,10 @@ class SaveFlow:
         as any host's failed save does (a refusal here would be this process's alone)."""
         held = [h for h, steps in self.foreign.items() if step in steps]
         if held and not self.inventory.sees_own_host_only:
-            raise StepExistsError("a step folder of this number that is not mtc's (no mtc "
-                                  "manifest: Orbax's or another tool's) is there; mtc leaves "
-                                  "it alone: save another step number, or move that folder",
-                                  step=step, host=held[0])
+            raise orbax_args.step_exists(
+                "a step folder of this number that is not mtc's (no mtc manifest: Orbax's or "
+                "another tool's) is there; mtc leaves it alone: save another step number, or "
+                "move that folder", step=step, host=held[0])
 
     def _saved_ranks(self) -> tuple[int, ...]:
         """Each host's replicator rank, for the manifests, when the job's hosts are not
@@ -275,8 +291,8 @@ class SaveFlow:
         partial = [h for h in self.topology.local_hosts if step in held.get(h, ())]
         if self.inventory.sees_own_host_only or partial:  # the first: collective
             if step in self.inventory.complete_everywhere(held):
-                raise StepExistsError("step is already committed", step=step,
-                                      host=partial[0] if partial else None)
+                raise orbax_args.step_exists("step is already committed", step=step,
+                                             host=partial[0] if partial else None)
         if not partial:
             return held
         log.warning("step %d was committed on hosts %s only (or by another run on some); "
@@ -432,9 +448,11 @@ class SaveFlow:
             for s in complete:
                 if s not in self._metrics:
                     self._metrics[s] = self.metrics_of_step(s)
-        infos = [policies.StepInfo(s, self._metrics.get(s), self._saved_at.get(s))
+        timed = policies.uses_time(policy)
+        infos = [policies.StepInfo(s, self._metrics.get(s),
+                                   self._time_of(s) if timed else self._saved_at.get(s))
                  for s in sorted(complete)]
-        gone = multihost.common_steps(policies.to_delete(policy, infos, now=time.time()))
+        gone = multihost.common_steps(policies.to_delete(policy, infos, now=_wall_clock()))
         for s in gone:
             log.info("mtc: step %d deleted: not kept by the preservation_policy (%s)", s,
                      type(policy).__name__)
@@ -442,6 +460,24 @@ class SaveFlow:
             self.inventory.forget(s)
             self._metrics.pop(s, None)
             self._saved_at.pop(s, None)
+            self._times_read.discard(s)
+
+    def _time_of(self, step: int) -> float | None:
+        """When ``step``'s save began: this manager's record, else (a step saved before
+        it) its manifest's, read once; None where neither says (a step saved by an mtc
+        that did not record it: time-based policies keep it, and a schedule takes it
+        as long ago). A manifest no host can give now is asked for again next time."""
+        if step not in self._saved_at and step not in self._times_read \
+                and self.time_of_step is not None and step not in self.staged:
+            try:
+                t = self.time_of_step(step)
+            except MtcError as e:
+                log.debug("mtc: the save time of step %d is not known yet: %s", step, e)
+                return None
+            self._times_read.add(step)
+            if t is not None:
+                self._saved_at[step] = t
+        return self._saved_at.get(step)
 
     def _saves_in_flight(self) -> int:
         return self.dispatch.saves_in_flight(self.topology.local_hosts)

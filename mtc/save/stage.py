@@ -56,13 +56,14 @@ def _metric_leaves(metrics: Any) -> list[LeafEntry]:
 
 def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, run: str = "",
             ranks: tuple[int, ...] = (), items: Sequence[str] | None = None,
-            custom: str | None = None
+            custom: str | None = None, saved_at: float | None = None
             ) -> tuple[SaveHeader, list[jax.Array | np.ndarray]]:
     """The save header and the arrays, in header order, that hosts must write;
     ``run``: the manager's run identity, written into every host's manifest, as
     ``ranks`` (each host's replicator rank, when host h is not rank h) is;
     ``items``: the item names of an Orbax ``Composite`` save; ``custom``: Orbax's
-    ``custom_metadata`` of the step, as JSON text."""
+    ``custom_metadata`` of the step, as JSON text; ``saved_at``: when the save
+    began (seconds since the epoch)."""
     flat, _ = treepath.flatten(state)
     leaves: list[LeafEntry] = []
     arrays: list[jax.Array | np.ndarray] = []
@@ -99,6 +100,10 @@ def prepare(step: int, state: Any, *, skip_if_busy: bool, metrics: Any = None, r
     if custom is not None:
         leaves.append(LeafEntry(treepath.CUSTOM_ROOT, (("d", treepath.CUSTOM_ROOT),), "value",
                                 value=treepath.encode_value(custom, treepath.CUSTOM_ROOT)))
+    if saved_at is not None:
+        leaves.append(LeafEntry(treepath.SAVED_AT_ROOT, (("d", treepath.SAVED_AT_ROOT),),
+                                "value", value=treepath.encode_value(
+                                    float(saved_at), treepath.SAVED_AT_ROOT)))
     return SaveHeader(step, tuple(leaves), tuple(array_leaves), skip_if_busy, run, ranks), arrays
 
 
