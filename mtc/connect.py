@@ -49,15 +49,10 @@ def dispatch(mode: str, config: AgentConfig, options: Options, devices: list[jax
                 else "process")
     if mode == "process":
         return mode, ProcessDispatch(config, sidecars or {}, creds=credentials(options))
+    copier = DeviceCopier(options.save_device_copy_bytes)
     if mode == "colocated":
-        return mode, ColocatedDispatch(config, devices, sidecars,
-                                       copier=DeviceCopier(options.save_device_copy_bytes))
-    # Here what does not fit in device memory goes on to host memory without the
-    # save waiting for it (mtc.save.device_copy); the colocated dispatch moves it
-    # onto the workers' CPU devices before returning.
-    return mode, LocalDispatch(config, network_tier(options, topology),
-                               copier=DeviceCopier(options.save_device_copy_bytes,
-                                                   move_rest=True))
+        return mode, ColocatedDispatch(config, devices, sidecars, copier=copier)
+    return mode, LocalDispatch(config, network_tier(options, topology), copier=copier)
 
 
 def read_pod_names(options: Options) -> None:

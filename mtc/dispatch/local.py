@@ -46,7 +46,7 @@ class LocalDispatch(HostCalls):
                  copier: DeviceCopier | None = None) -> None:
         self.config = config
         self.agent = HostAgent(config)
-        self.copier = copier or DeviceCopier(None, move_rest=True)
+        self.copier = copier or DeviceCopier(None)
         self.peers = (PeerFiles(network.addresses, network.creds, near=network.rank,
                                 ranks=network.ranks)
                       if network is not None else None)

@@ -13,20 +13,18 @@ The copy costs device memory for as long as the transfer runs: at most
 copy at a time (the dispatchers make the next copy only once the previous
 transfer has ended). A real job fills the chip, so the copy is never all or
 nothing: the arrays that fit the budget are copied (the largest first), and
-only the rest is read from the state itself (:func:`fits`, pure). Said once per
-manager when part of a save does not fit.
+only the rest is read from the state itself, which the save waits for
+(:func:`fits`, pure). Said once per manager when part of a save does not fit.
 
-That rest, with ``move_rest`` (the local dispatch), is not waited for either: its
-transfer into new host-memory buffers (``pinned_host``) is dispatched and the
-save returns; a step that then donates the state waits on the device, not in
-the loop's thread, for the transfer to have read it (the runtime orders a
-donating program after the reads of its inputs already dispatched:
-``bench/probe_capture.py``'s ``ordering`` case checks exactly that on the chip;
-the snapshotter has relied on it since it was written). A step split into its
-gradient and its update (README, "On a full chip") so runs the transfer beside
-the gradient, and only the update waits for what is left of it. Without
-``move_rest`` (or where the devices have no ``pinned_host`` memory) the save
-waits for the rest's transfer before it returns.
+Why the save waits for that rest rather than dispatching its transfer and
+letting the next donating step wait for it on the device (the runtime orders a
+donating program after the reads already dispatched: 120 of 120 arrays kept
+their values in ``bench/probe_capture.py``'s ``ordering`` case on a TPU v5e): the
+only buffers such a transfer can go to are new ones in ``pinned_host`` memory,
+and on that host 1.5 GiB took 2.02 s to land there against 0.51 s for
+``jax.device_get`` (2026-12-07, gVisor). Tried with saves back to back on a chip
+88% full, the loop lost 1.87x the state's device-to-host time per save, against
+0.44x where the save waits here.
 
 On CPU devices nothing is copied here: a shard's host view is its buffer, which
 a donating step leaves alone (:mod:`mtc.sidecar.save.agent`).
@@ -112,15 +110,6 @@ def step_peak(peak: int, last: tuple[int, int] | None) -> int:
     return before if peak - before <= copied else peak
 
 
-def host_memory_of(a: jax.Array) -> jax.sharding.Sharding | None:
-    """``a``'s sharding in its devices' ``pinned_host`` memory; None where one of
-    them has none."""
-    devices: set[Any] = a.sharding.device_set
-    if not all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices):
-        return None
-    return a.sharding.with_memory_kind("pinned_host")
-
-
 @jax.jit
 def _copy(xs: list[jax.Array]) -> list[jax.Array]:
     return [jnp.copy(x) for x in xs]
@@ -149,9 +138,8 @@ def fits(sizes: Sequence[dict[int, int]], budget: dict[int, int]) -> frozenset[i
 
 
 class Copied(NamedTuple):
-    """A save's arrays with those copied in device memory (or, ``move_rest``, on
-    their way to host memory) replaced by their copies (``owned``: their positions;
-    the others are the caller's own arrays)."""
+    """A save's arrays with those copied in device memory replaced by their copies
+    (``owned``: their positions; the others are the caller's own arrays)."""
 
     arrays: list[Any]
     owned: frozenset[int]
@@ -162,16 +150,13 @@ class DeviceCopier:
     device (``budget``: bytes; None: what :func:`free_at_peak` leaves; 0: never)."""
 
     def __init__(self, budget: int | None,
-                 setting: str = "Options(save_device_copy_bytes=...)", *,
-                 move_rest: bool = False) -> None:
+                 setting: str = "Options(save_device_copy_bytes=...)") -> None:
         self.budget = budget
-        self.move_rest = move_rest  # see the module's documentation
         self.setting = setting  # what sets the budget, for the warning
         self.copied = 0  # saves of which some array was copied
         self.blocked = 0  # saves of which some array was read from the state itself
         self.copied_bytes = 0  # bytes copied in device memory, all saves
         self.direct_bytes = 0  # accelerator bytes read from the state itself, all saves
-        self.moved_bytes = 0  # of those, moved to host memory without waiting (move_rest)
         self._told = False
         # Per device: the job's peak use without this copier's copies (step_peak),
         # and (that peak, the bytes copied there) at the last copy.
@@ -203,29 +188,14 @@ class DeviceCopier:
                     "next step that donates it waits for their device-to-host transfer "
                     "(the rest is copied in device memory first). %s (%s sets the budget); "
                     "said once", direct, sum(total), why, self.setting)
-        rest = [where[k] for k in range(len(where)) if k not in chosen]
-        moving = rest if self.move_rest and all(
-            host_memory_of(arrays[i]) is not None for i in rest) else []  # type: ignore[arg-type]
-        if not owned and not moving:
+        if not owned:
             return None
-        if owned:
-            self.copied += 1
-        if self.budget is None and owned:
+        self.copied += 1
+        if self.budget is None:
             for d in self._peaks:
                 self._last[d] = (self._peaks[d], sum(sizes[k].get(d, 0) for k in chosen))
-        out = list(arrays)
-        if owned:
-            copies = iter(copy_in_device_memory([arrays[i] for i in sorted(owned)]))  # type: ignore[misc]
-            for i in sorted(owned):
-                out[i] = next(copies)
-        if moving:
-            self.moved_bytes += direct
-            moved = jax.device_put([arrays[i] for i in moving],
-                                   [host_memory_of(arrays[i]) for i in moving],  # type: ignore[arg-type]
-                                   may_alias=False)
-            for i, m in zip(moving, moved, strict=True):
-                out[i] = m
-        return Copied(out, owned | frozenset(moving))
+        copies = iter(copy_in_device_memory([arrays[i] for i in sorted(owned)]))  # type: ignore[misc]
+        return Copied([next(copies) if i in owned else a for i, a in enumerate(arrays)], owned)
 
     def fits_whole(self, arrays: Sequence[jax.Array | np.ndarray]) -> bool:
         """Whether a copy of every accelerator array of ``arrays`` fits the budget."""
