@@ -33,11 +33,11 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.credentials import Credentials
-from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.healthcheck import check
+from mtc.sidecar.replicator.memory_cluster import commit_mtc_step, commit_raw_step
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.storage.checksum import file_crc
 from mtc.testing import replicas
@@ -320,28 +320,6 @@ def env_with_repo() -> dict[str, str]:
     return with_checkout(dict(os.environ))
 
 
-def commit_mtc_step(root: Path, step: int, files: dict[str, bytes], *, host: int,
-                    num_hosts: int, slice_of_host: int = 0,
-                    ranks: tuple[int, ...] = ()) -> dict[str, bytes]:
-    """Commit ``files`` as host ``host``'s step the way mtc's sidecar does: with a
-    manifest (each file one opaque uint8 leaf) that names the host, so that a replicator
-    started with ``--framework mtc`` takes the step as its own (a manifest-less folder
-    is not mtc's: it is left alone). ``ranks``: the saving hosts' replicator ranks,
-    as the manifest states them (empty: host h is rank h). Returns every file
-    committed, the manifest too."""
-    leaves = []
-    for name, data in sorted(files.items()):
-        shard = ShardEntry(index=((0, len(data)),), file=name, nbytes=len(data),
-                           crc32c=crc32c(data))
-        leaves.append(LeafEntry(path=name, keys=(("d", name),), kind="numpy",
-                                shape=(len(data),), dtype="uint8", shards=(shard,)))
-    manifest = Manifest(step=step, host=host, slice=slice_of_host, num_hosts=num_hosts,
-                        leaves=tuple(leaves), ranks=ranks)
-    out = {**files, MANIFEST_NAME: manifest.to_bytes()}
-    commit_raw_step(root, step, out)
-    return out
-
-
 def write_mtc_manifest(folder: Path, step: int, *, host: int, num_hosts: int,
                        slice_of_host: int = 0) -> None:
     """Write the mtc manifest of the files already in ``folder`` (each one opaque
@@ -358,19 +336,6 @@ def write_mtc_manifest(folder: Path, step: int, *, host: int, num_hosts: int,
     manifest = Manifest(step=step, host=host, slice=slice_of_host, num_hosts=num_hosts,
                         leaves=tuple(leaves))
     (folder / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-
-
-def commit_raw_step(root: Path, step: int, files: dict[str, bytes]) -> Path:
-    """Commit an opaque step (no manifest: Orbax's) the way a client does: write, then
-    rename."""
-    tmp = root / f"{step}.test-tmp"
-    for rel, data in files.items():
-        p = tmp / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    final = root / str(step)
-    os.rename(tmp, final)
-    return final
 
 
 def new_cluster(clusters: list[Cluster], base: Path, n: int, per_slice: int,
