@@ -200,6 +200,11 @@ class Network:
         with self._lock:
             self._served.pop(rank, None)
 
+    def serving(self, rank: int) -> Endpoint | None:
+        """Who serves ``rank`` now (None: nobody)."""
+        with self._lock:
+            return self._served.get(rank)
+
     def peers(self, src: int, num_nodes: int) -> dict[int, MemoryPeer]:
         """Rank ``src``'s peers among ranks ``0..num_nodes-1`` (served now or later)."""
         return {r: MemoryPeer(self, src, r) for r in range(num_nodes) if r != src}
@@ -314,6 +319,13 @@ class MemoryPeer:
             raise self._error(name, grpc.StatusCode.UNAVAILABLE, why)
         try:
             out = fn(endpoint, lambda: time.monotonic() < deadline)
+        except RuntimeError as e:
+            if self._net.serving(self.rank) is endpoint:
+                raise
+            # Its node was stopped under the call (its pools shut): the call was cut
+            # as a killed process's connection is.
+            raise self._error(name, grpc.StatusCode.UNAVAILABLE, "its replicator "
+                              "stopped during the call") from e
         except (MtcError, OSError, ValueError, KeyError) as e:
             if time.monotonic() >= deadline:
                 raise self._error(name, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer "
