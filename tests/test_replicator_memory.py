@@ -21,7 +21,8 @@ from typing import Any
 import grpc
 import pytest
 
-from mtc.grpc_errors import PeerError
+from mtc.errors import AgreementError
+from mtc.grpc_errors import to_status
 from mtc.manifest import MANIFEST_NAME, Manifest
 from mtc.sidecar.replicator.copies import replication
 from mtc.sidecar.replicator.copies.replication import COPIES_AGAIN_MAX
@@ -177,7 +178,7 @@ def test_peer_unreachable_then_back(cluster: Make) -> None:
     errors = c.prepare([0, 1, 3], 2.0)
     assert time.monotonic() - t0 < 2.0 + 8
     for e in errors.values():
-        assert isinstance(e, PeerError) and e.code == grpc.StatusCode.ABORTED, e
+        assert isinstance(e, AgreementError) and to_status(e) == grpc.StatusCode.ABORTED, e
         assert "rank(s) [2]" in str(e), e
 
     # Back: replication completes in both directions, within a resync or two.

@@ -39,7 +39,6 @@ from typing import Any, TypeVar
 
 from mtc.credentials import Credentials
 from mtc.errors import MtcError
-from mtc.grpc_errors import PeerError, to_status
 from mtc.integrity import crc32c
 from mtc.lifecycle import Services
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
@@ -47,7 +46,7 @@ from mtc.pool import ThreadPool
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.memory_transport import Endpoint, Network
+from mtc.sidecar.replicator.memory_transport import Endpoint, MemoryPeer, Network
 from mtc.sidecar.replicator.node import Node
 from mtc.testing import replicas
 from mtc.testing.waits import wait_until
@@ -98,19 +97,24 @@ class MemoryCluster:
         return self.base / f"host-{rank}"
 
     def config_of(self, rank: int, **more: Any) -> ReplicatorConfig:
-        fields = {**DEFAULTS, **self.config, **self.rank_config.get(rank, {}), **more}
-        return ReplicatorConfig(rank=rank, nodes=tuple(f"memory:{r}" for r in range(self.n)),
-                                nodes_per_slice=self.per_slice, **fields)
+        fields = {"nodes": tuple(f"memory:{r}" for r in range(self.n)),
+                  "nodes_per_slice": self.per_slice,
+                  **DEFAULTS, **self.config, **self.rank_config.get(rank, {}), **more}
+        return ReplicatorConfig(rank=rank, **fields)
 
-    def start(self, rank: int, **config: Any) -> Node:
+    def start(self, rank: int, *, route: dict[int, int] | None = None, **config: Any) -> Node:
         """Start host ``rank``'s replicator on its root as it is (a restart when one ran
-        before: :meth:`kill` it first); ``config``: this start's own fields."""
+        before: :meth:`kill` it first); ``config``: this start's own fields.
+        ``route``: where its peers' places really lead (``{0: 1, 1: 0}``: its
+        ``nodes`` list ranks 0 and 1 swapped), as a wrong ``--nodes`` does."""
         if rank in self.nodes:
             raise RuntimeError(f"rank {rank}'s replicator is running: kill it first")
         root = self.root(rank)
         root.mkdir(parents=True, exist_ok=True)
-        node = Node(self.config_of(rank, **config), root, self.creds,
-                    peers=self.net.peers(rank, self.n))
+        peers = self.net.peers(rank, self.n)
+        for place, dst in (route or {}).items():
+            peers[place] = MemoryPeer(self.net, rank, dst)
+        node = Node(self.config_of(rank, **config), root, self.creds, peers=peers)
         services = None
         if self.run:
             services = Services(f"memory-replicator-{rank}", [node])
@@ -243,17 +247,17 @@ class MemoryCluster:
 
     def prepare(self, ranks: Sequence[int], timeout: float = 30.0, *,
                 members: Sequence[int] = (), rid: str = "restore-1"
-                ) -> dict[int, pb.PrepareRestoreReply | PeerError]:
+                ) -> dict[int, pb.PrepareRestoreReply | MtcError]:
         """PrepareRestore on every one of ``ranks`` at once, as a restarting job asks
         it (the servicer's own steps: the request's checks, then the restorer): each
-        rank's reply, or the error its caller would get (as a :class:`PeerError`
-        with the status the servicer answers)."""
-        def one(r: int) -> pb.PrepareRestoreReply | PeerError:
+        rank's reply, or the typed error it answered (the servicer maps it to a
+        status: ``mtc.grpc_errors.to_status``)."""
+        def one(r: int) -> pb.PrepareRestoreReply | MtcError:
             try:
                 d, tier, seconds, pending = self.nodes[r].restorer.prepare_restore_as(
                     timeout, checks.restore_id(rid), list(members))
-            except Exception as e:  # noqa: BLE001 - what the caller gets, compared
-                return _as_peer_error(e, r)
+            except MtcError as e:  # what its caller gets, for the test to compare
+                return e
             return pb.PrepareRestoreReply(step=d.step, tier=tier, seconds=seconds,
                                           epoch=d.epoch, pending=pending, run=d.run,
                                           lost=d.lost)
@@ -268,19 +272,6 @@ class MemoryCluster:
             if isinstance(got, Exception):
                 raise got
         return {r: got for r, got in out.items() if isinstance(got, pb.PrepareRestoreReply)}
-
-
-def _as_peer_error(e: Exception, rank: int) -> PeerError:
-    """``e`` as a caller of rank's PrepareRestore gets it over gRPC: the status the
-    servicer maps it to (``mtc/grpc_errors.py``), its message, what it names."""
-    code = to_status(e)
-    msg = e.message if isinstance(e, MtcError) else str(e)
-    err = PeerError(f"PrepareRestore to rank {rank} failed: {code.name}: {msg}",
-                    host=e.host if isinstance(e, MtcError) and e.host is not None else rank,
-                    step=e.step if isinstance(e, MtcError) else None,
-                    path=e.path if isinstance(e, MtcError) else None)
-    err.code = code
-    return err
 
 
 def at_once(*calls: Callable[[], T]) -> list[T]:
