@@ -231,10 +231,12 @@ class MemoryCluster:
         call: with two, a whole pass began after it. What a test waits on before
         asserting that the loop did *not* do something."""
         for r in ranks:
-            n = self.passes(r, loop) + more
-            wait_until(f"rank {r}'s {loop} loop passing {n} times",
-                       lambda r=r, n=n: self.passes(r, loop) >= n, timeout,
-                       detail=lambda r=r: f"{self.passes(r, loop)} passes")
+            self._wait_passes(r, loop, self.passes(r, loop) + more, timeout)
+
+    def _wait_passes(self, rank: int, loop: str, n: int, timeout: float) -> None:
+        wait_until(f"rank {rank}'s {loop} loop passing {n} times",
+                   lambda: self.passes(rank, loop) >= n, timeout,
+                   detail=lambda: f"{self.passes(rank, loop)} passes")
 
     def wait_sample(self, rank: int, sample: str, at_least: float,
                     timeout: float = 30.0) -> None:

@@ -27,6 +27,7 @@ authenticated here: who may call is ``wire/security.py``'s, tested over gRPC.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -398,8 +399,9 @@ class MemoryPeer:
         done: list[str] = []
         try:
             for f in files:  # one stream's worth, file by file: what came, verified
-                self._fetch_one(step, origin, f, inside(dest, f.path), None if opener is None
-                                else lambda f=f: opener(dest, f.path, f.size))
+                self._fetch_one(step, origin, f, inside(dest, f.path),
+                                None if opener is None else functools.partial(
+                                    opener, dest, f.path, f.size))
                 done.append(f.path)
         except MtcError as e:
             return done, e
