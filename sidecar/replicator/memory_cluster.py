@@ -71,18 +71,23 @@ class MemoryCluster:
     started (no loop, no background work: a test drives the logic by hand, as
     ``replication.push_step``). ``config``: fields of every node's
     :class:`~.config.ReplicatorConfig` (over :data:`DEFAULTS`); ``rank_config``: one
-    rank's own (another ``keep``); ``creds``: every node's (no TLS here)."""
+    rank's own (another ``keep``); ``creds``: every node's, ``rank_creds``: one
+    rank's own (with mutual TLS, its certificate naming its rank: what it signs its
+    copies' proofs with, and the CA it checks others' with; calls in memory are not
+    authenticated, ``wire/security.py``'s part, tested over gRPC)."""
 
     def __init__(self, base: Path, n: int, per_slice: int = 1, *, start: bool = True,
                  run: bool = True,
                  rank_config: dict[int, dict[str, Any]] | None = None,
-                 creds: Credentials | None = None, **config: Any) -> None:
+                 creds: Credentials | None = None,
+                 rank_creds: dict[int, Credentials] | None = None, **config: Any) -> None:
         self.base = base
         self.n = n
         self.per_slice = per_slice
         self.config = config
         self.rank_config = dict(rank_config or {})
         self.creds = creds or Credentials()
+        self.rank_creds = dict(rank_creds or {})
         self.run = run
         self.net = Network()
         self.nodes: dict[int, Node] = {}
@@ -114,7 +119,8 @@ class MemoryCluster:
         peers = self.net.peers(rank, self.n)
         for place, dst in (route or {}).items():
             peers[place] = MemoryPeer(self.net, rank, dst)
-        node = Node(self.config_of(rank, **config), root, self.creds, peers=peers)
+        node = Node(self.config_of(rank, **config), root,
+                    self.rank_creds.get(rank, self.creds), peers=peers)
         services = None
         if self.run:
             services = Services(f"memory-replicator-{rank}", [node])
