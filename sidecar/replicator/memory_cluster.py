@@ -50,6 +50,7 @@ from mtc.sidecar.replicator import checks
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.memory_transport import Endpoint, MemoryPeer, Network
 from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.storage.publish import publish
 from mtc.testing import replicas
 from mtc.testing.waits import wait_until
 
@@ -369,7 +370,7 @@ def commit_raw_step(root: Path, step: int, files: dict[str, bytes]) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
     final = root / str(step)
-    os.rename(tmp, final)
+    publish(tmp, final)
     return final
 
 
