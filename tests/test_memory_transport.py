@@ -9,8 +9,7 @@ counters and the calls' outcomes, never on time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
@@ -28,17 +27,10 @@ T = TypeVar("T")
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+def cluster(memory_cluster: Callable[..., Cluster]) -> Callable[..., Cluster]:
     """Clusters whose nodes are served but run no thread of their own: each test
     drives the copy, the agreement or the fetch by hand and counts its calls."""
-    made: list[Cluster] = []
-
-    def make(n: int, **config: object) -> Cluster:
-        made.append(Cluster(tmp_path, n, run=False, **config))
-        return made[-1]
-    yield make
-    for c in made:
-        c.close()
+    return lambda n, **config: memory_cluster(n, run=False, **config)
 
 
 def save(c: Cluster, rank: int, step: int, *, num_hosts: int | None = None) -> dict[str, bytes]:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -40,15 +38,8 @@ def _quick_resync(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Make]:
-    made: list[MemoryCluster] = []
-
-    def make(n: int, per_slice: int = 1, **kw: Any) -> MemoryCluster:
-        made.append(MemoryCluster(tmp_path / f"cluster-{len(made)}", n, per_slice, **kw))
-        return made[-1]
-    yield make
-    for c in made:
-        c.close()
+def cluster(memory_cluster: Make) -> Make:
+    return memory_cluster
 
 
 def commit_state(c: MemoryCluster, step: int, scale: int) -> dict[int, dict[str, bytes]]:
