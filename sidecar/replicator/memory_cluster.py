@@ -34,7 +34,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -378,7 +378,3 @@ def copies_of(c: MemoryCluster, holder: int, origin: int) -> set[int]:
     """The steps of ``origin`` that ``holder`` holds complete copies of."""
     return {x.step for x in c.inventory(holder).copies if x.origin_rank == origin}
 
-
-def ranks_of(held: Iterable[Copy], step: int) -> set[int]:
-    """The origins of ``held``'s copies of ``step``."""
-    return {o for _, o, s in held if s == step}
