@@ -358,3 +358,36 @@ def test_a_damaged_step_a_member_can_repair_is_not_given_up(cluster: Make) -> No
     assert victim.read_bytes() == good
     assert (0, 7) in {(x.origin_rank, x.step) for x in c.inventory(0).copies}
     assert c.inventory(0).damaged == []
+
+
+def test_a_target_that_never_answers_keeps_the_steps_bounded_and_is_named(
+        cluster: Make) -> None:
+    """Host 3's copy target (rank 1, its place 1) never answers: its replicator names
+    it as a peer fault (what ``mtc status`` prints) within its grace, and keeps at
+    most ``keep`` + ``keep_awaiting`` own steps (and the one committed since its
+    last pass) however many the job saves, instead of every step until the RAM disk
+    is full; the other hosts replicate and collect as ever. (The same on a real
+    tmpfs, with 500 steps saved through the sidecars, the trainer's warning and
+    ``mtc status``: ``tests/test_replicator_gc.py``.)"""
+    keep, awaiting = 2, 2
+    c = cluster(4, 2, keep=keep, keep_awaiting=awaiting, start=False)
+    for r in (0, 1, 2):
+        c.start(r)
+    c.start(3, route={1: 99})  # no rank 99: nothing ever answers there
+    wait_until("rank 3 naming rank 1 as unanswered", lambda: [
+        (p.rank, p.target) for p in c.nodes[3].shown.identity().unanswered_peers] == [(1, True)])
+    most = 0
+    for step in range(1, 13):  # more than twice the steps the bound keeps
+        for h in range(4):
+            c.commit(h, step, {f"own-{h}.bin": os.urandom(4096)})
+        c.wait_passes(3, more=1)
+        most = max(most, len(c.own_steps(3)))
+        assert len(c.own_steps(3)) <= keep + awaiting + 1, (step, c.own_steps(3))
+    c.wait_passes(3)
+    own = sorted(c.own_steps(3))
+    assert most <= keep + awaiting + 1 and len(own) <= keep + awaiting, (most, own)
+    assert own[-keep:] == [11, 12], own
+    c.wait_held({(2, 0, 12), (3, 1, 12), (0, 2, 12)})  # the others replicate...
+    for h in (0, 1, 2):  # ... and collect
+        c.wait_passes(h)
+        assert len(c.own_steps(h)) <= keep + 1, (h, c.own_steps(h))
