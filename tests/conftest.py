@@ -130,6 +130,24 @@ def clusters() -> Iterator[list[Any]]:
                 print(f"--- sidecar {r} log tail ---\n{c.sidecar_log(r)}")
 
 
+@pytest.fixture
+def memory_cluster(tmp_path: Path) -> Iterator[Any]:
+    """Makes clusters of whole replicators in this process over the in-memory transport
+    (``mtc.sidecar.replicator.memory_cluster.MemoryCluster``: ``make(n, per_slice,
+    **kw)``), each under a folder of its own in ``tmp_path``; every node of every one
+    is stopped at the end."""
+    from mtc.sidecar.replicator.memory_cluster import MemoryCluster
+
+    made: list[MemoryCluster] = []
+
+    def make(n: int, per_slice: int = 1, **kw: Any) -> MemoryCluster:
+        made.append(MemoryCluster(tmp_path / f"cluster-{len(made)}", n, per_slice, **kw))
+        return made[-1]
+    yield make
+    for c in made:
+        c.close()
+
+
 # -- four isolated hosts with a sidecar each (tests/replicators.sidecar_hosts) -----------
 
 HOST_SLICES = [0, 0, 1, 1]  # 2 slices of 2 hosts, as the 8 CPU devices are grouped

@@ -14,14 +14,12 @@ roots stay plain folders this process can see (no private mount namespaces).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,14 +31,13 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.credentials import Credentials
-from mtc.integrity import crc32c
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.healthcheck import check
+from mtc.sidecar.replicator.memory_cluster import Replicators, commit_mtc_step, commit_raw_step
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.storage.checksum import file_crc
-from mtc.testing import replicas
 from mtc.testing.isolation import Hosts, with_checkout
 from mtc.testing.waits import wait_until
 
@@ -51,10 +48,13 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass
-class Cluster:
+class Cluster(Replicators):
     """``n`` replicators over ``<base>/host-<rank>``, ``per_slice`` hosts per slice, and
     (from the first :meth:`options`) a sidecar per host over the same root; the
-    sidecars' shared-memory areas and logs are under ``<base>/hosts/``."""
+    sidecars' shared-memory areas and logs are under ``<base>/hosts/``. What they
+    report and the waits on it (copies held, loop passes, a metric's value) are
+    :class:`~mtc.sidecar.replicator.memory_cluster.Replicators`', as for the
+    in-memory cluster; this adds the processes (start, SIGKILL, restart)."""
 
     base: Path
     n: int
@@ -197,47 +197,10 @@ class Cluster:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def scrape(self, rank: int) -> dict[str, float]:
-        """Rank's Prometheus samples: ``name`` or ``name{label=value,...}`` -> value."""
-        return scrape(f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics")
-
-    def passes(self, rank: int, loop: str = "replication") -> int:
-        """How many passes rank's ``loop`` (replication, backup) has finished without
-        failing since its replicator started (needs ``metrics``)."""
-        assert self.metrics, "Cluster(metrics=True) serves the loop-pass counter"
-        return int(self.scrape(rank).get(f"mtc_loop_passes_total{{loop={loop}}}", 0))
-
-    def wait_passes(self, *ranks: int, loop: str = "replication", more: int = 2,
-                    timeout: float = 30.0) -> None:
-        """Until each of ``ranks``' ``loop`` has finished ``more`` passes after this
-        call. With two, at least one whole pass began after it (the first may have
-        been under way): what a test waits on before asserting that the loop did
-        *not* do something, instead of sleeping for a time a loaded machine may not
-        honour."""
-        want = {r: self.passes(r, loop) + more for r in ranks}
-        deadline = time.monotonic() + timeout
-        for r, n in want.items():
-            wait_until(f"rank {r}'s {loop} loop passing {n} times",
-                       lambda r=r, n=n: self.passes(r, loop) >= n,
-                       max(0.0, deadline - time.monotonic()),
-                       detail=lambda r=r: f"{self.passes(r, loop)} passes: "
-                                          f"{self.log_text(r)[-2000:]}")
-
-    def wait_sample(self, rank: int, sample: str, at_least: float,
-                    timeout: float = 30.0) -> None:
-        """Until rank's Prometheus ``sample`` (as :meth:`scrape` names it) is at least
-        ``at_least`` (needs ``metrics``; a replicator not serving them yet counts as
-        below): e.g. ``mtc_restores_waiting`` 1, a restore it serves waits for its
-        coordinator's decision."""
+        """Rank's Prometheus samples: ``name`` or ``name{label=value,...}`` -> value
+        (needs ``metrics``: the loop-pass counter and every sample a wait reads)."""
         assert self.metrics, "Cluster(metrics=True) serves the samples"
-        got: list[float | None] = [None]
-
-        def reached() -> bool:
-            with contextlib.suppress(OSError):
-                got[0] = self.scrape(rank).get(sample)
-            return got[0] is not None and got[0] >= at_least
-
-        wait_until(f"rank {rank}'s {sample} at least {at_least}", reached, timeout,
-                   detail=lambda: f"it is {got[0]}: {self.log_text(rank)[-2000:]}")
+        return scrape(f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics")
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
         wait_healthy(self.addrs[rank], lambda: self.procs[rank].poll() is None, self.creds,
@@ -266,24 +229,6 @@ class Cluster:
             return c.call("GetInventory", pb.InventoryRequest())
         finally:
             c.close()
-
-    def held(self) -> set[tuple[int, int, int]]:
-        """(holder, origin, step) for every complete copy on every running replicator."""
-        out = set()
-        for r in range(self.n):
-            if self.alive(r):
-                out |= {(r, c.origin_rank, c.step) for c in self.inventory(r).copies}
-        return out
-
-    def wait_held(self, want: set[tuple[int, int, int]], timeout: float = 60.0) -> None:
-        """Until every (holder, origin, step) in ``want`` is held."""
-        wait_until("copies held", lambda: want <= self.held(), timeout,
-                   detail=lambda: f"missing {sorted(want - self.held())}")
-
-    def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        """Until every rank's step is held by its peer (mtc.testing's condition, the
-        one users' tests wait on)."""
-        replicas.wait_replicated(self.held, step, self.n, self.per_slice, timeout)
 
 
 def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials | None,
@@ -320,28 +265,6 @@ def env_with_repo() -> dict[str, str]:
     return with_checkout(dict(os.environ))
 
 
-def commit_mtc_step(root: Path, step: int, files: dict[str, bytes], *, host: int,
-                    num_hosts: int, slice_of_host: int = 0,
-                    ranks: tuple[int, ...] = ()) -> dict[str, bytes]:
-    """Commit ``files`` as host ``host``'s step the way mtc's sidecar does: with a
-    manifest (each file one opaque uint8 leaf) that names the host, so that a replicator
-    started with ``--framework mtc`` takes the step as its own (a manifest-less folder
-    is not mtc's: it is left alone). ``ranks``: the saving hosts' replicator ranks,
-    as the manifest states them (empty: host h is rank h). Returns every file
-    committed, the manifest too."""
-    leaves = []
-    for name, data in sorted(files.items()):
-        shard = ShardEntry(index=((0, len(data)),), file=name, nbytes=len(data),
-                           crc32c=crc32c(data))
-        leaves.append(LeafEntry(path=name, keys=(("d", name),), kind="numpy",
-                                shape=(len(data),), dtype="uint8", shards=(shard,)))
-    manifest = Manifest(step=step, host=host, slice=slice_of_host, num_hosts=num_hosts,
-                        leaves=tuple(leaves), ranks=ranks)
-    out = {**files, MANIFEST_NAME: manifest.to_bytes()}
-    commit_raw_step(root, step, out)
-    return out
-
-
 def write_mtc_manifest(folder: Path, step: int, *, host: int, num_hosts: int,
                        slice_of_host: int = 0) -> None:
     """Write the mtc manifest of the files already in ``folder`` (each one opaque
@@ -358,19 +281,6 @@ def write_mtc_manifest(folder: Path, step: int, *, host: int, num_hosts: int,
     manifest = Manifest(step=step, host=host, slice=slice_of_host, num_hosts=num_hosts,
                         leaves=tuple(leaves))
     (folder / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-
-
-def commit_raw_step(root: Path, step: int, files: dict[str, bytes]) -> Path:
-    """Commit an opaque step (no manifest: Orbax's) the way a client does: write, then
-    rename."""
-    tmp = root / f"{step}.test-tmp"
-    for rel, data in files.items():
-        p = tmp / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    final = root / str(step)
-    os.rename(tmp, final)
-    return final
 
 
 def new_cluster(clusters: list[Cluster], base: Path, n: int, per_slice: int,

@@ -1,4 +1,4 @@
-"""Restore heals from good copies: real replicator processes, real corruption.
+"""Restore heals from good copies: real corruption.
 
 A shard of the newest step damaged on its host (a bit flip, a truncation, or
 "silent" damage that keeps the file's size and mtime, as bad memory would) is
@@ -8,29 +8,31 @@ bytes its holder saved itself is a claim on them (one file): damage found
 through either drops both, and both come back from other hosts. With no good
 copy anywhere the restore fails with a typed error naming the file.
 
-The controller reaches every host's RAM disk only through the host's sidecar
-process (``Cluster.options``): a load that finds damage does so in the sidecar,
-and its typed error crosses the seam. The test plays the host's bad memory,
-damaging the files in place.
+The replicators' heal on whole replicators in one process (the in-memory
+cluster): a flip and a truncation healed from the peer, a shard healed from its
+data-parallel twin, damage through a claim, damage on every holder. With real
+replicator and sidecar processes, where the seam is the point: the controller
+reaches every host's RAM disk only through the host's sidecar process
+(``Cluster.options``), so a load that finds silent damage does so in the sidecar
+and its typed error crosses the seam; and a heal from the backup. The test plays
+the host's bad memory, damaging the files in place.
 """
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 from jax.sharding import Mesh
 from replicators import Cluster, assert_state_equal, flip, make_state, new_cluster
 
 import mtc
-from mtc import cli
 from mtc.errors import CorruptShardError
 from mtc.manifest import MANIFEST_NAME
+from mtc.sidecar.replicator.memory_cluster import MemoryCluster
 from mtc.sidecar.replicator.store.store import REPLICA_DIR
-from mtc.sidecar.storage.checksum import file_crc
 from mtc.sidecar.storage.quarantine import QUARANTINE_DIR, quarantined
 
 QUARANTINED = "mtc_quarantined_files_total"
@@ -70,41 +72,6 @@ def truncate(path: Path) -> None:
 
 
 @pytest.mark.process
-def test_flip_and_truncation_healed_from_peer(ramdisk: Path, mesh: Mesh,
-                                              clusters: list[Cluster],
-                                              capsys: pytest.CaptureFixture[str]) -> None:
-    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
-    cl.start_all()
-    states = save_steps(ramdisk, mesh, cl, {1: 1.0, 2: 2.0})
-    _, own0 = data_parallel(cl, 2, 0)
-    _, own1 = data_parallel(cl, 2, 1)
-    victim0 = shards(cl.root(0), 2)[own0[0]]
-    victim1 = shards(cl.root(1), 2)[own1[0]]
-    good0, good1 = victim0.read_bytes(), victim1.read_bytes()
-    flip(victim0)
-    truncate(victim1)
-
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options(cl)) as m:
-        got = m.restore(None, states[2])
-        tiers = m.last_restore_tiers
-    assert_state_equal(got, states[2])  # the newest step, exact, not the older one
-    assert tiers == {0: "peer", 1: "peer", 2: "local", 3: "local"}, tiers
-    # The bad files were moved aside and counted; good ones took their place.
-    assert victim0.read_bytes() == good0 and victim1.read_bytes() == good1
-    for r in (0, 1):
-        assert cl.scrape(r)[QUARANTINED] == 1
-        assert len(quarantined(cl.root(r))) == 1
-        assert cl.scrape(r)["mtc_healed_files_total"] == 1
-    for r in (2, 3):
-        assert cl.scrape(r)[QUARANTINED] == 0
-    # `mtc status` shows them.
-    assert cli.main(["status", "--nodes", ",".join(cl.addrs), "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["hosts"]
-    assert [r["quarantined"] for r in rows] == [1, 1, 0, 0]
-    assert [r["local"] for r in rows] == [[1, 2]] * 4
-
-
-@pytest.mark.process
 def test_silent_damage_found_on_load_healed_and_retried(ramdisk: Path, mesh: Mesh,
                                                         clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
@@ -128,83 +95,112 @@ def test_silent_damage_found_on_load_healed_and_retried(ramdisk: Path, mesh: Mes
     assert "heal" in cl.log_text(0)
 
 
-@pytest.mark.process
-def test_healed_from_data_parallel_twin(ramdisk: Path, mesh: Mesh,
-                                        clusters: list[Cluster]) -> None:
-    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
-    cl.start_all()
-    states = save_steps(ramdisk, mesh, cl, {4: 4.0})
+# -- the replicators' heal, on whole replicators in one process -----------------------
+
+
+@pytest.fixture
+def mem(tmp_path: Path) -> Iterator[MemoryCluster]:
+    """2 slices of 2 hosts in memory: host h's peer and data-parallel twin is h+2."""
+    with MemoryCluster(tmp_path, 4, 2) as c:
+        yield c
+
+
+def commit_dp(c: MemoryCluster, step: int) -> dict[int, dict[str, bytes]]:
+    """Every host's step: a shard identical on the two hosts of one in-slice index
+    (a data-parallel replica's: ``dp.bin``) and one of its own (``own-<h>.bin``);
+    replicated before it returns."""
+    out = {}
+    dp = {i: os.urandom(16384) for i in range(c.per_slice)}
+    for h in range(c.n):
+        out[h] = c.commit(h, step, {"dp.bin": dp[h % c.per_slice],
+                                    f"own-{h}.bin": os.urandom(16384)})
+    c.wait_replicated(step)
+    return out
+
+
+def test_flip_and_truncation_healed_from_peer(mem: MemoryCluster) -> None:
+    commit_dp(mem, 1)
+    saved = commit_dp(mem, 2)
+    victim0, victim1 = mem.root(0) / "2" / "own-0.bin", mem.root(1) / "2" / "own-1.bin"
+    flip(victim0)
+    truncate(victim1)
+
+    replies = mem.prepared(range(4))
+    # The newest step, exact, not the older one.
+    assert {r: (x.step, x.tier) for r, x in replies.items()} == {
+        0: (2, "peer"), 1: (2, "peer"), 2: (2, "local"), 3: (2, "local")}
+    # The bad files were moved aside and counted; good ones took their place.
+    assert victim0.read_bytes() == saved[0]["own-0.bin"]
+    assert victim1.read_bytes() == saved[1]["own-1.bin"]
+    for r in (0, 1):
+        assert mem.scrape(r)[QUARANTINED] == 1
+        assert len(quarantined(mem.root(r))) == 1
+        assert mem.scrape(r)["mtc_healed_files_total"] == 1
+        assert mem.inventory(r).quarantined_files == 1  # what `mtc status` shows
+    for r in (2, 3):
+        assert mem.scrape(r)[QUARANTINED] == 0
+    assert {r: mem.own_steps(r) for r in range(4)} == {r: {1, 2} for r in range(4)}
+
+
+def test_healed_from_data_parallel_twin(mem: MemoryCluster) -> None:
+    saved = commit_dp(mem, 4)
     for r in range(4):
-        cl.inventory(r)
-    shared, _ = data_parallel(cl, 4, 0)
-    assert shared, "no data-parallel shard in the state"
-    name = shared[0]
-    victim = shards(cl.root(0), 4)[name]
-    good = victim.read_bytes()
+        mem.inventory(r)  # every file read and checked once
+    victim = mem.root(0) / "4" / "dp.bin"
     # Host 0's file is damaged and the peer's copy of it is gone (its claim on
     # host 2's own file removed): only host 2's own file of the same shard (saved
     # by the other data-parallel replica) holds it.
-    peer_copy = cl.root(2) / REPLICA_DIR / "0" / "4" / name
-    assert os.stat(peer_copy).st_ino == os.stat(shards(cl.root(2), 4)[name]).st_ino
-    flip(victim, silent=True)
+    peer_copy = mem.root(2) / REPLICA_DIR / "0" / "4" / "dp.bin"
+    assert os.stat(peer_copy).st_ino == os.stat(mem.root(2) / "4" / "dp.bin").st_ino
+    flip(victim)
     peer_copy.unlink()
 
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options(cl)) as m:
-        got = m.restore(None, states[4])
-    assert_state_equal(got, states[4])
-    assert victim.read_bytes() == good
-    assert shards(cl.root(2), 4)[name].read_bytes() == good  # the twin was never harmed
-    assert cl.scrape(2)[QUARANTINED] == 0
+    replies = mem.prepared(range(4))
+    assert {x.step for x in replies.values()} == {4}
+    assert replies[0].tier == "peer"
+    assert victim.read_bytes() == saved[0]["dp.bin"]
+    assert (mem.root(2) / "4" / "dp.bin").read_bytes() == saved[2]["dp.bin"]  # unharmed
+    assert mem.scrape(2)[QUARANTINED] == 0
 
 
-@pytest.mark.process
 def test_damage_through_a_claim_drops_both_copies_then_both_come_back(
-        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
-    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
-    cl.start_all()
-    states = save_steps(ramdisk, mesh, cl, {5: 5.0})
-    assert cl.scrape(2)["mtc_deduplicated_files_total"] >= 1
-    shared, _ = data_parallel(cl, 5, 0)
-    source = shards(cl.root(2), 5)[shared[0]]  # host 2's own file
-    copy = cl.root(2) / REPLICA_DIR / "0" / "5" / shared[0]  # its claim for host 0's copy
+        mem: MemoryCluster) -> None:
+    saved = commit_dp(mem, 5)
+    assert mem.scrape(2)["mtc_deduplicated_files_total"] >= 1
+    source = mem.root(2) / "5" / "dp.bin"  # host 2's own file
+    copy = mem.root(2) / REPLICA_DIR / "0" / "5" / "dp.bin"  # its claim for host 0's copy
     assert os.stat(source).st_ino == os.stat(copy).st_ino  # the bytes once
     flip(source)
     # Found, quarantined with its claim: neither copy is offered any more.
-    inv = cl.inventory(2)
+    inv = mem.inventory(2)
     held = {(c.origin_rank, c.step) for c in inv.copies}
     assert (2, 5) not in held and (0, 5) not in held, held
     assert inv.quarantined_files == 2
-    assert (cl.root(2) / QUARANTINE_DIR).is_dir()
-    # Host 0's data comes back to host 2 (its replication sees the copy gone), and a
-    # restore heals host 2's own step from its peer: the newest step, exact.
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options(cl)) as m:
-        got = m.restore(None, states[5])
-    assert_state_equal(got, states[5])
-    assert file_crc(source) == file_crc(shards(cl.root(0), 5)[shared[0]])
-    cl.wait_replicated(5, timeout=60)
-    assert (0, 5) in {(c.origin_rank, c.step) for c in cl.inventory(2).copies}
+    assert (mem.root(2) / QUARANTINE_DIR).is_dir()
+    # A restore heals host 2's own step from its peer (the newest step, exact), and
+    # host 0's data comes back to host 2 (its replication sees the copy gone).
+    replies = mem.prepared(range(4))
+    assert {r: (x.step, x.tier) for r, x in replies.items()} == {
+        0: (5, "local"), 1: (5, "local"), 2: (5, "peer"), 3: (5, "local")}
+    assert source.read_bytes() == saved[2]["dp.bin"]
+    mem.wait_replicated(5)
+    assert (0, 5) in {(c.origin_rank, c.step) for c in mem.inventory(2).copies}
 
 
-@pytest.mark.process
-def test_damage_on_every_holder_is_a_typed_error(ramdisk: Path, mesh: Mesh,
-                                                 clusters: list[Cluster]) -> None:
-    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True)
-    cl.start_all()
-    states = save_steps(ramdisk, mesh, cl, {6: 6.0})
+def test_damage_on_every_holder_is_a_typed_error(mem: MemoryCluster) -> None:
+    commit_dp(mem, 6)
     for r in range(4):
-        cl.inventory(r)
-    _, own = data_parallel(cl, 6, 0)
-    name = own[0]  # a shard only host 0 saved: no data-parallel twin
-    flip(shards(cl.root(0), 6)[name], silent=True)
-    flip(cl.root(2) / REPLICA_DIR / "0" / "6" / name, silent=True)
-
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=options(cl)) as m, \
-            pytest.raises(CorruptShardError) as err:
-        m.restore(None, states[6])
-    assert name in str(err.value), err.value
-    assert "no good copy" in str(err.value), err.value
-    assert cl.scrape(2)[QUARANTINED] == 1
-    assert np.asarray(states[6]["own"]).size  # the state itself was fine
+        mem.inventory(r)
+    name = "own-0.bin"  # a shard only host 0 saved: no data-parallel twin
+    flip(mem.root(0) / "6" / name)  # found by host 0's next check
+    # Silent damage (size and mtime kept): found only when the copy is read whole,
+    # as its holder serves it to the heal.
+    flip(mem.root(2) / REPLICA_DIR / "0" / "6" / name, silent=True)
+    replies = mem.prepare(range(4))
+    err = replies[0]
+    assert isinstance(err, CorruptShardError), replies
+    assert name in str(err) and "no good copy" in str(err), err
+    assert mem.scrape(2)[QUARANTINED] == 1
 
 
 @pytest.mark.process

@@ -1,7 +1,11 @@
 """A hostile network, second round (issue 57): the data channel flooded by callers
-that never authenticate, and sidecars called with another host's certificate,
-against real replicator and sidecar processes on loopback
-(``tests/replicators.Cluster``), with the shared token and with mutual TLS.
+that never authenticate, sidecars called with another host's certificate, and a
+peer's forged listing read by the controller, against real replicator and sidecar
+processes on loopback (``tests/replicators.Cluster``), with the shared token and
+with mutual TLS; and bytes forged to match a CRC32C (restored, healed from, linked
+as a twin), refused by what their origin signed, on whole replicators in one
+process under mutual TLS (the in-memory cluster: the rule is the replicators', not
+the sockets').
 
 The first round's attacks are ``tests/test_hostile_network.py``'s; the data
 channel's listener alone, in this process, ``tests/test_datachannel.py``'s.
@@ -14,7 +18,7 @@ import pickle
 import shutil
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,16 +31,16 @@ from replicators import Cluster, flip, new_cluster
 
 from mtc.contract import decode_reply, encode_request
 from mtc.credentials import TOKEN_HEADER, Credentials
-from mtc.errors import ShardUnavailableError
-from mtc.grpc_errors import PeerError
+from mtc.errors import MtcError, ShardUnavailableError
+from mtc.grpc_errors import PeerError, to_status
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
+from mtc.sidecar.replicator.memory_cluster import MemoryCluster
 from mtc.sidecar.replicator.wire import data_admission
 from mtc.sidecar.replicator.wire import datachannel as dc
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.restore.peers import PeerFiles
-
-pytestmark = pytest.mark.process  # every test here starts processes
+from mtc.testing.waits import wait_until
 
 MiB = 1 << 20
 
@@ -80,6 +84,7 @@ def _prepare(cl: Cluster, rank: int) -> pb.PrepareRestoreReply | PeerError:
         c.close()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("auth", ["token", "tls"])
 def test_a_replaced_hosts_restore_succeeds_while_its_holders_data_port_is_flooded(
         ramdisk: Path, clusters: list[Cluster], auth: str) -> None:
@@ -130,6 +135,7 @@ SIDECAR_CALLS: list[tuple[str, dict[str, Any]]] = [
     ("settle", {}), ("survey", {}), ("poll", {})]
 
 
+@pytest.mark.process
 def test_a_sidecar_takes_calls_from_its_own_host_and_the_controller_only(
         ramdisk: Path, clusters: list[Cluster]) -> None:
     """Under mutual TLS, host 0's certificate at host 1's sidecar ran a pickled
@@ -177,6 +183,7 @@ def test_a_sidecar_takes_calls_from_its_own_host_and_the_controller_only(
         assert reply == {"1": [3]}
 
 
+@pytest.mark.process
 def test_a_certificate_naming_nobody_is_not_the_controller(
         ramdisk: Path, clusters: list[Cluster]) -> None:
     """A certificate of the cluster's CA naming no rank (``CN=evil``) was taken for
@@ -221,6 +228,7 @@ def test_a_certificate_naming_nobody_is_not_the_controller(
         ctl.close()
 
 
+@pytest.mark.process
 # -- a copy of another rank's data, forged by a peer with its own certificate --------------
 
 def test_a_peer_cannot_make_another_rank_restore_bytes_it_forged(
@@ -285,76 +293,98 @@ def _same_crc(data: bytes, target: int) -> bytes:
     return head + x.to_bytes(4, "little")
 
 
-def _forged_held_copy(ramdisk: Path, clusters: list[Cluster],
-                      before: Callable[[Cluster], None] = lambda cl: None, **kw: Any
-                      ) -> tuple[Cluster, bytes]:
+# -- forged bytes under mutual TLS, on whole replicators in one process ------------------
+
+
+@pytest.fixture
+def tls_memory(tmp_path: Path) -> Iterator[Callable[..., MemoryCluster]]:
+    """Clusters of whole replicators in one process under mutual TLS: each rank's
+    own certificate (naming its rank) signs its copies' proofs, and the CA checks
+    the others'. The calls between them are in memory (who may call is
+    ``tests/test_replicator_security.py``'s, over gRPC)."""
+    made: list[MemoryCluster] = []
+
+    def make(n: int = 2, **kw: Any) -> MemoryCluster:
+        pki = tmp_path / f"pki-{len(made)}"
+        pki.mkdir()
+        ca = make_ca("mtc test CA")
+        ca_pem = write_pem(ca[1], pki / "ca.crt")
+        creds = {}
+        for r in range(n):
+            crt, key = make_leaf(ca, f"node{r}", pki, ranks=[r])
+            creds[r] = Credentials(tls_cert=crt, tls_key=key, tls_ca=ca_pem)
+        made.append(MemoryCluster(tmp_path / f"hosts-{len(made)}", n, 1, rank_creds=creds,
+                                  **kw))
+        return made[-1]
+    yield make
+    for c in made:
+        c.close()
+
+
+def _forged_held_copy(make: Callable[..., MemoryCluster],
+                      before: Callable[[MemoryCluster], None] = lambda c: None
+                      ) -> tuple[MemoryCluster, bytes]:
     """Two TLS hosts holding each other's step 5; then (after ``before``) rank 1
     swaps its copy of rank 0's ``a.bin`` for bytes of its own with the same size and
     CRC32C, which every check but the SHA-256 rank 0 signed passes (the copy stays
-    listed). The cluster, and the forged bytes. ``kw``: more of the cluster's
-    fields."""
-    _, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True, **kw)
-    cl.start_all()
-    mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
-    cl.commit(1, 5, {"c.bin": os.urandom(4096)})
-    cl.wait_held({(1, 0, 5), (0, 1, 5)})
-    before(cl)
-    held = cl.root(1) / ".mtc-replica" / "0" / "5" / "a.bin"
+    listed). The cluster, and the forged bytes."""
+    c = make()
+    mine = c.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
+    c.commit(1, 5, {"c.bin": os.urandom(4096)})
+    c.wait_held({(1, 0, 5), (0, 1, 5)})
+    held = {x.origin_rank: x for x in c.inventory(1).copies if x.step == 5}
+    assert held[0].proof.signature  # rank 0's proof of its copy, kept by rank 1
+    before(c)
+    copy = c.root(1) / ".mtc-replica" / "0" / "5" / "a.bin"
     forged = _same_crc(b"rank 1 made this up".ljust(len(mine["a.bin"]), b"!"),
                        crc32c(mine["a.bin"]))
     assert forged != mine["a.bin"] and crc32c(forged) == crc32c(mine["a.bin"])
-    (held.parent / "a.tmp").write_bytes(forged)
-    os.replace(held.parent / "a.tmp", held)
-    assert (1, 0, 5) in cl.held()  # it checks out by CRC32C: still listed
-    return cl, forged
+    (copy.parent / "a.tmp").write_bytes(forged)
+    os.replace(copy.parent / "a.tmp", copy)
+    assert (1, 0, 5) in c.held()  # it checks out by CRC32C: still listed
+    return c, forged
 
 
 def test_a_holder_serving_other_bytes_with_the_same_crc_fails_the_restore(
-        ramdisk: Path, clusters: list[Cluster]) -> None:
+        tls_memory: Callable[..., MemoryCluster]) -> None:
     """Rank 1 holds rank 0's real, proven copy of step 5, and swaps its ``a.bin``
     for bytes of its own with the same size and CRC32C (every check a fetch makes on
     the way passes). Rank 0, replaced empty, restores step 5 from it: the SHA-256
     rank 0 signed refuses those bytes before the step is placed (a typed
     ``DATA_LOSS`` naming the file, nothing in rank 0's root), and it is counted."""
-    cl, _ = _forged_held_copy(ramdisk, clusters)
-    cl.kill(0)
-    shutil.rmtree(cl.root(0))
-    cl.start(0)
-    with ThreadPoolExecutor(2) as pool:
-        r0, r1 = pool.map(lambda r: _prepare(cl, r), [0, 1])
+    c, _ = _forged_held_copy(tls_memory)
+    c.replace_host(0)
+    r0, r1 = c.prepare([0, 1]).values()
     assert isinstance(r1, pb.PrepareRestoreReply) and r1.step == 5, r1
-    assert isinstance(r0, PeerError), r0
-    assert r0.code == grpc.StatusCode.DATA_LOSS and "signed" in str(r0), r0
-    assert not (cl.root(0) / "5").exists()
-    assert cl.scrape(0).get("mtc_unproven_copies_total", 0) >= 1
+    assert isinstance(r0, MtcError), r0
+    assert to_status(r0) == grpc.StatusCode.DATA_LOSS and "signed" in str(r0), r0
+    assert not (c.root(0) / "5").exists()
+    assert c.scrape(0).get("mtc_unproven_copies_total", 0) >= 1
 
 
 def test_healing_an_own_file_takes_only_the_bytes_its_host_signed(
-        ramdisk: Path, clusters: list[Cluster]) -> None:
+        tls_memory: Callable[..., MemoryCluster]) -> None:
     """Rank 1 holds rank 0's real, proven copy of step 5 and swaps its ``a.bin``
     for bytes of its own with the same size and CRC32C; then rank 0's own ``a.bin``
     is damaged. Healing it, as a restore does, took rank 1's bytes (checked by
     CRC32C only) into rank 0's own step. Now they must hash as rank 0 signed them
     (the SHA-256 listed with rank 1's proven copy of its data): the restore fails
     with a typed ``DATA_LOSS``, no forged byte is placed, and it is counted."""
-    cl, forged = _forged_held_copy(ramdisk, clusters)
-    own = cl.root(0) / "5" / "a.bin"
+    c, forged = _forged_held_copy(tls_memory)
+    own = c.root(0) / "5" / "a.bin"
     flip(own)
-    deadline = time.monotonic() + 30  # rank 0 finds its step damaged (its next check)
-    while 5 not in {d.step for d in cl.inventory(0).damaged}:
-        assert time.monotonic() < deadline, "rank 0 never found its a.bin damaged"
-        time.sleep(0.1)
-    with ThreadPoolExecutor(2) as pool:
-        r0, r1 = pool.map(lambda r: _prepare(cl, r), [0, 1])
+    wait_until("rank 0 finding its a.bin damaged",  # its next check
+               lambda: 5 in {d.step for d in c.inventory(0).damaged})
+    r0, r1 = c.prepare([0, 1]).values()
     assert isinstance(r1, pb.PrepareRestoreReply) and r1.step == 5, r1
-    assert isinstance(r0, PeerError), r0
-    assert r0.code == grpc.StatusCode.DATA_LOSS and "signed" in str(r0), r0
+    assert isinstance(r0, MtcError), r0
+    assert to_status(r0) == grpc.StatusCode.DATA_LOSS and "signed" in str(r0), r0
     assert not own.exists() or own.read_bytes() != forged
-    assert cl.scrape(0).get("mtc_unproven_copies_total", 0) >= 1
+    assert c.scrape(0).get("mtc_unproven_copies_total", 0) >= 1
 
 
 def test_another_ranks_identical_file_does_not_make_a_damaged_step_restorable(
-        ramdisk: Path, clusters: list[Cluster]) -> None:
+        tls_memory: Callable[..., MemoryCluster]) -> None:
     """Under mutual TLS a damaged own file heals only with bytes that hash as its
     host signed them, known from a proven copy of its data elsewhere. Rank 0's own
     ``dp.0`` of step 5 is damaged and no other host holds a copy of its step 5,
@@ -362,32 +392,26 @@ def test_another_ranks_identical_file_does_not_make_a_damaged_step_restorable(
     to count step 5 as restorable for rank 0, whose heal then could prove nothing
     (a typed DATA_LOSS for the job); now it counts for nothing, and both hosts
     restore step 3, the newest step they can."""
-    _, _, _, cl = _tls_hosts(ramdisk, clusters)
-    cl.start_all()
+    c = tls_memory()
     shared = os.urandom(32 << 10)
     for step in (3, 5):
-        cl.commit(0, step, {"dp.0": shared, "a.bin": os.urandom(4096)})
-        cl.commit(1, step, {"dp.0": shared, "c.bin": os.urandom(4096)})
-    cl.wait_held({(1, 0, 3), (0, 1, 3), (1, 0, 5), (0, 1, 5)})
-    flip(cl.root(0) / "5" / "dp.0")
-    deadline = time.monotonic() + 30  # rank 0 finds its step damaged (its next check)
-    while 5 not in {d.step for d in cl.inventory(0).damaged}:
-        assert time.monotonic() < deadline, "rank 0 never found its dp.0 damaged"
-        time.sleep(0.1)
-    replicas = cl.root(1) / ".mtc-replica" / "0"
+        c.commit(0, step, {"dp.0": shared, "a.bin": os.urandom(4096)})
+        c.commit(1, step, {"dp.0": shared, "c.bin": os.urandom(4096)})
+    c.wait_held({(1, 0, 3), (0, 1, 3), (1, 0, 5), (0, 1, 5)})
+    flip(c.root(0) / "5" / "dp.0")
+    wait_until("rank 0 finding its dp.0 damaged",  # its next check
+               lambda: 5 in {d.step for d in c.inventory(0).damaged})
+    replicas = c.root(1) / ".mtc-replica" / "0"
     shutil.rmtree(replicas / "5")  # rank 1's copy of rank 0's step 5, gone
     for name in ("5.files.json", "5.proof"):
         (replicas / name).unlink(missing_ok=True)
-    assert (1, 0, 5) not in cl.held()
-    with ThreadPoolExecutor(2) as pool:
-        r0, r1 = pool.map(lambda r: _prepare(cl, r), [0, 1])
-    assert isinstance(r0, pb.PrepareRestoreReply), r0
-    assert isinstance(r1, pb.PrepareRestoreReply), r1
-    assert (r0.step, r1.step, r0.tier) == (3, 3, "local")
+    assert (1, 0, 5) not in c.held()
+    replies = c.prepared([0, 1])
+    assert (replies[0].step, replies[1].step, replies[0].tier) == (3, 3, "local")
 
 
 def test_a_twin_made_to_match_is_never_linked_into_another_ranks_copy(
-        ramdisk: Path, clusters: list[Cluster]) -> None:
+        tls_memory: Callable[..., MemoryCluster]) -> None:
     """Deduplication under mutual TLS. Rank 1 saves, as its own data-parallel
     shard, bytes with the path, size and CRC32C of rank 0's ``a.bin`` (which any
     rank reads in an inventory, and matches at will). A holder of rank 1's bytes
@@ -395,13 +419,12 @@ def test_a_twin_made_to_match_is_never_linked_into_another_ranks_copy(
     manifests: no hash), so its copy of rank 0's data held rank 1's bytes and a
     restore from it failed. Now a file held stands for an offered one only with
     the SHA-256 its origin signed: the holders' copies hold rank 0's bytes."""
-    _, _, _, cl = _tls_hosts(ramdisk, clusters, n=3, extra=("--replicas", "2"))
-    cl.start_all()
+    c = tls_memory(3, replicas=2)
     mine = os.urandom(64 << 10)
     forged = _same_crc(b"rank 1's shard".ljust(len(mine), b"!"), crc32c(mine))
-    cl.commit(1, 5, {"a.bin": forged})
-    cl.wait_held({(2, 1, 5), (0, 1, 5)})
-    cl.commit(0, 5, {"a.bin": mine})
-    cl.wait_held({(2, 0, 5), (1, 0, 5)})
+    c.commit(1, 5, {"a.bin": forged})
+    c.wait_held({(2, 1, 5), (0, 1, 5)})
+    c.commit(0, 5, {"a.bin": mine})
+    c.wait_held({(2, 0, 5), (1, 0, 5)})
     for holder in (1, 2):
-        assert (cl.root(holder) / ".mtc-replica" / "0" / "5" / "a.bin").read_bytes() == mine
+        assert (c.root(holder) / ".mtc-replica" / "0" / "5" / "a.bin").read_bytes() == mine

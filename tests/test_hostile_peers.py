@@ -3,14 +3,15 @@ without the token (its program must never be unpickled), a peer replicator whose
 inventory lies (paths outside the RAM disk, an epoch of 2^63-1), and certificate
 holders acting for ranks their certificates do not name.
 
-Real replicator and sidecar processes on loopback (``tests/replicators.Cluster``);
-the one stand-in, as in ``test_hostile_network.py``: the hostile peer replicator,
-played in this process by a gRPC server answering the inventory a real replicator
-asks it for.
+Real replicator and sidecar processes on loopback (``tests/replicators.Cluster``)
+where the listener is the point (credentials, certificates, the server's threads);
+the lying inventory's refusal is the replicator's logic, on the in-memory cluster,
+the hostile peer an endpoint answering what a real replicator asks it for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -40,16 +41,16 @@ from replicators import Cluster, env_with_repo, free_ports
 
 from mtc import transfer
 from mtc.credentials import TOKEN_HEADER, Credentials
-from mtc.grpc_errors import PeerError
+from mtc.errors import AgreementError, MtcError
+from mtc.grpc_errors import PeerError, to_status
 from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
-from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.sidecar.replicator.agree.book import BOOK_NAME
 from mtc.sidecar.replicator.copies import provenance
+from mtc.sidecar.replicator.memory_cluster import MemoryCluster, at_once
+from mtc.sidecar.replicator.memory_transport import Endpoint
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.testing.waits import wait_until
-
-pytestmark = pytest.mark.process  # every test here starts processes
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,7 @@ def _evil_program(marker: Path) -> bytes:
                                  [np.frombuffer(pickled, np.uint8)])
 
 
+@pytest.mark.process
 def test_sidecar_needs_credentials_to_listen_and_to_run_code(base: Path) -> None:
     """A sidecar without credentials serves loopback only and runs no colocated Python;
     with them, a colocated call from a caller without the token is refused before its
@@ -145,39 +147,6 @@ def test_sidecar_needs_credentials_to_listen_and_to_run_code(base: Path) -> None
 # -- a hostile peer --------------------------------------------------------------------------
 
 
-class HostilePeer(pb_grpc.ReplicatorServicer):
-    """Rank 1 as an attacker holding the token plays it: whatever inventory it is told."""
-
-    def __init__(self) -> None:
-        self.inventory = pb.Inventory(rank=1)
-
-    def GetInventory(self, request: pb.InventoryRequest, context: Any) -> pb.Inventory:
-        return self.inventory
-
-
-def _restore(cl: Cluster, rid: str, timeout: float) -> tuple[str, Any]:
-    """PrepareRestore at rank 0, with rank 1's ask (the hostile peer's) sent alongside."""
-    c0 = PeerClient(cl.addrs[0], cl.creds, rank=0, deadline_s=timeout + 5)
-    try:
-        with futures.ThreadPoolExecutor(1) as pool:
-            ask = pool.submit(c0.call, "Decide", pb.DecideRequest(
-                rank=1, restore_id=rid, timeout_seconds=timeout), attempts=1)
-            try:
-                reply = c0.call("PrepareRestore", pb.PrepareRestoreRequest(
-                    timeout_seconds=timeout, restore_id=rid), attempts=1)
-                ask.result()
-                return "ok", reply
-            except PeerError as e:
-                return "refused", e
-            finally:
-                try:
-                    ask.result()
-                except PeerError:
-                    pass
-    finally:
-        c0.close()
-
-
 def _code(call: Callable[[], Any]) -> grpc.StatusCode | None:
     try:
         call()
@@ -186,60 +155,20 @@ def _code(call: Callable[[], Any]) -> grpc.StatusCode | None:
     return None
 
 
-def test_a_hostile_peers_inventory_is_refused(base: Path) -> None:
-    """An inventory naming paths outside the RAM disk, or an epoch of 2^63-1, is refused
-    whole: nothing is written, no epoch is recorded; once the peer is honest the hosts
-    agree again. A corrupt agreement record is moved aside, not fatal. Restores that
-    wait for ever take at most a few of the server's threads."""
-    work = base / "peer"
+@pytest.mark.process
+def test_restores_that_cannot_be_decided_hold_at_most_eight_server_threads(
+        base: Path) -> None:
+    """Restores asked with an hour's timeout that cannot be decided (rank 1 never
+    asks): at most eight wait, holding a server thread each; the rest are refused at
+    once, and the replicator answers throughout."""
+    work = base / "threads"
     work.mkdir()
     (work / "token").write_text(TOKEN)
     cl = Cluster(work, 2, 1, creds=Credentials(token=TOKEN),
                  extra=("--token-file", str(work / "token"),
                         "--agreement-timeout-seconds", "3"))
-    peer = HostilePeer()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_ReplicatorServicer_to_server(peer, server)
-    server.add_insecure_port(cl.addrs[1])
-    server.start()
-    (work / "outside").mkdir()  # where the inventory's paths lead
     try:
         cl.start(0)
-        with HealthWatch([cl.addrs[0]]):
-            evil = pb.Inventory(rank=1)
-            for origin in (0, 1):
-                evil.copies.add(step=5, origin_rank=origin, files=[
-                    pb.FileInfo(path="../../../outside/escape", size=3, crc32c=0),
-                    pb.FileInfo(path="/tmp/escape-abs", size=3, crc32c=0)])
-            peer.inventory = evil
-            outcome, err = _restore(cl, "r-paths", 2.0)
-            assert outcome == "refused" and err.code == grpc.StatusCode.ABORTED, err
-            assert not list(work.rglob("*escape*")) and not Path("/tmp/escape-abs").exists()
-            assert "refused the inventory of rank 1" in cl.log_text(0)
-
-            poisoned = pb.Inventory(rank=1, last_decision=pb.Decision(
-                epoch=2**63 - 1, step=1, restore_id="x"))
-            peer.inventory = poisoned
-            outcome, err = _restore(cl, "r-epoch", 2.0)
-            assert outcome == "refused" and err.code == grpc.StatusCode.ABORTED, err
-            book = cl.root(0) / BOOK_NAME
-            assert not book.exists() or all(
-                r["epoch"] < 2**53 for r in json.loads(book.read_text()))
-
-            peer.inventory = pb.Inventory(rank=1)  # honest again
-            outcome, reply = _restore(cl, "r-honest", 3.0)
-            assert outcome == "ok", reply
-            assert reply.step == -1 and 0 < reply.epoch < 2**53
-        # A corrupt record file: moved aside at the next start, and agreement goes on.
-        cl.kill(0)
-        (cl.root(0) / BOOK_NAME).write_text('[{"epoch": 18446744073709551616, "step"')
-        cl.start(0)
-        outcome, reply = _restore(cl, "r-after-corrupt", 3.0)
-        assert outcome == "ok", reply
-        assert [n for n in os.listdir(cl.root(0)) if n.startswith(BOOK_NAME + ".corrupt-")]
-        # Restores asked with an hour's timeout that cannot be decided (rank 1 never
-        # asks): at most eight wait, holding a thread each; the rest are refused at once,
-        # and the replicator answers throughout.
         with HealthWatch([cl.addrs[0]]):
             c0 = PeerClient(cl.addrs[0], cl.creds, rank=0, deadline_s=3.0)
             try:
@@ -259,14 +188,81 @@ def test_a_hostile_peers_inventory_is_refused(base: Path) -> None:
         assert held.count(grpc.StatusCode.DEADLINE_EXCEEDED) + \
             held.count(grpc.StatusCode.ABORTED) == 8, held
     finally:
-        server.stop(0).wait()
         print(cl.log_text(0)[-3000:])
         cl.stop_all()
+
+
+class HostileEndpoint(Endpoint):
+    """Rank 1 as an attacker plays it, in memory: whatever inventory it is told."""
+
+    def __init__(self) -> None:  # no replicator behind it
+        self.answer = pb.Inventory(rank=1)
+
+    def inventory(self, req: pb.InventoryRequest) -> pb.Inventory:
+        return self.answer
+
+
+def _restore_in_memory(c: MemoryCluster, rid: str, timeout: float
+                       ) -> pb.PrepareRestoreReply | MtcError:
+    """PrepareRestore at rank 0, with rank 1's ask (the hostile peer's) sent alongside."""
+    ask = c.net.peers(1, 2)[0]
+
+    def hostile_ask() -> None:
+        with contextlib.suppress(PeerError):
+            ask.decide(pb.DecideRequest(rank=1, restore_id=rid, timeout_seconds=timeout),
+                       deadline_s=timeout + 5)
+
+    got, _ = at_once(lambda: c.prepare([0], timeout, rid=rid)[0], hostile_ask)
+    return got
+
+
+def test_a_hostile_peers_inventory_is_refused(tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """An inventory naming paths outside the RAM disk, or an epoch of 2^63-1, is refused
+    whole: nothing is written, no epoch is recorded; once the peer is honest the hosts
+    agree again. A corrupt agreement record is moved aside, not fatal. (Whole
+    replicators in one process: the refusal is the replicator's, whatever carried it.)"""
+    with MemoryCluster(tmp_path / "hosts", 2, 1, start=False, agreement_timeout_s=3.0) as c:
+        c.start(0)
+        peer = HostileEndpoint()
+        c.net.serve(1, peer)
+        (tmp_path / "outside").mkdir()  # where the inventory's paths lead
+        evil = pb.Inventory(rank=1)
+        for origin in (0, 1):
+            evil.copies.add(step=5, origin_rank=origin, files=[
+                pb.FileInfo(path="../../../outside/escape", size=3, crc32c=0),
+                pb.FileInfo(path="/tmp/escape-abs", size=3, crc32c=0)])
+        peer.answer = evil
+        err = _restore_in_memory(c, "r-paths", 2.0)
+        assert isinstance(err, AgreementError) and to_status(err) == grpc.StatusCode.ABORTED, err
+        assert not list(tmp_path.rglob("*escape*")) and not Path("/tmp/escape-abs").exists()
+        assert "refused the inventory of rank 1" in caplog.text
+
+        peer.answer = pb.Inventory(rank=1, last_decision=pb.Decision(
+            epoch=2**63 - 1, step=1, restore_id="x"))
+        err = _restore_in_memory(c, "r-epoch", 2.0)
+        assert isinstance(err, AgreementError) and to_status(err) == grpc.StatusCode.ABORTED, err
+        book = c.root(0) / BOOK_NAME
+        assert not book.exists() or all(
+            r["epoch"] < 2**53 for r in json.loads(book.read_text()))
+
+        peer.answer = pb.Inventory(rank=1)  # honest again
+        reply = _restore_in_memory(c, "r-honest", 3.0)
+        assert isinstance(reply, pb.PrepareRestoreReply), reply
+        assert reply.step == -1 and 0 < reply.epoch < 2**53
+        # A corrupt record file: moved aside at the next start, and agreement goes on.
+        c.kill(0)
+        (c.root(0) / BOOK_NAME).write_text('[{"epoch": 18446744073709551616, "step"')
+        c.start(0)
+        reply = _restore_in_memory(c, "r-after-corrupt", 3.0)
+        assert isinstance(reply, pb.PrepareRestoreReply), reply
+        assert [n for n in os.listdir(c.root(0)) if n.startswith(BOOK_NAME + ".corrupt-")]
 
 
 # -- certificate holders -----------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_a_certificate_acts_only_for_the_rank_it_names(base: Path) -> None:
     """With mutual TLS a certificate of the cluster's CA is not every rank: a copy, a
     Decide or a backup part only for the rank the certificate names (none for a

@@ -9,88 +9,35 @@ counters and the calls' outcomes, never on time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
 import pytest
-from replicators import commit_mtc_step
 
-from mtc.credentials import Credentials
 from mtc.errors import AgreementError
 from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.memory_transport import Endpoint, MemoryPeer, Network
-from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.memory_cluster import MemoryCluster as Cluster
+from mtc.sidecar.replicator.memory_cluster import at_once, commit_mtc_step
+from mtc.sidecar.replicator.memory_transport import MemoryPeer, Network
 from mtc.sidecar.replicator.transport import Peer
 
 T = TypeVar("T")
 
 
-class Cluster:
-    """``n`` replicators (one host per slice, one copy of each step on the next
-    slice's host) served in memory over :attr:`net`."""
-
-    def __init__(self, root: Path, n: int, **config: object) -> None:
-        self.root = root
-        self.n = n
-        self.config = config
-        self.net = Network()
-        self.nodes: dict[int, Node] = {}
-        for r in range(n):
-            self.start(r)
-
-    def start(self, rank: int, *, wiped: bool = False) -> Node:
-        """Rank ``rank``'s replicator (a new one in its place: ``wiped``, an empty RAM disk)."""
-        old = self.nodes.get(rank)
-        if old is not None:
-            self.net.stop_serving(rank)
-            old.stop()
-            old.close()
-        root = self.root / f"host-{rank}{'-new' if wiped else ''}"
-        config = ReplicatorConfig(rank=rank, nodes=tuple(f"memory:{r}" for r in range(self.n)),
-                                  nodes_per_slice=1, **{  # type: ignore[arg-type]
-                                      "deadline_s": 2.0, "agreement_timeout_s": 10.0,
-                                      "restore_quiet_s": 0.0, "reserve": False,
-                                      "scrub_rate": 0.0, **self.config})
-        node = Node(config, root, Credentials(), peers=self.net.peers(rank, self.n))
-        self.nodes[rank] = node
-        self.net.serve(rank, Endpoint.of(node))
-        return node
-
-    def close(self) -> None:
-        for node in self.nodes.values():
-            node.stop()
-            node.close()
-
-
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
-    made: list[Cluster] = []
-
-    def make(n: int, **config: object) -> Cluster:
-        made.append(Cluster(tmp_path, n, **config))
-        return made[-1]
-    yield make
-    for c in made:
-        c.close()
+def cluster(memory_cluster: Callable[..., Cluster]) -> Callable[..., Cluster]:
+    """Clusters whose nodes are served but run no thread of their own: each test
+    drives the copy, the agreement or the fetch by hand and counts its calls."""
+    return lambda n, **config: memory_cluster(n, run=False, **config)
 
 
 def save(c: Cluster, rank: int, step: int, *, num_hosts: int | None = None) -> dict[str, bytes]:
     """Commit host ``rank``'s step as mtc's sidecar does; its files."""
     files = {f"shard.{rank}": bytes([rank, step % 256]) * 4096,
              "shared": b"data-parallel" * 512}
-    return commit_mtc_step(c.nodes[rank].store.root, step, files, host=rank,
-                           num_hosts=num_hosts or c.n)
-
-
-def at_once(*calls: Callable[[], T]) -> list[T]:
-    """Each call on a thread of its own, all started together; their results."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        return [f.result() for f in [pool.submit(fn) for fn in calls]]
+    return commit_mtc_step(c.root(rank), step, files, host=rank, num_hosts=num_hosts or c.n)
 
 
 def test_memory_peers_are_the_transports_peers() -> None:
@@ -237,7 +184,7 @@ def test_a_replaced_host_restores_its_step_from_its_peers_copy(
     save(c, 1, 5)
     c.nodes[0].replication.push_step(5, 1)
     c.nodes[1].replication.push_step(5, 0)
-    new = c.start(0, wiped=True)  # host 0 replaced: its RAM disk empty
+    new = c.replace_host(0)  # host 0 replaced: its RAM disk empty
     assert new.store.copies() == []
     results = at_once(*[lambda r=r: c.nodes[r].restorer.prepare_restore_as(5.0, "restore-1")
                         for r in range(2)])

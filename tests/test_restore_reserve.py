@@ -4,23 +4,23 @@ A host that comes up holding no step of its own (a replacement, a wiped RAM disk
 asks the other hosts what they hold of its data and sets blank files of those sizes
 aside (``ReplicationLoop.set_aside_for_restore``, mtc.sidecar.storage.reserve); the restore's fetch
 then writes into them instead of into new pages. The plan is a pure function;
-the processes are real replicators, the host loss a SIGKILL and a wiped root.
+the replicators are whole ones in one process (the in-memory cluster), the host
+loss a killed node and a wiped root.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from replicators import Cluster, new_cluster
 
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.agree.node_agreement import holders_of
 from mtc.sidecar.replicator.copies.transfers import RESERVE_DIR
 from mtc.sidecar.replicator.fetch.fetch_plan import likely_restore
+from mtc.sidecar.replicator.memory_cluster import MemoryCluster
 from mtc.sidecar.storage.reserve import Reserve
 from mtc.testing.waits import wait_until
 
@@ -84,80 +84,66 @@ def test_files_set_aside_for_a_restore_are_no_room_for_others(tmp_path: Path) ->
 FILES = {"a.bin": os.urandom(3 * MIB), "b.bin": os.urandom(MIB + 7), "c.bin": b"x" * 11}
 
 
-def two_hosts(clusters: list[Cluster], ramdisk: Path) -> tuple[Cluster, dict[str, bytes]]:
-    """Two replicators in two slices, each one's step 5 replicated to the other;
-    and host 0's files of it (its manifest too)."""
-    cl = new_cluster(clusters, ramdisk, 2, 1, metrics=True)
-    cl.start_all()
-    files = cl.commit(0, 5, FILES)
-    cl.commit(1, 5, {"tiny.bin": b"t" * 64})
-    cl.wait_replicated(5)
-    return cl, files
+@pytest.fixture
+def two_hosts(tmp_path: Path) -> Iterator[tuple[MemoryCluster, dict[str, bytes]]]:
+    """Two replicators in two slices (in one process, blank files set aside as a
+    deployment's are), each one's step 5 replicated to the other; and host 0's
+    files of it (its manifest too)."""
+    with MemoryCluster(tmp_path, 2, 1, reserve=True) as c:
+        files = c.commit(0, 5, FILES)
+        c.commit(1, 5, {"tiny.bin": b"t" * 64})
+        c.wait_replicated(5)
+        yield c, files
 
 
-def replace_host_0(cl: Cluster) -> None:
-    cl.kill(0)
-    shutil.rmtree(cl.root(0))
-    cl.start(0)
-
-
-def reserve(cl: Cluster, rank: int) -> tuple[float, float]:
+def reserve(c: MemoryCluster, rank: int) -> tuple[float, float]:
     """(bytes set aside, files used from the reserve) on ``rank``'s replicator."""
-    got = cl.scrape(rank)
+    got = c.scrape(rank)
     return got.get("mtc_reserve_bytes", 0.0), got.get("mtc_reserve_files_used_total", 0.0)
 
 
-@pytest.mark.process
 def test_a_replaced_host_fetches_its_step_into_space_set_aside_at_its_start(
-        ramdisk: Path, clusters: list[Cluster]) -> None:
-    cl, files = two_hosts(clusters, ramdisk)
+        two_hosts: tuple[MemoryCluster, dict[str, bytes]]) -> None:
+    c, files = two_hosts
     size = sum(len(b) for b in files.values())
-    replace_host_0(cl)
+    c.replace_host(0)
     # Set aside at start, before any restore is asked for: the sizes of host 1's
     # copy of host 0's step 5.
-    wait_until("host 0 sets its restore's files aside", lambda: reserve(cl, 0)[0] >= size)
-    assert reserve(cl, 0) == (size, 0)
-    blank = sorted(int(p.name.split(".")[0]) for p in (cl.root(0) / RESERVE_DIR).iterdir())
+    wait_until("host 0 sets its restore's files aside", lambda: reserve(c, 0)[0] >= size)
+    assert reserve(c, 0) == (size, 0)
+    blank = sorted(int(p.name.split(".")[0]) for p in (c.root(0) / RESERVE_DIR).iterdir())
     assert blank == sorted(len(b) for b in files.values())
 
-    c0, c1 = cl.client(0), cl.client(1)
-    try:
-        with ThreadPoolExecutor(2) as ex:  # both at once, as a restarting job asks
-            r0, r1 = ex.map(lambda c: c.call(
-                "PrepareRestore", pb.PrepareRestoreRequest(timeout_seconds=20),
-                deadline_s=30, attempts=1), (c0, c1))
-    finally:
-        c0.close()
-        c1.close()
-    assert (r0.step, r0.tier) == (5, "peer") and (r1.step, r1.tier) == (5, "local")
-    step = cl.root(0) / "5"
+    replies = c.prepared([0, 1], 20)  # both at once, as a restarting job asks
+    assert {r: (x.step, x.tier) for r, x in replies.items()} == {0: (5, "peer"),
+                                                                 1: (5, "local")}
+    step = c.root(0) / "5"
     assert {p: (step / p).read_bytes() for p in files} == files  # every byte, verified
     # Every fetched file took a blank one's place; none is left set aside.
-    assert reserve(cl, 0) == (0, len(files))
-    assert list((cl.root(0) / RESERVE_DIR).iterdir()) == []
+    assert reserve(c, 0) == (0, len(files))
+    assert list((c.root(0) / RESERVE_DIR).iterdir()) == []
 
 
-@pytest.mark.process
 def test_a_host_that_saves_anew_without_a_restore_frees_what_it_set_aside(
-        ramdisk: Path, clusters: list[Cluster]) -> None:
-    cl, files = two_hosts(clusters, ramdisk)
-    replace_host_0(cl)
+        two_hosts: tuple[MemoryCluster, dict[str, bytes]]) -> None:
+    c, files = two_hosts
+    c.replace_host(0)
     wait_until("host 0 sets its restore's files aside",
-          lambda: reserve(cl, 0)[0] >= sum(len(b) for b in files.values()))
-    cl.commit(0, 6, {"new.bin": b"n" * 100})  # the job went on without restoring here
-    wait_until("the files set aside are freed", lambda: reserve(cl, 0)[0] == 0)
-    assert reserve(cl, 0)[1] == 0
+               lambda: reserve(c, 0)[0] >= sum(len(b) for b in files.values()))
+    c.commit(0, 6, {"new.bin": b"n" * 100})  # the job went on without restoring here
+    wait_until("the files set aside are freed", lambda: reserve(c, 0)[0] == 0)
+    assert reserve(c, 0)[1] == 0
     wait_until("the reserve's folder is empty",
-          lambda: not any((cl.root(0) / RESERVE_DIR).iterdir()))
+               lambda: not any((c.root(0) / RESERVE_DIR).iterdir()))
 
 
-@pytest.mark.process
 def test_a_host_that_keeps_its_own_steps_sets_nothing_aside(
-        ramdisk: Path, clusters: list[Cluster]) -> None:
-    cl, _ = two_hosts(clusters, ramdisk)
-    cl.kill(0)
-    cl.start(0)  # a restarted replicator, its RAM disk intact
+        two_hosts: tuple[MemoryCluster, dict[str, bytes]]) -> None:
+    c, _ = two_hosts
+    c.kill(0)
+    c.start(0)  # a restarted replicator, its RAM disk intact
     # Its loop has passed: a replaced host sets space aside before the first pass.
-    cl.wait_passes(0)
-    assert reserve(cl, 0) == (0, 0)
-    assert "set aside for its restore" not in cl.log_text(0)
+    c.wait_passes(0)
+    assert reserve(c, 0) == (0, 0)
+    assert not (c.root(0) / RESERVE_DIR).is_dir() or \
+        not any((c.root(0) / RESERVE_DIR).iterdir())

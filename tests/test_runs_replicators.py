@@ -1,15 +1,19 @@
 """One run's bytes per step through the replicators, and no loss in silence.
 
-Real replicator and sidecar processes (tests/replicators.py), 2 slices of 2 hosts,
-one peer copy each; the controller reaches the hosts through their sidecars. The
-test plays the hosts: it removes step folders and peer copies as a host that died
-before its commit, or a wiped RAM disk, would leave them.
+2 slices of 2 hosts, one peer copy each. A controller's runs (saving, agreeing
+through ``latest_step``, restoring) with real replicator and sidecar processes
+(tests/replicators.py), the controller reaching the hosts through their sidecars;
+the replicators' own rules (a copy of an older save replaced, a host and its peer
+wiped named) on whole replicators in one process. The test plays the hosts: it
+removes step folders and peer copies as a host that died before its commit, or a
+wiped RAM disk, would leave them.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +22,9 @@ from replicators import Cluster, assert_state_equal, make_state, new_cluster
 
 import mtc
 from mtc.manifest import MANIFEST_NAME, Manifest
-
-pytestmark = pytest.mark.process  # every test here starts processes
+from mtc.sidecar.replicator.memory_cluster import MemoryCluster, files_of
+from mtc.sidecar.replicator.store.store import REPLICA_DIR
+from mtc.testing.waits import wait_until
 
 
 def peer_copy(cl: Cluster, origin: int, step: int) -> Path:
@@ -32,6 +37,7 @@ def copies_of(cl: Cluster, step: int) -> set[tuple[int, int]]:
     return {(h, o) for h, o, s in cl.held() if s == step}
 
 
+@pytest.mark.process
 def test_a_save_no_host_finished_everywhere_is_fenced_and_saved_again_by_the_next_run(
         ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 4, 2)
@@ -69,6 +75,7 @@ def test_a_save_no_host_finished_everywhere_is_fenced_and_saved_again_by_the_nex
         assert_state_equal(mgr.restore(25, target=make_state(mesh, 0.0)), resumed)
 
 
+@pytest.mark.process
 def test_restoring_the_step_latest_step_agreed_on_keeps_the_newer_committed_one(
         ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
     """Issue 56, item 1, through the replicators: latest_step() agrees on 3; 4 is
@@ -98,59 +105,53 @@ def test_restoring_the_step_latest_step_agreed_on_keeps_the_newer_committed_one(
         assert_state_equal(mgr.restore(target=make_state(mesh, 0.0)), make_state(mesh, 4.0))
 
 
+# -- on whole replicators in one process (the in-memory cluster) -----------------------
+
+
+def commit_all(c: MemoryCluster, step: int) -> dict[int, dict[str, bytes]]:
+    """Every host's ``step``, new bytes each time (a run's save)."""
+    return {h: c.commit(h, step, {f"own-{h}.bin": os.urandom(8192)}) for h in range(c.n)}
+
+
 def test_a_peer_copy_of_an_older_save_under_the_same_number_is_replaced(
-        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
-    cl = new_cluster(clusters, ramdisk, 4, 2)
-    cl.start_all()
-    opts = cl.options(replicators=True, restore_timeout_s=30)
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
-        mgr.save(5, make_state(mesh, 5.0))
-        mgr.wait_until_finished()
-    cl.wait_replicated(5, timeout=60)
-    old = (peer_copy(cl, 0, 5) / MANIFEST_NAME).read_bytes()
-    # Every host's 5 is saved again by another run (the peers keep the old copies).
-    for h in range(4):
-        shutil.rmtree(cl.root(h) / "5")
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
-        mgr.save(5, make_state(mesh, 6.0))
-        mgr.wait_until_finished()
-    new = (cl.root(0) / "5" / MANIFEST_NAME).read_bytes()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        held = peer_copy(cl, 0, 5) / MANIFEST_NAME
-        if held.exists() and held.read_bytes() == new:
-            break
-        time.sleep(0.1)
-    assert (peer_copy(cl, 0, 5) / MANIFEST_NAME).read_bytes() == new != old
-    # A host wiped now gets the new run's data back from its peer.
-    cl.lose_host(0)
-    cl.start(0)
-    opts = cl.options(replicators=True, restore_timeout_s=30)  # its sidecar back too
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
-        assert mgr.latest_step() == 5
-        assert_state_equal(mgr.restore(5, target=make_state(mesh, 0.0)),
-                           make_state(mesh, 6.0))
-        assert mgr.last_restore_tiers[0] == "peer"
+        tmp_path: Path) -> None:
+    with MemoryCluster(tmp_path, 4, 2) as c:
+        commit_all(c, 5)
+        c.wait_replicated(5)
+        held = c.root(2) / REPLICA_DIR / "0" / "5" / MANIFEST_NAME  # host 0's peer copy
+        old = held.read_bytes()
+        # Every host's 5 is saved again by another run (the peers keep the old copies).
+        for h in range(4):
+            shutil.rmtree(c.root(h) / "5")
+        saved = commit_all(c, 5)
+        new = saved[0][MANIFEST_NAME]
+        wait_until("host 0's peer holding the new save of 5",
+                   lambda: held.exists() and held.read_bytes() == new)
+        assert new != old
+        # A host wiped now gets the new run's data back from its peer.
+        c.wait_replicated(5)
+        c.replace_host(0)
+        replies = c.prepared(range(4))
+        assert {x.step for x in replies.values()} == {5}
+        assert replies[0].tier == "peer"
+        assert files_of(c.root(0) / "5") == saved[0]
 
 
-def test_a_host_and_its_peer_wiped_is_a_typed_error_naming_them(
-        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
-    cl = new_cluster(clusters, ramdisk, 4, 2)
-    cl.start_all()
-    opts = cl.options(replicators=True, restore_timeout_s=30)
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
-        mgr.save(20, make_state(mesh, 20.0))
-        mgr.save(25, make_state(mesh, 25.0))
-        mgr.wait_until_finished()
-    cl.wait_replicated(25, timeout=60)
-    cl.lose_host(1)
-    cl.lose_host(3)  # host 1's peer: both copies of host 1's data are gone
-    cl.start(1)
-    cl.start(3)
-    opts = cl.options(replicators=True, restore_timeout_s=30)
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=opts) as mgr:
-        with pytest.raises(mtc.DataLossError,
-                           match=r"step 25: data of rank\(s\) \[1, 3\] is on no member"):
-            mgr.latest_step()
-    # Nothing was deleted: the data of hosts 0 and 2 is still there to bring back.
-    assert (cl.root(0) / "25").is_dir() and (cl.root(2) / "20").is_dir()
+def test_a_host_and_its_peer_wiped_is_a_typed_error_naming_them(tmp_path: Path) -> None:
+    with MemoryCluster(tmp_path, 4, 2) as c:
+        commit_all(c, 20)
+        commit_all(c, 25)
+        c.wait_replicated(25)
+        c.lose_host(1)
+        c.lose_host(3)  # host 1's peer: both copies of host 1's data are gone
+        c.start(1)
+        c.start(3)
+        # Every member reads "nothing restorable" with why (the controller raises it
+        # as a DataLossError naming them).
+        replies = c.prepared(range(4))
+        for r, x in replies.items():
+            assert (x.step, x.tier) == (-1, "none"), (r, x)
+            assert re.search(r"step 25: data of rank\(s\) \[1, 3\] is on no member",
+                             x.lost), x
+        # Nothing was deleted: the data of hosts 0 and 2 is still there to bring back.
+        assert (c.root(0) / "25").is_dir() and (c.root(2) / "20").is_dir()

@@ -4,7 +4,8 @@ found before a restore needs the step, and healed from another host.
 The policy (which copy next, how long to pause) is pure; one copy's scrub runs on
 a real store in this process (mtc's steps, and Orbax's for a replicator serving
 Orbax's client), its heal a recording stand-in (a heal needs other
-hosts); the last test runs real replicator processes, damages a host's own step,
+hosts); the last test runs whole replicators in one process (the in-memory
+cluster), damages a host's own step,
 a peer's copy of the newest step and one of an older step in place, silently
 (size and mtime kept, as bad memory would), and waits, without any restore, for
 all three to be found and made good again.
@@ -18,26 +19,18 @@ import time
 from pathlib import Path
 
 import pytest
-from jax.sharding import Mesh
-from replicators import (
-    Cluster,
-    assert_state_equal,
-    commit_mtc_step,
-    flip,
-    make_state,
-    new_cluster,
-)
+from replicators import commit_mtc_step, flip
 
-import mtc
 from mtc.errors import ConfigError
 from mtc.integrity import crc32c
-from mtc.manifest import MANIFEST_NAME
 from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.copies.scrub import MIN_PAUSE_S, Scrubber, due, next_copy, pause_after
+from mtc.sidecar.replicator.memory_cluster import MemoryCluster, files_of
 from mtc.sidecar.replicator.metrics import Metrics
 from mtc.sidecar.replicator.store.step_files import FileMeta
 from mtc.sidecar.replicator.store.store import REPLICA_DIR, LocalStore
 from mtc.sidecar.storage.quarantine import quarantined
+from mtc.testing.waits import wait_until
 
 STEP = 7
 MIB = 1 << 20
@@ -247,83 +240,63 @@ def held_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def unique_files(cl: Cluster, step: int, host: int) -> list[str]:
-    """Files of ``host``'s ``step`` its data-parallel twin (the other slice's host
-    at the same place) does not hold identically."""
-    mine, twin = cl.root(host) / str(step), cl.root((host + 2) % 4) / str(step)
-    return sorted(p.name for p in mine.iterdir() if p.name != MANIFEST_NAME and not (
-        (twin / p.name).exists() and (twin / p.name).read_bytes() == p.read_bytes()))
+def test_replicators_find_and_heal_silent_damage_before_any_restore(tmp_path: Path) -> None:
+    # Whole replicators in one process, scrubbing: each copy read again as soon as
+    # the rate allows, not only once the default interval has passed since it was
+    # written (tests above hold that).
+    with MemoryCluster(tmp_path, 4, 2, scrub_rate=64.0 * MIB, scrub_interval_s=0.0) as c:
+        saved: dict[int, dict[int, dict[str, bytes]]] = {}
+        for step in (3, 4):  # other values in each step: identical files would be one inode
+            dp = os.urandom(64 << 10)
+            saved[step] = {h: c.commit(h, step, {"dp.bin": dp if h % 2 == 0 else dp[::-1],
+                                                 f"own-{h}.bin": os.urandom(64 << 10)})
+                           for h in range(4)}
+            c.wait_replicated(step)
+        # Host 0's own newest step, host 3's copy of host 1's newest, and host 2's
+        # copy of host 0's older step (the replicators keep two): each a file only
+        # that host saved (a data-parallel one is a claim on the holder's own bytes).
+        own = c.root(0) / "4" / "own-0.bin"
+        peer_copy = c.root(3) / REPLICA_DIR / "1" / "4" / "own-1.bin"
+        older_copy = c.root(2) / REPLICA_DIR / "0" / "3" / "own-0.bin"
+        damaged = [own, peer_copy, older_copy]
+        good = [p.read_bytes() for p in damaged]
+        scrubbers = (0, 2, 3)
+        # What each scrub has read so far, and what it must read at most to have read
+        # every copy its host holds whole after the damage: a round of the copies in
+        # order (what a scrub in progress reads first counts too, hence twice over).
+        read_by = {r: c.scrape(r).get("mtc_scrub_bytes_total", 0.0)
+                   + 2 * held_bytes(c.root(r)) for r in scrubbers}
+        for p in damaged:
+            flip(p, silent=True)
 
+        def whole() -> bool:
+            return all(p.exists() and p.read_bytes() == g for p, g in zip(damaged, good,
+                                                                            strict=True))
 
-@pytest.mark.process
-def test_replicators_find_and_heal_silent_damage_before_any_restore(
-        ramdisk: Path, mesh: Mesh, clusters: list[Cluster]) -> None:
-    # Each copy read again as soon as the rate allows, not only once the default
-    # interval has passed since it was written (tests below hold that).
-    cl = new_cluster(clusters, ramdisk, 4, 2, metrics=True, scrub=True, scrub_interval_s=0)
-    cl.start_all()
-    # Other values in each step: identical files of two steps are one inode.
-    states = {step: make_state(mesh, float(step)) for step in (3, 4)}
-    with mtc.CheckpointManager(ramdisk, mesh=mesh, options=cl.options(max_to_keep=None)) as m:
-        for step, state in states.items():
-            m.save(step, state, force=True)
-            m.wait_until_finished()
-            cl.wait_replicated(step, timeout=60)
-    # Host 0's own newest step, host 3's copy of host 1's newest, and host 2's copy
-    # of host 0's older step (the replicators keep two): each a file only that host
-    # saved (a data-parallel one is a claim on the holder's own bytes, one inode for
-    # two).
-    own = cl.root(0) / "4" / unique_files(cl, 4, 0)[0]
-    peer_copy = cl.root(3) / REPLICA_DIR / "1" / "4" / unique_files(cl, 4, 1)[0]
-    older_copy = cl.root(2) / REPLICA_DIR / "0" / "3" / unique_files(cl, 3, 0)[0]
-    damaged = [own, peer_copy, older_copy]
-    good = [p.read_bytes() for p in damaged]
-    scrubbers = (0, 2, 3)
-    # What each scrub has read so far, and what it must read at most to have read
-    # every copy its host holds whole after the damage: a round of the copies in
-    # order (what a scrub in progress reads first counts too, hence twice over).
-    read_by = {r: cl.scrape(r).get("mtc_scrub_bytes_total", 0.0)
-               + 2 * held_bytes(cl.root(r)) for r in scrubbers}
-    for p in damaged:
-        flip(p, silent=True)
+        def not_blind() -> None:
+            """A scrub that has read all its host holds without finding the damage
+            fails the test at once."""
+            samples = {r: c.scrape(r) for r in scrubbers}
+            blind = [r for r, s in samples.items()
+                     if s.get("mtc_scrub_damaged_files_total", 0) == 0
+                     and s.get("mtc_scrub_bytes_total", 0.0) >= read_by[r]]
+            assert not blind, f"the scrubs of hosts {blind} read all they hold, found nothing"
 
-    def whole() -> bool:
-        return all(p.exists() and p.read_bytes() == g for p, g in zip(damaged, good,
-                                                                        strict=True))
-
-    # Wait on the scrubs' progress, not on the clock: the scrub runs at background
-    # priority, and a loaded machine may hold it back for minutes. A scrub that has
-    # read all its host holds without finding the damage fails the test at once;
-    # the deadline only bounds a scrub (or a heal) that does not run at all.
-    deadline = time.monotonic() + 200
-    while True:
-        samples = [cl.scrape(r) for r in scrubbers]
-        found = [int(s.get("mtc_scrub_damaged_files_total", 0)) for s in samples]
-        read = [s.get("mtc_scrub_bytes_total", 0.0) for s in samples]
-        if found == [1, 1, 1] and whole():
-            break
-        blind = [r for r, f, n in zip(scrubbers, found, read, strict=True)
-                 if f == 0 and n >= read_by[r]]
-        if blind or time.monotonic() > deadline:
-            why = (f"the scrubs of hosts {blind} read all they hold and found nothing"
-                   if blind else "not found and healed by the scrub in 200 s")
-            raise AssertionError(
-                f"damage {why}: found {found}, whole {whole()}, read {read} (of "
-                f"{read_by}); logs:\n" + "".join(cl.log_text(r)[-2000:] for r in scrubbers))
-        time.sleep(0.2)
-    # Host 0 fetched its file from its peer (healed); host 3's copy of the newest
-    # step came again from its origin, and so did host 2's copy of the older one
-    # once the newest was on every peer. Every bad file was kept aside.
-    assert cl.scrape(0)["mtc_healed_files_total"] >= 1
-    assert cl.scrape(0)["mtc_steps_copied_again_total{why=lost}"] >= 1
-    assert [len(quarantined(cl.root(r))) for r in (0, 2, 3)] == [1, 1, 1]
-    assert cl.scrape(0)["mtc_scrub_bytes_total"] > 0
-    # A restore of either step now finds every host's data whole where it is:
-    # nothing to heal (the older one: as saved, not as damaged).
-    with mtc.CheckpointManager(ramdisk, mesh=mesh,
-                               options=cl.options(replicators=True, max_to_keep=None)) as m:
-        for step, state in states.items():
-            got = m.restore(step, state)
-            assert m.last_restore_tiers == {0: "local", 1: "local", 2: "local", 3: "local"}
-            assert_state_equal(got, state)
-    assert (2, 0, 3) in cl.held(), sorted(cl.held())
+        wait_until("the damage found by the scrubs and healed", lambda: whole() and [
+            c.scrape(r).get("mtc_scrub_damaged_files_total", 0) for r in scrubbers] == [1, 1, 1],
+            60, during=not_blind,
+            detail=lambda: ({r: c.scrape(r).get("mtc_scrub_damaged_files_total")
+                             for r in scrubbers}, whole()))
+        # Host 0 fetched its file from its peer (healed); host 3's copy of the newest
+        # step came again from its origin, and so did host 2's copy of the older one
+        # once the newest was on every peer. Every bad file was kept aside.
+        assert c.scrape(0)["mtc_healed_files_total"] >= 1
+        assert c.scrape(0)["mtc_steps_copied_again_total{why=lost}"] >= 1
+        assert [len(quarantined(c.root(r))) for r in (0, 2, 3)] == [1, 1, 1]
+        # A restore of the newest step now finds every host's data whole where it is.
+        replies = c.prepared(range(4))
+        assert {r: (x.step, x.tier) for r, x in replies.items()} == {
+            r: (4, "local") for r in range(4)}
+        for h in range(4):
+            assert files_of(c.root(h) / "4") == saved[4][h]
+        assert (2, 0, 3) in c.held(), sorted(c.held())

@@ -27,6 +27,7 @@ authenticated here: who may call is ``wire/security.py``'s, tested over gRPC.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -200,6 +201,11 @@ class Network:
         with self._lock:
             self._served.pop(rank, None)
 
+    def serving(self, rank: int) -> Endpoint | None:
+        """Who serves ``rank`` now (None: nobody)."""
+        with self._lock:
+            return self._served.get(rank)
+
     def peers(self, src: int, num_nodes: int) -> dict[int, MemoryPeer]:
         """Rank ``src``'s peers among ranks ``0..num_nodes-1`` (served now or later)."""
         return {r: MemoryPeer(self, src, r) for r in range(num_nodes) if r != src}
@@ -314,6 +320,13 @@ class MemoryPeer:
             raise self._error(name, grpc.StatusCode.UNAVAILABLE, why)
         try:
             out = fn(endpoint, lambda: time.monotonic() < deadline)
+        except RuntimeError as e:
+            if self._net.serving(self.rank) is endpoint:
+                raise
+            # Its node was stopped under the call (its pools shut): the call was cut
+            # as a killed process's connection is.
+            raise self._error(name, grpc.StatusCode.UNAVAILABLE, "its replicator "
+                              "stopped during the call") from e
         except (MtcError, OSError, ValueError, KeyError) as e:
             if time.monotonic() >= deadline:
                 raise self._error(name, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer "
@@ -381,11 +394,14 @@ class MemoryPeer:
 
     def fetch_many(self, step: int, origin: int, files: list[FileMeta], dest: Path, *,
                    opener: Opener | None = None) -> tuple[list[str], MtcError | None]:
-        """As the data path's, file by file; ``opener`` unused (files are new here)."""
+        """As the data path's, file by file, each written where ``opener`` says (a
+        blank file set aside for it) or into a new one."""
         done: list[str] = []
         try:
             for f in files:  # one stream's worth, file by file: what came, verified
-                self._fetch_one(step, origin, f, inside(dest, f.path))
+                self._fetch_one(step, origin, f, inside(dest, f.path),
+                                None if opener is None else functools.partial(
+                                    opener, dest, f.path, f.size))
                 done.append(f.path)
         except MtcError as e:
             return done, e
@@ -398,11 +414,12 @@ class MemoryPeer:
         return self._call("RequestBackup", lambda ep, _: ep.request_backup(),
                           deadline_s=3600.0)
 
-    def _fetch_one(self, step: int, origin: int, f: FileMeta, target: Path) -> None:
+    def _fetch_one(self, step: int, origin: int, f: FileMeta, target: Path,
+                   open_fd: Callable[[], int] | None = None) -> None:
         def one(ep: Endpoint, _: Callable[[], bool]) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             _write_verified(ep.fetch(origin, step, [f.path]), target, f, step, origin,
-                            self.rank)
+                            self.rank, open_fd)
         self._call("Fetch", one, deadline_s=120.0)
 
 
@@ -413,11 +430,15 @@ def _read(path: Path) -> Iterator[bytes]:
 
 
 def _write_verified(chunks: Iterator[tuple[FileMeta | None, bytes]], dest: Path,
-                    meta: FileMeta, step: int, origin: int, holder: int) -> None:
-    """A fetched file's bytes into ``dest``, kept only when its size and CRC32C are
-    the ones the caller expects (as the data path's fetch does)."""
+                    meta: FileMeta, step: int, origin: int, holder: int,
+                    open_fd: Callable[[], int] | None = None) -> None:
+    """A fetched file's bytes into ``dest`` (or the descriptor ``open_fd`` opens for
+    it), kept only when its size and CRC32C are the ones the caller expects (as the
+    data path's fetch does)."""
     got = value = 0
-    with create_fetched(dest) as out:
+    out_file = create_fetched(dest) if open_fd is None else \
+        os.fdopen(open_fd(), "wb", buffering=0)
+    with out_file as out:
         try:
             for _, chunk in chunks:
                 out.write(chunk)

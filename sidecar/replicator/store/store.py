@@ -81,9 +81,9 @@ class LocalStore:
         self._lock = threading.Lock()
         # (origin, step) -> (inode of the copy's folder, its files): a folder saved
         # again under the same number is a different folder, described anew.
-        self._described: dict[tuple[int, int], tuple[int, list[FileMeta]]] = {}
+        self._described: dict[tuple[int, int], tuple[tuple[int, int], list[FileMeta]]] = {}
         # Same key: (inode, (hosts that saved it, the run that wrote it)).
-        self._summaries: dict[tuple[int, int], tuple[int, Summary]] = {}
+        self._summaries: dict[tuple[int, int], tuple[tuple[int, int], Summary]] = {}
         self.checksums = Checksums()  # of files read and checked, or written so
         self.proofs = HeldProofs(self.replicas)  # origins' signed entries of copies
         # Under mutual TLS (set by the node): identical bytes are taken only as signed
@@ -251,7 +251,7 @@ class LocalStore:
 
     def describe(self, origin: int, step: int) -> list[FileMeta]:
         key = (origin, step)
-        ino = os.stat(self.copy_dir(origin, step)).st_ino
+        ino = _folder_key(self.copy_dir(origin, step))
         with self._lock:
             hit = self._described.get(key)
             if hit is not None and hit[0] == ino:
@@ -280,7 +280,7 @@ class LocalStore:
         (an Orbax step, an unreadable one)."""
         key = (origin, step)
         d = self.copy_dir(origin, step)
-        ino = os.stat(d).st_ino
+        ino = _folder_key(d)
         with self._lock:
             hit = self._summaries.get(key)
             if hit is not None and hit[0] == ino:
@@ -370,7 +370,7 @@ class LocalStore:
             proof_path(self.replicas, origin, step).unlink(missing_ok=True)
         publish(tmp, final)
         with self._lock:
-            self._described[(origin, step)] = (os.stat(final).st_ino, files)
+            self._described[(origin, step)] = (_folder_key(final), files)
             self._damaged.discard((origin, step))
         for f in files:  # every file was verified on arrival
             self.checksums.note_verified(final / f.path, f)
@@ -411,7 +411,7 @@ class LocalStore:
             publish(tmp, self.root / str(step))
             with self._lock:
                 self._described[(self.rank, step)] = (
-                    os.stat(self.root / str(step)).st_ino, files)
+                    _folder_key(self.root / str(step)), files)
                 self._damaged.discard((self.rank, step))
             for f in files:
                 self.checksums.note_verified(self.root / str(step) / f.path, f)
@@ -431,7 +431,7 @@ class LocalStore:
         write_atomic(desc, json.dumps([f.to_json() for f in files]))
         publish(src, d / str(step))
         with self._lock:
-            self._described[(self.rank, step)] = (os.stat(d / str(step)).st_ino, files)
+            self._described[(self.rank, step)] = (_folder_key(d / str(step)), files)
 
     def remove_copy(self, origin: int, step: int) -> None:
         in_root = self.root / str(step)
@@ -449,3 +449,12 @@ class LocalStore:
             self._described.pop((origin, step), None)
             self._summaries.pop((origin, step), None)
             self._damaged.discard((origin, step))
+
+
+def _folder_key(folder: Path) -> tuple[int, int]:
+    """What tells a step's folder from another that took its place: its inode and
+    change time. A step saved again under its number is a new folder whose inode
+    number the file system may hand out again (ext4 does at once, tmpfs seldom),
+    renamed into place at another time."""
+    st = os.stat(folder)
+    return st.st_ino, st.st_ctime_ns
