@@ -23,6 +23,12 @@ def with_fast_compile(flags: str) -> str:
     return f"{flags} {FAST_COMPILE}".strip()
 
 
+def without_fast_compile(flags: str) -> str:
+    """``flags`` less :data:`FAST_COMPILE`: for a child that runs its programs many
+    times (a benchmark, a trainer's hundred steps), where LLVM's passes pay."""
+    return " ".join(f for f in flags.split() if f != FAST_COMPILE)
+
+
 def cpu_flags(devices: int) -> str:
     """``XLA_FLAGS`` for a child JAX process with ``devices`` CPU devices."""
     return with_fast_compile(f"--xla_force_host_platform_device_count={devices}")
