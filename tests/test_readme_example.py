@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from doc_blocks import python_block
 from jax.sharding import Mesh
-from xla_flags import cpu_flags
 from replicators import Cluster, assert_state_equal, env_with_repo, make_state, new_cluster
+from xla_flags import cpu_flags
 
 import mtc
 import mtc.replicas
