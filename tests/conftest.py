@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
+from xla_flags import with_fast_compile
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Compiled without LLVM's optimisations, here and in every process the tests start
+# (tests/xla_flags.py says why).
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ["XLA_FLAGS"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import subprocess

@@ -282,7 +282,9 @@ def test_gcs_download_cut_midway(bucket: str, proxy: FaultProxy, tmp_path: Path)
 @pytest.mark.process  # the GCS emulator
 def test_gcs_unreachable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")
-    store = GcsBackend("gs://nowhere/x", deadline=1.5, initial_backoff=0.05, max_backoff=0.2,
+    # Every call is refused at once and retried until its deadline: waited out four
+    # times, so a short one.
+    store = GcsBackend("gs://nowhere/x", deadline=0.5, initial_backoff=0.05, max_backoff=0.2,
                        timeout=(1.0, 2.0))
     src = tmp_path / "src"
     size, crc = make_file(src, 1000)
@@ -314,11 +316,14 @@ def test_gcs_retries_5xx(bucket: str, proxy: FaultProxy, tmp_path: Path) -> None
     assert store.list("") == ["a", "m"]
     assert proxy.failed == 10
     proxy.fail_always = True
+    # Every try fails: each call retries until its deadline (waited out), a short one.
+    store = GcsBackend(f"gs://{bucket}", chunk_size=8 * MiB, **{**FAST, "deadline": 0.5})
     t0 = time.monotonic()
     with pytest.raises(BackupUnavailableError):
         store.put_bytes("m2", b"x")
     with pytest.raises(BackupUnavailableError):
         store.get_bytes("m")
+    assert proxy.failed > 10 + 2  # retried, not failed at the first answer
     assert time.monotonic() - t0 < 20
 
 

@@ -11,14 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from xla_flags import without_fast_compile
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _bench(name: str, *args: str) -> Any:
-    """The benchmark's JSON, run on CPU devices."""
+    """The benchmark's JSON, run on CPU devices, compiled as users' programs are (not
+    as the tests' own: tests/xla_flags.py; the benchmark runs its programs many times)."""
+    flags = without_fast_compile(os.environ.get("XLA_FLAGS", ""))
     out = subprocess.run([sys.executable, str(REPO / "bench" / name), *args],
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
+                         capture_output=True,
                          text=True, timeout=240, check=True)
     return json.loads(out.stdout)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from doc_blocks import python_block
 from replicators import env_with_repo, wait_healthy
+from xla_flags import cpu_flags
 
 from mtc.credentials import Credentials
 from mtc.grpc_errors import PeerError
@@ -189,7 +190,7 @@ class VmHosts:
         procs = []
         for r in range(len(EXAMPLE_HOSTS)):
             env = {**env_with_repo(), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-                   "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                   "XLA_FLAGS": cpu_flags(2),
                    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}",
                    "JAX_NUM_PROCESSES": str(len(EXAMPLE_HOSTS)), "JAX_PROCESS_ID": str(r),
                    "MTC_NODES": self.nodes, "MTC_PKI": str(self.pki),

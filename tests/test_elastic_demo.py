@@ -5,11 +5,13 @@ and a host lost while a save is being written, with and without the per-step sna
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from xla_flags import without_fast_compile
 
 REPO = Path(__file__).resolve().parents[1]
 PAUSE_S = 60.0  # the pause for a lost host's replacement (the demo's default is 10)
@@ -103,7 +105,11 @@ def test_without_snapshot_resumes_from_the_ramdisks_never_from_an_unfinished_sav
     out = tmp_path / "demo"
     report = run_demo(out, ramdisk, "--steps", "50", "--host-loss-at", "15",
                       "--host-loss-when", "mid-save",
-                      "--slice-loss-at", "30", "--slice-down-steps", "8", "--no-snapshot")
+                      "--slice-loss-at", "30", "--slice-down-steps", "8", "--no-snapshot",
+                      # Compiling ahead is the first test's: here each mesh's step is
+                      # compiled when first needed, none for a mesh never used; two
+                      # programs for 150 steps (reference included), so LLVM's passes pay.
+                      "--compile-ahead", "0", llvm_passes=True)
     host, lost, up = report["failures"]
     d = assert_lost_mid_save(host)
     # The newest step whose copy of the dead host's files reached its peer: 15's, else
@@ -126,14 +132,19 @@ def test_without_snapshot_resumes_from_the_ramdisks_never_from_an_unfinished_sav
     assert report["loss_matches_reference"] is True
 
 
-def run_demo(out: Path, ramdisk: Path, *args: str) -> dict:
+def run_demo(out: Path, ramdisk: Path, *args: str, llvm_passes: bool = False) -> dict:
     # The lost host's replacement is waited for however slow the machine (on an idle
     # one it is back in about a second): past the pause the trainer would resume
     # without it and scale up when it returns, a failure more than the tests expect.
+    # ``llvm_passes``: compiled as users' programs are (tests/xla_flags.py), for a run
+    # that compiles few programs and runs them many times.
+    env = dict(os.environ)
+    if llvm_passes:
+        env["XLA_FLAGS"] = without_fast_compile(env["XLA_FLAGS"])
     r = subprocess.run(
         [sys.executable, "-m", "mtc.trainer.elastic_demo", "--out", str(out), "--model", "tiny",
          "--ramdisk-root", str(ramdisk), "--pause-timeout-s", str(PAUSE_S), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=200)
+        cwd=REPO, capture_output=True, text=True, timeout=200, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report: dict = json.loads((out / "report.json").read_text())
     return report

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import pytest
 from replicators import scrape
+from xla_flags import cpu_flags
 
 from mtc.credentials import Credentials
 from mtc.ports import free_ports
@@ -62,7 +63,7 @@ COORDINATOR_PORT, METRICS_PORT = 7300, 7301  # inside the hosts' namespaces
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", MTC_ORBAX_NUM_PROCESSES=str(HOSTS),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}")
+               XLA_FLAGS=cpu_flags(DEVICES_PER_PROCESS))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 

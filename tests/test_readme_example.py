@@ -22,6 +22,7 @@ import pytest
 from doc_blocks import python_block
 from jax.sharding import Mesh
 from replicators import Cluster, assert_state_equal, env_with_repo, make_state, new_cluster
+from xla_flags import cpu_flags
 
 import mtc
 import mtc.replicas
@@ -42,7 +43,7 @@ def run_example(code: Path, local_dir: Path, steps: int, replicators: str | None
                 ) -> list[str]:
     env = env_with_repo()
     env.update(MTC_DIR=str(local_dir), NUM_STEPS=str(steps),
-               XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+               XLA_FLAGS=cpu_flags(8), JAX_PLATFORMS="cpu")
     env.pop("MTC_REPLICATORS", None)
     if replicators:
         env["MTC_REPLICATORS"] = replicators

@@ -161,9 +161,12 @@ def test_a_job_restarted_with_a_replicator_dead_names_it_in_every_process(
     import re
 
     script = tmp_path / "job.py"
+    # Each process waits out its restore's deadline (the dead replicator never
+    # answers): short, but far beyond the few seconds between the processes' starts,
+    # so that at each one's deadline every live rank has asked and only rank 1 is absent.
     script.write_text(doc_script().replace("join_job(save_interval_steps=10)",
                                            "join_job(save_interval_steps=10, "
-                                           "restore_timeout_s=20)"))
+                                           "restore_timeout_s=10)"))
     with local_cluster(slices=2, hosts_per_slice=2,
                        base=Path("/dev/shm") / tmp_path.name) as cluster:
         cluster.run_job([str(script), "20"])

@@ -66,7 +66,7 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
             else free_ports(1)[0])
     coordinator = f"{local.hosts.hosts[on[0]].address}:{port}"
     base_env = {**cluster.script_env(), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}",
+                "XLA_FLAGS": _xla_flags(devices_per_process),
                 "MTC_TESTING_JOB_HOSTS": ",".join(map(str, on)),
                 "MTC_TESTING_COORDINATOR": coordinator,
                 **({"MTC_TESTING_REFERENCE": str(reference)} if reference else {}),
@@ -103,6 +103,14 @@ def run_job(cluster: TestCluster, argv: Sequence[str], *, hosts: Sequence[int] |
     if error is not None:
         raise error
     return done
+
+
+def _xla_flags(devices: int) -> str:
+    """This process's ``XLA_FLAGS`` (a test's own choices, such as its compiler's
+    optimisation level) with ``devices`` CPU devices instead of its device count."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
 
 
 def raised(stderr: str, limit: int = 1000) -> str:
