@@ -321,19 +321,14 @@ def tls_memory(tmp_path: Path) -> Iterator[Callable[..., MemoryCluster]]:
         c.close()
 
 
-def _forged_held_copy(make: Callable[..., MemoryCluster],
-                      before: Callable[[MemoryCluster], None] = lambda c: None
-                      ) -> tuple[MemoryCluster, bytes]:
-    """Two TLS hosts holding each other's step 5; then (after ``before``) rank 1
-    swaps its copy of rank 0's ``a.bin`` for bytes of its own with the same size and
-    CRC32C, which every check but the SHA-256 rank 0 signed passes (the copy stays
-    listed). The cluster, and the forged bytes."""
-    c = make()
+def forge_held_copy(c: Any, before: Callable[[Any], None] = lambda c: None) -> bytes:
+    """On two hosts (a cluster of either harness, started) holding each other's step
+    5: after ``before``, rank 1 swaps its copy of rank 0's ``a.bin`` for bytes of its
+    own with the same size and CRC32C, which every check but the SHA-256 rank 0
+    signed passes (the copy stays listed). The forged bytes."""
     mine = c.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
     c.commit(1, 5, {"c.bin": os.urandom(4096)})
     c.wait_held({(1, 0, 5), (0, 1, 5)})
-    held = {x.origin_rank: x for x in c.inventory(1).copies if x.step == 5}
-    assert held[0].proof.signature  # rank 0's proof of its copy, kept by rank 1
     before(c)
     copy = c.root(1) / ".mtc-replica" / "0" / "5" / "a.bin"
     forged = _same_crc(b"rank 1 made this up".ljust(len(mine["a.bin"]), b"!"),
@@ -342,7 +337,18 @@ def _forged_held_copy(make: Callable[..., MemoryCluster],
     (copy.parent / "a.tmp").write_bytes(forged)
     os.replace(copy.parent / "a.tmp", copy)
     assert (1, 0, 5) in c.held()  # it checks out by CRC32C: still listed
-    return c, forged
+    return forged
+
+
+def _forged_held_copy(make: Callable[..., MemoryCluster]) -> tuple[MemoryCluster, bytes]:
+    """Two TLS hosts in memory, rank 1's copy of rank 0's step 5 forged
+    (:func:`forge_held_copy`), rank 0's proof of it signed. The cluster, the bytes."""
+    c = make()
+
+    def signed(c: MemoryCluster) -> None:
+        held = {x.origin_rank: x for x in c.inventory(1).copies if x.step == 5}
+        assert held[0].proof.signature  # rank 0's proof of its copy, kept by rank 1
+    return c, forge_held_copy(c, signed)
 
 
 def test_a_holder_serving_other_bytes_with_the_same_crc_fails_the_restore(

@@ -26,12 +26,11 @@ from typing import Any
 import grpc
 import pytest
 from replicators import Cluster, commit_mtc_step
-from test_hostile_network_2 import _prepare, _same_crc, _tls_hosts
+from test_hostile_network_2 import _prepare, _tls_hosts, forge_held_copy
 
 from mtc.credentials import Credentials
 from mtc.errors import CorruptShardError, ShardUnavailableError
 from mtc.grpc_errors import wire_error
-from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.fetch.materialize import Materializer
 from mtc.sidecar.replicator.wire.client import FETCH
@@ -105,25 +104,11 @@ def test_one_host_saying_it_saved_another_hosts_part_is_not_read_as_that_host(
 def _forged_held_copy(ramdisk: Path, clusters: list[Cluster],
                       before: Callable[[Cluster], None] = lambda cl: None, **kw: Any
                       ) -> tuple[Cluster, bytes]:
-    """Two TLS replicator processes holding each other's step 5; then (after
-    ``before``) rank 1 swaps its copy of rank 0's ``a.bin`` for bytes of its own with
-    the same size and CRC32C (test_hostile_network_2's in-memory cluster does the
-    same for the fetch's own checks; the backup needs processes). The cluster, and
-    the forged bytes. ``kw``: more of the cluster's fields."""
+    """:func:`forge_held_copy` on two TLS replicator processes (the backup needs
+    processes). ``kw``: more of the cluster's fields."""
     _, _, _, cl = _tls_hosts(ramdisk, clusters, metrics=True, **kw)
     cl.start_all()
-    mine = cl.commit(0, 5, {"a.bin": os.urandom(64 << 10)})
-    cl.commit(1, 5, {"c.bin": os.urandom(4096)})
-    cl.wait_held({(1, 0, 5), (0, 1, 5)})
-    before(cl)
-    held = cl.root(1) / ".mtc-replica" / "0" / "5" / "a.bin"
-    forged = _same_crc(b"rank 1 made this up".ljust(len(mine["a.bin"]), b"!"),
-                       crc32c(mine["a.bin"]))
-    assert forged != mine["a.bin"] and crc32c(forged) == crc32c(mine["a.bin"])
-    (held.parent / "a.tmp").write_bytes(forged)
-    os.replace(held.parent / "a.tmp", held)
-    assert (1, 0, 5) in cl.held()  # it checks out by CRC32C: still listed
-    return cl, forged
+    return cl, forge_held_copy(cl, before)
 
 
 def test_a_holder_serving_other_bytes_with_the_same_crc_is_skipped_for_the_backup(
