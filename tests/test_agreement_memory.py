@@ -12,8 +12,10 @@ controller's calls and ``mtc status`` say over gRPC).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,3 +112,45 @@ def test_a_member_down_fails_every_asker_typed_within_the_agreement_timeout(
         assert time.monotonic() - t0 < 2.0 + 8
         assert isinstance(err, AgreementError), err
         assert "rank(s) [1]" in str(err), err
+
+
+def test_an_ask_a_newer_restore_replaced_never_fences_a_step_saved_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 (the coordinator) asks for restore A; the job asks again (restore B)
+    on both ranks, which agree on step 4, and then saves step 5 on both. A's ask is
+    answered only after that, with B's epoch under A's restore id, as a failed
+    restore's ask was in test_network_faults (where it then fenced, deleting the
+    step the controller had just saved; the answer is played here, the coordinator
+    refusing a replaced ask itself). Rank 0 must not fence again on it: its restore
+    was replaced, and it says so."""
+    saved = threading.Event()
+    with MemoryCluster(tmp_path, 2) as c:
+        agreement = c.nodes[0].agreement
+        real = agreement.decide_for
+
+        def b_epoch_late_for_a(rank: int, rid: str, *args: Any, **kwargs: Any
+                               ) -> pb.Decision:
+            if not rid.endswith("restore-a"):
+                return real(rank, rid, *args, **kwargs)
+            assert saved.wait(30)
+            d = agreement.last_decision  # B's
+            return pb.Decision(epoch=d.epoch, step=d.step, decided_at=d.decided_at,
+                               rank=rank, restore_id=rid, run=d.run)
+        monkeypatch.setattr(agreement, "decide_for", b_epoch_late_for_a)
+        commit_everywhere(c, (4,))
+        c.wait_held({(1, 0, 4), (0, 1, 4)})
+
+        def stale() -> pb.PrepareRestoreReply | Exception:
+            return c.prepare([0], 6, rid="restore-a")[0]
+
+        def newer_then_save() -> dict[int, pb.PrepareRestoreReply]:
+            c.wait_sample(0, "mtc_restores_waiting", 1)  # A's ask is waiting on rank 0
+            replies = c.prepared([0, 1], 30, rid="restore-b")
+            commit_everywhere(c, (5,))
+            saved.set()
+            return replies
+
+        a, b = at_once(stale, newer_then_save)
+        assert {x.step for x in b.values()} == {4}
+        assert {4, 5} <= c.own_steps(0) and {4, 5} <= c.own_steps(1)
+        assert isinstance(a, AgreementError) and "newer restore" in str(a), a

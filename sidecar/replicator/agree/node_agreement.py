@@ -366,6 +366,13 @@ class NodeAgreement:
                 d = self.decide_for(self.rank, rid, timeout, group, started_ns)
             else:
                 d = self._ask(c, rid, group, timeout, deadline, started_ns)
+        if self._asking_rid != rid:
+            # A newer restore on this host began while this ask waited: the job gave
+            # this one up, and may have saved since the newer one's decision. Fencing
+            # on this answer would delete those saves (it came as late as that once,
+            # over gRPC, from a failed restore's ask).
+            raise AgreementError("a newer restore on this host replaced this one before "
+                                 "its decision came: nothing fenced for it", host=self.rank)
         # Not a re-issued ask of a decision already read (same epoch, same restore id).
         fresh = (d.epoch, d.restore_id) != (self.last_decision.epoch,
                                             self.last_decision.restore_id) or not d.restore_id
