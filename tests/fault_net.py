@@ -30,6 +30,9 @@ from mtc.testing.replicas import wait_replicated
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there
 TIMEOUT_S = 6.0  # the restore's and the agreement's deadline
+# A call whose peer's link is cut fails within 1.5 times this (the replicators'
+# --peer-keepalive-seconds; 10 by default): the cut tests wait it out.
+KEEPALIVE_S = 2.0
 SLACK_S = 15.0  # what a bounded wait may take beyond its deadline on a loaded machine
 BUCKET = "mtc-net"
 
@@ -53,6 +56,7 @@ class Net:
             "--local-dir", str(h.hosts[i].root), "--listen", self.addrs[i],
             "--nodes", ",".join(self.addrs), "--rank", str(i), "--nodes-per-slice", "2",
             "--poll-seconds", "0.05", "--agreement-timeout-seconds", str(TIMEOUT_S),
+            "--peer-keepalive-seconds", str(KEEPALIVE_S),
             "--backup", f"gs://{BUCKET}/b", "--backup-interval-minutes", "100000",
             "--backup-retry-seconds", "20"], env=self.env)
 

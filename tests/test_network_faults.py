@@ -179,9 +179,10 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
     dropped = time.monotonic() - cut_at_s[0]
     print(f"the receiver dropped the cut stream {dropped:.1f}s after the cut")
     assert dropped < 8.0, dropped
-    # The sender's push fails within its own keepalive (10 s, unanswered for 5 s:
-    # no reset comes over a dead link), typed. (Timed apart from the receiver: a
-    # sender held by flow control when the link went finds out only by pinging.)
+    # The sender's push fails within its own keepalive (fault_net.KEEPALIVE_S,
+    # unanswered for half as long: no reset comes over a dead link), typed. (Timed
+    # apart from the receiver: a sender held by flow control when the link went
+    # finds out only by pinging.)
     failed = f"rank 1: step {step} not replicated to rank 3"
     waited = timed_wait("the cut copy's failure", lambda: failed in net.log(1)[cut_at:], 60.0,
                       during=never_counted)
