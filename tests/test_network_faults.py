@@ -61,7 +61,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.job import step_prefix
 from mtc.testing import gcs_emulator
 from mtc.testing.isolation import Hosts, namespaces_available
-from mtc.testing.waits import timed_wait
+from mtc.testing.waits import timed_wait, wait_until
 
 
 def _notable(log: str) -> list[str]:
@@ -122,6 +122,14 @@ def healed(net: Net) -> Iterator[Net]:
             if h.replicator is not None and h.replicator.poll() is None:
                 os.kill(h.replicator.pid, signal.SIGCONT)
         net.hosts.heal()
+        # A restore the test saw fail may still wait on its decision on some host
+        # (until its own deadline): answered by the next test's restore, it would
+        # fence off the next test's newer saves there. The next test starts once
+        # none waits.
+        wait_until("no restore waiting on any host",
+                   lambda: not any(net.restores_waiting(i) for i in range(4)),
+                   TIMEOUT_S + SLACK_S,
+                   detail=lambda: [net.restores_waiting(i) for i in range(4)])
 
 
 # -- 1. a link cut during a peer copy ----------------------------------------------------
