@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from replicators import env_with_repo, wait_healthy
+from replicators import env_with_repo, scrape, wait_healthy
 
 import mtc
 from mtc.credentials import Credentials
@@ -29,7 +29,11 @@ from mtc.testing.replicas import wait_replicated
 
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there
+METRICS_PORT = 7001  # each replicator's Prometheus metrics, at its host's address
 TIMEOUT_S = 6.0  # the restore's and the agreement's deadline
+# A call whose peer's link is cut fails within 1.5 times this (the replicators'
+# --peer-keepalive-seconds; 10 by default): the cut tests wait it out.
+KEEPALIVE_S = 2.0
 SLACK_S = 15.0  # what a bounded wait may take beyond its deadline on a loaded machine
 BUCKET = "mtc-net"
 
@@ -53,6 +57,8 @@ class Net:
             "--local-dir", str(h.hosts[i].root), "--listen", self.addrs[i],
             "--nodes", ",".join(self.addrs), "--rank", str(i), "--nodes-per-slice", "2",
             "--poll-seconds", "0.05", "--agreement-timeout-seconds", str(TIMEOUT_S),
+            "--peer-keepalive-seconds", str(KEEPALIVE_S),
+            "--metrics-port", str(METRICS_PORT), "--metrics-address", h.hosts[i].address,
             "--backup", f"gs://{BUCKET}/b", "--backup-interval-minutes", "100000",
             "--backup-retry-seconds", "20"], env=self.env)
 
@@ -77,6 +83,12 @@ class Net:
             return c.call("GetInventory", pb.InventoryRequest(), attempts=1)
         finally:
             c.close()
+
+    def restores_waiting(self, i: int) -> float:
+        """Restores host ``i``'s replicator is waiting on a decision for (its
+        ``mtc_restores_waiting``): one a test gave up on still waits out its deadline."""
+        return scrape(f"http://{self.hosts.hosts[i].address}:{METRICS_PORT}/metrics") \
+            .get("mtc_restores_waiting", 0.0)
 
     def held(self, i: int) -> set[tuple[int, int]]:
         return {(c.origin_rank, c.step) for c in self.inventory(i).copies}

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from replicators import wait_healthy
+from xla_flags import cpu_flags
 
 from mtc.credentials import Credentials
 from mtc.ports import free_ports
@@ -54,7 +55,7 @@ _coordinator_ports = itertools.count(7400)
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
+    env["XLA_FLAGS"] = cpu_flags(DEVICES_PER_PROCESS)  # compiled as every test's JAX
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -61,7 +61,7 @@ from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.job import step_prefix
 from mtc.testing import gcs_emulator
 from mtc.testing.isolation import Hosts, namespaces_available
-from mtc.testing.waits import timed_wait
+from mtc.testing.waits import timed_wait, wait_until
 
 
 def _notable(log: str) -> list[str]:
@@ -122,6 +122,14 @@ def healed(net: Net) -> Iterator[Net]:
             if h.replicator is not None and h.replicator.poll() is None:
                 os.kill(h.replicator.pid, signal.SIGCONT)
         net.hosts.heal()
+        # A restore the test saw fail may still wait on its decision on some host
+        # (until its own deadline): answered by the next test's restore, it would
+        # fence off the next test's newer saves there. The next test starts once
+        # none waits.
+        wait_until("no restore waiting on any host",
+                   lambda: not any(net.restores_waiting(i) for i in range(4)),
+                   TIMEOUT_S + SLACK_S,
+                   detail=lambda: [net.restores_waiting(i) for i in range(4)])
 
 
 # -- 1. a link cut during a peer copy ----------------------------------------------------
@@ -179,9 +187,10 @@ def test_link_cut_during_peer_copy_is_never_counted_and_completes_after_heal(
     dropped = time.monotonic() - cut_at_s[0]
     print(f"the receiver dropped the cut stream {dropped:.1f}s after the cut")
     assert dropped < 8.0, dropped
-    # The sender's push fails within its own keepalive (10 s, unanswered for 5 s:
-    # no reset comes over a dead link), typed. (Timed apart from the receiver: a
-    # sender held by flow control when the link went finds out only by pinging.)
+    # The sender's push fails within its own keepalive (fault_net.KEEPALIVE_S,
+    # unanswered for half as long: no reset comes over a dead link), typed. (Timed
+    # apart from the receiver: a sender held by flow control when the link went
+    # finds out only by pinging.)
     failed = f"rank 1: step {step} not replicated to rank 3"
     waited = timed_wait("the cut copy's failure", lambda: failed in net.log(1)[cut_at:], 60.0,
                       during=never_counted)

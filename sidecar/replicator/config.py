@@ -9,6 +9,7 @@ from mtc.errors import ConfigError
 from mtc.placement import peer_group, targets
 
 GC_VIEW_INTERVAL_S = 1.0  # gc_view_interval_s's default (--gc-view-interval-seconds)
+KEEPALIVE_S = 10.0  # keepalive_s's default (--peer-keepalive-seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,9 @@ class ReplicatorConfig:
     # whatever the number of nodes (docs/agreement.md).
     gc_view_interval_s: float = GC_VIEW_INTERVAL_S
     deadline_s: float = 10.0
+    # A call to a peer that went silent (its link cut mid-call) fails within about
+    # 1.5 times this (gRPC keepalive: pinged after it idle, unanswered for half).
+    keepalive_s: float = KEEPALIVE_S
     agreement_timeout_s: float = 60.0  # a restore's decision, or AgreementError
     # After answering a restore, copies that can wait (pushes to peers, a replaced
     # host's own data fetched in the background) wait this long: the restore's
@@ -61,6 +65,8 @@ class ReplicatorConfig:
             raise ConfigError(f"keep_awaiting must be >= 0, got {self.keep_awaiting}")
         if self.gc_view_interval_s < 0:
             raise ConfigError(f"gc_view_interval_s must be >= 0, got {self.gc_view_interval_s}")
+        if self.keepalive_s <= 0:
+            raise ConfigError(f"keepalive_s must be > 0, got {self.keepalive_s}")
         if self.restore_quiet_s < 0:
             raise ConfigError(f"restore_quiet_s must be >= 0, got {self.restore_quiet_s}")
         if self.scrub_rate < 0:

@@ -23,7 +23,7 @@ from mtc.lifecycle import Service, Services, Threads
 from mtc.rank_names import PodNames, use_pod_names
 from mtc.sidecar import priority
 from mtc.sidecar.replicator import orbax
-from mtc.sidecar.replicator.config import GC_VIEW_INTERVAL_S, ReplicatorConfig
+from mtc.sidecar.replicator.config import GC_VIEW_INTERVAL_S, KEEPALIVE_S, ReplicatorConfig
 from mtc.sidecar.replicator.metrics import MetricsServer
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.replicator.orbax_client import OrbaxClient
@@ -102,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the coordinator gathers every member's inventory for garbage "
                         "collection's view of the steps no node may delete at most this "
                         "often (default 1)")
+    p.add_argument("--peer-keepalive-seconds", type=float, default=KEEPALIVE_S, metavar="S",
+                   help="a call to a peer that went silent mid-call (its link cut: no "
+                        "reset comes) fails within about 1.5 times this: pinged after "
+                        "S idle, given up when a ping is unanswered for S/2 (default 10)")
     p.add_argument("--agreement-timeout-seconds", type=float, default=60.0,
                    help="how long a restore waits for every member before failing (default 60)")
     p.add_argument("--restore-quiet-seconds", type=float, default=2.0,
@@ -211,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                                   keep_awaiting=args.keep_awaiting,
                                   poll_s=args.poll_seconds, framework=framework,
                                   gc_view_interval_s=args.gc_view_interval_seconds,
+                                  keepalive_s=args.peer_keepalive_seconds,
                                   agreement_timeout_s=args.agreement_timeout_seconds,
                                   restore_quiet_s=args.restore_quiet_seconds,
                                   replication_warn_s=args.replication_warn_seconds,

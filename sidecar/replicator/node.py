@@ -71,7 +71,7 @@ class Node:
         # these, or in memory when a test hands its own ``peers``
         # (memory_transport.py: no gRPC client then).
         self.clients = {r: PeerClient(a, creds, rank=r, deadline_s=config.deadline_s,
-                                      as_peer=True)
+                                      as_peer=True, keepalive_s=config.keepalive_s)
                         for r, a in enumerate(config.nodes)
                         if r != config.rank and peers is None}
         self.peers: Peers = peers if peers is not None else {

@@ -73,11 +73,6 @@ def main(worker_class: type[Worker] | None = None) -> int:
     """Run one phase of ``worker_class`` (a :class:`Worker` with more phases, or this one)."""
     cls = worker_class or Worker
     args = parse_args(cls.PHASES)
-    # Compiled as every JAX process of the tests is (tests/xla_flags.py): the
-    # harness writes this process's XLA_FLAGS for its devices alone.
-    if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_backend_optimization_level=0").strip()
     import jax
 
     if args.phase in cls.RECOVERABLE:  # a process of the job dies: the others live on

@@ -18,6 +18,7 @@ from mtc.grpc_errors import TRANSIENT, PeerError, where_of
 from mtc.proto import replicator_pb2 as pb
 from mtc.proto import replicator_pb2_grpc as pb_grpc
 from mtc.rank_names import PeerServerName
+from mtc.sidecar.replicator.config import KEEPALIVE_S
 
 T = TypeVar("T")
 MAX_MESSAGE = 64 << 20
@@ -28,8 +29,6 @@ _RETRYABLE = TRANSIENT  # the one map's: mtc/grpc_errors.py
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
     # A peer that was down (a replaced host takes minutes) is reached again within
     # 2 s of its return; gRPC's default backoff grows to 120 s, and calls fail fast
     # while it lasts.
@@ -42,6 +41,19 @@ CHANNEL_OPTIONS = [
                         "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
     }]})),
 ]
+
+
+# A call's peer gone silent (its link cut: no reset comes) is found by pinging:
+# after this many seconds without a frame, unanswered for half as long again, the
+# call fails (UNAVAILABLE, retryable). ReplicatorConfig.keepalive_s sets a
+# replicator's own (--peer-keepalive-seconds; default KEEPALIVE_S, 10 s).
+
+
+def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """gRPC's keepalive options: pinged after ``keepalive_s`` idle, given up on
+    when a ping is unanswered for ``keepalive_s / 2``."""
+    return [("grpc.keepalive_time_ms", max(1, round(keepalive_s * 1000))),
+            ("grpc.keepalive_timeout_ms", max(1, round(keepalive_s * 500)))]
 
 
 def _identity(b: bytes) -> bytes:
@@ -64,16 +76,18 @@ class PeerClient:
     calls in flight finish on the old one, closed with the client. With ``as_peer``
     (a replicator calling another) and mutual TLS, the server's certificate must
     name ``rank``: what it answers (an inventory, a file) is rank ``rank``'s, not
-    whoever's answers at its address. ``data``: its files, pushed and fetched."""
+    whoever's answers at its address. ``data``: its files, pushed and fetched.
+    ``keepalive_s``: a call whose peer went silent fails within about 1.5 times it."""
 
     def __init__(self, address: str, creds: Credentials, *, rank: int,
-                 deadline_s: float = 10.0, as_peer: bool = False) -> None:
+                 deadline_s: float = 10.0, as_peer: bool = False,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         self.address = address
         self.rank = rank
         self.deadline_s = deadline_s
         self.metadata = creds.call_metadata()
         self._tls = TlsWatch(creds)
-        self._options = list(CHANNEL_OPTIONS)
+        self._options = [*CHANNEL_OPTIONS, *keepalive_options(keepalive_s)]
         # The name the server's certificate must bear: rank ``rank``'s (mtc/rank_names.py).
         self.server_name = PeerServerName(address, creds, rank) if as_peer and creds.tls \
             else None
