@@ -12,6 +12,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["XLA_FLAGS"] = with_fast_compile(os.environ["XLA_FLAGS"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import faulthandler
 import subprocess
 import sys
 import threading
@@ -27,6 +28,8 @@ import seam_audit
 from jax.sharding import Mesh
 
 # -- the fast lane: a test that starts a process must say so ----------------------------
+
+EXIT_HANG_S = 60.0  # after the session, a process still exiting dumps its stacks
 
 _SPAWN_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.exec",
                  "os.spawn", "os.system", "os.startfile"}
@@ -51,6 +54,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     lane_parts.configure(config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A lane whose tests have all finished can still hang at exit: Python joins every
+    thread not a daemon (and every executor's workers) first. A fast lane once sat
+    4 minutes there after its last test, its main thread in that join, its Python
+    threads idle in queue gets, so which one held it went unseen. Should the
+    process still be here a minute on, every thread's stack goes to stderr (once:
+    the lane goes on; faulthandler's watchdog is no Python thread)."""
+    faulthandler.dump_traceback_later(EXIT_HANG_S, file=sys.__stderr__)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -51,7 +51,14 @@ class Server(ServedNode):
         (base / "sentinel" / "keep").write_text("x")
         super().__init__(base / "root", Credentials(), lambda root: commit_mtc_step(
             root, 1, {"a.bin": b"A" * 5000, "d-b.bin": b"B" * 10}, host=0, num_hosts=2),
-            deadline_s=0.5)
+            # Its peer (rank 1) is never there, and what asks it is waited out: a
+            # GetComplete's view gathers until ``deadline_s`` and is made at most every
+            # ``gc_view_interval_s`` (a second: later calls waited for it), a Decide or
+            # PrepareRestore waits the agreement's timeout (the request's own, capped
+            # at 10 times it). Short here, so these examples are not most of the
+            # file's seconds; the fuzzed timeouts (0.01-1 s) still fall on both sides
+            # of the cap.
+            deadline_s=0.05, agreement_timeout_s=0.02, gc_view_interval_s=0.01)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
 
     def close(self) -> None:

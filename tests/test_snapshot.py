@@ -3,6 +3,8 @@ what it holds, and reading it back from the devices that survived a failure."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -17,8 +19,18 @@ from mtc.trainer.model import Config, Trainer
 
 
 def _trainer(devices: list[jax.Device], replicas: int) -> Trainer:
+    """The module's trainer on ``devices`` in ``replicas`` slices, one per layout: a
+    trainer compiles its programs ahead of time, per instance, on first use (most
+    of a test's time here), and no test changes a trainer, only the states it runs
+    through one."""
+    return _trainer_on(tuple(d.id for d in devices), replicas)
+
+
+@functools.cache
+def _trainer_on(ids: tuple[int, ...], replicas: int) -> Trainer:
+    by_id = {d.id: d for d in jax.devices()}
     cfg = Config.preset("tiny", vocab_size=len(VOCAB), total_steps=10)
-    mesh = Mesh(np.array(devices).reshape(replicas, len(devices) // replicas),
+    mesh = Mesh(np.array([by_id[i] for i in ids]).reshape(replicas, len(ids) // replicas),
                 ("replica", "model"))
     return Trainer(cfg, mesh, batch_size=8)
 

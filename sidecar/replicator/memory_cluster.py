@@ -59,11 +59,13 @@ T = TypeVar("T")
 # What a test cluster runs with unless it says otherwise: short deadlines and polls
 # (a test waits on them), restores not held quiet, no blank space set aside and no
 # background scrub (tests that damage a file check which reader finds it; a scrub
-# finding it first would race them), GC's view of the complete steps gathered 5
-# times a second. A test that is about one of these sets it.
+# finding it first would race them), GC's view of the complete steps gathered up
+# to 50 times a second (a GC pass that asks for it waits for the next gather: at 5
+# a second, most of a cluster test's passes were that wait). A test that is about
+# one of these sets it.
 DEFAULTS: dict[str, Any] = {"poll_s": 0.05, "deadline_s": 2.0, "agreement_timeout_s": 10.0,
                             "restore_quiet_s": 0.0, "reserve": False, "scrub_rate": 0.0,
-                            "gc_view_interval_s": 0.2}
+                            "gc_view_interval_s": 0.02}
 
 Copy = tuple[int, int, int]  # (holder, origin, step)
 
