@@ -400,11 +400,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="shares of the chip's memory in use at the step's peak, besides a "
                         "case with room (default 0.88 0.5)")
     p.add_argument("--model-steps", type=int, default=12, help="timed steps per model case")
+    p.add_argument("--lengths", nargs="+", choices=["long", "short"], default=["long", "short"],
+                   help="the model step's lengths (default long short)")
+    p.add_argument("--snapshot-every", type=int, nargs="+", default=[1, 20],
+                   help="the model step's snapshot cases: one every N steps (default 1 20)")
+    p.add_argument("--headroom", type=float, default=None,
+                   help="the share of device memory the automatic device-copy budget leaves "
+                        "free beside the job's peak (default: mtc's, "
+                        "mtc.save.device_copy.HEADROOM)")
     p.add_argument("--no-room", action="store_true",
                    help="the model step on the --fills alone, not also with room")
     p.add_argument("--no-model", action="store_true", help="skip the model step")
     p.add_argument("--only-model", action="store_true", help="the model step alone")
     args = p.parse_args(argv)
+    if args.headroom is not None:
+        from mtc.save import device_copy
+        device_copy.HEADROOM = args.headroom
     save_steps = 100
     if args.smoke:
         args.gib, args.snapshot_gib, args.rounds, args.steps = [1 / 64], 1 / 64, 1, 10
@@ -412,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.fills, args.model_steps = [2, 64, 16], [], 3
     model = None if args.no_model else {
         "layers": args.model[0], "dim": args.model[1], "batch": args.model[2],
-        "fills": [*args.fills, *([] if args.no_room else [None])], "steps": args.model_steps}
+        "fills": [*args.fills, *([] if args.no_room else [None])], "steps": args.model_steps,
+        "lengths": tuple(args.lengths), "snapshot_every": tuple(args.snapshot_every)}
     if args.rounds < 1 or args.steps < 1 or args.passes < 1 or min(args.gib) <= 0:
         p.error("--rounds, --steps and --passes must be >= 1, sizes > 0")
     return run_in_scratch("mtc-bench-accelerator-", lambda root: run(

@@ -35,6 +35,8 @@ from _common import log
 
 import mtc
 from mtc.elastic import InGraphStep, Snapshotter
+from mtc.elastic.host_copy import numpy_serves
+from mtc.save import device_copy
 
 State = dict[str, Any]
 
@@ -86,7 +88,8 @@ def _ready(x: Any) -> Any:
 
 
 def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int,
-        root: Path) -> dict[str, Any]:
+        root: Path, lengths: tuple[str, ...] = ("long", "short"),
+        snapshot_every: tuple[int, ...] = (1, 20)) -> dict[str, Any]:
     device = jax.devices()[0]
     grads, update, init = model(layers, dim, batch)
 
@@ -155,6 +158,10 @@ def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int
         "state_bytes": nbytes, "layers": layers, "dim": dim, "batch": batch,
         "device_get_s": round(get, 6), "microbatch_step_s": round(micro, 6),
         "microbatches_long": k_long, "bytes_limit": limit, "step_peak_bytes": peak,
+        # Where mtc's Snapshotter keeps its snapshots of this state (mtc.elastic.host_copy).
+        "snapshot_host_copies": "numpy" if numpy_serves(jax.tree.leaves(state))
+        else "pinned_host",
+        "device_copy_headroom": device_copy.HEADROOM,
         "by_fill": {}}
     filler: list[jax.Array] = []
     for fill in fills:
@@ -170,23 +177,28 @@ def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int
         got_fill = (peak + sum(f.nbytes for f in filler)) / limit if limit else 0.0
         label = "room" if fill is None else f"fill_{fill:g}"
         log(f"model step, {label}: fill {got_fill:.3f}")
-        cases, state = _cases(step, state, k_long, steps, root / label, get, in_graph)
+        cases, state = _cases(step, state, {"long": k_long, "short": 1}, lengths, steps,
+                              root / label, get, in_graph, snapshot_every)
         out["by_fill"][label] = {"fill": round(got_fill, 3), **cases}
     filler.clear()
     return out
 
 
-def _cases(step: Callable[..., State], state: State, k_long: int, steps: int, root: Path,
-           get: float, in_graph: InGraphStep) -> tuple[dict[str, Any], State]:
+def _cases(step: Callable[..., State], state: State, microbatches: dict[str, int],
+           lengths: tuple[str, ...], steps: int, root: Path, get: float,
+           in_graph: InGraphStep, snapshot_every: tuple[int, ...]
+           ) -> tuple[dict[str, Any], State]:
     res: dict[str, Any] = {}
-    for length, k in (("long", k_long), ("short", 1)):
-        res[length], state = _one_length(step, state, length, k, steps, root, get, in_graph)
+    for length in lengths:
+        res[length], state = _one_length(step, state, length, microbatches[length], steps,
+                                         root, get, in_graph, snapshot_every)
         log(f"  {length}: {res[length]}")
     return res, state
 
 
 def _one_length(step: Callable[..., State], state: State, length: str, k: int, steps: int,
-                root: Path, get: float, in_graph: InGraphStep) -> tuple[dict[str, Any], State]:
+                root: Path, get: float, in_graph: InGraphStep,
+                snapshot_every: tuple[int, ...]) -> tuple[dict[str, Any], State]:
     import orbax.checkpoint as ocp
     from orbax.checkpoint.experimental.v1.training.pathways import (
         Snapshotter as OrbaxSnapshotter,
@@ -234,7 +246,7 @@ def _one_length(step: Callable[..., State], state: State, length: str, k: int, s
                         base + 1000 * len(times) + i, s, force=True))
                 mgr.wait_until_finished()
                 # Long enough for the pacing to settle: 40 steps at least.
-                for every in (1, 20):
+                for every in snapshot_every:
                     snap = Snapshotter()
 
                     def ask(i: int, s: State, snap: Snapshotter = snap,

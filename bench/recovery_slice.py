@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pathwaysutils.elastic import elastic as pw_elastic
 
 from mtc.elastic import pathways_patch
-from mtc.elastic.snapshot import step_copy_sharding
+from mtc.elastic.taken import step_copy_sharding
 from mtc.trainer.faults import SliceLossSimulator
 
 AXES = ("replica", "model")

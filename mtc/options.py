@@ -73,9 +73,9 @@ class Options:
         that copy while the next steps run, so a step that donates the state
         never waits for the transfer. This bounds the copy, per device, in
         bytes. ``None``: the device memory the job has never used at its peak
-        (less 5%); ``0``: never copy (``save`` blocks for the transfer, as it
-        also does, said once, when the state does not fit). CPU devices copy
-        nothing.
+        (less 2%, and less the process's other copies still alive); ``0``: never
+        copy (``save`` blocks for the transfer, as it also does, said once, for
+        the part of a state that does not fit). CPU devices copy nothing.
       dispatch: how host-side code is invoked. ``"local"`` calls it in this
         process (multi-controller JAX, simulated hosts); ``"colocated"`` goes
         through ``jax.experimental.colocated_python`` (Pathways);

@@ -25,8 +25,11 @@ from jax.sharding import PartitionSpec as P
 import mtc
 from mtc.elastic import InGraphStep, Snapshotter
 from mtc.save.device_copy import (
+    HEADROOM,
+    Account,
     DeviceCopier,
     bytes_per_device,
+    copy_in_device_memory,
     fits,
     free_at_peak,
     on_accelerator,
@@ -77,9 +80,9 @@ class _Device:
 @pytest.mark.parametrize(("stats", "free"), [
     (None, None),
     ({"bytes_in_use": 5}, None),
-    ({"bytes_limit": 1000, "bytes_in_use": 100, "peak_bytes_in_use": 400}, 550),
-    ({"bytes_limit": 1000, "bytes_in_use": 100}, 850),
-    ({"bytes_limit": 1000, "peak_bytes_in_use": 990}, 0),
+    ({"bytes_limit": 1000, "bytes_in_use": 100, "peak_bytes_in_use": 400}, 580),
+    ({"bytes_limit": 1000, "bytes_in_use": 100}, 880),
+    ({"bytes_limit": 1000, "peak_bytes_in_use": 985}, 0),
 ])
 def test_free_at_peak_leaves_the_jobs_peak_and_headroom(stats: dict[str, int] | None,
                                                          free: int | None) -> None:
@@ -331,3 +334,34 @@ def test_snapshots_from_an_accelerator_are_paced_to_the_loops_budget(
     age = snap.age
     assert age is not None and age.steps == 59 - taken[-1]
     assert age.seconds == pytest.approx(clock["t"] - snap._latest.at)  # type: ignore[union-attr]
+
+
+def test_the_account_leaves_room_for_live_copies_and_does_not_take_them_for_the_job(
+        monkeypatch: pytest.MonkeyPatch, mesh: Mesh) -> None:
+    """One account per process: a copy another copier made, still alive, is
+    subtracted from the room; the reported peak it raised is not the job's; once it
+    is freed the room comes back. (Device statistics played: CPU devices report
+    none.)"""
+    _as_accelerator(monkeypatch)
+    account = Account()
+    x = jax.device_put(jnp.ones((64, 4)), NamedSharding(mesh, P("model")))  # 64 B a device
+    d = next(iter(x.sharding.device_set)).id
+    limit, job = 100_000, 50_000
+    headroom = int(HEADROOM * limit)
+    assert account.room(d, limit, job) == limit - job - headroom
+    first = copy_in_device_memory([x])
+    account.made(first, track_peak=True)
+    size = bytes_per_device(first)[d]
+    # The first copy alive: a second copier's room leaves it out...
+    assert account.room(d, limit, job) == limit - job - headroom - size
+    # ...and a step ran beside it: the platform's peak rose by the copy, not the job.
+    assert account.room(d, limit, job + size) == limit - job - headroom - size
+    second = copy_in_device_memory([x])
+    account.made(second, track_peak=True)
+    # Both alive during a step: a rise of both copies is still theirs.
+    assert account.room(d, limit, job + 2 * size) == limit - job - headroom - 2 * size
+    del first, second
+    assert account.live[d] == 0
+    assert account.room(d, limit, job + 2 * size) == limit - job - headroom
+    # A rise beyond every copy alive at once is the job's own, all of it.
+    assert account.room(d, limit, job + 3 * size) == limit - job - 3 * size - headroom

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import mtc
 from mtc.elastic import InGraphStep, Snapshotter, SnapshotUnavailableError
-from mtc.elastic.snapshot import is_key
+from mtc.elastic.taken import is_key
 from mtc.trainer.faults import SliceLossSimulator
 
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from bench._placing import place  # the benchmarks' helper: not the wheel's
 from mtc.elastic import Snapshotter, SnapshotUnavailableError
-from mtc.elastic.snapshot import step_copy_memory_kind
+from mtc.elastic.taken import step_copy_memory_kind
 from mtc.trainer.data import VOCAB, make_iterator
 from mtc.trainer.model import Config, Trainer
 

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtc.elastic.snapshot import step_copy_memory_kind
+from mtc.elastic.taken import step_copy_memory_kind
 from mtc.trainer import aot
 
 # Captured at import: a trainer built while pathwaysutils' fault simulator has

@@ -18,7 +18,8 @@ from mtc.elastic.compile_ahead import CACHED, COMPILED, READY, CompileAhead, ahe
 from mtc.elastic.in_graph import InGraphStep
 from mtc.elastic.pathways_patch import CachedSliceHealthChecker, group_consecutive, patched
 from mtc.elastic.placement import SnapshotUnavailableError
-from mtc.elastic.snapshot import Age, Latest, Snapshotter
+from mtc.elastic.snapshot import Snapshotter
+from mtc.elastic.taken import Age, Latest
 
 __all__ = ["CACHED", "COMPILED", "READY", "Age", "CachedSliceHealthChecker", "CompileAhead",
            "InGraphStep", "Latest", "SnapshotUnavailableError", "Snapshotter", "ahead_meshes",

@@ -34,7 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mtc.elastic.snapshot import Snapshotter, is_key, step_copy_sharding
+from mtc.elastic.snapshot import Snapshotter
+from mtc.elastic.taken import is_key, step_copy_sharding
 
 
 class InGraphStep:

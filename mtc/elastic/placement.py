@@ -38,18 +38,25 @@ class Shards:
 
     shape: tuple[int, ...]
     dtype: Any
-    whole: jax.Array
+    whole: jax.Array | None
+    # Kept in this process's host memory instead (mtc.elastic.host_copy): one numpy
+    # copy of each distinct shard, by index; ``whole`` is then None.
+    host: tuple[tuple[Index, np.ndarray], ...] | None = None
 
     @classmethod
     def of(cls, a: jax.Array) -> Shards:
         return cls(tuple(a.shape), a.dtype, a)
 
     @functools.cached_property
-    def pieces(self) -> tuple[tuple[Index, jax.Array], ...]:
+    def pieces(self) -> tuple[tuple[Index, Any], ...]:
         """(index, single-device array) of every addressable shard, in the array's
-        device order. A shard on a device lost since raises when read, as the
-        whole array does; the others read as before the loss."""
-        where = _indices(self.whole.sharding, self.shape)
+        device order (numpy copies, for a snapshot in host memory). A shard on a
+        device lost since raises when read, as the whole array does; the others
+        read as before the loss."""
+        if self.host is not None:
+            return self.host
+        assert self.whole is not None
+        where = shard_indices(self.whole.sharding, self.shape)
         return tuple((where[s.device], s.data) for s in self.whole.addressable_shards)
 
     @property
@@ -62,7 +69,7 @@ def index_of(idx: Any, shape: Sequence[int]) -> Index:
 
 
 @functools.lru_cache(maxsize=1024)
-def _indices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Any, Index]:
+def shard_indices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Any, Index]:
     """Each addressable device's index of an array of ``shape`` laid out per
     ``sharding``: the same for every step's snapshot, so worked out once (a
     snapshot is taken every step, of every leaf)."""
@@ -80,14 +87,19 @@ def readable(piece: jax.Array) -> bool:
 
 
 def surviving(arrays: Sequence[Shards], devices: Collection[int] | None = None
-              ) -> list[dict[Index, list[jax.Array]]]:
+              ) -> list[dict[Index, list[Any]]]:
     """Per array, the readable shards by index (one list per distinct index); only
     shards on ``devices`` (ids) when given."""
     dead: set[int] = set()  # devices found lost: their other shards are not asked
     out = []
     for a in arrays:
-        by_index: dict[Index, list[jax.Array]] = {}
+        by_index: dict[Index, list[Any]] = {}
         out.append(by_index)
+        if a.host is not None:  # this process's own memory: readable while it runs
+            for idx, piece in a.host:
+                by_index.setdefault(idx, []).append(piece)
+            continue
+        assert a.whole is not None
         try:
             pieces = a.pieces
         except (jax.errors.JaxRuntimeError, RuntimeError):
@@ -127,10 +139,11 @@ def place(arrays: Sequence[Shards], shardings: Sequence[jax.sharding.Sharding],
     alive = surviving(arrays, devices)
     for a, by_index, name in zip(arrays, alive, names, strict=True):
         if not covered(a, by_index):
+            held = (len(a.host or ()) if a.whole is None
+                    else len(a.whole.sharding.addressable_devices))
             raise SnapshotUnavailableError(
                 f"snapshot leaf {name}: no surviving device holds some of its shards "
-                f"({sum(len(v) for v in by_index.values())} of "
-                f"{len(a.whole.sharding.addressable_devices)} shards readable)")
+                f"({sum(len(v) for v in by_index.values())} of {held} shards readable)")
     sources: list[Any] = []
     dests: list[jax.sharding.Sharding] = []
     counts = []
@@ -160,7 +173,8 @@ def _pieces(a: Shards, by_index: dict[Index, list[jax.Array]],
         dst = single_device_sharding(device, sharding.memory_kind)
         same = by_index.get(want)
         if same:
-            src = next((s for s in same if next(iter(s.devices())) == device), same[0])
+            src = next((s for s in same if isinstance(s, jax.Array)
+                        and next(iter(s.devices())) == device), same[0])
             pieces.append((src, dst))
         else:
             pieces.append((_region(a, by_index, want, name), dst))

@@ -13,12 +13,22 @@ step that manager restores from any tier, and ``last_load_tier`` says from
 where (``"memory"``, ``"local"``, ``"peer"``, ``"backup"``). Without one it
 raises :class:`SnapshotUnavailableError`, a ``RuntimeError`` as Orbax raises.
 
-Threads: a save's copy is dispatched and left to the runtime; the next
-``save``, ``latest`` or ``join`` sees whether it is done. One thread (the
-training loop) calls every method. A snapshot replaced in host memory that came
-from an accelerator is released on a thread of the snapshotter's own (started
-with the first, joined by :meth:`Snapshotter.close`): on a TPU v5e host freeing
-1 GiB of pinned host memory took 0.3 to 0.55 s, which the loop would wait for.
+Where the snapshot lives: where every device of the state is this process's own
+accelerator (a multi-controller process), in this process's numpy memory, one
+replica of each shard, brought from the copy in device memory by
+``device_get`` on a thread of the snapshotter's (``mtc-snapshot-fetch``:
+:mod:`mtc.elastic.host_copy` says why); elsewhere (Pathways, CPU devices) in
+``pinned_host`` memory on each device's host, as Orbax's does, by a
+``device_put`` left to the runtime. ``host_copies`` chooses ("numpy",
+"pinned"; None: as said).
+
+Threads: a save's copy is dispatched and left to the runtime or the fetch
+thread; the next ``save``, ``latest`` or ``join`` sees whether it is done. One
+thread (the training loop) calls every method. A snapshot replaced in host
+memory that came from an accelerator is released on a thread of the
+snapshotter's own (started with the first, joined by :meth:`Snapshotter.close`
+with the fetch thread): on a TPU v5e host freeing 1 GiB of pinned host memory
+took 0.3 to 0.55 s, which the loop would wait for.
 """
 
 from __future__ import annotations
@@ -27,13 +37,23 @@ import copy
 import dataclasses
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import jax
 
+from mtc.elastic import host_copy
 from mtc.elastic.pace import DEFAULT_BUDGET, Pacer
 from mtc.elastic.placement import Shards, SnapshotUnavailableError, covered, place, surviving
+from mtc.elastic.taken import (
+    Age,
+    Latest,
+    Taken,
+    age_gauges,
+    is_key,
+    to_host_sharding,
+)
 from mtc.pool import ThreadPool
 from mtc.save.device_copy import DeviceCopier, on_accelerator
 
@@ -45,88 +65,6 @@ log = logging.getLogger("mtc.elastic")
 MEMORY = "memory"
 
 
-@dataclasses.dataclass(frozen=True)
-class Latest:
-    """What ``Snapshotter.latest`` returns (Orbax: ``CheckpointMetadata``): the step."""
-
-    step: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Age:
-    """How old the newest complete snapshot is: in steps (the newest step asked for,
-    less the snapshot's) and in seconds (since it was asked for). A slice lost now
-    costs the loop about ``steps`` steps of recomputation."""
-
-    steps: int
-    seconds: float
-
-
-_GAUGES: Any = None
-
-
-def _age_gauges() -> Any:
-    """The process's Prometheus gauges of the newest snapshot's age (made once, in
-    prometheus_client's default registry, which the application exports)."""
-    global _GAUGES
-    if _GAUGES is None:
-        from prometheus_client import Gauge
-        _GAUGES = (Gauge("mtc_snapshot_age_seconds",
-                         "Seconds since the newest complete in-memory snapshot was asked for"),
-                   Gauge("mtc_snapshot_age_steps",
-                         "Steps between the newest step asked for and the newest complete "
-                         "in-memory snapshot"))
-    return _GAUGES
-
-
-@dataclasses.dataclass(frozen=True)
-class Taken:
-    """One snapshot: the state's tree, its leaves (a :class:`Shards` per array,
-    PRNG keys as their key data; other leaves as values), each key's impl."""
-
-    step: int
-    treedef: Any
-    leaves: tuple[Any, ...]
-    key_impls: tuple[Any, ...]  # None for a leaf that is not a PRNG key
-    moved: bool = False  # its copies came from an accelerator's memory
-    at: float = 0.0  # time.monotonic() when it was asked for
-
-
-def host_memory_kind(devices: Any) -> str | None:
-    """``pinned_host`` where every device has it, else None (the device's own)."""
-    kinds = [{m.kind for m in d.addressable_memories()} for d in devices]
-    return "pinned_host" if kinds and all("pinned_host" in k for k in kinds) else None
-
-
-def step_copy_memory_kind(devices: Any) -> str | None:
-    """The memory a compiled step's snapshot copy goes out into: the devices' own
-    (None), on every platform. A copy within device memory runs at the device's
-    memory bandwidth, a small part of a step; a step whose copy went out into
-    ``pinned_host`` itself waited for the device-to-host transfer into fresh host
-    pages, orders of magnitude slower (measured on a TPU host when this was chosen).
-    :meth:`Snapshotter.adopt` moves the copy to
-    host memory after the step, while the next steps run. (On CPU, host memory
-    kinds were never used: jax 0.12.1's CPU client cannot copy a compiled
-    program's output in one, "Unsupported layout used for PjRt CPU buffers".)"""
-    del devices
-    return None
-
-
-def step_copy_sharding(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
-    """``s`` in the memory of a compiled step's snapshot copy (:func:`step_copy_memory_kind`)."""
-    kind = step_copy_memory_kind(s.device_set)
-    return s.with_memory_kind(kind) if kind is not None else s
-
-
-def is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def to_host_sharding(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
-    kind = host_memory_kind(s.device_set)
-    return s.with_memory_kind(kind) if kind is not None else s
-
-
 class Snapshotter:
     """Keeps the newest training state in host memory across the devices; see the
     module's documentation. ``manager`` may be replaced between loads (the
@@ -135,7 +73,11 @@ class Snapshotter:
     def __init__(self, *, replica_axis_index: int = 0,
                  manager: CheckpointManager | None = None,
                  device_copy_bytes: int | None = None,
-                 loop_budget: float = DEFAULT_BUDGET) -> None:
+                 loop_budget: float = DEFAULT_BUDGET,
+                 host_copies: str | None = None) -> None:
+        if host_copies not in (None, "numpy", "pinned"):
+            raise ValueError(f"host_copies is 'numpy', 'pinned' or None, not {host_copies!r}")
+        self.host_copies = host_copies
         # Kept for Orbax's signature: shards are kept per device, so any replica
         # of any axis serves, and the axis is never needed to find one.
         self.replica_axis_index = replica_axis_index
@@ -148,6 +90,10 @@ class Snapshotter:
         self._pending: Taken | None = None  # copied, maybe not yet done
         self._pending_arrays: list[jax.Array] = []
         self._releases: ThreadPool | None = None  # see the module's documentation
+        self._fetches: ThreadPool | None = None  # brings numpy snapshots (host_copy)
+        # The pending snapshot's numpy pieces, by position in its leaves, once fetched.
+        self._pending_fetch: Future[dict[int, host_copy.Pieces]] | None = None
+        self._fetch_pieces = host_copy.fetch  # what the fetch thread runs
         self.last_load_tier: str | None = None
         self.skipped = 0  # saves skipped while a copy was in flight
         # From an accelerator, snapshots asked for every step are taken as often as
@@ -202,7 +148,7 @@ class Snapshotter:
     def _report_age(self) -> None:
         age = self.age
         if age is not None:
-            seconds, steps = _age_gauges()
+            seconds, steps = age_gauges()
             seconds.set(age.seconds)
             steps.set(age.steps)
 
@@ -224,9 +170,40 @@ class Snapshotter:
                   for x in leaves if isinstance(x, jax.Array)]
         copied = self._copier.copy(arrays)
         source = arrays if copied is None else copied.arrays
+        moved = any(on_accelerator(a) for a in arrays)
+        if self._in_numpy(arrays):
+            owned = frozenset() if copied is None else copied.owned
+            self._hold_in_numpy(step, treedef, leaves, source, owned, moved=moved)
+            return
         copies = iter(jax.device_put(source, [to_host_sharding(a.sharding) for a in arrays],
                                      may_alias=False))
-        self._hold(step, treedef, leaves, copies, moved=any(on_accelerator(a) for a in arrays))
+        self._hold(step, treedef, leaves, copies, moved=moved)
+
+    def _in_numpy(self, arrays: Sequence[Any]) -> bool:
+        if self.host_copies is not None:
+            return self.host_copies == "numpy"
+        return host_copy.numpy_serves(arrays)
+
+    def _hold_in_numpy(self, step: int, treedef: Any, leaves: list[Any],
+                       source: Sequence[jax.Array], owned: frozenset[int], *,
+                       moved: bool) -> None:
+        """Hold a snapshot kept in numpy: ``source[i]`` for i in ``owned`` is a copy
+        no step donates, fetched on the fetch thread; every other array is the
+        caller's own, which the next step may donate, fetched now."""
+        now = [i for i in range(len(source)) if i not in owned]
+        direct = dict(zip(now, host_copy.fetch([source[i] for i in now]), strict=True))
+        later = sorted(owned)
+        if self._fetches is None:
+            self._fetches = ThreadPool(1, "mtc-snapshot-fetch")
+        mine = [source[i] for i in later]
+        fetched: Future[dict[int, host_copy.Pieces]] = self._fetches.submit(
+            lambda: {**direct, **dict(zip(later, self._fetch_pieces(mine), strict=True))})
+        # Placeholders (no ``whole``, no ``host``) until the fetch lands: _settle
+        # fills them in.
+        shapes = iter(source)
+        self._hold(step, treedef, leaves, iter(
+            Shards(tuple(a.shape), a.dtype, None) for a in shapes), moved=moved)
+        self._pending_fetch = fetched
 
     def room_for(self, state: Any) -> bool:
         """Whether a second copy of ``state``'s accelerator arrays fits the
@@ -252,6 +229,11 @@ class Snapshotter:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         copies = list(copies)
         moving = any(on_accelerator(c) for c in copies)
+        if moving and self._in_numpy(copies):
+            # The step's own copies: no step donates them, all fetched on the thread.
+            self._hold_in_numpy(step, treedef, leaves, copies, frozenset(range(len(copies))),
+                                moved=True)
+            return
         if moving:
             copies = list(jax.device_put(copies, [to_host_sharding(c.sharding) for c in copies],
                                          may_alias=False))
@@ -265,8 +247,11 @@ class Snapshotter:
         for x in leaves:
             if isinstance(x, jax.Array):
                 c = next(copies)
-                made.append(c)
-                kept.append(Shards.of(c))
+                if isinstance(c, Shards):  # a placeholder for a snapshot in numpy
+                    kept.append(c)
+                else:
+                    made.append(c)
+                    kept.append(Shards.of(c))
                 impls.append(jax.random.key_impl(x) if is_key(x) else None)
             else:
                 kept.append(copy.deepcopy(x))  # a later step may change a mutable value
@@ -275,6 +260,7 @@ class Snapshotter:
             else time.monotonic()
         self._pending = Taken(int(step), treedef, tuple(kept), tuple(impls), moved, at)
         self._pending_arrays = made
+        self._pending_fetch = None
 
     def _settle(self, wait: bool = False) -> bool:
         """Promote the pending snapshot once its copy is done (``wait``: wait for
@@ -282,6 +268,8 @@ class Snapshotter:
         pending = self._pending
         if pending is None:
             return True
+        if self._pending_fetch is not None:
+            return self._settle_fetch(pending, wait)
         try:
             if not wait and not all(a.is_ready() for a in self._pending_arrays):  # type: ignore[attr-defined]
                 return False
@@ -300,14 +288,38 @@ class Snapshotter:
             ok = all(covered(a, by_index) for a, by_index in zip(
                 arrays, surviving(arrays), strict=True))
         if ok:
-            old, self._latest = self._latest, pending
-            if old is not None and old.moved:
-                self._release(old)
-            del old
+            self._promote(pending)
         else:
             log.error("the snapshot of step %d lost some shard before it completed: keeping "
                       "step %s", pending.step, self._latest.step if self._latest else None)
         return True
+
+    def _settle_fetch(self, pending: Taken, wait: bool) -> bool:
+        """:meth:`_settle` for a snapshot kept in numpy."""
+        fetch = self._pending_fetch
+        assert fetch is not None
+        if not wait and not fetch.done():
+            return False
+        self._pending, self._pending_fetch = None, None
+        try:
+            pieces = fetch.result()
+        except (jax.errors.JaxRuntimeError, RuntimeError) as e:
+            # A device failed (or an array was deleted) before its shards landed:
+            # nothing of this snapshot counts.
+            log.error("the snapshot of step %d failed before it completed (%s): keeping "
+                      "step %s", pending.step, e, self._latest.step if self._latest else None)
+            return True
+        arrays = iter(sorted(pieces.items()))
+        leaves = tuple(dataclasses.replace(leaf, host=next(arrays)[1])
+                       if isinstance(leaf, Shards) else leaf for leaf in pending.leaves)
+        self._promote(dataclasses.replace(pending, leaves=leaves))
+        return True
+
+    def _promote(self, done: Taken) -> None:
+        old, self._latest = self._latest, done
+        if old is not None and old.moved:
+            self._release(old)
+        del old
 
     def settle(self) -> None:
         """Promote the pending snapshot if its copy is done, releasing the one it
@@ -330,6 +342,10 @@ class Snapshotter:
 
     def close(self) -> None:
         """Join the release thread (the snapshots stay loadable)."""
+        if self._fetches is not None:
+            self._settle(wait=True)
+            self._fetches.shutdown(wait=True)
+            self._fetches = None
         if self._releases is not None:
             self._releases.shutdown(wait=True)
             self._releases = None
@@ -380,7 +396,7 @@ class Snapshotter:
             tier = self.manager.last_restore_tier or "local"
         self.last_load_tier = tier
         if reset_snapshot_state:
-            self._pending, self._pending_arrays = None, []
+            self._pending, self._pending_arrays, self._pending_fetch = None, [], None
             if kept is not None:  # the host-memory stage of the load is the new snapshot
                 self._latest = kept
             else:
@@ -406,7 +422,11 @@ class Snapshotter:
         ids = None if devices is None else {d.id for d in devices}
         host = [to_host_sharding(x) for x in shardings]
         staged: list[jax.Array] | None = None
-        if all(h.memory_kind != x.memory_kind for h, x in zip(host, shardings, strict=True)):
+        if all(a.host is not None for a in arrays):
+            # In this process's memory, which a load leaves as it is: one copy each
+            # onto the targets, and the snapshot stays the newest.
+            loaded = place(arrays, shardings, names, ids)
+        elif all(h.memory_kind != x.memory_kind for h, x in zip(host, shardings, strict=True)):
             # Two stages, as Orbax's load: into host memory on the new mesh (no copy
             # where a shard already is on its target device), which is the new
             # snapshot, then one copy each into device memory, which steps donate.
@@ -423,7 +443,7 @@ class Snapshotter:
                 out.append(jax.random.wrap_key_data(x, impl=impl) if impl is not None else x)
             else:
                 out.append(copy.deepcopy(leaf))
-        kept = None
+        kept = snap if arrays and all(a.host is not None for a in arrays) else None
         if staged is not None:
             by_leaf = dict(zip(where, staged, strict=True))
             kept = Taken(snap.step, snap.treedef, tuple(
