@@ -39,6 +39,8 @@ from mtc.elastic.host_copy import numpy_serves
 from mtc.save import device_copy
 
 State = dict[str, Any]
+# A snapshot case's length, in the state's device-to-host times (paced_steps).
+PACED_WINDOW = 40
 
 
 def model(layers: int, dim: int, batch: int) -> tuple[Callable[..., Any], ...]:
@@ -230,6 +232,14 @@ def _one_length(step: Callable[..., State], state: State, length: str, k: int, s
         times[name], stalls[name], ages[name], taken[name] = ts, st, ag, len(st)
         log(f"  {length} {name}: mean {statistics.mean(ts) * 1e3:.1f} ms")
 
+    def paced_steps(kind: str) -> int:
+        """Steps for a snapshot case: long enough for the pacing to settle (40 steps
+        at least), and for a 5% budget to show over the case, not over one
+        snapshot: at least PACED_WINDOW device-to-host times of the state (on a 30
+        ms step, 42 steps held two snapshots of 0.36 s each in 1.3 s)."""
+        step_s = statistics.mean(times[f"plain_{kind}"])
+        return max(steps, 40, min(2000, math.ceil(PACED_WINDOW * get / max(step_s, 1e-6))))
+
     with mtc.CheckpointManager(root / f"mtc-{length}", options=mtc.Options(
             dispatch="local", max_to_keep=2)) as mgr:
         omgr = ocp.CheckpointManager(root / f"orbax-{length}",
@@ -254,7 +264,7 @@ def _one_length(step: Callable[..., State], state: State, length: str, k: int, s
                         return i % every == 0 and snap.save(i, s)
 
                     loop(f"mtc_snapshot_every_{'step' if every == 1 else every}_{kind}",
-                         kind, max(steps, 40), ask, snap_age(snap))
+                         kind, paced_steps(kind), ask, snap_age(snap))
                     snap.join()
                     snap.close()
             loop("orbax_save_every_50_fused", "fused", 50, lambda i, s: i % 50 == 1 and
@@ -266,7 +276,7 @@ def _one_length(step: Callable[..., State], state: State, length: str, k: int, s
                  lambda i, s: theirs.save(i, s))
             theirs.join()
             # Last: its outputs' shardings are the compiler's, not named ones.
-            loop("mtc_in_graph_every_step_fused", "in_graph", max(steps, 40), None,
+            loop("mtc_in_graph_every_step_fused", "in_graph", paced_steps("fused"), None,
                  snap_age(in_graph.snapshotter))
             in_graph.snapshotter.join()
         finally:
