@@ -134,9 +134,12 @@ class StepReader:
         target, arrays onto ``mesh`` unless ``as_numpy`` (:func:`restore_tree`)."""
         mesh = None if as_numpy else self.mesh
 
-        def load(t: Any, prefix: tuple[str, Any] | None = None) -> Any:
+        def load(t: Any, prefix: tuple[str, Any] | None = None,
+                 whole: bool | tuple[str, Any] = False) -> Any:
+            if isinstance(t, orbax_args.Whole):  # Orbax's args: every saved leaf named
+                t, whole = t.item, whole or True
             return restore_tree(saved, t, self.topology, self.dispatch, prefix=prefix,
-                                mesh=mesh)
+                                mesh=mesh, whole=whole)
 
         if args is None and target is None and saved_items(saved) is not None:
             # Saved as a Composite: every item, as a Composite, as Orbax's restore(step).
@@ -157,7 +160,9 @@ class StepReader:
                                       f"step; its items: {names}", step=saved.step)
         out = {}
         for name, t in request.items():
-            out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
+            out[name] = (load(None, ("d", name)) if t is None else
+                         load({name: t.item}, whole=("d", name)) if isinstance(
+                             t, orbax_args.Whole) else load({name: t}))[name]
         return orbax_args.composite_result(args, out)
 
     def item_metadata(self, step: int, *, composite: bool) -> Any:
