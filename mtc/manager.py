@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import os
+import time
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import jax
 import numpy as np
 
-from mtc import connect, layout, multihost, orbax_args, orbax_handlers
+from mtc import connect, layout, multihost, orbax_args, orbax_handlers, step_stats
 from mtc.contract import AgentConfig
 from mtc.errors import ClosedError, ConfigError, MtcError, StorageError
 from mtc.inventory import StepInventory
@@ -87,6 +88,11 @@ class CheckpointManager:
         dict of Orbax handlers by item name adds them to ``item_names``, one handler
         makes a single-item manager (not beside ``item_names``); args an item's
         handler does not take are refused with :class:`mtc.ConfigError`.
+      logger: Orbax's (an ``AbstractLogger``: anything with ``log_entry(dict)``, such
+        as Orbax's ``StandardLogger``, ``CloudLogger``, ``CompositeLogger``): after
+        each save that writes and each restore it is given the dict of Orbax's
+        ``SaveStepStatistics``/``RestoreStepStatistics`` (:mod:`mtc.step_stats`).
+        By default an INFO line of the ``mtc.manager`` logger, as Orbax's default.
 
     Attributes:
       dispatch_mode: how host-side code is invoked: ``"local"``, ``"colocated"``
@@ -106,8 +112,9 @@ class CheckpointManager:
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
                  options: Options | None = None,
                  item_names: Sequence[str] | None = None, metadata: Any = None,
-                 item_handlers: Any = None) -> None:
+                 item_handlers: Any = None, logger: Any = None) -> None:
         self.local_dir = local_dir_path(local_dir)
+        self._logger = step_stats.check_logger(logger)
         # Orbax's item_handlers (mtc.orbax_handlers): they name the items and the args
         # each takes; mtc runs none of them.
         self._handlers, names = orbax_handlers.read(
@@ -272,6 +279,9 @@ class CheckpointManager:
             self._composite = composite
         if saved and not self.options.enable_async_checkpointing:
             self._saves.wait_until_finished()  # Orbax's synchronous save: committed on return
+        if saved and self._saves.last_save is not None:
+            step_stats.hand(self._logger, step_stats.save_entry(**self._saves.last_save,
+                                                                ended=time.time()))
         return saved
 
     def _check_mode(self, args: Any, call: str) -> bool | None:
@@ -391,17 +401,25 @@ class CheckpointManager:
                 and orbax_args.is_single_item_kwargs(restore_kwargs))
             args, target = (orbax_args.legacy_restore_one(target, restore_kwargs) if single
                             else orbax_args.legacy_restore(target, restore_kwargs)), None
+        began = time.time()
         if directory is not None and Path(os.fspath(directory)) != self.local_dir:
             # Orbax's restore from another directory (a pretrained checkpoint): read
             # through a read-only manager of it, on this one's mesh and options.
             with CheckpointManager(directory, mesh=self.mesh, item_names=self.item_names,
-                                   options=dataclasses.replace(self.options, read_only=True)
-                                   ) as other:
-                return other.restore(step, target, args=args, as_numpy=as_numpy)
-        self._check_mode(args, "restore")
-        if args is None and target is None and self.item_names:
-            args = orbax_args.composite_of({})  # every saved item, as Orbax's
-        return self._restores.restore(step, target, args, as_numpy=as_numpy)
+                                   options=dataclasses.replace(self.options, read_only=True),
+                                   logger=_Quiet()) as other:
+                restored = other.restore(step, target, args=args, as_numpy=as_numpy)
+                seconds, step = other.last_restore_seconds, other.last_restore_step
+        else:
+            self._check_mode(args, "restore")
+            if args is None and target is None and self.item_names:
+                args = orbax_args.composite_of({})  # every saved item, as Orbax's
+            restored = self._restores.restore(step, target, args, as_numpy=as_numpy)
+            seconds, step = self.last_restore_seconds, self.last_restore_step
+        step_stats.hand(self._logger, step_stats.restore_entry(
+            step=step, directory=str(directory if directory is not None else self.local_dir),
+            began=began, ended=time.time(), load_seconds=seconds.get("load")))
+        return restored
 
     # -- Orbax's other calls ------------------------------------------------------
 
@@ -491,6 +509,14 @@ class CheckpointManager:
             log.warning("mtc: closing the CheckpointManager after an error failed too: %s", e)
             exc.add_note(f"mtc: closing the CheckpointManager then failed too: "
                          f"{type(e).__name__}: {e}")
+
+
+class _Quiet:
+    """The logger of the read-only manager a restore from another directory reads
+    through: the restore's statistics are the calling manager's to give."""
+
+    def log_entry(self, entry: dict[str, Any]) -> None:
+        pass
 
 
 def _json_of(value: Any, name: str) -> str | None:

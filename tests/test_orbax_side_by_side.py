@@ -472,6 +472,28 @@ def a_target_leaving_out_saved_leaves(make: Make, mesh: Mesh) -> list[Any]:
     return out
 
 
+def step_statistics_to_the_logger(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, third round: a logger given to the manager gets Orbax's step
+    statistics after each save that writes and each restore (the same fields)."""
+    class Recorder:
+        def __init__(self) -> None:
+            self.entries: list[dict[str, Any]] = []
+
+        def log_entry(self, entry: dict[str, Any]) -> None:
+            self.entries.append(entry)
+
+    rec = Recorder()
+    with make("a", logger=rec) as mgr:
+        mgr.save(0, args=ocp.args.StandardSave(state(mesh, 0)))
+        mgr.save(0, args=ocp.args.StandardSave(state(mesh, 0)))  # not written
+        mgr.wait_until_finished()
+        mgr.restore(0)
+        directory = str(mgr.directory)
+    return [[(sorted(e), e["step"], e["event_type"], e["directory"] == directory,
+              e.get("synchronous"), e.get("reached_preemption"),
+              [k for k, v in e.items() if v is None]) for e in rec.entries]]
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
@@ -481,7 +503,8 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          restore_without_target_keeps_the_saved_sharding, array_items,
          legacy_items_and_restore_kwargs, keep_time_interval_on_the_clock_orbax_reads,
          item_handlers_name_the_items_and_their_args, root_metadata_not_kept,
-         legacy_single_item_restore_kwargs, a_target_leaving_out_saved_leaves]
+         legacy_single_item_restore_kwargs, a_target_leaving_out_saved_leaves,
+         step_statistics_to_the_logger]
 
 
 # -- the two libraries ----------------------------------------------------------------
@@ -490,7 +513,7 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
 def orbax_maker(base: Path) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
              legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
-             legacy_one: bool = False, **kw: Any) -> Any:
+             legacy_one: bool = False, logger: Any = None, **kw: Any) -> Any:
         if legacy_one:  # Orbax's legacy single-item form: one checkpointer
             return ocp.CheckpointManager(base / sub, ocp.Checkpointer(
                 ocp.PyTreeCheckpointHandler()), options=ocp.CheckpointManagerOptions(**kw))
@@ -499,7 +522,7 @@ def orbax_maker(base: Path) -> Make:
                 n: ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) for n in legacy},
                 options=ocp.CheckpointManagerOptions(**kw))
         return ocp.CheckpointManager(base / sub, item_names=item_names, metadata=metadata,
-                                     item_handlers=item_handlers,
+                                     item_handlers=item_handlers, logger=logger,
                                      options=ocp.CheckpointManagerOptions(**kw))
     return make
 
@@ -507,11 +530,12 @@ def orbax_maker(base: Path) -> Make:
 def mtc_maker(base: Path, mesh: Mesh) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
              legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
-             legacy_one: bool = False, **kw: Any) -> Any:
+             legacy_one: bool = False, logger: Any = None, **kw: Any) -> Any:
         # Orbax's legacy checkpointers name the items: mtc is given the names (one
         # checkpointer, legacy_one: nothing).
         return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=legacy or item_names,
                                      metadata=metadata, item_handlers=item_handlers,
+                                     logger=logger,
                                      options=mtc.Options(simulated_hosts=4, dispatch="local",
                                                          **kw))
     return make
