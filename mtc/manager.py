@@ -33,6 +33,7 @@ from mtc.errors import ClosedError, ConfigError, MtcError, StorageError
 from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
 from mtc.options import Options, local_dir_path
+from mtc.orbax_compat_attrs import OrbaxPrivateAttrs
 from mtc.restore.flow import RestoreFlow
 from mtc.restore.step import StepReader
 from mtc.save.flow import SaveFlow
@@ -63,7 +64,7 @@ def _api(fn: Callable[Concatenate[CheckpointManager, P], R]
     return call
 
 
-class CheckpointManager:
+class CheckpointManager(OrbaxPrivateAttrs):
     """Multi-tier checkpoints of a JAX training state, newest on the RAM disk.
 
     Args:
@@ -164,6 +165,9 @@ class CheckpointManager:
         # Orbax's root metadata: the first writer's stays; a reader's is its own
         # until a writer keeps one.
         kept = next((o.metadata for _, o in sorted(opened.items()) if o.metadata), "")
+        # The first host served that keeps it (Orbax's _root_metadata_file_path()).
+        self._metadata_host: int | None = next(
+            (int(h) for h, o in sorted(opened.items()) if o.metadata), None)
         self._root_metadata = (metadata if metadata is not None
                                and self.options.save_root_metadata else {})
         if kept:
@@ -310,6 +314,13 @@ class CheckpointManager:
                                   f"{list(self.item_names)}")
         return composite
 
+    def _mode_from_step(self) -> None:
+        """Orbax's lock-in: a manager whose mode no save set takes it from the step it
+        restored or described (one item, or a Composite), as Orbax's restore and
+        metadata do; a later save or restore of the other kind is then refused."""
+        if self._composite is None and self._reader.saved_composite is not None:
+            self._composite = self._reader.saved_composite
+
     @_api
     def wait_until_finished(self) -> None:
         """Block until every save is committed; raise the first background error.
@@ -415,6 +426,7 @@ class CheckpointManager:
             if args is None and target is None and self.item_names:
                 args = orbax_args.composite_of({})  # every saved item, as Orbax's
             restored = self._restores.restore(step, target, args, as_numpy=as_numpy)
+            self._mode_from_step()
             seconds, step = self.last_restore_seconds, self.last_restore_step
         step_stats.hand(self._logger, step_stats.restore_entry(
             step=step, directory=str(directory if directory is not None else self.local_dir),
@@ -465,7 +477,9 @@ class CheckpointManager:
         as Orbax's."""
         step = layout.as_step(step)
         self._saves.finish_step(step)
-        return self._reader.item_metadata(step, composite=bool(self.item_names))
+        meta = self._reader.item_metadata(step, composite=bool(self.item_names))
+        self._mode_from_step()
+        return meta
 
     @_api
     def metadata(self, step: Any = None) -> Any:
@@ -478,9 +492,10 @@ class CheckpointManager:
             return orbax_args.root_metadata(self._root_metadata)
         step = layout.as_step(step)
         self._saves.finish_step(step)
-        return orbax_args.step_metadata(
-            self._reader.item_metadata(step, composite=bool(self.item_names)),
-            self._restores.metrics(step) or {}, self._restores.custom_metadata(step))
+        meta = self._reader.item_metadata(step, composite=bool(self.item_names))
+        self._mode_from_step()
+        return orbax_args.step_metadata(meta, self._restores.metrics(step) or {},
+                                        self._restores.custom_metadata(step))
 
     # -- lifecycle --------------------------------------------------------------
 

@@ -494,6 +494,41 @@ def step_statistics_to_the_logger(make: Make, mesh: Mesh) -> list[Any]:
               [k for k, v in e.items() if v is None]) for e in rec.entries]]
 
 
+def private_attributes_orbax_code_reads(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, third round (mtc.orbax_compat_attrs): Orbax's private attributes read
+    as Orbax's: ``_default_item`` (unknown, then one item once a save, a restore or a
+    step's metadata locks the mode in: a Composite save is then refused),
+    ``_root_metadata_file_path()`` (a ValueError where none is kept),
+    ``_checkpoints`` (the steps and their metrics)."""
+    def outcome(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except ValueError:
+            return "ValueError"
+
+    out: list[Any] = []
+    with make("a") as mgr:
+        out.append(mgr._default_item.get())
+        mgr.save(0, args=ocp.args.StandardSave(state(mesh, 0)))
+        out.append(mgr._default_item.get())
+        mgr.wait_until_finished()
+        out.append(outcome(lambda: mgr._root_metadata_file_path().exists()))
+    with make("a") as fresh:
+        out.append(fresh._default_item.get())
+        fresh.restore(0)
+        out.append(fresh._default_item.get())
+        out.append(outcome(lambda: fresh.save(1, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state(mesh, 1))))))
+    with make("b", metadata={"v": 1}) as mgr:
+        out.append(outcome(lambda: mgr._root_metadata_file_path().exists()))
+    with make("c", max_to_keep=2) as mgr:
+        for s in range(3):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)), metrics={"loss": s})
+        mgr.wait_until_finished()
+        out.append([(i.step, i.metrics) for i in mgr._checkpoints])
+    return out
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
@@ -504,7 +539,7 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          legacy_items_and_restore_kwargs, keep_time_interval_on_the_clock_orbax_reads,
          item_handlers_name_the_items_and_their_args, root_metadata_not_kept,
          legacy_single_item_restore_kwargs, a_target_leaving_out_saved_leaves,
-         step_statistics_to_the_logger]
+         step_statistics_to_the_logger, private_attributes_orbax_code_reads]
 
 
 # -- the two libraries ----------------------------------------------------------------

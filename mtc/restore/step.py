@@ -55,6 +55,10 @@ class StepReader:
         self.topology = topology
         self.where = where  # where the steps are, as the user configured it (for errors)
         self._saved_hosts = saved_hosts
+        # Whether the last step restored or described was saved as a Composite: what
+        # locks in a manager's mode (one item or a Composite) when no save did, as
+        # Orbax's restore and metadata do.
+        self.saved_composite: bool | None = None
 
     def load(self, step: int, target: Any, args: Any, *,
              pending: frozenset[int] = frozenset(),
@@ -133,6 +137,7 @@ class StepReader:
         """``target`` (or Orbax ``args``' targets) loaded from ``saved``; without a
         target, arrays onto ``mesh`` unless ``as_numpy`` (:func:`restore_tree`)."""
         mesh = None if as_numpy else self.mesh
+        self.saved_composite = saved_items(saved) is not None
 
         def load(t: Any, prefix: tuple[str, Any] | None = None,
                  whole: bool | tuple[str, Any] = False) -> Any:
@@ -171,6 +176,7 @@ class StepReader:
         manager's mesh (:func:`saved_sharding`), plain values as saved; a
         ``Composite`` of the items when saved as one or ``composite``."""
         saved = self.saved_step(step)
+        self.saved_composite = saved_items(saved) is not None
 
         def meta(leaf: Any) -> Any:
             if leaf.kind == "value":
