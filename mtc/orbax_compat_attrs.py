@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mtc.manager import CheckpointManager
+    from mtc.contract import AgentConfig
+    from mtc.save.flow import SaveFlow
 
 
 class DefaultItem:
@@ -28,7 +29,7 @@ class DefaultItem:
 
     __slots__ = ("_manager",)
 
-    def __init__(self, manager: CheckpointManager) -> None:
+    def __init__(self, manager: OrbaxPrivateAttrs) -> None:
         self._manager = manager
 
     def get(self) -> bool | None:
@@ -52,12 +53,24 @@ class CheckpointInfo:
 class OrbaxPrivateAttrs:
     """The attributes, on :class:`mtc.CheckpointManager` (a base class of it)."""
 
+    if TYPE_CHECKING:  # what the manager has, read here
+        _composite: bool | None
+        _metadata_host: int | None
+        _config: AgentConfig
+        _saves: SaveFlow
+
+        def _roots_here(self) -> str: ...
+
+        def all_steps(self) -> list[int]: ...
+
+        def metrics(self, step: Any) -> Any: ...
+
     @property
-    def _default_item(self: CheckpointManager) -> DefaultItem:
+    def _default_item(self) -> DefaultItem:
         """Orbax's ``_default_item``: see :class:`DefaultItem`."""
         return DefaultItem(self)
 
-    def _root_metadata_file_path(self: CheckpointManager, legacy: bool = False) -> Path:
+    def _root_metadata_file_path(self, legacy: bool = False) -> Path:
         """Orbax's: the file the root metadata is kept in (``metadata()`` reads it): on
         the root of the first host this process serves that keeps it. A ``ValueError``
         where none is kept (no ``metadata=`` given to a writing manager, a read-only
@@ -73,7 +86,7 @@ class OrbaxPrivateAttrs:
         return self._config.root(self._metadata_host) / layout.ROOT_METADATA_NAME
 
     @property
-    def _checkpoints(self: CheckpointManager) -> tuple[CheckpointInfo, ...]:
+    def _checkpoints(self) -> tuple[CheckpointInfo, ...]:
         """Orbax's ``_checkpoints``: a :class:`CheckpointInfo` per step ``all_steps()``
         lists, oldest first (read-only; each access asks again)."""
         out = []

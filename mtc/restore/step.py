@@ -140,11 +140,11 @@ class StepReader:
         self.saved_composite = saved_items(saved) is not None
 
         def load(t: Any, prefix: tuple[str, Any] | None = None,
-                 whole: bool | tuple[str, Any] = False) -> Any:
+                 name_all: bool | tuple[str, Any] = False) -> Any:
             if isinstance(t, orbax_args.Whole):  # Orbax's args: every saved leaf named
-                t, whole = t.item, whole or True
+                t, name_all = t.item, name_all or True
             return restore_tree(saved, t, self.topology, self.dispatch, prefix=prefix,
-                                mesh=mesh, whole=whole)
+                                mesh=mesh, name_all=name_all)
 
         if args is None and target is None and saved_items(saved) is not None:
             # Saved as a Composite: every item, as a Composite, as Orbax's restore(step).
@@ -166,7 +166,7 @@ class StepReader:
         out = {}
         for name, t in request.items():
             out[name] = (load(None, ("d", name)) if t is None else
-                         load({name: t.item}, whole=("d", name)) if isinstance(
+                         load({name: t.item}, name_all=("d", name)) if isinstance(
                              t, orbax_args.Whole) else load({name: t}))[name]
         return orbax_args.composite_result(args, out)
 
