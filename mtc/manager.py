@@ -393,7 +393,10 @@ class CheckpointManager(OrbaxPrivateAttrs):
         arrays with the key types saved (an int-keyed flax NNX pure dict stays
         one). ``args=ocp.args.StandardRestore(target)``
         (or ``PyTreeRestore``, ``JsonRestore``, a ``Composite``) may replace
-        ``target``. With replicators and no step, they agree on the step and
+        ``target``; as Orbax's, such a target names every saved leaf (a placeholder
+        ``...`` names one) unless ``PyTreeRestore(..., partial_restore=True)``: one
+        left out raises :class:`TargetMismatchError`, where ``restore(step, target)``
+        restores the part a target names. With replicators and no step, they agree on the step and
         bring each host's data local first (see ``latest_step``). ``directory``:
         Orbax's restore from another manager's directory (a pretrained checkpoint),
         read through a read-only manager of it with this one's mesh and options.
