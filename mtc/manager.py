@@ -421,7 +421,7 @@ class CheckpointManager(OrbaxPrivateAttrs):
             # through a read-only manager of it, on this one's mesh and options.
             with CheckpointManager(directory, mesh=self.mesh, item_names=self.item_names,
                                    options=dataclasses.replace(self.options, read_only=True),
-                                   logger=_Quiet()) as other:
+                                   logger=step_stats.Quiet()) as other:
                 restored = other.restore(step, target, args=args, as_numpy=as_numpy)
                 seconds, step = other.last_restore_seconds, other.last_restore_step
         else:
@@ -527,14 +527,6 @@ class CheckpointManager(OrbaxPrivateAttrs):
             log.warning("mtc: closing the CheckpointManager after an error failed too: %s", e)
             exc.add_note(f"mtc: closing the CheckpointManager then failed too: "
                          f"{type(e).__name__}: {e}")
-
-
-class _Quiet:
-    """The logger of the read-only manager a restore from another directory reads
-    through: the restore's statistics are the calling manager's to give."""
-
-    def log_entry(self, entry: dict[str, Any]) -> None:
-        pass
 
 
 def _json_of(value: Any, name: str) -> str | None:

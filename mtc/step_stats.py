@@ -35,6 +35,14 @@ class StandardLogger:
         log.info("mtc: %s step statistics %r", entry.get("event_type", "step"), entry)
 
 
+class Quiet:
+    """A logger that keeps nothing: that of the read-only manager a restore from
+    another directory reads through (the calling manager gives the statistics)."""
+
+    def log_entry(self, entry: dict[str, Any]) -> None:
+        pass
+
+
 def check_logger(logger: Any) -> StepLogger:
     """``logger`` as given (``None``: :class:`StandardLogger`), or a ConfigError."""
     if logger is None:

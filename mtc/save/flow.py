@@ -103,12 +103,10 @@ class SaveFlow(Retention):
         self._previous_began: float | None = None
 
     def _preempted(self, step: int) -> bool:
-        """JAX's preemption sync point at ``step`` (mtc.multihost), noted for the
-        step's statistics."""
-        if multihost.reached_preemption(step):
+        """JAX's preemption sync point at ``step``, noted for its statistics."""
+        if preempted := multihost.reached_preemption(step):
             self._preempted_at.setdefault(step, time.time())
-            return True
-        return False
+        return preempted
 
     # -- schedule -------------------------------------------------------------------
 
