@@ -333,11 +333,15 @@ class CheckpointManager(OrbaxPrivateAttrs):
     # -- inventory --------------------------------------------------------------
 
     @_api
-    def all_steps(self) -> list[int]:
+    def all_steps(self, read: bool = False) -> list[int]:
         """Steps committed on every host's RAM disk that saved them (collective in
         multi-controller JAX). Peer copies and backups are not listed here:
         ``latest_step`` and ``restore`` reach them through the replicators. A step
-        is listed once ``save`` returned, as Orbax's; reading it waits for its save."""
+        is listed once ``save`` returned, as Orbax's; reading it waits for its save.
+        ``read``: Orbax's ``all_steps(read=True)``, a ``reload()`` first (the hosts
+        are asked at every call anyway)."""
+        if read:
+            self.reload()
         return self._restores.steps()
 
     @_api
