@@ -6,6 +6,7 @@ raises a save's failure; the failure is then cleared, as Orbax's."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,25 @@ def test_each_concurrent_waiter_raises_the_failure_then_it_is_cleared(
         assert mgr.save(1, state(mesh))  # the manager goes on
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1]
+
+
+def test_a_failed_save_is_raised_by_the_next_save_once(
+        ramdisk: Path, mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Orbax's test_async_error_subsequent_save, on an mtc save that fails: the next
+    save raises the failure (writing nothing), and clears it."""
+    gate = Gate(monkeypatch, waiters=0, fail=True)
+    gate.open.set()
+    with manager(ramdisk, mesh) as mgr:
+        assert mgr.save(0, state(mesh))
+        agent = mgr._dispatch.agent  # type: ignore[attr-defined]  # the local hosts
+        deadline = time.monotonic() + 30
+        while agent.in_flight():  # the save's failure is in
+            assert time.monotonic() < deadline, "the failing save never finished"
+            time.sleep(0.01)
+        with pytest.raises(mtc.MtcError, match="injected write failure"):
+            mgr.save(1, state(mesh))
+        monkeypatch.undo()
+        mgr.wait_until_finished()  # cleared
+        assert mgr.save(2, state(mesh))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2]

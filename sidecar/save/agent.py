@@ -325,11 +325,14 @@ class HostAgent:
     # -- background state -------------------------------------------------------
 
     def raise_background_error(self) -> None:
-        """Raise the first error of a finished background save, once."""
+        """Raise the first error of a finished background save, once: the other
+        hosts' parts of the same step that failed too go with it (one failed save,
+        one error, as Orbax's; a later call does not raise it again)."""
         with self._lock:
             for save in self._pending:
                 if save.done.done() and save.done.exception() is not None:
-                    self._pending.remove(save)
+                    self._pending = [s for s in self._pending if not s.done.done() or (
+                        s.step != save.step and s.done.exception() is not None)]
                     raise save.done.exception()  # type: ignore[misc]
             self._pending = [s for s in self._pending if not s.done.done()]
 
