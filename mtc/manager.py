@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import os
+import time
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,12 +27,13 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import jax
 import numpy as np
 
-from mtc import connect, layout, multihost, orbax_args, orbax_handlers
+from mtc import connect, layout, multihost, orbax_args, orbax_handlers, step_stats
 from mtc.contract import AgentConfig
 from mtc.errors import ClosedError, ConfigError, MtcError, StorageError
 from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
 from mtc.options import Options, local_dir_path
+from mtc.orbax_compat_attrs import OrbaxPrivateAttrs
 from mtc.restore.flow import RestoreFlow
 from mtc.restore.step import StepReader
 from mtc.save.flow import SaveFlow
@@ -62,7 +64,7 @@ def _api(fn: Callable[Concatenate[CheckpointManager, P], R]
     return call
 
 
-class CheckpointManager:
+class CheckpointManager(OrbaxPrivateAttrs):
     """Multi-tier checkpoints of a JAX training state, newest on the RAM disk.
 
     Args:
@@ -87,6 +89,11 @@ class CheckpointManager:
         dict of Orbax handlers by item name adds them to ``item_names``, one handler
         makes a single-item manager (not beside ``item_names``); args an item's
         handler does not take are refused with :class:`mtc.ConfigError`.
+      logger: Orbax's (an ``AbstractLogger``: anything with ``log_entry(dict)``, such
+        as Orbax's ``StandardLogger``, ``CloudLogger``, ``CompositeLogger``): after
+        each save that writes and each restore it is given the dict of Orbax's
+        ``SaveStepStatistics``/``RestoreStepStatistics`` (:mod:`mtc.step_stats`).
+        By default an INFO line of the ``mtc.manager`` logger, as Orbax's default.
 
     Attributes:
       dispatch_mode: how host-side code is invoked: ``"local"``, ``"colocated"``
@@ -106,8 +113,9 @@ class CheckpointManager:
     def __init__(self, local_dir: str | os.PathLike[str], *, mesh: jax.sharding.Mesh | None = None,
                  options: Options | None = None,
                  item_names: Sequence[str] | None = None, metadata: Any = None,
-                 item_handlers: Any = None) -> None:
+                 item_handlers: Any = None, logger: Any = None) -> None:
         self.local_dir = local_dir_path(local_dir)
+        self._logger = step_stats.check_logger(logger)
         # Orbax's item_handlers (mtc.orbax_handlers): they name the items and the args
         # each takes; mtc runs none of them.
         self._handlers, names = orbax_handlers.read(
@@ -157,6 +165,9 @@ class CheckpointManager:
         # Orbax's root metadata: the first writer's stays; a reader's is its own
         # until a writer keeps one.
         kept = next((o.metadata for _, o in sorted(opened.items()) if o.metadata), "")
+        # The first host served that keeps it (Orbax's _root_metadata_file_path()).
+        self._metadata_host: int | None = next(
+            (int(h) for h, o in sorted(opened.items()) if o.metadata), None)
         self._root_metadata = (metadata if metadata is not None
                                and self.options.save_root_metadata else {})
         if kept:
@@ -272,6 +283,9 @@ class CheckpointManager:
             self._composite = composite
         if saved and not self.options.enable_async_checkpointing:
             self._saves.wait_until_finished()  # Orbax's synchronous save: committed on return
+        if saved and self._saves.last_save is not None:
+            step_stats.hand(self._logger, step_stats.save_entry(**self._saves.last_save,
+                                                                ended=time.time()))
         return saved
 
     def _check_mode(self, args: Any, call: str) -> bool | None:
@@ -300,6 +314,13 @@ class CheckpointManager:
                                   f"{list(self.item_names)}")
         return composite
 
+    def _mode_from_step(self) -> None:
+        """Orbax's lock-in: a manager whose mode no save set takes it from the step it
+        restored or described (one item, or a Composite), as Orbax's restore and
+        metadata do; a later save or restore of the other kind is then refused."""
+        if self._composite is None and self._reader.saved_composite is not None:
+            self._composite = self._reader.saved_composite
+
     @_api
     def wait_until_finished(self) -> None:
         """Block until every save is committed; raise the first background error.
@@ -312,11 +333,15 @@ class CheckpointManager:
     # -- inventory --------------------------------------------------------------
 
     @_api
-    def all_steps(self) -> list[int]:
+    def all_steps(self, read: bool = False) -> list[int]:
         """Steps committed on every host's RAM disk that saved them (collective in
         multi-controller JAX). Peer copies and backups are not listed here:
         ``latest_step`` and ``restore`` reach them through the replicators. A step
-        is listed once ``save`` returned, as Orbax's; reading it waits for its save."""
+        is listed once ``save`` returned, as Orbax's; reading it waits for its save.
+        ``read``: Orbax's ``all_steps(read=True)``, a ``reload()`` first (the hosts
+        are asked at every call anyway)."""
+        if read:
+            self.reload()
         return self._restores.steps()
 
     @_api
@@ -372,7 +397,10 @@ class CheckpointManager:
         arrays with the key types saved (an int-keyed flax NNX pure dict stays
         one). ``args=ocp.args.StandardRestore(target)``
         (or ``PyTreeRestore``, ``JsonRestore``, a ``Composite``) may replace
-        ``target``. With replicators and no step, they agree on the step and
+        ``target``; as Orbax's, such a target names every saved leaf (a placeholder
+        ``...`` names one) unless ``PyTreeRestore(..., partial_restore=True)``: one
+        left out raises :class:`TargetMismatchError`, where ``restore(step, target)``
+        restores the part a target names. With replicators and no step, they agree on the step and
         bring each host's data local first (see ``latest_step``). ``directory``:
         Orbax's restore from another manager's directory (a pretrained checkpoint),
         read through a read-only manager of it with this one's mesh and options.
@@ -391,17 +419,26 @@ class CheckpointManager:
                 and orbax_args.is_single_item_kwargs(restore_kwargs))
             args, target = (orbax_args.legacy_restore_one(target, restore_kwargs) if single
                             else orbax_args.legacy_restore(target, restore_kwargs)), None
+        began = time.time()
         if directory is not None and Path(os.fspath(directory)) != self.local_dir:
             # Orbax's restore from another directory (a pretrained checkpoint): read
             # through a read-only manager of it, on this one's mesh and options.
             with CheckpointManager(directory, mesh=self.mesh, item_names=self.item_names,
-                                   options=dataclasses.replace(self.options, read_only=True)
-                                   ) as other:
-                return other.restore(step, target, args=args, as_numpy=as_numpy)
-        self._check_mode(args, "restore")
-        if args is None and target is None and self.item_names:
-            args = orbax_args.composite_of({})  # every saved item, as Orbax's
-        return self._restores.restore(step, target, args, as_numpy=as_numpy)
+                                   options=dataclasses.replace(self.options, read_only=True),
+                                   logger=step_stats.Quiet()) as other:
+                restored = other.restore(step, target, args=args, as_numpy=as_numpy)
+                seconds, step = other.last_restore_seconds, other.last_restore_step
+        else:
+            self._check_mode(args, "restore")
+            if args is None and target is None and self.item_names:
+                args = orbax_args.composite_of({})  # every saved item, as Orbax's
+            restored = self._restores.restore(step, target, args, as_numpy=as_numpy)
+            self._mode_from_step()
+            seconds, step = self.last_restore_seconds, self.last_restore_step
+        step_stats.hand(self._logger, step_stats.restore_entry(
+            step=step, directory=str(directory if directory is not None else self.local_dir),
+            began=began, ended=time.time(), load_seconds=seconds.get("load")))
+        return restored
 
     # -- Orbax's other calls ------------------------------------------------------
 
@@ -447,7 +484,9 @@ class CheckpointManager:
         as Orbax's."""
         step = layout.as_step(step)
         self._saves.finish_step(step)
-        return self._reader.item_metadata(step, composite=bool(self.item_names))
+        meta = self._reader.item_metadata(step, composite=bool(self.item_names))
+        self._mode_from_step()
+        return meta
 
     @_api
     def metadata(self, step: Any = None) -> Any:
@@ -460,9 +499,10 @@ class CheckpointManager:
             return orbax_args.root_metadata(self._root_metadata)
         step = layout.as_step(step)
         self._saves.finish_step(step)
-        return orbax_args.step_metadata(
-            self._reader.item_metadata(step, composite=bool(self.item_names)),
-            self._restores.metrics(step) or {}, self._restores.custom_metadata(step))
+        meta = self._reader.item_metadata(step, composite=bool(self.item_names))
+        self._mode_from_step()
+        return orbax_args.step_metadata(meta, self._restores.metrics(step) or {},
+                                        self._restores.custom_metadata(step))
 
     # -- lifecycle --------------------------------------------------------------
 

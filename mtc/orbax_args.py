@@ -53,12 +53,51 @@ def _restore_item(a: Any) -> Any:
     name = type(a).__name__
     if name not in _RESTORE or not is_orbax_args(a):
         raise ConfigError(f"mtc cannot restore {name}; it accepts {_ACCEPTED}")
-    # partial_restore=True: a target naming a subset of the saved tree is what mtc
-    # restores anyway (leaves are matched by key path).
     _refuse_options(a, "transforms", "legacy_transform_fn")
     item = getattr(a, "item", None)
     restore_args = getattr(a, "restore_args", None)
-    return item if restore_args is None else with_restore_args(name, item, restore_args)
+    if restore_args is None and item is not None and _all_restore_args(item):
+        # PyTreeRestore(restore_args_tree) positionally: Orbax reads an item whose
+        # leaves are all RestoreArgs as the restore_args (the checkpoint's shapes).
+        item, restore_args = None, item
+    target = item if restore_args is None else with_restore_args(name, item, restore_args)
+    if item is not None and name in _WHOLE and not getattr(a, "partial_restore", False):
+        return Whole(target)
+    return target
+
+
+# Orbax's args whose item must name every leaf saved (partial_restore=False, the
+# default; StandardRestore has no partial restore): a leaf left out is a ValueError.
+_WHOLE = ("StandardRestoreArgs", "PyTreeRestoreArgs")
+
+
+class Whole:
+    """A restore target that must name every leaf saved under it (a placeholder
+    ``...`` names one), as Orbax's ``PyTreeRestore`` without ``partial_restore=True``
+    and ``StandardRestore`` want: a leaf the target leaves out raises
+    :class:`~mtc.errors.TargetMismatchError` (a ``ValueError``) instead of being
+    silently not restored. mtc's own ``restore(step, target)`` restores the part a
+    target names."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Whole) and other.item == self.item
+
+    __hash__ = None  # type: ignore[assignment]  # as the item it holds: not hashable
+
+    def __repr__(self) -> str:
+        return f"Whole({self.item!r})"
+
+
+def _all_restore_args(tree: Any) -> bool:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_restore_args)
+    return bool(leaves) and all(_is_restore_args(x) for x in leaves)
 
 
 def _is_restore_args(x: Any) -> bool:

@@ -56,9 +56,15 @@ def test_a_save_request_mtc_cannot_honour_is_refused(args: Any, match: str) -> N
 
 
 def test_restore_targets() -> None:
-    assert orbax_args.restore_targets(ocp.args.StandardRestore(STATE)) == (None, STATE)
+    # Orbax's StandardRestore and PyTreeRestore name every leaf to restore (Whole),
+    # unless PyTreeRestore(partial_restore=True).
+    whole = orbax_args.Whole(STATE)
+    assert orbax_args.restore_targets(ocp.args.StandardRestore(STATE)) == (None, whole)
     assert orbax_args.restore_targets(ocp.args.Composite(
-        state=ocp.args.StandardRestore(STATE), meta=None)) == {"state": STATE, "meta": None}
+        state=ocp.args.StandardRestore(STATE), meta=None)) == {"state": whole, "meta": None}
+    assert orbax_args.restore_targets(ocp.args.PyTreeRestore(STATE)) == (None, whole)
+    assert orbax_args.restore_targets(ocp.args.PyTreeRestore(
+        STATE, partial_restore=True)) == (None, STATE)
     with pytest.raises(ConfigError, match="transforms is not supported"):
         orbax_args.restore_targets(ocp.args.PyTreeRestore(STATE, transforms={}))
     with pytest.raises(ConfigError, match="cannot restore StandardSaveArgs"):
@@ -78,7 +84,12 @@ def test_restore_args_describe_the_target() -> None:
     no_dtype = {"w": ocp.ArrayRestoreArgs(sharding=sharding, global_shape=(4,)),
                 "step": ocp.RestoreArgs()}
     assert orbax_args.restore_targets(ocp.args.PyTreeRestore(item, restore_args=no_dtype)) == (
-        None, {"w": jax.ShapeDtypeStruct((4,), np.float64, sharding=sharding), "step": 3})
+        None, orbax_args.Whole({"w": jax.ShapeDtypeStruct((4,), np.float64, sharding=sharding),
+                                "step": 3}))
+    # An item of RestoreArgs leaves (PyTreeRestore(restore_args_tree) positionally):
+    # Orbax reads it as the restore_args.
+    assert orbax_args.restore_targets(ocp.args.PyTreeRestore(no_dtype)) == (
+        None, {"w": orbax_args.OnSharding(sharding), "step": None})
     # Neither says the dtype: the checkpoint's, placed on the sharding given.
     assert orbax_args.restore_targets(ocp.args.PyTreeRestore(restore_args=no_dtype)) == (
         None, {"w": orbax_args.OnSharding(sharding), "step": None})

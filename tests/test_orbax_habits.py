@@ -250,7 +250,13 @@ def test_orbax_restore_idioms_work(ramdisk: Path, mesh: Mesh) -> None:
         # Across kinds a cast would change values: refused, typed.
         with pytest.raises(mtc.TargetMismatchError, match="casts a float to another float"):
             mgr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore(
-                {"w": jax.ShapeDtypeStruct(w.shape, jnp.int32, sharding=sharding)})))
+                {"w": jax.ShapeDtypeStruct(w.shape, jnp.int32, sharding=sharding),
+                 "b": abstract["b"]})))
+        # Orbax's StandardRestore (and PyTreeRestore without partial_restore) names every
+        # saved leaf: one left out is refused, as Orbax's, not silently not restored.
+        with pytest.raises(mtc.TargetMismatchError, match=r"do not match.*\['state'\]\['b'\]"):
+            mgr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore(
+                {"w": abstract["w"]})))
         meta = mgr.item_metadata(1)
         assert meta.state["w"] == jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=sharding)
         assert meta.meta == {"lr": 0.5}

@@ -150,7 +150,8 @@ def reopened_manager(make: Make, mesh: Mesh) -> list[Any]:
 
 def delete_and_reload(make: Make, mesh: Mesh) -> list[Any]:
     """delete() of a step and of a missing one (Orbax: FileNotFoundError, mtc:
-    StepNotFoundError, both read here as "not found"); reload() changes nothing."""
+    StepNotFoundError, both read here as "not found"); reload() and
+    all_steps(read=True) change nothing."""
     with make("a") as mgr:
         for s in (1, 2, 3):
             mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)))
@@ -162,7 +163,8 @@ def delete_and_reload(make: Make, mesh: Mesh) -> list[Any]:
         except (FileNotFoundError, mtc.StepNotFoundError):
             missing = "not found"
         mgr.reload()
-        return [list(mgr.all_steps()), missing, mgr.latest_step()]
+        return [list(mgr.all_steps()), missing, mgr.latest_step(),
+                list(mgr.all_steps(read=True))]  # Orbax's read=: mtc's is a reload()
 
 
 def best_step(make: Make, mesh: Mesh) -> list[Any]:
@@ -437,6 +439,98 @@ def keep_time_interval_on_the_clock_orbax_reads(make: Make, mesh: Mesh) -> list[
     return out
 
 
+def a_target_leaving_out_saved_leaves(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, third round: Orbax's PyTreeRestore (without partial_restore=True) and
+    StandardRestore name every saved leaf; a target leaving one out is a ValueError
+    in Orbax's words, not a silent partial restore. partial_restore=True restores the
+    part named; placeholders (...) name leaves left as they are; an item of
+    RestoreArgs leaves is read as the restore_args."""
+    def outcome(call: Callable[[], Any]) -> Any:
+        try:
+            return values(call())
+        except ValueError as e:
+            return ["ValueError", "User-provided restore item and on-disk value" in str(e)]
+
+    tree = {"a": state(mesh, 1)["w"], "c": {"d": state(mesh, 2)["w"], "e": 3}}
+    sharding = tree["a"].sharding
+    out: list[Any] = []
+    with make("a") as mgr:
+        mgr.save(0, args=ocp.args.PyTreeSave(tree))
+        mgr.wait_until_finished()
+        part = {"a": state(mesh, 0)["w"]}
+        out.append(outcome(lambda: mgr.restore(0, args=ocp.args.PyTreeRestore(part))))
+        out.append(outcome(lambda: mgr.restore(0, args=ocp.args.PyTreeRestore(
+            part, partial_restore=True))))
+        out.append(outcome(lambda: mgr.restore(0, args=ocp.args.PyTreeRestore(
+            {"a": state(mesh, 0)["w"], "c": {"d": ..., "e": ...}}))))
+        out.append(outcome(lambda: mgr.restore(0, args=ocp.args.PyTreeRestore(
+            {"a": ocp.ArrayRestoreArgs(sharding=sharding),
+             "c": {"d": ocp.ArrayRestoreArgs(sharding=sharding), "e": ocp.RestoreArgs()}}))))
+    with make("b") as mgr:
+        mgr.save(0, args=ocp.args.StandardSave(tree))
+        mgr.wait_until_finished()
+        out.append(outcome(lambda: mgr.restore(0, args=ocp.args.StandardRestore(
+            {"a": state(mesh, 0)["w"]}))))
+    return out
+
+
+def step_statistics_to_the_logger(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, third round: a logger given to the manager gets Orbax's step
+    statistics after each save that writes and each restore (the same fields)."""
+    class Recorder:
+        def __init__(self) -> None:
+            self.entries: list[dict[str, Any]] = []
+
+        def log_entry(self, entry: dict[str, Any]) -> None:
+            self.entries.append(entry)
+
+    rec = Recorder()
+    with make("a", logger=rec) as mgr:
+        mgr.save(0, args=ocp.args.StandardSave(state(mesh, 0)))
+        mgr.save(0, args=ocp.args.StandardSave(state(mesh, 0)))  # not written
+        mgr.wait_until_finished()
+        mgr.restore(0)
+        directory = str(mgr.directory)
+    return [[(sorted(e), e["step"], e["event_type"], e["directory"] == directory,
+              e.get("synchronous"), e.get("reached_preemption"),
+              [k for k, v in e.items() if v is None]) for e in rec.entries]]
+
+
+def private_attributes_orbax_code_reads(make: Make, mesh: Mesh) -> list[Any]:
+    """Issue 67, third round (mtc.orbax_compat_attrs): Orbax's private attributes read
+    as Orbax's: ``_default_item`` (unknown, then one item once a save, a restore or a
+    step's metadata locks the mode in: a Composite save is then refused),
+    ``_root_metadata_file_path()`` (a ValueError where none is kept),
+    ``_checkpoints`` (the steps and their metrics)."""
+    def outcome(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except ValueError:
+            return "ValueError"
+
+    out: list[Any] = []
+    with make("a") as mgr:
+        out.append(mgr._default_item.get())
+        mgr.save(0, args=ocp.args.StandardSave(state(mesh, 0)))
+        out.append(mgr._default_item.get())
+        mgr.wait_until_finished()
+        out.append(outcome(lambda: mgr._root_metadata_file_path().exists()))
+    with make("a") as fresh:
+        out.append(fresh._default_item.get())
+        fresh.restore(0)
+        out.append(fresh._default_item.get())
+        out.append(outcome(lambda: fresh.save(1, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state(mesh, 1))))))
+    with make("b", metadata={"v": 1}) as mgr:
+        out.append(outcome(lambda: mgr._root_metadata_file_path().exists()))
+    with make("c", max_to_keep=2) as mgr:
+        for s in range(3):
+            mgr.save(s, args=ocp.args.StandardSave(state(mesh, s)), metrics={"loss": s})
+        mgr.wait_until_finished()
+        out.append([(i.step, i.metrics) for i in mgr._checkpoints])
+    return out
+
+
 CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          item_metadata_of_a_composite, metrics_of_a_missing_step, read_only_save_and_delete,
          save_rules, retention_and_keep_period, reopened_manager, delete_and_reload, best_step,
@@ -446,7 +540,8 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
          restore_without_target_keeps_the_saved_sharding, array_items,
          legacy_items_and_restore_kwargs, keep_time_interval_on_the_clock_orbax_reads,
          item_handlers_name_the_items_and_their_args, root_metadata_not_kept,
-         legacy_single_item_restore_kwargs]
+         legacy_single_item_restore_kwargs, a_target_leaving_out_saved_leaves,
+         step_statistics_to_the_logger, private_attributes_orbax_code_reads]
 
 
 # -- the two libraries ----------------------------------------------------------------
@@ -455,7 +550,7 @@ CASES = [rollback, composite_without_args, steps_right_after_an_async_save,
 def orbax_maker(base: Path) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
              legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
-             legacy_one: bool = False, **kw: Any) -> Any:
+             legacy_one: bool = False, logger: Any = None, **kw: Any) -> Any:
         if legacy_one:  # Orbax's legacy single-item form: one checkpointer
             return ocp.CheckpointManager(base / sub, ocp.Checkpointer(
                 ocp.PyTreeCheckpointHandler()), options=ocp.CheckpointManagerOptions(**kw))
@@ -464,7 +559,7 @@ def orbax_maker(base: Path) -> Make:
                 n: ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) for n in legacy},
                 options=ocp.CheckpointManagerOptions(**kw))
         return ocp.CheckpointManager(base / sub, item_names=item_names, metadata=metadata,
-                                     item_handlers=item_handlers,
+                                     item_handlers=item_handlers, logger=logger,
                                      options=ocp.CheckpointManagerOptions(**kw))
     return make
 
@@ -472,11 +567,12 @@ def orbax_maker(base: Path) -> Make:
 def mtc_maker(base: Path, mesh: Mesh) -> Make:
     def make(sub: str, item_names: tuple[str, ...] | None = None, metadata: Any = None,
              legacy: tuple[str, ...] | None = None, item_handlers: Any = None,
-             legacy_one: bool = False, **kw: Any) -> Any:
+             legacy_one: bool = False, logger: Any = None, **kw: Any) -> Any:
         # Orbax's legacy checkpointers name the items: mtc is given the names (one
         # checkpointer, legacy_one: nothing).
         return mtc.CheckpointManager(base / sub, mesh=mesh, item_names=legacy or item_names,
                                      metadata=metadata, item_handlers=item_handlers,
+                                     logger=logger,
                                      options=mtc.Options(simulated_hosts=4, dispatch="local",
                                                          **kw))
     return make
@@ -522,8 +618,10 @@ def test_what_orbax_refuses_or_hides_that_mtc_answers(ramdisk: Path, mesh: Mesh)
     """Each a failing case of Orbax's checkpoint_manager_test, pinned: mtc lists the
     hosts' steps at every call (no reload() needed to see another manager's save);
     a fresh manager knows a step's items (metadata and Composite(item=None) restores
-    need no restore first); a target naming part of the tree restores that part
-    without partial_restore; a placeholder standing for a subtree is a ValueError."""
+    need no restore first); mtc's own restore(step, target) restores the part of the
+    tree a target names (Orbax's args want partial_restore=True for that: the case
+    a_target_leaving_out_saved_leaves); a placeholder standing for a subtree is a
+    ValueError."""
     make = mtc_maker(ramdisk, mesh)
     with make("a", item_names=("state", "extra")) as first:
         first.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 1)),
@@ -542,8 +640,8 @@ def test_what_orbax_refuses_or_hides_that_mtc_answers(ramdisk: Path, mesh: Mesh)
         tree = {"a": state(mesh, 1)["w"], "c": {"d": state(mesh, 2)["w"]}}
         mgr.save(0, args=ocp.args.PyTreeSave(tree))
         mgr.wait_until_finished()
-        part = mgr.restore(0, args=ocp.args.PyTreeRestore({"a": state(mesh, 0)["w"]}))
-        assert values(part) == values({"a": tree["a"]})  # Orbax: ValueError
+        part = mgr.restore(0, {"a": state(mesh, 0)["w"]})  # mtc's call, not Orbax's args
+        assert values(part) == values({"a": tree["a"]})
         with pytest.raises(ValueError, match="User-provided restore item and on-disk value"):
             mgr.restore(0, args=ocp.args.PyTreeRestore({"a": ..., "c": ...}))
 

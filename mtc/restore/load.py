@@ -9,6 +9,7 @@ of the saved tree.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -168,12 +169,15 @@ def _as_saved_sharding(s: dict[str, Any]) -> jax.sharding.Sharding | None:
 
 def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Dispatch,
                  *, prefix: tuple[str, Any] | None = None,
-                 mesh: jax.sharding.Mesh | None = None) -> Any:
+                 mesh: jax.sharding.Mesh | None = None,
+                 name_all: bool | tuple[str, Any] = False) -> Any:
     """The step's leaves matched to ``target`` (or, without one, all of them, or
     those under the top-level key ``prefix``, as nested dicts and lists). Without
     a target and with ``mesh``, arrays come back as Orbax gives them: sharded
     ``jax.Array``s on ``mesh`` (:func:`saved_sharding`), dict keys as strings;
-    without ``mesh``, as numpy arrays with the key types saved."""
+    without ``mesh``, as numpy arrays with the key types saved. ``name_all``: the
+    target must name every leaf saved (``True``) or saved under that top-level key
+    (Orbax's args without ``partial_restore``: :class:`mtc.orbax_args.Whole`)."""
     step = saved.step
     leaves = saved.leaves
     by_path = {leaf.path: i for i, leaf in enumerate(leaves)}
@@ -192,6 +196,8 @@ def restore_tree(saved: SavedStep, target: Any, topology: Topology, dispatch: Di
     else:
         flat_target, treedef = treepath.flatten(target)
         _check_placeholders(step, flat_target, by_path)
+        if name_all:
+            _check_names_all(step, leaves, flat_target, name_all)
         # Placeholders (Orbax's ``...``) are left out and given back as they are.
         flat_target = [(p, t) for p, t in flat_target if not orbax_args.is_placeholder(t)]
         missing = [treepath.path_str(p) for p, _ in flat_target
@@ -272,6 +278,25 @@ def _as_saved(leaf: LeafEntry, t: Any) -> Any:
         return None  # a plain value: as saved, as Orbax's restore_args leave it
     dtype = t.dtype if t.dtype is not None else jax.numpy.dtype(leaf.dtype)
     return jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=t.sharding)
+
+
+def _check_names_all(step: int, leaves: Sequence[LeafEntry], flat: list[tuple[Any, Any]],
+                     name_all: bool | tuple[str, Any]) -> None:
+    """Every saved leaf in scope is named by the target (a placeholder names one), as
+    Orbax's args without ``partial_restore`` want: a leaf left out would otherwise be
+    silently not restored (a typo in a key drops it from the state)."""
+    named = {treepath.path_str(p) for p, _ in flat}
+    left_out = [leaf.path for leaf in leaves if not treepath.is_own_leaf(leaf.path)
+                and (name_all is True or (leaf.keys and tuple(leaf.keys[0]) == name_all))
+                and leaf.path not in named]
+    if left_out:
+        raise TargetMismatchError(
+            f"User-provided restore item and on-disk value metadata tree structures do not "
+            f"match: {len(left_out)} saved leaves are not in the target "
+            f"({', '.join(left_out[:5])}{', ...' if len(left_out) > 5 else ''}). If this "
+            f"mismatch is intentional, pass `partial_restore=True` (PyTreeRestore) to only "
+            f"restore parameters found in `item`, or give those leaves as placeholders (...)",
+            step=step)
 
 
 def _check_placeholders(step: int, flat: list[tuple[Any, Any]], by_path: dict[str, int]) -> None:

@@ -55,6 +55,10 @@ class StepReader:
         self.topology = topology
         self.where = where  # where the steps are, as the user configured it (for errors)
         self._saved_hosts = saved_hosts
+        # Whether the last step restored or described was saved as a Composite: what
+        # locks in a manager's mode (one item or a Composite) when no save did, as
+        # Orbax's restore and metadata do.
+        self.saved_composite: bool | None = None
 
     def load(self, step: int, target: Any, args: Any, *,
              pending: frozenset[int] = frozenset(),
@@ -133,10 +137,14 @@ class StepReader:
         """``target`` (or Orbax ``args``' targets) loaded from ``saved``; without a
         target, arrays onto ``mesh`` unless ``as_numpy`` (:func:`restore_tree`)."""
         mesh = None if as_numpy else self.mesh
+        self.saved_composite = saved_items(saved) is not None
 
-        def load(t: Any, prefix: tuple[str, Any] | None = None) -> Any:
+        def load(t: Any, prefix: tuple[str, Any] | None = None,
+                 name_all: bool | tuple[str, Any] = False) -> Any:
+            if isinstance(t, orbax_args.Whole):  # Orbax's args: every saved leaf named
+                t, name_all = t.item, name_all or True
             return restore_tree(saved, t, self.topology, self.dispatch, prefix=prefix,
-                                mesh=mesh)
+                                mesh=mesh, name_all=name_all)
 
         if args is None and target is None and saved_items(saved) is not None:
             # Saved as a Composite: every item, as a Composite, as Orbax's restore(step).
@@ -157,7 +165,9 @@ class StepReader:
                                       f"step; its items: {names}", step=saved.step)
         out = {}
         for name, t in request.items():
-            out[name] = (load(None, ("d", name)) if t is None else load({name: t}))[name]
+            out[name] = (load(None, ("d", name)) if t is None else
+                         load({name: t.item}, name_all=("d", name)) if isinstance(
+                             t, orbax_args.Whole) else load({name: t}))[name]
         return orbax_args.composite_result(args, out)
 
     def item_metadata(self, step: int, *, composite: bool) -> Any:
@@ -166,6 +176,7 @@ class StepReader:
         manager's mesh (:func:`saved_sharding`), plain values as saved; a
         ``Composite`` of the items when saved as one or ``composite``."""
         saved = self.saved_step(step)
+        self.saved_composite = saved_items(saved) is not None
 
         def meta(leaf: Any) -> Any:
             if leaf.kind == "value":

@@ -96,6 +96,17 @@ class SaveFlow(Retention):
         # Whether this manager saved since retention last ran (a restore applies it
         # only then: a restarted job's restore asks the hosts nothing it needn't).
         self._saved_since_retention = False
+        # Orbax's step statistics (mtc.step_stats): when JAX's preemption sync point
+        # was reached at a step, and the phases of the last save that wrote.
+        self._preempted_at: dict[int, float] = {}
+        self.last_save: dict[str, Any] | None = None
+        self._previous_began: float | None = None
+
+    def _preempted(self, step: int) -> bool:
+        """JAX's preemption sync point at ``step``, noted for its statistics."""
+        if preempted := multihost.reached_preemption(step):
+            self._preempted_at.setdefault(step, time.time())
+        return preempted
 
     # -- schedule -------------------------------------------------------------------
 
@@ -114,7 +125,7 @@ class SaveFlow(Retention):
             return self._policy_says(step, newest)
         if self.options.should_save_fn is not None:  # it alone decides, as Orbax's
             return (bool(self.options.should_save_fn(step, newest))
-                    or multihost.reached_preemption(step))
+                    or self._preempted(step))
         return newest is None or self.on_schedule(step)
 
     def _policy_says(self, step: int, newest: int | None) -> bool:
@@ -127,7 +138,7 @@ class SaveFlow(Retention):
             else self._saved_at.get(newest))]
         due = policies.save_due(
             policy, step, previous, now=wall_clock(),
-            saving=self._saves_in_flight() > 0, preempted=multihost.reached_preemption(step))
+            saving=self._saves_in_flight() > 0, preempted=self._preempted(step))
         return bool(multihost.every_value(int(due))[0])
 
     def _newest(self) -> int | None:
@@ -152,7 +163,7 @@ class SaveFlow(Retention):
         interval = self.options.save_interval_steps
         return ((interval > 0 and step % interval == 0)
                 or step in (self.options.save_on_steps or ())
-                or multihost.reached_preemption(step))
+                or self._preempted(step))
 
     def restored(self, step: int) -> None:
         """``step`` was restored: saves from here on are another run's, so what this
@@ -189,6 +200,7 @@ class SaveFlow(Retention):
         else:
             items = None
         step = layout.as_step(step)
+        called = time.time()
         self._refuse_foreign(step)
         if force and step in self.staged:
             # At once, as Orbax's StepAlreadyExistsError: not later from a commit.
@@ -202,10 +214,12 @@ class SaveFlow(Retention):
         deferred = (not force and not self.options.read_only and not self._newest_learnt
                     and not self.inventory.sees_own_host_only)
         due = force or deferred or self._decide(step)
+        t_check = time.time()
         try:
             self.dispatch.check_before_save(due)
         except ShardUnavailableError as e:
             raise _save_error(e, step) from e
+        checked = (t_check, time.time() - t_check)
         if not due:
             return False
         if self.watch is not None:
@@ -226,11 +240,15 @@ class SaveFlow(Retention):
                     raise _NotDue
             held = self._replace_partial(step, survey.held)
             self.on_new_step()
+            t_room = time.time()
             self._make_room(held)
+            retention.append((t_room, time.time() - t_room))
 
         hosts = self.topology.local_hosts
         if self.directory is not None:
             root_lock.Writers.refuse_concurrent(self.directory, self)
+        retention: list[tuple[float, float]] = []
+        t_stage = time.time()
         try:
             staged = self.dispatch.save(header, arrays, hosts, before_send)
         except _NotDue:
@@ -244,6 +262,15 @@ class SaveFlow(Retention):
             self._saved_at[step] = began
             # The manifests say this job's host count and this run: no host need be asked.
             self.inventory.saved(step, self.run, hosts)
+            # Orbax's statistics of this save, but for its end (the manager's).
+            self.last_save = dict(
+                step=step, directory=self.directory or self._where, began=called,
+                checked=checked, staged=(t_stage, time.time() - t_stage),
+                retention=retention[0] if retention else None,
+                synchronous=not self.options.enable_async_checkpointing,
+                preempted_at=self._preempted_at.pop(step, None),
+                previous_began=self._previous_began)
+            self._previous_began = called
             if log.isEnabledFor(logging.INFO):  # its byte count walks every shard
                 log.info("mtc: save step %d: %d bytes of %s staged in %.3fs; writing to %s in "
                          "the background", step,

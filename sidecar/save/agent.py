@@ -325,23 +325,32 @@ class HostAgent:
     # -- background state -------------------------------------------------------
 
     def raise_background_error(self) -> None:
-        """Raise the first error of a finished background save, once."""
+        """Raise the first error of a finished background save, once: the other
+        hosts' parts of the same step that failed too go with it (one failed save,
+        one error, as Orbax's; a later call does not raise it again)."""
         with self._lock:
             for save in self._pending:
                 if save.done.done() and save.done.exception() is not None:
-                    self._pending.remove(save)
+                    self._pending = [s for s in self._pending if not s.done.done() or (
+                        s.step != save.step and s.done.exception() is not None)]
                     raise save.done.exception()  # type: ignore[misc]
             self._pending = [s for s in self._pending if not s.done.done()]
 
     def wait(self) -> None:
-        """Block until every queued save is committed; raise the first failure."""
+        """Block until every save queued when called is committed; raise the first
+        failure among them. Waiters in several threads each wait for every one of
+        those saves (none returns while one is still being written) and each raises
+        its failure, as Orbax's do; the failure is then cleared: a later wait (or
+        the next save) no longer raises it."""
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending = list(self._pending)
         first: BaseException | None = None
         for save in pending:
-            e = save.done.exception()
+            e = save.done.exception()  # blocks until the save is done
             if e is not None and first is None:
                 first = e
+        with self._lock:
+            self._pending = [s for s in self._pending if s not in pending]
         if first is not None:
             raise first
 
