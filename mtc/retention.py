@@ -47,7 +47,9 @@ def best_to_delete(steps: Sequence[int], metrics: Mapping[int, Any], *,
         return []
     rated = [s for s in ordered if metrics.get(s) is not None]
     ranked = sorted(rated, key=lambda s: best_fn(metrics[s]), reverse=best_mode == "min")
-    keep = set(ranked[len(ranked) - max_to_keep:]) if max_to_keep else set()
+    # max(0, ...): fewer rated steps than max_to_keep keeps them all (a negative
+    # start would keep only the last few: a step deleted that Orbax keeps).
+    keep = set(ranked[max(0, len(ranked) - max_to_keep):]) if max_to_keep else set()
     if keep_without_metrics:
         keep |= {s for s in ordered if metrics.get(s) is None}
     if keep_period:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mtc.cli import lost_steps, missing_steps
-from mtc.retention import to_delete
+from mtc.retention import best_to_delete, to_delete
 from mtc.sidecar.replicator.copies.gc import GcInputs, GcPlan, gc_plan
 from mtc.sidecar.replicator.copies.replication import older_to_restore
 
@@ -196,3 +196,27 @@ def test_missing_steps(name: str, own: dict[int, list[int]],
                        copies: dict[int, dict[int, list[int]]],
                        want: dict[int, list[int]]) -> None:
     assert missing_steps(own, copies) == want
+
+
+BEST = [
+    # (name, steps, metrics (loss), max_to_keep, keep_without_metrics, want deleted)
+    ("fewer rated than kept: none goes", [0, 1, 2, 3], {0: 3, 2: 4}, 3, True, []),
+    ("one rated, three kept", [0, 1, 2, 3, 4], {2: 5}, 3, True, []),
+    ("the worst of four rated goes", [0, 1, 2, 3, 4, 5], {0: 3, 2: 4, 4: 1, 5: 2}, 3, True, [2]),
+    ("unrated go too without keep_without_metrics", [0, 1, 2, 3], {0: 3, 2: 4}, 3, False,
+     [1, 3]),
+    ("max_to_keep 1: the best alone", [0, 1, 2], {0: 3, 1: 1, 2: 2}, 1, True, [0, 2]),
+    ("no more steps than kept: nothing", [0, 1], {0: 3, 1: 4}, 3, True, []),
+]
+
+
+@pytest.mark.parametrize(("name", "steps", "loss", "keep", "unrated", "want"), BEST,
+                         ids=[c[0] for c in BEST])
+def test_best_to_delete(name: str, steps: list[int], loss: dict[int, float], keep: int,
+                        unrated: bool, want: list[int]) -> None:
+    """Orbax's best_fn retention (mode "min"): the ``keep`` lowest losses stay, and
+    while fewer steps than that are rated, all of them do."""
+    metrics = {s: {"loss": v} for s, v in loss.items()}
+    assert best_to_delete(steps, metrics, max_to_keep=keep, keep_period=None,
+                          best_fn=lambda m: m["loss"], best_mode="min",
+                          keep_without_metrics=unrated) == want, name
