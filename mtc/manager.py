@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import time
@@ -34,6 +33,7 @@ from mtc.inventory import StepInventory
 from mtc.lifecycle import Held, track
 from mtc.options import Options, local_dir_path
 from mtc.orbax_compat_attrs import OrbaxPrivateAttrs
+from mtc.orbax_modes import OrbaxItemModes, json_of, root_metadata
 from mtc.restore.flow import RestoreFlow
 from mtc.restore.step import StepReader
 from mtc.save.flow import SaveFlow
@@ -64,7 +64,7 @@ def _api(fn: Callable[Concatenate[CheckpointManager, P], R]
     return call
 
 
-class CheckpointManager(OrbaxPrivateAttrs):
+class CheckpointManager(OrbaxItemModes, OrbaxPrivateAttrs):
     """Multi-tier checkpoints of a JAX training state, newest on the RAM disk.
 
     Args:
@@ -156,26 +156,14 @@ class CheckpointManager(OrbaxPrivateAttrs):
             opened = dispatch.open(self.topology.local_hosts, read_only=self.options.read_only,
                                    identify=connect.watches_replicators(self.options,
                                                                         self.topology),
-                                   metadata=_json_of(metadata, "metadata")
+                                   metadata=json_of(metadata, "metadata")
                                    if self.options.save_root_metadata else None)
         except BaseException:
             dispatch.close()
             raise
         self._dispatch = dispatch
-        # Orbax's root metadata: the first writer's stays; a reader's is its own
-        # until a writer keeps one.
-        kept = next((o.metadata for _, o in sorted(opened.items()) if o.metadata), "")
-        # The first host served that keeps it (Orbax's _root_metadata_file_path()).
-        self._metadata_host: int | None = next(
-            (int(h) for h, o in sorted(opened.items()) if o.metadata), None)
-        self._root_metadata = (metadata if metadata is not None
-                               and self.options.save_root_metadata else {})
-        if kept:
-            try:
-                self._root_metadata = json.loads(kept)
-            except ValueError:  # a damaged file must not keep the directory from opening
-                log.warning("mtc: the root metadata kept in %s is not JSON: ignored",
-                            self._where)
+        self._root_metadata, self._metadata_host = root_metadata(
+            opened, metadata if self.options.save_root_metadata else None, self._where)
         try:
             self.foreign_steps = connect.note_foreign(opened, self._roots_here())
             self._watch = connect.watch_replicators(self.options, self.topology,
@@ -278,7 +266,7 @@ class CheckpointManager(OrbaxPrivateAttrs):
         """
         composite = self._check_mode(args, "save")
         saved = self._saves.save(step, state, force=force, metrics=metrics, args=args,
-                                 custom=_json_of(custom_metadata, "custom_metadata"))
+                                 custom=json_of(custom_metadata, "custom_metadata"))
         if composite is not None and self._composite is None:
             self._composite = composite
         if saved and not self.options.enable_async_checkpointing:
@@ -287,39 +275,6 @@ class CheckpointManager(OrbaxPrivateAttrs):
             step_stats.hand(self._logger, step_stats.save_entry(**self._saves.last_save,
                                                                 ended=time.time()))
         return saved
-
-    def _check_mode(self, args: Any, call: str) -> bool | None:
-        """Whether Orbax ``args`` are a Composite (None: not Orbax's args), refused with
-        a ConfigError (a ValueError, as Orbax's) where they do not fit the manager's
-        mode, or (saving) name an item outside ``item_names``."""
-        if args is None or not orbax_args.is_orbax_args(args):
-            return None
-        composite = orbax_args.composite_items(args) is not None
-        orbax_handlers.check(self._handlers, args, call)
-        if self._composite is not None and composite != self._composite:
-            raise ConfigError(
-                f"{call}(): Must provide `args` of type `Composite` when dealing with multiple "
-                f"checkpointable objects (this manager's items: "
-                f"{', '.join(self.item_names) if self.item_names else 'its first save'})"
-                if self._composite else
-                f"{call}(): Cannot provide `args` of type `Composite` when dealing with a "
-                f"single, unnamed (default) checkpointable object (this manager saves one "
-                f"item: {'its handler' if self._handlers else 'its first save'}): pass that "
-                f"item's args, not a Composite, or give item_names")
-        if call == "save" and composite and self.item_names:
-            unknown = [str(k) for k in args.keys() if k not in self.item_names]
-            if unknown:
-                raise ConfigError(f"save(): Composite item {unknown[0]!r} does not match with "
-                                  f"any registered handler: item_names are "
-                                  f"{list(self.item_names)}")
-        return composite
-
-    def _mode_from_step(self) -> None:
-        """Orbax's lock-in: a manager whose mode no save set takes it from the step it
-        restored or described (one item, or a Composite), as Orbax's restore and
-        metadata do; a later save or restore of the other kind is then refused."""
-        if self._composite is None and self._reader.saved_composite is not None:
-            self._composite = self._reader.saved_composite
 
     @_api
     def wait_until_finished(self) -> None:
@@ -531,14 +486,3 @@ class CheckpointManager(OrbaxPrivateAttrs):
             log.warning("mtc: closing the CheckpointManager after an error failed too: %s", e)
             exc.add_note(f"mtc: closing the CheckpointManager then failed too: "
                          f"{type(e).__name__}: {e}")
-
-
-def _json_of(value: Any, name: str) -> str | None:
-    """Orbax's metadata (``metadata=``, ``custom_metadata=``) as the JSON text mtc keeps."""
-    if value is None:
-        return None
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{name} is kept as JSON: plain values (dicts, lists, numbers, "
-                          f"strings), got {e}") from e
