@@ -35,10 +35,11 @@ from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.healthcheck import check
-from mtc.sidecar.replicator.memory_cluster import Replicators, commit_mtc_step, commit_raw_step
+from mtc.sidecar.replicator.memory_cluster import commit_mtc_step, commit_raw_step
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.storage.checksum import file_crc
 from mtc.testing.isolation import Hosts, with_checkout
+from mtc.testing.replicas import Replicators
 from mtc.testing.waits import wait_until
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class Cluster(Replicators):
     (from the first :meth:`options`) a sidecar per host over the same root; the
     sidecars' shared-memory areas and logs are under ``<base>/hosts/``. What they
     report and the waits on it (copies held, loop passes, a metric's value) are
-    :class:`~mtc.sidecar.replicator.memory_cluster.Replicators`', as for the
+    :class:`~mtc.testing.replicas.Replicators`', as for the
     in-memory cluster; this adds the processes (start, SIGKILL, restart)."""
 
     base: Path
