@@ -29,13 +29,13 @@ import json
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from mtc.ports import free_ports
 from mtc.testing import gcs_emulator
 from mtc.testing.isolation import Hosts, with_checkout
+from mtc.testing.waits import wait_until
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) holding mtc/
 STATE = "cluster.json"
@@ -222,21 +222,23 @@ class LocalCluster:
         one health check confirms."""
         import grpc
 
-        deadline = time.monotonic() + timeout
         port_file = self.port_file(rank)
-        while time.monotonic() < deadline:
+
+        def serving() -> bool:
+            if not port_file.exists():
+                return False
+            try:
+                return _serving(self.addresses[rank])
+            except grpc.RpcError:
+                return False
+
+        def alive() -> None:
             if not self.alive(rank):
                 raise RuntimeError(f"replicator {rank} exited: {self.log_text(rank)[-2000:]}")
-            if not port_file.exists():
-                time.sleep(PORT_FILE_CHECK_S)
-                continue
-            try:
-                if _serving(self.addresses[rank]):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.02)
-        raise TimeoutError(f"replicator {rank} not serving after {timeout}s")
+
+        alive()
+        wait_until(f"replicator {rank} serving", serving, timeout, poll_s=PORT_FILE_CHECK_S,
+                   during=alive, detail=lambda: self.log_text(rank)[-2000:])
 
     def alive(self, rank: int) -> bool:
         """Whether ``rank``'s replicator runs."""
