@@ -204,9 +204,12 @@ class Cluster(Replicators):
         return scrape(f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics")
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
+        self.wait_health(rank, "SERVING", timeout)
+
+    def wait_health(self, rank: int, want: str, timeout: float = 30.0) -> None:
+        """Until rank's health check answers ``want`` (its process must stay up)."""
         wait_healthy(self.addrs[rank], lambda: self.procs[rank].poll() is None, self.creds,
-                     lambda: (self.logs / f"replicator-{rank}.log").read_text()[-2000:],
-                     timeout)
+                     lambda: self.log_text(rank)[-2000:], timeout, want=want)
 
     def kill(self, rank: int) -> None:
         proc = self.procs.pop(rank, None)
@@ -233,19 +236,26 @@ class Cluster(Replicators):
 
 
 def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials | None,
-                 log: Callable[[], str], timeout: float = 30.0) -> None:
-    """Until the replicator at ``address`` answers its health check SERVING; a
-    RuntimeError with its ``log`` as soon as it is not ``alive``, TimeoutError
-    after ``timeout`` seconds."""
-    def serving() -> bool:
+                 log: Callable[[], str], timeout: float = 30.0, *,
+                 want: str = "SERVING") -> None:
+    """Until the replicator at ``address`` answers its health check ``want``
+    (``NOT_SERVING``: a stalled loop); a RuntimeError with its ``log`` as soon as
+    it is not ``alive``, TimeoutError after ``timeout`` seconds naming what it
+    answered last."""
+    got = ""
+
+    def answers() -> bool:
+        nonlocal got
         if not alive():
             raise RuntimeError(f"replicator at {address} exited: {log()}")
         try:
-            return check(address, creds=creds, timeout_s=1.0) == "SERVING"
-        except grpc.RpcError:
-            return False
+            got = check(address, creds=creds, timeout_s=1.0)
+        except grpc.RpcError as e:
+            got = str(e.code())
+        return got == want
 
-    wait_until(f"replicator at {address} serving", serving, timeout, detail=log)
+    wait_until(f"replicator at {address} health {want}", answers, timeout,
+               detail=lambda: f"it answers {got}: {log()}")
 
 
 def scrape(url: str) -> dict[str, float]:
