@@ -141,14 +141,22 @@ class Replicators:
         that answers (one not serving yet, as an Orbax-mode one until its client names
         its rank, or one cut off, is asked again at a wait's next poll)."""
         out: set[Copy] = set()
+        unanswered = []
         for r in range(self.n):
             if self.alive(r):
                 try:
                     inv = self.inventory(r)
                 except PeerError:
+                    unanswered.append(r)
                     continue
                 out |= {(r, c.origin_rank, c.step) for c in inv.copies}
+        self._unanswered = unanswered
         return out
+
+    def silent(self) -> list[int]:
+        """The ranks whose replicator is down, or did not answer the last :meth:`held`."""
+        return sorted({r for r in range(self.n) if not self.alive(r)}
+                      | set(getattr(self, "_unanswered", ())))
 
     def passes(self, rank: int, loop: str = "replication") -> int:
         """Passes rank's ``loop`` (replication, backup) finished without failing since
@@ -174,8 +182,7 @@ class Replicators:
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
         """Until every host's ``step`` is held by its peer (mtc.testing's condition,
         the one users' tests wait on)."""
-        wait_replicated(self.held, step, self.n, self.per_slice, timeout,
-                                 silent=lambda: [r for r in range(self.n) if not self.alive(r)])
+        wait_replicated(self.held, step, self.n, self.per_slice, timeout, silent=self.silent)
 
     def wait_passes(self, *ranks: int, loop: str = "replication", more: int = 2,
                     timeout: float = 30.0) -> None:
