@@ -22,25 +22,22 @@ import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.credentials import Credentials
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.healthcheck import check
 from mtc.sidecar.replicator.memory_cluster import commit_mtc_step, commit_raw_step
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.storage.checksum import file_crc
 from mtc.testing.isolation import Hosts, with_checkout
-from mtc.testing.replicas import Replicators
-from mtc.testing.waits import wait_until
+from mtc.testing.replicas import Replicators, wait_healthy
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -233,29 +230,6 @@ class Cluster(Replicators):
             return c.call("GetInventory", pb.InventoryRequest())
         finally:
             c.close()
-
-
-def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials | None,
-                 log: Callable[[], str], timeout: float = 30.0, *,
-                 want: str = "SERVING") -> None:
-    """Until the replicator at ``address`` answers its health check ``want``
-    (``NOT_SERVING``: a stalled loop); a RuntimeError with its ``log`` as soon as
-    it is not ``alive``, TimeoutError after ``timeout`` seconds naming what it
-    answered last."""
-    got = ""
-
-    def answers() -> bool:
-        nonlocal got
-        if not alive():
-            raise RuntimeError(f"replicator at {address} exited: {log()}")
-        try:
-            got = check(address, creds=creds, timeout_s=1.0)
-        except grpc.RpcError as e:
-            got = str(e.code())
-        return got == want
-
-    wait_until(f"replicator at {address} health {want}", answers, timeout,
-               detail=lambda: f"it answers {got}: {log()}")
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -35,7 +35,7 @@ from typing import Any
 from mtc.ports import free_ports
 from mtc.testing import gcs_emulator
 from mtc.testing.isolation import Hosts, with_checkout
-from mtc.testing.waits import wait_until
+from mtc.testing.replicas import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) holding mtc/
 STATE = "cluster.json"
@@ -220,25 +220,9 @@ class LocalCluster:
         """Until ``rank``'s replicator serves: it writes its port file once its
         server is up (watched with a stat every few milliseconds, no RPC), then
         one health check confirms."""
-        import grpc
-
-        port_file = self.port_file(rank)
-
-        def serving() -> bool:
-            if not port_file.exists():
-                return False
-            try:
-                return _serving(self.addresses[rank])
-            except grpc.RpcError:
-                return False
-
-        def alive() -> None:
-            if not self.alive(rank):
-                raise RuntimeError(f"replicator {rank} exited: {self.log_text(rank)[-2000:]}")
-
-        alive()
-        wait_until(f"replicator {rank} serving", serving, timeout, poll_s=PORT_FILE_CHECK_S,
-                   during=alive, detail=lambda: self.log_text(rank)[-2000:])
+        wait_healthy(self.addresses[rank], lambda: self.alive(rank), None,
+                     lambda: self.log_text(rank)[-2000:], timeout,
+                     ready=self.port_file(rank).exists, poll_s=PORT_FILE_CHECK_S)
 
     def alive(self, rank: int) -> bool:
         """Whether ``rank``'s replicator runs."""
@@ -378,15 +362,3 @@ def _start_emulator(base: Path, host: str) -> dict[str, Any]:
         proc.kill()
         raise
     return {"url": url, "pid": proc.pid}
-
-
-def _serving(address: str) -> bool:
-    """Whether the gRPC health service at ``address`` (a replicator's plaintext
-    health mirror) says SERVING; a gRPC error when it does not answer."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                         timeout=1.0)
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

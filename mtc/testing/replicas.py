@@ -110,6 +110,53 @@ def request_backup(address: str, token: str, timeout: float = 600.0) -> int:
     return tier.request_backup(address, token=token, timeout_s=timeout)
 
 
+def health(address: str, creds: Credentials | None = None, timeout_s: float = 1.0) -> str:
+    """What the gRPC health service at ``address`` says of the whole server
+    (``SERVING``, ``NOT_SERVING``), or the gRPC code of a call it did not answer
+    (``UNAVAILABLE``); ``creds``: mutual TLS (none: plaintext, as the replicators'
+    health mirror)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cc = creds.channel_credentials() if creds else None
+    channel = grpc.secure_channel(address, cc) if cc else grpc.insecure_channel(address)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=timeout_s)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    except grpc.RpcError as e:
+        return str(e.code().name)
+    finally:
+        channel.close()
+
+
+def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials | None,
+                 log: Callable[[], str], timeout: float = 30.0, *, want: str = "SERVING",
+                 ready: Callable[[], bool] | None = None, poll_s: float = POLL_S) -> None:
+    """Until the replicator at ``address`` answers its health check ``want``
+    (``NOT_SERVING``: a stalled loop): every harness's "until serving". A
+    RuntimeError with its ``log`` as soon as it is not ``alive``; a
+    :class:`~mtc.testing.waits.WaitTimeout` after ``timeout`` seconds naming what
+    it answered last. ``ready``: asked first, a cheaper sign (a port file's stat)
+    before any RPC."""
+    got = ""
+
+    def answers() -> bool:
+        nonlocal got
+        if ready is not None and not ready():
+            return False
+        got = health(address, creds)
+        return got == want
+
+    def up() -> None:
+        if not alive():
+            raise RuntimeError(f"replicator at {address} exited: {log()}")
+
+    up()
+    wait_until(f"replicator at {address} health {want}", answers, timeout, poll_s=poll_s,
+               during=up, detail=lambda: f"it answers {got or 'nothing yet'}: {log()}")
+
+
 class Replicators:
     """What a cluster of replicators reports, and the waits on it, whoever hosts them:
     ``mtc.sidecar.replicator.memory_cluster.MemoryCluster`` (in one process),
