@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -105,11 +104,7 @@ class Cluster(HostReplicators):
 
     def lose(self, i: int) -> None:
         """Host ``i`` is gone: its processes killed, and its RAM disk with them."""
-        self.hosts.kill(i)
-        if self.hosts.isolation == "processes":  # a private folder outlives its processes
-            root = self.hosts.hosts[i].root
-            shutil.rmtree(root)
-            root.mkdir()
+        self.hosts.lose(i)
 
     def run_job(self, phase: str, on: Sequence[int], logs: Path, *, worker: Path = WORKER,
                 args: Sequence[str] = (), killed: Sequence[int] = (),

@@ -117,13 +117,8 @@ class OrbaxHosts(HostReplicators):
             "--metrics-address", self.hosts.hosts[i].address], env=_env())
 
     def lose_host(self, i: int) -> None:
-        """Every process of host ``i`` SIGKILLed: with namespaces its tmpfs goes too."""
-        self.hosts.kill(i)
-        if self.hosts.isolation != "namespaces":
-            import shutil
-
-            shutil.rmtree(self.root(i))
-            self.root(i).mkdir()
+        """Every process of host ``i`` SIGKILLed, its RAM disk gone with them."""
+        self.hosts.lose(i)
 
     def on_host(self, i: int, what: str, arg: str = "") -> Any:
         """Run ``ON_HOST[what]`` in a process inside host ``i``; its ``out`` comes back."""

@@ -331,6 +331,17 @@ class Hosts:
         _kill(h.sidecar_pid, h.sidecar)
         h.sidecar, h.sidecar_pid = None, None
 
+    def lose(self, i: int) -> None:
+        """Host ``i`` is lost: its processes SIGKILLed and its RAM disk gone with them
+        (with namespaces its tmpfs; without, its folder emptied here), its root left
+        as an empty folder, as a namespaced host's mount point is, for a host
+        started in its place."""
+        self.kill(i)
+        if self.isolation != "namespaces":
+            root = self.hosts[i].root
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True, exist_ok=True)
+
     def kill_sidecar(self, i: int) -> None:
         """SIGKILL a host's sidecar alone (its replicator keeps the RAM disk)."""
         h = self.hosts[i]

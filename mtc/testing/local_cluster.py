@@ -235,11 +235,9 @@ class LocalCluster:
     def lose_host(self, rank: int) -> None:
         """SIGKILL every process of ``rank``: with namespaces its RAM disk (a tmpfs
         of its mount namespace) is gone with the last of them; without, its folder
-        is deleted."""
+        is emptied (:meth:`Hosts.lose`)."""
         self._close_channel(rank)
-        self.hosts.kill(rank)
-        if self.hosts.isolation != "namespaces":
-            shutil.rmtree(self.root(rank), ignore_errors=True)
+        self.hosts.lose(rank)
         self.save()
 
     def restart_host(self, rank: int, *, wait: bool = True) -> None:
