@@ -19,13 +19,12 @@ from replicators import env_with_repo, scrape, wait_healthy
 
 import mtc
 from mtc.credentials import Credentials
-from mtc.grpc_errors import PeerError
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.backup.backend import open_backend
 from mtc.sidecar.backup.job import BackupStore
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.testing.isolation import Hosts
-from mtc.testing.replicas import wait_replicated
+from mtc.testing.replicas import HostReplicators
 
 SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there
@@ -114,14 +113,9 @@ class Net:
                 os.environ["STORAGE_EMULATOR_HOST"] = old
 
     def wait_replicated(self, step: int, timeout_s: float = 60.0) -> None:
-        """Until every host's data of ``step`` is on its peer (host i <-> i +- 2)."""
-        def held() -> set[tuple[int, int, int]]:
-            try:
-                return {(h, o, s) for h in range(4) for o, s in self.held(h)}
-            except PeerError:  # a host cut off or restarting: asked again
-                return set()
-
-        wait_replicated(held, step, 4, 2, timeout_s)
+        """Until every host's data of ``step`` is on its peer (host i <-> i +- 2): the
+        harness's wait (a host cut off or restarting is asked again)."""
+        HostReplicators(self.hosts, self.addrs, 2).wait_replicated(step, timeout_s)
 
 
 def big_state(mesh: Mesh, step: int) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from mtc.integrity import crc32c
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.copies import provenance
 from mtc.sidecar.replicator.store.step_files import FileMeta
+from mtc.testing.waits import wait_until
 
 TOKEN = "hostile-network-test-token"
 AUTH = [(TOKEN_HEADER, TOKEN)]
@@ -259,9 +260,9 @@ class Drip:
 
     def __enter__(self) -> Drip:
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while self.connects < self.n and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # Connected is not admitted: a server may end some at once (``ended``).
+        wait_until(f"{self.n} dripping connections made", lambda: self.connects >= self.n,
+                   10, poll_s=0.01, detail=lambda: f"{self.connects} made, {self.ended} ended")
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -30,12 +29,10 @@ import pytest
 from replicators import wait_healthy
 from xla_flags import cpu_flags
 
-from mtc.credentials import Credentials
 from mtc.ports import free_ports
-from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.testing.isolation import Hosts
-from mtc.testing.waits import wait_until
+from mtc.testing.replicas import HostReplicators
+from mtc.testing.waits import wait_exits
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -65,21 +62,22 @@ def _tail(text: str, n: int = 4000) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-class Cluster:
+class Cluster(HostReplicators):
     """Isolated hosts, each with its sidecar (owner of its namespaces and RAM disk)
-    and its replicator; jobs run one JAX process per chosen host."""
+    and its replicator; jobs run one JAX process per chosen host. What the
+    replicators hold and the waits on it (``wait_held``, ``wait_replicated``) are
+    :class:`~mtc.testing.replicas.HostReplicators`'."""
 
     def __init__(self, base: Path, n: int, *, replicators: bool) -> None:
-        self.hosts = Hosts(base, n, ramdisk_bytes=64 << 20)
+        hosts = Hosts(base, n, ramdisk_bytes=64 << 20)
+        ns = hosts.isolation == "namespaces"
+        ports = [REPLICATOR_PORT] * n if ns else free_ports(n)
+        super().__init__(hosts, [hosts.replicator_address(i, ports[i]) for i in range(n)]
+                         if replicators else [], HOSTS_PER_SLICE)
         # Arguments added to one host's replicator (the last of a repeated flag wins).
         self.replicator_args: dict[int, list[str]] = {}
-        self.n = n
         self.env = _env()
         self.slices = [i // HOSTS_PER_SLICE for i in range(n)]
-        ns = self.hosts.isolation == "namespaces"
-        ports = [REPLICATOR_PORT] * n if ns else free_ports(n)
-        self.addrs = ([self.hosts.replicator_address(i, ports[i]) for i in range(n)]
-                      if replicators else [])
 
     def _replicator_argv(self, i: int) -> list[str]:
         return ["--local-dir", str(self.hosts.hosts[i].root), "--listen", self.addrs[i],
@@ -104,33 +102,9 @@ class Cluster:
         wait_healthy(self.addrs[i], lambda: proc.poll() is None, None,
                      lambda: self.hosts.log_tail(i, "replicator"), timeout_s)
 
-    def wait_copies(self, holder: int, wanted: set[tuple[int, int]],
-                    timeout_s: float = 60.0) -> None:
-        """Until replicator ``holder`` lists every (origin, step) in ``wanted`` (bounded)."""
-        client = PeerClient(self.addrs[holder], Credentials(token=self.hosts.token()),
-                            rank=-1, deadline_s=5.0)
-        try:
-            held: set[tuple[int, int]] = set()
-
-            def holds() -> bool:
-                nonlocal held
-                inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
-                held = {(c.origin_rank, c.step) for c in inv.copies}
-                return wanted <= held
-
-            wait_until(f"replicator {holder} holding {sorted(wanted)}", holds, timeout_s,
-                       detail=lambda: f"it holds {sorted(held)}, not {sorted(wanted - held)}: "
-                                      f"{self.hosts.log_tail(holder, 'replicator')}")
-        finally:
-            client.close()
-
     def lose(self, i: int) -> None:
         """Host ``i`` is gone: its processes killed, and its RAM disk with them."""
-        self.hosts.kill(i)
-        if self.hosts.isolation == "processes":  # a private folder outlives its processes
-            root = self.hosts.hosts[i].root
-            shutil.rmtree(root)
-            root.mkdir()
+        self.hosts.lose(i)
 
     def run_job(self, phase: str, on: Sequence[int], logs: Path, *, worker: Path = WORKER,
                 args: Sequence[str] = (), killed: Sequence[int] = (),
@@ -168,14 +142,8 @@ class Cluster:
                     procs.append(subprocess.Popen(h.wrap(argv), cwd=REPO, env=self.env,
                                                   stdout=fo, stderr=fe,
                                                   stdin=subprocess.DEVNULL))
-            deadline = time.monotonic() + PHASE_TIMEOUT_S
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any(p.returncode not in (None, 0) for k, p in enumerate(procs)
-                       if k not in killed):
-                    # A failed process leaves its peers stuck in a collective.
-                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-                time.sleep(0.05)
-            timed_out = [k for k, p in enumerate(procs) if p.poll() is None]
+            timed_out = wait_exits(procs, PHASE_TIMEOUT_S, grace_s=FAILURE_GRACE_S,
+                                   expected=killed)
         finally:
             for p in procs:
                 if p.poll() is None:

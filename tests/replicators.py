@@ -22,24 +22,22 @@ import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.credentials import Credentials
 from mtc.manifest import MANIFEST_NAME, LeafEntry, Manifest, ShardEntry
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.healthcheck import check
-from mtc.sidecar.replicator.memory_cluster import Replicators, commit_mtc_step, commit_raw_step
+from mtc.sidecar.replicator.memory_cluster import commit_mtc_step, commit_raw_step
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.sidecar.storage.checksum import file_crc
 from mtc.testing.isolation import Hosts, with_checkout
-from mtc.testing.waits import wait_until
+from mtc.testing.replicas import Replicators, wait_healthy
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -53,7 +51,7 @@ class Cluster(Replicators):
     (from the first :meth:`options`) a sidecar per host over the same root; the
     sidecars' shared-memory areas and logs are under ``<base>/hosts/``. What they
     report and the waits on it (copies held, loop passes, a metric's value) are
-    :class:`~mtc.sidecar.replicator.memory_cluster.Replicators`', as for the
+    :class:`~mtc.testing.replicas.Replicators`', as for the
     in-memory cluster; this adds the processes (start, SIGKILL, restart)."""
 
     base: Path
@@ -203,9 +201,12 @@ class Cluster(Replicators):
         return scrape(f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics")
 
     def wait_serving(self, rank: int, timeout: float = 30.0) -> None:
+        self.wait_health(rank, "SERVING", timeout)
+
+    def wait_health(self, rank: int, want: str, timeout: float = 30.0) -> None:
+        """Until rank's health check answers ``want`` (its process must stay up)."""
         wait_healthy(self.addrs[rank], lambda: self.procs[rank].poll() is None, self.creds,
-                     lambda: (self.logs / f"replicator-{rank}.log").read_text()[-2000:],
-                     timeout)
+                     lambda: self.log_text(rank)[-2000:], timeout, want=want)
 
     def kill(self, rank: int) -> None:
         proc = self.procs.pop(rank, None)
@@ -229,22 +230,6 @@ class Cluster(Replicators):
             return c.call("GetInventory", pb.InventoryRequest())
         finally:
             c.close()
-
-
-def wait_healthy(address: str, alive: Callable[[], bool], creds: Credentials | None,
-                 log: Callable[[], str], timeout: float = 30.0) -> None:
-    """Until the replicator at ``address`` answers its health check SERVING; a
-    RuntimeError with its ``log`` as soon as it is not ``alive``, TimeoutError
-    after ``timeout`` seconds."""
-    def serving() -> bool:
-        if not alive():
-            raise RuntimeError(f"replicator at {address} exited: {log()}")
-        try:
-            return check(address, creds=creds, timeout_s=1.0) == "SERVING"
-        except grpc.RpcError:
-            return False
-
-    wait_until(f"replicator at {address} serving", serving, timeout, detail=log)
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -1,17 +1,26 @@
-"""One in-process replicator for tests that talk to it over loopback: rank 0 of two
-(one host per slice), a step of its own committed before it serves, its gRPC and
-data-channel servers started with :func:`serve`, everything closed by :meth:`close`."""
+"""One replicator for tests that talk to it over loopback: rank 0 of two (one host
+per slice) of the one cluster harness (:class:`MemoryCluster`, its peer, rank 1,
+never started: every call to it fails at once), a step of its own committed before
+it serves, its gRPC and data-channel servers started with :func:`serve`,
+everything closed by :meth:`close`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mtc.credentials import Credentials
 from mtc.sidecar.replicator.config import ReplicatorConfig
-from mtc.sidecar.replicator.node import Node
+from mtc.sidecar.replicator.memory_cluster import DEFAULTS, MemoryCluster
 from mtc.sidecar.replicator.wire.server import serve
+
+# The replicator's own defaults where the cluster's tests shorten them: a served node
+# runs as a deployed one (a restore's quiet time, space set aside, the scrub's
+# rate), but for the deadlines below.
+AS_DEPLOYED = {f.name: f.default for f in dataclasses.fields(ReplicatorConfig)
+               if f.name in DEFAULTS}
 
 
 class ServedNode:
@@ -21,11 +30,11 @@ class ServedNode:
 
     def __init__(self, root: Path, creds: Credentials, commit: Callable[[Path], Any], *,
                  serving: dict[str, Any] | None = None, **config: Any) -> None:
-        cfg = ReplicatorConfig(**{"rank": 0, "nodes": ("127.0.0.1:0", "127.0.0.1:1"),
-                                  "nodes_per_slice": 1, "deadline_s": 2.0,
-                                  "agreement_timeout_s": 0.5, **config})
         self.root = root
-        self.node = Node(cfg, root, creds)
+        self.cluster = MemoryCluster(root.parent, 2, start=False, run=False, creds=creds,
+                                     roots={0: root}, **{**AS_DEPLOYED, "deadline_s": 2.0,
+                                                         "agreement_timeout_s": 0.5, **config})
+        self.node = self.cluster.start(0)
         commit(root)
         self.server, self.port, self.servicer, _ = serve(self.node, "127.0.0.1:0", creds,
                                                          **(serving or {}))
@@ -37,5 +46,4 @@ class ServedNode:
     def close(self) -> None:
         self.server.stop(0).wait()
         self.servicer.close()
-        self.node.stop()
-        self.node.close()
+        self.cluster.close()

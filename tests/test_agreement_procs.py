@@ -153,23 +153,6 @@ def test_sigterm_shuts_down_gracefully_even_during_a_restore(
     assert cl.alive(0)
 
 
-def wait_health(cl: Cluster, rank: int, want: str, timeout: float) -> None:
-    from mtc.sidecar.replicator.healthcheck import check
-
-    got = ""
-
-    def healthy() -> bool:
-        nonlocal got
-        try:
-            got = check(cl.addrs[rank], timeout_s=1.0)
-        except grpc.RpcError as e:
-            got = str(e.code())
-        return got == want
-
-    wait_until(f"rank {rank} health {want!r}", healthy, timeout,
-               detail=lambda: f"it is {got!r}")
-
-
 def test_health_not_serving_while_the_loop_stalls(ramdisk: Path,
                                                   clusters: list[Cluster]) -> None:
     cl = new_cluster(clusters, ramdisk, 2, 1)
@@ -182,10 +165,10 @@ def test_health_not_serving_while_the_loop_stalls(ramdisk: Path,
     cl.procs[0].send_signal(signal.SIGSTOP)
     try:
         cl.commit(1, 2, {"y.bin": os.urandom(256)})
-        wait_health(cl, 1, "NOT_SERVING", 30)
+        cl.wait_health(1, "NOT_SERVING", 30)
     finally:
         cl.procs[0].send_signal(signal.SIGCONT)
-    wait_health(cl, 1, "SERVING", 30)
+    cl.wait_health(1, "SERVING", 30)
     assert "stalled" in cl.log_text(1)
 
 

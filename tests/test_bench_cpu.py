@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from bench._cpu import CpuSampler, process_cpu
+from mtc.testing.waits import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -86,9 +87,7 @@ def test_pinning_moves_every_thread_and_the_trainer_starts_pinned() -> None:
                                    preexec_fn=pinning(trainer))
     try:
         with Pinner(lambda: [hostproc.pid], host, period_s=0.05) as p:
-            deadline = time.monotonic() + 5
-            while p.moved < 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until("the pinner moving the host's 4 threads", lambda: p.moved >= 4, 5)
         tids = [int(t) for t in os.listdir(f"/proc/{hostproc.pid}/task")]
         assert len(tids) == 4 and all(os.sched_getaffinity(t) == host for t in tids)
         assert os.sched_getaffinity(trainerproc.pid) == trainer
@@ -155,14 +154,11 @@ def test_the_device_threads_run_jaxs_cpu_devices_and_only_they_move() -> None:
         on_devices = sum(v for k, v in spent.items() if k in DEVICE_THREADS)
         assert on_devices >= 0.8 * sum(spent.values()) > 0, spent
         with Pinner(lambda: [proc.pid], device, period_s=0.05, named=DEVICE_THREADS) as p:
-            deadline = time.monotonic() + 5
-            while p.moved == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until("the pinner moving a device thread", lambda: p.moved, 5)
             # Two more rounds: one that began after every such thread was there.
             rounds = p.ticks + 2
-            while p.ticks < rounds and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert p.moved and p.ticks >= rounds, (p.moved, p.ticks)
+            wait_until(f"the pinner's round {rounds}", lambda: p.ticks >= rounds, 5,
+                       detail=lambda: f"at round {p.ticks}")
         proc.stdin.write("\n")
         proc.stdin.flush()
         tasks = json.loads(proc.stdout.readline())
@@ -189,12 +185,12 @@ def test_the_machine_probe_measures_memory_and_leaves_nothing(tmp_path: Path) ->
 def _lowered(pid: int, nice: int) -> bool:
     from bench._pin import lower
 
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if lower(pid, nice):
-            return True
-        time.sleep(0.1)  # the kernel's rate limit on group changes
-    return False
+    try:  # asked again every 0.1 s: the kernel's rate limit on group changes
+        wait_until(f"pid {pid}'s group at nice {nice}", lambda: lower(pid, nice), 5,
+                   poll_s=0.1)
+    except WaitTimeout:
+        return False
+    return True
 
 
 def _group_nice(pid: int) -> str | None:

@@ -14,6 +14,7 @@ named in a string is not read).
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,53 @@ def test_mtc_testing_imports_nothing_of_the_demo_package() -> None:
             found |= {(path.name, n) for n in names
                       if n == "mtc.trainer" or n.startswith("mtc.trainer.")}
     assert found == set(), found
+
+
+# Where each package's files are in the checkout (pyproject.toml's package-dir): read,
+# never imported, so the walk below costs no import of JAX or the replicator.
+PACKAGE_DIRS = {name: Path(spec.submodule_search_locations[0])
+                for name in ("mtc", "mtc.sidecar", "mtc.trainer")
+                if (spec := importlib.util.find_spec(name)) is not None
+                and spec.submodule_search_locations}
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of module ``name`` (None: not a module, e.g. a class)."""
+    package = max((p for p in PACKAGE_DIRS if name == p or name.startswith(p + ".")),
+                  key=len, default=None)
+    if package is None:
+        return None
+    folder = PACKAGE_DIRS[package].joinpath(*name[len(package):].split(".")[1:])
+    for path in (folder / "__init__.py", folder.with_suffix(".py")):
+        if path.is_file():
+            return path
+    return None
+
+
+def test_nothing_mtc_testing_reaches_imports_the_demo_package() -> None:
+    """Nor through mtc's own modules: every mtc module mtc.testing imports, and every
+    one those import (lazily too), transitively, leaves ``mtc.trainer`` out. A chain
+    that reaches it is named, from the demo module back to mtc.testing."""
+    came_from: dict[str, str | None] = {}
+    todo: list[tuple[str, str | None]] = [
+        ("mtc.testing" if p.stem == "__init__" else f"mtc.testing.{p.stem}", None)
+        for p in sorted((ROOT / "testing").glob("*.py"))]
+    while todo:
+        name, via = todo.pop()
+        if name in came_from:
+            continue
+        came_from[name] = via
+        path = _module_file(name)
+        if path is None:
+            continue
+        todo += [(n, name) for names in imports_of(path.read_text()) for n in names
+                 if (n == "mtc" or n.startswith("mtc.")) and n not in came_from]
+    chains = []
+    for name in came_from:
+        if name == "mtc.trainer" or name.startswith("mtc.trainer."):
+            chain = [name]
+            while (via := came_from[chain[-1]]) is not None:
+                chain.append(via)
+            chains.append(" <- ".join(chain))
+    assert chains == [], chains
+    assert len(came_from) > 50  # the walk did follow mtc's imports

@@ -27,6 +27,8 @@ from deploy_render import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtc.testing.waits import wait_until
+
 # Every test here renders the overlays (kubectl kustomize) or runs the images' tools.
 pytestmark = pytest.mark.process
 
@@ -161,12 +163,9 @@ def test_alerts_read_what_a_replicator_exports(tmp_path: Path, interval: str) ->
         try:
             from mtc.proto import replicator_pb2 as pb
 
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                if client.call("RequestBackup", pb.BackupRequest(step=-1),
-                               deadline_s=30).step == 4:
-                    break
-                time.sleep(0.2)
+            wait_until("a backup of step 4", lambda: client.call(
+                "RequestBackup", pb.BackupRequest(step=-1), deadline_s=30).step == 4, 30,
+                poll_s=0.2)
         finally:
             client.close()
         after = cl.scrape(0)

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from deploy_render import (
     worker_env,
 )
 from grpc_health.v1 import health, health_pb2
-from replicators import env_with_repo, free_ports
+from replicators import env_with_repo, free_ports, wait_healthy
 from tls_certs import health_server
 
 from mtc.credentials import Credentials
@@ -162,17 +161,8 @@ def test_wrapper_process_writes_init_info_and_mirrors_health(tmp_path: Path) -> 
          "--replicas", "0", "--token-file", str(tmp_path / "token")],
         env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 30
-        status = ""
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                status = healthcheck.check(f"127.0.0.1:{health_port}", timeout_s=1)
-            except grpc.RpcError:
-                status = ""
-            if status == "SERVING":
-                break
-            time.sleep(0.2)
-        assert status == "SERVING", (tmp_path / "log").read_text()
+        wait_healthy(f"127.0.0.1:{health_port}", lambda: proc.poll() is None, None,
+                     lambda: (tmp_path / "log").read_text(), 30)
         assert healthcheck.check(f"127.0.0.1:{health_port}",
                                  "mtc.replicator.v1.Replicator") == "SERVING"
         assert healthcheck.main(["--address", f"127.0.0.1:{health_port}"]) == 0

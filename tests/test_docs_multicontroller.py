@@ -29,12 +29,11 @@ from replicators import env_with_repo, wait_healthy
 from xla_flags import cpu_flags
 
 from mtc.credentials import Credentials
-from mtc.grpc_errors import PeerError
 from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.main import parse_args
 from mtc.sidecar.replicator.wire.client import PeerClient
-from mtc.testing.replicas import wait_replicated
+from mtc.testing.replicas import Replicators
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = "docs/multi-controller.md"
@@ -126,8 +125,11 @@ def sh_block(heading: str, first: str) -> str:
     raise AssertionError(f"{PAGE}: no sh block starting {first!r} under {heading!r}")
 
 
-class VmHosts:
-    """Four hosts' replicators on loopback, each from the unit and its env file."""
+class VmHosts(Replicators):
+    """Four hosts' replicators on loopback, each from the unit and its env file; what
+    they hold and the waits on it are :class:`~mtc.testing.replicas.Replicators`'."""
+
+    n, per_slice = len(EXAMPLE_HOSTS), HOSTS_PER_SLICE
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -169,20 +171,19 @@ class VmHosts:
         return Credentials(tls_cert=self.pki / "controller.crt",
                            tls_key=self.pki / "controller.key", tls_ca=self.pki / "ca.crt")
 
-    def held(self, rank: int) -> set[tuple[int, int]] | None:
+    def alive(self, rank: int) -> bool:
+        return rank in self.procs and self.procs[rank].poll() is None
+
+    def inventory(self, rank: int) -> pb.Inventory:
         client = PeerClient(f"127.0.0.1:{self.ports[rank]}", self.controller(), rank=rank,
                             deadline_s=5.0)
         try:
-            inv = client.call("GetInventory", pb.InventoryRequest(), attempts=1)
-            return {(c.origin_rank, c.step) for c in inv.copies}
-        except PeerError:
-            return None
+            return client.call("GetInventory", pb.InventoryRequest(), attempts=1)
         finally:
             client.close()
 
-    def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        wait_replicated(lambda: {(r, o, s) for r in self.procs for o, s in (self.held(r) or ())},
-                        step, len(EXAMPLE_HOSTS), HOSTS_PER_SLICE, timeout)
+    def log_text(self, rank: int) -> str:
+        return self.log(rank)
 
     def run_job(self, program: Path, steps: int) -> list[list[str]]:
         """The page's program on every host, process r on host r; each one's own lines."""

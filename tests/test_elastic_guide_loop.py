@@ -20,7 +20,6 @@ from __future__ import annotations
 import gc
 import re
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from jax.sharding import Mesh
 from pathwaysutils.elastic import elastic as pw_elastic
 
 from mtc.testing.local_cluster import LocalCluster
+from mtc.testing.waits import wait_until
 from mtc.trainer.faults import SliceLossSimulator
 
 pytestmark = pytest.mark.process  # the cluster's hosts are processes
@@ -130,10 +130,8 @@ def test_guide_loop_loses_a_slice_scales_up_and_resumes_a_lost_host_from_its_pee
                 assert slice1_found.wait(30), "the monitor never found slice 1 back"
             elif phase[0] == 2 and slices == 2 and step >= 26:
                 saved = (step // 5) * 5  # the newest step the manager saved (every 5)
-                deadline = time.monotonic() + 60
-                while not peer_holds(cluster, 1, saved) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                assert peer_holds(cluster, 1, saved), f"step {saved} never reached host 1's peer"
+                wait_until(f"step {saved} on host 1's peer",
+                           lambda: peer_holds(cluster, 1, saved), 60)
                 with checks:
                     cluster.lose_host(1)  # SIGKILL: its RAM disk goes with it
                     sim.lose([*host1, *slice1])

@@ -424,13 +424,9 @@ def test_a_damaged_peer_copy_is_quarantined_and_fetched_again(net: Net) -> None:
         damaged = bytearray(copy.read_bytes())
         damaged[100] ^= 0xFF
         copy.write_bytes(bytes(damaged))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if copy.exists() and copy.read_bytes() == files["a.bin"] and \
-                    (1, 0, 20) in net.cluster.held():
-                break
-            time.sleep(0.1)
-        assert copy.read_bytes() == files["a.bin"]
+        wait_until("host 1's damaged copy healed and listed again", lambda: copy.exists()
+                   and copy.read_bytes() == files["a.bin"] and (1, 0, 20) in net.cluster.held(),
+                   20, poll_s=0.1)
         assert (net.root(1) / REPLICA_DIR / "0" / "20" / "b.bin").read_bytes() == files["b.bin"]
     assert qdir.is_dir() and not qdir.is_symlink()
     assert any(n.endswith("a.bin") for n in os.listdir(qdir))

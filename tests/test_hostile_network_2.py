@@ -17,7 +17,6 @@ import os
 import pickle
 import shutil
 import struct
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -108,11 +107,9 @@ def test_a_replaced_hosts_restore_succeeds_while_its_holders_data_port_is_floode
     shutil.rmtree(cl.root(0))
     cl.start(0)
     with Drip(("127.0.0.1", port), 40, head=head, every=0.5) as drip:
-        for _ in range(100):  # until the flood is at its bound (16 of one address)
-            if drip.ended >= 40 - data_admission.PENDING_PER_SOURCE:
-                break
-            time.sleep(0.05)
-        assert drip.ended >= 40 - data_admission.PENDING_PER_SOURCE, drip.ended
+        wait_until("the flood at its bound (16 of one address, the rest ended)",
+                   lambda: drip.ended >= 40 - data_admission.PENDING_PER_SOURCE, 5,
+                   detail=lambda: f"{drip.ended} ended")
         with ThreadPoolExecutor(2) as pool:
             replies = list(pool.map(lambda r: _prepare(cl, r), [0, 1]))
     r0, r1 = replies

@@ -17,7 +17,8 @@ from mtc.inventory import StepInventory
 Copies = dict[int, list[tuple[int, str] | tuple[int, str, int]]]
 
 
-def hosts(copies: Copies, n: int = 3) -> tuple[FakeDispatch, StepInventory]:
+def step_tables(copies: Copies, n: int = 3) -> tuple[FakeDispatch, StepInventory]:
+    """The hosts as step tables (a fake dispatcher, no process) and an inventory over them."""
     topo = topology(n)
     d = FakeDispatch(topo)
     for h, held in copies.items():
@@ -38,12 +39,12 @@ def hosts(copies: Copies, n: int = 3) -> tuple[FakeDispatch, StepInventory]:
       2: [(1, "a"), (2, "a"), (3, "b")]}, [2]),
 ])
 def test_complete_steps(copies: Copies, complete: list[int]) -> None:
-    _, inv = hosts(copies)
+    _, inv = step_tables(copies)
     assert inv.common() == complete
 
 
 def test_an_unreadable_manifest_never_offers_its_step() -> None:
-    d, inv = hosts({h: [(1, "a"), (2, "a")] for h in range(3)})
+    d, inv = step_tables({h: [(1, "a"), (2, "a")] for h in range(3)})
     d.unreadable.add((2, 1))
     assert inv.common() == [1]
 
@@ -51,7 +52,7 @@ def test_an_unreadable_manifest_never_offers_its_step() -> None:
 def test_a_surveys_facts_replace_what_was_kept() -> None:
     """A step deleted and saved again behind this manager may be another run's: the
     hosts' newer answer wins over what this manager saved."""
-    d, inv = hosts({h: [(1, "a")] for h in range(3)})
+    d, inv = step_tables({h: [(1, "a")] for h in range(3)})
     inv.saved(1, "a", [0, 1, 2])
     assert inv.run_of(1, [0, 1, 2]) == "a"
     inv.learn(Survey(None, d.held(), {(1, 2): (3, "b")}))
@@ -60,7 +61,7 @@ def test_a_surveys_facts_replace_what_was_kept() -> None:
 
 
 def test_what_this_manager_saved_needs_no_manifest() -> None:
-    d, inv = hosts({})
+    d, inv = step_tables({})
     for h in range(3):
         d.commit(h, 4, run="a")
     inv.saved(4, "a", [0, 1, 2])
@@ -86,22 +87,22 @@ def test_what_this_manager_saved_needs_no_manifest() -> None:
 ])
 def test_fence_after_a_restore(copies: Copies, restored: int,
                                fenced: list[tuple[int, tuple[int, ...]]]) -> None:
-    d, inv = hosts(copies)
+    d, inv = step_tables(copies)
     inv.fence_after(restored, "now")
     assert d.ops("delete") == fenced
 
 
 def test_fencing_keeps_a_copy_whose_manifest_does_not_read() -> None:
-    d, inv = hosts({0: [(5, "a"), (6, "a")], 1: [(5, "a"), (6, "a")], 2: [(5, "a")]})
+    d, inv = step_tables({0: [(5, "a"), (6, "a")], 1: [(5, "a"), (6, "a")], 2: [(5, "a")]})
     d.unreadable.add((6, 1))
     inv.fence_after(5, "now")
     assert d.ops("delete") == [(6, (0,))]  # host 1's copy: unsure, never deleted
 
 
 def test_nothing_restorable() -> None:
-    _, inv = hosts({})
+    _, inv = step_tables({})
     inv.nothing_restorable(start_over=False, read_only=False)  # a new job: fine
-    d, inv = hosts({0: [(3, "a")], 1: [(3, "a"), (4, "a")]})
+    d, inv = step_tables({0: [(3, "a")], 1: [(3, "a"), (4, "a")]})
     with pytest.raises(DataLossError, match=r"host 0 holds steps \[3\]; host 1 holds steps "
                                             r"\[3, 4\]"):
         inv.nothing_restorable(start_over=False, read_only=False)

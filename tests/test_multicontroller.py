@@ -49,8 +49,7 @@ def test_isolated_hosts_save_restore_restart_replace_and_shrink(tmp_path: Path) 
 
         # Host 3 is replaced empty; its peer (host 1, same place in the other
         # slice) holds its step 3. Host 2's peer copy (on host 0) serves later.
-        c.wait_copies(1, {(3, 3)})
-        c.wait_copies(0, {(2, 3)})
+        c.wait_held({(1, 3, 3), (0, 2, 3)})  # (holder, origin, step)
         c.lose(3)
         c.start([3])
         results = c.run_job("replaced", everyone, logs)
@@ -65,8 +64,7 @@ def test_isolated_hosts_save_restore_restart_replace_and_shrink(tmp_path: Path) 
         # Hosts 0 and 1 are gone; the job comes back on hosts 2 and 3 (replicator
         # ranks 2 and 3, stated by its managers), the data of hosts 0 and 1 coming
         # from their peer copies on hosts 2 and 3.
-        c.wait_copies(2, {(0, 3)})
-        c.wait_copies(3, {(1, 3)})
+        c.wait_held({(2, 0, 3), (3, 1, 3)})
         c.lose(0)
         c.lose(1)
         results = c.run_job("shrink", [2, 3], logs)

@@ -35,8 +35,7 @@ def test_a_killed_save_is_fenced_a_mix_is_refused_and_a_loss_is_loud(tmp_path: P
                             args=("--steps", "20,25"), killed=(3,), min_checks=2)
         assert [r["own_steps"] for r in results] == [[20, 25]] * 3 + [[20]]
         # Hosts 0 to 2 copied their 25 to their peers (hosts 2, 3 and 0).
-        for holder, origin in ((2, 0), (3, 1), (0, 2)):
-            c.wait_copies(holder, {(origin, 25)})
+        c.wait_held({(2, 0, 25), (3, 1, 25), (0, 2, 25)})  # (holder, origin, step)
 
         results = c.run_job("resume", everyone, tmp_path, worker=RESTARTS,
                             args=("--steps", "20,25"))
@@ -47,7 +46,7 @@ def test_a_killed_save_is_fenced_a_mix_is_refused_and_a_loss_is_loud(tmp_path: P
             assert r["planted"] == "MixedRunError"
 
         # Both copies of host 1's data (and of host 3's) are gone; no backup.
-        c.wait_copies(3, {(1, 25)})
+        c.wait_held({(3, 1, 25)})
         c.lose(1)
         c.lose(3)
         c.start([1, 3])

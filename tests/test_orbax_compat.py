@@ -39,13 +39,10 @@ import pytest
 from replicators import scrape
 from xla_flags import cpu_flags
 
-from mtc.credentials import Credentials
 from mtc.ports import free_ports
-from mtc.proto import replicator_pb2 as pb
-from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.testing.isolation import Hosts
-from mtc.testing.replicas import wait_replicated
-from mtc.testing.waits import wait_until
+from mtc.testing.replicas import HostReplicators
+from mtc.testing.waits import wait_exits
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -92,18 +89,19 @@ ON_HOST = {
 }
 
 
-class OrbaxHosts:
-    """Four isolated hosts, each with its replicator (Orbax mode: no ``--rank``)."""
+class OrbaxHosts(HostReplicators):
+    """Four isolated hosts, each with its replicator (Orbax mode: no ``--rank``);
+    what they hold and the waits on it are
+    :class:`~mtc.testing.replicas.HostReplicators`'."""
 
     def __init__(self, base: Path) -> None:
-        self.hosts = Hosts(base / "hosts", HOSTS, ramdisk_bytes=512 << 20)
+        hosts = Hosts(base / "hosts", HOSTS, ramdisk_bytes=512 << 20)
+        super().__init__(hosts, [hosts.replicator_address(i) for i in range(HOSTS)], PER_SLICE)
         self.logs = base / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.creds = Credentials(token=self.hosts.token())
         ns = self.hosts.isolation == "namespaces"
         self.coordinator = COORDINATOR_PORT if ns else free_ports(1)[0]
         self.metrics = [METRICS_PORT] * HOSTS if ns else free_ports(HOSTS)
-        self.addrs = [self.hosts.replicator_address(i) for i in range(HOSTS)]
 
     def root(self, i: int) -> Path:
         return self.hosts.hosts[i].root
@@ -119,13 +117,8 @@ class OrbaxHosts:
             "--metrics-address", self.hosts.hosts[i].address], env=_env())
 
     def lose_host(self, i: int) -> None:
-        """Every process of host ``i`` SIGKILLed: with namespaces its tmpfs goes too."""
-        self.hosts.kill(i)
-        if self.hosts.isolation != "namespaces":
-            import shutil
-
-            shutil.rmtree(self.root(i))
-            self.root(i).mkdir()
+        """Every process of host ``i`` SIGKILLed, its RAM disk gone with them."""
+        self.hosts.lose(i)
 
     def on_host(self, i: int, what: str, arg: str = "") -> Any:
         """Run ``ON_HOST[what]`` in a process inside host ``i``; its ``out`` comes back."""
@@ -152,25 +145,9 @@ class OrbaxHosts:
                 cwd=REPO, env=_env(), stdout=fo, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL)
 
-    def log_text(self, i: int) -> str:
-        return self.hosts.log_tail(i, "replicator", 1 << 20)
-
     def scrape(self, i: int) -> dict[str, float]:
         """Host ``i``'s replicator's Prometheus samples (over the bridge)."""
         return scrape(f"http://{self.hosts.hosts[i].address}:{self.metrics[i]}/metrics")
-
-    def inventory(self, i: int) -> pb.Inventory:
-        c = PeerClient(self.addrs[i], self.creds, rank=i)
-        try:
-            return c.call("GetInventory", pb.InventoryRequest())
-        finally:
-            c.close()
-
-    def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        """Until every host's ``step`` is held by its peer in the other slice."""
-        wait_replicated(lambda: {(r, c.origin_rank, c.step) for r in range(HOSTS)
-                                 for c in self.inventory(r).copies},
-                        step, HOSTS, PER_SLICE, timeout)
 
 
 def run_job(phase: str, cluster: OrbaxHosts, logs: Path) -> list[dict[str, Any]]:
@@ -183,11 +160,7 @@ def run_job(phase: str, cluster: OrbaxHosts, logs: Path) -> list[dict[str, Any]]
     try:
         for i in range(HOSTS):
             procs.append(cluster.worker(i, phase, outs[i]))
-        deadline = time.monotonic() + PHASE_TIMEOUT_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.returncode not in (None, 0) for p in procs):
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-            time.sleep(0.05)
+        wait_exits(procs, PHASE_TIMEOUT_S, grace_s=FAILURE_GRACE_S)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -229,14 +202,6 @@ def descriptor(cluster: OrbaxHosts, holder: int, origin: int, step: int) -> list
     return found
 
 
-def wait_holds(cluster: OrbaxHosts, holders: list[int], origin: int, step: int,
-               timeout: float = 30.0) -> None:
-    """Until each of ``holders`` (serving replicators) holds ``origin``'s ``step``."""
-    wait_until(f"{holders} holding step {step} of rank {origin}", lambda: all(
-        any((c.origin_rank, c.step) == (origin, step) for c in cluster.inventory(h).copies)
-        for h in holders), timeout)
-
-
 @pytest.mark.timeout(240)
 def test_orbax_client_restarts_on_replicated_step(ramdisk: Path) -> None:
     t0 = time.monotonic()
@@ -263,7 +228,7 @@ def test_orbax_client_restarts_on_replicated_step(ramdisk: Path) -> None:
         cluster.start_host(0)
         # Host 1 holds a NEWER complete step nobody else has a counterpart of.
         cluster.on_host(1, "plant_newer", str(STEPS))
-        wait_holds(cluster, [1, peer[1]], origin=1, step=99)  # even replicated
+        cluster.wait_held({(1, 1, 99), (peer[1], 1, 99)}, timeout=30)  # even replicated
         # Host 3 holds a half-written step from a crashed save.
         cluster.on_host(3, "plant_partial", str(STEPS))
 

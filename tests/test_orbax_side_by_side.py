@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mtc
+from mtc.testing.waits import wait_until
 
 # A factory: (subfolder, Orbax's option fields, item_names) -> a manager.
 Make = Callable[..., Any]
@@ -591,12 +591,10 @@ def test_a_step_retention_freed_before_the_saves_were_waited_for_is_not_listed(
         ramdisk: Path, mesh: Mesh) -> None:
     """Listed from save() on, a step is still listed only while the hosts hold it:
     with max_to_keep=1 the save of 3 frees 1 (committed, never waited for)."""
-    deadline = time.monotonic() + 30
-
     def committed(step: int) -> None:
-        while not all((ramdisk / "a" / f"host-{h}" / str(step)).is_dir() for h in range(4)):
-            assert time.monotonic() < deadline, f"step {step} never committed"
-            time.sleep(0.01)
+        wait_until(f"step {step} committed on every host", lambda: all(
+            (ramdisk / "a" / f"host-{h}" / str(step)).is_dir() for h in range(4)), 30,
+            poll_s=0.01)
 
     with mtc_maker(ramdisk, mesh)("a", max_to_keep=1) as mgr:
         for s in (1, 2):
@@ -604,9 +602,8 @@ def test_a_step_retention_freed_before_the_saves_were_waited_for_is_not_listed(
             committed(s)
         assert mgr.save(3, state(mesh, 3))
         assert mgr.latest_step() == 3
-        while mgr.all_steps() != [2, 3]:  # 1 is freed in the background
-            assert time.monotonic() < deadline, mgr.all_steps()
-            time.sleep(0.01)
+        wait_until("step 1 freed in the background", lambda: mgr.all_steps() == [2, 3], 30,
+                   poll_s=0.01, detail=mgr.all_steps)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [3]
 

@@ -7,12 +7,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import weakref
 
 import pytest
 
 from mtc.pool import ThreadPool
+from mtc.testing.waits import wait_until
 
 
 def test_threads_start_with_the_pool_and_are_joined_on_shutdown() -> None:
@@ -50,10 +50,9 @@ def test_an_idle_thread_keeps_nothing_of_its_last_result() -> None:
         fut = pool.submit(_Result)
         ref = weakref.ref(fut.result(5))
         del fut
-        deadline = time.monotonic() + 5  # the thread lets go right after answering
-        while ref() is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ref() is None, "the pool's thread still holds its last task's result"
+        # The thread lets go right after answering (bounded: it still holds it then).
+        wait_until("the pool's thread letting go of its last task's result",
+                   lambda: ref() is None, 5, poll_s=0.01)
     finally:
         pool.shutdown()
 

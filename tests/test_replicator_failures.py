@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -81,13 +80,10 @@ def test_receiver_killed_mid_copy(ramdisk: Path, clusters: list[Cluster]) -> Non
     manifest = cl.commit(0, 7, files)[MANIFEST_NAME]
     want[MANIFEST_NAME] = hashlib.sha256(manifest).digest()
     del files
-    deadline = time.monotonic() + 30
-    while True:
-        assert time.monotonic() < deadline, "no copy in progress seen"
-        tmps = tmp_dirs(incoming)
-        if tmps and bytes_under(tmps[0]) > 0:
-            break
-        time.sleep(0.001)
+    # Polled every millisecond: the copy in progress is caught before it completes.
+    wait_until("a copy in progress (bytes in its temporary folder)",
+               lambda: (tmps := tmp_dirs(incoming)) and bytes_under(tmps[0]) > 0, 30,
+               poll_s=0.001)
     # Mid-copy: the inventory does not list it.
     assert (0, 7) not in {(c.origin_rank, c.step) for c in cl.inventory(1).copies}
     cl.kill(1)
@@ -102,13 +98,8 @@ def test_receiver_killed_mid_copy(ramdisk: Path, clusters: list[Cluster]) -> Non
         assert not t.exists(), f"leftover {t} not cleaned on restart"
     # The partial copy never counts: until the copy is listed, no committed folder;
     # once listed, it is complete.
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline, "copy did not complete after the restart"
-        listed = (0, 7) in {(c.origin_rank, c.step) for c in cl.inventory(1).copies}
-        if listed:
-            break
-        time.sleep(0.02)
+    wait_until("the copy complete after the restart", lambda: (0, 7) in {
+        (c.origin_rank, c.step) for c in cl.inventory(1).copies}, 60, poll_s=0.02)
     assert digests(incoming / "7") == want
     assert tmp_dirs(incoming) == []
     assert "replicated to rank 1" in cl.log_text(0)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import jax
@@ -28,6 +27,7 @@ from replicators import Cluster, new_cluster
 import mtc
 from mtc import cli
 from mtc.ports import free_ports
+from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
 
@@ -84,11 +84,15 @@ def test_a_peer_address_nobody_answers_never_fills_the_ram_disk_and_is_named(
         cl.start_all()
         # Named in mtc status within the replicator's grace (a few asks), not at the
         # 120 s replication warning.
-        deadline = time.monotonic() + 30
-        rc, out = _status(cl, capsys)
-        while "PEER UNREACHABLE" not in out and time.monotonic() < deadline:
-            time.sleep(0.2)
-            rc, out = _status(cl, capsys)
+        said: list[tuple[int, str]] = []
+
+        def named() -> bool:
+            said[:] = [_status(cl, capsys)]
+            return "PEER UNREACHABLE" in said[0][1]
+
+        wait_until("mtc status naming the unreachable peer", named, 30, poll_s=0.2,
+                   detail=lambda: said[0][1])
+        ((rc, out),) = said
         assert rc == 1, out
         assert f"rank 3: PEER UNREACHABLE: rank 1 at {dead} has not answered" in out, out
         assert "its steps are not copied there" in out, out
@@ -110,10 +114,7 @@ def test_a_peer_address_nobody_answers_never_fills_the_ram_disk_and_is_named(
             assert mgr.save(1, {"w": w}, force=True)
             mgr.wait_until_finished()
             copy = root3 / ".mtc-replica" / "1" / "1"
-            deadline = time.monotonic() + 30
-            while not copy.is_dir() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert copy.is_dir(), "host 1's step 1 never reached host 3"
+            wait_until("host 1's step 1 on host 3", copy.is_dir, 30)
             step = _held_bytes(root3 / "1") + _held_bytes(copy)
             _mount(root3, (KEEP + 2) * step)
 
@@ -124,12 +125,10 @@ def test_a_peer_address_nobody_answers_never_fills_the_ram_disk_and_is_named(
                 mgr.wait_until_finished()  # RamDiskFullError would surface here
                 most = max(most, len(_own_steps(root3)))
                 # The job trains on while the replicators collect (at most 5 Hz).
-                deadline = time.monotonic() + 15
-                while (len(_own_steps(root3)) > KEEP + AWAITING
-                       and time.monotonic() < deadline):
-                    time.sleep(0.05)
+                wait_until(f"host 3 keeping at most {KEEP + AWAITING} steps at step {s}",
+                           lambda: len(_own_steps(root3)) <= KEEP + AWAITING, 15,
+                           detail=lambda: f"it keeps {_own_steps(root3)}")
                 own = _own_steps(root3)
-                assert len(own) <= KEEP + AWAITING, f"host 3 keeps {own} at step {s}"
         # Bounded: --keep, --keep-awaiting, and the step committed since the last pass.
         assert most <= KEEP + AWAITING + 1, most
         assert own[-KEEP:] == [STEPS - INTERVAL, STEPS], own

@@ -81,6 +81,9 @@ def test_each_fault_restores_from_the_tier_it_leaves(tmp_path: Path) -> None:
             cluster.local.hosts.check_reach(lambda h: h.replicator_port)
         at_20 = train(cluster, 20)
         cluster.wait_replicated(20, timeout=30)
+        # The same copies through the harness's own waits (mtc's tests' HostReplicators).
+        cluster.replicators.wait_held({(2, 0, 20), (1, 3, 20)}, timeout=5)
+        assert {(2, 0, 20), (0, 2, 20)} <= cluster.replicators.held()
         assert cluster.request_backup() == 20
         cluster.wait_backed_up(20, timeout=30)
         assert 20 in cluster.backed_up()

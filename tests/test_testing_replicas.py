@@ -98,3 +98,45 @@ def test_mtc_testing_reaches_the_hosts_through_mtc_not_the_sidecars_modules() ->
             elif isinstance(node, ast.Import):
                 found |= {(a.name, "") for a in node.names if a.name.startswith("mtc.sidecar")}
     assert found <= allowed, sorted(found - allowed)
+
+
+def test_wait_healthy_waits_for_the_answer_asked_and_ends_when_the_process_dies() -> None:
+    """Every harness's "until serving" (mtc.testing.replicas.wait_healthy): the answer
+    asked for, after a cheaper sign (``ready``) if any; a dead process ends it at once
+    with its log; a timeout names the last answer."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from mtc.testing.replicas import health as health_of
+    from mtc.testing.replicas import wait_healthy
+    from mtc.testing.waits import WaitTimeout
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        assert health_of(address) == "NOT_SERVING"
+        wait_healthy(address, lambda: True, None, lambda: "", 5, want="NOT_SERVING")
+        with pytest.raises(WaitTimeout, match=r"health SERVING.*it answers NOT_SERVING: log"):
+            wait_healthy(address, lambda: True, None, lambda: "log", 0.1, poll_s=0.01)
+        with pytest.raises(RuntimeError, match="exited: its last words"):
+            wait_healthy(address, lambda: False, None, lambda: "its last words", 5)
+        asked: list[int] = []
+
+        def ready() -> bool:  # the port file appears on the third stat, serving by then
+            asked.append(1)
+            if len(asked) == 3:
+                servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            return len(asked) >= 3
+
+        wait_healthy(address, lambda: True, None, lambda: "", 5, ready=ready, poll_s=0.001)
+        assert len(asked) == 3  # no RPC asked before the sign, and done at the first
+    finally:
+        server.stop(None)
+    assert health_of(address, timeout_s=0.5) == "UNAVAILABLE"

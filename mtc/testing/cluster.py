@@ -233,15 +233,21 @@ class TestCluster:
 
     # -- waits on what the replicators report -----------------------------------------
 
+    @property
+    def replicators(self) -> replicas.HostReplicators:
+        """The hosts' replicators as the harness's waits see them
+        (:class:`mtc.testing.replicas.HostReplicators`: ``wait_held``,
+        ``wait_replicated``, ``wait_passes``...), the waits the tests of mtc itself
+        use on their clusters."""
+        return replicas.HostReplicators(self.local.hosts, self.local.addresses,
+                                        self.hosts_per_slice)
+
     def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
         """Until every host's data of ``step`` is held by its peer, the host of the
         next slice with its in-slice index (a TimeoutError naming the hosts whose
         copy is missing after ``timeout``)."""
-        step = _step(step)
-        replicas.wait_replicated(
-            lambda: {(h, o, s) for h, got in self.held().items() for o, s in got},
-            step, self.num_hosts, self.local.hosts_per_slice, timeout,
-            silent=lambda: [h for h in range(self.num_hosts) if self._ask(h) is None])
+        step = _step(step)  # refused before any host is asked
+        self.replicators.wait_replicated(step, timeout)
 
     def wait_backed_up(self, step: int, timeout: float = 60.0) -> None:
         """Until ``step`` is complete in the backup (every host's data and the commit

@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from mtc.testing.waits import wait_until
+
 
 def binary() -> Path:
     """The emulator executable inside the wrapper package."""
@@ -51,19 +53,19 @@ def start(port: int, log: Path | None, *, host: str = "127.0.0.1",
 
 
 def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"fake-gcs-server exited with status {proc.returncode}")
+    def answers() -> bool:
         try:
             with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1) as r:
-                if r.status == 200:
-                    return
+                return bool(r.status == 200)
         except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"fake-gcs-server not answering on {url} after {timeout} s")
-        time.sleep(0.05)
+            return False
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"fake-gcs-server exited with status {proc.returncode}")
+
+    alive()
+    wait_until(f"fake-gcs-server answering on {url}", answers, timeout, during=alive)
 
 
 def create_bucket(url: str, name: str) -> None:

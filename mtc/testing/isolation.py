@@ -42,8 +42,10 @@ from typing import Any
 
 from mtc.ports import free_ports
 from mtc.testing import netns
+from mtc.testing.waits import wait_until
 
 READY_TIMEOUT_S = 60.0
+FILE_CHECK_S = 0.005  # a stat of a local file: cheap enough to do this often
 SIDECAR_PORT = 7100  # inside a host's namespace
 REPLICATOR_PORT = 7000
 
@@ -243,25 +245,30 @@ class Hosts:
         """Until host ``i``'s sidecar runs in the host's namespaces (its RAM disk
         mounted), before it serves: its replicator may start beside it while a
         colocated runtime still starts."""
-        h, started = self.hosts[i], self.started_file(i)
-        deadline = time.monotonic() + timeout
-        while not started.exists() and not self.ready_file(i).exists():
-            if not _alive(h.sidecar_pid, h.sidecar) or time.monotonic() > deadline:
-                raise RuntimeError(f"sidecar of host {i} did not start: "
-                                   f"{self.log_tail(i, 'sidecar')}")
-            time.sleep(0.005)
+        started = self.started_file(i)
+        self._wait_sidecar_file(i, lambda: started.exists() or self.ready_file(i).exists(),
+                                "running in its namespaces", timeout)
 
     def wait_sidecar(self, i: int, timeout: float = READY_TIMEOUT_S) -> None:
         """Until host ``i``'s sidecar serves (it writes its ready file; a stat every
         few milliseconds, no RPC)."""
         h, ready = self.hosts[i], self.ready_file(i)
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if not _alive(h.sidecar_pid, h.sidecar) or time.monotonic() > deadline:
+        self._wait_sidecar_file(i, ready.exists, "serving", timeout)
+        h.sidecar_address = json.loads(ready.read_text())["address"]
+
+    def _wait_sidecar_file(self, i: int, there: Callable[[], bool], what: str,
+                           timeout: float) -> None:
+        """Until ``there()`` (a file the sidecar writes: a stat every few milliseconds,
+        no RPC); a RuntimeError with its log as soon as the sidecar is dead."""
+        h = self.hosts[i]
+
+        def alive() -> None:
+            if not _alive(h.sidecar_pid, h.sidecar):
                 raise RuntimeError(f"sidecar of host {i} did not start: "
                                    f"{self.log_tail(i, 'sidecar')}")
-            time.sleep(0.005)
-        h.sidecar_address = json.loads(ready.read_text())["address"]
+
+        wait_until(f"sidecar of host {i} {what}", there, timeout, poll_s=FILE_CHECK_S,
+                   during=alive, detail=lambda: self.log_tail(i, "sidecar"))
 
     def replicator_address(self, i: int, port: int | None = None) -> str:
         """Where host ``i``'s replicator listens: a fixed port on the host's own
@@ -323,6 +330,17 @@ class Hosts:
         h = self.hosts[i]
         _kill(h.sidecar_pid, h.sidecar)
         h.sidecar, h.sidecar_pid = None, None
+
+    def lose(self, i: int) -> None:
+        """Host ``i`` is lost: its processes SIGKILLed and its RAM disk gone with them
+        (with namespaces its tmpfs; without, its folder emptied here), its root left
+        as an empty folder, as a namespaced host's mount point is, for a host
+        started in its place."""
+        self.kill(i)
+        if self.isolation != "namespaces":
+            root = self.hosts[i].root
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True, exist_ok=True)
 
     def kill_sidecar(self, i: int) -> None:
         """SIGKILL a host's sidecar alone (its replicator keeps the RAM disk)."""

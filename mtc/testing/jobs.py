@@ -13,7 +13,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,7 @@ from mtc.errors import ConfigError
 from mtc.lifecycle import Threads
 from mtc.ports import free_ports
 from mtc.testing.cluster import LOG_TAIL_CHARS, ScriptError, TestCluster
+from mtc.testing.waits import wait_exits
 
 if TYPE_CHECKING:
     import mtc
@@ -181,16 +181,7 @@ def _wait(procs: list[subprocess.Popen[str]], timeout: float,
     readers = Threads("mtc-job-readers")  # joined below, once every process exited
     for k in range(len(procs)):
         readers.start(read, f"mtc-job-{k}", k)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        running = [p.poll() is None for p in procs]  # poll each: note who failed when
-        for k, p in enumerate(procs):
-            if p.returncode not in (None, 0) and k not in failed:
-                failed.append(k)
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-        if not any(running):
-            break
-        time.sleep(POLL_S)
+    wait_exits(procs, timeout, grace_s=FAILURE_GRACE_S, failed=failed, poll_s=POLL_S)
     for p in procs:
         if p.poll() is None:
             p.kill()

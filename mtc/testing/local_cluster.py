@@ -29,13 +29,13 @@ import json
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from mtc.ports import free_ports
 from mtc.testing import gcs_emulator
 from mtc.testing.isolation import Hosts, with_checkout
+from mtc.testing.replicas import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) holding mtc/
 STATE = "cluster.json"
@@ -220,23 +220,9 @@ class LocalCluster:
         """Until ``rank``'s replicator serves: it writes its port file once its
         server is up (watched with a stat every few milliseconds, no RPC), then
         one health check confirms."""
-        import grpc
-
-        deadline = time.monotonic() + timeout
-        port_file = self.port_file(rank)
-        while time.monotonic() < deadline:
-            if not self.alive(rank):
-                raise RuntimeError(f"replicator {rank} exited: {self.log_text(rank)[-2000:]}")
-            if not port_file.exists():
-                time.sleep(PORT_FILE_CHECK_S)
-                continue
-            try:
-                if _serving(self.addresses[rank]):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.02)
-        raise TimeoutError(f"replicator {rank} not serving after {timeout}s")
+        wait_healthy(self.addresses[rank], lambda: self.alive(rank), None,
+                     lambda: self.log_text(rank)[-2000:], timeout,
+                     ready=self.port_file(rank).exists, poll_s=PORT_FILE_CHECK_S)
 
     def alive(self, rank: int) -> bool:
         """Whether ``rank``'s replicator runs."""
@@ -249,11 +235,9 @@ class LocalCluster:
     def lose_host(self, rank: int) -> None:
         """SIGKILL every process of ``rank``: with namespaces its RAM disk (a tmpfs
         of its mount namespace) is gone with the last of them; without, its folder
-        is deleted."""
+        is emptied (:meth:`Hosts.lose`)."""
         self._close_channel(rank)
-        self.hosts.kill(rank)
-        if self.hosts.isolation != "namespaces":
-            shutil.rmtree(self.root(rank), ignore_errors=True)
+        self.hosts.lose(rank)
         self.save()
 
     def restart_host(self, rank: int, *, wait: bool = True) -> None:
@@ -376,15 +360,3 @@ def _start_emulator(base: Path, host: str) -> dict[str, Any]:
         proc.kill()
         raise
     return {"url": url, "pid": proc.pid}
-
-
-def _serving(address: str) -> bool:
-    """Whether the gRPC health service at ``address`` (a replicator's plaintext
-    health mirror) says SERVING; a gRPC error when it does not answer."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                         timeout=1.0)
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -12,9 +12,10 @@ checks: a test that asserts "within N seconds" measures and asserts that itself.
 
 from __future__ import annotations
 
+import subprocess
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeVar
 
 POLL_S = 0.05  # a few cheap questions a second: a local RPC, a file's stat, a scrape
 
@@ -58,3 +59,25 @@ def timed_wait(what: str, condition: Callable[[], object], timeout_s: float = 30
     t0 = time.monotonic()
     wait_until(what, condition, timeout_s, poll_s=poll_s, during=during, detail=detail)
     return time.monotonic() - t0
+
+
+def wait_exits(procs: Sequence[subprocess.Popen[Any]], timeout_s: float, *,
+               grace_s: float, expected: Collection[int] = (),
+               failed: list[int] | None = None, poll_s: float = POLL_S) -> list[int]:
+    """Until every one of a job's ``procs`` has exited, at most ``timeout_s``; once one
+    exits non-zero (but those in ``expected``, killed on purpose) the others get
+    ``grace_s`` more (a failed process leaves its peers stuck in a collective).
+    ``failed`` gets the processes that exited non-zero, in the order seen. Returns
+    the indices of those still running (the caller SIGKILLs them): no error here,
+    the caller's report names what each process printed."""
+    failed = [] if failed is None else failed
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [k for k, p in enumerate(procs) if p.poll() is None]
+        for k, p in enumerate(procs):
+            if p.returncode not in (None, 0) and k not in expected and k not in failed:
+                failed.append(k)
+                deadline = min(deadline, time.monotonic() + grace_s)
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(poll_s)

@@ -30,10 +30,8 @@ node runs after that.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -51,8 +49,7 @@ from mtc.sidecar.replicator.config import ReplicatorConfig
 from mtc.sidecar.replicator.memory_transport import Endpoint, MemoryPeer, Network
 from mtc.sidecar.replicator.node import Node
 from mtc.sidecar.storage.publish import publish
-from mtc.testing import replicas
-from mtc.testing.waits import wait_until
+from mtc.testing.replicas import Replicators
 
 T = TypeVar("T")
 
@@ -67,89 +64,6 @@ DEFAULTS: dict[str, Any] = {"poll_s": 0.05, "deadline_s": 2.0, "agreement_timeou
                             "restore_quiet_s": 0.0, "reserve": False, "scrub_rate": 0.0,
                             "gc_view_interval_s": 0.02}
 
-Copy = tuple[int, int, int]  # (holder, origin, step)
-
-
-class Replicators:
-    """What a cluster of replicators reports, and the waits on it, whoever hosts them:
-    :class:`MemoryCluster` (in this process) and ``tests/replicators.Cluster`` (each a
-    process) give :meth:`alive`, :meth:`inventory`, :meth:`scrape` and
-    :meth:`log_text`; the copies held, the loop's passes and the waits on them are
-    defined once, here."""
-
-    n: int
-    per_slice: int
-
-    def alive(self, rank: int) -> bool:
-        raise NotImplementedError
-
-    def inventory(self, rank: int) -> pb.Inventory:
-        """What rank ``rank`` shows a peer (its GetInventory)."""
-        raise NotImplementedError
-
-    def scrape(self, rank: int) -> dict[str, float]:
-        """Rank's metrics as a scrape reads them: ``name`` or ``name{label=v,...}``."""
-        raise NotImplementedError
-
-    def log_text(self, rank: int) -> str:
-        """Rank's log, for a failed wait's report ("" when it keeps none)."""
-        return ""
-
-    def held(self) -> set[Copy]:
-        """(holder, origin, step) for every complete copy on every running replicator."""
-        return {(r, c.origin_rank, c.step) for r in range(self.n) if self.alive(r)
-                for c in self.inventory(r).copies}
-
-    def passes(self, rank: int, loop: str = "replication") -> int:
-        """Passes rank's ``loop`` (replication, backup) finished without failing since
-        its replicator started."""
-        return int(self.scrape(rank).get(f"mtc_loop_passes_total{{loop={loop}}}", 0))
-
-    def wait_held(self, want: set[Copy], timeout: float = 60.0) -> None:
-        """Until every (holder, origin, step) in ``want`` is held."""
-        wait_until("copies held", lambda: want <= self.held(), timeout,
-                   detail=lambda: f"missing {sorted(want - self.held())}")
-
-    def wait_replicated(self, step: int, timeout: float = 60.0) -> None:
-        """Until every host's ``step`` is held by its peer (mtc.testing's condition,
-        the one users' tests wait on)."""
-        replicas.wait_replicated(self.held, step, self.n, self.per_slice, timeout,
-                                 silent=lambda: [r for r in range(self.n) if not self.alive(r)])
-
-    def wait_passes(self, *ranks: int, loop: str = "replication", more: int = 2,
-                    timeout: float = 30.0) -> None:
-        """Until each of ``ranks``' ``loop`` has finished ``more`` passes after this
-        call. With two, at least one whole pass began after it (the first may have
-        been under way): what a test waits on before asserting that the loop did
-        *not* do something, instead of sleeping for a time a loaded machine may not
-        honour."""
-        want = {r: self.passes(r, loop) + more for r in ranks}
-        deadline = time.monotonic() + timeout
-        for r, n in want.items():
-            self._wait_passes(r, loop, n, max(0.0, deadline - time.monotonic()))
-
-    def _wait_passes(self, rank: int, loop: str, n: int, timeout: float) -> None:
-        wait_until(f"rank {rank}'s {loop} loop passing {n} times",
-                   lambda: self.passes(rank, loop) >= n, timeout,
-                   detail=lambda: f"{self.passes(rank, loop)} passes: "
-                                  f"{self.log_text(rank)[-2000:]}")
-
-    def wait_sample(self, rank: int, sample: str, at_least: float,
-                    timeout: float = 30.0) -> None:
-        """Until rank's ``sample`` (as :meth:`scrape` names it) is at least ``at_least``
-        (a replicator not serving it yet counts as below): e.g. ``mtc_restores_waiting``
-        1, a restore it serves waits for its coordinator's decision."""
-        got: list[float | None] = [None]
-
-        def reached() -> bool:
-            with contextlib.suppress(OSError):
-                got[0] = self.scrape(rank).get(sample)
-            return got[0] is not None and got[0] >= at_least
-
-        wait_until(f"rank {rank}'s {sample} at least {at_least}", reached, timeout,
-                   detail=lambda: f"it is {got[0]}: {self.log_text(rank)[-2000:]}")
-
-
 class MemoryCluster(Replicators):
     """``n`` replicators, ``per_slice`` hosts a slice, over :attr:`net`; started now
     unless ``start=False``; ``run=False``: nodes served but none of their threads
@@ -159,14 +73,17 @@ class MemoryCluster(Replicators):
     rank's own (another ``keep``); ``creds``: every node's, ``rank_creds``: one
     rank's own (with mutual TLS, its certificate naming its rank: what it signs its
     copies' proofs with, and the CA it checks others' with; calls in memory are not
-    authenticated, ``wire/security.py``'s part, tested over gRPC)."""
+    authenticated, ``wire/security.py``'s part, tested over gRPC); ``roots``: some
+    ranks' RAM disks elsewhere than under ``base``."""
 
     def __init__(self, base: Path, n: int, per_slice: int = 1, *, start: bool = True,
                  run: bool = True,
                  rank_config: dict[int, dict[str, Any]] | None = None,
                  creds: Credentials | None = None,
-                 rank_creds: dict[int, Credentials] | None = None, **config: Any) -> None:
+                 rank_creds: dict[int, Credentials] | None = None,
+                 roots: dict[int, Path] | None = None, **config: Any) -> None:
         self.base = base
+        self.roots = dict(roots or {})  # a rank's RAM disk elsewhere than <base>/host-<rank>
         self.n = n
         self.per_slice = per_slice
         self.config = config
@@ -184,7 +101,7 @@ class MemoryCluster(Replicators):
 
     def root(self, rank: int) -> Path:
         """Host ``rank``'s RAM disk: its node's alone."""
-        return self.base / f"host-{rank}"
+        return self.roots.get(rank, self.base / f"host-{rank}")
 
     def config_of(self, rank: int, **more: Any) -> ReplicatorConfig:
         fields = {"nodes": tuple(f"memory:{r}" for r in range(self.n)),
