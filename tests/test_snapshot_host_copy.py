@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from test_elastic_snapshot import abstract, assert_same, elastic_iterator, make_state
 
 from mtc.elastic import Snapshotter, host_copy
+from mtc.elastic.placement import index_of
 from mtc.pool import ThreadPool
 from mtc.save.device_copy import Copied, copy_in_device_memory
 
@@ -68,7 +69,8 @@ def test_a_replicated_array_is_kept_once_and_a_sharded_one_per_shard(mesh: Mesh)
     pieces = host_copy.fetch([rep, split], ahead=1)
     assert len(pieces[0]) == 1
     np.testing.assert_array_equal(pieces[0][0][1], np.arange(16.0))
-    distinct = {idx for idx in split.sharding.devices_indices_map(split.shape).values()}
+    distinct = {index_of(idx, split.shape)
+                for idx in split.sharding.devices_indices_map(split.shape).values()}
     assert len(pieces[1]) == len(distinct)
     whole = np.zeros((8, n))
     for idx, x in pieces[1]:
