@@ -92,8 +92,10 @@ class Cluster:
         """Start the hosts' sidecars (each owns its host's namespaces and RAM disk),
         then their replicators, which join those namespaces."""
         hosts = list(range(self.n)) if hosts is None else list(hosts)
+        for i in hosts:  # all at once, as a job's hosts start
+            self.hosts.start_sidecar(i, self.slices, env=self.env, wait=False)
         for i in hosts:
-            self.hosts.start_sidecar(i, self.slices, env=self.env)
+            self.hosts.wait_sidecar(i)
         if self.addrs:
             procs = [self.hosts.start_replicator(i, self._replicator_argv(i), env=self.env)
                      for i in hosts]
