@@ -204,7 +204,7 @@ class Cluster:
         return results
 
     def assert_partial_membership_fails(self, ask: int, gone: int,
-                                        timeout_s: float = 3.0) -> None:
+                                        timeout_s: float = 1.5) -> None:
         """A membership naming a host that is gone never decides: the typed error
         names it, within the deadline; one that leaves the asker out is refused."""
         from mtc.errors import AgreementError, ConfigError
