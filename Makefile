@@ -22,24 +22,21 @@ FAST := -m "not process"
 
 all: test
 
-# pip byte-compiles every module it installs (about half of a fresh virtualenv's
-# install here); with --no-compile a module is compiled the first time it is
-# imported, so only what runs is compiled, once. That needs Python to write its
-# byte code: with PYTHONDONTWRITEBYTECODE set every process would compile jax again.
+# scripts/venv_install.sh installs the packages (uv, else pip), byte-compiling
+# none: a module is compiled the first time it is imported, so only what runs is
+# compiled, once. That needs Python to write its byte code: with
+# PYTHONDONTWRITEBYTECODE set every process would compile jax again.
 unexport PYTHONDONTWRITEBYTECODE
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.12 or 3.13 found (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
+	scripts/venv_install.sh $(VENV) -e '.[dev]'
 	touch $(STAMP)
 
 $(OLD_STAMP): pyproject.toml tests/oldest-constraints.txt
 	$(PYTHON_OLDEST) -m venv $(OLD)
-	$(OLD)/bin/python -m pip install --quiet --upgrade pip
-	$(OLD)/bin/python -m pip install --quiet --no-compile -e '.[dev]' \
-	  -c tests/oldest-constraints.txt
+	scripts/venv_install.sh $(OLD) -e '.[dev]' -c tests/oldest-constraints.txt
 	touch $(OLD_STAMP)
 
 venv: $(STAMP)

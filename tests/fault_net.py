@@ -30,6 +30,10 @@ SLICES = [0, 0, 1, 1]
 PORT = 7000  # inside namespaces this module made: nothing else listens there
 METRICS_PORT = 7001  # each replicator's Prometheus metrics, at its host's address
 TIMEOUT_S = 6.0  # the restore's and the agreement's deadline
+# The restore deadline of a restore the test expects to fail (a partition, a stopped
+# peer): that it ends there, typed, is what is tested, and every second of it is
+# waited out; restores expected to succeed keep TIMEOUT_S.
+FAIL_TIMEOUT_S = 2.5
 # A call whose peer's link is cut fails within 1.5 times this (the replicators'
 # --peer-keepalive-seconds; 10 by default): the cut tests wait it out.
 KEEPALIVE_S = 2.0
@@ -67,11 +71,11 @@ class Net:
         wait_healthy(self.addrs[i], lambda: proc.poll() is None, None,
                      lambda: h.log_tail(i, "replicator"), 60.0)
 
-    def options(self) -> mtc.Options:
+    def options(self, restore_timeout_s: float = TIMEOUT_S) -> mtc.Options:
         return mtc.Options(simulated_hosts=4, hosts_per_slice=2,
                            sidecars=tuple(h.sidecar_address for h in self.hosts.hosts),
                            replicators=tuple(self.addrs), replicator_token=self.token,
-                           restore_timeout_s=TIMEOUT_S)
+                           restore_timeout_s=restore_timeout_s)
 
     def client(self, i: int) -> PeerClient:
         return PeerClient(self.addrs[i], Credentials(token=self.token), rank=i, deadline_s=5.0)

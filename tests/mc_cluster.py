@@ -90,8 +90,10 @@ class Cluster(HostReplicators):
         """Start the hosts' sidecars (each owns its host's namespaces and RAM disk),
         then their replicators, which join those namespaces."""
         hosts = list(range(self.n)) if hosts is None else list(hosts)
+        for i in hosts:  # all at once, as a job's hosts start
+            self.hosts.start_sidecar(i, self.slices, env=self.env, wait=False)
         for i in hosts:
-            self.hosts.start_sidecar(i, self.slices, env=self.env)
+            self.hosts.wait_sidecar(i)
         if self.addrs:
             procs = [self.hosts.start_replicator(i, self._replicator_argv(i), env=self.env)
                      for i in hosts]
@@ -170,7 +172,7 @@ class Cluster(HostReplicators):
         return results
 
     def assert_partial_membership_fails(self, ask: int, gone: int,
-                                        timeout_s: float = 3.0) -> None:
+                                        timeout_s: float = 1.5) -> None:
         """A membership naming a host that is gone never decides: the typed error
         names it, within the deadline; one that leaves the asker out is refused."""
         from mtc.errors import AgreementError, ConfigError

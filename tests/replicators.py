@@ -319,8 +319,12 @@ def sidecar_hosts(name: str, slices: list[int], **kw: Any) -> Iterator[Hosts]:
     hs = Hosts(Path("/dev/shm") / f"mtc-{name}-{uuid.uuid4().hex[:8]}", len(slices), **kw)
     env = env_with_repo()
     try:
+        # All at once, as a job's hosts start: a colocated host's sidecar and the
+        # process beside it start JAX (seconds, mostly waiting on each other).
         for i in range(len(slices)):
-            hs.start_sidecar(i, slices, env=env)
+            hs.start_sidecar(i, slices, env=env, wait=False)
+        for i in range(len(slices)):
+            hs.wait_sidecar(i)
         yield hs
     finally:
         tails = {i: hs.log_tail(i, "sidecar") for i in range(len(slices))}

@@ -20,7 +20,12 @@ from agreement_holdings import h, hs, own_only
 from mtc.credentials import Credentials
 from mtc.errors import AgreementError, ConfigError
 from mtc.ports import free_ports
-from mtc.sidecar.replicator.agree.agreement import ALIVE_CHECK_S, PROBE_S, Coordinator
+from mtc.sidecar.replicator.agree.agreement import (
+    ALIVE_CHECK_S,
+    PROBE_MARGIN_S,
+    PROBE_S,
+    Coordinator,
+)
 from mtc.sidecar.replicator.agree.book import Book, Decision, EpochRecord
 from mtc.sidecar.replicator.agree.decision import Holding
 from mtc.sidecar.replicator.agree.fresh import Fresh
@@ -41,6 +46,11 @@ class Members:
     def gather(self, ranks: Sequence[int], deadline: float) -> dict[int, Holding]:
         self.asked += len(ranks)
         return {r: self.holdings[r] for r in ranks if r not in self.down}
+
+
+# The probe interval of the coordinators here that probe (PROBE_S in a replicator):
+# the tests wait for probes, so they run with a shorter one.
+PROBE = 0.2
 
 
 def coordinator(m: Members, book: Book | None = None) -> Coordinator:
@@ -156,7 +166,7 @@ def test_a_member_that_refuses_for_its_configuration_fails_every_ask_at_once_nam
             if 2 in ranks else ""
 
     c = Coordinator(sorted(m.holdings), own_only, m.gather, Book(), retry_s=0.01,
-                    faults=faults)
+                    faults=faults, probe_s=PROBE)
     t0 = time.monotonic()
     with ThreadPoolExecutor(3) as ex:
         futs = [ex.submit(c.decide_for, r, "rid", 30.0) for r in (0, 1, 3)]
@@ -167,9 +177,9 @@ def test_a_member_that_refuses_for_its_configuration_fails_every_ask_at_once_nam
                 f.result()
             errors.append(e.value)
     took = time.monotonic() - t0
-    assert took < PROBE_S + 3, took  # a probe after an ask waited PROBE_S, not 30 s
+    assert took < PROBE + 3, took  # a probe after an ask waited probe_s, not 30 s
     assert [2] in probed and all(p == [2] for p in probed[-1:]), probed
-    assert len(probed) <= 3, probed  # one asker probes at a time, at most every PROBE_S
+    assert len(probed) <= 3, probed  # one asker probes at a time, at most every probe_s
     assert c.book.find("rid") is None  # nothing decided
 
 
@@ -186,14 +196,15 @@ def test_a_probe_of_a_cut_off_member_ends_before_the_askers_deadline() -> None:
         return ""
 
     c = Coordinator(sorted(m.holdings), own_only, m.gather, Book(), retry_s=0.01,
-                    faults=faults)
+                    faults=faults, probe_s=PROBE)
     t0 = time.monotonic()
-    errors = ask_all(c, [0, 1], timeout=2.0)
+    errors = ask_all(c, [0, 1], timeout=1.0)
     took = time.monotonic() - t0
     assert all(isinstance(e, AgreementError) and "request yet from rank(s) [2]" in str(e)
                for e in errors), errors
-    assert given and all(g <= 2.0 - PROBE_S for g in given), given
-    assert took < 2.0 + 0.3, took
+    # Probed once an ask had waited PROBE, given what is left less the margin.
+    assert given and all(g <= 1.0 - PROBE - PROBE_MARGIN_S for g in given), given
+    assert took < 1.0 + 0.3, took
 
 
 def test_a_member_that_asked_once_at_the_start_is_not_named_as_absent() -> None:
@@ -203,8 +214,8 @@ def test_a_member_that_asked_once_at_the_start_is_not_named_as_absent() -> None:
     m = Members({r: h((r, 1)) for r in range(3)})
     c = coordinator(m)
     with ThreadPoolExecutor(1) as ex:
-        first = ex.submit(c.decide_for, 0, "rid", 3.0)
-        for timeout in (1.2, 0.6):  # rank 2's calls, each with the time it has left
+        first = ex.submit(c.decide_for, 0, "rid", 1.5)
+        for timeout in (0.6, 0.3):  # rank 2's calls, each with the time it has left
             with pytest.raises(AgreementError) as e:
                 c.decide_for(2, "rid", timeout)
         assert "no restore request yet from rank(s) [1];" in str(e.value), e.value
@@ -220,11 +231,11 @@ def test_the_error_names_the_absent_member_as_its_host_not_the_asker() -> None:
     m = Members({r: h((r, 1)) for r in range(4)})
     c = coordinator(m)
     with pytest.raises(AgreementError) as e:
-        c.decide_for(2, "rid", 0.5)
+        c.decide_for(2, "rid", 0.3)
     assert "no restore request yet from rank(s) [0, 1, 3]" in str(e.value), e.value
     assert e.value.host == 0, e.value
     with ThreadPoolExecutor(3) as ex:
-        errs = [ex.submit(c.decide_for, r, "rid2", 1.0) for r in (0, 2, 3)]
+        errs = [ex.submit(c.decide_for, r, "rid2", 0.6) for r in (0, 2, 3)]
         got = []
         for f in errs:
             with pytest.raises(AgreementError) as e:
@@ -253,8 +264,9 @@ def test_the_member_that_never_asks_is_named_with_its_address(tmp_path: Path) ->
 
 def test_a_member_late_without_a_fault_is_waited_for() -> None:
     m = Members({r: h((r, 1)) for r in range(2)})
-    c = Coordinator([0, 1], own_only, m.gather, Book(), retry_s=0.01, faults=lambda *_: "")
-    threading.Timer(PROBE_S + 0.5, lambda: c.decide_for(1, "rid", 10.0)).start()
+    c = Coordinator([0, 1], own_only, m.gather, Book(), retry_s=0.01, faults=lambda *_: "",
+                    probe_s=PROBE)
+    threading.Timer(PROBE + 0.5, lambda: c.decide_for(1, "rid", 10.0)).start()
     assert c.decide_for(0, "rid", 10.0).step == 1
 
 

@@ -442,12 +442,14 @@ def test_a_data_channel_that_cannot_be_had_sends_over_grpc(tmp_path: Path) -> No
 
 def test_a_slow_but_steady_fetch_is_never_cut_off(tmp_path: Path) -> None:
     """A fetch's progress is counted as its bytes go, not once per whole file: a
-    6 MiB file read at 2 MiB/s (8 times the minimum rate) arrives whole; counted
-    per file, the watchdog saw no byte sent once the 1 s grace was over and ended
-    it (a 128 MiB fetch at 4 MiB/s was cut off after 42 MiB)."""
+    6 MiB file read at 4 MiB/s (16 times the minimum rate) arrives whole; counted
+    per file, the watchdog saw no byte sent once the 0.3 s grace was over and ended
+    it (a 128 MiB fetch at 4 MiB/s was cut off after 42 MiB). The file is larger
+    than the sockets' buffers hold: counted per file, the last part leaves only
+    once the reader has read 2-3 MiB, past the grace."""
     data = os.urandom(6 << 20)
     rep = Replicator(tmp_path, TOKEN, {"slow.bin": data},
-                     limits=Limits(grace_s=1.0, min_rate=256 << 10, sweep_s=0.1))
+                     limits=Limits(grace_s=0.3, min_rate=256 << 10, sweep_s=0.1))
     try:
         with socket.create_connection(("127.0.0.1", rep.data_port), timeout=10) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
@@ -458,12 +460,12 @@ def test_a_slow_but_steady_fetch_is_never_cut_off(tmp_path: Path) -> None:
             assert dc.recv_msg(s, pb.DataStatus, dc.MAX_STATUS).size == len(data)
             got = bytearray()
             t0 = time.monotonic()
-            while len(got) < len(data):  # 128 KiB every 1/16 s: 2 MiB/s, about 3 s
+            while len(got) < len(data):  # 128 KiB every 1/32 s: 4 MiB/s, about 1.5 s
                 part = s.recv(min(128 << 10, len(data) - len(got)))
                 if not part:
                     break
                 got += part
-                time.sleep(max(0.0, t0 + len(got) / (2 << 20) - time.monotonic()))
+                time.sleep(max(0.0, t0 + len(got) / (4 << 20) - time.monotonic()))
         assert bytes(got) == data, f"cut off after {len(got)} of {len(data)} bytes"
     finally:
         rep.close()

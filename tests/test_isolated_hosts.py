@@ -9,6 +9,7 @@ work. The controller's arrays are on 8 CPU devices grouped into 4 hosts.
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -91,17 +92,23 @@ class Replicators:
         self.env = env_with_repo()
         ports = [7000] * 4 if hosts.isolation == "namespaces" else free_ports(4)
         self.addrs = [hosts.replicator_address(i, ports[i]) for i in range(4)]
-        for i in range(4):
-            self.start(i)
+        procs = [self.launch(i) for i in range(4)]  # all at once, as a job's hosts start
+        for i, proc in enumerate(procs):
+            self.wait_serving(i, proc)
 
-    def start(self, i: int) -> None:
-        proc = self.hosts.start_replicator(i, [
+    def launch(self, i: int) -> subprocess.Popen[bytes]:
+        return self.hosts.start_replicator(i, [
             "--local-dir", str(self.hosts.hosts[i].root), "--listen", self.addrs[i],
             "--nodes", ",".join(self.addrs), "--rank", str(i), "--nodes-per-slice", "2",
             "--poll-seconds", "0.05", "--agreement-timeout-seconds", "30",
             "--restore-quiet-seconds", str(self.quiet_s)], env=self.env)
+
+    def wait_serving(self, i: int, proc: subprocess.Popen[bytes]) -> None:
         wait_healthy(self.addrs[i], lambda: proc.poll() is None, Credentials(),
                      lambda: self.hosts.log_tail(i, "replicator"), 60.0)
+
+    def start(self, i: int) -> None:
+        self.wait_serving(i, self.launch(i))
 
     def options(self, **kw: object) -> mtc.Options:
         # Built anew after a replacement: its sidecar listens on a new port.

@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 from fault_net import (
     BUCKET,
+    FAIL_TIMEOUT_S,
     SLACK_S,
     SLICES,
     TIMEOUT_S,
@@ -302,12 +303,16 @@ def decisions(net: Net) -> set[tuple[int, int]]:
 
 
 def restore_failing(net: Net, mgr: mtc.CheckpointManager, target: Any) -> MtcError:
+    """A restore of ``mgr``'s directory that must fail, typed, within its deadline:
+    by a second manager (a reader beside ``mgr``) whose deadline is FAIL_TIMEOUT_S."""
     t0 = time.monotonic()
-    with pytest.raises(MtcError) as e:
-        mgr.restore(None, target)
+    with mtc.CheckpointManager(mgr.directory, mesh=mgr.mesh,
+                               options=net.options(FAIL_TIMEOUT_S)) as short:
+        with pytest.raises(MtcError) as e:
+            short.restore(None, target)
     took = time.monotonic() - t0
     print(f"restore failed in {took:.1f}s: {e.value!r}")
-    assert took < TIMEOUT_S + SLACK_S, took
+    assert took < FAIL_TIMEOUT_S + SLACK_S, took
     return e.value
 
 

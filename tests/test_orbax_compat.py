@@ -106,15 +106,21 @@ class OrbaxHosts(HostReplicators):
     def root(self, i: int) -> Path:
         return self.hosts.hosts[i].root
 
-    def start_host(self, i: int) -> None:
-        """The host's sidecar (it owns the namespaces and mounts the RAM disk) and its
-        replicator, which serves once Orbax's replicator.yaml told it its rank."""
-        self.hosts.start_sidecar(i, [h // PER_SLICE for h in range(HOSTS)], env=_env())
-        self.hosts.start_replicator(i, [
-            "--local-dir", str(self.root(i)), "--listen", self.addrs[i],
-            "--nodes", ",".join(self.addrs), "--replicas", "1", "--poll-seconds", "0.05",
-            "--metrics-port", str(self.metrics[i]),
-            "--metrics-address", self.hosts.hosts[i].address], env=_env())
+    def start_host(self, *hosts: int) -> None:
+        """The hosts' sidecars (each owns its host's namespaces and mounts the RAM
+        disk), all at once, then their replicators, each of which serves once Orbax's
+        replicator.yaml told it its rank."""
+        for i in hosts:
+            self.hosts.start_sidecar(i, [h // PER_SLICE for h in range(HOSTS)], env=_env(),
+                                     wait=False)
+        for i in hosts:
+            self.hosts.wait_sidecar(i)
+        for i in hosts:
+            self.hosts.start_replicator(i, [
+                "--local-dir", str(self.root(i)), "--listen", self.addrs[i],
+                "--nodes", ",".join(self.addrs), "--replicas", "1", "--poll-seconds", "0.05",
+                "--metrics-port", str(self.metrics[i]),
+                "--metrics-address", self.hosts.hosts[i].address], env=_env())
 
     def lose_host(self, i: int) -> None:
         """Every process of host ``i`` SIGKILLed, its RAM disk gone with them."""
@@ -209,8 +215,7 @@ def test_orbax_client_restarts_on_replicated_step(ramdisk: Path) -> None:
     cluster = OrbaxHosts(ramdisk)
     peer = {h: (h + PER_SLICE) % HOSTS for h in range(HOSTS)}
     try:
-        for h in range(HOSTS):
-            cluster.start_host(h)
+        cluster.start_host(*range(HOSTS))
 
         # -- phase 1: a fresh job trains steps 1..3 -------------------------------------
         first = run_job("train", cluster, logs)

@@ -65,7 +65,8 @@ class Coordinator:
                  clock: Callable[[], float] = time.time, num_nodes: int | None = None,
                  faults: Callable[[Sequence[int], float], str] | None = None,
                  signed: bool = False,
-                 silent: Callable[[Sequence[int]], str] | None = None) -> None:
+                 silent: Callable[[Sequence[int]], str] | None = None,
+                 probe_s: float = PROBE_S) -> None:
         self.members = list(members)
         # Mutual TLS: a step counts only as far as its saving hosts' own words carry
         # it (``decision.refused``).
@@ -88,6 +89,7 @@ class Coordinator:
         # their configuration is wrong ("" when none does); its last answer, and
         # when it may be asked next (one at a time).
         self.faults = faults
+        self.probe_s = probe_s  # PROBE_S; shorter in tests that wait for a probe
         self._fault = ""
         self._probe_next = 0.0
         self._probing = False
@@ -144,7 +146,7 @@ class Coordinator:
                 if alive is not None and not alive() and now < deadline:
                     raise AgreementError("the asker stopped waiting; its ask stands until "
                                          "its deadline", host=rank)
-                fault = self._probe(waiting, now - self._asked_at[rank] >= PROBE_S,
+                fault = self._probe(waiting, now - self._asked_at[rank] >= self.probe_s,
                                     deadline - now - PROBE_MARGIN_S)
                 if fault:
                     if self._asks.get(rank) == ask:
@@ -181,12 +183,12 @@ class Coordinator:
                                          f"and answer", host=failed)
                 wait = deadline - now if alive is None else min(deadline - now, ALIVE_CHECK_S)
                 # Woken to probe members that have not asked (none notifies for them).
-                self._cond.wait(min(wait, PROBE_S) if self.faults and waiting else wait)
+                self._cond.wait(min(wait, self.probe_s) if self.faults and waiting else wait)
 
     def _probe(self, waiting: Sequence[int], due: bool, left_s: float) -> str:
         """Called with ``_cond`` held: whether members that have not asked say their
         configuration is wrong (such a member refuses, and never asks), asked when
-        ``due``, at most every ``PROBE_S``, by one asker, without the lock, within
+        ``due``, at most every ``probe_s``, by one asker, without the lock, within
         ``left_s`` (an asker busy probing past its deadline would answer its caller
         late: a member cut off from the coordinator made an ask's own call time out
         before the typed error naming that member came)."""
@@ -194,7 +196,7 @@ class Coordinator:
             return ""
         now = time.monotonic()
         if due and left_s > 0 and not self._probing and now >= self._probe_next:
-            self._probing, self._probe_next = True, now + PROBE_S
+            self._probing, self._probe_next = True, now + self.probe_s
             self._cond.release()
             try:
                 fault = self.faults(list(waiting), left_s)
