@@ -16,8 +16,6 @@ import gc
 import json
 import logging
 import os
-import signal
-import threading
 from pathlib import Path
 
 import grpc
@@ -25,6 +23,7 @@ import grpc
 from mtc.contract import AgentConfig
 from mtc.credentials import Credentials
 from mtc.errors import ConfigError
+from mtc.lifecycle import SignalStop
 from mtc.pool import ThreadPool
 from mtc.rank_names import CONTROLLER
 from mtc.sidecar.host.colocated import ColocatedServer
@@ -130,10 +129,9 @@ def main(argv: list[str] | None = None) -> None:
             {"address": bound, "pid": os.getpid(), "area": str(args.area)}))
     log.info("host %d: serving %s on %s", args.host, args.root, bound)
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    # SIGTERM and SIGINT: a graceful stop (never an Event set in the handler:
+    # mtc.lifecycle.SignalStop says why).
+    SignalStop().wait()
     server.stop(grace=5).wait()
     service.close()
     pool.shutdown()

@@ -10,7 +10,6 @@ import ctypes
 import gc
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from mtc.credentials import Credentials
 from mtc.errors import ConfigError, MtcError
-from mtc.lifecycle import Service, Services, Threads
+from mtc.lifecycle import Service, Services, SignalStop, Threads
 from mtc.rank_names import PodNames, use_pod_names
 from mtc.sidecar import priority
 from mtc.sidecar.replicator import orbax
@@ -188,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s replicator: %(message)s")
     root = Path(args.local_dir)
     root.mkdir(parents=True, exist_ok=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # SIGTERM and SIGINT: a graceful stop (never an Event set in the handler:
+    # mtc.lifecycle.SignalStop says why).
+    stop = SignalStop(poll_s=args.poll_seconds)
     nodes = tuple(args.nodes.split(","))
     rank, per_slice = args.rank, args.nodes_per_slice or 1
     framework = args.framework or "mtc"
@@ -291,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(node: Node, serving: Serving, root: Path, request: orbax.ClientRequest | None,
-        stop: threading.Event, *, stall_s: float, threads: Threads | None = None,
+        stop: threading.Event | SignalStop, *, stall_s: float, threads: Threads | None = None,
         extra: Sequence[Service] = ()) -> int:
     """The composition root's life: start every service (``threads``: the group the
     server's threads started in; ``extra``: the metrics server), watch the loop's
