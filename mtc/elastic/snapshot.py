@@ -17,9 +17,9 @@ Where the snapshot lives: where every device of the state is this process's own
 accelerator (a multi-controller process), in this process's numpy memory, one
 replica of each shard, brought from the copy in device memory by
 ``device_get`` on a thread of the snapshotter's (``mtc-snapshot-fetch``:
-:mod:`mtc.elastic.host_copy` says why); elsewhere (Pathways, CPU devices) in
-``pinned_host`` memory on each device's host, as Orbax's does, by a
-``device_put`` left to the runtime. ``host_copies`` chooses ("numpy",
+:mod:`mtc.elastic.host_copy` says why); on Pathways in ``pinned_host`` memory on
+each device's host, as Orbax's does, by a ``device_put`` left to the runtime (on
+CPU devices, whose memory is the host's, the same way). ``host_copies`` chooses ("numpy",
 "pinned"; None: as said).
 
 Threads: a save's copy is dispatched and left to the runtime or the fetch
