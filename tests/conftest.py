@@ -97,6 +97,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 @pytest.fixture
+def shm_base(tmp_path: Path) -> Path:
+    """A folder name on the RAM disk for a local cluster (mtc.testing), unique to this
+    test and this pytest process: two suites at once on one machine once took each
+    other's clusters for their own ("a cluster already runs in /dev/shm/<test>")."""
+    return Path("/dev/shm") / f"{tmp_path.name}-{os.getpid()}"
+
+
+@pytest.fixture
 def ramdisk() -> Iterator[Path]:
     """A fresh folder on the machine's RAM disk (/dev/shm), watched by the seam audit:
     the test fails if controller code (``mtc/``) touched anything under it directly,

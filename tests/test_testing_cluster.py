@@ -70,8 +70,8 @@ def restored_after(cluster: TestCluster, num_steps: int) -> tuple[dict[str, Any]
     return state, seen[0].tiers
 
 
-def test_each_fault_restores_from_the_tier_it_leaves(tmp_path: Path) -> None:
-    with local_cluster(slices=2, hosts_per_slice=2, base=Path("/dev/shm") / tmp_path.name
+def test_each_fault_restores_from_the_tier_it_leaves(tmp_path: Path, shm_base: Path) -> None:
+    with local_cluster(slices=2, hosts_per_slice=2, base=shm_base
                        ) as cluster:
         if cluster.local.isolation == "namespaces":  # partitions need root
             cluster.partition([0, 1], [2, 3])
@@ -124,7 +124,8 @@ def test_each_fault_restores_from_the_tier_it_leaves(tmp_path: Path) -> None:
                                       "sys.exit(3)"])
 
 
-def test_a_host_lost_mid_run_fails_the_next_save_once_naming_it(tmp_path: Path) -> None:
+def test_a_host_lost_mid_run_fails_the_next_save_once_naming_it(tmp_path: Path,
+                                                                 shm_base: Path) -> None:
     """kill_host of a host a job is running on: the job's next save raises one
     SaveError naming the step, the host and the process (not a restore's
     ShardUnavailableError), and leaving the manager's block raises nothing over it.
@@ -132,7 +133,7 @@ def test_a_host_lost_mid_run_fails_the_next_save_once_naming_it(tmp_path: Path) 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     state = {"w": jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("data")))}
     with local_cluster(slices=2, hosts_per_slice=1,
-                       base=Path("/dev/shm") / tmp_path.name) as cluster:
+                       base=shm_base) as cluster:
         with pytest.raises(mtc.SaveError) as raised:
             with mtc.CheckpointManager(cluster.local_dir, mesh=mesh,
                                        options=cluster.options()) as mgr:

@@ -29,10 +29,10 @@ def said(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(("resumed ", "done "))]
 
 
-def test_a_job_resumes_after_a_wiped_host(tmp_path: Path) -> None:
+def test_a_job_resumes_after_a_wiped_host(tmp_path: Path, shm_base: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(doc_script())
-    with local_cluster(slices=2, hosts_per_slice=1, base=Path("/dev/shm") / tmp_path.name,
+    with local_cluster(slices=2, hosts_per_slice=1, base=shm_base,
                        backup_every_steps=10) as cluster:
         first = cluster.run_job([str(script), "20"])
         assert [said(r.stdout)[0].split()[:2] for r in first] == [["done", "20"]] * 2
@@ -134,14 +134,14 @@ def test_the_failed_process_s_exception_is_in_the_first_lines() -> None:
     assert error is not None and "raised" not in str(error).splitlines()[1], str(error)
 
 
-def test_a_job_comes_back_on_fewer_hosts_as_the_page_says(tmp_path: Path) -> None:
+def test_a_job_comes_back_on_fewer_hosts_as_the_page_says(tmp_path: Path, shm_base: Path) -> None:
     """docs/testing.md: a lost slice not replaced; the job comes back on the host left
     (run_job(hosts=[1])), one process restoring onto its smaller mesh, the lost
     host's data from the copy host 1 held, and ends where a reference run ends."""
     script = tmp_path / "job.py"
     script.write_text(doc_script())
     with local_cluster(slices=2, hosts_per_slice=1,
-                       base=Path("/dev/shm") / tmp_path.name) as cluster:
+                       base=shm_base) as cluster:
         first = cluster.run_job([str(script), "20"])
         assert [said(r.stdout)[-1].split()[:2] for r in first] == [["done", "20"]] * 2
         cluster.wait_replicated(20, timeout=30)
@@ -154,7 +154,7 @@ def test_a_job_comes_back_on_fewer_hosts_as_the_page_says(tmp_path: Path) -> Non
 
 
 def test_a_job_restarted_with_a_replicator_dead_names_it_in_every_process(
-        tmp_path: Path) -> None:
+        tmp_path: Path, shm_base: Path) -> None:
     """Issue 68, item 6: 4 processes, rank 1's replicator dead at the restart. Every
     process fails with a typed AgreementError naming rank 1's replicator and its
     address; none names rank 0, which asked."""
@@ -168,7 +168,7 @@ def test_a_job_restarted_with_a_replicator_dead_names_it_in_every_process(
                                            "join_job(save_interval_steps=10, "
                                            "restore_timeout_s=10)"))
     with local_cluster(slices=2, hosts_per_slice=2,
-                       base=Path("/dev/shm") / tmp_path.name) as cluster:
+                       base=shm_base) as cluster:
         cluster.run_job([str(script), "20"])
         cluster.wait_replicated(20, timeout=30)
         cluster.kill_replicator(1)
