@@ -6,7 +6,6 @@ raises a save's failure; the failure is then cleared, as Orbax's."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import mtc
 from mtc.sidecar.save import agent as agent_mod
 from mtc.sidecar.save import write as write_mod
+from mtc.testing.waits import wait_until
 
 
 def state(mesh: Mesh) -> dict[str, Any]:
@@ -109,10 +109,7 @@ def test_a_failed_save_is_raised_by_the_next_save_once(
     with manager(ramdisk, mesh) as mgr:
         assert mgr.save(0, state(mesh))
         agent = mgr._dispatch.agent  # type: ignore[attr-defined]  # the local hosts
-        deadline = time.monotonic() + 30
-        while agent.in_flight():  # the save's failure is in
-            assert time.monotonic() < deadline, "the failing save never finished"
-            time.sleep(0.01)
+        wait_until("the failing save finished", lambda: not agent.in_flight())
         with pytest.raises(mtc.MtcError, match="injected write failure"):
             mgr.save(1, state(mesh))
         monkeypatch.undo()
