@@ -9,6 +9,7 @@ import json
 import struct
 from pathlib import Path
 
+import grpc
 import jax
 import numpy as np
 import pytest
@@ -96,5 +97,9 @@ def test_a_restarted_sidecar_gets_the_programs_with_its_first_calls(
         with pytest.raises((ShardUnavailableError, WorkerLostError)):
             mgr.restore(401, target)
         hosts.start_sidecar(0, SLICES)
+        # The runtime's channel, which found the host dead, reconnects on its own
+        # backoff (0.1 s at first): what this test asks is which programs go with the
+        # next calls, not how soon the channel is back.
+        grpc.channel_ready_future(runtime._channels[0]).result(timeout=30)
         save_and_restore(402)
         assert unknown and not any(unknown), unknown

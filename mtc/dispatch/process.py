@@ -76,8 +76,15 @@ def channels(sidecars: dict[int, Sidecar], method: str, creds: Credentials | Non
              ) -> tuple[dict[int, grpc.Channel], dict[int, Any]]:
     """A channel to each host's sidecar, and a raw-bytes stub of ``method`` on it that
     presents ``creds`` (the replicators' token, or this process's certificate)."""
+    # A sidecar restarted on its host serves again within a second or two; with
+    # gRPC's default reconnect backoff (1 s, growing to 2 min) a channel that found it
+    # dead kept failing calls at once with the old "connection refused" for seconds
+    # after it served again. Retried every 0.1 s at first, at most every 2 s.
     opts = [("grpc.max_send_message_length", MAX_MESSAGE),
-            ("grpc.max_receive_message_length", MAX_MESSAGE)]
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000)]
     cc = creds.channel_credentials() if creds is not None else None
     chans = {h: grpc.secure_channel(s.address, cc, options=opts) if cc else
              grpc.insecure_channel(s.address, options=opts) for h, s in sidecars.items()}
