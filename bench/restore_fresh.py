@@ -128,10 +128,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="restore: whose restore is timed (one a process: the first)")
     p.add_argument("--profile", type=Path, default=None,
                    help="restore: write the timed restore's profile (cProfile, text) here")
+    p.add_argument("--read-threads", type=int, default=None,
+                   help="restore: threads reading and verifying shards (default: "
+                        "mtc.sidecar.restore.load.READ_THREADS)")
     a = p.parse_args(argv)
+    if a.read_threads is not None:
+        from mtc.sidecar.restore import load
+
+        load.READ_THREADS = a.read_threads
     logging.getLogger("absl").setLevel(logging.ERROR)
     a.dir.mkdir(parents=True, exist_ok=True)
     got = save(a.dir, a.gib) if a.phase == "save" else restore(a.dir, tuple(a.dispatch), a.profile)
+    if a.phase == "restore":
+        from mtc.sidecar.restore import load
+
+        got["read_threads"] = load.READ_THREADS
     print(json.dumps(got if a.phase == "restore" else {"saved": str(a.dir)}, indent=2))
     return 0
 

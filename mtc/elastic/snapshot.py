@@ -28,7 +28,8 @@ thread (the training loop) calls every method. A snapshot replaced in host
 memory that came from an accelerator is released on a thread of the
 snapshotter's own (started with the first, joined by :meth:`Snapshotter.close`
 with the fetch thread): on a TPU v5e host freeing 1 GiB of pinned host memory
-took 0.3 to 0.55 s, which the loop would wait for.
+took 0.3 to 0.55 s, which the loop would wait for. It frees one buffer at a time
+and gives the interpreter up between two (:func:`_drop`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ from mtc.save.device_copy import DeviceCopier, on_accelerator
 
 if TYPE_CHECKING:
     from mtc.manager import CheckpointManager
+
+# How a replaced snapshot is freed (_drop): bursts of at most this many bytes, this
+# far apart; 6.4 GB/s at most, faster than any device-to-host link brings the
+# next snapshot, so releases never queue up behind each other.
+RELEASE_BYTES = 64 << 20
+RELEASE_GAP_S = 0.01
 
 log = logging.getLogger("mtc.elastic")
 
@@ -186,10 +193,12 @@ class Snapshotter:
 
     def _hold_in_numpy(self, step: int, treedef: Any, leaves: list[Any],
                        source: Sequence[jax.Array], owned: frozenset[int], *,
-                       moved: bool) -> None:
+                       moved: bool, ready_first: bool = False) -> None:
         """Hold a snapshot kept in numpy: ``source[i]`` for i in ``owned`` is a copy
         no step donates, fetched on the fetch thread; every other array is the
-        caller's own, which the next step may donate, fetched now."""
+        caller's own, which the next step may donate, fetched now. ``ready_first``:
+        the fetch thread issues its transfers once the copies are computed
+        (:func:`host_copy.fetch`)."""
         now = [i for i in range(len(source)) if i not in owned]
         direct = dict(zip(now, host_copy.fetch([source[i] for i in now]), strict=True))
         later = sorted(owned)
@@ -197,7 +206,8 @@ class Snapshotter:
             self._fetches = ThreadPool(1, "mtc-snapshot-fetch")
         mine = [source[i] for i in later]
         fetched: Future[dict[int, host_copy.Pieces]] = self._fetches.submit(
-            lambda: {**direct, **dict(zip(later, self._fetch_pieces(mine), strict=True))})
+            lambda: {**direct, **dict(zip(later, self._fetch_pieces(
+                mine, ready_first=ready_first), strict=True))})
         # Placeholders (no ``whole``, no ``host``) until the fetch lands: _settle
         # fills them in.
         shapes = iter(source)
@@ -232,7 +242,7 @@ class Snapshotter:
         if moving and self._in_numpy(copies):
             # The step's own copies: no step donates them, all fetched on the thread.
             self._hold_in_numpy(step, treedef, leaves, copies, frozenset(range(len(copies))),
-                                moved=True)
+                                moved=True, ready_first=True)
             return
         if moving:
             copies = list(jax.device_put(copies, [to_host_sharding(c.sharding) for c in copies],
@@ -318,7 +328,7 @@ class Snapshotter:
     def _promote(self, done: Taken) -> None:
         old, self._latest = self._latest, done
         if old is not None and old.moved:
-            self._release(old)
+            self._release([old])
         del old
 
     def settle(self) -> None:
@@ -334,11 +344,13 @@ class Snapshotter:
         """Wait for the save in flight, if any."""
         self._settle(wait=True)
 
-    def _release(self, old: Taken) -> None:
-        """Drop ``old``'s buffers on the release thread, not the loop's."""
+    def _release(self, holder: list[Taken]) -> None:
+        """Drop the buffers of the snapshot in ``holder`` on the release thread, not
+        the loop's (in a list the thread empties: the task's arguments stay
+        referenced until it returns, and with them every buffer at once)."""
         if self._releases is None:
             self._releases = ThreadPool(1, "mtc-snapshot-release")
-        self._releases.submit(_drop, old)
+        self._releases.submit(_drop, holder)
 
     def close(self) -> None:
         """Join the release thread (the snapshots stay loadable)."""
@@ -460,6 +472,26 @@ class Snapshotter:
         return step, self.manager.restore(step, abstract_state)
 
 
-def _drop(old: Taken) -> None:
-    """Nothing: the release thread drops the last reference to ``old`` on return."""
-    del old
+def _drop(holder: list[Taken]) -> None:
+    """Free the buffers of the snapshot in ``holder`` in bursts of at most
+    :data:`RELEASE_BYTES`, :data:`RELEASE_GAP_S` apart. Freeing a buffer holds the
+    GIL for as long as the system takes to unmap it, and a release starts when the
+    loop's thread is busiest (in :meth:`Snapshotter.save`, then dispatching its
+    step). On a TPU v5e host (gVisor, 2026-12-07, ``bench/probe_snapshot_cost.py``,
+    a 1.6 GB snapshot in 64 MiB buffers beside a 0.63 s step): freed at once, the
+    loop's thread lost 75 ms a snapshot, in ``save``; one buffer at a time with
+    only a yield between them, 48 ms, in the step's dispatch. Spread out, a free
+    rarely meets the few milliseconds the loop's thread holds the GIL a step, as
+    a save's buffers, freed by its writer as each is written, do not."""
+    old = holder.pop()
+    arrays = [leaf for leaf in old.leaves if isinstance(leaf, Shards)]
+    buffers: list[Any] = [x for a in arrays for _, x in a.host or ()]
+    buffers += [a.whole for a in arrays if a.whole is not None]
+    del old, arrays
+    while buffers:
+        freed = 0
+        while buffers and freed < RELEASE_BYTES:
+            freed += int(getattr(buffers[-1], "nbytes", 0))
+            buffers.pop()  # the last reference, unless a load still holds it
+        if buffers:
+            time.sleep(RELEASE_GAP_S)

@@ -46,13 +46,15 @@ import numpy as np
 log = logging.getLogger("mtc.manager")
 
 # The share of a device's memory left free by the automatic budget beside what
-# the job has ever used at its peak (a step's temporaries included) and the copies
-# alive: a margin for the allocator's fragmentation, not for the step (whose peak is
-# measured). 2% is 338 MB on a TPU v5e, five 64 MiB buffers; measured there
-# (2026-12-07, a chip 88% full at the step's peak, a 1.6 GB state copied whole beside
-# a matmul step, saves and snapshots back to back, 11 cases): no allocation failed.
-# 5% before left that state 0.46 GB short, which the save then waited to transfer.
-HEADROOM = 0.02
+# the job has ever used at its peak (a step's temporaries and its programs'
+# reservations included) and the copies alive: a margin for the allocator's
+# fragmentation and for what the platform does not report. 5% is 845 MB on a TPU
+# v5e. 2% (338 MB) fitted a 1.6 GB state whole beside a matmul step on a chip 88%
+# full in 11 cases (2026-12-07), then the same day a split step's gradient program,
+# loaded again once a snapshot's copy took the room, asked for 769 MB "at the
+# bottom of memory" with 424 MB free and the job died (RESOURCE_EXHAUSTED,
+# bench/probe_snapshot_cost.py --kind split): a slower save beats a dead step.
+HEADROOM = 0.05
 
 
 def on_accelerator(x: Any) -> bool:
@@ -79,8 +81,10 @@ def bytes_per_device(arrays: Sequence[jax.Array]) -> dict[int, int]:
 
 
 def memory_of(device: Any) -> tuple[int, int] | None:
-    """(bytes_limit, the job's peak use) as the platform reports them; None where
-    it reports no statistics."""
+    """(bytes_limit, the job's peak use) as the platform reports them: the peak of
+    its buffers and, where the platform reports it, the peak it reserved for
+    programs (a TPU loads a program's working memory apart from its buffers, and
+    loads it again after making room); None where it reports no statistics."""
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - platforms without statistics raise anything
@@ -88,7 +92,8 @@ def memory_of(device: Any) -> tuple[int, int] | None:
     if not stats or "bytes_limit" not in stats:
         return None
     return (int(stats["bytes_limit"]),
-            int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))))
+            int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
+            + int(stats.get("peak_bytes_reserved", 0)))
 
 
 def free_at_peak(device: Any) -> int | None:
