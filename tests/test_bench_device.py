@@ -83,4 +83,3 @@ def test_restore_in_a_new_process_checks_values_against_device_put_and_orbax(
     assert got["restore_new_process_over_device_put_local"] > 0
     assert got["restore_new_process_over_orbax_local"] > 0
     assert set(got["seconds"]) == {"local", "device_put", "orbax"}
-
