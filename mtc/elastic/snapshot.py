@@ -28,8 +28,8 @@ thread (the training loop) calls every method. A snapshot replaced in host
 memory that came from an accelerator is released on a thread of the
 snapshotter's own (started with the first, joined by :meth:`Snapshotter.close`
 with the fetch thread): on a TPU v5e host freeing 1 GiB of pinned host memory
-took 0.3 to 0.55 s, which the loop would wait for. It frees one buffer at a time
-and gives the interpreter up between two (:func:`_drop`).
+took 0.3 to 0.55 s, which the loop would wait for. It frees in bursts spread
+out in time, since freeing holds the GIL (:func:`_drop`).
 """
 
 from __future__ import annotations
