@@ -25,6 +25,7 @@ from mtc.ports import free_ports
 from mtc.proto import replicator_pb2 as pb
 from mtc.sidecar.replicator.wire.client import PeerClient
 from mtc.testing.isolation import Hosts
+from mtc.testing.replicas import HostReplicators
 from mtc.testing.waits import wait_until
 
 pytestmark = pytest.mark.process  # every test here starts processes
@@ -82,16 +83,16 @@ def test_restore_after_host_lost_names_the_host(hosts: Hosts, mesh: Mesh,
             assert mgr.all_steps() == [1]  # a private folder survives its processes
 
 
-class Replicators:
+class Replicators(HostReplicators):
     """A replicator per host, each in its host's namespaces (it sees its RAM disk
-    only, and its peers over the bridge, with a token)."""
+    only, and its peers over the bridge, with a token); the harness's waits."""
 
     def __init__(self, hosts: Hosts, *, quiet_s: float = 2.0) -> None:
-        self.hosts = hosts
+        ports = [7000] * 4 if hosts.isolation == "namespaces" else free_ports(4)
+        super().__init__(hosts, [hosts.replicator_address(i, ports[i]) for i in range(4)],
+                         per_slice=2)
         self.quiet_s = quiet_s  # --restore-quiet-seconds
         self.env = env_with_repo()
-        ports = [7000] * 4 if hosts.isolation == "namespaces" else free_ports(4)
-        self.addrs = [hosts.replicator_address(i, ports[i]) for i in range(4)]
         procs = [self.launch(i) for i in range(4)]  # all at once, as a job's hosts start
         for i, proc in enumerate(procs):
             self.wait_serving(i, proc)
@@ -116,15 +117,7 @@ class Replicators:
                      replicator_token=self.hosts.token(), restore_timeout_s=30.0, **kw)
 
     def wait_for_copy(self, holder: int, origin: int, step: int) -> None:
-        client = PeerClient(self.addrs[holder], Credentials(token=self.hosts.token()),
-                            rank=-1, deadline_s=5.0)
-        try:
-            wait_until(f"host {origin}'s step {step} on host {holder}", lambda: any(
-                c.origin_rank == origin and c.step == step
-                for c in client.call("GetInventory", pb.InventoryRequest(), attempts=1).copies),
-                60.0, detail=lambda: self.hosts.log_tail(holder, "replicator"))
-        finally:
-            client.close()
+        self.wait_held({(holder, origin, step)})
 
     def replace(self, i: int) -> None:
         """Lose host ``i`` (SIGKILL) and start it again with an empty RAM disk."""
