@@ -80,6 +80,10 @@ class ThreadPool(Executor):
                 self._start_one()
         return fut
 
+    def queued(self) -> int:
+        """Tasks submitted and not yet taken by a thread (approximate: for pacing)."""
+        return self._work.qsize()
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:
             if self._closed:

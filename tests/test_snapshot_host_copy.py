@@ -202,6 +202,16 @@ def test_a_replaced_snapshot_is_freed_in_bounded_bursts(monkeypatch: pytest.Monk
     assert at_pause == [7, 4, 1]  # three buffers freed a burst, a pause between two
     assert not any(r() is not None for r in alive)
 
+    # Behind another release waiting its turn: no pause, so releases never pile up.
+    more = [np.ones(mib // 8) for _ in range(4)]
+    alive = [weakref.ref(b) for b in more]
+    holder = [Taken(4, None, tuple(Shards((mib // 8,), np.float64, None, host=((index, b),))
+                                   for b in more), (None,) * 4, True, 0.0)]
+    del more
+    at_pause.clear()
+    snapshot._drop(holder, lambda: 1)
+    assert at_pause == [] and not any(r() is not None for r in alive)
+
 
 def test_a_compiled_steps_copies_are_fetched_once_computed(
         mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,7 @@ import copy
 import dataclasses
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     from mtc.manager import CheckpointManager
 
 # How a replaced snapshot is freed (_drop): bursts of at most this many bytes, this
-# far apart; 6.4 GB/s at most, faster than any device-to-host link brings the
-# next snapshot, so releases never queue up behind each other.
+# far apart (6.4 GB/s), and without pauses while another release waits behind it,
+# so that releases never pile up (each holds a snapshot's host memory).
 RELEASE_BYTES = 64 << 20
 RELEASE_GAP_S = 0.01
 
@@ -350,7 +350,7 @@ class Snapshotter:
         referenced until it returns, and with them every buffer at once)."""
         if self._releases is None:
             self._releases = ThreadPool(1, "mtc-snapshot-release")
-        self._releases.submit(_drop, holder)
+        self._releases.submit(_drop, holder, self._releases.queued)
 
     def close(self) -> None:
         """Join the release thread (the snapshots stay loadable)."""
@@ -472,9 +472,10 @@ class Snapshotter:
         return step, self.manager.restore(step, abstract_state)
 
 
-def _drop(holder: list[Taken]) -> None:
+def _drop(holder: list[Taken], behind: Callable[[], int] = lambda: 0) -> None:
     """Free the buffers of the snapshot in ``holder`` in bursts of at most
-    :data:`RELEASE_BYTES`, :data:`RELEASE_GAP_S` apart. Freeing a buffer holds the
+    :data:`RELEASE_BYTES`, :data:`RELEASE_GAP_S` apart, with no pause while
+    ``behind()`` (releases waiting their turn) is not 0. Freeing a buffer holds the
     GIL for as long as the system takes to unmap it, and a release starts when the
     loop's thread is busiest (in :meth:`Snapshotter.save`, then dispatching its
     step). On a TPU v5e host (gVisor, 2026-12-07, ``bench/probe_snapshot_cost.py``,
@@ -493,5 +494,5 @@ def _drop(holder: list[Taken]) -> None:
         while buffers and freed < RELEASE_BYTES:
             freed += int(getattr(buffers[-1], "nbytes", 0))
             buffers.pop()  # the last reference, unless a load still holds it
-        if buffers:
+        if buffers and not behind():
             time.sleep(RELEASE_GAP_S)
