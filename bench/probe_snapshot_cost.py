@@ -275,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             act, snap = snap_case(0.05 if name == "snap_paced" else 1.0, ahead)
             drop = snapshot._drop
             if name == "snap_free_at_once":
-                snapshot._drop = lambda holder: holder.clear()
+                def at_once(holder: list[Any], behind: Any = None) -> None:
+                    holder.clear()
+                snapshot._drop = at_once
             elif name == "snap_one_at_a_time":
                 gap = snapshot.RELEASE_BYTES
                 snapshot.RELEASE_BYTES = 1
