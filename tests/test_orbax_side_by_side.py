@@ -1,5 +1,5 @@
 """An Orbax user's habits, each run against both libraries in one test (the cases:
-tests/orbax_habits.py, steps; tests/orbax_habits_items.py, items and metadata).
+tests/side_by_side_steps.py, steps; tests/side_by_side_items.py, items and metadata).
 
 Every case is one function of a manager factory: it makes the calls an Orbax
 user makes and returns what they saw (values and type names). The same case runs
@@ -19,24 +19,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh
-from orbax_habits import (
-    Make,
-    best_step,
-    delete_and_reload,
-    keep_time_interval_on_the_clock_orbax_reads,
-    read_only_save_and_delete,
-    reopened_manager,
-    retention_and_keep_period,
-    rollback,
-    save_on_preemption,
-    save_rules,
-    save_schedule_options,
-    second_manager_in_process,
-    state,
-    steps_right_after_an_async_save,
-    values,
-)
-from orbax_habits_items import (
+from side_by_side_items import (
     a_target_leaving_out_saved_leaves,
     array_items,
     composite_without_args,
@@ -52,6 +35,23 @@ from orbax_habits_items import (
     root_and_step_metadata,
     root_metadata_not_kept,
     step_statistics_to_the_logger,
+)
+from side_by_side_steps import (
+    Make,
+    best_step,
+    delete_and_reload,
+    keep_time_interval_on_the_clock_orbax_reads,
+    read_only_save_and_delete,
+    reopened_manager,
+    retention_and_keep_period,
+    rollback,
+    save_on_preemption,
+    save_rules,
+    save_schedule_options,
+    second_manager_in_process,
+    state,
+    steps_right_after_an_async_save,
+    values,
 )
 
 import mtc

@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from orbax_habits import Make, kind, state, values
+from side_by_side_steps import Make, kind, state, values
 
 
 def composite_without_args(make: Make, mesh: Mesh) -> list[Any]:
