@@ -14,13 +14,9 @@ OLD := .venv-oldest
 OLD_STAMP := $(OLD)/.installed
 # Tests that start processes carry this marker (tests/conftest.py); the fast lane skips them.
 FAST := -m "not process"
-# The parts the process lane is run in at once (test-process), and the lanes `make
-# test` runs at once.
-PARTS := 3
-PROCESS_PARTS := test-process-1 test-process-2 test-process-3
 
 .PHONY: all venv venv-oldest demo demo-crash cluster-up cluster-down test test-fast test-oldest lint \
-	typecheck test-process test-process-1 test-process-2 test-process-3 test-durations proto bench bench-goodput \
+	typecheck test-process test-process-1 test-process-2 test-durations proto bench bench-goodput \
 	bench-device \
 	fuzz chaos clean
 
@@ -64,35 +60,33 @@ cluster-down: $(STAMP)
 
 # The whole suite on the newest stack and the fast lane on the oldest pair. Both
 # virtualenvs are made side by side first (a minute, not two, on a fresh machine);
-# then every lane, three at a time, with no barrier between them: both fast lanes,
-# the checks, and the three parts of the tests that start processes (test-process),
-# each part starting as soon as a slot is free. The parts take files as they go (the
-# longest first), so a part that starts late takes fewer and all end within a file
+# then every lane, two at a time, with no barrier between them: both fast lanes, the
+# checks, and the two parts of the tests that start processes (test-process), each
+# part starting as soon as a slot is free. The parts take files as they go (the
+# longest first), so a part that starts late takes fewer and both end within a file
 # of each other: no core waits for the slower fast lane before the process lane starts.
-# Three, on two cores: the fast lanes use a core each, but the process parts wait on
-# their processes for much of their time (two parts left a third of both cores idle).
 test:
 	$(MAKE) --no-print-directory -j2 venv venv-oldest
 	claims=$$(mktemp -d -t mtc-claims.XXXXXX) && trap 'rm -rf "$$claims"' EXIT && \
-	$(MAKE) --no-print-directory -j$(PARTS) --output-sync=target LANE_CLAIMS="$$claims" \
-	  test-fast test-oldest lint typecheck $(PROCESS_PARTS)
+	$(MAKE) --no-print-directory -j2 --output-sync=target LANE_CLAIMS="$$claims" \
+	  test-fast test-oldest lint typecheck test-process-1 test-process-2
 
-# The tests that start processes, in three parts at once: most of such a test's time
-# is waiting on its processes, so the parts fill each other's waits. The parts take
-# whole files as they go, the longest first (by tests/process_durations.json), each
-# claiming the next file no part has claimed in a folder made for this run (--claims:
-# see tests/lane_parts.py), so a file that ran long leaves the other parts the rest.
-# `make test-process-1` alone (no LANE_CLAIMS) runs part 1 of the fixed deal instead
-# (--shard 1/3). `make test-durations` runs them one after the other and records what
-# each file took.
+# The tests that start processes, in two parts at once: most of such a test's time is
+# waiting on its processes, so two parts take about two thirds of the time of one
+# lane. The parts take whole files as they go, the longest first (by
+# tests/process_durations.json), each claiming the next file no part has claimed in a
+# folder made for this run (--claims: see tests/lane_parts.py), so a file that ran
+# long leaves the other part the rest. `make test-process-1` alone (no LANE_CLAIMS) runs
+# part 1 of the fixed deal instead (--shard 1/2). `make test-durations` runs them one
+# after the other and records what each file took.
 test-process: $(STAMP)
 	claims=$$(mktemp -d -t mtc-claims.XXXXXX) && trap 'rm -rf "$$claims"' EXIT && \
-	$(MAKE) --no-print-directory -j$(PARTS) --output-sync=target LANE_CLAIMS="$$claims" \
-	  $(PROCESS_PARTS)
+	$(MAKE) --no-print-directory -j2 --output-sync=target LANE_CLAIMS="$$claims" \
+	  test-process-1 test-process-2
 
-$(PROCESS_PARTS): test-process-%: $(STAMP)
+test-process-1 test-process-2: test-process-%: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m process \
-	  $(if $(LANE_CLAIMS),--claims=$(LANE_CLAIMS),--shard $*/$(PARTS)) --durations=10
+	  $(if $(LANE_CLAIMS),--claims=$(LANE_CLAIMS),--shard $*/2) --durations=10
 
 test-durations: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m process --durations-out tests/process_durations.json
