@@ -15,6 +15,14 @@ from xla_flags import without_fast_compile
 
 REPO = Path(__file__).resolve().parents[1]
 PAUSE_S = 60.0  # the pause for a lost host's replacement (the demo's default is 10)
+# Both tests' failures: host 1 lost mid-save of step 15 (saves every 5), slice 1 lost
+# at step 25 and sent back after 4 steps on one slice; were its replacement slower
+# than the steps left, the last step waits for it (so the scale-up always lands).
+# 40 steps, not more: each is run twice (the reference), on 8 CPU devices, and the
+# trainer's steps were most of these tests' CPU.
+STEPS, SLICE_LOSS_AT = 40, 25
+SCHEDULE = ("--steps", str(STEPS), "--host-loss-at", "15", "--host-loss-when", "mid-save",
+            "--slice-loss-at", str(SLICE_LOSS_AT), "--slice-down-steps", "4")
 
 
 # About 60 s on an idle 2-core machine; the limits leave room for a busy CI runner.
@@ -23,11 +31,7 @@ PAUSE_S = 60.0  # the pause for a lost host's replacement (the demo's default is
 def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
         tmp_path: Path, ramdisk: Path) -> None:
     out = tmp_path / "demo"
-    # 50 steps: the slice is back 8 steps after its loss; were its replacement
-    # slower than that, the last step waits for it (so the scale-up always lands).
-    report = run_demo(out, ramdisk, "--steps", "50", "--host-loss-at", "15",
-                      "--host-loss-when", "mid-save",
-                      "--slice-loss-at", "30", "--slice-down-steps", "8")
+    report = run_demo(out, ramdisk, *SCHEDULE)
 
     # The CPU devices' buffers come from a pool, as an accelerator's do.
     assert report["config"]["device_memory"] == "pooled"
@@ -36,7 +40,7 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     assert_mid_save_loss_resumed_from_the_snapshot(host)
     assert lost["kind"] == "slice_loss" and lost["tier"] == "memory"
     assert lost["detail"]["slices_after"] == [0]
-    assert lost["steps_lost"] == 0 and lost["resumed_from_step"] == 29
+    assert lost["steps_lost"] == 0 and lost["resumed_from_step"] == SLICE_LOSS_AT - 1
     assert up["kind"] == "scale_up" and up["steps_lost"] == 0
     assert up["detail"]["slices_after"] == [0, 1]
     # The one-slice mesh's step was compiled ahead, in the background, while
@@ -64,7 +68,7 @@ def test_elastic_demo_recovers_and_matches_the_uninterrupted_loss_curve(
     # Pause-and-resume waited for the host to come back (1.5 s after its loss).
     assert host["seconds"]["detect"] + host["seconds"]["wait"] >= 1.5
 
-    assert report["steps_completed"] == 50
+    assert report["steps_completed"] == STEPS
     assert report["loss_matches_reference"] is True
     assert report["loss_max_abs_diff"] <= 1e-6
     assert report["loss_max_abs_diff_replayed_steps_first_run"] <= 1e-6
@@ -103,12 +107,10 @@ def test_without_snapshot_resumes_from_the_ramdisks_never_from_an_unfinished_sav
     peer (the sender died: an unfinished copy never commits); otherwise the newest
     complete step, 10. (With the per-step snapshot: the first test above.)"""
     out = tmp_path / "demo"
-    report = run_demo(out, ramdisk, "--steps", "50", "--host-loss-at", "15",
-                      "--host-loss-when", "mid-save",
-                      "--slice-loss-at", "30", "--slice-down-steps", "8", "--no-snapshot",
+    report = run_demo(out, ramdisk, *SCHEDULE, "--no-snapshot",
                       # Compiling ahead is the first test's: here each mesh's step is
                       # compiled when first needed, none for a mesh never used; two
-                      # programs for 150 steps (reference included), so LLVM's passes pay.
+                      # programs run 80 times (reference included), so LLVM's passes pay.
                       "--compile-ahead", "0", llvm_passes=True)
     host, lost, up = report["failures"]
     d = assert_lost_mid_save(host)
@@ -124,11 +126,13 @@ def test_without_snapshot_resumes_from_the_ramdisks_never_from_an_unfinished_sav
     assert host["steps_lost"] == host["step_at_failure"] - host["resumed_from_step"]
     assert host["tier"] == "peer"  # host 1 is empty: all its shards from its peer
     assert lost["kind"] == "slice_loss" and lost["tier"] == "local"
-    assert lost["step_at_failure"] == 29 and lost["resumed_from_step"] == 25  # saved every 5
+    # Saved every 5: the newest save before the loss.
+    assert lost["step_at_failure"] == SLICE_LOSS_AT - 1
+    assert lost["resumed_from_step"] == SLICE_LOSS_AT - 5
     # Before scaling up, the trainer saved its last step on the one slice.
     assert up["kind"] == "scale_up" and up["tier"] == "local" and up["steps_lost"] == 0
-    assert up["resumed_from_step"] > 30
-    assert report["steps_completed"] == 50
+    assert up["resumed_from_step"] > SLICE_LOSS_AT
+    assert report["steps_completed"] == STEPS
     assert report["loss_matches_reference"] is True
 
 
