@@ -437,3 +437,19 @@ def test_an_older_restore_stops_asking_when_a_newer_one_starts_on_its_host(
                 new.result(timeout=10.0)  # the newer one runs to its own deadline
     finally:
         node.stop()
+
+
+def test_a_member_whose_earlier_ask_lapsed_is_named_not_a_bare_could_not_decide() -> None:
+    """A clean-clone run under load: a partial partition's restore failed with "the
+    coordinator could not decide" (host 2), naming nobody. The cut-off member's ask
+    of the restore before had reached the coordinator in the moment the network
+    healed, and lapsed: asked lately, so never named as absent."""
+    m = Members({r: h((r, 1)) for r in range(4)})
+    c = coordinator(m)
+    with pytest.raises(AgreementError):
+        c.decide_for(3, "before", 0.2)  # its last ask, ending before the next restore
+    errs = ask_all(c, [0, 1, 2], "next", timeout=1.0)
+    assert all(isinstance(e, AgreementError) for e in errs), errs
+    for e in errs:
+        assert "no restore request from rank(s) [3] since their last ended" in str(e), e
+        assert e.host == 3, e  # type: ignore[union-attr]

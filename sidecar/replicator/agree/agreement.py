@@ -42,6 +42,10 @@ PROBE_MARGIN_S = 0.5
 # last call carries only its last seconds, and the coordinator's own ask, made once
 # at the start, would then count as never made.
 ASKED_LATELY_S = 10.0
+# A member whose ask ended less than this before another's deadline ended with it
+# (the same restore's asks share a deadline); one that ended earlier and has not
+# asked again is named when nothing else explains a failed epoch.
+ENDED_TOGETHER_S = 0.5
 
 
 # -- the decider ----------------------------------------------------------------------
@@ -176,6 +180,14 @@ class Coordinator:
                     elif self._deciding:
                         why = f"no inventory yet from rank(s) {list(self.waiting_for)}"
                         failed = self.waiting_for[0] if self.waiting_for else rank
+                    elif lapsed := [m for m in self.members if m != rank and m not in self._asks
+                                    and self._lease_end.get(m, now) < now - ENDED_TOGETHER_S]:
+                        # Asked lately (an earlier restore's ask, let through by a
+                        # network that came back for a moment), not since: the
+                        # member that keeps this epoch from forming.
+                        failed = lapsed[0]
+                        why = (f"no restore request from rank(s) {lapsed} since their last "
+                               f"ended")
                     else:
                         why = self._why or "the coordinator could not decide"
                     raise AgreementError(f"cannot decide the step to restore within "
