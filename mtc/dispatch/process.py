@@ -80,10 +80,15 @@ def channels(sidecars: dict[int, Sidecar], method: str, creds: Credentials | Non
     # gRPC's default reconnect backoff (1 s, growing to 2 min) a channel that found it
     # dead kept failing calls at once with the old "connection refused" for seconds
     # after it served again. Retried every 0.1 s at first, at most every 2 s.
+    # ``min_reconnect_backoff_ms`` is, to gRPC, the least time a connection attempt
+    # is given (20 s by default): at 100 ms, a sidecar on a loaded machine that took
+    # longer to answer its first HTTP/2 frame failed the manager's first call
+    # ("connection attempt timed out before receiving SETTINGS frame", a clean-clone
+    # run, 2026-12-07). 2 s: a host cut off is still told within seconds.
     opts = [("grpc.max_send_message_length", MAX_MESSAGE),
             ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 2000),
             ("grpc.max_reconnect_backoff_ms", 2000)]
     cc = creds.channel_credentials() if creds is not None else None
     chans = {h: grpc.secure_channel(s.address, cc, options=opts) if cc else
