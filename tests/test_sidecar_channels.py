@@ -1,6 +1,7 @@
-"""The controller's channels to the sidecars (mtc.dispatch.process.channels): a
-sidecar slow to answer its first HTTP/2 frame, as one on a loaded machine or just
-started is, is waited for, not failed. gRPC gives a connection attempt no longer
+"""The controller's channels to the sidecars (mtc.dispatch.process.channels) and the
+replicators' channels to their peers (wire.client.CHANNEL_OPTIONS): a server slow
+to answer its first HTTP/2 frame, as one on a loaded machine or just started is,
+is waited for, not failed. gRPC gives a connection attempt no longer
 than ``grpc.min_reconnect_backoff_ms``: at 100 ms, a clean-clone run's manager
 failed its first call to a restarted sidecar ("connection attempt timed out before
 receiving SETTINGS frame"). Here a real gRPC server sits behind a TCP relay that
@@ -12,11 +13,14 @@ import socket
 import time
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pytest
 
 from mtc.dispatch.process import Sidecar, channels
 from mtc.pool import ThreadPool
+from mtc.sidecar.replicator.wire.client import CHANNEL_OPTIONS
 
 METHOD = "/mtc.test.Echo/Echo"
 HOLD_S = 0.5
@@ -36,7 +40,20 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
                 pass
 
 
-def test_a_sidecar_slow_to_answer_its_first_frame_is_waited_for() -> None:
+def _sidecar_channel(address: str) -> tuple[grpc.Channel, Any]:
+    chans, stubs = channels({0: Sidecar(address, Path())}, METHOD)
+    return chans[0], stubs[0]
+
+
+def _peer_channel(address: str) -> tuple[grpc.Channel, Any]:
+    chan = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return chan, chan.unary_unary(METHOD, request_serializer=None,
+                                  response_deserializer=None)
+
+
+@pytest.mark.parametrize("make", [_sidecar_channel, _peer_channel],
+                         ids=["sidecar", "replicator-peer"])
+def test_a_server_slow_to_answer_its_first_frame_is_waited_for(make: Any) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(2))
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "mtc.test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(
@@ -55,13 +72,11 @@ def test_a_sidecar_slow_to_answer_its_first_frame_is_waited_for() -> None:
         _pump(back, conn)
 
     accepted = pool.submit(accept_one)
-    chans, stubs = channels({0: Sidecar(f"127.0.0.1:{relay.getsockname()[1]}", Path())},
-                            METHOD)
+    chan, stub = make(f"127.0.0.1:{relay.getsockname()[1]}")
     try:
-        assert stubs[0](b"hi", timeout=10) == b"echo:hi"
+        assert stub(b"hi", timeout=10) == b"echo:hi"
     finally:
-        for c in chans.values():
-            c.close()
+        chan.close()
         server.stop(None)
         accepted.result(timeout=10)
         pool.shutdown(wait=True)
