@@ -282,11 +282,19 @@ def test_replicators_find_and_heal_silent_damage_before_any_restore(tmp_path: Pa
                      and s.get("mtc_scrub_bytes_total", 0.0) >= read_by[r]]
             assert not blind, f"the scrubs of hosts {blind} read all they hold, found nothing"
 
+        def counted() -> bool:
+            # Host 0 counts a copy sent again once its holder acknowledged it: after
+            # the file is whole there (a clean-clone run under load read it between).
+            s0 = c.scrape(0)
+            return (s0.get("mtc_healed_files_total", 0) >= 1
+                    and s0.get("mtc_steps_copied_again_total{why=lost}", 0) >= 1)
+
         wait_until("the damage found by the scrubs and healed", lambda: whole() and [
-            c.scrape(r).get("mtc_scrub_damaged_files_total", 0) for r in scrubbers] == [1, 1, 1],
+            c.scrape(r).get("mtc_scrub_damaged_files_total", 0) for r in scrubbers] == [1, 1, 1]
+            and counted(),
             60, during=not_blind,
             detail=lambda: ({r: c.scrape(r).get("mtc_scrub_damaged_files_total")
-                             for r in scrubbers}, whole()))
+                             for r in scrubbers}, whole(), counted()))
         # Host 0 fetched its file from its peer (healed); host 3's copy of the newest
         # step came again from its origin, and so did host 2's copy of the older one
         # once the newest was on every peer. Every bad file was kept aside.
