@@ -73,7 +73,7 @@ class Options:
         that copy while the next steps run, so a step that donates the state
         never waits for the transfer. This bounds the copy, per device, in
         bytes. ``None``: the device memory the job has never used at its peak
-        (buffers and what the platform reserved for programs; less 5%, and less
+        (buffers and what the platform reserved for programs; less 2%, and less
         the process's other copies still alive); ``0``: never
         copy (``save`` blocks for the transfer, as it also does, said once, for
         the part of a state that does not fit). CPU devices copy nothing.

@@ -46,15 +46,17 @@ import numpy as np
 log = logging.getLogger("mtc.manager")
 
 # The share of a device's memory left free by the automatic budget beside what
-# the job has ever used at its peak (a step's temporaries and its programs'
-# reservations included) and the copies alive: a margin for the allocator's
-# fragmentation and for what the platform does not report. 5% is 845 MB on a TPU
-# v5e. 2% (338 MB) fitted a 1.6 GB state whole beside a matmul step on a chip 88%
-# full in 11 cases (2026-12-07), then the same day a split step's gradient program,
-# loaded again once a snapshot's copy took the room, asked for 769 MB "at the
-# bottom of memory" with 424 MB free and the job died (RESOURCE_EXHAUSTED,
-# bench/probe_snapshot_cost.py --kind split): a slower save beats a dead step.
-HEADROOM = 0.05
+# the job has ever used at its peak (its buffers, and what the platform reserved
+# for its programs) and the copies alive: a margin for the allocator's
+# fragmentation and for what the platform does not report. 2% is 338 MB on a TPU
+# v5e. A split step's gradient program, loaded again once a snapshot's copy had
+# taken the room, once asked for 769 MB "at the bottom of memory" with 424 MB free
+# and the job died (RESOURCE_EXHAUSTED, 2026-12-07): the budget did not count the
+# programs' reservation then. It does now (``peak_bytes_reserved``, which the TPU
+# reports: bench/probe_transfer_memory.py, 2026-12-08), and a device-to-host
+# transfer takes no device memory there (the same probe: the peak did not move
+# with 512 MiB of transfers under way).
+HEADROOM = 0.02
 
 
 def on_accelerator(x: Any) -> bool:
@@ -111,15 +113,22 @@ def room_beside(limit: int, peak: int) -> int:
 def step_peak(peak: int, last: tuple[int, int] | None) -> int:
     """The job's own peak use on a device, without this copier's copies, from the
     peak the platform reports (which never goes down) and ``last``: (the job's peak
-    before the last copy, that copy's bytes on the device). A copy lives while the
-    next steps run, so the reported peak may count it: a rise of at most the copy's
-    size since it was made is the copy's, and the job's peak is as it was; a larger
-    rise is the job's own, all of it (the safe reading: never a copy the step has
-    no room for)."""
+    before the last copy, the most bytes of copies alive at once since). A copy
+    lives while the next steps run, so the reported peak may count it: up to the
+    copies' bytes of a rise are theirs, and only the rest is the job's.
+
+    Why not all of a larger rise, as before: the peak the budget reads counts what
+    the platform reserved for programs, and a program loaded once a copy has taken
+    the room (the copy's own, or the step's again) reserves a little more, so every
+    rise beside a copy was a little larger than the copy; read as the job's, all of
+    it left no room for any later copy, and on a TPU v5e chip 88% full 3 snapshots
+    of 4 were then read whole from the state, each holding the loop (2026-12-08).
+    The reading is the one a rise within the copies' bytes always had: the copies
+    alive beside the job's peak; :data:`HEADROOM` covers a reading wrong by less."""
     if last is None:
         return peak
     before, copied = last
-    return before if peak - before <= copied else peak
+    return max(before, peak - copied)
 
 
 class Account:
