@@ -408,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the share of device memory the automatic device-copy budget leaves "
                         "free beside the job's peak (default: mtc's, "
                         "mtc.save.device_copy.HEADROOM)")
+    p.add_argument("--kinds", nargs="+", choices=list(model_step.KINDS),
+                   default=list(model_step.KINDS),
+                   help="the model step's kinds (default fused split in_graph); each kind "
+                        "raises the process's peak use, which the copy budget reads, for the "
+                        "cases after it: a job runs one")
     p.add_argument("--no-room", action="store_true",
                    help="the model step on the --fills alone, not also with room")
     p.add_argument("--no-model", action="store_true", help="skip the model step")
@@ -424,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     model = None if args.no_model else {
         "layers": args.model[0], "dim": args.model[1], "batch": args.model[2],
         "fills": [*args.fills, *([] if args.no_room else [None])], "steps": args.model_steps,
-        "lengths": tuple(args.lengths), "snapshot_every": tuple(args.snapshot_every)}
+        "lengths": tuple(args.lengths), "snapshot_every": tuple(args.snapshot_every),
+        "kinds": tuple(args.kinds)}
     if args.rounds < 1 or args.steps < 1 or args.passes < 1 or min(args.gib) <= 0:
         p.error("--rounds, --steps and --passes must be >= 1, sizes > 0")
     return run_in_scratch("mtc-bench-accelerator-", lambda root: run(

@@ -41,6 +41,10 @@ from mtc.save import device_copy
 State = dict[str, Any]
 # A snapshot case's length, in the state's device-to-host times (paced_steps).
 PACED_WINDOW = 40
+# The steps the cases run: ``fused`` (its plain loop always runs: the others'
+# reference), ``split``, ``in_graph`` (``InGraphStep`` over the fused step). A job
+# runs one; the process's peak is the largest of those that ran (--kinds).
+KINDS = ("fused", "split", "in_graph")
 
 
 def model(layers: int, dim: int, batch: int) -> tuple[Callable[..., Any], ...]:
@@ -91,7 +95,8 @@ def _ready(x: Any) -> Any:
 
 def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int,
         root: Path, lengths: tuple[str, ...] = ("long", "short"),
-        snapshot_every: tuple[int, ...] = (1, 20)) -> dict[str, Any]:
+        snapshot_every: tuple[int, ...] = (1, 20), kinds: tuple[str, ...] = KINDS
+        ) -> dict[str, Any]:
     device = jax.devices()[0]
     grads, update, init = model(layers, dim, batch)
 
@@ -137,7 +142,11 @@ def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int
         float(loss)  # the loop logs its loss every step
         return s
 
-    for kind in ("fused", "split"):
+    # The split step is compiled and run only where its cases are: its peak (the
+    # gradient held beside the state) is the job's from then on, and leaves the
+    # fused step's copies no room on a full chip (2026-12-08).
+    stepped = ("fused", "split") if "split" in kinds else ("fused",)
+    for kind in stepped:
         for k in (1, 4):  # compiled
             state = step(kind, state, 0, k, None)
     took = {}
@@ -151,13 +160,13 @@ def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int
     micro = (took[4] - took[1]) / 3 if took[4] > 1.5 * took[1] else took[1]
     get = statistics.median(device_get_s() for _ in range(3))
     k_long = min(256, max(2, math.ceil((1.2 * get - took[1]) / micro) + 1))
-    for kind in ("fused", "split"):
+    for kind in stepped:
         state = step(kind, state, 2, k_long, None)
     stats = device.memory_stats() or {}
     limit = int(stats.get("bytes_limit", 0))
     peak = int(stats.get("peak_bytes_in_use", 0))
     out: dict[str, Any] = {
-        "state_bytes": nbytes, "layers": layers, "dim": dim, "batch": batch,
+        "state_bytes": nbytes, "layers": layers, "dim": dim, "batch": batch, "kinds": list(kinds),
         "device_get_s": round(get, 6), "microbatch_step_s": round(micro, 6),
         "microbatches_long": k_long, "bytes_limit": limit, "step_peak_bytes": peak,
         # Where mtc's Snapshotter keeps its snapshots of this state (mtc.elastic.host_copy).
@@ -180,7 +189,7 @@ def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int
         label = "room" if fill is None else f"fill_{fill:g}"
         log(f"model step, {label}: fill {got_fill:.3f}")
         cases, state = _cases(step, state, {"long": k_long, "short": 1}, lengths, steps,
-                              root / label, get, in_graph, snapshot_every)
+                              root / label, get, in_graph, snapshot_every, kinds)
         out["by_fill"][label] = {"fill": round(got_fill, 3), **cases}
     filler.clear()
     return out
@@ -188,19 +197,20 @@ def run(layers: int, dim: int, batch: int, fills: list[float | None], steps: int
 
 def _cases(step: Callable[..., State], state: State, microbatches: dict[str, int],
            lengths: tuple[str, ...], steps: int, root: Path, get: float,
-           in_graph: InGraphStep, snapshot_every: tuple[int, ...]
+           in_graph: InGraphStep, snapshot_every: tuple[int, ...], kinds: tuple[str, ...]
            ) -> tuple[dict[str, Any], State]:
     res: dict[str, Any] = {}
     for length in lengths:
         res[length], state = _one_length(step, state, length, microbatches[length], steps,
-                                         root, get, in_graph, snapshot_every)
+                                         root, get, in_graph, snapshot_every, kinds)
         log(f"  {length}: {res[length]}")
     return res, state
 
 
 def _one_length(step: Callable[..., State], state: State, length: str, k: int, steps: int,
                 root: Path, get: float, in_graph: InGraphStep,
-                snapshot_every: tuple[int, ...]) -> tuple[dict[str, Any], State]:
+                snapshot_every: tuple[int, ...], kinds: tuple[str, ...]
+                ) -> tuple[dict[str, Any], State]:
     import orbax.checkpoint as ocp
     from orbax.checkpoint.experimental.v1.training.pathways import (
         Snapshotter as OrbaxSnapshotter,
@@ -247,7 +257,11 @@ def _one_length(step: Callable[..., State], state: State, length: str, k: int, s
         base = 10_000_000 * (length == "short")
         try:
             for kind in ("fused", "split"):
-                loop(f"plain_{kind}", kind, steps, None)
+                if kind == "split" and kind not in kinds:
+                    continue
+                loop(f"plain_{kind}", kind, steps, None)  # in_graph's plain too
+                if kind not in kinds:
+                    continue
                 loop(f"mtc_save_every_50_{kind}", kind, 50, lambda i, s: i % 50 == 1 and
                      mgr.save(base + 1000 * len(times) + i, s, force=True))
                 mgr.wait_until_finished()
@@ -267,30 +281,33 @@ def _one_length(step: Callable[..., State], state: State, length: str, k: int, s
                          kind, paced_steps(kind), ask, snap_age(snap))
                     snap.join()
                     snap.close()
-            loop("orbax_save_every_50_fused", "fused", 50, lambda i, s: i % 50 == 1 and
-                 omgr.save(base + 1000 * len(times) + i, args=ocp.args.StandardSave(s),
-                           force=True))
-            omgr.wait_until_finished()
-            theirs = OrbaxSnapshotter()
-            loop("orbax_snapshot_every_step_fused", "fused", min(steps, 10),
-                 lambda i, s: theirs.save(i, s))
-            theirs.join()
-            # Last: its outputs' shardings are the compiler's, not named ones. Both
-            # its programs compiled first, on those shardings too, and a fresh
-            # snapshotter for the case: a compile charged to a snapshot holds the
-            # pacer off for twenty times the compile's time.
-            for _ in range(2):
-                for i in range(2):
-                    state = step("in_graph", state, i, k, None)
+            if "fused" in kinds:
+                loop("orbax_save_every_50_fused", "fused", 50, lambda i, s: i % 50 == 1 and
+                     omgr.save(base + 1000 * len(times) + i, args=ocp.args.StandardSave(s),
+                               force=True))
+                omgr.wait_until_finished()
+                theirs = OrbaxSnapshotter()
+                loop("orbax_snapshot_every_step_fused", "fused", min(steps, 10),
+                     lambda i, s: theirs.save(i, s))
+                theirs.join()
+            if "in_graph" in kinds:
+                # Last: its outputs' shardings are the compiler's, not named ones. Both
+                # its programs compiled first, on those shardings too, and a fresh
+                # snapshotter for the case: a compile charged to a snapshot holds the
+                # pacer off for twenty times the compile's time.
+                for _ in range(2):
+                    for i in range(2):
+                        state = step("in_graph", state, i, k, None)
+                    in_graph.snapshotter.join()
+                in_graph.snapshotter.close()
+                in_graph.snapshotter = Snapshotter()
+                loop("mtc_in_graph_every_step_fused", "in_graph", paced_steps("fused"), None,
+                     snap_age(in_graph.snapshotter))
                 in_graph.snapshotter.join()
-            in_graph.snapshotter.close()
-            in_graph.snapshotter = Snapshotter()
-            loop("mtc_in_graph_every_step_fused", "in_graph", paced_steps("fused"), None,
-                 snap_age(in_graph.snapshotter))
-            in_graph.snapshotter.join()
         finally:
             omgr.close()
-    plain = {kind: statistics.mean(times[f"plain_{kind}"]) for kind in ("fused", "split")}
+    plain = {kind: statistics.mean(times[f"plain_{kind}"]) for kind in ("fused", "split")
+             if f"plain_{kind}" in times}
     copier = mgr._dispatch.copier  # type: ignore[attr-defined]
     r: dict[str, Any] = {"step_s": {n: round(statistics.mean(v), 6)
                                     for n, v in times.items()},
