@@ -73,6 +73,20 @@ def test_accelerator_bench_smoke_has_every_figure_and_checks_values() -> None:
 
 
 @pytest.mark.process
+def test_the_model_steps_kinds_run_alone() -> None:
+    """``--kinds``: a kind not asked for is neither compiled nor run (its peak would be
+    the process's, and the copy budget the next cases read), the fused plain loop
+    always (the others' reference)."""
+    result = _bench("accelerator.py", "--smoke", "--only-model", "--kinds", "in_graph",
+                    "--lengths", "short", "--snapshot-every", "1")
+    model = result["model_step"]
+    assert model["kinds"] == ["in_graph"]
+    (case,) = model["by_fill"].values()
+    assert set(case["short"]["step_s"]) == {"plain_fused", "mtc_in_graph_every_step_fused"}
+    assert case["short"]["mtc_in_graph_every_step_fused_mean_over_plain"] > 0
+
+
+@pytest.mark.process
 def test_restore_in_a_new_process_checks_values_against_device_put_and_orbax(
         tmp_path: Path) -> None:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
