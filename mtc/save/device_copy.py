@@ -117,13 +117,13 @@ def step_peak(peak: int, last: tuple[int, int] | None) -> int:
     lives while the next steps run, so the reported peak may count it: up to the
     copies' bytes of a rise are theirs, and only the rest is the job's.
 
-    Why not all of a larger rise, as before: the peak the budget reads counts what
-    the platform reserved for programs, and a program loaded once a copy has taken
-    the room (the copy's own, or the step's again) reserves a little more, so every
-    rise beside a copy was a little larger than the copy; read as the job's, all of
-    it left no room for any later copy, and on a TPU v5e chip 88% full 3 snapshots
-    of 4 were then read whole from the state, each holding the loop (2026-12-08).
-    The reading is the one a rise within the copies' bytes always had: the copies
+    Why not all of a larger rise, as before: on a TPU v5e chip 88% full the rise
+    beside a snapshot's first copy was larger than the copy (by how much the run
+    did not record; the peak read counts what the platform reserved for programs,
+    and a program loaded once the copy had taken the room reserves its own), and
+    read as the job's, all of it, it left no room for any later copy: 3 snapshots
+    of 4 were read whole from the state, each holding the loop (2026-12-08). The
+    reading is the one a rise within the copies' bytes always had: the copies
     alive beside the job's peak; :data:`HEADROOM` covers a reading wrong by less."""
     if last is None:
         return peak
