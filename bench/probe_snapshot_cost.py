@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         seen: set[int] = set()
         taken = 0
         most = 0
+        before = device.memory_stats() or {}
         for i in range(steps + 2):
             most = max(most, rss_bytes())
             if most > RSS_LIMIT or available_bytes() < AVAILABLE_FLOOR:
@@ -238,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
              "step_max_s": round(max(cols[4]), 5)}
         if ages:
             r["age_over_get"] = round(statistics.median(ages) / get, 3)
+        # What the copy budget reads rose by over the case (mtc.save.device_copy
+        # .memory_of): a rise beyond the copies' bytes leaves later copies less room.
+        after = device.memory_stats() or {}
+        for key in ("peak_bytes_in_use", "peak_bytes_reserved"):
+            if key in after:
+                r[f"{key}_rise"] = int(after[key]) - int(before.get(key, 0))
+        r["job_peak_read"] = dict(device_copy.ACCOUNT.peaks)
         log(f"  {name}: {r}")
         return r
 
